@@ -1,0 +1,146 @@
+"""The one exception tree of Blazar, and what each error means on the wire.
+
+    BlazarError                       any failure Blazar reports to a caller
+    ├── InvalidRequest                the request itself is wrong        INVALID_ARGUMENT
+    │   └── ContextLengthExceeded     prompt + max_tokens > context      INVALID_ARGUMENT
+    ├── ManifestInvalid               a manifest failed validation       INVALID_ARGUMENT
+    ├── ModelNotFound                 no Lane serves that name           NOT_FOUND
+    ├── ObjectNotFound                no such resource in the store      NOT_FOUND
+    ├── Overloaded                    admission refused, retry later     RESOURCE_EXHAUSTED
+    ├── Unavailable                   no ready replica / shutting down   UNAVAILABLE
+    ├── Unauthenticated               missing or wrong API key           UNAUTHENTICATED
+    ├── PermissionDenied              key without access                 PERMISSION_DENIED
+    └── DeadlineExceeded              the caller's deadline passed       DEADLINE_EXCEEDED
+
+Every error carries a gRPC status code name (`code`), a machine-readable `reason`
+(UPPER_SNAKE, as in google.rpc.ErrorInfo) and string `metadata` with the numbers
+behind it. Each boundary translates: the engine and data plane raise these, gRPC
+carries them as status + trailing metadata (`blazar.dataplane.status`), and each HTTP
+dialect renders them in its own envelope. This module is pure: no gRPC import.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+
+class BlazarError(Exception):
+    """Base of every error Blazar reports to a caller."""
+
+    code: ClassVar[str] = "INTERNAL"
+    reason: ClassVar[str] = "INTERNAL"
+
+    def __init__(self, message: str, *, metadata: Mapping[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.metadata: dict[str, str] = dict(metadata or {})
+
+
+class InvalidRequest(BlazarError):
+    code = "INVALID_ARGUMENT"
+    reason = "INVALID_REQUEST"
+
+
+class ContextLengthExceeded(InvalidRequest):
+    reason = "CONTEXT_LENGTH_EXCEEDED"
+
+    @classmethod
+    def of(
+        cls, *, prompt_tokens: int, max_tokens: int, context_length: int
+    ) -> ContextLengthExceeded:
+        return cls(
+            f"This model's context is {context_length} tokens per request, but the request "
+            f"needs {prompt_tokens + max_tokens} ({prompt_tokens} in the prompt and "
+            f"{max_tokens} to generate). Shorten the prompt or lower max_tokens.",
+            metadata={
+                "prompt_tokens": str(prompt_tokens),
+                "max_tokens": str(max_tokens),
+                "context_length": str(context_length),
+            },
+        )
+
+
+@dataclass(frozen=True)
+class FieldError:
+    """One validation problem, located by a dotted path such as `Lane/x: spec.replicas`."""
+
+    path: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.message}"
+
+
+class ManifestInvalid(BlazarError):
+    code = "INVALID_ARGUMENT"
+    reason = "INVALID_MANIFEST"
+
+    def __init__(self, errors: Sequence[FieldError]) -> None:
+        self.errors = tuple(errors)
+        lines = "\n".join(str(e) for e in self.errors)
+        super().__init__(f"{len(self.errors)} error(s) in manifest:\n{lines}")
+
+
+class ModelNotFound(BlazarError):
+    code = "NOT_FOUND"
+    reason = "MODEL_NOT_FOUND"
+
+    @classmethod
+    def of(cls, name: str) -> ModelNotFound:
+        return cls(f"The model '{name}' does not exist.", metadata={"model": name})
+
+
+class ObjectNotFound(BlazarError):
+    code = "NOT_FOUND"
+    reason = "NOT_FOUND"
+
+
+class Overloaded(BlazarError):
+    code = "RESOURCE_EXHAUSTED"
+    reason = "OVERLOADED"
+
+
+class Unavailable(BlazarError):
+    code = "UNAVAILABLE"
+    reason = "UNAVAILABLE"
+
+
+class Unauthenticated(BlazarError):
+    code = "UNAUTHENTICATED"
+    reason = "UNAUTHENTICATED"
+
+
+class PermissionDenied(BlazarError):
+    code = "PERMISSION_DENIED"
+    reason = "PERMISSION_DENIED"
+
+
+class DeadlineExceeded(BlazarError):
+    code = "DEADLINE_EXCEEDED"
+    reason = "DEADLINE_EXCEEDED"
+
+
+_BY_REASON: dict[str, type[BlazarError]] = {
+    cls.reason: cls
+    for cls in (
+        InvalidRequest,
+        ContextLengthExceeded,
+        ModelNotFound,
+        ObjectNotFound,
+        Overloaded,
+        Unavailable,
+        Unauthenticated,
+        PermissionDenied,
+        DeadlineExceeded,
+    )
+}
+
+
+def from_reason(reason: str, message: str, metadata: Mapping[str, str]) -> BlazarError:
+    """Rebuild an error received over the wire; unknown reasons become a BlazarError."""
+    cls = _BY_REASON.get(reason, BlazarError)
+    err = BlazarError.__new__(cls)
+    BlazarError.__init__(err, message, metadata=metadata)
+    return err

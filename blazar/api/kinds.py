@@ -1,0 +1,376 @@
+"""The four resource kinds of `blazar.dev/v1alpha1` and their spec and status schemas.
+
+Spec models reject unknown fields (a typo in a manifest is an error, not a silent
+default); status models ignore them, because status is written by the daemon and a
+newer daemon may know more fields than this code. Also here: kind-name resolution for
+the CLI (`get lanes`, `get slo`), the references each kind makes to others, and the
+duration format used by `idle.sleepAfter`.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime, timedelta
+from enum import StrEnum
+from typing import Annotated, Literal
+
+from pydantic import (
+    AfterValidator,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+from blazar.api import errors
+from blazar.api.meta import API_VERSION, ApiVersion, CamelModel, Condition, ObjectMeta, invalid
+
+
+class Kind(StrEnum):
+    MODEL = "Model"
+    LANE = "Lane"
+    SLO_POLICY = "SLOPolicy"
+    SPEC_PAIR = "SpecPair"
+
+
+# --- durations -------------------------------------------------------------------
+
+_DURATION = re.compile(r"^(?:\d+(?:\.\d+)?(?:ms|s|m|h))+$")
+_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h)")
+_UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_duration(text: str) -> timedelta:
+    """Parse a Go-style duration such as "30s", "10m", "1h30m" or "250ms"."""
+    if text != "0" and not _DURATION.match(text):
+        raise ValueError(f'"{text}" is not a duration: use e.g. "30s", "10m", "1h30m"')
+    seconds = sum(float(n) * _UNIT_SECONDS[u] for n, u in _DURATION_PART.findall(text))
+    return timedelta(seconds=seconds)
+
+
+def _check_duration(text: str) -> str:
+    try:
+        parse_duration(text)
+    except ValueError as exc:
+        raise invalid(str(exc)) from None
+    return text
+
+
+Duration = Annotated[str, AfterValidator(_check_duration)]
+
+
+# --- common status ---------------------------------------------------------------
+
+
+class ObjectStatus(CamelModel):
+    """What every status has; written only by the controller through the store's
+    status path."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    observed_generation: int | None = None
+    conditions: list[Condition] = Field(default_factory=list)
+
+
+# --- Model -----------------------------------------------------------------------
+
+
+class ModelSource(CamelModel):
+    path: str | None = None
+    package: str | None = None
+    url: str | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> ModelSource:
+        given = [v for v in (self.path, self.package, self.url) if v is not None]
+        if len(given) != 1:
+            raise invalid("set exactly one of path, package or url")
+        return self
+
+
+def _check_sha256(value: str) -> str:
+    if not re.fullmatch(r"[0-9a-f]{64}", value):
+        raise invalid("must be 64 lowercase hexadecimal characters")
+    return value
+
+
+class ModelSpec(CamelModel):
+    source: ModelSource
+    sha256: Annotated[str, AfterValidator(_check_sha256)] | None = None
+    chat_template: str | None = None
+    context_length: int | None = Field(default=None, gt=0)
+
+
+class ModelStatus(ObjectStatus):
+    path: str | None = None
+    size_bytes: int | None = None
+    sha256: str | None = None
+    architecture: str | None = None
+    context_length: int | None = None
+    parameters: dict[str, str] = Field(default_factory=dict)
+
+
+# --- Lane ------------------------------------------------------------------------
+
+# The KV cache types llama.cpp accepts (`--cache-type-k/v`).
+KV_CACHE_TYPES = frozenset({"f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"})
+
+
+def _check_cache_type(value: str) -> str:
+    if value not in KV_CACHE_TYPES:
+        raise invalid(
+            f'"{value}" is not a KV cache type; use one of {", ".join(sorted(KV_CACHE_TYPES))}'
+        )
+    return value
+
+
+CacheType = Annotated[str, AfterValidator(_check_cache_type)]
+
+
+class KVCache(CamelModel):
+    type_k: CacheType = "f16"
+    type_v: CacheType = "f16"
+    persist: bool = False
+
+
+class Idle(CamelModel):
+    sleep_after: Duration | None = None
+
+
+class Upstream(CamelModel):
+    url: str
+    api_key_from: str | None = None
+
+
+class LaneSpec(CamelModel):
+    model: str
+    aliases: list[str] = Field(default_factory=list)
+    engine: Literal["llama-cpp", "upstream"] = "llama-cpp"
+    replicas: int = Field(default=1, ge=0)
+    slots: int = Field(default=4, ge=1, le=64)
+    context_per_slot: int = Field(default=2048, ge=64)
+    threads: int | None = Field(default=None, ge=1)
+    gpu_layers: int = Field(default=0, ge=0)
+    kv_cache: KVCache = Field(default_factory=KVCache)
+    speculation: str | None = None
+    slo_policy: str | None = None
+    idle: Idle | None = None
+    # validate_default so the check below also runs when `upstream` is absent.
+    upstream: Upstream | None = Field(default=None, validate_default=True)
+
+    @field_validator("aliases")
+    @classmethod
+    def _distinct_aliases(cls, value: list[str]) -> list[str]:
+        for alias in value:
+            if not alias or alias != alias.strip() or " " in alias:
+                raise invalid(
+                    f'"{alias}" is not a valid alias: use a non-empty name without spaces'
+                )
+        if len(set(value)) != len(value):
+            raise invalid("aliases must be distinct")
+        return value
+
+    @field_validator("upstream")
+    @classmethod
+    def _upstream_needs_url(cls, value: Upstream | None, info: ValidationInfo) -> Upstream | None:
+        # Checked on the field rather than the model so the error points at spec.upstream.
+        if info.data.get("engine") == "upstream" and value is None:
+            raise invalid("engine upstream requires upstream.url")
+        return value
+
+
+class ReplicaStatus(CamelModel):
+    model_config = ConfigDict(extra="ignore")
+
+    index: int
+    pid: int | None = None
+    state: str  # Starting, Ready, Draining, Stopping or Failed
+    socket: str | None = None
+    restarts: int = 0
+    started_at: datetime | None = None
+    last_exit_code: int | None = None
+    message: str = ""
+
+
+class LaneStatus(ObjectStatus):
+    replicas: int = 0
+    ready_replicas: int = 0
+    replica_statuses: list[ReplicaStatus] = Field(default_factory=list)
+
+
+# --- SLOPolicy -------------------------------------------------------------------
+
+
+class Tenant(CamelModel):
+    name: str
+    weight: int = Field(default=1, ge=1)
+
+
+class RateLimit(CamelModel):
+    requests_per_minute: int | None = Field(default=None, gt=0)
+    tokens_per_minute: int | None = Field(default=None, gt=0)
+
+
+class SLOPolicySpec(CamelModel):
+    priority: int = 0
+    ttft_target_ms: int | None = Field(default=None, gt=0)
+    tpot_target_ms: int | None = Field(default=None, gt=0)
+    max_queue_depth: int = Field(default=64, ge=0)
+    max_queue_wait_ms: int | None = Field(default=None, ge=0)
+    on_overload: Literal["reject", "queue"] = "reject"
+    tenants: list[Tenant] = Field(default_factory=list)
+    rate_limit: RateLimit | None = None
+
+    @field_validator("tenants")
+    @classmethod
+    def _distinct_tenants(cls, value: list[Tenant]) -> list[Tenant]:
+        names = [t.name for t in value]
+        if len(set(names)) != len(names):
+            raise invalid("tenant names must be distinct")
+        return value
+
+
+class SLOPolicyStatus(ObjectStatus):
+    pass
+
+
+# --- SpecPair --------------------------------------------------------------------
+
+
+class NgramDraft(CamelModel):
+    kind: Literal["ngram"]
+    ngram_size: int = Field(default=3, ge=1, le=8)
+    max_draft_tokens: int = Field(default=8, ge=1, le=32)
+
+
+class ModelDraft(CamelModel):
+    kind: Literal["model"]
+    model: str
+    max_draft_tokens: int = Field(default=8, ge=1, le=32)
+
+
+class SpecPairSpec(CamelModel):
+    target: str
+    draft: Annotated[NgramDraft | ModelDraft, Field(discriminator="kind")]
+    disable_above_batch: int = Field(default=4, ge=1)
+    min_acceptance_rate: float = Field(default=0.3, ge=0.0, le=1.0)
+
+
+class SpecPairStatus(ObjectStatus):
+    pass
+
+
+# --- the resources ---------------------------------------------------------------
+
+
+class Model(CamelModel):
+    """A GGUF file and where it comes from."""
+
+    api_version: ApiVersion = API_VERSION
+    kind: Literal["Model"] = "Model"
+    metadata: ObjectMeta
+    spec: ModelSpec
+    status: ModelStatus = Field(default_factory=ModelStatus)
+
+
+class Lane(CamelModel):
+    """A served model: engine processes and how requests reach them."""
+
+    api_version: ApiVersion = API_VERSION
+    kind: Literal["Lane"] = "Lane"
+    metadata: ObjectMeta
+    spec: LaneSpec
+    status: LaneStatus = Field(default_factory=LaneStatus)
+
+
+class SLOPolicy(CamelModel):
+    """How requests are admitted and ordered."""
+
+    api_version: ApiVersion = API_VERSION
+    kind: Literal["SLOPolicy"] = "SLOPolicy"
+    metadata: ObjectMeta
+    spec: SLOPolicySpec
+    status: SLOPolicyStatus = Field(default_factory=SLOPolicyStatus)
+
+
+class SpecPair(CamelModel):
+    """Speculative decoding for a target model."""
+
+    api_version: ApiVersion = API_VERSION
+    kind: Literal["SpecPair"] = "SpecPair"
+    metadata: ObjectMeta
+    spec: SpecPairSpec
+    status: SpecPairStatus = Field(default_factory=SpecPairStatus)
+
+
+Resource = Annotated[Model | Lane | SLOPolicy | SpecPair, Field(discriminator="kind")]
+
+KIND_CLASSES: dict[Kind, type[Model | Lane | SLOPolicy | SpecPair]] = {
+    Kind.MODEL: Model,
+    Kind.LANE: Lane,
+    Kind.SLO_POLICY: SLOPolicy,
+    Kind.SPEC_PAIR: SpecPair,
+}
+
+_STATUS_CLASSES: dict[Kind, type[ObjectStatus]] = {
+    Kind.MODEL: ModelStatus,
+    Kind.LANE: LaneStatus,
+    Kind.SLO_POLICY: SLOPolicyStatus,
+    Kind.SPEC_PAIR: SpecPairStatus,
+}
+
+_KIND_NAMES: dict[str, Kind] = {
+    "model": Kind.MODEL,
+    "models": Kind.MODEL,
+    "lane": Kind.LANE,
+    "lanes": Kind.LANE,
+    "slopolicy": Kind.SLO_POLICY,
+    "slopolicies": Kind.SLO_POLICY,
+    "slo": Kind.SLO_POLICY,
+    "specpair": Kind.SPEC_PAIR,
+    "specpairs": Kind.SPEC_PAIR,
+    "sp": Kind.SPEC_PAIR,
+}
+
+
+def resolve_kind(text: str) -> Kind:
+    """Map what a user types (`lanes`, `SLO`, `sp`) to a Kind, as kubectl does."""
+    found = _KIND_NAMES.get(text.strip().lower())
+    if found is None:
+        raise errors.InvalidRequest(
+            f'unknown kind "{text}"; valid kinds are model (models), lane (lanes), '
+            "slopolicy (slopolicies, slo), specpair (specpairs, sp)",
+            metadata={"kind": text},
+        )
+    return found
+
+
+def status_class(kind: Kind) -> type[ObjectStatus]:
+    return _STATUS_CLASSES[kind]
+
+
+def key(resource: Resource) -> tuple[Kind, str]:
+    return Kind(resource.kind), resource.metadata.name
+
+
+def references(resource: Resource) -> list[tuple[str, Kind, str]]:
+    """The objects `resource` names, as (spec field path in camelCase, kind, name).
+
+    An upstream Lane's `model` is the name the remote server knows, not a Model
+    object, so it is not a reference.
+    """
+    refs: list[tuple[str, Kind, str]] = []
+    if isinstance(resource, Lane):
+        spec = resource.spec
+        if spec.engine != "upstream":
+            refs.append(("spec.model", Kind.MODEL, spec.model))
+        if spec.slo_policy is not None:
+            refs.append(("spec.sloPolicy", Kind.SLO_POLICY, spec.slo_policy))
+        if spec.speculation is not None:
+            refs.append(("spec.speculation", Kind.SPEC_PAIR, spec.speculation))
+    elif isinstance(resource, SpecPair):
+        refs.append(("spec.target", Kind.MODEL, resource.spec.target))
+        if isinstance(resource.spec.draft, ModelDraft):
+            refs.append(("spec.draft.model", Kind.MODEL, resource.spec.draft.model))
+    return refs

@@ -1,0 +1,83 @@
+"""What every resource shares: the API version, object metadata and conditions.
+
+`CamelModel` is the base of every API model: snake_case in Python, camelCase on the
+wire (YAML, JSON), unknown fields rejected. Validators here raise
+`PydanticCustomError` so that the message users read has no "Value error," prefix.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime
+from enum import StrEnum
+from typing import Final, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic.alias_generators import to_camel
+from pydantic_core import PydanticCustomError
+
+API_VERSION: Final = "blazar.dev/v1alpha1"
+# The same string as a type: mypy does not accept a constant inside Literal[...].
+ApiVersion = Literal["blazar.dev/v1alpha1"]
+
+_DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+
+
+def invalid(message: str) -> PydanticCustomError:
+    """An error for a validator to raise, reported to the user as exactly `message`."""
+    # PydanticCustomError formats its template with str.format-style `{}` context;
+    # braces in user-supplied text must not be mistaken for placeholders.
+    return PydanticCustomError("value_error", message.replace("{", "{{").replace("}", "}}"))
+
+
+class CamelModel(BaseModel):
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="forbid",
+    )
+
+
+class ObjectMeta(CamelModel):
+    """Identity and bookkeeping. Users write name, labels and annotations; the store
+    sets uid, generation, resourceVersion and creationTimestamp."""
+
+    name: str
+    labels: dict[str, str] = Field(default_factory=dict)
+    annotations: dict[str, str] = Field(default_factory=dict)
+    uid: str | None = None
+    generation: int | None = None
+    resource_version: int | None = None
+    creation_timestamp: datetime | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _dns1123_label(cls, value: str) -> str:
+        if not _DNS1123_LABEL.match(value):
+            raise invalid(
+                f'"{value}" is not a valid name: use 1 to 63 lowercase letters, digits '
+                "and '-', starting and ending with a letter or digit"
+            )
+        return value
+
+
+class ConditionStatus(StrEnum):
+    TRUE = "True"
+    FALSE = "False"
+    UNKNOWN = "Unknown"
+
+
+class Condition(CamelModel):
+    """One observation about an object, Kubernetes style: `reason` is a CamelCase
+    word shown by `get`, `message` a sentence shown by `describe`."""
+
+    # Status is written by the controller and read back from the store; tolerate
+    # fields a newer daemon may have added.
+    model_config = ConfigDict(extra="ignore")
+
+    type: str
+    status: ConditionStatus
+    reason: str
+    message: str
+    last_transition_time: datetime
+    observed_generation: int

@@ -1,0 +1,37 @@
+"""structlog configuration, done once per process.
+
+Human-readable lines on a terminal, one JSON object per line otherwise. Context such
+as `request_id`, `lane` and `reconcile_id` is bound with structlog's contextvars.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import structlog
+
+
+def configure(*, json: bool | None = None, level: str | None = None) -> None:
+    """Configure structlog and the stdlib root logger. `json=None` decides by isatty."""
+    if json is None:
+        json = not sys.stderr.isatty()
+    level_name = (level or os.environ.get("BLAZAR_LOG_LEVEL", "INFO")).upper()
+    numeric = logging.getLevelNamesMapping().get(level_name, logging.INFO)
+    renderer: structlog.typing.Processor = (
+        structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer()
+    )
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(numeric),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=True,
+    )
+    logging.basicConfig(level=max(numeric, logging.WARNING), stream=sys.stderr)

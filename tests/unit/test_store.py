@@ -1,0 +1,442 @@
+"""The Store contract, run against MemoryStore and SQLiteStore alike."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pydantic_core
+import pytest
+
+from blazar.api import conditions, errors, kinds, manifests
+from blazar.api.kinds import Kind
+from blazar.api.meta import ConditionStatus, ObjectMeta
+from blazar.store.base import ApplyAction, ApplyOutcome, Store, WatchEvent, WatchType, decide_apply
+from blazar.store.memory import MemoryStore
+from blazar.store.sqlite import SQLiteStore
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+class Clock:
+    """A clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = T0
+
+    def __call__(self) -> datetime:
+        return self.now
+
+    def tick(self, seconds: float = 1) -> None:
+        self.now += timedelta(seconds=seconds)
+
+
+MakeStore = Callable[..., Store]
+
+
+@pytest.fixture(params=["memory", "sqlite"])
+def make_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[MakeStore]:
+    opened: list[Store] = []
+
+    def make(**kwargs: object) -> Store:
+        store: Store
+        if request.param == "memory":
+            store = MemoryStore(**kwargs)  # type: ignore[arg-type]
+        else:
+            store = SQLiteStore(tmp_path / "state" / "blazar.db", **kwargs)  # type: ignore[arg-type]
+        opened.append(store)
+        return store
+
+    yield make
+    for store in opened:
+        store.close()
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def store(make_store: MakeStore, clock: Clock) -> Store:
+    return make_store(clock=clock)
+
+
+@pytest.fixture
+def seen(store: Store) -> list[WatchEvent]:
+    events: list[WatchEvent] = []
+    store.subscribe(events.append)
+    return events
+
+
+def lane(
+    name: str = "gemma",
+    *,
+    replicas: int = 1,
+    labels: dict[str, str] | None = None,
+    annotations: dict[str, str] | None = None,
+) -> kinds.Lane:
+    return kinds.Lane(
+        metadata=ObjectMeta(name=name, labels=labels or {}, annotations=annotations or {}),
+        spec=kinds.LaneSpec(model="gemma3-270m", replicas=replicas),
+    )
+
+
+def model(name: str = "gemma3-270m", **labels: str) -> kinds.Model:
+    return kinds.Model(
+        metadata=ObjectMeta(name=name, labels=labels),
+        spec=kinds.ModelSpec(source=kinds.ModelSource(path="/m.gguf")),
+    )
+
+
+def ready_status(generation: int = 1) -> kinds.LaneStatus:
+    return kinds.LaneStatus(
+        observed_generation=generation,
+        ready_replicas=1,
+        conditions=conditions.set_condition(
+            [],
+            type="Ready",
+            status=ConditionStatus.TRUE,
+            reason="ReplicasReady",
+            message="1 of 1 replicas ready.",
+            observed_generation=generation,
+            now=T0,
+        ),
+    )
+
+
+def actions(outcomes: list[ApplyOutcome]) -> list[str]:
+    return [o.action for o in outcomes]
+
+
+# --- apply -----------------------------------------------------------------------
+
+
+def test_create_sets_server_metadata(store: Store, seen: list[WatchEvent]) -> None:
+    [outcome] = store.apply_all([lane()])
+    assert outcome.action is ApplyAction.CREATED
+    meta = outcome.object.metadata
+    assert meta.generation == 1
+    assert meta.resource_version == 1 == store.resource_version
+    assert meta.creation_timestamp == T0
+    assert meta.uid and len(meta.uid) == 36
+    assert store.get(Kind.LANE, "gemma") == outcome.object
+    assert [(e.type, e.resource_version) for e in seen] == [(WatchType.ADDED, 1)]
+
+
+def test_configure_and_unchanged(store: Store, clock: Clock, seen: list[WatchEvent]) -> None:
+    [created] = store.apply_all([lane()])
+    clock.tick()
+    assert actions(store.apply_all([lane()])) == [ApplyAction.UNCHANGED]
+    assert store.resource_version == 1
+
+    [spec_change] = store.apply_all([lane(replicas=2)])
+    assert spec_change.action is ApplyAction.CONFIGURED
+    assert (
+        spec_change.object.metadata.generation,
+        spec_change.object.metadata.resource_version,
+    ) == (
+        2,
+        2,
+    )
+    [label_change] = store.apply_all([lane(replicas=2, labels={"team": "a"})])
+    assert label_change.action is ApplyAction.CONFIGURED
+    assert (
+        label_change.object.metadata.generation,
+        label_change.object.metadata.resource_version,
+    ) == (
+        2,
+        3,
+    )
+    [annotation_change] = store.apply_all(
+        [lane(replicas=2, labels={"team": "a"}, annotations={"note": "x"})]
+    )
+    assert annotation_change.object.metadata.generation == 2
+    stored = store.get(Kind.LANE, "gemma")
+    assert stored is not None
+    # Identity and creation time never move.
+    assert stored.metadata.uid == created.object.metadata.uid
+    assert stored.metadata.creation_timestamp == T0
+    assert [e.type for e in seen] == [WatchType.ADDED] + [WatchType.MODIFIED] * 3
+    assert [e.resource_version for e in seen] == [1, 2, 3, 4]
+
+
+def test_apply_ignores_client_server_metadata_and_status(store: Store) -> None:
+    [created] = store.apply_all([lane()])
+    store.update_status(Kind.LANE, "gemma", ready_status())
+    forged = lane(replicas=3).model_copy(
+        update={
+            "metadata": ObjectMeta(name="gemma", uid="forged", generation=40, resource_version=99),
+            "status": kinds.LaneStatus(replicas=7),
+        }
+    )
+    [outcome] = store.apply_all([forged])
+    assert outcome.object.metadata.uid == created.object.metadata.uid
+    assert outcome.object.metadata.generation == 2
+    assert outcome.object.status == ready_status()
+
+
+def test_batch_is_applied_in_order(store: Store, seen: list[WatchEvent]) -> None:
+    outcomes = store.apply_all([model(), lane("a"), lane("a", replicas=2), lane("b")])
+    assert actions(outcomes) == ["created", "created", "configured", "created"]
+    assert [o.object.metadata.resource_version for o in outcomes] == [1, 2, 3, 4]
+    got = store.get(Kind.LANE, "a")
+    assert got is not None and got.metadata.generation == 2
+    assert [e.type for e in seen] == ["ADDED", "ADDED", "MODIFIED", "ADDED"]
+
+
+def test_dry_run_computes_outcomes_and_writes_nothing(store: Store, seen: list[WatchEvent]) -> None:
+    store.apply_all([lane()])
+    seen.clear()
+    outcomes = store.apply_all([lane(replicas=5), lane("new"), model()], dry_run=True)
+    assert actions(outcomes) == ["configured", "created", "created"]
+    assert outcomes[0].object.metadata.generation == 2
+    assert store.resource_version == 1
+    assert seen == []
+    got = store.get(Kind.LANE, "gemma")
+    assert isinstance(got, kinds.Lane) and got.spec.replicas == 1
+    assert [kinds.key(o) for o in store.list()] == [(Kind.LANE, "gemma")]
+
+
+def test_apply_all_is_atomic(store: Store, seen: list[WatchEvent]) -> None:
+    # A spec that cannot be serialised fails the batch before anything is written.
+    broken = kinds.Lane.model_construct(
+        api_version="blazar.dev/v1alpha1",
+        kind="Lane",
+        metadata=ObjectMeta(name="broken"),
+        spec=kinds.LaneSpec.model_construct(model=object()),
+        status=kinds.LaneStatus(),
+    )
+    for dry_run in (False, True):
+        with pytest.raises(pydantic_core.PydanticSerializationError):
+            store.apply_all([model(), broken], dry_run=dry_run)
+    assert store.list() == []
+    assert store.resource_version == 0
+    assert seen == []
+
+
+def test_decide_apply_is_pure() -> None:
+    outcome = decide_apply(lane(), None, now=T0, resource_version=7, uid="u")
+    assert outcome.action is ApplyAction.CREATED
+    assert outcome.object.metadata.uid == "u"
+    again = decide_apply(lane(), outcome.object, now=T0, resource_version=8, uid="v")
+    assert again.action is ApplyAction.UNCHANGED
+    assert again.object is outcome.object
+
+
+# --- status ----------------------------------------------------------------------
+
+
+def test_status_path(store: Store, seen: list[WatchEvent]) -> None:
+    store.apply_all([lane()])
+    updated = store.update_status(Kind.LANE, "gemma", ready_status())
+    assert updated is not None
+    assert isinstance(updated, kinds.Lane)
+    assert updated.status == ready_status()
+    assert (updated.metadata.generation, updated.metadata.resource_version) == (1, 2)
+    assert seen[-1].type is WatchType.MODIFIED and seen[-1].resource_version == 2
+    # Equal status: no write, no event.
+    same = store.update_status(Kind.LANE, "gemma", ready_status())
+    assert same is not None and same.metadata.resource_version == 2
+    assert len(seen) == 2
+    # Spec apply keeps status.
+    [outcome] = store.apply_all([lane(replicas=2)])
+    assert outcome.object.status == ready_status()
+    got = store.get(Kind.LANE, "gemma")
+    assert got is not None and got.status == ready_status()
+
+
+def test_status_of_missing_object_is_none(store: Store, seen: list[WatchEvent]) -> None:
+    assert store.update_status(Kind.LANE, "gone", ready_status()) is None
+    assert seen == []
+    assert store.resource_version == 0
+
+
+def test_status_of_wrong_kind_is_refused(store: Store) -> None:
+    store.apply_all([model()])
+    with pytest.raises(errors.InvalidRequest, match="ModelStatus"):
+        store.update_status(Kind.MODEL, "gemma3-270m", ready_status())
+
+
+# --- read, delete ----------------------------------------------------------------
+
+
+def test_list_sorted_with_label_selector(store: Store) -> None:
+    store.apply_all(
+        [
+            lane("b", labels={"team": "x"}),
+            model("m2", team="x", tier="gold"),
+            lane("a", labels={"team": "y"}),
+            model("m1"),
+        ]
+    )
+    assert [kinds.key(o) for o in store.list()] == [
+        (Kind.LANE, "a"),
+        (Kind.LANE, "b"),
+        (Kind.MODEL, "m1"),
+        (Kind.MODEL, "m2"),
+    ]
+    assert [o.metadata.name for o in store.list(Kind.MODEL)] == ["m1", "m2"]
+    assert [o.metadata.name for o in store.list(labels={"team": "x"})] == ["b", "m2"]
+    assert [o.metadata.name for o in store.list(labels={"team": "x", "tier": "gold"})] == ["m2"]
+    assert store.list(Kind.LANE, labels={"tier": "gold"}) == []
+    assert store.list(Kind.SPEC_PAIR) == []
+    assert store.get(Kind.MODEL, "nope") is None
+
+
+def test_reads_return_copies(store: Store) -> None:
+    store.apply_all([lane(labels={"a": "1"})])
+    got = store.get(Kind.LANE, "gemma")
+    assert got is not None
+    got.metadata.labels["a"] = "changed"
+    again = store.get(Kind.LANE, "gemma")
+    assert again is not None and again.metadata.labels == {"a": "1"}
+
+
+def test_delete(store: Store, seen: list[WatchEvent]) -> None:
+    store.apply_all([lane(), model()])
+    deleted = store.delete(Kind.LANE, "gemma")
+    assert deleted is not None and deleted.metadata.name == "gemma"
+    assert store.get(Kind.LANE, "gemma") is None
+    assert store.delete(Kind.LANE, "gemma") is None
+    assert [(e.type, e.resource_version) for e in seen][-1] == (WatchType.DELETED, 3)
+    assert len(seen) == 3
+    # Re-creating gets a new identity.
+    [again] = store.apply_all([lane()])
+    assert again.action is ApplyAction.CREATED
+    assert again.object.metadata.uid != deleted.metadata.uid
+
+
+# --- watch -----------------------------------------------------------------------
+
+
+def test_unsubscribe_and_failing_callbacks(store: Store) -> None:
+    first: list[WatchEvent] = []
+    last: list[WatchEvent] = []
+
+    def explode(event: WatchEvent) -> None:
+        raise RuntimeError("subscriber bug")
+
+    store.subscribe(first.append)
+    store.subscribe(explode)
+    unsubscribe = store.subscribe(last.append)
+    [outcome] = store.apply_all([lane()])
+    assert outcome.action is ApplyAction.CREATED
+    assert store.get(Kind.LANE, "gemma") is not None
+    assert len(first) == len(last) == 1
+    unsubscribe()
+    unsubscribe()  # idempotent
+    store.apply_all([lane(replicas=2)])
+    assert (len(first), len(last)) == (2, 1)
+
+
+def test_callbacks_may_read_the_store(store: Store) -> None:
+    read: list[int | None] = []
+
+    def on_event(event: WatchEvent) -> None:
+        got = store.get(Kind.LANE, event.object.metadata.name)
+        read.append(got.metadata.resource_version if got else None)
+
+    store.subscribe(on_event)
+    store.apply_all([lane()])
+    store.delete(Kind.LANE, "gemma")
+    assert read == [1, None]
+
+
+def test_concurrent_writers_get_distinct_versions(store: Store) -> None:
+    versions: list[int] = []
+    store.subscribe(lambda e: versions.append(e.resource_version))
+
+    def write(i: int) -> None:
+        for n in range(10):
+            store.apply_all([lane(f"l{i}-{n}")])
+
+    threads = [threading.Thread(target=write, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert versions == list(range(1, 41))
+    assert len(store.list(Kind.LANE)) == 40
+
+
+# --- events ----------------------------------------------------------------------
+
+
+def test_events_order_filter_and_limit(store: Store, clock: Clock) -> None:
+    for i in range(5):
+        clock.tick()
+        store.record_event(
+            kind="Lane", name=f"l{i % 2}", type="Normal", reason="Scaled", message=f"m{i}"
+        )
+    event = store.record_event(
+        kind="Model", name="m", type="Warning", reason="ChecksumMismatch", message="bad"
+    )
+    assert (event.time, event.type) == (T0 + timedelta(seconds=5), "Warning")
+    assert [e.message for e in store.events()] == ["m0", "m1", "m2", "m3", "m4", "bad"]
+    assert [e.message for e in store.events(limit=2)] == ["m4", "bad"]
+    assert [e.message for e in store.events(kind="Lane", name="l0")] == ["m0", "m2", "m4"]
+    assert [e.message for e in store.events(kind="Lane", limit=1)] == ["m4"]
+    assert store.events(limit=0) == []
+    assert store.events()[0].time == T0 + timedelta(seconds=1)
+    with pytest.raises(errors.InvalidRequest):
+        store.record_event(kind="Lane", name="x", type="Error", reason="R", message="m")
+
+
+def test_events_are_pruned_oldest_first(make_store: MakeStore) -> None:
+    store = make_store(max_events=3)
+    for i in range(5):
+        store.record_event(kind="Lane", name="l", type="Normal", reason="R", message=str(i))
+    assert [e.message for e in store.events()] == ["2", "3", "4"]
+
+
+# --- persistence -----------------------------------------------------------------
+
+
+def test_sqlite_survives_reopen(tmp_path: Path, clock: Clock) -> None:
+    path = tmp_path / "deep" / "dir" / "blazar.db"
+    store = SQLiteStore(path, clock=clock)
+    store.apply_all([lane(), model()])
+    store.update_status(Kind.LANE, "gemma", ready_status())
+    store.record_event(kind="Lane", name="gemma", type="Normal", reason="Started", message="ok")
+    store.delete(Kind.MODEL, "gemma3-270m")
+    before = store.list()
+    store.close()
+
+    reopened = SQLiteStore(path, clock=clock)
+    try:
+        assert reopened.list() == before
+        assert reopened.resource_version == 4
+        assert [e.reason for e in reopened.events()] == ["Started"]
+        assert reopened.events()[0].time == T0
+        [outcome] = reopened.apply_all([lane(replicas=3)])
+        assert outcome.object.metadata.resource_version == 5
+        assert outcome.object.metadata.generation == 2
+        assert outcome.object.status == ready_status()
+    finally:
+        reopened.close()
+    with sqlite3.connect(path) as db:
+        assert db.execute("PRAGMA journal_mode").fetchone() == ("wal",)
+        [(data,)] = db.execute("SELECT data FROM objects").fetchall()
+    assert json.loads(data) == manifests.to_dict(outcome.object)
+
+
+def test_sqlite_commit_rolls_back_on_failure(tmp_path: Path) -> None:
+    path = tmp_path / "blazar.db"
+    store = SQLiteStore(path)
+    good = manifests.to_dict(lane("a"))
+    # The second row fails to encode inside the transaction, after the first is written.
+    with pytest.raises(TypeError):
+        store._commit(
+            [(Kind.LANE, "a", good), (Kind.LANE, "b", {"bad": object()})], resource_version=2
+        )
+    assert store.list() == []
+    assert store.resource_version == 0
+    store.close()
+    reopened = SQLiteStore(path)
+    assert (reopened.list(), reopened.resource_version) == ([], 0)
+    reopened.close()
