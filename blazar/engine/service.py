@@ -1,0 +1,223 @@
+"""The `blazar.engine.v1.Engine` servicer: the asyncio side of the worker.
+
+It owns admission (STARTING / READY / DRAINING) and the set of in-flight requests;
+it validates and tokenizes a request, checks that it fits the slot's context before
+any work, hands it to the decode thread and streams the events back as Chunks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from collections.abc import AsyncIterator, Callable
+from enum import StrEnum
+from typing import Any, TypeAlias
+
+import grpc
+import structlog
+
+from blazar._proto.engine.v1 import engine_pb2, engine_pb2_grpc
+from blazar._proto.v1 import inference_pb2
+from blazar.api import errors
+from blazar.engine import loop, sampling, text
+from blazar.rpc import status
+
+log = structlog.get_logger("blazar.engine.service")
+
+DEFAULT_DRAIN_GRACE_SECONDS = 10.0
+
+_FINISH = {
+    loop.FinishReason.STOP: inference_pb2.FINISH_REASON_STOP,
+    loop.FinishReason.LENGTH: inference_pb2.FINISH_REASON_LENGTH,
+    loop.FinishReason.CANCELLED: inference_pb2.FINISH_REASON_CANCELLED,
+}
+
+
+class EngineState(StrEnum):
+    STARTING = "Starting"
+    READY = "Ready"
+    DRAINING = "Draining"
+
+
+_WIRE_STATE = {
+    EngineState.STARTING: engine_pb2.ENGINE_STATE_STARTING,
+    EngineState.READY: engine_pb2.ENGINE_STATE_READY,
+    EngineState.DRAINING: engine_pb2.ENGINE_STATE_DRAINING,
+}
+
+Context: TypeAlias = grpc.aio.ServicerContext[Any, Any]
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class EngineService(engine_pb2_grpc.EngineServicer):
+    def __init__(self, decode: loop.DecodeLoop, *, model_path: str) -> None:
+        self.state = EngineState.STARTING
+        self._decode = decode
+        self._model_path = model_path
+        self._inflight: set[loop.Job] = set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._chat: text.ChatTemplate | None = None
+
+    def mark_ready(self, chat: text.ChatTemplate | None) -> None:
+        """Admit work; `chat` renders conversations (None: Gemma's turn format)."""
+        self._chat = chat
+        if self.state is EngineState.STARTING:
+            self.state = EngineState.READY
+
+    async def drain(self, grace_seconds: float) -> int:
+        """Refuse new work; wait up to the grace for in-flight requests. Returns those left."""
+        self.state = EngineState.DRAINING
+        await self.wait_idle(grace_seconds)
+        return len(self._inflight)
+
+    def cancel_all(self) -> None:
+        for job in self._inflight:
+            job.cancel()
+
+    async def wait_idle(self, timeout: float) -> bool:
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout=timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    # --- RPCs ---
+
+    async def Health(
+        self, request: engine_pb2.HealthRequest, context: Context
+    ) -> engine_pb2.HealthResponse:
+        return engine_pb2.HealthResponse(
+            state=_WIRE_STATE[self.state],
+            slots=[
+                engine_pb2.SlotStatus(index=s.index, busy=s.busy, cached_tokens=s.cached_tokens)
+                for s in self._decode.slots
+            ],
+            memory_bytes=rss_bytes(),
+            context_per_slot=self._decode.context_per_slot,
+            model_path=self._model_path,
+            pid=os.getpid(),
+        )
+
+    async def Drain(
+        self, request: engine_pb2.DrainRequest, context: Context
+    ) -> engine_pb2.DrainResponse:
+        # proto3 cannot tell an unset grace from 0; both mean the default.
+        grace = request.grace_seconds if request.grace_seconds > 0 else None
+        abandoned = await self.drain(grace or DEFAULT_DRAIN_GRACE_SECONDS)
+        log.info("drained", abandoned=abandoned)
+        return engine_pb2.DrainResponse(abandoned=abandoned)
+
+    async def Generate(
+        self, request: engine_pb2.GenerateRequest, context: Context
+    ) -> AsyncIterator[inference_pb2.Chunk]:
+        if self.state is not EngineState.READY:
+            await status.abort(context, errors.Unavailable(f"The engine is {self.state.lower()}."))
+        events: asyncio.Queue[loop.Event] = asyncio.Queue()
+        aio = asyncio.get_running_loop()
+
+        def deliver(event: loop.Event) -> None:
+            # RuntimeError: the event loop is closed, so nobody is listening any more.
+            with contextlib.suppress(RuntimeError):
+                aio.call_soon_threadsafe(events.put_nowait, event)
+
+        try:
+            job = await self._prepare(request, deliver)
+        except errors.BlazarError as err:
+            await status.abort(context, err)
+        started = time.perf_counter()
+        self._inflight.add(job)
+        self._idle.clear()
+        finished: loop.Finished | None = None
+        try:
+            self._decode.submit(job)
+            while finished is None:
+                event = await events.get()
+                if isinstance(event, loop.TextDelta):
+                    yield inference_pb2.Chunk(
+                        delta=inference_pb2.Delta(text=event.text, tokens=event.tokens)
+                    )
+                elif isinstance(event, loop.Finished):
+                    finished = event
+                    yield inference_pb2.Chunk(final=_final(event))
+                else:
+                    await status.abort(context, errors.BlazarError(event.message))
+        finally:
+            job.cancel()  # no-op when finished; frees the slot when the caller left
+            self._inflight.discard(job)
+            if not self._inflight:
+                self._idle.set()
+            log.info(
+                "generate",
+                request_id=request.request_id,
+                prompt_tokens=len(job.prompt),
+                completion_tokens=finished.completion_tokens if finished else None,
+                finish=finished.reason if finished else "cancelled",
+                tokens_per_second=round(finished.decode_tokens_per_second, 1) if finished else None,
+                ms=round((time.perf_counter() - started) * 1000),
+            )
+
+    async def _prepare(
+        self, request: engine_pb2.GenerateRequest, deliver: Callable[[loop.Event], None]
+    ) -> loop.Job:
+        """Validate, render and tokenize; raise BlazarError when it cannot run."""
+        params = sampling.resolve(request.sampling)
+        which = request.WhichOneof("input")
+        if which == "prompt":
+            prompt = request.prompt
+        elif which == "chat":
+            if not request.chat.messages:
+                raise errors.InvalidRequest("The conversation has no messages.")
+            turns = [text.ChatTurn(m.role, m.content) for m in request.chat.messages]
+            prompt = self._chat.render(turns) if self._chat else text.render_gemma(turns)
+        else:
+            raise errors.InvalidRequest("Set either prompt or chat.")
+        if not prompt:
+            raise errors.InvalidRequest("The prompt is empty.")
+        tokens = await asyncio.to_thread(self._decode.vocab.tokenize, prompt)
+        limit = self._decode.context_per_slot
+        if params.max_tokens is None:
+            if len(tokens) >= limit:
+                raise errors.ContextLengthExceeded.of(
+                    prompt_tokens=len(tokens), max_tokens=1, context_length=limit
+                )
+            max_tokens = limit - len(tokens)
+        else:
+            max_tokens = params.max_tokens
+            if len(tokens) + max_tokens > limit:
+                raise errors.ContextLengthExceeded.of(
+                    prompt_tokens=len(tokens), max_tokens=max_tokens, context_length=limit
+                )
+        return loop.Job(
+            request_id=request.request_id,
+            prompt=tokens,
+            params=params,
+            max_tokens=max_tokens,
+            deliver=deliver,
+        )
+
+
+def _final(event: loop.Finished) -> inference_pb2.Final:
+    return inference_pb2.Final(
+        finish_reason=_FINISH[event.reason],
+        usage=inference_pb2.Usage(
+            prompt_tokens=event.prompt_tokens,
+            completion_tokens=event.completion_tokens,
+            cached_tokens=event.cached_tokens,
+        ),
+        timings=inference_pb2.Timings(
+            queue_ms=event.queue_ms,
+            prefill_ms=event.prefill_ms,
+            ttft_ms=event.ttft_ms,
+            decode_ms=event.decode_ms,
+            decode_tokens_per_second=event.decode_tokens_per_second,
+        ),
+        routing=inference_pb2.Routing(slot=event.slot, prefix_tokens_reused=event.cached_tokens),
+    )

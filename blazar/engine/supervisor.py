@@ -1,0 +1,257 @@
+"""Owns the engine worker processes of this daemon: spawn, watch, stop.
+
+One asyncio task per replica follows it through its lifecycle:
+
+    Starting --health READY--> Ready --process exits--> Failed
+        \\--exits or not ready in time--> Failed
+
+and calls `on_change(lane)` on every transition so the Lane is reconciled. `stop()`
+is the teardown: Drain RPC (finish in-flight work up to the grace period), SIGTERM,
+wait, then SIGKILL of the whole process group. Workers also die on their own when the
+daemon dies (parent-death signal), so a `kill -9` of the daemon leaves no orphans.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import os
+import signal
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+import grpc
+import structlog
+
+from blazar._proto.engine.v1 import engine_pb2, engine_pb2_grpc
+from blazar.api.replicas import LaunchSpec, ReplicaObservation, ReplicaState
+
+log = structlog.get_logger(__name__)
+
+READY_TIMEOUT_S = 180.0
+HEALTH_POLL_S = 0.1
+STOP_GRACE_S = 10.0
+_MAX_UNIX_PATH = 100
+
+
+def socket_dir(home: Path) -> Path:
+    """Where worker sockets live: $BLAZAR_HOME/run, or a short /tmp path when that is
+    too long for AF_UNIX (108 bytes including the file name)."""
+    run = home / "run"
+    if len(str(run)) + 40 <= _MAX_UNIX_PATH:
+        return run
+    digest = hashlib.sha256(str(home).encode()).hexdigest()[:12]
+    return Path("/tmp") / f"blazar-{digest}"
+
+
+@dataclass
+class _Replica:
+    lane: str
+    index: int
+    launch: LaunchSpec
+    socket: Path
+    state: ReplicaState = ReplicaState.STARTING
+    process: asyncio.subprocess.Process | None = None
+    task: asyncio.Task[None] | None = None
+    restarts: int = 0
+    started_at: datetime | None = None
+    exited_at: datetime | None = None
+    exit_code: int | None = None
+    message: str = ""
+    stopping: bool = False
+
+    def observation(self) -> ReplicaObservation:
+        return ReplicaObservation(
+            lane=self.lane,
+            index=self.index,
+            state=self.state,
+            revision=self.launch.revision,
+            socket=str(self.socket),
+            pid=self.process.pid if self.process else None,
+            restarts=self.restarts,
+            started_at=self.started_at,
+            exited_at=self.exited_at,
+            exit_code=self.exit_code,
+            message=self.message,
+        )
+
+
+@dataclass
+class Supervisor:
+    home: Path
+    on_change: Callable[[str], None]
+    python: str = sys.executable
+    log_json: bool = True
+    _replicas: dict[tuple[str, int], _Replica] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.run_dir = socket_dir(self.home)
+        self.log_dir = self.home / "logs"
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+
+    # -- Processes protocol -------------------------------------------------------
+
+    def observe(self, lane: str) -> list[ReplicaObservation]:
+        return [r.observation() for (name, _), r in sorted(self._replicas.items()) if name == lane]
+
+    def lanes(self) -> set[str]:
+        return {lane for lane, _ in self._replicas}
+
+    async def start(self, lane: str, index: int, launch: LaunchSpec) -> None:
+        key = (lane, index)
+        old = self._replicas.get(key)
+        if old is not None and old.state != ReplicaState.FAILED:
+            return  # already running: starting is idempotent
+        replica = _Replica(
+            lane=lane,
+            index=index,
+            launch=launch,
+            socket=self.run_dir / f"{lane}-{index}.sock",
+            restarts=(old.restarts + 1) if old else 0,
+        )
+        self._replicas[key] = replica
+        await self._spawn(replica)
+        replica.task = asyncio.create_task(self._follow(replica), name=f"replica {lane}/{index}")
+
+    async def stop(self, lane: str, index: int, *, grace: float = STOP_GRACE_S) -> None:
+        replica = self._replicas.get((lane, index))
+        if replica is None:
+            return
+        replica.stopping = True
+        proc = replica.process
+        if proc is not None and proc.returncode is None:
+            replica.state = ReplicaState.DRAINING
+            await self._drain(replica, grace)
+            replica.state = ReplicaState.STOPPING
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(proc.wait(), timeout=grace)
+            except TimeoutError:
+                log.warning("replica.kill", lane=lane, index=index, pid=proc.pid)
+            self._kill_group(proc)
+            await proc.wait()
+        if replica.task is not None:
+            replica.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await replica.task
+        self._replicas.pop((lane, index), None)
+        with contextlib.suppress(FileNotFoundError):
+            replica.socket.unlink()
+
+    async def stop_all(self, *, grace: float = STOP_GRACE_S) -> None:
+        await asyncio.gather(
+            *(self.stop(lane, index, grace=grace) for lane, index in list(self._replicas))
+        )
+
+    # -- internals ------------------------------------------------------------------
+
+    def _argv(self, replica: _Replica) -> list[str]:
+        launch = replica.launch
+        argv = [
+            self.python, "-m", "blazar.engine",
+            "--model", launch.model_path,
+            "--socket", str(replica.socket),
+            "--slots", str(launch.slots),
+            "--context-per-slot", str(launch.context_per_slot),
+            "--threads", str(launch.threads),
+            "--gpu-layers", str(launch.gpu_layers),
+            "--parent-pid", str(os.getpid()),
+        ]  # fmt: skip
+        if launch.chat_template:
+            argv += ["--chat-template", launch.chat_template]
+        if self.log_json:
+            argv.append("--log-json")
+        return argv
+
+    async def _spawn(self, replica: _Replica) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            replica.socket.unlink()
+        log_path = self.log_dir / f"{replica.lane}-{replica.index}.log"
+        with log_path.open("ab") as log_file:
+            replica.process = await asyncio.create_subprocess_exec(
+                *self._argv(replica),
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=log_file,
+                start_new_session=True,  # own process group, so stop() can kill it whole
+            )
+        replica.started_at = datetime.now(UTC)
+        log.info("replica.spawned", lane=replica.lane, index=replica.index, pid=replica.process.pid)
+
+    def _set(self, replica: _Replica, state: ReplicaState, message: str = "") -> None:
+        replica.state = state
+        replica.message = message
+        self.on_change(replica.lane)
+
+    async def _follow(self, replica: _Replica) -> None:
+        proc = replica.process
+        assert proc is not None
+        exited = asyncio.create_task(proc.wait())
+        ready = asyncio.create_task(self._wait_ready(replica))
+        done, _ = await asyncio.wait({exited, ready}, return_when=asyncio.FIRST_COMPLETED)
+        if ready in done and ready.result():
+            self._set(replica, ReplicaState.READY)
+        elif exited not in done:
+            ready.cancel()
+            self._kill_group(proc)
+            replica.message = f"not ready within {READY_TIMEOUT_S:.0f}s"
+        else:
+            ready.cancel()
+        code = await exited
+        if replica.stopping:
+            return
+        self._kill_group(proc)  # stragglers of the group, if any
+        replica.exit_code = code
+        replica.exited_at = datetime.now(UTC)
+        self._set(replica, ReplicaState.FAILED, replica.message or self._last_log_line(replica))
+        log.warning("replica.exited", lane=replica.lane, index=replica.index, code=code)
+
+    async def _wait_ready(self, replica: _Replica) -> bool:
+        deadline = asyncio.get_running_loop().time() + READY_TIMEOUT_S
+        async with grpc.aio.insecure_channel(f"unix:{replica.socket}") as channel:
+            stub = engine_pb2_grpc.EngineStub(channel)
+            while asyncio.get_running_loop().time() < deadline:
+                if replica.socket.exists():
+                    try:
+                        health = await stub.Health(engine_pb2.HealthRequest(), timeout=2.0)
+                    except grpc.aio.AioRpcError:
+                        pass
+                    else:
+                        if health.state == engine_pb2.ENGINE_STATE_READY:
+                            return True
+                await asyncio.sleep(HEALTH_POLL_S)
+        return False
+
+    async def _drain(self, replica: _Replica, grace: float) -> None:
+        if replica.state == ReplicaState.STARTING or not replica.socket.exists():
+            return
+        try:
+            async with grpc.aio.insecure_channel(f"unix:{replica.socket}") as channel:
+                stub = engine_pb2_grpc.EngineStub(channel)
+                await stub.Drain(engine_pb2.DrainRequest(grace_seconds=grace), timeout=grace + 2)
+        except grpc.aio.AioRpcError as err:
+            log.info(
+                "replica.drain_failed",
+                lane=replica.lane,
+                index=replica.index,
+                error=err.code().name,
+            )
+
+    @staticmethod
+    def _kill_group(proc: asyncio.subprocess.Process) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+    def _last_log_line(self, replica: _Replica) -> str:
+        path = self.log_dir / f"{replica.lane}-{replica.index}.log"
+        try:
+            lines = path.read_bytes()[-2000:].decode(errors="replace").strip().splitlines()
+        except OSError:
+            return ""
+        return lines[-1][:300] if lines else ""

@@ -1,0 +1,155 @@
+"""Text handling of the engine worker: chat rendering, stop strings, UTF-8 streaming.
+
+Pure: no llama.cpp, no IO, no logging. The decode loop feeds these with the bytes of
+each sampled token and emits what they return.
+"""
+
+from __future__ import annotations
+
+import codecs
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NoReturn
+
+import jinja2
+import jinja2.sandbox
+
+from blazar.api import errors
+
+_GEMMA_ROLES = {"user": "user", "tool": "user", "assistant": "model", "model": "model"}
+
+
+@dataclass(frozen=True)
+class ChatTurn:
+    """One message of a conversation: role ("system", "user", "assistant", "tool")."""
+
+    role: str
+    content: str
+
+
+def render_gemma(turns: Sequence[ChatTurn]) -> str:
+    """Render a conversation in Gemma's turn format, ending with an open model turn.
+
+    The fallback when a model ships no chat template. System messages have no turn
+    of their own in Gemma: their text is prepended to the first user turn. BOS is not
+    part of the result; the tokenizer adds it.
+    """
+    system = "\n\n".join(t.content.strip() for t in turns if t.role == "system")
+    rendered: list[str] = []
+    prefix = system + "\n\n" if system else ""
+    for turn in turns:
+        if turn.role == "system":
+            continue
+        role = _GEMMA_ROLES.get(turn.role)
+        if role is None:
+            raise errors.InvalidRequest(
+                f"Unknown message role '{turn.role}'; use system, user, assistant or tool."
+            )
+        content = turn.content.strip()
+        if role == "user" and prefix:
+            content, prefix = prefix + content, ""
+        rendered.append(f"<start_of_turn>{role}\n{content}<end_of_turn>\n")
+    if prefix:  # only system messages, or none before the first model turn
+        rendered.insert(0, f"<start_of_turn>user\n{system}<end_of_turn>\n")
+    rendered.append("<start_of_turn>model\n")
+    return "".join(rendered)
+
+
+class ChatTemplate:
+    """A Hugging Face style Jinja chat template (`messages`, `add_generation_prompt`).
+
+    Compiled once; rendered in a sandbox. A leading BOS written by the template is
+    dropped because the tokenizer adds BOS itself.
+    """
+
+    def __init__(self, source: str, *, bos_token: str = "", eos_token: str = "") -> None:
+        # The same environment as transformers' apply_chat_template.
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _template_error
+        # Raises jinja2.TemplateSyntaxError for a broken template: a configuration error.
+        self._template = env.from_string(source)
+        self._bos = bos_token
+        self._eos = eos_token
+
+    def render(self, turns: Sequence[ChatTurn]) -> str:
+        try:
+            rendered = self._template.render(
+                messages=[{"role": t.role, "content": t.content} for t in turns],
+                add_generation_prompt=True,
+                bos_token=self._bos,
+                eos_token=self._eos,
+            )
+        except jinja2.TemplateError as exc:
+            raise errors.InvalidRequest(f"The chat template failed: {exc}") from exc
+        return rendered.removeprefix(self._bos) if self._bos else rendered
+
+
+def _template_error(message: str) -> NoReturn:
+    raise errors.InvalidRequest(f"The chat template refused the conversation: {message}")
+
+
+@dataclass(frozen=True)
+class StopResult:
+    """What to emit after feeding text, and whether a stop string matched."""
+
+    text: str
+    stopped: bool
+
+
+class StopMatcher:
+    """Find stop strings in streamed text, across token boundaries.
+
+    Text that could be the start of a stop string is held back until the next feed
+    proves otherwise, so nothing past (or part of) a stop string is ever emitted.
+    """
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self._stops = tuple(s for s in stops if s)
+        self._held = ""
+
+    def feed(self, text: str) -> StopResult:
+        buf = self._held + text
+        if not self._stops:
+            self._held = ""
+            return StopResult(buf, stopped=False)
+        hits = [i for i in (buf.find(s) for s in self._stops) if i >= 0]
+        if hits:
+            self._held = ""
+            return StopResult(buf[: min(hits)], stopped=True)
+        keep = self._partial_suffix(buf)
+        self._held = buf[len(buf) - keep :]
+        return StopResult(buf[: len(buf) - keep], stopped=False)
+
+    def flush(self) -> str:
+        """The held-back text, once the stream ends without a stop."""
+        held, self._held = self._held, ""
+        return held
+
+    def _partial_suffix(self, buf: str) -> int:
+        """Length of the longest suffix of buf that is a proper prefix of a stop string."""
+        longest = 0
+        for stop in self._stops:
+            for n in range(min(len(stop) - 1, len(buf)), longest, -1):
+                if buf.endswith(stop[:n]):
+                    longest = n
+                    break
+        return longest
+
+
+class Utf8Stream:
+    """Decode UTF-8 pieces into whole characters; a split character waits for its rest.
+
+    Invalid bytes become U+FFFD. A character still incomplete when the stream ends is
+    dropped rather than emitted as half a character.
+    """
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def feed(self, data: bytes) -> str:
+        return self._decoder.decode(data, final=False)
+
+    def pending(self) -> bool:
+        """True while bytes of an incomplete character are buffered."""
+        buffered, _ = self._decoder.getstate()
+        return bool(buffered)

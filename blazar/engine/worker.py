@@ -1,0 +1,177 @@
+"""Lifecycle of one engine worker process: parent watch, gRPC server, signals, teardown.
+
+Start: ask the kernel to SIGKILL us when the parent dies (and exit at once if it is
+already gone), serve `blazar.engine.v1.Engine` on the Unix socket (Health answers
+STARTING at once), load the model on the decode thread, then report READY.
+
+Stop (SIGTERM or SIGINT), in order: DRAINING (new Generate calls get UNAVAILABLE),
+wait for in-flight requests up to the grace period, cancel whatever is left, stop
+the gRPC server, end the decode thread (which frees the llama context and model),
+remove the socket, exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import ctypes.util
+import os
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import jinja2
+import structlog
+
+from blazar import logs
+from blazar._proto.engine.v1 import engine_pb2_grpc
+from blazar.engine import llama, loop, service, text
+
+log = structlog.get_logger("blazar.engine.worker")
+
+_PR_SET_PDEATHSIG = 1
+# sockaddr_un.sun_path is 108 bytes including the terminating NUL.
+_MAX_SOCKET_PATH = 107
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    model: str
+    socket: str
+    slots: int
+    context_per_slot: int
+    threads: int
+    gpu_layers: int = 0
+    parent_pid: int | None = None
+    chat_template: str | None = None
+    log_json: bool | None = None
+    drain_grace_seconds: float = service.DEFAULT_DRAIN_GRACE_SECONDS
+
+
+def die_with_parent(parent_pid: int | None) -> bool:
+    """Have the kernel SIGKILL us when the parent exits; False if it already has."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    # The parent may have died before prctl took effect; then we were reparented.
+    return parent_pid is None or os.getppid() == parent_pid
+
+
+def main(config: WorkerConfig) -> int:
+    parent_alive = die_with_parent(config.parent_pid)
+    logs.configure(json=config.log_json)
+    if not parent_alive:
+        log.warning("parent_gone", parent_pid=config.parent_pid, ppid=os.getppid())
+        return 1
+    llama.quiet_native_logs()
+    structlog.contextvars.bind_contextvars(pid=os.getpid())
+    if len(config.socket.encode()) > _MAX_SOCKET_PATH:
+        log.error("socket_path_too_long", socket=config.socket)
+        return 2
+    return asyncio.run(serve(config))
+
+
+async def serve(config: WorkerConfig) -> int:
+    aio = asyncio.get_running_loop()
+    loaded: asyncio.Future[None] = aio.create_future()
+
+    def on_loaded(exc: BaseException | None) -> None:
+        aio.call_soon_threadsafe(_settle, loaded, exc)
+
+    decode = loop.DecodeLoop(
+        loop.LoopOptions(
+            runtime=llama.RuntimeOptions(
+                model_path=config.model,
+                slots=config.slots,
+                context_per_slot=config.context_per_slot,
+                threads=config.threads,
+                gpu_layers=config.gpu_layers,
+            )
+        ),
+        on_loaded=on_loaded,
+    )
+    engine = service.EngineService(decode, model_path=config.model)
+    server = grpc.aio.server()
+    engine_pb2_grpc.add_EngineServicer_to_server(engine, server)
+    socket_path = Path(config.socket)
+    socket_path.parent.mkdir(parents=True, exist_ok=True)
+    socket_path.unlink(missing_ok=True)  # stale, from a worker that did not clean up
+    server.add_insecure_port(f"unix:{socket_path}")
+    await server.start()
+
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        aio.add_signal_handler(sig, stop.set)
+    log.info("starting", model=config.model, socket=config.socket, slots=config.slots)
+    decode.start()
+
+    stopping: asyncio.Future[Any] = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([loaded, stopping], return_when=asyncio.FIRST_COMPLETED)
+    code = 0
+    if loaded.done() and loaded.exception() is not None:
+        log.error("model_load_failed", error=str(loaded.exception()))
+        code = 1
+    elif loaded.done():
+        try:
+            chat = chat_template(config, decode)
+        except jinja2.TemplateError as exc:
+            log.error("chat_template_invalid", error=str(exc))
+            code = 1
+        else:
+            engine.mark_ready(chat)
+            log.info(
+                "ready",
+                context_per_slot=decode.context_per_slot,
+                chat_template="override" if config.chat_template else ("gguf" if chat else "gemma"),
+                rss=service.rss_bytes(),
+            )
+    if code == 0:
+        await stopping
+    stopping.cancel()
+
+    log.info("draining", grace_seconds=config.drain_grace_seconds)
+    abandoned = await engine.drain(config.drain_grace_seconds)
+    if abandoned:
+        log.warning("cancelling_abandoned", abandoned=abandoned)
+        engine.cancel_all()
+        await engine.wait_idle(timeout=5.0)
+    await server.stop(grace=1.0)
+    decode.stop()
+    await asyncio.to_thread(decode.join, 30.0)
+    socket_path.unlink(missing_ok=True)
+    log.info("stopped", exit_code=code)
+    return code
+
+
+def chat_template(config: WorkerConfig, decode: loop.DecodeLoop) -> text.ChatTemplate | None:
+    """The --chat-template override, else the GGUF's template, else None (Gemma turns).
+
+    A broken override is fatal; a GGUF template Jinja cannot compile falls back.
+    """
+    vocab = decode.vocab
+    if config.chat_template:
+        return text.ChatTemplate(
+            config.chat_template, bos_token=vocab.bos_text, eos_token=vocab.eos_text
+        )
+    source = decode.model_chat_template
+    if not source:
+        return None
+    try:
+        return text.ChatTemplate(source, bos_token=vocab.bos_text, eos_token=vocab.eos_text)
+    except jinja2.TemplateError as exc:
+        log.warning("gguf_chat_template_unusable", error=str(exc))
+        return None
+
+
+def _settle(future: asyncio.Future[None], exc: BaseException | None) -> None:
+    if future.done():
+        return
+    if exc is None:
+        future.set_result(None)
+    else:
+        future.set_exception(exc)
+        with contextlib.suppress(BaseException):
+            future.exception()  # mark retrieved: failure is reported by serve()

@@ -1,0 +1,406 @@
+"""The engine worker as a real process: real model, real Unix socket, real signals."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from blazar._proto.engine.v1 import engine_pb2, engine_pb2_grpc
+from blazar._proto.v1 import inference_pb2
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+CONTEXT_PER_SLOT = 1024
+SLOTS = 2
+PROMPT = "The capital of France is"
+READY_DEADLINE_S = 60.0
+
+
+def poll(condition: Callable[[], Any], *, deadline_s: float = 15.0, what: str = "condition") -> Any:
+    """Return condition()'s first truthy value; fail after the deadline."""
+    end = time.monotonic() + deadline_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > end:
+            pytest.fail(f"timed out after {deadline_s}s waiting for {what}")
+        time.sleep(0.02)
+
+
+def pid_gone(pid: int) -> bool:
+    """True once pid has exited (a zombie nobody reaped counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+
+
+@dataclass
+class Worker:
+    proc: subprocess.Popen[bytes]
+    socket: str
+    log: Path
+    channel: grpc.Channel
+    stub: engine_pb2_grpc.EngineStub
+
+    def health(self) -> engine_pb2.HealthResponse | None:
+        try:
+            h: engine_pb2.HealthResponse = self.stub.Health(engine_pb2.HealthRequest(), timeout=2.0)
+        except grpc.RpcError:
+            return None
+        return h
+
+    def wait_ready(self) -> engine_pb2.HealthResponse:
+        def ready() -> engine_pb2.HealthResponse | None:
+            if self.proc.poll() is not None:
+                pytest.fail(f"worker exited with {self.proc.returncode}:\n{self.log.read_text()}")
+            h = self.health()
+            return h if h is not None and h.state == engine_pb2.ENGINE_STATE_READY else None
+
+        return poll(ready, deadline_s=READY_DEADLINE_S, what="READY")  # type: ignore[no-any-return]
+
+    def generate(self, **kwargs: Any) -> tuple[list[inference_pb2.Delta], inference_pb2.Final]:
+        """Run one Generate; all deltas and the final part."""
+        deltas: list[inference_pb2.Delta] = []
+        finals: list[inference_pb2.Final] = []
+        for chunk in self.stub.Generate(engine_pb2.GenerateRequest(**kwargs), timeout=60):
+            (deltas if chunk.HasField("delta") else finals).append(
+                chunk.delta if chunk.HasField("delta") else chunk.final
+            )
+        assert len(finals) == 1
+        return deltas, finals[0]
+
+    def text(self, **kwargs: Any) -> str:
+        deltas, _ = self.generate(**kwargs)
+        return "".join(d.text for d in deltas)
+
+
+def worker_args(model_path: Path, socket: str, *extra: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "blazar.engine",
+        "--model",
+        str(model_path),
+        "--socket",
+        socket,
+        "--slots",
+        str(SLOTS),
+        "--context-per-slot",
+        str(CONTEXT_PER_SLOT),
+        "--threads",
+        "2",
+        "--log-json",
+        *extra,
+    ]
+
+
+class Spawner:
+    """Starts workers on short socket paths; `close` kills whatever is left."""
+
+    def __init__(self, model_path: Path) -> None:
+        self.model_path = model_path
+        self.workers: list[Worker] = []
+        self.dirs: list[str] = []
+
+    def __call__(self, *extra: str) -> Worker:
+        d = tempfile.mkdtemp(prefix="bz-", dir="/tmp")  # AF_UNIX paths max ~107 bytes
+        self.dirs.append(d)
+        socket = os.path.join(d, "engine.sock")
+        log = Path(d, "worker.log")
+        with log.open("wb") as out:
+            proc = subprocess.Popen(
+                worker_args(self.model_path, socket, *extra),
+                cwd=REPO,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        channel = grpc.insecure_channel(f"unix:{socket}")
+        w = Worker(proc, socket, log, channel, engine_pb2_grpc.EngineStub(channel))
+        self.workers.append(w)
+        return w
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.channel.close()
+            if w.proc.poll() is None:
+                os.killpg(w.proc.pid, signal.SIGKILL)
+            w.proc.wait(timeout=10)
+        for d in self.dirs:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def spawn(model_path: Path) -> Iterator[Spawner]:
+    spawner = Spawner(model_path)
+    yield spawner
+    spawner.close()
+
+
+@pytest.fixture(scope="module")
+def worker(model_path: Path) -> Iterator[Worker]:
+    """One worker shared by the tests that leave it as they found it."""
+    spawner = Spawner(model_path)
+    w = spawner()
+    w.wait_ready()
+    yield w
+    spawner.close()
+
+
+@pytest.fixture(scope="session")
+def tokenize(model_path: Path) -> Callable[[str], list[int]]:
+    """An independent tokenizer (llama-cpp-python's high-level vocab-only model)."""
+    from llama_cpp import Llama
+
+    vocab = Llama(str(model_path), vocab_only=True, verbose=False)
+    return lambda s: list(vocab.tokenize(s.encode(), add_bos=True, special=True))
+
+
+def greedy(max_tokens: int, **sampling: Any) -> inference_pb2.Sampling:
+    return inference_pb2.Sampling(temperature=0.0, max_tokens=max_tokens, **sampling)
+
+
+def rpc_error(call: Callable[[], Any]) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as info:
+        call()
+    return info.value
+
+
+# --- tests --------------------------------------------------------------------------------
+
+
+def test_health_describes_the_worker(worker: Worker, model_path: Path) -> None:
+    h = worker.wait_ready()
+    assert h.pid == worker.proc.pid
+    assert h.model_path == str(model_path)
+    assert h.context_per_slot == CONTEXT_PER_SLOT
+    assert [(s.index, s.busy, s.cached_tokens) for s in h.slots] == [(0, False, 0), (1, False, 0)]
+    assert h.memory_bytes > 100 * 2**20  # the weights alone are ~250 MB
+
+
+def test_streaming_generation(worker: Worker, tokenize: Callable[[str], list[int]]) -> None:
+    deltas, final = worker.generate(prompt=PROMPT, sampling=greedy(16))
+    assert len(deltas) >= 8
+    assert all(d.text for d in deltas)
+    assert final.finish_reason == inference_pb2.FINISH_REASON_LENGTH
+    assert final.usage.prompt_tokens == len(tokenize(PROMPT))
+    assert final.usage.completion_tokens == 16
+    assert final.usage.cached_tokens == 0
+    # ASCII text with no stop strings: every generated token is covered by a delta
+    assert sum(d.tokens for d in deltas) == 16
+    assert final.timings.decode_tokens_per_second > 0
+    assert final.timings.prefill_ms > 0
+    assert final.routing.slot in range(SLOTS)
+
+
+def test_greedy_is_deterministic(worker: Worker) -> None:
+    first = worker.text(prompt=PROMPT, sampling=greedy(24))
+    assert len(first) > 20
+    assert worker.text(prompt=PROMPT, sampling=greedy(24)) == first
+
+
+def test_seeded_sampling_is_reproducible(worker: Worker) -> None:
+    sampling = inference_pb2.Sampling(temperature=1.0, seed=1234, max_tokens=24)
+    first = worker.text(prompt=PROMPT, sampling=sampling)
+    assert worker.text(prompt=PROMPT, sampling=sampling) == first
+
+
+def test_max_tokens_is_honoured(worker: Worker) -> None:
+    _, final = worker.generate(prompt=PROMPT, sampling=greedy(3))
+    assert final.usage.completion_tokens == 3
+    assert final.finish_reason == inference_pb2.FINISH_REASON_LENGTH
+
+
+# Greedy text of PROMPT: " the capital of the country of France. It is the largest city in ..."
+@pytest.mark.parametrize(
+    "stop",
+    [
+        "largest",  # a whole token
+        "rgest ci",  # spans the tokens " largest" and " city"
+        "country of Fr",  # spans three tokens, ends inside one
+    ],
+)
+def test_stop_string_ends_generation(worker: Worker, stop: str) -> None:
+    full = worker.text(prompt=PROMPT, sampling=greedy(24))
+    assert stop in full
+    deltas, final = worker.generate(prompt=PROMPT, sampling=greedy(24, stop=[stop, "unused"]))
+    text = "".join(d.text for d in deltas)
+    assert text == full[: full.index(stop)]
+    assert final.finish_reason == inference_pb2.FINISH_REASON_STOP
+    assert final.usage.completion_tokens < 24
+
+
+@pytest.mark.parametrize(
+    ("prompt", "max_tokens"),
+    [
+        ("hello " * 2 * CONTEXT_PER_SLOT, None),  # the prompt alone does not fit
+        (PROMPT, CONTEXT_PER_SLOT),  # the prompt fits, max_tokens does not
+    ],
+)
+def test_too_long_is_context_length_exceeded(
+    worker: Worker, prompt: str, max_tokens: int | None
+) -> None:
+    sampling = inference_pb2.Sampling(max_tokens=max_tokens)
+    err = rpc_error(lambda: worker.generate(prompt=prompt, sampling=sampling))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    trailers = dict(err.trailing_metadata())
+    assert trailers["blazar-reason"] == "CONTEXT_LENGTH_EXCEEDED"
+    assert trailers["blazar-context_length"] == str(CONTEXT_PER_SLOT)
+    assert all(not s.busy for s in worker.wait_ready().slots)
+
+
+def test_empty_prompt_is_invalid(worker: Worker) -> None:
+    err = rpc_error(lambda: worker.generate(prompt=""))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert dict(err.trailing_metadata())["blazar-reason"] == "INVALID_REQUEST"
+
+
+def test_chat_uses_gemma_turns(worker: Worker, tokenize: Callable[[str], list[int]]) -> None:
+    messages = [
+        inference_pb2.Message(role="system", content="Be brief."),
+        inference_pb2.Message(role="user", content="What is 2+2?"),
+    ]
+    _, final = worker.generate(chat=engine_pb2.ChatInput(messages=messages), sampling=greedy(4))
+    rendered = "<start_of_turn>user\nBe brief.\n\nWhat is 2+2?<end_of_turn>\n<start_of_turn>model\n"
+    assert final.usage.prompt_tokens == len(tokenize(rendered))
+
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}### {{ m.role }}: {{ m.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}### assistant:{% endif %}"
+)
+
+
+def test_chat_template_override(spawn: Spawner, tokenize: Callable[[str], list[int]]) -> None:
+    w = spawn("--chat-template", CHAT_TEMPLATE)
+    w.wait_ready()
+    messages = [inference_pb2.Message(role="user", content="Hi")]
+    _, final = w.generate(chat=engine_pb2.ChatInput(messages=messages), sampling=greedy(2))
+    # The template's own {{ bos_token }} is dropped: the tokenizer adds BOS once.
+    assert final.usage.prompt_tokens == len(tokenize("### user: Hi\n### assistant:"))
+
+
+def test_broken_chat_template_is_fatal(spawn: Spawner) -> None:
+    w = spawn("--chat-template", "{% for %}")
+    assert w.proc.wait(timeout=READY_DEADLINE_S) == 1
+    assert "chat_template_invalid" in w.log.read_text()
+
+
+def test_cancelled_stream_frees_the_slot(worker: Worker) -> None:
+    # No max_tokens: this would run until the slot's context is full.
+    call = worker.stub.Generate(engine_pb2.GenerateRequest(prompt=PROMPT), timeout=60)
+    for _ in range(3):
+        assert next(call).HasField("delta")
+    busy = [s for s in worker.wait_ready().slots if s.busy]
+    assert len(busy) == 1 and busy[0].cached_tokens > len(PROMPT.split())
+    call.cancel()
+
+    def freed() -> bool:
+        h = worker.health()
+        return h is not None and all(not s.busy and s.cached_tokens == 0 for s in h.slots)
+
+    poll(freed, what="the slot to be freed")
+    _, final = worker.generate(prompt=PROMPT, sampling=greedy(2))
+    assert final.usage.completion_tokens == 2
+
+
+def test_sigterm_finishes_in_flight_work_then_exits_zero(spawn: Spawner) -> None:
+    w = spawn()
+    w.wait_ready()
+    call = w.stub.Generate(engine_pb2.GenerateRequest(prompt=PROMPT, sampling=greedy(48)))
+    assert next(call).HasField("delta")
+    w.proc.send_signal(signal.SIGTERM)
+    rest = list(call)
+    assert rest[-1].final.finish_reason == inference_pb2.FINISH_REASON_LENGTH
+    assert rest[-1].final.usage.completion_tokens == 48
+    assert w.proc.wait(timeout=30) == 0
+    assert not os.path.exists(w.socket)
+
+
+def test_drain_refuses_new_work(spawn: Spawner) -> None:
+    w = spawn()
+    w.wait_ready()
+    assert w.stub.Drain(engine_pb2.DrainRequest(grace_seconds=5), timeout=10).abandoned == 0
+    h = w.health()
+    assert h is not None and h.state == engine_pb2.ENGINE_STATE_DRAINING
+    err = rpc_error(lambda: w.generate(prompt=PROMPT, sampling=greedy(2)))
+    assert err.code() == grpc.StatusCode.UNAVAILABLE
+    w.proc.send_signal(signal.SIGTERM)
+    assert w.proc.wait(timeout=30) == 0
+
+
+def test_health_answers_while_the_model_loads(spawn: Spawner) -> None:
+    w = spawn()
+    first = poll(w.health, deadline_s=READY_DEADLINE_S, what="a Health answer")
+    assert first.state in (engine_pb2.ENGINE_STATE_STARTING, engine_pb2.ENGINE_STATE_READY)
+    assert len(first.slots) == SLOTS
+    w.wait_ready()
+
+
+def test_exits_when_parent_is_already_gone(model_path: Path) -> None:
+    socket = "/tmp/bz-unused.sock"  # never bound: the worker exits before serving
+    proc = subprocess.run(
+        worker_args(model_path, socket, "--parent-pid", "1"),
+        cwd=REPO,
+        capture_output=True,
+        timeout=30,
+    )
+    assert proc.returncode == 1
+    assert b"parent_gone" in proc.stderr
+    assert not os.path.exists(socket)
+
+
+def test_dies_with_its_parent(model_path: Path) -> None:
+    d = tempfile.mkdtemp(prefix="bz-", dir="/tmp")
+    socket = os.path.join(d, "engine.sock")
+    parent_code = (
+        "import os, subprocess, sys, time\n"
+        f"args = {worker_args(model_path, socket)!r} + ['--parent-pid', str(os.getpid())]\n"
+        "p = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"
+        "print(p.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", parent_code], cwd=REPO, stdout=subprocess.PIPE)
+    worker_pid = 0
+    try:
+        assert parent.stdout is not None
+        worker_pid = int(parent.stdout.readline())
+        with grpc.insecure_channel(f"unix:{socket}") as channel:
+            stub = engine_pb2_grpc.EngineStub(channel)
+
+            def ready() -> bool:
+                try:
+                    h: engine_pb2.HealthResponse = stub.Health(
+                        engine_pb2.HealthRequest(), timeout=2.0
+                    )
+                except grpc.RpcError:
+                    return False
+                return h.state == engine_pb2.ENGINE_STATE_READY
+
+            poll(ready, deadline_s=READY_DEADLINE_S, what="READY")
+        parent.kill()
+        parent.wait(timeout=10)
+        poll(lambda: pid_gone(worker_pid), what="the orphaned worker to die")
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait(timeout=10)
+        if worker_pid and not pid_gone(worker_pid):
+            os.kill(worker_pid, signal.SIGKILL)
+        shutil.rmtree(d, ignore_errors=True)

@@ -1,0 +1,164 @@
+"""Pure text handling of the engine worker: chat fallback, stop strings, UTF-8 streaming."""
+
+from __future__ import annotations
+
+import jinja2
+import pytest
+
+from blazar.api import errors
+from blazar.engine import text
+from blazar.engine.text import ChatTurn as T
+
+# --- Gemma turn-format fallback ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("turns", "expected"),
+    [
+        (
+            [T("user", "Hi")],
+            "<start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n",
+        ),
+        (
+            [T("system", "Be brief."), T("user", " What is 2+2? ")],
+            "<start_of_turn>user\nBe brief.\n\nWhat is 2+2?<end_of_turn>\n<start_of_turn>model\n",
+        ),
+        (
+            [T("user", "a"), T("assistant", "b"), T("user", "c")],
+            "<start_of_turn>user\na<end_of_turn>\n<start_of_turn>model\nb<end_of_turn>\n"
+            "<start_of_turn>user\nc<end_of_turn>\n<start_of_turn>model\n",
+        ),
+        (  # the system text goes to the first *user* turn, even after a model turn
+            [T("system", "S"), T("model", "hello"), T("user", "u")],
+            "<start_of_turn>model\nhello<end_of_turn>\n"
+            "<start_of_turn>user\nS\n\nu<end_of_turn>\n<start_of_turn>model\n",
+        ),
+        (  # several system messages are joined
+            [T("system", "A"), T("system", "B"), T("user", "u")],
+            "<start_of_turn>user\nA\n\nB\n\nu<end_of_turn>\n<start_of_turn>model\n",
+        ),
+        (  # system alone becomes a user turn
+            [T("system", "S")],
+            "<start_of_turn>user\nS<end_of_turn>\n<start_of_turn>model\n",
+        ),
+        (  # tool results have no turn of their own in Gemma: they speak as the user
+            [T("tool", "42")],
+            "<start_of_turn>user\n42<end_of_turn>\n<start_of_turn>model\n",
+        ),
+    ],
+)
+def test_render_gemma(turns: list[T], expected: str) -> None:
+    assert text.render_gemma(turns) == expected
+
+
+def test_render_gemma_rejects_unknown_role() -> None:
+    with pytest.raises(errors.InvalidRequest, match="wizard"):
+        text.render_gemma([T("wizard", "x")])
+
+
+# --- Jinja chat templates ----------------------------------------------------------------
+
+SIMPLE = (
+    "{{ bos_token }}{% for m in messages %}[{{ m.role }}] {{ m['content'] }}{{ eos_token }}\n"
+    "{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}"
+)
+STRICT = (
+    "{% for m in messages %}{% if m.role == 'system' %}"
+    "{{ raise_exception('no system role') }}{% endif %}{{ m.content }}{% endfor %}"
+)
+
+
+@pytest.mark.parametrize(
+    ("source", "bos", "turns", "expected"),
+    [
+        (SIMPLE, "<s>", [T("user", "hi")], "[user] hi</s>\n[assistant] "),  # BOS dropped
+        (
+            SIMPLE,
+            "",
+            [T("system", "S"), T("user", "u")],
+            "[system] S</s>\n[user] u</s>\n[assistant] ",
+        ),
+        (STRICT, "<s>", [T("user", "a"), T("assistant", "b")], "ab"),
+    ],
+)
+def test_chat_template_renders(source: str, bos: str, turns: list[T], expected: str) -> None:
+    assert text.ChatTemplate(source, bos_token=bos, eos_token="</s>").render(turns) == expected
+
+
+@pytest.mark.parametrize(
+    ("source", "match"),
+    [
+        (STRICT, "no system role"),  # the template's own raise_exception
+        ("{{ messages[5].content.upper() }}", "chat template failed"),
+    ],
+)
+def test_chat_template_errors_are_invalid_requests(source: str, match: str) -> None:
+    with pytest.raises(errors.InvalidRequest, match=match):
+        text.ChatTemplate(source).render([T("system", "s")])
+
+
+def test_chat_template_syntax_error_is_raised_at_compile_time() -> None:
+    with pytest.raises(jinja2.TemplateSyntaxError):
+        text.ChatTemplate("{% for %}")
+
+
+# --- stop strings -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("stops", "pieces", "emitted", "stopped", "tail"),
+    [
+        ([], ["a", "b"], ["a", "b"], False, ""),
+        (["END"], ["hello", " world"], ["hello", " world"], False, ""),
+        (["END"], ["helloEND"], ["hello"], True, ""),
+        # spans token boundaries; the partial "EN" is held back, never emitted
+        (["END"], ["hello E", "N", "D!"], ["hello ", "", ""], True, ""),
+        # a held prefix that turns out not to be a stop is released
+        (["END"], ["hello E", "NX"], ["hello ", "ENX"], False, ""),
+        # the stream ends while a prefix is held: flush returns it
+        (["END"], ["abc EN"], ["abc "], False, "EN"),
+        # earliest match wins across stop strings
+        (["world", "lo"], ["hello world"], ["hel"], True, ""),
+        # text past the stop inside the same piece is dropped
+        (["\n\n"], ["line\n", "\nnext"], ["line", ""], True, ""),
+        # the stop string is the whole piece
+        (["###"], ["###"], [""], True, ""),
+        # overlapping prefixes: "aab" inside "aaab"
+        (["aab"], ["a", "a", "a", "b"], ["", "", "a", ""], True, ""),
+        # empty stop strings are ignored
+        ([""], ["x"], ["x"], False, ""),
+        # multi-byte characters
+        (["é!"], ["café", "!"], ["caf", ""], True, ""),
+    ],
+)
+def test_stop_matcher(
+    stops: list[str], pieces: list[str], emitted: list[str], stopped: bool, tail: str
+) -> None:
+    m = text.StopMatcher(stops)
+    results = [m.feed(p) for p in pieces]
+    assert [r.text for r in results] == emitted
+    assert [r.stopped for r in results] == [False] * (len(pieces) - 1) + [stopped]
+    assert m.flush() == tail
+
+
+# --- UTF-8 streaming --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("pieces", "out", "pending"),
+    [
+        ([b"abc"], ["abc"], False),
+        (["é".encode()[:1], "é".encode()[1:]], ["", "é"], False),
+        # a 4-byte emoji split over three tokens
+        ([b"\xf0\x9f", b"\x98", b"\x80!"], ["", "", "\U0001f600!"], False),
+        # the character is still incomplete when the stream ends
+        ([b"ok", "日".encode()[:2]], ["ok", ""], True),
+        # invalid bytes become U+FFFD instead of breaking the stream
+        ([b"\xff", b"a"], ["\ufffd", "a"], False),
+        ([b""], [""], False),
+    ],
+)
+def test_utf8_stream(pieces: list[bytes], out: list[str], pending: bool) -> None:
+    s = text.Utf8Stream()
+    assert [s.feed(p) for p in pieces] == out
+    assert s.pending() is pending
