@@ -1,0 +1,48 @@
+"""The shim's Starlette application: dialect routes plus Blazar's own probes.
+
+`create_app` is what the daemon serves with uvicorn inside its event loop. The one
+`grpc.aio` channel to the daemon is opened in the lifespan (it must be created on
+the serving loop) and closed on shutdown.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import grpc
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from blazar.shim import context, inference
+from blazar.shim.openai import routes as openai_routes
+
+
+def create_app(*, inference_target: str) -> Starlette:
+    """The HTTP shim for the daemon whose `blazar.v1.Inference` listens at inference_target."""
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        channel = grpc.aio.insecure_channel(inference_target)
+        app.state.inference = inference.InferenceClient(channel)
+        try:
+            yield
+        finally:
+            # Cancels RPCs still open; uvicorn has already drained HTTP connections.
+            await channel.close()
+
+    return Starlette(
+        routes=[Route("/healthz", healthz, methods=["GET"]), *openai_routes.routes()],
+        middleware=[Middleware(context.RequestIdMiddleware)],
+        lifespan=lifespan,
+    )
+
+
+async def healthz(request: Request) -> Response:
+    """200 while the daemon's gRPC health service reports SERVING, else 503."""
+    if await inference.client_of(request).serving():
+        return JSONResponse({"status": "ok"})
+    return JSONResponse({"status": "unavailable"}, status_code=503)

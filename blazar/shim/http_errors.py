@@ -1,0 +1,47 @@
+"""How `blazar.api.errors` map onto HTTP, where every dialect agrees (DESIGN §10).
+
+Pure. Dialects choose their own envelopes and may deviate per status (Anthropic
+answers 529 for overload); the status table and the Retry-After rule are shared.
+"""
+
+from __future__ import annotations
+
+import math
+
+from blazar.api import errors
+
+# Keyed by the gRPC code name so that error classes added later (unauthenticated,
+# permission denied, deadline exceeded) map correctly without touching the shim.
+_STATUS_BY_CODE: dict[str, int] = {
+    "INVALID_ARGUMENT": 400,
+    "UNAUTHENTICATED": 401,
+    "PERMISSION_DENIED": 403,
+    "NOT_FOUND": 404,
+    "RESOURCE_EXHAUSTED": 429,
+    "UNAVAILABLE": 503,
+    "DEADLINE_EXCEEDED": 504,
+}
+
+# The daemon's metadata key (`blazar-retry_after_ms` on the wire); the proto's comment
+# spells it with dashes, so both spellings are read.
+_RETRY_AFTER_KEYS = ("retry_after_ms", "retry-after-ms")
+DEFAULT_RETRY_AFTER_S = 1
+
+
+def http_status(err: errors.BlazarError) -> int:
+    return _STATUS_BY_CODE.get(err.code, 500)
+
+
+def retry_after_seconds(err: errors.BlazarError) -> int:
+    """Whole seconds for a `Retry-After` header: the daemon's hint rounded up, at least 1."""
+    for key in _RETRY_AFTER_KEYS:
+        raw = err.metadata.get(key)
+        if raw is None:
+            continue
+        try:
+            millis = float(raw)
+        except ValueError:
+            continue
+        if math.isfinite(millis):
+            return max(1, math.ceil(millis / 1000))
+    return DEFAULT_RETRY_AFTER_S

@@ -1,0 +1,108 @@
+"""The shim's one client of the daemon's public gRPC API (`blazar.v1.Inference`).
+
+It owns the translation of gRPC failures into `blazar.api.errors` and the guarantee
+that a generation RPC is cancelled (so the engine frees its slot) whenever the HTTP
+side stops reading early: client gone, error while rendering, or shutdown.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from starlette.requests import Request
+
+from blazar._proto.v1 import inference_pb2, inference_pb2_grpc
+from blazar.rpc import status
+
+# A probe must answer even when the daemon hangs; load balancers poll every few seconds.
+_HEALTH_TIMEOUT_S = 2.0
+
+
+class ChunkStream:
+    """One server-streaming generation call, read chunk by chunk.
+
+    Use as an async iterator inside `async with`: leaving the block cancels the call
+    if it has not finished, which is how a client disconnect reaches the engine.
+    Errors arrive as `blazar.api.errors.BlazarError`, never as `grpc.RpcError`;
+    transport failures (daemon down) become `Unavailable`.
+    """
+
+    def __init__(self, call: Any) -> None:
+        self._call = call
+
+    def __aiter__(self) -> ChunkStream:
+        return self
+
+    async def __anext__(self) -> inference_pb2.Chunk:
+        try:
+            message = await self._call.read()
+        except grpc.RpcError as exc:
+            raise status.from_rpc_error(exc) from None
+        if message is grpc.aio.EOF:
+            raise StopAsyncIteration
+        chunk: inference_pb2.Chunk = message
+        return chunk
+
+    def cancel(self) -> None:
+        """Cancel the RPC; a no-op once it has finished."""
+        self._call.cancel()
+
+    async def __aenter__(self) -> ChunkStream:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.cancel()
+
+
+class InferenceClient:
+    """Calls `blazar.v1.Inference` and the daemon's gRPC health service on one channel."""
+
+    def __init__(self, channel: grpc.aio.Channel) -> None:
+        self._inference = inference_pb2_grpc.InferenceStub(channel)  # type: ignore[no-untyped-call,unused-ignore]
+        self._health = health_pb2_grpc.HealthStub(channel)
+
+    def chat(
+        self, request: inference_pb2.ChatRequest, *, metadata: Sequence[tuple[str, str]]
+    ) -> ChunkStream:
+        return ChunkStream(self._inference.Chat(request, metadata=tuple(metadata)))
+
+    def complete(
+        self, request: inference_pb2.CompleteRequest, *, metadata: Sequence[tuple[str, str]]
+    ) -> ChunkStream:
+        return ChunkStream(self._inference.Complete(request, metadata=tuple(metadata)))
+
+    async def list_models(
+        self, *, metadata: Sequence[tuple[str, str]]
+    ) -> inference_pb2.ListModelsResponse:
+        try:
+            response: inference_pb2.ListModelsResponse = await self._inference.ListModels(
+                inference_pb2.ListModelsRequest(), metadata=tuple(metadata)
+            )
+        except grpc.RpcError as exc:
+            raise status.from_rpc_error(exc) from None
+        return response
+
+    async def serving(self) -> bool:
+        """True when the daemon's overall health (service "") is SERVING."""
+        try:
+            response = await self._health.Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=_HEALTH_TIMEOUT_S
+            )
+        except grpc.RpcError:
+            return False
+        return bool(response.status == health_pb2.HealthCheckResponse.SERVING)
+
+
+def client_of(request: Request) -> InferenceClient:
+    """The client `blazar.shim.app` put on the application state during its lifespan."""
+    client: InferenceClient = request.app.state.inference
+    return client

@@ -1,0 +1,168 @@
+"""OpenAI's wire format, with OpenAI's field names.
+
+Requests are pydantic models that ignore fields they do not know (OpenAI clients send
+many). Responses are TypedDicts because their JSON must match OpenAI byte for byte in
+shape: some keys are present-but-null (`logprobs`, `finish_reason`), others absent
+(`delta.role` after the first chunk), which a plain dict states most directly.
+Reference: https://platform.openai.com/docs/api-reference/chat and /completions.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, NotRequired, TypedDict
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# ---------------------------------------------------------------- requests
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+
+class ContentPart(_Request):
+    """One part of a multi-part message; only `text` parts carry meaning here."""
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Request):
+    # "developer" is OpenAI's newer name for "system" on reasoning models.
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # Null is legal for assistant turns that only made tool calls.
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class _Sampling(_Request):
+    model: str = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, ge=0, le=1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    n: int | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    # Newer name for max_tokens; wins when both are sent.
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+
+
+class CompletionRequest(_Sampling):
+    # A list is accepted only when it holds exactly one string (checked in convert).
+    prompt: str | list[str]
+
+
+# ---------------------------------------------------------------- responses
+
+FinishReason = Literal["stop", "length"]
+
+
+class PromptTokensDetails(TypedDict):
+    cached_tokens: int
+
+
+class Usage(TypedDict):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class ChatDelta(TypedDict, total=False):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChunkChoice(TypedDict):
+    index: int
+    delta: ChatDelta
+    logprobs: None
+    finish_reason: FinishReason | None
+
+
+class ChatCompletionChunk(TypedDict):
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[ChatChunkChoice]
+    # Present (null until the last chunk) only when stream_options.include_usage is set.
+    usage: NotRequired[Usage | None]
+
+
+class AssistantMessage(TypedDict):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(TypedDict):
+    index: int
+    message: AssistantMessage
+    logprobs: None
+    finish_reason: FinishReason
+
+
+class ChatCompletion(TypedDict):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class CompletionChoice(TypedDict):
+    text: str
+    index: int
+    logprobs: None
+    finish_reason: FinishReason | None
+
+
+class Completion(TypedDict):
+    """Both the non-streaming body and each streamed chunk (`object` is the same)."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[CompletionChoice]
+    usage: NotRequired[Usage | None]
+
+
+class Model(TypedDict):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+
+
+class ModelList(TypedDict):
+    object: Literal["list"]
+    data: list[Model]
+
+
+class ErrorDetail(TypedDict):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(TypedDict):
+    error: ErrorDetail

@@ -1,0 +1,180 @@
+"""HTTP routes of the OpenAI dialect: parse, convert, call the daemon, render."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeAlias
+
+import structlog
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from blazar._proto.v1 import inference_pb2
+from blazar.api import errors
+from blazar.shim import context, inference, streaming, validation
+from blazar.shim.openai import convert, protocol
+
+_log = structlog.get_logger("blazar.shim.openai")
+
+_DONE = b"data: [DONE]\n\n"
+
+Renderer: TypeAlias = convert.ChatStream | convert.CompletionStream
+Handler: TypeAlias = Callable[[Request], Awaitable[Response]]
+
+
+def routes() -> list[Route]:
+    return [
+        Route("/v1/chat/completions", _guarded(chat_completions), methods=["POST"]),
+        Route("/v1/completions", _guarded(completions), methods=["POST"]),
+        Route("/v1/models", _guarded(list_models), methods=["GET"]),
+    ]
+
+
+async def chat_completions(request: Request) -> Response:
+    ctx = context.of(request)
+    try:
+        body = validation.parse_body(protocol.ChatCompletionRequest, await request.body())
+        canonical = convert.chat_request(body)
+    except errors.BlazarError as err:
+        return error(err)
+    meta = convert.ResponseMeta(
+        id=f"chatcmpl-{ctx.request_id}", created=int(time.time()), model=body.model
+    )
+    stream = inference.client_of(request).chat(canonical, metadata=ctx.grpc_metadata())
+    if body.stream:
+        renderer = convert.ChatStream(meta, include_usage=convert.include_usage(body))
+        return await _stream(request, stream, renderer)
+    return await _collect(request, stream, lambda answer: answer.chat_completion(meta))
+
+
+async def completions(request: Request) -> Response:
+    ctx = context.of(request)
+    try:
+        body = validation.parse_body(protocol.CompletionRequest, await request.body())
+        canonical = convert.complete_request(body)
+    except errors.BlazarError as err:
+        return error(err, prompt_param="prompt")
+    meta = convert.ResponseMeta(
+        id=f"cmpl-{ctx.request_id}", created=int(time.time()), model=body.model
+    )
+    stream = inference.client_of(request).complete(canonical, metadata=ctx.grpc_metadata())
+    if body.stream:
+        renderer = convert.CompletionStream(meta, include_usage=convert.include_usage(body))
+        return await _stream(request, stream, renderer, prompt_param="prompt")
+    return await _collect(
+        request, stream, lambda answer: answer.completion(meta), prompt_param="prompt"
+    )
+
+
+async def list_models(request: Request) -> Response:
+    ctx = context.of(request)
+    try:
+        response = await inference.client_of(request).list_models(metadata=ctx.grpc_metadata())
+    except errors.BlazarError as err:
+        return error(err)
+    return JSONResponse(convert.model_list(response))
+
+
+def error(err: errors.BlazarError, *, prompt_param: str = "messages") -> Response:
+    rendered = convert.error_response(err, prompt_param=prompt_param)
+    return JSONResponse(rendered.body, status_code=rendered.status, headers=rendered.headers)
+
+
+async def _stream(
+    request: Request,
+    stream: inference.ChunkStream,
+    renderer: Renderer,
+    *,
+    prompt_param: str = "messages",
+) -> Response:
+    """Answer with SSE once the first chunk is in, so early errors keep their HTTP status."""
+    try:
+        first = await streaming.until_disconnected(request, anext(stream, None))
+    except streaming.ClientDisconnected:
+        stream.cancel()
+        return Response(status_code=streaming.CLIENT_CLOSED_REQUEST)
+    except errors.BlazarError as err:
+        stream.cancel()
+        return error(err, prompt_param=prompt_param)
+    except BaseException:
+        stream.cancel()
+        raise
+    return streaming.EventStream(_events(stream, renderer, first, prompt_param=prompt_param))
+
+
+async def _events(
+    stream: inference.ChunkStream,
+    renderer: Renderer,
+    first: inference_pb2.Chunk | None,
+    *,
+    prompt_param: str,
+) -> AsyncIterator[bytes]:
+    # Leaving this block for any reason, client disconnect included, cancels the RPC.
+    async with stream:
+        try:
+            for obj in renderer.opening():
+                yield _sse(obj)
+            if first is not None:
+                for obj in renderer.render(first):
+                    yield _sse(obj)
+                async for chunk in stream:
+                    for obj in renderer.render(chunk):
+                        yield _sse(obj)
+            if not renderer.finished:
+                raise convert.truncated()
+        except errors.BlazarError as err:
+            # Headers are gone; OpenAI's clients read an `error` key in a data event.
+            yield _sse(convert.error_response(err, prompt_param=prompt_param).body)
+        except Exception:
+            _log.exception("stream failed")
+            yield _sse(convert.error_response(_internal()).body)
+        yield _DONE
+
+
+async def _collect(
+    request: Request,
+    stream: inference.ChunkStream,
+    render: Callable[[convert.Answer], protocol.ChatCompletion | protocol.Completion],
+    *,
+    prompt_param: str = "messages",
+) -> Response:
+    answer = convert.Answer()
+
+    async def read_all() -> None:
+        async with stream:
+            async for chunk in stream:
+                answer.add(chunk)
+
+    try:
+        await streaming.until_disconnected(request, read_all())
+        body = render(answer)
+    except streaming.ClientDisconnected:
+        return Response(status_code=streaming.CLIENT_CLOSED_REQUEST)
+    except errors.BlazarError as err:
+        return error(err, prompt_param=prompt_param)
+    return JSONResponse(body)
+
+
+def _sse(obj: Any) -> bytes:
+    return streaming.sse_event(json.dumps(obj, ensure_ascii=False, separators=(",", ":")))
+
+
+def _internal() -> errors.BlazarError:
+    return errors.BlazarError("The server had an error while processing your request.")
+
+
+def _guarded(handler: Handler) -> Handler:
+    """Render a bug as a 500 in OpenAI's envelope instead of Starlette's plain text."""
+
+    async def guarded(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except Exception:
+            _log.exception("request failed")
+            return error(_internal())
+
+    guarded.__name__ = handler.__name__
+    return guarded

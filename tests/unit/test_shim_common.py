@@ -1,0 +1,72 @@
+"""Pure helpers every shim dialect shares: field paths, HTTP status, Retry-After."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from blazar.api import errors
+from blazar.shim import http_errors, streaming, validation
+
+
+@pytest.mark.parametrize(
+    ("loc", "document", "missing", "expected"),
+    [
+        (("model",), {}, True, "model"),
+        (
+            ("messages", 0, "content", "str"),
+            {"messages": [{"content": 5}]},
+            False,
+            "messages[0].content",
+        ),
+        (
+            ("messages", 0, "content", "list[ContentPart]", 1, "text"),
+            {"messages": [{"content": [{}, {"text": 1}]}]},
+            False,
+            "messages[0].content[1].text",
+        ),
+        (("stop", "str"), {"stop": {"a": 1}}, False, "stop"),
+        (("messages", 3), {"messages": []}, False, "messages"),
+        ((), [], False, "body"),
+    ],
+)
+def test_field_path(loc: tuple[Any, ...], document: Any, missing: bool, expected: str) -> None:
+    assert validation.field_path(loc, document, missing=missing) == expected
+
+
+@pytest.mark.parametrize(
+    ("err", "status"),
+    [
+        (errors.InvalidRequest("x"), 400),
+        (errors.ContextLengthExceeded("x"), 400),
+        (errors.ModelNotFound.of("m"), 404),
+        (errors.ObjectNotFound("x"), 404),
+        (errors.Overloaded("x"), 429),
+        (errors.Unavailable("x"), 503),
+        (errors.BlazarError("x"), 500),
+    ],
+)
+def test_http_status(err: errors.BlazarError, status: int) -> None:
+    assert http_errors.http_status(err) == status
+
+
+@pytest.mark.parametrize(
+    ("metadata", "seconds"),
+    [
+        ({}, 1),
+        ({"retry_after_ms": "0"}, 1),
+        ({"retry_after_ms": "1000"}, 1),
+        ({"retry_after_ms": "1001"}, 2),
+        ({"retry-after-ms": "4500"}, 5),
+        ({"retry_after_ms": "soon"}, 1),
+        ({"retry_after_ms": "nan"}, 1),
+    ],
+)
+def test_retry_after_seconds(metadata: dict[str, str], seconds: int) -> None:
+    assert http_errors.retry_after_seconds(errors.Overloaded("x", metadata=metadata)) == seconds
+
+
+def test_sse_event_framing() -> None:
+    assert streaming.sse_event('{"a":1}') == b'data: {"a":1}\n\n'
+    assert streaming.sse_event("{}", event="ping") == b"event: ping\ndata: {}\n\n"

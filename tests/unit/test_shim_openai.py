@@ -1,0 +1,750 @@
+"""The OpenAI dialect of the HTTP shim, against a fake `blazar.v1.Inference` servicer.
+
+The fake is Blazar's own gRPC boundary: it streams scripted chunks or aborts with
+scripted errors through `blazar.rpc.status.abort`, exactly as the data plane does.
+Golden files under golden/openai/ pin the translation; regenerate them with
+BLAZAR_UPDATE_GOLDEN=1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx
+import openai
+import pytest
+import uvicorn
+from google.protobuf import json_format
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from blazar._proto.v1 import inference_pb2, inference_pb2_grpc
+from blazar.api import errors
+from blazar.rpc import status
+from blazar.shim import app as shim_app
+from blazar.shim import validation
+from blazar.shim.openai import convert, protocol
+
+GOLDEN = Path(__file__).parent / "golden" / "openai"
+UPDATE_GOLDEN = os.environ.get("BLAZAR_UPDATE_GOLDEN") == "1"
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+# ---------------------------------------------------------------- fake daemon
+
+
+def delta(text: str, tokens: int = 1) -> inference_pb2.Chunk:
+    return inference_pb2.Chunk(delta=inference_pb2.Delta(text=text, tokens=tokens))
+
+
+def final(
+    reason: int = inference_pb2.FINISH_REASON_STOP,
+    *,
+    prompt: int = 7,
+    completion: int = 3,
+    cached: int = 0,
+) -> inference_pb2.Chunk:
+    return inference_pb2.Chunk(
+        final=inference_pb2.Final(
+            finish_reason=reason,  # type: ignore[arg-type]
+            usage=inference_pb2.Usage(
+                prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached
+            ),
+            model="lane-a",
+        )
+    )
+
+
+# One step of a scripted stream: send a chunk, end the RPC with an error, or wait.
+Step = inference_pb2.Chunk | errors.BlazarError | asyncio.Event
+
+HELLO: list[Step] = [delta("Hel"), delta("lo"), delta(" world"), final()]
+
+
+@dataclass
+class FakeInference(inference_pb2_grpc.InferenceServicer):
+    """Serves `scripts[model]`; unknown models get MODEL_NOT_FOUND like the data plane."""
+
+    scripts: dict[str, list[Step]] = field(default_factory=dict)
+    models: list[inference_pb2.ModelInfo] = field(default_factory=list)
+    requests: list[Any] = field(default_factory=list)
+    metadata: list[dict[str, str]] = field(default_factory=list)
+    cancelled: list[str] = field(default_factory=list)
+
+    async def Chat(self, request: Any, context: Any) -> AsyncIterator[inference_pb2.Chunk]:
+        async for chunk in self._play(request, context):
+            yield chunk
+
+    async def Complete(self, request: Any, context: Any) -> AsyncIterator[inference_pb2.Chunk]:
+        async for chunk in self._play(request, context):
+            yield chunk
+
+    async def ListModels(self, request: Any, context: Any) -> inference_pb2.ListModelsResponse:
+        self.metadata.append(dict(context.invocation_metadata()))
+        script = self.scripts.get("__list__", [])
+        for step in script:
+            if isinstance(step, errors.BlazarError):
+                await status.abort(context, step)
+        return inference_pb2.ListModelsResponse(models=self.models)
+
+    async def _play(self, request: Any, context: Any) -> AsyncIterator[inference_pb2.Chunk]:
+        self.requests.append(request)
+        self.metadata.append(dict(context.invocation_metadata()))
+        if request.model not in self.scripts:
+            await status.abort(context, errors.ModelNotFound.of(request.model))
+        try:
+            for step in self.scripts[request.model]:
+                if isinstance(step, asyncio.Event):
+                    await step.wait()
+                elif isinstance(step, errors.BlazarError):
+                    await status.abort(context, step)
+                else:
+                    yield step
+        except asyncio.CancelledError:
+            self.cancelled.append(request.model)
+            raise
+
+
+@dataclass
+class Daemon:
+    fake: FakeInference
+    health: Any
+    target: str
+
+
+@asynccontextmanager
+async def fake_daemon() -> AsyncIterator[Daemon]:
+    server = grpc.aio.server()
+    fake = FakeInference()
+    inference_pb2_grpc.add_InferenceServicer_to_server(fake, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        yield Daemon(fake=fake, health=health_servicer, target=f"127.0.0.1:{port}")
+    finally:
+        await server.stop(grace=None)
+
+
+@asynccontextmanager
+async def asgi_client(target: str) -> AsyncIterator[httpx.AsyncClient]:
+    """The app in-process; httpx's ASGITransport does not run the lifespan, so we do."""
+    app = shim_app.create_app(inference_target=target)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://shim") as client:
+            yield client
+
+
+@pytest.fixture
+async def daemon() -> AsyncIterator[Daemon]:
+    async with fake_daemon() as d:
+        yield d
+
+
+@pytest.fixture
+async def client(daemon: Daemon) -> AsyncIterator[httpx.AsyncClient]:
+    async with asgi_client(daemon.target) as c:
+        yield c
+
+
+@asynccontextmanager
+async def uvicorn_shim(target: str) -> AsyncIterator[str]:
+    """A real uvicorn server on an ephemeral port; yields its base URL."""
+    app = shim_app.create_app(inference_target=target)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host="127.0.0.1",
+            port=0,
+            log_level="warning",
+            lifespan="on",
+            timeout_graceful_shutdown=1,
+        )
+    )
+    task = asyncio.create_task(server.serve())
+    try:
+        await poll(lambda: server.started or task.done(), what="uvicorn to start")
+        assert server.started, task.exception()
+        port = server.servers[0].sockets[0].getsockname()[1]
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await task
+
+
+async def poll(condition: Callable[[], bool], *, what: str, timeout: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def chat_body(model: str = "tiny", **extra: Any) -> dict[str, Any]:
+    return {"model": model, "messages": [{"role": "user", "content": "Hi"}], **extra}
+
+
+def sse_events(text: str) -> list[Any]:
+    """Parse an OpenAI SSE body strictly: only `data:` lines, each event ended by a blank line."""
+    assert text.endswith("\n\n"), text
+    events: list[Any] = []
+    for block in text[:-2].split("\n\n"):
+        assert block.startswith("data: ") and "\n" not in block, block
+        payload = block[len("data: ") :]
+        events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+def normalise(events: Sequence[Any]) -> list[Any]:
+    """Replace per-request ids and clock readings so streams compare across runs."""
+    out = []
+    for event in events:
+        if isinstance(event, dict) and "id" in event:
+            assert re.fullmatch(r"(chatcmpl|cmpl)-[0-9a-f]{32}", event["id"]), event["id"]
+            assert isinstance(event["created"], int)
+            event = {**event, "id": event["id"].split("-")[0] + "-<id>", "created": 0}
+        out.append(event)
+    return out
+
+
+def check_golden(name: str, document: Any) -> None:
+    path = GOLDEN / f"{name}.json"
+    rendered = json.dumps(document, indent=2, ensure_ascii=False, sort_keys=True) + "\n"
+    if UPDATE_GOLDEN:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(rendered)
+        return
+    assert path.exists(), f"{path} is missing; run with BLAZAR_UPDATE_GOLDEN=1 to create it"
+    assert json.loads(path.read_text()) == json.loads(rendered), (
+        f"{path} differs; if the change is intended, rerun with BLAZAR_UPDATE_GOLDEN=1"
+    )
+
+
+def script_json(script: Sequence[Step]) -> list[Any]:
+    out: list[Any] = []
+    for step in script:
+        if isinstance(step, inference_pb2.Chunk):
+            out.append(json_format.MessageToDict(step, preserving_proto_field_name=True))
+        elif isinstance(step, errors.BlazarError):
+            out.append({"abort": type(step).__name__, "message": step.message, **step.metadata})
+    return out
+
+
+# ---------------------------------------------------------------- golden: requests in
+
+REQUEST_CASES: dict[
+    str, tuple[type[protocol.ChatCompletionRequest | protocol.CompletionRequest], dict[str, Any]]
+] = {
+    "request_chat_minimal": (protocol.ChatCompletionRequest, chat_body()),
+    "request_chat_full": (
+        protocol.ChatCompletionRequest,
+        {
+            "model": "gemma",
+            "messages": [
+                {"role": "developer", "content": "Be brief."},
+                {"role": "system", "content": "You are terse."},
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "Hello"},
+                        {"type": "text", "text": "there"},
+                    ],
+                },
+                {"role": "assistant", "content": None},
+                {"role": "user", "content": "Again", "name": "bob"},
+            ],
+            "max_tokens": 10,
+            "max_completion_tokens": 20,
+            "temperature": 0,
+            "top_p": 0.5,
+            "seed": 2**40 + 5,
+            "stop": ["\n\n", "", "END"],
+            "presence_penalty": 0.25,
+            "frequency_penalty": -0.5,
+            "n": 1,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "user": "someone",
+            "logit_bias": {"50256": -100},
+            "parallel_tool_calls": False,
+        },
+    ),
+    "request_chat_stop_string": (
+        protocol.ChatCompletionRequest,
+        chat_body(stop="###", max_tokens=1, temperature=1.5),
+    ),
+    "request_completion_string": (
+        protocol.CompletionRequest,
+        {"model": "base", "prompt": "Once upon", "max_tokens": 16, "seed": 3, "echo": False},
+    ),
+    "request_completion_list_of_one": (
+        protocol.CompletionRequest,
+        {"model": "base", "prompt": ["Once upon"], "stop": "\n", "top_p": 1},
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REQUEST_CASES))
+def test_request_translation_matches_golden(name: str) -> None:
+    model, body = REQUEST_CASES[name]
+    parsed = validation.parse_body(model, json.dumps(body).encode())
+    if isinstance(parsed, protocol.ChatCompletionRequest):
+        canonical: Any = convert.chat_request(parsed)
+    else:
+        canonical = convert.complete_request(parsed)
+    check_golden(
+        name,
+        {
+            "http_body": body,
+            "canonical": {
+                "type": type(canonical).DESCRIPTOR.full_name,
+                "message": json_format.MessageToDict(canonical, preserving_proto_field_name=True),
+            },
+        },
+    )
+
+
+def test_unset_sampling_fields_stay_unset() -> None:
+    parsed = validation.parse_body(protocol.ChatCompletionRequest, json.dumps(chat_body()).encode())
+    sampling = convert.chat_request(parsed).sampling
+    for name in ("temperature", "top_p", "seed", "max_tokens", "presence_penalty"):
+        assert not sampling.HasField(name), name
+    zero = validation.parse_body(
+        protocol.ChatCompletionRequest, json.dumps(chat_body(temperature=0)).encode()
+    )
+    assert convert.chat_request(zero).sampling.HasField("temperature")
+
+
+# ---------------------------------------------------------------- golden: streams out
+
+STREAM_CASES: dict[str, tuple[str, dict[str, Any], list[Step]]] = {
+    "stream_chat": ("/v1/chat/completions", chat_body(stream=True), HELLO),
+    "stream_chat_include_usage": (
+        "/v1/chat/completions",
+        chat_body(stream=True, stream_options={"include_usage": True}),
+        [delta("Hi"), delta(""), delta("!"), final(prompt=12, completion=2, cached=8)],
+    ),
+    "stream_chat_length": (
+        "/v1/chat/completions",
+        chat_body(stream=True, max_tokens=2),
+        [delta("a"), delta("b"), final(inference_pb2.FINISH_REASON_LENGTH, completion=2)],
+    ),
+    "stream_chat_error_after_start": (
+        "/v1/chat/completions",
+        chat_body(stream=True),
+        [delta("par"), errors.Unavailable("The replica serving 'tiny' stopped.")],
+    ),
+    "stream_chat_truncated": ("/v1/chat/completions", chat_body(stream=True), [delta("x")]),
+    "stream_completion": (
+        "/v1/completions",
+        {"model": "tiny", "prompt": "Once", "stream": True},
+        [delta(" upon"), delta(" a time"), final(inference_pb2.FINISH_REASON_LENGTH)],
+    ),
+    "stream_completion_include_usage": (
+        "/v1/completions",
+        {
+            "model": "tiny",
+            "prompt": "Once",
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+        [delta(" upon"), final(prompt=2, completion=1, cached=1)],
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(STREAM_CASES))
+async def test_stream_matches_golden(name: str, daemon: Daemon, client: httpx.AsyncClient) -> None:
+    path, body, script = STREAM_CASES[name]
+    daemon.fake.scripts["tiny"] = script
+    response = await client.post(path, json=body)
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(response.text)
+    assert events[-1] == "[DONE]"
+    ids = {e["id"] for e in events if isinstance(e, dict) and "id" in e}
+    assert ids == {f"{path_prefix(path)}-{response.headers['x-request-id']}"}
+    check_golden(
+        name,
+        {"path": path, "http_body": body, "chunks": script_json(script), "sse": normalise(events)},
+    )
+
+
+def path_prefix(path: str) -> str:
+    return "chatcmpl" if "chat" in path else "cmpl"
+
+
+# ---------------------------------------------------------------- happy paths
+
+
+async def test_chat_non_stream(daemon: Daemon, client: httpx.AsyncClient) -> None:
+    daemon.fake.scripts["tiny"] = [delta("Hel"), delta("lo"), final(cached=4)]
+    response = await client.post("/v1/chat/completions", json=chat_body(temperature=0.5))
+    assert response.status_code == 200, response.text
+    body = response.json()
+    request_id = response.headers["x-request-id"]
+    assert body == {
+        "id": f"chatcmpl-{request_id}",
+        "object": "chat.completion",
+        "created": body["created"],
+        "model": "tiny",
+        "system_fingerprint": convert.SYSTEM_FINGERPRINT,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "Hello"},
+                "logprobs": None,
+                "finish_reason": "stop",
+            }
+        ],
+        "usage": {
+            "prompt_tokens": 7,
+            "completion_tokens": 3,
+            "total_tokens": 10,
+            "prompt_tokens_details": {"cached_tokens": 4},
+        },
+    }
+    # The request id travels to the daemon so its logs join the shim's.
+    assert daemon.fake.metadata[-1]["x-request-id"] == request_id
+    assert daemon.fake.requests[-1].sampling.temperature == pytest.approx(0.5)
+
+
+async def test_completion_non_stream(daemon: Daemon, client: httpx.AsyncClient) -> None:
+    daemon.fake.scripts["base"] = [delta(" upon"), delta(" a time"), final()]
+    response = await client.post(
+        "/v1/completions", json={"model": "base", "prompt": ["Once"], "max_tokens": 4}
+    )
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["object"] == "text_completion"
+    assert body["id"] == f"cmpl-{response.headers['x-request-id']}"
+    assert body["choices"] == [
+        {"text": " upon a time", "index": 0, "logprobs": None, "finish_reason": "stop"}
+    ]
+    assert body["usage"]["total_tokens"] == 10
+    assert daemon.fake.requests[-1].prompt == "Once"
+    assert daemon.fake.requests[-1].sampling.max_tokens == 4
+
+
+async def test_models_list(daemon: Daemon, client: httpx.AsyncClient) -> None:
+    daemon.fake.models = [
+        inference_pb2.ModelInfo(id="gemma", lane="gemma", created=1700000000, ready=True),
+        inference_pb2.ModelInfo(id="tiny", lane="gemma", created=1700000001),
+    ]
+    response = await client.get("/v1/models")
+    assert response.status_code == 200
+    assert response.json() == {
+        "object": "list",
+        "data": [
+            {"id": "gemma", "object": "model", "created": 1700000000, "owned_by": "blazar"},
+            {"id": "tiny", "object": "model", "created": 1700000001, "owned_by": "blazar"},
+        ],
+    }
+
+
+async def test_every_response_has_a_fresh_request_id(
+    daemon: Daemon, client: httpx.AsyncClient
+) -> None:
+    first = await client.get("/healthz")
+    second = await client.post("/v1/chat/completions", content=b"{")
+    ids = {first.headers["x-request-id"], second.headers["x-request-id"]}
+    assert len(ids) == 2
+    assert all(re.fullmatch(r"[0-9a-f]{32}", i) for i in ids)
+
+
+async def test_api_key_is_forwarded_as_bearer(daemon: Daemon, client: httpx.AsyncClient) -> None:
+    daemon.fake.scripts["tiny"] = HELLO
+    await client.post("/v1/chat/completions", json=chat_body(), headers={"x-api-key": "k1"})
+    assert daemon.fake.metadata[-1]["authorization"] == "Bearer k1"
+    await client.post(
+        "/v1/chat/completions", json=chat_body(), headers={"authorization": "Bearer k2"}
+    )
+    assert daemon.fake.metadata[-1]["authorization"] == "Bearer k2"
+
+
+# ---------------------------------------------------------------- probes
+
+
+async def test_healthz_follows_grpc_health(daemon: Daemon, client: httpx.AsyncClient) -> None:
+    ok = await client.get("/healthz")
+    assert (ok.status_code, ok.json()) == (200, {"status": "ok"})
+    await daemon.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+    down = await client.get("/healthz")
+    assert down.status_code == 503
+
+
+async def test_daemon_down() -> None:
+    async with fake_daemon() as d:
+        target = d.target  # a port that nothing listens on once the server stops
+    async with asgi_client(target) as client:
+        assert (await client.get("/healthz")).status_code == 503
+        response = await client.post("/v1/chat/completions", json=chat_body())
+        assert response.status_code == 503
+        assert response.json()["error"]["type"] == "server_error"
+
+
+# ---------------------------------------------------------------- errors
+
+
+async def test_unknown_model_is_404(daemon: Daemon, client: httpx.AsyncClient) -> None:
+    response = await client.post("/v1/chat/completions", json=chat_body("nope", stream=True))
+    assert response.status_code == 404
+    assert response.json() == {
+        "error": {
+            "message": "The model 'nope' does not exist.",
+            "type": "invalid_request_error",
+            "param": "model",
+            "code": "model_not_found",
+        }
+    }
+
+
+@pytest.mark.parametrize(
+    ("content", "param", "fragment"),
+    [
+        (b'{"model": "tiny", "messages": [', None, "could not parse the JSON body"),
+        (b"\xff\xfe", None, "could not parse the JSON body"),
+        (b"[]", None, "must be a JSON object"),
+        (
+            json.dumps(chat_body(temperature="hot")).encode(),
+            "temperature",
+            "'temperature'",
+        ),
+        (
+            json.dumps({"model": "tiny", "messages": [{"role": "user", "content": 5}]}).encode(),
+            "messages[0].content",
+            "'messages[0].content'",
+        ),
+        (
+            json.dumps(
+                {
+                    "model": "tiny",
+                    "messages": [{"role": "user", "content": [{"type": "text", "text": 1}]}],
+                }
+            ).encode(),
+            "messages[0].content[0].text",
+            "'messages[0].content[0].text'",
+        ),
+        (
+            json.dumps(
+                {
+                    "model": "tiny",
+                    "messages": [{"role": "user", "content": [{"type": "image_url"}]}],
+                }
+            ).encode(),
+            "messages[0].content[0].type",
+            "'image_url'",
+        ),
+        (json.dumps({"messages": []}).encode(), "model", "'model'"),
+        (json.dumps(chat_body(n=2)).encode(), "n", "n=2"),
+        (json.dumps(chat_body(max_tokens=0)).encode(), "max_tokens", "'max_tokens'"),
+        (json.dumps(chat_body(stream="yes")).encode(), "stream", "'stream'"),
+    ],
+)
+async def test_bad_chat_body_is_400(
+    daemon: Daemon, client: httpx.AsyncClient, content: bytes, param: str | None, fragment: str
+) -> None:
+    response = await client.post("/v1/chat/completions", content=content)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == param
+    assert fragment in error["message"]
+    assert daemon.fake.requests == []  # rejected before reaching the daemon
+
+
+@pytest.mark.parametrize(
+    ("prompt", "fragment"),
+    [(["a", "b"], "exactly one string"), ([1, 2, 3], "'prompt"), ([], "exactly one")],
+)
+async def test_bad_completion_prompt_is_400(
+    daemon: Daemon, client: httpx.AsyncClient, prompt: Any, fragment: str
+) -> None:
+    response = await client.post("/v1/completions", json={"model": "tiny", "prompt": prompt})
+    assert response.status_code == 400, response.text
+    assert fragment in response.json()["error"]["message"]
+    assert response.json()["error"]["param"].startswith("prompt")
+
+
+async def test_context_length_exceeded_is_400(daemon: Daemon, client: httpx.AsyncClient) -> None:
+    daemon.fake.scripts["tiny"] = [
+        errors.ContextLengthExceeded.of(prompt_tokens=900, max_tokens=200, context_length=1024)
+    ]
+    for stream in (False, True):
+        response = await client.post("/v1/chat/completions", json=chat_body(stream=stream))
+        assert response.status_code == 400
+        error = response.json()["error"]
+        assert error["code"] == "context_length_exceeded"
+        assert error["type"] == "invalid_request_error"
+        assert error["param"] == "messages"
+        assert "1024" in error["message"] and "1100" in error["message"]
+    response = await client.post("/v1/completions", json={"model": "tiny", "prompt": "x"})
+    assert response.json()["error"]["param"] == "prompt"
+
+
+@pytest.mark.parametrize(
+    ("metadata", "retry_after"),
+    [({"retry_after_ms": "2500"}, "3"), ({"retry_after_ms": "10"}, "1"), ({}, "1")],
+)
+async def test_overloaded_is_429_with_retry_after(
+    daemon: Daemon, client: httpx.AsyncClient, metadata: dict[str, str], retry_after: str
+) -> None:
+    daemon.fake.scripts["tiny"] = [
+        errors.Overloaded("Queue full for lane tiny.", metadata=metadata)
+    ]
+    for stream in (False, True):
+        response = await client.post("/v1/chat/completions", json=chat_body(stream=stream))
+        assert response.status_code == 429
+        assert response.headers["retry-after"] == retry_after
+        assert response.json()["error"] == {
+            "message": "Queue full for lane tiny.",
+            "type": "rate_limit_error",
+            "param": None,
+            "code": "overloaded",
+        }
+
+
+@pytest.mark.parametrize(
+    ("error", "http_status"),
+    [
+        (errors.Unavailable("No ready replica."), 503),
+        (errors.InvalidRequest("Bad stop."), 400),
+        (errors.BlazarError("Engine crashed."), 500),
+    ],
+)
+async def test_daemon_errors_map_to_http_status(
+    daemon: Daemon, client: httpx.AsyncClient, error: errors.BlazarError, http_status: int
+) -> None:
+    daemon.fake.scripts["tiny"] = [error]
+    response = await client.post("/v1/chat/completions", json=chat_body())
+    assert response.status_code == http_status
+    assert response.json()["error"]["message"] == error.message
+    daemon.fake.scripts["__list__"] = [error]
+    assert (await client.get("/v1/models")).status_code == http_status
+
+
+async def test_malformed_request_does_not_disturb_concurrent_good_one(
+    daemon: Daemon, client: httpx.AsyncClient
+) -> None:
+    gate = asyncio.Event()
+    daemon.fake.scripts["tiny"] = [delta("one"), gate, delta(" two"), final()]
+    good = asyncio.create_task(client.post("/v1/chat/completions", json=chat_body(stream=True)))
+    await poll(lambda: len(daemon.fake.requests) == 1, what="the good request to start")
+    bad = await client.post("/v1/chat/completions", content=b'{"model": "tiny", "messages": ')
+    assert bad.status_code == 400
+    gate.set()
+    response = await good
+    events = sse_events(response.text)
+    text = "".join(
+        e["choices"][0]["delta"].get("content", "") for e in events if isinstance(e, dict)
+    )
+    assert text == "one two"
+    assert events[-2]["choices"][0]["finish_reason"] == "stop"
+    assert daemon.fake.cancelled == []
+
+
+# ---------------------------------------------------------------- real server
+
+
+async def test_client_disconnect_cancels_the_rpc(daemon: Daemon) -> None:
+    gate = asyncio.Event()  # never set: the daemon would stream forever
+    daemon.fake.scripts["tiny"] = [delta("first"), gate]
+    async with uvicorn_shim(daemon.target) as base, httpx.AsyncClient(base_url=base) as http:
+        async with http.stream(
+            "POST", "/v1/chat/completions", json=chat_body(stream=True)
+        ) as response:
+            assert response.status_code == 200
+            async for line in response.aiter_lines():
+                if '"first"' in line:
+                    break
+        await poll(lambda: daemon.fake.cancelled == ["tiny"], what="the RPC to be cancelled")
+
+
+async def test_disconnect_while_queued_cancels_the_rpc(daemon: Daemon) -> None:
+    gate = asyncio.Event()  # the first chunk never comes, as in a long admission queue
+    daemon.fake.scripts["tiny"] = [gate]
+    async with uvicorn_shim(daemon.target) as base:
+        for stream in (True, False):
+            async with httpx.AsyncClient(base_url=base) as http:
+                request = asyncio.create_task(
+                    http.post("/v1/chat/completions", json=chat_body(stream=stream))
+                )
+                await poll(lambda: len(daemon.fake.requests) == 1, what="the RPC to start")
+                request.cancel()
+                await asyncio.gather(request, return_exceptions=True)
+            await poll(lambda: daemon.fake.cancelled == ["tiny"], what="the RPC to be cancelled")
+            daemon.fake.requests.clear()
+            daemon.fake.cancelled.clear()
+
+
+async def test_official_openai_client(daemon: Daemon) -> None:
+    daemon.fake.scripts["tiny"] = HELLO
+    daemon.fake.models = [inference_pb2.ModelInfo(id="tiny", lane="tiny", created=1)]
+    async with uvicorn_shim(daemon.target) as base:
+        sdk = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+        try:
+            stream = await sdk.chat.completions.create(
+                model="tiny",
+                messages=[{"role": "user", "content": "Hi"}],
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+            pieces, reasons, usage = [], [], None
+            async for chunk in stream:
+                for choice in chunk.choices:
+                    pieces.append(choice.delta.content or "")
+                    reasons.append(choice.finish_reason)
+                usage = chunk.usage or usage
+            assert "".join(pieces) == "Hello world"
+            assert reasons[-1] == "stop"
+            assert usage is not None and usage.total_tokens == 10
+
+            completion = await sdk.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=5
+            )
+            assert completion.choices[0].message.content == "Hello world"
+            assert completion.choices[0].finish_reason == "stop"
+            assert completion.usage is not None
+            assert completion.usage.prompt_tokens_details is not None
+            assert completion.usage.prompt_tokens_details.cached_tokens == 0
+
+            text = await sdk.completions.create(model="tiny", prompt="Say")
+            assert text.choices[0].text == "Hello world"
+
+            models = await sdk.models.list()
+            assert [m.id for m in models.data] == ["tiny"]
+
+            with pytest.raises(openai.NotFoundError) as not_found:
+                await sdk.chat.completions.create(
+                    model="missing", messages=[{"role": "user", "content": "Hi"}]
+                )
+            assert not_found.value.code == "model_not_found"
+
+            daemon.fake.scripts["tiny"] = [delta("par"), errors.Unavailable("Replica died.")]
+            broken = await sdk.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "Hi"}], stream=True
+            )
+            with pytest.raises(openai.APIError, match="Replica died"):
+                async for _ in broken:
+                    pass
+        finally:
+            await sdk.close()
