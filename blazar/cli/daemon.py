@@ -1,0 +1,137 @@
+"""`blazar serve`: wires store, supervisor, controller, gRPC data plane, HTTP shim and
+the GitOps watcher into one asyncio process, and takes them down in reverse order.
+
+Once listening it writes `$BLAZAR_HOME/daemon.json` with its pid and the addresses it
+actually bound (port 0 picks free ports), which is how tests and tools find it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+import structlog
+import uvicorn
+
+from blazar.api.kinds import Kind
+from blazar.controller.lane import LaneReconciler
+from blazar.controller.manager import Manager
+from blazar.controller.model import ModelReconciler
+from blazar.controller.policy import PolicyReconciler
+from blazar.dataplane import server as dataplane_server
+from blazar.engine.supervisor import Supervisor
+from blazar.gitops import watcher
+from blazar.shim.app import create_app
+from blazar.store.sqlite import SQLiteStore
+
+log = structlog.get_logger(__name__)
+
+DEFAULT_HTTP = "127.0.0.1:8420"
+DEFAULT_GRPC = "127.0.0.1:8421"
+
+
+def default_home() -> Path:
+    env = os.environ.get("BLAZAR_HOME")
+    if env:
+        return Path(env).expanduser()
+    data = Path(os.environ.get("XDG_DATA_HOME", Path.home() / ".local" / "share"))
+    return data / "blazar"
+
+
+def split_address(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"address '{address}' is not HOST:PORT")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+@dataclass(frozen=True)
+class Options:
+    home: Path
+    http: str = DEFAULT_HTTP
+    grpc: str = DEFAULT_GRPC
+    watch: Path | None = None
+    log_json: bool = True
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+async def run(options: Options) -> None:
+    home = options.home
+    home.mkdir(parents=True, exist_ok=True)
+    store = SQLiteStore(home / "state.db")
+    manager: Manager | None = None
+
+    def lane_changed(lane: str) -> None:
+        if manager is not None:
+            manager.enqueue(Kind.LANE, lane)
+
+    supervisor = Supervisor(home=home, on_change=lane_changed, log_json=options.log_json)
+    manager = Manager(
+        store=store,
+        reconcilers=[
+            ModelReconciler(store=store, models_dir=home / "models", clock=_now),
+            LaneReconciler(store=store, processes=supervisor, clock=_now),
+            PolicyReconciler(kind=Kind.SLO_POLICY, store=store, clock=_now),
+            PolicyReconciler(kind=Kind.SPEC_PAIR, store=store, clock=_now),
+        ],
+    )
+    plane = await dataplane_server.start(store=store, address=options.grpc)
+    grpc_host, _ = split_address(options.grpc)
+    grpc_target = f"{grpc_host}:{plane.port}"
+
+    http_host, http_port = split_address(options.http)
+    sock = socket.socket(socket.AF_INET6 if ":" in http_host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((http_host, http_port))
+    http_bound = f"{http_host}:{sock.getsockname()[1]}"
+    shim = uvicorn.Server(
+        uvicorn.Config(
+            create_app(inference_target=grpc_target),
+            log_level="warning",
+            access_log=False,
+            lifespan="on",
+        )
+    )
+    shim_task = asyncio.create_task(shim.serve(sockets=[sock]), name="shim")
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    await manager.start()
+    gitops_task = None
+    if options.watch is not None:
+        gitops_task = asyncio.create_task(watcher.watch(store, options.watch, stop), name="gitops")
+
+    while not shim.started and not shim_task.done():
+        await asyncio.sleep(0.02)
+    info = {"pid": os.getpid(), "grpc": grpc_target, "http": http_bound, "home": str(home)}
+    (home / "daemon.json").write_text(json.dumps(info))
+    log.info("daemon.serving", **info)
+
+    await stop.wait()
+    log.info("daemon.stopping")
+    shim.should_exit = True
+    await plane.set_serving(False)
+    if gitops_task is not None:
+        await gitops_task
+    await manager.stop()
+    await supervisor.stop_all()
+    await plane.stop(grace=5)
+    with contextlib.suppress(asyncio.CancelledError):
+        await shim_task
+    store.close()
+    with contextlib.suppress(FileNotFoundError):
+        (home / "daemon.json").unlink()
+    log.info("daemon.stopped")

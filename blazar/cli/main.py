@@ -1,0 +1,226 @@
+"""`blazar`: the daemon (`serve`) and kubectl-like commands that talk to it over gRPC.
+
+Every command finds the daemon at --server, else $BLAZAR_GRPC_ADDR, else 127.0.0.1:8421.
+Errors from the server print as `Error from server (Reason): message` and exit 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from blazar import logs
+from blazar._proto.v1 import control_pb2, control_pb2_grpc
+from blazar.api import errors, kinds, manifests
+from blazar.cli import printers
+from blazar.rpc import status
+
+
+def _server(args: argparse.Namespace) -> str:
+    return str(args.server or os.environ.get("BLAZAR_GRPC_ADDR") or "127.0.0.1:8421")
+
+
+def _stub(args: argparse.Namespace) -> control_pb2_grpc.ControlStub:
+    return control_pb2_grpc.ControlStub(grpc.insecure_channel(_server(args)))
+
+
+def _read_docs(target: str) -> list[tuple[str, dict[str, Any]]]:
+    if target == "-":
+        return manifests.parse_documents(sys.stdin.read(), source="<stdin>")
+    path = Path(target)
+    if not path.exists():
+        raise errors.InvalidRequest(f"the path '{target}' does not exist")
+    return manifests.load_path(path)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from blazar.cli import daemon  # the daemon's imports are heavy; only serve needs them
+
+    logs.configure(json=None if not args.log_json else True)
+    home = Path(args.home).expanduser() if args.home else daemon.default_home()
+    options = daemon.Options(
+        home=home,
+        http=args.http or os.environ.get("BLAZAR_HTTP_ADDR") or daemon.DEFAULT_HTTP,
+        grpc=args.grpc or os.environ.get("BLAZAR_GRPC_ADDR") or daemon.DEFAULT_GRPC,
+        watch=Path(args.watch) if args.watch else None,
+        log_json=True,
+    )
+    asyncio.run(daemon.run(options))
+    return 0
+
+
+def cmd_apply(args: argparse.Namespace) -> int:
+    docs = _read_docs(args.filename)
+    request = control_pb2.ApplyRequest(
+        objects_json=[json.dumps(doc) for _, doc in docs],
+        dry_run=args.dry_run,
+        field_manager="blazar-cli",
+    )
+    response = _stub(args).Apply(request)
+    suffix = " (dry run)" if args.dry_run else ""
+    for result in response.results:
+        print(f"{result.kind.lower()}/{result.name} {result.action}{suffix}")
+    return 0
+
+
+def _objects(args: argparse.Namespace) -> tuple[str, list[dict[str, Any]]]:
+    kind = kinds.resolve_kind(args.kind)
+    stub = _stub(args)
+    if args.name:
+        got = stub.Get(control_pb2.GetRequest(kind=kind.value, name=args.name))
+        return kind.value, [json.loads(got.object_json)]
+    listed = stub.List(control_pb2.ListRequest(kind=kind.value, label_selector=args.selector or ""))
+    return kind.value, [json.loads(o) for o in listed.objects_json]
+
+
+def cmd_get(args: argparse.Namespace) -> int:
+    kind, objs = _objects(args)
+    if args.output == "yaml":
+        print(printers.as_yaml(objs))
+    elif args.output == "json":
+        print(printers.as_json(objs))
+    elif not objs:
+        print(f"No {kind} resources found.", file=sys.stderr)
+    else:
+        print(printers.table(kind, objs, wide=args.output == "wide", now=datetime.now(UTC)))
+    return 0
+
+
+def cmd_describe(args: argparse.Namespace) -> int:
+    kind, objs = _objects(args)
+    stub = _stub(args)
+    pages = []
+    for obj in objs:
+        name = obj["metadata"]["name"]
+        events = stub.Events(control_pb2.EventsRequest(kind=kind, name=name, limit=50)).events
+        pages.append(
+            printers.describe(obj, [_event_dict(e) for e in events], now=datetime.now(UTC))
+        )
+    print("\n\n".join(pages))
+    return 0
+
+
+def cmd_delete(args: argparse.Namespace) -> int:
+    stub = _stub(args)
+    targets: list[tuple[str, str]]
+    if args.filename:
+        objs = manifests.parse_objects(_read_docs(args.filename))
+        targets = [(o.kind, o.metadata.name) for o in objs]
+    elif args.kind and args.name:
+        targets = [(kinds.resolve_kind(args.kind).value, args.name)]
+    else:
+        raise errors.InvalidRequest("delete needs KIND NAME or -f FILE")
+    for kind, name in targets:
+        stub.Delete(control_pb2.DeleteRequest(kind=kind, name=name))
+        print(f"{kind.lower()}/{name} deleted")
+    return 0
+
+
+def _event_dict(e: control_pb2.Event) -> dict[str, Any]:
+    return {"time": e.time, "type": e.type, "reason": e.reason, "kind": e.kind, "name": e.name,
+            "message": e.message}  # fmt: skip
+
+
+def cmd_events(args: argparse.Namespace) -> int:
+    kind = kinds.resolve_kind(args.kind).value if args.kind else ""
+    response = _stub(args).Events(
+        control_pb2.EventsRequest(kind=kind, name=args.name or "", limit=args.limit)
+    )
+    events = [_event_dict(e) for e in response.events]
+    if args.output == "json":
+        print(json.dumps(events, indent=2))
+    else:
+        print(printers.events_table(events, now=datetime.now(UTC)))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="blazar", description="Local LLM inference controller.")
+    parser.add_argument(
+        "--server", help="daemon gRPC address (default $BLAZAR_GRPC_ADDR or 127.0.0.1:8421)"
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the daemon")
+    serve.add_argument(
+        "--watch", metavar="DIR", help="apply every manifest under DIR, again on change"
+    )
+    serve.add_argument(
+        "--http", help="HTTP shim address (default $BLAZAR_HTTP_ADDR or 127.0.0.1:8420)"
+    )
+    serve.add_argument("--grpc", help="gRPC address (default $BLAZAR_GRPC_ADDR or 127.0.0.1:8421)")
+    serve.add_argument(
+        "--home", help="state directory (default $BLAZAR_HOME or ~/.local/share/blazar)"
+    )
+    serve.add_argument("--log-json", action="store_true", help="JSON logs even on a terminal")
+    serve.set_defaults(func=cmd_serve)
+
+    apply = sub.add_parser("apply", help="create or update objects from manifests")
+    apply.add_argument("-f", "--filename", required=True, help="file, directory, or - for stdin")
+    apply.add_argument("--dry-run", action="store_true", help="validate and report, change nothing")
+    apply.set_defaults(func=cmd_apply)
+
+    get = sub.add_parser("get", help="list objects of a kind")
+    get.add_argument("kind")
+    get.add_argument("name", nargs="?")
+    get.add_argument("-o", "--output", choices=["yaml", "json", "wide"])
+    get.add_argument("-l", "--selector", help="label selector key=value,...")
+    get.set_defaults(func=cmd_get)
+
+    describe = sub.add_parser("describe", help="show an object with its conditions and events")
+    describe.add_argument("kind")
+    describe.add_argument("name", nargs="?")
+    describe.add_argument("-l", "--selector")
+    describe.set_defaults(func=cmd_describe)
+
+    delete = sub.add_parser("delete", help="delete objects")
+    delete.add_argument("kind", nargs="?")
+    delete.add_argument("name", nargs="?")
+    delete.add_argument("-f", "--filename")
+    delete.set_defaults(func=cmd_delete)
+
+    events = sub.add_parser("events", help="what the controller did, newest last")
+    events.add_argument("kind", nargs="?")
+    events.add_argument("name", nargs="?")
+    events.add_argument("--limit", type=int, default=200)
+    events.add_argument("-o", "--output", choices=["json"])
+    events.set_defaults(func=cmd_events)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except errors.BlazarError as err:
+        print(f"error: {err.message}", file=sys.stderr)
+        return 1
+    except grpc.RpcError as exc:
+        remote = status.from_rpc_error(exc)
+        if isinstance(exc, grpc.Call) and exc.code() == grpc.StatusCode.UNAVAILABLE:
+            print(
+                f"error: cannot reach the Blazar daemon at {_server(args)}: {remote.message}",
+                file=sys.stderr,
+            )
+        else:
+            print(f"Error from server ({_camel(remote.reason)}): {remote.message}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+def _camel(reason: str) -> str:
+    return "".join(part.capitalize() for part in reason.split("_"))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

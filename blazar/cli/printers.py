@@ -1,0 +1,218 @@
+"""Pure renderers for the CLI: kubectl-style tables, describe pages, YAML and JSON."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+import yaml
+
+Obj = dict[str, Any]
+
+
+def age(timestamp: str | None, now: datetime) -> str:
+    """kubectl's compact age: 42s, 5m, 3h, 2d."""
+    if not timestamp:
+        return "<unknown>"
+    then = datetime.fromisoformat(timestamp.replace("Z", "+00:00"))
+    if then.tzinfo is None:
+        then = then.replace(tzinfo=UTC)
+    seconds = max(0, int((now - then).total_seconds()))
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds // size}{unit}"
+    return f"{seconds}s"
+
+
+def condition(obj: Obj, type_: str) -> Obj | None:
+    for cond in obj.get("status", {}).get("conditions", []):
+        if cond.get("type") == type_:
+            return dict(cond)
+    return None
+
+
+def status_word(obj: Obj) -> str:
+    """One word for the STATUS column: Ready, or the reason it is not."""
+    ready = (
+        condition(obj, "Ready") or condition(obj, "ModelReady") or condition(obj, "ResolvedRefs")
+    )
+    degraded = condition(obj, "Degraded")
+    if degraded and degraded.get("status") == "True":
+        return str(degraded.get("reason", "Degraded"))
+    if ready is None:
+        return "Pending"
+    if ready.get("status") == "True":
+        return "Ready"
+    return str(ready.get("reason", "NotReady"))
+
+
+def _size(n: int | None) -> str:
+    if n is None:
+        return ""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
+        n = n / 1024  # type: ignore[assignment]
+    return str(n)
+
+
+Column = tuple[str, Callable[[Obj], Any]]
+
+
+def spec(obj: Obj) -> Obj:
+    return dict(obj.get("spec", {}))
+
+
+def st(obj: Obj) -> Obj:
+    return dict(obj.get("status", {}))
+
+
+def _columns(kind: str, wide: bool, now: datetime) -> list[Column]:
+    name: Column = ("NAME", lambda o: o["metadata"]["name"])
+    age_col: Column = ("AGE", lambda o: age(o["metadata"].get("creationTimestamp"), now))
+    cols: list[Column]
+    if kind == "Lane":
+        cols = [
+            name,
+            ("READY", lambda o: f"{st(o).get('readyReplicas', 0)}/{spec(o).get('replicas', 1)}"),
+            ("STATUS", status_word),
+            ("MODEL", lambda o: spec(o).get("model", "")),
+            (
+                "RESTARTS",
+                lambda o: sum(r.get("restarts", 0) for r in st(o).get("replicaStatuses", [])),
+            ),
+            age_col,
+        ]
+        if wide:
+            cols += [
+                ("ALIASES", lambda o: ",".join(spec(o).get("aliases", [])) or "<none>"),
+                ("SLOTS", lambda o: spec(o).get("slots", "")),
+                ("CONTEXT", lambda o: spec(o).get("contextPerSlot", "")),
+                (
+                    "PIDS",
+                    lambda o: ",".join(str(r.get("pid")) for r in st(o).get("replicaStatuses", [])),
+                ),
+            ]
+    elif kind == "Model":
+        cols = [
+            name,
+            ("STATUS", status_word),
+            ("ARCH", lambda o: st(o).get("architecture", "")),
+            ("SIZE", lambda o: _size(st(o).get("sizeBytes"))),
+            age_col,
+        ]
+        if wide:
+            cols += [("PATH", lambda o: st(o).get("path", ""))]
+    elif kind == "SLOPolicy":
+        cols = [
+            name,
+            ("PRIORITY", lambda o: spec(o).get("priority", 0)),
+            (
+                "TTFT-TARGET",
+                lambda o: (
+                    f"{spec(o)['ttftTargetMs']}ms" if spec(o).get("ttftTargetMs") else "<none>"
+                ),
+            ),
+            ("MAX-QUEUE", lambda o: spec(o).get("maxQueueDepth", "")),
+            ("ON-OVERLOAD", lambda o: spec(o).get("onOverload", "")),
+            age_col,
+        ]
+    elif kind == "SpecPair":
+        cols = [
+            name,
+            ("TARGET", lambda o: spec(o).get("target", "")),
+            ("DRAFT", lambda o: spec(o).get("draft", {}).get("kind", "")),
+            ("STATUS", status_word),
+            age_col,
+        ]
+    else:
+        cols = [name, ("KIND", lambda o: o.get("kind", "")), age_col]
+    return cols
+
+
+def table(kind: str, objs: Sequence[Obj], *, wide: bool = False, now: datetime) -> str:
+    cols = _columns(kind, wide, now)
+    rows = [[h for h, _ in cols]] + [[str(f(o)) for _, f in cols] for o in objs]
+    return "\n".join(_grid(rows))
+
+
+def as_yaml(objs: Sequence[Obj]) -> str:
+    return yaml.safe_dump_all(list(objs), sort_keys=False).rstrip()
+
+
+def as_json(objs: Sequence[Obj]) -> str:
+    if len(objs) == 1:
+        return json.dumps(objs[0], indent=2)
+    return json.dumps({"kind": "List", "items": list(objs)}, indent=2)
+
+
+def describe(obj: Obj, events: Sequence[Obj], *, now: datetime) -> str:
+    meta = obj["metadata"]
+    labels = ", ".join(f"{k}={v}" for k, v in meta.get("labels", {}).items()) or "<none>"
+    created = meta.get("creationTimestamp")
+    observed = obj.get("status", {}).get("observedGeneration")
+    lines = [
+        f"Name:         {meta['name']}",
+        f"Kind:         {obj['kind']}",
+        f"Labels:       {labels}",
+        f"Created:      {created or ''} ({age(created, now)} ago)",
+        f"Generation:   {meta.get('generation')}   Observed: {observed}",
+        "Spec:",
+    ]
+    spec_yaml = yaml.safe_dump(obj.get("spec", {}), sort_keys=False).rstrip()
+    lines += ["  " + line for line in spec_yaml.splitlines()]
+    status = {
+        k: v
+        for k, v in obj.get("status", {}).items()
+        if k not in ("conditions", "replicaStatuses", "observedGeneration")
+    }
+    if status:
+        lines.append("Status:")
+        lines += [
+            "  " + line for line in yaml.safe_dump(status, sort_keys=False).rstrip().splitlines()
+        ]
+    replicas = obj.get("status", {}).get("replicaStatuses", [])
+    if replicas:
+        lines.append("Replicas:")
+        head = ["INDEX", "STATE", "PID", "RESTARTS", "LAST-EXIT", "MESSAGE"]
+        rows = [head] + [
+            [str(r.get("index")), str(r.get("state")), str(r.get("pid")), str(r.get("restarts", 0)),
+             str(r.get("lastExitCode", "")), str(r.get("message", ""))]
+            for r in replicas
+        ]  # fmt: skip
+        lines += ["  " + _grid(rows)[i] for i in range(len(rows))]
+    conds = obj.get("status", {}).get("conditions", [])
+    lines.append("Conditions:")
+    if conds:
+        rows = [["TYPE", "STATUS", "REASON", "MESSAGE"]] + [
+            [c["type"], c["status"], c.get("reason", ""), c.get("message", "")] for c in conds
+        ]
+        lines += ["  " + line for line in _grid(rows)]
+    else:
+        lines.append("  <none>")
+    lines.append("Events:")
+    if events:
+        rows = [["AGE", "TYPE", "REASON", "MESSAGE"]] + [
+            [age(e.get("time"), now), e["type"], e["reason"], e["message"]] for e in events
+        ]
+        lines += ["  " + line for line in _grid(rows)]
+    else:
+        lines.append("  <none>")
+    return "\n".join(lines)
+
+
+def events_table(events: Sequence[Obj], *, now: datetime) -> str:
+    if not events:
+        return "No events."
+    rows = [["LAST SEEN", "TYPE", "REASON", "OBJECT", "MESSAGE"]] + [
+        [age(e.get("time"), now), e["type"], e["reason"], f"{e['kind']}/{e['name']}", e["message"]]
+        for e in events
+    ]
+    return "\n".join(_grid(rows))
+
+
+def _grid(rows: Sequence[Sequence[str]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["   ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]

@@ -1,0 +1,154 @@
+"""The Lane reconciler: runs `replicas` engine workers for a Lane and reports on them.
+
+Reads the Lane, its Model and what the supervisor observes, asks `lane_plan` what to
+do, does it through `Processes`, records an event per action and per replica
+transition, and writes status. A deleted Lane has all its replicas stopped.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from datetime import datetime
+
+import structlog
+
+from blazar.api import conditions
+from blazar.api.kinds import Kind, Lane, LaneStatus, Model
+from blazar.api.replicas import LaunchSpec, ReplicaObservation, ReplicaState
+from blazar.controller import lane_plan
+from blazar.controller.processes import Processes
+from blazar.controller.reconciler import Result
+from blazar.store.base import Store
+
+log = structlog.get_logger(__name__)
+
+
+def model_readiness(lane: Lane, model: Model | None) -> lane_plan.ModelReadiness:
+    if lane.spec.engine != "llama-cpp":
+        return lane_plan.ModelReadiness(
+            False, "EngineUnsupported", f"Engine '{lane.spec.engine}' is not supported yet."
+        )
+    if model is None:
+        return lane_plan.ModelReadiness(
+            False, "ModelNotFound", f'Model "{lane.spec.model}" does not exist.'
+        )
+    cond = conditions.get_condition(model.status.conditions, "ModelReady")
+    if cond is None or not model.status.path:
+        return lane_plan.ModelReadiness(
+            False, "ModelPending", f'Model "{model.metadata.name}" is not resolved yet.'
+        )
+    if not conditions.is_true(model.status.conditions, "ModelReady"):
+        return lane_plan.ModelReadiness(False, cond.reason, cond.message)
+    return lane_plan.ModelReadiness(True, "ModelReady", f"Serving {model.status.path}.")
+
+
+def launch_spec(lane: Lane, model: Model, *, default_threads: int) -> LaunchSpec:
+    assert model.status.path is not None
+    return LaunchSpec(
+        model_path=model.status.path,
+        slots=lane.spec.slots,
+        context_per_slot=lane.spec.context_per_slot,
+        threads=lane.spec.threads or default_threads,
+        gpu_layers=lane.spec.gpu_layers,
+        chat_template=model.spec.chat_template,
+    )
+
+
+class LaneReconciler:
+    kind = Kind.LANE
+
+    def __init__(
+        self,
+        *,
+        store: Store,
+        processes: Processes,
+        clock: Callable[[], datetime],
+        default_threads: int | None = None,
+    ) -> None:
+        self._store = store
+        self._processes = processes
+        self._clock = clock
+        self._default_threads = default_threads or os.cpu_count() or 1
+
+    async def reconcile(self, name: str) -> Result:
+        lane = self._store.get(Kind.LANE, name)
+        if lane is None:
+            await self._stop_all(name)
+            return Result()
+        assert isinstance(lane, Lane)
+        model = self._store.get(Kind.MODEL, lane.spec.model)
+        assert model is None or isinstance(model, Model)
+        readiness = model_readiness(lane, model)
+        launch = None
+        if readiness.ready and model is not None:
+            launch = launch_spec(lane, model, default_threads=self._default_threads)
+        plan = lane_plan.plan_replicas(
+            desired=lane.spec.replicas,
+            launch=launch,
+            observed=self._processes.observe(name),
+            now=self._clock(),
+        )
+        for action in plan.actions:
+            await self._act(name, action)
+        observed = self._processes.observe(name)
+        status = lane_plan.lane_status(
+            previous=lane.status,
+            generation=lane.metadata.generation or 0,
+            desired=lane.spec.replicas,
+            model=readiness,
+            observed=observed,
+            now=self._clock(),
+        )
+        self._record_transitions(name, lane.status, observed)
+        self._store.update_status(Kind.LANE, name, status)
+        return Result(requeue_after=plan.requeue_after)
+
+    async def _act(self, name: str, action: lane_plan.Action) -> None:
+        if isinstance(action, lane_plan.Start):
+            if action.restart:
+                self._event(
+                    name, "Warning", "BackOff", f"Restarting crashed replica {action.index}."
+                )
+            else:
+                self._event(name, "Normal", "ReplicaStarting", f"Starting replica {action.index}.")
+            log.info("replica.start", lane=name, index=action.index, restart=action.restart)
+            await self._processes.start(name, action.index, action.launch)
+        else:
+            log.info("replica.stop", lane=name, index=action.index, reason=action.reason)
+            await self._processes.stop(name, action.index)
+            self._event(
+                name,
+                "Normal",
+                "ReplicaStopped",
+                f"Stopped replica {action.index} ({action.reason}).",
+            )
+
+    async def _stop_all(self, name: str) -> None:
+        for obs in self._processes.observe(name):
+            await self._act(name, lane_plan.Stop(obs.index, "LaneDeleted"))
+
+    def _record_transitions(
+        self, name: str, previous: LaneStatus, observed: list[ReplicaObservation]
+    ) -> None:
+        before = {r.index: (r.state, r.pid) for r in previous.replica_statuses}
+        for obs in observed:
+            if before.get(obs.index) == (obs.state.value, obs.pid):
+                continue
+            if obs.state == ReplicaState.READY:
+                self._event(
+                    name, "Normal", "ReplicaReady", f"Replica {obs.index} (pid {obs.pid}) is ready."
+                )
+            elif obs.state == ReplicaState.FAILED:
+                self._event(
+                    name,
+                    "Warning",
+                    "ReplicaCrashed",
+                    f"Replica {obs.index} (pid {obs.pid}) exited with code {obs.exit_code}: "
+                    f"{obs.message or 'no message'}.",
+                )
+
+    def _event(self, name: str, type_: str, reason: str, message: str) -> None:
+        self._store.record_event(
+            kind=Kind.LANE.value, name=name, type=type_, reason=reason, message=message
+        )

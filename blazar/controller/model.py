@@ -1,0 +1,105 @@
+"""The Model reconciler: resolve the source, verify the checksum, read the GGUF header.
+
+Sets status (path, size, digest, architecture, trained context) and the `ModelReady`
+condition. Failures that only a spec change can fix (bad checksum, unsupported source)
+stop retrying; a missing file is polled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from datetime import datetime
+from pathlib import Path
+
+import structlog
+
+from blazar.api import conditions
+from blazar.api.kinds import Kind, Model, ModelStatus
+from blazar.api.meta import ConditionStatus
+from blazar.controller import modelfile
+from blazar.controller.reconciler import Result
+from blazar.store.base import Store
+
+log = structlog.get_logger(__name__)
+
+MISSING_FILE_POLL_S = 10.0
+
+
+class ModelReconciler:
+    kind = Kind.MODEL
+
+    def __init__(self, *, store: Store, models_dir: Path, clock: Callable[[], datetime]) -> None:
+        self._store = store
+        self._models_dir = models_dir
+        self._clock = clock
+
+    async def reconcile(self, name: str) -> Result:
+        model = self._store.get(Kind.MODEL, name)
+        if model is None:
+            return Result()
+        assert isinstance(model, Model)
+        generation = model.metadata.generation or 0
+        try:
+            status = await asyncio.to_thread(self._inspect, model)
+        except modelfile.SourceError as err:
+            self._set(model, ModelStatus(), False, err.reason, err.message)
+            if (model.status.observed_generation, self._reason(model)) != (generation, err.reason):
+                self._store.record_event(
+                    kind=Kind.MODEL.value,
+                    name=name,
+                    type="Warning",
+                    reason=err.reason,
+                    message=err.message,
+                )
+            retry = err.reason in ("FileNotFound", "PackageNotInstalled")
+            return Result(requeue_after=MISSING_FILE_POLL_S if retry else None)
+        was_ready = conditions.is_true(model.status.conditions, "ModelReady")
+        message = f"{status.architecture} model at {status.path} ({status.size_bytes} bytes)."
+        self._set(model, status, True, "Verified" if model.spec.sha256 else "Resolved", message)
+        if not was_ready:
+            self._store.record_event(
+                kind=Kind.MODEL.value,
+                name=name,
+                type="Normal",
+                reason="ModelReady",
+                message=message,
+            )
+        return Result()
+
+    def _inspect(self, model: Model) -> ModelStatus:
+        path = modelfile.resolve(model.spec.source, models_dir=self._models_dir)
+        digest = modelfile.sha256(path) if model.spec.sha256 else None
+        if model.spec.sha256 and digest != model.spec.sha256:
+            raise modelfile.SourceError(
+                "ChecksumMismatch",
+                f"sha256 of {path} is {digest}, but the spec says {model.spec.sha256}.",
+            )
+        info = modelfile.read_gguf(path)
+        return ModelStatus(
+            path=str(path),
+            size_bytes=path.stat().st_size,
+            sha256=digest,
+            architecture=info.architecture,
+            context_length=info.context_length,
+            parameters=info.parameters,
+        )
+
+    @staticmethod
+    def _reason(model: Model) -> str | None:
+        cond = conditions.get_condition(model.status.conditions, "ModelReady")
+        return cond.reason if cond else None
+
+    def _set(self, model: Model, status: ModelStatus, ok: bool, reason: str, message: str) -> None:
+        generation = model.metadata.generation or 0
+        status.observed_generation = generation
+        status.conditions = conditions.set_condition(
+            model.status.conditions,
+            type="ModelReady",
+            status=ConditionStatus.TRUE if ok else ConditionStatus.FALSE,
+            reason=reason,
+            message=message,
+            observed_generation=generation,
+            now=self._clock(),
+        )
+        self._store.update_status(Kind.MODEL, model.metadata.name, status)

@@ -1,0 +1,31 @@
+"""What every reconciler returns, and the errors that steer retries (after kopf)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from blazar.api.kinds import Kind
+
+
+@dataclass(frozen=True)
+class Result:
+    """`requeue_after` seconds: look again later even if nothing changes (polling)."""
+
+    requeue_after: float | None = None
+
+
+class TemporaryError(Exception):
+    """Retry after `delay` seconds instead of the work queue's backoff."""
+
+    def __init__(self, message: str, *, delay: float) -> None:
+        super().__init__(message)
+        self.delay = delay
+
+
+class Reconciler(Protocol):
+    kind: Kind
+
+    async def reconcile(self, name: str) -> Result:
+        """Converge one object of `kind` to its spec; read everything, write status."""
+        ...

@@ -1,0 +1,189 @@
+"""`blazar.v1.Control`: the only write path to desired state (CLI and GitOps use it).
+
+`apply_documents` is the whole admission of manifests: validate every document,
+check references against the batch and the store, then write all or nothing. A
+rejected batch is recorded as a Warning event and changes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, TypeAlias
+
+from blazar._proto.v1 import control_pb2, control_pb2_grpc
+from blazar.api import errors, kinds, manifests
+from blazar.api.errors import FieldError
+from blazar.rpc import status
+from blazar.store.base import ApplyOutcome, Event, Store, WatchEvent, WatchType
+
+# grpc ships no type information; its servicer context is dynamically typed.
+Context: TypeAlias = Any
+
+
+def apply_documents(
+    store: Store,
+    docs: Sequence[tuple[str, dict[str, Any]]],
+    *,
+    dry_run: bool = False,
+    source: str = "apply",
+) -> list[ApplyOutcome]:
+    """Validate and apply docs as one batch; raise ManifestInvalid and write nothing
+    (except a Warning event) when any document is wrong."""
+    try:
+        objects = manifests.validate_objects(
+            docs, exists=lambda kind, name: store.get(kind, name) is not None
+        )
+    except errors.ManifestInvalid as err:
+        if not dry_run:
+            store.record_event(
+                kind="Manifest",
+                name=source,
+                type="Warning",
+                reason="ManifestRejected",
+                message="; ".join(str(e) for e in err.errors),
+            )
+        raise
+    return store.apply_all(objects, dry_run=dry_run)
+
+
+def parse_selector(text: str) -> dict[str, str]:
+    """`key=value,key2=value2` (kubectl's equality-based label selector)."""
+    selector: dict[str, str] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, value = part.partition("=")
+        if not sep or not key.strip():
+            raise errors.InvalidRequest(f"Bad label selector '{part}': expected key=value.")
+        selector[key.strip()] = value.strip().removeprefix("=")
+    return selector
+
+
+def _dump(obj: kinds.Resource) -> str:
+    return json.dumps(manifests.to_dict(obj))
+
+
+def _event(e: Event) -> control_pb2.Event:
+    return control_pb2.Event(
+        time=e.time.isoformat(), type=e.type, reason=e.reason, kind=e.kind, name=e.name,
+        message=e.message,
+    )  # fmt: skip
+
+
+class ControlService(control_pb2_grpc.ControlServicer):
+    def __init__(self, *, store: Store) -> None:
+        self._store = store
+
+    async def Apply(
+        self, request: control_pb2.ApplyRequest, context: Context
+    ) -> control_pb2.ApplyResponse:
+        docs: list[tuple[str, dict[str, Any]]] = []
+        bad: list[FieldError] = []
+        for i, text in enumerate(request.objects_json):
+            try:
+                doc = json.loads(text)
+            except json.JSONDecodeError as exc:
+                bad.append(FieldError(f"object#{i + 1}", f"not valid JSON: {exc}"))
+                continue
+            docs.append((f"object#{i + 1}", doc))
+        try:
+            if bad:
+                raise errors.ManifestInvalid(bad)
+            outcomes = apply_documents(
+                self._store, docs, dry_run=request.dry_run, source=request.field_manager or "apply"
+            )
+        except errors.BlazarError as err:
+            await status.abort(context, err)
+        return control_pb2.ApplyResponse(
+            results=[
+                control_pb2.ApplyResult(
+                    kind=o.object.kind,
+                    name=o.object.metadata.name,
+                    action=o.action.value,
+                    object_json=_dump(o.object),
+                )
+                for o in outcomes
+            ]
+        )
+
+    async def Get(
+        self, request: control_pb2.GetRequest, context: Context
+    ) -> control_pb2.GetResponse:
+        try:
+            kind = kinds.resolve_kind(request.kind)
+            obj = self._store.get(kind, request.name)
+            if obj is None:
+                raise errors.ObjectNotFound(f'{kind.value} "{request.name}" not found.')
+        except errors.BlazarError as err:
+            await status.abort(context, err)
+        return control_pb2.GetResponse(object_json=_dump(obj))
+
+    async def List(
+        self, request: control_pb2.ListRequest, context: Context
+    ) -> control_pb2.ListResponse:
+        try:
+            kind = kinds.resolve_kind(request.kind) if request.kind else None
+            labels = parse_selector(request.label_selector)
+        except errors.BlazarError as err:
+            await status.abort(context, err)
+        objs = self._store.list(kind, labels=labels or None)
+        return control_pb2.ListResponse(
+            objects_json=[_dump(o) for o in objs], resource_version=self._store.resource_version
+        )
+
+    async def Delete(
+        self, request: control_pb2.DeleteRequest, context: Context
+    ) -> control_pb2.DeleteResponse:
+        try:
+            kind = kinds.resolve_kind(request.kind)
+            obj = self._store.delete(kind, request.name)
+            if obj is None:
+                raise errors.ObjectNotFound(f'{kind.value} "{request.name}" not found.')
+        except errors.BlazarError as err:
+            await status.abort(context, err)
+        return control_pb2.DeleteResponse(object_json=_dump(obj))
+
+    async def Watch(
+        self, request: control_pb2.WatchRequest, context: Context
+    ) -> AsyncIterator[control_pb2.WatchEvent]:
+        try:
+            kind = kinds.resolve_kind(request.kind) if request.kind else None
+        except errors.BlazarError as err:
+            await status.abort(context, err)
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[WatchEvent] = asyncio.Queue()
+
+        def on_event(event: WatchEvent) -> None:
+            if kind is None or event.object.kind == kind.value:
+                loop.call_soon_threadsafe(queue.put_nowait, event)
+
+        unsubscribe = self._store.subscribe(on_event)
+        try:
+            rv = self._store.resource_version
+            for obj in self._store.list(kind):
+                yield control_pb2.WatchEvent(
+                    type=WatchType.ADDED.value, object_json=_dump(obj), resource_version=rv
+                )
+            while True:
+                event = await queue.get()
+                yield control_pb2.WatchEvent(
+                    type=event.type.value,
+                    object_json=_dump(event.object),
+                    resource_version=event.resource_version,
+                )
+        finally:
+            unsubscribe()
+
+    async def Events(
+        self, request: control_pb2.EventsRequest, context: Context
+    ) -> control_pb2.EventsResponse:
+        kind: str | None = None
+        try:
+            if request.kind:
+                kind = kinds.resolve_kind(request.kind).value
+        except errors.BlazarError:
+            kind = request.kind  # events also exist for pseudo-kinds such as "Manifest"
+        events = self._store.events(
+            kind=kind, name=request.name or None, limit=request.limit or 200
+        )
+        return control_pb2.EventsResponse(events=[_event(e) for e in events])

@@ -1,0 +1,167 @@
+"""`blazar.v1.Inference`: resolve the model, pick a replica, relay the engine's stream.
+
+The route table is owned here and rebuilt from the store whenever a Lane changes;
+in-flight counts per replica feed `routing.pick_replica`. Requests are FIFO per
+replica (the engine queues them); SLO admission comes in a later layer.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator
+from typing import Any, TypeAlias
+
+import grpc
+import structlog
+
+from blazar._proto.engine.v1 import engine_pb2, engine_pb2_grpc
+from blazar._proto.v1 import inference_pb2, inference_pb2_grpc
+from blazar.api import errors
+from blazar.api.kinds import Kind, Lane
+from blazar.dataplane import routing
+from blazar.rpc import status
+from blazar.store.base import Store, WatchEvent
+
+log = structlog.get_logger(__name__)
+
+# grpc ships no type information; its servicer context is dynamically typed.
+Context: TypeAlias = Any
+
+
+class EnginePool:
+    """One gRPC channel per engine socket, opened on first use."""
+
+    def __init__(self) -> None:
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def stub(self, socket: str) -> engine_pb2_grpc.EngineStub:
+        channel = self._channels.get(socket)
+        if channel is None:
+            channel = grpc.aio.insecure_channel(f"unix:{socket}")
+            self._channels[socket] = channel
+        return engine_pb2_grpc.EngineStub(channel)
+
+    async def retain(self, sockets: set[str]) -> None:
+        """Close channels to sockets that no longer belong to a ready replica."""
+        for socket in set(self._channels) - sockets:
+            await self._channels.pop(socket).close()
+
+    async def close(self) -> None:
+        await self.retain(set())
+
+
+class InferenceService(inference_pb2_grpc.InferenceServicer):
+    def __init__(self, *, store: Store, pool: EnginePool) -> None:
+        self._store = store
+        self._pool = pool
+        self._inflight: Counter[tuple[str, int]] = Counter()
+        self.table = routing.RouteTable()
+        self.refresh()
+        self._unsubscribe = store.subscribe(self._on_store_event)
+
+    def refresh(self) -> None:
+        lanes = [lane for lane in self._store.list(Kind.LANE) if isinstance(lane, Lane)]
+        self.table = routing.build_table(lanes)
+
+    def _on_store_event(self, event: WatchEvent) -> None:
+        if event.object.kind == Kind.LANE.value:
+            self.refresh()
+
+    def close(self) -> None:
+        self._unsubscribe()
+
+    async def ListModels(
+        self, request: inference_pb2.ListModelsRequest, context: Context
+    ) -> inference_pb2.ListModelsResponse:
+        models = []
+        for route in self.table.routes:
+            for name in (route.lane, *route.aliases):
+                if self.table.by_name.get(name) is not route:
+                    continue
+                models.append(
+                    inference_pb2.ModelInfo(
+                        id=name,
+                        lane=route.lane,
+                        model=route.model,
+                        ready=bool(route.replicas),
+                        created=route.created,
+                        context_length=route.context_length,
+                    )
+                )
+        return inference_pb2.ListModelsResponse(models=models)
+
+    async def Chat(
+        self, request: inference_pb2.ChatRequest, context: Context
+    ) -> AsyncIterator[inference_pb2.Chunk]:
+        generate = engine_pb2.GenerateRequest(
+            chat=engine_pb2.ChatInput(messages=request.messages), sampling=request.sampling
+        )
+        async for chunk in self._relay(request.model, generate, context):
+            yield chunk
+
+    async def Complete(
+        self, request: inference_pb2.CompleteRequest, context: Context
+    ) -> AsyncIterator[inference_pb2.Chunk]:
+        generate = engine_pb2.GenerateRequest(prompt=request.prompt, sampling=request.sampling)
+        async for chunk in self._relay(request.model, generate, context):
+            yield chunk
+
+    async def _relay(
+        self, model: str, generate: engine_pb2.GenerateRequest, context: Context
+    ) -> AsyncIterator[inference_pb2.Chunk]:
+        arrived = time.perf_counter()
+        request_id = _request_id(context)
+        generate.request_id = request_id
+        try:
+            route = routing.resolve(self.table, model)
+            replica = routing.pick_replica(route, self._inflight)
+        except errors.BlazarError as err:
+            log.info("request.rejected", request_id=request_id, model=model, reason=err.reason)
+            await status.abort(context, err)
+        key = (replica.lane, replica.index)
+        self._inflight[key] += 1
+        call = self._pool.stub(replica.socket).Generate(generate)
+        first_at: float | None = None
+        tokens = 0
+        try:
+            async for chunk in call:
+                if chunk.HasField("delta"):
+                    if first_at is None:
+                        first_at = time.perf_counter()
+                    tokens += chunk.delta.tokens
+                else:
+                    final = chunk.final
+                    final.model = route.lane
+                    final.routing.lane = route.lane
+                    final.routing.replica = replica.index
+                    end = first_at or time.perf_counter()
+                    final.timings.ttft_ms = (end - arrived) * 1000.0
+                yield chunk
+        except grpc.aio.AioRpcError as exc:
+            failure = status.from_rpc_error(exc)
+            log.info(
+                "request.failed", request_id=request_id, lane=route.lane, reason=failure.reason
+            )
+            await status.abort(context, failure)
+        finally:
+            call.cancel()  # no-op when finished; frees the engine slot when the caller left
+            self._inflight[key] -= 1
+            if self._inflight[key] <= 0:
+                del self._inflight[key]
+        log.info(
+            "request.done",
+            request_id=request_id,
+            lane=route.lane,
+            replica=replica.index,
+            tokens=tokens,
+            seconds=round(time.perf_counter() - arrived, 3),
+        )
+
+
+def _request_id(context: Context) -> str:
+    for key, value in context.invocation_metadata() or ():
+        if key == "x-request-id":
+            return str(value)
+    return uuid.uuid4().hex

@@ -1,0 +1,82 @@
+"""Pure routing: model names and aliases to Lanes, Lanes to ready replicas.
+
+The table is rebuilt from the stored Lanes whenever one changes; picking a replica
+is a function of the table and the data plane's in-flight counts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from blazar.api import errors
+from blazar.api.kinds import Lane
+from blazar.api.replicas import ReplicaState
+
+
+@dataclass(frozen=True)
+class Replica:
+    lane: str
+    index: int
+    socket: str
+
+
+@dataclass(frozen=True)
+class Route:
+    lane: str
+    model: str
+    aliases: tuple[str, ...]
+    replicas: tuple[Replica, ...]
+    created: int
+    context_length: int
+
+
+@dataclass(frozen=True)
+class RouteTable:
+    routes: tuple[Route, ...] = ()
+    by_name: Mapping[str, Route] = field(default_factory=dict)
+
+
+def build_table(lanes: Sequence[Lane]) -> RouteTable:
+    """Lane names first, then aliases in lane-name order: a Lane's own name always
+    wins over another Lane's alias, and the first alias claim wins over later ones."""
+    routes = []
+    for lane in sorted(lanes, key=lambda item: item.metadata.name):
+        ready = tuple(
+            Replica(lane.metadata.name, r.index, r.socket)
+            for r in lane.status.replica_statuses
+            if r.state == ReplicaState.READY.value and r.socket
+        )
+        created = lane.metadata.creation_timestamp
+        routes.append(
+            Route(
+                lane=lane.metadata.name,
+                model=lane.spec.model,
+                aliases=tuple(lane.spec.aliases),
+                replicas=ready,
+                created=int(created.timestamp()) if created else 0,
+                context_length=lane.spec.context_per_slot,
+            )
+        )
+    by_name: dict[str, Route] = {route.lane: route for route in routes}
+    for route in routes:
+        for alias in route.aliases:
+            by_name.setdefault(alias, route)
+    return RouteTable(routes=tuple(routes), by_name=by_name)
+
+
+def resolve(table: RouteTable, name: str) -> Route:
+    route = table.by_name.get(name)
+    if route is None:
+        raise errors.ModelNotFound.of(name)
+    return route
+
+
+def pick_replica(route: Route, inflight: Mapping[tuple[str, int], int]) -> Replica:
+    """The ready replica with the fewest requests in flight (lowest index on ties)."""
+    if not route.replicas:
+        raise errors.Unavailable(
+            f"The model '{route.lane}' has no ready replica yet; retry shortly.",
+            metadata={"lane": route.lane},
+        )
+    return min(route.replicas, key=lambda r: (inflight.get((r.lane, r.index), 0), r.index))

@@ -1,0 +1,53 @@
+"""Keeps the store in step with a directory of manifests (GitOps).
+
+Every manifest under the directory is applied at start and again, as one batch, each
+time a file in it changes. A bad batch is rejected whole (and recorded as an event);
+what is running keeps running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import structlog
+import watchfiles
+
+from blazar.api import errors, manifests
+from blazar.dataplane.control import apply_documents
+from blazar.store.base import ApplyAction, Store
+
+log = structlog.get_logger(__name__)
+
+_SUFFIXES = (".yaml", ".yml", ".json")
+
+
+def sync(store: Store, directory: Path) -> bool:
+    """Apply the directory once; True when it was accepted."""
+    try:
+        docs = manifests.load_path(directory)
+        outcomes = apply_documents(store, docs, source=f"gitops:{directory}")
+    except errors.ManifestInvalid as err:
+        log.warning(
+            "gitops.rejected", directory=str(directory), errors=[str(e) for e in err.errors]
+        )
+        return False
+    changed = [
+        f"{o.object.kind}/{o.object.metadata.name} {o.action.value}"
+        for o in outcomes
+        if o.action != ApplyAction.UNCHANGED
+    ]
+    log.info("gitops.applied", directory=str(directory), changed=changed)
+    return True
+
+
+def _is_manifest(change: watchfiles.Change, path: str) -> bool:
+    return path.endswith(_SUFFIXES) and not Path(path).name.startswith(".")
+
+
+async def watch(store: Store, directory: Path, stop: asyncio.Event) -> None:
+    sync(store, directory)
+    async for _ in watchfiles.awatch(
+        directory, stop_event=stop, debounce=200, step=50, watch_filter=_is_manifest
+    ):
+        sync(store, directory)

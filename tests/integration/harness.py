@@ -1,0 +1,150 @@
+"""Run a real `blazar serve` in a subprocess and drive it with the real CLI."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def wait_for(
+    predicate: Callable[[], T | None], *, timeout: float, what: str, step: float = 0.1
+) -> T:
+    """Poll predicate until it returns something truthy; fail with `what` on timeout."""
+    deadline = time.monotonic() + timeout
+    last: T | None = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(step)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie still answers kill(0); treat it as dead.
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def short_home() -> Path:
+    """A BLAZAR_HOME short enough for AF_UNIX socket paths."""
+    return Path(tempfile.mkdtemp(prefix="bz-", dir="/tmp"))
+
+
+@dataclass
+class Daemon:
+    home: Path
+    watch: Path | None = None
+    process: subprocess.Popen[bytes] | None = None
+    grpc: str = ""
+    http: str = ""
+    log_path: Path = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.log_path = self.home / "daemon.log"
+
+    def start(self, *, timeout: float = 60.0) -> Daemon:
+        info = self.home / "daemon.json"
+        with contextlib.suppress(FileNotFoundError):
+            info.unlink()
+        argv = [
+            sys.executable, "-m", "blazar.cli", "serve",
+            "--home", str(self.home), "--http", "127.0.0.1:0", "--grpc", "127.0.0.1:0",
+        ]  # fmt: skip
+        if self.watch is not None:
+            argv += ["--watch", str(self.watch)]
+        log = self.log_path.open("ab")
+        self.process = subprocess.Popen(argv, stdout=log, stderr=log, cwd=REPO)
+        log.close()
+
+        def ready() -> dict[str, Any] | None:
+            assert self.process is not None
+            if self.process.poll() is not None:
+                raise AssertionError(f"daemon exited early:\n{self.log()}")
+            if not info.exists():
+                return None
+            data: dict[str, Any] = json.loads(info.read_text())
+            return data
+
+        data = wait_for(ready, timeout=timeout, what="daemon.json")
+        self.grpc, self.http = data["grpc"], data["http"]
+        return self
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-5000:]
+
+    def cli(self, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "blazar.cli", "--server", self.grpc, *args],
+            input=stdin,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=REPO,
+        )
+
+    def get(self, kind: str, name: str) -> dict[str, Any]:
+        out = self.cli("get", kind, name, "-o", "json")
+        assert out.returncode == 0, out.stderr
+        result: dict[str, Any] = json.loads(out.stdout)
+        return result
+
+    def condition(self, kind: str, name: str, type_: str) -> dict[str, Any] | None:
+        for cond in self.get(kind, name).get("status", {}).get("conditions", []):
+            if cond["type"] == type_:
+                return dict(cond)
+        return None
+
+    def wait_condition(
+        self, kind: str, name: str, type_: str, status: str = "True", *, timeout: float = 120.0
+    ) -> dict[str, Any]:
+        def check() -> dict[str, Any] | None:
+            cond = self.condition(kind, name, type_)
+            return cond if cond and cond["status"] == status else None
+
+        return wait_for(check, timeout=timeout, what=f"{kind}/{name} {type_}={status}", step=0.2)
+
+    def pids(self, lane: str) -> list[int]:
+        replicas = self.get("lane", lane).get("status", {}).get("replicaStatuses", [])
+        return [int(r["pid"]) for r in replicas if r.get("pid")]
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        assert self.process is not None
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+            try:
+                self.process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+
+@contextlib.contextmanager
+def running(home: Path, watch: Path | None = None) -> Iterator[Daemon]:
+    daemon = Daemon(home=home, watch=watch).start()
+    try:
+        yield daemon
+    finally:
+        daemon.stop()

@@ -1,0 +1,216 @@
+"""End to end through a real daemon: manifests -> controller -> engine processes ->
+gRPC -> OpenAI shim, driven by the real CLI and the official `openai` client."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import textwrap
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.integration.harness import REPO, Daemon, pid_alive, short_home, wait_for
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def daemon(model_path: Path) -> Iterator[Daemon]:
+    """The default fleet (manifests/), watched, on free ports, with its own home."""
+    home = short_home()
+    fleet = home / "fleet"
+    shutil.copytree(REPO / "manifests", fleet)
+    d = Daemon(home=home, watch=fleet).start()
+    try:
+        d.wait_condition("lane", "gemma3", "Ready", timeout=240)
+        yield d
+    finally:
+        d.stop()
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def client(d: Daemon) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://{d.http}/v1", api_key="unused", max_retries=0)
+
+
+def test_models_lists_the_default_lane(daemon: Daemon) -> None:
+    ids = [m.id for m in client(daemon).models.list().data]
+    assert "gemma3" in ids
+    assert "gemma3-270m" in ids  # an alias
+
+
+def test_openai_client_streams_a_chat_completion(daemon: Daemon) -> None:
+    stream = client(daemon).chat.completions.create(
+        model="gemma3",
+        messages=[{"role": "user", "content": "Write a short poem about the sea."}],
+        max_tokens=40,
+        temperature=0,
+        stream=True,
+    )
+    contents, finishes = [], []
+    for chunk in stream:
+        for choice in chunk.choices:
+            if choice.delta.content:
+                contents.append(choice.delta.content)
+            if choice.finish_reason:
+                finishes.append(choice.finish_reason)
+    assert len(contents) >= 8, contents
+    assert finishes and finishes[-1] in ("stop", "length")
+
+
+def test_unknown_model_and_malformed_json_do_not_disturb_others(daemon: Daemon) -> None:
+    result: dict[str, object] = {}
+
+    def good_stream() -> None:
+        stream = client(daemon).completions.create(
+            model="gemma3", prompt="Once upon a time", max_tokens=24, temperature=0, stream=True
+        )
+        result["text"] = "".join(c.choices[0].text for c in stream if c.choices)
+
+    worker = threading.Thread(target=good_stream)
+    worker.start()
+    with pytest.raises(openai.NotFoundError) as missing:
+        client(daemon).chat.completions.create(
+            model="no-such-model", messages=[{"role": "user", "content": "hi"}]
+        )
+    assert missing.value.status_code == 404
+    body = missing.value.body
+    assert isinstance(body, dict) and body.get("code") == "model_not_found"
+    bad = httpx.post(
+        f"http://{daemon.http}/v1/chat/completions",
+        content=b"{not json",
+        headers={"content-type": "application/json"},
+    )
+    assert bad.status_code == 400
+    assert "error" in bad.json()
+    worker.join(timeout=60)
+    assert isinstance(result.get("text"), str) and result["text"]
+
+
+def test_second_lane_apply_get_delete(daemon: Daemon, tmp_path: Path) -> None:
+    manifest = tmp_path / "second.yaml"
+    manifest.write_text(
+        textwrap.dedent(
+            """
+            apiVersion: blazar.dev/v1alpha1
+            kind: Lane
+            metadata: {name: second}
+            spec: {model: gemma3-270m, replicas: 2, slots: 1, contextPerSlot: 512}
+            """
+        )
+    )
+    applied = daemon.cli("apply", "-f", str(manifest))
+    assert applied.returncode == 0, applied.stderr
+    assert "lane/second created" in applied.stdout
+    daemon.wait_condition("lane", "second", "Ready", timeout=180)
+    table = daemon.cli("get", "lanes")
+    row = next(line for line in table.stdout.splitlines() if line.startswith("second "))
+    assert "2/2" in row and "Ready" in row
+    pids = daemon.pids("second")
+    assert len(pids) == 2 and all(pid_alive(p) for p in pids)
+
+    deleted = daemon.cli("delete", "lane", "second")
+    assert deleted.returncode == 0, deleted.stderr
+    wait_for(lambda: not any(pid_alive(p) for p in pids), timeout=30, what="replicas to exit")
+    assert daemon.cli("get", "lane", "second").returncode != 0
+
+
+def test_bad_manifest_is_rejected_whole(daemon: Daemon, tmp_path: Path) -> None:
+    before = daemon.cli("get", "lanes", "-o", "json").stdout
+    manifest = tmp_path / "bad.yaml"
+    manifest.write_text(
+        textwrap.dedent(
+            """
+            apiVersion: blazar.dev/v1alpha1
+            kind: Lane
+            metadata: {name: broken}
+            spec:
+              model: no-such-model
+              replicas: two
+              colour: blue
+            ---
+            apiVersion: blazar.dev/v1alpha1
+            kind: SLOPolicy
+            metadata: {name: fine-but-not-applied}
+            spec: {priority: 5}
+            """
+        )
+    )
+    out = daemon.cli("apply", "-f", str(manifest))
+    assert out.returncode != 0
+    assert "spec.colour" in out.stderr and "Extra inputs are not permitted" in out.stderr
+    assert "spec.replicas" in out.stderr and "valid integer" in out.stderr
+    assert "spec.model" in out.stderr and 'Model "no-such-model" not found' in out.stderr
+    assert daemon.cli("get", "lanes", "-o", "json").stdout == before
+    assert daemon.cli("get", "slopolicy", "fine-but-not-applied").returncode != 0
+    events = daemon.cli("events").stdout
+    assert "ManifestRejected" in events
+
+
+def test_killed_worker_is_restarted(daemon: Daemon) -> None:
+    (old_pid,) = daemon.pids("gemma3")
+    os.kill(old_pid, signal.SIGKILL)
+    daemon.wait_condition("lane", "gemma3", "Degraded", timeout=30)
+
+    def back() -> list[int] | None:
+        lane = daemon.get("lane", "gemma3")
+        ready = any(
+            c["type"] == "Ready" and c["status"] == "True" for c in lane["status"]["conditions"]
+        )
+        pids = [r["pid"] for r in lane["status"]["replicaStatuses"]]
+        return pids if ready and old_pid not in pids else None
+
+    new_pids = wait_for(back, timeout=120, what="a new ready replica", step=0.2)
+    assert all(pid_alive(p) for p in new_pids)
+    daemon.wait_condition("lane", "gemma3", "Degraded", status="False", timeout=10)
+    events = daemon.cli("events", "lane", "gemma3").stdout
+    for reason in ("ReplicaCrashed", "BackOff", "ReplicaReady"):
+        assert reason in events, events
+    # The restarted replica serves.
+    reply = client(daemon).completions.create(model="gemma3", prompt="Hello", max_tokens=4)
+    assert reply.choices[0].text is not None
+
+
+def test_daemon_kill_leaves_no_orphans_and_restart_reconverges(model_path: Path) -> None:
+    home = short_home()
+    fleet = home / "fleet"
+    fleet.mkdir()
+    (fleet / "fleet.yaml").write_text(
+        textwrap.dedent(
+            f"""
+            apiVersion: blazar.dev/v1alpha1
+            kind: Model
+            metadata: {{name: local}}
+            spec: {{source: {{path: {json.dumps(str(model_path))}}}}}
+            ---
+            apiVersion: blazar.dev/v1alpha1
+            kind: Lane
+            metadata: {{name: solo}}
+            spec: {{model: local, replicas: 1, slots: 1, contextPerSlot: 512}}
+            """
+        )
+    )
+    first = Daemon(home=home, watch=fleet).start()
+    try:
+        first.wait_condition("lane", "solo", "Ready", timeout=180)
+        pids = first.pids("solo")
+        assert pids
+        first.stop(signal.SIGKILL)
+        wait_for(lambda: not any(pid_alive(p) for p in pids), timeout=15, what="orphans to die")
+
+        second = Daemon(home=home).start()  # no --watch: nothing is re-applied
+        try:
+            second.wait_condition("lane", "solo", "Ready", timeout=180)
+            assert not set(second.pids("solo")) & set(pids)
+        finally:
+            second.stop()
+    finally:
+        first.stop()
+        shutil.rmtree(home, ignore_errors=True)

@@ -1,0 +1,240 @@
+"""Reconcilers driven against a MemoryStore and a fake process table: apply objects,
+reconcile, then assert the resulting replicas, statuses and events (state, not calls)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import gguf
+import pytest
+
+from blazar.api import conditions, manifests
+from blazar.api.kinds import Kind, Lane, Model, ModelStatus
+from blazar.api.meta import ConditionStatus
+from blazar.api.replicas import LaunchSpec, ReplicaObservation, ReplicaState
+from blazar.controller.lane import LaneReconciler
+from blazar.controller.model import ModelReconciler
+from blazar.store.memory import MemoryStore
+
+
+@dataclass
+class Clock:
+    now: datetime = datetime(2026, 1, 1, tzinfo=UTC)
+
+    def __call__(self) -> datetime:
+        return self.now
+
+
+@dataclass
+class FakeProcesses:
+    """The supervisor's contract, with replicas moved between states by the test."""
+
+    clock: Clock
+    replicas: dict[tuple[str, int], ReplicaObservation] = field(default_factory=dict)
+    next_pid: int = 1000
+
+    def observe(self, lane: str) -> list[ReplicaObservation]:
+        return [r for (name, _), r in sorted(self.replicas.items()) if name == lane]
+
+    def lanes(self) -> set[str]:
+        return {lane for lane, _ in self.replicas}
+
+    async def start(self, lane: str, index: int, launch: LaunchSpec) -> None:
+        old = self.replicas.get((lane, index))
+        self.next_pid += 1
+        self.replicas[(lane, index)] = ReplicaObservation(
+            lane=lane, index=index, state=ReplicaState.STARTING, revision=launch.revision,
+            socket=f"/run/{lane}-{index}.sock", pid=self.next_pid,
+            restarts=old.restarts + 1 if old else 0,
+        )  # fmt: skip
+
+    async def stop(self, lane: str, index: int) -> None:
+        self.replicas.pop((lane, index), None)
+
+    def set_state(self, lane: str, index: int, state: ReplicaState) -> None:
+        obs = self.replicas[(lane, index)]
+        exited = self.clock.now if state == ReplicaState.FAILED else None
+        code = -9 if state == ReplicaState.FAILED else None
+        self.replicas[(lane, index)] = replace(obs, state=state, exited_at=exited, exit_code=code)
+
+
+def apply(store: MemoryStore, text: str) -> None:
+    docs = manifests.parse_documents(text, source="test")
+    store.apply_all(
+        manifests.validate_objects(docs, exists=lambda k, n: store.get(k, n) is not None)
+    )
+
+
+MODEL = """
+apiVersion: blazar.dev/v1alpha1
+kind: Model
+metadata: {name: m}
+spec: {source: {path: /models/m.gguf}}
+"""
+LANE = """
+apiVersion: blazar.dev/v1alpha1
+kind: Lane
+metadata: {name: l}
+spec: {model: m, replicas: 2, slots: 2, threads: 2}
+"""
+
+
+def ready_model(store: MemoryStore, clock: Clock) -> None:
+    apply(store, MODEL)
+    conds = conditions.set_condition(
+        [], type="ModelReady", status=ConditionStatus.TRUE, reason="Resolved", message="ok",
+        observed_generation=1, now=clock.now,
+    )  # fmt: skip
+    store.update_status(
+        Kind.MODEL, "m", ModelStatus(observed_generation=1, conditions=conds, path="/models/m.gguf")
+    )
+
+
+def cond(store: MemoryStore, type_: str) -> tuple[str, str]:
+    lane = store.get(Kind.LANE, "l")
+    assert isinstance(lane, Lane)
+    c = conditions.get_condition(lane.status.conditions, type_)
+    assert c is not None
+    return c.status.value, c.reason
+
+
+def reasons(store: MemoryStore) -> list[str]:
+    return [e.reason for e in store.events(kind="Lane", name="l")]
+
+
+def test_lane_lifecycle_start_ready_crash_restart_delete() -> None:
+    clock = Clock()
+    store = MemoryStore(clock=clock)
+    procs = FakeProcesses(clock)
+    rec = LaneReconciler(store=store, processes=procs, clock=clock)
+    ready_model(store, clock)
+    apply(store, LANE)
+
+    asyncio.run(rec.reconcile("l"))
+    assert [r.state for r in procs.observe("l")] == [ReplicaState.STARTING] * 2
+    assert cond(store, "Ready") == ("False", "ReplicasNotReady")
+    assert cond(store, "Progressing") == ("True", "ReplicasUpdating")
+
+    procs.set_state("l", 0, ReplicaState.READY)
+    procs.set_state("l", 1, ReplicaState.READY)
+    asyncio.run(rec.reconcile("l"))
+    assert cond(store, "Ready") == ("True", "AllReplicasReady")
+    lane = store.get(Kind.LANE, "l")
+    assert isinstance(lane, Lane) and lane.status.ready_replicas == 2
+    assert lane.status.observed_generation == 1
+
+    procs.set_state("l", 1, ReplicaState.FAILED)
+    result = asyncio.run(rec.reconcile("l"))
+    assert result.requeue_after == pytest.approx(1.0)
+    assert cond(store, "Degraded") == ("True", "CrashLoopBackOff")
+    assert procs.observe("l")[1].state == ReplicaState.FAILED  # still backing off
+
+    clock.now += timedelta(seconds=1.1)
+    asyncio.run(rec.reconcile("l"))
+    restarted = procs.observe("l")[1]
+    assert restarted.state == ReplicaState.STARTING and restarted.restarts == 1
+    procs.set_state("l", 1, ReplicaState.READY)
+    asyncio.run(rec.reconcile("l"))
+    assert cond(store, "Ready") == ("True", "AllReplicasReady")
+    assert cond(store, "Degraded") == ("False", "ReplicasHealthy")
+    assert reasons(store) == [
+        "ReplicaStarting", "ReplicaStarting", "ReplicaReady", "ReplicaReady",
+        "ReplicaCrashed", "BackOff", "ReplicaReady",
+    ]  # fmt: skip
+
+    store.delete(Kind.LANE, "l")
+    asyncio.run(rec.reconcile("l"))
+    assert procs.observe("l") == []
+
+
+def test_lane_waits_for_its_model() -> None:
+    clock = Clock()
+    store = MemoryStore(clock=clock)
+    procs = FakeProcesses(clock)
+    rec = LaneReconciler(store=store, processes=procs, clock=clock)
+    apply(store, MODEL)
+    apply(store, LANE)
+    asyncio.run(rec.reconcile("l"))
+    assert procs.observe("l") == []
+    assert cond(store, "ModelReady") == ("False", "ModelPending")
+    ready_model(store, clock)
+    asyncio.run(rec.reconcile("l"))
+    assert len(procs.observe("l")) == 2
+
+
+def test_spec_change_replaces_replicas() -> None:
+    clock = Clock()
+    store = MemoryStore(clock=clock)
+    procs = FakeProcesses(clock)
+    rec = LaneReconciler(store=store, processes=procs, clock=clock)
+    ready_model(store, clock)
+    apply(store, LANE)
+    asyncio.run(rec.reconcile("l"))
+    before = {r.pid for r in procs.observe("l")}
+    apply(store, LANE.replace("slots: 2", "slots: 4"))
+    asyncio.run(rec.reconcile("l"))  # stops the old revision
+    asyncio.run(rec.reconcile("l"))  # starts the new one
+    after = procs.observe("l")
+    assert len(after) == 2 and not before & {r.pid for r in after}
+    lane = store.get(Kind.LANE, "l")
+    assert isinstance(lane, Lane) and lane.status.observed_generation == 2
+
+
+def tiny_gguf(path: Path) -> Path:
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_context_length(4096)
+    writer.add_block_count(2)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def model_status(store: MemoryStore) -> Model:
+    model = store.get(Kind.MODEL, "m")
+    assert isinstance(model, Model)
+    return model
+
+
+@pytest.mark.parametrize("checksum", ["right", "wrong", "none"])
+def test_model_reconciler_verifies_and_reads_header(tmp_path: Path, checksum: str) -> None:
+    path = tiny_gguf(tmp_path / "m.gguf")
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    sha = {"right": digest, "wrong": "0" * 64, "none": None}[checksum]
+    clock = Clock()
+    store = MemoryStore(clock=clock)
+    spec = f"{{source: {{path: {path}}}" + (f", sha256: '{sha}'}}" if sha else "}")
+    apply(store, MODEL.replace("{source: {path: /models/m.gguf}}", spec))
+    asyncio.run(ModelReconciler(store=store, models_dir=tmp_path, clock=clock).reconcile("m"))
+    model = model_status(store)
+    ready = conditions.get_condition(model.status.conditions, "ModelReady")
+    assert ready is not None
+    if checksum == "wrong":
+        assert (ready.status.value, ready.reason) == ("False", "ChecksumMismatch")
+        assert digest in ready.message
+        assert [e.reason for e in store.events(kind="Model")] == ["ChecksumMismatch"]
+    else:
+        assert (ready.status.value, ready.reason) == ("True", "Verified" if sha else "Resolved")
+        assert model.status.architecture == "llama"
+        assert model.status.context_length == 4096
+        assert model.status.parameters["block_count"] == "2"
+        assert model.status.sha256 == sha
+
+
+def test_model_reconciler_polls_a_missing_file(tmp_path: Path) -> None:
+    clock = Clock()
+    store = MemoryStore(clock=clock)
+    apply(store, MODEL.replace("/models/m.gguf", str(tmp_path / "later.gguf")))
+    rec = ModelReconciler(store=store, models_dir=tmp_path, clock=clock)
+    result = asyncio.run(rec.reconcile("m"))
+    assert result.requeue_after is not None
+    ready = conditions.get_condition(model_status(store).status.conditions, "ModelReady")
+    assert ready is not None and ready.reason == "FileNotFound"
+    tiny_gguf(tmp_path / "later.gguf")
+    asyncio.run(rec.reconcile("m"))
+    assert conditions.is_true(model_status(store).status.conditions, "ModelReady")

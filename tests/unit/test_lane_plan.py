@@ -1,0 +1,132 @@
+"""The Lane planner and status as tables: observed replicas + now -> actions, status."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from blazar.api import conditions
+from blazar.api.kinds import LaneStatus
+from blazar.api.replicas import LaunchSpec, ReplicaObservation, ReplicaState
+from blazar.controller import lane_plan
+from blazar.controller.lane_plan import ModelReadiness, Start, Stop
+
+NOW = datetime(2026, 1, 1, tzinfo=UTC)
+LAUNCH = LaunchSpec(model_path="/m.gguf", slots=4, context_per_slot=2048, threads=2, gpu_layers=0)
+OLD = LaunchSpec(model_path="/m.gguf", slots=2, context_per_slot=2048, threads=2, gpu_layers=0)
+
+
+def obs(
+    index: int,
+    state: ReplicaState = ReplicaState.READY,
+    *,
+    restarts: int = 0,
+    exited_ago: float | None = None,
+    launch: LaunchSpec = LAUNCH,
+) -> ReplicaObservation:
+    return ReplicaObservation(
+        lane="l",
+        index=index,
+        state=state,
+        revision=launch.revision,
+        socket=f"/run/l-{index}.sock",
+        pid=100 + index,
+        restarts=restarts,
+        exited_at=None if exited_ago is None else NOW - timedelta(seconds=exited_ago),
+        exit_code=None if exited_ago is None else -9,
+    )
+
+
+@pytest.mark.parametrize(
+    ("desired", "launch", "observed", "actions", "requeue"),
+    [
+        pytest.param(2, LAUNCH, [], [Start(0, LAUNCH, False), Start(1, LAUNCH, False)], None, id="scale-up-from-nothing"),
+        pytest.param(1, LAUNCH, [obs(0)], [], None, id="converged"),
+        pytest.param(1, LAUNCH, [obs(0), obs(1)], [Stop(1, "ScaledDown")], None, id="scale-down"),
+        pytest.param(0, None, [obs(0)], [Stop(0, "ScaledDown")], None, id="scale-to-zero-without-model"),
+        pytest.param(1, None, [obs(0)], [], None, id="model-not-ready-keeps-running"),
+        pytest.param(1, None, [], [], None, id="model-not-ready-starts-nothing"),
+        pytest.param(1, LAUNCH, [obs(0, ReplicaState.FAILED, exited_ago=0.2)], [], 0.8, id="crash-waits-backoff"),
+        pytest.param(1, LAUNCH, [obs(0, ReplicaState.FAILED, exited_ago=1.5)], [Start(0, LAUNCH, True)], None, id="crash-restarts-after-backoff"),
+        pytest.param(1, LAUNCH, [obs(0, ReplicaState.FAILED, restarts=3, exited_ago=5)], [], 3.0, id="backoff-grows"),
+        pytest.param(1, LAUNCH, [obs(0, launch=OLD)], [Stop(0, "SpecChanged")], None, id="spec-change-replaces"),
+        pytest.param(1, LAUNCH, [obs(0, ReplicaState.DRAINING, launch=OLD)], [], None, id="draining-left-alone"),
+    ],
+)  # fmt: skip
+def test_plan_replicas(
+    desired: int,
+    launch: LaunchSpec | None,
+    observed: list[ReplicaObservation],
+    actions: list[lane_plan.Action],
+    requeue: float | None,
+) -> None:
+    plan = lane_plan.plan_replicas(desired=desired, launch=launch, observed=observed, now=NOW)
+    assert plan.actions == actions
+    assert plan.requeue_after == (None if requeue is None else pytest.approx(requeue))
+
+
+@pytest.mark.parametrize(
+    ("restarts", "delay"), [(0, 1.0), (1, 2.0), (2, 4.0), (6, 60.0), (100, 60.0)]
+)
+def test_crash_backoff_is_exponential_and_capped(restarts: int, delay: float) -> None:
+    assert lane_plan.crash_backoff(restarts) == delay
+
+
+READY_MODEL = ModelReadiness(True, "ModelReady", "ok")
+
+
+def status_of(
+    observed: list[ReplicaObservation], desired: int = 1, model: ModelReadiness = READY_MODEL
+) -> dict[str, tuple[str, str]]:
+    status = lane_plan.lane_status(
+        previous=LaneStatus(),
+        generation=3,
+        desired=desired,
+        model=model,
+        observed=observed,
+        now=NOW,
+    )
+    assert status.observed_generation == 3
+    assert all(c.observed_generation == 3 for c in status.conditions)
+    return {c.type: (c.status.value, c.reason) for c in status.conditions}
+
+
+@pytest.mark.parametrize(
+    ("observed", "desired", "model", "expect"),
+    [
+        pytest.param([obs(0)], 1, READY_MODEL, {"Ready": ("True", "AllReplicasReady"), "Available": ("True", "MinimumReplicasAvailable"), "Degraded": ("False", "ReplicasHealthy"), "Progressing": ("False", "ReplicasConverged")}, id="ready"),
+        pytest.param([obs(0, ReplicaState.STARTING)], 1, READY_MODEL, {"Ready": ("False", "ReplicasNotReady"), "Available": ("False", "NoReplicaReady"), "Progressing": ("True", "ReplicasUpdating")}, id="starting"),
+        pytest.param([obs(0, ReplicaState.FAILED, restarts=2, exited_ago=0.1)], 1, READY_MODEL, {"Ready": ("False", "ReplicasNotReady"), "Degraded": ("True", "CrashLoopBackOff")}, id="crash-loop"),
+        pytest.param([obs(0, ReplicaState.STARTING, restarts=1)], 1, READY_MODEL, {"Degraded": ("True", "CrashLoopBackOff")}, id="restarting-still-degraded"),
+        pytest.param([obs(0, restarts=1)], 1, READY_MODEL, {"Ready": ("True", "AllReplicasReady"), "Degraded": ("False", "ReplicasHealthy")}, id="recovered"),
+        pytest.param([], 1, ModelReadiness(False, "ChecksumMismatch", "bad"), {"Ready": ("False", "ModelNotReady"), "ModelReady": ("False", "ChecksumMismatch")}, id="model-bad"),
+        pytest.param([], 0, READY_MODEL, {"Ready": ("True", "ScaledToZero")}, id="zero"),
+    ],
+)  # fmt: skip
+def test_lane_status(
+    observed: list[ReplicaObservation],
+    desired: int,
+    model: ModelReadiness,
+    expect: dict[str, tuple[str, str]],
+) -> None:
+    got = status_of(observed, desired, model)
+    assert {k: got[k] for k in expect} == expect
+
+
+def test_lane_status_keeps_transition_time_when_unchanged() -> None:
+    first = lane_plan.lane_status(
+        previous=LaneStatus(),
+        generation=1,
+        desired=1,
+        model=READY_MODEL,
+        observed=[obs(0)],
+        now=NOW,
+    )
+    later = NOW + timedelta(minutes=5)
+    second = lane_plan.lane_status(
+        previous=first, generation=1, desired=1, model=READY_MODEL, observed=[obs(0)], now=later
+    )
+    assert second == first
+    ready = conditions.get_condition(second.conditions, "Ready")
+    assert ready is not None and ready.last_transition_time == NOW

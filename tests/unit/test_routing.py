@@ -1,0 +1,59 @@
+"""Routing as tables: lanes -> names, names -> lanes, lanes -> replicas."""
+
+from __future__ import annotations
+
+import pytest
+
+from blazar.api import errors
+from blazar.api.kinds import Lane, LaneSpec, LaneStatus, ReplicaStatus
+from blazar.api.meta import ObjectMeta
+from blazar.dataplane import routing
+
+
+def lane(
+    name: str, *aliases: str, ready: tuple[int, ...] = (0,), starting: tuple[int, ...] = ()
+) -> Lane:
+    replicas = [ReplicaStatus(index=i, state="Ready", socket=f"/s/{name}-{i}") for i in ready]
+    replicas += [
+        ReplicaStatus(index=i, state="Starting", socket=f"/s/{name}-{i}") for i in starting
+    ]
+    return Lane(
+        metadata=ObjectMeta(name=name),
+        spec=LaneSpec(model="m", aliases=list(aliases)),
+        status=LaneStatus(replica_statuses=replicas),
+    )
+
+
+TABLE = routing.build_table(
+    [lane("b", "shared", "bee"), lane("a", "shared", "b"), lane("c", ready=(), starting=(0,))]
+)
+
+
+@pytest.mark.parametrize(
+    ("name", "lane_name"),
+    [("a", "a"), ("b", "b"), ("bee", "b"), ("shared", "a"), ("c", "c")],
+)
+def test_resolve(name: str, lane_name: str) -> None:
+    assert routing.resolve(TABLE, name).lane == lane_name
+
+
+def test_unknown_name_is_model_not_found() -> None:
+    with pytest.raises(errors.ModelNotFound) as exc:
+        routing.resolve(TABLE, "zzz")
+    assert exc.value.metadata == {"model": "zzz"}
+
+
+def test_lane_without_ready_replica_is_unavailable() -> None:
+    with pytest.raises(errors.Unavailable):
+        routing.pick_replica(routing.resolve(TABLE, "c"), {})
+
+
+@pytest.mark.parametrize(
+    ("inflight", "index"),
+    [({}, 0), ({("x", 0): 1}, 1), ({("x", 0): 1, ("x", 1): 1}, 0), ({("x", 0): 3, ("x", 1): 2}, 1)],
+)
+def test_pick_least_loaded_then_lowest_index(
+    inflight: dict[tuple[str, int], int], index: int
+) -> None:
+    route = routing.resolve(routing.build_table([lane("x", ready=(0, 1))]), "x")
+    assert routing.pick_replica(route, inflight).index == index
