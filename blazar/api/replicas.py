@@ -22,6 +22,18 @@ class ReplicaState(StrEnum):
 
 
 @dataclass(frozen=True)
+class SpeculationLaunch:
+    """A SpecPair resolved for one engine: what drafts, and when to switch it off."""
+
+    kind: str  # "ngram" or "model"
+    max_draft_tokens: int
+    disable_above_batch: int
+    min_acceptance_rate: float
+    ngram_size: int = 3
+    draft_model_path: str | None = None
+
+
+@dataclass(frozen=True)
 class LaunchSpec:
     """Everything an engine replica is started with. Two replicas with equal specs are
     interchangeable; a different `revision` means the replica must be replaced."""
@@ -32,6 +44,11 @@ class LaunchSpec:
     threads: int
     gpu_layers: int
     chat_template: str | None = None
+    type_k: str = "f16"
+    type_v: str = "f16"
+    # Save slot KV state on graceful stop and restore it on start (per replica dir).
+    kv_persist: bool = False
+    speculation: SpeculationLaunch | None = None
 
     @property
     def revision(self) -> str:

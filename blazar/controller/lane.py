@@ -7,6 +7,7 @@ transition, and writes status. A deleted Lane has all its replicas stopped.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable
 from datetime import datetime
@@ -14,8 +15,8 @@ from datetime import datetime
 import structlog
 
 from blazar.api import conditions
-from blazar.api.kinds import Kind, Lane, LaneStatus, Model
-from blazar.api.replicas import LaunchSpec, ReplicaObservation, ReplicaState
+from blazar.api.kinds import Kind, Lane, LaneStatus, Model, ModelDraft, NgramDraft, SpecPair
+from blazar.api.replicas import LaunchSpec, ReplicaObservation, ReplicaState, SpeculationLaunch
 from blazar.controller import lane_plan
 from blazar.controller.processes import Processes
 from blazar.controller.reconciler import Result
@@ -43,7 +44,30 @@ def model_readiness(lane: Lane, model: Model | None) -> lane_plan.ModelReadiness
     return lane_plan.ModelReadiness(True, "ModelReady", f"Serving {model.status.path}.")
 
 
-def launch_spec(lane: Lane, model: Model, *, default_threads: int) -> LaunchSpec:
+def speculation_launch(pair: SpecPair | None, draft: Model | None) -> SpeculationLaunch | None:
+    """The SpecPair as the engine runs it; None when it is missing or its draft model
+    is not ready (the Lane then serves without speculation)."""
+    if pair is None:
+        return None
+    spec = pair.spec
+    base = SpeculationLaunch(
+        kind="ngram",
+        max_draft_tokens=spec.draft.max_draft_tokens,
+        disable_above_batch=spec.disable_above_batch,
+        min_acceptance_rate=spec.min_acceptance_rate,
+    )
+    if isinstance(spec.draft, NgramDraft):
+        return dataclasses.replace(base, ngram_size=spec.draft.ngram_size)
+    if draft is None or not draft.status.path:
+        return None
+    if not conditions.is_true(draft.status.conditions, "ModelReady"):
+        return None
+    return dataclasses.replace(base, kind="model", draft_model_path=draft.status.path)
+
+
+def launch_spec(
+    lane: Lane, model: Model, *, default_threads: int, speculation: SpeculationLaunch | None = None
+) -> LaunchSpec:
     assert model.status.path is not None
     return LaunchSpec(
         model_path=model.status.path,
@@ -52,6 +76,10 @@ def launch_spec(lane: Lane, model: Model, *, default_threads: int) -> LaunchSpec
         threads=lane.spec.threads or default_threads,
         gpu_layers=lane.spec.gpu_layers,
         chat_template=model.spec.chat_template,
+        type_k=lane.spec.kv_cache.type_k,
+        type_v=lane.spec.kv_cache.type_v,
+        kv_persist=lane.spec.kv_cache.persist,
+        speculation=speculation,
     )
 
 
@@ -82,7 +110,12 @@ class LaneReconciler:
         readiness = model_readiness(lane, model)
         launch = None
         if readiness.ready and model is not None:
-            launch = launch_spec(lane, model, default_threads=self._default_threads)
+            launch = launch_spec(
+                lane,
+                model,
+                default_threads=self._default_threads,
+                speculation=self._speculation(lane),
+            )
         plan = lane_plan.plan_replicas(
             desired=lane.spec.replicas,
             launch=launch,
@@ -103,6 +136,18 @@ class LaneReconciler:
         self._record_transitions(name, lane.status, observed)
         self._store.update_status(Kind.LANE, name, status)
         return Result(requeue_after=plan.requeue_after)
+
+    def _speculation(self, lane: Lane) -> SpeculationLaunch | None:
+        if lane.spec.speculation is None:
+            return None
+        pair = self._store.get(Kind.SPEC_PAIR, lane.spec.speculation)
+        if not isinstance(pair, SpecPair):
+            return None
+        draft = None
+        if isinstance(pair.spec.draft, ModelDraft):
+            found = self._store.get(Kind.MODEL, pair.spec.draft.model)
+            draft = found if isinstance(found, Model) else None
+        return speculation_launch(pair, draft)
 
     async def _act(self, name: str, action: lane_plan.Action) -> None:
         if isinstance(action, lane_plan.Start):

@@ -96,7 +96,9 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         self, request: inference_pb2.ChatRequest, context: Context
     ) -> AsyncIterator[inference_pb2.Chunk]:
         generate = engine_pb2.GenerateRequest(
-            chat=engine_pb2.ChatInput(messages=request.messages), sampling=request.sampling
+            chat=engine_pb2.ChatInput(messages=request.messages),
+            sampling=request.sampling,
+            constraint=request.constraint,
         )
         async for chunk in self._relay(request.model, generate, context):
             yield chunk
@@ -104,9 +106,45 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
     async def Complete(
         self, request: inference_pb2.CompleteRequest, context: Context
     ) -> AsyncIterator[inference_pb2.Chunk]:
-        generate = engine_pb2.GenerateRequest(prompt=request.prompt, sampling=request.sampling)
+        generate = engine_pb2.GenerateRequest(
+            prompt=request.prompt, sampling=request.sampling, constraint=request.constraint
+        )
         async for chunk in self._relay(request.model, generate, context):
             yield chunk
+
+    async def Embed(
+        self, request: inference_pb2.EmbedRequest, context: Context
+    ) -> inference_pb2.EmbedResponse:
+        route, replica = await self._route(request.model, context)
+        response: inference_pb2.EmbedResponse = await self._unary(
+            self._pool.stub(replica.socket).Embed, request, context
+        )
+        response.model = route.lane
+        return response
+
+    async def Tokenize(
+        self, request: inference_pb2.TokenizeRequest, context: Context
+    ) -> inference_pb2.TokenizeResponse:
+        route, replica = await self._route(request.model, context)
+        response: inference_pb2.TokenizeResponse = await self._unary(
+            self._pool.stub(replica.socket).Tokenize, request, context
+        )
+        response.model = route.lane
+        return response
+
+    async def _route(self, model: str, context: Context) -> tuple[routing.Route, routing.Replica]:
+        try:
+            route = routing.resolve(self.table, model)
+            return route, routing.pick_replica(route, self._inflight)
+        except errors.BlazarError as err:
+            log.info("request.rejected", model=model, reason=err.reason)
+            await status.abort(context, err)
+
+    async def _unary(self, method: Any, request: Any, context: Context) -> Any:
+        try:
+            return await method(request)
+        except grpc.aio.AioRpcError as exc:
+            await status.abort(context, status.from_rpc_error(exc))
 
     async def _relay(
         self, model: str, generate: engine_pb2.GenerateRequest, context: Context
@@ -114,12 +152,8 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         arrived = time.perf_counter()
         request_id = _request_id(context)
         generate.request_id = request_id
-        try:
-            route = routing.resolve(self.table, model)
-            replica = routing.pick_replica(route, self._inflight)
-        except errors.BlazarError as err:
-            log.info("request.rejected", request_id=request_id, model=model, reason=err.reason)
-            await status.abort(context, err)
+        structlog.contextvars.bind_contextvars(request_id=request_id)
+        route, replica = await self._route(model, context)
         key = (replica.lane, replica.index)
         self._inflight[key] += 1
         call = self._pool.stub(replica.socket).Generate(generate)

@@ -50,6 +50,16 @@ class InferenceStub:
                 request_serializer=blazar_dot_v1_dot_inference__pb2.ListModelsRequest.SerializeToString,
                 response_deserializer=blazar_dot_v1_dot_inference__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/blazar.v1.Inference/Embed',
+                request_serializer=blazar_dot_v1_dot_inference__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=blazar_dot_v1_dot_inference__pb2.EmbedResponse.FromString,
+                _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/blazar.v1.Inference/Tokenize',
+                request_serializer=blazar_dot_v1_dot_inference__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=blazar_dot_v1_dot_inference__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
 
 
 class InferenceServicer:
@@ -76,6 +86,20 @@ class InferenceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """Embed returns one mean-pooled embedding per input.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Tokenize(self, request, context):
+        """Tokenize splits text into the model's tokens.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -93,6 +117,16 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.ListModels,
                     request_deserializer=blazar_dot_v1_dot_inference__pb2.ListModelsRequest.FromString,
                     response_serializer=blazar_dot_v1_dot_inference__pb2.ListModelsResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=blazar_dot_v1_dot_inference__pb2.EmbedRequest.FromString,
+                    response_serializer=blazar_dot_v1_dot_inference__pb2.EmbedResponse.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=blazar_dot_v1_dot_inference__pb2.TokenizeRequest.FromString,
+                    response_serializer=blazar_dot_v1_dot_inference__pb2.TokenizeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -176,6 +210,60 @@ class Inference:
             '/blazar.v1.Inference/ListModels',
             blazar_dot_v1_dot_inference__pb2.ListModelsRequest.SerializeToString,
             blazar_dot_v1_dot_inference__pb2.ListModelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/blazar.v1.Inference/Embed',
+            blazar_dot_v1_dot_inference__pb2.EmbedRequest.SerializeToString,
+            blazar_dot_v1_dot_inference__pb2.EmbedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/blazar.v1.Inference/Tokenize',
+            blazar_dot_v1_dot_inference__pb2.TokenizeRequest.SerializeToString,
+            blazar_dot_v1_dot_inference__pb2.TokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,

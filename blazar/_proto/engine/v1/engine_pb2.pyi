@@ -21,16 +21,18 @@ ENGINE_STATE_READY: EngineState
 ENGINE_STATE_DRAINING: EngineState
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "chat", "sampling", "request_id")
+    __slots__ = ("prompt", "chat", "sampling", "request_id", "constraint")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     chat: ChatInput
     sampling: _inference_pb2.Sampling
     request_id: str
-    def __init__(self, prompt: _Optional[str] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., sampling: _Optional[_Union[_inference_pb2.Sampling, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
+    constraint: _inference_pb2.Constraint
+    def __init__(self, prompt: _Optional[str] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., sampling: _Optional[_Union[_inference_pb2.Sampling, _Mapping]] = ..., request_id: _Optional[str] = ..., constraint: _Optional[_Union[_inference_pb2.Constraint, _Mapping]] = ...) -> None: ...
 
 class ChatInput(_message.Message):
     __slots__ = ("messages",)
@@ -52,21 +54,37 @@ class HealthRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class SpeculationStats(_message.Message):
+    __slots__ = ("kind", "drafted_tokens", "accepted_tokens", "disabled_requests")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DISABLED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    drafted_tokens: int
+    accepted_tokens: int
+    disabled_requests: int
+    def __init__(self, kind: _Optional[str] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., disabled_requests: _Optional[int] = ...) -> None: ...
+
 class HealthResponse(_message.Message):
-    __slots__ = ("state", "slots", "memory_bytes", "context_per_slot", "model_path", "pid")
+    __slots__ = ("state", "slots", "memory_bytes", "context_per_slot", "model_path", "pid", "speculation", "kv_bytes")
     STATE_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_PER_SLOT_FIELD_NUMBER: _ClassVar[int]
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     state: EngineState
     slots: _containers.RepeatedCompositeFieldContainer[SlotStatus]
     memory_bytes: int
     context_per_slot: int
     model_path: str
     pid: int
-    def __init__(self, state: _Optional[_Union[EngineState, str]] = ..., slots: _Optional[_Iterable[_Union[SlotStatus, _Mapping]]] = ..., memory_bytes: _Optional[int] = ..., context_per_slot: _Optional[int] = ..., model_path: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
+    speculation: SpeculationStats
+    kv_bytes: int
+    def __init__(self, state: _Optional[_Union[EngineState, str]] = ..., slots: _Optional[_Iterable[_Union[SlotStatus, _Mapping]]] = ..., memory_bytes: _Optional[int] = ..., context_per_slot: _Optional[int] = ..., model_path: _Optional[str] = ..., pid: _Optional[int] = ..., speculation: _Optional[_Union[SpeculationStats, _Mapping]] = ..., kv_bytes: _Optional[int] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ("grace_seconds",)

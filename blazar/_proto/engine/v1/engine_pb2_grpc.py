@@ -41,6 +41,16 @@ class EngineStub:
                 request_serializer=blazar_dot_engine_dot_v1_dot_engine__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=blazar_dot_v1_dot_inference__pb2.Chunk.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/blazar.engine.v1.Engine/Embed',
+                request_serializer=blazar_dot_v1_dot_inference__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=blazar_dot_v1_dot_inference__pb2.EmbedResponse.FromString,
+                _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/blazar.engine.v1.Engine/Tokenize',
+                request_serializer=blazar_dot_v1_dot_inference__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=blazar_dot_v1_dot_inference__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
         self.Health = channel.unary_unary(
                 '/blazar.engine.v1.Engine/Health',
                 request_serializer=blazar_dot_engine_dot_v1_dot_engine__pb2.HealthRequest.SerializeToString,
@@ -57,6 +67,19 @@ class EngineServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Generate(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Embed(self, request, context):
+        """Embed and Tokenize take the public messages; their `model` field is ignored.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Tokenize(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -83,6 +106,16 @@ def add_EngineServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=blazar_dot_engine_dot_v1_dot_engine__pb2.GenerateRequest.FromString,
                     response_serializer=blazar_dot_v1_dot_inference__pb2.Chunk.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=blazar_dot_v1_dot_inference__pb2.EmbedRequest.FromString,
+                    response_serializer=blazar_dot_v1_dot_inference__pb2.EmbedResponse.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=blazar_dot_v1_dot_inference__pb2.TokenizeRequest.FromString,
+                    response_serializer=blazar_dot_v1_dot_inference__pb2.TokenizeResponse.SerializeToString,
             ),
             'Health': grpc.unary_unary_rpc_method_handler(
                     servicer.Health,
@@ -122,6 +155,60 @@ class Engine:
             '/blazar.engine.v1.Engine/Generate',
             blazar_dot_engine_dot_v1_dot_engine__pb2.GenerateRequest.SerializeToString,
             blazar_dot_v1_dot_inference__pb2.Chunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/blazar.engine.v1.Engine/Embed',
+            blazar_dot_v1_dot_inference__pb2.EmbedRequest.SerializeToString,
+            blazar_dot_v1_dot_inference__pb2.EmbedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/blazar.engine.v1.Engine/Tokenize',
+            blazar_dot_v1_dot_inference__pb2.TokenizeRequest.SerializeToString,
+            blazar_dot_v1_dot_inference__pb2.TokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,
