@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: up test lint unit proto model clean
+.PHONY: up test lint unit proto model bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -28,13 +28,18 @@ proto: $(STAMP)
 	$(BIN)/python tools/gen_proto.py
 
 lint: $(STAMP)
-	$(BIN)/ruff check blazar tests tools bench
-	$(BIN)/ruff format --check blazar tests tools bench
+	$(BIN)/ruff check blazar tests tools $(wildcard bench)
+	$(BIN)/ruff format --check blazar tests tools $(wildcard bench)
 	$(BIN)/mypy blazar
 	$(BIN)/lint-imports
 
 test: lint model
 	$(BIN)/pytest -q
+
+# Benchmarks against llama-cpp-python's own server; results go in docs/BENCHMARKS.md.
+bench: model
+	$(BIN)/pip install --quiet -e '.[dev,model,bench]'
+	$(BIN)/python bench/engine.py
 
 unit: $(STAMP)
 	$(BIN)/pytest -q tests/unit
