@@ -94,6 +94,31 @@ def test_unknown_model_and_malformed_json_do_not_disturb_others(daemon: Daemon) 
     assert isinstance(result.get("text"), str) and result["text"]
 
 
+def test_watched_directory_is_applied_on_change(daemon: Daemon) -> None:
+    assert daemon.watch is not None
+    extra = daemon.watch / "extra.yaml"
+    extra.write_text(
+        "apiVersion: blazar.dev/v1alpha1\nkind: SLOPolicy\n"
+        "metadata: {name: extra}\nspec: {priority: 7}\n"
+    )
+    try:
+        wait_for(
+            lambda: daemon.cli("get", "slo", "extra").returncode == 0,
+            timeout=10,
+            what="the new file to be applied",
+        )
+        extra.write_text(extra.read_text().replace("priority: 7", "priority: 9"))
+        wait_for(
+            lambda: daemon.get("slo", "extra")["metadata"]["generation"] == 2,
+            timeout=10,
+            what="the edit to be applied",
+        )
+        assert daemon.get("slo", "extra")["spec"]["priority"] == 9
+    finally:
+        extra.unlink()
+        daemon.cli("delete", "slo", "extra")
+
+
 def test_second_lane_apply_get_delete(daemon: Daemon, tmp_path: Path) -> None:
     manifest = tmp_path / "second.yaml"
     manifest.write_text(

@@ -1,0 +1,137 @@
+"""blazar.v1.Control over a real gRPC server on port 0, backed by a MemoryStore."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any
+
+import grpc
+import pytest
+
+from blazar._proto.v1 import control_pb2, control_pb2_grpc
+from blazar.dataplane import control, server
+from blazar.store.memory import MemoryStore
+
+MODEL = {
+    "apiVersion": "blazar.dev/v1alpha1",
+    "kind": "Model",
+    "metadata": {"name": "m", "labels": {"tier": "small"}},
+    "spec": {"source": {"path": "/m.gguf"}},
+}
+LANE = {
+    "apiVersion": "blazar.dev/v1alpha1",
+    "kind": "Lane",
+    "metadata": {"name": "l"},
+    "spec": {"model": "m"},
+}
+
+Body = Callable[[control_pb2_grpc.ControlStub, MemoryStore], Coroutine[Any, Any, None]]
+
+
+def run(body: Body) -> None:
+    async def main() -> None:
+        store = MemoryStore()
+        plane = await server.start(store=store, address="127.0.0.1:0")
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{plane.port}") as channel:
+                await body(control_pb2_grpc.ControlStub(channel), store)
+        finally:
+            await plane.stop(grace=0)
+
+    asyncio.run(main())
+
+
+def apply_request(*objs: dict[str, Any], dry_run: bool = False) -> control_pb2.ApplyRequest:
+    return control_pb2.ApplyRequest(objects_json=[json.dumps(o) for o in objs], dry_run=dry_run)
+
+
+def test_apply_create_configure_unchanged_and_get_list_delete() -> None:
+    async def body(stub: control_pb2_grpc.ControlStub, store: MemoryStore) -> None:
+        first = await stub.Apply(apply_request(MODEL, LANE))
+        assert [(r.kind, r.name, r.action) for r in first.results] == [
+            ("Model", "m", "created"),
+            ("Lane", "l", "created"),
+        ]
+        again = await stub.Apply(
+            apply_request(MODEL, {**LANE, "spec": {"model": "m", "replicas": 2}})
+        )
+        assert [r.action for r in again.results] == ["unchanged", "configured"]
+        lane = json.loads(
+            (await stub.Get(control_pb2.GetRequest(kind="lanes", name="l"))).object_json
+        )
+        assert lane["metadata"]["generation"] == 2 and lane["spec"]["replicas"] == 2
+        listed = await stub.List(control_pb2.ListRequest(kind="model", label_selector="tier=small"))
+        assert [json.loads(o)["metadata"]["name"] for o in listed.objects_json] == ["m"]
+        none = await stub.List(control_pb2.ListRequest(kind="model", label_selector="tier=big"))
+        assert list(none.objects_json) == []
+        await stub.Delete(control_pb2.DeleteRequest(kind="lane", name="l"))
+        with pytest.raises(grpc.aio.AioRpcError) as missing:
+            await stub.Get(control_pb2.GetRequest(kind="lane", name="l"))
+        assert missing.value.code() == grpc.StatusCode.NOT_FOUND
+
+    run(body)
+
+
+def test_rejected_batch_changes_nothing_and_is_an_event() -> None:
+    async def body(stub: control_pb2_grpc.ControlStub, store: MemoryStore) -> None:
+        bad_lane = {**LANE, "spec": {"model": "missing", "replicas": "x", "colour": "blue"}}
+        with pytest.raises(grpc.aio.AioRpcError) as rejected:
+            await stub.Apply(apply_request(MODEL, bad_lane))
+        assert rejected.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        details = rejected.value.details() or ""
+        for path in ("Lane/l: spec.replicas", "Lane/l: spec.colour", "Lane/l: spec.model"):
+            assert path in details
+        assert store.list() == []
+        assert [e.reason for e in store.events()] == ["ManifestRejected"]
+
+    run(body)
+
+
+def test_dry_run_writes_nothing() -> None:
+    async def body(stub: control_pb2_grpc.ControlStub, store: MemoryStore) -> None:
+        result = await stub.Apply(apply_request(MODEL, dry_run=True))
+        assert [r.action for r in result.results] == ["created"]
+        assert store.list() == []
+
+    run(body)
+
+
+def test_unknown_kind_is_invalid_argument() -> None:
+    async def body(stub: control_pb2_grpc.ControlStub, store: MemoryStore) -> None:
+        with pytest.raises(grpc.aio.AioRpcError) as bad:
+            await stub.List(control_pb2.ListRequest(kind="pods"))
+        assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+    run(body)
+
+
+def test_watch_sends_existing_then_changes() -> None:
+    async def body(stub: control_pb2_grpc.ControlStub, store: MemoryStore) -> None:
+        await stub.Apply(apply_request(MODEL))
+        call = stub.Watch(control_pb2.WatchRequest(kind="Model"))
+        events: AsyncIterator[control_pb2.WatchEvent] = call.__aiter__()
+        first = await asyncio.wait_for(events.__anext__(), timeout=5)
+        assert (first.type, json.loads(first.object_json)["metadata"]["name"]) == ("ADDED", "m")
+        await stub.Apply(apply_request(LANE))  # another kind: filtered out
+        await stub.Delete(control_pb2.DeleteRequest(kind="model", name="m"))
+        second = await asyncio.wait_for(events.__anext__(), timeout=5)
+        assert second.type == "DELETED"
+        call.cancel()
+
+    run(body)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("", {}), ("a=b", {"a": "b"}), ("a=b, c=d", {"a": "b", "c": "d"}), ("a==b", {"a": "b"})],
+)
+def test_parse_selector(text: str, expected: dict[str, str]) -> None:
+    assert control.parse_selector(text) == expected
+
+
+@pytest.mark.parametrize("text", ["a", "=b", "a=b,c"])
+def test_parse_selector_rejects(text: str) -> None:
+    with pytest.raises(Exception, match="label selector"):
+        control.parse_selector(text)
