@@ -20,7 +20,7 @@ from blazar._proto.engine.v1 import engine_pb2, engine_pb2_grpc
 from blazar._proto.v1 import inference_pb2, inference_pb2_grpc
 from blazar.api import errors
 from blazar.api.kinds import Kind, Lane
-from blazar.dataplane import routing
+from blazar.dataplane import metrics, routing
 from blazar.rpc import status
 from blazar.store.base import Store, WatchEvent
 
@@ -172,9 +172,11 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                     final.routing.replica = replica.index
                     end = first_at or time.perf_counter()
                     final.timings.ttft_ms = (end - arrived) * 1000.0
+                    metrics.observe_final(route.lane, final)
                 yield chunk
         except grpc.aio.AioRpcError as exc:
             failure = status.from_rpc_error(exc)
+            metrics.observe_failure(route.lane, failure.reason)
             log.info(
                 "request.failed", request_id=request_id, lane=route.lane, reason=failure.reason
             )

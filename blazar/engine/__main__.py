@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from blazar.engine import worker
+from blazar.engine import llama, worker
 
 
 def parse_args(argv: Sequence[str] | None = None) -> worker.WorkerConfig:
@@ -27,10 +27,40 @@ def parse_args(argv: Sequence[str] | None = None) -> worker.WorkerConfig:
     p.add_argument(
         "--log-json", action="store_true", default=None, help="log one JSON object per line"
     )
+    cache_types = sorted(llama.CACHE_TYPES)
+    p.add_argument("--type-k", default="f16", choices=cache_types, help="K cache type")
+    p.add_argument("--type-v", default="f16", choices=cache_types, help="V cache type")
+    p.add_argument(
+        "--kv-persist",
+        default=None,
+        metavar="DIR",
+        help="save slot caches here on graceful stop and restore them on start",
+    )
+    spec = p.add_argument_group("speculative decoding")
+    spec.add_argument("--spec-kind", choices=[k.value for k in worker.SpecKind], default=None)
+    spec.add_argument("--spec-ngram-size", type=int, default=3)
+    spec.add_argument("--spec-max-draft", type=int, default=8)
+    spec.add_argument("--spec-draft-model", default=None, metavar="PATH")
+    spec.add_argument("--spec-disable-above-batch", type=int, default=4)
+    spec.add_argument("--spec-min-acceptance", type=float, default=0.3)
     a = p.parse_args(argv)
-    for name in ("slots", "context_per_slot", "threads"):
+    for name in ("slots", "context_per_slot", "threads", "spec_ngram_size"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if a.spec_max_draft < 0 or not 0.0 <= a.spec_min_acceptance <= 1.0:
+        p.error("--spec-max-draft must be >= 0 and --spec-min-acceptance between 0 and 1")
+    speculation = (
+        worker.SpeculationConfig(
+            kind=worker.SpecKind(a.spec_kind),
+            ngram_size=a.spec_ngram_size,
+            max_draft=a.spec_max_draft,
+            draft_model=a.spec_draft_model,
+            disable_above_batch=a.spec_disable_above_batch,
+            min_acceptance=a.spec_min_acceptance,
+        )
+        if a.spec_kind
+        else None
+    )
     return worker.WorkerConfig(
         model=a.model,
         socket=a.socket,
@@ -41,6 +71,10 @@ def parse_args(argv: Sequence[str] | None = None) -> worker.WorkerConfig:
         parent_pid=a.parent_pid,
         chat_template=a.chat_template,
         log_json=a.log_json,
+        type_k=a.type_k,
+        type_v=a.type_v,
+        kv_persist=a.kv_persist,
+        speculation=speculation,
     )
 
 

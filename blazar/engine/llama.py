@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import llama_cpp as lc
+import numpy as np
+import numpy.typing as npt
 import structlog
 
 log = structlog.get_logger("blazar.engine.llama")
@@ -44,26 +46,36 @@ class Vocab:
 
     def __init__(self, vocab: Any) -> None:
         self._vocab = vocab
+        self.n_tokens = int(lc.llama_vocab_n_tokens(vocab))
 
-    def tokenize(self, text: str, *, add_bos: bool = True) -> list[int]:
-        """Tokens of text; special tokens written as text (e.g. `<start_of_turn>`) parse."""
+    @property
+    def handle(self) -> Any:
+        """The native `llama_vocab *`, for samplers that need it (grammar)."""
+        return self._vocab
+
+    def tokenize(self, text: str, *, add_bos: bool = True, parse_special: bool = True) -> list[int]:
+        """Tokens of text; special tokens written as text (e.g. `<start_of_turn>`) parse
+        unless parse_special is False."""
         data = text.encode("utf-8")
         capacity = len(data) + 8
         while True:
             buf = (lc.llama_token * capacity)()
-            n = lc.llama_tokenize(self._vocab, data, len(data), buf, capacity, add_bos, True)
+            n = lc.llama_tokenize(
+                self._vocab, data, len(data), buf, capacity, add_bos, parse_special
+            )
             if n >= 0:
                 return list(buf[:n])
             capacity = -n
 
-    def piece(self, token: int) -> bytes:
-        """The bytes token stands for; control tokens (BOS, end of turn) are empty."""
+    def piece(self, token: int, *, special: bool = False) -> bytes:
+        """The bytes token stands for; control tokens (BOS, end of turn) are empty
+        unless special is True (then they read as written, e.g. `<bos>`)."""
         # A fresh buffer per call keeps this safe from any thread.
         buf = ctypes.create_string_buffer(64)
-        n = lc.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
+        n = lc.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
         if n < 0:
             buf = ctypes.create_string_buffer(-n)
-            n = lc.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
+            n = lc.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
         return buf.raw[:n]
 
     def is_eog(self, token: int) -> bool:
@@ -86,6 +98,25 @@ class Vocab:
         return self.special_text(lc.llama_vocab_eos(self._vocab))
 
 
+# KV cache element types by their llama.cpp names (`--cache-type-k/v`): the ggml type
+# and its size in bytes per element (block size / elements per block).
+_GGML_TYPE_BF16 = 30  # not exported by llama_cpp
+CACHE_TYPES: dict[str, tuple[int, float]] = {
+    "f32": (lc.GGML_TYPE_F32, 4.0),
+    "f16": (lc.GGML_TYPE_F16, 2.0),
+    "bf16": (_GGML_TYPE_BF16, 2.0),
+    "q8_0": (lc.GGML_TYPE_Q8_0, 34 / 32),
+    "q4_0": (lc.GGML_TYPE_Q4_0, 18 / 32),
+    "q4_1": (lc.GGML_TYPE_Q4_1, 20 / 32),
+    "iq4_nl": (lc.GGML_TYPE_IQ4_NL, 18 / 32),
+    "q5_0": (lc.GGML_TYPE_Q5_0, 22 / 32),
+    "q5_1": (lc.GGML_TYPE_Q5_1, 24 / 32),
+}
+
+# Output rows (logits) per step beyond one per slot: room for prompt logprobs.
+EXTRA_OUTPUT_ROWS = 64
+
+
 @dataclass(frozen=True)
 class RuntimeOptions:
     model_path: str
@@ -94,6 +125,23 @@ class RuntimeOptions:
     threads: int
     gpu_layers: int = 0
     n_batch: int = 512
+    type_k: str = "f16"
+    type_v: str = "f16"
+    # Batch entries per sequence and step that may ask for logits (1 + drafted tokens).
+    outputs_per_slot: int = 1
+
+    @property
+    def n_outputs(self) -> int:
+        """Rows of logits one step may produce. The compute buffer holds that many
+        rows of the whole vocabulary (1 MiB each for 262k tokens), so not n_batch."""
+        return min(self.n_batch, self.slots * self.outputs_per_slot + EXTRA_OUTPUT_ROWS)
+
+
+def _meta(model: Any, key: str) -> str | None:
+    """A GGUF metadata value of the model as text, or None."""
+    buf = ctypes.create_string_buffer(256)
+    n = lc.llama_model_meta_val_str(model, key.encode(), buf, len(buf))
+    return buf.value.decode("utf-8", errors="replace") if n >= 0 else None
 
 
 class Runtime:
@@ -106,8 +154,13 @@ class Runtime:
         self._batch = lc.llama_batch_init(options.n_batch, 0, options.slots)
         self.options = options
         self.n_batch = options.n_batch
+        self.n_outputs = options.n_outputs
         self.vocab = Vocab(lc.llama_model_get_vocab(model))
+        self.n_vocab = int(lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(model)))
         self.context_per_slot = int(lc.llama_n_ctx_seq(ctx))
+        # Sliding-window size of the model's SWA layers; 0 when it has none.
+        self.n_swa = int(lc.llama_model_n_swa(model))
+        self.kv_bytes = self._kv_bytes()
         template = lc.llama_model_chat_template(model, None)
         # The GGUF's own chat template (tokenizer.chat_template), if it ships one.
         self.chat_template: str | None = template.decode() if template else None
@@ -128,9 +181,12 @@ class Runtime:
         cparams.kv_unified = False
         cparams.n_batch = options.n_batch
         cparams.n_ubatch = options.n_batch
-        # Logits are only read for each sequence's last token; sizing the output for
-        # the whole batch would reserve n_batch x 262k floats (over 500 MiB).
-        cparams.n_outputs_max = options.slots
+        # Logits are read for a few entries per step only (each sequence's last token,
+        # prompt-logprob chunks); sizing the output for the whole batch would reserve
+        # n_batch x 262k floats (over 500 MiB).
+        cparams.n_outputs_max = options.n_outputs
+        cparams.type_k = CACHE_TYPES[options.type_k][0]
+        cparams.type_v = CACHE_TYPES[options.type_v][0]
         cparams.n_threads = options.threads
         cparams.n_threads_batch = options.threads
         cparams.no_perf = True
@@ -138,7 +194,17 @@ class Runtime:
         if not ctx:
             lc.llama_model_free(model)
             raise LlamaError("could not create a llama context")
-        return cls(model, ctx, options)
+        runtime = cls(model, ctx, options)
+        runtime.warm_up()
+        return runtime
+
+    def warm_up(self) -> None:
+        """Decode one token and forget it, as llama.cpp's server does: the first decode
+        builds the graph and touches every weight page, which should not be paid by the
+        first request's time to first token."""
+        bos = int(lc.llama_vocab_bos(lc.llama_model_get_vocab(self._model)))
+        self.decode([(max(bos, 0), 0, 0, True)])
+        lc.llama_memory_clear(self._mem, True)
 
     def decode(self, entries: Iterable[tuple[int, int, int, bool]]) -> None:
         """Run one batch of (token, position, sequence, wants_logits) entries."""
@@ -156,13 +222,68 @@ class Runtime:
         if rc != 0:
             raise LlamaError(f"llama_decode returned {rc}")
 
+    @property
+    def model(self) -> Any:
+        """The native `llama_model *`; other contexts (embeddings) may share it until
+        `close`."""
+        return self._model
+
     def sample(self, sampler: Any, index: int) -> int:
         """Sample (and accept) a token from the logits of batch entry `index`."""
         return int(lc.llama_sampler_sample(sampler, self._ctx, index))
 
+    def logits(self, index: int, count: int = 1) -> npt.NDArray[np.float32]:
+        """Raw logits of `count` consecutive batch entries that asked for them, from
+        entry `index` on, shape (count, n_vocab). A view: valid until the next decode."""
+        ptr = lc.llama_get_logits_ith(self._ctx, index)
+        if not ptr:
+            raise LlamaError(f"no logits for batch entry {index}")
+        # Output rows are stored contiguously in batch order (llama.h).
+        return np.ctypeslib.as_array(ptr, shape=(count, self.n_vocab))
+
     def clear(self, seq: int) -> None:
         """Drop every cached position of one sequence."""
         lc.llama_memory_seq_rm(self._mem, seq, -1, -1)
+
+    def truncate(self, seq: int, keep: int) -> bool:
+        """Drop positions >= keep of one sequence; False if the cache cannot do that."""
+        return bool(lc.llama_memory_seq_rm(self._mem, seq, keep, -1))
+
+    def pos_min(self, seq: int) -> int:
+        """Smallest position the cache still holds for seq (-1 when empty)."""
+        return int(lc.llama_memory_seq_pos_min(self._mem, seq))
+
+    def save_seq(self, seq: int, path: str, tokens: list[int]) -> int:
+        """Write one sequence's KV state and its tokens to a file; bytes written (0: failed)."""
+        arr = (lc.llama_token * len(tokens))(*tokens)
+        return int(lc.llama_state_seq_save_file(self._ctx, path.encode(), seq, arr, len(tokens)))
+
+    def load_seq(self, seq: int, path: str) -> list[int] | None:
+        """Load a file written by save_seq into seq; its tokens, or None if it failed."""
+        capacity = self.context_per_slot
+        arr = (lc.llama_token * capacity)()
+        count = ctypes.c_size_t(0)
+        read = lc.llama_state_seq_load_file(
+            self._ctx, path.encode(), seq, arr, capacity, ctypes.byref(count)
+        )
+        if read == 0:
+            self.clear(seq)
+            return None
+        return list(arr[: count.value])
+
+    def _kv_bytes(self) -> int:
+        """Bytes of K and V cache for all slots (full-size SWA cache: every layer full)."""
+        model = self._model
+        arch = _meta(model, "general.architecture") or ""
+        n_head = int(lc.llama_model_n_head(model)) or 1
+        head = int(lc.llama_model_n_embd(model)) // n_head
+        key = int(_meta(model, f"{arch}.attention.key_length") or head)
+        value = int(_meta(model, f"{arch}.attention.value_length") or head)
+        per_token = int(lc.llama_model_n_head_kv(model)) * (
+            key * CACHE_TYPES[self.options.type_k][1] + value * CACHE_TYPES[self.options.type_v][1]
+        )
+        cells = self.options.slots * self.context_per_slot
+        return int(int(lc.llama_model_n_layer(model)) * cells * per_token)
 
     def close(self) -> None:
         lc.llama_batch_free(self._batch)

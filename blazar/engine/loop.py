@@ -1,9 +1,13 @@
 """The decode thread: sole owner of the llama runtime, the slots and the order of work.
 
-Requests arrive as `Job`s on a thread-safe queue; each step packs the next token of
-every decoding slot and a prefill chunk of every prefilling slot into one batch,
-decodes it, and samples one token per slot that asked for logits. Results leave
-through each job's `deliver` callback (the service hops them onto its event loop).
+Requests arrive as `Job`s on a thread-safe queue and wait FIFO for a free slot. A job
+takes the free slot whose cache shares the longest prefix with its prompt and keeps
+that prefix (`batching.choose_slot`, `batching.reusable_prefix`). Every step packs
+the next token of each decoding slot and prefill chunks of the others into one batch
+(`batching.plan_step`), decodes it, and samples one token per slot that finished its
+prompt or decoded a token. Results leave through each job's `deliver` callback (the
+service hops them onto its event loop). A slot keeps its KV cache and token list after
+its job ends, for the next job to reuse.
 
 Health reads `Slot.busy` / `Slot.cached_tokens` from other threads: plain attribute
 reads of ints and references, which the GIL keeps consistent; nothing else about a
@@ -12,18 +16,20 @@ slot is touched outside this thread.
 
 from __future__ import annotations
 
+import collections
 import queue
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
+from pathlib import Path
 from typing import Any
 
 import llama_cpp as lc
 import structlog
 
-from blazar.engine import llama, sampling, text
+from blazar.engine import batching, kvstore, llama, logprobs, sampling, text
 
 log = structlog.get_logger("blazar.engine.loop")
 
@@ -38,6 +44,8 @@ class FinishReason(StrEnum):
 class TextDelta:
     text: str
     tokens: int
+    # One per token covered, when the job asked for logprobs.
+    logprobs: tuple[logprobs.TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -51,6 +59,8 @@ class Finished:
     prefill_ms: float
     ttft_ms: float
     decode_ms: float
+    # One per prompt token after the first, when the job asked for prompt logprobs.
+    prompt_logprobs: tuple[logprobs.TokenLogprob, ...] = ()
 
     @property
     def decode_tokens_per_second(self) -> float:
@@ -103,12 +113,17 @@ class Generation:
     job: Job
     sampler: Any
     started: float
+    # Prompt tokens found in the slot's cache (kept, not prefilled).
+    cached: int = 0
     prefilled: int = 0
-    # Sampled but not yet decoded into the KV cache.
-    pending: int | None = None
+    # Sampled but not yet decoded into the KV cache: one token, or (with speculation)
+    # the verified token followed by drafted ones.
+    feed: list[int] = field(default_factory=list)
     completion: int = 0
-    # Generated tokens whose text has not gone out in a delta yet.
+    # Generated tokens whose text has not gone out in a delta yet, and their logprobs.
     untold: int = 0
+    scores: list[logprobs.TokenLogprob] = field(default_factory=list)
+    prompt_scores: list[logprobs.TokenLogprob] = field(default_factory=list)
     utf8: text.Utf8Stream = field(default_factory=text.Utf8Stream)
     stops: text.StopMatcher = field(default_factory=lambda: text.StopMatcher(()))
     prefill_done: float = 0.0
@@ -125,8 +140,11 @@ class Slot:
     """One llama sequence (seq id = index): what its KV cache holds and whom it serves."""
 
     index: int
+    # Exactly the tokens in this sequence's KV cache, position i = tokens[i].
     tokens: list[int] = field(default_factory=list)
     gen: Generation | None = None
+    # When it last took a job (a step counter; larger = more recent).
+    last_used: int = 0
 
     @property
     def busy(self) -> bool:
@@ -140,8 +158,8 @@ class Slot:
 @dataclass(frozen=True)
 class LoopOptions:
     runtime: llama.RuntimeOptions
-    # Sequences decoded together. 1 serves requests one at a time in FIFO order.
-    parallel: int = 1
+    # Save slot caches here on stop and restore them on start (None: do not).
+    kv_persist: Path | None = None
 
 
 _STOP = object()
@@ -155,9 +173,13 @@ class DecodeLoop:
     ) -> None:
         self.options = options
         self.slots = [Slot(i) for i in range(options.runtime.slots)]
+        self.kv_bytes = 0
         self._on_loaded = on_loaded
         self._inbox: queue.Queue[Job | object] = queue.Queue()
+        self._waiting: collections.deque[Job] = collections.deque()
         self._runtime: llama.Runtime | None = None
+        self._identity: kvstore.Identity | None = None
+        self._clock = 0
         self._thread = threading.Thread(target=self._run, name="decode", daemon=True)
 
     @property
@@ -165,6 +187,14 @@ class DecodeLoop:
         if self._runtime is None:
             raise RuntimeError("model not loaded")
         return self._runtime.vocab
+
+    @property
+    def model(self) -> Any:
+        """The loaded `llama_model *`, shared with the embedding context; freed when the
+        decode thread stops."""
+        if self._runtime is None:
+            raise RuntimeError("model not loaded")
+        return self._runtime.model
 
     @property
     def model_chat_template(self) -> str | None:
@@ -184,7 +214,8 @@ class DecodeLoop:
         self._inbox.put(job)
 
     def stop(self) -> None:
-        """Cancel whatever is left, free llama resources, end the thread (any thread)."""
+        """Cancel whatever is left, save the caches if asked, free llama resources and
+        end the thread (any thread)."""
         self._inbox.put(_STOP)
 
     def join(self, timeout: float | None = None) -> None:
@@ -194,112 +225,192 @@ class DecodeLoop:
 
     def _run(self) -> None:
         try:
-            self._runtime = llama.Runtime.load(self.options.runtime)
+            runtime = llama.Runtime.load(self.options.runtime)
         except BaseException as exc:
             self._on_loaded(exc)
             return
+        self._runtime = runtime
+        self.kv_bytes = runtime.kv_bytes
+        try:
+            self._restore(runtime)
+        except Exception:
+            log.exception("kv_restore_failed")
         self._on_loaded(None)
         try:
-            while self._admit():
+            while self._collect():
+                self._admit(runtime)
                 try:
-                    self._step(self._runtime)
+                    self._step(runtime)
                 except Exception as exc:
                     log.exception("decode_step_failed")
                     for slot in self._active():
-                        self._fail(self._runtime, slot, f"decode failed: {exc}")
+                        self._fail(runtime, slot, f"decode failed: {exc}")
         finally:
             for slot in self._active():
-                self._finish(self._runtime, slot, FinishReason.CANCELLED)
+                self._finish(runtime, slot, FinishReason.CANCELLED)
             self._drop_waiting()
-            self._runtime.close()
+            self._save(runtime)
+            runtime.close()
             self._runtime = None
 
     def _active(self) -> list[Slot]:
         return [s for s in self.slots if s.gen is not None]
 
-    def _admit(self) -> bool:
-        """Move queued jobs into free slots; block while idle. False once stopped."""
-        assert self._runtime is not None
+    def _collect(self) -> bool:
+        """Move queued jobs to the waiting line; block while there is nothing to do.
+
+        False once stopped.
+        """
+        block = not self._active() and not self._waiting
         while True:
-            active = self._active()
-            if len(active) >= self.options.parallel:
-                return True
             try:
-                item = self._inbox.get(block=not active)
+                item = self._inbox.get(block=block)
             except queue.Empty:
                 return True
             if item is _STOP:
                 return False
             assert isinstance(item, Job)
-            if item.cancelled:
-                continue
-            free = next(s for s in self.slots if s.gen is None)
-            try:
-                self._begin(self._runtime, free, item)
-            except Exception as exc:
-                log.exception("begin_failed", request_id=item.request_id)
-                item.deliver(Failed(f"could not start generation: {exc}"))
+            self._waiting.append(item)
+            block = False
 
-    def _begin(self, runtime: llama.Runtime, slot: Slot, job: Job) -> None:
-        chain = sampling.build_chain(job.params)
-        if job.params.penalized:
-            # Penalties look back over the prompt too, as in llama.cpp's server.
-            for token in job.prompt[-sampling.PENALTY_LAST_N :]:
-                lc.llama_sampler_accept(chain, token)
-        runtime.clear(slot.index)
-        slot.tokens.clear()
+    def _admit(self, runtime: llama.Runtime) -> None:
+        """Start waiting jobs, oldest first, while slots are free."""
+        while self._waiting:
+            free = [
+                batching.FreeSlot(s.index, s.tokens, s.last_used)
+                for s in self.slots
+                if s.gen is None
+            ]
+            if not free:
+                return
+            job = self._waiting.popleft()
+            if job.cancelled:
+                continue
+            # Prompt logprobs need logits at every prompt position: nothing can be kept.
+            placement = batching.choose_slot(job.prompt, free, reuse=not job.params.prompt_logprobs)
+            slot = self.slots[placement.slot]
+            try:
+                self._begin(runtime, slot, job, placement.common)
+            except Exception as exc:
+                log.exception("begin_failed", request_id=job.request_id)
+                job.deliver(Failed(f"could not start generation: {exc}"))
+
+    def _begin(self, runtime: llama.Runtime, slot: Slot, job: Job, common: int) -> None:
+        keep = batching.reusable_prefix(
+            common, pos_min=runtime.pos_min(slot.index), n_swa=runtime.n_swa
+        )
+        if keep < len(slot.tokens):
+            if keep == 0 or not runtime.truncate(slot.index, keep):
+                runtime.clear(slot.index)
+                keep = 0
+            del slot.tokens[keep:]
+        chain = sampling.build_chain(job.params, prompt=job.prompt)
+        self._clock += 1
+        slot.last_used = self._clock
         slot.gen = Generation(
             job=job,
             sampler=chain,
             started=time.perf_counter(),
+            cached=keep,
+            prefilled=keep,
             stops=text.StopMatcher(job.params.stop),
         )
 
     def _step(self, runtime: llama.Runtime) -> None:
-        """One batch: decode tokens first, then prefill chunks in the remaining room."""
-        entries: list[tuple[int, int, int, bool]] = []
-        outputs: list[tuple[Slot, int]] = []
+        """One batch: decode tokens first, then prefill chunks (oldest job first)."""
         for slot in self._active():
-            gen = slot.gen
-            assert gen is not None
-            if gen.job.cancelled:
+            assert slot.gen is not None
+            if slot.gen.job.cancelled:
                 self._finish(runtime, slot, FinishReason.CANCELLED)
-            elif gen.pending is not None:
-                entries.append((gen.pending, len(slot.tokens), slot.index, True))
-                slot.tokens.append(gen.pending)
-                gen.pending = None
-                outputs.append((slot, len(entries) - 1))
-        for slot in self._active():
+        active = sorted(self._active(), key=lambda s: s.gen.started if s.gen else 0.0)
+        wants = []
+        for slot in active:
             gen = slot.gen
             assert gen is not None
-            room = runtime.n_batch - len(entries)
-            if not gen.prefilling or room <= 0:
-                continue
-            prompt = gen.job.prompt
-            chunk = prompt[gen.prefilled : gen.prefilled + room]
-            end = gen.prefilled + len(chunk)
-            entries.extend(
-                (tok, gen.prefilled + i, slot.index, gen.prefilled + i == len(prompt) - 1)
-                for i, tok in enumerate(chunk)
+            wants.append(
+                batching.Want(
+                    slot=slot.index,
+                    decode=len(gen.feed),
+                    prefill=len(gen.job.prompt) - gen.prefilled,
+                    prompt_logits=gen.job.params.prompt_logprobs,
+                )
             )
-            slot.tokens.extend(chunk)
-            gen.prefilled = end
-            if end == len(prompt):
-                outputs.append((slot, len(entries) - 1))
+        pieces = batching.plan_step(
+            wants, max_tokens=runtime.n_batch, max_outputs=runtime.n_outputs
+        )
+        entries: list[tuple[int, int, int, bool]] = []
+        placed: list[tuple[Slot, batching.Piece, int]] = []
+        for piece in pieces:
+            slot = self.slots[piece.slot]
+            gen = slot.gen
+            assert gen is not None
+            if piece.decode:
+                tokens = gen.feed[: piece.tokens]
+                del gen.feed[: piece.tokens]
+            else:
+                tokens = gen.job.prompt[gen.prefilled : gen.prefilled + piece.tokens]
+                gen.prefilled += piece.tokens
+            first, start = len(entries), len(slot.tokens)
+            last = len(tokens) - 1
+            entries.extend(
+                (
+                    tok,
+                    start + i,
+                    slot.index,
+                    piece.logits is batching.Logits.ALL
+                    or (piece.logits is batching.Logits.LAST and i == last),
+                )
+                for i, tok in enumerate(tokens)
+            )
+            slot.tokens.extend(tokens)
+            placed.append((slot, piece, first))
         if not entries:
             return
         runtime.decode(entries)
-        now = time.perf_counter()
-        for slot, index in outputs:
-            gen = slot.gen
-            assert gen is not None
-            if gen.prefill_done == 0.0:
-                gen.prefill_done = now
-            self._on_token(runtime, slot, runtime.sample(gen.sampler, index))
+        for slot, piece, first in placed:
+            if piece.decode:
+                self._after_decode(runtime, slot, first, piece.tokens)
+            else:
+                self._after_prefill(runtime, slot, first, piece)
 
-    def _on_token(self, runtime: llama.Runtime, slot: Slot, token: int) -> None:
+    def _after_prefill(
+        self, runtime: llama.Runtime, slot: Slot, first: int, piece: batching.Piece
+    ) -> None:
         gen = slot.gen
         assert gen is not None
+        prompt = gen.job.prompt
+        if piece.logits is batching.Logits.ALL:
+            # Row i holds the logits after prompt position p0 + i, predicting p0 + i + 1.
+            p0 = gen.prefilled - piece.tokens
+            targets = prompt[p0 + 1 : gen.prefilled + 1]
+            rows = runtime.logits(first, len(targets)) if targets else None
+            if rows is not None:
+                gen.prompt_scores.extend(
+                    logprobs.score(rows, targets, top=gen.job.params.top_logprobs)
+                )
+        if not gen.prefilling:
+            gen.prefill_done = time.perf_counter()
+            self._on_token(runtime, slot, first + piece.tokens - 1)
+
+    def _after_decode(self, runtime: llama.Runtime, slot: Slot, first: int, count: int) -> None:
+        """Sample after decoding the slot's fed tokens (entries first .. first+count-1).
+
+        With one fed token this samples its successor. A speculation step feeds the
+        verified token plus drafts and accepts drafts while each matches what is
+        sampled from the entry before it; that verification belongs here.
+        """
+        self._on_token(runtime, slot, first + count - 1)
+
+    def _on_token(self, runtime: llama.Runtime, slot: Slot, index: int) -> None:
+        """Sample from batch entry `index`, stream the text, decide whether to go on."""
+        gen = slot.gen
+        assert gen is not None
+        params = gen.job.params
+        # Copied before sampling: the raw distribution, before bias and grammar.
+        row = runtime.logits(index).copy() if params.logprobs else None
+        token = runtime.sample(gen.sampler, index)
+        if row is not None:
+            gen.scores.extend(logprobs.score(row, [token], top=params.top_logprobs))
         now = time.perf_counter()
         gen.completion += 1
         gen.untold += 1
@@ -310,19 +421,20 @@ class DecodeLoop:
             return
         result = gen.stops.feed(gen.utf8.feed(runtime.vocab.piece(token)))
         if result.text:
-            gen.job.deliver(TextDelta(result.text, gen.untold))
+            gen.job.deliver(TextDelta(result.text, gen.untold, tuple(gen.scores)))
             gen.untold = 0
+            gen.scores.clear()
         if result.stopped:
             self._finish(runtime, slot, FinishReason.STOP, flush=False)
         elif gen.completion >= gen.job.max_tokens or len(slot.tokens) >= self.context_per_slot:
             self._finish(runtime, slot, FinishReason.LENGTH)
         else:
-            gen.pending = token
+            gen.feed.append(token)
 
     def _finish(
         self, runtime: llama.Runtime, slot: Slot, reason: FinishReason, *, flush: bool = True
     ) -> None:
-        """Free the slot (KV cache included), then tell the job how it ended.
+        """Free the slot (its cache stays for reuse), then tell the job how it ended.
 
         In that order, so a caller that has seen its final chunk finds the slot free.
         """
@@ -337,29 +449,31 @@ class DecodeLoop:
             slot=slot.index,
             prompt_tokens=len(job.prompt),
             completion_tokens=gen.completion,
-            cached_tokens=0,
+            cached_tokens=gen.cached,
             queue_ms=(gen.started - job.arrived) * ms,
             prefill_ms=((gen.prefill_done or gen.started) - gen.started) * ms,
             ttft_ms=(first - job.arrived) * ms if gen.first_token else 0.0,
             decode_ms=((gen.last_token or first) - first) * ms,
+            prompt_logprobs=tuple(gen.prompt_scores),
         )
-        untold = gen.untold
-        self._release(runtime, slot)
-        if tail:
-            job.deliver(TextDelta(tail, untold))
+        untold, scores = gen.untold, tuple(gen.scores)
+        self._release(runtime, slot, keep_cache=True)
+        if tail or scores:
+            job.deliver(TextDelta(tail, untold, scores))
         job.deliver(finished)
 
     def _fail(self, runtime: llama.Runtime, slot: Slot, message: str) -> None:
         assert slot.gen is not None
         job = slot.gen.job
-        self._release(runtime, slot)
+        self._release(runtime, slot, keep_cache=False)
         job.deliver(Failed(message))
 
-    def _release(self, runtime: llama.Runtime, slot: Slot) -> None:
+    def _release(self, runtime: llama.Runtime, slot: Slot, *, keep_cache: bool) -> None:
         assert slot.gen is not None
         lc.llama_sampler_free(slot.gen.sampler)
-        runtime.clear(slot.index)
-        slot.tokens.clear()
+        if not keep_cache:
+            runtime.clear(slot.index)
+            slot.tokens.clear()
         slot.gen = None
 
     def _drop_waiting(self) -> None:
@@ -367,6 +481,40 @@ class DecodeLoop:
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
-                return
+                break
             if isinstance(item, Job):
-                item.deliver(Failed("engine stopped"))
+                self._waiting.append(item)
+        while self._waiting:
+            self._waiting.popleft().deliver(Failed("engine stopped"))
+
+    # --- KV persistence ---
+
+    def _identity_of(self, runtime: llama.Runtime) -> kvstore.Identity:
+        if self._identity is None:
+            self._identity = kvstore.Identity.of(
+                self.options.runtime, context_per_slot=runtime.context_per_slot
+            )
+        return self._identity
+
+    def _restore(self, runtime: llama.Runtime) -> None:
+        directory = self.options.kv_persist
+        if directory is None or not directory.is_dir():
+            return
+        for index, tokens in kvstore.restore(
+            runtime, directory, self._identity_of(runtime)
+        ).items():
+            self.slots[index].tokens = tokens
+
+    def _save(self, runtime: llama.Runtime) -> None:
+        directory = self.options.kv_persist
+        if directory is None:
+            return
+        try:
+            kvstore.save(
+                runtime,
+                directory,
+                self._identity_of(runtime),
+                {s.index: list(s.tokens) for s in self.slots},
+            )
+        except Exception:
+            log.exception("kv_save_failed")

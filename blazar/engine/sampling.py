@@ -1,20 +1,51 @@
 """Sampling settings of one request, and the llama.cpp sampler chain built from them.
 
-`resolve` (pure) applies the engine's defaults to the wire `Sampling` and validates
-it; `build_chain` turns the result into a native `llama_sampler` chain, so sampling
-over the 262k-token vocabulary happens in C and logits never reach Python.
+`resolve` applies the engine's defaults to the wire `Sampling` and `Constraint` and
+validates them (a JSON schema becomes a GBNF grammar here); `build_chain` turns the
+result into a native `llama_sampler` chain, so sampling over the 262k-token vocabulary
+happens in C and logits never reach Python.
+
+`resolve` is pure unless it is given a `Vocabulary`: then it also checks token ids
+against the vocabulary and has llama.cpp compile the grammar once, so that a bad
+grammar is an INVALID_ARGUMENT for the caller and never a NULL sampler in the decode
+thread.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import secrets
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from blazar._proto.v1 import inference_pb2
 from blazar.api import errors
 
 PENALTY_LAST_N = 64
+# OpenAI's limit, and what the loop is sized for.
+MAX_TOP_LOGPROBS = 20
+# A bias at or below this bans the token (OpenAI's convention); llama.cpp wants -inf.
+BAN_BIAS = -100.0
+GRAMMAR_ROOT = "root"
+
+# llama-cpp-python 0.3.36's converter lets JSON strings hold raw control characters,
+# which no JSON parser accepts; llama.cpp's own converter has since excluded them.
+_LOOSE_CHAR_RULE = 'char ::= [^"\\\\] |'
+_STRICT_CHAR_RULE = 'char ::= [^"\\\\\\x7F\\x00-\\x1F] |'
+
+
+class Vocabulary(Protocol):
+    """The loaded model's vocabulary, as far as sampling needs it."""
+
+    @property
+    def n_tokens(self) -> int: ...
+
+    @property
+    def handle(self) -> Any:
+        """The native `llama_vocab *` (valid while the model is loaded)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -30,6 +61,15 @@ class SamplingParams:
     # None: generate until the slot's context is full.
     max_tokens: int | None = None
     stop: tuple[str, ...] = ()
+    # (token id, bias) sorted by id; a bias <= BAN_BIAS bans the token.
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # GBNF text with a `root` rule; None leaves the output unconstrained.
+    grammar: str | None = None
+    logprobs: bool = False
+    top_logprobs: int = 0
+    prompt_logprobs: bool = False
+    # Needed by the grammar stage (set by `resolve` when given a vocabulary).
+    vocab: Vocabulary | None = field(default=None, compare=False, repr=False)
 
     @property
     def greedy(self) -> bool:
@@ -43,14 +83,26 @@ class SamplingParams:
             0.0,
         )
 
+    @property
+    def constrained(self) -> bool:
+        return self.grammar is not None
 
-def resolve(sampling: inference_pb2.Sampling, *, seed: int | None = None) -> SamplingParams:
+
+def resolve(
+    sampling: inference_pb2.Sampling,
+    *,
+    seed: int | None = None,
+    constraint: inference_pb2.Constraint | None = None,
+    vocab: Vocabulary | None = None,
+) -> SamplingParams:
     """Fill unset fields with the defaults; raise InvalidRequest for impossible values.
 
     `seed` stands in for an unset `sampling.seed` (tests pass one; by default a fresh
-    random seed is drawn).
+    random seed is drawn). `constraint` becomes `grammar`. With `vocab`, token ids are
+    checked against it and the grammar is compiled once by llama.cpp (see module doc).
     """
     d = SamplingParams()
+    grammar = grammar_of(constraint) if constraint is not None else None
     p = SamplingParams(
         temperature=sampling.temperature if sampling.HasField("temperature") else d.temperature,
         top_k=sampling.top_k if sampling.HasField("top_k") else d.top_k,
@@ -76,7 +128,15 @@ def resolve(sampling: inference_pb2.Sampling, *, seed: int | None = None) -> Sam
         ),
         max_tokens=sampling.max_tokens if sampling.HasField("max_tokens") else None,
         stop=tuple(sampling.stop),
+        logit_bias=tuple(sorted(sampling.logit_bias.items())),
+        grammar=grammar,
+        logprobs=sampling.logprobs,
+        top_logprobs=sampling.top_logprobs,
+        prompt_logprobs=sampling.prompt_logprobs,
+        vocab=vocab,
     )
+    n_vocab = vocab.n_tokens if vocab is not None else None
+    bad_ids = [t for t, _ in p.logit_bias if t < 0 or (n_vocab is not None and t >= n_vocab)]
     problems = [
         msg
         for bad, msg in (
@@ -86,33 +146,154 @@ def resolve(sampling: inference_pb2.Sampling, *, seed: int | None = None) -> Sam
             (not 0.0 <= p.min_p <= 1.0, "min_p must be between 0 and 1"),
             (p.repeat_penalty <= 0, "repeat_penalty must be > 0"),
             (p.max_tokens is not None and p.max_tokens < 1, "max_tokens must be >= 1"),
+            (
+                not 0 <= p.top_logprobs <= MAX_TOP_LOGPROBS,
+                f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}",
+            ),
+            (
+                bool(bad_ids),
+                f"logit_bias names token ids outside the vocabulary"
+                f"{f' of {n_vocab} tokens' if n_vocab is not None else ''}: "
+                + ", ".join(str(t) for t in bad_ids[:5]),
+            ),
+            (
+                any(math.isnan(b) for _, b in p.logit_bias),
+                "logit_bias values must be numbers",
+            ),
         )
         if bad
     ]
     if problems:
         raise errors.InvalidRequest("Invalid sampling: " + "; ".join(problems) + ".")
+    if grammar is not None and vocab is not None:
+        check_grammar(grammar, vocab)
     return p
 
 
-def build_chain(params: SamplingParams) -> Any:
+def grammar_of(constraint: inference_pb2.Constraint) -> str | None:
+    """The GBNF grammar a constraint stands for (None when it constrains nothing).
+
+    Raises InvalidRequest when a JSON schema is not JSON, not an object, or uses a
+    feature the converter cannot express.
+    """
+    kind = constraint.WhichOneof("kind")
+    if kind == "grammar":
+        if GRAMMAR_ROOT not in constraint.grammar:
+            raise errors.InvalidRequest(
+                f"The grammar has no '{GRAMMAR_ROOT}' rule; GBNF output starts at "
+                f"'{GRAMMAR_ROOT} ::= ...'."
+            )
+        return constraint.grammar
+    if kind == "json_object":
+        return schema_grammar({"type": "object"}) if constraint.json_object else None
+    if kind == "json_schema":
+        try:
+            schema = json.loads(constraint.json_schema)
+        except json.JSONDecodeError as exc:
+            raise errors.InvalidRequest(f"The JSON schema is not valid JSON: {exc}.") from None
+        if not isinstance(schema, dict):
+            raise errors.InvalidRequest(
+                f"The JSON schema must be a JSON object, not {type(schema).__name__}."
+            )
+        return schema_grammar(schema)
+    return None
+
+
+def schema_grammar(schema: dict[str, Any]) -> str:
+    """GBNF for documents valid against a JSON schema, by llama-cpp-python's converter."""
+    from llama_cpp import llama_grammar
+
+    try:
+        converter: Any = llama_grammar.SchemaConverter(  # type: ignore[no-untyped-call]
+            prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False
+        )
+        resolved = converter.resolve_refs(schema, "input")
+        converter.visit(resolved, "")
+        text: str = converter.format_grammar()
+    except (AssertionError, ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:
+        # The converter reports unsupported schemas with asserts and whatever breaks.
+        detail = str(exc) or type(exc).__name__
+        raise errors.InvalidRequest(
+            f"The JSON schema cannot be turned into a grammar: {detail}."
+        ) from None
+    except RecursionError:
+        raise errors.InvalidRequest(
+            "The JSON schema cannot be turned into a grammar: it nests or refers to "
+            "itself too deeply."
+        ) from None
+    return "\n".join(
+        _STRICT_CHAR_RULE + line[len(_LOOSE_CHAR_RULE) :]
+        if line.startswith(_LOOSE_CHAR_RULE)
+        else line
+        for line in text.splitlines()
+    )
+
+
+def check_grammar(grammar: str, vocab: Vocabulary) -> None:
+    """Have llama.cpp parse the grammar; InvalidRequest when it refuses."""
+    import llama_cpp as lc
+
+    sampler = lc.llama_sampler_init_grammar(vocab.handle, grammar.encode(), GRAMMAR_ROOT.encode())
+    if not sampler:
+        raise errors.InvalidRequest(
+            "The grammar is not valid GBNF: llama.cpp could not parse it (an undefined "
+            "rule, a syntax error, a missing 'root' rule or left recursion)."
+        )
+    lc.llama_sampler_free(sampler)
+
+
+def build_chain(params: SamplingParams, *, prompt: Sequence[int] = ()) -> Any:
     """A new native sampler chain (the caller frees it with `llama_sampler_free`).
 
-    Order as in llama.cpp's common sampler: penalties, top-k, top-p, min-p,
-    temperature, then the random draw; temperature 0 ends in greedy instead.
+    Order: grammar first (so nothing outside the language is ever drawn, and the
+    model's end-of-generation token becomes possible exactly when the grammar is
+    complete), logit bias, then llama.cpp's common order: penalties, top-k, top-p,
+    min-p, temperature and the random draw; temperature 0 ends in greedy instead.
+
+    `prompt` primes the penalties stage with the prompt's last tokens, as llama.cpp's
+    server does. Never accept prompt tokens into the returned chain instead: the
+    grammar stage aborts the process on a token its language does not allow.
     """
     import llama_cpp as lc
 
-    chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
+    vocab = params.vocab
+    if vocab is None and (params.grammar is not None or params.logit_bias):
+        raise ValueError("a grammar or logit bias needs the vocabulary: resolve(vocab=...)")
     stages: list[Any] = []
-    if params.penalized:
-        stages.append(
-            lc.llama_sampler_init_penalties(
-                PENALTY_LAST_N,
-                params.repeat_penalty,
-                params.frequency_penalty,
-                params.presence_penalty,
+    if params.grammar is not None:
+        assert vocab is not None
+        grammar = lc.llama_sampler_init_grammar(
+            vocab.handle, params.grammar.encode(), GRAMMAR_ROOT.encode()
+        )
+        if not grammar:
+            raise ValueError("llama.cpp rejected the grammar")
+        stages.append(grammar)
+    if params.logit_bias:
+        assert vocab is not None
+        biases = (lc.llama_logit_bias * len(params.logit_bias))(
+            *(
+                lc.llama_logit_bias(token, -math.inf if bias <= BAN_BIAS else bias)
+                for token, bias in params.logit_bias
             )
         )
+        stages.append(
+            lc.llama_sampler_init_logit_bias(vocab.n_tokens, len(params.logit_bias), biases)
+        )
+    if params.penalized:
+        # llama-cpp-python 0.3.36 still declares the old signature with a leading
+        # n_vocab; the library's function takes (last_n, repeat, freq, present). Ints
+        # and floats travel in separate registers, so the C side reads the first int
+        # as last_n and the floats correctly: pass last_n in both int positions.
+        penalties = lc.llama_sampler_init_penalties(
+            PENALTY_LAST_N,
+            PENALTY_LAST_N,
+            params.repeat_penalty,
+            params.frequency_penalty,
+            params.presence_penalty,
+        )
+        for token in prompt[-PENALTY_LAST_N:]:
+            lc.llama_sampler_accept(penalties, token)
+        stages.append(penalties)
     if params.greedy:
         stages.append(lc.llama_sampler_init_greedy())
     else:
@@ -124,6 +305,7 @@ def build_chain(params: SamplingParams) -> Any:
             stages.append(lc.llama_sampler_init_min_p(params.min_p, 1))
         stages.append(lc.llama_sampler_init_temp(params.temperature))
         stages.append(lc.llama_sampler_init_dist(params.seed))
+    chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
     for stage in stages:
         lc.llama_sampler_chain_add(chain, stage)  # the chain takes ownership
     return chain

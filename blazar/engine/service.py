@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from enum import StrEnum
 from typing import Any, TypeAlias
 
@@ -21,7 +21,7 @@ import structlog
 from blazar._proto.engine.v1 import engine_pb2, engine_pb2_grpc
 from blazar._proto.v1 import inference_pb2
 from blazar.api import errors
-from blazar.engine import loop, sampling, text
+from blazar.engine import embedding, llama, logprobs, loop, sampling, text
 from blazar.rpc import status
 
 log = structlog.get_logger("blazar.engine.service")
@@ -65,6 +65,8 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         self._idle = asyncio.Event()
         self._idle.set()
         self._chat: text.ChatTemplate | None = None
+        # Created at the first Embed; closed when draining (before the model is freed).
+        self._embedder: embedding.Embedder | None = None
 
     def mark_ready(self, chat: text.ChatTemplate | None) -> None:
         """Admit work; `chat` renders conversations (None: Gemma's turn format)."""
@@ -76,6 +78,8 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         """Refuse new work; wait up to the grace for in-flight requests. Returns those left."""
         self.state = EngineState.DRAINING
         await self.wait_idle(grace_seconds)
+        if self._embedder is not None:
+            await asyncio.to_thread(self._embedder.close)
         return len(self._inflight)
 
     def cancel_all(self) -> None:
@@ -104,6 +108,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             context_per_slot=self._decode.context_per_slot,
             model_path=self._model_path,
             pid=os.getpid(),
+            kv_bytes=self._decode.kv_bytes,
         )
 
     async def Drain(
@@ -142,11 +147,19 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                 event = await events.get()
                 if isinstance(event, loop.TextDelta):
                     yield inference_pb2.Chunk(
-                        delta=inference_pb2.Delta(text=event.text, tokens=event.tokens)
+                        delta=inference_pb2.Delta(
+                            text=event.text,
+                            tokens=event.tokens,
+                            logprobs=_wire_logprobs(self._decode.vocab, event.logprobs),
+                        )
                     )
                 elif isinstance(event, loop.Finished):
                     finished = event
-                    yield inference_pb2.Chunk(final=_final(event))
+                    final = _final(event)
+                    final.prompt_logprobs.extend(
+                        _wire_logprobs(self._decode.vocab, event.prompt_logprobs)
+                    )
+                    yield inference_pb2.Chunk(final=final)
                 else:
                     await status.abort(context, errors.BlazarError(event.message))
         finally:
@@ -159,16 +172,73 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                 request_id=request.request_id,
                 prompt_tokens=len(job.prompt),
                 completion_tokens=finished.completion_tokens if finished else None,
+                cached_tokens=finished.cached_tokens if finished else None,
                 finish=finished.reason if finished else "cancelled",
                 tokens_per_second=round(finished.decode_tokens_per_second, 1) if finished else None,
                 ms=round((time.perf_counter() - started) * 1000),
             )
 
+    async def Embed(
+        self, request: inference_pb2.EmbedRequest, context: Context
+    ) -> inference_pb2.EmbedResponse:
+        try:
+            if self.state is not EngineState.READY:
+                raise errors.Unavailable(f"The engine is {self.state.lower()}.")
+            if not request.inputs:
+                raise errors.InvalidRequest("Give at least one input to embed.")
+            started = time.perf_counter()
+            vectors = await self._embeddings().embed(request.inputs, normalize=request.normalize)
+        except errors.BlazarError as err:
+            await status.abort(context, err)
+        prompt_tokens = sum(v.tokens for v in vectors)
+        log.info(
+            "embed",
+            inputs=len(vectors),
+            prompt_tokens=prompt_tokens,
+            ms=round((time.perf_counter() - started) * 1000),
+        )
+        return inference_pb2.EmbedResponse(
+            embeddings=[inference_pb2.Embedding(values=v.values, tokens=v.tokens) for v in vectors],
+            prompt_tokens=prompt_tokens,
+        )
+
+    async def Tokenize(
+        self, request: inference_pb2.TokenizeRequest, context: Context
+    ) -> inference_pb2.TokenizeResponse:
+        if self.state is not EngineState.READY:
+            await status.abort(context, errors.Unavailable(f"The engine is {self.state.lower()}."))
+        vocab = self._decode.vocab
+
+        def split() -> tuple[list[int], list[str]]:
+            tokens = vocab.tokenize(
+                request.text, add_bos=request.add_special, parse_special=request.parse_special
+            )
+            # A token may be part of a multi-byte character; its piece then shows U+FFFD.
+            pieces = [
+                vocab.piece(t, special=True).decode("utf-8", errors="replace") for t in tokens
+            ]
+            return tokens, pieces
+
+        tokens, pieces = await asyncio.to_thread(split)
+        return inference_pb2.TokenizeResponse(tokens=tokens, pieces=pieces)
+
+    def _embeddings(self) -> embedding.Embedder:
+        if self._embedder is None:
+            self._embedder = embedding.Embedder(
+                model=self._decode.model,
+                vocab=self._decode.vocab,
+                context_length=self._decode.context_per_slot,
+                threads=self._decode.options.runtime.threads,
+            )
+        return self._embedder
+
     async def _prepare(
         self, request: engine_pb2.GenerateRequest, deliver: Callable[[loop.Event], None]
     ) -> loop.Job:
         """Validate, render and tokenize; raise BlazarError when it cannot run."""
-        params = sampling.resolve(request.sampling)
+        params = sampling.resolve(
+            request.sampling, constraint=request.constraint, vocab=self._decode.vocab
+        )
         which = request.WhichOneof("input")
         if which == "prompt":
             prompt = request.prompt
@@ -202,6 +272,26 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             max_tokens=max_tokens,
             deliver=deliver,
         )
+
+
+def _wire_logprobs(
+    vocab: llama.Vocab, scores: Sequence[logprobs.TokenLogprob]
+) -> list[inference_pb2.TokenLogprob]:
+    def entry(token: int, logprob: float) -> inference_pb2.TokenLogprob:
+        piece = vocab.piece(token)
+        return inference_pb2.TokenLogprob(
+            id=token,
+            token=piece.decode("utf-8", errors="replace"),
+            logprob=logprob,
+            bytes=piece,
+        )
+
+    wire = []
+    for score in scores:
+        item = entry(score.token, score.logprob)
+        item.top.extend(entry(t, lp) for t, lp in score.top)
+        wire.append(item)
+    return wire
 
 
 def _final(event: loop.Finished) -> inference_pb2.Final:

@@ -165,6 +165,22 @@ class Supervisor:
         ]  # fmt: skip
         if launch.chat_template:
             argv += ["--chat-template", launch.chat_template]
+        argv += ["--type-k", launch.type_k, "--type-v", launch.type_v]
+        if launch.kv_persist:
+            kv_dir = self.home / "kv" / replica.lane / str(replica.index)
+            kv_dir.mkdir(parents=True, exist_ok=True)
+            argv += ["--kv-persist", str(kv_dir)]
+        spec = launch.speculation
+        if spec is not None:
+            argv += [
+                "--spec-kind", spec.kind,
+                "--spec-max-draft", str(spec.max_draft_tokens),
+                "--spec-disable-above-batch", str(spec.disable_above_batch),
+                "--spec-min-acceptance", str(spec.min_acceptance_rate),
+                "--spec-ngram-size", str(spec.ngram_size),
+            ]  # fmt: skip
+            if spec.draft_model_path:
+                argv += ["--spec-draft-model", spec.draft_model_path]
         if self.log_json:
             argv.append("--log-json")
         return argv

@@ -4,10 +4,13 @@ Start: ask the kernel to SIGKILL us when the parent dies (and exit at once if it
 already gone), serve `blazar.engine.v1.Engine` on the Unix socket (Health answers
 STARTING at once), load the model on the decode thread, then report READY.
 
+With `--kv-persist DIR`, slot caches saved by the previous graceful stop are restored
+on the decode thread before READY.
+
 Stop (SIGTERM or SIGINT), in order: DRAINING (new Generate calls get UNAVAILABLE),
 wait for in-flight requests up to the grace period, cancel whatever is left, stop
-the gRPC server, end the decode thread (which frees the llama context and model),
-remove the socket, exit 0.
+the gRPC server, end the decode thread (which saves the slot caches under
+`--kv-persist`, then frees the llama context and model), remove the socket, exit 0.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import ctypes.util
 import os
 import signal
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +41,25 @@ _PR_SET_PDEATHSIG = 1
 _MAX_SOCKET_PATH = 107
 
 
+class SpecKind(StrEnum):
+    NGRAM = "ngram"
+    MODEL = "model"
+
+
+@dataclass(frozen=True)
+class SpeculationConfig:
+    """Speculative decoding settings (a Lane's SpecPair), as the supervisor passes them."""
+
+    kind: SpecKind
+    ngram_size: int = 3
+    max_draft: int = 8
+    draft_model: str | None = None
+    # Off while more sequences than this are active.
+    disable_above_batch: int = 4
+    # Off for a request whose acceptance rate falls below this.
+    min_acceptance: float = 0.3
+
+
 @dataclass(frozen=True)
 class WorkerConfig:
     model: str
@@ -49,6 +72,12 @@ class WorkerConfig:
     chat_template: str | None = None
     log_json: bool | None = None
     drain_grace_seconds: float = service.DEFAULT_DRAIN_GRACE_SECONDS
+    # KV cache element types (llama.cpp names: f16, q8_0, ...).
+    type_k: str = "f16"
+    type_v: str = "f16"
+    # Directory for slot caches saved on stop and restored on start.
+    kv_persist: str | None = None
+    speculation: SpeculationConfig | None = None
 
 
 def die_with_parent(parent_pid: int | None) -> bool:
@@ -89,7 +118,11 @@ async def serve(config: WorkerConfig) -> int:
                 context_per_slot=config.context_per_slot,
                 threads=config.threads,
                 gpu_layers=config.gpu_layers,
-            )
+                type_k=config.type_k,
+                type_v=config.type_v,
+                outputs_per_slot=1 + (config.speculation.max_draft if config.speculation else 0),
+            ),
+            kv_persist=Path(config.kv_persist) if config.kv_persist else None,
         ),
         on_loaded=on_loaded,
     )
@@ -125,6 +158,8 @@ async def serve(config: WorkerConfig) -> int:
             log.info(
                 "ready",
                 context_per_slot=decode.context_per_slot,
+                kv_bytes=decode.kv_bytes,
+                restored_tokens=sum(s.cached_tokens for s in decode.slots),
                 chat_template="override" if config.chat_template else ("gguf" if chat else "gemma"),
                 rss=service.rss_bytes(),
             )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -70,3 +71,94 @@ def test_flags(params: sampling.SamplingParams, greedy: bool, penalized: bool) -
 def test_resolve_rejects(fields: dict[str, Any], message: str) -> None:
     with pytest.raises(errors.InvalidRequest, match=message):
         sampling.resolve(inference_pb2.Sampling(**fields))
+
+
+# --- constraints, logit bias, logprobs ---------------------------------------------------
+
+
+class FakeVocab:
+    """Enough of a vocabulary for `resolve`'s id checks (no grammar compiled natively)."""
+
+    n_tokens = 1000
+    handle = None
+
+
+def test_resolve_carries_logit_bias_and_logprobs() -> None:
+    params = sampling.resolve(
+        inference_pb2.Sampling(
+            logit_bias={7: -100.0, 3: 2.5}, logprobs=True, top_logprobs=5, prompt_logprobs=True
+        ),
+        seed=1,
+    )
+    assert params.logit_bias == ((3, 2.5), (7, -100.0))
+    assert (params.logprobs, params.top_logprobs, params.prompt_logprobs) == (True, 5, True)
+    assert params.grammar is None and not params.constrained
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"top_logprobs": 21}, "top_logprobs"),
+        ({"top_logprobs": -1}, "top_logprobs"),
+        ({"logit_bias": {-1: 1.0}}, "logit_bias"),
+        ({"logit_bias": {1000: 1.0}}, "outside the vocabulary of 1000 tokens: 1000"),
+        ({"logit_bias": {5: float("nan")}}, "logit_bias values"),
+    ],
+)
+def test_resolve_rejects_logprobs_and_bias(fields: dict[str, Any], message: str) -> None:
+    with pytest.raises(errors.InvalidRequest, match=message):
+        sampling.resolve(inference_pb2.Sampling(**fields), vocab=FakeVocab())
+
+
+def test_grammar_passes_through() -> None:
+    constraint = inference_pb2.Constraint(grammar='root ::= "yes" | "no"')
+    params = sampling.resolve(inference_pb2.Sampling(), seed=1, constraint=constraint)
+    assert params.grammar == 'root ::= "yes" | "no"'
+    assert params.constrained
+
+
+def test_no_constraint_means_no_grammar() -> None:
+    assert sampling.grammar_of(inference_pb2.Constraint()) is None
+    assert sampling.grammar_of(inference_pb2.Constraint(json_object=False)) is None
+
+
+def test_json_schema_becomes_a_grammar_with_strict_strings() -> None:
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+    }
+    grammar = sampling.grammar_of(inference_pb2.Constraint(json_schema=json.dumps(schema)))
+    assert grammar is not None
+    rules = dict(line.split(" ::= ", 1) for line in grammar.splitlines())
+    assert rules["root"].startswith('"{" space name-kv "," space age-kv')
+    # Raw control characters are not JSON; the rule must exclude them.
+    assert rules["char"].startswith('[^"\\\\\\x7F\\x00-\\x1F]')
+
+
+def test_json_object_grammar_is_a_generic_object() -> None:
+    grammar = sampling.grammar_of(inference_pb2.Constraint(json_object=True))
+    assert grammar is not None
+    rules = dict(line.split(" ::= ", 1) for line in grammar.splitlines())
+    assert rules["root"] == "object"
+    assert rules["char"].startswith('[^"\\\\\\x7F')
+
+
+@pytest.mark.parametrize(
+    ("constraint", "message"),
+    [
+        ({"json_schema": "{nope"}, "not valid JSON"),
+        ({"json_schema": "[1, 2]"}, "must be a JSON object, not list"),
+        ({"json_schema": "true"}, "must be a JSON object, not bool"),
+        ({"json_schema": '{"type": "no-such-type"}'}, "cannot be turned into a grammar"),
+        ({"json_schema": '{"$ref": "#/$defs/missing"}'}, "cannot be turned into a grammar"),
+        ({"json_schema": '{"$ref": "https://example.com/s.json"}'}, "cannot be turned"),
+        ({"json_schema": '{"type": "string", "pattern": "abc"}'}, "cannot be turned"),
+        ({"grammar": 'start ::= "x"'}, "no 'root' rule"),
+    ],
+)
+def test_bad_constraints_are_invalid_requests(constraint: dict[str, Any], message: str) -> None:
+    with pytest.raises(errors.InvalidRequest, match=message):
+        sampling.resolve(
+            inference_pb2.Sampling(), seed=1, constraint=inference_pb2.Constraint(**constraint)
+        )

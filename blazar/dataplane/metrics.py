@@ -1,0 +1,56 @@
+"""Prometheus metrics of the data plane, observed once per request from its final chunk.
+
+They live in prometheus-client's default registry of the daemon process; the HTTP
+shim, which runs in the same process, serves them at GET /metrics.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Histogram
+
+from blazar._proto.v1 import inference_pb2
+
+REQUESTS = Counter(
+    "blazar_requests_total",
+    "Generation requests by lane and outcome (ok, or the error reason).",
+    ["lane", "outcome"],
+)
+PROMPT_TOKENS = Counter("blazar_prompt_tokens_total", "Prompt tokens received.", ["lane"])
+CACHED_TOKENS = Counter(
+    "blazar_cached_prompt_tokens_total", "Prompt tokens served from the KV cache.", ["lane"]
+)
+COMPLETION_TOKENS = Counter("blazar_completion_tokens_total", "Tokens generated.", ["lane"])
+DRAFTED_TOKENS = Counter(
+    "blazar_speculative_drafted_tokens_total", "Speculative draft tokens proposed.", ["lane"]
+)
+ACCEPTED_TOKENS = Counter(
+    "blazar_speculative_accepted_tokens_total", "Speculative draft tokens accepted.", ["lane"]
+)
+TTFT = Histogram(
+    "blazar_time_to_first_token_seconds",
+    "From arrival at the data plane to the first token.",
+    ["lane"],
+    buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+)
+DECODE_RATE = Histogram(
+    "blazar_decode_tokens_per_second",
+    "Per-request decode speed.",
+    ["lane"],
+    buckets=(5, 10, 20, 40, 60, 80, 100, 150, 200, 400),
+)
+
+
+def observe_final(lane: str, final: inference_pb2.Final) -> None:
+    REQUESTS.labels(lane, "ok").inc()
+    PROMPT_TOKENS.labels(lane).inc(final.usage.prompt_tokens)
+    CACHED_TOKENS.labels(lane).inc(final.usage.cached_tokens)
+    COMPLETION_TOKENS.labels(lane).inc(final.usage.completion_tokens)
+    DRAFTED_TOKENS.labels(lane).inc(final.routing.drafted_tokens)
+    ACCEPTED_TOKENS.labels(lane).inc(final.routing.accepted_tokens)
+    TTFT.labels(lane).observe(final.timings.ttft_ms / 1000.0)
+    if final.timings.decode_tokens_per_second > 0:
+        DECODE_RATE.labels(lane).observe(final.timings.decode_tokens_per_second)
+
+
+def observe_failure(lane: str, reason: str) -> None:
+    REQUESTS.labels(lane, reason.lower()).inc()

@@ -1,0 +1,160 @@
+"""Pure decisions of the decode loop: which slot a request takes, how much of that
+slot's cached prefix survives, and how one step's batch is packed.
+
+No llama.cpp, no IO, no clock: the loop passes in what it knows and acts on the answer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+@dataclass(frozen=True)
+class FreeSlot:
+    """A slot no request is using: what its KV cache holds and when it last served."""
+
+    index: int
+    tokens: Sequence[int]
+    # A counter, larger = used more recently; 0 = never.
+    last_used: int = 0
+
+
+@dataclass(frozen=True)
+class Placement:
+    slot: int
+    # Prompt tokens the slot's cache already holds (before the SWA check).
+    common: int
+
+
+# A shared prefix this long always counts as a match; shorter ones must cover half
+# the prompt. A few shared tokens (BOS, a chat template's opening) are not worth
+# evicting another conversation's cache for.
+MIN_MATCH_TOKENS = 64
+
+
+def worth_reusing(common: int, prompt_len: int) -> bool:
+    """Whether sharing `common` tokens makes a slot a match for a prompt."""
+    return common > 0 and common >= min(MIN_MATCH_TOKENS, prompt_len // 2)
+
+
+def choose_slot(
+    prompt: Sequence[int], free: Sequence[FreeSlot], *, reuse: bool = True
+) -> Placement:
+    """Where a prompt goes: the free slot sharing the longest prefix with it (ties: the
+    least recently used); with no match, an empty slot, else the least recently used.
+
+    The shared length is capped at len(prompt) - 1: the last prompt token is always
+    evaluated again, so that there are logits to sample the first new token from.
+    With reuse=False (the request needs logits for every prompt position) nothing is
+    kept and the slot is chosen as if nothing matched.
+    """
+    if not free:
+        raise ValueError("no free slot")
+    limit = max(len(prompt) - 1, 0)
+
+    def shared(slot: FreeSlot) -> int:
+        common = min(common_prefix(slot.tokens, prompt), limit) if reuse else 0
+        return common if worth_reusing(common, len(prompt)) else 0
+
+    best = min(free, key=lambda s: (-shared(s), bool(s.tokens), s.last_used, s.index))
+    return Placement(slot=best.index, common=shared(best))
+
+
+def reusable_prefix(common: int, *, pos_min: int, n_swa: int) -> int:
+    """How many of `common` cached tokens may be kept, given what the cache still holds.
+
+    A sliding-window layer lets the token at position n see positions n - n_swa + 1
+    .. n (llama.cpp's standard SWA mask). Its cache may hold only that window: a
+    restored sequence state does, and so does a cache that is not full-size.
+    Evaluation resumes at position `common`, so [common - n_swa + 1, common) must all
+    be present, or without a window [0, common); otherwise keep nothing.
+    """
+    if common <= 0 or pos_min < 0:
+        return 0
+    oldest_needed = max(0, common - n_swa + 1) if n_swa > 0 else 0
+    return common if pos_min <= oldest_needed else 0
+
+
+class Logits(StrEnum):
+    """Which batch entries of a piece ask for logits."""
+
+    NONE = "none"
+    LAST = "last"
+    ALL = "all"
+
+
+@dataclass(frozen=True)
+class Want:
+    """What one active sequence would put into the next batch."""
+
+    slot: int
+    # Sampled tokens to decode, each with logits: 1, or 1 verified + k drafted tokens.
+    decode: int = 0
+    # Prompt tokens not yet in the KV cache.
+    prefill: int = 0
+    # Every prefilled position needs logits (prompt logprobs), not just the last.
+    prompt_logits: bool = False
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A run of consecutive tokens of one sequence in the batch."""
+
+    slot: int
+    tokens: int
+    logits: Logits
+    decode: bool
+
+    @property
+    def outputs(self) -> int:
+        if self.logits is Logits.ALL:
+            return self.tokens
+        return 1 if self.logits is Logits.LAST else 0
+
+
+def plan_step(wants: Sequence[Want], *, max_tokens: int, max_outputs: int) -> list[Piece]:
+    """Pack one batch: decode tokens first, then prefill chunks in `wants` order.
+
+    `max_tokens` bounds the entries (n_batch), `max_outputs` the entries with logits
+    (the context's output rows; exceeding it aborts llama.cpp). A prompt's final chunk
+    needs one output for its last token; when none is left the chunk stops one short.
+    Decoding sequences never wait behind a prefill: a long prompt costs the others at
+    most one chunk per step.
+    """
+    pieces: list[Piece] = []
+    tokens, outputs = max_tokens, max_outputs
+    for w in wants:
+        if 0 < w.decode <= min(tokens, outputs):
+            pieces.append(Piece(w.slot, w.decode, Logits.ALL, decode=True))
+            tokens -= w.decode
+            outputs -= w.decode
+    for w in wants:
+        if w.prefill <= 0 or tokens <= 0:
+            continue
+        n = min(w.prefill, tokens)
+        if w.prompt_logits:
+            n = min(n, outputs)
+            logits = Logits.ALL
+        elif n == w.prefill and outputs > 0:
+            logits = Logits.LAST
+        else:
+            n = min(n, w.prefill - 1)
+            logits = Logits.NONE
+        if n <= 0:
+            continue
+        piece = Piece(w.slot, n, logits, decode=False)
+        pieces.append(piece)
+        tokens -= n
+        outputs -= piece.outputs
+    return pieces

@@ -1,0 +1,137 @@
+"""Slot KV state on disk (`--kv-persist DIR`): saved on graceful stop, restored on start.
+
+Per slot two files: `slot-<i>.kv` (llama.cpp's sequence state with its token list)
+and `slot-<i>.json`, written last, which says what the state belongs to: the model
+file (size and a hash of its head and tail), the context per slot and the cache types.
+A restore loads only files whose identity matches this worker and consumes them;
+anything else is skipped with a warning, never fatal. Decode thread only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import structlog
+
+from blazar.engine import llama
+
+log = structlog.get_logger("blazar.engine.kvstore")
+
+FORMAT = 1
+_HASHED_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class Identity:
+    """What a saved state is only valid for."""
+
+    model_size: int
+    model_hash: str
+    context_per_slot: int
+    type_k: str
+    type_v: str
+    format: int = FORMAT
+
+    @classmethod
+    def of(cls, options: llama.RuntimeOptions, *, context_per_slot: int) -> Identity:
+        return cls(
+            model_size=os.path.getsize(options.model_path),
+            model_hash=model_fingerprint(options.model_path),
+            context_per_slot=context_per_slot,
+            type_k=options.type_k,
+            type_v=options.type_v,
+        )
+
+
+def model_fingerprint(path: str) -> str:
+    """sha256 of the file's first and last MiB: cheap, and tells GGUF files apart."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        digest.update(f.read(_HASHED_BYTES))
+        f.seek(max(0, os.fstat(f.fileno()).st_size - _HASHED_BYTES))
+        digest.update(f.read(_HASHED_BYTES))
+    return digest.hexdigest()
+
+
+def _paths(directory: Path, slot: int) -> tuple[Path, Path]:
+    return directory / f"slot-{slot}.kv", directory / f"slot-{slot}.json"
+
+
+def save(
+    runtime: llama.Runtime, directory: Path, identity: Identity, slots: dict[int, list[int]]
+) -> None:
+    """Write each slot's state (slot index -> its cached tokens); stale files go."""
+    started = time.perf_counter()
+    directory.mkdir(parents=True, exist_ok=True)
+    saved: dict[int, int] = {}
+    for index in range(runtime.options.slots):
+        kv, meta = _paths(directory, index)
+        meta.unlink(missing_ok=True)  # first: a crash mid-save leaves no valid pair
+        tokens = slots.get(index) or []
+        if not tokens:
+            kv.unlink(missing_ok=True)
+            continue
+        tmp = kv.with_suffix(".kv.tmp")
+        try:
+            written = runtime.save_seq(index, str(tmp), tokens)
+            if written == 0:
+                raise OSError("llama_state_seq_save_file failed")
+            tmp.replace(kv)
+            record = asdict(identity) | {"tokens": len(tokens)}
+            meta.write_text(json.dumps(record, sort_keys=True))
+        except OSError as exc:
+            log.warning("kv_save_failed", slot=index, error=str(exc))
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+            continue
+        saved[index] = len(tokens)
+    log.info(
+        "kv_saved",
+        dir=str(directory),
+        slots=saved,
+        ms=round((time.perf_counter() - started) * 1000, 1),
+    )
+
+
+def restore(runtime: llama.Runtime, directory: Path, identity: Identity) -> dict[int, list[int]]:
+    """Load every matching slot file into its sequence; slot index -> restored tokens."""
+    started = time.perf_counter()
+    restored: dict[int, list[int]] = {}
+    expected = asdict(identity)
+    for index in range(runtime.options.slots):
+        kv, meta = _paths(directory, index)
+        if not kv.exists() and not meta.exists():
+            continue
+        try:
+            record = json.loads(meta.read_text())
+            found = {k: record.get(k) for k in expected}
+            if found != expected:
+                differs = sorted(k for k in expected if found[k] != expected[k])
+                log.warning("kv_restore_skipped", slot=index, reason="mismatch", fields=differs)
+                continue
+            tokens = runtime.load_seq(index, str(kv))
+            if tokens is None or len(tokens) != record.get("tokens"):
+                runtime.clear(index)
+                log.warning("kv_restore_skipped", slot=index, reason="unreadable")
+                continue
+            restored[index] = tokens
+        except (OSError, ValueError, AttributeError) as exc:
+            log.warning("kv_restore_skipped", slot=index, reason="unreadable", error=str(exc))
+        finally:
+            # Consumed either way: what is on disk now describes no live cache.
+            meta.unlink(missing_ok=True)
+            kv.unlink(missing_ok=True)
+    if restored:
+        log.info(
+            "kv_restored",
+            dir=str(directory),
+            slots={i: len(t) for i, t in restored.items()},
+            ms=round((time.perf_counter() - started) * 1000, 1),
+        )
+    return restored

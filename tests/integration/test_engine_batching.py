@@ -1,0 +1,366 @@
+"""Continuous batching, prefix reuse, logprobs and KV persistence of a real worker."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from blazar._proto.engine.v1 import engine_pb2
+from blazar._proto.v1 import inference_pb2
+from blazar.engine import batching
+from tests.integration.test_engine_worker import (
+    READY_DEADLINE_S,
+    Spawner,
+    Worker,
+    greedy,
+    poll,
+    tokenize,
+)
+
+__all__ = ["tokenize"]  # a fixture
+
+pytestmark = pytest.mark.slow
+
+SLOTS = 4
+CONTEXT = 2048
+# One thread: on this shared 2-core machine two llama.cpp threads spin on each other's
+# barriers whenever another process holds a core, and steps get several times slower.
+ARGS = ("--slots", str(SLOTS), "--context-per-slot", str(CONTEXT), "--threads", "1")
+
+# Prompts whose greedy continuations are far from any tie, so that the small numeric
+# differences batching causes cannot change them.
+COUNTING = "1, 2, 3, 4, 5, 6, 7,"
+PROMPTS = [
+    COUNTING,
+    "Monday, Tuesday, Wednesday,",
+    "January, February, March,",
+    "a, b, c, d, e, f,",
+]
+TEXTS = [
+    "The river flows through the old town and under seven stone bridges.",
+    "Water boils at one hundred degrees Celsius at sea level.",
+    "She opened the window, and the cold morning air filled the room.",
+    "def add(a, b):\n    return a + b\n",
+]
+# About 1,000 tokens shared by two prompts (the window of Gemma 3's SWA layers is 512).
+SHARED = " ".join(
+    f"Section {i}: the committee reviewed item {i * 7 % 13} and approved budget line {i}."
+    for i in range(60)
+)
+
+
+@pytest.fixture(scope="module")
+def batch_worker(model_path: Path) -> Iterator[Worker]:
+    spawner = Spawner(model_path)
+    w = spawner(*ARGS)
+    w.wait_ready()
+    yield w
+    spawner.close()
+
+
+@pytest.fixture
+def spawn(model_path: Path) -> Iterator[Spawner]:
+    spawner = Spawner(model_path)
+    yield spawner
+    spawner.close()
+
+
+@dataclass
+class Stream:
+    """One Generate call consumed on its own thread, with each delta's arrival time."""
+
+    deltas: list[tuple[float, inference_pb2.Delta]] = field(default_factory=list)
+    final: inference_pb2.Final | None = None
+    error: grpc.RpcError | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(d.text for _, d in self.deltas)
+
+    def time_of_token(self, n: int) -> float:
+        """When the stream had received at least n tokens."""
+        seen = 0
+        for at, d in self.deltas:
+            seen += d.tokens
+            if seen >= n:
+                return at
+        raise AssertionError(f"only {seen} tokens arrived")
+
+
+def run_concurrently(w: Worker, requests: list[dict[str, Any]]) -> list[Stream]:
+    """Start every call first, then drain them in parallel threads."""
+    calls = [w.stub.Generate(engine_pb2.GenerateRequest(**r), timeout=90) for r in requests]
+    streams = [Stream() for _ in calls]
+
+    def drain(call: Any, stream: Stream) -> None:
+        try:
+            for chunk in call:
+                if chunk.HasField("delta"):
+                    stream.deltas.append((time.monotonic(), chunk.delta))
+                else:
+                    stream.final = chunk.final
+        except grpc.RpcError as exc:
+            stream.error = exc
+
+    threads = [threading.Thread(target=drain, args=cs) for cs in zip(calls, streams, strict=True)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert all(s.error is None and s.final is not None for s in streams), [s.error for s in streams]
+    return streams
+
+
+def prompt_logprobs(final: inference_pb2.Final) -> list[float]:
+    return [lp.logprob for lp in final.prompt_logprobs]
+
+
+def mean_abs_diff(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b) and a
+    return sum(abs(x - y) for x, y in zip(a, b, strict=True)) / len(a)
+
+
+# --- continuous batching ----------------------------------------------------------------
+
+
+def test_concurrent_streams_progress_together(batch_worker: Worker) -> None:
+    n = 16
+    streams = run_concurrently(
+        batch_worker, [{"prompt": p, "sampling": greedy(n)} for p in PROMPTS]
+    )
+    assert [s.final.usage.completion_tokens for s in streams if s.final] == [n] * len(PROMPTS)
+    assert sorted(s.final.routing.slot for s in streams if s.final) == list(range(SLOTS))
+    # Interleaved, not one after another: every stream has its first token before any
+    # stream is halfway through.
+    last_first = max(s.time_of_token(1) for s in streams)
+    first_half = min(s.time_of_token(n // 2) for s in streams)
+    assert last_first < first_half
+
+
+def test_batched_logprobs_match_one_at_a_time(batch_worker: Worker) -> None:
+    def request(text: str) -> dict[str, Any]:
+        return {"prompt": text, "sampling": greedy(1, prompt_logprobs=True)}
+
+    alone = [batch_worker.generate(**request(t))[1] for t in TEXTS]
+    batched = [s.final for s in run_concurrently(batch_worker, [request(t) for t in TEXTS])]
+    diffs = []
+    for a, b in zip(alone, batched, strict=True):
+        assert b is not None
+        # Teacher forcing: one entry per prompt token after the first, none from a cache.
+        assert len(a.prompt_logprobs) == a.usage.prompt_tokens - 1
+        assert a.usage.cached_tokens == 0 and b.usage.cached_tokens == 0
+        assert [lp.id for lp in a.prompt_logprobs] == [lp.id for lp in b.prompt_logprobs]
+        diffs.append(mean_abs_diff(prompt_logprobs(a), prompt_logprobs(b)))
+    assert max(diffs) <= 0.15, diffs
+
+
+def test_same_arrangement_same_greedy_output(batch_worker: Worker) -> None:
+    requests = [{"prompt": p, "sampling": greedy(10)} for p in PROMPTS]
+    run_concurrently(batch_worker, requests)  # leaves each prompt cached in its own slot
+    first = run_concurrently(batch_worker, requests)
+    second = run_concurrently(batch_worker, requests)
+    assert [s.text for s in first] == [s.text for s in second]
+    assert all(len(s.text) > 5 for s in first)
+    assert first[0].text.startswith(" 8, 9, 10")
+
+
+def test_stop_strings_and_max_tokens_hold_under_batching(batch_worker: Worker) -> None:
+    requests = [
+        {"prompt": COUNTING, "sampling": greedy(30, stop=["11"])},
+        {"prompt": PROMPTS[1], "sampling": greedy(30, stop=["Friday"])},
+        {"prompt": PROMPTS[2], "sampling": greedy(5)},
+        {"prompt": PROMPTS[3], "sampling": greedy(9)},
+    ]
+    counting, days, months, letters = run_concurrently(batch_worker, requests)
+    assert counting.text == " 8, 9, 10, "
+    assert days.text == " Thursday, "
+    for s in (counting, days):
+        assert s.final is not None
+        assert s.final.finish_reason == inference_pb2.FINISH_REASON_STOP
+    for s, n in ((months, 5), (letters, 9)):
+        assert s.final is not None
+        assert s.final.finish_reason == inference_pb2.FINISH_REASON_LENGTH
+        assert s.final.usage.completion_tokens == n
+
+
+def test_cancelling_one_stream_frees_its_slot_while_others_run(batch_worker: Worker) -> None:
+    n = 32
+    # No max_tokens: the victim would run until its slot's context is full.
+    victim = batch_worker.stub.Generate(engine_pb2.GenerateRequest(prompt=PROMPTS[3]), timeout=60)
+    others: list[Stream] = []
+    runner = threading.Thread(
+        target=lambda: others.extend(
+            run_concurrently(
+                batch_worker, [{"prompt": p, "sampling": greedy(n)} for p in PROMPTS[:2]]
+            )
+        )
+    )
+    assert next(victim).HasField("delta")
+    runner.start()
+    try:
+
+        def three_busy() -> bool:
+            h = batch_worker.health()
+            return h is not None and sum(s.busy for s in h.slots) == 3
+
+        poll(three_busy, what="three busy slots")
+        victim.cancel()
+
+        def two_busy() -> bool:
+            h = batch_worker.health()
+            return h is not None and sum(s.busy for s in h.slots) == 2
+
+        poll(two_busy, what="the cancelled stream's slot to be freed")
+    finally:
+        runner.join(timeout=120)
+    assert [s.final.usage.completion_tokens for s in others if s.final] == [n, n]
+
+
+# --- prefix reuse -----------------------------------------------------------------------
+
+
+def test_prefix_reuse(batch_worker: Worker, tokenize: Callable[[str], list[int]]) -> None:
+    first = SHARED + " Summary of section 3:"
+    second = SHARED + " Which budget line did the committee approve last?"
+    shared = batching.common_prefix(tokenize(first), tokenize(second))
+    assert shared > 900
+    _, cold_first = batch_worker.generate(prompt=first, sampling=greedy(2))
+    assert cold_first.usage.cached_tokens == 0
+    # The second prompt finds the first one's prefix in a slot and prefills the rest ...
+    sampling = greedy(6, logprobs=True, top_logprobs=5)
+    warm_deltas, warm = batch_worker.generate(prompt=second, sampling=sampling)
+    assert warm.usage.cached_tokens == shared
+    assert warm.routing.prefix_tokens_reused == shared
+    assert warm.routing.slot == cold_first.routing.slot
+    # ... and a cold run of it (prompt logprobs never read a cache) in another slot.
+    cold_deltas, cold = batch_worker.generate(
+        prompt=second, sampling=greedy(6, logprobs=True, top_logprobs=5, prompt_logprobs=True)
+    )
+    assert cold.usage.cached_tokens == 0
+    assert warm.timings.prefill_ms < 0.3 * cold.timings.prefill_ms, (
+        warm.timings.prefill_ms,
+        cold.timings.prefill_ms,
+    )
+    # Keeping 1,000 tokens across a 512-token sliding window gives the distribution a
+    # cold prefill gives.
+    cold_lps = [lp for d in cold_deltas for lp in d.logprobs]
+    warm_lps = [lp for d in warm_deltas for lp in d.logprobs]
+    assert len(cold_lps) == len(warm_lps) == 6
+    top_cold = {t.id: t.logprob for t in cold_lps[0].top}
+    top_warm = {t.id: t.logprob for t in warm_lps[0].top}
+    both = sorted(set(top_cold) & set(top_warm))
+    assert len(both) >= 4
+    assert mean_abs_diff([top_cold[t] for t in both], [top_warm[t] for t in both]) <= 0.15
+    agreeing = 0
+    for c, w in zip(cold_lps, warm_lps, strict=True):
+        if c.id != w.id:
+            break
+        agreeing += 1
+        assert abs(c.logprob - w.logprob) <= 0.3
+    assert agreeing >= 3
+
+
+def test_logprobs_are_a_distribution(batch_worker: Worker) -> None:
+    deltas, final = batch_worker.generate(
+        prompt=COUNTING, sampling=greedy(4, logprobs=True, top_logprobs=3)
+    )
+    lps = [lp for d in deltas for lp in d.logprobs]
+    assert len(lps) == final.usage.completion_tokens == 4
+    assert sum(d.tokens for d in deltas) == 4
+    for lp in lps:
+        assert lp.logprob <= 0 and len(lp.top) == 3
+        # Greedy picks the most likely token.
+        assert lp.top[0].id == lp.id and lp.top[0].logprob == pytest.approx(lp.logprob)
+        assert [t.logprob for t in lp.top] == sorted((t.logprob for t in lp.top), reverse=True)
+        assert lp.bytes.decode() == lp.token
+    # No logprobs unless asked.
+    deltas, final = batch_worker.generate(prompt=COUNTING, sampling=greedy(2))
+    assert not any(d.logprobs for d in deltas) and not final.prompt_logprobs
+
+
+def test_health_reports_kv_and_cached_tokens(batch_worker: Worker) -> None:
+    h = batch_worker.wait_ready()
+    assert h.context_per_slot == CONTEXT
+    assert h.kv_bytes > 0
+    assert h.memory_bytes > h.kv_bytes // 4
+    assert len(h.slots) == SLOTS and not any(s.busy for s in h.slots)
+    # Earlier tests left their prompts cached.
+    assert any(s.cached_tokens > 900 for s in h.slots)
+
+
+# --- KV persistence ---------------------------------------------------------------------
+
+
+def log_events(w: Worker, event: str) -> list[dict[str, Any]]:
+    found = []
+    for line in w.log.read_text().splitlines():
+        if line.startswith("{"):
+            record = json.loads(line)
+            if record.get("event") == event:
+                found.append(record)
+    return found
+
+
+def stop(w: Worker) -> None:
+    w.proc.send_signal(signal.SIGTERM)
+    assert w.proc.wait(timeout=READY_DEADLINE_S) == 0
+
+
+def test_kv_persists_across_a_graceful_restart(spawn: Spawner, tmp_path: Path) -> None:
+    kv = tmp_path / "kv"
+    # Longer than the 512-token sliding window, whose cache is saved only in part.
+    prompt = SHARED[: len(SHARED) // 2] + " The end."
+    first = spawn(*ARGS, "--kv-persist", str(kv))
+    first.wait_ready()
+    _, cold = first.generate(prompt=prompt, sampling=greedy(2))
+    assert cold.usage.cached_tokens == 0
+    stop(first)
+    assert (kv / f"slot-{cold.routing.slot}.kv").stat().st_size > 0
+    # A file for another slot that belongs to something else is skipped, not fatal.
+    (kv / "slot-3.kv").write_bytes(b"not a llama state")
+    (kv / "slot-3.json").write_text(json.dumps({"model_hash": "other", "tokens": 3}))
+
+    second = spawn(*ARGS, "--kv-persist", str(kv))
+    h = second.wait_ready()
+    assert h.slots[cold.routing.slot].cached_tokens >= cold.usage.prompt_tokens
+    assert log_events(second, "kv_restored")
+    assert [e["slot"] for e in log_events(second, "kv_restore_skipped")] == [3]
+    _, warm = second.generate(prompt=prompt, sampling=greedy(2))
+    assert warm.usage.cached_tokens == warm.usage.prompt_tokens - 1
+    assert warm.timings.prefill_ms < 0.3 * cold.timings.prefill_ms
+    stop(second)
+
+    # Another cache type is another identity: the state is ignored, the worker serves.
+    third = spawn(*ARGS, "--kv-persist", str(kv), "--type-k", "q8_0", "--type-v", "q8_0")
+    third.wait_ready()
+    assert log_events(third, "kv_restore_skipped")
+    assert not any(s.cached_tokens for s in third.wait_ready().slots)
+    _, fresh = third.generate(prompt=COUNTING, sampling=greedy(2))
+    assert fresh.usage.completion_tokens == 2
+    stop(third)
+
+
+def test_worker_accepts_speculation_flags(spawn: Spawner) -> None:
+    w = spawn(
+        "--spec-kind",
+        "ngram",
+        "--spec-ngram-size",
+        "3",
+        "--spec-max-draft",
+        "8",
+        "--spec-disable-above-batch",
+        "4",
+        "--spec-min-acceptance",
+        "0.5",
+    )
+    w.wait_ready()
+    assert w.text(prompt=COUNTING, sampling=greedy(4))

@@ -1,0 +1,151 @@
+"""Embed and Tokenize on a real engine worker with the bundled Gemma 3 270M."""
+
+from __future__ import annotations
+
+import math
+import signal
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import grpc
+import pytest
+
+from blazar._proto.v1 import inference_pb2
+from blazar.rpc import status
+from tests.integration.test_engine_worker import CONTEXT_PER_SLOT, Spawner, Worker, rpc_error
+
+pytestmark = pytest.mark.slow
+
+GEMMA_3_270M_DIMENSIONS = 640
+START_OF_TURN = 105
+
+
+@pytest.fixture(scope="module")
+def worker(model_path: Path) -> Iterator[Worker]:
+    spawner = Spawner(model_path)
+    w = spawner()
+    w.wait_ready()
+    yield w
+    spawner.close()
+
+
+def embed(worker: Worker, *inputs: str, normalize: bool = False) -> inference_pb2.EmbedResponse:
+    response: inference_pb2.EmbedResponse = worker.stub.Embed(
+        inference_pb2.EmbedRequest(inputs=inputs, normalize=normalize), timeout=60
+    )
+    return response
+
+
+def tokenize(
+    worker: Worker, text: str, *, add_special: bool = False, parse_special: bool = False
+) -> inference_pb2.TokenizeResponse:
+    response: inference_pb2.TokenizeResponse = worker.stub.Tokenize(
+        inference_pb2.TokenizeRequest(
+            text=text, add_special=add_special, parse_special=parse_special
+        ),
+        timeout=10,
+    )
+    return response
+
+
+def norm(v: Sequence[float]) -> float:
+    return math.sqrt(sum(x * x for x in v))
+
+
+def cosine(a: Sequence[float], b: Sequence[float]) -> float:
+    return sum(x * y for x, y in zip(a, b, strict=True)) / (norm(a) * norm(b))
+
+
+def test_embeddings_have_the_model_dimension_and_token_counts(worker: Worker) -> None:
+    texts = ("Hello there.", "A somewhat longer sentence about the weather today.")
+    response = embed(worker, *texts)
+    assert [len(e.values) for e in response.embeddings] == [GEMMA_3_270M_DIMENSIONS] * 2
+    counts = [len(tokenize(worker, t, add_special=True).tokens) for t in texts]
+    assert [e.tokens for e in response.embeddings] == counts
+    assert response.prompt_tokens == sum(counts)
+    assert all(math.isfinite(x) for e in response.embeddings for x in e.values)
+
+
+def test_embeddings_are_deterministic_and_independent_of_batching(worker: Worker) -> None:
+    alone = embed(worker, "The cat sat on the mat.").embeddings[0].values
+    again = embed(worker, "The cat sat on the mat.").embeddings[0].values
+    among = embed(worker, "Something else first.", "The cat sat on the mat.").embeddings[1].values
+    assert list(alone) == list(again)
+    assert max(abs(x - y) for x, y in zip(alone, among, strict=True)) < 1e-4
+
+
+def test_normalize_scales_to_unit_length(worker: Worker) -> None:
+    raw = embed(worker, "Normalise me.").embeddings[0].values
+    unit = embed(worker, "Normalise me.", normalize=True).embeddings[0].values
+    assert abs(norm(raw) - 1.0) > 0.1  # the raw vector is not already unit length
+    assert norm(unit) == pytest.approx(1.0, abs=1e-5)
+    scale = norm(raw)
+    assert max(abs(u - r / scale) for u, r in zip(unit, raw, strict=True)) < 1e-5
+
+
+def test_similar_texts_are_closer_than_unrelated_ones(worker: Worker) -> None:
+    cat, rug, revenue = (
+        e.values
+        for e in embed(
+            worker,
+            "The cat sat on the mat.",
+            "A cat was sitting on a rug.",
+            "Quarterly revenue grew by 12 percent in fiscal 2023.",
+        ).embeddings
+    )
+    assert cosine(cat, rug) > cosine(cat, revenue)
+    assert cosine(cat, rug) > cosine(rug, revenue)
+
+
+def test_an_input_longer_than_the_context_is_refused(worker: Worker) -> None:
+    too_long = "word " * (CONTEXT_PER_SLOT + 10)
+    err = rpc_error(lambda: embed(worker, "fine", too_long))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    trailers = dict(err.trailing_metadata() or ())
+    assert trailers[status.REASON_KEY] == "CONTEXT_LENGTH_EXCEEDED"
+    assert trailers["blazar-context_length"] == str(CONTEXT_PER_SLOT)
+    assert "Input 1" in (err.details() or "")
+    # The worker still embeds afterwards.
+    assert len(embed(worker, "still here").embeddings) == 1
+
+
+def test_no_inputs_is_invalid(worker: Worker) -> None:
+    err = rpc_error(lambda: embed(worker))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_tokenize_round_trips(worker: Worker, model_path: Path) -> None:
+    from llama_cpp import Llama
+
+    reference = Llama(str(model_path), vocab_only=True, verbose=False)
+    text = "Tokenizers split wörds; naïve café ✓ 12345."
+    plain = tokenize(worker, text)
+    assert "".join(plain.pieces) == text
+    assert list(plain.tokens) == reference.tokenize(text.encode(), add_bos=False, special=False)
+    with_bos = tokenize(worker, text, add_special=True)
+    assert list(with_bos.tokens) == [reference.token_bos(), *plain.tokens]
+    assert with_bos.pieces[0] == "<bos>"
+
+
+def test_tokenize_parses_control_tokens_only_when_asked(worker: Worker) -> None:
+    text = "<start_of_turn>user"
+    literal = tokenize(worker, text)
+    parsed = tokenize(worker, text, parse_special=True)
+    assert START_OF_TURN not in literal.tokens
+    assert "".join(literal.pieces) == text
+    assert parsed.tokens[0] == START_OF_TURN
+    assert list(parsed.pieces) == ["<start_of_turn>", "user"]
+
+
+def test_graceful_stop_after_embedding_exits_cleanly(model_path: Path) -> None:
+    """Draining closes the embedding context before the decode thread frees the model."""
+    spawner = Spawner(model_path)
+    try:
+        w = spawner()
+        w.wait_ready()
+        assert len(embed(w, "one", "two").embeddings) == 2
+        w.proc.send_signal(signal.SIGTERM)
+        assert w.proc.wait(timeout=60) == 0, w.log.read_text()
+        assert '"stopped"' in w.log.read_text()
+    finally:
+        spawner.close()

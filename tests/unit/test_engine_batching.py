@@ -1,0 +1,208 @@
+"""Pure decisions of the decode loop: slot choice, what a cache may keep, step packing."""
+
+from __future__ import annotations
+
+import pytest
+
+from blazar.engine import batching
+from blazar.engine.batching import FreeSlot, Logits, Piece, Placement, Want
+
+LONG = list(range(1, 201))  # a 200-token prompt
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "expected"),
+    [
+        ([], [], 0),
+        ([1, 2, 3], [], 0),
+        ([1, 2, 3], [1, 2, 3], 3),
+        ([1, 2, 3], [1, 2], 2),
+        ([1, 2, 3], [1, 9, 3], 1),
+        ([5], [1], 0),
+    ],
+)
+def test_common_prefix(a: list[int], b: list[int], expected: int) -> None:
+    assert batching.common_prefix(a, b) == expected
+    assert batching.common_prefix(b, a) == expected
+
+
+@pytest.mark.parametrize(
+    ("prompt", "free", "expected"),
+    [
+        # Nothing cached anywhere: the lowest-index empty slot.
+        ([1, 2, 3], [FreeSlot(0, []), FreeSlot(1, [])], Placement(0, 0)),
+        # The longest shared prefix wins over recency.
+        (
+            LONG,
+            [FreeSlot(0, LONG[:100], 9), FreeSlot(1, LONG[:150], 1), FreeSlot(2, [], 0)],
+            Placement(1, 150),
+        ),
+        # Equal prefixes: the least recently used of them.
+        (
+            LONG,
+            [FreeSlot(0, [*LONG[:100], 0], 5), FreeSlot(1, [*LONG[:100], 7], 2)],
+            Placement(1, 100),
+        ),
+        # The whole prompt cached: keep all but its last token, which is re-evaluated.
+        (LONG, [FreeSlot(0, [*LONG, 7, 8], 1)], Placement(0, 199)),
+        (LONG, [FreeSlot(0, LONG, 1)], Placement(0, 199)),
+        # Only BOS shared: no match, so an empty slot rather than evicting a cache.
+        ([1, 50, 51, 52], [FreeSlot(0, [1, 9, 9, 9], 1), FreeSlot(1, [], 0)], Placement(1, 0)),
+        # No match and no empty slot: the least recently used.
+        ([1, 50, 51, 52], [FreeSlot(0, [1, 9], 7), FreeSlot(1, [1, 8], 3)], Placement(1, 0)),
+        # A short prompt matches when half of it is shared.
+        ([1, 2, 3, 4], [FreeSlot(0, [1, 2, 9], 1), FreeSlot(1, [], 0)], Placement(0, 2)),
+        # 64 shared tokens match however long the prompt is.
+        (
+            list(range(1000)),
+            [FreeSlot(0, [*list(range(64)), 0], 1), FreeSlot(1, [], 0)],
+            Placement(0, 64),
+        ),
+        (
+            list(range(1000)),
+            [FreeSlot(0, [*list(range(63)), 0], 1), FreeSlot(1, [], 0)],
+            Placement(1, 0),
+        ),
+        # A one-token prompt keeps nothing (its only token must be evaluated).
+        ([1], [FreeSlot(0, [1, 2], 1)], Placement(0, 0)),
+    ],
+)
+def test_choose_slot(prompt: list[int], free: list[FreeSlot], expected: Placement) -> None:
+    assert batching.choose_slot(prompt, free) == expected
+
+
+def test_choose_slot_without_reuse_takes_an_empty_or_lru_slot() -> None:
+    free = [FreeSlot(0, LONG, 4), FreeSlot(1, [3], 2), FreeSlot(2, [4], 1)]
+    assert batching.choose_slot(LONG, free, reuse=False) == Placement(2, 0)
+
+
+def test_choose_slot_needs_a_free_slot() -> None:
+    with pytest.raises(ValueError):
+        batching.choose_slot([1], [])
+
+
+@pytest.mark.parametrize(
+    ("common", "pos_min", "n_swa", "expected"),
+    [
+        (0, 0, 0, 0),
+        (100, -1, 0, 0),  # empty sequence
+        (100, 0, 0, 100),  # full cache, no window
+        (100, 5, 0, 0),  # without a window every position is needed
+        (1000, 0, 512, 1000),  # full-size SWA cache
+        (1000, 489, 512, 1000),  # position 1000 sees [489, 1000]: all there
+        (1000, 490, 512, 0),  # position 489 is gone
+        (699, 188, 512, 699),  # a restored 700-token state holds [188, 700)
+        (600, 188, 512, 0),  # ... which cannot resume further back
+        (300, 0, 512, 300),
+        (300, 10, 512, 0),
+    ],
+)
+def test_reusable_prefix(common: int, pos_min: int, n_swa: int, expected: int) -> None:
+    assert batching.reusable_prefix(common, pos_min=pos_min, n_swa=n_swa) == expected
+
+
+def piece(slot: int, tokens: int, logits: Logits, *, decode: bool = False) -> Piece:
+    return Piece(slot, tokens, logits, decode=decode)
+
+
+@pytest.mark.parametrize(
+    ("wants", "max_tokens", "max_outputs", "expected"),
+    [
+        ([], 512, 64, []),
+        # Decode tokens first, then prefill in the order given.
+        (
+            [Want(0, prefill=100), Want(1, decode=1), Want(2, decode=1)],
+            512,
+            64,
+            [
+                piece(1, 1, Logits.ALL, decode=True),
+                piece(2, 1, Logits.ALL, decode=True),
+                piece(0, 100, Logits.LAST),
+            ],
+        ),
+        # A long prompt is chunked to the room left after the decode tokens.
+        (
+            [Want(0, decode=1), Want(1, prefill=1000), Want(2, prefill=30)],
+            512,
+            64,
+            [piece(0, 1, Logits.ALL, decode=True), piece(1, 511, Logits.NONE)],
+        ),
+        # Two prompts share a step when both fit.
+        (
+            [Want(1, prefill=300), Want(2, prefill=100)],
+            512,
+            64,
+            [piece(1, 300, Logits.LAST), piece(2, 100, Logits.LAST)],
+        ),
+        (
+            [Want(1, prefill=300), Want(2, prefill=400)],
+            512,
+            64,
+            [piece(1, 300, Logits.LAST), piece(2, 212, Logits.NONE)],
+        ),
+        # Prompt logprobs: every position is an output, so the chunk is output-bound.
+        (
+            [Want(0, decode=1), Want(1, prefill=500, prompt_logits=True)],
+            512,
+            64,
+            [piece(0, 1, Logits.ALL, decode=True), piece(1, 63, Logits.ALL)],
+        ),
+        # No output left for a prompt's last token: stop one short of the end.
+        (
+            [Want(0, prefill=10, prompt_logits=True), Want(1, prefill=5)],
+            512,
+            10,
+            [piece(0, 10, Logits.ALL), piece(1, 4, Logits.NONE)],
+        ),
+        # A one-token remainder with no output left waits for the next step.
+        ([Want(0, prefill=1)], 512, 0, []),
+        # Speculation: several tokens of one sequence, each with logits.
+        (
+            [Want(0, decode=5), Want(1, decode=1)],
+            512,
+            64,
+            [piece(0, 5, Logits.ALL, decode=True), piece(1, 1, Logits.ALL, decode=True)],
+        ),
+        # A sequence whose tokens do not fit waits; smaller ones still go.
+        (
+            [Want(0, decode=5), Want(1, decode=1)],
+            4,
+            64,
+            [piece(1, 1, Logits.ALL, decode=True)],
+        ),
+        # Token budget exactly used up by the first prompt.
+        (
+            [Want(0, prefill=512), Want(1, prefill=3)],
+            512,
+            64,
+            [piece(0, 512, Logits.LAST)],
+        ),
+    ],
+)
+def test_plan_step(
+    wants: list[Want], max_tokens: int, max_outputs: int, expected: list[Piece]
+) -> None:
+    pieces = batching.plan_step(wants, max_tokens=max_tokens, max_outputs=max_outputs)
+    assert pieces == expected
+    assert sum(p.tokens for p in pieces) <= max_tokens
+    assert sum(p.outputs for p in pieces) <= max_outputs
+
+
+@pytest.mark.parametrize(
+    ("piece_", "outputs"),
+    [
+        (piece(0, 7, Logits.ALL), 7),
+        (piece(0, 7, Logits.LAST), 1),
+        (piece(0, 7, Logits.NONE), 0),
+    ],
+)
+def test_piece_outputs(piece_: Piece, outputs: int) -> None:
+    assert piece_.outputs == outputs
+
+
+@pytest.mark.parametrize(
+    ("common", "prompt_len", "expected"),
+    [(0, 10, False), (1, 2, True), (1, 4, False), (2, 4, True), (64, 10_000, True)],
+)
+def test_worth_reusing(common: int, prompt_len: int, expected: bool) -> None:
+    assert batching.worth_reusing(common, prompt_len) is expected
