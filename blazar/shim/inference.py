@@ -91,6 +91,28 @@ class InferenceClient:
             raise status.from_rpc_error(exc) from None
         return response
 
+    async def embed(
+        self, request: inference_pb2.EmbedRequest, *, metadata: Sequence[tuple[str, str]]
+    ) -> inference_pb2.EmbedResponse:
+        try:
+            response: inference_pb2.EmbedResponse = await self._inference.Embed(
+                request, metadata=tuple(metadata)
+            )
+        except grpc.RpcError as exc:
+            raise status.from_rpc_error(exc) from None
+        return response
+
+    async def tokenize(
+        self, request: inference_pb2.TokenizeRequest, *, metadata: Sequence[tuple[str, str]]
+    ) -> inference_pb2.TokenizeResponse:
+        try:
+            response: inference_pb2.TokenizeResponse = await self._inference.Tokenize(
+                request, metadata=tuple(metadata)
+            )
+        except grpc.RpcError as exc:
+            raise status.from_rpc_error(exc) from None
+        return response
+
     async def serving(self) -> bool:
         """True when the daemon's overall health (service "") is SERVING."""
         try:

@@ -9,9 +9,11 @@ BLAZAR_UPDATE_GOLDEN=1.
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
 import re
+import struct
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -47,8 +49,25 @@ def anyio_backend() -> str:
 # ---------------------------------------------------------------- fake daemon
 
 
-def delta(text: str, tokens: int = 1) -> inference_pb2.Chunk:
-    return inference_pb2.Chunk(delta=inference_pb2.Delta(text=text, tokens=tokens))
+def delta(
+    text: str, tokens: int = 1, *, logprobs: Sequence[inference_pb2.TokenLogprob] = ()
+) -> inference_pb2.Chunk:
+    return inference_pb2.Chunk(
+        delta=inference_pb2.Delta(text=text, tokens=tokens, logprobs=logprobs)
+    )
+
+
+def lp(
+    token: str, logprob: float, *top: tuple[str, float], token_id: int = 0
+) -> inference_pb2.TokenLogprob:
+    """A token's log-probability; alternatives as (token, logprob), best first."""
+    return inference_pb2.TokenLogprob(
+        id=token_id,
+        token=token,
+        logprob=logprob,
+        bytes=token.encode(),
+        top=[inference_pb2.TokenLogprob(token=t, logprob=p, bytes=t.encode()) for t, p in top],
+    )
 
 
 def final(
@@ -57,6 +76,7 @@ def final(
     prompt: int = 7,
     completion: int = 3,
     cached: int = 0,
+    prompt_logprobs: Sequence[inference_pb2.TokenLogprob] = (),
 ) -> inference_pb2.Chunk:
     return inference_pb2.Chunk(
         final=inference_pb2.Final(
@@ -65,6 +85,7 @@ def final(
                 prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached
             ),
             model="lane-a",
+            prompt_logprobs=prompt_logprobs,
         )
     )
 
@@ -81,6 +102,8 @@ class FakeInference(inference_pb2_grpc.InferenceServicer):
 
     scripts: dict[str, list[Step]] = field(default_factory=dict)
     models: list[inference_pb2.ModelInfo] = field(default_factory=list)
+    # What Embed answers for a model whose script holds no error.
+    embeddings: inference_pb2.EmbedResponse = field(default_factory=inference_pb2.EmbedResponse)
     requests: list[Any] = field(default_factory=list)
     metadata: list[dict[str, str]] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)
@@ -100,6 +123,16 @@ class FakeInference(inference_pb2_grpc.InferenceServicer):
             if isinstance(step, errors.BlazarError):
                 await status.abort(context, step)
         return inference_pb2.ListModelsResponse(models=self.models)
+
+    async def Embed(self, request: Any, context: Any) -> inference_pb2.EmbedResponse:
+        self.requests.append(request)
+        self.metadata.append(dict(context.invocation_metadata()))
+        if request.model not in self.scripts:
+            await status.abort(context, errors.ModelNotFound.of(request.model))
+        for step in self.scripts[request.model]:
+            if isinstance(step, errors.BlazarError):
+                await status.abort(context, step)
+        return self.embeddings
 
     async def _play(self, request: Any, context: Any) -> AsyncIterator[inference_pb2.Chunk]:
         self.requests.append(request)
@@ -251,8 +284,21 @@ def script_json(script: Sequence[Step]) -> list[Any]:
 
 # ---------------------------------------------------------------- golden: requests in
 
+PERSON_SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
 REQUEST_CASES: dict[
-    str, tuple[type[protocol.ChatCompletionRequest | protocol.CompletionRequest], dict[str, Any]]
+    str,
+    tuple[
+        type[
+            protocol.ChatCompletionRequest | protocol.CompletionRequest | protocol.EmbeddingRequest
+        ],
+        dict[str, Any],
+    ],
 ] = {
     "request_chat_minimal": (protocol.ChatCompletionRequest, chat_body()),
     "request_chat_full": (
@@ -300,6 +346,51 @@ REQUEST_CASES: dict[
         protocol.CompletionRequest,
         {"model": "base", "prompt": ["Once upon"], "stop": "\n", "top_p": 1},
     ),
+    "request_chat_json_schema": (
+        protocol.ChatCompletionRequest,
+        chat_body(
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "person", "schema": PERSON_SCHEMA, "strict": True},
+            },
+            logprobs=True,
+            top_logprobs=3,
+            logit_bias={"42": 5.5, "7": -100, "0": 0},
+        ),
+    ),
+    "request_chat_json_schema_without_schema": (
+        protocol.ChatCompletionRequest,
+        chat_body(response_format={"type": "json_schema", "json_schema": {"name": "anything"}}),
+    ),
+    "request_chat_json_object": (
+        protocol.ChatCompletionRequest,
+        chat_body(response_format={"type": "json_object"}, logprobs=True),
+    ),
+    "request_chat_text_format": (
+        protocol.ChatCompletionRequest,
+        chat_body(response_format={"type": "text"}, logprobs=False, top_logprobs=0),
+    ),
+    "request_completion_logprobs_echo": (
+        protocol.CompletionRequest,
+        {"model": "base", "prompt": "Once upon", "logprobs": 2, "echo": True},
+    ),
+    "request_completion_json_object": (
+        protocol.CompletionRequest,
+        {"model": "base", "prompt": "{", "response_format": {"type": "json_object"}},
+    ),
+    "request_embeddings_string": (
+        protocol.EmbeddingRequest,
+        {"model": "base", "input": "Embed me"},
+    ),
+    "request_embeddings_list": (
+        protocol.EmbeddingRequest,
+        {
+            "model": "base",
+            "input": ["one", "two"],
+            "encoding_format": "base64",
+            "user": "someone",
+        },
+    ),
 }
 
 
@@ -309,8 +400,10 @@ def test_request_translation_matches_golden(name: str) -> None:
     parsed = validation.parse_body(model, json.dumps(body).encode())
     if isinstance(parsed, protocol.ChatCompletionRequest):
         canonical: Any = convert.chat_request(parsed)
-    else:
+    elif isinstance(parsed, protocol.CompletionRequest):
         canonical = convert.complete_request(parsed)
+    else:
+        canonical = convert.embed_request(parsed)
     check_golden(
         name,
         {
@@ -368,6 +461,31 @@ STREAM_CASES: dict[str, tuple[str, dict[str, Any], list[Step]]] = {
             "stream_options": {"include_usage": True},
         },
         [delta(" upon"), final(prompt=2, completion=1, cached=1)],
+    ),
+    "stream_chat_logprobs": (
+        "/v1/chat/completions",
+        chat_body(stream=True, logprobs=True, top_logprobs=2),
+        [
+            delta("Hi", logprobs=[lp("Hi", -0.25, ("Hi", -0.25), ("Hello", -1.5))]),
+            # A delta holding back half a character still reports its token.
+            delta("", logprobs=[lp("\ufffd", -2.0, ("\ufffd", -2.0), ("!", -2.5))]),
+            delta(" ✓", logprobs=[lp("\ufffd", -0.5, ("\ufffd", -0.5), (".", -3.0))]),
+            final(completion=3),
+        ],
+    ),
+    "stream_completion_logprobs": (
+        "/v1/completions",
+        {"model": "tiny", "prompt": "Once", "stream": True, "logprobs": 1},
+        [
+            delta(" upon", logprobs=[lp(" upon", -0.5, (" upon", -0.5))]),
+            delta(" a time", 2, logprobs=[lp(" a", -0.125, (" the", -0.1)), lp(" time", -0.0625)]),
+            final(inference_pb2.FINISH_REASON_LENGTH),
+        ],
+    ),
+    "stream_completion_echo": (
+        "/v1/completions",
+        {"model": "tiny", "prompt": "Once", "stream": True, "echo": True},
+        [delta(" upon"), final()],
     ),
 }
 
@@ -662,6 +780,238 @@ async def test_malformed_request_does_not_disturb_concurrent_good_one(
     assert daemon.fake.cancelled == []
 
 
+# ---------------------------------------------------------------- golden: whole responses
+
+RESPONSE_CASES: dict[str, tuple[str, dict[str, Any], list[Step]]] = {
+    "response_chat_logprobs": (
+        "/v1/chat/completions",
+        chat_body(logprobs=True, top_logprobs=1),
+        [
+            delta("Yes", logprobs=[lp("Yes", -0.5, ("Yes", -0.5))]),
+            delta(".", logprobs=[lp(".", -0.25, (".", -0.25))]),
+            final(completion=2),
+        ],
+    ),
+    "response_completion_logprobs_echo": (
+        "/v1/completions",
+        {"model": "tiny", "prompt": "Once upon", "logprobs": 1, "echo": True, "max_tokens": 2},
+        [
+            delta(" a", logprobs=[lp(" a", -0.5, (" the", -0.25))]),
+            delta(" time", logprobs=[lp(" time", -0.125, (" time", -0.125))]),
+            final(
+                inference_pb2.FINISH_REASON_LENGTH,
+                prompt=3,
+                completion=2,
+                prompt_logprobs=[
+                    lp("Once", -7.5, ("The", -2.0)),
+                    lp(" upon", -3.25, (" upon", -3.25)),
+                ],
+            ),
+        ],
+    ),
+    "response_completion_logprobs_zero": (
+        "/v1/completions",
+        {"model": "tiny", "prompt": "Once", "logprobs": 0},
+        [delta(" upon", logprobs=[lp(" upon", -0.5)]), final(completion=1)],
+    ),
+    "response_completion_echo": (
+        "/v1/completions",
+        {"model": "tiny", "prompt": "Once", "echo": True},
+        [delta(" upon"), final(completion=1)],
+    ),
+}
+
+
+def normalise_body(body: Any) -> Any:
+    return normalise([body])[0]
+
+
+@pytest.mark.parametrize("name", sorted(RESPONSE_CASES))
+async def test_response_matches_golden(
+    name: str, daemon: Daemon, client: httpx.AsyncClient
+) -> None:
+    path, body, script = RESPONSE_CASES[name]
+    daemon.fake.scripts["tiny"] = script
+    response = await client.post(path, json=body)
+    assert response.status_code == 200, response.text
+    check_golden(
+        name,
+        {
+            "path": path,
+            "http_body": body,
+            "chunks": script_json(script),
+            "response": normalise_body(response.json()),
+        },
+    )
+
+
+EMBEDDINGS = inference_pb2.EmbedResponse(
+    embeddings=[
+        inference_pb2.Embedding(values=[0.5, -0.25, 0.125], tokens=3),
+        inference_pb2.Embedding(values=[1.0, 0.0, -1.0], tokens=2),
+    ],
+    model="lane-a",
+    prompt_tokens=5,
+)
+
+
+@pytest.mark.parametrize("encoding_format", ["float", "base64", None])
+async def test_embeddings_match_golden(
+    encoding_format: str | None, daemon: Daemon, client: httpx.AsyncClient
+) -> None:
+    daemon.fake.scripts["tiny"] = []
+    daemon.fake.embeddings = EMBEDDINGS
+    body: dict[str, Any] = {"model": "tiny", "input": ["one two", "three"]}
+    if encoding_format:
+        body["encoding_format"] = encoding_format
+    response = await client.post("/v1/embeddings", json=body)
+    assert response.status_code == 200, response.text
+    sent = daemon.fake.requests[-1]
+    assert (list(sent.inputs), sent.normalize) == (["one two", "three"], True)
+    check_golden(
+        f"response_embeddings_{encoding_format or 'default'}",
+        {
+            "http_body": body,
+            "daemon": json_format.MessageToDict(EMBEDDINGS, preserving_proto_field_name=True),
+            "response": response.json(),
+        },
+    )
+
+
+# ---------------------------------------------------------------- structured output, logprobs
+
+
+@pytest.mark.parametrize(
+    ("extra", "param", "fragment"),
+    [
+        ({"logit_bias": {"abc": 1}}, "logit_bias", "'abc' is not a token id"),
+        ({"logit_bias": {"-3": 1}}, "logit_bias", "'-3'"),
+        ({"logit_bias": {"5": 101}}, "logit_bias.5", "less than or equal to 100"),
+        ({"logit_bias": {"5": "x"}}, "logit_bias.5", "'logit_bias.5'"),
+        ({"top_logprobs": 2}, "top_logprobs", "needs 'logprobs'"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "'top_logprobs'"),
+        ({"response_format": {"type": "xml"}}, "response_format", "'response_format'"),
+        (
+            {"response_format": {"type": "json_schema"}},
+            "response_format.json_schema",
+            "json_schema",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
+            "response_format.json_schema.name",
+            "Missing required parameter",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": 3}}},
+            "response_format.json_schema.schema",
+            "'response_format.json_schema.schema'",
+        ),
+    ],
+)
+async def test_bad_structured_output_or_logprobs_is_400(
+    daemon: Daemon, client: httpx.AsyncClient, extra: dict[str, Any], param: str, fragment: str
+) -> None:
+    response = await client.post("/v1/chat/completions", json=chat_body(**extra))
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param
+    assert fragment in error["message"]
+    assert daemon.fake.requests == []
+
+
+async def test_echo_with_logprobs_cannot_stream(daemon: Daemon, client: httpx.AsyncClient) -> None:
+    body = {"model": "tiny", "prompt": "x", "echo": True, "logprobs": 1, "stream": True}
+    response = await client.post("/v1/completions", json=body)
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "echo"
+
+
+async def test_response_format_reaches_the_daemon(
+    daemon: Daemon, client: httpx.AsyncClient
+) -> None:
+    daemon.fake.scripts["tiny"] = [delta('{"name": "Ada", "age": 36}'), final()]
+    response_format = {
+        "type": "json_schema",
+        "json_schema": {"name": "person", "schema": PERSON_SCHEMA, "strict": True},
+    }
+    response = await client.post(
+        "/v1/chat/completions", json=chat_body(response_format=response_format)
+    )
+    assert response.status_code == 200, response.text
+    constraint = daemon.fake.requests[-1].constraint
+    assert json.loads(constraint.json_schema) == PERSON_SCHEMA
+    assert not daemon.fake.requests[-1].sampling.logprobs
+    assert response.json()["choices"][0]["logprobs"] is None
+
+
+async def test_constraint_errors_from_the_engine_are_400(
+    daemon: Daemon, client: httpx.AsyncClient
+) -> None:
+    daemon.fake.scripts["tiny"] = [errors.InvalidRequest("The grammar is not valid GBNF.")]
+    body = chat_body(response_format={"type": "json_object"})
+    for stream in (False, True):
+        response = await client.post("/v1/chat/completions", json={**body, "stream": stream})
+        assert response.status_code == 400
+        assert response.json()["error"]["message"] == "The grammar is not valid GBNF."
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "fragment"),
+    [
+        ({"model": "tiny", "input": [1, 2, 3]}, "input", "token arrays"),
+        ({"model": "tiny", "input": [[1, 2]]}, "input", "token arrays"),
+        ({"model": "tiny", "input": []}, "input", "empty list"),
+        ({"model": "tiny", "input": ""}, "input", "must not be empty"),
+        ({"model": "tiny", "input": ["a", ""]}, "input[1]", "must not be empty"),
+        (
+            {"model": "tiny", "input": "a", "encoding_format": "int8"},
+            "encoding_format",
+            "'encoding_format'",
+        ),
+        ({"input": "a"}, "model", "'model'"),
+    ],
+)
+async def test_bad_embeddings_body_is_400(
+    daemon: Daemon, client: httpx.AsyncClient, body: dict[str, Any], param: str, fragment: str
+) -> None:
+    response = await client.post("/v1/embeddings", json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["param"], error["type"]) == (param, "invalid_request_error")
+    assert fragment in error["message"]
+    assert daemon.fake.requests == []
+
+
+async def test_embeddings_errors(daemon: Daemon, client: httpx.AsyncClient) -> None:
+    missing = await client.post("/v1/embeddings", json={"model": "nope", "input": "a"})
+    assert (missing.status_code, missing.json()["error"]["code"]) == (404, "model_not_found")
+
+    daemon.fake.scripts["tiny"] = []
+    daemon.fake.embeddings = EMBEDDINGS
+    wrong = await client.post(
+        "/v1/embeddings", json={"model": "tiny", "input": "a", "dimensions": 256}
+    )
+    assert wrong.status_code == 400
+    assert wrong.json()["error"]["param"] == "dimensions"
+    assert "3 dimensions" in wrong.json()["error"]["message"]
+    right = await client.post(
+        "/v1/embeddings", json={"model": "tiny", "input": "a", "dimensions": 3}
+    )
+    assert right.status_code == 200
+
+    daemon.fake.scripts["tiny"] = [
+        errors.ContextLengthExceeded(
+            "Input 0 is 5000 tokens long, but this model embeds at most 2048 tokens per input.",
+            metadata={"prompt_tokens": "5000", "context_length": "2048"},
+        )
+    ]
+    long = await client.post("/v1/embeddings", json={"model": "tiny", "input": "a"})
+    assert long.status_code == 400
+    error = long.json()["error"]
+    assert (error["code"], error["param"]) == ("context_length_exceeded", "input")
+    assert "5000" in error["message"] and "2048" in error["message"]
+
+
 # ---------------------------------------------------------------- real server
 
 
@@ -732,6 +1082,42 @@ async def test_official_openai_client(daemon: Daemon) -> None:
 
             models = await sdk.models.list()
             assert [m.id for m in models.data] == ["tiny"]
+
+            daemon.fake.embeddings = EMBEDDINGS
+            # Asked for floats, or for nothing (the SDK then asks for base64 and decodes it).
+            choices: list[dict[str, Any]] = [{"encoding_format": "float"}, {}]
+            for options in choices:
+                vectors = await sdk.embeddings.create(
+                    model="tiny", input=["one two", "three"], **options
+                )
+                assert [d.embedding for d in vectors.data] == [[0.5, -0.25, 0.125], [1, 0, -1]]
+                assert vectors.usage.prompt_tokens == 5
+            raw = await sdk.embeddings.create(
+                model="tiny", input="one two", encoding_format="base64"
+            )
+            packed = base64.b64decode(str(raw.data[0].embedding))
+            assert struct.unpack("<3f", packed[:12]) == (0.5, -0.25, 0.125)
+
+            daemon.fake.scripts["tiny"] = [
+                delta("{}", logprobs=[lp("{}", -0.5, ("{}", -0.5), ("[]", -1.0))]),
+                final(),
+            ]
+            structured = await sdk.chat.completions.create(
+                model="tiny",
+                messages=[{"role": "user", "content": "Hi"}],
+                response_format={"type": "json_object"},
+                logprobs=True,
+                top_logprobs=2,
+                logit_bias={"42": -100},
+            )
+            assert structured.choices[0].message.content == "{}"
+            assert structured.choices[0].logprobs is not None
+            content = structured.choices[0].logprobs.content
+            assert content is not None
+            assert [t.token for t in content[0].top_logprobs] == ["{}", "[]"]
+            sent = daemon.fake.requests[-1]
+            assert sent.constraint.json_object and dict(sent.sampling.logit_bias) == {42: -100}
+            daemon.fake.scripts["tiny"] = HELLO
 
             with pytest.raises(openai.NotFoundError) as not_found:
                 await sdk.chat.completions.create(

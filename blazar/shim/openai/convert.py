@@ -9,6 +9,10 @@ collects a stream for the non-streaming shapes, and `error_response` renders any
 
 from __future__ import annotations
 
+import base64
+import json
+import struct
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from blazar._proto.v1 import inference_pb2
@@ -23,6 +27,8 @@ SYSTEM_FINGERPRINT = "fp_blazar"
 _ROLES = {"developer": "system"}
 # proto3 uint32: OpenAI accepts any integer seed, so larger ones are folded in.
 _SEED_MODULUS = 2**32
+# proto3 int32 map keys.
+_TOKEN_ID_LIMIT = 2**31
 
 
 @dataclass(frozen=True)
@@ -49,8 +55,17 @@ def chat_request(body: protocol.ChatCompletionRequest) -> inference_pb2.ChatRequ
     max_tokens = (
         body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     )
+    sampling = _sampling(body, max_tokens=max_tokens)
+    if body.top_logprobs and not body.logprobs:
+        raise _invalid("'top_logprobs' needs 'logprobs' set to true.", param="top_logprobs")
+    if body.logprobs:
+        sampling.logprobs = True
+        sampling.top_logprobs = body.top_logprobs or 0
     return inference_pb2.ChatRequest(
-        model=body.model, messages=messages, sampling=_sampling(body, max_tokens=max_tokens)
+        model=body.model,
+        messages=messages,
+        sampling=sampling,
+        constraint=_constraint(body.response_format),
     )
 
 
@@ -66,9 +81,62 @@ def complete_request(body: protocol.CompletionRequest) -> inference_pb2.Complete
             f"{len(body.prompt)}. Send one request per prompt.",
             param="prompt",
         )
+    sampling = _sampling(body, max_tokens=body.max_tokens)
+    if body.logprobs is not None:
+        sampling.logprobs = True
+        sampling.top_logprobs = body.logprobs
+        if body.echo:
+            if body.stream:
+                raise _invalid(
+                    "'echo' with 'logprobs' is not supported when streaming; the prompt's "
+                    "log-probabilities only arrive at the end.",
+                    param="echo",
+                )
+            sampling.prompt_logprobs = True
     return inference_pb2.CompleteRequest(
-        model=body.model, prompt=prompt, sampling=_sampling(body, max_tokens=body.max_tokens)
+        model=body.model,
+        prompt=prompt,
+        sampling=sampling,
+        constraint=_constraint(body.response_format),
     )
+
+
+def prompt_text(body: protocol.CompletionRequest) -> str:
+    """The one prompt string of a request `complete_request` accepted."""
+    return body.prompt if isinstance(body.prompt, str) else body.prompt[0]
+
+
+def embed_request(body: protocol.EmbeddingRequest) -> inference_pb2.EmbedRequest:
+    """OpenAI's embeddings are unit length, so Blazar's are normalized too."""
+    if isinstance(body.input, str):
+        inputs = [body.input]
+    elif all(isinstance(item, str) for item in body.input):
+        inputs = [item for item in body.input if isinstance(item, str)]
+    else:
+        raise _invalid(
+            "'input' must be a string or a list of strings; token arrays are not supported.",
+            param="input",
+        )
+    if not inputs:
+        raise _invalid("'input' must not be an empty list.", param="input")
+    for i, text in enumerate(inputs):
+        if not text:
+            param = "input" if isinstance(body.input, str) else f"input[{i}]"
+            raise _invalid(f"'{param}' must not be empty.", param=param)
+    return inference_pb2.EmbedRequest(model=body.model, inputs=inputs, normalize=True)
+
+
+def _constraint(fmt: protocol.ResponseFormat | None) -> inference_pb2.Constraint | None:
+    if isinstance(fmt, protocol.JsonObjectFormat):
+        return inference_pb2.Constraint(json_object=True)
+    if isinstance(fmt, protocol.JsonSchemaFormat):
+        schema = fmt.json_schema.json_schema
+        if schema is None:
+            return inference_pb2.Constraint(json_object=True)
+        return inference_pb2.Constraint(
+            json_schema=json.dumps(schema, ensure_ascii=False, separators=(",", ":"))
+        )
+    return None
 
 
 def _require_single_choice(
@@ -115,6 +183,16 @@ def _sampling(
         sampling.max_tokens = max_tokens
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or ())
     sampling.stop.extend(s for s in stops if s)
+    for key, bias in (body.logit_bias or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            token = -1
+        if not 0 <= token < _TOKEN_ID_LIMIT:
+            raise _invalid(
+                f"Invalid key in 'logit_bias': {key!r} is not a token id.", param="logit_bias"
+            )
+        sampling.logit_bias[token] = bias
     return sampling
 
 
@@ -151,16 +229,63 @@ def truncated() -> errors.Unavailable:
     return errors.Unavailable("The generation stream ended before it finished; retry.")
 
 
+def chat_logprobs(entries: Sequence[inference_pb2.TokenLogprob]) -> protocol.ChatLogprobs:
+    """Chat's `choices[].logprobs`: one entry per token, alternatives best first."""
+    return {"content": [_token_logprob(e) for e in entries], "refusal": None}
+
+
+def _token_logprob(entry: inference_pb2.TokenLogprob) -> protocol.TokenLogprob:
+    return {
+        "token": entry.token,
+        "logprob": entry.logprob,
+        "bytes": list(entry.bytes),
+        "top_logprobs": [
+            {"token": t.token, "logprob": t.logprob, "bytes": list(t.bytes)} for t in entry.top
+        ],
+    }
+
+
+class LegacyLogprobs:
+    """The completions API's parallel lists; `text_offset` continues across calls."""
+
+    def __init__(self) -> None:
+        self._offset = 0
+
+    def render(self, entries: Sequence[inference_pb2.TokenLogprob]) -> protocol.CompletionLogprobs:
+        out: protocol.CompletionLogprobs = {
+            "tokens": [],
+            "token_logprobs": [],
+            "top_logprobs": [],
+            "text_offset": [],
+        }
+        for entry in entries:
+            out["tokens"].append(entry.token)
+            out["token_logprobs"].append(entry.logprob)
+            # OpenAI always lists the sampled token too: up to `logprobs` + 1 entries.
+            alternatives = {t.token: t.logprob for t in entry.top}
+            alternatives.setdefault(entry.token, entry.logprob)
+            out["top_logprobs"].append(alternatives)
+            out["text_offset"].append(self._offset)
+            self._offset += len(entry.token)
+        return out
+
+    def skip(self, text: str) -> None:
+        """Advance past text that has no log-probabilities (an echoed prompt)."""
+        self._offset += len(text)
+
+
 class ChatStream:
     """Renders one chat generation as OpenAI `chat.completion.chunk` objects.
 
     Order: a role chunk, one chunk per text delta, a chunk with an empty delta and the
     finish reason, then (with include_usage) a chunk with no choices and the usage.
+    With logprobs, each delta chunk carries its tokens' log-probabilities.
     """
 
-    def __init__(self, meta: ResponseMeta, *, include_usage: bool) -> None:
+    def __init__(self, meta: ResponseMeta, *, include_usage: bool, logprobs: bool = False) -> None:
         self._meta = meta
         self._include_usage = include_usage
+        self._logprobs = logprobs
         self.finished = False
 
     def opening(self) -> list[protocol.ChatCompletionChunk]:
@@ -169,10 +294,16 @@ class ChatStream:
     def render(self, chunk: inference_pb2.Chunk) -> list[protocol.ChatCompletionChunk]:
         part = chunk.WhichOneof("part")
         if part == "delta":
-            if not chunk.delta.text:
+            logprobs = chat_logprobs(chunk.delta.logprobs) if self._logprobs else None
+            if not chunk.delta.text and not (logprobs and logprobs["content"]):
                 return []
             return [
-                self._chunk({"content": chunk.delta.text}, finish_reason=None, index=chunk.index)
+                self._chunk(
+                    {"content": chunk.delta.text},
+                    finish_reason=None,
+                    index=chunk.index,
+                    logprobs=logprobs,
+                )
             ]
         if part != "final":
             return []
@@ -190,9 +321,17 @@ class ChatStream:
         *,
         finish_reason: protocol.FinishReason | None,
         index: int = 0,
+        logprobs: protocol.ChatLogprobs | None = None,
     ) -> protocol.ChatCompletionChunk:
         return self._envelope(
-            [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+            [
+                {
+                    "index": index,
+                    "delta": delta,
+                    "logprobs": logprobs,
+                    "finish_reason": finish_reason,
+                }
+            ]
         )
 
     def _envelope(self, choices: list[protocol.ChatChunkChoice]) -> protocol.ChatCompletionChunk:
@@ -210,22 +349,44 @@ class ChatStream:
 
 
 class CompletionStream:
-    """Renders one raw completion as streamed OpenAI `text_completion` objects."""
+    """Renders one raw completion as streamed OpenAI `text_completion` objects.
 
-    def __init__(self, meta: ResponseMeta, *, include_usage: bool) -> None:
+    With `echo`, the prompt goes out first as a chunk of its own.
+    """
+
+    def __init__(
+        self,
+        meta: ResponseMeta,
+        *,
+        include_usage: bool,
+        logprobs: bool = False,
+        echo: str | None = None,
+    ) -> None:
         self._meta = meta
         self._include_usage = include_usage
+        self._logprobs = LegacyLogprobs() if logprobs else None
+        self._echo = echo
         self.finished = False
 
     def opening(self) -> list[protocol.Completion]:
-        return []
+        if not self._echo:
+            return []
+        if self._logprobs is not None:
+            self._logprobs.skip(self._echo)
+        return [self._chunk(self._echo, finish_reason=None, index=0)]
 
     def render(self, chunk: inference_pb2.Chunk) -> list[protocol.Completion]:
         part = chunk.WhichOneof("part")
         if part == "delta":
-            if not chunk.delta.text:
+            entries = chunk.delta.logprobs
+            if not chunk.delta.text and not (self._logprobs and entries):
                 return []
-            return [self._chunk(chunk.delta.text, finish_reason=None, index=chunk.index)]
+            logprobs = self._logprobs.render(entries) if self._logprobs else None
+            return [
+                self._chunk(
+                    chunk.delta.text, finish_reason=None, index=chunk.index, logprobs=logprobs
+                )
+            ]
         if part != "final":
             return []
         self.finished = True
@@ -237,10 +398,15 @@ class CompletionStream:
         return out
 
     def _chunk(
-        self, text: str, *, finish_reason: protocol.FinishReason | None, index: int
+        self,
+        text: str,
+        *,
+        finish_reason: protocol.FinishReason | None,
+        index: int,
+        logprobs: protocol.CompletionLogprobs | None = None,
     ) -> protocol.Completion:
         return self._envelope(
-            [{"text": text, "index": index, "logprobs": None, "finish_reason": finish_reason}]
+            [{"text": text, "index": index, "logprobs": logprobs, "finish_reason": finish_reason}]
         )
 
     def _envelope(self, choices: list[protocol.CompletionChoice]) -> protocol.Completion:
@@ -262,12 +428,14 @@ class Answer:
     """A whole generation, collected from its chunks for a non-streaming response."""
 
     parts: list[str] = field(default_factory=list)
+    logprobs: list[inference_pb2.TokenLogprob] = field(default_factory=list)
     final: inference_pb2.Final | None = None
 
     def add(self, chunk: inference_pb2.Chunk) -> None:
         part = chunk.WhichOneof("part")
         if part == "delta":
             self.parts.append(chunk.delta.text)
+            self.logprobs.extend(chunk.delta.logprobs)
         elif part == "final":
             self.final = chunk.final
 
@@ -276,7 +444,9 @@ class Answer:
             raise truncated()
         return self.final
 
-    def chat_completion(self, meta: ResponseMeta) -> protocol.ChatCompletion:
+    def chat_completion(
+        self, meta: ResponseMeta, *, logprobs: bool = False
+    ) -> protocol.ChatCompletion:
         final = self._finished()
         return {
             "id": meta.id,
@@ -288,15 +458,26 @@ class Answer:
                 {
                     "index": 0,
                     "message": {"role": "assistant", "content": "".join(self.parts)},
-                    "logprobs": None,
+                    "logprobs": chat_logprobs(self.logprobs) if logprobs else None,
                     "finish_reason": finish_reason(final),
                 }
             ],
             "usage": usage(final),
         }
 
-    def completion(self, meta: ResponseMeta) -> protocol.Completion:
+    def completion(
+        self, meta: ResponseMeta, *, logprobs: bool = False, echo: str | None = None
+    ) -> protocol.Completion:
+        """With echo and logprobs, the prompt's tokens come first (`Final.prompt_logprobs`:
+        every prompt token after BOS, so none is null)."""
         final = self._finished()
+        rendered: protocol.CompletionLogprobs | None = None
+        if logprobs:
+            legacy = LegacyLogprobs()
+            entries = [*final.prompt_logprobs, *self.logprobs] if echo else self.logprobs
+            if echo and not final.prompt_logprobs:
+                legacy.skip(echo)
+            rendered = legacy.render(entries)
         return {
             "id": meta.id,
             "object": "text_completion",
@@ -305,14 +486,44 @@ class Answer:
             "system_fingerprint": SYSTEM_FINGERPRINT,
             "choices": [
                 {
-                    "text": "".join(self.parts),
+                    "text": (echo or "") + "".join(self.parts),
                     "index": 0,
-                    "logprobs": None,
+                    "logprobs": rendered,
                     "finish_reason": finish_reason(final),
                 }
             ],
             "usage": usage(final),
         }
+
+
+def embedding_list(
+    response: inference_pb2.EmbedResponse,
+    *,
+    model: str,
+    encoding_format: str | None,
+    dimensions: int | None = None,
+) -> protocol.EmbeddingList:
+    """OpenAI's embeddings list; base64 is little-endian float32, as OpenAI sends it."""
+    data: list[protocol.Embedding] = []
+    for index, embedding in enumerate(response.embeddings):
+        values = list(embedding.values)
+        if dimensions is not None and dimensions != len(values):
+            raise _invalid(
+                f"This model's embeddings have {len(values)} dimensions and cannot be "
+                f"shortened; omit 'dimensions' or set it to {len(values)}.",
+                param="dimensions",
+            )
+        vector: list[float] | str = values
+        if encoding_format == "base64":
+            packed = struct.pack(f"<{len(values)}f", *values)
+            vector = base64.b64encode(packed).decode("ascii")
+        data.append({"object": "embedding", "embedding": vector, "index": index})
+    return {
+        "object": "list",
+        "data": data,
+        "model": model,
+        "usage": {"prompt_tokens": response.prompt_tokens, "total_tokens": response.prompt_tokens},
+    }
 
 
 def model_list(response: inference_pb2.ListModelsResponse) -> protocol.ModelList:

@@ -4,12 +4,13 @@ Requests are pydantic models that ignore fields they do not know (OpenAI clients
 many). Responses are TypedDicts because their JSON must match OpenAI byte for byte in
 shape: some keys are present-but-null (`logprobs`, `finish_reason`), others absent
 (`delta.role` after the first chunk), which a plain dict states most directly.
-Reference: https://platform.openai.com/docs/api-reference/chat and /completions.
+Reference: https://platform.openai.com/docs/api-reference/chat, /completions and
+/embeddings (checked against the Stainless-generated types of the `openai` package).
 """
 
 from __future__ import annotations
 
-from typing import Literal, NotRequired, TypedDict
+from typing import Annotated, Any, Literal, NotRequired, TypedDict
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -39,6 +40,36 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+class TextFormat(_Request):
+    type: Literal["text"]
+
+
+class JsonObjectFormat(_Request):
+    type: Literal["json_object"]
+
+
+class JsonSchemaSpec(_Request):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    # `schema` would shadow a BaseModel attribute.
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    # Blazar always enforces the schema; `strict` is accepted and changes nothing.
+    strict: bool | None = None
+
+
+class JsonSchemaFormat(_Request):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaSpec
+
+
+ResponseFormat = Annotated[
+    TextFormat | JsonObjectFormat | JsonSchemaFormat, Field(discriminator="type")
+]
+
+# OpenAI: token id (as a JSON object key) -> bias in [-100, 100]; -100 bans the token.
+LogitBias = dict[str, Annotated[float, Field(ge=-100, le=100)]]
+
+
 class _Sampling(_Request):
     model: str = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
@@ -52,17 +83,34 @@ class _Sampling(_Request):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    logit_bias: LogitBias | None = None
+    # Not in OpenAI's completions API, but vLLM and llama.cpp's server accept it there too.
+    response_format: ResponseFormat | None = None
 
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     # Newer name for max_tokens; wins when both are sent.
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
 
 
 class CompletionRequest(_Sampling):
     # A list is accepted only when it holds exactly one string (checked in convert).
     prompt: str | list[str]
+    # The legacy API's number of alternatives per token (OpenAI allows up to 5).
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool | None = None
+
+
+class EmbeddingRequest(_Request):
+    model: str = Field(min_length=1)
+    # Token arrays are accepted by the schema only to be refused clearly in convert.
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] | None = None
+    dimensions: int | None = Field(default=None, ge=1)
+    user: str | None = None
 
 
 # ---------------------------------------------------------------- responses
@@ -86,10 +134,28 @@ class ChatDelta(TypedDict, total=False):
     content: str
 
 
+class TopLogprob(TypedDict):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(TypedDict):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(TypedDict):
+    content: list[TokenLogprob] | None
+    refusal: list[TokenLogprob] | None
+
+
 class ChatChunkChoice(TypedDict):
     index: int
     delta: ChatDelta
-    logprobs: None
+    logprobs: ChatLogprobs | None
     finish_reason: FinishReason | None
 
 
@@ -112,7 +178,7 @@ class AssistantMessage(TypedDict):
 class ChatChoice(TypedDict):
     index: int
     message: AssistantMessage
-    logprobs: None
+    logprobs: ChatLogprobs | None
     finish_reason: FinishReason
 
 
@@ -126,10 +192,20 @@ class ChatCompletion(TypedDict):
     usage: Usage
 
 
+class CompletionLogprobs(TypedDict):
+    """The legacy completions format: parallel lists, one entry per token."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    # Character offset of each token in the choice's text (continuing across chunks).
+    text_offset: list[int]
+
+
 class CompletionChoice(TypedDict):
     text: str
     index: int
-    logprobs: None
+    logprobs: CompletionLogprobs | None
     finish_reason: FinishReason | None
 
 
@@ -143,6 +219,25 @@ class Completion(TypedDict):
     system_fingerprint: str
     choices: list[CompletionChoice]
     usage: NotRequired[Usage | None]
+
+
+class Embedding(TypedDict):
+    object: Literal["embedding"]
+    # A list of floats, or with encoding_format "base64" little-endian float32 bytes.
+    embedding: list[float] | str
+    index: int
+
+
+class EmbeddingUsage(TypedDict):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingList(TypedDict):
+    object: Literal["list"]
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
 
 
 class Model(TypedDict):

@@ -29,6 +29,7 @@ def routes() -> list[Route]:
     return [
         Route("/v1/chat/completions", _guarded(chat_completions), methods=["POST"]),
         Route("/v1/completions", _guarded(completions), methods=["POST"]),
+        Route("/v1/embeddings", _guarded(embeddings), methods=["POST"]),
         Route("/v1/models", _guarded(list_models), methods=["GET"]),
     ]
 
@@ -44,10 +45,15 @@ async def chat_completions(request: Request) -> Response:
         id=f"chatcmpl-{ctx.request_id}", created=int(time.time()), model=body.model
     )
     stream = inference.client_of(request).chat(canonical, metadata=ctx.grpc_metadata())
+    logprobs = bool(body.logprobs)
     if body.stream:
-        renderer = convert.ChatStream(meta, include_usage=convert.include_usage(body))
+        renderer = convert.ChatStream(
+            meta, include_usage=convert.include_usage(body), logprobs=logprobs
+        )
         return await _stream(request, stream, renderer)
-    return await _collect(request, stream, lambda answer: answer.chat_completion(meta))
+    return await _collect(
+        request, stream, lambda answer: answer.chat_completion(meta, logprobs=logprobs)
+    )
 
 
 async def completions(request: Request) -> Response:
@@ -61,12 +67,41 @@ async def completions(request: Request) -> Response:
         id=f"cmpl-{ctx.request_id}", created=int(time.time()), model=body.model
     )
     stream = inference.client_of(request).complete(canonical, metadata=ctx.grpc_metadata())
+    logprobs = body.logprobs is not None
+    echo = convert.prompt_text(body) if body.echo else None
     if body.stream:
-        renderer = convert.CompletionStream(meta, include_usage=convert.include_usage(body))
+        renderer = convert.CompletionStream(
+            meta, include_usage=convert.include_usage(body), logprobs=logprobs, echo=echo
+        )
         return await _stream(request, stream, renderer, prompt_param="prompt")
     return await _collect(
-        request, stream, lambda answer: answer.completion(meta), prompt_param="prompt"
+        request,
+        stream,
+        lambda answer: answer.completion(meta, logprobs=logprobs, echo=echo),
+        prompt_param="prompt",
     )
+
+
+async def embeddings(request: Request) -> Response:
+    ctx = context.of(request)
+    try:
+        body = validation.parse_body(protocol.EmbeddingRequest, await request.body())
+        canonical = convert.embed_request(body)
+        client = inference.client_of(request)
+        response = await streaming.until_disconnected(
+            request, client.embed(canonical, metadata=ctx.grpc_metadata())
+        )
+        rendered = convert.embedding_list(
+            response,
+            model=body.model,
+            encoding_format=body.encoding_format,
+            dimensions=body.dimensions,
+        )
+    except streaming.ClientDisconnected:
+        return Response(status_code=streaming.CLIENT_CLOSED_REQUEST)
+    except errors.BlazarError as err:
+        return error(err, prompt_param="input")
+    return JSONResponse(rendered)
 
 
 async def list_models(request: Request) -> Response:

@@ -1,0 +1,129 @@
+"""OpenAI dialect features end to end: the official client -> shim -> daemon -> a real
+engine worker with the bundled model. Context overflow, embeddings, structured output."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import jsonschema
+import openai
+import pytest
+
+from tests.integration.harness import REPO, Daemon, short_home
+
+pytestmark = pytest.mark.slow
+
+LANE = "gemma3"
+CONTEXT_PER_SLOT = 2048  # manifests/ gives the default lane 2048 tokens per slot
+
+
+@pytest.fixture(scope="module")
+def daemon(model_path: Path) -> Iterator[Daemon]:
+    home = short_home()
+    fleet = home / "fleet"
+    shutil.copytree(REPO / "manifests", fleet)
+    d = Daemon(home=home, watch=fleet).start()
+    try:
+        d.wait_condition("lane", LANE, "Ready", timeout=240)
+        yield d
+    finally:
+        d.stop()
+        shutil.rmtree(home, ignore_errors=True)
+
+
+@pytest.fixture
+def client(daemon: Daemon) -> Iterator[openai.OpenAI]:
+    sdk = openai.OpenAI(base_url=f"http://{daemon.http}/v1", api_key="unused", max_retries=0)
+    yield sdk
+    sdk.close()
+
+
+def test_prompt_plus_max_tokens_over_the_context_is_a_400(client: openai.OpenAI) -> None:
+    max_tokens = CONTEXT_PER_SLOT + 100
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model=LANE, messages=[{"role": "user", "content": "Hi"}], max_tokens=max_tokens
+        )
+    err = info.value
+    assert err.status_code == 400
+    assert err.code == "context_length_exceeded"
+    assert err.param == "messages"
+    # Both numbers: the context, and what the request needs (prompt + max_tokens).
+    assert str(CONTEXT_PER_SLOT) in err.message
+    needed = [int(w) for w in err.message.replace("(", " ").split() if w.isdigit()]
+    assert any(n > max_tokens for n in needed), err.message
+
+    with pytest.raises(openai.BadRequestError) as long_prompt:
+        client.completions.create(
+            model=LANE, prompt="word " * (CONTEXT_PER_SLOT + 50), max_tokens=4
+        )
+    assert long_prompt.value.code == "context_length_exceeded"
+    assert long_prompt.value.param == "prompt"
+
+
+def test_embeddings(client: openai.OpenAI) -> None:
+    texts = ["The cat sat on the mat.", "A cat was sitting on a rug.", "Interest rates rose."]
+    response = client.embeddings.create(model=LANE, input=texts)  # base64 on the wire
+    vectors = [d.embedding for d in response.data]
+    assert [d.index for d in response.data] == [0, 1, 2]
+    assert all(len(v) == 640 for v in vectors)
+    assert all(math.isclose(math.hypot(*v), 1.0, abs_tol=1e-4) for v in vectors)
+    assert response.usage.prompt_tokens > len(texts)
+    as_floats = client.embeddings.create(model=LANE, input=texts[0], encoding_format="float")
+    assert (
+        max(abs(a - b) for a, b in zip(as_floats.data[0].embedding, vectors[0], strict=True)) < 1e-6
+    )
+
+    def cos(a: list[float], b: list[float]) -> float:
+        return sum(x * y for x, y in zip(a, b, strict=True))
+
+    assert cos(vectors[0], vectors[1]) > cos(vectors[0], vectors[2])
+
+
+def test_response_format_json_schema(client: openai.OpenAI) -> None:
+    schema = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 20},
+            "sunny": {"type": "boolean"},
+        },
+        "required": ["city", "sunny"],
+        "additionalProperties": False,
+    }
+    for seed in (1, 2):
+        completion = client.chat.completions.create(
+            model=LANE,
+            messages=[{"role": "user", "content": "Describe the weather in Paris as JSON."}],
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "weather", "schema": schema, "strict": True},
+            },
+            temperature=0.8,
+            seed=seed,
+            max_tokens=48,
+        )
+        content = completion.choices[0].message.content or ""
+        assert completion.choices[0].finish_reason == "stop", content
+        jsonschema.validate(json.loads(content), schema)
+
+
+def test_bad_grammar_through_the_shim_is_a_400(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model=LANE,
+            messages=[{"role": "user", "content": "Hi"}],
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "bad", "schema": {"type": "no-such-type"}},
+            },
+            max_tokens=4,
+        )
+    assert "schema" in info.value.message
+    ok = client.chat.completions.create(
+        model=LANE, messages=[{"role": "user", "content": "Hi"}], max_tokens=2
+    )
+    assert ok.choices[0].finish_reason in ("stop", "length")
