@@ -11,12 +11,14 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import grpc
+import prometheus_client
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from blazar.api import errors
 from blazar.shim import context, inference
 from blazar.shim.openai import routes as openai_routes
 
@@ -35,7 +37,12 @@ def create_app(*, inference_target: str) -> Starlette:
             await channel.close()
 
     return Starlette(
-        routes=[Route("/healthz", healthz, methods=["GET"]), *openai_routes.routes()],
+        routes=[
+            Route("/healthz", healthz, methods=["GET"]),
+            Route("/readyz", readyz, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
+            *openai_routes.routes(),
+        ],
         middleware=[Middleware(context.RequestIdMiddleware)],
         lifespan=lifespan,
     )
@@ -46,3 +53,27 @@ async def healthz(request: Request) -> Response:
     if await inference.client_of(request).serving():
         return JSONResponse({"status": "ok"})
     return JSONResponse({"status": "unavailable"}, status_code=503)
+
+
+async def readyz(request: Request) -> Response:
+    """200 when the daemon serves and every model it lists has a ready replica; 503 with
+    the names that are not ready otherwise (a load balancer's readiness probe)."""
+    client = inference.client_of(request)
+    if not await client.serving():
+        return JSONResponse({"status": "unavailable"}, status_code=503)
+    try:
+        listed = await client.list_models(metadata=())
+    except errors.BlazarError:
+        return JSONResponse({"status": "unavailable"}, status_code=503)
+    waiting = sorted({m.lane for m in listed.models if not m.ready})
+    if waiting:
+        return JSONResponse({"status": "not ready", "lanes": waiting}, status_code=503)
+    return JSONResponse({"status": "ready"})
+
+
+async def metrics(request: Request) -> Response:
+    """Prometheus exposition of this process's registry: the shim runs inside the
+    daemon, so this is the data plane's metrics."""
+    return Response(
+        prometheus_client.generate_latest(), media_type=prometheus_client.CONTENT_TYPE_LATEST
+    )

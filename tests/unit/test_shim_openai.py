@@ -610,6 +610,32 @@ async def test_healthz_follows_grpc_health(daemon: Daemon, client: httpx.AsyncCl
     assert down.status_code == 503
 
 
+async def test_readyz_needs_every_listed_lane_ready(
+    daemon: Daemon, client: httpx.AsyncClient
+) -> None:
+    daemon.fake.models = [
+        inference_pb2.ModelInfo(id="a", lane="a", ready=True),
+        inference_pb2.ModelInfo(id="b", lane="b", ready=False),
+    ]
+    waiting = await client.get("/readyz")
+    assert (waiting.status_code, waiting.json()) == (503, {"status": "not ready", "lanes": ["b"]})
+    daemon.fake.models[1].ready = True
+    ready = await client.get("/readyz")
+    assert (ready.status_code, ready.json()) == (200, {"status": "ready"})
+    await daemon.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+    assert (await client.get("/readyz")).status_code == 503
+
+
+async def test_metrics_exposes_the_process_registry(client: httpx.AsyncClient) -> None:
+    from blazar.dataplane import metrics  # registers the data plane's metrics
+
+    metrics.REQUESTS.labels("probe-lane", "ok").inc()
+    response = await client.get("/metrics")
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain")
+    assert 'blazar_requests_total{lane="probe-lane",outcome="ok"}' in response.text
+
+
 async def test_daemon_down() -> None:
     async with fake_daemon() as d:
         target = d.target  # a port that nothing listens on once the server stops
