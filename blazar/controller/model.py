@@ -33,16 +33,36 @@ class ModelReconciler:
         self._store = store
         self._models_dir = models_dir
         self._clock = clock
+        # name -> (generation, path, size, mtime_ns) of the last successful inspection:
+        # a Model whose spec and file are unchanged is not hashed and parsed again
+        # (every status write of its own would otherwise re-read hundreds of MB).
+        self._inspected: dict[str, tuple[int, str, int, int]] = {}
+
+    def _unchanged(self, model: Model) -> bool:
+        seen = self._inspected.get(model.metadata.name)
+        path = model.status.path
+        if seen is None or path is None:
+            return False
+        try:
+            stat = Path(path).stat()
+        except OSError:
+            return False
+        now = (model.metadata.generation or 0, path, stat.st_size, stat.st_mtime_ns)
+        return seen == now and conditions.is_true(model.status.conditions, "ModelReady")
 
     async def reconcile(self, name: str) -> Result:
         model = self._store.get(Kind.MODEL, name)
         if model is None:
+            self._inspected.pop(name, None)
             return Result()
         assert isinstance(model, Model)
+        if self._unchanged(model):
+            return Result()
         generation = model.metadata.generation or 0
         try:
             status = await asyncio.to_thread(self._inspect, model)
         except modelfile.SourceError as err:
+            self._inspected.pop(name, None)
             self._set(model, ModelStatus(), False, err.reason, err.message)
             if (model.status.observed_generation, self._reason(model)) != (generation, err.reason):
                 self._store.record_event(
@@ -65,6 +85,9 @@ class ModelReconciler:
                 reason="ModelReady",
                 message=message,
             )
+        assert status.path is not None
+        stat = Path(status.path).stat()
+        self._inspected[name] = (generation, status.path, stat.st_size, stat.st_mtime_ns)
         return Result()
 
     def _inspect(self, model: Model) -> ModelStatus:

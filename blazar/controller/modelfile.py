@@ -48,10 +48,15 @@ def _from_package(distribution: str, *, models_dir: Path) -> Path:
             f"Python package '{distribution}' is not installed (pip install {distribution}).",
         ) from None
     if hasattr(module, "assemble"):
-        # Chunked weight packages reassemble the file once; later calls verify and reuse it.
+        # Chunked weight packages reassemble the file once. Their assemble() re-hashes an
+        # existing file on every call, so an assembled file is checked here instead,
+        # against the package's own digest, with the (path, size, mtime) cache.
         filename = getattr(module, "MODEL_NAME", f"{module_name}.gguf")
         target = models_dir / distribution / filename
-        return Path(module.assemble(target)).resolve()
+        expected = getattr(module, "EXPECTED_SHA256", None)
+        if target.is_file() and (expected is None or sha256(target) == expected):
+            return target.resolve()
+        return Path(module.assemble(target, overwrite=target.exists())).resolve()
     package_dir = Path(module.__file__).parent if module.__file__ else None
     found = sorted(package_dir.rglob("*.gguf")) if package_dir else []
     if len(found) != 1:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -16,6 +17,7 @@ from blazar.api import conditions, manifests
 from blazar.api.kinds import Kind, Lane, Model, ModelStatus
 from blazar.api.meta import ConditionStatus
 from blazar.api.replicas import LaunchSpec, ReplicaObservation, ReplicaState
+from blazar.controller import modelfile
 from blazar.controller.lane import LaneReconciler
 from blazar.controller.model import ModelReconciler
 from blazar.store.memory import MemoryStore
@@ -238,3 +240,27 @@ def test_model_reconciler_polls_a_missing_file(tmp_path: Path) -> None:
     tiny_gguf(tmp_path / "later.gguf")
     asyncio.run(rec.reconcile("m"))
     assert conditions.is_true(model_status(store).status.conditions, "ModelReady")
+
+
+def test_model_reconciler_reinspects_only_when_the_file_or_spec_changes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tiny_gguf(tmp_path / "m.gguf")
+    clock = Clock()
+    store = MemoryStore(clock=clock)
+    apply(store, MODEL.replace("/models/m.gguf", str(path)))
+    rec = ModelReconciler(store=store, models_dir=tmp_path, clock=clock)
+    asyncio.run(rec.reconcile("m"))
+    assert conditions.is_true(model_status(store).status.conditions, "ModelReady")
+
+    def unreadable(_: Path) -> None:
+        raise modelfile.SourceError("InvalidGGUF", "cannot read")
+
+    monkeypatch.setattr(modelfile, "read_gguf", unreadable)
+    asyncio.run(rec.reconcile("m"))  # same generation, same file: not read again
+    assert conditions.is_true(model_status(store).status.conditions, "ModelReady")
+
+    os.utime(path, ns=(1, 1))  # the file changed on disk: inspected again
+    asyncio.run(rec.reconcile("m"))
+    ready = conditions.get_condition(model_status(store).status.conditions, "ModelReady")
+    assert ready is not None and ready.reason == "InvalidGGUF"
