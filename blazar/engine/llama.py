@@ -185,6 +185,9 @@ class Runtime:
         # prompt-logprob chunks); sizing the output for the whole batch would reserve
         # n_batch x 262k floats (over 500 MiB).
         cparams.n_outputs_max = options.n_outputs
+        # Full-size sliding-window caches: rolling back a rejected draft (and keeping a
+        # reused prefix) needs positions a pruned window would already have dropped.
+        cparams.swa_full = True
         cparams.type_k = CACHE_TYPES[options.type_k][0]
         cparams.type_v = CACHE_TYPES[options.type_v][0]
         cparams.n_threads = options.threads

@@ -9,6 +9,14 @@ prompt or decoded a token. Results leave through each job's `deliver` callback (
 service hops them onto its event loop). A slot keeps its KV cache and token list after
 its job ends, for the next job to reuse.
 
+With speculative decoding (`LoopOptions.speculation`), a decoding slot's feed is its
+pending token plus up to k drafted ones (n-gram lookup or a draft model, as the
+`speculation.SpeculationPolicy` allows), all with logits. After the decode, rows are
+sampled in order with the request's own sampler until one disagrees with the draft
+(`speculation.Speculation.resolve`): every emitted token is exactly what plain
+decoding would have drawn, logprobs and grammar included. The rejected tail is
+removed from the KV cache (`llama_memory_seq_rm`) and the slot's token list.
+
 Health reads `Slot.busy` / `Slot.cached_tokens` from other threads: plain attribute
 reads of ints and references, which the GIL keeps consistent; nothing else about a
 slot is touched outside this thread.
@@ -29,7 +37,8 @@ from typing import Any
 import llama_cpp as lc
 import structlog
 
-from blazar.engine import batching, kvstore, llama, logprobs, sampling, text
+from blazar.api import replicas
+from blazar.engine import batching, draft, kvstore, llama, logprobs, sampling, speculation, text
 
 log = structlog.get_logger("blazar.engine.loop")
 
@@ -61,6 +70,10 @@ class Finished:
     decode_ms: float
     # One per prompt token after the first, when the job asked for prompt logprobs.
     prompt_logprobs: tuple[logprobs.TokenLogprob, ...] = ()
+    # The drafter's kind ("ngram", "model") when the request drafted; else "".
+    speculation: str = ""
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
 
     @property
     def decode_tokens_per_second(self) -> float:
@@ -129,6 +142,8 @@ class Generation:
     prefill_done: float = 0.0
     first_token: float = 0.0
     last_token: float = 0.0
+    drafted: int = 0
+    accepted: int = 0
 
     @property
     def prefilling(self) -> bool:
@@ -160,6 +175,64 @@ class LoopOptions:
     runtime: llama.RuntimeOptions
     # Save slot caches here on stop and restore them on start (None: do not).
     kv_persist: Path | None = None
+    # Speculative decoding (the runtime then needs 1 + max_draft_tokens outputs per slot).
+    speculation: replicas.SpeculationLaunch | None = None
+
+
+@dataclass(frozen=True)
+class SpeculationStats:
+    """Engine-wide speculation counters, for Health."""
+
+    kind: str = ""
+    drafted: int = 0
+    accepted: int = 0
+    disabled_requests: int = 0
+
+
+@dataclass
+class _Speculator:
+    """The decode thread's drafter and policy."""
+
+    kind: str
+    policy: speculation.SpeculationPolicy
+    drafter: speculation.DraftModel
+    # Owned native resources of a draft model, closed with the runtime.
+    runner: draft.LlamaDraftRunner | None = None
+
+    @classmethod
+    def load(cls, launch: replicas.SpeculationLaunch, runtime: llama.Runtime) -> _Speculator:
+        policy = speculation.SpeculationPolicy.from_launch(launch)
+        ngram = speculation.drafter_for(launch)
+        if ngram is not None:
+            return cls(launch.kind, policy, ngram)
+        if not launch.draft_model_path:
+            raise ValueError(f"speculation kind {launch.kind!r} needs a draft model path")
+        options = runtime.options
+        runner = draft.LlamaDraftRunner.load(
+            draft.DraftOptions(
+                model_path=launch.draft_model_path,
+                slots=options.slots,
+                context_per_slot=runtime.context_per_slot,
+                threads=options.threads,
+                gpu_layers=options.gpu_layers,
+            )
+        )
+        if runner.n_vocab != runtime.n_vocab:
+            runner.close()
+            raise ValueError("the draft model's vocabulary differs from the target's")
+        return cls(launch.kind, policy, runner, runner)
+
+    def close(self) -> None:
+        if self.runner is not None:
+            self.runner.close()
+
+
+@dataclass(frozen=True)
+class _End:
+    """Why a request ends after the token just emitted."""
+
+    reason: FinishReason
+    flush: bool = True
 
 
 _STOP = object()
@@ -179,6 +252,7 @@ class DecodeLoop:
         self._waiting: collections.deque[Job] = collections.deque()
         self._runtime: llama.Runtime | None = None
         self._identity: kvstore.Identity | None = None
+        self._spec: _Speculator | None = None
         self._clock = 0
         self._thread = threading.Thread(target=self._run, name="decode", daemon=True)
 
@@ -206,6 +280,20 @@ class DecodeLoop:
     def context_per_slot(self) -> int:
         return self.options.runtime.context_per_slot
 
+    @property
+    def speculation_stats(self) -> SpeculationStats:
+        """Counters so far (any thread: reads of ints the decode thread updates)."""
+        spec = self._spec
+        if spec is None:
+            return SpeculationStats()
+        totals = spec.policy.totals
+        return SpeculationStats(
+            kind=spec.kind,
+            drafted=totals.drafted,
+            accepted=totals.accepted,
+            disabled_requests=totals.disabled_requests,
+        )
+
     def start(self) -> None:
         self._thread.start()
 
@@ -229,6 +317,13 @@ class DecodeLoop:
         except BaseException as exc:
             self._on_loaded(exc)
             return
+        if self.options.speculation is not None:
+            try:
+                self._spec = _Speculator.load(self.options.speculation, runtime)
+            except BaseException as exc:
+                runtime.close()
+                self._on_loaded(exc)
+                return
         self._runtime = runtime
         self.kv_bytes = runtime.kv_bytes
         try:
@@ -250,6 +345,8 @@ class DecodeLoop:
                 self._finish(runtime, slot, FinishReason.CANCELLED)
             self._drop_waiting()
             self._save(runtime)
+            if self._spec is not None:
+                self._spec.close()
             runtime.close()
             self._runtime = None
 
@@ -305,6 +402,8 @@ class DecodeLoop:
                 keep = 0
             del slot.tokens[keep:]
         chain = sampling.build_chain(job.params, prompt=job.prompt)
+        if self._spec is not None:
+            self._spec.policy.begin(slot.index)
         self._clock += 1
         slot.last_used = self._clock
         slot.gen = Generation(
@@ -323,6 +422,8 @@ class DecodeLoop:
             if slot.gen.job.cancelled:
                 self._finish(runtime, slot, FinishReason.CANCELLED)
         active = sorted(self._active(), key=lambda s: s.gen.started if s.gen else 0.0)
+        if self._spec is not None:
+            self._draft(runtime, self._spec, active)
         wants = []
         for slot in active:
             gen = slot.gen
@@ -392,17 +493,102 @@ class DecodeLoop:
             gen.prefill_done = time.perf_counter()
             self._on_token(runtime, slot, first + piece.tokens - 1)
 
+    def _draft(self, runtime: llama.Runtime, spec: _Speculator, active: list[Slot]) -> None:
+        """Extend decoding slots' feeds with drafted tokens, as the policy allows.
+
+        Each draft is capped so that the step cannot emit past max_tokens or the
+        slot's context, and so that every decoding slot's rows fit the context's
+        output rows (`batching.plan_step` would otherwise leave a slot out).
+        """
+        decoding = [s for s in active if s.gen is not None and len(s.gen.feed) == 1]
+        spare = min(runtime.n_outputs, runtime.n_batch) - sum(
+            len(s.gen.feed) for s in active if s.gen is not None
+        )
+        requests: list[speculation.DraftRequest] = []
+        for slot in decoding:
+            gen = slot.gen
+            assert gen is not None
+            room = min(
+                gen.job.max_tokens - gen.completion,
+                self.context_per_slot - len(slot.tokens),
+                spare + 1,
+            )
+            k = spec.policy.draft_budget(slot.index, active=len(active), room=room - 1)
+            if k > 0:
+                spare -= k
+                requests.append(
+                    speculation.DraftRequest(
+                        seq=slot.index, tokens=[*slot.tokens, gen.feed[0]], max_tokens=k
+                    )
+                )
+        if not requests:
+            return
+        proposed = spec.drafter.propose(requests)
+        drafts = {r.seq: proposed.get(r.seq, ())[: r.max_tokens] for r in requests}
+        # Every other sequence's rows count too: all rows go through one output matmul.
+        rows = sum(1 for s in active if s.gen is not None and s.gen.feed)
+        for seq, tokens in spec.policy.align(drafts, rows=rows).items():
+            gen = self.slots[seq].gen
+            assert gen is not None
+            gen.feed.extend(tokens)
+
     def _after_decode(self, runtime: llama.Runtime, slot: Slot, first: int, count: int) -> None:
         """Sample after decoding the slot's fed tokens (entries first .. first+count-1).
 
-        With one fed token this samples its successor. A speculation step feeds the
-        verified token plus drafts and accepts drafts while each matches what is
-        sampled from the entry before it; that verification belongs here.
+        One fed token: sample its successor. The pending token plus a draft: sample
+        row by row while the target agrees with the draft, emit those tokens, and cut
+        the rejected rest from the KV cache; the last emitted token is the next feed.
         """
-        self._on_token(runtime, slot, first + count - 1)
+        gen = slot.gen
+        assert gen is not None
+        step = speculation.Speculation.fed(seq=slot.index, tokens=slot.tokens, count=count)
+        end: _End | None = None
+
+        def sample(i: int) -> int | None:
+            nonlocal end
+            if end is not None:
+                return None
+            # Row i's token follows position + i: that many + 1 tokens are then valid.
+            token, end = self._emit(runtime, slot, first + i, cached=step.position + i + 1)
+            return token
+
+        outcome = step.resolve(sample)
+        if outcome.rollback_from is not None:
+            if not runtime.truncate(slot.index, outcome.rollback_from):
+                # Cannot happen with a full-size KV cache; never decode on a stale one
+                # (failing clears the slot's cache).
+                self._fail(runtime, slot, "could not roll back a rejected draft")
+                return
+            del slot.tokens[outcome.rollback_from :]
+        if outcome.drafted:
+            gen.drafted += outcome.drafted
+            gen.accepted += outcome.accepted
+            assert self._spec is not None
+            self._spec.policy.record(slot.index, drafted=outcome.drafted, accepted=outcome.accepted)
+        if end is not None:
+            self._finish(runtime, slot, end.reason, flush=end.flush)
+        else:
+            gen.feed.append(outcome.emitted[-1])
 
     def _on_token(self, runtime: llama.Runtime, slot: Slot, index: int) -> None:
-        """Sample from batch entry `index`, stream the text, decide whether to go on."""
+        """Sample the first token after the prompt from batch entry `index`."""
+        token, end = self._emit(runtime, slot, index, cached=len(slot.tokens))
+        if end is not None:
+            self._finish(runtime, slot, end.reason, flush=end.flush)
+        else:
+            assert slot.gen is not None
+            slot.gen.feed.append(token)
+
+    def _emit(
+        self, runtime: llama.Runtime, slot: Slot, index: int, *, cached: int
+    ) -> tuple[int, _End | None]:
+        """Sample from batch entry `index`, stream the text; say whether the request ends.
+
+        `cached` counts the slot's tokens up to the one whose logits are at `index`
+        (during verification the slot also holds drafts that may yet be rejected).
+        The caller finishes the request (after fixing the slot's cache when a draft
+        was rejected), so that the slot is consistent before it is freed.
+        """
         gen = slot.gen
         assert gen is not None
         params = gen.job.params
@@ -417,19 +603,17 @@ class DecodeLoop:
         gen.first_token = gen.first_token or now
         gen.last_token = now
         if runtime.vocab.is_eog(token):
-            self._finish(runtime, slot, FinishReason.STOP)
-            return
+            return token, _End(FinishReason.STOP)
         result = gen.stops.feed(gen.utf8.feed(runtime.vocab.piece(token)))
         if result.text:
             gen.job.deliver(TextDelta(result.text, gen.untold, tuple(gen.scores)))
             gen.untold = 0
             gen.scores.clear()
         if result.stopped:
-            self._finish(runtime, slot, FinishReason.STOP, flush=False)
-        elif gen.completion >= gen.job.max_tokens or len(slot.tokens) >= self.context_per_slot:
-            self._finish(runtime, slot, FinishReason.LENGTH)
-        else:
-            gen.feed.append(token)
+            return token, _End(FinishReason.STOP, flush=False)
+        if gen.completion >= gen.job.max_tokens or cached >= self.context_per_slot:
+            return token, _End(FinishReason.LENGTH)
+        return token, None
 
     def _finish(
         self, runtime: llama.Runtime, slot: Slot, reason: FinishReason, *, flush: bool = True
@@ -455,6 +639,9 @@ class DecodeLoop:
             ttft_ms=(first - job.arrived) * ms if gen.first_token else 0.0,
             decode_ms=((gen.last_token or first) - first) * ms,
             prompt_logprobs=tuple(gen.prompt_scores),
+            speculation=self._spec.kind if self._spec is not None and gen.drafted else "",
+            drafted_tokens=gen.drafted,
+            accepted_tokens=gen.accepted,
         )
         untold, scores = gen.untold, tuple(gen.scores)
         self._release(runtime, slot, keep_cache=True)
@@ -471,9 +658,13 @@ class DecodeLoop:
     def _release(self, runtime: llama.Runtime, slot: Slot, *, keep_cache: bool) -> None:
         assert slot.gen is not None
         lc.llama_sampler_free(slot.gen.sampler)
+        if self._spec is not None:
+            self._spec.policy.release(slot.index)
         if not keep_cache:
             runtime.clear(slot.index)
             slot.tokens.clear()
+            if self._spec is not None:
+                self._spec.drafter.release(slot.index)
         slot.gen = None
 
     def _drop_waiting(self) -> None:

@@ -98,6 +98,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
     async def Health(
         self, request: engine_pb2.HealthRequest, context: Context
     ) -> engine_pb2.HealthResponse:
+        spec = self._decode.speculation_stats
         return engine_pb2.HealthResponse(
             state=_WIRE_STATE[self.state],
             slots=[
@@ -109,6 +110,12 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             model_path=self._model_path,
             pid=os.getpid(),
             kv_bytes=self._decode.kv_bytes,
+            speculation=engine_pb2.SpeculationStats(
+                kind=spec.kind,
+                drafted_tokens=spec.drafted,
+                accepted_tokens=spec.accepted,
+                disabled_requests=spec.disabled_requests,
+            ),
         )
 
     async def Drain(
@@ -175,6 +182,8 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                 cached_tokens=finished.cached_tokens if finished else None,
                 finish=finished.reason if finished else "cancelled",
                 tokens_per_second=round(finished.decode_tokens_per_second, 1) if finished else None,
+                drafted_tokens=finished.drafted_tokens if finished else None,
+                accepted_tokens=finished.accepted_tokens if finished else None,
                 ms=round((time.perf_counter() - started) * 1000),
             )
 
@@ -309,5 +318,11 @@ def _final(event: loop.Finished) -> inference_pb2.Final:
             decode_ms=event.decode_ms,
             decode_tokens_per_second=event.decode_tokens_per_second,
         ),
-        routing=inference_pb2.Routing(slot=event.slot, prefix_tokens_reused=event.cached_tokens),
+        routing=inference_pb2.Routing(
+            slot=event.slot,
+            prefix_tokens_reused=event.cached_tokens,
+            drafted_tokens=event.drafted_tokens,
+            accepted_tokens=event.accepted_tokens,
+            speculation=event.speculation,
+        ),
     )

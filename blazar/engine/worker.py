@@ -32,6 +32,7 @@ import structlog
 
 from blazar import logs
 from blazar._proto.engine.v1 import engine_pb2_grpc
+from blazar.api import replicas
 from blazar.engine import llama, loop, service, text
 
 log = structlog.get_logger("blazar.engine.worker")
@@ -123,6 +124,7 @@ async def serve(config: WorkerConfig) -> int:
                 outputs_per_slot=1 + (config.speculation.max_draft if config.speculation else 0),
             ),
             kv_persist=Path(config.kv_persist) if config.kv_persist else None,
+            speculation=speculation_launch(config.speculation),
         ),
         on_loaded=on_loaded,
     )
@@ -179,6 +181,20 @@ async def serve(config: WorkerConfig) -> int:
     socket_path.unlink(missing_ok=True)
     log.info("stopped", exit_code=code)
     return code
+
+
+def speculation_launch(config: SpeculationConfig | None) -> replicas.SpeculationLaunch | None:
+    """The decode loop's view of the speculation flags; None when off (or max draft 0)."""
+    if config is None or config.max_draft <= 0:
+        return None
+    return replicas.SpeculationLaunch(
+        kind=config.kind.value,
+        max_draft_tokens=config.max_draft,
+        disable_above_batch=config.disable_above_batch,
+        min_acceptance_rate=config.min_acceptance,
+        ngram_size=config.ngram_size,
+        draft_model_path=config.draft_model,
+    )
 
 
 def chat_template(config: WorkerConfig, decode: loop.DecodeLoop) -> text.ChatTemplate | None:
