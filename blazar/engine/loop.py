@@ -160,6 +160,8 @@ class Slot:
     gen: Generation | None = None
     # When it last took a job (a step counter; larger = more recent).
     last_used: int = 0
+    # Prompt length of the last job: where a later prompt most likely parts from it.
+    prompt_len: int = 0
 
     @property
     def busy(self) -> bool:
@@ -406,6 +408,7 @@ class DecodeLoop:
             self._spec.policy.begin(slot.index)
         self._clock += 1
         slot.last_used = self._clock
+        slot.prompt_len = len(job.prompt)
         slot.gen = Generation(
             job=job,
             sampler=chain,
@@ -700,6 +703,15 @@ class DecodeLoop:
         directory = self.options.kv_persist
         if directory is None:
             return
+        # A saved state keeps only the sliding window's last positions, so it can be
+        # reused only by a prompt that contains the whole saved sequence. Cut each slot
+        # back to its last prompt first: a repeated prompt, or the next turn of the same
+        # conversation, then contains it; a saved answer would almost never be matched.
+        for slot in self.slots:
+            if 0 < slot.prompt_len < len(slot.tokens) and runtime.truncate(
+                slot.index, slot.prompt_len
+            ):
+                del slot.tokens[slot.prompt_len :]
         try:
             kvstore.save(
                 runtime,

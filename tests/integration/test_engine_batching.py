@@ -318,11 +318,13 @@ def stop(w: Worker) -> None:
 def test_kv_persists_across_a_graceful_restart(spawn: Spawner, tmp_path: Path) -> None:
     kv = tmp_path / "kv"
     # Longer than the 512-token sliding window, whose cache is saved only in part.
-    prompt = SHARED[: len(SHARED) // 2] + " The end."
+    prompt = SHARED[: len(SHARED) // 2] + " And then"
     first = spawn(*ARGS, "--kv-persist", str(kv))
     first.wait_ready()
-    _, cold = first.generate(prompt=prompt, sampling=greedy(2))
-    assert cold.usage.cached_tokens == 0
+    # Several generated tokens: the slot is saved cut back to its prompt, or a repeat
+    # of the prompt could not reuse the window-limited state after the restart.
+    _, cold = first.generate(prompt=prompt, sampling=greedy(8))
+    assert (cold.usage.cached_tokens, cold.usage.completion_tokens) == (0, 8)
     stop(first)
     assert (kv / f"slot-{cold.routing.slot}.kv").stat().st_size > 0
     # A file for another slot that belongs to something else is skipped, not fatal.
@@ -331,7 +333,7 @@ def test_kv_persists_across_a_graceful_restart(spawn: Spawner, tmp_path: Path) -
 
     second = spawn(*ARGS, "--kv-persist", str(kv))
     h = second.wait_ready()
-    assert h.slots[cold.routing.slot].cached_tokens >= cold.usage.prompt_tokens
+    assert h.slots[cold.routing.slot].cached_tokens == cold.usage.prompt_tokens
     assert log_events(second, "kv_restored")
     assert [e["slot"] for e in log_events(second, "kv_restore_skipped")] == [3]
     _, warm = second.generate(prompt=prompt, sampling=greedy(2))
