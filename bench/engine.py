@@ -124,6 +124,8 @@ class Config:
     sizes: Sizes
     peer_flash_attn: bool
     workdir: Path
+    # Scenarios 1-3: give Blazar's lane the default fleet's n-gram SpecPair.
+    blazar_speculation: bool = False
 
 
 def log(message: str) -> None:
@@ -668,7 +670,9 @@ def scenarios_1_to_3(config: Config, tokenizer: Tokenizer, which: set[int]) -> l
             )
 
     guarded(selected, "peer", lambda: measure("peer", Peer(config)))
-    guarded(selected, "blazar", lambda: measure("blazar", Blazar(config, [LaneDef("bench")])))
+    lane = LaneDef("bench", speculation="bench-ngram" if config.blazar_speculation else None)
+    blazar = Blazar(config, [lane], spec_pairs=config.blazar_speculation)
+    guarded(selected, "blazar", lambda: measure("blazar", blazar))
     values: dict[int, Callable[[Throughput], float]] = {
         1: lambda t: t.aggregate_tps,
         2: lambda t: t.single_tps,
@@ -888,6 +892,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="on",
         help="the peer's --flash_attn; Blazar leaves llama.cpp's 'auto', which is on for CPU",
     )
+    p.add_argument(
+        "--blazar-speculation",
+        action="store_true",
+        help="scenarios 1-3: Blazar's lane uses an n-gram SpecPair, as the default fleet does",
+    )
     args = p.parse_args(argv)
     try:
         args.which = {int(x) for x in args.scenarios.split(",") if x.strip()}
@@ -917,6 +926,7 @@ def main(argv: list[str] | None = None) -> int:
         sizes=QUICK if args.quick else FULL,
         peer_flash_attn=args.peer_flash_attn == "on",
         workdir=workdir,
+        blazar_speculation=args.blazar_speculation,
     )
     log(f"model {model}, {config.threads} threads, sizes {config.sizes}, work dir {workdir}")
     tokenizer = Tokenizer(model)

