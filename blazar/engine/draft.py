@@ -51,27 +51,16 @@ class LlamaDraftRunner:
 
     @classmethod
     def load(cls, options: DraftOptions) -> LlamaDraftRunner:
-        lc.llama_backend_init()
-        mparams = lc.llama_model_default_params()
-        mparams.n_gpu_layers = options.gpu_layers
-        model = lc.llama_model_load_from_file(options.model_path.encode(), mparams)
-        if not model:
-            raise llama.LlamaError(f"could not load draft model {options.model_path}")
-        cparams = lc.llama_context_default_params()
-        cparams.n_ctx = options.slots * options.context_per_slot
-        cparams.n_seq_max = options.slots
-        cparams.kv_unified = False
-        cparams.n_batch = options.n_batch
-        cparams.n_ubatch = options.n_batch
-        # One logits row per sequence per decode: the last caught-up token or a draft.
-        cparams.n_outputs_max = options.slots
-        cparams.n_threads = options.threads
-        cparams.n_threads_batch = options.threads
-        cparams.no_perf = True
-        ctx = lc.llama_init_from_model(model, cparams)
-        if not ctx:
-            lc.llama_model_free(model)
-            raise llama.LlamaError("could not create the draft model's llama context")
+        model, ctx = llama.open_model(
+            options.model_path,
+            gpu_layers=options.gpu_layers,
+            slots=options.slots,
+            context_per_slot=options.context_per_slot,
+            n_batch=options.n_batch,
+            # One logits row per sequence per decode: the last caught-up token or a draft.
+            n_outputs=options.slots,
+            threads=options.threads,
+        )
         return cls(model, ctx, options)
 
     def propose(self, requests: Sequence[speculation.DraftRequest]) -> dict[int, tuple[int, ...]]:

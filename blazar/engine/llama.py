@@ -117,6 +117,55 @@ CACHE_TYPES: dict[str, tuple[int, float]] = {
 EXTRA_OUTPUT_ROWS = 64
 
 
+def open_model(
+    model_path: str,
+    *,
+    gpu_layers: int,
+    slots: int,
+    context_per_slot: int,
+    n_batch: int,
+    n_outputs: int,
+    threads: int,
+    type_k: str = "f16",
+    type_v: str = "f16",
+) -> tuple[Any, Any]:
+    """Load a GGUF and create its context for `slots` parallel sequences; (model, ctx).
+
+    The one place the engine's llama.cpp settings live, for the target and the draft.
+    """
+    lc.llama_backend_init()
+    mparams = lc.llama_model_default_params()
+    mparams.n_gpu_layers = gpu_layers
+    model = lc.llama_model_load_from_file(model_path.encode(), mparams)
+    if not model:
+        raise LlamaError(f"could not load model {model_path}")
+    cparams = lc.llama_context_default_params()
+    cparams.n_ctx = slots * context_per_slot
+    cparams.n_seq_max = slots
+    # Separate KV streams per sequence: each slot gets exactly n_ctx / n_seq_max
+    # positions of its own (a unified cache would let one slot starve the others).
+    cparams.kv_unified = False
+    cparams.n_batch = n_batch
+    cparams.n_ubatch = n_batch
+    # Logits are read for a few entries per step only (each sequence's last token,
+    # drafts, prompt-logprob chunks); sizing the output for the whole batch would
+    # reserve n_batch x 262k floats (over 500 MiB).
+    cparams.n_outputs_max = n_outputs
+    # Full-size sliding-window caches: rolling back a rejected draft (and keeping a
+    # reused prefix) needs positions a pruned window would already have dropped.
+    cparams.swa_full = True
+    cparams.type_k = CACHE_TYPES[type_k][0]
+    cparams.type_v = CACHE_TYPES[type_v][0]
+    cparams.n_threads = threads
+    cparams.n_threads_batch = threads
+    cparams.no_perf = True
+    ctx = lc.llama_init_from_model(model, cparams)
+    if not ctx:
+        lc.llama_model_free(model)
+        raise LlamaError(f"could not create a llama context for {model_path}")
+    return model, ctx
+
+
 @dataclass(frozen=True)
 class RuntimeOptions:
     model_path: str
@@ -167,36 +216,17 @@ class Runtime:
 
     @classmethod
     def load(cls, options: RuntimeOptions) -> Runtime:
-        lc.llama_backend_init()
-        mparams = lc.llama_model_default_params()
-        mparams.n_gpu_layers = options.gpu_layers
-        model = lc.llama_model_load_from_file(options.model_path.encode(), mparams)
-        if not model:
-            raise LlamaError(f"could not load model {options.model_path}")
-        cparams = lc.llama_context_default_params()
-        cparams.n_ctx = options.slots * options.context_per_slot
-        cparams.n_seq_max = options.slots
-        # Separate KV streams per sequence: each slot gets exactly n_ctx / n_seq_max
-        # positions of its own (a unified cache would let one slot starve the others).
-        cparams.kv_unified = False
-        cparams.n_batch = options.n_batch
-        cparams.n_ubatch = options.n_batch
-        # Logits are read for a few entries per step only (each sequence's last token,
-        # prompt-logprob chunks); sizing the output for the whole batch would reserve
-        # n_batch x 262k floats (over 500 MiB).
-        cparams.n_outputs_max = options.n_outputs
-        # Full-size sliding-window caches: rolling back a rejected draft (and keeping a
-        # reused prefix) needs positions a pruned window would already have dropped.
-        cparams.swa_full = True
-        cparams.type_k = CACHE_TYPES[options.type_k][0]
-        cparams.type_v = CACHE_TYPES[options.type_v][0]
-        cparams.n_threads = options.threads
-        cparams.n_threads_batch = options.threads
-        cparams.no_perf = True
-        ctx = lc.llama_init_from_model(model, cparams)
-        if not ctx:
-            lc.llama_model_free(model)
-            raise LlamaError("could not create a llama context")
+        model, ctx = open_model(
+            options.model_path,
+            gpu_layers=options.gpu_layers,
+            slots=options.slots,
+            context_per_slot=options.context_per_slot,
+            n_batch=options.n_batch,
+            n_outputs=options.n_outputs,
+            threads=options.threads,
+            type_k=options.type_k,
+            type_v=options.type_v,
+        )
         runtime = cls(model, ctx, options)
         runtime.warm_up()
         return runtime
