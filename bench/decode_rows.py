@@ -17,7 +17,13 @@ from pathlib import Path
 
 import llama_cpp as lc
 
-SHAPES = [(1, 1), (2, 2), (2, 1), (4, 4), (4, 1), (8, 8), (8, 1)]
+# (sequences, logits rows, batch order); "shuffled" puts the sequences out of order,
+# which is what reused slots produce when the loop does not sort its batch.
+SHAPES = [
+    (1, 1, "sorted"), (2, 2, "sorted"), (2, 1, "sorted"), (4, 4, "sorted"),
+    (4, 1, "sorted"), (8, 8, "sorted"), (8, 1, "sorted"), (8, 8, "shuffled"),
+]  # fmt: skip
+SHUFFLED = [3, 0, 5, 1, 7, 2, 6, 4]
 
 
 def main() -> int:
@@ -40,14 +46,15 @@ def main() -> int:
     batch = lc.llama_batch_init(512, 0, 8)
     pos = 0
     print(f"model {args.model.name}, {args.threads} threads")
-    print("sequences  logits rows  ms/step  tokens/s")
-    for seqs, rows in SHAPES:
+    print("sequences  logits rows  order     ms/step  tokens/s")
+    for seqs, rows, order in SHAPES:
+        seq_ids = SHUFFLED[:seqs] if order == "shuffled" else list(range(seqs))
         times = []
         for _ in range(args.steps):
             batch.n_tokens = seqs
-            for i in range(seqs):
+            for i, seq in enumerate(seq_ids):
                 batch.token[i], batch.pos[i], batch.n_seq_id[i] = 100 + i, pos, 1
-                batch.seq_id[i][0] = i
+                batch.seq_id[i][0] = seq
                 batch.logits[i] = int(i < rows)
             start = time.perf_counter()
             if lc.llama_decode(ctx, batch) != 0:
@@ -56,7 +63,7 @@ def main() -> int:
             times.append((time.perf_counter() - start) * 1000)
             pos += 1
         ms = statistics.median(times)
-        print(f"{seqs:>9}  {rows:>11}  {ms:7.1f}  {seqs * 1000 / ms:8.1f}")
+        print(f"{seqs:>9}  {rows:>11}  {order:<8}  {ms:7.1f}  {seqs * 1000 / ms:8.1f}")
     lc.llama_batch_free(batch)
     lc.llama_free(ctx)
     lc.llama_model_free(model)

@@ -131,6 +131,11 @@ def plan_step(wants: Sequence[Want], *, max_tokens: int, max_outputs: int) -> li
     needs one output for its last token; when none is left the chunk stops one short.
     Decoding sequences never wait behind a prefill: a long prompt costs the others at
     most one chunk per step.
+
+    Pieces are chosen in that order but returned in sequence (slot) order: with one
+    KV stream per sequence, llama.cpp runs a batch whose sequences are out of order
+    about twice as slowly (measured, 8 streams x 1 token: 80 ms against 38 ms per
+    step), and reused slots make arrival order differ from slot order.
     """
     pieces: list[Piece] = []
     tokens, outputs = max_tokens, max_outputs
@@ -157,4 +162,4 @@ def plan_step(wants: Sequence[Want], *, max_tokens: int, max_outputs: int) -> li
         pieces.append(piece)
         tokens -= n
         outputs -= piece.outputs
-    return pieces
+    return sorted(pieces, key=lambda piece: piece.slot)

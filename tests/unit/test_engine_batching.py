@@ -109,15 +109,33 @@ def piece(slot: int, tokens: int, logits: Logits, *, decode: bool = False) -> Pi
     ("wants", "max_tokens", "max_outputs", "expected"),
     [
         ([], 512, 64, []),
-        # Decode tokens first, then prefill in the order given.
+        # Decode tokens and prefill chunks together, returned in slot order.
         (
             [Want(0, prefill=100), Want(1, decode=1), Want(2, decode=1)],
             512,
             64,
             [
+                piece(0, 100, Logits.LAST),
                 piece(1, 1, Logits.ALL, decode=True),
                 piece(2, 1, Logits.ALL, decode=True),
-                piece(0, 100, Logits.LAST),
+            ],
+        ),
+        # The oldest job is served first when the budget is short, but the batch still
+        # goes in slot order (out-of-order streams run twice as slowly in llama.cpp).
+        (
+            [Want(2, prefill=400), Want(0, prefill=300)],
+            512,
+            64,
+            [piece(0, 112, Logits.NONE), piece(2, 400, Logits.LAST)],
+        ),
+        (
+            [Want(3, decode=1), Want(1, decode=1), Want(2, decode=1)],
+            512,
+            64,
+            [
+                piece(1, 1, Logits.ALL, decode=True),
+                piece(2, 1, Logits.ALL, decode=True),
+                piece(3, 1, Logits.ALL, decode=True),
             ],
         ),
         # A long prompt is chunked to the room left after the decode tokens.
