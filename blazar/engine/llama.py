@@ -262,8 +262,9 @@ class Runtime:
         return self._model
 
     def sample(self, sampler: Any, index: int) -> int:
-        """Sample (and accept) a token from the logits of batch entry `index`."""
-        return int(lc.llama_sampler_sample(sampler, self._ctx, index))
+        """Sample (and accept) a token from the logits of batch entry `index` with a
+        `sampling.Sampler`."""
+        return int(sampler.sample(self._ctx, index))
 
     def logits(self, index: int, count: int = 1) -> npt.NDArray[np.float32]:
         """Raw logits of `count` consecutive batch entries that asked for them, from

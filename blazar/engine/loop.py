@@ -34,7 +34,6 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-import llama_cpp as lc
 import structlog
 
 from blazar.api import replicas
@@ -124,7 +123,7 @@ class Generation:
     """Progress of the job a slot is serving."""
 
     job: Job
-    sampler: Any
+    sampler: sampling.Sampler
     started: float
     # Prompt tokens found in the slot's cache (kept, not prefilled).
     cached: int = 0
@@ -403,7 +402,7 @@ class DecodeLoop:
                 runtime.clear(slot.index)
                 keep = 0
             del slot.tokens[keep:]
-        chain = sampling.build_chain(job.params, prompt=job.prompt)
+        chain = sampling.build_sampler(job.params, prompt=job.prompt)
         if self._spec is not None:
             self._spec.policy.begin(slot.index)
         self._clock += 1
@@ -660,7 +659,7 @@ class DecodeLoop:
 
     def _release(self, runtime: llama.Runtime, slot: Slot, *, keep_cache: bool) -> None:
         assert slot.gen is not None
-        lc.llama_sampler_free(slot.gen.sampler)
+        slot.gen.sampler.free()
         if self._spec is not None:
             self._spec.policy.release(slot.index)
         if not keep_cache:

