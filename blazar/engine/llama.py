@@ -213,6 +213,7 @@ class Runtime:
         template = lc.llama_model_chat_template(model, None)
         # The GGUF's own chat template (tokenizer.chat_template), if it ships one.
         self.chat_template: str | None = template.decode() if template else None
+        self.architecture = _meta(model, "general.architecture") or ""
 
     @classmethod
     def load(cls, options: RuntimeOptions) -> Runtime:

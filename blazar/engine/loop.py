@@ -278,6 +278,13 @@ class DecodeLoop:
         return self._runtime.chat_template
 
     @property
+    def architecture(self) -> str:
+        """general.architecture of the loaded GGUF ("gemma3", "llama", "qwen2", ...)."""
+        if self._runtime is None:
+            raise RuntimeError("model not loaded")
+        return self._runtime.architecture
+
+    @property
     def context_per_slot(self) -> int:
         return self.options.runtime.context_per_slot
 

@@ -55,6 +55,35 @@ def render_gemma(turns: Sequence[ChatTurn]) -> str:
     return "".join(rendered)
 
 
+# Turn formats by name, for a Model's `chatTemplate: <name>` and for GGUFs that ship
+# no template. "gemma" is rendered by `render_gemma`; the others are Jinja sources in
+# the Hugging Face convention.
+NAMED_TEMPLATES: dict[str, str | None] = {
+    "gemma": None,
+    "chatml": (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    ),
+    "llama3": (
+        "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}"
+        "<|end_header_id|>\n\n{{ m['content'] | trim }}<|eot_id|>{% endfor %}"
+        "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n"
+        "{% endif %}"
+    ),
+}
+
+
+def fallback_template(architecture: str) -> str:
+    """The named turn format for a GGUF without a chat template, by architecture:
+    Gemma's own for the Gemma family, Llama 3's headers for "llama", ChatML (the most
+    widely shared format: Qwen, Phi-3, Yi, ...) for everything else."""
+    if architecture.startswith("gemma"):
+        return "gemma"
+    if architecture == "llama":
+        return "llama3"
+    return "chatml"
+
+
 class ChatTemplate:
     """A Hugging Face style Jinja chat template (`messages`, `add_generation_prompt`).
 

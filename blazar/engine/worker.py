@@ -162,7 +162,11 @@ async def serve(config: WorkerConfig) -> int:
                 context_per_slot=decode.context_per_slot,
                 kv_bytes=decode.kv_bytes,
                 restored_tokens=sum(s.cached_tokens for s in decode.slots),
-                chat_template="override" if config.chat_template else ("gguf" if chat else "gemma"),
+                chat_template=(
+                    "override"
+                    if config.chat_template
+                    else ("gguf" if decode.model_chat_template else "fallback")
+                ),
                 rss=service.rss_bytes(),
             )
     if code == 0:
@@ -198,23 +202,32 @@ def speculation_launch(config: SpeculationConfig | None) -> replicas.Speculation
 
 
 def chat_template(config: WorkerConfig, decode: loop.DecodeLoop) -> text.ChatTemplate | None:
-    """The --chat-template override, else the GGUF's template, else None (Gemma turns).
+    """The chat template to render conversations with; None means Gemma's turns.
 
-    A broken override is fatal; a GGUF template Jinja cannot compile falls back.
+    In order: the --chat-template override (a name from `text.NAMED_TEMPLATES` or an
+    inline Jinja template), the GGUF's own template, the architecture's fallback. A
+    broken override is fatal; a GGUF template Jinja cannot compile falls back.
     """
     vocab = decode.vocab
-    if config.chat_template:
-        return text.ChatTemplate(
-            config.chat_template, bos_token=vocab.bos_text, eos_token=vocab.eos_text
-        )
-    source = decode.model_chat_template
-    if not source:
-        return None
-    try:
+
+    def compiled(source: str | None) -> text.ChatTemplate | None:
+        if source is None:
+            return None
         return text.ChatTemplate(source, bos_token=vocab.bos_text, eos_token=vocab.eos_text)
-    except jinja2.TemplateError as exc:
-        log.warning("gguf_chat_template_unusable", error=str(exc))
-        return None
+
+    if config.chat_template:
+        if config.chat_template in text.NAMED_TEMPLATES:
+            return compiled(text.NAMED_TEMPLATES[config.chat_template])
+        return compiled(config.chat_template)
+    source = decode.model_chat_template
+    if source:
+        try:
+            return compiled(source)
+        except jinja2.TemplateError as exc:
+            log.warning("gguf_chat_template_unusable", error=str(exc))
+    name = text.fallback_template(decode.architecture)
+    log.info("chat_template_fallback", architecture=decode.architecture, template=name)
+    return compiled(text.NAMED_TEMPLATES[name])
 
 
 def _settle(future: asyncio.Future[None], exc: BaseException | None) -> None:

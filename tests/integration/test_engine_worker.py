@@ -296,6 +296,15 @@ def test_chat_template_override(spawn: Spawner, tokenize: Callable[[str], list[i
     assert final.usage.prompt_tokens == len(tokenize("### user: Hi\n### assistant:"))
 
 
+def test_named_chat_template(spawn: Spawner, tokenize: Callable[[str], list[int]]) -> None:
+    w = spawn("--chat-template", "chatml")
+    w.wait_ready()
+    messages = [inference_pb2.Message(role="user", content="Hi")]
+    _, final = w.generate(chat=engine_pb2.ChatInput(messages=messages), sampling=greedy(2))
+    rendered = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    assert final.usage.prompt_tokens == len(tokenize(rendered))
+
+
 def test_broken_chat_template_is_fatal(spawn: Spawner) -> None:
     w = spawn("--chat-template", "{% for %}")
     assert w.proc.wait(timeout=READY_DEADLINE_S) == 1

@@ -162,3 +162,37 @@ def test_utf8_stream(pieces: list[bytes], out: list[str], pending: bool) -> None
     s = text.Utf8Stream()
     assert [s.feed(p) for p in pieces] == out
     assert s.pending() is pending
+
+
+@pytest.mark.parametrize(
+    ("architecture", "name"),
+    [("gemma3", "gemma"), ("gemma2", "gemma"), ("gemma", "gemma"), ("llama", "llama3"),
+     ("qwen2", "chatml"), ("phi3", "chatml"), ("", "chatml")],
+)  # fmt: skip
+def test_fallback_template_by_architecture(architecture: str, name: str) -> None:
+    assert text.fallback_template(architecture) == name
+    assert name in text.NAMED_TEMPLATES
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        (
+            "chatml",
+            "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+            "<|im_start|>assistant\n",
+        ),
+        (
+            "llama3",
+            "<|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>"
+            "<|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>"
+            "<|start_header_id|>assistant<|end_header_id|>\n\n",
+        ),
+    ],
+)
+def test_named_templates_render(name: str, expected: str) -> None:
+    source = text.NAMED_TEMPLATES[name]
+    assert source is not None
+    template = text.ChatTemplate(source, bos_token="<|begin_of_text|>")
+    turns = [text.ChatTurn("system", "Be brief."), text.ChatTurn("user", "Hi")]
+    assert template.render(turns) == expected
