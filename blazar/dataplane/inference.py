@@ -7,10 +7,11 @@ replica (the engine queues them); SLO admission comes in a later layer.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any, TypeAlias
 
 import grpc
@@ -149,16 +150,52 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
     async def _relay(
         self, model: str, generate: engine_pb2.GenerateRequest, context: Context
     ) -> AsyncIterator[inference_pb2.Chunk]:
+        """Stream the engine's answer. A replica that refuses with UNAVAILABLE before
+        its first chunk (draining, or its process just died) is left out and the
+        request goes to the next ready one; nothing was generated, so this is safe."""
         arrived = time.perf_counter()
         request_id = _request_id(context)
         generate.request_id = request_id
         structlog.contextvars.bind_contextvars(request_id=request_id)
         route, replica = await self._route(model, context)
+        refused: set[int] = set()
+        while True:
+            retry = False
+            # aclosing: a caller that leaves mid-stream must cancel the engine call now
+            # (freeing its slot), not whenever the inner generator is collected.
+            attempt = self._attempt(route, replica, generate, context, arrived=arrived)
+            async with contextlib.aclosing(attempt):
+                async for chunk in attempt:
+                    if chunk is None:
+                        retry = True
+                    else:
+                        yield chunk
+            if not retry:
+                return
+            refused.add(replica.index)
+            try:
+                replica = routing.pick_replica(route, self._inflight, exclude=refused)
+            except errors.BlazarError as err:
+                metrics.observe_failure(route.lane, err.reason)
+                await status.abort(context, err)
+            log.info("request.retry", request_id=request_id, lane=route.lane, replica=replica.index)
+
+    async def _attempt(
+        self,
+        route: routing.Route,
+        replica: routing.Replica,
+        generate: engine_pb2.GenerateRequest,
+        context: Context,
+        *,
+        arrived: float,
+    ) -> AsyncGenerator[inference_pb2.Chunk | None, None]:
+        """One replica's stream; a final None asks the caller to try another replica."""
         key = (replica.lane, replica.index)
         self._inflight[key] += 1
         call = self._pool.stub(replica.socket).Generate(generate)
         first_at: float | None = None
         tokens = 0
+        sent = False
         try:
             async for chunk in call:
                 if chunk.HasField("delta"):
@@ -173,12 +210,19 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                     end = first_at or time.perf_counter()
                     final.timings.ttft_ms = (end - arrived) * 1000.0
                     metrics.observe_final(route.lane, final)
+                sent = True
                 yield chunk
         except grpc.aio.AioRpcError as exc:
             failure = status.from_rpc_error(exc)
+            if not sent and isinstance(failure, errors.Unavailable):
+                yield None
+                return
             metrics.observe_failure(route.lane, failure.reason)
             log.info(
-                "request.failed", request_id=request_id, lane=route.lane, reason=failure.reason
+                "request.failed",
+                request_id=generate.request_id,
+                lane=route.lane,
+                reason=failure.reason,
             )
             await status.abort(context, failure)
         finally:
@@ -188,7 +232,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                 del self._inflight[key]
         log.info(
             "request.done",
-            request_id=request_id,
+            request_id=generate.request_id,
             lane=route.lane,
             replica=replica.index,
             tokens=tokens,

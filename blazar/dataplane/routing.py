@@ -6,7 +6,7 @@ is a function of the table and the data plane's in-flight counts.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from blazar.api import errors
@@ -72,11 +72,15 @@ def resolve(table: RouteTable, name: str) -> Route:
     return route
 
 
-def pick_replica(route: Route, inflight: Mapping[tuple[str, int], int]) -> Replica:
-    """The ready replica with the fewest requests in flight (lowest index on ties)."""
-    if not route.replicas:
+def pick_replica(
+    route: Route, inflight: Mapping[tuple[str, int], int], *, exclude: Collection[int] = ()
+) -> Replica:
+    """The ready replica with the fewest requests in flight (lowest index on ties),
+    leaving out the indexes in `exclude` (replicas that already refused this request)."""
+    candidates = [r for r in route.replicas if r.index not in exclude]
+    if not candidates:
         raise errors.Unavailable(
             f"The model '{route.lane}' has no ready replica yet; retry shortly.",
             metadata={"lane": route.lane},
         )
-    return min(route.replicas, key=lambda r: (inflight.get((r.lane, r.index), 0), r.index))
+    return min(candidates, key=lambda r: (inflight.get((r.lane, r.index), 0), r.index))

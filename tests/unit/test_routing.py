@@ -57,3 +57,15 @@ def test_pick_least_loaded_then_lowest_index(
 ) -> None:
     route = routing.resolve(routing.build_table([lane("x", ready=(0, 1))]), "x")
     assert routing.pick_replica(route, inflight).index == index
+
+
+@pytest.mark.parametrize(("exclude", "index"), [((), 0), ((0,), 1), ((1,), 0)])
+def test_pick_leaves_out_refused_replicas(exclude: tuple[int, ...], index: int) -> None:
+    route = routing.resolve(routing.build_table([lane("x", ready=(0, 1))]), "x")
+    assert routing.pick_replica(route, {}, exclude=exclude).index == index
+
+
+def test_every_replica_refused_is_unavailable() -> None:
+    route = routing.resolve(routing.build_table([lane("x", ready=(0, 1))]), "x")
+    with pytest.raises(errors.Unavailable):
+        routing.pick_replica(route, {}, exclude=(0, 1))
