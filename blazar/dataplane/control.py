@@ -59,6 +59,12 @@ def parse_selector(text: str) -> dict[str, str]:
     return selector
 
 
+def _found(kind: kinds.Kind, name: str, obj: kinds.Resource | None) -> kinds.Resource:
+    if obj is None:
+        raise errors.ObjectNotFound(f'{kind.value} "{name}" not found.')
+    return obj
+
+
 def _dump(obj: kinds.Resource) -> str:
     return json.dumps(manifests.to_dict(obj))
 
@@ -111,9 +117,7 @@ class ControlService(control_pb2_grpc.ControlServicer):
     ) -> control_pb2.GetResponse:
         try:
             kind = kinds.resolve_kind(request.kind)
-            obj = self._store.get(kind, request.name)
-            if obj is None:
-                raise errors.ObjectNotFound(f'{kind.value} "{request.name}" not found.')
+            obj = _found(kind, request.name, self._store.get(kind, request.name))
         except errors.BlazarError as err:
             await status.abort(context, err)
         return control_pb2.GetResponse(object_json=_dump(obj))
@@ -136,9 +140,7 @@ class ControlService(control_pb2_grpc.ControlServicer):
     ) -> control_pb2.DeleteResponse:
         try:
             kind = kinds.resolve_kind(request.kind)
-            obj = self._store.delete(kind, request.name)
-            if obj is None:
-                raise errors.ObjectNotFound(f'{kind.value} "{request.name}" not found.')
+            obj = _found(kind, request.name, self._store.delete(kind, request.name))
         except errors.BlazarError as err:
             await status.abort(context, err)
         return control_pb2.DeleteResponse(object_json=_dump(obj))
