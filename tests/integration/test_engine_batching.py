@@ -17,16 +17,13 @@ import pytest
 from blazar._proto.engine.v1 import engine_pb2
 from blazar._proto.v1 import inference_pb2
 from blazar.engine import batching
-from tests.integration.test_engine_worker import (
+from tests.integration.engine_harness import (
     READY_DEADLINE_S,
     Spawner,
     Worker,
     greedy,
     poll,
-    tokenize,
 )
-
-__all__ = ["tokenize"]  # a fixture
 
 pytestmark = pytest.mark.slow
 
@@ -64,13 +61,6 @@ def batch_worker(model_path: Path) -> Iterator[Worker]:
     w = spawner(*ARGS)
     w.wait_ready()
     yield w
-    spawner.close()
-
-
-@pytest.fixture
-def spawn(model_path: Path) -> Iterator[Spawner]:
-    spawner = Spawner(model_path)
-    yield spawner
     spawner.close()
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import signal
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import grpc
@@ -12,21 +12,12 @@ import pytest
 
 from blazar._proto.v1 import inference_pb2
 from blazar.rpc import status
-from tests.integration.test_engine_worker import CONTEXT_PER_SLOT, Spawner, Worker, rpc_error
+from tests.integration.engine_harness import CONTEXT_PER_SLOT, Spawner, Worker, rpc_error
 
 pytestmark = pytest.mark.slow
 
 GEMMA_3_270M_DIMENSIONS = 640
 START_OF_TURN = 105
-
-
-@pytest.fixture(scope="module")
-def worker(model_path: Path) -> Iterator[Worker]:
-    spawner = Spawner(model_path)
-    w = spawner()
-    w.wait_ready()
-    yield w
-    spawner.close()
 
 
 def embed(worker: Worker, *inputs: str, normalize: bool = False) -> inference_pb2.EmbedResponse:

@@ -13,8 +13,8 @@ import pytest
 
 from blazar._proto.engine.v1 import engine_pb2
 from blazar._proto.v1 import inference_pb2
+from tests.integration.engine_harness import Spawner, Worker, greedy
 from tests.integration.test_draft_model import _tool
-from tests.integration.test_engine_worker import Spawner, Worker, greedy
 
 pytestmark = pytest.mark.slow
 

@@ -8,178 +8,31 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import grpc
 import pytest
 
 from blazar._proto.engine.v1 import engine_pb2, engine_pb2_grpc
 from blazar._proto.v1 import inference_pb2
+from tests.integration.engine_harness import (
+    CONTEXT_PER_SLOT,
+    READY_DEADLINE_S,
+    REPO,
+    SLOTS,
+    Spawner,
+    Worker,
+    greedy,
+    pid_gone,
+    poll,
+    rpc_error,
+    worker_args,
+)
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[2]
-CONTEXT_PER_SLOT = 1024
-SLOTS = 2
 PROMPT = "The capital of France is"
-READY_DEADLINE_S = 60.0
-
-
-def poll(condition: Callable[[], Any], *, deadline_s: float = 15.0, what: str = "condition") -> Any:
-    """Return condition()'s first truthy value; fail after the deadline."""
-    end = time.monotonic() + deadline_s
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > end:
-            pytest.fail(f"timed out after {deadline_s}s waiting for {what}")
-        time.sleep(0.02)
-
-
-def pid_gone(pid: int) -> bool:
-    """True once pid has exited (a zombie nobody reaped counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except (FileNotFoundError, ProcessLookupError):
-        return True
-
-
-@dataclass
-class Worker:
-    proc: subprocess.Popen[bytes]
-    socket: str
-    log: Path
-    channel: grpc.Channel
-    stub: engine_pb2_grpc.EngineStub
-
-    def health(self) -> engine_pb2.HealthResponse | None:
-        try:
-            h: engine_pb2.HealthResponse = self.stub.Health(engine_pb2.HealthRequest(), timeout=2.0)
-        except grpc.RpcError:
-            return None
-        return h
-
-    def wait_ready(self) -> engine_pb2.HealthResponse:
-        def ready() -> engine_pb2.HealthResponse | None:
-            if self.proc.poll() is not None:
-                pytest.fail(f"worker exited with {self.proc.returncode}:\n{self.log.read_text()}")
-            h = self.health()
-            return h if h is not None and h.state == engine_pb2.ENGINE_STATE_READY else None
-
-        return poll(ready, deadline_s=READY_DEADLINE_S, what="READY")  # type: ignore[no-any-return]
-
-    def generate(self, **kwargs: Any) -> tuple[list[inference_pb2.Delta], inference_pb2.Final]:
-        """Run one Generate; all deltas and the final part."""
-        deltas: list[inference_pb2.Delta] = []
-        finals: list[inference_pb2.Final] = []
-        for chunk in self.stub.Generate(engine_pb2.GenerateRequest(**kwargs), timeout=60):
-            (deltas if chunk.HasField("delta") else finals).append(
-                chunk.delta if chunk.HasField("delta") else chunk.final
-            )
-        assert len(finals) == 1
-        return deltas, finals[0]
-
-    def text(self, **kwargs: Any) -> str:
-        deltas, _ = self.generate(**kwargs)
-        return "".join(d.text for d in deltas)
-
-
-def worker_args(model_path: Path, socket: str, *extra: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "blazar.engine",
-        "--model",
-        str(model_path),
-        "--socket",
-        socket,
-        "--slots",
-        str(SLOTS),
-        "--context-per-slot",
-        str(CONTEXT_PER_SLOT),
-        "--threads",
-        "2",
-        "--log-json",
-        *extra,
-    ]
-
-
-class Spawner:
-    """Starts workers on short socket paths; `close` kills whatever is left."""
-
-    def __init__(self, model_path: Path) -> None:
-        self.model_path = model_path
-        self.workers: list[Worker] = []
-        self.dirs: list[str] = []
-
-    def __call__(self, *extra: str) -> Worker:
-        d = tempfile.mkdtemp(prefix="bz-", dir="/tmp")  # AF_UNIX paths max ~107 bytes
-        self.dirs.append(d)
-        socket = os.path.join(d, "engine.sock")
-        log = Path(d, "worker.log")
-        with log.open("wb") as out:
-            proc = subprocess.Popen(
-                worker_args(self.model_path, socket, *extra),
-                cwd=REPO,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        channel = grpc.insecure_channel(f"unix:{socket}")
-        w = Worker(proc, socket, log, channel, engine_pb2_grpc.EngineStub(channel))
-        self.workers.append(w)
-        return w
-
-    def close(self) -> None:
-        for w in self.workers:
-            w.channel.close()
-            if w.proc.poll() is None:
-                os.killpg(w.proc.pid, signal.SIGKILL)
-            w.proc.wait(timeout=10)
-        for d in self.dirs:
-            shutil.rmtree(d, ignore_errors=True)
-
-
-@pytest.fixture
-def spawn(model_path: Path) -> Iterator[Spawner]:
-    spawner = Spawner(model_path)
-    yield spawner
-    spawner.close()
-
-
-@pytest.fixture(scope="module")
-def worker(model_path: Path) -> Iterator[Worker]:
-    """One worker shared by the tests that leave it as they found it."""
-    spawner = Spawner(model_path)
-    w = spawner()
-    w.wait_ready()
-    yield w
-    spawner.close()
-
-
-@pytest.fixture(scope="session")
-def tokenize(model_path: Path) -> Callable[[str], list[int]]:
-    """An independent tokenizer (llama-cpp-python's high-level vocab-only model)."""
-    from llama_cpp import Llama
-
-    vocab = Llama(str(model_path), vocab_only=True, verbose=False)
-    return lambda s: list(vocab.tokenize(s.encode(), add_bos=True, special=True))
-
-
-def greedy(max_tokens: int, **sampling: Any) -> inference_pb2.Sampling:
-    return inference_pb2.Sampling(temperature=0.0, max_tokens=max_tokens, **sampling)
-
-
-def rpc_error(call: Callable[[], Any]) -> grpc.RpcError:
-    with pytest.raises(grpc.RpcError) as info:
-        call()
-    return info.value
 
 
 # --- tests --------------------------------------------------------------------------------

@@ -5,9 +5,7 @@ guarantee here comes from the grammar, not from the model's manners)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -16,7 +14,7 @@ import pytest
 
 from blazar._proto.engine.v1 import engine_pb2
 from blazar._proto.v1 import inference_pb2
-from tests.integration.test_engine_worker import Spawner, Worker, greedy, rpc_error
+from tests.integration.engine_harness import Worker, greedy, rpc_error
 
 pytestmark = pytest.mark.slow
 
@@ -64,15 +62,6 @@ SCHEMAS: dict[str, tuple[dict[str, Any], str]] = {
         'Shape: {"visible": false, "origin": {"x": 0, "y": 3.25}}\nShape:',
     ),
 }
-
-
-@pytest.fixture(scope="module")
-def worker(model_path: Path) -> Iterator[Worker]:
-    spawner = Spawner(model_path)
-    w = spawner()
-    w.wait_ready()
-    yield w
-    spawner.close()
 
 
 def constrained(

@@ -1,0 +1,36 @@
+"""Fixtures for the tests that run a real engine worker."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.integration.engine_harness import Spawner, Worker
+
+
+@pytest.fixture
+def spawn(model_path: Path) -> Iterator[Spawner]:
+    spawner = Spawner(model_path)
+    yield spawner
+    spawner.close()
+
+
+@pytest.fixture(scope="module")
+def worker(model_path: Path) -> Iterator[Worker]:
+    """One worker shared by the tests that leave it as they found it."""
+    spawner = Spawner(model_path)
+    w = spawner()
+    w.wait_ready()
+    yield w
+    spawner.close()
+
+
+@pytest.fixture(scope="session")
+def tokenize(model_path: Path) -> Callable[[str], list[int]]:
+    """An independent tokenizer (llama-cpp-python's high-level vocab-only model)."""
+    from llama_cpp import Llama
+
+    vocab = Llama(str(model_path), vocab_only=True, verbose=False)
+    return lambda s: list(vocab.tokenize(s.encode(), add_bos=True, special=True))
