@@ -14,8 +14,25 @@ $(BIN)/python:
 
 # llama-cpp-python compiles from source (about 9 minutes on 2 cores the first time);
 # pip keeps the wheel in its cache, so later installs take seconds.
+#
+# The build is native (-march=native) except for AMX: ggml's AMX kernels in
+# llama-cpp-python 0.3.36 die with SIGILL (`tilezero` without a valid tile config,
+# llama.cpp PR 26954) at the first batch of more than one token on Sapphire Rapids
+# hosts such as the dev box. A wheel cached from an earlier AMX build is rebuilt once.
+ifeq ($(shell uname -m),x86_64)
+NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
+export CMAKE_ARGS ?= -DCMAKE_C_FLAGS='$(NO_AMX)' -DCMAKE_CXX_FLAGS='$(NO_AMX)'
+endif
+export CMAKE_BUILD_PARALLEL_LEVEL ?= $(shell nproc)
+HAS_AMX := $(BIN)/python -c "import sys, llama_cpp; sys.exit('AMX_INT8 = 1' not in llama_cpp.llama_print_system_info().decode())"
+LLAMA_PIN := $(BIN)/python -c "from importlib.metadata import version; print('llama-cpp-python==' + version('llama-cpp-python'))"
+
 $(STAMP): $(BIN)/python pyproject.toml
-	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(BIN)/pip install --quiet -e '.[dev,model]'
+	$(BIN)/pip install --quiet -e '.[dev,model]'
+	if $(HAS_AMX) 2>/dev/null; then \
+	  $(BIN)/pip cache remove 'llama_cpp_python*'; \
+	  $(BIN)/pip install --quiet --force-reinstall --no-deps "$$($(LLAMA_PIN))"; \
+	fi
 	touch $(STAMP)
 
 model: $(STAMP)
