@@ -252,11 +252,18 @@ class Sampler:
     against 94 tok/s greedy), while most drawn tokens are already in the language.
     Sampling in the fallback applies the grammar first, then the chain, so nothing
     outside the language is ever emitted. Decode thread only; `free` exactly once.
+
+    Plain greedy decoding (no penalties, bias or grammar) has no chain at all: the
+    token is the logits row's argmax, taken in place. llama.cpp's sampler copies the
+    row into a 262k-entry candidate array first: 0.47 ms per token against 0.04 ms
+    for the argmax (same token, the first maximum), 3.4 ms of every 8-stream step.
     """
 
-    def __init__(self, chain: Any, grammar: Any | None, n_vocab: int) -> None:
+    def __init__(self, chain: Any | None, grammar: Any | None, n_vocab: int) -> None:
         import numpy as np
 
+        if chain is None and (grammar is not None or n_vocab <= 0):
+            raise ValueError("an argmax sampler takes no grammar and needs the vocabulary size")
         self.chain = chain
         self._grammar = grammar
         self._n_vocab = n_vocab
@@ -273,6 +280,11 @@ class Sampler:
         """Draw (and accept) a token from the logits of batch entry `index`."""
         import llama_cpp as lc
 
+        if self.chain is None:
+            import numpy as np
+
+            row = np.ctypeslib.as_array(lc.llama_get_logits_ith(ctx, index), (self._n_vocab,))
+            return int(row.argmax())
         if self._grammar is None:
             return int(lc.llama_sampler_sample(self.chain, ctx, index))
         token = self._draw(ctx, index, grammar_first=False)
@@ -306,7 +318,8 @@ class Sampler:
     def free(self) -> None:
         import llama_cpp as lc
 
-        lc.llama_sampler_free(self.chain)
+        if self.chain is not None:
+            lc.llama_sampler_free(self.chain)
         if self._grammar is not None:
             lc.llama_sampler_free(self._grammar)
 
@@ -328,6 +341,9 @@ def build_sampler(params: SamplingParams, *, prompt: Sequence[int] = ()) -> Samp
     vocab = params.vocab
     if vocab is None and (params.grammar is not None or params.logit_bias):
         raise ValueError("a grammar or logit bias needs the vocabulary: resolve(vocab=...)")
+    plain = not (params.grammar is not None or params.logit_bias or params.penalized)
+    if params.greedy and plain and vocab is not None:
+        return Sampler(None, None, vocab.n_tokens)
     grammar = None
     if params.grammar is not None:
         assert vocab is not None
