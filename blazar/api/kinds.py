@@ -105,6 +105,9 @@ class ModelSpec(CamelModel):
 class ModelStatus(ObjectStatus):
     path: str | None = None
     size_bytes: int | None = None
+    # The file's modification time when it was inspected: with the size, it tells a
+    # controller (a restarted one too) that the file needs no new hashing and parsing.
+    mtime_ns: int | None = None
     sha256: str | None = None
     architecture: str | None = None
     context_length: int | None = None

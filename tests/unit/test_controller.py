@@ -259,6 +259,10 @@ def test_model_reconciler_reinspects_only_when_the_file_or_spec_changes(
     monkeypatch.setattr(modelfile, "read_gguf", unreadable)
     asyncio.run(rec.reconcile("m"))  # same generation, same file: not read again
     assert conditions.is_true(model_status(store).status.conditions, "ModelReady")
+    # Nor by a restarted controller: what it needs to know is in the stored status.
+    restarted = ModelReconciler(store=store, models_dir=tmp_path, clock=clock)
+    asyncio.run(restarted.reconcile("m"))
+    assert conditions.is_true(model_status(store).status.conditions, "ModelReady")
 
     os.utime(path, ns=(1, 1))  # the file changed on disk: inspected again
     asyncio.run(rec.reconcile("m"))
