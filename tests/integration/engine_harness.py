@@ -3,6 +3,8 @@ READY by its Health RPC, drive it, and kill whatever is left."""
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import os
 import shutil
 import signal
@@ -13,6 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import grpc
@@ -25,6 +28,22 @@ REPO = Path(__file__).resolve().parents[2]
 CONTEXT_PER_SLOT = 1024
 SLOTS = 2
 READY_DEADLINE_S = 60.0
+
+
+@functools.cache
+def make_draft_tool() -> ModuleType:
+    """tools/make_draft.py, loaded once per test session.
+
+    Once per session because its measurements install a llama.cpp log callback held
+    by a module global: a second load let the first module, and with it the callback,
+    be collected while llama.cpp still called it (a segfault in the next model load).
+    """
+    spec = importlib.util.spec_from_file_location("make_draft", REPO / "tools" / "make_draft.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["make_draft"] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def poll(condition: Callable[[], Any], *, deadline_s: float = 15.0, what: str = "condition") -> Any:

@@ -3,36 +3,25 @@ a speculative greedy loop over the real target emits exactly what plain decoding
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
 from blazar.engine import draft, speculation
+from tests.integration.engine_harness import make_draft_tool
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[2]
 
 # Measured on the bundled model: the q4_0 draft picks the target's greedy token at
 # ~62% of the sample text's positions (a 6-layer-pruned draft: ~5%).
 AGREEMENT_FLOOR = 0.4
 
 
-def _tool() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("make_draft", REPO / "tools" / "make_draft.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["make_draft"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def tool() -> ModuleType:
-    return _tool()
+    return make_draft_tool()
 
 
 @pytest.fixture(scope="module")

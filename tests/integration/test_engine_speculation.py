@@ -13,8 +13,7 @@ import pytest
 
 from blazar._proto.engine.v1 import engine_pb2
 from blazar._proto.v1 import inference_pb2
-from tests.integration.engine_harness import Spawner, Worker, greedy
-from tests.integration.test_draft_model import _tool
+from tests.integration.engine_harness import Spawner, Worker, greedy, make_draft_tool
 
 pytestmark = pytest.mark.slow
 
@@ -68,7 +67,7 @@ def assert_same_up_to_near_tie(plain: Run, spec: Run, *, min_common: int) -> Non
 @pytest.fixture(scope="module")
 def draft_path(model_path: Path) -> Path:
     """The q4_0 draft, made once next to the bundled model (the tool skips it if there)."""
-    tool = _tool()
+    tool = make_draft_tool()
     made: Path = tool.make_draft(
         model_path.with_name(f"{model_path.stem}.draft-q4_0.gguf"), source=model_path
     )
