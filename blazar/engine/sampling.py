@@ -283,8 +283,10 @@ class Sampler:
         if self.chain is None:
             import numpy as np
 
-            row = np.ctypeslib.as_array(lc.llama_get_logits_ith(ctx, index), (self._n_vocab,))
-            return int(row.argmax())
+            ptr = lc.llama_get_logits_ith(ctx, index)
+            if not ptr:
+                raise RuntimeError(f"no logits for batch entry {index}")
+            return int(np.ctypeslib.as_array(ptr, (self._n_vocab,)).argmax())
         if self._grammar is None:
             return int(lc.llama_sampler_sample(self.chain, ctx, index))
         token = self._draw(ctx, index, grammar_first=False)

@@ -11,6 +11,8 @@ import pytest
 from blazar._proto.v1 import inference_pb2
 from blazar.engine import llama, sampling
 
+pytestmark = pytest.mark.slow
+
 STEPS = 48
 
 
