@@ -665,24 +665,27 @@ def scenarios_1_to_3(config: Config, tokenizer: Tokenizer, which: set[int]) -> l
     }
     results: dict[str, Throughput] = {}
     with contextlib.ExitStack() as stack:
+
+        def start(server: Peer | Blazar) -> str:
+            url: str = stack.enter_context(serving(server)).base_url
+            run(one(url, "Hello", max_tokens=4, tokenizer=tokenizer))  # warm-up
+            return url
+
         urls: dict[str, str] = {}
         for name, server in servers.items():
-            started = guarded(selected, name, lambda s=server: stack.enter_context(serving(s)))
-            if started is not None:
-                urls[name] = started.base_url
-                run(one(urls[name], "Hello", max_tokens=4, tokenizer=tokenizer))  # warm-up
-        measured = {name: Throughput() for name in urls}
+            url = guarded(selected, name, functools.partial(start, server))
+            if url is not None:
+                urls[name], results[name] = url, Throughput()
         kinds = ([concurrent_run] if which & {1, 3} else []) + ([single_run] if 2 in which else [])
         for rep in range(config.sizes.repeats):
             order = list(urls) if rep % 2 == 0 else list(reversed(urls))
             for kind in kinds:
                 for name in order:
                     step = functools.partial(
-                        kind, urls[name], rep, measured[name],
+                        kind, urls[name], rep, results[name],
                         who=name, config=config, tokenizer=tokenizer,
                     )  # fmt: skip
                     guarded(selected, name, step)
-        results = measured
     for n in sorted(which):
         row = rows[n]
         if "peer" in results:
