@@ -24,7 +24,8 @@ NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
 export CMAKE_ARGS ?= -DCMAKE_C_FLAGS='$(NO_AMX)' -DCMAKE_CXX_FLAGS='$(NO_AMX)'
 endif
 export CMAKE_BUILD_PARALLEL_LEVEL ?= $(shell nproc)
-HAS_AMX := $(BIN)/python -c "import sys, llama_cpp; sys.exit('AMX_INT8 = 1' not in llama_cpp.llama_print_system_info().decode())"
+# Exit status 0 when the installed llama.cpp has AMX (blazar.engine.llama decides).
+HAS_AMX := $(BIN)/python -c "import sys, llama_cpp; from blazar.engine.llama import extra_buffers_safe as safe; sys.exit(safe(llama_cpp.llama_print_system_info().decode()))"
 LLAMA_PIN := $(BIN)/python -c "from importlib.metadata import version; print('llama-cpp-python==' + version('llama-cpp-python'))"
 
 $(STAMP): $(BIN)/python pyproject.toml

@@ -205,11 +205,13 @@ class _Model:
         import numpy as np
 
         self._lc, self._np = lc, np
+        from blazar.engine.llama import extra_buffers_safe
+
         with _quiet():
             lc.llama_backend_init()
-            self.model = lc.llama_model_load_from_file(
-                str(path).encode(), lc.llama_model_default_params()
-            )
+            mp = lc.llama_model_default_params()
+            mp.use_extra_bufts = extra_buffers_safe(lc.llama_print_system_info().decode())
+            self.model = lc.llama_model_load_from_file(str(path).encode(), mp)
             if not self.model:
                 raise RuntimeError(f"could not load {path}")
             cp = lc.llama_context_default_params()
