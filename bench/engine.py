@@ -549,6 +549,9 @@ class Row:
     blazar: float | None = None
     error: str | None = None
     details: dict[str, Any] = field(default_factory=dict)
+    # Blazar / peer for each repeat, the two measured back to back (scenarios 1 and 2):
+    # the spread that the ratio of medians hides when the host's speed drifts.
+    per_repeat: list[float] = field(default_factory=list)
 
     @property
     def ratio(self) -> float | None:
@@ -609,8 +612,11 @@ class Throughput:
         default_factory=lambda: {"concurrent_runs": [], "single_runs": []}
     )
 
+    def values(self, scenario: int) -> list[float]:
+        return {1: self.aggregates, 2: self.singles, 3: self.ttfts}[scenario]
+
     def value(self, scenario: int) -> float:
-        values = {1: self.aggregates, 2: self.singles, 3: self.ttfts}[scenario]
+        values = self.values(scenario)
         return statistics.median(values) if values else float("nan")
 
 
@@ -692,6 +698,11 @@ def scenarios_1_to_3(config: Config, tokenizer: Tokenizer, which: set[int]) -> l
             row.baseline = results["peer"].value(n)
         if "blazar" in results:
             row.blazar = results["blazar"].value(n)
+    if "peer" in results and "blazar" in results:
+        for n in which & {1, 2}:
+            peer, blazar = (results[k].values(n) for k in ("peer", "blazar"))
+            if len(peer) == len(blazar):  # a failed repeat would pair the wrong runs
+                rows[n].per_repeat = [b / p for p, b in zip(peer, blazar, strict=True) if p]
     if "peer" in results and "blazar" in results and 2 in which:
         same = [
             a == b for a, b in zip(results["peer"].texts, results["blazar"].texts, strict=False)
@@ -876,6 +887,13 @@ def table(rows: list[Row]) -> str:
         "  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)) for line in [head, *body]
     ]
     lines.insert(1, "  ".join("-" * w for w in widths))
+    spreads = [
+        f"  {r.scenario}: " + ", ".join(f"{x:.2f}x" for x in r.per_repeat)
+        for r in rows
+        if r.per_repeat
+    ]
+    if spreads:
+        lines += ["", "per repeat (Blazar / peer, measured back to back):", *spreads]
     errors = [f"  {r.scenario}: {r.error}" for r in rows if r.error]
     if errors:
         lines += ["", "errors:", *errors]
