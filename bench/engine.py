@@ -703,11 +703,10 @@ def scenarios_1_to_3(config: Config, tokenizer: Tokenizer, which: set[int]) -> l
             peer, blazar = (results[k].values(n) for k in ("peer", "blazar"))
             if len(peer) == len(blazar):  # a failed repeat would pair the wrong runs
                 rows[n].per_repeat = [b / p for p, b in zip(peer, blazar, strict=True) if p]
-    if "peer" in results and "blazar" in results and 2 in which:
-        same = [
-            a == b for a, b in zip(results["peer"].texts, results["blazar"].texts, strict=False)
-        ]
-        rows[2].details["same_output_as_peer"] = same
+        if 2 in which:
+            rows[2].details["same_output_as_peer"] = [
+                a == b for a, b in zip(results["peer"].texts, results["blazar"].texts, strict=False)
+            ]
     for name, result in results.items():
         for n in which:
             rows[n].details[name] = result.details if n != 2 else result.details["single_runs"]
