@@ -366,7 +366,14 @@ class Peer:
         def ready() -> bool:
             assert self.process is not None
             if self.process.poll() is not None:
-                raise RuntimeError(f"peer exited early:\n{self.log_tail()}")
+                tail = self.log_tail()
+                hint = (
+                    " (llama_cpp.server's own dependencies come with the bench extra:"
+                    " run `make bench`, or pip install -e '.[bench]')"
+                    if "ModuleNotFoundError" in tail
+                    else ""
+                )
+                raise RuntimeError(f"peer exited early{hint}:\n{tail}")
             try:
                 return httpx.get(
                     f"{self.base_url}/v1/models", timeout=2, trust_env=False
