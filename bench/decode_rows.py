@@ -19,6 +19,8 @@ from pathlib import Path
 
 import llama_cpp as lc
 
+from blazar.engine.llama import extra_buffers_safe
+
 # (sequences, logits rows, batch order); "shuffled" puts the sequences out of order,
 # which is what reused slots produce when the loop does not sort its batch.
 SHAPES = [
@@ -40,7 +42,10 @@ def main() -> int:
 
         args.model = Path(assemble(Path(".cache/models") / MODEL_NAME))
     lc.llama_backend_init()
-    model = lc.llama_model_load_from_file(str(args.model).encode(), lc.llama_model_default_params())
+    mparams = lc.llama_model_default_params()
+    # As the engine loads it: a llama.cpp built with AMX crashes with the extra buffers.
+    mparams.use_extra_bufts = extra_buffers_safe(lc.llama_print_system_info().decode())
+    model = lc.llama_model_load_from_file(str(args.model).encode(), mparams)
     params = lc.llama_context_default_params()
     params.n_ctx, params.n_seq_max, params.kv_unified = 8 * 512, 8, False
     params.n_batch = params.n_ubatch = 512

@@ -706,14 +706,16 @@ def scenarios_1_to_3(config: Config, tokenizer: Tokenizer, which: set[int]) -> l
         if "blazar" in results:
             row.blazar = results["blazar"].value(n)
     if "peer" in results and "blazar" in results:
+        peer, blazar = results["peer"], results["blazar"]
         for n in which & {1, 2}:
-            peer, blazar = (results[k].values(n) for k in ("peer", "blazar"))
-            if len(peer) == len(blazar):  # a failed repeat would pair the wrong runs
-                rows[n].per_repeat = [b / p for p, b in zip(peer, blazar, strict=True) if p]
-        if 2 in which:
-            rows[2].details["same_output_as_peer"] = [
-                a == b for a, b in zip(results["peer"].texts, results["blazar"].texts, strict=False)
-            ]
+            if len(peer.values(n)) != len(blazar.values(n)):
+                continue  # a failed repeat would pair the wrong runs
+            pairs = zip(peer.values(n), blazar.values(n), strict=True)
+            rows[n].per_repeat = [b / p for p, b in pairs if p]
+            if n == 2:
+                rows[2].details["same_output_as_peer"] = [
+                    a == b for a, b in zip(peer.texts, blazar.texts, strict=True)
+                ]
     for name, result in results.items():
         for n in which:
             rows[n].details[name] = result.details if n != 2 else result.details["single_runs"]
