@@ -132,9 +132,12 @@ class Generation:
     # the verified token followed by drafted ones.
     feed: list[int] = field(default_factory=list)
     completion: int = 0
-    # Generated tokens whose text has not gone out in a delta yet, and their logprobs.
+    # Generated tokens whose text has not gone out in a delta yet, and their logprobs,
+    # each with where its text begins in `decoded` (the characters produced so far).
     untold: int = 0
     scores: list[logprobs.TokenLogprob] = field(default_factory=list)
+    score_starts: list[int] = field(default_factory=list)
+    decoded: int = 0
     prompt_scores: list[logprobs.TokenLogprob] = field(default_factory=list)
     utf8: text.Utf8Stream = field(default_factory=text.Utf8Stream)
     stops: text.StopMatcher = field(default_factory=lambda: text.StopMatcher(()))
@@ -604,20 +607,30 @@ class DecodeLoop:
         # Copied before sampling: the raw distribution, before bias and grammar.
         row = runtime.logits(index).copy() if params.logprobs else None
         token = runtime.sample(gen.sampler, index)
-        if row is not None:
-            gen.scores.extend(logprobs.score(row, [token], top=params.top_logprobs))
         now = time.perf_counter()
         gen.completion += 1
         gen.untold += 1
         gen.first_token = gen.first_token or now
         gen.last_token = now
         if runtime.vocab.is_eog(token):
+            # The end-of-generation token has no text, so no logprobs entry either.
             return token, _End(FinishReason.STOP)
-        result = gen.stops.feed(gen.utf8.feed(runtime.vocab.piece(token)))
+        if row is not None:
+            gen.scores.extend(logprobs.score(row, [token], top=params.top_logprobs))
+            gen.score_starts.append(gen.decoded)
+        piece = gen.utf8.feed(runtime.vocab.piece(token))
+        gen.decoded += len(piece)
+        result = gen.stops.feed(piece)
+        if result.stopped:
+            # Logprobs cover the tokens that produced returned text: one whose text
+            # begins inside the stop string produced none.
+            keep = sum(1 for start in gen.score_starts if start < result.stop_at)
+            del gen.scores[keep:], gen.score_starts[keep:]
         if result.text:
             gen.job.deliver(TextDelta(result.text, gen.untold, tuple(gen.scores)))
             gen.untold = 0
             gen.scores.clear()
+            gen.score_starts.clear()
         if result.stopped:
             return token, _End(FinishReason.STOP, flush=False)
         if gen.completion >= gen.job.max_tokens or cached >= self.context_per_slot:

@@ -119,10 +119,15 @@ def _template_error(message: str) -> NoReturn:
 
 @dataclass(frozen=True)
 class StopResult:
-    """What to emit after feeding text, and whether a stop string matched."""
+    """What to emit after feeding text, and whether a stop string matched.
+
+    `stop_at` is where the matched stop string begins, counted in characters of all
+    text fed so far (-1 while none matched): text from there on is never emitted.
+    """
 
     text: str
     stopped: bool
+    stop_at: int = -1
 
 
 class StopMatcher:
@@ -135,8 +140,12 @@ class StopMatcher:
     def __init__(self, stops: Sequence[str]) -> None:
         self._stops = tuple(s for s in stops if s)
         self._held = ""
+        self._fed = 0
 
     def feed(self, text: str) -> StopResult:
+        # Where buf begins in everything fed: the held text was fed before.
+        start = self._fed - len(self._held)
+        self._fed += len(text)
         buf = self._held + text
         if not self._stops:
             self._held = ""
@@ -144,7 +153,7 @@ class StopMatcher:
         hits = [i for i in (buf.find(s) for s in self._stops) if i >= 0]
         if hits:
             self._held = ""
-            return StopResult(buf[: min(hits)], stopped=True)
+            return StopResult(buf[: min(hits)], stopped=True, stop_at=start + min(hits))
         keep = self._partial_suffix(buf)
         self._held = buf[len(buf) - keep :]
         return StopResult(buf[: len(buf) - keep], stopped=False)

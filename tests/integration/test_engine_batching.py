@@ -277,6 +277,34 @@ def test_logprobs_are_a_distribution(batch_worker: Worker) -> None:
     assert not any(d.logprobs for d in deltas) and not final.prompt_logprobs
 
 
+@pytest.mark.parametrize("stop", [" 9", "9,", ", 1"])
+def test_logprobs_cover_the_returned_text_only(batch_worker: Worker, stop: str) -> None:
+    # " 8, 9, 10, ...": each stop string begins at a token boundary or inside a token.
+    deltas, final = batch_worker.generate(
+        prompt=COUNTING, sampling=greedy(12, logprobs=True, stop=[stop])
+    )
+    assert final.finish_reason == inference_pb2.FINISH_REASON_STOP
+    text = "".join(d.text for d in deltas)
+    pieces = [lp.bytes for d in deltas for lp in d.logprobs]
+    assert text and stop not in text
+    # Every returned character is covered, and the last entry's token produced some.
+    assert b"".join(pieces).decode().startswith(text)
+    assert len(b"".join(pieces[:-1]).decode()) < len(text)
+
+
+def test_end_of_turn_has_no_logprobs_entry(batch_worker: Worker) -> None:
+    (end_of_turn,) = batch_worker.stub.Tokenize(
+        inference_pb2.TokenizeRequest(text="<end_of_turn>", parse_special=True), timeout=10
+    ).tokens
+    deltas, final = batch_worker.generate(
+        prompt=COUNTING,
+        sampling=greedy(4, logprobs=True, logit_bias={end_of_turn: 100.0}),
+    )
+    assert final.finish_reason == inference_pb2.FINISH_REASON_STOP
+    assert final.usage.completion_tokens == 1
+    assert not any(d.text or d.logprobs for d in deltas)
+
+
 def test_health_reports_kv_and_cached_tokens(batch_worker: Worker) -> None:
     h = batch_worker.wait_ready()
     assert h.context_per_slot == CONTEXT

@@ -138,6 +138,8 @@ def test_stop_matcher(
     results = [m.feed(p) for p in pieces]
     assert [r.text for r in results] == emitted
     assert [r.stopped for r in results] == [False] * (len(pieces) - 1) + [stopped]
+    # Everything before the stop string went out, so it begins where the output ends.
+    assert results[-1].stop_at == (len("".join(emitted)) if stopped else -1)
     assert m.flush() == tail
 
 
