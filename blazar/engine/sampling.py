@@ -30,6 +30,10 @@ MAX_TOP_LOGPROBS = 20
 # A bias at or below this bans the token (OpenAI's convention); llama.cpp wants -inf.
 BAN_BIAS = -100.0
 GRAMMAR_ROOT = "root"
+# Temperatures below this sample greedily. Any logit gap over 1e-4 already gives odds
+# under e^-100 there, while dividing logits by a much smaller float32 (1e-45, say)
+# overflows to infinity and breaks the softmax.
+GREEDY_BELOW = 1e-6
 
 # llama-cpp-python 0.3.36's converter lets JSON strings hold raw control characters,
 # which no JSON parser accepts; llama.cpp's own converter has since excluded them.
@@ -74,7 +78,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0.0
+        return self.temperature < GREEDY_BELOW
 
     @property
     def penalized(self) -> bool:

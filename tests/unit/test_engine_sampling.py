@@ -49,6 +49,8 @@ def test_unset_seed_is_random() -> None:
     [
         (sampling.SamplingParams(), False, False),
         (sampling.SamplingParams(temperature=0.0), True, False),
+        (sampling.SamplingParams(temperature=1e-45), True, False),
+        (sampling.SamplingParams(temperature=1e-3), False, False),
         (sampling.SamplingParams(repeat_penalty=1.2), False, True),
         (sampling.SamplingParams(presence_penalty=0.1), False, True),
     ],
