@@ -44,6 +44,8 @@ def create_app(*, inference_target: str) -> Starlette:
             *openai_routes.routes(),
         ],
         middleware=[Middleware(context.RequestIdMiddleware)],
+        # OpenAI is the only dialect so far; unknown paths get its envelope.
+        exception_handlers={404: openai_routes.no_route, 405: openai_routes.no_route},
         lifespan=lifespan,
     )
 

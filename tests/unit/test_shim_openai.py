@@ -46,6 +46,16 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
+TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {}}},
+}
+TOOL_CALL = {
+    "id": "call_1",
+    "type": "function",
+    "function": {"name": "get_weather", "arguments": "{}"},
+}
+
 # ---------------------------------------------------------------- fake daemon
 
 
@@ -337,6 +347,17 @@ REQUEST_CASES: dict[
     "request_chat_stop_string": (
         protocol.ChatCompletionRequest,
         chat_body(stop="###", max_tokens=1, temperature=1.5),
+    ),
+    "request_chat_llama_extensions": (
+        protocol.ChatCompletionRequest,
+        chat_body(
+            top_k=1,
+            min_p=0.5,
+            repeat_penalty=1.25,
+            # Offered tools the model must not call change nothing.
+            tools=[{"type": "function", "function": {"name": "get_weather"}}],
+            tool_choice="none",
+        ),
     ),
     "request_completion_string": (
         protocol.CompletionRequest,
@@ -702,6 +723,37 @@ async def test_unknown_model_is_404(daemon: Daemon, client: httpx.AsyncClient) -
         (json.dumps(chat_body(n=2)).encode(), "n", "n=2"),
         (json.dumps(chat_body(max_tokens=0)).encode(), "max_tokens", "'max_tokens'"),
         (json.dumps(chat_body(stream="yes")).encode(), "stream", "'stream'"),
+        # Beyond the wire's int32, not a server error.
+        (json.dumps(chat_body(max_tokens=2**31)).encode(), "max_tokens", "2147483647"),
+        (
+            json.dumps(chat_body(max_completion_tokens=2**31)).encode(),
+            "max_completion_tokens",
+            "2147483647",
+        ),
+        (json.dumps(chat_body(top_k=-1)).encode(), "top_k", "'top_k'"),
+        (json.dumps(chat_body(repeat_penalty=0)).encode(), "repeat_penalty", "'repeat_penalty'"),
+        # Tool calling is refused, not ignored.
+        (json.dumps(chat_body(tools=[TOOL])).encode(), "tools", "Tool calling"),
+        (
+            json.dumps(chat_body(tools=[TOOL], tool_choice="required")).encode(),
+            "tools",
+            "Tool calling",
+        ),
+        (json.dumps(chat_body(functions=[TOOL["function"]])).encode(), "functions", "Function"),
+        (
+            json.dumps(
+                {
+                    "model": "tiny",
+                    "messages": [
+                        {"role": "user", "content": "Weather?"},
+                        {"role": "assistant", "content": None, "tool_calls": [TOOL_CALL]},
+                        {"role": "tool", "content": "Sunny", "tool_call_id": "call_1"},
+                    ],
+                }
+            ).encode(),
+            "messages[1].tool_calls",
+            "tool_calls",
+        ),
     ],
 )
 async def test_bad_chat_body_is_400(
@@ -714,6 +766,17 @@ async def test_bad_chat_body_is_400(
     assert error["param"] == param
     assert fragment in error["message"]
     assert daemon.fake.requests == []  # rejected before reaching the daemon
+
+
+async def test_unknown_route_is_an_openai_error(client: httpx.AsyncClient) -> None:
+    response = await client.post("/v1/chat/complete", json=chat_body())
+    assert response.status_code == 404
+    assert response.json()["error"]["type"] == "invalid_request_error"
+    assert "/v1/chat/complete" in response.json()["error"]["message"]
+    response = await client.get("/v1/chat/completions")
+    assert response.status_code == 405
+    assert "POST" in response.json()["error"]["message"]
+    assert response.headers["allow"] == "POST"
 
 
 @pytest.mark.parametrize(
@@ -804,6 +867,35 @@ async def test_malformed_request_does_not_disturb_concurrent_good_one(
     assert text == "one two"
     assert events[-2]["choices"][0]["finish_reason"] == "stop"
     assert daemon.fake.cancelled == []
+
+
+def raw_lp(data: bytes, logprob: float, *top: tuple[bytes, float]) -> inference_pb2.TokenLogprob:
+    """A token by its bytes, which need not be whole UTF-8 characters."""
+    return inference_pb2.TokenLogprob(
+        token=data.decode(errors="replace"),
+        logprob=logprob,
+        bytes=data,
+        top=[
+            inference_pb2.TokenLogprob(token=t.decode(errors="replace"), logprob=p, bytes=t)
+            for t, p in top
+        ],
+    )
+
+
+def test_legacy_logprobs_name_partial_characters_by_their_bytes() -> None:
+    # "é!" from two byte-fallback tokens and "!"; the alternatives differ only in bytes.
+    legacy = convert.LegacyLogprobs()
+    legacy.skip("caf")
+    first = legacy.render([raw_lp(b"\xc3", -0.5, (b"\xc3", -0.5), (b"\xe2", -1.5))])
+    rest = legacy.render(
+        [raw_lp(b"\xa9", -0.25, (b"\xa9", -0.25), (b"\xa8", -2.0)), raw_lp(b"!", -1.0)]
+    )
+    assert first["tokens"] + rest["tokens"] == ["bytes:\\xc3", "bytes:\\xa9", "!"]
+    assert first["top_logprobs"] == [{"bytes:\\xc3": -0.5, "bytes:\\xe2": -1.5}]
+    assert rest["top_logprobs"][0] == {"bytes:\\xa9": -0.25, "bytes:\\xa8": -2.0}
+    # The split character counts once, at the token that completes it: offsets stay
+    # inside "café!".
+    assert first["text_offset"] + rest["text_offset"] == [3, 3, 4]
 
 
 # ---------------------------------------------------------------- golden: whole responses

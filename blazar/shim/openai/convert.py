@@ -10,6 +10,7 @@ collects a stream for the non-streaming shapes, and `error_response` renders any
 from __future__ import annotations
 
 import base64
+import codecs
 import json
 import struct
 from collections.abc import Sequence
@@ -45,6 +46,7 @@ class ResponseMeta:
 
 def chat_request(body: protocol.ChatCompletionRequest) -> inference_pb2.ChatRequest:
     _require_single_choice(body)
+    _refuse_tools(body)
     messages = [
         inference_pb2.Message(
             role=_ROLES.get(message.role, message.role),
@@ -146,6 +148,26 @@ def _require_single_choice(
         raise _invalid(f"Only n=1 is supported; got n={body.n}.", param="n")
 
 
+def _refuse_tools(body: protocol.ChatCompletionRequest) -> None:
+    """Tool calling is not supported yet: say so rather than answer as if no tools
+    were offered. Tools with `tool_choice: "none"` change nothing and pass."""
+    if body.functions:
+        raise _invalid("Function calling is not supported by this server.", param="functions")
+    if body.tools and body.tool_choice != "none":
+        raise _invalid(
+            "Tool calling is not supported by this server; send the request without "
+            "'tools' (or with 'tool_choice': 'none').",
+            param="tools",
+        )
+    for i, message in enumerate(body.messages):
+        if message.tool_calls:
+            raise _invalid(
+                "Tool calling is not supported by this server, so a conversation cannot "
+                "carry an assistant message with 'tool_calls'.",
+                param=f"messages[{i}].tool_calls",
+            )
+
+
 def _flatten(content: str | list[protocol.ContentPart] | None, *, param: str) -> str:
     """Join text parts with newlines, as vLLM and llama.cpp's server do."""
     if content is None or isinstance(content, str):
@@ -173,6 +195,12 @@ def _sampling(
         sampling.temperature = body.temperature
     if body.top_p is not None:
         sampling.top_p = body.top_p
+    if body.top_k is not None:
+        sampling.top_k = body.top_k
+    if body.min_p is not None:
+        sampling.min_p = body.min_p
+    if body.repeat_penalty is not None:
+        sampling.repeat_penalty = body.repeat_penalty
     if body.presence_penalty is not None:
         sampling.presence_penalty = body.presence_penalty
     if body.frequency_penalty is not None:
@@ -246,10 +274,16 @@ def _token_logprob(entry: inference_pb2.TokenLogprob) -> protocol.TokenLogprob:
 
 
 class LegacyLogprobs:
-    """The completions API's parallel lists; `text_offset` continues across calls."""
+    """The completions API's parallel lists; `text_offset` continues across calls.
+
+    A token's offset counts the characters of the text before it. A token holding part
+    of a multi-byte character (a byte-fallback token) adds nothing until the token
+    that completes the character, so offsets never run past the text.
+    """
 
     def __init__(self) -> None:
         self._offset = 0
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def render(self, entries: Sequence[inference_pb2.TokenLogprob]) -> protocol.CompletionLogprobs:
         out: protocol.CompletionLogprobs = {
@@ -259,19 +293,30 @@ class LegacyLogprobs:
             "text_offset": [],
         }
         for entry in entries:
-            out["tokens"].append(entry.token)
+            token = _legacy_token(entry.bytes)
+            out["tokens"].append(token)
             out["token_logprobs"].append(entry.logprob)
             # OpenAI always lists the sampled token too: up to `logprobs` + 1 entries.
-            alternatives = {t.token: t.logprob for t in entry.top}
-            alternatives.setdefault(entry.token, entry.logprob)
+            alternatives = {_legacy_token(t.bytes): t.logprob for t in entry.top}
+            alternatives.setdefault(token, entry.logprob)
             out["top_logprobs"].append(alternatives)
             out["text_offset"].append(self._offset)
-            self._offset += len(entry.token)
+            self._offset += len(self._decoder.decode(entry.bytes))
         return out
 
     def skip(self, text: str) -> None:
         """Advance past text that has no log-probabilities (an echoed prompt)."""
         self._offset += len(text)
+
+
+def _legacy_token(data: bytes) -> str:
+    """A token as the completions API names it: its text, or OpenAI's `bytes:\\xNN`
+    form when its bytes are not whole UTF-8 characters (so that alternatives made of
+    different bytes stay different keys)."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
 
 
 class ChatStream:

@@ -34,6 +34,8 @@ class ChatMessage(_Request):
     # Null is legal for assistant turns that only made tool calls.
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    # Read only to refuse them (see convert): tools are not supported yet.
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class StreamOptions(_Request):
@@ -70,11 +72,20 @@ ResponseFormat = Annotated[
 LogitBias = dict[str, Annotated[float, Field(ge=-100, le=100)]]
 
 
+# The largest value of a proto3 int32, which carries max_tokens and top_k.
+INT32_MAX = 2**31 - 1
+
+
 class _Sampling(_Request):
     model: str = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, ge=0, le=1)
+    # Not in OpenAI's API; llama.cpp's server accepts them under these names (vLLM
+    # too, but for `repetition_penalty`).
+    top_k: int | None = Field(default=None, ge=0, le=INT32_MAX)
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    repeat_penalty: float | None = Field(default=None, gt=0)
     seed: int | None = None
     stop: str | list[str] | None = None
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
@@ -91,9 +102,13 @@ class _Sampling(_Request):
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     # Newer name for max_tokens; wins when both are sent.
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    # Read only to refuse them (see convert), with `functions`, their older form.
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
 
 
 class CompletionRequest(_Sampling):

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeAlias
 
 import structlog
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -111,6 +112,22 @@ async def list_models(request: Request) -> Response:
     except errors.BlazarError as err:
         return error(err)
     return JSONResponse(convert.model_list(response))
+
+
+async def no_route(request: Request, exc: Exception) -> Response:
+    """Starlette's 404 (no such path) and 405 (wrong method) in OpenAI's envelope."""
+    status = exc.status_code if isinstance(exc, HTTPException) else 404
+    headers = exc.headers if isinstance(exc, HTTPException) else None
+    where = f"{request.method} {request.url.path}"
+    if status == 405 and headers and "allow" in {k.lower() for k in headers}:
+        allowed = next(v for k, v in headers.items() if k.lower() == "allow")
+        message = f"Method not allowed ({where}); use {allowed}."
+    else:
+        message = f"Invalid URL ({where})."
+    body: protocol.ErrorBody = {
+        "error": {"message": message, "type": "invalid_request_error", "param": None, "code": None}
+    }
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def error(err: errors.BlazarError, *, prompt_param: str = "messages") -> Response:
