@@ -196,6 +196,9 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         first_at: float | None = None
         tokens = 0
         sent = False
+        # Whether the request's outcome is settled here (counted, or handed back for a
+        # retry); a stream left before that was cancelled by its caller.
+        settled = False
         try:
             async for chunk in call:
                 if chunk.HasField("delta"):
@@ -210,10 +213,12 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                     end = first_at or time.perf_counter()
                     final.timings.ttft_ms = (end - arrived) * 1000.0
                     metrics.observe_final(route.lane, final)
+                    settled = True
                 sent = True
                 yield chunk
         except grpc.aio.AioRpcError as exc:
             failure = status.from_rpc_error(exc)
+            settled = True
             if not sent and isinstance(failure, errors.Unavailable):
                 yield None
                 return
@@ -227,6 +232,8 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             await status.abort(context, failure)
         finally:
             call.cancel()  # no-op when finished; frees the engine slot when the caller left
+            if not settled:
+                metrics.observe_failure(route.lane, metrics.CANCELLED)
             self._inflight[key] -= 1
             if self._inflight[key] <= 0:
                 del self._inflight[key]

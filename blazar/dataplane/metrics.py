@@ -12,9 +12,11 @@ from blazar._proto.v1 import inference_pb2
 
 REQUESTS = Counter(
     "blazar_requests_total",
-    "Generation requests by lane and outcome (ok, or the error reason).",
+    "Generation requests by lane and outcome (ok, cancelled, or the error reason).",
     ["lane", "outcome"],
 )
+# The outcome of a request whose caller left before it finished.
+CANCELLED = "cancelled"
 PROMPT_TOKENS = Counter("blazar_prompt_tokens_total", "Prompt tokens received.", ["lane"])
 CACHED_TOKENS = Counter(
     "blazar_cached_prompt_tokens_total", "Prompt tokens served from the KV cache.", ["lane"]

@@ -148,11 +148,13 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         self._inflight.add(job)
         self._idle.clear()
         finished: loop.Finished | None = None
+        streamed = 0
         try:
             self._decode.submit(job)
             while finished is None:
                 event = await events.get()
                 if isinstance(event, loop.TextDelta):
+                    streamed += event.tokens
                     yield inference_pb2.Chunk(
                         delta=inference_pb2.Delta(
                             text=event.text,
@@ -178,7 +180,8 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                 "generate",
                 request_id=request.request_id,
                 prompt_tokens=len(job.prompt),
-                completion_tokens=finished.completion_tokens if finished else None,
+                # Of a cancelled request: the tokens it had been sent.
+                completion_tokens=finished.completion_tokens if finished else streamed,
                 cached_tokens=finished.cached_tokens if finished else None,
                 finish=finished.reason if finished else "cancelled",
                 tokens_per_second=round(finished.decode_tokens_per_second, 1) if finished else None,

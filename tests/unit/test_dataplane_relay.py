@@ -1,16 +1,19 @@
 """The data plane's relay against fake engines on real Unix sockets (Blazar's own
-boundary): a replica that refuses before its first chunk is skipped."""
+boundary): a replica that refuses before its first chunk is skipped, and every request
+is counted once by its outcome."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import tempfile
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import grpc
+import prometheus_client
 
 from blazar._proto.engine.v1 import engine_pb2_grpc
 from blazar._proto.v1 import inference_pb2, inference_pb2_grpc
@@ -23,9 +26,11 @@ from blazar.store.memory import MemoryStore
 
 
 class FakeEngine(engine_pb2_grpc.EngineServicer):
-    def __init__(self, *, refuse: bool, text: str) -> None:
+    def __init__(self, *, refuse: bool, text: str, hang: bool = False) -> None:
         self.refuse = refuse
         self.text = text
+        # Never finish after the first chunk (a long generation).
+        self.hang = hang
         self.calls = 0
 
     async def Generate(self, request: Any, context: Any) -> AsyncIterator[inference_pb2.Chunk]:
@@ -33,6 +38,8 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
         if self.refuse:
             await status.abort(context, errors.Unavailable("draining"))
         yield inference_pb2.Chunk(delta=inference_pb2.Delta(text=self.text, tokens=1))
+        if self.hang:
+            await asyncio.Event().wait()
         yield inference_pb2.Chunk(
             final=inference_pb2.Final(finish_reason=inference_pb2.FINISH_REASON_STOP)
         )
@@ -69,7 +76,9 @@ def lane(sockets: list[str]) -> Lane:
     )
 
 
-async def complete(fakes: list[FakeEngine]) -> tuple[list[inference_pb2.Chunk], Exception | None]:
+@contextlib.asynccontextmanager
+async def data_plane(fakes: list[FakeEngine]) -> AsyncIterator[inference_pb2_grpc.InferenceStub]:
+    """A data plane serving lane "l", whose replicas are the fakes."""
     async with engines(*fakes) as sockets:
         store = MemoryStore()
         store.apply_all([lane(sockets)])
@@ -77,18 +86,25 @@ async def complete(fakes: list[FakeEngine]) -> tuple[list[inference_pb2.Chunk], 
         plane = await server.start(store=store, address="127.0.0.1:0")
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{plane.port}") as channel:
-                stub = inference_pb2_grpc.InferenceStub(channel)
-                chunks: list[inference_pb2.Chunk] = []
-                try:
-                    async for chunk in stub.Complete(
-                        inference_pb2.CompleteRequest(model="l", prompt="hi")
-                    ):
-                        chunks.append(chunk)
-                except grpc.aio.AioRpcError as exc:
-                    return chunks, exc
-                return chunks, None
+                yield inference_pb2_grpc.InferenceStub(channel)
         finally:
             await plane.stop(grace=0)
+
+
+async def complete(fakes: list[FakeEngine]) -> tuple[list[inference_pb2.Chunk], Exception | None]:
+    async with data_plane(fakes) as stub:
+        chunks: list[inference_pb2.Chunk] = []
+        try:
+            async for chunk in stub.Complete(inference_pb2.CompleteRequest(model="l", prompt="hi")):
+                chunks.append(chunk)
+        except grpc.aio.AioRpcError as exc:
+            return chunks, exc
+        return chunks, None
+
+
+def requests_counted(outcome: str) -> float:
+    labels = {"lane": "l", "outcome": outcome}
+    return prometheus_client.REGISTRY.get_sample_value("blazar_requests_total", labels) or 0.0
 
 
 def test_a_refusing_replica_is_skipped() -> None:
@@ -114,3 +130,21 @@ def test_a_healthy_first_replica_is_used_once() -> None:
     chunks, error = asyncio.run(complete([first, second]))
     assert error is None and (first.calls, second.calls) == (1, 0)
     assert chunks[-1].final.routing.replica == 0
+
+
+def test_a_caller_leaving_counts_as_cancelled() -> None:
+    async def leave_after_first_chunk() -> None:
+        async with data_plane([FakeEngine(refuse=False, text="x", hang=True)]) as stub:
+            call = stub.Complete(inference_pb2.CompleteRequest(model="l", prompt="hi"))
+            assert (await call.read()).delta.text == "x"
+            call.cancel()
+            deadline = time.monotonic() + 5
+            while requests_counted("cancelled") == before and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+
+    before, ok = requests_counted("cancelled"), requests_counted("ok")
+    asyncio.run(leave_after_first_chunk())
+    assert requests_counted("cancelled") == before + 1
+    # A finished request counts once, as ok.
+    asyncio.run(complete([FakeEngine(refuse=False, text="y")]))
+    assert (requests_counted("cancelled"), requests_counted("ok")) == (before + 1, ok + 1)
