@@ -1,7 +1,7 @@
 """Sampling settings of one request, and the llama.cpp sampler chain built from them.
 
 `resolve` applies the engine's defaults to the wire `Sampling` and `Constraint` and
-validates them (a JSON schema becomes a GBNF grammar here); `build_sampler` turns the
+validates them (a JSON schema becomes a GBNF grammar by `schema.grammar`); `build_sampler` turns the
 result into native `llama_sampler`s, so sampling over the 262k-token vocabulary happens
 in C (logits reach numpy only to hand a grammar-constrained draw its candidates).
 
@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 from blazar._proto.v1 import inference_pb2
 from blazar.api import errors
+from blazar.engine import schema
 
 PENALTY_LAST_N = 64
 # OpenAI's limit, and what the loop is sized for.
@@ -34,11 +35,6 @@ GRAMMAR_ROOT = "root"
 # under e^-100 there, while dividing logits by a much smaller float32 (1e-45, say)
 # overflows to infinity and breaks the softmax.
 GREEDY_BELOW = 1e-6
-
-# llama-cpp-python 0.3.36's converter lets JSON strings hold raw control characters,
-# which no JSON parser accepts; llama.cpp's own converter has since excluded them.
-_LOOSE_CHAR_RULE = 'char ::= [^"\\\\] |'
-_STRICT_CHAR_RULE = 'char ::= [^"\\\\\\x7F\\x00-\\x1F] |'
 
 
 class Vocabulary(Protocol):
@@ -190,48 +186,18 @@ def grammar_of(constraint: inference_pb2.Constraint) -> str | None:
             )
         return constraint.grammar
     if kind == "json_object":
-        return schema_grammar({"type": "object"}) if constraint.json_object else None
+        return schema.grammar({"type": "object"}) if constraint.json_object else None
     if kind == "json_schema":
         try:
-            schema = json.loads(constraint.json_schema)
+            document = json.loads(constraint.json_schema)
         except json.JSONDecodeError as exc:
             raise errors.InvalidRequest(f"The JSON schema is not valid JSON: {exc}.") from None
-        if not isinstance(schema, dict):
+        if not isinstance(document, dict):
             raise errors.InvalidRequest(
-                f"The JSON schema must be a JSON object, not {type(schema).__name__}."
+                f"The JSON schema must be a JSON object, not {type(document).__name__}."
             )
-        return schema_grammar(schema)
+        return schema.grammar(document)
     return None
-
-
-def schema_grammar(schema: dict[str, Any]) -> str:
-    """GBNF for documents valid against a JSON schema, by llama-cpp-python's converter."""
-    from llama_cpp import llama_grammar
-
-    try:
-        converter: Any = llama_grammar.SchemaConverter(  # type: ignore[no-untyped-call]
-            prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False
-        )
-        resolved = converter.resolve_refs(schema, "input")
-        converter.visit(resolved, "")
-        text: str = converter.format_grammar()
-    except (AssertionError, ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:
-        # The converter reports unsupported schemas with asserts and whatever breaks.
-        detail = str(exc) or type(exc).__name__
-        raise errors.InvalidRequest(
-            f"The JSON schema cannot be turned into a grammar: {detail}."
-        ) from None
-    except RecursionError:
-        raise errors.InvalidRequest(
-            "The JSON schema cannot be turned into a grammar: it nests or refers to "
-            "itself too deeply."
-        ) from None
-    return "\n".join(
-        _STRICT_CHAR_RULE + line[len(_LOOSE_CHAR_RULE) :]
-        if line.startswith(_LOOSE_CHAR_RULE)
-        else line
-        for line in text.splitlines()
-    )
 
 
 def check_grammar(grammar: str, vocab: Vocabulary) -> None:

@@ -49,6 +49,18 @@ SHAPE = {
     },
     "required": ["visible", "origin"],
 }
+# String patterns: "tag"'s '.' may be a quote or a backslash, which the JSON text must
+# escape, and the pattern then holds for the decoded value.
+RECORD = {
+    "type": "object",
+    "properties": {
+        "zip": {"type": "string", "pattern": "^\\d{5}$"},
+        "tag": {"type": "string", "pattern": "^a.{2}$"},
+        "code": {"type": "string", "pattern": "^[A-Z]{2}-\\w+\\.x$"},
+    },
+    "required": ["zip", "tag", "code"],
+    "additionalProperties": False,
+}
 # Few-shot prompts keep a base model's numbers and strings short; the grammar does the rest.
 SCHEMAS: dict[str, tuple[dict[str, Any], str]] = {
     "person": (
@@ -56,6 +68,11 @@ SCHEMAS: dict[str, tuple[dict[str, Any], str]] = {
         'Person: {"name": "Ada", "age": 36}\nPerson: {"name": "Bo", "age": 7}\nPerson:',
     ),
     "colours": (COLOURS, 'Colours: ["red"]\nColours: ["green", "blue"]\nColours:'),
+    "record": (
+        RECORD,
+        'Record: {"zip": "90210", "tag": "a\\"\\\\", "code": "AB-7.x"}\n'
+        'Record: {"zip": "10001", "tag": "a\\\\\\"", "code": "QZ-ok_1.x"}\nRecord:',
+    ),
     "shape": (
         SHAPE,
         'Shape: {"visible": true, "origin": {"x": 1.5, "y": -2}}\n'
@@ -161,6 +178,8 @@ def test_gbnf_grammar_limits_the_output(worker: Worker) -> None:
         inference_pb2.Constraint(json_schema="{not json"),
         inference_pb2.Constraint(json_schema='["not", "an", "object"]'),
         inference_pb2.Constraint(json_schema='{"type": "no-such-type"}'),
+        inference_pb2.Constraint(json_schema='{"type": "integer", "minimum": 0}'),
+        inference_pb2.Constraint(json_schema='{"type": "string", "pattern": "^(?=a)b$"}'),
     ],
 )
 def test_invalid_constraint_is_invalid_argument_and_worker_survives(

@@ -155,7 +155,8 @@ def test_json_object_grammar_is_a_generic_object() -> None:
         ({"json_schema": '{"type": "no-such-type"}'}, "cannot be turned into a grammar"),
         ({"json_schema": '{"$ref": "#/$defs/missing"}'}, "cannot be turned into a grammar"),
         ({"json_schema": '{"$ref": "https://example.com/s.json"}'}, "cannot be turned"),
-        ({"json_schema": '{"type": "string", "pattern": "abc"}'}, "cannot be turned"),
+        ({"json_schema": '{"type": "string", "pattern": "^(?!a)"}'}, "cannot be turned"),
+        ({"json_schema": '{"type": "integer", "maximum": 9}'}, "cannot enforce: maximum"),
         ({"grammar": 'start ::= "x"'}, "no 'root' rule"),
     ],
 )

@@ -1,0 +1,141 @@
+"""JSON schema to GBNF: patterns translated over JSON string text, unenforced keywords
+refused. (That the grammars really hold is shown with the model in
+tests/integration/test_structured_output.py.)"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from blazar.api import errors
+from blazar.engine import schema
+
+RAW = "[\\x20-\\x21\\x23-\\x5B\\x5D-\\x7E\\x80-\\U0010FFFF]"
+ALL_ESCAPES = '"\\\\b" | "\\\\t" | "\\\\n" | "\\\\f" | "\\\\r" | "\\\\\\"" | "\\\\\\\\"'
+ANYTHING = f"({RAW} | {ALL_ESCAPES})*"
+
+
+@pytest.mark.parametrize(
+    ("pattern", "expression"),
+    [
+        ("^\\d{5}$", "([\\x30-\\x39]{5})"),
+        ("^[A-Z][a-z]+ [A-Z]\\.$", '([\\x41-\\x5A] [\\x61-\\x7A]+ " " [\\x41-\\x5A] ".")'),
+        ("^(foo|bar)+$", '(("f" "o" "o" | "b" "a" "r")+)'),
+        ("^(?:x|)y{2,}z?$", '(("x" | "") "y"{2,} "z"?)'),
+        ("^x{1,3}?$", '("x"{1,3})'),  # lazy: the same strings
+        # A quote or backslash in the value is its escape in the JSON text.
+        ('^a"b\\\\c$', '("a" "\\\\\\"" "b" "\\\\\\\\" "c")'),
+        ("^\\n$", '("\\\\n")'),
+        # '.' is anything but a line break, written as JSON allows.
+        (
+            "^.$",
+            f'(({RAW} | "\\\\b" | "\\\\t" | "\\\\f" | "\\\\\\"" | "\\\\\\\\"))',
+        ),
+        # Unanchored ends match anything, as JSON Schema's search does.
+        ("ab", f'{ANYTHING} ("a" "b") {ANYTHING}'),
+        ("^ab", f'("a" "b") {ANYTHING}'),
+        # A literal '{' that starts no repetition; an escaped '$' at the end.
+        ("^{a}\\$$", '("{" "a" "}" "$")'),
+        ("^[^\\x00-\\x7F]$", "([\\x80-\\U0010FFFF])"),
+    ],
+)
+def test_pattern_expression(pattern: str, expression: str) -> None:
+    assert schema.pattern_expression(pattern) == expression
+
+
+@pytest.mark.parametrize(
+    ("pattern", "fragment"),
+    [
+        ("^(?=a)b$", "lookarounds"),
+        ("^(a)\\1$", "'\\1'"),
+        ("^a\\b$", "'\\b'"),
+        ("^(a$", "unbalanced '('"),
+        ("^a)$", "unbalanced ')'"),
+        ("^[a-$", "unbalanced '['"),
+        ("^[z-a]$", "out of order"),
+        ("^*a$", "nothing to repeat"),
+        ("^a**$", "cannot follow"),
+        ("^a{3,1}$", "is empty"),
+        ("^a^b$", "start or the end"),
+        ("^[\\x01]$", "\\u escape"),
+    ],
+)
+def test_unsupported_pattern_is_invalid(pattern: str, fragment: str) -> None:
+    with pytest.raises(errors.InvalidRequest) as info:
+        schema.pattern_expression(pattern)
+    assert fragment in info.value.message
+
+
+@pytest.mark.parametrize(
+    ("document", "found"),
+    [
+        ({"type": "integer", "minimum": 0}, ["minimum"]),
+        (
+            {
+                "type": "object",
+                "properties": {
+                    # A property may be called like a keyword.
+                    "minimum": {"type": "integer", "maximum": 5},
+                    "tags": {"type": "array", "uniqueItems": True, "items": {"not": {}}},
+                },
+            },
+            [
+                "properties.minimum.maximum",
+                "properties.tags.uniqueItems",
+                "properties.tags.items.not",
+            ],
+        ),
+        (
+            {"anyOf": [{"type": "number", "multipleOf": 2}, {"type": "null"}]},
+            ["anyOf[0].multipleOf"],
+        ),
+        (
+            {"$defs": {"n": {"type": "integer", "exclusiveMaximum": 3}}},
+            ["$defs.n.exclusiveMaximum"],
+        ),
+        ({"type": "string", "pattern": "^a$", "maxLength": 4}, ["maxLength (with pattern)"]),
+        # Data is not schema; enforced keywords pass.
+        ({"enum": [{"minimum": 1}], "const": {"not": 1}, "default": {"if": 0}}, []),
+        ({"type": "string", "minLength": 1, "maxLength": 4}, []),
+        ({"type": "array", "items": {"type": "integer"}, "minItems": 1, "maxItems": 3}, []),
+    ],
+)
+def test_unenforced_keywords(document: dict[str, Any], found: list[str]) -> None:
+    assert list(schema.unenforced_keywords(document)) == found
+
+
+def test_unenforced_keyword_is_refused_by_name() -> None:
+    with pytest.raises(errors.InvalidRequest) as info:
+        schema.grammar({"type": "object", "properties": {"n": {"type": "integer", "minimum": 0}}})
+    assert "properties.n.minimum" in info.value.message
+
+
+def test_grammar_uses_the_pattern_translation_and_strict_strings() -> None:
+    text = schema.grammar(
+        {
+            "type": "object",
+            "properties": {
+                "zip": {"type": "string", "pattern": "^\\d{5}$"},
+                "s": {"type": "string"},
+            },
+        }
+    )
+    assert '"\\"" ([\\x30-\\x39]{5}) "\\"" space' in text
+    # Strings outside patterns hold no raw control character either.
+    assert 'char ::= [^"\\\\\\x7F\\x00-\\x1F] |' in text
+
+
+def test_recursive_schema_is_refused_clearly() -> None:
+    tree = {
+        "$defs": {
+            "node": {
+                "type": "object",
+                "properties": {"kids": {"type": "array", "items": {"$ref": "#/$defs/node"}}},
+            }
+        },
+        "$ref": "#/$defs/node",
+    }
+    with pytest.raises(errors.InvalidRequest) as info:
+        schema.grammar(tree)
+    assert "recursive schemas are not supported" in info.value.message
