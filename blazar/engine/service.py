@@ -26,6 +26,8 @@ from blazar.rpc import status
 
 log = structlog.get_logger("blazar.engine.service")
 
+# How long a drain waits for cancelled jobs to end once its grace is over.
+CANCEL_WAIT_SECONDS = 5.0
 DEFAULT_DRAIN_GRACE_SECONDS = 10.0
 
 _FINISH = {
@@ -75,12 +77,22 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             self.state = EngineState.READY
 
     async def drain(self, grace_seconds: float) -> int:
-        """Refuse new work; wait up to the grace for in-flight requests. Returns those left."""
+        """Refuse new work; wait up to the grace for in-flight requests, then cancel the
+        ones left (their callers get UNAVAILABLE). Returns how many were cancelled.
+
+        So the process stops promptly after a drain, with its slots free to be saved.
+        """
         self.state = EngineState.DRAINING
-        await self.wait_idle(grace_seconds)
+        abandoned = 0
+        if not await self.wait_idle(grace_seconds):
+            abandoned = len(self._inflight)
+            log.warning("cancelling_abandoned", abandoned=abandoned)
+            self.cancel_all()
+            # A cancelled job ends at the decode loop's next step (one prefill chunk at most).
+            await self.wait_idle(CANCEL_WAIT_SECONDS)
         if self._embedder is not None:
             await asyncio.to_thread(self._embedder.close)
-        return len(self._inflight)
+        return abandoned
 
     def cancel_all(self) -> None:
         for job in self._inflight:
@@ -164,6 +176,14 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                     )
                 elif isinstance(event, loop.Finished):
                     finished = event
+                    if event.reason is loop.FinishReason.CANCELLED:
+                        # Cancelled here, not by the caller (who is gone): the drain.
+                        await status.abort(
+                            context,
+                            errors.Unavailable(
+                                "The engine stopped before this request finished; retry."
+                            ),
+                        )
                     final = _final(event)
                     final.prompt_logprobs.extend(
                         _wire_logprobs(self._decode.vocab, event.prompt_logprobs)

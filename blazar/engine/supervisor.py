@@ -35,6 +35,10 @@ log = structlog.get_logger(__name__)
 READY_TIMEOUT_S = 180.0
 HEALTH_POLL_S = 0.1
 STOP_GRACE_S = 10.0
+# What a Drain RPC may take past its grace: the engine then cancels what is left and
+# waits up to `service.CANCEL_WAIT_SECONDS` (5 s) for it to end (not imported here: the
+# service module loads llama.cpp, which the daemon does not need).
+DRAIN_CANCEL_ALLOWANCE_S = 7.0
 _MAX_UNIX_PATH = 100
 
 
@@ -250,7 +254,11 @@ class Supervisor:
         try:
             async with grpc.aio.insecure_channel(f"unix:{replica.socket}") as channel:
                 stub = engine_pb2_grpc.EngineStub(channel)
-                await stub.Drain(engine_pb2.DrainRequest(grace_seconds=grace), timeout=grace + 2)
+                # After the grace the engine cancels what is left, which takes a step.
+                await stub.Drain(
+                    engine_pb2.DrainRequest(grace_seconds=grace),
+                    timeout=grace + DRAIN_CANCEL_ALLOWANCE_S,
+                )
         except grpc.aio.AioRpcError as err:
             log.info(
                 "replica.drain_failed",

@@ -173,12 +173,9 @@ async def serve(config: WorkerConfig) -> int:
         await stopping
     stopping.cancel()
 
+    # Returns at once when the supervisor's Drain RPC already did this.
     log.info("draining", grace_seconds=config.drain_grace_seconds)
-    abandoned = await engine.drain(config.drain_grace_seconds)
-    if abandoned:
-        log.warning("cancelling_abandoned", abandoned=abandoned)
-        engine.cancel_all()
-        await engine.wait_idle(timeout=5.0)
+    await engine.drain(config.drain_grace_seconds)
     await server.stop(grace=1.0)
     decode.stop()
     await asyncio.to_thread(decode.join, 30.0)

@@ -369,6 +369,46 @@ def test_kv_persists_across_a_graceful_restart(spawn: Spawner, tmp_path: Path) -
     stop(third)
 
 
+def test_drain_cancels_what_outlives_its_grace_and_the_stop_saves(
+    spawn: Spawner, tmp_path: Path
+) -> None:
+    """A request still running when the drain's grace ends is cancelled with UNAVAILABLE,
+    so a SIGTERM that follows stops at once and saves the slots: the supervisor's
+    order (Drain, then SIGTERM with its own grace)."""
+    kv = tmp_path / "kv"
+    w = spawn(*ARGS, "--kv-persist", str(kv))
+    w.wait_ready()
+    call = w.stub.Generate(
+        engine_pb2.GenerateRequest(prompt=COUNTING, sampling=greedy(CONTEXT // 2)), timeout=90
+    )
+    stream = Stream()
+
+    def read() -> None:
+        try:
+            for chunk in call:
+                if chunk.HasField("delta"):
+                    stream.deltas.append((time.monotonic(), chunk.delta))
+                else:
+                    stream.final = chunk.final
+        except grpc.RpcError as exc:
+            stream.error = exc
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    poll(lambda: stream.deltas, what="the first token")
+    drained = w.stub.Drain(engine_pb2.DrainRequest(grace_seconds=0.5), timeout=20)
+    reader.join(timeout=20)
+    assert drained.abandoned == 1
+    assert stream.final is None and stream.error is not None
+    assert stream.error.code() == grpc.StatusCode.UNAVAILABLE
+    assert "stopped before this request finished" in (stream.error.details() or "")
+    started = time.monotonic()
+    stop(w)
+    assert time.monotonic() - started < 5
+    assert log_events(w, "kv_saved")
+    assert any(path.stat().st_size > 0 for path in kv.glob("slot-*.kv"))
+
+
 def test_worker_accepts_speculation_flags(spawn: Spawner) -> None:
     w = spawn(
         "--spec-kind",

@@ -92,8 +92,9 @@ class EngineServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Drain(self, request, context):
-        """Drain stops admitting new work and returns when in-flight requests are done
-        or the grace period has passed.
+        """Drain stops admitting new work and returns when in-flight requests are done;
+        those still running when the grace period has passed are cancelled (their
+        callers get UNAVAILABLE).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
