@@ -21,7 +21,7 @@ import contextlib
 import queue
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import llama_cpp as lc
@@ -49,6 +49,12 @@ class _Work:
     inputs: list[list[int]]
     normalize: bool
     deliver: Callable[[list[Vector] | BaseException], None]
+    # Set when the caller has gone: the work stops at its next chunk.
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+
+class _Cancelled(Exception):
+    pass
 
 
 _STOP = object()
@@ -101,8 +107,14 @@ class Embedder:
             if not self._started:
                 self._thread.start()
                 self._started = True
-            self._inbox.put(_Work(inputs, normalize, deliver))
-        return await done
+            work = _Work(inputs, normalize, deliver)
+            self._inbox.put(work)
+        try:
+            return await done
+        except asyncio.CancelledError:
+            # The caller left: a long batch must not hold up the requests behind it.
+            work.cancelled.set()
+            raise
 
     def close(self) -> None:
         """Finish the request being computed, refuse the rest, free the context (blocks)."""
@@ -130,7 +142,12 @@ class Embedder:
                     if ctx is None:
                         ctx = self._open()
                         batch = lc.llama_batch_init(CHUNK, 0, 1)
-                    vectors = [self._one(ctx, batch, t, item.normalize) for t in item.inputs]
+                    vectors = [
+                        self._one(ctx, batch, t, item.normalize, cancelled=item.cancelled)
+                        for t in item.inputs
+                    ]
+                except _Cancelled:
+                    log.info("embed_cancelled", inputs=len(item.inputs))
                 except Exception as exc:
                     log.exception("embed_failed")
                     item.deliver(errors.BlazarError(f"Embedding failed: {exc}"))
@@ -166,10 +183,20 @@ class Embedder:
         log.info("embedding_context", context_length=self.context_length, dims=self.dimensions)
         return ctx
 
-    def _one(self, ctx: Any, batch: Any, tokens: list[int], normalize: bool) -> Vector:
+    def _one(
+        self,
+        ctx: Any,
+        batch: Any,
+        tokens: list[int],
+        normalize: bool,
+        *,
+        cancelled: threading.Event,
+    ) -> Vector:
         total = np.zeros(self.dimensions, dtype=np.float64)
         try:
             for start in range(0, len(tokens), CHUNK):
+                if cancelled.is_set():
+                    raise _Cancelled
                 chunk = tokens[start : start + CHUNK]
                 for i, token in enumerate(chunk):
                     batch.token[i] = token

@@ -12,7 +12,13 @@ import pytest
 
 from blazar._proto.v1 import inference_pb2
 from blazar.rpc import status
-from tests.integration.engine_harness import CONTEXT_PER_SLOT, Spawner, Worker, rpc_error
+from tests.integration.engine_harness import (
+    CONTEXT_PER_SLOT,
+    Spawner,
+    Worker,
+    poll,
+    rpc_error,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -126,6 +132,18 @@ def test_tokenize_parses_control_tokens_only_when_asked(worker: Worker) -> None:
     assert "".join(literal.pieces) == text
     assert parsed.tokens[0] == START_OF_TURN
     assert list(parsed.pieces) == ["<start_of_turn>", "user"]
+
+
+def test_an_abandoned_embedding_stops_computing(worker: Worker) -> None:
+    """A caller that gives up frees the embedding thread at its next chunk, so the
+    requests behind it do not wait for work nobody reads."""
+    long_input = "word " * (CONTEXT_PER_SLOT - 10)
+    err = rpc_error(
+        lambda: worker.stub.Embed(inference_pb2.EmbedRequest(inputs=[long_input] * 4), timeout=0.5)
+    )
+    assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    poll(lambda: '"embed_cancelled"' in worker.log.read_text(), what="the cancellation")
+    assert len(embed(worker, "after").embeddings) == 1
 
 
 def test_graceful_stop_after_embedding_exits_cleanly(model_path: Path) -> None:
