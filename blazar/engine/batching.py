@@ -28,12 +28,15 @@ class FreeSlot:
     tokens: Sequence[int]
     # A counter, larger = used more recently; 0 = never.
     last_used: int = 0
+    # The oldest position its cache still holds (-1: empty); above 0 when only a
+    # sliding window's worth survives (a restored state).
+    pos_min: int = 0
 
 
 @dataclass(frozen=True)
 class Placement:
     slot: int
-    # Prompt tokens the slot's cache already holds (before the SWA check).
+    # Prompt tokens the slot's cache holds and can keep (`reusable_prefix`).
     common: int
 
 
@@ -49,13 +52,16 @@ def worth_reusing(common: int, prompt_len: int) -> bool:
 
 
 def choose_slot(
-    prompt: Sequence[int], free: Sequence[FreeSlot], *, reuse: bool = True
+    prompt: Sequence[int], free: Sequence[FreeSlot], *, n_swa: int = 0, reuse: bool = True
 ) -> Placement:
-    """Where a prompt goes: the free slot sharing the longest prefix with it (ties: the
+    """Where a prompt goes: the free slot with the longest prefix it can keep (ties: the
     least recently used); with no match, an empty slot, else the least recently used.
 
     The shared length is capped at len(prompt) - 1: the last prompt token is always
-    evaluated again, so that there are logits to sample the first new token from.
+    evaluated again, so that there are logits to sample the first new token from. A
+    slot whose cache lacks part of the window the shared prefix needs (`n_swa`,
+    `reusable_prefix`) keeps nothing, so it does not count as a match: a restored
+    slot is not wiped for a prompt that cannot use it while another slot is free.
     With reuse=False (the request needs logits for every prompt position) nothing is
     kept and the slot is chosen as if nothing matched.
     """
@@ -65,6 +71,7 @@ def choose_slot(
 
     def shared(slot: FreeSlot) -> int:
         common = min(common_prefix(slot.tokens, prompt), limit) if reuse else 0
+        common = reusable_prefix(common, pos_min=slot.pos_min, n_swa=n_swa)
         return common if worth_reusing(common, len(prompt)) else 0
 
     best = min(free, key=lambda s: (-shared(s), bool(s.tokens), s.last_used, s.index))

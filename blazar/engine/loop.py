@@ -385,7 +385,7 @@ class DecodeLoop:
         """Start waiting jobs, oldest first, while slots are free."""
         while self._waiting:
             free = [
-                batching.FreeSlot(s.index, s.tokens, s.last_used)
+                batching.FreeSlot(s.index, s.tokens, s.last_used, runtime.pos_min(s.index))
                 for s in self.slots
                 if s.gen is None
             ]
@@ -395,7 +395,9 @@ class DecodeLoop:
             if job.cancelled:
                 continue
             # Prompt logprobs need logits at every prompt position: nothing can be kept.
-            placement = batching.choose_slot(job.prompt, free, reuse=not job.params.prompt_logprobs)
+            placement = batching.choose_slot(
+                job.prompt, free, n_swa=runtime.n_swa, reuse=not job.params.prompt_logprobs
+            )
             slot = self.slots[placement.slot]
             try:
                 self._begin(runtime, slot, job, placement.common)

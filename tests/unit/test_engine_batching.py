@@ -71,6 +71,22 @@ def test_choose_slot(prompt: list[int], free: list[FreeSlot], expected: Placemen
     assert batching.choose_slot(prompt, free) == expected
 
 
+def test_choose_slot_passes_over_a_prefix_its_window_cannot_keep() -> None:
+    # Slot 0 was restored with only its last 512 positions (of 1,000); the prompt
+    # shares 900 tokens, so evaluation resumes at 900, which needs [389, 900).
+    cached = list(range(1000))
+    prompt = [*range(900), 5000, 5001]
+    restored = FreeSlot(0, cached, 5, pos_min=488)
+    empty = FreeSlot(1, [], 0, pos_min=-1)
+    assert batching.choose_slot(prompt, [restored, empty], n_swa=512) == Placement(1, 0)
+    # The whole cache is there: it matches.
+    full = FreeSlot(0, cached, 5, pos_min=0)
+    assert batching.choose_slot(prompt, [full, empty], n_swa=512) == Placement(0, 900)
+    # A prompt that extends the restored sequence resumes inside its window.
+    longer = [*cached, 7, 8]
+    assert batching.choose_slot(longer, [restored, empty], n_swa=512) == Placement(0, 1000)
+
+
 def test_choose_slot_without_reuse_takes_an_empty_or_lru_slot() -> None:
     free = [FreeSlot(0, LONG, 4), FreeSlot(1, [3], 2), FreeSlot(2, [4], 1)]
     assert batching.choose_slot(LONG, free, reuse=False) == Placement(2, 0)
