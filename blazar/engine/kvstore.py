@@ -2,7 +2,8 @@
 
 Per slot two files: `slot-<i>.kv` (llama.cpp's sequence state with its token list)
 and `slot-<i>.json`, written last, which says what the state belongs to: the model
-file (size and a hash of its head and tail), the context per slot and the cache types.
+file (size and a hash of its head and tail), the slot count, the context per slot and
+the cache types.
 A restore loads only files whose identity matches this worker and consumes them;
 anything else is skipped with a warning, never fatal. Decode thread only.
 """
@@ -33,6 +34,8 @@ class Identity:
 
     model_size: int
     model_hash: str
+    # llama.cpp refuses a sequence state saved with another number of KV streams.
+    slots: int
     context_per_slot: int
     type_k: str
     type_v: str
@@ -43,6 +46,7 @@ class Identity:
         return cls(
             model_size=os.path.getsize(options.model_path),
             model_hash=model_fingerprint(options.model_path),
+            slots=options.slots,
             context_per_slot=context_per_slot,
             type_k=options.type_k,
             type_v=options.type_v,
@@ -61,6 +65,12 @@ def model_fingerprint(path: str) -> str:
 
 def _paths(directory: Path, slot: int) -> tuple[Path, Path]:
     return directory / f"slot-{slot}.kv", directory / f"slot-{slot}.json"
+
+
+def _slot_of(path: Path) -> int | None:
+    """The slot index a `slot-<i>.kv` or `slot-<i>.json` file belongs to."""
+    stem = path.name.split(".", 1)[0].removeprefix("slot-")
+    return int(stem) if stem.isdigit() else None
 
 
 def save(
@@ -127,6 +137,12 @@ def restore(runtime: llama.Runtime, directory: Path, identity: Identity) -> dict
             # Consumed either way: what is on disk now describes no live cache.
             meta.unlink(missing_ok=True)
             kv.unlink(missing_ok=True)
+    # Slots this worker does not have (it was started with more before).
+    found_slots = {_slot_of(p) for p in directory.glob("slot-*")}
+    for index in sorted(i for i in found_slots if i is not None and i >= runtime.options.slots):
+        log.warning("kv_restore_skipped", slot=index, reason="mismatch", fields=["slots"])
+        for path in _paths(directory, index):
+            path.unlink(missing_ok=True)
     if restored:
         log.info(
             "kv_restored",

@@ -368,6 +368,21 @@ def test_kv_persists_across_a_graceful_restart(spawn: Spawner, tmp_path: Path) -
     assert fresh.usage.completion_tokens == 2
     stop(third)
 
+    # Fewer slots: each saved state is skipped as a mismatch, and the files of slots
+    # the worker no longer has are removed too.
+    saved = {p.name for p in kv.glob("slot-*")}
+    assert f"slot-{fresh.routing.slot}.kv" in saved
+    (kv / "slot-3.kv").write_bytes(b"left from four slots")
+    (kv / "slot-3.json").write_text("{}")
+    fewer = [a if a != str(SLOTS) else "2" for a in ARGS]
+    fourth = spawn(*fewer, "--kv-persist", str(kv), "--type-k", "q8_0", "--type-v", "q8_0")
+    fourth.wait_ready()
+    skipped = log_events(fourth, "kv_restore_skipped")
+    assert {e["slot"] for e in skipped} == {fresh.routing.slot, 3}
+    assert all(e["reason"] == "mismatch" and e["fields"] == ["slots"] for e in skipped)
+    assert not any(p.name.startswith("slot-3") for p in kv.iterdir())
+    stop(fourth)
+
 
 def test_drain_cancels_what_outlives_its_grace_and_the_stop_saves(
     spawn: Spawner, tmp_path: Path
