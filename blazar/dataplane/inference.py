@@ -58,6 +58,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         self._store = store
         self._pool = pool
         self._inflight: Counter[tuple[str, int]] = Counter()
+        self._sessions = routing.Sessions()
         self.table = routing.RouteTable()
         self.refresh()
         self._unsubscribe = store.subscribe(self._on_store_event)
@@ -101,7 +102,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             sampling=request.sampling,
             constraint=request.constraint,
         )
-        async for chunk in self._relay(request.model, generate, context):
+        async for chunk in self._relay(request.model, generate, context, session=request.session):
             yield chunk
 
     async def Complete(
@@ -110,7 +111,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         generate = engine_pb2.GenerateRequest(
             prompt=request.prompt, sampling=request.sampling, constraint=request.constraint
         )
-        async for chunk in self._relay(request.model, generate, context):
+        async for chunk in self._relay(request.model, generate, context, session=request.session):
             yield chunk
 
     async def Embed(
@@ -133,10 +134,16 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         response.model = route.lane
         return response
 
-    async def _route(self, model: str, context: Context) -> tuple[routing.Route, routing.Replica]:
+    async def _route(
+        self, model: str, context: Context, *, session: str = ""
+    ) -> tuple[routing.Route, routing.Replica]:
         try:
             route = routing.resolve(self.table, model)
-            return route, routing.pick_replica(route, self._inflight)
+            replica = routing.pick_replica(
+                route, self._inflight, prefer=self._sessions.replica_of(route.lane, session)
+            )
+            self._sessions.record(route.lane, session, replica.index)
+            return route, replica
         except errors.BlazarError as err:
             log.info("request.rejected", model=model, reason=err.reason)
             await status.abort(context, err)
@@ -148,7 +155,12 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             await status.abort(context, status.from_rpc_error(exc))
 
     async def _relay(
-        self, model: str, generate: engine_pb2.GenerateRequest, context: Context
+        self,
+        model: str,
+        generate: engine_pb2.GenerateRequest,
+        context: Context,
+        *,
+        session: str = "",
     ) -> AsyncIterator[inference_pb2.Chunk]:
         """Stream the engine's answer. A replica that refuses with UNAVAILABLE before
         its first chunk (draining, or its process just died) is left out and the
@@ -157,7 +169,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         request_id = _request_id(context)
         generate.request_id = request_id
         structlog.contextvars.bind_contextvars(request_id=request_id)
-        route, replica = await self._route(model, context)
+        route, replica = await self._route(model, context, session=session)
         refused: set[int] = set()
         while True:
             retry = False
@@ -178,6 +190,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             except errors.BlazarError as err:
                 metrics.observe_failure(route.lane, err.reason)
                 await status.abort(context, err)
+            self._sessions.record(route.lane, session, replica.index)
             log.info("request.retry", request_id=request_id, lane=route.lane, replica=replica.index)
 
     async def _attempt(

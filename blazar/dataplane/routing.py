@@ -1,11 +1,13 @@
 """Pure routing: model names and aliases to Lanes, Lanes to ready replicas.
 
 The table is rebuilt from the stored Lanes whenever one changes; picking a replica
-is a function of the table and the data plane's in-flight counts.
+is a function of the table, the data plane's in-flight counts and, for a request with
+a session key, the replica that session used last (`Sessions`).
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -29,6 +31,8 @@ class Route:
     replicas: tuple[Replica, ...]
     created: int
     context_length: int
+    # Parallel sequences per replica (the Lane's slots).
+    slots: int = 1
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,7 @@ def build_table(lanes: Sequence[Lane]) -> RouteTable:
                 replicas=ready,
                 created=int(created.timestamp()) if created else 0,
                 context_length=lane.spec.context_per_slot,
+                slots=lane.spec.slots,
             )
         )
     by_name: dict[str, Route] = {route.lane: route for route in routes}
@@ -73,14 +78,52 @@ def resolve(table: RouteTable, name: str) -> Route:
 
 
 def pick_replica(
-    route: Route, inflight: Mapping[tuple[str, int], int], *, exclude: Collection[int] = ()
+    route: Route,
+    inflight: Mapping[tuple[str, int], int],
+    *,
+    exclude: Collection[int] = (),
+    prefer: int | None = None,
 ) -> Replica:
     """The ready replica with the fewest requests in flight (lowest index on ties),
-    leaving out the indexes in `exclude` (replicas that already refused this request)."""
+    leaving out the indexes in `exclude` (replicas that already refused this request).
+
+    `prefer` (the replica a session used last, whose cache holds its conversation) wins
+    while it has a free slot or is as idle as any other: a conversation goes back to
+    its cached prefix, but does not queue there while another replica has room.
+    """
     candidates = [r for r in route.replicas if r.index not in exclude]
     if not candidates:
         raise errors.Unavailable(
             f"The model '{route.lane}' has no ready replica yet; retry shortly.",
             metadata={"lane": route.lane},
         )
-    return min(candidates, key=lambda r: (inflight.get((r.lane, r.index), 0), r.index))
+
+    def load(replica: Replica) -> int:
+        return inflight.get((replica.lane, replica.index), 0)
+
+    least = min(candidates, key=lambda r: (load(r), r.index))
+    for replica in candidates:
+        if replica.index == prefer and (
+            load(replica) < route.slots or load(replica) <= load(least)
+        ):
+            return replica
+    return least
+
+
+class Sessions:
+    """Which replica each session of each lane used last (the most recent `capacity`)."""
+
+    def __init__(self, capacity: int = 10_000) -> None:
+        self._capacity = capacity
+        self._last: OrderedDict[tuple[str, str], int] = OrderedDict()
+
+    def replica_of(self, lane: str, session: str) -> int | None:
+        return self._last.get((lane, session)) if session else None
+
+    def record(self, lane: str, session: str, replica: int) -> None:
+        if not session:
+            return
+        self._last[(lane, session)] = replica
+        self._last.move_to_end((lane, session))
+        while len(self._last) > self._capacity:
+            self._last.popitem(last=False)

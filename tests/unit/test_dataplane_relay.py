@@ -38,7 +38,7 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
         if self.refuse:
             await status.abort(context, errors.Unavailable("draining"))
         yield inference_pb2.Chunk(delta=inference_pb2.Delta(text=self.text, tokens=1))
-        if self.hang:
+        if self.hang or request.prompt == "hang":
             await asyncio.Event().wait()
         yield inference_pb2.Chunk(
             final=inference_pb2.Final(finish_reason=inference_pb2.FINISH_REASON_STOP)
@@ -148,3 +148,25 @@ def test_a_caller_leaving_counts_as_cancelled() -> None:
     # A finished request counts once, as ok.
     asyncio.run(complete([FakeEngine(refuse=False, text="y")]))
     assert (requests_counted("cancelled"), requests_counted("ok")) == (before + 1, ok + 1)
+
+
+def test_a_session_returns_to_its_replica_while_it_has_room() -> None:
+    async def run() -> list[int]:
+        fakes = [FakeEngine(refuse=False, text="a"), FakeEngine(refuse=False, text="b")]
+        async with data_plane(fakes) as stub:
+
+            async def replica_of(prompt: str, session: str = "") -> int:
+                request = inference_pb2.CompleteRequest(model="l", prompt=prompt, session=session)
+                chunks = [c async for c in stub.Complete(request)]
+                return chunks[-1].final.routing.replica
+
+            first = await replica_of("hi", session="s")
+            # Replica 0 now has a request in flight; it still has free slots.
+            busy = stub.Complete(inference_pb2.CompleteRequest(model="l", prompt="hang"))
+            assert (await busy.read()).delta.text == "a"
+            picks = [first, await replica_of("hi", session="s"), await replica_of("hi")]
+            busy.cancel()
+            return picks
+
+    # The session stays on replica 0; a request without one goes to the idle replica.
+    assert asyncio.run(run()) == [0, 0, 1]

@@ -69,3 +69,38 @@ def test_every_replica_refused_is_unavailable() -> None:
     route = routing.resolve(routing.build_table([lane("x", ready=(0, 1))]), "x")
     with pytest.raises(errors.Unavailable):
         routing.pick_replica(route, {}, exclude=(0, 1))
+
+
+@pytest.mark.parametrize(
+    ("inflight", "prefer", "index"),
+    [
+        ({}, 1, 1),  # the session's replica, though 0 is as idle
+        ({("x", 1): 3}, 1, 1),  # busier, but with a free slot (4 slots)
+        ({("x", 1): 4}, 1, 0),  # full while 0 is idle: do not queue there
+        ({("x", 0): 5, ("x", 1): 4}, 1, 1),  # full, yet the least loaded anyway
+        ({}, 7, 0),  # a replica that is gone
+        ({}, None, 0),
+    ],
+)
+def test_pick_prefers_the_session_replica_while_it_has_room(
+    inflight: dict[tuple[str, int], int], prefer: int | None, index: int
+) -> None:
+    route = routing.resolve(routing.build_table([lane("x", ready=(0, 1))]), "x")
+    assert route.slots == 4
+    assert routing.pick_replica(route, inflight, prefer=prefer).index == index
+
+
+def test_pick_never_prefers_a_refused_replica() -> None:
+    route = routing.resolve(routing.build_table([lane("x", ready=(0, 1))]), "x")
+    assert routing.pick_replica(route, {}, exclude=(1,), prefer=1).index == 0
+
+
+def test_sessions_remember_the_latest_replica_of_the_most_recent_sessions() -> None:
+    sessions = routing.Sessions(capacity=2)
+    sessions.record("x", "a", 0)
+    sessions.record("x", "b", 1)
+    sessions.record("x", "a", 1)  # a moved, and is now the most recent
+    sessions.record("x", "c", 0)  # b, the least recent, is forgotten
+    sessions.record("x", "", 1)  # no session key: nothing to remember
+    assert [sessions.replica_of("x", k) for k in ("a", "b", "c", "")] == [1, None, 0, None]
+    assert sessions.replica_of("y", "a") is None
