@@ -79,10 +79,12 @@ class Embedder:
 
     async def embed(self, texts: Sequence[str], *, normalize: bool) -> list[Vector]:
         """One vector per text, in order; ContextLengthExceeded names the first too long."""
+        for i, text in enumerate(texts):
+            # Checked on the text: an empty one still tokenizes to BOS.
+            if not text:
+                raise errors.InvalidRequest(f"Input {i} is empty.")
         inputs = await asyncio.to_thread(self._tokenize, texts)
         for i, tokens in enumerate(inputs):
-            if not tokens:
-                raise errors.InvalidRequest(f"Input {i} is empty.")
             if len(tokens) > self.context_length:
                 raise errors.ContextLengthExceeded(
                     f"Input {i} is {len(tokens)} tokens long, but this model embeds at most "

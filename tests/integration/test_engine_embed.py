@@ -111,6 +111,13 @@ def test_no_inputs_is_invalid(worker: Worker) -> None:
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
+def test_an_empty_input_is_invalid(worker: Worker) -> None:
+    # As the HTTP dialects refuse it, rather than embedding the BOS token alone.
+    err = rpc_error(lambda: embed(worker, "fine", ""))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "Input 1 is empty" in (err.details() or "")
+
+
 def test_tokenize_round_trips(worker: Worker, model_path: Path) -> None:
     from llama_cpp import Llama
 
