@@ -1,24 +1,32 @@
 """JSON schema to GBNF: which documents a `json_schema` constraint lets the model write.
 
 Pure (no llama.cpp context, no IO). llama-cpp-python's `SchemaConverter` builds the
-grammar, with three corrections, so that every document the grammar allows parses as
-JSON and validates against the schema:
+grammar, with corrections, so that every document the grammar allows parses as JSON
+and validates against the schema (as `jsonschema`, with Python's `re`, checks it):
 
 - String `pattern`s are translated here (`pattern_expression`). The converter's own
   translation let a pattern's `.` or `[^x]` write a raw `"` or backslash into the JSON
   text, copied `\\d` or `\\w` into GBNF (which has neither), and matched the pattern
-  against the escaped text instead of the string's value.
-- Keywords the converter ignores (`minimum`, `uniqueItems`, ...) are refused with a
-  400 that names them, rather than promised and not kept.
+  against the escaped text instead of the string's value. Where ECMA-262 (the pattern
+  language) and Python's `re` read a pattern differently, the grammar allows only what
+  both accept, or the pattern is refused.
+- Keywords the converter ignores (`minimum`, `uniqueItems`, ...) and combinations it
+  gets wrong (a `$ref` or `enum` with sibling constraints, `type` lists with other
+  keywords, `oneOf` without a discriminator, ...) are refused with a 400 that names
+  them, rather than promised and not kept.
 - Its string character rule lets raw control characters into strings, which no JSON
   parser accepts; llama.cpp's own converter has since excluded them.
 
 A grammar may be stricter than its schema (a pattern's control characters other than
-\\b \\f \\n \\r \\t cannot be written), never looser.
+\\b \\f \\n \\r \\t cannot be written, an object takes no properties beyond those
+listed), never looser.
 """
 
 from __future__ import annotations
 
+import copy
+import functools
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -36,8 +44,13 @@ UNENFORCED = frozenset(
 )  # fmt: skip
 # Keywords whose value maps names to subschemas (the names are not keywords).
 _SCHEMA_MAPS = frozenset({"properties", "$defs", "definitions"})
-# Keywords whose value is data, not a schema.
-_DATA = frozenset({"enum", "const", "default", "examples"})
+# Keywords whose value is data, not a schema (so are `x-` extensions).
+_DATA = frozenset({"enum", "const", "default", "examples", "example", "discriminator"})
+# Keywords that constrain nothing.
+_ANNOTATIONS = frozenset(
+    {"title", "description", "default", "examples", "example", "$schema", "$id", "$comment",
+     "$defs", "definitions", "deprecated", "readOnly", "writeOnly", "discriminator"}
+)  # fmt: skip
 
 _LOOSE_CHAR_RULE = 'char ::= [^"\\\\] |'
 _STRICT_CHAR_RULE = 'char ::= [^"\\\\\\x7F\\x00-\\x1F] |'
@@ -45,19 +58,26 @@ _STRICT_CHAR_RULE = 'char ::= [^"\\\\\\x7F\\x00-\\x1F] |'
 _MAX_CODEPOINT = 0x10FFFF
 # Characters JSON text cannot hold raw inside a string (DEL is excluded as well, as
 # llama.cpp's converter does), and the escapes written for those it can express.
-_RAW_FORBIDDEN = ((0x00, 0x1F), (0x22, 0x22), (0x5C, 0x5C), (0x7F, 0x7F))
+_RAW_FORBIDDEN = ((0x00, 0x1F), (0x22, 0x22), (0x5C, 0x5C), (0x7F, 0x7F), (0xD800, 0xDFFF))
 _ESCAPES = {
     0x22: '\\"', 0x5C: "\\\\", 0x08: "\\b", 0x0C: "\\f", 0x0A: "\\n", 0x0D: "\\r", 0x09: "\\t"
 }  # fmt: skip
-_CLASS_ESCAPES: dict[str, tuple[tuple[int, int], ...]] = {
-    "d": ((0x30, 0x39),),
-    "w": ((0x30, 0x39), (0x41, 0x5A), (0x5F, 0x5F), (0x61, 0x7A)),
-    "s": ((0x09, 0x0D), (0x20, 0x20), (0xA0, 0xA0), (0x2028, 0x2029), (0xFEFF, 0xFEFF)),
-}
+# ECMA-262's white space and line terminators (`\\s`).
+_ECMA_SPACE: tuple[tuple[int, int], ...] = (
+    (0x09, 0x0D), (0x20, 0x20), (0xA0, 0xA0), (0x1680, 0x1680), (0x2000, 0x200A),
+    (0x2028, 0x2029), (0x202F, 0x202F), (0x205F, 0x205F), (0x3000, 0x3000), (0xFEFF, 0xFEFF),
+)  # fmt: skip
 _CHAR_ESCAPES = {"n": 0x0A, "r": 0x0D, "t": 0x09, "f": 0x0C, "v": 0x0B, "0": 0x00}
 Ranges = tuple[tuple[int, int], ...]
-# ECMA-262's `.`: anything but a line break.
-_DOT: Ranges = ((0x00, 0x09), (0x0B, 0x0C), (0x0E, _MAX_CODEPOINT))
+# {n}, {n,}, {n,m}: ASCII digits and no spaces, as both ECMA-262 and Python read them.
+_REPETITION = re.compile(r"\{([0-9]+)(?:(,)([0-9]*))?\}")
+_OPEN_REPETITION = re.compile(r"\{,[0-9]+\}")
+_ALL: Ranges = ((0, _MAX_CODEPOINT),)
+# A class member's characters: those it surely matches and those it may match. ECMA-262
+# (the pattern's language) and Python's `re` (what validators such as `jsonschema` run)
+# differ on `\\d`, `\\w` and `\\s` outside ASCII, so a class keeps only what both match
+# and a negated class leaves out whatever either might.
+Bounds = tuple[Ranges, Ranges]
 
 
 def grammar(schema: dict[str, Any]) -> str:
@@ -81,7 +101,8 @@ def grammar(schema: dict[str, Any]) -> str:
 
     try:
         converter = Converter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
-        resolved = converter.resolve_refs(schema, "input")
+        # resolve_refs rewrites the schema it is given.
+        resolved = converter.resolve_refs(copy.deepcopy(schema), "input")
         converter.visit(resolved, "")
         text: str = converter.format_grammar()
     except errors.InvalidRequest:
@@ -112,24 +133,89 @@ def grammar(schema: dict[str, Any]) -> str:
 
 def unenforced_keywords(schema: Any, path: str = "") -> Iterator[str]:
     """`path.keyword` for each keyword of `schema` (and its subschemas) that the grammar
-    would not enforce."""
+    would not enforce, with what about it is not enforced."""
     if isinstance(schema, list):
         for i, item in enumerate(schema):
             yield from unenforced_keywords(item, f"{path}[{i}]")
         return
     if not isinstance(schema, dict):
         return
+    yield from _combination_gaps(schema, path)
     for key, value in schema.items():
         where = f"{path}.{key}" if path else key
         if key in UNENFORCED:
             yield where
-        elif key in ("minLength", "maxLength") and "pattern" in schema:
-            yield f"{where} (with pattern)"
         elif key in _SCHEMA_MAPS and isinstance(value, dict):
             for name, sub in value.items():
                 yield from unenforced_keywords(sub, f"{where}.{name}")
-        elif key not in _DATA:
+        elif key not in _DATA and not key.startswith("x-"):
             yield from unenforced_keywords(value, where)
+
+
+def _combination_gaps(node: dict[str, Any], path: str) -> Iterator[str]:
+    """Keyword combinations llama-cpp-python's converter gets wrong: it keeps one keyword
+    and drops its siblings, or lets through documents that do not validate."""
+    at = f"{path}." if path else ""
+    constraints = sorted(k for k in node if k not in _ANNOTATIONS and not k.startswith("x-"))
+
+    def beside(key: str, allowed: frozenset[str] = frozenset()) -> Iterator[str]:
+        others = [k for k in constraints if k != key and k not in allowed]
+        if key in node and others:
+            yield f"{at}{key} (with {', '.join(others)})"
+
+    yield from beside("$ref")
+    yield from beside("anyOf")
+    yield from beside("enum", frozenset({"type"}))
+    yield from beside("const", frozenset({"type"}))
+    if isinstance(node.get("type"), list) and len(constraints) > 1:
+        yield f"{at}type (a list, with {', '.join(k for k in constraints if k != 'type')})"
+    for key in ("enum", "const"):
+        values = node.get(key) if key == "enum" else [node.get(key)]
+        kind = node.get("type")
+        typed = key in node and isinstance(kind, str) and isinstance(values, list)
+        if typed and any(not _is_json_type(v, str(kind)) for v in values or ()):
+            yield f"{at}{key} (values that are not of type {kind})"
+    if "oneOf" in node and "discriminator" not in node:
+        yield f"{at}oneOf (without a discriminator: use anyOf)"
+    if "allOf" in node:
+        parts = node["allOf"] if isinstance(node["allOf"], list) else []
+        if not all(isinstance(p, dict) and "properties" in p and "$ref" not in p for p in parts):
+            yield f"{at}allOf (other than of object schemas with properties)"
+    properties = node.get("properties")
+    if isinstance(properties, dict):
+        missing = [n for n in node.get("required", []) if n not in properties]
+        if missing:
+            yield f"{at}required (names not in properties: {', '.join(map(str, missing))})"
+        if node.get("additionalProperties", False) is not False:
+            yield f"{at}additionalProperties (other than false, with properties)"
+    elif node.get("required"):
+        yield f"{at}required (without properties)"
+    if "items" not in node and "prefixItems" not in node:
+        yield from (f"{at}{k} (without items)" for k in ("minItems", "maxItems") if k in node)
+    if "prefixItems" in node:
+        yield from (
+            f"{at}{k} (with prefixItems)" for k in ("items", "minItems", "maxItems") if k in node
+        )
+    for key in ("minLength", "maxLength"):
+        for other in ("pattern", "format"):
+            if key in node and other in node:
+                yield f"{at}{key} (with {other})"
+
+
+def _is_json_type(value: Any, kind: str) -> bool:
+    if kind == "integer":
+        whole = isinstance(value, float) and value.is_integer()
+        return whole or (isinstance(value, int) and not isinstance(value, bool))
+    checks: dict[str, Any] = {
+        "string": lambda v: isinstance(v, str),
+        "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+        "boolean": lambda v: isinstance(v, bool),
+        "null": lambda v: v is None,
+        "object": lambda v: isinstance(v, dict),
+        "array": lambda v: isinstance(v, list),
+    }
+    check = checks.get(kind)
+    return bool(check(value)) if check is not None else True
 
 
 # --- patterns ---------------------------------------------------------------------------
@@ -141,7 +227,8 @@ def pattern_expression(pattern: str) -> str:
     match anything)."""
     body = pattern
     anchored_start = body.startswith("^")
-    anchored_end = body.endswith("$") and not body.endswith("\\$")
+    # '$' ends the pattern unless escaped: preceded by an odd number of backslashes.
+    anchored_end = body.endswith("$") and (len(body) - 1 - len(body[:-1].rstrip("\\"))) % 2 == 0
     body = body[1 if anchored_start else 0 : len(body) - 1 if anchored_end else len(body)]
     parser = _PatternParser(pattern, body)
     expression = parser.alternation()
@@ -202,11 +289,12 @@ class _PatternParser:
         if c == "[":
             return _class_expression(self.char_class())
         if c == ".":
+            # ECMA's '.' leaves out line terminators; Python's only '\\n'.
             return _class_expression(
-                _subtract(((0, _MAX_CODEPOINT),), ((0x0A, 0x0A), (0x0D, 0x0D)))
+                _subtract(_ALL, ((0x0A, 0x0A), (0x0D, 0x0D), (0x2028, 0x2029)))
             )
         if c == "\\":
-            return _class_expression(self.escape(in_class=False))
+            return _class_expression(self.escape(in_class=False)[0])
         if c in ("^", "$"):
             self.fail(f"'{c}' is supported only at the start or the end")
         if c in ("*", "+", "?") or (c == "{" and self._repetition_ahead(self.i - 1)):
@@ -218,42 +306,39 @@ class _PatternParser:
         if c in ("*", "+", "?"):
             self.i += 1
             out = c
-        elif c == "{" and self._repetition_ahead(self.i):
-            end = self.body.index("}", self.i)
-            counts = self.body[self.i + 1 : end].split(",")
-            self.i = end + 1
-            low = int(counts[0])
-            high = counts[1].strip() if len(counts) == 2 else str(low)
-            if high and int(high) < low:
-                self.fail(f"the repetition {{{low},{high}}} is empty")
-            out = f"{{{low},{high}}}" if len(counts) == 2 else f"{{{low}}}"
+        elif c == "{" and (match := _REPETITION.match(self.body, self.i)):
+            self.i = match.end()
+            low, comma, high = match.group(1), match.group(2), match.group(3)
+            if high and int(high) < int(low):
+                self.fail(f"the repetition {match.group(0)} is empty")
+            out = (
+                f"{{{int(low)},{int(high)}}}"
+                if high
+                else f"{{{int(low)},}}"
+                if comma
+                else f"{{{int(low)}}}"
+            )
+        elif c == "{" and _OPEN_REPETITION.match(self.body, self.i):
+            # Python reads {,n} as {0,n}, ECMA-262 as the literal text: no translation suits both.
+            self.fail("'{,n}' means different things to different engines; write '{0,n}'")
         else:
             return ""
         if self.peek() == "?":  # lazy: the same strings
             self.i += 1
-        if self.peek() in ("*", "+", "?") or (
-            self.peek() == "{" and self._repetition_ahead(self.i)
-        ):
+        if self.peek() in ("*", "+", "?") or _REPETITION.match(self.body, self.i):
             self.fail("a quantifier cannot follow another")
         return out
 
     def _repetition_ahead(self, at: int) -> bool:
         """Whether a `{n}`, `{n,}` or `{n,m}` begins at `at` (else '{' is a literal)."""
-        end = self.body.find("}", at)
-        if end < 0:
-            return False
-        counts = self.body[at + 1 : end].split(",")
-        return (
-            1 <= len(counts) <= 2
-            and counts[0].isdigit()
-            and all(c.strip().isdigit() for c in counts[1:] if c.strip())
-        )
+        return _REPETITION.match(self.body, at) is not None
 
     def char_class(self) -> Ranges:
         negated = self.peek() == "^"
         if negated:
             self.i += 1
-        ranges: list[tuple[int, int]] = []
+        surely: list[tuple[int, int]] = []
+        maybe: list[tuple[int, int]] = []
         first = True
         while True:
             c = self.peek()
@@ -267,50 +352,81 @@ class _PatternParser:
             if self.peek() == "-" and self.body[self.i + 1 : self.i + 2] not in ("]", ""):
                 self.i += 1
                 high = self.class_member()
-                if (
-                    len(low) != 1
-                    or len(high) != 1
-                    or low[0][0] != low[0][1]
-                    or high[0][0] != high[0][1]
+                if not (
+                    _single(low[0]) and low[0] == low[1] and _single(high[0]) and high[0] == high[1]
                 ):
                     self.fail("a range needs a single character at each end")
-                if high[0][0] < low[0][0]:
+                if high[0][0][0] < low[0][0][0]:
                     self.fail("a range is out of order")
-                ranges.append((low[0][0], high[0][0]))
+                span = (low[0][0][0], high[0][0][0])
+                surely.append(span)
+                maybe.append(span)
             else:
-                ranges.extend(low)
-        merged = _normalize(tuple(ranges))
-        return _subtract(((0, _MAX_CODEPOINT),), merged) if negated else merged
+                surely.extend(low[0])
+                maybe.extend(low[1])
+        if negated:
+            return _subtract(_ALL, _normalize(tuple(maybe)))
+        return _normalize(tuple(surely))
 
-    def class_member(self) -> Ranges:
+    def class_member(self) -> Bounds:
         c = self.peek()
         self.i += 1
         if c == "\\":
             return self.escape(in_class=True)
-        return ((ord(c), ord(c)),)
+        return ((ord(c), ord(c)),), ((ord(c), ord(c)),)
 
-    def escape(self, *, in_class: bool) -> Ranges:
+    def escape(self, *, in_class: bool) -> Bounds:
         c = self.peek()
         if c == "":
             self.fail("it ends with a lone backslash")
         self.i += 1
-        if c.lower() in _CLASS_ESCAPES:
-            ranges = _CLASS_ESCAPES[c.lower()]
-            return _subtract(((0, _MAX_CODEPOINT),), ranges) if c.isupper() else ranges
+        if c.lower() in ("d", "w", "s"):
+            surely, maybe = _shorthand(c.lower())
+            return (
+                (_subtract(_ALL, maybe), _subtract(_ALL, surely))
+                if c.isupper()
+                else (surely, maybe)
+            )
+        if c == "0" and self.peek().isdigit():
+            self.fail("octal escapes are not supported")
         if c in _CHAR_ESCAPES:
-            return ((_CHAR_ESCAPES[c], _CHAR_ESCAPES[c]),)
-        if c in ("x", "u"):
+            code = _CHAR_ESCAPES[c]
+        elif c in ("x", "u"):
             digits = 2 if c == "x" else 4
-            code = self.body[self.i : self.i + digits]
-            if len(code) != digits or not all(h in "0123456789abcdefABCDEF" for h in code):
+            text = self.body[self.i : self.i + digits]
+            if len(text) != digits or not all(h in "0123456789abcdefABCDEF" for h in text):
                 self.fail(f"'\\{c}' needs {digits} hex digits")
             self.i += digits
-            return ((int(code, 16), int(code, 16)),)
-        if c == "b" and in_class:
-            return ((0x08, 0x08),)
-        if c.isalnum():
+            code = int(text, 16)
+        elif c == "b" and in_class:
+            code = 0x08
+        elif c.isalnum():
             self.fail(f"the escape '\\{c}' is not supported")
-        return ((ord(c), ord(c)),)
+        else:
+            code = ord(c)
+        return ((code, code),), ((code, code),)
+
+
+@functools.cache
+def _python_classes() -> dict[str, Ranges]:
+    """The characters Python's `re` matches with `\\d`, `\\w` and `\\s` (computed once,
+    in about half a second, when a pattern first uses one)."""
+    everything = "".join(map(chr, range(_MAX_CODEPOINT + 1)))
+    return {
+        name: tuple((m.start(), m.end() - 1) for m in re.finditer(f"\\{name}+", everything))
+        for name in "dws"
+    }
+
+
+def _shorthand(name: str) -> Bounds:
+    """(matched by both ECMA-262 and Python, matched by either) for `\\d`, `\\w`, `\\s`."""
+    ecma = {
+        "d": ((0x30, 0x39),),
+        "w": ((0x30, 0x39), (0x41, 0x5A), (0x5F, 0x5F), (0x61, 0x7A)),
+        "s": _ECMA_SPACE,
+    }[name]
+    python = _python_classes()[name]
+    return _intersect(ecma, python), _normalize(ecma + python)
 
 
 def _single(ranges: Ranges) -> bool:

@@ -268,8 +268,12 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         self, request: engine_pb2.GenerateRequest, deliver: Callable[[loop.Event], None]
     ) -> loop.Job:
         """Validate, render and tokenize; raise BlazarError when it cannot run."""
-        params = sampling.resolve(
-            request.sampling, constraint=request.constraint, vocab=self._decode.vocab
+        # Off the event loop: a JSON schema becomes a grammar that llama.cpp compiles.
+        params = await asyncio.to_thread(
+            sampling.resolve,
+            request.sampling,
+            constraint=request.constraint,
+            vocab=self._decode.vocab,
         )
         which = request.WhichOneof("input")
         if which == "prompt":

@@ -4,6 +4,7 @@ tests/integration/test_structured_output.py.)"""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -11,7 +12,9 @@ import pytest
 from blazar.api import errors
 from blazar.engine import schema
 
-RAW = "[\\x20-\\x21\\x23-\\x5B\\x5D-\\x7E\\x80-\\U0010FFFF]"
+RAW = "[\\x20-\\x21\\x23-\\x5B\\x5D-\\x7E\\x80-\\uD7FF\\uE000-\\U0010FFFF]"
+# ECMA's '.': no line terminators (U+2028, U+2029 included).
+DOT_RAW = "[\\x20-\\x21\\x23-\\x5B\\x5D-\\x7E\\x80-\\u2027\\u202A-\\uD7FF\\uE000-\\U0010FFFF]"
 ALL_ESCAPES = '"\\\\b" | "\\\\t" | "\\\\n" | "\\\\f" | "\\\\r" | "\\\\\\"" | "\\\\\\\\"'
 ANYTHING = f"({RAW} | {ALL_ESCAPES})*"
 
@@ -30,14 +33,14 @@ ANYTHING = f"({RAW} | {ALL_ESCAPES})*"
         # '.' is anything but a line break, written as JSON allows.
         (
             "^.$",
-            f'(({RAW} | "\\\\b" | "\\\\t" | "\\\\f" | "\\\\\\"" | "\\\\\\\\"))',
+            f'(({DOT_RAW} | "\\\\b" | "\\\\t" | "\\\\f" | "\\\\\\"" | "\\\\\\\\"))',
         ),
         # Unanchored ends match anything, as JSON Schema's search does.
         ("ab", f'{ANYTHING} ("a" "b") {ANYTHING}'),
         ("^ab", f'("a" "b") {ANYTHING}'),
         # A literal '{' that starts no repetition; an escaped '$' at the end.
         ("^{a}\\$$", '("{" "a" "}" "$")'),
-        ("^[^\\x00-\\x7F]$", "([\\x80-\\U0010FFFF])"),
+        ("^[^\\x00-\\x7F]$", "([\\x80-\\uD7FF\\uE000-\\U0010FFFF])"),
     ],
 )
 def test_pattern_expression(pattern: str, expression: str) -> None:
@@ -96,13 +99,105 @@ def test_unsupported_pattern_is_invalid(pattern: str, fragment: str) -> None:
         ),
         ({"type": "string", "pattern": "^a$", "maxLength": 4}, ["maxLength (with pattern)"]),
         # Data is not schema; enforced keywords pass.
-        ({"enum": [{"minimum": 1}], "const": {"not": 1}, "default": {"if": 0}}, []),
+        ({"enum": [{"minimum": 1}], "default": {"if": 0}, "x-extra": {"not": 0}}, []),
+        ({"const": {"not": 1}, "example": {"maximum": 1}}, []),
         ({"type": "string", "minLength": 1, "maxLength": 4}, []),
         ({"type": "array", "items": {"type": "integer"}, "minItems": 1, "maxItems": 3}, []),
+        # Combinations llama-cpp-python's converter drops or gets wrong.
+        ({"type": ["string", "null"], "enum": ["red", None]}, ["type (a list, with enum)"]),
+        ({"type": "string", "enum": ["a", 1]}, ["enum (values that are not of type string)"]),
+        ({"$ref": "#/$defs/s", "maxLength": 2}, ["$ref (with maxLength)"]),
+        (
+            {"oneOf": [{"type": "integer"}, {"type": "number"}]},
+            ["oneOf (without a discriminator: use anyOf)"],
+        ),
+        (
+            {"allOf": [{"$ref": "#/definitions/Color"}], "definitions": {"Color": {"enum": ["r"]}}},
+            ["allOf (other than of object schemas with properties)"],
+        ),
+        (
+            {"type": "object", "properties": {"a": {}}, "required": ["b"]},
+            ["required (names not in properties: b)"],
+        ),
+        (
+            {
+                "properties": {"age": {"type": "integer"}},
+                "additionalProperties": {"type": "string"},
+            },
+            ["additionalProperties (other than false, with properties)"],
+        ),
+        ({"type": "array", "minItems": 2}, ["minItems (without items)"]),
+        ({"prefixItems": [{}], "maxItems": 1}, ["maxItems (with prefixItems)"]),
+        ({"type": "string", "format": "date", "maxLength": 5}, ["maxLength (with format)"]),
+        # What the converter handles: nullable via anyOf, typed enums, described refs.
+        ({"anyOf": [{"type": "string"}, {"type": "null"}], "description": "x"}, []),
+        ({"type": "integer", "enum": [1, 2.0]}, []),
+        ({"$ref": "#/$defs/s", "description": "a ref"}, []),
+        ({"oneOf": [{"type": "object"}], "discriminator": {"propertyName": "kind"}}, []),
     ],
 )
 def test_unenforced_keywords(document: dict[str, Any], found: list[str]) -> None:
     assert list(schema.unenforced_keywords(document)) == found
+
+
+@pytest.mark.parametrize(
+    ("pattern", "python_only"),
+    [
+        # Whitespace to Python (and, but for U+0085, to ECMA too): never written for \\S.
+        ("^\\S+$", "\u3000"),
+        ("^[^\\s]+$", "\u0085"),
+        ("^\\S$", "\u2003"),
+        # Digits and word characters outside ASCII: Python's \\d and \\w match them.
+        ("^\\D$", "\u0663"),
+        ("^[^\\d]$", "\u0663"),
+        ("^\\W$", "\u00e9"),
+        ("^[^\\w]$", "\u00b2"),
+    ],
+)
+def test_negated_shorthands_leave_out_what_either_engine_matches(
+    pattern: str, python_only: str
+) -> None:
+    expression = schema.pattern_expression(pattern)
+    assert not _covers(expression, ord(python_only)), (pattern, expression)
+    # ... while '!', which is neither space, digit nor word character to either, stays.
+    assert _covers(expression, ord("!"))
+
+
+def _covers(expression: str, code: int) -> bool:
+    """Whether a GBNF class in `expression` lists `code` (\\xNN, \\uNNNN, \\UNNNNNNNN)."""
+    char = r"\\[xuU]([0-9A-F]+)"
+    for m in re.finditer(f"{char}(?:-{char})?", expression):
+        low = int(m.group(1), 16)
+        if low <= code <= int(m.group(2) or m.group(1), 16):
+            return True
+    return False
+
+
+@pytest.mark.parametrize(
+    ("pattern", "expression"),
+    [
+        # Both engines read a quantifier with a space as literal text.
+        ("^a{1, 3}$", '("a" "{" "1" "," " " "3" "}")'),
+        ("^a{2,}$", '("a"{2,})'),
+        # An escaped backslash before the final '$' leaves the anchor an anchor.
+        ("^a\\\\$", '("a" "\\\\\\\\")'),
+    ],
+)
+def test_quantifiers_and_anchors_as_both_engines_read_them(pattern: str, expression: str) -> None:
+    assert schema.pattern_expression(pattern) == expression
+
+
+@pytest.mark.parametrize(("pattern", "fragment"), [("^a{,3}$", "'{,n}'"), ("^[\\01]$", "octal")])
+def test_patterns_the_engines_disagree_on_are_refused(pattern: str, fragment: str) -> None:
+    with pytest.raises(errors.InvalidRequest) as info:
+        schema.pattern_expression(pattern)
+    assert fragment in info.value.message
+
+
+def test_grammar_leaves_the_callers_schema_alone() -> None:
+    document = {"$defs": {"s": {"type": "string"}}, "$ref": "#/$defs/s"}
+    schema.grammar(document)
+    assert document == {"$defs": {"s": {"type": "string"}}, "$ref": "#/$defs/s"}
 
 
 def test_unenforced_keyword_is_refused_by_name() -> None:
