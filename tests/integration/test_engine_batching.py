@@ -76,6 +76,17 @@ class Stream:
     def text(self) -> str:
         return "".join(d.text for _, d in self.deltas)
 
+    def consume(self, call: Any) -> None:
+        """Read a Generate call to its end, keeping its deltas, final part or error."""
+        try:
+            for chunk in call:
+                if chunk.HasField("delta"):
+                    self.deltas.append((time.monotonic(), chunk.delta))
+                else:
+                    self.final = chunk.final
+        except grpc.RpcError as exc:
+            self.error = exc
+
     def time_of_token(self, n: int) -> float:
         """When the stream had received at least n tokens."""
         seen = 0
@@ -90,18 +101,10 @@ def run_concurrently(w: Worker, requests: list[dict[str, Any]]) -> list[Stream]:
     """Start every call first, then drain them in parallel threads."""
     calls = [w.stub.Generate(engine_pb2.GenerateRequest(**r), timeout=90) for r in requests]
     streams = [Stream() for _ in calls]
-
-    def drain(call: Any, stream: Stream) -> None:
-        try:
-            for chunk in call:
-                if chunk.HasField("delta"):
-                    stream.deltas.append((time.monotonic(), chunk.delta))
-                else:
-                    stream.final = chunk.final
-        except grpc.RpcError as exc:
-            stream.error = exc
-
-    threads = [threading.Thread(target=drain, args=cs) for cs in zip(calls, streams, strict=True)]
+    threads = [
+        threading.Thread(target=stream.consume, args=(call,))
+        for call, stream in zip(calls, streams, strict=True)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -397,18 +400,7 @@ def test_drain_cancels_what_outlives_its_grace_and_the_stop_saves(
         engine_pb2.GenerateRequest(prompt=COUNTING, sampling=greedy(CONTEXT // 2)), timeout=90
     )
     stream = Stream()
-
-    def read() -> None:
-        try:
-            for chunk in call:
-                if chunk.HasField("delta"):
-                    stream.deltas.append((time.monotonic(), chunk.delta))
-                else:
-                    stream.final = chunk.final
-        except grpc.RpcError as exc:
-            stream.error = exc
-
-    reader = threading.Thread(target=read)
+    reader = threading.Thread(target=stream.consume, args=(call,))
     reader.start()
     poll(lambda: stream.deltas, what="the first token")
     drained = w.stub.Drain(engine_pb2.DrainRequest(grace_seconds=0.5), timeout=20)
