@@ -53,7 +53,7 @@ _ANNOTATIONS = frozenset(
 )  # fmt: skip
 
 _LOOSE_CHAR_RULE = 'char ::= [^"\\\\] |'
-_STRICT_CHAR_RULE = 'char ::= [^"\\\\\\x7F\\x00-\\x1F] |'
+_STRICT_CHAR_RULE = 'char ::= [^"\\\\\\x7F\\x00-\\x1F\\uD800-\\uDFFF] |'
 
 _MAX_CODEPOINT = 0x10FFFF
 # Characters JSON text cannot hold raw inside a string (DEL is excluded as well, as

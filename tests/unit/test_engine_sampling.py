@@ -134,8 +134,8 @@ def test_json_schema_becomes_a_grammar_with_strict_strings() -> None:
     assert grammar is not None
     rules = dict(line.split(" ::= ", 1) for line in grammar.splitlines())
     assert rules["root"].startswith('"{" space name-kv "," space age-kv')
-    # Raw control characters are not JSON; the rule must exclude them.
-    assert rules["char"].startswith('[^"\\\\\\x7F\\x00-\\x1F]')
+    # Raw control characters are not JSON, surrogates are not characters: the rule excludes them.
+    assert rules["char"].startswith('[^"\\\\\\x7F\\x00-\\x1F\\uD800-\\uDFFF]')
 
 
 def test_json_object_grammar_is_a_generic_object() -> None:

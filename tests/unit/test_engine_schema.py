@@ -218,7 +218,7 @@ def test_grammar_uses_the_pattern_translation_and_strict_strings() -> None:
     )
     assert '"\\"" ([\\x30-\\x39]{5}) "\\"" space' in text
     # Strings outside patterns hold no raw control character either.
-    assert 'char ::= [^"\\\\\\x7F\\x00-\\x1F] |' in text
+    assert 'char ::= [^"\\\\\\x7F\\x00-\\x1F\\uD800-\\uDFFF] |' in text
 
 
 def test_recursive_schema_is_refused_clearly() -> None:
