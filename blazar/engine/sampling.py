@@ -167,7 +167,8 @@ def resolve(
     if problems:
         raise errors.InvalidRequest("Invalid sampling: " + "; ".join(problems) + ".")
     if grammar is not None and vocab is not None:
-        check_grammar(grammar, vocab)
+        from_schema = constraint is not None and constraint.WhichOneof("kind") == "json_schema"
+        check_grammar(grammar, vocab, from_schema=from_schema)
     return p
 
 
@@ -200,11 +201,21 @@ def grammar_of(constraint: inference_pb2.Constraint) -> str | None:
     return None
 
 
-def check_grammar(grammar: str, vocab: Vocabulary) -> None:
-    """Have llama.cpp parse the grammar; InvalidRequest when it refuses."""
+def check_grammar(grammar: str, vocab: Vocabulary, *, from_schema: bool = False) -> None:
+    """Have llama.cpp parse the grammar; InvalidRequest when it refuses.
+
+    `from_schema`: the grammar was made from the caller's JSON schema, so the message
+    speaks of the schema, not of GBNF they never wrote.
+    """
     import llama_cpp as lc
 
     sampler = lc.llama_sampler_init_grammar(vocab.handle, grammar.encode(), GRAMMAR_ROOT.encode())
+    if not sampler and from_schema:
+        raise errors.InvalidRequest(
+            "The JSON schema cannot be turned into a grammar llama.cpp accepts: most "
+            "likely a pattern repeats a group that can match nothing, such as '(a|)*', "
+            "or repeats something over 10,000 times."
+        )
     if not sampler:
         raise errors.InvalidRequest(
             "The grammar is not valid GBNF: llama.cpp could not parse it (an undefined "

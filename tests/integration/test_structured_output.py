@@ -180,6 +180,8 @@ def test_gbnf_grammar_limits_the_output(worker: Worker) -> None:
         inference_pb2.Constraint(json_schema='{"type": "no-such-type"}'),
         inference_pb2.Constraint(json_schema='{"type": "integer", "minimum": 0}'),
         inference_pb2.Constraint(json_schema='{"type": "string", "pattern": "^(?=a)b$"}'),
+        # Translated, but llama.cpp refuses the repetition of a group that can be empty.
+        inference_pb2.Constraint(json_schema='{"type": "string", "pattern": "^(a|)*$"}'),
     ],
 )
 def test_invalid_constraint_is_invalid_argument_and_worker_survives(
@@ -193,6 +195,15 @@ def test_invalid_constraint_is_invalid_argument_and_worker_survives(
     assert worker.text(prompt="Hello", sampling=greedy(2))
     health = worker.health()
     assert health is not None and health.state == engine_pb2.ENGINE_STATE_READY
+
+
+def test_a_schema_llama_cpp_refuses_is_explained_as_a_schema(worker: Worker) -> None:
+    constraint = inference_pb2.Constraint(json_schema='{"type": "string", "pattern": "^(a|)*$"}')
+    err = rpc_error(
+        lambda: worker.generate(prompt="Hello", sampling=greedy(4), constraint=constraint)
+    )
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "JSON schema" in (err.details() or "") and "GBNF" not in (err.details() or "")
 
 
 def first_token(worker: Worker, prompt: str, **sampling: Any) -> str:
