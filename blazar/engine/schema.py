@@ -28,7 +28,7 @@ import copy
 import functools
 import re
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 from blazar.api import errors
 
@@ -251,7 +251,7 @@ class _PatternParser:
         self.body = body
         self.i = 0
 
-    def fail(self, what: str) -> None:
+    def fail(self, what: str) -> NoReturn:
         raise errors.InvalidRequest(
             f"The JSON schema's pattern {self.pattern!r} cannot be turned into a grammar: {what}."
         )
@@ -348,22 +348,19 @@ class _PatternParser:
                 self.i += 1
                 break
             first = False
-            low = self.class_member()
+            member = self.class_member()
             if self.peek() == "-" and self.body[self.i + 1 : self.i + 2] not in ("]", ""):
                 self.i += 1
-                high = self.class_member()
-                if not (
-                    _single(low[0]) and low[0] == low[1] and _single(high[0]) and high[0] == high[1]
-                ):
+                start, end = _one_character(member), _one_character(self.class_member())
+                if start is None or end is None:
                     self.fail("a range needs a single character at each end")
-                if high[0][0][0] < low[0][0][0]:
+                if end < start:
                     self.fail("a range is out of order")
-                span = (low[0][0][0], high[0][0][0])
-                surely.append(span)
-                maybe.append(span)
+                surely.append((start, end))
+                maybe.append((start, end))
             else:
-                surely.extend(low[0])
-                maybe.extend(low[1])
+                surely.extend(member[0])
+                maybe.extend(member[1])
         if negated:
             return _subtract(_ALL, _normalize(tuple(maybe)))
         return _normalize(tuple(surely))
@@ -429,8 +426,12 @@ def _shorthand(name: str) -> Bounds:
     return _intersect(ecma, python), _normalize(ecma + python)
 
 
-def _single(ranges: Ranges) -> bool:
-    return len(ranges) == 1 and ranges[0][0] == ranges[0][1]
+def _one_character(bounds: Bounds) -> int | None:
+    """The character a class member stands for, if it is exactly one."""
+    surely, maybe = bounds
+    if surely == maybe and len(surely) == 1 and surely[0][0] == surely[0][1]:
+        return surely[0][0]
+    return None
 
 
 def _normalize(ranges: Ranges) -> Ranges:
