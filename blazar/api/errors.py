@@ -38,6 +38,11 @@ class BlazarError(Exception):
         self.metadata: dict[str, str] = dict(metadata or {})
 
 
+# The metadata key under which an InvalidRequest names the field of the gRPC request at
+# fault ("constraint", ...), so each HTTP dialect can blame its own parameter for it.
+FIELD_KEY = "field"
+
+
 class InvalidRequest(BlazarError):
     code = "INVALID_ARGUMENT"
     reason = "INVALID_REQUEST"

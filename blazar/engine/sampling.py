@@ -13,11 +13,12 @@ thread.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import math
 import secrets
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -103,7 +104,8 @@ def resolve(
     checked against it and the grammar is compiled once by llama.cpp (see module doc).
     """
     d = SamplingParams()
-    grammar = grammar_of(constraint) if constraint is not None else None
+    with _blaming("constraint"):
+        grammar = grammar_of(constraint) if constraint is not None else None
     p = SamplingParams(
         temperature=sampling.temperature if sampling.HasField("temperature") else d.temperature,
         top_k=sampling.top_k if sampling.HasField("top_k") else d.top_k,
@@ -168,8 +170,19 @@ def resolve(
         raise errors.InvalidRequest("Invalid sampling: " + "; ".join(problems) + ".")
     if grammar is not None and vocab is not None:
         from_schema = constraint is not None and constraint.WhichOneof("kind") == "json_schema"
-        check_grammar(grammar, vocab, from_schema=from_schema)
+        with _blaming("constraint"):
+            check_grammar(grammar, vocab, from_schema=from_schema)
     return p
+
+
+@contextlib.contextmanager
+def _blaming(field: str) -> Iterator[None]:
+    """Name `field` as the one at fault in the InvalidRequest raised inside."""
+    try:
+        yield
+    except errors.InvalidRequest as err:
+        err.metadata.setdefault(errors.FIELD_KEY, field)
+        raise
 
 
 def grammar_of(constraint: inference_pb2.Constraint) -> str | None:

@@ -123,6 +123,7 @@ def test_bad_grammar_through_the_shim_is_a_400(client: openai.OpenAI) -> None:
             max_tokens=4,
         )
     assert "schema" in info.value.message
+    assert info.value.param == "response_format"
     ok = client.chat.completions.create(
         model=LANE, messages=[{"role": "user", "content": "Hi"}], max_tokens=2
     )

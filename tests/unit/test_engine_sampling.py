@@ -161,7 +161,9 @@ def test_json_object_grammar_is_a_generic_object() -> None:
     ],
 )
 def test_bad_constraints_are_invalid_requests(constraint: dict[str, Any], message: str) -> None:
-    with pytest.raises(errors.InvalidRequest, match=message):
+    with pytest.raises(errors.InvalidRequest, match=message) as caught:
         sampling.resolve(
             inference_pb2.Sampling(), seed=1, constraint=inference_pb2.Constraint(**constraint)
         )
+    # Each dialect blames its own parameter for it (OpenAI: response_format).
+    assert caught.value.metadata[errors.FIELD_KEY] == "constraint"

@@ -723,6 +723,11 @@ async def test_unknown_model_is_404(daemon: Daemon, client: httpx.AsyncClient) -
         (json.dumps(chat_body(n=2)).encode(), "n", "n=2"),
         (json.dumps(chat_body(max_tokens=0)).encode(), "max_tokens", "'max_tokens'"),
         (json.dumps(chat_body(stream="yes")).encode(), "stream", "'stream'"),
+        (
+            json.dumps(chat_body(stream_options={"include_usage": True})).encode(),
+            "stream_options",
+            "only allowed when 'stream' is enabled",
+        ),
         # Beyond the wire's int32, not a server error.
         (json.dumps(chat_body(max_tokens=2**31)).encode(), "max_tokens", "2147483647"),
         (
@@ -790,6 +795,14 @@ async def test_bad_completion_prompt_is_400(
     assert response.status_code == 400, response.text
     assert fragment in response.json()["error"]["message"]
     assert response.json()["error"]["param"].startswith("prompt")
+
+
+async def test_stream_options_need_a_stream(daemon: Daemon, client: httpx.AsyncClient) -> None:
+    body = {"model": "tiny", "prompt": "a", "stream_options": {"include_usage": True}}
+    response = await client.post("/v1/completions", json=body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "stream_options"
+    assert not daemon.fake.requests
 
 
 async def test_context_length_exceeded_is_400(daemon: Daemon, client: httpx.AsyncClient) -> None:
@@ -1065,12 +1078,17 @@ async def test_response_format_reaches_the_daemon(
 async def test_constraint_errors_from_the_engine_are_400(
     daemon: Daemon, client: httpx.AsyncClient
 ) -> None:
-    daemon.fake.scripts["tiny"] = [errors.InvalidRequest("The grammar is not valid GBNF.")]
+    blamed = {errors.FIELD_KEY: "constraint"}
+    daemon.fake.scripts["tiny"] = [
+        errors.InvalidRequest("The grammar is not valid GBNF.", metadata=blamed)
+    ]
     body = chat_body(response_format={"type": "json_object"})
     for stream in (False, True):
         response = await client.post("/v1/chat/completions", json={**body, "stream": stream})
         assert response.status_code == 400
-        assert response.json()["error"]["message"] == "The grammar is not valid GBNF."
+        error = response.json()["error"]
+        assert error["message"] == "The grammar is not valid GBNF."
+        assert error["param"] == "response_format"
 
 
 @pytest.mark.parametrize(

@@ -46,6 +46,7 @@ class ResponseMeta:
 
 def chat_request(body: protocol.ChatCompletionRequest) -> inference_pb2.ChatRequest:
     _require_single_choice(body)
+    _require_stream_for_options(body)
     _refuse_tools(body)
     messages = [
         inference_pb2.Message(
@@ -73,6 +74,7 @@ def chat_request(body: protocol.ChatCompletionRequest) -> inference_pb2.ChatRequ
 
 def complete_request(body: protocol.CompletionRequest) -> inference_pb2.CompleteRequest:
     _require_single_choice(body)
+    _require_stream_for_options(body)
     if isinstance(body.prompt, str):
         prompt = body.prompt
     elif len(body.prompt) == 1:
@@ -146,6 +148,17 @@ def _require_single_choice(
 ) -> None:
     if body.n is not None and body.n != 1:
         raise _invalid(f"Only n=1 is supported; got n={body.n}.", param="n")
+
+
+def _require_stream_for_options(
+    body: protocol.ChatCompletionRequest | protocol.CompletionRequest,
+) -> None:
+    """OpenAI refuses `stream_options` on a request that does not stream."""
+    if body.stream_options is not None and not body.stream:
+        raise _invalid(
+            "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
+            param="stream_options",
+        )
 
 
 def _refuse_tools(body: protocol.ChatCompletionRequest) -> None:
@@ -591,6 +604,10 @@ class ErrorResponse:
     headers: dict[str, str]
 
 
+# The OpenAI parameter behind each field of the gRPC request an engine error can blame.
+_PARAMS = {"constraint": "response_format"}
+
+
 def error_response(err: errors.BlazarError, *, prompt_param: str = "messages") -> ErrorResponse:
     """OpenAI's `{"error": {message, type, param, code}}` with the matching HTTP status.
 
@@ -601,7 +618,9 @@ def error_response(err: errors.BlazarError, *, prompt_param: str = "messages") -
     headers: dict[str, str] = {}
     if status == 429:
         headers["retry-after"] = str(http_errors.retry_after_seconds(err))
-    param = err.metadata.get(validation.PARAM_KEY)
+    param = err.metadata.get(validation.PARAM_KEY) or _PARAMS.get(
+        err.metadata.get(errors.FIELD_KEY, "")
+    )
     code: str | None = None
     if isinstance(err, errors.ModelNotFound):
         code, param = "model_not_found", "model"
