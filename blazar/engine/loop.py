@@ -1,6 +1,6 @@
 """The decode thread: sole owner of the llama runtime, the slots and the order of work.
 
-Requests arrive as `Job`s on a thread-safe queue and wait FIFO for a free slot. A job
+Requests arrive as `jobs.Job`s on a thread-safe queue and wait FIFO for a free slot. A job
 takes the free slot whose cache shares the longest prefix with its prompt and keeps
 that prefix (`batching.choose_slot`, `batching.reusable_prefix`). Every step packs
 the next token of each decoding slot and prefill chunks of the others into one batch
@@ -30,99 +30,32 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
 import structlog
 
 from blazar.api import replicas
-from blazar.engine import batching, draft, kvstore, llama, logprobs, sampling, speculation, text
+from blazar.engine import (
+    batching,
+    draft,
+    jobs,
+    kvstore,
+    llama,
+    logprobs,
+    sampling,
+    speculation,
+    text,
+)
 
 log = structlog.get_logger("blazar.engine.loop")
-
-
-class FinishReason(StrEnum):
-    STOP = "stop"
-    LENGTH = "length"
-    CANCELLED = "cancelled"
-
-
-@dataclass(frozen=True)
-class TextDelta:
-    text: str
-    tokens: int
-    # One per token covered, when the job asked for logprobs.
-    logprobs: tuple[logprobs.TokenLogprob, ...] = ()
-
-
-@dataclass(frozen=True)
-class Finished:
-    reason: FinishReason
-    slot: int
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-    queue_ms: float
-    prefill_ms: float
-    ttft_ms: float
-    decode_ms: float
-    # One per prompt token after the first, when the job asked for prompt logprobs.
-    prompt_logprobs: tuple[logprobs.TokenLogprob, ...] = ()
-    # The drafter's kind ("ngram", "model") when the request drafted; else "".
-    speculation: str = ""
-    drafted_tokens: int = 0
-    accepted_tokens: int = 0
-
-    @property
-    def decode_tokens_per_second(self) -> float:
-        # decode_ms spans first to last token: completion_tokens - 1 decode steps.
-        steps = self.completion_tokens - 1
-        return steps * 1000.0 / self.decode_ms if steps > 0 and self.decode_ms > 0 else 0.0
-
-
-@dataclass(frozen=True)
-class Failed:
-    message: str
-
-
-Event = TextDelta | Finished | Failed
-
-
-class Job:
-    """One generation request, handed from the service to the decode thread."""
-
-    def __init__(
-        self,
-        *,
-        request_id: str,
-        prompt: list[int],
-        params: sampling.SamplingParams,
-        max_tokens: int,
-        deliver: Callable[[Event], None],
-    ) -> None:
-        self.request_id = request_id
-        self.prompt = prompt
-        self.params = params
-        self.max_tokens = max_tokens
-        self.deliver = deliver
-        self.arrived = time.perf_counter()
-        self._cancelled = threading.Event()
-
-    def cancel(self) -> None:
-        """Ask the decode thread to stop this job at its next step (any thread)."""
-        self._cancelled.set()
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancelled.is_set()
 
 
 @dataclass
 class Generation:
     """Progress of the job a slot is serving."""
 
-    job: Job
+    job: jobs.Job
     sampler: sampling.Sampler
     started: float
     # Prompt tokens found in the slot's cache (kept, not prefilled).
@@ -235,7 +168,7 @@ class _Speculator:
 class _End:
     """Why a request ends after the token just emitted."""
 
-    reason: FinishReason
+    reason: jobs.FinishReason
     flush: bool = True
 
 
@@ -252,8 +185,8 @@ class DecodeLoop:
         self.slots = [Slot(i) for i in range(options.runtime.slots)]
         self.kv_bytes = 0
         self._on_loaded = on_loaded
-        self._inbox: queue.Queue[Job | object] = queue.Queue()
-        self._waiting: collections.deque[Job] = collections.deque()
+        self._inbox: queue.Queue[jobs.Job | object] = queue.Queue()
+        self._waiting: collections.deque[jobs.Job] = collections.deque()
         self._runtime: llama.Runtime | None = None
         self._identity: kvstore.Identity | None = None
         self._spec: _Speculator | None = None
@@ -308,7 +241,7 @@ class DecodeLoop:
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, job: Job) -> None:
+    def submit(self, job: jobs.Job) -> None:
         """Queue a job (any thread); it starts when a slot frees up, in FIFO order."""
         self._inbox.put(job)
 
@@ -353,7 +286,7 @@ class DecodeLoop:
                         self._fail(runtime, slot, f"decode failed: {exc}")
         finally:
             for slot in self._active():
-                self._finish(runtime, slot, FinishReason.CANCELLED)
+                self._finish(runtime, slot, jobs.FinishReason.CANCELLED)
             self._drop_waiting()
             self._save(runtime)
             if self._spec is not None:
@@ -377,7 +310,7 @@ class DecodeLoop:
                 return True
             if item is _STOP:
                 return False
-            assert isinstance(item, Job)
+            assert isinstance(item, jobs.Job)
             self._waiting.append(item)
             block = False
 
@@ -403,9 +336,9 @@ class DecodeLoop:
                 self._begin(runtime, slot, job, placement.common)
             except Exception as exc:
                 log.exception("begin_failed", request_id=job.request_id)
-                job.deliver(Failed(f"could not start generation: {exc}"))
+                job.deliver(jobs.Failed(f"could not start generation: {exc}"))
 
-    def _begin(self, runtime: llama.Runtime, slot: Slot, job: Job, common: int) -> None:
+    def _begin(self, runtime: llama.Runtime, slot: Slot, job: jobs.Job, common: int) -> None:
         keep = batching.reusable_prefix(
             common, pos_min=runtime.pos_min(slot.index), n_swa=runtime.n_swa
         )
@@ -434,7 +367,7 @@ class DecodeLoop:
         for slot in self._active():
             assert slot.gen is not None
             if slot.gen.job.cancelled:
-                self._finish(runtime, slot, FinishReason.CANCELLED)
+                self._finish(runtime, slot, jobs.FinishReason.CANCELLED)
         active = sorted(self._active(), key=lambda s: s.gen.started if s.gen else 0.0)
         if self._spec is not None:
             self._draft(runtime, self._spec, active)
@@ -616,7 +549,7 @@ class DecodeLoop:
         gen.last_token = now
         if runtime.vocab.is_eog(token):
             # The end-of-generation token has no text, so no logprobs entry either.
-            return token, _End(FinishReason.STOP)
+            return token, _End(jobs.FinishReason.STOP)
         if row is not None:
             gen.scores.extend(logprobs.score(row, [token], top=params.top_logprobs))
             gen.score_starts.append(gen.decoded)
@@ -629,18 +562,18 @@ class DecodeLoop:
             keep = sum(1 for start in gen.score_starts if start < result.stop_at)
             del gen.scores[keep:], gen.score_starts[keep:]
         if result.text:
-            gen.job.deliver(TextDelta(result.text, gen.untold, tuple(gen.scores)))
+            gen.job.deliver(jobs.TextDelta(result.text, gen.untold, tuple(gen.scores)))
             gen.untold = 0
             gen.scores.clear()
             gen.score_starts.clear()
         if result.stopped:
-            return token, _End(FinishReason.STOP, flush=False)
+            return token, _End(jobs.FinishReason.STOP, flush=False)
         if gen.completion >= gen.job.max_tokens or cached >= self.context_per_slot:
-            return token, _End(FinishReason.LENGTH)
+            return token, _End(jobs.FinishReason.LENGTH)
         return token, None
 
     def _finish(
-        self, runtime: llama.Runtime, slot: Slot, reason: FinishReason, *, flush: bool = True
+        self, runtime: llama.Runtime, slot: Slot, reason: jobs.FinishReason, *, flush: bool = True
     ) -> None:
         """Free the slot (its cache stays for reuse), then tell the job how it ended.
 
@@ -649,10 +582,10 @@ class DecodeLoop:
         gen = slot.gen
         assert gen is not None
         job = gen.job
-        tail = gen.stops.flush() if flush and reason is not FinishReason.CANCELLED else ""
+        tail = gen.stops.flush() if flush and reason is not jobs.FinishReason.CANCELLED else ""
         ms = 1000.0
         first = gen.first_token or gen.started
-        finished = Finished(
+        finished = jobs.Finished(
             reason=reason,
             slot=slot.index,
             prompt_tokens=len(job.prompt),
@@ -670,14 +603,14 @@ class DecodeLoop:
         untold, scores = gen.untold, tuple(gen.scores)
         self._release(runtime, slot, keep_cache=True)
         if tail or scores:
-            job.deliver(TextDelta(tail, untold, scores))
+            job.deliver(jobs.TextDelta(tail, untold, scores))
         job.deliver(finished)
 
     def _fail(self, runtime: llama.Runtime, slot: Slot, message: str) -> None:
         assert slot.gen is not None
         job = slot.gen.job
         self._release(runtime, slot, keep_cache=False)
-        job.deliver(Failed(message))
+        job.deliver(jobs.Failed(message))
 
     def _release(self, runtime: llama.Runtime, slot: Slot, *, keep_cache: bool) -> None:
         assert slot.gen is not None
@@ -697,10 +630,10 @@ class DecodeLoop:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 break
-            if isinstance(item, Job):
+            if isinstance(item, jobs.Job):
                 self._waiting.append(item)
         while self._waiting:
-            self._waiting.popleft().deliver(Failed("engine stopped"))
+            self._waiting.popleft().deliver(jobs.Failed("engine stopped"))
 
     # --- KV persistence ---
 

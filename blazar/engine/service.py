@@ -21,7 +21,7 @@ import structlog
 from blazar._proto.engine.v1 import engine_pb2, engine_pb2_grpc
 from blazar._proto.v1 import inference_pb2
 from blazar.api import errors
-from blazar.engine import embedding, llama, logprobs, loop, sampling, text
+from blazar.engine import embedding, jobs, llama, logprobs, loop, sampling, text
 from blazar.rpc import status
 
 log = structlog.get_logger("blazar.engine.service")
@@ -31,9 +31,9 @@ CANCEL_WAIT_SECONDS = 5.0
 DEFAULT_DRAIN_GRACE_SECONDS = 10.0
 
 _FINISH = {
-    loop.FinishReason.STOP: inference_pb2.FINISH_REASON_STOP,
-    loop.FinishReason.LENGTH: inference_pb2.FINISH_REASON_LENGTH,
-    loop.FinishReason.CANCELLED: inference_pb2.FINISH_REASON_CANCELLED,
+    jobs.FinishReason.STOP: inference_pb2.FINISH_REASON_STOP,
+    jobs.FinishReason.LENGTH: inference_pb2.FINISH_REASON_LENGTH,
+    jobs.FinishReason.CANCELLED: inference_pb2.FINISH_REASON_CANCELLED,
 }
 
 
@@ -63,7 +63,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         self.state = EngineState.STARTING
         self._decode = decode
         self._model_path = model_path
-        self._inflight: set[loop.Job] = set()
+        self._inflight: set[jobs.Job] = set()
         self._idle = asyncio.Event()
         self._idle.set()
         self._chat: text.ChatTemplate | None = None
@@ -144,10 +144,10 @@ class EngineService(engine_pb2_grpc.EngineServicer):
     ) -> AsyncIterator[inference_pb2.Chunk]:
         if self.state is not EngineState.READY:
             await status.abort(context, errors.Unavailable(f"The engine is {self.state.lower()}."))
-        events: asyncio.Queue[loop.Event] = asyncio.Queue()
+        events: asyncio.Queue[jobs.Event] = asyncio.Queue()
         aio = asyncio.get_running_loop()
 
-        def deliver(event: loop.Event) -> None:
+        def deliver(event: jobs.Event) -> None:
             # RuntimeError: the event loop is closed, so nobody is listening any more.
             with contextlib.suppress(RuntimeError):
                 aio.call_soon_threadsafe(events.put_nowait, event)
@@ -159,13 +159,13 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         started = time.perf_counter()
         self._inflight.add(job)
         self._idle.clear()
-        finished: loop.Finished | None = None
+        finished: jobs.Finished | None = None
         streamed = 0
         try:
             self._decode.submit(job)
             while finished is None:
                 event = await events.get()
-                if isinstance(event, loop.TextDelta):
+                if isinstance(event, jobs.TextDelta):
                     streamed += event.tokens
                     yield inference_pb2.Chunk(
                         delta=inference_pb2.Delta(
@@ -174,9 +174,9 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                             logprobs=_wire_logprobs(self._decode.vocab, event.logprobs),
                         )
                     )
-                elif isinstance(event, loop.Finished):
+                elif isinstance(event, jobs.Finished):
                     finished = event
-                    if event.reason is loop.FinishReason.CANCELLED:
+                    if event.reason is jobs.FinishReason.CANCELLED:
                         # Cancelled here, not by the caller (who is gone): the drain.
                         await status.abort(
                             context,
@@ -265,8 +265,8 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         return self._embedder
 
     async def _prepare(
-        self, request: engine_pb2.GenerateRequest, deliver: Callable[[loop.Event], None]
-    ) -> loop.Job:
+        self, request: engine_pb2.GenerateRequest, deliver: Callable[[jobs.Event], None]
+    ) -> jobs.Job:
         """Validate, render and tokenize; raise BlazarError when it cannot run."""
         # Off the event loop: a JSON schema becomes a grammar that llama.cpp compiles.
         params = await asyncio.to_thread(
@@ -301,7 +301,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                 raise errors.ContextLengthExceeded.of(
                     prompt_tokens=len(tokens), max_tokens=max_tokens, context_length=limit
                 )
-        return loop.Job(
+        return jobs.Job(
             request_id=request.request_id,
             prompt=tokens,
             params=params,
@@ -330,7 +330,7 @@ def _wire_logprobs(
     return wire
 
 
-def _final(event: loop.Finished) -> inference_pb2.Final:
+def _final(event: jobs.Finished) -> inference_pb2.Final:
     return inference_pb2.Final(
         finish_reason=_FINISH[event.reason],
         usage=inference_pb2.Usage(
