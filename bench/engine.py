@@ -19,40 +19,26 @@ or Ctrl-C. A scenario whose server fails is reported as ERROR and the rest still
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import functools
 import json
-import os
 import random
 import shutil
 import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
-
-import httpx
-import yaml
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.integration.harness import Daemon, pid_alive, short_home, wait_for  # noqa: E402
-
-T = TypeVar("T")
-
-MODEL_ALIAS = "bench"
-SEED = 1234
-LANE_READY_TIMEOUT = 300.0
-SERVER_START_TIMEOUT = 180.0
-PEER_STOP_GRACE = 15.0
+import load  # noqa: E402  (bench/, beside this script)
+import servers  # noqa: E402
 
 # Short, varied openings for a base model: each invites a long continuation.
 PROMPTS = [
@@ -100,63 +86,10 @@ _TAILS = ["before the storm arrived", "during the long winter", "after the marke
           "near the edge of the forest", "as the bells began to ring"]  # fmt: skip
 
 
-# ---------------------------------------------------------------- configuration
-
-
-@dataclass(frozen=True)
-class Sizes:
-    repeats: int
-    max_tokens: int
-    long_prompt_tokens: int
-    spec_max_tokens: int
-    ttft_max_tokens: int = 4
-
-
-FULL = Sizes(repeats=3, max_tokens=128, long_prompt_tokens=1000, spec_max_tokens=128)
-QUICK = Sizes(repeats=1, max_tokens=32, long_prompt_tokens=400, spec_max_tokens=48)
-
-
-@dataclass(frozen=True)
-class Config:
-    model_path: Path
-    threads: int
-    concurrency: int
-    slots: int
-    context_per_slot: int
-    sizes: Sizes
-    peer_flash_attn: bool
-    workdir: Path
-    # Scenarios 1-3: Blazar's lane has the default fleet's n-gram SpecPair, as `make up`
-    # serves it (greedy output is the same either way); False measures plain decoding.
-    blazar_speculation: bool = True
-
-
-def log(message: str) -> None:
-    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
 # ---------------------------------------------------------------- tokens and prompts
 
 
-class Tokenizer:
-    """The model's own tokenizer (vocab only, no weights), to size prompts exactly."""
-
-    def __init__(self, model_path: Path) -> None:
-        from llama_cpp import Llama
-
-        self._llama = Llama(str(model_path), vocab_only=True, verbose=False)
-
-    def tokenize(self, text: str) -> list[int]:
-        return list(self._llama.tokenize(text.encode(), add_bos=False, special=False))
-
-    def count(self, text: str) -> int:
-        return len(self.tokenize(text))
-
-    def truncate(self, text: str, tokens: int) -> str:
-        return self._llama.detokenize(self.tokenize(text)[:tokens]).decode(errors="ignore")
-
-
-def filler_document(tokenizer: Tokenizer, *, seed: int, tokens: int) -> str:
+def filler_document(tokenizer: load.Tokenizer, *, seed: int, tokens: int) -> str:
     """Deterministic plain-English filler of `tokens` tokens.
 
     Different seeds share no prefix beyond the first word, so two documents of the same
@@ -180,365 +113,6 @@ def filler_document(tokenizer: Tokenizer, *, seed: int, tokens: int) -> str:
 def salted(prompt: str, tag: str) -> str:
     """A unique first line, so no request can reuse a previous request's prefix."""
     return f"Document {tag}.\n{prompt}"
-
-
-# ---------------------------------------------------------------- one streamed request
-
-
-@dataclass
-class Stream:
-    """What the client saw of one streamed completion (times are perf_counter seconds)."""
-
-    start: float = 0.0
-    first: float | None = None
-    last: float | None = None
-    end: float = 0.0
-    chunks: int = 0
-    text: str = ""
-    finish_reason: str | None = None
-    usage_tokens: int | None = None
-    cached_tokens: int | None = None
-    tokens: int = 0
-    token_source: str = ""
-
-    @property
-    def ttft(self) -> float:
-        if self.first is None:
-            raise RuntimeError("the stream produced no text")
-        return self.first - self.start
-
-    @property
-    def decode_rate(self) -> float:
-        """Tokens per second after the first one: excludes queueing and prefill."""
-        if self.first is None or self.last is None or self.last <= self.first:
-            raise RuntimeError(f"too few tokens to time decoding ({self.tokens})")
-        return (self.tokens - 1) / (self.last - self.first)
-
-
-async def stream_completion(
-    client: httpx.AsyncClient,
-    base_url: str,
-    prompt: str,
-    *,
-    max_tokens: int,
-    tokenizer: Tokenizer,
-    model: str = MODEL_ALIAS,
-) -> Stream:
-    body = {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "seed": SEED,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        # llama-cpp-python applies a 1.1 repeat penalty by default; Blazar applies none.
-        # Blazar ignores the field, so both servers get the same request.
-        "repeat_penalty": 1.0,
-    }
-    out = Stream(start=time.perf_counter())
-    parts: list[str] = []
-    async with client.stream("POST", f"{base_url}/v1/completions", json=body) as resp:
-        if resp.status_code != 200:
-            detail = (await resp.aread()).decode(errors="replace")[:500]
-            raise RuntimeError(f"HTTP {resp.status_code}: {detail}")
-        async for line in resp.aiter_lines():
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                break
-            chunk = json.loads(data)
-            if "error" in chunk:
-                raise RuntimeError(f"stream error: {chunk['error']}")
-            now = time.perf_counter()
-            for choice in chunk.get("choices") or []:
-                text = choice.get("text") or ""
-                if text:
-                    out.chunks += 1
-                    parts.append(text)
-                    if out.first is None:
-                        out.first = now
-                    out.last = now
-                if choice.get("finish_reason"):
-                    out.finish_reason = choice["finish_reason"]
-            usage = chunk.get("usage")
-            if usage:
-                out.usage_tokens = usage.get("completion_tokens")
-                details = usage.get("prompt_tokens_details") or {}
-                out.cached_tokens = details.get("cached_tokens")
-    out.end = time.perf_counter()
-    out.text = "".join(parts)
-    # Same count for both servers: a "length" finish is exactly max_tokens; otherwise the
-    # server's usage, or (the peer streams no usage) the output re-tokenized.
-    if out.finish_reason == "length":
-        out.tokens, out.token_source = max_tokens, "max_tokens"
-    elif out.usage_tokens is not None:
-        out.tokens, out.token_source = out.usage_tokens, "usage"
-    else:
-        out.tokens, out.token_source = tokenizer.count(out.text), "retokenized"
-    return out
-
-
-def http_client() -> httpx.AsyncClient:
-    return httpx.AsyncClient(
-        timeout=httpx.Timeout(900.0, connect=10.0),
-        limits=httpx.Limits(max_connections=64, max_keepalive_connections=64),
-        trust_env=False,
-    )
-
-
-async def one(
-    base_url: str,
-    prompt: str,
-    *,
-    max_tokens: int,
-    tokenizer: Tokenizer,
-    model: str = MODEL_ALIAS,
-) -> Stream:
-    async with http_client() as client:
-        return await stream_completion(
-            client, base_url, prompt, max_tokens=max_tokens, tokenizer=tokenizer, model=model
-        )
-
-
-async def concurrent(
-    base_url: str, prompts: list[str], *, max_tokens: int, tokenizer: Tokenizer
-) -> tuple[list[Stream], float]:
-    """All prompts at once; returns the streams and the wall time from first send to last end."""
-    async with http_client() as client:
-        t0 = time.perf_counter()
-        streams = await asyncio.gather(
-            *(
-                stream_completion(client, base_url, p, max_tokens=max_tokens, tokenizer=tokenizer)
-                for p in prompts
-            )
-        )
-        return list(streams), time.perf_counter() - t0
-
-
-def run(coro: Coroutine[Any, Any, T]) -> T:
-    return asyncio.run(coro)
-
-
-# ---------------------------------------------------------------- servers
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Peer:
-    """`python -m llama_cpp.server`, tuned as a fair peer, on a free loopback port.
-
-    Teardown: SIGTERM to its process group, up to PEER_STOP_GRACE seconds, then SIGKILL.
-    """
-
-    def __init__(self, config: Config) -> None:
-        self.config = config
-        self.process: subprocess.Popen[bytes] | None = None
-        self.base_url = ""
-        self.log_path = config.workdir / "peer.log"
-
-    def start(self) -> Peer:
-        port = free_port()
-        c = self.config
-        argv = [
-            sys.executable, "-m", "llama_cpp.server",
-            "--model", str(c.model_path), "--model_alias", MODEL_ALIAS,
-            "--host", "127.0.0.1", "--port", str(port),
-            "--n_ctx", str(c.context_per_slot),
-            "--n_threads", str(c.threads), "--n_threads_batch", str(c.threads),
-            "--n_batch", "512", "--n_ubatch", "512",
-            "--interrupt_requests", "False", "--logits_all", "False",
-            "--flash_attn", str(c.peer_flash_attn),
-            "--use_mlock", "False", "--seed", str(SEED), "--verbose", "False",
-        ]  # fmt: skip
-        log_file = self.log_path.open("ab")
-        self.process = subprocess.Popen(
-            argv, stdout=log_file, stderr=log_file, cwd=c.workdir, start_new_session=True
-        )
-        log_file.close()
-        self.base_url = f"http://127.0.0.1:{port}"
-
-        def ready() -> bool:
-            assert self.process is not None
-            if self.process.poll() is not None:
-                tail = self.log_tail()
-                hint = (
-                    " (llama_cpp.server's own dependencies come with the bench extra:"
-                    " run `make bench`, or pip install -e '.[bench]')"
-                    if "ModuleNotFoundError" in tail
-                    else ""
-                )
-                raise RuntimeError(f"peer exited early{hint}:\n{tail}")
-            try:
-                return httpx.get(
-                    f"{self.base_url}/v1/models", timeout=2, trust_env=False
-                ).is_success
-            except httpx.HTTPError:
-                return False
-
-        wait_for(ready, timeout=SERVER_START_TIMEOUT, what="llama_cpp.server", step=0.25)
-        return self
-
-    def log_tail(self) -> str:
-        return self.log_path.read_text(errors="replace")[-3000:]
-
-    def stop(self) -> None:
-        proc = self.process
-        if proc is None:
-            return
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=PEER_STOP_GRACE)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        else:
-            # The server is gone; anything it left in its group goes too.
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-        self.process = None
-
-
-@dataclass
-class LaneDef:
-    name: str
-    speculation: str | None = None
-    persist: bool = False
-
-
-class Blazar:
-    """`blazar serve` with its own BLAZAR_HOME and a fleet directory written here.
-
-    Teardown: SIGTERM to the daemon (it drains and stops its engines), wait, SIGKILL
-    after the harness's grace; then any engine pid it reported that is still alive is
-    killed by pid, and the home is removed.
-    """
-
-    def __init__(self, config: Config, lanes: list[LaneDef], *, spec_pairs: bool = False) -> None:
-        self.config = config
-        self.lanes = lanes
-        self.spec_pairs = spec_pairs
-        self.home = short_home()
-        self.fleet = self.home / "fleet"
-        self.daemon: Daemon | None = None
-        self.engine_pids: set[int] = set()
-
-    @property
-    def base_url(self) -> str:
-        assert self.daemon is not None
-        return f"http://{self.daemon.http}"
-
-    def manifests(self) -> list[dict[str, Any]]:
-        c = self.config
-        api = "blazar.dev/v1alpha1"
-        docs: list[dict[str, Any]] = [
-            {
-                "apiVersion": api,
-                "kind": "Model",
-                "metadata": {"name": "bench-model"},
-                "spec": {"source": {"path": str(c.model_path)}},
-            }
-        ]
-        if self.spec_pairs:
-            docs.append(
-                {
-                    "apiVersion": api,
-                    "kind": "SpecPair",
-                    "metadata": {"name": "bench-ngram"},
-                    "spec": {
-                        "target": "bench-model",
-                        "draft": {"kind": "ngram", "ngramSize": 3, "maxDraftTokens": 8},
-                        "disableAboveBatch": 4,
-                        "minAcceptanceRate": 0.3,
-                    },
-                }
-            )
-        for lane in self.lanes:
-            spec: dict[str, Any] = {
-                "model": "bench-model",
-                "replicas": 1,
-                "slots": c.slots,
-                "contextPerSlot": c.context_per_slot,
-                "threads": c.threads,
-            }
-            if lane.persist:
-                spec["kvCache"] = {"persist": True}
-            if lane.speculation:
-                spec["speculation"] = lane.speculation
-            docs.append(
-                {"apiVersion": api, "kind": "Lane", "metadata": {"name": lane.name}, "spec": spec}
-            )
-        return docs
-
-    def start(self) -> Blazar:
-        self.fleet.mkdir(parents=True, exist_ok=True)
-        (self.fleet / "bench.yaml").write_text(yaml.safe_dump_all(self.manifests()))
-        self._start_daemon()
-        return self
-
-    def _start_daemon(self) -> None:
-        self.daemon = Daemon(home=self.home, watch=self.fleet)
-        self.daemon.start(timeout=SERVER_START_TIMEOUT)
-        try:
-            for lane in self.lanes:
-                self.daemon.wait_condition("lane", lane.name, "Ready", timeout=LANE_READY_TIMEOUT)
-                self.engine_pids.update(self.daemon.pids(lane.name))
-        except AssertionError as exc:
-            raise RuntimeError(f"{exc}\n--- daemon log ---\n{self.daemon.log()}") from None
-
-    def restart(self) -> float:
-        """Graceful stop (SIGTERM: engines drain and save KV) and start; returns seconds."""
-        t0 = time.perf_counter()
-        self._stop_daemon()
-        self._start_daemon()
-        return time.perf_counter() - t0
-
-    def _stop_daemon(self) -> None:
-        if self.daemon is None or self.daemon.process is None:
-            return
-        self.daemon.stop(signal.SIGTERM, timeout=60.0)
-        pids = set(self.engine_pids)
-        try:
-            wait_for(
-                lambda: not any(pid_alive(p) for p in pids) or None,
-                timeout=30.0,
-                what="engine workers to exit",
-            )
-        except AssertionError:
-            for pid in pids:
-                if pid_alive(pid):
-                    log(f"engine worker {pid} outlived its daemon; killing it")
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGKILL)
-        self.engine_pids.clear()
-
-    def stop(self) -> None:
-        try:
-            self._stop_daemon()
-        finally:
-            self.daemon = None
-            shutil.rmtree(self.home, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def serving(server: Peer | Blazar) -> Iterator[Any]:
-    name = type(server).__name__.lower()
-    t0 = time.perf_counter()
-    try:
-        started = server.start()
-        log(f"{name} ready in {time.perf_counter() - t0:.1f}s")
-        yield started
-    finally:
-        server.stop()
-        log(f"{name} stopped")
 
 
 # ---------------------------------------------------------------- results
@@ -586,13 +160,13 @@ def guarded(rows: list[Row], what: str, fn: Callable[[], Any]) -> Any:
         return fn()
     except Exception as exc:
         message = f"{what}: {type(exc).__name__}: {exc}"
-        log(message)
+        servers.log(message)
         for row in rows:
             row.error = (row.error + "; " if row.error else "") + message.splitlines()[0][:300]
         return None
 
 
-def stream_summary(s: Stream) -> dict[str, Any]:
+def stream_summary(s: load.Stream) -> dict[str, Any]:
     return {
         "ttft_s": round(s.ttft, 4) if s.first is not None else None,
         "tokens": s.tokens,
@@ -628,12 +202,18 @@ class Throughput:
 
 
 def concurrent_run(
-    base_url: str, rep: int, into: Throughput, *, who: str, config: Config, tokenizer: Tokenizer
+    base_url: str,
+    rep: int,
+    into: Throughput,
+    *,
+    who: str,
+    config: servers.Config,
+    tokenizer: load.Tokenizer,
 ) -> None:
     """One run of `concurrency` simultaneous streams (scenarios 1 and 3)."""
     prompts = [salted(PROMPTS[i % len(PROMPTS)], f"c{rep}-{i}") for i in range(config.concurrency)]
-    streams, wall = run(
-        concurrent(base_url, prompts, max_tokens=config.sizes.max_tokens, tokenizer=tokenizer)
+    streams, wall = load.run(
+        load.concurrent(base_url, prompts, max_tokens=config.sizes.max_tokens, tokenizer=tokenizer)
     )
     total = sum(x.tokens for x in streams)
     into.aggregates.append(total / wall)
@@ -641,22 +221,32 @@ def concurrent_run(
     into.details["concurrent_runs"].append(
         {"wall_s": round(wall, 3), "tokens": total, "streams": [stream_summary(x) for x in streams]}
     )
-    log(f"{who}: {config.concurrency} streams, {total} tokens in {wall:.2f}s")
+    servers.log(f"{who}: {config.concurrency} streams, {total} tokens in {wall:.2f}s")
 
 
 def single_run(
-    base_url: str, rep: int, into: Throughput, *, who: str, config: Config, tokenizer: Tokenizer
+    base_url: str,
+    rep: int,
+    into: Throughput,
+    *,
+    who: str,
+    config: servers.Config,
+    tokenizer: load.Tokenizer,
 ) -> None:
     """One stream alone (scenario 2)."""
     prompt = salted(PROMPTS[rep % len(PROMPTS)], f"single-{rep}")
-    x = run(one(base_url, prompt, max_tokens=config.sizes.max_tokens, tokenizer=tokenizer))
+    x = load.run(
+        load.one(base_url, prompt, max_tokens=config.sizes.max_tokens, tokenizer=tokenizer)
+    )
     into.singles.append(x.decode_rate)
     into.texts.append(x.text)
     into.details["single_runs"].append(stream_summary(x) | {"decode_tps": round(x.decode_rate, 2)})
-    log(f"{who}: one stream, {x.tokens} tokens at {x.decode_rate:.1f} tok/s")
+    servers.log(f"{who}: one stream, {x.tokens} tokens at {x.decode_rate:.1f} tok/s")
 
 
-def scenarios_1_to_3(config: Config, tokenizer: Tokenizer, which: set[int]) -> list[Row]:
+def scenarios_1_to_3(
+    config: servers.Config, tokenizer: load.Tokenizer, which: set[int]
+) -> list[Row]:
     """Both servers are up at once and take turns, repeat by repeat.
 
     The machine's speed drifts by tens of percent within minutes on shared hosts; one
@@ -671,21 +261,23 @@ def scenarios_1_to_3(config: Config, tokenizer: Tokenizer, which: set[int]) -> l
         3: Row("3", f"p50 TTFT, {config.concurrency} streams", "s", "peer", "<=", 0.1),
     }  # fmt: skip
     selected = [rows[n] for n in sorted(which)]
-    lane = LaneDef("bench", speculation="bench-ngram" if config.blazar_speculation else None)
-    servers: dict[str, Peer | Blazar] = {
-        "peer": Peer(config),
-        "blazar": Blazar(config, [lane], spec_pairs=config.blazar_speculation),
+    lane = servers.LaneDef(
+        "bench", speculation="bench-ngram" if config.blazar_speculation else None
+    )
+    contenders: dict[str, servers.Peer | servers.Blazar] = {
+        "peer": servers.Peer(config),
+        "blazar": servers.Blazar(config, [lane], spec_pairs=config.blazar_speculation),
     }
     results: dict[str, Throughput] = {}
     with contextlib.ExitStack() as stack:
 
-        def start(server: Peer | Blazar) -> str:
-            url: str = stack.enter_context(serving(server)).base_url
-            run(one(url, "Hello", max_tokens=4, tokenizer=tokenizer))  # warm-up
+        def start(server: servers.Peer | servers.Blazar) -> str:
+            url: str = stack.enter_context(servers.serving(server)).base_url
+            load.run(load.one(url, "Hello", max_tokens=4, tokenizer=tokenizer))  # warm-up
             return url
 
         urls: dict[str, str] = {}
-        for name, server in servers.items():
+        for name, server in contenders.items():
             url = guarded(selected, name, functools.partial(start, server))
             if url is not None:
                 urls[name], results[name] = url, Throughput()
@@ -734,19 +326,23 @@ QUESTIONS = [
 ]
 
 
-def ttft_of(base_url: str, prompt: str, config: Config, tokenizer: Tokenizer) -> Stream:
-    return run(one(base_url, prompt, max_tokens=config.sizes.ttft_max_tokens, tokenizer=tokenizer))
+def ttft_of(
+    base_url: str, prompt: str, config: servers.Config, tokenizer: load.Tokenizer
+) -> load.Stream:
+    return load.run(
+        load.one(base_url, prompt, max_tokens=config.sizes.ttft_max_tokens, tokenizer=tokenizer)
+    )
 
 
-def scenario_4(config: Config, tokenizer: Tokenizer) -> list[Row]:
+def scenario_4(config: servers.Config, tokenizer: load.Tokenizer) -> list[Row]:
     n = config.sizes.long_prompt_tokens
     row = Row("4", f"TTFT, shared ~{n}-token prefix (warm/cold)", "s", "Blazar cold", "<=", 0.15)
 
     def measure() -> None:
-        with serving(Blazar(config, [LaneDef("bench")])) as srv:
-            run(one(srv.base_url, "Hello", max_tokens=4, tokenizer=tokenizer))
-            warm: list[Stream] = []
-            cold: list[Stream] = []
+        with servers.serving(servers.Blazar(config, [servers.LaneDef("bench")])) as srv:
+            load.run(load.one(srv.base_url, "Hello", max_tokens=4, tokenizer=tokenizer))
+            warm: list[load.Stream] = []
+            cold: list[load.Stream] = []
             for rep in range(config.sizes.repeats):
                 shared = filler_document(tokenizer, seed=100 + rep, tokens=n)
                 other = filler_document(tokenizer, seed=200 + rep, tokens=n)
@@ -756,7 +352,7 @@ def scenario_4(config: Config, tokenizer: Tokenizer) -> list[Row]:
                 warm.append(ttft_of(srv.base_url, second, config, tokenizer))
                 fresh = other + QUESTION.format(q=QUESTIONS[1])
                 cold.append(ttft_of(srv.base_url, fresh, config, tokenizer))
-                log(f"scenario 4: warm {warm[-1].ttft:.3f}s, cold {cold[-1].ttft:.3f}s")
+                servers.log(f"scenario 4: warm {warm[-1].ttft:.3f}s, cold {cold[-1].ttft:.3f}s")
             row.baseline = statistics.median(x.ttft for x in cold)
             row.blazar = statistics.median(x.ttft for x in warm)
             row.details = {
@@ -775,25 +371,27 @@ def scenario_4(config: Config, tokenizer: Tokenizer) -> list[Row]:
 # ---------------------------------------------------------------- scenario 5
 
 
-def scenario_5(config: Config, tokenizer: Tokenizer) -> list[Row]:
+def scenario_5(config: servers.Config, tokenizer: load.Tokenizer) -> list[Row]:
     copy_row = Row("5a", "n-gram speculation, copy-heavy decode tok/s", "tok/s",
                    "Blazar no spec", ">=", 1.5)  # fmt: skip
     prose_row = Row("5b", "n-gram speculation, open prose decode tok/s", "tok/s",
                     "Blazar no spec", ">=", 0.95)  # fmt: skip
-    lanes = [LaneDef("bench"), LaneDef("bench-spec", speculation="bench-ngram")]
+    lanes = [servers.LaneDef("bench"), servers.LaneDef("bench-spec", speculation="bench-ngram")]
 
     def measure() -> None:
-        with serving(Blazar(config, lanes, spec_pairs=True)) as srv:
+        with servers.serving(servers.Blazar(config, lanes, spec_pairs=True)) as srv:
             for lane in ("bench", "bench-spec"):
-                run(one(srv.base_url, "Hello", max_tokens=4, tokenizer=tokenizer, model=lane))
+                load.run(
+                    load.one(srv.base_url, "Hello", max_tokens=4, tokenizer=tokenizer, model=lane)
+                )
             for row, prompt in ((copy_row, COPY_PROMPT), (prose_row, STORY_PROMPT)):
                 rates: dict[str, list[float]] = {"bench": [], "bench-spec": []}
                 runs: dict[str, list[dict[str, Any]]] = {"bench": [], "bench-spec": []}
                 texts: dict[str, list[str]] = {"bench": [], "bench-spec": []}
                 for rep in range(config.sizes.repeats):
                     for lane in ("bench", "bench-spec"):  # interleaved against drift
-                        x = run(
-                            one(
+                        x = load.run(
+                            load.one(
                                 srv.base_url,
                                 salted(prompt, f"spec-{row.scenario}-{rep}"),
                                 max_tokens=config.sizes.spec_max_tokens,
@@ -806,7 +404,7 @@ def scenario_5(config: Config, tokenizer: Tokenizer) -> list[Row]:
                         runs[lane].append(
                             stream_summary(x) | {"decode_tps": round(x.decode_rate, 2)}
                         )
-                        log(f"scenario {row.scenario} {lane}: {x.decode_rate:.1f} tok/s")
+                        servers.log(f"scenario {row.scenario} {lane}: {x.decode_rate:.1f} tok/s")
                 row.baseline = statistics.median(rates["bench"])
                 row.blazar = statistics.median(rates["bench-spec"])
                 # Greedy speculation must not change the output; a mismatch means the
@@ -814,7 +412,7 @@ def scenario_5(config: Config, tokenizer: Tokenizer) -> list[Row]:
                 same = [a == b for a, b in zip(texts["bench"], texts["bench-spec"], strict=True)]
                 row.details = {"runs": runs, "same_output_as_no_spec": same}
                 if not all(same):
-                    log(f"scenario {row.scenario}: speculation changed the greedy output")
+                    servers.log(f"scenario {row.scenario}: speculation changed the greedy output")
 
     guarded([copy_row, prose_row], "blazar", measure)
     return [copy_row, prose_row]
@@ -823,7 +421,7 @@ def scenario_5(config: Config, tokenizer: Tokenizer) -> list[Row]:
 # ---------------------------------------------------------------- scenario 6
 
 
-def scenario_6(config: Config, tokenizer: Tokenizer) -> list[Row]:
+def scenario_6(config: servers.Config, tokenizer: load.Tokenizer) -> list[Row]:
     n = config.sizes.long_prompt_tokens
     row = Row("6", f"TTFT after restart, persisted ~{n}-token prompt", "s",
               "Blazar cold", "<=", 0.3)  # fmt: skip
@@ -838,18 +436,20 @@ def scenario_6(config: Config, tokenizer: Tokenizer) -> list[Row]:
     ]
 
     def measure() -> None:
-        with serving(Blazar(config, [LaneDef("bench", persist=True)])) as srv:
-            run(one(srv.base_url, "Hello", max_tokens=4, tokenizer=tokenizer))
+        with servers.serving(
+            servers.Blazar(config, [servers.LaneDef("bench", persist=True)])
+        ) as srv:
+            load.run(load.one(srv.base_url, "Hello", max_tokens=4, tokenizer=tokenizer))
             before = [ttft_of(srv.base_url, p, config, tokenizer) for p in persisted]
             restart_s = srv.restart()
-            log(f"scenario 6: restarted in {restart_s:.1f}s")
+            servers.log(f"scenario 6: restarted in {restart_s:.1f}s")
             # Warm first: a cold prompt sent earlier could be placed in a persisted slot.
             # No warm-up request either, for the same reason, so the first warm request
             # also pays any first-decode cost: this biases against Blazar.
             warm = [ttft_of(srv.base_url, p, config, tokenizer) for p in persisted]
             cold = [ttft_of(srv.base_url, p, config, tokenizer) for p in fresh]
             for w, c in zip(warm, cold, strict=True):
-                log(f"scenario 6: restored {w.ttft:.3f}s, cold {c.ttft:.3f}s")
+                servers.log(f"scenario 6: restored {w.ttft:.3f}s, cold {c.ttft:.3f}s")
             row.baseline = statistics.median(x.ttft for x in cold)
             row.blazar = statistics.median(x.ttft for x in warm)
             row.details = {
@@ -955,19 +555,21 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _terminate)
     workdir = Path(tempfile.mkdtemp(prefix="blazar-bench-"))
     model = args.model.resolve() if args.model else bundled_model()
-    config = Config(
+    config = servers.Config(
         model_path=model,
         threads=args.threads,
         concurrency=args.concurrency,
         slots=max(8, args.concurrency),
         context_per_slot=2048,
-        sizes=QUICK if args.quick else FULL,
+        sizes=servers.QUICK if args.quick else servers.FULL,
         peer_flash_attn=args.peer_flash_attn == "on",
         workdir=workdir,
         blazar_speculation=args.blazar_speculation == "on",
     )
-    log(f"model {model}, {config.threads} threads, sizes {config.sizes}, work dir {workdir}")
-    tokenizer = Tokenizer(model)
+    servers.log(
+        f"model {model}, {config.threads} threads, sizes {config.sizes}, work dir {workdir}"
+    )
+    tokenizer = load.Tokenizer(model)
     rows: list[Row] = []
     started = time.perf_counter()
     try:
@@ -982,7 +584,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         peer_log = workdir / "peer.log"
         if rows and any(r.error for r in rows) and peer_log.exists():
-            log(f"peer log kept at {peer_log}")
+            servers.log(f"peer log kept at {peer_log}")
         else:
             shutil.rmtree(workdir, ignore_errors=True)
     elapsed = time.perf_counter() - started
