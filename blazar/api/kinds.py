@@ -14,6 +14,9 @@ from datetime import datetime, timedelta
 from enum import StrEnum
 from typing import Annotated, Literal
 
+import jinja2
+import jinja2.meta
+import jinja2.sandbox
 from pydantic import (
     AfterValidator,
     ConfigDict,
@@ -95,10 +98,49 @@ def _check_sha256(value: str) -> str:
     return value
 
 
+# The turn formats a Model's `chatTemplate` can name (the engine renders each); any
+# other value must be an inline Jinja template.
+CHAT_TEMPLATE_NAMES = ("gemma", "chatml", "llama3")
+
+
+def _check_chat_template(value: str, info: ValidationInfo) -> str:
+    """A named turn format, or a Jinja template that compiles and reads `messages`.
+
+    Objects read back from the store are not checked again (`manifests.from_dict`):
+    a rule added later must not make a stored Model unreadable.
+    """
+    if value in CHAT_TEMPLATE_NAMES or _stored(info):
+        return value
+    names = ", ".join(CHAT_TEMPLATE_NAMES)
+    if "{{" not in value and "{%" not in value:
+        shown = value if len(value) <= 40 else value[:40] + "..."
+        raise invalid(
+            f"'{shown}' is not a template name ({names}) and has no Jinja markup; "
+            "give a name or an inline Jinja template"
+        )
+    # The engine's environment (transformers' apply_chat_template uses the same).
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    try:
+        tree = env.parse(value)
+    except jinja2.TemplateSyntaxError as exc:
+        raise invalid(f"is not a valid Jinja template: {exc.message} (line {exc.lineno})") from None
+    if "messages" not in jinja2.meta.find_undeclared_variables(tree):
+        raise invalid("never reads 'messages', so every conversation would render the same prompt")
+    return value
+
+
+# The validation context key `manifests.from_dict` sets for trusted, stored data.
+STORED = "stored"
+
+
+def _stored(info: ValidationInfo) -> bool:
+    return isinstance(info.context, dict) and bool(info.context.get(STORED))
+
+
 class ModelSpec(CamelModel):
     source: ModelSource
     sha256: Annotated[str, AfterValidator(_check_sha256)] | None = None
-    chat_template: str | None = None
+    chat_template: Annotated[str, AfterValidator(_check_chat_template)] | None = None
     context_length: int | None = Field(default=None, gt=0)
 
 

@@ -152,7 +152,7 @@ def to_dict(resource: Resource) -> dict[str, Any]:
 def from_dict(data: dict[str, Any]) -> Resource:
     """Rebuild a resource from trusted data (the store, the wire), status and server
     metadata included."""
-    return _ADAPTER.validate_python(data)
+    return _ADAPTER.validate_python(data, context={kinds.STORED: True})
 
 
 # --- helpers ---------------------------------------------------------------------

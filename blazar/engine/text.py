@@ -108,7 +108,17 @@ class ChatTemplate:
                 bos_token=self._bos,
                 eos_token=self._eos,
             )
-        except jinja2.TemplateError as exc:
+        except errors.InvalidRequest:
+            raise  # the template's own raise_exception
+        except (
+            jinja2.TemplateError,
+            ArithmeticError,
+            RecursionError,
+            TypeError,
+            ValueError,
+        ) as exc:
+            # A template is code: it can divide by zero, recurse or ask the sandbox for a
+            # range too big. Each is the conversation or template at fault, not Blazar.
             raise errors.InvalidRequest(f"The chat template failed: {exc}") from exc
         return rendered.removeprefix(self._bos) if self._bos else rendered
 

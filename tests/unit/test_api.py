@@ -76,6 +76,19 @@ def model_doc(name: str = "gemma3-270m", **source: str) -> dict[str, Any]:
     }
 
 
+def model_with_template(template: str) -> dict[str, Any]:
+    doc = model_doc()
+    doc["spec"]["chatTemplate"] = template
+    return doc
+
+
+def test_stored_model_with_a_template_now_refused_still_loads() -> None:
+    """Validation added later applies to what is applied, not to what is stored."""
+    stored = model_with_template("mistral")
+    model = manifests.from_dict(stored)
+    assert isinstance(model, kinds.Model) and model.spec.chat_template == "mistral"
+
+
 def errors_of(docs: list[tuple[str, dict[str, Any]]]) -> list[tuple[str, str]]:
     with pytest.raises(errors.ManifestInvalid) as info:
         manifests.parse_objects(docs)
@@ -203,6 +216,22 @@ def test_every_error_is_reported_with_its_path() -> None:
             {**model_doc(), "spec": {"source": {"path": "/a"}, "sha256": "ABC"}},
             "Model/gemma3-270m: spec.sha256",
             "64 lowercase hexadecimal",
+        ),
+        (model_with_template("chatml"), None, None),
+        (model_with_template("{% for m in messages %}{{ m['content'] }}{% endfor %}"), None, None),
+        # An unknown name used to become a literal template that drops every message.
+        (model_with_template("mistral"), "Model/gemma3-270m: spec.chatTemplate", "'mistral'"),
+        (model_with_template("ChatML"), "Model/gemma3-270m: spec.chatTemplate", "(gemma, chatml"),
+        # A broken template used to be found only by the engine, which then crash-looped.
+        (
+            model_with_template("{% for m in messages %}{{ m.content }"),
+            "Model/gemma3-270m: spec.chatTemplate",
+            "not a valid Jinja template",
+        ),
+        (
+            model_with_template("{{ bos_token }}hello"),
+            "Model/gemma3-270m: spec.chatTemplate",
+            "never reads 'messages'",
         ),
         (
             {

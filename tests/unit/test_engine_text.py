@@ -5,7 +5,7 @@ from __future__ import annotations
 import jinja2
 import pytest
 
-from blazar.api import errors
+from blazar.api import errors, kinds
 from blazar.engine import text
 from blazar.engine.text import ChatTurn as T
 
@@ -198,3 +198,28 @@ def test_named_templates_render(name: str, expected: str) -> None:
     template = text.ChatTemplate(source, bos_token="<|begin_of_text|>")
     turns = [text.ChatTurn("system", "Be brief."), text.ChatTurn("user", "Hi")]
     assert template.render(turns) == expected
+
+
+def test_every_name_a_model_may_give_is_a_template() -> None:
+    assert set(kinds.CHAT_TEMPLATE_NAMES) == set(text.NAMED_TEMPLATES)
+
+
+@pytest.mark.parametrize(
+    ("source", "fragment"),
+    [
+        ("{% for m in messages %}{{ 1 / 0 }}{% endfor %}", "division by zero"),
+        ("{% for i in range(300000) %}x{% endfor %}{{ messages }}", "range"),
+        (
+            "{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}{{ messages }}",
+            "recursion",
+        ),
+        ("{{ messages[0]['content'] + 1 }}", "str"),
+    ],
+)
+def test_a_template_that_breaks_while_rendering_is_the_callers_error(
+    source: str, fragment: str
+) -> None:
+    template = text.ChatTemplate(source)
+    with pytest.raises(errors.InvalidRequest, match="The chat template failed") as caught:
+        template.render([T("user", "Hi")])
+    assert fragment in str(caught.value).lower()
