@@ -40,42 +40,41 @@ class Placement:
     common: int
 
 
-# A shared prefix this long always counts as a match; shorter ones must cover half
-# the prompt. A few shared tokens (BOS, a chat template's opening) are not worth
-# evicting another conversation's cache for.
-MIN_MATCH_TOKENS = 64
-
-
-def worth_reusing(common: int, prompt_len: int) -> bool:
-    """Whether sharing `common` tokens makes a slot a match for a prompt."""
-    return common > 0 and common >= min(MIN_MATCH_TOKENS, prompt_len // 2)
-
-
 def choose_slot(
     prompt: Sequence[int], free: Sequence[FreeSlot], *, n_swa: int = 0, reuse: bool = True
 ) -> Placement:
-    """Where a prompt goes: the free slot with the longest prefix it can keep (ties: the
-    least recently used); with no match, an empty slot, else the least recently used.
+    """Where a prompt goes, and how much of that slot's cache it keeps.
+
+    A slot matches when the prompt keeps at least as much of its cache as it throws
+    away: a shared BOS or template opening does not make a request wipe another
+    conversation's long cache while an empty slot is free (llama.cpp's server has the
+    same rule: the shared prefix must be half of what the slot holds). Among matches
+    the longest kept prefix wins; with none, the slot that loses least (an empty one
+    loses nothing); ties go to the least recently used. The chosen slot keeps all it
+    can, match or not.
 
     The shared length is capped at len(prompt) - 1: the last prompt token is always
     evaluated again, so that there are logits to sample the first new token from. A
     slot whose cache lacks part of the window the shared prefix needs (`n_swa`,
-    `reusable_prefix`) keeps nothing, so it does not count as a match: a restored
-    slot is not wiped for a prompt that cannot use it while another slot is free.
-    With reuse=False (the request needs logits for every prompt position) nothing is
-    kept and the slot is chosen as if nothing matched.
+    `reusable_prefix`) keeps nothing. With reuse=False (the request needs logits for
+    every prompt position) nothing is kept anywhere.
     """
     if not free:
         raise ValueError("no free slot")
     limit = max(len(prompt) - 1, 0)
 
-    def shared(slot: FreeSlot) -> int:
+    def kept(slot: FreeSlot) -> int:
         common = min(common_prefix(slot.tokens, prompt), limit) if reuse else 0
-        common = reusable_prefix(common, pos_min=slot.pos_min, n_swa=n_swa)
-        return common if worth_reusing(common, len(prompt)) else 0
+        return reusable_prefix(common, pos_min=slot.pos_min, n_swa=n_swa)
 
-    best = min(free, key=lambda s: (-shared(s), bool(s.tokens), s.last_used, s.index))
-    return Placement(slot=best.index, common=shared(best))
+    def rank(slot: FreeSlot) -> tuple[bool, int, int, int]:
+        keep = kept(slot)
+        lost = len(slot.tokens) - keep
+        matches = keep > 0 and keep >= lost
+        return (not matches, -keep if matches else lost - keep, slot.last_used, slot.index)
+
+    best = min(free, key=rank)
+    return Placement(slot=best.index, common=kept(best))
 
 
 def reusable_prefix(common: int, *, pos_min: int, n_swa: int) -> int:
