@@ -2,8 +2,8 @@
 
 Per slot two files: `slot-<i>.kv` (llama.cpp's sequence state with its token list)
 and `slot-<i>.json`, written last, which says what the state belongs to: the model
-file (size and a hash of its head and tail), the slot count, the context per slot and
-the cache types.
+file (size, modification time and a hash of its head and tail), the slot count, the
+context per slot and the cache types.
 A restore loads only files whose identity matches this worker and consumes them;
 anything else is skipped with a warning, never fatal. Decode thread only.
 """
@@ -33,6 +33,9 @@ class Identity:
     """What a saved state is only valid for."""
 
     model_size: int
+    # An in-place edit of the weights keeps the size and may keep head and tail; it
+    # changes the modification time (as the Model controller's rehash check assumes).
+    model_mtime_ns: int
     model_hash: str
     # llama.cpp refuses a sequence state saved with another number of KV streams.
     slots: int
@@ -43,8 +46,10 @@ class Identity:
 
     @classmethod
     def of(cls, options: llama.RuntimeOptions, *, context_per_slot: int) -> Identity:
+        stat = os.stat(options.model_path)
         return cls(
-            model_size=os.path.getsize(options.model_path),
+            model_size=stat.st_size,
+            model_mtime_ns=stat.st_mtime_ns,
             model_hash=model_fingerprint(options.model_path),
             slots=options.slots,
             context_per_slot=context_per_slot,
