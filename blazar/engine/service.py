@@ -282,6 +282,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             if not request.chat.messages:
                 raise errors.InvalidRequest("The conversation has no messages.")
             turns = [text.ChatTurn(m.role, m.content) for m in request.chat.messages]
+            text.check_roles(turns)
             prompt = self._chat.render(turns) if self._chat else text.render_gemma(turns)
         else:
             raise errors.InvalidRequest("Set either prompt or chat.")

@@ -16,7 +16,9 @@ import jinja2.sandbox
 
 from blazar.api import errors
 
-_GEMMA_ROLES = {"user": "user", "tool": "user", "assistant": "model", "model": "model"}
+# The roles a conversation may use (blazar.v1.Message), whatever the template.
+ROLES = ("system", "user", "assistant", "tool")
+_GEMMA_ROLES = {"user": "user", "tool": "user", "assistant": "model"}
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,19 @@ class ChatTurn:
     content: str
 
 
+def check_roles(turns: Sequence[ChatTurn]) -> None:
+    """InvalidRequest naming the first turn whose role is not one of `ROLES`.
+
+    A Jinja template would render any role it is given ("<|im_start|>wizard"), so
+    the check comes before any template sees the conversation.
+    """
+    for i, turn in enumerate(turns):
+        if turn.role not in ROLES:
+            raise errors.InvalidRequest(
+                f"Message {i} has role '{turn.role}'; use {', '.join(ROLES[:-1])} or {ROLES[-1]}."
+            )
+
+
 def render_gemma(turns: Sequence[ChatTurn]) -> str:
     """Render a conversation in Gemma's turn format, ending with an open model turn.
 
@@ -34,17 +49,14 @@ def render_gemma(turns: Sequence[ChatTurn]) -> str:
     of their own in Gemma: their text is prepended to the first user turn. BOS is not
     part of the result; the tokenizer adds it.
     """
+    check_roles(turns)
     system = "\n\n".join(t.content.strip() for t in turns if t.role == "system")
     rendered: list[str] = []
     prefix = system + "\n\n" if system else ""
     for turn in turns:
         if turn.role == "system":
             continue
-        role = _GEMMA_ROLES.get(turn.role)
-        if role is None:
-            raise errors.InvalidRequest(
-                f"Unknown message role '{turn.role}'; use system, user, assistant or tool."
-            )
+        role = _GEMMA_ROLES[turn.role]
         content = turn.content.strip()
         if role == "user" and prefix:
             content, prefix = prefix + content, ""

@@ -156,6 +156,11 @@ def test_named_chat_template(spawn: Spawner, tokenize: Callable[[str], list[int]
     _, final = w.generate(chat=engine_pb2.ChatInput(messages=messages), sampling=greedy(2))
     rendered = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
     assert final.usage.prompt_tokens == len(tokenize(rendered))
+    # A template would render any role ("<|im_start|>wizard"): the engine refuses it.
+    wizard = engine_pb2.ChatInput(messages=[inference_pb2.Message(role="wizard", content="Hi")])
+    err = rpc_error(lambda: w.generate(chat=wizard, sampling=greedy(2)))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "'wizard'" in (err.details() or "")
 
 
 def test_broken_chat_template_is_fatal(spawn: Spawner) -> None:

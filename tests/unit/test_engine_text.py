@@ -29,7 +29,7 @@ from blazar.engine.text import ChatTurn as T
             "<start_of_turn>user\nc<end_of_turn>\n<start_of_turn>model\n",
         ),
         (  # the system text goes to the first *user* turn, even after a model turn
-            [T("system", "S"), T("model", "hello"), T("user", "u")],
+            [T("system", "S"), T("assistant", "hello"), T("user", "u")],
             "<start_of_turn>model\nhello<end_of_turn>\n"
             "<start_of_turn>user\nS\n\nu<end_of_turn>\n<start_of_turn>model\n",
         ),
