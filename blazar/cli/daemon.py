@@ -26,6 +26,7 @@ from blazar.controller.manager import Manager
 from blazar.controller.model import ModelReconciler
 from blazar.controller.policy import PolicyReconciler
 from blazar.dataplane import server as dataplane_server
+from blazar.engine import monitor
 from blazar.engine.supervisor import Supervisor
 from blazar.gitops import watcher
 from blazar.shim.app import create_app
@@ -110,6 +111,10 @@ async def run(options: Options) -> None:
         loop.add_signal_handler(sig, stop.set)
 
     await manager.start()
+    health = monitor.HealthMonitor(
+        observe=lambda: [r for lane in sorted(supervisor.lanes()) for r in supervisor.observe(lane)]
+    )
+    monitor_task = asyncio.create_task(health.run(stop), name="engine-health")
     gitops_task = None
     if options.watch is not None:
         gitops_task = asyncio.create_task(watcher.watch(store, options.watch, stop), name="gitops")
@@ -126,6 +131,7 @@ async def run(options: Options) -> None:
     await plane.set_serving(False)
     if gitops_task is not None:
         await gitops_task
+    await monitor_task
     await manager.stop()
     await supervisor.stop_all()
     await plane.stop(grace=5)

@@ -65,6 +65,24 @@ def test_openai_client_streams_a_chat_completion(daemon: Daemon) -> None:
     assert finishes and finishes[-1] in ("stop", "length")
 
 
+def test_engine_health_is_on_metrics(daemon: Daemon) -> None:
+    """Slots, cached tokens, KV size and memory of each ready replica, polled."""
+    client(daemon).completions.create(model="gemma3", prompt="Once upon", max_tokens=4)
+    labels = 'lane="gemma3",replica="0"'
+
+    def cached_tokens() -> float | None:
+        for line in httpx.get(f"http://{daemon.http}/metrics", trust_env=False).text.splitlines():
+            if line.startswith(f"blazar_engine_cached_tokens{{{labels}}}"):
+                return float(line.split()[-1]) or None
+        return None
+
+    wait_for(cached_tokens, timeout=20.0, what="engine health on /metrics")
+    text = httpx.get(f"http://{daemon.http}/metrics", trust_env=False).text
+    assert f'blazar_engine_slots{{{labels},state="free"}}' in text
+    assert f"blazar_engine_kv_bytes{{{labels}}}" in text
+    assert f"blazar_engine_memory_bytes{{{labels}}}" in text
+
+
 def test_unknown_model_and_malformed_json_do_not_disturb_others(daemon: Daemon) -> None:
     result: dict[str, object] = {}
 
