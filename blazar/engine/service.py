@@ -241,18 +241,20 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             await status.abort(context, errors.Unavailable(f"The engine is {self.state.lower()}."))
         vocab = self._decode.vocab
 
-        def split() -> tuple[list[int], list[str]]:
+        def split() -> inference_pb2.TokenizeResponse:
             tokens = vocab.tokenize(
                 request.text, add_bos=request.add_special, parse_special=request.parse_special
             )
-            # A token may be part of a multi-byte character; its piece then shows U+FFFD.
-            pieces = [
-                vocab.piece(t, special=True).decode("utf-8", errors="replace") for t in tokens
-            ]
-            return tokens, pieces
+            raw = [vocab.piece(t, special=True) for t in tokens]
+            return inference_pb2.TokenizeResponse(
+                tokens=tokens,
+                # A token may be part of a multi-byte character; its piece then shows
+                # U+FFFD, and only piece_bytes carries it exactly.
+                pieces=[b.decode("utf-8", errors="replace") for b in raw],
+                piece_bytes=raw,
+            )
 
-        tokens, pieces = await asyncio.to_thread(split)
-        return inference_pb2.TokenizeResponse(tokens=tokens, pieces=pieces)
+        return await asyncio.to_thread(split)
 
     def _embeddings(self) -> embedding.Embedder:
         if self._embedder is None:

@@ -129,6 +129,11 @@ def test_tokenize_round_trips(worker: Worker, model_path: Path) -> None:
     with_bos = tokenize(worker, text, add_special=True)
     assert list(with_bos.tokens) == [reference.token_bos(), *plain.tokens]
     assert with_bos.pieces[0] == "<bos>"
+    # Byte-fallback tokens: each is a part of one character, so only the bytes join up.
+    hieroglyph = tokenize(worker, "𓀀")
+    assert len(hieroglyph.tokens) > 1 and set(hieroglyph.pieces) == {"\ufffd"}
+    assert b"".join(hieroglyph.piece_bytes) == "𓀀".encode()
+    assert b"".join(plain.piece_bytes) == text.encode()
 
 
 def test_tokenize_parses_control_tokens_only_when_asked(worker: Worker) -> None:

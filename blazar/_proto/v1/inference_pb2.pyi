@@ -267,11 +267,13 @@ class TokenizeRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., text: _Optional[str] = ..., add_special: _Optional[bool] = ..., parse_special: _Optional[bool] = ...) -> None: ...
 
 class TokenizeResponse(_message.Message):
-    __slots__ = ("tokens", "pieces", "model")
+    __slots__ = ("tokens", "pieces", "model", "piece_bytes")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     PIECES_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    PIECE_BYTES_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     pieces: _containers.RepeatedScalarFieldContainer[str]
     model: str
-    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., pieces: _Optional[_Iterable[str]] = ..., model: _Optional[str] = ...) -> None: ...
+    piece_bytes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., pieces: _Optional[_Iterable[str]] = ..., model: _Optional[str] = ..., piece_bytes: _Optional[_Iterable[bytes]] = ...) -> None: ...
