@@ -110,6 +110,10 @@ async def run(options: Options) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
 
+    if options.watch is not None:
+        # Before the controllers start: a manifest edited while the daemon was down
+        # must not first start (then replace) an engine from the stored spec.
+        watcher.sync(store, options.watch)
     await manager.start()
     health = monitor.HealthMonitor(
         observe=lambda: [r for lane in sorted(supervisor.lanes()) for r in supervisor.observe(lane)]

@@ -1,8 +1,9 @@
 """Keeps the store in step with a directory of manifests (GitOps).
 
-Every manifest under the directory is applied at start and again, as one batch, each
-time a file in it changes. A bad batch is rejected whole (and recorded as an event);
-what is running keeps running.
+Every manifest under the directory is applied at start (`sync`, which the daemon calls
+before its controllers run, so that they never start engines from a stale stored spec)
+and again, as one batch, each time a file in it changes (`watch`). A bad batch is
+rejected whole (and recorded as an event); what is running keeps running.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def _is_manifest(change: watchfiles.Change, path: str) -> bool:
 
 
 async def watch(store: Store, directory: Path, stop: asyncio.Event) -> None:
-    sync(store, directory)
+    """Apply the directory on every change until `stop`; `sync` it first yourself."""
     async for _ in watchfiles.awatch(
         directory, stop_event=stop, debounce=200, step=50, watch_filter=_is_manifest
     ):

@@ -254,6 +254,24 @@ def test_daemon_kill_leaves_no_orphans_and_restart_reconverges(model_path: Path)
             assert not set(second.pids("solo")) & set(pids)
         finally:
             second.stop()
+
+        # Edited while the daemon was down: the engine starts once, from the edit, not
+        # first from the stored spec and then again.
+        manifest = fleet / "fleet.yaml"
+        manifest.write_text(manifest.read_text().replace("512", "1024"))
+        seen = second.log_path.stat().st_size
+        third = Daemon(home=home, watch=fleet).start()
+        try:
+            third.wait_condition("lane", "solo", "Ready", timeout=180)
+            assert third.get("lane", "solo")["spec"]["contextPerSlot"] == 1024
+            with third.log_path.open("rb") as f:
+                f.seek(seen)
+                events = [json.loads(line) for line in f.read().splitlines() if line[:1] == b"{"]
+            spawned = [e for e in events if e.get("event") == "replica.spawned"]
+            assert len(spawned) == 1, spawned
+            assert not [e for e in events if e.get("event") == "replica.stop"]
+        finally:
+            third.stop()
     finally:
         first.stop()
         shutil.rmtree(home, ignore_errors=True)
