@@ -3,10 +3,16 @@
 On the wire an error is a status code (from `BlazarError.code`), the message as the
 status details, and trailing metadata: `blazar-reason` plus one `blazar-<key>` entry
 per metadata item (for example `blazar-retry_after_ms`).
+
+A status without `blazar-reason` came from gRPC itself and is read by its code, with
+one exception: gRPC refuses a message over a size limit with RESOURCE_EXHAUSTED, which
+would read as `Overloaded` (retry later), though retrying cannot help. That refusal is
+the caller's request (or the answer it asked for) being too large: `InvalidRequest`.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any, NoReturn
 
 import grpc
@@ -44,7 +50,44 @@ def from_rpc_error(exc: grpc.RpcError) -> errors.BlazarError:
     metadata = {k[len(_PREFIX) :]: v for k, v in meta.items() if k.startswith(_PREFIX)}
     if reason:
         return errors.from_reason(reason, message, metadata)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and (too_large := _too_large(message)):
+        return too_large
     return _BY_CODE.get(code, errors.BlazarError)(message)
+
+
+# How gRPC words its size refusals, e.g. "SERVER: Received message larger than max
+# (5600017 vs. 4194304)"; a client-side refusal may be wrapped in "Stream removed (...)".
+_TOO_LARGE = re.compile(
+    r"(?P<side>SERVER|CLIENT): (?P<way>Received|Sent) message larger than max "
+    r"\((?P<size>\d+) vs\. (?P<limit>\d+)\)"
+)
+
+
+def _too_large(details: str) -> errors.InvalidRequest | None:
+    """The InvalidRequest a gRPC message-size refusal means; None for any other details."""
+    found = _TOO_LARGE.search(details)
+    if found is None:
+        return None
+    size, limit = int(found["size"]), int(found["limit"])
+    # A server receiving, or a client sending, refuses the request; the other two the answer.
+    request = (found["side"] == "SERVER") == (found["way"] == "Received")
+    what = "request" if request else "response"
+    advice = (
+        "Send a shorter prompt or fewer inputs."
+        if request
+        else "Ask for less in one request (fewer inputs or tokens)."
+    )
+    return errors.InvalidRequest(
+        f"The {what} is larger than the server accepts: {size} bytes, and the limit is "
+        f"{byte_count(limit)}. {advice}",
+        metadata={f"{what}_bytes": str(size), "limit_bytes": str(limit)},
+    )
+
+
+def byte_count(n: int) -> str:
+    """`4194304 bytes (4 MiB)`; the MiB only when it is whole."""
+    mib = f" ({n >> 20} MiB)" if n and n % 2**20 == 0 else ""
+    return f"{n} bytes{mib}"
 
 
 # What a bare status (no blazar-reason, e.g. from gRPC itself) means.

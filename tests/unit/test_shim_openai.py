@@ -862,6 +862,34 @@ async def test_daemon_errors_map_to_http_status(
     assert (await client.get("/v1/models")).status_code == http_status
 
 
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/completions", {"model": "tiny", "prompt": "x" * 5_600_000}),
+        (
+            "/v1/chat/completions",
+            chat_body(messages=[{"role": "user", "content": "x" * 5_600_000}]),
+        ),
+    ],
+)
+async def test_a_request_too_large_for_grpc_is_400_not_overloaded(
+    daemon: Daemon, client: httpx.AsyncClient, path: str, body: dict[str, Any], stream: bool
+) -> None:
+    # The fake daemon keeps gRPC's default 4 MiB limit, so gRPC itself refuses the
+    # request (RESOURCE_EXHAUSTED without Blazar's metadata); it never reaches the fake.
+    daemon.fake.scripts["tiny"] = HELLO
+    response = await client.post(path, json={**body, "stream": stream})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert (error["code"], error["param"]) == (None, None)
+    assert error["message"].startswith("The request is larger than the server accepts: ")
+    assert "the limit is 4194304 bytes (4 MiB)" in error["message"]
+    assert "retry-after" not in response.headers
+    assert daemon.fake.requests == []
+
+
 async def test_malformed_request_does_not_disturb_concurrent_good_one(
     daemon: Daemon, client: httpx.AsyncClient
 ) -> None:
