@@ -1,4 +1,8 @@
-"""The daemon's gRPC server: Inference, Control, health checking and reflection."""
+"""The daemon's gRPC server: Inference, Control, health checking and reflection.
+
+Requests are limited to `blazar.rpc.limits.MAX_REQUEST_BYTES`; a larger one is refused
+with INVALID_ARGUMENT (see that module for why gRPC's own limit is set higher).
+"""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ from grpc_reflection.v1alpha import reflection
 from blazar._proto.v1 import control_pb2, control_pb2_grpc, inference_pb2, inference_pb2_grpc
 from blazar.dataplane.control import ControlService
 from blazar.dataplane.inference import EnginePool, InferenceService
+from blazar.rpc import limits
 from blazar.store.base import Store
 
 SERVICES = (
@@ -46,7 +51,9 @@ class DataPlane:
 
 async def start(*, store: Store, address: str) -> DataPlane:
     """Bind address (port 0 picks a free port) and start serving."""
-    server = grpc.aio.server()
+    server = grpc.aio.server(
+        interceptors=(limits.RequestSizeLimit(),), options=limits.SERVER_OPTIONS
+    )
     pool = EnginePool()
     inference = InferenceService(store=store, pool=pool)
     inference_pb2_grpc.add_InferenceServicer_to_server(inference, server)

@@ -14,6 +14,7 @@ from typing import Any
 
 import grpc
 import prometheus_client
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from blazar._proto.engine.v1 import engine_pb2_grpc
 from blazar._proto.v1 import inference_pb2, inference_pb2_grpc
@@ -170,3 +171,60 @@ def test_a_session_returns_to_its_replica_while_it_has_room() -> None:
 
     # The session stays on replica 0; a request without one goes to the idle replica.
     assert asyncio.run(run()) == [0, 0, 1]
+
+
+async def call(stub: inference_pb2_grpc.InferenceStub, prompt: str) -> grpc.aio.AioRpcError | None:
+    try:
+        async for _ in stub.Complete(inference_pb2.CompleteRequest(model="l", prompt=prompt)):
+            pass
+    except grpc.aio.AioRpcError as exc:
+        return exc
+    return None
+
+
+def test_a_request_over_the_size_limit_is_invalid_not_overloaded() -> None:
+    fake = FakeEngine(refuse=False, text="x")
+
+    async def run() -> tuple[list[Any], list[grpc.aio.AioRpcError | None]]:
+        async with data_plane([fake]) as stub:
+            unary: list[Any] = []
+            for text in ("y" * 10_000_000, "y" * 70 * 2**20):
+                try:
+                    await stub.Tokenize(inference_pb2.TokenizeRequest(model="l", text=text))
+                except grpc.aio.AioRpcError as exc:
+                    unary.append(exc)
+            streams = [await call(stub, "y" * size) for size in (5_600_000, 3_500_000)]
+            return unary, streams
+
+    unary, streams = asyncio.run(run())
+    over_limit, over_ceiling = unary
+    refused = streams[0]
+    for exc in (over_limit, refused):
+        assert isinstance(exc, grpc.aio.AioRpcError)
+        assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "larger than the server accepts" in (exc.details() or "")
+        assert "the limit is 4194304 bytes (4 MiB)" in (exc.details() or "")
+        assert isinstance(status.from_rpc_error(exc), errors.InvalidRequest)
+    # Past the ceiling gRPC refuses by itself; Blazar's clients still read it as invalid.
+    assert over_ceiling.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert type(status.from_rpc_error(over_ceiling)) is errors.InvalidRequest
+    # Within the limit the request reaches the engine (which judges its context length).
+    assert streams[1] is None
+    assert fake.calls == 1
+
+
+def test_the_size_limit_keeps_writer_style_streams_working() -> None:
+    # grpc's health Watch writes with context.write instead of yielding.
+    async def first_status() -> int:
+        store = MemoryStore()
+        plane = await server.start(store=store, address="127.0.0.1:0")
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{plane.port}") as channel:
+                call = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest())
+                response = await asyncio.wait_for(call.read(), timeout=5)
+                call.cancel()
+                return int(response.status)
+        finally:
+            await plane.stop(grace=0)
+
+    assert asyncio.run(first_status()) == health_pb2.HealthCheckResponse.SERVING

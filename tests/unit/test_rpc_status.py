@@ -6,7 +6,7 @@ import grpc
 import pytest
 
 from blazar.api import errors
-from blazar.rpc import status
+from blazar.rpc import limits, status
 
 
 class FakeRpcError(grpc.RpcError):
@@ -87,3 +87,18 @@ def test_blazar_overloaded_stays_overloaded_whatever_its_message() -> None:
     )
     assert type(err) is errors.Overloaded
     assert err.metadata == {"retry_after_ms": "10"}
+
+
+@pytest.mark.parametrize(
+    ("size", "refused"),
+    [(0, False), (limits.MAX_REQUEST_BYTES, False), (limits.MAX_REQUEST_BYTES + 1, True)],
+)
+def test_request_too_large(size: int, refused: bool) -> None:
+    err = limits.request_too_large(size)
+    assert (err is not None) == refused
+    if err is not None:
+        assert err.code == "INVALID_ARGUMENT"
+        assert err.message == (
+            f"The request is larger than the server accepts: {size} bytes, and the limit is "
+            "4194304 bytes (4 MiB). Send a shorter prompt or fewer inputs."
+        )

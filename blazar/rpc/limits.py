@@ -1,0 +1,103 @@
+"""How large a request the daemon's gRPC server takes, and how it refuses a larger one.
+
+gRPC refuses a message over its receive limit itself, with RESOURCE_EXHAUSTED and
+no Blazar metadata, which callers read as "overloaded, retry later". So the server
+lets gRPC take in up to `RECEIVE_CEILING_BYTES` and `RequestSizeLimit` refuses any
+request over `MAX_REQUEST_BYTES` as the caller's fault: INVALID_ARGUMENT with a
+message that states the limit. Only a message over the ceiling still meets gRPC's own
+refusal, which `blazar.rpc.status.from_rpc_error` reads as an InvalidRequest too.
+
+`MAX_REQUEST_BYTES` is gRPC's default, which is also what each engine worker accepts
+from the data plane, so a request that passes here is not refused one hop later.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+
+from blazar.api import errors
+from blazar.rpc import status
+
+MAX_REQUEST_BYTES = 4 * 2**20
+RECEIVE_CEILING_BYTES = 64 * 2**20
+
+SERVER_OPTIONS = (("grpc.max_receive_message_length", RECEIVE_CEILING_BYTES),)
+
+
+def request_too_large(size: int, *, limit: int = MAX_REQUEST_BYTES) -> errors.InvalidRequest | None:
+    """The error for a request of `size` bytes; None when it is within the limit."""
+    if size <= limit:
+        return None
+    return errors.InvalidRequest(
+        f"The request is larger than the server accepts: {size} bytes, and the limit is "
+        f"{status.byte_count(limit)}. Send a shorter prompt or fewer inputs.",
+        metadata={"request_bytes": str(size), "limit_bytes": str(limit)},
+    )
+
+
+class RequestSizeLimit(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Refuses every unary request over `limit` bytes before its handler runs.
+
+    Streaming requests pass untouched (each message is bounded by the ceiling only);
+    the daemon serves none but reflection's.
+    """
+
+    def __init__(self, limit: int = MAX_REQUEST_BYTES) -> None:
+        self._limit = limit
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[Any], Awaitable[Any]],
+        handler_call_details: Any,
+    ) -> Any:
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.request_streaming:
+            return handler
+        if handler.unary_unary is not None:
+            return grpc.unary_unary_rpc_method_handler(
+                self._checked_unary(handler.unary_unary),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return grpc.unary_stream_rpc_method_handler(
+            self._checked_stream(handler.unary_stream),
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+
+    async def _check(self, request: Any, context: Any) -> None:
+        err = request_too_large(request.ByteSize(), limit=self._limit)
+        if err is not None:
+            await status.abort(context, err)
+
+    def _checked_unary(self, behaviour: Any) -> Any:
+        async def checked(request: Any, context: Any) -> Any:
+            await self._check(request, context)
+            return await behaviour(request, context)
+
+        return checked
+
+    def _checked_stream(self, behaviour: Any) -> Any:
+        # grpc.aio tells a generator handler from a writer one (context.write) by its
+        # function type, so the wrapper must be of the same kind.
+        if inspect.isasyncgenfunction(behaviour):
+
+            async def generate(request: Any, context: Any) -> AsyncIterator[Any]:
+                await self._check(request, context)
+                # aclosing: a caller that leaves must end the handler's stream now.
+                async with contextlib.aclosing(behaviour(request, context)) as responses:
+                    async for response in responses:
+                        yield response
+
+            return generate
+
+        async def write(request: Any, context: Any) -> None:
+            await self._check(request, context)
+            await behaviour(request, context)
+
+        return write
