@@ -176,13 +176,22 @@ class LaneReconciler:
     def _record_transitions(
         self, name: str, previous: LaneStatus, observed: list[ReplicaObservation]
     ) -> None:
-        before = {r.index: (r.state, r.pid) for r in previous.replica_statuses}
+        # Restarts are in the key because a replica that failed to spawn has no pid, so
+        # each failed attempt would otherwise look like the one before.
+        before = {r.index: (r.state, r.pid, r.restarts) for r in previous.replica_statuses}
         for obs in observed:
-            if before.get(obs.index) == (obs.state.value, obs.pid):
+            if before.get(obs.index) == (obs.state.value, obs.pid, obs.restarts):
                 continue
             if obs.state == ReplicaState.READY:
                 self._event(
                     name, "Normal", "ReplicaReady", f"Replica {obs.index} (pid {obs.pid}) is ready."
+                )
+            elif obs.state == ReplicaState.FAILED and obs.pid is None:
+                self._event(
+                    name,
+                    "Warning",
+                    "ReplicaStartFailed",
+                    f"Replica {obs.index}: {obs.message or 'its process could not be started'}.",
                 )
             elif obs.state == ReplicaState.FAILED:
                 self._event(

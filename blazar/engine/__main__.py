@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from blazar.engine import llama, worker
 
@@ -21,8 +22,17 @@ def parse_args(argv: Sequence[str] | None = None) -> worker.WorkerConfig:
     p.add_argument("--threads", type=int, default=2, help="CPU threads for decode and prefill")
     p.add_argument("--gpu-layers", type=int, default=0, help="layers to offload to a GPU")
     p.add_argument("--parent-pid", type=int, default=None, help="exit if this is not our parent")
-    p.add_argument(
-        "--chat-template", default=None, help="Jinja chat template overriding the GGUF's"
+    template = p.add_mutually_exclusive_group()
+    template.add_argument(
+        "--chat-template",
+        default=None,
+        help="chat template overriding the GGUF's: a name (gemma, chatml, llama3) or Jinja",
+    )
+    template.add_argument(
+        "--chat-template-file",
+        default=None,
+        metavar="PATH",
+        help="read --chat-template's value from this UTF-8 file (for values too long to pass)",
     )
     p.add_argument(
         "--log-json", action="store_true", default=None, help="log one JSON object per line"
@@ -49,6 +59,12 @@ def parse_args(argv: Sequence[str] | None = None) -> worker.WorkerConfig:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     if a.spec_max_draft < 0 or not 0.0 <= a.spec_min_acceptance <= 1.0:
         p.error("--spec-max-draft must be >= 0 and --spec-min-acceptance between 0 and 1")
+    chat_template = a.chat_template
+    if a.chat_template_file is not None:
+        try:
+            chat_template = Path(a.chat_template_file).read_bytes().decode("utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            p.error(f"--chat-template-file: {exc}")
     speculation = (
         worker.SpeculationConfig(
             kind=worker.SpecKind(a.spec_kind),
@@ -69,7 +85,7 @@ def parse_args(argv: Sequence[str] | None = None) -> worker.WorkerConfig:
         threads=a.threads,
         gpu_layers=a.gpu_layers,
         parent_pid=a.parent_pid,
-        chat_template=a.chat_template,
+        chat_template=chat_template,
         log_json=a.log_json,
         type_k=a.type_k,
         type_v=a.type_v,

@@ -9,6 +9,11 @@ and calls `on_change(lane)` on every transition so the Lane is reconciled. `stop
 is the teardown: Drain RPC (finish in-flight work up to the grace period), SIGTERM,
 wait, then SIGKILL of the whole process group. Workers also die on their own when the
 daemon dies (parent-death signal), so a `kill -9` of the daemon leaves no orphans.
+
+A replica whose process cannot be started at all (the OS refuses the spawn) goes to
+Failed at once, as if it had crashed. A chat template longer than
+`INLINE_ARG_MAX_BYTES` reaches the worker in a file in the run directory, since one
+command-line argument is limited to 128 KiB.
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ STOP_GRACE_S = 10.0
 # service module loads llama.cpp, which the daemon does not need).
 DRAIN_CANCEL_ALLOWANCE_S = 7.0
 _MAX_UNIX_PATH = 100
+# Longer argument values go through a file: Linux caps one argument at 128 KiB.
+INLINE_ARG_MAX_BYTES = 1024
 
 
 def socket_dir(home: Path) -> Path:
@@ -119,7 +126,14 @@ class Supervisor:
             restarts=(old.restarts + 1) if old else 0,
         )
         self._replicas[key] = replica
-        await self._spawn(replica)
+        try:
+            await self._spawn(replica)
+        except OSError as exc:
+            # Nothing runs, so nothing would ever move the replica on from Starting.
+            replica.exited_at = datetime.now(UTC)
+            self._set(replica, ReplicaState.FAILED, f"cannot start the engine process: {exc}")
+            log.warning("replica.spawn_failed", lane=lane, index=index, error=str(exc))
+            return
         replica.task = asyncio.create_task(self._follow(replica), name=f"replica {lane}/{index}")
 
     async def stop(self, lane: str, index: int, *, grace: float = STOP_GRACE_S) -> None:
@@ -145,8 +159,9 @@ class Supervisor:
             with contextlib.suppress(asyncio.CancelledError):
                 await replica.task
         self._replicas.pop((lane, index), None)
-        with contextlib.suppress(FileNotFoundError):
-            replica.socket.unlink()
+        for path in (replica.socket, self._chat_template_path(replica)):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
 
     async def stop_all(self, *, grace: float = STOP_GRACE_S) -> None:
         await asyncio.gather(
@@ -155,7 +170,7 @@ class Supervisor:
 
     # -- internals ------------------------------------------------------------------
 
-    def _argv(self, replica: _Replica) -> list[str]:
+    def _argv(self, replica: _Replica, *, chat_template: list[str]) -> list[str]:
         launch = replica.launch
         argv = [
             self.python, "-m", "blazar.engine",
@@ -167,8 +182,7 @@ class Supervisor:
             "--gpu-layers", str(launch.gpu_layers),
             "--parent-pid", str(os.getpid()),
         ]  # fmt: skip
-        if launch.chat_template:
-            argv += ["--chat-template", launch.chat_template]
+        argv += chat_template
         argv += ["--type-k", launch.type_k, "--type-v", launch.type_v]
         if launch.kv_persist:
             kv_dir = self.home / "kv" / replica.lane / str(replica.index)
@@ -189,13 +203,29 @@ class Supervisor:
             argv.append("--log-json")
         return argv
 
+    def _chat_template_path(self, replica: _Replica) -> Path:
+        return self.run_dir / f"{replica.lane}-{replica.index}.chat-template"
+
+    def _chat_template_args(self, replica: _Replica) -> list[str]:
+        """`--chat-template VALUE` for a name or a short template, else a file's path."""
+        template = replica.launch.chat_template
+        if not template:
+            return []
+        if len(template.encode()) <= INLINE_ARG_MAX_BYTES and "\0" not in template:
+            return ["--chat-template", template]
+        path = self._chat_template_path(replica)
+        path.write_bytes(template.encode())
+        return ["--chat-template-file", str(path)]
+
     async def _spawn(self, replica: _Replica) -> None:
+        """Start the worker process; OSError when the OS refuses to."""
         with contextlib.suppress(FileNotFoundError):
             replica.socket.unlink()
+        argv = self._argv(replica, chat_template=self._chat_template_args(replica))
         log_path = self.log_dir / f"{replica.lane}-{replica.index}.log"
         with log_path.open("ab") as log_file:
             replica.process = await asyncio.create_subprocess_exec(
-                *self._argv(replica),
+                *argv,
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=log_file,
                 stderr=log_file,

@@ -1,0 +1,204 @@
+"""The engine supervisor starting replicas it cannot start as asked, driven by the Lane
+reconciler: the replica is never left stuck at Starting, and the Lane says why.
+
+The worker is a stand-in for `python -m blazar.engine`: a script that records its
+command line and sleeps, so these tests spawn real processes but load no model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+
+from blazar.api import conditions, manifests
+from blazar.api.kinds import Kind, Lane, ModelStatus
+from blazar.api.meta import ConditionStatus
+from blazar.api.replicas import LaunchSpec, ReplicaObservation, ReplicaState
+from blazar.controller.lane import LaneReconciler
+from blazar.engine import __main__ as engine_main
+from blazar.engine import supervisor
+from blazar.store.memory import MemoryStore
+
+FAKE_WORKER = f"""#!{sys.executable}
+import os, sys, json, time
+here = os.path.dirname(os.path.abspath(__file__))
+path = os.path.join(here, "argv.%d" % os.getpid())
+with open(path + ".tmp", "w") as f:
+    json.dump(sys.argv[1:], f)
+os.rename(path + ".tmp", path)
+time.sleep(60)
+"""
+
+
+def manifest() -> str:
+    model_spec = {"source": {"path": "/models/m.gguf"}}
+    lane_spec = {"model": "m", "replicas": 1, "slots": 1, "threads": 1}
+    return "\n---\n".join(
+        json.dumps({"apiVersion": "blazar.dev/v1alpha1", "kind": k, "metadata": m, "spec": s})
+        for k, m, s in (("Model", {"name": "m"}, model_spec), ("Lane", {"name": "l"}, lane_spec))
+    )
+
+
+@dataclass
+class Clock:
+    now: datetime = datetime(2026, 1, 1, tzinfo=UTC)
+
+    def __call__(self) -> datetime:
+        return self.now
+
+
+@dataclass
+class Fixture:
+    clock: Clock
+    store: MemoryStore
+    supervisor: supervisor.Supervisor
+    reconciler: LaneReconciler
+    bin_dir: Path
+
+    def replica(self) -> ReplicaObservation:
+        (obs,) = self.supervisor.observe("l")
+        return obs
+
+    def events(self) -> list[tuple[str, str, str]]:
+        return [(e.type, e.reason, e.message) for e in self.store.events(kind="Lane", name="l")]
+
+    def argv(self, pid: int) -> list[str]:
+        return recorded_argv(self.bin_dir, pid)
+
+
+def recorded_argv(bin_dir: Path, pid: int) -> list[str]:
+    """The arguments the fake worker with this pid was started with."""
+    path = bin_dir / f"argv.{pid}"
+    poll(path.exists, what="the worker to record its command line")
+    args: list[str] = json.loads(path.read_text())
+    return args
+
+
+def poll(condition: Callable[[], bool], *, what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+def fake_worker(tmp_path: Path) -> Path:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    worker = bin_dir / "python"
+    worker.write_text(FAKE_WORKER)
+    worker.chmod(0o755)
+    return worker
+
+
+@asynccontextmanager
+async def lane(tmp_path: Path, text: str, *, python: str | None = None) -> AsyncIterator[Fixture]:
+    """Lane "l" applied and reconciled once, its Model ready; replicas stopped at the end."""
+    worker = fake_worker(tmp_path)
+    # From the real time: the supervisor stamps exits with it, and backoff counts from there.
+    clock = Clock(datetime.now(UTC))
+    store = MemoryStore(clock=clock)
+    docs = manifests.parse_documents(text, source="test")
+    store.apply_all(manifests.validate_objects(docs, exists=lambda k, n: False))
+    ready = conditions.set_condition(
+        [], type="ModelReady", status=ConditionStatus.TRUE, reason="Resolved", message="ok",
+        observed_generation=1, now=clock.now,
+    )  # fmt: skip
+    store.update_status(
+        Kind.MODEL, "m", ModelStatus(observed_generation=1, conditions=ready, path="/models/m.gguf")
+    )
+    sup = supervisor.Supervisor(
+        home=tmp_path / "home", on_change=lambda _: None, python=python or str(worker)
+    )
+    reconciler = LaneReconciler(store=store, processes=sup, clock=clock)
+    try:
+        await reconciler.reconcile("l")
+        yield Fixture(
+            clock=clock, store=store, supervisor=sup, reconciler=reconciler, bin_dir=worker.parent
+        )
+    finally:
+        await sup.stop_all(grace=1.0)
+
+
+LONG_TEMPLATE = (
+    "{# " + "x" * 200 * 1024 + " #}\r\n{% for m in messages %}{{ m.content }}{% endfor %}"
+)
+
+
+@pytest.mark.parametrize(
+    ("template", "inline"),
+    [
+        ("chatml", True),
+        ("gemma", True),
+        ("{{ messages[0].content }}", True),
+        (LONG_TEMPLATE, False),
+    ],
+)
+def test_chat_template_reaches_the_worker_whatever_its_length(
+    tmp_path: Path, template: str, inline: bool
+) -> None:
+    # Straight to the supervisor: how long a template a manifest may hold is not its concern.
+    worker = fake_worker(tmp_path)
+    sup = supervisor.Supervisor(
+        home=tmp_path / "home", on_change=lambda _: None, python=str(worker)
+    )
+    launch = LaunchSpec(
+        model_path="/models/m.gguf", slots=1, context_per_slot=512, threads=1, gpu_layers=0,
+        chat_template=template,
+    )  # fmt: skip
+
+    async def run() -> tuple[ReplicaObservation, list[str], str | None]:
+        try:
+            await sup.start("l", 0, launch)
+            (obs,) = sup.observe("l")
+            assert obs.pid is not None, obs
+            argv = recorded_argv(worker.parent, obs.pid)
+            # What the worker makes of it, while the file it may name is there.
+            return obs, argv, engine_main.parse_args(argv[2:]).chat_template
+        finally:
+            await sup.stop_all(grace=1.0)
+
+    obs, argv, parsed = asyncio.run(run())
+    assert obs.state == ReplicaState.STARTING
+    assert argv[:2] == ["-m", "blazar.engine"]
+    assert ("--chat-template" in argv) == inline
+    assert ("--chat-template-file" not in argv) == inline
+    assert parsed == template
+    assert not list(sup.run_dir.glob("*.chat-template"))  # stop() removed it
+
+
+def test_a_worker_that_cannot_be_spawned_fails_like_a_crash(tmp_path: Path) -> None:
+    missing = str(tmp_path / "no-such-python")
+
+    async def run() -> tuple[ReplicaObservation, list[tuple[str, str, str]], Lane]:
+        async with lane(tmp_path, manifest(), python=missing) as f:
+            first = f.replica()
+            f.clock.now += timedelta(seconds=1.1)  # past the crash backoff: try again
+            await f.reconciler.reconcile("l")
+            lane_obj = f.store.get(Kind.LANE, "l")
+            assert isinstance(lane_obj, Lane)
+            assert (first.state, first.pid) == (f.replica().state, f.replica().pid)
+            return f.replica(), f.events(), lane_obj
+
+    obs, events, lane_obj = asyncio.run(run())
+    assert (obs.state, obs.pid, obs.restarts) == (ReplicaState.FAILED, None, 1)
+    assert obs.message.startswith("cannot start the engine process: [Errno 2] No such file")
+    failed = ("Warning", "ReplicaStartFailed", f"Replica 0: {obs.message}.")
+    assert [e for e in events if e[0] == "Warning"] == [
+        failed,
+        ("Warning", "BackOff", "Restarting crashed replica 0."),
+        failed,
+    ]
+    degraded = conditions.get_condition(lane_obj.status.conditions, "Degraded")
+    assert degraded is not None and degraded.status == ConditionStatus.TRUE
+    (status,) = lane_obj.status.replica_statuses
+    assert (status.state, status.message) == ("Failed", obs.message)
