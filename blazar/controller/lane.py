@@ -158,7 +158,8 @@ class LaneReconciler:
             else:
                 self._event(name, "Normal", "ReplicaStarting", f"Starting replica {action.index}.")
             log.info("replica.start", lane=name, index=action.index, restart=action.restart)
-            await self._processes.start(name, action.index, action.launch)
+            for warning in await self._processes.start(name, action.index, action.launch):
+                self._event(name, "Warning", warning.reason, warning.message)
         else:
             log.info("replica.stop", lane=name, index=action.index, reason=action.reason)
             await self._processes.stop(name, action.index)

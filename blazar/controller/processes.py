@@ -6,9 +6,21 @@ records calls and lets the test move replicas between states.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 from blazar.api.replicas import LaunchSpec, ReplicaObservation
+
+
+class StartWarning(Protocol):
+    """What went wrong starting a replica without keeping it from running; the
+    controller records it as a Warning event on the Lane."""
+
+    @property
+    def reason(self) -> str: ...
+
+    @property
+    def message(self) -> str: ...
 
 
 class Processes(Protocol):
@@ -20,8 +32,12 @@ class Processes(Protocol):
         """Names of lanes that have at least one replica."""
         ...
 
-    async def start(self, lane: str, index: int, launch: LaunchSpec) -> None:
-        """Spawn replica index (replacing a failed one); returns once spawned, not ready."""
+    async def start(self, lane: str, index: int, launch: LaunchSpec) -> Sequence[StartWarning]:
+        """Spawn replica index (replacing a failed one); returns once spawned, not ready.
+
+        A replica the OS refuses to spawn is observed as Failed, like a crash. What is
+        lost but does not stop the replica (KV persistence, say) comes back as warnings.
+        """
         ...
 
     async def stop(self, lane: str, index: int) -> None:

@@ -13,7 +13,9 @@ daemon dies (parent-death signal), so a `kill -9` of the daemon leaves no orphan
 A replica whose process cannot be started at all (the OS refuses the spawn) goes to
 Failed at once, as if it had crashed. A chat template longer than
 `INLINE_ARG_MAX_BYTES` reaches the worker in a file in the run directory, since one
-command-line argument is limited to 128 KiB.
+command-line argument is limited to 128 KiB. A KV cache directory that cannot be
+created only costs that optimisation: the replica starts cold and `start()` returns a
+warning.
 """
 
 from __future__ import annotations
@@ -57,6 +59,14 @@ def socket_dir(home: Path) -> Path:
         return run
     digest = hashlib.sha256(str(home).encode()).hexdigest()[:12]
     return Path("/tmp") / f"blazar-{digest}"
+
+
+@dataclass(frozen=True)
+class StartWarning:
+    """Something that went wrong starting a replica without keeping it from running."""
+
+    reason: str
+    message: str
 
 
 @dataclass
@@ -113,11 +123,11 @@ class Supervisor:
     def lanes(self) -> set[str]:
         return {lane for lane, _ in self._replicas}
 
-    async def start(self, lane: str, index: int, launch: LaunchSpec) -> None:
+    async def start(self, lane: str, index: int, launch: LaunchSpec) -> list[StartWarning]:
         key = (lane, index)
         old = self._replicas.get(key)
         if old is not None and old.state != ReplicaState.FAILED:
-            return  # already running: starting is idempotent
+            return []  # already running: starting is idempotent
         replica = _Replica(
             lane=lane,
             index=index,
@@ -126,15 +136,17 @@ class Supervisor:
             restarts=(old.restarts + 1) if old else 0,
         )
         self._replicas[key] = replica
+        warnings: list[StartWarning] = []
         try:
-            await self._spawn(replica)
+            await self._spawn(replica, warnings)
         except OSError as exc:
             # Nothing runs, so nothing would ever move the replica on from Starting.
             replica.exited_at = datetime.now(UTC)
             self._set(replica, ReplicaState.FAILED, f"cannot start the engine process: {exc}")
             log.warning("replica.spawn_failed", lane=lane, index=index, error=str(exc))
-            return
+            return warnings
         replica.task = asyncio.create_task(self._follow(replica), name=f"replica {lane}/{index}")
+        return warnings
 
     async def stop(self, lane: str, index: int, *, grace: float = STOP_GRACE_S) -> None:
         replica = self._replicas.get((lane, index))
@@ -170,7 +182,9 @@ class Supervisor:
 
     # -- internals ------------------------------------------------------------------
 
-    def _argv(self, replica: _Replica, *, chat_template: list[str]) -> list[str]:
+    def _argv(
+        self, replica: _Replica, *, kv_dir: Path | None, chat_template: list[str]
+    ) -> list[str]:
         launch = replica.launch
         argv = [
             self.python, "-m", "blazar.engine",
@@ -184,9 +198,7 @@ class Supervisor:
         ]  # fmt: skip
         argv += chat_template
         argv += ["--type-k", launch.type_k, "--type-v", launch.type_v]
-        if launch.kv_persist:
-            kv_dir = self.home / "kv" / replica.lane / str(replica.index)
-            kv_dir.mkdir(parents=True, exist_ok=True)
+        if kv_dir is not None:
             argv += ["--kv-persist", str(kv_dir)]
         spec = launch.speculation
         if spec is not None:
@@ -203,6 +215,31 @@ class Supervisor:
             argv.append("--log-json")
         return argv
 
+    def _kv_dir(self, replica: _Replica, warnings: list[StartWarning]) -> Path | None:
+        """The replica's KV cache directory, created; None (and a warning) when it cannot be."""
+        if not replica.launch.kv_persist:
+            return None
+        kv_dir = self.home / "kv" / replica.lane / str(replica.index)
+        try:
+            kv_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            log.warning(
+                "replica.kv_persist_off",
+                lane=replica.lane,
+                index=replica.index,
+                directory=str(kv_dir),
+                error=str(exc),
+            )
+            warnings.append(
+                StartWarning(
+                    "KVPersistenceDisabled",
+                    f"Replica {replica.index} starts without KV cache persistence: "
+                    f"cannot create {kv_dir}: {exc}.",
+                )
+            )
+            return None
+        return kv_dir
+
     def _chat_template_path(self, replica: _Replica) -> Path:
         return self.run_dir / f"{replica.lane}-{replica.index}.chat-template"
 
@@ -217,11 +254,15 @@ class Supervisor:
         path.write_bytes(template.encode())
         return ["--chat-template-file", str(path)]
 
-    async def _spawn(self, replica: _Replica) -> None:
+    async def _spawn(self, replica: _Replica, warnings: list[StartWarning]) -> None:
         """Start the worker process; OSError when the OS refuses to."""
         with contextlib.suppress(FileNotFoundError):
             replica.socket.unlink()
-        argv = self._argv(replica, chat_template=self._chat_template_args(replica))
+        argv = self._argv(
+            replica,
+            kv_dir=self._kv_dir(replica, warnings),
+            chat_template=self._chat_template_args(replica),
+        )
         log_path = self.log_dir / f"{replica.lane}-{replica.index}.log"
         with log_path.open("ab") as log_file:
             replica.process = await asyncio.create_subprocess_exec(

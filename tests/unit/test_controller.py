@@ -9,6 +9,7 @@ import os
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import gguf
 import pytest
@@ -45,7 +46,7 @@ class FakeProcesses:
     def lanes(self) -> set[str]:
         return {lane for lane, _ in self.replicas}
 
-    async def start(self, lane: str, index: int, launch: LaunchSpec) -> None:
+    async def start(self, lane: str, index: int, launch: LaunchSpec) -> list[Any]:
         old = self.replicas.get((lane, index))
         self.next_pid += 1
         self.replicas[(lane, index)] = ReplicaObservation(
@@ -53,6 +54,7 @@ class FakeProcesses:
             socket=f"/run/{lane}-{index}.sock", pid=self.next_pid,
             restarts=old.restarts + 1 if old else 0,
         )  # fmt: skip
+        return []
 
     async def stop(self, lane: str, index: int) -> None:
         self.replicas.pop((lane, index), None)

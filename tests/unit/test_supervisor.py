@@ -39,9 +39,11 @@ time.sleep(60)
 """
 
 
-def manifest() -> str:
+def manifest(*, persist: bool = False) -> str:
     model_spec = {"source": {"path": "/models/m.gguf"}}
     lane_spec = {"model": "m", "replicas": 1, "slots": 1, "threads": 1}
+    if persist:
+        lane_spec["kvCache"] = {"persist": True}
     return "\n---\n".join(
         json.dumps({"apiVersion": "blazar.dev/v1alpha1", "kind": k, "metadata": m, "spec": s})
         for k, m, s in (("Model", {"name": "m"}, model_spec), ("Lane", {"name": "l"}, lane_spec))
@@ -129,6 +131,43 @@ async def lane(tmp_path: Path, text: str, *, python: str | None = None) -> Async
         await sup.stop_all(grace=1.0)
 
 
+def test_kv_directory_that_cannot_be_created_starts_the_replica_cold(tmp_path: Path) -> None:
+    async def run() -> tuple[ReplicaObservation, list[str], list[tuple[str, str, str]]]:
+        kv_lane = tmp_path / "home" / "kv" / "l"
+        kv_lane.parent.mkdir(parents=True)
+        kv_lane.write_text("a regular file where the lane's directory should be")
+        async with lane(tmp_path, manifest(persist=True)) as f:
+            obs = f.replica()
+            assert obs.pid is not None
+            return obs, f.argv(obs.pid), f.events()
+
+    obs, argv, events = asyncio.run(run())
+    assert obs.state == ReplicaState.STARTING
+    assert "--kv-persist" not in argv
+    kv_dir = tmp_path / "home" / "kv" / "l" / "0"
+    warnings = [e for e in events if e[0] == "Warning"]
+    assert len(warnings) == 1
+    _, reason, message = warnings[0]
+    assert reason == "KVPersistenceDisabled"
+    assert message.startswith(
+        f"Replica 0 starts without KV cache persistence: cannot create {kv_dir}: "
+    )
+    assert "Not a directory" in message
+
+
+def test_kv_directory_is_passed_when_it_can_be_created(tmp_path: Path) -> None:
+    async def run() -> list[str]:
+        async with lane(tmp_path, manifest(persist=True)) as f:
+            pid = f.replica().pid
+            assert pid is not None
+            return f.argv(pid)
+
+    argv = asyncio.run(run())
+    kv_dir = tmp_path / "home" / "kv" / "l" / "0"
+    assert argv[argv.index("--kv-persist") + 1] == str(kv_dir)
+    assert kv_dir.is_dir()
+
+
 LONG_TEMPLATE = (
     "{# " + "x" * 200 * 1024 + " #}\r\n{% for m in messages %}{{ m.content }}{% endfor %}"
 )
@@ -158,7 +197,7 @@ def test_chat_template_reaches_the_worker_whatever_its_length(
 
     async def run() -> tuple[ReplicaObservation, list[str], str | None]:
         try:
-            await sup.start("l", 0, launch)
+            assert await sup.start("l", 0, launch) == []
             (obs,) = sup.observe("l")
             assert obs.pid is not None, obs
             argv = recorded_argv(worker.parent, obs.pid)
