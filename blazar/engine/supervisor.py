@@ -23,13 +23,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import json
 import os
+import re
 import signal
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import grpc
 import structlog
@@ -47,6 +50,11 @@ STOP_GRACE_S = 10.0
 # service module loads llama.cpp, which the daemon does not need).
 DRAIN_CANCEL_ALLOWANCE_S = 7.0
 _MAX_UNIX_PATH = 100
+# How much of a worker's log is read to explain its exit, and how much is kept.
+_LOG_TAIL_BYTES = 16_384
+_REASON_CHARS = 300
+# "ValueError: ...", "llama_cpp.LlamaError: ...": the last line of a traceback.
+_TRACEBACK_LAST = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b.*")
 # Longer argument values go through a file: Linux caps one argument at 128 KiB.
 INLINE_ARG_MAX_BYTES = 1024
 
@@ -84,6 +92,8 @@ class _Replica:
     exit_code: int | None = None
     message: str = ""
     stopping: bool = False
+    # Where this run's output starts in the replica's log (the file is appended to).
+    log_offset: int = 0
 
     def observation(self) -> ReplicaObservation:
         return ReplicaObservation(
@@ -265,6 +275,7 @@ class Supervisor:
         )
         log_path = self.log_dir / f"{replica.lane}-{replica.index}.log"
         with log_path.open("ab") as log_file:
+            replica.log_offset = log_file.tell()
             replica.process = await asyncio.create_subprocess_exec(
                 *argv,
                 stdin=asyncio.subprocess.DEVNULL,
@@ -300,7 +311,11 @@ class Supervisor:
         self._kill_group(proc)  # stragglers of the group, if any
         replica.exit_code = code
         replica.exited_at = datetime.now(UTC)
-        self._set(replica, ReplicaState.FAILED, replica.message or self._last_log_line(replica))
+        self._set(
+            replica,
+            ReplicaState.FAILED,
+            replica.message or exit_reason(self._log_tail(replica), code),
+        )
         log.warning("replica.exited", lane=replica.lane, index=replica.index, code=code)
 
     async def _wait_ready(self, replica: _Replica) -> bool:
@@ -343,10 +358,50 @@ class Supervisor:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)
 
-    def _last_log_line(self, replica: _Replica) -> str:
+    def _log_tail(self, replica: _Replica) -> str:
+        """The end of what this run of the replica logged (earlier runs excluded)."""
         path = self.log_dir / f"{replica.lane}-{replica.index}.log"
         try:
-            lines = path.read_bytes()[-2000:].decode(errors="replace").strip().splitlines()
+            with path.open("rb") as f:
+                end = f.seek(0, os.SEEK_END)
+                f.seek(max(replica.log_offset, end - _LOG_TAIL_BYTES))
+                return f.read().decode(errors="replace")
         except OSError:
             return ""
-        return lines[-1][:300] if lines else ""
+
+
+def exit_reason(log_tail: str, code: int | None) -> str:
+    """Why a worker exited, for its Failed status and the crash event.
+
+    A signal is named first: a worker killed (by the OOM killer's SIGKILL, say) logs
+    nothing about it, and an error it logged earlier did not end it. Otherwise the
+    worker's last error record (`"level": "error"` or worse in its JSON log) says it
+    best (a chat template that does not compile, a model that does not load), then a
+    Python traceback's last line, then the last line.
+    """
+    if code is not None and code < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-code).name}"
+    lines = [line.strip() for line in log_tail.splitlines() if line.strip()]
+    for line in reversed(lines):
+        record = _json_record(line)
+        if record is not None and record.get("level") in ("error", "critical"):
+            event = str(record.get("event", "error"))
+            detail = str(record.get("error") or record.get("exception") or "").strip()
+            if detail:
+                event += ": " + detail.splitlines()[-1]
+            return event[:_REASON_CHARS]
+    for line in reversed(lines):
+        if _json_record(line) is None and _TRACEBACK_LAST.match(line):
+            return line[:_REASON_CHARS]
+    return lines[-1][:_REASON_CHARS] if lines else ""
+
+
+def _json_record(line: str) -> dict[str, Any] | None:
+    if not line.startswith("{"):
+        return None
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) else None

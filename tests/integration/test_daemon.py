@@ -216,6 +216,7 @@ def test_killed_worker_is_restarted(daemon: Daemon) -> None:
     events = daemon.cli("events", "lane", "gemma3").stdout
     for reason in ("ReplicaCrashed", "BackOff", "ReplicaReady"):
         assert reason in events, events
+    assert "killed by SIGKILL" in events, events
     # The restarted replica serves.
     reply = client(daemon).completions.create(model="gemma3", prompt="Hello", max_tokens=4)
     assert reply.choices[0].text is not None

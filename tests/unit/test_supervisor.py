@@ -247,3 +247,48 @@ def test_a_worker_that_cannot_be_spawned_fails_like_a_crash(tmp_path: Path) -> N
     assert degraded is not None and degraded.status == ConditionStatus.TRUE
     (status,) = lane_obj.status.replica_statuses
     assert (status.state, status.message) == ("Failed", obs.message)
+
+
+def log_line(event: str, level: str = "info", **fields: object) -> str:
+    return json.dumps({**fields, "event": event, "level": level, "pid": 7})
+
+
+@pytest.mark.parametrize(
+    ("tail", "code", "expected"),
+    [
+        # The worker's own error record, not the "stopped" line that follows it.
+        (
+            "\n".join(
+                [
+                    log_line("loading"),
+                    log_line("chat_template_invalid", "error", error="unexpected '}'"),
+                    log_line("stopped", exit_code=1),
+                ]
+            ),
+            1,
+            "chat_template_invalid: unexpected '}'",
+        ),
+        # A logged exception: its traceback's last line.
+        (
+            log_line(
+                "load_failed",
+                "error",
+                exception='Traceback (most recent call last):\n  File "x"\nValueError: bad gguf',
+            ),
+            1,
+            "load_failed: ValueError: bad gguf",
+        ),
+        # Killed: the signal, not the last request it logged (a review saw that).
+        (log_line("request_done", prompt_tokens=404), -9, "killed by SIGKILL"),
+        # Nothing structured: a traceback's last line, then the last line.
+        (
+            "Traceback (most recent call last):\n  File 'x'\nOSError: [Errno 12]\n",
+            1,
+            "OSError: [Errno 12]",
+        ),
+        ("something odd\n", 2, "something odd"),
+        ("", 3, ""),
+    ],
+)
+def test_exit_reason(tail: str, code: int, expected: str) -> None:
+    assert supervisor.exit_reason(tail, code) == expected
