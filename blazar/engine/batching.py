@@ -40,18 +40,30 @@ class Placement:
     common: int
 
 
+# A shared prefix this long is always worth keeping; shorter ones must cover half the
+# prompt. Keeping a few tokens (BOS, a template's opening) saves nothing and would make
+# a fresh prompt's greedy output depend on what a slot happened to hold: llama.cpp's
+# numerics differ between a prompt evaluated whole and one resumed at position 2.
+MIN_KEEP_TOKENS = 64
+
+
+def worth_keeping(common: int, prompt_len: int) -> bool:
+    """Whether `common` shared tokens are worth keeping for a prompt."""
+    return common > 0 and common >= min(MIN_KEEP_TOKENS, prompt_len // 2)
+
+
 def choose_slot(
     prompt: Sequence[int], free: Sequence[FreeSlot], *, n_swa: int = 0, reuse: bool = True
 ) -> Placement:
     """Where a prompt goes, and how much of that slot's cache it keeps.
 
-    A slot matches when the prompt keeps at least as much of its cache as it throws
-    away: a shared BOS or template opening does not make a request wipe another
-    conversation's long cache while an empty slot is free (llama.cpp's server has the
-    same rule: the shared prefix must be half of what the slot holds). Among matches
-    the longest kept prefix wins; with none, the slot that loses least (an empty one
-    loses nothing); ties go to the least recently used. The chosen slot keeps all it
-    can, match or not.
+    A slot matches when the prefix the prompt would keep there is worth keeping
+    (`worth_keeping`) and at least as long as what it would throw away: a shared BOS
+    or template opening does not make a request wipe another conversation's long
+    cache (llama.cpp's server has the same rule: the shared prefix must be half of
+    what the slot holds). Among matches the longest prefix wins; with none, the slot
+    that loses least, keeping nothing (an empty one loses nothing); ties go to the
+    least recently used.
 
     The shared length is capped at len(prompt) - 1: the last prompt token is always
     evaluated again, so that there are logits to sample the first new token from. A
@@ -65,13 +77,14 @@ def choose_slot(
 
     def kept(slot: FreeSlot) -> int:
         common = min(common_prefix(slot.tokens, prompt), limit) if reuse else 0
-        return reusable_prefix(common, pos_min=slot.pos_min, n_swa=n_swa)
+        common = reusable_prefix(common, pos_min=slot.pos_min, n_swa=n_swa)
+        return common if worth_keeping(common, len(prompt)) else 0
 
     def rank(slot: FreeSlot) -> tuple[bool, int, int, int]:
         keep = kept(slot)
         lost = len(slot.tokens) - keep
         matches = keep > 0 and keep >= lost
-        return (not matches, -keep if matches else lost - keep, slot.last_used, slot.index)
+        return (not matches, -keep if matches else lost, slot.last_used, slot.index)
 
     best = min(free, key=rank)
     return Placement(slot=best.index, common=kept(best))

@@ -48,21 +48,26 @@ def test_common_prefix(a: list[int], b: list[int], expected: int) -> None:
         (LONG, [FreeSlot(0, LONG, 1)], Placement(0, 199)),
         # Only BOS shared: no match, so an empty slot rather than evicting a cache.
         ([1, 50, 51, 52], [FreeSlot(0, [1, 9, 9, 9], 1), FreeSlot(1, [], 0)], Placement(1, 0)),
-        # Equal matches (each keeps as much as it loses): the least recently used,
-        # which keeps what it shares.
-        ([1, 50, 51, 52], [FreeSlot(0, [1, 9], 7), FreeSlot(1, [1, 8], 3)], Placement(1, 1)),
-        # No match and no empty slot: the one that loses least, whatever its age.
+        # No match and no empty slot: the least recently used of those losing least,
+        # keeping nothing (a shared BOS is not worth keeping).
+        ([1, 50, 51, 52], [FreeSlot(0, [1, 9], 7), FreeSlot(1, [1, 8], 3)], Placement(1, 0)),
         (
             [1, 50, 51, 52],
             [FreeSlot(0, [1, *range(9, 30)], 1), FreeSlot(1, [1, 8, 8], 3)],
-            Placement(1, 1),
+            Placement(1, 0),
         ),
-        # A short cache matches when the prompt keeps half of it.
+        # A short prompt keeps a prefix when it is half of the prompt ...
         ([1, 2, 3, 4], [FreeSlot(0, [1, 2, 9], 1), FreeSlot(1, [], 0)], Placement(0, 2)),
+        # ... and 64 shared tokens are worth keeping however long the prompt is.
+        (
+            list(range(1000)),
+            [FreeSlot(0, [*list(range(64)), 0], 1), FreeSlot(1, [], 0)],
+            Placement(0, 64),
+        ),
         (
             list(range(1000)),
             [FreeSlot(0, [*list(range(63)), 0], 1), FreeSlot(1, [], 0)],
-            Placement(0, 63),
+            Placement(1, 0),
         ),
         # A long cache does not match a prompt that shares only its BOS: the request
         # takes the empty slot and the cache survives for its own conversation.
@@ -242,3 +247,11 @@ def test_plan_step(
 )
 def test_piece_outputs(piece_: Piece, outputs: int) -> None:
     assert piece_.outputs == outputs
+
+
+@pytest.mark.parametrize(
+    ("common", "prompt_len", "expected"),
+    [(0, 10, False), (1, 2, True), (1, 4, False), (2, 4, True), (64, 10_000, True)],
+)
+def test_worth_keeping(common: int, prompt_len: int, expected: bool) -> None:
+    assert batching.worth_keeping(common, prompt_len) is expected
