@@ -7,7 +7,7 @@ import asyncio
 import hashlib
 import os
 from dataclasses import dataclass, field, replace
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -15,21 +15,14 @@ import gguf
 import pytest
 
 from blazar.api import conditions, manifests
-from blazar.api.kinds import Kind, Lane, Model, ModelStatus
-from blazar.api.meta import ConditionStatus
+from blazar.api.kinds import Kind, Lane, Model
 from blazar.api.replicas import LaunchSpec, ReplicaObservation, ReplicaState
 from blazar.controller import modelfile
 from blazar.controller.lane import LaneReconciler
 from blazar.controller.model import ModelReconciler
 from blazar.store.memory import MemoryStore
-
-
-@dataclass
-class Clock:
-    now: datetime = datetime(2026, 1, 1, tzinfo=UTC)
-
-    def __call__(self) -> datetime:
-        return self.now
+from tests.unit import helpers
+from tests.unit.helpers import Clock
 
 
 @dataclass
@@ -89,13 +82,7 @@ spec: {model: m, replicas: 2, slots: 2, threads: 2}
 
 def ready_model(store: MemoryStore, clock: Clock) -> None:
     apply(store, MODEL)
-    conds = conditions.set_condition(
-        [], type="ModelReady", status=ConditionStatus.TRUE, reason="Resolved", message="ok",
-        observed_generation=1, now=clock.now,
-    )  # fmt: skip
-    store.update_status(
-        Kind.MODEL, "m", ModelStatus(observed_generation=1, conditions=conds, path="/models/m.gguf")
-    )
+    helpers.mark_model_ready(store, "m", path="/models/m.gguf", now=clock.now)
 
 
 def cond(store: MemoryStore, type_: str) -> tuple[str, str]:

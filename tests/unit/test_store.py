@@ -6,7 +6,7 @@ import json
 import sqlite3
 import threading
 from collections.abc import Callable, Iterator
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from pathlib import Path
 
 import pydantic_core
@@ -18,22 +18,7 @@ from blazar.api.meta import ConditionStatus, ObjectMeta
 from blazar.store.base import ApplyAction, ApplyOutcome, Store, WatchEvent, WatchType, decide_apply
 from blazar.store.memory import MemoryStore
 from blazar.store.sqlite import SQLiteStore
-
-T0 = datetime(2026, 1, 1, tzinfo=UTC)
-
-
-class Clock:
-    """A clock the test moves by hand."""
-
-    def __init__(self) -> None:
-        self.now = T0
-
-    def __call__(self) -> datetime:
-        return self.now
-
-    def tick(self, seconds: float = 1) -> None:
-        self.now += timedelta(seconds=seconds)
-
+from tests.unit.helpers import T0, Clock
 
 MakeStore = Callable[..., Store]
 

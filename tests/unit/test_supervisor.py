@@ -20,13 +20,15 @@ from pathlib import Path
 import pytest
 
 from blazar.api import conditions, manifests
-from blazar.api.kinds import Kind, Lane, ModelStatus
+from blazar.api.kinds import Kind, Lane
 from blazar.api.meta import ConditionStatus
 from blazar.api.replicas import LaunchSpec, ReplicaObservation, ReplicaState
 from blazar.controller.lane import LaneReconciler
 from blazar.engine import __main__ as engine_main
 from blazar.engine import supervisor
 from blazar.store.memory import MemoryStore
+from tests.unit import helpers
+from tests.unit.helpers import Clock
 
 FAKE_WORKER = f"""#!{sys.executable}
 import os, sys, json, time
@@ -48,14 +50,6 @@ def manifest(*, persist: bool = False) -> str:
         json.dumps({"apiVersion": "blazar.dev/v1alpha1", "kind": k, "metadata": m, "spec": s})
         for k, m, s in (("Model", {"name": "m"}, model_spec), ("Lane", {"name": "l"}, lane_spec))
     )
-
-
-@dataclass
-class Clock:
-    now: datetime = datetime(2026, 1, 1, tzinfo=UTC)
-
-    def __call__(self) -> datetime:
-        return self.now
 
 
 @dataclass
@@ -111,13 +105,7 @@ async def lane(tmp_path: Path, text: str, *, python: str | None = None) -> Async
     store = MemoryStore(clock=clock)
     docs = manifests.parse_documents(text, source="test")
     store.apply_all(manifests.validate_objects(docs, exists=lambda k, n: False))
-    ready = conditions.set_condition(
-        [], type="ModelReady", status=ConditionStatus.TRUE, reason="Resolved", message="ok",
-        observed_generation=1, now=clock.now,
-    )  # fmt: skip
-    store.update_status(
-        Kind.MODEL, "m", ModelStatus(observed_generation=1, conditions=ready, path="/models/m.gguf")
-    )
+    helpers.mark_model_ready(store, "m", path="/models/m.gguf", now=clock.now)
     sup = supervisor.Supervisor(
         home=tmp_path / "home", on_change=lambda _: None, python=python or str(worker)
     )

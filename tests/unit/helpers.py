@@ -1,0 +1,37 @@
+"""Helpers the unit tests share: a hand-moved clock, a Model marked ready."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+
+from blazar.api import conditions
+from blazar.api.kinds import Kind, ModelStatus
+from blazar.api.meta import ConditionStatus
+from blazar.store.base import Store
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+@dataclass
+class Clock:
+    """A clock the test moves by hand, for code that takes `Callable[[], datetime]`."""
+
+    now: datetime = T0
+
+    def __call__(self) -> datetime:
+        return self.now
+
+    def tick(self, seconds: float = 1) -> None:
+        self.now += timedelta(seconds=seconds)
+
+
+def mark_model_ready(store: Store, name: str, *, path: str, now: datetime) -> None:
+    """Give the stored Model `name` the status its controller gives a resolved file."""
+    ready = conditions.set_condition(
+        [], type="ModelReady", status=ConditionStatus.TRUE, reason="Resolved", message="ok",
+        observed_generation=1, now=now,
+    )  # fmt: skip
+    store.update_status(
+        Kind.MODEL, name, ModelStatus(observed_generation=1, conditions=ready, path=path)
+    )
