@@ -121,10 +121,14 @@ def _check_chat_template(value: str, info: ValidationInfo) -> str:
     # The engine's environment (transformers' apply_chat_template uses the same).
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     try:
-        tree = env.parse(value)
-    except jinja2.TemplateSyntaxError as exc:
-        raise invalid(f"is not a valid Jinja template: {exc.message} (line {exc.lineno})") from None
-    if "messages" not in jinja2.meta.find_undeclared_variables(tree):
+        # Compiling also checks what parsing does not: unknown filters and tests.
+        env.compile(value)
+        undeclared = jinja2.meta.find_undeclared_variables(env.parse(value))
+    except jinja2.TemplateError as exc:
+        line = getattr(exc, "lineno", None)
+        where = f" (line {line})" if line else ""
+        raise invalid(f"is not a valid Jinja template: {exc.message}{where}") from None
+    if "messages" not in undeclared:
         raise invalid("never reads 'messages', so every conversation would render the same prompt")
     return value
 

@@ -122,15 +122,10 @@ class ChatTemplate:
             )
         except errors.InvalidRequest:
             raise  # the template's own raise_exception
-        except (
-            jinja2.TemplateError,
-            ArithmeticError,
-            RecursionError,
-            TypeError,
-            ValueError,
-        ) as exc:
-            # A template is code: it can divide by zero, recurse or ask the sandbox for a
-            # range too big. Each is the conversation or template at fault, not Blazar.
+        except Exception as exc:
+            # A template is code: it can divide by zero, recurse, index what is not there
+            # or ask the sandbox for a range too big. Whatever it raises, the
+            # conversation or the template is at fault, not Blazar.
             raise errors.InvalidRequest(f"The chat template failed: {exc}") from exc
         return rendered.removeprefix(self._bos) if self._bos else rendered
 

@@ -228,6 +228,14 @@ def test_every_error_is_reported_with_its_path() -> None:
             "Model/gemma3-270m: spec.chatTemplate",
             "not a valid Jinja template",
         ),
+        # Parses, but does not compile: the engine would crash-loop on it.
+        (
+            model_with_template(
+                "{% for m in messages %}{{ m.content | nosuchfilter }}{% endfor %}"
+            ),
+            "Model/gemma3-270m: spec.chatTemplate",
+            "No filter named 'nosuchfilter'",
+        ),
         (
             model_with_template("{{ bos_token }}hello"),
             "Model/gemma3-270m: spec.chatTemplate",

@@ -214,6 +214,7 @@ def test_every_name_a_model_may_give_is_a_template() -> None:
             "recursion",
         ),
         ("{{ messages[0]['content'] + 1 }}", "str"),
+        ('{% for m in messages %}{{ "%(name)s" % m }}{% endfor %}', "name"),
     ],
 )
 def test_a_template_that_breaks_while_rendering_is_the_callers_error(
