@@ -62,8 +62,8 @@ def choose_slot(
     or template opening does not make a request wipe another conversation's long
     cache (llama.cpp's server has the same rule: the shared prefix must be half of
     what the slot holds). Among matches the longest prefix wins; with none, the slot
-    that loses least, keeping nothing (an empty one loses nothing); ties go to the
-    least recently used.
+    that loses least (an empty one loses nothing), which still keeps whatever of its
+    cache is worth keeping; ties go to the least recently used.
 
     The shared length is capped at len(prompt) - 1: the last prompt token is always
     evaluated again, so that there are logits to sample the first new token from. A

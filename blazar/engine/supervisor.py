@@ -373,28 +373,39 @@ class Supervisor:
 def exit_reason(log_tail: str, code: int | None) -> str:
     """Why a worker exited, for its Failed status and the crash event.
 
-    A signal is named first: a worker killed (by the OOM killer's SIGKILL, say) logs
-    nothing about it, and an error it logged earlier did not end it. Otherwise the
-    worker's last error record (`"level": "error"` or worse in its JSON log) says it
-    best (a chat template that does not compile, a model that does not load), then a
-    Python traceback's last line, then the last line.
+    A SIGKILL or SIGTERM is named alone: the worker cannot log it (the OOM killer's
+    SIGKILL, say), and an error it logged earlier did not end it. Otherwise the latest
+    explanation in the log wins: an error record (`"level": "error"` or worse in the
+    worker's JSON log, with its message), a Python traceback's last line or a ggml
+    assertion; then the last line. Another signal (llama.cpp aborts on a failed
+    GGML_ASSERT) is named before that explanation.
     """
+    signal_name = ""
     if code is not None and code < 0:
         with contextlib.suppress(ValueError):
-            return f"killed by {signal.Signals(-code).name}"
+            signal_name = signal.Signals(-code).name
+    if signal_name in ("SIGKILL", "SIGTERM"):
+        return f"killed by {signal_name}"
     lines = [line.strip() for line in log_tail.splitlines() if line.strip()]
-    for line in reversed(lines):
-        record = _json_record(line)
-        if record is not None and record.get("level") in ("error", "critical"):
-            event = str(record.get("event", "error"))
-            detail = str(record.get("error") or record.get("exception") or "").strip()
-            if detail:
-                event += ": " + detail.splitlines()[-1]
-            return event[:_REASON_CHARS]
-    for line in reversed(lines):
-        if _json_record(line) is None and _TRACEBACK_LAST.match(line):
-            return line[:_REASON_CHARS]
-    return lines[-1][:_REASON_CHARS] if lines else ""
+    reason = next(
+        (found for line in reversed(lines) if (found := _explanation(line))),
+        lines[-1] if lines else "",
+    )
+    if signal_name:
+        reason = f"killed by {signal_name}" + (f": {reason}" if reason else "")
+    return reason[:_REASON_CHARS]
+
+
+def _explanation(line: str) -> str:
+    """What a log line says went wrong, if it says so; else ""."""
+    record = _json_record(line)
+    if record is not None:
+        if record.get("level") not in ("error", "critical"):
+            return ""
+        event = str(record.get("event", "error"))
+        detail = str(record.get("error") or record.get("exception") or "").strip()
+        return f"{event}: {detail.splitlines()[-1]}" if detail else event
+    return line if _TRACEBACK_LAST.match(line) or "GGML_ASSERT" in line else ""
 
 
 def _json_record(line: str) -> dict[str, Any] | None:

@@ -268,6 +268,25 @@ def log_line(event: str, level: str = "info", **fields: object) -> str:
         ),
         # Killed: the signal, not the last request it logged (a review saw that).
         (log_line("request_done", prompt_tokens=404), -9, "killed by SIGKILL"),
+        # The latest explanation wins: an error it survived does not explain the end.
+        (
+            "\n".join(
+                [
+                    log_line("kv_restore_failed", "error", error="slot-0.kv truncated"),
+                    log_line("ready"),
+                    "Traceback (most recent call last):",
+                    "RuntimeError: llama_decode returned -3",
+                ]
+            ),
+            1,
+            "RuntimeError: llama_decode returned -3",
+        ),
+        # llama.cpp aborts on a failed assertion: the signal and the assertion.
+        (
+            "ggml.c:1234: GGML_ASSERT(n_tokens <= n_batch) failed\n",
+            -6,
+            "killed by SIGABRT: ggml.c:1234: GGML_ASSERT(n_tokens <= n_batch) failed",
+        ),
         # Nothing structured: a traceback's last line, then the last line.
         (
             "Traceback (most recent call last):\n  File 'x'\nOSError: [Errno 12]\n",
