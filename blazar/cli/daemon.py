@@ -134,7 +134,11 @@ async def run(options: Options) -> None:
     shim.should_exit = True
     await plane.set_serving(False)
     if gitops_task is not None:
-        await gitops_task
+        try:
+            await gitops_task
+        except Exception:
+            # The watch died (its directory removed, say); the teardown below must run.
+            log.exception("gitops.failed")
     await monitor_task
     await manager.stop()
     await supervisor.stop_all()

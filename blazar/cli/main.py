@@ -45,6 +45,10 @@ def _read_docs(target: str) -> list[tuple[str, dict[str, Any]]]:
 def cmd_serve(args: argparse.Namespace) -> int:
     from blazar.cli import daemon  # the daemon's imports are heavy; only serve needs them
 
+    if args.watch and not Path(args.watch).is_dir():
+        # Before anything binds or starts: a daemon that cannot watch its fleet would
+        # serve whatever the store last held.
+        raise errors.InvalidRequest(f"--watch: '{args.watch}' is not a directory")
     logs.configure(json=None if not args.log_json else True)
     home = Path(args.home).expanduser() if args.home else daemon.default_home()
     options = daemon.Options(

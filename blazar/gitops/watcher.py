@@ -33,6 +33,10 @@ def sync(store: Store, directory: Path) -> bool:
             "gitops.rejected", directory=str(directory), errors=[str(e) for e in err.errors]
         )
         return False
+    except Exception:
+        # Whatever a manifest breaks, the daemon and what it runs stay up.
+        log.exception("gitops.failed", directory=str(directory))
+        return False
     changed = [
         f"{o.object.kind}/{o.object.metadata.name} {o.action.value}"
         for o in outcomes
