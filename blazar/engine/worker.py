@@ -34,6 +34,7 @@ from blazar import logs
 from blazar._proto.engine.v1 import engine_pb2_grpc
 from blazar.api import replicas
 from blazar.engine import llama, loop, service, text
+from blazar.rpc import limits
 
 log = structlog.get_logger("blazar.engine.worker")
 
@@ -129,7 +130,7 @@ async def serve(config: WorkerConfig) -> int:
         on_loaded=on_loaded,
     )
     engine = service.EngineService(decode, model_path=config.model)
-    server = grpc.aio.server()
+    server = grpc.aio.server(options=limits.ENGINE_SERVER_OPTIONS)
     engine_pb2_grpc.add_EngineServicer_to_server(engine, server)
     socket_path = Path(config.socket)
     socket_path.parent.mkdir(parents=True, exist_ok=True)

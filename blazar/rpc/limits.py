@@ -7,8 +7,9 @@ request over `MAX_REQUEST_BYTES` as the caller's fault: INVALID_ARGUMENT with a
 message that states the limit. Only a message over the ceiling still meets gRPC's own
 refusal, which `blazar.rpc.status.from_rpc_error` reads as an InvalidRequest too.
 
-`MAX_REQUEST_BYTES` is gRPC's default, which is also what each engine worker accepts
-from the data plane, so a request that passes here is not refused one hop later.
+`MAX_REQUEST_BYTES` is gRPC's default. An engine worker takes in up to
+`ENGINE_RECEIVE_BYTES` from the data plane, so a request that passes here is not
+refused one hop later once the data plane has wrapped it (request id, settings).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ MAX_REQUEST_BYTES = 4 * 2**20
 RECEIVE_CEILING_BYTES = 64 * 2**20
 
 SERVER_OPTIONS = (("grpc.max_receive_message_length", RECEIVE_CEILING_BYTES),)
+ENGINE_RECEIVE_BYTES = MAX_REQUEST_BYTES + 2**20
+ENGINE_SERVER_OPTIONS = (("grpc.max_receive_message_length", ENGINE_RECEIVE_BYTES),)
 
 
 def request_too_large(size: int, *, limit: int = MAX_REQUEST_BYTES) -> errors.InvalidRequest | None:

@@ -16,6 +16,7 @@ import pytest
 
 from blazar._proto.engine.v1 import engine_pb2, engine_pb2_grpc
 from blazar._proto.v1 import inference_pb2
+from blazar.rpc import limits
 from tests.integration.engine_harness import (
     CONTEXT_PER_SLOT,
     READY_DEADLINE_S,
@@ -116,6 +117,15 @@ def test_too_long_is_context_length_exceeded(
     assert trailers["blazar-reason"] == "CONTEXT_LENGTH_EXCEEDED"
     assert trailers["blazar-context_length"] == str(CONTEXT_PER_SLOT)
     assert all(not s.busy for s in worker.wait_ready().slots)
+
+
+def test_a_prompt_at_the_data_planes_size_limit_reaches_the_engine(worker: Worker) -> None:
+    """The data plane passes requests up to 4 MiB and wraps them for the engine: the
+    engine must take what it passes, and answer about the context, not the size."""
+    prompt = "hello " * (limits.MAX_REQUEST_BYTES // 6)
+    err = rpc_error(lambda: worker.generate(prompt=prompt, sampling=greedy(1)))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
+    assert dict(err.trailing_metadata())["blazar-reason"] == "CONTEXT_LENGTH_EXCEEDED"
 
 
 def test_empty_prompt_is_invalid(worker: Worker) -> None:
