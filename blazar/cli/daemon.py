@@ -126,7 +126,11 @@ async def run(options: Options) -> None:
     while not shim.started and not shim_task.done():
         await asyncio.sleep(0.02)
     info = {"pid": os.getpid(), "grpc": grpc_target, "http": http_bound, "home": str(home)}
-    (home / "daemon.json").write_text(json.dumps(info))
+    # Written whole, then renamed: a reader (the CLI, a test harness, a supervisor
+    # script) never sees a half-written file.
+    staged = home / "daemon.json.tmp"
+    staged.write_text(json.dumps(info))
+    os.replace(staged, home / "daemon.json")
     log.info("daemon.serving", **info)
 
     await stop.wait()
