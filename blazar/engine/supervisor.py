@@ -250,6 +250,10 @@ class Supervisor:
             return None
         return kv_dir
 
+    def _log_path(self, replica: _Replica) -> Path:
+        """The replica's log: every run of it appends to the same file."""
+        return self.log_dir / f"{replica.lane}-{replica.index}.log"
+
     def _chat_template_path(self, replica: _Replica) -> Path:
         return self.run_dir / f"{replica.lane}-{replica.index}.chat-template"
 
@@ -273,8 +277,7 @@ class Supervisor:
             kv_dir=self._kv_dir(replica, warnings),
             chat_template=self._chat_template_args(replica),
         )
-        log_path = self.log_dir / f"{replica.lane}-{replica.index}.log"
-        with log_path.open("ab") as log_file:
+        with self._log_path(replica).open("ab") as log_file:
             replica.log_offset = log_file.tell()
             replica.process = await asyncio.create_subprocess_exec(
                 *argv,
@@ -360,9 +363,8 @@ class Supervisor:
 
     def _log_tail(self, replica: _Replica) -> str:
         """The end of what this run of the replica logged (earlier runs excluded)."""
-        path = self.log_dir / f"{replica.lane}-{replica.index}.log"
         try:
-            with path.open("rb") as f:
+            with self._log_path(replica).open("rb") as f:
                 end = f.seek(0, os.SEEK_END)
                 f.seek(max(replica.log_offset, end - _LOG_TAIL_BYTES))
                 return f.read().decode(errors="replace")
