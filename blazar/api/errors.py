@@ -2,7 +2,8 @@
 
     BlazarError                       any failure Blazar reports to a caller
     ├── InvalidRequest                the request itself is wrong        INVALID_ARGUMENT
-    │   └── ContextLengthExceeded     prompt + max_tokens > context      INVALID_ARGUMENT
+    │   ├── ContextLengthExceeded     prompt + max_tokens > context      INVALID_ARGUMENT
+    │   └── RequestTooLarge           more bytes than the server takes   INVALID_ARGUMENT
     ├── ManifestInvalid               a manifest failed validation       INVALID_ARGUMENT
     ├── ModelNotFound                 no Lane serves that name           NOT_FOUND
     ├── ObjectNotFound                no such resource in the store      NOT_FOUND
@@ -65,6 +66,12 @@ class ContextLengthExceeded(InvalidRequest):
                 "context_length": str(context_length),
             },
         )
+
+
+class RequestTooLarge(InvalidRequest):
+    """The request's size in bytes is over a limit (HTTP 413); retrying cannot help."""
+
+    reason = "REQUEST_TOO_LARGE"
 
 
 @dataclass(frozen=True)
@@ -132,6 +139,7 @@ _BY_REASON: dict[str, type[BlazarError]] = {
     for cls in (
         InvalidRequest,
         ContextLengthExceeded,
+        RequestTooLarge,
         ModelNotFound,
         ObjectNotFound,
         Overloaded,

@@ -32,11 +32,13 @@ ENGINE_RECEIVE_BYTES = MAX_REQUEST_BYTES + 2**20
 ENGINE_SERVER_OPTIONS = (("grpc.max_receive_message_length", ENGINE_RECEIVE_BYTES),)
 
 
-def request_too_large(size: int, *, limit: int = MAX_REQUEST_BYTES) -> errors.InvalidRequest | None:
+def request_too_large(
+    size: int, *, limit: int = MAX_REQUEST_BYTES
+) -> errors.RequestTooLarge | None:
     """The error for a request of `size` bytes; None when it is within the limit."""
     if size <= limit:
         return None
-    return errors.InvalidRequest(
+    return errors.RequestTooLarge(
         f"The request is larger than the server accepts: {size} bytes, and the limit is "
         f"{status.byte_count(limit)}. Send a shorter prompt or fewer inputs.",
         metadata={"request_bytes": str(size), "limit_bytes": str(limit)},

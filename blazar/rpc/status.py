@@ -7,7 +7,8 @@ per metadata item (for example `blazar-retry_after_ms`).
 A status without `blazar-reason` came from gRPC itself and is read by its code, with
 one exception: gRPC refuses a message over a size limit with RESOURCE_EXHAUSTED, which
 would read as `Overloaded` (retry later), though retrying cannot help. That refusal is
-the caller's request (or the answer it asked for) being too large: `InvalidRequest`.
+the caller's request being too large (`RequestTooLarge`) or the answer it asked for
+(`InvalidRequest`).
 """
 
 from __future__ import annotations
@@ -77,7 +78,8 @@ def _too_large(details: str) -> errors.InvalidRequest | None:
         if request
         else "Ask for less in one request (fewer inputs or tokens)."
     )
-    return errors.InvalidRequest(
+    cls = errors.RequestTooLarge if request else errors.InvalidRequest
+    return cls(
         f"The {what} is larger than the server accepts: {size} bytes, and the limit is "
         f"{byte_count(limit)}. {advice}",
         metadata={f"{what}_bytes": str(size), "limit_bytes": str(limit)},

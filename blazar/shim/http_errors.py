@@ -28,8 +28,12 @@ _RETRY_AFTER_KEYS = ("retry_after_ms", "retry-after-ms")
 DEFAULT_RETRY_AFTER_S = 1
 
 
+# Where a reason is more specific than its gRPC code.
+_STATUS_BY_REASON: dict[str, int] = {errors.RequestTooLarge.reason: 413}
+
+
 def http_status(err: errors.BlazarError) -> int:
-    return _STATUS_BY_CODE.get(err.code, 500)
+    return _STATUS_BY_REASON.get(err.reason) or _STATUS_BY_CODE.get(err.code, 500)
 
 
 def retry_after_seconds(err: errors.BlazarError) -> int:

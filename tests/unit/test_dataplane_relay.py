@@ -204,10 +204,10 @@ def test_a_request_over_the_size_limit_is_invalid_not_overloaded() -> None:
         assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "larger than the server accepts" in (exc.details() or "")
         assert "the limit is 4194304 bytes (4 MiB)" in (exc.details() or "")
-        assert isinstance(status.from_rpc_error(exc), errors.InvalidRequest)
-    # Past the ceiling gRPC refuses by itself; Blazar's clients still read it as invalid.
+        assert type(status.from_rpc_error(exc)) is errors.RequestTooLarge
+    # Past the ceiling gRPC refuses by itself; Blazar's clients still read it as too large.
     assert over_ceiling.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert type(status.from_rpc_error(over_ceiling)) is errors.InvalidRequest
+    assert type(status.from_rpc_error(over_ceiling)) is errors.RequestTooLarge
     # Within the limit the request reaches the engine (which judges its context length).
     assert streams[1] is None
     assert fake.calls == 1

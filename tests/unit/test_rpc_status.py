@@ -40,13 +40,13 @@ REQUEST_TOO_LARGE = (
         # gRPC's own size refusals: the request (server received, client sent) ...
         (
             "SERVER: Received message larger than max (5600017 vs. 4194304)",
-            errors.InvalidRequest,
+            errors.RequestTooLarge,
             REQUEST_TOO_LARGE,
             {"request_bytes": "5600017", "limit_bytes": "4194304"},
         ),
         (
             "CLIENT: Sent message larger than max (5600017 vs. 4194304)",
-            errors.InvalidRequest,
+            errors.RequestTooLarge,
             REQUEST_TOO_LARGE,
             {"request_bytes": "5600017", "limit_bytes": "4194304"},
         ),
@@ -97,6 +97,7 @@ def test_request_too_large(size: int, refused: bool) -> None:
     err = limits.request_too_large(size)
     assert (err is not None) == refused
     if err is not None:
+        assert type(err) is errors.RequestTooLarge
         assert err.code == "INVALID_ARGUMENT"
         assert err.message == (
             f"The request is larger than the server accepts: {size} bytes, and the limit is "

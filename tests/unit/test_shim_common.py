@@ -40,6 +40,7 @@ def test_field_path(loc: tuple[Any, ...], document: Any, missing: bool, expected
     [
         (errors.InvalidRequest("x"), 400),
         (errors.ContextLengthExceeded("x"), 400),
+        (errors.RequestTooLarge("x"), 413),
         (errors.ModelNotFound.of("m"), 404),
         (errors.ObjectNotFound("x"), 404),
         (errors.Overloaded("x"), 429),

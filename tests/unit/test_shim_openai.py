@@ -32,7 +32,7 @@ from blazar._proto.v1 import inference_pb2, inference_pb2_grpc
 from blazar.api import errors
 from blazar.rpc import status
 from blazar.shim import app as shim_app
-from blazar.shim import validation
+from blazar.shim import request_body, validation
 from blazar.shim.openai import convert, protocol
 
 GOLDEN = Path(__file__).parent / "golden" / "openai"
@@ -873,21 +873,52 @@ async def test_daemon_errors_map_to_http_status(
         ),
     ],
 )
-async def test_a_request_too_large_for_grpc_is_400_not_overloaded(
+async def test_a_request_too_large_for_grpc_is_413_not_overloaded(
     daemon: Daemon, client: httpx.AsyncClient, path: str, body: dict[str, Any], stream: bool
 ) -> None:
     # The fake daemon keeps gRPC's default 4 MiB limit, so gRPC itself refuses the
     # request (RESOURCE_EXHAUSTED without Blazar's metadata); it never reaches the fake.
     daemon.fake.scripts["tiny"] = HELLO
     response = await client.post(path, json={**body, "stream": stream})
-    assert response.status_code == 400
+    assert response.status_code == 413
     error = response.json()["error"]
     assert error["type"] == "invalid_request_error"
-    assert (error["code"], error["param"]) == (None, None)
+    assert (error["code"], error["param"]) == ("request_too_large", None)
     assert error["message"].startswith("The request is larger than the server accepts: ")
     assert "the limit is 4194304 bytes (4 MiB)" in error["message"]
     assert "retry-after" not in response.headers
     assert daemon.fake.requests == []
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/embeddings"])
+@pytest.mark.parametrize("declared", [True, False])
+async def test_a_body_over_the_shims_limit_is_413_before_it_is_read(
+    daemon: Daemon, client: httpx.AsyncClient, path: str, declared: bool
+) -> None:
+    limit = request_body.MAX_BODY_BYTES
+    piece = b"x" * 2**20
+    sent = 0
+
+    async def chunks() -> AsyncIterator[bytes]:
+        nonlocal sent
+        yield b'{"model": "tiny", "prompt": "'
+        for _ in range(limit // len(piece) + 8):
+            sent += len(piece)
+            yield piece
+        yield b'"}'
+
+    headers = {"content-type": "application/json"}
+    if declared:  # an honest Content-Length: refused before a byte of the body is read
+        headers["content-length"] = str(limit + 8 * len(piece) + 32)
+    response = await client.post(path, content=chunks(), headers=headers)
+    assert response.status_code == 413
+    error = response.json()["error"]
+    assert (error["type"], error["code"]) == ("invalid_request_error", "request_too_large")
+    assert error["message"].startswith("The request body is larger than the server accepts: ")
+    assert "the limit is 16777216 bytes (16 MiB)" in error["message"]
+    assert daemon.fake.requests == []
+    if not declared:  # chunked: refused once past the limit, not after the whole body
+        assert sent <= limit + len(piece)
 
 
 async def test_malformed_request_does_not_disturb_concurrent_good_one(

@@ -626,7 +626,7 @@ def error_response(err: errors.BlazarError, *, prompt_param: str = "messages") -
         code, param = "model_not_found", "model"
     elif isinstance(err, errors.ContextLengthExceeded):
         code, param = "context_length_exceeded", param or prompt_param
-    elif status == 429:
+    elif status in (413, 429):
         code = err.reason.lower()
     elif status == 401:
         code = "invalid_api_key"

@@ -1,0 +1,45 @@
+"""Read an HTTP request body, refusing one over the shim's size limit before it is all in.
+
+Without a limit a client can make the daemon buffer any number of bytes (a 1 GB POST
+is held in memory whole before JSON parsing even starts). The limit sits above what the
+daemon's gRPC API takes (`blazar.rpc.limits.MAX_REQUEST_BYTES`) by the room JSON needs
+over protobuf (escapes, field names, token ids as decimal text), so any body the data
+plane would accept passes here, and that one check names the precise limit for the
+rest.
+"""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+
+from blazar.api import errors
+from blazar.rpc import limits, status
+
+MAX_BODY_BYTES = 4 * limits.MAX_REQUEST_BYTES
+
+
+def too_large(size: int | str, *, limit: int) -> errors.RequestTooLarge:
+    return errors.RequestTooLarge(
+        f"The request body is larger than the server accepts: {size} bytes, and the limit "
+        f"is {status.byte_count(limit)}. Send a shorter prompt or fewer inputs.",
+        metadata={"request_bytes": str(size), "limit_bytes": str(limit)},
+    )
+
+
+async def read(request: Request, *, limit: int = MAX_BODY_BYTES) -> bytes:
+    """The whole body; RequestTooLarge as soon as it is known to exceed `limit` bytes.
+
+    A declared Content-Length over the limit is refused before anything is read; a
+    chunked or understated body is refused once `limit` bytes have arrived.
+    """
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large(int(declared), limit=limit)
+    parts: list[bytes] = []
+    received = 0
+    async for part in request.stream():
+        received += len(part)
+        if received > limit:
+            raise too_large(f"more than {limit}", limit=limit)
+        parts.append(part)
+    return b"".join(parts)
