@@ -8,20 +8,29 @@ the model: the service closes the embedder when it drains.
 
 Mean pooling is done here rather than by llama.cpp's LLAMA_POOLING_TYPE_MEAN, which
 gives the same vector (to float rounding) but needs the whole input in one physical
-batch, and this llama.cpp computes the 262k-wide logits of every output token even in
-embeddings mode: 1 GiB of scratch for a 500-token input. Decoding in chunks of
-`CHUNK` tokens (the KV cache carries the causal context across chunks) and summing
-the per-token embeddings bounds that at about `CHUNK` MiB.
+batch. Decoding in chunks of `CHUNK` tokens (the KV cache carries the causal context
+across chunks) and summing the per-token embeddings bounds the scratch memory.
+
+llama.cpp builds the output head into every graph, embeddings mode included, and the
+head (262k x 640 for Gemma 3) costs more than the rest of the model. `_HeadSkip`
+stops each decode right after the embeddings node, so the head is never computed:
+the vectors are bit-identical, and an input embeds at about prefill speed.
+
+Requests take turns input by input (not request by request), so a request with
+thousands of inputs delays a one-input request by at most one input.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import queue
 import threading
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import llama_cpp as lc
@@ -33,8 +42,16 @@ from blazar.engine import llama
 
 log = structlog.get_logger("blazar.engine.embedding")
 
-# Tokens decoded per step; each costs 1 MiB of logits scratch (262k floats).
+# Tokens decoded per step; each reserves 1 MiB of logits scratch (262k floats).
 CHUNK = 64
+
+# Per request, as OpenAI's embeddings endpoint limits it.
+MAX_INPUTS = 2048
+MAX_TOTAL_TOKENS = 300_000
+
+# The graph node llama.cpp names the embeddings it returns (per token with pooling
+# NONE); the output head comes after it.
+_EMBEDDINGS_NODE = b"result_embd_pooled"
 
 
 @dataclass(frozen=True)
@@ -44,13 +61,15 @@ class Vector:
     tokens: int
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Work:
     inputs: list[list[int]]
     normalize: bool
     deliver: Callable[[list[Vector] | BaseException], None]
     # Set when the caller has gone: the work stops at its next chunk.
     cancelled: threading.Event = field(default_factory=threading.Event)
+    # Filled input by input by the embedding thread.
+    vectors: list[Vector] = field(default_factory=list)
 
 
 class _Cancelled(Exception):
@@ -64,11 +83,21 @@ class Embedder:
     """Mean-pooled embeddings of texts; `embed` from the event loop, `close` from any thread."""
 
     def __init__(
-        self, *, model: Any, vocab: llama.Vocab, context_length: int, threads: int
+        self,
+        *,
+        model: Any,
+        vocab: llama.Vocab,
+        context_length: int,
+        threads: int,
+        max_inputs: int = MAX_INPUTS,
+        max_total_tokens: int = MAX_TOTAL_TOKENS,
+        skip_output_head: bool = True,
     ) -> None:
         self._model = model
         self._vocab = vocab
         self.context_length = context_length
+        self.max_inputs = max_inputs
+        self.max_total_tokens = max_total_tokens
         self._threads = threads
         self.dimensions = int(lc.llama_model_n_embd(model))
         self._inbox: queue.Queue[_Work | object] = queue.Queue()
@@ -76,14 +105,45 @@ class Embedder:
         self._lock = threading.Lock()
         self._closed = False
         self._started = False
+        # Held here for the context's lifetime: llama.cpp keeps only a pointer to it.
+        self._head_skip = _HeadSkip.create() if skip_output_head else _HeadSkip(None)
+        self._unfinished = 0  # inputs accepted and not yet embedded (under _lock)
+
+    @property
+    def skips_output_head(self) -> bool:
+        return self._head_skip.callback is not None
+
+    @property
+    def heads_skipped(self) -> int:
+        """Decodes that stopped before the output head (read after `close`)."""
+        return self._head_skip.stops
+
+    @property
+    def unfinished_inputs(self) -> int:
+        """Inputs accepted and not yet embedded, over all requests."""
+        with self._lock:
+            return self._unfinished
 
     async def embed(self, texts: Sequence[str], *, normalize: bool) -> list[Vector]:
         """One vector per text, in order; ContextLengthExceeded names the first too long."""
+        if len(texts) > self.max_inputs:
+            raise errors.InvalidRequest(
+                f"The request has {len(texts)} inputs; at most {self.max_inputs} are embedded "
+                "per request. Split it into several requests.",
+                metadata={errors.FIELD_KEY: "inputs", "inputs": str(len(texts))},
+            )
         for i, text in enumerate(texts):
             # Checked on the text: an empty one still tokenizes to BOS.
             if not text:
                 raise errors.InvalidRequest(f"Input {i} is empty.")
         inputs = await asyncio.to_thread(self._tokenize, texts)
+        total = sum(len(tokens) for tokens in inputs)
+        if total > self.max_total_tokens:
+            raise errors.InvalidRequest(
+                f"The inputs are {total} tokens together; at most {self.max_total_tokens} are "
+                "embedded per request. Split it into several requests.",
+                metadata={errors.FIELD_KEY: "inputs", "prompt_tokens": str(total)},
+            )
         for i, tokens in enumerate(inputs):
             if len(tokens) > self.context_length:
                 raise errors.ContextLengthExceeded(
@@ -110,6 +170,7 @@ class Embedder:
                 self._thread.start()
                 self._started = True
             work = _Work(inputs, normalize, deliver)
+            self._unfinished += len(inputs)
             self._inbox.put(work)
         try:
             return await done
@@ -119,7 +180,7 @@ class Embedder:
             raise
 
     def close(self) -> None:
-        """Finish the request being computed, refuse the rest, free the context (blocks)."""
+        """Finish the input being computed, refuse the rest, free the context (blocks)."""
         with self._lock:
             self._closed = True
             started = self._started
@@ -135,38 +196,59 @@ class Embedder:
     def _run(self) -> None:
         ctx: Any = None
         batch: Any = None
+        turns: deque[_Work] = deque()
         try:
             while True:
-                item = self._inbox.get()
-                if not isinstance(item, _Work):
+                if self._take(turns, block=not turns):
                     return
+                work = turns.popleft()
                 try:
                     if ctx is None:
                         ctx = self._open()
                         batch = lc.llama_batch_init(CHUNK, 0, 1)
-                    vectors = [
-                        self._one(ctx, batch, t, item.normalize, cancelled=item.cancelled)
-                        for t in item.inputs
-                    ]
+                    tokens = work.inputs[len(work.vectors)]
+                    work.vectors.append(
+                        self._one(ctx, batch, tokens, work.normalize, cancelled=work.cancelled)
+                    )
                 except _Cancelled:
-                    log.info("embed_cancelled", inputs=len(item.inputs))
+                    log.info("embed_cancelled", inputs=len(work.inputs))
+                    self._forget(work)
                 except Exception as exc:
                     log.exception("embed_failed")
-                    item.deliver(errors.BlazarError(f"Embedding failed: {exc}"))
+                    self._forget(work)
+                    work.deliver(errors.BlazarError(f"Embedding failed: {exc}"))
                 else:
-                    item.deliver(vectors)
+                    with self._lock:
+                        self._unfinished -= 1
+                    if len(work.vectors) == len(work.inputs):
+                        work.deliver(work.vectors)
+                    else:
+                        turns.append(work)  # its next input after the others' next ones
         finally:
             if batch is not None:
                 lc.llama_batch_free(batch)
             if ctx is not None:
                 lc.llama_free(ctx)
-            while True:
-                try:
-                    item = self._inbox.get_nowait()
-                except queue.Empty:
-                    break
-                if isinstance(item, _Work):
-                    item.deliver(errors.Unavailable("The engine is draining."))
+            self._take(turns, block=False)
+            for work in turns:
+                self._forget(work)
+                work.deliver(errors.Unavailable("The engine is draining."))
+
+    def _forget(self, work: _Work) -> None:
+        with self._lock:
+            self._unfinished -= len(work.inputs) - len(work.vectors)
+
+    def _take(self, turns: deque[_Work], *, block: bool) -> bool:
+        """Move queued work to the back of `turns`; True once `close` was called."""
+        while True:
+            try:
+                item = self._inbox.get(block=block)
+            except queue.Empty:
+                return False
+            if not isinstance(item, _Work):
+                return True
+            turns.append(item)
+            block = False
 
     def _open(self) -> Any:
         params = lc.llama_context_default_params()
@@ -179,10 +261,17 @@ class Embedder:
         params.n_threads = self._threads
         params.n_threads_batch = self._threads
         params.no_perf = True
+        if self._head_skip.callback is not None:
+            params.cb_eval = self._head_skip.callback
         ctx = lc.llama_init_from_model(self._model, params)
         if not ctx:
             raise llama.LlamaError("could not create the embedding context")
-        log.info("embedding_context", context_length=self.context_length, dims=self.dimensions)
+        log.info(
+            "embedding_context",
+            context_length=self.context_length,
+            dims=self.dimensions,
+            skips_output_head=self._head_skip.callback is not None,
+        )
         return ctx
 
     def _one(
@@ -224,6 +313,58 @@ class Embedder:
             if norm > 0.0:
                 values = values / norm
         return Vector(values=values.tolist(), tokens=len(tokens))
+
+
+class _HeadSkip:
+    """A graph-evaluation callback that ends a decode once the embeddings are computed.
+
+    llama.cpp asks the callback, node by node, whether it wants to see a node; it then
+    computes up to that node, shows it, and stops the graph if the callback returns
+    False. Asking for the embeddings node and returning False there skips the output
+    head. Found by name, so a llama.cpp or architecture without that node simply
+    computes the whole graph: slower, never different.
+    """
+
+    def __init__(self, callback: Any) -> None:
+        self.callback = callback
+        self.stops = 0  # written by the embedding thread only
+
+    @classmethod
+    def create(cls) -> _HeadSkip:
+        name_of = _tensor_name_function()
+        if name_of is None:
+            return cls(None)
+
+        skip = cls(None)
+
+        def stop_after_embeddings(tensor: int, ask: bool, _user_data: int) -> bool:
+            is_embeddings = name_of(tensor) == _EMBEDDINGS_NODE
+            if ask:
+                return is_embeddings
+            if is_embeddings:
+                skip.stops += 1
+            return not is_embeddings
+
+        skip.callback = lc.ggml_backend_sched_eval_callback(stop_after_embeddings)
+        return skip
+
+
+def _tensor_name_function() -> Callable[[int], bytes | None] | None:
+    """ggml's `ggml_get_name`, from the ggml library llama-cpp-python loaded; None if absent."""
+    lib_dir = Path(lc.__file__).parent / "lib"
+    for name in ("libggml-base.so", "libggml-base.dylib", "ggml-base.dll"):
+        path = lib_dir / name
+        if not path.exists():
+            continue
+        try:
+            get_name = ctypes.CDLL(str(path)).ggml_get_name
+        except (OSError, AttributeError):
+            continue
+        get_name.restype = ctypes.c_char_p
+        get_name.argtypes = [ctypes.c_void_p]
+        return get_name
+    log.warning("ggml_get_name_unavailable", lib_dir=str(lib_dir))
+    return None
 
 
 def _settle(future: asyncio.Future[list[Vector]], result: list[Vector] | BaseException) -> None:

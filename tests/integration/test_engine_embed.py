@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 import signal
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 
 from blazar._proto.v1 import inference_pb2
+from blazar.api import errors
+from blazar.engine import embedding, llama
 from blazar.rpc import status
 from tests.integration.engine_harness import (
     CONTEXT_PER_SLOT,
@@ -170,3 +175,73 @@ def test_graceful_stop_after_embedding_exits_cleanly(model_path: Path) -> None:
         assert '"stopped"' in w.log.read_text()
     finally:
         spawner.close()
+
+
+# --- the embedder in-process: output-head skipping, limits, turns ---------------------
+
+
+@pytest.fixture(scope="module")
+def runtime(model_path: Path) -> Iterator[llama.Runtime]:
+    rt = llama.Runtime.load(
+        llama.RuntimeOptions(
+            model_path=str(model_path), slots=1, context_per_slot=CONTEXT_PER_SLOT, threads=2
+        )
+    )
+    yield rt
+    rt.close()
+
+
+def embedder(rt: llama.Runtime, **options: Any) -> embedding.Embedder:
+    return embedding.Embedder(
+        model=rt.model, vocab=rt.vocab, context_length=CONTEXT_PER_SLOT, threads=2, **options
+    )
+
+
+def embed_all(e: embedding.Embedder, texts: Sequence[str]) -> list[embedding.Vector]:
+    try:
+        return asyncio.run(e.embed(texts, normalize=False))
+    finally:
+        e.close()
+
+
+def test_skipping_the_output_head_changes_no_vector(runtime: llama.Runtime) -> None:
+    texts = ["A short one.", "word " * 150]  # the second spans three decode chunks
+    skipping = embedder(runtime)
+    assert skipping.skips_output_head
+    fast = embed_all(skipping, texts)
+    full = embed_all(embedder(runtime, skip_output_head=False), texts)
+    assert [v.values for v in fast] == [v.values for v in full]
+    chunks = sum(-(-v.tokens // embedding.CHUNK) for v in fast)
+    assert skipping.heads_skipped == chunks
+
+
+def test_too_many_inputs_or_tokens_are_refused(runtime: llama.Runtime) -> None:
+    with pytest.raises(errors.InvalidRequest, match="has 3 inputs; at most 2 are embedded"):
+        embed_all(embedder(runtime, max_inputs=2), ["a", "b", "c"])
+    with pytest.raises(errors.InvalidRequest, match=r"tokens together; at most 50 are") as info:
+        embed_all(embedder(runtime, max_total_tokens=50), ["word " * 30, "word " * 30])
+    assert info.value.metadata[errors.FIELD_KEY] == "inputs"
+
+
+def test_requests_take_turns_input_by_input(runtime: llama.Runtime) -> None:
+    """A one-input request is not held behind every input of a large one."""
+
+    async def scenario() -> tuple[bool, int]:
+        e = embedder(runtime)
+        try:
+            large = asyncio.create_task(e.embed(["word " * 120] * 24, normalize=False))
+            started = time.monotonic()
+            while e.unfinished_inputs in (0, 24):  # until its first input is done
+                assert time.monotonic() - started < 60, "the large request never started"
+                await asyncio.sleep(0.01)
+            small = await e.embed(["just this"], normalize=False)
+            assert len(small) == 1
+            large_done_first = large.done()
+            vectors = await large
+            return large_done_first, len(vectors)
+        finally:
+            await asyncio.to_thread(e.close)
+
+    large_done_first, count = asyncio.run(scenario())
+    assert not large_done_first
+    assert count == 24
