@@ -75,13 +75,16 @@ class Job:
         params: sampling.SamplingParams,
         max_tokens: int,
         deliver: Callable[[Event], None],
+        arrived: float | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.params = params
         self.max_tokens = max_tokens
         self.deliver = deliver
-        self.arrived = time.perf_counter()
+        # perf_counter() when the request reached the engine, before it was prepared
+        # (preparing runs in a thread pool, so jobs can come out of it in another order).
+        self.arrived = time.perf_counter() if arrived is None else arrived
         self._cancelled = threading.Event()
 
     def cancel(self) -> None:

@@ -242,7 +242,7 @@ class DecodeLoop:
         self._thread.start()
 
     def submit(self, job: jobs.Job) -> None:
-        """Queue a job (any thread); it starts when a slot frees up, in FIFO order."""
+        """Queue a job (any thread); it starts when a slot frees up, in order of arrival."""
         self._inbox.put(job)
 
     def stop(self) -> None:
@@ -298,21 +298,27 @@ class DecodeLoop:
         return [s for s in self.slots if s.gen is not None]
 
     def _collect(self) -> bool:
-        """Move queued jobs to the waiting line; block while there is nothing to do.
+        """Move queued jobs to the waiting line, in arrival order; block while there is
+        nothing to do.
 
         False once stopped.
         """
         block = not self._active() and not self._waiting
+        added = False
         while True:
             try:
                 item = self._inbox.get(block=block)
             except queue.Empty:
-                return True
+                break
             if item is _STOP:
                 return False
             assert isinstance(item, jobs.Job)
             self._waiting.append(item)
-            block = False
+            added, block = True, False
+        if added:
+            # Jobs are submitted when prepared, which can reorder them (see Job.arrived).
+            self._waiting = collections.deque(sorted(self._waiting, key=lambda j: j.arrived))
+        return True
 
     def _admit(self, runtime: llama.Runtime) -> None:
         """Start waiting jobs, oldest first, while slots are free."""

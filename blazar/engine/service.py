@@ -152,8 +152,9 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             with contextlib.suppress(RuntimeError):
                 aio.call_soon_threadsafe(events.put_nowait, event)
 
+        arrived = time.perf_counter()
         try:
-            job = await self._prepare(request, deliver)
+            job = await self._prepare(request, deliver, arrived=arrived)
         except errors.BlazarError as err:
             await status.abort(context, err)
         started = time.perf_counter()
@@ -267,7 +268,11 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         return self._embedder
 
     async def _prepare(
-        self, request: engine_pb2.GenerateRequest, deliver: Callable[[jobs.Event], None]
+        self,
+        request: engine_pb2.GenerateRequest,
+        deliver: Callable[[jobs.Event], None],
+        *,
+        arrived: float,
     ) -> jobs.Job:
         """Validate, render and tokenize; raise BlazarError when it cannot run."""
         # Off the event loop: a JSON schema becomes a grammar that llama.cpp compiles.
@@ -310,6 +315,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             params=params,
             max_tokens=max_tokens,
             deliver=deliver,
+            arrived=arrived,
         )
 
 

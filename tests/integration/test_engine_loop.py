@@ -1,0 +1,66 @@
+"""The decode loop in-process, with the bundled model: what its waiting line does."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from blazar._proto.v1 import inference_pb2
+from blazar.engine import jobs, llama, loop, sampling
+from tests.integration.engine_harness import poll
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def one_slot(model_path: Path) -> Iterator[loop.DecodeLoop]:
+    loaded = threading.Event()
+    decode = loop.DecodeLoop(
+        loop.LoopOptions(
+            llama.RuntimeOptions(
+                model_path=str(model_path), slots=1, context_per_slot=512, threads=2
+            )
+        ),
+        on_loaded=lambda _error: loaded.set(),
+    )
+    decode.start()
+    assert loaded.wait(120), "the model did not load"
+    yield decode
+    decode.stop()
+    decode.join(60)
+
+
+def job(decode: loop.DecodeLoop, name: str, *, arrived: float, log: list[str]) -> jobs.Job:
+    def deliver(event: jobs.Event) -> None:
+        log.append(f"{name}:{type(event).__name__}")
+
+    params = sampling.resolve(inference_pb2.Sampling(temperature=0.0), vocab=decode.vocab)
+    return jobs.Job(
+        request_id=name,
+        prompt=decode.vocab.tokenize(f"A story about {name}:"),
+        params=params,
+        max_tokens=256 if name == "busy" else 4,
+        deliver=deliver,
+        arrived=arrived,
+    )
+
+
+def test_waiting_jobs_start_in_order_of_arrival_not_of_submission(
+    one_slot: loop.DecodeLoop,
+) -> None:
+    """Jobs are submitted once prepared, and preparing runs in a thread pool, so a job
+    that arrived first can be submitted second; it must still start first."""
+    log: list[str] = []
+    busy = job(one_slot, "busy", arrived=0.0, log=log)
+    one_slot.submit(busy)
+    poll(lambda: "busy:TextDelta" in log, what="the only slot to be busy")
+    one_slot.submit(job(one_slot, "second", arrived=2.0, log=log))
+    one_slot.submit(job(one_slot, "first", arrived=1.0, log=log))
+    busy.cancel()
+    poll(lambda: "second:Finished" in log, deadline_s=60, what="both waiting jobs to finish")
+    starts = [entry.split(":")[0] for entry in log if not entry.startswith("busy")]
+    assert starts.index("first") < starts.index("second")
+    assert starts[0] == "first"
