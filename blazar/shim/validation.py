@@ -8,7 +8,8 @@ render a 400 that tells the user what to fix.
 from __future__ import annotations
 
 import json
-from typing import Any, TypeVar
+import re
+from typing import Any, TypeAlias, TypeVar
 
 import pydantic
 
@@ -18,9 +19,18 @@ M = TypeVar("M", bound=pydantic.BaseModel)
 
 PARAM_KEY = "param"
 
+# `json.loads` turns a `\uD800` escape (or, decoding bytes with surrogatepass, its
+# UTF-8 form) into a surrogate code point, and joins a valid pair into one character,
+# so any surrogate left in a string is unpaired.
+_SURROGATE = re.compile("[\\ud800-\\udfff]")
+
+# Where a node sits in the document: (parent's path, key or index), None at the top.
+_Path: TypeAlias = "tuple[_Path, int | str] | None"
+
 
 def parse_body(model: type[M], raw: bytes) -> M:
-    """Validate `raw` against `model`; unknown fields are the model's business."""
+    """Validate `raw` against `model`; unknown fields are the model's business, but every
+    string in the body, known or not, must be valid Unicode."""
     try:
         document = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -32,6 +42,7 @@ def parse_body(model: type[M], raw: bytes) -> M:
         raise errors.InvalidRequest(
             f"The request body must be a JSON object, not {_json_type(document)}."
         )
+    _check_unicode(document)
     try:
         return model.model_validate(document, strict=True)
     except pydantic.ValidationError as exc:
@@ -70,6 +81,52 @@ def field_path(loc: tuple[int | str, ...], document: Any, *, missing: bool = Fal
             path += f".{item}" if path else item
             node = node.get(item)
     return path or "body"
+
+
+def _check_unicode(document: dict[str, Any]) -> None:
+    """InvalidRequest naming a string (key or value) that holds an unpaired surrogate:
+    such a string has no UTF-8 form, so neither protobuf, the engine nor our own JSON
+    responses could carry it.
+
+    One pass without recursion (a body may nest as deep as `json.loads` allows). A
+    container's path is a linked list of (parent, key), rendered only for the offender,
+    so the walk stays linear in the size of the body however deep or wide it is.
+    """
+    stack: list[tuple[dict[str, Any] | list[Any], _Path]] = [(document, None)]
+    while stack:
+        node, path = stack.pop()
+        entries = node.items() if isinstance(node, dict) else enumerate(node)
+        for key, value in entries:
+            # `isascii` is O(1) on CPython's compact strings: most never reach the regex.
+            if isinstance(key, str) and not key.isascii() and (bad := _SURROGATE.search(key)):
+                raise _not_unicode(bad, (path, key), what="key")
+            if isinstance(value, str):
+                if not value.isascii() and (bad := _SURROGATE.search(value)):
+                    raise _not_unicode(bad, (path, key), what="string")
+            elif value and isinstance(value, dict | list):
+                stack.append((value, (path, key)))
+
+
+def _not_unicode(bad: re.Match[str], path: _Path, *, what: str) -> errors.InvalidRequest:
+    items: list[int | str] = []
+    while path is not None:
+        path, item = path
+        items.append(item)
+    rendered = ""
+    for item in reversed(items):
+        if isinstance(item, int):
+            rendered += f"[{item}]"
+        else:
+            # The name goes back in a JSON response, which cannot hold a lone surrogate.
+            name = item.encode("utf-8", "backslashreplace").decode("utf-8")
+            rendered += f".{name}" if rendered else name
+    rendered = rendered or "body"
+    return errors.InvalidRequest(
+        f"Invalid value for '{rendered}': the {what} contains an unpaired surrogate "
+        f"(\\u{ord(bad.group()):04x} at character {bad.start()}), so it is not valid "
+        "Unicode. A character outside the BMP must be escaped as a surrogate pair.",
+        metadata={PARAM_KEY: rendered},
+    )
 
 
 def _json_type(value: object) -> str:

@@ -1,9 +1,11 @@
-"""Pure helpers every shim dialect shares: field paths, HTTP status, Retry-After."""
+"""Pure helpers every shim dialect shares: body validation, field paths, HTTP status,
+Retry-After."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import pydantic
 import pytest
 
 from blazar.api import errors
@@ -33,6 +35,42 @@ from blazar.shim import http_errors, streaming, validation
 )
 def test_field_path(loc: tuple[Any, ...], document: Any, missing: bool, expected: str) -> None:
     assert validation.field_path(loc, document, missing=missing) == expected
+
+
+class Body(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="ignore")
+
+    prompt: str = ""
+    stop: list[str] = []
+
+
+@pytest.mark.parametrize(
+    ("raw", "param", "fragment"),
+    [
+        (rb'{"prompt": "a\ud800b"}', "prompt", "(\\ud800 at character 1)"),
+        (rb'{"stop": ["ok", "\ud83d"]}', "stop[1]", "unpaired surrogate"),
+        (rb'{"stop": ["\ude00\ud83d"]}', "stop[0]", "(\\ude00 at character 0)"),
+        # json.loads decodes bytes with surrogatepass, so raw ones arrive the same way.
+        (b'{"prompt": "ab\xed\xa0\x80"}', "prompt", "(\\ud800 at character 2)"),
+        # Unknown fields too: the body as a whole must be valid Unicode.
+        (rb'{"messages": [{"content": "\udfff"}]}', "messages[0].content", "the string"),
+        (rb'{"x": [[{"y": ["\udc00"]}]]}', "x[0][0].y[0]", "unpaired surrogate"),
+        (rb'{"x": {"\ud800k": 1}}', "x.\\ud800k", "the key contains"),
+    ],
+)
+def test_unpaired_surrogates_are_invalid(raw: bytes, param: str, fragment: str) -> None:
+    with pytest.raises(errors.InvalidRequest) as caught:
+        validation.parse_body(Body, raw)
+    assert caught.value.metadata == {validation.PARAM_KEY: param}
+    assert fragment in caught.value.message
+    assert "not valid Unicode" in caught.value.message
+    # The message goes back to the client as UTF-8.
+    caught.value.message.encode("utf-8")
+
+
+def test_surrogate_pairs_are_valid() -> None:
+    raw = rb'{"prompt": "\ud83d\ude00 \u00e9", "stop": ["\ud83d\ude00"]}'
+    assert validation.parse_body(Body, raw) == Body(prompt="\U0001f600 \u00e9", stop=["\U0001f600"])
 
 
 @pytest.mark.parametrize(

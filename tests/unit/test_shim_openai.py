@@ -773,6 +773,33 @@ async def test_bad_chat_body_is_400(
     assert daemon.fake.requests == []  # rejected before reaching the daemon
 
 
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", {"model": "tiny", "prompt": "a\ud800b", "max_tokens": 2}, "prompt"),
+        ("/v1/completions", {"model": "tiny", "prompt": "a", "stop": ["\udc00"]}, "stop[0]"),
+        (
+            "/v1/chat/completions",
+            {"model": "tiny", "messages": [{"role": "user", "content": "\ud83d"}]},
+            "messages[0].content",
+        ),
+        ("/v1/chat/completions", chat_body(stop="x\udfff"), "stop"),
+        ("/v1/embeddings", {"model": "tiny", "input": ["ok", "\ud800"]}, "input[1]"),
+    ],
+)
+async def test_unpaired_surrogate_is_400(
+    daemon: Daemon, client: httpx.AsyncClient, path: str, body: dict[str, Any], param: str
+) -> None:
+    daemon.fake.scripts["tiny"] = HELLO
+    # json.dumps escapes the lone surrogate as `\ud800`, which is how clients send one.
+    response = await client.post(path, content=json.dumps(body).encode())
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["type"], error["param"]) == ("invalid_request_error", param)
+    assert "unpaired surrogate" in error["message"]
+    assert daemon.fake.requests == []
+
+
 async def test_unknown_route_is_an_openai_error(client: httpx.AsyncClient) -> None:
     response = await client.post("/v1/chat/complete", json=chat_body())
     assert response.status_code == 404
