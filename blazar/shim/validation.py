@@ -38,6 +38,12 @@ def parse_body(model: type[M], raw: bytes) -> M:
             f"We could not parse the JSON body of your request ({exc}). "
             "The body must be a JSON object."
         ) from None
+    except RecursionError:
+        # The C decoder recurses once per level and stops at the interpreter's limit.
+        raise errors.InvalidRequest(
+            "We could not parse the JSON body of your request (its arrays and objects are "
+            "nested too deeply). The body must be a JSON object."
+        ) from None
     if not isinstance(document, dict):
         raise errors.InvalidRequest(
             f"The request body must be a JSON object, not {_json_type(document)}."

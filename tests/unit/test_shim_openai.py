@@ -689,6 +689,13 @@ async def test_unknown_model_is_404(daemon: Daemon, client: httpx.AsyncClient) -
         (b'{"model": "tiny", "messages": [', None, "could not parse the JSON body"),
         (b"\xff\xfe", None, "could not parse the JSON body"),
         (b"[]", None, "must be a JSON object"),
+        # Deeper than the decoder recurses, even inside a field nobody reads.
+        (
+            b'{"model": "tiny", "x": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+            None,
+            "could not parse the JSON body",
+        ),
+        (b'{"x": ' + b'{"y": ' * 5000 + b"1" + b"}" * 5001, None, "nested too deeply"),
         (
             json.dumps(chat_body(temperature="hot")).encode(),
             "temperature",
