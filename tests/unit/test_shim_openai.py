@@ -448,6 +448,18 @@ def test_unset_sampling_fields_stay_unset() -> None:
     assert convert.chat_request(zero).sampling.HasField("temperature")
 
 
+@pytest.mark.parametrize(
+    ("extra", "max_tokens"), [({}, 16), ({"max_tokens": None}, 16), ({"max_tokens": 300}, 300)]
+)
+def test_completions_stop_after_16_tokens_by_default(
+    extra: dict[str, Any], max_tokens: int
+) -> None:
+    """OpenAI's documented default for the legacy endpoint; chat keeps none (above)."""
+    body = {"model": "base", "prompt": "Once", **extra}
+    parsed = validation.parse_body(protocol.CompletionRequest, json.dumps(body).encode())
+    assert convert.complete_request(parsed).sampling.max_tokens == max_tokens
+
+
 # ---------------------------------------------------------------- golden: streams out
 
 STREAM_CASES: dict[str, tuple[str, dict[str, Any], list[Step]]] = {

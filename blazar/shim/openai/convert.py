@@ -30,6 +30,10 @@ _ROLES = {"developer": "system"}
 _SEED_MODULUS = 2**32
 # proto3 int32 map keys.
 _TOKEN_ID_LIMIT = 2**31
+# OpenAI's legacy completions endpoint stops after 16 tokens when `max_tokens` is
+# unset or null (vLLM does the same); chat has no such default and runs until the
+# context is full.
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -85,7 +89,10 @@ def complete_request(body: protocol.CompletionRequest) -> inference_pb2.Complete
             f"{len(body.prompt)}. Send one request per prompt.",
             param="prompt",
         )
-    sampling = _sampling(body, max_tokens=body.max_tokens)
+    max_tokens = body.max_tokens
+    if max_tokens is None:
+        max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
+    sampling = _sampling(body, max_tokens=max_tokens)
     if body.logprobs is not None:
         sampling.logprobs = True
         sampling.top_logprobs = body.logprobs
