@@ -612,6 +612,43 @@ async def test_models_list(daemon: Daemon, client: httpx.AsyncClient) -> None:
     }
 
 
+@pytest.mark.parametrize("name", ["gemma", "tiny", "google/gemma-3"])
+async def test_model_retrieve(daemon: Daemon, client: httpx.AsyncClient, name: str) -> None:
+    daemon.fake.models = [
+        inference_pb2.ModelInfo(id="gemma", lane="gemma", created=1700000000, ready=True),
+        # Aliases of the same Lane are listed, and retrieved, under their own ids.
+        inference_pb2.ModelInfo(id="tiny", lane="gemma", created=1700000000),
+        inference_pb2.ModelInfo(id="google/gemma-3", lane="gemma", created=1700000000),
+    ]
+    response = await client.get(f"/v1/models/{name}")
+    assert response.status_code == 200, response.text
+    assert response.json() == {
+        "id": name,
+        "object": "model",
+        "created": 1700000000,
+        "owned_by": "blazar",
+    }
+    listed = await client.get("/v1/models")
+    assert response.json() in listed.json()["data"]
+
+
+@pytest.mark.parametrize("name", ["nope", "gemma/extra"])
+async def test_model_retrieve_unknown_is_404(
+    daemon: Daemon, client: httpx.AsyncClient, name: str
+) -> None:
+    daemon.fake.models = [inference_pb2.ModelInfo(id="gemma", lane="gemma", created=1)]
+    response = await client.get(f"/v1/models/{name}")
+    assert response.status_code == 404
+    assert response.json() == {
+        "error": {
+            "message": f"The model '{name}' does not exist.",
+            "type": "invalid_request_error",
+            "param": "model",
+            "code": "model_not_found",
+        }
+    }
+
+
 async def test_every_response_has_a_fresh_request_id(
     daemon: Daemon, client: httpx.AsyncClient
 ) -> None:
@@ -1323,6 +1360,11 @@ async def test_official_openai_client(daemon: Daemon) -> None:
 
             models = await sdk.models.list()
             assert [m.id for m in models.data] == ["tiny"]
+            retrieved = await sdk.models.retrieve("tiny")
+            assert (retrieved.id, retrieved.object) == ("tiny", "model")
+            with pytest.raises(openai.NotFoundError) as unknown:
+                await sdk.models.retrieve("missing")
+            assert unknown.value.code == "model_not_found"
 
             daemon.fake.embeddings = EMBEDDINGS
             # Asked for floats, or for nothing (the SDK then asks for base64 and decodes it).

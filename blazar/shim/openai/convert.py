@@ -592,13 +592,20 @@ def embedding_list(
 
 
 def model_list(response: inference_pb2.ListModelsResponse) -> protocol.ModelList:
-    return {
-        "object": "list",
-        "data": [
-            {"id": m.id, "object": "model", "created": m.created, "owned_by": "blazar"}
-            for m in response.models
-        ],
-    }
+    return {"object": "list", "data": [_model(m) for m in response.models]}
+
+
+def model(response: inference_pb2.ListModelsResponse, name: str) -> protocol.Model:
+    """The entry of `model_list` whose id is `name` (a Lane name or an alias);
+    ModelNotFound when there is none."""
+    for info in response.models:
+        if info.id == name:
+            return _model(info)
+    raise errors.ModelNotFound.of(name)
+
+
+def _model(info: inference_pb2.ModelInfo) -> protocol.Model:
+    return {"id": info.id, "object": "model", "created": info.created, "owned_by": "blazar"}
 
 
 # ---------------------------------------------------------------- errors

@@ -32,6 +32,8 @@ def routes() -> list[Route]:
         Route("/v1/completions", _guarded(completions), methods=["POST"]),
         Route("/v1/embeddings", _guarded(embeddings), methods=["POST"]),
         Route("/v1/models", _guarded(list_models), methods=["GET"]),
+        # `path`: an alias may contain a slash (`google/gemma-3`).
+        Route("/v1/models/{model:path}", _guarded(retrieve_model), methods=["GET"]),
     ]
 
 
@@ -114,6 +116,17 @@ async def list_models(request: Request) -> Response:
     except errors.BlazarError as err:
         return error(err)
     return JSONResponse(convert.model_list(response))
+
+
+async def retrieve_model(request: Request) -> Response:
+    """One entry of /v1/models (the `openai` client's `models.retrieve`)."""
+    ctx = context.of(request)
+    try:
+        response = await inference.client_of(request).list_models(metadata=ctx.grpc_metadata())
+        found = convert.model(response, request.path_params["model"])
+    except errors.BlazarError as err:
+        return error(err)
+    return JSONResponse(found)
 
 
 async def no_route(request: Request, exc: Exception) -> Response:
