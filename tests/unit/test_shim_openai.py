@@ -801,6 +801,19 @@ async def test_unknown_model_is_404(daemon: Daemon, client: httpx.AsyncClient) -
             "Tool calling",
         ),
         (json.dumps(chat_body(functions=[TOOL["function"]])).encode(), "functions", "Function"),
+        # So are other outputs than text.
+        (json.dumps(chat_body(modalities=["text", "audio"])).encode(), "modalities", "audio"),
+        (json.dumps(chat_body(modalities=[])).encode(), "modalities", "text output"),
+        (
+            json.dumps(chat_body(audio={"voice": "alloy", "format": "wav"})).encode(),
+            "audio",
+            "Audio output",
+        ),
+        (
+            json.dumps(chat_body(prediction={"type": "content", "content": "x"})).encode(),
+            "prediction",
+            "Predicted outputs",
+        ),
         (
             json.dumps(
                 {
@@ -878,6 +891,44 @@ async def test_bad_completion_prompt_is_400(
     assert response.status_code == 400, response.text
     assert fragment in response.json()["error"]["message"]
     assert response.json()["error"]["param"].startswith("prompt")
+
+
+@pytest.mark.parametrize(
+    ("extra", "param", "fragment"),
+    [
+        ({"best_of": 3}, "best_of", "best_of=3"),
+        ({"best_of": 0}, "best_of", "best_of=0"),
+        ({"suffix": " the end."}, "suffix", "'suffix' is not supported"),
+    ],
+)
+async def test_unsupported_completion_options_are_400(
+    daemon: Daemon, client: httpx.AsyncClient, extra: dict[str, Any], param: str, fragment: str
+) -> None:
+    body = {"model": "tiny", "prompt": "a", **extra}
+    response = await client.post("/v1/completions", json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["type"], error["param"]) == ("invalid_request_error", param)
+    assert fragment in error["message"]
+    assert not daemon.fake.requests
+
+
+async def test_options_that_change_nothing_are_accepted(
+    daemon: Daemon, client: httpx.AsyncClient
+) -> None:
+    daemon.fake.scripts["tiny"] = HELLO
+    for body in (
+        {"model": "tiny", "prompt": "a", "best_of": 1, "suffix": ""},
+        {"model": "tiny", "prompt": "a", "best_of": None, "suffix": None},
+    ):
+        response = await client.post("/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+    for extra in (
+        {"modalities": ["text"], "audio": None, "prediction": None},
+        {"modalities": None},
+    ):
+        response = await client.post("/v1/chat/completions", json=chat_body(**extra))
+        assert response.status_code == 200, response.text
 
 
 async def test_stream_options_need_a_stream(daemon: Daemon, client: httpx.AsyncClient) -> None:

@@ -52,6 +52,7 @@ def chat_request(body: protocol.ChatCompletionRequest) -> inference_pb2.ChatRequ
     _require_single_choice(body)
     _require_stream_for_options(body)
     _refuse_tools(body)
+    _refuse_non_text_output(body)
     messages = [
         inference_pb2.Message(
             role=_ROLES.get(message.role, message.role),
@@ -79,6 +80,7 @@ def chat_request(body: protocol.ChatCompletionRequest) -> inference_pb2.ChatRequ
 def complete_request(body: protocol.CompletionRequest) -> inference_pb2.CompleteRequest:
     _require_single_choice(body)
     _require_stream_for_options(body)
+    _refuse_best_of_and_suffix(body)
     if isinstance(body.prompt, str):
         prompt = body.prompt
     elif len(body.prompt) == 1:
@@ -165,6 +167,34 @@ def _require_stream_for_options(
         raise _invalid(
             "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
             param="stream_options",
+        )
+
+
+def _refuse_best_of_and_suffix(body: protocol.CompletionRequest) -> None:
+    """As with `n`, ignoring these would pass off a different answer as the one asked for."""
+    if body.best_of is not None and body.best_of != 1:
+        raise _invalid(f"Only best_of=1 is supported; got best_of={body.best_of}.", param="best_of")
+    if body.suffix:
+        raise _invalid(
+            "'suffix' is not supported by this server: completions only continue the prompt.",
+            param="suffix",
+        )
+
+
+def _refuse_non_text_output(body: protocol.ChatCompletionRequest) -> None:
+    """Blazar generates text only, token by token, with no predicted-output path."""
+    if body.modalities is not None and body.modalities != ["text"]:
+        raise _invalid(
+            f"Only text output is supported; 'modalities' must be [\"text\"], got "
+            f"{json.dumps(body.modalities)}.",
+            param="modalities",
+        )
+    if body.audio is not None:
+        raise _invalid("Audio output is not supported by this server.", param="audio")
+    if body.prediction is not None:
+        raise _invalid(
+            "Predicted outputs ('prediction') are not supported by this server.",
+            param="prediction",
         )
 
 

@@ -109,6 +109,10 @@ class ChatCompletionRequest(_Sampling):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None
+    # Read only to refuse them (see convert): output is text, generated token by token.
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -117,6 +121,9 @@ class CompletionRequest(_Sampling):
     # The legacy API's number of alternatives per token (OpenAI allows up to 5).
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool | None = None
+    # Read only to refuse them (see convert): one candidate, no insertion.
+    best_of: int | None = None
+    suffix: str | None = None
 
 
 class EmbeddingRequest(_Request):
