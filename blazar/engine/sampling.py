@@ -90,6 +90,10 @@ class SamplingParams:
         return self.grammar is not None
 
 
+# The request field (`errors.FIELD_KEY`) blamed when only the logit bias is invalid.
+LOGIT_BIAS_FIELD = "sampling.logit_bias"
+
+
 def resolve(
     sampling: inference_pb2.Sampling,
     *,
@@ -153,6 +157,12 @@ def resolve(
                 not 0 <= p.top_logprobs <= MAX_TOP_LOGPROBS,
                 f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}",
             ),
+        )
+        if bad
+    ]
+    bias_problems = [
+        msg
+        for bad, msg in (
             (
                 bool(bad_ids),
                 f"logit_bias names token ids outside the vocabulary"
@@ -166,8 +176,15 @@ def resolve(
         )
         if bad
     ]
-    if problems:
-        raise errors.InvalidRequest("Invalid sampling: " + "; ".join(problems) + ".")
+    if problems or bias_problems:
+        err = errors.InvalidRequest(
+            "Invalid sampling: " + "; ".join(problems + bias_problems) + "."
+        )
+        if not problems:
+            # Only the vocabulary knows these ids are wrong, so only the engine can say
+            # so; naming the field lets each dialect blame its own parameter.
+            err.metadata[errors.FIELD_KEY] = LOGIT_BIAS_FIELD
+        raise err
     if grammar is not None and vocab is not None:
         from_schema = constraint is not None and constraint.WhichOneof("kind") == "json_schema"
         with _blaming("constraint"):

@@ -112,6 +112,24 @@ def test_resolve_rejects_logprobs_and_bias(fields: dict[str, Any], message: str)
         sampling.resolve(inference_pb2.Sampling(**fields), vocab=FakeVocab())
 
 
+@pytest.mark.parametrize(
+    ("fields", "blamed"),
+    [
+        ({"logit_bias": {1000: 1.0}}, sampling.LOGIT_BIAS_FIELD),
+        ({"logit_bias": {-1: 1.0, 5: float("nan")}}, sampling.LOGIT_BIAS_FIELD),
+        # Several fields at fault: none is named alone.
+        ({"logit_bias": {1000: 1.0}, "temperature": -1.0}, None),
+        ({"temperature": -1.0}, None),
+    ],
+)
+def test_resolve_names_the_logit_bias_when_it_alone_is_at_fault(
+    fields: dict[str, Any], blamed: str | None
+) -> None:
+    with pytest.raises(errors.InvalidRequest) as caught:
+        sampling.resolve(inference_pb2.Sampling(**fields), vocab=FakeVocab())
+    assert caught.value.metadata.get(errors.FIELD_KEY) == blamed
+
+
 def test_grammar_passes_through() -> None:
     constraint = inference_pb2.Constraint(grammar='root ::= "yes" | "no"')
     params = sampling.resolve(inference_pb2.Sampling(), seed=1, constraint=constraint)

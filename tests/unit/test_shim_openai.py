@@ -1268,20 +1268,34 @@ async def test_response_format_reaches_the_daemon(
     assert response.json()["choices"][0]["logprobs"] is None
 
 
-async def test_constraint_errors_from_the_engine_are_400(
-    daemon: Daemon, client: httpx.AsyncClient
+@pytest.mark.parametrize(
+    ("field", "extra", "param"),
+    [
+        ("constraint", {"response_format": {"type": "json_object"}}, "response_format"),
+        # The engine alone knows the vocabulary, so only it can refuse a token id.
+        ("sampling.logit_bias", {"logit_bias": {"262144": 5}}, "logit_bias"),
+        ("sampling.unheard_of", {}, None),
+    ],
+)
+async def test_field_errors_from_the_engine_are_400(
+    daemon: Daemon,
+    client: httpx.AsyncClient,
+    field: str,
+    extra: dict[str, Any],
+    param: str | None,
 ) -> None:
-    blamed = {errors.FIELD_KEY: "constraint"}
-    daemon.fake.scripts["tiny"] = [
-        errors.InvalidRequest("The grammar is not valid GBNF.", metadata=blamed)
-    ]
-    body = chat_body(response_format={"type": "json_object"})
-    for stream in (False, True):
-        response = await client.post("/v1/chat/completions", json={**body, "stream": stream})
-        assert response.status_code == 400
-        error = response.json()["error"]
-        assert error["message"] == "The grammar is not valid GBNF."
-        assert error["param"] == "response_format"
+    blamed = {errors.FIELD_KEY: field}
+    daemon.fake.scripts["tiny"] = [errors.InvalidRequest("The engine says no.", metadata=blamed)]
+    for path, body in (
+        ("/v1/chat/completions", chat_body(**extra)),
+        ("/v1/completions", {"model": "tiny", "prompt": "a", **extra}),
+    ):
+        for stream in (False, True):
+            response = await client.post(path, json={**body, "stream": stream})
+            assert response.status_code == 400
+            error = response.json()["error"]
+            assert error["message"] == "The engine says no."
+            assert error["param"] == param
 
 
 @pytest.mark.parametrize(
