@@ -801,6 +801,39 @@ async def test_unknown_model_is_404(daemon: Daemon, client: httpx.AsyncClient) -
             "Tool calling",
         ),
         (json.dumps(chat_body(functions=[TOOL["function"]])).encode(), "functions", "Function"),
+        # System and user turns need content; an assistant turn may be empty.
+        (
+            json.dumps({"model": "tiny", "messages": [{"role": "user"}]}).encode(),
+            "messages[0].content",
+            "Missing required parameter: 'messages[0].content'",
+        ),
+        (
+            json.dumps(
+                {
+                    "model": "tiny",
+                    "messages": [
+                        {"role": "assistant", "content": None},
+                        {"role": "user", "content": []},
+                    ],
+                }
+            ).encode(),
+            "messages[1].content",
+            "at least one content part",
+        ),
+        (
+            json.dumps(
+                {"model": "tiny", "messages": [{"role": "system", "content": None}]}
+            ).encode(),
+            "messages[0].content",
+            "a system message needs content",
+        ),
+        (
+            json.dumps(
+                {"model": "tiny", "messages": [{"role": "developer", "content": []}]}
+            ).encode(),
+            "messages[0].content",
+            "a developer message",
+        ),
         # So are other outputs than text.
         (json.dumps(chat_body(modalities=["text", "audio"])).encode(), "modalities", "audio"),
         (json.dumps(chat_body(modalities=[])).encode(), "modalities", "text output"),

@@ -26,6 +26,10 @@ from blazar.shim.openai import protocol
 SYSTEM_FINGERPRINT = "fp_blazar"
 
 _ROLES = {"developer": "system"}
+# Roles whose messages OpenAI refuses without content. Its assistant turns may omit
+# content when they carry tool_calls (refused here anyway); one with neither is still
+# taken here, as an empty turn.
+_CONTENT_REQUIRED = frozenset({"system", "developer", "user"})
 # proto3 uint32: OpenAI accepts any integer seed, so larger ones are folded in.
 _SEED_MODULUS = 2**32
 # proto3 int32 map keys.
@@ -53,6 +57,7 @@ def chat_request(body: protocol.ChatCompletionRequest) -> inference_pb2.ChatRequ
     _require_stream_for_options(body)
     _refuse_tools(body)
     _refuse_non_text_output(body)
+    _require_content(body.messages)
     messages = [
         inference_pb2.Message(
             role=_ROLES.get(message.role, message.role),
@@ -215,6 +220,25 @@ def _refuse_tools(body: protocol.ChatCompletionRequest) -> None:
                 "Tool calling is not supported by this server, so a conversation cannot "
                 "carry an assistant message with 'tool_calls'.",
                 param=f"messages[{i}].tool_calls",
+            )
+
+
+def _require_content(messages: Sequence[protocol.ChatMessage]) -> None:
+    """A system or user turn without content is a client bug, not an empty turn."""
+    for i, message in enumerate(messages):
+        if message.role not in _CONTENT_REQUIRED:
+            continue
+        param = f"messages[{i}].content"
+        if message.content is None:
+            raise _invalid(
+                f"Missing required parameter: '{param}' (a {message.role} message needs content).",
+                param=param,
+            )
+        if isinstance(message.content, list) and not message.content:
+            raise _invalid(
+                f"Invalid value for '{param}': a {message.role} message needs at least one "
+                "content part.",
+                param=param,
             )
 
 
