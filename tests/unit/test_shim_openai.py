@@ -1387,6 +1387,16 @@ async def test_embeddings_errors(daemon: Daemon, client: httpx.AsyncClient) -> N
     assert (error["code"], error["param"]) == ("context_length_exceeded", "input")
     assert "5000" in error["message"] and "2048" in error["message"]
 
+    daemon.fake.scripts["tiny"] = [
+        errors.InvalidRequest(
+            "The request has 3000 inputs; at most 2048 are embedded per request.",
+            metadata={errors.FIELD_KEY: "inputs", "inputs": "3000"},
+        )
+    ]
+    many = await client.post("/v1/embeddings", json={"model": "tiny", "input": ["a"] * 3000})
+    assert many.status_code == 400
+    assert many.json()["error"]["param"] == "input"
+
 
 # ---------------------------------------------------------------- real server
 

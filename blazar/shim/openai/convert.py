@@ -673,7 +673,11 @@ class ErrorResponse:
 
 
 # The OpenAI parameter behind each field of the gRPC request an engine error can blame.
-_PARAMS = {"constraint": "response_format", "sampling.logit_bias": "logit_bias"}
+_PARAMS = {
+    "constraint": "response_format",
+    "sampling.logit_bias": "logit_bias",
+    "inputs": "input",
+}
 
 
 def error_response(err: errors.BlazarError, *, prompt_param: str = "messages") -> ErrorResponse:
