@@ -294,7 +294,9 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         else:
             raise errors.InvalidRequest("Set either prompt or chat.")
         if not prompt:
-            raise errors.InvalidRequest("The prompt is empty.")
+            raise errors.InvalidRequest(
+                "The prompt is empty.", metadata={errors.FIELD_KEY: "prompt"}
+            )
         tokens = await asyncio.to_thread(self._decode.vocab.tokenize, prompt)
         limit = self._decode.context_per_slot
         if params.max_tokens is None:

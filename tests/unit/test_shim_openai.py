@@ -1331,6 +1331,20 @@ async def test_field_errors_from_the_engine_are_400(
             assert error["param"] == param
 
 
+async def test_an_empty_prompt_from_the_engine_blames_the_prompt(
+    daemon: Daemon, client: httpx.AsyncClient
+) -> None:
+    blamed = {errors.FIELD_KEY: "prompt"}
+    daemon.fake.scripts["tiny"] = [errors.InvalidRequest("The prompt is empty.", metadata=blamed)]
+    for path, body, param in (
+        ("/v1/completions", {"model": "tiny", "prompt": ""}, "prompt"),
+        ("/v1/chat/completions", chat_body(), "messages"),
+    ):
+        response = await client.post(path, json=body)
+        assert response.status_code == 400
+        assert response.json()["error"]["param"] == param
+
+
 @pytest.mark.parametrize(
     ("body", "param", "fragment"),
     [

@@ -683,15 +683,16 @@ _PARAMS = {
 def error_response(err: errors.BlazarError, *, prompt_param: str = "messages") -> ErrorResponse:
     """OpenAI's `{"error": {message, type, param, code}}` with the matching HTTP status.
 
-    `prompt_param` names the field blamed for an over-long prompt (`prompt` for
-    completions), as OpenAI does.
+    `prompt_param` names the field blamed for an over-long or empty prompt (`prompt`
+    for completions), as OpenAI does.
     """
     status = http_errors.http_status(err)
     headers: dict[str, str] = {}
     if status == 429:
         headers["retry-after"] = str(http_errors.retry_after_seconds(err))
-    param = err.metadata.get(validation.PARAM_KEY) or _PARAMS.get(
-        err.metadata.get(errors.FIELD_KEY, "")
+    field = err.metadata.get(errors.FIELD_KEY, "")
+    param = err.metadata.get(validation.PARAM_KEY) or (
+        prompt_param if field == "prompt" else _PARAMS.get(field)
     )
     code: str | None = None
     if isinstance(err, errors.ModelNotFound):
