@@ -100,13 +100,15 @@ class Publisher:
         self._shown = shown
 
 
-async def health_of(socket: str) -> engine_pb2.HealthResponse | None:
+async def health_of(
+    socket: str, *, timeout: float = HEALTH_TIMEOUT_S
+) -> engine_pb2.HealthResponse | None:
     """A replica's Health, or None when it does not answer in time."""
     try:
         async with grpc.aio.insecure_channel(f"unix:{socket}") as channel:
             stub = engine_pb2_grpc.EngineStub(channel)
             response: engine_pb2.HealthResponse = await stub.Health(
-                engine_pb2.HealthRequest(), timeout=HEALTH_TIMEOUT_S
+                engine_pb2.HealthRequest(), timeout=timeout
             )
             return response
     except grpc.RpcError:
@@ -119,11 +121,13 @@ class HealthMonitor:
 
     observe: Callable[[], Sequence[ReplicaObservation]]
     interval: float = DEFAULT_INTERVAL_S
+    # A replica that takes longer to answer is left out of this round.
+    timeout: float = HEALTH_TIMEOUT_S
     publisher: Publisher = field(default_factory=Publisher)
 
     async def poll_once(self) -> list[Sample]:
         ready = [r for r in self.observe() if r.state is ReplicaState.READY]
-        answers = await asyncio.gather(*(health_of(r.socket) for r in ready))
+        answers = await asyncio.gather(*(health_of(r.socket, timeout=self.timeout) for r in ready))
         samples = [
             Sample.of(r.lane, r.index, health)
             for r, health in zip(ready, answers, strict=True)

@@ -69,6 +69,11 @@ HEALTH = engine_pb2.HealthResponse(
 )
 
 
+# The fake engine answers at once, but a busy CI host can hold a first RPC over a fresh
+# channel past the daemon's 2 s; these tests are not about that timeout.
+PATIENT_S = 30.0
+
+
 async def test_ready_replicas_are_published_and_vanish_when_they_go() -> None:
     async with fake_engine(HEALTH) as socket:
         observed = [
@@ -76,7 +81,7 @@ async def test_ready_replicas_are_published_and_vanish_when_they_go() -> None:
             # Not ready: never asked, never shown.
             replica("mon-a", 1, socket, ReplicaState.STARTING),
         ]
-        health = monitor.HealthMonitor(observe=lambda: observed)
+        health = monitor.HealthMonitor(observe=lambda: observed, timeout=PATIENT_S)
         [sample] = await health.poll_once()
         assert (sample.busy, sample.free, sample.cached_tokens) == (1, 2, 1000)
         a0 = {"lane": "mon-a", "replica": "0"}
@@ -96,7 +101,7 @@ async def test_ready_replicas_are_published_and_vanish_when_they_go() -> None:
 async def test_a_replica_that_does_not_answer_loses_its_series() -> None:
     async with fake_engine(HEALTH) as socket:
         observed = [replica("mon-b", 0, socket, ReplicaState.READY)]
-        health = monitor.HealthMonitor(observe=lambda: observed)
+        health = monitor.HealthMonitor(observe=lambda: observed, timeout=PATIENT_S)
         await health.poll_once()
         assert value("blazar_engine_cached_tokens", lane="mon-b", replica="0") == 1000
     # The server is gone; the socket path no longer answers.
@@ -107,7 +112,7 @@ async def test_a_replica_that_does_not_answer_loses_its_series() -> None:
 async def test_run_polls_until_stopped_then_clears() -> None:
     async with fake_engine(HEALTH) as socket:
         observed = [replica("mon-c", 0, socket, ReplicaState.READY)]
-        health = monitor.HealthMonitor(observe=lambda: observed, interval=0.01)
+        health = monitor.HealthMonitor(observe=lambda: observed, interval=0.01, timeout=PATIENT_S)
         stop = asyncio.Event()
         task = asyncio.create_task(health.run(stop))
         for _ in range(200):
