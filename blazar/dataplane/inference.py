@@ -7,6 +7,7 @@ replica (the engine queues them); SLO admission comes in a later layer.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 import uuid
@@ -118,9 +119,18 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         self, request: inference_pb2.EmbedRequest, context: Context
     ) -> inference_pb2.EmbedResponse:
         route, replica = await self._route(request.model, context)
-        response: inference_pb2.EmbedResponse = await self._unary(
-            self._pool.stub(replica.socket).Embed, request, context
-        )
+        try:
+            response: inference_pb2.EmbedResponse = await self._pool.stub(replica.socket).Embed(
+                request
+            )
+        except grpc.aio.AioRpcError as exc:
+            err = status.from_rpc_error(exc)
+            metrics.observe_embedding_failure(route.lane, err.reason)
+            await status.abort(context, err)
+        except asyncio.CancelledError:
+            metrics.observe_embedding_failure(route.lane, metrics.CANCELLED)
+            raise
+        metrics.observe_embedding(route.lane, response.prompt_tokens)
         response.model = route.lane
         return response
 

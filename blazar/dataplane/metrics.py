@@ -28,6 +28,14 @@ DRAFTED_TOKENS = Counter(
 ACCEPTED_TOKENS = Counter(
     "blazar_speculative_accepted_tokens_total", "Speculative draft tokens accepted.", ["lane"]
 )
+EMBEDDINGS = Counter(
+    "blazar_embedding_requests_total",
+    "Embedding requests by lane and outcome (ok, cancelled, or the error reason).",
+    ["lane", "outcome"],
+)
+EMBEDDED_TOKENS = Counter(
+    "blazar_embedded_tokens_total", "Tokens of the inputs embedded.", ["lane"]
+)
 TTFT = Histogram(
     "blazar_time_to_first_token_seconds",
     "From arrival at the data plane to the first token.",
@@ -56,3 +64,12 @@ def observe_final(lane: str, final: inference_pb2.Final) -> None:
 
 def observe_failure(lane: str, reason: str) -> None:
     REQUESTS.labels(lane, reason.lower()).inc()
+
+
+def observe_embedding(lane: str, tokens: int) -> None:
+    EMBEDDINGS.labels(lane, "ok").inc()
+    EMBEDDED_TOKENS.labels(lane).inc(tokens)
+
+
+def observe_embedding_failure(lane: str, reason: str) -> None:
+    EMBEDDINGS.labels(lane, reason.lower()).inc()

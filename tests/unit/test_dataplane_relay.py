@@ -45,6 +45,14 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
             final=inference_pb2.Final(finish_reason=inference_pb2.FINISH_REASON_STOP)
         )
 
+    async def Embed(self, request: Any, context: Any) -> inference_pb2.EmbedResponse:
+        if list(request.inputs) == ["bad"]:
+            await status.abort(context, errors.InvalidRequest("Input 0 is bad."))
+        return inference_pb2.EmbedResponse(
+            embeddings=[inference_pb2.Embedding(values=[1.0], tokens=7) for _ in request.inputs],
+            prompt_tokens=7 * len(request.inputs),
+        )
+
 
 @contextlib.asynccontextmanager
 async def engines(*fakes: FakeEngine) -> AsyncIterator[list[str]]:
@@ -228,3 +236,34 @@ def test_the_size_limit_keeps_writer_style_streams_working() -> None:
             await plane.stop(grace=0)
 
     assert asyncio.run(first_status()) == health_pb2.HealthCheckResponse.SERVING
+
+
+def embeddings_counted(outcome: str) -> float:
+    labels = {"lane": "l", "outcome": outcome}
+    value = prometheus_client.REGISTRY.get_sample_value("blazar_embedding_requests_total", labels)
+    return value or 0.0
+
+
+def test_embedding_requests_are_counted_by_outcome() -> None:
+    def tokens() -> float:
+        value = prometheus_client.REGISTRY.get_sample_value(
+            "blazar_embedded_tokens_total", {"lane": "l"}
+        )
+        return value or 0.0
+
+    before = (embeddings_counted("ok"), embeddings_counted("invalid_request"), tokens())
+
+    async def run() -> grpc.aio.AioRpcError | None:
+        async with data_plane([FakeEngine(refuse=False, text="x")]) as stub:
+            response = await stub.Embed(inference_pb2.EmbedRequest(model="l", inputs=["a", "b"]))
+            assert (response.model, response.prompt_tokens) == ("l", 14)
+            try:
+                await stub.Embed(inference_pb2.EmbedRequest(model="l", inputs=["bad"]))
+            except grpc.aio.AioRpcError as exc:
+                return exc
+            return None
+
+    refused = asyncio.run(run())
+    assert refused is not None and refused.code() == grpc.StatusCode.INVALID_ARGUMENT
+    after = (embeddings_counted("ok"), embeddings_counted("invalid_request"), tokens())
+    assert after == (before[0] + 1, before[1] + 1, before[2] + 14)
