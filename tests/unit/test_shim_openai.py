@@ -32,7 +32,7 @@ from blazar._proto.v1 import inference_pb2, inference_pb2_grpc
 from blazar.api import errors
 from blazar.rpc import status
 from blazar.shim import app as shim_app
-from blazar.shim import request_body, validation
+from blazar.shim import request_body, streaming, validation
 from blazar.shim.openai import convert, protocol
 
 GOLDEN = Path(__file__).parent / "golden" / "openai"
@@ -1086,6 +1086,37 @@ async def test_a_body_over_the_shims_limit_is_413_before_it_is_read(
     assert daemon.fake.requests == []
     if not declared:  # chunked: refused once past the limit, not after the whole body
         assert sent <= limit + len(piece)
+
+
+async def test_a_client_gone_while_sending_its_body_is_499_not_a_failure(
+    daemon: Daemon,
+) -> None:
+    app = shim_app.create_app(inference_target=daemon.target)
+    messages = iter(
+        [
+            {"type": "http.request", "body": b'{"model": "tiny", "pro', "more_body": True},
+            {"type": "http.disconnect"},
+        ]
+    )
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return next(messages)
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+        "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+        "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json")],
+        "client": ("127.0.0.1", 1), "server": ("shim", 80),
+    }  # fmt: skip
+    async with app.router.lifespan_context(app):
+        await app(scope, receive, send)
+    assert sent[0]["type"] == "http.response.start"
+    assert sent[0]["status"] == streaming.CLIENT_CLOSED_REQUEST
+    assert daemon.fake.requests == []
 
 
 async def test_malformed_request_does_not_disturb_concurrent_good_one(

@@ -9,7 +9,7 @@ from typing import Any, TypeAlias
 
 import structlog
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
@@ -239,6 +239,9 @@ def _guarded(handler: Handler) -> Handler:
     async def guarded(request: Request) -> Response:
         try:
             return await handler(request)
+        except ClientDisconnect:
+            # Gone while sending its body: nobody to answer, and not a server failure.
+            return Response(status_code=streaming.CLIENT_CLOSED_REQUEST)
         except Exception:
             _log.exception("request failed")
             return error(_internal())
