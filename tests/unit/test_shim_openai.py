@@ -915,7 +915,12 @@ async def test_unknown_route_is_an_openai_error(client: httpx.AsyncClient) -> No
 
 @pytest.mark.parametrize(
     ("prompt", "fragment"),
-    [(["a", "b"], "exactly one string"), ([1, 2, 3], "'prompt"), ([], "exactly one")],
+    [
+        (["a", "b"], "exactly one string"),
+        ([1, 2, 3], "token arrays are not supported"),
+        ([[1, 2], [3]], "token arrays are not supported"),
+        ([], "exactly one"),
+    ],
 )
 async def test_bad_completion_prompt_is_400(
     daemon: Daemon, client: httpx.AsyncClient, prompt: Any, fragment: str

@@ -88,7 +88,13 @@ def complete_request(body: protocol.CompletionRequest) -> inference_pb2.Complete
     _refuse_best_of_and_suffix(body)
     if isinstance(body.prompt, str):
         prompt = body.prompt
-    elif len(body.prompt) == 1:
+    elif not all(isinstance(item, str) for item in body.prompt):
+        raise _invalid(
+            "'prompt' must be a string or a list of one string; token arrays are not "
+            "supported. Send the text.",
+            param="prompt",
+        )
+    elif len(body.prompt) == 1 and isinstance(body.prompt[0], str):
         prompt = body.prompt[0]
     else:
         raise _invalid(
@@ -121,7 +127,9 @@ def complete_request(body: protocol.CompletionRequest) -> inference_pb2.Complete
 
 def prompt_text(body: protocol.CompletionRequest) -> str:
     """The one prompt string of a request `complete_request` accepted."""
-    return body.prompt if isinstance(body.prompt, str) else body.prompt[0]
+    first = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
+    assert isinstance(first, str), "complete_request refuses token arrays"
+    return first
 
 
 def embed_request(body: protocol.EmbeddingRequest) -> inference_pb2.EmbedRequest:

@@ -116,8 +116,9 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    # A list is accepted only when it holds exactly one string (checked in convert).
-    prompt: str | list[str]
+    # A list is accepted only when it holds exactly one string; token arrays are read
+    # only to refuse them (checked in convert).
+    prompt: str | list[str] | list[int] | list[list[int]]
     # The legacy API's number of alternatives per token (OpenAI allows up to 5).
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool | None = None
