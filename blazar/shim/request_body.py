@@ -1,4 +1,5 @@
-"""Read an HTTP request body, refusing one over the shim's size limit before it is all in.
+"""Read and parse an HTTP request body, refusing one over the shim's size limit before
+it is all in, and parsing a large one off the event loop.
 
 Without a limit a client can make the daemon buffer any number of bytes (a 1 GB POST
 is held in memory whole before JSON parsing even starts). The limit sits above what the
@@ -6,16 +7,30 @@ daemon's gRPC API takes (`blazar.rpc.limits.MAX_REQUEST_BYTES`) by the room JSON
 over protobuf (escapes, field names, token ids as decimal text), so any body the data
 plane would accept passes here, and that one check names the precise limit for the
 rest.
+
+Parsing a body of several MiB (json, then pydantic, then the Unicode check) takes
+seconds when it is built to be slow, such as millions of tiny arrays, and on the
+event loop that would stall every stream the shim relays. Bodies over
+`PARSE_INLINE_BYTES` are parsed in a worker thread: the parser still holds the GIL,
+but the event loop gets its turn at every switch interval.
 """
 
 from __future__ import annotations
 
+import asyncio
+from typing import TypeVar
+
+import pydantic
 from starlette.requests import Request
 
 from blazar.api import errors
 from blazar.rpc import limits, status
+from blazar.shim import validation
+
+M = TypeVar("M", bound=pydantic.BaseModel)
 
 MAX_BODY_BYTES = 4 * limits.MAX_REQUEST_BYTES
+PARSE_INLINE_BYTES = 256 * 2**10
 
 
 def too_large(size: int | str, *, limit: int) -> errors.RequestTooLarge:
@@ -43,3 +58,12 @@ async def read(request: Request, *, limit: int = MAX_BODY_BYTES) -> bytes:
             raise too_large(f"more than {limit}", limit=limit)
         parts.append(part)
     return b"".join(parts)
+
+
+async def parse(request: Request, model: type[M]) -> M:
+    """The body read (see `read`) and validated against `model` (see
+    `validation.parse_body`); a large body is parsed in a worker thread."""
+    raw = await read(request)
+    if len(raw) <= PARSE_INLINE_BYTES:
+        return validation.parse_body(model, raw)
+    return await asyncio.to_thread(validation.parse_body, model, raw)

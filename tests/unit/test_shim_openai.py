@@ -14,6 +14,7 @@ import json
 import os
 import re
 import struct
+import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -1122,6 +1123,27 @@ async def test_a_client_gone_while_sending_its_body_is_499_not_a_failure(
     assert sent[0]["type"] == "http.response.start"
     assert sent[0]["status"] == streaming.CLIENT_CLOSED_REQUEST
     assert daemon.fake.requests == []
+
+
+async def test_a_large_body_is_parsed_off_the_event_loop(
+    daemon: Daemon, client: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Parsing a body built to be slow must not stall every stream on the event loop."""
+    daemon.fake.scripts["tiny"] = HELLO
+    on_loop: list[bool] = []
+    original = validation.parse_body
+
+    def parse_body(model: Any, raw: bytes) -> Any:
+        on_loop.append(threading.current_thread() is threading.main_thread())
+        return original(model, raw)
+
+    monkeypatch.setattr(validation, "parse_body", parse_body)
+    small = {"model": "tiny", "prompt": "Hi", "max_tokens": 4}
+    large = {**small, "padding": [[]] * (request_body.PARSE_INLINE_BYTES // 3 + 1)}
+    for body in (small, large):
+        response = await client.post("/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+    assert on_loop == [True, False]
 
 
 async def test_malformed_request_does_not_disturb_concurrent_good_one(

@@ -15,7 +15,7 @@ from starlette.routing import Route
 
 from blazar._proto.v1 import inference_pb2
 from blazar.api import errors
-from blazar.shim import context, inference, request_body, streaming, validation
+from blazar.shim import context, inference, request_body, streaming
 from blazar.shim.openai import convert, protocol
 
 _log = structlog.get_logger("blazar.shim.openai")
@@ -40,9 +40,7 @@ def routes() -> list[Route]:
 async def chat_completions(request: Request) -> Response:
     ctx = context.of(request)
     try:
-        body = validation.parse_body(
-            protocol.ChatCompletionRequest, await request_body.read(request)
-        )
+        body = await request_body.parse(request, protocol.ChatCompletionRequest)
         canonical = convert.chat_request(body)
     except errors.BlazarError as err:
         return error(err)
@@ -64,7 +62,7 @@ async def chat_completions(request: Request) -> Response:
 async def completions(request: Request) -> Response:
     ctx = context.of(request)
     try:
-        body = validation.parse_body(protocol.CompletionRequest, await request_body.read(request))
+        body = await request_body.parse(request, protocol.CompletionRequest)
         canonical = convert.complete_request(body)
     except errors.BlazarError as err:
         return error(err, prompt_param="prompt")
@@ -90,7 +88,7 @@ async def completions(request: Request) -> Response:
 async def embeddings(request: Request) -> Response:
     ctx = context.of(request)
     try:
-        body = validation.parse_body(protocol.EmbeddingRequest, await request_body.read(request))
+        body = await request_body.parse(request, protocol.EmbeddingRequest)
         canonical = convert.embed_request(body)
         client = inference.client_of(request)
         response = await streaming.until_disconnected(
