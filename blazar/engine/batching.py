@@ -61,9 +61,11 @@ def choose_slot(
     (`worth_keeping`) and at least as long as what it would throw away: a shared BOS
     or template opening does not make a request wipe another conversation's long
     cache (llama.cpp's server has the same rule: the shared prefix must be half of
-    what the slot holds). Among matches the longest prefix wins; with none, the slot
-    that loses least (an empty one loses nothing), which still keeps whatever of its
-    cache is worth keeping; ties go to the least recently used.
+    what the slot holds). Among matches the longest prefix wins (ties: the least
+    recently used). With none, an empty slot, else the least recently used one, which
+    still keeps whatever of its cache is worth keeping. Recency rather than size
+    decides, so a long cache nobody returns to does not hold its slot for ever while
+    two other conversations evict each other from the remaining one.
 
     The shared length is capped at len(prompt) - 1: the last prompt token is always
     evaluated again, so that there are logits to sample the first new token from. A
@@ -83,8 +85,9 @@ def choose_slot(
     def rank(slot: FreeSlot) -> tuple[bool, int, int, int]:
         keep = kept(slot)
         lost = len(slot.tokens) - keep
-        matches = keep > 0 and keep >= lost
-        return (not matches, -keep if matches else lost, slot.last_used, slot.index)
+        if keep > 0 and keep >= lost:
+            return (False, -keep, slot.last_used, slot.index)
+        return (True, int(lost > 0), slot.last_used, slot.index)
 
     best = min(free, key=rank)
     return Placement(slot=best.index, common=kept(best))

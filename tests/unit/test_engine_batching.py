@@ -48,13 +48,20 @@ def test_common_prefix(a: list[int], b: list[int], expected: int) -> None:
         (LONG, [FreeSlot(0, LONG, 1)], Placement(0, 199)),
         # Only BOS shared: no match, so an empty slot rather than evicting a cache.
         ([1, 50, 51, 52], [FreeSlot(0, [1, 9, 9, 9], 1), FreeSlot(1, [], 0)], Placement(1, 0)),
-        # No match and no empty slot: the least recently used of those losing least,
+        # No match and no empty slot: the least recently used, whatever it holds,
         # keeping nothing (a shared BOS is not worth keeping).
         ([1, 50, 51, 52], [FreeSlot(0, [1, 9], 7), FreeSlot(1, [1, 8], 3)], Placement(1, 0)),
         (
             [1, 50, 51, 52],
             [FreeSlot(0, [1, *range(9, 30)], 1), FreeSlot(1, [1, 8, 8], 3)],
-            Placement(1, 0),
+            Placement(0, 0),
+        ),
+        # A long cache nobody came back to goes before a recent, shorter conversation,
+        # so one old prompt cannot leave two live conversations one slot to share.
+        (
+            list(range(3000, 3700)),
+            [FreeSlot(0, list(range(1100)), 1), FreeSlot(1, list(range(5000, 5700)), 5)],
+            Placement(0, 0),
         ),
         # A short prompt keeps a prefix when it is half of the prompt ...
         ([1, 2, 3, 4], [FreeSlot(0, [1, 2, 9], 1), FreeSlot(1, [], 0)], Placement(0, 2)),
