@@ -147,11 +147,14 @@ def resolve(
     problems = [
         msg
         for bad, msg in (
-            (p.temperature < 0, "temperature must be >= 0"),
+            # Written so that NaN fails too (every comparison with NaN is False).
+            (not 0 <= p.temperature < math.inf, "temperature must be a number >= 0"),
             (p.top_k < 0, "top_k must be >= 0"),
             (not 0.0 <= p.top_p <= 1.0, "top_p must be between 0 and 1"),
             (not 0.0 <= p.min_p <= 1.0, "min_p must be between 0 and 1"),
-            (p.repeat_penalty <= 0, "repeat_penalty must be > 0"),
+            (not 0 < p.repeat_penalty < math.inf, "repeat_penalty must be a number > 0"),
+            (not math.isfinite(p.presence_penalty), "presence_penalty must be a number"),
+            (not math.isfinite(p.frequency_penalty), "frequency_penalty must be a number"),
             (p.max_tokens is not None and p.max_tokens < 1, "max_tokens must be >= 1"),
             (
                 not 0 <= p.top_logprobs <= MAX_TOP_LOGPROBS,

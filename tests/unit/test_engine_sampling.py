@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import pytest
@@ -68,6 +69,15 @@ def test_flags(params: sampling.SamplingParams, greedy: bool, penalized: bool) -
         ({"min_p": -0.5}, "min_p"),
         ({"repeat_penalty": 0.0}, "repeat_penalty"),
         ({"max_tokens": 0}, "max_tokens"),
+        # Not numbers: NaN passes every `<` check, so each bound must be written to fail.
+        ({"temperature": math.nan}, "temperature must be a number"),
+        ({"temperature": math.inf}, "temperature must be a number"),
+        ({"repeat_penalty": math.nan}, "repeat_penalty must be a number"),
+        ({"repeat_penalty": math.inf}, "repeat_penalty must be a number"),
+        ({"presence_penalty": math.nan}, "presence_penalty must be a number"),
+        ({"frequency_penalty": -math.inf}, "frequency_penalty must be a number"),
+        ({"top_p": math.nan}, "top_p"),
+        ({"min_p": math.nan}, "min_p"),
     ],
 )
 def test_resolve_rejects(fields: dict[str, Any], message: str) -> None:
