@@ -61,7 +61,8 @@ class Config:
     peer_flash_attn: bool
     workdir: Path
     # Scenarios 1-3: Blazar's lane has the default fleet's n-gram SpecPair, as `make up`
-    # serves it (greedy output is the same either way); False measures plain decoding.
+    # serves it (greedy output is the same either way, up to llama.cpp's batch noise);
+    # False measures plain decoding.
     blazar_speculation: bool = True
 
 
