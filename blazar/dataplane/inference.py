@@ -118,18 +118,29 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
     async def Embed(
         self, request: inference_pb2.EmbedRequest, context: Context
     ) -> inference_pb2.EmbedResponse:
+        """Embedding is safe to repeat, so a replica that refuses with UNAVAILABLE
+        (draining, or its process just died) is left out and the next ready one asked."""
         route, replica = await self._route(request.model, context)
-        try:
-            response: inference_pb2.EmbedResponse = await self._pool.stub(replica.socket).Embed(
-                request
-            )
-        except grpc.aio.AioRpcError as exc:
-            err = status.from_rpc_error(exc)
-            metrics.observe_embedding_failure(route.lane, err.reason)
-            await status.abort(context, err)
-        except asyncio.CancelledError:
-            metrics.observe_embedding_failure(route.lane, metrics.CANCELLED)
-            raise
+        refused: set[int] = set()
+        while True:
+            try:
+                response: inference_pb2.EmbedResponse = await self._pool.stub(
+                    replica.socket
+                ).Embed(request)
+                break
+            except grpc.aio.AioRpcError as exc:
+                err = status.from_rpc_error(exc)
+                if isinstance(err, errors.Unavailable):
+                    refused.add(replica.index)
+                    with contextlib.suppress(errors.BlazarError):
+                        replica = routing.pick_replica(route, self._inflight, exclude=refused)
+                        log.info("embed.retry", lane=route.lane, replica=replica.index)
+                        continue
+                metrics.observe_embedding_failure(route.lane, err.reason)
+                await status.abort(context, err)
+            except asyncio.CancelledError:
+                metrics.observe_embedding_failure(route.lane, metrics.CANCELLED)
+                raise
         metrics.observe_embedding(route.lane, response.prompt_tokens)
         response.model = route.lane
         return response

@@ -64,6 +64,8 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         self._decode = decode
         self._model_path = model_path
         self._inflight: set[jobs.Job] = set()
+        # Embed calls in progress; a drain waits for them as for generations.
+        self._embedding = 0
         self._idle = asyncio.Event()
         self._idle.set()
         self._chat: text.ChatTemplate | None = None
@@ -85,18 +87,25 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         self.state = EngineState.DRAINING
         abandoned = 0
         if not await self.wait_idle(grace_seconds):
-            abandoned = len(self._inflight)
+            abandoned = len(self._inflight) + self._embedding
             log.warning("cancelling_abandoned", abandoned=abandoned)
             self.cancel_all()
+        if self._embedder is not None:
+            # Finishes the input in hand and refuses the rest of any Embed still running
+            # (UNAVAILABLE, which the data plane retries on another replica).
+            await asyncio.to_thread(self._embedder.close)
+        if abandoned:
             # A cancelled job ends at the decode loop's next step (one prefill chunk at most).
             await self.wait_idle(CANCEL_WAIT_SECONDS)
-        if self._embedder is not None:
-            await asyncio.to_thread(self._embedder.close)
         return abandoned
 
     def cancel_all(self) -> None:
         for job in self._inflight:
             job.cancel()
+
+    def _set_idle_if_done(self) -> None:
+        if not self._inflight and not self._embedding:
+            self._idle.set()
 
     async def wait_idle(self, timeout: float) -> bool:
         try:
@@ -195,8 +204,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         finally:
             job.cancel()  # no-op when finished; frees the slot when the caller left
             self._inflight.discard(job)
-            if not self._inflight:
-                self._idle.set()
+            self._set_idle_if_done()
             log.info(
                 "generate",
                 request_id=request.request_id,
@@ -220,7 +228,15 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             if not request.inputs:
                 raise errors.InvalidRequest("Give at least one input to embed.")
             started = time.perf_counter()
-            vectors = await self._embeddings().embed(request.inputs, normalize=request.normalize)
+            self._embedding += 1
+            self._idle.clear()
+            try:
+                vectors = await self._embeddings().embed(
+                    request.inputs, normalize=request.normalize
+                )
+            finally:
+                self._embedding -= 1
+                self._set_idle_if_done()
         except errors.BlazarError as err:
             await status.abort(context, err)
         prompt_tokens = sum(v.tokens for v in vectors)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import math
 import signal
 import time
@@ -13,6 +14,7 @@ from typing import Any
 import grpc
 import pytest
 
+from blazar._proto.engine.v1 import engine_pb2
 from blazar._proto.v1 import inference_pb2
 from blazar.api import errors
 from blazar.engine import embedding, llama
@@ -175,6 +177,22 @@ def test_graceful_stop_after_embedding_exits_cleanly(model_path: Path) -> None:
         assert '"stopped"' in w.log.read_text()
     finally:
         spawner.close()
+
+
+def test_a_drain_lets_a_running_embedding_finish_within_its_grace(spawn: Spawner) -> None:
+    """As for generations: only what outlives the grace is refused."""
+    w = spawn()
+    w.wait_ready()
+    inputs = ["word " * 120] * 12
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        running = pool.submit(
+            lambda: w.stub.Embed(inference_pb2.EmbedRequest(inputs=inputs), timeout=120)
+        )
+        poll(lambda: '"embedding_context"' in w.log.read_text(), what="the embedding to start")
+        drained = w.stub.Drain(engine_pb2.DrainRequest(grace_seconds=60), timeout=90)
+        assert drained.abandoned == 0
+        assert running.done()  # the drain waited for it
+        assert len(running.result().embeddings) == 12
 
 
 # --- the embedder in-process: output-head skipping, limits, turns ---------------------

@@ -14,6 +14,7 @@ from typing import Any
 
 import grpc
 import prometheus_client
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from blazar._proto.engine.v1 import engine_pb2_grpc
@@ -46,6 +47,9 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
         )
 
     async def Embed(self, request: Any, context: Any) -> inference_pb2.EmbedResponse:
+        self.calls += 1
+        if self.refuse:
+            await status.abort(context, errors.Unavailable("draining"))
         if list(request.inputs) == ["bad"]:
             await status.abort(context, errors.InvalidRequest("Input 0 is bad."))
         return inference_pb2.EmbedResponse(
@@ -267,3 +271,31 @@ def test_embedding_requests_are_counted_by_outcome() -> None:
     assert refused is not None and refused.code() == grpc.StatusCode.INVALID_ARGUMENT
     after = (embeddings_counted("ok"), embeddings_counted("invalid_request"), tokens())
     assert after == (before[0] + 1, before[1] + 1, before[2] + 14)
+
+
+def test_an_embedding_refused_by_a_draining_replica_goes_to_the_next() -> None:
+    draining, ready = FakeEngine(refuse=True, text="x"), FakeEngine(refuse=False, text="x")
+    before = embeddings_counted("ok")
+
+    async def run() -> inference_pb2.EmbedResponse:
+        async with data_plane([draining, ready]) as stub:
+            # Both idle: the lower index, the draining one, is asked first.
+            response: inference_pb2.EmbedResponse = await stub.Embed(
+                inference_pb2.EmbedRequest(model="l", inputs=["a"])
+            )
+            return response
+
+    response = asyncio.run(run())
+    assert response.prompt_tokens == 7
+    assert (draining.calls, ready.calls) == (1, 1)
+    assert embeddings_counted("ok") == before + 1
+
+
+def test_an_embedding_no_replica_takes_is_unavailable() -> None:
+    async def run() -> grpc.aio.AioRpcError:
+        async with data_plane([FakeEngine(refuse=True, text="x")] * 2) as stub:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.Embed(inference_pb2.EmbedRequest(model="l", inputs=["a"]))
+            return info.value
+
+    assert asyncio.run(run()).code() == grpc.StatusCode.UNAVAILABLE
