@@ -124,9 +124,9 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         refused: set[int] = set()
         while True:
             try:
-                response: inference_pb2.EmbedResponse = await self._pool.stub(
-                    replica.socket
-                ).Embed(request)
+                response: inference_pb2.EmbedResponse = await self._pool.stub(replica.socket).Embed(
+                    request
+                )
                 break
             except grpc.aio.AioRpcError as exc:
                 err = status.from_rpc_error(exc)

@@ -12,12 +12,17 @@ Parsing a body of several MiB (json, then pydantic, then the Unicode check) take
 seconds when it is built to be slow, such as millions of tiny arrays, and on the
 event loop that would stall every stream the shim relays. Bodies over
 `PARSE_INLINE_BYTES` are parsed in a worker thread: the parser still holds the GIL,
-but the event loop gets its turn at every switch interval.
+but the event loop gets its turn at every switch interval. There is one such thread,
+so large bodies are parsed one at a time: each can take hundreds of MiB while it is
+parsed, and asyncio's default pool would parse a dozen at once (and keep the threads
+the daemon uses for its own file work busy).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import functools
 from typing import TypeVar
 
 import pydantic
@@ -32,12 +37,21 @@ M = TypeVar("M", bound=pydantic.BaseModel)
 MAX_BODY_BYTES = 4 * limits.MAX_REQUEST_BYTES
 PARSE_INLINE_BYTES = 256 * 2**10
 
+_LARGE_BODY_PARSER = concurrent.futures.ThreadPoolExecutor(
+    max_workers=1, thread_name_prefix="large-body-parser"
+)
 
-def too_large(size: int | str, *, limit: int) -> errors.RequestTooLarge:
+
+def too_large(size: int | None, *, limit: int) -> errors.RequestTooLarge:
+    """`size` is None when the body's length is not known, only that it passed `limit`."""
+    metadata = {"limit_bytes": str(limit)}
+    if size is not None:
+        metadata["request_bytes"] = str(size)
     return errors.RequestTooLarge(
-        f"The request body is larger than the server accepts: {size} bytes, and the limit "
-        f"is {status.byte_count(limit)}. Send a shorter prompt or fewer inputs.",
-        metadata={"request_bytes": str(size), "limit_bytes": str(limit)},
+        f"The request body is larger than the server accepts: "
+        f"{size if size is not None else f'more than {limit}'} bytes, and the limit is "
+        f"{status.byte_count(limit)}. Send a shorter prompt or fewer inputs.",
+        metadata=metadata,
     )
 
 
@@ -55,7 +69,7 @@ async def read(request: Request, *, limit: int = MAX_BODY_BYTES) -> bytes:
     async for part in request.stream():
         received += len(part)
         if received > limit:
-            raise too_large(f"more than {limit}", limit=limit)
+            raise too_large(None, limit=limit)
         parts.append(part)
     return b"".join(parts)
 
@@ -66,4 +80,5 @@ async def parse(request: Request, model: type[M]) -> M:
     raw = await read(request)
     if len(raw) <= PARSE_INLINE_BYTES:
         return validation.parse_body(model, raw)
-    return await asyncio.to_thread(validation.parse_body, model, raw)
+    parse = functools.partial(validation.parse_body, model, raw)
+    return await asyncio.get_running_loop().run_in_executor(_LARGE_BODY_PARSER, parse)

@@ -1090,8 +1090,14 @@ async def test_a_body_over_the_shims_limit_is_413_before_it_is_read(
     assert error["message"].startswith("The request body is larger than the server accepts: ")
     assert "the limit is 16777216 bytes (16 MiB)" in error["message"]
     assert daemon.fake.requests == []
-    if not declared:  # chunked: refused once past the limit, not after the whole body
-        assert sent <= limit + len(piece)
+    if declared:  # refused on the header alone
+        assert sent == 0
+        assert error["message"].startswith(
+            f"The request body is larger than the server accepts: {limit + 8 * len(piece) + 32} bytes"
+        )
+    else:  # chunked: refused once past the limit, not after the whole body
+        assert 0 < sent <= limit + len(piece)
+        assert f"more than {limit} bytes" in error["message"]
 
 
 async def test_a_client_gone_while_sending_its_body_is_499_not_a_failure(
@@ -1131,10 +1137,12 @@ async def test_a_large_body_is_parsed_off_the_event_loop(
     """Parsing a body built to be slow must not stall every stream on the event loop."""
     daemon.fake.scripts["tiny"] = HELLO
     on_loop: list[bool] = []
+    threads: list[str] = []
     original = validation.parse_body
 
     def parse_body(model: Any, raw: bytes) -> Any:
         on_loop.append(threading.current_thread() is threading.main_thread())
+        threads.append(threading.current_thread().name)
         return original(model, raw)
 
     monkeypatch.setattr(validation, "parse_body", parse_body)
@@ -1144,6 +1152,8 @@ async def test_a_large_body_is_parsed_off_the_event_loop(
         response = await client.post("/v1/completions", json=body)
         assert response.status_code == 200, response.text
     assert on_loop == [True, False]
+    # Its own single thread: large bodies are parsed one at a time.
+    assert threads[1].startswith("large-body-parser")
 
 
 async def test_malformed_request_does_not_disturb_concurrent_good_one(
