@@ -224,13 +224,18 @@ def grammar_of(constraint: inference_pb2.Constraint) -> str | None:
     if kind == "json_schema":
         try:
             document = json.loads(constraint.json_schema)
+            if not isinstance(document, dict):
+                raise errors.InvalidRequest(
+                    f"The JSON schema must be a JSON object, not {type(document).__name__}."
+                )
+            return schema.grammar(document)
         except json.JSONDecodeError as exc:
             raise errors.InvalidRequest(f"The JSON schema is not valid JSON: {exc}.") from None
-        if not isinstance(document, dict):
+        except RecursionError:
+            # Python's JSON decoder and encoder recurse once per level.
             raise errors.InvalidRequest(
-                f"The JSON schema must be a JSON object, not {type(document).__name__}."
-            )
-        return schema.grammar(document)
+                "The JSON schema cannot be turned into a grammar: it nests too deeply."
+            ) from None
     return None
 
 

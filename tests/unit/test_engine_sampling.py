@@ -195,3 +195,19 @@ def test_bad_constraints_are_invalid_requests(constraint: dict[str, Any], messag
         )
     # Each dialect blames its own parameter for it (OpenAI: response_format).
     assert caught.value.metadata[errors.FIELD_KEY] == "constraint"
+
+
+@pytest.mark.parametrize(
+    "document",
+    [
+        "[" * 5000 + "]" * 5000,  # too deep for the JSON decoder itself
+        # Decodes, but too deep to translate (or to encode again).
+        '{"type": "object", "properties": {"a": ' * 900 + '{"type": "string"}' + "}}" * 900,
+    ],
+)
+def test_a_schema_nested_too_deeply_is_an_invalid_request(document: str) -> None:
+    with pytest.raises(errors.InvalidRequest, match="nests") as info:
+        sampling.resolve(
+            inference_pb2.Sampling(), constraint=inference_pb2.Constraint(json_schema=document)
+        )
+    assert info.value.metadata[errors.FIELD_KEY] == "constraint"
