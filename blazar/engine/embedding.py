@@ -225,6 +225,9 @@ class Embedder:
                     else:
                         turns.append(work)  # its next input after the others' next ones
         finally:
+            # Whatever ended this thread, later calls must be refused, not queued unread.
+            with self._lock:
+                self._closed = True
             if batch is not None:
                 lc.llama_batch_free(batch)
             if ctx is not None:
@@ -322,7 +325,10 @@ class _HeadSkip:
     computes up to that node, shows it, and stops the graph if the callback returns
     False. Asking for the embeddings node and returning False there skips the output
     head. Found by name, so a llama.cpp or architecture without that node simply
-    computes the whole graph: slower, never different.
+    computes the whole graph: slower, never different. Returning False ends only the
+    current split of ggml's scheduler: on CPU the graph is one split, but with layers
+    on a GPU later splits (the head among them) may still run, and `stops` then
+    overstates what was saved.
     """
 
     def __init__(self, callback: Any) -> None:

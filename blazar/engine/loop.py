@@ -620,6 +620,10 @@ class DecodeLoop:
 
     def _release(self, runtime: llama.Runtime, slot: Slot, *, keep_cache: bool) -> None:
         assert slot.gen is not None
+        # Recency counts from the end of use too: a long generation that just finished
+        # is the conversation most likely to continue (see batching.choose_slot).
+        self._clock += 1
+        slot.last_used = self._clock
         slot.gen.sampler.free()
         if self._spec is not None:
             self._spec.policy.release(slot.index)

@@ -64,3 +64,49 @@ def test_waiting_jobs_start_in_order_of_arrival_not_of_submission(
     starts = [entry.split(":")[0] for entry in log if not entry.startswith("busy")]
     assert starts.index("first") < starts.index("second")
     assert starts[0] == "first"
+
+
+@pytest.fixture
+def two_slots(model_path: Path) -> Iterator[loop.DecodeLoop]:
+    loaded = threading.Event()
+    decode = loop.DecodeLoop(
+        loop.LoopOptions(
+            llama.RuntimeOptions(
+                model_path=str(model_path), slots=2, context_per_slot=512, threads=2
+            )
+        ),
+        on_loaded=lambda _error: loaded.set(),
+    )
+    decode.start()
+    assert loaded.wait(120), "the model did not load"
+    yield decode
+    decode.stop()
+    decode.join(60)
+
+
+def test_a_slot_counts_as_used_until_its_generation_ends(two_slots: loop.DecodeLoop) -> None:
+    """The slot that finished last is kept; an unrelated prompt takes the other one."""
+    finished: dict[str, jobs.Finished] = {}
+
+    def start(name: str, prompt: str, max_tokens: int) -> None:
+        def deliver(event: jobs.Event) -> None:
+            if isinstance(event, jobs.Finished):
+                finished[name] = event
+
+        params = sampling.resolve(inference_pb2.Sampling(temperature=0.0), vocab=two_slots.vocab)
+        two_slots.submit(
+            jobs.Job(
+                request_id=name,
+                prompt=two_slots.vocab.tokenize(prompt),
+                params=params,
+                max_tokens=max_tokens,
+                deliver=deliver,
+            )
+        )
+
+    start("long", "Once upon a time, in a village by the sea,", 48)  # starts first, ends last
+    start("short", "The recipe for a good loaf of bread", 2)
+    poll(lambda: {"long", "short"} <= finished.keys(), deadline_s=60, what="both to finish")
+    start("next", "Quantum physics explains how", 2)
+    poll(lambda: "next" in finished, deadline_s=60, what="the third request")
+    assert finished["next"].slot == finished["short"].slot != finished["long"].slot
