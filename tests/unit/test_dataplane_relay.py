@@ -50,6 +50,8 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
         self.calls += 1
         if self.refuse:
             await status.abort(context, errors.Unavailable("draining"))
+        if list(request.inputs) == ["hang"]:
+            await asyncio.Event().wait()
         if list(request.inputs) == ["bad"]:
             await status.abort(context, errors.InvalidRequest("Input 0 is bad."))
         return inference_pb2.EmbedResponse(
@@ -299,3 +301,21 @@ def test_an_embedding_no_replica_takes_is_unavailable() -> None:
             return info.value
 
     assert asyncio.run(run()).code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_an_embedding_whose_caller_leaves_counts_as_cancelled() -> None:
+    before = embeddings_counted("cancelled")
+
+    async def run() -> None:
+        async with data_plane([FakeEngine(refuse=False, text="x")]) as stub:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.Embed(
+                    inference_pb2.EmbedRequest(model="l", inputs=["hang"]), timeout=0.3
+                )
+            assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            deadline = time.monotonic() + 10
+            while embeddings_counted("cancelled") == before and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+
+    asyncio.run(run())
+    assert embeddings_counted("cancelled") == before + 1
