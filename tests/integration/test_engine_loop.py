@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,22 +16,30 @@ from tests.integration.engine_harness import poll
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture
-def one_slot(model_path: Path) -> Iterator[loop.DecodeLoop]:
+@contextlib.contextmanager
+def running(model_path: Path, *, slots: int) -> Iterator[loop.DecodeLoop]:
     loaded = threading.Event()
     decode = loop.DecodeLoop(
         loop.LoopOptions(
             llama.RuntimeOptions(
-                model_path=str(model_path), slots=1, context_per_slot=512, threads=2
+                model_path=str(model_path), slots=slots, context_per_slot=512, threads=2
             )
         ),
         on_loaded=lambda _error: loaded.set(),
     )
     decode.start()
-    assert loaded.wait(120), "the model did not load"
-    yield decode
-    decode.stop()
-    decode.join(60)
+    try:
+        assert loaded.wait(120), "the model did not load"
+        yield decode
+    finally:
+        decode.stop()
+        decode.join(60)
+
+
+@pytest.fixture
+def one_slot(model_path: Path) -> Iterator[loop.DecodeLoop]:
+    with running(model_path, slots=1) as decode:
+        yield decode
 
 
 def job(decode: loop.DecodeLoop, name: str, *, arrived: float, log: list[str]) -> jobs.Job:
@@ -68,20 +77,8 @@ def test_waiting_jobs_start_in_order_of_arrival_not_of_submission(
 
 @pytest.fixture
 def two_slots(model_path: Path) -> Iterator[loop.DecodeLoop]:
-    loaded = threading.Event()
-    decode = loop.DecodeLoop(
-        loop.LoopOptions(
-            llama.RuntimeOptions(
-                model_path=str(model_path), slots=2, context_per_slot=512, threads=2
-            )
-        ),
-        on_loaded=lambda _error: loaded.set(),
-    )
-    decode.start()
-    assert loaded.wait(120), "the model did not load"
-    yield decode
-    decode.stop()
-    decode.join(60)
+    with running(model_path, slots=2) as decode:
+        yield decode
 
 
 def test_a_slot_counts_as_used_until_its_generation_ends(two_slots: loop.DecodeLoop) -> None:
