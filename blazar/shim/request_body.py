@@ -80,5 +80,5 @@ async def parse(request: Request, model: type[M]) -> M:
     raw = await read(request)
     if len(raw) <= PARSE_INLINE_BYTES:
         return validation.parse_body(model, raw)
-    parse = functools.partial(validation.parse_body, model, raw)
-    return await asyncio.get_running_loop().run_in_executor(_LARGE_BODY_PARSER, parse)
+    work = functools.partial(validation.parse_body, model, raw)
+    return await asyncio.get_running_loop().run_in_executor(_LARGE_BODY_PARSER, work)
