@@ -38,11 +38,7 @@ def request_too_large(
     """The error for a request of `size` bytes; None when it is within the limit."""
     if size <= limit:
         return None
-    return errors.RequestTooLarge(
-        f"The request is larger than the server accepts: {size} bytes, and the limit is "
-        f"{status.byte_count(limit)}. Send a shorter prompt or fewer inputs.",
-        metadata={"request_bytes": str(size), "limit_bytes": str(limit)},
-    )
+    return status.request_too_large(size, limit=limit)
 
 
 class RequestSizeLimit(grpc.aio.ServerInterceptor):  # type: ignore[misc]

@@ -71,18 +71,30 @@ def _too_large(details: str) -> errors.InvalidRequest | None:
         return None
     size, limit = int(found["size"]), int(found["limit"])
     # A server receiving, or a client sending, refuses the request; the other two the answer.
-    request = (found["side"] == "SERVER") == (found["way"] == "Received")
-    what = "request" if request else "response"
-    advice = (
-        "Send a shorter prompt or fewer inputs."
-        if request
-        else "Ask for less in one request (fewer inputs or tokens)."
+    if (found["side"] == "SERVER") == (found["way"] == "Received"):
+        return request_too_large(size, limit=limit)
+    return errors.InvalidRequest(
+        f"The response is larger than the server accepts: {size} bytes, and the limit is "
+        f"{byte_count(limit)}. Ask for less in one request (fewer inputs or tokens).",
+        metadata={"response_bytes": str(size), "limit_bytes": str(limit)},
     )
-    cls = errors.RequestTooLarge if request else errors.InvalidRequest
-    return cls(
-        f"The {what} is larger than the server accepts: {size} bytes, and the limit is "
-        f"{byte_count(limit)}. {advice}",
-        metadata={f"{what}_bytes": str(size), "limit_bytes": str(limit)},
+
+
+def request_too_large(
+    size: int | None, *, limit: int, what: str = "request"
+) -> errors.RequestTooLarge:
+    """The one wording of every refusal of a request by its size, wherever it is measured.
+
+    `size` is None when only a lower bound is known (a body stopped once past `limit`).
+    """
+    metadata = {"limit_bytes": str(limit)}
+    if size is not None:
+        metadata["request_bytes"] = str(size)
+    return errors.RequestTooLarge(
+        f"The {what} is larger than the server accepts: "
+        f"{size if size is not None else f'more than {limit}'} bytes, and the limit is "
+        f"{byte_count(limit)}. Send a shorter prompt or fewer inputs.",
+        metadata=metadata,
     )
 
 

@@ -28,7 +28,6 @@ from typing import TypeVar
 import pydantic
 from starlette.requests import Request
 
-from blazar.api import errors
 from blazar.rpc import limits, status
 from blazar.shim import validation
 
@@ -42,19 +41,6 @@ _LARGE_BODY_PARSER = concurrent.futures.ThreadPoolExecutor(
 )
 
 
-def too_large(size: int | None, *, limit: int) -> errors.RequestTooLarge:
-    """`size` is None when the body's length is not known, only that it passed `limit`."""
-    metadata = {"limit_bytes": str(limit)}
-    if size is not None:
-        metadata["request_bytes"] = str(size)
-    return errors.RequestTooLarge(
-        f"The request body is larger than the server accepts: "
-        f"{size if size is not None else f'more than {limit}'} bytes, and the limit is "
-        f"{status.byte_count(limit)}. Send a shorter prompt or fewer inputs.",
-        metadata=metadata,
-    )
-
-
 async def read(request: Request, *, limit: int = MAX_BODY_BYTES) -> bytes:
     """The whole body; RequestTooLarge as soon as it is known to exceed `limit` bytes.
 
@@ -63,13 +49,13 @@ async def read(request: Request, *, limit: int = MAX_BODY_BYTES) -> bytes:
     """
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
-        raise too_large(int(declared), limit=limit)
+        raise status.request_too_large(int(declared), limit=limit, what="request body")
     parts: list[bytes] = []
     received = 0
     async for part in request.stream():
         received += len(part)
         if received > limit:
-            raise too_large(None, limit=limit)
+            raise status.request_too_large(None, limit=limit, what="request body")
         parts.append(part)
     return b"".join(parts)
 
