@@ -273,7 +273,7 @@ class Embedder:
             "embedding_context",
             context_length=self.context_length,
             dims=self.dimensions,
-            skips_output_head=self._head_skip.callback is not None,
+            skips_output_head=self.skips_output_head,
         )
         return ctx
 
@@ -337,11 +337,10 @@ class _HeadSkip:
 
     @classmethod
     def create(cls) -> _HeadSkip:
+        skip = cls(None)
         name_of = _tensor_name_function()
         if name_of is None:
-            return cls(None)
-
-        skip = cls(None)
+            return skip
 
         def stop_after_embeddings(tensor: int, ask: bool, _user_data: int) -> bool:
             is_embeddings = name_of(tensor) == _EMBEDDINGS_NODE
