@@ -34,6 +34,7 @@ class TextDelta:
 @dataclass(frozen=True)
 class Finished:
     reason: FinishReason
+    # -1: cancelled while waiting, before it had a slot.
     slot: int
     prompt_tokens: int
     completion_tokens: int

@@ -321,7 +321,9 @@ class DecodeLoop:
         return True
 
     def _admit(self, runtime: llama.Runtime) -> None:
-        """Start waiting jobs, oldest first, while slots are free."""
+        """End waiting jobs that were cancelled, then start the others, oldest first,
+        while slots are free."""
+        self._end_cancelled_waiting()
         while self._waiting:
             free = [
                 batching.FreeSlot(s.index, s.tokens, s.last_used, runtime.pos_min(s.index))
@@ -331,8 +333,6 @@ class DecodeLoop:
             if not free:
                 return
             job = self._waiting.popleft()
-            if job.cancelled:
-                continue
             # Prompt logprobs need logits at every prompt position: nothing can be kept.
             placement = batching.choose_slot(
                 job.prompt, free, n_swa=runtime.n_swa, reuse=not job.params.prompt_logprobs
@@ -343,6 +343,33 @@ class DecodeLoop:
             except Exception as exc:
                 log.exception("begin_failed", request_id=job.request_id)
                 job.deliver(jobs.Failed(f"could not start generation: {exc}"))
+
+    def _end_cancelled_waiting(self) -> None:
+        """Tell each waiting job that was cancelled (a drain cancels queued jobs too)
+        that it ended, at this step rather than when a slot frees: its caller waits for
+        a final event, and CANCELLED makes the service answer with a retryable status."""
+        if not any(job.cancelled for job in self._waiting):
+            return
+        now = time.perf_counter()
+        kept: collections.deque[jobs.Job] = collections.deque()
+        for job in self._waiting:
+            if not job.cancelled:
+                kept.append(job)
+                continue
+            job.deliver(
+                jobs.Finished(
+                    reason=jobs.FinishReason.CANCELLED,
+                    slot=-1,
+                    prompt_tokens=len(job.prompt),
+                    completion_tokens=0,
+                    cached_tokens=0,
+                    queue_ms=(now - job.arrived) * 1000.0,
+                    prefill_ms=0.0,
+                    ttft_ms=0.0,
+                    decode_ms=0.0,
+                )
+            )
+        self._waiting = kept
 
     def _begin(self, runtime: llama.Runtime, slot: Slot, job: jobs.Job, common: int) -> None:
         keep = batching.reusable_prefix(

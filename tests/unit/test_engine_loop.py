@@ -1,0 +1,171 @@
+"""The decode loop's bookkeeping against a fake runtime: a scripted "model" whose next
+token is a function of the sequence's cached tokens, and a KV cache that refuses any
+decode whose position does not follow what the sequence holds."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+
+from blazar.engine import jobs, llama, loop, sampling
+
+EOS = 0
+N_VOCAB = 32
+Entry = tuple[int, int, int, bool]
+
+
+def cycle(tokens: Sequence[int]) -> int:
+    """The fake model: 1, 2, ..., 10, 1, 2, ... after whatever came last."""
+    return tokens[-1] % 10 + 1
+
+
+class FakeVocab:
+    n_tokens = N_VOCAB
+    handle = None
+
+    def is_eog(self, token: int) -> bool:
+        return token == EOS
+
+    def piece(self, token: int, *, special: bool = False) -> bytes:
+        return f"w{token} ".encode()
+
+
+class FakeRuntime:
+    """What `loop.DecodeLoop` calls of `llama.Runtime`, over per-sequence token lists."""
+
+    def __init__(
+        self, options: llama.RuntimeOptions, model: Callable[[Sequence[int]], int]
+    ) -> None:
+        self.options = options
+        self.next_token = model
+        self.vocab = FakeVocab()
+        self.n_vocab = N_VOCAB
+        self.n_batch = options.n_batch
+        self.n_outputs = options.n_outputs
+        self.context_per_slot = options.context_per_slot
+        self.n_swa = 0
+        self.kv_bytes = 0
+        self.kv: dict[int, list[int]] = {s: [] for s in range(options.slots)}
+        # Per batch entry of the last decode: the sequence up to it, when it has logits.
+        self.rows: list[list[int] | None] = []
+        self.steps = 0
+        # Called from the decode thread before each decode, with the step's number.
+        self.before_decode: Callable[[int], None] = lambda step: None
+
+    def decode(self, entries: Sequence[Entry]) -> None:
+        self.steps += 1
+        self.before_decode(self.steps)
+        entries = list(entries)
+        assert 0 < len(entries) <= self.n_batch
+        assert sum(e[3] for e in entries) <= self.n_outputs
+        self.rows = []
+        for token, pos, seq, logits in entries:
+            assert pos == len(self.kv[seq]) < self.context_per_slot, (seq, pos)
+            self.kv[seq].append(token)
+            self.rows.append(list(self.kv[seq]) if logits else None)
+
+    def sample(self, sampler: Any, index: int) -> int:
+        row = self.rows[index]
+        assert row is not None
+        return self.next_token(row)
+
+    def logits(self, index: int, count: int = 1) -> np.ndarray[Any, Any]:
+        out = np.zeros((count, N_VOCAB), dtype=np.float32)
+        for i in range(count):
+            row = self.rows[index + i]
+            assert row is not None
+            out[i, self.next_token(row)] = 5.0
+        return out
+
+    def truncate(self, seq: int, keep: int) -> bool:
+        del self.kv[seq][keep:]
+        return True
+
+    def clear(self, seq: int) -> None:
+        self.kv[seq].clear()
+
+    def pos_min(self, seq: int) -> int:
+        return 0 if self.kv[seq] else -1
+
+    def close(self) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def running(
+    monkeypatch: pytest.MonkeyPatch,
+    *,
+    slots: int = 1,
+    context: int = 256,
+    model: Callable[[Sequence[int]], int] = cycle,
+) -> Iterator[tuple[loop.DecodeLoop, FakeRuntime]]:
+    options = llama.RuntimeOptions(
+        model_path="fake.gguf", slots=slots, context_per_slot=context, threads=1
+    )
+    runtime = FakeRuntime(options, model)
+    monkeypatch.setattr(llama.Runtime, "load", lambda _options: runtime)
+    loaded = threading.Event()
+    decode = loop.DecodeLoop(loop.LoopOptions(options), on_loaded=lambda _error: loaded.set())
+    decode.start()
+    try:
+        assert loaded.wait(10), "the fake runtime did not load"
+        yield decode, runtime
+    finally:
+        decode.stop()
+        decode.join(10)
+        assert not decode._thread.is_alive()
+
+
+class Events:
+    """A job's deliver callback: everything it was told, and when it ended."""
+
+    def __init__(self) -> None:
+        self.events: list[jobs.Event] = []
+        self.ended = threading.Event()
+
+    def __call__(self, event: jobs.Event) -> None:
+        self.events.append(event)
+        if isinstance(event, jobs.Finished | jobs.Failed):
+            self.ended.set()
+
+    @property
+    def last(self) -> jobs.Event:
+        return self.events[-1]
+
+
+def job(prompt: list[int], *, max_tokens: int, name: str = "r") -> tuple[jobs.Job, Events]:
+    events = Events()
+    params = sampling.SamplingParams(temperature=0.0)
+    return jobs.Job(
+        request_id=name, prompt=prompt, params=params, max_tokens=max_tokens, deliver=events
+    ), events
+
+
+def test_a_job_cancelled_while_waiting_for_a_slot_ends(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A drain cancels queued jobs too; each must end (CANCELLED, which the service
+    turns into a retryable UNAVAILABLE) rather than be dropped without a word, which
+    left its stream open until the server was torn down."""
+    with running(monkeypatch, slots=1) as (decode, runtime):
+        busy, busy_events = job([1, 2, 3], max_tokens=200, name="busy")
+        queued, queued_events = job([4, 5, 6], max_tokens=4, name="queued")
+
+        def cancel_at(step: int) -> None:
+            if step == 3:
+                queued.cancel()
+            if step == 6:
+                busy.cancel()
+
+        runtime.before_decode = cancel_at
+        decode.submit(busy)
+        decode.submit(queued)
+        assert busy_events.ended.wait(10)
+        assert queued_events.ended.wait(10), "the cancelled queued job never ended"
+    assert isinstance(queued_events.last, jobs.Finished)
+    assert queued_events.last.reason is jobs.FinishReason.CANCELLED
+    assert queued_events.last.completion_tokens == 0
+    assert queued_events.events == [queued_events.last]
