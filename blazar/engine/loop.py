@@ -449,10 +449,19 @@ class DecodeLoop:
             return
         runtime.decode(entries)
         for slot, piece, first in placed:
-            if piece.decode:
-                self._after_decode(runtime, slot, first, piece.tokens)
-            else:
-                self._after_prefill(runtime, slot, first, piece)
+            gen = slot.gen
+            assert gen is not None
+            # What fails from here on (the request's sampler, its logprobs) is that
+            # request's own fault: the batch is decoded and the other slots are fine.
+            try:
+                if piece.decode:
+                    self._after_decode(runtime, slot, first, piece.tokens)
+                else:
+                    self._after_prefill(runtime, slot, first, piece)
+            except Exception as exc:
+                log.exception("sampling_failed", request_id=gen.job.request_id)
+                if slot.gen is gen:
+                    self._fail(runtime, slot, f"sampling failed: {exc}")
 
     def _after_prefill(
         self, runtime: llama.Runtime, slot: Slot, first: int, piece: batching.Piece

@@ -169,3 +169,36 @@ def test_a_job_cancelled_while_waiting_for_a_slot_ends(monkeypatch: pytest.Monke
     assert queued_events.last.reason is jobs.FinishReason.CANCELLED
     assert queued_events.last.completion_tokens == 0
     assert queued_events.events == [queued_events.last]
+
+
+POISON = 20
+
+
+def poisoned(tokens: Sequence[int]) -> int:
+    """`cycle`, except that sampling fails for a sequence whose prompt starts with POISON
+    (as a request's sampler can: a grammar its logit bias leaves no token for)."""
+    if tokens[0] == POISON:
+        raise RuntimeError("this request's sampler failed")
+    return cycle(tokens)
+
+
+def test_a_failing_sampler_fails_only_its_own_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    with running(monkeypatch, slots=2, model=poisoned) as (decode, runtime):
+        healthy, healthy_events = job([1, 2, 3], max_tokens=6, name="healthy")
+        bad, bad_events = job([POISON, 2, 3], max_tokens=6, name="bad")
+        decode.submit(healthy)
+        decode.submit(bad)
+        assert healthy_events.ended.wait(10) and bad_events.ended.wait(10)
+        assert isinstance(bad_events.last, jobs.Failed)
+        assert "sampler failed" in bad_events.last.message
+        assert isinstance(healthy_events.last, jobs.Finished), healthy_events.last
+        assert healthy_events.last.reason is jobs.FinishReason.LENGTH
+        text = "".join(e.text for e in healthy_events.events if isinstance(e, jobs.TextDelta))
+        assert text == "w4 w5 w6 w7 w8 w9 "
+        # The failed request's slot is free and empty; the loop goes on.
+        after, after_events = job([5, 6], max_tokens=2, name="after")
+        decode.submit(after)
+        assert after_events.ended.wait(10)
+        assert isinstance(after_events.last, jobs.Finished)
+        for slot in decode.slots:
+            assert runtime.kv[slot.index] == slot.tokens
