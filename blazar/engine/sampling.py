@@ -309,14 +309,27 @@ class Sampler:
         if self._grammar is None:
             return int(lc.llama_sampler_sample(self.chain, ctx, index))
         token = self._draw(ctx, index, grammar_first=False)
-        single = lc.llama_token_data(token, 1.0, 0.0)
-        one = lc.llama_token_data_array(ctypes.pointer(single), 1, -1, False)
-        lc.llama_sampler_apply(self._grammar, ctypes.byref(one))
-        if single.logit == -math.inf:
+        if not self._allows(token):
             token = self._draw(ctx, index, grammar_first=True)
+            # The chain can remove every token the grammar allows (a logit bias that
+            # bans them all); it then picks one the grammar rejected, and accepting
+            # that aborts the whole process inside llama.cpp.
+            if not self._allows(token):
+                raise RuntimeError(
+                    "no token the grammar allows is left after the logit bias and sampling settings"
+                )
         lc.llama_sampler_accept(self._grammar, token)
         lc.llama_sampler_accept(self.chain, token)
         return token
+
+    def _allows(self, token: int) -> bool:
+        """Whether the grammar, in its current state, accepts `token` next."""
+        import llama_cpp as lc
+
+        single = lc.llama_token_data(token, 1.0, 0.0)
+        one = lc.llama_token_data_array(ctypes.pointer(single), 1, -1, False)
+        lc.llama_sampler_apply(self._grammar, ctypes.byref(one))
+        return bool(single.logit != -math.inf)
 
     def _draw(self, ctx: Any, index: int, *, grammar_first: bool) -> int:
         import llama_cpp as lc

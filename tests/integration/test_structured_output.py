@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -204,6 +205,42 @@ def test_a_schema_llama_cpp_refuses_is_explained_as_a_schema(worker: Worker) -> 
     )
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "JSON schema" in (err.details() or "") and "GBNF" not in (err.details() or "")
+
+
+def spelling(model_path: Path, piece: bytes) -> list[int]:
+    """Every token id whose text is exactly `piece`."""
+    from llama_cpp import Llama
+
+    vocab = Llama(str(model_path), vocab_only=True, verbose=False)
+    return [t for t in range(vocab.n_vocab()) if vocab.detokenize([t]) == piece]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_grammar_the_logit_bias_leaves_no_token_for_fails_only_that_request(
+    worker: Worker, model_path: Path, temperature: float
+) -> None:
+    """The grammar allows only "a" and the bias bans every token spelling it: the
+    request fails, and the worker (which llama.cpp's grammar used to abort when handed
+    a token outside its language) stays up for the next one."""
+    banned = spelling(model_path, b"a")
+    assert banned
+    pid = worker.health().pid  # type: ignore[union-attr]
+    sampling = inference_pb2.Sampling(
+        temperature=temperature, seed=1, max_tokens=4, logit_bias=dict.fromkeys(banned, -100.0)
+    )
+    err = rpc_error(
+        lambda: worker.generate(
+            prompt="Say a:",
+            sampling=sampling,
+            constraint=inference_pb2.Constraint(grammar='root ::= "a"'),
+        )
+    )
+    assert err.code() == grpc.StatusCode.INTERNAL, err
+    assert "grammar" in (err.details() or "")
+    assert worker.text(prompt="Hello", sampling=greedy(2))
+    health = worker.health()
+    assert health is not None and health.state == engine_pb2.ENGINE_STATE_READY
+    assert health.pid == pid
 
 
 def first_token(worker: Worker, prompt: str, **sampling: Any) -> str:
