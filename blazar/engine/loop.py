@@ -350,25 +350,12 @@ class DecodeLoop:
         a final event, and CANCELLED makes the service answer with a retryable status."""
         if not any(job.cancelled for job in self._waiting):
             return
-        now = time.perf_counter()
         kept: collections.deque[jobs.Job] = collections.deque()
         for job in self._waiting:
-            if not job.cancelled:
+            if job.cancelled:
+                job.deliver(_cancelled_before_start(job))
+            else:
                 kept.append(job)
-                continue
-            job.deliver(
-                jobs.Finished(
-                    reason=jobs.FinishReason.CANCELLED,
-                    slot=-1,
-                    prompt_tokens=len(job.prompt),
-                    completion_tokens=0,
-                    cached_tokens=0,
-                    queue_ms=(now - job.arrived) * 1000.0,
-                    prefill_ms=0.0,
-                    ttft_ms=0.0,
-                    decode_ms=0.0,
-                )
-            )
         self._waiting = kept
 
     def _begin(self, runtime: llama.Runtime, slot: Slot, job: jobs.Job, common: int) -> None:
@@ -678,8 +665,11 @@ class DecodeLoop:
                 break
             if isinstance(item, jobs.Job):
                 self._waiting.append(item)
+        # As for a running job cut off by the stop: CANCELLED, which the service
+        # answers with a retryable UNAVAILABLE.
         while self._waiting:
-            self._waiting.popleft().deliver(jobs.Failed("engine stopped"))
+            job = self._waiting.popleft()
+            job.deliver(_cancelled_before_start(job))
 
     # --- KV persistence ---
 
@@ -721,3 +711,18 @@ class DecodeLoop:
             )
         except Exception:
             log.exception("kv_save_failed")
+
+
+def _cancelled_before_start(job: jobs.Job) -> jobs.Finished:
+    """The end of a job cancelled while it waited for a slot (it never had one: -1)."""
+    return jobs.Finished(
+        reason=jobs.FinishReason.CANCELLED,
+        slot=-1,
+        prompt_tokens=len(job.prompt),
+        completion_tokens=0,
+        cached_tokens=0,
+        queue_ms=(time.perf_counter() - job.arrived) * 1000.0,
+        prefill_ms=0.0,
+        ttft_ms=0.0,
+        decode_ms=0.0,
+    )

@@ -171,6 +171,34 @@ def test_a_job_cancelled_while_waiting_for_a_slot_ends(monkeypatch: pytest.Monke
     assert queued_events.events == [queued_events.last]
 
 
+def test_jobs_still_queued_when_the_loop_stops_end_cancelled(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Queued jobs end as the running ones do when the loop stops: CANCELLED, which
+    the service answers with a retryable UNAVAILABLE (not an internal error)."""
+    started, stopping = threading.Event(), threading.Event()
+
+    def hold(step: int) -> None:
+        if step == 2:
+            started.set()
+            assert stopping.wait(10)
+
+    with running(monkeypatch, slots=1) as (decode, runtime):
+        runtime.before_decode = hold
+        busy, busy_events = job([1, 2, 3], max_tokens=200, name="busy")
+        queued, queued_events = job([4, 5, 6], max_tokens=4, name="queued")
+        decode.submit(busy)
+        decode.submit(queued)
+        assert started.wait(10)
+        decode.stop()
+        stopping.set()
+    for events in (busy_events, queued_events):
+        assert events.ended.is_set()
+        assert isinstance(events.last, jobs.Finished), events.last
+        assert events.last.reason is jobs.FinishReason.CANCELLED
+    assert queued_events.events == [queued_events.last]
+
+
 POISON = 20
 
 
