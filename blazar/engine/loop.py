@@ -499,7 +499,16 @@ class DecodeLoop:
                 )
         if not requests:
             return
-        proposed = spec.drafter.propose(requests)
+        try:
+            proposed = spec.drafter.propose(requests)
+        except Exception:
+            # Drafting only saves time, and a drafter that failed half-way (a draft
+            # model's decode) no longer knows what its cache holds: speculation is off
+            # for the rest of this worker's life, and every request decodes plainly.
+            log.exception("drafting_failed", kind=spec.kind)
+            self._spec = None
+            spec.close()
+            return
         drafts = {r.seq: proposed.get(r.seq, ())[: r.max_tokens] for r in requests}
         # Every other sequence's rows count too: all rows go through one output matmul.
         rows = sum(1 for s in active if s.gen is not None and s.gen.feed)

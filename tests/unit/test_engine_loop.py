@@ -12,7 +12,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from blazar.engine import jobs, llama, loop, sampling
+from blazar.api import replicas
+from blazar.engine import jobs, llama, loop, sampling, speculation
 
 EOS = 0
 N_VOCAB = 32
@@ -103,14 +104,31 @@ def running(
     slots: int = 1,
     context: int = 256,
     model: Callable[[Sequence[int]], int] = cycle,
+    drafter: speculation.DraftModel | None = None,
 ) -> Iterator[tuple[loop.DecodeLoop, FakeRuntime]]:
+    """A decode loop on a fake runtime; with `drafter`, it speculates (up to 4 tokens)."""
     options = llama.RuntimeOptions(
-        model_path="fake.gguf", slots=slots, context_per_slot=context, threads=1
+        model_path="fake.gguf",
+        slots=slots,
+        context_per_slot=context,
+        threads=1,
+        outputs_per_slot=5 if drafter else 1,
     )
     runtime = FakeRuntime(options, model)
     monkeypatch.setattr(llama.Runtime, "load", lambda _options: runtime)
+    launch = None
+    if drafter is not None:
+        launch = replicas.SpeculationLaunch(
+            kind="fake", max_draft_tokens=4, disable_above_batch=8, min_acceptance_rate=0.0
+        )
+        policy = speculation.SpeculationPolicy.from_launch(launch)
+        monkeypatch.setattr(
+            loop._Speculator, "load", lambda _launch, _rt: loop._Speculator("fake", policy, drafter)
+        )
     loaded = threading.Event()
-    decode = loop.DecodeLoop(loop.LoopOptions(options), on_loaded=lambda _error: loaded.set())
+    decode = loop.DecodeLoop(
+        loop.LoopOptions(options, speculation=launch), on_loaded=lambda _error: loaded.set()
+    )
     decode.start()
     try:
         assert loaded.wait(10), "the fake runtime did not load"
@@ -230,3 +248,51 @@ def test_a_failing_sampler_fails_only_its_own_request(monkeypatch: pytest.Monkey
         assert isinstance(after_events.last, jobs.Finished)
         for slot in decode.slots:
             assert runtime.kv[slot.index] == slot.tokens
+
+
+class FailingDrafter:
+    """Proposes the fake model's own continuation (every draft is accepted) until
+    `fail_at`-th call, which raises, as a draft model's failed decode would."""
+
+    def __init__(self, fail_at: int) -> None:
+        self.fail_at = fail_at
+        self.calls = 0
+
+    def propose(self, requests: Sequence[speculation.DraftRequest]) -> dict[int, tuple[int, ...]]:
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise RuntimeError("the draft model's decode failed")
+        out = {}
+        for r in requests:
+            tokens = list(r.tokens)
+            for _ in range(r.max_tokens):
+                tokens.append(cycle(tokens))
+            out[r.seq] = tuple(tokens[len(r.tokens) :])
+        return out
+
+    def release(self, seq: int) -> None:
+        pass
+
+
+def test_a_failing_drafter_turns_speculation_off_and_requests_go_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    drafter = FailingDrafter(fail_at=3)
+    with running(monkeypatch, slots=2, drafter=drafter) as (decode, _runtime):
+        first, first_events = job([1, 2, 3], max_tokens=24, name="first")
+        decode.submit(first)
+        assert first_events.ended.wait(10)
+        assert decode.speculation_stats.kind == ""
+        second, second_events = job([5, 6], max_tokens=6, name="second")
+        decode.submit(second)
+        assert second_events.ended.wait(10)
+    assert drafter.calls == 3
+    for events, expected in ((first_events, 24), (second_events, 6)):
+        assert isinstance(events.last, jobs.Finished), events.last
+        assert events.last.reason is jobs.FinishReason.LENGTH
+        assert events.last.completion_tokens == expected
+    text = "".join(e.text for e in first_events.events if isinstance(e, jobs.TextDelta))
+    expected = [3]
+    while len(expected) <= 24:
+        expected.append(cycle(expected))
+    assert text.split() == [f"w{t}" for t in expected[1:]]
