@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, TypeAlias, TypeVar
+from typing import Any, NoReturn, TypeAlias, TypeVar
 
 import pydantic
 
@@ -32,8 +32,8 @@ def parse_body(model: type[M], raw: bytes) -> M:
     """Validate `raw` against `model`; unknown fields are the model's business, but every
     string in the body, known or not, must be valid Unicode."""
     try:
-        document = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        document = json.loads(raw, parse_constant=_not_json)
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, _not_json
         raise errors.InvalidRequest(
             f"We could not parse the JSON body of your request ({exc}). "
             "The body must be a JSON object."
@@ -53,6 +53,12 @@ def parse_body(model: type[M], raw: bytes) -> M:
         return model.model_validate(document, strict=True)
     except pydantic.ValidationError as exc:
         raise invalid_field(exc, document) from None
+
+
+def _not_json(constant: str) -> NoReturn:
+    """Python's parser reads NaN and (-)Infinity, which JSON does not have: a NaN
+    temperature would otherwise reach the range check and be called "more than 2"."""
+    raise ValueError(f"{constant} is not a JSON value")
 
 
 def invalid_field(exc: pydantic.ValidationError, document: Any) -> errors.InvalidRequest:

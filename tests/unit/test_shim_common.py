@@ -73,6 +73,17 @@ def test_surrogate_pairs_are_valid() -> None:
     assert validation.parse_body(Body, raw) == Body(prompt="\U0001f600 \u00e9", stop=["\U0001f600"])
 
 
+@pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity"])
+def test_nan_and_infinity_are_not_json(constant: str) -> None:
+    """Python's parser reads them; JSON has no such values, and a NaN temperature was
+    refused as "less than or equal to 2"."""
+    raw = b'{"prompt": "x", "temperature": ' + constant.encode() + b"}"
+    with pytest.raises(errors.InvalidRequest) as caught:
+        validation.parse_body(Body, raw)
+    assert f"{constant.lstrip('-')} is not a JSON value" in caught.value.message
+    assert "could not parse the JSON body" in caught.value.message
+
+
 @pytest.mark.parametrize(
     ("err", "status"),
     [
