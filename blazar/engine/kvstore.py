@@ -3,9 +3,11 @@
 Per slot two files: `slot-<i>.kv` (llama.cpp's sequence state with its token list)
 and `slot-<i>.json`, written last, which says what the state belongs to: the model
 file (size, modification time and a hash of its head and tail), the slot count, the
-context per slot and the cache types.
-A restore loads only files whose identity matches this worker and consumes them;
-anything else is skipped with a warning, never fatal. Decode thread only.
+context per slot and the cache types, and the `.kv` file's own sha256.
+A restore loads only files whose identity matches this worker and whose content is
+what was written (llama.cpp reads a damaged state without complaint as long as it
+parses, and the cache would then answer wrongly), and consumes them; anything else
+is skipped with a warning, never fatal. Decode thread only.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from blazar.engine import llama
 
 log = structlog.get_logger("blazar.engine.kvstore")
 
-FORMAT = 1
+# 2: the record holds the `.kv` file's sha256.
+FORMAT = 2
 _HASHED_BYTES = 1 << 20
 
 
@@ -68,6 +71,11 @@ def model_fingerprint(path: str) -> str:
     return digest.hexdigest()
 
 
+def _file_sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
 def _paths(directory: Path, slot: int) -> tuple[Path, Path]:
     return directory / f"slot-{slot}.kv", directory / f"slot-{slot}.json"
 
@@ -98,7 +106,7 @@ def save(
             if written == 0:
                 raise OSError("llama_state_seq_save_file failed")
             tmp.replace(kv)
-            record = asdict(identity) | {"tokens": len(tokens)}
+            record = asdict(identity) | {"tokens": len(tokens), "sha256": _file_sha256(kv)}
             meta.write_text(json.dumps(record, sort_keys=True))
         except OSError as exc:
             log.warning("kv_save_failed", slot=index, error=str(exc))
@@ -125,10 +133,16 @@ def restore(runtime: llama.Runtime, directory: Path, identity: Identity) -> dict
             continue
         try:
             record = json.loads(meta.read_text())
+            # Consumed either way, the record first: should llama.cpp abort on the
+            # state, the next start finds no valid pair instead of aborting again.
+            meta.unlink()
             found = {k: record.get(k) for k in expected}
             if found != expected:
                 differs = sorted(k for k in expected if found[k] != expected[k])
                 log.warning("kv_restore_skipped", slot=index, reason="mismatch", fields=differs)
+                continue
+            if _file_sha256(kv) != record.get("sha256"):
+                log.warning("kv_restore_skipped", slot=index, reason="checksum")
                 continue
             tokens = runtime.load_seq(index, str(kv))
             if tokens is None or len(tokens) != record.get("tokens"):

@@ -33,3 +33,70 @@ def test_weights_edited_in_place_change_the_identity(tmp_path: Path) -> None:
     after = identity(model)
     assert (after.model_size, after.model_hash) == (before.model_size, before.model_hash)
     assert after != before
+
+
+class FakeRuntime:
+    """`save_seq`/`load_seq` as llama.cpp's state files behave: whatever parses loads."""
+
+    def __init__(self, slots: int = 2) -> None:
+        self.options = llama.RuntimeOptions(
+            model_path="m.gguf", slots=slots, context_per_slot=512, threads=1
+        )
+        self.loaded: dict[int, list[int]] = {}
+        # What the directory held when each load started (a crash there leaves this).
+        self.on_disk_at_load: list[set[str]] = []
+
+    def save_seq(self, seq: int, path: str, tokens: list[int]) -> int:
+        data = bytes(t % 251 for t in tokens) * 64
+        Path(path).write_bytes(len(tokens).to_bytes(4, "little") + data)
+        return len(data) + 4
+
+    def load_seq(self, seq: int, path: str) -> list[int] | None:
+        file = Path(path)
+        self.on_disk_at_load.append({p.name for p in file.parent.iterdir()})
+        raw = file.read_bytes()
+        count = int.from_bytes(raw[:4], "little")
+        self.loaded[seq] = list(raw[4 : 4 + count])
+        return self.loaded[seq]
+
+    def clear(self, seq: int) -> None:
+        self.loaded.pop(seq, None)
+
+
+def saved(tmp_path: Path) -> tuple[FakeRuntime, Path, kvstore.Identity]:
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF" + bytes(1 << 10))
+    runtime, directory, ident = FakeRuntime(), tmp_path / "kv", identity(model)
+    kvstore.save(runtime, directory, ident, {0: [1, 2, 3, 4], 1: [7, 8]})
+    return runtime, directory, ident
+
+
+def test_a_saved_state_is_restored_and_consumed(tmp_path: Path) -> None:
+    runtime, directory, ident = saved(tmp_path)
+    restored = kvstore.restore(runtime, directory, ident)
+    assert restored == {0: [1, 2, 3, 4], 1: [7, 8]}
+    assert list(directory.iterdir()) == []
+
+
+def test_a_damaged_state_is_not_loaded(tmp_path: Path) -> None:
+    """llama.cpp loads a state whose cells were overwritten as long as it parses, and
+    the cache then answers wrongly: a review saw it (and saw it saved again)."""
+    runtime, directory, ident = saved(tmp_path)
+    kv = directory / "slot-0.kv"
+    with kv.open("r+b") as f:
+        f.seek(8)
+        f.write(b"\xee")
+    restored = kvstore.restore(runtime, directory, ident)
+    assert restored == {1: [7, 8]}
+    assert 0 not in runtime.loaded
+    assert list(directory.iterdir()) == []
+
+
+def test_the_record_is_gone_before_llama_cpp_reads_a_state(tmp_path: Path) -> None:
+    """Should llama.cpp abort on a state, the next start must not find it valid again."""
+    runtime, directory, ident = saved(tmp_path)
+    kvstore.restore(runtime, directory, ident)
+    assert runtime.on_disk_at_load == [
+        {"slot-0.kv", "slot-1.kv", "slot-1.json"},
+        {"slot-1.kv"},
+    ]
