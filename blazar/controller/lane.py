@@ -25,7 +25,15 @@ from blazar.store.base import Store
 log = structlog.get_logger(__name__)
 
 
-def model_readiness(lane: Lane, model: Model | None) -> lane_plan.ModelReadiness:
+def model_status_current(model: Model) -> bool:
+    """Whether the Model's status was written for its current spec."""
+    return model.status.observed_generation == (model.metadata.generation or 0)
+
+
+def model_readiness(
+    lane: Lane, model: Model | None, draft: Model | None = None
+) -> lane_plan.ModelReadiness:
+    """Whether the Lane's model can be served; `draft` is its SpecPair's draft Model."""
     if lane.spec.engine != "llama-cpp":
         return lane_plan.ModelReadiness(
             False, "EngineUnsupported", f"Engine '{lane.spec.engine}' is not supported yet."
@@ -39,6 +47,17 @@ def model_readiness(lane: Lane, model: Model | None) -> lane_plan.ModelReadiness
         return lane_plan.ModelReadiness(
             False, "ModelPending", f'Model "{model.metadata.name}" is not resolved yet.'
         )
+    # A status from an older generation (its path above all) describes a spec that is
+    # gone: an engine started from it would run the old file, or crash on a removed
+    # one, and be replaced once the Model controller catches up.
+    for role, m in (("Model", model), ("Draft model", draft)):
+        if m is not None and not model_status_current(m):
+            return lane_plan.ModelReadiness(
+                False,
+                "ModelPending",
+                f'{role} "{m.metadata.name}" changed (generation '
+                f"{m.metadata.generation or 0}) and is not resolved again yet.",
+            )
     if not conditions.is_true(model.status.conditions, "ModelReady"):
         return lane_plan.ModelReadiness(False, cond.reason, cond.message)
     return lane_plan.ModelReadiness(True, "ModelReady", f"Serving {model.status.path}.")
@@ -58,7 +77,7 @@ def speculation_launch(pair: SpecPair | None, draft: Model | None) -> Speculatio
     )
     if isinstance(spec.draft, NgramDraft):
         return dataclasses.replace(base, ngram_size=spec.draft.ngram_size)
-    if draft is None or not draft.status.path:
+    if draft is None or not draft.status.path or not model_status_current(draft):
         return None
     if not conditions.is_true(draft.status.conditions, "ModelReady"):
         return None
@@ -107,14 +126,15 @@ class LaneReconciler:
         assert isinstance(lane, Lane)
         model = self._store.get(Kind.MODEL, lane.spec.model)
         assert model is None or isinstance(model, Model)
-        readiness = model_readiness(lane, model)
+        pair, draft = self._speculation(lane)
+        readiness = model_readiness(lane, model, draft)
         launch = None
         if readiness.ready and model is not None:
             launch = launch_spec(
                 lane,
                 model,
                 default_threads=self._default_threads,
-                speculation=self._speculation(lane),
+                speculation=speculation_launch(pair, draft),
             )
         plan = lane_plan.plan_replicas(
             desired=lane.spec.replicas,
@@ -137,17 +157,18 @@ class LaneReconciler:
         self._store.update_status(Kind.LANE, name, status)
         return Result(requeue_after=plan.requeue_after)
 
-    def _speculation(self, lane: Lane) -> SpeculationLaunch | None:
+    def _speculation(self, lane: Lane) -> tuple[SpecPair | None, Model | None]:
+        """The Lane's SpecPair and its draft Model, each None when absent."""
         if lane.spec.speculation is None:
-            return None
+            return None, None
         pair = self._store.get(Kind.SPEC_PAIR, lane.spec.speculation)
         if not isinstance(pair, SpecPair):
-            return None
+            return None, None
         draft = None
         if isinstance(pair.spec.draft, ModelDraft):
             found = self._store.get(Kind.MODEL, pair.spec.draft.model)
             draft = found if isinstance(found, Model) else None
-        return speculation_launch(pair, draft)
+        return pair, draft
 
     async def _act(self, name: str, action: lane_plan.Action) -> None:
         if isinstance(action, lane_plan.Start):

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 
 import structlog
 
-from blazar.api.kinds import Kind, Lane
+from blazar.api.kinds import Kind, Lane, ModelDraft, SpecPair
 from blazar.controller.reconciler import Reconciler, TemporaryError
 from blazar.controller.workqueue import WorkQueue
 from blazar.store.base import Store, WatchEvent
@@ -24,7 +24,8 @@ Key = tuple[Kind, str]
 
 
 def dependents(store: Store, kind: Kind, name: str) -> list[Key]:
-    """Keys to reconcile when (kind, name) changes: itself and the Lanes referring to it."""
+    """Keys to reconcile when (kind, name) changes: itself and the Lanes referring to it,
+    a draft Model through the Lane's SpecPair included."""
     keys: list[Key] = [(kind, name)]
     if kind == Kind.LANE:
         return keys
@@ -35,9 +36,20 @@ def dependents(store: Store, kind: Kind, name: str) -> list[Key]:
             Kind.SLO_POLICY: lane.spec.slo_policy,
             Kind.SPEC_PAIR: lane.spec.speculation,
         }
-        if refs.get(kind) == name:
+        if refs.get(kind) == name or (kind == Kind.MODEL and _drafts_from(store, lane, name)):
             keys.append((Kind.LANE, lane.metadata.name))
     return keys
+
+
+def _drafts_from(store: Store, lane: Lane, model: str) -> bool:
+    if lane.spec.speculation is None:
+        return False
+    pair = store.get(Kind.SPEC_PAIR, lane.spec.speculation)
+    return (
+        isinstance(pair, SpecPair)
+        and isinstance(pair.spec.draft, ModelDraft)
+        and pair.spec.draft.model == model
+    )
 
 
 class Manager:

@@ -257,14 +257,23 @@ def test_daemon_kill_leaves_no_orphans_and_restart_reconverges(model_path: Path)
             second.stop()
 
         # Edited while the daemon was down: the engine starts once, from the edit, not
-        # first from the stored spec and then again.
+        # first from the stored spec (or the Model's stored status) and then again.
+        moved = home / "moved.gguf"
+        try:
+            os.link(model_path, moved)  # another path to the same weights, no copy
+        except OSError:
+            shutil.copyfile(model_path, moved)
         manifest = fleet / "fleet.yaml"
-        manifest.write_text(manifest.read_text().replace("512", "1024"))
+        edited = manifest.read_text().replace("512", "1024")
+        manifest.write_text(edited.replace(json.dumps(str(model_path)), json.dumps(str(moved))))
         seen = second.log_path.stat().st_size
         third = Daemon(home=home, watch=fleet).start()
         try:
             third.wait_condition("lane", "solo", "Ready", timeout=180)
             assert third.get("lane", "solo")["spec"]["contextPerSlot"] == 1024
+            (pid,) = third.pids("solo")
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            assert argv[argv.index(b"--model") + 1] == str(moved).encode()
             with third.log_path.open("rb") as f:
                 f.seek(seen)
                 events = [json.loads(line) for line in f.read().splitlines() if line[:1] == b"{"]

@@ -27,11 +27,15 @@ class Clock:
 
 
 def mark_model_ready(store: Store, name: str, *, path: str, now: datetime) -> None:
-    """Give the stored Model `name` the status its controller gives a resolved file."""
+    """Give the stored Model `name` the status its controller gives a resolved file,
+    observed at the Model's current generation."""
+    model = store.get(Kind.MODEL, name)
+    assert model is not None
+    generation = model.metadata.generation or 0
     ready = conditions.set_condition(
         [], type="ModelReady", status=ConditionStatus.TRUE, reason="Resolved", message="ok",
-        observed_generation=1, now=now,
+        observed_generation=generation, now=now,
     )  # fmt: skip
     store.update_status(
-        Kind.MODEL, name, ModelStatus(observed_generation=1, conditions=ready, path=path)
+        Kind.MODEL, name, ModelStatus(observed_generation=generation, conditions=ready, path=path)
     )

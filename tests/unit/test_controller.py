@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
@@ -16,8 +18,9 @@ import pytest
 
 from blazar.api import conditions, manifests
 from blazar.api.kinds import Kind, Lane, Model
+from blazar.api.meta import Condition
 from blazar.api.replicas import LaunchSpec, ReplicaObservation, ReplicaState
-from blazar.controller import modelfile
+from blazar.controller import manager, modelfile
 from blazar.controller.lane import LaneReconciler
 from blazar.controller.model import ModelReconciler
 from blazar.store.memory import MemoryStore
@@ -32,6 +35,8 @@ class FakeProcesses:
     clock: Clock
     replicas: dict[tuple[str, int], ReplicaObservation] = field(default_factory=dict)
     next_pid: int = 1000
+    # Every start, in order: what each replica was launched with.
+    started: list[tuple[str, int, LaunchSpec]] = field(default_factory=list)
 
     def observe(self, lane: str) -> list[ReplicaObservation]:
         return [r for (name, _), r in sorted(self.replicas.items()) if name == lane]
@@ -42,6 +47,7 @@ class FakeProcesses:
     async def start(self, lane: str, index: int, launch: LaunchSpec) -> list[Any]:
         old = self.replicas.get((lane, index))
         self.next_pid += 1
+        self.started.append((lane, index, launch))
         self.replicas[(lane, index)] = ReplicaObservation(
             lane=lane, index=index, state=ReplicaState.STARTING, revision=launch.revision,
             socket=f"/run/{lane}-{index}.sock", pid=self.next_pid,
@@ -155,6 +161,161 @@ def test_lane_waits_for_its_model() -> None:
     ready_model(store, clock)
     asyncio.run(rec.reconcile("l"))
     assert len(procs.observe("l")) == 2
+
+
+def test_lane_waits_for_a_model_status_from_an_older_generation() -> None:
+    # The Model was edited (here: while the daemon was down) and its controller has not
+    # resolved the edit yet: its status still names the old file.
+    clock = Clock()
+    store = MemoryStore(clock=clock)
+    procs = FakeProcesses(clock)
+    rec = LaneReconciler(store=store, processes=procs, clock=clock)
+    ready_model(store, clock)
+    apply(store, MODEL.replace("/models/m.gguf", "/models/new.gguf"))
+    apply(store, LANE)
+    asyncio.run(rec.reconcile("l"))
+    assert procs.observe("l") == []
+    assert cond(store, "ModelReady") == ("False", "ModelPending")
+    assert cond(store, "Ready") == ("False", "ModelNotReady")
+    lane = store.get(Kind.LANE, "l")
+    assert isinstance(lane, Lane)
+    ready = conditions.get_condition(lane.status.conditions, "ModelReady")
+    assert ready is not None and "generation 2" in ready.message
+
+    helpers.mark_model_ready(store, "m", path="/models/new.gguf", now=clock.now)
+    asyncio.run(rec.reconcile("l"))
+    assert [(i, launch.model_path) for _, i, launch in procs.started] == [
+        (0, "/models/new.gguf"),
+        (1, "/models/new.gguf"),
+    ]
+
+
+def test_running_lane_keeps_serving_until_an_edited_model_is_resolved() -> None:
+    clock = Clock()
+    store = MemoryStore(clock=clock)
+    procs = FakeProcesses(clock)
+    rec = LaneReconciler(store=store, processes=procs, clock=clock)
+    ready_model(store, clock)
+    apply(store, LANE)
+    asyncio.run(rec.reconcile("l"))
+    serving = procs.observe("l")
+    apply(store, MODEL.replace("/models/m.gguf", "/models/new.gguf"))
+    asyncio.run(rec.reconcile("l"))
+    assert procs.observe("l") == serving  # neither replaced by nor restarted on the old file
+    assert cond(store, "ModelReady") == ("False", "ModelPending")
+
+    helpers.mark_model_ready(store, "m", path="/models/new.gguf", now=clock.now)
+    asyncio.run(rec.reconcile("l"))  # stops the old revision
+    asyncio.run(rec.reconcile("l"))  # starts the new one
+    assert [launch.model_path for _, _, launch in procs.started[2:]] == ["/models/new.gguf"] * 2
+    assert len(procs.observe("l")) == 2
+
+
+def test_manager_starts_a_lane_only_on_its_model_edited_while_down(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The daemon's start-up: the stored Model was resolved at generation 1, its spec
+    is now at generation 2. The Lane waits, and the Model's new status wakes it."""
+    old, new = tiny_gguf(tmp_path / "old.gguf"), tiny_gguf(tmp_path / "new.gguf")
+    clock = Clock()
+    store = MemoryStore(clock=clock)
+    procs = FakeProcesses(clock)
+    models = ModelReconciler(store=store, models_dir=tmp_path, clock=clock)
+    apply(store, MODEL.replace("/models/m.gguf", str(old)))
+    asyncio.run(models.reconcile("m"))
+    apply(store, MODEL.replace("/models/m.gguf", str(new)))
+    apply(store, LANE)
+    # The new file is read only once the Lane has had a pass on the stale status.
+    gate = threading.Event()
+    read_gguf = modelfile.read_gguf
+
+    def gated_read(path: Path) -> modelfile.GGUFInfo:
+        if not gate.wait(timeout=10):
+            raise AssertionError("the Lane was never reconciled")
+        return read_gguf(path)
+
+    monkeypatch.setattr(modelfile, "read_gguf", gated_read)
+
+    async def run() -> None:
+        mgr = manager.Manager(
+            store=store,
+            reconcilers=[models, LaneReconciler(store=store, processes=procs, clock=clock)],
+        )
+        await mgr.start()
+        try:
+            await until(lambda: lane_condition(store, "ModelReady") is not None)
+            gate.set()
+            await until(lambda: len(procs.observe("l")) == 2)
+        finally:
+            gate.set()
+            await mgr.stop()
+
+    asyncio.run(run())
+    assert {launch.model_path for _, _, launch in procs.started} == {str(new)}
+    assert len(procs.started) == 2
+
+
+DRAFTED = """
+apiVersion: blazar.dev/v1alpha1
+kind: Model
+metadata: {name: d}
+spec: {source: {path: /models/d.gguf}}
+---
+apiVersion: blazar.dev/v1alpha1
+kind: SpecPair
+metadata: {name: sp}
+spec: {target: m, draft: {kind: model, model: d}}
+"""
+
+
+def test_lane_waits_for_a_draft_model_status_from_an_older_generation() -> None:
+    clock = Clock()
+    store = MemoryStore(clock=clock)
+    procs = FakeProcesses(clock)
+    rec = LaneReconciler(store=store, processes=procs, clock=clock)
+    ready_model(store, clock)
+    apply(store, DRAFTED)
+    helpers.mark_model_ready(store, "d", path="/models/d.gguf", now=clock.now)
+    apply(store, DRAFTED.replace("/models/d.gguf", "/models/d2.gguf"))
+    apply(store, LANE.replace("threads: 2", "threads: 2, speculation: sp"))
+    asyncio.run(rec.reconcile("l"))
+    assert procs.observe("l") == []
+    assert cond(store, "ModelReady") == ("False", "ModelPending")
+    ready = lane_condition(store, "ModelReady")
+    assert ready is not None and ready.message.startswith('Draft model "d" changed')
+
+    helpers.mark_model_ready(store, "d", path="/models/d2.gguf", now=clock.now)
+    asyncio.run(rec.reconcile("l"))
+    drafts = [launch.speculation for _, _, launch in procs.started]
+    assert [s.draft_model_path if s else None for s in drafts] == ["/models/d2.gguf"] * 2
+
+
+def test_a_model_change_wakes_the_lanes_that_serve_or_draft_from_it() -> None:
+    store = MemoryStore(clock=Clock())
+    apply(store, MODEL)
+    apply(store, DRAFTED)
+    apply(store, LANE.replace("threads: 2", "threads: 2, speculation: sp"))
+    apply(store, LANE.replace("name: l", "name: other"))
+    assert sorted(manager.dependents(store, Kind.MODEL, "m")) == [
+        (Kind.LANE, "l"),
+        (Kind.LANE, "other"),
+        (Kind.MODEL, "m"),
+    ]
+    assert manager.dependents(store, Kind.MODEL, "d") == [(Kind.MODEL, "d"), (Kind.LANE, "l")]
+
+
+def lane_condition(store: MemoryStore, type_: str) -> Condition | None:
+    lane = store.get(Kind.LANE, "l")
+    assert isinstance(lane, Lane)
+    return conditions.get_condition(lane.status.conditions, type_)
+
+
+async def until(predicate: Callable[[], bool], *, timeout: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("timed out")
+        await asyncio.sleep(0.01)
 
 
 def test_spec_change_replaces_replicas() -> None:
