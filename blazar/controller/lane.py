@@ -122,6 +122,7 @@ class LaneReconciler:
         lane = self._store.get(Kind.LANE, name)
         if lane is None:
             await self._stop_all(name)
+            await self._discard_kv(name, keep=0)
             return Result()
         assert isinstance(lane, Lane)
         model = self._store.get(Kind.MODEL, lane.spec.model)
@@ -144,6 +145,8 @@ class LaneReconciler:
         )
         for action in plan.actions:
             await self._act(name, action)
+        # After the stops above: a replica saves its caches as it stops gracefully.
+        await self._discard_kv(name, keep=lane.spec.replicas)
         observed = self._processes.observe(name)
         status = lane_plan.lane_status(
             previous=lane.status,
@@ -194,6 +197,15 @@ class LaneReconciler:
     async def _stop_all(self, name: str) -> None:
         for obs in self._processes.observe(name):
             await self._act(name, lane_plan.Stop(obs.index, "LaneDeleted"))
+
+    async def _discard_kv(self, name: str, *, keep: int) -> None:
+        """Remove the KV caches of replicas that are gone for good (scaled down, or the
+        Lane deleted), so that no later replica or Lane of that name restores them."""
+        for index in await self._processes.discard_kv(name, keep=keep):
+            log.info("replica.kv_removed", lane=name, index=index)
+            self._event(
+                name, "Normal", "KVCacheRemoved", f"Removed the saved KV cache of replica {index}."
+            )
 
     def _record_transitions(
         self, name: str, previous: LaneStatus, observed: list[ReplicaObservation]

@@ -43,3 +43,9 @@ class Processes(Protocol):
     async def stop(self, lane: str, index: int) -> None:
         """Drain, SIGTERM, wait for the grace period, SIGKILL the group; then forget it."""
         ...
+
+    async def discard_kv(self, lane: str, *, keep: int) -> list[int]:
+        """Remove the KV caches saved for lane's replicas numbered `keep` and up, and
+        return those numbers. A replica still held (running or failed) keeps its own;
+        with keep=0 and none held, the lane's directory goes too."""
+        ...

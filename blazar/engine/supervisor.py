@@ -15,7 +15,8 @@ Failed at once, as if it had crashed. A chat template longer than
 `INLINE_ARG_MAX_BYTES` reaches the worker in a file in the run directory, since one
 command-line argument is limited to 128 KiB. A KV cache directory that cannot be
 created only costs that optimisation: the replica starts cold and `start()` returns a
-warning.
+warning. `discard_kv()` removes the caches of replicas gone for good (scaled down, or
+their Lane deleted), never those of a replica still held here.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import signal
 import sys
 from collections.abc import Callable
@@ -185,6 +187,31 @@ class Supervisor:
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
 
+    async def discard_kv(self, lane: str, *, keep: int) -> list[int]:
+        lane_dir = self._kv_lane_dir(lane)
+        try:
+            found = [int(p.name) for p in lane_dir.iterdir() if p.name.isdecimal()]
+        except FileNotFoundError:
+            return []
+        except OSError as exc:
+            log.warning("replica.kv_discard_failed", lane=lane, error=str(exc))
+            return []
+        # A replica held here may run, and a failed one restarts from its caches; both
+        # save into the directory on a graceful stop, so theirs is never removed.
+        gone = sorted(i for i in found if i >= keep and (lane, i) not in self._replicas)
+        removed = []
+        for index in gone:
+            try:
+                await asyncio.to_thread(shutil.rmtree, lane_dir / str(index))
+            except OSError as exc:  # left for the next pass
+                log.warning("replica.kv_discard_failed", lane=lane, index=index, error=str(exc))
+            else:
+                removed.append(index)
+        if keep == 0 and lane not in self.lanes():
+            with contextlib.suppress(OSError):
+                lane_dir.rmdir()  # only if nothing else is left in it
+        return removed
+
     async def stop_all(self, *, grace: float = STOP_GRACE_S) -> None:
         await asyncio.gather(
             *(self.stop(lane, index, grace=grace) for lane, index in list(self._replicas))
@@ -229,7 +256,7 @@ class Supervisor:
         """The replica's KV cache directory, created; None (and a warning) when it cannot be."""
         if not replica.launch.kv_persist:
             return None
-        kv_dir = self.home / "kv" / replica.lane / str(replica.index)
+        kv_dir = self._kv_lane_dir(replica.lane) / str(replica.index)
         try:
             kv_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -249,6 +276,9 @@ class Supervisor:
             )
             return None
         return kv_dir
+
+    def _kv_lane_dir(self, lane: str) -> Path:
+        return self.home / "kv" / lane
 
     def _log_path(self, replica: _Replica) -> Path:
         """The replica's log: every run of it appends to the same file."""

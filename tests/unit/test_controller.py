@@ -58,6 +58,9 @@ class FakeProcesses:
     async def stop(self, lane: str, index: int) -> None:
         self.replicas.pop((lane, index), None)
 
+    async def discard_kv(self, lane: str, *, keep: int) -> list[int]:
+        return []  # no caches here: the supervisor's tests cover them
+
     def set_state(self, lane: str, index: int, state: ReplicaState) -> None:
         obs = self.replicas[(lane, index)]
         exited = self.clock.now if state == ReplicaState.FAILED else None

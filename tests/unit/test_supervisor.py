@@ -31,7 +31,18 @@ from tests.unit import helpers
 from tests.unit.helpers import Clock
 
 FAKE_WORKER = f"""#!{sys.executable}
-import os, sys, json, time
+import os, signal, sys, json, time
+
+def save_and_exit(*_):
+    # As the engine does on a graceful stop: save the slots, making the directory.
+    if "--kv-persist" in sys.argv:
+        kv_dir = sys.argv[sys.argv.index("--kv-persist") + 1]
+        os.makedirs(kv_dir, exist_ok=True)
+        with open(os.path.join(kv_dir, "slot-0.kv"), "w") as f:
+            f.write("saved")
+    sys.exit(0)
+
+signal.signal(signal.SIGTERM, save_and_exit)
 here = os.path.dirname(os.path.abspath(__file__))
 path = os.path.join(here, "argv.%d" % os.getpid())
 with open(path + ".tmp", "w") as f:
@@ -41,9 +52,9 @@ time.sleep(60)
 """
 
 
-def manifest(*, persist: bool = False) -> str:
+def manifest(*, persist: bool = False, replicas: int = 1) -> str:
     model_spec = {"source": {"path": "/models/m.gguf"}}
-    lane_spec = {"model": "m", "replicas": 1, "slots": 1, "threads": 1}
+    lane_spec = {"model": "m", "replicas": replicas, "slots": 1, "threads": 1}
     if persist:
         lane_spec["kvCache"] = {"persist": True}
     return "\n---\n".join(
@@ -160,6 +171,81 @@ def test_kv_directory_is_passed_when_it_can_be_created(tmp_path: Path) -> None:
     kv_dir = tmp_path / "home" / "kv" / "l" / "0"
     assert argv[argv.index("--kv-persist") + 1] == str(kv_dir)
     assert kv_dir.is_dir()
+
+
+def kv_dirs(tmp_path: Path) -> list[str]:
+    """What is left under the lane's KV directory: replica numbers and saved files."""
+    lane_dir = tmp_path / "home" / "kv" / "l"
+    return sorted(str(p.relative_to(lane_dir)) for p in lane_dir.rglob("*"))
+
+
+def test_scaling_down_removes_the_kv_caches_of_the_replicas_gone(tmp_path: Path) -> None:
+    async def run() -> tuple[list[str], list[str]]:
+        async with lane(tmp_path, manifest(persist=True, replicas=3)) as f:
+            for obs in f.supervisor.observe("l"):
+                assert obs.pid is not None
+                f.argv(obs.pid)  # running, its signal handler in place
+            before = kv_dirs(tmp_path)
+            f.store.apply_all(
+                manifests.validate_objects(
+                    manifests.parse_documents(manifest(persist=True), source="test"),
+                    exists=lambda k, n: True,
+                )
+            )
+            await f.reconciler.reconcile("l")
+            assert [o.index for o in f.supervisor.observe("l")] == [0]
+            return before, kv_dirs(tmp_path)
+
+    before, after = asyncio.run(run())
+    assert before == ["0", "1", "2"]
+    # Replica 0 still runs and keeps its directory; it saved on the final stop_all.
+    assert after == ["0"]
+    assert kv_dirs(tmp_path) == ["0", "0/slot-0.kv"]
+
+
+def test_deleting_a_lane_removes_its_kv_caches_after_its_replicas_saved(
+    tmp_path: Path,
+) -> None:
+    async def run() -> list[tuple[str, str, str]]:
+        async with lane(tmp_path, manifest(persist=True, replicas=2)) as f:
+            for obs in f.supervisor.observe("l"):
+                assert obs.pid is not None
+                f.argv(obs.pid)
+            f.store.delete(Kind.LANE, "l")
+            await f.reconciler.reconcile("l")
+            assert f.supervisor.observe("l") == []
+            return f.events()
+
+    events = asyncio.run(run())
+    # Removed after the replicas stopped: the caches they saved on the way out went too.
+    assert not (tmp_path / "home" / "kv" / "l").exists()
+    assert (tmp_path / "home" / "kv").is_dir()
+    assert [e[1] for e in events if e[1] == "KVCacheRemoved"] == ["KVCacheRemoved"] * 2
+
+
+def test_kv_caches_of_a_running_replica_are_never_removed(tmp_path: Path) -> None:
+    worker = fake_worker(tmp_path)
+    sup = supervisor.Supervisor(
+        home=tmp_path / "home", on_change=lambda _: None, python=str(worker)
+    )
+    launch = LaunchSpec(
+        model_path="/models/m.gguf", slots=1, context_per_slot=512, threads=1, gpu_layers=0,
+        kv_persist=True,
+    )  # fmt: skip
+    stray = tmp_path / "home" / "kv" / "l" / "7"  # no replica of that number
+    stray.mkdir(parents=True)
+
+    async def run() -> tuple[list[int], list[str]]:
+        try:
+            await sup.start("l", 1, launch)
+            removed = await sup.discard_kv("l", keep=0)  # as if the lane were gone
+            return removed, kv_dirs(tmp_path)
+        finally:
+            await sup.stop_all(grace=1.0)
+
+    removed, left = asyncio.run(run())
+    assert (removed, left) == ([7], ["1"])
+    remove_run_dir(sup)
 
 
 LONG_TEMPLATE = (
