@@ -1,7 +1,8 @@
 """`blazar`: the daemon (`serve`) and kubectl-like commands that talk to it over gRPC.
 
 Every command finds the daemon at --server, else $BLAZAR_GRPC_ADDR, else 127.0.0.1:8421.
-Errors from the server print as `Error from server (Reason): message` and exit 1.
+Errors from the server print as `Error from server (Reason): message` and exit 1. When
+the reader of stdout goes away (`| head`), a command ends quietly with 141.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from datetime import UTC, datetime
@@ -202,6 +204,29 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        try:
+            return _main(argv)
+        finally:
+            # Here, not at interpreter exit: output that fits the buffer is written
+            # only then, and a closed pipe would surface as an unhandled error.
+            sys.stdout.flush()
+    except BrokenPipeError:
+        return _stdout_closed()
+
+
+def _stdout_closed() -> int:
+    """The reader of stdout went away (`blazar describe lane x | head`): end quietly, as
+    kubectl and other Unix tools do, with the status a shell shows for them (killed by
+    SIGPIPE: 128 + 13), so `set -o pipefail` scripts still see that output was lost."""
+    # What is left in the buffer would fail again, noisily, when Python exits.
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 128 + signal.SIGPIPE
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
