@@ -63,6 +63,10 @@ class LlamaDraftRunner:
         )
         return cls(model, ctx, options)
 
+    def cached_tokens(self, seq: int) -> tuple[int, ...]:
+        """The tokens the draft's KV cache holds for seq, position by position."""
+        return tuple(self._cached.get(seq, ()))
+
     def propose(self, requests: Sequence[speculation.DraftRequest]) -> dict[int, tuple[int, ...]]:
         drafts: dict[int, list[int]] = {}
         budget: dict[int, int] = {}
