@@ -2,8 +2,8 @@
 
 `LlamaDraftRunner` is the `speculation.DraftModel` of a `kind: model` SpecPair: its own
 llama model and context (one sequence per target slot, separate KV streams), greedy
-drafting, all sequences drafted together one batch per draft token. Only the decode
-thread may call it, from `load` to `close`.
+drafting, all sequences drafted together one batch per draft token, and at most one
+chunk of catch-up per step. Only the decode thread may call it, from `load` to `close`.
 """
 
 from __future__ import annotations
@@ -31,10 +31,28 @@ class DraftOptions:
 class LlamaDraftRunner:
     """Greedy drafts from a small model whose vocabulary matches the target's.
 
-    Per sequence it remembers which tokens its KV cache holds. Each `propose` keeps
-    the common prefix with the tokens it is given, removes the rest with
-    `llama_memory_seq_rm` (rejected drafts of the last step, or a reused slot), decodes
-    what is missing, then drafts: so the loop never tells it what was accepted.
+    Per sequence it remembers which tokens its KV cache holds (`cached_tokens`), and
+    updates that record only after the cache changed. Each `propose` keeps the common
+    prefix with the tokens it is given, removes the rest with `llama_memory_seq_rm`
+    (rejected drafts of the last step, or a reused slot), decodes what is missing,
+    then drafts: so the loop never tells it what was accepted.
+
+    Catching up costs at most one chunk (n_batch tokens, all sequences together) per
+    `propose`, so a draft model keeps the loop's chunked-prefill promise: a fresh long
+    prompt, prefilled into the target chunk by chunk, is not then prefilled into the
+    draft in one go while every other stream waits. What does not fit is carried over:
+    a sequence that is not caught up gets no draft this step (it decodes plainly) and
+    continues catching up at the next call. Sequences that lack least go first, so
+    streams that are drafting already (one or two new tokens per step) keep drafting
+    while a long prompt catches up in the rest of the chunk.
+
+    Why not catch up alongside the target's own prefill chunks: the loop would have
+    to feed the drafter its prompt chunks (a second way to fill the same cache, next
+    to the catch-up that generated tokens, rolled-back drafts, reused and restored
+    slots need anyway), and it would prefill sequences the policy never lets draft.
+    Bounding the work here keeps the `DraftModel` contract as it is and costs each
+    step at most one draft chunk either way; the price is that a long prompt starts
+    drafting a few steps (its length / n_batch) after its first token.
     """
 
     def __init__(self, model: Any, ctx: Any, options: DraftOptions) -> None:
@@ -68,41 +86,22 @@ class LlamaDraftRunner:
         return tuple(self._cached.get(seq, ()))
 
     def propose(self, requests: Sequence[speculation.DraftRequest]) -> dict[int, tuple[int, ...]]:
-        drafts: dict[int, list[int]] = {}
         budget: dict[int, int] = {}
-        catch_up: list[tuple[int, int, int]] = []  # (token, position, seq)
+        lacking: list[tuple[int, Sequence[int]]] = []  # (seq, tokens) to catch up
         for req in requests:
             k = min(req.max_tokens, self.context_per_slot - len(req.tokens))
             if k <= 0 or not req.tokens:
                 continue
-            cached = self._cached.setdefault(req.seq, [])
-            # Re-decode at least the last token: its logits give the first draft.
-            keep = min(speculation.common_prefix(cached, req.tokens), len(req.tokens) - 1)
-            if keep < len(cached):
-                lc.llama_memory_seq_rm(self._mem, req.seq, keep, -1)
-                del cached[keep:]
-            catch_up.extend((req.tokens[p], p, req.seq) for p in range(keep, len(req.tokens)))
-            cached.extend(req.tokens[keep:])
-            drafts[req.seq] = []
+            self._trim(req.seq, req.tokens)
             budget[req.seq] = k
-        # Prefill what each draft sequence lacks, n_batch rows at a time; a sequence's
-        # first draft comes from the chunk that holds its last token.
-        for start in range(0, len(catch_up), self.options.n_batch):
-            chunk = catch_up[start : start + self.options.n_batch]
-            last = {
-                seq: i for i, (_, pos, seq) in enumerate(chunk) if pos == len(self._cached[seq]) - 1
-            }
-            self._decode(
-                [(tok, pos, seq, last.get(seq) == i) for i, (tok, pos, seq) in enumerate(chunk)]
-            )
-            for seq, row in last.items():
-                drafts[seq].append(self._sample(row))
+            lacking.append((req.seq, req.tokens))
+        drafts = {seq: [token] for seq, token in self._catch_up(lacking).items()}
         # Then one batch per further draft token, for every sequence still drafting.
         while True:
             rows = [
                 (d[-1], len(self._cached[seq]), seq, True)
                 for seq, d in drafts.items()
-                if d and len(d) < budget[seq] and not self.vocab.is_eog(d[-1])
+                if len(d) < budget[seq] and not self.vocab.is_eog(d[-1])
             ]
             if not rows:
                 break
@@ -121,6 +120,43 @@ class LlamaDraftRunner:
         lc.llama_batch_free(self._batch)
         lc.llama_free(self._ctx)
         lc.llama_model_free(self._model)
+
+    def _trim(self, seq: int, tokens: Sequence[int]) -> None:
+        """Drop what the cache holds past its common prefix with tokens, and always
+        the last of tokens: re-decoding it gives the logits of the first draft."""
+        cached = self._cached.setdefault(seq, [])
+        keep = min(speculation.common_prefix(cached, tokens), len(tokens) - 1)
+        if keep >= len(cached):
+            return
+        if not lc.llama_memory_seq_rm(self._mem, seq, keep, -1):
+            # A cache that cannot cut a sequence short (recurrent memory) starts over.
+            lc.llama_memory_seq_rm(self._mem, seq, -1, -1)
+            keep = 0
+        del cached[keep:]
+
+    def _catch_up(self, lacking: Sequence[tuple[int, Sequence[int]]]) -> dict[int, int]:
+        """Decode up to n_batch missing tokens in one batch, shortest lack first; the
+        first draft token of each sequence whose last token was among them."""
+        entries: list[tuple[int, int, int, bool]] = []
+        fed: list[tuple[int, Sequence[int]]] = []
+        last: dict[int, int] = {}  # seq -> its row holding the sequence's last token
+        room = self.options.n_batch
+        for seq, tokens in sorted(lacking, key=lambda r: len(r[1]) - len(self._cached[r[0]])):
+            start = len(self._cached[seq])
+            end = min(len(tokens), start + room)
+            if end <= start:
+                break  # the chunk is full
+            entries.extend((tokens[p], p, seq, p == len(tokens) - 1) for p in range(start, end))
+            fed.append((seq, tokens[start:end]))
+            if end == len(tokens):
+                last[seq] = len(entries) - 1
+            room -= end - start
+        if not entries:
+            return {}
+        self._decode(entries)
+        for seq, part in fed:
+            self._cached[seq].extend(part)
+        return {seq: self._sample(row) for seq, row in last.items()}
 
     def _decode(self, entries: Sequence[tuple[int, int, int, bool]]) -> None:
         b = self._batch
