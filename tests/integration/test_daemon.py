@@ -65,6 +65,21 @@ def test_openai_client_streams_a_chat_completion(daemon: Daemon) -> None:
     assert finishes and finishes[-1] in ("stop", "length")
 
 
+def test_responses_carry_llama_cpp_timings(daemon: Daemon) -> None:
+    """llama.cpp server's `timings`, with the default lane's n-gram speculation counts:
+    a base model continues a text it has already repeated twice by copying it."""
+    text = "The river rises in the hills above the town and runs for forty miles to the sea. "
+    response = client(daemon).completions.create(
+        model="gemma3", prompt=text * 3 + "The river", max_tokens=32, temperature=0
+    )
+    assert response.usage is not None and response.model_extra is not None
+    timings = response.model_extra["timings"]
+    assert timings["predicted_n"] == response.usage.completion_tokens
+    assert timings["prompt_n"] + timings["cache_n"] == response.usage.prompt_tokens
+    assert timings["prompt_ms"] > 0 and timings["predicted_per_second"] > 0
+    assert 0 < timings["draft_n_accepted"] <= timings["draft_n"]
+
+
 def test_engine_health_is_on_metrics(daemon: Daemon) -> None:
     """Slots, cached tokens, KV size and memory of each ready replica, polled."""
     client(daemon).completions.create(model="gemma3", prompt="Once upon", max_tokens=4)

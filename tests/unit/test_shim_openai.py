@@ -574,10 +574,49 @@ async def test_chat_non_stream(daemon: Daemon, client: httpx.AsyncClient) -> Non
             "total_tokens": 10,
             "prompt_tokens_details": {"cached_tokens": 4},
         },
+        # llama.cpp server's extension; the scripted final has no times.
+        "timings": {
+            "cache_n": 4,
+            "prompt_n": 3,
+            "prompt_ms": 0.0,
+            "prompt_per_token_ms": 0.0,
+            "prompt_per_second": 0.0,
+            "predicted_n": 3,
+            "predicted_ms": 0.0,
+            "predicted_per_token_ms": 0.0,
+            "predicted_per_second": 0.0,
+        },
     }
     # The request id travels to the daemon so its logs join the shim's.
     assert daemon.fake.metadata[-1]["x-request-id"] == request_id
     assert daemon.fake.requests[-1].sampling.temperature == pytest.approx(0.5)
+
+
+def test_timings_in_llama_cpp_server_shape() -> None:
+    """The figures tools written for llama.cpp's server read: prompt tokens computed
+    (not those from the cache), rates, and the speculation counts when drafted."""
+    done = inference_pb2.Final(
+        usage=inference_pb2.Usage(prompt_tokens=120, completion_tokens=41, cached_tokens=100),
+        timings=inference_pb2.Timings(
+            prefill_ms=50.0, decode_ms=800.0, decode_tokens_per_second=50.0
+        ),
+        routing=inference_pb2.Routing(drafted_tokens=30, accepted_tokens=21),
+    )
+    assert convert.timings(done) == {
+        "cache_n": 100,
+        "prompt_n": 20,
+        "prompt_ms": 50.0,
+        "prompt_per_token_ms": 2.5,
+        "prompt_per_second": 400.0,
+        "predicted_n": 41,
+        "predicted_ms": 800.0,
+        "predicted_per_token_ms": 20.0,
+        "predicted_per_second": 50.0,
+        "draft_n": 30,
+        "draft_n_accepted": 21,
+    }
+    done.routing.drafted_tokens = 0
+    assert "draft_n" not in convert.timings(done)
 
 
 async def test_completion_non_stream(daemon: Daemon, client: httpx.AsyncClient) -> None:

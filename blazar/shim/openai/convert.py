@@ -334,6 +334,28 @@ def usage(final: inference_pb2.Final) -> protocol.Usage:
     }
 
 
+def timings(final: inference_pb2.Final) -> protocol.Timings:
+    """The request's figures in llama.cpp server's `timings` shape."""
+    computed = final.usage.prompt_tokens - final.usage.cached_tokens
+    prefill_ms = final.timings.prefill_ms
+    rate = final.timings.decode_tokens_per_second
+    out: protocol.Timings = {
+        "cache_n": final.usage.cached_tokens,
+        "prompt_n": computed,
+        "prompt_ms": prefill_ms,
+        "prompt_per_token_ms": prefill_ms / computed if computed > 0 else 0.0,
+        "prompt_per_second": computed * 1000.0 / prefill_ms if prefill_ms > 0 else 0.0,
+        "predicted_n": final.usage.completion_tokens,
+        "predicted_ms": final.timings.decode_ms,
+        "predicted_per_token_ms": 1000.0 / rate if rate > 0 else 0.0,
+        "predicted_per_second": rate,
+    }
+    if final.routing.drafted_tokens:
+        out["draft_n"] = final.routing.drafted_tokens
+        out["draft_n_accepted"] = final.routing.accepted_tokens
+    return out
+
+
 def truncated() -> errors.Unavailable:
     """The daemon closed a stream without its final chunk (it is shutting down)."""
     return errors.Unavailable("The generation stream ended before it finished; retry.")
@@ -435,7 +457,9 @@ class ChatStream:
         if part != "final":
             return []
         self.finished = True
-        out = [self._chunk({}, finish_reason=finish_reason(chunk.final), index=chunk.index)]
+        end = self._chunk({}, finish_reason=finish_reason(chunk.final), index=chunk.index)
+        end["timings"] = timings(chunk.final)
+        out = [end]
         if self._include_usage:
             last = self._envelope([])
             last["usage"] = usage(chunk.final)
@@ -517,7 +541,9 @@ class CompletionStream:
         if part != "final":
             return []
         self.finished = True
-        out = [self._chunk("", finish_reason=finish_reason(chunk.final), index=chunk.index)]
+        end = self._chunk("", finish_reason=finish_reason(chunk.final), index=chunk.index)
+        end["timings"] = timings(chunk.final)
+        out = [end]
         if self._include_usage:
             last = self._envelope([])
             last["usage"] = usage(chunk.final)
@@ -590,6 +616,7 @@ class Answer:
                 }
             ],
             "usage": usage(final),
+            "timings": timings(final),
         }
 
     def completion(
@@ -620,6 +647,7 @@ class Answer:
                 }
             ],
             "usage": usage(final),
+            "timings": timings(final),
         }
 
 

@@ -152,6 +152,25 @@ class Usage(TypedDict):
     prompt_tokens_details: PromptTokensDetails
 
 
+class Timings(TypedDict):
+    """llama.cpp server's `timings` extension, which tools built on it read (OpenAI's
+    clients keep unknown fields). `prompt_n` counts the prompt tokens computed, those
+    reused from the cache are `cache_n`; `predicted_*` cover decoding after the first
+    token. `draft_n`/`draft_n_accepted` only when tokens were drafted (speculation)."""
+
+    cache_n: int
+    prompt_n: int
+    prompt_ms: float
+    prompt_per_token_ms: float
+    prompt_per_second: float
+    predicted_n: int
+    predicted_ms: float
+    predicted_per_token_ms: float
+    predicted_per_second: float
+    draft_n: NotRequired[int]
+    draft_n_accepted: NotRequired[int]
+
+
 class ChatDelta(TypedDict, total=False):
     role: Literal["assistant"]
     content: str
@@ -191,6 +210,8 @@ class ChatCompletionChunk(TypedDict):
     choices: list[ChatChunkChoice]
     # Present (null until the last chunk) only when stream_options.include_usage is set.
     usage: NotRequired[Usage | None]
+    # On the chunk that carries the finish reason.
+    timings: NotRequired[Timings]
 
 
 class AssistantMessage(TypedDict):
@@ -213,6 +234,7 @@ class ChatCompletion(TypedDict):
     system_fingerprint: str
     choices: list[ChatChoice]
     usage: Usage
+    timings: Timings
 
 
 class CompletionLogprobs(TypedDict):
@@ -242,6 +264,8 @@ class Completion(TypedDict):
     system_fingerprint: str
     choices: list[CompletionChoice]
     usage: NotRequired[Usage | None]
+    # Always in a non-streaming body; streamed, on the chunk with the finish reason.
+    timings: NotRequired[Timings]
 
 
 class Embedding(TypedDict):
