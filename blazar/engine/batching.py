@@ -145,14 +145,21 @@ class Piece:
         return 1 if self.logits is Logits.LAST else 0
 
 
-def plan_step(wants: Sequence[Want], *, max_tokens: int, max_outputs: int) -> list[Piece]:
+def plan_step(
+    wants: Sequence[Want],
+    *,
+    max_tokens: int,
+    max_outputs: int,
+    prefill_beside_decode: int | None = None,
+) -> list[Piece]:
     """Pack one batch: decode tokens first, then prefill chunks in `wants` order.
 
     `max_tokens` bounds the entries (n_batch), `max_outputs` the entries with logits
     (the context's output rows; exceeding it aborts llama.cpp). A prompt's final chunk
     needs one output for its last token; when none is left the chunk stops one short.
     Decoding sequences never wait behind a prefill: a long prompt costs the others at
-    most one chunk per step.
+    most one chunk per step, and `prefill_beside_decode` (if given) caps the prompt
+    tokens of a step that also decodes, so that chunk is short while others stream.
 
     Pieces are chosen in that order but returned in sequence (slot) order: with one
     KV stream per sequence, llama.cpp runs a batch whose sequences are out of order
@@ -166,6 +173,8 @@ def plan_step(wants: Sequence[Want], *, max_tokens: int, max_outputs: int) -> li
             pieces.append(Piece(w.slot, w.decode, Logits.ALL, decode=True))
             tokens -= w.decode
             outputs -= w.decode
+    if pieces and prefill_beside_decode is not None:
+        tokens = min(tokens, prefill_beside_decode)
     for w in wants:
         if w.prefill <= 0 or tokens <= 0:
             continue

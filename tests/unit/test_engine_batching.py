@@ -244,6 +244,15 @@ def test_plan_step(
     assert sum(p.outputs for p in pieces) <= max_outputs
 
 
+def test_prefill_beside_decode_caps_the_prompt_chunk_only_while_others_decode() -> None:
+    wants = [Want(0, decode=1), Want(1, prefill=1000), Want(2, prefill=30)]
+    pieces = batching.plan_step(wants, max_tokens=512, max_outputs=64, prefill_beside_decode=96)
+    assert pieces == [piece(0, 1, Logits.ALL, decode=True), piece(1, 96, Logits.NONE)]
+    # Alone, a prompt takes the whole batch.
+    alone = batching.plan_step(wants[1:], max_tokens=512, max_outputs=64, prefill_beside_decode=96)
+    assert alone == [piece(1, 512, Logits.NONE)]
+
+
 @pytest.mark.parametrize(
     ("piece_", "outputs"),
     [
