@@ -85,6 +85,7 @@ async def run(options: Options) -> None:
             PolicyReconciler(kind=Kind.SLO_POLICY, store=store, clock=_now),
             PolicyReconciler(kind=Kind.SPEC_PAIR, store=store, clock=_now),
         ],
+        leftovers=lambda: [(Kind.LANE, lane) for lane in supervisor.kv_lanes()],
     )
     plane = await dataplane_server.start(store=store, address=options.grpc)
     grpc_host, _ = split_address(options.grpc)

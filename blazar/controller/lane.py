@@ -122,7 +122,8 @@ class LaneReconciler:
         lane = self._store.get(Kind.LANE, name)
         if lane is None:
             await self._stop_all(name)
-            await self._discard_kv(name, keep=0)
+            # After the stops: each replica saves its caches as it stops gracefully.
+            await self._discard_kv(name)
             return Result()
         assert isinstance(lane, Lane)
         model = self._store.get(Kind.MODEL, lane.spec.model)
@@ -145,8 +146,6 @@ class LaneReconciler:
         )
         for action in plan.actions:
             await self._act(name, action)
-        # After the stops above: a replica saves its caches as it stops gracefully.
-        await self._discard_kv(name, keep=lane.spec.replicas)
         observed = self._processes.observe(name)
         status = lane_plan.lane_status(
             previous=lane.status,
@@ -198,10 +197,11 @@ class LaneReconciler:
         for obs in self._processes.observe(name):
             await self._act(name, lane_plan.Stop(obs.index, "LaneDeleted"))
 
-    async def _discard_kv(self, name: str, *, keep: int) -> None:
-        """Remove the KV caches of replicas that are gone for good (scaled down, or the
-        Lane deleted), so that no later replica or Lane of that name restores them."""
-        for index in await self._processes.discard_kv(name, keep=keep):
+    async def _discard_kv(self, name: str) -> None:
+        """Remove the KV caches of a deleted Lane, so that no later Lane of that name
+        restores them. A scale-down keeps them, as a StatefulSet keeps its volumes:
+        `replicas: 0` pauses a Lane, and scaling back up finds the caches."""
+        for index in await self._processes.discard_kv(name):
             log.info("replica.kv_removed", lane=name, index=index)
             self._event(
                 name, "Normal", "KVCacheRemoved", f"Removed the saved KV cache of replica {index}."

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import structlog
 
@@ -54,9 +54,18 @@ def _drafts_from(store: Store, lane: Lane, model: str) -> bool:
 
 class Manager:
     def __init__(
-        self, *, store: Store, reconcilers: Iterable[Reconciler], workers: int = 4
+        self,
+        *,
+        store: Store,
+        reconcilers: Iterable[Reconciler],
+        workers: int = 4,
+        leftovers: Callable[[], Iterable[Key]] = tuple,
     ) -> None:
+        """`leftovers` names objects that are no longer stored but may have left
+        something behind (a deleted Lane's KV caches): reconciled at start too, so a
+        delete that the daemon did not finish before it stopped is finished then."""
         self._store = store
+        self._leftovers = leftovers
         self._reconcilers = {r.kind: r for r in reconcilers}
         self._workers = workers
         self.queue: WorkQueue[Key] = WorkQueue()
@@ -85,6 +94,8 @@ class Manager:
         # restarted daemon brings its Lanes back without anything being re-applied.
         for obj in self._store.list():
             self._enqueue_now(Kind(obj.kind), obj.metadata.name)
+        for kind, name in self._leftovers():
+            self._enqueue_now(kind, name)
         self._tasks = [asyncio.create_task(self._work(i)) for i in range(self._workers)]
 
     async def stop(self) -> None:

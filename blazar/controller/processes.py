@@ -44,8 +44,12 @@ class Processes(Protocol):
         """Drain, SIGTERM, wait for the grace period, SIGKILL the group; then forget it."""
         ...
 
-    async def discard_kv(self, lane: str, *, keep: int) -> list[int]:
-        """Remove the KV caches saved for lane's replicas numbered `keep` and up, and
-        return those numbers. A replica still held (running or failed) keeps its own;
-        with keep=0 and none held, the lane's directory goes too."""
+    async def discard_kv(self, lane: str) -> list[int]:
+        """Remove the KV caches saved for a lane's replicas and return their numbers;
+        a replica still held (running or failed) keeps its own, and the lane's
+        directory goes once it is empty."""
+        ...
+
+    def kv_lanes(self) -> list[str]:
+        """Lanes with KV caches saved here, held or not."""
         ...

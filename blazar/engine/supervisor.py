@@ -15,8 +15,8 @@ Failed at once, as if it had crashed. A chat template longer than
 `INLINE_ARG_MAX_BYTES` reaches the worker in a file in the run directory, since one
 command-line argument is limited to 128 KiB. A KV cache directory that cannot be
 created only costs that optimisation: the replica starts cold and `start()` returns a
-warning. `discard_kv()` removes the caches of replicas gone for good (scaled down, or
-their Lane deleted), never those of a replica still held here.
+warning. `discard_kv()` removes a deleted Lane's caches, never those of a replica
+still held here.
 """
 
 from __future__ import annotations
@@ -187,7 +187,13 @@ class Supervisor:
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
 
-    async def discard_kv(self, lane: str, *, keep: int) -> list[int]:
+    def kv_lanes(self) -> list[str]:
+        try:
+            return sorted(p.name for p in (self.home / "kv").iterdir() if p.is_dir())
+        except FileNotFoundError:
+            return []
+
+    async def discard_kv(self, lane: str) -> list[int]:
         lane_dir = self._kv_lane_dir(lane)
         try:
             found = [int(p.name) for p in lane_dir.iterdir() if p.name.isdecimal()]
@@ -198,7 +204,7 @@ class Supervisor:
             return []
         # A replica held here may run, and a failed one restarts from its caches; both
         # save into the directory on a graceful stop, so theirs is never removed.
-        gone = sorted(i for i in found if i >= keep and (lane, i) not in self._replicas)
+        gone = sorted(i for i in found if (lane, i) not in self._replicas)
         removed = []
         for index in gone:
             try:
@@ -207,7 +213,7 @@ class Supervisor:
                 log.warning("replica.kv_discard_failed", lane=lane, index=index, error=str(exc))
             else:
                 removed.append(index)
-        if keep == 0 and lane not in self.lanes():
+        if lane not in self.lanes():
             with contextlib.suppress(OSError):
                 lane_dir.rmdir()  # only if nothing else is left in it
         return removed

@@ -58,8 +58,11 @@ class FakeProcesses:
     async def stop(self, lane: str, index: int) -> None:
         self.replicas.pop((lane, index), None)
 
-    async def discard_kv(self, lane: str, *, keep: int) -> list[int]:
+    async def discard_kv(self, lane: str) -> list[int]:
         return []  # no caches here: the supervisor's tests cover them
+
+    def kv_lanes(self) -> list[str]:
+        return []
 
     def set_state(self, lane: str, index: int, state: ReplicaState) -> None:
         obs = self.replicas[(lane, index)]

@@ -179,28 +179,63 @@ def kv_dirs(tmp_path: Path) -> list[str]:
     return sorted(str(p.relative_to(lane_dir)) for p in lane_dir.rglob("*"))
 
 
-def test_scaling_down_removes_the_kv_caches_of_the_replicas_gone(tmp_path: Path) -> None:
-    async def run() -> tuple[list[str], list[str]]:
-        async with lane(tmp_path, manifest(persist=True, replicas=3)) as f:
+def test_scaling_down_keeps_the_kv_caches(tmp_path: Path) -> None:
+    """As a StatefulSet keeps its volumes: `replicas: 0` pauses a Lane, and scaling back
+    up must find what each replica saved as it stopped."""
+
+    def scale(f: Fixture, replicas: int) -> None:
+        f.store.apply_all(
+            manifests.validate_objects(
+                manifests.parse_documents(manifest(persist=True, replicas=replicas), source="test"),
+                exists=lambda k, n: True,
+            )
+        )
+
+    async def run() -> list[str]:
+        async with lane(tmp_path, manifest(persist=True, replicas=2)) as f:
             for obs in f.supervisor.observe("l"):
                 assert obs.pid is not None
                 f.argv(obs.pid)  # running, its signal handler in place
-            before = kv_dirs(tmp_path)
-            f.store.apply_all(
-                manifests.validate_objects(
-                    manifests.parse_documents(manifest(persist=True), source="test"),
-                    exists=lambda k, n: True,
-                )
-            )
+            scale(f, 0)
             await f.reconciler.reconcile("l")
-            assert [o.index for o in f.supervisor.observe("l")] == [0]
-            return before, kv_dirs(tmp_path)
+            assert f.supervisor.observe("l") == []
+            return kv_dirs(tmp_path)
 
-    before, after = asyncio.run(run())
-    assert before == ["0", "1", "2"]
-    # Replica 0 still runs and keeps its directory; it saved on the final stop_all.
-    assert after == ["0"]
-    assert kv_dirs(tmp_path) == ["0", "0/slot-0.kv"]
+    assert asyncio.run(run()) == ["0", "0/slot-0.kv", "1", "1/slot-0.kv"]
+
+
+def test_a_delete_left_unfinished_is_finished_at_the_next_start(tmp_path: Path) -> None:
+    """The daemon stopped right after `blazar delete lane old`: no stored object names
+    "old" any more, yet its saved caches must go before a new Lane "old" restores them."""
+    from blazar.controller import manager
+
+    stray = tmp_path / "home" / "kv" / "old" / "0"
+    stray.mkdir(parents=True)
+    (stray / "slot-0.kv").write_text("saved")
+    clock = Clock(datetime.now(UTC))
+    store = MemoryStore(clock=clock)
+    sup = supervisor.Supervisor(
+        home=tmp_path / "home", on_change=lambda _: None, python=str(fake_worker(tmp_path))
+    )
+
+    async def run() -> None:
+        mgr = manager.Manager(
+            store=store,
+            reconcilers=[LaneReconciler(store=store, processes=sup, clock=clock)],
+            leftovers=lambda: [(Kind.LANE, name) for name in sup.kv_lanes()],
+        )
+        await mgr.start()
+        try:
+            for _ in range(500):
+                if not stray.parent.exists():
+                    break
+                await asyncio.sleep(0.01)
+        finally:
+            await mgr.stop()
+
+    asyncio.run(run())
+    assert sup.kv_lanes() == []
+    assert (tmp_path / "home" / "kv").is_dir()
 
 
 def test_deleting_a_lane_removes_its_kv_caches_after_its_replicas_saved(
@@ -238,7 +273,7 @@ def test_kv_caches_of_a_running_replica_are_never_removed(tmp_path: Path) -> Non
     async def run() -> tuple[list[int], list[str]]:
         try:
             await sup.start("l", 1, launch)
-            removed = await sup.discard_kv("l", keep=0)  # as if the lane were gone
+            removed = await sup.discard_kv("l")  # as if the lane were gone
             return removed, kv_dirs(tmp_path)
         finally:
             await sup.stop_all(grace=1.0)
