@@ -79,6 +79,8 @@ class Generation:
     last_token: float = 0.0
     drafted: int = 0
     accepted: int = 0
+    # The kind of speculation that drafted for it ("" until a draft was verified).
+    speculation: str = ""
 
     @property
     def prefilling(self) -> bool:
@@ -563,6 +565,7 @@ class DecodeLoop:
             gen.drafted += outcome.drafted
             gen.accepted += outcome.accepted
             assert self._spec is not None
+            gen.speculation = self._spec.kind
             self._spec.policy.record(slot.index, drafted=outcome.drafted, accepted=outcome.accepted)
         if end is not None:
             self._finish(runtime, slot, end.reason, flush=end.flush)
@@ -648,7 +651,7 @@ class DecodeLoop:
             ttft_ms=(first - job.arrived) * ms if gen.first_token else 0.0,
             decode_ms=((gen.last_token or first) - first) * ms,
             prompt_logprobs=tuple(gen.prompt_scores),
-            speculation=self._spec.kind if self._spec is not None and gen.drafted else "",
+            speculation=gen.speculation,
             drafted_tokens=gen.drafted,
             accepted_tokens=gen.accepted,
         )

@@ -287,6 +287,10 @@ def test_a_failing_drafter_turns_speculation_off_and_requests_go_on(
         decode.submit(second)
         assert second_events.ended.wait(10)
     assert drafter.calls == 3
+    # It drafted before the drafter failed: its final says so (Routing.speculation).
+    assert isinstance(first_events.last, jobs.Finished)
+    assert first_events.last.drafted_tokens > 0
+    assert first_events.last.speculation == "fake"
     for events, expected in ((first_events, 24), (second_events, 6)):
         assert isinstance(events.last, jobs.Finished), events.last
         assert events.last.reason is jobs.FinishReason.LENGTH
