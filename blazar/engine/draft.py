@@ -26,6 +26,9 @@ class DraftOptions:
     threads: int
     gpu_layers: int = 0
     n_batch: int = 512
+    # Tokens one `propose` may decode to catch sequences up (None: n_batch). Drafting
+    # sequences decode, so the loop passes its cap on prompt tokens beside decoding.
+    catch_up_tokens: int | None = None
 
 
 class LlamaDraftRunner:
@@ -37,7 +40,7 @@ class LlamaDraftRunner:
     (rejected drafts of the last step, or a reused slot), decodes what is missing,
     then drafts: so the loop never tells it what was accepted.
 
-    Catching up costs at most one chunk (n_batch tokens, all sequences together) per
+    Catching up costs at most one chunk (`catch_up_tokens`, all sequences together) per
     `propose`, so a draft model keeps the loop's chunked-prefill promise: a fresh long
     prompt, prefilled into the target chunk by chunk, is not then prefilled into the
     draft in one go while every other stream waits. What does not fit is carried over:
@@ -52,7 +55,7 @@ class LlamaDraftRunner:
     slots need anyway), and it would prefill sequences the policy never lets draft.
     Bounding the work here keeps the `DraftModel` contract as it is and costs each
     step at most one draft chunk either way; the price is that a long prompt starts
-    drafting a few steps (its length / n_batch) after its first token.
+    drafting a few steps (its length / chunk) after its first token.
     """
 
     def __init__(self, model: Any, ctx: Any, options: DraftOptions) -> None:
@@ -135,12 +138,12 @@ class LlamaDraftRunner:
         del cached[keep:]
 
     def _catch_up(self, lacking: Sequence[tuple[int, Sequence[int]]]) -> dict[int, int]:
-        """Decode up to n_batch missing tokens in one batch, shortest lack first; the
+        """Decode up to one chunk of missing tokens in one batch, shortest lack first; the
         first draft token of each sequence whose last token was among them."""
         entries: list[tuple[int, int, int, bool]] = []
         fed: list[tuple[int, Sequence[int]]] = []
         last: dict[int, int] = {}  # seq -> its row holding the sequence's last token
-        room = self.options.n_batch
+        room = min(self.options.catch_up_tokens or self.options.n_batch, self.options.n_batch)
         for seq, tokens in sorted(lacking, key=lambda r: len(r[1]) - len(self._cached[r[0]])):
             start = len(self._cached[seq])
             end = min(len(tokens), start + room)

@@ -150,7 +150,13 @@ class _Speculator:
     runner: draft.LlamaDraftRunner | None = None
 
     @classmethod
-    def load(cls, launch: replicas.SpeculationLaunch, runtime: llama.Runtime) -> _Speculator:
+    def load(
+        cls,
+        launch: replicas.SpeculationLaunch,
+        runtime: llama.Runtime,
+        *,
+        catch_up_tokens: int | None = None,
+    ) -> _Speculator:
         policy = speculation.SpeculationPolicy.from_launch(launch)
         ngram = speculation.drafter_for(launch)
         if ngram is not None:
@@ -165,6 +171,7 @@ class _Speculator:
                 context_per_slot=runtime.context_per_slot,
                 threads=options.threads,
                 gpu_layers=options.gpu_layers,
+                catch_up_tokens=catch_up_tokens,
             )
         )
         if runner.n_vocab != runtime.n_vocab:
@@ -276,7 +283,11 @@ class DecodeLoop:
             return
         if self.options.speculation is not None:
             try:
-                self._spec = _Speculator.load(self.options.speculation, runtime)
+                self._spec = _Speculator.load(
+                    self.options.speculation,
+                    runtime,
+                    catch_up_tokens=self.options.prefill_beside_decode,
+                )
             except BaseException as exc:
                 runtime.close()
                 self._on_loaded(exc)

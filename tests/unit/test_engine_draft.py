@@ -4,6 +4,7 @@ that refuses any position that does not follow what the sequence holds."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -181,3 +182,20 @@ def test_nothing_is_decoded_for_a_sequence_with_no_room_to_draft(
     assert runner.propose([DraftRequest(seq=0, tokens=prompt(20), max_tokens=0)]) == {}
     assert fake.decodes == []
     in_step(runner, fake)
+
+
+def test_the_catch_up_chunk_follows_the_loops_cap(
+    monkeypatch: pytest.MonkeyPatch, runner: draft.LlamaDraftRunner, fake: FakeLlama
+) -> None:
+    """Drafting sequences decode, so their catch-up is a prompt chunk beside decoding:
+    no larger than the loop allows one (`catch_up_tokens`), below n_batch."""
+    monkeypatch.setattr(runner, "options", dataclasses.replace(runner.options, catch_up_tokens=3))
+    tokens = prompt(10)
+    for _ in range(3):
+        assert runner.propose([DraftRequest(seq=0, tokens=tokens, max_tokens=2)]) == {}
+        assert [len(d) for d in fake.decodes] == [3]
+        fake.decodes.clear()
+        in_step(runner, fake)
+    assert runner.propose([DraftRequest(seq=0, tokens=tokens, max_tokens=2)]) == {
+        0: greedy(tokens, 2)
+    }

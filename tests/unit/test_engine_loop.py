@@ -123,7 +123,9 @@ def running(
         )
         policy = speculation.SpeculationPolicy.from_launch(launch)
         monkeypatch.setattr(
-            loop._Speculator, "load", lambda _launch, _rt: loop._Speculator("fake", policy, drafter)
+            loop._Speculator,
+            "load",
+            lambda _launch, _rt, **_: loop._Speculator("fake", policy, drafter),
         )
     loaded = threading.Event()
     decode = loop.DecodeLoop(
