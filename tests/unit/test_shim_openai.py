@@ -596,9 +596,9 @@ def test_timings_in_llama_cpp_server_shape() -> None:
     """The figures tools written for llama.cpp's server read: prompt tokens computed
     (not those from the cache), rates, and the speculation counts when drafted."""
     done = inference_pb2.Final(
-        usage=inference_pb2.Usage(prompt_tokens=120, completion_tokens=41, cached_tokens=100),
+        usage=inference_pb2.Usage(prompt_tokens=120, completion_tokens=40, cached_tokens=100),
         timings=inference_pb2.Timings(
-            prefill_ms=50.0, decode_ms=800.0, decode_tokens_per_second=50.0
+            prefill_ms=50.0, decode_ms=800.0, decode_tokens_per_second=48.75
         ),
         routing=inference_pb2.Routing(drafted_tokens=30, accepted_tokens=21),
     )
@@ -608,7 +608,7 @@ def test_timings_in_llama_cpp_server_shape() -> None:
         "prompt_ms": 50.0,
         "prompt_per_token_ms": 2.5,
         "prompt_per_second": 400.0,
-        "predicted_n": 41,
+        "predicted_n": 40,
         "predicted_ms": 800.0,
         "predicted_per_token_ms": 20.0,
         "predicted_per_second": 50.0,

@@ -338,17 +338,20 @@ def timings(final: inference_pb2.Final) -> protocol.Timings:
     """The request's figures in llama.cpp server's `timings` shape."""
     computed = final.usage.prompt_tokens - final.usage.cached_tokens
     prefill_ms = final.timings.prefill_ms
-    rate = final.timings.decode_tokens_per_second
+    predicted = final.usage.completion_tokens
+    decode_ms = final.timings.decode_ms
+    # As llama.cpp relates them: rate = n / ms, whatever the ms span (here first to
+    # last token), so tools that recompute one from the others agree.
     out: protocol.Timings = {
         "cache_n": final.usage.cached_tokens,
         "prompt_n": computed,
         "prompt_ms": prefill_ms,
         "prompt_per_token_ms": prefill_ms / computed if computed > 0 else 0.0,
         "prompt_per_second": computed * 1000.0 / prefill_ms if prefill_ms > 0 else 0.0,
-        "predicted_n": final.usage.completion_tokens,
-        "predicted_ms": final.timings.decode_ms,
-        "predicted_per_token_ms": 1000.0 / rate if rate > 0 else 0.0,
-        "predicted_per_second": rate,
+        "predicted_n": predicted,
+        "predicted_ms": decode_ms,
+        "predicted_per_token_ms": decode_ms / predicted if predicted > 0 else 0.0,
+        "predicted_per_second": predicted * 1000.0 / decode_ms if decode_ms > 0 else 0.0,
     }
     if final.routing.drafted_tokens:
         out["draft_n"] = final.routing.drafted_tokens

@@ -155,8 +155,9 @@ class Usage(TypedDict):
 class Timings(TypedDict):
     """llama.cpp server's `timings` extension, which tools built on it read (OpenAI's
     clients keep unknown fields). `prompt_n` counts the prompt tokens computed, those
-    reused from the cache are `cache_n`; `predicted_*` cover decoding after the first
-    token. `draft_n`/`draft_n_accepted` only when tokens were drafted (speculation)."""
+    reused from the cache are `cache_n`; `predicted_ms` spans the first to the last
+    token, and the rates divide `predicted_n` by it, as llama.cpp's do.
+    `draft_n`/`draft_n_accepted` only when tokens were drafted (speculation)."""
 
     cache_n: int
     prompt_n: int
