@@ -204,9 +204,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.func is cmd_serve:
+        # The daemon: a broken pipe there is a socket's, not its reader going away.
+        return _run(args)
     try:
         try:
-            return _main(argv)
+            return _run(args)
         finally:
             # Here, not at interpreter exit: output that fits the buffer is written
             # only then, and a closed pipe would surface as an unhandled error.
@@ -226,8 +230,7 @@ def _stdout_closed() -> int:
     return 128 + signal.SIGPIPE
 
 
-def _main(argv: Sequence[str] | None) -> int:
-    args = build_parser().parse_args(argv)
+def _run(args: argparse.Namespace) -> int:
     try:
         return int(args.func(args))
     except errors.BlazarError as err:
