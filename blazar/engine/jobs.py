@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 
+from blazar.api import errors
 from blazar.engine import logprobs, sampling
 
 
@@ -60,6 +61,14 @@ class Finished:
 @dataclass(frozen=True)
 class Failed:
     message: str
+    # The request asked for something that cannot be done (not the engine's fault):
+    # the caller gets INVALID_ARGUMENT, with the field at fault in `metadata`.
+    invalid_request: bool = False
+    metadata: tuple[tuple[str, str], ...] = ()
+
+    @classmethod
+    def invalid(cls, err: errors.InvalidRequest) -> Failed:
+        return cls(err.message, invalid_request=True, metadata=tuple(err.metadata.items()))
 
 
 Event = TextDelta | Finished | Failed

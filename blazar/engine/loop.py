@@ -35,7 +35,7 @@ from typing import Any
 
 import structlog
 
-from blazar.api import replicas
+from blazar.api import errors, replicas
 from blazar.engine import (
     batching,
     draft,
@@ -472,10 +472,15 @@ class DecodeLoop:
                     self._after_decode(runtime, slot, first, piece.tokens)
                 else:
                     self._after_prefill(runtime, slot, first, piece)
+            except errors.InvalidRequest as exc:
+                # A contradiction in the request itself that showed only now.
+                log.info("request_invalid", request_id=gen.job.request_id, error=exc.message)
+                if slot.gen is gen:
+                    self._fail(runtime, slot, jobs.Failed.invalid(exc))
             except Exception as exc:
                 log.exception("sampling_failed", request_id=gen.job.request_id)
                 if slot.gen is gen:
-                    self._fail(runtime, slot, f"sampling failed: {exc}")
+                    self._fail(runtime, slot, jobs.Failed(f"sampling failed: {exc}"))
 
     def _after_prefill(
         self, runtime: llama.Runtime, slot: Slot, first: int, piece: batching.Piece
@@ -672,11 +677,11 @@ class DecodeLoop:
             job.deliver(jobs.TextDelta(tail, untold, scores))
         job.deliver(finished)
 
-    def _fail(self, runtime: llama.Runtime, slot: Slot, message: str) -> None:
+    def _fail(self, runtime: llama.Runtime, slot: Slot, failure: str | jobs.Failed) -> None:
         assert slot.gen is not None
         job = slot.gen.job
         self._release(runtime, slot, keep_cache=False)
-        job.deliver(jobs.Failed(message))
+        job.deliver(jobs.Failed(failure) if isinstance(failure, str) else failure)
 
     def _release(self, runtime: llama.Runtime, slot: Slot, *, keep_cache: bool) -> None:
         assert slot.gen is not None

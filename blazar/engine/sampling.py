@@ -315,8 +315,10 @@ class Sampler:
             # bans them all); it then picks one the grammar rejected, and accepting
             # that aborts the whole process inside llama.cpp.
             if not self._allows(token):
-                raise RuntimeError(
-                    "no token the grammar allows is left after the logit bias and sampling settings"
+                raise errors.InvalidRequest(
+                    "The logit bias bans every token the grammar (or JSON schema) allows "
+                    "next, so no output can satisfy both.",
+                    metadata={errors.FIELD_KEY: LOGIT_BIAS_FIELD},
                 )
         lc.llama_sampler_accept(self._grammar, token)
         lc.llama_sampler_accept(self.chain, token)

@@ -200,7 +200,12 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                     )
                     yield inference_pb2.Chunk(final=final)
                 else:
-                    await status.abort(context, errors.BlazarError(event.message))
+                    failure = (
+                        errors.InvalidRequest(event.message, metadata=dict(event.metadata))
+                        if event.invalid_request
+                        else errors.BlazarError(event.message)
+                    )
+                    await status.abort(context, failure)
         finally:
             job.cancel()  # no-op when finished; frees the slot when the caller left
             self._inflight.discard(job)

@@ -15,6 +15,8 @@ import pytest
 
 from blazar._proto.engine.v1 import engine_pb2
 from blazar._proto.v1 import inference_pb2
+from blazar.api import errors
+from blazar.rpc import status
 from tests.integration.engine_harness import Worker, greedy, rpc_error
 
 pytestmark = pytest.mark.slow
@@ -235,8 +237,10 @@ def test_a_grammar_the_logit_bias_leaves_no_token_for_fails_only_that_request(
             constraint=inference_pb2.Constraint(grammar='root ::= "a"'),
         )
     )
-    assert err.code() == grpc.StatusCode.INTERNAL, err
+    # The request's own contradiction: INVALID_ARGUMENT, blaming the logit bias.
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err
     assert "grammar" in (err.details() or "")
+    assert status.from_rpc_error(err).metadata.get(errors.FIELD_KEY) == "sampling.logit_bias"
     assert worker.text(prompt="Hello", sampling=greedy(2))
     health = worker.health()
     assert health is not None and health.state == engine_pb2.ENGINE_STATE_READY

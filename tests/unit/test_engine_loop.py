@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from blazar.api import replicas
+from blazar.api import errors, replicas
 from blazar.engine import jobs, llama, loop, sampling, speculation
 
 EOS = 0
@@ -302,3 +302,23 @@ def test_a_failing_drafter_turns_speculation_off_and_requests_go_on(
     while len(expected) <= 24:
         expected.append(cycle(expected))
     assert text.split() == [f"w{t}" for t in expected[1:]]
+
+
+def contradictory(tokens: Sequence[int]) -> int:
+    """`cycle`, except that a request whose prompt starts with POISON turns out to ask
+    the impossible (as a grammar its logit bias leaves no token for does)."""
+    if tokens[0] == POISON:
+        raise errors.InvalidRequest("no token is left", metadata={errors.FIELD_KEY: "x"})
+    return cycle(tokens)
+
+
+def test_a_request_found_impossible_while_sampling_fails_as_invalid(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    with running(monkeypatch, slots=1, model=contradictory) as (decode, _runtime):
+        bad, bad_events = job([POISON, 2, 3], max_tokens=6, name="bad")
+        decode.submit(bad)
+        assert bad_events.ended.wait(10)
+    assert bad_events.last == jobs.Failed(
+        "no token is left", invalid_request=True, metadata=((errors.FIELD_KEY, "x"),)
+    )
