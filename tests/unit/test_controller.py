@@ -105,15 +105,20 @@ def cond(store: MemoryStore, type_: str) -> tuple[str, str]:
     return c.status.value, c.reason
 
 
+def lane_world() -> tuple[Clock, MemoryStore, FakeProcesses, LaneReconciler]:
+    """A clock, an in-memory store, fake processes and the Lane reconciler over them."""
+    clock = Clock()
+    store = MemoryStore(clock=clock)
+    procs = FakeProcesses(clock)
+    return clock, store, procs, LaneReconciler(store=store, processes=procs, clock=clock)
+
+
 def reasons(store: MemoryStore) -> list[str]:
     return [e.reason for e in store.events(kind="Lane", name="l")]
 
 
 def test_lane_lifecycle_start_ready_crash_restart_delete() -> None:
-    clock = Clock()
-    store = MemoryStore(clock=clock)
-    procs = FakeProcesses(clock)
-    rec = LaneReconciler(store=store, processes=procs, clock=clock)
+    clock, store, procs, rec = lane_world()
     ready_model(store, clock)
     apply(store, LANE)
 
@@ -155,10 +160,7 @@ def test_lane_lifecycle_start_ready_crash_restart_delete() -> None:
 
 
 def test_lane_waits_for_its_model() -> None:
-    clock = Clock()
-    store = MemoryStore(clock=clock)
-    procs = FakeProcesses(clock)
-    rec = LaneReconciler(store=store, processes=procs, clock=clock)
+    clock, store, procs, rec = lane_world()
     apply(store, MODEL)
     apply(store, LANE)
     asyncio.run(rec.reconcile("l"))
@@ -172,10 +174,7 @@ def test_lane_waits_for_its_model() -> None:
 def test_lane_waits_for_a_model_status_from_an_older_generation() -> None:
     # The Model was edited (here: while the daemon was down) and its controller has not
     # resolved the edit yet: its status still names the old file.
-    clock = Clock()
-    store = MemoryStore(clock=clock)
-    procs = FakeProcesses(clock)
-    rec = LaneReconciler(store=store, processes=procs, clock=clock)
+    clock, store, procs, rec = lane_world()
     ready_model(store, clock)
     apply(store, MODEL.replace("/models/m.gguf", "/models/new.gguf"))
     apply(store, LANE)
@@ -197,10 +196,7 @@ def test_lane_waits_for_a_model_status_from_an_older_generation() -> None:
 
 
 def test_running_lane_keeps_serving_until_an_edited_model_is_resolved() -> None:
-    clock = Clock()
-    store = MemoryStore(clock=clock)
-    procs = FakeProcesses(clock)
-    rec = LaneReconciler(store=store, processes=procs, clock=clock)
+    clock, store, procs, rec = lane_world()
     ready_model(store, clock)
     apply(store, LANE)
     asyncio.run(rec.reconcile("l"))
@@ -275,10 +271,7 @@ spec: {target: m, draft: {kind: model, model: d}}
 
 
 def test_lane_waits_for_a_draft_model_status_from_an_older_generation() -> None:
-    clock = Clock()
-    store = MemoryStore(clock=clock)
-    procs = FakeProcesses(clock)
-    rec = LaneReconciler(store=store, processes=procs, clock=clock)
+    clock, store, procs, rec = lane_world()
     ready_model(store, clock)
     apply(store, DRAFTED)
     helpers.mark_model_ready(store, "d", path="/models/d.gguf", now=clock.now)
@@ -325,10 +318,7 @@ async def until(predicate: Callable[[], bool], *, timeout: float = 10.0) -> None
 
 
 def test_spec_change_replaces_replicas() -> None:
-    clock = Clock()
-    store = MemoryStore(clock=clock)
-    procs = FakeProcesses(clock)
-    rec = LaneReconciler(store=store, processes=procs, clock=clock)
+    clock, store, procs, rec = lane_world()
     ready_model(store, clock)
     apply(store, LANE)
     asyncio.run(rec.reconcile("l"))

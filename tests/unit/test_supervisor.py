@@ -16,6 +16,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -105,6 +106,22 @@ def fake_worker(tmp_path: Path) -> Path:
     worker.write_text(FAKE_WORKER)
     worker.chmod(0o755)
     return worker
+
+
+def bare_supervisor(
+    tmp_path: Path, **launch: Any
+) -> tuple[supervisor.Supervisor, LaunchSpec, Path]:
+    """A supervisor of fake workers with no controller, a one-slot launch for it (with
+    `launch`'s fields), and the fake worker's path."""
+    worker = fake_worker(tmp_path)
+    sup = supervisor.Supervisor(
+        home=tmp_path / "home", on_change=lambda _: None, python=str(worker)
+    )
+    spec = LaunchSpec(
+        model_path="/models/m.gguf", slots=1, context_per_slot=512, threads=1, gpu_layers=0,
+        **launch,
+    )  # fmt: skip
+    return sup, spec, worker
 
 
 @asynccontextmanager
@@ -259,14 +276,7 @@ def test_deleting_a_lane_removes_its_kv_caches_after_its_replicas_saved(
 
 
 def test_kv_caches_of_a_running_replica_are_never_removed(tmp_path: Path) -> None:
-    worker = fake_worker(tmp_path)
-    sup = supervisor.Supervisor(
-        home=tmp_path / "home", on_change=lambda _: None, python=str(worker)
-    )
-    launch = LaunchSpec(
-        model_path="/models/m.gguf", slots=1, context_per_slot=512, threads=1, gpu_layers=0,
-        kv_persist=True,
-    )  # fmt: skip
+    sup, launch, _ = bare_supervisor(tmp_path, kv_persist=True)
     stray = tmp_path / "home" / "kv" / "l" / "7"  # no replica of that number
     stray.mkdir(parents=True)
 
@@ -301,14 +311,7 @@ def test_chat_template_reaches_the_worker_whatever_its_length(
     tmp_path: Path, template: str, inline: bool
 ) -> None:
     # Straight to the supervisor: how long a template a manifest may hold is not its concern.
-    worker = fake_worker(tmp_path)
-    sup = supervisor.Supervisor(
-        home=tmp_path / "home", on_change=lambda _: None, python=str(worker)
-    )
-    launch = LaunchSpec(
-        model_path="/models/m.gguf", slots=1, context_per_slot=512, threads=1, gpu_layers=0,
-        chat_template=template,
-    )  # fmt: skip
+    sup, launch, worker = bare_supervisor(tmp_path, chat_template=template)
 
     async def run() -> tuple[ReplicaObservation, list[str], str | None]:
         try:
