@@ -307,7 +307,7 @@ class DecodeLoop:
                 except Exception as exc:
                     log.exception("decode_step_failed")
                     for slot in self._active():
-                        self._fail(runtime, slot, f"decode failed: {exc}")
+                        self._fail(runtime, slot, jobs.Failed(f"decode failed: {exc}"))
         finally:
             for slot in self._active():
                 self._finish(runtime, slot, jobs.FinishReason.CANCELLED)
@@ -574,7 +574,7 @@ class DecodeLoop:
             if not runtime.truncate(slot.index, outcome.rollback_from):
                 # Cannot happen with a full-size KV cache; never decode on a stale one
                 # (failing clears the slot's cache).
-                self._fail(runtime, slot, "could not roll back a rejected draft")
+                self._fail(runtime, slot, jobs.Failed("could not roll back a rejected draft"))
                 return
             del slot.tokens[outcome.rollback_from :]
         if outcome.drafted:
@@ -677,11 +677,11 @@ class DecodeLoop:
             job.deliver(jobs.TextDelta(tail, untold, scores))
         job.deliver(finished)
 
-    def _fail(self, runtime: llama.Runtime, slot: Slot, failure: str | jobs.Failed) -> None:
+    def _fail(self, runtime: llama.Runtime, slot: Slot, failure: jobs.Failed) -> None:
         assert slot.gen is not None
         job = slot.gen.job
         self._release(runtime, slot, keep_cache=False)
-        job.deliver(jobs.Failed(failure) if isinstance(failure, str) else failure)
+        job.deliver(failure)
 
     def _release(self, runtime: llama.Runtime, slot: Slot, *, keep_cache: bool) -> None:
         assert slot.gen is not None
