@@ -322,6 +322,11 @@ class Model(CamelModel):
     spec: ModelSpec
     status: ModelStatus = Field(default_factory=ModelStatus)
 
+    @property
+    def status_current(self) -> bool:
+        """Whether the status was written for the current spec (its generation)."""
+        return self.status.observed_generation == (self.metadata.generation or 0)
+
 
 class Lane(CamelModel):
     """A served model: engine processes and how requests reach them."""

@@ -25,11 +25,6 @@ from blazar.store.base import Store
 log = structlog.get_logger(__name__)
 
 
-def model_status_current(model: Model) -> bool:
-    """Whether the Model's status was written for its current spec."""
-    return model.status.observed_generation == (model.metadata.generation or 0)
-
-
 def model_readiness(
     lane: Lane, model: Model | None, draft: Model | None = None
 ) -> lane_plan.ModelReadiness:
@@ -51,7 +46,7 @@ def model_readiness(
     # gone: an engine started from it would run the old file, or crash on a removed
     # one, and be replaced once the Model controller catches up.
     for role, m in (("Model", model), ("Draft model", draft)):
-        if m is not None and not model_status_current(m):
+        if m is not None and not m.status_current:
             return lane_plan.ModelReadiness(
                 False,
                 "ModelPending",
@@ -77,7 +72,7 @@ def speculation_launch(pair: SpecPair | None, draft: Model | None) -> Speculatio
     )
     if isinstance(spec.draft, NgramDraft):
         return dataclasses.replace(base, ngram_size=spec.draft.ngram_size)
-    if draft is None or not draft.status.path or not model_status_current(draft):
+    if draft is None or not draft.status.path or not draft.status_current:
         return None
     if not conditions.is_true(draft.status.conditions, "ModelReady"):
         return None

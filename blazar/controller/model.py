@@ -47,7 +47,7 @@ class ModelReconciler:
         if (
             status.path is None
             or status.mtime_ns is None
-            or status.observed_generation != (model.metadata.generation or 0)
+            or not model.status_current
             or not conditions.is_true(status.conditions, "ModelReady")
         ):
             return False
