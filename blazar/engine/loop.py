@@ -137,6 +137,8 @@ class SpeculationStats:
     drafted: int = 0
     accepted: int = 0
     disabled_requests: int = 0
+    # Why speculation stopped for good (the drafter failed); "" while it works.
+    failure: str = ""
 
 
 @dataclass
@@ -179,6 +181,16 @@ class _Speculator:
             raise ValueError("the draft model's vocabulary differs from the target's")
         return cls(launch.kind, policy, runner, runner)
 
+    def stats(self, *, failure: str = "") -> SpeculationStats:
+        totals = self.policy.totals
+        return SpeculationStats(
+            kind=self.kind,
+            drafted=totals.drafted,
+            accepted=totals.accepted,
+            disabled_requests=totals.disabled_requests,
+            failure=failure,
+        )
+
     def close(self) -> None:
         if self.runner is not None:
             self.runner.close()
@@ -210,6 +222,8 @@ class DecodeLoop:
         self._runtime: llama.Runtime | None = None
         self._identity: kvstore.Identity | None = None
         self._spec: _Speculator | None = None
+        # What Health reports once a failed drafter switched speculation off.
+        self._spec_failed: SpeculationStats | None = None
         self._clock = 0
         self._thread = threading.Thread(target=self._run, name="decode", daemon=True)
 
@@ -249,14 +263,8 @@ class DecodeLoop:
         """Counters so far (any thread: reads of ints the decode thread updates)."""
         spec = self._spec
         if spec is None:
-            return SpeculationStats()
-        totals = spec.policy.totals
-        return SpeculationStats(
-            kind=spec.kind,
-            drafted=totals.drafted,
-            accepted=totals.accepted,
-            disabled_requests=totals.disabled_requests,
-        )
+            return self._spec_failed or SpeculationStats()
+        return spec.stats()
 
     def start(self) -> None:
         self._thread.start()
@@ -533,11 +541,13 @@ class DecodeLoop:
             return
         try:
             proposed = spec.drafter.propose(requests)
-        except Exception:
+        except Exception as exc:
             # Drafting only saves time, and a drafter that failed half-way (a draft
             # model's decode) no longer knows what its cache holds: speculation is off
             # for the rest of this worker's life, and every request decodes plainly.
+            # Health says so (an operator sees a slower replica, not a quiet one).
             log.exception("drafting_failed", kind=spec.kind)
+            self._spec_failed = spec.stats(failure=f"the {spec.kind} drafter failed: {exc}")
             self._spec = None
             spec.close()
             return

@@ -3,7 +3,8 @@
 The supervisor knows which replicas are ready and where their sockets are; every
 `interval` seconds the monitor asks each of them for its Health and publishes what
 an operator needs to see a lane's state without a debugger: slots busy and free,
-tokens held in the KV cache, the KV cache's size and the worker's resident memory.
+tokens held in the KV cache, the KV cache's size, the worker's resident memory, and
+whether its speculation still works (a failed drafter leaves a slower replica).
 A replica that stops being ready, or does not answer in time, loses its series
 rather than keeping a stale value.
 """
@@ -40,6 +41,12 @@ CACHED_TOKENS = Gauge(
 KV_BYTES = Gauge(
     "blazar_engine_kv_bytes", "KV cache allocated by a ready replica.", ["lane", "replica"]
 )
+SPECULATION_FAILED = Gauge(
+    "blazar_engine_speculation_failed",
+    "1 when a ready replica's drafter failed and it decodes without speculation from "
+    "then on, 0 while speculation works; only replicas with a SpecPair.",
+    ["lane", "replica"],
+)
 MEMORY_BYTES = Gauge(
     "blazar_engine_memory_bytes",
     "Resident memory of a ready replica's worker process.",
@@ -58,6 +65,8 @@ class Sample:
     cached_tokens: int
     kv_bytes: int
     memory_bytes: int
+    # None: the replica has no SpecPair.
+    speculation_failed: bool | None = None
 
     @classmethod
     def of(cls, lane: str, replica: int, health: engine_pb2.HealthResponse) -> Sample:
@@ -70,6 +79,9 @@ class Sample:
             cached_tokens=sum(s.cached_tokens for s in health.slots),
             kv_bytes=health.kv_bytes,
             memory_bytes=health.memory_bytes,
+            speculation_failed=(
+                bool(health.speculation.failure) if health.speculation.kind else None
+            ),
         )
 
 
@@ -89,12 +101,17 @@ class Publisher:
             CACHED_TOKENS.labels(*labels).set(s.cached_tokens)
             KV_BYTES.labels(*labels).set(s.kv_bytes)
             MEMORY_BYTES.labels(*labels).set(s.memory_bytes)
+            if s.speculation_failed is None:
+                with contextlib.suppress(KeyError):
+                    SPECULATION_FAILED.remove(*labels)
+            else:
+                SPECULATION_FAILED.labels(*labels).set(int(s.speculation_failed))
             shown.add(labels)
         for labels in self._shown - shown:
             for state in ("busy", "free"):
                 with contextlib.suppress(KeyError):
                     SLOTS.remove(*labels, state)
-            for gauge in (CACHED_TOKENS, KV_BYTES, MEMORY_BYTES):
+            for gauge in (CACHED_TOKENS, KV_BYTES, MEMORY_BYTES, SPECULATION_FAILED):
                 with contextlib.suppress(KeyError):
                     gauge.remove(*labels)
         self._shown = shown

@@ -136,6 +136,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                 drafted_tokens=spec.drafted,
                 accepted_tokens=spec.accepted,
                 disabled_requests=spec.disabled_requests,
+                failure=spec.failure,
             ),
         )
 

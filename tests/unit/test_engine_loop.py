@@ -284,7 +284,10 @@ def test_a_failing_drafter_turns_speculation_off_and_requests_go_on(
         first, first_events = job([1, 2, 3], max_tokens=24, name="first")
         decode.submit(first)
         assert first_events.ended.wait(10)
-        assert decode.speculation_stats.kind == ""
+        # Health tells: the kind, the counts up to the failure, and why it stopped.
+        stats = decode.speculation_stats
+        assert (stats.kind, stats.drafted) == ("fake", first_events.last.drafted_tokens)
+        assert stats.failure == "the fake drafter failed: the draft model's decode failed"
         second, second_events = job([5, 6], max_tokens=6, name="second")
         decode.submit(second)
         assert second_events.ended.wait(10)

@@ -123,3 +123,30 @@ async def test_run_polls_until_stopped_then_clears() -> None:
         stop.set()
         await asyncio.wait_for(task, 5)
     assert value("blazar_engine_cached_tokens", lane="mon-c", replica="0") is None
+
+
+@pytest.mark.parametrize(("failure", "expected"), [("", 0), ("the model drafter failed", 1)])
+async def test_a_failed_drafter_shows(failure: str, expected: int) -> None:
+    """A replica whose drafter failed decodes on, slower; its operator must see it."""
+    health = engine_pb2.HealthResponse()
+    health.CopyFrom(HEALTH)
+    health.speculation.kind = "model"
+    health.speculation.failure = failure
+    async with fake_engine(health) as socket:
+        monitor_ = monitor.HealthMonitor(
+            observe=lambda: [replica("mon-s", 0, socket, ReplicaState.READY)], timeout=PATIENT_S
+        )
+        await monitor_.poll_once()
+        assert value("blazar_engine_speculation_failed", lane="mon-s", replica="0") == expected
+        monitor_.publisher.publish(())
+        assert value("blazar_engine_speculation_failed", lane="mon-s", replica="0") is None
+
+
+async def test_a_replica_without_speculation_has_no_speculation_series() -> None:
+    async with fake_engine(HEALTH) as socket:
+        monitor_ = monitor.HealthMonitor(
+            observe=lambda: [replica("mon-n", 0, socket, ReplicaState.READY)], timeout=PATIENT_S
+        )
+        await monitor_.poll_once()
+        assert value("blazar_engine_slots", lane="mon-n", replica="0", state="free") == 2
+        assert value("blazar_engine_speculation_failed", lane="mon-n", replica="0") is None

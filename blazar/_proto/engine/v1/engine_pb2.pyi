@@ -55,16 +55,18 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("kind", "drafted_tokens", "accepted_tokens", "disabled_requests")
+    __slots__ = ("kind", "drafted_tokens", "accepted_tokens", "disabled_requests", "failure")
     KIND_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DISABLED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
     kind: str
     drafted_tokens: int
     accepted_tokens: int
     disabled_requests: int
-    def __init__(self, kind: _Optional[str] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., disabled_requests: _Optional[int] = ...) -> None: ...
+    failure: str
+    def __init__(self, kind: _Optional[str] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., disabled_requests: _Optional[int] = ..., failure: _Optional[str] = ...) -> None: ...
 
 class HealthResponse(_message.Message):
     __slots__ = ("state", "slots", "memory_bytes", "context_per_slot", "model_path", "pid", "speculation", "kv_bytes")
