@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 
 import structlog
 
-from blazar.api.kinds import Kind, Lane, ModelDraft, SpecPair
+from blazar.api.kinds import Kind, Lane, references
 from blazar.controller.reconciler import Reconciler, TemporaryError
 from blazar.controller.workqueue import WorkQueue
 from blazar.store.base import Store, WatchEvent
@@ -25,31 +25,25 @@ Key = tuple[Kind, str]
 
 def dependents(store: Store, kind: Kind, name: str) -> list[Key]:
     """Keys to reconcile when (kind, name) changes: itself and the Lanes referring to it,
-    a draft Model through the Lane's SpecPair included."""
+    directly or through their SpecPair (its draft Model)."""
     keys: list[Key] = [(kind, name)]
     if kind == Kind.LANE:
         return keys
     for lane in store.list(Kind.LANE):
         assert isinstance(lane, Lane)
-        refs = {
-            Kind.MODEL: lane.spec.model,
-            Kind.SLO_POLICY: lane.spec.slo_policy,
-            Kind.SPEC_PAIR: lane.spec.speculation,
-        }
-        if refs.get(kind) == name or (kind == Kind.MODEL and _drafts_from(store, lane, name)):
+        if (kind, name) in _referenced(store, lane):
             keys.append((Kind.LANE, lane.metadata.name))
     return keys
 
 
-def _drafts_from(store: Store, lane: Lane, model: str) -> bool:
-    if lane.spec.speculation is None:
-        return False
-    pair = store.get(Kind.SPEC_PAIR, lane.spec.speculation)
-    return (
-        isinstance(pair, SpecPair)
-        and isinstance(pair.spec.draft, ModelDraft)
-        and pair.spec.draft.model == model
-    )
+def _referenced(store: Store, lane: Lane) -> set[Key]:
+    """What a Lane names, and what its SpecPair names in turn."""
+    out = {(k, n) for _, k, n in references(lane)}
+    if lane.spec.speculation is not None:
+        pair = store.get(Kind.SPEC_PAIR, lane.spec.speculation)
+        if pair is not None:
+            out |= {(k, n) for _, k, n in references(pair)}
+    return out
 
 
 class Manager:
