@@ -189,7 +189,7 @@ class Supervisor:
 
     def kv_lanes(self) -> list[str]:
         try:
-            return sorted(p.name for p in (self.home / "kv").iterdir() if p.is_dir())
+            return sorted(p.name for p in self._kv_root().iterdir() if p.is_dir())
         except FileNotFoundError:
             return []
 
@@ -283,8 +283,11 @@ class Supervisor:
             return None
         return kv_dir
 
+    def _kv_root(self) -> Path:
+        return self.home / "kv"
+
     def _kv_lane_dir(self, lane: str) -> Path:
-        return self.home / "kv" / lane
+        return self._kv_root() / lane
 
     def _log_path(self, replica: _Replica) -> Path:
         """The replica's log: every run of it appends to the same file."""
