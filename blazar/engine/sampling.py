@@ -94,6 +94,20 @@ class SamplingParams:
 LOGIT_BIAS_FIELD = "sampling.logit_bias"
 
 
+# llama.cpp's dist sampler reads this seed as "draw a random one" (LLAMA_DEFAULT_SEED).
+RANDOM_SEED = 0xFFFFFFFF
+
+
+def native_seed(seed: int) -> int:
+    """The seed llama.cpp is given for a caller's explicit `seed`.
+
+    An explicit seed must repeat its output, so the one value llama.cpp takes as
+    "random" is moved to its neighbour: seeds 2**32 - 1 and 2**32 - 2 give the same
+    stream, as two of 2**32 seeds must somewhere.
+    """
+    return RANDOM_SEED - 1 if seed == RANDOM_SEED else seed
+
+
 def resolve(
     sampling: inference_pb2.Sampling,
     *,
@@ -129,7 +143,7 @@ def resolve(
             else d.frequency_penalty
         ),
         seed=(
-            sampling.seed
+            native_seed(sampling.seed)
             if sampling.HasField("seed")
             else (secrets.randbits(32) if seed is None else seed)
         ),

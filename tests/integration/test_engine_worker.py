@@ -69,8 +69,10 @@ def test_greedy_is_deterministic(worker: Worker) -> None:
     assert worker.text(prompt=PROMPT, sampling=greedy(24)) == first
 
 
-def test_seeded_sampling_is_reproducible(worker: Worker) -> None:
-    sampling = inference_pb2.Sampling(temperature=1.0, seed=1234, max_tokens=24)
+# 2**32 - 1 is the seed llama.cpp reads as "pick a random one".
+@pytest.mark.parametrize("seed", [1234, 2**32 - 1])
+def test_seeded_sampling_is_reproducible(worker: Worker, seed: int) -> None:
+    sampling = inference_pb2.Sampling(temperature=1.5, seed=seed, max_tokens=24)
     first = worker.text(prompt=PROMPT, sampling=sampling)
     assert worker.text(prompt=PROMPT, sampling=sampling) == first
 

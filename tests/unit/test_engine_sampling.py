@@ -40,6 +40,13 @@ def test_resolve(fields: dict[str, Any], expected: sampling.SamplingParams) -> N
     assert sampling.resolve(inference_pb2.Sampling(**fields), seed=7) == expected
 
 
+@pytest.mark.parametrize(
+    ("seed", "native"), [(0, 0), (7, 7), (2**32 - 2, 2**32 - 2), (2**32 - 1, 2**32 - 2)]
+)
+def test_an_explicit_seed_is_never_llamas_random_seed(seed: int, native: int) -> None:
+    assert sampling.resolve(inference_pb2.Sampling(seed=seed)).seed == native
+
+
 def test_unset_seed_is_random() -> None:
     seeds = {sampling.resolve(inference_pb2.Sampling()).seed for _ in range(8)}
     assert len(seeds) > 1
