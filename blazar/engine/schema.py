@@ -16,6 +16,10 @@ and validates against the schema (as `jsonschema`, with Python's `re`, checks it
   them, rather than promised and not kept.
 - Its string character rule lets raw control characters into strings, which no JSON
   parser accepts; llama.cpp's own converter has since excluded them.
+- Its literals (constants, enum values, property names) escaped only quotes and line
+  breaks in GBNF, so JSON text with a backslash escape came out wrong or broke the
+  grammar, and characters outside the BMP came out as surrogate bytes. Literals are
+  written here (`_literal`), and constants as the JSON text a model would write.
 
 A grammar may be stricter than its schema (a pattern's control characters other than
 \\b \\f \\n \\r \\t cannot be written, an object takes no properties beyond those
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import json
 import re
 from collections.abc import Iterator
 from typing import Any, NoReturn
@@ -98,6 +103,15 @@ def grammar(schema: dict[str, Any]) -> str:
         def _visit_pattern(self, pattern: str, name: str) -> str:
             rule: str = self._add_rule(name, f'"\\"" {pattern_expression(pattern)} "\\"" space')
             return rule
+
+        # The converter's own literal escapes only quotes and line breaks, so the JSON
+        # text of a const, enum value or property name with a backslash (every JSON
+        # escape has one) reached the output unescaped or broke the grammar.
+        def _format_literal(self, literal: str) -> str:
+            return _literal(literal)
+
+        def _generate_constant_rule(self, value: Any) -> str:
+            return _literal(_json_text(value))
 
     try:
         converter = Converter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
@@ -494,5 +508,22 @@ def _char_text(code: int) -> str:
 
 
 def _literal(text: str) -> str:
-    """A GBNF string literal for `text` (no control characters)."""
-    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    """A GBNF string literal that matches exactly `text`."""
+    return '"' + "".join(_literal_char(c) for c in text) + '"'
+
+
+def _literal_char(c: str) -> str:
+    if c in '"\\':
+        return "\\" + c
+    return _char_text(ord(c)) if ord(c) < 0x20 or ord(c) == 0x7F else c
+
+
+def _json_text(value: Any) -> str:
+    """`value` as JSON text, non-ASCII characters written as themselves (as a model
+    writes them), except where a lone surrogate leaves only the \\u escape."""
+    text = json.dumps(value, ensure_ascii=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(value)
+    return text

@@ -127,6 +127,36 @@ def test_json_schema_output_always_validates(worker: Worker, name: str) -> None:
     assert len(set(outputs)) > 1, "different seeds should not all give the same document"
 
 
+# Constants, enum values and property names whose JSON text needs escapes (a backslash,
+# a quote, a line break) or holds characters outside the BMP: each must come out as
+# itself, and the only document each schema allows is then fully determined.
+AWKWARD_LITERALS: list[tuple[dict[str, Any], Any]] = [
+    ({"const": "é😀"}, "é😀"),
+    ({"enum": ["a\\b"]}, "a\\b"),
+    ({"const": 'he said "hi"'}, 'he said "hi"'),
+    (
+        {
+            "type": "object",
+            "properties": {"a\nb": {"const": 1}, 'q"\\': {"const": "\t"}},
+            "required": ["a\nb", 'q"\\'],
+            "additionalProperties": False,
+        },
+        {"a\nb": 1, 'q"\\': "\t"},
+    ),
+]
+
+
+@pytest.mark.parametrize(("schema", "document"), AWKWARD_LITERALS)
+def test_literals_in_a_schema_come_out_as_themselves(
+    worker: Worker, schema: dict[str, Any], document: Any
+) -> None:
+    constraint = inference_pb2.Constraint(json_schema=json.dumps(schema))
+    text, final = constrained(worker, "JSON:", constraint, temperature=0.0)
+    assert final.finish_reason == inference_pb2.FINISH_REASON_STOP, text
+    assert json.loads(text) == document
+    jsonschema.validate(json.loads(text), schema)
+
+
 def test_constraints_with_penalties_and_concurrent_requests(worker: Worker) -> None:
     """Two constrained requests decode side by side (two slots), one with penalties."""
     requests = [

@@ -234,3 +234,20 @@ def test_recursive_schema_is_refused_clearly() -> None:
     with pytest.raises(errors.InvalidRequest) as info:
         schema.grammar(tree)
     assert "recursive schemas are not supported" in info.value.message
+
+
+@pytest.mark.parametrize(
+    ("value", "literal"),
+    [
+        # GBNF literals of the JSON text: a backslash and a quote escaped once more,
+        # characters outside ASCII as themselves, a lone surrogate as its JSON escape.
+        ("é😀", '"\\"é😀\\""'),
+        ("a\\b", '"\\"a\\\\\\\\b\\""'),
+        ('say "hi"', '"\\"say \\\\\\"hi\\\\\\"\\""'),
+        ("a\nb", '"\\"a\\\\nb\\""'),
+        ("\ud800", '"\\"\\\\ud800\\""'),
+        ({"k": 1}, '"{\\"k\\": 1}"'),
+    ],
+)
+def test_constants_are_written_as_their_json_text(value: Any, literal: str) -> None:
+    assert schema.grammar({"const": value}).splitlines()[0] == f"root ::= {literal}"
