@@ -85,7 +85,12 @@ SCHEMAS: dict[str, tuple[dict[str, Any], str]] = {
 
 
 def constrained(
-    worker: Worker, prompt: str, constraint: inference_pb2.Constraint, **sampling: Any
+    worker: Worker,
+    prompt: str,
+    constraint: inference_pb2.Constraint,
+    *,
+    deadline: float = GENERATE_DEADLINE_S,
+    **sampling: Any,
 ) -> tuple[str, inference_pb2.Final]:
     """Text and final part of one constrained generation.
 
@@ -98,7 +103,7 @@ def constrained(
         constraint=constraint,
     )
     text, finals = [], []
-    for chunk in worker.stub.Generate(request, timeout=GENERATE_DEADLINE_S):
+    for chunk in worker.stub.Generate(request, timeout=deadline):
         if chunk.HasField("delta"):
             text.append(chunk.delta.text)
         else:
@@ -155,6 +160,17 @@ def test_literals_in_a_schema_come_out_as_themselves(
     assert final.finish_reason == inference_pb2.FINISH_REASON_STOP, text
     assert json.loads(text) == document
     jsonschema.validate(json.loads(text), schema)
+
+
+def test_a_large_enum_is_sampled_in_bounded_time(worker: Worker) -> None:
+    """20,000 values: one grammar alternative each used to cost about a minute per token on
+    the decode thread (stalling every slot); written as a trie it costs what a small
+    enum does. The deadline is a liveness bound, not a benchmark."""
+    values = [f"item-{i}" for i in range(20_000)]
+    constraint = inference_pb2.Constraint(json_schema=json.dumps({"enum": values}))
+    for sampling in sampling_cases()[:2]:
+        text, _ = constrained(worker, "Pick one:", constraint, deadline=30.0, **sampling)
+        assert json.loads(text) in values, text
 
 
 def test_constraints_with_penalties_and_concurrent_requests(worker: Worker) -> None:

@@ -4,6 +4,7 @@ tests/integration/test_structured_output.py.)"""
 
 from __future__ import annotations
 
+import random
 import re
 from typing import Any
 
@@ -251,3 +252,55 @@ def test_recursive_schema_is_refused_clearly() -> None:
 )
 def test_constants_are_written_as_their_json_text(value: Any, literal: str) -> None:
     assert schema.grammar({"const": value}).splitlines()[0] == f"root ::= {literal}"
+
+
+@pytest.mark.parametrize(
+    ("texts", "expression"),
+    [
+        (["a"], '"a"'),
+        (["ab", "ac"], '"a" ("b" | "c")'),
+        (["a", "ab"], '"a" ("" | "b")'),
+        (["x", "y", "x"], '("x" | "y")'),
+        (["v1", "v10", "v2"], '"v" ("1" ("" | "0") | "2")'),
+        (['"a"', '"b"'], '"\\"" ("a\\"" | "b\\"")'),
+    ],
+)
+def test_alternation_writes_common_prefixes_once(texts: list[str], expression: str) -> None:
+    assert schema.alternation(texts) == expression
+
+
+def _gbnf_regex(expression: str) -> re.Pattern[str]:
+    """A Python regex for a GBNF expression of literals, groups and alternatives."""
+
+    def literal(m: re.Match[str]) -> str:
+        text = re.sub(
+            r"\\(x[0-9A-F]{2}|.)",
+            lambda e: chr(int(e[1][1:], 16)) if e[1].startswith("x") else e[1],
+            m[1],
+        )
+        return f"(?:{re.escape(text)})"
+
+    body = re.sub(r'"((?:[^"\\]|\\.)*)"', literal, expression)
+    return re.compile(body.replace("(", "(?:").replace("(?:?:", "(?:"), re.VERBOSE)
+
+
+def test_alternation_matches_exactly_its_texts() -> None:
+    rng = random.Random(5)
+    alphabet = 'ab"\\\n\té😀'
+    for _ in range(200):
+        texts = ["".join(rng.choices(alphabet, k=rng.randint(0, 5))) for _ in range(6)]
+        pattern = _gbnf_regex(schema.alternation(texts))
+        for text in texts:
+            assert pattern.fullmatch(text), (texts, text)
+        for text in {t + c for t in texts for c in "ab"} | {t[:-1] for t in texts if t}:
+            assert bool(pattern.fullmatch(text)) == (text in texts), (texts, text)
+
+
+def test_an_enum_with_no_values_is_refused() -> None:
+    with pytest.raises(errors.InvalidRequest, match="no values"):
+        schema.grammar({"enum": []})
+
+
+def test_an_enum_is_written_as_a_trie() -> None:
+    rule = schema.grammar({"enum": ["red", "green", 1, None]}).splitlines()[0]
+    assert rule == 'root ::= ("\\"" ("green\\"" | "red\\"") | "1" | "null")'
