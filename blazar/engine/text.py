@@ -46,23 +46,26 @@ def render_gemma(turns: Sequence[ChatTurn]) -> str:
     """Render a conversation in Gemma's turn format, ending with an open model turn.
 
     The fallback when a model ships no chat template. System messages have no turn
-    of their own in Gemma: their text is prepended to the first user turn. BOS is not
-    part of the result; the tokenizer adds it.
+    of their own in Gemma: their text opens the next user turn, where they stand in
+    the conversation (as llama.cpp's Gemma format does); one with no user turn after
+    it becomes a user turn of its own. BOS is not part of the result; the tokenizer
+    adds it.
     """
     check_roles(turns)
-    system = "\n\n".join(t.content.strip() for t in turns if t.role == "system")
     rendered: list[str] = []
-    prefix = system + "\n\n" if system else ""
+    pending: list[str] = []
     for turn in turns:
         if turn.role == "system":
+            pending.append(turn.content.strip())
             continue
         role = _GEMMA_ROLES[turn.role]
         content = turn.content.strip()
-        if role == "user" and prefix:
-            content, prefix = prefix + content, ""
+        if role == "user" and pending:
+            content, pending = "\n\n".join([*pending, content]), []
         rendered.append(f"<start_of_turn>{role}\n{content}<end_of_turn>\n")
-    if prefix:  # only system messages, or none before the first model turn
-        rendered.insert(0, f"<start_of_turn>user\n{system}<end_of_turn>\n")
+    if pending:
+        system = "\n\n".join(pending)
+        rendered.append(f"<start_of_turn>user\n{system}<end_of_turn>\n")
     rendered.append("<start_of_turn>model\n")
     return "".join(rendered)
 

@@ -37,6 +37,16 @@ from blazar.engine.text import ChatTurn as T
             [T("system", "A"), T("system", "B"), T("user", "u")],
             "<start_of_turn>user\nA\n\nB\n\nu<end_of_turn>\n<start_of_turn>model\n",
         ),
+        (  # a system message in mid-conversation stays where it was said
+            [T("user", "U1"), T("assistant", "A1"), T("system", "S"), T("user", "U2")],
+            "<start_of_turn>user\nU1<end_of_turn>\n<start_of_turn>model\nA1<end_of_turn>\n"
+            "<start_of_turn>user\nS\n\nU2<end_of_turn>\n<start_of_turn>model\n",
+        ),
+        (  # ... and one with no user turn after it becomes the last user turn
+            [T("user", "U1"), T("assistant", "A1"), T("system", "S")],
+            "<start_of_turn>user\nU1<end_of_turn>\n<start_of_turn>model\nA1<end_of_turn>\n"
+            "<start_of_turn>user\nS<end_of_turn>\n<start_of_turn>model\n",
+        ),
         (  # system alone becomes a user turn
             [T("system", "S")],
             "<start_of_turn>user\nS<end_of_turn>\n<start_of_turn>model\n",
