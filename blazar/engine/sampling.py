@@ -92,6 +92,7 @@ class SamplingParams:
 
 # The request field (`errors.FIELD_KEY`) blamed when only the logit bias is invalid.
 LOGIT_BIAS_FIELD = "sampling.logit_bias"
+CONSTRAINT_FIELD = "constraint"
 
 
 # llama.cpp's dist sampler reads this seed as "draw a random one" (LLAMA_DEFAULT_SEED).
@@ -122,7 +123,7 @@ def resolve(
     checked against it and the grammar is compiled once by llama.cpp (see module doc).
     """
     d = SamplingParams()
-    with _blaming("constraint"):
+    with _blaming(CONSTRAINT_FIELD):
         grammar = grammar_of(constraint) if constraint is not None else None
     p = SamplingParams(
         temperature=sampling.temperature if sampling.HasField("temperature") else d.temperature,
@@ -204,7 +205,7 @@ def resolve(
         raise err
     if grammar is not None and vocab is not None:
         from_schema = constraint is not None and constraint.WhichOneof("kind") == "json_schema"
-        with _blaming("constraint"):
+        with _blaming(CONSTRAINT_FIELD):
             check_grammar(grammar, vocab, from_schema=from_schema)
     return p
 
@@ -292,7 +293,9 @@ class Sampler:
     for the argmax (same token, the first maximum), 3.4 ms of every 8-stream step.
     """
 
-    def __init__(self, chain: Any | None, grammar: Any | None, n_vocab: int) -> None:
+    def __init__(
+        self, chain: Any | None, grammar: Any | None, n_vocab: int, *, biased: bool = False
+    ) -> None:
         import numpy as np
 
         if chain is None and (grammar is not None or n_vocab <= 0):
@@ -300,6 +303,7 @@ class Sampler:
         self.chain = chain
         self._grammar = grammar
         self._n_vocab = n_vocab
+        self._biased = biased
         self._candidates: Any = None
         if grammar is not None:
             import llama_cpp as lc
@@ -326,17 +330,27 @@ class Sampler:
         if not self._allows(token):
             token = self._draw(ctx, index, grammar_first=True)
             # The chain can remove every token the grammar allows (a logit bias that
-            # bans them all); it then picks one the grammar rejected, and accepting
-            # that aborts the whole process inside llama.cpp.
+            # bans them all), or the grammar allows none the vocabulary can spell
+            # ('root ::= "\\x00"'); the pick is then one the grammar rejected, and
+            # accepting that aborts the whole process inside llama.cpp.
             if not self._allows(token):
-                raise errors.InvalidRequest(
-                    "The logit bias bans every token the grammar (or JSON schema) allows "
-                    "next, so no output can satisfy both.",
-                    metadata={errors.FIELD_KEY: LOGIT_BIAS_FIELD},
-                )
+                raise self._contradiction()
         lc.llama_sampler_accept(self._grammar, token)
         lc.llama_sampler_accept(self.chain, token)
         return token
+
+    def _contradiction(self) -> errors.InvalidRequest:
+        if self._biased:
+            return errors.InvalidRequest(
+                "The logit bias bans every token the grammar (or JSON schema) allows "
+                "next, so no output can satisfy both.",
+                metadata={errors.FIELD_KEY: LOGIT_BIAS_FIELD},
+            )
+        return errors.InvalidRequest(
+            "The grammar (or JSON schema) allows nothing next that this model's "
+            "vocabulary can write, so no output can satisfy it.",
+            metadata={errors.FIELD_KEY: CONSTRAINT_FIELD},
+        )
 
     def _allows(self, token: int) -> bool:
         """Whether the grammar, in its current state, accepts `token` next."""
@@ -444,4 +458,4 @@ def build_sampler(params: SamplingParams, *, prompt: Sequence[int] = ()) -> Samp
     for stage in stages:
         lc.llama_sampler_chain_add(chain, stage)  # the chain takes ownership
     n_vocab = vocab.n_tokens if vocab is not None else 0
-    return Sampler(chain, grammar, n_vocab)
+    return Sampler(chain, grammar, n_vocab, biased=bool(params.logit_bias))

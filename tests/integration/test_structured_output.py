@@ -293,6 +293,26 @@ def test_a_grammar_the_logit_bias_leaves_no_token_for_fails_only_that_request(
     assert health.pid == pid
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_grammar_the_vocabulary_cannot_write_blames_the_grammar(
+    worker: Worker, temperature: float
+) -> None:
+    """No token spells a NUL character: with no logit bias in the request, the
+    grammar is what leaves no output, and the error says so."""
+    sampling = inference_pb2.Sampling(temperature=temperature, seed=1, max_tokens=4)
+    err = rpc_error(
+        lambda: worker.generate(
+            prompt="Hello",
+            sampling=sampling,
+            constraint=inference_pb2.Constraint(grammar='root ::= "\\x00"'),
+        )
+    )
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err
+    assert "bias" not in (err.details() or "") and "grammar" in (err.details() or "")
+    assert status.from_rpc_error(err).metadata.get(errors.FIELD_KEY) == "constraint"
+    assert worker.text(prompt="Hello", sampling=greedy(2))
+
+
 def first_token(worker: Worker, prompt: str, **sampling: Any) -> str:
     """The text of the one token greedy decoding picks after prompt."""
     return worker.text(prompt=prompt, sampling=greedy(1, **sampling))
