@@ -175,6 +175,10 @@ def resolve(
                 not 0 <= p.top_logprobs <= MAX_TOP_LOGPROBS,
                 f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}",
             ),
+            (
+                p.top_logprobs > 0 and not (p.logprobs or p.prompt_logprobs),
+                "top_logprobs needs logprobs or prompt_logprobs",
+            ),
         )
         if bad
     ]

@@ -76,6 +76,7 @@ def test_flags(params: sampling.SamplingParams, greedy: bool, penalized: bool) -
         ({"min_p": -0.5}, "min_p"),
         ({"repeat_penalty": 0.0}, "repeat_penalty"),
         ({"max_tokens": 0}, "max_tokens"),
+        ({"top_logprobs": 3}, "top_logprobs needs logprobs"),
         # Not numbers: NaN passes every `<` check, so each bound must be written to fail.
         ({"temperature": math.nan}, "temperature must be a number"),
         ({"temperature": math.inf}, "temperature must be a number"),
