@@ -315,11 +315,13 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             prompt = self._chat.render(turns) if self._chat else text.render_gemma(turns)
         else:
             raise errors.InvalidRequest("Set either prompt or chat.")
-        if not prompt:
+        tokens = await asyncio.to_thread(self._decode.vocab.tokenize, prompt)
+        if not tokens:
+            # An empty prompt starts from BOS, as with OpenAI and llama.cpp's server;
+            # a model that adds none has nothing to start from.
             raise errors.InvalidRequest(
                 "The prompt is empty.", metadata={errors.FIELD_KEY: "prompt"}
             )
-        tokens = await asyncio.to_thread(self._decode.vocab.tokenize, prompt)
         limit = self._decode.context_per_slot
         if params.max_tokens is None:
             if len(tokens) >= limit:

@@ -130,10 +130,10 @@ def test_a_prompt_at_the_data_planes_size_limit_reaches_the_engine(worker: Worke
     assert dict(err.trailing_metadata())["blazar-reason"] == "CONTEXT_LENGTH_EXCEEDED"
 
 
-def test_empty_prompt_is_invalid(worker: Worker) -> None:
-    err = rpc_error(lambda: worker.generate(prompt=""))
-    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert dict(err.trailing_metadata())["blazar-reason"] == "INVALID_REQUEST"
+def test_an_empty_prompt_generates_from_bos(worker: Worker) -> None:
+    _, final = worker.generate(prompt="", sampling=greedy(4))
+    assert final.usage.prompt_tokens == 1  # BOS
+    assert final.usage.completion_tokens == 4
 
 
 def test_chat_uses_gemma_turns(worker: Worker, tokenize: Callable[[str], list[int]]) -> None:
