@@ -71,6 +71,10 @@ def build_table(lanes: Sequence[Lane]) -> RouteTable:
 
 
 def resolve(table: RouteTable, name: str) -> Route:
+    if not name:
+        raise errors.InvalidRequest(
+            "The request names no model; set `model`.", metadata={errors.FIELD_KEY: "model"}
+        )
     route = table.by_name.get(name)
     if route is None:
         raise errors.ModelNotFound.of(name)

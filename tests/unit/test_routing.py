@@ -43,6 +43,12 @@ def test_unknown_name_is_model_not_found() -> None:
     assert exc.value.metadata == {"model": "zzz"}
 
 
+def test_no_model_name_is_an_invalid_request() -> None:
+    with pytest.raises(errors.InvalidRequest) as exc:
+        routing.resolve(TABLE, "")
+    assert exc.value.metadata == {errors.FIELD_KEY: "model"}
+
+
 def test_lane_without_ready_replica_is_unavailable() -> None:
     with pytest.raises(errors.Unavailable):
         routing.pick_replica(routing.resolve(TABLE, "c"), {})
