@@ -1,33 +1,55 @@
 """Carry `blazar.api.errors.BlazarError` across gRPC and back.
 
 On the wire an error is a status code (from `BlazarError.code`), the message as the
-status details, and trailing metadata: `blazar-reason` plus one `blazar-<key>` entry
-per metadata item (for example `blazar-retry_after_ms`).
+status details, and trailing metadata in two forms that say the same thing:
 
-A status without `blazar-reason` came from gRPC itself and is read by its code, with
-one exception: gRPC refuses a message over a size limit with RESOURCE_EXHAUSTED, which
-would read as `Overloaded` (retry later), though retrying cannot help. That refusal is
-the caller's request being too large (`RequestTooLarge`) or the answer it asked for
+- `grpc-status-details-bin`: a serialized `google.rpc.Status` (the same code and
+  message) whose details hold one `google.rpc.ErrorInfo` with the error's `reason`,
+  domain `blazar.dev` and its `metadata` (for example `retry_after_ms`). This is what
+  gRPC's rich-error idiom reads in any language (`status.FromError(err).Details()` in
+  Go, `tonic_types::StatusExt` in Rust, `grpcio-status`'s `rpc_status.from_call`).
+- `blazar-reason` plus one `blazar-<key>` entry per metadata item (for example
+  `blazar-retry_after_ms`), for clients that read plain trailers.
+
+Reading back prefers the ErrorInfo, then the `blazar-*` trailers. A status with
+neither came from gRPC itself and is read by its code, with one exception: gRPC
+refuses a message over a size limit with RESOURCE_EXHAUSTED, which would read as
+`Overloaded` (retry later), though retrying cannot help. That refusal is the caller's
+request being too large (`RequestTooLarge`) or the answer it asked for
 (`InvalidRequest`).
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from typing import Any, NoReturn
 
 import grpc
+from google.protobuf import message as protobuf_message
+from google.rpc import error_details_pb2, status_pb2
 
 from blazar.api import errors
 
 REASON_KEY = "blazar-reason"
+DETAILS_KEY = "grpc-status-details-bin"
+DOMAIN = "blazar.dev"
 _PREFIX = "blazar-"
 
 
-def trailing_metadata(err: errors.BlazarError) -> tuple[tuple[str, str], ...]:
-    items = [(REASON_KEY, err.reason)]
+def trailing_metadata(err: errors.BlazarError) -> tuple[tuple[str, str | bytes], ...]:
+    items: list[tuple[str, str | bytes]] = [(REASON_KEY, err.reason)]
     items += [(_PREFIX + k.lower(), v) for k, v in sorted(err.metadata.items())]
+    items.append((DETAILS_KEY, rpc_status(err).SerializeToString()))
     return tuple(items)
+
+
+def rpc_status(err: errors.BlazarError) -> status_pb2.Status:
+    """The `google.rpc.Status` of err: its code and message, and one ErrorInfo."""
+    info = error_details_pb2.ErrorInfo(reason=err.reason, domain=DOMAIN, metadata=err.metadata)
+    status = status_pb2.Status(code=grpc_code(err).value[0], message=err.message)
+    status.details.add().Pack(info)
+    return status
 
 
 def grpc_code(err: errors.BlazarError) -> grpc.StatusCode:
@@ -36,8 +58,7 @@ def grpc_code(err: errors.BlazarError) -> grpc.StatusCode:
 
 async def abort(context: Any, err: errors.BlazarError) -> NoReturn:
     """End the RPC with err's status; never returns."""
-    context.set_trailing_metadata(trailing_metadata(err))
-    await context.abort(grpc_code(err), err.message)
+    await context.abort(grpc_code(err), err.message, trailing_metadata(err))
     raise AssertionError("unreachable")  # context.abort always raises
 
 
@@ -45,15 +66,47 @@ def from_rpc_error(exc: grpc.RpcError) -> errors.BlazarError:
     """Rebuild the BlazarError a peer sent; transport failures become Unavailable."""
     code: grpc.StatusCode = exc.code()
     message: str = exc.details() or code.name
-    trailers = exc.trailing_metadata() or ()
-    meta = {str(k): v if isinstance(v, str) else v.decode() for k, v in trailers}
-    reason = meta.pop(REASON_KEY, "")
-    metadata = {k[len(_PREFIX) :]: v for k, v in meta.items() if k.startswith(_PREFIX)}
+    trailers: Iterable[tuple[str, str | bytes]] = exc.trailing_metadata() or ()
+    meta = {str(k): v for k, v in trailers}
+    if (info := _error_info(meta.get(DETAILS_KEY), code)) is not None:
+        return errors.from_reason(info.reason, message, dict(info.metadata))
+    texts = {k: v if isinstance(v, str) else v.decode() for k, v in meta.items() if _is_text(k)}
+    reason = texts.pop(REASON_KEY, "")
+    metadata = {k[len(_PREFIX) :]: v for k, v in texts.items() if k.startswith(_PREFIX)}
     if reason:
         return errors.from_reason(reason, message, metadata)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED and (too_large := _too_large(message)):
         return too_large
     return _BY_CODE.get(code, errors.BlazarError)(message)
+
+
+def _is_text(key: str) -> bool:
+    # A `-bin` value is arbitrary bytes, and decoding it as text could fail.
+    return not key.endswith("-bin")
+
+
+def _error_info(
+    raw: str | bytes | None, code: grpc.StatusCode
+) -> error_details_pb2.ErrorInfo | None:
+    """Blazar's ErrorInfo in a `grpc-status-details-bin` value; None if there is none.
+
+    A Status whose code is not the RPC's describes some other status (gRPC requires them
+    to agree), and an ErrorInfo of another domain carries another service's reasons.
+    """
+    if not isinstance(raw, bytes):
+        return None
+    status = status_pb2.Status()
+    try:
+        status.ParseFromString(raw)
+    except protobuf_message.DecodeError:
+        return None
+    if status.code != code.value[0]:
+        return None
+    for detail in status.details:
+        info = error_details_pb2.ErrorInfo()
+        if detail.Is(info.DESCRIPTOR) and detail.Unpack(info) and info.domain == DOMAIN:
+            return info
+    return None
 
 
 # How gRPC words its size refusals, e.g. "SERVER: Received message larger than max

@@ -1,9 +1,16 @@
-"""`blazar.rpc.status`: a gRPC status read back as the BlazarError it means."""
+"""`blazar.rpc.status`: a BlazarError carried as a gRPC status, and read back as the
+BlazarError it means."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
 import grpc
 import pytest
+from google.rpc import error_details_pb2, status_pb2
 
 from blazar.api import errors
 from blazar.rpc import limits, status
@@ -13,7 +20,10 @@ class FakeRpcError(grpc.RpcError):
     """What a grpc call raises: a code, details and trailing metadata."""
 
     def __init__(
-        self, code: grpc.StatusCode, details: str, trailers: tuple[tuple[str, str], ...] = ()
+        self,
+        code: grpc.StatusCode,
+        details: str,
+        trailers: tuple[tuple[str, str | bytes], ...] = (),
     ) -> None:
         self._code, self._details, self._trailers = code, details, trailers
 
@@ -23,8 +33,176 @@ class FakeRpcError(grpc.RpcError):
     def details(self) -> str:
         return self._details
 
-    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+    def trailing_metadata(self) -> tuple[tuple[str, str | bytes], ...]:
         return self._trailers
+
+
+# The standard trailer of gRPC's rich error model, spelled out rather than taken from the
+# module under test.
+DETAILS_KEY = "grpc-status-details-bin"
+
+
+def sent(err: errors.BlazarError) -> FakeRpcError:
+    """What a client receives for err: its code, message and trailers."""
+    return FakeRpcError(status.grpc_code(err), err.message, status.trailing_metadata(err))
+
+
+def plain_trailers(err: errors.BlazarError) -> tuple[tuple[str, str | bytes], ...]:
+    """err's `blazar-*` trailers alone."""
+    return tuple((k, v) for k, v in status.trailing_metadata(err) if k != DETAILS_KEY)
+
+
+def decode_details(trailers: Any) -> tuple[status_pb2.Status, list[error_details_pb2.ErrorInfo]]:
+    """The Status in `grpc-status-details-bin` and its ErrorInfos, read with the standard
+    types alone, as a client in another language reads them."""
+    raw = dict(trailers)[DETAILS_KEY]
+    rpc_status = status_pb2.Status.FromString(raw)
+    infos = []
+    for detail in rpc_status.details:
+        info = error_details_pb2.ErrorInfo()
+        assert detail.Unpack(info), detail.type_url
+        infos.append(info)
+    return rpc_status, infos
+
+
+SENT_ERRORS = [
+    errors.ContextLengthExceeded.of(prompt_tokens=2100, max_tokens=16, context_length=2048),
+    errors.Overloaded("Try again soon.", metadata={"retry_after_ms": "2500"}),
+    errors.ModelNotFound.of("nope"),
+    errors.InvalidRequest("Bad schema.", metadata={errors.FIELD_KEY: "constraint"}),
+    limits.request_too_large(5600017),
+    errors.Unavailable("No replica is ready.", metadata={"lane": "gemma3"}),
+    errors.BlazarError("Something broke.", metadata={"replica": "0"}),
+]
+IDS = [type(e).__name__ for e in SENT_ERRORS]
+
+
+@pytest.mark.parametrize("err", SENT_ERRORS, ids=IDS)
+def test_status_details_carry_error_info(err: errors.BlazarError) -> None:
+    rpc_status, infos = decode_details(status.trailing_metadata(err))
+    assert rpc_status.code == status.grpc_code(err).value[0]
+    assert rpc_status.message == err.message
+    assert [(i.reason, i.domain, dict(i.metadata)) for i in infos] == [
+        (err.reason, "blazar.dev", err.metadata)
+    ]
+
+
+def test_context_length_error_info_has_the_numbers() -> None:
+    err = errors.ContextLengthExceeded.of(prompt_tokens=2100, max_tokens=16, context_length=2048)
+    rpc_status, [info] = decode_details(status.trailing_metadata(err))
+    assert rpc_status.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert info.reason == "CONTEXT_LENGTH_EXCEEDED"
+    assert dict(info.metadata) == {
+        "prompt_tokens": "2100",
+        "max_tokens": "16",
+        "context_length": "2048",
+    }
+    # The plain trailers stay, for clients that read them.
+    trailers = dict(status.trailing_metadata(err))
+    assert trailers["blazar-reason"] == "CONTEXT_LENGTH_EXCEEDED"
+    assert trailers["blazar-context_length"] == "2048"
+
+
+@pytest.mark.parametrize("err", SENT_ERRORS, ids=IDS)
+def test_round_trip(err: errors.BlazarError) -> None:
+    full = sent(err)
+    # A peer that sends only the standard details (any gRPC server with rich errors).
+    details_only = FakeRpcError(
+        full.code(),
+        full.details(),
+        tuple((k, v) for k, v in full.trailing_metadata() if k == DETAILS_KEY),
+    )
+    for received in (full, details_only):
+        back = status.from_rpc_error(received)
+        assert type(back) is type(err)
+        assert (back.code, back.reason) == (err.code, err.reason)
+        assert (back.message, back.metadata) == (err.message, err.metadata)
+
+
+def test_error_info_is_preferred_over_blazar_trailers() -> None:
+    info_says = errors.ContextLengthExceeded.of(prompt_tokens=9, max_tokens=1, context_length=8)
+    trailers_say = errors.InvalidRequest(info_says.message, metadata={"x": "1"})
+    details = dict(status.trailing_metadata(info_says))[DETAILS_KEY]
+    trailers = (*plain_trailers(trailers_say), (DETAILS_KEY, details))
+    back = status.from_rpc_error(
+        FakeRpcError(grpc.StatusCode.INVALID_ARGUMENT, info_says.message, trailers)
+    )
+    assert type(back) is errors.ContextLengthExceeded
+    assert back.metadata == info_says.metadata
+
+
+def details_of(code: grpc.StatusCode, *infos: error_details_pb2.ErrorInfo) -> bytes:
+    rpc_status = status_pb2.Status(code=code.value[0], message="m")
+    for info in infos:
+        rpc_status.details.add().Pack(info)
+    return rpc_status.SerializeToString()
+
+
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+ELSEWHERE = error_details_pb2.ErrorInfo(reason="API_KEY_INVALID", domain="googleapis.com")
+
+
+@pytest.mark.parametrize(
+    "details",
+    [
+        pytest.param(b"\xff\xfe not a Status", id="not-a-status"),
+        pytest.param(details_of(INVALID), id="no-error-info"),
+        pytest.param(details_of(INVALID, ELSEWHERE), id="another-domain"),
+        pytest.param(
+            details_of(grpc.StatusCode.NOT_FOUND, error_details_pb2.ErrorInfo(
+                reason="MODEL_NOT_FOUND", domain="blazar.dev"
+            )),
+            id="another-code",
+        ),
+    ],
+)  # fmt: skip
+def test_unusable_details_fall_back_to_blazar_trailers(details: bytes) -> None:
+    err = errors.ContextLengthExceeded.of(prompt_tokens=9, max_tokens=1, context_length=8)
+    trailers = (*plain_trailers(err), (DETAILS_KEY, details))
+    back = status.from_rpc_error(FakeRpcError(INVALID, err.message, trailers))
+    assert type(back) is errors.ContextLengthExceeded
+    assert back.metadata == err.metadata
+
+
+@contextlib.asynccontextmanager
+async def aborting_server(err: errors.BlazarError) -> AsyncIterator[grpc.aio.Channel]:
+    """A real gRPC server whose every unary call ends in `status.abort(err)`."""
+
+    async def handle(request: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
+        await status.abort(context, err)
+
+    handler = grpc.method_handlers_generic_handler(
+        "test.Fails", {"Call": grpc.unary_unary_rpc_method_handler(handle)}
+    )
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            yield channel
+    finally:
+        await server.stop(0)
+
+
+@pytest.mark.parametrize("err", SENT_ERRORS, ids=IDS)
+def test_abort_sends_error_info_over_real_grpc(err: errors.BlazarError) -> None:
+    async def call() -> grpc.aio.AioRpcError:
+        async with aborting_server(err) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await channel.unary_unary("/test.Fails/Call")(b"")
+            return info.value
+
+    exc = asyncio.run(call())
+    assert exc.code() == status.grpc_code(err)
+    assert exc.details() == err.message
+    rpc_status, [error_info] = decode_details(exc.trailing_metadata())
+    assert (rpc_status.code, rpc_status.message) == (exc.code().value[0], exc.details())
+    assert (error_info.reason, error_info.domain) == (err.reason, "blazar.dev")
+    assert dict(error_info.metadata) == err.metadata
+    assert dict(exc.trailing_metadata())["blazar-reason"] == err.reason
+    back = status.from_rpc_error(exc)
+    assert (type(back), back.message, back.metadata) == (type(err), err.message, err.metadata)
 
 
 EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -79,11 +257,12 @@ def test_bare_resource_exhausted(
 
 
 def test_blazar_overloaded_stays_overloaded_whatever_its_message() -> None:
-    sent = errors.Overloaded(
-        "Received message larger than max (1 vs. 0)", metadata={"retry_after_ms": "10"}
-    )
     err = status.from_rpc_error(
-        FakeRpcError(EXHAUSTED, sent.message, status.trailing_metadata(sent))
+        sent(
+            errors.Overloaded(
+                "Received message larger than max (1 vs. 0)", metadata={"retry_after_ms": "10"}
+            )
+        )
     )
     assert type(err) is errors.Overloaded
     assert err.metadata == {"retry_after_ms": "10"}
