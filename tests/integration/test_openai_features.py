@@ -1,5 +1,6 @@
 """OpenAI dialect features end to end: the official client -> shim -> daemon -> a real
-engine worker with the bundled model. Context overflow, embeddings, structured output."""
+engine worker with the bundled model. Context overflow (also as a gRPC client in another
+language sees it), embeddings, structured output."""
 
 from __future__ import annotations
 
@@ -9,10 +10,13 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import jsonschema
 import openai
 import pytest
+from google.rpc import error_details_pb2, status_pb2
 
+from blazar._proto.v1 import inference_pb2, inference_pb2_grpc
 from tests.integration.harness import REPO, Daemon, short_home
 
 pytestmark = pytest.mark.slow
@@ -63,6 +67,40 @@ def test_prompt_plus_max_tokens_over_the_context_is_a_400(client: openai.OpenAI)
         )
     assert long_prompt.value.code == "context_length_exceeded"
     assert long_prompt.value.param == "prompt"
+
+
+def test_grpc_context_overflow_has_error_info(daemon: Daemon) -> None:
+    """The public gRPC API's error as a Go, Rust or Node client reads it: a status whose
+    `grpc-status-details-bin` trailer is a google.rpc.Status holding an ErrorInfo.
+    Decoded here with the standard types only, not Blazar's helper."""
+    request = inference_pb2.CompleteRequest(
+        model=LANE,
+        prompt="word " * (CONTEXT_PER_SLOT + 50),
+        sampling=inference_pb2.Sampling(max_tokens=4),
+    )
+    with grpc.insecure_channel(daemon.grpc) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Complete(request, timeout=60))
+    err = info.value
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
+    details = dict(err.trailing_metadata())["grpc-status-details-bin"]
+    rpc_status = status_pb2.Status.FromString(details)
+    # gRPC requires the Status to repeat the RPC's own code and message.
+    assert rpc_status.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert rpc_status.message == err.details()
+    [detail] = rpc_status.details
+    error_info = error_details_pb2.ErrorInfo()
+    assert detail.Unpack(error_info), detail.type_url
+    assert error_info.reason == "CONTEXT_LENGTH_EXCEEDED"
+    assert error_info.domain == "blazar.dev"
+    assert error_info.metadata["context_length"] == str(CONTEXT_PER_SLOT)
+    assert error_info.metadata["max_tokens"] == "4"
+    assert int(error_info.metadata["prompt_tokens"]) > CONTEXT_PER_SLOT
+    # The same numbers are in the message, and still in the plain trailers.
+    assert str(CONTEXT_PER_SLOT) in rpc_status.message
+    assert error_info.metadata["prompt_tokens"] in rpc_status.message
+    assert dict(err.trailing_metadata())["blazar-reason"] == "CONTEXT_LENGTH_EXCEEDED"
 
 
 def test_embeddings(client: openai.OpenAI) -> None:
