@@ -16,8 +16,8 @@
 Every error carries a gRPC status code name (`code`), a machine-readable `reason`
 (UPPER_SNAKE, as in google.rpc.ErrorInfo) and string `metadata` with the numbers
 behind it. Each boundary translates: the engine and data plane raise these, gRPC
-carries them as status + trailing metadata (`blazar.dataplane.status`), and each HTTP
-dialect renders them in its own envelope. This module is pure: no gRPC import.
+carries them as a status with google.rpc.ErrorInfo details (`blazar.rpc.status`), and
+each HTTP dialect renders them in its own envelope. This module is pure: no gRPC import.
 """
 
 from __future__ import annotations
