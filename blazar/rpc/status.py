@@ -9,7 +9,9 @@ status details, and trailing metadata in two forms that say the same thing:
   gRPC's rich-error idiom reads in any language (`status.FromError(err).Details()` in
   Go, `tonic_types::StatusExt` in Rust, `grpcio-status`'s `rpc_status.from_call`).
 - `blazar-reason` plus one `blazar-<key>` entry per metadata item (for example
-  `blazar-retry_after_ms`), for clients that read plain trailers.
+  `blazar-retry_after_ms`), for clients that read plain trailers. An item whose value
+  is not printable ASCII (say a model name the caller typed) is only in the ErrorInfo:
+  gRPC refuses such a trailer and would turn the whole error into INTERNAL.
 
 Reading back prefers the ErrorInfo, then the `blazar-*` trailers. A status with
 neither came from gRPC itself and is read by its code, with one exception: gRPC
@@ -39,9 +41,14 @@ _PREFIX = "blazar-"
 
 def trailing_metadata(err: errors.BlazarError) -> tuple[tuple[str, str | bytes], ...]:
     items: list[tuple[str, str | bytes]] = [(REASON_KEY, err.reason)]
-    items += [(_PREFIX + k.lower(), v) for k, v in sorted(err.metadata.items())]
+    items += [(_PREFIX + k.lower(), v) for k, v in sorted(err.metadata.items()) if _sendable(v)]
     items.append((DETAILS_KEY, rpc_status(err).SerializeToString()))
     return tuple(items)
+
+
+def _sendable(value: str) -> bool:
+    """Whether gRPC takes value in a text trailer: printable ASCII only."""
+    return all(" " <= c <= "~" for c in value)
 
 
 def rpc_status(err: errors.BlazarError) -> status_pb2.Status:
