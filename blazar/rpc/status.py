@@ -8,6 +8,7 @@ status details, and trailing metadata in two forms that say the same thing:
   domain `blazar.dev` and its `metadata` (for example `retry_after_ms`). This is what
   gRPC's rich-error idiom reads in any language (`status.FromError(err).Details()` in
   Go, `tonic_types::StatusExt` in Rust, `grpcio-status`'s `rpc_status.from_call`).
+  Only an error with a message of some 2 KB or more lacks it (see `DETAILS_LIMIT`).
 - `blazar-reason` plus one `blazar-<key>` entry per metadata item (for example
   `blazar-retry_after_ms`), for clients that read plain trailers. An item whose value
   is not printable ASCII (say a model name the caller typed) is only in the ErrorInfo:
@@ -39,10 +40,20 @@ DOMAIN = "blazar.dev"
 _PREFIX = "blazar-"
 
 
+# The largest `grpc-status-details-bin` sent, in bytes before base64. The Status repeats
+# the message, so the details more than double the trailers, and a gRPC client drops
+# trailers past 8 KiB at random (its soft limit; all of them past 16 KiB) as
+# RESOURCE_EXHAUSTED. A message that long (a manifest with dozens of errors) goes without
+# the details, as it went before they were sent; every other error has them.
+DETAILS_LIMIT = 2048
+
+
 def trailing_metadata(err: errors.BlazarError) -> tuple[tuple[str, str | bytes], ...]:
     items: list[tuple[str, str | bytes]] = [(REASON_KEY, err.reason)]
     items += [(_PREFIX + k.lower(), v) for k, v in sorted(err.metadata.items()) if _sendable(v)]
-    items.append((DETAILS_KEY, rpc_status(err).SerializeToString()))
+    details = rpc_status(err).SerializeToString()
+    if len(details) <= DETAILS_LIMIT:
+        items.append((DETAILS_KEY, details))
     return tuple(items)
 
 

@@ -4,6 +4,7 @@ BlazarError it means."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
@@ -122,6 +123,28 @@ def test_round_trip(err: errors.BlazarError) -> None:
         assert type(back) is type(err)
         assert (back.code, back.reason) == (err.code, err.reason)
         assert (back.message, back.metadata) == (err.message, err.metadata)
+
+
+def wire_bytes(trailers: Any) -> int:
+    """The trailers' size as gRPC counts it against its limits, -bin values in base64."""
+    return sum(
+        len(k) + (len(base64.b64encode(v)) if isinstance(v, bytes) else len(v.encode()))
+        for k, v in trailers
+    )
+
+
+@pytest.mark.parametrize("length", [100, 1_500, 2_500, 4_000, 7_000])
+def test_trailers_stay_under_grpcs_soft_limit(length: int) -> None:
+    """gRPC's client starts dropping trailers past 8 KiB. The status message alone fits
+    up to that (a manifest with many errors is this long); the details, which repeat the
+    message, must not push it over."""
+    err = errors.InvalidRequest("y" * length, metadata={errors.FIELD_KEY: "messages"})
+    trailers = status.trailing_metadata(err)
+    assert len(err.message) + wire_bytes(trailers) < 8 * 1024 - 500
+    if length <= 1_500:  # any ordinary error has its ErrorInfo
+        decode_details(trailers)
+    back = status.from_rpc_error(FakeRpcError(INVALID, err.message, trailers))
+    assert (back.code, back.reason, back.message) == (err.code, err.reason, err.message)
 
 
 def test_error_info_is_preferred_over_blazar_trailers() -> None:
