@@ -22,9 +22,8 @@ _STATUS_BY_CODE: dict[str, int] = {
     "DEADLINE_EXCEEDED": 504,
 }
 
-# The daemon's metadata key (`blazar-retry_after_ms` on the wire); the proto's comment
-# spells it with dashes, so both spellings are read.
-_RETRY_AFTER_KEYS = ("retry_after_ms", "retry-after-ms")
+# The daemon's metadata key (ErrorInfo metadata, and `blazar-retry_after_ms` as a trailer).
+RETRY_AFTER_KEY = "retry_after_ms"
 DEFAULT_RETRY_AFTER_S = 1
 
 
@@ -38,14 +37,12 @@ def http_status(err: errors.BlazarError) -> int:
 
 def retry_after_seconds(err: errors.BlazarError) -> int:
     """Whole seconds for a `Retry-After` header: the daemon's hint rounded up, at least 1."""
-    for key in _RETRY_AFTER_KEYS:
-        raw = err.metadata.get(key)
-        if raw is None:
-            continue
+    raw = err.metadata.get(RETRY_AFTER_KEY)
+    if raw is not None:
         try:
             millis = float(raw)
         except ValueError:
-            continue
+            millis = math.nan
         if math.isfinite(millis):
             return max(1, math.ceil(millis / 1000))
     return DEFAULT_RETRY_AFTER_S

@@ -108,7 +108,8 @@ def test_http_status(err: errors.BlazarError, status: int) -> None:
         ({"retry_after_ms": "0"}, 1),
         ({"retry_after_ms": "1000"}, 1),
         ({"retry_after_ms": "1001"}, 2),
-        ({"retry-after-ms": "4500"}, 5),
+        ({"retry_after_ms": "4500"}, 5),
+        ({"retry-after-ms": "4500"}, 1),  # not the key the daemon sends
         ({"retry_after_ms": "soon"}, 1),
         ({"retry_after_ms": "nan"}, 1),
     ],
