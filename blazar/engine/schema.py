@@ -23,7 +23,8 @@ and validates against the schema (as `jsonschema`, with Python's `re`, checks it
 - It writes an enum as one alternative per value, and llama.cpp's grammar checks
   each live alternative against the whole vocabulary: a 100-value enum cost 0.3 s per
   token, 8,000 values 25 s, on the decode thread every slot shares. Enums are written
-  as a trie here (`alternation`): 20 ms for 8,000 values.
+  as a trie here (`alternation`): 20 ms for 8,000 values; so is an `anyOf` of
+  constants.
 
 A grammar may be stricter than its schema (a pattern's control characters other than
 \\b \\f \\n \\r \\t cannot be written, an object takes no properties beyond those
@@ -61,9 +62,6 @@ _ANNOTATIONS = frozenset(
     {"title", "description", "default", "examples", "example", "$schema", "$id", "$comment",
      "$defs", "definitions", "deprecated", "readOnly", "writeOnly", "discriminator"}
 )  # fmt: skip
-
-# Keywords the converter reads before `enum` (a schema with both is refused anyway).
-_ENUM_OUTRANKED = frozenset({"$ref", "oneOf", "anyOf", "const"})
 
 _LOOSE_CHAR_RULE = 'char ::= [^"\\\\] |'
 _STRICT_CHAR_RULE = 'char ::= [^"\\\\\\x7F\\x00-\\x1F\\uD800-\\uDFFF] |'
@@ -122,19 +120,16 @@ def grammar(schema: dict[str, Any]) -> str:
             return _literal(_json_text(value))
 
         def visit(self, node: dict[str, Any], name: str) -> str:
-            # The converter writes an enum as one alternative per value. llama.cpp's
-            # grammar keeps a stack per alternative alive and checks every one against
-            # the whole vocabulary each step: 100 values cost 0.3 s a token, 8,000
-            # half a minute, for every slot of the replica. A trie keeps one stack
-            # per distinct next character.
-            if (
-                "enum" in node
-                and not _ENUM_OUTRANKED.intersection(node)
-                and not isinstance(node.get("type"), list)
-            ):
+            # The converter writes an enum (or an anyOf of constants) as one
+            # alternative per value. llama.cpp's grammar keeps a stack per alternative
+            # alive and checks every one against the whole vocabulary each step: 100
+            # values cost 0.1-0.3 s a token, 8,000 half a minute, for every slot of
+            # the replica. A trie keeps one stack per distinct next character.
+            values = _constants(node)
+            if values is not None and "const" not in node:
                 rule: str = self._add_rule(
                     name + "-" if name in llama_grammar.RESERVED_NAMES else name or "root",
-                    alternation([_json_text(value) for value in node["enum"]]),
+                    alternation([_json_text(value) for value in values]),
                 )
                 return rule
             found: str = super().visit(node, name)
@@ -532,6 +527,23 @@ def _char_text(code: int) -> str:
     if code <= 0xFF:
         return f"\\x{code:02X}"
     return f"\\u{code:04X}" if code <= 0xFFFF else f"\\U{code:08X}"
+
+
+def _constants(node: Any) -> list[Any] | None:
+    """The values a schema allows when it is a list of them (an `enum`, a `const`, an
+    `anyOf` of those), else None."""
+    if not isinstance(node, dict) or isinstance(node.get("type"), list):
+        return None
+    keys = {k for k in node if k not in _ANNOTATIONS and not k.startswith("x-")} - {"type"}
+    if keys == {"const"}:
+        return [node["const"]]
+    if keys == {"enum"} and isinstance(node["enum"], list):
+        return list(node["enum"])
+    if keys == {"anyOf"} and isinstance(node["anyOf"], list) and node["anyOf"]:
+        members = [_constants(member) for member in node["anyOf"]]
+        if all(m is not None for m in members):
+            return [value for m in members if m is not None for value in m]
+    return None
 
 
 def alternation(texts: Sequence[str]) -> str:

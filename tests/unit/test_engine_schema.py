@@ -304,3 +304,22 @@ def test_an_enum_with_no_values_is_refused() -> None:
 def test_an_enum_is_written_as_a_trie() -> None:
     rule = schema.grammar({"enum": ["red", "green", 1, None]}).splitlines()[0]
     assert rule == 'root ::= ("\\"" ("green\\"" | "red\\"") | "1" | "null")'
+
+
+@pytest.mark.parametrize(
+    ("document", "rule"),
+    [
+        (
+            {"anyOf": [{"const": "ab"}, {"enum": ["ac", 1], "title": "t"}]},
+            'root ::= ("\\"a" ("b\\"" | "c\\"") | "1")',
+        ),
+        ({"type": "string", "enum": ["x", "y"]}, 'root ::= "\\"" ("x\\"" | "y\\"")'),
+        # Not only constants: the converter's own union.
+        (
+            {"anyOf": [{"const": "a"}, {"type": "integer"}]},
+            "root ::= alternative-0 | integer",
+        ),
+    ],
+)
+def test_unions_of_constants_are_written_as_a_trie(document: dict[str, Any], rule: str) -> None:
+    assert rule in schema.grammar(document).splitlines()
