@@ -133,26 +133,40 @@ class LaneReconciler:
                 default_threads=self._default_threads,
                 speculation=speculation_launch(pair, draft),
             )
+        observed = self._processes.observe(name)
         plan = lane_plan.plan_replicas(
-            desired=lane.spec.replicas,
-            launch=launch,
-            observed=self._processes.observe(name),
-            now=self._clock(),
+            desired=lane.spec.replicas, launch=launch, observed=observed, now=self._clock()
         )
+        status = lane.status
+        if plan.actions:
+            # What is serving now goes out before acting: a stop drains for up to its
+            # grace period, and the data plane routes by this status, so a surge
+            # replica that just became ready must be routable before the old one goes.
+            status = self._write_status(name, lane, readiness, status, observed)
         for action in plan.actions:
             await self._act(name, action)
-        observed = self._processes.observe(name)
+        self._write_status(name, lane, readiness, status, self._processes.observe(name))
+        return Result(requeue_after=plan.requeue_after)
+
+    def _write_status(
+        self,
+        name: str,
+        lane: Lane,
+        readiness: lane_plan.ModelReadiness,
+        previous: LaneStatus,
+        observed: list[ReplicaObservation],
+    ) -> LaneStatus:
         status = lane_plan.lane_status(
-            previous=lane.status,
+            previous=previous,
             generation=lane.metadata.generation or 0,
             desired=lane.spec.replicas,
             model=readiness,
             observed=observed,
             now=self._clock(),
         )
-        self._record_transitions(name, lane.status, observed)
+        self._record_transitions(name, previous, observed)
         self._store.update_status(Kind.LANE, name, status)
-        return Result(requeue_after=plan.requeue_after)
+        return status
 
     def _speculation(self, lane: Lane) -> tuple[SpecPair | None, Model | None]:
         """The Lane's SpecPair and its draft Model, each None when absent."""

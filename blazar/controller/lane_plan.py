@@ -53,34 +53,82 @@ def plan_replicas(
     observed: Sequence[ReplicaObservation],
     now: datetime,
 ) -> LanePlan:
-    """Converge the replica set to `desired` copies of `launch`.
+    """Converge the replica set to `desired` copies of `launch`, never serving with
+    fewer ready replicas than before on the way.
+
+    A spec change is a rolling update with one surge replica and none unavailable (a
+    Deployment's maxSurge 1, maxUnavailable 0): while a ready replica runs an older
+    revision, one replica of the new revision runs at index `desired`. A ready replica
+    of an older revision is stopped only while the ready count stays at `desired` or
+    more without it; its index then starts again at the new revision. The surge
+    replica stops once every index below `desired` is ready at the new revision. A
+    replica that serves nothing yet (starting) is replaced at once.
 
     `launch is None` means the model is not ready: nothing new starts, running
-    replicas are left alone. A failed replica is restarted once its backoff has passed;
-    a replica of an older revision is replaced (stopped now, started next pass).
+    replicas are left alone. A failed replica, the surge included, is restarted once
+    its backoff has passed. If the new revision never becomes ready, the old replicas
+    keep serving, as a stuck Deployment rollout keeps its old pods.
     """
-    by_index = {obs.index: obs for obs in observed}
-    waits: list[float] = []
-    actions: list[Action] = [Stop(o.index, "ScaledDown") for o in observed if o.index >= desired]
     if launch is None:
-        return LanePlan(actions)
+        return LanePlan([Stop(o.index, "ScaledDown") for o in observed if o.index >= desired])
+    by_index = {obs.index: obs for obs in observed}
+    new = launch.revision
+    settled = all(
+        (o := by_index.get(i)) is not None and o.state == ReplicaState.READY and o.revision == new
+        for i in range(desired)
+    )
+    rolling = any(
+        o.index < desired and o.state == ReplicaState.READY and o.revision != new for o in observed
+    )
+    surge = None if settled else by_index.get(desired)
+    if surge is not None and (surge.revision != new or surge.state not in _KEPT_SURGE):
+        surge = None
+    kept = [o for o in observed if o.index < desired or o is surge]
+    actions: list[Action] = [Stop(o.index, "ScaledDown") for o in observed if o not in kept]
+    serving = sum(1 for o in kept if o.state == ReplicaState.READY)
+    waits: list[float] = []
+    if surge is not None and surge.state == ReplicaState.FAILED:
+        _restart_after_backoff(surge, launch, now, actions, waits)
+    elif surge is None and rolling:
+        if desired in by_index:
+            waits.append(SURGE_RETRY_S)  # its index is still being stopped
+        else:
+            actions.append(Start(desired, launch, restart=False))
     for index in range(desired):
         replica = by_index.get(index)
         if replica is None:
             actions.append(Start(index, launch, restart=False))
         elif replica.state == ReplicaState.FAILED:
-            exited_at = replica.exited_at or now
-            wait = crash_backoff(replica.restarts) - (now - exited_at).total_seconds()
-            if wait <= 0:
-                actions.append(Start(index, launch, restart=True))
-            else:
-                waits.append(wait)
-        elif replica.revision != launch.revision and replica.state in (
-            ReplicaState.STARTING,
-            ReplicaState.READY,
-        ):
+            _restart_after_backoff(replica, launch, now, actions, waits)
+        elif replica.revision == new:
+            continue
+        elif replica.state == ReplicaState.STARTING:
             actions.append(Stop(index, "SpecChanged"))
+        elif replica.state == ReplicaState.READY and serving - 1 >= desired:
+            actions.append(Stop(index, "SpecChanged"))
+            serving -= 1
     return LanePlan(actions, requeue_after=min(waits) if waits else None)
+
+
+# A surge replica is kept while it is on its way to serving, or failed (and restarted).
+_KEPT_SURGE = (ReplicaState.STARTING, ReplicaState.READY, ReplicaState.FAILED)
+# How soon to look again when the surge's index is still held by a replica being stopped.
+SURGE_RETRY_S = 1.0
+
+
+def _restart_after_backoff(
+    replica: ReplicaObservation,
+    launch: LaunchSpec,
+    now: datetime,
+    actions: list[Action],
+    waits: list[float],
+) -> None:
+    exited_at = replica.exited_at or now
+    wait = crash_backoff(replica.restarts) - (now - exited_at).total_seconds()
+    if wait <= 0:
+        actions.append(Start(replica.index, launch, restart=True))
+    else:
+        waits.append(wait)
 
 
 def replica_statuses(observed: Sequence[ReplicaObservation]) -> list[ReplicaStatus]:
@@ -136,11 +184,13 @@ def lane_status(
         )
 
     put("ModelReady", model.ready, model.reason, model.message)
+    # A surge replica (index `desired`, during a rolling update) serves too.
+    serving = sum(1 for o in observed if o.state == ReplicaState.READY)
     put(
         "Available",
-        ready >= 1,
-        "MinimumReplicasAvailable" if ready >= 1 else "NoReplicaReady",
-        f"{ready} of {desired} replicas are serving.",
+        serving >= 1,
+        "MinimumReplicasAvailable" if serving >= 1 else "NoReplicaReady",
+        f"{serving} replica(s) serving, {desired} desired.",
     )
     progressing = ready != desired or len(observed) != desired
     put(

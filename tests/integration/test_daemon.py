@@ -180,6 +180,60 @@ def test_second_lane_apply_get_delete(daemon: Daemon, tmp_path: Path) -> None:
     assert daemon.cli("get", "lane", "second").returncode != 0
 
 
+def test_a_spec_change_drops_no_request(daemon: Daemon, tmp_path: Path) -> None:
+    """DESIGN §4: a rolling update starts the new replica, waits for it, then drains
+    the old one. Requests sent one after another all the way through all succeed."""
+    manifest = tmp_path / "rolling.yaml"
+    lane = "apiVersion: blazar.dev/v1alpha1\nkind: Lane\nmetadata: {{name: rolling}}\n"
+    lane += "spec: {{model: gemma3-270m, replicas: 1, slots: {slots}, contextPerSlot: 512}}\n"
+    manifest.write_text(lane.format(slots=1))
+    assert daemon.cli("apply", "-f", str(manifest)).returncode == 0
+    daemon.wait_condition("lane", "rolling", "Ready", timeout=180)
+    before = set(daemon.pids("rolling"))
+    answers: list[int] = []
+    failures: list[str] = []
+    done = threading.Event()
+
+    def send() -> None:
+        with httpx.Client(base_url=f"http://{daemon.http}", timeout=60, trust_env=False) as http:
+            while not done.is_set():
+                body = {"model": "rolling", "prompt": "Hello", "max_tokens": 2}
+                reply = http.post("/v1/completions", json=body)
+                if reply.status_code == 200:
+                    answers.append(len(answers))
+                else:
+                    failures.append(f"{reply.status_code} {reply.text[:200]}")
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    try:
+        wait_for(lambda: len(answers) >= 3, timeout=60, what="requests before the update")
+        manifest.write_text(lane.format(slots=2))
+        assert daemon.cli("apply", "-f", str(manifest)).returncode == 0
+
+        def rolled() -> bool:
+            status = daemon.get("lane", "rolling")["status"]
+            replicas = status.get("replicaStatuses", [])
+            pids = {r.get("pid") for r in replicas}
+            return (
+                status.get("observedGeneration") == 2
+                and [r["index"] for r in replicas] == [0]
+                and replicas[0]["state"] == "Ready"
+                and not pids & before
+            )
+
+        wait_for(rolled, timeout=180, what="the rolling update to finish")
+        served = len(answers)
+        wait_for(lambda: len(answers) >= served + 3, timeout=60, what="requests after it")
+    finally:
+        done.set()
+        sender.join(timeout=90)
+        daemon.cli("delete", "lane", "rolling")
+    assert failures == []
+    events = daemon.cli("events").stdout
+    assert "Starting replica 1" in events  # the surge
+
+
 def test_bad_manifest_is_rejected_whole(daemon: Daemon, tmp_path: Path) -> None:
     before = daemon.cli("get", "lanes", "-o", "json").stdout
     manifest = tmp_path / "bad.yaml"

@@ -332,6 +332,41 @@ def test_spec_change_replaces_replicas() -> None:
     assert isinstance(lane, Lane) and lane.status.observed_generation == 2
 
 
+def test_a_spec_change_of_ready_replicas_rolls_with_a_surge() -> None:
+    """Ready replicas are replaced one at a time behind a surge replica (index 2), so
+    the Lane serves from two ready replicas at every step and routes to the surge."""
+    clock, store, procs, rec = lane_world()
+    ready_model(store, clock)
+    apply(store, LANE)
+    asyncio.run(rec.reconcile("l"))
+    for index in (0, 1):
+        procs.set_state("l", index, ReplicaState.READY)
+    asyncio.run(rec.reconcile("l"))
+    old = {r.index: r.pid for r in procs.observe("l")}
+    apply(store, LANE.replace("slots: 2", "slots: 4"))
+
+    def ready_count() -> int:
+        return sum(1 for r in procs.observe("l") if r.state == ReplicaState.READY)
+
+    for _ in range(8):
+        asyncio.run(rec.reconcile("l"))
+        assert ready_count() >= 2
+        for r in procs.observe("l"):
+            if r.state == ReplicaState.STARTING:
+                procs.set_state("l", r.index, ReplicaState.READY)
+        lane = store.get(Kind.LANE, "l")
+        assert isinstance(lane, Lane)
+        serving = {r.index for r in lane.status.replica_statuses if r.state == "Ready"}
+        if 2 in serving:
+            assert cond(store, "Available") == ("True", "MinimumReplicasAvailable")
+    after = procs.observe("l")
+    assert [r.index for r in after] == [0, 1]
+    assert not set(old.values()) & {r.pid for r in after}
+    assert [i for _, i, _ in procs.started] == [0, 1, 2, 0, 1]
+    assert cond(store, "Ready") == ("True", "AllReplicasReady")
+    assert reasons(store).count("ReplicaStopped") == 3  # 0, 1 and the surge
+
+
 def tiny_gguf(path: Path) -> Path:
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_context_length(4096)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -50,7 +51,18 @@ def obs(
         pytest.param(1, LAUNCH, [obs(0, ReplicaState.FAILED, exited_ago=0.2)], [], 0.8, id="crash-waits-backoff"),
         pytest.param(1, LAUNCH, [obs(0, ReplicaState.FAILED, exited_ago=1.5)], [Start(0, LAUNCH, True)], None, id="crash-restarts-after-backoff"),
         pytest.param(1, LAUNCH, [obs(0, ReplicaState.FAILED, restarts=3, exited_ago=5)], [], 3.0, id="backoff-grows"),
-        pytest.param(1, LAUNCH, [obs(0, launch=OLD)], [Stop(0, "SpecChanged")], None, id="spec-change-replaces"),
+        # A rolling update: a surge replica first, the old one stopped once it is ready.
+        pytest.param(1, LAUNCH, [obs(0, launch=OLD)], [Start(1, LAUNCH, False)], None, id="spec-change-starts-a-surge"),
+        pytest.param(1, LAUNCH, [obs(0, launch=OLD), obs(1, ReplicaState.STARTING)], [], None, id="surge-starting"),
+        pytest.param(1, LAUNCH, [obs(0, launch=OLD), obs(1)], [Stop(0, "SpecChanged")], None, id="surge-ready-old-stops"),
+        pytest.param(1, LAUNCH, [obs(1)], [Start(0, LAUNCH, False)], None, id="surge-serves-while-index-restarts"),
+        pytest.param(1, LAUNCH, [obs(0, ReplicaState.STARTING), obs(1)], [], None, id="surge-kept-until-settled"),
+        pytest.param(2, LAUNCH, [obs(0, launch=OLD), obs(1, launch=OLD), obs(2)], [Stop(0, "SpecChanged")], None, id="one-old-at-a-time"),
+        pytest.param(2, LAUNCH, [obs(0, ReplicaState.STARTING), obs(1, launch=OLD), obs(2)], [], None, id="next-old-waits-for-capacity"),
+        pytest.param(1, LAUNCH, [obs(0, ReplicaState.STARTING, launch=OLD)], [Stop(0, "SpecChanged")], None, id="old-starting-replaced-at-once"),
+        pytest.param(1, LAUNCH, [obs(0, launch=OLD), obs(1, launch=OLD)], [Stop(1, "ScaledDown")], 1.0, id="surge-index-busy"),
+        pytest.param(1, LAUNCH, [obs(0, launch=OLD), obs(1, ReplicaState.FAILED, restarts=3, exited_ago=1)], [], 7.0, id="failing-surge-old-keeps-serving"),
+        pytest.param(1, LAUNCH, [obs(0, launch=OLD), obs(1, ReplicaState.FAILED, exited_ago=2)], [Start(1, LAUNCH, True)], None, id="failed-surge-restarts"),
         pytest.param(1, LAUNCH, [obs(0, ReplicaState.DRAINING, launch=OLD)], [], None, id="draining-left-alone"),
     ],
 )  # fmt: skip
@@ -64,6 +76,32 @@ def test_plan_replicas(
     plan = lane_plan.plan_replicas(desired=desired, launch=launch, observed=observed, now=NOW)
     assert plan.actions == actions
     assert plan.requeue_after == (None if requeue is None else pytest.approx(requeue))
+
+
+@pytest.mark.parametrize("desired", [1, 2, 3])
+def test_a_rolling_update_never_serves_with_fewer_ready_replicas(desired: int) -> None:
+    """Walk a rollout pass by pass: each Start is ready by the next pass, each Stop is
+    gone at once. Ready replicas never drop below `desired`, at most one runs beyond
+    it, and the end is `desired` ready replicas of the new revision."""
+    world = {i: obs(i, launch=OLD) for i in range(desired)}
+    for _ in range(4 * desired + 4):
+        plan = lane_plan.plan_replicas(
+            desired=desired, launch=LAUNCH, observed=list(world.values()), now=NOW
+        )
+        for action in plan.actions:
+            if isinstance(action, Stop):
+                del world[action.index]
+            else:
+                world[action.index] = obs(action.index, ReplicaState.STARTING)
+            ready = sum(1 for o in world.values() if o.state == ReplicaState.READY)
+            assert ready >= desired, (action, world)
+            assert len(world) <= desired + 1 + 1  # the surge, and a new one starting
+        if not plan.actions and all(o.state == ReplicaState.READY for o in world.values()):
+            break
+        world = {i: replace(o, state=ReplicaState.READY) for i, o in world.items()}
+    assert sorted(world) == list(range(desired))
+    assert {o.revision for o in world.values()} == {LAUNCH.revision}
+    assert all(o.state == ReplicaState.READY for o in world.values())
 
 
 @pytest.mark.parametrize(
@@ -102,6 +140,7 @@ def status_of(
         pytest.param([obs(0, restarts=1)], 1, READY_MODEL, {"Ready": ("True", "AllReplicasReady"), "Degraded": ("False", "ReplicasHealthy")}, id="recovered"),
         pytest.param([], 1, ModelReadiness(False, "ChecksumMismatch", "bad"), {"Ready": ("False", "ModelNotReady"), "ModelReady": ("False", "ChecksumMismatch")}, id="model-bad"),
         pytest.param([], 0, READY_MODEL, {"Ready": ("True", "ScaledToZero")}, id="zero"),
+        pytest.param([obs(0, ReplicaState.STARTING), obs(1)], 1, READY_MODEL, {"Available": ("True", "MinimumReplicasAvailable"), "Ready": ("False", "ReplicasNotReady"), "Progressing": ("True", "ReplicasUpdating")}, id="surge-serving"),
     ],
 )  # fmt: skip
 def test_lane_status(
