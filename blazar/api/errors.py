@@ -86,8 +86,15 @@ class FieldError:
 
 
 class ManifestInvalid(BlazarError):
+    """Every problem found in a batch of manifests, one `FieldError` a line.
+
+    One received over the wire (`from_reason`) carries its errors only in its message:
+    its `errors` is empty.
+    """
+
     code = "INVALID_ARGUMENT"
     reason = "INVALID_MANIFEST"
+    errors: tuple[FieldError, ...] = ()
 
     def __init__(self, errors: Sequence[FieldError]) -> None:
         self.errors = tuple(errors)
@@ -140,6 +147,7 @@ _BY_REASON: dict[str, type[BlazarError]] = {
         InvalidRequest,
         ContextLengthExceeded,
         RequestTooLarge,
+        ManifestInvalid,
         ModelNotFound,
         ObjectNotFound,
         Overloaded,
@@ -152,8 +160,16 @@ _BY_REASON: dict[str, type[BlazarError]] = {
 
 
 def from_reason(reason: str, message: str, metadata: Mapping[str, str]) -> BlazarError:
-    """Rebuild an error received over the wire; unknown reasons become a BlazarError."""
+    """Rebuild an error received over the wire, message and metadata as sent.
+
+    An unknown reason (from a newer peer, say) becomes a BlazarError that keeps it, so a
+    caller still shows and branches on what the peer meant rather than INTERNAL.
+    """
     cls = _BY_REASON.get(reason, BlazarError)
+    # Around each class's own constructor: some build their message from parts
+    # (ManifestInvalid from FieldErrors), and the message received is already built.
     err = BlazarError.__new__(cls)
     BlazarError.__init__(err, message, metadata=metadata)
+    if err.reason != reason:
+        err.reason = reason  # type: ignore[misc]  # this one error's, not its class's
     return err

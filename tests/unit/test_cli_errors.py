@@ -1,0 +1,92 @@
+"""How the CLI shows an error the daemon sent: `Error from server (Reason): message`,
+with the reason the server gave, whatever the CLI knows of it."""
+
+from __future__ import annotations
+
+import argparse
+
+import grpc
+import pytest
+
+from blazar.api import errors
+from blazar.cli import main
+from blazar.rpc import status
+
+BAD = errors.ManifestInvalid(
+    [
+        errors.FieldError("Lane/broken: spec.replicas", "Input should be a valid integer"),
+        errors.FieldError("Lane/broken: spec.colour", "Extra inputs are not permitted"),
+    ]
+)
+
+
+class FakeRpcError(grpc.RpcError):
+    """What a grpc call raises: a code, details and trailing metadata."""
+
+    def __init__(self, err: errors.BlazarError) -> None:
+        self._err = err
+
+    def code(self) -> grpc.StatusCode:
+        return status.grpc_code(self._err)
+
+    def details(self) -> str:
+        return self._err.message
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        return status.trailing_metadata(self._err)
+
+
+class FromTheFuture(errors.BlazarError):
+    """A reason this CLI has no class for (a newer daemon's)."""
+
+    code = "FAILED_PRECONDITION"
+    reason = "LANE_FROZEN"
+
+
+@pytest.mark.parametrize(
+    ("sent", "cls"),
+    [
+        (BAD, errors.ManifestInvalid),
+        (errors.ModelNotFound.of("nope"), errors.ModelNotFound),
+        (FromTheFuture("Lane x is frozen.", metadata={"lane": "x"}), errors.BlazarError),
+    ],
+)
+def test_from_reason_rebuilds_class_reason_message_and_metadata(
+    sent: errors.BlazarError, cls: type[errors.BlazarError]
+) -> None:
+    got = errors.from_reason(sent.reason, sent.message, sent.metadata)
+    assert type(got) is cls
+    assert (got.reason, got.message, got.metadata) == (sent.reason, sent.message, sent.metadata)
+
+
+def test_a_received_manifest_error_has_no_field_errors_but_its_message() -> None:
+    got = errors.from_reason(BAD.reason, BAD.message, {})
+    assert isinstance(got, errors.ManifestInvalid)
+    assert got.errors == ()
+    assert "spec.colour: Extra inputs are not permitted" in got.message
+
+
+@pytest.mark.parametrize(
+    ("sent", "printed"),
+    [
+        (
+            BAD,
+            "Error from server (InvalidManifest): 2 error(s) in manifest:\n"
+            "Lane/broken: spec.replicas: Input should be a valid integer\n"
+            "Lane/broken: spec.colour: Extra inputs are not permitted\n",
+        ),
+        (
+            errors.ObjectNotFound('Lane "x" not found.'),
+            'Error from server (NotFound): Lane "x" not found.\n',
+        ),
+        (FromTheFuture("Lane x is frozen."), "Error from server (LaneFrozen): Lane x is frozen.\n"),
+    ],
+)
+def test_cli_prints_the_reason_the_server_sent(
+    sent: errors.BlazarError, printed: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def fails(args: argparse.Namespace) -> int:
+        raise FakeRpcError(sent)
+
+    assert main._run(argparse.Namespace(func=fails, server=None)) == 1
+    assert capsys.readouterr().err == printed
