@@ -149,6 +149,9 @@ def cmd_events(args: argparse.Namespace) -> int:
     return 0
 
 
+SELECTOR_HELP = "label selector: k=v, k==v, k!=v, k, !k; comma-separated, all must hold"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="blazar", description="Local LLM inference controller.")
     parser.add_argument(
@@ -179,13 +182,13 @@ def build_parser() -> argparse.ArgumentParser:
     get.add_argument("kind")
     get.add_argument("name", nargs="?")
     get.add_argument("-o", "--output", choices=["yaml", "json", "wide"])
-    get.add_argument("-l", "--selector", help="label selector key=value,...")
+    get.add_argument("-l", "--selector", help=SELECTOR_HELP)
     get.set_defaults(func=cmd_get)
 
     describe = sub.add_parser("describe", help="show an object with its conditions and events")
     describe.add_argument("kind")
     describe.add_argument("name", nargs="?")
-    describe.add_argument("-l", "--selector")
+    describe.add_argument("-l", "--selector", help=SELECTOR_HELP)
     describe.set_defaults(func=cmd_describe)
 
     delete = sub.add_parser("delete", help="delete objects")

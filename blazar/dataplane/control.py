@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any, TypeAlias
 
 from blazar._proto.v1 import control_pb2, control_pb2_grpc
-from blazar.api import errors, kinds, manifests
+from blazar.api import errors, kinds, manifests, selectors
 from blazar.api.errors import FieldError
 from blazar.rpc import status
 from blazar.store.base import ApplyOutcome, Event, Store, WatchEvent, WatchType
@@ -46,17 +46,6 @@ def apply_documents(
             )
         raise
     return store.apply_all(objects, dry_run=dry_run)
-
-
-def parse_selector(text: str) -> dict[str, str]:
-    """`key=value,key2=value2` (kubectl's equality-based label selector)."""
-    selector: dict[str, str] = {}
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        key, sep, value = part.partition("=")
-        if not sep or not key.strip():
-            raise errors.InvalidRequest(f"Bad label selector '{part}': expected key=value.")
-        selector[key.strip()] = value.strip().removeprefix("=")
-    return selector
 
 
 def _found(kind: kinds.Kind, name: str, obj: kinds.Resource | None) -> kinds.Resource:
@@ -127,10 +116,10 @@ class ControlService(control_pb2_grpc.ControlServicer):
     ) -> control_pb2.ListResponse:
         try:
             kind = kinds.resolve_kind(request.kind) if request.kind else None
-            labels = parse_selector(request.label_selector)
+            selector = selectors.parse(request.label_selector)
         except errors.BlazarError as err:
             await status.abort(context, err)
-        objs = self._store.list(kind, labels=labels or None)
+        objs = [o for o in self._store.list(kind) if selector.matches(o.metadata.labels)]
         return control_pb2.ListResponse(
             objects_json=[_dump(o) for o in objs], resource_version=self._store.resource_version
         )

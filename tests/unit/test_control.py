@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from blazar._proto.v1 import control_pb2, control_pb2_grpc
-from blazar.dataplane import control, server
+from blazar.dataplane import server
 from blazar.store.memory import MemoryStore
 
 MODEL = {
@@ -124,14 +124,34 @@ def test_watch_sends_existing_then_changes() -> None:
 
 
 @pytest.mark.parametrize(
-    ("text", "expected"),
-    [("", {}), ("a=b", {"a": "b"}), ("a=b, c=d", {"a": "b", "c": "d"}), ("a==b", {"a": "b"})],
+    ("selector", "names"),
+    [
+        ("", ["m", "other"]),
+        ("tier=small", ["m"]),
+        ("tier!=small", ["other"]),  # no tier label: "not small" holds, as in Kubernetes
+        ("tier!=big", ["m", "other"]),
+        ("tier", ["m"]),
+        ("!tier", ["other"]),
+        ("tier=small,!tier", []),
+    ],
 )
-def test_parse_selector(text: str, expected: dict[str, str]) -> None:
-    assert control.parse_selector(text) == expected
+def test_list_by_label_selector(selector: str, names: list[str]) -> None:
+    async def body(stub: control_pb2_grpc.ControlStub, store: MemoryStore) -> None:
+        other = {**MODEL, "metadata": {"name": "other"}}
+        await stub.Apply(apply_request(MODEL, other))
+        listed = await stub.List(control_pb2.ListRequest(kind="model", label_selector=selector))
+        assert [json.loads(o)["metadata"]["name"] for o in listed.objects_json] == names
+
+    run(body)
 
 
-@pytest.mark.parametrize("text", ["a", "=b", "a=b,c"])
-def test_parse_selector_rejects(text: str) -> None:
-    with pytest.raises(Exception, match="label selector"):
-        control.parse_selector(text)
+@pytest.mark.parametrize("selector", ["tier in (small)", "tier!", "tier=a=b"])
+def test_list_refuses_a_selector_it_cannot_read(selector: str) -> None:
+    async def body(stub: control_pb2_grpc.ControlStub, store: MemoryStore) -> None:
+        await stub.Apply(apply_request(MODEL))
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.List(control_pb2.ListRequest(kind="model", label_selector=selector))
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert f"Bad label selector '{selector}'" in (refused.value.details() or "")
+
+    run(body)
