@@ -50,7 +50,8 @@ class DataPlane:
 
 
 async def start(*, store: Store, address: str) -> DataPlane:
-    """Bind address (port 0 picks a free port) and start serving."""
+    """Bind address (port 0 picks a free port) and start serving; OSError when the
+    address cannot be bound (taken by another process, not local, ...)."""
     server = grpc.aio.server(
         interceptors=(limits.RequestSizeLimit(),), options=limits.SERVER_OPTIONS
     )
@@ -68,8 +69,15 @@ async def start(*, store: Store, address: str) -> DataPlane:
         ),
         server,
     )
-    port = server.add_insecure_port(address)
+    try:
+        # grpcio raises RuntimeError when it cannot bind (older releases returned 0).
+        port = server.add_insecure_port(address)
+    except RuntimeError:
+        port = 0
     if port == 0:
+        # Stopped here, on the running loop: left to the garbage collector, the server
+        # would try to shut down on a closed loop and print a traceback.
+        await server.stop(None)
         raise OSError(f"cannot bind gRPC address {address}")
     await server.start()
     plane = DataPlane(server=server, port=port, inference=inference, health=health, pool=pool)

@@ -27,7 +27,12 @@ from blazar.rpc import status
 MAX_REQUEST_BYTES = 4 * 2**20
 RECEIVE_CEILING_BYTES = 64 * 2**20
 
-SERVER_OPTIONS = (("grpc.max_receive_message_length", RECEIVE_CEILING_BYTES),)
+SERVER_OPTIONS = (
+    ("grpc.max_receive_message_length", RECEIVE_CEILING_BYTES),
+    # grpcio sets SO_REUSEPORT by default, so a second daemon could bind the same port
+    # and the kernel would share connections between the two. Off: the second bind fails.
+    ("grpc.so_reuseport", 0),
+)
 ENGINE_RECEIVE_BYTES = MAX_REQUEST_BYTES + 2**20
 ENGINE_SERVER_OPTIONS = (("grpc.max_receive_message_length", ENGINE_RECEIVE_BYTES),)
 
