@@ -20,6 +20,7 @@ from pathlib import Path
 import structlog
 import uvicorn
 
+from blazar.api import errors
 from blazar.api.kinds import Kind
 from blazar.controller.lane import LaneReconciler
 from blazar.controller.manager import Manager
@@ -66,9 +67,45 @@ def _now() -> datetime:
     return datetime.now(UTC)
 
 
+def _cannot_listen(address: str, what: str, reason: str) -> errors.Unavailable:
+    return errors.Unavailable(f"cannot listen on {address} ({what}): {reason}")
+
+
+def _listen(address: str, *, what: str) -> socket.socket:
+    """A socket bound to address and listening; Unavailable when the address is taken
+    (or not this host's), so `serve` says so in one line instead of a traceback."""
+    host, port = split_address(address)
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        # Listening at once: on Linux two SO_REUSEADDR sockets may both bind a port
+        # until one of them listens.
+        sock.listen()
+    except OSError as exc:
+        sock.close()
+        reason = exc.strerror or str(exc)  # "Address already in use"
+        raise _cannot_listen(address, what, reason[:1].lower() + reason[1:]) from None
+    return sock
+
+
 async def run(options: Options) -> None:
+    """Serve until SIGTERM or SIGINT. Both addresses are checked before anything
+    starts, so a taken port ends `serve` with Unavailable and nothing to undo."""
     home = options.home
-    home.mkdir(parents=True, exist_ok=True)
+    http_sock = _listen(options.http, what="HTTP")
+    try:
+        # Only a check: grpcio binds its own socket. Asked first, it would log its
+        # refusal to stderr in C-core's format before the one line `serve` prints.
+        _listen(options.grpc, what="gRPC").close()
+        home.mkdir(parents=True, exist_ok=True)
+        await _serve(options, http_sock)
+    finally:
+        http_sock.close()
+
+
+async def _serve(options: Options, sock: socket.socket) -> None:
+    home = options.home
     store = SQLiteStore(home / "state.db")
     manager: Manager | None = None
 
@@ -87,14 +124,16 @@ async def run(options: Options) -> None:
         ],
         leftovers=lambda: [(Kind.LANE, lane) for lane in supervisor.kv_lanes()],
     )
-    plane = await dataplane_server.start(store=store, address=options.grpc)
+    try:
+        plane = await dataplane_server.start(store=store, address=options.grpc)
+    except OSError:
+        # Taken since the check in `run`; grpcio does not say why.
+        store.close()
+        raise _cannot_listen(options.grpc, "gRPC", "grpcio could not bind it") from None
     grpc_host, _ = split_address(options.grpc)
     grpc_target = f"{grpc_host}:{plane.port}"
 
-    http_host, http_port = split_address(options.http)
-    sock = socket.socket(socket.AF_INET6 if ":" in http_host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((http_host, http_port))
+    http_host, _ = split_address(options.http)
     http_bound = f"{http_host}:{sock.getsockname()[1]}"
     shim = uvicorn.Server(
         uvicorn.Config(
