@@ -2,17 +2,20 @@
 the GitOps watcher into one asyncio process, and takes them down in reverse order.
 
 Once listening it writes `$BLAZAR_HOME/daemon.json` with its pid and the addresses it
-actually bound (port 0 picks free ports), which is how tests and tools find it.
+actually bound (port 0 picks free ports), which is how tests and tools find it. It
+holds `$BLAZAR_HOME/daemon.lock` for its whole life: one daemon per home.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import json
 import os
 import signal
 import socket
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -89,19 +92,81 @@ def _listen(address: str, *, what: str) -> socket.socket:
     return sock
 
 
-async def run(options: Options) -> None:
-    """Serve until SIGTERM or SIGINT. Both addresses are checked before anything
-    starts, so a taken port ends `serve` with Unavailable and nothing to undo."""
-    home = options.home
-    http_sock = _listen(options.http, what="HTTP")
+LOCK_FILE = "daemon.lock"
+
+
+def _holder(home: Path, fd: int) -> str:
+    """The pid in the lock file, else in daemon.json, else 'unknown'."""
+    written = os.pread(fd, 32, 0).decode(errors="replace").strip()
+    if written.isdigit():
+        return written
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        return str(int(json.loads((home / "daemon.json").read_text())["pid"]))
+    return "unknown"
+
+
+@contextlib.contextmanager
+def _exclusive(home: Path) -> Iterator[None]:
+    """Hold `$BLAZAR_HOME/daemon.lock` for the daemon's life: one daemon per home, for
+    two would run engines on the same sockets and overwrite each other's state.
+
+    An flock, so the OS releases it however the daemon ends (kill -9 included) and a
+    dead daemon never blocks the next one. The file holds the holder's pid, for the
+    refusal's message. It is removed on the way out, while still locked; a starter
+    that opened it before then and locks it after finds it unlinked and starts over.
+    """
+    path = home / LOCK_FILE
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pid = _holder(home, fd)
+            os.close(fd)
+            raise errors.Unavailable(
+                f"BLAZAR_HOME {home} is in use by another blazar daemon (pid {pid}); "
+                "stop it, or give this one another --home"
+            ) from None
+        try:
+            current = os.stat(path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            current = False
+        if current:
+            break
+        os.close(fd)
     try:
-        # Only a check: grpcio binds its own socket. Asked first, it would log its
-        # refusal to stderr in C-core's format before the one line `serve` prints.
-        _listen(options.grpc, what="gRPC").close()
-        home.mkdir(parents=True, exist_ok=True)
-        await _serve(options, http_sock)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
     finally:
-        http_sock.close()
+        path.unlink(missing_ok=True)
+        os.close(fd)
+
+
+async def run(options: Options) -> None:
+    """Serve until SIGTERM or SIGINT.
+
+    First the home is locked (`_exclusive`), then both addresses are checked, before
+    anything else starts: a home in use or a taken port ends `serve` with Unavailable,
+    nothing to undo, and the home as it was (not even created).
+    """
+    home = options.home
+    created = not home.exists()
+    home.mkdir(parents=True, exist_ok=True)
+    try:
+        with _exclusive(home):
+            http_sock = _listen(options.http, what="HTTP")
+            try:
+                # Only a check: grpcio binds its own socket. Asked first, it would log
+                # its refusal to stderr in C-core's format before the line `serve` prints.
+                _listen(options.grpc, what="gRPC").close()
+                await _serve(options, http_sock)
+            finally:
+                http_sock.close()
+    finally:
+        if created:
+            with contextlib.suppress(OSError):  # not empty: the daemon ran and wrote state
+                home.rmdir()
 
 
 async def _serve(options: Options, sock: socket.socket) -> None:

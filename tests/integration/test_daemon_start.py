@@ -3,7 +3,9 @@ home as it found it. No model is needed: these daemons serve an empty fleet."""
 
 from __future__ import annotations
 
+import json
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -13,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from blazar.store.sqlite import SQLiteStore
-from tests.integration.harness import REPO, short_home
+from tests.integration.harness import REPO, Daemon, short_home
 
 
 def serve(home: Path, *, http: str, grpc: str) -> subprocess.CompletedProcess[str]:
@@ -59,3 +61,58 @@ def test_a_taken_port_is_one_line_and_changes_nothing(taken: str, home: Path, wh
     assert (out.returncode, out.stdout) == (1, "")
     assert out.stderr == f"error: cannot listen on {taken} ({which}): address already in use\n"
     assert contents(home) == before
+
+
+def serve_briefly(home: Path) -> tuple[int, str]:
+    """Run a second `serve` on home; one that starts (the defect) is stopped, not left."""
+    argv = [sys.executable, "-m", "blazar.cli", "serve", "--home", str(home),
+            "--http", "127.0.0.1:0", "--grpc", "127.0.0.1:0"]  # fmt: skip
+    with subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, cwd=REPO) as proc:
+        try:
+            _, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGTERM)
+            proc.communicate(timeout=30)
+            raise AssertionError("a second daemon on the same home started") from None
+    return proc.returncode, err
+
+
+def snapshot(home: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(home)): p.read_bytes() if p.is_file() else b"<dir>"
+            for p in sorted(home.rglob("*")) if p.name != "daemon.log"}  # fmt: skip
+
+
+def test_a_second_daemon_on_the_same_home_is_refused_and_touches_nothing() -> None:
+    home = short_home()
+    first = Daemon(home=home).start()
+    try:
+        pid = json.loads((home / "daemon.json").read_text())["pid"]
+        before = snapshot(home)
+        code, err = serve_briefly(home)
+        assert code == 1
+        assert err == (
+            f"error: BLAZAR_HOME {home} is in use by another blazar daemon (pid {pid}); "
+            "stop it, or give this one another --home\n"
+        )
+        assert snapshot(home) == before
+        assert first.cli("get", "lanes").returncode == 0  # the first one still serves
+    finally:
+        first.stop()
+        shutil.rmtree(home, ignore_errors=True)
+    assert first.process is not None and first.process.returncode == 0
+
+
+def test_a_killed_daemon_does_not_hold_its_home() -> None:
+    home = short_home()
+    try:
+        first = Daemon(home=home).start()
+        first.stop(signal.SIGKILL)
+        second = Daemon(home=home).start()
+        try:
+            assert second.process is not None
+            assert (home / "daemon.lock").read_text() == f"{second.process.pid}\n"
+        finally:
+            assert second.stop() == 0
+        assert not (home / "daemon.lock").exists()  # removed on a clean exit
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
