@@ -16,7 +16,7 @@ import abc
 import builtins
 import threading
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from enum import StrEnum
@@ -81,9 +81,9 @@ class Store(Protocol):
 
     def get(self, kind: Kind, name: str) -> Resource | None: ...
 
-    def list(
-        self, kind: Kind | None = None, *, labels: Mapping[str, str] | None = None
-    ) -> builtins.list[Resource]: ...
+    def list(self, kind: Kind | None = None) -> builtins.list[Resource]:
+        """Every object of kind (all kinds when None), in (kind, name) order."""
+        ...
 
     def delete(self, kind: Kind, name: str) -> Resource | None: ...
 
@@ -150,11 +150,6 @@ def decide_apply(
     )
     configured = desired.model_copy(update={"metadata": meta, "status": current.status})
     return ApplyOutcome(ApplyAction.CONFIGURED, configured)
-
-
-def _matches(obj: Resource, labels: Mapping[str, str] | None) -> bool:
-    have = obj.metadata.labels
-    return not labels or all(have.get(k) == v for k, v in labels.items())
 
 
 # One write inside a commit: the new serialised object, or None to delete.
@@ -254,12 +249,10 @@ class TransactionalStore(abc.ABC):
         with self._lock:
             return self._get(kind, name)
 
-    def list(
-        self, kind: Kind | None = None, *, labels: Mapping[str, str] | None = None
-    ) -> builtins.list[Resource]:
+    def list(self, kind: Kind | None = None) -> builtins.list[Resource]:
         with self._lock:
             found = [manifests.from_dict(d) for d in self._load(kind, None)]
-        return sorted((o for o in found if _matches(o, labels)), key=kinds.key)
+        return sorted(found, key=kinds.key)
 
     def delete(self, kind: Kind, name: str) -> Resource | None:
         with self._lock:
