@@ -159,17 +159,22 @@ _BY_REASON: dict[str, type[BlazarError]] = {
 }
 
 
-def from_reason(reason: str, message: str, metadata: Mapping[str, str]) -> BlazarError:
+def from_reason(
+    reason: str, message: str, metadata: Mapping[str, str], *, code: str = "INTERNAL"
+) -> BlazarError:
     """Rebuild an error received over the wire, message and metadata as sent.
 
-    An unknown reason (from a newer peer, say) becomes a BlazarError that keeps it, so a
-    caller still shows and branches on what the peer meant rather than INTERNAL.
+    An unknown reason (from a newer peer, say) becomes a BlazarError that keeps it and
+    the status `code` it came with, so a caller still shows and branches on what the
+    peer meant rather than INTERNAL.
     """
-    cls = _BY_REASON.get(reason, BlazarError)
+    cls = _BY_REASON.get(reason)
     # Around each class's own constructor: some build their message from parts
     # (ManifestInvalid from FieldErrors), and the message received is already built.
-    err = BlazarError.__new__(cls)
+    err = BlazarError.__new__(cls or BlazarError)
     BlazarError.__init__(err, message, metadata=metadata)
-    if err.reason != reason:
-        err.reason = reason  # type: ignore[misc]  # this one error's, not its class's
+    if cls is None:
+        # This one error's, not its class's.
+        err.reason = reason  # type: ignore[misc]
+        err.code = code  # type: ignore[misc]
     return err

@@ -87,12 +87,12 @@ def from_rpc_error(exc: grpc.RpcError) -> errors.BlazarError:
     trailers: Iterable[tuple[str, str | bytes]] = exc.trailing_metadata() or ()
     meta = {str(k): v for k, v in trailers}
     if (info := _error_info(meta.get(DETAILS_KEY), code)) is not None:
-        return errors.from_reason(info.reason, message, dict(info.metadata))
+        return errors.from_reason(info.reason, message, dict(info.metadata), code=code.name)
     texts = {k: v if isinstance(v, str) else v.decode() for k, v in meta.items() if _is_text(k)}
     reason = texts.pop(REASON_KEY, "")
     metadata = {k[len(_PREFIX) :]: v for k, v in texts.items() if k.startswith(_PREFIX)}
     if reason:
-        return errors.from_reason(reason, message, metadata)
+        return errors.from_reason(reason, message, metadata, code=code.name)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED and (too_large := _too_large(message)):
         return too_large
     return _BY_CODE.get(code, errors.BlazarError)(message)

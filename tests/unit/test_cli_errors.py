@@ -54,9 +54,10 @@ class FromTheFuture(errors.BlazarError):
 def test_from_reason_rebuilds_class_reason_message_and_metadata(
     sent: errors.BlazarError, cls: type[errors.BlazarError]
 ) -> None:
-    got = errors.from_reason(sent.reason, sent.message, sent.metadata)
+    got = errors.from_reason(sent.reason, sent.message, sent.metadata, code=sent.code)
     assert type(got) is cls
     assert (got.reason, got.message, got.metadata) == (sent.reason, sent.message, sent.metadata)
+    assert got.code == sent.code
 
 
 def test_a_received_manifest_error_has_no_field_errors_but_its_message() -> None:
