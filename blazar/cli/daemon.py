@@ -152,7 +152,10 @@ async def run(options: Options) -> None:
     """
     home = options.home
     created = not home.exists()
-    home.mkdir(parents=True, exist_ok=True)
+    try:
+        home.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a file in the way, no permission, ...
+        raise errors.Unavailable(f"cannot use {home} as BLAZAR_HOME: {exc.strerror}") from None
     try:
         with _exclusive(home):
             http_sock = _listen(options.http, what="HTTP")

@@ -116,3 +116,12 @@ def test_a_killed_daemon_does_not_hold_its_home() -> None:
         assert not (home / "daemon.lock").exists()  # removed on a clean exit
     finally:
         shutil.rmtree(home, ignore_errors=True)
+
+
+def test_a_home_that_is_a_file_is_one_line(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    home.write_text("not a directory")
+    done = serve(home, http="127.0.0.1:0", grpc="127.0.0.1:0")
+    assert done.returncode == 1
+    assert done.stderr == f"error: cannot use {home} as BLAZAR_HOME: File exists\n"
+    assert home.read_text() == "not a directory"
