@@ -146,6 +146,9 @@ class Supervisor:
             launch=launch,
             socket=self.run_dir / f"{lane}-{index}.sock",
             restarts=(old.restarts + 1) if old else 0,
+            # The last run's exit stays on show while its replacement runs (as a Pod's
+            # lastState): `describe` answers "why did it restart?".
+            exit_code=old.exit_code if old else None,
         )
         self._replicas[key] = replica
         warnings: list[StartWarning] = []
@@ -153,7 +156,7 @@ class Supervisor:
             await self._spawn(replica, warnings)
         except OSError as exc:
             # Nothing runs, so nothing would ever move the replica on from Starting.
-            replica.exited_at = datetime.now(UTC)
+            replica.exited_at, replica.exit_code = datetime.now(UTC), None
             self._set(replica, ReplicaState.FAILED, f"cannot start the engine process: {exc}")
             log.warning("replica.spawn_failed", lane=lane, index=index, error=str(exc))
             return warnings

@@ -281,6 +281,9 @@ def test_killed_worker_is_restarted(daemon: Daemon) -> None:
 
     new_pids = wait_for(back, timeout=120, what="a new ready replica", step=0.2)
     assert all(pid_alive(p) for p in new_pids)
+    # The killed run's exit stays on show (describe's LAST-EXIT column).
+    (replica,) = daemon.get("lane", "gemma3")["status"]["replicaStatuses"]
+    assert replica["lastExitCode"] == -signal.SIGKILL
     daemon.wait_condition("lane", "gemma3", "Degraded", status="False", timeout=10)
     events = daemon.cli("events", "lane", "gemma3").stdout
     for reason in ("ReplicaCrashed", "BackOff", "ReplicaReady"):
