@@ -30,7 +30,7 @@ import re
 import shutil
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -59,6 +59,23 @@ _REASON_CHARS = 300
 _TRACEBACK_LAST = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b.*")
 # Longer argument values go through a file: Linux caps one argument at 128 KiB.
 INLINE_ARG_MAX_BYTES = 1024
+
+# libgomp's waiting threads spin up to 300,000 times before they sleep (its default
+# GOMP_SPINCOUNT). Two busy engines on the same cores (a rolling update's surge beside
+# the replica it replaces, two Lanes, two replicas) then spin against each other:
+# measured here, two one-stream engines of 2 threads on 2 cores fell from 77-84 to
+# 0.5-8.8 tok/s each. At 1,000 spins they ran at 29-31 tok/s each, and one engine
+# alone within the noise of the default (docs/BENCHMARKS.md, "OpenMP spinning").
+OPENMP_SPINCOUNT = "1000"
+
+
+def engine_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """The environment an engine worker starts with: the daemon's, with a short OpenMP
+    spin unless the operator chose a wait policy or spin count."""
+    env = dict(environ)
+    if "GOMP_SPINCOUNT" not in env and "OMP_WAIT_POLICY" not in env:
+        env["GOMP_SPINCOUNT"] = OPENMP_SPINCOUNT
+    return env
 
 
 def socket_dir(home: Path) -> Path:
@@ -327,6 +344,7 @@ class Supervisor:
                 stdout=log_file,
                 stderr=log_file,
                 start_new_session=True,  # own process group, so stop() can kill it whole
+                env=engine_environment(os.environ),
             )
         replica.started_at = datetime.now(UTC)
         log.info("replica.spawned", lane=replica.lane, index=replica.index, pid=replica.process.pid)

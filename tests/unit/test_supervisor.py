@@ -423,3 +423,38 @@ def log_line(event: str, level: str = "info", **fields: object) -> str:
 )
 def test_exit_reason(tail: str, code: int, expected: str) -> None:
     assert supervisor.exit_reason(tail, code) == expected
+
+
+@pytest.mark.parametrize(
+    ("daemon", "engine"),
+    [
+        ({"PATH": "/bin"}, {"PATH": "/bin", "GOMP_SPINCOUNT": "1000"}),
+        # The operator's own choice stands.
+        ({"GOMP_SPINCOUNT": "50"}, {"GOMP_SPINCOUNT": "50"}),
+        ({"OMP_WAIT_POLICY": "ACTIVE"}, {"OMP_WAIT_POLICY": "ACTIVE"}),
+    ],
+)
+def test_engine_environment(daemon: dict[str, str], engine: dict[str, str]) -> None:
+    assert supervisor.engine_environment(daemon) == engine
+
+
+def test_a_worker_starts_with_a_short_openmp_spin(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    sup, launch, worker = bare_supervisor(tmp_path)
+
+    async def run() -> dict[str, str]:
+        try:
+            await sup.start("l", 0, launch)
+            (obs,) = sup.observe("l")
+            assert obs.pid is not None
+            recorded_argv(worker.parent, obs.pid)  # the worker is up
+            raw = Path(f"/proc/{obs.pid}/environ").read_bytes()
+            return dict(item.split("=", 1) for item in raw.decode().split("\0") if "=" in item)
+        finally:
+            await sup.stop_all(grace=1.0)
+
+    assert asyncio.run(run())["GOMP_SPINCOUNT"] == supervisor.OPENMP_SPINCOUNT
+    remove_run_dir(sup)
