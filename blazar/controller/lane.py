@@ -138,14 +138,16 @@ class LaneReconciler:
             desired=lane.spec.replicas, launch=launch, observed=observed, now=self._clock()
         )
         status = lane.status
+        revision = launch.revision if launch is not None else None
         if plan.actions:
             # What is serving now goes out before acting: a stop drains for up to its
             # grace period, and the data plane routes by this status, so a surge
             # replica that just became ready must be routable before the old one goes.
-            status = self._write_status(name, lane, readiness, status, observed)
+            status = self._write_status(name, lane, readiness, status, observed, revision)
         for action in plan.actions:
             await self._act(name, action)
-        self._write_status(name, lane, readiness, status, self._processes.observe(name))
+        observed = self._processes.observe(name)
+        self._write_status(name, lane, readiness, status, observed, revision)
         return Result(requeue_after=plan.requeue_after)
 
     def _write_status(
@@ -155,6 +157,7 @@ class LaneReconciler:
         readiness: lane_plan.ModelReadiness,
         previous: LaneStatus,
         observed: list[ReplicaObservation],
+        revision: str | None,
     ) -> LaneStatus:
         status = lane_plan.lane_status(
             previous=previous,
@@ -163,6 +166,7 @@ class LaneReconciler:
             model=readiness,
             observed=observed,
             now=self._clock(),
+            revision=revision,
         )
         self._record_transitions(name, previous, observed)
         self._store.update_status(Kind.LANE, name, status)

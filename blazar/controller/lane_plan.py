@@ -53,16 +53,17 @@ def plan_replicas(
     observed: Sequence[ReplicaObservation],
     now: datetime,
 ) -> LanePlan:
-    """Converge the replica set to `desired` copies of `launch`, never serving with
-    fewer ready replicas than before on the way.
+    """Converge the replica set to `desired` copies of `launch`, never stopping a ready
+    replica while that would leave fewer than `desired` ready.
 
     A spec change is a rolling update with one surge replica and none unavailable (a
     Deployment's maxSurge 1, maxUnavailable 0): while a ready replica runs an older
     revision, one replica of the new revision runs at index `desired`. A ready replica
-    of an older revision is stopped only while the ready count stays at `desired` or
-    more without it; its index then starts again at the new revision. The surge
-    replica stops once every index below `desired` is ready at the new revision. A
-    replica that serves nothing yet (starting) is replaced at once.
+    of an older revision is stopped once the ready count stays at `desired` or more
+    without it; its index then starts again at the new revision. The surge stops once
+    every index below `desired` is ready at the new revision. A surge of an older
+    revision (the spec changed again mid-rollout) is replaced the same way. A replica
+    that serves nothing yet (starting) is replaced at once.
 
     `launch is None` means the model is not ready: nothing new starts, running
     replicas are left alone. A failed replica, the surge included, is restarted once
@@ -73,6 +74,19 @@ def plan_replicas(
         return LanePlan([Stop(o.index, "ScaledDown") for o in observed if o.index >= desired])
     by_index = {obs.index: obs for obs in observed}
     new = launch.revision
+    actions: list[Action] = []
+    waits: list[float] = []
+    serving = sum(1 for o in observed if o.state == ReplicaState.READY)
+
+    def stop(replica: ReplicaObservation, reason: str) -> bool:
+        nonlocal serving
+        if replica.state == ReplicaState.READY:
+            if serving - 1 < desired:
+                return False  # still needed: a later pass stops it
+            serving -= 1
+        actions.append(Stop(replica.index, reason))
+        return True
+
     settled = all(
         (o := by_index.get(i)) is not None and o.state == ReplicaState.READY and o.revision == new
         for i in range(desired)
@@ -80,37 +94,35 @@ def plan_replicas(
     rolling = any(
         o.index < desired and o.state == ReplicaState.READY and o.revision != new for o in observed
     )
-    surge = None if settled else by_index.get(desired)
-    if surge is not None and (surge.revision != new or surge.state not in _KEPT_SURGE):
-        surge = None
-    kept = [o for o in observed if o.index < desired or o is surge]
-    actions: list[Action] = [Stop(o.index, "ScaledDown") for o in observed if o not in kept]
-    serving = sum(1 for o in kept if o.state == ReplicaState.READY)
-    waits: list[float] = []
-    if surge is not None and surge.state == ReplicaState.FAILED:
-        _restart_after_backoff(surge, launch, now, actions, waits)
-    elif surge is None and rolling:
-        if desired in by_index:
-            waits.append(SURGE_RETRY_S)  # its index is still being stopped
-        else:
+    for extra in sorted(observed, key=lambda o: -o.index):
+        if extra.index > desired:
+            stop(extra, "ScaledDown")
+    surge = by_index.get(desired)
+    surge_free = surge is None
+    if surge is not None:
+        if settled or surge.state not in _KEPT_SURGE:
+            surge_free = stop(surge, "ScaledDown")
+        elif surge.revision != new:
+            surge_free = stop(surge, "SpecChanged")
+        elif surge.state == ReplicaState.FAILED:
+            _restart_after_backoff(surge, launch, now, actions, waits)
+    if rolling and surge_free:
+        if surge is None:
             actions.append(Start(desired, launch, restart=False))
+        else:
+            waits.append(SURGE_RETRY_S)  # its index is being stopped this pass
     for index in range(desired):
         replica = by_index.get(index)
         if replica is None:
             actions.append(Start(index, launch, restart=False))
         elif replica.state == ReplicaState.FAILED:
             _restart_after_backoff(replica, launch, now, actions, waits)
-        elif replica.revision == new:
-            continue
-        elif replica.state == ReplicaState.STARTING:
-            actions.append(Stop(index, "SpecChanged"))
-        elif replica.state == ReplicaState.READY and serving - 1 >= desired:
-            actions.append(Stop(index, "SpecChanged"))
-            serving -= 1
+        elif replica.revision != new and replica.state in _KEPT_SURGE:
+            stop(replica, "SpecChanged")
     return LanePlan(actions, requeue_after=min(waits) if waits else None)
 
 
-# A surge replica is kept while it is on its way to serving, or failed (and restarted).
+# A replica is kept while it is on its way to serving, serving, or failed (and restarted).
 _KEPT_SURGE = (ReplicaState.STARTING, ReplicaState.READY, ReplicaState.FAILED)
 # How soon to look again when the surge's index is still held by a replica being stopped.
 SURGE_RETRY_S = 1.0
@@ -162,12 +174,21 @@ def lane_status(
     model: ModelReadiness,
     observed: Sequence[ReplicaObservation],
     now: datetime,
+    revision: str | None = None,
 ) -> LaneStatus:
-    """The Lane's status after this pass, conditions carried over from `previous`."""
+    """The Lane's status after this pass, conditions carried over from `previous`.
+
+    `revision` is the spec's (None while the model is not ready): a replica of another
+    revision, or the surge beyond `desired`, means a rolling update is under way.
+    """
     current = [o for o in observed if o.index < desired]
     ready = sum(1 for o in current if o.state == ReplicaState.READY)
-    crashing = [o for o in current if o.restarts > 0 and o.state != ReplicaState.READY]
-    crashing += [o for o in current if o.state == ReplicaState.FAILED and o not in crashing]
+    # The surge counts: a rollout whose new replica keeps crashing is degraded.
+    crashing = [o for o in observed if o.restarts > 0 and o.state != ReplicaState.READY]
+    crashing += [o for o in observed if o.state == ReplicaState.FAILED and o not in crashing]
+    rolling = any(
+        o.index >= desired or (revision is not None and o.revision != revision) for o in observed
+    )
 
     conds: list[Condition] = list(previous.conditions)
 
@@ -210,9 +231,14 @@ def lane_status(
         )
     else:
         put("Degraded", False, "ReplicasHealthy", "No replica is crash-looping.")
-    all_ready = model.ready and ready == desired and not crashing
+    all_ready = model.ready and ready == desired and not crashing and not rolling
     if not model.ready:
         reason, message = "ModelNotReady", model.message
+    elif rolling and not crashing:
+        reason = "RollingUpdate"
+        message = (
+            f"Replacing replicas: {serving} serving, {len(observed)} running, {desired} desired."
+        )
     elif all_ready:
         reason = "ScaledToZero" if desired == 0 else "AllReplicasReady"
         message = f"{ready} of {desired} replicas are ready."
@@ -223,6 +249,6 @@ def lane_status(
         observed_generation=generation,
         conditions=conds,
         replicas=len(current),
-        ready_replicas=ready,
+        ready_replicas=serving,
         replica_statuses=replica_statuses(observed),
     )

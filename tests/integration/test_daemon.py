@@ -182,7 +182,8 @@ def test_second_lane_apply_get_delete(daemon: Daemon, tmp_path: Path) -> None:
 
 def test_a_spec_change_drops_no_request(daemon: Daemon, tmp_path: Path) -> None:
     """DESIGN §4: a rolling update starts the new replica, waits for it, then drains
-    the old one. Requests sent one after another all the way through all succeed."""
+    the old one. Requests sent one after another all the way through all succeed,
+    also when the spec changes again in the middle of the rollout."""
     manifest = tmp_path / "rolling.yaml"
     lane = "apiVersion: blazar.dev/v1alpha1\nkind: Lane\nmetadata: {{name: rolling}}\n"
     lane += "spec: {{model: gemma3-270m, replicas: 1, slots: {slots}, contextPerSlot: 512}}\n"
@@ -211,12 +212,20 @@ def test_a_spec_change_drops_no_request(daemon: Daemon, tmp_path: Path) -> None:
         manifest.write_text(lane.format(slots=2))
         assert daemon.cli("apply", "-f", str(manifest)).returncode == 0
 
+        def surge_serving() -> bool:
+            replicas = daemon.get("lane", "rolling")["status"].get("replicaStatuses", [])
+            return any(r["index"] == 1 and r["state"] == "Ready" for r in replicas)
+
+        wait_for(surge_serving, timeout=180, what="the surge replica to serve")
+        manifest.write_text(lane.format(slots=3))
+        assert daemon.cli("apply", "-f", str(manifest)).returncode == 0
+
         def rolled() -> bool:
             status = daemon.get("lane", "rolling")["status"]
             replicas = status.get("replicaStatuses", [])
             pids = {r.get("pid") for r in replicas}
             return (
-                status.get("observedGeneration") == 2
+                status.get("observedGeneration") == 3
                 and [r["index"] for r in replicas] == [0]
                 and replicas[0]["state"] == "Ready"
                 and not pids & before
