@@ -46,26 +46,32 @@ def render_gemma(turns: Sequence[ChatTurn]) -> str:
     """Render a conversation in Gemma's turn format, ending with an open model turn.
 
     The fallback when a model ships no chat template. System messages have no turn
-    of their own in Gemma: their text opens the next user turn, where they stand in
-    the conversation (as llama.cpp's Gemma format does); one with no user turn after
-    it becomes a user turn of its own. BOS is not part of the result; the tokenizer
-    adds it.
+    of their own in Gemma: their text opens the user turn that follows them (as
+    llama.cpp's Gemma format does), and where a model turn or the end follows
+    instead, it is a user turn of its own, so it stays where it was said. BOS is not
+    part of the result; the tokenizer adds it.
     """
     check_roles(turns)
     rendered: list[str] = []
     pending: list[str] = []
-    for turn in turns:
-        if turn.role == "system":
-            pending.append(turn.content.strip())
-            continue
-        role = _GEMMA_ROLES[turn.role]
-        content = turn.content.strip()
-        if role == "user" and pending:
-            content, pending = "\n\n".join([*pending, content]), []
+
+    def turn(role: str, content: str) -> None:
         rendered.append(f"<start_of_turn>{role}\n{content}<end_of_turn>\n")
+
+    for t in turns:
+        if t.role == "system":
+            pending.append(t.content.strip())
+            continue
+        role = _GEMMA_ROLES[t.role]
+        if pending and role == "user":
+            turn(role, "\n\n".join([*pending, t.content.strip()]))
+        else:
+            if pending:
+                turn("user", "\n\n".join(pending))
+            turn(role, t.content.strip())
+        pending = []
     if pending:
-        system = "\n\n".join(pending)
-        rendered.append(f"<start_of_turn>user\n{system}<end_of_turn>\n")
+        turn("user", "\n\n".join(pending))
     rendered.append("<start_of_turn>model\n")
     return "".join(rendered)
 

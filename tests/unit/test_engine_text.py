@@ -28,10 +28,10 @@ from blazar.engine.text import ChatTurn as T
             "<start_of_turn>user\na<end_of_turn>\n<start_of_turn>model\nb<end_of_turn>\n"
             "<start_of_turn>user\nc<end_of_turn>\n<start_of_turn>model\n",
         ),
-        (  # the system text goes to the first *user* turn, even after a model turn
+        (  # before a model turn, the system text is a user turn of its own
             [T("system", "S"), T("assistant", "hello"), T("user", "u")],
-            "<start_of_turn>model\nhello<end_of_turn>\n"
-            "<start_of_turn>user\nS\n\nu<end_of_turn>\n<start_of_turn>model\n",
+            "<start_of_turn>user\nS<end_of_turn>\n<start_of_turn>model\nhello<end_of_turn>\n"
+            "<start_of_turn>user\nu<end_of_turn>\n<start_of_turn>model\n",
         ),
         (  # several system messages are joined
             [T("system", "A"), T("system", "B"), T("user", "u")],
