@@ -106,8 +106,14 @@ class ModelNotFound(BlazarError):
     code = "NOT_FOUND"
     reason = "MODEL_NOT_FOUND"
 
+    # A name is echoed back at most this long: gRPC refuses trailers past 16 KiB, and
+    # an absurd name would turn a NOT_FOUND into a transport error.
+    ECHO_MAX_CHARS = 200
+
     @classmethod
     def of(cls, name: str) -> ModelNotFound:
+        if len(name) > cls.ECHO_MAX_CHARS:
+            name = name[: cls.ECHO_MAX_CHARS] + "..."
         return cls(f"The model '{name}' does not exist.", metadata={"model": name})
 
 

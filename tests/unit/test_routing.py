@@ -43,6 +43,13 @@ def test_unknown_name_is_model_not_found() -> None:
     assert exc.value.metadata == {"model": "zzz"}
 
 
+def test_an_absurdly_long_model_name_is_echoed_cut_short() -> None:
+    with pytest.raises(errors.ModelNotFound) as exc:
+        routing.resolve(TABLE, "x" * 20_000)
+    assert exc.value.metadata == {"model": "x" * 200 + "..."}
+    assert len(exc.value.message) < 300
+
+
 def test_no_model_name_is_an_invalid_request() -> None:
     with pytest.raises(errors.InvalidRequest) as exc:
         routing.resolve(TABLE, "")
