@@ -91,6 +91,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                         ready=bool(route.replicas),
                         created=route.created,
                         context_length=route.context_length,
+                        replicas=route.desired,
                     )
                 )
         return inference_pb2.ListModelsResponse(models=models)

@@ -33,6 +33,8 @@ class Route:
     context_length: int
     # Parallel sequences per replica (the Lane's slots).
     slots: int = 1
+    # Replicas the Lane asks for (its spec.replicas); 0 pauses it.
+    desired: int = 1
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,7 @@ def build_table(lanes: Sequence[Lane]) -> RouteTable:
                 created=int(created.timestamp()) if created else 0,
                 context_length=lane.spec.context_per_slot,
                 slots=lane.spec.slots,
+                desired=lane.spec.replicas,
             )
         )
     by_name: dict[str, Route] = {route.lane: route for route in routes}
@@ -96,6 +99,12 @@ def pick_replica(
     its cached prefix, but does not queue there while another replica has room.
     """
     candidates = [r for r in route.replicas if r.index not in exclude]
+    if not candidates and route.desired == 0 and not route.replicas:
+        raise errors.Unavailable(
+            f"The model '{route.lane}' is scaled to zero: Lane '{route.lane}' has "
+            "replicas: 0. Scale it up to serve it.",
+            metadata={"lane": route.lane},
+        )
     if not candidates:
         raise errors.Unavailable(
             f"The model '{route.lane}' has no ready replica yet; retry shortly.",

@@ -59,7 +59,8 @@ async def healthz(request: Request) -> Response:
 
 async def readyz(request: Request) -> Response:
     """200 when the daemon serves and every model it lists has a ready replica; 503 with
-    the names that are not ready otherwise (a load balancer's readiness probe)."""
+    the names that are not ready otherwise (a load balancer's readiness probe). A Lane
+    scaled to zero is paused on purpose and does not count."""
     client = inference.client_of(request)
     if not await client.serving():
         return JSONResponse({"status": "unavailable"}, status_code=503)
@@ -67,7 +68,7 @@ async def readyz(request: Request) -> Response:
         listed = await client.list_models(metadata=())
     except errors.BlazarError:
         return JSONResponse({"status": "unavailable"}, status_code=503)
-    waiting = sorted({m.lane for m in listed.models if not m.ready})
+    waiting = sorted({m.lane for m in listed.models if not m.ready and m.replicas > 0})
     if waiting:
         return JSONResponse({"status": "not ready", "lanes": waiting}, status_code=503)
     return JSONResponse({"status": "ready"})

@@ -140,6 +140,15 @@ def test_every_replica_refusing_is_unavailable() -> None:
     assert [f.calls for f in fakes] == [1, 1]
 
 
+def test_models_list_the_replicas_each_lane_asks_for() -> None:
+    async def listed() -> list[tuple[str, bool, int]]:
+        async with data_plane([FakeEngine(refuse=False, text="x")] * 2) as stub:
+            reply = await stub.ListModels(inference_pb2.ListModelsRequest())
+        return [(m.id, m.ready, m.replicas) for m in reply.models]
+
+    assert asyncio.run(listed()) == [("l", True, 2)]
+
+
 def test_a_healthy_first_replica_is_used_once() -> None:
     first, second = FakeEngine(refuse=False, text="x"), FakeEngine(refuse=False, text="y")
     chunks, error = asyncio.run(complete([first, second]))

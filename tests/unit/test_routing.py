@@ -11,7 +11,11 @@ from blazar.dataplane import routing
 
 
 def lane(
-    name: str, *aliases: str, ready: tuple[int, ...] = (0,), starting: tuple[int, ...] = ()
+    name: str,
+    *aliases: str,
+    ready: tuple[int, ...] = (0,),
+    starting: tuple[int, ...] = (),
+    desired: int = 1,
 ) -> Lane:
     replicas = [ReplicaStatus(index=i, state="Ready", socket=f"/s/{name}-{i}") for i in ready]
     replicas += [
@@ -19,7 +23,7 @@ def lane(
     ]
     return Lane(
         metadata=ObjectMeta(name=name),
-        spec=LaneSpec(model="m", aliases=list(aliases)),
+        spec=LaneSpec(model="m", aliases=list(aliases), replicas=desired),
         status=LaneStatus(replica_statuses=replicas),
     )
 
@@ -57,8 +61,22 @@ def test_no_model_name_is_an_invalid_request() -> None:
 
 
 def test_lane_without_ready_replica_is_unavailable() -> None:
-    with pytest.raises(errors.Unavailable):
+    with pytest.raises(errors.Unavailable) as exc:
         routing.pick_replica(routing.resolve(TABLE, "c"), {})
+    assert "retry shortly" in exc.value.message
+
+
+def test_lane_scaled_to_zero_says_so() -> None:
+    paused = routing.build_table([lane("z", ready=(), desired=0)])
+    with pytest.raises(errors.Unavailable) as exc:
+        routing.pick_replica(routing.resolve(paused, "z"), {})
+    assert "scaled to zero" in exc.value.message
+    assert exc.value.metadata == {"lane": "z"}
+
+
+def test_lane_scaled_to_zero_still_serves_from_a_draining_replica() -> None:
+    draining = routing.build_table([lane("z", ready=(0,), desired=0)])
+    assert routing.pick_replica(routing.resolve(draining, "z"), {}).index == 0
 
 
 @pytest.mark.parametrize(

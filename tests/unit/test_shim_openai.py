@@ -724,8 +724,10 @@ async def test_readyz_needs_every_listed_lane_ready(
     daemon: Daemon, client: httpx.AsyncClient
 ) -> None:
     daemon.fake.models = [
-        inference_pb2.ModelInfo(id="a", lane="a", ready=True),
-        inference_pb2.ModelInfo(id="b", lane="b", ready=False),
+        inference_pb2.ModelInfo(id="a", lane="a", ready=True, replicas=1),
+        inference_pb2.ModelInfo(id="b", lane="b", ready=False, replicas=2),
+        # Scaled to zero: paused on purpose, so not waited for.
+        inference_pb2.ModelInfo(id="p", lane="p", ready=False, replicas=0),
     ]
     waiting = await client.get("/readyz")
     assert (waiting.status_code, waiting.json()) == (503, {"status": "not ready", "lanes": ["b"]})

@@ -205,20 +205,22 @@ class ListModelsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("id", "lane", "model", "ready", "created", "context_length")
+    __slots__ = ("id", "lane", "model", "ready", "created", "context_length", "replicas")
     ID_FIELD_NUMBER: _ClassVar[int]
     LANE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     CREATED_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
     id: str
     lane: str
     model: str
     ready: bool
     created: int
     context_length: int
-    def __init__(self, id: _Optional[str] = ..., lane: _Optional[str] = ..., model: _Optional[str] = ..., ready: _Optional[bool] = ..., created: _Optional[int] = ..., context_length: _Optional[int] = ...) -> None: ...
+    replicas: int
+    def __init__(self, id: _Optional[str] = ..., lane: _Optional[str] = ..., model: _Optional[str] = ..., ready: _Optional[bool] = ..., created: _Optional[int] = ..., context_length: _Optional[int] = ..., replicas: _Optional[int] = ...) -> None: ...
 
 class ListModelsResponse(_message.Message):
     __slots__ = ("models",)
