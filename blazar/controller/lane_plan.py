@@ -66,14 +66,12 @@ def plan_replicas(
     that serves nothing yet (starting) is replaced at once.
 
     `launch is None` means the model is not ready: nothing new starts, running
-    replicas are left alone. A failed replica, the surge included, is restarted once
-    its backoff has passed. If the new revision never becomes ready, the old replicas
-    keep serving, as a stuck Deployment rollout keeps its old pods.
+    replicas are left alone, and replicas at `desired` or above stop only as the ready
+    count allows (a surge may be all that serves while the Model is being resolved). A
+    failed replica, the surge included, is restarted once its backoff has passed. If
+    the new revision never becomes ready, the old replicas keep serving, as a stuck
+    Deployment rollout keeps its old pods.
     """
-    if launch is None:
-        return LanePlan([Stop(o.index, "ScaledDown") for o in observed if o.index >= desired])
-    by_index = {obs.index: obs for obs in observed}
-    new = launch.revision
     actions: list[Action] = []
     waits: list[float] = []
     serving = sum(1 for o in observed if o.state == ReplicaState.READY)
@@ -87,6 +85,13 @@ def plan_replicas(
         actions.append(Stop(replica.index, reason))
         return True
 
+    if launch is None:
+        for extra in sorted(observed, key=lambda o: -o.index):
+            if extra.index >= desired:
+                stop(extra, "ScaledDown")
+        return LanePlan(actions)
+    by_index = {obs.index: obs for obs in observed}
+    new = launch.revision
     settled = all(
         (o := by_index.get(i)) is not None and o.state == ReplicaState.READY and o.revision == new
         for i in range(desired)

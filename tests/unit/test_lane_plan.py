@@ -49,6 +49,10 @@ def obs(
         pytest.param(0, None, [obs(0)], [Stop(0, "ScaledDown")], None, id="scale-to-zero-without-model"),
         pytest.param(1, None, [obs(0)], [], None, id="model-not-ready-keeps-running"),
         pytest.param(1, None, [], [], None, id="model-not-ready-starts-nothing"),
+        pytest.param(1, None, [obs(0), obs(1)], [Stop(1, "ScaledDown")], None, id="model-not-ready-scales-down"),
+        # The Model changed mid-rollout: the surge is the only replica serving, so it stays.
+        pytest.param(1, None, [obs(0, ReplicaState.STARTING), obs(1)], [], None, id="model-not-ready-keeps-the-serving-surge"),
+        pytest.param(1, None, [obs(0, ReplicaState.FAILED, exited_ago=9), obs(1)], [], None, id="model-not-ready-keeps-the-surge-for-a-failed-index"),
         pytest.param(1, LAUNCH, [obs(0, ReplicaState.FAILED, exited_ago=0.2)], [], 0.8, id="crash-waits-backoff"),
         pytest.param(1, LAUNCH, [obs(0, ReplicaState.FAILED, exited_ago=1.5)], [Start(0, LAUNCH, True)], None, id="crash-restarts-after-backoff"),
         pytest.param(1, LAUNCH, [obs(0, ReplicaState.FAILED, restarts=3, exited_ago=5)], [], 3.0, id="backoff-grows"),
@@ -115,7 +119,8 @@ SPECS = [
 def test_spec_changes_mid_rollout_never_serve_with_fewer_ready_replicas(seed: int) -> None:
     """Random spec changes at random points of a rollout, replicas becoming ready at
     random: once `desired` replicas are ready, never fewer (nothing crashes here), and
-    the Lane ends on the last spec."""
+    the Lane ends on the last spec. At times the Model is not ready (an edit being
+    resolved), so the planner has no launch spec."""
     rng = random.Random(seed)
     desired = rng.choice([1, 2, 3])
     world = {i: obs(i, launch=SPECS[0]) for i in range(desired)}
@@ -123,8 +128,12 @@ def test_spec_changes_mid_rollout_never_serve_with_fewer_ready_replicas(seed: in
     for step in range(60):
         if step < 30 and rng.random() < 0.3:
             launch = rng.choice(SPECS)
+        pending = step < 30 and rng.random() < 0.2
         plan = lane_plan.plan_replicas(
-            desired=desired, launch=launch, observed=list(world.values()), now=NOW
+            desired=desired,
+            launch=None if pending else launch,
+            observed=list(world.values()),
+            now=NOW,
         )
         for action in plan.actions:
             if isinstance(action, Stop):
