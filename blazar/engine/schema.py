@@ -10,10 +10,10 @@ and validates against the schema (as `jsonschema`, with Python's `re`, checks it
   against the escaped text instead of the string's value. Where ECMA-262 (the pattern
   language) and Python's `re` read a pattern differently, the grammar allows only what
   both accept, or the pattern is refused.
-- Keywords the converter ignores (`minimum`, `uniqueItems`, ...) and combinations it
-  gets wrong (a `$ref` or `enum` with sibling constraints, `type` lists with other
-  keywords, `oneOf` without a discriminator, ...) are refused with a 400 that names
-  them, rather than promised and not kept.
+- Keywords the converter ignores (`minimum`, `uniqueItems`, a `format` such as
+  `email`, ...) and combinations it gets wrong (a `$ref` or `enum` with sibling
+  constraints, `type` lists with other keywords, `oneOf` without a discriminator, ...)
+  are refused with a 400 that names them, rather than promised and not kept.
 - Its string character rule lets raw control characters into strings, which no JSON
   parser accepts; llama.cpp's own converter has since excluded them.
 - Its literals (constants, enum values, property names) escaped only quotes and line
@@ -53,6 +53,17 @@ UNENFORCED = frozenset(
         "unevaluatedProperties", "unevaluatedItems",
     }
 )  # fmt: skip
+# The string formats JSON Schema defines, which validators check (with a format
+# checker, as OpenAI's structured outputs promise), and those the converter writes
+# into the grammar. Other `format` values are annotations no validator checks.
+_CHECKED_FORMATS = frozenset(
+    {
+        "date-time", "date", "time", "duration", "email", "idn-email", "hostname",
+        "idn-hostname", "ipv4", "ipv6", "uri", "uri-reference", "iri", "iri-reference",
+        "uuid", "uri-template", "json-pointer", "relative-json-pointer", "regex",
+    }
+)  # fmt: skip
+_ENFORCED_FORMATS = frozenset({"date-time", "date", "time", "uuid"})
 # Keywords whose value maps names to subschemas (the names are not keywords).
 _SCHEMA_MAPS = frozenset({"properties", "$defs", "definitions"})
 # Keywords whose value is data, not a schema (so are `x-` extensions).
@@ -236,6 +247,13 @@ def _combination_gaps(node: dict[str, Any], path: str) -> Iterator[str]:
         for other in ("pattern", "format"):
             if key in node and other in node:
                 yield f"{at}{key} (with {other})"
+    fmt = node.get("format")
+    if node.get("type") in (None, "string") and isinstance(fmt, str):
+        # The converter writes a pattern rather than a format when a node has both.
+        if fmt in _ENFORCED_FORMATS and "pattern" in node:
+            yield f"{at}format (with pattern)"
+        elif fmt in _CHECKED_FORMATS - _ENFORCED_FORMATS:
+            yield f"{at}format ({fmt} is not enforced)"
 
 
 def _is_json_type(value: Any, kind: str) -> bool:
