@@ -247,6 +247,11 @@ def _combination_gaps(node: dict[str, Any], path: str) -> Iterator[str]:
         for other in ("pattern", "format"):
             if key in node and other in node:
                 yield f"{at}{key} (with {other})"
+    for low, high in (("minLength", "maxLength"), ("minItems", "maxItems")):
+        least, most = node.get(low), node.get(high)
+        # No value can meet these; the converter wrote the lower bound and dropped the other.
+        if isinstance(least, int) and isinstance(most, int) and least > most:
+            yield f"{at}{low} (above {high})"
     fmt = node.get("format")
     if node.get("type") in (None, "string") and isinstance(fmt, str):
         # The converter writes a pattern rather than a format when a node has both.

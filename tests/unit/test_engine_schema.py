@@ -136,6 +136,16 @@ def test_unsupported_pattern_is_invalid(pattern: str, fragment: str) -> None:
         ({"format": "ipv4"}, ["format (ipv4 is not enforced)"]),
         ({"type": "string", "format": "date", "pattern": "^2"}, ["format (with pattern)"]),
         ({"type": "string", "format": "date-time"}, []),
+        # Bounds no value can meet: the converter kept the lower one and wrote on.
+        (
+            {"type": "string", "minLength": 5, "maxLength": 2},
+            ["minLength (above maxLength)"],
+        ),
+        (
+            {"type": "array", "items": {}, "minItems": 3, "maxItems": 1},
+            ["minItems (above maxItems)"],
+        ),
+        ({"type": "string", "minLength": 2, "maxLength": 2}, []),
         ({"type": "string", "format": "uuid"}, []),
         ({"type": "string", "format": "password"}, []),
         ({"type": "integer", "format": "int32"}, []),
