@@ -16,6 +16,8 @@ and validates against the schema (as `jsonschema`, with Python's `re`, checks it
   are refused with a 400 that names them, rather than promised and not kept.
 - Its string character rule lets raw control characters into strings, which no JSON
   parser accepts; llama.cpp's own converter has since excluded them.
+- Its `date` format lets every month have 31 days and the year be 0000, which the
+  `date` format check of validators refuses; the rule written here does not.
 - Its literals (constants, enum values, property names) escaped only quotes and line
   breaks in GBNF, so JSON text with a backslash escape came out wrong or broke the
   grammar, and characters outside the BMP came out as surrogate bytes. Literals are
@@ -76,6 +78,22 @@ _ANNOTATIONS = frozenset(
 
 _LOOSE_CHAR_RULE = 'char ::= [^"\\\\] |'
 _STRICT_CHAR_RULE = 'char ::= [^"\\\\\\x7F\\x00-\\x1F\\uD800-\\uDFFF] |'
+
+# The converter's date lets every month have 31 days and the year be 0000, which a
+# validator's `date` format (Python's `date.fromisoformat`, for jsonschema) refuses.
+# This one takes exactly what that accepts: February 29 only in leap years.
+_LOOSE_DATE_RULE = "date ::= "
+_YEAR = '( [1-9] [0-9] [0-9] [0-9] | "0" [1-9] [0-9] [0-9] | "00" [1-9] [0-9] | "000" [1-9] )'
+_LEAP_YEAR = (
+    '( [0-9] [0-9] ( "0" [48] | [2468] [048] | [13579] [26] ) '
+    '| ( "0" [48] | [2468] [048] | [13579] [26] ) "00" )'
+)
+_STRICT_DATE_RULE = (
+    f'date ::= {_YEAR} "-" ( ( "0" [13578] | "1" [02] ) "-" ( "0" [1-9] | [12] [0-9] | "3" [01] ) '
+    '| ( "0" [469] | "11" ) "-" ( "0" [1-9] | [12] [0-9] | "30" ) '
+    '| "02" "-" ( "0" [1-9] | "1" [0-9] | "2" [0-8] ) ) '
+    f'| {_LEAP_YEAR} "-02-29"'
+)
 
 _MAX_CODEPOINT = 0x10FFFF
 # Characters JSON text cannot hold raw inside a string (DEL is excluded as well, as
@@ -170,12 +188,17 @@ def grammar(schema: dict[str, Any]) -> str:
             "The JSON schema cannot be turned into a grammar: it nests or refers to "
             "itself too deeply."
         ) from None
-    return "\n".join(
-        _STRICT_CHAR_RULE + line[len(_LOOSE_CHAR_RULE) :]
-        if line.startswith(_LOOSE_CHAR_RULE)
-        else line
-        for line in text.splitlines()
-    )
+    return "\n".join(_strict_rule(line) for line in text.splitlines())
+
+
+def _strict_rule(line: str) -> str:
+    """A line of the converter's grammar, with its loose character and date rules
+    replaced (see `_STRICT_CHAR_RULE`, `_STRICT_DATE_RULE`)."""
+    if line.startswith(_LOOSE_CHAR_RULE):
+        return _STRICT_CHAR_RULE + line[len(_LOOSE_CHAR_RULE) :]
+    if line.startswith(_LOOSE_DATE_RULE):
+        return _STRICT_DATE_RULE
+    return line
 
 
 def unenforced_keywords(schema: Any, path: str = "") -> Iterator[str]:

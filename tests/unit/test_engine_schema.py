@@ -4,6 +4,7 @@ tests/integration/test_structured_output.py.)"""
 
 from __future__ import annotations
 
+import datetime
 import random
 import re
 from typing import Any
@@ -342,3 +343,23 @@ def test_an_enum_is_written_as_a_trie() -> None:
 )
 def test_unions_of_constants_are_written_as_a_trie(document: dict[str, Any], rule: str) -> None:
     assert rule in schema.grammar(document).splitlines()
+
+
+def test_a_date_format_allows_exactly_the_dates_validators_accept() -> None:
+    """`format: date` is checked with Python's `date.fromisoformat` (jsonschema's format
+    checker): no 2023-02-30, no year 0000, and February 29 only in leap years."""
+    text = schema.grammar({"type": "string", "format": "date"})
+    rule = next(line for line in text.splitlines() if line.startswith("date ::= "))
+    pattern = _gbnf_regex(rule.removeprefix("date ::= "))
+    rng = random.Random(3)
+    years = [0, 1, 4, 100, 400, 1900, 2000, 2023, 2024, 9999, *rng.sample(range(10000), 40)]
+    for year in years:
+        for month in range(14):
+            for day in range(33):
+                value = f"{year:04d}-{month:02d}-{day:02d}"
+                try:
+                    datetime.date.fromisoformat(value)
+                    valid = True
+                except ValueError:
+                    valid = False
+                assert bool(pattern.fullmatch(value)) == valid, value
