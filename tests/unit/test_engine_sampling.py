@@ -148,6 +148,14 @@ def test_resolve_names_the_logit_bias_when_it_alone_is_at_fault(
     assert caught.value.metadata.get(errors.FIELD_KEY) == blamed
 
 
+def test_stop_strings_are_capped() -> None:
+    stops = [f"s{i}" for i in range(sampling.MAX_STOPS)]
+    assert sampling.resolve(inference_pb2.Sampling(stop=stops), seed=1).stop == tuple(stops)
+    with pytest.raises(errors.InvalidRequest, match="at most 64 stop strings") as caught:
+        sampling.resolve(inference_pb2.Sampling(stop=[*stops, "one more"]), seed=1)
+    assert caught.value.metadata.get(errors.FIELD_KEY) == sampling.STOP_FIELD
+
+
 def test_grammar_passes_through() -> None:
     constraint = inference_pb2.Constraint(grammar='root ::= "yes" | "no"')
     params = sampling.resolve(inference_pb2.Sampling(), seed=1, constraint=constraint)
