@@ -149,6 +149,35 @@ def test_response_format_json_schema(client: openai.OpenAI) -> None:
         jsonschema.validate(json.loads(content), schema)
 
 
+def test_llama_cpp_grammar_and_json_schema_fields(client: openai.OpenAI) -> None:
+    """llama.cpp's server's `grammar` and `json_schema` body fields, sent as a client
+    of it would, through the openai client's extra_body."""
+    chat = client.chat.completions.create(
+        model=LANE,
+        messages=[{"role": "user", "content": "Is the sea wet?"}],
+        extra_body={"grammar": 'root ::= ("yes" | "no") "."'},
+        max_tokens=8,
+    )
+    assert chat.choices[0].message.content in ("yes.", "no.")
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer"}},
+        "required": ["n"],
+        "additionalProperties": False,
+    }
+    completion = client.completions.create(
+        model=LANE, prompt="A number as JSON:", extra_body={"json_schema": schema}, max_tokens=24
+    )
+    assert completion.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(completion.choices[0].text), schema)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(
+            model=LANE, prompt="x", extra_body={"grammar": 'start ::= "a"'}, max_tokens=2
+        )
+    assert info.value.param == "grammar"
+    assert "root" in info.value.message
+
+
 def test_bad_grammar_through_the_shim_is_a_400(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(

@@ -1352,6 +1352,10 @@ async def test_embeddings_match_golden(
     [
         ({"logit_bias": {"abc": 1}}, "logit_bias", "'abc' is not a token id"),
         ({"logit_bias": {"-3": 1}}, "logit_bias", "'-3'"),
+        ({"logit_bias": {" 5": 1}}, "logit_bias", "' 5' is not a token id"),
+        ({"logit_bias": {"1_000": 1}}, "logit_bias", "'1_000' is not a token id"),
+        ({"logit_bias": {"\u0663": 1}}, "logit_bias", "is not a token id"),
+        ({"logit_bias": {"+5": 1}}, "logit_bias", "'+5' is not a token id"),
         ({"logit_bias": {"5": 101}}, "logit_bias.5", "less than or equal to 100"),
         ({"logit_bias": {"5": "x"}}, "logit_bias.5", "'logit_bias.5'"),
         ({"top_logprobs": 2}, "top_logprobs", "needs 'logprobs'"),
@@ -1411,11 +1415,66 @@ async def test_response_format_reaches_the_daemon(
 
 
 @pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        # llama.cpp's server's own fields, on both endpoints.
+        ({"grammar": 'root ::= "yes" | "no"'}, {"grammar": 'root ::= "yes" | "no"'}),
+        ({"json_schema": PERSON_SCHEMA}, {"json_schema": PERSON_SCHEMA}),
+        # An empty grammar constrains nothing, as in llama.cpp; a text format neither.
+        ({"grammar": ""}, None),
+        ({"grammar": 'root ::= "a"', "response_format": {"type": "text"}}, {"grammar": 'root ::= "a"'}),
+    ],
+)  # fmt: skip
+async def test_llama_cpp_constraint_fields_reach_the_daemon(
+    daemon: Daemon,
+    client: httpx.AsyncClient,
+    extra: dict[str, Any],
+    expected: dict[str, Any] | None,
+) -> None:
+    for path, body in (
+        ("/v1/chat/completions", chat_body(**extra)),
+        ("/v1/completions", {"model": "tiny", "prompt": "a", **extra}),
+    ):
+        daemon.fake.scripts["tiny"] = [delta("yes"), final()]
+        response = await client.post(path, json=body)
+        assert response.status_code == 200, response.text
+        sent = daemon.fake.requests[-1]
+        if expected is None:
+            assert not sent.HasField("constraint")
+        elif "grammar" in expected:
+            assert sent.constraint.grammar == expected["grammar"]
+        else:
+            assert json.loads(sent.constraint.json_schema) == expected["json_schema"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"response_format": {"type": "json_object"}, "grammar": 'root ::= "a"'}, "grammar"),
+        ({"grammar": 'root ::= "a"', "json_schema": {}}, "json_schema"),
+        ({"response_format": {"type": "json_object"}, "json_schema": {}}, "json_schema"),
+        ({"json_schema": "{}"}, "json_schema"),
+        ({"grammar": 3}, "grammar"),
+    ],
+)
+async def test_more_than_one_constraint_is_400(
+    daemon: Daemon, client: httpx.AsyncClient, extra: dict[str, Any], param: str
+) -> None:
+    response = await client.post("/v1/chat/completions", json=chat_body(**extra))
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+    assert daemon.fake.requests == []
+
+
+@pytest.mark.parametrize(
     ("field", "extra", "param"),
     [
         ("constraint", {"response_format": {"type": "json_object"}}, "response_format"),
+        ("constraint", {"grammar": 'root ::= "a"'}, "grammar"),
+        ("constraint", {"json_schema": {"type": "object"}}, "json_schema"),
         # The engine alone knows the vocabulary, so only it can refuse a token id.
         ("sampling.logit_bias", {"logit_bias": {"262144": 5}}, "logit_bias"),
+        ("sampling.stop", {"stop": [str(i) for i in range(65)]}, "stop"),
         ("sampling.unheard_of", {}, None),
     ],
 )

@@ -78,7 +78,7 @@ def chat_request(body: protocol.ChatCompletionRequest) -> inference_pb2.ChatRequ
         model=body.model,
         messages=messages,
         sampling=sampling,
-        constraint=_constraint(body.response_format),
+        constraint=_constraint(body),
     )
 
 
@@ -121,7 +121,7 @@ def complete_request(body: protocol.CompletionRequest) -> inference_pb2.Complete
         model=body.model,
         prompt=prompt,
         sampling=sampling,
-        constraint=_constraint(body.response_format),
+        constraint=_constraint(body),
     )
 
 
@@ -152,7 +152,45 @@ def embed_request(body: protocol.EmbeddingRequest) -> inference_pb2.EmbedRequest
     return inference_pb2.EmbedRequest(model=body.model, inputs=inputs, normalize=True)
 
 
-def _constraint(fmt: protocol.ResponseFormat | None) -> inference_pb2.Constraint | None:
+def _constraint(
+    body: protocol.ChatCompletionRequest | protocol.CompletionRequest,
+) -> inference_pb2.Constraint | None:
+    """OpenAI's `response_format`, or llama.cpp's `grammar` or `json_schema`: one of them.
+
+    An empty grammar constrains nothing, as in llama.cpp.
+    """
+    given = {
+        "response_format": _format_constraint(body.response_format),
+        "grammar": inference_pb2.Constraint(grammar=body.grammar) if body.grammar else None,
+        "json_schema": (
+            None
+            if body.json_schema is None
+            else inference_pb2.Constraint(
+                json_schema=json.dumps(body.json_schema, ensure_ascii=False, separators=(",", ":"))
+            )
+        ),
+    }
+    named = [name for name, constraint in given.items() if constraint is not None]
+    if len(named) > 1:
+        raise _invalid(
+            f"Send one of 'response_format', 'grammar' and 'json_schema'; got "
+            f"'{named[0]}' and '{named[1]}'.",
+            param=named[1],
+        )
+    return given[named[0]] if named else None
+
+
+def blame_of(body: protocol.ChatCompletionRequest | protocol.CompletionRequest) -> Blame:
+    """The parameters errors about this request's prompt and constraint blame."""
+    if body.grammar:
+        constraint = "grammar"
+    else:
+        constraint = "json_schema" if body.json_schema is not None else "response_format"
+    prompt = "prompt" if isinstance(body, protocol.CompletionRequest) else "messages"
+    return Blame(prompt=prompt, constraint=constraint)
+
+
+def _format_constraint(fmt: protocol.ResponseFormat | None) -> inference_pb2.Constraint | None:
     if isinstance(fmt, protocol.JsonObjectFormat):
         return inference_pb2.Constraint(json_object=True)
     if isinstance(fmt, protocol.JsonSchemaFormat):
@@ -294,10 +332,8 @@ def _sampling(
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or ())
     sampling.stop.extend(s for s in stops if s)
     for key, bias in (body.logit_bias or {}).items():
-        try:
-            token = int(key)
-        except ValueError:
-            token = -1
+        # Digits only: int() would also take " 5", "1_000" and other scripts' digits.
+        token = int(key) if key.isascii() and key.isdigit() else -1
         if not 0 <= token < _TOKEN_ID_LIMIT:
             raise _invalid(
                 f"Invalid key in 'logit_bias': {key!r} is not a token id.", param="logit_bias"
@@ -711,33 +747,44 @@ class ErrorResponse:
     headers: dict[str, str]
 
 
-# The OpenAI parameter behind each field of the gRPC request an engine error can blame.
+@dataclass(frozen=True)
+class Blame:
+    """The parameters of one request that errors about its prompt (too long, empty)
+    and its constraint blame: OpenAI names `messages` or `prompt`, and the constraint
+    is whichever of `response_format`, `grammar` and `json_schema` was sent."""
+
+    prompt: str = "messages"
+    constraint: str = "response_format"
+
+
+CHAT_BLAME = Blame()
+COMPLETION_BLAME = Blame(prompt="prompt")
+EMBEDDING_BLAME = Blame(prompt="input")
+
+
+# The OpenAI parameter behind the other fields of the gRPC request an error can blame.
 _PARAMS = {
-    "constraint": "response_format",
     "sampling.logit_bias": "logit_bias",
+    "sampling.stop": "stop",
     "inputs": "input",
 }
 
 
-def error_response(err: errors.BlazarError, *, prompt_param: str = "messages") -> ErrorResponse:
-    """OpenAI's `{"error": {message, type, param, code}}` with the matching HTTP status.
-
-    `prompt_param` names the field blamed for an over-long or empty prompt (`prompt`
-    for completions), as OpenAI does.
-    """
+def error_response(err: errors.BlazarError, *, blame: Blame = CHAT_BLAME) -> ErrorResponse:
+    """OpenAI's `{"error": {message, type, param, code}}` with the matching HTTP status."""
     status = http_errors.http_status(err)
     headers: dict[str, str] = {}
     if status == 429:
         headers["retry-after"] = str(http_errors.retry_after_seconds(err))
     field = err.metadata.get(errors.FIELD_KEY, "")
     param = err.metadata.get(validation.PARAM_KEY) or (
-        prompt_param if field == "prompt" else _PARAMS.get(field)
+        {"prompt": blame.prompt, "constraint": blame.constraint}.get(field) or _PARAMS.get(field)
     )
     code: str | None = None
     if isinstance(err, errors.ModelNotFound):
         code, param = "model_not_found", "model"
     elif isinstance(err, errors.ContextLengthExceeded):
-        code, param = "context_length_exceeded", param or prompt_param
+        code, param = "context_length_exceeded", param or blame.prompt
     elif status in (413, 429):
         code = err.reason.lower()
     elif status == 401:

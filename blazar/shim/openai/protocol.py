@@ -97,6 +97,10 @@ class _Sampling(_Request):
     logit_bias: LogitBias | None = None
     # Not in OpenAI's completions API, but vLLM and llama.cpp's server accept it there too.
     response_format: ResponseFormat | None = None
+    # Not in OpenAI's API: llama.cpp's server takes a GBNF grammar, or a bare JSON schema,
+    # on both endpoints. At most one constraint is accepted (see convert).
+    grammar: str | None = None
+    json_schema: dict[str, Any] | None = None
 
 
 class ChatCompletionRequest(_Sampling):

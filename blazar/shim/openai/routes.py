@@ -44,6 +44,7 @@ async def chat_completions(request: Request) -> Response:
         canonical = convert.chat_request(body)
     except errors.BlazarError as err:
         return error(err)
+    blame = convert.blame_of(body)
     meta = convert.ResponseMeta(
         id=f"chatcmpl-{ctx.request_id}", created=int(time.time()), model=body.model
     )
@@ -53,9 +54,12 @@ async def chat_completions(request: Request) -> Response:
         renderer = convert.ChatStream(
             meta, include_usage=convert.include_usage(body), logprobs=logprobs
         )
-        return await _stream(request, stream, renderer)
+        return await _stream(request, stream, renderer, blame=blame)
     return await _collect(
-        request, stream, lambda answer: answer.chat_completion(meta, logprobs=logprobs)
+        request,
+        stream,
+        lambda answer: answer.chat_completion(meta, logprobs=logprobs),
+        blame=blame,
     )
 
 
@@ -65,7 +69,8 @@ async def completions(request: Request) -> Response:
         body = await request_body.parse(request, protocol.CompletionRequest)
         canonical = convert.complete_request(body)
     except errors.BlazarError as err:
-        return error(err, prompt_param="prompt")
+        return error(err, blame=convert.COMPLETION_BLAME)
+    blame = convert.blame_of(body)
     meta = convert.ResponseMeta(
         id=f"cmpl-{ctx.request_id}", created=int(time.time()), model=body.model
     )
@@ -76,12 +81,12 @@ async def completions(request: Request) -> Response:
         renderer = convert.CompletionStream(
             meta, include_usage=convert.include_usage(body), logprobs=logprobs, echo=echo
         )
-        return await _stream(request, stream, renderer, prompt_param="prompt")
+        return await _stream(request, stream, renderer, blame=blame)
     return await _collect(
         request,
         stream,
         lambda answer: answer.completion(meta, logprobs=logprobs, echo=echo),
-        prompt_param="prompt",
+        blame=blame,
     )
 
 
@@ -103,7 +108,7 @@ async def embeddings(request: Request) -> Response:
     except streaming.ClientDisconnected:
         return Response(status_code=streaming.CLIENT_CLOSED_REQUEST)
     except errors.BlazarError as err:
-        return error(err, prompt_param="input")
+        return error(err, blame=convert.EMBEDDING_BLAME)
     return JSONResponse(rendered)
 
 
@@ -143,8 +148,8 @@ async def no_route(request: Request, exc: Exception) -> Response:
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-def error(err: errors.BlazarError, *, prompt_param: str = "messages") -> Response:
-    rendered = convert.error_response(err, prompt_param=prompt_param)
+def error(err: errors.BlazarError, *, blame: convert.Blame = convert.CHAT_BLAME) -> Response:
+    rendered = convert.error_response(err, blame=blame)
     return JSONResponse(rendered.body, status_code=rendered.status, headers=rendered.headers)
 
 
@@ -153,7 +158,7 @@ async def _stream(
     stream: inference.ChunkStream,
     renderer: Renderer,
     *,
-    prompt_param: str = "messages",
+    blame: convert.Blame,
 ) -> Response:
     """Answer with SSE once the first chunk is in, so early errors keep their HTTP status."""
     try:
@@ -163,11 +168,11 @@ async def _stream(
         return Response(status_code=streaming.CLIENT_CLOSED_REQUEST)
     except errors.BlazarError as err:
         stream.cancel()
-        return error(err, prompt_param=prompt_param)
+        return error(err, blame=blame)
     except BaseException:
         stream.cancel()
         raise
-    return streaming.EventStream(_events(stream, renderer, first, prompt_param=prompt_param))
+    return streaming.EventStream(_events(stream, renderer, first, blame=blame))
 
 
 async def _events(
@@ -175,7 +180,7 @@ async def _events(
     renderer: Renderer,
     first: inference_pb2.Chunk | None,
     *,
-    prompt_param: str,
+    blame: convert.Blame,
 ) -> AsyncIterator[bytes]:
     # Leaving this block for any reason, client disconnect included, cancels the RPC.
     async with stream:
@@ -192,7 +197,7 @@ async def _events(
                 raise convert.truncated()
         except errors.BlazarError as err:
             # Headers are gone; OpenAI's clients read an `error` key in a data event.
-            yield _sse(convert.error_response(err, prompt_param=prompt_param).body)
+            yield _sse(convert.error_response(err, blame=blame).body)
         except Exception:
             _log.exception("stream failed")
             yield _sse(convert.error_response(_internal()).body)
@@ -204,7 +209,7 @@ async def _collect(
     stream: inference.ChunkStream,
     render: Callable[[convert.Answer], protocol.ChatCompletion | protocol.Completion],
     *,
-    prompt_param: str = "messages",
+    blame: convert.Blame,
 ) -> Response:
     answer = convert.Answer()
 
@@ -219,7 +224,7 @@ async def _collect(
     except streaming.ClientDisconnected:
         return Response(status_code=streaming.CLIENT_CLOSED_REQUEST)
     except errors.BlazarError as err:
-        return error(err, prompt_param=prompt_param)
+        return error(err, blame=blame)
     return JSONResponse(body)
 
 
