@@ -26,9 +26,15 @@ log = structlog.get_logger(__name__)
 
 
 def model_readiness(
-    lane: Lane, model: Model | None, draft: Model | None = None
+    lane: Lane, model: Model | None, draft: Model | None = None, *, pair: SpecPair | None = None
 ) -> lane_plan.ModelReadiness:
-    """Whether the Lane's model can be served; `draft` is its SpecPair's draft Model."""
+    """Whether the Lane's model can be served; `pair` is its SpecPair and `draft` that
+    pair's draft Model.
+
+    A SpecPair made for another Model is not served: its draft was chosen for that
+    target (a draft model must share the target's vocabulary, or the engine refuses
+    it at every start), so nothing starts until the Lane or the pair is fixed.
+    """
     if lane.spec.engine != "llama-cpp":
         return lane_plan.ModelReadiness(
             False, "EngineUnsupported", f"Engine '{lane.spec.engine}' is not supported yet."
@@ -36,6 +42,13 @@ def model_readiness(
     if model is None:
         return lane_plan.ModelReadiness(
             False, "ModelNotFound", f'Model "{lane.spec.model}" does not exist.'
+        )
+    if pair is not None and pair.spec.target != lane.spec.model:
+        return lane_plan.ModelReadiness(
+            False,
+            "SpecPairTargetMismatch",
+            f'SpecPair "{pair.metadata.name}" is for Model "{pair.spec.target}", '
+            f'not for this Lane\'s model "{lane.spec.model}".',
         )
     cond = conditions.get_condition(model.status.conditions, "ModelReady")
     if cond is None or not model.status.path:
@@ -124,7 +137,7 @@ class LaneReconciler:
         model = self._store.get(Kind.MODEL, lane.spec.model)
         assert model is None or isinstance(model, Model)
         pair, draft = self._speculation(lane)
-        readiness = model_readiness(lane, model, draft)
+        readiness = model_readiness(lane, model, draft, pair=pair)
         launch = None
         if readiness.ready and model is not None:
             launch = launch_spec(

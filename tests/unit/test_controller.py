@@ -289,6 +289,30 @@ def test_lane_waits_for_a_draft_model_status_from_an_older_generation() -> None:
     assert [s.draft_model_path if s else None for s in drafts] == ["/models/d2.gguf"] * 2
 
 
+def test_a_lane_does_not_start_with_a_spec_pair_made_for_another_model() -> None:
+    # The pair's draft was chosen for its target (a draft model must share its
+    # vocabulary): on another model the engine would refuse it at every start.
+    clock, store, procs, rec = lane_world()
+    ready_model(store, clock)
+    apply(store, MODEL.replace("name: m", "name: other"))
+    helpers.mark_model_ready(store, "other", path="/models/other.gguf", now=clock.now)
+    apply(store, DRAFTED.replace("target: m", "target: other"))
+    helpers.mark_model_ready(store, "d", path="/models/d.gguf", now=clock.now)
+    apply(store, LANE.replace("threads: 2", "threads: 2, speculation: sp"))
+    asyncio.run(rec.reconcile("l"))
+    assert procs.observe("l") == []
+    assert cond(store, "ModelReady") == ("False", "SpecPairTargetMismatch")
+    ready = lane_condition(store, "ModelReady")
+    assert ready is not None
+    assert ready.message == 'SpecPair "sp" is for Model "other", not for this Lane\'s model "m".'
+
+    apply(store, DRAFTED)
+    asyncio.run(rec.reconcile("l"))
+    drafts = [launch.speculation for _, _, launch in procs.started]
+    assert [s.draft_model_path if s else None for s in drafts] == ["/models/d.gguf"] * 2
+    assert cond(store, "ModelReady") == ("True", "ModelReady")
+
+
 def test_a_model_change_wakes_the_lanes_that_serve_or_draft_from_it() -> None:
     store = MemoryStore(clock=Clock())
     apply(store, MODEL)
