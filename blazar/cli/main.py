@@ -35,13 +35,20 @@ def _stub(args: argparse.Namespace) -> control_pb2_grpc.ControlStub:
     return control_pb2_grpc.ControlStub(grpc.insecure_channel(_server(args)))
 
 
-def _read_docs(target: str) -> list[tuple[str, dict[str, Any]]]:
-    if target == "-":
-        return manifests.parse_documents(sys.stdin.read(), source="<stdin>")
-    path = Path(target)
-    if not path.exists():
-        raise errors.InvalidRequest(f"the path '{target}' does not exist")
-    return manifests.load_path(path)
+def _read_docs(targets: Sequence[str]) -> list[tuple[str, dict[str, Any]]]:
+    """The documents of every `-f` target, in order (kubectl takes `-f` repeated)."""
+    if list(targets).count("-") > 1:
+        raise errors.InvalidRequest("'-f -' (standard input) can be given only once")
+    missing = [t for t in targets if t != "-" and not Path(t).exists()]
+    if missing:
+        raise errors.InvalidRequest(f"the path '{missing[0]}' does not exist")
+    docs: list[tuple[str, dict[str, Any]]] = []
+    for target in targets:
+        if target == "-":
+            docs += manifests.parse_documents(sys.stdin.read(), source="<stdin>")
+        else:
+            docs += manifests.load_path(Path(target))
+    return docs
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -149,6 +156,7 @@ def cmd_events(args: argparse.Namespace) -> int:
     return 0
 
 
+FILENAME_HELP = "file, directory, or - for stdin; repeatable"
 SELECTOR_HELP = "label selector: k=v, k==v, k!=v, k, !k; comma-separated, all must hold"
 
 
@@ -174,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=cmd_serve)
 
     apply = sub.add_parser("apply", help="create or update objects from manifests")
-    apply.add_argument("-f", "--filename", required=True, help="file, directory, or - for stdin")
+    apply.add_argument("-f", "--filename", required=True, action="append", help=FILENAME_HELP)
     apply.add_argument("--dry-run", action="store_true", help="validate and report, change nothing")
     apply.set_defaults(func=cmd_apply)
 
@@ -194,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     delete = sub.add_parser("delete", help="delete objects")
     delete.add_argument("kind", nargs="?")
     delete.add_argument("name", nargs="?")
-    delete.add_argument("-f", "--filename")
+    delete.add_argument("-f", "--filename", action="append", help=FILENAME_HELP)
     delete.set_defaults(func=cmd_delete)
 
     events = sub.add_parser("events", help="what the controller did, newest last")

@@ -1,0 +1,107 @@
+"""`apply -f` and `delete -f` read every file given, as kubectl does with `-f` repeated."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+
+from blazar._proto.v1 import control_pb2
+from blazar.cli import main
+
+MODEL = """\
+apiVersion: blazar.dev/v1alpha1
+kind: Model
+metadata: {name: m}
+spec: {source: {path: /m.gguf}}
+"""
+LANE = """\
+apiVersion: blazar.dev/v1alpha1
+kind: Lane
+metadata: {name: l}
+spec: {model: m}
+"""
+
+
+class FakeControl:
+    """The daemon's Control service as the CLI sees it: records what it is sent."""
+
+    def __init__(self) -> None:
+        self.applied: list[control_pb2.ApplyRequest] = []
+        self.deleted: list[tuple[str, str]] = []
+
+    def Apply(self, request: control_pb2.ApplyRequest) -> control_pb2.ApplyResponse:
+        self.applied.append(request)
+        results = []
+        for text in request.objects_json:
+            obj = json.loads(text)
+            results.append(
+                control_pb2.ApplyResult(
+                    kind=obj["kind"], name=obj["metadata"]["name"], action="created"
+                )
+            )
+        return control_pb2.ApplyResponse(results=results)
+
+    def Delete(self, request: control_pb2.DeleteRequest) -> control_pb2.DeleteResponse:
+        self.deleted.append((request.kind, request.name))
+        return control_pb2.DeleteResponse()
+
+
+@pytest.fixture
+def control(monkeypatch: pytest.MonkeyPatch) -> FakeControl:
+    fake = FakeControl()
+    monkeypatch.setattr(main, "_stub", lambda args: fake)
+    return fake
+
+
+@pytest.fixture
+def files(tmp_path: Path) -> tuple[Path, Path]:
+    (tmp_path / "model.yaml").write_text(MODEL)
+    (tmp_path / "lane.yaml").write_text(LANE)
+    return tmp_path / "model.yaml", tmp_path / "lane.yaml"
+
+
+def test_apply_sends_every_file_in_one_batch(
+    control: FakeControl, files: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    model, lane = files
+    assert main.main(["apply", "-f", str(model), "-f", str(lane)]) == 0
+    [request] = control.applied
+    assert [json.loads(o)["kind"] for o in request.objects_json] == ["Model", "Lane"]
+    assert capsys.readouterr().out.splitlines() == ["model/m created", "lane/l created"]
+
+
+def test_apply_with_stdin_among_the_files(
+    control: FakeControl, files: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("sys.stdin", io.StringIO(LANE))
+    assert main.main(["apply", "-f", str(files[0]), "-f", "-"]) == 0
+    [request] = control.applied
+    assert [json.loads(o)["kind"] for o in request.objects_json] == ["Model", "Lane"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["-f", "/no/such/file.yaml"], "the path '/no/such/file.yaml' does not exist"),
+        (["-f", "-", "-f", "-"], "standard input"),
+    ],
+)
+def test_a_bad_file_among_several_applies_nothing(
+    control: FakeControl,
+    files: tuple[Path, Path],
+    capsys: pytest.CaptureFixture[str],
+    extra: list[str],
+    message: str,
+) -> None:
+    assert main.main(["apply", "-f", str(files[0]), *extra]) == 1
+    assert message in capsys.readouterr().err
+    assert control.applied == []
+
+
+def test_delete_reads_every_file(control: FakeControl, files: tuple[Path, Path]) -> None:
+    model, lane = files
+    assert main.main(["delete", "-f", str(lane), "-f", str(model)]) == 0
+    assert control.deleted == [("Lane", "l"), ("Model", "m")]
