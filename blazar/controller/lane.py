@@ -92,6 +92,21 @@ def speculation_launch(pair: SpecPair | None, draft: Model | None) -> Speculatio
     return dataclasses.replace(base, kind="model", draft_model_path=draft.status.path)
 
 
+def speculation_gap(lane: Lane, pair: SpecPair | None, draft: Model | None) -> str | None:
+    """Why a Lane that asks for speculation runs without it; None when it does not ask
+    or gets it."""
+    name = lane.spec.speculation
+    if name is None:
+        return None
+    if pair is None:
+        return f'SpecPair "{name}" does not exist'
+    if speculation_launch(pair, draft) is not None:
+        return None
+    assert isinstance(pair.spec.draft, ModelDraft)  # an n-gram pair always launches
+    state = "does not exist" if draft is None else "is not ready"
+    return f'the draft Model "{pair.spec.draft.model}" of SpecPair "{name}" {state}'
+
+
 def launch_spec(
     lane: Lane, model: Model, *, default_threads: int, speculation: SpeculationLaunch | None = None
 ) -> LaunchSpec:
@@ -157,8 +172,17 @@ class LaneReconciler:
             # grace period, and the data plane routes by this status, so a surge
             # replica that just became ready must be routable before the old one goes.
             status = self._write_status(name, lane, readiness, status, observed, revision)
+        gap = speculation_gap(lane, pair, draft)
         for action in plan.actions:
             await self._act(name, action)
+            if gap is not None and isinstance(action, lane_plan.Start):
+                # As DESIGN §3 asks of references that disappear: said, not silent.
+                self._event(
+                    name,
+                    "Warning",
+                    "SpeculationUnavailable",
+                    f"Replica {action.index} runs without speculation: {gap}.",
+                )
         observed = self._processes.observe(name)
         self._write_status(name, lane, readiness, status, observed, revision)
         return Result(requeue_after=plan.requeue_after)

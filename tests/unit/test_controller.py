@@ -17,8 +17,8 @@ import gguf
 import pytest
 
 from blazar.api import conditions, manifests
-from blazar.api.kinds import Kind, Lane, Model
-from blazar.api.meta import Condition
+from blazar.api.kinds import Kind, Lane, Model, ModelStatus
+from blazar.api.meta import Condition, ConditionStatus
 from blazar.api.replicas import LaunchSpec, ReplicaObservation, ReplicaState
 from blazar.controller import manager, modelfile
 from blazar.controller.lane import LaneReconciler
@@ -287,6 +287,58 @@ def test_lane_waits_for_a_draft_model_status_from_an_older_generation() -> None:
     asyncio.run(rec.reconcile("l"))
     drafts = [launch.speculation for _, _, launch in procs.started]
     assert [s.draft_model_path if s else None for s in drafts] == ["/models/d2.gguf"] * 2
+
+
+def test_a_lane_without_its_spec_pair_or_draft_says_so_at_each_start() -> None:
+    clock, store, procs, rec = lane_world()
+    ready_model(store, clock)
+    apply(store, DRAFTED)
+    draft = store.get(Kind.MODEL, "d")
+    assert draft is not None
+    # Its file is gone: resolved, not ready.
+    missing = conditions.set_condition(
+        [], type="ModelReady", status=ConditionStatus.FALSE, reason="FileNotFound",
+        message="no file", observed_generation=draft.metadata.generation or 0, now=clock.now,
+    )  # fmt: skip
+    store.update_status(
+        Kind.MODEL,
+        "d",
+        ModelStatus(observed_generation=draft.metadata.generation or 0, conditions=missing),
+    )
+    apply(store, LANE.replace("threads: 2", "threads: 2, speculation: sp"))
+    asyncio.run(rec.reconcile("l"))
+    assert [launch.speculation for _, _, launch in procs.started] == [None, None]
+    warnings = [e for e in store.events(kind="Lane", name="l") if e.type == "Warning"]
+    assert [(e.reason, e.message) for e in warnings] == [
+        (
+            "SpeculationUnavailable",
+            f'Replica {i} runs without speculation: the draft Model "d" of SpecPair "sp" '
+            "is not ready.",
+        )
+        for i in (0, 1)
+    ]
+    store.delete(Kind.SPEC_PAIR, "sp")
+    procs.started.clear()
+    for index in (0, 1):
+        procs.set_state("l", index, ReplicaState.FAILED)
+    clock.tick(5)
+    asyncio.run(rec.reconcile("l"))
+    assert len(procs.started) == 2
+    warnings = [e for e in store.events(kind="Lane", name="l") if e.type == "Warning"]
+    assert [e.message for e in warnings if e.reason == "SpeculationUnavailable"][-2:] == [
+        f'Replica {i} runs without speculation: SpecPair "sp" does not exist.' for i in (0, 1)
+    ]
+
+
+def test_a_lane_with_its_spec_pair_ready_starts_without_warnings() -> None:
+    clock, store, procs, rec = lane_world()
+    ready_model(store, clock)
+    apply(store, DRAFTED)
+    helpers.mark_model_ready(store, "d", path="/models/d.gguf", now=clock.now)
+    apply(store, LANE.replace("threads: 2", "threads: 2, speculation: sp"))
+    asyncio.run(rec.reconcile("l"))
+    assert len(procs.started) == 2
+    assert [e.type for e in store.events(kind="Lane", name="l")] == ["Normal", "Normal"]
 
 
 def test_a_lane_does_not_start_with_a_spec_pair_made_for_another_model() -> None:
