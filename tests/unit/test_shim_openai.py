@@ -1415,6 +1415,19 @@ async def test_response_format_reaches_the_daemon(
 
 
 @pytest.mark.parametrize(
+    ("seed", "sent"), [(-1, None), (0, 0), (7, 7), (-2, 2**32 - 2), (2**32 + 3, 3)]
+)
+async def test_seed_minus_one_draws_a_random_seed_as_in_llama_cpp(
+    daemon: Daemon, client: httpx.AsyncClient, seed: int, sent: int | None
+) -> None:
+    daemon.fake.scripts["tiny"] = [delta("x"), final()]
+    response = await client.post("/v1/chat/completions", json=chat_body(seed=seed))
+    assert response.status_code == 200, response.text
+    sampling = daemon.fake.requests[-1].sampling
+    assert (sampling.seed if sampling.HasField("seed") else None) == sent
+
+
+@pytest.mark.parametrize(
     ("extra", "expected"),
     [
         # llama.cpp's server's own fields, on both endpoints.

@@ -32,6 +32,9 @@ _ROLES = {"developer": "system"}
 _CONTENT_REQUIRED = frozenset({"system", "developer", "user"})
 # proto3 uint32: OpenAI accepts any integer seed, so larger ones are folded in.
 _SEED_MODULUS = 2**32
+# llama.cpp's server reads seed -1 (its default) as "a random seed", and its clients
+# send it to ask for one; as a seed it has no other use.
+_RANDOM_SEED = -1
 # proto3 int32 map keys.
 _TOKEN_ID_LIMIT = 2**31
 # OpenAI's legacy completions endpoint stops after 16 tokens when `max_tokens` is
@@ -325,7 +328,7 @@ def _sampling(
         sampling.presence_penalty = body.presence_penalty
     if body.frequency_penalty is not None:
         sampling.frequency_penalty = body.frequency_penalty
-    if body.seed is not None:
+    if body.seed is not None and body.seed != _RANDOM_SEED:
         sampling.seed = body.seed % _SEED_MODULUS
     if max_tokens is not None:
         sampling.max_tokens = max_tokens
