@@ -51,10 +51,11 @@ def model_readiness(
             f'not for this Lane\'s model "{lane.spec.model}".',
         )
     cond = conditions.get_condition(model.status.conditions, "ModelReady")
-    if cond is None or not model.status.path:
-        return lane_plan.ModelReadiness(
-            False, "ModelPending", f'Model "{model.metadata.name}" is not resolved yet.'
-        )
+    pending = lane_plan.ModelReadiness(
+        False, "ModelPending", f'Model "{model.metadata.name}" is not resolved yet.'
+    )
+    if cond is None:
+        return pending
     # A status from an older generation (its path above all) describes a spec that is
     # gone: an engine started from it would run the old file, or crash on a removed
     # one, and be replaced once the Model controller catches up.
@@ -67,7 +68,11 @@ def model_readiness(
                 f"{m.metadata.generation or 0}) and is not resolved again yet.",
             )
     if not conditions.is_true(model.status.conditions, "ModelReady"):
+        # The Model's own reason (FileNotFound, InvalidGGUF, ...): a failed Model has no
+        # path, and "not resolved yet" would hide why.
         return lane_plan.ModelReadiness(False, cond.reason, cond.message)
+    if not model.status.path:
+        return pending
     return lane_plan.ModelReadiness(True, "ModelReady", f"Serving {model.status.path}.")
 
 

@@ -289,6 +289,26 @@ def test_lane_waits_for_a_draft_model_status_from_an_older_generation() -> None:
     assert [s.draft_model_path if s else None for s in drafts] == ["/models/d2.gguf"] * 2
 
 
+def test_a_lane_shows_why_its_model_failed() -> None:
+    clock, store, procs, rec = lane_world()
+    apply(store, MODEL)
+    missing = conditions.set_condition(
+        [], type="ModelReady", status=ConditionStatus.FALSE, reason="FileNotFound",
+        message="No file at /models/m.gguf.", observed_generation=1, now=clock.now,
+    )  # fmt: skip
+    store.update_status(Kind.MODEL, "m", ModelStatus(observed_generation=1, conditions=missing))
+    apply(store, LANE)
+    asyncio.run(rec.reconcile("l"))
+    assert procs.observe("l") == []
+    assert cond(store, "ModelReady") == ("False", "FileNotFound")
+    ready = lane_condition(store, "Ready")
+    assert ready is not None and ready.message == "No file at /models/m.gguf."
+    # A failure recorded for an older generation of the Model is no answer yet.
+    apply(store, MODEL.replace("/models/m.gguf", "/models/m2.gguf"))
+    asyncio.run(rec.reconcile("l"))
+    assert cond(store, "ModelReady") == ("False", "ModelPending")
+
+
 def test_a_lane_without_its_spec_pair_or_draft_says_so_at_each_start() -> None:
     clock, store, procs, rec = lane_world()
     ready_model(store, clock)
