@@ -14,6 +14,10 @@ and validates against the schema (as `jsonschema`, with Python's `re`, checks it
   `email`, ...) and combinations it gets wrong (a `$ref` or `enum` with sibling
   constraints, `type` lists with other keywords, `oneOf` without a discriminator, ...)
   are refused with a 400 that names them, rather than promised and not kept.
+- It reads a subschema that allows anything as something narrower or nothing:
+  `items: {}` (Pydantic's `list[Any]`) and `true` fail, `{}` elsewhere is "any object",
+  and a schema of annotations only (Pydantic's `Any`) is refused. Such subschemas are
+  written here as any JSON value; a `false` one (no value) is refused.
 - Its string character rule lets raw control characters into strings, which no JSON
   parser accepts; llama.cpp's own converter has since excluded them.
 - Its `date` format lets every month have 31 days and the year be 0000, which the
@@ -68,6 +72,14 @@ _CHECKED_FORMATS = frozenset(
 _ENFORCED_FORMATS = frozenset({"date-time", "date", "time", "uuid"})
 # Keywords whose value maps names to subschemas (the names are not keywords).
 _SCHEMA_MAPS = frozenset({"properties", "$defs", "definitions"})
+# Keywords whose value is a subschema, or a list of them, where the converter cannot
+# read a boolean schema (it reads `additionalProperties: true/false` itself).
+_SUBSCHEMA = frozenset({"items", "additionalItems"})
+_SUBSCHEMA_LISTS = frozenset({"prefixItems", "anyOf", "allOf", "oneOf"})
+# Any JSON value, as the converter can read it: it takes `items: {}` for no items at
+# all, writes `{}` elsewhere as "any object", and refuses a schema of annotations only
+# (`{"title": "X"}`, what Pydantic writes for `Any`).
+_ANY_VALUE = {"type": ["object", "array", "string", "number", "boolean", "null"]}
 # Keywords whose value is data, not a schema (so are `x-` extensions).
 _DATA = frozenset({"enum", "const", "default", "examples", "example", "discriminator"})
 # Keywords that constrain nothing.
@@ -122,6 +134,7 @@ Bounds = tuple[Ranges, Ranges]
 
 def grammar(schema: dict[str, Any]) -> str:
     """GBNF for the documents valid against `schema`; InvalidRequest when it cannot be."""
+    schema = _true_as_any(schema)
     unenforced = sorted(set(unenforced_keywords(schema)))
     if unenforced:
         raise errors.InvalidRequest(
@@ -201,6 +214,35 @@ def _strict_rule(line: str) -> str:
     return line
 
 
+def _true_as_any(node: Any) -> Any:
+    """`node` with each subschema that allows any value (`true`, `{}`, annotations only)
+    written so that the converter allows any value; a `false` one is left for
+    `unenforced_keywords` to refuse."""
+    if not isinstance(node, dict):
+        return node
+
+    def sub(value: Any) -> Any:
+        if value is True:
+            return dict(_ANY_VALUE)
+        if isinstance(value, dict) and all(key in _ANNOTATIONS for key in value):
+            return {**value, **_ANY_VALUE}
+        return _true_as_any(value)
+
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        if key in _DATA or key.startswith("x-"):
+            out[key] = value
+        elif key in _SUBSCHEMA or (key == "additionalProperties" and isinstance(value, dict)):
+            out[key] = sub(value)
+        elif key in _SUBSCHEMA_LISTS and isinstance(value, list):
+            out[key] = [sub(v) for v in value]
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: sub(v) for name, v in value.items()}
+        else:
+            out[key] = _true_as_any(value)
+    return out
+
+
 def unenforced_keywords(schema: Any, path: str = "") -> Iterator[str]:
     """`path.keyword` for each keyword of `schema` (and its subschemas) that the grammar
     would not enforce, with what about it is not enforced."""
@@ -215,8 +257,14 @@ def unenforced_keywords(schema: Any, path: str = "") -> Iterator[str]:
         where = f"{path}.{key}" if path else key
         if key in UNENFORCED:
             yield where
+        elif key in _SUBSCHEMA and value is False:
+            yield f"{where} (false: no value is allowed)"
+        elif key in _SUBSCHEMA_LISTS and isinstance(value, list) and False in value:
+            yield f"{where} (a false schema: no value is allowed)"
         elif key in _SCHEMA_MAPS and isinstance(value, dict):
             for name, sub in value.items():
+                if sub is False:
+                    yield f"{where}.{name} (false: no value is allowed)"
                 yield from unenforced_keywords(sub, f"{where}.{name}")
         elif key not in _DATA and not key.startswith("x-"):
             yield from unenforced_keywords(value, where)

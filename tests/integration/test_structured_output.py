@@ -64,6 +64,16 @@ RECORD = {
     "required": ["zip", "tag", "code"],
     "additionalProperties": False,
 }
+# What Pydantic writes for `tags: list[Any]` and `extra: Any` (an annotation-only schema).
+NOTE = {
+    "properties": {
+        "tags": {"items": {}, "title": "Tags", "type": "array"},
+        "extra": {"title": "Extra"},
+    },
+    "required": ["tags", "extra"],
+    "title": "Note",
+    "type": "object",
+}
 # Few-shot prompts keep a base model's numbers and strings short; the grammar does the rest.
 SCHEMAS: dict[str, tuple[dict[str, Any], str]] = {
     "person": (
@@ -71,6 +81,10 @@ SCHEMAS: dict[str, tuple[dict[str, Any], str]] = {
         'Person: {"name": "Ada", "age": 36}\nPerson: {"name": "Bo", "age": 7}\nPerson:',
     ),
     "colours": (COLOURS, 'Colours: ["red"]\nColours: ["green", "blue"]\nColours:'),
+    "note": (
+        NOTE,
+        'Note: {"tags": ["a", 1], "extra": null}\nNote: {"tags": [], "extra": "x"}\nNote:',
+    ),
     "record": (
         RECORD,
         'Record: {"zip": "90210", "tag": "a\\"\\\\", "code": "AB-7.x"}\n'

@@ -150,6 +150,13 @@ def test_unsupported_pattern_is_invalid(pattern: str, fragment: str) -> None:
         ({"type": "string", "format": "uuid"}, []),
         ({"type": "string", "format": "password"}, []),
         ({"type": "integer", "format": "int32"}, []),
+        # A false subschema allows nothing: no grammar can write it.
+        ({"type": "array", "items": False}, ["items (false: no value is allowed)"]),
+        ({"properties": {"a": False}}, ["properties.a (false: no value is allowed)"]),
+        (
+            {"anyOf": [False, {"type": "string"}]},
+            ["anyOf (a false schema: no value is allowed)"],
+        ),
         # What the converter handles: nullable via anyOf, typed enums, described refs.
         ({"anyOf": [{"type": "string"}, {"type": "null"}], "description": "x"}, []),
         ({"type": "integer", "enum": [1, 2.0]}, []),
@@ -363,3 +370,28 @@ def test_a_date_format_allows_exactly_the_dates_validators_accept() -> None:
                 except ValueError:
                     valid = False
                 assert bool(pattern.fullmatch(value)) == valid, value
+
+
+ANY_VALUE = "array | string | number | boolean | null"
+
+
+@pytest.mark.parametrize(
+    ("document", "rule"),
+    [
+        # What Pydantic writes for list[Any] and for a field of type Any.
+        ({"type": "array", "items": {}}, "item"),
+        ({"type": "object", "properties": {"x": {"title": "X"}}, "required": ["x"]}, "x"),
+        ({"type": "array", "items": True, "minItems": 1}, "item"),
+        ({"type": "object", "additionalProperties": {"description": "d"}}, "additional-value"),
+        ({"anyOf": [True, {"type": "integer"}]}, "alternative-0"),
+    ],
+)
+def test_a_subschema_that_allows_anything_allows_any_value(
+    document: dict[str, Any], rule: str
+) -> None:
+    """`true`, `{}` and a schema of annotations only allow any JSON value; the converter
+    refused the last and read `{}` as "any object" or, for items, as no items at all."""
+    lines = schema.grammar(document).splitlines()
+    assert any(line.startswith(f"{rule} ::= ") and line.endswith(ANY_VALUE) for line in lines), (
+        lines
+    )
