@@ -17,6 +17,10 @@ from blazar.api.replicas import LaunchSpec, ReplicaObservation, ReplicaState
 
 BACKOFF_BASE_S = 1.0
 BACKOFF_MAX_S = 60.0
+# A replica that ran this long before it crashed restarts after the base delay again,
+# as the kubelet resets a container's back-off after 10 minutes of running: a rare
+# crash weeks after the last one should not keep the replica down for the maximum.
+BACKOFF_RESET_S = 600.0
 
 
 def crash_backoff(restarts: int) -> float:
@@ -141,7 +145,9 @@ def _restart_after_backoff(
     waits: list[float],
 ) -> None:
     exited_at = replica.exited_at or now
-    wait = crash_backoff(replica.restarts) - (now - exited_at).total_seconds()
+    ran = (exited_at - replica.started_at).total_seconds() if replica.started_at else 0.0
+    restarts = 0 if ran >= BACKOFF_RESET_S else replica.restarts
+    wait = crash_backoff(restarts) - (now - exited_at).total_seconds()
     if wait <= 0:
         actions.append(Start(replica.index, launch, restart=True))
     else:

@@ -25,8 +25,10 @@ def obs(
     *,
     restarts: int = 0,
     exited_ago: float | None = None,
+    ran: float | None = None,
     launch: LaunchSpec = LAUNCH,
 ) -> ReplicaObservation:
+    exited_at = None if exited_ago is None else NOW - timedelta(seconds=exited_ago)
     return ReplicaObservation(
         lane="l",
         index=index,
@@ -35,7 +37,8 @@ def obs(
         socket=f"/run/l-{index}.sock",
         pid=100 + index,
         restarts=restarts,
-        exited_at=None if exited_ago is None else NOW - timedelta(seconds=exited_ago),
+        started_at=None if exited_at is None or ran is None else exited_at - timedelta(seconds=ran),
+        exited_at=exited_at,
         exit_code=None if exited_ago is None else -9,
     )
 
@@ -56,6 +59,10 @@ def obs(
         pytest.param(1, LAUNCH, [obs(0, ReplicaState.FAILED, exited_ago=0.2)], [], 0.8, id="crash-waits-backoff"),
         pytest.param(1, LAUNCH, [obs(0, ReplicaState.FAILED, exited_ago=1.5)], [Start(0, LAUNCH, True)], None, id="crash-restarts-after-backoff"),
         pytest.param(1, LAUNCH, [obs(0, ReplicaState.FAILED, restarts=3, exited_ago=5)], [], 3.0, id="backoff-grows"),
+        pytest.param(1, LAUNCH, [obs(0, ReplicaState.FAILED, restarts=3, exited_ago=5, ran=599)], [], 3.0, id="backoff-grows-after-a-short-run"),
+        # As the kubelet: 10 minutes of running resets the back-off (not the restart count).
+        pytest.param(1, LAUNCH, [obs(0, ReplicaState.FAILED, restarts=3, exited_ago=1.5, ran=600)], [Start(0, LAUNCH, True)], None, id="backoff-resets-after-a-long-run"),
+        pytest.param(1, LAUNCH, [obs(0, ReplicaState.FAILED, restarts=6, exited_ago=0.2, ran=3600)], [], 0.8, id="long-run-waits-base-backoff"),
         # A rolling update: a surge replica first, the old one stopped once it is ready.
         pytest.param(1, LAUNCH, [obs(0, launch=OLD)], [Start(1, LAUNCH, False)], None, id="spec-change-starts-a-surge"),
         pytest.param(1, LAUNCH, [obs(0, launch=OLD), obs(1, ReplicaState.STARTING)], [], None, id="surge-starting"),
