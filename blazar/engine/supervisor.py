@@ -2,13 +2,18 @@
 
 One asyncio task per replica follows it through its lifecycle:
 
-    Starting --health READY--> Ready --process exits--> Failed
+    Starting --health READY--> Ready --process exits, or stops answering--> Failed
         \\--exits or not ready in time--> Failed
 
 and calls `on_change(lane)` on every transition so the Lane is reconciled. `stop()`
 is the teardown: Drain RPC (finish in-flight work up to the grace period), SIGTERM,
 wait, then SIGKILL of the whole process group. Workers also die on their own when the
 daemon dies (parent-death signal), so a `kill -9` of the daemon leaves no orphans.
+
+A Ready replica's Health is polled as a liveness probe: one that misses
+`LIVENESS_FAILURES` checks in a row (stopped, deadlocked, wedged inside llama.cpp) is
+killed and fails like a crash, so the Lane restarts it instead of routing requests to
+it forever. A replica being stopped is not probed.
 
 A replica whose process cannot be started at all (the OS refuses the spawn) goes to
 Failed at once, as if it had crashed. A chat template longer than
@@ -47,6 +52,12 @@ log = structlog.get_logger(__name__)
 READY_TIMEOUT_S = 180.0
 HEALTH_POLL_S = 0.1
 STOP_GRACE_S = 10.0
+# The liveness probe of a Ready replica: as a kubelet's defaults (period 10 s, failure
+# threshold 3) but a longer timeout, since the Health RPC shares two busy cores with
+# the decode loop. A hung worker is killed after 15-30 s.
+LIVENESS_PERIOD_S = 5.0
+LIVENESS_TIMEOUT_S = 5.0
+LIVENESS_FAILURES = 3
 # What a Drain RPC may take past its grace: the engine then cancels what is left and
 # waits up to `service.CANCEL_WAIT_SECONDS` (5 s) for it to end (not imported here: the
 # service module loads llama.cpp, which the daemon does not need).
@@ -362,6 +373,18 @@ class Supervisor:
         done, _ = await asyncio.wait({exited, ready}, return_when=asyncio.FIRST_COMPLETED)
         if ready in done and ready.result():
             self._set(replica, ReplicaState.READY)
+            alive = asyncio.create_task(self._until_unresponsive(replica))
+            try:
+                done, _ = await asyncio.wait({exited, alive}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                alive.cancel()  # a stop cancels this task: the probe goes with it
+            if alive in done and alive.result():
+                self._kill_group(proc)
+                replica.message = (
+                    f"stopped answering its health checks ({LIVENESS_FAILURES} in a row, "
+                    f"{LIVENESS_TIMEOUT_S:.0f}s each) and was killed"
+                )
+                log.warning("replica.unresponsive", lane=replica.lane, index=replica.index)
         elif exited not in done:
             ready.cancel()
             self._kill_group(proc)
@@ -395,6 +418,24 @@ class Supervisor:
                         if health.state == engine_pb2.ENGINE_STATE_READY:
                             return True
                 await asyncio.sleep(HEALTH_POLL_S)
+        return False
+
+    async def _until_unresponsive(self, replica: _Replica) -> bool:
+        """Probe a Ready replica's Health until it misses `LIVENESS_FAILURES` in a row
+        (True) or is being stopped (False, whatever it answers then)."""
+        failures = 0
+        async with grpc.aio.insecure_channel(f"unix:{replica.socket}") as channel:
+            stub = engine_pb2_grpc.EngineStub(channel)
+            while not replica.stopping:
+                await asyncio.sleep(LIVENESS_PERIOD_S)
+                try:
+                    await stub.Health(engine_pb2.HealthRequest(), timeout=LIVENESS_TIMEOUT_S)
+                except grpc.aio.AioRpcError:
+                    failures += 1
+                    if failures >= LIVENESS_FAILURES and not replica.stopping:
+                        return True
+                else:
+                    failures = 0
         return False
 
     async def _drain(self, replica: _Replica, grace: float) -> None:

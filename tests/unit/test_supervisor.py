@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
@@ -458,3 +460,65 @@ def test_a_worker_starts_with_a_short_openmp_spin(
 
     assert asyncio.run(run())["GOMP_SPINCOUNT"] == supervisor.OPENMP_SPINCOUNT
     remove_run_dir(sup)
+
+
+# A worker that answers Health as a ready engine does, and nothing else.
+SERVING_WORKER = f"""#!{sys.executable}
+import sys, time
+from concurrent import futures
+import grpc
+from blazar._proto.engine.v1 import engine_pb2, engine_pb2_grpc
+
+class Engine(engine_pb2_grpc.EngineServicer):
+    def Health(self, request, context):
+        return engine_pb2.HealthResponse(state=engine_pb2.ENGINE_STATE_READY)
+
+server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+engine_pb2_grpc.add_EngineServicer_to_server(Engine(), server)
+server.add_insecure_port("unix:" + sys.argv[sys.argv.index("--socket") + 1])
+server.start()
+time.sleep(120)
+"""
+
+
+async def until(condition: Callable[[], bool], *, what: str, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+@pytest.mark.parametrize("hangs", [True, False])
+def test_a_ready_replica_that_stops_answering_is_killed_and_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hangs: bool
+) -> None:
+    """A liveness probe: a worker that stops answering Health (here: SIGSTOP, as a
+    deadlock would) is killed and fails like a crash, so the Lane restarts it; one that
+    keeps answering is left alone, and a stop is not taken for a hang."""
+    monkeypatch.setattr(supervisor, "LIVENESS_PERIOD_S", 0.1)
+    monkeypatch.setattr(supervisor, "LIVENESS_TIMEOUT_S", 0.3)
+    sup, spec, worker = bare_supervisor(tmp_path)
+    worker.write_text(SERVING_WORKER)
+
+    async def run() -> ReplicaObservation:
+        await sup.start("l", 0, spec)
+        await until(lambda: sup.observe("l")[0].state == ReplicaState.READY, what="ready")
+        (ready,) = sup.observe("l")
+        assert ready.pid is not None
+        if hangs:
+            os.kill(ready.pid, signal.SIGSTOP)
+            await until(lambda: sup.observe("l")[0].state == ReplicaState.FAILED, what="failed")
+        else:
+            await asyncio.sleep(2.0)  # about 20 probes
+        (obs,) = sup.observe("l")
+        await sup.stop_all(grace=1.0)
+        return obs
+
+    obs = asyncio.run(run())
+    remove_run_dir(sup)
+    if hangs:
+        assert obs.exit_code == -signal.SIGKILL
+        assert obs.message.startswith("stopped answering its health checks (3 in a row")
+    else:
+        assert (obs.state, obs.exit_code, obs.message) == (ReplicaState.READY, None, "")
