@@ -257,6 +257,13 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             if not sent and isinstance(failure, errors.Unavailable):
                 yield None
                 return
+            if status.lost_peer(exc):
+                # gRPC's own words ("Stream removed (Socket closed)") mean nothing to the
+                # caller; the engine died mid-answer, and another try may well succeed.
+                failure = errors.Unavailable(
+                    f"Lost the engine of replica {replica.index} of Lane '{route.lane}' "
+                    f"before this request finished ({exc.details()}); retry."
+                )
             metrics.observe_failure(route.lane, failure.reason)
             log.info(
                 "request.failed",

@@ -98,6 +98,16 @@ def from_rpc_error(exc: grpc.RpcError) -> errors.BlazarError:
     return _BY_CODE.get(code, errors.BlazarError)(message)
 
 
+def lost_peer(exc: grpc.RpcError) -> bool:
+    """Whether gRPC itself reports the peer gone (UNAVAILABLE carrying nothing the peer
+    sent, such as "Stream removed (Socket closed)"): a crashed or killed process, not
+    an error it chose to return."""
+    if exc.code() != grpc.StatusCode.UNAVAILABLE:
+        return False
+    keys = {str(k) for k, _ in exc.trailing_metadata() or ()}
+    return DETAILS_KEY not in keys and REASON_KEY not in keys
+
+
 def _is_text(key: str) -> bool:
     # A `-bin` value is arbitrary bytes, and decoding it as text could fail.
     return not key.endswith("-bin")

@@ -28,11 +28,15 @@ from blazar.store.memory import MemoryStore
 
 
 class FakeEngine(engine_pb2_grpc.EngineServicer):
-    def __init__(self, *, refuse: bool, text: str, hang: bool = False) -> None:
+    def __init__(self, *, refuse: bool, text: str, hang: bool = False, die: bool = False) -> None:
         self.refuse = refuse
         self.text = text
         # Never finish after the first chunk (a long generation).
         self.hang = hang
+        # Go away after the first chunk, as a crashed engine process does.
+        self.die = die
+        self.server: grpc.aio.Server | None = None
+        self.stopping: asyncio.Task[None] | None = None
         self.calls = 0
 
     async def Generate(self, request: Any, context: Any) -> AsyncIterator[inference_pb2.Chunk]:
@@ -40,6 +44,12 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
         if self.refuse:
             await status.abort(context, errors.Unavailable("draining"))
         yield inference_pb2.Chunk(delta=inference_pb2.Delta(text=self.text, tokens=1))
+        if request.prompt == "drained":
+            await status.abort(context, errors.Unavailable("Drained before it finished."))
+        if self.die and self.server is not None:
+            await asyncio.sleep(0.1)  # the chunk goes out first
+            # Not awaited here: stopping cancels this very call.
+            self.stopping = asyncio.get_running_loop().create_task(self.server.stop(0))
         if self.hang or request.prompt == "hang":
             await asyncio.Event().wait()
         yield inference_pb2.Chunk(
@@ -66,6 +76,7 @@ async def engines(*fakes: FakeEngine) -> AsyncIterator[list[str]]:
     servers, sockets = [], []
     for i, fake in enumerate(fakes):
         srv = grpc.aio.server()
+        fake.server = srv
         engine_pb2_grpc.add_EngineServicer_to_server(fake, srv)
         socket = str(directory / f"e{i}.sock")
         srv.add_insecure_port(f"unix:{socket}")
@@ -106,11 +117,15 @@ async def data_plane(fakes: list[FakeEngine]) -> AsyncIterator[inference_pb2_grp
             await plane.stop(grace=0)
 
 
-async def complete(fakes: list[FakeEngine]) -> tuple[list[inference_pb2.Chunk], Exception | None]:
+async def complete(
+    fakes: list[FakeEngine], prompt: str = "hi"
+) -> tuple[list[inference_pb2.Chunk], Exception | None]:
     async with data_plane(fakes) as stub:
         chunks: list[inference_pb2.Chunk] = []
         try:
-            async for chunk in stub.Complete(inference_pb2.CompleteRequest(model="l", prompt="hi")):
+            async for chunk in stub.Complete(
+                inference_pb2.CompleteRequest(model="l", prompt=prompt)
+            ):
                 chunks.append(chunk)
         except grpc.aio.AioRpcError as exc:
             return chunks, exc
@@ -138,6 +153,24 @@ def test_every_replica_refusing_is_unavailable() -> None:
     assert isinstance(error, grpc.aio.AioRpcError)
     assert error.code() == grpc.StatusCode.UNAVAILABLE
     assert [f.calls for f in fakes] == [1, 1]
+
+
+def test_an_engine_lost_mid_stream_is_a_retryable_error_that_says_so() -> None:
+    dying = FakeEngine(refuse=False, text="x", hang=True, die=True)
+    chunks, error = asyncio.run(complete([dying]))
+    assert [c.delta.text for c in chunks] == ["x"]
+    assert isinstance(error, grpc.aio.AioRpcError)
+    assert error.code() == grpc.StatusCode.UNAVAILABLE
+    assert (error.details() or "").startswith(
+        "Lost the engine of replica 0 of Lane 'l' before this request finished"
+    )
+    # An error the engine sent itself keeps its own words.
+    chunks, error = asyncio.run(complete([FakeEngine(refuse=False, text="x")], prompt="drained"))
+    assert isinstance(error, grpc.aio.AioRpcError)
+    assert (error.code(), error.details()) == (
+        grpc.StatusCode.UNAVAILABLE,
+        "Drained before it finished.",
+    )
 
 
 def test_models_list_the_replicas_each_lane_asks_for() -> None:
