@@ -227,6 +227,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         """One replica's stream; a final None asks the caller to try another replica."""
         key = (replica.lane, replica.index)
         self._inflight[key] += 1
+        metrics.IN_FLIGHT.labels(route.lane).inc()
         call = self._pool.stub(replica.socket).Generate(generate)
         first_at: float | None = None
         tokens = 0
@@ -276,6 +277,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             call.cancel()  # no-op when finished; frees the engine slot when the caller left
             if not settled:
                 metrics.observe_failure(route.lane, metrics.CANCELLED)
+            metrics.IN_FLIGHT.labels(route.lane).dec()
             self._inflight[key] -= 1
             if self._inflight[key] <= 0:
                 del self._inflight[key]

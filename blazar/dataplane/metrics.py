@@ -6,7 +6,7 @@ shim, which runs in the same process, serves them at GET /metrics.
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 from blazar._proto.v1 import inference_pb2
 
@@ -14,6 +14,12 @@ REQUESTS = Counter(
     "blazar_requests_total",
     "Generation requests by lane and outcome (ok, cancelled, or the error reason).",
     ["lane", "outcome"],
+)
+IN_FLIGHT = Gauge(
+    "blazar_requests_in_flight",
+    "Generation requests sent to a lane's engines and not finished: waiting for a slot "
+    'or generating (less blazar_engine_slots{state="busy"}: those waiting).',
+    ["lane"],
 )
 # The outcome of a request whose caller left before it finished.
 CANCELLED = "cancelled"

@@ -189,11 +189,19 @@ def test_a_healthy_first_replica_is_used_once() -> None:
     assert chunks[-1].final.routing.replica == 0
 
 
+def in_flight() -> float:
+    return (
+        prometheus_client.REGISTRY.get_sample_value("blazar_requests_in_flight", {"lane": "l"})
+        or 0.0
+    )
+
+
 def test_a_caller_leaving_counts_as_cancelled() -> None:
     async def leave_after_first_chunk() -> None:
         async with data_plane([FakeEngine(refuse=False, text="x", hang=True)]) as stub:
             call = stub.Complete(inference_pb2.CompleteRequest(model="l", prompt="hi"))
             assert (await call.read()).delta.text == "x"
+            assert in_flight() == 1
             call.cancel()
             deadline = time.monotonic() + 5
             while requests_counted("cancelled") == before and time.monotonic() < deadline:
@@ -202,6 +210,7 @@ def test_a_caller_leaving_counts_as_cancelled() -> None:
     before, ok = requests_counted("cancelled"), requests_counted("ok")
     asyncio.run(leave_after_first_chunk())
     assert requests_counted("cancelled") == before + 1
+    assert in_flight() == 0
     # A finished request counts once, as ok.
     asyncio.run(complete([FakeEngine(refuse=False, text="y")]))
     assert (requests_counted("cancelled"), requests_counted("ok")) == (before + 1, ok + 1)
