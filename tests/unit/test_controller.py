@@ -270,13 +270,22 @@ spec: {target: m, draft: {kind: model, model: d}}
 """
 
 
-def test_lane_waits_for_a_draft_model_status_from_an_older_generation() -> None:
+SPECULATING_LANE = LANE.replace("threads: 2", "threads: 2, speculation: sp")
+
+
+def drafted_world() -> tuple[Clock, MemoryStore, FakeProcesses, LaneReconciler]:
+    """`lane_world` with Model "m" ready and SpecPair "sp" drafting with Model "d", ready."""
     clock, store, procs, rec = lane_world()
     ready_model(store, clock)
     apply(store, DRAFTED)
     helpers.mark_model_ready(store, "d", path="/models/d.gguf", now=clock.now)
+    return clock, store, procs, rec
+
+
+def test_lane_waits_for_a_draft_model_status_from_an_older_generation() -> None:
+    clock, store, procs, rec = drafted_world()
     apply(store, DRAFTED.replace("/models/d.gguf", "/models/d2.gguf"))
-    apply(store, LANE.replace("threads: 2", "threads: 2, speculation: sp"))
+    apply(store, SPECULATING_LANE)
     asyncio.run(rec.reconcile("l"))
     assert procs.observe("l") == []
     assert cond(store, "ModelReady") == ("False", "ModelPending")
@@ -325,7 +334,7 @@ def test_a_lane_without_its_spec_pair_or_draft_says_so_at_each_start() -> None:
         "d",
         ModelStatus(observed_generation=draft.metadata.generation or 0, conditions=missing),
     )
-    apply(store, LANE.replace("threads: 2", "threads: 2, speculation: sp"))
+    apply(store, SPECULATING_LANE)
     asyncio.run(rec.reconcile("l"))
     assert [launch.speculation for _, _, launch in procs.started] == [None, None]
     warnings = [e for e in store.events(kind="Lane", name="l") if e.type == "Warning"]
@@ -351,11 +360,8 @@ def test_a_lane_without_its_spec_pair_or_draft_says_so_at_each_start() -> None:
 
 
 def test_a_lane_with_its_spec_pair_ready_starts_without_warnings() -> None:
-    clock, store, procs, rec = lane_world()
-    ready_model(store, clock)
-    apply(store, DRAFTED)
-    helpers.mark_model_ready(store, "d", path="/models/d.gguf", now=clock.now)
-    apply(store, LANE.replace("threads: 2", "threads: 2, speculation: sp"))
+    _, store, procs, rec = drafted_world()
+    apply(store, SPECULATING_LANE)
     asyncio.run(rec.reconcile("l"))
     assert len(procs.started) == 2
     assert [e.type for e in store.events(kind="Lane", name="l")] == ["Normal", "Normal"]
@@ -370,7 +376,7 @@ def test_a_lane_does_not_start_with_a_spec_pair_made_for_another_model() -> None
     helpers.mark_model_ready(store, "other", path="/models/other.gguf", now=clock.now)
     apply(store, DRAFTED.replace("target: m", "target: other"))
     helpers.mark_model_ready(store, "d", path="/models/d.gguf", now=clock.now)
-    apply(store, LANE.replace("threads: 2", "threads: 2, speculation: sp"))
+    apply(store, SPECULATING_LANE)
     asyncio.run(rec.reconcile("l"))
     assert procs.observe("l") == []
     assert cond(store, "ModelReady") == ("False", "SpecPairTargetMismatch")
@@ -389,7 +395,7 @@ def test_a_model_change_wakes_the_lanes_that_serve_or_draft_from_it() -> None:
     store = MemoryStore(clock=Clock())
     apply(store, MODEL)
     apply(store, DRAFTED)
-    apply(store, LANE.replace("threads: 2", "threads: 2, speculation: sp"))
+    apply(store, SPECULATING_LANE)
     apply(store, LANE.replace("name: l", "name: other"))
     assert sorted(manager.dependents(store, Kind.MODEL, "m")) == [
         (Kind.LANE, "l"),
