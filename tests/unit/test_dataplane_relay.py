@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import shutil
 import tempfile
 import time
 from collections.abc import AsyncIterator
@@ -88,6 +89,7 @@ async def engines(*fakes: FakeEngine) -> AsyncIterator[list[str]]:
     finally:
         for srv in servers:
             await srv.stop(0)
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def lane(sockets: list[str]) -> Lane:

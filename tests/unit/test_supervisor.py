@@ -253,6 +253,7 @@ def test_a_delete_left_unfinished_is_finished_at_the_next_start(tmp_path: Path) 
             await mgr.stop()
 
     asyncio.run(run())
+    remove_run_dir(sup)
     assert sup.kv_lanes() == []
     assert (tmp_path / "home" / "kv").is_dir()
 
