@@ -15,6 +15,7 @@ import json
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from blazar._proto.v1 import inference_pb2
 from blazar.api import errors
@@ -158,22 +159,9 @@ def embed_request(body: protocol.EmbeddingRequest) -> inference_pb2.EmbedRequest
 def _constraint(
     body: protocol.ChatCompletionRequest | protocol.CompletionRequest,
 ) -> inference_pb2.Constraint | None:
-    """OpenAI's `response_format`, or llama.cpp's `grammar` or `json_schema`: one of them.
-
-    An empty grammar constrains nothing, as in llama.cpp.
-    """
-    given = {
-        "response_format": _format_constraint(body.response_format),
-        "grammar": inference_pb2.Constraint(grammar=body.grammar) if body.grammar else None,
-        "json_schema": (
-            None
-            if body.json_schema is None
-            else inference_pb2.Constraint(
-                json_schema=json.dumps(body.json_schema, ensure_ascii=False, separators=(",", ":"))
-            )
-        ),
-    }
-    named = [name for name, constraint in given.items() if constraint is not None]
+    """OpenAI's `response_format`, or llama.cpp's `grammar` or `json_schema`: one of them."""
+    given = _constraints(body)
+    named = list(given)
     if len(named) > 1:
         raise _invalid(
             f"Send one of 'response_format', 'grammar' and 'json_schema'; got "
@@ -185,12 +173,22 @@ def _constraint(
 
 def blame_of(body: protocol.ChatCompletionRequest | protocol.CompletionRequest) -> Blame:
     """The parameters errors about this request's prompt and constraint blame."""
-    if body.grammar:
-        constraint = "grammar"
-    else:
-        constraint = "json_schema" if body.json_schema is not None else "response_format"
+    constraint = next(iter(_constraints(body)), "response_format")
     prompt = "prompt" if isinstance(body, protocol.CompletionRequest) else "messages"
     return Blame(prompt=prompt, constraint=constraint)
+
+
+def _constraints(
+    body: protocol.ChatCompletionRequest | protocol.CompletionRequest,
+) -> dict[str, inference_pb2.Constraint]:
+    """The constraints the request sends, by parameter. An empty grammar constrains
+    nothing, as in llama.cpp; nor does a `text` response format."""
+    given = {
+        "response_format": _format_constraint(body.response_format),
+        "grammar": inference_pb2.Constraint(grammar=body.grammar) if body.grammar else None,
+        "json_schema": None if body.json_schema is None else _schema_constraint(body.json_schema),
+    }
+    return {name: constraint for name, constraint in given.items() if constraint is not None}
 
 
 def _format_constraint(fmt: protocol.ResponseFormat | None) -> inference_pb2.Constraint | None:
@@ -200,10 +198,14 @@ def _format_constraint(fmt: protocol.ResponseFormat | None) -> inference_pb2.Con
         schema = fmt.json_schema.json_schema
         if schema is None:
             return inference_pb2.Constraint(json_object=True)
-        return inference_pb2.Constraint(
-            json_schema=json.dumps(schema, ensure_ascii=False, separators=(",", ":"))
-        )
+        return _schema_constraint(schema)
     return None
+
+
+def _schema_constraint(schema: dict[str, Any]) -> inference_pb2.Constraint:
+    return inference_pb2.Constraint(
+        json_schema=json.dumps(schema, ensure_ascii=False, separators=(",", ":"))
+    )
 
 
 def _require_single_choice(
