@@ -134,7 +134,7 @@ Bounds = tuple[Ranges, Ranges]
 
 def grammar(schema: dict[str, Any]) -> str:
     """GBNF for the documents valid against `schema`; InvalidRequest when it cannot be."""
-    schema = _true_as_any(schema)
+    schema = _any_value_subschemas(schema)
     unenforced = sorted(set(unenforced_keywords(schema)))
     if unenforced:
         raise errors.InvalidRequest(
@@ -214,7 +214,7 @@ def _strict_rule(line: str) -> str:
     return line
 
 
-def _true_as_any(node: Any) -> Any:
+def _any_value_subschemas(node: Any) -> Any:
     """`node` with each subschema that allows any value (`true`, `{}`, annotations only)
     written so that the converter allows any value; a `false` one is left for
     `unenforced_keywords` to refuse."""
@@ -226,7 +226,7 @@ def _true_as_any(node: Any) -> Any:
             return dict(_ANY_VALUE)
         if isinstance(value, dict) and all(key in _ANNOTATIONS for key in value):
             return {**value, **_ANY_VALUE}
-        return _true_as_any(value)
+        return _any_value_subschemas(value)
 
     out: dict[str, Any] = {}
     for key, value in node.items():
@@ -239,7 +239,7 @@ def _true_as_any(node: Any) -> Any:
         elif key in _SCHEMA_MAPS and isinstance(value, dict):
             out[key] = {name: sub(v) for name, v in value.items()}
         else:
-            out[key] = _true_as_any(value)
+            out[key] = _any_value_subschemas(value)
     return out
 
 
