@@ -36,11 +36,8 @@ CONTEXT_PER_SLOT = 2048
 def raw_rate(model: Path, streams: int, tokens: int) -> float:
     """Tokens/s of `tokens` steps, each one token and one logits row per sequence."""
     rt = llama.Runtime.load(
-        llama.RuntimeOptions(
-            model_path=str(model),
-            slots=streams,
-            context_per_slot=CONTEXT_PER_SLOT,
-            threads=THREADS,
+        engine_worker.launch_spec(
+            model, slots=streams, context_per_slot=CONTEXT_PER_SLOT, threads=THREADS
         )
     )
     try:

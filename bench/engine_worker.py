@@ -23,6 +23,14 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from blazar._proto.engine.v1 import engine_pb2, engine_pb2_grpc  # noqa: E402
+from blazar.api.kinds import LaneSpec  # noqa: E402
+from blazar.api.replicas import EngineLaunch, LaunchSpec  # noqa: E402
+
+
+def launch_spec(model: Path, *, slots: int, context_per_slot: int, threads: int) -> LaunchSpec:
+    """A plain Lane's launch: f16 KV cache, no persistence, no speculation."""
+    lane = LaneSpec(model="m", slots=slots, contextPerSlot=context_per_slot, threads=threads)
+    return LaunchSpec.of_lane(lane, model_path=str(model), default_threads=threads)
 
 
 @contextlib.contextmanager
@@ -31,12 +39,18 @@ def running(
 ) -> Iterator[str]:
     """Start a worker on a fresh socket; yields the socket path."""
     socket = str(Path(tempfile.mkdtemp(prefix="bz-", dir="/tmp")) / "engine.sock")
+    launch = EngineLaunch(
+        spec=launch_spec(model, slots=slots, context_per_slot=context_per_slot, threads=threads),
+        socket=socket,
+        drain_grace_seconds=10.0,
+    )
     worker = subprocess.Popen(
-        [sys.executable, "-m", "blazar.engine", "--model", str(model), "--socket", socket,
-         "--slots", str(slots), "--context-per-slot", str(context_per_slot),
-         "--threads", str(threads)],
-        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [sys.executable, "-m", "blazar.engine", "--launch", "-"],
+        cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
+    assert worker.stdin is not None
+    worker.stdin.write(launch.to_json())
+    worker.stdin.close()
     try:
         yield socket
     finally:

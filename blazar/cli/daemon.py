@@ -30,8 +30,8 @@ from blazar.controller.manager import Manager
 from blazar.controller.model import ModelReconciler
 from blazar.controller.policy import PolicyReconciler
 from blazar.dataplane import server as dataplane_server
-from blazar.engine import monitor
-from blazar.engine.supervisor import Supervisor
+from blazar.enginehost import monitor
+from blazar.enginehost.supervisor import Supervisor
 from blazar.gitops import watcher
 from blazar.shim.app import create_app
 from blazar.store.sqlite import SQLiteStore

@@ -7,7 +7,6 @@ transition, and writes status. A deleted Lane has all its replicas stopped.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Callable
 from datetime import datetime
@@ -81,20 +80,13 @@ def speculation_launch(pair: SpecPair | None, draft: Model | None) -> Speculatio
     is not ready (the Lane then serves without speculation)."""
     if pair is None:
         return None
-    spec = pair.spec
-    base = SpeculationLaunch(
-        kind="ngram",
-        max_draft_tokens=spec.draft.max_draft_tokens,
-        disable_above_batch=spec.disable_above_batch,
-        min_acceptance_rate=spec.min_acceptance_rate,
-    )
-    if isinstance(spec.draft, NgramDraft):
-        return dataclasses.replace(base, ngram_size=spec.draft.ngram_size)
+    if isinstance(pair.spec.draft, NgramDraft):
+        return SpeculationLaunch.of_pair(pair.spec)
     if draft is None or not draft.status.path or not draft.status_current:
         return None
     if not conditions.is_true(draft.status.conditions, "ModelReady"):
         return None
-    return dataclasses.replace(base, kind="model", draft_model_path=draft.status.path)
+    return SpeculationLaunch.of_pair(pair.spec, draft_model_path=draft.status.path)
 
 
 def speculation_gap(lane: Lane, pair: SpecPair | None, draft: Model | None) -> str | None:
@@ -116,16 +108,11 @@ def launch_spec(
     lane: Lane, model: Model, *, default_threads: int, speculation: SpeculationLaunch | None = None
 ) -> LaunchSpec:
     assert model.status.path is not None
-    return LaunchSpec(
+    return LaunchSpec.of_lane(
+        lane.spec,
         model_path=model.status.path,
-        slots=lane.spec.slots,
-        context_per_slot=lane.spec.context_per_slot,
-        threads=lane.spec.threads or default_threads,
-        gpu_layers=lane.spec.gpu_layers,
+        default_threads=default_threads,
         chat_template=model.spec.chat_template,
-        type_k=lane.spec.kv_cache.type_k,
-        type_v=lane.spec.kv_cache.type_v,
-        kv_persist=lane.spec.kv_cache.persist,
         speculation=speculation,
     )
 

@@ -1,6 +1,6 @@
 """The narrow interface through which the controller acts on engine processes.
 
-The daemon wires in `blazar.engine.supervisor.Supervisor`; unit tests use a fake that
+The daemon wires in `blazar.enginehost.supervisor.Supervisor`; unit tests use a fake that
 records calls and lets the test move replicas between states.
 """
 

@@ -18,11 +18,12 @@ from typing import Any, TypeAlias
 import grpc
 import structlog
 
-from blazar._proto.engine.v1 import engine_pb2, engine_pb2_grpc
+from blazar._proto.engine.v1 import engine_pb2
 from blazar._proto.v1 import inference_pb2, inference_pb2_grpc
 from blazar.api import errors
 from blazar.api.kinds import Kind, Lane
 from blazar.dataplane import metrics, routing
+from blazar.enginehost.client import EnginePool
 from blazar.rpc import status
 from blazar.store.base import Store, WatchEvent
 
@@ -30,28 +31,6 @@ log = structlog.get_logger(__name__)
 
 # grpc ships no type information; its servicer context is dynamically typed.
 Context: TypeAlias = Any
-
-
-class EnginePool:
-    """One gRPC channel per engine socket, opened on first use."""
-
-    def __init__(self) -> None:
-        self._channels: dict[str, grpc.aio.Channel] = {}
-
-    def stub(self, socket: str) -> engine_pb2_grpc.EngineStub:
-        channel = self._channels.get(socket)
-        if channel is None:
-            channel = grpc.aio.insecure_channel(f"unix:{socket}")
-            self._channels[socket] = channel
-        return engine_pb2_grpc.EngineStub(channel)
-
-    async def retain(self, sockets: set[str]) -> None:
-        """Close channels to sockets that no longer belong to a ready replica."""
-        for socket in set(self._channels) - sockets:
-            await self._channels.pop(socket).close()
-
-    async def close(self) -> None:
-        await self.retain(set())
 
 
 class InferenceService(inference_pb2_grpc.InferenceServicer):
@@ -125,9 +104,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         refused: set[int] = set()
         while True:
             try:
-                response: inference_pb2.EmbedResponse = await self._pool.stub(replica.socket).Embed(
-                    request
-                )
+                response = await self._pool.client(replica.socket).embed(request)
                 break
             except grpc.aio.AioRpcError as exc:
                 err = status.from_rpc_error(exc)
@@ -150,9 +127,10 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         self, request: inference_pb2.TokenizeRequest, context: Context
     ) -> inference_pb2.TokenizeResponse:
         route, replica = await self._route(request.model, context)
-        response: inference_pb2.TokenizeResponse = await self._unary(
-            self._pool.stub(replica.socket).Tokenize, request, context
-        )
+        try:
+            response = await self._pool.client(replica.socket).tokenize(request)
+        except grpc.aio.AioRpcError as exc:
+            await status.abort(context, status.from_rpc_error(exc))
         response.model = route.lane
         return response
 
@@ -169,12 +147,6 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         except errors.BlazarError as err:
             log.info("request.rejected", model=model, reason=err.reason)
             await status.abort(context, err)
-
-    async def _unary(self, method: Any, request: Any, context: Context) -> Any:
-        try:
-            return await method(request)
-        except grpc.aio.AioRpcError as exc:
-            await status.abort(context, status.from_rpc_error(exc))
 
     async def _relay(
         self,
@@ -228,7 +200,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         key = (replica.lane, replica.index)
         self._inflight[key] += 1
         metrics.IN_FLIGHT.labels(route.lane).inc()
-        call = self._pool.stub(replica.socket).Generate(generate)
+        call = self._pool.client(replica.socket).generate(generate)
         first_at: float | None = None
         tokens = 0
         sent = False

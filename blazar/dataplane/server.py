@@ -15,7 +15,8 @@ from grpc_reflection.v1alpha import reflection
 
 from blazar._proto.v1 import control_pb2, control_pb2_grpc, inference_pb2, inference_pb2_grpc
 from blazar.dataplane.control import ControlService
-from blazar.dataplane.inference import EnginePool, InferenceService
+from blazar.dataplane.inference import InferenceService
+from blazar.enginehost.client import EnginePool
 from blazar.rpc import limits
 from blazar.store.base import Store
 

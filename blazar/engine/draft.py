@@ -8,24 +8,40 @@ chunk of catch-up per step. Only the decode thread may call it, from `load` to `
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import llama_cpp as lc
 
+from blazar.api import replicas
 from blazar.engine import llama, speculation
+
+
+def draft_spec(
+    target: replicas.LaunchSpec, *, model_path: str, context_per_slot: int
+) -> replicas.LaunchSpec:
+    """The draft model's launch: the target's slots, threads and llama.cpp settings,
+    its own file, an f16 cache of `context_per_slot` (at least the target's, so a
+    draft never runs out of positions first), nothing of the target's own."""
+    return dataclasses.replace(
+        target,
+        model_path=model_path,
+        context_per_slot=context_per_slot,
+        type_k="f16",
+        type_v="f16",
+        kv_persist=False,
+        chat_template=None,
+        speculation=None,
+    )
 
 
 @dataclass(frozen=True)
 class DraftOptions:
-    model_path: str
-    slots: int
-    # At least the target's, so a draft never runs out of positions first.
-    context_per_slot: int
-    threads: int
-    gpu_layers: int = 0
-    n_batch: int = 512
+    # The draft model's launch (`draft_spec`).
+    spec: replicas.LaunchSpec
+    n_batch: int = llama.N_BATCH
     # Tokens one `propose` may decode to catch sequences up (None: n_batch). Drafting
     # sequences decode, so the loop passes its cap on prompt tokens beside decoding.
     catch_up_tokens: int | None = None
@@ -62,7 +78,7 @@ class LlamaDraftRunner:
         self._model = model
         self._ctx = ctx
         self._mem = lc.llama_get_memory(ctx)
-        self._batch = lc.llama_batch_init(options.n_batch, 0, options.slots)
+        self._batch = lc.llama_batch_init(options.n_batch, 0, options.spec.slots)
         self._greedy = lc.llama_sampler_init_greedy()
         self._cached: dict[int, list[int]] = {}
         self.options = options
@@ -73,14 +89,10 @@ class LlamaDraftRunner:
     @classmethod
     def load(cls, options: DraftOptions) -> LlamaDraftRunner:
         model, ctx = llama.open_model(
-            options.model_path,
-            gpu_layers=options.gpu_layers,
-            slots=options.slots,
-            context_per_slot=options.context_per_slot,
+            options.spec,
             n_batch=options.n_batch,
             # One logits row per sequence per decode: the last caught-up token or a draft.
-            n_outputs=options.slots,
-            threads=options.threads,
+            n_outputs=options.spec.slots,
         )
         return cls(model, ctx, options)
 

@@ -1,4 +1,4 @@
-"""Slot KV state on disk (`--kv-persist DIR`): saved on graceful stop, restored on start.
+"""Slot KV state on disk (a launch's `kv_dir`): saved on graceful stop, restored on start.
 
 Per slot two files: `slot-<i>.kv` (llama.cpp's sequence state with its token list)
 and `slot-<i>.json`, written last, which says what the state belongs to: the model
@@ -17,11 +17,14 @@ import hashlib
 import json
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Protocol
 
 import structlog
 
+from blazar.api import replicas
 from blazar.engine import llama
 
 log = structlog.get_logger("blazar.engine.kvstore")
@@ -48,16 +51,16 @@ class Identity:
     format: int = FORMAT
 
     @classmethod
-    def of(cls, options: llama.RuntimeOptions, *, context_per_slot: int) -> Identity:
-        stat = os.stat(options.model_path)
+    def of(cls, spec: replicas.LaunchSpec, *, context_per_slot: int) -> Identity:
+        stat = os.stat(spec.model_path)
         return cls(
             model_size=stat.st_size,
             model_mtime_ns=stat.st_mtime_ns,
-            model_hash=model_fingerprint(options.model_path),
-            slots=options.slots,
+            model_hash=model_fingerprint(spec.model_path),
+            slots=spec.slots,
             context_per_slot=context_per_slot,
-            type_k=options.type_k,
-            type_v=options.type_v,
+            type_k=spec.type_k,
+            type_v=spec.type_v,
         )
 
 
@@ -93,7 +96,7 @@ def save(
     started = time.perf_counter()
     directory.mkdir(parents=True, exist_ok=True)
     saved: dict[int, int] = {}
-    for index in range(runtime.options.slots):
+    for index in range(runtime.spec.slots):
         kv, meta = _paths(directory, index)
         meta.unlink(missing_ok=True)  # first: a crash mid-save leaves no valid pair
         tokens = slots.get(index) or []
@@ -127,7 +130,7 @@ def restore(runtime: llama.Runtime, directory: Path, identity: Identity) -> dict
     started = time.perf_counter()
     restored: dict[int, list[int]] = {}
     expected = asdict(identity)
-    for index in range(runtime.options.slots):
+    for index in range(runtime.spec.slots):
         kv, meta = _paths(directory, index)
         if not kv.exists() and not meta.exists():
             continue
@@ -158,7 +161,7 @@ def restore(runtime: llama.Runtime, directory: Path, identity: Identity) -> dict
             kv.unlink(missing_ok=True)
     # Slots this worker does not have (it was started with more before).
     found_slots = {_slot_of(p) for p in directory.glob("slot-*")}
-    for index in sorted(i for i in found_slots if i is not None and i >= runtime.options.slots):
+    for index in sorted(i for i in found_slots if i is not None and i >= runtime.spec.slots):
         log.warning("kv_restore_skipped", slot=index, reason="mismatch", fields=["slots"])
         for path in _paths(directory, index):
             path.unlink(missing_ok=True)
@@ -170,3 +173,50 @@ def restore(runtime: llama.Runtime, directory: Path, identity: Identity) -> dict
             ms=round((time.perf_counter() - started) * 1000, 1),
         )
     return restored
+
+
+class SlotCache(Protocol):
+    """What the store needs of a decode-loop slot."""
+
+    @property
+    def index(self) -> int: ...
+
+    # Exactly the tokens in the slot's KV cache (mutable: restore and save set it).
+    tokens: list[int]
+
+    @property
+    def prompt_len(self) -> int: ...
+
+
+def restore_slots(runtime: llama.Runtime, directory: Path, slots: Sequence[SlotCache]) -> None:
+    """Load the caches a previous worker saved into `directory` into these slots.
+
+    Never raises: a cache that cannot be restored only costs a prefill.
+    """
+    if not directory.is_dir():
+        return
+    try:
+        identity = Identity.of(runtime.spec, context_per_slot=runtime.context_per_slot)
+        for index, tokens in restore(runtime, directory, identity).items():
+            slots[index].tokens = tokens
+    except Exception:
+        log.exception("kv_restore_failed")
+
+
+def save_slots(runtime: llama.Runtime, directory: Path, slots: Sequence[SlotCache]) -> None:
+    """Save every slot's cache into `directory`, each cut back to its last prompt.
+
+    A saved state keeps only the sliding window's last positions, so it can be reused
+    only by a prompt that contains the whole saved sequence. A repeated prompt, or the
+    next turn of the same conversation, contains the last prompt; a saved answer would
+    almost never be matched. Never raises: a failed save only costs the next start
+    its prefill.
+    """
+    for slot in slots:
+        if 0 < slot.prompt_len < len(slot.tokens) and runtime.truncate(slot.index, slot.prompt_len):
+            del slot.tokens[slot.prompt_len :]
+    try:
+        identity = Identity.of(runtime.spec, context_per_slot=runtime.context_per_slot)
+        save(runtime, directory, identity, {s.index: list(s.tokens) for s in slots})
+    except Exception:
+        log.exception("kv_save_failed")

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import llama_cpp as lc
 import numpy as np
 import numpy.typing as npt
 import structlog
+
+from blazar.api import replicas
 
 log = structlog.get_logger("blazar.engine.llama")
 
@@ -130,25 +131,16 @@ def extra_buffers_safe(system_info: str) -> bool:
     return "AMX_INT8 = 1" not in system_info
 
 
-def open_model(
-    model_path: str,
-    *,
-    gpu_layers: int,
-    slots: int,
-    context_per_slot: int,
-    n_batch: int,
-    n_outputs: int,
-    threads: int,
-    type_k: str = "f16",
-    type_v: str = "f16",
-) -> tuple[Any, Any]:
-    """Load a GGUF and create its context for `slots` parallel sequences; (model, ctx).
+def open_model(spec: replicas.LaunchSpec, *, n_batch: int, n_outputs: int) -> tuple[Any, Any]:
+    """Load the GGUF a launch names and create its context for its slots; (model, ctx).
 
-    The one place the engine's llama.cpp settings live, for the target and the draft.
+    The one place the engine's llama.cpp settings live, for the target and the draft
+    (`draft.draft_spec`). `n_outputs` caps the rows of logits one decode may produce.
     """
+    model_path, slots, context_per_slot = spec.model_path, spec.slots, spec.context_per_slot
     lc.llama_backend_init()
     mparams = lc.llama_model_default_params()
-    mparams.n_gpu_layers = gpu_layers
+    mparams.n_gpu_layers = spec.gpu_layers
     mparams.use_extra_bufts = extra_buffers_safe(lc.llama_print_system_info().decode())
     model = lc.llama_model_load_from_file(model_path.encode(), mparams)
     if not model:
@@ -168,10 +160,10 @@ def open_model(
     # Full-size sliding-window caches: rolling back a rejected draft (and keeping a
     # reused prefix) needs positions a pruned window would already have dropped.
     cparams.swa_full = True
-    cparams.type_k = CACHE_TYPES[type_k][0]
-    cparams.type_v = CACHE_TYPES[type_v][0]
-    cparams.n_threads = threads
-    cparams.n_threads_batch = threads
+    cparams.type_k = CACHE_TYPES[spec.type_k][0]
+    cparams.type_v = CACHE_TYPES[spec.type_v][0]
+    cparams.n_threads = spec.threads
+    cparams.n_threads_batch = spec.threads
     cparams.no_perf = True
     ctx = lc.llama_init_from_model(model, cparams)
     if not ctx:
@@ -180,24 +172,20 @@ def open_model(
     return model, ctx
 
 
-@dataclass(frozen=True)
-class RuntimeOptions:
-    model_path: str
-    slots: int
-    context_per_slot: int
-    threads: int
-    gpu_layers: int = 0
-    n_batch: int = 512
-    type_k: str = "f16"
-    type_v: str = "f16"
-    # Batch entries per sequence and step that may ask for logits (1 + drafted tokens).
-    outputs_per_slot: int = 1
+# Tokens one decode step takes at most (llama.cpp's n_batch and n_ubatch).
+N_BATCH = 512
 
-    @property
-    def n_outputs(self) -> int:
-        """Rows of logits one step may produce. The compute buffer holds that many
-        rows of the whole vocabulary (1 MiB each for 262k tokens), so not n_batch."""
-        return min(self.n_batch, self.slots * self.outputs_per_slot + EXTRA_OUTPUT_ROWS)
+
+def outputs_per_slot(spec: replicas.LaunchSpec) -> int:
+    """Batch entries per sequence and step that may ask for logits: the token to
+    sample from, plus the drafted tokens verified beside it."""
+    return 1 + (spec.speculation.max_draft_tokens if spec.speculation else 0)
+
+
+def output_rows(spec: replicas.LaunchSpec, *, n_batch: int = N_BATCH) -> int:
+    """Rows of logits one step may produce. The compute buffer holds that many rows of
+    the whole vocabulary (1 MiB each for 262k tokens), so not n_batch."""
+    return min(n_batch, spec.slots * outputs_per_slot(spec) + EXTRA_OUTPUT_ROWS)
 
 
 def _meta(model: Any, key: str) -> str | None:
@@ -210,14 +198,16 @@ def _meta(model: Any, key: str) -> str | None:
 class Runtime:
     """One model, one context with `slots` sequences, one reusable batch."""
 
-    def __init__(self, model: Any, ctx: Any, options: RuntimeOptions) -> None:
+    def __init__(
+        self, model: Any, ctx: Any, spec: replicas.LaunchSpec, *, n_batch: int = N_BATCH
+    ) -> None:
         self._model = model
         self._ctx = ctx
         self._mem = lc.llama_get_memory(ctx)
-        self._batch = lc.llama_batch_init(options.n_batch, 0, options.slots)
-        self.options = options
-        self.n_batch = options.n_batch
-        self.n_outputs = options.n_outputs
+        self._batch = lc.llama_batch_init(n_batch, 0, spec.slots)
+        self.spec = spec
+        self.n_batch = n_batch
+        self.n_outputs = output_rows(spec, n_batch=n_batch)
         self.vocab = Vocab(lc.llama_model_get_vocab(model))
         self.n_vocab = int(lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(model)))
         self.context_per_slot = int(lc.llama_n_ctx_seq(ctx))
@@ -230,19 +220,9 @@ class Runtime:
         self.architecture = _meta(model, "general.architecture") or ""
 
     @classmethod
-    def load(cls, options: RuntimeOptions) -> Runtime:
-        model, ctx = open_model(
-            options.model_path,
-            gpu_layers=options.gpu_layers,
-            slots=options.slots,
-            context_per_slot=options.context_per_slot,
-            n_batch=options.n_batch,
-            n_outputs=options.n_outputs,
-            threads=options.threads,
-            type_k=options.type_k,
-            type_v=options.type_v,
-        )
-        runtime = cls(model, ctx, options)
+    def load(cls, spec: replicas.LaunchSpec) -> Runtime:
+        model, ctx = open_model(spec, n_batch=N_BATCH, n_outputs=output_rows(spec))
+        runtime = cls(model, ctx, spec)
         runtime.warm_up()
         return runtime
 
@@ -329,9 +309,9 @@ class Runtime:
         key = int(_meta(model, f"{arch}.attention.key_length") or head)
         value = int(_meta(model, f"{arch}.attention.value_length") or head)
         per_token = int(lc.llama_model_n_head_kv(model)) * (
-            key * CACHE_TYPES[self.options.type_k][1] + value * CACHE_TYPES[self.options.type_v][1]
+            key * CACHE_TYPES[self.spec.type_k][1] + value * CACHE_TYPES[self.spec.type_v][1]
         )
-        cells = self.options.slots * self.context_per_slot
+        cells = self.spec.slots * self.context_per_slot
         return int(int(lc.llama_model_n_layer(model)) * cells * per_token)
 
     def close(self) -> None:

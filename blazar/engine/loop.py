@@ -36,55 +36,11 @@ from typing import Any
 import structlog
 
 from blazar.api import errors, replicas
-from blazar.engine import (
-    batching,
-    draft,
-    jobs,
-    kvstore,
-    llama,
-    logprobs,
-    sampling,
-    speculation,
-    text,
-)
+from blazar.engine import batching, generation, jobs, kvstore, llama, speculation
+from blazar.engine.generation import Generation
+from blazar.engine.speculator import Candidate, SpeculationStats, Speculator
 
 log = structlog.get_logger("blazar.engine.loop")
-
-
-@dataclass
-class Generation:
-    """Progress of the job a slot is serving."""
-
-    job: jobs.Job
-    sampler: sampling.Sampler
-    started: float
-    # Prompt tokens found in the slot's cache (kept, not prefilled).
-    cached: int = 0
-    prefilled: int = 0
-    # Sampled but not yet decoded into the KV cache: one token, or (with speculation)
-    # the verified token followed by drafted ones.
-    feed: list[int] = field(default_factory=list)
-    completion: int = 0
-    # Generated tokens whose text has not gone out in a delta yet, and their logprobs,
-    # each with where its text begins in `decoded` (the characters produced so far).
-    untold: int = 0
-    scores: list[logprobs.TokenLogprob] = field(default_factory=list)
-    score_starts: list[int] = field(default_factory=list)
-    decoded: int = 0
-    prompt_scores: list[logprobs.TokenLogprob] = field(default_factory=list)
-    utf8: text.Utf8Stream = field(default_factory=text.Utf8Stream)
-    stops: text.StopMatcher = field(default_factory=lambda: text.StopMatcher(()))
-    prefill_done: float = 0.0
-    first_token: float = 0.0
-    last_token: float = 0.0
-    drafted: int = 0
-    accepted: int = 0
-    # The kind of speculation that drafted for it ("" until a draft was verified).
-    speculation: str = ""
-
-    @property
-    def prefilling(self) -> bool:
-        return self.prefilled < len(self.job.prompt)
 
 
 @dataclass
@@ -120,91 +76,24 @@ PREFILL_BESIDE_DECODE = 128
 
 @dataclass(frozen=True)
 class LoopOptions:
-    runtime: llama.RuntimeOptions
+    # The replica's launch settings: the model, its context, its speculation.
+    spec: replicas.LaunchSpec
     # Save slot caches here on stop and restore them on start (None: do not).
-    kv_persist: Path | None = None
-    # Speculative decoding (the runtime then needs 1 + max_draft_tokens outputs per slot).
-    speculation: replicas.SpeculationLaunch | None = None
+    kv_dir: Path | None = None
     # Prompt tokens a step takes while other sequences decode (None: n_batch).
     prefill_beside_decode: int | None = PREFILL_BESIDE_DECODE
 
 
-@dataclass(frozen=True)
-class SpeculationStats:
-    """Engine-wide speculation counters, for Health."""
-
-    kind: str = ""
-    drafted: int = 0
-    accepted: int = 0
-    disabled_requests: int = 0
-    # Why speculation stopped for good (the drafter failed); "" while it works.
-    failure: str = ""
-
-
-@dataclass
-class _Speculator:
-    """The decode thread's drafter and policy."""
-
-    kind: str
-    policy: speculation.SpeculationPolicy
-    drafter: speculation.DraftModel
-    # Owned native resources of a draft model, closed with the runtime.
-    runner: draft.LlamaDraftRunner | None = None
-
-    @classmethod
-    def load(
-        cls,
-        launch: replicas.SpeculationLaunch,
-        runtime: llama.Runtime,
-        *,
-        catch_up_tokens: int | None = None,
-    ) -> _Speculator:
-        policy = speculation.SpeculationPolicy.from_launch(launch)
-        ngram = speculation.drafter_for(launch)
-        if ngram is not None:
-            return cls(launch.kind, policy, ngram)
-        if not launch.draft_model_path:
-            raise ValueError(f"speculation kind {launch.kind!r} needs a draft model path")
-        options = runtime.options
-        runner = draft.LlamaDraftRunner.load(
-            draft.DraftOptions(
-                model_path=launch.draft_model_path,
-                slots=options.slots,
-                context_per_slot=runtime.context_per_slot,
-                threads=options.threads,
-                gpu_layers=options.gpu_layers,
-                catch_up_tokens=catch_up_tokens,
-            )
-        )
-        if runner.n_vocab != runtime.n_vocab:
-            runner.close()
-            raise ValueError("the draft model's vocabulary differs from the target's")
-        return cls(launch.kind, policy, runner, runner)
-
-    def stats(self, *, failure: str = "") -> SpeculationStats:
-        totals = self.policy.totals
-        return SpeculationStats(
-            kind=self.kind,
-            drafted=totals.drafted,
-            accepted=totals.accepted,
-            disabled_requests=totals.disabled_requests,
-            failure=failure,
-        )
-
-    def close(self) -> None:
-        if self.runner is not None:
-            self.runner.close()
-
-
-@dataclass(frozen=True)
-class _End:
-    """Why a request ends after the token just emitted."""
-
-    reason: jobs.FinishReason
-    flush: bool = True
-
-
 _STOP = object()
+
+
+@dataclass(frozen=True)
+class _Placed:
+    """A slot's piece of the step being decoded, from batch entry `first` on."""
+
+    slot: Slot
+    piece: batching.Piece
+    first: int
 
 
 class DecodeLoop:
@@ -214,49 +103,48 @@ class DecodeLoop:
         self, options: LoopOptions, *, on_loaded: Callable[[BaseException | None], None]
     ) -> None:
         self.options = options
-        self.slots = [Slot(i) for i in range(options.runtime.slots)]
+        self.slots = [Slot(i) for i in range(options.spec.slots)]
         self.kv_bytes = 0
         self._on_loaded = on_loaded
         self._inbox: queue.Queue[jobs.Job | object] = queue.Queue()
         self._waiting: collections.deque[jobs.Job] = collections.deque()
         self._runtime: llama.Runtime | None = None
-        self._identity: kvstore.Identity | None = None
-        self._spec: _Speculator | None = None
+        self._spec: Speculator | None = None
         # What Health reports once a failed drafter switched speculation off.
         self._spec_failed: SpeculationStats | None = None
         self._clock = 0
         self._thread = threading.Thread(target=self._run, name="decode", daemon=True)
 
     @property
-    def vocab(self) -> llama.Vocab:
+    def runtime(self) -> llama.Runtime:
+        """The loaded runtime, for read-only facts of the model (vocabulary, template,
+        architecture); only the decode thread calls its methods."""
         if self._runtime is None:
             raise RuntimeError("model not loaded")
-        return self._runtime.vocab
+        return self._runtime
+
+    @property
+    def vocab(self) -> llama.Vocab:
+        return self.runtime.vocab
 
     @property
     def model(self) -> Any:
         """The loaded `llama_model *`, shared with the embedding context; freed when the
         decode thread stops."""
-        if self._runtime is None:
-            raise RuntimeError("model not loaded")
-        return self._runtime.model
+        return self.runtime.model
 
     @property
     def model_chat_template(self) -> str | None:
-        if self._runtime is None:
-            raise RuntimeError("model not loaded")
-        return self._runtime.chat_template
+        return self.runtime.chat_template
 
     @property
     def architecture(self) -> str:
         """general.architecture of the loaded GGUF ("gemma3", "llama", "qwen2", ...)."""
-        if self._runtime is None:
-            raise RuntimeError("model not loaded")
-        return self._runtime.architecture
+        return self.runtime.architecture
 
     @property
     def context_per_slot(self) -> int:
-        return self.options.runtime.context_per_slot
+        return self.options.spec.context_per_slot
 
     @property
     def speculation_stats(self) -> SpeculationStats:
@@ -285,27 +173,12 @@ class DecodeLoop:
 
     def _run(self) -> None:
         try:
-            runtime = llama.Runtime.load(self.options.runtime)
+            runtime = self._load()
         except BaseException as exc:
             self._on_loaded(exc)
             return
-        if self.options.speculation is not None:
-            try:
-                self._spec = _Speculator.load(
-                    self.options.speculation,
-                    runtime,
-                    catch_up_tokens=self.options.prefill_beside_decode,
-                )
-            except BaseException as exc:
-                runtime.close()
-                self._on_loaded(exc)
-                return
-        self._runtime = runtime
-        self.kv_bytes = runtime.kv_bytes
-        try:
-            self._restore(runtime)
-        except Exception:
-            log.exception("kv_restore_failed")
+        if self.options.kv_dir is not None:
+            kvstore.restore_slots(runtime, self.options.kv_dir, self.slots)
         self._on_loaded(None)
         try:
             while self._collect():
@@ -320,11 +193,28 @@ class DecodeLoop:
             for slot in self._active():
                 self._finish(runtime, slot, jobs.FinishReason.CANCELLED)
             self._drop_waiting()
-            self._save(runtime)
+            if self.options.kv_dir is not None:
+                kvstore.save_slots(runtime, self.options.kv_dir, self.slots)
             if self._spec is not None:
                 self._spec.close()
             runtime.close()
             self._runtime = None
+
+    def _load(self) -> llama.Runtime:
+        """The model, its context and its drafter; nothing is left open on failure."""
+        runtime = llama.Runtime.load(self.options.spec)
+        launch = self.options.spec.speculation
+        if launch is not None:
+            try:
+                self._spec = Speculator.load(
+                    launch, runtime, catch_up_tokens=self.options.prefill_beside_decode
+                )
+            except BaseException:
+                runtime.close()
+                raise
+        self._runtime = runtime
+        self.kv_bytes = runtime.kv_bytes
+        return runtime
 
     def _active(self) -> list[Slot]:
         return [s for s in self.slots if s.gen is not None]
@@ -385,7 +275,7 @@ class DecodeLoop:
         kept: collections.deque[jobs.Job] = collections.deque()
         for job in self._waiting:
             if job.cancelled:
-                job.deliver(_cancelled_before_start(job))
+                job.deliver(generation.cancelled_before_start(job))
             else:
                 kept.append(job)
         self._waiting = kept
@@ -399,20 +289,12 @@ class DecodeLoop:
                 runtime.clear(slot.index)
                 keep = 0
             del slot.tokens[keep:]
-        chain = sampling.build_sampler(job.params, prompt=job.prompt)
+        slot.gen = Generation.begin(job, cached=keep)
         if self._spec is not None:
             self._spec.policy.begin(slot.index)
         self._clock += 1
         slot.last_used = self._clock
         slot.prompt_len = len(job.prompt)
-        slot.gen = Generation(
-            job=job,
-            sampler=chain,
-            started=time.perf_counter(),
-            cached=keep,
-            prefilled=keep,
-            stops=text.StopMatcher(job.params.stop),
-        )
 
     def _step(self, runtime: llama.Runtime) -> None:
         """One batch: decode tokens first, then prefill chunks (oldest job first)."""
@@ -423,124 +305,99 @@ class DecodeLoop:
         active = sorted(self._active(), key=lambda s: s.gen.started if s.gen else 0.0)
         if self._spec is not None:
             self._draft(runtime, self._spec, active)
-        wants = []
-        for slot in active:
-            gen = slot.gen
-            assert gen is not None
-            wants.append(
-                batching.Want(
-                    slot=slot.index,
-                    decode=len(gen.feed),
-                    prefill=len(gen.job.prompt) - gen.prefilled,
-                    prompt_logits=gen.job.params.prompt_logprobs,
-                )
-            )
         pieces = batching.plan_step(
-            wants,
+            [self._want(slot) for slot in active],
             max_tokens=runtime.n_batch,
             max_outputs=runtime.n_outputs,
             prefill_beside_decode=self.options.prefill_beside_decode,
         )
         entries: list[tuple[int, int, int, bool]] = []
-        placed: list[tuple[Slot, batching.Piece, int]] = []
-        for piece in pieces:
-            slot = self.slots[piece.slot]
-            gen = slot.gen
-            assert gen is not None
-            if piece.decode:
-                tokens = gen.feed[: piece.tokens]
-                del gen.feed[: piece.tokens]
-            else:
-                tokens = gen.job.prompt[gen.prefilled : gen.prefilled + piece.tokens]
-                gen.prefilled += piece.tokens
-            first, start = len(entries), len(slot.tokens)
-            last = len(tokens) - 1
-            entries.extend(
-                (
-                    tok,
-                    start + i,
-                    slot.index,
-                    piece.logits is batching.Logits.ALL
-                    or (piece.logits is batching.Logits.LAST and i == last),
-                )
-                for i, tok in enumerate(tokens)
-            )
-            slot.tokens.extend(tokens)
-            placed.append((slot, piece, first))
+        placed = [self._place(piece, entries) for piece in pieces]
         if not entries:
             return
         runtime.decode(entries)
-        for slot, piece, first in placed:
-            gen = slot.gen
-            assert gen is not None
-            # What fails from here on (the request's sampler, its logprobs) is that
-            # request's own fault: the batch is decoded and the other slots are fine.
-            try:
-                if piece.decode:
-                    self._after_decode(runtime, slot, first, piece.tokens)
-                else:
-                    self._after_prefill(runtime, slot, first, piece)
-            except errors.InvalidRequest as exc:
-                # A contradiction in the request itself that showed only now.
-                log.info("request_invalid", request_id=gen.job.request_id, error=exc.message)
-                if slot.gen is gen:
-                    self._fail(runtime, slot, jobs.Failed.invalid(exc))
-            except Exception as exc:
-                log.exception("sampling_failed", request_id=gen.job.request_id)
-                if slot.gen is gen:
-                    self._fail(runtime, slot, jobs.Failed(f"sampling failed: {exc}"))
+        for place in placed:
+            self._sample(runtime, place)
+
+    @staticmethod
+    def _want(slot: Slot) -> batching.Want:
+        gen = slot.gen
+        assert gen is not None
+        return batching.Want(
+            slot=slot.index,
+            decode=len(gen.feed),
+            prefill=gen.to_prefill,
+            prompt_logits=gen.job.params.prompt_logprobs,
+        )
+
+    def _place(self, piece: batching.Piece, entries: list[tuple[int, int, int, bool]]) -> _Placed:
+        """Append a slot's piece to the batch entries; the slot's tokens follow them."""
+        slot = self.slots[piece.slot]
+        gen = slot.gen
+        assert gen is not None
+        tokens = gen.take_feed(piece.tokens) if piece.decode else gen.take_prompt(piece.tokens)
+        first, start, last = len(entries), len(slot.tokens), len(tokens) - 1
+        every = piece.logits is batching.Logits.ALL
+        at_end = piece.logits is batching.Logits.LAST
+        entries.extend(
+            (tok, start + i, slot.index, every or (at_end and i == last))
+            for i, tok in enumerate(tokens)
+        )
+        slot.tokens.extend(tokens)
+        return _Placed(slot, piece, first)
+
+    def _sample(self, runtime: llama.Runtime, place: _Placed) -> None:
+        """Sample what the decoded piece asks for. What fails here (the request's
+        sampler, its logprobs) is that request's own fault: the batch is decoded and
+        the other slots are fine."""
+        slot = place.slot
+        gen = slot.gen
+        assert gen is not None
+        try:
+            if place.piece.decode:
+                self._after_decode(runtime, slot, place.first, place.piece.tokens)
+            else:
+                self._after_prefill(runtime, slot, place.first, place.piece)
+        except errors.InvalidRequest as exc:
+            # A contradiction in the request itself that showed only now.
+            log.info("request_invalid", request_id=gen.job.request_id, error=exc.message)
+            if slot.gen is gen:
+                self._fail(runtime, slot, jobs.Failed.invalid(exc))
+        except Exception as exc:
+            log.exception("sampling_failed", request_id=gen.job.request_id)
+            if slot.gen is gen:
+                self._fail(runtime, slot, jobs.Failed(f"sampling failed: {exc}"))
 
     def _after_prefill(
         self, runtime: llama.Runtime, slot: Slot, first: int, piece: batching.Piece
     ) -> None:
         gen = slot.gen
         assert gen is not None
-        prompt = gen.job.prompt
         if piece.logits is batching.Logits.ALL:
             # Row i holds the logits after prompt position p0 + i, predicting p0 + i + 1.
             p0 = gen.prefilled - piece.tokens
-            targets = prompt[p0 + 1 : gen.prefilled + 1]
-            rows = runtime.logits(first, len(targets)) if targets else None
-            if rows is not None:
-                gen.prompt_scores.extend(
-                    logprobs.score(rows, targets, top=gen.job.params.top_logprobs)
-                )
+            targets = gen.job.prompt[p0 + 1 : gen.prefilled + 1]
+            if targets:
+                gen.score_prompt(runtime.logits(first, len(targets)), targets)
         if not gen.prefilling:
             gen.prefill_done = time.perf_counter()
             self._on_token(runtime, slot, first + piece.tokens - 1)
 
-    def _draft(self, runtime: llama.Runtime, spec: _Speculator, active: list[Slot]) -> None:
-        """Extend decoding slots' feeds with drafted tokens, as the policy allows.
-
-        Each draft is capped so that the step cannot emit past max_tokens or the
-        slot's context, and so that every decoding slot's rows fit the context's
-        output rows (`batching.plan_step` would otherwise leave a slot out).
-        """
-        decoding = [s for s in active if s.gen is not None and len(s.gen.feed) == 1]
-        spare = min(runtime.n_outputs, runtime.n_batch) - sum(
-            len(s.gen.feed) for s in active if s.gen is not None
-        )
-        requests: list[speculation.DraftRequest] = []
-        for slot in decoding:
+    def _draft(self, runtime: llama.Runtime, spec: Speculator, active: list[Slot]) -> None:
+        """Extend decoding slots' feeds with drafted tokens, as the policy allows."""
+        candidates = []
+        feeding = rows = 0
+        for slot in active:
             gen = slot.gen
             assert gen is not None
-            room = min(
-                gen.job.max_tokens - gen.completion,
-                self.context_per_slot - len(slot.tokens),
-                spare + 1,
-            )
-            k = spec.policy.draft_budget(slot.index, active=len(active), room=room - 1)
-            if k > 0:
-                spare -= k
-                requests.append(
-                    speculation.DraftRequest(
-                        seq=slot.index, tokens=[*slot.tokens, gen.feed[0]], max_tokens=k
-                    )
-                )
-        if not requests:
-            return
+            feeding += len(gen.feed)
+            rows += bool(gen.feed)
+            if len(gen.feed) == 1:
+                room = min(gen.room, self.context_per_slot - len(slot.tokens))
+                candidates.append(Candidate(slot.index, [*slot.tokens, gen.feed[0]], room))
+        spare = min(runtime.n_outputs, runtime.n_batch) - feeding
         try:
-            proposed = spec.drafter.propose(requests)
+            drafts = spec.draft(candidates, active=len(active), rows=rows, spare=spare)
         except Exception as exc:
             # Drafting only saves time, and a drafter that failed half-way (a draft
             # model's decode) no longer knows what its cache holds: speculation is off
@@ -551,10 +408,7 @@ class DecodeLoop:
             self._spec = None
             spec.close()
             return
-        drafts = {r.seq: proposed.get(r.seq, ())[: r.max_tokens] for r in requests}
-        # Every other sequence's rows count too: all rows go through one output matmul.
-        rows = sum(1 for s in active if s.gen is not None and s.gen.feed)
-        for seq, tokens in spec.policy.align(drafts, rows=rows).items():
+        for seq, tokens in drafts.items():
             gen = self.slots[seq].gen
             assert gen is not None
             gen.feed.extend(tokens)
@@ -569,7 +423,7 @@ class DecodeLoop:
         gen = slot.gen
         assert gen is not None
         step = speculation.Speculation.fed(seq=slot.index, tokens=slot.tokens, count=count)
-        end: _End | None = None
+        end: generation.End | None = None
 
         def sample(i: int) -> int | None:
             nonlocal end
@@ -588,10 +442,8 @@ class DecodeLoop:
                 return
             del slot.tokens[outcome.rollback_from :]
         if outcome.drafted:
-            gen.drafted += outcome.drafted
-            gen.accepted += outcome.accepted
             assert self._spec is not None
-            gen.speculation = self._spec.kind
+            gen.record_draft(self._spec.kind, drafted=outcome.drafted, accepted=outcome.accepted)
             self._spec.policy.record(slot.index, drafted=outcome.drafted, accepted=outcome.accepted)
         if end is not None:
             self._finish(runtime, slot, end.reason, flush=end.flush)
@@ -609,8 +461,9 @@ class DecodeLoop:
 
     def _emit(
         self, runtime: llama.Runtime, slot: Slot, index: int, *, cached: int
-    ) -> tuple[int, _End | None]:
-        """Sample from batch entry `index`, stream the text; say whether the request ends.
+    ) -> tuple[int, generation.End | None]:
+        """Sample from batch entry `index` and hand the token to the generation; say
+        whether the request ends.
 
         `cached` counts the slot's tokens up to the one whose logits are at `index`
         (during verification the slot also holds drafts that may yet be rejected).
@@ -619,39 +472,13 @@ class DecodeLoop:
         """
         gen = slot.gen
         assert gen is not None
-        params = gen.job.params
         # Copied before sampling: the raw distribution, before bias and grammar.
-        row = runtime.logits(index).copy() if params.logprobs else None
+        row = runtime.logits(index).copy() if gen.job.params.logprobs else None
         token = runtime.sample(gen.sampler, index)
-        now = time.perf_counter()
-        gen.completion += 1
-        gen.untold += 1
-        gen.first_token = gen.first_token or now
-        gen.last_token = now
-        if runtime.vocab.is_eog(token):
-            # The end-of-generation token has no text, so no logprobs entry either.
-            return token, _End(jobs.FinishReason.STOP)
-        if row is not None:
-            gen.scores.extend(logprobs.score(row, [token], top=params.top_logprobs))
-            gen.score_starts.append(gen.decoded)
-        piece = gen.utf8.feed(runtime.vocab.piece(token))
-        gen.decoded += len(piece)
-        result = gen.stops.feed(piece)
-        if result.stopped:
-            # Logprobs cover the tokens that produced returned text: one whose text
-            # begins inside the stop string produced none.
-            keep = sum(1 for start in gen.score_starts if start < result.stop_at)
-            del gen.scores[keep:], gen.score_starts[keep:]
-        if result.text:
-            gen.job.deliver(jobs.TextDelta(result.text, gen.untold, tuple(gen.scores)))
-            gen.untold = 0
-            gen.scores.clear()
-            gen.score_starts.clear()
-        if result.stopped:
-            return token, _End(jobs.FinishReason.STOP, flush=False)
-        if gen.completion >= gen.job.max_tokens or cached >= self.context_per_slot:
-            return token, _End(jobs.FinishReason.LENGTH)
-        return token, None
+        end = gen.emit(
+            token, vocab=runtime.vocab, row=row, context_full=cached >= self.context_per_slot
+        )
+        return token, end
 
     def _finish(
         self, runtime: llama.Runtime, slot: Slot, reason: jobs.FinishReason, *, flush: bool = True
@@ -662,30 +489,10 @@ class DecodeLoop:
         """
         gen = slot.gen
         assert gen is not None
-        job = gen.job
-        tail = gen.stops.flush() if flush and reason is not jobs.FinishReason.CANCELLED else ""
-        ms = 1000.0
-        first = gen.first_token or gen.started
-        finished = jobs.Finished(
-            reason=reason,
-            slot=slot.index,
-            prompt_tokens=len(job.prompt),
-            completion_tokens=gen.completion,
-            cached_tokens=gen.cached,
-            queue_ms=(gen.started - job.arrived) * ms,
-            prefill_ms=((gen.prefill_done or gen.started) - gen.started) * ms,
-            ttft_ms=(first - job.arrived) * ms if gen.first_token else 0.0,
-            decode_ms=((gen.last_token or first) - first) * ms,
-            prompt_logprobs=tuple(gen.prompt_scores),
-            speculation=gen.speculation,
-            drafted_tokens=gen.drafted,
-            accepted_tokens=gen.accepted,
-        )
-        untold, scores = gen.untold, tuple(gen.scores)
+        events = gen.conclusion(reason, slot=slot.index, flush=flush)
         self._release(runtime, slot, keep_cache=True)
-        if tail or scores:
-            job.deliver(jobs.TextDelta(tail, untold, scores))
-        job.deliver(finished)
+        for event in events:
+            gen.job.deliver(event)
 
     def _fail(self, runtime: llama.Runtime, slot: Slot, failure: jobs.Failed) -> None:
         assert slot.gen is not None
@@ -721,60 +528,4 @@ class DecodeLoop:
         # answers with a retryable UNAVAILABLE.
         while self._waiting:
             job = self._waiting.popleft()
-            job.deliver(_cancelled_before_start(job))
-
-    # --- KV persistence ---
-
-    def _identity_of(self, runtime: llama.Runtime) -> kvstore.Identity:
-        if self._identity is None:
-            self._identity = kvstore.Identity.of(
-                self.options.runtime, context_per_slot=runtime.context_per_slot
-            )
-        return self._identity
-
-    def _restore(self, runtime: llama.Runtime) -> None:
-        directory = self.options.kv_persist
-        if directory is None or not directory.is_dir():
-            return
-        for index, tokens in kvstore.restore(
-            runtime, directory, self._identity_of(runtime)
-        ).items():
-            self.slots[index].tokens = tokens
-
-    def _save(self, runtime: llama.Runtime) -> None:
-        directory = self.options.kv_persist
-        if directory is None:
-            return
-        # A saved state keeps only the sliding window's last positions, so it can be
-        # reused only by a prompt that contains the whole saved sequence. Cut each slot
-        # back to its last prompt first: a repeated prompt, or the next turn of the same
-        # conversation, then contains it; a saved answer would almost never be matched.
-        for slot in self.slots:
-            if 0 < slot.prompt_len < len(slot.tokens) and runtime.truncate(
-                slot.index, slot.prompt_len
-            ):
-                del slot.tokens[slot.prompt_len :]
-        try:
-            kvstore.save(
-                runtime,
-                directory,
-                self._identity_of(runtime),
-                {s.index: list(s.tokens) for s in self.slots},
-            )
-        except Exception:
-            log.exception("kv_save_failed")
-
-
-def _cancelled_before_start(job: jobs.Job) -> jobs.Finished:
-    """The end of a job cancelled while it waited for a slot (it never had one: -1)."""
-    return jobs.Finished(
-        reason=jobs.FinishReason.CANCELLED,
-        slot=-1,
-        prompt_tokens=len(job.prompt),
-        completion_tokens=0,
-        cached_tokens=0,
-        queue_ms=(time.perf_counter() - job.arrived) * 1000.0,
-        prefill_ms=0.0,
-        ttft_ms=0.0,
-        decode_ms=0.0,
-    )
+            job.deliver(generation.cancelled_before_start(job))

@@ -522,6 +522,8 @@ NGRAM_MIN_MATCH = 8
 def drafter_for(launch: replicas.SpeculationLaunch) -> NgramDrafter | None:
     """The pure drafter a launch asks for; None for `kind: model` (see `draft.py`)."""
     if launch.kind == "ngram":
+        if launch.ngram_size is None:
+            raise ValueError("n-gram speculation needs an ngram_size")
         return NgramDrafter(
             ngram_size=launch.ngram_size,
             max_draft_tokens=launch.max_draft_tokens,

@@ -4,13 +4,14 @@ Start: ask the kernel to SIGKILL us when the parent dies (and exit at once if it
 already gone), serve `blazar.engine.v1.Engine` on the Unix socket (Health answers
 STARTING at once), load the model on the decode thread, then report READY.
 
-With `--kv-persist DIR`, slot caches saved by the previous graceful stop are restored
-on the decode thread before READY.
+Everything the worker is configured with comes from its launch document
+(`replicas.EngineLaunch`). With a `kv_dir`, slot caches saved by the previous graceful
+stop are restored on the decode thread before READY.
 
 Stop (SIGTERM or SIGINT), in order: DRAINING (new Generate calls get UNAVAILABLE),
 wait for in-flight requests up to the grace period, cancel whatever is left, stop
-the gRPC server, end the decode thread (which saves the slot caches under
-`--kv-persist`, then frees the llama context and model), remove the socket, exit 0.
+the gRPC server, end the decode thread (which saves the slot caches into the
+`kv_dir`, then frees the llama context and model), remove the socket, exit 0.
 """
 
 from __future__ import annotations
@@ -21,8 +22,6 @@ import ctypes
 import ctypes.util
 import os
 import signal
-from dataclasses import dataclass
-from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -43,45 +42,6 @@ _PR_SET_PDEATHSIG = 1
 _MAX_SOCKET_PATH = 107
 
 
-class SpecKind(StrEnum):
-    NGRAM = "ngram"
-    MODEL = "model"
-
-
-@dataclass(frozen=True)
-class SpeculationConfig:
-    """Speculative decoding settings (a Lane's SpecPair), as the supervisor passes them."""
-
-    kind: SpecKind
-    ngram_size: int = 3
-    max_draft: int = 8
-    draft_model: str | None = None
-    # Off while more sequences than this are active.
-    disable_above_batch: int = 4
-    # Off for a request whose acceptance rate falls below this.
-    min_acceptance: float = 0.3
-
-
-@dataclass(frozen=True)
-class WorkerConfig:
-    model: str
-    socket: str
-    slots: int
-    context_per_slot: int
-    threads: int
-    gpu_layers: int = 0
-    parent_pid: int | None = None
-    chat_template: str | None = None
-    log_json: bool | None = None
-    drain_grace_seconds: float = service.DEFAULT_DRAIN_GRACE_SECONDS
-    # KV cache element types (llama.cpp names: f16, q8_0, ...).
-    type_k: str = "f16"
-    type_v: str = "f16"
-    # Directory for slot caches saved on stop and restored on start.
-    kv_persist: str | None = None
-    speculation: SpeculationConfig | None = None
-
-
 def die_with_parent(parent_pid: int | None) -> bool:
     """Have the kernel SIGKILL us when the parent exits; False if it already has."""
     libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
@@ -91,48 +51,36 @@ def die_with_parent(parent_pid: int | None) -> bool:
     return parent_pid is None or os.getppid() == parent_pid
 
 
-def main(config: WorkerConfig) -> int:
-    parent_alive = die_with_parent(config.parent_pid)
-    logs.configure(json=config.log_json)
+def main(launch: replicas.EngineLaunch) -> int:
+    parent_alive = die_with_parent(launch.parent_pid)
+    logs.configure(json=launch.log_json)
     if not parent_alive:
-        log.warning("parent_gone", parent_pid=config.parent_pid, ppid=os.getppid())
+        log.warning("parent_gone", parent_pid=launch.parent_pid, ppid=os.getppid())
         return 1
     llama.quiet_native_logs()
     structlog.contextvars.bind_contextvars(pid=os.getpid())
-    if len(config.socket.encode()) > _MAX_SOCKET_PATH:
-        log.error("socket_path_too_long", socket=config.socket)
+    if len(launch.socket.encode()) > _MAX_SOCKET_PATH:
+        log.error("socket_path_too_long", socket=launch.socket)
         return 2
-    return asyncio.run(serve(config))
+    return asyncio.run(serve(launch))
 
 
-async def serve(config: WorkerConfig) -> int:
+async def serve(launch: replicas.EngineLaunch) -> int:
     aio = asyncio.get_running_loop()
     loaded: asyncio.Future[None] = aio.create_future()
 
     def on_loaded(exc: BaseException | None) -> None:
         aio.call_soon_threadsafe(_settle, loaded, exc)
 
+    spec = launch.spec
     decode = loop.DecodeLoop(
-        loop.LoopOptions(
-            runtime=llama.RuntimeOptions(
-                model_path=config.model,
-                slots=config.slots,
-                context_per_slot=config.context_per_slot,
-                threads=config.threads,
-                gpu_layers=config.gpu_layers,
-                type_k=config.type_k,
-                type_v=config.type_v,
-                outputs_per_slot=1 + (config.speculation.max_draft if config.speculation else 0),
-            ),
-            kv_persist=Path(config.kv_persist) if config.kv_persist else None,
-            speculation=speculation_launch(config.speculation),
-        ),
+        loop.LoopOptions(spec, kv_dir=Path(launch.kv_dir) if launch.kv_dir else None),
         on_loaded=on_loaded,
     )
-    engine = service.EngineService(decode, model_path=config.model)
+    engine = service.EngineService(decode, model_path=spec.model_path)
     server = grpc.aio.server(options=limits.ENGINE_SERVER_OPTIONS)
     engine_pb2_grpc.add_EngineServicer_to_server(engine, server)
-    socket_path = Path(config.socket)
+    socket_path = Path(launch.socket)
     socket_path.parent.mkdir(parents=True, exist_ok=True)
     socket_path.unlink(missing_ok=True)  # stale, from a worker that did not clean up
     server.add_insecure_port(f"unix:{socket_path}")
@@ -141,7 +89,7 @@ async def serve(config: WorkerConfig) -> int:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         aio.add_signal_handler(sig, stop.set)
-    log.info("starting", model=config.model, socket=config.socket, slots=config.slots)
+    log.info("starting", model=spec.model_path, socket=launch.socket, slots=spec.slots)
     decode.start()
 
     stopping: asyncio.Future[Any] = asyncio.ensure_future(stop.wait())
@@ -152,7 +100,7 @@ async def serve(config: WorkerConfig) -> int:
         code = 1
     elif loaded.done():
         try:
-            chat = chat_template(config, decode)
+            chat = chat_template(spec.chat_template, decode)
         except jinja2.TemplateError as exc:
             log.error("chat_template_invalid", error=str(exc))
             code = 1
@@ -165,7 +113,7 @@ async def serve(config: WorkerConfig) -> int:
                 restored_tokens=sum(s.cached_tokens for s in decode.slots),
                 chat_template=(
                     "override"
-                    if config.chat_template
+                    if spec.chat_template
                     else ("gguf" if decode.model_chat_template else "fallback")
                 ),
                 rss=service.rss_bytes(),
@@ -175,8 +123,8 @@ async def serve(config: WorkerConfig) -> int:
     stopping.cancel()
 
     # Returns at once when the supervisor's Drain RPC already did this.
-    log.info("draining", grace_seconds=config.drain_grace_seconds)
-    await engine.drain(config.drain_grace_seconds)
+    log.info("draining", grace_seconds=launch.drain_grace_seconds)
+    await engine.drain(launch.drain_grace_seconds)
     await server.stop(grace=1.0)
     decode.stop()
     await asyncio.to_thread(decode.join, 30.0)
@@ -185,24 +133,10 @@ async def serve(config: WorkerConfig) -> int:
     return code
 
 
-def speculation_launch(config: SpeculationConfig | None) -> replicas.SpeculationLaunch | None:
-    """The decode loop's view of the speculation flags; None when off (or max draft 0)."""
-    if config is None or config.max_draft <= 0:
-        return None
-    return replicas.SpeculationLaunch(
-        kind=config.kind.value,
-        max_draft_tokens=config.max_draft,
-        disable_above_batch=config.disable_above_batch,
-        min_acceptance_rate=config.min_acceptance,
-        ngram_size=config.ngram_size,
-        draft_model_path=config.draft_model,
-    )
-
-
-def chat_template(config: WorkerConfig, decode: loop.DecodeLoop) -> text.ChatTemplate | None:
+def chat_template(override: str | None, decode: loop.DecodeLoop) -> text.ChatTemplate | None:
     """The chat template to render conversations with; None means Gemma's turns.
 
-    In order: the --chat-template override (a name from `text.NAMED_TEMPLATES` or an
+    In order: the launch's `chat_template` override (a name from `text.NAMED_TEMPLATES` or an
     inline Jinja template), the GGUF's own template, the architecture's fallback. A
     broken override is fatal; a GGUF template Jinja cannot compile falls back.
     """
@@ -213,10 +147,10 @@ def chat_template(config: WorkerConfig, decode: loop.DecodeLoop) -> text.ChatTem
             return None
         return text.ChatTemplate(source, bos_token=vocab.bos_text, eos_token=vocab.eos_text)
 
-    if config.chat_template:
-        if config.chat_template in text.NAMED_TEMPLATES:
-            return compiled(text.NAMED_TEMPLATES[config.chat_template])
-        return compiled(config.chat_template)
+    if override:
+        if override in text.NAMED_TEMPLATES:
+            return compiled(text.NAMED_TEMPLATES[override])
+        return compiled(override)
     source = decode.model_chat_template
     if source:
         try:

@@ -23,11 +23,15 @@ import pytest
 
 from blazar._proto.engine.v1 import engine_pb2, engine_pb2_grpc
 from blazar._proto.v1 import inference_pb2
+from blazar.api.replicas import EngineLaunch
+from tests import launches
 
 REPO = Path(__file__).resolve().parents[2]
 CONTEXT_PER_SLOT = 1024
 SLOTS = 2
 READY_DEADLINE_S = 60.0
+# As the supervisor sets it: what a SIGTERM gives in-flight requests.
+DRAIN_GRACE_S = 10.0
 
 
 @functools.cache
@@ -107,24 +111,29 @@ class Worker:
         return "".join(d.text for d in deltas)
 
 
-def worker_args(model_path: Path, socket: str, *extra: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "blazar.engine",
-        "--model",
-        str(model_path),
-        "--socket",
-        socket,
-        "--slots",
-        str(SLOTS),
-        "--context-per-slot",
-        str(CONTEXT_PER_SLOT),
-        "--threads",
-        "2",
-        "--log-json",
-        *extra,
-    ]
+def launch(
+    model_path: Path,
+    socket: str,
+    *,
+    kv_dir: Path | None = None,
+    parent_pid: int | None = None,
+    **spec: Any,
+) -> EngineLaunch:
+    """A worker's launch document: `SLOTS` slots of `CONTEXT_PER_SLOT` on two threads,
+    unless `spec` says otherwise (any `LaunchSpec` field)."""
+    fields: dict[str, Any] = {"slots": SLOTS, "context_per_slot": CONTEXT_PER_SLOT} | spec
+    return EngineLaunch(
+        spec=launches.spec(model_path, kv_persist=kv_dir is not None, **fields),
+        socket=socket,
+        drain_grace_seconds=DRAIN_GRACE_S,
+        kv_dir=str(kv_dir) if kv_dir is not None else None,
+        parent_pid=parent_pid,
+        log_json=True,
+    )
+
+
+def worker_args(launch_file: Path | str) -> list[str]:
+    return [sys.executable, "-m", "blazar.engine", "--launch", str(launch_file)]
 
 
 class Spawner:
@@ -135,14 +144,17 @@ class Spawner:
         self.workers: list[Worker] = []
         self.dirs: list[str] = []
 
-    def __call__(self, *extra: str) -> Worker:
+    def __call__(self, **settings: Any) -> Worker:
+        """A worker launched with `launch`'s defaults and these settings."""
         d = tempfile.mkdtemp(prefix="bz-", dir="/tmp")  # AF_UNIX paths max ~107 bytes
         self.dirs.append(d)
         socket = os.path.join(d, "engine.sock")
+        launch_file = Path(d, "launch.json")
+        launch_file.write_bytes(launch(self.model_path, socket, **settings).to_json())
         log = Path(d, "worker.log")
         with log.open("wb") as out:
             proc = subprocess.Popen(
-                worker_args(self.model_path, socket, *extra),
+                worker_args(launch_file),
                 cwd=REPO,
                 stdout=out,
                 stderr=subprocess.STDOUT,

@@ -353,8 +353,9 @@ def test_daemon_kill_leaves_no_orphans_and_restart_reconverges(model_path: Path)
             third.wait_condition("lane", "solo", "Ready", timeout=180)
             assert third.get("lane", "solo")["spec"]["contextPerSlot"] == 1024
             (pid,) = third.pids("solo")
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            assert argv[argv.index(b"--model") + 1] == str(moved).encode()
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+            launch = json.loads(Path(argv[argv.index("--launch") + 1]).read_text())
+            assert launch["spec"]["model_path"] == str(moved)
             with third.log_path.open("rb") as f:
                 f.seek(seen)
                 events = [json.loads(line) for line in f.read().splitlines() if line[:1] == b"{"]

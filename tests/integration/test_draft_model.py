@@ -9,6 +9,7 @@ from types import ModuleType
 import pytest
 
 from blazar.engine import draft, speculation
+from tests import launches
 from tests.integration.engine_harness import make_draft_tool
 
 pytestmark = pytest.mark.slow
@@ -52,7 +53,7 @@ def runner(draft_path: Path) -> object:
     # One thread: on a shared 2-core box a 2-thread ggml pool waits on descheduled
     # workers at every op barrier and runs many times slower.
     r = draft.LlamaDraftRunner.load(
-        draft.DraftOptions(model_path=str(draft_path), slots=2, context_per_slot=512, threads=1)
+        draft.DraftOptions(launches.spec(draft_path, slots=2, context_per_slot=512, threads=1))
     )
     yield r
     r.close()

@@ -17,6 +17,7 @@ import pytest
 from blazar._proto.engine.v1 import engine_pb2
 from blazar._proto.v1 import inference_pb2
 from blazar.engine import batching
+from tests import launches
 from tests.integration.engine_harness import (
     READY_DEADLINE_S,
     Spawner,
@@ -31,7 +32,7 @@ SLOTS = 4
 CONTEXT = 2048
 # One thread: on this shared 2-core machine two llama.cpp threads spin on each other's
 # barriers whenever another process holds a core, and steps get several times slower.
-ARGS = ("--slots", str(SLOTS), "--context-per-slot", str(CONTEXT), "--threads", "1")
+SETTINGS = {"slots": SLOTS, "context_per_slot": CONTEXT, "threads": 1}
 
 # Prompts whose greedy continuations are far from any tie, so that the small numeric
 # differences batching causes cannot change them.
@@ -58,7 +59,7 @@ SHARED = " ".join(
 @pytest.fixture(scope="module")
 def batch_worker(model_path: Path) -> Iterator[Worker]:
     spawner = Spawner(model_path)
-    w = spawner(*ARGS)
+    w = spawner(**SETTINGS)
     w.wait_ready()
     yield w
     spawner.close()
@@ -265,7 +266,7 @@ def test_prefix_reuse(batch_worker: Worker, tokenize: Callable[[str], list[int]]
 def test_a_short_prompt_leaves_a_long_cache_alone(spawn: Spawner) -> None:
     """A prompt that shares only BOS with a slot takes the empty one: a review found
     "Hi" wiping a 1,400-token cache while a slot stood empty."""
-    w = spawn("--slots", "2", "--context-per-slot", str(CONTEXT), "--threads", "1")
+    w = spawn(slots=2, context_per_slot=CONTEXT, threads=1)
     w.wait_ready()
     long_prompt = " ".join(
         f"Entry {i}: the archive lists box {i * 5 % 17} on shelf {i}." for i in range(85)
@@ -357,7 +358,7 @@ def test_kv_persists_across_a_graceful_restart(spawn: Spawner, tmp_path: Path) -
     kv = tmp_path / "kv"
     # Longer than the 512-token sliding window, whose cache is saved only in part.
     prompt = SHARED[: len(SHARED) // 2] + " And then"
-    first = spawn(*ARGS, "--kv-persist", str(kv))
+    first = spawn(**SETTINGS, kv_dir=kv)
     first.wait_ready()
     # Several generated tokens: the slot is saved cut back to its prompt, or a repeat
     # of the prompt could not reuse the window-limited state after the restart.
@@ -369,7 +370,7 @@ def test_kv_persists_across_a_graceful_restart(spawn: Spawner, tmp_path: Path) -
     (kv / "slot-3.kv").write_bytes(b"not a llama state")
     (kv / "slot-3.json").write_text(json.dumps({"model_hash": "other", "tokens": 3}))
 
-    second = spawn(*ARGS, "--kv-persist", str(kv))
+    second = spawn(**SETTINGS, kv_dir=kv)
     h = second.wait_ready()
     assert h.slots[cold.routing.slot].cached_tokens == cold.usage.prompt_tokens
     assert log_events(second, "kv_restored")
@@ -380,7 +381,7 @@ def test_kv_persists_across_a_graceful_restart(spawn: Spawner, tmp_path: Path) -
     stop(second)
 
     # Another cache type is another identity: the state is ignored, the worker serves.
-    third = spawn(*ARGS, "--kv-persist", str(kv), "--type-k", "q8_0", "--type-v", "q8_0")
+    third = spawn(**SETTINGS, kv_dir=kv, type_k="q8_0", type_v="q8_0")
     third.wait_ready()
     assert log_events(third, "kv_restore_skipped")
     assert not any(s.cached_tokens for s in third.wait_ready().slots)
@@ -394,8 +395,7 @@ def test_kv_persists_across_a_graceful_restart(spawn: Spawner, tmp_path: Path) -
     assert f"slot-{fresh.routing.slot}.kv" in saved
     (kv / "slot-3.kv").write_bytes(b"left from four slots")
     (kv / "slot-3.json").write_text("{}")
-    fewer = [a if a != str(SLOTS) else "2" for a in ARGS]
-    fourth = spawn(*fewer, "--kv-persist", str(kv), "--type-k", "q8_0", "--type-v", "q8_0")
+    fourth = spawn(**SETTINGS | {"slots": 2}, kv_dir=kv, type_k="q8_0", type_v="q8_0")
     fourth.wait_ready()
     skipped = log_events(fourth, "kv_restore_skipped")
     assert {e["slot"] for e in skipped} == {fresh.routing.slot, 3}
@@ -411,7 +411,7 @@ def test_drain_cancels_what_outlives_its_grace_and_the_stop_saves(
     so a SIGTERM that follows stops at once and saves the slots: the supervisor's
     order (Drain, then SIGTERM with its own grace)."""
     kv = tmp_path / "kv"
-    w = spawn(*ARGS, "--kv-persist", str(kv))
+    w = spawn(**SETTINGS, kv_dir=kv)
     w.wait_ready()
     call = w.stub.Generate(
         engine_pb2.GenerateRequest(prompt=COUNTING, sampling=greedy(CONTEXT // 2)), timeout=90
@@ -433,18 +433,7 @@ def test_drain_cancels_what_outlives_its_grace_and_the_stop_saves(
     assert any(path.stat().st_size > 0 for path in kv.glob("slot-*.kv"))
 
 
-def test_worker_accepts_speculation_flags(spawn: Spawner) -> None:
-    w = spawn(
-        "--spec-kind",
-        "ngram",
-        "--spec-ngram-size",
-        "3",
-        "--spec-max-draft",
-        "8",
-        "--spec-disable-above-batch",
-        "4",
-        "--spec-min-acceptance",
-        "0.5",
-    )
-    w.wait_ready()
+def test_worker_takes_its_speculation_from_the_launch(spawn: Spawner) -> None:
+    w = spawn(speculation=launches.ngram(min_acceptance_rate=0.5))
+    assert w.wait_ready().speculation.kind == "ngram"
     assert w.text(prompt=COUNTING, sampling=greedy(4))

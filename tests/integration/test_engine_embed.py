@@ -19,6 +19,7 @@ from blazar._proto.v1 import inference_pb2
 from blazar.api import errors
 from blazar.engine import embedding, llama
 from blazar.rpc import status
+from tests import launches
 from tests.integration.engine_harness import (
     CONTEXT_PER_SLOT,
     Spawner,
@@ -200,11 +201,7 @@ def test_a_drain_lets_a_running_embedding_finish_within_its_grace(spawn: Spawner
 
 @pytest.fixture(scope="module")
 def runtime(model_path: Path) -> Iterator[llama.Runtime]:
-    rt = llama.Runtime.load(
-        llama.RuntimeOptions(
-            model_path=str(model_path), slots=1, context_per_slot=CONTEXT_PER_SLOT, threads=2
-        )
-    )
+    rt = llama.Runtime.load(launches.spec(model_path, slots=1, context_per_slot=CONTEXT_PER_SLOT))
     yield rt
     rt.close()
 

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from blazar._proto.v1 import inference_pb2
-from blazar.engine import jobs, llama, loop, sampling
+from blazar.engine import jobs, loop, sampling
+from tests import launches
 from tests.integration.engine_harness import poll
 
 pytestmark = pytest.mark.slow
@@ -20,11 +21,7 @@ pytestmark = pytest.mark.slow
 def running(model_path: Path, *, slots: int) -> Iterator[loop.DecodeLoop]:
     loaded = threading.Event()
     decode = loop.DecodeLoop(
-        loop.LoopOptions(
-            llama.RuntimeOptions(
-                model_path=str(model_path), slots=slots, context_per_slot=512, threads=2
-            )
-        ),
+        loop.LoopOptions(launches.spec(model_path, slots=slots, context_per_slot=512)),
         on_loaded=lambda _error: loaded.set(),
     )
     decode.start()

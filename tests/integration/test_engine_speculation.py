@@ -13,13 +13,14 @@ import pytest
 
 from blazar._proto.engine.v1 import engine_pb2
 from blazar._proto.v1 import inference_pb2
+from tests import launches
 from tests.integration.engine_harness import Spawner, Worker, greedy, make_draft_tool
 
 pytestmark = pytest.mark.slow
 
 # One thread: on this shared 2-core machine two llama.cpp threads spin on each other's
 # barriers whenever another process holds a core. Nothing here measures speed.
-ARGS = ("--slots", "2", "--context-per-slot", "1024", "--threads", "1")
+SETTINGS = {"slots": 2, "context_per_slot": 1024, "threads": 1}
 
 PASSAGE = (
     "The river rises in the hills above the town and runs for forty miles to the sea. "
@@ -78,16 +79,13 @@ def draft_path(model_path: Path) -> Path:
 def workers(model_path: Path, draft_path: Path) -> Iterator[dict[str, Worker]]:
     spawner = Spawner(model_path)
     ws = {
-        "plain": spawner(*ARGS),
-        "ngram": spawner(*ARGS, "--spec-kind", "ngram"),
+        "plain": spawner(**SETTINGS),
+        "ngram": spawner(**SETTINGS, speculation=launches.ngram()),
         "model": spawner(
-            *ARGS,
-            "--spec-kind",
-            "model",
-            "--spec-draft-model",
-            str(draft_path),
-            "--spec-max-draft",
-            "3",
+            **SETTINGS,
+            speculation=launches.ngram(
+                kind="model", ngram_size=None, draft_model_path=str(draft_path), max_draft_tokens=3
+            ),
         ),
     }
     for w in ws.values():
@@ -214,9 +212,7 @@ def test_generation_runs_to_the_end_of_the_context(model_path: Path) -> None:
     """Drafts near the context's end: the request ends exactly when plain decoding does."""
     spawner = Spawner(model_path)
     try:
-        w = spawner(
-            "--slots", "1", "--context-per-slot", "256", "--threads", "1", "--spec-kind", "ngram"
-        )
+        w = spawner(slots=1, context_per_slot=256, threads=1, speculation=launches.ngram())
         w.wait_ready()
         # No max_tokens: generate until the slot's context is full.
         deltas, final = w.generate(prompt=COPY, sampling=inference_pb2.Sampling(temperature=0.0))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -25,6 +26,7 @@ from tests.integration.engine_harness import (
     Spawner,
     Worker,
     greedy,
+    launch,
     pid_gone,
     poll,
     rpc_error,
@@ -153,7 +155,7 @@ CHAT_TEMPLATE = (
 
 
 def test_chat_template_override(spawn: Spawner, tokenize: Callable[[str], list[int]]) -> None:
-    w = spawn("--chat-template", CHAT_TEMPLATE)
+    w = spawn(chat_template=CHAT_TEMPLATE)
     w.wait_ready()
     messages = [inference_pb2.Message(role="user", content="Hi")]
     _, final = w.generate(chat=engine_pb2.ChatInput(messages=messages), sampling=greedy(2))
@@ -162,7 +164,7 @@ def test_chat_template_override(spawn: Spawner, tokenize: Callable[[str], list[i
 
 
 def test_named_chat_template(spawn: Spawner, tokenize: Callable[[str], list[int]]) -> None:
-    w = spawn("--chat-template", "chatml")
+    w = spawn(chat_template="chatml")
     w.wait_ready()
     messages = [inference_pb2.Message(role="user", content="Hi")]
     _, final = w.generate(chat=engine_pb2.ChatInput(messages=messages), sampling=greedy(2))
@@ -176,7 +178,7 @@ def test_named_chat_template(spawn: Spawner, tokenize: Callable[[str], list[int]
 
 
 def test_broken_chat_template_is_fatal(spawn: Spawner) -> None:
-    w = spawn("--chat-template", "{% for %}")
+    w = spawn(chat_template="{% for %}")
     assert w.proc.wait(timeout=READY_DEADLINE_S) == 1
     assert "chat_template_invalid" in w.log.read_text()
 
@@ -237,7 +239,8 @@ def test_health_answers_while_the_model_loads(spawn: Spawner) -> None:
 def test_exits_when_parent_is_already_gone(model_path: Path) -> None:
     socket = "/tmp/bz-unused.sock"  # never bound: the worker exits before serving
     proc = subprocess.run(
-        worker_args(model_path, socket, "--parent-pid", "1"),
+        worker_args("-"),
+        input=launch(model_path, socket, parent_pid=1).to_json(),
         cwd=REPO,
         capture_output=True,
         timeout=30,
@@ -250,10 +253,15 @@ def test_exits_when_parent_is_already_gone(model_path: Path) -> None:
 def test_dies_with_its_parent(model_path: Path) -> None:
     d = tempfile.mkdtemp(prefix="bz-", dir="/tmp")
     socket = os.path.join(d, "engine.sock")
+    document = json.loads(launch(model_path, socket).to_json())
     parent_code = (
-        "import os, subprocess, sys, time\n"
-        f"args = {worker_args(model_path, socket)!r} + ['--parent-pid', str(os.getpid())]\n"
-        "p = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"
+        "import json, os, subprocess, sys, time\n"
+        f"document = {document!r}\n"
+        "document['parent_pid'] = os.getpid()\n"
+        f"args = {worker_args('-')!r}\n"
+        "p = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,"
+        " stderr=subprocess.DEVNULL)\n"
+        "p.stdin.write(json.dumps(document).encode()); p.stdin.close()\n"
         "print(p.pid, flush=True)\n"
         "time.sleep(600)\n"
     )

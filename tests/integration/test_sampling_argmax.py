@@ -10,6 +10,7 @@ import pytest
 
 from blazar._proto.v1 import inference_pb2
 from blazar.engine import llama, sampling
+from tests import launches
 
 pytestmark = pytest.mark.slow
 
@@ -18,9 +19,7 @@ STEPS = 48
 
 @pytest.fixture(scope="module")
 def runtime(model_path: Path) -> Iterator[llama.Runtime]:
-    rt = llama.Runtime.load(
-        llama.RuntimeOptions(model_path=str(model_path), slots=2, context_per_slot=256, threads=2)
-    )
+    rt = llama.Runtime.load(launches.spec(model_path, slots=2, context_per_slot=256))
     try:
         yield rt
     finally:

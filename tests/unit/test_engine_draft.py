@@ -13,6 +13,7 @@ import pytest
 
 from blazar.engine import draft
 from blazar.engine.speculation import DraftRequest
+from tests import launches
 
 N_VOCAB = 50
 EOG = 0
@@ -90,7 +91,7 @@ def runner(monkeypatch: pytest.MonkeyPatch, fake: FakeLlama) -> Iterator[draft.L
     for name, call in calls.items():
         monkeypatch.setattr(lc, name, call)
     options = draft.DraftOptions(
-        model_path="fake.gguf", slots=2, context_per_slot=CONTEXT, threads=1, n_batch=N_BATCH
+        launches.spec(slots=2, context_per_slot=CONTEXT, threads=1), n_batch=N_BATCH
     )
     r = draft.LlamaDraftRunner("model", "ctx", options)
     yield r

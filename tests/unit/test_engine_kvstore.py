@@ -5,12 +5,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from blazar.engine import kvstore, llama
+from blazar.engine import kvstore
+from tests import launches
 
 
 def identity(path: Path) -> kvstore.Identity:
-    options = llama.RuntimeOptions(model_path=str(path), slots=2, context_per_slot=512, threads=1)
-    return kvstore.Identity.of(options, context_per_slot=512)
+    spec = launches.spec(path, slots=2, context_per_slot=512, threads=1)
+    return kvstore.Identity.of(spec, context_per_slot=512)
 
 
 def test_same_file_same_identity(tmp_path: Path) -> None:
@@ -39,9 +40,7 @@ class FakeRuntime:
     """`save_seq`/`load_seq` as llama.cpp's state files behave: whatever parses loads."""
 
     def __init__(self, slots: int = 2) -> None:
-        self.options = llama.RuntimeOptions(
-            model_path="m.gguf", slots=slots, context_per_slot=512, threads=1
-        )
+        self.spec = launches.spec("m.gguf", slots=slots, context_per_slot=512, threads=1)
         self.loaded: dict[int, list[int]] = {}
         # What the directory held when each load started (a crash there leaves this).
         self.on_disk_at_load: list[set[str]] = []

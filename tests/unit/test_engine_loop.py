@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from blazar.api import errors, replicas
-from blazar.engine import jobs, llama, loop, sampling, speculation
+from blazar.engine import jobs, llama, loop, sampling, speculation, speculator
+from tests import launches
 
 EOS = 0
 N_VOCAB = 32
@@ -39,19 +40,17 @@ class FakeVocab:
 class FakeRuntime:
     """What `loop.DecodeLoop` calls of `llama.Runtime`, over per-sequence token lists."""
 
-    def __init__(
-        self, options: llama.RuntimeOptions, model: Callable[[Sequence[int]], int]
-    ) -> None:
-        self.options = options
+    def __init__(self, spec: replicas.LaunchSpec, model: Callable[[Sequence[int]], int]) -> None:
+        self.spec = spec
         self.next_token = model
         self.vocab = FakeVocab()
         self.n_vocab = N_VOCAB
-        self.n_batch = options.n_batch
-        self.n_outputs = options.n_outputs
-        self.context_per_slot = options.context_per_slot
+        self.n_batch = llama.N_BATCH
+        self.n_outputs = llama.output_rows(spec)
+        self.context_per_slot = spec.context_per_slot
         self.n_swa = 0
         self.kv_bytes = 0
-        self.kv: dict[int, list[int]] = {s: [] for s in range(options.slots)}
+        self.kv: dict[int, list[int]] = {s: [] for s in range(spec.slots)}
         # Per batch entry of the last decode: the sequence up to it, when it has logits.
         self.rows: list[list[int] | None] = []
         self.steps = 0
@@ -107,30 +106,20 @@ def running(
     drafter: speculation.DraftModel | None = None,
 ) -> Iterator[tuple[loop.DecodeLoop, FakeRuntime]]:
     """A decode loop on a fake runtime; with `drafter`, it speculates (up to 4 tokens)."""
-    options = llama.RuntimeOptions(
-        model_path="fake.gguf",
-        slots=slots,
-        context_per_slot=context,
-        threads=1,
-        outputs_per_slot=5 if drafter else 1,
-    )
-    runtime = FakeRuntime(options, model)
-    monkeypatch.setattr(llama.Runtime, "load", lambda _options: runtime)
     launch = None
     if drafter is not None:
-        launch = replicas.SpeculationLaunch(
-            kind="fake", max_draft_tokens=4, disable_above_batch=8, min_acceptance_rate=0.0
-        )
+        launch = launches.ngram(max_draft_tokens=4, disable_above_batch=8, min_acceptance_rate=0.0)
         policy = speculation.SpeculationPolicy.from_launch(launch)
         monkeypatch.setattr(
-            loop._Speculator,
+            speculator.Speculator,
             "load",
-            lambda _launch, _rt, **_: loop._Speculator("fake", policy, drafter),
+            lambda _launch, _rt, **_: speculator.Speculator("fake", policy, drafter),
         )
+    spec = launches.spec(slots=slots, context_per_slot=context, threads=1, speculation=launch)
+    runtime = FakeRuntime(spec, model)
+    monkeypatch.setattr(llama.Runtime, "load", lambda _spec: runtime)
     loaded = threading.Event()
-    decode = loop.DecodeLoop(
-        loop.LoopOptions(options, speculation=launch), on_loaded=lambda _error: loaded.set()
-    )
+    decode = loop.DecodeLoop(loop.LoopOptions(spec), on_loaded=lambda _error: loaded.set())
     decode.start()
     try:
         assert loaded.wait(10), "the fake runtime did not load"

@@ -81,7 +81,11 @@ def test_ngram_min_match(
 
 def test_drafter_for_ngram_asks_for_long_matches() -> None:
     launch = replicas.SpeculationLaunch(
-        kind="ngram", max_draft_tokens=4, disable_above_batch=4, min_acceptance_rate=0.3
+        kind="ngram",
+        max_draft_tokens=4,
+        disable_above_batch=4,
+        min_acceptance_rate=0.3,
+        ngram_size=3,
     )
     d = sp.drafter_for(launch)
     assert d is not None

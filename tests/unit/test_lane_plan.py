@@ -13,10 +13,11 @@ from blazar.api.kinds import LaneStatus
 from blazar.api.replicas import LaunchSpec, ReplicaObservation, ReplicaState
 from blazar.controller import lane_plan
 from blazar.controller.lane_plan import ModelReadiness, Start, Stop
+from tests import launches
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
-LAUNCH = LaunchSpec(model_path="/m.gguf", slots=4, context_per_slot=2048, threads=2, gpu_layers=0)
-OLD = LaunchSpec(model_path="/m.gguf", slots=2, context_per_slot=2048, threads=2, gpu_layers=0)
+LAUNCH = launches.spec("/m.gguf", slots=4, context_per_slot=2048, threads=2)
+OLD = launches.spec("/m.gguf", slots=2, context_per_slot=2048, threads=2)
 
 
 def obs(
@@ -116,10 +117,7 @@ def test_a_rolling_update_never_serves_with_fewer_ready_replicas(desired: int) -
     assert all(o.state == ReplicaState.READY for o in world.values())
 
 
-SPECS = [
-    LaunchSpec(model_path="/m.gguf", slots=s, context_per_slot=2048, threads=2, gpu_layers=0)
-    for s in (1, 2, 3)
-]
+SPECS = [launches.spec("/m.gguf", slots=s, context_per_slot=2048, threads=2) for s in (1, 2, 3)]
 
 
 @pytest.mark.parametrize("seed", range(40))

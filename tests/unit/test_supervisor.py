@@ -25,23 +25,26 @@ import pytest
 from blazar.api import conditions, manifests
 from blazar.api.kinds import Kind, Lane
 from blazar.api.meta import ConditionStatus
-from blazar.api.replicas import LaunchSpec, ReplicaObservation, ReplicaState
+from blazar.api.replicas import EngineLaunch, LaunchSpec, ReplicaObservation, ReplicaState
 from blazar.controller.lane import LaneReconciler
 from blazar.engine import __main__ as engine_main
-from blazar.engine import supervisor
+from blazar.enginehost import forensics, supervisor
 from blazar.store.memory import MemoryStore
+from tests import launches
 from tests.unit import helpers
 from tests.unit.helpers import Clock
 
 FAKE_WORKER = f"""#!{sys.executable}
 import os, signal, sys, json, time
 
+with open(sys.argv[sys.argv.index("--launch") + 1]) as f:
+    launch = json.load(f)
+
 def save_and_exit(*_):
     # As the engine does on a graceful stop: save the slots, making the directory.
-    if "--kv-persist" in sys.argv:
-        kv_dir = sys.argv[sys.argv.index("--kv-persist") + 1]
-        os.makedirs(kv_dir, exist_ok=True)
-        with open(os.path.join(kv_dir, "slot-0.kv"), "w") as f:
+    if launch["kv_dir"] is not None:
+        os.makedirs(launch["kv_dir"], exist_ok=True)
+        with open(os.path.join(launch["kv_dir"], "slot-0.kv"), "w") as f:
             f.write("saved")
     sys.exit(0)
 
@@ -49,7 +52,7 @@ signal.signal(signal.SIGTERM, save_and_exit)
 here = os.path.dirname(os.path.abspath(__file__))
 path = os.path.join(here, "argv.%d" % os.getpid())
 with open(path + ".tmp", "w") as f:
-    json.dump(sys.argv[1:], f)
+    json.dump({{"argv": sys.argv[1:], "launch": launch}}, f)
 os.rename(path + ".tmp", path)
 time.sleep(60)
 """
@@ -81,16 +84,28 @@ class Fixture:
     def events(self) -> list[tuple[str, str, str]]:
         return [(e.type, e.reason, e.message) for e in self.store.events(kind="Lane", name="l")]
 
-    def argv(self, pid: int) -> list[str]:
-        return recorded_argv(self.bin_dir, pid)
+    def launch(self, pid: int) -> dict[str, Any]:
+        return recorded_launch(self.bin_dir, pid)
+
+
+def recorded(bin_dir: Path, pid: int) -> dict[str, Any]:
+    """What the fake worker with this pid recorded: its arguments and launch document."""
+    path = bin_dir / f"argv.{pid}"
+    poll(path.exists, what="the worker to record its command line")
+    found: dict[str, Any] = json.loads(path.read_text())
+    return found
 
 
 def recorded_argv(bin_dir: Path, pid: int) -> list[str]:
     """The arguments the fake worker with this pid was started with."""
-    path = bin_dir / f"argv.{pid}"
-    poll(path.exists, what="the worker to record its command line")
-    args: list[str] = json.loads(path.read_text())
+    args: list[str] = recorded(bin_dir, pid)["argv"]
     return args
+
+
+def recorded_launch(bin_dir: Path, pid: int) -> dict[str, Any]:
+    """The launch document the fake worker with this pid read, as JSON."""
+    launch: dict[str, Any] = recorded(bin_dir, pid)["launch"]
+    return launch
 
 
 def poll(condition: Callable[[], bool], *, what: str, timeout: float = 10.0) -> None:
@@ -119,10 +134,7 @@ def bare_supervisor(
     sup = supervisor.Supervisor(
         home=tmp_path / "home", on_change=lambda _: None, python=str(worker)
     )
-    spec = LaunchSpec(
-        model_path="/models/m.gguf", slots=1, context_per_slot=512, threads=1, gpu_layers=0,
-        **launch,
-    )  # fmt: skip
+    spec = launches.spec("/models/m.gguf", slots=1, context_per_slot=512, threads=1, **launch)
     return sup, spec, worker
 
 
@@ -156,18 +168,19 @@ def remove_run_dir(sup: supervisor.Supervisor) -> None:
 
 
 def test_kv_directory_that_cannot_be_created_starts_the_replica_cold(tmp_path: Path) -> None:
-    async def run() -> tuple[ReplicaObservation, list[str], list[tuple[str, str, str]]]:
+    async def run() -> tuple[ReplicaObservation, dict[str, Any], list[tuple[str, str, str]]]:
         kv_lane = tmp_path / "home" / "kv" / "l"
         kv_lane.parent.mkdir(parents=True)
         kv_lane.write_text("a regular file where the lane's directory should be")
         async with lane(tmp_path, manifest(persist=True)) as f:
             obs = f.replica()
             assert obs.pid is not None
-            return obs, f.argv(obs.pid), f.events()
+            return obs, f.launch(obs.pid), f.events()
 
-    obs, argv, events = asyncio.run(run())
+    obs, launch, events = asyncio.run(run())
     assert obs.state == ReplicaState.STARTING
-    assert "--kv-persist" not in argv
+    assert launch["spec"]["kv_persist"] is True
+    assert launch["kv_dir"] is None
     kv_dir = tmp_path / "home" / "kv" / "l" / "0"
     warnings = [e for e in events if e[0] == "Warning"]
     assert len(warnings) == 1
@@ -180,15 +193,15 @@ def test_kv_directory_that_cannot_be_created_starts_the_replica_cold(tmp_path: P
 
 
 def test_kv_directory_is_passed_when_it_can_be_created(tmp_path: Path) -> None:
-    async def run() -> list[str]:
+    async def run() -> dict[str, Any]:
         async with lane(tmp_path, manifest(persist=True)) as f:
             pid = f.replica().pid
             assert pid is not None
-            return f.argv(pid)
+            return f.launch(pid)
 
-    argv = asyncio.run(run())
+    launch = asyncio.run(run())
     kv_dir = tmp_path / "home" / "kv" / "l" / "0"
-    assert argv[argv.index("--kv-persist") + 1] == str(kv_dir)
+    assert launch["kv_dir"] == str(kv_dir)
     assert kv_dir.is_dir()
 
 
@@ -214,7 +227,7 @@ def test_scaling_down_keeps_the_kv_caches(tmp_path: Path) -> None:
         async with lane(tmp_path, manifest(persist=True, replicas=2)) as f:
             for obs in f.supervisor.observe("l"):
                 assert obs.pid is not None
-                f.argv(obs.pid)  # running, its signal handler in place
+                f.launch(obs.pid)  # running, its signal handler in place
             scale(f, 0)
             await f.reconciler.reconcile("l")
             assert f.supervisor.observe("l") == []
@@ -265,7 +278,7 @@ def test_deleting_a_lane_removes_its_kv_caches_after_its_replicas_saved(
         async with lane(tmp_path, manifest(persist=True, replicas=2)) as f:
             for obs in f.supervisor.observe("l"):
                 assert obs.pid is not None
-                f.argv(obs.pid)
+                f.launch(obs.pid)
             f.store.delete(Kind.LANE, "l")
             await f.reconciler.reconcile("l")
             assert f.supervisor.observe("l") == []
@@ -302,38 +315,37 @@ LONG_TEMPLATE = (
 
 
 @pytest.mark.parametrize(
-    ("template", "inline"),
-    [
-        ("chatml", True),
-        ("gemma", True),
-        ("{{ messages[0].content }}", True),
-        (LONG_TEMPLATE, False),
-    ],
+    "template", ["chatml", "gemma", "{{ messages[0].content }}", LONG_TEMPLATE]
 )
-def test_chat_template_reaches_the_worker_whatever_its_length(
-    tmp_path: Path, template: str, inline: bool
+def test_the_launch_document_reaches_the_worker_whatever_its_length(
+    tmp_path: Path, template: str
 ) -> None:
+    """The worker's whole configuration is one file, readable by its owner only, so a
+    chat template of any length goes through (one argument is capped at 128 KiB)."""
     # Straight to the supervisor: how long a template a manifest may hold is not its concern.
     sup, launch, worker = bare_supervisor(tmp_path, chat_template=template)
 
-    async def run() -> tuple[ReplicaObservation, list[str], str | None]:
+    async def run() -> tuple[ReplicaObservation, list[str], EngineLaunch, int]:
         try:
             assert await sup.start("l", 0, launch) == []
             (obs,) = sup.observe("l")
             assert obs.pid is not None, obs
             argv = recorded_argv(worker.parent, obs.pid)
-            # What the worker makes of it, while the file it may name is there.
-            return obs, argv, engine_main.parse_args(argv[2:]).chat_template
+            # What the worker makes of it, while the file is there.
+            mode = Path(argv[3]).stat().st_mode & 0o777
+            return obs, argv, engine_main.parse_args(argv[2:]), mode
         finally:
             await sup.stop_all(grace=1.0)
 
-    obs, argv, parsed = asyncio.run(run())
+    obs, argv, parsed, mode = asyncio.run(run())
     assert obs.state == ReplicaState.STARTING
-    assert argv[:2] == ["-m", "blazar.engine"]
-    assert ("--chat-template" in argv) == inline
-    assert ("--chat-template-file" not in argv) == inline
-    assert parsed == template
-    remove_run_dir(sup)  # stop() removed the template file and the socket
+    assert argv[:3] == ["-m", "blazar.engine", "--launch"]
+    assert mode == 0o600
+    assert parsed.spec == launch
+    assert parsed.spec.chat_template == template
+    assert parsed.socket == obs.socket
+    assert parsed.parent_pid == os.getpid()
+    remove_run_dir(sup)  # stop() removed the launch document and the socket
 
 
 def test_a_worker_that_cannot_be_spawned_fails_like_a_crash(tmp_path: Path) -> None:
@@ -425,7 +437,7 @@ def log_line(event: str, level: str = "info", **fields: object) -> str:
     ],
 )
 def test_exit_reason(tail: str, code: int, expected: str) -> None:
-    assert supervisor.exit_reason(tail, code) == expected
+    assert forensics.exit_reason(tail, code) == expected
 
 
 @pytest.mark.parametrize(
@@ -465,7 +477,7 @@ def test_a_worker_starts_with_a_short_openmp_spin(
 
 # A worker that answers Health as a ready engine does, and nothing else.
 SERVING_WORKER = f"""#!{sys.executable}
-import sys, time
+import json, sys, time
 from concurrent import futures
 import grpc
 from blazar._proto.engine.v1 import engine_pb2, engine_pb2_grpc
@@ -476,7 +488,8 @@ class Engine(engine_pb2_grpc.EngineServicer):
 
 server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
 engine_pb2_grpc.add_EngineServicer_to_server(Engine(), server)
-server.add_insecure_port("unix:" + sys.argv[sys.argv.index("--socket") + 1])
+with open(sys.argv[sys.argv.index("--launch") + 1]) as f:
+    server.add_insecure_port("unix:" + json.load(f)["socket"])
 server.start()
 time.sleep(120)
 """

@@ -16,7 +16,7 @@ from prometheus_client import REGISTRY
 
 from blazar._proto.engine.v1 import engine_pb2, engine_pb2_grpc
 from blazar.api.replicas import ReplicaObservation, ReplicaState
-from blazar.engine import monitor
+from blazar.enginehost import monitor
 
 
 class FakeEngine(engine_pb2_grpc.EngineServicer):

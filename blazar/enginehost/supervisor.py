@@ -15,11 +15,14 @@ A Ready replica's Health is polled as a liveness probe: one that misses
 killed and fails like a crash, so the Lane restarts it instead of routing requests to
 it forever. A replica being stopped is not probed.
 
+Each worker is started as `python -m blazar.engine --launch FILE`, where FILE is its
+launch document (`replicas.EngineLaunch`, JSON) written into the run directory: the
+Lane's `LaunchSpec` and where the process lives. The supervisor talks to it through
+one `client.EngineClient` per replica (readiness, liveness, drain).
+
 A replica whose process cannot be started at all (the OS refuses the spawn) goes to
-Failed at once, as if it had crashed. A chat template longer than
-`INLINE_ARG_MAX_BYTES` reaches the worker in a file in the run directory, since one
-command-line argument is limited to 128 KiB. A KV cache directory that cannot be
-created only costs that optimisation: the replica starts cold and `start()` returns a
+Failed at once, as if it had crashed. A KV cache directory that cannot be created
+only costs that optimisation: the replica starts cold and `start()` returns a
 warning. `discard_kv()` removes a deleted Lane's caches, never those of a replica
 still held here.
 """
@@ -29,9 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import json
 import os
-import re
 import shutil
 import signal
 import sys
@@ -39,13 +40,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
 
 import grpc
 import structlog
 
-from blazar._proto.engine.v1 import engine_pb2, engine_pb2_grpc
-from blazar.api.replicas import LaunchSpec, ReplicaObservation, ReplicaState
+from blazar._proto.engine.v1 import engine_pb2
+from blazar.api.replicas import EngineLaunch, LaunchSpec, ReplicaObservation, ReplicaState
+from blazar.enginehost import forensics
+from blazar.enginehost.client import EngineClient
 
 log = structlog.get_logger(__name__)
 
@@ -65,13 +67,6 @@ LIVENESS_FAILURES = 3
 # service module loads llama.cpp, which the daemon does not need).
 DRAIN_CANCEL_ALLOWANCE_S = 7.0
 _MAX_UNIX_PATH = 100
-# How much of a worker's log is read to explain its exit, and how much is kept.
-_LOG_TAIL_BYTES = 16_384
-_REASON_CHARS = 300
-# "ValueError: ...", "llama_cpp.LlamaError: ...": the last line of a traceback.
-_TRACEBACK_LAST = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b.*")
-# Longer argument values go through a file: Linux caps one argument at 128 KiB.
-INLINE_ARG_MAX_BYTES = 1024
 
 # libgomp's waiting threads spin up to 300,000 times before they sleep (its default
 # GOMP_SPINCOUNT). Two busy engines on the same cores (a rolling update's surge beside
@@ -117,6 +112,8 @@ class _Replica:
     socket: Path
     state: ReplicaState = ReplicaState.STARTING
     process: asyncio.subprocess.Process | None = None
+    # The worker's Engine service, from its spawn until it is stopped or fails.
+    client: EngineClient | None = None
     task: asyncio.Task[None] | None = None
     restarts: int = 0
     started_at: datetime | None = None
@@ -216,7 +213,8 @@ class Supervisor:
             with contextlib.suppress(asyncio.CancelledError):
                 await replica.task
         self._replicas.pop((lane, index), None)
-        for path in (replica.socket, self._chat_template_path(replica)):
+        await self._close_client(replica)
+        for path in (replica.socket, self._launch_path(replica)):
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
 
@@ -258,38 +256,15 @@ class Supervisor:
 
     # -- internals ------------------------------------------------------------------
 
-    def _argv(
-        self, replica: _Replica, *, kv_dir: Path | None, chat_template: list[str]
-    ) -> list[str]:
-        launch = replica.launch
-        argv = [
-            self.python, "-m", "blazar.engine",
-            "--model", launch.model_path,
-            "--socket", str(replica.socket),
-            "--slots", str(launch.slots),
-            "--context-per-slot", str(launch.context_per_slot),
-            "--threads", str(launch.threads),
-            "--gpu-layers", str(launch.gpu_layers),
-            "--parent-pid", str(os.getpid()),
-        ]  # fmt: skip
-        argv += chat_template
-        argv += ["--type-k", launch.type_k, "--type-v", launch.type_v]
-        if kv_dir is not None:
-            argv += ["--kv-persist", str(kv_dir)]
-        spec = launch.speculation
-        if spec is not None:
-            argv += [
-                "--spec-kind", spec.kind,
-                "--spec-max-draft", str(spec.max_draft_tokens),
-                "--spec-disable-above-batch", str(spec.disable_above_batch),
-                "--spec-min-acceptance", str(spec.min_acceptance_rate),
-                "--spec-ngram-size", str(spec.ngram_size),
-            ]  # fmt: skip
-            if spec.draft_model_path:
-                argv += ["--spec-draft-model", spec.draft_model_path]
-        if self.log_json:
-            argv.append("--log-json")
-        return argv
+    def _launch(self, replica: _Replica, *, kv_dir: Path | None) -> EngineLaunch:
+        return EngineLaunch(
+            spec=replica.launch,
+            socket=str(replica.socket),
+            drain_grace_seconds=STOP_GRACE_S,
+            kv_dir=str(kv_dir) if kv_dir is not None else None,
+            parent_pid=os.getpid(),
+            log_json=self.log_json,
+        )
 
     def _kv_dir(self, replica: _Replica, warnings: list[StartWarning]) -> Path | None:
         """The replica's KV cache directory, created; None (and a warning) when it cannot be."""
@@ -326,29 +301,30 @@ class Supervisor:
         """The replica's log: every run of it appends to the same file."""
         return self.log_dir / f"{replica.lane}-{replica.index}.log"
 
-    def _chat_template_path(self, replica: _Replica) -> Path:
-        return self.run_dir / f"{replica.lane}-{replica.index}.chat-template"
+    def _launch_path(self, replica: _Replica) -> Path:
+        return self.run_dir / f"{replica.lane}-{replica.index}.launch.json"
 
-    def _chat_template_args(self, replica: _Replica) -> list[str]:
-        """`--chat-template VALUE` for a name or a short template, else a file's path."""
-        template = replica.launch.chat_template
-        if not template:
-            return []
-        if len(template.encode()) <= INLINE_ARG_MAX_BYTES and "\0" not in template:
-            return ["--chat-template", template]
-        path = self._chat_template_path(replica)
-        path.write_bytes(template.encode())
-        return ["--chat-template-file", str(path)]
+    def _write_launch(self, replica: _Replica, launch: EngineLaunch) -> Path:
+        """Write the launch document where only this user can read it (it names the
+        model and may hold a chat template), replacing any earlier run's."""
+        path = self._launch_path(replica)
+        tmp = path.with_name(path.name + ".tmp")
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(launch.to_json())
+        tmp.replace(path)
+        return path
 
     async def _spawn(self, replica: _Replica, warnings: list[StartWarning]) -> None:
         """Start the worker process; OSError when the OS refuses to."""
         with contextlib.suppress(FileNotFoundError):
             replica.socket.unlink()
-        argv = self._argv(
-            replica,
-            kv_dir=self._kv_dir(replica, warnings),
-            chat_template=self._chat_template_args(replica),
+        launch = self._write_launch(
+            replica, self._launch(replica, kv_dir=self._kv_dir(replica, warnings))
         )
+        argv = [self.python, "-m", "blazar.engine", "--launch", str(launch)]
         with self._log_path(replica).open("ab") as log_file:
             replica.log_offset = log_file.tell()
             replica.process = await asyncio.create_subprocess_exec(
@@ -360,6 +336,7 @@ class Supervisor:
                 env=engine_environment(os.environ),
             )
         replica.started_at = datetime.now(UTC)
+        replica.client = EngineClient(str(replica.socket))
         log.info("replica.spawned", lane=replica.lane, index=replica.index, pid=replica.process.pid)
 
     def _set(self, replica: _Replica, state: ReplicaState, message: str = "") -> None:
@@ -396,61 +373,58 @@ class Supervisor:
         code = await exited
         if replica.stopping:
             return
+        await self._close_client(replica)
         self._kill_group(proc)  # stragglers of the group, if any
         replica.exit_code = code
         replica.exited_at = datetime.now(UTC)
         self._set(
             replica,
             ReplicaState.FAILED,
-            replica.message or exit_reason(self._log_tail(replica), code),
+            replica.message or forensics.exit_reason(self._log_tail(replica), code),
         )
         log.warning("replica.exited", lane=replica.lane, index=replica.index, code=code)
 
     async def _wait_ready(self, replica: _Replica) -> bool:
+        client = replica.client
+        assert client is not None
         deadline = asyncio.get_running_loop().time() + READY_TIMEOUT_S
-        async with grpc.aio.insecure_channel(f"unix:{replica.socket}") as channel:
-            stub = engine_pb2_grpc.EngineStub(channel)
-            while asyncio.get_running_loop().time() < deadline:
-                if replica.socket.exists():
-                    try:
-                        health = await stub.Health(engine_pb2.HealthRequest(), timeout=2.0)
-                    except grpc.aio.AioRpcError:
-                        pass
-                    else:
-                        if health.state == engine_pb2.ENGINE_STATE_READY:
-                            return True
-                await asyncio.sleep(HEALTH_POLL_S)
+        while asyncio.get_running_loop().time() < deadline:
+            if replica.socket.exists():
+                try:
+                    health = await client.health(timeout=2.0)
+                except grpc.aio.AioRpcError:
+                    pass
+                else:
+                    if health.state == engine_pb2.ENGINE_STATE_READY:
+                        return True
+            await asyncio.sleep(HEALTH_POLL_S)
         return False
 
     async def _until_unresponsive(self, replica: _Replica) -> bool:
         """Probe a Ready replica's Health until it misses `LIVENESS_FAILURES` in a row
         (True) or is being stopped (False, whatever it answers then)."""
+        client = replica.client
+        assert client is not None
         failures = 0
-        async with grpc.aio.insecure_channel(f"unix:{replica.socket}") as channel:
-            stub = engine_pb2_grpc.EngineStub(channel)
-            while not replica.stopping:
-                await asyncio.sleep(LIVENESS_PERIOD_S)
-                try:
-                    await stub.Health(engine_pb2.HealthRequest(), timeout=LIVENESS_TIMEOUT_S)
-                except grpc.aio.AioRpcError:
-                    failures += 1
-                    if failures >= LIVENESS_FAILURES and not replica.stopping:
-                        return True
-                else:
-                    failures = 0
+        while not replica.stopping:
+            await asyncio.sleep(LIVENESS_PERIOD_S)
+            try:
+                await client.health(timeout=LIVENESS_TIMEOUT_S)
+            except grpc.aio.AioRpcError:
+                failures += 1
+                if failures >= LIVENESS_FAILURES and not replica.stopping:
+                    return True
+            else:
+                failures = 0
         return False
 
     async def _drain(self, replica: _Replica, grace: float) -> None:
-        if replica.state == ReplicaState.STARTING or not replica.socket.exists():
+        client = replica.client
+        if replica.state == ReplicaState.STARTING or client is None or not replica.socket.exists():
             return
         try:
-            async with grpc.aio.insecure_channel(f"unix:{replica.socket}") as channel:
-                stub = engine_pb2_grpc.EngineStub(channel)
-                # After the grace the engine cancels what is left, which takes a step.
-                await stub.Drain(
-                    engine_pb2.DrainRequest(grace_seconds=grace),
-                    timeout=grace + DRAIN_CANCEL_ALLOWANCE_S,
-                )
+            # After the grace the engine cancels what is left, which takes a step.
+            await client.drain(grace=grace, timeout=grace + DRAIN_CANCEL_ALLOWANCE_S)
         except grpc.aio.AioRpcError as err:
             log.info(
                 "replica.drain_failed",
@@ -458,6 +432,12 @@ class Supervisor:
                 index=replica.index,
                 error=err.code().name,
             )
+
+    @staticmethod
+    async def _close_client(replica: _Replica) -> None:
+        client, replica.client = replica.client, None
+        if client is not None:
+            await client.close()
 
     @staticmethod
     def _kill_group(proc: asyncio.subprocess.Process) -> None:
@@ -469,55 +449,7 @@ class Supervisor:
         try:
             with self._log_path(replica).open("rb") as f:
                 end = f.seek(0, os.SEEK_END)
-                f.seek(max(replica.log_offset, end - _LOG_TAIL_BYTES))
+                f.seek(max(replica.log_offset, end - forensics.LOG_TAIL_BYTES))
                 return f.read().decode(errors="replace")
         except OSError:
             return ""
-
-
-def exit_reason(log_tail: str, code: int | None) -> str:
-    """Why a worker exited, for its Failed status and the crash event.
-
-    A SIGKILL or SIGTERM is named alone: the worker cannot log it (the OOM killer's
-    SIGKILL, say), and an error it logged earlier did not end it. Otherwise the latest
-    explanation in the log wins: an error record (`"level": "error"` or worse in the
-    worker's JSON log, with its message), a Python traceback's last line or a ggml
-    assertion; then the last line. Another signal (llama.cpp aborts on a failed
-    GGML_ASSERT) is named before that explanation.
-    """
-    signal_name = ""
-    if code is not None and code < 0:
-        with contextlib.suppress(ValueError):
-            signal_name = signal.Signals(-code).name
-    if signal_name in ("SIGKILL", "SIGTERM"):
-        return f"killed by {signal_name}"
-    lines = [line.strip() for line in log_tail.splitlines() if line.strip()]
-    reason = next(
-        (found for line in reversed(lines) if (found := _explanation(line))),
-        lines[-1] if lines else "",
-    )
-    if signal_name:
-        reason = f"killed by {signal_name}" + (f": {reason}" if reason else "")
-    return reason[:_REASON_CHARS]
-
-
-def _explanation(line: str) -> str:
-    """What a log line says went wrong, if it says so; else ""."""
-    record = _json_record(line)
-    if record is not None:
-        if record.get("level") not in ("error", "critical"):
-            return ""
-        event = str(record.get("event", "error"))
-        detail = str(record.get("error") or record.get("exception") or "").strip()
-        return f"{event}: {detail.splitlines()[-1]}" if detail else event
-    return line if _TRACEBACK_LAST.match(line) or "GGML_ASSERT" in line else ""
-
-
-def _json_record(line: str) -> dict[str, Any] | None:
-    if not line.startswith("{"):
-        return None
-    try:
-        record = json.loads(line)
-    except ValueError:
-        return None
-    return record if isinstance(record, dict) else None

@@ -20,10 +20,11 @@ import grpc
 import structlog
 from prometheus_client import Gauge
 
-from blazar._proto.engine.v1 import engine_pb2, engine_pb2_grpc
+from blazar._proto.engine.v1 import engine_pb2
 from blazar.api.replicas import ReplicaObservation, ReplicaState
+from blazar.enginehost.client import EngineClient, EnginePool
 
-log = structlog.get_logger("blazar.engine.monitor")
+log = structlog.get_logger("blazar.enginehost.monitor")
 
 DEFAULT_INTERVAL_S = 5.0
 HEALTH_TIMEOUT_S = 2.0
@@ -118,16 +119,11 @@ class Publisher:
 
 
 async def health_of(
-    socket: str, *, timeout: float = HEALTH_TIMEOUT_S
+    client: EngineClient, *, timeout: float = HEALTH_TIMEOUT_S
 ) -> engine_pb2.HealthResponse | None:
     """A replica's Health, or None when it does not answer in time."""
     try:
-        async with grpc.aio.insecure_channel(f"unix:{socket}") as channel:
-            stub = engine_pb2_grpc.EngineStub(channel)
-            response: engine_pb2.HealthResponse = await stub.Health(
-                engine_pb2.HealthRequest(), timeout=timeout
-            )
-            return response
+        return await client.health(timeout=timeout)
     except grpc.RpcError:
         return None
 
@@ -141,10 +137,15 @@ class HealthMonitor:
     # A replica that takes longer to answer is left out of this round.
     timeout: float = HEALTH_TIMEOUT_S
     publisher: Publisher = field(default_factory=Publisher)
+    # One client per ready replica, kept from round to round.
+    pool: EnginePool = field(default_factory=EnginePool)
 
     async def poll_once(self) -> list[Sample]:
         ready = [r for r in self.observe() if r.state is ReplicaState.READY]
-        answers = await asyncio.gather(*(health_of(r.socket, timeout=self.timeout) for r in ready))
+        await self.pool.retain(r.socket for r in ready)
+        answers = await asyncio.gather(
+            *(health_of(self.pool.client(r.socket), timeout=self.timeout) for r in ready)
+        )
         samples = [
             Sample.of(r.lane, r.index, health)
             for r, health in zip(ready, answers, strict=True)
@@ -165,3 +166,4 @@ class HealthMonitor:
                     await asyncio.wait_for(stop.wait(), self.interval)
         finally:
             self.publisher.publish(())
+            await self.pool.close()

@@ -1,0 +1,118 @@
+"""The decode thread's speculation: a drafter, its policy, and one step's drafts.
+
+`Speculator.load` builds what a `replicas.SpeculationLaunch` asks for (the pure n-gram
+drafter, or a draft model's runner); `Speculator.draft` decides which decoding
+sequences draft this step and how many tokens each, within what the step can hold,
+and asks the drafter. Verification stays with the loop (`speculation.Speculation`),
+which samples the target's rows. Decode thread only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from blazar.api import replicas
+from blazar.engine import draft, llama, speculation
+
+
+@dataclass(frozen=True)
+class SpeculationStats:
+    """Engine-wide speculation counters, for Health."""
+
+    kind: str = ""
+    drafted: int = 0
+    accepted: int = 0
+    disabled_requests: int = 0
+    # Why speculation stopped for good (the drafter failed); "" while it works.
+    failure: str = ""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A sequence with one pending token that may draft after it."""
+
+    seq: int
+    # The sequence's cached tokens followed by the pending one.
+    tokens: Sequence[int]
+    # Tokens it may still emit: what max_tokens and its context leave.
+    room: int
+
+
+@dataclass
+class Speculator:
+    kind: str
+    policy: speculation.SpeculationPolicy
+    drafter: speculation.DraftModel
+    # Owned native resources of a draft model, closed with the runtime.
+    runner: draft.LlamaDraftRunner | None = None
+
+    @classmethod
+    def load(
+        cls,
+        launch: replicas.SpeculationLaunch,
+        runtime: llama.Runtime,
+        *,
+        catch_up_tokens: int | None = None,
+    ) -> Speculator:
+        policy = speculation.SpeculationPolicy.from_launch(launch)
+        ngram = speculation.drafter_for(launch)
+        if ngram is not None:
+            return cls(launch.kind, policy, ngram)
+        if not launch.draft_model_path:
+            raise ValueError(f"speculation kind {launch.kind!r} needs a draft model path")
+        own = draft.draft_spec(
+            runtime.spec,
+            model_path=launch.draft_model_path,
+            context_per_slot=runtime.context_per_slot,
+        )
+        runner = draft.LlamaDraftRunner.load(
+            draft.DraftOptions(own, catch_up_tokens=catch_up_tokens)
+        )
+        if runner.n_vocab != runtime.n_vocab:
+            runner.close()
+            raise ValueError("the draft model's vocabulary differs from the target's")
+        return cls(launch.kind, policy, runner, runner)
+
+    def draft(
+        self, candidates: Sequence[Candidate], *, active: int, rows: int, spare: int
+    ) -> dict[int, tuple[int, ...]]:
+        """Drafted tokens per sequence, to decode after its pending token.
+
+        `active` sequences share the step, `rows` of them ask for logits, and `spare`
+        more rows fit the step's outputs. Each draft is capped so that the step cannot
+        emit past a sequence's room, and so that every decoding sequence's rows fit
+        (`batching.plan_step` would otherwise leave one out). Raises whatever the
+        drafter raises.
+        """
+        requests: list[speculation.DraftRequest] = []
+        for candidate in candidates:
+            room = min(candidate.room, spare + 1)
+            k = self.policy.draft_budget(candidate.seq, active=active, room=room - 1)
+            if k > 0:
+                spare -= k
+                requests.append(
+                    speculation.DraftRequest(
+                        seq=candidate.seq, tokens=candidate.tokens, max_tokens=k
+                    )
+                )
+        if not requests:
+            return {}
+        proposed = self.drafter.propose(requests)
+        drafts = {r.seq: proposed.get(r.seq, ())[: r.max_tokens] for r in requests}
+        # Every other sequence's rows count too: all rows go through one output matmul.
+        return self.policy.align(drafts, rows=rows)
+
+    def stats(self, *, failure: str = "") -> SpeculationStats:
+        totals = self.policy.totals
+        return SpeculationStats(
+            kind=self.kind,
+            drafted=totals.drafted,
+            accepted=totals.accepted,
+            disabled_requests=totals.disabled_requests,
+            failure=failure,
+        )
+
+    def close(self) -> None:
+        if self.runner is not None:
+            self.runner.close()

@@ -1,0 +1,85 @@
+"""The one typed client of an engine worker's `blazar.engine.v1.Engine` service.
+
+An `EngineClient` holds one gRPC channel to one worker's Unix socket and offers its
+RPCs as typed methods; the supervisor, the health monitor and the data plane all talk
+to engines through it. `EnginePool` keeps one client per socket for callers that reach
+many replicas (the data plane, the monitor), so a channel is opened once per replica,
+not once per call.
+
+Errors are gRPC's (`grpc.aio.AioRpcError`): each caller decides what a failure means
+to it (the data plane maps it with `blazar.rpc.status.from_rpc_error`, the probes
+count it as a miss).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TypeAlias
+
+import grpc
+
+from blazar._proto.engine.v1 import engine_pb2, engine_pb2_grpc
+from blazar._proto.v1 import inference_pb2
+
+# A Generate stream: async-iterable over chunks, `cancel()` frees the engine's slot.
+GenerateCall: TypeAlias = grpc.aio.UnaryStreamCall
+
+
+class EngineClient:
+    """One engine worker, reached over its Unix socket."""
+
+    def __init__(self, socket: str) -> None:
+        self.socket = socket
+        self._channel = grpc.aio.insecure_channel(f"unix:{socket}")
+        self._stub = engine_pb2_grpc.EngineStub(self._channel)
+
+    async def health(self, *, timeout: float) -> engine_pb2.HealthResponse:
+        response: engine_pb2.HealthResponse = await self._stub.Health(
+            engine_pb2.HealthRequest(), timeout=timeout
+        )
+        return response
+
+    def generate(self, request: engine_pb2.GenerateRequest) -> GenerateCall:
+        """Start a generation; iterate the call for its chunks, cancel it to stop."""
+        call: GenerateCall = self._stub.Generate(request)
+        return call
+
+    async def embed(self, request: inference_pb2.EmbedRequest) -> inference_pb2.EmbedResponse:
+        response: inference_pb2.EmbedResponse = await self._stub.Embed(request)
+        return response
+
+    async def tokenize(
+        self, request: inference_pb2.TokenizeRequest
+    ) -> inference_pb2.TokenizeResponse:
+        response: inference_pb2.TokenizeResponse = await self._stub.Tokenize(request)
+        return response
+
+    async def drain(self, *, grace: float, timeout: float) -> None:
+        """Ask the worker to refuse new work and finish what it has within `grace`
+        seconds (then cancel the rest); returns when it has."""
+        await self._stub.Drain(engine_pb2.DrainRequest(grace_seconds=grace), timeout=timeout)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+
+class EnginePool:
+    """One `EngineClient` per engine socket, opened on first use."""
+
+    def __init__(self) -> None:
+        self._clients: dict[str, EngineClient] = {}
+
+    def client(self, socket: str) -> EngineClient:
+        found = self._clients.get(socket)
+        if found is None:
+            found = self._clients[socket] = EngineClient(socket)
+        return found
+
+    async def retain(self, sockets: Iterable[str]) -> None:
+        """Close the clients of every socket not in `sockets` (replicas that are gone)."""
+        keep = set(sockets)
+        for socket in set(self._clients) - keep:
+            await self._clients.pop(socket).close()
+
+    async def close(self) -> None:
+        await self.retain(())
