@@ -175,6 +175,8 @@ def _check_cache_type(value: str) -> str:
 
 
 CacheType = Annotated[str, AfterValidator(_check_cache_type)]
+# Block-quantized types: a V cache of these needs flash attention.
+_QUANTIZED = KV_CACHE_TYPES - {"f32", "f16", "bf16"}
 
 
 class KVCache(CamelModel):
@@ -202,6 +204,8 @@ class LaneSpec(CamelModel):
     threads: int | None = Field(default=None, ge=1)
     gpu_layers: int = Field(default=0, ge=0)
     kv_cache: KVCache = Field(default_factory=KVCache)
+    # llama.cpp's flash attention (its `-fa`): auto lets llama.cpp decide per device.
+    flash_attention: Literal["auto", "on", "off"] = "auto"
     speculation: str | None = None
     slo_policy: str | None = None
     idle: Idle | None = None
@@ -218,6 +222,18 @@ class LaneSpec(CamelModel):
                 )
         if len(set(value)) != len(value):
             raise invalid("aliases must be distinct")
+        return value
+
+    @field_validator("flash_attention")
+    @classmethod
+    def _quantized_v_needs_flash_attention(cls, value: str, info: ValidationInfo) -> str:
+        # llama.cpp refuses to create such a context, so every replica would crash-loop.
+        kv_cache = info.data.get("kv_cache")
+        if value == "off" and isinstance(kv_cache, KVCache) and kv_cache.type_v in _QUANTIZED:
+            raise invalid(
+                f"kvCache.typeV {kv_cache.type_v} is quantized, which llama.cpp allows only "
+                "with flash attention: set flashAttention to auto or on, or typeV to f16"
+            )
         return value
 
     @field_validator("upstream")

@@ -92,6 +92,7 @@ class LaunchSpec:
     type_v: str
     # Save slot KV state on graceful stop and restore it on start (per replica dir).
     kv_persist: bool
+    flash_attention: Literal["auto", "on", "off"]
     # Overrides the GGUF's template: a name (`text.NAMED_TEMPLATES`) or Jinja source.
     chat_template: str | None = None
     speculation: SpeculationLaunch | None = None
@@ -122,6 +123,7 @@ class LaunchSpec:
             type_k=lane.kv_cache.type_k,
             type_v=lane.kv_cache.type_v,
             kv_persist=lane.kv_cache.persist,
+            flash_attention=lane.flash_attention,
             chat_template=chat_template,
             speculation=speculation,
         )

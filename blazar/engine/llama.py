@@ -114,6 +114,13 @@ CACHE_TYPES: dict[str, tuple[int, float]] = {
     "q5_1": (lc.GGML_TYPE_Q5_1, 24 / 32),
 }
 
+# A Lane's flashAttention as llama.cpp's flash_attn_type.
+_FLASH_ATTENTION = {
+    "auto": lc.LLAMA_FLASH_ATTN_TYPE_AUTO,
+    "on": lc.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+    "off": lc.LLAMA_FLASH_ATTN_TYPE_DISABLED,
+}
+
 # Output rows (logits) per step beyond one per slot: room for prompt logprobs.
 EXTRA_OUTPUT_ROWS = 64
 
@@ -160,6 +167,7 @@ def open_model(spec: replicas.LaunchSpec, *, n_batch: int, n_outputs: int) -> tu
     # Full-size sliding-window caches: rolling back a rejected draft (and keeping a
     # reused prefix) needs positions a pruned window would already have dropped.
     cparams.swa_full = True
+    cparams.flash_attn_type = _FLASH_ATTENTION[spec.flash_attention]
     cparams.type_k = CACHE_TYPES[spec.type_k][0]
     cparams.type_v = CACHE_TYPES[spec.type_v][0]
     cparams.n_threads = spec.threads

@@ -183,6 +183,20 @@ def test_broken_chat_template_is_fatal(spawn: Spawner) -> None:
     assert "chat_template_invalid" in w.log.read_text()
 
 
+def test_flash_attention_reaches_llama_cpp(spawn: Spawner) -> None:
+    """The launch's flash_attention is llama.cpp's own setting: off beside a quantized V
+    cache is refused by llama.cpp (which is why the API refuses that Lane at apply),
+    on serves with it."""
+    off = spawn(flash_attention="off", type_v="q8_0", slots=1, context_per_slot=256)
+    on = spawn(flash_attention="on", type_v="q8_0", slots=1, context_per_slot=256)
+    assert off.proc.wait(timeout=READY_DEADLINE_S) == 1
+    log = off.log.read_text()
+    assert "model_load_failed" in log and "requires flash_attn" in log
+    on.wait_ready()
+    _, final = on.generate(prompt=PROMPT, sampling=greedy(2))
+    assert final.usage.completion_tokens >= 1
+
+
 def test_cancelled_stream_frees_the_slot(worker: Worker) -> None:
     # No max_tokens: this would run until the slot's context is full.
     call = worker.stub.Generate(engine_pb2.GenerateRequest(prompt=PROMPT), timeout=60)

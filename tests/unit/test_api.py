@@ -199,6 +199,20 @@ def test_every_error_is_reported_with_its_path() -> None:
         (lane_doc(engine="vllm"), "Lane/gemma: spec.engine", "'llama-cpp' or 'upstream'"),
         (lane_doc(engine="upstream"), "Lane/gemma: spec.upstream", "requires upstream.url"),
         (lane_doc(kvCache={"typeK": "q9"}), "Lane/gemma: spec.kvCache.typeK", "KV cache type"),
+        (
+            lane_doc(flashAttention="yes"),
+            "Lane/gemma: spec.flashAttention",
+            "'auto', 'on' or 'off'",
+        ),
+        # llama.cpp refuses a quantized V cache without flash attention: every replica
+        # would crash-loop.
+        (
+            lane_doc(flashAttention="off", kvCache={"typeV": "q8_0"}),
+            "Lane/gemma: spec.flashAttention",
+            "typeV q8_0 is quantized",
+        ),
+        (lane_doc(flashAttention="off", kvCache={"typeK": "q8_0"}), None, None),
+        (lane_doc(flashAttention="on", kvCache={"typeV": "q4_0"}), None, None),
         (lane_doc(idle={"sleepAfter": "soon"}), "Lane/gemma: spec.idle.sleepAfter", "duration"),
         (lane_doc(aliases=["a", "a"]), "Lane/gemma: spec.aliases", "distinct"),
         (lane_doc("Bad_Name"), "Lane/Bad_Name: metadata.name", "not a valid name"),
