@@ -249,7 +249,7 @@ def _run(args: argparse.Namespace) -> int:
         return 1
     except grpc.RpcError as exc:
         remote = status.from_rpc_error(exc)
-        if isinstance(exc, grpc.Call) and exc.code() == grpc.StatusCode.UNAVAILABLE:
+        if exc.code() == grpc.StatusCode.UNAVAILABLE:
             print(
                 f"error: cannot reach the Blazar daemon at {_server(args)}: {remote.message}",
                 file=sys.stderr,

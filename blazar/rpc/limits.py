@@ -17,9 +17,10 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, TypeAlias
 
 import grpc
+from google.protobuf import message as protobuf_message
 
 from blazar.api import errors
 from blazar.rpc import status
@@ -46,7 +47,15 @@ def request_too_large(
     return status.request_too_large(size, limit=limit)
 
 
-class RequestSizeLimit(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+_Context: TypeAlias = grpc.aio.ServicerContext[Any, Any]
+# A handler's behaviour. typeshed declares `RpcMethodHandler`'s for the sync server
+# (plain functions of a sync context); grpc.aio's are coroutine or async generator
+# functions of (request, aio context), which only an open signature covers.
+_Behaviour: TypeAlias = Callable[..., Any]
+_Handler: TypeAlias = "grpc.RpcMethodHandler[Any, Any]"  # not subscriptable at run time
+
+
+class RequestSizeLimit(grpc.aio.ServerInterceptor):
     """Refuses every unary request over `limit` bytes before its handler runs.
 
     Streaming requests pass untouched (each message is bounded by the ceiling only);
@@ -58,9 +67,9 @@ class RequestSizeLimit(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
     async def intercept_service(
         self,
-        continuation: Callable[[Any], Awaitable[Any]],
-        handler_call_details: Any,
-    ) -> Any:
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[_Handler | None]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> _Handler | None:
         handler = await continuation(handler_call_details)
         if handler is None or handler.request_streaming:
             return handler
@@ -70,30 +79,34 @@ class RequestSizeLimit(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer,
             )
-        return grpc.unary_stream_rpc_method_handler(
-            self._checked_stream(handler.unary_stream),
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
-        )
+        if handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(
+                self._checked_stream(handler.unary_stream),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return handler
 
-    async def _check(self, request: Any, context: Any) -> None:
+    async def _check(self, request: protobuf_message.Message, context: _Context) -> None:
         err = request_too_large(request.ByteSize(), limit=self._limit)
         if err is not None:
             await status.abort(context, err)
 
-    def _checked_unary(self, behaviour: Any) -> Any:
-        async def checked(request: Any, context: Any) -> Any:
+    def _checked_unary(self, behaviour: _Behaviour) -> _Behaviour:
+        async def checked(request: protobuf_message.Message, context: _Context) -> Any:
             await self._check(request, context)
             return await behaviour(request, context)
 
         return checked
 
-    def _checked_stream(self, behaviour: Any) -> Any:
+    def _checked_stream(self, behaviour: _Behaviour) -> _Behaviour:
         # grpc.aio tells a generator handler from a writer one (context.write) by its
         # function type, so the wrapper must be of the same kind.
         if inspect.isasyncgenfunction(behaviour):
 
-            async def generate(request: Any, context: Any) -> AsyncIterator[Any]:
+            async def generate(
+                request: protobuf_message.Message, context: _Context
+            ) -> AsyncIterator[Any]:
                 await self._check(request, context)
                 # aclosing: a caller that leaves must end the handler's stream now.
                 async with contextlib.aclosing(behaviour(request, context)) as responses:
@@ -102,7 +115,7 @@ class RequestSizeLimit(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
             return generate
 
-        async def write(request: Any, context: Any) -> None:
+        async def write(request: protobuf_message.Message, context: _Context) -> None:
             await self._check(request, context)
             await behaviour(request, context)
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
 import grpc
 from google.protobuf import message as protobuf_message
@@ -74,18 +74,16 @@ def grpc_code(err: errors.BlazarError) -> grpc.StatusCode:
     return grpc.StatusCode[err.code]
 
 
-async def abort(context: Any, err: errors.BlazarError) -> NoReturn:
-    """End the RPC with err's status; never returns."""
+async def abort(context: grpc.aio.ServicerContext[Any, Any], err: errors.BlazarError) -> NoReturn:
+    """End the RPC with err's status; never returns (`context.abort` raises)."""
     await context.abort(grpc_code(err), err.message, trailing_metadata(err))
-    raise AssertionError("unreachable")  # context.abort always raises
 
 
 def from_rpc_error(exc: grpc.RpcError) -> errors.BlazarError:
     """Rebuild the BlazarError a peer sent; transport failures become Unavailable."""
     code: grpc.StatusCode = exc.code()
     message: str = exc.details() or code.name
-    trailers: Iterable[tuple[str, str | bytes]] = exc.trailing_metadata() or ()
-    meta = {str(k): v for k, v in trailers}
+    meta = dict(_trailers(exc))
     if (info := _error_info(meta.get(DETAILS_KEY), code)) is not None:
         return errors.from_reason(info.reason, message, dict(info.metadata), code=code.name)
     texts = {k: v if isinstance(v, str) else v.decode() for k, v in meta.items() if _is_text(k)}
@@ -104,8 +102,19 @@ def lost_peer(exc: grpc.RpcError) -> bool:
     an error it chose to return."""
     if exc.code() != grpc.StatusCode.UNAVAILABLE:
         return False
-    keys = {str(k) for k, _ in exc.trailing_metadata() or ()}
+    keys = {k for k, _ in _trailers(exc)}
     return DETAILS_KEY not in keys and REASON_KEY not in keys
+
+
+def _trailers(exc: grpc.RpcError) -> list[tuple[str, str | bytes]]:
+    """exc's trailing metadata as (key, value) pairs; a value is bytes for `-bin` keys.
+
+    Both of gRPC's forms (sync: a tuple of `_Metadatum` namedtuples; grpc.aio: an
+    `aio.Metadata`) iterate as pairs. typeshed declares the sync form only, and its
+    `_Metadatum` as a plain class with `value: bytes`, hence the cast.
+    """
+    pairs = cast(Iterable[tuple[str, str | bytes]], exc.trailing_metadata() or ())
+    return [(str(k), v) for k, v in pairs]
 
 
 def _is_text(key: str) -> bool:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from types import TracebackType
-from typing import Any
+from typing import Any, cast
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -31,7 +31,7 @@ class ChunkStream:
     transport failures (daemon down) become `Unavailable`.
     """
 
-    def __init__(self, call: Any) -> None:
+    def __init__(self, call: grpc.aio.UnaryStreamCall[Any, inference_pb2.Chunk]) -> None:
         self._call = call
 
     def __aiter__(self) -> ChunkStream:
@@ -44,8 +44,8 @@ class ChunkStream:
             raise status.from_rpc_error(exc) from None
         if message is grpc.aio.EOF:
             raise StopAsyncIteration
-        chunk: inference_pb2.Chunk = message
-        return chunk
+        # A response or EOF, which typeshed can only spell `object`.
+        return cast(inference_pb2.Chunk, message)
 
     def cancel(self) -> None:
         """Cancel the RPC; a no-op once it has finished."""
@@ -67,7 +67,7 @@ class InferenceClient:
     """Calls `blazar.v1.Inference` and the daemon's gRPC health service on one channel."""
 
     def __init__(self, channel: grpc.aio.Channel) -> None:
-        self._inference = inference_pb2_grpc.InferenceStub(channel)  # type: ignore[no-untyped-call,unused-ignore]
+        self._inference = inference_pb2_grpc.InferenceStub(channel)
         self._health = health_pb2_grpc.HealthStub(channel)
 
     def chat(
@@ -116,7 +116,7 @@ class InferenceClient:
     async def serving(self) -> bool:
         """True when the daemon's overall health (service "") is SERVING."""
         try:
-            response = await self._health.Check(
+            response: health_pb2.HealthCheckResponse = await self._health.Check(  # type: ignore[attr-defined]  # typeshed's HealthStub declares no RPCs
                 health_pb2.HealthCheckRequest(service=""), timeout=_HEALTH_TIMEOUT_S
             )
         except grpc.RpcError:
