@@ -14,15 +14,18 @@ count it as a miss).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TypeAlias
+from typing import TYPE_CHECKING, TypeAlias
 
 import grpc
 
 from blazar._proto.engine.v1 import engine_pb2, engine_pb2_grpc
 from blazar._proto.v1 import inference_pb2
 
-# A Generate stream: async-iterable over chunks, `cancel()` frees the engine's slot.
-GenerateCall: TypeAlias = grpc.aio.UnaryStreamCall
+if TYPE_CHECKING:
+    # A Generate stream: async-iterable over chunks, `cancel()` frees the engine's slot.
+    GenerateCall: TypeAlias = grpc.aio.UnaryStreamCall[
+        engine_pb2.GenerateRequest, inference_pb2.Chunk
+    ]
 
 
 class EngineClient:
