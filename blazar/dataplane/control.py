@@ -1,51 +1,26 @@
-"""`blazar.v1.Control`: the only write path to desired state (CLI and GitOps use it).
+"""`blazar.v1.Control`: desired state over gRPC, for the CLI and other clients.
 
-`apply_documents` is the whole admission of manifests: validate every document,
-check references against the batch and the store, then write all or nothing. A
-rejected batch is recorded as a Warning event and changes nothing.
+Objects travel as JSON. `Apply` decodes them and hands the batch to
+`blazar.store.apply`, the admission GitOps uses too; the other RPCs read, delete and
+watch the store.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from typing import Any, TypeAlias
 
 from blazar._proto.v1 import control_pb2, control_pb2_grpc
 from blazar.api import errors, kinds, manifests, selectors
 from blazar.api.errors import FieldError
 from blazar.rpc import status
-from blazar.store.base import ApplyOutcome, Event, Store, WatchEvent, WatchType
+from blazar.store import apply
+from blazar.store.base import Event, Store, WatchEvent, WatchType
 
 # grpc ships no type information; its servicer context is dynamically typed.
 Context: TypeAlias = Any
-
-
-def apply_documents(
-    store: Store,
-    docs: Sequence[tuple[str, dict[str, Any]]],
-    *,
-    dry_run: bool = False,
-    source: str = "apply",
-) -> list[ApplyOutcome]:
-    """Validate and apply docs as one batch; raise ManifestInvalid and write nothing
-    (except a Warning event) when any document is wrong."""
-    try:
-        objects = manifests.validate_objects(
-            docs, exists=lambda kind, name: store.get(kind, name) is not None
-        )
-    except errors.ManifestInvalid as err:
-        if not dry_run:
-            store.record_event(
-                kind="Manifest",
-                name=source,
-                type="Warning",
-                reason="ManifestRejected",
-                message="; ".join(str(e) for e in err.errors),
-            )
-        raise
-    return store.apply_all(objects, dry_run=dry_run)
 
 
 def _found(kind: kinds.Kind, name: str, obj: kinds.Resource | None) -> kinds.Resource:
@@ -84,7 +59,7 @@ class ControlService(control_pb2_grpc.ControlServicer):
         try:
             if bad:
                 raise errors.ManifestInvalid(bad)
-            outcomes = apply_documents(
+            outcomes = apply.apply_documents(
                 self._store, docs, dry_run=request.dry_run, source=request.field_manager or "apply"
             )
         except errors.BlazarError as err:

@@ -15,7 +15,7 @@ import structlog
 import watchfiles
 
 from blazar.api import errors, manifests
-from blazar.dataplane.control import apply_documents
+from blazar.store import apply
 from blazar.store.base import ApplyAction, Store
 
 log = structlog.get_logger(__name__)
@@ -27,7 +27,7 @@ def sync(store: Store, directory: Path) -> bool:
     """Apply the directory once; True when it was accepted."""
     try:
         docs = manifests.load_path(directory)
-        outcomes = apply_documents(store, docs, source=f"gitops:{directory}")
+        outcomes = apply.apply_documents(store, docs, source=f"gitops:{directory}")
     except errors.ManifestInvalid as err:
         log.warning(
             "gitops.rejected", directory=str(directory), errors=[str(e) for e in err.errors]

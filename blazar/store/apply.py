@@ -1,0 +1,43 @@
+"""The admission of manifests: the one way desired state is written.
+
+`apply_documents` validates every document of a batch (schema, then references
+against the batch and the store), then has the store decide and write all of it or
+nothing (`Store.apply_all`). A rejected batch changes no object and is recorded as a
+Warning event `ManifestRejected` on the pseudo-kind `Manifest`, named after its
+source. The Control API's `Apply` and the GitOps watcher both come here, so a
+manifest is judged the same whichever way it arrives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from blazar.api import errors, manifests
+from blazar.store.base import ApplyOutcome, Store
+
+
+def apply_documents(
+    store: Store,
+    docs: Sequence[tuple[str, dict[str, Any]]],
+    *,
+    dry_run: bool = False,
+    source: str = "apply",
+) -> list[ApplyOutcome]:
+    """Validate and apply docs, (location, mapping) pairs, as one batch; raise
+    ManifestInvalid and write nothing (except a Warning event) when any is wrong."""
+    try:
+        objects = manifests.validate_objects(
+            docs, exists=lambda kind, name: store.get(kind, name) is not None
+        )
+    except errors.ManifestInvalid as err:
+        if not dry_run:
+            store.record_event(
+                kind="Manifest",
+                name=source,
+                type="Warning",
+                reason="ManifestRejected",
+                message="; ".join(str(e) for e in err.errors),
+            )
+        raise
+    return store.apply_all(objects, dry_run=dry_run)

@@ -1,0 +1,81 @@
+"""The admission of manifests (`blazar.store.apply`), against a MemoryStore."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from blazar.api import errors
+from blazar.store import apply
+from blazar.store.memory import MemoryStore
+
+MODEL: dict[str, Any] = {
+    "apiVersion": "blazar.dev/v1alpha1",
+    "kind": "Model",
+    "metadata": {"name": "m"},
+    "spec": {"source": {"path": "/m.gguf"}},
+}
+LANE: dict[str, Any] = {
+    "apiVersion": "blazar.dev/v1alpha1",
+    "kind": "Lane",
+    "metadata": {"name": "l"},
+    "spec": {"model": "m"},
+}
+
+
+def located(*docs: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    return [(f"fleet.yaml#{i}", doc) for i, doc in enumerate(docs, start=1)]
+
+
+def test_a_batch_is_written_and_a_reapply_changes_nothing() -> None:
+    store = MemoryStore()
+    first = apply.apply_documents(store, located(MODEL, LANE))
+    assert [(o.object.kind, o.action.value) for o in first] == [
+        ("Model", "created"),
+        ("Lane", "created"),
+    ]
+    again = apply.apply_documents(store, located(MODEL, LANE))
+    assert [o.action.value for o in again] == ["unchanged", "unchanged"]
+    assert [o.metadata.name for o in store.list()] == ["l", "m"]
+    assert store.events() == []
+
+
+def test_a_reference_may_be_met_by_the_store() -> None:
+    store = MemoryStore()
+    apply.apply_documents(store, located(MODEL))
+    (outcome,) = apply.apply_documents(store, located(LANE))
+    assert outcome.action.value == "created"
+
+
+def test_a_bad_batch_writes_nothing_and_is_one_warning_event() -> None:
+    store = MemoryStore()
+    bad_lane = {**LANE, "spec": {"model": "missing", "replicas": "x"}}
+    with pytest.raises(errors.ManifestInvalid) as rejected:
+        apply.apply_documents(store, located(MODEL, bad_lane), source="gitops:fleet")
+    paths = [e.path for e in rejected.value.errors]
+    assert paths == ["Lane/l: spec.replicas", "Lane/l: spec.model"]
+    assert store.list() == []
+    (event,) = store.events()
+    assert (event.kind, event.name, event.type, event.reason) == (
+        "Manifest",
+        "gitops:fleet",
+        "Warning",
+        "ManifestRejected",
+    )
+    assert "spec.replicas" in event.message and "spec.model" in event.message
+
+
+def test_a_dry_run_reports_and_writes_nothing() -> None:
+    store = MemoryStore()
+    outcomes = apply.apply_documents(store, located(MODEL, LANE), dry_run=True)
+    assert [o.action.value for o in outcomes] == ["created", "created"]
+    assert store.list() == []
+    assert store.resource_version == 0
+
+
+def test_a_rejected_dry_run_records_no_event() -> None:
+    store = MemoryStore()
+    with pytest.raises(errors.ManifestInvalid):
+        apply.apply_documents(store, located(LANE), dry_run=True)
+    assert store.events() == []
