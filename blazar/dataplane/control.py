@@ -12,6 +12,8 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any, TypeAlias
 
+import grpc
+
 from blazar._proto.v1 import control_pb2, control_pb2_grpc
 from blazar.api import errors, kinds, manifests, selectors
 from blazar.api.errors import FieldError
@@ -19,8 +21,7 @@ from blazar.rpc import status
 from blazar.store import apply
 from blazar.store.base import Event, Store, WatchEvent, WatchType
 
-# grpc ships no type information; its servicer context is dynamically typed.
-Context: TypeAlias = Any
+Context: TypeAlias = grpc.aio.ServicerContext[Any, Any]
 
 
 def _found(kind: kinds.Kind, name: str, obj: kinds.Resource | None) -> kinds.Resource:
