@@ -21,9 +21,9 @@ from typing import Any
 import grpc
 
 from blazar import logs
-from blazar._proto.v1 import control_pb2, control_pb2_grpc
+from blazar._proto.v1 import control_pb2
 from blazar.api import errors, kinds, manifests
-from blazar.cli import printers
+from blazar.cli import client, printers
 from blazar.rpc import status
 
 
@@ -31,8 +31,8 @@ def _server(args: argparse.Namespace) -> str:
     return str(args.server or os.environ.get("BLAZAR_GRPC_ADDR") or "127.0.0.1:8421")
 
 
-def _stub(args: argparse.Namespace) -> control_pb2_grpc.ControlStub:
-    return control_pb2_grpc.ControlStub(grpc.insecure_channel(_server(args)))
+def _client(args: argparse.Namespace) -> client.ControlClient:
+    return client.ControlClient(_server(args))
 
 
 def _read_docs(targets: Sequence[str]) -> list[tuple[str, dict[str, Any]]]:
@@ -78,25 +78,30 @@ def cmd_apply(args: argparse.Namespace) -> int:
         dry_run=args.dry_run,
         field_manager="blazar-cli",
     )
-    response = _stub(args).Apply(request)
+    with _client(args) as control:
+        response = control.apply(request)
     suffix = " (dry run)" if args.dry_run else ""
     for result in response.results:
         print(f"{result.kind.lower()}/{result.name} {result.action}{suffix}")
     return 0
 
 
-def _objects(args: argparse.Namespace) -> tuple[str, list[dict[str, Any]]]:
+def _objects(
+    control: client.ControlClient, args: argparse.Namespace
+) -> tuple[str, list[printers.ObjectJson]]:
     kind = kinds.resolve_kind(args.kind)
-    stub = _stub(args)
     if args.name:
-        got = stub.Get(control_pb2.GetRequest(kind=kind.value, name=args.name))
+        got = control.get(control_pb2.GetRequest(kind=kind.value, name=args.name))
         return kind.value, [json.loads(got.object_json)]
-    listed = stub.List(control_pb2.ListRequest(kind=kind.value, label_selector=args.selector or ""))
+    listed = control.list(
+        control_pb2.ListRequest(kind=kind.value, label_selector=args.selector or "")
+    )
     return kind.value, [json.loads(o) for o in listed.objects_json]
 
 
 def cmd_get(args: argparse.Namespace) -> int:
-    kind, objs = _objects(args)
+    with _client(args) as control:
+        kind, objs = _objects(control, args)
     if args.output == "yaml":
         print(printers.as_yaml(objs))
     elif args.output == "json":
@@ -109,21 +114,19 @@ def cmd_get(args: argparse.Namespace) -> int:
 
 
 def cmd_describe(args: argparse.Namespace) -> int:
-    kind, objs = _objects(args)
-    stub = _stub(args)
     pages = []
-    for obj in objs:
-        name = obj["metadata"]["name"]
-        events = stub.Events(control_pb2.EventsRequest(kind=kind, name=name, limit=50)).events
-        pages.append(
-            printers.describe(obj, [_event_dict(e) for e in events], now=datetime.now(UTC))
-        )
+    with _client(args) as control:
+        kind, objs = _objects(control, args)
+        for obj in objs:
+            name = obj["metadata"]["name"]
+            request = control_pb2.EventsRequest(kind=kind, name=name, limit=50)
+            events = [_event_json(e) for e in control.events(request).events]
+            pages.append(printers.describe(obj, events, now=datetime.now(UTC)))
     print("\n\n".join(pages))
     return 0
 
 
 def cmd_delete(args: argparse.Namespace) -> int:
-    stub = _stub(args)
     targets: list[tuple[str, str]]
     if args.filename:
         objs = manifests.parse_objects(_read_docs(args.filename))
@@ -132,23 +135,24 @@ def cmd_delete(args: argparse.Namespace) -> int:
         targets = [(kinds.resolve_kind(args.kind).value, args.name)]
     else:
         raise errors.InvalidRequest("delete needs KIND NAME or -f FILE")
-    for kind, name in targets:
-        stub.Delete(control_pb2.DeleteRequest(kind=kind, name=name))
-        print(f"{kind.lower()}/{name} deleted")
+    with _client(args) as control:
+        for kind, name in targets:
+            control.delete(control_pb2.DeleteRequest(kind=kind, name=name))
+            print(f"{kind.lower()}/{name} deleted")
     return 0
 
 
-def _event_dict(e: control_pb2.Event) -> dict[str, Any]:
+def _event_json(e: control_pb2.Event) -> printers.EventJson:
     return {"time": e.time, "type": e.type, "reason": e.reason, "kind": e.kind, "name": e.name,
             "message": e.message}  # fmt: skip
 
 
 def cmd_events(args: argparse.Namespace) -> int:
     kind = kinds.resolve_kind(args.kind).value if args.kind else ""
-    response = _stub(args).Events(
-        control_pb2.EventsRequest(kind=kind, name=args.name or "", limit=args.limit)
-    )
-    events = [_event_dict(e) for e in response.events]
+    request = control_pb2.EventsRequest(kind=kind, name=args.name or "", limit=args.limit)
+    with _client(args) as control:
+        response = control.events(request)
+    events = [_event_json(e) for e in response.events]
     if args.output == "json":
         print(json.dumps(events, indent=2))
     else:

@@ -1,15 +1,53 @@
-"""Pure renderers for the CLI: kubectl-style tables, describe pages, YAML and JSON."""
+"""Pure renderers for the CLI: kubectl-style tables, describe pages, YAML and JSON.
+
+They read objects as the daemon sends them (JSON, camelCase), not as `blazar.api`
+models: a CLI older than its daemon still prints what it knows of newer kinds and
+fields. Every field but the kind and the name may be missing.
+"""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Required, TypedDict
 
 import yaml
 
-Obj = dict[str, Any]
+
+class MetadataJson(TypedDict, total=False):
+    name: Required[str]
+    labels: dict[str, str]
+    annotations: dict[str, str]
+    uid: str
+    generation: int
+    resourceVersion: int
+    creationTimestamp: str
+
+
+class ObjectJson(TypedDict, total=False):
+    """One object from the Control API; `spec` and `status` vary by kind."""
+
+    apiVersion: str
+    kind: Required[str]
+    metadata: Required[MetadataJson]
+    spec: dict[str, Any]
+    status: dict[str, Any]
+
+
+class EventJson(TypedDict):
+    """One event (`blazar events -o json` prints a list of them)."""
+
+    time: str
+    type: str
+    reason: str
+    kind: str
+    name: str
+    message: str
+
+
+# A condition, a replica status: entries of an object's status.
+Entry = dict[str, Any]
 
 
 def age(timestamp: str | None, now: datetime) -> str:
@@ -26,14 +64,14 @@ def age(timestamp: str | None, now: datetime) -> str:
     return f"{seconds}s"
 
 
-def condition(obj: Obj, type_: str) -> Obj | None:
+def condition(obj: ObjectJson, type_: str) -> Entry | None:
     for cond in obj.get("status", {}).get("conditions", []):
         if cond.get("type") == type_:
             return dict(cond)
     return None
 
 
-def status_word(obj: Obj) -> str:
+def status_word(obj: ObjectJson) -> str:
     """One word for the STATUS column: Ready, or the reason it is not."""
     ready = (
         condition(obj, "Ready") or condition(obj, "ModelReady") or condition(obj, "ResolvedRefs")
@@ -51,21 +89,22 @@ def status_word(obj: Obj) -> str:
 def _size(n: int | None) -> str:
     if n is None:
         return ""
+    size = float(n)
     for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
-        n = n / 1024  # type: ignore[assignment]
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f}{unit}" if unit == "B" else f"{size:.1f}{unit}"
+        size /= 1024
     return str(n)
 
 
-Column = tuple[str, Callable[[Obj], Any]]
+Column = tuple[str, Callable[[ObjectJson], Any]]
 
 
-def spec(obj: Obj) -> Obj:
+def spec(obj: ObjectJson) -> dict[str, Any]:
     return dict(obj.get("spec", {}))
 
 
-def st(obj: Obj) -> Obj:
+def st(obj: ObjectJson) -> dict[str, Any]:
     return dict(obj.get("status", {}))
 
 
@@ -132,23 +171,23 @@ def _columns(kind: str, wide: bool, now: datetime) -> list[Column]:
     return cols
 
 
-def table(kind: str, objs: Sequence[Obj], *, wide: bool = False, now: datetime) -> str:
+def table(kind: str, objs: Sequence[ObjectJson], *, wide: bool = False, now: datetime) -> str:
     cols = _columns(kind, wide, now)
     rows = [[h for h, _ in cols]] + [[str(f(o)) for _, f in cols] for o in objs]
     return "\n".join(_grid(rows))
 
 
-def as_yaml(objs: Sequence[Obj]) -> str:
+def as_yaml(objs: Sequence[ObjectJson]) -> str:
     return yaml.safe_dump_all(list(objs), sort_keys=False).rstrip()
 
 
-def as_json(objs: Sequence[Obj]) -> str:
+def as_json(objs: Sequence[ObjectJson]) -> str:
     if len(objs) == 1:
         return json.dumps(objs[0], indent=2)
     return json.dumps({"kind": "List", "items": list(objs)}, indent=2)
 
 
-def describe(obj: Obj, events: Sequence[Obj], *, now: datetime) -> str:
+def describe(obj: ObjectJson, events: Sequence[EventJson], *, now: datetime) -> str:
     meta = obj["metadata"]
     labels = ", ".join(f"{k}={v}" for k, v in meta.get("labels", {}).items()) or "<none>"
     created = meta.get("creationTimestamp")
@@ -203,7 +242,7 @@ def describe(obj: Obj, events: Sequence[Obj], *, now: datetime) -> str:
     return "\n".join(lines)
 
 
-def events_table(events: Sequence[Obj], *, now: datetime) -> str:
+def events_table(events: Sequence[EventJson], *, now: datetime) -> str:
     if not events:
         return "No events."
     rows = [["LAST SEEN", "TYPE", "REASON", "OBJECT", "MESSAGE"]] + [

@@ -26,13 +26,19 @@ spec: {model: m}
 
 
 class FakeControl:
-    """The daemon's Control service as the CLI sees it: records what it is sent."""
+    """The CLI's `ControlClient`, standing in for the daemon: records what it is sent."""
 
     def __init__(self) -> None:
         self.applied: list[control_pb2.ApplyRequest] = []
         self.deleted: list[tuple[str, str]] = []
 
-    def Apply(self, request: control_pb2.ApplyRequest) -> control_pb2.ApplyResponse:
+    def __enter__(self) -> FakeControl:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        pass
+
+    def apply(self, request: control_pb2.ApplyRequest) -> control_pb2.ApplyResponse:
         self.applied.append(request)
         results = []
         for text in request.objects_json:
@@ -44,7 +50,7 @@ class FakeControl:
             )
         return control_pb2.ApplyResponse(results=results)
 
-    def Delete(self, request: control_pb2.DeleteRequest) -> control_pb2.DeleteResponse:
+    def delete(self, request: control_pb2.DeleteRequest) -> control_pb2.DeleteResponse:
         self.deleted.append((request.kind, request.name))
         return control_pb2.DeleteResponse()
 
@@ -52,7 +58,7 @@ class FakeControl:
 @pytest.fixture
 def control(monkeypatch: pytest.MonkeyPatch) -> FakeControl:
     fake = FakeControl()
-    monkeypatch.setattr(main, "_stub", lambda args: fake)
+    monkeypatch.setattr(main, "_client", lambda args: fake)
     return fake
 
 

@@ -1,0 +1,53 @@
+"""The CLI's one client of the daemon's `blazar.v1.Control`: one channel per command,
+typed answers.
+
+The generated stub's calls return untyped values; each method here states what its
+RPC answers. Errors are left as `grpc.RpcError` for `blazar.cli.main` to print.
+"""
+
+from __future__ import annotations
+
+from types import TracebackType
+
+import grpc
+
+from blazar._proto.v1 import control_pb2, control_pb2_grpc
+
+
+class ControlClient:
+    """Use inside `with`: leaving the block closes the channel."""
+
+    def __init__(self, target: str) -> None:
+        self._channel = grpc.insecure_channel(target)
+        self._stub = control_pb2_grpc.ControlStub(self._channel)
+
+    def __enter__(self) -> ControlClient:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._channel.close()
+
+    def apply(self, request: control_pb2.ApplyRequest) -> control_pb2.ApplyResponse:
+        response: control_pb2.ApplyResponse = self._stub.Apply(request)
+        return response
+
+    def get(self, request: control_pb2.GetRequest) -> control_pb2.GetResponse:
+        response: control_pb2.GetResponse = self._stub.Get(request)
+        return response
+
+    def list(self, request: control_pb2.ListRequest) -> control_pb2.ListResponse:
+        response: control_pb2.ListResponse = self._stub.List(request)
+        return response
+
+    def delete(self, request: control_pb2.DeleteRequest) -> control_pb2.DeleteResponse:
+        response: control_pb2.DeleteResponse = self._stub.Delete(request)
+        return response
+
+    def events(self, request: control_pb2.EventsRequest) -> control_pb2.EventsResponse:
+        response: control_pb2.EventsResponse = self._stub.Events(request)
+        return response
