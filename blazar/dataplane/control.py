@@ -58,10 +58,12 @@ class ControlService(control_pb2_grpc.ControlServicer):
                 continue
             docs.append((f"object#{i + 1}", doc))
         try:
-            if bad:
-                raise errors.ManifestInvalid(bad)
             outcomes = apply.apply_documents(
-                self._store, docs, dry_run=request.dry_run, source=request.field_manager or "apply"
+                self._store,
+                docs,
+                unreadable=bad,
+                dry_run=request.dry_run,
+                source=request.field_manager or "apply",
             )
         except errors.BlazarError as err:
             await status.abort(context, err)

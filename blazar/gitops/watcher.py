@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import structlog
 import watchfiles
@@ -26,8 +27,10 @@ _SUFFIXES = (".yaml", ".yml", ".json")
 def sync(store: Store, directory: Path) -> bool:
     """Apply the directory once; True when it was accepted."""
     try:
-        docs = manifests.load_path(directory)
-        outcomes = apply.apply_documents(store, docs, source=f"gitops:{directory}")
+        docs, unreadable = _load(directory)
+        outcomes = apply.apply_documents(
+            store, docs, unreadable=unreadable, source=f"gitops:{directory}"
+        )
     except errors.ManifestInvalid as err:
         log.warning(
             "gitops.rejected", directory=str(directory), errors=[str(e) for e in err.errors]
@@ -44,6 +47,17 @@ def sync(store: Store, directory: Path) -> bool:
     ]
     log.info("gitops.applied", directory=str(directory), changed=changed)
     return True
+
+
+def _load(
+    directory: Path,
+) -> tuple[list[tuple[str, dict[str, Any]]], tuple[errors.FieldError, ...]]:
+    """The directory's documents, or else what kept them from being read (for
+    `apply_documents` to reject, and record, with the batch)."""
+    try:
+        return manifests.load_path(directory), ()
+    except errors.ManifestInvalid as err:
+        return [], err.errors
 
 
 def _is_manifest(change: watchfiles.Change, path: str) -> bool:

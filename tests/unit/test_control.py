@@ -89,6 +89,21 @@ def test_rejected_batch_changes_nothing_and_is_an_event() -> None:
     run(body)
 
 
+def test_a_batch_with_bad_json_is_rejected_and_recorded() -> None:
+    async def body(stub: control_pb2_grpc.ControlStub, store: MemoryStore) -> None:
+        request = control_pb2.ApplyRequest(
+            objects_json=[json.dumps(MODEL), "{not json"], field_manager="tool"
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as rejected:
+            await stub.Apply(request)
+        assert rejected.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "object#2: not valid JSON" in (rejected.value.details() or "")
+        assert store.list() == []
+        assert [(e.name, e.reason) for e in store.events()] == [("tool", "ManifestRejected")]
+
+    run(body)
+
+
 def test_dry_run_writes_nothing() -> None:
     async def body(stub: control_pb2_grpc.ControlStub, store: MemoryStore) -> None:
         result = await stub.Apply(apply_request(MODEL, dry_run=True))

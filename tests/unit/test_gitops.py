@@ -42,3 +42,14 @@ def test_sync_rejects_a_bad_directory_whole(tmp_path: Path) -> None:
     (event,) = store.events()
     assert (event.reason, event.name) == ("ManifestRejected", f"gitops:{tmp_path}")
     assert "Lane/l: spec.model" in event.message
+
+
+def test_sync_records_a_file_it_cannot_parse(tmp_path: Path) -> None:
+    store = MemoryStore()
+    (tmp_path / "model.yaml").write_text(MODEL)
+    (tmp_path / "broken.yaml").write_text("kind: [unclosed\n")
+    assert not watcher.sync(store, tmp_path)
+    assert store.list() == []
+    (event,) = store.events()
+    assert event.reason == "ManifestRejected"
+    assert f"{tmp_path / 'broken.yaml'}#1: invalid YAML" in event.message

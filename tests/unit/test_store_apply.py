@@ -79,3 +79,23 @@ def test_a_rejected_dry_run_records_no_event() -> None:
     with pytest.raises(errors.ManifestInvalid):
         apply.apply_documents(store, located(LANE), dry_run=True)
     assert store.events() == []
+
+
+def test_an_unreadable_document_rejects_the_batch_and_is_recorded() -> None:
+    store = MemoryStore()
+    unreadable = [errors.FieldError("object#2", "not valid JSON: Expecting value")]
+    with pytest.raises(errors.ManifestInvalid) as rejected:
+        apply.apply_documents(store, located(MODEL), unreadable=unreadable, source="cli")
+    assert list(rejected.value.errors) == unreadable
+    assert store.list() == []
+    (event,) = store.events()
+    assert (event.name, event.reason) == ("cli", "ManifestRejected")
+    assert event.message == "object#2: not valid JSON: Expecting value"
+
+
+def test_an_unreadable_document_in_a_dry_run_records_nothing() -> None:
+    store = MemoryStore()
+    unreadable = [errors.FieldError("object#1", "not valid JSON")]
+    with pytest.raises(errors.ManifestInvalid):
+        apply.apply_documents(store, [], unreadable=unreadable, dry_run=True)
+    assert store.events() == []
