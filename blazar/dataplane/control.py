@@ -34,6 +34,18 @@ def _dump(obj: kinds.Resource) -> str:
     return json.dumps(manifests.to_dict(obj))
 
 
+def _json_type(value: object) -> str:
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    return "null"
+
+
 def _event(e: Event) -> control_pb2.Event:
     return control_pb2.Event(
         time=e.time.isoformat(), type=e.type, reason=e.reason, kind=e.kind, name=e.name,
@@ -51,12 +63,19 @@ class ControlService(control_pb2_grpc.ControlServicer):
         docs: list[tuple[str, dict[str, Any]]] = []
         bad: list[FieldError] = []
         for i, text in enumerate(request.objects_json):
+            location = f"object#{i + 1}"
             try:
                 doc = json.loads(text)
             except json.JSONDecodeError as exc:
-                bad.append(FieldError(f"object#{i + 1}", f"not valid JSON: {exc}"))
+                bad.append(FieldError(location, f"not valid JSON: {exc}"))
                 continue
-            docs.append((f"object#{i + 1}", doc))
+            except RecursionError:
+                bad.append(FieldError(location, "not valid JSON: nested too deeply"))
+                continue
+            if not isinstance(doc, dict):
+                bad.append(FieldError(location, f"expected a JSON object, got {_json_type(doc)}"))
+                continue
+            docs.append((location, doc))
         try:
             outcomes = apply.apply_documents(
                 self._store,

@@ -104,6 +104,28 @@ def test_a_batch_with_bad_json_is_rejected_and_recorded() -> None:
     run(body)
 
 
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [
+        ("[1]", "object#2: expected a JSON object, got an array"),
+        ("5", "object#2: expected a JSON object, got a number"),
+        ("null", "object#2: expected a JSON object, got null"),
+        ('"Model"', "object#2: expected a JSON object, got a string"),
+        ("[" * 100_000, "object#2: not valid JSON: nested too deeply"),
+    ],
+)
+def test_a_document_that_is_no_json_object_is_invalid_not_a_crash(text: str, problem: str) -> None:
+    async def body(stub: control_pb2_grpc.ControlStub, store: MemoryStore) -> None:
+        request = control_pb2.ApplyRequest(objects_json=[json.dumps(MODEL), text])
+        with pytest.raises(grpc.aio.AioRpcError) as rejected:
+            await stub.Apply(request)
+        assert rejected.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert problem in (rejected.value.details() or "")
+        assert store.list() == []
+
+    run(body)
+
+
 def test_dry_run_writes_nothing() -> None:
     async def body(stub: control_pb2_grpc.ControlStub, store: MemoryStore) -> None:
         result = await stub.Apply(apply_request(MODEL, dry_run=True))
