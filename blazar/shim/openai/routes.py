@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeAlias
+from typing import TypeAlias
 
 import structlog
 from starlette.exceptions import HTTPException
@@ -228,7 +228,7 @@ async def _collect(
     return JSONResponse(body)
 
 
-def _sse(obj: Any) -> bytes:
+def _sse(obj: protocol.ChatCompletionChunk | protocol.Completion | protocol.ErrorBody) -> bytes:
     return streaming.sse_event(json.dumps(obj, ensure_ascii=False, separators=(",", ":")))
 
 
