@@ -181,6 +181,6 @@ def from_reason(
     BlazarError.__init__(err, message, metadata=metadata)
     if cls is None:
         # This one error's, not its class's.
-        err.reason = reason  # type: ignore[misc]
-        err.code = code  # type: ignore[misc]
+        err.reason = reason  # type: ignore[misc]  # a ClassVar, shadowed on this instance only
+        err.code = code  # type: ignore[misc]  # likewise
     return err

@@ -24,7 +24,7 @@ _GGML_LOG_LEVEL_WARN = 3
 _GGML_LOG_LEVEL_ERROR = 4
 
 
-@lc.llama_log_callback  # type: ignore[untyped-decorator]
+@lc.llama_log_callback  # type: ignore[untyped-decorator]  # a ctypes CFUNCTYPE: untyped
 def _native_log(level: int, text: bytes, _user_data: ctypes.c_void_p) -> None:
     # llama.cpp prints hundreds of load lines; keep only what needs attention.
     if level in (_GGML_LOG_LEVEL_WARN, _GGML_LOG_LEVEL_ERROR):

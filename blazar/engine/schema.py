@@ -147,7 +147,7 @@ def grammar(schema: dict[str, Any]) -> str:
 
     base: Any = llama_grammar.SchemaConverter
 
-    class Converter(base):  # type: ignore[misc]
+    class Converter(base):  # type: ignore[misc]  # llama_cpp.llama_grammar is untyped: subclassing Any
         def _visit_pattern(self, pattern: str, name: str) -> str:
             rule: str = self._add_rule(name, f'"\\"" {pattern_expression(pattern)} "\\"" space')
             return rule
