@@ -31,6 +31,15 @@ class TextDelta:
     # One per token covered, when the job asked for logprobs.
     logprobs: tuple[logprobs.TokenLogprob, ...] = ()
 
+    @classmethod
+    def joined(cls, first: TextDelta, second: TextDelta) -> TextDelta:
+        """One delta covering both, in order."""
+        return cls(
+            first.text + second.text,
+            first.tokens + second.tokens,
+            first.logprobs + second.logprobs,
+        )
+
 
 @dataclass(frozen=True)
 class Finished:

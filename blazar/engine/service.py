@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -29,6 +30,9 @@ log = structlog.get_logger("blazar.engine.service")
 # How long a drain waits for cancelled jobs to end once its grace is over.
 CANCEL_WAIT_SECONDS = 5.0
 DEFAULT_DRAIN_GRACE_SECONDS = 10.0
+# Prompts up to this many characters are tokenized on the event loop (well under a
+# millisecond); longer ones in a worker thread, so that other streams keep flowing.
+INLINE_TOKENIZE_CHARS = 16_384
 
 _FINISH = {
     jobs.FinishReason.STOP: inference_pb2.FINISH_REASON_STOP,
@@ -174,9 +178,19 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         streamed = 0
         try:
             self._decode.submit(job)
+            held: jobs.Event | None = None
             while finished is None:
-                event = await events.get()
+                event = held or await events.get()
+                held = None
                 if isinstance(event, jobs.TextDelta):
+                    # Deltas that queued up meanwhile (accepted draft tokens, or a
+                    # stream the event loop fell behind on) go out as one chunk.
+                    while not events.empty() and held is None:
+                        after = events.get_nowait()
+                        if isinstance(after, jobs.TextDelta):
+                            event = jobs.TextDelta.joined(event, after)
+                        else:
+                            held = after
                     streamed += event.tokens
                     yield inference_pb2.Chunk(
                         delta=inference_pb2.Delta(
@@ -297,13 +311,17 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         arrived: float,
     ) -> jobs.Job:
         """Validate, render and tokenize; raise BlazarError when it cannot run."""
-        # Off the event loop: a JSON schema becomes a grammar that llama.cpp compiles.
-        params = await asyncio.to_thread(
+        resolve = functools.partial(
             sampling.resolve,
             request.sampling,
             constraint=request.constraint,
             vocab=self._decode.vocab,
         )
+        # A JSON schema becomes a grammar that llama.cpp compiles: off the event loop.
+        # Anything else takes microseconds, less than a hop to a worker thread and back
+        # (which, with the decode threads busy on every core, waits for a time slice).
+        constrained = request.constraint.WhichOneof("kind") is not None
+        params = await asyncio.to_thread(resolve) if constrained else resolve()
         which = request.WhichOneof("input")
         if which == "prompt":
             prompt = request.prompt
@@ -315,7 +333,10 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             prompt = self._chat.render(turns) if self._chat else text.render_gemma(turns)
         else:
             raise errors.InvalidRequest("Set either prompt or chat.")
-        tokens = await asyncio.to_thread(self._decode.vocab.tokenize, prompt)
+        if len(prompt) > INLINE_TOKENIZE_CHARS:
+            tokens = await asyncio.to_thread(self._decode.vocab.tokenize, prompt)
+        else:
+            tokens = self._decode.vocab.tokenize(prompt)
         if not tokens:
             # An empty prompt starts from BOS, as with OpenAI and llama.cpp's server;
             # a model that adds none has nothing to start from.

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from blazar.api import errors, replicas
-from blazar.engine import jobs, llama, loop, sampling, speculation, speculator
+from blazar.engine import jobs, llama, logprobs, loop, sampling, speculation, speculator
 from tests import launches
 
 EOS = 0
@@ -314,3 +314,10 @@ def test_a_request_found_impossible_while_sampling_fails_as_invalid(
     assert bad_events.last == jobs.Failed(
         "no token is left", invalid_request=True, metadata=((errors.FIELD_KEY, "x"),)
     )
+
+
+def test_text_deltas_join_in_order() -> None:
+    a = jobs.TextDelta("Hel", 1, (logprobs.TokenLogprob(1, -0.5),))
+    b = jobs.TextDelta("lo", 2, ())
+    joined = jobs.TextDelta.joined(a, b)
+    assert (joined.text, joined.tokens, joined.logprobs) == ("Hello", 3, a.logprobs)
