@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration import pinning
 from tests.integration.engine_harness import Spawner, Worker
 
 
@@ -34,3 +35,10 @@ def tokenize(model_path: Path) -> Callable[[str], list[int]]:
 
     vocab = Llama(str(model_path), vocab_only=True, verbose=False)
     return lambda s: list(vocab.tokenize(s.encode(), add_bos=True, special=True))
+
+
+@pytest.fixture(scope="session")
+def no_eog(model_path: Path) -> dict[int, float]:
+    """A logit bias banning end-of-generation: the request runs to max_tokens on every
+    CPU (an unconstrained model stops whenever its numbers say so)."""
+    return pinning.no_end_of_generation(model_path)
