@@ -77,13 +77,11 @@ def sole_spelling_bias(model_path: Path, characters: str) -> dict[int, float]:
 
 
 def digits_have_one_token_each(model_path: Path) -> bool:
-    """The vocabulary fact `sole_spelling_bias` relies on for digit strings."""
+    """The vocabulary fact `sole_spelling_bias` relies on for digit strings: no token
+    spells two digits (those that hold a digit and something else cannot start one)."""
     vocab = _vocab_model(model_path)
-    for t in range(vocab.n_vocab()):
-        piece = vocab.detokenize([t])
-        if len(piece) > 1 and any(48 <= b <= 57 for b in piece):
-            return False
-    return True
+    pieces = (vocab.detokenize([t]) for t in range(vocab.n_vocab()))
+    return not any(len(p) > 1 and p.isdigit() for p in pieces)
 
 
 def digit_string(length: int, *, seed: int) -> str:
