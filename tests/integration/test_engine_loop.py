@@ -39,11 +39,20 @@ def one_slot(model_path: Path) -> Iterator[loop.DecodeLoop]:
         yield decode
 
 
-def job(decode: loop.DecodeLoop, name: str, *, arrived: float, log: list[str]) -> jobs.Job:
+def job(
+    decode: loop.DecodeLoop,
+    name: str,
+    *,
+    arrived: float,
+    log: list[str],
+    bias: dict[int, float] | None = None,
+) -> jobs.Job:
     def deliver(event: jobs.Event) -> None:
         log.append(f"{name}:{type(event).__name__}")
 
-    params = sampling.resolve(inference_pb2.Sampling(temperature=0.0), vocab=decode.vocab)
+    params = sampling.resolve(
+        inference_pb2.Sampling(temperature=0.0, logit_bias=bias), vocab=decode.vocab
+    )
     return jobs.Job(
         request_id=name,
         prompt=decode.vocab.tokenize(f"A story about {name}:"),
@@ -55,12 +64,14 @@ def job(decode: loop.DecodeLoop, name: str, *, arrived: float, log: list[str]) -
 
 
 def test_waiting_jobs_start_in_order_of_arrival_not_of_submission(
-    one_slot: loop.DecodeLoop,
+    one_slot: loop.DecodeLoop, no_eog: dict[int, float]
 ) -> None:
     """Jobs are submitted once prepared, and preparing runs in a thread pool, so a job
-    that arrived first can be submitted second; it must still start first."""
+    that arrived first can be submitted second; it must still start first. The busy
+    job cannot stop by itself (end-of-generation banned): it holds the only slot until
+    it is cancelled, with both others waiting."""
     log: list[str] = []
-    busy = job(one_slot, "busy", arrived=0.0, log=log)
+    busy = job(one_slot, "busy", arrived=0.0, log=log, bias=no_eog)
     one_slot.submit(busy)
     poll(lambda: "busy:TextDelta" in log, what="the only slot to be busy")
     one_slot.submit(job(one_slot, "second", arrived=2.0, log=log))
@@ -78,7 +89,9 @@ def two_slots(model_path: Path) -> Iterator[loop.DecodeLoop]:
         yield decode
 
 
-def test_a_slot_counts_as_used_until_its_generation_ends(two_slots: loop.DecodeLoop) -> None:
+def test_a_slot_counts_as_used_until_its_generation_ends(
+    two_slots: loop.DecodeLoop, no_eog: dict[int, float]
+) -> None:
     """The slot that finished last is kept; an unrelated prompt takes the other one."""
     finished: dict[str, jobs.Finished] = {}
 
@@ -87,7 +100,10 @@ def test_a_slot_counts_as_used_until_its_generation_ends(two_slots: loop.DecodeL
             if isinstance(event, jobs.Finished):
                 finished[name] = event
 
-        params = sampling.resolve(inference_pb2.Sampling(temperature=0.0), vocab=two_slots.vocab)
+        # No end-of-generation: each job runs to its max_tokens, so "long" ends last.
+        params = sampling.resolve(
+            inference_pb2.Sampling(temperature=0.0, logit_bias=no_eog), vocab=two_slots.vocab
+        )
         two_slots.submit(
             jobs.Job(
                 request_id=name,
@@ -101,6 +117,7 @@ def test_a_slot_counts_as_used_until_its_generation_ends(two_slots: loop.DecodeL
     start("long", "Once upon a time, in a village by the sea,", 48)  # starts first, ends last
     start("short", "The recipe for a good loaf of bread", 2)
     poll(lambda: {"long", "short"} <= finished.keys(), deadline_s=60, what="both to finish")
+    assert finished["long"].completion_tokens == 48
     start("next", "Quantum physics explains how", 2)
     poll(lambda: "next" in finished, deadline_s=60, what="the third request")
     assert finished["next"].slot == finished["short"].slot != finished["long"].slot
