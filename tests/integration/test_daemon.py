@@ -16,6 +16,7 @@ import httpx
 import openai
 import pytest
 
+from tests.integration import pinning
 from tests.integration.harness import REPO, Daemon, pid_alive, short_home, wait_for
 
 pytestmark = pytest.mark.slow
@@ -40,18 +41,27 @@ def client(d: Daemon) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"http://{d.http}/v1", api_key="unused", max_retries=0)
 
 
+def bias(tokens: dict[int, float]) -> dict[str, int]:
+    """A logit bias as the OpenAI client sends it."""
+    return {str(t): int(b) for t, b in tokens.items()}
+
+
 def test_models_lists_the_default_lane(daemon: Daemon) -> None:
     ids = [m.id for m in client(daemon).models.list().data]
     assert "gemma3" in ids
     assert "gemma3-270m" in ids  # an alias
 
 
-def test_openai_client_streams_a_chat_completion(daemon: Daemon) -> None:
+def test_openai_client_streams_a_chat_completion(daemon: Daemon, model_path: Path) -> None:
+    # Pinned on every CPU: no end-of-generation, and printable ASCII (a grammar, as
+    # llama.cpp's server takes it), so 40 tokens stream, each with text of its own.
     stream = client(daemon).chat.completions.create(
         model="gemma3",
         messages=[{"role": "user", "content": "Write a short poem about the sea."}],
         max_tokens=40,
         temperature=0,
+        logit_bias=bias(pinning.no_end_of_generation(model_path)),
+        extra_body={"grammar": "root ::= [ -~\\n]+"},
         stream=True,
     )
     contents, finishes = [], []
@@ -62,16 +72,24 @@ def test_openai_client_streams_a_chat_completion(daemon: Daemon) -> None:
             if choice.finish_reason:
                 finishes.append(choice.finish_reason)
     assert len(contents) >= 8, contents
-    assert finishes and finishes[-1] in ("stop", "length")
+    assert finishes == ["length"]
 
 
-def test_responses_carry_llama_cpp_timings(daemon: Daemon) -> None:
-    """llama.cpp server's `timings`, with the default lane's n-gram speculation counts:
-    a base model continues a text it has already repeated twice by copying it."""
-    text = "The river rises in the hills above the town and runs for forty miles to the sea. "
+def test_responses_carry_llama_cpp_timings(daemon: Daemon, model_path: Path) -> None:
+    """llama.cpp server's `timings`, with the default lane's n-gram speculation counts.
+    The completion is forced to copy digits from the prompt, one token each (see
+    tests/integration/test_engine_speculation.py), so prompt lookup drafts, and its
+    drafts are accepted, on every CPU."""
+    digits = pinning.digit_string(64, seed=15)
     response = client(daemon).completions.create(
-        model="gemma3", prompt=text * 3 + "The river", max_tokens=32, temperature=0
+        model="gemma3",
+        prompt=f"Digits: {digits}\nThe same digits again: ",
+        max_tokens=32,
+        temperature=0,
+        logit_bias=bias(pinning.sole_spelling_bias(model_path, "0123456789")),
+        extra_body={"grammar": pinning.exactly(digits)},
     )
+    assert response.choices[0].text == digits[:32]
     assert response.usage is not None and response.model_extra is not None
     timings = response.model_extra["timings"]
     assert timings["predicted_n"] == response.usage.completion_tokens
@@ -98,12 +116,20 @@ def test_engine_health_is_on_metrics(daemon: Daemon) -> None:
     assert f"blazar_engine_memory_bytes{{{labels}}}" in text
 
 
-def test_unknown_model_and_malformed_json_do_not_disturb_others(daemon: Daemon) -> None:
+def test_unknown_model_and_malformed_json_do_not_disturb_others(
+    daemon: Daemon, model_path: Path
+) -> None:
     result: dict[str, object] = {}
+    no_eog = bias(pinning.no_end_of_generation(model_path))
 
     def good_stream() -> None:
         stream = client(daemon).completions.create(
-            model="gemma3", prompt="Once upon a time", max_tokens=24, temperature=0, stream=True
+            model="gemma3",
+            prompt="Once upon a time",
+            max_tokens=24,
+            temperature=0,
+            logit_bias=no_eog,  # it runs to its 24 tokens
+            stream=True,
         )
         result["text"] = "".join(c.choices[0].text for c in stream if c.choices)
 

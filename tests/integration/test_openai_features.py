@@ -17,6 +17,8 @@ import pytest
 from google.rpc import error_details_pb2, status_pb2
 
 from blazar._proto.v1 import inference_pb2, inference_pb2_grpc
+from blazar.engine import schema as schemas
+from tests.integration import pinning
 from tests.integration.harness import REPO, Daemon, short_home
 
 pytestmark = pytest.mark.slow
@@ -122,6 +124,14 @@ def test_embeddings(client: openai.OpenAI) -> None:
     assert cos(vectors[0], vectors[1]) > cos(vectors[0], vectors[2])
 
 
+def budget(schema: dict[str, object]) -> int:
+    """max_tokens that fit the longest document the schema's grammar allows, so that the
+    grammar, not the budget, ends the output on every CPU."""
+    tokens = pinning.budget(schemas.grammar(schema))
+    assert tokens is not None, "the schema allows documents without end"
+    return tokens
+
+
 def test_response_format_json_schema(client: openai.OpenAI) -> None:
     schema = {
         "type": "object",
@@ -142,7 +152,7 @@ def test_response_format_json_schema(client: openai.OpenAI) -> None:
             },
             temperature=0.8,
             seed=seed,
-            max_tokens=48,
+            max_tokens=budget(schema),
         )
         content = completion.choices[0].message.content or ""
         assert completion.choices[0].finish_reason == "stop", content
@@ -151,7 +161,8 @@ def test_response_format_json_schema(client: openai.OpenAI) -> None:
 
 def test_llama_cpp_grammar_and_json_schema_fields(client: openai.OpenAI) -> None:
     """llama.cpp's server's `grammar` and `json_schema` body fields, sent as a client
-    of it would, through the openai client's extra_body."""
+    of it would, through the openai client's extra_body. Each budget fits the longest
+    output its grammar allows ("yes." is 4 tokens at most, and the end)."""
     chat = client.chat.completions.create(
         model=LANE,
         messages=[{"role": "user", "content": "Is the sea wet?"}],
@@ -166,7 +177,10 @@ def test_llama_cpp_grammar_and_json_schema_fields(client: openai.OpenAI) -> None
         "additionalProperties": False,
     }
     completion = client.completions.create(
-        model=LANE, prompt="A number as JSON:", extra_body={"json_schema": schema}, max_tokens=24
+        model=LANE,
+        prompt="A number as JSON:",
+        extra_body={"json_schema": schema},
+        max_tokens=budget(schema),
     )
     assert completion.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(completion.choices[0].text), schema)
