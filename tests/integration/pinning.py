@@ -284,9 +284,10 @@ def grammar_state(model_path: Path, grammar: str, text: str) -> GrammarState:
 # --- comparing greedy streams ---------------------------------------------------------
 
 # Batches of other shapes (or another CPU) round logits differently: by 0.003-0.016
-# nats on average here, up to 0.34 at single positions (see speculation.py). Two
-# greedy streams of the same request may part where the top two were this close.
-NEAR_TIE = 0.1
+# nats on average here, but up to 0.34 at single positions (see speculation.py; 0.38
+# in test_engine_speculation). Two greedy streams of the same request may part where
+# the top two were this close; a stream that reads a wrong cache parts by nats.
+NEAR_TIE = 0.5
 
 
 def margin(entry: Any, banned: frozenset[int] = frozenset()) -> float:

@@ -10,13 +10,15 @@ import pytest
 
 from blazar.engine import draft, speculation
 from tests import launches
+from tests.integration import pinning
 from tests.integration.engine_harness import make_draft_tool
 
 pytestmark = pytest.mark.slow
 
 
 # Measured on the bundled model: the q4_0 draft picks the target's greedy token at
-# ~62% of the sample text's positions (a 6-layer-pruned draft: ~5%).
+# ~62% of the sample text's positions (a 6-layer-pruned draft: ~5%). A statistic of
+# the two models over some 300 positions, which rounding moves by a position or two.
 AGREEMENT_FLOOR = 0.4
 
 
@@ -62,8 +64,9 @@ def runner(draft_path: Path) -> object:
 def _near_greedy(ref: object, prompt: list[int], proposal: tuple[int, ...]) -> bool:
     """Is each proposed token the draft's greedy choice (up to a numerical near-tie)?
 
-    Batches of other shapes run other CPU kernels, so logits differ in the last bits;
-    a stale KV cache (a missed rollback) would give tokens far from the maximum.
+    Batches of other shapes run other CPU kernels, so logits differ in the last bits
+    (the runner's proposals here led by as little as 0.11); a stale KV cache (a missed
+    rollback) gives tokens nats below the maximum.
     """
     import llama_cpp as lc
     import numpy as np
@@ -74,7 +77,7 @@ def _near_greedy(ref: object, prompt: list[int], proposal: tuple[int, ...]) -> b
     for i, tok in enumerate(proposal):
         ptr = lc.llama_get_logits_ith(m.ctx, len(prompt) - 1 + i)  # type: ignore[attr-defined]
         logits = np.ctypeslib.as_array(ptr, shape=(m.n_vocab,))  # type: ignore[attr-defined]
-        if logits[tok] < logits.max() - 0.1:
+        if logits[tok] < logits.max() - pinning.NEAR_TIE:
             return False
     return True
 
@@ -149,7 +152,11 @@ def test_speculative_greedy_equals_plain_greedy(
     """The loop recipe end to end: draft, batch k + 1 rows, sample, verify, seq_rm.
 
     Batched rows take other CPU kernels than one-row decodes, so logits differ in the
-    last bits; the streams may part only where plain greedy faced a near-tie.
+    last bits; the streams may part only where plain greedy faced a near-tie (plain
+    greedy on this prose leads by under 0.5 nats within its first 8 tokens, so how far
+    they agree is the CPU's business). That the draft is right at some positions and
+    wrong at others (accepted 0 < a < drafted) is the two models' doing: they agree at
+    ~62% of this text's positions.
     """
     import llama_cpp as lc
 
@@ -186,8 +193,7 @@ def test_speculative_greedy_equals_plain_greedy(
             pending = emitted[-1]
         assert len(emitted) == n  # `room` kept the last step inside the budget
         parted = next((i for i, (a, b) in enumerate(zip(emitted, plain, strict=True)) if a != b), n)
-        assert parted == n or gaps[parted] < 0.1, (parted, gaps[parted])
-        assert parted >= 8
+        assert parted == n or gaps[parted] < pinning.NEAR_TIE, (parted, gaps[parted])
         assert 0 < policy.totals.accepted < policy.totals.drafted
         # The KV cache holds exactly the accepted stream: no rejected draft survived.
         assert len(cached) == len(prompt) - 1 + n
