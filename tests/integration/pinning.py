@@ -15,6 +15,8 @@ enforces:
   end-of-generation token counts too) guarantees that the grammar ends the output.
 - `grammar_state`: whether a text is a complete document of a grammar, a prefix of
   one, or neither, by llama.cpp's grammar engine.
+- `common_greedy_prefix`: where two greedy streams of one request part, which may be
+  only where the reference led by less than NEAR_TIE.
 """
 
 from __future__ import annotations
@@ -104,7 +106,8 @@ def digit_string(length: int, *, seed: int) -> str:
 
 
 def exactly(text: str) -> str:
-    """GBNF allowing `text` and nothing else."""
+    """GBNF allowing `text` and nothing else (JSON's string escapes are GBNF's too, but
+    for \\b and \\f, which the texts here do not hold)."""
     return f"root ::= {json.dumps(text, ensure_ascii=False)}"
 
 
