@@ -1,8 +1,9 @@
 """Pure routing: model names and aliases to Lanes, Lanes to ready replicas.
 
 The table is rebuilt from the stored Lanes whenever one changes; picking a replica
-is a function of the table, the data plane's in-flight counts and, for a request with
-a session key, the replica that session used last (`Sessions`).
+is a function of the table, the data plane's in-flight counts, how much of the
+prompt each replica's cache holds (`blazar.dataplane.prefixes`) and, for a request
+with a session key, the replica that session used last (`Sessions`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ class Replica:
     lane: str
     index: int
     socket: str
+    # The engine process: a restarted replica keeps its index and socket, not its cache.
+    pid: int | None = None
 
 
 @dataclass(frozen=True)
@@ -49,7 +52,7 @@ def build_table(lanes: Sequence[Lane]) -> RouteTable:
     routes = []
     for lane in sorted(lanes, key=lambda item: item.metadata.name):
         ready = tuple(
-            Replica(lane.metadata.name, r.index, r.socket)
+            Replica(lane.metadata.name, r.index, r.socket, r.pid)
             for r in lane.status.replica_statuses
             if r.state == ReplicaState.READY.value and r.socket
         )
@@ -84,19 +87,39 @@ def resolve(table: RouteTable, name: str) -> Route:
     return route
 
 
+# How many more leading prompt blocks (of prefixes.BLOCK_CHARS characters, so ~256
+# tokens) a replica's cache must hold than the replica load alone would pick, before
+# the prefix outweighs load. Below it the saving is a fraction of a prefill, and a
+# short prefix every request shares (a system prompt, a template's opening) would pull
+# all traffic to whichever replica served it first.
+MIN_PREFIX_BLOCKS = 8
+
+
 def pick_replica(
     route: Route,
     inflight: Mapping[tuple[str, int], int],
     *,
     exclude: Collection[int] = (),
     prefer: int | None = None,
+    matched: Mapping[int, int] | None = None,
+    held: Mapping[int, int] | None = None,
 ) -> Replica:
-    """The ready replica with the fewest requests in flight (lowest index on ties),
-    leaving out the indexes in `exclude` (replicas that already refused this request).
+    """The ready replica for a request, leaving out the indexes in `exclude` (replicas
+    that already refused it). Load is a replica's requests in flight, those waiting in
+    its engine included; a replica "has room" while it has a free slot or is no busier
+    than the least loaded replica. In order:
 
-    `prefer` (the replica a session used last, whose cache holds its conversation) wins
-    while it has a free slot or is as idle as any other: a conversation goes back to
-    its cached prefix, but does not queue there while another replica has room.
+    1. The session's replica (`prefer`, the one this session used last, whose cache
+       holds its conversation) while it has room: a conversation goes back to its
+       cached prefix, but does not queue there while another replica has room.
+    2. The replica with room whose cache holds the longest prefix of the prompt
+       (`matched`: leading blocks per replica index, from `PrefixIndex.match`), if that
+       is at least MIN_PREFIX_BLOCKS more than what the replica of rule 3 holds. A
+       prefix both hold, or a few blocks more, does not outweigh load. Ties: rule 3's
+       order.
+    3. The least loaded replica; on equal load the one whose cache holds the fewest
+       blocks (`held`), so that new conversations spread over the replicas' caches
+       instead of evicting each other on one; then the lowest index.
     """
     candidates = [r for r in route.replicas if r.index not in exclude]
     if not candidates and route.desired == 0 and not route.replicas:
@@ -110,17 +133,34 @@ def pick_replica(
             f"The model '{route.lane}' has no ready replica yet; retry shortly.",
             metadata={"lane": route.lane},
         )
+    matched = matched or {}
+    held = held or {}
 
     def load(replica: Replica) -> int:
         return inflight.get((replica.lane, replica.index), 0)
 
-    least = min(candidates, key=lambda r: (load(r), r.index))
-    for replica in candidates:
-        if replica.index == prefer and (
-            load(replica) < route.slots or load(replica) <= load(least)
-        ):
+    def by_load(replica: Replica) -> tuple[int, int, int]:
+        return (load(replica), held.get(replica.index, 0), replica.index)
+
+    least = min(candidates, key=by_load)
+    roomy = [r for r in candidates if load(r) < route.slots or load(r) <= load(least)]
+    for replica in roomy:
+        if replica.index == prefer:
             return replica
+    cached = min(roomy, key=lambda r: (-matched.get(r.index, 0), *by_load(r)))
+    if matched.get(cached.index, 0) - matched.get(least.index, 0) >= MIN_PREFIX_BLOCKS:
+        return cached
     return least
+
+
+def departed(old: Route | None, new: Route | None) -> frozenset[int]:
+    """Replicas of `old` that `new` no longer routes to as the same engine process:
+    gone, no longer ready, or restarted (another socket or process). Their caches are
+    lost to routing."""
+    if old is None:
+        return frozenset()
+    kept = {(r.index, r.socket, r.pid) for r in new.replicas} if new is not None else set()
+    return frozenset(r.index for r in old.replicas if (r.index, r.socket, r.pid) not in kept)
 
 
 class Sessions:

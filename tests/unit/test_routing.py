@@ -121,6 +121,99 @@ def test_pick_prefers_the_session_replica_while_it_has_room(
     assert routing.pick_replica(route, inflight, prefer=prefer).index == index
 
 
+N = routing.MIN_PREFIX_BLOCKS
+
+
+@pytest.mark.parametrize(
+    ("inflight", "matched", "held", "prefer", "index"),
+    [
+        # Rule 2: the replica holding the longest prefix, though busier (4 slots).
+        ({}, {1: N}, {}, None, 1),
+        ({("x", 1): 3}, {1: N}, {}, None, 1),
+        ({("x", 1): 3}, {0: 2, 1: N + 2}, {}, None, 1),
+        # ... unless that is under N blocks more than the least loaded replica holds:
+        ({}, {1: N - 1}, {}, None, 0),
+        ({}, {0: 2, 1: N + 1}, {}, None, 0),
+        ({("x", 0): 1}, {0: 30, 1: 30}, {}, None, 1),  # both hold it: load decides
+        # ... or it has no room.
+        ({("x", 1): 4}, {1: 50}, {}, None, 0),
+        ({("x", 0): 5, ("x", 1): 4, ("x", 2): 4}, {2: 50}, {}, None, 2),  # full, but least loaded
+        # Among replicas with room, the longest prefix.
+        ({("x", 0): 4, ("x", 2): 4}, {0: 50, 1: 20, 2: 40}, {}, None, 1),
+        ({}, {0: 20, 1: 50, 2: 50}, {}, None, 1),  # ties: rule 3's order
+        ({("x", 1): 1}, {0: 20, 1: 50, 2: 50}, {}, None, 2),
+        # Rule 1 first: the session's replica while it has room.
+        ({}, {1: 50}, {}, 0, 0),
+        ({("x", 0): 4}, {1: 50}, {}, 0, 1),
+        ({("x", 0): 4}, {0: 50}, {}, 0, 1),  # full: not even for its prefix
+        # Rule 3: least loaded, then fewest cached blocks, then lowest index.
+        ({}, {}, {0: 10, 1: 3, 2: 3}, None, 1),
+        ({("x", 1): 1}, {}, {0: 10, 1: 3, 2: 3}, None, 2),
+        ({("x", 1): 1, ("x", 2): 1}, {}, {0: 10}, None, 0),
+        ({}, {0: N - 1}, {0: N - 1}, None, 1),  # a short match counts for nothing
+    ],
+)
+def test_pick_by_session_then_cached_prefix_then_load(
+    inflight: dict[tuple[str, int], int],
+    matched: dict[int, int],
+    held: dict[int, int],
+    prefer: int | None,
+    index: int,
+) -> None:
+    route = routing.resolve(routing.build_table([lane("x", ready=(0, 1, 2))]), "x")
+    assert route.slots == 4
+    picked = routing.pick_replica(route, inflight, prefer=prefer, matched=matched, held=held)
+    assert picked.index == index
+
+
+def test_pick_never_goes_to_a_refused_replica_for_its_prefix() -> None:
+    route = routing.resolve(routing.build_table([lane("x", ready=(0, 1))]), "x")
+    assert routing.pick_replica(route, {}, exclude=(1,), matched={1: 50}).index == 0
+
+
+def replicas(*spec: tuple[int, str, int | None]) -> routing.Route:
+    return routing.Route(
+        lane="x",
+        model="m",
+        aliases=(),
+        replicas=tuple(routing.Replica("x", i, s, pid) for i, s, pid in spec),
+        created=0,
+        context_length=512,
+    )
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "gone"),
+    [
+        (None, replicas((0, "/a", 1)), set()),
+        (replicas((0, "/a", 1)), replicas((0, "/a", 1)), set()),
+        (replicas((0, "/a", 1), (1, "/b", 2)), replicas((1, "/b", 2)), {0}),  # not ready
+        (replicas((0, "/a", 1)), replicas((0, "/a", 3)), {0}),  # restarted
+        (replicas((0, "/a", 1)), replicas((0, "/c", 1)), {0}),  # another socket
+        (replicas((0, "/a", 1)), replicas(), {0}),
+        (replicas((0, "/a", 1)), None, {0}),  # the Lane is gone
+    ],
+)
+def test_departed_replicas_are_those_no_longer_routed_to_as_the_same_process(
+    old: routing.Route | None, new: routing.Route | None, gone: set[int]
+) -> None:
+    assert routing.departed(old, new) == gone
+
+
+def test_the_table_knows_each_replica_process() -> None:
+    ready = ReplicaStatus(index=0, state="Ready", socket="/s", pid=42)
+    table = routing.build_table(
+        [
+            Lane(
+                metadata=ObjectMeta(name="x"),
+                spec=LaneSpec(model="m"),
+                status=LaneStatus(replica_statuses=[ready]),
+            )
+        ]
+    )
+    assert routing.resolve(table, "x").replicas == (routing.Replica("x", 0, "/s", 42),)
+
+
 def test_pick_never_prefers_a_refused_replica() -> None:
     route = routing.resolve(routing.build_table([lane("x", ready=(0, 1))]), "x")
     assert routing.pick_replica(route, {}, exclude=(1,), prefer=1).index == 0
