@@ -8,6 +8,7 @@ with a session key, the replica that session used last (`Sessions`).
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -164,19 +165,36 @@ def departed(old: Route | None, new: Route | None) -> frozenset[int]:
 
 
 class Sessions:
-    """Which replica each session of each lane used last (the most recent `capacity`)."""
+    """Which replica each session of each lane used last (the most recent `capacity`).
+
+    A session key is the caller's opaque string, as long as a request allows; one over
+    `_KEY_CHARS` is kept as a digest, so that the memory held stays bounded by
+    `capacity`, not by what callers send.
+    """
 
     def __init__(self, capacity: int = 10_000) -> None:
         self._capacity = capacity
         self._last: OrderedDict[tuple[str, str], int] = OrderedDict()
 
     def replica_of(self, lane: str, session: str) -> int | None:
-        return self._last.get((lane, session)) if session else None
+        return self._last.get((lane, _session_key(session))) if session else None
 
     def record(self, lane: str, session: str, replica: int) -> None:
         if not session:
             return
-        self._last[(lane, session)] = replica
-        self._last.move_to_end((lane, session))
+        key = (lane, _session_key(session))
+        self._last[key] = replica
+        self._last.move_to_end(key)
         while len(self._last) > self._capacity:
             self._last.popitem(last=False)
+
+
+_KEY_CHARS = 64
+
+
+def _session_key(session: str) -> str:
+    if len(session) <= _KEY_CHARS:
+        return session
+    digest = hashlib.blake2b(session.encode("utf-8", "surrogatepass"), digest_size=16)
+    # Longer than any key kept as given, so the two kinds never meet.
+    return "#" * (_KEY_CHARS + 1) + digest.hexdigest()

@@ -228,3 +228,13 @@ def test_sessions_remember_the_latest_replica_of_the_most_recent_sessions() -> N
     sessions.record("x", "", 1)  # no session key: nothing to remember
     assert [sessions.replica_of("x", k) for k in ("a", "b", "c", "")] == [1, None, 0, None]
     assert sessions.replica_of("y", "a") is None
+
+
+def test_a_long_session_key_is_remembered_by_its_digest() -> None:
+    sessions = routing.Sessions()
+    long_a, long_b = "a" * 1_000_000, "a" * 999_999 + "b"
+    sessions.record("x", long_a, 1)
+    sessions.record("x", long_b, 2)
+    sessions.record("x", "a" * 64, 3)
+    assert [sessions.replica_of("x", k) for k in (long_a, long_b, "a" * 64)] == [1, 2, 3]
+    assert max(len(session) for _, session in sessions._last) < 200
