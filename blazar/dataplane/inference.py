@@ -1,8 +1,13 @@
 """`blazar.v1.Inference`: resolve the model, pick a replica, relay the engine's stream.
 
-The route table is owned here and rebuilt from the store whenever a Lane changes;
-in-flight counts per replica feed `routing.pick_replica`. Requests are FIFO per
-replica (the engine queues them); SLO admission comes in a later layer.
+The route table is owned here and rebuilt from the store whenever a Lane changes, and
+so is one `prefixes.PrefixIndex` per Lane: a replica's prompt is recorded once its
+engine answers, and a replica that leaves the table (not ready, restarted, gone) is
+forgotten. In-flight counts per replica, the index's matches and the session's last
+replica feed `routing.pick_replica`. The replica chosen goes back to the caller in the
+initial metadata (`blazar-lane`, `blazar-replica`) before the first chunk, and in
+`Final.routing`. Requests are FIFO per replica (the engine queues them); SLO
+admission comes in a later layer.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ import contextlib
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Collection, Sequence
 from typing import Any, TypeAlias
 
 import grpc
@@ -22,7 +27,7 @@ from blazar._proto.engine.v1 import engine_pb2
 from blazar._proto.v1 import inference_pb2, inference_pb2_grpc
 from blazar.api import errors
 from blazar.api.kinds import Kind, Lane
-from blazar.dataplane import metrics, routing
+from blazar.dataplane import metrics, prefixes, routing
 from blazar.enginehost.client import EnginePool
 from blazar.rpc import status
 from blazar.store.base import Store, WatchEvent
@@ -32,6 +37,11 @@ log = structlog.get_logger(__name__)
 # grpc ships no type information; its servicer context is dynamically typed.
 Context: TypeAlias = Any
 
+# Initial metadata of Chat and Complete, sent before the first chunk: where the request
+# runs, for callers (the HTTP shim's headers) that cannot wait for Final.routing.
+LANE_KEY = "blazar-lane"
+REPLICA_KEY = "blazar-replica"
+
 
 class InferenceService(inference_pb2_grpc.InferenceServicer):
     def __init__(self, *, store: Store, pool: EnginePool) -> None:
@@ -39,13 +49,25 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         self._pool = pool
         self._inflight: Counter[tuple[str, int]] = Counter()
         self._sessions = routing.Sessions()
+        self._prefixes: dict[str, prefixes.PrefixIndex] = {}
         self.table = routing.RouteTable()
         self.refresh()
         self._unsubscribe = store.subscribe(self._on_store_event)
 
     def refresh(self) -> None:
         lanes = [lane for lane in self._store.list(Kind.LANE) if isinstance(lane, Lane)]
+        old = {route.lane: route for route in self.table.routes}
         self.table = routing.build_table(lanes)
+        indexes: dict[str, prefixes.PrefixIndex] = {}
+        for route in self.table.routes:
+            size = prefixes.capacity(slots=route.slots, context_per_slot=route.context_length)
+            index = self._prefixes.get(route.lane)
+            if index is None or index.capacity != size:
+                index = prefixes.PrefixIndex(size)
+            for replica in routing.departed(old.get(route.lane), route):
+                index.forget(replica)
+            indexes[route.lane] = index
+        self._prefixes = indexes
 
     def _on_store_event(self, event: WatchEvent) -> None:
         if event.object.kind == Kind.LANE.value:
@@ -83,7 +105,15 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             sampling=request.sampling,
             constraint=request.constraint,
         )
-        async for chunk in self._relay(request.model, generate, context, session=request.session):
+
+        def hashes(limit: int) -> tuple[int, ...]:
+            turns = ((m.role, m.content) for m in request.messages)
+            return prefixes.chat_hashes(turns, limit=limit)
+
+        relay = self._relay(
+            request.model, generate, context, session=request.session, hashes=hashes
+        )
+        async for chunk in relay:
             yield chunk
 
     async def Complete(
@@ -92,15 +122,25 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         generate = engine_pb2.GenerateRequest(
             prompt=request.prompt, sampling=request.sampling, constraint=request.constraint
         )
-        async for chunk in self._relay(request.model, generate, context, session=request.session):
+
+        def hashes(limit: int) -> tuple[int, ...]:
+            return prefixes.prompt_hashes(request.prompt, limit=limit)
+
+        relay = self._relay(
+            request.model, generate, context, session=request.session, hashes=hashes
+        )
+        async for chunk in relay:
             yield chunk
 
     async def Embed(
         self, request: inference_pb2.EmbedRequest, context: Context
     ) -> inference_pb2.EmbedResponse:
         """Embedding is safe to repeat, so a replica that refuses with UNAVAILABLE
-        (draining, or its process just died) is left out and the next ready one asked."""
-        route, replica = await self._route(request.model, context)
+        (draining, or its process just died) is left out and the next ready one asked.
+
+        No prefix routing: an engine embeds in a context of its own that keeps no
+        cache between inputs, and fills no slot's cache either."""
+        route, replica, _ = await self._route(request.model, context)
         refused: set[int] = set()
         while True:
             try:
@@ -111,7 +151,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                 if isinstance(err, errors.Unavailable):
                     refused.add(replica.index)
                     with contextlib.suppress(errors.BlazarError):
-                        replica = routing.pick_replica(route, self._inflight, exclude=refused)
+                        replica = self._pick(route, exclude=refused)
                         log.info("embed.retry", lane=route.lane, replica=replica.index)
                         continue
                 metrics.observe_embedding_failure(route.lane, err.reason)
@@ -126,7 +166,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
     async def Tokenize(
         self, request: inference_pb2.TokenizeRequest, context: Context
     ) -> inference_pb2.TokenizeResponse:
-        route, replica = await self._route(request.model, context)
+        route, replica, _ = await self._route(request.model, context)
         try:
             response = await self._pool.client(replica.socket).tokenize(request)
         except grpc.aio.AioRpcError as exc:
@@ -135,18 +175,51 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         return response
 
     async def _route(
-        self, model: str, context: Context, *, session: str = ""
-    ) -> tuple[routing.Route, routing.Replica]:
+        self,
+        model: str,
+        context: Context,
+        *,
+        session: str = "",
+        hashes: Callable[[int], tuple[int, ...]] | None = None,
+    ) -> tuple[routing.Route, routing.Replica, tuple[int, ...]]:
+        """The request's Lane, its replica, and its prompt's block hashes (computed
+        here, once the Lane tells how many blocks its replicas can hold)."""
         try:
             route = routing.resolve(self.table, model)
-            replica = routing.pick_replica(
-                route, self._inflight, prefer=self._sessions.replica_of(route.lane, session)
-            )
-            self._sessions.record(route.lane, session, replica.index)
-            return route, replica
+            index = self._prefixes.get(route.lane)
+            blocks = hashes(index.capacity) if hashes is not None and index else ()
+            return route, self._pick(route, session=session, hashes=blocks), blocks
         except errors.BlazarError as err:
             log.info("request.rejected", model=model, reason=err.reason)
             await status.abort(context, err)
+
+    def _pick(
+        self,
+        route: routing.Route,
+        *,
+        session: str = "",
+        hashes: Sequence[int] = (),
+        exclude: Collection[int] = (),
+    ) -> routing.Replica:
+        index = self._prefixes.get(route.lane)
+        replica = routing.pick_replica(
+            route,
+            self._inflight,
+            exclude=exclude,
+            prefer=self._sessions.replica_of(route.lane, session),
+            matched=index.match(hashes) if index and hashes else None,
+            held=index.held() if index else None,
+        )
+        self._sessions.record(route.lane, session, replica.index)
+        return replica
+
+    def _served(self, replica: routing.Replica, hashes: Sequence[int]) -> None:
+        """The replica's engine has taken the prompt: its cache now holds it. Not
+        recorded for a replica that left the table meanwhile (its cache is forgotten)."""
+        route = self.table.by_name.get(replica.lane)
+        index = self._prefixes.get(replica.lane)
+        if route is not None and index is not None and replica in route.replicas:
+            index.record(replica.index, hashes)
 
     async def _relay(
         self,
@@ -155,16 +228,20 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         context: Context,
         *,
         session: str = "",
+        hashes: Callable[[int], tuple[int, ...]] | None = None,
     ) -> AsyncIterator[inference_pb2.Chunk]:
         """Stream the engine's answer. A replica that refuses with UNAVAILABLE before
         its first chunk (draining, or its process just died) is left out and the
-        request goes to the next ready one; nothing was generated, so this is safe."""
+        request goes to the next ready one; nothing was generated, so this is safe.
+        The replica is announced in the initial metadata with the first chunk, once
+        no other replica can take over."""
         arrived = time.perf_counter()
         request_id = _request_id(context)
         generate.request_id = request_id
         structlog.contextvars.bind_contextvars(request_id=request_id)
-        route, replica = await self._route(model, context, session=session)
+        route, replica, blocks = await self._route(model, context, session=session, hashes=hashes)
         refused: set[int] = set()
+        announced = False
         while True:
             retry = False
             # aclosing: a caller that leaves mid-stream must cancel the engine call now
@@ -174,17 +251,22 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                 async for chunk in attempt:
                     if chunk is None:
                         retry = True
-                    else:
-                        yield chunk
+                        continue
+                    if not announced:
+                        announced = True
+                        self._served(replica, blocks)
+                        await context.send_initial_metadata(
+                            ((LANE_KEY, route.lane), (REPLICA_KEY, str(replica.index)))
+                        )
+                    yield chunk
             if not retry:
                 return
             refused.add(replica.index)
             try:
-                replica = routing.pick_replica(route, self._inflight, exclude=refused)
+                replica = self._pick(route, session=session, hashes=blocks, exclude=refused)
             except errors.BlazarError as err:
                 metrics.observe_failure(route.lane, err.reason)
                 await status.abort(context, err)
-            self._sessions.record(route.lane, session, replica.index)
             log.info("request.retry", request_id=request_id, lane=route.lane, replica=replica.index)
 
     async def _attempt(

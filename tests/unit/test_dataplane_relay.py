@@ -10,6 +10,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ from blazar._proto.v1 import inference_pb2, inference_pb2_grpc
 from blazar.api import errors
 from blazar.api.kinds import Kind, Lane, LaneSpec, LaneStatus, ReplicaStatus
 from blazar.api.meta import ObjectMeta
-from blazar.dataplane import server
+from blazar.dataplane import prefixes, routing, server
 from blazar.rpc import status
 from blazar.store.memory import MemoryStore
 
@@ -39,11 +40,17 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
         self.server: grpc.aio.Server | None = None
         self.stopping: asyncio.Task[None] | None = None
         self.calls = 0
+        # The prompts it has served, as its KV cache would hold them.
+        self.served: list[str] = []
 
     async def Generate(self, request: Any, context: Any) -> AsyncIterator[inference_pb2.Chunk]:
         self.calls += 1
         if self.refuse:
             await status.abort(context, errors.Unavailable("draining"))
+        prompt = request.prompt or "".join(m.content for m in request.chat.messages)
+        # A token per character of the longest prefix shared with a prompt it served.
+        reused = max((shared(p, prompt) for p in self.served), default=0)
+        self.served.append(prompt)
         yield inference_pb2.Chunk(delta=inference_pb2.Delta(text=self.text, tokens=1))
         if request.prompt == "drained":
             await status.abort(context, errors.Unavailable("Drained before it finished."))
@@ -54,7 +61,10 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
         if self.hang or request.prompt == "hang":
             await asyncio.Event().wait()
         yield inference_pb2.Chunk(
-            final=inference_pb2.Final(finish_reason=inference_pb2.FINISH_REASON_STOP)
+            final=inference_pb2.Final(
+                finish_reason=inference_pb2.FINISH_REASON_STOP,
+                routing=inference_pb2.Routing(prefix_tokens_reused=reused),
+            )
         )
 
     async def Embed(self, request: Any, context: Any) -> inference_pb2.EmbedResponse:
@@ -69,6 +79,13 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
             embeddings=[inference_pb2.Embedding(values=[1.0], tokens=7) for _ in request.inputs],
             prompt_tokens=7 * len(request.inputs),
         )
+
+
+def shared(a: str, b: str) -> int:
+    """Characters of the longest common prefix of a and b."""
+    return next(
+        (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+    )
 
 
 @contextlib.asynccontextmanager
@@ -92,21 +109,30 @@ async def engines(*fakes: FakeEngine) -> AsyncIterator[list[str]]:
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def lane(sockets: list[str]) -> Lane:
+def lane(sockets: list[str], pids: list[int] | None = None) -> Lane:
+    pids = pids or [100 + i for i in range(len(sockets))]
     return Lane(
         metadata=ObjectMeta(name="l"),
         spec=LaneSpec(model="m", replicas=len(sockets)),
         status=LaneStatus(
             replica_statuses=[
-                ReplicaStatus(index=i, state="Ready", socket=s) for i, s in enumerate(sockets)
+                ReplicaStatus(index=i, state="Ready", socket=s, pid=pid)
+                for i, (s, pid) in enumerate(zip(sockets, pids, strict=True))
             ]
         ),
     )
 
 
+@dataclass
+class Plane:
+    stub: inference_pb2_grpc.InferenceStub
+    store: MemoryStore
+    sockets: list[str]
+
+
 @contextlib.asynccontextmanager
-async def data_plane(fakes: list[FakeEngine]) -> AsyncIterator[inference_pb2_grpc.InferenceStub]:
-    """A data plane serving lane "l", whose replicas are the fakes."""
+async def serving(fakes: list[FakeEngine]) -> AsyncIterator[Plane]:
+    """A data plane serving lane "l", whose replicas are the fakes, with its store."""
     async with engines(*fakes) as sockets:
         store = MemoryStore()
         store.apply_all([lane(sockets)])
@@ -114,9 +140,16 @@ async def data_plane(fakes: list[FakeEngine]) -> AsyncIterator[inference_pb2_grp
         plane = await server.start(store=store, address="127.0.0.1:0")
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{plane.port}") as channel:
-                yield inference_pb2_grpc.InferenceStub(channel)
+                yield Plane(inference_pb2_grpc.InferenceStub(channel), store, sockets)
         finally:
             await plane.stop(grace=0)
+
+
+@contextlib.asynccontextmanager
+async def data_plane(fakes: list[FakeEngine]) -> AsyncIterator[inference_pb2_grpc.InferenceStub]:
+    """A data plane serving lane "l", whose replicas are the fakes."""
+    async with serving(fakes) as plane:
+        yield plane.stub
 
 
 async def complete(
@@ -146,6 +179,22 @@ def test_a_refusing_replica_is_skipped() -> None:
     assert [c.delta.text for c in chunks if c.HasField("delta")] == ["yes"]
     assert chunks[-1].final.routing.replica == 1
     assert (refusing.calls, serving.calls) == (1, 1)
+
+
+def test_the_replica_is_announced_before_the_first_chunk() -> None:
+    async def run() -> tuple[dict[str, str], int]:
+        refusing, serving = FakeEngine(refuse=True, text="no"), FakeEngine(refuse=False, text="y")
+        async with data_plane([refusing, serving]) as stub:
+            call = stub.Complete(inference_pb2.CompleteRequest(model="l", prompt="hang"))
+            first = await call.read()
+            assert first.delta.text == "y"  # the engine is still generating
+            metadata = {k: str(v) for k, v in await call.initial_metadata()}
+            call.cancel()
+        return metadata, refusing.calls
+
+    metadata, refused = asyncio.run(run())
+    # The replica that took the request, not the one that refused it first.
+    assert (metadata["blazar-lane"], metadata["blazar-replica"], refused) == ("l", "1", 1)
 
 
 def test_every_replica_refusing_is_unavailable() -> None:
@@ -372,3 +421,92 @@ def test_an_embedding_whose_caller_leaves_counts_as_cancelled() -> None:
 
     asyncio.run(run())
     assert embeddings_counted("cancelled") == before + 1
+
+
+# Whole prefix blocks of text, each conversation its own letter.
+def long_text(letter: str, blocks: int = 3 * routing.MIN_PREFIX_BLOCKS) -> str:
+    return letter * prefixes.BLOCK_CHARS * blocks
+
+
+async def routed(
+    stub: inference_pb2_grpc.InferenceStub, prompt: str, session: str = ""
+) -> tuple[int, int]:
+    """(replica, prefix tokens reused) of one completion."""
+    request = inference_pb2.CompleteRequest(model="l", prompt=prompt, session=session)
+    chunks = [c async for c in stub.Complete(request)]
+    final = chunks[-1].final
+    return final.routing.replica, final.routing.prefix_tokens_reused
+
+
+def test_follow_ups_go_to_the_replica_that_holds_their_prefix() -> None:
+    async def run() -> list[tuple[int, int]]:
+        fakes = [FakeEngine(refuse=False, text="x") for _ in range(2)]
+        async with data_plane(fakes) as stub:
+            a, b = long_text("a"), long_text("b")
+            return [
+                await routed(stub, a),
+                # Both idle: the replica whose cache holds less.
+                await routed(stub, b),
+                await routed(stub, b + " and more"),
+                await routed(stub, a + " and more"),
+                # A short prompt has no whole block: load, then the smaller cache.
+                await routed(stub, "hi"),
+            ]
+
+    picks = asyncio.run(run())
+    assert [replica for replica, _ in picks] == [0, 1, 1, 0, 0]
+    assert [reused > 0 for _, reused in picks] == [False, False, True, True, False]
+
+
+def test_a_conversation_follows_its_earlier_turns() -> None:
+    async def run() -> list[int]:
+        fakes = [FakeEngine(refuse=False, text="x") for _ in range(2)]
+        async with data_plane(fakes) as stub:
+
+            async def chat(*turns: tuple[str, str]) -> int:
+                messages = [inference_pb2.Message(role=r, content=c) for r, c in turns]
+                request = inference_pb2.ChatRequest(model="l", messages=messages)
+                chunks = [c async for c in stub.Chat(request)]
+                return chunks[-1].final.routing.replica
+
+            first = ("user", long_text("a"))
+            other = ("user", long_text("b"))
+            return [
+                await chat(first),
+                await chat(other),
+                await chat(first, ("assistant", "x"), ("user", "Go on.")),
+                await chat(other, ("assistant", "x"), ("user", "Go on.")),
+            ]
+
+    assert asyncio.run(run()) == [0, 1, 0, 1]
+
+
+def test_the_session_wins_over_a_prefix_held_elsewhere() -> None:
+    async def run() -> list[int]:
+        fakes = [FakeEngine(refuse=False, text="x") for _ in range(2)]
+        async with data_plane(fakes) as stub:
+            a, b = long_text("a"), long_text("b")
+            return [
+                (await routed(stub, a, session="s"))[0],
+                (await routed(stub, b))[0],
+                (await routed(stub, b + " more", session="s"))[0],
+            ]
+
+    assert asyncio.run(run()) == [0, 1, 0]
+
+
+def test_a_restarted_replica_is_forgotten() -> None:
+    async def run() -> list[int]:
+        fakes = [FakeEngine(refuse=False, text="x") for _ in range(2)]
+        async with serving(fakes) as plane:
+            picks = [(await routed(plane.stub, long_text("a")))[0]]
+            # Replica 0's process restarted: same index and socket, an empty cache.
+            plane.store.update_status(Kind.LANE, "l", lane(plane.sockets, [200, 101]).status)
+            # Both idle, neither cache holds anything: the lowest index.
+            picks.append((await routed(plane.stub, long_text("b")))[0])
+            # Replica 0 holds b now; a follow-up of a has no cached prefix anywhere and
+            # goes to the replica caching less.
+            picks.append((await routed(plane.stub, long_text("a") + " more"))[0])
+            return picks
+
+    assert asyncio.run(run()) == [0, 0, 1]

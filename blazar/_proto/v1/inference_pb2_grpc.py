@@ -27,7 +27,13 @@ if _version_not_supported:
 
 
 class InferenceStub:
-    """Missing associated documentation comment in .proto file."""
+    """Routing: a Lane's ready replica is chosen by the request's session (it stays on
+    the replica it used last while that one has room), then by the longest prompt
+    prefix that replica's cache holds, then by load. Chat and Complete send
+    where the request runs in their initial metadata, before the first chunk:
+    `blazar-lane` (the Lane's name) and `blazar-replica` (the replica's index); the
+    final chunk's `routing` says it again, with the tokens reused from the cache.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -63,7 +69,13 @@ class InferenceStub:
 
 
 class InferenceServicer:
-    """Missing associated documentation comment in .proto file."""
+    """Routing: a Lane's ready replica is chosen by the request's session (it stays on
+    the replica it used last while that one has room), then by the longest prompt
+    prefix that replica's cache holds, then by load. Chat and Complete send
+    where the request runs in their initial metadata, before the first chunk:
+    `blazar-lane` (the Lane's name) and `blazar-replica` (the replica's index); the
+    final chunk's `routing` says it again, with the tokens reused from the cache.
+    """
 
     def Chat(self, request, context):
         """Chat runs a conversation through the model's chat template and streams the answer.
@@ -137,7 +149,13 @@ def add_InferenceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Inference:
-    """Missing associated documentation comment in .proto file."""
+    """Routing: a Lane's ready replica is chosen by the request's session (it stays on
+    the replica it used last while that one has room), then by the longest prompt
+    prefix that replica's cache holds, then by load. Chat and Complete send
+    where the request runs in their initial metadata, before the first chunk:
+    `blazar-lane` (the Lane's name) and `blazar-replica` (the replica's index); the
+    final chunk's `routing` says it again, with the tokens reused from the cache.
+    """
 
     @staticmethod
     def Chat(request,
