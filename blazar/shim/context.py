@@ -1,4 +1,4 @@
-"""Per-request identity: the request id and the caller's credentials.
+"""Per-request identity: the request id, the caller's credentials and session key.
 
 `RequestIdMiddleware` gives every HTTP request an `x-request-id` (echoed in the
 response, bound to structlog's contextvars, and forwarded to the daemon as gRPC
@@ -16,6 +16,8 @@ from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 REQUEST_ID_HEADER = "x-request-id"
+# Requests with the same key stay on one replica (the gRPC `session`), in every dialect.
+SESSION_HEADER = "x-blazar-session"
 _SCOPE_KEY = "blazar.request_id"
 
 _log = structlog.get_logger("blazar.shim")
@@ -28,6 +30,9 @@ class RequestContext:
     request_id: str
     # `Bearer <key>`, from `Authorization` or Anthropic-style `x-api-key`.
     authorization: str | None
+    # The `x-blazar-session` header; empty when not sent. Dialects fall back to their
+    # own field (OpenAI's `user`) for the request's `session`.
+    session: str = ""
 
     def grpc_metadata(self) -> tuple[tuple[str, str], ...]:
         items = [(REQUEST_ID_HEADER, self.request_id)]
@@ -42,7 +47,11 @@ def of(request: Request) -> RequestContext:
     authorization = request.headers.get("authorization")
     if not authorization and (key := request.headers.get("x-api-key")):
         authorization = f"Bearer {key}"
-    return RequestContext(request_id=str(request_id), authorization=authorization)
+    return RequestContext(
+        request_id=str(request_id),
+        authorization=authorization,
+        session=request.headers.get(SESSION_HEADER, ""),
+    )
 
 
 def new_request_id() -> str:

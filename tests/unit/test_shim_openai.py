@@ -699,6 +699,35 @@ async def test_every_response_has_a_fresh_request_id(
     assert all(re.fullmatch(r"[0-9a-f]{32}", i) for i in ids)
 
 
+@pytest.mark.parametrize(
+    ("path", "user", "header", "session"),
+    [
+        ("/v1/chat/completions", None, None, ""),
+        ("/v1/chat/completions", "alice", None, "alice"),
+        ("/v1/chat/completions", None, "conv-7", "conv-7"),
+        ("/v1/chat/completions", "alice", "conv-7", "conv-7"),  # the header is more specific
+        ("/v1/completions", "alice", None, "alice"),
+        ("/v1/completions", "alice", "conv-7", "conv-7"),
+    ],
+)
+async def test_the_session_key_is_the_session_header_else_the_user(
+    daemon: Daemon,
+    client: httpx.AsyncClient,
+    path: str,
+    user: str | None,
+    header: str | None,
+    session: str,
+) -> None:
+    daemon.fake.scripts["tiny"] = HELLO
+    body: dict[str, Any] = chat_body() if "chat" in path else {"model": "tiny", "prompt": "Once"}
+    if user is not None:
+        body["user"] = user
+    headers = {"x-blazar-session": header} if header is not None else {}
+    response = await client.post(path, json=body, headers=headers)
+    assert response.status_code == 200, response.text
+    assert daemon.fake.requests[-1].session == session
+
+
 async def test_api_key_is_forwarded_as_bearer(daemon: Daemon, client: httpx.AsyncClient) -> None:
     daemon.fake.scripts["tiny"] = HELLO
     await client.post("/v1/chat/completions", json=chat_body(), headers={"x-api-key": "k1"})

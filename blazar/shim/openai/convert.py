@@ -56,7 +56,11 @@ class ResponseMeta:
 # ---------------------------------------------------------------- requests
 
 
-def chat_request(body: protocol.ChatCompletionRequest) -> inference_pb2.ChatRequest:
+def chat_request(
+    body: protocol.ChatCompletionRequest, *, session: str = ""
+) -> inference_pb2.ChatRequest:
+    """The canonical request; `session` (the `x-blazar-session` header) keys replica
+    stickiness, else the body's `user`, OpenAI's end-user id."""
     _require_single_choice(body)
     _require_stream_for_options(body)
     _refuse_tools(body)
@@ -83,10 +87,14 @@ def chat_request(body: protocol.ChatCompletionRequest) -> inference_pb2.ChatRequ
         messages=messages,
         sampling=sampling,
         constraint=_constraint(body),
+        session=session or body.user or "",
     )
 
 
-def complete_request(body: protocol.CompletionRequest) -> inference_pb2.CompleteRequest:
+def complete_request(
+    body: protocol.CompletionRequest, *, session: str = ""
+) -> inference_pb2.CompleteRequest:
+    """The canonical request; `session` as for `chat_request`."""
     _require_single_choice(body)
     _require_stream_for_options(body)
     _refuse_best_of_and_suffix(body)
@@ -126,6 +134,7 @@ def complete_request(body: protocol.CompletionRequest) -> inference_pb2.Complete
         prompt=prompt,
         sampling=sampling,
         constraint=_constraint(body),
+        session=session or body.user or "",
     )
 
 
