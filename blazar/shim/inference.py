@@ -21,6 +21,23 @@ from blazar.rpc import status
 # A probe must answer even when the daemon hangs; load balancers poll every few seconds.
 _HEALTH_TIMEOUT_S = 2.0
 
+# Where a generation ran, on every dialect's HTTP response: the Lane's replica index, and
+# the prompt tokens its cache already held (only where known before the headers go out).
+REPLICA_HEADER = "x-blazar-replica"
+PREFIX_REUSED_HEADER = "x-blazar-prefix-reused"
+# The data plane's initial metadata naming the replica (see inference.proto).
+_REPLICA_KEY = "blazar-replica"
+
+
+def final_headers(final: inference_pb2.Final) -> dict[str, str]:
+    """The routing headers of a finished generation; none when the daemon sent no routing."""
+    if not final.HasField("routing"):
+        return {}
+    return {
+        REPLICA_HEADER: str(final.routing.replica),
+        PREFIX_REUSED_HEADER: str(final.routing.prefix_tokens_reused),
+    }
+
 
 class ChunkStream:
     """One server-streaming generation call, read chunk by chunk.
@@ -46,6 +63,19 @@ class ChunkStream:
             raise StopAsyncIteration
         # A response or EOF, which typeshed can only spell `object`.
         return cast(inference_pb2.Chunk, message)
+
+    async def routing_headers(self) -> dict[str, str]:
+        """`x-blazar-replica` from the daemon's initial metadata, which it sends with the
+        first chunk: call this once the first chunk (or the end) is in. Empty when the
+        daemon named no replica (the call failed first)."""
+        try:
+            metadata = await self._call.initial_metadata()
+        except grpc.RpcError:
+            return {}
+        for key, value in metadata or ():
+            if key == _REPLICA_KEY:
+                return {REPLICA_HEADER: value if isinstance(value, str) else value.decode()}
+        return {}
 
     def cancel(self) -> None:
         """Cancel the RPC; a no-op once it has finished."""

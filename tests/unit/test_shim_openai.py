@@ -118,6 +118,9 @@ class FakeInference(inference_pb2_grpc.InferenceServicer):
     requests: list[Any] = field(default_factory=list)
     metadata: list[dict[str, str]] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)
+    # Announce this replica in the initial metadata with the first chunk, as the data
+    # plane does.
+    replica: int | None = None
 
     async def Chat(self, request: Any, context: Any) -> AsyncIterator[inference_pb2.Chunk]:
         async for chunk in self._play(request, context):
@@ -151,12 +154,18 @@ class FakeInference(inference_pb2_grpc.InferenceServicer):
         if request.model not in self.scripts:
             await status.abort(context, errors.ModelNotFound.of(request.model))
         try:
+            announce = self.replica is not None
             for step in self.scripts[request.model]:
                 if isinstance(step, asyncio.Event):
                     await step.wait()
                 elif isinstance(step, errors.BlazarError):
                     await status.abort(context, step)
                 else:
+                    if announce:
+                        announce = False
+                        await context.send_initial_metadata(
+                            (("blazar-replica", str(self.replica)),)
+                        )
                     yield step
         except asyncio.CancelledError:
             self.cancelled.append(request.model)
@@ -697,6 +706,53 @@ async def test_every_response_has_a_fresh_request_id(
     ids = {first.headers["x-request-id"], second.headers["x-request-id"]}
     assert len(ids) == 2
     assert all(re.fullmatch(r"[0-9a-f]{32}", i) for i in ids)
+
+
+def routed_final(*, replica: int, reused: int) -> inference_pb2.Chunk:
+    chunk = final(cached=reused)
+    chunk.final.routing.CopyFrom(
+        inference_pb2.Routing(lane="lane-a", replica=replica, prefix_tokens_reused=reused)
+    )
+    return chunk
+
+
+ROUTING_HEADERS = ("x-blazar-replica", "x-blazar-prefix-reused")
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "script", "headers"),
+    [
+        # Whole answers: the final chunk's routing.
+        ("/v1/chat/completions", chat_body(), [delta("Hi"), routed_final(replica=1, reused=9)],
+         ("1", "9")),
+        ("/v1/completions", {"model": "tiny", "prompt": "Once"},
+         [delta(" upon"), routed_final(replica=1, reused=0)], ("1", "0")),
+        # Streams: the replica from the initial metadata; what the cache held is not
+        # known before the first delta goes out...
+        ("/v1/chat/completions", chat_body(stream=True),
+         [delta("Hi"), routed_final(replica=1, reused=9)], ("1", None)),
+        ("/v1/completions", {"model": "tiny", "prompt": "Once", "stream": True},
+         [delta(" upon"), routed_final(replica=1, reused=9)], ("1", None)),
+        # ... unless the first chunk is the final one.
+        ("/v1/chat/completions", chat_body(stream=True), [routed_final(replica=1, reused=9)],
+         ("1", "9")),
+        # A daemon that names no replica gets none invented.
+        ("/v1/chat/completions", chat_body(), HELLO, (None, None)),
+    ],
+)  # fmt: skip
+async def test_responses_say_which_replica_served_them(
+    daemon: Daemon,
+    client: httpx.AsyncClient,
+    path: str,
+    body: dict[str, Any],
+    script: list[Step],
+    headers: tuple[str | None, str | None],
+) -> None:
+    daemon.fake.scripts["tiny"] = script
+    daemon.fake.replica = None if script is HELLO else 1
+    response = await client.post(path, json=body)
+    assert response.status_code == 200, response.text
+    assert tuple(response.headers.get(name) for name in ROUTING_HEADERS) == headers
 
 
 @pytest.mark.parametrize(

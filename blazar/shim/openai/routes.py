@@ -160,9 +160,11 @@ async def _stream(
     *,
     blame: convert.Blame,
 ) -> Response:
-    """Answer with SSE once the first chunk is in, so early errors keep their HTTP status."""
+    """Answer with SSE once the first chunk is in, so early errors keep their HTTP status
+    and the headers can say which replica serves the request."""
     try:
         first = await streaming.until_disconnected(request, anext(stream, None))
+        headers = await stream.routing_headers()
     except streaming.ClientDisconnected:
         stream.cancel()
         return Response(status_code=streaming.CLIENT_CLOSED_REQUEST)
@@ -172,7 +174,9 @@ async def _stream(
     except BaseException:
         stream.cancel()
         raise
-    return streaming.EventStream(_events(stream, renderer, first, blame=blame))
+    if first is not None and first.HasField("final"):
+        headers.update(inference.final_headers(first.final))
+    return streaming.EventStream(_events(stream, renderer, first, blame=blame), headers=headers)
 
 
 async def _events(
@@ -225,7 +229,8 @@ async def _collect(
         return Response(status_code=streaming.CLIENT_CLOSED_REQUEST)
     except errors.BlazarError as err:
         return error(err, blame=blame)
-    return JSONResponse(body)
+    headers = inference.final_headers(answer.final) if answer.final else None
+    return JSONResponse(body, headers=headers)
 
 
 def _sse(obj: protocol.ChatCompletionChunk | protocol.Completion | protocol.ErrorBody) -> bytes:
