@@ -8,6 +8,9 @@
     ├── ModelNotFound                 no Lane serves that name           NOT_FOUND
     ├── ObjectNotFound                no such resource in the store      NOT_FOUND
     ├── Overloaded                    admission refused, retry later     RESOURCE_EXHAUSTED
+    │   ├── QueueFull                 its policy's queue is at its depth RESOURCE_EXHAUSTED
+    │   ├── QueueTimeout              waited its policy's longest wait   RESOURCE_EXHAUSTED
+    │   └── SloUnattainable           predicted to miss its TTFT target  RESOURCE_EXHAUSTED
     ├── Unavailable                   no ready replica / shutting down   UNAVAILABLE
     ├── Unauthenticated               missing or wrong API key           UNAUTHENTICATED
     ├── PermissionDenied              key without access                 PERMISSION_DENIED
@@ -22,6 +25,7 @@ each HTTP dialect renders them in its own envelope. This module is pure: no gRPC
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
@@ -127,6 +131,97 @@ class Overloaded(BlazarError):
     reason = "OVERLOADED"
 
 
+# The metadata key of an Overloaded error's hint: milliseconds until a retry may succeed.
+RETRY_AFTER_KEY = "retry_after_ms"
+
+
+def _millis(seconds: float) -> str:
+    return str(round(seconds * 1000))
+
+
+def _retry_millis(seconds: float) -> str:
+    """Never 0: "retry after 0 ms" reads as "retry at once", which a refusal never means."""
+    return str(max(1, math.ceil(seconds * 1000)))
+
+
+class QueueFull(Overloaded):
+    """Admission refused a request at once: its policy's queue on the Lane is full."""
+
+    reason = "QUEUE_FULL"
+
+    @classmethod
+    def of(cls, *, lane: str, policy: str, max_queue_depth: int, retry_after_s: float) -> QueueFull:
+        return cls(
+            f"Lane '{lane}' already has {max_queue_depth} requests waiting under SLOPolicy "
+            f"'{policy}' (its maxQueueDepth); retry in {retry_after_s:.1f} s.",
+            metadata={
+                "lane": lane,
+                "policy": policy,
+                "max_queue_depth": str(max_queue_depth),
+                RETRY_AFTER_KEY: _retry_millis(retry_after_s),
+            },
+        )
+
+
+class QueueTimeout(Overloaded):
+    """A queued request waited its policy's maxQueueWaitMs without starting."""
+
+    reason = "QUEUE_TIMEOUT"
+
+    @classmethod
+    def of(
+        cls,
+        *,
+        lane: str,
+        policy: str,
+        waited_s: float,
+        max_queue_wait_s: float,
+        retry_after_s: float,
+    ) -> QueueTimeout:
+        return cls(
+            f"The request waited {waited_s:.1f} s on Lane '{lane}' without starting; "
+            f"SLOPolicy '{policy}' lets a request wait {max_queue_wait_s:.1f} s "
+            f"(its maxQueueWaitMs). Retry in {retry_after_s:.1f} s.",
+            metadata={
+                "lane": lane,
+                "policy": policy,
+                "waited_ms": _millis(waited_s),
+                "max_queue_wait_ms": _millis(max_queue_wait_s),
+                RETRY_AFTER_KEY: _retry_millis(retry_after_s),
+            },
+        )
+
+
+class SloUnattainable(Overloaded):
+    """Admission predicted that a request would miss its time-to-first-token target, and
+    its policy says to refuse rather than queue (onOverload: reject)."""
+
+    reason = "SLO_UNATTAINABLE"
+
+    @classmethod
+    def of(
+        cls,
+        *,
+        lane: str,
+        policy: str,
+        predicted_ttft_s: float,
+        ttft_target_s: float,
+        retry_after_s: float,
+    ) -> SloUnattainable:
+        return cls(
+            f"The first token would come after {predicted_ttft_s:.2f} s on Lane '{lane}', "
+            f"past the {ttft_target_s:.2f} s that SLOPolicy '{policy}' sets (its ttftTargetMs). "
+            f"Retry in {retry_after_s:.1f} s.",
+            metadata={
+                "lane": lane,
+                "policy": policy,
+                "predicted_ttft_ms": _millis(predicted_ttft_s),
+                "ttft_target_ms": _millis(ttft_target_s),
+                RETRY_AFTER_KEY: _retry_millis(retry_after_s),
+            },
+        )
+
+
 class Unavailable(BlazarError):
     code = "UNAVAILABLE"
     reason = "UNAVAILABLE"
@@ -157,6 +252,9 @@ _BY_REASON: dict[str, type[BlazarError]] = {
         ModelNotFound,
         ObjectNotFound,
         Overloaded,
+        QueueFull,
+        QueueTimeout,
+        SloUnattainable,
         Unavailable,
         Unauthenticated,
         PermissionDenied,

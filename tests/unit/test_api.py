@@ -192,6 +192,52 @@ def test_every_error_is_reported_with_its_path() -> None:
 
 
 @pytest.mark.parametrize(
+    ("err", "metadata", "says"),
+    [
+        (
+            errors.QueueFull.of(lane="g", policy="p", max_queue_depth=32, retry_after_s=0.0004),
+            {"lane": "g", "policy": "p", "max_queue_depth": "32", "retry_after_ms": "1"},
+            "already has 32 requests waiting under SLOPolicy 'p'",
+        ),
+        (
+            errors.QueueTimeout.of(
+                lane="g", policy="p", waited_s=0.0, max_queue_wait_s=0.0, retry_after_s=2.5
+            ),
+            {
+                "lane": "g",
+                "policy": "p",
+                "waited_ms": "0",
+                "max_queue_wait_ms": "0",
+                "retry_after_ms": "2500",
+            },
+            "lets a request wait 0.0 s",
+        ),
+        (
+            errors.SloUnattainable.of(
+                lane="g", policy="p", predicted_ttft_s=3.2, ttft_target_s=2.0, retry_after_s=1.2
+            ),
+            {
+                "lane": "g",
+                "policy": "p",
+                "predicted_ttft_ms": "3200",
+                "ttft_target_ms": "2000",
+                "retry_after_ms": "1200",
+            },
+            "after 3.20 s on Lane 'g', past the 2.00 s that SLOPolicy 'p' sets",
+        ),
+    ],
+)
+def test_admission_refusals_are_overloaded_with_the_numbers(
+    err: errors.Overloaded, metadata: dict[str, str], says: str
+) -> None:
+    """Each is a 429 with a Retry-After that is never 0 (a hint under 1 ms rounds up)."""
+    assert isinstance(err, errors.Overloaded)
+    assert err.code == "RESOURCE_EXHAUSTED"
+    assert err.metadata == metadata
+    assert says in err.message
+
+
+@pytest.mark.parametrize(
     ("doc", "path", "message"),
     [
         (lane_doc(slots=65), "Lane/gemma: spec.slots", "less than or equal to 64"),

@@ -49,6 +49,22 @@ class FromTheFuture(errors.BlazarError):
         (BAD, errors.ManifestInvalid),
         (errors.ModelNotFound.of("nope"), errors.ModelNotFound),
         (FromTheFuture("Lane x is frozen.", metadata={"lane": "x"}), errors.BlazarError),
+        (
+            errors.QueueFull.of(lane="x", policy="p", max_queue_depth=2, retry_after_s=1.0),
+            errors.QueueFull,
+        ),
+        (
+            errors.QueueTimeout.of(
+                lane="x", policy="p", waited_s=2.0, max_queue_wait_s=2.0, retry_after_s=1.0
+            ),
+            errors.QueueTimeout,
+        ),
+        (
+            errors.SloUnattainable.of(
+                lane="x", policy="p", predicted_ttft_s=3.0, ttft_target_s=2.0, retry_after_s=1.0
+            ),
+            errors.SloUnattainable,
+        ),
     ],
 )
 def test_from_reason_rebuilds_class_reason_message_and_metadata(
