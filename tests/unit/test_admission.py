@@ -1,0 +1,712 @@
+"""Admission as tables: tickets + a view of the Lane's engines + now -> decisions."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+
+import pytest
+
+from blazar.api import errors
+from blazar.api.kinds import SLOPolicySpec
+from blazar.dataplane import admission
+from blazar.dataplane.admission import (
+    FIFO_POLICY,
+    Admit,
+    Dispatch,
+    LaneQueue,
+    LaneView,
+    Policy,
+    Preempt,
+    Reason,
+    Refuse,
+    ReplicaView,
+    Resume,
+    Running,
+    Ticket,
+)
+
+# Priorities and targets as in manifests/policies.yaml, bounds made small for tables.
+INTERACTIVE = Policy(
+    name="interactive", priority=100, ttft_target_s=2.0, max_queue_depth=2, reject_early=True
+)
+PATIENT = replace(INTERACTIVE, name="patient", reject_early=False)
+BATCH = Policy(name="batch", priority=0, max_queue_depth=2, max_queue_wait_s=5.0)
+
+
+def ticket(
+    id: str,
+    policy: Policy = FIFO_POLICY,
+    *,
+    arrived: float = 0.0,
+    prompt: int = 500,
+    max_tokens: int = 50,
+    prefer: int | None = None,
+    waited: float = 0.0,
+) -> Ticket:
+    return Ticket(id, policy, arrived, prompt, max_tokens, prefer=prefer, waited_s=waited)
+
+
+def run(id: str, *, priority: int = 0, left: int = 100, kv: int = 100) -> Running:
+    return Running(id, priority, tokens_left=left, kv_tokens=kv)
+
+
+def replica(
+    *running: Running,
+    index: int = 0,
+    slots: int = 1,
+    prefill: float | None = 1000.0,
+    step: float | None = 0.02,
+    per_step: float = 1.0,
+    kv_bytes: int = 10,
+    parked: int = 0,
+    parked_max: int = 0,
+) -> ReplicaView:
+    return ReplicaView(
+        index=index,
+        slots=slots,
+        running=running,
+        prefill_tokens_per_s=prefill,
+        step_s=step,
+        tokens_per_step=per_step,
+        kv_bytes_per_token=kv_bytes,
+        parked_bytes=parked,
+        parked_bytes_max=parked_max,
+    )
+
+
+def lane(*replicas: ReplicaView, completion: float | None = None) -> LaneView:
+    return LaneView(replicas=replicas, completion_tokens=completion)
+
+
+IDLE = lane(replica())
+BUSY = lane(replica(run("r")))  # its slot frees in 100 x 0.02 = 2 s
+NOBODY = lane()
+
+
+# A batch request with 1000 tokens left (20 s) and 100 tokens of KV (1000 bytes).
+LONG = run("long", left=1000, kv=100)
+
+
+def parking(
+    *running: Running, index: int = 0, slots: int = 1, parked: int = 0, bound: int = 1000
+) -> ReplicaView:
+    """A replica that may park `bound` bytes; a slot for each running request."""
+    slots = max(slots, len(running))
+    return replica(*running, index=index, slots=slots, parked=parked, parked_max=bound)
+
+
+def queue_of(*tickets: Ticket, now: float = 0.0, view: LaneView = BUSY) -> LaneQueue:
+    queue = LaneQueue()
+    for t in tickets:
+        assert isinstance(queue.arrive(t, now=now, view=view), Admit), t.id
+    return queue
+
+
+# --- policies ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [
+        (
+            SLOPolicySpec(
+                priority=100, ttft_target_ms=2000, tpot_target_ms=100, max_queue_depth=32
+            ),
+            Policy("p", 100, 2.0, 0.1, 32, None, reject_early=True),
+        ),
+        (
+            SLOPolicySpec(max_queue_depth=1024, max_queue_wait_ms=600000, on_overload="queue"),
+            Policy("p", 0, None, None, 1024, 600.0, reject_early=False),
+        ),
+        (SLOPolicySpec(), Policy("p", 0, None, None, 64, None, reject_early=True)),
+    ],
+)
+def test_policy_of_spec(spec: SLOPolicySpec, expected: Policy) -> None:
+    assert Policy.of("p", spec) == expected
+
+
+def test_the_builtin_policy_is_todays_fifo() -> None:
+    """One tier, no target, no wait bound, never refused early; its name is no valid
+    resource name, so no SLOPolicy shares its queue."""
+    assert (
+        Policy(name="builtin:fifo", priority=0, max_queue_depth=admission.FIFO_MAX_QUEUE_DEPTH)
+        == FIFO_POLICY
+    )
+    assert not FIFO_POLICY.reject_early
+    assert ticket("a").deadline == float("inf")
+
+
+# --- order -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("tickets", "order"),
+    [
+        # Higher priority first, whatever the arrival.
+        ([ticket("lo", BATCH), ticket("hi", INTERACTIVE, arrived=1)], ["hi", "lo"]),
+        # Inside one priority, earliest deadline first: 1 + 0.5 before 0 + 2.
+        (
+            [
+                ticket("late", INTERACTIVE),
+                ticket("soon", replace(INTERACTIVE, name="tight", ttft_target_s=0.5), arrived=1),
+            ],
+            ["soon", "late"],
+        ),
+        # Same policy: deadlines follow arrival.
+        ([ticket("b", INTERACTIVE, arrived=1), ticket("a", INTERACTIVE)], ["a", "b"]),
+        # No target: arrival order, then id.
+        ([ticket("c", arrived=2), ticket("b", arrived=1), ticket("a", arrived=1)], ["a", "b", "c"]),
+        # A target sorts before no target in the same priority.
+        (
+            [
+                ticket("none", replace(BATCH, name="none")),
+                ticket("t", replace(BATCH, ttft_target_s=9), arrived=5),
+            ],
+            ["t", "none"],
+        ),
+        # Priority beats deadline.
+        (
+            [ticket("urgent-lo", replace(BATCH, ttft_target_s=0.1)), ticket("hi", INTERACTIVE)],
+            ["hi", "urgent-lo"],
+        ),
+    ],
+)
+def test_order(tickets: list[Ticket], order: list[str]) -> None:
+    queue = queue_of(*tickets, view=lane(replica(run("r", left=0))))
+    assert [t.id for t in queue.tickets()] == order
+
+
+def test_dispatch_follows_the_order() -> None:
+    view = lane(replica(run("r", left=0)))
+    queue = queue_of(
+        ticket("c", arrived=2), ticket("lo", BATCH), ticket("hi", INTERACTIVE), view=view
+    )
+    free = lane(replica(slots=3))
+    assert [d.ticket.id for d in queue.dispatch(now=0, view=free)] == ["hi", "lo", "c"]
+
+
+# --- dispatch ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("view", "tickets", "starts"),
+    [
+        # One idle slot: the first in order starts, the other waits.
+        (IDLE, [ticket("a"), ticket("b", arrived=1)], [("a", 0)]),
+        # No idle slot: nothing starts.
+        (BUSY, [ticket("a")], []),
+        # A slot whose request is about to end is not idle yet.
+        (lane(replica(run("r", left=0))), [ticket("a")], []),
+        # The least loaded replica first, then the lowest index.
+        (
+            lane(replica(run("r"), index=0, slots=3), replica(index=1, slots=3)),
+            [ticket("a"), ticket("b", arrived=1), ticket("c", arrived=2)],
+            [("a", 1), ("b", 0), ("c", 1)],
+        ),
+        # A session's replica wins while it has an idle slot...
+        (
+            lane(replica(run("r"), index=0, slots=2), replica(index=1, slots=2)),
+            [ticket("a", prefer=0)],
+            [("a", 0)],
+        ),
+        # ... and not once it has none.
+        (
+            lane(replica(run("r"), index=0), replica(index=1)),
+            [ticket("a", prefer=0)],
+            [("a", 1)],
+        ),
+        # Unmeasured rates count as instant, yet one slot still takes one ticket.
+        (lane(replica(prefill=None, step=None)), [ticket("a"), ticket("b", arrived=1)], [("a", 0)]),
+        # No replica: nothing starts.
+        (NOBODY, [ticket("a")], []),
+    ],
+)
+def test_dispatch_onto_idle_slots(
+    view: LaneView, tickets: list[Ticket], starts: list[tuple[str, int]]
+) -> None:
+    queue = queue_of(*tickets, view=view)
+    assert [(d.ticket.id, d.replica) for d in queue.dispatch(now=0, view=view)] == starts
+    assert len(queue) == len(tickets) - len(starts)
+
+
+def test_a_dispatched_ticket_carries_its_wait() -> None:
+    queue = queue_of(ticket("a", arrived=1.0, waited=0.5))
+    [start] = queue.dispatch(now=4.0, view=IDLE)
+    assert start == Dispatch(ticket("a", arrived=1.0, waited=3.5), 0, resume=False)
+
+
+def test_a_parked_generation_resumes_only_on_its_replica() -> None:
+    queue = LaneQueue()
+    parked = ticket("p", BATCH, waited=1.0)
+    queue.requeue(parked, now=10.0, resume=Resume(replica=1, tokens_left=20))
+    assert "p" in queue
+    two = lane(replica(index=0), replica(run("r"), index=1))
+    assert queue.dispatch(now=11.0, view=two) == []
+    freed = lane(replica(index=0), replica(index=1))
+    assert queue.dispatch(now=12.0, view=freed) == [
+        Dispatch(replace(parked, waited_s=3.0), 1, resume=True)
+    ]
+
+
+def test_a_ticket_whose_start_failed_goes_back_in_its_place() -> None:
+    queue = queue_of(ticket("b", arrived=1))
+    [start] = queue_of(ticket("a")).dispatch(now=2, view=IDLE)
+    queue.requeue(start.ticket, now=3)
+    assert [t.id for t in queue.tickets()] == ["a", "b"]
+    assert queue.dispatch(now=3, view=IDLE)[0].ticket.waited_s == 2
+
+
+def test_a_ticket_is_admitted_once() -> None:
+    queue = queue_of(ticket("a"))
+    with pytest.raises(ValueError, match="already waiting"):
+        queue.arrive(ticket("a"), now=0, view=BUSY)
+    with pytest.raises(ValueError, match="already waiting"):
+        queue.requeue(ticket("a"), now=0)
+
+
+# --- prediction --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("view", "ahead", "ttft"),
+    [
+        # Idle slot: 500 prompt tokens at 1000/s.
+        (IDLE, [], 0.5),
+        # Busy slot: 100 tokens left x 0.02 s, then the prefill.
+        (BUSY, [], 2.5),
+        # Speculation accepting one draft a step halves the decode time.
+        (lane(replica(run("r"), per_step=2.0)), [], 1.5),
+        # A ticket ahead holds the idle slot for its prefill (1 s) and 50 tokens (1 s).
+        (IDLE, [ticket("x", prompt=1000)], 2.5),
+        # ... only 10 tokens when the Lane's completions measure 10.
+        (lane(replica(), completion=9.2), [ticket("x", prompt=1000)], 1.7),
+        # Two replicas: the slot that frees first (replica 1 at 1 s) and its prefill rate.
+        (
+            lane(replica(run("r")), replica(run("s", left=50), index=1, prefill=500.0)),
+            [],
+            2.0,
+        ),
+        # Unmeasured rates count as instant.
+        (lane(replica(run("r"), prefill=None, step=None)), [], 0.0),
+        # No replica: nothing to predict from.
+        (NOBODY, [], None),
+    ],
+)
+def test_predicted_time_to_first_token(
+    view: LaneView, ahead: list[Ticket], ttft: float | None
+) -> None:
+    queue = queue_of(*ahead, view=view)
+    admitted = queue.arrive(ticket("t", arrived=9.0), now=9.0, view=view)
+    assert isinstance(admitted, Admit)
+    assert admitted.predicted_ttft_s == (None if ttft is None else pytest.approx(ttft))
+    # Time already waited counts: asked again 1.5 s later, the engines where they were.
+    later = queue.predict_ttft("t", now=10.5, view=view)
+    assert later == (None if ttft is None else pytest.approx(ttft + 1.5))
+
+
+def test_a_parked_generation_has_no_ttft_to_predict() -> None:
+    queue = LaneQueue()
+    queue.requeue(ticket("p"), now=0, resume=Resume(0, 5))
+    assert queue.predict_ttft("p", now=0, view=BUSY) is None
+    with pytest.raises(KeyError):
+        queue.predict_ttft("nope", now=0, view=BUSY)
+
+
+# --- depth bound -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("waiting", "arriving", "view", "refused"),
+    [
+        # Two batch tickets wait: a third is refused...
+        ([ticket("a", BATCH), ticket("b", BATCH)], ticket("c", BATCH), BUSY, True),
+        # ... one of another policy is not (the bound is per policy)...
+        ([ticket("a", BATCH), ticket("b", BATCH)], ticket("c"), BUSY, False),
+        # ... nor one that starts at once on an idle slot.
+        (
+            [ticket("a", BATCH, arrived=5), ticket("b", BATCH, arrived=5)],
+            ticket("c", INTERACTIVE),
+            lane(replica(slots=2)),
+            False,
+        ),
+        # Nor does one that would start by parking a lower-priority request: it waits
+        # until that happens (a and b meet their target waiting for the slot that frees
+        # at 0.5 s; c, behind them, would park `long`).
+        (
+            [ticket("a", PATIENT, prompt=100), ticket("b", PATIENT, prompt=100)],
+            ticket("c", PATIENT, prompt=100),
+            lane(parking(run("hi", priority=100, left=25), LONG)),
+            True,
+        ),
+        # Depth 0: only a ticket that starts at once gets in.
+        ([], ticket("c", replace(BATCH, max_queue_depth=0)), BUSY, True),
+        ([], ticket("c", replace(BATCH, max_queue_depth=0)), IDLE, False),
+    ],
+)
+def test_depth_bound(
+    waiting: list[Ticket], arriving: Ticket, view: LaneView, refused: bool
+) -> None:
+    queue = queue_of(*waiting, view=BUSY)
+    decision = queue.arrive(arriving, now=0, view=view)
+    assert isinstance(decision, Refuse) == refused
+    if isinstance(decision, Refuse):
+        assert decision.reason == Reason.QUEUE_FULL
+        assert arriving.id not in queue
+
+
+def test_a_parked_generation_counts_against_its_policys_depth() -> None:
+    queue = queue_of(ticket("a", BATCH))
+    queue.requeue(ticket("p", BATCH), now=0, resume=Resume(0, 10))
+    assert queue.depth("batch") == 2
+    assert isinstance(queue.arrive(ticket("c", BATCH), now=0, view=BUSY), Refuse)
+
+
+# --- wait bound --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("now", "view", "expired", "started"),
+    [
+        # BATCH waits at most 5 s.
+        (4.9, BUSY, [], []),
+        (5.0, BUSY, ["a"], []),
+        # At its bound a ticket may still start, but not wait on...
+        (5.0, IDLE, [], ["a"]),
+        # ... and past it, it does not start late.
+        (5.1, IDLE, ["a"], []),
+    ],
+)
+def test_wait_bound(now: float, view: LaneView, expired: list[str], started: list[str]) -> None:
+    queue = queue_of(ticket("a", BATCH))
+    assert queue.next_expiry() == 5.0
+    refused = queue.expire(now=now, view=view)
+    assert [(r.ticket.id, r.reason) for r in refused] == [
+        (i, Reason.QUEUE_TIMEOUT) for i in expired
+    ]
+    assert [d.ticket.id for d in queue.dispatch(now=now, view=view)] == started
+
+
+def test_a_parked_generation_counts_its_earlier_wait() -> None:
+    """Waited 3 s before it started; parked at 10, it may wait 2 s more."""
+    queue = LaneQueue()
+    queue.requeue(ticket("p", BATCH, waited=3.0), now=10.0, resume=Resume(0, 10))
+    assert queue.next_expiry() == 12.0
+    assert queue.expire(now=11.9, view=BUSY) == []
+    [refused] = queue.expire(now=12.0, view=BUSY)
+    assert (refused.reason, refused.waited_s, refused.parked_on) == (Reason.QUEUE_TIMEOUT, 5.0, 0)
+
+
+def test_no_wait_at_all() -> None:
+    """maxQueueWaitMs: 0 takes a ticket that starts at once and refuses any other."""
+    now_or_never = replace(BATCH, max_queue_wait_s=0.0)
+    queue = LaneQueue()
+    refused = queue.arrive(ticket("a", now_or_never), now=0, view=BUSY)
+    assert isinstance(refused, Refuse)
+    assert refused.reason == Reason.QUEUE_TIMEOUT
+    assert isinstance(queue.arrive(ticket("b", now_or_never), now=0, view=IDLE), Admit)
+    assert [d.ticket.id for d in queue.dispatch(now=0, view=IDLE)] == ["b"]
+
+
+def test_next_expiry() -> None:
+    assert LaneQueue().next_expiry() is None
+    assert queue_of(ticket("a")).next_expiry() is None
+    # INTERACTIVE is refused at its deadline (arrival + 2 s), BATCH at its bound (5 s).
+    queue = queue_of(
+        ticket("b", BATCH, arrived=1), ticket("i", INTERACTIVE, arrived=0.5), view=IDLE
+    )
+    assert queue.next_expiry() == 2.5
+
+
+# --- early reject ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("policy", "view", "decision"),
+    [
+        # Slot frees at 2 s, prefill 0.5 s: 2.5 s misses the 2 s target. Refused, and a
+        # request like it meets the target once the queue drained by 0.5 s.
+        (
+            INTERACTIVE,
+            BUSY,
+            Refuse(ticket("t", INTERACTIVE), Reason.SLO_UNATTAINABLE, 0.5, predicted_ttft_s=2.5),
+        ),
+        # The same under onOverload: queue waits.
+        (PATIENT, BUSY, Admit(2.5)),
+        # 2 s exactly meets it.
+        (INTERACTIVE, lane(replica(run("r", left=75))), Admit(2.0)),
+        # Its own prefill (2.5 s) misses the target on an idle slot: retrying won't help.
+        (
+            INTERACTIVE,
+            lane(replica(prefill=200.0)),
+            Refuse(
+                ticket("t", INTERACTIVE),
+                Reason.SLO_UNATTAINABLE,
+                admission.RETRY_AFTER_MAX_S,
+                predicted_ttft_s=2.5,
+            ),
+        ),
+        # No replica: no prediction, no early refusal.
+        (INTERACTIVE, NOBODY, Admit(None)),
+    ],
+)
+def test_early_reject(policy: Policy, view: LaneView, decision: Admit | Refuse) -> None:
+    queue = LaneQueue()
+    assert queue.arrive(ticket("t", policy), now=0, view=view) == decision
+    assert ("t" in queue) == isinstance(decision, Admit)
+
+
+def test_an_admitted_ticket_pushed_past_its_deadline_is_refused_not_started_late() -> None:
+    """Admitted with 2 s to spare; then more urgent work arrives ahead of it."""
+    queue = queue_of(ticket("t", INTERACTIVE), ticket("q", PATIENT, arrived=0.01), view=IDLE)
+    urgent = replace(PATIENT, name="urgent", priority=200, max_queue_depth=9)
+    for i in range(3):
+        queue.arrive(ticket(f"u{i}", urgent, prompt=1000), now=0.2, view=IDLE)
+    refused = queue.expire(now=0.2, view=IDLE)
+    assert [(r.ticket.id, r.reason) for r in refused] == [("t", Reason.SLO_UNATTAINABLE)]
+    # u0 starts now; u1 and u2 follow, 2 s apiece; t would have started after them.
+    assert refused[0].predicted_ttft_s == pytest.approx(0.2 + 6.0 + 0.5)
+    assert refused[0].retry_after_s == pytest.approx(6.5 - 2.0)
+    # Under onOverload: queue, it waits.
+    assert "q" in queue
+
+
+def test_a_ticket_still_waiting_at_its_deadline_is_refused_even_with_no_replica() -> None:
+    queue = queue_of(ticket("t", INTERACTIVE), view=NOBODY)
+    assert queue.expire(now=1.9, view=NOBODY) == []
+    [refused] = queue.expire(now=2.0, view=NOBODY)
+    assert refused == Refuse(
+        ticket("t", INTERACTIVE),
+        Reason.SLO_UNATTAINABLE,
+        admission.RETRY_AFTER_UNKNOWN_S,
+        waited_s=2.0,
+        predicted_ttft_s=2.0,
+    )
+
+
+def test_a_refused_ticket_leaves_room_for_those_behind_it() -> None:
+    """t cannot make it; p behind it (same priority, later deadline) takes the slot."""
+    tight = replace(INTERACTIVE, name="tight", ttft_target_s=0.3)
+    queue = queue_of(ticket("p", PATIENT), view=IDLE)
+    queue.arrive(ticket("t", tight, prompt=100), now=0, view=IDLE)
+    assert [t.id for t in queue.tickets()] == ["t", "p"]
+    assert queue.predict_ttft("p", now=0.5, view=IDLE) == pytest.approx(1.0)
+    # t never starts: past its deadline, dispatch leaves it to expire.
+    assert [d.ticket.id for d in queue.dispatch(now=0.5, view=IDLE)] == ["p"]
+    assert [r.ticket.id for r in queue.expire(now=0.5, view=IDLE)] == ["t"]
+
+
+# --- cancellation ------------------------------------------------------------------
+
+
+def test_a_cancelled_ticket_frees_its_place_and_never_starts() -> None:
+    queue = queue_of(ticket("a", BATCH), ticket("b", BATCH, arrived=1))
+    assert isinstance(queue.arrive(ticket("c", BATCH, arrived=2), now=2, view=BUSY), Refuse)
+    assert queue.cancel("a")
+    assert not queue.cancel("a")
+    assert not queue.cancel("never-seen")
+    assert isinstance(queue.arrive(ticket("c", BATCH, arrived=2), now=2, view=BUSY), Admit)
+    assert [d.ticket.id for d in queue.dispatch(now=3, view=lane(replica(slots=3)))] == ["b", "c"]
+    assert queue.expire(now=99, view=BUSY) == []
+
+
+def test_a_cancelled_ticket_no_longer_delays_those_behind_it() -> None:
+    queue = queue_of(ticket("a", prompt=1000), ticket("b", arrived=1), view=IDLE)
+    assert queue.predict_ttft("b", now=1, view=BUSY) == pytest.approx(2 + 2 + 0.5)
+    queue.cancel("a")
+    assert queue.predict_ttft("b", now=1, view=BUSY) == pytest.approx(2 + 0.5)
+
+
+# --- preemption --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("view", "urgent", "preempt"),
+    [
+        # Would wait 20 s for a 2 s target: park the batch request.
+        (lane(parking(LONG)), ticket("u", INTERACTIVE), ("long", 0)),
+        # onOverload: queue preempts as well: the target is what counts.
+        (lane(parking(LONG)), ticket("u", PATIENT), ("long", 0)),
+        # The victim must have strictly lower priority.
+        (lane(parking(replace(LONG, priority=100))), ticket("u", PATIENT), None),
+        # Would meet its target anyway (the slot frees in 1 s).
+        (lane(parking(replace(LONG, tokens_left=50))), ticket("u", INTERACTIVE), None),
+        # No target, nothing to miss.
+        (lane(parking(LONG)), ticket("u", replace(BATCH, priority=50)), None),
+        # Parked bytes would pass the bound (900 + 1000 > 1000)...
+        (lane(parking(LONG, parked=900)), ticket("u", PATIENT), None),
+        # ... or the engine cannot park at all.
+        (lane(parking(LONG, bound=0)), ticket("u", PATIENT), None),
+        # Exactly at the bound is fine (100 + 1000 = 1100).
+        (lane(parking(LONG, parked=100, bound=1100)), ticket("u", PATIENT), ("long", 0)),
+        # Parking would not save it: its prefill alone (2.5 s) misses.
+        (lane(parking(LONG)), ticket("u", PATIENT, prompt=2500), None),
+        # The cheapest victim: fewest KV tokens...
+        (
+            lane(parking(LONG, run("small", left=1000, kv=20))),
+            ticket("u", PATIENT),
+            ("small", 0),
+        ),
+        # ... then the lowest priority...
+        (
+            lane(parking(replace(LONG, priority=5), replace(LONG, id="lower", priority=1))),
+            ticket("u", PATIENT),
+            ("lower", 0),
+        ),
+        # ... across replicas, where the bound allows.
+        (
+            lane(parking(LONG, bound=500), parking(replace(LONG, id="other"), index=1)),
+            ticket("u", PATIENT),
+            ("other", 1),
+        ),
+        # An idle slot: no preemption needed.
+        (lane(parking(LONG), replica(index=1)), ticket("u", PATIENT), None),
+    ],
+)
+def test_preemption_choice(view: LaneView, urgent: Ticket, preempt: tuple[str, int] | None) -> None:
+    queue = LaneQueue()
+    decision = queue.arrive(urgent, now=0, view=view)
+    assert isinstance(decision, Admit)
+    got = queue.preemption(now=0, view=view)
+    if preempt is None:
+        assert got is None
+        assert urgent.id in queue
+    else:
+        assert got == Preempt(urgent, victim=preempt[0], replica=preempt[1])
+        assert decision.predicted_ttft_s == pytest.approx(0.5)
+        # The ticket leaves the queue: it starts in the victim's slot.
+        assert urgent.id not in queue
+
+
+def test_a_parked_victim_waits_at_its_priority_and_resumes_where_its_kv_is() -> None:
+    view = lane(parking(LONG))
+    queue = queue_of(ticket("b", BATCH, arrived=0.5), view=view)
+    queue.arrive(ticket("u", INTERACTIVE, arrived=1), now=1, view=view)
+    preempt = queue.preemption(now=1, view=view)
+    assert preempt is not None
+    assert queue.preemption(now=1, view=view) is None
+    # The data plane parks `long` and requeues its ticket (it had waited 0.1 s).
+    queue.requeue(ticket("long", BATCH, waited=0.1), now=1, resume=Resume(0, 990))
+    assert [t.id for t in queue.tickets()] == ["long", "b"]
+    # u runs; once its slot is idle, long resumes before b, which waited less.
+    after = lane(parking())
+    assert queue.dispatch(now=3, view=after) == [
+        Dispatch(ticket("long", BATCH, waited=2.1), 0, resume=True)
+    ]
+
+
+def test_the_forecast_counts_the_victim_when_predicting_lower_priorities() -> None:
+    """b waits behind long: parked for u, long resumes first (20 s), then b."""
+    view = lane(parking(LONG))
+    queue = queue_of(ticket("b", BATCH, arrived=0.5, max_tokens=10), view=view)
+    queue.arrive(ticket("u", INTERACTIVE, prompt=100, max_tokens=10), now=0.5, view=view)
+    # u: 0.1 s prefill + 0.2 s decode; then long's 1000 tokens (20 s); then b's prefill.
+    assert queue.predict_ttft("b", now=0.5, view=view) == pytest.approx(0.3 + 20 + 0.5)
+
+
+# --- retry-after -------------------------------------------------------------------
+
+
+def queue_full_retry(tokens_left: int) -> float:
+    view = lane(replica(run("r", left=tokens_left)))
+    unbounded = replace(BATCH, max_queue_wait_s=None)
+    queue = queue_of(ticket("a", unbounded), ticket("b", unbounded), view=view)
+    refused = queue.arrive(ticket("c", unbounded), now=0, view=view)
+    assert isinstance(refused, Refuse)
+    return refused.retry_after_s
+
+
+def unattainable_retry(tokens_left: int) -> float:
+    view = lane(replica(run("r", left=tokens_left)))
+    refused = LaneQueue().arrive(ticket("c", INTERACTIVE), now=0, view=view)
+    assert isinstance(refused, Refuse)
+    return refused.retry_after_s
+
+
+@pytest.mark.parametrize("retry", [queue_full_retry, unattainable_retry])
+def test_retry_after_grows_with_load_within_its_bounds(retry: Callable[[int], float]) -> None:
+    loads = [80, 90, 100, 200, 400, 1000, 10_000]
+    retries = [retry(left) for left in loads]
+    assert retries == sorted(retries)
+    assert retries[0] < retries[-1]
+    assert min(retries) >= admission.RETRY_AFTER_MIN_S
+    assert retries[-1] == admission.RETRY_AFTER_MAX_S
+
+
+@pytest.mark.parametrize(
+    ("waiting", "now", "view", "retry"),
+    [
+        # The head of BATCH starts when the slot frees (2 s); other policies do not count.
+        ([ticket("a", BATCH), ticket("b", BATCH), ticket("x")], 0.0, BUSY, 2.0),
+        # ... or earlier, when a BATCH ticket reaches its wait bound (at 5 s).
+        ([ticket("a", BATCH), ticket("b", BATCH)], 4.0, lane(replica(run("r", left=500))), 1.0),
+        # A BATCH ticket already due to be refused frees its place at once.
+        (
+            [ticket("a", BATCH), ticket("b", BATCH, arrived=1)],
+            5.5,
+            BUSY,
+            admission.RETRY_AFTER_MIN_S,
+        ),
+        # No replica: nothing to forecast but the bound (5 s).
+        ([ticket("a", BATCH), ticket("b", BATCH)], 0.0, NOBODY, 5.0),
+        # Nothing at all to go by.
+        (
+            [
+                ticket("a", replace(BATCH, max_queue_wait_s=None)),
+                ticket("b", replace(BATCH, max_queue_wait_s=None)),
+            ],
+            0.0,
+            NOBODY,
+            admission.RETRY_AFTER_UNKNOWN_S,
+        ),
+    ],
+)
+def test_queue_full_retry_after(
+    waiting: list[Ticket], now: float, view: LaneView, retry: float
+) -> None:
+    queue = queue_of(*waiting, view=BUSY)
+    refused = queue.arrive(ticket("c", waiting[0].policy, arrived=now), now=now, view=view)
+    assert isinstance(refused, Refuse)
+    assert refused.reason == Reason.QUEUE_FULL
+    assert refused.retry_after_s == pytest.approx(retry)
+
+
+def test_queue_timeout_retry_after_is_when_its_turn_would_have_come() -> None:
+    queue = queue_of(ticket("a", BATCH), view=BUSY)
+    [refused] = queue.expire(now=5.0, view=lane(replica(run("r", left=400))))
+    assert refused.retry_after_s == pytest.approx(8.0)
+    queue = queue_of(ticket("a", BATCH), view=NOBODY)
+    [refused] = queue.expire(now=5.0, view=NOBODY)
+    assert refused.retry_after_s == admission.RETRY_AFTER_UNKNOWN_S
+
+
+# --- errors ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("refusal", "cls", "metadata"),
+    [
+        (
+            Refuse(ticket("t", BATCH), Reason.QUEUE_FULL, 2.0),
+            errors.QueueFull,
+            {"max_queue_depth": "2", "retry_after_ms": "2000"},
+        ),
+        (
+            Refuse(ticket("t", BATCH), Reason.QUEUE_TIMEOUT, 0.1, waited_s=5.0),
+            errors.QueueTimeout,
+            {"waited_ms": "5000", "max_queue_wait_ms": "5000", "retry_after_ms": "100"},
+        ),
+        (
+            Refuse(ticket("t", INTERACTIVE), Reason.SLO_UNATTAINABLE, 0.5, predicted_ttft_s=2.5),
+            errors.SloUnattainable,
+            {"predicted_ttft_ms": "2500", "ttft_target_ms": "2000", "retry_after_ms": "500"},
+        ),
+    ],
+)
+def test_a_refusal_is_the_error_its_caller_gets(
+    refusal: Refuse, cls: type[errors.Overloaded], metadata: dict[str, str]
+) -> None:
+    err = refusal.error("gemma")
+    assert type(err) is cls
+    assert err.reason == refusal.reason
+    assert err.metadata == {"lane": "gemma", "policy": refusal.ticket.policy.name, **metadata}
