@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
+import random
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 import pytest
 
@@ -710,3 +712,161 @@ def test_a_refusal_is_the_error_its_caller_gets(
     assert type(err) is cls
     assert err.reason == refusal.reason
     assert err.metadata == {"lane": "gemma", "policy": refusal.ticket.policy.name, **metadata}
+
+
+# --- invariants under random traffic -----------------------------------------------
+
+
+@dataclass
+class Engines:
+    """What the data plane knows of a Lane of two replicas that can park, moved by hand."""
+
+    slots: int = 2
+    running: dict[str, tuple[int, Running]] = field(default_factory=dict)
+    # Parked generations: replica and what they hold.
+    parked: dict[str, tuple[int, Running]] = field(default_factory=dict)
+
+    def view(self) -> LaneView:
+        def on(index: int, requests: dict[str, tuple[int, Running]]) -> list[Running]:
+            return [r for i, r in requests.values() if i == index]
+
+        return lane(
+            *(
+                replica(
+                    *on(index, self.running),
+                    index=index,
+                    slots=self.slots,
+                    prefill=2000.0,
+                    step=0.01,
+                    kv_bytes=1,
+                    parked=sum(r.kv_tokens for r in on(index, self.parked)),
+                    parked_max=3000,
+                )
+                for index in (0, 1)
+            )
+        )
+
+    def start(self, t: Ticket, index: int) -> None:
+        assert sum(1 for i, _ in self.running.values() if i == index) < self.slots
+        _, parked = self.parked.pop(t.id, (index, None))
+        self.running[t.id] = (
+            index,
+            parked or Running(t.id, t.policy.priority, t.max_tokens, kv_tokens=t.prompt_tokens),
+        )
+
+    def step(self, rng: random.Random) -> None:
+        for rid, (index, r) in list(self.running.items()):
+            made = rng.randint(0, 8)
+            if made >= r.tokens_left:
+                del self.running[rid]
+            else:
+                later = replace(r, tokens_left=r.tokens_left - made, kv_tokens=r.kv_tokens + made)
+                self.running[rid] = (index, later)
+
+
+POLICIES = [
+    replace(INTERACTIVE, ttft_target_s=0.5, max_queue_depth=3, max_queue_wait_s=2.0),
+    replace(PATIENT, name="mid", priority=50, ttft_target_s=1.0, max_queue_depth=4),
+    replace(BATCH, max_queue_depth=5, max_queue_wait_s=3.0),
+    replace(FIFO_POLICY, max_queue_depth=4),
+]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_invariants_under_random_traffic(seed: int) -> None:
+    """Arrivals, cancels, dispatches, expiries and preemptions in random order: no ticket
+    starts twice, late, or after it was refused or cancelled; no replica runs more than
+    its slots or parks past its bound; fresh tickets never pass their depth bound; and
+    starts follow the order."""
+    rng = random.Random(seed)
+    queue = LaneQueue()
+    engines = Engines()
+    tickets: dict[str, Ticket] = {}
+    started: set[str] = set()
+    gone: set[str] = set()  # refused or cancelled
+    now = 0.0
+    counts = {"started": 0, "refused": 0, "cancelled": 0, "preempted": 0, "resumed": 0}
+
+    def never_late(t: Ticket, *, resume: bool) -> None:
+        bound = t.policy.max_queue_wait_s
+        assert bound is None or t.waited_s <= bound, t
+        assert resume or not t.policy.reject_early or now < t.deadline, t
+
+    def dispatch() -> None:
+        starts = queue.dispatch(now=now, view=engines.view())
+        keys = [d.ticket.key for d in starts if not d.resume]
+        assert keys == sorted(keys)
+        # A fresh ticket left waiting ahead of one that started is due to be refused.
+        due = {r.ticket.id for r in copy.deepcopy(queue).expire(now=now, view=engines.view())}
+        for left in queue.tickets():
+            if keys and left.key < keys[-1] and left.id not in engines.parked:
+                assert left.id in due, left.id
+        for d in starts:
+            assert d.ticket.id not in gone
+            assert (d.ticket.id in started) == d.resume, d.ticket.id
+            assert d.resume == (d.ticket.id in engines.parked)
+            never_late(d.ticket, resume=d.resume)
+            tickets[d.ticket.id] = d.ticket
+            started.add(d.ticket.id)
+            engines.start(d.ticket, d.replica)
+            counts["resumed" if d.resume else "started"] += 1
+
+    for step in range(300):
+        now += rng.choice([0.0, 0.01, 0.05, 0.2])
+        engines.step(rng)
+        op = rng.random()
+        if op < 0.4:
+            policy = rng.choice(POLICIES)
+            # Urgent work is short; the rest holds slots longer.
+            longest = 60 if policy.priority else 400
+            t = ticket(
+                f"t{step}",
+                policy,
+                arrived=now,
+                prompt=rng.randint(10, 1500),
+                max_tokens=rng.randint(1, longest),
+                prefer=rng.choice([None, 0, 1]),
+            )
+            tickets[t.id] = t
+            if isinstance(queue.arrive(t, now=now, view=engines.view()), Refuse):
+                assert t.id not in queue
+                gone.add(t.id)
+                counts["refused"] += 1
+            dispatch()
+        elif op < 0.5 and len(queue):
+            left = rng.choice(queue.tickets())
+            assert queue.cancel(left.id)
+            engines.parked.pop(left.id, None)
+            gone.add(left.id)
+            counts["cancelled"] += 1
+        elif op < 0.7:
+            dispatch()
+        elif op < 0.85:
+            for refused in queue.expire(now=now, view=engines.view()):
+                assert refused.ticket.id not in gone
+                assert (refused.ticket.id in started) == (refused.parked_on is not None)
+                engines.parked.pop(refused.ticket.id, None)
+                gone.add(refused.ticket.id)
+                counts["refused"] += 1
+        else:
+            preempt = queue.preemption(now=now, view=engines.view())
+            if preempt is not None:
+                index, victim = engines.running.pop(preempt.victim)
+                assert index == preempt.replica
+                assert victim.priority < preempt.ticket.policy.priority
+                bound = engines.view().replicas[index]
+                assert bound.parked_bytes + victim.kv_tokens <= bound.parked_bytes_max
+                engines.parked[victim.id] = (index, victim)
+                queue.requeue(tickets[victim.id], now=now, resume=Resume(index, victim.tokens_left))
+                assert preempt.ticket.id not in started | gone
+                never_late(preempt.ticket, resume=False)
+                tickets[preempt.ticket.id] = preempt.ticket
+                started.add(preempt.ticket.id)
+                engines.start(preempt.ticket, index)
+                counts["preempted"] += 1
+        for policy in POLICIES:
+            fresh = [t for t in queue.tickets() if t.policy == policy and t.id not in started]
+            assert len(fresh) <= policy.max_queue_depth
+        assert not {t.id for t in queue.tickets()} & gone
+    # The traffic exercised every path.
+    assert all(counts.values()), counts
