@@ -1,0 +1,141 @@
+"""The GGUF metadata reader, against files written by the `gguf` package's own writer
+and read back by its reader (the reference), and against broken files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import pytest
+
+from blazar.controller import modelfile
+
+LONG = modelfile.ARRAY_DECODE_MAX + 1
+
+# (key, value, type): one of each value type GGUF has, arrays short and long.
+VALUES: list[tuple[str, Any, gguf.GGUFValueType]] = [
+    ("t.uint8", 200, gguf.GGUFValueType.UINT8),
+    ("t.int8", -100, gguf.GGUFValueType.INT8),
+    ("t.uint16", 60000, gguf.GGUFValueType.UINT16),
+    ("t.int16", -30000, gguf.GGUFValueType.INT16),
+    ("t.uint32", 4_000_000_000, gguf.GGUFValueType.UINT32),
+    ("t.int32", -2_000_000_000, gguf.GGUFValueType.INT32),
+    ("t.float32", 0.1, gguf.GGUFValueType.FLOAT32),
+    ("t.bool", True, gguf.GGUFValueType.BOOL),
+    ("t.string", "héllo <start_of_turn>", gguf.GGUFValueType.STRING),
+    ("t.empty_string", "", gguf.GGUFValueType.STRING),
+    ("t.uint64", 2**63 + 5, gguf.GGUFValueType.UINT64),
+    ("t.int64", -(2**62), gguf.GGUFValueType.INT64),
+    ("t.float64", 1e-300, gguf.GGUFValueType.FLOAT64),
+    ("t.ints", [1, 2, 3], gguf.GGUFValueType.ARRAY),
+    ("t.strings", ["a", "bc", ""], gguf.GGUFValueType.ARRAY),
+    ("t.empty_array", [], gguf.GGUFValueType.ARRAY),
+    ("t.long_strings", [f"tok{i}" for i in range(LONG)], gguf.GGUFValueType.ARRAY),
+    ("t.long_floats", [float(i) for i in range(LONG)], gguf.GGUFValueType.ARRAY),
+]
+
+
+def write(path: Path, *, endian: gguf.GGUFEndian = gguf.GGUFEndian.LITTLE) -> Path:
+    writer = gguf.GGUFWriter(str(path), "llama", endianess=endian)
+    for key, value, vtype in VALUES:
+        if vtype == gguf.GGUFValueType.ARRAY:
+            writer.add_array(key, value)
+        else:
+            writer.add_key_value(key, value, vtype)
+    writer.add_tensor("w", np.ones((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("endian", [gguf.GGUFEndian.LITTLE, gguf.GGUFEndian.BIG])
+def test_metadata_is_what_the_gguf_package_reads(tmp_path: Path, endian: gguf.GGUFEndian) -> None:
+    path = write(tmp_path / "m.gguf", endian=endian)
+    reference = {name: field.contents() for name, field in gguf.GGUFReader(path).fields.items()}
+    ours = modelfile.read_gguf_metadata(path)
+    # The reader's own bookkeeping fields (GGUF.version and friends) are not metadata.
+    assert set(ours) == {k for k in reference if not k.startswith("GGUF.")}
+    for key, value in ours.items():
+        if isinstance(value, modelfile.SkippedArray):
+            assert value.count == len(reference[key]) == LONG, key
+        else:
+            assert value == reference[key], key
+            assert type(value) is type(reference[key]), key
+    assert ours["general.architecture"] == "llama"
+
+
+def test_long_arrays_are_stepped_over_short_ones_decoded(tmp_path: Path) -> None:
+    values = modelfile.read_gguf_metadata(write(tmp_path / "m.gguf"))
+    assert values["t.strings"] == ["a", "bc", ""]
+    assert values["t.long_strings"] == modelfile.SkippedArray(
+        item_type=gguf.GGUFValueType.STRING, count=LONG
+    )
+    assert values["t.long_floats"] == modelfile.SkippedArray(
+        item_type=gguf.GGUFValueType.FLOAT32, count=LONG
+    )
+    assert values["t.string"] == "héllo <start_of_turn>"  # after the long arrays: in step
+
+
+def header(version: int) -> bytes:
+    return b"GGUF" + version.to_bytes(4, "little") + (0).to_bytes(8, "little") * 2
+
+
+def cut(at: int) -> Any:
+    return lambda good: good[:at]
+
+
+BROKEN: list[tuple[str, Any, str]] = [
+    ("empty", lambda good: b"", "cannot mmap an empty file"),
+    ("not GGUF", lambda good: b"GGML" + good[4:], "no GGUF magic"),
+    ("version 1", lambda good: header(1), "GGUF version 1 is not supported"),
+    ("in the version", cut(6), "its header runs past the end of the file"),
+    ("in the counts", cut(20), "its header runs past the end of the file"),
+    ("in a key", cut(30), "its header runs past the end of the file"),
+    ("in a long array", lambda good: good[: good.index(b"tok4000")], "its header runs past the end of the file"),
+    ("unknown type", lambda good: good[:24] + b"\x01\0\0\0\0\0\0\0k\x63\0\0\0", "unknown GGUF value type 99"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "damage", "says"), BROKEN, ids=[b[0] for b in BROKEN])
+def test_a_broken_file_is_invalid_gguf(tmp_path: Path, name: str, damage: Any, says: str) -> None:
+    good = write(tmp_path / "good.gguf").read_bytes()
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(damage(good))
+    with pytest.raises(modelfile.SourceError) as err:
+        modelfile.read_gguf(path)
+    assert err.value.reason == "InvalidGGUF"
+    assert err.value.message.startswith(f"{path} is not a readable GGUF file: ")
+    assert says in err.value.message
+
+
+def test_read_gguf_keeps_the_fit_ledger_figures(tmp_path: Path) -> None:
+    writer = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "gemma3")
+    writer.add_context_length(32768)
+    writer.add_block_count(18)
+    writer.add_head_count_kv(1)
+    writer.add_sliding_window(512)
+    writer.add_name("Tiny")
+    writer.add_file_type(15)
+    writer.add_chat_template("{{ messages }}")
+    writer.add_array("tokenizer.ggml.tokens", [f"t{i}" for i in range(LONG)])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    info = modelfile.read_gguf(tmp_path / "m.gguf")
+    assert info == modelfile.GGUFInfo(
+        architecture="gemma3",
+        context_length=32768,
+        parameters={
+            "block_count": "18",
+            "attention.head_count_kv": "1",
+            "attention.sliding_window": "512",
+            "name": "Tiny",
+            "file_type": "15",
+            "has_chat_template": "true",
+        },
+    )
