@@ -25,6 +25,7 @@ import uvicorn
 
 from blazar.api import errors
 from blazar.api.kinds import Kind
+from blazar.controller import modelcache
 from blazar.controller.lane import LaneReconciler
 from blazar.controller.manager import Manager
 from blazar.controller.model import ModelReconciler
@@ -50,6 +51,11 @@ def default_home() -> Path:
     return data / "blazar"
 
 
+def default_model_cache() -> Path:
+    """Where packaged models are assembled once for every home of this machine."""
+    return modelcache.default_root()
+
+
 def split_address(address: str) -> tuple[str, int]:
     host, sep, port = address.rpartition(":")
     if not sep or not port.isdigit():
@@ -64,6 +70,8 @@ class Options:
     grpc: str = DEFAULT_GRPC
     watch: Path | None = None
     log_json: bool = True
+    # The machine's model cache (`modelcache`); None: packages assembled into the home.
+    model_cache: Path | None = None
 
 
 def _now() -> datetime:
@@ -185,7 +193,12 @@ async def _serve(options: Options, sock: socket.socket) -> None:
     manager = Manager(
         store=store,
         reconcilers=[
-            ModelReconciler(store=store, models_dir=home / "models", clock=_now),
+            ModelReconciler(
+                store=store,
+                models_dir=home / "models",
+                clock=_now,
+                cache=modelcache.ModelCache(options.model_cache),
+            ),
             LaneReconciler(store=store, processes=supervisor, clock=_now),
             PolicyReconciler(kind=Kind.SLO_POLICY, store=store, clock=_now),
             PolicyReconciler(kind=Kind.SPEC_PAIR, store=store, clock=_now),

@@ -66,6 +66,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         grpc=args.grpc or os.environ.get("BLAZAR_GRPC_ADDR") or daemon.DEFAULT_GRPC,
         watch=Path(args.watch) if args.watch else None,
         log_json=True,
+        model_cache=daemon.default_model_cache(),
     )
     asyncio.run(daemon.run(options))
     return 0

@@ -8,6 +8,7 @@ stop retrying; a missing file is polled.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
@@ -17,7 +18,7 @@ import structlog
 from blazar.api import conditions
 from blazar.api.kinds import Kind, Model, ModelStatus
 from blazar.api.meta import ConditionStatus
-from blazar.controller import modelfile
+from blazar.controller import modelcache, modelfile
 from blazar.controller.reconciler import Result
 from blazar.store.base import Store
 
@@ -29,10 +30,19 @@ MISSING_FILE_POLL_S = 10.0
 class ModelReconciler:
     kind = Kind.MODEL
 
-    def __init__(self, *, store: Store, models_dir: Path, clock: Callable[[], datetime]) -> None:
+    def __init__(
+        self,
+        *,
+        store: Store,
+        models_dir: Path,
+        clock: Callable[[], datetime],
+        cache: modelcache.ModelCache | None = None,
+    ) -> None:
         self._store = store
         self._models_dir = models_dir
         self._clock = clock
+        # Without one, packages are assembled into models_dir, digests kept in memory.
+        self._cache = cache or modelcache.ModelCache(None)
 
     @staticmethod
     def _unchanged(model: Model) -> bool:
@@ -65,6 +75,7 @@ class ModelReconciler:
         if self._unchanged(model):
             return Result()
         generation = model.metadata.generation or 0
+        started = time.monotonic()
         try:
             status = await asyncio.to_thread(self._inspect, model)
         except modelfile.SourceError as err:
@@ -79,6 +90,16 @@ class ModelReconciler:
                 )
             retry = err.reason in ("FileNotFound", "PackageNotInstalled")
             return Result(requeue_after=MISSING_FILE_POLL_S if retry else None)
+        # How long the file took, and this daemon's files hashed and assembled so far:
+        # a slow start says here whether it hashed or assembled hundreds of MB.
+        log.info(
+            "model.inspected",
+            model=name,
+            path=status.path,
+            seconds=round(time.monotonic() - started, 3),
+            files_hashed=self._cache.digests.hashed,
+            files_assembled=self._cache.assembled,
+        )
         was_ready = conditions.is_true(model.status.conditions, "ModelReady")
         message = f"{status.architecture} model at {status.path} ({status.size_bytes} bytes)."
         self._set(model, status, True, "Verified" if model.spec.sha256 else "Resolved", message)
@@ -93,8 +114,8 @@ class ModelReconciler:
         return Result()
 
     def _inspect(self, model: Model) -> ModelStatus:
-        path = modelfile.resolve(model.spec.source, models_dir=self._models_dir)
-        digest = modelfile.sha256(path) if model.spec.sha256 else None
+        path = modelfile.resolve(model.spec.source, models_dir=self._models_dir, cache=self._cache)
+        digest = self._cache.digests.sha256(path) if model.spec.sha256 else None
         if model.spec.sha256 and digest != model.spec.sha256:
             raise modelfile.SourceError(
                 "ChecksumMismatch",

