@@ -15,13 +15,27 @@ $(BIN)/python:
 # llama-cpp-python compiles from source (about 9 minutes on 2 cores the first time);
 # pip keeps the wheel in its cache, so later installs take seconds.
 #
+# Only what Blazar loads is built: libllama and ggml. LLAVA_BUILD=OFF drops the
+# multimodal library (mtmd, 51 compile units), and tools/llama_cpp_lean.cmake the
+# common library llama-cpp-python forces on but never loads (51 more, and cpp-httplib);
+# llama.cpp's tools, examples, tests and server are already off inside that build, and
+# curl is forced off, and are named here so that they stay off. pip's wheel cache is
+# keyed by the sdist, not by these flags: a wheel cached from a fuller build is reused,
+# which serves Blazar the same; only a cold build is shorter. (The other way round,
+# another project asking pip for this version gets this wheel, without libmtmd.)
+#
 # The build is native (-march=native) except for AMX: ggml's AMX kernels in
 # llama-cpp-python 0.3.36 die with SIGILL (`tilezero` without a valid tile config,
 # llama.cpp PR 26954) at the first batch of more than one token on Sapphire Rapids
 # hosts such as the dev box. A wheel cached from an earlier AMX build is rebuilt once.
+LLAMA_LEAN := -DLLAVA_BUILD=OFF -DCMAKE_PROJECT_llama.cpp_INCLUDE=$(CURDIR)/tools/llama_cpp_lean.cmake \
+  -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF \
+  -DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF
 ifeq ($(shell uname -m),x86_64)
 NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
-export CMAKE_ARGS ?= -DCMAKE_C_FLAGS='$(NO_AMX)' -DCMAKE_CXX_FLAGS='$(NO_AMX)'
+export CMAKE_ARGS ?= $(LLAMA_LEAN) -DCMAKE_C_FLAGS='$(NO_AMX)' -DCMAKE_CXX_FLAGS='$(NO_AMX)'
+else
+export CMAKE_ARGS ?= $(LLAMA_LEAN)
 endif
 export CMAKE_BUILD_PARALLEL_LEVEL ?= $(shell nproc)
 # Exit status 0 when the installed llama.cpp has AMX (blazar.engine.llama decides).
