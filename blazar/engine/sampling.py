@@ -300,23 +300,34 @@ class Sampler:
     Sampling in the fallback applies the grammar first, then the chain, so nothing
     outside the language is ever emitted. Decode thread only; `free` exactly once.
 
-    Plain greedy decoding (no penalties, bias or grammar) has no chain at all: the
-    token is the logits row's argmax, taken in place. llama.cpp's sampler copies the
-    row into a 262k-entry candidate array first: 0.47 ms per token against 0.04 ms
-    for the argmax (same token, the first maximum), 3.4 ms of every 8-stream step.
+    Plain greedy decoding (no penalties, no grammar, no bias but bans) has no chain at
+    all: the token is the logits row's argmax, taken in place, with banned tokens set
+    to -inf in the row first. llama.cpp's sampler copies the row into a 262k-entry
+    candidate array first: 0.47 ms per token against 0.04 ms for the argmax (same
+    token, the first maximum), 3.4 ms of every 8-stream step.
     """
 
     def __init__(
-        self, chain: Any | None, grammar: Any | None, n_vocab: int, *, biased: bool = False
+        self,
+        chain: Any | None,
+        grammar: Any | None,
+        n_vocab: int,
+        *,
+        biased: bool = False,
+        banned: Sequence[int] = (),
     ) -> None:
         import numpy as np
 
         if chain is None and (grammar is not None or n_vocab <= 0):
             raise ValueError("an argmax sampler takes no grammar and needs the vocabulary size")
+        if chain is not None and banned:
+            raise ValueError("a chain applies its bans itself (the logit-bias stage)")
         self.chain = chain
         self._grammar = grammar
         self._n_vocab = n_vocab
         self._biased = biased
+        # Argmax only: token ids whose logits are set to -inf before the argmax.
+        self._banned = np.asarray(banned, dtype=np.intp)
         self._candidates: Any = None
         if grammar is not None:
             import llama_cpp as lc
@@ -336,7 +347,18 @@ class Sampler:
             ptr = lc.llama_get_logits_ith(ctx, index)
             if not ptr:
                 raise RuntimeError(f"no logits for batch entry {index}")
-            return int(np.ctypeslib.as_array(ptr, (self._n_vocab,)).argmax())
+            row = np.ctypeslib.as_array(ptr, (self._n_vocab,))
+            if self._banned.size:
+                # In the context's own buffer: the raw row for logprobs was copied
+                # before sampling, and nothing reads this row after it.
+                row[self._banned] = -np.inf
+            token = int(row.argmax())
+            if row[token] == -np.inf:
+                raise errors.InvalidRequest(
+                    "The logit bias bans every token of the vocabulary.",
+                    metadata={errors.FIELD_KEY: LOGIT_BIAS_FIELD},
+                )
+            return token
         if self._grammar is None:
             return int(lc.llama_sampler_sample(self.chain, ctx, index))
         token = self._draw(ctx, index, grammar_first=False)
@@ -418,9 +440,10 @@ def build_sampler(params: SamplingParams, *, prompt: Sequence[int] = ()) -> Samp
     vocab = params.vocab
     if vocab is None and (params.grammar is not None or params.logit_bias):
         raise ValueError("a grammar or logit bias needs the vocabulary: resolve(vocab=...)")
-    plain = not (params.grammar is not None or params.logit_bias or params.penalized)
+    bans_only = all(bias <= BAN_BIAS for _, bias in params.logit_bias)
+    plain = params.grammar is None and bans_only and not params.penalized
     if params.greedy and plain and vocab is not None:
-        return Sampler(None, None, vocab.n_tokens)
+        return Sampler(None, None, vocab.n_tokens, banned=[t for t, _ in params.logit_bias])
     grammar = None
     if params.grammar is not None:
         assert vocab is not None

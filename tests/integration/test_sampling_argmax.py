@@ -41,13 +41,15 @@ def _params(rt: llama.Runtime, **sampling_fields: object) -> sampling.SamplingPa
 def test_plain_greedy_has_no_chain_and_others_do(runtime: llama.Runtime) -> None:
     plain = sampling.build_sampler(_params(runtime))
     biased = sampling.build_sampler(_params(runtime, logit_bias={5: 0.0}))
+    banned = sampling.build_sampler(_params(runtime, logit_bias={5: -100.0}))
     penalized = sampling.build_sampler(_params(runtime, repeat_penalty=1.3))
     try:
         assert plain.chain is None
         assert biased.chain is not None
+        assert banned.chain is None  # bans alone keep the argmax
         assert penalized.chain is not None
     finally:
-        for s in (plain, biased, penalized):
+        for s in (plain, biased, banned, penalized):
             s.free()
 
 
@@ -68,4 +70,31 @@ def test_argmax_picks_what_the_greedy_chain_picks(runtime: llama.Runtime) -> Non
     finally:
         fast.free()
         chain.free()
+        runtime.clear(0)
+
+
+def test_argmax_with_bans_picks_what_the_chain_picks(runtime: llama.Runtime) -> None:
+    """A logit bias of bans only keeps the argmax path (banned rows set to -inf), and
+    it picks what llama.cpp's chain with the same bans picks: here, row by row, the
+    best token once the row's own best is banned."""
+    tokens = runtime.vocab.tokenize(TEXT)[:ROWS]
+    unbanned = sampling.build_sampler(_params(runtime, logit_bias={5: 0.0}))
+    try:
+        runtime.clear(0)
+        runtime.decode([(t, i, 0, True) for i, t in enumerate(tokens)])
+        for row in range(len(tokens)):
+            best = runtime.sample(unbanned, row)
+            neutral = 5 if best != 5 else 6
+            bans = {best: -100.0, 1: -100.0}
+            fast = sampling.build_sampler(_params(runtime, logit_bias=bans))
+            chain = sampling.build_sampler(_params(runtime, logit_bias={**bans, neutral: 0.0}))
+            try:
+                assert fast.chain is None and chain.chain is not None
+                picked = runtime.sample(chain, row)
+                assert runtime.sample(fast, row) == picked != best, row
+            finally:
+                fast.free()
+                chain.free()
+    finally:
+        unbanned.free()
         runtime.clear(0)
