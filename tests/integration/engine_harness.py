@@ -117,6 +117,7 @@ def launch(
     *,
     kv_dir: Path | None = None,
     parent_pid: int | None = None,
+    drain_grace_seconds: float = DRAIN_GRACE_S,
     **spec: Any,
 ) -> EngineLaunch:
     """A worker's launch document: `SLOTS` slots of `CONTEXT_PER_SLOT` on two threads,
@@ -125,7 +126,7 @@ def launch(
     return EngineLaunch(
         spec=launches.spec(model_path, kv_persist=kv_dir is not None, **fields),
         socket=socket,
-        drain_grace_seconds=DRAIN_GRACE_S,
+        drain_grace_seconds=drain_grace_seconds,
         kv_dir=str(kv_dir) if kv_dir is not None else None,
         parent_pid=parent_pid,
         log_json=True,

@@ -269,7 +269,8 @@ def test_cancelled_stream_frees_the_slot(worker: Worker, no_eog: dict[int, float
 def test_sigterm_finishes_in_flight_work_then_exits_zero(
     spawn: Spawner, no_eog: dict[int, float]
 ) -> None:
-    w = spawn()
+    # A grace no busy machine outlasts: what is asserted is that the work finishes.
+    w = spawn(drain_grace_seconds=120.0)
     w.wait_ready()
     request = engine_pb2.GenerateRequest(prompt=PROMPT, sampling=greedy(48, logit_bias=no_eog))
     call = w.stub.Generate(request)
