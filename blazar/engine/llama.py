@@ -8,6 +8,7 @@ model, the one context and the batch; only the decode thread may call it, from
 from __future__ import annotations
 
 import ctypes
+import functools
 from collections.abc import Iterable
 from typing import Any
 
@@ -81,6 +82,11 @@ class Vocab:
 
     def is_eog(self, token: int) -> bool:
         return bool(lc.llama_vocab_is_eog(self._vocab, token))
+
+    @functools.cached_property
+    def end_of_generation(self) -> frozenset[int]:
+        """Every token a generation ends on (asked of each token once, ~60 ms for 262k)."""
+        return frozenset(t for t in range(self.n_tokens) if self.is_eog(t))
 
     def special_text(self, token: int) -> str:
         """How a control token is written in text, e.g. `<bos>`; "" for no token."""

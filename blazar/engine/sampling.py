@@ -52,6 +52,11 @@ class Vocabulary(Protocol):
         """The native `llama_vocab *` (valid while the model is loaded)."""
         ...
 
+    @property
+    def end_of_generation(self) -> frozenset[int]:
+        """The tokens a generation ends on (Gemma 3: <eos>, <end_of_turn>, </s>)."""
+        ...
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -154,7 +159,7 @@ def resolve(
         ),
         max_tokens=sampling.max_tokens if sampling.HasField("max_tokens") else None,
         stop=tuple(sampling.stop),
-        logit_bias=tuple(sorted(sampling.logit_bias.items())),
+        logit_bias=_bias(sampling, vocab),
         grammar=grammar,
         logprobs=sampling.logprobs,
         top_logprobs=sampling.top_logprobs,
@@ -221,6 +226,19 @@ def resolve(
         with _blaming(CONSTRAINT_FIELD):
             check_grammar(grammar, vocab, from_schema=from_schema)
     return p
+
+
+def _bias(
+    sampling: inference_pb2.Sampling, vocab: Vocabulary | None
+) -> tuple[tuple[int, float], ...]:
+    """The request's logit bias, sorted by token id; with `ignore_eos`, every
+    end-of-generation token banned (whatever bias the request gave it)."""
+    bias = dict(sampling.logit_bias)
+    if sampling.ignore_eos:
+        if vocab is None:
+            raise ValueError("ignore_eos needs the vocabulary: resolve(vocab=...)")
+        bias.update(dict.fromkeys(vocab.end_of_generation, BAN_BIAS))
+    return tuple(sorted(bias.items()))
 
 
 @contextlib.contextmanager

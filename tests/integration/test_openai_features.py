@@ -192,6 +192,22 @@ def test_llama_cpp_grammar_and_json_schema_fields(client: openai.OpenAI) -> None
     assert "root" in info.value.message
 
 
+def test_llama_cpp_ignore_eos_runs_to_max_tokens(client: openai.OpenAI) -> None:
+    """llama.cpp's `ignore_eos`: the end-of-generation tokens are never sampled, so a
+    generation ends at max_tokens on every CPU, greedy (the argmax path) or sampled."""
+    for temperature in (0.0, 1.0):
+        completion = client.completions.create(
+            model=LANE,
+            prompt="The end.",
+            max_tokens=12,
+            temperature=temperature,
+            seed=3,
+            extra_body={"ignore_eos": True},
+        )
+        assert completion.choices[0].finish_reason == "length"
+        assert completion.usage is not None and completion.usage.completion_tokens == 12
+
+
 def test_bad_grammar_through_the_shim_is_a_400(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(

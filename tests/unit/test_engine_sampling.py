@@ -101,6 +101,19 @@ class FakeVocab:
 
     n_tokens = 1000
     handle = None
+    end_of_generation = frozenset({1, 106})
+
+
+def test_ignore_eos_bans_every_end_of_generation_token() -> None:
+    """Whatever bias the request gave them: llama.cpp's server ignores it too."""
+    params = sampling.resolve(
+        inference_pb2.Sampling(ignore_eos=True, logit_bias={106: 5.0, 7: 1.0}),
+        seed=1,
+        vocab=FakeVocab(),
+    )
+    assert params.logit_bias == ((1, sampling.BAN_BIAS), (7, 1.0), (106, sampling.BAN_BIAS))
+    plain = sampling.resolve(inference_pb2.Sampling(logit_bias={106: 5.0}), vocab=FakeVocab())
+    assert plain.logit_bias == ((106, 5.0),)
 
 
 def test_resolve_carries_logit_bias_and_logprobs() -> None:

@@ -458,6 +458,16 @@ def test_unset_sampling_fields_stay_unset() -> None:
     assert convert.chat_request(zero).sampling.HasField("temperature")
 
 
+@pytest.mark.parametrize("ignore_eos", [True, False, None])
+def test_llama_cpp_ignore_eos_reaches_sampling(ignore_eos: bool | None) -> None:
+    body = {"model": "base", "prompt": "Once", "ignore_eos": ignore_eos}
+    parsed = validation.parse_body(protocol.CompletionRequest, json.dumps(body).encode())
+    assert convert.complete_request(parsed).sampling.ignore_eos is bool(ignore_eos)
+    chat = chat_body(ignore_eos=ignore_eos)
+    parsed_chat = validation.parse_body(protocol.ChatCompletionRequest, json.dumps(chat).encode())
+    assert convert.chat_request(parsed_chat).sampling.ignore_eos is bool(ignore_eos)
+
+
 @pytest.mark.parametrize(
     ("extra", "max_tokens"), [({}, 16), ({"max_tokens": None}, 16), ({"max_tokens": 300}, 300)]
 )

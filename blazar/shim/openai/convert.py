@@ -353,6 +353,7 @@ def _sampling(
                 f"Invalid key in 'logit_bias': {key!r} is not a token id.", param="logit_bias"
             )
         sampling.logit_bias[token] = bias
+    sampling.ignore_eos = bool(body.ignore_eos)
     return sampling
 
 

@@ -101,6 +101,8 @@ class _Sampling(_Request):
     # on both endpoints. At most one constraint is accepted (see convert).
     grammar: str | None = None
     json_schema: dict[str, Any] | None = None
+    # Not in OpenAI's API: llama.cpp's server (and vLLM) generate past end-of-generation.
+    ignore_eos: bool | None = None
 
 
 class ChatCompletionRequest(_Sampling):
