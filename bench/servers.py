@@ -25,6 +25,7 @@ import load
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
+MANIFESTS = REPO / "manifests"
 sys.path.insert(0, str(REPO))
 
 from tests.integration.harness import Daemon, pid_alive, short_home, wait_for  # noqa: E402
@@ -156,6 +157,25 @@ class Peer:
         self.process = None
 
 
+def default_spec_pair() -> dict[str, Any]:
+    """The spec of the SpecPair that the default fleet's Lane uses, read from manifests/.
+
+    So "Blazar as `make up` serves it" stays true when the default fleet changes.
+    """
+    docs = [
+        doc
+        for path in sorted(MANIFESTS.glob("*.yaml"))
+        for doc in yaml.safe_load_all(path.read_text())
+        if doc
+    ]
+    lanes = [d["spec"] for d in docs if d["kind"] == "Lane"]
+    used = [lane["speculation"] for lane in lanes if lane.get("speculation")]
+    pairs = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "SpecPair"}
+    if not used or used[0] not in pairs:
+        raise RuntimeError(f"no Lane in {MANIFESTS} names a SpecPair defined there")
+    return dict(pairs[used[0]])
+
+
 @dataclass
 class LaneDef:
     name: str
@@ -202,12 +222,7 @@ class Blazar:
                     "apiVersion": api,
                     "kind": "SpecPair",
                     "metadata": {"name": "bench-ngram"},
-                    "spec": {
-                        "target": "bench-model",
-                        "draft": {"kind": "ngram", "ngramSize": 3, "maxDraftTokens": 8},
-                        "disableAboveBatch": 4,
-                        "minAcceptanceRate": 0.3,
-                    },
+                    "spec": default_spec_pair() | {"target": "bench-model"},
                 }
             )
         for lane in self.lanes:
