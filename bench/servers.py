@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -80,36 +81,41 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class Peer:
-    """`python -m llama_cpp.server`, tuned as a fair peer, on a free loopback port.
+class Subprocess:
+    """A server in a process group of its own, on a free loopback port, logging to a file.
 
-    Teardown: SIGTERM to its process group, up to PEER_STOP_GRACE seconds, then SIGKILL.
+    Subclasses say how to start it (`argv`) and where it answers once ready
+    (`ready_path`, polled until HTTP 2xx). Teardown: SIGTERM to its process group, up
+    to PEER_STOP_GRACE seconds, then SIGKILL.
     """
+
+    what = "server"
+    ready_path = "/health"
+    log_name = "server.log"
 
     def __init__(self, config: Config) -> None:
         self.config = config
         self.process: subprocess.Popen[bytes] | None = None
         self.base_url = ""
-        self.log_path = config.workdir / "peer.log"
+        self.command: list[str] = []
+        self.log_path = config.workdir / self.log_name
 
-    def start(self) -> Peer:
+    def argv(self, port: int) -> list[str]:
+        raise NotImplementedError
+
+    def exit_hint(self, log_tail: str) -> str:
+        """Advice to add when the process exits before it is ready."""
+        return ""
+
+    def start(self) -> Subprocess:
         port = free_port()
-        c = self.config
-        argv = [
-            sys.executable, "-m", "llama_cpp.server",
-            "--model", str(c.model_path), "--model_alias", load.MODEL_ALIAS,
-            "--host", "127.0.0.1", "--port", str(port),
-            "--n_ctx", str(c.context_per_slot),
-            "--n_threads", str(c.threads), "--n_threads_batch", str(c.threads),
-            "--n_batch", "512", "--n_ubatch", "512",
-            "--interrupt_requests", "False", "--logits_all", "False",
-            "--flash_attn", str(c.peer_flash_attn),
-            "--use_mlock", "False", "--seed", str(load.SEED), "--verbose", "False",
-        ]  # fmt: skip
+        self.command = argv = self.argv(port)
+        log(f"{self.what}: {shlex.join(argv)}")
         log_file = self.log_path.open("ab")
         self.process = subprocess.Popen(
-            argv, stdout=log_file, stderr=log_file, cwd=c.workdir, start_new_session=True
-        )
+            argv, stdout=log_file, stderr=log_file, cwd=self.config.workdir,
+            start_new_session=True,
+        )  # fmt: skip
         log_file.close()
         self.base_url = f"http://127.0.0.1:{port}"
 
@@ -117,21 +123,15 @@ class Peer:
             assert self.process is not None
             if self.process.poll() is not None:
                 tail = self.log_tail()
-                hint = (
-                    " (llama_cpp.server's own dependencies come with the bench extra:"
-                    " run `make bench`, or pip install -e '.[bench]')"
-                    if "ModuleNotFoundError" in tail
-                    else ""
-                )
-                raise RuntimeError(f"peer exited early{hint}:\n{tail}")
+                raise RuntimeError(f"{self.what} exited early{self.exit_hint(tail)}:\n{tail}")
             try:
                 return httpx.get(
-                    f"{self.base_url}/v1/models", timeout=2, trust_env=False
+                    f"{self.base_url}{self.ready_path}", timeout=2, trust_env=False
                 ).is_success
             except httpx.HTTPError:
                 return False
 
-        wait_for(ready, timeout=SERVER_START_TIMEOUT, what="llama_cpp.server", step=0.25)
+        wait_for(ready, timeout=SERVER_START_TIMEOUT, what=self.what, step=0.25)
         return self
 
     def log_tail(self) -> str:
@@ -155,6 +155,36 @@ class Peer:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
         self.process = None
+
+
+class Peer(Subprocess):
+    """`python -m llama_cpp.server`, tuned as a fair peer. It serves one request at a time."""
+
+    what = "llama_cpp.server"
+    ready_path = "/v1/models"
+    log_name = "peer.log"
+
+    def argv(self, port: int) -> list[str]:
+        c = self.config
+        return [
+            sys.executable, "-m", "llama_cpp.server",
+            "--model", str(c.model_path), "--model_alias", load.MODEL_ALIAS,
+            "--host", "127.0.0.1", "--port", str(port),
+            "--n_ctx", str(c.context_per_slot),
+            "--n_threads", str(c.threads), "--n_threads_batch", str(c.threads),
+            "--n_batch", "512", "--n_ubatch", "512",
+            "--interrupt_requests", "False", "--logits_all", "False",
+            "--flash_attn", str(c.peer_flash_attn),
+            "--use_mlock", "False", "--seed", str(load.SEED), "--verbose", "False",
+        ]  # fmt: skip
+
+    def exit_hint(self, log_tail: str) -> str:
+        if "ModuleNotFoundError" in log_tail:
+            return (
+                " (llama_cpp.server's own dependencies come with the bench extra:"
+                " run `make bench`, or pip install -e '.[bench]')"
+            )
+        return ""
 
 
 def default_spec_pair() -> dict[str, Any]:
@@ -293,7 +323,7 @@ class Blazar:
 
 
 @contextlib.contextmanager
-def serving(server: Peer | Blazar) -> Iterator[Any]:
+def serving(server: Subprocess | Blazar) -> Iterator[Any]:
     name = type(server).__name__.lower()
     t0 = time.perf_counter()
     try:
