@@ -171,10 +171,13 @@ def stream_summary(s: load.Stream) -> dict[str, Any]:
         "ttft_s": round(s.ttft, 4) if s.first is not None else None,
         "tokens": s.tokens,
         "token_source": s.token_source,
+        "usage_tokens": s.usage_tokens,
+        "prompt_tokens": s.prompt_tokens,
         "chunks": s.chunks,
         "finish_reason": s.finish_reason,
         "cached_tokens": s.cached_tokens,
         "wall_s": round(s.end - s.start, 4),
+        "timings": s.timings,
     }
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -40,6 +40,27 @@ class Tokenizer:
     def truncate(self, text: str, tokens: int) -> str:
         return self._llama.detokenize(self.tokenize(text)[:tokens]).decode(errors="ignore")
 
+    def end_of_generation(self) -> list[int]:
+        """Every token that ends a generation (llama.cpp's `llama_vocab_is_eog`).
+
+        The set llama-server's `ignore_eos` bans and Blazar's engine stops on; for the
+        bundled Gemma 3, `<eos>`, `<end_of_turn>` and `</s>`.
+        """
+        import llama_cpp as lc
+
+        vocab = lc.llama_model_get_vocab(self._llama.model)
+        return [t for t in range(lc.llama_vocab_n_tokens(vocab)) if lc.llama_vocab_is_eog(vocab, t)]
+
+
+def no_end_of_generation(tokenizer: Tokenizer) -> dict[str, Any]:
+    """Request fields that make every stream run to `max_tokens`: EOG tokens banned.
+
+    A logit bias, because both Blazar and llama-server take it (Blazar has no
+    `ignore_eos`). -100 is OpenAI's "ban": Blazar turns it into minus infinity,
+    llama-server adds -100 to the logit, which no greedy pick survives.
+    """
+    return {"logit_bias": {str(t): -100 for t in tokenizer.end_of_generation()}}
+
 
 # ---------------------------------------------------------------- one streamed request
 
@@ -56,7 +77,10 @@ class Stream:
     text: str = ""
     finish_reason: str | None = None
     usage_tokens: int | None = None
+    prompt_tokens: int | None = None
     cached_tokens: int | None = None
+    # llama.cpp server's `timings` object (predicted_n, draft_n, ...), where sent.
+    timings: dict[str, Any] | None = None
     tokens: int = 0
     token_source: str = ""
 
@@ -82,8 +106,9 @@ async def stream_completion(
     max_tokens: int,
     tokenizer: Tokenizer,
     model: str = MODEL_ALIAS,
+    extra: Mapping[str, Any] | None = None,
 ) -> Stream:
-    body = {
+    body: dict[str, Any] = {
         "model": model,
         "prompt": prompt,
         "max_tokens": max_tokens,
@@ -94,6 +119,7 @@ async def stream_completion(
         # llama-cpp-python applies a 1.1 repeat penalty by default, Blazar none: 1.0 (no
         # penalty) makes both decode the same way.
         "repeat_penalty": 1.0,
+        **(extra or {}),
     }
     out = Stream(start=time.perf_counter())
     parts: list[str] = []
@@ -121,9 +147,12 @@ async def stream_completion(
                     out.last = now
                 if choice.get("finish_reason"):
                     out.finish_reason = choice["finish_reason"]
+            if chunk.get("timings"):
+                out.timings = chunk["timings"]
             usage = chunk.get("usage")
             if usage:
                 out.usage_tokens = usage.get("completion_tokens")
+                out.prompt_tokens = usage.get("prompt_tokens")
                 details = usage.get("prompt_tokens_details") or {}
                 out.cached_tokens = details.get("cached_tokens")
     out.end = time.perf_counter()
@@ -154,22 +183,43 @@ async def one(
     max_tokens: int,
     tokenizer: Tokenizer,
     model: str = MODEL_ALIAS,
+    extra: Mapping[str, Any] | None = None,
 ) -> Stream:
     async with http_client() as client:
         return await stream_completion(
-            client, base_url, prompt, max_tokens=max_tokens, tokenizer=tokenizer, model=model
+            client,
+            base_url,
+            prompt,
+            max_tokens=max_tokens,
+            tokenizer=tokenizer,
+            model=model,
+            extra=extra,
         )
 
 
 async def concurrent(
-    base_url: str, prompts: list[str], *, max_tokens: int, tokenizer: Tokenizer
+    base_url: str,
+    prompts: list[str],
+    *,
+    max_tokens: int,
+    tokenizer: Tokenizer,
+    model: str = MODEL_ALIAS,
+    extra: Mapping[str, Any] | None = None,
 ) -> tuple[list[Stream], float]:
     """All prompts at once; returns the streams and the wall time from first send to last end."""
     async with http_client() as client:
         t0 = time.perf_counter()
         streams = await asyncio.gather(
             *(
-                stream_completion(client, base_url, p, max_tokens=max_tokens, tokenizer=tokenizer)
+                stream_completion(
+                    client,
+                    base_url,
+                    p,
+                    max_tokens=max_tokens,
+                    tokenizer=tokenizer,
+                    model=model,
+                    extra=extra,
+                )
                 for p in prompts
             )
         )
