@@ -68,9 +68,13 @@ lint: $(STAMP)
 test: lint model
 	$(BIN)/pytest -q
 
-# Benchmarks against llama-cpp-python's own server; results go in docs/BENCHMARKS.md.
+# Benchmarks against llama-cpp-python's own server and llama.cpp's C++ llama-server;
+# results go in docs/BENCHMARKS.md. llama-server is built once (about 10 minutes on
+# 2 cores) from the pinned llama-cpp-python's sdist, with the CMAKE_ARGS above, into
+# .cache/llama-server/.
 bench: model
 	$(BIN)/pip install --quiet -e '.[dev,model,bench]'
+	$(BIN)/python bench/llama_server.py
 	$(BIN)/python bench/engine.py
 
 unit: $(STAMP)
