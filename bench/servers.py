@@ -1,8 +1,9 @@
-"""The two servers under test, each started and stopped as a context.
+"""The servers under test, each started and stopped as a context.
 
-`Peer` is `python -m llama_cpp.server`, tuned as a fair peer; `Blazar` is `blazar
-serve` with its own home and a fleet written from `LaneDef`s. `serving` starts one and
-always stops it, whatever happens in between.
+`Peer` is `python -m llama_cpp.server`, tuned as a fair peer; `LlamaServer` is
+llama.cpp's C++ `llama-server` with its defaults; `Blazar` is `blazar serve` with its
+own home and a fleet written from `LaneDef`s. `serving` starts one and always stops
+it, whatever happens in between.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 MANIFESTS = REPO / "manifests"
 sys.path.insert(0, str(REPO))
 
+from blazar.engine import supervisor  # noqa: E402
 from tests.integration.harness import Daemon, pid_alive, short_home, wait_for  # noqa: E402
 
 LANE_READY_TIMEOUT = 300.0
@@ -45,11 +47,15 @@ class Sizes:
     max_tokens: int
     long_prompt_tokens: int
     spec_max_tokens: int
+    # Scenario 8: short requests per server, alternating, for a p50 of a few ms.
+    ttft_samples: int
     ttft_max_tokens: int = 4
 
 
-FULL = Sizes(repeats=3, max_tokens=128, long_prompt_tokens=1000, spec_max_tokens=128)
-QUICK = Sizes(repeats=1, max_tokens=32, long_prompt_tokens=400, spec_max_tokens=48)
+FULL = Sizes(
+    repeats=3, max_tokens=128, long_prompt_tokens=1000, spec_max_tokens=128, ttft_samples=21
+)
+QUICK = Sizes(repeats=1, max_tokens=32, long_prompt_tokens=400, spec_max_tokens=48, ttft_samples=4)
 
 
 @dataclass(frozen=True)
@@ -66,6 +72,11 @@ class Config:
     # serves it (greedy output is the same either way, up to llama.cpp's batch noise);
     # False measures plain decoding.
     blazar_speculation: bool = True
+    # Scenario 7: the numbers of simultaneous streams against llama-server.
+    cpp_streams: tuple[int, ...] = (1, 8, 32, 64)
+    # Scenarios 7-9: llama-server starts with the OpenMP environment of Blazar's engines
+    # (a short GOMP_SPINCOUNT) instead of libgomp's default spinning.
+    cpp_blazar_openmp: bool = False
 
 
 def log(message: str) -> None:
@@ -107,6 +118,10 @@ class Subprocess:
         """Advice to add when the process exits before it is ready."""
         return ""
 
+    def environment(self) -> dict[str, str] | None:
+        """The process's environment; None inherits this one's."""
+        return None
+
     def start(self) -> Subprocess:
         port = free_port()
         self.command = argv = self.argv(port)
@@ -114,7 +129,7 @@ class Subprocess:
         log_file = self.log_path.open("ab")
         self.process = subprocess.Popen(
             argv, stdout=log_file, stderr=log_file, cwd=self.config.workdir,
-            start_new_session=True,
+            env=self.environment(), start_new_session=True,
         )  # fmt: skip
         log_file.close()
         self.base_url = f"http://127.0.0.1:{port}"
@@ -185,6 +200,42 @@ class Peer(Subprocess):
                 " run `make bench`, or pip install -e '.[bench]')"
             )
         return ""
+
+
+class LlamaServer(Subprocess):
+    """llama.cpp's C++ `llama-server` (built by bench/llama_server.py), with its defaults.
+
+    Only what a Lane also says is set: the slots (`--parallel`), the threads for decoding
+    and for prompts, and the context, which llama-server takes as the total and splits
+    across its slots. Everything else is llama-server's default: continuous batching,
+    prompt caching, flash attention `auto`, its batch sizes, no speculation. No web UI.
+    Its environment is this process's, unless `cpp_blazar_openmp` gives it the OpenMP
+    spin count Blazar's supervisor gives its engines.
+    """
+
+    what = "llama-server"
+    ready_path = "/health"  # 503 while the model loads, 200 once it serves
+    log_name = "llama-server.log"
+
+    def __init__(self, config: Config, binary: Path) -> None:
+        super().__init__(config)
+        self.binary = binary
+
+    def argv(self, port: int) -> list[str]:
+        c = self.config
+        return [
+            str(self.binary),
+            "--model", str(c.model_path), "--alias", load.MODEL_ALIAS,
+            "--host", "127.0.0.1", "--port", str(port),
+            "--parallel", str(c.slots), "--ctx-size", str(c.slots * c.context_per_slot),
+            "--threads", str(c.threads), "--threads-batch", str(c.threads),
+            "--no-webui",
+        ]  # fmt: skip
+
+    def environment(self) -> dict[str, str] | None:
+        if not self.config.cpp_blazar_openmp:
+            return None
+        return supervisor.engine_environment(os.environ)
 
 
 def default_spec_pair() -> dict[str, Any]:
