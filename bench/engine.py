@@ -1,12 +1,14 @@
-"""Engine benchmark: Blazar against llama-cpp-python's own server, same model, same host.
+"""Engine benchmark: Blazar against llama-cpp-python's own server and llama.cpp's C++
+llama-server, same model, same host.
 
-Both servers run the bundled Gemma 3 270M GGUF on the same number of CPU threads and are
+The servers run the bundled Gemma 3 270M GGUF on the same number of CPU threads and are
 driven through their OpenAI-compatible HTTP APIs with the same streamed `/v1/completions`
 requests (greedy, fixed seed), so Blazar is measured end to end: HTTP shim, gRPC data
-plane, engine worker. Only one server has requests at a time: for scenarios 1 to 3 both
-are up and take turns, repeat by repeat. Scenarios 4 to 6 compare Blazar
-with itself (warm against cold prefix, speculation on against off, restored KV against
-cold), because the peer has no equivalent feature.
+plane, engine worker. Only one server has requests at a time: for scenarios 1 to 3
+(llama-cpp-python's server) and 7 to 9 (llama-server) both are up and take turns,
+repeat by repeat. Scenarios 4 to 6 compare Blazar with itself (warm against cold
+prefix, speculation on against off, restored KV against cold), because the peer has no
+equivalent feature.
 
     python bench/engine.py                   # every scenario, full sizes
     python bench/engine.py --quick           # small sizes: a smoke test, not a result
@@ -22,7 +24,9 @@ import argparse
 import contextlib
 import functools
 import json
+import os
 import random
+import shlex
 import shutil
 import signal
 import statistics
@@ -37,7 +41,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-import load  # noqa: E402  (bench/, beside this script)
+import llama_server  # noqa: E402  (bench/, beside this script)
+import load  # noqa: E402
 import servers  # noqa: E402
 
 # Short, varied openings for a base model: each invites a long continuation.
@@ -133,6 +138,9 @@ class Row:
     # Blazar / peer for each repeat, the two measured back to back (scenarios 1 and 2):
     # the spread that the ratio of medians hides when the host's speed drifts.
     per_repeat: list[float] = field(default_factory=list)
+    # "ratio": the target bounds blazar / baseline; "difference": it bounds
+    # blazar - baseline, in the row's unit (the ratio is printed too).
+    compare: str = "ratio"
 
     @property
     def ratio(self) -> float | None:
@@ -141,15 +149,23 @@ class Row:
         return self.blazar / self.baseline
 
     @property
+    def difference(self) -> float | None:
+        if self.baseline is None or self.blazar is None:
+            return None
+        return self.blazar - self.baseline
+
+    @property
     def verdict(self) -> str:
-        if self.ratio is None:
+        value = self.difference if self.compare == "difference" else self.ratio
+        if value is None or value != value:  # None or NaN
             return "ERROR"
-        ok = self.ratio >= self.target if self.target_op == ">=" else self.ratio <= self.target
+        ok = value >= self.target if self.target_op == ">=" else value <= self.target
         return "PASS" if ok else "FAIL"
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         out["ratio"] = self.ratio
+        out["difference"] = self.difference
         out["verdict"] = self.verdict
         return out
 
@@ -467,6 +483,294 @@ def scenario_6(config: servers.Config, tokenizer: load.Tokenizer) -> list[Row]:
     return [row]
 
 
+# ---------------------------------------------------------------- scenarios 7-9: llama-server
+
+CPP = "llama-server"
+PLAIN, SPEC = "bench", "bench-spec"  # Blazar's Lanes: plain decoding, the default SpecPair
+
+# Scenario 9's prompt on its own: open prose whose greedy continuation the n-gram
+# drafter finds little to copy from (its drafted and accepted tokens are in the JSON).
+UNCOPYABLE = PROMPTS[2]
+
+
+@dataclass
+class Contender:
+    """One server of scenarios 7-9: where to send requests, and under which model name."""
+
+    name: str
+    url: str
+    model: str
+
+
+@dataclass(frozen=True)
+class Requests:
+    """What every request of scenarios 7-9 shares: the sizes, the tokenizer, the EOG ban."""
+
+    config: servers.Config
+    tokenizer: load.Tokenizer
+    extra: dict[str, Any]
+
+
+def scenarios_vs_cpp(
+    config: servers.Config, tokenizer: load.Tokenizer, which: set[int]
+) -> tuple[list[Row], dict[str, Any]]:
+    """Blazar against llama.cpp's C++ llama-server, both up at once and taking turns.
+
+    Every stream is greedy and banned from ending early (a logit bias on every
+    end-of-generation token, the same field for both), so each generates exactly
+    `max_tokens`; the token counts the servers report are checked and kept per row.
+    Blazar runs two Lanes in one daemon: `bench` decodes plainly (scenarios 7 and 8),
+    `bench-spec` has the default fleet's n-gram SpecPair (scenario 9). Only one server
+    has requests at any time, and the order rotates from turn to turn.
+    """
+    rows: dict[str, Row] = {}
+    if 7 in which:
+        for n in config.cpp_streams:
+            rows[f"7@{n}"] = Row(
+                f"7@{n}", f"plain decode, aggregate tok/s, {n} stream{'s' if n > 1 else ''}",
+                "tok/s", CPP, ">=", 1.0,
+            )  # fmt: skip
+    if 8 in which:
+        rows["8"] = Row(
+            "8", "p50 TTFT, one short-prompt stream (Blazar - llama-server)", "s", CPP,
+            "<=", 0.005, compare="difference",
+        )  # fmt: skip
+    if 9 in which:
+        rows["9"] = Row(
+            "9", f"one stream, default SpecPair, median of {len(PROMPTS)} prompts", "tok/s",
+            CPP, ">=", 1.3,
+        )  # fmt: skip
+        rows["9p"] = Row(
+            "9p", "one stream, default SpecPair, uncopyable prose prompt", "tok/s", CPP,
+            ">=", 1.0,
+        )  # fmt: skip
+        rows["9q"] = Row(
+            "9q", "same prompt, SpecPair on / off (Blazar plain)", "tok/s",
+            "Blazar plain", ">=", 1.0,
+        )  # fmt: skip
+    selected = list(rows.values())
+    info: dict[str, Any] = {}
+    binary = guarded(selected, "building llama-server", llama_server.ensure)
+    if binary is None:
+        return selected, info
+    info["build"] = llama_server.build_record(binary)
+    info["system_info"] = llama_server.system_info(binary)
+    info["llama_cpp_python_system_info"] = llama_cpp_system_info()
+    if info["system_info"] != info["llama_cpp_python_system_info"]:
+        servers.log(
+            "llama-server and llama-cpp-python were built with different CPU features:\n"
+            f"  llama-server:     {info['system_info']}\n"
+            f"  llama-cpp-python: {info['llama_cpp_python_system_info']}"
+        )
+    lanes = [servers.LaneDef(PLAIN)]
+    if 9 in which:
+        lanes.append(servers.LaneDef(SPEC, speculation="bench-ngram"))
+    cpp_server = servers.LlamaServer(config, binary)
+    blazar_server = servers.Blazar(config, lanes, spec_pairs=9 in which)
+    extra = load.no_end_of_generation(tokenizer)
+    info["logit_bias"] = extra["logit_bias"]
+    info["environment"] = {
+        k: v
+        for k, v in (cpp_server.environment() or os.environ).items()
+        if k.startswith(("GOMP_", "OMP_"))
+    }
+    with contextlib.ExitStack() as stack:
+
+        def start(server: servers.LlamaServer | servers.Blazar, models: list[str]) -> str:
+            url: str = stack.enter_context(servers.serving(server)).base_url
+            for model in models:  # warm-up
+                load.run(
+                    load.one(
+                        url, "Hello", max_tokens=4, tokenizer=tokenizer, model=model, extra=extra
+                    )
+                )
+            return url
+
+        cpp_url = guarded(selected, CPP, functools.partial(start, cpp_server, [load.MODEL_ALIAS]))
+        info["argv"] = cpp_server.command
+        blazar_url = guarded(
+            selected, "blazar", functools.partial(start, blazar_server, [x.name for x in lanes])
+        )
+        if cpp_url is None or blazar_url is None:
+            return selected, info
+        cpp = Contender(CPP, cpp_url, load.MODEL_ALIAS)
+        plain = Contender("blazar", blazar_url, PLAIN)
+        spec = Contender("blazar-spec", blazar_url, SPEC)
+        requests = Requests(config, tokenizer, extra)
+        if 7 in which:
+            for n in config.cpp_streams:
+                row = rows[f"7@{n}"]
+                step = functools.partial(plain_decode, row, n, cpp, plain, requests)
+                guarded([row], f"scenario 7, {n} streams", step)
+        if 8 in which:
+            step = functools.partial(first_token, rows["8"], cpp, plain, requests)
+            guarded([rows["8"]], "scenario 8", step)
+        if 9 in which:
+            nine = (rows["9"], rows["9p"], rows["9q"])
+            step = functools.partial(speculative_one_stream, nine, cpp, spec, plain, requests)
+            guarded(list(nine), "scenario 9", step)
+    return selected, info
+
+
+def llama_cpp_system_info() -> str:
+    """llama-cpp-python's build, as llama.cpp describes it (CPU features compiled in)."""
+    import llama_cpp
+
+    return str(llama_cpp.llama_print_system_info().decode()).rstrip()
+
+
+def token_check(runs: dict[str, list[load.Stream]], max_tokens: int) -> dict[str, Any]:
+    """Per server: how many streams reported exactly `max_tokens` and ended by length."""
+    out: dict[str, Any] = {}
+    for name, streams in runs.items():
+        counts: dict[str, int] = {}
+        for x in streams:
+            counts[str(x.usage_tokens)] = counts.get(str(x.usage_tokens), 0) + 1
+        out[name] = {
+            "streams": len(streams),
+            "as_asked": sum(
+                x.usage_tokens == max_tokens and x.finish_reason == "length" for x in streams
+            ),
+            "usage_completion_tokens": counts,
+            "prompt_tokens": sorted({x.prompt_tokens for x in streams if x.prompt_tokens}),
+        }
+    return {"max_tokens": max_tokens, "servers": out}
+
+
+def turns(k: int, contenders: list[Contender]) -> list[Contender]:
+    """The contenders in turn order for turn `k`: rotated, so none always goes first."""
+    k %= len(contenders)
+    return contenders[k:] + contenders[:k]
+
+
+def plain_decode(row: Row, n: int, cpp: Contender, blazar: Contender, requests: Requests) -> None:
+    """Scenario 7: n streams at once; all tokens / wall time from first send to last end."""
+    config, tokenizer, extra = requests.config, requests.tokenizer, requests.extra
+    max_tokens = config.sizes.max_tokens
+    rates: dict[str, list[float]] = {cpp.name: [], blazar.name: []}
+    walls: dict[str, list[float]] = {cpp.name: [], blazar.name: []}
+    runs: dict[str, list[load.Stream]] = {cpp.name: [], blazar.name: []}
+    for rep in range(config.sizes.repeats):
+        prompts = [salted(PROMPTS[i % len(PROMPTS)], f"p{n}-{rep}-{i}") for i in range(n)]
+        for c in turns(rep, [cpp, blazar]):
+            streams, wall = load.run(
+                load.concurrent(
+                    c.url, prompts, max_tokens=max_tokens, tokenizer=tokenizer,
+                    model=c.model, extra=extra,
+                )
+            )  # fmt: skip
+            total = sum(x.tokens for x in streams)
+            rates[c.name].append(total / wall)
+            walls[c.name].append(round(wall, 3))
+            runs[c.name].extend(streams)
+            servers.log(f"scenario 7, {c.name}: {n} streams, {total} tokens in {wall:.2f}s")
+    row.baseline = statistics.median(rates[cpp.name])
+    row.blazar = statistics.median(rates[blazar.name])
+    pairs = zip(rates[cpp.name], rates[blazar.name], strict=True)
+    row.per_repeat = [b / p for p, b in pairs if p]
+    row.details = {
+        "streams": n,
+        "aggregate_tps": rates,
+        "wall_s": walls,
+        "tokens": token_check(runs, max_tokens),
+        "runs": {name: [stream_summary(x) for x in xs] for name, xs in runs.items()},
+    }
+
+
+def first_token(row: Row, cpp: Contender, blazar: Contender, requests: Requests) -> None:
+    """Scenario 8: one short prompt at a time, the servers alternating; p50 of the TTFT."""
+    config, tokenizer, extra = requests.config, requests.tokenizer, requests.extra
+    max_tokens = config.sizes.ttft_max_tokens
+    runs: dict[str, list[load.Stream]] = {cpp.name: [], blazar.name: []}
+    for i in range(config.sizes.ttft_samples):
+        prompt = salted(PROMPTS[i % len(PROMPTS)], f"t{i}")
+        for c in turns(i, [cpp, blazar]):
+            x = load.run(
+                load.one(
+                    c.url, prompt, max_tokens=max_tokens, tokenizer=tokenizer,
+                    model=c.model, extra=extra,
+                )
+            )  # fmt: skip
+            runs[c.name].append(x)
+    ttfts = {name: [x.ttft for x in xs] for name, xs in runs.items()}
+    row.baseline = statistics.median(ttfts[cpp.name])
+    row.blazar = statistics.median(ttfts[blazar.name])
+    row.details = {
+        "samples": config.sizes.ttft_samples,
+        "ttft_ms": {name: [round(t * 1000, 1) for t in ts] for name, ts in ttfts.items()},
+        "tokens": token_check(runs, max_tokens),
+    }
+    servers.log(
+        f"scenario 8: p50 TTFT {cpp.name} {row.baseline * 1000:.1f} ms, "
+        f"{blazar.name} {row.blazar * 1000:.1f} ms"
+    )
+
+
+def speculative_one_stream(
+    rows: tuple[Row, Row, Row],
+    cpp: Contender,
+    spec: Contender,
+    plain: Contender,
+    requests: Requests,
+) -> None:
+    """Scenario 9: one stream per prompt, the three contenders taking turns.
+
+    Each prompt's rate is the median over repeats; the line is the median over the
+    prompts, for Blazar's speculating Lane and for llama-server. The uncopyable prompt
+    is also reported alone, against llama-server and against Blazar's plain Lane.
+    """
+    row, prose_row, spec_row = rows
+    config, tokenizer, extra = requests.config, requests.tokenizer, requests.extra
+    max_tokens = config.sizes.max_tokens
+    contenders = [cpp, spec, plain]
+    rates: dict[str, dict[str, list[float]]] = {
+        c.name: {p: [] for p in PROMPTS} for c in contenders
+    }
+    runs: dict[str, list[load.Stream]] = {c.name: [] for c in contenders}
+    drafts: dict[str, dict[str, list[int]]] = {p: {"drafted": [], "accepted": []} for p in PROMPTS}
+    for rep in range(config.sizes.repeats):
+        for k, prompt in enumerate(PROMPTS):
+            for c in turns(rep + k, contenders):
+                x = load.run(
+                    load.one(
+                        c.url, salted(prompt, f"s{rep}-{k}"), max_tokens=max_tokens,
+                        tokenizer=tokenizer, model=c.model, extra=extra,
+                    )
+                )  # fmt: skip
+                rates[c.name][prompt].append(x.decode_rate)
+                runs[c.name].append(x)
+                if c is spec:
+                    timings = x.timings or {}
+                    drafts[prompt]["drafted"].append(int(timings.get("draft_n", 0)))
+                    drafts[prompt]["accepted"].append(int(timings.get("draft_n_accepted", 0)))
+            servers.log(
+                f"scenario 9, prompt {k}: "
+                + ", ".join(f"{c.name} {rates[c.name][prompt][-1]:.1f}" for c in contenders)
+                + " tok/s"
+            )
+    medians = {
+        c.name: {p: statistics.median(rs) for p, rs in rates[c.name].items()} for c in contenders
+    }
+    row.baseline = statistics.median(medians[cpp.name].values())
+    row.blazar = statistics.median(medians[spec.name].values())
+    row.per_repeat = [medians[spec.name][p] / medians[cpp.name][p] for p in PROMPTS]
+    per_prompt = {
+        p: {name: round(m[p], 2) for name, m in medians.items()} | drafts[p] for p in PROMPTS
+    }
+    row.details = {
+        "prompts": PROMPTS,
+        "per_prompt": per_prompt,
+        "tokens": token_check(runs, max_tokens),
+        "runs": {name: [stream_summary(x) for x in xs] for name, xs in runs.items()},
+    }
+    prose_row.baseline = medians[cpp.name][UNCOPYABLE]
+    prose_row.blazar = medians[spec.name][UNCOPYABLE]
+    spec_row.baseline = medians[plain.name][UNCOPYABLE]
+    spec_row.blazar = medians[spec.name][UNCOPYABLE]
+    prose_row.details = {"prompt": UNCOPYABLE} | per_prompt[UNCOPYABLE]
+    spec_row.details = dict(prose_row.details)
+
+
 # ---------------------------------------------------------------- report
 
 
@@ -478,6 +782,37 @@ def fmt(value: float | None, unit: str) -> str:
     return f"{value:.1f} {unit}"
 
 
+def compared(r: Row) -> str:
+    """The ratio column: blazar / baseline, and the difference where that is the target."""
+    ratio = "-" if r.ratio is None else f"{r.ratio:.3f}x"
+    d = r.difference
+    if r.compare != "difference" or d is None or d != d:
+        return ratio
+    if r.unit == "s":
+        return f"{d * 1000:+.1f} ms ({ratio})"
+    return f"{d:+.1f} {r.unit} ({ratio})"
+
+
+def target_text(r: Row) -> str:
+    if r.compare == "difference":
+        value = f"{r.target * 1000:+g} ms" if r.unit == "s" else f"{r.target:+g} {r.unit}"
+        return f"{r.target_op} {value}"
+    return f"{r.target_op} {r.target}x"
+
+
+def token_line(r: Row) -> str:
+    check = r.details["tokens"]
+    parts = []
+    for name, c in check["servers"].items():
+        counts = ", ".join(f"{k} x{v}" for k, v in sorted(c["usage_completion_tokens"].items()))
+        flag = "" if c["as_asked"] == c["streams"] else " NOT ALL AS ASKED"
+        parts.append(
+            f"{name} {c['as_asked']}/{c['streams']} streams with {check['max_tokens']} "
+            f"({counts}){flag}, prompt tokens {c['prompt_tokens'] or '-'}"
+        )
+    return f"  {r.scenario}: " + "; ".join(parts)
+
+
 def table(rows: list[Row]) -> str:
     head = ["#", "scenario", "baseline", "peer/base", "blazar", "ratio", "target", "result"]
     body = [
@@ -487,8 +822,8 @@ def table(rows: list[Row]) -> str:
             r.baseline_label,
             fmt(r.baseline, r.unit),
             fmt(r.blazar, r.unit),
-            "-" if r.ratio is None else f"{r.ratio:.3f}x",
-            f"{r.target_op} {r.target}x",
+            compared(r),
+            target_text(r),
             r.verdict,
         ]
         for r in rows
@@ -499,12 +834,17 @@ def table(rows: list[Row]) -> str:
     ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     spreads = [
-        f"  {r.scenario}: " + ", ".join(f"{x:.2f}x" for x in r.per_repeat)
+        f"  {r.scenario}{' (per prompt)' if r.scenario == '9' else ''}: "
+        + ", ".join(f"{x:.2f}x" for x in r.per_repeat)
         for r in rows
         if r.per_repeat
     ]
     if spreads:
         lines += ["", "per repeat (Blazar / peer, measured back to back):", *spreads]
+    checks = [token_line(r) for r in rows if "tokens" in r.details]
+    if checks:
+        lines += ["", "tokens per stream (usage.completion_tokens, finish_reason length):"]
+        lines += checks
     errors = [f"  {r.scenario}: {r.error}" for r in rows if r.error]
     if errors:
         lines += ["", "errors:", *errors]
@@ -519,12 +859,24 @@ def bundled_model() -> Path:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--scenarios", default="1,2,3,4,5,6", help="comma-separated, e.g. 1,2,3")
+    p.add_argument("--scenarios", default="1,2,3,4,5,6,7,8,9", help="comma-separated, e.g. 1,2,3")
     p.add_argument("--quick", action="store_true", help="small sizes, for smoke tests")
     p.add_argument("--json", type=Path, default=None, help="write results to this file")
     p.add_argument("--model", type=Path, default=None, help="GGUF (default: the bundled one)")
     p.add_argument("--threads", type=int, default=2, help="CPU threads for both servers")
     p.add_argument("--concurrency", type=int, default=8, help="streams in scenarios 1 and 3")
+    p.add_argument(
+        "--cpp-openmp",
+        choices=["default", "blazar"],
+        default="default",
+        help="llama-server's OpenMP spinning: libgomp's default, or the short spin count "
+        "Blazar's supervisor gives its engines (GOMP_SPINCOUNT); it matters on a busy host",
+    )
+    p.add_argument(
+        "--cpp-streams",
+        default="1,8,32,64",
+        help="scenario 7: the numbers of simultaneous streams, comma-separated",
+    )
     p.add_argument(
         "--peer-flash-attn",
         choices=["on", "off"],
@@ -542,9 +894,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     try:
         args.which = {int(x) for x in args.scenarios.split(",") if x.strip()}
     except ValueError:
-        p.error("--scenarios takes numbers 1 to 6, comma-separated")
-    if not args.which or not args.which <= {1, 2, 3, 4, 5, 6}:
-        p.error("--scenarios takes numbers 1 to 6, comma-separated")
+        p.error("--scenarios takes numbers 1 to 9, comma-separated")
+    if not args.which or not args.which <= set(range(1, 10)):
+        p.error("--scenarios takes numbers 1 to 9, comma-separated")
+    try:
+        args.cpp_streams = tuple(int(x) for x in args.cpp_streams.split(",") if x.strip())
+    except ValueError:
+        p.error("--cpp-streams takes positive numbers, comma-separated")
+    if not args.cpp_streams or min(args.cpp_streams) < 1:
+        p.error("--cpp-streams takes positive numbers, comma-separated")
     return args
 
 
@@ -568,12 +926,15 @@ def main(argv: list[str] | None = None) -> int:
         peer_flash_attn=args.peer_flash_attn == "on",
         workdir=workdir,
         blazar_speculation=args.blazar_speculation == "on",
+        cpp_streams=args.cpp_streams,
+        cpp_blazar_openmp=args.cpp_openmp == "blazar",
     )
     servers.log(
         f"model {model}, {config.threads} threads, sizes {config.sizes}, work dir {workdir}"
     )
     tokenizer = load.Tokenizer(model)
     rows: list[Row] = []
+    cpp_info: dict[str, Any] = {}
     started = time.perf_counter()
     try:
         if args.which & {1, 2, 3}:
@@ -584,18 +945,29 @@ def main(argv: list[str] | None = None) -> int:
             rows += scenario_5(config, tokenizer)
         if 6 in args.which:
             rows += scenario_6(config, tokenizer)
+        if args.which & {7, 8, 9}:
+            cpp_rows, cpp_info = scenarios_vs_cpp(config, tokenizer, args.which & {7, 8, 9})
+            rows += cpp_rows
     finally:
-        peer_log = workdir / "peer.log"
-        if rows and any(r.error for r in rows) and peer_log.exists():
-            servers.log(f"peer log kept at {peer_log}")
+        logs = sorted(workdir.glob("*.log"))
+        if rows and any(r.error for r in rows) and logs:
+            servers.log(f"server logs kept: {', '.join(str(x) for x in logs)}")
         else:
             shutil.rmtree(workdir, ignore_errors=True)
     elapsed = time.perf_counter() - started
+    peers = ["llama-cpp-python's server"] if args.which & {1, 2, 3} else []
+    peers += ["llama.cpp's llama-server"] if args.which & {7, 8, 9} else []
     print()
     print(
-        f"Blazar vs llama-cpp-python {'(QUICK: smoke sizes, not a result)' if args.quick else ''}"
+        f"Blazar vs {' and '.join(peers) or 'itself'}"
+        f"{' (QUICK: smoke sizes, not a result)' if args.quick else ''}"
     )
     print(f"model {model.name}, {config.threads} threads, {elapsed:.0f}s")
+    if cpp_info.get("argv"):
+        env = " ".join(f"{k}={v}" for k, v in sorted(cpp_info["environment"].items()))
+        print(f"llama-server: {env + ' ' if env else ''}{shlex.join(cpp_info['argv'])}")
+        same = cpp_info["system_info"] == cpp_info["llama_cpp_python_system_info"]
+        print(f"  {'same CPU features as' if same else 'OTHER CPU FEATURES THAN'} llama-cpp-python")
     print(table(rows))
     if args.json:
         args.json.write_text(
@@ -607,6 +979,7 @@ def main(argv: list[str] | None = None) -> int:
                     "concurrency": config.concurrency,
                     "sizes": asdict(config.sizes),
                     "elapsed_s": round(elapsed, 1),
+                    "llama_server": cpp_info or None,
                     "results": [r.to_json() for r in rows],
                 },
                 indent=2,
