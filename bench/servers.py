@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 MANIFESTS = REPO / "manifests"
 sys.path.insert(0, str(REPO))
 
-from blazar.engine import supervisor  # noqa: E402
+from blazar.enginehost import supervisor  # noqa: E402
 from tests.integration.harness import Daemon, pid_alive, short_home, wait_for  # noqa: E402
 
 LANE_READY_TIMEOUT = 300.0
