@@ -99,9 +99,16 @@ def cpu_flags() -> str:
     return platform.processor()
 
 
+# Options of the Makefile's CMAKE_ARGS that choose what llama-cpp-python's build makes
+# (its lean build turns the server, tools and common library off): not the server's.
+_WHAT_TO_BUILD = ("-DLLAVA_BUILD=", "-DLLAMA_BUILD_", "-DLLAMA_CURL=", "-DCMAKE_PROJECT_")
+
+
 def cmake_arguments(cmake_args: str) -> list[str]:
-    """Everything passed to CMake's configure step after -S and -B."""
-    return [*LLAMA_CMAKE_OPTIONS, *shlex.split(cmake_args)]
+    """Everything passed to CMake's configure step after -S and -B: the Makefile's
+    compiler and CPU flags, then what this build makes (which wins)."""
+    flags = [a for a in shlex.split(cmake_args) if not a.startswith(_WHAT_TO_BUILD)]
+    return [*flags, *LLAMA_CMAKE_OPTIONS]
 
 
 def cache_dir(llama_version: str, arguments: list[str]) -> Path:
