@@ -248,6 +248,11 @@ def main() -> int:
                     wall = time.perf_counter() - t0
                 cpu = {name: cpu_seconds(pid) - cpu0[name] for name, pid in pids.items()}
                 tokens = sum(int(r["timings"].get("predicted_n", 0)) for r in results)  # type: ignore[union-attr]
+                # The engine's own decode rate per request: compare it with a run without
+                # py-spy attached (see docs/BENCHMARKS.md, "Profile of the engine path").
+                rates = sorted(float(r["timings"].get("predicted_per_second", 0)) for r in results)  # type: ignore[union-attr]
+                median = rates[len(rates) // 2]
+                print(f"  engine-measured decode tok/s per stream, median {median:.1f}")
                 print(
                     f"\n#### {streams} stream(s): {tokens / wall:.1f} tok/s aggregate, "
                     f"{tokens} tokens in {wall:.1f} s"
