@@ -31,6 +31,20 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 
+def json_type(value: object) -> str:
+    """What a JSON value that is not an object is, for messages that say what was sent
+    instead ("expected a JSON object, got an array")."""
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    return "null"
+
+
 class BlazarError(Exception):
     """Base of every error Blazar reports to a caller."""
 

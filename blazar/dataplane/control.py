@@ -34,18 +34,6 @@ def _dump(obj: kinds.Resource) -> str:
     return json.dumps(manifests.to_dict(obj))
 
 
-def _json_type(value: object) -> str:
-    if isinstance(value, list):
-        return "an array"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, int | float):
-        return "a number"
-    return "null"
-
-
 def _event(e: Event) -> control_pb2.Event:
     return control_pb2.Event(
         time=e.time.isoformat(), type=e.type, reason=e.reason, kind=e.kind, name=e.name,
@@ -73,7 +61,9 @@ class ControlService(control_pb2_grpc.ControlServicer):
                 bad.append(FieldError(location, "not valid JSON: nested too deeply"))
                 continue
             if not isinstance(doc, dict):
-                bad.append(FieldError(location, f"expected a JSON object, got {_json_type(doc)}"))
+                bad.append(
+                    FieldError(location, f"expected a JSON object, got {errors.json_type(doc)}")
+                )
                 continue
             docs.append((location, doc))
         try:

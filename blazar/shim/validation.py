@@ -46,7 +46,7 @@ def parse_body(model: type[M], raw: bytes) -> M:
         ) from None
     if not isinstance(document, dict):
         raise errors.InvalidRequest(
-            f"The request body must be a JSON object, not {_json_type(document)}."
+            f"The request body must be a JSON object, not {errors.json_type(document)}."
         )
     _check_unicode(document)
     try:
@@ -139,15 +139,3 @@ def _not_unicode(bad: re.Match[str], path: _Path, *, what: str) -> errors.Invali
         "Unicode. A character outside the BMP must be escaped as a surrogate pair.",
         metadata={PARAM_KEY: rendered},
     )
-
-
-def _json_type(value: object) -> str:
-    if isinstance(value, list):
-        return "an array"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, int | float):
-        return "a number"
-    return "null"
