@@ -155,6 +155,25 @@ class Daemon:
         return self.process.returncode
 
 
+def local_fleet(home: Path, model_path: Path, *, lane: str, spec: str) -> Path:
+    """A fleet directory for `--watch` under home: Model "local" on model_path and one
+    Lane named `lane` whose spec (flow YAML, without braces) is `spec`."""
+    fleet = home / "fleet"
+    fleet.mkdir()
+    (fleet / "fleet.yaml").write_text(
+        "apiVersion: blazar.dev/v1alpha1\n"
+        "kind: Model\n"
+        "metadata: {name: local}\n"
+        f"spec: {{source: {{path: {json.dumps(str(model_path))}}}}}\n"
+        "---\n"
+        "apiVersion: blazar.dev/v1alpha1\n"
+        "kind: Lane\n"
+        f"metadata: {{name: {lane}}}\n"
+        f"spec: {{model: local, {spec}}}\n"
+    )
+    return fleet
+
+
 @contextlib.contextmanager
 def running(home: Path, watch: Path | None = None) -> Iterator[Daemon]:
     daemon = Daemon(home=home, watch=watch).start()

@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from tests.integration import pinning
-from tests.integration.harness import REPO, Daemon, pid_alive, short_home, wait_for
+from tests.integration.harness import REPO, Daemon, local_fleet, pid_alive, short_home, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -331,22 +331,8 @@ def test_killed_worker_is_restarted(daemon: Daemon) -> None:
 
 def test_daemon_kill_leaves_no_orphans_and_restart_reconverges(model_path: Path) -> None:
     home = short_home()
-    fleet = home / "fleet"
-    fleet.mkdir()
-    (fleet / "fleet.yaml").write_text(
-        textwrap.dedent(
-            f"""
-            apiVersion: blazar.dev/v1alpha1
-            kind: Model
-            metadata: {{name: local}}
-            spec: {{source: {{path: {json.dumps(str(model_path))}}}}}
-            ---
-            apiVersion: blazar.dev/v1alpha1
-            kind: Lane
-            metadata: {{name: solo}}
-            spec: {{model: local, replicas: 1, slots: 1, contextPerSlot: 512}}
-            """
-        )
+    fleet = local_fleet(
+        home, model_path, lane="solo", spec="replicas: 1, slots: 1, contextPerSlot: 512"
     )
     first = Daemon(home=home, watch=fleet).start()
     try:

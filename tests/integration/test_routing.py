@@ -4,9 +4,7 @@ on the replica whose cache holds its conversation, and reuses it."""
 
 from __future__ import annotations
 
-import json
 import shutil
-import textwrap
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.integration.harness import Daemon, short_home, wait_for
+from tests.integration.harness import Daemon, local_fleet, short_home, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -25,22 +23,11 @@ LANE = "pair"
 @pytest.fixture(scope="module")
 def daemon(model_path: Path) -> Iterator[Daemon]:
     home = short_home()
-    fleet = home / "fleet"
-    fleet.mkdir()
-    (fleet / "fleet.yaml").write_text(
-        textwrap.dedent(
-            f"""
-            apiVersion: blazar.dev/v1alpha1
-            kind: Model
-            metadata: {{name: local}}
-            spec: {{source: {{path: {json.dumps(str(model_path))}}}}}
-            ---
-            apiVersion: blazar.dev/v1alpha1
-            kind: Lane
-            metadata: {{name: {LANE}}}
-            spec: {{model: local, replicas: 2, slots: 2, contextPerSlot: 2048, threads: 1}}
-            """
-        )
+    fleet = local_fleet(
+        home,
+        model_path,
+        lane=LANE,
+        spec="replicas: 2, slots: 2, contextPerSlot: 2048, threads: 1",
     )
     d = Daemon(home=home, watch=fleet).start()
     try:
