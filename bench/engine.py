@@ -569,11 +569,7 @@ def scenarios_vs_cpp(
     blazar_server = servers.Blazar(config, lanes, spec_pairs=9 in which)
     extra = load.no_end_of_generation(tokenizer)
     info["logit_bias"] = extra["logit_bias"]
-    info["environment"] = {
-        k: v
-        for k, v in (cpp_server.environment() or os.environ).items()
-        if k.startswith(("GOMP_", "OMP_"))
-    }
+    info["environment"] = {k: v for k, v in os.environ.items() if k.startswith(("GOMP_", "OMP_"))}
     with contextlib.ExitStack() as stack:
 
         def start(server: servers.LlamaServer | servers.Blazar, models: list[str]) -> str:
@@ -866,13 +862,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2, help="CPU threads for both servers")
     p.add_argument("--concurrency", type=int, default=8, help="streams in scenarios 1 and 3")
     p.add_argument(
-        "--cpp-openmp",
-        choices=["default", "blazar"],
-        default="default",
-        help="llama-server's OpenMP spinning: libgomp's default, or the short spin count "
-        "Blazar's supervisor gives its engines (GOMP_SPINCOUNT); it matters on a busy host",
-    )
-    p.add_argument(
         "--cpp-streams",
         default="1,8,32,64",
         help="scenario 7: the numbers of simultaneous streams, comma-separated",
@@ -927,7 +916,6 @@ def main(argv: list[str] | None = None) -> int:
         workdir=workdir,
         blazar_speculation=args.blazar_speculation == "on",
         cpp_streams=args.cpp_streams,
-        cpp_blazar_openmp=args.cpp_openmp == "blazar",
     )
     servers.log(
         f"model {model}, {config.threads} threads, sizes {config.sizes}, work dir {workdir}"

@@ -30,7 +30,6 @@ REPO = Path(__file__).resolve().parents[1]
 MANIFESTS = REPO / "manifests"
 sys.path.insert(0, str(REPO))
 
-from blazar.enginehost import supervisor  # noqa: E402
 from tests.integration.harness import Daemon, pid_alive, short_home, wait_for  # noqa: E402
 
 LANE_READY_TIMEOUT = 300.0
@@ -74,9 +73,6 @@ class Config:
     blazar_speculation: bool = True
     # Scenario 7: the numbers of simultaneous streams against llama-server.
     cpp_streams: tuple[int, ...] = (1, 8, 32, 64)
-    # Scenarios 7-9: llama-server starts with the OpenMP environment of Blazar's engines
-    # (a short GOMP_SPINCOUNT) instead of libgomp's default spinning.
-    cpp_blazar_openmp: bool = False
 
 
 def log(message: str) -> None:
@@ -209,8 +205,7 @@ class LlamaServer(Subprocess):
     and for prompts, and the context, which llama-server takes as the total and splits
     across its slots. Everything else is llama-server's default: continuous batching,
     prompt caching, flash attention `auto`, its batch sizes, no speculation. No web UI.
-    Its environment is this process's, unless `cpp_blazar_openmp` gives it the OpenMP
-    spin count Blazar's supervisor gives its engines.
+    Its environment is this process's.
     """
 
     what = "llama-server"
@@ -231,11 +226,6 @@ class LlamaServer(Subprocess):
             "--threads", str(c.threads), "--threads-batch", str(c.threads),
             "--no-webui",
         ]  # fmt: skip
-
-    def environment(self) -> dict[str, str] | None:
-        if not self.config.cpp_blazar_openmp:
-            return None
-        return supervisor.engine_environment(os.environ)
 
 
 def default_spec_pair() -> dict[str, Any]:

@@ -149,6 +149,9 @@ class EngineLaunch:
     parent_pid: int | None = None
     # One JSON object per log line (the supervisor reads them to explain an exit).
     log_json: bool = False
+    # The table through which the engines of one daemon share the host's cores
+    # (`blazar.engine.cpushare`); None: the worker always computes on spec.threads.
+    cpu_share: str | None = None
 
     def to_json(self) -> bytes:
         return _ENGINE_LAUNCH.dump_json(self, indent=2)

@@ -264,6 +264,10 @@ class Runtime:
         if rc != 0:
             raise LlamaError(f"llama_decode returned {rc}")
 
+    def set_threads(self, threads: int) -> None:
+        """CPU threads of the following decodes (one-token steps and prompt chunks)."""
+        lc.llama_set_n_threads(self._ctx, threads, threads)
+
     @property
     def model(self) -> Any:
         """The native `llama_model *`; other contexts (embeddings) may share it until

@@ -36,7 +36,7 @@ from typing import Any
 import structlog
 
 from blazar.api import errors, replicas
-from blazar.engine import batching, generation, jobs, kvstore, llama, speculation
+from blazar.engine import batching, cpushare, generation, jobs, kvstore, llama, speculation
 from blazar.engine.generation import Generation
 from blazar.engine.speculator import Candidate, SpeculationStats, Speculator
 
@@ -82,6 +82,8 @@ class LoopOptions:
     kv_dir: Path | None = None
     # Prompt tokens a step takes while other sequences decode (None: n_batch).
     prefill_beside_decode: int | None = PREFILL_BESIDE_DECODE
+    # The host's CPU share table (`cpushare`); None: always compute on spec.threads.
+    cpu_share: Path | None = None
 
 
 _STOP = object()
@@ -113,6 +115,9 @@ class DecodeLoop:
         # What Health reports once a failed drafter switched speculation off.
         self._spec_failed: SpeculationStats | None = None
         self._clock = 0
+        self._cpu: cpushare.CpuShare | None = None
+        # Threads the last step computed with (Health reads it from other threads).
+        self.threads = options.spec.threads
         self._thread = threading.Thread(target=self._run, name="decode", daemon=True)
 
     @property
@@ -179,10 +184,16 @@ class DecodeLoop:
             return
         if self.options.kv_dir is not None:
             kvstore.restore_slots(runtime, self.options.kv_dir, self.slots)
+        if self.options.cpu_share is not None:
+            try:
+                self._cpu = cpushare.CpuShare(self.options.cpu_share)
+            except (OSError, RuntimeError) as exc:
+                log.warning("cpu_share_off", path=str(self.options.cpu_share), error=str(exc))
         self._on_loaded(None)
         try:
             while self._collect():
                 self._admit(runtime)
+                self._share_cpu(runtime)
                 try:
                     self._step(runtime)
                 except Exception as exc:
@@ -197,6 +208,8 @@ class DecodeLoop:
                 kvstore.save_slots(runtime, self.options.kv_dir, self.slots)
             if self._spec is not None:
                 self._spec.close()
+            if self._cpu is not None:
+                self._cpu.close()
             runtime.close()
             self._runtime = None
 
@@ -226,6 +239,8 @@ class DecodeLoop:
         False once stopped.
         """
         block = not self._active() and not self._waiting
+        if block and self._cpu is not None:
+            self._cpu.idle()
         added = False
         while True:
             try:
@@ -265,6 +280,16 @@ class DecodeLoop:
             except Exception as exc:
                 log.exception("begin_failed", request_id=job.request_id)
                 job.deliver(jobs.Failed(f"could not start generation: {exc}"))
+
+    def _share_cpu(self, runtime: llama.Runtime) -> None:
+        """Compute the next step on this engine's share of the host's cores."""
+        if self._cpu is None:
+            return
+        threads = self._cpu.busy(self.options.spec.threads)
+        if threads != self.threads:
+            runtime.set_threads(threads)
+            log.debug("threads_changed", threads=threads, wanted=self.options.spec.threads)
+            self.threads = threads
 
     def _end_cancelled_waiting(self) -> None:
         """Tell each waiting job that was cancelled (a drain cancels queued jobs too)

@@ -135,6 +135,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             model_path=self._model_path,
             pid=os.getpid(),
             kv_bytes=self._decode.kv_bytes,
+            threads=self._decode.threads,
             speculation=engine_pb2.SpeculationStats(
                 kind=spec.kind,
                 drafted_tokens=spec.drafted,

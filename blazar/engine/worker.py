@@ -74,7 +74,11 @@ async def serve(launch: replicas.EngineLaunch) -> int:
 
     spec = launch.spec
     decode = loop.DecodeLoop(
-        loop.LoopOptions(spec, kv_dir=Path(launch.kv_dir) if launch.kv_dir else None),
+        loop.LoopOptions(
+            spec,
+            kv_dir=Path(launch.kv_dir) if launch.kv_dir else None,
+            cpu_share=Path(launch.cpu_share) if launch.cpu_share else None,
+        ),
         on_loaded=on_loaded,
     )
     engine = service.EngineService(decode, model_path=spec.model_path)

@@ -36,7 +36,7 @@ import os
 import shutil
 import signal
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -68,22 +68,9 @@ LIVENESS_FAILURES = 3
 DRAIN_CANCEL_ALLOWANCE_S = 7.0
 _MAX_UNIX_PATH = 100
 
-# libgomp's waiting threads spin up to 300,000 times before they sleep (its default
-# GOMP_SPINCOUNT). Two busy engines on the same cores (a rolling update's surge beside
-# the replica it replaces, two Lanes, two replicas) then spin against each other:
-# measured here, two one-stream engines of 2 threads on 2 cores fell from 77-84 to
-# 0.5-8.8 tok/s each. At 1,000 spins they ran at 29-31 tok/s each, and one engine
-# alone within the noise of the default (docs/BENCHMARKS.md, "OpenMP spinning").
-OPENMP_SPINCOUNT = "1000"
-
-
-def engine_environment(environ: Mapping[str, str]) -> dict[str, str]:
-    """The environment an engine worker starts with: the daemon's, with a short OpenMP
-    spin unless the operator chose a wait policy or spin count."""
-    env = dict(environ)
-    if "GOMP_SPINCOUNT" not in env and "OMP_WAIT_POLICY" not in env:
-        env["GOMP_SPINCOUNT"] = OPENMP_SPINCOUNT
-    return env
+# The run directory's table through which engines share the host's cores
+# (`blazar.engine.cpushare`; each engine keeps libgomp's default spin).
+CPU_SHARE_FILE = "cpu-share"
 
 
 def socket_dir(home: Path) -> Path:
@@ -264,6 +251,7 @@ class Supervisor:
             kv_dir=str(kv_dir) if kv_dir is not None else None,
             parent_pid=os.getpid(),
             log_json=self.log_json,
+            cpu_share=str(self.run_dir / CPU_SHARE_FILE),
         )
 
     def _kv_dir(self, replica: _Replica, warnings: list[StartWarning]) -> Path | None:
@@ -333,7 +321,6 @@ class Supervisor:
                 stdout=log_file,
                 stderr=log_file,
                 start_new_session=True,  # own process group, so stop() can kill it whole
-                env=engine_environment(os.environ),
             )
         replica.started_at = datetime.now(UTC)
         replica.client = EngineClient(str(replica.socket))

@@ -118,6 +118,7 @@ def launch(
     kv_dir: Path | None = None,
     parent_pid: int | None = None,
     drain_grace_seconds: float = DRAIN_GRACE_S,
+    cpu_share: Path | None = None,
     **spec: Any,
 ) -> EngineLaunch:
     """A worker's launch document: `SLOTS` slots of `CONTEXT_PER_SLOT` on two threads,
@@ -130,6 +131,7 @@ def launch(
         kv_dir=str(kv_dir) if kv_dir is not None else None,
         parent_pid=parent_pid,
         log_json=True,
+        cpu_share=str(cpu_share) if cpu_share is not None else None,
     )
 
 

@@ -17,6 +17,7 @@ import pytest
 
 from blazar._proto.engine.v1 import engine_pb2, engine_pb2_grpc
 from blazar._proto.v1 import inference_pb2
+from blazar.engine import cpushare
 from blazar.rpc import limits
 from tests.integration import pinning
 from tests.integration.engine_harness import (
@@ -264,6 +265,37 @@ def test_cancelled_stream_frees_the_slot(worker: Worker, no_eog: dict[int, float
     assert h.slots[busy[0].index].cached_tokens >= busy[0].cached_tokens
     _, final = worker.generate(prompt=PROMPT, sampling=greedy(2, logit_bias=no_eog))
     assert final.usage.completion_tokens == 2
+
+
+def test_busy_engines_share_the_cores(
+    spawn: Spawner, no_eog: dict[int, float], tmp_path: Path
+) -> None:
+    """Two engines that each want every core compute on half of them while both have
+    work, and on all of them again once the other is idle (docs: cpushare)."""
+    cores = len(os.sched_getaffinity(0))
+    table = tmp_path / "cpu-share"
+    a, b = (spawn(cpu_share=table, threads=cores, slots=1) for _ in range(2))
+    a.wait_ready()
+    b.wait_ready()
+    endless = engine_pb2.GenerateRequest(
+        prompt=PROMPT, sampling=inference_pb2.Sampling(logit_bias=no_eog)
+    )
+
+    def threads(*workers: Worker) -> list[int] | None:
+        hs = [w.health() for w in workers]
+        return None if None in hs else [h.threads for h in hs if h is not None]
+
+    call_a = a.stub.Generate(endless, timeout=120)
+    next(call_a)
+    assert threads(a) == [cores]
+    call_b = b.stub.Generate(endless, timeout=120)
+    next(call_b)
+    next(call_a)
+    half = cpushare.share(cores, cores, cores)
+    poll(lambda: threads(a, b) == [half, half], what=f"both engines on {half} threads")
+    call_b.cancel()
+    poll(lambda: threads(a) == [cores], what="the busy engine back on every core")
+    call_a.cancel()
 
 
 def test_sigterm_finishes_in_flight_work_then_exits_zero(

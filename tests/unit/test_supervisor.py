@@ -440,38 +440,30 @@ def test_exit_reason(tail: str, code: int, expected: str) -> None:
     assert forensics.exit_reason(tail, code) == expected
 
 
-@pytest.mark.parametrize(
-    ("daemon", "engine"),
-    [
-        ({"PATH": "/bin"}, {"PATH": "/bin", "GOMP_SPINCOUNT": "1000"}),
-        # The operator's own choice stands.
-        ({"GOMP_SPINCOUNT": "50"}, {"GOMP_SPINCOUNT": "50"}),
-        ({"OMP_WAIT_POLICY": "ACTIVE"}, {"OMP_WAIT_POLICY": "ACTIVE"}),
-    ],
-)
-def test_engine_environment(daemon: dict[str, str], engine: dict[str, str]) -> None:
-    assert supervisor.engine_environment(daemon) == engine
-
-
-def test_a_worker_starts_with_a_short_openmp_spin(
+def test_a_worker_shares_the_cores_with_libgomps_own_spin(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Engines keep libgomp's default spin (the daemon adds no GOMP_ setting) and
+    share the cores through the run directory's table, named in the launch document."""
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     sup, launch, worker = bare_supervisor(tmp_path)
 
-    async def run() -> dict[str, str]:
+    async def run() -> tuple[dict[str, str], dict[str, Any]]:
         try:
             await sup.start("l", 0, launch)
             (obs,) = sup.observe("l")
             assert obs.pid is not None
-            recorded_argv(worker.parent, obs.pid)  # the worker is up
+            document = recorded_launch(worker.parent, obs.pid)  # the worker is up
             raw = Path(f"/proc/{obs.pid}/environ").read_bytes()
-            return dict(item.split("=", 1) for item in raw.decode().split("\0") if "=" in item)
+            env = dict(item.split("=", 1) for item in raw.decode().split("\0") if "=" in item)
+            return env, document
         finally:
             await sup.stop_all(grace=1.0)
 
-    assert asyncio.run(run())["GOMP_SPINCOUNT"] == supervisor.OPENMP_SPINCOUNT
+    env, document = asyncio.run(run())
+    assert not {k for k in env if k.startswith(("GOMP_", "OMP_"))}
+    assert document["cpu_share"] == str(sup.run_dir / supervisor.CPU_SHARE_FILE)
     remove_run_dir(sup)
 
 

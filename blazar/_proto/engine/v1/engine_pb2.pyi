@@ -69,7 +69,7 @@ class SpeculationStats(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., disabled_requests: _Optional[int] = ..., failure: _Optional[str] = ...) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("state", "slots", "memory_bytes", "context_per_slot", "model_path", "pid", "speculation", "kv_bytes")
+    __slots__ = ("state", "slots", "memory_bytes", "context_per_slot", "model_path", "pid", "speculation", "kv_bytes", "threads")
     STATE_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +78,7 @@ class HealthResponse(_message.Message):
     PID_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    THREADS_FIELD_NUMBER: _ClassVar[int]
     state: EngineState
     slots: _containers.RepeatedCompositeFieldContainer[SlotStatus]
     memory_bytes: int
@@ -86,7 +87,8 @@ class HealthResponse(_message.Message):
     pid: int
     speculation: SpeculationStats
     kv_bytes: int
-    def __init__(self, state: _Optional[_Union[EngineState, str]] = ..., slots: _Optional[_Iterable[_Union[SlotStatus, _Mapping]]] = ..., memory_bytes: _Optional[int] = ..., context_per_slot: _Optional[int] = ..., model_path: _Optional[str] = ..., pid: _Optional[int] = ..., speculation: _Optional[_Union[SpeculationStats, _Mapping]] = ..., kv_bytes: _Optional[int] = ...) -> None: ...
+    threads: int
+    def __init__(self, state: _Optional[_Union[EngineState, str]] = ..., slots: _Optional[_Iterable[_Union[SlotStatus, _Mapping]]] = ..., memory_bytes: _Optional[int] = ..., context_per_slot: _Optional[int] = ..., model_path: _Optional[str] = ..., pid: _Optional[int] = ..., speculation: _Optional[_Union[SpeculationStats, _Mapping]] = ..., kv_bytes: _Optional[int] = ..., threads: _Optional[int] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ("grace_seconds",)
