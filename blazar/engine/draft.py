@@ -126,6 +126,10 @@ class LlamaDraftRunner:
                 drafts[seq].append(self._sample(i))
         return {seq: tuple(d) for seq, d in drafts.items()}
 
+    def set_threads(self, threads: int) -> None:
+        """CPU threads of the draft model's following decodes."""
+        lc.llama_set_n_threads(self._ctx, threads, threads)
+
     def release(self, seq: int) -> None:
         lc.llama_memory_seq_rm(self._mem, seq, -1, -1)
         self._cached.pop(seq, None)

@@ -288,6 +288,8 @@ class DecodeLoop:
         threads = self._cpu.busy(self.options.spec.threads)
         if threads != self.threads:
             runtime.set_threads(threads)
+            if self._spec is not None:
+                self._spec.set_threads(threads)
             log.debug("threads_changed", threads=threads, wanted=self.options.spec.threads)
             self.threads = threads
 

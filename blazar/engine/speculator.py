@@ -113,6 +113,11 @@ class Speculator:
             failure=failure,
         )
 
+    def set_threads(self, threads: int) -> None:
+        """The draft model computes on the target's share of the cores too."""
+        if self.runner is not None:
+            self.runner.set_threads(threads)
+
     def close(self) -> None:
         if self.runner is not None:
             self.runner.close()
