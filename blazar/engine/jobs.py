@@ -95,6 +95,7 @@ class Job:
         max_tokens: int,
         deliver: Callable[[Event], None],
         arrived: float | None = None,
+        tpot_target_s: float | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
@@ -104,6 +105,9 @@ class Job:
         # perf_counter() when the request reached the engine, before it was prepared
         # (preparing runs in a thread pool, so jobs can come out of it in another order).
         self.arrived = time.perf_counter() if arrived is None else arrived
+        # The caller's time-per-output-token target: prompt chunks decoded beside this
+        # job are sized to keep it (`pacing`). None: no target.
+        self.tpot_target_s = tpot_target_s
         self._cancelled = threading.Event()
 
     def cancel(self) -> None:

@@ -36,7 +36,16 @@ from typing import Any
 import structlog
 
 from blazar.api import errors, replicas
-from blazar.engine import batching, cpushare, generation, jobs, kvstore, llama, speculation
+from blazar.engine import (
+    batching,
+    cpushare,
+    generation,
+    jobs,
+    kvstore,
+    llama,
+    pacing,
+    speculation,
+)
 from blazar.engine.generation import Generation
 from blazar.engine.speculator import Candidate, SpeculationStats, Speculator
 
@@ -67,7 +76,8 @@ class Slot:
 
 # Every stream that decodes waits for the whole step, prompt chunk included: on the
 # 2-core dev box a 512-token chunk took 1.0-2.8 s, one token per stream in that time.
-# A step that also decodes takes at most this many prompt tokens. Measured there, an
+# A step that also decodes takes at most this many prompt tokens, unless a decoding
+# request has a time-per-output-token target (`pacing`). Measured there, an
 # 800-token prompt arriving beside one stream: the stream's longest pause went from
 # 1.02-1.25 s to 0.33-0.41 s, the prompt's first token came 0.1-0.3 s later (1.8-2.1
 # against 1.9-2.4 s). A prompt alone still takes n_batch tokens per step.
@@ -116,6 +126,9 @@ class DecodeLoop:
         self._spec_failed: SpeculationStats | None = None
         self._clock = 0
         self._cpu: cpushare.CpuShare | None = None
+        self._pacer = pacing.PrefillPacer(
+            default=options.prefill_beside_decode, max_tokens=llama.N_BATCH
+        )
         # Threads the last step computed with (Health reads it from other threads).
         self.threads = options.spec.threads
         self._thread = threading.Thread(target=self._run, name="decode", daemon=True)
@@ -332,19 +345,37 @@ class DecodeLoop:
         active = sorted(self._active(), key=lambda s: s.gen.started if s.gen else 0.0)
         if self._spec is not None:
             self._draft(runtime, self._spec, active)
+        wants = [self._want(slot) for slot in active]
         pieces = batching.plan_step(
-            [self._want(slot) for slot in active],
+            wants,
             max_tokens=runtime.n_batch,
             max_outputs=runtime.n_outputs,
-            prefill_beside_decode=self.options.prefill_beside_decode,
+            prefill_beside_decode=self._prefill_budget(active, wants),
         )
         entries: list[tuple[int, int, int, bool]] = []
         placed = [self._place(piece, entries) for piece in pieces]
         if not entries:
             return
+        started = time.perf_counter()
         runtime.decode(entries)
+        self._pacer.observe(
+            rows=sum(p.tokens for p in pieces if p.decode),
+            prompt_tokens=sum(p.tokens for p in pieces if not p.decode),
+            seconds=time.perf_counter() - started,
+        )
         for place in placed:
             self._sample(runtime, place)
+
+    def _prefill_budget(self, active: list[Slot], wants: list[batching.Want]) -> int | None:
+        """Prompt tokens this step may take beside its decoding rows: paced to the
+        tightest time-per-output-token target among them (`pacing`)."""
+        targets = [
+            slot.gen.job.tpot_target_s
+            for slot, want in zip(active, wants, strict=True)
+            if want.decode and slot.gen is not None and slot.gen.job.tpot_target_s is not None
+        ]
+        rows = sum(want.decode for want in wants)
+        return self._pacer.budget(rows=rows, target_s=min(targets, default=None))
 
     @staticmethod
     def _want(slot: Slot) -> batching.Want:

@@ -366,6 +366,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             max_tokens=max_tokens,
             deliver=deliver,
             arrived=arrived,
+            tpot_target_s=request.tpot_target_ms / 1000 if request.tpot_target_ms > 0 else None,
         )
 
 

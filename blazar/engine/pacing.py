@@ -1,0 +1,78 @@
+"""How many prompt tokens a step may take beside streams that decode.
+
+A step that prefills a chunk of a new prompt also advances every decoding stream by
+one token (plus what speculation accepts), so the chunk sets those streams' time per
+output token. When a decoding request carries a time-per-output-token target (its
+SLOPolicy's `tpotTargetMs`; the tightest one counts), the chunk is sized from what
+this engine has measured: how long a step of `rows` decoding rows takes, and how long
+each prompt token adds to a step. Without a target the loop's fixed cap applies
+(`loop.PREFILL_BESIDE_DECODE`), and so it does until both figures are measured: the
+pacer never sizes a chunk on a guess.
+
+A target that even a decode-only step misses still lets the prompt move on, by
+`MIN_CHUNK` tokens a step; a target with room to spare lets the chunk grow up to the
+batch, so that the long prompt is not slowed for nothing.
+
+Pure: the loop reports each decoded step (`observe`) and asks before planning the
+next (`budget`); no clock, no llama.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Prompt tokens a step takes at least beside decoding streams with a target.
+MIN_CHUNK = 16
+# Weight of the newest measurement in the moving averages.
+ALPHA = 0.2
+
+
+def _average(old: float | None, new: float) -> float:
+    return new if old is None else old + ALPHA * (new - old)
+
+
+@dataclass
+class PrefillPacer:
+    # The cap without a target (None: none, a step may prefill up to the batch).
+    default: int | None
+    # The batch: no chunk is larger.
+    max_tokens: int
+    # Seconds of a step that only decodes, by its decoding rows.
+    _decode_s: dict[int, float] = field(default_factory=dict)
+    # Seconds one prompt token adds to a step.
+    _per_token_s: float | None = None
+
+    def observe(self, *, rows: int, prompt_tokens: int, seconds: float) -> None:
+        """A step decoded `rows` rows of decoding streams and `prompt_tokens` prompt
+        tokens in `seconds`."""
+        if prompt_tokens <= 0:
+            if rows > 0:
+                self._decode_s[rows] = _average(self._decode_s.get(rows), seconds)
+            return
+        base = 0.0 if rows == 0 else self.decode_s(rows)
+        if base is None:
+            return
+        added = (seconds - base) / prompt_tokens
+        if added > 0:
+            self._per_token_s = _average(self._per_token_s, added)
+
+    def decode_s(self, rows: int) -> float | None:
+        """The measured decode-only step of `rows` rows, or of the nearest row count
+        measured, scaled linearly (rows cost about the same each: the output head)."""
+        if rows in self._decode_s:
+            return self._decode_s[rows]
+        if not self._decode_s:
+            return None
+        near = min(self._decode_s, key=lambda r: (abs(r - rows), r))
+        return self._decode_s[near] * rows / near
+
+    def budget(self, *, rows: int, target_s: float | None) -> int | None:
+        """Prompt tokens the next step may take beside `rows` decoding rows whose
+        tightest target is `target_s` (None: no decoding request has one)."""
+        if rows <= 0 or target_s is None:
+            return self.default
+        base, per_token = self.decode_s(rows), self._per_token_s
+        if base is None or per_token is None:
+            return self.default
+        room = int((target_s - base) / per_token)
+        return max(MIN_CHUNK, min(room, self.max_tokens))
