@@ -7,6 +7,8 @@
     ├── ManifestInvalid               a manifest failed validation       INVALID_ARGUMENT
     ├── ModelNotFound                 no Lane serves that name           NOT_FOUND
     ├── ObjectNotFound                no such resource in the store      NOT_FOUND
+    ├── RequestNotFound               no such request on the engine      NOT_FOUND
+    ├── RequestStateConflict          not in a state that allows it      FAILED_PRECONDITION
     ├── Overloaded                    admission refused, retry later     RESOURCE_EXHAUSTED
     │   ├── QueueFull                 its policy's queue is at its depth RESOURCE_EXHAUSTED
     │   ├── QueueTimeout              waited its policy's longest wait   RESOURCE_EXHAUSTED
@@ -140,6 +142,38 @@ class ObjectNotFound(BlazarError):
     reason = "NOT_FOUND"
 
 
+class RequestNotFound(BlazarError):
+    """An engine order (Park, Resume) names a request the engine does not hold: it
+    ended, or never ran there."""
+
+    code = "NOT_FOUND"
+    reason = "REQUEST_NOT_FOUND"
+
+    @classmethod
+    def of(cls, request_id: str) -> RequestNotFound:
+        return cls(
+            f"No request '{request_id}' is running or parked on this engine.",
+            metadata={"request_id": request_id},
+        )
+
+
+class RequestStateConflict(BlazarError):
+    """An engine order that the request's state does not allow: parking one that waits
+    for a slot or is parked already, resuming one that is not parked. `state` in the
+    metadata says which it is (waiting, running, parked)."""
+
+    code = "FAILED_PRECONDITION"
+    reason = "REQUEST_STATE_CONFLICT"
+
+    @classmethod
+    def of(cls, request_id: str, *, state: str, wanted: str) -> RequestStateConflict:
+        return cls(
+            f"The request '{request_id}' is {state}; only a {wanted} request can be "
+            f"{'parked' if wanted == 'running' else 'resumed'}.",
+            metadata={"request_id": request_id, "state": state},
+        )
+
+
 class Overloaded(BlazarError):
     code = "RESOURCE_EXHAUSTED"
     reason = "OVERLOADED"
@@ -265,6 +299,8 @@ _BY_REASON: dict[str, type[BlazarError]] = {
         ManifestInvalid,
         ModelNotFound,
         ObjectNotFound,
+        RequestNotFound,
+        RequestStateConflict,
         Overloaded,
         QueueFull,
         QueueTimeout,

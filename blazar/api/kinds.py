@@ -182,10 +182,18 @@ CacheType = Annotated[str, AfterValidator(_check_cache_type)]
 _QUANTIZED = KV_CACHE_TYPES - {"f32", "f16", "bf16"}
 
 
+# Host memory one engine may hold for the KV caches of parked (preempted) generations.
+# A 2,048-token slot of an 8B model with an f16 cache is 256 MiB, so this banks four
+# such slots; past it a parked generation keeps only its tokens and is prefilled again.
+DEFAULT_MAX_PARKED_MIB = 1024
+
+
 class KVCache(CamelModel):
     type_k: CacheType = "f16"
     type_v: CacheType = "f16"
     persist: bool = False
+    # Bound on parked KV per replica (0: every parked generation is prefilled again).
+    max_parked_mib: int = Field(default=DEFAULT_MAX_PARKED_MIB, ge=0, alias="maxParkedMiB")
 
 
 class Idle(CamelModel):

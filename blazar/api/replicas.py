@@ -93,6 +93,8 @@ class LaunchSpec:
     # Save slot KV state on graceful stop and restore it on start (per replica dir).
     kv_persist: bool
     flash_attention: Literal["auto", "on", "off"]
+    # Host memory for parked generations' KV caches, in MiB (kvCache.maxParkedMiB).
+    max_parked_mib: int
     # Overrides the GGUF's template: a name (`text.NAMED_TEMPLATES`) or Jinja source.
     chat_template: str | None = None
     speculation: SpeculationLaunch | None = None
@@ -124,6 +126,7 @@ class LaunchSpec:
             type_v=lane.kv_cache.type_v,
             kv_persist=lane.kv_cache.persist,
             flash_attention=lane.flash_attention,
+            max_parked_mib=lane.kv_cache.max_parked_mib,
             chat_template=chat_template,
             speculation=speculation,
         )

@@ -6,6 +6,11 @@ safe, stop strings held back until they cannot match), keeps its logprobs aligne
 with the text they produced, counts it against `max_tokens`, and says when the
 request is over (`End`). It builds its own `jobs.Finished` from its timings. Decode
 thread only, like the slot that holds it.
+
+A generation can leave its slot and come back (`parking`): it is kept whole meanwhile,
+its native sampler included, and `pause` / `unpause` keep the time parked out of its
+prefill and decode figures. Back in a slot without its cache, it prefills its tokens
+again (`refill`) before the pending token in `feed` is decoded.
 """
 
 from __future__ import annotations
@@ -40,6 +45,9 @@ class Generation:
     # Sampled but not yet decoded into the KV cache: one token, or (with speculation)
     # the verified token followed by drafted ones.
     feed: list[int] = field(default_factory=list)
+    # Tokens to prefill again before `feed` is decoded: its cache as it was when it was
+    # parked, less what the slot it resumed in still held (empty but after a resume).
+    refill: list[int] = field(default_factory=list)
     completion: int = 0
     # Generated tokens whose text has not gone out in a delta yet, and their logprobs,
     # each with where its text begins in `decoded` (the characters produced so far).
@@ -57,6 +65,11 @@ class Generation:
     accepted: int = 0
     # The kind of speculation that drafted for it ("" until a draft was verified).
     speculation: str = ""
+    # When it was parked (0.0: it is not), and the seconds parked in all and after
+    # its first token.
+    parked_at: float = 0.0
+    parked_s: float = 0.0
+    parked_decoding_s: float = 0.0
 
     @classmethod
     def begin(cls, job: jobs.Job, *, cached: int) -> Generation:
@@ -76,7 +89,8 @@ class Generation:
 
     @property
     def to_prefill(self) -> int:
-        return len(self.job.prompt) - self.prefilled
+        """Prompt tokens, or tokens to prefill again after a resume, not in the cache."""
+        return len(self.job.prompt) - self.prefilled + len(self.refill)
 
     @property
     def room(self) -> int:
@@ -84,7 +98,11 @@ class Generation:
         return self.job.max_tokens - self.completion
 
     def take_prompt(self, count: int) -> list[int]:
-        """The next `count` prompt tokens to prefill, counted as prefilled."""
+        """The next `count` tokens to prefill (to prefill again first), counted as done."""
+        if self.refill:
+            tokens = self.refill[:count]
+            del self.refill[:count]
+            return tokens
         tokens = self.job.prompt[self.prefilled : self.prefilled + count]
         self.prefilled += len(tokens)
         return tokens
@@ -141,6 +159,27 @@ class Generation:
             return End(jobs.FinishReason.LENGTH)
         return None
 
+    def pause(self) -> None:
+        """It left its slot (parked)."""
+        self.parked_at = time.perf_counter()
+
+    def unpause(self) -> float:
+        """It is back in a slot, or ends parked; the seconds it was parked this time."""
+        if not self.parked_at:
+            return 0.0
+        seconds = time.perf_counter() - self.parked_at
+        self.parked_at = 0.0
+        self.parked_s += seconds
+        if self.first_token:
+            self.parked_decoding_s += seconds
+        return seconds
+
+    def restart_prefill(self, keep: int) -> None:
+        """Prefill the prompt again from position `keep` (parked before its prompt was
+        in; resumed without its cache): prompt logprobs past it are scored again."""
+        self.prefilled = keep
+        del self.prompt_scores[max(keep - 1, 0) :]
+
     def record_draft(self, kind: str, *, drafted: int, accepted: int) -> None:
         self.drafted += drafted
         self.accepted += accepted
@@ -155,8 +194,10 @@ class Generation:
         seen its final chunk finds the slot free.
         """
         job = self.job
+        self.unpause()
         tail = self.stops.flush() if flush and reason is not jobs.FinishReason.CANCELLED else ""
         first = self.first_token or self.started
+        prefilling_parked = self.parked_s - self.parked_decoding_s
         finished = jobs.Finished(
             reason=reason,
             slot=slot,
@@ -164,9 +205,12 @@ class Generation:
             completion_tokens=self.completion,
             cached_tokens=self.cached,
             queue_ms=(self.started - job.arrived) * _MS,
-            prefill_ms=((self.prefill_done or self.started) - self.started) * _MS,
+            prefill_ms=max(self.prefill_done - self.started - prefilling_parked, 0.0) * _MS
+            if self.prefill_done
+            else 0.0,
             ttft_ms=(first - job.arrived) * _MS if self.first_token else 0.0,
-            decode_ms=((self.last_token or first) - first) * _MS,
+            decode_ms=((self.last_token or first) - first - self.parked_decoding_s) * _MS,
+            parked_ms=self.parked_s * _MS,
             prompt_logprobs=tuple(self.prompt_scores),
             speculation=self.speculation,
             drafted_tokens=self.drafted,

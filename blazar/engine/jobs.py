@@ -59,6 +59,8 @@ class Finished:
     speculation: str = ""
     drafted_tokens: int = 0
     accepted_tokens: int = 0
+    # Time it spent parked (preempted), not counted in prefill_ms or decode_ms.
+    parked_ms: float = 0.0
 
     @property
     def decode_tokens_per_second(self) -> float:

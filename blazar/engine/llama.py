@@ -318,6 +318,27 @@ class Runtime:
             return None
         return list(arr[: count.value])
 
+    def seq_state_size(self, seq: int) -> int:
+        """Bytes `seq_state` would copy (llama.cpp sizes it by a dry run of the copy)."""
+        return int(lc.llama_state_seq_get_size(self._ctx, seq))
+
+    def seq_state(self, seq: int, size: int) -> npt.NDArray[np.uint8] | None:
+        """One sequence's KV cache copied to host memory (`size` from seq_state_size);
+        None if llama.cpp failed. The sequence itself is left as it was."""
+        buf = np.empty(size, dtype=np.uint8)
+        data = buf.ctypes.data_as(ctypes.POINTER(ctypes.c_ubyte))
+        written = int(lc.llama_state_seq_get_data(self._ctx, data, size, seq))
+        return buf[:written] if written else None
+
+    def set_seq_state(self, seq: int, state: npt.NDArray[np.uint8]) -> bool:
+        """Replace seq's cache with a state `seq_state` copied (from any sequence of this
+        context); False, with seq cleared, if llama.cpp refused it."""
+        data = state.ctypes.data_as(ctypes.POINTER(ctypes.c_ubyte))
+        if lc.llama_state_seq_set_data(self._ctx, data, state.size, seq) == 0:
+            self.clear(seq)
+            return False
+        return True
+
     def _kv_bytes(self) -> int:
         """Bytes of K and V cache for all slots (full-size SWA cache: every layer full)."""
         model = self._model

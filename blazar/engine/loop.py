@@ -17,6 +17,11 @@ sampled in order with the request's own sampler until one disagrees with the dra
 decoding would have drawn, logprobs and grammar included. The rejected tail is
 removed from the KV cache (`llama_memory_seq_rm`) and the slot's token list.
 
+Preemption: between steps the loop carries out Park and Resume orders (`parking`). A
+parked generation leaves its slot with its sampler state and, within the engine's
+bound, its KV cache in host memory; a resumed one takes the next free slot before any
+waiting job, its cache restored or its tokens prefilled again.
+
 Health reads `Slot.busy` / `Slot.cached_tokens` from other threads: plain attribute
 reads of ints and references, which the GIL keeps consistent; nothing else about a
 slot is touched outside this thread.
@@ -44,6 +49,7 @@ from blazar.engine import (
     kvstore,
     llama,
     pacing,
+    parking,
     speculation,
 )
 from blazar.engine.generation import Generation
@@ -97,6 +103,8 @@ class LoopOptions:
 
 
 _STOP = object()
+# Wakes a loop blocked with nothing running (a parked job was cancelled).
+_WAKE = object()
 
 
 @dataclass(frozen=True)
@@ -120,6 +128,8 @@ class DecodeLoop:
         self._on_loaded = on_loaded
         self._inbox: queue.Queue[jobs.Job | object] = queue.Queue()
         self._waiting: collections.deque[jobs.Job] = collections.deque()
+        self._orders: list[parking.Order] = []
+        self._bank = parking.Bank(max_bytes=options.spec.max_parked_mib << 20)
         self._runtime: llama.Runtime | None = None
         self._spec: Speculator | None = None
         # What Health reports once a failed drafter switched speculation off.
@@ -172,12 +182,35 @@ class DecodeLoop:
             return self._spec_failed or SpeculationStats()
         return spec.stats()
 
+    @property
+    def parked(self) -> int:
+        """Generations parked now (any thread, as Health reads slots)."""
+        return self._bank.count
+
+    @property
+    def parked_bytes(self) -> int:
+        return self._bank.bytes
+
+    @property
+    def parked_bytes_max(self) -> int:
+        return self._bank.max_bytes
+
     def start(self) -> None:
         self._thread.start()
 
     def submit(self, job: jobs.Job) -> None:
         """Queue a job (any thread); it starts when a slot frees up, in order of arrival."""
         self._inbox.put(job)
+
+    def order(self, order: parking.Order) -> None:
+        """Park or resume a request at the next step boundary (any thread); the order's
+        reply says how it went."""
+        self._inbox.put(order)
+
+    def cancel(self, job: jobs.Job) -> None:
+        """Cancel a job wherever it is: waiting, running or parked (any thread)."""
+        job.cancel()
+        self._inbox.put(_WAKE)
 
     def stop(self) -> None:
         """Cancel whatever is left, save the caches if asked, free llama resources and
@@ -205,6 +238,7 @@ class DecodeLoop:
         self._on_loaded(None)
         try:
             while self._collect():
+                self._control(runtime)
                 self._admit(runtime)
                 self._share_cpu(runtime)
                 try:
@@ -216,6 +250,8 @@ class DecodeLoop:
         finally:
             for slot in self._active():
                 self._finish(runtime, slot, jobs.FinishReason.CANCELLED)
+            for parked in self._bank.close():
+                self._end_parked(parked, errors.Unavailable("The engine stopped."))
             self._drop_waiting()
             if self.options.kv_dir is not None:
                 kvstore.save_slots(runtime, self.options.kv_dir, self.slots)
@@ -251,7 +287,7 @@ class DecodeLoop:
 
         False once stopped.
         """
-        block = not self._active() and not self._waiting
+        block = not self._active() and not self._waiting and self._bank.next() is None
         if block and self._cpu is not None:
             self._cpu.idle()
         added = False
@@ -260,26 +296,79 @@ class DecodeLoop:
                 item = self._inbox.get(block=block)
             except queue.Empty:
                 break
+            block = False
             if item is _STOP:
                 return False
-            assert isinstance(item, jobs.Job)
-            self._waiting.append(item)
-            added, block = True, False
+            if isinstance(item, parking.Park | parking.Resume | parking.ResumeAll):
+                self._orders.append(item)
+            elif isinstance(item, jobs.Job):
+                self._waiting.append(item)
+                added = True
         if added:
             # Jobs are submitted when prepared, which can reorder them (see Job.arrived).
             self._waiting = collections.deque(sorted(self._waiting, key=lambda j: j.arrived))
         return True
 
+    def _control(self, runtime: llama.Runtime) -> None:
+        """Carry out the Park and Resume orders that came in (resumes are then served
+        by `_admit`); end the parked generations whose callers cancelled them."""
+        orders, self._orders = self._orders, []
+        for order in orders:
+            if isinstance(order, parking.ResumeAll):
+                self._bank.resume_all()
+                continue
+            rid = order.request_id
+            slot = next((s for s in self.slots if s.gen and s.gen.job.request_id == rid), None)
+            parked = self._bank.find(rid)
+            if isinstance(order, parking.Park) and slot is not None:
+                order.reply(self._park(runtime, slot))
+            elif isinstance(order, parking.Resume) and parked is not None:
+                if not self._bank.ask(parked, order.reply):
+                    order.reply(parking.refusal(order, "resuming"))
+            else:
+                waiting = any(job.request_id == rid for job in self._waiting)
+                where = "running" if slot else "parked" if parked else "waiting" if waiting else ""
+                order.reply(parking.refusal(order, where or None))
+        for parked in self._bank.cancelled():
+            self._end_parked(parked, errors.RequestNotFound.of(parked.request_id))
+
+    def _park(self, runtime: llama.Runtime, slot: Slot) -> parking.ParkOutcome:
+        gen = slot.gen
+        assert gen is not None
+        try:
+            result = self._bank.park(runtime, slot, gen)
+        except Exception as exc:
+            log.exception("park_failed", request_id=gen.job.request_id)
+            return errors.BlazarError(f"could not park the request: {exc}")
+        self._unseat(slot)
+        return result
+
+    def _end_parked(self, parked: parking.Parked, unanswered: errors.BlazarError) -> None:
+        """End a generation taken out of the bank while parked: cancelled by its caller,
+        or the worker stops. A Resume that waited for it is answered `unanswered`."""
+        gen = parked.gen
+        if parked.reply is not None:
+            parked.reply(unanswered)
+        events = gen.conclusion(jobs.FinishReason.CANCELLED, slot=-1)
+        gen.sampler.free()
+        for event in events:
+            gen.job.deliver(event)
+
+    def _free(self, runtime: llama.Runtime) -> list[batching.FreeSlot]:
+        return [
+            batching.FreeSlot(s.index, s.tokens, s.last_used, runtime.pos_min(s.index))
+            for s in self.slots
+            if s.gen is None
+        ]
+
     def _admit(self, runtime: llama.Runtime) -> None:
-        """End waiting jobs that were cancelled, then start the others, oldest first,
-        while slots are free."""
+        """Resume the parked generations asked for, then end waiting jobs that were
+        cancelled and start the others, oldest first, while slots are free."""
+        while (parked := self._bank.next()) is not None and (free := self._free(runtime)):
+            self._resume(runtime, parked, free)
         self._end_cancelled_waiting()
         while self._waiting:
-            free = [
-                batching.FreeSlot(s.index, s.tokens, s.last_used, runtime.pos_min(s.index))
-                for s in self.slots
-                if s.gen is None
-            ]
+            free = self._free(runtime)
             if not free:
                 return
             job = self._waiting.popleft()
@@ -320,7 +409,37 @@ class DecodeLoop:
                 kept.append(job)
         self._waiting = kept
 
+    def _resume(
+        self, runtime: llama.Runtime, parked: parking.Parked, free: list[batching.FreeSlot]
+    ) -> None:
+        placement = batching.choose_slot(
+            parked.match, free, n_swa=runtime.n_swa, reuse=parked.reuse
+        )
+        slot = self.slots[placement.slot]
+        reply = parked.reply
+        assert reply is not None
+        try:
+            keep = self._keep_prefix(runtime, slot, placement.common)
+            result = self._bank.resume(runtime, parked, slot, keep=keep)
+        except Exception as exc:
+            log.exception("resume_failed", request_id=parked.request_id)
+            runtime.clear(slot.index)
+            slot.tokens.clear()
+            parked.gen.sampler.free()
+            parked.gen.job.deliver(jobs.Failed(f"could not resume generation: {exc}"))
+            reply(errors.BlazarError(f"could not resume the request: {exc}"))
+            return
+        self._seat(slot, parked.gen)
+        reply(result)
+
     def _begin(self, runtime: llama.Runtime, slot: Slot, job: jobs.Job, common: int) -> None:
+        keep = self._keep_prefix(runtime, slot, common)
+        self._seat(slot, Generation.begin(job, cached=keep))
+
+    @staticmethod
+    def _keep_prefix(runtime: llama.Runtime, slot: Slot, common: int) -> int:
+        """Cut the free slot's cache back to the first `common` tokens, or to nothing
+        when those cannot be kept; how many it keeps."""
         keep = batching.reusable_prefix(
             common, pos_min=runtime.pos_min(slot.index), n_swa=runtime.n_swa
         )
@@ -329,12 +448,15 @@ class DecodeLoop:
                 runtime.clear(slot.index)
                 keep = 0
             del slot.tokens[keep:]
-        slot.gen = Generation.begin(job, cached=keep)
+        return keep
+
+    def _seat(self, slot: Slot, gen: Generation) -> None:
+        slot.gen = gen
         if self._spec is not None:
             self._spec.policy.begin(slot.index)
         self._clock += 1
         slot.last_used = self._clock
-        slot.prompt_len = len(job.prompt)
+        slot.prompt_len = len(gen.job.prompt)
 
     def _step(self, runtime: llama.Runtime) -> None:
         """One batch: decode tokens first, then prefill chunks (oldest job first)."""
@@ -381,11 +503,12 @@ class DecodeLoop:
     def _want(slot: Slot) -> batching.Want:
         gen = slot.gen
         assert gen is not None
+        # A resumed generation prefills its tokens again before its pending token.
         return batching.Want(
             slot=slot.index,
-            decode=len(gen.feed),
+            decode=0 if gen.refill else len(gen.feed),
             prefill=gen.to_prefill,
-            prompt_logits=gen.job.params.prompt_logprobs,
+            prompt_logits=gen.job.params.prompt_logprobs and gen.prefilling,
         )
 
     def _place(self, piece: batching.Piece, entries: list[tuple[int, int, int, bool]]) -> _Placed:
@@ -437,7 +560,8 @@ class DecodeLoop:
             targets = gen.job.prompt[p0 + 1 : gen.prefilled + 1]
             if targets:
                 gen.score_prompt(runtime.logits(first, len(targets)), targets)
-        if not gen.prefilling:
+        # A refill ends with its next token already sampled (in `feed`).
+        if not gen.prefilling and not gen.feed:
             gen.prefill_done = time.perf_counter()
             self._on_token(runtime, slot, first + piece.tokens - 1)
 
@@ -448,6 +572,8 @@ class DecodeLoop:
         for slot in active:
             gen = slot.gen
             assert gen is not None
+            if gen.refill:
+                continue  # decodes nothing this step
             feeding += len(gen.feed)
             rows += bool(gen.feed)
             if len(gen.feed) == 1:
@@ -560,18 +686,22 @@ class DecodeLoop:
 
     def _release(self, runtime: llama.Runtime, slot: Slot, *, keep_cache: bool) -> None:
         assert slot.gen is not None
-        # Recency counts from the end of use too: a long generation that just finished
-        # is the conversation most likely to continue (see batching.choose_slot).
-        self._clock += 1
-        slot.last_used = self._clock
         slot.gen.sampler.free()
-        if self._spec is not None:
-            self._spec.policy.release(slot.index)
+        self._unseat(slot)
         if not keep_cache:
             runtime.clear(slot.index)
             slot.tokens.clear()
             if self._spec is not None:
                 self._spec.drafter.release(slot.index)
+
+    def _unseat(self, slot: Slot) -> None:
+        """Free the slot; its cache stays, and so does its generation's sampler."""
+        # Recency counts from the end of use too: a long generation that just finished
+        # is the conversation most likely to continue (see batching.choose_slot).
+        self._clock += 1
+        slot.last_used = self._clock
+        if self._spec is not None:
+            self._spec.policy.release(slot.index)
         slot.gen = None
 
     def _drop_waiting(self) -> None:
@@ -582,6 +712,11 @@ class DecodeLoop:
                 break
             if isinstance(item, jobs.Job):
                 self._waiting.append(item)
+            elif isinstance(item, parking.Park | parking.Resume):
+                item.reply(errors.Unavailable("The engine stopped."))
+        for order in self._orders:
+            if not isinstance(order, parking.ResumeAll):
+                order.reply(errors.Unavailable("The engine stopped."))
         # As for a running job cut off by the stop: CANCELLED, which the service
         # answers with a retryable UNAVAILABLE.
         while self._waiting:

@@ -2,7 +2,8 @@
 
 It owns admission (STARTING / READY / DRAINING) and the set of in-flight requests;
 it validates and tokenizes a request, checks that it fits the slot's context before
-any work, hands it to the decode thread and streams the events back as Chunks.
+any work, hands it to the decode thread and streams the events back as Chunks. Park
+and Resume are orders to the decode thread (`parking`), answered when carried out.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import os
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from enum import StrEnum
-from typing import Any, TypeAlias
+from typing import Any, TypeAlias, TypeVar
 
 import grpc
 import structlog
@@ -22,7 +23,7 @@ import structlog
 from blazar._proto.engine.v1 import engine_pb2, engine_pb2_grpc
 from blazar._proto.v1 import inference_pb2
 from blazar.api import errors
-from blazar.engine import embedding, jobs, llama, logprobs, loop, sampling, text
+from blazar.engine import embedding, jobs, llama, logprobs, loop, parking, sampling, text
 from blazar.rpc import status
 
 log = structlog.get_logger("blazar.engine.service")
@@ -54,6 +55,7 @@ _WIRE_STATE = {
 }
 
 Context: TypeAlias = grpc.aio.ServicerContext[Any, Any]
+_Result = TypeVar("_Result")
 
 
 def rss_bytes() -> int:
@@ -89,6 +91,8 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         So the process stops promptly after a drain, with its slots free to be saved.
         """
         self.state = EngineState.DRAINING
+        # Parked generations would wait for a Resume that no longer comes.
+        self._decode.order(parking.ResumeAll())
         abandoned = 0
         if not await self.wait_idle(grace_seconds):
             abandoned = len(self._inflight) + self._embedding
@@ -105,7 +109,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
 
     def cancel_all(self) -> None:
         for job in self._inflight:
-            job.cancel()
+            self._decode.cancel(job)
 
     def _set_idle_if_done(self) -> None:
         if not self._inflight and not self._embedding:
@@ -136,6 +140,9 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             pid=os.getpid(),
             kv_bytes=self._decode.kv_bytes,
             threads=self._decode.threads,
+            parked=self._decode.parked,
+            parked_bytes=self._decode.parked_bytes,
+            parked_bytes_max=self._decode.parked_bytes_max,
             speculation=engine_pb2.SpeculationStats(
                 kind=spec.kind,
                 drafted_tokens=spec.drafted,
@@ -153,6 +160,81 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         abandoned = await self.drain(grace or DEFAULT_DRAIN_GRACE_SECONDS)
         log.info("drained", abandoned=abandoned)
         return engine_pb2.DrainResponse(abandoned=abandoned)
+
+    async def Park(
+        self, request: engine_pb2.ParkRequest, context: Context
+    ) -> engine_pb2.ParkResponse:
+        if self.state is not EngineState.READY:
+            # Draining: its parked generations are being resumed, not more parked.
+            await status.abort(context, errors.Unavailable(f"The engine is {self.state.lower()}."))
+        result: parking.ParkResult = await self._ask(
+            context, lambda reply: parking.Park(request.request_id, reply)
+        )
+        log.info(
+            "parked",
+            request_id=request.request_id,
+            slot=result.slot,
+            tokens=result.tokens,
+            parked_bytes=result.parked_bytes,
+            ms=round(result.park_ms, 2),
+        )
+        return engine_pb2.ParkResponse(
+            slot=result.slot,
+            tokens=result.tokens,
+            parked_bytes=result.parked_bytes,
+            park_ms=result.park_ms,
+        )
+
+    async def Resume(
+        self, request: engine_pb2.ResumeRequest, context: Context
+    ) -> engine_pb2.ResumeResponse:
+        if self.state is EngineState.STARTING:
+            await status.abort(context, errors.Unavailable("The engine is starting."))
+        result: parking.ResumeResult = await self._ask(
+            context, lambda reply: parking.Resume(request.request_id, reply)
+        )
+        log.info(
+            "resumed",
+            request_id=request.request_id,
+            slot=result.slot,
+            restored_bytes=result.restored_bytes,
+            refill_tokens=result.refill_tokens,
+            parked_ms=round(result.parked_ms),
+            ms=round(result.resume_ms, 2),
+        )
+        return engine_pb2.ResumeResponse(
+            slot=result.slot,
+            restored_bytes=result.restored_bytes,
+            refill_tokens=result.refill_tokens,
+            resume_ms=result.resume_ms,
+            parked_ms=result.parked_ms,
+        )
+
+    async def _ask(
+        self,
+        context: Context,
+        order: Callable[[Callable[[_Result | errors.BlazarError], None]], parking.Order],
+    ) -> _Result:
+        """Send the decode thread an order built by `order(reply)`; its result, or the
+        RPC ends with the error it answered. An answer that comes after the caller left
+        is dropped (the order is carried out all the same)."""
+        aio = asyncio.get_running_loop()
+        answer: asyncio.Future[_Result | errors.BlazarError] = aio.create_future()
+
+        def settle(outcome: _Result | errors.BlazarError) -> None:
+            if not answer.done():
+                answer.set_result(outcome)
+
+        def reply(outcome: _Result | errors.BlazarError) -> None:
+            # RuntimeError: the event loop is closed, so nobody is listening any more.
+            with contextlib.suppress(RuntimeError):
+                aio.call_soon_threadsafe(settle, outcome)
+
+        self._decode.order(order(reply))
+        outcome = await answer
+        if isinstance(outcome, errors.BlazarError):
+            await status.abort(context, outcome)
+        return outcome
 
     async def Generate(
         self, request: engine_pb2.GenerateRequest, context: Context
@@ -223,7 +305,9 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                     )
                     await status.abort(context, failure)
         finally:
-            job.cancel()  # no-op when finished; frees the slot when the caller left
+            # No-op when finished; frees the slot (or the parked memory) when the
+            # caller left.
+            self._decode.cancel(job)
             self._inflight.discard(job)
             self._set_idle_if_done()
             log.info(
@@ -237,6 +321,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                 tokens_per_second=round(finished.decode_tokens_per_second, 1) if finished else None,
                 drafted_tokens=finished.drafted_tokens if finished else None,
                 accepted_tokens=finished.accepted_tokens if finished else None,
+                parked_ms=round(finished.parked_ms) if finished else None,
                 ms=round((time.perf_counter() - started) * 1000),
             )
 
@@ -404,6 +489,7 @@ def _final(event: jobs.Finished) -> inference_pb2.Final:
             ttft_ms=event.ttft_ms,
             decode_ms=event.decode_ms,
             decode_tokens_per_second=event.decode_tokens_per_second,
+            parked_ms=event.parked_ms,
         ),
         routing=inference_pb2.Routing(
             slot=event.slot,

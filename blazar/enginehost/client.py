@@ -62,6 +62,26 @@ class EngineClient:
         seconds (then cancel the rest); returns when it has."""
         await self._stub.Drain(engine_pb2.DrainRequest(grace_seconds=grace), timeout=timeout)
 
+    async def park(self, request_id: str, *, timeout: float) -> engine_pb2.ParkResponse:
+        """Park a running generation (preemption): its slot is free once this returns,
+        its stream pauses. NOT_FOUND when it is gone, FAILED_PRECONDITION when it is
+        not running (waiting for a slot, or parked already)."""
+        response: engine_pb2.ParkResponse = await self._stub.Park(
+            engine_pb2.ParkRequest(request_id=request_id), timeout=timeout
+        )
+        return response
+
+    async def resume(
+        self, request_id: str, *, timeout: float | None = None
+    ) -> engine_pb2.ResumeResponse:
+        """Resume a parked generation in the next free slot; returns when it runs again
+        (a caller that stops waiting does not undo it). NOT_FOUND when it is gone,
+        FAILED_PRECONDITION when it is not parked."""
+        response: engine_pb2.ResumeResponse = await self._stub.Resume(
+            engine_pb2.ResumeRequest(request_id=request_id), timeout=timeout
+        )
+        return response
+
     async def close(self) -> None:
         await self._channel.close()
 

@@ -259,6 +259,12 @@ def test_admission_refusals_are_overloaded_with_the_numbers(
         ),
         (lane_doc(flashAttention="off", kvCache={"typeK": "q8_0"}), None, None),
         (lane_doc(flashAttention="on", kvCache={"typeV": "q4_0"}), None, None),
+        (
+            lane_doc(kvCache={"maxParkedMiB": -1}),
+            "Lane/gemma: spec.kvCache.maxParkedMiB",
+            "greater than or equal to 0",
+        ),
+        (lane_doc(kvCache={"maxParkedMiB": 0}), None, None),
         (lane_doc(idle={"sleepAfter": "soon"}), "Lane/gemma: spec.idle.sleepAfter", "duration"),
         (lane_doc(aliases=["a", "a"]), "Lane/gemma: spec.aliases", "distinct"),
         (lane_doc("Bad_Name"), "Lane/Bad_Name: metadata.name", "not a valid name"),

@@ -92,6 +92,21 @@ class FakeRuntime:
     def pos_min(self, seq: int) -> int:
         return 0 if self.kv[seq] else -1
 
+    # A sequence's state: its tokens, as bytes (what llama.cpp copies is opaque too).
+    def seq_state_size(self, seq: int) -> int:
+        return 4 * len(self.kv[seq]) + 4
+
+    def seq_state(self, seq: int, size: int) -> np.ndarray[Any, np.dtype[np.uint8]] | None:
+        state = np.array([len(self.kv[seq]), *self.kv[seq]], dtype=np.int32).view(np.uint8)
+        assert state.nbytes == size
+        return state
+
+    def set_seq_state(self, seq: int, state: np.ndarray[Any, np.dtype[np.uint8]]) -> bool:
+        count, *tokens = state.view(np.int32).tolist()
+        assert count == len(tokens)
+        self.kv[seq] = tokens
+        return True
+
     def close(self) -> None:
         pass
 
@@ -104,8 +119,10 @@ def running(
     context: int = 256,
     model: Callable[[Sequence[int]], int] = cycle,
     drafter: speculation.DraftModel | None = None,
+    **spec: Any,
 ) -> Iterator[tuple[loop.DecodeLoop, FakeRuntime]]:
-    """A decode loop on a fake runtime; with `drafter`, it speculates (up to 4 tokens)."""
+    """A decode loop on a fake runtime; with `drafter`, it speculates (up to 4 tokens);
+    `spec`: other launch settings."""
     launch = None
     if drafter is not None:
         launch = launches.ngram(max_draft_tokens=4, disable_above_batch=8, min_acceptance_rate=0.0)
@@ -115,11 +132,13 @@ def running(
             "load",
             lambda _launch, _rt, **_: speculator.Speculator("fake", policy, drafter),
         )
-    spec = launches.spec(slots=slots, context_per_slot=context, threads=1, speculation=launch)
-    runtime = FakeRuntime(spec, model)
+    launch_spec = launches.spec(
+        slots=slots, context_per_slot=context, threads=1, speculation=launch, **spec
+    )
+    runtime = FakeRuntime(launch_spec, model)
     monkeypatch.setattr(llama.Runtime, "load", lambda _spec: runtime)
     loaded = threading.Event()
-    decode = loop.DecodeLoop(loop.LoopOptions(spec), on_loaded=lambda _error: loaded.set())
+    decode = loop.DecodeLoop(loop.LoopOptions(launch_spec), on_loaded=lambda _error: loaded.set())
     decode.start()
     try:
         assert loaded.wait(10), "the fake runtime did not load"

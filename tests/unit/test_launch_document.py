@@ -9,6 +9,7 @@ from typing import Any
 import pydantic
 import pytest
 
+from blazar.api.kinds import DEFAULT_MAX_PARKED_MIB, LaneSpec
 from blazar.api.replicas import EngineLaunch, LaunchSpec
 from blazar.engine import __main__ as engine_main
 from tests import launches
@@ -60,6 +61,7 @@ def edited(edit: Any) -> bytes:
         # No second set of defaults: every spec setting is written by the supervisor.
         (lambda d: d["spec"].pop("threads"), "spec.threads"),
         (lambda d: d["spec"].pop("type_v"), "spec.type_v"),
+        (lambda d: d["spec"].pop("max_parked_mib"), "spec.max_parked_mib"),
         # Strict types: no "4" for 4, no 1 for true.
         (lambda d: d["spec"].update(slots="4"), "spec.slots"),
         (lambda d: d["spec"].update(kv_persist=1), "spec.kv_persist"),
@@ -91,9 +93,18 @@ def test_revision_follows_every_spec_setting() -> None:
         replace(SPEC, threads=1),
         replace(SPEC, type_v="q8_0"),
         replace(SPEC, kv_persist=False),
+        replace(SPEC, max_parked_mib=0),
         replace(SPEC, chat_template=None),
         replace(SPEC, speculation=None),
         replace(SPEC, speculation=launches.ngram(ngram_size=3, min_acceptance_rate=0.25)),
     ]
     revisions = {SPEC.revision, *(c.revision for c in changes)}
     assert len(revisions) == len(changes) + 1
+
+
+def test_the_parking_bound_comes_from_the_lane() -> None:
+    """kvCache.maxParkedMiB as written, or the API's default; nothing else sets it."""
+    written = LaneSpec.model_validate({"model": "m", "kvCache": {"maxParkedMiB": 0}})
+    default = LaneSpec(model="m")
+    of = [LaunchSpec.of_lane(s, model_path="m", default_threads=2) for s in (written, default)]
+    assert [s.max_parked_mib for s in of] == [0, DEFAULT_MAX_PARKED_MIB]

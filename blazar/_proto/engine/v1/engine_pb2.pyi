@@ -71,7 +71,7 @@ class SpeculationStats(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., disabled_requests: _Optional[int] = ..., failure: _Optional[str] = ...) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("state", "slots", "memory_bytes", "context_per_slot", "model_path", "pid", "speculation", "kv_bytes", "threads")
+    __slots__ = ("state", "slots", "memory_bytes", "context_per_slot", "model_path", "pid", "speculation", "kv_bytes", "threads", "parked", "parked_bytes", "parked_bytes_max")
     STATE_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +81,9 @@ class HealthResponse(_message.Message):
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     THREADS_FIELD_NUMBER: _ClassVar[int]
+    PARKED_FIELD_NUMBER: _ClassVar[int]
+    PARKED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PARKED_BYTES_MAX_FIELD_NUMBER: _ClassVar[int]
     state: EngineState
     slots: _containers.RepeatedCompositeFieldContainer[SlotStatus]
     memory_bytes: int
@@ -90,7 +93,10 @@ class HealthResponse(_message.Message):
     speculation: SpeculationStats
     kv_bytes: int
     threads: int
-    def __init__(self, state: _Optional[_Union[EngineState, str]] = ..., slots: _Optional[_Iterable[_Union[SlotStatus, _Mapping]]] = ..., memory_bytes: _Optional[int] = ..., context_per_slot: _Optional[int] = ..., model_path: _Optional[str] = ..., pid: _Optional[int] = ..., speculation: _Optional[_Union[SpeculationStats, _Mapping]] = ..., kv_bytes: _Optional[int] = ..., threads: _Optional[int] = ...) -> None: ...
+    parked: int
+    parked_bytes: int
+    parked_bytes_max: int
+    def __init__(self, state: _Optional[_Union[EngineState, str]] = ..., slots: _Optional[_Iterable[_Union[SlotStatus, _Mapping]]] = ..., memory_bytes: _Optional[int] = ..., context_per_slot: _Optional[int] = ..., model_path: _Optional[str] = ..., pid: _Optional[int] = ..., speculation: _Optional[_Union[SpeculationStats, _Mapping]] = ..., kv_bytes: _Optional[int] = ..., threads: _Optional[int] = ..., parked: _Optional[int] = ..., parked_bytes: _Optional[int] = ..., parked_bytes_max: _Optional[int] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ("grace_seconds",)
@@ -103,3 +109,41 @@ class DrainResponse(_message.Message):
     ABANDONED_FIELD_NUMBER: _ClassVar[int]
     abandoned: int
     def __init__(self, abandoned: _Optional[int] = ...) -> None: ...
+
+class ParkRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class ParkResponse(_message.Message):
+    __slots__ = ("slot", "tokens", "parked_bytes", "park_ms")
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PARKED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PARK_MS_FIELD_NUMBER: _ClassVar[int]
+    slot: int
+    tokens: int
+    parked_bytes: int
+    park_ms: float
+    def __init__(self, slot: _Optional[int] = ..., tokens: _Optional[int] = ..., parked_bytes: _Optional[int] = ..., park_ms: _Optional[float] = ...) -> None: ...
+
+class ResumeRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class ResumeResponse(_message.Message):
+    __slots__ = ("slot", "restored_bytes", "refill_tokens", "resume_ms", "parked_ms")
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    RESTORED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RESUME_MS_FIELD_NUMBER: _ClassVar[int]
+    PARKED_MS_FIELD_NUMBER: _ClassVar[int]
+    slot: int
+    restored_bytes: int
+    refill_tokens: int
+    resume_ms: float
+    parked_ms: float
+    def __init__(self, slot: _Optional[int] = ..., restored_bytes: _Optional[int] = ..., refill_tokens: _Optional[int] = ..., resume_ms: _Optional[float] = ..., parked_ms: _Optional[float] = ...) -> None: ...

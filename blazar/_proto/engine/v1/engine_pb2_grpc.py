@@ -61,6 +61,16 @@ class EngineStub:
                 request_serializer=blazar_dot_engine_dot_v1_dot_engine__pb2.DrainRequest.SerializeToString,
                 response_deserializer=blazar_dot_engine_dot_v1_dot_engine__pb2.DrainResponse.FromString,
                 _registered_method=True)
+        self.Park = channel.unary_unary(
+                '/blazar.engine.v1.Engine/Park',
+                request_serializer=blazar_dot_engine_dot_v1_dot_engine__pb2.ParkRequest.SerializeToString,
+                response_deserializer=blazar_dot_engine_dot_v1_dot_engine__pb2.ParkResponse.FromString,
+                _registered_method=True)
+        self.Resume = channel.unary_unary(
+                '/blazar.engine.v1.Engine/Resume',
+                request_serializer=blazar_dot_engine_dot_v1_dot_engine__pb2.ResumeRequest.SerializeToString,
+                response_deserializer=blazar_dot_engine_dot_v1_dot_engine__pb2.ResumeResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServicer:
@@ -100,6 +110,28 @@ class EngineServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Park(self, request, context):
+        """Park (preemption, "slot banking") stops a running generation at the decode loop's
+        next step and frees its slot for more urgent work. Its KV cache is copied to host
+        memory, within the engine's bound (`parked_bytes_max`); past the bound only its
+        tokens are kept, and Resume prefills them again. Its Generate stream stays open
+        and pauses. NOT_FOUND: no such request (it may have ended); FAILED_PRECONDITION:
+        it is not running (still waiting for a slot, or already parked).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Resume(self, request, context):
+        """Resume gives a parked generation the next free slot, before any waiting request,
+        and answers once it runs there again: it goes on from the token where it stopped,
+        with its sampler state. NOT_FOUND as for Park; FAILED_PRECONDITION: not parked.
+        A Resume whose caller leaves after asking still resumes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -127,6 +159,16 @@ def add_EngineServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=blazar_dot_engine_dot_v1_dot_engine__pb2.DrainRequest.FromString,
                     response_serializer=blazar_dot_engine_dot_v1_dot_engine__pb2.DrainResponse.SerializeToString,
+            ),
+            'Park': grpc.unary_unary_rpc_method_handler(
+                    servicer.Park,
+                    request_deserializer=blazar_dot_engine_dot_v1_dot_engine__pb2.ParkRequest.FromString,
+                    response_serializer=blazar_dot_engine_dot_v1_dot_engine__pb2.ParkResponse.SerializeToString,
+            ),
+            'Resume': grpc.unary_unary_rpc_method_handler(
+                    servicer.Resume,
+                    request_deserializer=blazar_dot_engine_dot_v1_dot_engine__pb2.ResumeRequest.FromString,
+                    response_serializer=blazar_dot_engine_dot_v1_dot_engine__pb2.ResumeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -264,6 +306,60 @@ class Engine:
             '/blazar.engine.v1.Engine/Drain',
             blazar_dot_engine_dot_v1_dot_engine__pb2.DrainRequest.SerializeToString,
             blazar_dot_engine_dot_v1_dot_engine__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Park(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/blazar.engine.v1.Engine/Park',
+            blazar_dot_engine_dot_v1_dot_engine__pb2.ParkRequest.SerializeToString,
+            blazar_dot_engine_dot_v1_dot_engine__pb2.ParkResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Resume(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/blazar.engine.v1.Engine/Resume',
+            blazar_dot_engine_dot_v1_dot_engine__pb2.ResumeRequest.SerializeToString,
+            blazar_dot_engine_dot_v1_dot_engine__pb2.ResumeResponse.FromString,
             options,
             channel_credentials,
             insecure,

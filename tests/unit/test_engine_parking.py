@@ -1,0 +1,305 @@
+"""Preemption in the decode loop (`parking`), against the fake runtime of
+test_engine_loop: a "model" whose next token follows from the last one, and a KV cache
+that refuses any decode whose position does not follow what the sequence holds. A lost
+or repeated token shows in the text, a wrong cache in the KV assertion."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from blazar.api import errors
+from blazar.engine import generation, jobs, loop, parking, sampling
+from tests.unit.test_engine_loop import Events, FakeRuntime, job, running
+
+
+class Reply:
+    """An order's reply callback: the outcome, once the decode thread answered."""
+
+    def __init__(self) -> None:
+        self.outcome: Any = None
+        self.done = threading.Event()
+
+    def __call__(self, outcome: Any) -> None:
+        self.outcome = outcome
+        self.done.set()
+
+    def wait(self) -> Any:
+        assert self.done.wait(10), "the order was never answered"
+        return self.outcome
+
+
+def text(events: Events) -> str:
+    return "".join(e.text for e in events.events if isinstance(e, jobs.TextDelta))
+
+
+def counted(first: int, n: int) -> str:
+    """The fake model's text for n tokens after a sequence ending in `first` - 1."""
+    return "".join(f"w{(first - 1 + i) % 10 + 1} " for i in range(n))
+
+
+def park(decode: loop.DecodeLoop, request_id: str) -> Reply:
+    reply = Reply()
+    decode.order(parking.Park(request_id, reply))
+    return reply
+
+
+def resume(decode: loop.DecodeLoop, request_id: str) -> Reply:
+    reply = Reply()
+    decode.order(parking.Resume(request_id, reply))
+    return reply
+
+
+def park_at(decode: loop.DecodeLoop, runtime: FakeRuntime, request_id: str, step: int) -> Reply:
+    """Order a park from inside decode step `step` (it happens after that step)."""
+    reply = Reply()
+
+    def order(n: int) -> None:
+        if n == step:
+            decode.order(parking.Park(request_id, reply))
+
+    runtime.before_decode = order
+    return reply
+
+
+@pytest.mark.parametrize("max_parked_mib", [64, 0], ids=["kv-restored", "prefilled-again"])
+def test_a_parked_generation_goes_on_where_it_stopped(
+    monkeypatch: pytest.MonkeyPatch, max_parked_mib: int
+) -> None:
+    """One slot: the long request is parked mid-stream, a short one runs in the slot it
+    left (and leaves its own tokens in that cache), then the long one resumes there:
+    the same tokens as without the pause, its cache exactly its own tokens again, and
+    nothing left parked. Past the bound (0 MiB) it is prefilled again instead."""
+    with running(monkeypatch, slots=1, max_parked_mib=max_parked_mib) as (decode, runtime):
+        long, long_events = job([1, 2, 3], max_tokens=30, name="long")
+        parked = park_at(decode, runtime, "long", step=6)
+        decode.submit(long)
+        result = parked.wait()
+        assert isinstance(result, parking.ParkResult), result
+        assert not long_events.ended.is_set()
+        # Prompt and 5 decoded tokens in the cache; the 7th token sampled, pending.
+        assert (result.slot, result.tokens) == (0, 8)
+        assert decode.parked == 1 and not decode.slots[0].busy
+        if max_parked_mib:
+            assert result.parked_bytes == decode.parked_bytes > 0
+        else:
+            assert result.parked_bytes == decode.parked_bytes == 0
+        told = text(long_events)
+
+        urgent, urgent_events = job([5, 6], max_tokens=4, name="urgent")
+        decode.submit(urgent)
+        assert urgent_events.ended.wait(10)
+        assert text(urgent_events) == counted(7, 4)
+        assert text(long_events) == told, "a parked stream must not move"
+
+        resumed = resume(decode, "long").wait()
+        assert isinstance(resumed, parking.ResumeResult), resumed
+        assert resumed.slot == 0 and resumed.parked_ms > 0
+        if max_parked_mib:
+            assert (resumed.restored_bytes, resumed.refill_tokens) == (result.parked_bytes, 0)
+        else:
+            # The urgent request's cache shares nothing with it: all 8 again.
+            assert (resumed.restored_bytes, resumed.refill_tokens) == (0, 8)
+        assert long_events.ended.wait(10)
+    finished = long_events.last
+    assert isinstance(finished, jobs.Finished)
+    assert finished.reason is jobs.FinishReason.LENGTH
+    assert finished.completion_tokens == 30
+    assert text(long_events) == counted(4, 30)
+    assert finished.parked_ms >= resumed.parked_ms > 0
+    # All but the last token (sampled, never decoded) follow the prompt in the cache.
+    assert runtime.kv[0] == [1, 2, 3] + [(3 + i) % 10 + 1 for i in range(29)]
+    assert decode.parked == 0 and decode.parked_bytes == 0
+
+
+@pytest.mark.parametrize("max_parked_mib", [64, 0], ids=["kv-restored", "prefilled-again"])
+def test_a_generation_parked_during_its_prompt_finishes_it(
+    monkeypatch: pytest.MonkeyPatch, max_parked_mib: int
+) -> None:
+    """A 1,200-token prompt takes three steps of 512; parked after the first, it goes
+    on with its prompt when resumed (from its restored cache, or prefilling again
+    whatever the slot no longer holds), and writes what it would have."""
+    prompt = [(i % 9) + 1 for i in range(1200)]
+    with running(monkeypatch, slots=1, context=2048, max_parked_mib=max_parked_mib) as (
+        decode,
+        runtime,
+    ):
+        long, long_events = job(prompt, max_tokens=5, name="long")
+        parked = park_at(decode, runtime, "long", step=1)
+        decode.submit(long)
+        result = parked.wait()
+        assert isinstance(result, parking.ParkResult) and result.tokens == 512
+        resumed = resume(decode, "long").wait()
+        assert isinstance(resumed, parking.ResumeResult)
+        # Nothing to prefill again: restored, or still in the slot, which keeps them.
+        assert resumed.refill_tokens == 0
+        assert (resumed.restored_bytes > 0) is (max_parked_mib > 0)
+        assert long_events.ended.wait(10)
+    assert text(long_events) == counted(prompt[-1] + 1, 5)
+    assert runtime.kv[0] == prompt + [(prompt[-1] + i) % 10 + 1 for i in range(4)]
+
+
+def test_cancelling_a_parked_generation_frees_its_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    with running(monkeypatch, slots=1) as (decode, runtime):
+        long, long_events = job([1, 2, 3], max_tokens=100, name="long")
+        parked = park_at(decode, runtime, "long", step=3)
+        decode.submit(long)
+        assert parked.wait().parked_bytes > 0
+        # Nothing runs: the loop sleeps until the cancel wakes it.
+        decode.cancel(long)
+        assert long_events.ended.wait(10)
+        assert decode.parked == 0 and decode.parked_bytes == 0
+        assert isinstance(resume(decode, "long").wait(), errors.RequestNotFound)
+    finished = long_events.last
+    assert isinstance(finished, jobs.Finished)
+    assert finished.reason is jobs.FinishReason.CANCELLED
+    assert (finished.slot, finished.completion_tokens) == (-1, 3)
+
+
+def test_orders_the_request_state_does_not_allow_are_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    with running(monkeypatch, slots=1, context=8192) as (decode, runtime):
+        busy, busy_events = job([1, 2, 3], max_tokens=8000, name="busy")
+        parked = park_at(decode, runtime, "busy", step=3)
+        decode.submit(busy)
+        assert isinstance(parked.wait(), parking.ParkResult)
+        # Steps of 1 ms: busy runs for seconds once resumed.
+        runtime.before_decode = lambda _step: time.sleep(0.001)
+
+        def state(outcome: Any) -> str:
+            assert isinstance(outcome, errors.RequestStateConflict), outcome
+            return outcome.metadata["state"]
+
+        assert isinstance(park(decode, "nobody").wait(), errors.RequestNotFound)
+        assert isinstance(resume(decode, "nobody").wait(), errors.RequestNotFound)
+        assert state(park(decode, "busy").wait()) == "parked"
+        resumed = resume(decode, "busy")
+        assert isinstance(resumed.wait(), parking.ResumeResult)
+        assert state(resume(decode, "busy").wait()) == "running"
+        busy.cancel()
+        assert busy_events.ended.wait(10)
+
+
+def test_a_waiting_job_cannot_be_parked(monkeypatch: pytest.MonkeyPatch) -> None:
+    with running(monkeypatch, slots=1) as (decode, runtime):
+        busy, busy_events = job([1, 2, 3], max_tokens=100, name="busy")
+        waiting, waiting_events = job([4, 5], max_tokens=3, name="waiting")
+        refused = Reply()
+
+        def order(n: int) -> None:
+            if n == 3:
+                decode.order(parking.Park("waiting", refused))
+
+        runtime.before_decode = order
+        decode.submit(busy)
+        decode.submit(waiting)
+        outcome = refused.wait()
+        assert isinstance(outcome, errors.RequestStateConflict)
+        assert outcome.metadata["state"] == "waiting"
+        busy.cancel()
+        assert busy_events.ended.wait(10) and waiting_events.ended.wait(10)
+
+
+def test_a_resume_goes_before_waiting_jobs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The data plane resumes a parked generation when a slot frees; jobs that waited
+    in the engine meanwhile come after it."""
+    with running(monkeypatch, slots=1) as (decode, runtime):
+        first, first_events = job([1, 2, 3], max_tokens=20, name="first")
+        parked = park_at(decode, runtime, "first", step=2)
+        decode.submit(first)
+        assert isinstance(parked.wait(), parking.ParkResult)
+        holder, holder_events = job([7], max_tokens=200, name="holder")
+        later, later_events = job([4, 5], max_tokens=3, name="later")
+        decode.submit(holder)
+        decode.submit(later)
+        resumed = resume(decode, "first")
+        decode.cancel(holder)
+        assert resumed.wait().slot == 0
+        assert first_events.ended.wait(10) and later_events.ended.wait(10)
+        assert holder_events.ended.is_set()
+    assert text(first_events) == counted(4, 20)
+    # One slot, and `later` ran in it last: after `first` (had it gone first, `first`'s
+    # restored cache would be what the slot holds now).
+    assert runtime.kv[0][:2] == [4, 5]
+
+
+def test_a_drain_resumes_what_is_parked(monkeypatch: pytest.MonkeyPatch) -> None:
+    with running(monkeypatch, slots=1) as (decode, runtime):
+        long, long_events = job([1, 2, 3], max_tokens=12, name="long")
+        parked = park_at(decode, runtime, "long", step=4)
+        decode.submit(long)
+        assert isinstance(parked.wait(), parking.ParkResult)
+        decode.order(parking.ResumeAll())
+        assert long_events.ended.wait(10)
+        assert decode.parked == 0
+    assert text(long_events) == counted(4, 12)
+
+
+def test_stopping_ends_parked_generations_and_answers_their_resume(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    started = threading.Event()
+    hold = threading.Event()
+    with running(monkeypatch, slots=1) as (decode, runtime):
+        long, long_events = job([1, 2, 3], max_tokens=200, name="long")
+        other, other_events = job([4], max_tokens=200, name="other")
+        parked = park_at(decode, runtime, "long", step=2)
+        decode.submit(long)
+        assert isinstance(parked.wait(), parking.ParkResult)
+
+        def block(n: int) -> None:
+            started.set()
+            assert hold.wait(10)
+
+        runtime.before_decode = block
+        decode.submit(other)
+        assert started.wait(10)
+        # Waits for the slot `other` holds, until the loop stops.
+        waiting_resume = resume(decode, "long")
+        decode.stop()
+        hold.set()
+    assert isinstance(waiting_resume.wait(), errors.Unavailable)
+    for events in (long_events, other_events):
+        assert isinstance(events.last, jobs.Finished)
+        assert events.last.reason is jobs.FinishReason.CANCELLED
+    assert decode.parked == 0 and decode.parked_bytes == 0
+
+
+def test_time_parked_is_counted_apart_from_prefill_and_decode(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """parked_ms is the time out of a slot; prefill_ms and decode_ms leave it out,
+    ttft_ms does not (the caller waited)."""
+    now = [100.0]
+    monkeypatch.setattr(generation.time, "perf_counter", lambda: now[0])
+    events = Events()
+    task = jobs.Job(
+        request_id="r",
+        prompt=[1, 2],
+        params=sampling.SamplingParams(temperature=0.0),
+        max_tokens=10,
+        deliver=events,
+        arrived=99.0,
+    )
+    gen = generation.Generation(job=task, sampler=None, started=100.0)
+    now[0] = 101.0
+    gen.pause()  # parked during the prompt for 2 s
+    now[0] = 103.0
+    gen.unpause()
+    gen.prefilled, gen.prefill_done, gen.first_token = 2, 104.0, 104.0
+    now[0] = 105.0
+    gen.pause()  # and while decoding for 4 s
+    now[0] = 109.0
+    assert gen.unpause() == 4.0
+    gen.last_token = 110.0
+    gen.completion = 3
+    (finished,) = gen.conclusion(jobs.FinishReason.LENGTH, slot=0)
+    assert isinstance(finished, jobs.Finished)
+    assert finished.parked_ms == 6000.0
+    assert finished.prefill_ms == 2000.0  # 4 s from start to prefilled, 2 of them parked
+    assert finished.decode_ms == 2000.0  # 6 s from first to last token, 4 parked
+    assert finished.ttft_ms == 5000.0
