@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
 
 from blazar.api import errors
-from blazar.engine import generation, jobs, loop, parking, sampling
-from tests.unit.test_engine_loop import Events, FakeRuntime, job, running
+from blazar.engine import generation, jobs, loop, parking, sampling, speculation
+from tests.unit.test_engine_loop import Events, FakeRuntime, cycle, job, running
 
 
 class Reply:
@@ -303,3 +304,51 @@ def test_time_parked_is_counted_apart_from_prefill_and_decode(
     assert finished.prefill_ms == 2000.0  # 4 s from start to prefilled, 2 of them parked
     assert finished.decode_ms == 2000.0  # 6 s from first to last token, 4 parked
     assert finished.ttft_ms == 5000.0
+
+
+class ChainDrafter:
+    """Drafts the fake model's own continuation (always accepted), and checks that it
+    is asked only about whole sequences: a prompt ([1, 2, 3] or [5, 6]) and what
+    followed it. A
+    generation still prefilling its tokens again after a resume must not draft (its
+    slot does not hold them yet); a failed check turns speculation off for good,
+    which the test sees in the loop's stats."""
+
+    def propose(self, requests: Sequence[speculation.DraftRequest]) -> dict[int, tuple[int, ...]]:
+        out = {}
+        for r in requests:
+            tokens = list(r.tokens)
+            prompt = 3 if tokens[:3] == [1, 2, 3] else 2
+            assert tokens[:prompt] in ([1, 2, 3], [5, 6]), tokens
+            assert all(cycle(tokens[:i]) == tokens[i] for i in range(prompt, len(tokens)))
+            for _ in range(r.max_tokens):
+                tokens.append(cycle(tokens))
+            out[r.seq] = tuple(tokens[len(r.tokens) :])
+        return out
+
+    def release(self, seq: int) -> None:
+        pass
+
+
+@pytest.mark.parametrize("max_parked_mib", [64, 0], ids=["kv-restored", "prefilled-again"])
+def test_parking_a_speculating_generation(
+    monkeypatch: pytest.MonkeyPatch, max_parked_mib: int
+) -> None:
+    with running(monkeypatch, slots=1, drafter=ChainDrafter(), max_parked_mib=max_parked_mib) as (
+        decode,
+        runtime,
+    ):
+        long, long_events = job([1, 2, 3], max_tokens=40, name="long")
+        parked = park_at(decode, runtime, "long", step=3)
+        decode.submit(long)
+        assert isinstance(parked.wait(), parking.ParkResult)
+        urgent, urgent_events = job([5, 6], max_tokens=4, name="urgent")
+        decode.submit(urgent)
+        assert urgent_events.ended.wait(10)
+        assert isinstance(resume(decode, "long").wait(), parking.ResumeResult)
+        assert long_events.ended.wait(10)
+        assert decode.speculation_stats.failure == ""
+    finished = long_events.last
+    assert isinstance(finished, jobs.Finished) and finished.drafted_tokens > 0
+    assert text(long_events) == counted(4, 40)
+    assert runtime.kv[0] == [1, 2, 3] + [(3 + i) % 10 + 1 for i in range(39)]
