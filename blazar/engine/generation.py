@@ -66,7 +66,8 @@ class Generation:
     # The kind of speculation that drafted for it ("" until a draft was verified).
     speculation: str = ""
     # When it was parked (0.0: it is not), and the seconds parked in all and after
-    # its first token.
+    # its first token. Prefilling its tokens again after a resume counts as parked:
+    # it is what preemption cost, not decoding.
     parked_at: float = 0.0
     parked_s: float = 0.0
     parked_decoding_s: float = 0.0
@@ -160,11 +161,18 @@ class Generation:
         return None
 
     def pause(self) -> None:
-        """It left its slot (parked)."""
-        self.parked_at = time.perf_counter()
+        """It left its slot (parked); parked again before it went on, it still counts
+        from the first time."""
+        self.parked_at = self.parked_at or time.perf_counter()
+
+    @property
+    def parked_for(self) -> float:
+        """Seconds since it was parked (0.0 when it is not)."""
+        return time.perf_counter() - self.parked_at if self.parked_at else 0.0
 
     def unpause(self) -> float:
-        """It is back in a slot, or ends parked; the seconds it was parked this time."""
+        """It goes on (back in a slot with its cache, or with its tokens prefilled
+        again), or ends parked; the seconds it was parked this time."""
         if not self.parked_at:
             return 0.0
         seconds = time.perf_counter() - self.parked_at

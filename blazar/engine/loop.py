@@ -564,6 +564,8 @@ class DecodeLoop:
         if not gen.prefilling and not gen.feed:
             gen.prefill_done = time.perf_counter()
             self._on_token(runtime, slot, first + piece.tokens - 1)
+        elif not gen.refill:
+            gen.unpause()  # its tokens are back after a resume: decoding goes on
 
     def _draft(self, runtime: llama.Runtime, spec: Speculator, active: list[Slot]) -> None:
         """Extend decoding slots' feeds with drafted tokens, as the policy allows."""

@@ -228,7 +228,8 @@ class Bank:
             else:
                 # Parked again before a refill was done: the rest of that refill follows.
                 gen.refill = parked.tokens[keep:] + gen.refill
-        parked_s = gen.unpause()
+        # Prefilling again still counts as parked, until the loop has its tokens back.
+        parked_s = gen.parked_for if gen.refill else gen.unpause()
         return ResumeResult(
             slot=slot.index,
             restored_bytes=restored,

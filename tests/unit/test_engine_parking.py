@@ -352,3 +352,36 @@ def test_parking_a_speculating_generation(
     assert isinstance(finished, jobs.Finished) and finished.drafted_tokens > 0
     assert text(long_events) == counted(4, 40)
     assert runtime.kv[0] == [1, 2, 3] + [(3 + i) % 10 + 1 for i in range(39)]
+
+
+def test_prefilling_again_counts_as_parked_not_as_decoding(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Past the bound the tokens are prefilled again after the resume: that time is
+    what the preemption cost, so it counts in parked_ms, and decode_ms (and the decode
+    rate from it) stays a decode figure. The refill step is made to take 500 ms, each
+    of the 22 decode steps after it 10 ms."""
+    with running(monkeypatch, slots=1, max_parked_mib=0) as (decode, runtime):
+        long, long_events = job([1, 2, 3], max_tokens=30, name="long")
+        parked = park_at(decode, runtime, "long", step=6)
+        decode.submit(long)
+        assert isinstance(parked.wait(), parking.ParkResult)
+        urgent, urgent_events = job([5, 6], max_tokens=4, name="urgent")
+        decode.submit(urgent)
+        assert urgent_events.ended.wait(10)
+        refills: list[int] = []
+
+        def slow_refill(step: int) -> None:
+            time.sleep(0.01 if refills else 0.5)
+            refills.append(step)
+
+        runtime.before_decode = slow_refill
+        resumed = resume(decode, "long").wait()
+        assert isinstance(resumed, parking.ResumeResult) and resumed.refill_tokens == 8
+        assert long_events.ended.wait(10)
+    finished = long_events.last
+    assert isinstance(finished, jobs.Finished)
+    # Either way round, the other figure would take 500 ms or 220 ms more.
+    assert 500.0 <= finished.parked_ms < 700.0
+    assert 220.0 <= finished.decode_ms < 450.0
+    assert text(long_events) == counted(4, 30)
