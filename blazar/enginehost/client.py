@@ -31,8 +31,11 @@ if TYPE_CHECKING:
 class EngineClient:
     """One engine worker, reached over its Unix socket."""
 
-    def __init__(self, socket: str) -> None:
+    def __init__(self, socket: str, *, process: int | None = None) -> None:
         self.socket = socket
+        # The worker's pid when the caller knew it: a restarted worker on the same
+        # socket gets a fresh channel (see `EnginePool.client`).
+        self.process = process
         self._channel = grpc.aio.insecure_channel(f"unix:{socket}")
         self._stub = engine_pb2_grpc.EngineStub(self._channel)
 
@@ -91,11 +94,19 @@ class EnginePool:
 
     def __init__(self) -> None:
         self._clients: dict[str, EngineClient] = {}
+        self._stale: list[EngineClient] = []
 
-    def client(self, socket: str) -> EngineClient:
+    def client(self, socket: str, *, process: int | None = None) -> EngineClient:
+        """The socket's client. Given the worker's pid, a client opened for another
+        process on that socket is replaced: the channel to a worker that died may sit in
+        gRPC's reconnect backoff and fail the first calls to its restarted successor."""
         found = self._clients.get(socket)
+        stale = found is not None and None not in (process, found.process)
+        if stale and found is not None and found.process != process:
+            self._stale.append(found)
+            found = None
         if found is None:
-            found = self._clients[socket] = EngineClient(socket)
+            found = self._clients[socket] = EngineClient(socket, process=process)
         return found
 
     async def retain(self, sockets: Iterable[str]) -> None:
@@ -103,6 +114,8 @@ class EnginePool:
         keep = set(sockets)
         for socket in set(self._clients) - keep:
             await self._clients.pop(socket).close()
+        while self._stale:
+            await self._stale.pop().close()
 
     async def close(self) -> None:
         await self.retain(())
