@@ -1,0 +1,135 @@
+"""What a Lane's engines measure, as admission's forecast reads it.
+
+Pure: no IO, no clock. The dispatcher records each finished request's `Final` (the
+usage and timings the engine reports, relayed by the data plane) against its replica,
+and reads back a `admission.ReplicaView` per replica and the Lane's typical completion
+length. Every figure is a moving average of measurements, never a constant: until a
+replica has measured something its own figure is the Lane's (what its other replicas
+measured), and until the Lane has, None (which admission counts as no time at all).
+
+Rates are ratios of moving sums (tokens over seconds), not moving averages of
+per-request rates: a 5-token prefill, dominated by fixed costs, would otherwise weigh
+as much as a 1,500-token one in the prefill rate.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from blazar._proto.v1 import inference_pb2
+from blazar.dataplane import admission
+
+# Weight of the newest request in every moving average: about the last ten requests
+# make the figure, so it follows a change of load within a few seconds of traffic.
+WEIGHT = 0.2
+
+# Characters per prompt token before the Lane has measured its own ratio (the usual
+# rule of thumb for English text and BPE vocabularies). A ticket's prompt size weighs
+# only its own prefill, which counts as no time until a prefill rate is measured too.
+DEFAULT_CHARS_PER_TOKEN = 4.0
+
+
+@dataclass
+class _Mean:
+    """An exponentially weighted moving average; None until the first sample."""
+
+    value: float | None = None
+
+    def add(self, sample: float) -> None:
+        self.value = sample if self.value is None else self.value + WEIGHT * (sample - self.value)
+
+
+@dataclass
+class _Ratio:
+    """Moving sums of a numerator and a denominator, read as their ratio."""
+
+    top: _Mean = field(default_factory=_Mean)
+    bottom: _Mean = field(default_factory=_Mean)
+
+    def add(self, top: float, bottom: float) -> None:
+        self.top.add(top)
+        self.bottom.add(bottom)
+
+    @property
+    def value(self) -> float | None:
+        if self.top.value is None or not self.bottom.value:
+            return None
+        return self.top.value / self.bottom.value
+
+
+@dataclass
+class _Rates:
+    # Prompt tokens prefilled (cached ones excluded) over seconds of prefill.
+    prefill: _Ratio = field(default_factory=_Ratio)
+    # Seconds of decode over decode steps.
+    step: _Ratio = field(default_factory=_Ratio)
+    # Tokens decoded over decode steps (above 1 with accepted speculative drafts).
+    per_step: _Ratio = field(default_factory=_Ratio)
+
+    def record(self, final: inference_pb2.Final) -> None:
+        usage, timings = final.usage, final.timings
+        fresh = usage.prompt_tokens - usage.cached_tokens
+        if fresh > 0 and timings.prefill_ms > 0:
+            self.prefill.add(fresh, timings.prefill_ms / 1000.0)
+        # The first token comes out of the prefill; every later one out of a decode
+        # step, which yields one token plus the drafts it accepted.
+        decoded = usage.completion_tokens - 1
+        steps = decoded - final.routing.accepted_tokens
+        if steps > 0 and timings.decode_ms > 0:
+            self.step.add(timings.decode_ms / 1000.0, steps)
+            self.per_step.add(decoded, steps)
+
+
+class LaneMeasurements:
+    """The moving averages of one Lane and of each of its replicas (by index)."""
+
+    def __init__(self) -> None:
+        self._lane = _Rates()
+        self._replicas: dict[int, _Rates] = {}
+        self._completion = _Mean()
+        self._chars_per_token = _Ratio()
+
+    def record(self, replica: int, final: inference_pb2.Final, *, prompt_chars: int) -> None:
+        """A request that finished on `replica`, and the characters of its prompt."""
+        self._lane.record(final)
+        self._replicas.setdefault(replica, _Rates()).record(final)
+        self._completion.add(final.usage.completion_tokens)
+        if final.usage.prompt_tokens > 0 and prompt_chars > 0:
+            self._chars_per_token.add(prompt_chars, final.usage.prompt_tokens)
+
+    @property
+    def completion_tokens(self) -> float | None:
+        """The Lane's typical completion length in tokens; None before any request ends."""
+        return self._completion.value
+
+    def prompt_tokens(self, chars: int) -> int:
+        """An estimate of a prompt's tokens from its characters, before tokenizing it."""
+        ratio = self._chars_per_token.value or DEFAULT_CHARS_PER_TOKEN
+        return max(1, math.ceil(chars / ratio))
+
+    def output_tokens(self, max_tokens: int) -> int:
+        """Tokens a request allowed `max_tokens` is expected to generate."""
+        typical = self._completion.value
+        return max_tokens if typical is None else min(max_tokens, math.ceil(typical))
+
+    def replica_view(
+        self, index: int, *, slots: int, running: Sequence[admission.Running]
+    ) -> admission.ReplicaView:
+        """The replica as admission sees it. Parking is off: no engine parks yet, so
+        `parked_bytes_max` stays 0 and admission never chooses a victim."""
+        own = self._replicas.get(index, self._lane)
+
+        def pick(mine: _Ratio, lanes: _Ratio) -> float | None:
+            return mine.value if mine.value is not None else lanes.value
+
+        lane = self._lane
+        return admission.ReplicaView(
+            index=index,
+            slots=slots,
+            running=tuple(running),
+            prefill_tokens_per_s=pick(own.prefill, lane.prefill),
+            step_s=pick(own.step, lane.step),
+            tokens_per_step=pick(own.per_step, lane.per_step) or 1.0,
+        )

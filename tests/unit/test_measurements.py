@@ -1,0 +1,83 @@
+"""The Lane's measurements as admission reads them: moving ratios of what engines report."""
+
+from __future__ import annotations
+
+import pytest
+
+from blazar._proto.v1 import inference_pb2
+from blazar.dataplane import admission
+from blazar.dataplane.measurements import DEFAULT_CHARS_PER_TOKEN, LaneMeasurements
+
+
+def final(
+    *,
+    prompt: int = 100,
+    cached: int = 0,
+    completion: int = 11,
+    prefill_ms: float = 100.0,
+    decode_ms: float = 1000.0,
+    accepted: int = 0,
+) -> inference_pb2.Final:
+    return inference_pb2.Final(
+        usage=inference_pb2.Usage(
+            prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached
+        ),
+        timings=inference_pb2.Timings(prefill_ms=prefill_ms, decode_ms=decode_ms),
+        routing=inference_pb2.Routing(accepted_tokens=accepted),
+    )
+
+
+def test_nothing_measured_is_none_not_a_guess() -> None:
+    m = LaneMeasurements()
+    view = m.replica_view(0, slots=4, running=())
+    assert (view.prefill_tokens_per_s, view.step_s, view.tokens_per_step) == (None, None, 1.0)
+    assert m.completion_tokens is None
+    assert m.output_tokens(300) == 300
+    assert m.prompt_tokens(400) == 400 / DEFAULT_CHARS_PER_TOKEN
+
+
+def test_one_request_gives_the_rates_it_ran_at() -> None:
+    m = LaneMeasurements()
+    # 90 tokens prefilled in 0.1 s; 10 tokens after the first in 1 s of decode.
+    m.record(0, final(cached=10), prompt_chars=300)
+    view = m.replica_view(0, slots=4, running=())
+    assert view.prefill_tokens_per_s == pytest.approx(900.0)
+    assert view.step_s == pytest.approx(0.1)
+    assert view.tokens_per_step == 1.0
+    assert m.completion_tokens == 11
+    assert m.output_tokens(300) == 11 and m.output_tokens(5) == 5
+    assert m.prompt_tokens(300) == 100
+
+
+def test_accepted_drafts_make_fewer_longer_steps() -> None:
+    m = LaneMeasurements()
+    # 20 tokens after the first, 10 of them accepted drafts: 10 steps of 0.1 s.
+    m.record(0, final(completion=21, accepted=10, decode_ms=1000.0), prompt_chars=0)
+    view = m.replica_view(0, slots=1, running=())
+    assert view.step_s == pytest.approx(0.1)
+    assert view.tokens_per_step == pytest.approx(2.0)
+    assert view.decode_s(20) == pytest.approx(1.0)
+
+
+def test_a_long_prefill_weighs_more_than_a_short_one() -> None:
+    m = LaneMeasurements()
+    m.record(0, final(prompt=1000, prefill_ms=500.0), prompt_chars=0)  # 2,000 tokens/s
+    m.record(0, final(prompt=5, prefill_ms=50.0), prompt_chars=0)  # 100 tokens/s, fixed costs
+    rate = m.replica_view(0, slots=1, running=()).prefill_tokens_per_s
+    assert rate is not None and rate > 1000
+
+
+def test_a_replica_without_measurements_reads_the_lanes() -> None:
+    m = LaneMeasurements()
+    m.record(1, final(prefill_ms=200.0), prompt_chars=0)
+    m.record(0, final(prefill_ms=100.0), prompt_chars=0)
+    assert m.replica_view(0, slots=1, running=()).prefill_tokens_per_s == pytest.approx(1000)
+    assert m.replica_view(1, slots=1, running=()).prefill_tokens_per_s == pytest.approx(500)
+    fresh = m.replica_view(2, slots=1, running=()).prefill_tokens_per_s
+    assert fresh is not None and 500 < fresh < 1000
+
+
+def test_the_view_carries_slots_and_runs_and_cannot_park() -> None:
+    running = (admission.Running("a", 0, tokens_left=5, kv_tokens=50),)
+    view = LaneMeasurements().replica_view(3, slots=2, running=running)
+    assert (view.index, view.slots, view.running, view.parked_bytes_max) == (3, 2, running, 0)
