@@ -39,6 +39,8 @@ class Route:
     slots: int = 1
     # Replicas the Lane asks for (its spec.replicas); 0 pauses it.
     desired: int = 1
+    # The Lane's SLOPolicy (spec.sloPolicy), for requests that name none.
+    slo_policy: str | None = None
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,7 @@ def build_table(lanes: Sequence[Lane]) -> RouteTable:
                 context_length=lane.spec.context_per_slot,
                 slots=lane.spec.slots,
                 desired=lane.spec.replicas,
+                slo_policy=lane.spec.slo_policy,
             )
         )
     by_name: dict[str, Route] = {route.lane: route for route in routes}

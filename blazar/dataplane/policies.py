@@ -1,0 +1,58 @@
+"""Which SLOPolicy admits a request: the one it names, else its Lane's, else the
+built-in `admission.FIFO_POLICY`.
+
+Pure: the caller passes a lookup of stored policies. A request names its policy with
+the `slo` field of ChatRequest / CompleteRequest, or gRPC metadata `x-blazar-slo` (the
+HTTP shim's header of the same name fills the field); the field wins.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from blazar.api import errors
+from blazar.api.kinds import SLOPolicySpec
+from blazar.dataplane import admission
+
+# gRPC metadata naming the policy, for callers that cannot set the field (a proxy).
+METADATA_KEY = "x-blazar-slo"
+
+# A name is echoed back at most this long (see errors.ModelNotFound).
+_ECHO_MAX_CHARS = 200
+
+
+def requested(field: str, metadata: Iterable[tuple[str, str | bytes]]) -> str:
+    """The policy name a request asks for; empty when it names none."""
+    if field:
+        return field
+    for key, value in metadata:
+        if key == METADATA_KEY:
+            return value if isinstance(value, str) else value.decode(errors="replace")
+    return ""
+
+
+def resolve(
+    named: str,
+    *,
+    lane_policy: str | None,
+    lookup: Callable[[str], SLOPolicySpec | None],
+) -> admission.Policy:
+    """The request's policy. A name the request gives that no SLOPolicy has is the
+    caller's mistake (InvalidRequest, naming it). A Lane whose `sloPolicy` is gone is
+    the operator's (the Lane reports it); its requests are served under FIFO meanwhile."""
+    if named:
+        spec = lookup(named)
+        if spec is None:
+            shown = named if len(named) <= _ECHO_MAX_CHARS else named[:_ECHO_MAX_CHARS] + "..."
+            raise errors.InvalidRequest(
+                f"The SLOPolicy '{shown}' does not exist (the request names it in `slo` or "
+                f"the {METADATA_KEY} header); name an existing SLOPolicy, or none to use "
+                "the Lane's.",
+                metadata={errors.FIELD_KEY: "slo", "policy": shown},
+            )
+        return admission.Policy.of(named, spec)
+    if lane_policy:
+        spec = lookup(lane_policy)
+        if spec is not None:
+            return admission.Policy.of(lane_policy, spec)
+    return admission.FIFO_POLICY
