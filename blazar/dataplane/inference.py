@@ -6,8 +6,10 @@ engine answers, and a replica that leaves the table (not ready, restarted, gone)
 forgotten. In-flight counts per replica, the index's matches and the session's last
 replica feed `routing.pick_replica`. The replica chosen goes back to the caller in the
 initial metadata (`blazar-lane`, `blazar-replica`) before the first chunk, and in
-`Final.routing`. Requests are FIFO per replica (the engine queues them); SLO
-admission comes in a later layer.
+`Final.routing`. Chat and Complete wait in their Lane's admission queue
+(`blazar.dataplane.dispatcher`) under the SLOPolicy they name (`policies`) until a slot
+is theirs; engines hold no queue of their own. Embed and Tokenize go straight to a
+replica.
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ import structlog
 from blazar._proto.engine.v1 import engine_pb2
 from blazar._proto.v1 import inference_pb2, inference_pb2_grpc
 from blazar.api import errors
-from blazar.api.kinds import Kind, Lane
-from blazar.dataplane import metrics, prefixes, routing
+from blazar.api.kinds import Kind, Lane, SLOPolicy, SLOPolicySpec
+from blazar.dataplane import admission, dispatcher, metrics, policies, prefixes, routing
 from blazar.enginehost.client import EnginePool
 from blazar.rpc import status
 from blazar.store.base import Store, WatchEvent
@@ -44,12 +46,16 @@ REPLICA_KEY = "blazar-replica"
 
 
 class InferenceService(inference_pb2_grpc.InferenceServicer):
-    def __init__(self, *, store: Store, pool: EnginePool) -> None:
+    def __init__(
+        self, *, store: Store, pool: EnginePool, parker: dispatcher.Parker | None = None
+    ) -> None:
+        """On the data plane's event loop (each Lane's admission task runs there)."""
         self._store = store
         self._pool = pool
         self._inflight: Counter[tuple[str, int]] = Counter()
         self._sessions = routing.Sessions()
         self._prefixes: dict[str, prefixes.PrefixIndex] = {}
+        self._dispatchers = dispatcher.Dispatchers(parker=parker)
         self.table = routing.RouteTable()
         self.refresh()
         self._unsubscribe = store.subscribe(self._on_store_event)
@@ -68,13 +74,21 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                 index.forget(replica)
             indexes[route.lane] = index
         self._prefixes = indexes
+        self._dispatchers.update(self.table)
 
     def _on_store_event(self, event: WatchEvent) -> None:
         if event.object.kind == Kind.LANE.value:
             self.refresh()
 
-    def close(self) -> None:
+    async def close(self) -> None:
+        """Stop following the store, and end every Lane's admission task; requests still
+        waiting are refused as UNAVAILABLE (the server is shutting down)."""
         self._unsubscribe()
+        await self._dispatchers.close()
+
+    def dispatchers(self) -> list[dispatcher.LaneDispatcher]:
+        """Each Lane's admission, for the live figures the Control API shows."""
+        return self._dispatchers.all()
 
     async def ListModels(
         self, request: inference_pb2.ListModelsRequest, context: Context
@@ -111,7 +125,13 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             return prefixes.chat_hashes(turns, limit=limit)
 
         relay = self._relay(
-            request.model, generate, context, session=request.session, hashes=hashes
+            request.model,
+            generate,
+            context,
+            slo=request.slo,
+            prompt_chars=sum(len(m.content) for m in request.messages),
+            session=request.session,
+            hashes=hashes,
         )
         async for chunk in relay:
             yield chunk
@@ -127,7 +147,13 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             return prefixes.prompt_hashes(request.prompt, limit=limit)
 
         relay = self._relay(
-            request.model, generate, context, session=request.session, hashes=hashes
+            request.model,
+            generate,
+            context,
+            slo=request.slo,
+            prompt_chars=len(request.prompt),
+            session=request.session,
+            hashes=hashes,
         )
         async for chunk in relay:
             yield chunk
@@ -227,82 +253,142 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         generate: engine_pb2.GenerateRequest,
         context: Context,
         *,
+        slo: str,
+        prompt_chars: int,
         session: str = "",
         hashes: Callable[[int], tuple[int, ...]] | None = None,
     ) -> AsyncIterator[inference_pb2.Chunk]:
-        """Stream the engine's answer. A replica that refuses with UNAVAILABLE before
-        its first chunk (draining, or its process just died) is left out and the
-        request goes to the next ready one; nothing was generated, so this is safe.
-        The replica is announced in the initial metadata with the first chunk, once
-        no other replica can take over."""
-        arrived = time.perf_counter()
+        """Admit the request on its Lane's queue, then stream the engine's answer.
+
+        The replica routing prefers (session, cached prefix, load) is the ticket's
+        `prefer`; admission starts it on a free slot, that one's first. A replica that
+        refuses with UNAVAILABLE before its first chunk (draining, or its process just
+        died) hands the request back to the queue, where it waits for another start
+        (`dispatcher`); nothing was generated, so this is safe. The replica is announced
+        in the initial metadata with the first chunk, once no other replica can take
+        over."""
+        arrived = time.monotonic()
         request_id = _request_id(context)
         generate.request_id = request_id
         structlog.contextvars.bind_contextvars(request_id=request_id)
         route, replica, blocks = await self._route(model, context, session=session, hashes=hashes)
-        refused: set[int] = set()
-        announced = False
-        while True:
-            retry = False
-            # aclosing: a caller that leaves mid-stream must cancel the engine call now
-            # (freeing its slot), not whenever the inner generator is collected.
-            attempt = self._attempt(route, replica, generate, context, arrived=arrived)
-            async with contextlib.aclosing(attempt):
-                async for chunk in attempt:
-                    if chunk is None:
-                        retry = True
-                        continue
-                    if not announced:
-                        announced = True
-                        self._served(replica, blocks)
-                        await context.send_initial_metadata(
-                            ((LANE_KEY, route.lane), (REPLICA_KEY, str(replica.index)))
-                        )
-                    yield chunk
-            if not retry:
-                return
-            refused.add(replica.index)
-            try:
-                replica = self._pick(route, session=session, hashes=blocks, exclude=refused)
-            except errors.BlazarError as err:
-                metrics.observe_failure(route.lane, err.reason)
-                await status.abort(context, err)
-            log.info("request.retry", request_id=request_id, lane=route.lane, replica=replica.index)
+        lane = self._dispatchers.of(route.lane)
+        try:
+            named = policies.requested(slo, context.invocation_metadata() or ())
+            policy = policies.resolve(named, lane_policy=route.slo_policy, lookup=self._policy_spec)
+            if lane is None:
+                raise errors.Unavailable(
+                    f"The model '{route.lane}' has no ready replica yet; retry shortly.",
+                    metadata={"lane": route.lane},
+                )
+        except errors.BlazarError as err:
+            log.info("request.rejected", model=model, reason=err.reason)
+            await status.abort(context, err)
+        prompt_tokens = lane.measurements.prompt_tokens(prompt_chars)
+        sampling = generate.sampling
+        max_tokens = (
+            sampling.max_tokens
+            if sampling.HasField("max_tokens")
+            else max(1, route.context_length - prompt_tokens)
+        )
+        ticket = admission.Ticket(
+            id=uuid.uuid4().hex,
+            policy=policy,
+            arrived=arrived,
+            prompt_tokens=prompt_tokens,
+            max_tokens=max_tokens,
+            prefer=replica.index,
+        )
+        waiting = True
+        try:
+            run = await lane.admit(ticket, request_id=request_id, prompt_chars=prompt_chars)
+            announced = False
+            while True:
+                waiting = False
+                retry = False
+                # aclosing: a caller that leaves mid-stream must cancel the engine call
+                # now (freeing its slot), not whenever the inner generator is collected.
+                attempt = self._attempt(route, run, generate, context, lane=lane)
+                async with contextlib.aclosing(attempt):
+                    async for chunk in attempt:
+                        if chunk is None:
+                            retry = True
+                            continue
+                        if not announced:
+                            announced = True
+                            self._served(run.replica, blocks)
+                            self._sessions.record(route.lane, session, run.replica.index)
+                            await context.send_initial_metadata(
+                                ((LANE_KEY, route.lane), (REPLICA_KEY, str(run.replica.index)))
+                            )
+                        yield chunk
+                if not retry:
+                    return
+                log.info(
+                    "request.requeued",
+                    request_id=request_id,
+                    lane=route.lane,
+                    replica=run.replica.index,
+                )
+                waiting = True
+                run = await lane.retry(run)
+        except errors.BlazarError as err:
+            metrics.observe_failure(route.lane, err.reason)
+            await status.abort(context, err)
+        except asyncio.CancelledError:
+            # A caller that leaves mid-stream is counted by its attempt.
+            if waiting:
+                metrics.observe_failure(route.lane, metrics.CANCELLED)
+            raise
+
+    def _policy_spec(self, name: str) -> SLOPolicySpec | None:
+        found = self._store.get(Kind.SLO_POLICY, name)
+        return found.spec if isinstance(found, SLOPolicy) else None
 
     async def _attempt(
         self,
         route: routing.Route,
-        replica: routing.Replica,
+        run: dispatcher.Run,
         generate: engine_pb2.GenerateRequest,
         context: Context,
         *,
-        arrived: float,
+        lane: dispatcher.LaneDispatcher,
     ) -> AsyncGenerator[inference_pb2.Chunk | None, None]:
-        """One replica's stream; a final None asks the caller to try another replica."""
+        """One replica's stream; a final None asks the caller to requeue the request."""
+        replica, ticket = run.replica, run.ticket
         key = (replica.lane, replica.index)
         self._inflight[key] += 1
         metrics.IN_FLIGHT.labels(route.lane).inc()
-        call = self._pool.client(replica.socket).generate(generate)
+        call = self._pool.client(replica.socket, process=replica.pid).generate(generate)
         first_at: float | None = None
         tokens = 0
         sent = False
+        finished: inference_pb2.Final | None = None
         # Whether the request's outcome is settled here (counted, or handed back for a
         # retry); a stream left before that was cancelled by its caller.
         settled = False
+        retried = False
         try:
             async for chunk in call:
                 if chunk.HasField("delta"):
                     if first_at is None:
-                        first_at = time.perf_counter()
+                        first_at = time.monotonic()
+                        lane.first_token(ticket, first_at - ticket.arrived)
                     tokens += chunk.delta.tokens
+                    run.generated = tokens
                 else:
                     final = chunk.final
                     final.model = route.lane
                     final.routing.lane = route.lane
                     final.routing.replica = replica.index
-                    end = first_at or time.perf_counter()
-                    final.timings.ttft_ms = (end - arrived) * 1000.0
-                    metrics.observe_final(route.lane, final)
+                    if first_at is None:
+                        lane.first_token(ticket, time.monotonic() - ticket.arrived)
+                    end = first_at or time.monotonic()
+                    final.timings.ttft_ms = (end - ticket.arrived) * 1000.0
+                    # The wait in admission's queue, before the engine's own.
+                    final.timings.queue_ms += ticket.waited_s * 1000.0
+                    metrics.observe_final(route.lane, final, policy=ticket.policy.name)
+                    finished = final
                     settled = True
                 sent = True
                 yield chunk
@@ -310,6 +396,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             failure = status.from_rpc_error(exc)
             settled = True
             if not sent and isinstance(failure, errors.Unavailable):
+                retried = True
                 yield None
                 return
             if status.lost_peer(exc):
@@ -331,6 +418,8 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             call.cancel()  # no-op when finished; frees the engine slot when the caller left
             if not settled:
                 metrics.observe_failure(route.lane, metrics.CANCELLED)
+            if not retried:
+                lane.end(run, finished)
             metrics.IN_FLIGHT.labels(route.lane).dec()
             self._inflight[key] -= 1
             if self._inflight[key] <= 0:
@@ -340,8 +429,10 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             request_id=generate.request_id,
             lane=route.lane,
             replica=replica.index,
+            policy=ticket.policy.name,
             tokens=tokens,
-            seconds=round(time.perf_counter() - arrived, 3),
+            queued_s=round(ticket.waited_s, 3),
+            seconds=round(time.monotonic() - ticket.arrived, 3),
         )
 
 

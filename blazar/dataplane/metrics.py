@@ -1,4 +1,5 @@
-"""Prometheus metrics of the data plane, observed once per request from its final chunk.
+"""Prometheus metrics of the data plane, observed once per request from its final chunk,
+and of each Lane's admission queue (by SLOPolicy: `builtin:fifo` for a Lane without one).
 
 They live in prometheus-client's default registry of the daemon process; the HTTP
 shim, which runs in the same process, serves them at GET /metrics.
@@ -44,9 +45,35 @@ EMBEDDED_TOKENS = Counter(
 )
 TTFT = Histogram(
     "blazar_time_to_first_token_seconds",
-    "From arrival at the data plane to the first token.",
-    ["lane"],
+    "From arrival at the data plane to the first token, admission's queue included.",
+    ["lane", "policy"],
     buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+)
+QUEUE_DEPTH = Gauge(
+    "blazar_queue_depth",
+    "Requests waiting in a lane's admission queue for a slot, by SLOPolicy.",
+    ["lane", "policy"],
+)
+QUEUE_WAIT = Histogram(
+    "blazar_queue_wait_seconds",
+    "Time a request waited in its lane's admission queue, until it started or was refused.",
+    ["lane", "policy"],
+    buckets=(0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+)
+REJECTIONS = Counter(
+    "blazar_admission_rejections_total",
+    "Requests refused by admission, by reason: QUEUE_FULL, QUEUE_TIMEOUT, SLO_UNATTAINABLE.",
+    ["lane", "policy", "reason"],
+)
+FIRST_TOKENS = Counter(
+    "blazar_slo_first_tokens_total",
+    "First tokens under an SLOPolicy with a ttftTargetMs, by whether they met it (met=true).",
+    ["lane", "policy", "met"],
+)
+ATTAINMENT = Gauge(
+    "blazar_slo_attainment_ratio",
+    "Share of first tokens that met their SLOPolicy's ttftTargetMs, since the daemon started.",
+    ["lane", "policy"],
 )
 DECODE_RATE = Histogram(
     "blazar_decode_tokens_per_second",
@@ -56,14 +83,14 @@ DECODE_RATE = Histogram(
 )
 
 
-def observe_final(lane: str, final: inference_pb2.Final) -> None:
+def observe_final(lane: str, final: inference_pb2.Final, *, policy: str) -> None:
     REQUESTS.labels(lane, "ok").inc()
     PROMPT_TOKENS.labels(lane).inc(final.usage.prompt_tokens)
     CACHED_TOKENS.labels(lane).inc(final.usage.cached_tokens)
     COMPLETION_TOKENS.labels(lane).inc(final.usage.completion_tokens)
     DRAFTED_TOKENS.labels(lane).inc(final.routing.drafted_tokens)
     ACCEPTED_TOKENS.labels(lane).inc(final.routing.accepted_tokens)
-    TTFT.labels(lane).observe(final.timings.ttft_ms / 1000.0)
+    TTFT.labels(lane, policy).observe(final.timings.ttft_ms / 1000.0)
     if final.timings.decode_tokens_per_second > 0:
         DECODE_RATE.labels(lane).observe(final.timings.decode_tokens_per_second)
 

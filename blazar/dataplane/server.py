@@ -46,7 +46,7 @@ class DataPlane:
     async def stop(self, grace: float) -> None:
         await self.set_serving(False)
         await self.server.stop(grace)
-        self.inference.close()
+        await self.inference.close()
         await self.pool.close()
 
 

@@ -9,7 +9,7 @@ import contextlib
 import shutil
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -197,13 +197,55 @@ def test_the_replica_is_announced_before_the_first_chunk() -> None:
     assert (metadata["blazar-lane"], metadata["blazar-replica"], refused) == ("l", "1", 1)
 
 
-def test_every_replica_refusing_is_unavailable() -> None:
+async def wait_until(predicate: Callable[[], bool], what: str, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
+def test_a_request_every_replica_refuses_waits_for_a_restarted_one() -> None:
+    """Faults keep the queue: refused before its first chunk by every replica (dying or
+    draining), the request waits; the replicas as new processes serve it."""
     fakes = [FakeEngine(refuse=True, text="a"), FakeEngine(refuse=True, text="b")]
-    chunks, error = asyncio.run(complete(fakes))
-    assert chunks == []
-    assert isinstance(error, grpc.aio.AioRpcError)
+
+    async def run() -> tuple[list[inference_pb2.Chunk], list[int]]:
+        async with serving(fakes) as plane:
+            call = plane.stub.Complete(inference_pb2.CompleteRequest(model="l", prompt="hi"))
+            reading = asyncio.ensure_future(call.read())
+            await wait_until(lambda: [f.calls for f in fakes] == [1, 1], "both refusals")
+            await asyncio.sleep(0.1)
+            # Left out until they are other processes: nobody asks them again.
+            assert [f.calls for f in fakes] == [1, 1] and not reading.done()
+            for fake in fakes:
+                fake.refuse = False
+            plane.store.update_status(Kind.LANE, "l", lane(plane.sockets, [200, 201]).status)
+            chunks = [await asyncio.wait_for(reading, timeout=5)]
+            while (chunk := await call.read()) is not grpc.aio.EOF:
+                chunks.append(chunk)
+            return chunks, [f.calls for f in fakes]
+
+    chunks, calls = asyncio.run(run())
+    assert chunks[0].delta.text == "a" and chunks[-1].final.routing.replica == 0
+    assert calls == [2, 1]
+
+
+def test_a_waiting_request_of_a_lane_scaled_to_zero_is_unavailable() -> None:
+    async def run() -> grpc.aio.AioRpcError:
+        async with serving([FakeEngine(refuse=True, text="a")]) as plane:
+            call = plane.stub.Complete(inference_pb2.CompleteRequest(model="l", prompt="hi"))
+            reading = asyncio.ensure_future(call.read())
+            await asyncio.sleep(0.2)
+            paused = lane(plane.sockets)
+            paused.spec.replicas = 0
+            plane.store.apply_all([paused])
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await asyncio.wait_for(reading, timeout=5)
+            return info.value
+
+    error = asyncio.run(run())
     assert error.code() == grpc.StatusCode.UNAVAILABLE
-    assert [f.calls for f in fakes] == [1, 1]
+    assert "scaled to zero" in (error.details() or "")
 
 
 def test_an_engine_lost_mid_stream_is_a_retryable_error_that_says_so() -> None:

@@ -1,0 +1,529 @@
+"""The admission task of each Lane: requests wait here for a slot, not in the engines.
+
+`Dispatchers` keeps one `LaneDispatcher` per Lane of the route table. A dispatcher is
+one asyncio task, the only owner of its Lane's `admission.LaneQueue` and of what runs
+where; relays (`blazar.dataplane.inference`) talk to it through its event queue. On
+every event (an arrival, a run that ends, a cancel, a start that failed, a new route
+table) and at the queue's `next_expiry()`, it drives admission as that module says:
+`dispatch`, then `preemption` until None, then `expire`, each against a view that
+holds the decisions already carried out.
+
+A request's side, in the relay:
+
+1. `admit(...)` returns once admission starts the request on a replica (a `Run`), or
+   raises what admission refused it with (`errors.Overloaded`, carrying
+   `retry_after_ms`), or `errors.Unavailable` when its Lane goes away or is scaled to
+   zero while it waits. A caller that leaves while waiting (its coroutine cancelled)
+   takes its ticket out of the queue at once.
+2. The relay streams from `run.replica`, counting the tokens it relays on
+   `run.generated` (the one field a relay writes; the forecast reads it).
+3. `end(run, final)` when the stream ends in any way; a Final's usage and timings
+   become the Lane's measurements.
+   `retry(run)` instead when the replica refused the request before its first chunk
+   (its process died, or it is draining): nothing was generated, so the ticket goes
+   back to the queue with its place and its wait so far, and the replica is left out
+   of the view until the route table shows it as another process (restarted). So a
+   request that had not started when its replica died waits, within its policy's
+   bounds, for the restarted replica or another one; only generations already under
+   way end with an error (UNAVAILABLE, retryable).
+
+The view (`admission.LaneView`) is built from what the data plane knows, never from
+constants: slots and ready replicas from the route table, running requests from the
+runs dispatched and not ended (tokens left from the Lane's typical completion less what
+each generated), and rates from `measurements.LaneMeasurements`.
+
+Preemption: a `Preempt` goes through one `Parker`. No engine parks yet (issue 17's
+slot banking is built engine-side), so `NoParking` is the parker and every replica's
+view has `parked_bytes_max` 0, with which admission emits no `Preempt` at all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Protocol, TypeAlias
+
+import structlog
+
+from blazar._proto.v1 import inference_pb2
+from blazar.api import errors
+from blazar.dataplane import admission, metrics, routing
+from blazar.dataplane.measurements import LaneMeasurements
+
+log = structlog.get_logger(__name__)
+
+
+class Parker(Protocol):
+    """Parks and resumes a running generation on its engine, on admission's word."""
+
+    async def park(self, replica: routing.Replica, request_id: str) -> bool:
+        """Park the generation; False when the engine cannot (it keeps running)."""
+        ...
+
+    async def resume(self, replica: routing.Replica, request_id: str) -> bool:
+        """Resume a parked generation in a free slot; False when the engine cannot."""
+        ...
+
+
+class NoParking:
+    """The parker until engines can park: refuses every park (admission, seeing a
+    bound of 0 parked bytes, asks for none)."""
+
+    async def park(self, replica: routing.Replica, request_id: str) -> bool:
+        return False
+
+    async def resume(self, replica: routing.Replica, request_id: str) -> bool:
+        return False
+
+
+@dataclass(eq=False)
+class Run:
+    """A request admission started on a replica."""
+
+    ticket: admission.Ticket
+    request_id: str
+    replica: routing.Replica
+    prompt_chars: int
+    # Tokens relayed so far: written by the relay, read by the forecast.
+    generated: int = 0
+
+
+# A replica as one engine process: a restarted replica keeps its index, not this.
+_Identity: TypeAlias = tuple[int, str, int | None]
+
+
+def _identity(replica: routing.Replica) -> _Identity:
+    return (replica.index, replica.socket, replica.pid)
+
+
+@dataclass(eq=False)
+class _Pending:
+    ticket: admission.Ticket
+    request_id: str
+    prompt_chars: int
+    started: asyncio.Future[Run]
+
+
+@dataclass(frozen=True)
+class _Arrive:
+    pending: _Pending
+
+
+@dataclass(frozen=True)
+class _Retry:
+    run: Run
+    pending: _Pending
+
+
+@dataclass(frozen=True)
+class _Cancel:
+    ticket_id: str
+
+
+@dataclass(frozen=True)
+class _End:
+    run: Run
+    final: inference_pb2.Final | None
+
+
+@dataclass(frozen=True)
+class _Table:
+    route: routing.Route | None
+
+
+_Event: TypeAlias = _Arrive | _Retry | _Cancel | _End | _Table
+
+
+@dataclass
+class PolicyFigures:
+    """What one policy's requests met on one Lane since the daemon started."""
+
+    queued: int = 0
+    first_tokens: int = 0
+    # First tokens within the policy's ttftTargetMs (counted only under a target).
+    met: int = 0
+    targeted: int = 0
+    refused: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def attainment(self) -> float | None:
+        return self.met / self.targeted if self.targeted else None
+
+
+class LaneDispatcher:
+    """One Lane's admission queue and the task that owns it (see the module docstring)."""
+
+    def __init__(
+        self,
+        route: routing.Route,
+        *,
+        parker: Parker,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.lane = route.lane
+        self.measurements = LaneMeasurements()
+        # Per policy name; read by the Control API (`blazar get slopolicies`).
+        self.figures: dict[str, PolicyFigures] = {}
+        self._route: routing.Route | None = route
+        self._parker = parker
+        self._clock = clock
+        self._queue = admission.LaneQueue()
+        self._pending: dict[str, _Pending] = {}
+        self._running: dict[str, Run] = {}
+        self._excluded: set[_Identity] = set()
+        self._policies: dict[str, admission.Policy] = {}
+        self._events: asyncio.Queue[_Event] = asyncio.Queue()
+        self._task = asyncio.get_running_loop().create_task(
+            self._serve(), name=f"admission:{self.lane}"
+        )
+
+    # --- the relay's side ----------------------------------------------------------
+
+    async def admit(self, ticket: admission.Ticket, *, request_id: str, prompt_chars: int) -> Run:
+        """Queue the ticket and wait for its start (see the module docstring)."""
+        self._check_open()
+        pending = self._pending_of(ticket, request_id=request_id, prompt_chars=prompt_chars)
+        self._events.put_nowait(_Arrive(pending))
+        return await self._wait(pending)
+
+    async def retry(self, run: Run) -> Run:
+        """The replica refused `run` before its first chunk: wait for another start."""
+        self._check_open()
+        pending = self._pending_of(
+            run.ticket, request_id=run.request_id, prompt_chars=run.prompt_chars
+        )
+        self._events.put_nowait(_Retry(run, pending))
+        return await self._wait(pending)
+
+    def end(self, run: Run, final: inference_pb2.Final | None) -> None:
+        """The run's stream ended: with its Final when it finished."""
+        self._events.put_nowait(_End(run, final))
+
+    def first_token(self, ticket: admission.Ticket, ttft_s: float) -> None:
+        policy = ticket.policy
+        figures = self._figures(policy)
+        figures.first_tokens += 1
+        if policy.ttft_target_s is None:
+            return
+        met = ttft_s <= policy.ttft_target_s
+        figures.targeted += 1
+        figures.met += met
+        metrics.FIRST_TOKENS.labels(self.lane, policy.name, str(met).lower()).inc()
+        if figures.attainment is not None:
+            metrics.ATTAINMENT.labels(self.lane, policy.name).set(figures.attainment)
+
+    def _check_open(self) -> None:
+        if self._task.done():
+            raise errors.Unavailable(
+                f"Lane '{self.lane}' is gone or the server is shutting down.",
+                metadata={"lane": self.lane},
+            )
+
+    def _pending_of(
+        self, ticket: admission.Ticket, *, request_id: str, prompt_chars: int
+    ) -> _Pending:
+        started: asyncio.Future[Run] = asyncio.get_running_loop().create_future()
+        return _Pending(ticket, request_id, prompt_chars, started)
+
+    async def _wait(self, pending: _Pending) -> Run:
+        try:
+            return await asyncio.shield(pending.started)
+        except asyncio.CancelledError:
+            # The caller left. Started meanwhile: the run is the caller's to end.
+            if pending.started.done() and not pending.started.cancelled():
+                if pending.started.exception() is None:
+                    self.end(pending.started.result(), None)
+            else:
+                pending.started.cancel()
+                self._events.put_nowait(_Cancel(pending.ticket.id))
+            raise
+
+    # --- the table's side ----------------------------------------------------------
+
+    def update(self, route: routing.Route | None) -> None:
+        """The Lane's new route (None: the Lane is gone, and so is this dispatcher)."""
+        self._events.put_nowait(_Table(route))
+
+    async def close(self) -> None:
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        for pending in self._pending.values():
+            if not pending.started.done():
+                pending.started.set_exception(errors.Unavailable("The server is shutting down."))
+
+    def queued(self) -> dict[str, int]:
+        """Tickets waiting, by policy name."""
+        depth: dict[str, int] = {}
+        for ticket in self._queue.tickets():
+            depth[ticket.policy.name] = depth.get(ticket.policy.name, 0) + 1
+        return depth
+
+    def oldest_wait_s(self) -> dict[str, float]:
+        """Seconds the longest-waiting ticket of each policy has waited."""
+        now = self._clock()
+        oldest: dict[str, float] = {}
+        for ticket in self._queue.tickets():
+            waited = now - ticket.arrived
+            oldest[ticket.policy.name] = max(oldest.get(ticket.policy.name, 0.0), waited)
+        return oldest
+
+    def running(self) -> int:
+        return len(self._running)
+
+    # --- the task ------------------------------------------------------------------
+
+    async def _serve(self) -> None:
+        while True:
+            expiry = self._queue.next_expiry()
+            event: _Event | None = None
+            try:
+                if expiry is None:
+                    event = await self._events.get()
+                else:
+                    # Just past the expiry: admission refuses a ticket past its bound.
+                    timeout = max(0.0, expiry - self._clock()) + 0.001
+                    event = await asyncio.wait_for(self._events.get(), timeout)
+            except TimeoutError:
+                pass
+            gone = False
+            while event is not None:
+                gone = self._handle(event) or gone
+                event = self._events.get_nowait() if not self._events.empty() else None
+            if gone:
+                self._leave_all()
+                return
+            await self._decide()
+
+    def _handle(self, event: _Event) -> bool:
+        """Apply one event; True when the Lane is gone."""
+        now = self._clock()
+        if isinstance(event, _Arrive):
+            self._arrive(event.pending, now)
+        elif isinstance(event, _Retry):
+            self._running.pop(event.run.ticket.id, None)
+            self._excluded.add(_identity(event.run.replica))
+            self._pending[event.pending.ticket.id] = event.pending
+            self._queue.requeue(event.run.ticket, now=now)
+            log.info(
+                "admission.requeued",
+                request_id=event.run.request_id,
+                lane=self.lane,
+                replica=event.run.replica.index,
+            )
+        elif isinstance(event, _Cancel):
+            if self._queue.cancel(event.ticket_id):
+                self._pending.pop(event.ticket_id, None)
+        elif isinstance(event, _End):
+            run = self._running.pop(event.run.ticket.id, None)
+            if run is not None and event.final is not None:
+                self.measurements.record(
+                    run.replica.index, event.final, prompt_chars=run.prompt_chars
+                )
+        else:
+            return self._new_route(event.route)
+        return False
+
+    def _arrive(self, pending: _Pending, now: float) -> None:
+        if pending.started.done():  # cancelled before the task saw it
+            return
+        ticket = pending.ticket
+        self._policies[ticket.policy.name] = ticket.policy
+        decision = self._queue.arrive(ticket, now=now, view=self._view())
+        if isinstance(decision, admission.Refuse):
+            self._refuse(pending, decision)
+            return
+        self._pending[ticket.id] = pending
+
+    def _new_route(self, route: routing.Route | None) -> bool:
+        if route is None:
+            self._route = None
+            return True
+        self._route = route
+        # A replica that left the table is gone as that process; forget it.
+        self._excluded &= {_identity(r) for r in route.replicas}
+        if route.desired == 0:
+            err = errors.Unavailable(
+                f"Lane '{self.lane}' was scaled to zero (replicas: 0) while the request "
+                "waited; scale it up to serve it.",
+                metadata={"lane": self.lane},
+            )
+            for ticket in self._queue.tickets():
+                self._queue.cancel(ticket.id)
+                self._fail(ticket.id, err)
+        return False
+
+    def _leave_all(self) -> None:
+        err = errors.Unavailable(
+            f"Lane '{self.lane}' was deleted while the request waited.",
+            metadata={"lane": self.lane},
+        )
+        for ticket in self._queue.tickets():
+            self._queue.cancel(ticket.id)
+            self._fail(ticket.id, err)
+        self._gauge()
+
+    async def _decide(self) -> None:
+        now = self._clock()
+        for decision in self._queue.dispatch(now=now, view=self._view()):
+            self._start(decision, now)
+        while (preempt := self._queue.preemption(now=now, view=self._view())) is not None:
+            if not await self._preempt(preempt, now):
+                break  # asked again, admission would name the same victim
+        for refusal in self._queue.expire(now=now, view=self._view()):
+            pending = self._pending.pop(refusal.ticket.id, None)
+            if pending is not None:
+                self._refuse(pending, refusal)
+        self._gauge()
+
+    def _start(self, decision: admission.Dispatch, now: float) -> None:
+        ticket = decision.ticket
+        pending = self._pending.pop(ticket.id, None)
+        replica = self._replica(decision.replica)
+        if pending is None or pending.started.done():
+            return
+        if replica is None:  # cannot happen: the view is made of the serving replicas
+            self._pending[ticket.id] = pending
+            self._queue.requeue(ticket, now=now)
+            return
+        metrics.QUEUE_WAIT.labels(self.lane, ticket.policy.name).observe(ticket.waited_s)
+        run = Run(ticket, pending.request_id, replica, pending.prompt_chars)
+        self._running[ticket.id] = run
+        pending.started.set_result(run)
+
+    async def _preempt(self, preempt: admission.Preempt, now: float) -> bool:
+        """Park the victim for the ticket; when the engine cannot, the ticket waits on
+        (False). Awaited in the task: the queue does not move while an engine parks."""
+        victim = self._running.get(preempt.victim)
+        replica = self._replica(preempt.replica)
+        parked = False
+        if victim is not None and replica is not None:
+            parked = await self._parker.park(replica, victim.request_id)
+        if not parked:
+            self._queue.requeue(preempt.ticket, now=now)
+            return False
+        # Parking is not built yet (NoParking never gets here): the victim's relay would
+        # pause, and its ticket wait pinned to the replica for a `Dispatch(resume=True)`.
+        self._start(admission.Dispatch(preempt.ticket, preempt.replica), now)
+        return True
+
+    def _refuse(self, pending: _Pending, refusal: admission.Refuse) -> None:
+        policy = pending.ticket.policy
+        reason = refusal.reason.value
+        figures = self._figures(policy)
+        figures.refused[reason] = figures.refused.get(reason, 0) + 1
+        metrics.REJECTIONS.labels(self.lane, policy.name, reason).inc()
+        metrics.QUEUE_WAIT.labels(self.lane, policy.name).observe(refusal.waited_s)
+        log.info(
+            "admission.refused",
+            request_id=pending.request_id,
+            lane=self.lane,
+            policy=policy.name,
+            reason=reason,
+            retry_after_s=round(refusal.retry_after_s, 3),
+        )
+        if not pending.started.done():
+            pending.started.set_exception(refusal.error(self.lane))
+
+    def _fail(self, ticket_id: str, err: errors.BlazarError) -> None:
+        pending = self._pending.pop(ticket_id, None)
+        if pending is not None and not pending.started.done():
+            pending.started.set_exception(err)
+
+    def _figures(self, policy: admission.Policy) -> PolicyFigures:
+        return self.figures.setdefault(policy.name, PolicyFigures())
+
+    def _gauge(self) -> None:
+        depth = self.queued()
+        for name in self._policies:
+            count = depth.get(name, 0)
+            self._figures(self._policies[name]).queued = count
+            metrics.QUEUE_DEPTH.labels(self.lane, name).set(count)
+
+    # --- the view ------------------------------------------------------------------
+
+    def _serving(self) -> Iterable[routing.Replica]:
+        if self._route is None:
+            return ()
+        return (r for r in self._route.replicas if _identity(r) not in self._excluded)
+
+    def _replica(self, index: int) -> routing.Replica | None:
+        return next((r for r in self._serving() if r.index == index), None)
+
+    def _view(self) -> admission.LaneView:
+        route = self._route
+        if route is None:
+            return admission.LaneView()
+        replicas = []
+        for replica in self._serving():
+            identity = _identity(replica)
+            running = [
+                admission.Running(
+                    id=run.ticket.id,
+                    priority=run.ticket.policy.priority,
+                    tokens_left=max(
+                        0, self.measurements.output_tokens(run.ticket.max_tokens) - run.generated
+                    ),
+                    kv_tokens=run.ticket.prompt_tokens + run.generated,
+                )
+                for run in self._running.values()
+                if _identity(run.replica) == identity
+            ]
+            replicas.append(
+                self.measurements.replica_view(replica.index, slots=route.slots, running=running)
+            )
+        return admission.LaneView(
+            replicas=tuple(replicas), completion_tokens=self.measurements.completion_tokens
+        )
+
+
+class Dispatchers:
+    """One `LaneDispatcher` per Lane of the route table, kept in step with it.
+
+    Created on the data plane's event loop; `update` may be called from any thread
+    (store writes notify their subscribers on the writer's thread)."""
+
+    def __init__(self, *, parker: Parker | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._parker: Parker = parker or NoParking()
+        self._lanes: dict[str, LaneDispatcher] = {}
+        self._closed = False
+
+    def of(self, lane: str) -> LaneDispatcher | None:
+        return self._lanes.get(lane)
+
+    def all(self) -> list[LaneDispatcher]:
+        return list(self._lanes.values())
+
+    def update(self, table: routing.RouteTable) -> None:
+        try:
+            here = asyncio.get_running_loop() is self._loop
+        except RuntimeError:
+            here = False
+        if here:
+            self._update(table)
+        else:
+            self._loop.call_soon_threadsafe(self._update, table)
+
+    def _update(self, table: routing.RouteTable) -> None:
+        if self._closed:
+            return
+        routes = {route.lane: route for route in table.routes}
+        for lane in list(self._lanes):
+            if lane not in routes:
+                self._lanes.pop(lane).update(None)
+        for lane, route in routes.items():
+            found = self._lanes.get(lane)
+            if found is None:
+                self._lanes[lane] = LaneDispatcher(route, parker=self._parker)
+            else:
+                found.update(route)
+
+    async def close(self) -> None:
+        self._closed = True
+        for dispatcher in self._lanes.values():
+            await dispatcher.close()
+        self._lanes.clear()

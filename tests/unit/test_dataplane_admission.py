@@ -1,0 +1,285 @@
+"""The data plane's admission task (`blazar.dataplane.dispatcher`) against fake engines
+on real Unix sockets, Blazar's own boundary: what each engine is asked, in what order,
+and what a refused caller gets. Lanes have one replica of one slot unless said."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import prometheus_client
+import pytest
+
+from blazar._proto.engine.v1 import engine_pb2_grpc
+from blazar._proto.v1 import inference_pb2, inference_pb2_grpc
+from blazar.api import errors
+from blazar.api.kinds import (
+    Kind,
+    Lane,
+    LaneSpec,
+    LaneStatus,
+    ReplicaStatus,
+    SLOPolicy,
+    SLOPolicySpec,
+)
+from blazar.api.meta import ObjectMeta
+from blazar.dataplane import server
+from blazar.rpc import status
+from blazar.store.memory import MemoryStore
+from tests.unit.test_dataplane_relay import engines
+
+# What the fake engine reports for every request: 100 prompt tokens prefilled in 10 ms,
+# 11 tokens generated, the 10 after the first in 1 s of decode (0.1 s a step).
+MEASURED = inference_pb2.Final(
+    finish_reason=inference_pb2.FINISH_REASON_STOP,
+    usage=inference_pb2.Usage(prompt_tokens=100, completion_tokens=11),
+    timings=inference_pb2.Timings(prefill_ms=10.0, decode_ms=1000.0),
+)
+
+
+class HoldingEngine(engine_pb2_grpc.EngineServicer):
+    """Answers one delta, then holds a prompt starting with "hold" until released."""
+
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+        self.server: grpc.aio.Server | None = None
+        self._gates: dict[str, asyncio.Event] = {}
+
+    def gate(self, prompt: str) -> asyncio.Event:
+        return self._gates.setdefault(prompt, asyncio.Event())
+
+    async def Generate(self, request: Any, context: Any) -> AsyncIterator[inference_pb2.Chunk]:
+        self.seen.append(request.prompt)
+        yield inference_pb2.Chunk(delta=inference_pb2.Delta(text="x", tokens=1))
+        if request.prompt.startswith("hold"):
+            await self.gate(request.prompt).wait()
+        final = inference_pb2.Final()
+        final.CopyFrom(MEASURED)
+        yield inference_pb2.Chunk(final=final)
+
+
+def policy(name: str, **spec: Any) -> SLOPolicy:
+    return SLOPolicy(metadata=ObjectMeta(name=name), spec=SLOPolicySpec(**spec))
+
+
+@dataclass
+class Plane:
+    stub: inference_pb2_grpc.InferenceStub
+    engine: HoldingEngine
+
+    def start(self, prompt: str, slo: str = "") -> grpc.aio.UnaryStreamCall[Any, Any]:
+        request = inference_pb2.CompleteRequest(model="l", prompt=prompt, slo=slo)
+        return self.stub.Complete(request)
+
+    async def until(self, predicate: Callable[[], bool], what: str) -> None:
+        deadline = time.monotonic() + 5
+        while not predicate():
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            await asyncio.sleep(0.01)
+
+    async def started(self, prompt: str, slo: str = "") -> grpc.aio.UnaryStreamCall[Any, Any]:
+        """A call whose engine has it (its first delta is in)."""
+        call = self.start(prompt, slo)
+        assert (await call.read()).delta.text == "x"
+        return call
+
+
+@contextlib.asynccontextmanager
+async def plane(*policies: SLOPolicy, lane_policy: str | None = None) -> AsyncIterator[Plane]:
+    engine = HoldingEngine()
+    async with engines(engine) as sockets:  # type: ignore[arg-type]  # duck-typed servicer
+        store = MemoryStore()
+        lane = Lane(
+            metadata=ObjectMeta(name="l"),
+            spec=LaneSpec(model="m", replicas=1, slots=1, slo_policy=lane_policy),
+            status=LaneStatus(
+                replica_statuses=[ReplicaStatus(index=0, state="Ready", socket=sockets[0], pid=1)]
+            ),
+        )
+        store.apply_all([*policies, lane])
+        store.update_status(Kind.LANE, "l", lane.status)
+        data_plane = await server.start(store=store, address="127.0.0.1:0")
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{data_plane.port}") as channel:
+                yield Plane(inference_pb2_grpc.InferenceStub(channel), engine)
+        finally:
+            await data_plane.stop(grace=0)
+
+
+async def outcome(call: grpc.aio.UnaryStreamCall[Any, Any]) -> errors.BlazarError | None:
+    try:
+        while await call.read() is not grpc.aio.EOF:
+            pass
+    except grpc.aio.AioRpcError as exc:
+        return status.from_rpc_error(exc)
+    return None
+
+
+def depth(policy: str) -> float:
+    labels = {"lane": "l", "policy": policy}
+    return prometheus_client.REGISTRY.get_sample_value("blazar_queue_depth", labels) or 0.0
+
+
+def rejections(policy: str, reason: str) -> float:
+    labels = {"lane": "l", "policy": policy, "reason": reason}
+    value = prometheus_client.REGISTRY.get_sample_value("blazar_admission_rejections_total", labels)
+    return value or 0.0
+
+
+def test_a_request_waits_for_a_free_slot_in_the_data_plane_not_the_engine() -> None:
+    async def run() -> tuple[list[str], list[str], errors.BlazarError | None]:
+        async with plane() as p:
+            held = await p.started("hold")
+            waiting = p.start("next")
+            await p.until(lambda: depth("builtin:fifo") == 1, "the queue to hold one")
+            seen_while_held = list(p.engine.seen)
+            p.engine.gate("hold").set()
+            assert await outcome(held) is None
+            result = await outcome(waiting)
+            return seen_while_held, p.engine.seen, result
+
+    seen_while_held, seen, result = asyncio.run(run())
+    assert seen_while_held == ["hold"]
+    assert (seen, result, depth("builtin:fifo")) == (["hold", "next"], None, 0)
+
+
+def test_higher_priority_starts_first_whatever_its_arrival() -> None:
+    async def run() -> list[str]:
+        low, high = policy("low", on_overload="queue"), policy("high", priority=10)
+        async with plane(low, high) as p:
+            held = await p.started("hold")
+            first = p.start("low", slo="low")
+            await p.until(lambda: depth("low") == 1, "low to wait")
+            second = p.start("high", slo="high")
+            await p.until(lambda: depth("high") == 1, "high to wait")
+            p.engine.gate("hold").set()
+            results = [await outcome(c) for c in (held, first, second)]
+            assert results == [None, None, None]
+            return p.engine.seen
+
+    assert asyncio.run(run()) == ["hold", "high", "low"]
+
+
+def test_a_full_queue_refuses_at_once_with_a_retry_hint() -> None:
+    before = rejections("one", "QUEUE_FULL")
+
+    async def run() -> tuple[errors.BlazarError | None, list[str]]:
+        async with plane(policy("one", max_queue_depth=1, on_overload="queue")) as p:
+            held = await p.started("hold", slo="one")
+            waiting = p.start("waits", slo="one")
+            await p.until(lambda: depth("one") == 1, "one to wait")
+            refused = await outcome(p.start("refused", slo="one"))
+            p.engine.gate("hold").set()
+            assert [await outcome(c) for c in (held, waiting)] == [None, None]
+            return refused, p.engine.seen
+
+    refused, seen = asyncio.run(run())
+    assert isinstance(refused, errors.QueueFull)
+    assert refused.metadata["policy"] == "one" and refused.metadata["max_queue_depth"] == "1"
+    assert int(refused.metadata[errors.RETRY_AFTER_KEY]) >= 1
+    assert seen == ["hold", "waits"]
+    assert rejections("one", "QUEUE_FULL") == before + 1
+
+
+def test_the_lanes_policy_applies_when_the_request_names_none() -> None:
+    async def run() -> errors.BlazarError | None:
+        async with plane(policy("none-waits", max_queue_depth=0), lane_policy="none-waits") as p:
+            held = await p.started("hold")
+            refused = await outcome(p.start("refused"))
+            p.engine.gate("hold").set()
+            assert await outcome(held) is None
+            return refused
+
+    refused = asyncio.run(run())
+    assert isinstance(refused, errors.QueueFull) and refused.metadata["policy"] == "none-waits"
+
+
+def test_a_request_that_waited_its_bound_is_refused_never_started_late() -> None:
+    async def run() -> tuple[errors.BlazarError | None, float, list[str]]:
+        async with plane(policy("brief", max_queue_wait_ms=150, on_overload="queue")) as p:
+            held = await p.started("hold")
+            began = time.monotonic()
+            refused = await outcome(p.start("late", slo="brief"))
+            waited = time.monotonic() - began
+            p.engine.gate("hold").set()
+            assert await outcome(held) is None
+            return refused, waited, p.engine.seen
+
+    refused, waited, seen = asyncio.run(run())
+    assert isinstance(refused, errors.QueueTimeout)
+    assert 0.15 <= waited < 2.0
+    assert seen == ["hold"]
+
+
+def test_a_predicted_miss_is_refused_early_from_measured_rates() -> None:
+    async def run() -> tuple[errors.BlazarError | None, float]:
+        async with plane(policy("tight", ttft_target_ms=200)) as p:
+            # Nothing measured yet: nothing to refuse on, it waits and is served.
+            held = await p.started("hold")
+            unmeasured = p.start("unmeasured", slo="tight")
+            await p.until(lambda: depth("tight") == 1, "it to wait")
+            p.engine.gate("hold").set()
+            assert [await outcome(c) for c in (held, unmeasured)] == [None, None]
+            # Measured now: a slot held by a request with ~10 tokens of 0.1 s left.
+            held = await p.started("hold-2")
+            began = time.monotonic()
+            refused = await outcome(p.start("urgent", slo="tight"))
+            took = time.monotonic() - began
+            p.engine.gate("hold-2").set()
+            assert await outcome(held) is None
+            return refused, took
+
+    refused, took = asyncio.run(run())
+    assert isinstance(refused, errors.SloUnattainable)
+    assert int(refused.metadata["predicted_ttft_ms"]) > 200
+    assert int(refused.metadata[errors.RETRY_AFTER_KEY]) > 0
+    assert took < 1.0
+
+
+def test_a_caller_that_leaves_the_queue_leaves_at_once() -> None:
+    async def run() -> list[str]:
+        async with plane() as p:
+            held = await p.started("hold")
+            waiting = p.start("gone")
+            await p.until(lambda: depth("builtin:fifo") == 1, "it to wait")
+            waiting.cancel()
+            await p.until(lambda: depth("builtin:fifo") == 0, "it to leave")
+            p.engine.gate("hold").set()
+            assert await outcome(held) is None
+            return p.engine.seen
+
+    assert asyncio.run(run()) == ["hold"]
+
+
+def test_an_unknown_policy_is_invalid_and_named() -> None:
+    async def run() -> errors.BlazarError | None:
+        async with plane() as p:
+            return await outcome(p.start("x", slo="nosuch"))
+
+    refused = asyncio.run(run())
+    assert isinstance(refused, errors.InvalidRequest)
+    assert "'nosuch'" in refused.message and refused.metadata["policy"] == "nosuch"
+
+
+@pytest.mark.parametrize("reason", ["QUEUE_FULL"])
+def test_refusals_are_resource_exhausted_on_the_wire(reason: str) -> None:
+    async def run() -> grpc.aio.AioRpcError:
+        async with plane(policy("zero", max_queue_depth=0)) as p:
+            held = await p.started("hold")
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await p.start("refused", slo="zero").read()
+            p.engine.gate("hold").set()
+            assert await outcome(held) is None
+            return info.value
+
+    exc = asyncio.run(run())
+    assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    trailers = {k: v for k, v in exc.trailing_metadata() or ()}
+    assert trailers["blazar-reason"] == reason
+    assert int(trailers["blazar-retry_after_ms"]) >= 1
+    assert status.DETAILS_KEY in trailers
