@@ -18,6 +18,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 REQUEST_ID_HEADER = "x-request-id"
 # Requests with the same key stay on one replica (the gRPC `session`), in every dialect.
 SESSION_HEADER = "x-blazar-session"
+# The SLOPolicy a request is admitted under (the gRPC `slo`), in every dialect.
+SLO_HEADER = "x-blazar-slo"
 _SCOPE_KEY = "blazar.request_id"
 
 _log = structlog.get_logger("blazar.shim")
@@ -33,6 +35,8 @@ class RequestContext:
     # The `x-blazar-session` header; empty when not sent. Dialects fall back to their
     # own field (OpenAI's `user`) for the request's `session`.
     session: str = ""
+    # The `x-blazar-slo` header; empty: the Lane's policy.
+    slo: str = ""
 
     def grpc_metadata(self) -> tuple[tuple[str, str], ...]:
         items = [(REQUEST_ID_HEADER, self.request_id)]
@@ -51,6 +55,7 @@ def of(request: Request) -> RequestContext:
         request_id=str(request_id),
         authorization=authorization,
         session=request.headers.get(SESSION_HEADER, ""),
+        slo=request.headers.get(SLO_HEADER, ""),
     )
 
 

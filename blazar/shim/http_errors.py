@@ -22,8 +22,7 @@ _STATUS_BY_CODE: dict[str, int] = {
     "DEADLINE_EXCEEDED": 504,
 }
 
-# The daemon's metadata key (ErrorInfo metadata, and `blazar-retry_after_ms` as a trailer).
-RETRY_AFTER_KEY = "retry_after_ms"
+# Without the daemon's hint (`errors.RETRY_AFTER_KEY`): a second, the smallest whole one.
 DEFAULT_RETRY_AFTER_S = 1
 
 
@@ -37,7 +36,7 @@ def http_status(err: errors.BlazarError) -> int:
 
 def retry_after_seconds(err: errors.BlazarError) -> int:
     """Whole seconds for a `Retry-After` header: the daemon's hint rounded up, at least 1."""
-    raw = err.metadata.get(RETRY_AFTER_KEY)
+    raw = err.metadata.get(errors.RETRY_AFTER_KEY)
     if raw is not None:
         try:
             millis = float(raw)

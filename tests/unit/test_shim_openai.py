@@ -794,6 +794,37 @@ async def test_the_session_key_is_the_session_header_else_the_user(
     assert daemon.fake.requests[-1].session == session
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+@pytest.mark.parametrize(("header", "slo"), [(None, ""), ("interactive", "interactive")])
+async def test_the_slo_header_names_the_policy(
+    daemon: Daemon, client: httpx.AsyncClient, path: str, header: str | None, slo: str
+) -> None:
+    daemon.fake.scripts["tiny"] = HELLO
+    body: dict[str, Any] = chat_body() if "chat" in path else {"model": "tiny", "prompt": "Once"}
+    headers = {"x-blazar-slo": header} if header is not None else {}
+    response = await client.post(path, json=body, headers=headers)
+    assert response.status_code == 200, response.text
+    assert daemon.fake.requests[-1].slo == slo
+
+
+async def test_an_unknown_policy_is_400_naming_it(
+    daemon: Daemon, client: httpx.AsyncClient
+) -> None:
+    # As the data plane refuses it (dataplane.policies).
+    refusal = errors.InvalidRequest(
+        "The SLOPolicy 'nosuch' does not exist (the request names it in `slo` or the "
+        "x-blazar-slo header); name an existing SLOPolicy, or none to use the Lane's.",
+        metadata={errors.FIELD_KEY: "slo", "policy": "nosuch"},
+    )
+    daemon.fake.scripts["tiny"] = [refusal]
+    response = await client.post(
+        "/v1/chat/completions", json=chat_body(), headers={"x-blazar-slo": "nosuch"}
+    )
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and "'nosuch'" in error["message"]
+
+
 async def test_api_key_is_forwarded_as_bearer(daemon: Daemon, client: httpx.AsyncClient) -> None:
     daemon.fake.scripts["tiny"] = HELLO
     await client.post("/v1/chat/completions", json=chat_body(), headers={"x-api-key": "k1"})
@@ -1720,6 +1751,41 @@ async def test_disconnect_while_queued_cancels_the_rpc(daemon: Daemon) -> None:
             await poll(lambda: daemon.fake.cancelled == ["tiny"], what="the RPC to be cancelled")
             daemon.fake.requests.clear()
             daemon.fake.cancelled.clear()
+
+
+async def test_official_openai_client_sees_an_admission_refusal_as_429(daemon: Daemon) -> None:
+    """What the data plane sends when admission refuses: the SDK's RateLimitError, with
+    the status, a Retry-After in whole seconds rounded up, and OpenAI's error body."""
+    daemon.fake.scripts["tiny"] = [
+        errors.SloUnattainable.of(
+            lane="tiny",
+            policy="interactive",
+            predicted_ttft_s=3.5,
+            ttft_target_s=2.0,
+            retry_after_s=1.5004,
+        )
+    ]
+    async with uvicorn_shim(daemon.target) as base:
+        sdk = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+        try:
+            for stream in (False, True):
+                with pytest.raises(openai.RateLimitError) as refused:
+                    await sdk.chat.completions.create(
+                        model="tiny",
+                        messages=[{"role": "user", "content": "Hi"}],
+                        stream=stream,
+                        extra_headers={"x-blazar-slo": "interactive"},
+                    )
+                error = refused.value
+                assert error.status_code == 429
+                assert error.response.headers["retry-after"] == "2"
+                assert error.code == "slo_unattainable"
+                assert error.type == "rate_limit_error"
+                assert isinstance(error.body, dict)
+                assert "SLOPolicy 'interactive'" in error.body["message"]
+                assert daemon.fake.requests[-1].slo == "interactive"
+        finally:
+            await sdk.close()
 
 
 async def test_official_openai_client(daemon: Daemon) -> None:

@@ -57,10 +57,11 @@ class ResponseMeta:
 
 
 def chat_request(
-    body: protocol.ChatCompletionRequest, *, session: str = ""
+    body: protocol.ChatCompletionRequest, *, session: str = "", slo: str = ""
 ) -> inference_pb2.ChatRequest:
     """The canonical request; `session` (the `x-blazar-session` header) keys replica
-    stickiness, else the body's `user`, OpenAI's end-user id."""
+    stickiness, else the body's `user`, OpenAI's end-user id; `slo` (the `x-blazar-slo`
+    header) names the SLOPolicy, else the Lane's applies."""
     _require_single_choice(body)
     _require_stream_for_options(body)
     _refuse_tools(body)
@@ -88,13 +89,14 @@ def chat_request(
         sampling=sampling,
         constraint=_constraint(body),
         session=session or body.user or "",
+        slo=slo,
     )
 
 
 def complete_request(
-    body: protocol.CompletionRequest, *, session: str = ""
+    body: protocol.CompletionRequest, *, session: str = "", slo: str = ""
 ) -> inference_pb2.CompleteRequest:
-    """The canonical request; `session` as for `chat_request`."""
+    """The canonical request; `session` and `slo` as for `chat_request`."""
     _require_single_choice(body)
     _require_stream_for_options(body)
     _refuse_best_of_and_suffix(body)
@@ -135,6 +137,7 @@ def complete_request(
         sampling=sampling,
         constraint=_constraint(body),
         session=session or body.user or "",
+        slo=slo,
     )
 
 

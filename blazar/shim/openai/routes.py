@@ -41,7 +41,7 @@ async def chat_completions(request: Request) -> Response:
     ctx = context.of(request)
     try:
         body = await request_body.parse(request, protocol.ChatCompletionRequest)
-        canonical = convert.chat_request(body, session=ctx.session)
+        canonical = convert.chat_request(body, session=ctx.session, slo=ctx.slo)
     except errors.BlazarError as err:
         return error(err)
     blame = convert.blame_of(body)
@@ -67,7 +67,7 @@ async def completions(request: Request) -> Response:
     ctx = context.of(request)
     try:
         body = await request_body.parse(request, protocol.CompletionRequest)
-        canonical = convert.complete_request(body, session=ctx.session)
+        canonical = convert.complete_request(body, session=ctx.session, slo=ctx.slo)
     except errors.BlazarError as err:
         return error(err, blame=convert.COMPLETION_BLAME)
     blame = convert.blame_of(body)
