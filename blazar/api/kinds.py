@@ -300,11 +300,30 @@ class SLOPolicySpec(CamelModel):
 
     @field_validator("tenants")
     @classmethod
-    def _distinct_tenants(cls, value: list[Tenant]) -> list[Tenant]:
+    def _distinct_tenants(cls, value: list[Tenant], info: ValidationInfo) -> list[Tenant]:
         names = [t.name for t in value]
         if len(set(names)) != len(names):
             raise invalid("tenant names must be distinct")
+        if value and not _stored(info):
+            raise invalid(
+                _NOT_ACTED_ON.format(field="tenants", what="weighted fair sharing between tenants")
+            )
         return value
+
+    @field_validator("rate_limit")
+    @classmethod
+    def _rate_limit_not_yet(cls, value: RateLimit | None, info: ValidationInfo) -> RateLimit | None:
+        if value is not None and not _stored(info):
+            raise invalid(_NOT_ACTED_ON.format(field="rateLimit", what="rate limiting per tenant"))
+        return value
+
+
+# A knob the daemon would store and ignore is refused instead (stored objects that
+# already have one still load: `manifests.from_dict`).
+_NOT_ACTED_ON = (
+    "is not supported yet: admission does not act on {field}, and {what} arrives with "
+    "API keys mapped to tenants (issue 19); remove it"
+)
 
 
 class SLOPolicyStatus(ObjectStatus):

