@@ -100,6 +100,23 @@ def _size(n: int | None) -> str:
 Column = tuple[str, Callable[[ObjectJson], Any]]
 
 
+def admission(obj: ObjectJson) -> dict[str, Any]:
+    """The daemon's live admission figures in an object's status (empty from a daemon
+    without them)."""
+    return dict(obj.get("status", {}).get("admission", {}))
+
+
+def _share(ratio: float | None) -> str:
+    """SLO attainment as a percentage; <none> before any first token under a target."""
+    return "<none>" if ratio is None else f"{ratio * 100:.1f}%"
+
+
+def _millis(ms: int | None) -> str:
+    if ms is None:
+        return ""
+    return f"{ms}ms" if ms < 1000 else f"{ms / 1000:.1f}s"
+
+
 def spec(obj: ObjectJson) -> dict[str, Any]:
     return dict(obj.get("spec", {}))
 
@@ -156,6 +173,8 @@ def _columns(kind: str, wide: bool, now: datetime) -> list[Column]:
             ),
             ("MAX-QUEUE", lambda o: spec(o).get("maxQueueDepth", "")),
             ("ON-OVERLOAD", lambda o: spec(o).get("onOverload", "")),
+            ("QUEUED", lambda o: admission(o).get("queued", 0)),
+            ("ATTAINMENT", lambda o: _share(admission(o).get("attainment"))),
             age_col,
         ]
     elif kind == "SpecPair":
@@ -205,7 +224,7 @@ def describe(obj: ObjectJson, events: Sequence[EventJson], *, now: datetime) -> 
     status = {
         k: v
         for k, v in obj.get("status", {}).items()
-        if k not in ("conditions", "replicaStatuses", "observedGeneration")
+        if k not in ("conditions", "replicaStatuses", "observedGeneration", "admission")
     }
     if status:
         lines.append("Status:")
@@ -222,6 +241,7 @@ def describe(obj: ObjectJson, events: Sequence[EventJson], *, now: datetime) -> 
             for r in replicas
         ]  # fmt: skip
         lines += ["  " + _grid(rows)[i] for i in range(len(rows))]
+    lines += _admission_lines(obj)
     conds = obj.get("status", {}).get("conditions", [])
     lines.append("Conditions:")
     if conds:
@@ -240,6 +260,33 @@ def describe(obj: ObjectJson, events: Sequence[EventJson], *, now: datetime) -> 
     else:
         lines.append("  <none>")
     return "\n".join(lines)
+
+
+def _admission_lines(obj: ObjectJson) -> list[str]:
+    """A Lane's queue by policy, or an SLOPolicy's figures over every Lane."""
+    live = admission(obj)
+    if not live:
+        return []
+    if obj["kind"] == "Lane":
+        queue = live.get("queue", [])
+        waiting = sum(int(q.get("waiting", 0)) for q in queue)
+        lines = [f"Queue:        {waiting} waiting, {live.get('running', 0)} running"]
+        if queue:
+            rows = [["POLICY", "WAITING", "OLDEST-WAIT"]] + [
+                [str(q.get("policy")), str(q.get("waiting", 0)), _millis(q.get("oldestWaitMs"))]
+                for q in queue
+            ]
+            lines += ["  " + line for line in _grid(rows)]
+        return lines
+    refused = live.get("refused", {})
+    return [
+        "Admission:",
+        f"  Queued:       {live.get('queued', 0)}",
+        f"  First tokens: {live.get('firstTokens', 0)}",
+        f"  Attainment:   {_share(live.get('attainment'))}",
+        "  Refused:      "
+        + (", ".join(f"{reason} {n}" for reason, n in refused.items()) or "<none>"),
+    ]
 
 
 def events_table(events: Sequence[EventJson], *, now: datetime) -> str:

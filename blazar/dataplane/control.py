@@ -2,14 +2,15 @@
 
 Objects travel as JSON. `Apply` decodes them and hands the batch to
 `blazar.store.apply`, the admission GitOps uses too; the other RPCs read, delete and
-watch the store.
+watch the store. Get and List add the data plane's live figures to a Lane's and an
+SLOPolicy's status (`status.admission`: queues, running requests, SLO attainment).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeAlias
 
 import grpc
@@ -23,6 +24,10 @@ from blazar.store.base import Event, Store, WatchEvent, WatchType
 
 Context: TypeAlias = grpc.aio.ServicerContext[Any, Any]
 
+# Figures the daemon holds in memory for an object (admission's queues, attainment),
+# merged into its status by Get and List: live, never stored.
+LiveStatus: TypeAlias = Callable[[kinds.Kind, str], dict[str, Any]]
+
 
 def _found(kind: kinds.Kind, name: str, obj: kinds.Resource | None) -> kinds.Resource:
     if obj is None:
@@ -30,8 +35,13 @@ def _found(kind: kinds.Kind, name: str, obj: kinds.Resource | None) -> kinds.Res
     return obj
 
 
-def _dump(obj: kinds.Resource) -> str:
-    return json.dumps(manifests.to_dict(obj))
+def _dump(obj: kinds.Resource, live: LiveStatus | None = None) -> str:
+    data = manifests.to_dict(obj)
+    if live is not None:
+        extra = live(kinds.Kind(obj.kind), obj.metadata.name)
+        if extra:
+            data["status"] = {**data.get("status", {}), **extra}
+    return json.dumps(data)
 
 
 def _event(e: Event) -> control_pb2.Event:
@@ -42,8 +52,9 @@ def _event(e: Event) -> control_pb2.Event:
 
 
 class ControlService(control_pb2_grpc.ControlServicer):
-    def __init__(self, *, store: Store) -> None:
+    def __init__(self, *, store: Store, live: LiveStatus | None = None) -> None:
         self._store = store
+        self._live = live
 
     async def Apply(
         self, request: control_pb2.ApplyRequest, context: Context
@@ -96,7 +107,7 @@ class ControlService(control_pb2_grpc.ControlServicer):
             obj = _found(kind, request.name, self._store.get(kind, request.name))
         except errors.BlazarError as err:
             await status.abort(context, err)
-        return control_pb2.GetResponse(object_json=_dump(obj))
+        return control_pb2.GetResponse(object_json=_dump(obj, self._live))
 
     async def List(
         self, request: control_pb2.ListRequest, context: Context
@@ -108,7 +119,8 @@ class ControlService(control_pb2_grpc.ControlServicer):
             await status.abort(context, err)
         objs = [o for o in self._store.list(kind) if selector.matches(o.metadata.labels)]
         return control_pb2.ListResponse(
-            objects_json=[_dump(o) for o in objs], resource_version=self._store.resource_version
+            objects_json=[_dump(o, self._live) for o in objs],
+            resource_version=self._store.resource_version,
         )
 
     async def Delete(

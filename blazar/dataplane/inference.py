@@ -86,9 +86,41 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         self._unsubscribe()
         await self._dispatchers.close()
 
-    def dispatchers(self) -> list[dispatcher.LaneDispatcher]:
-        """Each Lane's admission, for the live figures the Control API shows."""
-        return self._dispatchers.all()
+    def live_status(self, kind: Kind, name: str) -> dict[str, Any]:
+        """Admission's live figures for an object's status as the Control API shows it
+        (never stored): a Lane's queue by policy and its running requests; an
+        SLOPolicy's queue, first tokens and attainment over every Lane."""
+        if kind == Kind.LANE:
+            lane = self._dispatchers.of(name)
+            if lane is None:
+                return {}
+            oldest = lane.oldest_wait_s()
+            queue = [
+                {"policy": policy, "waiting": n, "oldestWaitMs": round(oldest[policy] * 1000)}
+                for policy, n in sorted(lane.queued().items())
+            ]
+            return {"admission": {"running": lane.running(), "queue": queue}}
+        if kind == Kind.SLO_POLICY:
+            queued = first_tokens = met = targeted = 0
+            refused: Counter[str] = Counter()
+            for lane in self._dispatchers.all():
+                figures = lane.figures.get(name)
+                if figures is None:
+                    continue
+                queued += figures.queued
+                first_tokens += figures.first_tokens
+                met += figures.met
+                targeted += figures.targeted
+                refused.update(figures.refused)
+            live: dict[str, Any] = {
+                "queued": queued,
+                "firstTokens": first_tokens,
+                "refused": dict(sorted(refused.items())),
+            }
+            if targeted:
+                live["attainment"] = round(met / targeted, 4)
+            return {"admission": live}
+        return {}
 
     async def ListModels(
         self, request: inference_pb2.ListModelsRequest, context: Context

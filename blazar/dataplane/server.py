@@ -59,7 +59,8 @@ async def start(*, store: Store, address: str) -> DataPlane:
     pool = EnginePool()
     inference = InferenceService(store=store, pool=pool)
     inference_pb2_grpc.add_InferenceServicer_to_server(inference, server)
-    control_pb2_grpc.add_ControlServicer_to_server(ControlService(store=store), server)
+    control = ControlService(store=store, live=inference.live_status)
+    control_pb2_grpc.add_ControlServicer_to_server(control, server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection(

@@ -121,3 +121,65 @@ def test_describe_shows_status_conditions_and_events() -> None:
     assert "Status:" in page and "  sizeBytes: 10" in page
     assert page[page.index("Conditions:") + 2].split() == ["ModelReady", "True", "Resolved"]
     assert page[-2:] == ["Events:", "  <none>"]
+
+
+def slo(name: str, **admission: object) -> printers.ObjectJson:
+    status: dict[str, object] = {"admission": dict(admission)} if admission else {}
+    return {
+        "kind": "SLOPolicy",
+        "metadata": {"name": name, "creationTimestamp": CREATED},
+        "spec": {"priority": 100, "ttftTargetMs": 2000, "maxQueueDepth": 32},
+        "status": status,
+    }
+
+
+def test_get_slopolicies_shows_the_live_queue_and_attainment() -> None:
+    objs = [
+        slo("interactive", queued=3, firstTokens=40, attainment=0.975),
+        slo("fresh", queued=0, firstTokens=0),
+        slo("old-daemon"),
+    ]
+    lines = printers.table("SLOPolicy", objs, now=T0).splitlines()
+    header = lines[0].split()
+    assert header[-3:] == ["QUEUED", "ATTAINMENT", "AGE"]
+    rows = {line.split()[0]: line.split() for line in lines[1:]}
+    assert rows["interactive"][-3:-1] == ["3", "97.5%"]
+    assert rows["fresh"][-3:-1] == ["0", "<none>"]
+    assert rows["old-daemon"][-3:-1] == ["0", "<none>"]
+
+
+def test_describe_lane_shows_its_queue_by_policy() -> None:
+    lane: printers.ObjectJson = {
+        "kind": "Lane",
+        "metadata": {"name": "l", "creationTimestamp": CREATED},
+        "spec": {"model": "m"},
+        "status": {
+            "admission": {
+                "running": 4,
+                "queue": [
+                    {"policy": "batch", "waiting": 9, "oldestWaitMs": 12500},
+                    {"policy": "interactive", "waiting": 2, "oldestWaitMs": 340},
+                ],
+            }
+        },
+    }
+    page = printers.describe(lane, [], now=T0).splitlines()
+    at = page.index("Queue:        11 waiting, 4 running")
+    assert [line.split() for line in page[at + 1 : at + 4]] == [
+        ["POLICY", "WAITING", "OLDEST-WAIT"],
+        ["batch", "9", "12.5s"],
+        ["interactive", "2", "340ms"],
+    ]
+    assert "Status:" not in page  # the live figures are not repeated as raw status
+
+
+def test_describe_slopolicy_shows_its_figures() -> None:
+    obj = slo("interactive", queued=1, firstTokens=8, attainment=0.5, refused={"QUEUE_FULL": 2})
+    page = printers.describe(obj, [], now=T0).splitlines()
+    at = page.index("Admission:")
+    assert page[at + 1 : at + 5] == [
+        "  Queued:       1",
+        "  First tokens: 8",
+        "  Attainment:   50.0%",
+        "  Refused:      QUEUE_FULL 2",
+    ]

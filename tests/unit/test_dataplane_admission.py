@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ import prometheus_client
 import pytest
 
 from blazar._proto.engine.v1 import engine_pb2_grpc
-from blazar._proto.v1 import inference_pb2, inference_pb2_grpc
+from blazar._proto.v1 import control_pb2, control_pb2_grpc, inference_pb2, inference_pb2_grpc
 from blazar.api import errors
 from blazar.api.kinds import (
     Kind,
@@ -71,6 +72,12 @@ def policy(name: str, **spec: Any) -> SLOPolicy:
 class Plane:
     stub: inference_pb2_grpc.InferenceStub
     engine: HoldingEngine
+    control: control_pb2_grpc.ControlStub
+
+    async def status(self, kind: str, name: str) -> dict[str, Any]:
+        got = await self.control.Get(control_pb2.GetRequest(kind=kind, name=name))
+        found: dict[str, Any] = json.loads(got.object_json)["status"]
+        return found
 
     def start(self, prompt: str, slo: str = "") -> grpc.aio.UnaryStreamCall[Any, Any]:
         request = inference_pb2.CompleteRequest(model="l", prompt=prompt, slo=slo)
@@ -106,7 +113,11 @@ async def plane(*policies: SLOPolicy, lane_policy: str | None = None) -> AsyncIt
         data_plane = await server.start(store=store, address="127.0.0.1:0")
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{data_plane.port}") as channel:
-                yield Plane(inference_pb2_grpc.InferenceStub(channel), engine)
+                yield Plane(
+                    inference_pb2_grpc.InferenceStub(channel),
+                    engine,
+                    control_pb2_grpc.ControlStub(channel),
+                )
         finally:
             await data_plane.stop(grace=0)
 
@@ -283,3 +294,29 @@ def test_refusals_are_resource_exhausted_on_the_wire(reason: str) -> None:
     assert trailers["blazar-reason"] == reason
     assert int(trailers["blazar-retry_after_ms"]) >= 1
     assert status.DETAILS_KEY in trailers
+
+
+def test_the_control_api_shows_the_live_queue_and_attainment() -> None:
+    async def run() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+        async with plane(policy("generous", ttft_target_ms=60_000)) as p:
+            held = await p.started("hold", slo="generous")
+            waiting = p.start("next", slo="generous")
+            await p.until(lambda: depth("generous") == 1, "it to wait")
+            lane = await p.status("lane", "l")
+            during = await p.status("slopolicy", "generous")
+            p.engine.gate("hold").set()
+            assert [await outcome(c) for c in (held, waiting)] == [None, None]
+            after = await p.status("slopolicy", "generous")
+            return lane, during, after
+
+    lane, during, after = asyncio.run(run())
+    (queue,) = lane["admission"]["queue"]
+    assert (lane["admission"]["running"], queue["policy"], queue["waiting"]) == (1, "generous", 1)
+    assert queue["oldestWaitMs"] >= 0
+    assert (during["admission"]["queued"], during["admission"]["firstTokens"]) == (1, 1)
+    assert after["admission"] == {
+        "queued": 0,
+        "firstTokens": 2,
+        "refused": {},
+        "attainment": 1.0,
+    }
