@@ -289,14 +289,23 @@ class LaneDispatcher:
                     event = await asyncio.wait_for(self._events.get(), timeout)
             except TimeoutError:
                 pass
-            gone = False
-            while event is not None:
-                gone = self._handle(event) or gone
-                event = self._events.get_nowait() if not self._events.empty() else None
-            if gone:
-                self._leave_all()
-                return
-            await self._decide()
+            try:
+                gone = False
+                while event is not None:
+                    gone = self._handle(event) or gone
+                    event = self._events.get_nowait() if not self._events.empty() else None
+                if gone:
+                    self._leave_all()
+                    return
+                await self._decide()
+            except Exception:
+                # A bug here must not leave every waiting caller hanging: they get an
+                # error, and the Lane keeps admitting.
+                log.exception("admission.failed", lane=self.lane)
+                err = errors.BlazarError("Admission failed on this Lane; retry.")
+                for ticket in self._queue.tickets():
+                    self._queue.cancel(ticket.id)
+                    self._fail(ticket.id, err)
 
     def _handle(self, event: _Event) -> bool:
         """Apply one event; True when the Lane is gone."""

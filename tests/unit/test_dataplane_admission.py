@@ -73,6 +73,7 @@ class Plane:
     stub: inference_pb2_grpc.InferenceStub
     engine: HoldingEngine
     control: control_pb2_grpc.ControlStub
+    store: MemoryStore
 
     async def status(self, kind: str, name: str) -> dict[str, Any]:
         got = await self.control.Get(control_pb2.GetRequest(kind=kind, name=name))
@@ -117,6 +118,7 @@ async def plane(*policies: SLOPolicy, lane_policy: str | None = None) -> AsyncIt
                     inference_pb2_grpc.InferenceStub(channel),
                     engine,
                     control_pb2_grpc.ControlStub(channel),
+                    store,
                 )
         finally:
             await data_plane.stop(grace=0)
@@ -320,3 +322,19 @@ def test_the_control_api_shows_the_live_queue_and_attainment() -> None:
         "refused": {},
         "attainment": 1.0,
     }
+
+
+def test_a_request_waiting_on_a_deleted_lane_is_unavailable() -> None:
+    async def run() -> errors.BlazarError | None:
+        async with plane() as p:
+            held = await p.started("hold")
+            waiting = p.start("orphan")
+            await p.until(lambda: depth("builtin:fifo") == 1, "it to wait")
+            p.store.delete(Kind.LANE, "l")
+            refused = await outcome(waiting)
+            p.engine.gate("hold").set()
+            await outcome(held)
+            return refused
+
+    refused = asyncio.run(run())
+    assert isinstance(refused, errors.Unavailable) and "deleted" in refused.message
