@@ -338,3 +338,37 @@ def test_a_request_waiting_on_a_deleted_lane_is_unavailable() -> None:
 
     refused = asyncio.run(run())
     assert isinstance(refused, errors.Unavailable) and "deleted" in refused.message
+
+
+def test_the_policy_may_come_as_grpc_metadata() -> None:
+    async def run() -> errors.BlazarError | None:
+        async with plane(policy("zero", max_queue_depth=0)) as p:
+            held = await p.started("hold")
+            request = inference_pb2.CompleteRequest(model="l", prompt="refused")
+            call = p.stub.Complete(request, metadata=(("x-blazar-slo", "zero"),))
+            refused = await outcome(call)
+            p.engine.gate("hold").set()
+            assert await outcome(held) is None
+            return refused
+
+    refused = asyncio.run(run())
+    assert isinstance(refused, errors.QueueFull) and refused.metadata["policy"] == "zero"
+
+
+def test_no_generation_is_preempted_until_engines_can_park() -> None:
+    """An urgent request behind low-priority work waits for the slot: admission sees
+    no parking room (NoParking), so the running generation is never interrupted."""
+
+    async def run() -> tuple[list[errors.BlazarError | None], list[str]]:
+        low, urgent = policy("low", on_overload="queue"), policy("urgent", priority=100)
+        async with plane(low, urgent) as p:
+            held = await p.started("hold", slo="low")
+            waiting = p.start("urgent", slo="urgent")
+            await p.until(lambda: depth("urgent") == 1, "it to wait")
+            await asyncio.sleep(0.1)
+            assert p.engine.seen == ["hold"]
+            p.engine.gate("hold").set()
+            return [await outcome(c) for c in (held, waiting)], p.engine.seen
+
+    results, seen = asyncio.run(run())
+    assert (results, seen) == ([None, None], ["hold", "urgent"])
