@@ -303,11 +303,18 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         request_id = _request_id(context)
         generate.request_id = request_id
         structlog.contextvars.bind_contextvars(request_id=request_id)
+        try:
+            # Before a replica is picked: a policy that does not exist is the caller's
+            # mistake whatever state the Lane is in.
+            named = policies.requested(slo, context.invocation_metadata() or ())
+            lane_policy = routing.resolve(self.table, model).slo_policy
+            policy = policies.resolve(named, lane_policy=lane_policy, lookup=self._policy_spec)
+        except errors.BlazarError as err:
+            log.info("request.rejected", model=model, reason=err.reason)
+            await status.abort(context, err)
         route, replica, blocks = await self._route(model, context, session=session, hashes=hashes)
         lane = self._dispatchers.of(route.lane)
         try:
-            named = policies.requested(slo, context.invocation_metadata() or ())
-            policy = policies.resolve(named, lane_policy=route.slo_policy, lookup=self._policy_spec)
             if lane is None:
                 raise errors.Unavailable(
                     f"The model '{route.lane}' has no ready replica yet; retry shortly.",

@@ -552,3 +552,23 @@ def test_a_restarted_replica_is_forgotten() -> None:
             return picks
 
     assert asyncio.run(run()) == [0, 0, 1]
+
+
+def test_an_unknown_policy_is_invalid_even_with_no_ready_replica() -> None:
+    async def run() -> grpc.aio.AioRpcError:
+        store = MemoryStore()
+        store.apply_all([Lane(metadata=ObjectMeta(name="l"), spec=LaneSpec(model="m"))])
+        plane = await server.start(store=store, address="127.0.0.1:0")
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{plane.port}") as channel:
+                stub = inference_pb2_grpc.InferenceStub(channel)
+                request = inference_pb2.CompleteRequest(model="l", prompt="x", slo="nosuch")
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await stub.Complete(request).read()
+                return info.value
+        finally:
+            await plane.stop(grace=0)
+
+    error = asyncio.run(run())
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "'nosuch'" in (error.details() or "")
