@@ -192,7 +192,9 @@ class KVCache(CamelModel):
     type_k: CacheType = "f16"
     type_v: CacheType = "f16"
     persist: bool = False
-    # Bound on parked KV per replica (0: every parked generation is prefilled again).
+    # Host memory per replica for the KV caches of generations parked for more urgent
+    # work (SLO preemption). Admission parks only what fits; 0 turns preemption off.
+    # An engine asked to park past it keeps only the tokens and prefills them again.
     max_parked_mib: int = Field(default=DEFAULT_MAX_PARKED_MIB, ge=0, alias="maxParkedMiB")
 
 

@@ -102,8 +102,8 @@ class Reason(StrEnum):
 class Policy:
     """An SLOPolicy as admission uses it, times in seconds.
 
-    `tpot_target_s` is carried, not used: a time-per-output-token target bounds the
-    batch, which the engine decides (speculation, batch size), not admission.
+    `tpot_target_s` is carried, not used here: the engine keeps a time-per-output-token
+    target by pacing the prompt chunks it decodes beside the stream (`engine.pacing`).
     """
 
     name: str

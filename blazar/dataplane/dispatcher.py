@@ -32,9 +32,13 @@ constants: slots and ready replicas from the route table, running requests from 
 runs dispatched and not ended (tokens left from the Lane's typical completion less what
 each generated), and rates from `measurements.LaneMeasurements`.
 
-Preemption: a `Preempt` goes through one `Parker`. No engine parks yet (issue 17's
-slot banking is built engine-side), so `NoParking` is the parker and every replica's
-view has `parked_bytes_max` 0, with which admission emits no `Preempt` at all.
+Preemption: a `Preempt` goes through one `Parker` (`EngineParker`: the engine's Park
+and Resume). A parked victim's relay keeps its engine stream, which simply pauses; its
+run leaves the running set for the parked one, and its ticket waits again pinned to its
+replica (`admission.Resume`) until a `Dispatch(resume=True)` has the engine resume it.
+Each replica's parked bytes are what its Park answers said, its bound the Lane's
+`kvCache.maxParkedMiB` (0: admission never parks there), and the KV bytes a token
+costs are learned from those answers too.
 """
 
 from __future__ import annotations
@@ -46,21 +50,33 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol, TypeAlias
 
+import grpc
 import structlog
 
 from blazar._proto.v1 import inference_pb2
 from blazar.api import errors
 from blazar.dataplane import admission, metrics, routing
 from blazar.dataplane.measurements import LaneMeasurements
+from blazar.enginehost.client import EnginePool
 
 log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class Parked:
+    """What an engine said when it parked a generation."""
+
+    # Host memory holding its KV cache; 0 when only its tokens were kept.
+    parked_bytes: int
+    # Tokens its cache held.
+    tokens: int
 
 
 class Parker(Protocol):
     """Parks and resumes a running generation on its engine, on admission's word."""
 
-    async def park(self, replica: routing.Replica, request_id: str) -> bool:
-        """Park the generation; False when the engine cannot (it keeps running)."""
+    async def park(self, replica: routing.Replica, request_id: str) -> Parked | None:
+        """Park the generation; None when the engine cannot (it keeps running)."""
         ...
 
     async def resume(self, replica: routing.Replica, request_id: str) -> bool:
@@ -69,14 +85,43 @@ class Parker(Protocol):
 
 
 class NoParking:
-    """The parker until engines can park: refuses every park (admission, seeing a
-    bound of 0 parked bytes, asks for none)."""
+    """A parker that refuses every park: the generation keeps running."""
 
-    async def park(self, replica: routing.Replica, request_id: str) -> bool:
-        return False
+    async def park(self, replica: routing.Replica, request_id: str) -> Parked | None:
+        return None
 
     async def resume(self, replica: routing.Replica, request_id: str) -> bool:
         return False
+
+
+# A Park waits for the engine's current step; a long prompt chunk can take seconds.
+PARK_TIMEOUT_S = 10.0
+
+
+class EngineParker:
+    """Parks and resumes through the engines' own Park and Resume calls."""
+
+    def __init__(self, pool: EnginePool) -> None:
+        self._pool = pool
+
+    async def park(self, replica: routing.Replica, request_id: str) -> Parked | None:
+        client = self._pool.client(replica.socket, process=replica.pid)
+        try:
+            answer = await client.park(request_id, timeout=PARK_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            # Gone, finished meanwhile, or not running yet: nothing was parked.
+            log.info("admission.park_failed", request_id=request_id, error=exc.details())
+            return None
+        return Parked(parked_bytes=answer.parked_bytes, tokens=answer.tokens)
+
+    async def resume(self, replica: routing.Replica, request_id: str) -> bool:
+        client = self._pool.client(replica.socket, process=replica.pid)
+        try:
+            await client.resume(request_id)
+        except grpc.aio.AioRpcError as exc:
+            log.warning("admission.resume_failed", request_id=request_id, error=exc.details())
+            return False
+        return True
 
 
 @dataclass(eq=False)
@@ -87,6 +132,8 @@ class Run:
     request_id: str
     replica: routing.Replica
     prompt_chars: int
+    # Admission's prediction of its time to first token, from arrival (None: none).
+    predicted_ttft_s: float | None = None
     # Tokens relayed so far: written by the relay, read by the forecast.
     generated: int = 0
 
@@ -105,6 +152,7 @@ class _Pending:
     request_id: str
     prompt_chars: int
     started: asyncio.Future[Run]
+    predicted_ttft_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -173,6 +221,12 @@ class LaneDispatcher:
         self._queue = admission.LaneQueue()
         self._pending: dict[str, _Pending] = {}
         self._running: dict[str, Run] = {}
+        # Runs whose generation is parked on their replica, by ticket id, and the host
+        # memory each one holds there.
+        self._parked: dict[str, Run] = {}
+        self._parked_bytes: dict[str, int] = {}
+        # KV bytes per cached token, as the engines' Park answers measured them.
+        self._kv_bytes_per_token = 0
         self._excluded: set[_Identity] = set()
         self._policies: dict[str, admission.Policy] = {}
         self._events: asyncio.Queue[_Event] = asyncio.Queue()
@@ -327,7 +381,13 @@ class LaneDispatcher:
             if self._queue.cancel(event.ticket_id):
                 self._pending.pop(event.ticket_id, None)
         elif isinstance(event, _End):
-            run = self._running.pop(event.run.ticket.id, None)
+            ticket_id = event.run.ticket.id
+            if ticket_id in self._parked:
+                # Ended while parked (its caller left): out of the queue, memory freed.
+                self._parked.pop(ticket_id)
+                self._parked_bytes.pop(ticket_id, None)
+                self._queue.cancel(ticket_id)
+            run = self._running.pop(ticket_id, None)
             if run is not None and event.final is not None:
                 self.measurements.record(
                     run.replica.index, event.final, prompt_chars=run.prompt_chars
@@ -345,6 +405,7 @@ class LaneDispatcher:
         if isinstance(decision, admission.Refuse):
             self._refuse(pending, decision)
             return
+        pending.predicted_ttft_s = decision.predicted_ttft_s
         self._pending[ticket.id] = pending
 
     def _new_route(self, route: routing.Route | None) -> bool:
@@ -378,7 +439,10 @@ class LaneDispatcher:
     async def _decide(self) -> None:
         now = self._clock()
         for decision in self._queue.dispatch(now=now, view=self._view()):
-            self._start(decision, now)
+            if decision.resume:
+                await self._resume(decision, now)
+            else:
+                self._start(decision, now)
         while (preempt := self._queue.preemption(now=now, view=self._view())) is not None:
             if not await self._preempt(preempt, now):
                 break  # asked again, admission would name the same victim
@@ -399,7 +463,13 @@ class LaneDispatcher:
             self._queue.requeue(ticket, now=now)
             return
         metrics.QUEUE_WAIT.labels(self.lane, ticket.policy.name).observe(ticket.waited_s)
-        run = Run(ticket, pending.request_id, replica, pending.prompt_chars)
+        run = Run(
+            ticket,
+            pending.request_id,
+            replica,
+            pending.prompt_chars,
+            predicted_ttft_s=pending.predicted_ttft_s,
+        )
         self._running[ticket.id] = run
         pending.started.set_result(run)
 
@@ -408,16 +478,46 @@ class LaneDispatcher:
         (False). Awaited in the task: the queue does not move while an engine parks."""
         victim = self._running.get(preempt.victim)
         replica = self._replica(preempt.replica)
-        parked = False
+        parked = None
         if victim is not None and replica is not None:
             parked = await self._parker.park(replica, victim.request_id)
-        if not parked:
+        if victim is None or parked is None:
             self._queue.requeue(preempt.ticket, now=now)
             return False
-        # Parking is not built yet (NoParking never gets here): the victim's relay would
-        # pause, and its ticket wait pinned to the replica for a `Dispatch(resume=True)`.
+        ticket = victim.ticket
+        self._running.pop(ticket.id, None)
+        self._parked[ticket.id] = victim
+        self._parked_bytes[ticket.id] = parked.parked_bytes
+        if parked.parked_bytes and parked.tokens:
+            self._kv_bytes_per_token = -(-parked.parked_bytes // parked.tokens)
+        left = max(0, self.measurements.output_tokens(ticket.max_tokens) - victim.generated)
+        self._queue.requeue(
+            ticket, now=self._clock(), resume=admission.Resume(preempt.replica, left)
+        )
+        metrics.PREEMPTIONS.labels(self.lane, ticket.policy.name).inc()
+        log.info(
+            "admission.preempted",
+            request_id=victim.request_id,
+            lane=self.lane,
+            replica=preempt.replica,
+            parked_bytes=parked.parked_bytes,
+            for_policy=preempt.ticket.policy.name,
+        )
         self._start(admission.Dispatch(preempt.ticket, preempt.replica), now)
         return True
+
+    async def _resume(self, decision: admission.Dispatch, now: float) -> None:
+        """Have the engine resume a parked generation in the slot admission gave it;
+        its relay's stream goes on by itself."""
+        run = self._parked.pop(decision.ticket.id, None)
+        if run is None:
+            return  # it ended while parked
+        self._running[decision.ticket.id] = run
+        if not await self._parker.resume(run.replica, run.request_id):
+            # The engine lost it (restarted, or drained and resumed it itself): its
+            # stream ends one way or the other, and `end` takes the run out.
+            log.warning("admission.resume_lost", request_id=run.request_id, lane=self.lane)
+        self._parked_bytes.pop(decision.ticket.id, None)
 
     def _refuse(self, pending: _Pending, refusal: admission.Refuse) -> None:
         policy = pending.ticket.policy
@@ -451,6 +551,7 @@ class LaneDispatcher:
             count = depth.get(name, 0)
             self._figures(self._policies[name]).queued = count
             metrics.QUEUE_DEPTH.labels(self.lane, name).set(count)
+        metrics.PARKED_BYTES.labels(self.lane).set(sum(self._parked_bytes.values()))
 
     # --- the view ------------------------------------------------------------------
 
@@ -481,8 +582,20 @@ class LaneDispatcher:
                 for run in self._running.values()
                 if _identity(run.replica) == identity
             ]
+            parked = sum(
+                self._parked_bytes.get(run.ticket.id, 0)
+                for run in self._parked.values()
+                if _identity(run.replica) == identity
+            )
             replicas.append(
-                self.measurements.replica_view(replica.index, slots=route.slots, running=running)
+                self.measurements.replica_view(
+                    replica.index,
+                    slots=route.slots,
+                    running=running,
+                    parked_bytes=parked,
+                    parked_bytes_max=route.max_parked_bytes,
+                    kv_bytes_per_token=self._kv_bytes_per_token,
+                )
             )
         return admission.LaneView(
             replicas=tuple(replicas), completion_tokens=self.measurements.completion_tokens
@@ -495,9 +608,9 @@ class Dispatchers:
     Created on the data plane's event loop; `update` may be called from any thread
     (store writes notify their subscribers on the writer's thread)."""
 
-    def __init__(self, *, parker: Parker | None = None) -> None:
+    def __init__(self, *, parker: Parker) -> None:
         self._loop = asyncio.get_running_loop()
-        self._parker: Parker = parker or NoParking()
+        self._parker = parker
         self._lanes: dict[str, LaneDispatcher] = {}
         self._closed = False
 

@@ -43,6 +43,9 @@ Context: TypeAlias = Any
 # runs, for callers (the HTTP shim's headers) that cannot wait for Final.routing.
 LANE_KEY = "blazar-lane"
 REPLICA_KEY = "blazar-replica"
+# Admission's prediction of the time to first token (milliseconds from arrival), when
+# it had one.
+PREDICTED_TTFT_KEY = "blazar-predicted-ttft-ms"
 
 
 class InferenceService(inference_pb2_grpc.InferenceServicer):
@@ -55,7 +58,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         self._inflight: Counter[tuple[str, int]] = Counter()
         self._sessions = routing.Sessions()
         self._prefixes: dict[str, prefixes.PrefixIndex] = {}
-        self._dispatchers = dispatcher.Dispatchers(parker=parker)
+        self._dispatchers = dispatcher.Dispatchers(parker=parker or dispatcher.EngineParker(pool))
         self.table = routing.RouteTable()
         self.refresh()
         self._unsubscribe = store.subscribe(self._on_store_event)
@@ -323,6 +326,9 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         except errors.BlazarError as err:
             log.info("request.rejected", model=model, reason=err.reason)
             await status.abort(context, err)
+        if policy.tpot_target_s is not None:
+            # The engine paces prompt chunks beside this stream to keep it.
+            generate.tpot_target_ms = max(1, round(policy.tpot_target_s * 1000))
         prompt_tokens = lane.measurements.prompt_tokens(prompt_chars)
         sampling = generate.sampling
         max_tokens = (
@@ -357,9 +363,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                             announced = True
                             self._served(run.replica, blocks)
                             self._sessions.record(route.lane, session, run.replica.index)
-                            await context.send_initial_metadata(
-                                ((LANE_KEY, route.lane), (REPLICA_KEY, str(run.replica.index)))
-                            )
+                            await context.send_initial_metadata(_initial_metadata(run))
                         yield chunk
                 if not retry:
                     return
@@ -426,6 +430,8 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                     final.timings.ttft_ms = (end - ticket.arrived) * 1000.0
                     # The wait in admission's queue, before the engine's own.
                     final.timings.queue_ms += ticket.waited_s * 1000.0
+                    if run.predicted_ttft_s is not None:
+                        final.timings.predicted_ttft_ms = run.predicted_ttft_s * 1000.0
                     metrics.observe_final(route.lane, final, policy=ticket.policy.name)
                     finished = final
                     settled = True
@@ -473,6 +479,14 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             queued_s=round(ticket.waited_s, 3),
             seconds=round(time.monotonic() - ticket.arrived, 3),
         )
+
+
+def _initial_metadata(run: dispatcher.Run) -> tuple[tuple[str, str], ...]:
+    """Where the request runs, and when admission expected its first token."""
+    metadata = ((LANE_KEY, run.replica.lane), (REPLICA_KEY, str(run.replica.index)))
+    if run.predicted_ttft_s is None:
+        return metadata
+    return (*metadata, (PREDICTED_TTFT_KEY, str(round(run.predicted_ttft_s * 1000))))
 
 
 def _request_id(context: Context) -> str:

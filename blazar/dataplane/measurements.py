@@ -115,10 +115,17 @@ class LaneMeasurements:
         return max_tokens if typical is None else min(max_tokens, math.ceil(typical))
 
     def replica_view(
-        self, index: int, *, slots: int, running: Sequence[admission.Running]
+        self,
+        index: int,
+        *,
+        slots: int,
+        running: Sequence[admission.Running],
+        parked_bytes: int = 0,
+        parked_bytes_max: int = 0,
+        kv_bytes_per_token: int = 0,
     ) -> admission.ReplicaView:
-        """The replica as admission sees it. Parking is off: no engine parks yet, so
-        `parked_bytes_max` stays 0 and admission never chooses a victim."""
+        """The replica as admission sees it, with the parking figures its dispatcher
+        keeps (what the engine's Park answers said, and the Lane's bound)."""
         own = self._replicas.get(index, self._lane)
 
         def pick(mine: _Ratio, lanes: _Ratio) -> float | None:
@@ -132,4 +139,7 @@ class LaneMeasurements:
             prefill_tokens_per_s=pick(own.prefill, lane.prefill),
             step_s=pick(own.step, lane.step),
             tokens_per_step=pick(own.per_step, lane.per_step) or 1.0,
+            kv_bytes_per_token=kv_bytes_per_token,
+            parked_bytes=parked_bytes,
+            parked_bytes_max=parked_bytes_max,
         )

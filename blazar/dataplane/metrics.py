@@ -65,6 +65,16 @@ REJECTIONS = Counter(
     "Requests refused by admission, by reason: QUEUE_FULL, QUEUE_TIMEOUT, SLO_UNATTAINABLE.",
     ["lane", "policy", "reason"],
 )
+PREEMPTIONS = Counter(
+    "blazar_preemptions_total",
+    "Generations parked for more urgent work, by the parked request's SLOPolicy.",
+    ["lane", "policy"],
+)
+PARKED_BYTES = Gauge(
+    "blazar_parked_bytes",
+    "Host memory holding the KV caches of a lane's parked generations.",
+    ["lane"],
+)
 FIRST_TOKENS = Counter(
     "blazar_slo_first_tokens_total",
     "First tokens under an SLOPolicy with a ttftTargetMs, by whether they met it (met=true).",

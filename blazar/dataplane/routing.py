@@ -41,6 +41,8 @@ class Route:
     desired: int = 1
     # The Lane's SLOPolicy (spec.sloPolicy), for requests that name none.
     slo_policy: str | None = None
+    # Host memory each replica may hold parked generations in (kvCache.maxParkedMiB).
+    max_parked_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,7 @@ def build_table(lanes: Sequence[Lane]) -> RouteTable:
                 slots=lane.spec.slots,
                 desired=lane.spec.replicas,
                 slo_policy=lane.spec.slo_policy,
+                max_parked_bytes=lane.spec.kv_cache.max_parked_mib << 20,
             )
         )
     by_name: dict[str, Route] = {route.lane: route for route in routes}

@@ -25,8 +25,13 @@ _HEALTH_TIMEOUT_S = 2.0
 # the prompt tokens its cache already held (only where known before the headers go out).
 REPLICA_HEADER = "x-blazar-replica"
 PREFIX_REUSED_HEADER = "x-blazar-prefix-reused"
-# The data plane's initial metadata naming the replica (see inference.proto).
-_REPLICA_KEY = "blazar-replica"
+# When admission expected the first token (milliseconds from arrival), if it predicted.
+PREDICTED_TTFT_HEADER = "x-blazar-predicted-ttft-ms"
+# The data plane's initial metadata keys, and the headers they become (inference.proto).
+_HEADERS_OF_METADATA = {
+    "blazar-replica": REPLICA_HEADER,
+    "blazar-predicted-ttft-ms": PREDICTED_TTFT_HEADER,
+}
 
 
 def final_headers(final: inference_pb2.Final) -> dict[str, str]:
@@ -65,17 +70,20 @@ class ChunkStream:
         return cast(inference_pb2.Chunk, message)
 
     async def routing_headers(self) -> dict[str, str]:
-        """`x-blazar-replica` from the daemon's initial metadata, which it sends with the
-        first chunk: call this once the first chunk (or the end) is in. Empty when the
-        daemon named no replica (the call failed first)."""
+        """`x-blazar-replica` (and `x-blazar-predicted-ttft-ms`) from the daemon's
+        initial metadata, which it sends with the first chunk: call this once the first
+        chunk (or the end) is in. Empty when the daemon named no replica (the call
+        failed first)."""
         try:
             metadata = await self._call.initial_metadata()
         except grpc.RpcError:
             return {}
+        headers: dict[str, str] = {}
         for key, value in metadata or ():
-            if key == _REPLICA_KEY:
-                return {REPLICA_HEADER: value if isinstance(value, str) else value.decode()}
-        return {}
+            header = _HEADERS_OF_METADATA.get(key)
+            if header is not None:
+                headers[header] = value if isinstance(value, str) else value.decode()
+        return headers
 
     def cancel(self) -> None:
         """Cancel the RPC; a no-op once it has finished."""

@@ -16,11 +16,12 @@ import grpc
 import prometheus_client
 import pytest
 
-from blazar._proto.engine.v1 import engine_pb2_grpc
+from blazar._proto.engine.v1 import engine_pb2, engine_pb2_grpc
 from blazar._proto.v1 import control_pb2, control_pb2_grpc, inference_pb2, inference_pb2_grpc
 from blazar.api import errors
 from blazar.api.kinds import (
     Kind,
+    KVCache,
     Lane,
     LaneSpec,
     LaneStatus,
@@ -44,18 +45,30 @@ MEASURED = inference_pb2.Final(
 
 
 class HoldingEngine(engine_pb2_grpc.EngineServicer):
-    """Answers one delta, then holds a prompt starting with "hold" until released."""
+    """Answers one delta, then holds a prompt starting with "hold" until released.
+    Parks and resumes by request id, as a real engine does, and records the orders."""
 
     def __init__(self) -> None:
         self.seen: list[str] = []
+        self.ids: dict[str, str] = {}
+        self.orders: list[tuple[str, str]] = []
         self.server: grpc.aio.Server | None = None
         self._gates: dict[str, asyncio.Event] = {}
+
+    async def Park(self, request: Any, context: Any) -> engine_pb2.ParkResponse:
+        self.orders.append(("park", request.request_id))
+        return engine_pb2.ParkResponse(slot=0, tokens=10, parked_bytes=1000)
+
+    async def Resume(self, request: Any, context: Any) -> engine_pb2.ResumeResponse:
+        self.orders.append(("resume", request.request_id))
+        return engine_pb2.ResumeResponse(slot=0, restored_bytes=1000)
 
     def gate(self, prompt: str) -> asyncio.Event:
         return self._gates.setdefault(prompt, asyncio.Event())
 
     async def Generate(self, request: Any, context: Any) -> AsyncIterator[inference_pb2.Chunk]:
         self.seen.append(request.prompt)
+        self.ids[request.prompt] = request.request_id
         yield inference_pb2.Chunk(delta=inference_pb2.Delta(text="x", tokens=1))
         if request.prompt.startswith("hold"):
             await self.gate(request.prompt).wait()
@@ -98,13 +111,21 @@ class Plane:
 
 
 @contextlib.asynccontextmanager
-async def plane(*policies: SLOPolicy, lane_policy: str | None = None) -> AsyncIterator[Plane]:
+async def plane(
+    *policies: SLOPolicy, lane_policy: str | None = None, max_parked_mib: int = 1024
+) -> AsyncIterator[Plane]:
     engine = HoldingEngine()
     async with engines(engine) as sockets:  # type: ignore[arg-type]  # duck-typed servicer
         store = MemoryStore()
         lane = Lane(
             metadata=ObjectMeta(name="l"),
-            spec=LaneSpec(model="m", replicas=1, slots=1, slo_policy=lane_policy),
+            spec=LaneSpec(
+                model="m",
+                replicas=1,
+                slots=1,
+                slo_policy=lane_policy,
+                kv_cache=KVCache(max_parked_mib=max_parked_mib),
+            ),
             status=LaneStatus(
                 replica_statuses=[ReplicaStatus(index=0, state="Ready", socket=sockets[0], pid=1)]
             ),
@@ -355,20 +376,61 @@ def test_the_policy_may_come_as_grpc_metadata() -> None:
     assert isinstance(refused, errors.QueueFull) and refused.metadata["policy"] == "zero"
 
 
-def test_no_generation_is_preempted_until_engines_can_park() -> None:
-    """An urgent request behind low-priority work waits for the slot: admission sees
-    no parking room (NoParking), so the running generation is never interrupted."""
+def preemptions(policy: str) -> float:
+    labels = {"lane": "l", "policy": policy}
+    value = prometheus_client.REGISTRY.get_sample_value("blazar_preemptions_total", labels)
+    return value or 0.0
 
-    async def run() -> tuple[list[errors.BlazarError | None], list[str]]:
-        low, urgent = policy("low", on_overload="queue"), policy("urgent", priority=100)
+
+async def measured(p: Plane) -> None:
+    """One request through the Lane, so that it has measured its decode step (0.1 s)."""
+    assert await outcome(await p.started("warm")) is None
+
+
+def test_an_urgent_request_parks_lower_priority_work_which_resumes_after_it() -> None:
+    """The held low-priority generation would keep the only slot for 100 s; the urgent
+    request's 0.5 s target cannot wait for it, so the engine parks the held one, serves
+    the urgent one in its slot, then resumes it; both streams end normally."""
+    before = preemptions("low")
+
+    async def run() -> tuple[
+        list[errors.BlazarError | None], list[str], list[tuple[str, str]], str
+    ]:
+        low = policy("low", on_overload="queue")
+        urgent = policy("urgent", priority=100, ttft_target_ms=500)
         async with plane(low, urgent) as p:
+            await measured(p)
+            held = await p.started("hold", slo="low")
+            fast = p.start("fast", slo="urgent")
+            assert await asyncio.wait_for(outcome(fast), 5) is None
+            await p.until(lambda: len(p.engine.orders) == 2, "the held one to resume")
+            p.engine.gate("hold").set()
+            return [await outcome(held)], p.engine.seen, p.engine.orders, p.engine.ids["hold"]
+
+    results, seen, orders, held_id = asyncio.run(run())
+    assert results == [None]
+    assert seen == ["warm", "hold", "fast"]
+    assert orders == [("park", held_id), ("resume", held_id)]
+    assert preemptions("low") == before + 1
+
+
+def test_no_generation_is_preempted_without_parking_room() -> None:
+    """maxParkedMiB 0 turns preemption off: the urgent request waits for the slot and
+    the running generation is never interrupted."""
+
+    async def run() -> tuple[list[errors.BlazarError | None], list[str], list[tuple[str, str]]]:
+        low = policy("low", on_overload="queue")
+        urgent = policy("urgent", priority=100, ttft_target_ms=60_000, on_overload="queue")
+        async with plane(low, urgent, max_parked_mib=0) as p:
+            await measured(p)
             held = await p.started("hold", slo="low")
             waiting = p.start("urgent", slo="urgent")
             await p.until(lambda: depth("urgent") == 1, "it to wait")
             await asyncio.sleep(0.1)
-            assert p.engine.seen == ["hold"]
+            assert p.engine.seen == ["warm", "hold"]
             p.engine.gate("hold").set()
-            return [await outcome(c) for c in (held, waiting)], p.engine.seen
+            outcomes = [await outcome(c) for c in (held, waiting)]
+            return outcomes, p.engine.seen, p.engine.orders
 
-    results, seen = asyncio.run(run())
-    assert (results, seen) == ([None, None], ["hold", "urgent"])
+    results, seen, orders = asyncio.run(run())
+    assert (results, seen, orders) == ([None, None], ["warm", "hold", "urgent"], [])

@@ -31,8 +31,10 @@ class InferenceStub:
     the replica it used last while that one has room), then by the longest prompt
     prefix that replica's cache holds, then by load. Chat and Complete send
     where the request runs in their initial metadata, before the first chunk:
-    `blazar-lane` (the Lane's name) and `blazar-replica` (the replica's index); the
-    final chunk's `routing` says it again, with the tokens reused from the cache.
+    `blazar-lane` (the Lane's name) and `blazar-replica` (the replica's index), and
+    `blazar-predicted-ttft-ms` when admission predicted the time to first token; the
+    final chunk's `routing` and `timings` say it again, with the tokens reused from the
+    cache.
     """
 
     def __init__(self, channel):
@@ -73,8 +75,10 @@ class InferenceServicer:
     the replica it used last while that one has room), then by the longest prompt
     prefix that replica's cache holds, then by load. Chat and Complete send
     where the request runs in their initial metadata, before the first chunk:
-    `blazar-lane` (the Lane's name) and `blazar-replica` (the replica's index); the
-    final chunk's `routing` says it again, with the tokens reused from the cache.
+    `blazar-lane` (the Lane's name) and `blazar-replica` (the replica's index), and
+    `blazar-predicted-ttft-ms` when admission predicted the time to first token; the
+    final chunk's `routing` and `timings` say it again, with the tokens reused from the
+    cache.
     """
 
     def Chat(self, request, context):
@@ -153,8 +157,10 @@ class Inference:
     the replica it used last while that one has room), then by the longest prompt
     prefix that replica's cache holds, then by load. Chat and Complete send
     where the request runs in their initial metadata, before the first chunk:
-    `blazar-lane` (the Lane's name) and `blazar-replica` (the replica's index); the
-    final chunk's `routing` says it again, with the tokens reused from the cache.
+    `blazar-lane` (the Lane's name) and `blazar-replica` (the replica's index), and
+    `blazar-predicted-ttft-ms` when admission predicted the time to first token; the
+    final chunk's `routing` and `timings` say it again, with the tokens reused from the
+    cache.
     """
 
     @staticmethod
