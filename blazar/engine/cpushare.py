@@ -13,9 +13,10 @@ spin and 29-35 at 1,000 spins, against 73-79 each when each computed on one thre
 (and 103-116 for one engine alone on both cores). See docs/BENCHMARKS.md, "OpenMP
 spinning" and "Engines sharing the cores".
 
-So engines keep libgomp's spin and share the cores instead: every engine of a daemon
-holds a cell of one small file in the run directory (the launch document's
-`cpu_share`) with its pid and the threads it wants while it has work (0 while idle).
+So engines keep libgomp's spin and share the cores instead: every engine of the user
+on this host (the daemon's supervisor names one file per user in the system's temporary
+directory: the launch document's `cpu_share`) holds a cell of that small file with its
+pid and the threads it wants while it has work (0 while idle).
 Before a step an engine reads the other cells and computes with `share(...)` threads:
 all it wants while the busy engines fit the cores, its proportional part (at least one)
 while they do not. A cell of a process that is gone counts as idle, so a killed engine
@@ -72,6 +73,8 @@ class CpuShare:
         self._pid = os.getpid()
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         try:
+            if os.fstat(fd).st_uid != os.getuid():
+                raise PermissionError(f"{path} belongs to another user")
             fcntl.flock(fd, fcntl.LOCK_EX)
             try:
                 if os.fstat(fd).st_size < SIZE:

@@ -36,6 +36,7 @@ import os
 import shutil
 import signal
 import sys
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -68,9 +69,13 @@ LIVENESS_FAILURES = 3
 DRAIN_CANCEL_ALLOWANCE_S = 7.0
 _MAX_UNIX_PATH = 100
 
-# The run directory's table through which engines share the host's cores
-# (`blazar.engine.cpushare`; each engine keeps libgomp's default spin).
-CPU_SHARE_FILE = "cpu-share"
+
+
+def cpu_share_path() -> Path:
+    """The table through which engines share the host's cores (`blazar.engine.cpushare`;
+    each keeps libgomp's default spin): one per user and host, so that the engines of
+    two daemons (`make up` beside a test run, two homes) share too."""
+    return Path(tempfile.gettempdir()) / f"blazar-cpu-share-{os.getuid()}"
 
 
 def socket_dir(home: Path) -> Path:
@@ -251,7 +256,7 @@ class Supervisor:
             kv_dir=str(kv_dir) if kv_dir is not None else None,
             parent_pid=os.getpid(),
             log_json=self.log_json,
-            cpu_share=str(self.run_dir / CPU_SHARE_FILE),
+            cpu_share=str(cpu_share_path()),
         )
 
     def _kv_dir(self, replica: _Replica, warnings: list[StartWarning]) -> Path | None:

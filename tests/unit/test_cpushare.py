@@ -119,3 +119,12 @@ def test_the_table_refuses_a_link(tmp_path: Path) -> None:
     (tmp_path / "cpu").symlink_to(target)
     with pytest.raises(OSError):
         CpuShare(tmp_path / "cpu")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file away takes root")
+def test_a_table_of_another_user_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "cpu"
+    path.write_bytes(bytes(cpushare.SIZE))
+    os.chown(path, 4242, 4242)
+    with pytest.raises(PermissionError):
+        CpuShare(path)

@@ -444,7 +444,7 @@ def test_a_worker_shares_the_cores_with_libgomps_own_spin(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Engines keep libgomp's default spin (the daemon adds no GOMP_ setting) and
-    share the cores through the run directory's table, named in the launch document."""
+    share the cores through the user's table, named in the launch document."""
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     sup, launch, worker = bare_supervisor(tmp_path)
@@ -463,7 +463,7 @@ def test_a_worker_shares_the_cores_with_libgomps_own_spin(
 
     env, document = asyncio.run(run())
     assert not {k for k in env if k.startswith(("GOMP_", "OMP_"))}
-    assert document["cpu_share"] == str(sup.run_dir / supervisor.CPU_SHARE_FILE)
+    assert document["cpu_share"] == str(supervisor.cpu_share_path())
     remove_run_dir(sup)
 
 
