@@ -27,8 +27,8 @@ import structlog
 
 from blazar._proto.engine.v1 import engine_pb2
 from blazar._proto.v1 import inference_pb2, inference_pb2_grpc
-from blazar.api import errors
-from blazar.api.kinds import Kind, Lane, SLOPolicy, SLOPolicySpec
+from blazar.api import errors, filetypes
+from blazar.api.kinds import Kind, Lane, Model, SLOPolicy, SLOPolicySpec
 from blazar.dataplane import admission, dispatcher, metrics, policies, prefixes, routing
 from blazar.enginehost.client import EnginePool
 from blazar.rpc import status
@@ -46,6 +46,34 @@ REPLICA_KEY = "blazar-replica"
 # Admission's prediction of the time to first token (milliseconds from arrival), when
 # it had one.
 PREDICTED_TTFT_KEY = "blazar-predicted-ttft-ms"
+
+
+def model_file(model: Model) -> inference_pb2.ModelFile | None:
+    """What ListModels says of a Model's file; None until its controller inspected it."""
+    status = model.status
+    if status.size_bytes is None:
+        return None
+    params = status.parameters
+
+    def number(key: str) -> int:
+        value = params.get(key, "")
+        return int(value) if value.isascii() and value.isdigit() else 0
+
+    return inference_pb2.ModelFile(
+        size_bytes=status.size_bytes,
+        sha256=status.sha256 or "",
+        modified=(status.mtime_ns or 0) // 1_000_000_000,
+        architecture=status.architecture or "",
+        name=params.get("name", ""),
+        parameter_size=params.get("size_label", ""),
+        quantization=filetypes.quantization(params.get("file_type")),
+        trained_context_length=status.context_length or 0,
+        embedding_length=number("embedding_length"),
+        block_count=number("block_count"),
+        head_count=number("attention.head_count"),
+        head_count_kv=number("attention.head_count_kv"),
+        has_chat_template=params.get("has_chat_template") == "true",
+    )
 
 
 class InferenceService(inference_pb2_grpc.InferenceServicer):
@@ -130,6 +158,8 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
     ) -> inference_pb2.ListModelsResponse:
         models = []
         for route in self.table.routes:
+            stored = self._store.get(Kind.MODEL, route.model)
+            file = model_file(stored) if isinstance(stored, Model) else None
             for name in (route.lane, *route.aliases):
                 if self.table.by_name.get(name) is not route:
                     continue
@@ -142,6 +172,9 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                         created=route.created,
                         context_length=route.context_length,
                         replicas=route.desired,
+                        ready_replicas=len(route.replicas),
+                        slots=route.slots,
+                        file=file,
                     )
                 )
         return inference_pb2.ListModelsResponse(models=models)

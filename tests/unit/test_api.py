@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from blazar.api import conditions, errors, kinds, manifests, meta
+from blazar.api import conditions, errors, filetypes, kinds, manifests, meta
 from blazar.api.kinds import Kind
 from blazar.api.meta import ConditionStatus
 
@@ -639,3 +639,12 @@ def test_condition_transitions(
 def test_condition_lookup_of_missing_type() -> None:
     assert conditions.get_condition([], "Ready") is None
     assert conditions.is_true([], "Ready") is False
+
+
+@pytest.mark.parametrize(
+    ("file_type", "name"),
+    [(15, "Q4_K_M"), ("15", "Q4_K_M"), ("1", "F16"), ("0", "ALL_F32"), ("32", "BF16"),
+     ("4", ""), ("999", ""), ("x", ""), ("-1", ""), ("", ""), (None, "")],
+)  # fmt: skip
+def test_file_types_have_llama_cpps_names(file_type: str | int | None, name: str) -> None:
+    assert filetypes.quantization(file_type) == name

@@ -22,7 +22,16 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from blazar._proto.engine.v1 import engine_pb2_grpc
 from blazar._proto.v1 import inference_pb2, inference_pb2_grpc
 from blazar.api import errors
-from blazar.api.kinds import Kind, Lane, LaneSpec, LaneStatus, ReplicaStatus
+from blazar.api.kinds import (
+    Kind,
+    Lane,
+    LaneSpec,
+    LaneStatus,
+    Model,
+    ModelSpec,
+    ModelStatus,
+    ReplicaStatus,
+)
 from blazar.api.meta import ObjectMeta
 from blazar.dataplane import prefixes, routing, server
 from blazar.rpc import status
@@ -267,12 +276,65 @@ def test_an_engine_lost_mid_stream_is_a_retryable_error_that_says_so() -> None:
 
 
 def test_models_list_the_replicas_each_lane_asks_for() -> None:
-    async def listed() -> list[tuple[str, bool, int]]:
+    async def listed() -> list[tuple[str, bool, int, int, int, bool]]:
         async with data_plane([FakeEngine(refuse=False, text="x")] * 2) as stub:
             reply = await stub.ListModels(inference_pb2.ListModelsRequest())
-        return [(m.id, m.ready, m.replicas) for m in reply.models]
+        return [
+            (m.id, m.ready, m.replicas, m.ready_replicas, m.slots, m.HasField("file"))
+            for m in reply.models
+        ]
 
-    assert asyncio.run(listed()) == [("l", True, 2)]
+    # The Model "m" is not in the store, so nothing is known of its file.
+    assert asyncio.run(listed()) == [("l", True, 2, 2, 4, False)]
+
+
+def test_models_list_what_the_controller_read_of_the_model_file() -> None:
+    async def listed() -> inference_pb2.ModelFile:
+        async with serving([FakeEngine(refuse=False, text="x")]) as plane:
+            plane.store.apply_all(
+                [Model(metadata=ObjectMeta(name="m"), spec=ModelSpec(source={"path": "/m.gguf"}))]
+            )
+            plane.store.update_status(
+                Kind.MODEL,
+                "m",
+                ModelStatus(
+                    path="/m.gguf",
+                    size_bytes=253_000_000,
+                    mtime_ns=1_700_000_000_123_456_789,
+                    sha256="ab" * 32,
+                    architecture="gemma3",
+                    context_length=32768,
+                    parameters={
+                        "name": "Gemma 3 270m",
+                        "size_label": "268M",
+                        "file_type": "15",
+                        "embedding_length": "640",
+                        "block_count": "18",
+                        "attention.head_count": "4",
+                        "attention.head_count_kv": "1",
+                        "has_chat_template": "true",
+                    },
+                ),
+            )
+            reply = await plane.stub.ListModels(inference_pb2.ListModelsRequest())
+        (info,) = reply.models
+        return info.file
+
+    assert asyncio.run(listed()) == inference_pb2.ModelFile(
+        size_bytes=253_000_000,
+        sha256="ab" * 32,
+        modified=1_700_000_000,
+        architecture="gemma3",
+        name="Gemma 3 270m",
+        parameter_size="268M",
+        quantization="Q4_K_M",
+        trained_context_length=32768,
+        embedding_length=640,
+        block_count=18,
+        head_count=4,
+        head_count_kv=1,
+        has_chat_template=True,
+    )
 
 
 def test_a_healthy_first_replica_is_used_once() -> None:

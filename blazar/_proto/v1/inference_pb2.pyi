@@ -211,7 +211,7 @@ class ListModelsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("id", "lane", "model", "ready", "created", "context_length", "replicas")
+    __slots__ = ("id", "lane", "model", "ready", "created", "context_length", "replicas", "ready_replicas", "slots", "file")
     ID_FIELD_NUMBER: _ClassVar[int]
     LANE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -219,6 +219,9 @@ class ModelInfo(_message.Message):
     CREATED_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    READY_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    FILE_FIELD_NUMBER: _ClassVar[int]
     id: str
     lane: str
     model: str
@@ -226,7 +229,40 @@ class ModelInfo(_message.Message):
     created: int
     context_length: int
     replicas: int
-    def __init__(self, id: _Optional[str] = ..., lane: _Optional[str] = ..., model: _Optional[str] = ..., ready: _Optional[bool] = ..., created: _Optional[int] = ..., context_length: _Optional[int] = ..., replicas: _Optional[int] = ...) -> None: ...
+    ready_replicas: int
+    slots: int
+    file: ModelFile
+    def __init__(self, id: _Optional[str] = ..., lane: _Optional[str] = ..., model: _Optional[str] = ..., ready: _Optional[bool] = ..., created: _Optional[int] = ..., context_length: _Optional[int] = ..., replicas: _Optional[int] = ..., ready_replicas: _Optional[int] = ..., slots: _Optional[int] = ..., file: _Optional[_Union[ModelFile, _Mapping]] = ...) -> None: ...
+
+class ModelFile(_message.Message):
+    __slots__ = ("size_bytes", "sha256", "modified", "architecture", "name", "parameter_size", "quantization", "trained_context_length", "embedding_length", "block_count", "head_count", "head_count_kv", "has_chat_template")
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    MODIFIED_FIELD_NUMBER: _ClassVar[int]
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PARAMETER_SIZE_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
+    TRAINED_CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_COUNT_FIELD_NUMBER: _ClassVar[int]
+    HEAD_COUNT_FIELD_NUMBER: _ClassVar[int]
+    HEAD_COUNT_KV_FIELD_NUMBER: _ClassVar[int]
+    HAS_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    size_bytes: int
+    sha256: str
+    modified: int
+    architecture: str
+    name: str
+    parameter_size: str
+    quantization: str
+    trained_context_length: int
+    embedding_length: int
+    block_count: int
+    head_count: int
+    head_count_kv: int
+    has_chat_template: bool
+    def __init__(self, size_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., modified: _Optional[int] = ..., architecture: _Optional[str] = ..., name: _Optional[str] = ..., parameter_size: _Optional[str] = ..., quantization: _Optional[str] = ..., trained_context_length: _Optional[int] = ..., embedding_length: _Optional[int] = ..., block_count: _Optional[int] = ..., head_count: _Optional[int] = ..., head_count_kv: _Optional[int] = ..., has_chat_template: _Optional[bool] = ...) -> None: ...
 
 class ListModelsResponse(_message.Message):
     __slots__ = ("models",)
