@@ -45,3 +45,10 @@ def retry_after_seconds(err: errors.BlazarError) -> int:
         if math.isfinite(millis):
             return max(1, math.ceil(millis / 1000))
     return DEFAULT_RETRY_AFTER_S
+
+
+def headers(err: errors.BlazarError) -> dict[str, str]:
+    """The headers every dialect's error response carries: `Retry-After` on a 429."""
+    if http_status(err) == 429:
+        return {"retry-after": str(retry_after_seconds(err))}
+    return {}

@@ -1,4 +1,4 @@
-"""Streaming plumbing shared by dialects: SSE framing and client-disconnect handling.
+"""Streaming plumbing shared by dialects: SSE and NDJSON framing, client-disconnect handling.
 
 A generation must stop the moment its HTTP client goes away, so that the daemon
 cancels the engine sequence and frees the slot. Two windows need care: before the
@@ -108,3 +108,10 @@ class EventStream(Response):
             aclose = getattr(self._iterator, "aclose", None)
             if aclose is not None:
                 await aclose()
+
+
+class LineStream(EventStream):
+    """Newline-delimited JSON (`application/x-ndjson`, Ollama's streams), with the same
+    disconnect handling as `EventStream`."""
+
+    media_type = "application/x-ndjson"

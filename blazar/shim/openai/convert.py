@@ -14,12 +14,11 @@ import codecs
 import json
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from blazar._proto.v1 import inference_pb2
 from blazar.api import errors
-from blazar.shim import http_errors, validation
+from blazar.shim import canonical, http_errors, validation
 from blazar.shim.openai import protocol
 
 # OpenAI reports a backend configuration hash; Blazar has one configuration per lane,
@@ -31,11 +30,6 @@ _ROLES = {"developer": "system"}
 # content when they carry tool_calls (refused here anyway); one with neither is still
 # taken here, as an empty turn.
 _CONTENT_REQUIRED = frozenset({"system", "developer", "user"})
-# proto3 uint32: OpenAI accepts any integer seed, so larger ones are folded in.
-_SEED_MODULUS = 2**32
-# llama.cpp's server reads seed -1 (its default) as "a random seed", and its clients
-# send it to ask for one; as a seed it has no other use.
-_RANDOM_SEED = -1
 # proto3 int32 map keys.
 _TOKEN_ID_LIMIT = 2**31
 # OpenAI's legacy completions endpoint stops after 16 tokens when `max_tokens` is
@@ -195,29 +189,24 @@ def _constraints(
 ) -> dict[str, inference_pb2.Constraint]:
     """The constraints the request sends, by parameter. An empty grammar constrains
     nothing, as in llama.cpp; nor does a `text` response format."""
+    schema = body.json_schema
     given = {
         "response_format": _format_constraint(body.response_format),
         "grammar": inference_pb2.Constraint(grammar=body.grammar) if body.grammar else None,
-        "json_schema": None if body.json_schema is None else _schema_constraint(body.json_schema),
+        "json_schema": None if schema is None else canonical.json_schema(schema),
     }
     return {name: constraint for name, constraint in given.items() if constraint is not None}
 
 
 def _format_constraint(fmt: protocol.ResponseFormat | None) -> inference_pb2.Constraint | None:
     if isinstance(fmt, protocol.JsonObjectFormat):
-        return inference_pb2.Constraint(json_object=True)
+        return canonical.json_object()
     if isinstance(fmt, protocol.JsonSchemaFormat):
         schema = fmt.json_schema.json_schema
         if schema is None:
-            return inference_pb2.Constraint(json_object=True)
-        return _schema_constraint(schema)
+            return canonical.json_object()
+        return canonical.json_schema(schema)
     return None
-
-
-def _schema_constraint(schema: dict[str, Any]) -> inference_pb2.Constraint:
-    return inference_pb2.Constraint(
-        json_schema=json.dumps(schema, ensure_ascii=False, separators=(",", ":"))
-    )
 
 
 def _require_single_choice(
@@ -327,27 +316,18 @@ def _flatten(content: str | list[protocol.ContentPart] | None, *, param: str) ->
 def _sampling(
     body: protocol.ChatCompletionRequest | protocol.CompletionRequest, *, max_tokens: int | None
 ) -> inference_pb2.Sampling:
-    sampling = inference_pb2.Sampling()
-    if body.temperature is not None:
-        sampling.temperature = body.temperature
-    if body.top_p is not None:
-        sampling.top_p = body.top_p
-    if body.top_k is not None:
-        sampling.top_k = body.top_k
-    if body.min_p is not None:
-        sampling.min_p = body.min_p
-    if body.repeat_penalty is not None:
-        sampling.repeat_penalty = body.repeat_penalty
-    if body.presence_penalty is not None:
-        sampling.presence_penalty = body.presence_penalty
-    if body.frequency_penalty is not None:
-        sampling.frequency_penalty = body.frequency_penalty
-    if body.seed is not None and body.seed != _RANDOM_SEED:
-        sampling.seed = body.seed % _SEED_MODULUS
-    if max_tokens is not None:
-        sampling.max_tokens = max_tokens
-    stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or ())
-    sampling.stop.extend(s for s in stops if s)
+    sampling = canonical.sampling(
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        min_p=body.min_p,
+        repeat_penalty=body.repeat_penalty,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        seed=body.seed,
+        max_tokens=max_tokens,
+        stop=[body.stop] if isinstance(body.stop, str) else (body.stop or ()),
+    )
     for key, bias in (body.logit_bias or {}).items():
         # Digits only: int() would also take " 5", "1_000" and other scripts' digits.
         token = int(key) if key.isascii() and key.isdigit() else -1
@@ -411,11 +391,6 @@ def timings(final: inference_pb2.Final) -> protocol.Timings:
         out["draft_n"] = final.routing.drafted_tokens
         out["draft_n_accepted"] = final.routing.accepted_tokens
     return out
-
-
-def truncated() -> errors.Unavailable:
-    """The daemon closed a stream without its final chunk (it is shutting down)."""
-    return errors.Unavailable("The generation stream ended before it finished; retry.")
 
 
 def chat_logprobs(entries: Sequence[inference_pb2.TokenLogprob]) -> protocol.ChatLogprobs:
@@ -633,31 +608,13 @@ class CompletionStream:
         return out
 
 
-@dataclass
-class Answer:
-    """A whole generation, collected from its chunks for a non-streaming response."""
-
-    parts: list[str] = field(default_factory=list)
-    logprobs: list[inference_pb2.TokenLogprob] = field(default_factory=list)
-    final: inference_pb2.Final | None = None
-
-    def add(self, chunk: inference_pb2.Chunk) -> None:
-        part = chunk.WhichOneof("part")
-        if part == "delta":
-            self.parts.append(chunk.delta.text)
-            self.logprobs.extend(chunk.delta.logprobs)
-        elif part == "final":
-            self.final = chunk.final
-
-    def _finished(self) -> inference_pb2.Final:
-        if self.final is None:
-            raise truncated()
-        return self.final
+class Answer(canonical.Answer):
+    """A whole generation (see `canonical.Answer`) in OpenAI's non-streaming shapes."""
 
     def chat_completion(
         self, meta: ResponseMeta, *, logprobs: bool = False
     ) -> protocol.ChatCompletion:
-        final = self._finished()
+        final = self.finished()
         return {
             "id": meta.id,
             "object": "chat.completion",
@@ -681,7 +638,7 @@ class Answer:
     ) -> protocol.Completion:
         """With echo and logprobs, the prompt's tokens come first (`Final.prompt_logprobs`:
         every prompt token after BOS, so none is null)."""
-        final = self._finished()
+        final = self.finished()
         rendered: protocol.CompletionLogprobs | None = None
         if logprobs:
             legacy = LegacyLogprobs()
@@ -791,9 +748,7 @@ _PARAMS = {
 def error_response(err: errors.BlazarError, *, blame: Blame = CHAT_BLAME) -> ErrorResponse:
     """OpenAI's `{"error": {message, type, param, code}}` with the matching HTTP status."""
     status = http_errors.http_status(err)
-    headers: dict[str, str] = {}
-    if status == 429:
-        headers["retry-after"] = str(http_errors.retry_after_seconds(err))
+    headers = http_errors.headers(err)
     field = err.metadata.get(errors.FIELD_KEY, "")
     param = err.metadata.get(validation.PARAM_KEY) or (
         {"prompt": blame.prompt, "constraint": blame.constraint}.get(field) or _PARAMS.get(field)

@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from typing import TypeAlias
 
 import structlog
 from starlette.exceptions import HTTPException
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from blazar._proto.v1 import inference_pb2
 from blazar.api import errors
-from blazar.shim import context, inference, request_body, streaming
+from blazar.shim import canonical, context, inference, relay, request_body, streaming
 from blazar.shim.openai import convert, protocol
 
 _log = structlog.get_logger("blazar.shim.openai")
@@ -23,7 +23,6 @@ _log = structlog.get_logger("blazar.shim.openai")
 _DONE = b"data: [DONE]\n\n"
 
 Renderer: TypeAlias = convert.ChatStream | convert.CompletionStream
-Handler: TypeAlias = Callable[[Request], Awaitable[Response]]
 
 
 def routes() -> list[Route]:
@@ -160,22 +159,13 @@ async def _stream(
     *,
     blame: convert.Blame,
 ) -> Response:
-    """Answer with SSE once the first chunk is in, so early errors keep their HTTP status
-    and the headers can say which replica serves the request."""
+    """Answer with SSE once the first chunk is in (see `relay.first_chunk`)."""
     try:
-        first = await streaming.until_disconnected(request, anext(stream, None))
-        headers = await stream.routing_headers()
+        first, headers = await relay.first_chunk(request, stream)
     except streaming.ClientDisconnected:
-        stream.cancel()
         return Response(status_code=streaming.CLIENT_CLOSED_REQUEST)
     except errors.BlazarError as err:
-        stream.cancel()
         return error(err, blame=blame)
-    except BaseException:
-        stream.cancel()
-        raise
-    if first is not None and first.HasField("final"):
-        headers.update(inference.final_headers(first.final))
     return streaming.EventStream(_events(stream, renderer, first, blame=blame), headers=headers)
 
 
@@ -198,13 +188,13 @@ async def _events(
                     for obj in renderer.render(chunk):
                         yield _sse(obj)
             if not renderer.finished:
-                raise convert.truncated()
+                raise canonical.truncated()
         except errors.BlazarError as err:
             # Headers are gone; OpenAI's clients read an `error` key in a data event.
             yield _sse(convert.error_response(err, blame=blame).body)
         except Exception:
             _log.exception("stream failed")
-            yield _sse(convert.error_response(_internal()).body)
+            yield _sse(convert.error_response(relay.internal_error()).body)
         yield _DONE
 
 
@@ -215,15 +205,9 @@ async def _collect(
     *,
     blame: convert.Blame,
 ) -> Response:
-    answer = convert.Answer()
-
-    async def read_all() -> None:
-        async with stream:
-            async for chunk in stream:
-                answer.add(chunk)
-
     try:
-        await streaming.until_disconnected(request, read_all())
+        collected = await relay.collect(request, stream)
+        answer = convert.Answer(collected.parts, collected.logprobs, collected.final)
         body = render(answer)
     except streaming.ClientDisconnected:
         return Response(status_code=streaming.CLIENT_CLOSED_REQUEST)
@@ -237,22 +221,6 @@ def _sse(obj: protocol.ChatCompletionChunk | protocol.Completion | protocol.Erro
     return streaming.sse_event(json.dumps(obj, ensure_ascii=False, separators=(",", ":")))
 
 
-def _internal() -> errors.BlazarError:
-    return errors.BlazarError("The server had an error while processing your request.")
-
-
-def _guarded(handler: Handler) -> Handler:
+def _guarded(handler: relay.Handler) -> relay.Handler:
     """Render a bug as a 500 in OpenAI's envelope instead of Starlette's plain text."""
-
-    async def guarded(request: Request) -> Response:
-        try:
-            return await handler(request)
-        except ClientDisconnect:
-            # Gone while sending its body: nobody to answer, and not a server failure.
-            return Response(status_code=streaming.CLIENT_CLOSED_REQUEST)
-        except Exception:
-            _log.exception("request failed")
-            return error(_internal())
-
-    guarded.__name__ = handler.__name__
-    return guarded
+    return relay.guarded(handler, render=error)

@@ -1,0 +1,81 @@
+"""Relaying one generation from the daemon to an HTTP client, as every dialect does it.
+
+A dialect's routes parse and convert; these helpers do the waiting in between, the
+same way for all: `first_chunk` holds the response until the first chunk is in (so an
+early error keeps its HTTP status and the headers can name the replica), `collect`
+gathers a whole answer for a non-streaming response, and `guarded` renders a bug in
+the dialect's own error envelope. All of them cancel the gRPC call when the client
+goes away or anything fails, so the engine frees the slot at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import TypeAlias
+
+import structlog
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
+
+from blazar._proto.v1 import inference_pb2
+from blazar.api import errors
+from blazar.shim import canonical, inference, streaming
+
+_log = structlog.get_logger("blazar.shim")
+
+Handler: TypeAlias = Callable[[Request], Awaitable[Response]]
+
+
+async def first_chunk(
+    request: Request, stream: inference.ChunkStream
+) -> tuple[inference_pb2.Chunk | None, dict[str, str]]:
+    """The stream's first chunk (None when it ended at once) and the routing headers
+    known by then. Raises `streaming.ClientDisconnected` or the daemon's
+    `BlazarError`, having cancelled the call."""
+    try:
+        first = await streaming.until_disconnected(request, anext(stream, None))
+        headers = await stream.routing_headers()
+    except BaseException:
+        stream.cancel()
+        raise
+    if first is not None and first.HasField("final"):
+        headers.update(inference.final_headers(first.final))
+    return first, headers
+
+
+async def collect(request: Request, stream: inference.ChunkStream) -> canonical.Answer:
+    """The whole generation. Raises `streaming.ClientDisconnected` or `BlazarError`
+    (a stream without its final chunk is `canonical.truncated`)."""
+    answer = canonical.Answer()
+
+    async def read_all() -> None:
+        async with stream:
+            async for chunk in stream:
+                answer.add(chunk)
+
+    await streaming.until_disconnected(request, read_all())
+    answer.finished()
+    return answer
+
+
+def internal_error() -> errors.BlazarError:
+    """What a client is told of a bug: nothing of its details."""
+    return errors.BlazarError("The server had an error while processing your request.")
+
+
+def guarded(handler: Handler, *, render: Callable[[errors.BlazarError], Response]) -> Handler:
+    """`handler`, with a bug answered as a 500 in the dialect's envelope (`render`)
+    instead of Starlette's plain text, and a client gone while sending its body as 499."""
+
+    async def guarded(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except ClientDisconnect:
+            # Gone while sending its body: nobody to answer, and not a server failure.
+            return Response(status_code=streaming.CLIENT_CLOSED_REQUEST)
+        except Exception:
+            _log.exception("request failed")
+            return render(internal_error())
+
+    guarded.__name__ = handler.__name__
+    return guarded
