@@ -20,6 +20,7 @@ from starlette.routing import Route
 
 from blazar.api import errors
 from blazar.shim import context, inference
+from blazar.shim.ollama import routes as ollama_routes
 from blazar.shim.openai import routes as openai_routes
 
 
@@ -42,12 +43,20 @@ def create_app(*, inference_target: str) -> Starlette:
             Route("/readyz", readyz, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
             *openai_routes.routes(),
+            *ollama_routes.routes(),
         ],
         middleware=[Middleware(context.RequestIdMiddleware)],
-        # OpenAI is the only dialect so far; unknown paths get its envelope.
-        exception_handlers={404: openai_routes.no_route, 405: openai_routes.no_route},
+        exception_handlers={404: _no_route, 405: _no_route},
         lifespan=lifespan,
     )
+
+
+async def _no_route(request: Request, exc: Exception) -> Response:
+    """Starlette's 404 (no such path) and 405 (wrong method) in the envelope of the
+    dialect the path belongs to: Ollama's under /api/, OpenAI's elsewhere."""
+    if request.url.path.startswith("/api/"):
+        return await ollama_routes.no_route(request, exc)
+    return await openai_routes.no_route(request, exc)
 
 
 async def healthz(request: Request) -> Response:

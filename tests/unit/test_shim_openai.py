@@ -11,33 +11,38 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-import os
 import re
 import struct
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import grpc
 import httpx
 import openai
 import pytest
 import uvicorn
 from google.protobuf import json_format
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
-from blazar._proto.v1 import inference_pb2, inference_pb2_grpc
+from blazar._proto.v1 import inference_pb2
 from blazar.api import errors
-from blazar.rpc import status
 from blazar.shim import app as shim_app
 from blazar.shim import request_body, streaming, validation
 from blazar.shim.openai import convert, protocol
+from tests.unit import fake_inference
+from tests.unit.fake_inference import (
+    Daemon,
+    Step,
+    asgi_client,
+    delta,
+    fake_daemon,
+    final,
+    lp,
+)
 
 GOLDEN = Path(__file__).parent / "golden" / "openai"
-UPDATE_GOLDEN = os.environ.get("BLAZAR_UPDATE_GOLDEN") == "1"
 
 pytestmark = pytest.mark.anyio
 
@@ -57,151 +62,7 @@ TOOL_CALL = {
     "function": {"name": "get_weather", "arguments": "{}"},
 }
 
-# ---------------------------------------------------------------- fake daemon
-
-
-def delta(
-    text: str, tokens: int = 1, *, logprobs: Sequence[inference_pb2.TokenLogprob] = ()
-) -> inference_pb2.Chunk:
-    return inference_pb2.Chunk(
-        delta=inference_pb2.Delta(text=text, tokens=tokens, logprobs=logprobs)
-    )
-
-
-def lp(
-    token: str, logprob: float, *top: tuple[str, float], token_id: int = 0
-) -> inference_pb2.TokenLogprob:
-    """A token's log-probability; alternatives as (token, logprob), best first."""
-    return inference_pb2.TokenLogprob(
-        id=token_id,
-        token=token,
-        logprob=logprob,
-        bytes=token.encode(),
-        top=[inference_pb2.TokenLogprob(token=t, logprob=p, bytes=t.encode()) for t, p in top],
-    )
-
-
-def final(
-    reason: int = inference_pb2.FINISH_REASON_STOP,
-    *,
-    prompt: int = 7,
-    completion: int = 3,
-    cached: int = 0,
-    prompt_logprobs: Sequence[inference_pb2.TokenLogprob] = (),
-) -> inference_pb2.Chunk:
-    return inference_pb2.Chunk(
-        final=inference_pb2.Final(
-            finish_reason=reason,  # type: ignore[arg-type]
-            usage=inference_pb2.Usage(
-                prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached
-            ),
-            model="lane-a",
-            prompt_logprobs=prompt_logprobs,
-        )
-    )
-
-
-# One step of a scripted stream: send a chunk, end the RPC with an error, or wait.
-Step = inference_pb2.Chunk | errors.BlazarError | asyncio.Event
-
 HELLO: list[Step] = [delta("Hel"), delta("lo"), delta(" world"), final()]
-
-
-@dataclass
-class FakeInference(inference_pb2_grpc.InferenceServicer):
-    """Serves `scripts[model]`; unknown models get MODEL_NOT_FOUND like the data plane."""
-
-    scripts: dict[str, list[Step]] = field(default_factory=dict)
-    models: list[inference_pb2.ModelInfo] = field(default_factory=list)
-    # What Embed answers for a model whose script holds no error.
-    embeddings: inference_pb2.EmbedResponse = field(default_factory=inference_pb2.EmbedResponse)
-    requests: list[Any] = field(default_factory=list)
-    metadata: list[dict[str, str]] = field(default_factory=list)
-    cancelled: list[str] = field(default_factory=list)
-    # Announce this replica in the initial metadata with the first chunk, as the data
-    # plane does.
-    replica: int | None = None
-
-    async def Chat(self, request: Any, context: Any) -> AsyncIterator[inference_pb2.Chunk]:
-        async for chunk in self._play(request, context):
-            yield chunk
-
-    async def Complete(self, request: Any, context: Any) -> AsyncIterator[inference_pb2.Chunk]:
-        async for chunk in self._play(request, context):
-            yield chunk
-
-    async def ListModels(self, request: Any, context: Any) -> inference_pb2.ListModelsResponse:
-        self.metadata.append(dict(context.invocation_metadata()))
-        script = self.scripts.get("__list__", [])
-        for step in script:
-            if isinstance(step, errors.BlazarError):
-                await status.abort(context, step)
-        return inference_pb2.ListModelsResponse(models=self.models)
-
-    async def Embed(self, request: Any, context: Any) -> inference_pb2.EmbedResponse:
-        self.requests.append(request)
-        self.metadata.append(dict(context.invocation_metadata()))
-        if request.model not in self.scripts:
-            await status.abort(context, errors.ModelNotFound.of(request.model))
-        for step in self.scripts[request.model]:
-            if isinstance(step, errors.BlazarError):
-                await status.abort(context, step)
-        return self.embeddings
-
-    async def _play(self, request: Any, context: Any) -> AsyncIterator[inference_pb2.Chunk]:
-        self.requests.append(request)
-        self.metadata.append(dict(context.invocation_metadata()))
-        if request.model not in self.scripts:
-            await status.abort(context, errors.ModelNotFound.of(request.model))
-        try:
-            announce = self.replica is not None
-            for step in self.scripts[request.model]:
-                if isinstance(step, asyncio.Event):
-                    await step.wait()
-                elif isinstance(step, errors.BlazarError):
-                    await status.abort(context, step)
-                else:
-                    if announce:
-                        announce = False
-                        await context.send_initial_metadata(
-                            (("blazar-replica", str(self.replica)),)
-                        )
-                    yield step
-        except asyncio.CancelledError:
-            self.cancelled.append(request.model)
-            raise
-
-
-@dataclass
-class Daemon:
-    fake: FakeInference
-    health: Any
-    target: str
-
-
-@asynccontextmanager
-async def fake_daemon() -> AsyncIterator[Daemon]:
-    server = grpc.aio.server()
-    fake = FakeInference()
-    inference_pb2_grpc.add_InferenceServicer_to_server(fake, server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        yield Daemon(fake=fake, health=health_servicer, target=f"127.0.0.1:{port}")
-    finally:
-        await server.stop(grace=None)
-
-
-@asynccontextmanager
-async def asgi_client(target: str) -> AsyncIterator[httpx.AsyncClient]:
-    """The app in-process; httpx's ASGITransport does not run the lifespan, so we do."""
-    app = shim_app.create_app(inference_target=target)
-    async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://shim") as client:
-            yield client
 
 
 @pytest.fixture
@@ -280,26 +141,7 @@ def normalise(events: Sequence[Any]) -> list[Any]:
 
 
 def check_golden(name: str, document: Any) -> None:
-    path = GOLDEN / f"{name}.json"
-    rendered = json.dumps(document, indent=2, ensure_ascii=False, sort_keys=True) + "\n"
-    if UPDATE_GOLDEN:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(rendered)
-        return
-    assert path.exists(), f"{path} is missing; run with BLAZAR_UPDATE_GOLDEN=1 to create it"
-    assert json.loads(path.read_text()) == json.loads(rendered), (
-        f"{path} differs; if the change is intended, rerun with BLAZAR_UPDATE_GOLDEN=1"
-    )
-
-
-def script_json(script: Sequence[Step]) -> list[Any]:
-    out: list[Any] = []
-    for step in script:
-        if isinstance(step, inference_pb2.Chunk):
-            out.append(json_format.MessageToDict(step, preserving_proto_field_name=True))
-        elif isinstance(step, errors.BlazarError):
-            out.append({"abort": type(step).__name__, "message": step.message, **step.metadata})
-    return out
+    fake_inference.check_golden(GOLDEN / f"{name}.json", document)
 
 
 # ---------------------------------------------------------------- golden: requests in
@@ -556,7 +398,12 @@ async def test_stream_matches_golden(name: str, daemon: Daemon, client: httpx.As
     assert ids == {f"{path_prefix(path)}-{response.headers['x-request-id']}"}
     check_golden(
         name,
-        {"path": path, "http_body": body, "chunks": script_json(script), "sse": normalise(events)},
+        {
+            "path": path,
+            "http_body": body,
+            "chunks": fake_inference.script_json(script),
+            "sse": normalise(events),
+        },
     )
 
 
@@ -1431,7 +1278,7 @@ async def test_response_matches_golden(
         {
             "path": path,
             "http_body": body,
-            "chunks": script_json(script),
+            "chunks": fake_inference.script_json(script),
             "response": normalise_body(response.json()),
         },
     )

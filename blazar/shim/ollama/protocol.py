@@ -1,0 +1,229 @@
+"""Ollama's wire format, with Ollama's field names.
+
+Requests are pydantic models that ignore top-level fields they do not know, as Ollama
+does; fields Blazar cannot honour are read only so that `convert` refuses them by
+name. `options` is read as an open mapping for the same reason: an option Blazar does
+not support is refused, not dropped. Responses are TypedDicts whose keys follow
+Ollama's JSON. Reference: ollama/ollama `api/types.go` and `server/routes.go`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, NotRequired, TypedDict
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# ---------------------------------------------------------------- requests
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+
+# Ollama's `keep_alive`: seconds as a number, or a Go duration such as "5m" or "-1h".
+KeepAlive = str | float | None
+
+# `format`: "json", a JSON schema, or empty for free text.
+Format = str | dict[str, Any] | None
+
+# `think`: true/false, or an effort ("high", "medium", "low") for models that take one.
+Think = bool | str | None
+
+
+class Message(_Request):
+    # Ollama lowercases roles; `convert` does too and refuses the ones it cannot take.
+    role: str
+    content: str = ""
+    # Read only to refuse them (see convert).
+    images: list[str] | None = None
+    thinking: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_name: str | None = None
+    tool_call_id: str | None = None
+
+
+class _Generation(_Request):
+    model: str = Field(min_length=1)
+    # Ollama streams unless told not to.
+    stream: bool | None = None
+    format: Format = None
+    options: dict[str, Any] | None = None
+    keep_alive: KeepAlive = None
+    think: Think = None
+    # Read only to refuse `true` (see convert): Blazar never cuts a prompt short.
+    truncate: bool | None = None
+    shift: bool | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+
+
+class ChatRequest(_Generation):
+    # Empty: load the model and answer at once (Ollama's preload).
+    messages: list[Message] = Field(default_factory=list)
+    # Read only to refuse them (see convert): tool calls are not wired yet.
+    tools: list[dict[str, Any]] | None = None
+
+
+class GenerateRequest(_Generation):
+    # Empty: load the model and answer at once (Ollama's preload).
+    prompt: str = ""
+    system: str | None = None
+    raw: bool | None = None
+    # Read only to refuse them (see convert).
+    template: str | None = None
+    suffix: str | None = None
+    context: list[int] | None = None
+    images: list[str] | None = None
+
+
+class EmbedRequest(_Request):
+    model: str = Field(min_length=1)
+    input: str | list[str]
+    dimensions: int | None = Field(default=None, ge=1)
+    truncate: bool | None = None
+    options: dict[str, Any] | None = None
+    keep_alive: KeepAlive = None
+
+
+class EmbeddingsRequest(_Request):
+    """The older `/api/embeddings`: one prompt, an embedding that is not normalized."""
+
+    model: str = Field(min_length=1)
+    prompt: str = ""
+    options: dict[str, Any] | None = None
+    keep_alive: KeepAlive = None
+
+
+class ShowRequest(_Request):
+    # `name` is the older spelling of `model`.
+    model: str | None = None
+    name: str | None = None
+    verbose: bool | None = None
+
+
+# ---------------------------------------------------------------- responses
+
+DoneReason = Literal["stop", "length", "load"]
+
+
+class TopLogprob(TypedDict):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class Logprob(TypedDict):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: NotRequired[list[TopLogprob]]
+
+
+class AssistantMessage(TypedDict):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatResponse(TypedDict):
+    """A streamed line, or the whole answer; the final one carries the statistics."""
+
+    model: str
+    created_at: str
+    message: AssistantMessage
+    done: bool
+    done_reason: NotRequired[DoneReason]
+    logprobs: NotRequired[list[Logprob]]
+    # Nanoseconds, and token counts, on the final object only.
+    total_duration: NotRequired[int]
+    load_duration: NotRequired[int]
+    prompt_eval_count: NotRequired[int]
+    prompt_eval_duration: NotRequired[int]
+    eval_count: NotRequired[int]
+    eval_duration: NotRequired[int]
+
+
+class GenerateResponse(TypedDict):
+    model: str
+    created_at: str
+    response: str
+    done: bool
+    done_reason: NotRequired[DoneReason]
+    logprobs: NotRequired[list[Logprob]]
+    total_duration: NotRequired[int]
+    load_duration: NotRequired[int]
+    prompt_eval_count: NotRequired[int]
+    prompt_eval_duration: NotRequired[int]
+    eval_count: NotRequired[int]
+    eval_duration: NotRequired[int]
+
+
+class Metrics(TypedDict):
+    total_duration: int
+    load_duration: int
+    prompt_eval_count: int
+    prompt_eval_duration: int
+    eval_count: int
+    eval_duration: int
+
+
+class EmbedResponse(TypedDict):
+    model: str
+    embeddings: list[list[float]]
+    prompt_eval_count: int
+
+
+class EmbeddingsResponse(TypedDict):
+    embedding: list[float]
+
+
+class ModelDetails(TypedDict):
+    parent_model: str
+    format: str
+    family: str
+    families: list[str]
+    parameter_size: str
+    quantization_level: str
+
+
+class ListedModel(TypedDict):
+    name: str
+    model: str
+    modified_at: str
+    size: int
+    digest: str
+    details: ModelDetails
+
+
+class ListResponse(TypedDict):
+    models: list[ListedModel]
+
+
+class ShowResponse(TypedDict):
+    modelfile: str
+    details: ModelDetails
+    model_info: dict[str, Any]
+    capabilities: list[str]
+    modified_at: str
+
+
+class RunningModel(TypedDict):
+    name: str
+    model: str
+    size: int
+    digest: str
+    details: ModelDetails
+    expires_at: str
+    size_vram: int
+    context_length: int
+
+
+class ProcessResponse(TypedDict):
+    models: list[RunningModel]
+
+
+class VersionResponse(TypedDict):
+    version: str
+
+
+class ErrorBody(TypedDict):
+    error: str

@@ -1,0 +1,284 @@
+"""HTTP routes of the Ollama dialect: parse, convert, call the daemon, render."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+from typing import Any
+
+import structlog
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
+
+from blazar._proto.v1 import inference_pb2
+from blazar.api import errors
+from blazar.shim import canonical, context, inference, relay, request_body, streaming
+from blazar.shim.ollama import convert, protocol
+
+_log = structlog.get_logger("blazar.shim.ollama")
+
+
+def routes() -> list[Route]:
+    # A GET route answers HEAD too (Starlette), as Ollama's `/`, version and tags do.
+    management = [
+        Route(f"/api/{name}", _guarded(_refuse_management), methods=[method])
+        for name, method in (
+            ("pull", "POST"),
+            ("push", "POST"),
+            ("create", "POST"),
+            ("copy", "POST"),
+            ("delete", "DELETE"),
+        )
+    ]
+    return [
+        Route("/", running, methods=["GET"]),
+        Route("/api/version", _guarded(version), methods=["GET"]),
+        Route("/api/chat", _guarded(chat), methods=["POST"]),
+        Route("/api/generate", _guarded(generate), methods=["POST"]),
+        Route("/api/embed", _guarded(embed), methods=["POST"]),
+        Route("/api/embeddings", _guarded(embeddings), methods=["POST"]),
+        Route("/api/tags", _guarded(tags), methods=["GET"]),
+        Route("/api/show", _guarded(show), methods=["POST"]),
+        Route("/api/ps", _guarded(ps), methods=["GET"]),
+        *management,
+    ]
+
+
+async def running(request: Request) -> Response:
+    """What Ollama answers at `/`; clients probe it to find a server."""
+    return PlainTextResponse("Ollama is running")
+
+
+async def version(request: Request) -> Response:
+    body: protocol.VersionResponse = {"version": _blazar_version()}
+    return JSONResponse(body)
+
+
+def _blazar_version() -> str:
+    try:
+        return importlib.metadata.version("blazar")
+    except importlib.metadata.PackageNotFoundError:
+        return "0.0.0"
+
+
+async def chat(request: Request) -> Response:
+    ctx = context.of(request)
+    try:
+        body = await request_body.parse(request, protocol.ChatRequest)
+        if convert.is_load(body):
+            return await _loaded(request, "chat", body.model, keep_alive=body.keep_alive)
+        canonical_request = convert.chat_request(body, session=ctx.session)
+        await _check_num_ctx(request, body.model, body.options)
+    except errors.BlazarError as err:
+        return error(err)
+    stream = inference.client_of(request).chat(canonical_request, metadata=ctx.grpc_metadata())
+    return await _generation(request, stream, "chat", body)
+
+
+async def generate(request: Request) -> Response:
+    ctx = context.of(request)
+    try:
+        body = await request_body.parse(request, protocol.GenerateRequest)
+        if convert.is_load(body):
+            return await _loaded(request, "generate", body.model, keep_alive=body.keep_alive)
+        canonical_request = convert.generate_request(body, session=ctx.session)
+        await _check_num_ctx(request, body.model, body.options)
+    except errors.BlazarError as err:
+        return error(err)
+    client = inference.client_of(request)
+    metadata = ctx.grpc_metadata()
+    if isinstance(canonical_request, inference_pb2.CompleteRequest):
+        stream = client.complete(canonical_request, metadata=metadata)
+    else:
+        stream = client.chat(canonical_request, metadata=metadata)
+    return await _generation(request, stream, "generate", body)
+
+
+async def _generation(
+    request: Request,
+    stream: inference.ChunkStream,
+    kind: convert.Kind,
+    body: protocol.ChatRequest | protocol.GenerateRequest,
+) -> Response:
+    with_logprobs = bool(body.logprobs)
+    # Ollama streams unless the request says `"stream": false`.
+    if body.stream is False:
+        try:
+            collected = await relay.collect(request, stream)
+            rendered = convert.answer(
+                kind,
+                collected,
+                model=body.model,
+                created_at=_now(),
+                with_logprobs=with_logprobs,
+            )
+        except streaming.ClientDisconnected:
+            return Response(status_code=streaming.CLIENT_CLOSED_REQUEST)
+        except errors.BlazarError as err:
+            return error(err)
+        headers = inference.final_headers(collected.final) if collected.final else None
+        return JSONResponse(rendered, headers=headers)
+    try:
+        first, headers = await relay.first_chunk(request, stream)
+    except streaming.ClientDisconnected:
+        return Response(status_code=streaming.CLIENT_CLOSED_REQUEST)
+    except errors.BlazarError as err:
+        return error(err)
+    lines = convert.Lines(kind, model=body.model, clock=_now, logprobs=with_logprobs)
+    return streaming.LineStream(_lines(stream, lines, first), headers=headers)
+
+
+async def _lines(
+    stream: inference.ChunkStream, lines: convert.Lines, first: inference_pb2.Chunk | None
+) -> AsyncIterator[bytes]:
+    # Leaving this block for any reason, client disconnect included, cancels the RPC.
+    async with stream:
+        try:
+            if first is not None:
+                for obj in lines.render(first):
+                    yield _ndjson(obj)
+                async for chunk in stream:
+                    for obj in lines.render(chunk):
+                        yield _ndjson(obj)
+            if not lines.finished:
+                raise canonical.truncated()
+        except errors.BlazarError as err:
+            # Headers are gone; Ollama's clients raise on a line with an `error` key.
+            yield _ndjson(convert.error_response(err).body)
+        except Exception:
+            _log.exception("stream failed")
+            yield _ndjson(convert.error_response(relay.internal_error()).body)
+
+
+async def _loaded(
+    request: Request, kind: convert.Kind, model: str, *, keep_alive: protocol.KeepAlive
+) -> Response:
+    """A preload: the model must exist; Blazar's Lanes are loaded already."""
+    convert.check_keep_alive(keep_alive)
+    await _model_info(request, model)
+    return JSONResponse(convert.loaded(kind, model=model, created_at=_now()))
+
+
+async def _check_num_ctx(request: Request, model: str, options: dict[str, Any] | None) -> None:
+    requested = convert.num_ctx(options)
+    if requested is not None:
+        convert.check_num_ctx(requested, await _model_info(request, model))
+
+
+async def _model_info(request: Request, model: str) -> inference_pb2.ModelInfo:
+    ctx = context.of(request)
+    listed = await inference.client_of(request).list_models(metadata=ctx.grpc_metadata())
+    return convert.model_info(listed, model)
+
+
+async def embed(request: Request) -> Response:
+    ctx = context.of(request)
+    try:
+        body = await request_body.parse(request, protocol.EmbedRequest)
+        canonical_request = convert.embed_request(body)
+        await _check_num_ctx(request, body.model, body.options)
+        if not canonical_request.inputs:
+            # Ollama's preload for embedding models: nothing to embed.
+            await _model_info(request, body.model)
+            empty: protocol.EmbedResponse = {
+                "model": body.model,
+                "embeddings": [],
+                "prompt_eval_count": 0,
+            }
+            return JSONResponse(empty)
+        response = await streaming.until_disconnected(
+            request,
+            inference.client_of(request).embed(canonical_request, metadata=ctx.grpc_metadata()),
+        )
+        rendered = convert.embed_response(response, model=body.model, dimensions=body.dimensions)
+    except streaming.ClientDisconnected:
+        return Response(status_code=streaming.CLIENT_CLOSED_REQUEST)
+    except errors.BlazarError as err:
+        return error(err)
+    return JSONResponse(rendered)
+
+
+async def embeddings(request: Request) -> Response:
+    ctx = context.of(request)
+    try:
+        body = await request_body.parse(request, protocol.EmbeddingsRequest)
+        canonical_request = convert.embeddings_request(body)
+        await _check_num_ctx(request, body.model, body.options)
+        if not body.prompt:
+            # Ollama answers an empty prompt with an empty embedding.
+            await _model_info(request, body.model)
+            empty: protocol.EmbeddingsResponse = {"embedding": []}
+            return JSONResponse(empty)
+        response = await streaming.until_disconnected(
+            request,
+            inference.client_of(request).embed(canonical_request, metadata=ctx.grpc_metadata()),
+        )
+        rendered = convert.embeddings_response(response)
+    except streaming.ClientDisconnected:
+        return Response(status_code=streaming.CLIENT_CLOSED_REQUEST)
+    except errors.BlazarError as err:
+        return error(err)
+    return JSONResponse(rendered)
+
+
+async def tags(request: Request) -> Response:
+    ctx = context.of(request)
+    try:
+        listed = await inference.client_of(request).list_models(metadata=ctx.grpc_metadata())
+    except errors.BlazarError as err:
+        return error(err)
+    return JSONResponse(convert.tags(listed))
+
+
+async def show(request: Request) -> Response:
+    try:
+        body = await request_body.parse(request, protocol.ShowRequest)
+        info = await _model_info(request, convert.show_name(body))
+    except errors.BlazarError as err:
+        return error(err)
+    return JSONResponse(convert.show(info))
+
+
+async def ps(request: Request) -> Response:
+    ctx = context.of(request)
+    try:
+        listed = await inference.client_of(request).list_models(metadata=ctx.grpc_metadata())
+    except errors.BlazarError as err:
+        return error(err)
+    return JSONResponse(convert.ps(listed, now=datetime.now(UTC)))
+
+
+async def no_route(request: Request, exc: Exception) -> Response:
+    """Starlette's 404 (no such path) and 405 (wrong method) in Ollama's envelope."""
+    status = exc.status_code if isinstance(exc, HTTPException) else 404
+    headers = exc.headers if isinstance(exc, HTTPException) else None
+    where = f"{request.method} {request.url.path}"
+    message = f"Method not allowed ({where})." if status == 405 else f"Not found ({where})."
+    body: protocol.ErrorBody = {"error": message}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+async def _refuse_management(request: Request) -> Response:
+    return error(convert.management_refused(f"{request.method} {request.url.path}"))
+
+
+def error(err: errors.BlazarError) -> Response:
+    rendered = convert.error_response(err)
+    return JSONResponse(rendered.body, status_code=rendered.status, headers=rendered.headers)
+
+
+def _now() -> str:
+    return convert.timestamp(datetime.now(UTC))
+
+
+def _ndjson(obj: convert.Line | protocol.ErrorBody) -> bytes:
+    return (json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
+
+
+def _guarded(handler: relay.Handler) -> relay.Handler:
+    """Render a bug as a 500 in Ollama's envelope instead of Starlette's plain text."""
+    return relay.guarded(handler, render=error)

@@ -1,0 +1,560 @@
+"""The Ollama dialect of the HTTP shim: its conversion both ways (pure, by table and
+golden file) and its routes against a fake `blazar.v1.Inference` servicer.
+
+Golden files under golden/ollama/ pin the translation; regenerate them with
+BLAZAR_UPDATE_GOLDEN=1.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from google.protobuf import json_format
+
+from blazar._proto.v1 import inference_pb2
+from blazar.api import errors
+from blazar.shim import canonical, validation
+from blazar.shim.ollama import convert, protocol
+from tests.unit import fake_inference
+from tests.unit.fake_inference import Daemon, asgi_client, delta, fake_daemon
+
+GOLDEN = Path(__file__).parent / "golden" / "ollama"
+NOW = datetime(2026, 1, 2, 3, 4, 5, 678901, UTC)
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture
+async def daemon() -> AsyncIterator[Daemon]:
+    async with fake_daemon() as d:
+        d.fake.models = MODELS
+        yield d
+
+
+@pytest.fixture
+async def client(daemon: Daemon) -> AsyncIterator[httpx.AsyncClient]:
+    async with asgi_client(daemon.target) as c:
+        yield c
+
+
+def check_golden(name: str, document: Any) -> None:
+    fake_inference.check_golden(GOLDEN / f"{name}.json", document)
+
+
+def final(
+    reason: int = inference_pb2.FINISH_REASON_STOP, *, prompt: int = 7, completion: int = 3
+) -> inference_pb2.Chunk:
+    return inference_pb2.Chunk(
+        final=inference_pb2.Final(
+            finish_reason=reason,  # type: ignore[arg-type]
+            usage=inference_pb2.Usage(
+                prompt_tokens=prompt, completion_tokens=completion, cached_tokens=2
+            ),
+            timings=inference_pb2.Timings(
+                queue_ms=1.5, prefill_ms=20.25, ttft_ms=25.0, decode_ms=30.0, parked_ms=0.0
+            ),
+            model="tiny",
+        )
+    )
+
+
+FILE = inference_pb2.ModelFile(
+    size_bytes=253_000_000,
+    sha256="ab" * 32,
+    modified=1_767_225_600,
+    architecture="gemma3",
+    name="Gemma 3 270m",
+    parameter_size="268M",
+    quantization="Q4_K_M",
+    trained_context_length=32768,
+    embedding_length=640,
+    block_count=18,
+    head_count=4,
+    head_count_kv=1,
+    has_chat_template=True,
+)
+MODELS = [
+    inference_pb2.ModelInfo(
+        id=name, lane="tiny", model="tiny-model", ready=True, created=1_767_139_200,
+        context_length=2048, replicas=1, ready_replicas=1, slots=4, file=FILE,
+    )
+    for name in ("tiny", "tiny:270m")
+] + [
+    inference_pb2.ModelInfo(
+        id="paused", lane="paused", model="other", ready=False, created=1_767_139_200,
+        context_length=1024, replicas=0, ready_replicas=0, slots=1,
+    )
+]  # fmt: skip
+
+HELLO = [delta("Hel"), delta("lo"), final()]
+
+
+def parse(model: type[validation.M], body: dict[str, Any]) -> validation.M:
+    return validation.parse_body(model, json.dumps(body).encode())
+
+
+def message_json(message: Any) -> dict[str, Any]:
+    return {
+        "type": type(message).DESCRIPTOR.full_name,
+        "message": json_format.MessageToDict(message, preserving_proto_field_name=True),
+    }
+
+
+# ---------------------------------------------------------------- golden: requests in
+
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}]}
+
+REQUEST_CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "chat_minimal": ("chat", CHAT),
+    "chat_all_options": (
+        "chat",
+        {
+            "model": "tiny:270m",
+            "messages": [
+                {"role": "System", "content": "Be brief."},
+                {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello."},
+                {"role": "user", "content": "Again"},
+            ],
+            "stream": False,
+            "keep_alive": -1,
+            "think": False,
+            "truncate": False,
+            "options": {
+                "num_predict": 12,
+                "temperature": 0,
+                "top_k": 5,
+                "top_p": 0.5,
+                "min_p": 0.1,
+                "seed": 42,
+                "stop": ["\n\n", ""],
+                "repeat_penalty": 1.1,
+                "presence_penalty": 0.5,
+                "frequency_penalty": -0.5,
+                "num_ctx": 2048,
+            },
+        },
+    ),
+    "chat_format_json": ("chat", {**CHAT, "format": "json"}),
+    "chat_format_schema": (
+        "chat",
+        {**CHAT, "format": {"type": "object", "properties": {"a": {"type": "integer"}}}},
+    ),
+    "chat_logprobs": ("chat", {**CHAT, "logprobs": True, "top_logprobs": 3}),
+    "chat_unlimited_and_random_seed": (
+        "chat",
+        {**CHAT, "options": {"num_predict": -1, "seed": -1, "stop": "END"}},
+    ),
+    "generate_templated": ("generate", {"model": "tiny", "prompt": "Why?"}),
+    "generate_with_system": (
+        "generate",
+        {"model": "tiny", "prompt": "Why?", "system": "Answer in French.", "format": ""},
+    ),
+    "generate_raw": (
+        "generate",
+        {"model": "tiny", "prompt": "<start_of_turn>user\n", "raw": True, "options": {"seed": 7}},
+    ),
+    "embed_list": ("embed", {"model": "tiny", "input": ["a", "b"], "truncate": False}),
+    "embed_string": ("embed", {"model": "tiny", "input": "a", "keep_alive": "-1m"}),
+    "embeddings_old": ("embeddings", {"model": "tiny", "prompt": "a"}),
+}
+
+
+def canonical_of(kind: str, body: dict[str, Any]) -> Any:
+    if kind == "chat":
+        return convert.chat_request(parse(protocol.ChatRequest, body))
+    if kind == "generate":
+        return convert.generate_request(parse(protocol.GenerateRequest, body))
+    if kind == "embed":
+        return convert.embed_request(parse(protocol.EmbedRequest, body))
+    return convert.embeddings_request(parse(protocol.EmbeddingsRequest, body))
+
+
+@pytest.mark.parametrize("name", sorted(REQUEST_CASES))
+def test_request_translation_matches_golden(name: str) -> None:
+    kind, body = REQUEST_CASES[name]
+    check_golden(
+        f"request_{name}",
+        {"kind": kind, "http_body": body, "canonical": message_json(canonical_of(kind, body))},
+    )
+
+
+def test_options_not_sent_stay_unset() -> None:
+    sampling = convert.chat_request(parse(protocol.ChatRequest, CHAT)).sampling
+    for name in ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens"):
+        assert not sampling.HasField(name), name
+    zero = {**CHAT, "options": {"temperature": 0}}
+    assert convert.chat_request(parse(protocol.ChatRequest, zero)).sampling.HasField("temperature")
+
+
+# ---------------------------------------------------------------- refusals, by name
+
+TOOLS_NOT_YET = "Tool calls are not supported yet in Blazar's Ollama dialect"
+GEN = {"model": "tiny", "prompt": "Hi"}
+REFUSALS: list[tuple[str, dict[str, Any], str, str]] = [
+    ("chat", {**CHAT, "tools": [{"type": "function"}]}, "tools", TOOLS_NOT_YET),
+    (
+        "chat",
+        {"model": "tiny", "messages": [{"role": "tool", "content": "42"}]},
+        "messages[0].role",
+        TOOLS_NOT_YET,
+    ),
+    (
+        "chat",
+        {"model": "tiny", "messages": [{"role": "assistant", "tool_calls": [{}]}]},
+        "messages[0].tool_calls",
+        TOOLS_NOT_YET,
+    ),
+    (
+        "chat",
+        {"model": "tiny", "messages": [{"role": "user", "content": "x", "images": ["aGk="]}]},
+        "messages[0].images",
+        "text-only",
+    ),
+    ("chat", {"model": "tiny", "messages": [{"role": "robot"}]}, "messages[0].role", "'robot'"),
+    (
+        "chat",
+        {"model": "tiny", "messages": [{"role": "assistant", "thinking": "hmm"}]},
+        "messages[0].thinking",
+        "do not think",
+    ),
+    ("chat", {**CHAT, "think": True}, "think", "does not support thinking"),
+    ("chat", {**CHAT, "think": "high"}, "think", "does not support thinking"),
+    ("chat", {**CHAT, "truncate": True}, "truncate", "never cuts"),
+    ("chat", {**CHAT, "shift": True}, "shift", "never cuts"),
+    ("chat", {**CHAT, "keep_alive": "5m"}, "keep_alive", "issue 20"),
+    ("chat", {**CHAT, "keep_alive": 0}, "keep_alive", "issue 20"),
+    ("chat", {**CHAT, "format": "yaml"}, "format", "'yaml'"),
+    ("chat", {**CHAT, "top_logprobs": 2}, "top_logprobs", "'logprobs'"),
+    ("chat", {**CHAT, "options": {"mirostat": 2}}, "options.mirostat", "sampler"),
+    ("chat", {**CHAT, "options": {"num_gpu": 99}}, "options.num_gpu", "gpuLayers"),
+    ("chat", {**CHAT, "options": {"use_mmap": True}}, "options.use_mmap", "engine setting"),
+    ("chat", {**CHAT, "options": {"flavour": 1}}, "options.flavour", "not an option"),
+    ("chat", {**CHAT, "options": {"temperature": "hot"}}, "options.temperature", "not a number"),
+    ("chat", {**CHAT, "options": {"temperature": -1}}, "options.temperature", "at least 0"),
+    ("chat", {**CHAT, "options": {"top_p": 1.5}}, "options.top_p", "at most 1"),
+    ("chat", {**CHAT, "options": {"top_k": 2.5}}, "options.top_k", "not an integer"),
+    ("chat", {**CHAT, "options": {"seed": True}}, "options.seed", "not an integer"),
+    ("chat", {**CHAT, "options": {"repeat_penalty": 0}}, "options.repeat_penalty", "more than 0"),
+    ("chat", {**CHAT, "options": {"num_predict": -3}}, "options.num_predict", "at least -2"),
+    ("chat", {**CHAT, "options": {"num_ctx": 0}}, "options.num_ctx", "at least 1"),
+    ("chat", {**CHAT, "options": {"stop": [1]}}, "options.stop", "list of strings"),
+    ("generate", {**GEN, "suffix": "end"}, "suffix", "fill in"),
+    ("generate", {**GEN, "template": "{{ .Prompt }}"}, "template", "'raw': true"),
+    ("generate", {**GEN, "images": ["aGk="]}, "images", "text-only"),
+    ("generate", {**GEN, "context": [1, 2]}, "context", "/api/chat"),
+    ("generate", {**GEN, "raw": True, "system": "x"}, "system", "raw"),
+    ("embed", {"model": "tiny", "input": "a", "truncate": True}, "truncate", "never cuts"),
+    (
+        "embed",
+        {"model": "tiny", "input": "a", "options": {"temperature": 1}},
+        "options.temperature",
+        "only num_ctx",
+    ),
+    ("embeddings", {"model": "tiny", "prompt": "a", "keep_alive": 30}, "keep_alive", "issue 20"),
+]
+
+
+@pytest.mark.parametrize(("kind", "body", "param", "says"), REFUSALS)
+def test_what_blazar_cannot_honour_is_refused_by_name(
+    kind: str, body: dict[str, Any], param: str, says: str
+) -> None:
+    with pytest.raises(errors.InvalidRequest) as info:
+        canonical_of(kind, body)
+    assert info.value.metadata[validation.PARAM_KEY] == param
+    assert says in info.value.message
+    assert convert.error_response(info.value).status == 400
+
+
+@pytest.mark.parametrize(
+    ("keep_alive", "accepted"),
+    [(None, True), (-1, True), (-0.5, True), ("-1", True), ("-1m", True), ("-1h30m", True),
+     (0, False), (300, False), ("5m", False), ("0", False), ("-x", False), (True, False)],
+)  # fmt: skip
+def test_only_keep_alive_forever_is_accepted(keep_alive: Any, accepted: bool) -> None:
+    try:
+        convert.check_keep_alive(keep_alive)
+    except errors.InvalidRequest:
+        assert not accepted
+    else:
+        assert accepted
+
+
+@pytest.mark.parametrize(("num_ctx", "fits"), [(1, True), (2048, True), (2049, False)])
+def test_num_ctx_up_to_the_lanes_context_per_slot(num_ctx: int, fits: bool) -> None:
+    if fits:
+        convert.check_num_ctx(num_ctx, MODELS[0])
+        return
+    with pytest.raises(errors.ContextLengthExceeded) as info:
+        convert.check_num_ctx(num_ctx, MODELS[0])
+    # Both numbers, and where the smaller one comes from.
+    assert "2049" in info.value.message and "contextPerSlot 2048" in info.value.message
+    assert "'tiny'" in info.value.message
+
+
+# ---------------------------------------------------------------- responses out, pure
+
+
+def test_statistics_are_nanoseconds_from_the_canonical_figures() -> None:
+    assert convert.metrics(final().final) == {
+        "total_duration": 55_000_000,  # time to first token + decode
+        "load_duration": 1_500_000,  # queue
+        "prompt_eval_count": 7,
+        "prompt_eval_duration": 20_250_000,
+        "eval_count": 3,
+        "eval_duration": 30_000_000,
+    }
+    parked = inference_pb2.Final(
+        timings=inference_pb2.Timings(
+            queue_ms=1, prefill_ms=2, ttft_ms=4, decode_ms=10, parked_ms=100
+        )
+    )
+    # Parked after the first token: the total counts the time parked.
+    assert convert.metrics(parked)["total_duration"] == 113_000_000
+
+
+def test_lines_render_text_then_a_final_line_with_statistics() -> None:
+    lines = convert.Lines("generate", model="tiny", clock=lambda: "T")
+    rendered = [obj for chunk in [delta(""), *HELLO] for obj in lines.render(chunk)]
+    assert [line.get("response") for line in rendered] == ["Hel", "lo", ""]
+    assert [line["done"] for line in rendered] == [False, False, True]
+    assert rendered[-1]["done_reason"] == "stop"
+    assert rendered[-1]["eval_count"] == 3
+    assert lines.finished
+
+
+def test_a_generation_cut_by_its_length_says_so() -> None:
+    collected = canonical.Answer()
+    for chunk in (delta("ab"), final(inference_pb2.FINISH_REASON_LENGTH)):
+        collected.add(chunk)
+    out = convert.answer("chat", collected, model="tiny", created_at="T")
+    assert out["done_reason"] == "length"
+    assert out["message"] == {"role": "assistant", "content": "ab"}  # type: ignore[typeddict-item]
+
+
+def test_a_collected_stream_without_its_end_is_an_error() -> None:
+    collected = canonical.Answer()
+    collected.add(delta("ab"))
+    with pytest.raises(errors.Unavailable):
+        convert.answer("chat", collected, model="tiny", created_at="T")
+
+
+def test_timestamps_are_rfc3339_in_utc() -> None:
+    assert convert.timestamp(NOW) == "2026-01-02T03:04:05.678901Z"
+
+
+def test_embed_dimensions_cut_and_rescale() -> None:
+    response = inference_pb2.EmbedResponse(
+        embeddings=[inference_pb2.Embedding(values=[0.6, 0.8, 0.0], tokens=2)], prompt_tokens=2
+    )
+    full = convert.embed_response(response, model="m", dimensions=None)
+    assert full["embeddings"] == [pytest.approx([0.6, 0.8, 0.0])]
+    cut = convert.embed_response(response, model="m", dimensions=1)
+    assert cut["embeddings"] == [pytest.approx([1.0])]
+    with pytest.raises(errors.InvalidRequest, match="more than this model's 3"):
+        convert.embed_response(response, model="m", dimensions=4)
+
+
+@pytest.mark.parametrize("name", ["tags", "show", "ps"])
+def test_model_listings_match_golden(name: str) -> None:
+    listed = inference_pb2.ListModelsResponse(models=MODELS)
+    if name == "tags":
+        document: Any = convert.tags(listed)
+    elif name == "show":
+        document = convert.show(convert.model_info(listed, "tiny:270m"))
+    else:
+        document = convert.ps(listed, now=NOW)
+    check_golden(f"response_{name}", document)
+
+
+def test_ps_lists_each_serving_lane_once_and_forever() -> None:
+    listed = inference_pb2.ListModelsResponse(models=MODELS)
+    (running,) = convert.ps(listed, now=NOW)["models"]
+    assert running["name"] == "tiny"  # the Lane's name, not each alias; "paused" is not running
+    assert running["expires_at"].startswith("2318-")  # Ollama's "forever"
+
+
+# ---------------------------------------------------------------- routes
+
+STREAM_CASES: dict[str, tuple[str, dict[str, Any], list[Any]]] = {
+    "chat_stream": ("/api/chat", CHAT, HELLO),
+    "chat_no_stream": ("/api/chat", {**CHAT, "stream": False}, HELLO),
+    "generate_stream": ("/api/generate", GEN, HELLO),
+    "generate_no_stream": ("/api/generate", {**GEN, "stream": False}, HELLO),
+    "chat_stream_failing_midway": (
+        "/api/chat",
+        CHAT,
+        [delta("Hel"), errors.Unavailable("Lost the engine of replica 0.")],
+    ),
+    "generate_stream_truncated": ("/api/generate", GEN, [delta("Hel")]),
+}
+
+
+def normalise(obj: dict[str, Any]) -> dict[str, Any]:
+    if "created_at" in obj:
+        assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?Z", obj["created_at"])
+        obj = {**obj, "created_at": "<now>"}
+    return obj
+
+
+@pytest.mark.parametrize("name", sorted(STREAM_CASES))
+async def test_generation_matches_golden(
+    name: str, daemon: Daemon, client: httpx.AsyncClient
+) -> None:
+    path, body, script = STREAM_CASES[name]
+    daemon.fake.scripts["tiny"] = script
+    response = await client.post(path, json=body)
+    assert response.status_code == 200
+    if body.get("stream") is False:
+        assert response.headers["content-type"] == "application/json"
+        out: Any = normalise(response.json())
+    else:
+        assert response.headers["content-type"].startswith("application/x-ndjson")
+        assert response.text.endswith("\n")
+        out = [normalise(json.loads(line)) for line in response.text.splitlines()]
+    check_golden(
+        f"generation_{name}",
+        {"path": path, "http_body": body, "chunks": fake_inference.script_json(script), "out": out},
+    )
+
+
+async def test_an_error_before_the_first_chunk_keeps_its_status(
+    daemon: Daemon, client: httpx.AsyncClient
+) -> None:
+    daemon.fake.scripts["tiny"] = [errors.Overloaded("Busy.", metadata={"retry_after_ms": "2500"})]
+    for stream in (True, False):
+        response = await client.post("/api/chat", json={**CHAT, "stream": stream})
+        assert response.status_code == 429
+        assert response.headers["retry-after"] == "3"
+        assert response.json() == {"error": "Busy."}
+
+
+async def test_unknown_model_is_404(daemon: Daemon, client: httpx.AsyncClient) -> None:
+    for path, body in [
+        ("/api/chat", {**CHAT, "model": "nope"}),
+        ("/api/chat", {"model": "nope", "messages": []}),  # a preload
+        ("/api/generate", {"model": "nope", "prompt": "x", "stream": False}),
+        ("/api/embed", {"model": "nope", "input": "x"}),
+        ("/api/show", {"model": "nope"}),
+        ("/api/chat", {**CHAT, "model": "nope", "options": {"num_ctx": 10}}),
+    ]:
+        response = await client.post(path, json=body)
+        assert response.status_code == 404, (path, body)
+        assert "nope" in response.json()["error"]
+
+
+async def test_num_ctx_over_the_lane_is_a_400_before_generating(
+    daemon: Daemon, client: httpx.AsyncClient
+) -> None:
+    daemon.fake.scripts["tiny"] = HELLO
+    body = {**CHAT, "options": {"num_ctx": 4096}}
+    response = await client.post("/api/chat", json=body)
+    assert response.status_code == 400
+    assert "4096" in response.json()["error"] and "2048" in response.json()["error"]
+    assert daemon.fake.requests == []
+    fits = await client.post(
+        "/api/chat", json={**CHAT, "stream": False, "options": {"num_ctx": 2048}}
+    )
+    assert fits.status_code == 200
+
+
+async def test_a_preload_answers_load_without_generating(
+    daemon: Daemon, client: httpx.AsyncClient
+) -> None:
+    for path, body in [
+        ("/api/chat", {"model": "tiny", "messages": []}),
+        ("/api/generate", {"model": "tiny"}),
+    ]:
+        response = await client.post(path, json=body)
+        assert response.status_code == 200
+        assert response.json()["done"] is True
+        assert response.json()["done_reason"] == "load"
+    assert daemon.fake.requests == []
+
+
+async def test_a_bad_body_is_400_naming_the_field(client: httpx.AsyncClient) -> None:
+    response = await client.post("/api/chat", json={"model": "tiny", "messages": "hi"})
+    assert response.status_code == 400
+    assert "messages" in response.json()["error"]
+    response = await client.post("/api/chat", content=b"{")
+    assert response.status_code == 400
+
+
+async def test_embed_and_the_older_embeddings(daemon: Daemon, client: httpx.AsyncClient) -> None:
+    daemon.fake.scripts["tiny"] = []
+    daemon.fake.embeddings = inference_pb2.EmbedResponse(
+        embeddings=[inference_pb2.Embedding(values=[0.6, 0.8], tokens=3)], prompt_tokens=3
+    )
+    response = await client.post("/api/embed", json={"model": "tiny", "input": "hi"})
+    assert response.json() == {
+        "model": "tiny",
+        "embeddings": [[pytest.approx(0.6), pytest.approx(0.8)]],
+        "prompt_eval_count": 3,
+    }
+    old = await client.post("/api/embeddings", json={"model": "tiny", "prompt": "hi"})
+    assert old.json() == {"embedding": [pytest.approx(0.6), pytest.approx(0.8)]}
+    # /api/embed normalizes, as Ollama does; /api/embeddings does not.
+    assert [r.normalize for r in daemon.fake.requests] == [True, False]
+    empty = await client.post("/api/embed", json={"model": "tiny", "input": []})
+    assert empty.json()["embeddings"] == []
+    assert len(daemon.fake.requests) == 2
+
+
+async def test_listings(client: httpx.AsyncClient) -> None:
+    tags = (await client.get("/api/tags")).json()
+    assert [m["name"] for m in tags["models"]] == ["tiny", "tiny:270m", "paused"]
+    show = await client.post("/api/show", json={"name": "tiny:270m"})  # the older spelling
+    assert show.json()["details"]["quantization_level"] == "Q4_K_M"
+    ps = (await client.get("/api/ps")).json()
+    assert [m["name"] for m in ps["models"]] == ["tiny"]
+
+
+async def test_server_probes(client: httpx.AsyncClient) -> None:
+    root = await client.get("/")
+    assert (root.status_code, root.text) == (200, "Ollama is running")
+    assert (await client.head("/")).status_code == 200
+    version = (await client.get("/api/version")).json()["version"]
+    assert re.fullmatch(r"\d+\.\d+\.\d+.*", version)
+    assert (await client.head("/api/version")).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [("POST", "/api/pull"), ("POST", "/api/push"), ("POST", "/api/create"),
+     ("POST", "/api/copy"), ("DELETE", "/api/delete")],
+)  # fmt: skip
+async def test_model_management_points_to_blazar_apply(
+    client: httpx.AsyncClient, method: str, path: str
+) -> None:
+    response = await client.request(method, path, json={"model": "tiny"})
+    assert response.status_code == 400
+    assert "blazar apply" in response.json()["error"]
+    assert path in response.json()["error"]
+
+
+async def test_unknown_api_path_is_an_ollama_error(client: httpx.AsyncClient) -> None:
+    response = await client.get("/api/nothing")
+    assert response.status_code == 404
+    assert set(response.json()) == {"error"}
+    wrong_method = await client.get("/api/chat")
+    assert wrong_method.status_code == 405
+    assert set(wrong_method.json()) == {"error"}
+    # Elsewhere, OpenAI's envelope as before.
+    assert "message" in (await client.get("/v1/nothing")).json()["error"]
+
+
+def test_a_unit_vector_stays_finite() -> None:
+    assert all(math.isfinite(v) for v in convert._unit([0.0, 0.0]))
