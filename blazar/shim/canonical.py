@@ -40,24 +40,21 @@ def sampling(
     """A `Sampling` with each given value set and the rest unset (the engine's default).
     Empty stop strings are dropped: they would stop before the first token."""
     out = inference_pb2.Sampling()
-    if temperature is not None:
-        out.temperature = temperature
-    if top_p is not None:
-        out.top_p = top_p
-    if top_k is not None:
-        out.top_k = top_k
-    if min_p is not None:
-        out.min_p = min_p
-    if repeat_penalty is not None:
-        out.repeat_penalty = repeat_penalty
-    if presence_penalty is not None:
-        out.presence_penalty = presence_penalty
-    if frequency_penalty is not None:
-        out.frequency_penalty = frequency_penalty
+    given = {
+        "temperature": temperature,
+        "top_p": top_p,
+        "top_k": top_k,
+        "min_p": min_p,
+        "repeat_penalty": repeat_penalty,
+        "presence_penalty": presence_penalty,
+        "frequency_penalty": frequency_penalty,
+        "max_tokens": max_tokens,
+    }
+    for name, value in given.items():
+        if value is not None:
+            setattr(out, name, value)
     if seed is not None and seed != RANDOM_SEED:
         out.seed = seed % _SEED_MODULUS
-    if max_tokens is not None:
-        out.max_tokens = max_tokens
     out.stop.extend(s for s in stop if s)
     return out
 

@@ -1,10 +1,12 @@
-"""Helpers the unit tests share: a hand-moved clock, a Model marked ready."""
+"""Helpers the unit tests share: a hand-moved clock, a Model marked ready, and what
+ListModels says of the bundled model's file."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
+from blazar._proto.v1 import inference_pb2
 from blazar.api import conditions
 from blazar.api.kinds import Kind, ModelStatus
 from blazar.api.meta import ConditionStatus
@@ -39,3 +41,21 @@ def mark_model_ready(store: Store, name: str, *, path: str, now: datetime) -> No
     store.update_status(
         Kind.MODEL, name, ModelStatus(observed_generation=generation, conditions=ready, path=path)
     )
+
+
+# What ListModels says of a Gemma 3 270M Q4_K_M file the controller inspected.
+MODEL_FILE = inference_pb2.ModelFile(
+    size_bytes=253_000_000,
+    sha256="ab" * 32,
+    modified=1_767_225_600,
+    architecture="gemma3",
+    name="Gemma 3 270m",
+    parameter_size="268M",
+    quantization="Q4_K_M",
+    trained_context_length=32768,
+    embedding_length=640,
+    block_count=18,
+    head_count=4,
+    head_count_kv=1,
+    has_chat_template=True,
+)

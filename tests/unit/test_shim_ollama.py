@@ -23,7 +23,7 @@ from blazar._proto.v1 import inference_pb2
 from blazar.api import errors
 from blazar.shim import canonical, validation
 from blazar.shim.ollama import convert, protocol
-from tests.unit import fake_inference
+from tests.unit import fake_inference, helpers
 from tests.unit.fake_inference import Daemon, asgi_client, delta, fake_daemon
 
 GOLDEN = Path(__file__).parent / "golden" / "ollama"
@@ -71,21 +71,7 @@ def final(
     )
 
 
-FILE = inference_pb2.ModelFile(
-    size_bytes=253_000_000,
-    sha256="ab" * 32,
-    modified=1_767_225_600,
-    architecture="gemma3",
-    name="Gemma 3 270m",
-    parameter_size="268M",
-    quantization="Q4_K_M",
-    trained_context_length=32768,
-    embedding_length=640,
-    block_count=18,
-    head_count=4,
-    head_count_kv=1,
-    has_chat_template=True,
-)
+FILE = helpers.MODEL_FILE
 MODELS = [
     inference_pb2.ModelInfo(
         id=name, lane="tiny", model="tiny-model", ready=True, created=1_767_139_200,
@@ -508,8 +494,11 @@ async def test_embed_and_the_older_embeddings(daemon: Daemon, client: httpx.Asyn
     assert old.json() == {"embedding": [pytest.approx(0.6), pytest.approx(0.8)]}
     # /api/embed normalizes, as Ollama does; /api/embeddings does not.
     assert [r.normalize for r in daemon.fake.requests] == [True, False]
+    # Nothing to embed: Ollama's preload, answered without embedding.
     empty = await client.post("/api/embed", json={"model": "tiny", "input": []})
     assert empty.json()["embeddings"] == []
+    empty_old = await client.post("/api/embeddings", json={"model": "tiny", "prompt": ""})
+    assert empty_old.json() == {"embedding": []}
     assert len(daemon.fake.requests) == 2
 
 

@@ -614,8 +614,9 @@ def _unit(values: list[float]) -> list[float]:
 
 
 def embeddings_response(response: inference_pb2.EmbedResponse) -> protocol.EmbeddingsResponse:
-    (embedding,) = response.embeddings
-    return {"embedding": list(embedding.values)}
+    """The one embedding; an empty prompt has none (Ollama answers an empty list)."""
+    values = response.embeddings[0].values if response.embeddings else ()
+    return {"embedding": list(values)}
 
 
 def _details(info: inference_pb2.ModelInfo) -> protocol.ModelDetails:

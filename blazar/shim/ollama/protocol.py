@@ -124,37 +124,34 @@ class AssistantMessage(TypedDict):
     content: str
 
 
-class ChatResponse(TypedDict):
+class _Statistics(TypedDict):
+    """The final object's figures: nanoseconds, and token counts."""
+
+    done_reason: NotRequired[DoneReason]
+    total_duration: NotRequired[int]
+    load_duration: NotRequired[int]
+    prompt_eval_count: NotRequired[int]
+    prompt_eval_duration: NotRequired[int]
+    eval_count: NotRequired[int]
+    eval_duration: NotRequired[int]
+
+
+class ChatResponse(_Statistics):
     """A streamed line, or the whole answer; the final one carries the statistics."""
 
     model: str
     created_at: str
     message: AssistantMessage
     done: bool
-    done_reason: NotRequired[DoneReason]
     logprobs: NotRequired[list[Logprob]]
-    # Nanoseconds, and token counts, on the final object only.
-    total_duration: NotRequired[int]
-    load_duration: NotRequired[int]
-    prompt_eval_count: NotRequired[int]
-    prompt_eval_duration: NotRequired[int]
-    eval_count: NotRequired[int]
-    eval_duration: NotRequired[int]
 
 
-class GenerateResponse(TypedDict):
+class GenerateResponse(_Statistics):
     model: str
     created_at: str
     response: str
     done: bool
-    done_reason: NotRequired[DoneReason]
     logprobs: NotRequired[list[Logprob]]
-    total_duration: NotRequired[int]
-    load_duration: NotRequired[int]
-    prompt_eval_count: NotRequired[int]
-    prompt_eval_duration: NotRequired[int]
-    eval_count: NotRequired[int]
-    eval_duration: NotRequired[int]
 
 
 class Metrics(TypedDict):

@@ -66,26 +66,29 @@ def _blazar_version() -> str:
 
 
 async def chat(request: Request) -> Response:
-    ctx = context.of(request)
-    try:
-        body = await request_body.parse(request, protocol.ChatRequest)
-        if convert.is_load(body):
-            return await _loaded(request, "chat", body.model, keep_alive=body.keep_alive)
-        canonical_request = convert.chat_request(body, session=ctx.session)
-        await _check_num_ctx(request, body.model, body.options)
-    except errors.BlazarError as err:
-        return error(err)
-    stream = inference.client_of(request).chat(canonical_request, metadata=ctx.grpc_metadata())
-    return await _generation(request, stream, "chat", body)
+    return await _generate(request, "chat")
 
 
 async def generate(request: Request) -> Response:
+    return await _generate(request, "generate")
+
+
+async def _generate(request: Request, kind: convert.Kind) -> Response:
+    """/api/chat and /api/generate: a preload, or a generation through Chat or Complete."""
     ctx = context.of(request)
     try:
-        body = await request_body.parse(request, protocol.GenerateRequest)
+        body: protocol.ChatRequest | protocol.GenerateRequest
+        if kind == "chat":
+            body = await request_body.parse(request, protocol.ChatRequest)
+        else:
+            body = await request_body.parse(request, protocol.GenerateRequest)
         if convert.is_load(body):
-            return await _loaded(request, "generate", body.model, keep_alive=body.keep_alive)
-        canonical_request = convert.generate_request(body, session=ctx.session)
+            return await _loaded(request, kind, body.model, keep_alive=body.keep_alive)
+        canonical_request: inference_pb2.ChatRequest | inference_pb2.CompleteRequest
+        if isinstance(body, protocol.ChatRequest):
+            canonical_request = convert.chat_request(body, session=ctx.session)
+        else:
+            canonical_request = convert.generate_request(body, session=ctx.session)
         await _check_num_ctx(request, body.model, body.options)
     except errors.BlazarError as err:
         return error(err)
@@ -95,7 +98,7 @@ async def generate(request: Request) -> Response:
         stream = client.complete(canonical_request, metadata=metadata)
     else:
         stream = client.chat(canonical_request, metadata=metadata)
-    return await _generation(request, stream, "generate", body)
+    return await _generation(request, stream, kind, body)
 
 
 async def _generation(
@@ -176,48 +179,44 @@ async def _model_info(request: Request, model: str) -> inference_pb2.ModelInfo:
 
 
 async def embed(request: Request) -> Response:
-    ctx = context.of(request)
-    try:
-        body = await request_body.parse(request, protocol.EmbedRequest)
-        canonical_request = convert.embed_request(body)
-        await _check_num_ctx(request, body.model, body.options)
-        if not canonical_request.inputs:
-            # Ollama's preload for embedding models: nothing to embed.
-            await _model_info(request, body.model)
-            empty: protocol.EmbedResponse = {
-                "model": body.model,
-                "embeddings": [],
-                "prompt_eval_count": 0,
-            }
-            return JSONResponse(empty)
-        response = await streaming.until_disconnected(
-            request,
-            inference.client_of(request).embed(canonical_request, metadata=ctx.grpc_metadata()),
-        )
-        rendered = convert.embed_response(response, model=body.model, dimensions=body.dimensions)
-    except streaming.ClientDisconnected:
-        return Response(status_code=streaming.CLIENT_CLOSED_REQUEST)
-    except errors.BlazarError as err:
-        return error(err)
-    return JSONResponse(rendered)
+    return await _embed(request, protocol.EmbedRequest)
 
 
 async def embeddings(request: Request) -> Response:
+    return await _embed(request, protocol.EmbeddingsRequest)
+
+
+async def _embed(
+    request: Request, model: type[protocol.EmbedRequest] | type[protocol.EmbeddingsRequest]
+) -> Response:
+    """/api/embed, and the older /api/embeddings. Nothing to embed is Ollama's preload
+    for embedding models: an empty answer once the model is known."""
     ctx = context.of(request)
     try:
-        body = await request_body.parse(request, protocol.EmbeddingsRequest)
-        canonical_request = convert.embeddings_request(body)
+        body = await request_body.parse(request, model)
+        if isinstance(body, protocol.EmbedRequest):
+            canonical_request = convert.embed_request(body)
+        else:
+            canonical_request = convert.embeddings_request(body)
         await _check_num_ctx(request, body.model, body.options)
-        if not body.prompt:
-            # Ollama answers an empty prompt with an empty embedding.
+        if isinstance(body, protocol.EmbeddingsRequest):
+            nothing = not body.prompt
+        else:
+            nothing = not canonical_request.inputs
+        if nothing:
             await _model_info(request, body.model)
-            empty: protocol.EmbeddingsResponse = {"embedding": []}
-            return JSONResponse(empty)
-        response = await streaming.until_disconnected(
-            request,
-            inference.client_of(request).embed(canonical_request, metadata=ctx.grpc_metadata()),
-        )
-        rendered = convert.embeddings_response(response)
+            response = inference_pb2.EmbedResponse()
+        else:
+            response = await streaming.until_disconnected(
+                request,
+                inference.client_of(request).embed(canonical_request, metadata=ctx.grpc_metadata()),
+            )
+        if isinstance(body, protocol.EmbedRequest):
+            rendered: protocol.EmbedResponse | protocol.EmbeddingsResponse = convert.embed_response(
+                response, model=body.model, dimensions=body.dimensions
+            )
+        else:
+            rendered = convert.embeddings_response(response)
     except streaming.ClientDisconnected:
         return Response(status_code=streaming.CLIENT_CLOSED_REQUEST)
     except errors.BlazarError as err:
