@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -181,3 +182,19 @@ def running(home: Path, watch: Path | None = None) -> Iterator[Daemon]:
         yield daemon
     finally:
         daemon.stop()
+
+
+@contextlib.contextmanager
+def default_fleet(*, lane: str = "gemma3", timeout: float = 240) -> Iterator[Daemon]:
+    """A daemon serving the default fleet (manifests/), watched, on free ports, with its
+    own home, once its Lane is Ready; stopped and removed afterwards."""
+    home = short_home()
+    fleet = home / "fleet"
+    shutil.copytree(REPO / "manifests", fleet)
+    daemon = Daemon(home=home, watch=fleet).start()
+    try:
+        daemon.wait_condition("lane", lane, "Ready", timeout=timeout)
+        yield daemon
+    finally:
+        daemon.stop()
+        shutil.rmtree(home, ignore_errors=True)

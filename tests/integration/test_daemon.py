@@ -17,7 +17,14 @@ import openai
 import pytest
 
 from tests.integration import pinning
-from tests.integration.harness import REPO, Daemon, local_fleet, pid_alive, short_home, wait_for
+from tests.integration.harness import (
+    Daemon,
+    default_fleet,
+    local_fleet,
+    pid_alive,
+    short_home,
+    wait_for,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -25,16 +32,8 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def daemon(model_path: Path) -> Iterator[Daemon]:
     """The default fleet (manifests/), watched, on free ports, with its own home."""
-    home = short_home()
-    fleet = home / "fleet"
-    shutil.copytree(REPO / "manifests", fleet)
-    d = Daemon(home=home, watch=fleet).start()
-    try:
-        d.wait_condition("lane", "gemma3", "Ready", timeout=240)
+    with default_fleet() as d:
         yield d
-    finally:
-        d.stop()
-        shutil.rmtree(home, ignore_errors=True)
 
 
 def client(d: Daemon) -> openai.OpenAI:

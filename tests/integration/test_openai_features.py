@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from google.rpc import error_details_pb2, status_pb2
 from blazar._proto.v1 import inference_pb2, inference_pb2_grpc
 from blazar.engine import schema as schemas
 from tests.integration import pinning
-from tests.integration.harness import REPO, Daemon, short_home
+from tests.integration.harness import Daemon, default_fleet
 
 pytestmark = pytest.mark.slow
 
@@ -29,16 +28,8 @@ CONTEXT_PER_SLOT = 2048  # manifests/ gives the default lane 2048 tokens per slo
 
 @pytest.fixture(scope="module")
 def daemon(model_path: Path) -> Iterator[Daemon]:
-    home = short_home()
-    fleet = home / "fleet"
-    shutil.copytree(REPO / "manifests", fleet)
-    d = Daemon(home=home, watch=fleet).start()
-    try:
-        d.wait_condition("lane", LANE, "Ready", timeout=240)
+    with default_fleet() as d:
         yield d
-    finally:
-        d.stop()
-        shutil.rmtree(home, ignore_errors=True)
 
 
 @pytest.fixture

@@ -1,0 +1,255 @@
+"""The Ollama dialect end to end: the official `ollama` client -> shim -> daemon -> a
+real engine worker with the bundled model, on the default fleet (whose Lane answers to
+`gemma3:270m`, as Ollama clients name the model).
+
+Nothing here depends on what the model writes: a generation that must run to its
+budget is held there by `format` (a string longer than the budget can write: the
+longest token of Gemma 3 is 31 bytes), structured output gets a budget its longest
+document fits, and the rest asserts mechanics.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import jsonschema
+import ollama
+import pytest
+
+from blazar.engine import schema as schemas
+from tests.integration import pinning
+from tests.integration.harness import Daemon, default_fleet
+
+pytestmark = pytest.mark.slow
+
+LANE = "gemma3"
+MODEL = "gemma3:270m"
+CONTEXT_PER_SLOT = 2048  # manifests/ gives the default lane 2048 tokens per slot
+# A JSON string of at least 100 characters: 3 tokens of at most 31 bytes cannot finish
+# it, and the grammar keeps the model from stopping, so the budget ends the output.
+RUNS_TO_BUDGET: dict[str, Any] = {"type": "string", "minLength": 100}
+BUDGET = 3
+MESSAGES = [{"role": "user", "content": "Say something."}]
+
+
+@pytest.fixture(scope="module")
+def daemon(model_path: Path) -> Iterator[Daemon]:
+    with default_fleet() as d:
+        d.wait_condition("model", "gemma3-270m", "ModelReady", timeout=60)
+        yield d
+
+
+@pytest.fixture
+def client(daemon: Daemon) -> Iterator[ollama.Client]:
+    sdk = ollama.Client(host=f"http://{daemon.http}")
+    yield sdk
+    sdk._client.close()
+
+
+def assert_statistics(final: Any, *, eval_count: int | None = None) -> None:
+    """The last object of a generation: done, why, and Ollama's counters (durations in
+    nanoseconds, so a real generation's are far above a million)."""
+    assert final.done is True
+    assert final.done_reason in ("stop", "length")
+    assert final.prompt_eval_count and final.prompt_eval_count > 1
+    assert final.eval_count and final.eval_count >= 1
+    if eval_count is not None:
+        assert (final.done_reason, final.eval_count) == ("length", eval_count)
+    assert final.load_duration is not None and final.load_duration >= 0
+    assert final.prompt_eval_duration and final.prompt_eval_duration > 1_000
+    assert final.eval_duration is not None and final.eval_duration >= 0
+    assert final.total_duration and final.total_duration >= final.prompt_eval_duration
+    assert final.total_duration < 600 * 10**9
+
+
+def test_chat_not_streaming(client: ollama.Client) -> None:
+    response = client.chat(
+        model=MODEL,
+        messages=MESSAGES,
+        format=RUNS_TO_BUDGET,
+        options={"num_predict": BUDGET, "temperature": 0.7, "seed": 1},
+        stream=False,
+    )
+    assert response.model == MODEL
+    assert response.message.role == "assistant"
+    assert response.message.content.startswith('"')
+    assert_statistics(response, eval_count=BUDGET)
+
+
+def test_chat_streaming(client: ollama.Client) -> None:
+    parts = list(
+        client.chat(
+            model=MODEL,
+            messages=MESSAGES,
+            format=RUNS_TO_BUDGET,
+            options={"num_predict": BUDGET},
+            stream=True,
+        )
+    )
+    assert [p.done for p in parts] == [False] * (len(parts) - 1) + [True]
+    assert len(parts) >= 2
+    text = "".join(p.message.content for p in parts)
+    assert text.startswith('"') and parts[-1].message.content == ""
+    assert_statistics(parts[-1], eval_count=BUDGET)
+
+
+def test_generate_streaming_and_not(client: ollama.Client) -> None:
+    whole = client.generate(
+        model=MODEL,
+        prompt="Say something.",
+        system="You are terse.",
+        format=RUNS_TO_BUDGET,
+        options={"num_predict": BUDGET},
+    )
+    assert whole.response.startswith('"')
+    assert_statistics(whole, eval_count=BUDGET)
+    parts = list(
+        client.generate(
+            model=MODEL,
+            prompt="<start_of_turn>user\nSay something.<end_of_turn>\n<start_of_turn>model\n",
+            raw=True,
+            format=RUNS_TO_BUDGET,
+            options={"num_predict": BUDGET},
+            stream=True,
+        )
+    )
+    assert [p.done for p in parts][-1] is True and not any(p.done for p in parts[:-1])
+    assert "".join(p.response for p in parts).startswith('"')
+    assert_statistics(parts[-1], eval_count=BUDGET)
+
+
+def test_a_generation_may_stop_by_itself(client: ollama.Client) -> None:
+    """Without a constraint the model stops when it likes: only the mechanics hold."""
+    response = client.chat(model=MODEL, messages=MESSAGES, options={"num_predict": 8})
+    assert_statistics(response)
+    assert response.eval_count is not None and response.eval_count <= 8
+
+
+def test_format_schema_output_validates(client: ollama.Client) -> None:
+    schema = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 20},
+            "sunny": {"type": "boolean"},
+        },
+        "required": ["city", "sunny"],
+        "additionalProperties": False,
+    }
+    budget = pinning.budget(schemas.grammar(schema))
+    assert budget is not None
+    for seed in (1, 2):
+        response = client.chat(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Describe the weather in Paris as JSON."}],
+            format=schema,
+            options={"num_predict": budget, "temperature": 0.8, "seed": seed},
+        )
+        assert response.done_reason == "stop", response.message.content
+        jsonschema.validate(json.loads(response.message.content), schema)
+    as_json = client.generate(
+        model=MODEL, prompt="A JSON object:", format="json", options={"num_predict": BUDGET}
+    )
+    assert as_json.response.lstrip().startswith("{")
+
+
+def test_embed_and_embeddings(client: ollama.Client) -> None:
+    texts = ["The cat sat on the mat.", "A cat was sitting on a rug.", "Interest rates rose."]
+    response = client.embed(model=MODEL, input=texts)
+    vectors = response.embeddings
+    assert len(vectors) == 3 and all(len(v) == 640 for v in vectors)
+    assert all(math.isclose(math.hypot(*v), 1.0, abs_tol=1e-4) for v in vectors)
+    assert response.prompt_eval_count and response.prompt_eval_count > len(texts)
+
+    def cos(a: Any, b: Any) -> float:
+        return sum(x * y for x, y in zip(a, b, strict=True))
+
+    assert cos(vectors[0], vectors[1]) > cos(vectors[0], vectors[2])
+    cut = client.embed(model=MODEL, input=texts[0], dimensions=64).embeddings[0]
+    assert len(cut) == 64 and math.isclose(math.hypot(*cut), 1.0, abs_tol=1e-4)
+    # The older route: the same direction, not scaled to unit length.
+    raw = client.embeddings(model=MODEL, prompt=texts[0]).embedding
+    norm = math.hypot(*raw)
+    assert not math.isclose(norm, 1.0, abs_tol=1e-3)
+    assert cos([x / norm for x in raw], vectors[0]) > 0.999
+
+
+def test_tags_show_ps_version(client: ollama.Client, daemon: Daemon) -> None:
+    listed = {m.model: m for m in client.list().models}
+    assert {LANE, MODEL, "gemma3-270m", "default"} <= set(listed)
+    entry = listed[MODEL]
+    assert entry.details is not None
+    assert (entry.details.format, entry.details.family) == ("gguf", "gemma3")
+    assert entry.details.quantization_level == "Q4_K_M"
+    assert entry.size and entry.size > 100 * 2**20
+    sha256 = daemon.get("model", "gemma3-270m")["status"]["sha256"]
+    assert entry.digest == sha256
+
+    shown = client.show(MODEL)
+    assert shown.capabilities == ["completion"]
+    assert shown.modelinfo is not None
+    assert shown.modelinfo["general.architecture"] == "gemma3"
+    assert shown.modelinfo["gemma3.context_length"] == CONTEXT_PER_SLOT
+    assert shown.details is not None and shown.details.parameter_size
+
+    running = client.ps().models
+    assert [m.model for m in running] == [LANE]
+    assert running[0].context_length == CONTEXT_PER_SLOT
+    assert running[0].expires_at is not None and running[0].expires_at.year > 2100
+
+    version = httpx.get(f"http://{daemon.http}/api/version").json()["version"]
+    assert version.count(".") >= 2
+    root = httpx.get(f"http://{daemon.http}/")
+    assert root.text == "Ollama is running"
+
+
+def test_num_ctx_over_the_lane_is_a_400_naming_both(client: ollama.Client) -> None:
+    with pytest.raises(ollama.ResponseError) as info:
+        client.chat(model=MODEL, messages=MESSAGES, options={"num_ctx": 8192})
+    assert info.value.status_code == 400
+    assert "8192" in info.value.error and str(CONTEXT_PER_SLOT) in info.value.error
+    fits = client.chat(
+        model=MODEL,
+        messages=MESSAGES,
+        format=RUNS_TO_BUDGET,
+        options={"num_ctx": CONTEXT_PER_SLOT, "num_predict": BUDGET},
+    )
+    assert fits.done_reason == "length"
+
+
+def test_unknown_model_is_404(client: ollama.Client) -> None:
+    for call in (
+        lambda: client.chat(model="no-such:model", messages=MESSAGES),
+        lambda: list(client.chat(model="no-such:model", messages=MESSAGES, stream=True)),
+        lambda: client.generate(model="no-such:model", prompt="x"),
+        lambda: client.embed(model="no-such:model", input="x"),
+        lambda: client.show("no-such:model"),
+    ):
+        with pytest.raises(ollama.ResponseError) as info:
+            call()
+        assert info.value.status_code == 404
+        assert "no-such:model" in info.value.error
+
+
+def test_refusals_name_what_is_not_supported(client: ollama.Client) -> None:
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    with pytest.raises(ollama.ResponseError) as tools:
+        client.chat(model=MODEL, messages=MESSAGES, tools=[tool])
+    assert tools.value.status_code == 400
+    assert "not supported yet" in tools.value.error
+    with pytest.raises(ollama.ResponseError) as pull:
+        client.pull(MODEL)
+    assert pull.value.status_code == 400 and "blazar apply" in pull.value.error
+    with pytest.raises(ollama.ResponseError) as option:
+        client.generate(model=MODEL, prompt="x", options={"mirostat": 1})
+    assert option.value.status_code == 400 and "mirostat" in option.value.error
+
+
+def test_a_preload_loads_nothing_new(client: ollama.Client) -> None:
+    """Ollama clients preload with an empty chat; Blazar's Lanes are loaded already."""
+    response = client.chat(model=MODEL, messages=[])
+    assert (response.done, response.done_reason) == (True, "load")
