@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +18,7 @@ from typing import Any
 
 import grpc
 import httpx
+import uvicorn
 from google.protobuf import json_format
 from grpc_health.v1 import health, health_pb2_grpc
 
@@ -193,3 +194,36 @@ def script_json(script: Sequence[Step]) -> list[Any]:
         elif isinstance(step, errors.BlazarError):
             out.append({"abort": type(step).__name__, "message": step.message, **step.metadata})
     return out
+
+
+@asynccontextmanager
+async def uvicorn_shim(target: str) -> AsyncIterator[str]:
+    """A real uvicorn server on an ephemeral port; yields its base URL."""
+    app = shim_app.create_app(inference_target=target)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host="127.0.0.1",
+            port=0,
+            log_level="warning",
+            lifespan="on",
+            timeout_graceful_shutdown=1,
+        )
+    )
+    task = asyncio.create_task(server.serve())
+    try:
+        await poll(lambda: server.started or task.done(), what="uvicorn to start")
+        assert server.started, task.exception()
+        port = server.servers[0].sockets[0].getsockname()[1]
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await task
+
+
+async def poll(condition: Callable[[], bool], *, what: str, timeout: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)

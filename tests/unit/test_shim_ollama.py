@@ -182,6 +182,9 @@ def test_options_not_sent_stay_unset() -> None:
     sampling = convert.chat_request(parse(protocol.ChatRequest, CHAT)).sampling
     for name in ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens"):
         assert not sampling.HasField(name), name
+    # Null is not set, even for an option Blazar would refuse.
+    nulls = {**CHAT, "options": {"temperature": None, "mirostat": None, "stop": None}}
+    assert convert.chat_request(parse(protocol.ChatRequest, nulls)).sampling == sampling
     zero = {**CHAT, "options": {"temperature": 0}}
     assert convert.chat_request(parse(protocol.ChatRequest, zero)).sampling.HasField("temperature")
 
@@ -509,6 +512,14 @@ async def test_listings(client: httpx.AsyncClient) -> None:
     assert show.json()["details"]["quantization_level"] == "Q4_K_M"
     ps = (await client.get("/api/ps")).json()
     assert [m["name"] for m in ps["models"]] == ["tiny"]
+
+
+async def test_head_on_a_real_server_has_no_body(daemon: Daemon) -> None:
+    shim = fake_inference.uvicorn_shim(daemon.target)
+    async with shim as base, httpx.AsyncClient(base_url=base) as http:
+        for path in ("/", "/api/version", "/api/tags"):
+            response = await http.head(path)
+            assert (response.status_code, response.content) == (200, b""), path
 
 
 async def test_server_probes(client: httpx.AsyncClient) -> None:

@@ -14,15 +14,13 @@ import json
 import re
 import struct
 import threading
-from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
-import uvicorn
 from google.protobuf import json_format
 from grpc_health.v1 import health_pb2
 
@@ -40,6 +38,8 @@ from tests.unit.fake_inference import (
     fake_daemon,
     final,
     lp,
+    poll,
+    uvicorn_shim,
 )
 
 GOLDEN = Path(__file__).parent / "golden" / "openai"
@@ -75,39 +75,6 @@ async def daemon() -> AsyncIterator[Daemon]:
 async def client(daemon: Daemon) -> AsyncIterator[httpx.AsyncClient]:
     async with asgi_client(daemon.target) as c:
         yield c
-
-
-@asynccontextmanager
-async def uvicorn_shim(target: str) -> AsyncIterator[str]:
-    """A real uvicorn server on an ephemeral port; yields its base URL."""
-    app = shim_app.create_app(inference_target=target)
-    server = uvicorn.Server(
-        uvicorn.Config(
-            app,
-            host="127.0.0.1",
-            port=0,
-            log_level="warning",
-            lifespan="on",
-            timeout_graceful_shutdown=1,
-        )
-    )
-    task = asyncio.create_task(server.serve())
-    try:
-        await poll(lambda: server.started or task.done(), what="uvicorn to start")
-        assert server.started, task.exception()
-        port = server.servers[0].sockets[0].getsockname()[1]
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        await task
-
-
-async def poll(condition: Callable[[], bool], *, what: str, timeout: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not condition():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)
 
 
 # ---------------------------------------------------------------- helpers

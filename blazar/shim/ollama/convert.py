@@ -255,7 +255,9 @@ def _sampling_of(body: protocol.ChatRequest | protocol.GenerateRequest) -> infer
 
 def sampling(options: Mapping[str, Any]) -> inference_pb2.Sampling:
     """Ollama's `options` as canonical sampling. `num_ctx` is not sampling: see
-    `check_num_ctx`. Anything else is refused by name, never ignored."""
+    `check_num_ctx`. Anything else is refused by name, never ignored; an option sent as
+    null is not set (clients send every setting they have, set or not)."""
+    options = {name: value for name, value in options.items() if value is not None}
     for name in options:
         if name not in _OPTIONS:
             raise _unsupported_option(name)
@@ -415,9 +417,9 @@ def _check_embedding(
             "longer than the context is refused. Send 'truncate': false or leave it out.",
             param="truncate",
         )
-    for name in options or {}:
+    for name, value in (options or {}).items():
         # Embedding has no sampling; only the context size means anything here.
-        if name != "num_ctx":
+        if name != "num_ctx" and value is not None:
             raise _invalid(
                 f"'options.{name}' is not supported for embeddings; only num_ctx is.",
                 param=f"options.{name}",
