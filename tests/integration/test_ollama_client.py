@@ -121,6 +121,17 @@ def test_generate_streaming_and_not(client: ollama.Client) -> None:
     assert [p.done for p in parts][-1] is True and not any(p.done for p in parts[:-1])
     assert "".join(p.response for p in parts).startswith('"')
     assert_statistics(parts[-1], eval_count=BUDGET)
+    # A legacy template renders to the same prompt as the raw one above.
+    templated = client.generate(
+        model=MODEL,
+        prompt="Say something.",
+        template="<start_of_turn>user\n{{ .Prompt }}<end_of_turn>\n<start_of_turn>model\n"
+        "{{ .Response }}<end_of_turn>\n",
+        format=RUNS_TO_BUDGET,
+        options={"num_predict": BUDGET},
+    )
+    assert_statistics(templated, eval_count=BUDGET)
+    assert templated.prompt_eval_count == parts[-1].prompt_eval_count
 
 
 def test_a_generation_may_stop_by_itself(client: ollama.Client) -> None:

@@ -22,7 +22,7 @@ from google.protobuf import json_format
 from blazar._proto.v1 import inference_pb2
 from blazar.api import errors
 from blazar.shim import canonical, validation
-from blazar.shim.ollama import convert, protocol
+from blazar.shim.ollama import convert, protocol, template
 from tests.unit import fake_inference, helpers
 from tests.unit.fake_inference import Daemon, asgi_client, delta, fake_daemon
 
@@ -149,6 +149,16 @@ REQUEST_CASES: dict[str, tuple[str, dict[str, Any]]] = {
         "generate",
         {"model": "tiny", "prompt": "Why?", "system": "Answer in French.", "format": ""},
     ),
+    "generate_with_template": (
+        "generate",
+        {
+            "model": "tiny",
+            "prompt": "Why?",
+            "system": "Be brief.",
+            "template": "{{ if .System }}<s>{{ .System }}</s>\n{{ end }}"
+            "<u>{{ .Prompt }}</u>\n<m>{{ .Response }}</m>",
+        },
+    ),
     "generate_raw": (
         "generate",
         {"model": "tiny", "prompt": "<start_of_turn>user\n", "raw": True, "options": {"seed": 7}},
@@ -242,7 +252,8 @@ REFUSALS: list[tuple[str, dict[str, Any], str, str]] = [
     ("chat", {**CHAT, "options": {"num_ctx": 0}}, "options.num_ctx", "at least 1"),
     ("chat", {**CHAT, "options": {"stop": [1]}}, "options.stop", "list of strings"),
     ("generate", {**GEN, "suffix": "end"}, "suffix", "fill in"),
-    ("generate", {**GEN, "template": "{{ .Prompt }}"}, "template", "'raw': true"),
+    ("generate", {**GEN, "template": "{{ range .Messages }}{{ end }}"}, "template", "range"),
+    ("generate", {**GEN, "raw": True, "template": "{{ .Prompt }}"}, "template", "raw"),
     ("generate", {**GEN, "images": ["aGk="]}, "images", "text-only"),
     ("generate", {**GEN, "context": [1, 2]}, "context", "/api/chat"),
     ("generate", {**GEN, "raw": True, "system": "x"}, "system", "raw"),
@@ -292,6 +303,47 @@ def test_num_ctx_up_to_the_lanes_context_per_slot(num_ctx: int, fits: bool) -> N
     # Both numbers, and where the smaller one comes from.
     assert "2049" in info.value.message and "contextPerSlot 2048" in info.value.message
     assert "'tiny'" in info.value.message
+
+
+S, P = "SYS", "PROMPT"
+TEMPLATES: list[tuple[str, str, str]] = [
+    # (template, system, rendered)
+    ("{{ .Prompt }}", S, P),
+    ("[{{ .System }}] {{ .Prompt }}", S, f"[{S}] {P}"),
+    ("{{ if .System }}<s>{{ .System }}</s>{{ end }}<u>{{ .Prompt }}", S, f"<s>{S}</s><u>{P}"),
+    ("{{ if .System }}<s>{{ .System }}</s>{{ end }}<u>{{ .Prompt }}", "", f"<u>{P}"),
+    ("{{ if .System }}A{{ else }}B{{ end }}{{ .Prompt }}", "", f"B{P}"),
+    ("{{ if .System }}A{{ if .Prompt }}C{{ end }}{{ else }}B{{ end }}", S, "AC"),
+    ("{{ if .System }}A{{ if .Prompt }}C{{ else }}D{{ end }}{{ end }}E", "", "E"),
+    # Cut where the answer goes: what follows {{ .Response }} is not the prompt.
+    ("<u>{{ .Prompt }}</u>\n<m>{{ .Response }}</m>\n", S, f"<u>{P}</u>\n<m>"),
+    # Go's trim markers.
+    ("<u>\n  {{- .Prompt -}}  \n</u>", S, f"<u>{P}</u>"),
+    ("{{.Prompt}}", S, P),
+]
+
+
+@pytest.mark.parametrize(("source", "system", "rendered"), TEMPLATES)
+def test_legacy_templates_render_as_ollama_does(source: str, system: str, rendered: str) -> None:
+    assert template.render(source, system=system, prompt=P) == rendered
+
+
+@pytest.mark.parametrize(
+    ("source", "says"),
+    [
+        ("{{ range .Messages }}{{ .Content }}{{ end }}", "{{ range .Messages }}"),
+        ("{{ .Messages }}", "{{ .Messages }}"),
+        ("{{ if .System }}x", "without its {{ end }}"),
+        ("x{{ end }}", "without its {{ if }}"),
+        ("{{ .Prompt", "unclosed"),
+        ('{{ printf "%s" .Prompt }}', "printf"),
+    ],
+)
+def test_other_template_actions_are_refused_naming_them(source: str, says: str) -> None:
+    with pytest.raises(errors.InvalidRequest) as info:
+        template.render(source, system="", prompt="")
+    assert says in info.value.message
+    assert info.value.metadata[validation.PARAM_KEY] == "template"
 
 
 # ---------------------------------------------------------------- responses out, pure

@@ -21,7 +21,7 @@ from typing import Any, Literal
 from blazar._proto.v1 import inference_pb2
 from blazar.api import errors
 from blazar.shim import canonical, http_errors, validation
-from blazar.shim.ollama import protocol
+from blazar.shim.ollama import protocol, template
 
 Kind = Literal["chat", "generate"]
 
@@ -100,8 +100,9 @@ def chat_request(body: protocol.ChatRequest, *, session: str = "") -> inference_
 def generate_request(
     body: protocol.GenerateRequest, *, session: str = ""
 ) -> inference_pb2.ChatRequest | inference_pb2.CompleteRequest:
-    """A prompt through the model's chat template (with `system` as the system turn),
-    or with `raw` the prompt as it is, continued with no template."""
+    """A prompt through the model's chat template (with `system` as the system turn);
+    with `template`, through that one (see `template.render`) instead; with `raw`, the
+    prompt as it is. The last two are continued with no chat template."""
     _check_generation(body)
     for name in ("images", "context"):
         if getattr(body, name):
@@ -112,23 +113,21 @@ def generate_request(
             "in between a prompt and a suffix.",
             param="suffix",
         )
-    if body.template:
-        raise _invalid(
-            "'template' is not supported: Blazar renders prompts with the model's own chat "
-            "template (or the Model's chatTemplate); send 'raw': true with a prompt you "
-            "formatted yourself instead.",
-            param="template",
-        )
     sampling = _sampling_of(body)
     if body.raw:
-        if body.system:
-            raise _invalid(
-                "'system' cannot go with 'raw': true (raw mode applies no template).",
-                param="system",
-            )
+        for name in ("system", "template"):
+            if getattr(body, name):
+                raise _invalid(
+                    f"'{name}' cannot go with 'raw': true (raw mode applies no template).",
+                    param=name,
+                )
+    if body.raw or body.template:
+        prompt = body.prompt
+        if body.template:
+            prompt = template.render(body.template, system=body.system or "", prompt=prompt)
         return inference_pb2.CompleteRequest(
             model=body.model,
-            prompt=body.prompt,
+            prompt=prompt,
             sampling=sampling,
             constraint=constraint(body.format),
             session=session,
