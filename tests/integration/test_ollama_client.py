@@ -218,7 +218,7 @@ def test_tags_show_ps_version(client: ollama.Client, daemon: Daemon) -> None:
     assert root.text == "Ollama is running"
 
 
-def test_num_ctx_over_the_lane_is_a_400_naming_both(client: ollama.Client) -> None:
+def test_num_ctx_or_a_prompt_over_the_lane_is_a_400_naming_both(client: ollama.Client) -> None:
     with pytest.raises(ollama.ResponseError) as info:
         client.chat(model=MODEL, messages=MESSAGES, options={"num_ctx": 8192})
     assert info.value.status_code == 400
@@ -230,6 +230,11 @@ def test_num_ctx_over_the_lane_is_a_400_naming_both(client: ollama.Client) -> No
         options={"num_ctx": CONTEXT_PER_SLOT, "num_predict": BUDGET},
     )
     assert fits.done_reason == "length"
+    with pytest.raises(ollama.ResponseError) as long_prompt:
+        client.generate(model=MODEL, prompt="word " * (CONTEXT_PER_SLOT + 50))
+    assert long_prompt.value.status_code == 400
+    assert str(CONTEXT_PER_SLOT) in long_prompt.value.error
+    assert "options.num_predict" in long_prompt.value.error
 
 
 def test_unknown_model_is_404(client: ollama.Client) -> None:

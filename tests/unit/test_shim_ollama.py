@@ -483,6 +483,21 @@ async def test_an_error_before_the_first_chunk_keeps_its_status(
         assert response.json() == {"error": "Busy."}
 
 
+async def test_a_prompt_over_the_context_is_told_in_ollamas_terms(
+    daemon: Daemon, client: httpx.AsyncClient
+) -> None:
+    daemon.fake.scripts["tiny"] = [
+        errors.ContextLengthExceeded.of(prompt_tokens=3000, max_tokens=100, context_length=2048)
+    ]
+    response = await client.post("/api/chat", json=CHAT)
+    assert response.status_code == 400
+    assert response.json() == {
+        "error": "This model's context is 2048 tokens per request, but the request needs 3100 "
+        "(3000 in the prompt and 100 to generate). Shorten the prompt, or lower "
+        "options.num_predict."
+    }
+
+
 async def test_unknown_model_is_404(daemon: Daemon, client: httpx.AsyncClient) -> None:
     for path, body in [
         ("/api/chat", {**CHAT, "model": "nope"}),

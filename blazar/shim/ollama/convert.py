@@ -728,6 +728,20 @@ def error_response(err: errors.BlazarError) -> ErrorResponse:
     """Ollama's `{"error": "..."}` with the status every dialect shares."""
     return ErrorResponse(
         status=http_errors.http_status(err),
-        body={"error": err.message},
+        body={"error": _error_message(err)},
         headers=http_errors.headers(err),
+    )
+
+
+def _error_message(err: errors.BlazarError) -> str:
+    """The error's sentence, with a prompt that does not fit told in Ollama's terms
+    (the daemon's says `max_tokens`, which is `options.num_predict` here)."""
+    numbers = [err.metadata.get(k, "") for k in ("prompt_tokens", "max_tokens", "context_length")]
+    if not isinstance(err, errors.ContextLengthExceeded) or not all(n.isdigit() for n in numbers):
+        return err.message
+    prompt, generate, context_length = map(int, numbers)
+    return (
+        f"This model's context is {context_length} tokens per request, but the request needs "
+        f"{prompt + generate} ({prompt} in the prompt and {generate} to generate). Shorten "
+        "the prompt, or lower options.num_predict."
     )
