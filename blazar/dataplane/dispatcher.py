@@ -94,8 +94,11 @@ class NoParking:
         return False
 
 
-# A Park waits for the engine's current step; a long prompt chunk can take seconds.
+# A Park waits for the engine's current step (a long prompt chunk can take seconds), a
+# Resume for the slot admission freed; the Lane's queue waits meanwhile, so neither
+# waits for ever. A Resume given up on still happens when the slot frees.
 PARK_TIMEOUT_S = 10.0
+RESUME_TIMEOUT_S = 30.0
 
 
 class EngineParker:
@@ -117,7 +120,7 @@ class EngineParker:
     async def resume(self, replica: routing.Replica, request_id: str) -> bool:
         client = self._pool.client(replica.socket, process=replica.pid)
         try:
-            await client.resume(request_id)
+            await client.resume(request_id, timeout=RESUME_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
             log.warning("admission.resume_failed", request_id=request_id, error=exc.details())
             return False
