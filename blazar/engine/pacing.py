@@ -9,6 +9,10 @@ each prompt token adds to a step. Without a target the loop's fixed cap applies
 (`loop.PREFILL_BESIDE_DECODE`), and so it does until both figures are measured: the
 pacer never sizes a chunk on a guess.
 
+Steps vary, so the chunk aims below the target by `SPREAD` times the pacer's own
+typical error (the moving average of |measured - predicted| over steps that carried a
+chunk): the target is a bound on each step, not on their mean.
+
 A target that even a decode-only step misses still lets the prompt move on, by
 `MIN_CHUNK` tokens a step; a target with room to spare lets the chunk grow up to the
 batch, so that the long prompt is not slowed for nothing.
@@ -25,6 +29,8 @@ from dataclasses import dataclass, field
 MIN_CHUNK = 16
 # Weight of the newest measurement in the moving averages.
 ALPHA = 0.2
+# How many typical prediction errors a chunk keeps clear of the target.
+SPREAD = 2.0
 
 
 def _average(old: float | None, new: float) -> float:
@@ -41,6 +47,8 @@ class PrefillPacer:
     _decode_s: dict[int, float] = field(default_factory=dict)
     # Seconds one prompt token adds to a step.
     _per_token_s: float | None = None
+    # Typical |measured - predicted| seconds of a step that carried a chunk.
+    _error_s: float = 0.0
 
     def observe(self, *, rows: int, prompt_tokens: int, seconds: float) -> None:
         """A step decoded `rows` rows of decoding streams and `prompt_tokens` prompt
@@ -52,6 +60,9 @@ class PrefillPacer:
         base = 0.0 if rows == 0 else self.decode_s(rows)
         if base is None:
             return
+        if self._per_token_s is not None and rows > 0:
+            predicted = base + self._per_token_s * prompt_tokens
+            self._error_s = _average(self._error_s, abs(seconds - predicted))
         added = (seconds - base) / prompt_tokens
         if added > 0:
             self._per_token_s = _average(self._per_token_s, added)
@@ -74,5 +85,5 @@ class PrefillPacer:
         base, per_token = self.decode_s(rows), self._per_token_s
         if base is None or per_token is None:
             return self.default
-        room = int((target_s - base) / per_token)
+        room = int((target_s - base - SPREAD * self._error_s) / per_token)
         return max(MIN_CHUNK, min(room, self.max_tokens))

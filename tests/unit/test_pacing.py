@@ -69,7 +69,17 @@ def test_measurements_are_averaged() -> None:
     assert pacer.budget(rows=1, target_s=0.100) == 140
 
 
-def test_a_step_faster_than_its_decode_alone_teaches_nothing() -> None:
+def test_a_step_faster_than_its_decode_alone_teaches_no_rate() -> None:
     pacer = measured()
     pacer.observe(rows=1, prompt_tokens=50, seconds=0.010)
+    # The rate stays; the miss (45 ms against 10 ms) is an error to keep clear of:
+    # a fifth of 35 ms, twice, leaves 100 - 20 - 14 = 66 ms for 132 tokens.
+    assert pacer.budget(rows=1, target_s=0.100) == 132
+
+
+def test_chunks_keep_clear_of_the_target_by_the_typical_error() -> None:
+    pacer = measured()  # 20 ms + 0.5 ms a token, predicted exactly so far
     assert pacer.budget(rows=1, target_s=0.100) == 160
+    pacer.observe(rows=1, prompt_tokens=100, seconds=0.080)  # predicted 70 ms: 10 ms off
+    # Error 2 ms (a fifth of 10), per-token 0.52 ms: (100 - 20 - 4) / 0.52 = 146.
+    assert pacer.budget(rows=1, target_s=0.100) == 146
