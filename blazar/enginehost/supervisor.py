@@ -70,7 +70,6 @@ DRAIN_CANCEL_ALLOWANCE_S = 7.0
 _MAX_UNIX_PATH = 100
 
 
-
 def cpu_share_path() -> Path:
     """The table through which engines share the host's cores (`blazar.engine.cpushare`;
     each keeps libgomp's default spin): one per user and host, so that the engines of
