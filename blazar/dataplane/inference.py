@@ -182,10 +182,13 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
     async def Chat(
         self, request: inference_pb2.ChatRequest, context: Context
     ) -> AsyncIterator[inference_pb2.Chunk]:
+        chat = engine_pb2.ChatInput(
+            messages=request.messages, tools=request.tools, tool_choice=request.tool_choice
+        )
+        if request.HasField("parallel_tool_calls"):
+            chat.parallel_tool_calls = request.parallel_tool_calls
         generate = engine_pb2.GenerateRequest(
-            chat=engine_pb2.ChatInput(messages=request.messages),
-            sampling=request.sampling,
-            constraint=request.constraint,
+            chat=chat, sampling=request.sampling, constraint=request.constraint
         )
 
         def hashes(limit: int) -> tuple[int, ...]:

@@ -52,9 +52,12 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
         self.calls = 0
         # The prompts it has served, as its KV cache would hold them.
         self.served: list[str] = []
+        # The Generate requests it was sent.
+        self.requests: list[Any] = []
 
     async def Generate(self, request: Any, context: Any) -> AsyncIterator[inference_pb2.Chunk]:
         self.calls += 1
+        self.requests.append(request)
         if self.refuse:
             await status.abort(context, errors.Unavailable("draining"))
         prompt = request.prompt or "".join(m.content for m in request.chat.messages)
@@ -621,3 +624,44 @@ def test_an_unknown_policy_is_invalid_even_with_no_ready_replica() -> None:
     error = asyncio.run(run())
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "'nosuch'" in (error.details() or "")
+
+
+def test_a_chat_reaches_the_engine_with_its_tools_unchanged() -> None:
+    call = inference_pb2.ToolCall(id="call_1", name="f", arguments='{"x":1}')
+    request = inference_pb2.ChatRequest(
+        model="l",
+        messages=[
+            inference_pb2.Message(role="user", content="hi"),
+            inference_pb2.Message(role="assistant", tool_calls=[call]),
+            inference_pb2.Message(role="tool", content="2", tool_call_id="call_1", name="f"),
+        ],
+        tools=[inference_pb2.Tool(name="f", description="d", parameters='{"type":"object"}')],
+        tool_choice=inference_pb2.ToolChoice(mode=inference_pb2.ToolChoice.MODE_NAMED, name="f"),
+        parallel_tool_calls=False,
+    )
+    fake = FakeEngine(refuse=False, text="x")
+
+    async def run() -> None:
+        async with data_plane([fake]) as stub:
+            _ = [c async for c in stub.Chat(request)]
+
+    asyncio.run(run())
+    (sent,) = fake.requests
+    assert list(sent.chat.messages) == list(request.messages)
+    assert list(sent.chat.tools) == list(request.tools)
+    assert sent.chat.tool_choice == request.tool_choice
+    assert sent.chat.HasField("parallel_tool_calls") and not sent.chat.parallel_tool_calls
+
+
+def test_an_unset_parallel_tool_calls_stays_unset() -> None:
+    fake = FakeEngine(refuse=False, text="x")
+    request = inference_pb2.ChatRequest(
+        model="l", messages=[inference_pb2.Message(role="user", content="hi")]
+    )
+
+    async def run() -> None:
+        async with data_plane([fake]) as stub:
+            _ = [c async for c in stub.Chat(request)]
+
+    asyncio.run(run())
+    assert not fake.requests[0].chat.HasField("parallel_tool_calls")

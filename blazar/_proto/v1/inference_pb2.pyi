@@ -14,18 +14,78 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_STOP: _ClassVar[FinishReason]
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_CANCELLED: _ClassVar[FinishReason]
+    FINISH_REASON_TOOL_CALLS: _ClassVar[FinishReason]
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_CANCELLED: FinishReason
+FINISH_REASON_TOOL_CALLS: FinishReason
 
 class Message(_message.Message):
-    __slots__ = ("role", "content")
+    __slots__ = ("role", "content", "tool_calls", "tool_call_id", "name")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
     role: str
     content: str
-    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+    tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
+    tool_call_id: str
+    name: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., tool_call_id: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
+
+class Tool(_message.Message):
+    __slots__ = ("name", "description", "parameters")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    description: str
+    parameters: str
+    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., parameters: _Optional[str] = ...) -> None: ...
+
+class ToolChoice(_message.Message):
+    __slots__ = ("mode", "name")
+    class Mode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        MODE_UNSPECIFIED: _ClassVar[ToolChoice.Mode]
+        MODE_AUTO: _ClassVar[ToolChoice.Mode]
+        MODE_NONE: _ClassVar[ToolChoice.Mode]
+        MODE_REQUIRED: _ClassVar[ToolChoice.Mode]
+        MODE_NAMED: _ClassVar[ToolChoice.Mode]
+    MODE_UNSPECIFIED: ToolChoice.Mode
+    MODE_AUTO: ToolChoice.Mode
+    MODE_NONE: ToolChoice.Mode
+    MODE_REQUIRED: ToolChoice.Mode
+    MODE_NAMED: ToolChoice.Mode
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    mode: ToolChoice.Mode
+    name: str
+    def __init__(self, mode: _Optional[_Union[ToolChoice.Mode, str]] = ..., name: _Optional[str] = ...) -> None: ...
+
+class ToolCall(_message.Message):
+    __slots__ = ("id", "name", "arguments")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ARGUMENTS_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    name: str
+    arguments: str
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., arguments: _Optional[str] = ...) -> None: ...
+
+class ToolCallDelta(_message.Message):
+    __slots__ = ("index", "id", "name", "arguments")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ARGUMENTS_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    id: str
+    name: str
+    arguments: str
+    def __init__(self, index: _Optional[int] = ..., id: _Optional[str] = ..., name: _Optional[str] = ..., arguments: _Optional[str] = ...) -> None: ...
 
 class Sampling(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "min_p", "repeat_penalty", "presence_penalty", "frequency_penalty", "seed", "max_tokens", "stop", "logit_bias", "logprobs", "top_logprobs", "prompt_logprobs", "ignore_eos")
@@ -79,20 +139,26 @@ class Constraint(_message.Message):
     def __init__(self, json_schema: _Optional[str] = ..., grammar: _Optional[str] = ..., json_object: _Optional[bool] = ...) -> None: ...
 
 class ChatRequest(_message.Message):
-    __slots__ = ("model", "messages", "sampling", "slo", "session", "constraint")
+    __slots__ = ("model", "messages", "sampling", "slo", "session", "constraint", "tools", "tool_choice", "parallel_tool_calls")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SLO_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
+    PARALLEL_TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     model: str
     messages: _containers.RepeatedCompositeFieldContainer[Message]
     sampling: Sampling
     slo: str
     session: str
     constraint: Constraint
-    def __init__(self, model: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., slo: _Optional[str] = ..., session: _Optional[str] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ...) -> None: ...
+    tools: _containers.RepeatedCompositeFieldContainer[Tool]
+    tool_choice: ToolChoice
+    parallel_tool_calls: bool
+    def __init__(self, model: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., slo: _Optional[str] = ..., session: _Optional[str] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ...) -> None: ...
 
 class CompleteRequest(_message.Message):
     __slots__ = ("model", "prompt", "sampling", "slo", "session", "constraint")
@@ -121,14 +187,16 @@ class Chunk(_message.Message):
     def __init__(self, index: _Optional[int] = ..., delta: _Optional[_Union[Delta, _Mapping]] = ..., final: _Optional[_Union[Final, _Mapping]] = ...) -> None: ...
 
 class Delta(_message.Message):
-    __slots__ = ("text", "tokens", "logprobs")
+    __slots__ = ("text", "tokens", "logprobs", "tool_calls")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     text: str
     tokens: int
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
-    def __init__(self, text: _Optional[str] = ..., tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+    tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCallDelta]
+    def __init__(self, text: _Optional[str] = ..., tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCallDelta, _Mapping]]] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("id", "token", "logprob", "bytes", "top")
