@@ -668,6 +668,11 @@ def _shared_prefix(a: str, b: str) -> str:
     return a if len(a) <= len(b) else b
 
 
+def literal(text: str) -> str:
+    """A GBNF string literal that matches exactly `text`."""
+    return _literal(text)
+
+
 def _literal(text: str) -> str:
     """A GBNF string literal that matches exactly `text`."""
     return '"' + "".join(_literal_char(c) for c in text) + '"'

@@ -23,7 +23,17 @@ import structlog
 from blazar._proto.engine.v1 import engine_pb2, engine_pb2_grpc
 from blazar._proto.v1 import inference_pb2
 from blazar.api import errors
-from blazar.engine import embedding, jobs, llama, logprobs, loop, parking, sampling, text
+from blazar.engine import (
+    embedding,
+    jobs,
+    llama,
+    logprobs,
+    loop,
+    parking,
+    sampling,
+    text,
+    tools,
+)
 from blazar.rpc import status
 
 log = structlog.get_logger("blazar.engine.service")
@@ -251,7 +261,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
 
         arrived = time.perf_counter()
         try:
-            job = await self._prepare(request, deliver, arrived=arrived)
+            job, calls = await self._prepare(request, deliver, arrived=arrived)
         except errors.BlazarError as err:
             await status.abort(context, err)
         started = time.perf_counter()
@@ -275,15 +285,20 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                         else:
                             held = after
                     streamed += event.tokens
+                    parsed = calls.feed(event.text) if calls else tools.Parsed(text=event.text)
                     yield inference_pb2.Chunk(
-                        delta=inference_pb2.Delta(
-                            text=event.text,
+                        delta=_delta(
+                            parsed,
                             tokens=event.tokens,
                             logprobs=_wire_logprobs(self._decode.vocab, event.logprobs),
                         )
                     )
                 elif isinstance(event, jobs.Finished):
                     finished = event
+                    if calls is not None:
+                        rest = calls.finish()
+                        if rest.text or rest.calls:
+                            yield inference_pb2.Chunk(delta=_delta(rest, tokens=0))
                     if event.reason is jobs.FinishReason.CANCELLED:
                         # Cancelled here, not by the caller (who is gone): the drain.
                         await status.abort(
@@ -293,6 +308,8 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                             ),
                         )
                     final = _final(event)
+                    if calls and calls.called and event.reason is jobs.FinishReason.STOP:
+                        final.finish_reason = inference_pb2.FINISH_REASON_TOOL_CALLS
                     final.prompt_logprobs.extend(
                         _wire_logprobs(self._decode.vocab, event.prompt_logprobs)
                     )
@@ -395,30 +412,42 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         deliver: Callable[[jobs.Event], None],
         *,
         arrived: float,
-    ) -> jobs.Job:
-        """Validate, render and tokenize; raise BlazarError when it cannot run."""
+    ) -> tuple[jobs.Job, tools.CallParser | None]:
+        """Validate, render and tokenize; raise BlazarError when it cannot run. With
+        tools, also the parser that finds the calls in the output."""
+        which = request.WhichOneof("input")
+        toolset = tools.parse(request.chat) if which == "chat" else None
+        active = toolset is not None and toolset.active
+        constraint = request.constraint
+        if active and constraint.WhichOneof("kind") is not None:
+            raise errors.InvalidRequest(
+                "A constraint on the output (structured output) and tools cannot both "
+                "apply; send one, or tool_choice none.",
+                metadata={errors.FIELD_KEY: sampling.CONSTRAINT_FIELD},
+            )
         resolve = functools.partial(
-            sampling.resolve,
+            _resolve,
             request.sampling,
-            constraint=request.constraint,
+            constraint=constraint,
+            toolset=toolset,
             vocab=self._decode.vocab,
         )
-        # Off the event loop: a JSON schema becomes a grammar that llama.cpp compiles,
-        # and ignore_eos needs the end-of-generation tokens, found the first time by
-        # asking each of the vocabulary's tokens (170 ms for 262k). Anything else takes
-        # microseconds, less than a hop to a worker thread and back (which, with the
-        # decode threads busy on every core, waits for a time slice).
-        slow = request.constraint.WhichOneof("kind") is not None or request.sampling.ignore_eos
+        # Off the event loop: a JSON schema (a forced call's too) becomes a grammar that
+        # llama.cpp compiles, tools' schemas are checked, and ignore_eos needs the
+        # end-of-generation tokens, found the first time by asking each of the
+        # vocabulary's tokens (170 ms for 262k). Anything else takes microseconds, less
+        # than a hop to a worker thread and back (which, with the decode threads busy on
+        # every core, waits for a time slice).
+        slow = constraint.WhichOneof("kind") is not None or request.sampling.ignore_eos or active
         params = await asyncio.to_thread(resolve) if slow else resolve()
-        which = request.WhichOneof("input")
         if which == "prompt":
             prompt = request.prompt
         elif which == "chat":
             if not request.chat.messages:
                 raise errors.InvalidRequest("The conversation has no messages.")
-            turns = [text.ChatTurn(m.role, m.content) for m in request.chat.messages]
+            turns = tools.history_turns(request.chat.messages)
             text.check_roles(turns)
-            prompt = self._chat.render(turns) if self._chat else text.render_gemma(turns)
+            prompt = self._render(turns, toolset)
         else:
             raise errors.InvalidRequest("Set either prompt or chat.")
         if len(prompt) > INLINE_TOKENIZE_CHARS:
@@ -444,7 +473,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                 raise errors.ContextLengthExceeded.of(
                     prompt_tokens=len(tokens), max_tokens=max_tokens, context_length=limit
                 )
-        return jobs.Job(
+        job = jobs.Job(
             request_id=request.request_id,
             prompt=tokens,
             params=params,
@@ -453,6 +482,52 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             arrived=arrived,
             tpot_target_s=request.tpot_target_ms / 1000 if request.tpot_target_ms > 0 else None,
         )
+        return job, tools.CallParser(toolset) if toolset is not None and active else None
+
+    def _render(self, turns: list[text.ChatTurn], toolset: tools.ToolSet | None) -> str:
+        """The prompt: tools and tool turns by the model's template when it shows tools
+        in the call format Blazar parses, else by Blazar's own tool prompt."""
+        if self._chat is not None and self._chat.renders_tools:
+            shown = toolset if toolset is not None and toolset.active else None
+            return self._chat.render(turns, tools=tools.template_tools(shown) if shown else None)
+        plain = tools.builtin_turns(turns, toolset)
+        return self._chat.render(plain) if self._chat else text.render_gemma(plain)
+
+
+def _resolve(
+    wire: inference_pb2.Sampling,
+    *,
+    constraint: inference_pb2.Constraint,
+    toolset: tools.ToolSet | None,
+    vocab: llama.Vocab,
+) -> sampling.SamplingParams:
+    """The request's sampling; a forced call's grammar is its constraint."""
+    if toolset is not None and toolset.forced:
+        forced = inference_pb2.Constraint(grammar=tools.grammar(toolset))
+        try:
+            return sampling.resolve(wire, constraint=forced, vocab=vocab)
+        except errors.InvalidRequest as err:
+            if err.metadata.get(errors.FIELD_KEY) == sampling.CONSTRAINT_FIELD:
+                err.metadata[errors.FIELD_KEY] = tools.TOOLS_FIELD
+            raise
+    return sampling.resolve(wire, constraint=constraint, vocab=vocab)
+
+
+def _delta(
+    parsed: tools.Parsed,
+    *,
+    tokens: int,
+    logprobs: Sequence[inference_pb2.TokenLogprob] = (),
+) -> inference_pb2.Delta:
+    return inference_pb2.Delta(
+        text=parsed.text,
+        tokens=tokens,
+        logprobs=logprobs,
+        tool_calls=[
+            inference_pb2.ToolCallDelta(index=c.index, id=c.id, name=c.name, arguments=c.arguments)
+            for c in parsed.calls
+        ],
+    )
 
 
 def _wire_logprobs(

@@ -7,9 +7,10 @@ each sampled token and emits what they return.
 from __future__ import annotations
 
 import codecs
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import jinja2
 import jinja2.sandbox
@@ -22,11 +23,27 @@ _GEMMA_ROLES = {"user": "user", "tool": "user", "assistant": "model"}
 
 
 @dataclass(frozen=True)
+class ToolCall:
+    """A call an assistant turn made; `arguments` is JSON text of an object."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True)
 class ChatTurn:
-    """One message of a conversation: role ("system", "user", "assistant", "tool")."""
+    """One message of a conversation: role ("system", "user", "assistant", "tool").
+
+    An assistant turn may carry the calls it made; a tool turn the id of the call it
+    answers and the tool's name.
+    """
 
     role: str
     content: str
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str = ""
+    name: str = ""
 
 
 def check_roles(turns: Sequence[ChatTurn]) -> None:
@@ -120,14 +137,36 @@ class ChatTemplate:
         self._template = env.from_string(source)
         self._bos = bos_token
         self._eos = eos_token
+        self.renders_tools = _writes_tool_calls(source) and self._shows_tools()
 
-    def render(self, turns: Sequence[ChatTurn]) -> str:
+    def _shows_tools(self) -> bool:
+        """Whether the template puts a tool it is given into the prompt (as llama.cpp
+        finds out: render with a tool and look for its name)."""
+        probe = "blazar_probe_tool"
+        tools = [
+            {
+                "type": "function",
+                "function": {"name": probe, "description": "", "parameters": {"type": "object"}},
+            }
+        ]
+        try:
+            return probe in self.render([ChatTurn("user", "Hi")], tools=tools)
+        except errors.InvalidRequest:
+            return False
+
+    def render(
+        self, turns: Sequence[ChatTurn], *, tools: Sequence[dict[str, Any]] | None = None
+    ) -> str:
+        """The prompt; with `tools` (the OpenAI shape), the template gets them as
+        `tools`, as Hugging Face's apply_chat_template passes them."""
+        extra: dict[str, Any] = {"tools": list(tools)} if tools else {}
         try:
             rendered = self._template.render(
-                messages=[{"role": t.role, "content": t.content} for t in turns],
+                messages=[_message(t) for t in turns],
                 add_generation_prompt=True,
                 bos_token=self._bos,
                 eos_token=self._eos,
+                **extra,
             )
         except errors.InvalidRequest:
             raise  # the template's own raise_exception
@@ -137,6 +176,31 @@ class ChatTemplate:
             # conversation or the template is at fault, not Blazar.
             raise errors.InvalidRequest(f"The chat template failed: {exc}") from exc
         return rendered.removeprefix(self._bos) if self._bos else rendered
+
+
+def _writes_tool_calls(source: str) -> bool:
+    """Whether the template writes calls in the one format Blazar parses (`tools`)."""
+    return "<tool_call>" in source
+
+
+def _message(turn: ChatTurn) -> dict[str, Any]:
+    """A turn as templates read it: Hugging Face's convention, with a call's arguments
+    as a mapping (templates write them with `tojson`)."""
+    message: dict[str, Any] = {"role": turn.role, "content": turn.content}
+    if turn.tool_calls:
+        message["tool_calls"] = [
+            {
+                "id": c.id,
+                "type": "function",
+                "function": {"name": c.name, "arguments": json.loads(c.arguments)},
+            }
+            for c in turn.tool_calls
+        ]
+    if turn.tool_call_id:
+        message["tool_call_id"] = turn.tool_call_id
+    if turn.name:
+        message["name"] = turn.name
+    return message
 
 
 def _template_error(message: str) -> NoReturn:

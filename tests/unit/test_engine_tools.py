@@ -1,0 +1,496 @@
+"""Tool calling in the engine, by state: which tool sets are refused and why, what the
+forced-call grammar lets the model write, how streamed text becomes calls, and how a
+conversation with tools is rendered."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from typing import Any
+
+import jsonschema
+import pytest
+
+from blazar._proto.engine.v1 import engine_pb2
+from blazar._proto.v1 import inference_pb2 as pb
+from blazar.api import errors
+from blazar.engine import text, tools
+
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 20},
+        "unit": {"enum": ["c", "f"]},
+        "days": {"type": "integer"},
+    },
+    "required": ["city", "unit"],
+}
+Mode = pb.ToolChoice
+
+
+def chat(
+    *defs: tuple[str, Any],
+    mode: int = Mode.MODE_AUTO,
+    name: str = "",
+    parallel: bool | None = None,
+) -> engine_pb2.ChatInput:
+    out = engine_pb2.ChatInput(
+        tools=[
+            pb.Tool(name=n, parameters=p if isinstance(p, str) else json.dumps(p)) for n, p in defs
+        ],
+        tool_choice=pb.ToolChoice(mode=mode, name=name),  # type: ignore[arg-type]
+    )
+    if parallel is not None:
+        out.parallel_tool_calls = parallel
+    return out
+
+
+def toolset(
+    mode: int = Mode.MODE_AUTO, name: str = "", parallel: bool | None = None
+) -> tools.ToolSet:
+    return tools.parse(
+        chat(("weather", WEATHER), ("noop", ""), mode=mode, name=name, parallel=parallel)
+    )
+
+
+# ---------------------------------------------------------------- checking
+
+
+def _deep(levels: int) -> dict[str, Any]:
+    node: dict[str, Any] = {"type": "object"}
+    for _ in range(levels):
+        node = {"type": "object", "properties": {"a": node}}
+    return node
+
+
+@pytest.mark.parametrize(
+    ("request_", "field", "fragment"),
+    [
+        (chat(("bad name", {})), "tools[0].name", "1 to 64 letters"),
+        (chat(("", {})), "tools[0].name", "1 to 64"),
+        (chat(("f", {}), ("f", {})), "tools[1].name", "both named 'f'"),
+        (chat(("f", "{")), "tools[0].parameters", "not valid JSON"),
+        (chat(("f", "[1]")), "tools[0].parameters", "JSON Schema object"),
+        (chat(("f", {"type": "string"})), "tools[0].parameters", "must describe an object"),
+        (
+            chat(("f", {"type": "object", "properties": {"a": {"type": "strin"}}})),
+            "tools[0].parameters",
+            "not a valid JSON Schema",
+        ),
+        (chat(("f", _deep(40))), "tools[0].parameters", "more than 32 levels"),
+        (chat(mode=Mode.MODE_REQUIRED), "tool_choice", "needs tools"),
+        (chat(("f", {}), mode=Mode.MODE_NAMED, name="g"), "tool_choice", "'g'"),
+    ],
+)
+def test_invalid_tools_are_refused_naming_the_field(
+    request_: engine_pb2.ChatInput, field: str, fragment: str
+) -> None:
+    with pytest.raises(errors.InvalidRequest, match=re.escape(fragment)) as caught:
+        tools.parse(request_)
+    assert caught.value.metadata[errors.FIELD_KEY] == field
+
+
+def test_too_many_tools_are_refused() -> None:
+    with pytest.raises(errors.InvalidRequest, match="At most 128"):
+        tools.parse(chat(*((f"t{i}", {}) for i in range(129))))
+
+
+def test_a_tool_set_reads_the_choice_and_the_parallel_flag() -> None:
+    assert toolset().mode is tools.Mode.AUTO and toolset().parallel
+    assert not toolset(parallel=False).parallel
+    named = toolset(Mode.MODE_NAMED, "noop")
+    assert named.forced and [t.name for t in named.callable] == ["noop"]
+    assert not toolset(Mode.MODE_NONE).active
+    assert toolset().by_name("noop") == tools.Tool("noop", "", tools.NO_PARAMETERS)
+
+
+def test_depth_counts_containers_without_recursing() -> None:
+    assert tools.depth({}) == 1
+    assert tools.depth({"a": [1, {"b": 2}]}) == 3
+    assert tools.depth(_deep(10_000)) == tools.MAX_SCHEMA_DEPTH + 1
+
+
+# ---------------------------------------------------------------- the forced-call grammar
+
+
+def _gbnf_regex(gbnf: str) -> re.Pattern[str]:
+    """A Python regex for a grammar without recursion (rules inlined)."""
+    rules = dict(line.split(" ::= ", 1) for line in gbnf.splitlines())
+
+    def expand(body: str) -> str:
+        out, i = [], 0
+        while i < len(body):
+            c = body[i]
+            if c == '"':
+                end = tools._closing(body, i, '"')
+                raw = re.sub(
+                    r"\\(x[0-9A-F]{2}|.)",
+                    lambda e: (
+                        chr(int(e[1][1:], 16))
+                        if e[1].startswith("x")
+                        else {"n": "\n", "t": "\t", "r": "\r"}.get(e[1], e[1])
+                    ),
+                    body[i + 1 : end - 1],
+                )
+                out.append(f"(?:{re.escape(raw)})")
+                i = end
+            elif c == "[":
+                end = tools._closing(body, i, "]")
+                out.append(body[i:end])
+                i = end
+            elif c == "{":
+                end = body.index("}", i) + 1
+                out.append(body[i:end])
+                i = end
+            elif word := re.compile(r"[A-Za-z][A-Za-z0-9-]*").match(body, i):
+                out.append(f"(?:{expand(rules[word.group(0)])})")
+                i = word.end()
+            elif c == "(":
+                out.append("(?:")
+                i += 1
+            elif c == " ":
+                i += 1
+            else:
+                out.append(c)
+                i += 1
+        return "".join(out)
+
+    return re.compile(expand(rules["root"]), re.DOTALL)
+
+
+def call(name: str, arguments: str) -> str:
+    return f'<tool_call>\n{{"name": "{name}", "arguments": {arguments}}}\n</tool_call>'
+
+
+GOOD = call("weather", '{"city": "Paris", "unit": "c"}')
+GOOD_TOO = call("weather", '{"city":"Oslo","unit":"f","days":3}')
+EMPTY = call("noop", "{}")
+
+
+@pytest.mark.parametrize(
+    ("choice", "output", "allowed"),
+    [
+        ((Mode.MODE_REQUIRED, "", None), GOOD, True),
+        ((Mode.MODE_REQUIRED, "", None), GOOD_TOO, True),
+        ((Mode.MODE_REQUIRED, "", None), EMPTY, True),
+        ((Mode.MODE_REQUIRED, "", None), f"{GOOD}\n{EMPTY}", True),
+        ((Mode.MODE_REQUIRED, "", None), "\n".join([EMPTY] * 8), True),
+        ((Mode.MODE_REQUIRED, "", None), "\n".join([EMPTY] * 9), False),
+        ((Mode.MODE_REQUIRED, "", False), f"{GOOD}\n{EMPTY}", False),
+        ((Mode.MODE_REQUIRED, "", False), GOOD, True),
+        ((Mode.MODE_REQUIRED, "", None), "", False),
+        ((Mode.MODE_REQUIRED, "", None), "Sure! " + GOOD, False),
+        ((Mode.MODE_REQUIRED, "", None), call("weather", '{"city": "Paris", "unit": "k"}'), False),
+        ((Mode.MODE_REQUIRED, "", None), call("weather", '{"city": "Paris"}'), False),
+        (
+            (Mode.MODE_REQUIRED, "", None),
+            call("weather", '{"city": "' + "x" * 21 + '", "unit": "c"}'),
+            False,
+        ),
+        ((Mode.MODE_REQUIRED, "", None), call("other", "{}"), False),
+        ((Mode.MODE_NAMED, "noop", None), EMPTY, True),
+        ((Mode.MODE_NAMED, "noop", None), GOOD, False),
+    ],
+)
+def test_the_forced_grammar_allows_exactly_valid_calls(
+    choice: tuple[int, str, bool | None], output: str, allowed: bool
+) -> None:
+    mode, name, parallel = choice
+    pattern = _gbnf_regex(tools.grammar(toolset(mode, name, parallel)))
+    assert bool(pattern.fullmatch(output)) == allowed
+
+
+def test_a_schema_the_grammar_cannot_enforce_is_refused_only_when_forced() -> None:
+    loose = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1}}}
+    request_ = chat(("ok", {}), ("counted", loose), mode=Mode.MODE_REQUIRED)
+    with pytest.raises(errors.InvalidRequest, match="minimum") as caught:
+        tools.grammar(tools.parse(request_))
+    assert caught.value.metadata[errors.FIELD_KEY] == "tools[1].parameters"
+    assert "cannot be forced" in caught.value.message
+    # Named: only the named tool's schema has to be enforceable.
+    tools.grammar(
+        tools.parse(chat(("ok", {}), ("counted", loose), mode=Mode.MODE_NAMED, name="ok"))
+    )
+    # Auto: any valid schema; calls are validated instead.
+    assert tools.parse(chat(("counted", loose))).tools[0].parameters == loose
+
+
+def test_rule_names_are_prefixed_outside_literals_and_classes() -> None:
+    gbnf = 'root ::= "root space" [a-z] space root-kv{0,3}\nspace ::= " "?\nroot-kv ::= "x"'
+    assert list(tools._prefixed(gbnf, "t0-")) == [
+        't0-root ::= "root space" [a-z] t0-space t0-root-kv{0,3}',
+        't0-space ::= " "?',
+        't0-root-kv ::= "x"',
+    ]
+
+
+# ---------------------------------------------------------------- parsing
+
+
+def ids() -> Any:
+    counter = iter(range(100))
+    return lambda: f"call_{next(counter)}"
+
+
+def run(parser: tools.CallParser, pieces: list[str]) -> tuple[str, dict[int, dict[str, str]]]:
+    """The text and the calls (by index, deltas joined) a parser makes of `pieces`."""
+    out, calls = [], {}
+    for parsed in [*(parser.feed(p) for p in pieces), parser.finish()]:
+        out.append(parsed.text)
+        for delta in parsed.calls:
+            entry = calls.setdefault(delta.index, {"id": "", "name": "", "arguments": ""})
+            if delta.id:
+                assert not entry["id"], "id and name come once, on a call's first delta"
+                entry["id"], entry["name"] = delta.id, delta.name
+            entry["arguments"] += delta.arguments
+    return "".join(out), calls
+
+
+def splits(whole: str, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    cuts = sorted(rng.sample(range(1, len(whole)), min(len(whole) - 1, rng.randint(1, 12))))
+    return [whole[a:b] for a, b in zip([0, *cuts], [*cuts, len(whole)], strict=True)]
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_forced_calls_stream_name_first_then_arguments_however_text_is_split(seed: int) -> None:
+    output = f"{GOOD}\n{call('noop', '{ }')}"
+    pieces = list(output) if seed == 0 else splits(output, seed)
+    parser = tools.CallParser(toolset(Mode.MODE_REQUIRED), new_id=ids())
+    said, calls = run(parser, pieces)
+    assert said == ""
+    assert calls == {
+        0: {"id": "call_0", "name": "weather", "arguments": '{"city": "Paris", "unit": "c"}'},
+        1: {"id": "call_1", "name": "noop", "arguments": "{ }"},
+    }
+    assert parser.called and parser.made == 2
+
+
+def test_a_forced_call_cut_short_is_partial() -> None:
+    parser = tools.CallParser(toolset(Mode.MODE_REQUIRED), new_id=ids())
+    _, calls = run(parser, [GOOD[:60]])
+    assert calls[0]["name"] == "weather" and not parser.called and parser.partial
+
+
+def test_a_forced_arguments_string_may_hold_braces_and_the_closing_tag() -> None:
+    arguments = '{"city": "}\\"</tool_call>{", "unit": "c"}'
+    parser = tools.CallParser(toolset(Mode.MODE_REQUIRED), new_id=ids())
+    _, calls = run(parser, list(call("weather", arguments)))
+    assert calls[0]["arguments"] == arguments and parser.called
+
+
+@pytest.mark.parametrize(
+    ("output", "said", "called"),
+    [
+        ("Paris is sunny.", "Paris is sunny.", {}),
+        (GOOD, "", {0: ("weather", {"city": "Paris", "unit": "c"})}),
+        (
+            f"Let me look.\n{GOOD}\n",
+            "Let me look.",
+            {0: ("weather", {"city": "Paris", "unit": "c"})},
+        ),
+        (
+            f"{GOOD}\n{EMPTY}",
+            "",
+            {0: ("weather", {"city": "Paris", "unit": "c"}), 1: ("noop", {})},
+        ),
+        # Arguments as a JSON string (some models write them so) are read too.
+        (call("noop", '"{}"'), "", {0: ("noop", {})}),
+        # Not a valid call: the text as it was.
+        (
+            call("weather", '{"city": "Paris", "unit": "k"}'),
+            call("weather", '{"city": "Paris", "unit": "k"}'),
+            {},
+        ),
+        (call("weather", '{"city": "Paris"}'), call("weather", '{"city": "Paris"}'), {}),
+        (call("nope", "{}"), call("nope", "{}"), {}),
+        ("<tool_call>\n{not json}\n</tool_call>", "<tool_call>\n{not json}\n</tool_call>", {}),
+        (
+            '<tool_call>{"name": "noop", "arguments": {}, "x": 1}</tool_call>',
+            '<tool_call>{"name": "noop", "arguments": {}, "x": 1}</tool_call>',
+            {},
+        ),
+        # Cut short: the text as it was.
+        (GOOD[:30], GOOD[:30], {}),
+        ("a <tool_ca", "a <tool_ca", {}),
+        ("  ", "  ", {}),
+        ("a \n b \n", "a \n b \n", {}),
+        (f"{GOOD}\n \n", "", {0: ("weather", {"city": "Paris", "unit": "c"})}),
+        (f"{GOOD}\nDone.", "\nDone.", {0: ("weather", {"city": "Paris", "unit": "c"})}),
+    ],
+)
+def test_auto_output_is_a_call_only_when_it_validates(
+    output: str, said: str, called: dict[int, tuple[str, dict[str, Any]]]
+) -> None:
+    for pieces in (
+        [output],
+        list(output),
+        *(splits(output, s) for s in range(5) if len(output) > 1),
+    ):
+        parser = tools.CallParser(toolset(), new_id=ids())
+        text_, calls = run(parser, pieces)
+        assert text_ == said
+        assert {i: (c["name"], json.loads(c["arguments"])) for i, c in calls.items()} == called
+        assert parser.called == bool(called)
+
+
+def test_auto_without_parallel_calls_keeps_a_second_call_as_text() -> None:
+    parser = tools.CallParser(toolset(parallel=False), new_id=ids())
+    said, calls = run(parser, [f"{GOOD}\n{EMPTY}"])
+    assert list(calls) == [0] and said == EMPTY
+
+
+def test_auto_calls_come_out_whole_with_their_own_ids() -> None:
+    parser = tools.CallParser(toolset(), new_id=ids())
+    parsed = parser.feed(GOOD_TOO)
+    assert parsed.calls == (
+        tools.CallDelta(0, "call_0", "weather", '{"city": "Oslo", "unit": "f", "days": 3}'),
+    )
+
+
+def test_call_ids_are_unique_and_openai_shaped() -> None:
+    made = {tools.new_call_id() for _ in range(100)}
+    assert len(made) == 100 and all(re.fullmatch(r"call_[0-9a-f]{24}", i) for i in made)
+
+
+def test_auto_validation_checks_what_the_grammar_could_not() -> None:
+    tool = tools.Tool(
+        "t",
+        "",
+        {
+            "type": "object",
+            "properties": {
+                "n": {"type": "integer", "minimum": 1},
+                "e": {"type": "string", "format": "email"},
+            },
+        },
+    )
+    assert tools.valid(tool, {"n": 2, "e": "a@b.c"})
+    assert not tools.valid(tool, {"n": 0})
+    assert not tools.valid(tool, {"e": "nope"})
+    broken = tools.Tool("t", "", {"$ref": "#/$defs/missing"})
+    assert not tools.valid(broken, {})
+
+
+# ---------------------------------------------------------------- rendering
+
+
+def test_history_turns_keep_calls_and_results() -> None:
+    messages = [
+        pb.Message(role="user", content="Weather?"),
+        pb.Message(
+            role="assistant",
+            tool_calls=[pb.ToolCall(id="c1", name="weather", arguments='{"city":"Paris"}')],
+        ),
+        pb.Message(role="tool", content="21C", tool_call_id="c1", name="weather"),
+    ]
+    turns = tools.history_turns(messages)
+    assert turns[1].tool_calls == (text.ToolCall("c1", "weather", '{"city": "Paris"}'),)
+    assert (turns[2].tool_call_id, turns[2].name) == ("c1", "weather")
+
+
+@pytest.mark.parametrize(
+    ("message", "field"),
+    [
+        (
+            pb.Message(
+                role="assistant", tool_calls=[pb.ToolCall(id="c", name="f", arguments="[1]")]
+            ),
+            "messages[0].tool_calls[0].arguments",
+        ),
+        (
+            pb.Message(role="assistant", tool_calls=[pb.ToolCall(id="c", name="f", arguments="{")]),
+            "messages[0].tool_calls[0].arguments",
+        ),
+        (
+            pb.Message(role="assistant", tool_calls=[pb.ToolCall(id="c", arguments="{}")]),
+            "messages[0].tool_calls[0].name",
+        ),
+        (
+            pb.Message(role="user", tool_calls=[pb.ToolCall(id="c", name="f")]),
+            "messages[0].tool_calls[0]",
+        ),
+    ],
+)
+def test_history_calls_that_cannot_be_shown_are_refused(message: pb.Message, field: str) -> None:
+    with pytest.raises(errors.InvalidRequest) as caught:
+        tools.history_turns([message])
+    assert caught.value.metadata[errors.FIELD_KEY] == field
+
+
+CONVERSATION = [
+    text.ChatTurn("system", "Be brief."),
+    text.ChatTurn("user", "Weather in Paris?"),
+    text.ChatTurn(
+        "assistant",
+        "Checking.",
+        tool_calls=(text.ToolCall("c1", "weather", '{"city": "Paris", "unit": "c"}'),),
+    ),
+    text.ChatTurn("tool", "21", tool_call_id="c1"),
+    text.ChatTurn("user", "Thanks. And Oslo?"),
+]
+
+
+def test_the_builtin_tool_prompt_renders_tools_calls_and_results_in_gemma_turns() -> None:
+    prompt = text.render_gemma(tools.builtin_turns(CONVERSATION, toolset(parallel=False)))
+    instructions = tools.instructions(toolset(parallel=False))
+    assert prompt == (
+        f"<start_of_turn>user\nBe brief.\n\n{instructions}\n\nWeather in Paris?<end_of_turn>\n"
+        "<start_of_turn>model\nChecking.\n"
+        '<tool_call>\n{"name": "weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>'
+        "<end_of_turn>\n"
+        "<start_of_turn>user\n<tool_response>\n21\n</tool_response>\n\nThanks. And Oslo?<end_of_turn>\n"
+        "<start_of_turn>model\n"
+    )
+    assert '{"name": "weather", "description": "", "parameters": {"type": "object"' in instructions
+    assert "at most one call" in instructions
+
+
+def test_the_builtin_prompt_says_what_the_choice_asks() -> None:
+    assert "Call the tool 'noop' now." in tools.instructions(toolset(Mode.MODE_NAMED, "noop"))
+    assert "Call one of these tools now." in tools.instructions(toolset(Mode.MODE_REQUIRED))
+    assert "otherwise answer in text" in tools.instructions(toolset())
+
+
+def test_without_active_tools_no_prompt_is_added_but_history_is_shown() -> None:
+    turns = tools.builtin_turns(CONVERSATION, toolset(Mode.MODE_NONE))
+    assert turns[0] == CONVERSATION[0]
+    assert "<tool_call>" in turns[2].content
+
+
+HERMES = (
+    "{% if tools %}<|im_start|>system\n# Tools\n<tools>{% for t in tools %}{{ t | tojson }}"
+    "{% endfor %}</tools>\nWrite <tool_call>{...}</tool_call>.<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}<tool_call>{{ c.function | tojson }}</tool_call>{% endfor %}"
+    "<|im_end|>\n{% endfor %}<|im_start|>assistant\n"
+)
+
+
+def test_a_template_that_shows_tools_in_the_call_format_renders_them() -> None:
+    template = text.ChatTemplate(HERMES)
+    assert template.renders_tools
+    prompt = template.render(CONVERSATION[1:3], tools=tools.template_tools(toolset()))
+    assert '"name": "weather"' in prompt
+    # Jinja's tojson sorts keys.
+    assert (
+        '<tool_call>{"arguments": {"city": "Paris", "unit": "c"}, "name": "weather"}</tool_call>'
+        in prompt
+    )
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        text.NAMED_TEMPLATES["chatml"],
+        # Writes the format but never shows the tools.
+        "{% for m in messages %}{{ m.content }}{% endfor %}<tool_call>",
+    ],
+)
+def test_other_templates_leave_tools_to_the_builtin_prompt(source: str) -> None:
+    assert not text.ChatTemplate(source or "").renders_tools
+
+
+def test_the_schema_of_the_test_tool_is_valid() -> None:
+    jsonschema.Draft202012Validator.check_schema(WEATHER)
