@@ -64,11 +64,14 @@ def json_object() -> inference_pb2.Constraint:
     return inference_pb2.Constraint(json_object=True)
 
 
+def json_text(document: dict[str, Any]) -> str:
+    """A JSON document as the canonical request carries it (schemas, tool parameters)."""
+    return json.dumps(document, ensure_ascii=False, separators=(",", ":"))
+
+
 def json_schema(schema: dict[str, Any]) -> inference_pb2.Constraint:
     """A JSON document valid against `schema`."""
-    return inference_pb2.Constraint(
-        json_schema=json.dumps(schema, ensure_ascii=False, separators=(",", ":"))
-    )
+    return inference_pb2.Constraint(json_schema=json_text(schema))
 
 
 def truncated() -> errors.Unavailable:
@@ -83,14 +86,32 @@ class Answer:
     parts: list[str] = field(default_factory=list)
     logprobs: list[inference_pb2.TokenLogprob] = field(default_factory=list)
     final: inference_pb2.Final | None = None
+    # Tool calls by index: id, name and the arguments' fragments joined.
+    calls: dict[int, inference_pb2.ToolCall] = field(default_factory=dict)
 
     def add(self, chunk: inference_pb2.Chunk) -> None:
         part = chunk.WhichOneof("part")
         if part == "delta":
             self.parts.append(chunk.delta.text)
             self.logprobs.extend(chunk.delta.logprobs)
+            for d in chunk.delta.tool_calls:
+                call = self.calls.setdefault(d.index, inference_pb2.ToolCall())
+                call.id = call.id or d.id
+                call.name = call.name or d.name
+                call.arguments += d.arguments
         elif part == "final":
             self.final = chunk.final
+
+    def whole_calls(self) -> list[inference_pb2.ToolCall]:
+        """The tool calls, whole: those of a turn that ended with TOOL_CALLS. A turn cut
+        short (max_tokens, a stop string) may have cut its last call: it is left out,
+        never passed on half-formed."""
+        final = self.finished()
+        whole = final.finish_reason == inference_pb2.FINISH_REASON_TOOL_CALLS
+        indexes = sorted(self.calls)
+        if not whole and indexes:
+            indexes = indexes[:-1]
+        return [self.calls[i] for i in indexes]
 
     @property
     def text(self) -> str:

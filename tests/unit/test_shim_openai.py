@@ -62,6 +62,45 @@ TOOL_CALL = {
     "function": {"name": "get_weather", "arguments": "{}"},
 }
 
+
+def calling(
+    index: int,
+    *,
+    id: str = "",
+    name: str = "",
+    arguments: str = "",
+    text: str = "",
+    tokens: int = 1,
+) -> inference_pb2.Chunk:
+    """A delta carrying part of a tool call (and maybe text before it)."""
+    part = inference_pb2.ToolCallDelta(index=index, id=id, name=name, arguments=arguments)
+    return inference_pb2.Chunk(
+        delta=inference_pb2.Delta(text=text, tokens=tokens, tool_calls=[part])
+    )
+
+
+WEATHER: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+        "strict": True,
+    },
+}
+CALL_SCRIPT: list[Any] = [
+    calling(0, id="call_a", name="get_weather"),
+    calling(0, arguments='{"city": "Pa'),
+    calling(0, arguments='ris", "unit": "c"}', tokens=4),
+    calling(1, id="call_b", name="get_weather", arguments='{"city": "Oslo", "unit": "f"}'),
+]
+
+
 HELLO: list[Step] = [delta("Hel"), delta("lo"), delta(" world"), final()]
 
 
@@ -178,6 +217,43 @@ REQUEST_CASES: dict[
             tool_choice="none",
         ),
     ),
+    "request_chat_tools_named": (
+        protocol.ChatCompletionRequest,
+        chat_body(
+            messages=[
+                {"role": "system", "content": "Use tools."},
+                {"role": "user", "content": "Weather in Paris?"},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": "call_a",
+                            "type": "function",
+                            "function": {
+                                "name": "get_weather",
+                                "arguments": '{"city":"Paris","unit":"c"}',
+                            },
+                        }
+                    ],
+                },
+                {
+                    "role": "tool",
+                    "tool_call_id": "call_a",
+                    "content": [{"type": "text", "text": "21"}],
+                },
+                {"role": "user", "content": "And Oslo?"},
+            ],
+            tools=[WEATHER, {"type": "function", "function": {"name": "noop"}}],
+            tool_choice={"type": "function", "function": {"name": "get_weather"}},
+            parallel_tool_calls=False,
+        ),
+    ),
+    "request_chat_tools_required": (
+        protocol.ChatCompletionRequest,
+        chat_body(tools=[WEATHER], tool_choice="required"),
+    ),
+    "request_chat_tools_auto": (protocol.ChatCompletionRequest, chat_body(tools=[WEATHER])),
     "request_completion_string": (
         protocol.CompletionRequest,
         {"model": "base", "prompt": "Once upon", "max_tokens": 16, "seed": 3, "echo": False},
@@ -309,6 +385,20 @@ STREAM_CASES: dict[str, tuple[str, dict[str, Any], list[Step]]] = {
         [delta("par"), errors.Unavailable("The replica serving 'tiny' stopped.")],
     ),
     "stream_chat_truncated": ("/v1/chat/completions", chat_body(stream=True), [delta("x")]),
+    "stream_chat_tool_calls": (
+        "/v1/chat/completions",
+        chat_body(stream=True, tools=[WEATHER], tool_choice="required"),
+        [*CALL_SCRIPT, final(inference_pb2.FINISH_REASON_TOOL_CALLS, completion=9)],
+    ),
+    "stream_chat_text_then_tool_call": (
+        "/v1/chat/completions",
+        chat_body(stream=True, tools=[WEATHER]),
+        [
+            delta("Let me check."),
+            calling(0, id="call_a", name="get_weather", arguments='{"city":"Paris","unit":"c"}'),
+            final(inference_pb2.FINISH_REASON_TOOL_CALLS, completion=9),
+        ],
+    ),
     "stream_completion": (
         "/v1/completions",
         {"model": "tiny", "prompt": "Once", "stream": True},
@@ -775,14 +865,60 @@ async def test_unknown_model_is_404(daemon: Daemon, client: httpx.AsyncClient) -
         ),
         (json.dumps(chat_body(top_k=-1)).encode(), "top_k", "'top_k'"),
         (json.dumps(chat_body(repeat_penalty=0)).encode(), "repeat_penalty", "'repeat_penalty'"),
-        # Tool calling is refused, not ignored.
-        (json.dumps(chat_body(tools=[TOOL])).encode(), "tools", "Tool calling"),
+        # What tool calling does not take is refused, not ignored.
+        (json.dumps(chat_body(functions=[TOOL["function"]])).encode(), "functions", "'tools'"),
+        (json.dumps(chat_body(function_call="auto")).encode(), "function_call", "'tools'"),
         (
-            json.dumps(chat_body(tools=[TOOL], tool_choice="required")).encode(),
-            "tools",
-            "Tool calling",
+            json.dumps(chat_body(tools=[{"type": "custom", "custom": {"name": "x"}}])).encode(),
+            "tools[0].type",
+            "'function'",
         ),
-        (json.dumps(chat_body(functions=[TOOL["function"]])).encode(), "functions", "Function"),
+        (
+            json.dumps(chat_body(tools=[{"type": "function", "function": {}}])).encode(),
+            "tools[0].function.name",
+            "'tools[0].function.name'",
+        ),
+        (
+            json.dumps(
+                chat_body(tools=[{"type": "function", "function": {"name": "f", "parameters": []}}])
+            ).encode(),
+            "tools[0].function.parameters",
+            "'tools[0].function.parameters'",
+        ),
+        (json.dumps(chat_body(tool_choice="required")).encode(), "tool_choice", "'tools'"),
+        (json.dumps(chat_body(tools=[TOOL], tool_choice="any")).encode(), "tool_choice", ""),
+        (
+            json.dumps(
+                chat_body(
+                    tools=[TOOL],
+                    tool_choice={"type": "allowed_tools", "allowed_tools": {"mode": "auto"}},
+                )
+            ).encode(),
+            "tool_choice.type",
+            "'function'",
+        ),
+        (
+            json.dumps({"model": "tiny", "messages": [{"role": "tool", "content": "21"}]}).encode(),
+            "messages[0].tool_call_id",
+            "'messages[0].tool_call_id'",
+        ),
+        (
+            json.dumps(
+                {"model": "tiny", "messages": [{"role": "tool", "tool_call_id": "c"}]}
+            ).encode(),
+            "messages[0].content",
+            "a tool message needs content",
+        ),
+        (
+            json.dumps(
+                {
+                    "model": "tiny",
+                    "messages": [{"role": "user", "content": "x", "tool_calls": [TOOL_CALL]}],
+                }
+            ).encode(),
+            "messages[0].tool_calls",
+            "Only assistant messages",
+        ),
         # System and user turns need content; an assistant turn may be empty.
         (
             json.dumps({"model": "tiny", "messages": [{"role": "user"}]}).encode(),
@@ -834,14 +970,12 @@ async def test_unknown_model_is_404(daemon: Daemon, client: httpx.AsyncClient) -
                 {
                     "model": "tiny",
                     "messages": [
-                        {"role": "user", "content": "Weather?"},
-                        {"role": "assistant", "content": None, "tool_calls": [TOOL_CALL]},
-                        {"role": "tool", "content": "Sunny", "tool_call_id": "call_1"},
+                        {"role": "assistant", "tool_calls": [{**TOOL_CALL, "type": "custom"}]},
                     ],
                 }
             ).encode(),
-            "messages[1].tool_calls",
-            "tool_calls",
+            "messages[0].tool_calls[0].type",
+            "'function'",
         ),
     ],
 )
@@ -1224,6 +1358,30 @@ RESPONSE_CASES: dict[str, tuple[str, dict[str, Any], list[Step]]] = {
         "/v1/completions",
         {"model": "tiny", "prompt": "Once", "echo": True},
         [delta(" upon"), final(completion=1)],
+    ),
+    "response_chat_tool_calls": (
+        "/v1/chat/completions",
+        chat_body(tools=[WEATHER], tool_choice="required"),
+        [*CALL_SCRIPT, final(inference_pb2.FINISH_REASON_TOOL_CALLS, completion=9)],
+    ),
+    # Cut short by max_tokens: the last call may be half-formed, and is left out.
+    "response_chat_tool_calls_length": (
+        "/v1/chat/completions",
+        chat_body(tools=[WEATHER], tool_choice="required", max_tokens=9),
+        [
+            *CALL_SCRIPT[:3],
+            calling(1, id="call_b", name="get_weather", arguments='{"city": "Os'),
+            final(inference_pb2.FINISH_REASON_LENGTH, completion=9),
+        ],
+    ),
+    "response_chat_text_and_tool_call": (
+        "/v1/chat/completions",
+        chat_body(tools=[WEATHER]),
+        [
+            delta("Let me check."),
+            calling(0, id="call_a", name="get_weather", arguments='{"city":"Paris","unit":"c"}'),
+            final(inference_pb2.FINISH_REASON_TOOL_CALLS, completion=9),
+        ],
     ),
 }
 
@@ -1693,5 +1851,89 @@ async def test_official_openai_client(daemon: Daemon) -> None:
             with pytest.raises(openai.APIError, match="Replica died"):
                 async for _ in broken:
                     pass
+        finally:
+            await sdk.close()
+
+
+@pytest.mark.parametrize(
+    ("field", "param"),
+    [
+        ("tools[1].parameters", "tools[1].function.parameters"),
+        ("tools[0].name", "tools[0].function.name"),
+        ("tools", "tools"),
+        ("tool_choice", "tool_choice"),
+        ("messages[2].tool_calls[0].arguments", "messages[2].tool_calls[0].function.arguments"),
+        ("messages[2].tool_calls[0]", "messages[2].tool_calls[0]"),
+    ],
+)
+async def test_tool_errors_from_the_engine_name_openais_parameter(
+    daemon: Daemon, client: httpx.AsyncClient, field: str, param: str
+) -> None:
+    daemon.fake.scripts["tiny"] = [
+        errors.InvalidRequest("Tool 'x' cannot be forced.", metadata={errors.FIELD_KEY: field})
+    ]
+    response = await client.post(
+        "/v1/chat/completions", json=chat_body(tools=[WEATHER], tool_choice="required")
+    )
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == param
+
+
+async def test_the_official_client_accumulates_streamed_tool_calls(daemon: Daemon) -> None:
+    script = [*CALL_SCRIPT, final(inference_pb2.FINISH_REASON_TOOL_CALLS, completion=9)]
+    messages: list[Any] = [{"role": "user", "content": "Weather?"}]
+    async with uvicorn_shim(daemon.target) as base:
+        sdk = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+        try:
+            # The SDK's own accumulator, which parses strict tools' arguments.
+            daemon.fake.scripts["tiny"] = list(script)
+            async with sdk.chat.completions.stream(
+                model="tiny", messages=messages, tools=[WEATHER], tool_choice="required"
+            ) as stream:
+                done = [e async for e in stream if e.type == "tool_calls.function.arguments.done"]
+                streamed = await stream.get_final_completion()
+            choice = streamed.choices[0]
+            assert choice.finish_reason == "tool_calls"
+            calls = choice.message.tool_calls or []
+            assert [(c.id, c.type, c.function.name) for c in calls] == [
+                ("call_a", "function", "get_weather"),
+                ("call_b", "function", "get_weather"),
+            ]
+            assert [c.function.parsed_arguments for c in calls] == [  # type: ignore[union-attr]
+                {"city": "Paris", "unit": "c"},
+                {"city": "Oslo", "unit": "f"},
+            ]
+            assert [e.name for e in done] == ["get_weather", "get_weather"]
+
+            daemon.fake.scripts["tiny"] = list(script)
+            whole = await sdk.chat.completions.create(
+                model="tiny", messages=messages, tools=[WEATHER], tool_choice="required"
+            )
+            message = whole.choices[0].message
+            assert whole.choices[0].finish_reason == "tool_calls"
+            assert message.content is None
+            assert [json.loads(c.function.arguments) for c in message.tool_calls or []] == [
+                {"city": "Paris", "unit": "c"},
+                {"city": "Oslo", "unit": "f"},
+            ]
+
+            # The answer goes back in the history as the client built it.
+            daemon.fake.scripts["tiny"] = HELLO
+            history = [
+                *messages,
+                message.model_dump(exclude_none=True),
+                {"role": "tool", "tool_call_id": "call_a", "content": "21"},
+                {"role": "tool", "tool_call_id": "call_b", "content": "3"},
+            ]
+            after = await sdk.chat.completions.create(
+                model="tiny", messages=history, tools=[WEATHER]
+            )
+            assert after.choices[0].message.content == "Hello world"
+            sent = daemon.fake.requests[-1]
+            assert [c.id for c in sent.messages[1].tool_calls] == ["call_a", "call_b"]
+            assert [(m.role, m.tool_call_id) for m in sent.messages[2:]] == [
+                ("tool", "call_a"),
+                ("tool", "call_b"),
+            ]
         finally:
             await sdk.close()

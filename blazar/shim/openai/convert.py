@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import codecs
 import json
+import re
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,9 +28,9 @@ SYSTEM_FINGERPRINT = "fp_blazar"
 
 _ROLES = {"developer": "system"}
 # Roles whose messages OpenAI refuses without content. Its assistant turns may omit
-# content when they carry tool_calls (refused here anyway); one with neither is still
-# taken here, as an empty turn.
-_CONTENT_REQUIRED = frozenset({"system", "developer", "user"})
+# content when they carry tool_calls; one with neither is still taken here, as an
+# empty turn.
+_CONTENT_REQUIRED = frozenset({"system", "developer", "user", "tool"})
 # proto3 int32 map keys.
 _TOKEN_ID_LIMIT = 2**31
 # OpenAI's legacy completions endpoint stops after 16 tokens when `max_tokens` is
@@ -58,16 +59,10 @@ def chat_request(
     header) names the SLOPolicy, else the Lane's applies."""
     _require_single_choice(body)
     _require_stream_for_options(body)
-    _refuse_tools(body)
+    _refuse_functions(body)
     _refuse_non_text_output(body)
     _require_content(body.messages)
-    messages = [
-        inference_pb2.Message(
-            role=_ROLES.get(message.role, message.role),
-            content=_flatten(message.content, param=f"messages[{i}].content"),
-        )
-        for i, message in enumerate(body.messages)
-    ]
+    messages = [_message(message, i) for i, message in enumerate(body.messages)]
     max_tokens = (
         body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     )
@@ -77,13 +72,76 @@ def chat_request(
     if body.logprobs:
         sampling.logprobs = True
         sampling.top_logprobs = body.top_logprobs or 0
-    return inference_pb2.ChatRequest(
+    request = inference_pb2.ChatRequest(
         model=body.model,
         messages=messages,
         sampling=sampling,
         constraint=_constraint(body),
         session=session or body.user or "",
         slo=slo,
+        tools=[_tool(t) for t in body.tools or ()],
+        tool_choice=_tool_choice(body),
+    )
+    if body.parallel_tool_calls is not None:
+        request.parallel_tool_calls = body.parallel_tool_calls
+    return request
+
+
+def _message(message: protocol.ChatMessage, i: int) -> inference_pb2.Message:
+    if message.role == "tool" and not message.tool_call_id:
+        raise _invalid(
+            f"Missing required parameter: 'messages[{i}].tool_call_id' (a tool message "
+            "answers a call).",
+            param=f"messages[{i}].tool_call_id",
+        )
+    if message.tool_calls and message.role != "assistant":
+        raise _invalid(
+            f"Only assistant messages carry 'tool_calls'; message {i} is a {message.role} one.",
+            param=f"messages[{i}].tool_calls",
+        )
+    return inference_pb2.Message(
+        role=_ROLES.get(message.role, message.role),
+        content=_flatten(message.content, param=f"messages[{i}].content"),
+        tool_calls=[
+            inference_pb2.ToolCall(id=c.id, name=c.function.name, arguments=c.function.arguments)
+            for c in message.tool_calls or ()
+        ],
+        tool_call_id=message.tool_call_id or "",
+        # A tool message's name is the tool's (other roles' names are participants').
+        name=(message.name or "") if message.role == "tool" else "",
+    )
+
+
+def _tool(tool: protocol.FunctionTool) -> inference_pb2.Tool:
+    function = tool.function
+    parameters = function.parameters
+    return inference_pb2.Tool(
+        name=function.name,
+        description=function.description or "",
+        parameters="" if parameters is None else canonical.json_text(parameters),
+    )
+
+
+_CHOICES = {
+    "auto": inference_pb2.ToolChoice.MODE_AUTO,
+    "none": inference_pb2.ToolChoice.MODE_NONE,
+    "required": inference_pb2.ToolChoice.MODE_REQUIRED,
+}
+
+
+def _tool_choice(body: protocol.ChatCompletionRequest) -> inference_pb2.ToolChoice | None:
+    """None (unset) is OpenAI's default, and Blazar's: "auto" when there are tools."""
+    choice = body.tool_choice
+    if choice is None:
+        return None
+    if not body.tools and choice != "none":
+        raise _invalid(
+            "'tool_choice' is only allowed when 'tools' are specified.", param="tool_choice"
+        )
+    if isinstance(choice, str):
+        return inference_pb2.ToolChoice(mode=_CHOICES[choice])
+    return inference_pb2.ToolChoice(
+        mode=inference_pb2.ToolChoice.MODE_NAMED, name=choice.function.name
     )
 
 
@@ -255,23 +313,14 @@ def _refuse_non_text_output(body: protocol.ChatCompletionRequest) -> None:
         )
 
 
-def _refuse_tools(body: protocol.ChatCompletionRequest) -> None:
-    """Tool calling is not supported yet: say so rather than answer as if no tools
-    were offered. Tools with `tool_choice: "none"` change nothing and pass."""
-    if body.functions:
-        raise _invalid("Function calling is not supported by this server.", param="functions")
-    if body.tools and body.tool_choice != "none":
-        raise _invalid(
-            "Tool calling is not supported by this server; send the request without "
-            "'tools' (or with 'tool_choice': 'none').",
-            param="tools",
-        )
-    for i, message in enumerate(body.messages):
-        if message.tool_calls:
+def _refuse_functions(body: protocol.ChatCompletionRequest) -> None:
+    """The deprecated form of tools: say which form to use rather than ignore it."""
+    for param in ("functions", "function_call"):
+        if getattr(body, param) is not None:
             raise _invalid(
-                "Tool calling is not supported by this server, so a conversation cannot "
-                "carry an assistant message with 'tool_calls'.",
-                param=f"messages[{i}].tool_calls",
+                f"'{param}' (deprecated by OpenAI) is not supported by this server; send "
+                "'tools' and 'tool_choice'.",
+                param=param,
             )
 
 
@@ -354,7 +403,28 @@ def _invalid(message: str, *, param: str) -> errors.InvalidRequest:
 def finish_reason(final: inference_pb2.Final) -> protocol.FinishReason:
     if final.finish_reason == inference_pb2.FINISH_REASON_LENGTH:
         return "length"
+    if final.finish_reason == inference_pb2.FINISH_REASON_TOOL_CALLS:
+        return "tool_calls"
     return "stop"
+
+
+def tool_call_deltas(
+    deltas: Sequence[inference_pb2.ToolCallDelta],
+) -> list[protocol.ToolCallDelta]:
+    """Streamed calls in OpenAI's shape: `id`, `type` and the name on a call's first
+    delta, argument fragments after."""
+    out: list[protocol.ToolCallDelta] = []
+    for d in deltas:
+        function: protocol.FunctionDelta = {}
+        if d.name:
+            function["name"] = d.name
+        function["arguments"] = d.arguments
+        item: protocol.ToolCallDelta = {"index": d.index, "function": function}
+        if d.id:
+            item["id"] = d.id
+            item["type"] = "function"
+        out.append(item)
+    return out
 
 
 def usage(final: inference_pb2.Final) -> protocol.Usage:
@@ -476,16 +546,14 @@ class ChatStream:
         part = chunk.WhichOneof("part")
         if part == "delta":
             logprobs = chat_logprobs(chunk.delta.logprobs) if self._logprobs else None
-            if not chunk.delta.text and not (logprobs and logprobs["content"]):
+            calls = chunk.delta.tool_calls
+            if not chunk.delta.text and not calls and not (logprobs and logprobs["content"]):
                 return []
-            return [
-                self._chunk(
-                    {"content": chunk.delta.text},
-                    finish_reason=None,
-                    index=chunk.index,
-                    logprobs=logprobs,
-                )
-            ]
+            delta: protocol.ChatDelta = {"content": chunk.delta.text}
+            if calls:
+                # As OpenAI streams them: content null beside calls.
+                delta = {"content": chunk.delta.text or None, "tool_calls": tool_call_deltas(calls)}
+            return [self._chunk(delta, finish_reason=None, index=chunk.index, logprobs=logprobs)]
         if part != "final":
             return []
         self.finished = True
@@ -611,10 +679,26 @@ class CompletionStream:
 class Answer(canonical.Answer):
     """A whole generation (see `canonical.Answer`) in OpenAI's non-streaming shapes."""
 
+    def tool_calls(self) -> list[protocol.ToolCall]:
+        """The whole calls (`canonical.Answer.whole_calls`) in OpenAI's shape."""
+        return [
+            {
+                "id": call.id,
+                "type": "function",
+                "function": {"name": call.name, "arguments": call.arguments},
+            }
+            for call in self.whole_calls()
+        ]
+
     def chat_completion(
         self, meta: ResponseMeta, *, logprobs: bool = False
     ) -> protocol.ChatCompletion:
         final = self.finished()
+        message: protocol.AssistantMessage = {"role": "assistant", "content": "".join(self.parts)}
+        calls = self.tool_calls()
+        if calls:
+            message["content"] = message["content"] or None
+            message["tool_calls"] = calls
         return {
             "id": meta.id,
             "object": "chat.completion",
@@ -624,7 +708,7 @@ class Answer(canonical.Answer):
             "choices": [
                 {
                     "index": 0,
-                    "message": {"role": "assistant", "content": "".join(self.parts)},
+                    "message": message,
                     "logprobs": chat_logprobs(self.logprobs) if logprobs else None,
                     "finish_reason": finish_reason(final),
                 }
@@ -751,7 +835,9 @@ def error_response(err: errors.BlazarError, *, blame: Blame = CHAT_BLAME) -> Err
     headers = http_errors.headers(err)
     field = err.metadata.get(errors.FIELD_KEY, "")
     param = err.metadata.get(validation.PARAM_KEY) or (
-        {"prompt": blame.prompt, "constraint": blame.constraint}.get(field) or _PARAMS.get(field)
+        {"prompt": blame.prompt, "constraint": blame.constraint}.get(field)
+        or _PARAMS.get(field)
+        or _tool_param(field)
     )
     code: str | None = None
     if isinstance(err, errors.ModelNotFound):
@@ -771,6 +857,23 @@ def error_response(err: errors.BlazarError, *, blame: Blame = CHAT_BLAME) -> Err
         }
     }
     return ErrorResponse(status=status, body=body, headers=headers)
+
+
+# Fields of a request's tools and tool turns that are one level deeper in OpenAI's
+# shape: `tools[0].parameters` is `tools[0].function.parameters`.
+_TOOL_FIELD = re.compile(
+    r"^((?:tools|messages\[\d+\]\.tool_calls)\[\d+\])\.(name|parameters|arguments)$"
+)
+
+
+def _tool_param(field: str) -> str | None:
+    if field in ("tools", "tool_choice"):
+        return field
+    m = _TOOL_FIELD.match(field)
+    if m:
+        return f"{m.group(1)}.function.{m.group(2)}"
+    # `messages[2].tool_calls[0]`: the same path in OpenAI's shape.
+    return field if field.startswith("messages[") else None
 
 
 def _error_type(status: int) -> str:

@@ -28,14 +28,53 @@ class ContentPart(_Request):
     text: str | None = None
 
 
+class FunctionCall(_Request):
+    name: str
+    # JSON text of the arguments, as the model wrote them.
+    arguments: str
+
+
+class ToolCallParam(_Request):
+    """A call an assistant message of the history made."""
+
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
     # "developer" is OpenAI's newer name for "system" on reasoning models.
     role: Literal["system", "developer", "user", "assistant", "tool"]
     # Null is legal for assistant turns that only made tool calls.
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    # Read only to refuse them (see convert): tools are not supported yet.
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCallParam] | None = None
+    # Tool messages: the call this is the result of.
+    tool_call_id: str | None = None
+
+
+class FunctionDefinition(_Request):
+    name: str
+    description: str | None = None
+    # A JSON Schema object; absent means a function without parameters.
+    parameters: dict[str, Any] | None = None
+    # Blazar keeps the promise whatever this says: a forced call's arguments are
+    # written under a grammar from the schema, an auto call's validated (see README).
+    strict: bool | None = None
+
+
+class FunctionTool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class StreamOptions(_Request):
@@ -111,10 +150,13 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    # Read only to refuse them (see convert), with `functions`, their older form.
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    # Default true, as OpenAI's.
+    parallel_tool_calls: bool | None = None
+    # Read only to refuse them (see convert): the older form of tools.
     functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
     # Read only to refuse them (see convert): output is text, generated token by token.
     modalities: list[str] | None = None
     audio: dict[str, Any] | None = None
@@ -144,7 +186,7 @@ class EmbeddingRequest(_Request):
 
 # ---------------------------------------------------------------- responses
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 class PromptTokensDetails(TypedDict):
@@ -178,9 +220,26 @@ class Timings(TypedDict):
     draft_n_accepted: NotRequired[int]
 
 
+class FunctionDelta(TypedDict, total=False):
+    name: str
+    arguments: str
+
+
+class ToolCallDelta(TypedDict):
+    """Part of a streamed call. `id` and `type` only on a call's first delta: the
+    official client joins the deltas of one index by concatenating their strings
+    (but `index` and `type`)."""
+
+    index: int
+    id: NotRequired[str]
+    type: NotRequired[Literal["function"]]
+    function: FunctionDelta
+
+
 class ChatDelta(TypedDict, total=False):
     role: Literal["assistant"]
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallDelta]
 
 
 class TopLogprob(TypedDict):
@@ -221,9 +280,22 @@ class ChatCompletionChunk(TypedDict):
     timings: NotRequired[Timings]
 
 
+class Function(TypedDict):
+    name: str
+    arguments: str
+
+
+class ToolCall(TypedDict):
+    id: str
+    type: Literal["function"]
+    function: Function
+
+
 class AssistantMessage(TypedDict):
     role: Literal["assistant"]
-    content: str
+    # Null when the message only made tool calls, as OpenAI's.
+    content: str | None
+    tool_calls: NotRequired[list[ToolCall]]
 
 
 class ChatChoice(TypedDict):

@@ -207,7 +207,9 @@ async def _collect(
 ) -> Response:
     try:
         collected = await relay.collect(request, stream)
-        answer = convert.Answer(collected.parts, collected.logprobs, collected.final)
+        answer = convert.Answer(
+            collected.parts, collected.logprobs, collected.final, collected.calls
+        )
         body = render(answer)
     except streaming.ClientDisconnected:
         return Response(status_code=streaming.CLIENT_CLOSED_REQUEST)
