@@ -1,0 +1,315 @@
+"""Tool calling end to end: the official `openai` client -> shim -> daemon -> a real
+engine worker with the bundled Gemma 3 270M, whose template cannot show tools (so
+Blazar's own tool prompt is what it reads).
+
+The model is a weak base model: nothing here relies on what it chooses to write, only
+on what Blazar guarantees. A forced call (`required`, a named tool) validates against
+its tool's schema, given a budget of tokens its grammar cannot outrun
+(`pinning.budget`); an `auto` turn's calls validate, or there are none; `none` never
+calls; a tool set that cannot be served is a 400 that names the parameter.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import openai
+import pytest
+
+from blazar._proto.engine.v1 import engine_pb2
+from blazar._proto.v1 import inference_pb2
+from blazar.engine import tools as engine_tools
+from tests.integration import pinning
+from tests.integration.harness import Daemon, local_fleet, short_home
+
+pytestmark = pytest.mark.slow
+
+LANE = "tools"
+TRIES = 20
+TEMPERATURES = (0.0, 0.6, 1.0, 1.4)
+
+WEATHER_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 24},
+        "unit": {"enum": ["celsius", "fahrenheit"]},
+        "days": {"type": "integer", "description": "How many days ahead."},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+TIME_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {"zone": {"enum": ["UTC", "Europe/Paris", "Asia/Tokyo"]}},
+    "required": ["zone"],
+    "additionalProperties": False,
+}
+TOOLS: list[Any] = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather forecast for a city.",
+            "parameters": WEATHER_SCHEMA,
+            "strict": True,
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "description": "The time now in a time zone.",
+            "parameters": TIME_SCHEMA,
+            "strict": True,
+        },
+    },
+]
+SCHEMAS = {"get_weather": WEATHER_SCHEMA, "get_time": TIME_SCHEMA}
+QUESTION = [
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "What is the weather in Paris tomorrow?"},
+]
+
+
+@pytest.fixture(scope="module")
+def daemon(model_path: Path) -> Iterator[Daemon]:
+    home = short_home()
+    fleet = local_fleet(
+        home, model_path, lane=LANE, spec="replicas: 1, slots: 2, contextPerSlot: 4096"
+    )
+    d = Daemon(home=home, watch=fleet).start()
+    try:
+        d.wait_condition("lane", LANE, "Ready", timeout=240)
+        yield d
+    finally:
+        d.stop()
+        shutil.rmtree(home, ignore_errors=True)
+
+
+@pytest.fixture
+def client(daemon: Daemon) -> Iterator[openai.OpenAI]:
+    sdk = openai.OpenAI(base_url=f"http://{daemon.http}/v1", api_key="unused", max_retries=0)
+    yield sdk
+    sdk.close()
+
+
+def budget(tool_choice: Any, *, parallel: bool) -> int:
+    """Tokens enough for the forced grammar to end: its longest document plus one."""
+    wire = engine_pb2.ChatInput(
+        tools=[
+            inference_pb2.Tool(
+                name=t["function"]["name"], parameters=json.dumps(t["function"]["parameters"])
+            )
+            for t in TOOLS
+        ],
+        parallel_tool_calls=parallel,
+    )
+    if tool_choice == "required":
+        wire.tool_choice.mode = inference_pb2.ToolChoice.MODE_REQUIRED
+    else:
+        wire.tool_choice.mode = inference_pb2.ToolChoice.MODE_NAMED
+        wire.tool_choice.name = tool_choice["function"]["name"]
+    found = pinning.budget(engine_tools.grammar(engine_tools.parse(wire)))
+    assert found is not None, "a forced call's grammar has a longest document"
+    return found
+
+
+def check_calls(calls: list[Any], *, names: set[str]) -> int:
+    """Every call validates against its tool's schema; the number of calls."""
+    assert calls, "a forced turn makes at least one call"
+    for call in calls:
+        assert call.type == "function"
+        assert call.id.startswith("call_")
+        assert call.function.name in names
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    assert len({c.id for c in calls}) == len(calls)
+    return len(calls)
+
+
+NAMED = {"type": "function", "function": {"name": "get_time"}}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("tool_choice", ["required", NAMED], ids=["required", "named"])
+def test_a_forced_call_validates_20_of_20(
+    client: openai.OpenAI, tool_choice: Any, stream: bool
+) -> None:
+    names = {"get_time"} if tool_choice is NAMED else set(SCHEMAS)
+    valid, calls_made, distinct = 0, 0, set()
+    for i in range(TRIES):
+        parallel = i % 2 == 0
+        options: dict[str, Any] = {
+            "model": LANE,
+            "messages": QUESTION,
+            "tools": TOOLS,
+            "tool_choice": tool_choice,
+            "parallel_tool_calls": parallel,
+            # Other samples streamed than whole.
+            "seed": 1000 + i + (500 if stream else 0),
+            "temperature": TEMPERATURES[i % len(TEMPERATURES)],
+            "max_tokens": budget(tool_choice, parallel=parallel),
+        }
+        if stream:
+            # The SDK's own accumulator of streamed deltas.
+            with client.chat.completions.stream(**options) as events:
+                completion = events.get_final_completion()
+        else:
+            completion = client.chat.completions.create(**options)
+        choice = completion.choices[0]
+        assert choice.finish_reason == "tool_calls", (i, choice)
+        calls = list(choice.message.tool_calls or [])
+        if not parallel:
+            assert len(calls) == 1
+        calls_made += check_calls(calls, names=names)
+        distinct.add(json.dumps([(c.function.name, c.function.arguments) for c in calls]))
+        if stream:
+            parsed = [c.function.parsed_arguments for c in calls]  # type: ignore[union-attr]
+            assert parsed == [json.loads(c.function.arguments) for c in calls]
+        valid += 1
+    assert valid == TRIES
+    print(
+        f"forced {tool_choice!r} stream={stream}: {valid}/{TRIES} valid, {calls_made} calls, "
+        f"{len(distinct)} distinct answers"
+    )
+
+
+def test_a_conversation_goes_on_after_a_tool_result(client: openai.OpenAI) -> None:
+    first = client.chat.completions.create(
+        model=LANE,
+        messages=QUESTION,
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        parallel_tool_calls=False,
+        seed=7,
+        max_tokens=budget({"function": {"name": "get_weather"}}, parallel=False),
+    )
+    message = first.choices[0].message
+    (call,) = message.tool_calls or []
+    history: list[Any] = [
+        *QUESTION,
+        message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 21 degrees."},
+    ]
+    for stream in (False, True):
+        options: dict[str, Any] = {
+            "model": LANE,
+            "messages": history,
+            "tools": TOOLS,
+            "seed": 8,
+            "max_tokens": 64,
+        }
+        if stream:
+            # Plain chunks: the SDK's accumulator refuses a strict tool's turn cut at max_tokens.
+            chunks = list(
+                client.chat.completions.create(
+                    **options, stream=True, stream_options={"include_usage": True}
+                )
+            )
+            reasons = [c.finish_reason for k in chunks for c in k.choices if c.finish_reason]
+            usage = chunks[-1].usage
+        else:
+            after = client.chat.completions.create(**options)
+            reasons, usage = [after.choices[0].finish_reason], after.usage
+            # Auto: whatever the model says; any call it makes validates.
+            if reasons == ["tool_calls"]:
+                check_calls(list(after.choices[0].message.tool_calls or []), names=set(SCHEMAS))
+        assert len(reasons) == 1 and reasons[0] in ("stop", "length", "tool_calls")
+        # The tool's result is in the prompt.
+        assert first.usage is not None and usage is not None
+        assert usage.prompt_tokens > first.usage.prompt_tokens
+
+
+def test_auto_calls_validate_or_are_not_made(client: openai.OpenAI) -> None:
+    made = 0
+    for i in range(10):
+        completion = client.chat.completions.create(
+            model=LANE,
+            messages=QUESTION,
+            tools=TOOLS,
+            seed=2000 + i,
+            temperature=TEMPERATURES[i % len(TEMPERATURES)],
+            max_tokens=96,
+        )
+        choice = completion.choices[0]
+        calls = list(choice.message.tool_calls or [])
+        assert (choice.finish_reason == "tool_calls") == bool(
+            calls
+        ) or choice.finish_reason == "length"
+        if calls:
+            made += check_calls(calls, names=set(SCHEMAS))
+    print(f"auto: {made} valid calls in 10 turns")
+
+
+def test_tool_choice_none_never_calls(client: openai.OpenAI) -> None:
+    for i in range(5):
+        completion = client.chat.completions.create(
+            model=LANE,
+            messages=QUESTION,
+            tools=TOOLS,
+            tool_choice="none",
+            seed=3000 + i,
+            temperature=TEMPERATURES[i % len(TEMPERATURES)],
+            max_tokens=48,
+        )
+        choice = completion.choices[0]
+        assert choice.message.tool_calls is None
+        assert choice.finish_reason in ("stop", "length")
+
+
+def _deep(levels: int) -> dict[str, Any]:
+    node: dict[str, Any] = {"type": "object"}
+    for _ in range(levels):
+        node = {"type": "object", "properties": {"a": node}}
+    return node
+
+
+def _tool(name: str, parameters: Any) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+
+@pytest.mark.parametrize(
+    ("tools", "tool_choice", "param", "fragment"),
+    [
+        (
+            [_tool("f", {"type": "object", "properties": {"a": {"type": "strin"}}})],
+            "auto",
+            "tools[0].function.parameters",
+            "not a valid JSON Schema",
+        ),
+        ([_tool("f", {}), _tool("f", {})], "auto", "tools[1].function.name", "both named"),
+        ([_tool("f", _deep(40))], "auto", "tools[0].function.parameters", "levels deep"),
+        ([_tool("has space", {})], "auto", "tools[0].function.name", "tool name"),
+        (
+            [
+                _tool(
+                    "f", {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1}}}
+                )
+            ],
+            "required",
+            "tools[0].function.parameters",
+            "minimum",
+        ),
+        (
+            [_tool("f", {})],
+            {"type": "function", "function": {"name": "g"}},
+            "tool_choice",
+            "'g'",
+        ),
+    ],
+)
+def test_invalid_tools_are_a_400_naming_the_parameter(
+    client: openai.OpenAI, tools: list[Any], tool_choice: Any, param: str, fragment: str
+) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model=LANE, messages=QUESTION, tools=tools, tool_choice=tool_choice, max_tokens=8
+        )
+    error = caught.value.body
+    assert isinstance(error, dict)
+    assert error["param"] == param, error
+    assert fragment in error["message"], error
