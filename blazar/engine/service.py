@@ -335,6 +335,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                 completion_tokens=finished.completion_tokens if finished else streamed,
                 cached_tokens=finished.cached_tokens if finished else None,
                 finish=finished.reason if finished else "cancelled",
+                tool_calls=calls.made if calls else None,
                 tokens_per_second=round(finished.decode_tokens_per_second, 1) if finished else None,
                 drafted_tokens=finished.drafted_tokens if finished else None,
                 accepted_tokens=finished.accepted_tokens if finished else None,
