@@ -308,8 +308,10 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                             ),
                         )
                     final = _final(event)
-                    if calls and calls.called and event.reason is jobs.FinishReason.STOP:
-                        final.finish_reason = inference_pb2.FINISH_REASON_TOOL_CALLS
+                    if calls is not None:
+                        final.tool_calls = calls.made
+                        if calls.called and event.reason is jobs.FinishReason.STOP:
+                            final.finish_reason = inference_pb2.FINISH_REASON_TOOL_CALLS
                     final.prompt_logprobs.extend(
                         _wire_logprobs(self._decode.vocab, event.prompt_logprobs)
                     )
@@ -502,7 +504,13 @@ def _resolve(
     toolset: tools.ToolSet | None,
     vocab: llama.Vocab,
 ) -> sampling.SamplingParams:
-    """The request's sampling; a forced call's grammar is its constraint."""
+    """The request's sampling; a forced call's grammar is its constraint. With tools
+    the model may call, it stops where it would begin a tool's result: that is the
+    caller's to give, and a model that writes one is making it up."""
+    free = toolset is not None and toolset.active and not toolset.forced
+    if free and tools.RESULT_OPEN not in wire.stop and len(wire.stop) < sampling.MAX_STOPS:
+        wire = _copy(wire)
+        wire.stop.append(tools.RESULT_OPEN)
     if toolset is not None and toolset.forced:
         forced = inference_pb2.Constraint(grammar=tools.grammar(toolset))
         try:
@@ -512,6 +520,12 @@ def _resolve(
                 err.metadata[errors.FIELD_KEY] = tools.TOOLS_FIELD
             raise
     return sampling.resolve(wire, constraint=constraint, vocab=vocab)
+
+
+def _copy(wire: inference_pb2.Sampling) -> inference_pb2.Sampling:
+    out = inference_pb2.Sampling()
+    out.CopyFrom(wire)
+    return out
 
 
 def _delta(

@@ -103,15 +103,10 @@ class Answer:
             self.final = chunk.final
 
     def whole_calls(self) -> list[inference_pb2.ToolCall]:
-        """The tool calls, whole: those of a turn that ended with TOOL_CALLS. A turn cut
-        short (max_tokens, a stop string) may have cut its last call: it is left out,
-        never passed on half-formed."""
-        final = self.finished()
-        whole = final.finish_reason == inference_pb2.FINISH_REASON_TOOL_CALLS
-        indexes = sorted(self.calls)
-        if not whole and indexes:
-            indexes = indexes[:-1]
-        return [self.calls[i] for i in indexes]
+        """The calls the daemon says are whole (`Final.tool_calls`): one that max_tokens
+        or a stop string cut short is left out, never passed on half-formed."""
+        whole = self.finished().tool_calls
+        return [self.calls[i] for i in sorted(self.calls) if i < whole]
 
     @property
     def text(self) -> str:

@@ -77,7 +77,7 @@ def test_a_forced_call_streams_as_deltas_and_ends_with_tool_calls(
     assert final.finish_reason == pb.FINISH_REASON_TOOL_CALLS
     assert "".join(d.text for d in deltas) == ""
     calls = joined(deltas)
-    assert list(calls) == [0]
+    assert list(calls) == [0] and final.tool_calls == 1
     assert calls[0]["name"] == "get_weather" and calls[0]["id"].startswith("call_")
     jsonschema.validate(json.loads(calls[0]["arguments"]), ARGS)
     # Every token of the call is counted in its deltas; the end-of-generation token that
@@ -89,6 +89,8 @@ def test_a_forced_call_cut_short_ends_with_length(worker: Worker) -> None:
     deltas, final = worker.generate(chat=forced(), sampling=greedy(12))
     assert final.finish_reason == pb.FINISH_REASON_LENGTH
     assert "".join(d.text for d in deltas) == ""
+    # Begun, not whole.
+    assert final.tool_calls == 0
 
 
 def test_tool_choice_none_parses_nothing(
@@ -149,3 +151,36 @@ def test_tools_with_a_constraint_are_refused(worker: Worker) -> None:
     )
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "cannot both apply" in (err.details() or "")
+
+
+def test_auto_calls_from_a_history_that_shows_one_validate(worker: Worker) -> None:
+    """A base model imitates the call in its history often enough to write some; what
+    Blazar guarantees is that each one it passes on validates and is counted whole."""
+    history = [
+        pb.Message(role="user", content="Weather in Oslo?"),
+        pb.Message(
+            role="assistant",
+            tool_calls=[
+                pb.ToolCall(id="c1", name="get_weather", arguments='{"city":"Oslo","unit":"c"}')
+            ],
+        ),
+        pb.Message(role="tool", content="Rain, 9C", tool_call_id="c1"),
+        pb.Message(role="assistant", content="It rains in Oslo, 9C."),
+        pb.Message(role="user", content="Weather in Paris?"),
+    ]
+    made = 0
+    for seed in range(12):
+        deltas, final = worker.generate(
+            chat=engine_pb2.ChatInput(messages=history, tools=[TOOL]),
+            sampling=pb.Sampling(temperature=0.8, seed=seed, max_tokens=60),
+        )
+        calls = joined(deltas)
+        assert final.tool_calls == len(calls)
+        for call in calls.values():
+            jsonschema.validate(json.loads(call["arguments"]), ARGS)
+        if calls and final.finish_reason != pb.FINISH_REASON_LENGTH:
+            assert final.finish_reason == pb.FINISH_REASON_TOOL_CALLS
+        # A made-up tool result is where the model stops.
+        assert "<tool_response>" not in "".join(d.text for d in deltas)
+        made += len(calls)
+    print(f"auto after a shown call: {made} valid calls in 12 turns")

@@ -56,9 +56,11 @@ def final(
     completion: int = 3,
     cached: int = 0,
     prompt_logprobs: Sequence[inference_pb2.TokenLogprob] = (),
+    tool_calls: int = 0,
 ) -> inference_pb2.Chunk:
     return inference_pb2.Chunk(
         final=inference_pb2.Final(
+            tool_calls=tool_calls,
             finish_reason=reason,  # type: ignore[arg-type]
             usage=inference_pb2.Usage(
                 prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached

@@ -494,3 +494,43 @@ def test_other_templates_leave_tools_to_the_builtin_prompt(source: str) -> None:
 
 def test_the_schema_of_the_test_tool_is_valid() -> None:
     jsonschema.Draft202012Validator.check_schema(WEATHER)
+
+
+@pytest.mark.parametrize(
+    ("mode", "stops", "expected"),
+    [
+        (Mode.MODE_AUTO, [], ("<tool_response>",)),
+        (Mode.MODE_AUTO, ["\n\n"], ("\n\n", "<tool_response>")),
+        (Mode.MODE_AUTO, ["<tool_response>"], ("<tool_response>",)),
+        # No room left under the limit: the caller's stops win.
+        (Mode.MODE_AUTO, [f"s{i}" for i in range(64)], tuple(f"s{i}" for i in range(64))),
+        (Mode.MODE_NONE, [], ()),
+    ],
+)
+def test_a_model_free_to_call_stops_where_it_would_make_up_a_result(
+    mode: int, stops: list[str], expected: tuple[str, ...]
+) -> None:
+    from blazar.engine import service
+
+    wire = pb.Sampling(stop=stops)
+    params = service._resolve(
+        wire,
+        constraint=pb.Constraint(),
+        toolset=toolset(mode),
+        vocab=None,  # type: ignore[arg-type]
+    )
+    assert params.stop == expected
+    assert list(wire.stop) == stops  # the caller's message is left alone
+
+
+def test_a_forced_call_is_resolved_with_its_grammar() -> None:
+    from blazar.engine import service
+
+    params = service._resolve(
+        pb.Sampling(),
+        constraint=pb.Constraint(),
+        toolset=toolset(Mode.MODE_REQUIRED),
+        vocab=None,  # type: ignore[arg-type]
+    )
+    assert params.grammar == tools.grammar(toolset(Mode.MODE_REQUIRED))
+    assert params.stop == ()

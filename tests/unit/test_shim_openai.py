@@ -388,7 +388,7 @@ STREAM_CASES: dict[str, tuple[str, dict[str, Any], list[Step]]] = {
     "stream_chat_tool_calls": (
         "/v1/chat/completions",
         chat_body(stream=True, tools=[WEATHER], tool_choice="required"),
-        [*CALL_SCRIPT, final(inference_pb2.FINISH_REASON_TOOL_CALLS, completion=9)],
+        [*CALL_SCRIPT, final(inference_pb2.FINISH_REASON_TOOL_CALLS, completion=9, tool_calls=2)],
     ),
     "stream_chat_text_then_tool_call": (
         "/v1/chat/completions",
@@ -396,7 +396,7 @@ STREAM_CASES: dict[str, tuple[str, dict[str, Any], list[Step]]] = {
         [
             delta("Let me check."),
             calling(0, id="call_a", name="get_weather", arguments='{"city":"Paris","unit":"c"}'),
-            final(inference_pb2.FINISH_REASON_TOOL_CALLS, completion=9),
+            final(inference_pb2.FINISH_REASON_TOOL_CALLS, completion=9, tool_calls=1),
         ],
     ),
     "stream_completion": (
@@ -1362,7 +1362,7 @@ RESPONSE_CASES: dict[str, tuple[str, dict[str, Any], list[Step]]] = {
     "response_chat_tool_calls": (
         "/v1/chat/completions",
         chat_body(tools=[WEATHER], tool_choice="required"),
-        [*CALL_SCRIPT, final(inference_pb2.FINISH_REASON_TOOL_CALLS, completion=9)],
+        [*CALL_SCRIPT, final(inference_pb2.FINISH_REASON_TOOL_CALLS, completion=9, tool_calls=2)],
     ),
     # Cut short by max_tokens: the last call may be half-formed, and is left out.
     "response_chat_tool_calls_length": (
@@ -1371,7 +1371,17 @@ RESPONSE_CASES: dict[str, tuple[str, dict[str, Any], list[Step]]] = {
         [
             *CALL_SCRIPT[:3],
             calling(1, id="call_b", name="get_weather", arguments='{"city": "Os'),
-            final(inference_pb2.FINISH_REASON_LENGTH, completion=9),
+            final(inference_pb2.FINISH_REASON_LENGTH, completion=9, tool_calls=1),
+        ],
+    ),
+    # An auto call is whole when it goes out: text after it cut short keeps it.
+    "response_chat_auto_call_then_length": (
+        "/v1/chat/completions",
+        chat_body(tools=[WEATHER], max_tokens=9),
+        [
+            calling(0, id="call_a", name="get_weather", arguments='{"city":"Paris","unit":"c"}'),
+            delta("Anything"),
+            final(inference_pb2.FINISH_REASON_LENGTH, completion=9, tool_calls=1),
         ],
     ),
     "response_chat_text_and_tool_call": (
@@ -1380,7 +1390,7 @@ RESPONSE_CASES: dict[str, tuple[str, dict[str, Any], list[Step]]] = {
         [
             delta("Let me check."),
             calling(0, id="call_a", name="get_weather", arguments='{"city":"Paris","unit":"c"}'),
-            final(inference_pb2.FINISH_REASON_TOOL_CALLS, completion=9),
+            final(inference_pb2.FINISH_REASON_TOOL_CALLS, completion=9, tool_calls=1),
         ],
     ),
 }
@@ -1880,7 +1890,10 @@ async def test_tool_errors_from_the_engine_name_openais_parameter(
 
 
 async def test_the_official_client_accumulates_streamed_tool_calls(daemon: Daemon) -> None:
-    script = [*CALL_SCRIPT, final(inference_pb2.FINISH_REASON_TOOL_CALLS, completion=9)]
+    script = [
+        *CALL_SCRIPT,
+        final(inference_pb2.FINISH_REASON_TOOL_CALLS, completion=9, tool_calls=2),
+    ]
     messages: list[Any] = [{"role": "user", "content": "Weather?"}]
     async with uvicorn_shim(daemon.target) as base:
         sdk = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
