@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import os
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -419,30 +418,34 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         """Validate, render and tokenize; raise BlazarError when it cannot run. With
         tools, also the parser that finds the calls in the output."""
         which = request.WhichOneof("input")
-        toolset = tools.parse(request.chat) if which == "chat" else None
-        active = toolset is not None and toolset.active
         constraint = request.constraint
-        if active and constraint.WhichOneof("kind") is not None:
-            raise errors.InvalidRequest(
-                "A constraint on the output (structured output) and tools cannot both "
-                "apply; send one, or tool_choice none.",
-                metadata={errors.FIELD_KEY: sampling.CONSTRAINT_FIELD},
+
+        def resolve() -> tuple[tools.ToolSet | None, sampling.SamplingParams]:
+            toolset = tools.parse(request.chat) if which == "chat" else None
+            if toolset is not None and toolset.active and constraint.WhichOneof("kind"):
+                raise errors.InvalidRequest(
+                    "A constraint on the output (structured output) and tools cannot both "
+                    "apply; send one, or tool_choice none.",
+                    metadata={errors.FIELD_KEY: sampling.CONSTRAINT_FIELD},
+                )
+            params = _resolve(
+                request.sampling, constraint=constraint, toolset=toolset, vocab=self._decode.vocab
             )
-        resolve = functools.partial(
-            _resolve,
-            request.sampling,
-            constraint=constraint,
-            toolset=toolset,
-            vocab=self._decode.vocab,
-        )
+            return toolset, params
+
         # Off the event loop: a JSON schema (a forced call's too) becomes a grammar that
         # llama.cpp compiles, tools' schemas are checked, and ignore_eos needs the
         # end-of-generation tokens, found the first time by asking each of the
         # vocabulary's tokens (170 ms for 262k). Anything else takes microseconds, less
         # than a hop to a worker thread and back (which, with the decode threads busy on
         # every core, waits for a time slice).
-        slow = constraint.WhichOneof("kind") is not None or request.sampling.ignore_eos or active
-        params = await asyncio.to_thread(resolve) if slow else resolve()
+        slow = (
+            constraint.WhichOneof("kind") is not None
+            or request.sampling.ignore_eos
+            or (which == "chat" and len(request.chat.tools) > 0)
+        )
+        toolset, params = await asyncio.to_thread(resolve) if slow else resolve()
+        active = toolset is not None and toolset.active
         if which == "prompt":
             prompt = request.prompt
         elif which == "chat":
