@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 import uuid
 from collections import Counter
@@ -372,6 +373,11 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             if sampling.HasField("max_tokens")
             else max(1, route.context_length - prompt_tokens)
         )
+        if prompt_tokens + (sampling.max_tokens or 1) > route.context_length:
+            # Likely too long for a slot, by the estimate: the engine, which counts the
+            # tokens, answers that (INVALID_ARGUMENT naming both lengths); a refusal to
+            # retry later for a missed target would only send the caller round again.
+            policy = dataclasses.replace(policy, reject_early=False)
         ticket = admission.Ticket(
             id=uuid.uuid4().hex,
             policy=policy,

@@ -142,7 +142,10 @@ def test_a_forced_call_validates_20_of_20(
     names = {"get_time"} if tool_choice is NAMED else set(SCHEMAS)
     valid, calls_made, distinct = 0, 0, set()
     for i in range(TRIES):
-        parallel = i % 2 == 0
+        # With parallel calls allowed the bundled model never ends a turn by itself: it
+        # writes the grammar's cap of 8 calls, 8 times the tokens of a single call. Two
+        # tries in 20 show that those validate too, at a cost the suite can carry.
+        parallel = i % 10 == 0
         options: dict[str, Any] = {
             "model": LANE,
             "messages": QUESTION,

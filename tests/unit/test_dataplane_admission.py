@@ -275,6 +275,22 @@ def test_a_predicted_miss_is_refused_early_from_measured_rates() -> None:
     assert took < 1.0
 
 
+def test_a_prompt_likely_over_the_context_goes_to_the_engine_not_a_429() -> None:
+    """By the Lane's measured characters per token the prompt would not fit a slot, and
+    its prefill alone would miss the target: the engine, which counts its tokens, is
+    the one to answer (a context overflow is a 400 there), not a refusal to retry."""
+
+    async def run() -> tuple[errors.BlazarError | None, list[str]]:
+        async with plane(policy("tight", ttft_target_ms=200)) as p:
+            await measured(p)  # 4 characters were 100 tokens, prefilled at 10,000 tok/s
+            long = "y" * 400  # 10,000 tokens by that ratio: a second of prefill
+            return await outcome(p.start(long, slo="tight")), p.engine.seen
+
+    result, seen = asyncio.run(run())
+    assert result is None
+    assert seen == ["warm", "y" * 400]
+
+
 def test_a_caller_that_leaves_the_queue_leaves_at_once() -> None:
     async def run() -> list[str]:
         async with plane() as p:
