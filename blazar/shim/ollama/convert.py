@@ -25,8 +25,6 @@ from blazar.shim.ollama import protocol, template
 
 Kind = Literal["chat", "generate"]
 
-# The largest value of a proto3 int32, which carries max_tokens and top_k.
-_INT32_MAX = 2**31 - 1
 # Ollama's num_predict: -1 generates until the model stops, -2 until the context is
 # full; the runner reads 0 as "no limit" too. Blazar stops at both, so all mean unset.
 _UNLIMITED_PREDICT = (-2, -1, 0)
@@ -261,7 +259,7 @@ def sampling(options: Mapping[str, Any]) -> inference_pb2.Sampling:
         if name not in _OPTIONS:
             raise _unsupported_option(name)
     read = _OptionReader(options)
-    num_predict = read.integer("num_predict", low=-2, high=_INT32_MAX)
+    num_predict = read.integer("num_predict", low=-2, high=canonical.INT32_MAX)
     stop = options.get("stop")
     if stop is not None and not (
         isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))
@@ -270,11 +268,11 @@ def sampling(options: Mapping[str, Any]) -> inference_pb2.Sampling:
             "Invalid value for 'options.stop': use a string or a list of strings.",
             param="options.stop",
         )
-    read.integer("num_ctx", low=1, high=_INT32_MAX)
+    read.integer("num_ctx", low=1, high=canonical.INT32_MAX)
     return canonical.sampling(
         temperature=read.number("temperature", low=0),
         top_p=read.number("top_p", low=0, high=1),
-        top_k=read.integer("top_k", low=0, high=_INT32_MAX),
+        top_k=read.integer("top_k", low=0, high=canonical.INT32_MAX),
         min_p=read.number("min_p", low=0, high=1),
         repeat_penalty=read.number("repeat_penalty", low=0, low_open=True),
         presence_penalty=read.number("presence_penalty", low=-2, high=2),
@@ -423,7 +421,7 @@ def _check_embedding(
                 f"'options.{name}' is not supported for embeddings; only num_ctx is.",
                 param=f"options.{name}",
             )
-    _OptionReader(options or {}).integer("num_ctx", low=1, high=_INT32_MAX)
+    _OptionReader(options or {}).integer("num_ctx", low=1, high=canonical.INT32_MAX)
 
 
 def model_info(response: inference_pb2.ListModelsResponse, name: str) -> inference_pb2.ModelInfo:

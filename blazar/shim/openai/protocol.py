@@ -14,6 +14,8 @@ from typing import Annotated, Any, Literal, NotRequired, TypedDict
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from blazar.shim.canonical import INT32_MAX
+
 # ---------------------------------------------------------------- requests
 
 
@@ -109,10 +111,6 @@ ResponseFormat = Annotated[
 
 # OpenAI: token id (as a JSON object key) -> bias in [-100, 100]; -100 bans the token.
 LogitBias = dict[str, Annotated[float, Field(ge=-100, le=100)]]
-
-
-# The largest value of a proto3 int32, which carries max_tokens and top_k.
-INT32_MAX = 2**31 - 1
 
 
 class _Sampling(_Request):
