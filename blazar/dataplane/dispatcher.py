@@ -437,7 +437,13 @@ class LaneDispatcher:
         for ticket in self._queue.tickets():
             self._queue.cancel(ticket.id)
             self._fail(ticket.id, err)
-        self._gauge()
+        # The Lane's gauges go with it (its counters stay, as counters do).
+        for name in self._policies:
+            for gauge in (metrics.QUEUE_DEPTH, metrics.ATTAINMENT):
+                with contextlib.suppress(KeyError):
+                    gauge.remove(self.lane, name)
+        with contextlib.suppress(KeyError):
+            metrics.PARKED_BYTES.remove(self.lane)
 
     async def _decide(self) -> None:
         now = self._clock()

@@ -375,6 +375,10 @@ def test_a_request_waiting_on_a_deleted_lane_is_unavailable() -> None:
 
     refused = asyncio.run(run())
     assert isinstance(refused, errors.Unavailable) and "deleted" in refused.message
+    # Its gauges are gone from /metrics rather than left at their last value.
+    labels = {"lane": "l", "policy": "builtin:fifo"}
+    assert prometheus_client.REGISTRY.get_sample_value("blazar_queue_depth", labels) is None
+    assert prometheus_client.REGISTRY.get_sample_value("blazar_parked_bytes", {"lane": "l"}) is None
 
 
 def test_the_policy_may_come_as_grpc_metadata() -> None:
