@@ -11,30 +11,25 @@ its job ends, for the next job to reuse.
 
 With speculative decoding (`LoopOptions.speculation`), a decoding slot's feed is its
 pending token plus up to k drafted ones (n-gram lookup or a draft model, as the
-`speculation.SpeculationPolicy` allows), all with logits. After the decode, rows are
-sampled in order with the request's own sampler until one disagrees with the draft
-(`speculation.Speculation.resolve`): every emitted token is exactly what plain
-decoding would have drawn, logprobs and grammar included. The rejected tail is
-removed from the KV cache (`llama_memory_seq_rm`) and the slot's token list.
+`speculation.SpeculationPolicy` allows), all with logits; `emission` verifies them
+after the decode.
 
 Preemption: between steps the loop carries out Park and Resume orders (`parking`). A
 parked generation leaves its slot with its sampler state and, within the engine's
 bound, its KV cache in host memory; a resumed one takes the next free slot before any
 waiting job, its cache restored or its tokens prefilled again.
 
-Health reads `Slot.busy` / `Slot.cached_tokens` from other threads: plain attribute
-reads of ints and references, which the GIL keeps consistent; nothing else about a
-slot is touched outside this thread.
+The pieces around it: `waiting` (the inbox and the line of jobs), `slots` (what each
+sequence holds, prefix keeping), `emission` (sampling a decoded piece, verifying
+drafts), `parking` (the bank of parked generations), `pacing` (prompt chunk sizes).
 """
 
 from __future__ import annotations
 
-import collections
-import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,40 +39,20 @@ from blazar.api import errors, replicas
 from blazar.engine import (
     batching,
     cpushare,
-    generation,
+    emission,
     jobs,
     kvstore,
     llama,
     pacing,
     parking,
-    speculation,
+    slots,
+    waiting,
 )
 from blazar.engine.generation import Generation
-from blazar.engine.speculator import Candidate, SpeculationStats, Speculator
+from blazar.engine.slots import Slot
+from blazar.engine.speculator import SpeculationStats, Speculator
 
 log = structlog.get_logger("blazar.engine.loop")
-
-
-@dataclass
-class Slot:
-    """One llama sequence (seq id = index): what its KV cache holds and whom it serves."""
-
-    index: int
-    # Exactly the tokens in this sequence's KV cache, position i = tokens[i].
-    tokens: list[int] = field(default_factory=list)
-    gen: Generation | None = None
-    # When it last took a job (a step counter; larger = more recent).
-    last_used: int = 0
-    # Prompt length of the last job: where a later prompt most likely parts from it.
-    prompt_len: int = 0
-
-    @property
-    def busy(self) -> bool:
-        return self.gen is not None
-
-    @property
-    def cached_tokens(self) -> int:
-        return len(self.tokens)
 
 
 # Every stream that decodes waits for the whole step, prompt chunk included: on the
@@ -102,11 +77,6 @@ class LoopOptions:
     cpu_share: Path | None = None
 
 
-_STOP = object()
-# Wakes a loop blocked with nothing running (a parked job was cancelled).
-_WAKE = object()
-
-
 @dataclass(frozen=True)
 class _Placed:
     """A slot's piece of the step being decoded, from batch entry `first` on."""
@@ -126,9 +96,7 @@ class DecodeLoop:
         self.slots = [Slot(i) for i in range(options.spec.slots)]
         self.kv_bytes = 0
         self._on_loaded = on_loaded
-        self._inbox: queue.Queue[jobs.Job | object] = queue.Queue()
-        self._waiting: collections.deque[jobs.Job] = collections.deque()
-        self._orders: list[parking.Order] = []
+        self._waiting = waiting.WaitingLine()
         self._bank = parking.Bank(max_bytes=options.spec.max_parked_mib << 20)
         self._runtime: llama.Runtime | None = None
         self._spec: Speculator | None = None
@@ -200,22 +168,22 @@ class DecodeLoop:
 
     def submit(self, job: jobs.Job) -> None:
         """Queue a job (any thread); it starts when a slot frees up, in order of arrival."""
-        self._inbox.put(job)
+        self._waiting.put(job)
 
     def order(self, order: parking.Order) -> None:
         """Park or resume a request at the next step boundary (any thread); the order's
         reply says how it went."""
-        self._inbox.put(order)
+        self._waiting.put(order)
 
     def cancel(self, job: jobs.Job) -> None:
         """Cancel a job wherever it is: waiting, running or parked (any thread)."""
         job.cancel()
-        self._inbox.put(_WAKE)
+        self._waiting.wake()
 
     def stop(self) -> None:
         """Cancel whatever is left, save the caches if asked, free llama resources and
         end the thread (any thread)."""
-        self._inbox.put(_STOP)
+        self._waiting.stop()
 
     def join(self, timeout: float | None = None) -> None:
         self._thread.join(timeout)
@@ -252,7 +220,7 @@ class DecodeLoop:
                 self._finish(runtime, slot, jobs.FinishReason.CANCELLED)
             for parked in self._bank.close():
                 self._end_parked(parked, errors.Unavailable("The engine stopped."))
-            self._drop_waiting()
+            self._waiting.close()
             if self.options.kv_dir is not None:
                 kvstore.save_slots(runtime, self.options.kv_dir, self.slots)
             if self._spec is not None:
@@ -282,38 +250,16 @@ class DecodeLoop:
         return [s for s in self.slots if s.gen is not None]
 
     def _collect(self) -> bool:
-        """Move queued jobs to the waiting line, in arrival order; block while there is
-        nothing to do.
-
-        False once stopped.
-        """
+        """Take in what came; block while there is nothing to do. False once stopped."""
         block = not self._active() and not self._waiting and self._bank.next() is None
         if block and self._cpu is not None:
             self._cpu.idle()
-        added = False
-        while True:
-            try:
-                item = self._inbox.get(block=block)
-            except queue.Empty:
-                break
-            block = False
-            if item is _STOP:
-                return False
-            if isinstance(item, parking.Park | parking.Resume | parking.ResumeAll):
-                self._orders.append(item)
-            elif isinstance(item, jobs.Job):
-                self._waiting.append(item)
-                added = True
-        if added:
-            # Jobs are submitted when prepared, which can reorder them (see Job.arrived).
-            self._waiting = collections.deque(sorted(self._waiting, key=lambda j: j.arrived))
-        return True
+        return self._waiting.collect(block=block)
 
     def _control(self, runtime: llama.Runtime) -> None:
         """Carry out the Park and Resume orders that came in (resumes are then served
         by `_admit`); end the parked generations whose callers cancelled them."""
-        orders, self._orders = self._orders, []
-        for order in orders:
+        for order in self._waiting.take_orders():
             if isinstance(order, parking.ResumeAll):
                 self._bank.resume_all()
                 continue
@@ -326,8 +272,8 @@ class DecodeLoop:
                 if not self._bank.ask(parked, order.reply):
                     order.reply(parking.refusal(order, "resuming"))
             else:
-                waiting = any(job.request_id == rid for job in self._waiting)
-                where = "running" if slot else "parked" if parked else "waiting" if waiting else ""
+                queued = self._waiting.holds(rid)
+                where = "running" if slot else "parked" if parked else "waiting" if queued else ""
                 order.reply(parking.refusal(order, where or None))
         for parked in self._bank.cancelled():
             self._end_parked(parked, errors.RequestNotFound.of(parked.request_id))
@@ -354,24 +300,19 @@ class DecodeLoop:
         for event in events:
             gen.job.deliver(event)
 
-    def _free(self, runtime: llama.Runtime) -> list[batching.FreeSlot]:
-        return [
-            batching.FreeSlot(s.index, s.tokens, s.last_used, runtime.pos_min(s.index))
-            for s in self.slots
-            if s.gen is None
-        ]
-
     def _admit(self, runtime: llama.Runtime) -> None:
         """Resume the parked generations asked for, then end waiting jobs that were
         cancelled and start the others, oldest first, while slots are free."""
-        while (parked := self._bank.next()) is not None and (free := self._free(runtime)):
+        while (parked := self._bank.next()) is not None and (
+            free := slots.free(runtime, self.slots)
+        ):
             self._resume(runtime, parked, free)
-        self._end_cancelled_waiting()
+        self._waiting.end_cancelled()
         while self._waiting:
-            free = self._free(runtime)
+            free = slots.free(runtime, self.slots)
             if not free:
                 return
-            job = self._waiting.popleft()
+            job = self._waiting.pop()
             # Prompt logprobs need logits at every prompt position: nothing can be kept.
             placement = batching.choose_slot(
                 job.prompt, free, n_swa=runtime.n_swa, reuse=not job.params.prompt_logprobs
@@ -395,20 +336,6 @@ class DecodeLoop:
             log.debug("threads_changed", threads=threads, wanted=self.options.spec.threads)
             self.threads = threads
 
-    def _end_cancelled_waiting(self) -> None:
-        """Tell each waiting job that was cancelled (a drain cancels queued jobs too)
-        that it ended, at this step rather than when a slot frees: its caller waits for
-        a final event, and CANCELLED makes the service answer with a retryable status."""
-        if not any(job.cancelled for job in self._waiting):
-            return
-        kept: collections.deque[jobs.Job] = collections.deque()
-        for job in self._waiting:
-            if job.cancelled:
-                job.deliver(generation.cancelled_before_start(job))
-            else:
-                kept.append(job)
-        self._waiting = kept
-
     def _resume(
         self, runtime: llama.Runtime, parked: parking.Parked, free: list[batching.FreeSlot]
     ) -> None:
@@ -419,7 +346,7 @@ class DecodeLoop:
         reply = parked.reply
         assert reply is not None
         try:
-            keep = self._keep_prefix(runtime, slot, placement.common)
+            keep = slots.keep_prefix(runtime, slot, placement.common)
             result = self._bank.resume(runtime, parked, slot, keep=keep)
         except Exception as exc:
             log.exception("resume_failed", request_id=parked.request_id)
@@ -433,22 +360,8 @@ class DecodeLoop:
         reply(result)
 
     def _begin(self, runtime: llama.Runtime, slot: Slot, job: jobs.Job, common: int) -> None:
-        keep = self._keep_prefix(runtime, slot, common)
+        keep = slots.keep_prefix(runtime, slot, common)
         self._seat(slot, Generation.begin(job, cached=keep))
-
-    @staticmethod
-    def _keep_prefix(runtime: llama.Runtime, slot: Slot, common: int) -> int:
-        """Cut the free slot's cache back to the first `common` tokens, or to nothing
-        when those cannot be kept; how many it keeps."""
-        keep = batching.reusable_prefix(
-            common, pos_min=runtime.pos_min(slot.index), n_swa=runtime.n_swa
-        )
-        if keep < len(slot.tokens):
-            if keep == 0 or not runtime.truncate(slot.index, keep):
-                runtime.clear(slot.index)
-                keep = 0
-            del slot.tokens[keep:]
-        return keep
 
     def _seat(self, slot: Slot, gen: Generation) -> None:
         slot.gen = gen
@@ -528,62 +441,42 @@ class DecodeLoop:
         return _Placed(slot, piece, first)
 
     def _sample(self, runtime: llama.Runtime, place: _Placed) -> None:
-        """Sample what the decoded piece asks for. What fails here (the request's
-        sampler, its logprobs) is that request's own fault: the batch is decoded and
-        the other slots are fine."""
-        slot = place.slot
+        """Sample what the decoded piece asks for (`emission`) and end the request if it
+        is over. What fails here (the request's sampler, its logprobs) is that request's
+        own fault: the batch is decoded and the other slots are fine."""
+        slot, piece = place.slot, place.piece
         gen = slot.gen
         assert gen is not None
+        context = self.context_per_slot
         try:
-            if place.piece.decode:
-                self._after_decode(runtime, slot, place.first, place.piece.tokens)
+            if piece.decode:
+                outcome = emission.after_decode(
+                    runtime, slot, place.first, piece.tokens, context=context, spec=self._spec
+                )
             else:
-                self._after_prefill(runtime, slot, place.first, place.piece)
+                outcome = emission.after_prefill(runtime, slot, place.first, piece, context=context)
         except errors.InvalidRequest as exc:
             # A contradiction in the request itself that showed only now.
             log.info("request_invalid", request_id=gen.job.request_id, error=exc.message)
-            if slot.gen is gen:
-                self._fail(runtime, slot, jobs.Failed.invalid(exc))
+            outcome = emission.Outcome(failure=jobs.Failed.invalid(exc))
         except Exception as exc:
             log.exception("sampling_failed", request_id=gen.job.request_id)
-            if slot.gen is gen:
-                self._fail(runtime, slot, jobs.Failed(f"sampling failed: {exc}"))
-
-    def _after_prefill(
-        self, runtime: llama.Runtime, slot: Slot, first: int, piece: batching.Piece
-    ) -> None:
-        gen = slot.gen
-        assert gen is not None
-        if piece.logits is batching.Logits.ALL:
-            # Row i holds the logits after prompt position p0 + i, predicting p0 + i + 1.
-            p0 = gen.prefilled - piece.tokens
-            targets = gen.job.prompt[p0 + 1 : gen.prefilled + 1]
-            if targets:
-                gen.score_prompt(runtime.logits(first, len(targets)), targets)
-        # A refill ends with its next token already sampled (in `feed`).
-        if not gen.prefilling and not gen.feed:
-            gen.prefill_done = time.perf_counter()
-            self._on_token(runtime, slot, first + piece.tokens - 1)
-        elif not gen.refill:
-            gen.unpause()  # its tokens are back after a resume: decoding goes on
+            outcome = emission.Outcome(failure=jobs.Failed(f"sampling failed: {exc}"))
+        if slot.gen is not gen:
+            return
+        if outcome.failure is not None:
+            self._fail(runtime, slot, outcome.failure)
+        elif outcome.end is not None:
+            self._finish(runtime, slot, outcome.end.reason, flush=outcome.end.flush)
 
     def _draft(self, runtime: llama.Runtime, spec: Speculator, active: list[Slot]) -> None:
         """Extend decoding slots' feeds with drafted tokens, as the policy allows."""
-        candidates = []
-        feeding = rows = 0
-        for slot in active:
-            gen = slot.gen
-            assert gen is not None
-            if gen.refill:
-                continue  # decodes nothing this step
-            feeding += len(gen.feed)
-            rows += bool(gen.feed)
-            if len(gen.feed) == 1:
-                room = min(gen.room, self.context_per_slot - len(slot.tokens))
-                candidates.append(Candidate(slot.index, [*slot.tokens, gen.feed[0]], room))
-        spare = min(runtime.n_outputs, runtime.n_batch) - feeding
         try:
-            drafts = spec.draft(candidates, active=len(active), rows=rows, spare=spare)
+            spec.extend_feeds(
+                active,
+                context=self.context_per_slot,
+                capacity=min(runtime.n_outputs, runtime.n_batch),
+            )
         except Exception as exc:
             # Drafting only saves time, and a drafter that failed half-way (a draft
             # model's decode) no longer knows what its cache holds: speculation is off
@@ -593,78 +486,6 @@ class DecodeLoop:
             self._spec_failed = spec.stats(failure=f"the {spec.kind} drafter failed: {exc}")
             self._spec = None
             spec.close()
-            return
-        for seq, tokens in drafts.items():
-            gen = self.slots[seq].gen
-            assert gen is not None
-            gen.feed.extend(tokens)
-
-    def _after_decode(self, runtime: llama.Runtime, slot: Slot, first: int, count: int) -> None:
-        """Sample after decoding the slot's fed tokens (entries first .. first+count-1).
-
-        One fed token: sample its successor. The pending token plus a draft: sample
-        row by row while the target agrees with the draft, emit those tokens, and cut
-        the rejected rest from the KV cache; the last emitted token is the next feed.
-        """
-        gen = slot.gen
-        assert gen is not None
-        step = speculation.Speculation.fed(seq=slot.index, tokens=slot.tokens, count=count)
-        end: generation.End | None = None
-
-        def sample(i: int) -> int | None:
-            nonlocal end
-            if end is not None:
-                return None
-            # Row i's token follows position + i: that many + 1 tokens are then valid.
-            token, end = self._emit(runtime, slot, first + i, cached=step.position + i + 1)
-            return token
-
-        outcome = step.resolve(sample)
-        if outcome.rollback_from is not None:
-            if not runtime.truncate(slot.index, outcome.rollback_from):
-                # Cannot happen with a full-size KV cache; never decode on a stale one
-                # (failing clears the slot's cache).
-                self._fail(runtime, slot, jobs.Failed("could not roll back a rejected draft"))
-                return
-            del slot.tokens[outcome.rollback_from :]
-        if outcome.drafted:
-            assert self._spec is not None
-            gen.record_draft(self._spec.kind, drafted=outcome.drafted, accepted=outcome.accepted)
-            self._spec.policy.record(slot.index, drafted=outcome.drafted, accepted=outcome.accepted)
-        if end is not None:
-            self._finish(runtime, slot, end.reason, flush=end.flush)
-        else:
-            gen.feed.append(outcome.emitted[-1])
-
-    def _on_token(self, runtime: llama.Runtime, slot: Slot, index: int) -> None:
-        """Sample the first token after the prompt from batch entry `index`."""
-        token, end = self._emit(runtime, slot, index, cached=len(slot.tokens))
-        if end is not None:
-            self._finish(runtime, slot, end.reason, flush=end.flush)
-        else:
-            assert slot.gen is not None
-            slot.gen.feed.append(token)
-
-    def _emit(
-        self, runtime: llama.Runtime, slot: Slot, index: int, *, cached: int
-    ) -> tuple[int, generation.End | None]:
-        """Sample from batch entry `index` and hand the token to the generation; say
-        whether the request ends.
-
-        `cached` counts the slot's tokens up to the one whose logits are at `index`
-        (during verification the slot also holds drafts that may yet be rejected).
-        The caller finishes the request (after fixing the slot's cache when a draft
-        was rejected), so that the slot is consistent before it is freed.
-        """
-        gen = slot.gen
-        assert gen is not None
-        # Copied before sampling: the raw distribution, before bias and grammar.
-        row = runtime.logits(index).copy() if gen.job.params.logprobs else None
-        token = runtime.sample(gen.sampler, index)
-        end = gen.emit(
-            token, vocab=runtime.vocab, row=row, context_full=cached >= self.context_per_slot
-        )
-        return token, end
 
     def _finish(
         self, runtime: llama.Runtime, slot: Slot, reason: jobs.FinishReason, *, flush: bool = True
@@ -705,22 +526,3 @@ class DecodeLoop:
         if self._spec is not None:
             self._spec.policy.release(slot.index)
         slot.gen = None
-
-    def _drop_waiting(self) -> None:
-        while True:
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                break
-            if isinstance(item, jobs.Job):
-                self._waiting.append(item)
-            elif isinstance(item, parking.Park | parking.Resume):
-                item.reply(errors.Unavailable("The engine stopped."))
-        for order in self._orders:
-            if not isinstance(order, parking.ResumeAll):
-                order.reply(errors.Unavailable("The engine stopped."))
-        # As for a running job cut off by the stop: CANCELLED, which the service
-        # answers with a retryable UNAVAILABLE.
-        while self._waiting:
-            job = self._waiting.popleft()
-            job.deliver(generation.cancelled_before_start(job))

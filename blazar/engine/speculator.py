@@ -3,8 +3,9 @@
 `Speculator.load` builds what a `replicas.SpeculationLaunch` asks for (the pure n-gram
 drafter, or a draft model's runner); `Speculator.draft` decides which decoding
 sequences draft this step and how many tokens each, within what the step can hold,
-and asks the drafter. Verification stays with the loop (`speculation.Speculation`),
-which samples the target's rows. Decode thread only.
+and asks the drafter; `extend_feeds` does that for the loop's slots. Verification is
+`emission`'s (`speculation.Speculation`), which samples the target's rows. Decode
+thread only.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 
 from blazar.api import replicas
 from blazar.engine import draft, llama, speculation
+from blazar.engine.slots import Slot
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,31 @@ class Speculator:
             runner.close()
             raise ValueError("the draft model's vocabulary differs from the target's")
         return cls(launch.kind, policy, runner, runner)
+
+    def extend_feeds(self, active: Sequence[Slot], *, context: int, capacity: int) -> None:
+        """Append this step's drafts to the feeds of the `active` slots' generations.
+
+        A slot drafts after its one pending token; a resumed generation still
+        prefilling its tokens decodes nothing this step. `capacity` is the rows one
+        step can hold. Raises whatever the drafter raises.
+        """
+        candidates = []
+        feeding = rows = 0
+        for slot in active:
+            gen = slot.gen
+            if gen is None or gen.refill:
+                continue
+            feeding += len(gen.feed)
+            rows += bool(gen.feed)
+            if len(gen.feed) == 1:
+                room = min(gen.room, context - len(slot.tokens))
+                candidates.append(Candidate(slot.index, [*slot.tokens, gen.feed[0]], room))
+        drafts = self.draft(candidates, active=len(active), rows=rows, spare=capacity - feeding)
+        by_seq = {slot.index: slot for slot in active}
+        for seq, tokens in drafts.items():
+            gen = by_seq[seq].gen
+            assert gen is not None
+            gen.feed.extend(tokens)
 
     def draft(
         self, candidates: Sequence[Candidate], *, active: int, rows: int, spare: int
