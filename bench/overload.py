@@ -362,7 +362,12 @@ def main() -> int:
     try:
         with servers.serving(DefaultFleet(config, [servers.LaneDef(LANE)])) as server:
             url = server.base_url
-            load.run(burst(url, [(0.0, "interactive", "Hello", 4)], extra))  # warm
+            # Warm-up: one request alone, then as many as the Lane has slots, so that
+            # the forecast has measured decode steps at both ends of the batch (what
+            # a Lane that has served any concurrent traffic knows).
+            load.run(burst(url, [(0.0, FIFO, salted("warm"), 16)], extra))
+            warm = [(0.0, FIFO, salted(f"warm-{i}"), 16) for i in range(config.slots)]
+            load.run(burst(url, warm, extra))
             seen: list[Result] = []
             if "flood" in only:
                 lines += flood(url, policies, extra, seen)

@@ -25,9 +25,11 @@ Forecast. Every decision reads one simulation of the Lane from `now`, in ticket 
 (list scheduling, the model behind every prediction):
 
 - Each replica has `slots` slots. A slot running a request frees after that request's
-  decode time, `tokens_left x step_s / tokens_per_step` (step_s is the measured decode
-  step at the current batch; tokens_per_step the accepted tokens per step, 1 without
-  speculation). An idle slot is free now.
+  decode time, `tokens_left x step / tokens_per_step`: step is the measured decode step
+  at the batch the replica will run while this queue drains (its running requests plus
+  the waiting tickets, at most its slots), `step_s + step_growth_s x (batch - 1)`;
+  tokens_per_step the accepted tokens per step, 1 without speculation. An idle slot is
+  free now.
 - Each ticket in order takes the slot that frees first (an idle one, then the session's
   `prefer`red replica, then the least loaded replica, then the lowest index), holds it for
   its service time, `prompt_tokens / prefill_tokens_per_s` plus the decode time of the
@@ -60,11 +62,11 @@ would have come; for SLO_UNATTAINABLE, until a request like it would meet the ta
 (predicted first token minus target, as the work ahead drains), the maximum when its
 prefill alone misses the target. RETRY_AFTER_UNKNOWN_S when the forecast knows nothing.
 
-Known simplifications: step time stays the one measured at the current batch as the
-simulated batch changes; parking and resuming cost no time; bytes freed by a simulated
-resume are not returned to the parking budget; tickets that will arrive later are not
-foreseen (a more urgent arrival may push an admitted ticket past its deadline, and
-`expire` then refuses it).
+Known simplifications: the step time is the one at the batch the queue keeps the
+replica at, also for its last requests as the queue runs dry; parking and resuming cost
+no time; bytes freed by a simulated resume are not returned to the parking budget;
+tickets that will arrive later are not foreseen (a more urgent arrival may push an
+admitted ticket past its deadline, and `expire` then refuses it).
 """
 
 from __future__ import annotations
@@ -188,8 +190,10 @@ class ReplicaView:
     running: tuple[Running, ...] = ()
     # Measured; None until the engine has measured it.
     prefill_tokens_per_s: float | None = None
-    # Seconds per decode step at the current batch.
+    # Seconds per decode step with one sequence decoding, and how much longer a step
+    # takes per extra sequence in the batch.
     step_s: float | None = None
+    step_growth_s: float = 0.0
     # Tokens a sequence gains per decode step: 1, or 1 + accepted drafts per step
     # when speculation is on.
     tokens_per_step: float = 1.0
@@ -202,10 +206,12 @@ class ReplicaView:
         rate = self.prefill_tokens_per_s
         return tokens / rate if rate else 0.0
 
-    def decode_s(self, tokens: int) -> float:
+    def decode_s(self, tokens: int, *, batch: int = 1) -> float:
+        """Seconds to generate `tokens` with `batch` sequences decoding together."""
         if not self.step_s:
             return 0.0
-        return tokens * self.step_s / max(self.tokens_per_step, 1.0)
+        step = self.step_s + self.step_growth_s * max(0, batch - 1)
+        return tokens * step / max(self.tokens_per_step, 1.0)
 
 
 @dataclass(frozen=True)
@@ -556,19 +562,25 @@ class _Victim:
 class _Simulation:
     """The Lane's slots as the forecast hands them out."""
 
-    def __init__(self, view: LaneView, now: float) -> None:
+    def __init__(self, view: LaneView, now: float, *, waiting: int) -> None:
         self.now = now
         self.slots: list[_Slot] = []
         self.load: dict[int, int] = {}
         self.parked: dict[int, int] = {}
+        self.batch: dict[int, int] = {}
         for replica in view.replicas:
             self.load[replica.index] = len(replica.running)
             self.parked[replica.index] = replica.parked_bytes
+            self.batch[replica.index] = max(1, min(replica.slots, len(replica.running) + waiting))
             for position, run in enumerate(replica.running):
-                free_at = replica.decode_s(run.tokens_left)
+                free_at = self.decode_s(replica, run.tokens_left)
                 self.slots.append(_Slot(replica, position, free_at, idle=False, holder=run))
             for position in range(len(replica.running), replica.slots):
                 self.slots.append(_Slot(replica, position, 0.0, idle=True, holder=None))
+
+    def decode_s(self, replica: ReplicaView, tokens: int) -> float:
+        """Decode time on `replica` at the batch it will run while this queue drains."""
+        return replica.decode_s(tokens, batch=self.batch[replica.index])
 
     def slot_for(self, *, pinned: int | None, prefer: int | None) -> _Slot | None:
         """The slot that frees first: an idle one, then on `prefer`, then on the least
@@ -658,7 +670,7 @@ def _fate(entry: _Waiting, sim: _Simulation, now: float) -> tuple[_Fate, _Slot |
 
 def _forecast(waiting: list[_Waiting], *, now: float, view: LaneView) -> dict[str, _Fate]:
     """Every waiting ticket's fate, simulated in order (see the module docstring)."""
-    sim = _Simulation(view, now)
+    sim = _Simulation(view, now, waiting=len(waiting))
     fates: dict[str, _Fate] = {}
     heap: list[tuple[tuple[int, float, float, str], int, _Waiting | _Victim]] = [
         (entry.ticket.key, seq, entry) for seq, entry in enumerate(waiting)
@@ -670,7 +682,7 @@ def _forecast(waiting: list[_Waiting], *, now: float, view: LaneView) -> dict[st
         if isinstance(item, _Victim):
             resumed = sim.slot_for(pinned=item.replica, prefer=None)
             assert resumed is not None  # its replica is in the view: it was parked there
-            service = resumed.replica.decode_s(item.running.tokens_left)
+            service = sim.decode_s(resumed.replica, item.running.tokens_left)
             sim.take(resumed, start_s=resumed.free_at, service_s=service)
             continue
         fate, slot = _fate(item, sim, now)
@@ -682,8 +694,8 @@ def _forecast(waiting: list[_Waiting], *, now: float, view: LaneView) -> dict[st
             heapq.heappush(heap, (victim.key, seq, victim))
             seq += 1
         if item.resume is not None:
-            service = slot.replica.decode_s(item.resume.tokens_left)
+            service = sim.decode_s(slot.replica, item.resume.tokens_left)
         else:
-            service = fate.prefill_s + slot.replica.decode_s(view.output_tokens(item.ticket))
+            service = fate.prefill_s + sim.decode_s(slot.replica, view.output_tokens(item.ticket))
         sim.take(slot, start_s=fate.start_s, service_s=service)
     return fates

@@ -59,12 +59,57 @@ class _Ratio:
         return self.top.value / self.bottom.value
 
 
+# Below this spread of measured batch sizes (variance, in sequences squared) a slope
+# of step time against batch would be a guess: the step time is then one figure.
+_MIN_BATCH_VARIANCE = 0.25
+
+
+@dataclass
+class _StepFit:
+    """Seconds per decode step as a line in the batch (sequences decoded together), by
+    weighted least squares over moving sums: each request weighs its decode steps. A
+    step's time grows with the batch (every sequence's row goes through the output
+    matrix), so a figure measured at one batch misjudges another."""
+
+    steps: _Mean = field(default_factory=_Mean)
+    batch: _Mean = field(default_factory=_Mean)
+    seconds: _Mean = field(default_factory=_Mean)
+    batch2: _Mean = field(default_factory=_Mean)
+    batch_seconds: _Mean = field(default_factory=_Mean)
+
+    def add(self, *, seconds: float, steps: int, batch: float) -> None:
+        """`steps` decode steps that took `seconds` in all at a mean `batch`."""
+        self.steps.add(steps)
+        self.batch.add(steps * batch)
+        self.seconds.add(seconds)
+        self.batch2.add(steps * batch * batch)
+        self.batch_seconds.add(batch * seconds)
+
+    def line(self) -> tuple[float, float] | None:
+        """(seconds per step at batch 1, seconds more per extra sequence); None before
+        anything was measured."""
+        w, b, s = self.steps.value, self.batch.value, self.seconds.value
+        if not w or b is None or s is None:
+            return None
+        mean_b, mean_s = b / w, s / w
+        variance = (self.batch2.value or 0.0) / w - mean_b * mean_b
+        if mean_b <= 0 or variance < _MIN_BATCH_VARIANCE:
+            return mean_s, 0.0
+        slope = ((self.batch_seconds.value or 0.0) / w - mean_b * mean_s) / variance
+        slope = max(0.0, slope)
+        at_one = mean_s - slope * (mean_b - 1.0)
+        if at_one <= 0.0:
+            # The line would cross zero below the batches seen: proportional instead.
+            return mean_s / max(mean_b, 1.0), mean_s / max(mean_b, 1.0)
+        return at_one, slope
+
+
 @dataclass
 class _Rates:
     # Prompt tokens prefilled (cached ones excluded) over seconds of prefill.
     prefill: _Ratio = field(default_factory=_Ratio)
-    # Seconds of decode over decode steps.
-    step: _Ratio = field(default_factory=_Ratio)
+    # Seconds of decode per decode step, by batch.
+    step: _StepFit = field(default_factory=_StepFit)
     # Tokens decoded over decode steps (above 1 with accepted speculative drafts).
     per_step: _Ratio = field(default_factory=_Ratio)
 
@@ -78,7 +123,9 @@ class _Rates:
         decoded = usage.completion_tokens - 1
         steps = decoded - final.routing.accepted_tokens
         if steps > 0 and timings.decode_ms > 0:
-            self.step.add(timings.decode_ms / 1000.0, steps)
+            # An engine that does not report its batch decoded alone as far as we know.
+            batch = timings.decode_batch or 1.0
+            self.step.add(seconds=timings.decode_ms / 1000.0, steps=steps, batch=batch)
             self.per_step.add(decoded, steps)
 
 
@@ -132,12 +179,14 @@ class LaneMeasurements:
             return mine.value if mine.value is not None else lanes.value
 
         lane = self._lane
+        step = own.step.line() or lane.step.line()
         return admission.ReplicaView(
             index=index,
             slots=slots,
             running=tuple(running),
             prefill_tokens_per_s=pick(own.prefill, lane.prefill),
-            step_s=pick(own.step, lane.step),
+            step_s=step[0] if step else None,
+            step_growth_s=step[1] if step else 0.0,
             tokens_per_step=pick(own.per_step, lane.per_step) or 1.0,
             kv_bytes_per_token=kv_bytes_per_token,
             parked_bytes=parked_bytes,

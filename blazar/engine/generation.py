@@ -63,6 +63,9 @@ class Generation:
     last_token: float = 0.0
     drafted: int = 0
     accepted: int = 0
+    # Decode steps it took part in, and the sequences decoded in those steps in all.
+    decode_steps: int = 0
+    decode_batched: int = 0
     # The kind of speculation that drafted for it ("" until a draft was verified).
     speculation: str = ""
     # When it was parked (0.0: it is not), and the seconds parked in all and after
@@ -223,6 +226,7 @@ class Generation:
             speculation=self.speculation,
             drafted_tokens=self.drafted,
             accepted_tokens=self.accepted,
+            decode_batch=self.decode_batched / self.decode_steps if self.decode_steps else 0.0,
         )
         events: list[jobs.Event] = []
         if tail or self.scores:

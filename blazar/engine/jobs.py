@@ -61,6 +61,8 @@ class Finished:
     accepted_tokens: int = 0
     # Time it spent parked (preempted), not counted in prefill_ms or decode_ms.
     parked_ms: float = 0.0
+    # Sequences decoded together per decode step while it decoded, on average.
+    decode_batch: float = 0.0
 
     @property
     def decode_tokens_per_second(self) -> float:

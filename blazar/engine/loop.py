@@ -391,6 +391,10 @@ class DecodeLoop:
         placed = [self._place(piece, entries) for piece in pieces]
         if not entries:
             return
+        decoding = [p.slot.gen for p in placed if p.piece.decode and p.slot.gen is not None]
+        for gen in decoding:
+            gen.decode_steps += 1
+            gen.decode_batched += len(decoding)
         started = time.perf_counter()
         runtime.decode(entries)
         self._pacer.observe(

@@ -59,6 +59,7 @@ def replica(
     slots: int = 1,
     prefill: float | None = 1000.0,
     step: float | None = 0.02,
+    growth: float = 0.0,
     per_step: float = 1.0,
     kv_bytes: int = 10,
     parked: int = 0,
@@ -70,6 +71,7 @@ def replica(
         running=running,
         prefill_tokens_per_s=prefill,
         step_s=step,
+        step_growth_s=growth,
         tokens_per_step=per_step,
         kv_bytes_per_token=kv_bytes,
         parked_bytes=parked,
@@ -289,6 +291,16 @@ def test_a_ticket_is_admitted_once() -> None:
             [],
             2.0,
         ),
+        # Steps grow by 0.01 s per extra sequence: with 2 slots, the running request and
+        # the tickets decode two at a time, 0.03 s a step: its slot frees at 3 s (the
+        # ticket ahead, 200 tokens, holds the other until 6 s).
+        (
+            lane(replica(run("r"), slots=2, growth=0.01)),
+            [ticket("x", prompt=0, max_tokens=200)],
+            3.5,
+        ),
+        # One slot: the batch stays one, growth or not.
+        (lane(replica(run("r"), growth=0.01)), [], 2.5),
         # Unmeasured rates count as instant.
         (lane(replica(run("r"), prefill=None, step=None)), [], 0.0),
         # No replica: nothing to predict from.

@@ -340,3 +340,27 @@ def test_text_deltas_join_in_order() -> None:
     b = jobs.TextDelta("lo", 2, ())
     joined = jobs.TextDelta.joined(a, b)
     assert (joined.text, joined.tokens, joined.logprobs) == ("Hello", 3, a.logprobs)
+
+
+def test_a_finished_request_reports_the_batch_it_decoded_in(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Alone it decodes one sequence a step; beside another for every step, two."""
+    with running(monkeypatch, slots=2) as (decode, _runtime):
+        alone, alone_events = job([1, 2, 3], max_tokens=6, name="alone")
+        decode.submit(alone)
+        assert alone_events.ended.wait(10)
+        finished = alone_events.last
+        assert isinstance(finished, jobs.Finished)
+        assert finished.decode_batch == pytest.approx(1.0)
+
+        pair = [job([4, 5, 6], max_tokens=6, name=f"pair{i}") for i in range(2)]
+        for j, _ in pair:
+            decode.submit(j)
+        for _, events in pair:
+            assert events.ended.wait(10)
+        batches = [e.last.decode_batch for _, e in pair if isinstance(e.last, jobs.Finished)]
+        assert len(batches) == 2
+        # Both prompts may not start in the same step; each decoded beside the other
+        # for most of its steps.
+        assert all(1.0 < b <= 2.0 for b in batches)

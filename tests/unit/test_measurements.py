@@ -17,12 +17,15 @@ def final(
     prefill_ms: float = 100.0,
     decode_ms: float = 1000.0,
     accepted: int = 0,
+    batch: float = 0.0,
 ) -> inference_pb2.Final:
     return inference_pb2.Final(
         usage=inference_pb2.Usage(
             prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached
         ),
-        timings=inference_pb2.Timings(prefill_ms=prefill_ms, decode_ms=decode_ms),
+        timings=inference_pb2.Timings(
+            prefill_ms=prefill_ms, decode_ms=decode_ms, decode_batch=batch
+        ),
         routing=inference_pb2.Routing(accepted_tokens=accepted),
     )
 
@@ -81,3 +84,37 @@ def test_the_view_carries_slots_and_runs_and_cannot_park() -> None:
     running = (admission.Running("a", 0, tokens_left=5, kv_tokens=50),)
     view = LaneMeasurements().replica_view(3, slots=2, running=running)
     assert (view.index, view.slots, view.running, view.parked_bytes_max) == (3, 2, running, 0)
+
+
+def test_step_time_is_a_line_in_the_batch_it_was_measured_at() -> None:
+    """Requests that decoded alone (10 ms a step) and four at a time (25 ms a step):
+    5 ms more per extra sequence, so a forecast at batch 4 is not one at batch 1."""
+    m = LaneMeasurements()
+    for _ in range(3):
+        m.record(0, final(completion=11, decode_ms=100.0, batch=1.0), prompt_chars=0)
+        m.record(0, final(completion=11, decode_ms=250.0, batch=4.0), prompt_chars=0)
+    view = m.replica_view(0, slots=4, running=())
+    assert view.step_s == pytest.approx(0.010)
+    assert view.step_growth_s == pytest.approx(0.005)
+    assert view.decode_s(10, batch=4) == pytest.approx(0.25)
+
+
+@pytest.mark.parametrize("batch", [0.0, 1.0, 3.0])
+def test_one_batch_size_measured_gives_one_step_time(batch: float) -> None:
+    """No spread of batch sizes, no slope to read (0: an engine that does not say)."""
+    m = LaneMeasurements()
+    m.record(0, final(completion=11, decode_ms=200.0, batch=batch), prompt_chars=0)
+    m.record(0, final(completion=21, decode_ms=400.0, batch=batch), prompt_chars=0)
+    view = m.replica_view(0, slots=4, running=())
+    assert (view.step_s, view.step_growth_s) == (pytest.approx(0.02), 0.0)
+
+
+def test_a_line_that_would_cross_zero_is_proportional_instead() -> None:
+    """Steps measured at batches 2 and 4 so steep that batch 1 would take no time."""
+    m = LaneMeasurements()
+    for _ in range(3):
+        m.record(0, final(completion=11, decode_ms=100.0, batch=2.0), prompt_chars=0)
+        m.record(0, final(completion=11, decode_ms=400.0, batch=4.0), prompt_chars=0)
+    view = m.replica_view(0, slots=4, running=())
+    assert view.step_s is not None and view.step_s > 0
+    assert view.step_growth_s == pytest.approx(view.step_s)
