@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 from blazar._proto.v1 import inference_pb2
 from blazar.api import errors
-from blazar.engine import schema
+from blazar.engine import gbnf, schema
 
 PENALTY_LAST_N = 64
 # OpenAI's limit, and what the loop is sized for.
@@ -259,6 +259,7 @@ def grammar_of(constraint: inference_pb2.Constraint) -> str | None:
     """
     kind = constraint.WhichOneof("kind")
     if kind == "grammar":
+        gbnf.check_bounds(constraint.grammar)
         if GRAMMAR_ROOT not in constraint.grammar:
             raise errors.InvalidRequest(
                 f"The grammar has no '{GRAMMAR_ROOT}' rule; GBNF output starts at "
@@ -274,7 +275,9 @@ def grammar_of(constraint: inference_pb2.Constraint) -> str | None:
                 raise errors.InvalidRequest(
                     f"The JSON schema must be a JSON object, not {type(document).__name__}."
                 )
-            return schema.grammar(document)
+            made = schema.grammar(document)
+            gbnf.check_bounds(made, what="The grammar made from the JSON schema")
+            return made
         except json.JSONDecodeError as exc:
             raise errors.InvalidRequest(f"The JSON schema is not valid JSON: {exc}.") from None
         except RecursionError:

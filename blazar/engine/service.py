@@ -24,6 +24,7 @@ from blazar._proto.v1 import inference_pb2
 from blazar.api import errors
 from blazar.engine import (
     embedding,
+    gbnf,
     jobs,
     llama,
     logprobs,
@@ -515,7 +516,13 @@ def _resolve(
         wire = _copy(wire)
         wire.stop.append(tools.RESULT_OPEN)
     if toolset is not None and toolset.forced:
-        forced = inference_pb2.Constraint(grammar=tools.grammar(toolset))
+        made = tools.grammar(toolset)
+        try:
+            gbnf.check_bounds(made, what="The grammar that forces a call of these tools")
+        except errors.InvalidRequest as err:
+            err.metadata[errors.FIELD_KEY] = tools.TOOLS_FIELD
+            raise
+        forced = inference_pb2.Constraint(grammar=made)
         try:
             return sampling.resolve(wire, constraint=forced, vocab=vocab)
         except errors.InvalidRequest as err:

@@ -346,6 +346,12 @@ def assert_serves(worker: Worker) -> None:
         inference_pb2.Constraint(json_schema='{"type": "string", "pattern": "^(?=a)b$"}'),
         # Translated, but llama.cpp refuses the repetition of a group that can be empty.
         inference_pb2.Constraint(json_schema='{"type": "string", "pattern": "^(a|)*$"}'),
+        # Past the bounds llama.cpp's recursive parser survives (`engine.gbnf`): 60,000
+        # nested groups killed the engine with SIGSEGV; a chain of rules past the size.
+        inference_pb2.Constraint(grammar="root ::= " + "(" * 60_000 + '"a"' + ")" * 60_000),
+        inference_pb2.Constraint(
+            grammar="root ::= r0\n" + "".join(f"r{i} ::= r{i + 1}\n" for i in range(20_000))
+        ),
     ],
 )
 def test_invalid_constraint_is_invalid_argument_and_worker_survives(
@@ -356,6 +362,7 @@ def test_invalid_constraint_is_invalid_argument_and_worker_survives(
     )
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "grammar" in (err.details() or "").lower() or "schema" in (err.details() or "").lower()
+    assert worker.proc.poll() is None, "the engine process died"
     assert_serves(worker)
     health = worker.health()
     assert health is not None and health.state == engine_pb2.ENGINE_STATE_READY

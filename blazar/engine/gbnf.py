@@ -1,0 +1,78 @@
+"""Bounds on a GBNF grammar, checked before llama.cpp's parser sees it.
+
+llama.cpp parses a grammar by recursive descent, one C++ frame per nested group, and
+walks chains of rule references recursively when it builds the grammar's stacks; no
+depth is bounded. Measured with the llama.cpp that llama-cpp-python 0.3.36 vendors, on
+a thread with an 8 MiB stack: 10,000 nested groups parse, 30,000 kill the process
+(SIGSEGV); a chain of 50,000 rules each referring to the next parses, 200,000 kill it.
+A crash takes the engine and every stream on it down, so a grammar past these bounds
+is refused here, by name, with a factor of ten below what was seen to crash:
+
+- `MAX_NESTING` groups inside each other (parentheses, outside literals, character
+  classes and comments);
+- `MAX_BYTES` of grammar text, which also bounds a chain of rules (a rule takes at least
+  8 bytes: 16,000 rules at most) and what llama.cpp allocates for it.
+
+Pure: a scan of the text, no llama.
+"""
+
+from __future__ import annotations
+
+from blazar.api import errors
+
+MAX_NESTING = 1000
+MAX_BYTES = 128 * 1024
+
+
+def check_bounds(grammar: str, *, what: str = "The grammar") -> None:
+    """InvalidRequest when `grammar` is larger or nests deeper than llama.cpp is known to
+    survive; `what` names it in the message (a grammar made from a schema says so)."""
+    size = len(grammar.encode())
+    if size > MAX_BYTES:
+        raise errors.InvalidRequest(
+            f"{what} is {size:,} bytes of GBNF; at most {MAX_BYTES:,} are accepted."
+        )
+    depth = nesting(grammar)
+    if depth > MAX_NESTING:
+        raise errors.InvalidRequest(
+            f"{what} nests {depth:,} groups inside each other; at most {MAX_NESTING:,} are "
+            "accepted."
+        )
+
+
+def nesting(grammar: str) -> int:
+    """The deepest nesting of parenthesised groups, outside string literals, character
+    classes and comments (where a parenthesis is only a character)."""
+    depth = deepest = 0
+    i, n = 0, len(grammar)
+    while i < n:
+        c = grammar[i]
+        if c == "(":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif c == ")":
+            depth = max(0, depth - 1)
+        elif c in '"[':
+            i = _skip_quoted(grammar, i + 1, '"' if c == '"' else "]")
+            continue
+        elif c == "#":
+            newline = grammar.find("\n", i)
+            i = n if newline < 0 else newline
+            continue
+        i += 1
+    return deepest
+
+
+def _skip_quoted(text: str, i: int, close: str) -> int:
+    """The index after the `close` that ends a literal or class begun before `i`; a
+    backslash escapes the next character. An unterminated one runs to the end (the
+    parser refuses it)."""
+    n = len(text)
+    while i < n:
+        if text[i] == "\\":
+            i += 2
+            continue
+        if text[i] == close:
+            return i + 1
+        i += 1
+    return n

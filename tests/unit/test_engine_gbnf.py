@@ -1,0 +1,53 @@
+"""Grammar bounds, checked before llama.cpp's recursive parser sees a grammar."""
+
+from __future__ import annotations
+
+import pytest
+
+from blazar._proto.v1 import inference_pb2
+from blazar.api import errors
+from blazar.engine import gbnf, sampling
+
+
+@pytest.mark.parametrize(
+    ("grammar", "depth"),
+    [
+        ('root ::= "a"', 0),
+        ('root ::= ("a" ("b" | "c"))*', 2),
+        # Parentheses inside literals, character classes and comments are characters.
+        ('root ::= "((((" [()] "\\")((("  # (((\nx ::= ("a")', 1),
+        ('root ::= [\\]((] ("a")', 1),
+        # Unbalanced closers do not go below zero; the parser refuses them anyway.
+        ('root ::= ))) ("a")', 1),
+        ("root ::= " + "(" * 5000 + '"a"' + ")" * 5000, 5000),
+    ],
+)
+def test_nesting_counts_groups_only(grammar: str, depth: int) -> None:
+    assert gbnf.nesting(grammar) == depth
+
+
+def test_a_grammar_nested_past_the_bound_is_refused_by_name() -> None:
+    # 60,000 nested groups killed the engine with SIGSEGV before this check.
+    deep = "root ::= " + "(" * 60_000 + '"a"' + ")" * 60_000
+    with pytest.raises(errors.InvalidRequest, match="nests 60,000 groups") as caught:
+        sampling.grammar_of(inference_pb2.Constraint(grammar=deep))
+    assert "at most 1,000" in caught.value.message
+    at_bound = "root ::= " + "(" * gbnf.MAX_NESTING + '"a"' + ")" * gbnf.MAX_NESTING
+    assert sampling.grammar_of(inference_pb2.Constraint(grammar=at_bound)) == at_bound
+
+
+def test_a_grammar_past_the_size_bound_is_refused() -> None:
+    # A chain of rules, each referring to the next: 200,000 of them killed llama.cpp.
+    chain = "root ::= r0\n" + "".join(f"r{i} ::= r{i + 1}\n" for i in range(20_000))
+    assert len(chain) > gbnf.MAX_BYTES
+    with pytest.raises(errors.InvalidRequest, match="bytes of GBNF; at most 131,072"):
+        sampling.grammar_of(inference_pb2.Constraint(grammar=chain))
+
+
+def test_the_request_field_is_named_when_resolving() -> None:
+    deep = "root ::= " + "(" * 2000 + '"a"' + ")" * 2000
+    with pytest.raises(errors.InvalidRequest) as caught:
+        sampling.resolve(
+            inference_pb2.Sampling(), constraint=inference_pb2.Constraint(grammar=deep)
+        )
+    assert caught.value.metadata[errors.FIELD_KEY] == sampling.CONSTRAINT_FIELD
