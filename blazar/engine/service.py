@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from enum import StrEnum
@@ -23,6 +24,7 @@ from blazar._proto.engine.v1 import engine_pb2, engine_pb2_grpc
 from blazar._proto.v1 import inference_pb2
 from blazar.api import errors
 from blazar.engine import (
+    chatprompt,
     embedding,
     gbnf,
     jobs,
@@ -447,6 +449,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         )
         toolset, params = await asyncio.to_thread(resolve) if slow else resolve()
         active = toolset is not None and toolset.active
+        turns: list[text.ChatTurn] | None = None
         if which == "prompt":
             prompt = request.prompt
         elif which == "chat":
@@ -457,10 +460,17 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             prompt = self._render(turns, toolset)
         else:
             raise errors.InvalidRequest("Set either prompt or chat.")
+
+        def tokenize() -> list[int]:
+            if turns is None:
+                # A raw prompt is the caller's whole prompt, control tokens included.
+                return self._decode.vocab.tokenize(prompt)
+            return self._chat_tokens(turns, toolset, prompt)
+
         if len(prompt) > INLINE_TOKENIZE_CHARS:
-            tokens = await asyncio.to_thread(self._decode.vocab.tokenize, prompt)
+            tokens = await asyncio.to_thread(tokenize)
         else:
-            tokens = self._decode.vocab.tokenize(prompt)
+            tokens = tokenize()
         if not tokens:
             # An empty prompt starts from BOS, as with OpenAI and llama.cpp's server;
             # a model that adds none has nothing to start from.
@@ -491,6 +501,34 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         )
         return job, tools.CallParser(toolset) if toolset is not None and active else None
 
+    def _chat_tokens(
+        self, turns: list[text.ChatTurn], toolset: tools.ToolSet | None, prompt: str
+    ) -> list[int]:
+        """The rendered chat's tokens, where only the template's text may write control
+        tokens: a message's content is tokenized as text (`chatprompt`)."""
+        vocab = self._decode.vocab
+        risky = {
+            i: turn.content
+            for i, turn in enumerate(turns)
+            if turn.content and _writes_control_tokens(vocab, turn.content)
+        }
+        if not risky:
+            return vocab.tokenize(prompt)
+        nonce = secrets.token_hex(8)
+        masked = self._render(chatprompt.masked(turns, risky, nonce), toolset)
+        pieces = chatprompt.split(prompt, masked, risky, nonce)
+        if pieces is None:
+            first = min(risky)
+            raise errors.InvalidRequest(
+                f"Message {first} holds text that the model reads as a control token, and "
+                "the chat template changes message text in a way that cannot be followed "
+                "to keep it as text; remove or escape that text."
+            )
+        tokens: list[int] = []
+        for k, piece in enumerate(pieces):
+            tokens += vocab.tokenize(piece.text, add_bos=k == 0, parse_special=piece.special)
+        return tokens
+
     def _render(self, turns: list[text.ChatTurn], toolset: tools.ToolSet | None) -> str:
         """The prompt: tools and tool turns by the model's template when it shows tools
         in the call format Blazar parses, else by Blazar's own tool prompt."""
@@ -499,6 +537,13 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             return self._chat.render(turns, tools=tools.template_tools(shown) if shown else None)
         plain = tools.builtin_turns(turns, toolset)
         return self._chat.render(plain) if self._chat else text.render_gemma(plain)
+
+
+def _writes_control_tokens(vocab: llama.Vocab, content: str) -> bool:
+    """Whether `content` holds text that tokenizes as a control token (`<end_of_turn>`)."""
+    return vocab.tokenize(content, add_bos=False, parse_special=True) != vocab.tokenize(
+        content, add_bos=False, parse_special=False
+    )
 
 
 def _resolve(
