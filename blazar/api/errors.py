@@ -32,6 +32,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
+from blazar.api import clip
+
 
 def json_type(value: object) -> str:
     """What a JSON value that is not an object is, for messages that say what was sent
@@ -54,9 +56,13 @@ class BlazarError(Exception):
     reason: ClassVar[str] = "INTERNAL"
 
     def __init__(self, message: str, *, metadata: Mapping[str, str] | None = None) -> None:
+        # Messages and metadata quote what callers sent: bounded, whatever they sent.
+        message = clip.clip(message, clip.MESSAGE_CHARS)
         super().__init__(message)
         self.message = message
-        self.metadata: dict[str, str] = dict(metadata or {})
+        self.metadata: dict[str, str] = {
+            k: clip.clip(v, clip.FIELD_CHARS) for k, v in (metadata or {}).items()
+        }
 
 
 # The metadata key under which an InvalidRequest names the field of the gRPC request at
@@ -100,6 +106,10 @@ class FieldError:
 
     path: str
     message: str
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "path", clip.clip(self.path, clip.FIELD_CHARS))
+        object.__setattr__(self, "message", clip.clip(self.message, clip.FIELD_CHARS))
 
     def __str__(self) -> str:
         return f"{self.path}: {self.message}"

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 import structlog
 
-from blazar.api import errors, kinds, manifests
+from blazar.api import clip, errors, kinds, manifests
 from blazar.api.kinds import Kind, ObjectStatus, Resource
 
 _log = structlog.get_logger(__name__)
@@ -289,7 +289,12 @@ class TransactionalStore(abc.ABC):
         if type not in EVENT_TYPES:
             raise errors.InvalidRequest(f'event type must be "Normal" or "Warning", not "{type}"')
         event = Event(
-            time=self._clock(), type=type, reason=reason, kind=kind, name=name, message=message
+            time=self._clock(),
+            type=type,
+            reason=clip.clip(reason, clip.NAME_CHARS),
+            kind=clip.clip(kind, clip.NAME_CHARS),
+            name=clip.clip(name, clip.NAME_CHARS),
+            message=clip.clip(message, clip.EVENT_CHARS),
         )
         with self._lock:
             self._append_event(event)

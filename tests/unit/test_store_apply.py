@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -9,6 +10,7 @@ import pytest
 from blazar.api import errors
 from blazar.store import apply
 from blazar.store.memory import MemoryStore
+from blazar.store.sqlite import SQLiteStore
 
 MODEL: dict[str, Any] = {
     "apiVersion": "blazar.dev/v1alpha1",
@@ -99,3 +101,22 @@ def test_an_unreadable_document_in_a_dry_run_records_nothing() -> None:
     with pytest.raises(errors.ManifestInvalid):
         apply.apply_documents(store, [], unreadable=unreadable, dry_run=True)
     assert store.events() == []
+
+
+def test_a_huge_rejected_value_is_neither_stored_nor_echoed_whole(tmp_path: Path) -> None:
+    """Three manifests with a 1 MiB apiVersion each grew state.db from 0.3 to 3.5 MB
+    (the rejection event quoted them); the error sent back quoted them too."""
+    store = SQLiteStore(tmp_path / "state.db")
+    try:
+        apply.apply_documents(store, located(MODEL))
+        before = (tmp_path / "state.db").stat().st_size
+        huge = {**LANE, "apiVersion": "v" * 2**20}
+        for _ in range(3):
+            with pytest.raises(errors.ManifestInvalid) as caught:
+                apply.apply_documents(store, located(huge))
+            assert len(caught.value.message) < 4_096
+        events = store.events(kind="Manifest")
+        assert len(events) == 3 and all(len(e.message) <= 1_100 for e in events)
+        assert (tmp_path / "state.db").stat().st_size - before < 10_000
+    finally:
+        store.close()

@@ -1,0 +1,24 @@
+"""Bounds on text that Blazar echoes back or keeps about what a caller sent.
+
+A caller's value can be megabytes (a model name, an apiVersion, a session key); an
+error that quotes it, an event that stores it, a log line that shows it must not be.
+Pure.
+"""
+
+from __future__ import annotations
+
+# An error's message, whole: long enough for a batch of manifest errors.
+MESSAGE_CHARS = 16_384
+# One problem in a manifest, or one metadata value of an error.
+FIELD_CHARS = 1_024
+# An event's message, as Kubernetes bounds its events' (1,024 bytes).
+EVENT_CHARS = 1_024
+# An event's reason and its object's kind and name (Kubernetes names: 253).
+NAME_CHARS = 253
+
+
+def clip(text: str, limit: int) -> str:
+    """`text`, or its first `limit` characters and how many more there were."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text) - limit:,} more characters)"

@@ -1,0 +1,19 @@
+"""Bounds on echoed text: errors, field errors and their metadata."""
+
+from __future__ import annotations
+
+from blazar.api import clip, errors
+
+
+def test_clip_keeps_short_text_and_says_how_much_it_cut() -> None:
+    assert clip.clip("abc", 3) == "abc"
+    assert clip.clip("abcdef", 3) == "abc... (3 more characters)"
+
+
+def test_an_error_quoting_a_huge_value_is_bounded() -> None:
+    name = "m" * 2**20
+    err = errors.InvalidRequest(f"The model '{name}' does not exist.", metadata={"model": name})
+    assert len(err.message) < clip.MESSAGE_CHARS + 100
+    assert len(err.metadata["model"]) < clip.FIELD_CHARS + 100
+    field = errors.FieldError(path="Lane/x: spec", message=name)
+    assert len(str(field)) < clip.FIELD_CHARS + 200
