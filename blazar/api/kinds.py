@@ -207,15 +207,25 @@ class Upstream(CamelModel):
     api_key_from: str | None = None
 
 
+MAX_REPLICAS = 64
+# The longest context of released models (2^20 tokens).
+MAX_CONTEXT_PER_SLOT = 2**20
+MAX_THREADS = 1024
+MAX_GPU_LAYERS = 9999
+
+
 class LaneSpec(CamelModel):
     model: str
     aliases: list[str] = Field(default_factory=list)
     engine: Literal["llama-cpp", "upstream"] = "llama-cpp"
-    replicas: int = Field(default=1, ge=0)
+    # Upper bounds: one host; past them a manifest is a typo or an attempt to exhaust it
+    # (the memory fit of what is asked for is the controller's to check).
+    replicas: int = Field(default=1, ge=0, le=MAX_REPLICAS)
     slots: int = Field(default=4, ge=1, le=64)
-    context_per_slot: int = Field(default=2048, ge=64)
-    threads: int | None = Field(default=None, ge=1)
-    gpu_layers: int = Field(default=0, ge=0)
+    context_per_slot: int = Field(default=2048, ge=64, le=MAX_CONTEXT_PER_SLOT)
+    threads: int | None = Field(default=None, ge=1, le=MAX_THREADS)
+    # llama.cpp's convention for "every layer" is a large number (999).
+    gpu_layers: int = Field(default=0, ge=0, le=MAX_GPU_LAYERS)
     kv_cache: KVCache = Field(default_factory=KVCache)
     # llama.cpp's flash attention (its `-fa`): auto lets llama.cpp decide per device.
     flash_attention: Literal["auto", "on", "off"] = "auto"

@@ -344,6 +344,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         generate.request_id = request_id
         structlog.contextvars.bind_contextvars(request_id=request_id)
         try:
+            _check_session(session)
             # Before a replica is picked: a policy that does not exist is the caller's
             # mistake whatever state the Lane is in.
             named = policies.requested(slo, context.invocation_metadata() or ())
@@ -529,6 +530,19 @@ def _initial_metadata(run: dispatcher.Run) -> tuple[tuple[str, str], ...]:
     if run.predicted_ttft_s is None:
         return metadata
     return (*metadata, (PREDICTED_TTFT_KEY, str(round(run.predicted_ttft_s * 1000))))
+
+
+# A session key names a conversation; a longer one is a mistake or an attack on memory.
+MAX_SESSION_BYTES = 256
+
+
+def _check_session(session: str) -> None:
+    size = len(session.encode())
+    if size > MAX_SESSION_BYTES:
+        raise errors.InvalidRequest(
+            f"The session key is {size:,} bytes; at most {MAX_SESSION_BYTES} are accepted.",
+            metadata={errors.FIELD_KEY: "session"},
+        )
 
 
 def _request_id(context: Context) -> str:

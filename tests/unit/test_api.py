@@ -296,6 +296,17 @@ def test_admission_refusals_are_overloaded_with_the_numbers(
             "greater than or equal to 0",
         ),
         (lane_doc(kvCache={"maxParkedMiB": 0}), None, None),
+        # Upper bounds on what one host can run.
+        (lane_doc(replicas=65), "Lane/gemma: spec.replicas", "less than or equal to 64"),
+        (lane_doc(replicas=64), None, None),
+        (
+            lane_doc(contextPerSlot=2**20 + 1),
+            "Lane/gemma: spec.contextPerSlot",
+            "less than or equal to 1048576",
+        ),
+        (lane_doc(threads=10**6), "Lane/gemma: spec.threads", "less than or equal to 1024"),
+        (lane_doc(gpuLayers=10**5), "Lane/gemma: spec.gpuLayers", "less than or equal to 9999"),
+        (lane_doc(gpuLayers=999), None, None),
         (lane_doc(idle={"sleepAfter": "soon"}), "Lane/gemma: spec.idle.sleepAfter", "duration"),
         (lane_doc(aliases=["a", "a"]), "Lane/gemma: spec.aliases", "distinct"),
         (lane_doc("Bad_Name"), "Lane/Bad_Name: metadata.name", "not a valid name"),

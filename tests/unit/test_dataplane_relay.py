@@ -383,6 +383,32 @@ def test_a_session_returns_to_its_replica_while_it_has_room() -> None:
     assert asyncio.run(run()) == [0, 0, 1]
 
 
+def test_a_session_key_over_256_bytes_is_invalid() -> None:
+    """40 sessions of 2 MiB grew the daemon by 114 MiB before keys were bounded."""
+
+    async def run() -> tuple[grpc.aio.AioRpcError | None, int]:
+        fake = FakeEngine(refuse=False, text="x")
+        async with data_plane([fake]) as stub:
+            request = inference_pb2.CompleteRequest(model="l", prompt="hi", session="s" * 2**21)
+            try:
+                async for _ in stub.Complete(request):
+                    pass
+            except grpc.aio.AioRpcError as exc:
+                ok = [
+                    c
+                    async for c in stub.Complete(
+                        inference_pb2.CompleteRequest(model="l", prompt="hi", session="s" * 256)
+                    )
+                ]
+                return exc, len(ok)
+            return None, 0
+
+    err, chunks = asyncio.run(run())
+    assert err is not None and err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "2,097,152 bytes; at most 256" in (err.details() or "")
+    assert chunks > 0
+
+
 async def call(stub: inference_pb2_grpc.InferenceStub, prompt: str) -> grpc.aio.AioRpcError | None:
     try:
         async for _ in stub.Complete(inference_pb2.CompleteRequest(model="l", prompt=prompt)):
