@@ -139,3 +139,8 @@ def _not_unicode(bad: re.Match[str], path: _Path, *, what: str) -> errors.Invali
         "Unicode. A character outside the BMP must be escaped as a surrogate pair.",
         metadata={PARAM_KEY: rendered},
     )
+
+
+def invalid(message: str, *, param: str) -> errors.InvalidRequest:
+    """A 400 about the request's field `param` (its path, `options.top_k`)."""
+    return errors.InvalidRequest(message, metadata={PARAM_KEY: param})

@@ -22,7 +22,7 @@ from google.protobuf import json_format
 from blazar._proto.v1 import inference_pb2
 from blazar.api import errors
 from blazar.shim import canonical, validation
-from blazar.shim.ollama import convert, protocol, template
+from blazar.shim.ollama import convert, listing, options, protocol, render, template
 from tests.unit import fake_inference, helpers
 from tests.unit.fake_inference import Daemon, asgi_client, delta, fake_daemon
 
@@ -276,7 +276,7 @@ def test_what_blazar_cannot_honour_is_refused_by_name(
         canonical_of(kind, body)
     assert info.value.metadata[validation.PARAM_KEY] == param
     assert says in info.value.message
-    assert convert.error_response(info.value).status == 400
+    assert render.error_response(info.value).status == 400
 
 
 @pytest.mark.parametrize(
@@ -296,10 +296,10 @@ def test_only_keep_alive_forever_is_accepted(keep_alive: Any, accepted: bool) ->
 @pytest.mark.parametrize(("num_ctx", "fits"), [(1, True), (2048, True), (2049, False)])
 def test_num_ctx_up_to_the_lanes_context_per_slot(num_ctx: int, fits: bool) -> None:
     if fits:
-        convert.check_num_ctx(num_ctx, MODELS[0])
+        options.check_num_ctx(num_ctx, MODELS[0])
         return
     with pytest.raises(errors.ContextLengthExceeded) as info:
-        convert.check_num_ctx(num_ctx, MODELS[0])
+        options.check_num_ctx(num_ctx, MODELS[0])
     # Both numbers, and where the smaller one comes from.
     assert "2049" in info.value.message and "contextPerSlot 2048" in info.value.message
     assert "'tiny'" in info.value.message
@@ -350,7 +350,7 @@ def test_other_template_actions_are_refused_naming_them(source: str, says: str) 
 
 
 def test_statistics_are_nanoseconds_from_the_canonical_figures() -> None:
-    assert convert.metrics(final().final) == {
+    assert render.metrics(final().final) == {
         "total_duration": 55_000_000,  # time to first token + decode
         "load_duration": 1_500_000,  # queue
         "prompt_eval_count": 7,
@@ -364,11 +364,11 @@ def test_statistics_are_nanoseconds_from_the_canonical_figures() -> None:
         )
     )
     # Parked after the first token: the total counts the time parked.
-    assert convert.metrics(parked)["total_duration"] == 113_000_000
+    assert render.metrics(parked)["total_duration"] == 113_000_000
 
 
 def test_lines_render_text_then_a_final_line_with_statistics() -> None:
-    lines = convert.Lines("generate", model="tiny", clock=lambda: "T")
+    lines = render.Lines("generate", model="tiny", clock=lambda: "T")
     rendered = [obj for chunk in [delta(""), *HELLO] for obj in lines.render(chunk)]
     assert [line.get("response") for line in rendered] == ["Hel", "lo", ""]
     assert [line["done"] for line in rendered] == [False, False, True]
@@ -381,7 +381,7 @@ def test_a_generation_cut_by_its_length_says_so() -> None:
     collected = canonical.Answer()
     for chunk in (delta("ab"), final(inference_pb2.FINISH_REASON_LENGTH)):
         collected.add(chunk)
-    out = convert.answer("chat", collected, model="tiny", created_at="T")
+    out = render.answer("chat", collected, model="tiny", created_at="T")
     assert out["done_reason"] == "length"
     assert out["message"] == {"role": "assistant", "content": "ab"}  # type: ignore[typeddict-item]
 
@@ -390,40 +390,40 @@ def test_a_collected_stream_without_its_end_is_an_error() -> None:
     collected = canonical.Answer()
     collected.add(delta("ab"))
     with pytest.raises(errors.Unavailable):
-        convert.answer("chat", collected, model="tiny", created_at="T")
+        render.answer("chat", collected, model="tiny", created_at="T")
 
 
 def test_timestamps_are_rfc3339_in_utc() -> None:
-    assert convert.timestamp(NOW) == "2026-01-02T03:04:05.678901Z"
+    assert render.timestamp(NOW) == "2026-01-02T03:04:05.678901Z"
 
 
 def test_embed_dimensions_cut_and_rescale() -> None:
     response = inference_pb2.EmbedResponse(
         embeddings=[inference_pb2.Embedding(values=[0.6, 0.8, 0.0], tokens=2)], prompt_tokens=2
     )
-    full = convert.embed_response(response, model="m", dimensions=None)
+    full = render.embed_response(response, model="m", dimensions=None)
     assert full["embeddings"] == [pytest.approx([0.6, 0.8, 0.0])]
-    cut = convert.embed_response(response, model="m", dimensions=1)
+    cut = render.embed_response(response, model="m", dimensions=1)
     assert cut["embeddings"] == [pytest.approx([1.0])]
     with pytest.raises(errors.InvalidRequest, match="more than this model's 3"):
-        convert.embed_response(response, model="m", dimensions=4)
+        render.embed_response(response, model="m", dimensions=4)
 
 
 @pytest.mark.parametrize("name", ["tags", "show", "ps"])
 def test_model_listings_match_golden(name: str) -> None:
     listed = inference_pb2.ListModelsResponse(models=MODELS)
     if name == "tags":
-        document: Any = convert.tags(listed)
+        document: Any = listing.tags(listed)
     elif name == "show":
-        document = convert.show(convert.model_info(listed, "tiny:270m"))
+        document = listing.show(listing.model_info(listed, "tiny:270m"))
     else:
-        document = convert.ps(listed, now=NOW)
+        document = listing.ps(listed, now=NOW)
     check_golden(f"response_{name}", document)
 
 
 def test_ps_lists_each_serving_lane_once_and_forever() -> None:
     listed = inference_pb2.ListModelsResponse(models=MODELS)
-    (running,) = convert.ps(listed, now=NOW)["models"]
+    (running,) = listing.ps(listed, now=NOW)["models"]
     assert running["name"] == "tiny"  # the Lane's name, not each alias; "paused" is not running
     assert running["expires_at"].startswith("2318-")  # Ollama's "forever"
 
@@ -624,4 +624,4 @@ async def test_unknown_api_path_is_an_ollama_error(client: httpx.AsyncClient) ->
 
 
 def test_a_unit_vector_stays_finite() -> None:
-    assert all(math.isfinite(v) for v in convert._unit([0.0, 0.0]))
+    assert all(math.isfinite(v) for v in render._unit([0.0, 0.0]))

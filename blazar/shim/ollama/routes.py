@@ -17,7 +17,7 @@ from starlette.routing import Route
 from blazar._proto.v1 import inference_pb2
 from blazar.api import errors
 from blazar.shim import canonical, context, inference, relay, request_body, streaming
-from blazar.shim.ollama import convert, protocol
+from blazar.shim.ollama import convert, listing, options, protocol, render
 
 _log = structlog.get_logger("blazar.shim.ollama")
 
@@ -73,7 +73,7 @@ async def generate(request: Request) -> Response:
     return await _generate(request, "generate")
 
 
-async def _generate(request: Request, kind: convert.Kind) -> Response:
+async def _generate(request: Request, kind: render.Kind) -> Response:
     """/api/chat and /api/generate: a preload, or a generation through Chat or Complete."""
     ctx = context.of(request)
     try:
@@ -104,7 +104,7 @@ async def _generate(request: Request, kind: convert.Kind) -> Response:
 async def _generation(
     request: Request,
     stream: inference.ChunkStream,
-    kind: convert.Kind,
+    kind: render.Kind,
     body: protocol.ChatRequest | protocol.GenerateRequest,
 ) -> Response:
     with_logprobs = bool(body.logprobs)
@@ -112,7 +112,7 @@ async def _generation(
     if body.stream is False:
         try:
             collected = await relay.collect(request, stream)
-            rendered = convert.answer(
+            rendered = render.answer(
                 kind,
                 collected,
                 model=body.model,
@@ -131,12 +131,12 @@ async def _generation(
         return Response(status_code=streaming.CLIENT_CLOSED_REQUEST)
     except errors.BlazarError as err:
         return error(err)
-    lines = convert.Lines(kind, model=body.model, clock=_now, logprobs=with_logprobs)
+    lines = render.Lines(kind, model=body.model, clock=_now, logprobs=with_logprobs)
     return streaming.LineStream(_lines(stream, lines, first), headers=headers)
 
 
 async def _lines(
-    stream: inference.ChunkStream, lines: convert.Lines, first: inference_pb2.Chunk | None
+    stream: inference.ChunkStream, lines: render.Lines, first: inference_pb2.Chunk | None
 ) -> AsyncIterator[bytes]:
     # Leaving this block for any reason, client disconnect included, cancels the RPC.
     async with stream:
@@ -151,31 +151,31 @@ async def _lines(
                 raise canonical.truncated()
         except errors.BlazarError as err:
             # Headers are gone; Ollama's clients raise on a line with an `error` key.
-            yield _ndjson(convert.error_response(err).body)
+            yield _ndjson(render.error_response(err).body)
         except Exception:
             _log.exception("stream failed")
-            yield _ndjson(convert.error_response(relay.internal_error()).body)
+            yield _ndjson(render.error_response(relay.internal_error()).body)
 
 
 async def _loaded(
-    request: Request, kind: convert.Kind, model: str, *, keep_alive: protocol.KeepAlive
+    request: Request, kind: render.Kind, model: str, *, keep_alive: protocol.KeepAlive
 ) -> Response:
     """A preload: the model must exist; Blazar's Lanes are loaded already."""
     convert.check_keep_alive(keep_alive)
     await _model_info(request, model)
-    return JSONResponse(convert.loaded(kind, model=model, created_at=_now()))
+    return JSONResponse(render.loaded(kind, model=model, created_at=_now()))
 
 
-async def _check_num_ctx(request: Request, model: str, options: dict[str, Any] | None) -> None:
-    requested = convert.num_ctx(options)
+async def _check_num_ctx(request: Request, model: str, sent: dict[str, Any] | None) -> None:
+    requested = options.num_ctx(sent)
     if requested is not None:
-        convert.check_num_ctx(requested, await _model_info(request, model))
+        options.check_num_ctx(requested, await _model_info(request, model))
 
 
 async def _model_info(request: Request, model: str) -> inference_pb2.ModelInfo:
     ctx = context.of(request)
     listed = await inference.client_of(request).list_models(metadata=ctx.grpc_metadata())
-    return convert.model_info(listed, model)
+    return listing.model_info(listed, model)
 
 
 async def embed(request: Request) -> Response:
@@ -212,11 +212,11 @@ async def _embed(
                 inference.client_of(request).embed(canonical_request, metadata=ctx.grpc_metadata()),
             )
         if isinstance(body, protocol.EmbedRequest):
-            rendered: protocol.EmbedResponse | protocol.EmbeddingsResponse = convert.embed_response(
+            rendered: protocol.EmbedResponse | protocol.EmbeddingsResponse = render.embed_response(
                 response, model=body.model, dimensions=body.dimensions
             )
         else:
-            rendered = convert.embeddings_response(response)
+            rendered = render.embeddings_response(response)
     except streaming.ClientDisconnected:
         return Response(status_code=streaming.CLIENT_CLOSED_REQUEST)
     except errors.BlazarError as err:
@@ -230,16 +230,16 @@ async def tags(request: Request) -> Response:
         listed = await inference.client_of(request).list_models(metadata=ctx.grpc_metadata())
     except errors.BlazarError as err:
         return error(err)
-    return JSONResponse(convert.tags(listed))
+    return JSONResponse(listing.tags(listed))
 
 
 async def show(request: Request) -> Response:
     try:
         body = await request_body.parse(request, protocol.ShowRequest)
-        info = await _model_info(request, convert.show_name(body))
+        info = await _model_info(request, listing.show_name(body))
     except errors.BlazarError as err:
         return error(err)
-    return JSONResponse(convert.show(info))
+    return JSONResponse(listing.show(info))
 
 
 async def ps(request: Request) -> Response:
@@ -248,7 +248,7 @@ async def ps(request: Request) -> Response:
         listed = await inference.client_of(request).list_models(metadata=ctx.grpc_metadata())
     except errors.BlazarError as err:
         return error(err)
-    return JSONResponse(convert.ps(listed, now=datetime.now(UTC)))
+    return JSONResponse(listing.ps(listed, now=datetime.now(UTC)))
 
 
 async def no_route(request: Request, exc: Exception) -> Response:
@@ -262,19 +262,19 @@ async def no_route(request: Request, exc: Exception) -> Response:
 
 
 async def _refuse_management(request: Request) -> Response:
-    return error(convert.management_refused(f"{request.method} {request.url.path}"))
+    return error(listing.management_refused(f"{request.method} {request.url.path}"))
 
 
 def error(err: errors.BlazarError) -> Response:
-    rendered = convert.error_response(err)
+    rendered = render.error_response(err)
     return JSONResponse(rendered.body, status_code=rendered.status, headers=rendered.headers)
 
 
 def _now() -> str:
-    return convert.timestamp(datetime.now(UTC))
+    return render.timestamp(datetime.now(UTC))
 
 
-def _ndjson(obj: convert.Line | protocol.ErrorBody) -> bytes:
+def _ndjson(obj: render.Line | protocol.ErrorBody) -> bytes:
     return (json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
 
 

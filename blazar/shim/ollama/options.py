@@ -1,0 +1,195 @@
+"""Ollama's `options`, read as canonical sampling or refused by name.
+
+Pure. Every option either does what Ollama does with it or is refused by name, never
+ignored: `sampling` reads a generation's options, `check_embedding` an embedding's
+(only `num_ctx` means anything there), and `check_num_ctx` refuses a context larger
+than the Lane serves per request.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from blazar._proto.v1 import inference_pb2
+from blazar.api import errors
+from blazar.shim import canonical, validation
+
+# Ollama's num_predict: -1 generates until the model stops, -2 until the context is
+# full; the runner reads 0 as "no limit" too. Blazar stops at both, so all mean unset.
+_UNLIMITED_PREDICT = (-2, -1, 0)
+
+# Ollama options Blazar does not take, and why (the rest are unknown to Ollama too).
+_SAMPLER_OPTIONS = frozenset(
+    {
+        "num_keep", "typical_p", "repeat_last_n", "tfs_z", "mirostat", "mirostat_tau",
+        "mirostat_eta", "penalize_newline",
+    }
+)  # fmt: skip
+_LANE_OPTIONS = {
+    "num_thread": "threads",
+    "num_gpu": "gpuLayers",
+    "num_batch": None,
+    "main_gpu": None,
+    "use_mmap": None,
+    "use_mlock": None,
+    "low_vram": None,
+    "f16_kv": "kvCache",
+    "vocab_only": None,
+    "numa": None,
+    "logits_all": None,
+}
+
+
+def sampling(options: Mapping[str, Any]) -> inference_pb2.Sampling:
+    """Ollama's `options` as canonical sampling. `num_ctx` is not sampling: see
+    `check_num_ctx`. Anything else is refused by name, never ignored; an option sent as
+    null is not set (clients send every setting they have, set or not)."""
+    options = {name: value for name, value in options.items() if value is not None}
+    for name in options:
+        if name not in _OPTIONS:
+            raise _unsupported_option(name)
+    read = _OptionReader(options)
+    num_predict = read.integer("num_predict", low=-2, high=canonical.INT32_MAX)
+    stop = options.get("stop")
+    if stop is not None and not (
+        isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))
+    ):
+        raise validation.invalid(
+            "Invalid value for 'options.stop': use a string or a list of strings.",
+            param="options.stop",
+        )
+    read.integer("num_ctx", low=1, high=canonical.INT32_MAX)
+    return canonical.sampling(
+        temperature=read.number("temperature", low=0),
+        top_p=read.number("top_p", low=0, high=1),
+        top_k=read.integer("top_k", low=0, high=canonical.INT32_MAX),
+        min_p=read.number("min_p", low=0, high=1),
+        repeat_penalty=read.number("repeat_penalty", low=0, low_open=True),
+        presence_penalty=read.number("presence_penalty", low=-2, high=2),
+        frequency_penalty=read.number("frequency_penalty", low=-2, high=2),
+        seed=read.integer("seed"),
+        max_tokens=None if num_predict in (None, *_UNLIMITED_PREDICT) else num_predict,
+        stop=[stop] if isinstance(stop, str) else (stop or ()),
+    )
+
+
+_OPTIONS = frozenset(
+    {
+        "num_predict", "temperature", "top_k", "top_p", "min_p", "seed", "stop",
+        "repeat_penalty", "presence_penalty", "frequency_penalty", "num_ctx",
+    }
+)  # fmt: skip
+
+
+def _unsupported_option(name: str) -> errors.InvalidRequest:
+    param = f"options.{name}"
+    if name in _SAMPLER_OPTIONS:
+        why = "Blazar's sampler does not have it"
+    elif name in _LANE_OPTIONS:
+        setting = _LANE_OPTIONS[name]
+        why = (
+            f"it is an engine setting, which Blazar takes from the Lane ({setting})"
+            if setting
+            else "it is an engine setting Blazar does not take per request"
+        )
+    else:
+        why = "it is not an option Blazar knows"
+    supported = ", ".join(sorted(_OPTIONS))
+    return validation.invalid(
+        f"'{param}' is not supported: {why}. Supported options: {supported}.", param=param
+    )
+
+
+@dataclass(frozen=True)
+class _OptionReader:
+    options: Mapping[str, Any]
+
+    def integer(self, name: str, *, low: int | None = None, high: int | None = None) -> int | None:
+        value = self.options.get(name)
+        if value is None:
+            return None
+        # Go decodes a whole JSON number into an int option; so does Ollama's client.
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise validation.invalid(
+                f"Invalid value for 'options.{name}': {value!r} is not an integer.",
+                param=f"options.{name}",
+            )
+        self._check_range(name, value, low=low, high=high, low_open=False)
+        return value
+
+    def number(
+        self,
+        name: str,
+        *,
+        low: float | None = None,
+        high: float | None = None,
+        low_open: bool = False,
+    ) -> float | None:
+        value = self.options.get(name)
+        if value is None:
+            return None
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            raise validation.invalid(
+                f"Invalid value for 'options.{name}': {value!r} is not a number.",
+                param=f"options.{name}",
+            )
+        self._check_range(name, value, low=low, high=high, low_open=low_open)
+        return float(value)
+
+    @staticmethod
+    def _check_range(
+        name: str, value: float, *, low: float | None, high: float | None, low_open: bool
+    ) -> None:
+        below = low is not None and (value <= low if low_open else value < low)
+        above = high is not None and value > high
+        if below or above or not math.isfinite(value):
+            bounds = []
+            if low is not None:
+                bounds.append(f"more than {low:g}" if low_open else f"at least {low:g}")
+            if high is not None:
+                bounds.append(f"at most {high:g}")
+            raise validation.invalid(
+                f"Invalid value for 'options.{name}': {value!r}; it must be "
+                f"{' and '.join(bounds)}.",
+                param=f"options.{name}",
+            )
+
+
+def num_ctx(options: Mapping[str, Any] | None) -> int | None:
+    """The `num_ctx` option (checked by `sampling`), None when not sent."""
+    value = (options or {}).get("num_ctx")
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def check_num_ctx(requested: int, info: inference_pb2.ModelInfo) -> None:
+    """A context up to the Lane's context per slot fits (every request gets that much);
+    a larger one is refused, never silently served with less."""
+    if requested > info.context_length:
+        raise errors.ContextLengthExceeded(
+            f"'options.num_ctx' {requested} is larger than the context Lane "
+            f"'{info.lane}' serves per request (contextPerSlot {info.context_length}). Send "
+            f"num_ctx {info.context_length} or less, or raise the Lane's contextPerSlot.",
+            metadata={
+                validation.PARAM_KEY: "options.num_ctx",
+                "num_ctx": str(requested),
+                "context_length": str(info.context_length),
+            },
+        )
+
+
+def check_embedding(options: Mapping[str, Any] | None) -> None:
+    """An embedding has no sampling: only `num_ctx` is taken (see `check_num_ctx`)."""
+    for name, value in (options or {}).items():
+        if name != "num_ctx" and value is not None:
+            raise validation.invalid(
+                f"'options.{name}' is not supported for embeddings; only num_ctx is.",
+                param=f"options.{name}",
+            )
+    _OptionReader(options or {}).integer("num_ctx", low=1, high=canonical.INT32_MAX)

@@ -1,0 +1,224 @@
+"""Render canonical generations and errors in Ollama's wire format.
+
+Pure: no IO, no clock, no logging (timestamps come in as arguments). `Lines` renders a
+chunk stream as Ollama's NDJSON objects, `answer` a collected one, each ending with
+Ollama's statistics (`metrics`, in nanoseconds); `embed_response` and
+`embeddings_response` answer the two embedding routes; `error_response` renders any
+`BlazarError` as Ollama's `{"error": ...}` with the shared HTTP status.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Literal
+
+from blazar._proto.v1 import inference_pb2
+from blazar.api import errors
+from blazar.shim import canonical, http_errors, validation
+from blazar.shim.ollama import protocol
+
+# Which route a line answers: /api/chat or /api/generate.
+Kind = Literal["chat", "generate"]
+
+
+def timestamp(moment: datetime) -> str:
+    """RFC 3339 in UTC with a `Z`, as Go writes `time.Time`."""
+    return moment.astimezone(UTC).isoformat().replace("+00:00", "Z")
+
+
+def done_reason(final: inference_pb2.Final) -> protocol.DoneReason:
+    if final.finish_reason == inference_pb2.FINISH_REASON_LENGTH:
+        return "length"
+    return "stop"
+
+
+def _ns(milliseconds: float) -> int:
+    return max(0, round(milliseconds * 1_000_000))
+
+
+def metrics(final: inference_pb2.Final) -> protocol.Metrics:
+    """Ollama's statistics from the canonical figures, in nanoseconds.
+
+    `load_duration` is the queue time (admission, a free slot, preparing the prompt):
+    Blazar's models are loaded already, and Ollama counts waiting for its runner there
+    too. The prompt's figures are the prefill's; `eval_*` the decode's. The total runs
+    from arrival to the last token: time to first token plus decoding, or, when the
+    generation was parked after its first token, the parts plus the time parked.
+    """
+    timings = final.timings
+    total_ms = max(
+        timings.ttft_ms + timings.decode_ms,
+        timings.queue_ms + timings.prefill_ms + timings.decode_ms + timings.parked_ms,
+    )
+    return {
+        "total_duration": _ns(total_ms),
+        "load_duration": _ns(timings.queue_ms),
+        "prompt_eval_count": final.usage.prompt_tokens,
+        "prompt_eval_duration": _ns(timings.prefill_ms),
+        "eval_count": final.usage.completion_tokens,
+        "eval_duration": _ns(timings.decode_ms),
+    }
+
+
+def logprobs(entries: Sequence[inference_pb2.TokenLogprob]) -> list[protocol.Logprob]:
+    out: list[protocol.Logprob] = []
+    for entry in entries:
+        item: protocol.Logprob = {
+            "token": entry.token,
+            "logprob": entry.logprob,
+            "bytes": list(entry.bytes),
+        }
+        if entry.top:
+            item["top_logprobs"] = [
+                {"token": t.token, "logprob": t.logprob, "bytes": list(t.bytes)} for t in entry.top
+            ]
+        out.append(item)
+    return out
+
+
+Line = protocol.ChatResponse | protocol.GenerateResponse
+
+
+def _line(kind: Kind, *, model: str, created_at: str, text: str, done: bool) -> Line:
+    if kind == "chat":
+        chat: protocol.ChatResponse = {
+            "model": model,
+            "created_at": created_at,
+            "message": {"role": "assistant", "content": text},
+            "done": done,
+        }
+        return chat
+    generate: protocol.GenerateResponse = {
+        "model": model,
+        "created_at": created_at,
+        "response": text,
+        "done": done,
+    }
+    return generate
+
+
+def _finish(line: Line, final: inference_pb2.Final) -> Line:
+    line["done_reason"] = done_reason(final)
+    line.update(metrics(final))  # type: ignore[typeddict-item]
+    return line
+
+
+class Lines:
+    """Renders one generation as Ollama's stream: an object per text delta
+    (`done: false`), then one with `done: true`, the done reason and the statistics."""
+
+    def __init__(
+        self, kind: Kind, *, model: str, clock: Callable[[], str], logprobs: bool = False
+    ) -> None:
+        self._kind = kind
+        self._model = model
+        self._clock = clock
+        self._logprobs = logprobs
+        self.finished = False
+
+    def render(self, chunk: inference_pb2.Chunk) -> list[Line]:
+        part = chunk.WhichOneof("part")
+        if part == "delta":
+            entries = chunk.delta.logprobs if self._logprobs else ()
+            if not chunk.delta.text and not entries:
+                return []
+            line = self._line(chunk.delta.text, done=False)
+            if self._logprobs:
+                line["logprobs"] = logprobs(entries)
+            return [line]
+        if part != "final":
+            return []
+        self.finished = True
+        return [_finish(self._line("", done=True), chunk.final)]
+
+    def _line(self, text: str, *, done: bool) -> Line:
+        return _line(self._kind, model=self._model, created_at=self._clock(), text=text, done=done)
+
+
+def answer(
+    kind: Kind,
+    collected: canonical.Answer,
+    *,
+    model: str,
+    created_at: str,
+    with_logprobs: bool = False,
+) -> Line:
+    """A whole generation as one object (`stream: false`)."""
+    final = collected.finished()
+    line = _line(kind, model=model, created_at=created_at, text=collected.text, done=True)
+    if with_logprobs:
+        line["logprobs"] = logprobs(collected.logprobs)
+    return _finish(line, final)
+
+
+def loaded(kind: Kind, *, model: str, created_at: str) -> Line:
+    """The answer to a preload (see `is_load`)."""
+    line = _line(kind, model=model, created_at=created_at, text="", done=True)
+    line["done_reason"] = "load"
+    return line
+
+
+def embed_response(
+    response: inference_pb2.EmbedResponse, *, model: str, dimensions: int | None
+) -> protocol.EmbedResponse:
+    """With `dimensions`, each embedding is cut to that many values and scaled to unit
+    length again, as Ollama does; asking for more than the model has is refused."""
+    vectors = []
+    for embedding in response.embeddings:
+        values = list(embedding.values)
+        if dimensions is not None:
+            if dimensions > len(values):
+                raise validation.invalid(
+                    f"'dimensions' {dimensions} is more than this model's {len(values)}.",
+                    param="dimensions",
+                )
+            values = _unit(values[:dimensions])
+        vectors.append(values)
+    return {"model": model, "embeddings": vectors, "prompt_eval_count": response.prompt_tokens}
+
+
+def _unit(values: list[float]) -> list[float]:
+    norm = math.sqrt(sum(v * v for v in values))
+    return [v / norm for v in values] if norm > 0 else values
+
+
+def embeddings_response(response: inference_pb2.EmbedResponse) -> protocol.EmbeddingsResponse:
+    """The one embedding; an empty prompt has none (Ollama answers an empty list)."""
+    values = response.embeddings[0].values if response.embeddings else ()
+    return {"embedding": list(values)}
+
+
+# ---------------------------------------------------------------- errors
+
+
+@dataclass(frozen=True)
+class ErrorResponse:
+    status: int
+    body: protocol.ErrorBody
+    headers: dict[str, str]
+
+
+def error_response(err: errors.BlazarError) -> ErrorResponse:
+    """Ollama's `{"error": "..."}` with the status every dialect shares."""
+    return ErrorResponse(
+        status=http_errors.http_status(err),
+        body={"error": _error_message(err)},
+        headers=http_errors.headers(err),
+    )
+
+
+def _error_message(err: errors.BlazarError) -> str:
+    """The error's sentence, with a prompt that does not fit told in Ollama's terms
+    (the daemon's says `max_tokens`, which is `options.num_predict` here)."""
+    numbers = [err.metadata.get(k, "") for k in ("prompt_tokens", "max_tokens", "context_length")]
+    if not isinstance(err, errors.ContextLengthExceeded) or not all(n.isdigit() for n in numbers):
+        return err.message
+    prompt, generate, context_length = map(int, numbers)
+    return (
+        f"This model's context is {context_length} tokens per request, but the request needs "
+        f"{prompt + generate} ({prompt} in the prompt and {generate} to generate). Shorten "
+        "the prompt, or lower options.num_predict."
+    )
