@@ -1,25 +1,40 @@
-"""Per-request identity: the request id, the caller's credentials and session key.
+"""Per-request identity: the request id, the caller's credentials and session key, and
+Blazar's own `x-blazar-*` request headers, read the same way in every dialect.
 
 `RequestIdMiddleware` gives every HTTP request an `x-request-id` (echoed in the
 response, bound to structlog's contextvars, and forwarded to the daemon as gRPC
-metadata) and writes the one summary log line per request.
+metadata) and writes the one summary log line per request. `tool_choice` reads the
+`x-blazar-tool-choice` header, the tool choice of dialects whose requests have none.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import structlog
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from blazar._proto.v1 import inference_pb2
+from blazar.api import errors
+from blazar.shim import validation
+
 REQUEST_ID_HEADER = "x-request-id"
 # Requests with the same key stay on one replica (the gRPC `session`), in every dialect.
 SESSION_HEADER = "x-blazar-session"
 # The SLOPolicy a request is admitted under (the gRPC `slo`), in every dialect.
 SLO_HEADER = "x-blazar-slo"
+# Whether, and which, tools the model must call, for dialects whose requests cannot
+# say (Ollama's): `auto`, `none`, `required` or a tool's name (see `tool_choice`).
+TOOL_CHOICE_HEADER = "x-blazar-tool-choice"
+_TOOL_CHOICES = {
+    "auto": inference_pb2.ToolChoice.MODE_AUTO,
+    "none": inference_pb2.ToolChoice.MODE_NONE,
+    "required": inference_pb2.ToolChoice.MODE_REQUIRED,
+}
 _SCOPE_KEY = "blazar.request_id"
 
 _log = structlog.get_logger("blazar.shim")
@@ -37,6 +52,8 @@ class RequestContext:
     session: str = ""
     # The `x-blazar-slo` header; empty: the Lane's policy.
     slo: str = ""
+    # The `x-blazar-tool-choice` header as sent; empty when not sent (see `tool_choice`).
+    tool_choice: str = ""
 
     def grpc_metadata(self) -> tuple[tuple[str, str], ...]:
         items = [(REQUEST_ID_HEADER, self.request_id)]
@@ -56,7 +73,37 @@ def of(request: Request) -> RequestContext:
         authorization=authorization,
         session=request.headers.get(SESSION_HEADER, ""),
         slo=request.headers.get(SLO_HEADER, ""),
+        tool_choice=request.headers.get(TOOL_CHOICE_HEADER, ""),
     )
+
+
+def tool_choice(value: str, *, tools: Sequence[str]) -> inference_pb2.ToolChoice | None:
+    """The `x-blazar-tool-choice` header (`value`) for a request offering `tools` (their
+    names): None when not sent (the default, auto); else `auto`, `none`, `required`, or
+    the name of one of the tools, which the model must then call (a tool named like one
+    of the three words cannot be named here). Anything else, and `required` or a name
+    with no tools to call, is an InvalidRequest naming the header."""
+    value = value.strip()
+    if not value:
+        return None
+    mode = _TOOL_CHOICES.get(value)
+    if mode == inference_pb2.ToolChoice.MODE_REQUIRED and not tools:
+        raise _bad_tool_choice(
+            f"'{TOOL_CHOICE_HEADER}: required' needs tools to call, and the request has none."
+        )
+    if mode is not None:
+        return inference_pb2.ToolChoice(mode=mode)
+    if value in tools:
+        return inference_pb2.ToolChoice(mode=inference_pb2.ToolChoice.MODE_NAMED, name=value)
+    offered = f"the request's tools: {', '.join(tools)}" if tools else "the request has no tools"
+    raise _bad_tool_choice(
+        f"Invalid value for the '{TOOL_CHOICE_HEADER}' header: {value!r} is not auto, none, "
+        f"required or the name of a tool ({offered})."
+    )
+
+
+def _bad_tool_choice(message: str) -> errors.InvalidRequest:
+    return validation.invalid(message, param=TOOL_CHOICE_HEADER)
 
 
 def new_request_id() -> str:

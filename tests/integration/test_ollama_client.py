@@ -201,7 +201,7 @@ def test_tags_show_ps_version(client: ollama.Client, daemon: Daemon) -> None:
     assert entry.digest == sha256
 
     shown = client.show(MODEL)
-    assert shown.capabilities == ["completion"]
+    assert shown.capabilities == ["completion", "tools"]
     assert shown.modelinfo is not None
     assert shown.modelinfo["general.architecture"] == "gemma3"
     assert shown.modelinfo["gemma3.context_length"] == CONTEXT_PER_SLOT
@@ -252,11 +252,6 @@ def test_unknown_model_is_404(client: ollama.Client) -> None:
 
 
 def test_refusals_name_what_is_not_supported(client: ollama.Client) -> None:
-    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
-    with pytest.raises(ollama.ResponseError) as tools:
-        client.chat(model=MODEL, messages=MESSAGES, tools=[tool])
-    assert tools.value.status_code == 400
-    assert "not supported yet" in tools.value.error
     with pytest.raises(ollama.ResponseError) as pull:
         client.pull(MODEL)
     assert pull.value.status_code == 400 and "blazar apply" in pull.value.error

@@ -21,7 +21,7 @@ from google.protobuf import json_format
 
 from blazar._proto.v1 import inference_pb2
 from blazar.api import errors
-from blazar.shim import canonical, validation
+from blazar.shim import canonical, context, validation
 from blazar.shim.ollama import convert, listing, options, protocol, render, template
 from tests.unit import fake_inference, helpers
 from tests.unit.fake_inference import Daemon, asgi_client, delta, fake_daemon
@@ -55,11 +55,16 @@ def check_golden(name: str, document: Any) -> None:
 
 
 def final(
-    reason: int = inference_pb2.FINISH_REASON_STOP, *, prompt: int = 7, completion: int = 3
+    reason: int = inference_pb2.FINISH_REASON_STOP,
+    *,
+    prompt: int = 7,
+    completion: int = 3,
+    tool_calls: int = 0,
 ) -> inference_pb2.Chunk:
     return inference_pb2.Chunk(
         final=inference_pb2.Final(
             finish_reason=reason,  # type: ignore[arg-type]
+            tool_calls=tool_calls,
             usage=inference_pb2.Usage(
                 prompt_tokens=prompt, completion_tokens=completion, cached_tokens=2
             ),
@@ -86,6 +91,25 @@ MODELS = [
 ]  # fmt: skip
 
 HELLO = [delta("Hel"), delta("lo"), final()]
+
+
+def calling(
+    index: int, *, id: str = "", name: str = "", arguments: str = ""
+) -> inference_pb2.Chunk:
+    """A delta carrying part of a call, as the daemon streams a forced one."""
+    part = inference_pb2.ToolCallDelta(index=index, id=id, name=name, arguments=arguments)
+    return inference_pb2.Chunk(delta=inference_pb2.Delta(tokens=2, tool_calls=[part]))
+
+
+# Two calls in fragments, the way a forced call streams; the second one may be cut.
+CALLS = [
+    delta("Checking. "),
+    calling(0, id="call_0123456789abcdef01234567", name="get_weather"),
+    calling(0, arguments='{"city": "Pa'),
+    calling(0, arguments='ris", "days": 2}'),
+    calling(1, id="call_89abcdef0123456789abcdef", name="get_time"),
+    calling(1, arguments='{"zone": "UT'),
+]
 
 
 def parse(model: type[validation.M], body: dict[str, Any]) -> validation.M:
@@ -169,11 +193,59 @@ REQUEST_CASES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def canonical_of(kind: str, body: dict[str, Any]) -> Any:
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The forecast for a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+            "required": ["city"],
+        },
+    },
+}
+# As Go clients send a tool without properties: `null`, which Blazar drops.
+NOW_TOOL = {
+    "type": "function",
+    "function": {"name": "get_time", "parameters": {"type": "object", "properties": None}},
+}
+BARE_TOOL = {"function": {"name": "ping"}}
+TOOLS = [WEATHER, NOW_TOOL, BARE_TOOL]
+TOOL_TURNS = [
+    {"role": "user", "content": "Weather in Paris, and the time?"},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "function": {"index": 0, "name": "get_weather", "arguments": {"city": "Paris"}},
+            },
+            # As the Python client sends it back: no id, no index.
+            {"function": {"name": "get_time", "arguments": {}}},
+        ],
+    },
+    {"role": "tool", "content": "Sunny.", "tool_name": "get_weather", "tool_call_id": "call_1"},
+    {"role": "tool", "content": "12:00", "tool_name": "get_time"},
+]
+
+# (body, the x-blazar-tool-choice header)
+TOOL_REQUEST_CASES: dict[str, tuple[dict[str, Any], str]] = {
+    "chat_tools_auto": ({"model": "tiny", "messages": TOOL_TURNS, "tools": TOOLS}, ""),
+    "chat_tools_required": ({**CHAT, "tools": TOOLS}, "required"),
+    "chat_tools_named": ({**CHAT, "tools": TOOLS}, "get_weather"),
+    "chat_tools_none_with_format": ({**CHAT, "tools": TOOLS, "format": "json"}, "none"),
+}
+
+
+def canonical_of(kind: str, body: dict[str, Any], *, tool_choice: str = "") -> Any:
     if kind == "chat":
-        return convert.chat_request(parse(protocol.ChatRequest, body))
+        return convert.chat_request(parse(protocol.ChatRequest, body), tool_choice=tool_choice)
     if kind == "generate":
-        return convert.generate_request(parse(protocol.GenerateRequest, body))
+        return convert.generate_request(
+            parse(protocol.GenerateRequest, body), tool_choice=tool_choice
+        )
     if kind == "embed":
         return convert.embed_request(parse(protocol.EmbedRequest, body))
     return convert.embeddings_request(parse(protocol.EmbeddingsRequest, body))
@@ -185,6 +257,20 @@ def test_request_translation_matches_golden(name: str) -> None:
     check_golden(
         f"request_{name}",
         {"kind": kind, "http_body": body, "canonical": message_json(canonical_of(kind, body))},
+    )
+
+
+@pytest.mark.parametrize("name", sorted(TOOL_REQUEST_CASES))
+def test_tool_request_translation_matches_golden(name: str) -> None:
+    body, header = TOOL_REQUEST_CASES[name]
+    check_golden(
+        f"request_{name}",
+        {
+            "kind": "chat",
+            "headers": {"x-blazar-tool-choice": header} if header else {},
+            "http_body": body,
+            "canonical": message_json(canonical_of("chat", body, tool_choice=header)),
+        },
     )
 
 
@@ -201,22 +287,56 @@ def test_options_not_sent_stay_unset() -> None:
 
 # ---------------------------------------------------------------- refusals, by name
 
-TOOLS_NOT_YET = "Tool calls are not supported yet in Blazar's Ollama dialect"
 GEN = {"model": "tiny", "prompt": "Hi"}
+A_CALL = {"function": {"name": "f", "arguments": {}}}
 REFUSALS: list[tuple[str, dict[str, Any], str, str]] = [
-    ("chat", {**CHAT, "tools": [{"type": "function"}]}, "tools", TOOLS_NOT_YET),
     (
         "chat",
-        {"model": "tiny", "messages": [{"role": "tool", "content": "42"}]},
-        "messages[0].role",
-        TOOLS_NOT_YET,
+        {**CHAT, "tools": [{"type": "custom", "function": {"name": "f"}}]},
+        "tools[0].type",
+        "'custom'",
+    ),
+    ("chat", {**CHAT, "tools": [{"type": "function"}]}, "tools[0].function", "Missing"),
+    ("chat", {**CHAT, "tools": [WEATHER], "format": {"type": "object"}}, "format", "tools"),
+    (
+        "chat",
+        {"model": "tiny", "messages": [{"role": "user", "tool_calls": [A_CALL]}]},
+        "messages[0].tool_calls",
+        "Only assistant messages",
+    ),
+    (
+        "chat",
+        {"model": "tiny", "messages": [{"role": "assistant", "tool_name": "f"}]},
+        "messages[0].tool_name",
+        "Only tool messages",
+    ),
+    (
+        "chat",
+        {"model": "tiny", "messages": [{"role": "user", "tool_call_id": "c"}]},
+        "messages[0].tool_call_id",
+        "Only tool messages",
+    ),
+    (
+        "chat",
+        {
+            "model": "tiny",
+            "messages": [
+                {
+                    "role": "assistant",
+                    "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}],
+                }
+            ],
+        },
+        "messages[0].tool_calls[0].function.arguments",
+        "dictionary",
     ),
     (
         "chat",
         {"model": "tiny", "messages": [{"role": "assistant", "tool_calls": [{}]}]},
-        "messages[0].tool_calls",
-        TOOLS_NOT_YET,
+        "messages[0].tool_calls[0].function",
+        "Missing",
     ),
+    ("generate", {**GEN, "tools": [WEATHER]}, "tools", "/api/chat"),
     (
         "chat",
         {"model": "tiny", "messages": [{"role": "user", "content": "x", "images": ["aGk="]}]},
@@ -277,6 +397,59 @@ def test_what_blazar_cannot_honour_is_refused_by_name(
     assert info.value.metadata[validation.PARAM_KEY] == param
     assert says in info.value.message
     assert render.error_response(info.value).status == 400
+
+
+NAMES = ("get_weather", "get_time")
+MODE = inference_pb2.ToolChoice
+
+
+@pytest.mark.parametrize(
+    ("header", "tools", "mode", "name"),
+    [
+        ("", NAMES, None, ""),
+        ("  ", (), None, ""),
+        ("auto", NAMES, MODE.MODE_AUTO, ""),
+        ("none", NAMES, MODE.MODE_NONE, ""),
+        ("none", (), MODE.MODE_NONE, ""),
+        ("auto", (), MODE.MODE_AUTO, ""),
+        ("required", NAMES, MODE.MODE_REQUIRED, ""),
+        (" get_time ", NAMES, MODE.MODE_NAMED, "get_time"),
+    ],
+)
+def test_the_tool_choice_header(
+    header: str, tools: tuple[str, ...], mode: int | None, name: str
+) -> None:
+    choice = context.tool_choice(header, tools=tools)
+    if mode is None:
+        assert choice is None
+        return
+    assert choice == inference_pb2.ToolChoice(mode=mode, name=name)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("header", "tools", "says"),
+    [
+        ("Required", NAMES, "'Required' is not auto, none, required or the name of a tool"),
+        ("get_wether", NAMES, "the request's tools: get_weather, get_time"),
+        ("get_time", (), "the request has no tools"),
+        ("required", (), "needs tools to call"),
+        ("any", NAMES, "'any'"),
+    ],
+)
+def test_a_bad_tool_choice_header_is_refused_naming_it(
+    header: str, tools: tuple[str, ...], says: str
+) -> None:
+    with pytest.raises(errors.InvalidRequest) as info:
+        context.tool_choice(header, tools=tools)
+    assert info.value.metadata[validation.PARAM_KEY] == "x-blazar-tool-choice"
+    assert "x-blazar-tool-choice" in info.value.message
+    assert says in info.value.message
+
+
+def test_generate_takes_no_forced_tool_choice() -> None:
+    assert canonical_of("generate", GEN, tool_choice="none").messages[0].content == "Hi"
+    with pytest.raises(errors.InvalidRequest, match="needs tools"):
+        canonical_of("generate", GEN, tool_choice="required")
 
 
 @pytest.mark.parametrize(
@@ -430,7 +603,37 @@ def test_ps_lists_each_serving_lane_once_and_forever() -> None:
 
 # ---------------------------------------------------------------- routes
 
+TOOL_CHAT = {**CHAT, "tools": [WEATHER, NOW_TOOL]}
 STREAM_CASES: dict[str, tuple[str, dict[str, Any], list[Any]]] = {
+    "chat_tool_calls_stream": (
+        "/api/chat",
+        TOOL_CHAT,
+        [
+            *CALLS,
+            calling(1, arguments='C"}'),
+            final(inference_pb2.FINISH_REASON_TOOL_CALLS, tool_calls=2),
+        ],
+    ),
+    "chat_tool_calls_no_stream": (
+        "/api/chat",
+        {**TOOL_CHAT, "stream": False},
+        [
+            *CALLS,
+            calling(1, arguments='C"}'),
+            final(inference_pb2.FINISH_REASON_TOOL_CALLS, tool_calls=2),
+        ],
+    ),
+    # num_predict cut the second call: only the first is whole, and only it goes out.
+    "chat_tool_call_cut_stream": (
+        "/api/chat",
+        TOOL_CHAT,
+        [*CALLS, final(inference_pb2.FINISH_REASON_LENGTH, tool_calls=1)],
+    ),
+    "chat_tool_call_cut_no_stream": (
+        "/api/chat",
+        {**TOOL_CHAT, "stream": False},
+        [*CALLS, final(inference_pb2.FINISH_REASON_LENGTH, tool_calls=1)],
+    ),
     "chat_stream": ("/api/chat", CHAT, HELLO),
     "chat_no_stream": ("/api/chat", {**CHAT, "stream": False}, HELLO),
     "generate_stream": ("/api/generate", GEN, HELLO),
@@ -441,6 +644,8 @@ STREAM_CASES: dict[str, tuple[str, dict[str, Any], list[Any]]] = {
         [delta("Hel"), errors.Unavailable("Lost the engine of replica 0.")],
     ),
     "generate_stream_truncated": ("/api/generate", GEN, [delta("Hel")]),
+    # The calls' deltas came, but not the final chunk that says which are whole.
+    "chat_tool_calls_stream_truncated": ("/api/chat", TOOL_CHAT, CALLS),
 }
 
 
@@ -470,6 +675,49 @@ async def test_generation_matches_golden(
         f"generation_{name}",
         {"path": path, "http_body": body, "chunks": fake_inference.script_json(script), "out": out},
     )
+
+
+def test_a_streamed_call_goes_out_whole_once_the_final_chunk_says_so() -> None:
+    lines = render.Lines("chat", model="tiny", clock=lambda: "T")
+    before = [line for chunk in CALLS for line in lines.render(chunk)]
+    # Only the text streamed: no call, nor any part of one, before the end.
+    assert [line["message"] for line in before] == [  # type: ignore[typeddict-item]
+        {"role": "assistant", "content": "Checking. "}
+    ]
+    end = lines.render(final(inference_pb2.FINISH_REASON_LENGTH, tool_calls=1))
+    assert [line["done"] for line in end] == [False, True]
+    assert end[0]["message"]["tool_calls"] == [  # type: ignore[typeddict-item]
+        {
+            "id": "call_0123456789abcdef01234567",
+            "function": {
+                "index": 0,
+                "name": "get_weather",
+                "arguments": {"city": "Paris", "days": 2},
+            },
+        }
+    ]
+    assert end[1]["done_reason"] == "length"
+
+
+async def test_the_tool_choice_header_reaches_the_daemon(
+    daemon: Daemon, client: httpx.AsyncClient
+) -> None:
+    daemon.fake.scripts["tiny"] = HELLO
+    sent = {**TOOL_CHAT, "stream": False}
+    for header, expected in [
+        ("required", inference_pb2.ToolChoice(mode=MODE.MODE_REQUIRED)),
+        ("get_time", inference_pb2.ToolChoice(mode=MODE.MODE_NAMED, name="get_time")),
+    ]:
+        response = await client.post(
+            "/api/chat", json=sent, headers={"x-blazar-tool-choice": header}
+        )
+        assert response.status_code == 200
+        assert daemon.fake.requests[-1].tool_choice == expected
+    refused = await client.post("/api/chat", json=sent, headers={"x-blazar-tool-choice": "nope"})
+    assert refused.status_code == 400
+    assert set(refused.json()) == {"error"}
+    assert "x-blazar-tool-choice" in refused.json()["error"] and "'nope'" in refused.json()["error"]
+    assert len(daemon.fake.requests) == 2
 
 
 async def test_an_error_before_the_first_chunk_keeps_its_status(

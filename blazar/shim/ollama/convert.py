@@ -5,6 +5,11 @@ canonical request, with `options` read by `options.sampling`; `embed_request` an
 `embeddings_request` the embedding one. Whatever Blazar cannot honour is refused by
 name, never ignored. The way back is `render` (generations, errors) and `listing`
 (tags, show, ps).
+
+Tools are OpenAI's function tools in Ollama's shape: a call's `arguments` is a JSON
+object (the canonical request carries it as text), and a tool message names its tool
+(`tool_name`) rather than the call it answers. Ollama has no tool choice; Blazar's
+`x-blazar-tool-choice` header is read by `context.tool_choice`.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from blazar._proto.v1 import inference_pb2
-from blazar.shim import canonical, validation
+from blazar.shim import canonical, context, validation
 from blazar.shim.ollama import options, protocol, template
 
 # Ollama reads a negative keep_alive as "keep the model loaded forever": what Blazar
@@ -22,8 +27,7 @@ from blazar.shim.ollama import options, protocol, template
 _GO_DURATION = re.compile(
     r"-?(\d+(\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)((\d+(\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h))*"
 )
-
-_TOOLS_NOT_YET = "Tool calls are not supported yet in Blazar's Ollama dialect"
+_ROLES = ("system", "user", "assistant", "tool")
 
 
 def is_load(body: protocol.ChatRequest | protocol.GenerateRequest) -> bool:
@@ -34,12 +38,25 @@ def is_load(body: protocol.ChatRequest | protocol.GenerateRequest) -> bool:
     return not body.prompt
 
 
-def chat_request(body: protocol.ChatRequest, *, session: str = "") -> inference_pb2.ChatRequest:
-    """The canonical request for a chat with at least one message."""
+def chat_request(
+    body: protocol.ChatRequest, *, session: str = "", tool_choice: str = ""
+) -> inference_pb2.ChatRequest:
+    """The canonical request for a chat with at least one message; `tool_choice` is
+    the `x-blazar-tool-choice` header as sent (see `context.tool_choice`)."""
     _check_generation(body)
-    if body.tools:
+    tools = [_tool(tool, param=f"tools[{i}]") for i, tool in enumerate(body.tools or ())]
+    choice = context.tool_choice(tool_choice, tools=[t.name for t in tools])
+    fmt = constraint(body.format)
+    if (
+        fmt is not None
+        and tools
+        and (choice is None or choice.mode != inference_pb2.ToolChoice.MODE_NONE)
+    ):
         raise validation.invalid(
-            f"{_TOOLS_NOT_YET}; send the request without 'tools'.", param="tools"
+            "'format' and 'tools' cannot both apply: a call's arguments follow its tool's "
+            f"schema, not 'format'. Send one of them, or '{context.TOOL_CHOICE_HEADER}: "
+            "none' to answer in 'format' without calling.",
+            param="format",
         )
     messages = [
         _message(message, param=f"messages[{i}]") for i, message in enumerate(body.messages)
@@ -48,21 +65,46 @@ def chat_request(body: protocol.ChatRequest, *, session: str = "") -> inference_
         model=body.model,
         messages=messages,
         sampling=_sampling_of(body),
-        constraint=constraint(body.format),
+        constraint=fmt,
         session=session,
+        tools=tools,
+        tool_choice=choice,
+    )
+
+
+def _tool(tool: protocol.Tool, *, param: str) -> inference_pb2.Tool:
+    """The daemon checks names and schemas, naming `tools[i].name` or `.parameters`."""
+    if tool.type != "function":
+        raise validation.invalid(
+            f"Invalid value for '{param}.type': {tool.type!r}; the only type of tool is "
+            "'function'.",
+            param=f"{param}.type",
+        )
+    function = tool.function
+    parameters = function.parameters
+    if parameters is not None and parameters.get("properties", {}) is None:
+        # Go clients send a tool without properties as `"properties": null` (Ollama's
+        # struct has no omitempty there), which JSON Schema does not allow.
+        parameters = {k: v for k, v in parameters.items() if k != "properties"}
+    return inference_pb2.Tool(
+        name=function.name,
+        description=function.description or "",
+        parameters="" if parameters is None else canonical.json_text(parameters),
     )
 
 
 def generate_request(
-    body: protocol.GenerateRequest, *, session: str = ""
+    body: protocol.GenerateRequest, *, session: str = "", tool_choice: str = ""
 ) -> inference_pb2.ChatRequest | inference_pb2.CompleteRequest:
     """A prompt through the model's chat template (with `system` as the system turn);
     with `template`, through that one (see `template.render`) instead; with `raw`, the
-    prompt as it is. The last two are continued with no chat template."""
+    prompt as it is. The last two are continued with no chat template. Generate has
+    no tools, so `tool_choice` (the header) can only be auto or none."""
     _check_generation(body)
-    for name in ("images", "context"):
+    for name in ("images", "context", "tools"):
         if getattr(body, name):
             raise validation.invalid(_GENERATE_REFUSALS[name], param=name)
+    context.tool_choice(tool_choice, tools=())
     if body.suffix:
         raise validation.invalid(
             "'suffix' is not supported: Blazar only continues a prompt, it does not fill "
@@ -105,6 +147,10 @@ _GENERATE_REFUSALS = {
     "context": (
         "'context' (token ids from an earlier answer) is not supported; send the "
         "conversation as messages to /api/chat instead."
+    ),
+    "tools": (
+        "'tools' are not supported on /api/generate (Ollama's generate has none); send "
+        "the conversation and its tools to /api/chat."
     ),
 }
 
@@ -159,21 +205,23 @@ def check_keep_alive(keep_alive: protocol.KeepAlive) -> None:
 
 def _message(message: protocol.Message, *, param: str) -> inference_pb2.Message:
     role = message.role.lower()
-    if role == "tool" or message.tool_calls or message.tool_name or message.tool_call_id:
-        field = next(
-            name
-            for name in ("tool_calls", "tool_name", "tool_call_id", "role")
-            if getattr(message, name)
-        )
+    if role not in _ROLES:
         raise validation.invalid(
-            f"{_TOOLS_NOT_YET}, so a conversation cannot carry '{param}.{field}'.",
-            param=f"{param}.{field}",
-        )
-    if role not in ("system", "user", "assistant"):
-        raise validation.invalid(
-            f"Invalid value for '{param}.role': {message.role!r}; use system, user or assistant.",
+            f"Invalid value for '{param}.role': {message.role!r}; use system, user, "
+            "assistant or tool.",
             param=f"{param}.role",
         )
+    if message.tool_calls and role != "assistant":
+        raise validation.invalid(
+            f"Only assistant messages carry 'tool_calls'; '{param}' is a {role} message.",
+            param=f"{param}.tool_calls",
+        )
+    for name in ("tool_name", "tool_call_id"):
+        if getattr(message, name) and role != "tool":
+            raise validation.invalid(
+                f"Only tool messages carry '{name}'; '{param}' is a {role} message.",
+                param=f"{param}.{name}",
+            )
     if message.images:
         raise validation.invalid(
             f"'{param}.images' are not supported: Blazar serves text-only models.",
@@ -185,7 +233,20 @@ def _message(message: protocol.Message, *, param: str) -> inference_pb2.Message:
             "turn's content only.",
             param=f"{param}.thinking",
         )
-    return inference_pb2.Message(role=role, content=message.content)
+    return inference_pb2.Message(
+        role=role,
+        content=message.content,
+        tool_calls=[
+            inference_pb2.ToolCall(
+                id=call.id or "",
+                name=call.function.name,
+                arguments=canonical.json_text(call.function.arguments or {}),
+            )
+            for call in message.tool_calls or ()
+        ],
+        tool_call_id=message.tool_call_id or "",
+        name=message.tool_name or "",
+    )
 
 
 def constraint(fmt: protocol.Format) -> inference_pb2.Constraint | None:

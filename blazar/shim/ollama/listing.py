@@ -111,7 +111,8 @@ def show(info: inference_pb2.ModelInfo) -> protocol.ShowResponse:
         "modelfile": modelfile,
         "details": _details(info),
         "model_info": model_info,
-        "capabilities": ["completion"],
+        # Every Lane calls tools: by its template, or by Blazar's own tool prompt.
+        "capabilities": ["completion", "tools"],
         "modified_at": _modified_at(info),
     }
 

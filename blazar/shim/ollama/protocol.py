@@ -30,16 +30,48 @@ Format = str | dict[str, Any] | None
 Think = bool | str | None
 
 
+class ToolCallFunction(_Request):
+    name: str
+    # A JSON object, not JSON text as in OpenAI's API; null or absent is no arguments.
+    arguments: dict[str, Any] | None = None
+    # Which call of its turn it was; the list's order says the same, so it is not read.
+    index: int | None = None
+
+
+class ToolCall(_Request):
+    """A call an assistant message of the history made."""
+
+    # Ollama's server names its calls; its Python client does not send the id back.
+    id: str | None = None
+    function: ToolCallFunction
+
+
 class Message(_Request):
     # Ollama lowercases roles; `convert` does too and refuses the ones it cannot take.
     role: str
     content: str = ""
+    # Assistant messages: the calls the model made.
+    tool_calls: list[ToolCall] | None = None
+    # Tool messages: the tool that answered, and the call it answers when the client
+    # kept the call's id.
+    tool_name: str | None = None
+    tool_call_id: str | None = None
     # Read only to refuse them (see convert).
     images: list[str] | None = None
     thinking: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
-    tool_name: str | None = None
-    tool_call_id: str | None = None
+
+
+class ToolFunction(_Request):
+    name: str
+    description: str | None = None
+    # A JSON Schema object; absent means a function without parameters.
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(_Request):
+    # Ollama's only kind of tool; its Python client sends it, Go's server does not check.
+    type: str = "function"
+    function: ToolFunction
 
 
 class _Generation(_Request):
@@ -60,8 +92,7 @@ class _Generation(_Request):
 class ChatRequest(_Generation):
     # Empty: load the model and answer at once (Ollama's preload).
     messages: list[Message] = Field(default_factory=list)
-    # Read only to refuse them (see convert): tool calls are not wired yet.
-    tools: list[dict[str, Any]] | None = None
+    tools: list[Tool] | None = None
 
 
 class GenerateRequest(_Generation):
@@ -74,6 +105,8 @@ class GenerateRequest(_Generation):
     suffix: str | None = None
     context: list[int] | None = None
     images: list[str] | None = None
+    # Ollama's generate has no tools (its server ignores them): refused, not dropped.
+    tools: list[Any] | None = None
 
 
 class EmbedRequest(_Request):
@@ -119,9 +152,25 @@ class Logprob(TypedDict):
     top_logprobs: NotRequired[list[TopLogprob]]
 
 
+class FunctionCall(TypedDict):
+    # The call's place in its turn (0, 1, ...).
+    index: int
+    name: str
+    # A JSON object, never text.
+    arguments: dict[str, Any]
+
+
+class CallMade(TypedDict):
+    """A call the model made, whole: Ollama sends no fragments of one."""
+
+    id: str
+    function: FunctionCall
+
+
 class AssistantMessage(TypedDict):
     role: Literal["assistant"]
     content: str
+    tool_calls: NotRequired[list[CallMade]]
 
 
 class _Statistics(TypedDict):

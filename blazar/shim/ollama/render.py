@@ -9,6 +9,7 @@ Ollama's statistics (`metrics`, in nanoseconds); `embed_response` and
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -30,9 +31,26 @@ def timestamp(moment: datetime) -> str:
 
 
 def done_reason(final: inference_pb2.Final) -> protocol.DoneReason:
+    """A turn that ended in tool calls is "stop" too: Ollama has no other reason for it."""
     if final.finish_reason == inference_pb2.FINISH_REASON_LENGTH:
         return "length"
     return "stop"
+
+
+def tool_calls(calls: Sequence[inference_pb2.ToolCall]) -> list[protocol.CallMade]:
+    """Whole calls (`canonical.Answer.whole_calls`) in Ollama's shape, numbered in
+    their turn, with the arguments as an object: a whole call's are a JSON object."""
+    return [
+        {
+            "id": call.id,
+            "function": {
+                "index": index,
+                "name": call.name,
+                "arguments": json.loads(call.arguments or "{}"),
+            },
+        }
+        for index, call in enumerate(calls)
+    ]
 
 
 def _ns(milliseconds: float) -> int:
@@ -82,12 +100,23 @@ def logprobs(entries: Sequence[inference_pb2.TokenLogprob]) -> list[protocol.Log
 Line = protocol.ChatResponse | protocol.GenerateResponse
 
 
-def _line(kind: Kind, *, model: str, created_at: str, text: str, done: bool) -> Line:
+def _line(
+    kind: Kind,
+    *,
+    model: str,
+    created_at: str,
+    text: str,
+    done: bool,
+    calls: list[protocol.CallMade] | None = None,
+) -> Line:
     if kind == "chat":
+        message: protocol.AssistantMessage = {"role": "assistant", "content": text}
+        if calls:
+            message["tool_calls"] = calls
         chat: protocol.ChatResponse = {
             "model": model,
             "created_at": created_at,
-            "message": {"role": "assistant", "content": text},
+            "message": message,
             "done": done,
         }
         return chat
@@ -108,7 +137,14 @@ def _finish(line: Line, final: inference_pb2.Final) -> Line:
 
 class Lines:
     """Renders one generation as Ollama's stream: an object per text delta
-    (`done: false`), then one with `done: true`, the done reason and the statistics."""
+    (`done: false`), an object per tool call, then one with `done: true`, the done
+    reason and the statistics.
+
+    Ollama streams a call whole, never its arguments in fragments, and only the final
+    chunk says which calls are whole (`Final.tool_calls`: a forced call that
+    `num_predict` cut short is not). So the calls' deltas are joined as they come and
+    each whole call goes out, in its own object, just before the last one.
+    """
 
     def __init__(
         self, kind: Kind, *, model: str, clock: Callable[[], str], logprobs: bool = False
@@ -117,11 +153,14 @@ class Lines:
         self._model = model
         self._clock = clock
         self._logprobs = logprobs
+        self._calls = canonical.Answer()
         self.finished = False
 
     def render(self, chunk: inference_pb2.Chunk) -> list[Line]:
         part = chunk.WhichOneof("part")
         if part == "delta":
+            if chunk.delta.tool_calls:
+                self._calls.add(chunk)
             entries = chunk.delta.logprobs if self._logprobs else ()
             if not chunk.delta.text and not entries:
                 return []
@@ -132,10 +171,20 @@ class Lines:
         if part != "final":
             return []
         self.finished = True
-        return [_finish(self._line("", done=True), chunk.final)]
+        self._calls.add(chunk)
+        out = [self._line("", done=False, calls=[c]) for c in tool_calls(self._calls.whole_calls())]
+        out.append(_finish(self._line("", done=True), chunk.final))
+        return out
 
-    def _line(self, text: str, *, done: bool) -> Line:
-        return _line(self._kind, model=self._model, created_at=self._clock(), text=text, done=done)
+    def _line(self, text: str, *, done: bool, calls: list[protocol.CallMade] | None = None) -> Line:
+        return _line(
+            self._kind,
+            model=self._model,
+            created_at=self._clock(),
+            text=text,
+            done=done,
+            calls=calls,
+        )
 
 
 def answer(
@@ -146,9 +195,16 @@ def answer(
     created_at: str,
     with_logprobs: bool = False,
 ) -> Line:
-    """A whole generation as one object (`stream: false`)."""
+    """A whole generation as one object (`stream: false`), with its whole tool calls."""
     final = collected.finished()
-    line = _line(kind, model=model, created_at=created_at, text=collected.text, done=True)
+    line = _line(
+        kind,
+        model=model,
+        created_at=created_at,
+        text=collected.text,
+        done=True,
+        calls=tool_calls(collected.whole_calls()),
+    )
     if with_logprobs:
         line["logprobs"] = logprobs(collected.logprobs)
     return _finish(line, final)

@@ -86,9 +86,13 @@ async def _generate(request: Request, kind: render.Kind) -> Response:
             return await _loaded(request, kind, body.model, keep_alive=body.keep_alive)
         canonical_request: inference_pb2.ChatRequest | inference_pb2.CompleteRequest
         if isinstance(body, protocol.ChatRequest):
-            canonical_request = convert.chat_request(body, session=ctx.session)
+            canonical_request = convert.chat_request(
+                body, session=ctx.session, tool_choice=ctx.tool_choice
+            )
         else:
-            canonical_request = convert.generate_request(body, session=ctx.session)
+            canonical_request = convert.generate_request(
+                body, session=ctx.session, tool_choice=ctx.tool_choice
+            )
         await _check_num_ctx(request, body.model, body.options)
     except errors.BlazarError as err:
         return error(err)
