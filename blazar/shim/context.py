@@ -3,8 +3,9 @@ Blazar's own `x-blazar-*` request headers, read the same way in every dialect.
 
 `RequestIdMiddleware` gives every HTTP request an `x-request-id` (echoed in the
 response, bound to structlog's contextvars, and forwarded to the daemon as gRPC
-metadata) and writes the one summary log line per request. `tool_choice` reads the
-`x-blazar-tool-choice` header, the tool choice of dialects whose requests have none.
+metadata) and writes the one summary log line per request. `tool_choice` and
+`parallel_tool_calls` read the `x-blazar-tool-choice` and `x-blazar-parallel-tool-calls`
+headers, for dialects whose requests cannot say either.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ SLO_HEADER = "x-blazar-slo"
 # Whether, and which, tools the model must call, for dialects whose requests cannot
 # say (Ollama's): `auto`, `none`, `required` or a tool's name (see `tool_choice`).
 TOOL_CHOICE_HEADER = "x-blazar-tool-choice"
+# Whether the model may make more than one call in its turn, for dialects whose
+# requests cannot say (Ollama's): `true` or `false` (see `parallel_tool_calls`).
+PARALLEL_TOOL_CALLS_HEADER = "x-blazar-parallel-tool-calls"
 _TOOL_CHOICES = {
     "auto": inference_pb2.ToolChoice.MODE_AUTO,
     "none": inference_pb2.ToolChoice.MODE_NONE,
@@ -54,6 +58,8 @@ class RequestContext:
     slo: str = ""
     # The `x-blazar-tool-choice` header as sent; empty when not sent (see `tool_choice`).
     tool_choice: str = ""
+    # The `x-blazar-parallel-tool-calls` header as sent (see `parallel_tool_calls`).
+    parallel_tool_calls: str = ""
 
     def grpc_metadata(self) -> tuple[tuple[str, str], ...]:
         items = [(REQUEST_ID_HEADER, self.request_id)]
@@ -74,6 +80,7 @@ def of(request: Request) -> RequestContext:
         session=request.headers.get(SESSION_HEADER, ""),
         slo=request.headers.get(SLO_HEADER, ""),
         tool_choice=request.headers.get(TOOL_CHOICE_HEADER, ""),
+        parallel_tool_calls=request.headers.get(PARALLEL_TOOL_CALLS_HEADER, ""),
     )
 
 
@@ -104,6 +111,22 @@ def tool_choice(value: str, *, tools: Sequence[str]) -> inference_pb2.ToolChoice
 
 def _bad_tool_choice(message: str) -> errors.InvalidRequest:
     return validation.invalid(message, param=TOOL_CHOICE_HEADER)
+
+
+def parallel_tool_calls(value: str) -> bool | None:
+    """The `x-blazar-parallel-tool-calls` header (`value`): None when not sent (the
+    default: calls may be parallel), else `true` or `false`; anything else is an
+    InvalidRequest naming the header."""
+    value = value.strip()
+    if not value:
+        return None
+    if value in ("true", "false"):
+        return value == "true"
+    raise validation.invalid(
+        f"Invalid value for the '{PARALLEL_TOOL_CALLS_HEADER}' header: {value!r}; use true "
+        "or false.",
+        param=PARALLEL_TOOL_CALLS_HEADER,
+    )
 
 
 def new_request_id() -> str:

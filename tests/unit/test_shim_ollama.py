@@ -230,22 +230,31 @@ TOOL_TURNS = [
     {"role": "tool", "content": "12:00", "tool_name": "get_time"},
 ]
 
-# (body, the x-blazar-tool-choice header)
-TOOL_REQUEST_CASES: dict[str, tuple[dict[str, Any], str]] = {
-    "chat_tools_auto": ({"model": "tiny", "messages": TOOL_TURNS, "tools": TOOLS}, ""),
-    "chat_tools_required": ({**CHAT, "tools": TOOLS}, "required"),
-    "chat_tools_named": ({**CHAT, "tools": TOOLS}, "get_weather"),
-    "chat_tools_none_with_format": ({**CHAT, "tools": TOOLS, "format": "json"}, "none"),
+# (body, Blazar's tool headers)
+TOOL_REQUEST_CASES: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
+    "chat_tools_auto": ({"model": "tiny", "messages": TOOL_TURNS, "tools": TOOLS}, {}),
+    "chat_tools_required": ({**CHAT, "tools": TOOLS}, {"x-blazar-tool-choice": "required"}),
+    "chat_tools_named": ({**CHAT, "tools": TOOLS}, {"x-blazar-tool-choice": "get_weather"}),
+    "chat_tools_none_with_format": (
+        {**CHAT, "tools": TOOLS, "format": "json"},
+        {"x-blazar-tool-choice": "none"},
+    ),
+    "chat_tools_required_one_call": (
+        {**CHAT, "tools": TOOLS},
+        {"x-blazar-tool-choice": "required", "x-blazar-parallel-tool-calls": "false"},
+    ),
 }
 
 
-def canonical_of(kind: str, body: dict[str, Any], *, tool_choice: str = "") -> Any:
+def canonical_of(kind: str, body: dict[str, Any], *, headers: dict[str, str] | None = None) -> Any:
+    tool_headers = {
+        "tool_choice": (headers or {}).get("x-blazar-tool-choice", ""),
+        "parallel_tool_calls": (headers or {}).get("x-blazar-parallel-tool-calls", ""),
+    }
     if kind == "chat":
-        return convert.chat_request(parse(protocol.ChatRequest, body), tool_choice=tool_choice)
+        return convert.chat_request(parse(protocol.ChatRequest, body), **tool_headers)
     if kind == "generate":
-        return convert.generate_request(
-            parse(protocol.GenerateRequest, body), tool_choice=tool_choice
-        )
+        return convert.generate_request(parse(protocol.GenerateRequest, body), **tool_headers)
     if kind == "embed":
         return convert.embed_request(parse(protocol.EmbedRequest, body))
     return convert.embeddings_request(parse(protocol.EmbeddingsRequest, body))
@@ -262,14 +271,14 @@ def test_request_translation_matches_golden(name: str) -> None:
 
 @pytest.mark.parametrize("name", sorted(TOOL_REQUEST_CASES))
 def test_tool_request_translation_matches_golden(name: str) -> None:
-    body, header = TOOL_REQUEST_CASES[name]
+    body, headers = TOOL_REQUEST_CASES[name]
     check_golden(
         f"request_{name}",
         {
             "kind": "chat",
-            "headers": {"x-blazar-tool-choice": header} if header else {},
+            "headers": headers,
             "http_body": body,
-            "canonical": message_json(canonical_of("chat", body, tool_choice=header)),
+            "canonical": message_json(canonical_of("chat", body, headers=headers)),
         },
     )
 
@@ -447,9 +456,26 @@ def test_a_bad_tool_choice_header_is_refused_naming_it(
 
 
 def test_generate_takes_no_forced_tool_choice() -> None:
-    assert canonical_of("generate", GEN, tool_choice="none").messages[0].content == "Hi"
+    none = {"x-blazar-tool-choice": "none"}
+    assert canonical_of("generate", GEN, headers=none).messages[0].content == "Hi"
     with pytest.raises(errors.InvalidRequest, match="needs tools"):
-        canonical_of("generate", GEN, tool_choice="required")
+        canonical_of("generate", GEN, headers={"x-blazar-tool-choice": "required"})
+
+
+@pytest.mark.parametrize(("header", "parallel"), [("", None), ("true", True), (" false", False)])
+def test_the_parallel_tool_calls_header(header: str, parallel: bool | None) -> None:
+    assert context.parallel_tool_calls(header) is parallel
+    sent = canonical_of("chat", CHAT, headers={"x-blazar-parallel-tool-calls": header})
+    assert sent.HasField("parallel_tool_calls") is (parallel is not None)
+
+
+@pytest.mark.parametrize("header", ["False", "0", "no", "yes please"])
+def test_a_bad_parallel_tool_calls_header_is_refused_naming_it(header: str) -> None:
+    for kind, body in (("chat", CHAT), ("generate", GEN)):
+        with pytest.raises(errors.InvalidRequest) as info:
+            canonical_of(kind, body, headers={"x-blazar-parallel-tool-calls": header})
+        assert info.value.metadata[validation.PARAM_KEY] == "x-blazar-parallel-tool-calls"
+        assert f"{header.strip()!r}" in info.value.message
 
 
 @pytest.mark.parametrize(
@@ -699,9 +725,7 @@ def test_a_streamed_call_goes_out_whole_once_the_final_chunk_says_so() -> None:
     assert end[1]["done_reason"] == "length"
 
 
-async def test_the_tool_choice_header_reaches_the_daemon(
-    daemon: Daemon, client: httpx.AsyncClient
-) -> None:
+async def test_the_tool_headers_reach_the_daemon(daemon: Daemon, client: httpx.AsyncClient) -> None:
     daemon.fake.scripts["tiny"] = HELLO
     sent = {**TOOL_CHAT, "stream": False}
     for header, expected in [
@@ -709,10 +733,13 @@ async def test_the_tool_choice_header_reaches_the_daemon(
         ("get_time", inference_pb2.ToolChoice(mode=MODE.MODE_NAMED, name="get_time")),
     ]:
         response = await client.post(
-            "/api/chat", json=sent, headers={"x-blazar-tool-choice": header}
+            "/api/chat",
+            json=sent,
+            headers={"x-blazar-tool-choice": header, "x-blazar-parallel-tool-calls": "false"},
         )
         assert response.status_code == 200
         assert daemon.fake.requests[-1].tool_choice == expected
+        assert daemon.fake.requests[-1].parallel_tool_calls is False
     refused = await client.post("/api/chat", json=sent, headers={"x-blazar-tool-choice": "nope"})
     assert refused.status_code == 400
     assert set(refused.json()) == {"error"}

@@ -39,13 +39,19 @@ def is_load(body: protocol.ChatRequest | protocol.GenerateRequest) -> bool:
 
 
 def chat_request(
-    body: protocol.ChatRequest, *, session: str = "", tool_choice: str = ""
+    body: protocol.ChatRequest,
+    *,
+    session: str = "",
+    tool_choice: str = "",
+    parallel_tool_calls: str = "",
 ) -> inference_pb2.ChatRequest:
-    """The canonical request for a chat with at least one message; `tool_choice` is
-    the `x-blazar-tool-choice` header as sent (see `context.tool_choice`)."""
+    """The canonical request for a chat with at least one message; `tool_choice` and
+    `parallel_tool_calls` are the `x-blazar-tool-choice` and
+    `x-blazar-parallel-tool-calls` headers as sent (see `context`)."""
     _check_generation(body)
     tools = [_tool(tool, param=f"tools[{i}]") for i, tool in enumerate(body.tools or ())]
     choice = context.tool_choice(tool_choice, tools=[t.name for t in tools])
+    parallel = context.parallel_tool_calls(parallel_tool_calls)
     fmt = constraint(body.format)
     if (
         fmt is not None
@@ -61,7 +67,7 @@ def chat_request(
     messages = [
         _message(message, param=f"messages[{i}]") for i, message in enumerate(body.messages)
     ]
-    return inference_pb2.ChatRequest(
+    request = inference_pb2.ChatRequest(
         model=body.model,
         messages=messages,
         sampling=_sampling_of(body),
@@ -70,6 +76,9 @@ def chat_request(
         tools=tools,
         tool_choice=choice,
     )
+    if parallel is not None:
+        request.parallel_tool_calls = parallel
+    return request
 
 
 def _tool(tool: protocol.Tool, *, param: str) -> inference_pb2.Tool:
@@ -94,17 +103,23 @@ def _tool(tool: protocol.Tool, *, param: str) -> inference_pb2.Tool:
 
 
 def generate_request(
-    body: protocol.GenerateRequest, *, session: str = "", tool_choice: str = ""
+    body: protocol.GenerateRequest,
+    *,
+    session: str = "",
+    tool_choice: str = "",
+    parallel_tool_calls: str = "",
 ) -> inference_pb2.ChatRequest | inference_pb2.CompleteRequest:
     """A prompt through the model's chat template (with `system` as the system turn);
     with `template`, through that one (see `template.render`) instead; with `raw`, the
     prompt as it is. The last two are continued with no chat template. Generate has
-    no tools, so `tool_choice` (the header) can only be auto or none."""
+    no tools, so `tool_choice` (the header) can only be auto or none; either header
+    is still checked."""
     _check_generation(body)
     for name in ("images", "context", "tools"):
         if getattr(body, name):
             raise validation.invalid(_GENERATE_REFUSALS[name], param=name)
     context.tool_choice(tool_choice, tools=())
+    context.parallel_tool_calls(parallel_tool_calls)
     if body.suffix:
         raise validation.invalid(
             "'suffix' is not supported: Blazar only continues a prompt, it does not fill "

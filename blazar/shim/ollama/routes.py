@@ -87,11 +87,17 @@ async def _generate(request: Request, kind: render.Kind) -> Response:
         canonical_request: inference_pb2.ChatRequest | inference_pb2.CompleteRequest
         if isinstance(body, protocol.ChatRequest):
             canonical_request = convert.chat_request(
-                body, session=ctx.session, tool_choice=ctx.tool_choice
+                body,
+                session=ctx.session,
+                tool_choice=ctx.tool_choice,
+                parallel_tool_calls=ctx.parallel_tool_calls,
             )
         else:
             canonical_request = convert.generate_request(
-                body, session=ctx.session, tool_choice=ctx.tool_choice
+                body,
+                session=ctx.session,
+                tool_choice=ctx.tool_choice,
+                parallel_tool_calls=ctx.parallel_tool_calls,
             )
         await _check_num_ctx(request, body.model, body.options)
     except errors.BlazarError as err:
