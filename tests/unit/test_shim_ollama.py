@@ -747,6 +747,22 @@ async def test_the_tool_headers_reach_the_daemon(daemon: Daemon, client: httpx.A
     assert len(daemon.fake.requests) == 2
 
 
+async def test_the_session_and_slo_headers_reach_the_daemon(
+    daemon: Daemon, client: httpx.AsyncClient
+) -> None:
+    daemon.fake.scripts["tiny"] = HELLO
+    headers = {"x-blazar-session": "s-1", "x-blazar-slo": "batch"}
+    for path, body in [
+        ("/api/chat", CHAT),
+        ("/api/generate", GEN),
+        ("/api/generate", {**GEN, "raw": True}),
+    ]:
+        response = await client.post(path, json={**body, "stream": False}, headers=headers)
+        assert response.status_code == 200
+    assert [(r.session, r.slo) for r in daemon.fake.requests] == [("s-1", "batch")] * 3
+    assert isinstance(daemon.fake.requests[-1], inference_pb2.CompleteRequest)
+
+
 async def test_an_error_before_the_first_chunk_keeps_its_status(
     daemon: Daemon, client: httpx.AsyncClient
 ) -> None:

@@ -42,12 +42,14 @@ def chat_request(
     body: protocol.ChatRequest,
     *,
     session: str = "",
+    slo: str = "",
     tool_choice: str = "",
     parallel_tool_calls: str = "",
 ) -> inference_pb2.ChatRequest:
-    """The canonical request for a chat with at least one message; `tool_choice` and
-    `parallel_tool_calls` are the `x-blazar-tool-choice` and
-    `x-blazar-parallel-tool-calls` headers as sent (see `context`)."""
+    """The canonical request for a chat with at least one message. `session` and `slo`
+    are the `x-blazar-session` and `x-blazar-slo` headers; `tool_choice` and
+    `parallel_tool_calls` the `x-blazar-tool-choice` and `x-blazar-parallel-tool-calls`
+    headers as sent (see `context`)."""
     _check_generation(body)
     tools = [_tool(tool, param=f"tools[{i}]") for i, tool in enumerate(body.tools or ())]
     choice = context.tool_choice(tool_choice, tools=[t.name for t in tools])
@@ -73,6 +75,7 @@ def chat_request(
         sampling=_sampling_of(body),
         constraint=fmt,
         session=session,
+        slo=slo,
         tools=tools,
         tool_choice=choice,
     )
@@ -106,6 +109,7 @@ def generate_request(
     body: protocol.GenerateRequest,
     *,
     session: str = "",
+    slo: str = "",
     tool_choice: str = "",
     parallel_tool_calls: str = "",
 ) -> inference_pb2.ChatRequest | inference_pb2.CompleteRequest:
@@ -144,6 +148,7 @@ def generate_request(
             sampling=sampling,
             constraint=constraint(body.format),
             session=session,
+            slo=slo,
         )
     messages = [inference_pb2.Message(role="user", content=body.prompt)]
     if body.system:
@@ -154,6 +159,7 @@ def generate_request(
         sampling=sampling,
         constraint=constraint(body.format),
         session=session,
+        slo=slo,
     )
 
 

@@ -89,6 +89,7 @@ async def _generate(request: Request, kind: render.Kind) -> Response:
             canonical_request = convert.chat_request(
                 body,
                 session=ctx.session,
+                slo=ctx.slo,
                 tool_choice=ctx.tool_choice,
                 parallel_tool_calls=ctx.parallel_tool_calls,
             )
@@ -96,6 +97,7 @@ async def _generate(request: Request, kind: render.Kind) -> Response:
             canonical_request = convert.generate_request(
                 body,
                 session=ctx.session,
+                slo=ctx.slo,
                 tool_choice=ctx.tool_choice,
                 parallel_tool_calls=ctx.parallel_tool_calls,
             )
