@@ -387,9 +387,16 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         vocab = self._decode.vocab
 
         def split() -> inference_pb2.TokenizeResponse:
-            tokens = vocab.tokenize(
-                request.text, add_bos=request.add_special, parse_special=request.parse_special
-            )
+            if request.HasField("chat"):
+                # Exactly as Generate renders and tokenizes a chat's prompt (`_prepare`).
+                chat = chat_input(request.chat)
+                toolset = tools.parse(chat)
+                turns = self._chat_turns(chat.messages)
+                tokens = self._chat_tokens(turns, toolset, self._render(turns, toolset))
+            else:
+                tokens = vocab.tokenize(
+                    request.text, add_bos=request.add_special, parse_special=request.parse_special
+                )
             raw = [vocab.piece(t, special=True) for t in tokens]
             return inference_pb2.TokenizeResponse(
                 tokens=tokens,
@@ -399,7 +406,10 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                 piece_bytes=raw,
             )
 
-        return await asyncio.to_thread(split)
+        try:
+            return await asyncio.to_thread(split)
+        except errors.BlazarError as err:
+            await status.abort(context, err)
 
     def _embeddings(self) -> embedding.Embedder:
         if self._embedder is None:
@@ -453,10 +463,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         if which == "prompt":
             prompt = request.prompt
         elif which == "chat":
-            if not request.chat.messages:
-                raise errors.InvalidRequest("The conversation has no messages.")
-            turns = tools.history_turns(request.chat.messages)
-            text.check_roles(turns)
+            turns = self._chat_turns(request.chat.messages)
             prompt = self._render(turns, toolset)
         else:
             raise errors.InvalidRequest("Set either prompt or chat.")
@@ -501,6 +508,14 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         )
         return job, tools.CallParser(toolset) if toolset is not None and active else None
 
+    def _chat_turns(self, messages: Sequence[inference_pb2.Message]) -> list[text.ChatTurn]:
+        """A conversation's turns, checked: what Generate prefills and Tokenize counts."""
+        if not messages:
+            raise errors.InvalidRequest("The conversation has no messages.")
+        turns = tools.history_turns(messages)
+        text.check_roles(turns)
+        return turns
+
     def _chat_tokens(
         self, turns: list[text.ChatTurn], toolset: tools.ToolSet | None, prompt: str
     ) -> list[int]:
@@ -537,6 +552,16 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             return self._chat.render(turns, tools=tools.template_tools(shown) if shown else None)
         plain = tools.builtin_turns(turns, toolset)
         return self._chat.render(plain) if self._chat else text.render_gemma(plain)
+
+
+def chat_input(request: inference_pb2.ChatRequest) -> engine_pb2.ChatInput:
+    """The conversation and tools of a public chat request, as Generate takes them."""
+    chat = engine_pb2.ChatInput(
+        messages=request.messages, tools=request.tools, tool_choice=request.tool_choice
+    )
+    if request.HasField("parallel_tool_calls"):
+        chat.parallel_tool_calls = request.parallel_tool_calls
+    return chat
 
 
 def _writes_control_tokens(vocab: llama.Vocab, content: str) -> bool:

@@ -371,16 +371,18 @@ class EmbedResponse(_message.Message):
     def __init__(self, embeddings: _Optional[_Iterable[_Union[Embedding, _Mapping]]] = ..., model: _Optional[str] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
-    __slots__ = ("model", "text", "add_special", "parse_special")
+    __slots__ = ("model", "text", "add_special", "parse_special", "chat")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     ADD_SPECIAL_FIELD_NUMBER: _ClassVar[int]
     PARSE_SPECIAL_FIELD_NUMBER: _ClassVar[int]
+    CHAT_FIELD_NUMBER: _ClassVar[int]
     model: str
     text: str
     add_special: bool
     parse_special: bool
-    def __init__(self, model: _Optional[str] = ..., text: _Optional[str] = ..., add_special: _Optional[bool] = ..., parse_special: _Optional[bool] = ...) -> None: ...
+    chat: ChatRequest
+    def __init__(self, model: _Optional[str] = ..., text: _Optional[str] = ..., add_special: _Optional[bool] = ..., parse_special: _Optional[bool] = ..., chat: _Optional[_Union[ChatRequest, _Mapping]] = ...) -> None: ...
 
 class TokenizeResponse(_message.Message):
     __slots__ = ("tokens", "pieces", "model", "piece_bytes")
