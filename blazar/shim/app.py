@@ -20,6 +20,7 @@ from starlette.routing import Route
 
 from blazar.api import errors
 from blazar.shim import context, inference
+from blazar.shim.anthropic import routes as anthropic_routes
 from blazar.shim.ollama import routes as ollama_routes
 from blazar.shim.openai import routes as openai_routes
 
@@ -44,6 +45,7 @@ def create_app(*, inference_target: str) -> Starlette:
             Route("/metrics", metrics, methods=["GET"]),
             *openai_routes.routes(),
             *ollama_routes.routes(),
+            *anthropic_routes.routes(),
         ],
         middleware=[Middleware(context.RequestIdMiddleware)],
         exception_handlers={404: _no_route, 405: _no_route},
@@ -53,9 +55,12 @@ def create_app(*, inference_target: str) -> Starlette:
 
 async def _no_route(request: Request, exc: Exception) -> Response:
     """Starlette's 404 (no such path) and 405 (wrong method) in the envelope of the
-    dialect the path belongs to: Ollama's under /api/, OpenAI's elsewhere."""
+    dialect the path belongs to: Ollama's under /api/, Anthropic's under /v1/messages,
+    OpenAI's elsewhere."""
     if request.url.path.startswith("/api/"):
         return await ollama_routes.no_route(request, exc)
+    if anthropic_routes.owns(request.url.path):
+        return await anthropic_routes.no_route(request, exc)
     return await openai_routes.no_route(request, exc)
 
 

@@ -83,6 +83,10 @@ class FakeInference(inference_pb2_grpc.InferenceServicer):
     models: list[inference_pb2.ModelInfo] = field(default_factory=list)
     # What Embed answers for a model whose script holds no error.
     embeddings: inference_pb2.EmbedResponse = field(default_factory=inference_pb2.EmbedResponse)
+    # What Tokenize answers for a model whose script holds no error.
+    tokenized: inference_pb2.TokenizeResponse = field(
+        default_factory=inference_pb2.TokenizeResponse
+    )
     requests: list[Any] = field(default_factory=list)
     metadata: list[dict[str, str]] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)
@@ -115,6 +119,16 @@ class FakeInference(inference_pb2_grpc.InferenceServicer):
             if isinstance(step, errors.BlazarError):
                 await status.abort(context, step)
         return self.embeddings
+
+    async def Tokenize(self, request: Any, context: Any) -> inference_pb2.TokenizeResponse:
+        self.requests.append(request)
+        self.metadata.append(dict(context.invocation_metadata()))
+        if request.model not in self.scripts:
+            await status.abort(context, errors.ModelNotFound.of(request.model))
+        for step in self.scripts[request.model]:
+            if isinstance(step, errors.BlazarError):
+                await status.abort(context, step)
+        return self.tokenized
 
     async def _play(self, request: Any, context: Any) -> AsyncIterator[inference_pb2.Chunk]:
         self.requests.append(request)

@@ -1,0 +1,609 @@
+"""Translate between Anthropic's Messages API and the canonical `blazar.v1` messages.
+
+Pure: no IO, no clock, no logging. Request side: `messages_request` builds the
+canonical chat (the system prompt as the first turn, `tool_use` blocks as the
+assistant's calls, `tool_result` blocks as tool turns, consecutive turns of one role
+merged as Anthropic merges them), and `count_request` the Tokenize request that counts
+the same prompt as the chat would render it. Every field is either done as Anthropic
+does it or refused by name. Response side: `message` renders a collected answer,
+`Events` a chunk stream as Anthropic's named SSE events, and `error_response` any
+`BlazarError` in Anthropic's error envelope.
+
+What the canonical stream cannot say is not made up: a generation that a stop string
+ended is reported as `end_turn` with `stop_sequence` null, because `Final` tells a stop
+string from the model's own end of turn only as FINISH_REASON_STOP for both.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from blazar._proto.v1 import inference_pb2
+from blazar.api import errors
+from blazar.shim import canonical, http_errors, validation
+from blazar.shim.anthropic import protocol
+
+# Anthropic answers an overloaded API with 529, where the other dialects say 503.
+OVERLOADED_STATUS = 529
+
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    504: "timeout_error",
+    OVERLOADED_STATUS: "overloaded_error",
+}
+_MODES = {
+    "auto": inference_pb2.ToolChoice.MODE_AUTO,
+    "any": inference_pb2.ToolChoice.MODE_REQUIRED,
+    "tool": inference_pb2.ToolChoice.MODE_NAMED,
+    "none": inference_pb2.ToolChoice.MODE_NONE,
+}
+# Block types Blazar does not take, and why.
+_TEXT_ONLY = "Blazar serves text-only models"
+_REFUSED_BLOCKS = {
+    "image": _TEXT_ONLY,
+    "document": _TEXT_ONLY,
+    "search_result": _TEXT_ONLY,
+    "container_upload": "Blazar runs no containers",
+    "thinking": "Blazar's models do not think",
+    "redacted_thinking": "Blazar's models do not think",
+}
+# Service tiers Blazar honours: it has one, and it is the standard one.
+_SERVICE_TIERS = ("auto", "standard_only")
+# What a tool result flagged `is_error` says to the model before the result.
+ERROR_RESULT_PREFIX = "Error: "
+
+
+def _invalid(message: str, *, param: str) -> errors.InvalidRequest:
+    return errors.InvalidRequest(message, metadata={validation.PARAM_KEY: param})
+
+
+# ---------------------------------------------------------------- requests
+
+
+def messages_request(
+    body: protocol.MessagesRequest, *, session: str = "", slo: str = ""
+) -> inference_pb2.ChatRequest:
+    """The canonical chat; `session` (the `x-blazar-session` header) keys replica
+    stickiness, else `metadata.user_id`; `slo` (`x-blazar-slo`) names the SLOPolicy."""
+    _refuse_generation_fields(body)
+    request = _chat(body)
+    request.sampling.CopyFrom(
+        canonical.sampling(
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=body.top_k,
+            max_tokens=body.max_tokens,
+            stop=body.stop_sequences or (),
+        )
+    )
+    constraint = _constraint(body)
+    if constraint is not None:
+        request.constraint.CopyFrom(constraint)
+    request.session = session or (body.metadata.user_id if body.metadata else None) or ""
+    request.slo = slo
+    return request
+
+
+def count_request(body: protocol.CountTokensRequest) -> inference_pb2.TokenizeRequest:
+    """Tokenize's chat form: the prompt counted exactly as the chat would render it.
+    The output format is checked as for a generation, though it adds no prompt tokens."""
+    chat = _chat(body)
+    _constraint(body)
+    return inference_pb2.TokenizeRequest(model=body.model, chat=chat)
+
+
+def _chat(body: protocol.Conversation) -> inference_pb2.ChatRequest:
+    """The model, conversation and tools both endpoints read."""
+    _refuse_conversation_fields(body)
+    request = inference_pb2.ChatRequest(
+        model=body.model, messages=_messages(body), tools=_tools(body.tools or ())
+    )
+    choice = body.tool_choice
+    if choice is not None:
+        request.tool_choice.CopyFrom(_tool_choice(choice, body.tools or ()))
+        if choice.disable_parallel_tool_use is not None:
+            request.parallel_tool_calls = not choice.disable_parallel_tool_use
+    return request
+
+
+def _refuse_conversation_fields(body: protocol.Conversation) -> None:
+    thinking = body.thinking
+    if thinking is not None and thinking.get("type") != "disabled":
+        raise _invalid(
+            "'thinking' is not supported: Blazar's models do not think. Leave it out, or "
+            'send {"type": "disabled"}.',
+            param="thinking",
+        )
+    if body.mcp_servers:
+        raise _invalid(
+            "'mcp_servers' is not supported: Blazar does not connect to MCP servers. Run "
+            "the MCP client yourself and pass its tools in 'tools'.",
+            param="mcp_servers",
+        )
+    if body.context_management is not None:
+        raise _invalid(
+            "'context_management' is not supported: Blazar never edits a conversation; "
+            "send the context you want the model to read.",
+            param="context_management",
+        )
+    if body.output_config is not None and body.output_config.effort is not None:
+        raise _invalid(
+            "'output_config.effort' is not supported: Blazar's models have no effort "
+            "setting. Leave it out.",
+            param="output_config.effort",
+        )
+
+
+def _refuse_generation_fields(body: protocol.MessagesRequest) -> None:
+    if body.container is not None:
+        raise _invalid(
+            "'container' is not supported: Blazar runs no code execution containers.",
+            param="container",
+        )
+    if body.speed not in (None, "standard"):
+        raise _invalid(
+            f"'speed' {body.speed!r} is not supported: Blazar has one speed; send "
+            '"standard" or leave it out.',
+            param="speed",
+        )
+    if body.service_tier not in (None, *_SERVICE_TIERS):
+        raise _invalid(
+            f"'service_tier' {body.service_tier!r} is not supported: Blazar has one tier "
+            '(standard); send "auto" or "standard_only", or leave it out.',
+            param="service_tier",
+        )
+
+
+def _constraint(
+    body: protocol.Conversation,
+) -> inference_pb2.Constraint | None:
+    """Structured output: `output_config.format`, or its beta spelling `output_format`."""
+    given = {
+        "output_config.format": body.output_config.format if body.output_config else None,
+        "output_format": body.output_format,
+    }
+    named = [name for name, fmt in given.items() if fmt is not None]
+    if not named:
+        return None
+    if len(named) > 1:
+        raise _invalid(
+            "Send one of 'output_config.format' and 'output_format' (its beta spelling).",
+            param="output_format",
+        )
+    fmt = given[named[0]]
+    assert fmt is not None
+    choice = body.tool_choice
+    if body.tools and (choice is None or choice.type != "none"):
+        raise _invalid(
+            f"'{named[0]}' cannot go with 'tools' the model may call: a structured answer "
+            "and a tool call cannot both be forced. Send one, or tool_choice none.",
+            param=named[0],
+        )
+    return canonical.json_schema(fmt.json_schema)
+
+
+def _messages(
+    body: protocol.Conversation,
+) -> list[inference_pb2.Message]:
+    out: list[inference_pb2.Message] = []
+    if body.system is not None:
+        system = _text(body.system, param="system")
+        if system:
+            out.append(inference_pb2.Message(role="system", content=system))
+    last = len(body.messages) - 1
+    if body.messages[last].role == "assistant":
+        raise _invalid(
+            f"'messages[{last}]' is an assistant turn: a final assistant turn (prefill, to "
+            "be continued) is not supported. Blazar's answer is a turn of its own; end the "
+            "conversation with a user turn.",
+            param=f"messages[{last}]",
+        )
+    names: dict[str, str] = {}
+    for i, message in enumerate(body.messages):
+        for turn in _turns(message, param=f"messages[{i}]", names=names):
+            _append(out, turn)
+    return out
+
+
+def _append(out: list[inference_pb2.Message], turn: inference_pb2.Message) -> None:
+    """Consecutive user or assistant turns are one turn, as Anthropic combines them."""
+    previous = out[-1] if out else None
+    if previous is None or previous.role != turn.role or turn.role not in ("user", "assistant"):
+        out.append(turn)
+        return
+    previous.content = "\n".join(part for part in (previous.content, turn.content) if part)
+    previous.tool_calls.extend(turn.tool_calls)
+
+
+def _turns(
+    message: protocol.Message, *, param: str, names: dict[str, str]
+) -> list[inference_pb2.Message]:
+    """One Anthropic message as canonical turns: its text, its calls (assistant), and
+    each tool result as a tool turn of its own, in the order the blocks come."""
+    content = message.content
+    if isinstance(content, str):
+        return [inference_pb2.Message(role=message.role, content=content)]
+    if not content:
+        raise _invalid(
+            f"Invalid value for '{param}.content': a message needs at least one content block.",
+            param=f"{param}.content",
+        )
+    turns: list[inference_pb2.Message] = []
+    texts: list[str] = []
+    calls: list[inference_pb2.ToolCall] = []
+
+    def flush() -> None:
+        if texts or calls:
+            turns.append(
+                inference_pb2.Message(role=message.role, content="\n".join(texts), tool_calls=calls)
+            )
+        texts.clear()
+        calls.clear()
+
+    for j, block in enumerate(content):
+        where = f"{param}.content[{j}]"
+        if isinstance(block, protocol.TextBlock):
+            _refuse_citations(block, param=where)
+            texts.append(block.text)
+        elif isinstance(block, protocol.ToolUseBlock):
+            if message.role != "assistant":
+                raise _invalid(
+                    f"'{where}' is a tool_use block in a {message.role} turn; only assistant "
+                    "turns make tool calls.",
+                    param=where,
+                )
+            names[block.id] = block.name
+            calls.append(
+                inference_pb2.ToolCall(
+                    id=block.id, name=block.name, arguments=canonical.json_text(block.input)
+                )
+            )
+        elif isinstance(block, protocol.ToolResultBlock):
+            if message.role != "user":
+                raise _invalid(
+                    f"'{where}' is a tool_result block in a {message.role} turn; tool results "
+                    "come in user turns.",
+                    param=where,
+                )
+            flush()
+            turns.append(_tool_result(block, param=where, names=names))
+        else:
+            raise _refused_block(block.type, param=where)
+    flush()
+    return turns
+
+
+def _tool_result(
+    block: protocol.ToolResultBlock, *, param: str, names: dict[str, str]
+) -> inference_pb2.Message:
+    content = block.content
+    if content is None:
+        text = ""
+    elif isinstance(content, str):
+        text = content
+    else:
+        parts = []
+        for k, part in enumerate(content):
+            if not isinstance(part, protocol.TextBlock):
+                raise _refused_block(part.type, param=f"{param}.content[{k}]")
+            _refuse_citations(part, param=f"{param}.content[{k}]")
+            parts.append(part.text)
+        text = "\n".join(parts)
+    if block.is_error:
+        text = ERROR_RESULT_PREFIX + text
+    return inference_pb2.Message(
+        role="tool",
+        content=text,
+        tool_call_id=block.tool_use_id,
+        # The tool's name, for templates that print it: the call's, when the history has it.
+        name=names.get(block.tool_use_id, ""),
+    )
+
+
+def _refuse_citations(block: protocol.TextBlock, *, param: str) -> None:
+    if block.citations:
+        raise _invalid(
+            f"'{param}.citations' are not supported: Blazar does not cite documents.",
+            param=f"{param}.citations",
+        )
+
+
+def _refused_block(kind: str, *, param: str) -> errors.InvalidRequest:
+    why = _REFUSED_BLOCKS.get(kind)
+    if why is None and (kind.endswith("_tool_result") or kind == "server_tool_use"):
+        why = "Blazar runs no server tools"
+    if why is None:
+        why = "it is not a content block type Blazar knows"
+    return _invalid(
+        f"'{param}' is a {kind!r} block, which is not supported: {why}. Send text, "
+        "tool_use and tool_result blocks.",
+        param=f"{param}.type",
+    )
+
+
+def _text(content: str | list[protocol.TextBlock], *, param: str) -> str:
+    """A string, or text blocks joined with newlines (as the other dialects join parts)."""
+    if isinstance(content, str):
+        return content
+    for j, block in enumerate(content):
+        _refuse_citations(block, param=f"{param}[{j}]")
+    return "\n".join(block.text for block in content)
+
+
+def _tools(tools: Sequence[protocol.Tool]) -> list[inference_pb2.Tool]:
+    out: list[inference_pb2.Tool] = []
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if tool.type not in (None, "custom"):
+            raise _invalid(
+                f"'{where}' is the server tool {tool.type!r}, which is not supported: Blazar "
+                "runs no server tools. Define a client tool (name, description, input_schema) "
+                "and run it yourself.",
+                param=f"{where}.type",
+            )
+        if tool.input_schema is None:
+            raise _invalid(
+                f"Missing required parameter: '{where}.input_schema'.",
+                param=f"{where}.input_schema",
+            )
+        if tool.input_examples:
+            raise _invalid(
+                f"'{where}.input_examples' is not supported: Blazar shows the model the "
+                "tool's description and schema only. Leave it out.",
+                param=f"{where}.input_examples",
+            )
+        if tool.defer_loading:
+            raise _invalid(
+                f"'{where}.defer_loading' is not supported: Blazar has no tool search, so "
+                "every tool is shown. Leave it out.",
+                param=f"{where}.defer_loading",
+            )
+        out.append(
+            inference_pb2.Tool(
+                name=tool.name,
+                description=tool.description or "",
+                parameters=canonical.json_text(tool.input_schema),
+            )
+        )
+    return out
+
+
+def _tool_choice(
+    choice: protocol.ToolChoice, tools: Sequence[protocol.Tool]
+) -> inference_pb2.ToolChoice:
+    """`any` and `tool` force a call (a grammar from the schemas keeps it valid)."""
+    if not tools and choice.type != "none":
+        raise _invalid(
+            f"'tool_choice' {choice.type!r} needs 'tools' to choose from; none were given.",
+            param="tool_choice",
+        )
+    if choice.type != "tool":
+        if choice.name is not None:
+            raise _invalid(
+                f"'tool_choice.name' goes only with type 'tool'; this tool_choice is "
+                f"{choice.type!r}.",
+                param="tool_choice.name",
+            )
+        return inference_pb2.ToolChoice(mode=_MODES[choice.type])
+    if not choice.name:
+        raise _invalid(
+            "Missing required parameter: 'tool_choice.name' (the tool to call).",
+            param="tool_choice.name",
+        )
+    if choice.name not in {t.name for t in tools}:
+        raise _invalid(
+            f"'tool_choice' names the tool {choice.name!r}, which is not among the tools.",
+            param="tool_choice.name",
+        )
+    return inference_pb2.ToolChoice(mode=_MODES["tool"], name=choice.name)
+
+
+# ---------------------------------------------------------------- responses
+
+
+@dataclass(frozen=True)
+class ResponseMeta:
+    """What a response repeats: Anthropic's message id and the model as asked for."""
+
+    id: str
+    model: str
+
+
+def stop_reason(final: inference_pb2.Final) -> protocol.StopReason:
+    """FINISH_REASON_STOP is the model's end of turn or a stop string, which the
+    canonical stream does not tell apart: both are `end_turn`."""
+    if final.finish_reason == inference_pb2.FINISH_REASON_LENGTH:
+        return "max_tokens"
+    if final.finish_reason == inference_pb2.FINISH_REASON_TOOL_CALLS:
+        return "tool_use"
+    return "end_turn"
+
+
+def usage(final: inference_pb2.Final) -> protocol.Usage:
+    """The prompt's tokens reused from the cache are read from it; the rest were
+    prefilled (`input_tokens`). Blazar keeps every prompt's cache without being asked,
+    so no tokens are counted as written to it."""
+    cached = final.usage.cached_tokens
+    return {
+        "input_tokens": final.usage.prompt_tokens - cached,
+        "output_tokens": final.usage.completion_tokens,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": cached,
+    }
+
+
+def _no_usage() -> protocol.Usage:
+    return {
+        "input_tokens": 0,
+        "output_tokens": 0,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": 0,
+    }
+
+
+def _tool_use(call: inference_pb2.ToolCall) -> protocol.ToolUseContent:
+    arguments = json.loads(call.arguments or "{}")
+    assert isinstance(arguments, dict), "a whole call's arguments are a JSON object"
+    return {"type": "tool_use", "id": call.id, "name": call.name, "input": arguments}
+
+
+def message(answer: canonical.Answer, meta: ResponseMeta) -> protocol.MessageResponse:
+    """A whole generation: its text as one block (none when empty), then its whole calls."""
+    final = answer.finished()
+    content: list[protocol.Content] = []
+    if answer.text:
+        content.append({"type": "text", "text": answer.text})
+    content.extend(_tool_use(call) for call in answer.whole_calls())
+    return {
+        "id": meta.id,
+        "type": "message",
+        "role": "assistant",
+        "model": meta.model,
+        "content": content,
+        "stop_reason": stop_reason(final),
+        "stop_sequence": None,
+        "usage": usage(final),
+    }
+
+
+class Events:
+    """Renders one generation as Anthropic's stream of named events.
+
+    Order: `message_start` (no content, no stop reason, usage zero: the prompt's counts
+    come with the final chunk) and a `ping`; the text as one block (`content_block_start`,
+    a `text_delta` per canonical delta, `content_block_stop`) once there is text; at the
+    end each whole tool call as a `tool_use` block whose input arrives in one
+    `input_json_delta`; then `message_delta` with the stop reason and the whole usage,
+    and `message_stop`. Tool calls wait for the final chunk because only `Final.tool_calls`
+    says which are whole: a call is never streamed half-formed.
+    """
+
+    def __init__(self, meta: ResponseMeta) -> None:
+        self._meta = meta
+        self._calls = canonical.Answer()
+        self._text_open = False
+        self._blocks = 0
+        self.finished = False
+
+    def opening(self) -> list[protocol.Event]:
+        start: protocol.MessageResponse = {
+            "id": self._meta.id,
+            "type": "message",
+            "role": "assistant",
+            "model": self._meta.model,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": _no_usage(),
+        }
+        return [{"type": "message_start", "message": start}, {"type": "ping"}]
+
+    def render(self, chunk: inference_pb2.Chunk) -> list[protocol.Event]:
+        part = chunk.WhichOneof("part")
+        if part == "delta":
+            self._calls.add(chunk)
+            if not chunk.delta.text:
+                return []
+            out: list[protocol.Event] = []
+            if not self._text_open:
+                self._text_open = True
+                out.append(
+                    {
+                        "type": "content_block_start",
+                        "index": self._blocks,
+                        "content_block": {"type": "text", "text": ""},
+                    }
+                )
+            out.append(
+                {
+                    "type": "content_block_delta",
+                    "index": self._blocks,
+                    "delta": {"type": "text_delta", "text": chunk.delta.text},
+                }
+            )
+            return out
+        if part != "final":
+            return []
+        self.finished = True
+        self._calls.add(chunk)
+        out = []
+        if self._text_open:
+            out.append({"type": "content_block_stop", "index": self._blocks})
+            self._blocks += 1
+        for call in self._calls.whole_calls():
+            block = _tool_use(call)
+            out.extend(self._tool_use_block(block, arguments=call.arguments or "{}"))
+        final = chunk.final
+        out.append(
+            {
+                "type": "message_delta",
+                "delta": {"stop_reason": stop_reason(final), "stop_sequence": None},
+                "usage": usage(final),
+            }
+        )
+        out.append({"type": "message_stop"})
+        return out
+
+    def _tool_use_block(
+        self, block: protocol.ToolUseContent, *, arguments: str
+    ) -> list[protocol.Event]:
+        index = self._blocks
+        self._blocks += 1
+        return [
+            {
+                "type": "content_block_start",
+                "index": index,
+                "content_block": {**block, "input": {}},
+            },
+            {
+                "type": "content_block_delta",
+                "index": index,
+                "delta": {"type": "input_json_delta", "partial_json": arguments},
+            },
+            {"type": "content_block_stop", "index": index},
+        ]
+
+
+def token_count(response: inference_pb2.TokenizeResponse) -> protocol.TokenCount:
+    return {"input_tokens": len(response.tokens)}
+
+
+# ---------------------------------------------------------------- errors
+
+
+@dataclass(frozen=True)
+class ErrorResponse:
+    status: int
+    body: protocol.ErrorBody
+    headers: dict[str, str]
+
+
+# A canonical tool's `parameters` are Anthropic's `input_schema`.
+_PARAMETERS = re.compile(r"\b(tools\[\d+\])\.parameters\b")
+
+
+def error_response(err: errors.BlazarError, *, request_id: str = "") -> ErrorResponse:
+    """Anthropic's `{"type": "error", "error": {type, message}, "request_id"}`, with the
+    status every dialect shares but for an unavailable server, which Anthropic calls
+    overloaded (529). A 429 carries `retry-after` (`http_errors.headers`)."""
+    status = http_errors.http_status(err)
+    if status == 503:
+        status = OVERLOADED_STATUS
+    message = err.message
+    if err.metadata.get(errors.FIELD_KEY, "").startswith("tools"):
+        message = _PARAMETERS.sub(r"\1.input_schema", message)
+    body: protocol.ErrorBody = {
+        "type": "error",
+        "error": {"type": _ERROR_TYPES.get(status, "api_error"), "message": message},
+    }
+    if request_id:
+        body["request_id"] = request_id
+    return ErrorResponse(status=status, body=body, headers=http_errors.headers(err))

@@ -1,0 +1,170 @@
+"""HTTP routes of the Anthropic dialect: parse, convert, call the daemon, render.
+
+Every response carries Anthropic's `request-id` header (the `anthropic` client reads
+it into `_request_id` and its errors' `request_id`): the same id as `x-request-id`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+
+import structlog
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from blazar._proto.v1 import inference_pb2
+from blazar.api import errors
+from blazar.shim import canonical, context, inference, relay, request_body, streaming
+from blazar.shim.anthropic import convert, protocol
+
+_log = structlog.get_logger("blazar.shim.anthropic")
+
+REQUEST_ID_HEADER = "request-id"
+# Where Anthropic's routes live; the app's 404/405 answers in this dialect under it.
+PREFIX = "/v1/messages"
+
+
+def routes() -> list[Route]:
+    return [
+        Route(PREFIX, _guarded(messages), methods=["POST"]),
+        Route(f"{PREFIX}/count_tokens", _guarded(count_tokens), methods=["POST"]),
+    ]
+
+
+def owns(path: str) -> bool:
+    """Whether an unrouted path is one of this dialect's (`/v1/messages/batches`, ...)."""
+    return path == PREFIX or path.startswith(f"{PREFIX}/")
+
+
+async def messages(request: Request) -> Response:
+    ctx = context.of(request)
+    try:
+        body = await request_body.parse(request, protocol.MessagesRequest)
+        chat = convert.messages_request(body, session=ctx.session, slo=ctx.slo)
+    except errors.BlazarError as err:
+        return error(err, request_id=ctx.request_id)
+    meta = convert.ResponseMeta(id=f"msg_{ctx.request_id}", model=body.model)
+    stream = inference.client_of(request).chat(chat, metadata=ctx.grpc_metadata())
+    if body.stream:
+        return await _stream(request, stream, convert.Events(meta), request_id=ctx.request_id)
+    return await _collect(request, stream, meta, request_id=ctx.request_id)
+
+
+async def count_tokens(request: Request) -> Response:
+    """The prompt's tokens as the model's tokenizer counts the rendered chat (Tokenize)."""
+    ctx = context.of(request)
+    try:
+        body = await request_body.parse(request, protocol.CountTokensRequest)
+        tokenize = convert.count_request(body)
+        response = await streaming.until_disconnected(
+            request, inference.client_of(request).tokenize(tokenize, metadata=ctx.grpc_metadata())
+        )
+    except streaming.ClientDisconnected:
+        return Response(status_code=streaming.CLIENT_CLOSED_REQUEST)
+    except errors.BlazarError as err:
+        return error(err, request_id=ctx.request_id)
+    return JSONResponse(convert.token_count(response))
+
+
+async def no_route(request: Request, exc: Exception) -> Response:
+    """Starlette's 404 (no such path) and 405 (wrong method) in Anthropic's envelope."""
+    status = exc.status_code if isinstance(exc, HTTPException) else 404
+    headers = dict(exc.headers or {}) if isinstance(exc, HTTPException) else {}
+    where = f"{request.method} {request.url.path}"
+    if status == 405:
+        message = f"Method not allowed ({where})."
+        kind = "invalid_request_error"
+    else:
+        message = f"Not found ({where}): Blazar serves POST {PREFIX} and {PREFIX}/count_tokens."
+        kind = "not_found_error"
+    request_id = context.of(request).request_id
+    body: protocol.ErrorBody = {
+        "type": "error",
+        "error": {"type": kind, "message": message},
+        "request_id": request_id,
+    }
+    headers[REQUEST_ID_HEADER] = request_id
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def error(err: errors.BlazarError, *, request_id: str = "") -> Response:
+    rendered = convert.error_response(err, request_id=request_id)
+    return JSONResponse(rendered.body, status_code=rendered.status, headers=rendered.headers)
+
+
+async def _stream(
+    request: Request, stream: inference.ChunkStream, events: convert.Events, *, request_id: str
+) -> Response:
+    """Answer with SSE once the first chunk is in (see `relay.first_chunk`)."""
+    try:
+        first, headers = await relay.first_chunk(request, stream)
+    except streaming.ClientDisconnected:
+        return Response(status_code=streaming.CLIENT_CLOSED_REQUEST)
+    except errors.BlazarError as err:
+        return error(err, request_id=request_id)
+    body = _events(stream, events, first, request_id=request_id)
+    return streaming.EventStream(body, headers=headers)
+
+
+async def _events(
+    stream: inference.ChunkStream,
+    events: convert.Events,
+    first: inference_pb2.Chunk | None,
+    *,
+    request_id: str,
+) -> AsyncIterator[bytes]:
+    # Leaving this block for any reason, client disconnect included, cancels the RPC.
+    async with stream:
+        try:
+            for event in events.opening():
+                yield _sse(event)
+            if first is not None:
+                for event in events.render(first):
+                    yield _sse(event)
+                async for chunk in stream:
+                    for event in events.render(chunk):
+                        yield _sse(event)
+            if not events.finished:
+                raise canonical.truncated()
+        except errors.BlazarError as err:
+            # Headers are gone; Anthropic's clients raise on an `error` event.
+            yield _sse(convert.error_response(err, request_id=request_id).body)
+        except Exception:
+            _log.exception("stream failed")
+            yield _sse(convert.error_response(relay.internal_error(), request_id=request_id).body)
+
+
+async def _collect(
+    request: Request, stream: inference.ChunkStream, meta: convert.ResponseMeta, *, request_id: str
+) -> Response:
+    try:
+        answer = await relay.collect(request, stream)
+        body = convert.message(answer, meta)
+    except streaming.ClientDisconnected:
+        return Response(status_code=streaming.CLIENT_CLOSED_REQUEST)
+    except errors.BlazarError as err:
+        return error(err, request_id=request_id)
+    headers = inference.final_headers(answer.final) if answer.final else None
+    return JSONResponse(body, headers=headers)
+
+
+def _sse(event: protocol.Event) -> bytes:
+    data = json.dumps(event, ensure_ascii=False, separators=(",", ":"))
+    return streaming.sse_event(data, event=event["type"])
+
+
+def _guarded(handler: relay.Handler) -> relay.Handler:
+    """Render a bug as a 500 in Anthropic's envelope instead of Starlette's plain text,
+    and put the `request-id` header on every response."""
+    guarded = relay.guarded(handler, render=error)
+
+    async def with_request_id(request: Request) -> Response:
+        response = await guarded(request)
+        response.headers[REQUEST_ID_HEADER] = context.of(request).request_id
+        return response
+
+    with_request_id.__name__ = handler.__name__
+    return with_request_id
