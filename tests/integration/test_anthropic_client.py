@@ -1,0 +1,443 @@
+"""The Anthropic dialect end to end: the official `anthropic` client -> shim -> daemon
+-> a real engine worker with the bundled Gemma 3 270M, one Lane of one slot (so that a
+repeated prompt finds its prefix in the cache and one running request leaves no slot
+free), and an SLOPolicy that queues nothing (so that admission refuses at once).
+
+Nothing here depends on what the model writes: a generation that must run to its
+budget is held there by a structured output no budget can finish, a stop string is
+met inside a text a grammar forces, forced tool calls and structured output get a
+budget their grammar cannot outrun (`pinning.budget`), and the rest asserts mechanics.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+import anthropic
+import httpx
+import jsonschema
+import pydantic
+import pytest
+
+from blazar._proto.engine.v1 import engine_pb2
+from blazar._proto.v1 import inference_pb2
+from blazar.engine import schema as schemas
+from blazar.engine import tools as engine_tools
+from tests.integration import pinning
+from tests.integration.harness import Daemon, local_fleet, short_home
+
+pytestmark = pytest.mark.slow
+
+LANE = "claude"
+TRIES = 20
+# Anthropic's temperatures run from 0 to 1.
+TEMPERATURES = (0.0, 0.5, 1.0)
+# A JSON string of at least 100 characters: 3 tokens of at most 31 bytes cannot finish
+# it, and the grammar keeps the model from stopping, so the budget ends the output.
+RUNS_TO_BUDGET: dict[str, Any] = {"type": "string", "minLength": 100}
+BUDGET = 3
+HI: list[Any] = [{"role": "user", "content": "Say something."}]
+
+TIME_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {"zone": {"enum": ["UTC", "Europe/Paris", "Asia/Tokyo"]}},
+    "required": ["zone"],
+    "additionalProperties": False,
+}
+WEATHER_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "city": {"enum": ["Paris", "Oslo", "Lima"]},
+        "unit": {"enum": ["celsius", "fahrenheit"]},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+TOOLS: list[Any] = [
+    {"name": "get_time", "description": "The time in a zone.", "input_schema": TIME_SCHEMA},
+    {
+        "name": "get_weather",
+        "description": "The weather forecast for a city.",
+        "input_schema": WEATHER_SCHEMA,
+    },
+]
+SCHEMAS = {t["name"]: t["input_schema"] for t in TOOLS}
+QUESTION: list[Any] = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def daemon(model_path: Path) -> Iterator[Daemon]:
+    home = short_home()
+    fleet = local_fleet(
+        home, model_path, lane=LANE, spec="replicas: 1, slots: 1, contextPerSlot: 2048"
+    )
+    (fleet / "policy.yaml").write_text(
+        "apiVersion: blazar.dev/v1alpha1\n"
+        "kind: SLOPolicy\n"
+        "metadata: {name: tight}\n"
+        "spec: {maxQueueDepth: 0, onOverload: reject}\n"
+    )
+    d = Daemon(home=home, watch=fleet).start()
+    try:
+        d.wait_condition("lane", LANE, "Ready", timeout=240)
+        yield d
+    finally:
+        d.stop()
+        shutil.rmtree(home, ignore_errors=True)
+
+
+@pytest.fixture
+def client(daemon: Daemon) -> Iterator[anthropic.Anthropic]:
+    sdk = anthropic.Anthropic(base_url=f"http://{daemon.http}", api_key="unused", max_retries=0)
+    yield sdk
+    sdk.close()
+
+
+def prompt_total(usage: Any) -> int:
+    """The prompt's tokens, as Anthropic adds them up."""
+    return int(
+        usage.input_tokens
+        + (usage.cache_read_input_tokens or 0)
+        + (usage.cache_creation_input_tokens or 0)
+    )
+
+
+def output_format(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"format": {"type": "json_schema", "schema": schema}}
+
+
+def test_a_message_not_streaming(client: anthropic.Anthropic) -> None:
+    message = client.messages.create(
+        model=LANE,
+        max_tokens=BUDGET,
+        messages=HI,
+        output_config=output_format(RUNS_TO_BUDGET),  # type: ignore[arg-type]
+    )
+    assert message.type == "message" and message.role == "assistant"
+    assert message.model == LANE
+    assert message.id.startswith("msg_") and message._request_id
+    (block,) = message.content
+    assert block.type == "text" and block.text.startswith('"')
+    assert (message.stop_reason, message.stop_sequence) == ("max_tokens", None)
+    assert message.usage.output_tokens == BUDGET
+    assert prompt_total(message.usage) > 5
+
+
+def test_a_message_streaming_in_anthropics_event_order(
+    client: anthropic.Anthropic, daemon: Daemon
+) -> None:
+    with client.messages.stream(
+        model=LANE,
+        max_tokens=BUDGET,
+        messages=HI,
+        output_config=output_format(RUNS_TO_BUDGET),  # type: ignore[arg-type]
+    ) as stream:
+        kinds = [e.type for e in stream if e.type not in ("text", "input_json")]
+        final = stream.get_final_message()
+    deltas = len(kinds) - 5
+    assert deltas >= 1
+    assert kinds == [
+        "message_start",
+        "content_block_start",
+        *["content_block_delta"] * deltas,
+        "content_block_stop",
+        "message_delta",
+        "message_stop",
+    ]
+    assert final.content[0].type == "text" and final.content[0].text.startswith('"')
+    assert final.stop_reason == "max_tokens" and final.usage.output_tokens == BUDGET
+    assert prompt_total(final.usage) > 5
+    # The raw stream: every event named, a ping after message_start.
+    raw = httpx.post(
+        f"http://{daemon.http}/v1/messages",
+        json={
+            "model": LANE,
+            "max_tokens": BUDGET,
+            "messages": HI,
+            "stream": True,
+            "output_config": output_format(RUNS_TO_BUDGET),
+        },
+        timeout=60,
+    )
+    names = [line[len("event: ") :] for line in raw.text.splitlines() if line.startswith("event:")]
+    assert names[:2] == ["message_start", "ping"] and names[-1] == "message_stop"
+    assert raw.headers["request-id"] == raw.headers["x-request-id"]
+
+
+def test_system_as_blocks_and_count_tokens_equal_the_prompt_generated(
+    client: anthropic.Anthropic,
+) -> None:
+    system: list[Any] = [
+        {"type": "text", "text": "You are terse."},
+        {"type": "text", "text": "You answer in French.", "cache_control": {"type": "ephemeral"}},
+    ]
+    bodies: list[dict[str, Any]] = [
+        {"messages": HI},
+        {"messages": HI, "system": system},
+        {"messages": QUESTION, "system": "Be brief.", "tools": TOOLS},
+        {"messages": QUESTION, "tools": TOOLS, "tool_choice": {"type": "any"}},
+    ]
+    counts = []
+    for body in bodies:
+        counted = client.messages.count_tokens(model=LANE, **body)
+        generated = client.messages.create(model=LANE, max_tokens=1, **body)
+        assert counted.input_tokens == prompt_total(generated.usage), body
+        counts.append(counted.input_tokens)
+    # The system prompt and the tools are counted.
+    assert counts[1] > counts[0] and counts[2] > counts[0]
+
+
+def test_stop_sequences_end_the_text_before_them(client: anthropic.Anthropic) -> None:
+    """A grammar forces a text with the stop string inside it: the text ends before it.
+    The canonical stream does not say a stop string ended it, so end_turn (README)."""
+    forced = {"enum": ["red STOP blue"]}
+    for stream in (False, True):
+        options: dict[str, Any] = {
+            "model": LANE,
+            "max_tokens": 16,
+            "messages": HI,
+            "stop_sequences": ["STOP"],
+            "output_config": output_format(forced),
+        }
+        if stream:
+            with client.messages.stream(**options) as events:
+                message = events.get_final_message()
+        else:
+            message = client.messages.create(**options)
+        (block,) = message.content
+        assert block.type == "text" and block.text == '"red '
+        assert (message.stop_reason, message.stop_sequence) == ("end_turn", None)
+
+
+def budget(tool_choice: dict[str, Any]) -> int:
+    """Tokens enough for a forced single call's grammar to end: its longest document + 1."""
+    wire = engine_pb2.ChatInput(
+        tools=[
+            inference_pb2.Tool(name=t["name"], parameters=json.dumps(t["input_schema"]))
+            for t in TOOLS
+        ],
+        parallel_tool_calls=False,
+    )
+    if tool_choice["type"] == "any":
+        wire.tool_choice.mode = inference_pb2.ToolChoice.MODE_REQUIRED
+    else:
+        wire.tool_choice.mode = inference_pb2.ToolChoice.MODE_NAMED
+        wire.tool_choice.name = tool_choice["name"]
+    found = pinning.budget(engine_tools.grammar(engine_tools.parse(wire)))
+    assert found is not None, "a forced call's grammar has a longest document"
+    return found
+
+
+def forced(client: anthropic.Anthropic, tool_choice: dict[str, Any]) -> anthropic.types.Message:
+    return client.messages.create(
+        model=LANE,
+        max_tokens=budget(tool_choice),
+        messages=QUESTION,
+        tools=TOOLS,
+        tool_choice={**tool_choice, "disable_parallel_tool_use": True},  # type: ignore[typeddict-item]
+    )
+
+
+def test_a_conversation_goes_on_after_a_tool_result(client: anthropic.Anthropic) -> None:
+    first = forced(client, {"type": "tool", "name": "get_weather"})
+    assert first.stop_reason == "tool_use"
+    (use,) = first.content
+    assert use.type == "tool_use" and use.name == "get_weather"
+    jsonschema.validate(use.input, WEATHER_SCHEMA)
+    history: list[Any] = [
+        *QUESTION,
+        {"role": "assistant", "content": first.content},
+        {
+            "role": "user",
+            "content": [
+                {"type": "tool_result", "tool_use_id": use.id, "content": "Sunny, 21 degrees."},
+                {"type": "text", "text": "Tell me in one sentence."},
+            ],
+        },
+    ]
+    counted = client.messages.count_tokens(model=LANE, messages=history, tools=TOOLS)
+    for stream in (False, True):
+        options: dict[str, Any] = {
+            "model": LANE,
+            "max_tokens": 8,
+            "messages": history,
+            "tools": TOOLS,
+        }
+        if stream:
+            with client.messages.stream(**options) as events:
+                after = events.get_final_message()
+        else:
+            after = client.messages.create(**options)
+        assert after.stop_reason in ("end_turn", "max_tokens", "tool_use")
+        # The call and its result are in the prompt.
+        assert prompt_total(after.usage) == counted.input_tokens
+        assert counted.input_tokens > prompt_total(first.usage)
+        # Auto: whatever the model says; any call it makes validates.
+        for block in after.content:
+            if block.type == "tool_use":
+                jsonschema.validate(block.input, SCHEMAS[block.name])
+
+
+def test_unknown_model_is_404(client: anthropic.Anthropic) -> None:
+    for call in (
+        lambda: client.messages.create(model="no-such-model", max_tokens=4, messages=HI),
+        lambda: client.messages.create(
+            model="no-such-model", max_tokens=4, messages=HI, stream=True
+        ),
+        lambda: client.messages.count_tokens(model="no-such-model", messages=HI),
+    ):
+        with pytest.raises(anthropic.NotFoundError) as missing:
+            call()
+        body = missing.value.body
+        assert isinstance(body, dict) and body["error"]["type"] == "not_found_error"
+        assert "no-such-model" in body["error"]["message"]
+
+
+def test_bad_requests_are_400_in_anthropics_shape(
+    client: anthropic.Anthropic, daemon: Daemon
+) -> None:
+    no_budget = httpx.post(
+        f"http://{daemon.http}/v1/messages", json={"model": LANE, "messages": HI}, timeout=30
+    )
+    assert no_budget.status_code == 400
+    assert no_budget.json()["error"] == {
+        "type": "invalid_request_error",
+        "message": "Missing required parameter: 'max_tokens'.",
+    }
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": ""}}
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        client.messages.create(
+            model=LANE,
+            max_tokens=4,
+            messages=[{"role": "user", "content": [image]}],  # type: ignore[list-item]
+        )
+    assert "'image' block" in str(refused.value)
+    with pytest.raises(anthropic.BadRequestError) as too_long:
+        client.messages.create(
+            model=LANE, max_tokens=4, messages=[{"role": "user", "content": "word " * 2100}]
+        )
+    body = too_long.value.body
+    assert isinstance(body, dict) and "2048" in body["error"]["message"]
+
+
+def test_an_admission_refusal_is_429_with_retry_after(
+    client: anthropic.Anthropic, daemon: Daemon
+) -> None:
+    """The one slot runs a long generation; a request under a policy that queues nothing
+    is refused at once, whole or streamed."""
+    with client.messages.stream(
+        model=LANE,
+        max_tokens=400,
+        messages=HI,
+        output_config=output_format({"type": "string", "minLength": 4000}),  # type: ignore[arg-type]
+    ) as holding:
+        next(iter(holding))  # message_start: the generation has its slot
+        for stream in (False, True):
+            with pytest.raises(anthropic.RateLimitError) as refused:
+                client.messages.create(
+                    model=LANE,
+                    max_tokens=4,
+                    messages=HI,
+                    stream=stream,
+                    extra_headers={"x-blazar-slo": "tight"},
+                )
+            assert refused.value.status_code == 429
+            assert int(refused.value.response.headers["retry-after"]) >= 1
+            body = refused.value.body
+            assert isinstance(body, dict) and body["error"]["type"] == "rate_limit_error"
+            assert "SLOPolicy 'tight'" in body["error"]["message"]
+
+
+def test_a_repeated_long_prompt_reads_the_cache(client: anthropic.Anthropic) -> None:
+    text = " ".join(f"Item {i} is a fact worth keeping in mind." for i in range(60))
+    messages: list[Any] = [{"role": "user", "content": f"{text}\nSummarize {time.time()}."}]
+    first = client.messages.create(model=LANE, max_tokens=1, messages=messages)
+    second = client.messages.create(model=LANE, max_tokens=1, messages=messages)
+    total = prompt_total(first.usage)
+    assert total > 500
+    assert prompt_total(second.usage) == total
+    assert second.usage.cache_read_input_tokens is not None
+    assert second.usage.cache_read_input_tokens > total // 2
+    assert second.usage.input_tokens < first.usage.input_tokens
+
+
+FORCING: list[dict[str, Any]] = [{"type": "any"}, {"type": "tool", "name": "get_time"}]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_forced_tool_call_validates_20_of_20(client: anthropic.Anthropic, stream: bool) -> None:
+    """`any` and `tool` by turns (a forced call costs about 30 grammar-bound tokens,
+    so 20 tries per way of reading the answer are what the suite can carry)."""
+    distinct = set()
+    for i in range(TRIES):
+        tool_choice = FORCING[i % len(FORCING)]
+        names = {tool_choice["name"]} if "name" in tool_choice else set(SCHEMAS)
+        options: dict[str, Any] = {
+            "model": LANE,
+            "max_tokens": budget(tool_choice),
+            "messages": QUESTION,
+            "tools": TOOLS,
+            "tool_choice": {**tool_choice, "disable_parallel_tool_use": True},
+            "extra_body": {"temperature": TEMPERATURES[i % len(TEMPERATURES)]},
+        }
+        if stream:
+            with client.messages.stream(**options) as events:
+                message = events.get_final_message()
+        else:
+            message = client.messages.create(**options)
+        assert message.stop_reason == "tool_use", (i, message)
+        (use,) = message.content
+        assert use.type == "tool_use" and use.name in names, (i, message)
+        jsonschema.validate(use.input, SCHEMAS[use.name])
+        distinct.add(json.dumps([use.name, use.input], sort_keys=True))
+    print(f"forced, stream={stream}: {TRIES}/{TRIES} valid, {len(distinct)} distinct calls")
+
+
+class Forecast(pydantic.BaseModel):
+    # An enum: the client moves a string's maxLength into its description.
+    city: Literal["Paris", "Oslo", "Lima"]
+    sunny: bool
+
+
+WEATHER_REPORT: dict[str, Any] = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 12}, "sunny": {"type": "boolean"}},
+    "required": ["city", "sunny"],
+    "additionalProperties": False,
+}
+
+
+def test_structured_output_validates_20_of_20(client: anthropic.Anthropic) -> None:
+    """`output_config.format` (the client's structured outputs) is the json_schema
+    constraint: half whole, half streamed, and the client's own `parse` once."""
+    limit = pinning.budget(schemas.grammar(WEATHER_REPORT))
+    assert limit is not None
+    ask: list[Any] = [{"role": "user", "content": "Describe the weather in Paris as JSON."}]
+    for i in range(TRIES):
+        options: dict[str, Any] = {
+            "model": LANE,
+            "max_tokens": limit,
+            "messages": ask,
+            "output_config": output_format(WEATHER_REPORT),
+            "extra_body": {"temperature": TEMPERATURES[i % len(TEMPERATURES)]},
+        }
+        if i % 2:
+            with client.messages.stream(**options) as events:
+                message = events.get_final_message()
+        else:
+            message = client.messages.create(**options)
+        assert message.stop_reason == "end_turn", (i, message)
+        (block,) = message.content
+        assert block.type == "text"
+        jsonschema.validate(json.loads(block.text), WEATHER_REPORT)
+    longest = pinning.budget(schemas.grammar(Forecast.model_json_schema()))
+    assert longest is not None
+    parsed = client.messages.parse(
+        model=LANE, max_tokens=longest, messages=ask, output_format=Forecast
+    )
+    assert isinstance(parsed.parsed_output, Forecast)
