@@ -63,6 +63,8 @@ class Generation:
     last_token: float = 0.0
     drafted: int = 0
     accepted: int = 0
+    # The caller's stop string that ended it ("" otherwise).
+    stop_sequence: str = ""
     # Decode steps it took part in, and the sequences decoded in those steps in all.
     decode_steps: int = 0
     decode_batched: int = 0
@@ -158,6 +160,7 @@ class Generation:
             self.scores.clear()
             self.score_starts.clear()
         if result.stopped:
+            self.stop_sequence = result.matched
             return End(jobs.FinishReason.STOP, flush=False)
         if self.completion >= self.job.max_tokens or context_full:
             return End(jobs.FinishReason.LENGTH)
@@ -227,6 +230,7 @@ class Generation:
             drafted_tokens=self.drafted,
             accepted_tokens=self.accepted,
             decode_batch=self.decode_batched / self.decode_steps if self.decode_steps else 0.0,
+            stop_sequence=self.stop_sequence,
         )
         events: list[jobs.Event] = []
         if tail or self.scores:

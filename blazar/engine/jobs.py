@@ -63,6 +63,8 @@ class Finished:
     parked_ms: float = 0.0
     # Sequences decoded together per decode step while it decoded, on average.
     decode_batch: float = 0.0
+    # The caller's stop string that ended it ("" when the model or a bound did).
+    stop_sequence: str = ""
 
     @property
     def decode_tokens_per_second(self) -> float:

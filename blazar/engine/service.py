@@ -669,4 +669,5 @@ def _final(event: jobs.Finished) -> inference_pb2.Final:
             accepted_tokens=event.accepted_tokens,
             speculation=event.speculation,
         ),
+        stop_sequence=event.stop_sequence,
     )

@@ -213,11 +213,13 @@ class StopResult:
 
     `stop_at` is where the matched stop string begins, counted in characters of all
     text fed so far (-1 while none matched): text from there on is never emitted.
+    `matched` is that stop string (the first given of those that begin there).
     """
 
     text: str
     stopped: bool
     stop_at: int = -1
+    matched: str = ""
 
 
 class StopMatcher:
@@ -240,10 +242,11 @@ class StopMatcher:
         if not self._stops:
             self._held = ""
             return StopResult(buf, stopped=False)
-        hits = [i for i in (buf.find(s) for s in self._stops) if i >= 0]
+        hits = [(i, s) for s, i in ((s, buf.find(s)) for s in self._stops) if i >= 0]
         if hits:
             self._held = ""
-            return StopResult(buf[: min(hits)], stopped=True, stop_at=start + min(hits))
+            at, matched = min(hits, key=lambda hit: hit[0])
+            return StopResult(buf[:at], stopped=True, stop_at=start + at, matched=matched)
         keep = self._partial_suffix(buf)
         self._held = buf[len(buf) - keep :]
         return StopResult(buf[: len(buf) - keep], stopped=False)

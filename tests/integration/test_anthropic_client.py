@@ -193,8 +193,8 @@ def test_system_as_blocks_and_count_tokens_equal_the_prompt_generated(
 
 
 def test_stop_sequences_end_the_text_before_them(client: anthropic.Anthropic) -> None:
-    """A grammar forces a text with the stop string inside it: the text ends before it.
-    The canonical stream does not say a stop string ended it, so end_turn (README)."""
+    """A grammar forces a text with the stop string inside it: the text ends before it,
+    and the answer names the stop sequence that ended it."""
     forced = {"enum": ["red STOP blue"]}
     for stream in (False, True):
         options: dict[str, Any] = {
@@ -211,7 +211,7 @@ def test_stop_sequences_end_the_text_before_them(client: anthropic.Anthropic) ->
             message = client.messages.create(**options)
         (block,) = message.content
         assert block.type == "text" and block.text == '"red '
-        assert (message.stop_reason, message.stop_sequence) == ("end_turn", None)
+        assert (message.stop_reason, message.stop_sequence) == ("stop_sequence", "STOP")
 
 
 def budget(tool_choice: dict[str, Any]) -> int:

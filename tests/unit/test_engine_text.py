@@ -150,7 +150,19 @@ def test_stop_matcher(
     assert [r.stopped for r in results] == [False] * (len(pieces) - 1) + [stopped]
     # Everything before the stop string went out, so it begins where the output ends.
     assert results[-1].stop_at == (len("".join(emitted)) if stopped else -1)
+    # The stop string that matched is named (the first given of those at that place).
+    matched = results[-1].matched
+    assert (
+        (matched in stops and "".join(pieces)[results[-1].stop_at :].startswith(matched))
+        if stopped
+        else matched == ""
+    )
     assert m.flush() == tail
+
+
+def test_the_first_given_stop_is_named_when_two_begin_at_one_place() -> None:
+    assert text.StopMatcher(["ab", "abc"]).feed("xabc").matched == "ab"
+    assert text.StopMatcher(["abc", "ab"]).feed("xabc").matched == "abc"
 
 
 # --- UTF-8 streaming --------------------------------------------------------------------

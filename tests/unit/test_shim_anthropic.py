@@ -542,6 +542,15 @@ def test_stop_reasons(reason: int, stop_reason: str) -> None:
     assert convert.stop_reason(final(reason).final) == stop_reason
 
 
+def test_a_stop_sequence_is_named() -> None:
+    ended = final(inference_pb2.FINISH_REASON_STOP).final
+    ended.stop_sequence = "\n\nHuman:"
+    assert (convert.stop_reason(ended), convert.stop_sequence(ended)) == (
+        "stop_sequence",
+        "\n\nHuman:",
+    )
+
+
 # ---------------------------------------------------------------- errors
 
 ERRORS: list[tuple[errors.BlazarError, int, str]] = [

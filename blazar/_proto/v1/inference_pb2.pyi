@@ -261,7 +261,7 @@ class Routing(_message.Message):
     def __init__(self, lane: _Optional[str] = ..., replica: _Optional[int] = ..., slot: _Optional[int] = ..., prefix_tokens_reused: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., speculation: _Optional[str] = ...) -> None: ...
 
 class Final(_message.Message):
-    __slots__ = ("finish_reason", "usage", "timings", "routing", "model", "prompt_logprobs", "tool_calls")
+    __slots__ = ("finish_reason", "usage", "timings", "routing", "model", "prompt_logprobs", "tool_calls", "stop_sequence")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
@@ -269,6 +269,7 @@ class Final(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    STOP_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     finish_reason: FinishReason
     usage: Usage
     timings: Timings
@@ -276,7 +277,8 @@ class Final(_message.Message):
     model: str
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     tool_calls: int
-    def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., routing: _Optional[_Union[Routing, _Mapping]] = ..., model: _Optional[str] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., tool_calls: _Optional[int] = ...) -> None: ...
+    stop_sequence: str
+    def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., routing: _Optional[_Union[Routing, _Mapping]] = ..., model: _Optional[str] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., tool_calls: _Optional[int] = ..., stop_sequence: _Optional[str] = ...) -> None: ...
 
 class ListModelsRequest(_message.Message):
     __slots__ = ()

@@ -8,10 +8,6 @@ the same prompt as the chat would render it. Every field is either done as Anthr
 does it or refused by name. Response side: `message` renders a collected answer,
 `Events` a chunk stream as Anthropic's named SSE events, and `error_response` any
 `BlazarError` in Anthropic's error envelope.
-
-What the canonical stream cannot say is not made up: a generation that a stop string
-ended is reported as `end_turn` with `stop_sequence` null, because `Final` tells a stop
-string from the model's own end of turn only as FINISH_REASON_STOP for both.
 """
 
 from __future__ import annotations
@@ -418,13 +414,17 @@ class ResponseMeta:
 
 
 def stop_reason(final: inference_pb2.Final) -> protocol.StopReason:
-    """FINISH_REASON_STOP is the model's end of turn or a stop string, which the
-    canonical stream does not tell apart: both are `end_turn`."""
+    """FINISH_REASON_STOP is the model's end of turn, or one of the caller's stop
+    sequences when `Final.stop_sequence` names it."""
     if final.finish_reason == inference_pb2.FINISH_REASON_LENGTH:
         return "max_tokens"
     if final.finish_reason == inference_pb2.FINISH_REASON_TOOL_CALLS:
         return "tool_use"
-    return "end_turn"
+    return "stop_sequence" if final.stop_sequence else "end_turn"
+
+
+def stop_sequence(final: inference_pb2.Final) -> str | None:
+    return final.stop_sequence or None
 
 
 def usage(final: inference_pb2.Final) -> protocol.Usage:
@@ -469,7 +469,7 @@ def message(answer: canonical.Answer, meta: ResponseMeta) -> protocol.MessageRes
         "model": meta.model,
         "content": content,
         "stop_reason": stop_reason(final),
-        "stop_sequence": None,
+        "stop_sequence": stop_sequence(final),
         "usage": usage(final),
     }
 
@@ -545,7 +545,7 @@ class Events:
         out.append(
             {
                 "type": "message_delta",
-                "delta": {"stop_reason": stop_reason(final), "stop_sequence": None},
+                "delta": {"stop_reason": stop_reason(final), "stop_sequence": stop_sequence(final)},
                 "usage": usage(final),
             }
         )
