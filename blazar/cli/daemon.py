@@ -15,6 +15,7 @@ import json
 import os
 import signal
 import socket
+import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -102,6 +103,19 @@ def _listen(address: str, *, what: str) -> socket.socket:
     return sock
 
 
+def _tighten(home: Path) -> None:
+    """Take group and other permissions off what this user owns under `home` (written
+    by a daemon before homes were private). Symlinks are left alone, not followed."""
+    uid = os.getuid()
+    for root, dirs, files in os.walk(home):
+        for name in [*dirs, *files, ""]:
+            path = os.path.join(root, name) if name else root
+            with contextlib.suppress(OSError):
+                st = os.lstat(path)
+                if st.st_uid == uid and not stat.S_ISLNK(st.st_mode) and st.st_mode & 0o077:
+                    os.chmod(path, stat.S_IMODE(st.st_mode) & 0o700)
+
+
 LOCK_FILE = "daemon.lock"
 
 
@@ -154,16 +168,21 @@ def _exclusive(home: Path) -> Iterator[None]:
 
 
 async def run(options: Options) -> None:
-    """Serve until SIGTERM or SIGINT.
+    """Serve until SIGTERM, SIGINT or SIGHUP.
 
     First the home is locked (`_exclusive`), then both addresses are checked, before
     anything else starts: a home in use or a taken port ends `serve` with Unavailable,
     nothing to undo, and the home as it was (not even created).
+
+    Everything the daemon and its engines write is the owner's alone (umask 077): the
+    store, logs, engine sockets and saved KV caches, which hold prompts' tokens. A home
+    made readable by others before is tightened on start.
     """
     home = options.home
     created = not home.exists()
+    os.umask(0o077)
     try:
-        home.mkdir(parents=True, exist_ok=True)
+        home.mkdir(parents=True, exist_ok=True, mode=0o700)
     except OSError as exc:  # a file in the way, no permission, ...
         raise errors.Unavailable(f"cannot use {home} as BLAZAR_HOME: {exc.strerror}") from None
     try:
@@ -173,6 +192,7 @@ async def run(options: Options) -> None:
                 # Only a check: grpcio binds its own socket. Asked first, it would log
                 # its refusal to stderr in C-core's format before the line `serve` prints.
                 _listen(options.grpc, what="gRPC").close()
+                _tighten(home)
                 await _serve(options, http_sock)
             finally:
                 http_sock.close()
@@ -201,6 +221,16 @@ def _shim(grpc_target: str) -> uvicorn.Server:
 async def _serve(options: Options, sock: socket.socket) -> None:
     home = options.home
     store = SQLiteStore(home / "state.db")
+    if store.recovered_from is not None:
+        message = (
+            f"{home / 'state.db'} could not be read as a store; it was moved to "
+            f"{store.recovered_from} and a new store started. Apply the fleet's manifests "
+            "again (a watched directory is applied at once)."
+        )
+        log.warning("store.recovered", moved_to=str(store.recovered_from))
+        store.record_event(
+            kind="Store", name="state.db", type="Warning", reason="StoreRecovered", message=message
+        )
     manager: Manager | None = None
 
     def lane_changed(lane: str) -> None:
@@ -237,7 +267,9 @@ async def _serve(options: Options, sock: socket.socket) -> None:
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    # SIGHUP (the terminal closed, or a service manager's reload) drains like SIGTERM:
+    # its default action would end the daemon at once, engines and streams cut off.
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         loop.add_signal_handler(sig, stop.set)
 
     if options.watch is not None:

@@ -251,7 +251,7 @@ class TransactionalStore(abc.ABC):
 
     def list(self, kind: Kind | None = None) -> builtins.list[Resource]:
         with self._lock:
-            found = [manifests.from_dict(d) for d in self._load(kind, None)]
+            found = [r for d in self._load(kind, None) if (r := _resource(d)) is not None]
         return sorted(found, key=kinds.key)
 
     def delete(self, kind: Kind, name: str) -> Resource | None:
@@ -323,7 +323,7 @@ class TransactionalStore(abc.ABC):
 
     def _get(self, kind: Kind, name: str) -> Resource | None:
         found = self._load(kind, name)
-        return manifests.from_dict(found[0]) if found else None
+        return _resource(found[0]) if found else None
 
     def _notify(self, events: Sequence[WatchEvent]) -> None:
         # The write is committed; a failing subscriber must not undo it for the others.
@@ -337,3 +337,20 @@ class TransactionalStore(abc.ABC):
                         kind=event.object.kind,
                         name=event.object.metadata.name,
                     )
+
+
+def _resource(data: dict[str, Any]) -> Resource | None:
+    """A stored row as its resource; None, and a warning naming it, when the row no
+    longer validates (written by another version, or damaged): one bad row must not
+    stop the daemon or hide the others. Applying the object again replaces it."""
+    try:
+        return manifests.from_dict(data)
+    except ValueError as exc:
+        meta = data.get("metadata") if isinstance(data, dict) else None
+        _log.warning(
+            "store.row_invalid",
+            kind=str(data.get("kind", "?"))[:64] if isinstance(data, dict) else "?",
+            name=str(meta.get("name", "?"))[:253] if isinstance(meta, dict) else "?",
+            error=clip.clip(str(exc), clip.FIELD_CHARS),
+        )
+        return None

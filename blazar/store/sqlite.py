@@ -5,6 +5,10 @@ resourceVersion lives in a one-row table so it keeps rising across restarts; eve
 are an append-only table pruned to the newest `max_events`. WAL with
 synchronous=NORMAL: a crash may lose the last commits but never corrupts the file,
 and desired state is re-applied from manifests anyway.
+
+A file that is not a readable store (a disk error, a truncated copy, another program's
+file) does not stop the daemon: it is moved aside, named with the time, a new store is
+started, and `recovered_from` says where the old one went, for the daemon to report.
 """
 
 from __future__ import annotations
@@ -57,16 +61,12 @@ class SQLiteStore(TransactionalStore):
     ) -> None:
         super().__init__(clock=clock, max_events=max_events)
         path.parent.mkdir(parents=True, exist_ok=True)
-        # One connection shared by every thread; the base class's lock serialises use.
-        # Autocommit mode, so transactions are exactly the explicit ones below.
-        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.executescript(_SCHEMA)
-        row = self._db.execute(
-            "SELECT value FROM counters WHERE key = 'resource_version'"
-        ).fetchone()
-        self._version: int = row[0]
+        self.recovered_from: Path | None = None
+        try:
+            self._db, self._version = _open(path)
+        except sqlite3.DatabaseError:
+            self.recovered_from = _move_aside(path, clock())
+            self._db, self._version = _open(path)
 
     @contextmanager
     def _transaction(self) -> Iterator[sqlite3.Connection]:
@@ -148,3 +148,34 @@ class SQLiteStore(TransactionalStore):
     def close(self) -> None:
         with self._lock:
             self._db.close()
+
+
+def _open(path: Path) -> tuple[sqlite3.Connection, int]:
+    """The store's connection and resourceVersion; sqlite3.DatabaseError when the file
+    is not a store it can read."""
+    # One connection shared by every thread; the base class's lock serialises use.
+    # Autocommit mode, so transactions are exactly the explicit ones below.
+    db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+    try:
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=NORMAL")
+        db.executescript(_SCHEMA)
+        (ok,) = db.execute("PRAGMA quick_check").fetchone()
+        if ok != "ok":
+            raise sqlite3.DatabaseError(f"quick_check: {ok}")
+        row = db.execute("SELECT value FROM counters WHERE key = 'resource_version'").fetchone()
+        return db, int(row[0])
+    except BaseException:
+        db.close()
+        raise
+
+
+def _move_aside(path: Path, now: datetime) -> Path:
+    """Rename the store (and its WAL files) to `<name>.corrupt-<time>`; the new name."""
+    stamp = now.strftime("%Y%m%dT%H%M%SZ")
+    aside = path.with_name(f"{path.name}.corrupt-{stamp}")
+    for suffix in ("", "-wal", "-shm"):
+        source = path.with_name(path.name + suffix)
+        if source.exists():
+            source.rename(aside.with_name(aside.name + suffix))
+    return aside

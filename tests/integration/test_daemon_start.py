@@ -125,3 +125,58 @@ def test_a_home_that_is_a_file_is_one_line(tmp_path: Path) -> None:
     assert done.returncode == 1
     assert done.stderr == f"error: cannot use {home} as BLAZAR_HOME: File exists\n"
     assert home.read_text() == "not a directory"
+
+
+def test_sighup_stops_the_daemon_as_sigterm_does() -> None:
+    """SIGHUP's default action killed the daemon at once, without draining."""
+    home = short_home()
+    try:
+        daemon = Daemon(home=home).start()
+        assert daemon.stop(signal.SIGHUP) == 0
+        assert not (home / "daemon.json").exists()  # removed by the orderly shutdown
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def test_a_corrupt_store_is_moved_aside_and_the_daemon_starts() -> None:
+    home = short_home()
+    try:
+        home.mkdir(exist_ok=True)
+        (home / "state.db").write_bytes(b"this is not a SQLite database" * 100)
+        daemon = Daemon(home=home).start()
+        try:
+            assert daemon.cli("get", "lanes").returncode == 0
+            events = daemon.cli("events")
+            assert "StoreRecovered" in events.stdout, events.stdout + events.stderr
+        finally:
+            assert daemon.stop() == 0
+        (aside,) = home.glob("state.db.corrupt-*")
+        assert aside.read_bytes().startswith(b"this is not a SQLite database")
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def test_the_home_and_what_the_daemon_writes_are_the_owners_alone() -> None:
+    """State files hold the fleet and saved KV caches hold prompts' tokens: 0700/0600,
+    and a home left readable by an earlier daemon is tightened."""
+    home = short_home()
+    try:
+        home.mkdir(exist_ok=True)
+        home.chmod(0o755)
+        old = home / "state.db"
+        SQLiteStore(old).close()
+        old.chmod(0o644)
+        daemon = Daemon(home=home).start()
+        try:
+            modes = {
+                str(p.relative_to(home)): p.stat().st_mode & 0o777
+                for p in [home, *home.rglob("*")]
+                if not p.is_symlink()
+            }
+        finally:
+            assert daemon.stop() == 0
+        assert modes["."] == 0o700
+        assert modes["state.db"] == 0o600
+        assert all(mode & 0o077 == 0 for mode in modes.values()), modes
+    finally:
+        shutil.rmtree(home, ignore_errors=True)

@@ -422,3 +422,39 @@ def test_sqlite_commit_rolls_back_on_failure(tmp_path: Path) -> None:
     reopened = SQLiteStore(path)
     assert (reopened.list(), reopened.resource_version) == ([], 0)
     reopened.close()
+
+
+def test_an_invalid_row_is_skipped_and_replaced_by_the_next_apply(tmp_path: Path) -> None:
+    """A row written by another version (or damaged) must not stop the daemon or hide
+    the others."""
+    path = tmp_path / "blazar.db"
+    store = SQLiteStore(path)
+    store.apply_all([lane("a"), lane("b")])
+    store.close()
+    with sqlite3.connect(path) as db:
+        broken = {**manifests.to_dict(lane("b")), "spec": {"replicas": "many"}}
+        db.execute("UPDATE objects SET data = ? WHERE name = 'b'", (json.dumps(broken),))
+    reopened = SQLiteStore(path)
+    try:
+        assert [o.metadata.name for o in reopened.list()] == ["a"]
+        assert reopened.get(Kind.LANE, "b") is None
+        [outcome] = reopened.apply_all([lane("b", replicas=2)])
+        assert outcome.object.spec.replicas == 2
+        assert [o.metadata.name for o in reopened.list()] == ["a", "b"]
+    finally:
+        reopened.close()
+
+
+def test_a_file_that_is_not_a_store_is_moved_aside(tmp_path: Path) -> None:
+    path = tmp_path / "blazar.db"
+    path.write_bytes(b"\x00garbage" * 512)
+    store = SQLiteStore(path)
+    try:
+        assert store.recovered_from is not None
+        assert store.recovered_from.read_bytes() == b"\x00garbage" * 512
+        assert store.list() == [] and store.resource_version == 0
+    finally:
+        store.close()
+    again = SQLiteStore(path)
+    assert again.recovered_from is None
+    again.close()
