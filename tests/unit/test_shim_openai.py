@@ -28,7 +28,8 @@ from blazar._proto.v1 import inference_pb2
 from blazar.api import errors
 from blazar.shim import app as shim_app
 from blazar.shim import request_body, streaming, validation
-from blazar.shim.openai import convert, protocol
+from blazar.shim.openai import protocol
+from blazar.shim.openai.convert import logprob, render, requests
 from tests.unit import fake_inference
 from tests.unit.fake_inference import (
     Daemon,
@@ -315,11 +316,11 @@ def test_request_translation_matches_golden(name: str) -> None:
     model, body = REQUEST_CASES[name]
     parsed = validation.parse_body(model, json.dumps(body).encode())
     if isinstance(parsed, protocol.ChatCompletionRequest):
-        canonical: Any = convert.chat_request(parsed)
+        canonical: Any = requests.chat_request(parsed)
     elif isinstance(parsed, protocol.CompletionRequest):
-        canonical = convert.complete_request(parsed)
+        canonical = requests.complete_request(parsed)
     else:
-        canonical = convert.embed_request(parsed)
+        canonical = requests.embed_request(parsed)
     check_golden(
         name,
         {
@@ -334,23 +335,23 @@ def test_request_translation_matches_golden(name: str) -> None:
 
 def test_unset_sampling_fields_stay_unset() -> None:
     parsed = validation.parse_body(protocol.ChatCompletionRequest, json.dumps(chat_body()).encode())
-    sampling = convert.chat_request(parsed).sampling
+    sampling = requests.chat_request(parsed).sampling
     for name in ("temperature", "top_p", "seed", "max_tokens", "presence_penalty"):
         assert not sampling.HasField(name), name
     zero = validation.parse_body(
         protocol.ChatCompletionRequest, json.dumps(chat_body(temperature=0)).encode()
     )
-    assert convert.chat_request(zero).sampling.HasField("temperature")
+    assert requests.chat_request(zero).sampling.HasField("temperature")
 
 
 @pytest.mark.parametrize("ignore_eos", [True, False, None])
 def test_llama_cpp_ignore_eos_reaches_sampling(ignore_eos: bool | None) -> None:
     body = {"model": "base", "prompt": "Once", "ignore_eos": ignore_eos}
     parsed = validation.parse_body(protocol.CompletionRequest, json.dumps(body).encode())
-    assert convert.complete_request(parsed).sampling.ignore_eos is bool(ignore_eos)
+    assert requests.complete_request(parsed).sampling.ignore_eos is bool(ignore_eos)
     chat = chat_body(ignore_eos=ignore_eos)
     parsed_chat = validation.parse_body(protocol.ChatCompletionRequest, json.dumps(chat).encode())
-    assert convert.chat_request(parsed_chat).sampling.ignore_eos is bool(ignore_eos)
+    assert requests.chat_request(parsed_chat).sampling.ignore_eos is bool(ignore_eos)
 
 
 @pytest.mark.parametrize(
@@ -362,7 +363,7 @@ def test_completions_stop_after_16_tokens_by_default(
     """OpenAI's documented default for the legacy endpoint; chat keeps none (above)."""
     body = {"model": "base", "prompt": "Once", **extra}
     parsed = validation.parse_body(protocol.CompletionRequest, json.dumps(body).encode())
-    assert convert.complete_request(parsed).sampling.max_tokens == max_tokens
+    assert requests.complete_request(parsed).sampling.max_tokens == max_tokens
 
 
 # ---------------------------------------------------------------- golden: streams out
@@ -482,7 +483,7 @@ async def test_chat_non_stream(daemon: Daemon, client: httpx.AsyncClient) -> Non
         "object": "chat.completion",
         "created": body["created"],
         "model": "tiny",
-        "system_fingerprint": convert.SYSTEM_FINGERPRINT,
+        "system_fingerprint": render.SYSTEM_FINGERPRINT,
         "choices": [
             {
                 "index": 0,
@@ -525,7 +526,7 @@ def test_timings_in_llama_cpp_server_shape() -> None:
         ),
         routing=inference_pb2.Routing(drafted_tokens=30, accepted_tokens=21),
     )
-    assert convert.timings(done) == {
+    assert render.timings(done) == {
         "cache_n": 100,
         "prompt_n": 20,
         "prompt_ms": 50.0,
@@ -539,7 +540,7 @@ def test_timings_in_llama_cpp_server_shape() -> None:
         "draft_n_accepted": 21,
     }
     done.routing.drafted_tokens = 0
-    assert "draft_n" not in convert.timings(done)
+    assert "draft_n" not in render.timings(done)
 
 
 async def test_completion_non_stream(daemon: Daemon, client: httpx.AsyncClient) -> None:
@@ -1306,7 +1307,7 @@ def raw_lp(data: bytes, logprob: float, *top: tuple[bytes, float]) -> inference_
 
 def test_legacy_logprobs_name_partial_characters_by_their_bytes() -> None:
     # "é!" from two byte-fallback tokens and "!"; the alternatives differ only in bytes.
-    legacy = convert.LegacyLogprobs()
+    legacy = logprob.LegacyLogprobs()
     legacy.skip("caf")
     first = legacy.render([raw_lp(b"\xc3", -0.5, (b"\xc3", -0.5), (b"\xe2", -1.5))])
     rest = legacy.render(

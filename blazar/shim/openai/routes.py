@@ -16,13 +16,14 @@ from starlette.routing import Route
 from blazar._proto.v1 import inference_pb2
 from blazar.api import errors
 from blazar.shim import canonical, context, inference, relay, request_body, streaming
-from blazar.shim.openai import convert, protocol
+from blazar.shim.openai import protocol
+from blazar.shim.openai.convert import envelope, render, requests
 
 _log = structlog.get_logger("blazar.shim.openai")
 
 _DONE = b"data: [DONE]\n\n"
 
-Renderer: TypeAlias = convert.ChatStream | convert.CompletionStream
+Renderer: TypeAlias = render.ChatStream | render.CompletionStream
 
 
 def routes() -> list[Route]:
@@ -40,18 +41,18 @@ async def chat_completions(request: Request) -> Response:
     ctx = context.of(request)
     try:
         body = await request_body.parse(request, protocol.ChatCompletionRequest)
-        canonical = convert.chat_request(body, session=ctx.session, slo=ctx.slo)
+        canonical = requests.chat_request(body, session=ctx.session, slo=ctx.slo)
     except errors.BlazarError as err:
         return error(err)
-    blame = convert.blame_of(body)
-    meta = convert.ResponseMeta(
+    blame = requests.blame_of(body)
+    meta = render.ResponseMeta(
         id=f"chatcmpl-{ctx.request_id}", created=int(time.time()), model=body.model
     )
     stream = inference.client_of(request).chat(canonical, metadata=ctx.grpc_metadata())
     logprobs = bool(body.logprobs)
     if body.stream:
-        renderer = convert.ChatStream(
-            meta, include_usage=convert.include_usage(body), logprobs=logprobs
+        renderer = render.ChatStream(
+            meta, include_usage=requests.include_usage(body), logprobs=logprobs
         )
         return await _stream(request, stream, renderer, blame=blame)
     return await _collect(
@@ -66,19 +67,19 @@ async def completions(request: Request) -> Response:
     ctx = context.of(request)
     try:
         body = await request_body.parse(request, protocol.CompletionRequest)
-        canonical = convert.complete_request(body, session=ctx.session, slo=ctx.slo)
+        canonical = requests.complete_request(body, session=ctx.session, slo=ctx.slo)
     except errors.BlazarError as err:
-        return error(err, blame=convert.COMPLETION_BLAME)
-    blame = convert.blame_of(body)
-    meta = convert.ResponseMeta(
+        return error(err, blame=envelope.COMPLETION_BLAME)
+    blame = requests.blame_of(body)
+    meta = render.ResponseMeta(
         id=f"cmpl-{ctx.request_id}", created=int(time.time()), model=body.model
     )
     stream = inference.client_of(request).complete(canonical, metadata=ctx.grpc_metadata())
     logprobs = body.logprobs is not None
-    echo = convert.prompt_text(body) if body.echo else None
+    echo = requests.prompt_text(body) if body.echo else None
     if body.stream:
-        renderer = convert.CompletionStream(
-            meta, include_usage=convert.include_usage(body), logprobs=logprobs, echo=echo
+        renderer = render.CompletionStream(
+            meta, include_usage=requests.include_usage(body), logprobs=logprobs, echo=echo
         )
         return await _stream(request, stream, renderer, blame=blame)
     return await _collect(
@@ -93,12 +94,12 @@ async def embeddings(request: Request) -> Response:
     ctx = context.of(request)
     try:
         body = await request_body.parse(request, protocol.EmbeddingRequest)
-        canonical = convert.embed_request(body)
+        canonical = requests.embed_request(body)
         client = inference.client_of(request)
         response = await streaming.until_disconnected(
             request, client.embed(canonical, metadata=ctx.grpc_metadata())
         )
-        rendered = convert.embedding_list(
+        rendered = render.embedding_list(
             response,
             model=body.model,
             encoding_format=body.encoding_format,
@@ -107,7 +108,7 @@ async def embeddings(request: Request) -> Response:
     except streaming.ClientDisconnected:
         return Response(status_code=streaming.CLIENT_CLOSED_REQUEST)
     except errors.BlazarError as err:
-        return error(err, blame=convert.EMBEDDING_BLAME)
+        return error(err, blame=envelope.EMBEDDING_BLAME)
     return JSONResponse(rendered)
 
 
@@ -117,7 +118,7 @@ async def list_models(request: Request) -> Response:
         response = await inference.client_of(request).list_models(metadata=ctx.grpc_metadata())
     except errors.BlazarError as err:
         return error(err)
-    return JSONResponse(convert.model_list(response))
+    return JSONResponse(render.model_list(response))
 
 
 async def retrieve_model(request: Request) -> Response:
@@ -125,7 +126,7 @@ async def retrieve_model(request: Request) -> Response:
     ctx = context.of(request)
     try:
         response = await inference.client_of(request).list_models(metadata=ctx.grpc_metadata())
-        found = convert.model(response, request.path_params["model"])
+        found = render.model(response, request.path_params["model"])
     except errors.BlazarError as err:
         return error(err)
     return JSONResponse(found)
@@ -147,8 +148,8 @@ async def no_route(request: Request, exc: Exception) -> Response:
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-def error(err: errors.BlazarError, *, blame: convert.Blame = convert.CHAT_BLAME) -> Response:
-    rendered = convert.error_response(err, blame=blame)
+def error(err: errors.BlazarError, *, blame: envelope.Blame = envelope.CHAT_BLAME) -> Response:
+    rendered = envelope.error_response(err, blame=blame)
     return JSONResponse(rendered.body, status_code=rendered.status, headers=rendered.headers)
 
 
@@ -157,7 +158,7 @@ async def _stream(
     stream: inference.ChunkStream,
     renderer: Renderer,
     *,
-    blame: convert.Blame,
+    blame: envelope.Blame,
 ) -> Response:
     """Answer with SSE once the first chunk is in (see `relay.first_chunk`)."""
     try:
@@ -174,7 +175,7 @@ async def _events(
     renderer: Renderer,
     first: inference_pb2.Chunk | None,
     *,
-    blame: convert.Blame,
+    blame: envelope.Blame,
 ) -> AsyncIterator[bytes]:
     # Leaving this block for any reason, client disconnect included, cancels the RPC.
     async with stream:
@@ -191,26 +192,26 @@ async def _events(
                 raise canonical.truncated()
         except errors.BlazarError as err:
             # Headers are gone; OpenAI's clients read an `error` key in a data event.
-            yield _sse(convert.error_response(err, blame=blame).body)
+            yield _sse(envelope.error_response(err, blame=blame).body)
         except Exception:
             _log.exception("stream failed")
-            yield _sse(convert.error_response(relay.internal_error()).body)
+            yield _sse(envelope.error_response(relay.internal_error()).body)
         yield _DONE
 
 
 async def _collect(
     request: Request,
     stream: inference.ChunkStream,
-    render: Callable[[convert.Answer], protocol.ChatCompletion | protocol.Completion],
+    body_of: Callable[[render.Answer], protocol.ChatCompletion | protocol.Completion],
     *,
-    blame: convert.Blame,
+    blame: envelope.Blame,
 ) -> Response:
     try:
         collected = await relay.collect(request, stream)
-        answer = convert.Answer(
+        answer = render.Answer(
             collected.parts, collected.logprobs, collected.final, collected.calls
         )
-        body = render(answer)
+        body = body_of(answer)
     except streaming.ClientDisconnected:
         return Response(status_code=streaming.CLIENT_CLOSED_REQUEST)
     except errors.BlazarError as err:

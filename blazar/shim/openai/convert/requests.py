@@ -1,0 +1,373 @@
+"""OpenAI request bodies into the canonical `blazar.v1` requests.
+
+Pure: no IO, no clock, no logging. `chat_request` and `complete_request` build proto
+requests, setting in `Sampling` only what the client sent; `embed_request` the
+embeddings one. What the canonical request cannot carry is refused by name
+(`envelope.invalid`), never dropped.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+from blazar._proto.v1 import inference_pb2
+from blazar.shim import canonical
+from blazar.shim.openai import protocol
+from blazar.shim.openai.convert import envelope
+
+_ROLES = {"developer": "system"}
+# Roles whose messages OpenAI refuses without content. Its assistant turns may omit
+# content when they carry tool_calls; one with neither is still taken here, as an
+# empty turn.
+_CONTENT_REQUIRED = frozenset({"system", "developer", "user", "tool"})
+# proto3 int32 map keys.
+_TOKEN_ID_LIMIT = 2**31
+# OpenAI's legacy completions endpoint stops after 16 tokens when `max_tokens` is
+# unset or null (vLLM does the same); chat has no such default and runs until the
+# context is full.
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+
+def chat_request(
+    body: protocol.ChatCompletionRequest, *, session: str = "", slo: str = ""
+) -> inference_pb2.ChatRequest:
+    """The canonical request; `session` (the `x-blazar-session` header) keys replica
+    stickiness, else the body's `user`, OpenAI's end-user id; `slo` (the `x-blazar-slo`
+    header) names the SLOPolicy, else the Lane's applies."""
+    _require_single_choice(body)
+    _require_stream_for_options(body)
+    _refuse_functions(body)
+    _refuse_non_text_output(body)
+    _require_content(body.messages)
+    messages = [_message(message, i) for i, message in enumerate(body.messages)]
+    max_tokens = (
+        body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    )
+    sampling = _sampling(body, max_tokens=max_tokens)
+    if body.top_logprobs and not body.logprobs:
+        raise envelope.invalid("'top_logprobs' needs 'logprobs' set to true.", param="top_logprobs")
+    if body.logprobs:
+        sampling.logprobs = True
+        sampling.top_logprobs = body.top_logprobs or 0
+    request = inference_pb2.ChatRequest(
+        model=body.model,
+        messages=messages,
+        sampling=sampling,
+        constraint=_constraint(body),
+        session=session or body.user or "",
+        slo=slo,
+        tools=[_tool(t) for t in body.tools or ()],
+        tool_choice=_tool_choice(body),
+    )
+    if body.parallel_tool_calls is not None:
+        request.parallel_tool_calls = body.parallel_tool_calls
+    return request
+
+
+def _message(message: protocol.ChatMessage, i: int) -> inference_pb2.Message:
+    if message.role == "tool" and not message.tool_call_id:
+        raise envelope.invalid(
+            f"Missing required parameter: 'messages[{i}].tool_call_id' (a tool message "
+            "answers a call).",
+            param=f"messages[{i}].tool_call_id",
+        )
+    if message.tool_calls and message.role != "assistant":
+        raise envelope.invalid(
+            f"Only assistant messages carry 'tool_calls'; message {i} is a {message.role} one.",
+            param=f"messages[{i}].tool_calls",
+        )
+    return inference_pb2.Message(
+        role=_ROLES.get(message.role, message.role),
+        content=_flatten(message.content, param=f"messages[{i}].content"),
+        tool_calls=[
+            inference_pb2.ToolCall(id=c.id, name=c.function.name, arguments=c.function.arguments)
+            for c in message.tool_calls or ()
+        ],
+        tool_call_id=message.tool_call_id or "",
+        # A tool message's name is the tool's (other roles' names are participants').
+        name=(message.name or "") if message.role == "tool" else "",
+    )
+
+
+def _tool(tool: protocol.FunctionTool) -> inference_pb2.Tool:
+    function = tool.function
+    parameters = function.parameters
+    return inference_pb2.Tool(
+        name=function.name,
+        description=function.description or "",
+        parameters="" if parameters is None else canonical.json_text(parameters),
+    )
+
+
+_CHOICES = {
+    "auto": inference_pb2.ToolChoice.MODE_AUTO,
+    "none": inference_pb2.ToolChoice.MODE_NONE,
+    "required": inference_pb2.ToolChoice.MODE_REQUIRED,
+}
+
+
+def _tool_choice(body: protocol.ChatCompletionRequest) -> inference_pb2.ToolChoice | None:
+    """None (unset) is OpenAI's default, and Blazar's: "auto" when there are tools."""
+    choice = body.tool_choice
+    if choice is None:
+        return None
+    if not body.tools and choice != "none":
+        raise envelope.invalid(
+            "'tool_choice' is only allowed when 'tools' are specified.", param="tool_choice"
+        )
+    if isinstance(choice, str):
+        return inference_pb2.ToolChoice(mode=_CHOICES[choice])
+    return inference_pb2.ToolChoice(
+        mode=inference_pb2.ToolChoice.MODE_NAMED, name=choice.function.name
+    )
+
+
+def complete_request(
+    body: protocol.CompletionRequest, *, session: str = "", slo: str = ""
+) -> inference_pb2.CompleteRequest:
+    """The canonical request; `session` and `slo` as for `chat_request`."""
+    _require_single_choice(body)
+    _require_stream_for_options(body)
+    _refuse_best_of_and_suffix(body)
+    if isinstance(body.prompt, str):
+        prompt = body.prompt
+    elif not all(isinstance(item, str) for item in body.prompt):
+        raise envelope.invalid(
+            "'prompt' must be a string or a list of one string; token arrays are not "
+            "supported. Send the text.",
+            param="prompt",
+        )
+    elif len(body.prompt) == 1 and isinstance(body.prompt[0], str):
+        prompt = body.prompt[0]
+    else:
+        raise envelope.invalid(
+            f"'prompt' must be a string or a list of exactly one string; got a list of "
+            f"{len(body.prompt)}. Send one request per prompt.",
+            param="prompt",
+        )
+    max_tokens = body.max_tokens
+    if max_tokens is None:
+        max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
+    sampling = _sampling(body, max_tokens=max_tokens)
+    if body.logprobs is not None:
+        sampling.logprobs = True
+        sampling.top_logprobs = body.logprobs
+        if body.echo:
+            if body.stream:
+                raise envelope.invalid(
+                    "'echo' with 'logprobs' is not supported when streaming; the prompt's "
+                    "log-probabilities only arrive at the end.",
+                    param="echo",
+                )
+            sampling.prompt_logprobs = True
+    return inference_pb2.CompleteRequest(
+        model=body.model,
+        prompt=prompt,
+        sampling=sampling,
+        constraint=_constraint(body),
+        session=session or body.user or "",
+        slo=slo,
+    )
+
+
+def prompt_text(body: protocol.CompletionRequest) -> str:
+    """The one prompt string of a request `complete_request` accepted."""
+    first = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
+    assert isinstance(first, str), "complete_request refuses token arrays"
+    return first
+
+
+def embed_request(body: protocol.EmbeddingRequest) -> inference_pb2.EmbedRequest:
+    """OpenAI's embeddings are unit length, so Blazar's are normalized too."""
+    if isinstance(body.input, str):
+        inputs = [body.input]
+    elif all(isinstance(item, str) for item in body.input):
+        inputs = [item for item in body.input if isinstance(item, str)]
+    else:
+        raise envelope.invalid(
+            "'input' must be a string or a list of strings; token arrays are not supported.",
+            param="input",
+        )
+    if not inputs:
+        raise envelope.invalid("'input' must not be an empty list.", param="input")
+    for i, text in enumerate(inputs):
+        if not text:
+            param = "input" if isinstance(body.input, str) else f"input[{i}]"
+            raise envelope.invalid(f"'{param}' must not be empty.", param=param)
+    return inference_pb2.EmbedRequest(model=body.model, inputs=inputs, normalize=True)
+
+
+def _constraint(
+    body: protocol.ChatCompletionRequest | protocol.CompletionRequest,
+) -> inference_pb2.Constraint | None:
+    """OpenAI's `response_format`, or llama.cpp's `grammar` or `json_schema`: one of them."""
+    given = _constraints(body)
+    named = list(given)
+    if len(named) > 1:
+        raise envelope.invalid(
+            f"Send one of 'response_format', 'grammar' and 'json_schema'; got "
+            f"'{named[0]}' and '{named[1]}'.",
+            param=named[1],
+        )
+    return given[named[0]] if named else None
+
+
+def blame_of(body: protocol.ChatCompletionRequest | protocol.CompletionRequest) -> envelope.Blame:
+    """The parameters errors about this request's prompt and constraint blame."""
+    constraint = next(iter(_constraints(body)), "response_format")
+    prompt = "prompt" if isinstance(body, protocol.CompletionRequest) else "messages"
+    return envelope.Blame(prompt=prompt, constraint=constraint)
+
+
+def _constraints(
+    body: protocol.ChatCompletionRequest | protocol.CompletionRequest,
+) -> dict[str, inference_pb2.Constraint]:
+    """The constraints the request sends, by parameter. An empty grammar constrains
+    nothing, as in llama.cpp; nor does a `text` response format."""
+    schema = body.json_schema
+    given = {
+        "response_format": _format_constraint(body.response_format),
+        "grammar": inference_pb2.Constraint(grammar=body.grammar) if body.grammar else None,
+        "json_schema": None if schema is None else canonical.json_schema(schema),
+    }
+    return {name: constraint for name, constraint in given.items() if constraint is not None}
+
+
+def _format_constraint(fmt: protocol.ResponseFormat | None) -> inference_pb2.Constraint | None:
+    if isinstance(fmt, protocol.JsonObjectFormat):
+        return canonical.json_object()
+    if isinstance(fmt, protocol.JsonSchemaFormat):
+        schema = fmt.json_schema.json_schema
+        if schema is None:
+            return canonical.json_object()
+        return canonical.json_schema(schema)
+    return None
+
+
+def _require_single_choice(
+    body: protocol.ChatCompletionRequest | protocol.CompletionRequest,
+) -> None:
+    if body.n is not None and body.n != 1:
+        raise envelope.invalid(f"Only n=1 is supported; got n={body.n}.", param="n")
+
+
+def _require_stream_for_options(
+    body: protocol.ChatCompletionRequest | protocol.CompletionRequest,
+) -> None:
+    """OpenAI refuses `stream_options` on a request that does not stream."""
+    if body.stream_options is not None and not body.stream:
+        raise envelope.invalid(
+            "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
+            param="stream_options",
+        )
+
+
+def _refuse_best_of_and_suffix(body: protocol.CompletionRequest) -> None:
+    """As with `n`, ignoring these would pass off a different answer as the one asked for."""
+    if body.best_of is not None and body.best_of != 1:
+        raise envelope.invalid(
+            f"Only best_of=1 is supported; got best_of={body.best_of}.", param="best_of"
+        )
+    if body.suffix:
+        raise envelope.invalid(
+            "'suffix' is not supported by this server: completions only continue the prompt.",
+            param="suffix",
+        )
+
+
+def _refuse_non_text_output(body: protocol.ChatCompletionRequest) -> None:
+    """Blazar generates text only, token by token, with no predicted-output path."""
+    if body.modalities is not None and body.modalities != ["text"]:
+        raise envelope.invalid(
+            f"Only text output is supported; 'modalities' must be [\"text\"], got "
+            f"{json.dumps(body.modalities)}.",
+            param="modalities",
+        )
+    if body.audio is not None:
+        raise envelope.invalid("Audio output is not supported by this server.", param="audio")
+    if body.prediction is not None:
+        raise envelope.invalid(
+            "Predicted outputs ('prediction') are not supported by this server.",
+            param="prediction",
+        )
+
+
+def _refuse_functions(body: protocol.ChatCompletionRequest) -> None:
+    """The deprecated form of tools: say which form to use rather than ignore it."""
+    for param in ("functions", "function_call"):
+        if getattr(body, param) is not None:
+            raise envelope.invalid(
+                f"'{param}' (deprecated by OpenAI) is not supported by this server; send "
+                "'tools' and 'tool_choice'.",
+                param=param,
+            )
+
+
+def _require_content(messages: Sequence[protocol.ChatMessage]) -> None:
+    """A system or user turn without content is a client bug, not an empty turn."""
+    for i, message in enumerate(messages):
+        if message.role not in _CONTENT_REQUIRED:
+            continue
+        param = f"messages[{i}].content"
+        if message.content is None:
+            raise envelope.invalid(
+                f"Missing required parameter: '{param}' (a {message.role} message needs content).",
+                param=param,
+            )
+        if isinstance(message.content, list) and not message.content:
+            raise envelope.invalid(
+                f"Invalid value for '{param}': a {message.role} message needs at least one "
+                "content part.",
+                param=param,
+            )
+
+
+def _flatten(content: str | list[protocol.ContentPart] | None, *, param: str) -> str:
+    """Join text parts with newlines, as vLLM and llama.cpp's server do."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    texts = []
+    for i, part in enumerate(content):
+        if part.type != "text":
+            raise envelope.invalid(
+                f"Only text content parts are supported; '{param}[{i}]' has type '{part.type}'.",
+                param=f"{param}[{i}].type",
+            )
+        if part.text is None:
+            raise envelope.invalid(
+                f"Missing required parameter: '{param}[{i}].text'.", param=f"{param}[{i}].text"
+            )
+        texts.append(part.text)
+    return "\n".join(texts)
+
+
+def _sampling(
+    body: protocol.ChatCompletionRequest | protocol.CompletionRequest, *, max_tokens: int | None
+) -> inference_pb2.Sampling:
+    sampling = canonical.sampling(
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        min_p=body.min_p,
+        repeat_penalty=body.repeat_penalty,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        seed=body.seed,
+        max_tokens=max_tokens,
+        stop=[body.stop] if isinstance(body.stop, str) else (body.stop or ()),
+    )
+    for key, bias in (body.logit_bias or {}).items():
+        # Digits only: int() would also take " 5", "1_000" and other scripts' digits.
+        token = int(key) if key.isascii() and key.isdigit() else -1
+        if not 0 <= token < _TOKEN_ID_LIMIT:
+            raise envelope.invalid(
+                f"Invalid key in 'logit_bias': {key!r} is not a token id.", param="logit_bias"
+            )
+        sampling.logit_bias[token] = bias
+    sampling.ignore_eos = bool(body.ignore_eos)
+    return sampling
+
+
+def include_usage(body: protocol.ChatCompletionRequest | protocol.CompletionRequest) -> bool:
+    return body.stream_options is not None and body.stream_options.include_usage
