@@ -18,6 +18,7 @@ from blazar.api import errors
 from blazar.shim import canonical, context, inference, relay, request_body, streaming
 from blazar.shim.openai import protocol
 from blazar.shim.openai.convert import envelope, render, requests
+from blazar.shim.openai.responses import routes as responses_routes
 
 _log = structlog.get_logger("blazar.shim.openai")
 
@@ -34,6 +35,7 @@ def routes() -> list[Route]:
         Route("/v1/models", _guarded(list_models), methods=["GET"]),
         # `path`: an alias may contain a slash (`google/gemma-3`).
         Route("/v1/models/{model:path}", _guarded(retrieve_model), methods=["GET"]),
+        *responses_routes.routes(),
     ]
 
 

@@ -29,6 +29,12 @@ class Blame:
 
     prompt: str = "messages"
     constraint: str = "response_format"
+    # Where a tool's own fields sit: under `function` in Chat Completions
+    # (`tools[0].function.parameters`), on the tool itself in the Responses API.
+    tool_fields: str = ".function"
+    # Whether the canonical request's turns are `prompt`'s items one for one, as
+    # Chat Completions' `messages` are; otherwise an error in a turn blames `prompt`.
+    turns_align: bool = True
 
 
 CHAT_BLAME = Blame()
@@ -52,7 +58,7 @@ def error_response(err: errors.BlazarError, *, blame: Blame = CHAT_BLAME) -> Err
     param = err.metadata.get(validation.PARAM_KEY) or (
         {"prompt": blame.prompt, "constraint": blame.constraint}.get(field)
         or _PARAMS.get(field)
-        or _tool_param(field)
+        or _tool_param(field, blame)
     )
     code: str | None = None
     if isinstance(err, errors.ModelNotFound):
@@ -81,12 +87,14 @@ _TOOL_FIELD = re.compile(
 )
 
 
-def _tool_param(field: str) -> str | None:
+def _tool_param(field: str, blame: Blame) -> str | None:
     if field in ("tools", "tool_choice"):
         return field
+    if field.startswith("messages[") and not blame.turns_align:
+        return blame.prompt
     m = _TOOL_FIELD.match(field)
     if m:
-        return f"{m.group(1)}.function.{m.group(2)}"
+        return f"{m.group(1)}{blame.tool_fields}.{m.group(2)}"
     # `messages[2].tool_calls[0]`: the same path in OpenAI's shape.
     return field if field.startswith("messages[") else None
 

@@ -15,10 +15,12 @@ from blazar.shim.openai import protocol
 
 def chat_logprobs(entries: Sequence[inference_pb2.TokenLogprob]) -> protocol.ChatLogprobs:
     """Chat's `choices[].logprobs`: one entry per token, alternatives best first."""
-    return {"content": [_token_logprob(e) for e in entries], "refusal": None}
+    return {"content": [token_logprob(e) for e in entries], "refusal": None}
 
 
-def _token_logprob(entry: inference_pb2.TokenLogprob) -> protocol.TokenLogprob:
+def token_logprob(entry: inference_pb2.TokenLogprob) -> protocol.TokenLogprob:
+    """One token and its alternatives, as chat's `logprobs.content` and the Responses
+    API's `output_text.logprobs` both list them."""
     return {
         "token": entry.token,
         "logprob": entry.logprob,

@@ -1,0 +1,331 @@
+"""Responses API request bodies into the canonical `blazar.v1.ChatRequest`.
+
+Pure: no IO, no clock, no logging. `instructions` becomes the system turn ahead of
+`input`; an assistant `message` item and the `function_call` items after it are one
+assistant turn (its text and its calls); a `function_call_output` is a tool turn.
+What the canonical request cannot carry, or a stateless server cannot do, is refused
+naming the field (`envelope.invalid`), never ignored: Blazar keeps no responses
+(`store: true`, `previous_response_id`, `conversation`, `background`), runs no tools
+of its own, and never truncates a conversation to fit.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+from blazar._proto.v1 import inference_pb2
+from blazar.shim import canonical
+from blazar.shim.openai.convert import envelope
+from blazar.shim.openai.responses import protocol
+
+# The one `include` value that asks for something Blazar produces.
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+
+_ROLES = {"developer": "system"}
+_TEXT_PARTS = frozenset({"input_text", "output_text"})
+_CHOICES = {
+    "auto": inference_pb2.ToolChoice.MODE_AUTO,
+    "none": inference_pb2.ToolChoice.MODE_NONE,
+    "required": inference_pb2.ToolChoice.MODE_REQUIRED,
+}
+
+
+def chat_request(
+    body: protocol.ResponseCreateRequest, *, session: str = "", slo: str = ""
+) -> inference_pb2.ChatRequest:
+    """The canonical request; `session` (the `x-blazar-session` header) keys replica
+    stickiness, else the body's `prompt_cache_key`, `user` or `safety_identifier`;
+    `slo` (the `x-blazar-slo` header) names the SLOPolicy, else the Lane's applies."""
+    _refuse_state(body)
+    _refuse_reasoning(body)
+    messages: list[inference_pb2.Message] = []
+    if body.instructions:
+        messages.append(inference_pb2.Message(role="system", content=body.instructions))
+    if isinstance(body.input, str):
+        messages.append(inference_pb2.Message(role="user", content=body.input))
+    else:
+        messages.extend(_turns(body.input))
+    sampling = canonical.sampling(
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        min_p=body.min_p,
+        repeat_penalty=body.repeat_penalty,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        seed=body.seed,
+        max_tokens=body.max_output_tokens,
+        stop=[body.stop] if isinstance(body.stop, str) else (body.stop or ()),
+    )
+    if wants_logprobs(body):
+        sampling.logprobs = True
+        sampling.top_logprobs = body.top_logprobs or 0
+    elif body.top_logprobs:
+        raise envelope.invalid(
+            f"'top_logprobs' needs 'include' to list \"{LOGPROBS_INCLUDE}\".",
+            param="top_logprobs",
+        )
+    request = inference_pb2.ChatRequest(
+        model=body.model,
+        messages=messages,
+        sampling=sampling,
+        constraint=_constraint(body.text),
+        session=session or body.prompt_cache_key or body.user or body.safety_identifier or "",
+        slo=slo,
+        tools=[_tool(t, i) for i, t in enumerate(body.tools or ())],
+        tool_choice=_tool_choice(body),
+    )
+    if body.parallel_tool_calls is not None:
+        request.parallel_tool_calls = body.parallel_tool_calls
+    return request
+
+
+def wants_logprobs(body: protocol.ResponseCreateRequest) -> bool:
+    """Whether the response's text carries its tokens' log-probabilities; any other
+    `include` value is refused (`chat_request`)."""
+    return LOGPROBS_INCLUDE in (body.include or ())
+
+
+def _refuse_state(body: protocol.ResponseCreateRequest) -> None:
+    """What needs a response store, a background queue or built-in tools: Blazar keeps
+    nothing after a response is sent, so a client must send the whole conversation."""
+    stateless = "Blazar keeps no responses: send the whole conversation in 'input'."
+    if body.store:
+        raise envelope.invalid(f"'store' must be false or absent. {stateless}", param="store")
+    if body.previous_response_id is not None:
+        raise envelope.invalid(
+            f"'previous_response_id' is not supported by this server. {stateless}",
+            param="previous_response_id",
+        )
+    if body.conversation is not None:
+        raise envelope.invalid(
+            f"'conversation' is not supported by this server. {stateless}",
+            param="conversation",
+        )
+    if body.background:
+        raise envelope.invalid(
+            "Background responses are not supported by this server: it keeps no "
+            "responses to poll. Stream the response instead.",
+            param="background",
+        )
+    if body.prompt is not None:
+        raise envelope.invalid(
+            "Stored prompts ('prompt') are not supported by this server; send "
+            "'instructions' and 'input'.",
+            param="prompt",
+        )
+    if body.truncation == "auto":
+        raise envelope.invalid(
+            "'truncation' \"auto\" is not supported: this server never drops part of "
+            'a conversation to fit. Send "disabled" (a conversation too long for the '
+            "context is a 400) and shorten the input yourself.",
+            param="truncation",
+        )
+    if body.max_tool_calls is not None:
+        raise envelope.invalid(
+            "'max_tool_calls' limits built-in tools, and this server runs none; the "
+            "model's function calls are yours to run.",
+            param="max_tool_calls",
+        )
+    if body.service_tier not in (None, "auto", "default"):
+        raise envelope.invalid(
+            f"'service_tier' {body.service_tier!r} is not supported; this server has one "
+            "tier (requests are ordered by the Lane's SLOPolicy, or `x-blazar-slo`).",
+            param="service_tier",
+        )
+    for i, value in enumerate(body.include or ()):
+        if value != LOGPROBS_INCLUDE:
+            raise envelope.invalid(
+                f"'include[{i}]' {value!r} is not supported; this server can include "
+                f'only "{LOGPROBS_INCLUDE}".',
+                param=f"include[{i}]",
+            )
+
+
+def _refuse_reasoning(body: protocol.ResponseCreateRequest) -> None:
+    """The models Blazar serves write no reasoning items, and `verbosity` is a control
+    only some OpenAI models have: ignoring them would pass off another answer."""
+    reasoning = body.reasoning
+    if reasoning is not None:
+        if reasoning.effort not in (None, "none"):
+            raise envelope.invalid(
+                f"'reasoning.effort' {reasoning.effort!r} is not supported: this server's "
+                "models do not reason. Omit 'reasoning' or send effort \"none\".",
+                param="reasoning.effort",
+            )
+        for name in ("summary", "generate_summary"):
+            if getattr(reasoning, name) is not None:
+                raise envelope.invalid(
+                    f"'reasoning.{name}' is not supported: this server's models write no "
+                    "reasoning to summarize.",
+                    param=f"reasoning.{name}",
+                )
+    if body.text is not None and body.text.verbosity is not None:
+        raise envelope.invalid(
+            "'text.verbosity' is not supported by this server's models; omit it.",
+            param="text.verbosity",
+        )
+
+
+def _turns(items: Sequence[protocol.InputItem]) -> list[inference_pb2.Message]:
+    if not items:
+        raise envelope.invalid("'input' must not be an empty list.", param="input")
+    messages: list[inference_pb2.Message] = []
+    # Call id -> tool name, for the outputs that answer them.
+    calls: dict[str, str] = {}
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        kind = item.type or "message"
+        if kind == "message":
+            messages.append(_message(item, where))
+        elif kind == "function_call":
+            call = _call(item, where)
+            calls[call.id] = call.name
+            last = messages[-1] if messages else None
+            # A call belongs to the assistant turn it follows (its text, earlier calls).
+            if last is not None and last.role == "assistant":
+                last.tool_calls.append(call)
+            else:
+                messages.append(inference_pb2.Message(role="assistant", tool_calls=[call]))
+        elif kind == "function_call_output":
+            call_id = _required(item.call_id, f"{where}.call_id")
+            if call_id not in calls:
+                raise envelope.invalid(
+                    f"No 'function_call' item before {where} has call_id {call_id!r}; a "
+                    "function_call_output answers a call made earlier in 'input'.",
+                    param=f"{where}.call_id",
+                )
+            if item.output is None:
+                raise envelope.invalid(
+                    f"Missing required parameter: '{where}.output'.", param=f"{where}.output"
+                )
+            messages.append(
+                inference_pb2.Message(
+                    role="tool",
+                    content=_text(item.output, param=f"{where}.output"),
+                    tool_call_id=call_id,
+                    name=calls[call_id],
+                )
+            )
+        else:
+            raise envelope.invalid(
+                f"Input items of type {kind!r} are not supported by this server ({where}); "
+                "send messages, 'function_call' and 'function_call_output' items.",
+                param=f"{where}.type",
+            )
+    return messages
+
+
+def _message(item: protocol.InputItem, where: str) -> inference_pb2.Message:
+    role = item.role
+    if role is None:
+        raise envelope.invalid(
+            f"Missing required parameter: '{where}.role'.", param=f"{where}.role"
+        )
+    if item.content is None:
+        raise envelope.invalid(
+            f"Missing required parameter: '{where}.content'.", param=f"{where}.content"
+        )
+    if role != "assistant" and isinstance(item.content, list) and not item.content:
+        raise envelope.invalid(
+            f"Invalid value for '{where}.content': a {role} message needs at least one "
+            "content part.",
+            param=f"{where}.content",
+        )
+    return inference_pb2.Message(
+        role=_ROLES.get(role, role), content=_text(item.content, param=f"{where}.content")
+    )
+
+
+def _call(item: protocol.InputItem, where: str) -> inference_pb2.ToolCall:
+    call_id = _required(item.call_id, f"{where}.call_id")
+    name = _required(item.name, f"{where}.name")
+    arguments = item.arguments
+    if arguments is None:
+        raise envelope.invalid(
+            f"Missing required parameter: '{where}.arguments'.", param=f"{where}.arguments"
+        )
+    try:
+        document = json.loads(arguments or "{}")
+    except (ValueError, RecursionError):
+        document = None
+    if not isinstance(document, dict):
+        raise envelope.invalid(
+            f"Invalid value for '{where}.arguments': the arguments of a call are JSON "
+            "text of an object.",
+            param=f"{where}.arguments",
+        )
+    return inference_pb2.ToolCall(id=call_id, name=name, arguments=arguments)
+
+
+def _required(value: str | None, param: str) -> str:
+    if not value:
+        raise envelope.invalid(f"Missing required parameter: '{param}'.", param=param)
+    return value
+
+
+def _text(content: str | list[protocol.ContentPart], *, param: str) -> str:
+    """Text parts joined with newlines, as the Chat Completions dialect joins them."""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for j, part in enumerate(content):
+        if part.type not in _TEXT_PARTS:
+            raise envelope.invalid(
+                f"Only text content parts ('input_text', 'output_text') are supported; "
+                f"'{param}[{j}]' has type {part.type!r}.",
+                param=f"{param}[{j}].type",
+            )
+        if part.text is None:
+            raise envelope.invalid(
+                f"Missing required parameter: '{param}[{j}].text'.", param=f"{param}[{j}].text"
+            )
+        texts.append(part.text)
+    return "\n".join(texts)
+
+
+def _tool(tool: protocol.Tool, i: int) -> inference_pb2.Tool:
+    if tool.type != "function":
+        raise envelope.invalid(
+            f"Tools of type {tool.type!r} are not supported by this server ('tools[{i}]'): "
+            "it runs no tools of its own. Send function tools and run them yourself.",
+            param=f"tools[{i}].type",
+        )
+    name = _required(tool.name, f"tools[{i}].name")
+    parameters = tool.parameters
+    return inference_pb2.Tool(
+        name=name,
+        description=tool.description or "",
+        parameters="" if parameters is None else canonical.json_text(parameters),
+    )
+
+
+def _tool_choice(body: protocol.ResponseCreateRequest) -> inference_pb2.ToolChoice | None:
+    """None (unset) is OpenAI's default, and Blazar's: "auto" when there are tools."""
+    choice = body.tool_choice
+    if choice is None:
+        return None
+    if not body.tools and choice != "none":
+        raise envelope.invalid(
+            "'tool_choice' is only allowed when 'tools' are specified.", param="tool_choice"
+        )
+    if isinstance(choice, str):
+        return inference_pb2.ToolChoice(mode=_CHOICES[choice])
+    if choice.type != "function":
+        raise envelope.invalid(
+            f"'tool_choice' of type {choice.type!r} is not supported by this server; send "
+            '"auto", "none", "required" or {"type": "function", "name": ...}.',
+            param="tool_choice.type",
+        )
+    name = _required(choice.name, "tool_choice.name")
+    return inference_pb2.ToolChoice(mode=inference_pb2.ToolChoice.MODE_NAMED, name=name)
+
+
+def _constraint(text: protocol.TextConfig | None) -> inference_pb2.Constraint | None:
+    fmt = text.format if text is not None else None
+    if isinstance(fmt, protocol.JsonSchemaFormat):
+        return canonical.json_schema(fmt.json_schema)
+    if fmt is not None and fmt.type == "json_object":
+        return canonical.json_object()
+    return None
