@@ -419,6 +419,45 @@ async def test_what_cannot_be_served_is_a_400_naming_it(
 
 
 @pytest.mark.parametrize(
+    "document",
+    [
+        {"model": "tiny"},
+        {"input": "Hi"},
+        body(model=""),
+        body(input=5),
+        body(input=[5]),
+        body(input=[{"role": "user", "content": 5}]),
+        body(input=[{"role": "user", "content": [5]}]),
+        body(input=[{"type": 5}]),
+        body(input=[{"type": "function_call", "call_id": "c", "name": "f", "arguments": {}}]),
+        body(tools={"type": "function"}),
+        body(tools=[{"name": "f"}]),
+        body(tools=[{"type": "function", "name": "f", "parameters": []}]),
+        body(tools=[WEATHER], tool_choice=5),
+        body(tools=[WEATHER], tool_choice="any"),
+        body(text={"format": {"type": "xml"}}),
+        body(text="json"),
+        body(include="message.output_text.logprobs"),
+        body(metadata={"k": 1}),
+        body(metadata={str(i): "v" for i in range(17)}),
+        body(stop=[1]),
+        body(seed="1"),
+        body(stream="yes"),
+        body(store="false"),
+    ],
+)
+async def test_a_malformed_body_is_a_400_never_a_500(
+    daemon: Daemon, client: httpx.AsyncClient, document: dict[str, Any]
+) -> None:
+    daemon.fake.scripts["tiny"] = HELLO
+    response = await client.post(PATH, json=document)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"], error
+    assert daemon.fake.requests == []
+
+
+@pytest.mark.parametrize(
     "extra",
     [
         {"store": False},
