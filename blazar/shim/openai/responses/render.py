@@ -136,7 +136,7 @@ def _text_part(text: str, entries: list[chat.TokenLogprob]) -> protocol.OutputTe
 
 
 def _message(
-    meta: ResponseMeta, status: protocol.ItemStatus, parts: list[protocol.OutputText]
+    meta: ResponseMeta, *, status: protocol.ItemStatus, parts: list[protocol.OutputText]
 ) -> protocol.OutputMessage:
     return {
         "id": meta.message_id,
@@ -149,9 +149,9 @@ def _message(
 
 def _function_call(
     meta: ResponseMeta,
-    index: int,
     call: inference_pb2.ToolCall,
     *,
+    index: int,
     status: protocol.ItemStatus,
     arguments: str,
 ) -> protocol.FunctionCall:
@@ -183,10 +183,14 @@ class Answer(canonical.Answer):
         calls = self.whole_calls()
         if self.text or not calls:
             entries = _logprobs(self.logprobs) if logprobs else []
-            output.append(_message(meta, item_status, [_text_part(self.text, entries)]))
+            output.append(
+                _message(meta, status=item_status, parts=[_text_part(self.text, entries)])
+            )
         for index, call in enumerate(calls):
             output.append(
-                _function_call(meta, index, call, status="completed", arguments=call.arguments)
+                _function_call(
+                    meta, call, index=index, status="completed", arguments=call.arguments
+                )
             )
         out: protocol.Response = {
             **started,
@@ -281,7 +285,9 @@ class ResponseStream:
         if self._message_open:
             entries = _logprobs(self._answer.logprobs) if self._logprobs else []
             failed["output"] = [
-                _message(self._meta, "incomplete", [_text_part(self._answer.text, entries)])
+                _message(
+                    self._meta, status="incomplete", parts=[_text_part(self._answer.text, entries)]
+                )
             ]
         return [
             self._event(
@@ -301,7 +307,7 @@ class ResponseStream:
             self._event(
                 "response.output_item.added",
                 output_index=0,
-                item=_message(self._meta, "in_progress", []),
+                item=_message(self._meta, status="in_progress", parts=[]),
             ),
             self._event(
                 "response.content_part.added",
