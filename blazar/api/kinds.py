@@ -86,6 +86,12 @@ class ModelSource(CamelModel):
         given = [v for v in (self.path, self.package, self.url) if v is not None]
         if len(given) != 1:
             raise invalid("set exactly one of path, package or url")
+        if self.url is not None:
+            # Nothing is downloaded at run time yet: refused here, not stored and failed.
+            raise invalid(
+                "url sources are not supported yet: download the file and name it with "
+                "path (under a model root), or use package"
+            )
         return self
 
 

@@ -26,7 +26,7 @@ import structlog
 
 from blazar.api import errors
 from blazar.api.kinds import Kind
-from blazar.controller import modelcache
+from blazar.controller import modelcache, sources
 from blazar.controller.lane import LaneReconciler
 from blazar.controller.manager import Manager
 from blazar.controller.model import ModelReconciler
@@ -75,6 +75,9 @@ class Options:
     log_json: bool = True
     # The machine's model cache (`modelcache`); None: packages assembled into the home.
     model_cache: Path | None = None
+    # Directories a Model's `source.path` may name files under, besides the home's
+    # models/ and $BLAZAR_MODEL_ROOTS (`sources`).
+    model_roots: tuple[Path, ...] = ()
 
 
 def _now() -> datetime:
@@ -221,6 +224,8 @@ def _shim(grpc_target: str) -> uvicorn.Server:
 async def _serve(options: Options, sock: socket.socket) -> None:
     home = options.home
     store = SQLiteStore(home / "state.db")
+    model_sources = sources.roots_from_environment(home, options.model_roots)
+    store.admission = model_sources.problems
     if store.recovered_from is not None:
         message = (
             f"{home / 'state.db'} could not be read as a store; it was moved to "
@@ -246,6 +251,7 @@ async def _serve(options: Options, sock: socket.socket) -> None:
                 models_dir=home / "models",
                 clock=_now,
                 cache=modelcache.ModelCache(options.model_cache),
+                sources=model_sources,
             ),
             LaneReconciler(store=store, processes=supervisor, clock=_now),
             PolicyReconciler(kind=Kind.SLO_POLICY, store=store, clock=_now),

@@ -67,6 +67,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         watch=Path(args.watch) if args.watch else None,
         log_json=True,
         model_cache=daemon.default_model_cache(),
+        model_roots=tuple(Path(d) for d in args.model_root),
     )
     asyncio.run(daemon.run(options))
     return 0
@@ -184,6 +185,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--home", help="state directory (default $BLAZAR_HOME or ~/.local/share/blazar)"
     )
     serve.add_argument("--log-json", action="store_true", help="JSON logs even on a terminal")
+    serve.add_argument(
+        "--model-root",
+        metavar="DIR",
+        action="append",
+        default=[],
+        help="a directory whose GGUF files Models may name with source.path (repeatable; "
+        "$BLAZAR_HOME/models always, and $BLAZAR_MODEL_ROOTS)",
+    )
     serve.set_defaults(func=cmd_serve)
 
     apply = sub.add_parser("apply", help="create or update objects from manifests")

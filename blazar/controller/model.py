@@ -20,6 +20,7 @@ from blazar.api.kinds import Kind, Model, ModelStatus
 from blazar.api.meta import ConditionStatus
 from blazar.controller import modelcache, modelfile
 from blazar.controller.reconciler import Result
+from blazar.controller.sources import ModelSources, SourceError
 from blazar.store.base import Store
 
 log = structlog.get_logger(__name__)
@@ -37,9 +38,12 @@ class ModelReconciler:
         models_dir: Path,
         clock: Callable[[], datetime],
         cache: modelcache.ModelCache | None = None,
+        sources: ModelSources | None = None,
     ) -> None:
         self._store = store
         self._models_dir = models_dir
+        # Without one: files under models_dir only.
+        self._sources = sources or ModelSources.of([models_dir])
         self._clock = clock
         # Without one, packages are assembled into models_dir, digests kept in memory.
         self._cache = cache or modelcache.ModelCache(None)
@@ -78,7 +82,7 @@ class ModelReconciler:
         started = time.monotonic()
         try:
             status = await asyncio.to_thread(self._inspect, model)
-        except modelfile.SourceError as err:
+        except SourceError as err:
             self._set(model, ModelStatus(), False, err.reason, err.message)
             if (model.status.observed_generation, self._reason(model)) != (generation, err.reason):
                 self._store.record_event(
@@ -114,10 +118,15 @@ class ModelReconciler:
         return Result()
 
     def _inspect(self, model: Model) -> ModelStatus:
-        path = modelfile.resolve(model.spec.source, models_dir=self._models_dir, cache=self._cache)
+        path = modelfile.resolve(
+            model.spec.source,
+            models_dir=self._models_dir,
+            cache=self._cache,
+            sources=self._sources,
+        )
         digest = self._cache.digests.sha256(path) if model.spec.sha256 else None
         if model.spec.sha256 and digest != model.spec.sha256:
-            raise modelfile.SourceError(
+            raise SourceError(
                 "ChecksumMismatch",
                 f"sha256 of {path} is {digest}, but the spec says {model.spec.sha256}.",
             )

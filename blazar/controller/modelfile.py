@@ -10,7 +10,6 @@ bundled model where this takes 0.07 s.
 
 from __future__ import annotations
 
-import importlib
 import importlib.metadata
 import mmap
 import struct
@@ -20,39 +19,50 @@ from typing import Any
 
 from blazar.api.kinds import ModelSource
 from blazar.controller import modelcache
+from blazar.controller.sources import ModelSources, SourceError
+
+# Every GGUF file begins with these four bytes.
+GGUF_MAGIC = b"GGUF"
 
 
-class SourceError(Exception):
-    """The source cannot be resolved; `reason` is a CamelCase condition reason."""
-
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
-        self.message = message
-
-
-def resolve(source: ModelSource, *, models_dir: Path, cache: modelcache.ModelCache) -> Path:
+def resolve(
+    source: ModelSource,
+    *,
+    models_dir: Path,
+    cache: modelcache.ModelCache,
+    sources: ModelSources,
+) -> Path:
     """The local GGUF path for source; a packaged model is assembled into the machine's
-    cache once and linked into models_dir (assembled there directly without a cache)."""
+    cache once and linked into models_dir (assembled there directly without a cache).
+    A file is checked to be a GGUF file before anything else reads it (`check_magic`)."""
     if source.path is not None:
-        path = Path(source.path).expanduser()
+        path = sources.path(source.path)
         if not path.is_file():
-            raise SourceError("FileNotFound", f"No file at {path}.")
-        return path.resolve()
+            raise SourceError("FileNotFound", f"No file at {source.path}.")
+        check_magic(path)
+        return path
     if source.package is not None:
-        return _from_package(source.package, models_dir=models_dir, cache=cache)
+        module = sources.package(source.package)
+        return _from_package(source.package, module, models_dir=models_dir, cache=cache)
     raise SourceError("SourceUnsupported", "Only `path` and `package` sources are supported yet.")
 
 
-def _from_package(distribution: str, *, models_dir: Path, cache: modelcache.ModelCache) -> Path:
-    module_name = distribution.replace("-", "_").replace(".", "_")
+def check_magic(path: Path) -> None:
+    """SourceError unless the file begins as a GGUF file does: nothing else is read (and
+    no digest computed, which would tell the digest of any file) before this holds."""
     try:
-        module: Any = importlib.import_module(module_name)
-    except ImportError:
-        raise SourceError(
-            "PackageNotInstalled",
-            f"Python package '{distribution}' is not installed (pip install {distribution}).",
-        ) from None
+        with path.open("rb") as f:
+            head = f.read(len(GGUF_MAGIC))
+    except OSError as exc:
+        raise SourceError("FileUnreadable", f"{path} cannot be read: {exc.strerror}.") from None
+    if head != GGUF_MAGIC:
+        raise SourceError("NotGGUF", f"{path} is not a GGUF file (it does not begin with 'GGUF').")
+
+
+def _from_package(
+    distribution: str, module: Any, *, models_dir: Path, cache: modelcache.ModelCache
+) -> Path:
+    module_name = getattr(module, "__name__", distribution.replace("-", "_"))
     if hasattr(module, "assemble"):
         # Chunked weight packages reassemble the file. Their assemble() re-hashes an
         # existing file on every call, so it is only ever asked for a new one; the files
@@ -77,8 +87,9 @@ def _from_package(distribution: str, *, models_dir: Path, cache: modelcache.Mode
                 f"Package '{distribution}' assembled a file with sha256 {err.digest}, "
                 f"but declares {err.expected}.",
             ) from None
+        check_magic(target)
         return target.resolve()
-    package_dir = Path(module.__file__).parent if module.__file__ else None
+    package_dir = Path(module.__file__).parent if getattr(module, "__file__", None) else None
     found = sorted(package_dir.rglob("*.gguf")) if package_dir else []
     if len(found) != 1:
         raise SourceError(
@@ -86,6 +97,7 @@ def _from_package(distribution: str, *, models_dir: Path, cache: modelcache.Mode
             f"Package '{distribution}' has {len(found)} .gguf files and no assemble(); "
             "expected exactly one.",
         )
+    check_magic(found[0])
     return found[0].resolve()
 
 

@@ -40,6 +40,8 @@ def apply_documents(
         objects = manifests.validate_objects(
             docs, exists=lambda kind, name: store.get(kind, name) is not None
         )
+        if store.admission is not None and (refused := store.admission(objects)):
+            raise errors.ManifestInvalid(refused)
     except errors.ManifestInvalid as err:
         if not dry_run:
             store.record_event(

