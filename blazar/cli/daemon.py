@@ -209,6 +209,7 @@ def _shim(grpc_target: str) -> uvicorn.Server:
     """The HTTP shim's server, imported only when it starts (see `_serve`)."""
     import uvicorn
 
+    from blazar.shim import connections
     from blazar.shim.app import create_app
 
     return uvicorn.Server(
@@ -217,6 +218,9 @@ def _shim(grpc_target: str) -> uvicorn.Server:
             log_level="warning",
             access_log=False,
             lifespan="on",
+            # h11 whatever else is installed, with a deadline on reading requests.
+            http=connections.BoundedH11Protocol,
+            limit_concurrency=connections.LIMIT_CONCURRENCY,
         )
     )
 
