@@ -109,6 +109,8 @@ class DecodeLoop:
         )
         # Threads the last step computed with (Health reads it from other threads).
         self.threads = options.spec.threads
+        # time.monotonic() when the current pass of the loop began; 0.0 between passes.
+        self._pass_began = 0.0
         self._thread = threading.Thread(target=self._run, name="decode", daemon=True)
 
     @property
@@ -149,6 +151,13 @@ class DecodeLoop:
         if spec is None:
             return self._spec_failed or SpeculationStats()
         return spec.stats()
+
+    @property
+    def step_age_s(self) -> float:
+        """How long the decode thread has been in its current pass; 0.0 while it waits
+        for work (any thread: a read of a float the decode thread writes)."""
+        began = self._pass_began
+        return time.monotonic() - began if began else 0.0
 
     @property
     def parked(self) -> int:
@@ -206,6 +215,7 @@ class DecodeLoop:
         self._on_loaded(None)
         try:
             while self._collect():
+                self._pass_began = time.monotonic()
                 self._control(runtime)
                 self._admit(runtime)
                 self._share_cpu(runtime)
@@ -215,6 +225,7 @@ class DecodeLoop:
                     log.exception("decode_step_failed")
                     for slot in self._active():
                         self._fail(runtime, slot, jobs.Failed(f"decode failed: {exc}"))
+                self._pass_began = 0.0
         finally:
             for slot in self._active():
                 self._finish(runtime, slot, jobs.FinishReason.CANCELLED)

@@ -155,6 +155,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             parked=self._decode.parked,
             parked_bytes=self._decode.parked_bytes,
             parked_bytes_max=self._decode.parked_bytes_max,
+            step_age_ms=self._decode.step_age_s * 1000.0,
             speculation=engine_pb2.SpeculationStats(
                 kind=spec.kind,
                 drafted_tokens=spec.drafted,

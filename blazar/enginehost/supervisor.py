@@ -41,6 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import grpc
 import structlog
@@ -63,6 +64,11 @@ STOP_GRACE_S = 10.0
 LIVENESS_PERIOD_S = 5.0
 LIVENESS_TIMEOUT_S = 5.0
 LIVENESS_FAILURES = 3
+# Health is answered off the decode thread, so a decode wedged inside llama.cpp still
+# answers; its `step_age_ms` gives it away. No pass of the loop takes this long on any
+# model Blazar runs on a CPU (a 512-token prompt chunk of an 8B model on two cores takes
+# under a minute), so one past it counts as a missed probe.
+LIVENESS_MAX_STEP_S = 300.0
 # What a Drain RPC may take past its grace: the engine then cancels what is left and
 # waits up to `service.CANCEL_WAIT_SECONDS` (5 s) for it to end (not imported here: the
 # service module loads llama.cpp, which the daemon does not need).
@@ -344,16 +350,14 @@ class Supervisor:
         if ready in done and ready.result():
             self._set(replica, ReplicaState.READY)
             alive = asyncio.create_task(self._until_unresponsive(replica))
+            watched: set[asyncio.Task[Any]] = {exited, alive}
             try:
-                done, _ = await asyncio.wait({exited, alive}, return_when=asyncio.FIRST_COMPLETED)
+                ended, _ = await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
             finally:
                 alive.cancel()  # a stop cancels this task: the probe goes with it
-            if alive in done and alive.result():
+            if alive in ended and (why := alive.result()) is not None:
                 self._kill_group(proc)
-                replica.message = (
-                    f"stopped answering its health checks ({LIVENESS_FAILURES} in a row, "
-                    f"{LIVENESS_TIMEOUT_S:.0f}s each) and was killed"
-                )
+                replica.message = f"{why} and was killed"
                 log.warning("replica.unresponsive", lane=replica.lane, index=replica.index)
         elif exited not in done:
             ready.cancel()
@@ -391,23 +395,35 @@ class Supervisor:
             await asyncio.sleep(HEALTH_POLL_S)
         return False
 
-    async def _until_unresponsive(self, replica: _Replica) -> bool:
+    async def _until_unresponsive(self, replica: _Replica) -> str | None:
         """Probe a Ready replica's Health until it misses `LIVENESS_FAILURES` in a row
-        (True) or is being stopped (False, whatever it answers then)."""
+        (what it did, for its message) or is being stopped (None, whatever it answers
+        then). A miss: no answer in time, or a decode pass older than
+        `LIVENESS_MAX_STEP_S`."""
         client = replica.client
         assert client is not None
         failures = 0
         while not replica.stopping:
             await asyncio.sleep(LIVENESS_PERIOD_S)
             try:
-                await client.health(timeout=LIVENESS_TIMEOUT_S)
+                health = await client.health(timeout=LIVENESS_TIMEOUT_S)
             except grpc.aio.AioRpcError:
-                failures += 1
-                if failures >= LIVENESS_FAILURES and not replica.stopping:
-                    return True
+                why = (
+                    f"stopped answering its health checks ({LIVENESS_FAILURES} in a row, "
+                    f"{LIVENESS_TIMEOUT_S:.0f}s each)"
+                )
             else:
-                failures = 0
-        return False
+                if health.step_age_ms <= LIVENESS_MAX_STEP_S * 1000.0:
+                    failures = 0
+                    continue
+                why = (
+                    f"its decode loop was stuck in one pass for {health.step_age_ms / 1000:.0f}s "
+                    f"(over {LIVENESS_MAX_STEP_S:.0f}s, {LIVENESS_FAILURES} checks in a row)"
+                )
+            failures += 1
+            if failures >= LIVENESS_FAILURES and not replica.stopping:
+                return why
+        return None
 
     async def _drain(self, replica: _Replica, grace: float) -> None:
         client = replica.client

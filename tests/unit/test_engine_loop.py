@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -364,3 +365,30 @@ def test_a_finished_request_reports_the_batch_it_decoded_in(
         # Both prompts may not start in the same step; each decoded beside the other
         # for most of its steps.
         assert all(1.0 < b <= 2.0 for b in batches)
+
+
+def test_a_pass_that_does_not_end_shows_in_its_step_age(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Health reads the age of the decode thread's current pass: a decode wedged inside
+    llama.cpp still answers Health, and this is what gives it away."""
+    with running(monkeypatch, slots=1) as (decode, runtime):
+        assert decode.step_age_s == 0.0  # waiting for work
+        release = threading.Event()
+        stuck = threading.Event()
+
+        def wedge(step: int) -> None:
+            if step == 2:
+                stuck.set()
+                release.wait(10)
+
+        runtime.before_decode = wedge
+        j, events = job([1, 2, 3], max_tokens=4)
+        decode.submit(j)
+        assert stuck.wait(10)
+        time.sleep(0.3)
+        assert decode.step_age_s >= 0.3
+        release.set()
+        assert events.ended.wait(10)
+        deadline = time.monotonic() + 5
+        while decode.step_age_s != 0.0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert decode.step_age_s == 0.0

@@ -469,6 +469,7 @@ def test_a_worker_shares_the_cores_with_libgomps_own_spin(
 
 # A worker that answers Health as a ready engine does, and nothing else.
 SERVING_WORKER = f"""#!{sys.executable}
+STEP_AGE_MS = 0.0
 import json, sys, time
 from concurrent import futures
 import grpc
@@ -476,7 +477,9 @@ from blazar._proto.engine.v1 import engine_pb2, engine_pb2_grpc
 
 class Engine(engine_pb2_grpc.EngineServicer):
     def Health(self, request, context):
-        return engine_pb2.HealthResponse(state=engine_pb2.ENGINE_STATE_READY)
+        return engine_pb2.HealthResponse(
+            state=engine_pb2.ENGINE_STATE_READY, step_age_ms=STEP_AGE_MS
+        )
 
 server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
 engine_pb2_grpc.add_EngineServicer_to_server(Engine(), server)
@@ -528,3 +531,26 @@ def test_a_ready_replica_that_stops_answering_is_killed_and_fails(
         assert obs.message.startswith("stopped answering its health checks (3 in a row")
     else:
         assert (obs.state, obs.exit_code, obs.message) == (ReplicaState.READY, None, "")
+
+
+def test_a_replica_whose_decode_pass_never_ends_is_killed_though_it_answers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Health is answered off the decode thread: a decode wedged inside llama.cpp still
+    answers, and only its step age gives it away."""
+    monkeypatch.setattr(supervisor, "LIVENESS_PERIOD_S", 0.1)
+    monkeypatch.setattr(supervisor, "LIVENESS_MAX_STEP_S", 1.0)
+    sup, spec, worker = bare_supervisor(tmp_path)
+    worker.write_text(SERVING_WORKER.replace("STEP_AGE_MS = 0.0", "STEP_AGE_MS = 5000.0"))
+
+    async def run() -> ReplicaObservation:
+        await sup.start("l", 0, spec)
+        await until(lambda: sup.observe("l")[0].state == ReplicaState.FAILED, what="failed")
+        (obs,) = sup.observe("l")
+        await sup.stop_all(grace=1.0)
+        return obs
+
+    obs = asyncio.run(run())
+    remove_run_dir(sup)
+    assert obs.exit_code == -signal.SIGKILL
+    assert obs.message.startswith("its decode loop was stuck in one pass for 5s")

@@ -77,7 +77,7 @@ class SpeculationStats(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., disabled_requests: _Optional[int] = ..., failure: _Optional[str] = ...) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("state", "slots", "memory_bytes", "context_per_slot", "model_path", "pid", "speculation", "kv_bytes", "threads", "parked", "parked_bytes", "parked_bytes_max")
+    __slots__ = ("state", "slots", "memory_bytes", "context_per_slot", "model_path", "pid", "speculation", "kv_bytes", "threads", "parked", "parked_bytes", "parked_bytes_max", "step_age_ms")
     STATE_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +90,7 @@ class HealthResponse(_message.Message):
     PARKED_FIELD_NUMBER: _ClassVar[int]
     PARKED_BYTES_FIELD_NUMBER: _ClassVar[int]
     PARKED_BYTES_MAX_FIELD_NUMBER: _ClassVar[int]
+    STEP_AGE_MS_FIELD_NUMBER: _ClassVar[int]
     state: EngineState
     slots: _containers.RepeatedCompositeFieldContainer[SlotStatus]
     memory_bytes: int
@@ -102,7 +103,8 @@ class HealthResponse(_message.Message):
     parked: int
     parked_bytes: int
     parked_bytes_max: int
-    def __init__(self, state: _Optional[_Union[EngineState, str]] = ..., slots: _Optional[_Iterable[_Union[SlotStatus, _Mapping]]] = ..., memory_bytes: _Optional[int] = ..., context_per_slot: _Optional[int] = ..., model_path: _Optional[str] = ..., pid: _Optional[int] = ..., speculation: _Optional[_Union[SpeculationStats, _Mapping]] = ..., kv_bytes: _Optional[int] = ..., threads: _Optional[int] = ..., parked: _Optional[int] = ..., parked_bytes: _Optional[int] = ..., parked_bytes_max: _Optional[int] = ...) -> None: ...
+    step_age_ms: float
+    def __init__(self, state: _Optional[_Union[EngineState, str]] = ..., slots: _Optional[_Iterable[_Union[SlotStatus, _Mapping]]] = ..., memory_bytes: _Optional[int] = ..., context_per_slot: _Optional[int] = ..., model_path: _Optional[str] = ..., pid: _Optional[int] = ..., speculation: _Optional[_Union[SpeculationStats, _Mapping]] = ..., kv_bytes: _Optional[int] = ..., threads: _Optional[int] = ..., parked: _Optional[int] = ..., parked_bytes: _Optional[int] = ..., parked_bytes_max: _Optional[int] = ..., step_age_ms: _Optional[float] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ("grace_seconds",)
