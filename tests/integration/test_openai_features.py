@@ -8,6 +8,7 @@ import json
 import math
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import jsonschema
@@ -133,20 +134,32 @@ def test_response_format_json_schema(client: openai.OpenAI) -> None:
         "required": ["city", "sunny"],
         "additionalProperties": False,
     }
-    for seed in (1, 2):
-        completion = client.chat.completions.create(
-            model=LANE,
-            messages=[{"role": "user", "content": "Describe the weather in Paris as JSON."}],
-            response_format={
+    # 20 of 20 (issue 18), half of them streamed, over seeds and temperatures.
+    for seed in range(1, 21):
+        options: dict[str, Any] = {
+            "model": LANE,
+            "messages": [{"role": "user", "content": "Describe the weather in Paris as JSON."}],
+            "response_format": {
                 "type": "json_schema",
                 "json_schema": {"name": "weather", "schema": schema, "strict": True},
             },
-            temperature=0.8,
-            seed=seed,
-            max_tokens=budget(schema),
-        )
-        content = completion.choices[0].message.content or ""
-        assert completion.choices[0].finish_reason == "stop", content
+            "temperature": (0.0, 0.8, 1.4)[seed % 3],
+            "seed": seed,
+            "max_tokens": budget(schema),
+        }
+        if seed % 2:
+            stream = client.chat.completions.create(**options, stream=True)
+            parts, finish = [], None
+            for chunk in stream:
+                for choice in chunk.choices:
+                    parts.append(choice.delta.content or "")
+                    finish = choice.finish_reason or finish
+            content = "".join(parts)
+        else:
+            completion = client.chat.completions.create(**options)
+            content = completion.choices[0].message.content or ""
+            finish = completion.choices[0].finish_reason
+        assert finish == "stop", (seed, content)
         jsonschema.validate(json.loads(content), schema)
 
 
