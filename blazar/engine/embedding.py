@@ -48,6 +48,19 @@ CHUNK = 64
 # Per request, as OpenAI's embeddings endpoint limits it.
 MAX_INPUTS = 2048
 MAX_TOTAL_TOKENS = 300_000
+# The vectors of one request travel in one gRPC message to the data plane and on to the
+# shim or a client, each of which takes at most 4 MiB by default (gRPC's own limit): 1,700
+# inputs of 640 dimensions were embedded for 43 s and then refused on the way back. Fewer
+# inputs per request are taken for wider vectors (a vector costs 4 bytes a dimension, plus
+# its framing), checked before any work.
+MAX_RESPONSE_BYTES = 4 * 2**20
+_VECTOR_FRAMING_BYTES = 24
+
+
+def max_inputs_for(dimensions: int) -> int:
+    """How many vectors of `dimensions` fit one response, at most `MAX_INPUTS`."""
+    return max(1, min(MAX_INPUTS, MAX_RESPONSE_BYTES // (4 * dimensions + _VECTOR_FRAMING_BYTES)))
+
 
 # The graph node llama.cpp names the embeddings it returns (per token with pooling
 # NONE); the output head comes after it.
@@ -96,10 +109,10 @@ class Embedder:
         self._model = model
         self._vocab = vocab
         self.context_length = context_length
-        self.max_inputs = max_inputs
         self.max_total_tokens = max_total_tokens
         self._threads = threads
         self.dimensions = int(lc.llama_model_n_embd(model))
+        self.max_inputs = min(max_inputs, max_inputs_for(self.dimensions))
         self._inbox: queue.Queue[_Work | object] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="embed", daemon=True)
         self._lock = threading.Lock()
@@ -129,7 +142,8 @@ class Embedder:
         if len(texts) > self.max_inputs:
             raise errors.InvalidRequest(
                 f"The request has {len(texts)} inputs; at most {self.max_inputs} are embedded "
-                "per request. Split it into several requests.",
+                f"per request (with this model's {self.dimensions}-dimension vectors, that many "
+                "fill one response). Split it into several requests.",
                 metadata={errors.FIELD_KEY: "inputs", "inputs": str(len(texts))},
             )
         for i, text in enumerate(texts):

@@ -119,6 +119,21 @@ def test_no_inputs_is_invalid(worker: Worker) -> None:
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
+def test_more_vectors_than_a_response_holds_are_refused_before_any_work(worker: Worker) -> None:
+    """1,700 inputs of 640 dimensions were embedded for 43 s, then refused on the way
+    back by gRPC's 4 MiB receive limit."""
+    started = time.monotonic()
+    err = rpc_error(
+        lambda: worker.stub.Embed(inference_pb2.EmbedRequest(inputs=["x"] * 1700), timeout=30)
+    )
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"at most {embedding.max_inputs_for(640)} are embedded" in (err.details() or "")
+    assert time.monotonic() - started < 5
+    # What fits is well within the receive limit of every client.
+    fits = embedding.max_inputs_for(640)
+    assert fits * (4 * 640 + 24) <= 4 * 2**20 < (fits + 1) * (4 * 640 + 24)
+
+
 def test_an_empty_input_is_invalid(worker: Worker) -> None:
     # As the HTTP dialects refuse it, rather than embedding the BOS token alone.
     err = rpc_error(lambda: embed(worker, "fine", ""))
