@@ -273,6 +273,28 @@ class LaneSpec(CamelModel):
             raise invalid("engine upstream requires upstream.url")
         return value
 
+    # Accepted by the API's shape but not acted on yet: refused at apply rather than
+    # stored and ignored (a stored object written before keeps loading).
+    @field_validator("engine")
+    @classmethod
+    def _engine_supported(cls, value: str, info: ValidationInfo) -> str:
+        if value == "upstream" and not _stored(info):
+            raise invalid(
+                "engine upstream is not supported yet: Lanes run llama-cpp engines on this "
+                "host (remove engine, or set it to llama-cpp)"
+            )
+        return value
+
+    @field_validator("idle")
+    @classmethod
+    def _idle_supported(cls, value: Idle | None, info: ValidationInfo) -> Idle | None:
+        if value is not None and value.sleep_after is not None and not _stored(info):
+            raise invalid(
+                "idle.sleepAfter is not supported yet: a Lane's replicas stay up until it "
+                "is scaled to zero (replicas: 0) or deleted; remove idle"
+            )
+        return value
+
 
 class ReplicaStatus(CamelModel):
     model_config = ConfigDict(extra="ignore")
