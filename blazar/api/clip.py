@@ -18,7 +18,11 @@ NAME_CHARS = 253
 
 
 def clip(text: str, limit: int) -> str:
-    """`text`, or its first `limit` characters and how many more there were."""
+    """`text`, or about `limit` characters of it: its start and its end (where an error
+    says what to do), and how many characters between them were left out."""
     if len(text) <= limit:
         return text
-    return f"{text[:limit]}... ({len(text) - limit:,} more characters)"
+    tail = limit // 4
+    head = limit - tail
+    end = text[len(text) - tail :]
+    return f"{text[:head]} [... {len(text) - head - tail} characters left out ...] {end}"

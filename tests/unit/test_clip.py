@@ -7,7 +7,10 @@ from blazar.api import clip, errors
 
 def test_clip_keeps_short_text_and_says_how_much_it_cut() -> None:
     assert clip.clip("abc", 3) == "abc"
-    assert clip.clip("abcdef", 3) == "abc... (3 more characters)"
+    assert clip.clip("abcdefgh", 4) == "abc [... 4 characters left out ...] h"
+    # The end stays: it is where an error says what to do.
+    long = "Invalid name '" + "x" * 10_000 + "': use letters and digits."
+    assert clip.clip(long, 1_000).endswith("x': use letters and digits.")
 
 
 def test_an_error_quoting_a_huge_value_is_bounded() -> None:
