@@ -134,6 +134,12 @@ Bounds = tuple[Ranges, Ranges]
 
 def grammar(schema: dict[str, Any]) -> str:
     """GBNF for the documents valid against `schema`; InvalidRequest when it cannot be."""
+    # The checks below read keywords by their meaning (`required` as a list of names):
+    # a schema that is not one (`"required": 5`) stops here, not in a TypeError.
+    problem = invalid_schema(schema)
+    if problem is not None:
+        at, why = problem
+        raise errors.InvalidRequest(f"The JSON schema is not a valid JSON Schema{at}: {why}.")
     schema = _any_value_subschemas(schema)
     unenforced = sorted(set(unenforced_keywords(schema)))
     if unenforced:
@@ -202,6 +208,23 @@ def grammar(schema: dict[str, Any]) -> str:
             "itself too deeply."
         ) from None
     return "\n".join(_strict_rule(line) for line in text.splitlines())
+
+
+def invalid_schema(document: dict[str, Any]) -> tuple[str, str] | None:
+    """Where and why `document` is not a valid JSON Schema (by the metaschema of the
+    draft its `$schema` names, else 2020-12), or None when it is one."""
+    from jsonschema import exceptions, validators
+
+    declared = document.get("$schema")
+    # jsonschema looks the name up as a URI: anything but a string raises TypeError.
+    if declared is not None and not isinstance(declared, str):
+        return "['$schema']", f"{declared!r} is not a string"
+    validator = validators.validator_for(document, default=validators.Draft202012Validator)
+    try:
+        validator.check_schema(document)
+    except exceptions.SchemaError as exc:
+        return "".join(f"[{p!r}]" for p in exc.path) or " at its top", exc.message
+    return None
 
 
 def _strict_rule(line: str) -> str:

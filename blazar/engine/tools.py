@@ -178,13 +178,10 @@ def _parameters(source: str, where: str) -> dict[str, Any]:
         raise _blame(
             where, f'\'{where}\' must describe an object ("type": "object"); got {kind!r}.'
         )
-    from jsonschema import exceptions, validators
-
-    try:
-        validators.validator_for(document).check_schema(document)
-    except exceptions.SchemaError as exc:
-        at = "".join(f"[{p!r}]" for p in exc.path) or " at its top"
-        raise _blame(where, f"'{where}' is not a valid JSON Schema{at}: {exc.message}.") from None
+    problem = schema.invalid_schema(document)
+    if problem is not None:
+        at, why = problem
+        raise _blame(where, f"'{where}' is not a valid JSON Schema{at}: {why}.")
     return document
 
 

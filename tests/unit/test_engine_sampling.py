@@ -209,7 +209,7 @@ def test_json_object_grammar_is_a_generic_object() -> None:
         ({"json_schema": "{nope"}, "not valid JSON"),
         ({"json_schema": "[1, 2]"}, "must be a JSON object, not list"),
         ({"json_schema": "true"}, "must be a JSON object, not bool"),
-        ({"json_schema": '{"type": "no-such-type"}'}, "cannot be turned into a grammar"),
+        ({"json_schema": '{"type": "no-such-type"}'}, "not a valid JSON Schema"),
         ({"json_schema": '{"$ref": "#/$defs/missing"}'}, "cannot be turned into a grammar"),
         ({"json_schema": '{"$ref": "https://example.com/s.json"}'}, "cannot be turned"),
         ({"json_schema": '{"type": "string", "pattern": "^(?!a)"}'}, "cannot be turned"),

@@ -249,6 +249,33 @@ def test_grammar_uses_the_pattern_translation_and_strict_strings() -> None:
     assert 'char ::= [^"\\\\\\x7F\\x00-\\x1F\\uD800-\\uDFFF] |' in text
 
 
+@pytest.mark.parametrize(
+    ("document", "fragment"),
+    [
+        # Found by fuzzing: each was a TypeError (an HTTP 500), read before validation.
+        (
+            {"type": "object", "properties": {"a": {}}, "required": 5},
+            "['required']: 5 is not of type 'array'",
+        ),
+        ({"type": "object", "properties": []}, "['properties']: [] is not of type 'object'"),
+        ({"$schema": [], "type": "object"}, "['$schema']: [] is not a string"),
+        ({"$schema": 5}, "['$schema']: 5 is not a string"),
+        ({"type": "strin"}, "['type']: 'strin' is not valid"),
+    ],
+)
+def test_a_schema_that_is_not_valid_json_schema_is_refused(
+    document: dict[str, Any], fragment: str
+) -> None:
+    with pytest.raises(errors.InvalidRequest, match="not a valid JSON Schema") as info:
+        schema.grammar(document)
+    assert fragment in info.value.message
+
+
+def test_an_unknown_schema_draft_is_read_as_the_latest() -> None:
+    assert schema.invalid_schema({"$schema": "https://example.com/mine", "type": "string"}) is None
+    assert schema.grammar({"$schema": "https://example.com/mine", "type": "string"})
+
+
 def test_recursive_schema_is_refused_clearly() -> None:
     tree = {
         "$defs": {

@@ -79,6 +79,7 @@ def _deep(levels: int) -> dict[str, Any]:
             "not a valid JSON Schema",
         ),
         (chat(("f", _deep(40))), "tools[0].parameters", "more than 32 levels"),
+        (chat(("f", {"$schema": []})), "tools[0].parameters", "['$schema']: [] is not a string"),
         (chat(mode=Mode.MODE_REQUIRED), "tool_choice", "needs tools"),
         (chat(("f", {}), mode=Mode.MODE_NAMED, name="g"), "tool_choice", "'g'"),
     ],
