@@ -47,6 +47,15 @@ _PREFIX = "blazar-"
 # the details, as it went before they were sent; every other error has them.
 DETAILS_LIMIT = 2048
 
+# The longest status message sent, in bytes as gRPC writes it: percent-encoded in the
+# `grpc-message` trailer, where a byte other than printable ASCII (or "%") takes three.
+# Past the client's trailer limits the whole status is lost as RESOURCE_EXHAUSTED: an
+# error quoting a 100 kB value the caller sent (a tool's name, a schema's property)
+# reached HTTP clients as a 429 to retry. Up to this, a manifest's dozens of errors go
+# whole; a longer message keeps its start and its end (`wire_message`).
+MESSAGE_LIMIT = 7_000
+_PLAIN_BYTES = bytes(b for b in range(0x20, 0x7F) if b != ord("%"))
+
 
 def trailing_metadata(err: errors.BlazarError) -> tuple[tuple[str, str | bytes], ...]:
     items: list[tuple[str, str | bytes]] = [(REASON_KEY, err.reason)]
@@ -62,10 +71,37 @@ def _sendable(value: str) -> bool:
     return all(" " <= c <= "~" for c in value)
 
 
+def wire_message(message: str) -> str:
+    """`message` as an error sends it: whole up to MESSAGE_LIMIT wire bytes, else its
+    start and end with what lies between left out."""
+    if _wire_length(message) <= MESSAGE_LIMIT:
+        return message
+    half = (MESSAGE_LIMIT - 100) // 2
+    head = _within(message, half)
+    tail = _within(message[::-1], half)[::-1]
+    left_out = len(message) - len(head) - len(tail)
+    return f"{head} [... {left_out} characters left out ...] {tail}"
+
+
+def _wire_length(text: str) -> int:
+    data = text.encode("utf-8", "replace")
+    return len(data) + 2 * len(data.translate(None, _PLAIN_BYTES))
+
+
+def _within(text: str, budget: int) -> str:
+    """The longest start of text whose wire length is at most budget."""
+    used = 0
+    for i, char in enumerate(text):
+        used += _wire_length(char)
+        if used > budget:
+            return text[:i]
+    return text
+
+
 def rpc_status(err: errors.BlazarError) -> status_pb2.Status:
     """The `google.rpc.Status` of err: its code and message, and one ErrorInfo."""
     info = error_details_pb2.ErrorInfo(reason=err.reason, domain=DOMAIN, metadata=err.metadata)
-    status = status_pb2.Status(code=grpc_code(err).value[0], message=err.message)
+    status = status_pb2.Status(code=grpc_code(err).value[0], message=wire_message(err.message))
     status.details.add().Pack(info)
     return status
 
@@ -76,7 +112,7 @@ def grpc_code(err: errors.BlazarError) -> grpc.StatusCode:
 
 async def abort(context: grpc.aio.ServicerContext[Any, Any], err: errors.BlazarError) -> NoReturn:
     """End the RPC with err's status; never returns (`context.abort` raises)."""
-    await context.abort(grpc_code(err), err.message, trailing_metadata(err))
+    await context.abort(grpc_code(err), wire_message(err.message), trailing_metadata(err))
 
 
 def from_rpc_error(exc: grpc.RpcError) -> errors.BlazarError:

@@ -233,6 +233,36 @@ def test_abort_sends_error_info_over_real_grpc(err: errors.BlazarError) -> None:
     assert (type(back), back.message, back.metadata) == (type(err), err.message, err.metadata)
 
 
+@pytest.mark.parametrize("filler", ["x", "\u00e9", "\U0001f642", "%"])
+def test_a_message_quoting_a_huge_value_arrives_shortened_with_its_code(filler: str) -> None:
+    """Found by fuzzing: an InvalidRequest quoting a 100 kB tool name was lost in gRPC's
+    trailer limit as RESOURCE_EXHAUSTED, which HTTP clients got as a 429 to retry."""
+    message = f"Invalid tool name '{filler * 100_000}': use letters and digits."
+    err = errors.InvalidRequest(message, metadata={errors.FIELD_KEY: "tools[0].name"})
+
+    async def call() -> grpc.aio.AioRpcError:
+        async with aborting_server(err) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await channel.unary_unary("/test.Fails/Call")(b"")
+            return info.value
+
+    exc = asyncio.run(call())
+    assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT
+    sent = exc.details() or ""
+    assert sent.startswith("Invalid tool name '" + filler * 10)
+    assert sent.endswith(filler * 10 + "': use letters and digits.")
+    assert "characters left out" in sent
+    assert status._wire_length(sent) <= status.MESSAGE_LIMIT
+    back = status.from_rpc_error(exc)
+    assert type(back) is errors.InvalidRequest and back.message == sent
+
+
+def test_a_message_within_the_limit_is_sent_whole() -> None:
+    message = "y" * status.MESSAGE_LIMIT
+    assert status.wire_message(message) == message
+    assert status.wire_message(message + "y") != message + "y"
+
+
 EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
 REQUEST_TOO_LARGE = (
     "The request is larger than the server accepts: 5600017 bytes, and the limit is "
