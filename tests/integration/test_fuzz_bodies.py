@@ -411,6 +411,111 @@ OLLAMA_EMBED = st.fixed_dictionaries(
     },
 )
 
+
+@st.composite
+def openai_responses(draw: st.DrawFn) -> dict[str, Any]:
+    text_input: Any = draw(
+        st.one_of(
+            TEXT,
+            st.just([{"role": "user", "content": "Hi"}]),
+            st.just(
+                [
+                    {"role": "developer", "content": [{"type": "input_text", "text": "Brief."}]},
+                    {"role": "user", "content": "Weather?"},
+                    {
+                        "type": "function_call",
+                        "call_id": "call_1",
+                        "name": "get_weather",
+                        "arguments": '{"city": "Paris"}',
+                    },
+                    {"type": "function_call_output", "call_id": "call_1", "output": "Sunny."},
+                ]
+            ),
+        )
+    )
+    body: dict[str, Any] = {"model": LANE, "input": text_input, "max_output_tokens": 1}
+    body |= draw(
+        _maybe(
+            instructions=TEXT,
+            stream=st.booleans(),
+            temperature=st.floats(0, 2),
+            top_p=st.floats(0, 1),
+            user=TEXT,
+            metadata=st.just({"k": "v"}),
+            store=st.just(False),
+            text=st.one_of(
+                st.just({"format": {"type": "json_object"}}),
+                SCHEMA.map(lambda s: {"format": {"type": "json_schema", "name": "x", "schema": s}}),
+            ),
+        )
+    )
+    if draw(RARELY):
+        body["tools"] = [
+            {"type": "function", "name": "get_weather", "parameters": draw(TOOL_PARAMETERS)}
+        ]
+        body["tool_choice"] = draw(st.sampled_from(["auto", "none", "required"]))
+    return body
+
+
+@st.composite
+def anthropic_messages(draw: st.DrawFn, *, count: bool = False) -> dict[str, Any]:
+    messages: list[Any] = draw(
+        st.sampled_from(
+            [
+                [{"role": "user", "content": "Hi"}],
+                [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
+                [
+                    {"role": "user", "content": "Weather?"},
+                    {
+                        "role": "assistant",
+                        "content": [
+                            {
+                                "type": "tool_use",
+                                "id": "toolu_1",
+                                "name": "get_weather",
+                                "input": {"city": "Paris"},
+                            }
+                        ],
+                    },
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "tool_result", "tool_use_id": "toolu_1", "content": "Sunny."}
+                        ],
+                    },
+                ],
+            ]
+        )
+    )
+    body: dict[str, Any] = {"model": LANE, "messages": messages}
+    if not count:
+        body["max_tokens"] = 1
+        body |= draw(
+            _maybe(
+                stream=st.booleans(),
+                stop_sequences=st.lists(TEXT, max_size=2),
+                temperature=st.floats(0, 1),
+                top_p=st.floats(0, 1),
+                top_k=st.integers(0, 50),
+                metadata=TEXT.map(lambda u: {"user_id": u}),
+            )
+        )
+    body |= draw(
+        _maybe(
+            system=st.one_of(TEXT, st.just([{"type": "text", "text": "Be brief."}])),
+        )
+    )
+    if draw(RARELY):
+        body["tools"] = [{"name": "get_weather", "input_schema": draw(TOOL_PARAMETERS)}]
+        body["tool_choice"] = draw(
+            st.sampled_from(
+                [{"type": "auto"}, {"type": "any"}, {"type": "none"},
+                 {"type": "tool", "name": "get_weather"}]
+            )
+        )  # fmt: skip
+    return body
+
+
 OPENAI_BUDGET = Budget(paths=(("max_completion_tokens",), ("max_tokens",)))
 OLLAMA_BUDGET = Budget(paths=(("options", "num_predict"),), unbounded=frozenset({-2, -1, 0}))
 # A schema whose keywords were read before it was validated: TypeError, HTTP 500.
@@ -426,14 +531,24 @@ class Dialect:
     regressions: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
 
 
-# One Route per endpoint. Anthropic's `/v1/messages` and `/v1/messages/count_tokens`
-# and OpenAI's `/v1/responses` plug in here when they land.
+# One Route per endpoint.
 DIALECTS: dict[str, Dialect] = {
+    "anthropic": Dialect(
+        routes=[
+            Route("/v1/messages", anthropic_messages(), Budget(paths=(("max_tokens",),))),
+            Route("/v1/messages/count_tokens", anthropic_messages(count=True)),
+        ],
+        plain=(
+            "/v1/messages",
+            {"model": LANE, "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]},
+        ),
+    ),
     "openai": Dialect(
         routes=[
             Route("/v1/chat/completions", openai_chat(), OPENAI_BUDGET),
             Route("/v1/completions", openai_completion(), Budget(paths=(("max_tokens",),))),
             Route("/v1/embeddings", OPENAI_EMBEDDING),
+            Route("/v1/responses", openai_responses(), Budget(paths=(("max_output_tokens",),))),
         ],
         plain=(
             "/v1/chat/completions",
