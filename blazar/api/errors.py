@@ -3,7 +3,8 @@
     BlazarError                       any failure Blazar reports to a caller
     ├── InvalidRequest                the request itself is wrong        INVALID_ARGUMENT
     │   ├── ContextLengthExceeded     prompt + max_tokens > context      INVALID_ARGUMENT
-    │   └── RequestTooLarge           more bytes than the server takes   INVALID_ARGUMENT
+    │   ├── RequestTooLarge           more bytes than the server takes   INVALID_ARGUMENT
+    │   └── UnsupportedMediaType      an HTTP body that is not JSON      INVALID_ARGUMENT
     ├── ManifestInvalid               a manifest failed validation       INVALID_ARGUMENT
     ├── ModelNotFound                 no Lane serves that name           NOT_FOUND
     ├── ObjectNotFound                no such resource in the store      NOT_FOUND
@@ -12,10 +13,14 @@
     ├── Overloaded                    admission refused, retry later     RESOURCE_EXHAUSTED
     │   ├── QueueFull                 its policy's queue is at its depth RESOURCE_EXHAUSTED
     │   ├── QueueTimeout              waited its policy's longest wait   RESOURCE_EXHAUSTED
-    │   └── SloUnattainable           predicted to miss its TTFT target  RESOURCE_EXHAUSTED
+    │   ├── SloUnattainable           predicted to miss its TTFT target  RESOURCE_EXHAUSTED
+    │   └── RateLimited               the tenant's rate limit is spent   RESOURCE_EXHAUSTED
     ├── Unavailable                   no ready replica / shutting down   UNAVAILABLE
     ├── Unauthenticated               missing or wrong API key           UNAUTHENTICATED
     ├── PermissionDenied              key without access                 PERMISSION_DENIED
+    │   ├── ModelNotPermitted         a Lane the tenant may not use      PERMISSION_DENIED
+    │   ├── AdminRequired             Control without an admin key       PERMISSION_DENIED
+    │   └── OriginNotAllowed          a browser page of another origin   PERMISSION_DENIED
     └── DeadlineExceeded              the caller's deadline passed       DEADLINE_EXCEEDED
 
 Every error carries a gRPC status code name (`code`), a machine-readable `reason`
@@ -98,6 +103,13 @@ class RequestTooLarge(InvalidRequest):
     """The request's size in bytes is over a limit (HTTP 413); retrying cannot help."""
 
     reason = "REQUEST_TOO_LARGE"
+
+
+class UnsupportedMediaType(InvalidRequest):
+    """An HTTP body sent as something other than JSON (HTTP 415). Refused so that a web
+    page cannot send one as a form or plain text, which a browser does without asking."""
+
+    reason = "UNSUPPORTED_MEDIA_TYPE"
 
 
 @dataclass(frozen=True)
@@ -280,12 +292,34 @@ class SloUnattainable(Overloaded):
         )
 
 
+class RateLimited(Overloaded):
+    """The tenant spent its requests or tokens per minute (its `rateLimit`)."""
+
+    reason = "RATE_LIMITED"
+
+    @classmethod
+    def of(cls, *, tenant: str, limit: str, per_minute: int, retry_after_s: float) -> RateLimited:
+        what = "requests" if limit == "requestsPerMinute" else "tokens"
+        return cls(
+            f"Tenant '{tenant}' has used its {per_minute} {what} per minute (its "
+            f"rateLimit.{limit}); retry in {retry_after_s:.1f} s.",
+            metadata={
+                "tenant": tenant,
+                "limit": limit,
+                "per_minute": str(per_minute),
+                RETRY_AFTER_KEY: _retry_millis(retry_after_s),
+            },
+        )
+
+
 class Unavailable(BlazarError):
     code = "UNAVAILABLE"
     reason = "UNAVAILABLE"
 
 
 class Unauthenticated(BlazarError):
+    """No API key, or one no tenant holds."""
+
     code = "UNAUTHENTICATED"
     reason = "UNAUTHENTICATED"
 
@@ -293,6 +327,24 @@ class Unauthenticated(BlazarError):
 class PermissionDenied(BlazarError):
     code = "PERMISSION_DENIED"
     reason = "PERMISSION_DENIED"
+
+
+class ModelNotPermitted(PermissionDenied):
+    """The caller's tenant may not use the Lane a model name resolves to."""
+
+    reason = "MODEL_NOT_PERMITTED"
+
+
+class AdminRequired(PermissionDenied):
+    """Control called by a tenant without `admin`, or over TCP without an admin key."""
+
+    reason = "ADMIN_REQUIRED"
+
+
+class OriginNotAllowed(PermissionDenied):
+    """A browser request from a page whose origin `serve --allow-origin` does not name."""
+
+    reason = "ORIGIN_NOT_ALLOWED"
 
 
 class DeadlineExceeded(BlazarError):
@@ -306,6 +358,7 @@ _BY_REASON: dict[str, type[BlazarError]] = {
         InvalidRequest,
         ContextLengthExceeded,
         RequestTooLarge,
+        UnsupportedMediaType,
         ManifestInvalid,
         ModelNotFound,
         ObjectNotFound,
@@ -315,9 +368,13 @@ _BY_REASON: dict[str, type[BlazarError]] = {
         QueueFull,
         QueueTimeout,
         SloUnattainable,
+        RateLimited,
         Unavailable,
         Unauthenticated,
         PermissionDenied,
+        ModelNotPermitted,
+        AdminRequired,
+        OriginNotAllowed,
         DeadlineExceeded,
     )
 }

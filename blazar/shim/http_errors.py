@@ -27,7 +27,10 @@ DEFAULT_RETRY_AFTER_S = 1
 
 
 # Where a reason is more specific than its gRPC code.
-_STATUS_BY_REASON: dict[str, int] = {errors.RequestTooLarge.reason: 413}
+_STATUS_BY_REASON: dict[str, int] = {
+    errors.RequestTooLarge.reason: 413,
+    errors.UnsupportedMediaType.reason: 415,
+}
 
 
 def http_status(err: errors.BlazarError) -> int:

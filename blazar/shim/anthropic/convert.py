@@ -31,6 +31,7 @@ _ERROR_TYPES = {
     403: "permission_error",
     404: "not_found_error",
     413: "request_too_large",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     504: "timeout_error",
     OVERLOADED_STATUS: "overloaded_error",
