@@ -10,6 +10,11 @@ initial metadata (`blazar-lane`, `blazar-replica`) before the first chunk, and i
 (`blazar.dataplane.dispatcher`) under the SLOPolicy they name (`policies`) until a slot
 is theirs; engines hold no queue of their own. Embed and Tokenize go straight to a
 replica.
+
+Who may ask for what is `access`'s: its interceptor has let the call in and named its
+`Caller`; each RPC here asks `Access.permit` once the model name resolves to a Lane
+(may the tenant use it, within its rate limits), charges the tokens the Final (or an
+embedding) reports, and ListModels shows a tenant only the Lanes it may use.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from blazar._proto.engine.v1 import engine_pb2
 from blazar._proto.v1 import inference_pb2, inference_pb2_grpc
 from blazar.api import errors, filetypes
 from blazar.api.kinds import Kind, Lane, Model, SLOPolicy, SLOPolicySpec
-from blazar.dataplane import admission, dispatcher, metrics, policies, prefixes, routing
+from blazar.dataplane import access, admission, dispatcher, metrics, policies, prefixes, routing
 from blazar.enginehost.client import EnginePool
 from blazar.rpc import status
 from blazar.store.base import Store, WatchEvent
@@ -79,11 +84,17 @@ def model_file(model: Model) -> inference_pb2.ModelFile | None:
 
 class InferenceService(inference_pb2_grpc.InferenceServicer):
     def __init__(
-        self, *, store: Store, pool: EnginePool, parker: dispatcher.Parker | None = None
+        self,
+        *,
+        store: Store,
+        pool: EnginePool,
+        parker: dispatcher.Parker | None = None,
+        access: access.Access | None = None,
     ) -> None:
         """On the data plane's event loop (each Lane's admission task runs there)."""
         self._store = store
         self._pool = pool
+        self._access = access if access is not None else _open_access()
         self._inflight: Counter[tuple[str, int]] = Counter()
         self._sessions = routing.Sessions()
         self._prefixes: dict[str, prefixes.PrefixIndex] = {}
@@ -158,7 +169,10 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         self, request: inference_pb2.ListModelsRequest, context: Context
     ) -> inference_pb2.ListModelsResponse:
         models = []
+        caller = access.current()
         for route in self.table.routes:
+            if not caller.may_use((route.lane, *route.aliases)):
+                continue
             stored = self._store.get(Kind.MODEL, route.model)
             file = model_file(stored) if isinstance(stored, Model) else None
             for name in (route.lane, *route.aliases):
@@ -238,6 +252,8 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
 
         No prefix routing: an engine embeds in a context of its own that keeps no
         cache between inputs, and fills no slot's cache either."""
+        caller = access.current()
+        await self._permit(request.model, context, caller)
         route, replica, _ = await self._route(request.model, context)
         refused: set[int] = set()
         while True:
@@ -258,12 +274,14 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                 metrics.observe_embedding_failure(route.lane, metrics.CANCELLED)
                 raise
         metrics.observe_embedding(route.lane, response.prompt_tokens)
+        self._access.charge(caller, prompt_tokens=response.prompt_tokens, output_tokens=0)
         response.model = route.lane
         return response
 
     async def Tokenize(
         self, request: inference_pb2.TokenizeRequest, context: Context
     ) -> inference_pb2.TokenizeResponse:
+        await self._permit(request.model, context, access.current())
         route, replica, _ = await self._route(request.model, context)
         try:
             response = await self._pool.client(replica.socket).tokenize(request)
@@ -271,6 +289,16 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             await status.abort(context, status.from_rpc_error(exc))
         response.model = route.lane
         return response
+
+    async def _permit(self, model: str, context: Context, caller: access.Caller) -> None:
+        """Refuse the call unless `caller` may use the Lane `model` names, now (see
+        `Access.permit`). An unknown name is NOT_FOUND first, for any caller."""
+        try:
+            route = routing.resolve(self.table, model)
+            self._access.permit(caller, model=model, names=(route.lane, *route.aliases))
+        except errors.BlazarError as err:
+            log.info("request.rejected", model=model, reason=err.reason, tenant=caller.name)
+            await status.abort(context, err)
 
     async def _route(
         self,
@@ -343,6 +371,8 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         request_id = _request_id(context)
         generate.request_id = request_id
         structlog.contextvars.bind_contextvars(request_id=request_id)
+        caller = access.current()
+        await self._permit(model, context, caller)
         try:
             _check_session(session)
             # Before a replica is picked: a policy that does not exist is the caller's
@@ -396,7 +426,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                 retry = False
                 # aclosing: a caller that leaves mid-stream must cancel the engine call
                 # now (freeing its slot), not whenever the inner generator is collected.
-                attempt = self._attempt(route, run, generate, context, lane=lane)
+                attempt = self._attempt(route, run, generate, context, lane=lane, caller=caller)
                 async with contextlib.aclosing(attempt):
                     async for chunk in attempt:
                         if chunk is None:
@@ -420,6 +450,8 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                 run = await lane.retry(run)
         except errors.BlazarError as err:
             metrics.observe_failure(route.lane, err.reason)
+            if caller.tenant is not None:
+                metrics.observe_tenant_refusal(caller.name, err.reason)
             await status.abort(context, err)
         except asyncio.CancelledError:
             # A caller that leaves mid-stream is counted by its attempt.
@@ -439,6 +471,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         context: Context,
         *,
         lane: dispatcher.LaneDispatcher,
+        caller: access.Caller,
     ) -> AsyncGenerator[inference_pb2.Chunk | None, None]:
         """One replica's stream; a final None asks the caller to requeue the request."""
         replica, ticket = run.replica, run.ticket
@@ -476,6 +509,11 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                     if run.predicted_ttft_s is not None:
                         final.timings.predicted_ttft_ms = run.predicted_ttft_s * 1000.0
                     metrics.observe_final(route.lane, final, policy=ticket.policy.name)
+                    self._access.charge(
+                        caller,
+                        prompt_tokens=final.usage.prompt_tokens,
+                        output_tokens=final.usage.completion_tokens,
+                    )
                     finished = final
                     settled = True
                 sent = True
@@ -522,6 +560,10 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             queued_s=round(ticket.waited_s, 3),
             seconds=round(time.monotonic() - ticket.arrived, 3),
         )
+
+
+def _open_access() -> access.Access:
+    return access.Access.open()
 
 
 def _initial_metadata(run: dispatcher.Run) -> tuple[tuple[str, str], ...]:

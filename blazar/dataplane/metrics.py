@@ -85,6 +85,22 @@ ATTAINMENT = Gauge(
     "Share of first tokens that met their SLOPolicy's ttftTargetMs, since the daemon started.",
     ["lane", "policy"],
 )
+TENANT_REQUESTS = Counter(
+    "blazar_tenant_requests_total",
+    "Requests a tenant (an auth file's) sent to a model and that passed its rate limits.",
+    ["tenant"],
+)
+TENANT_REFUSALS = Counter(
+    "blazar_tenant_refusals_total",
+    "Requests refused, by tenant and reason (UNAUTHENTICATED, MODEL_NOT_PERMITTED, "
+    "ADMIN_REQUIRED, RATE_LIMITED, or admission's); tenant `unknown` before a key is read.",
+    ["tenant", "reason"],
+)
+TENANT_TOKENS = Counter(
+    "blazar_tenant_tokens_total",
+    "Tokens a tenant's requests used: prompt (embedded inputs included) and completion.",
+    ["tenant", "kind"],
+)
 DECODE_RATE = Histogram(
     "blazar_decode_tokens_per_second",
     "Per-request decode speed.",
@@ -116,3 +132,12 @@ def observe_embedding(lane: str, tokens: int) -> None:
 
 def observe_embedding_failure(lane: str, reason: str) -> None:
     EMBEDDINGS.labels(lane, reason.lower()).inc()
+
+
+def observe_tenant_refusal(tenant: str, reason: str) -> None:
+    TENANT_REFUSALS.labels(tenant, reason).inc()
+
+
+def observe_tenant_tokens(tenant: str, *, prompt: int, output: int) -> None:
+    TENANT_TOKENS.labels(tenant, "prompt").inc(prompt)
+    TENANT_TOKENS.labels(tenant, "completion").inc(output)

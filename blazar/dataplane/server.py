@@ -1,12 +1,18 @@
 """The daemon's gRPC server: Inference, Control, health checking and reflection.
 
+Who may call what is `blazar.dataplane.access`'s to say; every call passes its
+interceptor first. Besides its TCP address the server may listen on a Unix socket
+(`control_socket`), made 0600: Control's home on this host (see `access`).
+
 Requests are limited to `blazar.rpc.limits.MAX_REQUEST_BYTES`; a larger one is refused
 with INVALID_ARGUMENT (see that module for why gRPC's own limit is set higher).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -14,6 +20,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from blazar._proto.v1 import control_pb2, control_pb2_grpc, inference_pb2, inference_pb2_grpc
+from blazar.dataplane import access as access_
 from blazar.dataplane.control import ControlService
 from blazar.dataplane.inference import InferenceService
 from blazar.enginehost.client import EnginePool
@@ -33,6 +40,7 @@ class DataPlane:
     inference: InferenceService
     health: health_aio.HealthServicer
     pool: EnginePool
+    access: access_.Access
 
     async def set_serving(self, serving: bool) -> None:
         state = (
@@ -50,14 +58,32 @@ class DataPlane:
         await self.pool.close()
 
 
-async def start(*, store: Store, address: str) -> DataPlane:
-    """Bind address (port 0 picks a free port) and start serving; OSError when the
-    address cannot be bound (taken by another process, not local, ...)."""
+# A Unix socket's path is at most this long (sun_path, less its terminating NUL).
+MAX_SOCKET_PATH = 107
+
+
+async def start(
+    *,
+    store: Store,
+    address: str,
+    access: access_.Access | None = None,
+    control_socket: Path | None = None,
+) -> DataPlane:
+    """Bind address (port 0 picks a free port), and `control_socket` if given, and start
+    serving; OSError when either cannot be bound (taken by another process, not local,
+    a socket path too long, ...). Without `access`, everything is open to everyone
+    (`Access.open`: for tests and tools; the daemon passes its own)."""
+    access = access if access is not None else access_.Access.open()
+    if control_socket is not None and len(os.fsencode(control_socket)) > MAX_SOCKET_PATH:
+        raise OSError(
+            f"the Unix socket path {control_socket} is longer than {MAX_SOCKET_PATH} bytes"
+        )
     server = grpc.aio.server(
-        interceptors=(limits.RequestSizeLimit(),), options=limits.SERVER_OPTIONS
+        interceptors=(access_.AccessInterceptor(access), limits.RequestSizeLimit()),
+        options=limits.SERVER_OPTIONS,
     )
     pool = EnginePool()
-    inference = InferenceService(store=store, pool=pool)
+    inference = InferenceService(store=store, pool=pool, access=access)
     inference_pb2_grpc.add_InferenceServicer_to_server(inference, server)
     control = ControlService(store=store, live=inference.live_status)
     control_pb2_grpc.add_ControlServicer_to_server(control, server)
@@ -76,12 +102,25 @@ async def start(*, store: Store, address: str) -> DataPlane:
         port = server.add_insecure_port(address)
     except RuntimeError:
         port = 0
+    if port != 0 and control_socket is not None:
+        try:
+            bound = server.add_insecure_port(f"unix:{control_socket}")
+        except RuntimeError:
+            bound = 0
+        if bound == 0:
+            await server.stop(None)
+            raise OSError(f"cannot bind the Unix socket {control_socket}")
     if port == 0:
         # Stopped here, on the running loop: left to the garbage collector, the server
         # would try to shut down on a closed loop and print a traceback.
         await server.stop(None)
         raise OSError(f"cannot bind gRPC address {address}")
     await server.start()
-    plane = DataPlane(server=server, port=port, inference=inference, health=health, pool=pool)
+    if control_socket is not None:
+        # Its owner's alone, whatever the umask (the home around it is 0700 too).
+        os.chmod(control_socket, 0o600)
+    plane = DataPlane(
+        server=server, port=port, inference=inference, health=health, pool=pool, access=access
+    )
     await plane.set_serving(True)
     return plane

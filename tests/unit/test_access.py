@@ -1,0 +1,167 @@
+"""`blazar.dataplane.access`: who may call which method, by the state of the auth file,
+the transport (Unix socket or TCP) and the key."""
+
+from __future__ import annotations
+
+import pytest
+
+from blazar.api import errors, tenants
+from blazar.dataplane import access
+
+KEYS = {"admin": "bz-admin", "user": "bz-user", "limited": "bz-limited"}
+FILE = tenants.parse(
+    f"""
+tenants:
+  - {{name: admin, keys: ["{tenants.digest(KEYS["admin"])}"], lanes: ["*"], admin: true}}
+  - {{name: user, keys: ["{tenants.digest(KEYS["user"])}"], lanes: [gemma3], weight: 3}}
+  - name: limited
+    keys: ["{tenants.digest(KEYS["limited"])}"]
+    lanes: ["*"]
+    rateLimit: {{requestsPerMinute: 1, tokensPerMinute: 100}}
+""",
+    source="test",
+)
+CHAT = "/blazar.v1.Inference/Chat"
+LIST_MODELS = "/blazar.v1.Inference/ListModels"
+APPLY = "/blazar.v1.Control/Apply"
+HEALTH = "/grpc.health.v1.Health/Check"
+REFLECTION = "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"
+UNKNOWN = "/blazar.v1.Other/Call"
+TCP = "ipv4:127.0.0.1:5555"
+UNIX = "unix:"
+NONE = "none"
+WRONG = "bz-wrong"
+# What a call's outcome is: a tenant's name ("" for the owner / anyone), or the reason
+# of its refusal.
+Outcome = str
+
+
+def outcome(gate: access.Access, method: str, key: str, peer: str) -> Outcome:
+    metadata = [] if key == NONE else [("authorization", f"Bearer {key}")]
+    try:
+        return gate.caller(method, metadata, peer=peer).name
+    except errors.BlazarError as err:
+        return err.reason
+
+
+@pytest.mark.parametrize(
+    ("method", "key", "peer", "expected"),
+    [
+        # No auth file: Inference is anyone's (the daemon listens on loopback only then);
+        # a key unlocks nothing but is no error (clients send placeholders).
+        (CHAT, NONE, TCP, ""),
+        (CHAT, "unused", TCP, ""),
+        # Control only on the socket.
+        (APPLY, NONE, UNIX, ""),
+        (APPLY, NONE, TCP, "ADMIN_REQUIRED"),
+        (APPLY, "unused", TCP, "ADMIN_REQUIRED"),
+        (UNKNOWN, NONE, TCP, "ADMIN_REQUIRED"),
+        (HEALTH, NONE, TCP, ""),
+        (REFLECTION, NONE, TCP, ""),
+    ],
+)
+def test_without_an_auth_file(method: str, key: str, peer: str, expected: Outcome) -> None:
+    assert outcome(access.Access(), method, key, peer) == expected
+
+
+@pytest.mark.parametrize(
+    ("method", "key", "peer", "expected"),
+    [
+        (CHAT, NONE, TCP, "UNAUTHENTICATED"),
+        (CHAT, WRONG, TCP, "UNAUTHENTICATED"),
+        (CHAT, KEYS["user"], TCP, "user"),
+        (CHAT, KEYS["admin"], TCP, "admin"),
+        (LIST_MODELS, NONE, TCP, "UNAUTHENTICATED"),
+        # On the owner's socket no key is needed; a key given names its tenant.
+        (CHAT, NONE, UNIX, ""),
+        (CHAT, KEYS["user"], UNIX, "user"),
+        (CHAT, WRONG, UNIX, "UNAUTHENTICATED"),
+        (APPLY, NONE, TCP, "UNAUTHENTICATED"),
+        (APPLY, WRONG, TCP, "UNAUTHENTICATED"),
+        (APPLY, KEYS["user"], TCP, "ADMIN_REQUIRED"),
+        (APPLY, KEYS["admin"], TCP, "admin"),
+        (APPLY, NONE, UNIX, ""),
+        (UNKNOWN, KEYS["user"], TCP, "ADMIN_REQUIRED"),
+        (HEALTH, NONE, TCP, ""),
+        (HEALTH, WRONG, TCP, ""),
+    ],
+)
+def test_with_an_auth_file(method: str, key: str, peer: str, expected: Outcome) -> None:
+    assert outcome(access.Access(tenants=FILE), method, key, peer) == expected
+
+
+def test_a_malformed_authorization_is_a_wrong_key() -> None:
+    gate = access.Access(tenants=FILE)
+    with pytest.raises(errors.Unauthenticated):
+        gate.caller(CHAT, [("authorization", "Basic YWxhZGRpbjo=")], peer=TCP)
+
+
+def test_the_probe_key_lists_models_and_nothing_else() -> None:
+    gate = access.Access(tenants=FILE, probe_key="probe")
+    caller = gate.caller(LIST_MODELS, [("authorization", "Bearer probe")], peer=TCP)
+    assert caller.probe and caller.may_use(["gemma3"])
+    for method in (CHAT, APPLY):
+        assert outcome(gate, method, "probe", TCP) == "PERMISSION_DENIED"
+    with pytest.raises(errors.PermissionDenied):
+        gate.permit(caller, model="gemma3", names=["gemma3"])
+
+
+def test_permit_checks_the_lane_then_the_rate_limit() -> None:
+    now = [0.0]
+    gate = access.Access(tenants=FILE, clock=lambda: now[0])
+    user = access.Caller(FILE.by_name("user"))
+    gate.permit(user, model="default", names=["gemma3", "default"])
+    with pytest.raises(errors.ModelNotPermitted) as info:
+        gate.permit(user, model="other", names=["other"])
+    assert info.value.metadata == {"tenant": "user", "model": "other"}
+    limited = access.Caller(FILE.by_name("limited"))
+    gate.permit(limited, model="x", names=["x"])
+    with pytest.raises(errors.RateLimited) as refused:
+        gate.permit(limited, model="x", names=["x"])
+    assert refused.value.metadata["limit"] == "requestsPerMinute"
+    assert refused.value.metadata[errors.RETRY_AFTER_KEY] == "60000"
+    now[0] = 60.0
+    gate.permit(limited, model="x", names=["x"])
+    # 100 tokens a minute: a request that used 250 holds the next one back.
+    gate.charge(limited, prompt_tokens=200, output_tokens=50)
+    now[0] = 120.0
+    with pytest.raises(errors.RateLimited) as refused:
+        gate.permit(limited, model="x", names=["x"])
+    assert refused.value.metadata["limit"] == "tokensPerMinute"
+    # The owner (no tenant) is never limited.
+    for _ in range(10):
+        gate.permit(access.OWNER, model="x", names=["x"])
+
+
+def test_a_new_auth_file_takes_effect_and_keeps_spent_buckets() -> None:
+    now = [0.0]
+    gate = access.Access(tenants=FILE, clock=lambda: now[0])
+    limited = access.Caller(FILE.by_name("limited"))
+    gate.permit(limited, model="x", names=["x"])
+    assert outcome(gate, CHAT, "bz-new", TCP) == "UNAUTHENTICATED"
+    fresh = tenants.parse(
+        f"""
+tenants:
+  - {{name: new, keys: ["{tenants.digest("bz-new")}"]}}
+  - {{name: limited, keys: ["{tenants.digest(KEYS["limited"])}"], lanes: ["*"], rateLimit: {{requestsPerMinute: 5}}}}
+""",
+        source="test",
+    )
+    gate.use(fresh)
+    assert outcome(gate, CHAT, "bz-new", TCP) == "new"
+    assert outcome(gate, CHAT, KEYS["user"], TCP) == "UNAUTHENTICATED"
+    limited = access.Caller(fresh.by_name("limited"))
+    # Spent under the old file, and a larger allowance does not refill it: it refills
+    # at the new rate, one every 12 s.
+    with pytest.raises(errors.RateLimited) as refused:
+        gate.permit(limited, model="x", names=["x"])
+    assert refused.value.metadata[errors.RETRY_AFTER_KEY] == "12000"
+    now[0] = 12.0
+    gate.permit(limited, model="x", names=["x"])
+    gate.use(None)
+    assert outcome(gate, CHAT, NONE, TCP) == ""
+
+
+def test_the_callers_weight_is_its_tenants() -> None:
+    assert access.Caller(FILE.by_name("user")).weight == 3
+    assert access.OWNER.weight == 1
