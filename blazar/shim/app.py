@@ -3,11 +3,18 @@
 `create_app` is what the daemon serves with uvicorn inside its event loop. The one
 `grpc.aio` channel to the daemon is opened in the lifespan (it must be created on
 the serving loop) and closed on shutdown.
+
+Keys are the data plane's to check: every route forwards the caller's
+(`context.RequestContext.grpc_metadata`) and renders a refusal in its dialect. Open
+without a key: `/healthz`, `/readyz` (it lists models with the daemon's probe key,
+good for nothing else), `/metrics` (counters by Lane, policy and tenant name; no
+prompts, no keys), Ollama's `/` and `/api/version`. `browsers.BrowserGuard` refuses
+other origins' pages and bodies that are not JSON before any route runs.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 from contextlib import asynccontextmanager
 
 import grpc
@@ -19,19 +26,26 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from blazar.api import errors
-from blazar.shim import context, inference
+from blazar.shim import browsers, context, inference
 from blazar.shim.anthropic import routes as anthropic_routes
 from blazar.shim.ollama import routes as ollama_routes
 from blazar.shim.openai import routes as openai_routes
 
 
-def create_app(*, inference_target: str) -> Starlette:
-    """The HTTP shim for the daemon whose `blazar.v1.Inference` listens at inference_target."""
+def create_app(
+    *,
+    inference_target: str,
+    probe_key: str | None = None,
+    allow_origins: Collection[str] = (),
+) -> Starlette:
+    """The HTTP shim for the daemon whose `blazar.v1.Inference` listens at inference_target;
+    `probe_key` is the daemon's key for `/readyz` (see `blazar.dataplane.access`)."""
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         channel = grpc.aio.insecure_channel(inference_target)
         app.state.inference = inference.InferenceClient(channel)
+        app.state.probe_metadata = (("authorization", f"Bearer {probe_key}"),) if probe_key else ()
         try:
             yield
         finally:
@@ -47,7 +61,10 @@ def create_app(*, inference_target: str) -> Starlette:
             *ollama_routes.routes(),
             *anthropic_routes.routes(),
         ],
-        middleware=[Middleware(context.RequestIdMiddleware)],
+        middleware=[
+            Middleware(context.RequestIdMiddleware),
+            Middleware(browsers.BrowserGuard, allow_origins=allow_origins, render=_error),
+        ],
         exception_handlers={404: _no_route, 405: _no_route},
         lifespan=lifespan,
     )
@@ -62,6 +79,17 @@ async def _no_route(request: Request, exc: Exception) -> Response:
     if anthropic_routes.owns(request.url.path):
         return await anthropic_routes.no_route(request, exc)
     return await openai_routes.no_route(request, exc)
+
+
+async def _error(request: Request, err: errors.BlazarError) -> Response:
+    """err in the envelope of the dialect the path belongs to (as `_no_route`)."""
+    if request.url.path.startswith("/api/") or request.url.path == "/":
+        return ollama_routes.error(err)
+    if anthropic_routes.owns(request.url.path):
+        response = anthropic_routes.error(err, request_id=context.of(request).request_id)
+        response.headers[anthropic_routes.REQUEST_ID_HEADER] = context.of(request).request_id
+        return response
+    return openai_routes.error(err)
 
 
 async def healthz(request: Request) -> Response:
@@ -79,7 +107,7 @@ async def readyz(request: Request) -> Response:
     if not await client.serving():
         return JSONResponse({"status": "unavailable"}, status_code=503)
     try:
-        listed = await client.list_models(metadata=())
+        listed = await client.list_models(metadata=request.app.state.probe_metadata)
     except errors.BlazarError:
         return JSONResponse({"status": "unavailable"}, status_code=503)
     waiting = sorted({m.lane for m in listed.models if not m.ready and m.replicas > 0})

@@ -178,11 +178,16 @@ async def fake_daemon() -> AsyncIterator[Daemon]:
 
 @asynccontextmanager
 async def asgi_client(target: str) -> AsyncIterator[httpx.AsyncClient]:
-    """The app in-process; httpx's ASGITransport does not run the lifespan, so we do."""
+    """The app in-process; httpx's ASGITransport does not run the lifespan, so we do.
+    Bodies go as JSON (`content-type`), as every official client sends them."""
     app = shim_app.create_app(inference_target=target)
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://shim") as client:
+        async with httpx.AsyncClient(
+            transport=transport,
+            base_url="http://shim",
+            headers={"content-type": "application/json"},
+        ) as client:
             yield client
 
 
