@@ -1,5 +1,5 @@
 """The CLI's one client of the daemon's `blazar.v1.Control`: one channel per command,
-typed answers.
+typed answers, the caller's API key (if any) on every call.
 
 The generated stub's calls return untyped values; each method here states what its
 RPC answers. Errors are left as `grpc.RpcError` for `blazar.cli.main` to print.
@@ -17,8 +17,10 @@ from blazar._proto.v1 import control_pb2, control_pb2_grpc
 class ControlClient:
     """Use inside `with`: leaving the block closes the channel."""
 
-    def __init__(self, target: str) -> None:
+    def __init__(self, target: str, *, api_key: str | None = None) -> None:
         self._channel = grpc.insecure_channel(target)
+        # Over TCP, Control needs an admin tenant's key; on the Unix socket none.
+        self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
         self._stub = control_pb2_grpc.ControlStub(self._channel)
 
     def __enter__(self) -> ControlClient:
@@ -33,21 +35,21 @@ class ControlClient:
         self._channel.close()
 
     def apply(self, request: control_pb2.ApplyRequest) -> control_pb2.ApplyResponse:
-        response: control_pb2.ApplyResponse = self._stub.Apply(request)
+        response: control_pb2.ApplyResponse = self._stub.Apply(request, metadata=self._metadata)
         return response
 
     def get(self, request: control_pb2.GetRequest) -> control_pb2.GetResponse:
-        response: control_pb2.GetResponse = self._stub.Get(request)
+        response: control_pb2.GetResponse = self._stub.Get(request, metadata=self._metadata)
         return response
 
     def list(self, request: control_pb2.ListRequest) -> control_pb2.ListResponse:
-        response: control_pb2.ListResponse = self._stub.List(request)
+        response: control_pb2.ListResponse = self._stub.List(request, metadata=self._metadata)
         return response
 
     def delete(self, request: control_pb2.DeleteRequest) -> control_pb2.DeleteResponse:
-        response: control_pb2.DeleteResponse = self._stub.Delete(request)
+        response: control_pb2.DeleteResponse = self._stub.Delete(request, metadata=self._metadata)
         return response
 
     def events(self, request: control_pb2.EventsRequest) -> control_pb2.EventsResponse:
-        response: control_pb2.EventsResponse = self._stub.Events(request)
+        response: control_pb2.EventsResponse = self._stub.Events(request, metadata=self._metadata)
         return response

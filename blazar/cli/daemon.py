@@ -4,6 +4,13 @@ the GitOps watcher into one asyncio process, and takes them down in reverse orde
 Once listening it writes `$BLAZAR_HOME/daemon.json` with its pid and the addresses it
 actually bound (port 0 picks free ports), which is how tests and tools find it. It
 holds `$BLAZAR_HOME/daemon.lock` for its whole life: one daemon per home.
+
+The fleet is its owner's (docs/SECURITY.md): Control is served on the Unix socket
+`$BLAZAR_HOME/control.sock` (0600), and over TCP only to an admin key. Without an auth
+file (`--auth-file`) there are no keys, and `serve` refuses to listen anywhere but on
+loopback. With one, its tenants' keys are checked by the data plane
+(`blazar.dataplane.access`), and the file is read again whenever it changes: a file
+that no longer reads keeps the one before in force, and says why (log and event).
 """
 
 from __future__ import annotations
@@ -11,8 +18,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import ipaddress
 import json
 import os
+import secrets
 import signal
 import socket
 import stat
@@ -23,14 +32,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import structlog
+import watchfiles
 
-from blazar.api import errors
+from blazar.api import errors, tenants
 from blazar.api.kinds import Kind
+from blazar.cli import home as home_
 from blazar.controller import modelcache, sources
 from blazar.controller.lane import LaneReconciler
 from blazar.controller.manager import Manager
 from blazar.controller.model import ModelReconciler
 from blazar.controller.policy import PolicyReconciler
+from blazar.dataplane import access
 from blazar.dataplane import server as dataplane_server
 from blazar.enginehost import monitor
 from blazar.enginehost.supervisor import Supervisor
@@ -46,12 +58,8 @@ DEFAULT_HTTP = "127.0.0.1:8420"
 DEFAULT_GRPC = "127.0.0.1:8421"
 
 
-def default_home() -> Path:
-    env = os.environ.get("BLAZAR_HOME")
-    if env:
-        return Path(env).expanduser()
-    data = Path(os.environ.get("XDG_DATA_HOME", Path.home() / ".local" / "share"))
-    return data / "blazar"
+default_home = home_.default_home
+control_socket = home_.control_socket
 
 
 def default_model_cache() -> Path:
@@ -78,6 +86,10 @@ class Options:
     # Directories a Model's `source.path` may name files under, besides the home's
     # models/ and $BLAZAR_MODEL_ROOTS (`sources`).
     model_roots: tuple[Path, ...] = ()
+    # Tenants and their keys (`blazar.api.tenants`); None: no keys, loopback only.
+    auth_file: Path | None = None
+    # Origins whose web pages may call the HTTP shim (CORS); none by default.
+    allow_origins: tuple[str, ...] = ()
 
 
 def _now() -> datetime:
@@ -104,6 +116,79 @@ def _listen(address: str, *, what: str) -> socket.socket:
         reason = exc.strerror or str(exc)  # "Address already in use"
         raise _cannot_listen(address, what, reason[:1].lower() + reason[1:]) from None
     return sock
+
+
+def _loopback(host: str) -> bool:
+    """Whether every address `host` names is this host's loopback."""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        pass
+    try:
+        found = socket.getaddrinfo(host, None)
+    except OSError:
+        return False
+    return bool(found) and all(ipaddress.ip_address(a[4][0]).is_loopback for a in found)
+
+
+def check_exposure(options: Options) -> None:
+    """Without keys, nothing listens beyond this host: InvalidRequest (one line) when an
+    address is not loopback and no auth file is given."""
+    if options.auth_file is not None:
+        return
+    for flag, address in (("--http", options.http), ("--grpc", options.grpc)):
+        host, _ = split_address(address)
+        if not _loopback(host):
+            raise errors.InvalidRequest(
+                f"{flag} {address} is reachable from other hosts, and this server has no "
+                "API keys: pass --auth-file FILE (docs/SECURITY.md), or listen on "
+                "127.0.0.1"
+            )
+
+
+def read_auth_file(path: Path) -> tenants.Tenants:
+    """The tenants of the auth file at `path`; InvalidRequest (one line) otherwise."""
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise errors.InvalidRequest(f"--auth-file: cannot read {path}: {exc.strerror}") from None
+    try:
+        return tenants.parse(text, source=str(path))
+    except tenants.AuthFileInvalid as exc:
+        raise errors.InvalidRequest(str(exc)) from None
+
+
+async def _follow_auth_file(
+    path: Path, gate: access.Access, store: SQLiteStore, stop: asyncio.Event
+) -> None:
+    """Put the auth file in force again whenever it changes, until `stop`. A file that
+    does not read (half written, a typo) keeps the tenants in force; the log and an
+    event (`blazar events`) say why. Its directory is watched: editors and config
+    tools replace a file by renaming another over it."""
+    async for changes in watchfiles.awatch(path.parent, stop_event=stop, debounce=200, step=50):
+        if not any(Path(changed) == path for _, changed in changes):
+            continue
+        try:
+            fresh = read_auth_file(path)
+        except errors.BlazarError as err:
+            log.warning("auth.rejected", path=str(path), error=err.message)
+            store.record_event(
+                kind="AuthFile",
+                name=path.name,
+                type="Warning",
+                reason="AuthFileRejected",
+                message=f"{err.message}; the tenants read before stay in force.",
+            )
+            continue
+        gate.use(fresh)
+        log.info("auth.reloaded", path=str(path), tenants=len(fresh.tenants))
+        store.record_event(
+            kind="AuthFile",
+            name=path.name,
+            type="Normal",
+            reason="AuthFileLoaded",
+            message=f"{len(fresh.tenants)} tenants in force from {path}.",
+        )
 
 
 def _tighten(home: Path) -> None:
@@ -181,6 +266,8 @@ async def run(options: Options) -> None:
     store, logs, engine sockets and saved KV caches, which hold prompts' tokens. A home
     made readable by others before is tightened on start.
     """
+    check_exposure(options)
+    keys = read_auth_file(options.auth_file) if options.auth_file is not None else None
     home = options.home
     created = not home.exists()
     os.umask(0o077)
@@ -196,7 +283,7 @@ async def run(options: Options) -> None:
                 # its refusal to stderr in C-core's format before the line `serve` prints.
                 _listen(options.grpc, what="gRPC").close()
                 _tighten(home)
-                await _serve(options, http_sock)
+                await _serve(options, http_sock, keys)
             finally:
                 http_sock.close()
     finally:
@@ -205,7 +292,7 @@ async def run(options: Options) -> None:
                 home.rmdir()
 
 
-def _shim(grpc_target: str) -> uvicorn.Server:
+def _shim(grpc_target: str, *, probe_key: str, allow_origins: tuple[str, ...]) -> uvicorn.Server:
     """The HTTP shim's server, imported only when it starts (see `_serve`)."""
     import uvicorn
 
@@ -214,7 +301,11 @@ def _shim(grpc_target: str) -> uvicorn.Server:
 
     return uvicorn.Server(
         uvicorn.Config(
-            create_app(inference_target=grpc_target),
+            create_app(
+                inference_target=grpc_target,
+                probe_key=probe_key,
+                allow_origins=allow_origins,
+            ),
             log_level="warning",
             access_log=False,
             lifespan="on",
@@ -225,7 +316,7 @@ def _shim(grpc_target: str) -> uvicorn.Server:
     )
 
 
-async def _serve(options: Options, sock: socket.socket) -> None:
+async def _serve(options: Options, sock: socket.socket, keys: tenants.Tenants | None) -> None:
     home = options.home
     store = SQLiteStore(home / "state.db")
     model_sources = sources.roots_from_environment(home, options.model_roots)
@@ -263,11 +354,20 @@ async def _serve(options: Options, sock: socket.socket) -> None:
         ],
         leftovers=lambda: [(Kind.LANE, lane) for lane in supervisor.kv_lanes()],
     )
+    # The readiness probe's key: in memory only, good for listing models (`access`).
+    probe_key = secrets.token_urlsafe(32)
+    gate = access.Access(tenants=keys, probe_key=probe_key)
+    socket_path = control_socket(home)
     try:
-        plane = await dataplane_server.start(store=store, address=options.grpc)
-    except OSError:
-        # Taken since the check in `run`; grpcio does not say why.
+        plane = await dataplane_server.start(
+            store=store, address=options.grpc, access=gate, control_socket=socket_path
+        )
+    except OSError as exc:
+        # Taken since the check in `run` (grpcio does not say why), or the home's path
+        # is too long for a Unix socket.
         store.close()
+        if "Unix socket" in str(exc):
+            raise errors.Unavailable(f"{exc}; use a shorter --home") from None
         raise _cannot_listen(options.grpc, "gRPC", "grpcio could not bind it") from None
     grpc_host, _ = split_address(options.grpc)
     grpc_target = f"{grpc_host}:{plane.port}"
@@ -291,19 +391,30 @@ async def _serve(options: Options, sock: socket.socket) -> None:
     # dialects: 0.1 s of CPU, several times that on a busy host) run beside the first
     # engine's start rather than before its spawn. Its socket already listens: a client
     # that connects meanwhile waits in the backlog, it is not refused.
-    shim = _shim(grpc_target)
+    shim = _shim(grpc_target, probe_key=probe_key, allow_origins=options.allow_origins)
     shim_task = asyncio.create_task(shim.serve(sockets=[sock]), name="shim")
     health = monitor.HealthMonitor(
         observe=lambda: [r for lane in sorted(supervisor.lanes()) for r in supervisor.observe(lane)]
     )
     monitor_task = asyncio.create_task(health.run(stop), name="engine-health")
+    auth_task = None
+    if options.auth_file is not None:
+        auth_task = asyncio.create_task(
+            _follow_auth_file(options.auth_file.resolve(), gate, store, stop), name="auth-file"
+        )
     gitops_task = None
     if options.watch is not None:
         gitops_task = asyncio.create_task(watcher.watch(store, options.watch, stop), name="gitops")
 
     while not shim.started and not shim_task.done():
         await asyncio.sleep(0.02)
-    info = {"pid": os.getpid(), "grpc": grpc_target, "http": http_bound, "home": str(home)}
+    info = {
+        "pid": os.getpid(),
+        "grpc": grpc_target,
+        "http": http_bound,
+        "control": f"unix:{socket_path}",
+        "home": str(home),
+    }
     # Written whole, then renamed: a reader (the CLI, a test harness, a supervisor
     # script) never sees a half-written file.
     staged = home / "daemon.json.tmp"
@@ -322,6 +433,11 @@ async def _serve(options: Options, sock: socket.socket) -> None:
             # The watch died (its directory removed, say); the teardown below must run.
             log.exception("gitops.failed")
     await monitor_task
+    if auth_task is not None:
+        try:
+            await auth_task
+        except Exception:
+            log.exception("auth.watch_failed")
     await manager.stop()
     await supervisor.stop_all()
     await plane.stop(grace=5)
@@ -330,4 +446,6 @@ async def _serve(options: Options, sock: socket.socket) -> None:
     store.close()
     with contextlib.suppress(FileNotFoundError):
         (home / "daemon.json").unlink()
+    with contextlib.suppress(FileNotFoundError):
+        socket_path.unlink()
     log.info("daemon.stopped")

@@ -1,6 +1,9 @@
 """`blazar`: the daemon (`serve`) and kubectl-like commands that talk to it over gRPC.
 
-Every command finds the daemon at --server, else $BLAZAR_GRPC_ADDR, else 127.0.0.1:8421.
+Every command finds the daemon at --server (HOST:PORT, or unix:PATH), else on the
+Control socket of $BLAZAR_HOME (`control.sock`), which only the daemon's owner can
+use. Over TCP, Control needs an admin key: --api-key, else $BLAZAR_API_KEY, sent as
+`authorization: Bearer <key>`.
 Errors from the server print as `Error from server (Reason): message` and exit 1. When
 the reader of stdout goes away (`| head`), a command ends quietly with 141.
 """
@@ -22,17 +25,20 @@ import grpc
 
 from blazar import logs
 from blazar._proto.v1 import control_pb2
-from blazar.api import errors, kinds, manifests
-from blazar.cli import client, printers
+from blazar.api import errors, kinds, manifests, tenants
+from blazar.cli import client, home, printers
 from blazar.rpc import status
 
 
 def _server(args: argparse.Namespace) -> str:
-    return str(args.server or os.environ.get("BLAZAR_GRPC_ADDR") or "127.0.0.1:8421")
+    if args.server:
+        return str(args.server)
+    return f"unix:{home.control_socket(home.default_home())}"
 
 
 def _client(args: argparse.Namespace) -> client.ControlClient:
-    return client.ControlClient(_server(args))
+    key = args.api_key or os.environ.get("BLAZAR_API_KEY") or None
+    return client.ControlClient(_server(args), api_key=key)
 
 
 def _read_docs(targets: Sequence[str]) -> list[tuple[str, dict[str, Any]]]:
@@ -59,17 +65,35 @@ def cmd_serve(args: argparse.Namespace) -> int:
         # serve whatever the store last held.
         raise errors.InvalidRequest(f"--watch: '{args.watch}' is not a directory")
     logs.configure(json=None if not args.log_json else True)
-    home = Path(args.home).expanduser() if args.home else daemon.default_home()
     options = daemon.Options(
-        home=home,
+        home=Path(args.home).expanduser() if args.home else home.default_home(),
         http=args.http or os.environ.get("BLAZAR_HTTP_ADDR") or daemon.DEFAULT_HTTP,
         grpc=args.grpc or os.environ.get("BLAZAR_GRPC_ADDR") or daemon.DEFAULT_GRPC,
         watch=Path(args.watch) if args.watch else None,
         log_json=True,
         model_cache=daemon.default_model_cache(),
         model_roots=tuple(Path(d) for d in args.model_root),
+        auth_file=Path(args.auth_file) if args.auth_file else None,
+        allow_origins=tuple(args.allow_origin or ()),
     )
     asyncio.run(daemon.run(options))
+    return 0
+
+
+def cmd_auth_key(args: argparse.Namespace) -> int:
+    key = tenants.new_key()
+    print(f"key:    {key}")
+    print(f"digest: {tenants.digest(key)}")
+    print("Give the key to its holder; put the digest in the tenant's `keys` in the auth file.",
+          file=sys.stderr)  # fmt: skip
+    return 0
+
+
+def cmd_auth_hash(args: argparse.Namespace) -> int:
+    key = sys.stdin.readline().strip()
+    if not key:
+        raise errors.InvalidRequest("auth hash reads a key from standard input; none was given")
+    print(tenants.digest(key))
     return 0
 
 
@@ -169,7 +193,12 @@ SELECTOR_HELP = "label selector: k=v, k==v, k!=v, k, !k; comma-separated, all mu
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="blazar", description="Local LLM inference controller.")
     parser.add_argument(
-        "--server", help="daemon gRPC address (default $BLAZAR_GRPC_ADDR or 127.0.0.1:8421)"
+        "--server",
+        help="daemon gRPC address, HOST:PORT or unix:PATH (default: the Control socket in "
+        "$BLAZAR_HOME)",
+    )
+    parser.add_argument(
+        "--api-key", help="API key of an admin tenant, for Control over TCP ($BLAZAR_API_KEY)"
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -193,7 +222,27 @@ def build_parser() -> argparse.ArgumentParser:
         help="a directory whose GGUF files Models may name with source.path (repeatable; "
         "$BLAZAR_HOME/models always, and $BLAZAR_MODEL_ROOTS)",
     )
+    serve.add_argument(
+        "--auth-file",
+        metavar="FILE",
+        help="tenants and their API keys (YAML; docs/SECURITY.md); read again on change",
+    )
+    serve.add_argument(
+        "--allow-origin",
+        action="append",
+        metavar="ORIGIN",
+        help="a web origin (https://app.example) whose pages may call the HTTP API; repeatable",
+    )
     serve.set_defaults(func=cmd_serve)
+
+    auth = sub.add_parser("auth", help="API keys for the auth file")
+    auth_sub = auth.add_subparsers(dest="auth_command", required=True)
+    auth_sub.add_parser("key", help="print a new random key and its digest").set_defaults(
+        func=cmd_auth_key
+    )
+    auth_sub.add_parser("hash", help="print the digest of a key read from stdin").set_defaults(
+        func=cmd_auth_hash
+    )
 
     apply = sub.add_parser("apply", help="create or update objects from manifests")
     apply.add_argument("-f", "--filename", required=True, action="append", help=FILENAME_HELP)

@@ -66,6 +66,10 @@ class Daemon:
     process: subprocess.Popen[bytes] | None = None
     grpc: str = ""
     http: str = ""
+    # The Control socket (`unix:PATH`), the CLI's way in without a key.
+    control: str = ""
+    # More `serve` flags (--auth-file, --allow-origin, ...).
+    serve_args: list[str] = field(default_factory=list)
     # Added to the daemon's environment (BLAZAR_MODEL_CACHE defaults to MODEL_CACHE).
     environ: dict[str, str] = field(default_factory=dict)
     log_path: Path = field(init=False)
@@ -83,6 +87,7 @@ class Daemon:
         ]  # fmt: skip
         if self.watch is not None:
             argv += ["--watch", str(self.watch)]
+        argv += self.serve_args
         log = self.log_path.open("ab")
         roots = os.pathsep.join([str(TEST_MODELS), str(self.home)])
         env = {
@@ -104,7 +109,7 @@ class Daemon:
             return data
 
         data = wait_for(ready, timeout=timeout, what="daemon.json")
-        self.grpc, self.http = data["grpc"], data["http"]
+        self.grpc, self.http, self.control = data["grpc"], data["http"], data["control"]
         return self
 
     def log(self) -> str:
@@ -120,7 +125,7 @@ class Daemon:
 
     def cli(self, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [sys.executable, "-m", "blazar.cli", "--server", self.grpc, *args],
+            [sys.executable, "-m", "blazar.cli", "--server", self.control, *args],
             input=stdin,
             capture_output=True,
             text=True,
@@ -194,13 +199,15 @@ def running(home: Path, watch: Path | None = None) -> Iterator[Daemon]:
 
 
 @contextlib.contextmanager
-def default_fleet(*, lane: str = "gemma3", timeout: float = 240) -> Iterator[Daemon]:
+def default_fleet(
+    *, lane: str = "gemma3", timeout: float = 240, serve_args: list[str] | None = None
+) -> Iterator[Daemon]:
     """A daemon serving the default fleet (manifests/), watched, on free ports, with its
     own home, once its Lane is Ready; stopped and removed afterwards."""
     home = short_home()
     fleet = home / "fleet"
     shutil.copytree(REPO / "manifests", fleet)
-    daemon = Daemon(home=home, watch=fleet).start()
+    daemon = Daemon(home=home, watch=fleet, serve_args=list(serve_args or ())).start()
     try:
         daemon.wait_condition("lane", lane, "Ready", timeout=timeout)
         yield daemon

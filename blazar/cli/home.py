@@ -1,0 +1,22 @@
+"""Where a daemon keeps its state, and where the CLI finds its Control socket; light,
+so that every command can ask without importing the daemon."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+# Control's socket in the home, 0600: the CLI's default way to the daemon.
+CONTROL_SOCKET = "control.sock"
+
+
+def default_home() -> Path:
+    env = os.environ.get("BLAZAR_HOME")
+    if env:
+        return Path(env).expanduser()
+    data = Path(os.environ.get("XDG_DATA_HOME", Path.home() / ".local" / "share"))
+    return data / "blazar"
+
+
+def control_socket(home: Path) -> Path:
+    return home / CONTROL_SOCKET
