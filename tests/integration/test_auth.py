@@ -81,6 +81,7 @@ MODEL_ROUTES: list[tuple[str, str, str, dict[str, Any] | None]] = [
     ("openai", "POST", "/v1/chat/completions", {"model": LANE, "messages": MESSAGES, **ONE}),
     ("openai", "POST", "/v1/completions", {"model": LANE, "prompt": "Hi", **ONE}),
     ("openai", "POST", "/v1/embeddings", {"model": LANE, "input": "Hi"}),
+    ("openai", "POST", "/v1/responses", {"model": LANE, "input": "Hi", "max_output_tokens": 1}),
     ("anthropic", "POST", "/v1/messages", {"model": LANE, "messages": MESSAGES, **ONE}),
     ("anthropic", "POST", "/v1/messages/count_tokens", {"model": LANE, "messages": MESSAGES}),
     ("ollama", "POST", "/api/chat", {"model": LANE, "messages": MESSAGES, "stream": False,
