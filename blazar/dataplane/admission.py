@@ -9,15 +9,28 @@ call `dispatch`, then `preemption` until it answers None, then `expire`. Apply e
 decision to the view passed next (a dispatched ticket runs; a parked one does not).
 
 Order. A request holds a `Ticket` under one `Policy` (the SLOPolicy it names, else its
-Lane's, else `FIFO_POLICY`). Tickets wait in one order per Lane, `Ticket.key`: higher
-`priority` first; inside one priority earliest deadline first, the deadline being
-arrival + `ttftTargetMs` (none sorts after every deadline); then arrival; then id.
+Lane's, else `FIFO_POLICY`). Tickets wait in one order per Lane: higher `priority`
+first; inside one priority by fair share between tenants; then earliest deadline
+first, the deadline being arrival + `ttftTargetMs` (none sorts after every deadline);
+then arrival; then id.
+
+Fair share is start-time fair queuing (SFQ, Goyal et al. 1996), one virtual clock per
+priority. Each start of a tenant's ticket costs it 1 / its weight in virtual time. The
+tier's clock `V` is the virtual start of the ticket started last; a tenant's `F` is the
+virtual finish of its ticket started last. The k-th of a tenant's waiting tickets (in
+deadline order) starts at max(V, F) + (k - 1) / weight, and tickets run in that order:
+under saturation tenants are served in proportion to their weights, one whose tickets
+arrive after an idle spell starts at the clock (no credit saved up), and a single
+tenant's tickets keep the deadline order. A ticket that waits again after its start
+(parked, or its start failed) was charged then: it comes first in its tier, as a
+parked generation does in the forecast, and is not charged again. Requests without a
+tenant share one (the empty name), of weight 1.
 
 Bounds. At most `maxQueueDepth` tickets of one policy wait on a Lane: one more is
 refused at once (QUEUE_FULL) unless an idle slot takes it at once. A ticket that has
 waited `maxQueueWaitMs` and cannot start now is taken out and refused (QUEUE_TIMEOUT),
 never started late. A cancelled ticket leaves at once. A parked generation waits again
-(`requeue`): it keeps its place in the order, counts in its policy's depth (parking may
+(`requeue`): it comes first in its priority, counts in its policy's depth (parking may
 take the depth past the bound; arrivals are then refused), and its waits add up against
 its bound; having started, it is never refused for its TTFT target.
 
@@ -73,8 +86,10 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections import defaultdict
 from dataclasses import dataclass, replace
 from enum import StrEnum
+from typing import TypeAlias
 
 from blazar.api import errors
 from blazar.api.kinds import SLOPolicySpec
@@ -156,16 +171,19 @@ class Ticket:
     # Seconds spent waiting in earlier stints (before a start that failed or a park):
     # the wait bound counts them all.
     waited_s: float = 0.0
+    # Whose request it is, and the tenant's share of the Lane (module docstring).
+    tenant: str = ""
+    weight: float = 1.0
 
     @property
     def deadline(self) -> float:
         target = self.policy.ttft_target_s
         return math.inf if target is None else self.arrived + target
 
-    @property
-    def key(self) -> tuple[int, float, float, str]:
-        """Its place in the order: priority, then deadline, then arrival, then id."""
-        return (-self.policy.priority, self.deadline, self.arrived, self.id)
+
+# A waiting ticket's place in the order: priority, its virtual start (fair share),
+# deadline, arrival, id.
+_Key: TypeAlias = tuple[int, float, float, float, str]
 
 
 @dataclass(frozen=True)
@@ -317,6 +335,8 @@ class _Waiting:
     # When this stint of waiting began (its arrival, or when it was requeued).
     since: float
     resume: Resume | None = None
+    # Started before (requeued): its tenant's share was charged then.
+    charged: bool = False
 
     def waited(self, now: float) -> float:
         return self.ticket.waited_s + max(0.0, now - self.since)
@@ -335,6 +355,9 @@ class LaneQueue:
 
     def __init__(self) -> None:
         self._waiting: dict[str, _Waiting] = {}
+        # Fair share, per priority: the virtual clock, and each tenant's virtual finish.
+        self._clock: dict[int, float] = {}
+        self._finish: dict[tuple[int, str], float] = {}
 
     def __len__(self) -> int:
         return len(self._waiting)
@@ -344,7 +367,7 @@ class LaneQueue:
 
     def tickets(self) -> list[Ticket]:
         """The waiting tickets, in order."""
-        return [w.ticket for w in self._ordered()]
+        return [w.ticket for _, w in self._ordered()]
 
     def depth(self, policy: str) -> int:
         """Tickets of the policy named `policy` waiting, parked generations included."""
@@ -356,7 +379,7 @@ class LaneQueue:
         if ticket.id in self._waiting:
             raise ValueError(f"ticket {ticket.id!r} is already waiting")
         entry = _Waiting(ticket, since=ticket.arrived)
-        fate = _forecast([*self._waiting.values(), entry], now=now, view=view)[ticket.id]
+        fate = _forecast(self._ordered(extra=entry), now=now, view=view)[ticket.id]
         policy = ticket.policy
         if not fate.idle and self.depth(policy.name) >= policy.max_queue_depth:
             return Refuse(ticket, Reason.QUEUE_FULL, self._room_after(policy, now, view))
@@ -368,11 +391,12 @@ class LaneQueue:
     def requeue(self, ticket: Ticket, *, now: float, resume: Resume | None = None) -> None:
         """Put a started ticket back, as `Dispatch`/`Preempt` gave it: a generation
         parked on `resume.replica` (it waits for a slot there), or a start that failed
-        (it waits for any). Its place in the order and its wait so far are kept; its
-        depth is counted again, even over the bound."""
+        (it waits for any). It comes first in its priority (it started before; see fair
+        share) and its wait so far is kept; its depth is counted again, even over the
+        bound."""
         if ticket.id in self._waiting:
             raise ValueError(f"ticket {ticket.id!r} is already waiting")
-        self._waiting[ticket.id] = _Waiting(ticket, since=now, resume=resume)
+        self._waiting[ticket.id] = _Waiting(ticket, since=now, resume=resume, charged=True)
 
     def cancel(self, ticket_id: str) -> bool:
         """Take out a ticket whose caller left; False when it was not waiting."""
@@ -383,10 +407,11 @@ class LaneQueue:
         ordered = self._ordered()
         fates = _forecast(ordered, now=now, view=view)
         started = []
-        for entry in ordered:
+        for _, entry in ordered:
             fate = fates[entry.ticket.id]
             if fate.idle and fate.refuse is None and fate.replica is not None:
                 del self._waiting[entry.ticket.id]
+                self._charge(entry)
                 ticket = replace(entry.ticket, waited_s=entry.waited(now))
                 started.append(Dispatch(ticket, fate.replica, resume=entry.resume is not None))
         return started
@@ -397,10 +422,11 @@ class LaneQueue:
         forecast); the ticket leaves the queue. None when no ticket needs one."""
         ordered = self._ordered()
         fates = _forecast(ordered, now=now, view=view)
-        for entry in ordered:
+        for _, entry in ordered:
             fate = fates[entry.ticket.id]
             if fate.victim is not None and fate.refuse is None and fate.replica is not None:
                 del self._waiting[entry.ticket.id]
+                self._charge(entry)
                 ticket = replace(entry.ticket, waited_s=entry.waited(now))
                 return Preempt(ticket, victim=fate.victim.id, replica=fate.replica)
         return None
@@ -411,7 +437,7 @@ class LaneQueue:
         ordered = self._ordered()
         fates = _forecast(ordered, now=now, view=view)
         refused = []
-        for entry in ordered:
+        for _, entry in ordered:
             fate = fates[entry.ticket.id]
             if fate.refuse is not None:
                 del self._waiting[entry.ticket.id]
@@ -422,8 +448,7 @@ class LaneQueue:
         """Seconds from the ticket's arrival to its first token, as forecast now; None
         for a parked generation or when no replica serves. KeyError if not waiting."""
         entry = self._waiting[ticket_id]
-        waiting = list(self._waiting.values())
-        return _forecast(waiting, now=now, view=view)[entry.ticket.id].ttft_s
+        return _forecast(self._ordered(), now=now, view=view)[entry.ticket.id].ttft_s
 
     def next_expiry(self) -> float | None:
         """When `expire` must run next though nothing else changes: the first time a
@@ -437,12 +462,43 @@ class LaneQueue:
                 times.append(entry.ticket.deadline)
         return min(times, default=None)
 
-    def _ordered(self) -> list[_Waiting]:
-        return sorted(self._waiting.values(), key=lambda w: w.ticket.key)
+    def _ordered(self, extra: _Waiting | None = None) -> list[tuple[_Key, _Waiting]]:
+        """The waiting tickets (and `extra`, as if it waited) with their keys, in order:
+        each tenant's k-th fresh ticket of a tier starts at max(V, F) + (k-1) / weight."""
+        entries = [*self._waiting.values(), *([extra] if extra is not None else [])]
+        by_tenant: dict[tuple[int, str], list[_Waiting]] = defaultdict(list)
+        keyed: list[tuple[_Key, _Waiting]] = []
+        for entry in entries:
+            ticket = entry.ticket
+            if entry.charged:
+                keyed.append((_key(ticket, -math.inf), entry))
+            else:
+                by_tenant[(ticket.policy.priority, ticket.tenant)].append(entry)
+        for (priority, tenant), mine in by_tenant.items():
+            mine.sort(key=lambda w: (w.ticket.deadline, w.ticket.arrived, w.ticket.id))
+            start = max(self._clock.get(priority, 0.0), self._finish.get((priority, tenant), 0.0))
+            for k, entry in enumerate(mine):
+                keyed.append((_key(entry.ticket, start + k / entry.ticket.weight), entry))
+        keyed.sort(key=lambda pair: pair[0])
+        return keyed
+
+    def _charge(self, entry: _Waiting) -> None:
+        """A fresh ticket starts: its tenant's virtual finish moves on by 1 / weight, and
+        the tier's clock to the ticket's virtual start. Tenants the clock has passed are
+        forgotten (max(V, F) is V for them)."""
+        if entry.charged:
+            return
+        ticket = entry.ticket
+        priority = ticket.policy.priority
+        clock = self._clock.get(priority, 0.0)
+        start = max(clock, self._finish.get((priority, ticket.tenant), 0.0))
+        self._finish[(priority, ticket.tenant)] = start + 1.0 / ticket.weight
+        self._clock[priority] = start
+        self._finish = {k: f for k, f in self._finish.items() if k[0] != priority or f > start}
 
     def _room_after(self, policy: Policy, now: float, view: LaneView) -> float:
         """Until the first ticket of `policy` leaves the queue, started or refused."""
-        fates = _forecast(list(self._waiting.values()), now=now, view=view)
+        fates = _forecast(self._ordered(), now=now, view=view)
         times: list[float] = []
         for entry in self._waiting.values():
             if entry.ticket.policy.name != policy.name:
@@ -516,6 +572,10 @@ def _refusal(entry: _Waiting, fate: _Fate, now: float) -> Refuse:
     )
 
 
+def _key(ticket: Ticket, virtual_start: float) -> _Key:
+    return (-ticket.policy.priority, virtual_start, ticket.deadline, ticket.arrived, ticket.id)
+
+
 def _clamp(seconds: float | None) -> float:
     if seconds is None:
         return RETRY_AFTER_UNKNOWN_S
@@ -554,9 +614,9 @@ class _Victim:
     replica: int
 
     @property
-    def key(self) -> tuple[int, float, float, str]:
+    def key(self) -> _Key:
         # First inside its priority: it started before anything still waiting there.
-        return (-self.running.priority, -math.inf, -math.inf, self.running.id)
+        return (-self.running.priority, -math.inf, -math.inf, -math.inf, self.running.id)
 
 
 class _Simulation:
@@ -668,12 +728,14 @@ def _fate(entry: _Waiting, sim: _Simulation, now: float) -> tuple[_Fate, _Slot |
     return fate, slot
 
 
-def _forecast(waiting: list[_Waiting], *, now: float, view: LaneView) -> dict[str, _Fate]:
+def _forecast(
+    waiting: list[tuple[_Key, _Waiting]], *, now: float, view: LaneView
+) -> dict[str, _Fate]:
     """Every waiting ticket's fate, simulated in order (see the module docstring)."""
     sim = _Simulation(view, now, waiting=len(waiting))
     fates: dict[str, _Fate] = {}
-    heap: list[tuple[tuple[int, float, float, str], int, _Waiting | _Victim]] = [
-        (entry.ticket.key, seq, entry) for seq, entry in enumerate(waiting)
+    heap: list[tuple[_Key, int, _Waiting | _Victim]] = [
+        (key, seq, entry) for seq, (key, entry) in enumerate(waiting)
     ]
     heapq.heapify(heap)
     seq = len(heap)

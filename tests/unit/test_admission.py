@@ -805,13 +805,14 @@ def test_invariants_under_random_traffic(seed: int) -> None:
         assert resume or not t.policy.reject_early or now < t.deadline, t
 
     def dispatch() -> None:
+        place = {t.id: i for i, t in enumerate(queue.tickets())}
         starts = queue.dispatch(now=now, view=engines.view())
-        keys = [d.ticket.key for d in starts if not d.resume]
-        assert keys == sorted(keys)
+        places = [place[d.ticket.id] for d in starts if not d.resume]
+        assert places == sorted(places)
         # A fresh ticket left waiting ahead of one that started is due to be refused.
         due = {r.ticket.id for r in copy.deepcopy(queue).expire(now=now, view=engines.view())}
         for left in queue.tickets():
-            if keys and left.key < keys[-1] and left.id not in engines.parked:
+            if places and place[left.id] < places[-1] and left.id not in engines.parked:
                 assert left.id in due, left.id
         for d in starts:
             assert d.ticket.id not in gone
