@@ -416,6 +416,8 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             prompt_tokens=prompt_tokens,
             max_tokens=max_tokens,
             prefer=replica.index,
+            tenant=caller.name,
+            weight=caller.weight,
         )
         waiting = True
         try:
