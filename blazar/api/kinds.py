@@ -361,8 +361,8 @@ class SLOPolicySpec(CamelModel):
 # A knob the daemon would store and ignore is refused instead (stored objects that
 # already have one still load: `manifests.from_dict`).
 _NOT_ACTED_ON = (
-    "is not supported yet: admission does not act on {field}, and {what} arrives with "
-    "API keys mapped to tenants (issue 19); remove it"
+    "is not supported on an SLOPolicy: {what} is set per tenant in the auth file "
+    "(`blazar serve --auth-file`, docs/SECURITY.md); remove {field}"
 )
 
 

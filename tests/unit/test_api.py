@@ -96,7 +96,7 @@ def slo_doc(**spec: Any) -> dict[str, Any]:
 
 
 def test_knobs_admission_does_not_act_on_are_refused_not_stored() -> None:
-    """Tenants and rate limits come with issue 19; until then apply says so."""
+    """Tenants, their weights and rate limits live in the auth file; apply says so."""
     docs = [("a.yaml", slo_doc(tenants=[{"name": "a"}], rateLimit={"requestsPerMinute": 6}))]
     problems = errors_of(docs)
     assert [path for path, _ in problems] == [
@@ -104,7 +104,7 @@ def test_knobs_admission_does_not_act_on_are_refused_not_stored() -> None:
         "SLOPolicy/s: spec.rateLimit",
     ]
     for _, message in problems:
-        assert message.startswith("is not supported yet") and "issue 19" in message
+        assert message.startswith("is not supported on an SLOPolicy") and "--auth-file" in message
     # Empty is what every policy has: fine.
     assert manifests.parse_objects([("a.yaml", slo_doc(tenants=[]))])
 
