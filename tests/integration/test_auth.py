@@ -450,3 +450,17 @@ def test_the_auth_file_is_read_again_on_change(
             timeout=30,
             what="the original auth file in force again",
         )
+
+
+def test_per_tenant_metrics(http: httpx.Client) -> None:
+    body = {"model": LANE, "input": "Hi"}
+    assert http.post("/v1/embeddings", json=body, headers=headers_for("openai", KEYS["user"]))
+    refused_ = http.post(
+        "/v1/embeddings", json=body, headers=headers_for("openai", KEYS["outsider"])
+    )
+    assert refused_.status_code == 403
+    text = http.get("/metrics").text
+    assert 'blazar_tenant_refusals_total{reason="MODEL_NOT_PERMITTED",tenant="outsider"}' in text
+    assert 'blazar_tenant_refusals_total{reason="UNAUTHENTICATED",tenant="unknown"}' in text
+    assert 'blazar_tenant_requests_total{tenant="user"}' in text
+    assert 'blazar_tenant_tokens_total{kind="prompt",tenant="user"}' in text
