@@ -339,6 +339,12 @@ def prediction(results: list[Result]) -> Line:
         if r.status == 200 and r.ttft and r.predicted_ttft_ms is not None
     ]
     median = statistics.median(errors) if errors else None
+    pairs = [
+        (round(r.predicted_ttft_ms / 1000, 2), round(r.ttft, 2))
+        for r in results
+        if r.status == 200 and r.ttft and r.predicted_ttft_ms is not None
+    ]
+    servers.log(f"prediction: (predicted, measured) s {pairs}")
     return Line("prediction: median |error| of TTFT", median, None, "<= 0.25",
                 median is not None and median <= 0.25, note=f"{len(errors)} admitted")  # fmt: skip
 

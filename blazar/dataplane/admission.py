@@ -45,10 +45,11 @@ Forecast. Every decision reads one simulation of the Lane from `now`, in ticket 
   free now.
 - Each ticket in order takes the slot that frees first (an idle one, then the session's
   `prefer`red replica, then the least loaded replica, then the lowest index), holds it for
-  its service time, `prompt_tokens / prefill_tokens_per_s` plus the decode time of the
-  tokens it will generate (its max_tokens, or fewer when the Lane measures a smaller
-  typical completion: `LaneView.completion_tokens`), and then frees it for the next.
-  Its first token comes at start + prefill. A parked generation (`Resume`) takes only a
+  its service time, its prefill (`start_overhead_s`, what a start costs beyond the
+  prompt as measured, plus `prompt_tokens / prefill_tokens_per_s`) plus the decode time
+  of the tokens it will generate (its max_tokens, or fewer when the Lane measures a
+  smaller typical completion: `LaneView.completion_tokens`), and then frees it for the
+  next. Its first token comes at start + prefill. A parked generation (`Resume`) takes only a
   slot of its own replica and costs its remaining decode time.
 - Preemption in the forecast: a ticket whose first token would come past its deadline
   in a slot that is not idle takes instead the slot of a running request of strictly
@@ -212,6 +213,10 @@ class ReplicaView:
     # takes per extra sequence in the batch.
     step_s: float | None = None
     step_growth_s: float = 0.0
+    # Seconds from a start to its first token beyond the prefill itself (measured).
+    start_overhead_s: float = 0.0
+    # The fixed part of a prefill, whatever its length (measured).
+    prefill_fixed_s: float = 0.0
     # Tokens a sequence gains per decode step: 1, or 1 + accepted drafts per step
     # when speculation is on.
     tokens_per_step: float = 1.0
@@ -221,8 +226,10 @@ class ReplicaView:
     parked_bytes_max: int = 0
 
     def prefill_s(self, tokens: int) -> float:
+        """Seconds from a start to the first token: the measured start overhead and the
+        prompt at the measured prefill rate."""
         rate = self.prefill_tokens_per_s
-        return tokens / rate if rate else 0.0
+        return self.start_overhead_s + self.prefill_fixed_s + (tokens / rate if rate else 0.0)
 
     def decode_s(self, tokens: int, *, batch: int = 1) -> float:
         """Seconds to generate `tokens` with `batch` sequences decoding together."""

@@ -94,10 +94,12 @@ class NoParking:
         return False
 
 
-# A Park waits for the engine's current step (a long prompt chunk can take seconds), a
-# Resume for the slot admission freed; the Lane's queue waits meanwhile, so neither
-# waits for ever. A Resume given up on still happens when the slot frees.
-PARK_TIMEOUT_S = 10.0
+# A Park waits for the engine's current step (a long prompt chunk can take seconds)
+# while the Lane's queue waits, so it is bounded: an engine that does not answer in
+# time (hung: its liveness probe will restart it) costs the queue at most this, and the
+# urgent request waits for a slot instead. A Resume runs beside the queue (it waits for
+# the slot admission freed); given up on, it still happens when the slot frees.
+PARK_TIMEOUT_S = 3.0
 RESUME_TIMEOUT_S = 30.0
 
 
@@ -139,6 +141,10 @@ class Run:
     predicted_ttft_s: float | None = None
     # Tokens relayed so far: written by the relay, read by the forecast.
     generated: int = 0
+    # On the dispatcher's clock, when it started, and the prefill its replica's rate
+    # predicted then: its first token measures the start overhead.
+    started_at: float = 0.0
+    expected_prefill_s: float = 0.0
 
 
 # A replica as one engine process: a restarted replica keeps its index, not this.
@@ -233,6 +239,8 @@ class LaneDispatcher:
         self._excluded: set[_Identity] = set()
         self._policies: dict[str, admission.Policy] = {}
         self._events: asyncio.Queue[_Event] = asyncio.Queue()
+        # Resume calls running beside the queue.
+        self._resuming: set[asyncio.Task[None]] = set()
         self._task = asyncio.get_running_loop().create_task(
             self._serve(), name=f"admission:{self.lane}"
         )
@@ -259,7 +267,12 @@ class LaneDispatcher:
         """The run's stream ended: with its Final when it finished."""
         self._events.put_nowait(_End(run, final))
 
-    def first_token(self, ticket: admission.Ticket, ttft_s: float) -> None:
+    def first_token(self, run: Run, ttft_s: float) -> None:
+        """The run's first token came `ttft_s` after its arrival."""
+        ticket = run.ticket
+        if run.started_at:
+            overhead = ticket.arrived + ttft_s - run.started_at - run.expected_prefill_s
+            self.measurements.record_first_token(run.replica.index, overhead_s=overhead)
         policy = ticket.policy
         figures = self._figures(policy)
         figures.first_tokens += 1
@@ -306,6 +319,8 @@ class LaneDispatcher:
 
     async def close(self) -> None:
         self._task.cancel()
+        for task in list(self._resuming):
+            task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._task
         for pending in self._pending.values():
@@ -449,7 +464,7 @@ class LaneDispatcher:
         now = self._clock()
         for decision in self._queue.dispatch(now=now, view=self._view()):
             if decision.resume:
-                await self._resume(decision, now)
+                self._resume(decision)
             else:
                 self._start(decision, now)
         while (preempt := self._queue.preemption(now=now, view=self._view())) is not None:
@@ -478,6 +493,10 @@ class LaneDispatcher:
             replica,
             pending.prompt_chars,
             predicted_ttft_s=pending.predicted_ttft_s,
+            started_at=now,
+            expected_prefill_s=self.measurements.expected_prefill_s(
+                replica.index, ticket.prompt_tokens
+            ),
         )
         self._running[ticket.id] = run
         pending.started.set_result(run)
@@ -515,18 +534,25 @@ class LaneDispatcher:
         self._start(admission.Dispatch(preempt.ticket, preempt.replica), now)
         return True
 
-    async def _resume(self, decision: admission.Dispatch, now: float) -> None:
+    def _resume(self, decision: admission.Dispatch) -> None:
         """Have the engine resume a parked generation in the slot admission gave it;
-        its relay's stream goes on by itself."""
+        its relay's stream goes on by itself. The call runs beside the queue: it waits
+        for the engine to free that slot, which must not hold up the Lane."""
         run = self._parked.pop(decision.ticket.id, None)
         if run is None:
             return  # it ended while parked
         self._running[decision.ticket.id] = run
-        if not await self._parker.resume(run.replica, run.request_id):
-            # The engine lost it (restarted, or drained and resumed it itself): its
-            # stream ends one way or the other, and `end` takes the run out.
-            log.warning("admission.resume_lost", request_id=run.request_id, lane=self.lane)
         self._parked_bytes.pop(decision.ticket.id, None)
+
+        async def resume() -> None:
+            if not await self._parker.resume(run.replica, run.request_id):
+                # The engine lost it (restarted, or drained and resumed it itself): its
+                # stream ends one way or the other, and `end` takes the run out.
+                log.warning("admission.resume_lost", request_id=run.request_id, lane=self.lane)
+
+        task = asyncio.get_running_loop().create_task(resume(), name=f"resume:{run.request_id}")
+        self._resuming.add(task)
+        task.add_done_callback(self._resuming.discard)
 
     def _refuse(self, pending: _Pending, refusal: admission.Refuse) -> None:
         policy = pending.ticket.policy

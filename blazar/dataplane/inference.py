@@ -494,7 +494,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                 if chunk.HasField("delta"):
                     if first_at is None:
                         first_at = time.monotonic()
-                        lane.first_token(ticket, first_at - ticket.arrived)
+                        lane.first_token(run, first_at - ticket.arrived)
                     tokens += chunk.delta.tokens
                     run.generated = tokens
                 else:
@@ -503,7 +503,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                     final.routing.lane = route.lane
                     final.routing.replica = replica.index
                     if first_at is None:
-                        lane.first_token(ticket, time.monotonic() - ticket.arrived)
+                        lane.first_token(run, time.monotonic() - ticket.arrived)
                     end = first_at or time.monotonic()
                     final.timings.ttft_ms = (end - ticket.arrived) * 1000.0
                     # The wait in admission's queue, before the engine's own.

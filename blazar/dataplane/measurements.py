@@ -59,65 +59,80 @@ class _Ratio:
         return self.top.value / self.bottom.value
 
 
-# Below this spread of measured batch sizes (variance, in sequences squared) a slope
-# of step time against batch would be a guess: the step time is then one figure.
-_MIN_BATCH_VARIANCE = 0.25
-
-
 @dataclass
-class _StepFit:
-    """Seconds per decode step as a line in the batch (sequences decoded together), by
-    weighted least squares over moving sums: each request weighs its decode steps. A
-    step's time grows with the batch (every sequence's row goes through the output
-    matrix), so a figure measured at one batch misjudges another."""
+class _LineFit:
+    """y as a line in x, by weighted least squares over moving sums.
 
-    steps: _Mean = field(default_factory=_Mean)
-    batch: _Mean = field(default_factory=_Mean)
-    seconds: _Mean = field(default_factory=_Mean)
-    batch2: _Mean = field(default_factory=_Mean)
-    batch_seconds: _Mean = field(default_factory=_Mean)
+    Decode steps: seconds per step against the batch (sequences decoded together), each
+    request weighing its steps; a step grows with the batch (every sequence's row goes
+    through the output matrix), so a figure measured at one batch misjudges another.
+    Prefill: seconds against the prompt tokens prefilled, each request weighing one;
+    a prefill has a fixed part (the step it joins, the first sampling), so a rate taken
+    from short prompts misjudges a long one. Below `min_variance` of spread in x there is
+    no slope to read, and the line is `constant` (y's mean) or proportional (through 0).
+    """
 
-    def add(self, *, seconds: float, steps: int, batch: float) -> None:
-        """`steps` decode steps that took `seconds` in all at a mean `batch`."""
-        self.steps.add(steps)
-        self.batch.add(steps * batch)
-        self.seconds.add(seconds)
-        self.batch2.add(steps * batch * batch)
-        self.batch_seconds.add(batch * seconds)
+    min_variance: float
+    constant: bool
+    weight: _Mean = field(default_factory=_Mean)
+    x: _Mean = field(default_factory=_Mean)
+    y: _Mean = field(default_factory=_Mean)
+    xx: _Mean = field(default_factory=_Mean)
+    xy: _Mean = field(default_factory=_Mean)
+
+    def add(self, *, x: float, y_total: float, weight: float = 1.0) -> None:
+        """`weight` samples at `x` whose y add up to `y_total`."""
+        self.weight.add(weight)
+        self.x.add(weight * x)
+        self.y.add(y_total)
+        self.xx.add(weight * x * x)
+        self.xy.add(x * y_total)
 
     def line(self) -> tuple[float, float] | None:
-        """(seconds per step at batch 1, seconds more per extra sequence); None before
-        anything was measured."""
-        w, b, s = self.steps.value, self.batch.value, self.seconds.value
-        if not w or b is None or s is None:
+        """(intercept, slope); None before anything was measured."""
+        w, x, y = self.weight.value, self.x.value, self.y.value
+        if not w or x is None or y is None:
             return None
-        mean_b, mean_s = b / w, s / w
-        variance = (self.batch2.value or 0.0) / w - mean_b * mean_b
-        if mean_b <= 0 or variance < _MIN_BATCH_VARIANCE:
-            return mean_s, 0.0
-        slope = ((self.batch_seconds.value or 0.0) / w - mean_b * mean_s) / variance
-        slope = max(0.0, slope)
-        at_one = mean_s - slope * (mean_b - 1.0)
-        if at_one <= 0.0:
-            # The line would cross zero below the batches seen: proportional instead.
-            return mean_s / max(mean_b, 1.0), mean_s / max(mean_b, 1.0)
-        return at_one, slope
+        mean_x, mean_y = x / w, y / w
+        variance = (self.xx.value or 0.0) / w - mean_x * mean_x
+        proportional = (0.0, mean_y / mean_x) if mean_x > 0 else (mean_y, 0.0)
+        if mean_x <= 0 or variance < self.min_variance:
+            return (mean_y, 0.0) if self.constant else proportional
+        slope = max(0.0, ((self.xy.value or 0.0) / w - mean_x * mean_y) / variance)
+        intercept = mean_y - slope * mean_x
+        # A line that would cross zero before the smallest x seen: through 0 instead.
+        return (intercept, slope) if intercept >= 0.0 else proportional
+
+
+def _step_fit() -> _LineFit:
+    # Batches spread less than this (sequences squared) give no slope: one step time.
+    return _LineFit(min_variance=0.25, constant=True)
+
+
+def _prefill_fit() -> _LineFit:
+    # Prompts spread less than this (tokens squared, about 16 tokens) give no fixed
+    # part: tokens over seconds, as a rate.
+    return _LineFit(min_variance=256.0, constant=False)
 
 
 @dataclass
 class _Rates:
-    # Prompt tokens prefilled (cached ones excluded) over seconds of prefill.
-    prefill: _Ratio = field(default_factory=_Ratio)
+    # Seconds of prefill by prompt tokens prefilled (cached ones excluded).
+    prefill: _LineFit = field(default_factory=_prefill_fit)
     # Seconds of decode per decode step, by batch.
-    step: _StepFit = field(default_factory=_StepFit)
+    step: _LineFit = field(default_factory=_step_fit)
     # Tokens decoded over decode steps (above 1 with accepted speculative drafts).
     per_step: _Ratio = field(default_factory=_Ratio)
+    # Seconds from a start to its first token beyond the prefill the rate predicts:
+    # the hop to the engine, its template and tokenizer, the step the prefill joins,
+    # the first chunk's way back. What the forecast would otherwise miss on every start.
+    start_overhead: _Mean = field(default_factory=_Mean)
 
     def record(self, final: inference_pb2.Final) -> None:
         usage, timings = final.usage, final.timings
         fresh = usage.prompt_tokens - usage.cached_tokens
         if fresh > 0 and timings.prefill_ms > 0:
-            self.prefill.add(fresh, timings.prefill_ms / 1000.0)
+            self.prefill.add(x=fresh, y_total=timings.prefill_ms / 1000.0)
         # The first token comes out of the prefill; every later one out of a decode
         # step, which yields one token plus the drafts it accepted.
         decoded = usage.completion_tokens - 1
@@ -125,7 +140,7 @@ class _Rates:
         if steps > 0 and timings.decode_ms > 0:
             # An engine that does not report its batch decoded alone as far as we know.
             batch = timings.decode_batch or 1.0
-            self.step.add(seconds=timings.decode_ms / 1000.0, steps=steps, batch=batch)
+            self.step.add(x=batch, y_total=timings.decode_ms / 1000.0, weight=steps)
             self.per_step.add(decoded, steps)
 
 
@@ -145,6 +160,18 @@ class LaneMeasurements:
         self._completion.add(final.usage.completion_tokens)
         if final.usage.prompt_tokens > 0 and prompt_chars > 0:
             self._chars_per_token.add(prompt_chars, final.usage.prompt_tokens)
+
+    def expected_prefill_s(self, replica: int, prompt_tokens: int) -> float:
+        """The prefill the replica's measurements predict (0.0 before it has any)."""
+        line = self._replicas.get(replica, self._lane).prefill.line() or self._lane.prefill.line()
+        return line[0] + line[1] * prompt_tokens if line else 0.0
+
+    def record_first_token(self, replica: int, *, overhead_s: float) -> None:
+        """A started request's first token came `overhead_s` after its start plus the
+        prefill its replica's rate predicted (negative: sooner; counted as none)."""
+        sample = max(0.0, overhead_s)
+        self._lane.start_overhead.add(sample)
+        self._replicas.setdefault(replica, _Rates()).start_overhead.add(sample)
 
     @property
     def completion_tokens(self) -> float | None:
@@ -180,14 +207,20 @@ class LaneMeasurements:
 
         lane = self._lane
         step = own.step.line() or lane.step.line()
+        prefill = own.prefill.line() or lane.prefill.line()
+        overhead = own.start_overhead.value
+        if overhead is None:
+            overhead = lane.start_overhead.value
         return admission.ReplicaView(
             index=index,
             slots=slots,
             running=tuple(running),
-            prefill_tokens_per_s=pick(own.prefill, lane.prefill),
-            step_s=step[0] if step else None,
+            prefill_tokens_per_s=1.0 / prefill[1] if prefill and prefill[1] > 0 else None,
+            prefill_fixed_s=prefill[0] if prefill else 0.0,
+            step_s=step[0] + step[1] if step else None,
             step_growth_s=step[1] if step else 0.0,
             tokens_per_step=pick(own.per_step, lane.per_step) or 1.0,
+            start_overhead_s=overhead or 0.0,
             kv_bytes_per_token=kv_bytes_per_token,
             parked_bytes=parked_bytes,
             parked_bytes_max=parked_bytes_max,

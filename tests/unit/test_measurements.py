@@ -118,3 +118,27 @@ def test_a_line_that_would_cross_zero_is_proportional_instead() -> None:
     view = m.replica_view(0, slots=4, running=())
     assert view.step_s is not None and view.step_s > 0
     assert view.step_growth_s == pytest.approx(view.step_s)
+
+
+def test_a_prefill_has_a_fixed_part_and_a_rate() -> None:
+    """Short prompts cost mostly the step they join: 40 ms + 1 ms a token here. A rate
+    read from them alone (20 tokens in 60 ms: 333 tokens/s) would put a 1,209-token
+    prompt at 3.6 s; the line puts it at 1.25 s, as measured."""
+    m = LaneMeasurements()
+    for tokens in (20, 60, 20, 300, 20, 60):
+        m.record(0, final(prompt=tokens, prefill_ms=40.0 + tokens), prompt_chars=0)
+    view = m.replica_view(0, slots=4, running=())
+    assert view.prefill_fixed_s == pytest.approx(0.040)
+    assert view.prefill_s(1209) == pytest.approx(1.249)
+    assert m.expected_prefill_s(0, 1209) == pytest.approx(1.249)
+
+
+def test_the_start_overhead_is_what_first_tokens_took_beyond_the_prefill() -> None:
+    m = LaneMeasurements()
+    assert m.replica_view(0, slots=1, running=()).start_overhead_s == 0.0
+    m.record_first_token(0, overhead_s=0.05)
+    m.record_first_token(0, overhead_s=-1.0)  # sooner than predicted: counted as none
+    overhead = m.replica_view(0, slots=1, running=()).start_overhead_s
+    assert overhead == pytest.approx(0.05 * 0.8)
+    # A replica without its own figure reads the Lane's.
+    assert m.replica_view(1, slots=1, running=()).start_overhead_s == pytest.approx(overhead)
