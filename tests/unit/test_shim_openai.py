@@ -966,6 +966,21 @@ async def test_unknown_model_is_404(daemon: Daemon, client: httpx.AsyncClient) -
             "prediction",
             "Predicted outputs",
         ),
+        # OpenAI's fields that change what its models do, which this server cannot
+        # honour: refused by name, not ignored.
+        (json.dumps(chat_body(reasoning_effort="high")).encode(), "reasoning_effort", "reasoning"),
+        (json.dumps(chat_body(verbosity="low")).encode(), "verbosity", "max_completion_tokens"),
+        (json.dumps(chat_body(service_tier="flex")).encode(), "service_tier", "one service tier"),
+        (json.dumps(chat_body(store=True)).encode(), "store", "not stored"),
+        (json.dumps(chat_body(metadata={"k": "v"})).encode(), "metadata", "stores none"),
+        (json.dumps(chat_body(web_search_options={})).encode(), "web_search_options", "web search"),
+        (
+            json.dumps(
+                {"model": "tiny", "messages": [{"role": "user", "content": "hi", "name": "ann"}]}
+            ).encode(),
+            "messages[0].name",
+            "participant's name",
+        ),
         (
             json.dumps(
                 {
@@ -1081,6 +1096,9 @@ async def test_options_that_change_nothing_are_accepted(
     for extra in (
         {"modalities": ["text"], "audio": None, "prediction": None},
         {"modalities": None},
+        # The defaults of fields refused otherwise.
+        {"reasoning_effort": "none", "verbosity": "medium", "service_tier": "auto"},
+        {"store": False, "metadata": {}, "prompt_cache_key": "k"},
     ):
         response = await client.post("/v1/chat/completions", json=chat_body(**extra))
         assert response.status_code == 200, response.text

@@ -159,6 +159,16 @@ class ChatCompletionRequest(_Sampling):
     modalities: list[str] | None = None
     audio: dict[str, Any] | None = None
     prediction: dict[str, Any] | None = None
+    # Read only to refuse what Blazar cannot honour (see convert), or to use as the
+    # session (prompt_cache_key, as OpenAI keys its prompt cache by it).
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    service_tier: str | None = None
+    store: bool | None = None
+    metadata: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
 
 
 class CompletionRequest(_Sampling):

@@ -39,6 +39,7 @@ def chat_request(
     _require_stream_for_options(body)
     _refuse_functions(body)
     _refuse_non_text_output(body)
+    _refuse_unhonoured(body)
     _require_content(body.messages)
     messages = [_message(message, i) for i, message in enumerate(body.messages)]
     max_tokens = (
@@ -55,7 +56,7 @@ def chat_request(
         messages=messages,
         sampling=sampling,
         constraint=_constraint(body),
-        session=session or body.user or "",
+        session=session or body.prompt_cache_key or body.user or body.safety_identifier or "",
         slo=slo,
         tools=[_tool(t) for t in body.tools or ()],
         tool_choice=_tool_choice(body),
@@ -291,6 +292,55 @@ def _refuse_non_text_output(body: protocol.ChatCompletionRequest) -> None:
             "Predicted outputs ('prediction') are not supported by this server.",
             param="prediction",
         )
+
+
+def _refuse_unhonoured(body: protocol.ChatCompletionRequest) -> None:
+    """OpenAI's fields that change what its models do, which this server cannot honour:
+    refused by name rather than ignored. Their defaults pass."""
+    refusals = (
+        (
+            "reasoning_effort",
+            body.reasoning_effort not in (None, "none"),
+            "reasoning effort is not supported: the model answers without a reasoning phase",
+        ),
+        (
+            "verbosity",
+            body.verbosity not in (None, "medium"),
+            "'verbosity' is not supported; bound the answer with 'max_completion_tokens'",
+        ),
+        (
+            "service_tier",
+            body.service_tier not in (None, "auto", "default"),
+            "there is one service tier; requests are ordered by the Lane's SLOPolicy, or "
+            "the one 'x-blazar-slo' names",
+        ),
+        (
+            "store",
+            bool(body.store),
+            "completions are not stored by this server ('store' must be false)",
+        ),
+        (
+            "metadata",
+            bool(body.metadata),
+            "'metadata' tags stored completions, and this server stores none",
+        ),
+        (
+            "web_search_options",
+            body.web_search_options is not None,
+            "web search is not supported by this server",
+        ),
+    )
+    for param, refused, why in refusals:
+        if refused:
+            raise envelope.invalid(f"'{param}': {why}.", param=param)
+    for i, message in enumerate(body.messages):
+        # A tool message's name is its tool's, which the turn carries.
+        if message.name and message.role != "tool":
+            raise envelope.invalid(
+                f"'messages[{i}].name' is not supported: chat templates have no place for a "
+                "participant's name; write it into the content.",
+                param=f"messages[{i}].name",
+            )
 
 
 def _refuse_functions(body: protocol.ChatCompletionRequest) -> None:
