@@ -976,13 +976,6 @@ async def test_unknown_model_is_404(daemon: Daemon, client: httpx.AsyncClient) -
         (json.dumps(chat_body(web_search_options={})).encode(), "web_search_options", "web search"),
         (
             json.dumps(
-                {"model": "tiny", "messages": [{"role": "user", "content": "hi", "name": "ann"}]}
-            ).encode(),
-            "messages[0].name",
-            "participant's name",
-        ),
-        (
-            json.dumps(
                 {
                     "model": "tiny",
                     "messages": [

@@ -86,8 +86,8 @@ def _message(message: protocol.ChatMessage, i: int) -> inference_pb2.Message:
             for c in message.tool_calls or ()
         ],
         tool_call_id=message.tool_call_id or "",
-        # A tool message's name is the tool's (other roles' names are participants').
-        name=(message.name or "") if message.role == "tool" else "",
+        # A tool message's name is the tool's; other roles' are participants'.
+        name=message.name or "",
     )
 
 
@@ -333,14 +333,6 @@ def _refuse_unhonoured(body: protocol.ChatCompletionRequest) -> None:
     for param, refused, why in refusals:
         if refused:
             raise envelope.invalid(f"'{param}': {why}.", param=param)
-    for i, message in enumerate(body.messages):
-        # A tool message's name is its tool's, which the turn carries.
-        if message.name and message.role != "tool":
-            raise envelope.invalid(
-                f"'messages[{i}].name' is not supported: chat templates have no place for a "
-                "participant's name; write it into the content.",
-                param=f"messages[{i}].name",
-            )
 
 
 def _refuse_functions(body: protocol.ChatCompletionRequest) -> None:
