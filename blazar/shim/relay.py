@@ -10,8 +10,8 @@ goes away or anything fails, so the engine frees the slot at once.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
-from typing import TypeAlias
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from typing import Protocol, TypeAlias, TypeVar
 
 import structlog
 from starlette.requests import ClientDisconnect, Request
@@ -24,6 +24,18 @@ from blazar.shim import canonical, inference, streaming
 _log = structlog.get_logger("blazar.shim")
 
 Handler: TypeAlias = Callable[[Request], Awaitable[Response]]
+Event = TypeVar("Event", covariant=True)
+
+
+class Renderer(Protocol[Event]):
+    """A dialect's rendering of one generation stream, chunk by chunk."""
+
+    @property
+    def finished(self) -> bool:
+        """Whether the final chunk was rendered."""
+        ...
+
+    def render(self, chunk: inference_pb2.Chunk) -> Iterable[Event]: ...
 
 
 async def first_chunk(
@@ -41,6 +53,40 @@ async def first_chunk(
     if first is not None and first.HasField("final"):
         headers.update(inference.final_headers(first.final))
     return first, headers
+
+
+async def rendered(
+    stream: inference.ChunkStream,
+    renderer: Renderer[Event],
+    first: inference_pb2.Chunk | None,
+    *,
+    opening: Iterable[Event] = (),
+    failure: Callable[[errors.BlazarError], Iterable[Event]],
+) -> AsyncIterator[Event]:
+    """A streamed response's events, after its headers went out: `opening`, then each
+    chunk rendered, from `first` on. A failure from then on (the daemon's error, a
+    stream that ended without its final chunk, a bug) can only be told in the stream:
+    `failure` renders it as the dialect's error event. Leaving for any reason, the
+    client gone included, cancels the gRPC call."""
+    async with stream:
+        try:
+            for event in opening:
+                yield event
+            if first is not None:
+                for event in renderer.render(first):
+                    yield event
+                async for chunk in stream:
+                    for event in renderer.render(chunk):
+                        yield event
+            if not renderer.finished:
+                raise canonical.truncated()
+        except errors.BlazarError as err:
+            for event in failure(err):
+                yield event
+        except Exception:
+            _log.exception("stream failed")
+            for event in failure(internal_error()):
+                yield event
 
 
 async def collect(request: Request, stream: inference.ChunkStream) -> canonical.Answer:

@@ -17,7 +17,7 @@ from starlette.routing import Route
 
 from blazar._proto.v1 import inference_pb2
 from blazar.api import errors
-from blazar.shim import canonical, context, inference, relay, request_body, streaming
+from blazar.shim import context, inference, relay, request_body, streaming
 from blazar.shim.anthropic import convert, protocol
 
 _log = structlog.get_logger("blazar.shim.anthropic")
@@ -116,25 +116,14 @@ async def _events(
     *,
     request_id: str,
 ) -> AsyncIterator[bytes]:
-    # Leaving this block for any reason, client disconnect included, cancels the RPC.
-    async with stream:
-        try:
-            for event in events.opening():
-                yield _sse(event)
-            if first is not None:
-                for event in events.render(first):
-                    yield _sse(event)
-                async for chunk in stream:
-                    for event in events.render(chunk):
-                        yield _sse(event)
-            if not events.finished:
-                raise canonical.truncated()
-        except errors.BlazarError as err:
-            # Headers are gone; Anthropic's clients raise on an `error` event.
-            yield _sse(convert.error_response(err, request_id=request_id).body)
-        except Exception:
-            _log.exception("stream failed")
-            yield _sse(convert.error_response(relay.internal_error(), request_id=request_id).body)
+    def failure(err: errors.BlazarError) -> list[protocol.Event]:
+        # Headers are gone; Anthropic's clients raise on an `error` event.
+        return [convert.error_response(err, request_id=request_id).body]
+
+    async for event in relay.rendered(
+        stream, events, first, opening=events.opening(), failure=failure
+    ):
+        yield _sse(event)
 
 
 async def _collect(

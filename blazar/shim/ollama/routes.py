@@ -16,7 +16,7 @@ from starlette.routing import Route
 
 from blazar._proto.v1 import inference_pb2
 from blazar.api import errors
-from blazar.shim import canonical, context, inference, relay, request_body, streaming
+from blazar.shim import context, inference, relay, request_body, streaming
 from blazar.shim.ollama import convert, listing, options, protocol, render
 
 _log = structlog.get_logger("blazar.shim.ollama")
@@ -150,23 +150,12 @@ async def _generation(
 async def _lines(
     stream: inference.ChunkStream, lines: render.Lines, first: inference_pb2.Chunk | None
 ) -> AsyncIterator[bytes]:
-    # Leaving this block for any reason, client disconnect included, cancels the RPC.
-    async with stream:
-        try:
-            if first is not None:
-                for obj in lines.render(first):
-                    yield _ndjson(obj)
-                async for chunk in stream:
-                    for obj in lines.render(chunk):
-                        yield _ndjson(obj)
-            if not lines.finished:
-                raise canonical.truncated()
-        except errors.BlazarError as err:
-            # Headers are gone; Ollama's clients raise on a line with an `error` key.
-            yield _ndjson(render.error_response(err).body)
-        except Exception:
-            _log.exception("stream failed")
-            yield _ndjson(render.error_response(relay.internal_error()).body)
+    def failure(err: errors.BlazarError) -> list[Any]:
+        # Headers are gone; Ollama's clients raise on a line with an `error` key.
+        return [render.error_response(err).body]
+
+    async for obj in relay.rendered(stream, lines, first, failure=failure):
+        yield _ndjson(obj)
 
 
 async def _loaded(

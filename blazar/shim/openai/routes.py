@@ -15,7 +15,7 @@ from starlette.routing import Route
 
 from blazar._proto.v1 import inference_pb2
 from blazar.api import errors
-from blazar.shim import canonical, context, inference, relay, request_body, streaming
+from blazar.shim import context, inference, relay, request_body, streaming
 from blazar.shim.openai import protocol
 from blazar.shim.openai.convert import envelope, render, requests
 from blazar.shim.openai.responses import routes as responses_routes
@@ -179,26 +179,16 @@ async def _events(
     *,
     blame: envelope.Blame,
 ) -> AsyncIterator[bytes]:
-    # Leaving this block for any reason, client disconnect included, cancels the RPC.
-    async with stream:
-        try:
-            for obj in renderer.opening():
-                yield _sse(obj)
-            if first is not None:
-                for obj in renderer.render(first):
-                    yield _sse(obj)
-                async for chunk in stream:
-                    for obj in renderer.render(chunk):
-                        yield _sse(obj)
-            if not renderer.finished:
-                raise canonical.truncated()
-        except errors.BlazarError as err:
-            # Headers are gone; OpenAI's clients read an `error` key in a data event.
-            yield _sse(envelope.error_response(err, blame=blame).body)
-        except Exception:
-            _log.exception("stream failed")
-            yield _sse(envelope.error_response(relay.internal_error()).body)
-        yield _DONE
+    def failure(err: errors.BlazarError) -> list[_Event]:
+        # Headers are gone; OpenAI's clients read an `error` key in a data event.
+        return [envelope.error_response(err, blame=blame).body]
+
+    events: AsyncIterator[_Event] = relay.rendered(
+        stream, renderer, first, opening=renderer.opening(), failure=failure
+    )
+    async for obj in events:
+        yield _sse(obj)
+    yield _DONE
 
 
 async def _collect(
@@ -222,7 +212,10 @@ async def _collect(
     return JSONResponse(body, headers=headers)
 
 
-def _sse(obj: protocol.ChatCompletionChunk | protocol.Completion | protocol.ErrorBody) -> bytes:
+_Event: TypeAlias = protocol.ChatCompletionChunk | protocol.Completion | protocol.ErrorBody
+
+
+def _sse(obj: _Event) -> bytes:
     return streaming.sse_event(json.dumps(obj, ensure_ascii=False, separators=(",", ":")))
 
 

@@ -13,7 +13,7 @@ from starlette.routing import Route
 
 from blazar._proto.v1 import inference_pb2
 from blazar.api import errors
-from blazar.shim import canonical, context, inference, relay, request_body, streaming
+from blazar.shim import context, inference, relay, request_body, streaming
 from blazar.shim.openai.responses import protocol, render, requests
 
 _log = structlog.get_logger("blazar.shim.openai")
@@ -66,26 +66,10 @@ async def _events(
     renderer: render.ResponseStream,
     first: inference_pb2.Chunk | None,
 ) -> AsyncIterator[bytes]:
-    # Leaving this block for any reason, client disconnect included, cancels the RPC.
-    async with stream:
-        try:
-            for event in renderer.opening():
-                yield _sse(event)
-            if first is not None:
-                for event in renderer.render(first):
-                    yield _sse(event)
-                async for chunk in stream:
-                    for event in renderer.render(chunk):
-                        yield _sse(event)
-            if not renderer.finished:
-                raise canonical.truncated()
-        except errors.BlazarError as err:
-            for event in renderer.failure(err):
-                yield _sse(event)
-        except Exception:
-            _log.exception("stream failed")
-            for event in renderer.failure(relay.internal_error()):
-                yield _sse(event)
+    async for event in relay.rendered(
+        stream, renderer, first, opening=renderer.opening(), failure=renderer.failure
+    ):
+        yield _sse(event)
 
 
 def _sse(event: protocol.Event) -> bytes:
