@@ -48,7 +48,8 @@ Forecast. Every decision reads one simulation of the Lane from `now`, in ticket 
   its service time, its prefill (`start_overhead_s`, what a start costs beyond the
   prompt as measured, plus `prompt_tokens / prefill_tokens_per_s`) plus the decode time
   of the tokens it will generate (its max_tokens, or fewer when the Lane measures a
-  smaller typical completion: `LaneView.completion_tokens`), and then frees it for the
+  smaller typical completion: the share of max_tokens its policy's requests generate,
+  else the Lane's mean, `LaneView.output_tokens`), and then frees it for the
   next. Its first token comes at start + prefill. A parked generation (`Resume`) takes only a
   slot of its own replica and costs its remaining decode time.
 - Preemption in the forecast: a ticket whose first token would come past its deadline
@@ -88,7 +89,8 @@ from __future__ import annotations
 import heapq
 import math
 from collections import defaultdict
-from dataclasses import dataclass, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import TypeAlias
 
@@ -245,8 +247,15 @@ class LaneView:
     # The Lane's typical completion length in tokens (a measured mean); None: count a
     # ticket's max_tokens.
     completion_tokens: float | None = None
+    # By policy name, the share of max_tokens its requests generated (measured): a
+    # policy's requests are alike (batch jobs run to their budget, chat turns stop
+    # early), where the Lane's mean mixes them.
+    completion_share: Mapping[str, float] = field(default_factory=dict)
 
     def output_tokens(self, ticket: Ticket) -> int:
+        share = self.completion_share.get(ticket.policy.name)
+        if share is not None:
+            return max(1, min(ticket.max_tokens, math.ceil(share * ticket.max_tokens)))
         if self.completion_tokens is None:
             return ticket.max_tokens
         return min(ticket.max_tokens, math.ceil(self.completion_tokens))

@@ -408,7 +408,11 @@ class LaneDispatcher:
             run = self._running.pop(ticket_id, None)
             if run is not None and event.final is not None:
                 self.measurements.record(
-                    run.replica.index, event.final, prompt_chars=run.prompt_chars
+                    run.replica.index,
+                    event.final,
+                    prompt_chars=run.prompt_chars,
+                    policy=run.ticket.policy.name,
+                    max_tokens=run.ticket.max_tokens,
                 )
         else:
             return self._new_route(event.route)
@@ -518,7 +522,8 @@ class LaneDispatcher:
         self._parked_bytes[ticket.id] = parked.parked_bytes
         if parked.parked_bytes and parked.tokens:
             self._kv_bytes_per_token = -(-parked.parked_bytes // parked.tokens)
-        left = max(0, self.measurements.output_tokens(ticket.max_tokens) - victim.generated)
+        expected = self.measurements.output_tokens(ticket.max_tokens, policy=ticket.policy.name)
+        left = max(0, expected - victim.generated)
         self._queue.requeue(
             ticket, now=self._clock(), resume=admission.Resume(preempt.replica, left)
         )
@@ -610,7 +615,11 @@ class LaneDispatcher:
                     id=run.ticket.id,
                     priority=run.ticket.policy.priority,
                     tokens_left=max(
-                        0, self.measurements.output_tokens(run.ticket.max_tokens) - run.generated
+                        0,
+                        self.measurements.output_tokens(
+                            run.ticket.max_tokens, policy=run.ticket.policy.name
+                        )
+                        - run.generated,
                     ),
                     kv_tokens=run.ticket.prompt_tokens + run.generated,
                 )
@@ -633,7 +642,9 @@ class LaneDispatcher:
                 )
             )
         return admission.LaneView(
-            replicas=tuple(replicas), completion_tokens=self.measurements.completion_tokens
+            replicas=tuple(replicas),
+            completion_tokens=self.measurements.completion_tokens,
+            completion_share=self.measurements.completion_share,
         )
 
 

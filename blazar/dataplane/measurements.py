@@ -151,13 +151,27 @@ class LaneMeasurements:
         self._lane = _Rates()
         self._replicas: dict[int, _Rates] = {}
         self._completion = _Mean()
+        # By policy: tokens generated over the max_tokens the requests allowed.
+        self._share: dict[str, _Ratio] = {}
         self._chars_per_token = _Ratio()
 
-    def record(self, replica: int, final: inference_pb2.Final, *, prompt_chars: int) -> None:
-        """A request that finished on `replica`, and the characters of its prompt."""
+    def record(
+        self,
+        replica: int,
+        final: inference_pb2.Final,
+        *,
+        prompt_chars: int,
+        policy: str = "",
+        max_tokens: int = 0,
+    ) -> None:
+        """A request that finished on `replica`: the characters of its prompt, and the
+        policy it ran under and the max_tokens it allowed."""
         self._lane.record(final)
         self._replicas.setdefault(replica, _Rates()).record(final)
         self._completion.add(final.usage.completion_tokens)
+        if policy and max_tokens > 0:
+            generated = min(final.usage.completion_tokens, max_tokens)
+            self._share.setdefault(policy, _Ratio()).add(generated, max_tokens)
         if final.usage.prompt_tokens > 0 and prompt_chars > 0:
             self._chars_per_token.add(prompt_chars, final.usage.prompt_tokens)
 
@@ -183,8 +197,17 @@ class LaneMeasurements:
         ratio = self._chars_per_token.value or DEFAULT_CHARS_PER_TOKEN
         return max(1, math.ceil(chars / ratio))
 
-    def output_tokens(self, max_tokens: int) -> int:
-        """Tokens a request allowed `max_tokens` is expected to generate."""
+    @property
+    def completion_share(self) -> dict[str, float]:
+        """By policy, the share of max_tokens its requests generated."""
+        return {name: v for name, ratio in self._share.items() if (v := ratio.value) is not None}
+
+    def output_tokens(self, max_tokens: int, *, policy: str = "") -> int:
+        """Tokens a request allowed `max_tokens` is expected to generate: its policy's
+        share of it, else the Lane's typical completion, else all of it."""
+        share = self._share[policy].value if policy in self._share else None
+        if share is not None:
+            return max(1, min(max_tokens, math.ceil(share * max_tokens)))
         typical = self._completion.value
         return max_tokens if typical is None else min(max_tokens, math.ceil(typical))
 

@@ -285,6 +285,12 @@ def test_a_ticket_is_admitted_once() -> None:
         (IDLE, [ticket("x", prompt=1000)], 2.5),
         # ... only 10 tokens when the Lane's completions measure 10.
         (lane(replica(), completion=9.2), [ticket("x", prompt=1000)], 1.7),
+        # ... all 50 when its policy's requests run to their budget, whatever the Lane's.
+        (
+            replace(lane(replica(), completion=9.2), completion_share={FIFO_POLICY.name: 1.0}),
+            [ticket("x", prompt=1000)],
+            2.5,
+        ),
         # Two replicas: the slot that frees first (replica 1 at 1 s) and its prefill rate.
         (
             lane(replica(run("r")), replica(run("s", left=50), index=1, prefill=500.0)),

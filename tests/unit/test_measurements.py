@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from blazar._proto.v1 import inference_pb2
@@ -142,3 +144,18 @@ def test_the_start_overhead_is_what_first_tokens_took_beyond_the_prefill() -> No
     assert overhead == pytest.approx(0.05 * 0.8)
     # A replica without its own figure reads the Lane's.
     assert m.replica_view(1, slots=1, running=()).start_overhead_s == pytest.approx(overhead)
+
+
+def test_each_policy_has_its_share_of_max_tokens() -> None:
+    """Batch jobs ran to their 256 tokens and chat turns stopped at a quarter of theirs:
+    the Lane's mean (about 100) would make a running batch job end far too soon."""
+    m = LaneMeasurements()
+    for _ in range(3):
+        m.record(0, final(completion=256), prompt_chars=0, policy="batch", max_tokens=256)
+        m.record(0, final(completion=16), prompt_chars=0, policy="chat", max_tokens=64)
+    assert m.output_tokens(256, policy="batch") == 256
+    assert m.output_tokens(64, policy="chat") == 16
+    assert m.output_tokens(2000, policy="chat") == 500
+    # A policy not seen yet: the Lane's typical completion.
+    assert m.output_tokens(256, policy="new") == math.ceil(m.completion_tokens or 0)
+    assert m.completion_share == {"batch": pytest.approx(1.0), "chat": pytest.approx(0.25)}
