@@ -311,6 +311,10 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                             ),
                         )
                     final = _final(event)
+                    if final.stop_sequence not in request.sampling.stop:
+                        # A stop the engine added (where a tool's result would begin),
+                        # not one of the caller's: the model ended its turn.
+                        final.stop_sequence = ""
                     if calls is not None:
                         final.tool_calls = calls.made
                         if calls.called and event.reason is jobs.FinishReason.STOP:

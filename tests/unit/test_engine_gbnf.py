@@ -36,12 +36,14 @@ def test_a_grammar_nested_past_the_bound_is_refused_by_name() -> None:
     assert sampling.grammar_of(inference_pb2.Constraint(grammar=at_bound)) == at_bound
 
 
-def test_a_grammar_past_the_size_bound_is_refused() -> None:
+def test_a_grammar_with_too_many_rules_or_bytes_is_refused() -> None:
     # A chain of rules, each referring to the next: 200,000 of them killed llama.cpp.
     chain = "root ::= r0\n" + "".join(f"r{i} ::= r{i + 1}\n" for i in range(20_000))
-    assert len(chain) > gbnf.MAX_BYTES
-    with pytest.raises(errors.InvalidRequest, match="bytes of GBNF; at most 131,072"):
+    with pytest.raises(errors.InvalidRequest, match="20,001 rules; at most 10,000"):
         sampling.grammar_of(inference_pb2.Constraint(grammar=chain))
+    huge = 'root ::= "' + "a" * gbnf.MAX_BYTES + '"'
+    with pytest.raises(errors.InvalidRequest, match="bytes of GBNF; at most 1,048,576"):
+        sampling.grammar_of(inference_pb2.Constraint(grammar=huge))
 
 
 def test_the_request_field_is_named_when_resolving() -> None:
