@@ -9,7 +9,8 @@ embeddings one. What the canonical request cannot carry is refused by name
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from blazar._proto.v1 import inference_pb2
 from blazar.shim import canonical
@@ -101,6 +102,7 @@ def _tool(tool: protocol.FunctionTool) -> inference_pb2.Tool:
     )
 
 
+Named = TypeVar("Named")
 _CHOICES = {
     "auto": inference_pb2.ToolChoice.MODE_AUTO,
     "none": inference_pb2.ToolChoice.MODE_NONE,
@@ -108,19 +110,26 @@ _CHOICES = {
 }
 
 
-def _tool_choice(body: protocol.ChatCompletionRequest) -> inference_pb2.ToolChoice | None:
-    """None (unset) is OpenAI's default, and Blazar's: "auto" when there are tools."""
-    choice = body.tool_choice
+def tool_choice(
+    choice: str | Named | None, *, has_tools: bool, name_of: Callable[[Named], str]
+) -> inference_pb2.ToolChoice | None:
+    """OpenAI's `tool_choice` in either API: None (unset) is OpenAI's default, and
+    Blazar's ("auto" when there are tools); a mode by name; or a named tool, whose name
+    `name_of` reads (and checks) in that API's own shape."""
     if choice is None:
         return None
-    if not body.tools and choice != "none":
+    if not has_tools and choice != "none":
         raise envelope.invalid(
             "'tool_choice' is only allowed when 'tools' are specified.", param="tool_choice"
         )
     if isinstance(choice, str):
         return inference_pb2.ToolChoice(mode=_CHOICES[choice])
-    return inference_pb2.ToolChoice(
-        mode=inference_pb2.ToolChoice.MODE_NAMED, name=choice.function.name
+    return inference_pb2.ToolChoice(mode=inference_pb2.ToolChoice.MODE_NAMED, name=name_of(choice))
+
+
+def _tool_choice(body: protocol.ChatCompletionRequest) -> inference_pb2.ToolChoice | None:
+    return tool_choice(
+        body.tool_choice, has_tools=bool(body.tools), name_of=lambda c: c.function.name
     )
 
 

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 from blazar._proto.v1 import inference_pb2
 from blazar.shim import canonical
-from blazar.shim.openai.convert import envelope
+from blazar.shim.openai.convert import envelope, requests
 from blazar.shim.openai.responses import protocol
 
 # The one `include` value that asks for something Blazar produces.
@@ -24,11 +24,6 @@ LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
 _ROLES = {"developer": "system"}
 _TEXT_PARTS = frozenset({"input_text", "output_text"})
-_CHOICES = {
-    "auto": inference_pb2.ToolChoice.MODE_AUTO,
-    "none": inference_pb2.ToolChoice.MODE_NONE,
-    "required": inference_pb2.ToolChoice.MODE_REQUIRED,
-}
 
 
 def chat_request(
@@ -302,24 +297,16 @@ def _tool(tool: protocol.Tool, i: int) -> inference_pb2.Tool:
 
 
 def _tool_choice(body: protocol.ResponseCreateRequest) -> inference_pb2.ToolChoice | None:
-    """None (unset) is OpenAI's default, and Blazar's: "auto" when there are tools."""
-    choice = body.tool_choice
-    if choice is None:
-        return None
-    if not body.tools and choice != "none":
-        raise envelope.invalid(
-            "'tool_choice' is only allowed when 'tools' are specified.", param="tool_choice"
-        )
-    if isinstance(choice, str):
-        return inference_pb2.ToolChoice(mode=_CHOICES[choice])
-    if choice.type != "function":
-        raise envelope.invalid(
-            f"'tool_choice' of type {choice.type!r} is not supported by this server; send "
-            '"auto", "none", "required" or {"type": "function", "name": ...}.',
-            param="tool_choice.type",
-        )
-    name = _required(choice.name, "tool_choice.name")
-    return inference_pb2.ToolChoice(mode=inference_pb2.ToolChoice.MODE_NAMED, name=name)
+    def name_of(choice: protocol.ToolChoiceObject) -> str:
+        if choice.type != "function":
+            raise envelope.invalid(
+                f"'tool_choice' of type {choice.type!r} is not supported by this server; send "
+                '"auto", "none", "required" or {"type": "function", "name": ...}.',
+                param="tool_choice.type",
+            )
+        return _required(choice.name, "tool_choice.name")
+
+    return requests.tool_choice(body.tool_choice, has_tools=bool(body.tools), name_of=name_of)
 
 
 def _constraint(text: protocol.TextConfig | None) -> inference_pb2.Constraint | None:
