@@ -223,6 +223,9 @@ class ReplicaView:
     # when speculation is on.
     tokens_per_step: float = 1.0
     kv_bytes_per_token: int = 0
+    # Seconds from asking the engine to park a generation to its slot being free
+    # (measured): when a preempting request starts.
+    park_s: float = 0.0
     # Host memory holding parked generations, and its bound (0: this engine cannot park).
     parked_bytes: int = 0
     parked_bytes_max: int = 0
@@ -687,7 +690,8 @@ class _Simulation:
             cost = run.kv_tokens * replica.kv_bytes_per_token
             bound = replica.parked_bytes_max
             fits = bound > 0 and self.parked[replica.index] + cost <= bound
-            meets = self.now + replica.prefill_s(ticket.prompt_tokens) <= ticket.deadline
+            first_token = replica.park_s + replica.prefill_s(ticket.prompt_tokens)
+            meets = self.now + first_token <= ticket.deadline
             if fits and meets:
                 options.append(((run.kv_tokens, run.priority, replica.index, run.id), slot))
         if not options:
@@ -724,7 +728,7 @@ def _fate(entry: _Waiting, sim: _Simulation, now: float) -> tuple[_Fate, _Slot |
         if misses and not slot.idle and entry.resume is None:
             parked = sim.victim_for(ticket)
             if parked is not None:
-                slot, victim, start = parked, parked.holder, 0.0
+                slot, victim, start = parked, parked.holder, parked.replica.park_s
                 prefill = slot.replica.prefill_s(ticket.prompt_tokens)
         fate = _Fate(
             start_s=start,

@@ -474,6 +474,8 @@ class LaneDispatcher:
         while (preempt := self._queue.preemption(now=now, view=self._view())) is not None:
             if not await self._preempt(preempt, now):
                 break  # asked again, admission would name the same victim
+            # The park took time: what comes next is decided as of now.
+            now = self._clock()
         for refusal in self._queue.expire(now=now, view=self._view()):
             pending = self._pending.pop(refusal.ticket.id, None)
             if pending is not None:
@@ -516,6 +518,10 @@ class LaneDispatcher:
         if victim is None or parked is None:
             self._queue.requeue(preempt.ticket, now=now)
             return False
+        # The urgent request starts now, not when the park was asked for: its start
+        # overhead must not count the park, which is measured as itself.
+        parked_at = self._clock()
+        self.measurements.record_park(preempt.replica, seconds=parked_at - now)
         ticket = victim.ticket
         self._running.pop(ticket.id, None)
         self._parked[ticket.id] = victim
@@ -524,9 +530,7 @@ class LaneDispatcher:
             self._kv_bytes_per_token = -(-parked.parked_bytes // parked.tokens)
         expected = self.measurements.output_tokens(ticket.max_tokens, policy=ticket.policy.name)
         left = max(0, expected - victim.generated)
-        self._queue.requeue(
-            ticket, now=self._clock(), resume=admission.Resume(preempt.replica, left)
-        )
+        self._queue.requeue(ticket, now=parked_at, resume=admission.Resume(preempt.replica, left))
         metrics.PREEMPTIONS.labels(self.lane, ticket.policy.name).inc()
         log.info(
             "admission.preempted",
@@ -536,7 +540,7 @@ class LaneDispatcher:
             parked_bytes=parked.parked_bytes,
             for_policy=preempt.ticket.policy.name,
         )
-        self._start(admission.Dispatch(preempt.ticket, preempt.replica), now)
+        self._start(admission.Dispatch(preempt.ticket, preempt.replica), parked_at)
         return True
 
     def _resume(self, decision: admission.Dispatch) -> None:

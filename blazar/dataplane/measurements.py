@@ -127,6 +127,9 @@ class _Rates:
     # the hop to the engine, its template and tokenizer, the step the prefill joins,
     # the first chunk's way back. What the forecast would otherwise miss on every start.
     start_overhead: _Mean = field(default_factory=_Mean)
+    # Seconds a Park took, from asking the engine to its answer: an urgent request that
+    # preempts starts only then (the engine parks between two decode steps).
+    park: _Mean = field(default_factory=_Mean)
 
     def record(self, final: inference_pb2.Final) -> None:
         usage, timings = final.usage, final.timings
@@ -187,6 +190,11 @@ class LaneMeasurements:
         self._lane.start_overhead.add(sample)
         self._replicas.setdefault(replica, _Rates()).start_overhead.add(sample)
 
+    def record_park(self, replica: int, *, seconds: float) -> None:
+        """The engine of `replica` parked a generation in `seconds`."""
+        self._lane.park.add(seconds)
+        self._replicas.setdefault(replica, _Rates()).park.add(seconds)
+
     @property
     def completion_tokens(self) -> float | None:
         """The Lane's typical completion length in tokens; None before any request ends."""
@@ -234,6 +242,7 @@ class LaneMeasurements:
         overhead = own.start_overhead.value
         if overhead is None:
             overhead = lane.start_overhead.value
+        park = own.park.value if own.park.value is not None else lane.park.value
         return admission.ReplicaView(
             index=index,
             slots=slots,
@@ -244,6 +253,7 @@ class LaneMeasurements:
             step_growth_s=step[1] if step else 0.0,
             tokens_per_step=pick(own.per_step, lane.per_step) or 1.0,
             start_overhead_s=overhead or 0.0,
+            park_s=park or 0.0,
             kv_bytes_per_token=kv_bytes_per_token,
             parked_bytes=parked_bytes,
             parked_bytes_max=parked_bytes_max,

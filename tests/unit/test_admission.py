@@ -889,3 +889,59 @@ def test_invariants_under_random_traffic(seed: int) -> None:
         assert not {t.id for t in queue.tickets()} & gone
     # The traffic exercised every path.
     assert all(counts.values()), counts
+
+
+def test_a_preempting_start_waits_for_the_measured_park() -> None:
+    """The engine parks between two steps: the urgent request starts that much later."""
+    slow = lane(replace(parking(LONG), park_s=1.0))
+    queue = LaneQueue()
+    decision = queue.arrive(ticket("u", PATIENT), now=0, view=slow)
+    assert decision == Admit(pytest.approx(1.0 + 0.5))
+    assert queue.preemption(now=0, view=slow) == Preempt(ticket("u", PATIENT), "long", 0)
+    # A park so slow that the prefill after it misses: parking would not save it.
+    slower = lane(replace(parking(LONG), park_s=1.6))
+    queue = LaneQueue()
+    assert isinstance(queue.arrive(ticket("u", PATIENT), now=0, view=slower), Admit)
+    assert queue.preemption(now=0, view=slower) is None
+
+
+@pytest.mark.parametrize(
+    ("turn", "parked", "waiting_ttft"),
+    [
+        # 1.6 s turns: after three parks, waiting for an interactive slot meets the
+        # target (1.6 s + 0.1 s prefill), so the fourth batch generation runs on.
+        (80, ["b0", "b1", "b2"], 1.7),
+        # 2 s turns: waiting misses, so every batch generation is parked before any
+        # interactive request waits; the two left then miss whatever happens.
+        (100, ["b0", "b1", "b2", "b3"], 2.1),
+    ],
+)
+def test_a_burst_of_urgent_requests_parks_lower_priority_work_while_waiting_misses(
+    turn: int, parked: list[str], waiting_ttft: float
+) -> None:
+    """Four batch generations hold the four slots; six interactive requests arrive at
+    once (the mixed burst of bench/overload.py). An interactive request parks a batch
+    generation when waiting for any slot would miss its target, and only then."""
+    urgent = replace(INTERACTIVE, max_queue_depth=32)
+    batch = [run(f"b{i}", left=1000, kv=100 + i) for i in range(4)]
+    view = lane(parking(*batch, bound=10_000))
+    queue = LaneQueue()
+    tickets = [ticket(f"i{i}", urgent, prompt=100, max_tokens=turn) for i in range(6)]
+    refused = {t.id for t in tickets if isinstance(queue.arrive(t, now=0, view=view), Refuse)}
+    victims = []
+    running = list(batch)
+    started = []
+    while (preempt := queue.preemption(now=0, view=view)) is not None:
+        victims.append(preempt.victim)
+        started.append(preempt.ticket.id)
+        # The data plane parks the victim and starts the urgent request in its slot.
+        held = next(r for r in running if r.id == preempt.victim)
+        running[running.index(held)] = run(preempt.ticket.id, priority=100, left=turn, kv=100)
+        queue.requeue(ticket(held.id, BATCH), now=0, resume=Resume(0, held.tokens_left))
+        view = lane(parking(*running, bound=10_000, parked=1000 * len(victims)))
+    assert sorted(victims) == parked
+    refused |= {r.ticket.id for r in queue.expire(now=0, view=view)}
+    left = {t.id for t in tickets} - set(started)
+    assert refused == (set() if waiting_ttft <= 2.0 else left)
+    for ticket_id in left - refused:
+        assert queue.predict_ttft(ticket_id, now=0, view=view) == pytest.approx(waiting_ttft)
