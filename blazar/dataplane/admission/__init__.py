@@ -1,0 +1,129 @@
+"""Admission for one Lane: which waiting request starts next and where, which one a
+more urgent request may park, and which are refused.
+
+No IO, no clock, no logging, no asyncio: the data plane's admission task owns one
+`LaneQueue` per Lane, passes `now` and a `LaneView` (what the Lane's engines hold and
+measure) to every call, and carries out the decisions it gets back. Driving it: on every
+event (an arrival, a request that ends, a cancel, a fresh view) and at `next_expiry()`,
+call `dispatch`, then `preemption` until it answers None, then `expire`. Apply each
+decision to the view passed next (a dispatched ticket runs; a parked one does not).
+
+Modules: `terms` (policies, tickets, the view, the decisions), `forecast` (the
+simulation below), `queue` (`LaneQueue`: the order, the bounds, fair share).
+
+Order. A request holds a `Ticket` under one `Policy` (the SLOPolicy it names, else its
+Lane's, else `FIFO_POLICY`). Tickets wait in one order per Lane: higher `priority`
+first; inside one priority by fair share between tenants; then earliest deadline
+first, the deadline being arrival + `ttftTargetMs` (none sorts after every deadline);
+then arrival; then id.
+
+Fair share is start-time fair queuing (SFQ, Goyal et al. 1996), one virtual clock per
+priority. Each start of a tenant's ticket costs it 1 / its weight in virtual time. The
+tier's clock `V` is the virtual start of the ticket started last; a tenant's `F` is the
+virtual finish of its ticket started last. The k-th of a tenant's waiting tickets (in
+deadline order) starts at max(V, F) + (k - 1) / weight, and tickets run in that order:
+under saturation tenants are served in proportion to their weights, one whose tickets
+arrive after an idle spell starts at the clock (no credit saved up), and a single
+tenant's tickets keep the deadline order. A ticket that waits again after its start
+(parked, or its start failed) was charged then: it comes first in its tier, as a
+parked generation does in the forecast, and is not charged again. Requests without a
+tenant share one (the empty name), of weight 1.
+
+Bounds. At most `maxQueueDepth` tickets of one policy wait on a Lane: one more is
+refused at once (QUEUE_FULL) unless an idle slot takes it at once. A ticket that has
+waited `maxQueueWaitMs` and cannot start now is taken out and refused (QUEUE_TIMEOUT),
+never started late. A cancelled ticket leaves at once. A parked generation waits again
+(`requeue`): it comes first in its priority, counts in its policy's depth (parking may
+take the depth past the bound; arrivals are then refused), and its waits add up against
+its bound; having started, it is never refused for its TTFT target.
+
+Forecast. Every decision reads one simulation of the Lane from `now`, in ticket order
+(list scheduling, the model behind every prediction):
+
+- Each replica has `slots` slots. A slot running a request frees after that request's
+  decode time, `tokens_left x step / tokens_per_step`: step is the measured decode step
+  at the batch the replica will run while this queue drains (its running requests plus
+  the waiting tickets, at most its slots), `step_s + step_growth_s x (batch - 1)`;
+  tokens_per_step the accepted tokens per step, 1 without speculation. An idle slot is
+  free now.
+- Each ticket in order takes the slot that frees first (an idle one, then the session's
+  `prefer`red replica, then the least loaded replica, then the lowest index), holds it for
+  its service time, its prefill (`start_overhead_s`, what a start costs beyond the
+  prompt as measured, plus `prompt_tokens / prefill_tokens_per_s`) plus the decode time
+  of the tokens it will generate (its max_tokens, or fewer when the Lane measures a
+  smaller typical completion: the share of max_tokens its policy's requests generate,
+  else the Lane's mean, `LaneView.output_tokens`), and then frees it for the
+  next. Its first token comes at start + prefill. A parked generation (`Resume`) takes only a
+  slot of its own replica and costs its remaining decode time.
+- Preemption in the forecast: a ticket whose first token would come past its deadline
+  in a slot that is not idle takes instead the slot of a running request of strictly
+  lower priority, if parking that request keeps the replica's parked bytes within its
+  bound and lets the ticket meet its deadline (the measured park, `park_s`, then its
+  prefill). The cheapest victim
+  is parked: fewest KV tokens, then lowest priority, then replica index and id. The
+  victim re-enters the order at its priority, pinned to its replica.
+- A measurement an engine has not made yet (None) counts as zero seconds: admission
+  never refuses on a guess. With no replica the forecast knows nothing and refuses only
+  on the bounds and on deadlines already passed.
+
+Decisions from the forecast. `dispatch` starts the tickets that took an idle slot;
+`preemption` names the first ticket that took a victim's slot; `expire` refuses the
+tickets past their wait bound and, under `onOverload: reject`, those predicted to miss
+their time-to-first-token target (a ticket waiting at its deadline misses it); `arrive`
+runs the same simulation with the new ticket in its place and refuses it early
+(SLO_UNATTAINABLE) when it would miss. A ticket refused in the simulation takes no slot,
+so tickets behind it see the room it leaves.
+
+Retry-after, from the same forecast (how fast this Lane drains), within
+[RETRY_AFTER_MIN_S, RETRY_AFTER_MAX_S]: for QUEUE_FULL, until the first ticket of the
+policy leaves the queue (starts or times out); for QUEUE_TIMEOUT, until the ticket's turn
+would have come; for SLO_UNATTAINABLE, until a request like it would meet the target
+(predicted first token minus target, as the work ahead drains), the maximum when its
+prefill alone misses the target. RETRY_AFTER_UNKNOWN_S when the forecast knows nothing.
+
+Known simplifications: the step time is the one at the batch the queue keeps the
+replica at, also for its last requests as the queue runs dry; a resume costs no time;
+bytes freed by a simulated resume are not returned to the parking budget;
+tickets that will arrive later are not foreseen (a more urgent arrival may push an
+admitted ticket past its deadline, and `expire` then refuses it).
+"""
+
+from blazar.dataplane.admission.queue import LaneQueue
+from blazar.dataplane.admission.terms import (
+    FIFO_MAX_QUEUE_DEPTH,
+    FIFO_POLICY,
+    RETRY_AFTER_MAX_S,
+    RETRY_AFTER_MIN_S,
+    RETRY_AFTER_UNKNOWN_S,
+    Admit,
+    Dispatch,
+    LaneView,
+    Policy,
+    Preempt,
+    Reason,
+    Refuse,
+    ReplicaView,
+    Resume,
+    Running,
+    Ticket,
+)
+
+__all__ = [
+    "FIFO_MAX_QUEUE_DEPTH",
+    "FIFO_POLICY",
+    "RETRY_AFTER_MAX_S",
+    "RETRY_AFTER_MIN_S",
+    "RETRY_AFTER_UNKNOWN_S",
+    "Admit",
+    "Dispatch",
+    "LaneQueue",
+    "LaneView",
+    "Policy",
+    "Preempt",
+    "Reason",
+    "Refuse",
+    "ReplicaView",
+    "Resume",
+    "Running",
+    "Ticket",
+]

@@ -1,0 +1,288 @@
+"""The forecast: one simulation of a Lane's slots from `now`, in ticket order, that
+every admission decision reads (see the package docstring)."""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, replace
+
+from blazar.dataplane.admission.terms import (
+    RETRY_AFTER_MAX_S,
+    RETRY_AFTER_MIN_S,
+    RETRY_AFTER_UNKNOWN_S,
+    Key,
+    LaneView,
+    Reason,
+    Refuse,
+    ReplicaView,
+    Resume,
+    Running,
+    Ticket,
+)
+
+
+@dataclass(frozen=True)
+class Waiting:
+    ticket: Ticket
+    # When this stint of waiting began (its arrival, or when it was requeued).
+    since: float
+    resume: Resume | None = None
+    # Started before (requeued): its tenant's share was charged then.
+    charged: bool = False
+
+    def waited(self, now: float) -> float:
+        return self.ticket.waited_s + max(0.0, now - self.since)
+
+    def timed_out(self, now: float, *, starts_now: bool) -> bool:
+        """At its bound a ticket may still start, but not wait on."""
+        bound = self.ticket.policy.max_queue_wait_s
+        if bound is None:
+            return False
+        waited = self.waited(now)
+        return waited > bound or (waited >= bound and not starts_now)
+
+
+@dataclass(frozen=True)
+class Fate:
+    """What the forecast says of one waiting ticket. For a refused one, where it would
+    have gone: it takes no slot in the forecast."""
+
+    # Seconds from now until it starts; None when no replica it may use serves.
+    start_s: float | None = None
+    # Seconds from its arrival to its first token; None for a parked generation.
+    ttft_s: float | None = None
+    # Seconds of prefill before its first token, once started.
+    prefill_s: float = 0.0
+    replica: int | None = None
+    # Starts now on an idle slot: `dispatch` starts it (unless refused).
+    idle: bool = False
+    # Starts now in this request's slot once it is parked: `preemption` says so (unless
+    # refused).
+    victim: Running | None = None
+    refuse: Reason | None = None
+
+    @property
+    def starts_now(self) -> bool:
+        return self.idle or self.victim is not None
+
+
+def refusal(entry: Waiting, fate: Fate, now: float) -> Refuse:
+    ticket = entry.ticket
+    parked_on = entry.resume.replica if entry.resume else None
+    if fate.refuse == Reason.QUEUE_TIMEOUT:
+        return Refuse(
+            ticket,
+            Reason.QUEUE_TIMEOUT,
+            clamp(fate.start_s),
+            waited_s=entry.waited(now),
+            parked_on=parked_on,
+        )
+    # SLO_UNATTAINABLE: a request like it meets the target once the work ahead has
+    # drained by the amount it misses by; never, if its own prefill misses it.
+    target = ticket.policy.ttft_target_s or 0.0
+    retry: float | None = None
+    predicted = fate.ttft_s
+    if fate.start_s is not None:
+        first_token_s = fate.start_s + fate.prefill_s
+        retry = RETRY_AFTER_MAX_S if fate.prefill_s > target else first_token_s - target
+    else:
+        predicted = max(0.0, now - ticket.arrived)
+    return Refuse(
+        ticket,
+        Reason.SLO_UNATTAINABLE,
+        clamp(retry),
+        waited_s=entry.waited(now),
+        predicted_ttft_s=predicted,
+        parked_on=parked_on,
+    )
+
+
+def key_of(ticket: Ticket, virtual_start: float) -> Key:
+    return (-ticket.policy.priority, virtual_start, ticket.deadline, ticket.arrived, ticket.id)
+
+
+def clamp(seconds: float | None) -> float:
+    if seconds is None:
+        return RETRY_AFTER_UNKNOWN_S
+    return min(max(seconds, RETRY_AFTER_MIN_S), RETRY_AFTER_MAX_S)
+
+
+def rejects_late(entry: Waiting) -> bool:
+    """Refused when predicted to miss its deadline: a fresh ticket under onOverload:
+    reject with a TTFT target. A parked generation has started: only its wait bound
+    can take it out."""
+    return (
+        entry.resume is None
+        and entry.ticket.policy.reject_early
+        and entry.ticket.deadline < math.inf
+    )
+
+
+@dataclass
+class _Slot:
+    replica: ReplicaView
+    position: int
+    # Seconds from now until it is free for the next ticket.
+    free_at: float
+    # Free now and not yet taken in this forecast.
+    idle: bool
+    # The running request holding it, until the forecast gives the slot to a ticket:
+    # one that a more urgent ticket may park.
+    holder: Running | None
+
+
+@dataclass(frozen=True)
+class _Victim:
+    """A generation the forecast parked: it waits, pinned, at its priority."""
+
+    running: Running
+    replica: int
+
+    @property
+    def key(self) -> Key:
+        # First inside its priority: it started before anything still waiting there.
+        return (-self.running.priority, -math.inf, -math.inf, -math.inf, self.running.id)
+
+
+class _Simulation:
+    """The Lane's slots as the forecast hands them out."""
+
+    def __init__(self, view: LaneView, now: float, *, waiting: int) -> None:
+        self.now = now
+        self.slots: list[_Slot] = []
+        self.load: dict[int, int] = {}
+        self.parked: dict[int, int] = {}
+        self.batch: dict[int, int] = {}
+        for replica in view.replicas:
+            self.load[replica.index] = len(replica.running)
+            self.parked[replica.index] = replica.parked_bytes
+            self.batch[replica.index] = max(1, min(replica.slots, len(replica.running) + waiting))
+            for position, run in enumerate(replica.running):
+                free_at = self.decode_s(replica, run.tokens_left)
+                self.slots.append(_Slot(replica, position, free_at, idle=False, holder=run))
+            for position in range(len(replica.running), replica.slots):
+                self.slots.append(_Slot(replica, position, 0.0, idle=True, holder=None))
+
+    def decode_s(self, replica: ReplicaView, tokens: int) -> float:
+        """Decode time on `replica` at the batch it will run while this queue drains."""
+        return replica.decode_s(tokens, batch=self.batch[replica.index])
+
+    def slot_for(self, *, pinned: int | None, prefer: int | None) -> _Slot | None:
+        """The slot that frees first: an idle one, then on `prefer`, then on the least
+        loaded replica, then the lowest index. None when no slot may take it."""
+
+        def rank(slot: _Slot) -> tuple[float, bool, bool, int, int, int]:
+            index = slot.replica.index
+            return (
+                slot.free_at,
+                not slot.idle,
+                index != prefer,
+                self.load[index],
+                index,
+                slot.position,
+            )
+
+        candidates = [s for s in self.slots if pinned is None or s.replica.index == pinned]
+        return min(candidates, key=rank, default=None)
+
+    def victim_for(self, ticket: Ticket) -> _Slot | None:
+        """The slot of the running request of lower priority cheapest to park, among
+        those whose parking fits the replica's bound and lets `ticket` meet its deadline."""
+        options = []
+        for slot in self.slots:
+            run, replica = slot.holder, slot.replica
+            if run is None or run.priority >= ticket.policy.priority:
+                continue
+            cost = run.kv_tokens * replica.kv_bytes_per_token
+            bound = replica.parked_bytes_max
+            fits = bound > 0 and self.parked[replica.index] + cost <= bound
+            first_token = replica.park_s + replica.prefill_s(ticket.prompt_tokens)
+            meets = self.now + first_token <= ticket.deadline
+            if fits and meets:
+                options.append(((run.kv_tokens, run.priority, replica.index, run.id), slot))
+        if not options:
+            return None
+        return min(options, key=lambda option: option[0])[1]
+
+    def take(self, slot: _Slot, *, start_s: float, service_s: float) -> None:
+        index = slot.replica.index
+        if slot.idle:
+            self.load[index] += 1
+        slot.free_at = start_s + service_s
+        slot.idle = False
+        slot.holder = None
+
+    def park(self, slot: _Slot) -> _Victim:
+        assert slot.holder is not None
+        replica = slot.replica
+        self.parked[replica.index] += slot.holder.kv_tokens * replica.kv_bytes_per_token
+        return _Victim(slot.holder, replica.index)
+
+
+def _fate(entry: Waiting, sim: _Simulation, now: float) -> tuple[Fate, _Slot | None]:
+    """Where the forecast puts one waiting ticket, and the slot it takes (its `victim`'s
+    when it preempts); `refuse` set when it is to be taken out instead."""
+    ticket = entry.ticket
+    pinned = entry.resume.replica if entry.resume else None
+    slot = sim.slot_for(pinned=pinned, prefer=ticket.prefer)
+    victim: Running | None = None
+    fate = Fate()
+    if slot is not None:
+        start = slot.free_at
+        prefill = 0.0 if entry.resume else slot.replica.prefill_s(ticket.prompt_tokens)
+        misses = now + start + prefill > ticket.deadline
+        if misses and not slot.idle and entry.resume is None:
+            parked = sim.victim_for(ticket)
+            if parked is not None:
+                slot, victim, start = parked, parked.holder, parked.replica.park_s
+                prefill = slot.replica.prefill_s(ticket.prompt_tokens)
+        fate = Fate(
+            start_s=start,
+            ttft_s=None if entry.resume else max(0.0, now - ticket.arrived) + start + prefill,
+            prefill_s=prefill,
+            replica=slot.replica.index,
+            idle=slot.idle,
+            victim=victim,
+        )
+    if entry.timed_out(now, starts_now=fate.starts_now):
+        return replace(fate, refuse=Reason.QUEUE_TIMEOUT), None
+    if rejects_late(entry) and (
+        now >= ticket.deadline
+        or (fate.start_s is not None and now + fate.start_s + fate.prefill_s > ticket.deadline)
+    ):
+        return replace(fate, refuse=Reason.SLO_UNATTAINABLE), None
+    return fate, slot
+
+
+def forecast(waiting: list[tuple[Key, Waiting]], *, now: float, view: LaneView) -> dict[str, Fate]:
+    """Every waiting ticket's fate, simulated in order (see the module docstring)."""
+    sim = _Simulation(view, now, waiting=len(waiting))
+    fates: dict[str, Fate] = {}
+    heap: list[tuple[Key, int, Waiting | _Victim]] = [
+        (key, seq, entry) for seq, (key, entry) in enumerate(waiting)
+    ]
+    heapq.heapify(heap)
+    seq = len(heap)
+    while heap:
+        _, _, item = heapq.heappop(heap)
+        if isinstance(item, _Victim):
+            resumed = sim.slot_for(pinned=item.replica, prefer=None)
+            assert resumed is not None  # its replica is in the view: it was parked there
+            service = sim.decode_s(resumed.replica, item.running.tokens_left)
+            sim.take(resumed, start_s=resumed.free_at, service_s=service)
+            continue
+        fate, slot = _fate(item, sim, now)
+        fates[item.ticket.id] = fate
+        if slot is None or fate.start_s is None:
+            continue
+        if fate.victim is not None:
+            victim = sim.park(slot)
+            heapq.heappush(heap, (victim.key, seq, victim))
+            seq += 1
+        if item.resume is not None:
+            service = sim.decode_s(slot.replica, item.resume.tokens_left)
+        else:
+            service = fate.prefill_s + sim.decode_s(slot.replica, view.output_tokens(item.ticket))
+        sim.take(slot, start_s=fate.start_s, service_s=service)
+    return fates

@@ -1,0 +1,192 @@
+"""One Lane's waiting tickets and the decisions about them (see the package docstring)."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import replace
+
+from blazar.dataplane.admission.forecast import (
+    Waiting,
+    clamp,
+    forecast,
+    key_of,
+    refusal,
+    rejects_late,
+)
+from blazar.dataplane.admission.terms import (
+    Admit,
+    Dispatch,
+    Key,
+    LaneView,
+    Policy,
+    Preempt,
+    Reason,
+    Refuse,
+    Resume,
+    Ticket,
+)
+
+
+class LaneQueue:
+    """The tickets waiting on one Lane, and the decisions about them."""
+
+    def __init__(self) -> None:
+        self._waiting: dict[str, Waiting] = {}
+        # Fair share, per priority: the virtual clock, and each tenant's virtual finish.
+        self._clock: dict[int, float] = {}
+        self._finish: dict[tuple[int, str], float] = {}
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def __contains__(self, ticket_id: object) -> bool:
+        return ticket_id in self._waiting
+
+    def tickets(self) -> list[Ticket]:
+        """The waiting tickets, in order."""
+        return [w.ticket for _, w in self._ordered()]
+
+    def depth(self, policy: str) -> int:
+        """Tickets of the policy named `policy` waiting, parked generations included."""
+        return sum(1 for w in self._waiting.values() if w.ticket.policy.name == policy)
+
+    def arrive(self, ticket: Ticket, *, now: float, view: LaneView) -> Admit | Refuse:
+        """Queue `ticket` or refuse it at once. An admitted ticket that can start now is
+        started by the next `dispatch`, the one place where tickets start."""
+        if ticket.id in self._waiting:
+            raise ValueError(f"ticket {ticket.id!r} is already waiting")
+        entry = Waiting(ticket, since=ticket.arrived)
+        fate = forecast(self._ordered(extra=entry), now=now, view=view)[ticket.id]
+        policy = ticket.policy
+        if not fate.idle and self.depth(policy.name) >= policy.max_queue_depth:
+            return Refuse(ticket, Reason.QUEUE_FULL, self._room_after(policy, now, view))
+        if fate.refuse is not None:
+            return refusal(entry, fate, now)
+        self._waiting[ticket.id] = entry
+        return Admit(fate.ttft_s)
+
+    def requeue(self, ticket: Ticket, *, now: float, resume: Resume | None = None) -> None:
+        """Put a started ticket back, as `Dispatch`/`Preempt` gave it: a generation
+        parked on `resume.replica` (it waits for a slot there), or a start that failed
+        (it waits for any). It comes first in its priority (it started before; see fair
+        share) and its wait so far is kept; its depth is counted again, even over the
+        bound."""
+        if ticket.id in self._waiting:
+            raise ValueError(f"ticket {ticket.id!r} is already waiting")
+        self._waiting[ticket.id] = Waiting(ticket, since=now, resume=resume, charged=True)
+
+    def cancel(self, ticket_id: str) -> bool:
+        """Take out a ticket whose caller left; False when it was not waiting."""
+        return self._waiting.pop(ticket_id, None) is not None
+
+    def dispatch(self, *, now: float, view: LaneView) -> list[Dispatch]:
+        """The tickets to start now, in order, each on a replica with an idle slot."""
+        ordered = self._ordered()
+        fates = forecast(ordered, now=now, view=view)
+        started = []
+        for _, entry in ordered:
+            fate = fates[entry.ticket.id]
+            if fate.idle and fate.refuse is None and fate.replica is not None:
+                del self._waiting[entry.ticket.id]
+                self._charge(entry)
+                ticket = replace(entry.ticket, waited_s=entry.waited(now))
+                started.append(Dispatch(ticket, fate.replica, resume=entry.resume is not None))
+        return started
+
+    def preemption(self, *, now: float, view: LaneView) -> Preempt | None:
+        """The first ticket in order that would miss its deadline waiting for a slot held
+        by lower-priority work, with the request to park for it (see the module's
+        forecast); the ticket leaves the queue. None when no ticket needs one."""
+        ordered = self._ordered()
+        fates = forecast(ordered, now=now, view=view)
+        for _, entry in ordered:
+            fate = fates[entry.ticket.id]
+            if fate.victim is not None and fate.refuse is None and fate.replica is not None:
+                del self._waiting[entry.ticket.id]
+                self._charge(entry)
+                ticket = replace(entry.ticket, waited_s=entry.waited(now))
+                return Preempt(ticket, victim=fate.victim.id, replica=fate.replica)
+        return None
+
+    def expire(self, *, now: float, view: LaneView) -> list[Refuse]:
+        """Take out and refuse, in order, the tickets past their wait bound and (under
+        onOverload: reject) those that can no longer meet their TTFT target."""
+        ordered = self._ordered()
+        fates = forecast(ordered, now=now, view=view)
+        refused = []
+        for _, entry in ordered:
+            fate = fates[entry.ticket.id]
+            if fate.refuse is not None:
+                del self._waiting[entry.ticket.id]
+                refused.append(refusal(entry, fate, now))
+        return refused
+
+    def predict_ttft(self, ticket_id: str, *, now: float, view: LaneView) -> float | None:
+        """Seconds from the ticket's arrival to its first token, as forecast now; None
+        for a parked generation or when no replica serves. KeyError if not waiting."""
+        entry = self._waiting[ticket_id]
+        return forecast(self._ordered(), now=now, view=view)[entry.ticket.id].ttft_s
+
+    def next_expiry(self) -> float | None:
+        """When `expire` must run next though nothing else changes: the first time a
+        ticket reaches its wait bound or (under onOverload: reject) its deadline."""
+        times = []
+        for entry in self._waiting.values():
+            bound = entry.ticket.policy.max_queue_wait_s
+            if bound is not None:
+                times.append(entry.since + bound - entry.ticket.waited_s)
+            if rejects_late(entry):
+                times.append(entry.ticket.deadline)
+        return min(times, default=None)
+
+    def _ordered(self, extra: Waiting | None = None) -> list[tuple[Key, Waiting]]:
+        """The waiting tickets (and `extra`, as if it waited) with their keys, in order:
+        each tenant's k-th fresh ticket of a tier starts at max(V, F) + (k-1) / weight."""
+        entries = [*self._waiting.values(), *([extra] if extra is not None else [])]
+        by_tenant: dict[tuple[int, str], list[Waiting]] = defaultdict(list)
+        keyed: list[tuple[Key, Waiting]] = []
+        for entry in entries:
+            ticket = entry.ticket
+            if entry.charged:
+                keyed.append((key_of(ticket, -math.inf), entry))
+            else:
+                by_tenant[(ticket.policy.priority, ticket.tenant)].append(entry)
+        for (priority, tenant), mine in by_tenant.items():
+            mine.sort(key=lambda w: (w.ticket.deadline, w.ticket.arrived, w.ticket.id))
+            start = max(self._clock.get(priority, 0.0), self._finish.get((priority, tenant), 0.0))
+            for k, entry in enumerate(mine):
+                keyed.append((key_of(entry.ticket, start + k / entry.ticket.weight), entry))
+        keyed.sort(key=lambda pair: pair[0])
+        return keyed
+
+    def _charge(self, entry: Waiting) -> None:
+        """A fresh ticket starts: its tenant's virtual finish moves on by 1 / weight, and
+        the tier's clock to the ticket's virtual start. Tenants the clock has passed are
+        forgotten (max(V, F) is V for them)."""
+        if entry.charged:
+            return
+        ticket = entry.ticket
+        priority = ticket.policy.priority
+        clock = self._clock.get(priority, 0.0)
+        start = max(clock, self._finish.get((priority, ticket.tenant), 0.0))
+        self._finish[(priority, ticket.tenant)] = start + 1.0 / ticket.weight
+        self._clock[priority] = start
+        self._finish = {k: f for k, f in self._finish.items() if k[0] != priority or f > start}
+
+    def _room_after(self, policy: Policy, now: float, view: LaneView) -> float:
+        """Until the first ticket of `policy` leaves the queue, started or refused."""
+        fates = forecast(self._ordered(), now=now, view=view)
+        times: list[float] = []
+        for entry in self._waiting.values():
+            if entry.ticket.policy.name != policy.name:
+                continue
+            fate = fates[entry.ticket.id]
+            bound = entry.ticket.policy.max_queue_wait_s
+            if fate.refuse is not None:
+                times.append(0.0)
+            if fate.start_s is not None:
+                times.append(fate.start_s)
+            if bound is not None:
+                times.append(bound - entry.waited(now))
+        return clamp(min(times, default=None))

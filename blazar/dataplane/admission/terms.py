@@ -1,0 +1,260 @@
+"""What admission reads and decides: policies, tickets, the view of a Lane's engines,
+and the decisions it hands back (see the package docstring)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import TypeAlias
+
+from blazar.api import errors
+from blazar.api.kinds import SLOPolicySpec
+
+# The built-in policy's queue bound: Ollama's default OLLAMA_MAX_QUEUE. Far above what
+# one host serves at once, so a Lane without a policy queues as it did before admission
+# existed, yet a runaway client cannot grow the daemon's memory without end.
+FIFO_MAX_QUEUE_DEPTH = 512
+
+# A retry sooner than this would find the same queue; later than the maximum, the
+# forecast is no longer worth much (arrivals change it), and a client should ask again.
+RETRY_AFTER_MIN_S = 0.1
+RETRY_AFTER_MAX_S = 60.0
+# When there is nothing to forecast from (no replica serving yet): the shim's default.
+RETRY_AFTER_UNKNOWN_S = 1.0
+
+
+class Reason(StrEnum):
+    """Why a ticket is refused: the reason of the error the caller gets."""
+
+    QUEUE_FULL = errors.QueueFull.reason
+    QUEUE_TIMEOUT = errors.QueueTimeout.reason
+    SLO_UNATTAINABLE = errors.SloUnattainable.reason
+
+
+@dataclass(frozen=True)
+class Policy:
+    """An SLOPolicy as admission uses it, times in seconds.
+
+    `tpot_target_s` is carried, not used here: the engine keeps a time-per-output-token
+    target by pacing the prompt chunks it decodes beside the stream (`engine.pacing`).
+    """
+
+    name: str
+    priority: int = 0
+    ttft_target_s: float | None = None
+    tpot_target_s: float | None = None
+    max_queue_depth: int = FIFO_MAX_QUEUE_DEPTH
+    max_queue_wait_s: float | None = None
+    # onOverload: reject. Without a TTFT target there is nothing to predict a miss of.
+    reject_early: bool = False
+
+    @classmethod
+    def of(cls, name: str, spec: SLOPolicySpec) -> Policy:
+        def seconds(ms: int | None) -> float | None:
+            return None if ms is None else ms / 1000
+
+        return cls(
+            name=name,
+            priority=spec.priority,
+            ttft_target_s=seconds(spec.ttft_target_ms),
+            tpot_target_s=seconds(spec.tpot_target_ms),
+            max_queue_depth=spec.max_queue_depth,
+            max_queue_wait_s=seconds(spec.max_queue_wait_ms),
+            reject_early=spec.on_overload == "reject",
+        )
+
+
+# For a Lane without sloPolicy: one tier, arrival order, no target, no wait bound (a
+# request waits as long as its caller does), queued rather than refused. The name is
+# not a valid resource name, so no SLOPolicy shares its queue.
+FIFO_POLICY = Policy(name="builtin:fifo")
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """One request's place in its Lane's queue."""
+
+    id: str
+    policy: Policy
+    # On the data plane's clock (the `now` of every call), when the request arrived.
+    arrived: float
+    # Estimates are fine: they weigh the ticket's own work in the forecast.
+    prompt_tokens: int
+    max_tokens: int
+    # The replica a session used last (its cache holds the conversation): preferred
+    # while it has an idle slot, as `routing.pick_replica` does.
+    prefer: int | None = None
+    # Seconds spent waiting in earlier stints (before a start that failed or a park):
+    # the wait bound counts them all.
+    waited_s: float = 0.0
+    # Whose request it is, and the tenant's share of the Lane (module docstring).
+    tenant: str = ""
+    weight: float = 1.0
+
+    @property
+    def deadline(self) -> float:
+        target = self.policy.ttft_target_s
+        return math.inf if target is None else self.arrived + target
+
+
+# A waiting ticket's place in the order: priority, its virtual start (fair share),
+# deadline, arrival, id.
+Key: TypeAlias = tuple[int, float, float, float, str]
+
+
+@dataclass(frozen=True)
+class Running:
+    """A request generating on a replica, as the data plane knows it."""
+
+    id: str
+    priority: int
+    # Tokens it has still to generate, estimated (max_tokens, or the Lane's typical
+    # completion, less what it generated).
+    tokens_left: int
+    # Tokens in its KV cache (prompt and output so far): what parking it copies.
+    kv_tokens: int
+
+
+@dataclass(frozen=True)
+class ReplicaView:
+    """One ready replica of the Lane: its slots, what runs on them, what it measures."""
+
+    index: int
+    slots: int
+    running: tuple[Running, ...] = ()
+    # Measured; None until the engine has measured it.
+    prefill_tokens_per_s: float | None = None
+    # Seconds per decode step with one sequence decoding, and how much longer a step
+    # takes per extra sequence in the batch.
+    step_s: float | None = None
+    step_growth_s: float = 0.0
+    # Seconds from a start to its first token beyond the prefill itself (measured).
+    start_overhead_s: float = 0.0
+    # The fixed part of a prefill, whatever its length (measured).
+    prefill_fixed_s: float = 0.0
+    # Tokens a sequence gains per decode step: 1, or 1 + accepted drafts per step
+    # when speculation is on.
+    tokens_per_step: float = 1.0
+    kv_bytes_per_token: int = 0
+    # Seconds from asking the engine to park a generation to its slot being free
+    # (measured): when a preempting request starts.
+    park_s: float = 0.0
+    # Host memory holding parked generations, and its bound (0: this engine cannot park).
+    parked_bytes: int = 0
+    parked_bytes_max: int = 0
+
+    def prefill_s(self, tokens: int) -> float:
+        """Seconds from a start to the first token: the measured start overhead and the
+        prompt at the measured prefill rate."""
+        rate = self.prefill_tokens_per_s
+        return self.start_overhead_s + self.prefill_fixed_s + (tokens / rate if rate else 0.0)
+
+    def decode_s(self, tokens: int, *, batch: int = 1) -> float:
+        """Seconds to generate `tokens` with `batch` sequences decoding together."""
+        if not self.step_s:
+            return 0.0
+        step = self.step_s + self.step_growth_s * max(0, batch - 1)
+        return tokens * step / max(self.tokens_per_step, 1.0)
+
+
+@dataclass(frozen=True)
+class LaneView:
+    replicas: tuple[ReplicaView, ...] = ()
+    # The Lane's typical completion length in tokens (a measured mean); None: count a
+    # ticket's max_tokens.
+    completion_tokens: float | None = None
+    # By policy name, the share of max_tokens its requests generated (measured): a
+    # policy's requests are alike (batch jobs run to their budget, chat turns stop
+    # early), where the Lane's mean mixes them.
+    completion_share: Mapping[str, float] = field(default_factory=dict)
+
+    def output_tokens(self, ticket: Ticket) -> int:
+        share = self.completion_share.get(ticket.policy.name)
+        if share is not None:
+            return max(1, min(ticket.max_tokens, math.ceil(share * ticket.max_tokens)))
+        if self.completion_tokens is None:
+            return ticket.max_tokens
+        return min(ticket.max_tokens, math.ceil(self.completion_tokens))
+
+
+@dataclass(frozen=True)
+class Resume:
+    """Where a parked generation's KV cache is, and how much it has left to generate."""
+
+    replica: int
+    tokens_left: int
+
+
+# --- decisions -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Admit:
+    """The ticket waits (or starts at the next `dispatch`); its first token is expected
+    this long after its arrival (None: nothing to predict from yet)."""
+
+    predicted_ttft_s: float | None
+
+
+@dataclass(frozen=True)
+class Refuse:
+    """The ticket is out of the queue (or never entered it); `error` is what its caller
+    gets."""
+
+    ticket: Ticket
+    reason: Reason
+    retry_after_s: float
+    # Seconds it waited in all; for SLO_UNATTAINABLE, when its first token was predicted
+    # (from arrival; a lower bound when no replica serves).
+    waited_s: float = 0.0
+    predicted_ttft_s: float | None = None
+    # Its generation was parked on this replica: the engine drops that KV.
+    parked_on: int | None = None
+
+    def error(self, lane: str) -> errors.Overloaded:
+        policy = self.ticket.policy
+        if self.reason == Reason.QUEUE_FULL:
+            return errors.QueueFull.of(
+                lane=lane,
+                policy=policy.name,
+                max_queue_depth=policy.max_queue_depth,
+                retry_after_s=self.retry_after_s,
+            )
+        if self.reason == Reason.QUEUE_TIMEOUT:
+            return errors.QueueTimeout.of(
+                lane=lane,
+                policy=policy.name,
+                waited_s=self.waited_s,
+                max_queue_wait_s=policy.max_queue_wait_s or 0.0,
+                retry_after_s=self.retry_after_s,
+            )
+        return errors.SloUnattainable.of(
+            lane=lane,
+            policy=policy.name,
+            predicted_ttft_s=self.predicted_ttft_s or 0.0,
+            ttft_target_s=policy.ttft_target_s or 0.0,
+            retry_after_s=self.retry_after_s,
+        )
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """Start `ticket` on `replica` now; `resume`: from its parked KV, on that replica."""
+
+    ticket: Ticket
+    replica: int
+    resume: bool = False
+
+
+@dataclass(frozen=True)
+class Preempt:
+    """Park `victim` on `replica`, then start `ticket` in the slot it leaves. Requeue
+    the victim's ticket with `Resume(replica, tokens_left)` once it is parked. If the
+    victim ended meanwhile, its slot is free for `ticket` all the same; if the engine
+    cannot park it, requeue `ticket` instead."""
+
+    ticket: Ticket
+    victim: str
+    replica: int
