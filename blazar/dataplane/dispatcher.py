@@ -32,7 +32,7 @@ constants: slots and ready replicas from the route table, running requests from 
 runs dispatched and not ended (tokens left from the Lane's typical completion less what
 each generated), and rates from `measurements.LaneMeasurements`.
 
-Preemption: a `Preempt` goes through one `Parker` (`EngineParker`: the engine's Park
+Preemption: a `Preempt` goes through one `parking.Parker` (the engine's Park
 and Resume). A parked victim's relay keeps its engine stream, which simply pauses; its
 run leaves the running set for the parked one, and its ticket waits again pinned to its
 replica (`admission.Resume`) until a `Dispatch(resume=True)` has the engine resume it.
@@ -48,85 +48,17 @@ import contextlib
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Protocol, TypeAlias
+from typing import TypeAlias
 
-import grpc
 import structlog
 
 from blazar._proto.v1 import inference_pb2
 from blazar.api import errors
 from blazar.dataplane import admission, metrics, routing
 from blazar.dataplane.measurements import LaneMeasurements
-from blazar.enginehost.client import EnginePool
+from blazar.dataplane.parking import Parker
 
 log = structlog.get_logger(__name__)
-
-
-@dataclass(frozen=True)
-class Parked:
-    """What an engine said when it parked a generation."""
-
-    # Host memory holding its KV cache; 0 when only its tokens were kept.
-    parked_bytes: int
-    # Tokens its cache held.
-    tokens: int
-
-
-class Parker(Protocol):
-    """Parks and resumes a running generation on its engine, on admission's word."""
-
-    async def park(self, replica: routing.Replica, request_id: str) -> Parked | None:
-        """Park the generation; None when the engine cannot (it keeps running)."""
-        ...
-
-    async def resume(self, replica: routing.Replica, request_id: str) -> bool:
-        """Resume a parked generation in a free slot; False when the engine cannot."""
-        ...
-
-
-class NoParking:
-    """A parker that refuses every park: the generation keeps running."""
-
-    async def park(self, replica: routing.Replica, request_id: str) -> Parked | None:
-        return None
-
-    async def resume(self, replica: routing.Replica, request_id: str) -> bool:
-        return False
-
-
-# A Park waits for the engine's current step (a long prompt chunk can take seconds)
-# while the Lane's queue waits, so it is bounded: an engine that does not answer in
-# time (hung: its liveness probe will restart it) costs the queue at most this, and the
-# urgent request waits for a slot instead. A Resume runs beside the queue (it waits for
-# the slot admission freed); given up on, it still happens when the slot frees.
-PARK_TIMEOUT_S = 3.0
-RESUME_TIMEOUT_S = 30.0
-
-
-class EngineParker:
-    """Parks and resumes through the engines' own Park and Resume calls."""
-
-    def __init__(self, pool: EnginePool) -> None:
-        self._pool = pool
-
-    async def park(self, replica: routing.Replica, request_id: str) -> Parked | None:
-        client = self._pool.client(replica.socket, process=replica.pid)
-        try:
-            answer = await client.park(request_id, timeout=PARK_TIMEOUT_S)
-        except grpc.aio.AioRpcError as exc:
-            # Gone, finished meanwhile, or not running yet: nothing was parked.
-            log.info("admission.park_failed", request_id=request_id, error=exc.details())
-            return None
-        return Parked(parked_bytes=answer.parked_bytes, tokens=answer.tokens)
-
-    async def resume(self, replica: routing.Replica, request_id: str) -> bool:
-        client = self._pool.client(replica.socket, process=replica.pid)
-        try:
-            await client.resume(request_id, timeout=RESUME_TIMEOUT_S)
-        except grpc.aio.AioRpcError as exc:
-            log.warning("admission.resume_failed", request_id=request_id, error=exc.details())
-            return False
-        return True
 
 
 @dataclass(eq=False)

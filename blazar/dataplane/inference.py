@@ -35,7 +35,16 @@ from blazar._proto.engine.v1 import engine_pb2
 from blazar._proto.v1 import inference_pb2, inference_pb2_grpc
 from blazar.api import errors, filetypes
 from blazar.api.kinds import Kind, Lane, Model, SLOPolicy, SLOPolicySpec
-from blazar.dataplane import access, admission, dispatcher, metrics, policies, prefixes, routing
+from blazar.dataplane import (
+    access,
+    admission,
+    dispatcher,
+    metrics,
+    parking,
+    policies,
+    prefixes,
+    routing,
+)
 from blazar.enginehost.client import EnginePool
 from blazar.rpc import status
 from blazar.store.base import Store, WatchEvent
@@ -88,7 +97,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         *,
         store: Store,
         pool: EnginePool,
-        parker: dispatcher.Parker | None = None,
+        parker: parking.Parker | None = None,
         access: access.Access | None = None,
     ) -> None:
         """On the data plane's event loop (each Lane's admission task runs there)."""
@@ -98,7 +107,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         self._inflight: Counter[tuple[str, int]] = Counter()
         self._sessions = routing.Sessions()
         self._prefixes: dict[str, prefixes.PrefixIndex] = {}
-        self._dispatchers = dispatcher.Dispatchers(parker=parker or dispatcher.EngineParker(pool))
+        self._dispatchers = dispatcher.Dispatchers(parker=parker or parking.EngineParker(pool))
         self.table = routing.RouteTable()
         self.refresh()
         self._unsubscribe = store.subscribe(self._on_store_event)

@@ -10,7 +10,8 @@ import pytest
 
 from blazar._proto.v1 import inference_pb2
 from blazar.dataplane import admission, routing
-from blazar.dataplane.dispatcher import LaneDispatcher, Parked
+from blazar.dataplane.dispatcher import LaneDispatcher
+from blazar.dataplane.parking import Parked
 
 PARK_S = 0.2
 BATCH = admission.Policy(name="batch", priority=0, max_queue_depth=8)
