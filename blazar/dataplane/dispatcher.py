@@ -33,7 +33,10 @@ runs dispatched and not ended (tokens left from the Lane's typical completion le
 each generated), and rates from `measurements.LaneMeasurements`.
 
 Preemption: a `Preempt` goes through one `parking.Parker` (the engine's Park
-and Resume). A parked victim's relay keeps its engine stream, which simply pauses; its
+and Resume), called beside the queue: while the engine parks, the queue goes on
+deciding with the urgent ticket in the victim's slot, and the park's answer comes back
+as an event (a refused park leaves the victim running, and no victim again until it has
+generated more). A parked victim's relay keeps its engine stream, which simply pauses; its
 run leaves the running set for the parked one, and its ticket waits again pinned to its
 replica (`admission.Resume`) until a `Dispatch(resume=True)` has the engine resume it.
 Each replica's parked bytes are what its Park answers said, its bound the Lane's
@@ -46,9 +49,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
 import structlog
 
@@ -56,7 +59,7 @@ from blazar._proto.v1 import inference_pb2
 from blazar.api import errors
 from blazar.dataplane import admission, metrics, routing
 from blazar.dataplane.measurements import LaneMeasurements
-from blazar.dataplane.parking import Parker
+from blazar.dataplane.parking import Parked, Parker
 
 log = structlog.get_logger(__name__)
 
@@ -123,7 +126,23 @@ class _Table:
     route: routing.Route | None
 
 
-_Event: TypeAlias = _Arrive | _Retry | _Cancel | _End | _Table
+@dataclass(frozen=True)
+class _Parking:
+    """A park asked of an engine for `preempt`, not yet answered."""
+
+    preempt: admission.Preempt
+    victim: Run
+    asked_at: float
+
+
+@dataclass(frozen=True)
+class _ParkDone:
+    parking: _Parking
+    # None: the engine did not park it (it ended meanwhile, or cannot).
+    parked: Parked | None
+
+
+_Event: TypeAlias = _Arrive | _Retry | _Cancel | _End | _Table | _ParkDone
 
 
 @dataclass
@@ -171,8 +190,14 @@ class LaneDispatcher:
         self._excluded: set[_Identity] = set()
         self._policies: dict[str, admission.Policy] = {}
         self._events: asyncio.Queue[_Event] = asyncio.Queue()
-        # Resume calls running beside the queue.
-        self._resuming: set[asyncio.Task[None]] = set()
+        # Parks asked of engines and not yet answered, by the victim's ticket id: the
+        # view shows the urgent request in the victim's slot meanwhile.
+        self._parking: dict[str, _Parking] = {}
+        # Runs whose engine refused to park them, with the tokens they had generated
+        # then: no victim again until they have generated more (seated, say).
+        self._refused_parks: dict[str, int] = {}
+        # Park and Resume calls running beside the queue.
+        self._calls: set[asyncio.Task[None]] = set()
         self._task = asyncio.get_running_loop().create_task(
             self._serve(), name=f"admission:{self.lane}"
         )
@@ -251,7 +276,7 @@ class LaneDispatcher:
 
     async def close(self) -> None:
         self._task.cancel()
-        for task in list(self._resuming):
+        for task in list(self._calls):
             task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._task
@@ -301,15 +326,12 @@ class LaneDispatcher:
                 if gone:
                     self._leave_all()
                     return
-                await self._decide()
+                self._decide()
             except Exception:
                 # A bug here must not leave every waiting caller hanging: they get an
                 # error, and the Lane keeps admitting.
                 log.exception("admission.failed", lane=self.lane)
-                err = errors.BlazarError("Admission failed on this Lane; retry.")
-                for ticket in self._queue.tickets():
-                    self._queue.cancel(ticket.id)
-                    self._fail(ticket.id, err)
+                self._fail_all(errors.BlazarError("Admission failed on this Lane; retry."))
 
     def _handle(self, event: _Event) -> bool:
         """Apply one event; True when the Lane is gone."""
@@ -332,6 +354,12 @@ class LaneDispatcher:
                 self._pending.pop(event.ticket_id, None)
         elif isinstance(event, _End):
             ticket_id = event.run.ticket.id
+            self._refused_parks.pop(ticket_id, None)
+            parking = self._parking.pop(ticket_id, None)
+            if parking is not None:
+                # Ended while its engine was asked to park it: its slot is idle now, for
+                # the ticket that was to start there (the park's answer is ignored).
+                self._requeue_urgent(parking, now)
             if ticket_id in self._parked:
                 # Ended while parked (its caller left): out of the queue, memory freed.
                 self._parked.pop(ticket_id)
@@ -346,6 +374,8 @@ class LaneDispatcher:
                     policy=run.ticket.policy.name,
                     max_tokens=run.ticket.max_tokens,
                 )
+        elif isinstance(event, _ParkDone):
+            self._park_done(event, now)
         else:
             return self._new_route(event.route)
         return False
@@ -375,9 +405,7 @@ class LaneDispatcher:
                 "waited; scale it up to serve it.",
                 metadata={"lane": self.lane},
             )
-            for ticket in self._queue.tickets():
-                self._queue.cancel(ticket.id)
-                self._fail(ticket.id, err)
+            self._fail_all(err)
         return False
 
     def _leave_all(self) -> None:
@@ -385,9 +413,7 @@ class LaneDispatcher:
             f"Lane '{self.lane}' was deleted while the request waited.",
             metadata={"lane": self.lane},
         )
-        for ticket in self._queue.tickets():
-            self._queue.cancel(ticket.id)
-            self._fail(ticket.id, err)
+        self._fail_all(err)
         # The Lane's gauges go with it (its counters stay, as counters do).
         for name in self._policies:
             for gauge in (metrics.QUEUE_DEPTH, metrics.ATTAINMENT):
@@ -396,7 +422,7 @@ class LaneDispatcher:
         with contextlib.suppress(KeyError):
             metrics.PARKED_BYTES.remove(self.lane)
 
-    async def _decide(self) -> None:
+    def _decide(self) -> None:
         now = self._clock()
         for decision in self._queue.dispatch(now=now, view=self._view()):
             if decision.resume:
@@ -404,10 +430,8 @@ class LaneDispatcher:
             else:
                 self._start(decision, now)
         while (preempt := self._queue.preemption(now=now, view=self._view())) is not None:
-            if not await self._preempt(preempt, now):
+            if not self._preempt(preempt, now):
                 break  # asked again, admission would name the same victim
-            # The park took time: what comes next is decided as of now.
-            now = self._clock()
         for refusal in self._queue.expire(now=now, view=self._view()):
             pending = self._pending.pop(refusal.ticket.id, None)
             if pending is not None:
@@ -439,41 +463,67 @@ class LaneDispatcher:
         self._running[ticket.id] = run
         pending.started.set_result(run)
 
-    async def _preempt(self, preempt: admission.Preempt, now: float) -> bool:
-        """Park the victim for the ticket; when the engine cannot, the ticket waits on
-        (False). Awaited in the task: the queue does not move while an engine parks."""
+    def _preempt(self, preempt: admission.Preempt, now: float) -> bool:
+        """Ask the victim's engine to park it for the ticket (False: it cannot be asked;
+        the ticket waits on). The park runs beside the queue, which goes on deciding
+        meanwhile with the ticket in the victim's slot (`_view`); `_park_done` carries
+        out the answer."""
         victim = self._running.get(preempt.victim)
         replica = self._replica(preempt.replica)
-        parked = None
-        if victim is not None and replica is not None:
-            parked = await self._parker.park(replica, victim.request_id)
-        if victim is None or parked is None:
+        if victim is None or replica is None or preempt.victim in self._parking:
             self._queue.requeue(preempt.ticket, now=now)
             return False
-        # The urgent request starts now, not when the park was asked for: its start
-        # overhead must not count the park, which is measured as itself.
-        parked_at = self._clock()
-        self.measurements.record_park(preempt.replica, seconds=parked_at - now)
+        parking = _Parking(preempt, victim, asked_at=now)
+        self._parking[preempt.victim] = parking
+
+        async def park() -> None:
+            parked = await self._parker.park(replica, victim.request_id)
+            self._events.put_nowait(_ParkDone(parking, parked))
+
+        self._call(park(), name=f"park:{victim.request_id}")
+        return True
+
+    def _park_done(self, done: _ParkDone, now: float) -> None:
+        """The engine answered a park: the victim waits parked and the ticket starts in
+        its slot, or (not parked) the ticket waits again; a victim that ended meanwhile
+        left its slot idle for it all the same."""
+        parking = done.parking
+        preempt, victim = parking.preempt, parking.victim
+        if self._parking.pop(preempt.victim, None) is None:
+            return  # the victim ended meanwhile (`_End` requeued the ticket)
+        if done.parked is None:
+            self._refused_parks[preempt.victim] = victim.generated
+            self._requeue_urgent(parking, now)
+            return
+        # The park is a figure of its own; the urgent request's start (and so its first
+        # token's start overhead) is counted from now, when its slot is free.
+        self.measurements.record_park(preempt.replica, seconds=now - parking.asked_at)
         ticket = victim.ticket
         self._running.pop(ticket.id, None)
         self._parked[ticket.id] = victim
-        self._parked_bytes[ticket.id] = parked.parked_bytes
-        if parked.parked_bytes and parked.tokens:
-            self._kv_bytes_per_token = -(-parked.parked_bytes // parked.tokens)
+        self._parked_bytes[ticket.id] = done.parked.parked_bytes
+        if done.parked.parked_bytes and done.parked.tokens:
+            self._kv_bytes_per_token = -(-done.parked.parked_bytes // done.parked.tokens)
         expected = self.measurements.output_tokens(ticket.max_tokens, policy=ticket.policy.name)
         left = max(0, expected - victim.generated)
-        self._queue.requeue(ticket, now=parked_at, resume=admission.Resume(preempt.replica, left))
+        self._queue.requeue(ticket, now=now, resume=admission.Resume(preempt.replica, left))
         metrics.PREEMPTIONS.labels(self.lane, ticket.policy.name).inc()
         log.info(
             "admission.preempted",
             request_id=victim.request_id,
             lane=self.lane,
             replica=preempt.replica,
-            parked_bytes=parked.parked_bytes,
+            parked_bytes=done.parked.parked_bytes,
+            park_ms=round((now - parking.asked_at) * 1000, 1),
             for_policy=preempt.ticket.policy.name,
         )
-        self._start(admission.Dispatch(preempt.ticket, preempt.replica), parked_at)
-        return True
+        self._start(admission.Dispatch(preempt.ticket, preempt.replica), now)
+
+    def _requeue_urgent(self, parking: _Parking, now: float) -> None:
+        """The ticket a park was for waits again, unless its caller has left."""
+        pending = self._pending.get(parking.preempt.ticket.id)
+        if pending is not None and not pending.started.done():
+            self._queue.requeue(parking.preempt.ticket, now=now)
 
     def _resume(self, decision: admission.Dispatch) -> None:
         """Have the engine resume a parked generation in the slot admission gave it;
@@ -491,9 +541,13 @@ class LaneDispatcher:
                 # stream ends one way or the other, and `end` takes the run out.
                 log.warning("admission.resume_lost", request_id=run.request_id, lane=self.lane)
 
-        task = asyncio.get_running_loop().create_task(resume(), name=f"resume:{run.request_id}")
-        self._resuming.add(task)
-        task.add_done_callback(self._resuming.discard)
+        self._call(resume(), name=f"resume:{run.request_id}")
+
+    def _call(self, call: Coroutine[Any, Any, None], *, name: str) -> None:
+        """Run an engine call beside the queue (kept until done, cancelled on close)."""
+        task = asyncio.get_running_loop().create_task(call, name=name)
+        self._calls.add(task)
+        task.add_done_callback(self._calls.discard)
 
     def _refuse(self, pending: _Pending, refusal: admission.Refuse) -> None:
         policy = pending.ticket.policy
@@ -512,6 +566,14 @@ class LaneDispatcher:
         )
         if not pending.started.done():
             pending.started.set_exception(refusal.error(self.lane))
+
+    def _fail_all(self, err: errors.BlazarError) -> None:
+        """Every waiting ticket, and every ticket waiting for a park, fails with `err`."""
+        for ticket in self._queue.tickets():
+            self._queue.cancel(ticket.id)
+            self._fail(ticket.id, err)
+        for parking in self._parking.values():
+            self._fail(parking.preempt.ticket.id, err)
 
     def _fail(self, ticket_id: str, err: errors.BlazarError) -> None:
         pending = self._pending.pop(ticket_id, None)
@@ -539,6 +601,21 @@ class LaneDispatcher:
     def _replica(self, index: int) -> routing.Replica | None:
         return next((r for r in self._serving() if r.index == index), None)
 
+    def _holder(self, run: Run) -> admission.Running:
+        """What holds the run's slot as admission sees it: the run, or, while the run
+        is being parked, the ticket that will start in its slot."""
+        parking = self._parking.get(run.ticket.id)
+        ticket = parking.preempt.ticket if parking is not None else run.ticket
+        generated = 0 if parking is not None else run.generated
+        expected = self.measurements.output_tokens(ticket.max_tokens, policy=ticket.policy.name)
+        return admission.Running(
+            id=ticket.id,
+            priority=ticket.policy.priority,
+            tokens_left=max(0, expected - generated),
+            kv_tokens=ticket.prompt_tokens + generated,
+            parkable=run.generated > self._refused_parks.get(run.ticket.id, -1),
+        )
+
     def _view(self) -> admission.LaneView:
         route = self._route
         if route is None:
@@ -546,26 +623,18 @@ class LaneDispatcher:
         replicas = []
         for replica in self._serving():
             identity = _identity(replica)
-            running = [
-                admission.Running(
-                    id=run.ticket.id,
-                    priority=run.ticket.policy.priority,
-                    tokens_left=max(
-                        0,
-                        self.measurements.output_tokens(
-                            run.ticket.max_tokens, policy=run.ticket.policy.name
-                        )
-                        - run.generated,
-                    ),
-                    kv_tokens=run.ticket.prompt_tokens + run.generated,
-                )
-                for run in self._running.values()
-                if _identity(run.replica) == identity
-            ]
+            mine = [run for run in self._running.values() if _identity(run.replica) == identity]
+            running = [self._holder(run) for run in mine]
             parked = sum(
                 self._parked_bytes.get(run.ticket.id, 0)
                 for run in self._parked.values()
                 if _identity(run.replica) == identity
+            )
+            # A park under way: its bytes count already, at the rate parks measured.
+            parked += sum(
+                self._kv_bytes_per_token * (run.ticket.prompt_tokens + run.generated)
+                for run in mine
+                if run.ticket.id in self._parking
             )
             replicas.append(
                 self.measurements.replica_view(

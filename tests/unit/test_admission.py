@@ -581,6 +581,8 @@ def test_a_cancelled_ticket_no_longer_delays_those_behind_it() -> None:
         ),
         # An idle slot: no preemption needed.
         (lane(parking(LONG), replica(index=1)), ticket("u", PATIENT), None),
+        # Its engine refused to park it (not seated yet): no victim for now.
+        (lane(parking(replace(LONG, parkable=False))), ticket("u", PATIENT), None),
     ],
 )
 def test_preemption_choice(view: LaneView, urgent: Ticket, preempt: tuple[str, int] | None) -> None:

@@ -4,11 +4,14 @@ time is measured as itself, never as the urgent request's start overhead."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import time
 
 import pytest
 
 from blazar._proto.v1 import inference_pb2
+from blazar.api import errors
 from blazar.dataplane import admission, routing
 from blazar.dataplane.dispatcher import LaneDispatcher
 from blazar.dataplane.parking import Parked
@@ -18,6 +21,7 @@ BATCH = admission.Policy(name="batch", priority=0, max_queue_depth=8)
 URGENT = admission.Policy(
     name="urgent", priority=100, ttft_target_s=2.0, max_queue_depth=8, reject_early=True
 )
+PATIENT = dataclasses.replace(URGENT, name="patient", reject_early=False)
 # One request measured: a 100-token prompt in 10 ms, ten decode steps in a second, all
 # of its budget generated.
 MEASURED = inference_pb2.Final(
@@ -27,13 +31,20 @@ MEASURED = inference_pb2.Final(
 
 
 class SlowParker:
-    """Parks after `PARK_S`, as an engine does between two decode steps."""
+    """Parks after `seconds`, as an engine does between two decode steps; `None`
+    parks nothing (the engine could not)."""
 
-    def __init__(self) -> None:
+    def __init__(self, seconds: float = PARK_S, *, parks: bool = True) -> None:
+        self.seconds = seconds
+        self.parks = parks
         self.parked: list[str] = []
+        self.asked = 0
 
     async def park(self, replica: routing.Replica, request_id: str) -> Parked | None:
-        await asyncio.sleep(PARK_S)
+        self.asked += 1
+        await asyncio.sleep(self.seconds)
+        if not self.parks:
+            return None
         self.parked.append(request_id)
         return Parked(parked_bytes=1000, tokens=10)
 
@@ -55,18 +66,21 @@ def route() -> routing.Route:
     )
 
 
-def ticket(id: str, policy: admission.Policy) -> admission.Ticket:
-    return admission.Ticket(id, policy, time.monotonic(), prompt_tokens=10, max_tokens=1000)
+def ticket(id: str, policy: admission.Policy, *, prompt: int = 10) -> admission.Ticket:
+    return admission.Ticket(id, policy, time.monotonic(), prompt_tokens=prompt, max_tokens=1000)
+
+
+def dispatcher_of(parker: SlowParker) -> LaneDispatcher:
+    dispatcher = LaneDispatcher(route(), parker=parker)
+    # Batch requests run to their budget: one holds its slot for 100 s.
+    dispatcher.measurements.record(0, MEASURED, prompt_chars=400, policy=BATCH.name, max_tokens=11)
+    return dispatcher
 
 
 def test_the_urgent_request_starts_after_the_park_and_the_park_is_measured() -> None:
     async def run() -> tuple[float, float, float, admission.ReplicaView]:
         parker = SlowParker()
-        dispatcher = LaneDispatcher(route(), parker=parker)
-        # Batch requests run to their budget: this one holds its slot for 100 s.
-        dispatcher.measurements.record(
-            0, MEASURED, prompt_chars=400, policy=BATCH.name, max_tokens=11
-        )
+        dispatcher = dispatcher_of(parker)
         try:
             await dispatcher.admit(ticket("batch", BATCH), request_id="b", prompt_chars=40)
             asked = time.monotonic()
@@ -85,3 +99,55 @@ def test_the_urgent_request_starts_after_the_park_and_the_park_is_measured() -> 
     assert asked + PARK_S <= started_at <= answered
     # The park is a figure of its own, which the forecast adds to a preempting start.
     assert view.park_s == pytest.approx(PARK_S, abs=0.1)
+
+
+def test_the_queue_goes_on_deciding_while_an_engine_parks() -> None:
+    """A park that takes 0.5 s does not hold up the Lane: a request arriving meanwhile
+    is decided at once (here refused: its prefill alone misses its target), and sees the
+    urgent request, not the victim, in the slot being freed (no second park)."""
+
+    async def run() -> tuple[float, str, list[str]]:
+        parker = SlowParker(0.5)
+        dispatcher = dispatcher_of(parker)
+        try:
+            await dispatcher.admit(ticket("batch", BATCH), request_id="b", prompt_chars=40)
+            urgent = asyncio.create_task(
+                dispatcher.admit(ticket("urgent", URGENT), request_id="u", prompt_chars=40)
+            )
+            await asyncio.sleep(0.05)  # the park is under way
+            asked = time.monotonic()
+            with pytest.raises(errors.SloUnattainable) as refused:
+                # 100,000 prompt tokens at the measured 10,000 per second: 10 s.
+                late = ticket("late", URGENT, prompt=100_000)
+                await dispatcher.admit(late, request_id="l", prompt_chars=40)
+            took = time.monotonic() - asked
+            assert (await urgent).replica.index == 0
+            return took, str(refused.value), parker.parked
+        finally:
+            await dispatcher.close()
+
+    took, message, parked = asyncio.run(run())
+    assert took < 0.25, message
+    assert parked == ["b"]
+
+
+def test_a_park_the_engine_refuses_leaves_the_ticket_waiting_and_the_victim_running() -> None:
+    async def run() -> tuple[str, int, int]:
+        parker = SlowParker(0.05, parks=False)
+        dispatcher = dispatcher_of(parker)
+        try:
+            await dispatcher.admit(ticket("batch", BATCH), request_id="b", prompt_chars=40)
+            urgent = asyncio.create_task(
+                dispatcher.admit(ticket("patient", PATIENT), request_id="p", prompt_chars=40)
+            )
+            await asyncio.sleep(0.3)
+            return str(dispatcher.queued()), dispatcher.running(), parker.asked
+        finally:
+            await dispatcher.close()
+            with contextlib.suppress(errors.BlazarError):
+                await urgent
+
+    queued, running, asked = asyncio.run(run())
+    # The engine is not asked again until the victim has generated more: the ticket
+    # waits for the slot, the victim runs on.
+    assert (queued, running, asked) == ("{'patient': 1}", 1, 1)

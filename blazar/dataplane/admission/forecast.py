@@ -192,7 +192,7 @@ class _Simulation:
         options = []
         for slot in self.slots:
             run, replica = slot.holder, slot.replica
-            if run is None or run.priority >= ticket.policy.priority:
+            if run is None or not run.parkable or run.priority >= ticket.policy.priority:
                 continue
             cost = run.kv_tokens * replica.kv_bytes_per_token
             bound = replica.parked_bytes_max

@@ -115,6 +115,8 @@ class Running:
     tokens_left: int
     # Tokens in its KV cache (prompt and output so far): what parking it copies.
     kv_tokens: int
+    # False: its engine refused to park it (not seated yet, say): no victim for now.
+    parkable: bool = True
 
 
 @dataclass(frozen=True)
