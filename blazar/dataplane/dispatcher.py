@@ -563,6 +563,10 @@ class LaneDispatcher:
             policy=policy.name,
             reason=reason,
             retry_after_s=round(refusal.retry_after_s, 3),
+            predicted_ttft_s=_rounded(refusal.predicted_ttft_s),
+            prompt_tokens=pending.ticket.prompt_tokens,
+            # What the forecast saw: enough to tell a wrong figure from a full Lane.
+            view=[_summary(replica) for replica in self._view().replicas],
         )
         if not pending.started.done():
             pending.started.set_exception(refusal.error(self.lane))
@@ -700,3 +704,27 @@ class Dispatchers:
         for dispatcher in self._lanes.values():
             await dispatcher.close()
         self._lanes.clear()
+
+
+def _rounded(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds, 3)
+
+
+def _summary(replica: admission.ReplicaView) -> dict[str, object]:
+    """A replica's figures in the forecast, for a refusal's log line."""
+    return {
+        "replica": replica.index,
+        # priority:tokens left, "!" when its engine refused to park it
+        "running": [
+            f"{r.priority}:{r.tokens_left}{'' if r.parkable else '!'}" for r in replica.running
+        ],
+        "step_s": _rounded(replica.step_s),
+        "growth_s": _rounded(replica.step_growth_s),
+        "prefill_tps": _rounded(replica.prefill_tokens_per_s),
+        "prefill_fixed_s": _rounded(replica.prefill_fixed_s),
+        "start_overhead_s": _rounded(replica.start_overhead_s),
+        "park_s": _rounded(replica.park_s),
+        "parked_bytes": replica.parked_bytes,
+        "parked_bytes_max": replica.parked_bytes_max,
+        "per_step": _rounded(replica.tokens_per_step),
+    }
