@@ -61,6 +61,8 @@ class WatchEvent:
     type: WatchType
     object: Resource
     resource_version: int
+    # Only the status changed (a controller wrote it): the spec is as it was.
+    status_only: bool = False
 
 
 @dataclass(frozen=True)
@@ -292,7 +294,7 @@ class TransactionalStore(abc.ABC):
             self._commit([(kind, name, data)], version)
             # Rebuilt from the stored form so the caller's status object is not shared.
             updated = manifests.from_dict(data)
-            self._notify([WatchEvent(WatchType.MODIFIED, updated, version)])
+            self._notify([WatchEvent(WatchType.MODIFIED, updated, version, status_only=True)])
             return updated
 
     def record_event(self, *, kind: str, name: str, type: str, reason: str, message: str) -> Event:

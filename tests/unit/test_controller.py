@@ -397,12 +397,34 @@ def test_a_model_change_wakes_the_lanes_that_serve_or_draft_from_it() -> None:
     apply(store, DRAFTED)
     apply(store, SPECULATING_LANE)
     apply(store, LANE.replace("name: l", "name: other"))
-    assert sorted(manager.dependents(store, Kind.MODEL, "m")) == [
+    refs = manager.References.of_store(store)
+    assert sorted(refs.dependents(Kind.MODEL, "m")) == [
         (Kind.LANE, "l"),
         (Kind.LANE, "other"),
         (Kind.MODEL, "m"),
     ]
-    assert manager.dependents(store, Kind.MODEL, "d") == [(Kind.MODEL, "d"), (Kind.LANE, "l")]
+    assert refs.dependents(Kind.MODEL, "d") == [(Kind.MODEL, "d"), (Kind.LANE, "l")]
+
+
+def test_the_references_follow_lanes_and_spec_pairs_as_they_change() -> None:
+    store = MemoryStore(clock=Clock())
+    refs = manager.References.of_store(store)
+    store.subscribe(refs.changed)
+    apply(store, MODEL)
+    apply(store, DRAFTED)
+    apply(store, SPECULATING_LANE)
+    assert refs.dependents(Kind.MODEL, "d") == [(Kind.MODEL, "d"), (Kind.LANE, "l")]
+    # The SpecPair drafts from another Model: the Lane names that one now.
+    apply(store, MODEL.replace("name: m", "name: e"))
+    apply(store, DRAFTED.replace("model: d}", "model: e}"))
+    assert refs.dependents(Kind.MODEL, "d") == [(Kind.MODEL, "d")]
+    assert refs.dependents(Kind.MODEL, "e") == [(Kind.MODEL, "e"), (Kind.LANE, "l")]
+    # The Lane stops speculating, then goes.
+    apply(store, LANE)
+    assert refs.dependents(Kind.SPEC_PAIR, "sp") == [(Kind.SPEC_PAIR, "sp")]
+    assert refs.dependents(Kind.MODEL, "m") == [(Kind.MODEL, "m"), (Kind.LANE, "l")]
+    store.delete(Kind.LANE, "l")
+    assert refs.dependents(Kind.MODEL, "m") == [(Kind.MODEL, "m")]
 
 
 def lane_condition(store: MemoryStore, type_: str) -> Condition | None:
