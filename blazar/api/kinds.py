@@ -205,7 +205,15 @@ class KVCache(CamelModel):
 
 
 class Idle(CamelModel):
+    # After this long without a request in flight, the Lane's replicas stop (it
+    # sleeps); the next request wakes it and waits for it (scale to zero).
     sleep_after: Duration | None = None
+
+    @property
+    def sleep_after_s(self) -> float | None:
+        return (
+            None if self.sleep_after is None else parse_duration(self.sleep_after).total_seconds()
+        )
 
 
 class Upstream(CamelModel):
@@ -285,16 +293,6 @@ class LaneSpec(CamelModel):
             )
         return value
 
-    @field_validator("idle")
-    @classmethod
-    def _idle_supported(cls, value: Idle | None, info: ValidationInfo) -> Idle | None:
-        if value is not None and value.sleep_after is not None and not _stored(info):
-            raise invalid(
-                "idle.sleepAfter is not supported yet: a Lane's replicas stay up until it "
-                "is scaled to zero (replicas: 0) or deleted; remove idle"
-            )
-        return value
-
 
 class ReplicaStatus(CamelModel):
     model_config = ConfigDict(extra="ignore")
@@ -312,6 +310,8 @@ class ReplicaStatus(CamelModel):
 class LaneStatus(ObjectStatus):
     replicas: int = 0
     ready_replicas: int = 0
+    # idle.sleepAfter stopped the Lane's replicas; the next request wakes it.
+    sleeping: bool = False
     replica_statuses: list[ReplicaStatus] = Field(default_factory=list)
 
 

@@ -45,6 +45,7 @@ from blazar.controller.policy import PolicyReconciler
 from blazar.dataplane import access
 from blazar.dataplane import server as dataplane_server
 from blazar.enginehost import monitor
+from blazar.enginehost.activity import Activity
 from blazar.enginehost.supervisor import Supervisor
 from blazar.gitops import watcher
 from blazar.store.sqlite import SQLiteStore
@@ -338,6 +339,10 @@ async def _serve(options: Options, sock: socket.socket, keys: tenants.Tenants | 
             manager.enqueue(Kind.LANE, lane)
 
     supervisor = Supervisor(home=home, on_change=lane_changed, log_json=options.log_json)
+    # Requests per Lane, for idle.sleepAfter: the data plane counts, the controller
+    # sleeps and wakes Lanes by it.
+    activity = Activity()
+    activity.on_change(lane_changed)
     manager = Manager(
         store=store,
         reconcilers=[
@@ -348,7 +353,7 @@ async def _serve(options: Options, sock: socket.socket, keys: tenants.Tenants | 
                 cache=modelcache.ModelCache(options.model_cache),
                 sources=model_sources,
             ),
-            LaneReconciler(store=store, processes=supervisor, clock=_now),
+            LaneReconciler(store=store, processes=supervisor, clock=_now, activity=activity),
             PolicyReconciler(kind=Kind.SLO_POLICY, store=store, clock=_now),
             PolicyReconciler(kind=Kind.SPEC_PAIR, store=store, clock=_now),
         ],
@@ -360,7 +365,11 @@ async def _serve(options: Options, sock: socket.socket, keys: tenants.Tenants | 
     socket_path = control_socket(home)
     try:
         plane = await dataplane_server.start(
-            store=store, address=options.grpc, access=gate, control_socket=socket_path
+            store=store,
+            address=options.grpc,
+            access=gate,
+            control_socket=socket_path,
+            activity=activity,
         )
     except OSError as exc:
         # Taken since the check in `run` (grpcio does not say why), or the home's path

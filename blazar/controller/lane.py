@@ -19,6 +19,7 @@ from blazar.api.replicas import LaunchSpec, ReplicaObservation, ReplicaState, Sp
 from blazar.controller import lane_plan
 from blazar.controller.processes import Processes
 from blazar.controller.reconciler import Result
+from blazar.enginehost.activity import Activity
 from blazar.store.base import Store
 
 log = structlog.get_logger(__name__)
@@ -127,11 +128,15 @@ class LaneReconciler:
         processes: Processes,
         clock: Callable[[], datetime],
         default_threads: int | None = None,
+        activity: Activity | None = None,
     ) -> None:
+        """`activity`: what the data plane's callers are doing, for idle.sleepAfter
+        (None: no Lane ever sleeps)."""
         self._store = store
         self._processes = processes
         self._clock = clock
         self._default_threads = default_threads or os.cpu_count() or 1
+        self._activity = activity
 
     async def reconcile(self, name: str) -> Result:
         lane = self._store.get(Kind.LANE, name)
@@ -154,16 +159,27 @@ class LaneReconciler:
                 speculation=speculation_launch(pair, draft),
             )
         observed = self._processes.observe(name)
+        sleep = self._sleep(lane)
+        desired = 0 if sleep.asleep else lane.spec.replicas
         plan = lane_plan.plan_replicas(
-            desired=lane.spec.replicas, launch=launch, observed=observed, now=self._clock()
+            desired=desired, launch=launch, observed=observed, now=self._clock()
         )
         status = lane.status
         revision = launch.revision if launch is not None else None
+        if sleep.asleep != status.sleeping and (sleep.asleep or not observed):
+            self._event(
+                name,
+                "Normal",
+                "Sleeping" if sleep.asleep else "Waking",
+                lane_plan.SLEEPING if sleep.asleep else "A request waits: starting replicas.",
+            )
         if plan.actions:
             # What is serving now goes out before acting: a stop drains for up to its
             # grace period, and the data plane routes by this status, so a surge
             # replica that just became ready must be routable before the old one goes.
-            status = self._write_status(name, lane, readiness, status, observed, revision)
+            status = self._write_status(
+                name, lane, readiness, status, observed, revision, sleeping=sleep.asleep
+            )
         gap = speculation_gap(lane, pair, draft)
         for action in plan.actions:
             await self._act(name, action)
@@ -176,8 +192,20 @@ class LaneReconciler:
                     f"Replica {action.index} runs without speculation: {gap}.",
                 )
         observed = self._processes.observe(name)
-        self._write_status(name, lane, readiness, status, observed, revision)
-        return Result(requeue_after=plan.requeue_after)
+        self._write_status(name, lane, readiness, status, observed, revision, sleeping=sleep.asleep)
+        later = [t for t in (plan.requeue_after, sleep.recheck_after) if t is not None]
+        return Result(requeue_after=min(later, default=None))
+
+    def _sleep(self, lane: Lane) -> lane_plan.Sleep:
+        idle, name = lane.spec.idle, lane.metadata.name
+        if self._activity is None or idle is None:
+            return lane_plan.Sleep()
+        return lane_plan.sleep_decision(
+            sleep_after_s=idle.sleep_after_s,
+            idle_s=self._activity.idle_s(name),
+            in_flight=self._activity.in_flight(name),
+            wanted=self._activity.wanted(name),
+        )
 
     def _write_status(
         self,
@@ -187,15 +215,18 @@ class LaneReconciler:
         previous: LaneStatus,
         observed: list[ReplicaObservation],
         revision: str | None,
+        *,
+        sleeping: bool = False,
     ) -> LaneStatus:
         status = lane_plan.lane_status(
             previous=previous,
             generation=lane.metadata.generation or 0,
-            desired=lane.spec.replicas,
+            desired=0 if sleeping else lane.spec.replicas,
             model=readiness,
             observed=observed,
             now=self._clock(),
             revision=revision,
+            sleeping=sleeping,
         )
         self._record_transitions(name, previous, observed)
         self._store.update_status(Kind.LANE, name, status)

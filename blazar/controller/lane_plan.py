@@ -15,6 +15,8 @@ from blazar.api.kinds import LaneStatus, ReplicaStatus
 from blazar.api.meta import Condition, ConditionStatus
 from blazar.api.replicas import LaunchSpec, ReplicaObservation, ReplicaState
 
+SLEEPING = "No request for idle.sleepAfter: no replica runs; the next request wakes it."
+
 BACKOFF_BASE_S = 1.0
 BACKOFF_MAX_S = 60.0
 # A replica that ran this long before it crashed restarts after the base delay again,
@@ -48,6 +50,31 @@ Action = Start | Stop
 class LanePlan:
     actions: list[Action] = field(default_factory=list)
     requeue_after: float | None = None
+
+
+@dataclass(frozen=True)
+class Sleep:
+    """Whether a Lane with idle.sleepAfter sleeps now, and when to look again."""
+
+    asleep: bool = False
+    # Seconds until it would fall asleep if nothing comes (None: nothing to wait for).
+    recheck_after: float | None = None
+
+
+def sleep_decision(
+    *, sleep_after_s: float | None, idle_s: float, in_flight: int, wanted: bool
+) -> Sleep:
+    """A Lane sleeps once no request has been in flight for `sleep_after_s` seconds
+    (`idle_s`: since the last one ended); a request in flight or waiting for it (the
+    data plane `wanted` it) keeps it awake or wakes it."""
+    if sleep_after_s is None:
+        return Sleep()
+    if in_flight > 0 or wanted:
+        # Busy: the end of its last request wakes the controller (and so this count).
+        return Sleep(asleep=False)
+    if idle_s >= sleep_after_s:
+        return Sleep(asleep=True)
+    return Sleep(asleep=False, recheck_after=sleep_after_s - idle_s)
 
 
 def plan_replicas(
@@ -186,8 +213,10 @@ def lane_status(
     observed: Sequence[ReplicaObservation],
     now: datetime,
     revision: str | None = None,
+    sleeping: bool = False,
 ) -> LaneStatus:
     """The Lane's status after this pass, conditions carried over from `previous`.
+    `sleeping`: idle.sleepAfter has the Lane at zero replicas (`desired` is 0).
 
     `revision` is the spec's (None while the model is not ready): a replica of another
     revision, or the surge beyond `desired`, means a rolling update is under way.
@@ -218,12 +247,15 @@ def lane_status(
     put("ModelReady", model.ready, model.reason, model.message)
     # A surge replica (index `desired`, during a rolling update) serves too.
     serving = sum(1 for o in observed if o.state == ReplicaState.READY)
-    put(
-        "Available",
-        serving >= 1,
-        "MinimumReplicasAvailable" if serving >= 1 else "NoReplicaReady",
-        f"{serving} replica(s) serving, {desired} desired.",
-    )
+    if sleeping and serving == 0:
+        put("Available", False, "Sleeping", SLEEPING)
+    else:
+        put(
+            "Available",
+            serving >= 1,
+            "MinimumReplicasAvailable" if serving >= 1 else "NoReplicaReady",
+            f"{serving} replica(s) serving, {desired} desired.",
+        )
     progressing = ready != desired or len(observed) != desired
     put(
         "Progressing",
@@ -250,6 +282,8 @@ def lane_status(
         message = (
             f"Replacing replicas: {serving} serving, {len(observed)} running, {desired} desired."
         )
+    elif all_ready and sleeping:
+        reason, message = "Sleeping", SLEEPING
     elif all_ready:
         reason = "ScaledToZero" if desired == 0 else "AllReplicasReady"
         message = f"{ready} of {desired} replicas are ready."
@@ -262,4 +296,5 @@ def lane_status(
         replicas=len(current),
         ready_replicas=serving,
         replica_statuses=replica_statuses(observed),
+        sleeping=sleeping and serving == 0,
     )

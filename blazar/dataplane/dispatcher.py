@@ -80,6 +80,8 @@ class Run:
     # predicted then: its first token measures the start overhead.
     started_at: float = 0.0
     expected_prefill_s: float = 0.0
+    # Seconds it waited for its Lane to wake (idle.sleepAfter), within its queue wait.
+    load_s: float = 0.0
 
 
 # A replica as one engine process: a restarted replica keeps its index, not this.

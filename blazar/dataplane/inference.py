@@ -45,6 +45,7 @@ from blazar.dataplane import (
     prefixes,
     routing,
 )
+from blazar.enginehost.activity import Activity
 from blazar.enginehost.client import EnginePool
 from blazar.rpc import status
 from blazar.store.base import Store, WatchEvent
@@ -91,6 +92,12 @@ def model_file(model: Model) -> inference_pb2.ModelFile | None:
     )
 
 
+# A call that does not queue in admission (embeddings, tokenizing) waits this long for
+# a sleeping Lane to wake, looking this often.
+WAKE_TIMEOUT_S = 120.0
+WAKE_POLL_S = 0.05
+
+
 class InferenceService(inference_pb2_grpc.InferenceServicer):
     def __init__(
         self,
@@ -99,10 +106,14 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         pool: EnginePool,
         parker: parking.Parker | None = None,
         access: access.Access | None = None,
+        activity: Activity | None = None,
     ) -> None:
-        """On the data plane's event loop (each Lane's admission task runs there)."""
+        """On the data plane's event loop (each Lane's admission task runs there).
+        `activity`: where requests are counted for idle.sleepAfter, and a sleeping
+        Lane is woken."""
         self._store = store
         self._pool = pool
+        self._activity = activity if activity is not None else Activity()
         self._access = access if access is not None else _open_access()
         self._inflight: Counter[tuple[str, int]] = Counter()
         self._sessions = routing.Sessions()
@@ -193,6 +204,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                         lane=route.lane,
                         model=route.model,
                         ready=bool(route.replicas),
+                        sleeping=route.sleeping and not route.replicas,
                         created=route.created,
                         context_length=route.context_length,
                         replicas=route.desired,
@@ -263,7 +275,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         cache between inputs, and fills no slot's cache either."""
         caller = access.current()
         await self._permit(request.model, context, caller)
-        route, replica, _ = await self._route(request.model, context)
+        route, replica = await self._awake(request.model, context)
         refused: set[int] = set()
         while True:
             try:
@@ -291,7 +303,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         self, request: inference_pb2.TokenizeRequest, context: Context
     ) -> inference_pb2.TokenizeResponse:
         await self._permit(request.model, context, access.current())
-        route, replica, _ = await self._route(request.model, context)
+        route, replica = await self._awake(request.model, context)
         try:
             response = await self._pool.client(replica.socket).tokenize(request)
         except grpc.aio.AioRpcError as exc:
@@ -316,17 +328,47 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         *,
         session: str = "",
         hashes: Callable[[int], tuple[int, ...]] | None = None,
-    ) -> tuple[routing.Route, routing.Replica, tuple[int, ...]]:
-        """The request's Lane, its replica, and its prompt's block hashes (computed
-        here, once the Lane tells how many blocks its replicas can hold)."""
+    ) -> tuple[routing.Route, routing.Replica | None, tuple[int, ...]]:
+        """The request's Lane, its replica (None: the Lane sleeps and wakes for it),
+        and its prompt's block hashes (computed here, once the Lane tells how many
+        blocks its replicas can hold)."""
         try:
             route = routing.resolve(self.table, model)
             index = self._prefixes.get(route.lane)
             blocks = hashes(index.capacity) if hashes is not None and index else ()
+            if route.wakes and not route.replicas:
+                return route, None, blocks  # asleep (or waking): the request waits
             return route, self._pick(route, session=session, hashes=blocks), blocks
         except errors.BlazarError as err:
             log.info("request.rejected", model=model, reason=err.reason)
             await status.abort(context, err)
+
+    async def _awake(self, model: str, context: Context) -> tuple[routing.Route, routing.Replica]:
+        """The Lane and a serving replica for a call that does not queue in admission
+        (embeddings, tokenizing): a sleeping Lane is woken and waited for, up to
+        WAKE_TIMEOUT_S."""
+        route, replica, _ = await self._route(model, context)
+        if replica is not None:
+            return route, replica
+        self._activity.begin(route.lane)
+        try:
+            self._activity.want(route.lane)
+            deadline = time.monotonic() + WAKE_TIMEOUT_S
+            while time.monotonic() < deadline:
+                await asyncio.sleep(WAKE_POLL_S)
+                route, replica, _ = await self._route(model, context)
+                if replica is not None:
+                    return route, replica
+        finally:
+            self._activity.end(route.lane)
+        await status.abort(
+            context,
+            errors.Unavailable(
+                f"Lane '{route.lane}' was asleep and did not wake within "
+                f"{WAKE_TIMEOUT_S:g} s; see `blazar describe lane {route.lane}`.",
+                metadata={"lane": route.lane},
+            ),
+        )
 
     def _pick(
         self,
@@ -394,6 +436,34 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             await status.abort(context, err)
         route, replica, blocks = await self._route(model, context, session=session, hashes=hashes)
         lane = self._dispatchers.of(route.lane)
+        self._activity.begin(route.lane)
+        try:
+            async for chunk in self._admitted(
+                route, replica, blocks, lane, generate, context,
+                arrived=arrived, request_id=request_id, caller=caller, policy=policy,
+                prompt_chars=prompt_chars, session=session,
+            ):  # fmt: skip
+                yield chunk
+        finally:
+            self._activity.end(route.lane)
+
+    async def _admitted(
+        self,
+        route: routing.Route,
+        replica: routing.Replica | None,
+        blocks: tuple[int, ...],
+        lane: dispatcher.LaneDispatcher | None,
+        generate: engine_pb2.GenerateRequest,
+        context: Context,
+        *,
+        arrived: float,
+        request_id: str,
+        caller: access.Caller,
+        policy: admission.Policy,
+        prompt_chars: int,
+        session: str,
+    ) -> AsyncIterator[inference_pb2.Chunk]:
+        """The request through its Lane's admission queue and on to an engine."""
         try:
             if lane is None:
                 raise errors.Unavailable(
@@ -401,7 +471,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                     metadata={"lane": route.lane},
                 )
         except errors.BlazarError as err:
-            log.info("request.rejected", model=model, reason=err.reason)
+            log.info("request.rejected", model=route.lane, reason=err.reason)
             await status.abort(context, err)
         if policy.tpot_target_s is not None:
             # The engine paces prompt chunks beside this stream to keep it.
@@ -418,19 +488,26 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             # tokens, answers that (INVALID_ARGUMENT naming both lengths); a refusal to
             # retry later for a missed target would only send the caller round again.
             policy = dataclasses.replace(policy, reject_early=False)
+        if replica is None:
+            # The Lane sleeps: wake it. Its wake-up is not the request's to be refused
+            # for (the Lane was configured to sleep); the wait bound still holds.
+            self._activity.want(route.lane)
+            policy = dataclasses.replace(policy, reject_early=False)
         ticket = admission.Ticket(
             id=uuid.uuid4().hex,
             policy=policy,
             arrived=arrived,
             prompt_tokens=prompt_tokens,
             max_tokens=max_tokens,
-            prefer=replica.index,
+            prefer=replica.index if replica is not None else None,
             tenant=caller.name,
             weight=caller.weight,
         )
         waiting = True
         try:
             run = await lane.admit(ticket, request_id=request_id, prompt_chars=prompt_chars)
+            if replica is None:
+                run.load_s = max(0.0, run.started_at - arrived)
             announced = False
             while True:
                 waiting = False
@@ -519,6 +596,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                     final.timings.queue_ms += ticket.waited_s * 1000.0
                     if run.predicted_ttft_s is not None:
                         final.timings.predicted_ttft_ms = run.predicted_ttft_s * 1000.0
+                    final.timings.load_ms = run.load_s * 1000.0
                     metrics.observe_final(route.lane, final, policy=ticket.policy.name)
                     self._access.charge(
                         caller,

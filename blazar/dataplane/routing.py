@@ -43,6 +43,10 @@ class Route:
     slo_policy: str | None = None
     # Host memory each replica may hold parked generations in (kvCache.maxParkedMiB).
     max_parked_bytes: int = 0
+    # idle.sleepAfter is set: without a serving replica, a request waits and wakes it.
+    wakes: bool = False
+    # It sleeps now (its status says so).
+    sleeping: bool = False
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,8 @@ def build_table(lanes: Sequence[Lane]) -> RouteTable:
                 desired=lane.spec.replicas,
                 slo_policy=lane.spec.slo_policy,
                 max_parked_bytes=lane.spec.kv_cache.max_parked_mib << 20,
+                wakes=lane.spec.idle is not None and lane.spec.idle.sleep_after is not None,
+                sleeping=lane.status.sleeping,
             )
         )
     by_name: dict[str, Route] = {route.lane: route for route in routes}

@@ -23,6 +23,7 @@ from blazar._proto.v1 import control_pb2, control_pb2_grpc, inference_pb2, infer
 from blazar.dataplane import access as access_
 from blazar.dataplane.control import ControlService
 from blazar.dataplane.inference import InferenceService
+from blazar.enginehost.activity import Activity
 from blazar.enginehost.client import EnginePool
 from blazar.rpc import limits
 from blazar.store.base import Store
@@ -68,6 +69,7 @@ async def start(
     address: str,
     access: access_.Access | None = None,
     control_socket: Path | None = None,
+    activity: Activity | None = None,
 ) -> DataPlane:
     """Bind address (port 0 picks a free port), and `control_socket` if given, and start
     serving; OSError when either cannot be bound (taken by another process, not local,
@@ -83,7 +85,7 @@ async def start(
         options=limits.SERVER_OPTIONS,
     )
     pool = EnginePool()
-    inference = InferenceService(store=store, pool=pool, access=access)
+    inference = InferenceService(store=store, pool=pool, access=access, activity=activity)
     inference_pb2_grpc.add_InferenceServicer_to_server(inference, server)
     control = ControlService(store=store, live=inference.live_status)
     control_pb2_grpc.add_ControlServicer_to_server(control, server)

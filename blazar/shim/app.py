@@ -102,7 +102,8 @@ async def healthz(request: Request) -> Response:
 async def readyz(request: Request) -> Response:
     """200 when the daemon serves and every model it lists has a ready replica; 503 with
     the names that are not ready otherwise (a load balancer's readiness probe). A Lane
-    scaled to zero is paused on purpose and does not count."""
+    scaled to zero is paused on purpose and does not count, nor does a sleeping one
+    (idle.sleepAfter: the next request wakes it)."""
     client = inference.client_of(request)
     if not await client.serving():
         return JSONResponse({"status": "unavailable"}, status_code=503)
@@ -110,7 +111,9 @@ async def readyz(request: Request) -> Response:
         listed = await client.list_models(metadata=request.app.state.probe_metadata)
     except errors.BlazarError:
         return JSONResponse({"status": "unavailable"}, status_code=503)
-    waiting = sorted({m.lane for m in listed.models if not m.ready and m.replicas > 0})
+    waiting = sorted(
+        {m.lane for m in listed.models if not m.ready and m.replicas > 0 and not m.sleeping}
+    )
     if waiting:
         return JSONResponse({"status": "not ready", "lanes": waiting}, status_code=503)
     return JSONResponse({"status": "ready"})

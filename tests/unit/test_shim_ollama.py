@@ -363,8 +363,8 @@ REFUSALS: list[tuple[str, dict[str, Any], str, str]] = [
     ("chat", {**CHAT, "think": "high"}, "think", "does not support thinking"),
     ("chat", {**CHAT, "truncate": True}, "truncate", "never cuts"),
     ("chat", {**CHAT, "shift": True}, "shift", "never cuts"),
-    ("chat", {**CHAT, "keep_alive": "5m"}, "keep_alive", "issue 20"),
-    ("chat", {**CHAT, "keep_alive": 0}, "keep_alive", "issue 20"),
+    ("chat", {**CHAT, "keep_alive": "5m"}, "keep_alive", "idle.sleepAfter"),
+    ("chat", {**CHAT, "keep_alive": 0}, "keep_alive", "idle.sleepAfter"),
     ("chat", {**CHAT, "format": "yaml"}, "format", "'yaml'"),
     ("chat", {**CHAT, "top_logprobs": 2}, "top_logprobs", "'logprobs'"),
     ("chat", {**CHAT, "options": {"mirostat": 2}}, "options.mirostat", "sampler"),
@@ -393,7 +393,12 @@ REFUSALS: list[tuple[str, dict[str, Any], str, str]] = [
         "options.temperature",
         "only num_ctx",
     ),
-    ("embeddings", {"model": "tiny", "prompt": "a", "keep_alive": 30}, "keep_alive", "issue 20"),
+    (
+        "embeddings",
+        {"model": "tiny", "prompt": "a", "keep_alive": 30},
+        "keep_alive",
+        "idle.sleepAfter",
+    ),
 ]
 
 

@@ -223,7 +223,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
-    __slots__ = ("queue_ms", "prefill_ms", "ttft_ms", "decode_ms", "decode_tokens_per_second", "parked_ms", "predicted_ttft_ms", "decode_batch")
+    __slots__ = ("queue_ms", "prefill_ms", "ttft_ms", "decode_ms", "decode_tokens_per_second", "parked_ms", "predicted_ttft_ms", "decode_batch", "load_ms")
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
     TTFT_MS_FIELD_NUMBER: _ClassVar[int]
@@ -232,6 +232,7 @@ class Timings(_message.Message):
     PARKED_MS_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_TTFT_MS_FIELD_NUMBER: _ClassVar[int]
     DECODE_BATCH_FIELD_NUMBER: _ClassVar[int]
+    LOAD_MS_FIELD_NUMBER: _ClassVar[int]
     queue_ms: float
     prefill_ms: float
     ttft_ms: float
@@ -240,7 +241,8 @@ class Timings(_message.Message):
     parked_ms: float
     predicted_ttft_ms: float
     decode_batch: float
-    def __init__(self, queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., decode_tokens_per_second: _Optional[float] = ..., parked_ms: _Optional[float] = ..., predicted_ttft_ms: _Optional[float] = ..., decode_batch: _Optional[float] = ...) -> None: ...
+    load_ms: float
+    def __init__(self, queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., decode_tokens_per_second: _Optional[float] = ..., parked_ms: _Optional[float] = ..., predicted_ttft_ms: _Optional[float] = ..., decode_batch: _Optional[float] = ..., load_ms: _Optional[float] = ...) -> None: ...
 
 class Routing(_message.Message):
     __slots__ = ("lane", "replica", "slot", "prefix_tokens_reused", "drafted_tokens", "accepted_tokens", "speculation")
@@ -285,7 +287,7 @@ class ListModelsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("id", "lane", "model", "ready", "created", "context_length", "replicas", "ready_replicas", "slots", "file")
+    __slots__ = ("id", "lane", "model", "ready", "created", "context_length", "replicas", "ready_replicas", "slots", "file", "sleeping")
     ID_FIELD_NUMBER: _ClassVar[int]
     LANE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -296,6 +298,7 @@ class ModelInfo(_message.Message):
     READY_REPLICAS_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     FILE_FIELD_NUMBER: _ClassVar[int]
+    SLEEPING_FIELD_NUMBER: _ClassVar[int]
     id: str
     lane: str
     model: str
@@ -306,7 +309,8 @@ class ModelInfo(_message.Message):
     ready_replicas: int
     slots: int
     file: ModelFile
-    def __init__(self, id: _Optional[str] = ..., lane: _Optional[str] = ..., model: _Optional[str] = ..., ready: _Optional[bool] = ..., created: _Optional[int] = ..., context_length: _Optional[int] = ..., replicas: _Optional[int] = ..., ready_replicas: _Optional[int] = ..., slots: _Optional[int] = ..., file: _Optional[_Union[ModelFile, _Mapping]] = ...) -> None: ...
+    sleeping: bool
+    def __init__(self, id: _Optional[str] = ..., lane: _Optional[str] = ..., model: _Optional[str] = ..., ready: _Optional[bool] = ..., created: _Optional[int] = ..., context_length: _Optional[int] = ..., replicas: _Optional[int] = ..., ready_replicas: _Optional[int] = ..., slots: _Optional[int] = ..., file: _Optional[_Union[ModelFile, _Mapping]] = ..., sleeping: _Optional[bool] = ...) -> None: ...
 
 class ModelFile(_message.Message):
     __slots__ = ("size_bytes", "sha256", "modified", "architecture", "name", "parameter_size", "quantization", "trained_context_length", "embedding_length", "block_count", "head_count", "head_count_kv", "has_chat_template")

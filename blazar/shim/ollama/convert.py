@@ -23,7 +23,7 @@ from blazar.shim import canonical, context, validation
 from blazar.shim.ollama import options, protocol, template
 
 # Ollama reads a negative keep_alive as "keep the model loaded forever": what Blazar
-# does with every Lane's replicas until the Lane changes.
+# does with a Lane's replicas unless its manifest sets idle.sleepAfter.
 _GO_DURATION = re.compile(
     r"-?(\d+(\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)((\d+(\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h))*"
 )
@@ -216,10 +216,10 @@ def check_keep_alive(keep_alive: protocol.KeepAlive) -> None:
         forever = text.startswith("-") and (seconds or bool(_GO_DURATION.fullmatch(text)))
     if not forever:
         raise validation.invalid(
-            f"'keep_alive' {keep_alive!r} is not supported yet: Blazar keeps every Lane's "
-            "replicas loaded until the Lane changes, and unloading after idle time (the "
-            "Lane's idle.sleepAfter) is not built yet (issue 20). Leave 'keep_alive' out, "
-            "or send a negative value (keep loaded).",
+            f"'keep_alive' {keep_alive!r} is not supported yet: a Lane's replicas stay "
+            "loaded as its manifest says (unloaded after its idle.sleepAfter, if it has "
+            "one), and a per-request keep_alive is not mapped onto that yet. Leave "
+            "'keep_alive' out, or send a negative value (keep loaded).",
             param="keep_alive",
         )
 

@@ -60,11 +60,12 @@ def _ns(milliseconds: float) -> int:
 def metrics(final: inference_pb2.Final) -> protocol.Metrics:
     """Ollama's statistics from the canonical figures, in nanoseconds.
 
-    `load_duration` is the queue time (admission, a free slot, preparing the prompt):
-    Blazar's models are loaded already, and Ollama counts waiting for its runner there
-    too. The prompt's figures are the prefill's; `eval_*` the decode's. The total runs
-    from arrival to the last token: time to first token plus decoding, or, when the
-    generation was parked after its first token, the parts plus the time parked.
+    `load_duration` is the queue time (admission, a free slot, preparing the prompt,
+    and waking a sleeping Lane, `Timings.load_ms`): Ollama counts loading a model and
+    waiting for its runner there. The prompt's figures are the prefill's; `eval_*` the
+    decode's. The total runs from arrival to the last token: time to first token plus
+    decoding, or, when the generation was parked after its first token, the parts plus
+    the time parked.
     """
     timings = final.timings
     total_ms = max(

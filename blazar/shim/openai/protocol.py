@@ -213,7 +213,9 @@ class Timings(TypedDict):
     clients keep unknown fields). `prompt_n` counts the prompt tokens computed, those
     reused from the cache are `cache_n`; `predicted_ms` spans the first to the last
     token, and the rates divide `predicted_n` by it, as llama.cpp's do.
-    `draft_n`/`draft_n_accepted` only when tokens were drafted (speculation)."""
+    `draft_n`/`draft_n_accepted` only when tokens were drafted (speculation);
+    `load_ms` (Blazar's) only when the request waited for its Lane to wake from
+    idle.sleepAfter."""
 
     cache_n: int
     prompt_n: int
@@ -226,6 +228,7 @@ class Timings(TypedDict):
     predicted_per_second: float
     draft_n: NotRequired[int]
     draft_n_accepted: NotRequired[int]
+    load_ms: NotRequired[float]
 
 
 class FunctionDelta(TypedDict, total=False):

@@ -92,6 +92,8 @@ def timings(final: inference_pb2.Final) -> protocol.Timings:
     if final.routing.drafted_tokens:
         out["draft_n"] = final.routing.drafted_tokens
         out["draft_n_accepted"] = final.routing.accepted_tokens
+    if final.timings.load_ms > 0:
+        out["load_ms"] = final.timings.load_ms
     return out
 
 

@@ -1,0 +1,95 @@
+"""Scale to zero end to end (issue 20, acceptance 2): a Lane with
+`idle.sleepAfter: 5s` has no engine process 6 s after its last request; the next
+request is served, not refused, and its timings show the wake-up; an embedding request
+wakes it too."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.integration.harness import Daemon, local_fleet, short_home, wait_for
+
+pytestmark = pytest.mark.slow
+
+LANE = "sleepy"
+SLEEP_AFTER_S = 5
+
+
+@pytest.fixture(scope="module")
+def daemon(model_path: Path) -> Iterator[Daemon]:
+    home = short_home()
+    fleet = local_fleet(
+        home,
+        model_path,
+        lane=LANE,
+        spec=f"slots: 1, contextPerSlot: 512, threads: 2, idle: {{sleepAfter: {SLEEP_AFTER_S}s}}",
+    )
+    d = Daemon(home=home, watch=fleet).start()
+    try:
+        d.wait_condition("lane", LANE, "Ready", timeout=240)
+        yield d
+    finally:
+        d.stop()
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def complete(d: Daemon) -> openai.types.Completion:
+    client = openai.OpenAI(base_url=f"http://{d.http}/v1", api_key="unused", max_retries=0)
+    return client.completions.create(model=LANE, prompt="Once upon", max_tokens=2, timeout=120)
+
+
+def test_an_idle_lane_sleeps_and_the_next_request_wakes_it(daemon: Daemon) -> None:
+    first = complete(daemon)
+    ended = time.monotonic()
+    assert first.usage is not None and first.usage.completion_tokens >= 1
+    pids = daemon.pids(LANE)
+    assert pids and all(alive(pid) for pid in pids)
+    # No engine process 6 s after the last request.
+    wait_for(
+        lambda: not any(alive(pid) for pid in pids),
+        timeout=SLEEP_AFTER_S + 1 - (time.monotonic() - ended),
+        what="the engine to stop",
+        step=0.1,
+    )
+    slept = time.monotonic() - ended
+    assert slept >= SLEEP_AFTER_S - 0.5  # not before its time (the request's end is ours)
+    status = daemon.get("lane", LANE)["status"]
+    assert status.get("sleeping") is True
+    assert daemon.condition("lane", LANE, "Available")["reason"] == "Sleeping"
+    # Asleep is not unready: a load balancer keeps sending (the request wakes it).
+    assert httpx.get(f"http://{daemon.http}/readyz", trust_env=False).status_code == 200
+    # The next request is served, and says how long it waited for the wake-up.
+    woken = complete(daemon)
+    assert woken.usage is not None and woken.usage.completion_tokens >= 1
+    assert woken.model_extra is not None
+    load_ms = woken.model_extra["timings"]["load_ms"]
+    assert load_ms > 0
+    assert daemon.pids(LANE) and not set(daemon.pids(LANE)) & set(pids)
+    # A request to a Lane awake carries no wake-up.
+    again = complete(daemon)
+    assert again.model_extra is not None and "load_ms" not in again.model_extra["timings"]
+    print(f"slept {slept:.1f} s after the last request; woke in {load_ms:.0f} ms")
+
+
+def test_an_embedding_request_wakes_a_sleeping_lane(daemon: Daemon) -> None:
+    pids = daemon.pids(LANE)
+    wait_for(lambda: not any(alive(pid) for pid in pids), timeout=SLEEP_AFTER_S + 5, what="sleep")
+    client = openai.OpenAI(base_url=f"http://{daemon.http}/v1", api_key="unused", max_retries=0)
+    embedded = client.embeddings.create(model=LANE, input="wake up", timeout=120)
+    assert len(embedded.data[0].embedding) > 0

@@ -1,0 +1,115 @@
+"""idle.sleepAfter: the pure decision, and the Lane reconciler acting on it (replicas
+stopped and started again, status and events), with the data plane's activity ledger
+driven by hand and processes faked at the supervisor's contract."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from blazar.api import conditions
+from blazar.api.kinds import Kind, Lane
+from blazar.api.replicas import ReplicaState
+from blazar.controller.lane import LaneReconciler
+from blazar.controller.lane_plan import Sleep, sleep_decision
+from blazar.enginehost.activity import Activity
+from blazar.store.memory import MemoryStore
+from tests.unit.helpers import Clock
+from tests.unit.test_controller import FakeProcesses, apply, ready_model
+
+
+@pytest.mark.parametrize(
+    ("sleep_after", "idle", "in_flight", "wanted", "expected"),
+    [
+        (None, 1e9, 0, False, Sleep()),  # not configured: never
+        (5.0, 2.0, 0, False, Sleep(asleep=False, recheck_after=3.0)),
+        (5.0, 5.0, 0, False, Sleep(asleep=True)),
+        (5.0, 60.0, 1, False, Sleep(asleep=False)),  # a request in flight
+        (5.0, 60.0, 0, True, Sleep(asleep=False)),  # one waits for it: wake
+        (0.0, 0.0, 0, False, Sleep(asleep=True)),  # sleeps as soon as idle
+    ],
+)
+def test_sleep_decision(
+    sleep_after: float | None, idle: float, in_flight: int, wanted: bool, expected: Sleep
+) -> None:
+    got = sleep_decision(sleep_after_s=sleep_after, idle_s=idle, in_flight=in_flight, wanted=wanted)
+    assert got == expected
+
+
+SLEEPY = """
+apiVersion: blazar.dev/v1alpha1
+kind: Lane
+metadata: {name: l}
+spec: {model: m, replicas: 1, slots: 2, threads: 2, idle: {sleepAfter: 5s}}
+"""
+
+
+class Ticks:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_an_idle_lane_sleeps_and_a_request_wakes_it() -> None:
+    clock, ticks = Clock(), Ticks()
+    store = MemoryStore(clock=clock)
+    procs = FakeProcesses(clock)
+    activity = Activity(clock=ticks)
+    rec = LaneReconciler(store=store, processes=procs, clock=clock, activity=activity)
+    ready_model(store, clock)
+    apply(store, SLEEPY)
+
+    def status() -> tuple[bool, str, str]:
+        lane = store.get(Kind.LANE, "l")
+        assert isinstance(lane, Lane)
+        available = conditions.get_condition(lane.status.conditions, "Available")
+        ready = conditions.get_condition(lane.status.conditions, "Ready")
+        assert available is not None and ready is not None
+        return lane.status.sleeping, available.reason, ready.reason
+
+    # Fresh: awake, one replica; asked to look again when it would fall asleep.
+    assert asyncio.run(rec.reconcile("l")).requeue_after == pytest.approx(5.0)
+    assert len(procs.observe("l")) == 1
+    procs.set_state("l", 0, ReplicaState.READY)
+    # A request in flight keeps it awake past sleepAfter.
+    activity.begin("l")
+    ticks.now = 30.0
+    asyncio.run(rec.reconcile("l"))
+    assert len(procs.observe("l")) == 1
+    activity.end("l")
+    ticks.now = 34.0
+    assert asyncio.run(rec.reconcile("l")).requeue_after == pytest.approx(1.0)
+    ticks.now = 35.0
+    asyncio.run(rec.reconcile("l"))
+    assert procs.observe("l") == []
+    assert status() == (True, "Sleeping", "Sleeping")
+    assert "Sleeping" in [e.reason for e in store.events(kind="Lane", name="l")]
+    # A request waits for it: the data plane wants it, the controller starts it.
+    woken: list[str] = []
+    activity.on_change(woken.append)
+    activity.begin("l")
+    activity.want("l")
+    assert woken == ["l"]
+    asyncio.run(rec.reconcile("l"))
+    assert len(procs.observe("l")) == 1
+    assert "Waking" in [e.reason for e in store.events(kind="Lane", name="l")]
+    procs.set_state("l", 0, ReplicaState.READY)
+    asyncio.run(rec.reconcile("l"))
+    assert status() == (False, "MinimumReplicasAvailable", "AllReplicasReady")
+
+
+def test_a_lane_without_idle_never_sleeps() -> None:
+    clock = Clock()
+    store = MemoryStore(clock=clock)
+    procs = FakeProcesses(clock)
+    ticks = Ticks()
+    rec = LaneReconciler(store=store, processes=procs, clock=clock, activity=Activity(clock=ticks))
+    ready_model(store, clock)
+    apply(store, SLEEPY.replace(", idle: {sleepAfter: 5s}", ""))
+    assert asyncio.run(rec.reconcile("l")).requeue_after is None
+    ticks.now = 1e6
+    asyncio.run(rec.reconcile("l"))
+    assert len(procs.observe("l")) == 1
