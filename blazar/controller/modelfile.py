@@ -127,9 +127,10 @@ _KEPT_SUFFIXES = (
 
 
 def read_gguf(path: Path) -> GGUFInfo:
-    """Architecture, trained context and the figures the fit ledger needs."""
+    """Architecture, trained context and the figures the fit ledger needs
+    (`blazar.controller.fit.ModelShape` reads them back)."""
     try:
-        values = read_gguf_metadata(path)
+        values, tensor_bytes = read_gguf_layout(path)
     except (OSError, ValueError) as exc:  # UnicodeDecodeError is a ValueError
         raise SourceError("InvalidGGUF", f"{path} is not a readable GGUF file: {exc}.") from exc
 
@@ -144,6 +145,12 @@ def read_gguf(path: Path) -> GGUFInfo:
         if v is not None:
             params[key.removeprefix("general.")] = str(v)
     params["has_chat_template"] = str("tokenizer.chat_template" in values).lower()
+    params["tensor_bytes"] = str(tensor_bytes)
+    tokens = values.get("tokenizer.ggml.tokens")
+    if isinstance(tokens, SkippedArray | list):
+        params["vocab_size"] = str(
+            tokens.count if isinstance(tokens, SkippedArray) else len(tokens)
+        )
     ctx = values.get(f"{arch}.context_length")
     return GGUFInfo(architecture=arch, context_length=int(ctx) if ctx else None, parameters=params)
 
@@ -169,24 +176,35 @@ class SkippedArray:
 
 
 def read_gguf_metadata(path: Path) -> dict[str, Any]:
-    """The key-value metadata of a GGUF file (versions 2 and 3, either byte order).
+    """The key-value metadata of a GGUF file (`read_gguf_layout` without the tensors)."""
+    return read_gguf_layout(path)[0]
+
+
+def read_gguf_layout(path: Path) -> tuple[dict[str, Any], int]:
+    """The key-value metadata of a GGUF file (versions 2 and 3, either byte order), and
+    the bytes of its tensor data: what llama.cpp maps as the model's weights.
 
     Strings come as str, numbers as int or float, booleans as bool, arrays as lists,
     and arrays longer than `ARRAY_DECODE_MAX` as `SkippedArray`. Only the header is
-    read (through mmap, so a few MB of a file of any size); the tensor index after it
-    is not. Raises ValueError (UnicodeDecodeError for a string that is not UTF-8) on a
-    file that is not GGUF or ends inside its header.
+    read (through mmap, so a few MB of a file of any size): the tensor index after it is
+    stepped through only to find where the data begins. Raises ValueError
+    (UnicodeDecodeError for a string that is not UTF-8) on a file that is not GGUF or
+    ends inside its header or tensor index.
     """
     with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         if buf[:4] != b"GGUF":
             raise ValueError(f"no GGUF magic (starts with {bytes(buf[:4])!r})")
         try:
-            return _metadata(buf)
+            return _layout(buf)
         except struct.error:
             raise ValueError("its header runs past the end of the file") from None
 
 
-def _metadata(buf: mmap.mmap) -> dict[str, Any]:
+# Where tensor data begins is aligned to this many bytes unless `general.alignment` says.
+_DEFAULT_ALIGNMENT = 32
+
+
+def _layout(buf: mmap.mmap) -> tuple[dict[str, Any], int]:
     (version,) = struct.unpack_from("<I", buf, 4)
     order = "<"
     if version & 0xFFFF == 0:  # written on a big-endian host
@@ -194,12 +212,22 @@ def _metadata(buf: mmap.mmap) -> dict[str, Any]:
         (version,) = struct.unpack_from(">I", buf, 4)
     if version not in (2, 3):
         raise ValueError(f"GGUF version {version} is not supported (only 2 and 3)")
+    (tensors,) = struct.unpack_from(order + "Q", buf, 8)
     reader = _MetadataReader(buf, order, offset=16)  # past the tensor count
     values: dict[str, Any] = {}
     for _ in range(reader.scalar("Q")):
         key = reader.string()
         values[key] = reader.value(reader.scalar("I"))
-    return values
+    for _ in range(tensors):  # name, dimensions, type, offset: stepped over
+        reader.string()
+        reader.skip(8 * reader.scalar("I") + 4 + 8)
+    alignment = values.get("general.alignment", _DEFAULT_ALIGNMENT)
+    if not isinstance(alignment, int) or alignment <= 0:
+        raise ValueError(f"general.alignment is {alignment!r}, not a positive integer")
+    start = -(-reader.offset // alignment) * alignment
+    if start > len(buf):
+        raise struct.error("the tensor index runs past the end of the file")
+    return values, len(buf) - start
 
 
 class _MetadataReader:
@@ -209,6 +237,15 @@ class _MetadataReader:
         self._buf = buf
         self._order = order
         self._offset = offset
+
+    @property
+    def offset(self) -> int:
+        return self._offset
+
+    def skip(self, count: int) -> None:
+        self._offset += count
+        if self._offset > len(self._buf):
+            raise struct.error("an item runs past the end of the file")
 
     def scalar(self, fmt: str) -> Any:
         (v,) = struct.unpack_from(self._order + fmt, self._buf, self._offset)

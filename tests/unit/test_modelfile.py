@@ -44,7 +44,7 @@ def write(path: Path, *, endian: gguf.GGUFEndian = gguf.GGUFEndian.LITTLE) -> Pa
             writer.add_array(key, value)
         else:
             writer.add_key_value(key, value, vtype)
-    writer.add_tensor("w", np.ones((4, 8), dtype=np.float32))
+    writer.add_tensor("weights", np.ones((4, 8), dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -97,6 +97,7 @@ BROKEN: list[tuple[str, Any, str]] = [
     ("in a key", cut(30), "its header runs past the end of the file"),
     ("in a long array", lambda good: good[: good.index(b"tok4000")], "its header runs past the end of the file"),
     ("unknown type", lambda good: good[:24] + b"\x01\0\0\0\0\0\0\0k\x63\0\0\0", "unknown GGUF value type 99"),
+    ("in the tensor index", lambda good: good[: good.index(b"weights") + 4], "its header runs past the end of the file"),
 ]  # fmt: skip
 
 
@@ -122,6 +123,7 @@ def test_read_gguf_keeps_the_fit_ledger_figures(tmp_path: Path) -> None:
     writer.add_file_type(15)
     writer.add_chat_template("{{ messages }}")
     writer.add_array("tokenizer.ggml.tokens", [f"t{i}" for i in range(LONG)])
+    writer.add_tensor("w", np.ones((4, 8), dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -137,5 +139,31 @@ def test_read_gguf_keeps_the_fit_ledger_figures(tmp_path: Path) -> None:
             "name": "Tiny",
             "file_type": "15",
             "has_chat_template": "true",
+            "tensor_bytes": "128",
+            "vocab_size": str(LONG),
         },
     )
+
+
+@pytest.mark.parametrize("alignment", [None, 64, 4096])
+@pytest.mark.parametrize("endian", [gguf.GGUFEndian.LITTLE, gguf.GGUFEndian.BIG])
+def test_tensor_bytes_are_the_data_the_gguf_package_finds(
+    tmp_path: Path, alignment: int | None, endian: gguf.GGUFEndian
+) -> None:
+    path = tmp_path / "m.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama", endianess=endian)
+    if alignment is not None:
+        writer.add_custom_alignment(alignment)
+    writer.add_tensor("a", np.ones((3, 5), dtype=np.float32))
+    writer.add_tensor("b", np.ones((7,), dtype=np.float16))
+    writer.add_tensor("c", np.ones((2, 2, 3), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    reference = gguf.GGUFReader(path)
+    _, tensor_bytes = modelfile.read_gguf_layout(path)
+    assert tensor_bytes == path.stat().st_size - reference.data_offset
+    # The data section holds the tensors and the padding between them, nothing else.
+    assert sum(int(t.n_bytes) for t in reference.tensors) <= tensor_bytes
+    assert tensor_bytes < sum(int(t.n_bytes) for t in reference.tensors) + 3 * (alignment or 32)
