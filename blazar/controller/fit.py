@@ -1,0 +1,263 @@
+"""The fit ledger's arithmetic: what one replica of a Lane needs in memory, and whether
+the next replica fits in what the host has left.
+
+Pure: no IO, no clock, no logging. The figures of the model come from its GGUF header
+(`modelfile.read_gguf`, kept in the Model's status); the host's come from
+`hostmemory` in the Lane reconciler, which acts on the decision.
+
+One replica is one engine process (`blazar.engine.llama.open_model`). It needs:
+
+- **weights**: the GGUF's tensor data, which llama.cpp maps from the file; every page
+  is touched by the first decode (the output projection reads the whole vocabulary).
+- **KV cache**: `n_layer x cells x n_head_kv x (key_length x bytes(typeK) + value_length
+  x bytes(typeV))`. The engine keeps one stream per slot (`kv_unified` off) and
+  full-size sliding-window caches (`swa_full`, which speculative rollback and prefix
+  reuse need), so a Gemma 3 SWA layer holds as many cells as a global one; llama.cpp
+  0.3.36 pads the context (`slots x contextPerSlot`) to a multiple of 256 cells and
+  splits it evenly between the streams. llama.cpp clears the cache when it creates it,
+  so all of it is resident from the start.
+- **compute buffers**: the logits of the rows one step may ask for (`output_rows x
+  n_vocab` floats, in the graph and again in the context's output buffer, which grows
+  to that size when a step asks for that many rows), plus the activations of one
+  512-token micro-batch (`N_UBATCH x n_embd` floats, four of them live at once), plus,
+  without flash attention, the attention scores of a micro-batch against one slot's
+  cells (`cells_per_slot x N_UBATCH x n_head` floats). Measured on the bundled model
+  (llama.cpp's `compute buffer size` lines, slots 1 to 16, contexts 512 to 16384, flash
+  attention auto and off): 66.6 to 83.5 MiB with flash attention, 201.8 MiB without it
+  at 16,384 cells a slot; the rule gives 70.0 to 85.0 and 198.0 for that buffer, and
+  counts the output buffer's logits rows (65 to 80 MiB) on top.
+- **draft model** (a SpecPair of kind `model`): its own weights, f16 KV cache of the
+  target's cells and compute buffers, in the same process.
+- **runtime**: the engine process itself (Python, gRPC, numpy, llama.cpp's code and
+  tokenizer tables), measured as `RUNTIME_BYTES`.
+
+A replica's host memory for parked generations (`kvCache.maxParkedMiB`) is a bound on
+what preemption may copy, not memory the engine holds, and is not counted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from blazar.api.replicas import LaunchSpec
+
+MIB = 1024 * 1024
+# Bytes per KV cache element by llama.cpp type name (block size / elements per block).
+CACHE_TYPE_BYTES: Mapping[str, float] = {
+    "f32": 4.0,
+    "f16": 2.0,
+    "bf16": 2.0,
+    "q8_0": 34 / 32,
+    "q4_0": 18 / 32,
+    "q4_1": 20 / 32,
+    "iq4_nl": 18 / 32,
+    "q5_0": 22 / 32,
+    "q5_1": 24 / 32,
+}
+# llama.cpp pads a context to this many cells.
+CONTEXT_PAD = 256
+# Tokens per micro-batch (`blazar.engine.llama.N_BATCH`: the engine sets n_ubatch to it).
+N_UBATCH = 512
+# Logits rows per step beyond one per slot and draft (`llama.EXTRA_OUTPUT_ROWS`).
+EXTRA_OUTPUT_ROWS = 64
+# Activations of one micro-batch kept at once: the residual stream, its norm, and the
+# two inputs of the operation at hand.
+LIVE_ACTIVATIONS = 4
+FLOAT_BYTES = 4
+# The engine process without its model: Python with gRPC, numpy and llama-cpp-python
+# loaded, llama.cpp's tokenizer caches, thread stacks, and the copies of the weights
+# llama.cpp repacks for the CPU (12.7 MiB of the bundled model). Measured on the
+# bundled model: resident memory under load less the other terms was 132.7, 137.7 and
+# 148.4 MiB at 1x1024, 4x2048 and 8x8192 (bench/memory_fit.py), rounded up from the
+# median.
+RUNTIME_BYTES = 140 * MIB
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The figures of a GGUF the estimate needs."""
+
+    tensor_bytes: int
+    n_layer: int
+    n_head: int
+    n_head_kv: int
+    key_length: int
+    value_length: int
+    n_embd: int
+    n_vocab: int
+
+    @classmethod
+    def of_parameters(cls, params: Mapping[str, str], *, size_bytes: int) -> ModelShape | None:
+        """From a Model's `status.parameters` (`modelfile.read_gguf`); None when a figure
+        is missing. A status written before `tensor_bytes` was kept falls back to the
+        file's size, a few MB more (the header)."""
+        try:
+            n_embd = int(params["embedding_length"])
+            n_head = int(params["attention.head_count"])
+            head = n_embd // max(n_head, 1)
+            return cls(
+                tensor_bytes=int(params.get("tensor_bytes", size_bytes)),
+                n_layer=int(params["block_count"]),
+                n_head=n_head,
+                n_head_kv=int(params.get("attention.head_count_kv", n_head)),
+                key_length=int(params.get("attention.key_length", head)),
+                value_length=int(params.get("attention.value_length", head)),
+                n_embd=n_embd,
+                n_vocab=int(params["vocab_size"]),
+            )
+        except (KeyError, ValueError):
+            return None
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """What one replica needs, in bytes, by part."""
+
+    weights: int
+    kv: int
+    compute: int
+    draft: int
+    runtime: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv + self.compute + self.draft + self.runtime
+
+
+def cells(slots: int, context_per_slot: int) -> int:
+    """KV cells of a context of `slots` streams: llama.cpp pads the whole context, then
+    gives each stream an equal share."""
+    padded = -(-slots * context_per_slot // CONTEXT_PAD) * CONTEXT_PAD
+    return (padded // slots) * slots
+
+
+def kv_bytes(shape: ModelShape, *, cells: int, type_k: str, type_v: str) -> int:
+    per_cell = shape.n_head_kv * (
+        shape.key_length * CACHE_TYPE_BYTES[type_k] + shape.value_length * CACHE_TYPE_BYTES[type_v]
+    )
+    return int(shape.n_layer * cells * per_cell)
+
+
+def output_rows(slots: int, draft_tokens: int) -> int:
+    """Rows of logits one step may ask for (`blazar.engine.llama.output_rows`)."""
+    return min(N_UBATCH, slots * (1 + draft_tokens) + EXTRA_OUTPUT_ROWS)
+
+
+def compute_bytes(
+    shape: ModelShape, *, rows: int, cells_per_slot: int, flash_attention: bool
+) -> int:
+    logits = rows * shape.n_vocab * FLOAT_BYTES
+    activations = LIVE_ACTIVATIONS * N_UBATCH * shape.n_embd * FLOAT_BYTES
+    scores = 0 if flash_attention else cells_per_slot * N_UBATCH * shape.n_head * FLOAT_BYTES
+    # The logits twice: the graph's buffer and the context's output buffer.
+    return 2 * logits + activations + scores
+
+
+def estimate(launch: LaunchSpec, shape: ModelShape, *, draft: ModelShape | None = None) -> Estimate:
+    """What one replica running `launch` needs; `draft` is the SpecPair's draft model
+    (None: none, or n-gram drafting, which needs no model)."""
+    total_cells = cells(launch.slots, launch.context_per_slot)
+    per_slot = total_cells // launch.slots
+    # llama.cpp's flash attention "auto" is on for CPU; "off" is the only way to lose it.
+    flash = launch.flash_attention != "off"
+    spec = launch.speculation
+    drafted = spec.max_draft_tokens if spec is not None else 0
+    draft_bytes = 0
+    if draft is not None:
+        # The draft's own context: the target's cells, f16, no drafts of its own.
+        draft_bytes = (
+            draft.tensor_bytes
+            + kv_bytes(draft, cells=total_cells, type_k="f16", type_v="f16")
+            + compute_bytes(
+                draft,
+                rows=output_rows(launch.slots, 0),
+                cells_per_slot=per_slot,
+                flash_attention=flash,
+            )
+        )
+    return Estimate(
+        weights=shape.tensor_bytes,
+        kv=kv_bytes(shape, cells=total_cells, type_k=launch.type_k, type_v=launch.type_v),
+        compute=compute_bytes(
+            shape,
+            rows=output_rows(launch.slots, drafted),
+            cells_per_slot=per_slot,
+            flash_attention=flash,
+        ),
+        draft=draft_bytes,
+        runtime=RUNTIME_BYTES,
+    )
+
+
+@dataclass(frozen=True)
+class Held:
+    """A replica running or starting, as the ledger counts it."""
+
+    estimate: int
+    # Its resident memory (VmRSS) and the anonymous part of it (RssAnon); None when it
+    # has no process or its /proc entry could not be read.
+    resident: int | None = None
+    anonymous: int | None = None
+
+    @property
+    def outstanding(self) -> int:
+        """Bytes this replica holds that MemAvailable still counts as available.
+
+        MemAvailable already leaves out the replica's anonymous pages (KV cache, buffers,
+        heap). It still counts its mapped weights (page cache that could be dropped, and
+        read back at every step) and what a starting replica has not allocated yet. So a
+        replica holds the larger of its estimate and its resident memory, less the
+        anonymous part that MemAvailable has taken off already."""
+        held = max(self.estimate, self.resident or 0)
+        return max(0, held - (self.anonymous or 0))
+
+
+@dataclass(frozen=True)
+class Fit:
+    """Whether one more replica needing `need` bytes fits; `free` is what is left."""
+
+    fits: bool
+    need: int
+    free: int
+    available: int
+    outstanding: int
+
+
+def free_bytes(available: int, held: Iterable[Held]) -> tuple[int, int]:
+    """(free, outstanding): MemAvailable less what the replicas hold beyond it."""
+    outstanding = sum(h.outstanding for h in held)
+    return available - outstanding, outstanding
+
+
+def decide(need: int, *, available: int, held: Sequence[Held]) -> Fit:
+    free, outstanding = free_bytes(available, held)
+    return Fit(
+        fits=need <= free, need=need, free=free, available=available, outstanding=outstanding
+    )
+
+
+def human(n: int) -> str:
+    """Bytes as a person reads them: `1.5 GiB`, `512 MiB`, `-20.0 MiB`."""
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(size) < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+def shortfall_message(fit: Fit, *, index: int) -> str:
+    return (
+        f"Replica {index} needs {human(fit.need)} ({fit.need} bytes) but {human(fit.free)} "
+        f"({fit.free} bytes) is free: {human(fit.available)} available on the host, less "
+        f"{human(fit.outstanding)} held by running replicas beyond that. Lower slots, "
+        "contextPerSlot or replicas, or free memory; the Lane starts by itself once it fits."
+    )
+
+
+def fits_message(need: int, *, free: int) -> str:
+    return (
+        f"Each replica needs {human(need)} ({need} bytes); {human(free)} ({free} bytes) "
+        "is free for more."
+    )
