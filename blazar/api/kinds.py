@@ -307,12 +307,30 @@ class ReplicaStatus(CamelModel):
     message: str = ""
 
 
+class LaneMemory(CamelModel):
+    """The fit ledger's figures for a Lane (`blazar.controller.fit`): what one replica
+    needs, by part, and what the host had free for more at the last check."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    estimate_bytes: int
+    weights_bytes: int = 0
+    kv_bytes: int = 0
+    compute_bytes: int = 0
+    draft_bytes: int = 0
+    runtime_bytes: int = 0
+    # MemAvailable less what running replicas hold beyond it (this Lane's included).
+    free_bytes: int = 0
+    available_bytes: int = 0
+
+
 class LaneStatus(ObjectStatus):
     replicas: int = 0
     ready_replicas: int = 0
     # idle.sleepAfter stopped the Lane's replicas; the next request wakes it.
     sleeping: bool = False
     replica_statuses: list[ReplicaStatus] = Field(default_factory=list)
+    memory: LaneMemory | None = None
 
 
 # --- SLOPolicy -------------------------------------------------------------------

@@ -37,7 +37,7 @@ import watchfiles
 from blazar.api import errors, tenants
 from blazar.api.kinds import Kind
 from blazar.cli import home as home_
-from blazar.controller import modelcache, sources
+from blazar.controller import hostmemory, modelcache, sources
 from blazar.controller.lane import LaneReconciler
 from blazar.controller.manager import Manager
 from blazar.controller.model import ModelReconciler
@@ -353,7 +353,13 @@ async def _serve(options: Options, sock: socket.socket, keys: tenants.Tenants | 
                 cache=modelcache.ModelCache(options.model_cache),
                 sources=model_sources,
             ),
-            LaneReconciler(store=store, processes=supervisor, clock=_now, activity=activity),
+            LaneReconciler(
+                store=store,
+                processes=supervisor,
+                clock=_now,
+                memory=hostmemory.ProcMemory(),
+                activity=activity,
+            ),
             PolicyReconciler(kind=Kind.SLO_POLICY, store=store, clock=_now),
             PolicyReconciler(kind=Kind.SPEC_PAIR, store=store, clock=_now),
         ],

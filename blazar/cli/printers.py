@@ -91,7 +91,7 @@ def _size(n: int | None) -> str:
         return ""
     size = float(n)
     for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024 or unit == "GiB":
+        if abs(size) < 1024 or unit == "GiB":
             return f"{size:.0f}{unit}" if unit == "B" else f"{size:.1f}{unit}"
         size /= 1024
     return str(n)
@@ -115,6 +115,11 @@ def _millis(ms: int | None) -> str:
     if ms is None:
         return ""
     return f"{ms}ms" if ms < 1000 else f"{ms / 1000:.1f}s"
+
+
+def memory(obj: ObjectJson) -> dict[str, Any]:
+    """A Lane's fit ledger figures (empty before the ledger has looked at it)."""
+    return dict(obj.get("status", {}).get("memory") or {})
 
 
 def spec(obj: ObjectJson) -> dict[str, Any]:
@@ -150,6 +155,9 @@ def _columns(kind: str, wide: bool, now: datetime) -> list[Column]:
                     "PIDS",
                     lambda o: ",".join(str(r.get("pid")) for r in st(o).get("replicaStatuses", [])),
                 ),
+                # The fit ledger's: what one replica needs, and what was free for more.
+                ("MEMORY", lambda o: _size(memory(o).get("estimateBytes")) or "<none>"),
+                ("FREE", lambda o: _size(memory(o).get("freeBytes")) or "<none>"),
             ]
     elif kind == "Model":
         cols = [
@@ -224,7 +232,7 @@ def describe(obj: ObjectJson, events: Sequence[EventJson], *, now: datetime) -> 
     status = {
         k: v
         for k, v in obj.get("status", {}).items()
-        if k not in ("conditions", "replicaStatuses", "observedGeneration", "admission")
+        if k not in ("conditions", "replicaStatuses", "observedGeneration", "admission", "memory")
     }
     if status:
         lines.append("Status:")
@@ -241,6 +249,7 @@ def describe(obj: ObjectJson, events: Sequence[EventJson], *, now: datetime) -> 
             for r in replicas
         ]  # fmt: skip
         lines += ["  " + _grid(rows)[i] for i in range(len(rows))]
+    lines += _memory_lines(obj)
     lines += _admission_lines(obj)
     conds = obj.get("status", {}).get("conditions", [])
     lines.append("Conditions:")
@@ -260,6 +269,29 @@ def describe(obj: ObjectJson, events: Sequence[EventJson], *, now: datetime) -> 
     else:
         lines.append("  <none>")
     return "\n".join(lines)
+
+
+def _memory_lines(obj: ObjectJson) -> list[str]:
+    """A Lane's fit ledger figures: one replica's estimate by part, and what was free."""
+    m = memory(obj)
+    if not m:
+        return []
+    parts = ", ".join(
+        f"{label} {_size(m.get(key, 0))}"
+        for label, key in (
+            ("weights", "weightsBytes"),
+            ("KV cache", "kvBytes"),
+            ("compute", "computeBytes"),
+            ("draft", "draftBytes"),
+            ("runtime", "runtimeBytes"),
+        )
+    )
+    return [
+        "Memory:",
+        f"  Per replica:  {_size(m.get('estimateBytes'))} ({parts})",
+        f"  Free:         {_size(m.get('freeBytes'))} "
+        f"(host available {_size(m.get('availableBytes'))}, less what replicas hold beyond it)",
+    ]
 
 
 def _admission_lines(obj: ObjectJson) -> list[str]:

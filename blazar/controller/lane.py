@@ -16,7 +16,8 @@ import structlog
 from blazar.api import conditions
 from blazar.api.kinds import Kind, Lane, LaneStatus, Model, ModelDraft, NgramDraft, SpecPair
 from blazar.api.replicas import LaunchSpec, ReplicaObservation, ReplicaState, SpeculationLaunch
-from blazar.controller import lane_plan
+from blazar.controller import fit, lane_plan, ledger
+from blazar.controller.hostmemory import HostMemory
 from blazar.controller.processes import Processes
 from blazar.controller.reconciler import Result
 from blazar.enginehost.activity import Activity
@@ -105,6 +106,15 @@ def speculation_gap(lane: Lane, pair: SpecPair | None, draft: Model | None) -> s
     return f'the draft Model "{pair.spec.draft.model}" of SpecPair "{name}" {state}'
 
 
+def model_shape(model: Model | None) -> fit.ModelShape | None:
+    """The figures of a resolved Model's GGUF the fit ledger needs; None without them."""
+    if model is None or not model.status.path:
+        return None
+    return fit.ModelShape.of_parameters(
+        model.status.parameters, size_bytes=model.status.size_bytes or 0
+    )
+
+
 def launch_spec(
     lane: Lane, model: Model, *, default_threads: int, speculation: SpeculationLaunch | None = None
 ) -> LaunchSpec:
@@ -129,14 +139,17 @@ class LaneReconciler:
         clock: Callable[[], datetime],
         default_threads: int | None = None,
         activity: Activity | None = None,
+        memory: HostMemory | None = None,
     ) -> None:
         """`activity`: what the data plane's callers are doing, for idle.sleepAfter
-        (None: no Lane ever sleeps)."""
+        (None: no Lane ever sleeps). `memory` is what the fit ledger reads; None starts
+        replicas unchecked."""
         self._store = store
         self._processes = processes
         self._clock = clock
         self._default_threads = default_threads or os.cpu_count() or 1
         self._activity = activity
+        self._ledger = None if memory is None else ledger.Ledger(processes=processes, memory=memory)
 
     async def reconcile(self, name: str) -> Result:
         lane = self._store.get(Kind.LANE, name)
@@ -164,6 +177,9 @@ class LaneReconciler:
         plan = lane_plan.plan_replicas(
             desired=desired, launch=launch, observed=observed, now=self._clock()
         )
+        placement = None
+        if launch is not None:
+            plan, placement = self._place(name, lane, plan, launch, model, draft)
         status = lane.status
         revision = launch.revision if launch is not None else None
         if sleep.asleep != status.sleeping and (sleep.asleep or not observed):
@@ -178,7 +194,7 @@ class LaneReconciler:
             # grace period, and the data plane routes by this status, so a surge
             # replica that just became ready must be routable before the old one goes.
             status = self._write_status(
-                name, lane, readiness, status, observed, revision, sleeping=sleep.asleep
+                name, lane, readiness, status, observed, revision, placement, sleeping=sleep.asleep
             )
         gap = speculation_gap(lane, pair, draft)
         for action in plan.actions:
@@ -192,7 +208,9 @@ class LaneReconciler:
                     f"Replica {action.index} runs without speculation: {gap}.",
                 )
         observed = self._processes.observe(name)
-        self._write_status(name, lane, readiness, status, observed, revision, sleeping=sleep.asleep)
+        self._write_status(
+            name, lane, readiness, status, observed, revision, placement, sleeping=sleep.asleep
+        )
         later = [t for t in (plan.requeue_after, sleep.recheck_after) if t is not None]
         return Result(requeue_after=min(later, default=None))
 
@@ -207,6 +225,40 @@ class LaneReconciler:
             wanted=self._activity.wanted(name),
         )
 
+    def _place(
+        self,
+        name: str,
+        lane: Lane,
+        plan: lane_plan.LanePlan,
+        launch: LaunchSpec,
+        model: Model | None,
+        draft: Model | None,
+    ) -> tuple[lane_plan.LanePlan, lane_plan.Placement | None]:
+        """The plan with only the starts the host's memory holds (the fit ledger), and
+        the Lane's `Schedulable` word; an event when that word changes."""
+        if self._ledger is None:
+            return plan, None
+        shape = model_shape(model)
+        if shape is None:
+            return plan, lane_plan.Placement(
+                True,
+                "NotEstimated",
+                "The model's GGUF header lacks the figures of a memory estimate; "
+                "replicas start unchecked.",
+            )
+        draft_shape = None
+        if launch.speculation is not None and launch.speculation.draft_model_path:
+            draft_shape = model_shape(draft)
+        estimate = fit.estimate(launch, shape, draft=draft_shape)
+        placed = self._ledger.place(name, plan, estimate)
+        before = conditions.get_condition(lane.status.conditions, "Schedulable")
+        was = (before.status.value, before.reason) if before is not None else None
+        if not placed.placement.fits and was != ("False", "InsufficientMemory"):
+            self._event(name, "Warning", "InsufficientMemory", placed.placement.message)
+        elif placed.placement.fits and was == ("False", "InsufficientMemory"):
+            self._event(name, "Normal", "MemoryFits", placed.placement.message)
+        return placed.plan, placed.placement
+
     def _write_status(
         self,
         name: str,
@@ -215,6 +267,7 @@ class LaneReconciler:
         previous: LaneStatus,
         observed: list[ReplicaObservation],
         revision: str | None,
+        placement: lane_plan.Placement | None,
         *,
         sleeping: bool = False,
     ) -> LaneStatus:
@@ -227,6 +280,7 @@ class LaneReconciler:
             now=self._clock(),
             revision=revision,
             sleeping=sleeping,
+            placement=placement,
         )
         self._record_transitions(name, previous, observed)
         self._store.update_status(Kind.LANE, name, status)
@@ -254,11 +308,16 @@ class LaneReconciler:
             else:
                 self._event(name, "Normal", "ReplicaStarting", f"Starting replica {action.index}.")
             log.info("replica.start", lane=name, index=action.index, restart=action.restart)
-            for warning in await self._processes.start(name, action.index, action.launch):
+            warnings = await self._processes.start(name, action.index, action.launch)
+            if self._ledger is not None:
+                self._ledger.started(name, action.index)
+            for warning in warnings:
                 self._event(name, "Warning", warning.reason, warning.message)
         else:
             log.info("replica.stop", lane=name, index=action.index, reason=action.reason)
             await self._processes.stop(name, action.index)
+            if self._ledger is not None:
+                self._ledger.forget(name, action.index)
             self._event(
                 name,
                 "Normal",

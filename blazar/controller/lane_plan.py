@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 
 from blazar.api import conditions
-from blazar.api.kinds import LaneStatus, ReplicaStatus
+from blazar.api.kinds import LaneMemory, LaneStatus, ReplicaStatus
 from blazar.api.meta import Condition, ConditionStatus
 from blazar.api.replicas import LaunchSpec, ReplicaObservation, ReplicaState
 
@@ -204,6 +204,16 @@ class ModelReadiness:
     message: str
 
 
+@dataclass(frozen=True)
+class Placement:
+    """The fit ledger's word on the Lane's next replica (`Schedulable`)."""
+
+    fits: bool
+    reason: str
+    message: str
+    memory: LaneMemory | None = None
+
+
 def lane_status(
     *,
     previous: LaneStatus,
@@ -214,12 +224,15 @@ def lane_status(
     now: datetime,
     revision: str | None = None,
     sleeping: bool = False,
+    placement: Placement | None = None,
 ) -> LaneStatus:
     """The Lane's status after this pass, conditions carried over from `previous`.
     `sleeping`: idle.sleepAfter has the Lane at zero replicas (`desired` is 0).
 
     `revision` is the spec's (None while the model is not ready): a replica of another
     revision, or the surge beyond `desired`, means a rolling update is under way.
+    `placement` is the fit ledger's (None while the model is not ready: `Schedulable`
+    and the memory figures stay as they were).
     """
     current = [o for o in observed if o.index < desired]
     ready = sum(1 for o in current if o.state == ReplicaState.READY)
@@ -245,6 +258,9 @@ def lane_status(
         )
 
     put("ModelReady", model.ready, model.reason, model.message)
+    if placement is not None:
+        put("Schedulable", placement.fits, placement.reason, placement.message)
+    unplaced = placement is not None and not placement.fits
     # A surge replica (index `desired`, during a rolling update) serves too.
     serving = sum(1 for o in observed if o.state == ReplicaState.READY)
     if sleeping and serving == 0:
@@ -277,6 +293,9 @@ def lane_status(
     all_ready = model.ready and ready == desired and not crashing and not rolling
     if not model.ready:
         reason, message = "ModelNotReady", model.message
+    elif unplaced and not all_ready:
+        assert placement is not None
+        reason, message = placement.reason, placement.message
     elif rolling and not crashing:
         reason = "RollingUpdate"
         message = (
@@ -297,4 +316,5 @@ def lane_status(
         ready_replicas=serving,
         replica_statuses=replica_statuses(observed),
         sleeping=sleeping and serving == 0,
+        memory=placement.memory if placement is not None else previous.memory,
     )

@@ -16,6 +16,7 @@ import httpx
 import openai
 import pytest
 
+from blazar.controller import fit
 from tests.integration import pinning
 from tests.integration.harness import (
     Daemon,
@@ -203,6 +204,55 @@ def test_second_lane_apply_get_delete(daemon: Daemon, tmp_path: Path) -> None:
     assert deleted.returncode == 0, deleted.stderr
     wait_for(lambda: not any(pid_alive(p) for p in pids), timeout=30, what="replicas to exit")
     assert daemon.cli("get", "lane", "second").returncode != 0
+
+
+def children(pid: int) -> set[int]:
+    """The live child processes of pid (the daemon's are its engine workers)."""
+    text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    return {int(c) for c in text.split() if pid_alive(int(c))}
+
+
+def test_a_lane_that_does_not_fit_starts_nothing_until_its_ask_is_lowered(
+    daemon: Daemon, tmp_path: Path
+) -> None:
+    # Within the API's bounds, and 1.1 TiB of KV cache for the bundled model: more than
+    # this host, or any host the suite runs on, has (the message's figures say so).
+    assert daemon.process is not None
+    before = children(daemon.process.pid)
+    manifest = tmp_path / "big.yaml"
+    lane = (
+        "apiVersion: blazar.dev/v1alpha1\nkind: Lane\nmetadata: {{name: big}}\n"
+        "spec: {{model: gemma3-270m, slots: {slots}, contextPerSlot: {context}}}\n"
+    )
+    manifest.write_text(lane.format(slots=64, context=2**20))
+    assert daemon.cli("apply", "-f", str(manifest)).returncode == 0
+    cond = daemon.wait_condition("lane", "big", "Schedulable", "False", timeout=60)
+    assert cond["reason"] == "InsufficientMemory"
+    status = daemon.get("lane", "big")["status"]
+    need, free = status["memory"]["estimateBytes"], status["memory"]["freeBytes"]
+    assert need > free
+    assert need > 2**40
+    assert cond["message"].startswith(f"Replica 0 needs {fit.human(need)} ({need} bytes) but ")
+    assert f"but {fit.human(free)} ({free} bytes) is free" in cond["message"]
+    assert status.get("replicaStatuses", []) == []
+    assert children(daemon.process.pid) == before  # no engine process for it
+    described = daemon.cli("describe", "lane", "big").stdout
+    assert "InsufficientMemory" in described.split("Events:")[1]
+    assert "Per replica:" in described
+
+    manifest.write_text(lane.format(slots=1, context=512))
+    assert daemon.cli("apply", "-f", str(manifest)).returncode == 0
+    daemon.wait_condition("lane", "big", "Ready", timeout=180)
+    cond = daemon.condition("lane", "big", "Schedulable")
+    assert cond is not None and (cond["status"], cond["reason"]) == ("True", "MemoryFits")
+    (pid,) = daemon.pids("big")
+    assert children(daemon.process.pid) == before | {pid}
+    wide = daemon.cli("get", "lanes", "-o", "wide").stdout.splitlines()
+    assert wide[0].split()[-2:] == ["MEMORY", "FREE"]
+    row = next(line for line in wide if line.startswith("big "))
+    assert row.split()[-2].endswith("MiB")  # one small replica: hundreds of MiB
+    assert daemon.cli("delete", "lane", "big").returncode == 0
+    wait_for(lambda: not pid_alive(pid), timeout=30, what="the replica to exit")
 
 
 def test_a_spec_change_drops_no_request(daemon: Daemon, tmp_path: Path) -> None:

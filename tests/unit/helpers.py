@@ -28,9 +28,18 @@ class Clock:
         self.now += timedelta(seconds=seconds)
 
 
-def mark_model_ready(store: Store, name: str, *, path: str, now: datetime) -> None:
+def mark_model_ready(
+    store: Store,
+    name: str,
+    *,
+    path: str,
+    now: datetime,
+    parameters: dict[str, str] | None = None,
+    size_bytes: int | None = None,
+) -> None:
     """Give the stored Model `name` the status its controller gives a resolved file,
-    observed at the Model's current generation."""
+    observed at the Model's current generation (with `parameters` read from its
+    header, for the fit ledger)."""
     model = store.get(Kind.MODEL, name)
     assert model is not None
     generation = model.metadata.generation or 0
@@ -39,7 +48,15 @@ def mark_model_ready(store: Store, name: str, *, path: str, now: datetime) -> No
         observed_generation=generation, now=now,
     )  # fmt: skip
     store.update_status(
-        Kind.MODEL, name, ModelStatus(observed_generation=generation, conditions=ready, path=path)
+        Kind.MODEL,
+        name,
+        ModelStatus(
+            observed_generation=generation,
+            conditions=ready,
+            path=path,
+            parameters=parameters or {},
+            size_bytes=size_bytes,
+        ),
     )
 
 

@@ -183,3 +183,45 @@ def test_describe_slopolicy_shows_its_figures() -> None:
         "  Attainment:   50.0%",
         "  Refused:      QUEUE_FULL 2",
     ]
+
+
+MEMORY = {
+    "estimateBytes": 508 * 2**20 + 2**19,
+    "weightsBytes": 246_587_904,
+    "kvBytes": 18 * 2**20,
+    "computeBytes": 135 * 2**20,
+    "draftBytes": 0,
+    "runtimeBytes": 140 * 2**20,
+    "freeBytes": -20 * 2**20,
+    "availableBytes": 3 * 2**30,
+}
+
+
+def lane_with(**status: object) -> printers.ObjectJson:
+    return {
+        "kind": "Lane",
+        "metadata": {"name": "l", "creationTimestamp": CREATED},
+        "spec": {"model": "m", "slots": 2, "contextPerSlot": 1024},
+        "status": dict(status),
+    }
+
+
+def test_get_lanes_wide_shows_the_estimate_and_what_was_free() -> None:
+    objs = [lane_with(memory=MEMORY), lane_with()]
+    lines = printers.table("Lane", objs, wide=True, now=T0).splitlines()
+    assert lines[0].split()[-2:] == ["MEMORY", "FREE"]
+    assert lines[1].split()[-2:] == ["508.5MiB", "-20.0MiB"]
+    assert lines[2].split()[-2:] == ["<none>", "<none>"]  # not looked at yet
+    assert "MEMORY" not in printers.table("Lane", objs, now=T0)
+
+
+def test_describe_lane_shows_the_estimate_by_part() -> None:
+    page = printers.describe(lane_with(memory=MEMORY), [], now=T0).splitlines()
+    at = page.index("Memory:")
+    assert page[at + 1 : at + 3] == [
+        "  Per replica:  508.5MiB (weights 235.2MiB, KV cache 18.0MiB, compute 135.0MiB, "
+        "draft 0B, runtime 140.0MiB)",
+        "  Free:         -20.0MiB (host available 3.0GiB, less what replicas hold beyond it)",
+    ]
+    assert "Status:" not in page  # not repeated as raw bytes
+    assert "Memory:" not in printers.describe(lane_with(), [], now=T0)

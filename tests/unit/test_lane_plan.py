@@ -9,7 +9,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from blazar.api import conditions
-from blazar.api.kinds import LaneStatus
+from blazar.api.kinds import LaneMemory, LaneStatus
 from blazar.api.replicas import LaunchSpec, ReplicaObservation, ReplicaState
 from blazar.controller import lane_plan
 from blazar.controller.lane_plan import ModelReadiness, Start, Stop
@@ -227,3 +227,49 @@ def test_lane_status_keeps_transition_time_when_unchanged() -> None:
     assert second == first
     ready = conditions.get_condition(second.conditions, "Ready")
     assert ready is not None and ready.last_transition_time == NOW
+
+
+SHORT = lane_plan.Placement(
+    False, "InsufficientMemory", "Replica 1 needs more.", LaneMemory(estimate_bytes=9)
+)
+
+
+@pytest.mark.parametrize(
+    ("placement", "observed", "schedulable", "ready"),
+    [
+        # Nothing placed yet: Ready says why, in the ledger's words.
+        (SHORT, [], ("False", "InsufficientMemory"), ("False", "InsufficientMemory")),
+        (SHORT, [obs(0)], ("False", "InsufficientMemory"), ("False", "InsufficientMemory")),
+        # Every replica it asks for runs (it fitted before): Ready holds.
+        (SHORT, [obs(0), obs(1)], ("False", "InsufficientMemory"), ("True", "AllReplicasReady")),
+        (lane_plan.Placement(True, "MemoryFits", "ok."), [obs(0)], ("True", "MemoryFits"),
+         ("False", "ReplicasNotReady")),
+    ],
+)  # fmt: skip
+def test_lane_status_shows_the_placement(
+    placement: lane_plan.Placement,
+    observed: list[ReplicaObservation],
+    schedulable: tuple[str, str],
+    ready: tuple[str, str],
+) -> None:
+    status = lane_plan.lane_status(
+        previous=LaneStatus(), generation=1, desired=2, model=READY_MODEL, observed=observed,
+        now=NOW, revision=LAUNCH.revision, placement=placement,
+    )  # fmt: skip
+    conds = {c.type: (c.status.value, c.reason) for c in status.conditions}
+    assert (conds["Schedulable"], conds["Ready"]) == (schedulable, ready)
+    assert status.memory == placement.memory
+
+
+def test_lane_status_without_a_placement_keeps_the_last() -> None:
+    first = lane_plan.lane_status(
+        previous=LaneStatus(), generation=1, desired=1, model=READY_MODEL, observed=[],
+        now=NOW, placement=SHORT,
+    )  # fmt: skip
+    later = lane_plan.lane_status(
+        previous=first, generation=2, desired=1, model=ModelReadiness(False, "ModelPending", "."),
+        observed=[], now=NOW,
+    )  # fmt: skip
+    assert later.memory == SHORT.memory
+    cond = conditions.get_condition(later.conditions, "Schedulable")
+    assert cond is not None and cond.reason == "InsufficientMemory"

@@ -1,0 +1,127 @@
+"""The fit ledger: which replicas the host's memory holds, and whether the next fits.
+
+The one owner of what each running replica was estimated to need (recorded when the
+Lane reconciler is allowed to start it). `place` reads the host's available memory
+and the running replicas' resident memory (`hostmemory`), asks `fit.decide` for each
+replica a plan would start, and drops the starts that do not fit. A start is counted
+the moment it is allowed (pending until the supervisor has the process), so two Lanes
+reconciled at once never both claim the same free memory, even while one of them
+drains a replica before it starts the next.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from blazar.api.kinds import LaneMemory
+from blazar.api.replicas import ReplicaState
+from blazar.controller import fit, lane_plan
+from blazar.controller.hostmemory import HostMemory
+from blazar.controller.processes import Processes
+
+# How soon a Lane that does not fit looks again: memory frees without any object
+# changing (another program exits), so nothing else would wake it.
+RETRY_S = 5.0
+
+
+@dataclass(frozen=True)
+class Placed:
+    """A plan with the starts that fit, and the Lane's `Schedulable` word."""
+
+    plan: lane_plan.LanePlan
+    placement: lane_plan.Placement
+    # The fit that failed, when one did.
+    shortfall: fit.Fit | None = None
+
+
+class Ledger:
+    def __init__(self, *, processes: Processes, memory: HostMemory) -> None:
+        self._processes = processes
+        self._memory = memory
+        self._estimates: dict[tuple[str, int], int] = {}
+        # Allowed to start, not yet observed as a process.
+        self._pending: set[tuple[str, int]] = set()
+
+    def place(self, lane: str, plan: lane_plan.LanePlan, estimate: fit.Estimate) -> Placed:
+        """`plan` without the starts that do not fit, each allowed start counted at once.
+
+        Stops stay: they only free memory. Once one start does not fit, none after it
+        runs either, so replicas start in index order as memory frees.
+        """
+        # A Lane is never reconciled twice at once: what it left pending before is
+        # started by now, or was not (an error), and is decided again here.
+        self._pending = {key for key in self._pending if key[0] != lane}
+        starts = {a.index for a in plan.actions if isinstance(a, lane_plan.Start)}
+        held = self._held(replacing={(lane, i) for i in starts})
+        available = self._memory.available()
+        need = estimate.total
+        actions: list[lane_plan.Action] = []
+        shortfall: fit.Fit | None = None
+        for action in plan.actions:
+            if isinstance(action, lane_plan.Start):
+                if shortfall is not None:
+                    continue
+                decision = fit.decide(need, available=available, held=held)
+                if not decision.fits:
+                    shortfall = decision
+                    continue
+                held.append(fit.Held(estimate=need))
+                self._estimates[(lane, action.index)] = need
+                self._pending.add((lane, action.index))
+            actions.append(action)
+        free, _ = fit.free_bytes(available, held)
+        memory = LaneMemory(
+            estimate_bytes=need,
+            weights_bytes=estimate.weights,
+            kv_bytes=estimate.kv,
+            compute_bytes=estimate.compute,
+            draft_bytes=estimate.draft,
+            runtime_bytes=estimate.runtime,
+            free_bytes=shortfall.free if shortfall is not None else free,
+            available_bytes=available,
+        )
+        if shortfall is not None:
+            index = min(starts - {a.index for a in actions if isinstance(a, lane_plan.Start)})
+            placement = lane_plan.Placement(
+                False, "InsufficientMemory", fit.shortfall_message(shortfall, index=index), memory
+            )
+            waits = [w for w in (plan.requeue_after, RETRY_S) if w is not None]
+            return Placed(lane_plan.LanePlan(actions, min(waits)), placement, shortfall)
+        placement = lane_plan.Placement(
+            True, "MemoryFits", fit.fits_message(need, free=free), memory
+        )
+        return Placed(replace(plan, actions=actions), placement)
+
+    def started(self, lane: str, index: int) -> None:
+        """The supervisor holds the replica's process: it is observed from now on."""
+        self._pending.discard((lane, index))
+
+    def forget(self, lane: str, index: int) -> None:
+        """A replica is stopped: it holds nothing any more."""
+        self._estimates.pop((lane, index), None)
+        self._pending.discard((lane, index))
+
+    def _held(self, *, replacing: set[tuple[str, int]]) -> list[fit.Held]:
+        """Every replica of every Lane that has a process or is about to, except those
+        about to be replaced (a failed replica restarted holds nothing until then)."""
+        held: list[fit.Held] = []
+        running: set[tuple[str, int]] = set()
+        for lane in sorted(self._processes.lanes()):
+            for obs in self._processes.observe(lane):
+                key = (lane, obs.index)
+                if key in replacing or obs.pid is None or obs.state == ReplicaState.FAILED:
+                    continue  # no process: its memory is back in MemAvailable
+                running.add(key)
+                resident = self._memory.resident(obs.pid)
+                if resident is None:  # unreadable: held at its estimate
+                    held.append(fit.Held(self._estimates.get(key, 0)))
+                    continue
+                estimate = self._estimates.get(key, resident.total)
+                held.append(fit.Held(estimate, resident.total, resident.anonymous))
+        # Allowed to start by another Lane's pass that has not spawned it yet (or is
+        # replacing a failed process with it): held at its estimate.
+        for key in self._pending - running - replacing:
+            held.append(fit.Held(self._estimates.get(key, 0)))
+        for key in set(self._estimates) - running - self._pending:
+            del self._estimates[key]
+        return held
