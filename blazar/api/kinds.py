@@ -319,9 +319,12 @@ class LaneMemory(CamelModel):
     compute_bytes: int = 0
     draft_bytes: int = 0
     runtime_bytes: int = 0
-    # MemAvailable less what running replicas hold beyond it (this Lane's included).
+    # MemAvailable less what running replicas hold beyond it (this Lane's included),
+    # when the Lane's `Schedulable` verdict was reached: not refreshed while it holds.
     free_bytes: int = 0
     available_bytes: int = 0
+    # The replica waiting for memory, when one is.
+    waiting_replica: int | None = None
 
 
 class LaneStatus(ObjectStatus):

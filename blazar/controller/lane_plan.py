@@ -214,6 +214,28 @@ class Placement:
     memory: LaneMemory | None = None
 
 
+def _settled(placement: Placement | None, previous: LaneStatus) -> Placement | None:
+    """The placement as the previous status told it, when it is the same verdict.
+
+    The free memory in a placement's figures and message moves with every wobble of
+    the host's; writing it each pass would change the status, and each status change
+    wakes the Lane's reconciler again: a Lane waiting for memory would spin instead of
+    looking every few seconds. So the figures are those of the pass that reached the
+    verdict (fits or not, for which replica, at which estimate).
+    """
+    before = conditions.get_condition(previous.conditions, "Schedulable")
+    kept = previous.memory
+    if placement is None or placement.memory is None or before is None or kept is None:
+        return placement
+    same = (
+        before.status == (ConditionStatus.TRUE if placement.fits else ConditionStatus.FALSE)
+        and before.reason == placement.reason
+        and kept.estimate_bytes == placement.memory.estimate_bytes
+        and kept.waiting_replica == placement.memory.waiting_replica
+    )
+    return Placement(placement.fits, placement.reason, before.message, kept) if same else placement
+
+
 def lane_status(
     *,
     previous: LaneStatus,
@@ -258,6 +280,7 @@ def lane_status(
         )
 
     put("ModelReady", model.ready, model.reason, model.message)
+    placement = _settled(placement, previous)
     if placement is not None:
         put("Schedulable", placement.fits, placement.reason, placement.message)
     unplaced = placement is not None and not placement.fits

@@ -70,7 +70,11 @@ class Ledger:
                 self._pending.add((lane, action.index))
             actions.append(action)
         free, _ = fit.free_bytes(available, held)
+        waiting = None
+        if shortfall is not None:
+            waiting = min(starts - {a.index for a in actions if isinstance(a, lane_plan.Start)})
         memory = LaneMemory(
+            waiting_replica=waiting,
             estimate_bytes=need,
             weights_bytes=estimate.weights,
             kv_bytes=estimate.kv,
@@ -81,9 +85,9 @@ class Ledger:
             available_bytes=available,
         )
         if shortfall is not None:
-            index = min(starts - {a.index for a in actions if isinstance(a, lane_plan.Start)})
+            assert waiting is not None
             placement = lane_plan.Placement(
-                False, "InsufficientMemory", fit.shortfall_message(shortfall, index=index), memory
+                False, "InsufficientMemory", fit.shortfall_message(shortfall, index=waiting), memory
             )
             waits = [w for w in (plan.requeue_after, RETRY_S) if w is not None]
             return Placed(lane_plan.LanePlan(actions, min(waits)), placement, shortfall)

@@ -226,3 +226,38 @@ def test_a_start_allowed_to_one_lane_is_counted_before_its_process_exists() -> N
     starts.forget("a", 0)
     asyncio.run(w.procs.stop("a", 0))
     assert starts.place("b", plan, est).placement.fits
+
+
+def test_a_verdict_that_holds_leaves_the_status_as_it_was() -> None:
+    """Free memory wobbles between looks; a status rewritten with each figure would wake
+    the Lane's reconciler at once (a status change is a store event), and a Lane
+    waiting for memory would spin instead of looking every few seconds."""
+    w = world(free=GIB)
+    apply(w.store, lane(slots=64, context=2**20))
+    w.reconcile()
+    version = w.lane().metadata.resource_version
+    message = w.schedulable()[2]
+    w.memory.free = GIB - 12345
+    assert w.reconcile() == ledger.RETRY_S
+    assert w.lane().metadata.resource_version == version
+    assert w.schedulable()[2] == message
+    # A new verdict (another estimate) is told with the figures of its own pass.
+    apply(w.store, lane(slots=64, context=2**19))
+    w.reconcile()
+    memory = w.lane().status.memory
+    assert memory is not None and memory.free_bytes == GIB - 12345
+    assert w.schedulable()[2] != message
+
+
+def test_a_running_lane_keeps_its_status_while_memory_moves() -> None:
+    w = world(free=4 * GIB)
+    apply(w.store, lane())
+    w.reconcile()
+    w.procs.set_state("l", 0, ReplicaState.READY)
+    w.reconcile()
+    version = w.lane().metadata.resource_version
+    for free in (3 * GIB, 5 * GIB, GIB // 2):
+        w.memory.free = free
+        w.reconcile()
+    assert w.lane().metadata.resource_version == version
+    assert w.schedulable()[:2] == ("True", "MemoryFits")
