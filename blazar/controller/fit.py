@@ -9,6 +9,12 @@ One replica is one engine process (`blazar.engine.llama.open_model`). It needs:
 
 - **weights**: the GGUF's tensor data, which llama.cpp maps from the file; every page
   is touched by the first decode (the output projection reads the whole vocabulary).
+  On x86 with AVX2, llama.cpp 0.3.36 also copies the matrices of some types into
+  interleaved layouts for its CPU kernels ("CPU_REPACK" in its load log): Q4_0, Q4_K and
+  IQ4_NL matrices, the output projection among them (a tied one is the token
+  embedding, kept mapped for the lookups as well). The copy is anonymous memory beside
+  the mapped pages the load has read: 12.7 MiB of the bundled model (its Q4_K
+  matrices), 143.8 MiB of its Q4_0 draft (every matrix), as the load logs say.
 - **KV cache**: `n_layer x cells x n_head_kv x (key_length x bytes(typeK) + value_length
   x bytes(typeV))`. The engine keeps one stream per slot (`kv_unified` off) and
   full-size sliding-window caches (`swa_full`, which speculative rollback and prefix
@@ -27,7 +33,8 @@ One replica is one engine process (`blazar.engine.llama.open_model`). It needs:
   at 16,384 cells a slot; the rule gives 70.0 to 85.0 and 198.0 for that buffer, and
   counts the output buffer's logits rows (65 to 80 MiB) on top.
 - **draft model** (a SpecPair of kind `model`): its own weights, f16 KV cache of the
-  target's cells and compute buffers, in the same process.
+  target's cells and compute buffer, in the same process; its output buffer holds one
+  row per slot (a draft step asks for no more).
 - **runtime**: the engine process itself (Python, gRPC, numpy, llama.cpp's code and
   tokenizer tables), measured as `RUNTIME_BYTES`.
 
@@ -44,6 +51,9 @@ from blazar.api.replicas import LaunchSpec
 
 MIB = 1024 * 1024
 # Bytes per KV cache element by llama.cpp type name (block size / elements per block).
+# ggml types whose matrices llama.cpp's CPU backend repacks (x86 with AVX2).
+GGML_Q4_0, GGML_Q4_K, GGML_IQ4_NL = 2, 12, 20
+REPACKED_TYPES = frozenset({GGML_Q4_0, GGML_Q4_K, GGML_IQ4_NL})
 CACHE_TYPE_BYTES: Mapping[str, float] = {
     "f32": 4.0,
     "f16": 2.0,
@@ -66,12 +76,10 @@ EXTRA_OUTPUT_ROWS = 64
 LIVE_ACTIVATIONS = 4
 FLOAT_BYTES = 4
 # The engine process without its model: Python with gRPC, numpy and llama-cpp-python
-# loaded, llama.cpp's tokenizer caches, thread stacks, and the copies of the weights
-# llama.cpp repacks for the CPU (12.7 MiB of the bundled model). Measured on the
-# bundled model: resident memory under load less the other terms was 132.7, 137.7 and
-# 148.4 MiB at 1x1024, 4x2048 and 8x8192 (bench/memory_fit.py), rounded up from the
-# median.
-RUNTIME_BYTES = 140 * MIB
+# loaded, llama.cpp's tokenizer caches, thread stacks. Measured on the bundled model:
+# resident memory under load less the other terms was 120.0, 125.1 and 135.5 MiB at
+# 1x1024, 4x2048 and 8x8192 (bench/memory_fit.py), rounded up from the median.
+RUNTIME_BYTES = 128 * MIB
 
 
 @dataclass(frozen=True)
@@ -86,6 +94,8 @@ class ModelShape:
     value_length: int
     n_embd: int
     n_vocab: int
+    # Copies of matrices llama.cpp repacks for its CPU kernels (`repacked_bytes`).
+    repacked_bytes: int = 0
 
     @classmethod
     def of_parameters(cls, params: Mapping[str, str], *, size_bytes: int) -> ModelShape | None:
@@ -105,6 +115,7 @@ class ModelShape:
                 value_length=int(params.get("attention.value_length", head)),
                 n_embd=n_embd,
                 n_vocab=int(params["vocab_size"]),
+                repacked_bytes=int(params.get("repacked_bytes", 0)),
             )
         except (KeyError, ValueError):
             return None
@@ -123,6 +134,24 @@ class Estimate:
     @property
     def total(self) -> int:
         return self.weights + self.kv + self.compute + self.draft + self.runtime
+
+
+def repacked_bytes(tensors: Mapping[str, tuple[int, int]]) -> int:
+    """Bytes of the matrices llama.cpp copies into repacked layouts, from a GGUF's tensor
+    index (name -> (ggml type, bytes)).
+
+    Every matrix of a repacked type, except the token embedding when the model has its
+    own output projection: the embedding then serves only lookups, which read the
+    mapped file. Without one, the output projection is the embedding, repacked for the
+    matrix product (and kept mapped for the lookups)."""
+    tied = "output.weight" not in tensors
+    return sum(
+        size
+        for name, (ggml_type, size) in tensors.items()
+        if ggml_type in REPACKED_TYPES
+        and name.endswith(".weight")
+        and (tied or name != "token_embd.weight")
+    )
 
 
 def cells(slots: int, context_per_slot: int) -> int:
@@ -145,13 +174,20 @@ def output_rows(slots: int, draft_tokens: int) -> int:
 
 
 def compute_bytes(
-    shape: ModelShape, *, rows: int, cells_per_slot: int, flash_attention: bool
+    shape: ModelShape,
+    *,
+    rows: int,
+    cells_per_slot: int,
+    flash_attention: bool,
+    output_rows: int | None = None,
 ) -> int:
-    logits = rows * shape.n_vocab * FLOAT_BYTES
+    """The graph's buffer for `rows` logits rows, and the context's output buffer for
+    `output_rows` of them (None: as many)."""
+    row = shape.n_vocab * FLOAT_BYTES
     activations = LIVE_ACTIVATIONS * N_UBATCH * shape.n_embd * FLOAT_BYTES
     scores = 0 if flash_attention else cells_per_slot * N_UBATCH * shape.n_head * FLOAT_BYTES
-    # The logits twice: the graph's buffer and the context's output buffer.
-    return 2 * logits + activations + scores
+    held = rows if output_rows is None else output_rows
+    return rows * row + activations + scores + held * row
 
 
 def estimate(launch: LaunchSpec, shape: ModelShape, *, draft: ModelShape | None = None) -> Estimate:
@@ -168,16 +204,18 @@ def estimate(launch: LaunchSpec, shape: ModelShape, *, draft: ModelShape | None 
         # The draft's own context: the target's cells, f16, no drafts of its own.
         draft_bytes = (
             draft.tensor_bytes
+            + draft.repacked_bytes
             + kv_bytes(draft, cells=total_cells, type_k="f16", type_v="f16")
             + compute_bytes(
                 draft,
                 rows=output_rows(launch.slots, 0),
                 cells_per_slot=per_slot,
                 flash_attention=flash,
+                output_rows=launch.slots,
             )
         )
     return Estimate(
-        weights=shape.tensor_bytes,
+        weights=shape.tensor_bytes + shape.repacked_bytes,
         kv=kv_bytes(shape, cells=total_cells, type_k=launch.type_k, type_v=launch.type_v),
         compute=compute_bytes(
             shape,

@@ -69,7 +69,7 @@ class ModelReconciler:
             stat = Path(status.path).stat()
         except OSError:
             return False
-        if "tensor_bytes" not in status.parameters:
+        if "repacked_bytes" not in status.parameters:
             return False  # inspected before the fit ledger's figures were kept
         return (stat.st_size, stat.st_mtime_ns) == (status.size_bytes, status.mtime_ns)
 

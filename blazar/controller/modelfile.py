@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from blazar.api.kinds import ModelSource
-from blazar.controller import modelcache
+from blazar.controller import fit, modelcache
 from blazar.controller.sources import ModelSources, SourceError
 
 # Every GGUF file begins with these four bytes.
@@ -130,7 +130,7 @@ def read_gguf(path: Path) -> GGUFInfo:
     """Architecture, trained context and the figures the fit ledger needs
     (`blazar.controller.fit.ModelShape` reads them back)."""
     try:
-        values, tensor_bytes = read_gguf_layout(path)
+        values, index = read_gguf_layout(path)
     except (OSError, ValueError) as exc:  # UnicodeDecodeError is a ValueError
         raise SourceError("InvalidGGUF", f"{path} is not a readable GGUF file: {exc}.") from exc
 
@@ -145,7 +145,8 @@ def read_gguf(path: Path) -> GGUFInfo:
         if v is not None:
             params[key.removeprefix("general.")] = str(v)
     params["has_chat_template"] = str("tokenizer.chat_template" in values).lower()
-    params["tensor_bytes"] = str(tensor_bytes)
+    params["tensor_bytes"] = str(index.data_bytes)
+    params["repacked_bytes"] = str(fit.repacked_bytes(index.tensors))
     tokens = values.get("tokenizer.ggml.tokens")
     if isinstance(tokens, SkippedArray | list):
         params["vocab_size"] = str(
@@ -180,14 +181,23 @@ def read_gguf_metadata(path: Path) -> dict[str, Any]:
     return read_gguf_layout(path)[0]
 
 
-def read_gguf_layout(path: Path) -> tuple[dict[str, Any], int]:
+@dataclass(frozen=True)
+class TensorIndex:
+    """Where a GGUF's tensors are: the bytes of its data section (what llama.cpp maps as
+    the model's weights), and each tensor's ggml type and bytes (up to the next one)."""
+
+    data_bytes: int
+    tensors: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+
+def read_gguf_layout(path: Path) -> tuple[dict[str, Any], TensorIndex]:
     """The key-value metadata of a GGUF file (versions 2 and 3, either byte order), and
-    the bytes of its tensor data: what llama.cpp maps as the model's weights.
+    its tensor index.
 
     Strings come as str, numbers as int or float, booleans as bool, arrays as lists,
     and arrays longer than `ARRAY_DECODE_MAX` as `SkippedArray`. Only the header is
-    read (through mmap, so a few MB of a file of any size): the tensor index after it is
-    stepped through only to find where the data begins. Raises ValueError
+    read (through mmap, so a few MB of a file of any size): the header and the tensor
+    index after it, not the tensors. Raises ValueError
     (UnicodeDecodeError for a string that is not UTF-8) on a file that is not GGUF or
     ends inside its header or tensor index.
     """
@@ -204,7 +214,7 @@ def read_gguf_layout(path: Path) -> tuple[dict[str, Any], int]:
 _DEFAULT_ALIGNMENT = 32
 
 
-def _layout(buf: mmap.mmap) -> tuple[dict[str, Any], int]:
+def _layout(buf: mmap.mmap) -> tuple[dict[str, Any], TensorIndex]:
     (version,) = struct.unpack_from("<I", buf, 4)
     order = "<"
     if version & 0xFFFF == 0:  # written on a big-endian host
@@ -218,16 +228,26 @@ def _layout(buf: mmap.mmap) -> tuple[dict[str, Any], int]:
     for _ in range(reader.scalar("Q")):
         key = reader.string()
         values[key] = reader.value(reader.scalar("I"))
-    for _ in range(tensors):  # name, dimensions, type, offset: stepped over
-        reader.string()
-        reader.skip(8 * reader.scalar("I") + 4 + 8)
+    placed: list[tuple[int, str, int]] = []  # (offset, name, type)
+    for _ in range(tensors):
+        name = reader.string()
+        reader.skip(8 * reader.scalar("I"))  # dimensions
+        ggml_type = reader.scalar("I")
+        placed.append((reader.scalar("Q"), name, ggml_type))
     alignment = values.get("general.alignment", _DEFAULT_ALIGNMENT)
     if not isinstance(alignment, int) or alignment <= 0:
         raise ValueError(f"general.alignment is {alignment!r}, not a positive integer")
     start = -(-reader.offset // alignment) * alignment
     if start > len(buf):
         raise struct.error("the tensor index runs past the end of the file")
-    return values, len(buf) - start
+    data_bytes = len(buf) - start
+    # A tensor runs to where the next begins (its alignment padding included).
+    placed.sort()
+    ends = [offset for offset, _, _ in placed[1:]] + [data_bytes] * bool(placed)
+    sizes = {
+        name: (t, max(0, end - offset)) for (offset, name, t), end in zip(placed, ends, strict=True)
+    }
+    return values, TensorIndex(data_bytes, sizes)
 
 
 class _MetadataReader:

@@ -576,8 +576,8 @@ def test_model_reconciler_reinspects_only_when_the_file_or_spec_changes(
 
 
 def test_model_reconciler_reinspects_a_status_without_the_fit_figures(tmp_path: Path) -> None:
-    """A Model resolved by a daemon that did not keep `tensor_bytes` is read once more,
-    so that the fit ledger has its figures without the file changing."""
+    """A Model resolved by a daemon that did not keep `repacked_bytes` is read once
+    more, so that the fit ledger has its figures without the file changing."""
     path = tiny_gguf(tmp_path / "m.gguf")
     clock = Clock()
     store = MemoryStore(clock=clock)
@@ -585,10 +585,10 @@ def test_model_reconciler_reinspects_a_status_without_the_fit_figures(tmp_path: 
     rec = ModelReconciler(store=store, models_dir=tmp_path, clock=clock)
     asyncio.run(rec.reconcile("m"))
     status = model_status(store).status
-    assert status.parameters["tensor_bytes"] == "0"  # a header without tensors
+    assert status.parameters["repacked_bytes"] == "0"  # a header without tensors
     old = status.model_copy(
-        update={"parameters": {k: v for k, v in status.parameters.items() if k != "tensor_bytes"}}
+        update={"parameters": {k: v for k, v in status.parameters.items() if k != "repacked_bytes"}}
     )
     store.update_status(Kind.MODEL, "m", old)
     asyncio.run(rec.reconcile("m"))
-    assert model_status(store).status.parameters["tensor_bytes"] == "0"
+    assert model_status(store).status.parameters["repacked_bytes"] == "0"

@@ -22,6 +22,7 @@ GEMMA = {
     "attention.value_length": "256",
     "attention.sliding_window": "512",
     "tensor_bytes": "246587904",
+    "repacked_bytes": "13271040",
     "vocab_size": "262144",
 }
 SHAPE = fit.ModelShape.of_parameters(GEMMA, size_bytes=253_113_024)
@@ -31,14 +32,14 @@ assert SHAPE is not None
 def test_shape_reads_the_header_figures_and_falls_back_for_what_is_optional() -> None:
     expected = fit.ModelShape(
         tensor_bytes=246_587_904, n_layer=18, n_head=4, n_head_kv=1, key_length=256,
-        value_length=256, n_embd=640, n_vocab=262_144,
+        value_length=256, n_embd=640, n_vocab=262_144, repacked_bytes=13_271_040,
     )  # fmt: skip
     assert expected == SHAPE
     # An older status without tensor_bytes: the file's size; no key/value lengths: the
     # embedding split between the heads; no KV head count: one per head.
     bare = {k: v for k, v in GEMMA.items() if not k.startswith("attention.")}
     bare["attention.head_count"] = "4"
-    del bare["tensor_bytes"]
+    del bare["tensor_bytes"], bare["repacked_bytes"]
     assert fit.ModelShape.of_parameters(bare, size_bytes=99) == fit.ModelShape(
         tensor_bytes=99, n_layer=18, n_head=4, n_head_kv=4, key_length=160,
         value_length=160, n_embd=640, n_vocab=262_144,
@@ -53,6 +54,28 @@ def test_shape_without_a_needed_figure_is_none(missing: str) -> None:
 
 def test_a_figure_that_is_not_a_number_is_none() -> None:
     assert fit.ModelShape.of_parameters(GEMMA | {"block_count": "many"}, size_bytes=1) is None
+
+
+Q4_0, Q4_K, IQ4_NL, Q8_0, Q6_K, F32 = 2, 12, 20, 8, 14, 0
+
+
+@pytest.mark.parametrize(
+    ("tensors", "repacked"),
+    [
+        # The bundled model: its Q4_K matrices (the embedding is Q8_0), 12.66 MiB.
+        ({"token_embd.weight": (Q8_0, 900), "blk.0.attn_output.weight": (Q4_K, 30),
+          "blk.0.ffn_down.weight": (Q6_K, 40), "blk.0.attn_norm.weight": (F32, 1)}, 30),
+        # Its Q4_0 draft: every matrix, the tied embedding too (the output projection).
+        ({"token_embd.weight": (Q4_0, 900), "blk.0.attn_q.weight": (Q4_0, 30),
+          "blk.0.ffn_up.weight": (IQ4_NL, 20)}, 950),
+        # An output projection of its own: the embedding only serves lookups.
+        ({"token_embd.weight": (Q4_0, 900), "output.weight": (Q4_0, 900),
+          "blk.0.attn_q.weight": (Q4_K, 30)}, 930),
+        ({}, 0),
+    ],
+)  # fmt: skip
+def test_repacked_bytes(tensors: dict[str, tuple[int, int]], repacked: int) -> None:
+    assert fit.repacked_bytes(tensors) == repacked
 
 
 @pytest.mark.parametrize(
@@ -116,7 +139,7 @@ def test_drafted_tokens_ask_for_more_logits_rows_up_to_the_batch() -> None:
 def test_estimate_adds_the_parts() -> None:
     launch = launches.spec(slots=4, context_per_slot=2048)
     est = fit.estimate(launch, SHAPE)
-    assert est.weights == 246_587_904
+    assert est.weights == 246_587_904 + 13_271_040  # mapped, and the repacked copies
     assert est.kv == 144 * MIB
     assert est.compute == (2 * 68 + 5) * MIB
     assert (est.draft, est.runtime) == (0, fit.RUNTIME_BYTES)
@@ -130,7 +153,7 @@ def test_flash_attention_off_adds_the_attention_scores() -> None:
 
 
 def test_a_draft_model_adds_its_weights_f16_cache_and_buffers() -> None:
-    draft_shape = dataclasses.replace(SHAPE, tensor_bytes=150 * MIB)
+    draft_shape = dataclasses.replace(SHAPE, tensor_bytes=150 * MIB, repacked_bytes=140 * MIB)
     pair = SpeculationLaunch(
         kind="model", max_draft_tokens=8, disable_above_batch=4, min_acceptance_rate=0.3,
         draft_model_path="/d.gguf",
@@ -138,7 +161,8 @@ def test_a_draft_model_adds_its_weights_f16_cache_and_buffers() -> None:
     launch = launches.spec(slots=2, context_per_slot=1024, type_k="q8_0", speculation=pair)
     est = fit.estimate(launch, SHAPE, draft=draft_shape)
     kv_f16 = fit.kv_bytes(SHAPE, cells=2048, type_k="f16", type_v="f16")
-    assert est.draft == 150 * MIB + kv_f16 + (2 * 66 + 5) * MIB
+    # Its graph reserves 2 + 64 logits rows; its output buffer holds one per slot.
+    assert est.draft == (150 + 140) * MIB + kv_f16 + (66 + 5 + 2) * MIB
     # The target's logits rows make room for the drafts it verifies.
     assert est.compute == (2 * (2 * 9 + 64) + 5) * MIB
     assert est.total == est.weights + est.kv + est.compute + est.draft + est.runtime

@@ -140,6 +140,7 @@ def test_read_gguf_keeps_the_fit_ledger_figures(tmp_path: Path) -> None:
             "file_type": "15",
             "has_chat_template": "true",
             "tensor_bytes": "128",
+            "repacked_bytes": "0",  # an F32 tensor: nothing repacked
             "vocab_size": str(LONG),
         },
     )
@@ -162,8 +163,12 @@ def test_tensor_bytes_are_the_data_the_gguf_package_finds(
     writer.write_tensors_to_file()
     writer.close()
     reference = gguf.GGUFReader(path)
-    _, tensor_bytes = modelfile.read_gguf_layout(path)
-    assert tensor_bytes == path.stat().st_size - reference.data_offset
-    # The data section holds the tensors and the padding between them, nothing else.
-    assert sum(int(t.n_bytes) for t in reference.tensors) <= tensor_bytes
-    assert tensor_bytes < sum(int(t.n_bytes) for t in reference.tensors) + 3 * (alignment or 32)
+    _, index = modelfile.read_gguf_layout(path)
+    assert index.data_bytes == path.stat().st_size - reference.data_offset
+    # Each tensor runs to the next: its bytes and the padding after them.
+    assert set(index.tensors) == {"a", "b", "c"}
+    for t in reference.tensors:
+        ggml_type, size = index.tensors[t.name]
+        assert ggml_type == t.tensor_type
+        assert int(t.n_bytes) <= size < int(t.n_bytes) + (alignment or 32)
+    assert sum(size for _, size in index.tensors.values()) == index.data_bytes
