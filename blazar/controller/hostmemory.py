@@ -24,8 +24,8 @@ class Resident:
 
 
 class HostMemory(Protocol):
-    def available(self) -> int:
-        """Bytes the host can still allocate (MemAvailable)."""
+    def available(self) -> int | None:
+        """Bytes the host can still allocate (MemAvailable); None when unknown."""
         ...
 
     def resident(self, pid: int) -> Resident | None:
@@ -49,11 +49,14 @@ class ProcMemory:
     def __init__(self, proc: Path = PROC) -> None:
         self._proc = proc
 
-    def available(self) -> int:
-        text = (self._proc / "meminfo").read_text()
+    def available(self) -> int | None:
+        try:
+            text = (self._proc / "meminfo").read_text()
+        except OSError:
+            return None  # no /proc (not Linux), or not mounted
         fields = _kib_fields(text, ("MemAvailable", "MemFree"))
         # Kernels before 3.14 have no MemAvailable; MemFree is the lower bound.
-        return fields.get("MemAvailable", fields.get("MemFree", 0))
+        return fields.get("MemAvailable", fields.get("MemFree"))
 
     def resident(self, pid: int) -> Resident | None:
         try:

@@ -52,8 +52,18 @@ class Ledger:
         # started by now, or was not (an error), and is decided again here.
         self._pending = {key for key in self._pending if key[0] != lane}
         starts = {a.index for a in plan.actions if isinstance(a, lane_plan.Start)}
-        held = self._held(replacing={(lane, i) for i in starts})
         available = self._memory.available()
+        if available is None:
+            return Placed(
+                plan,
+                lane_plan.Placement(
+                    True,
+                    "MemoryUnknown",
+                    "The host's available memory cannot be read (/proc/meminfo); "
+                    "replicas start unchecked.",
+                ),
+            )
+        held = self._held(replacing={(lane, i) for i in starts})
         need = estimate.total
         actions: list[lane_plan.Action] = []
         shortfall: fit.Fit | None = None

@@ -41,10 +41,10 @@ spec: {{model: m, replicas: {replicas}, slots: {slots}, contextPerSlot: {context
 class FakeMemory:
     """A host with `free` bytes available and the given resident memory per pid."""
 
-    free: int
+    free: int | None
     residents: dict[int, Resident] = field(default_factory=dict)
 
-    def available(self) -> int:
+    def available(self) -> int | None:
         return self.free
 
     def resident(self, pid: int) -> Resident | None:
@@ -76,7 +76,7 @@ class World:
         return [e.message for e in self.store.events() if e.reason == reason]
 
 
-def world(free: int) -> World:
+def world(free: int | None) -> World:
     clock = Clock()
     store = MemoryStore(clock=clock)
     procs = FakeProcesses(clock)
@@ -261,3 +261,11 @@ def test_a_running_lane_keeps_its_status_while_memory_moves() -> None:
         w.reconcile()
     assert w.lane().metadata.resource_version == version
     assert w.schedulable()[:2] == ("True", "MemoryFits")
+
+
+def test_a_host_whose_memory_cannot_be_read_starts_replicas_unchecked() -> None:
+    w = world(free=None)
+    apply(w.store, lane(slots=64, context=2**20))
+    assert w.reconcile() is None
+    assert len(w.procs.started) == 1
+    assert w.schedulable()[:2] == ("True", "MemoryUnknown")

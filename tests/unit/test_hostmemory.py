@@ -47,3 +47,9 @@ def test_the_real_proc() -> None:
     assert memory.available() > 0
     mine = memory.resident(os.getpid())
     assert mine is not None and 0 < mine.anonymous < mine.total
+
+
+def test_no_proc_is_unknown(tmp_path: Path) -> None:
+    assert ProcMemory(tmp_path / "absent").available() is None
+    (tmp_path / "meminfo").write_text("Buffers: 1 kB\n")
+    assert ProcMemory(tmp_path).available() is None
