@@ -260,6 +260,13 @@ class Fit:
     free: int
     available: int
     outstanding: int
+    # The host's total memory (MemTotal), when known.
+    total: int | None = None
+
+    @property
+    def never(self) -> bool:
+        """Whether no freeing of memory could make it fit: it needs more than the host has."""
+        return self.total is not None and self.need > self.total
 
 
 def free_bytes(available: int, held: Iterable[Held]) -> tuple[int, int]:
@@ -268,10 +275,15 @@ def free_bytes(available: int, held: Iterable[Held]) -> tuple[int, int]:
     return available - outstanding, outstanding
 
 
-def decide(need: int, *, available: int, held: Sequence[Held]) -> Fit:
+def decide(need: int, *, available: int, held: Sequence[Held], total: int | None = None) -> Fit:
     free, outstanding = free_bytes(available, held)
     return Fit(
-        fits=need <= free, need=need, free=free, available=available, outstanding=outstanding
+        fits=need <= free,
+        need=need,
+        free=free,
+        available=available,
+        outstanding=outstanding,
+        total=total,
     )
 
 
@@ -286,11 +298,19 @@ def human(n: int) -> str:
 
 
 def shortfall_message(fit: Fit, *, index: int) -> str:
-    return (
+    said = (
         f"Replica {index} needs {human(fit.need)} ({fit.need} bytes) but {human(fit.free)} "
         f"({fit.free} bytes) is free: {human(fit.available)} available on the host, less "
-        f"{human(fit.outstanding)} held by running replicas beyond that. Lower slots, "
-        "contextPerSlot or replicas, or free memory; the Lane starts by itself once it fits."
+        f"{human(fit.outstanding)} held by running replicas beyond that."
+    )
+    if fit.never and fit.total is not None:
+        return (
+            f"{said} That is more than the host's {human(fit.total)} in all, so it can never "
+            "fit as it is: lower slots, contextPerSlot or the cache types."
+        )
+    return (
+        f"{said} Lower slots, contextPerSlot or replicas, or free memory; the Lane starts "
+        "by itself once it fits."
     )
 
 

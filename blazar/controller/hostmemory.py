@@ -28,6 +28,10 @@ class HostMemory(Protocol):
         """Bytes the host can still allocate (MemAvailable); None when unknown."""
         ...
 
+    def total(self) -> int | None:
+        """The host's memory (MemTotal); None when unknown."""
+        ...
+
     def resident(self, pid: int) -> Resident | None:
         """The resident memory of pid; None when it is gone or unreadable."""
         ...
@@ -57,6 +61,13 @@ class ProcMemory:
         fields = _kib_fields(text, ("MemAvailable", "MemFree"))
         # Kernels before 3.14 have no MemAvailable; MemFree is the lower bound.
         return fields.get("MemAvailable", fields.get("MemFree"))
+
+    def total(self) -> int | None:
+        try:
+            text = (self._proc / "meminfo").read_text()
+        except OSError:
+            return None
+        return _kib_fields(text, ("MemTotal",)).get("MemTotal")
 
     def resident(self, pid: int) -> Resident | None:
         try:

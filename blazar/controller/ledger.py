@@ -22,6 +22,9 @@ from blazar.controller.processes import Processes
 # How soon a Lane that does not fit looks again: memory frees without any object
 # changing (another program exits), so nothing else would wake it.
 RETRY_S = 5.0
+# ... and one that needs more than the host has in all: only a change to its spec (which
+# wakes it at once) can help, so it looks again rarely.
+NEVER_RETRY_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,7 @@ class Ledger:
                 ),
             )
         held = self._held(replacing={(lane, i) for i in starts})
+        total = self._memory.total()
         need = estimate.total
         actions: list[lane_plan.Action] = []
         shortfall: fit.Fit | None = None
@@ -71,7 +75,7 @@ class Ledger:
             if isinstance(action, lane_plan.Start):
                 if shortfall is not None:
                     continue
-                decision = fit.decide(need, available=available, held=held)
+                decision = fit.decide(need, available=available, held=held, total=total)
                 if not decision.fits:
                     shortfall = decision
                     continue
@@ -99,7 +103,8 @@ class Ledger:
             placement = lane_plan.Placement(
                 False, "InsufficientMemory", fit.shortfall_message(shortfall, index=waiting), memory
             )
-            waits = [w for w in (plan.requeue_after, RETRY_S) if w is not None]
+            retry = NEVER_RETRY_S if shortfall.never else RETRY_S
+            waits = [w for w in (plan.requeue_after, retry) if w is not None]
             return Placed(lane_plan.LanePlan(actions, min(waits)), placement, shortfall)
         placement = lane_plan.Placement(
             True, "MemoryFits", fit.fits_message(need, free=free), memory

@@ -234,6 +234,7 @@ def test_a_lane_that_does_not_fit_starts_nothing_until_its_ask_is_lowered(
     assert need > 2**40
     assert cond["message"].startswith(f"Replica 0 needs {fit.human(need)} ({need} bytes) but ")
     assert f"but {fit.human(free)} ({free} bytes) is free" in cond["message"]
+    assert "so it can never fit as it is" in cond["message"]  # more than MemTotal
     assert status.get("replicaStatuses", []) == []
     assert children(daemon.process.pid) == before  # no engine process for it
     described = daemon.cli("describe", "lane", "big").stdout

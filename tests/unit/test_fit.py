@@ -217,3 +217,20 @@ def test_the_shortfall_says_needed_and_free_in_both_units() -> None:
         "Replica 1 needs 3.0 GiB (3221225472 bytes) but 1.0 MiB (1048576 bytes) is free: "
         "2.0 MiB available on the host, less 1.0 MiB held by running replicas"
     )
+
+
+@pytest.mark.parametrize(
+    ("total", "never", "ends"),
+    [
+        (None, False, "the Lane starts by itself once it fits."),
+        (4 * 1024**3, False, "the Lane starts by itself once it fits."),
+        (2 * 1024**3, True, "the host's 2.0 GiB in all, so it can never fit as it is: "
+         "lower slots, contextPerSlot or the cache types."),
+    ],
+)  # fmt: skip
+def test_a_replica_larger_than_the_host_can_never_fit(
+    total: int | None, never: bool, ends: str
+) -> None:
+    decision = fit.decide(3 * 1024**3, available=MIB, held=[], total=total)
+    assert (decision.fits, decision.never) == (False, never)
+    assert fit.shortfall_message(decision, index=0).endswith(ends)

@@ -43,9 +43,13 @@ class FakeMemory:
 
     free: int | None
     residents: dict[int, Resident] = field(default_factory=dict)
+    memory_total: int | None = None
 
     def available(self) -> int | None:
         return self.free
+
+    def total(self) -> int | None:
+        return self.memory_total
 
     def resident(self, pid: int) -> Resident | None:
         return self.residents.get(pid)
@@ -269,3 +273,17 @@ def test_a_host_whose_memory_cannot_be_read_starts_replicas_unchecked() -> None:
     assert w.reconcile() is None
     assert len(w.procs.started) == 1
     assert w.schedulable()[:2] == ("True", "MemoryUnknown")
+
+
+def test_a_lane_larger_than_the_host_says_it_can_never_fit_and_looks_rarely() -> None:
+    w = world(free=GIB)
+    w.memory.memory_total = 2 * GIB
+    apply(w.store, lane(slots=64, context=2**20))
+    assert w.reconcile() == ledger.NEVER_RETRY_S
+    message = w.schedulable()[2]
+    assert "more than the host's 2.0 GiB in all, so it can never fit as it is" in message
+    # Within the host's total, though not free now: it waits for memory to free.
+    apply(w.store, lane(slots=2, context=2048))
+    w.memory.free = need() - 1
+    assert w.reconcile() == ledger.RETRY_S
+    assert "starts by itself once it fits" in w.schedulable()[2]

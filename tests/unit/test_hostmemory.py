@@ -21,9 +21,10 @@ RssFile:\t  272000 kB
 """
 
 
-def test_available_is_mem_available(tmp_path: Path) -> None:
+def test_available_is_mem_available_and_total_mem_total(tmp_path: Path) -> None:
     (tmp_path / "meminfo").write_text(MEMINFO)
     assert ProcMemory(tmp_path).available() == 23901260 * 1024
+    assert ProcMemory(tmp_path).total() == 24684084 * 1024
 
 
 def test_an_old_kernel_without_mem_available_gives_mem_free(tmp_path: Path) -> None:
@@ -44,12 +45,14 @@ def test_resident_reads_vmrss_and_its_anonymous_part(tmp_path: Path) -> None:
 
 def test_the_real_proc() -> None:
     memory = ProcMemory()
-    assert memory.available() > 0
+    available, total = memory.available(), memory.total()
+    assert available is not None and total is not None and 0 < available <= total
     mine = memory.resident(os.getpid())
     assert mine is not None and 0 < mine.anonymous < mine.total
 
 
 def test_no_proc_is_unknown(tmp_path: Path) -> None:
     assert ProcMemory(tmp_path / "absent").available() is None
+    assert ProcMemory(tmp_path / "absent").total() is None
     (tmp_path / "meminfo").write_text("Buffers: 1 kB\n")
     assert ProcMemory(tmp_path).available() is None
