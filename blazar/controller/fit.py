@@ -50,10 +50,12 @@ from dataclasses import dataclass
 from blazar.api.replicas import LaunchSpec
 
 MIB = 1024 * 1024
-# Bytes per KV cache element by llama.cpp type name (block size / elements per block).
-# ggml types whose matrices llama.cpp's CPU backend repacks (x86 with AVX2).
+# ggml types whose matrices llama.cpp's CPU backend repacks (x86 with AVX2 and up, as
+# its load log showed here). A build without these kernels copies nothing, and the
+# estimate errs by the copies on the safe side.
 GGML_Q4_0, GGML_Q4_K, GGML_IQ4_NL = 2, 12, 20
 REPACKED_TYPES = frozenset({GGML_Q4_0, GGML_Q4_K, GGML_IQ4_NL})
+# Bytes per KV cache element by llama.cpp type name (block size / elements per block).
 CACHE_TYPE_BYTES: Mapping[str, float] = {
     "f32": 4.0,
     "f16": 2.0,
