@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import textwrap
@@ -206,10 +207,21 @@ def test_second_lane_apply_get_delete(daemon: Daemon, tmp_path: Path) -> None:
     assert daemon.cli("get", "lane", "second").returncode != 0
 
 
-def children(pid: int) -> set[int]:
-    """The live child processes of pid (the daemon's are its engine workers)."""
-    text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
-    return {int(c) for c in text.split() if pid_alive(int(c))}
+def engines(daemon: Daemon, lane: str) -> set[int]:
+    """The daemon's live engine workers for lane, by their launch document's name
+    (`<lane>-<index>.launch.json`), whatever its status says."""
+    assert daemon.process is not None
+    pid = daemon.process.pid
+    found = set()
+    for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
+        try:
+            argv = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
+        except FileNotFoundError:
+            continue
+        launch = re.compile(rf"/{re.escape(lane)}-\d+\.launch\.json".encode())
+        if pid_alive(int(child)) and any(launch.search(a) for a in argv):
+            found.add(int(child))
+    return found
 
 
 def test_a_lane_that_does_not_fit_starts_nothing_until_its_ask_is_lowered(
@@ -217,8 +229,6 @@ def test_a_lane_that_does_not_fit_starts_nothing_until_its_ask_is_lowered(
 ) -> None:
     # Within the API's bounds, and 1.1 TiB of KV cache for the bundled model: more than
     # this host, or any host the suite runs on, has (the message's figures say so).
-    assert daemon.process is not None
-    before = children(daemon.process.pid)
     manifest = tmp_path / "big.yaml"
     lane = (
         "apiVersion: blazar.dev/v1alpha1\nkind: Lane\nmetadata: {{name: big}}\n"
@@ -236,7 +246,7 @@ def test_a_lane_that_does_not_fit_starts_nothing_until_its_ask_is_lowered(
     assert f"but {fit.human(free)} ({free} bytes) is free" in cond["message"]
     assert "so it can never fit as it is" in cond["message"]  # more than MemTotal
     assert status.get("replicaStatuses", []) == []
-    assert children(daemon.process.pid) == before  # no engine process for it
+    assert engines(daemon, "big") == set()  # no engine process for it
     described = daemon.cli("describe", "lane", "big").stdout
     assert "InsufficientMemory" in described.split("Events:")[1]
     assert "Per replica:" in described
@@ -247,7 +257,7 @@ def test_a_lane_that_does_not_fit_starts_nothing_until_its_ask_is_lowered(
     cond = daemon.condition("lane", "big", "Schedulable")
     assert cond is not None and (cond["status"], cond["reason"]) == ("True", "MemoryFits")
     (pid,) = daemon.pids("big")
-    assert children(daemon.process.pid) == before | {pid}
+    assert engines(daemon, "big") == {pid}
     wide = daemon.cli("get", "lanes", "-o", "wide").stdout.splitlines()
     assert wide[0].split()[-2:] == ["MEMORY", "FREE"]
     row = next(line for line in wide if line.startswith("big "))
