@@ -82,13 +82,7 @@ def load_path(path: Path) -> list[tuple[str, dict[str, Any]]]:
     """Read one manifest file, or every manifest under a directory (recursively,
     in sorted order, skipping hidden files and directories such as `.git`)."""
     if path.is_dir():
-        files = sorted(
-            p
-            for p in path.rglob("*")
-            if p.is_file()
-            and p.suffix in MANIFEST_SUFFIXES
-            and not any(part.startswith(".") for part in p.relative_to(path).parts)
-        )
+        files = manifest_files(path)
     elif path.exists():
         files = [path]
     else:
@@ -105,6 +99,18 @@ def load_path(path: Path) -> list[tuple[str, dict[str, Any]]]:
     if problems:
         raise ManifestInvalid(problems)
     return docs
+
+
+def manifest_files(directory: Path) -> list[Path]:
+    """The manifest files under `directory`, recursively, sorted, hidden ones (and
+    those under hidden directories such as `.git`) left out."""
+    return sorted(
+        p
+        for p in directory.rglob("*")
+        if p.is_file()
+        and p.suffix in MANIFEST_SUFFIXES
+        and not any(part.startswith(".") for part in p.relative_to(directory).parts)
+    )
 
 
 def parse_objects(docs: Sequence[tuple[str, dict[str, Any]]]) -> list[Resource]:
@@ -142,6 +148,28 @@ def validate_objects(
     if problems:
         raise ManifestInvalid(problems)
     return objects
+
+
+def locate(
+    problems: Sequence[FieldError], docs: Sequence[tuple[str, dict[str, Any]]]
+) -> list[FieldError]:
+    """`problems` with the document each named object came from: `Lane/x: spec.replicas`
+    becomes `Lane/x (fleet/lanes.yaml#2): spec.replicas`, for a reader who must find the
+    file (an event of the watched directory). Errors located by document already are
+    left as they are."""
+    where: dict[str, str] = {}
+    for location, raw in docs:
+        metadata = raw.get("metadata")
+        name = metadata.get("name") if isinstance(metadata, dict) else None
+        if isinstance(raw.get("kind"), str) and isinstance(name, str):
+            where.setdefault(f"{raw['kind']}/{name}", location)
+    located = []
+    for problem in problems:
+        prefix, sep, rest = problem.path.partition(": ")
+        if sep and prefix in where:
+            problem = FieldError(f"{prefix} ({where[prefix]}): {rest}", problem.message)
+        located.append(problem)
+    return located
 
 
 def to_dict(resource: Resource) -> dict[str, Any]:

@@ -81,6 +81,8 @@ class Options:
     http: str = DEFAULT_HTTP
     grpc: str = DEFAULT_GRPC
     watch: Path | None = None
+    # Delete objects the watched directory applied once their file no longer holds them.
+    prune: bool = True
     log_json: bool = True
     # The machine's model cache (`modelcache`); None: packages assembled into the home.
     model_cache: Path | None = None
@@ -400,7 +402,7 @@ async def _serve(options: Options, sock: socket.socket, keys: tenants.Tenants | 
     if options.watch is not None:
         # Before the controllers start: a manifest edited while the daemon was down
         # must not first start (then replace) an engine from the stored spec.
-        watcher.sync(store, options.watch)
+        watcher.sync(store, options.watch, prune=options.prune)
     await manager.start()
     # The HTTP shim after the controllers, so that its imports (uvicorn, Starlette, the
     # dialects: 0.1 s of CPU, several times that on a busy host) run beside the first
@@ -419,7 +421,9 @@ async def _serve(options: Options, sock: socket.socket, keys: tenants.Tenants | 
         )
     gitops_task = None
     if options.watch is not None:
-        gitops_task = asyncio.create_task(watcher.watch(store, options.watch, stop), name="gitops")
+        gitops_task = asyncio.create_task(
+            watcher.watch(store, options.watch, stop, prune=options.prune), name="gitops"
+        )
 
     while not shim.started and not shim_task.done():
         await asyncio.sleep(0.02)

@@ -70,6 +70,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         http=args.http or os.environ.get("BLAZAR_HTTP_ADDR") or daemon.DEFAULT_HTTP,
         grpc=args.grpc or os.environ.get("BLAZAR_GRPC_ADDR") or daemon.DEFAULT_GRPC,
         watch=Path(args.watch) if args.watch else None,
+        prune=args.prune,
         log_json=True,
         model_cache=daemon.default_model_cache(),
         model_roots=tuple(Path(d) for d in args.model_root),
@@ -186,6 +187,15 @@ def cmd_events(args: argparse.Namespace) -> int:
     return 0
 
 
+def _flag(text: str) -> bool:
+    """A boolean flag's value as kubectl spells it (`--prune=false`)."""
+    if text.lower() in ("true", "1", "yes"):
+        return True
+    if text.lower() in ("false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, not '{text}'")
+
+
 FILENAME_HELP = "file, directory, or - for stdin; repeatable"
 SELECTOR_HELP = "label selector: k=v, k==v, k!=v, k, !k; comma-separated, all must hold"
 
@@ -205,6 +215,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the daemon")
     serve.add_argument(
         "--watch", metavar="DIR", help="apply every manifest under DIR, again on change"
+    )
+    serve.add_argument(
+        "--prune",
+        type=_flag,
+        nargs="?",
+        const=True,
+        default=True,
+        metavar="true|false",
+        help="delete what --watch applied once no file holds it (default true)",
     )
     serve.add_argument(
         "--http", help="HTTP shim address (default $BLAZAR_HTTP_ADDR or 127.0.0.1:8420)"

@@ -3,7 +3,15 @@
 Every manifest under the directory is applied at start (`sync`, which the daemon calls
 before its controllers run, so that they never start engines from a stale stored spec)
 and again, as one batch, each time a file in it changes (`watch`). A bad batch is
-rejected whole (and recorded as an event); what is running keeps running.
+rejected whole (and recorded as an event naming each bad document's file and field);
+what is running keeps running, and nothing is pruned.
+
+The directory owns what it applies: each object carries the annotation
+`blazar.dev/source` with the file it came from, relative to the directory. With
+pruning on (the default), an owned object that no file holds any more (its file
+deleted, or it removed from its file) is deleted by the same batch, Lanes before the
+Models they use. Objects without the annotation (applied by hand with `blazar apply`)
+are never pruned.
 """
 
 from __future__ import annotations
@@ -16,20 +24,31 @@ import structlog
 import watchfiles
 
 from blazar.api import errors, manifests
+from blazar.api.kinds import Resource
 from blazar.store import apply
 from blazar.store.base import ApplyAction, Store
 
 log = structlog.get_logger(__name__)
 
-_SUFFIXES = (".yaml", ".yml", ".json")
+# The annotation that says which file of the watched directory an object came from.
+SOURCE_ANNOTATION = "blazar.dev/source"
 
 
-def sync(store: Store, directory: Path) -> bool:
+def owned(obj: Resource) -> bool:
+    """Whether the watched directory applied `obj` (and may prune it)."""
+    return SOURCE_ANNOTATION in obj.metadata.annotations
+
+
+def sync(store: Store, directory: Path, *, prune: bool = True) -> bool:
     """Apply the directory once; True when it was accepted."""
     try:
-        docs, unreadable = _load(directory)
+        docs, unreadable = load(directory)
         outcomes = apply.apply_documents(
-            store, docs, unreadable=unreadable, source=f"gitops:{directory}"
+            store,
+            docs,
+            unreadable=unreadable,
+            source=f"gitops:{directory}",
+            prune=owned if prune else None,
         )
     except errors.ManifestInvalid as err:
         log.warning(
@@ -49,24 +68,53 @@ def sync(store: Store, directory: Path) -> bool:
     return True
 
 
-def _load(
+def load(
     directory: Path,
 ) -> tuple[list[tuple[str, dict[str, Any]]], tuple[errors.FieldError, ...]]:
-    """The directory's documents, or else what kept them from being read (for
-    `apply_documents` to reject, and record, with the batch)."""
-    try:
-        return manifests.load_path(directory), ()
-    except errors.ManifestInvalid as err:
-        return [], err.errors
+    """The directory's documents, each located by its file relative to `directory` and
+    annotated with it, or else what kept them from being read (for `apply_documents`
+    to reject, and record, with the batch)."""
+    if not directory.is_dir():
+        # Gone or unmounted: never read as "every file deleted", which would prune all.
+        return [], (errors.FieldError(str(directory), "not a directory"),)
+    docs: list[tuple[str, dict[str, Any]]] = []
+    problems: list[errors.FieldError] = []
+    for file in manifests.manifest_files(directory):
+        relative = file.relative_to(directory).as_posix()
+        try:
+            found = manifests.parse_documents(file.read_text(encoding="utf-8"), source=relative)
+        except errors.ManifestInvalid as err:
+            problems += err.errors
+            continue
+        except (OSError, UnicodeDecodeError) as exc:
+            problems.append(errors.FieldError(relative, f"cannot read: {exc}"))
+            continue
+        docs += [(location, _annotated(doc, relative)) for location, doc in found]
+    return docs, tuple(problems)
+
+
+def _annotated(doc: dict[str, Any], relative: str) -> dict[str, Any]:
+    metadata = doc.get("metadata")
+    if not isinstance(metadata, dict):
+        return doc  # validation reports it
+    annotations = metadata.get("annotations")
+    if annotations is None:
+        annotations = {}
+    if not isinstance(annotations, dict):
+        return doc
+    return {
+        **doc,
+        "metadata": {**metadata, "annotations": {**annotations, SOURCE_ANNOTATION: relative}},
+    }
 
 
 def _is_manifest(change: watchfiles.Change, path: str) -> bool:
-    return path.endswith(_SUFFIXES) and not Path(path).name.startswith(".")
+    return path.endswith(manifests.MANIFEST_SUFFIXES) and not Path(path).name.startswith(".")
 
 
-async def watch(store: Store, directory: Path, stop: asyncio.Event) -> None:
+async def watch(store: Store, directory: Path, stop: asyncio.Event, *, prune: bool = True) -> None:
     """Apply the directory on every change until `stop`; `sync` it first yourself."""
     async for _ in watchfiles.awatch(
         directory, stop_event=stop, debounce=200, step=50, watch_filter=_is_manifest
     ):
-        sync(store, directory)
+        sync(store, directory, prune=prune)

@@ -7,7 +7,8 @@ store-wide `resourceVersion` it produced.
 
 `TransactionalStore` implements the whole `Store` protocol on top of a handful of
 storage primitives, so the SQLite and in-memory stores differ only in where bytes go.
-What `apply` does to one object is decided by the pure `decide_apply`.
+What `apply` does to one object is decided by the pure `decide_apply`; which stored
+objects a batch prunes, by the pure `decide_prune`.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ class ApplyAction(StrEnum):
     CREATED = "created"
     CONFIGURED = "configured"
     UNCHANGED = "unchanged"
+    PRUNED = "pruned"
 
 
 @dataclass(frozen=True)
@@ -81,14 +83,26 @@ class Event:
 # admission webhook has them: the problems it finds, by field path (none: admitted).
 Admission = Callable[[Sequence[Resource]], builtins.list[FieldError]]
 
+# Which stored objects a batch's source owns: those of them the batch no longer holds
+# are deleted with it (GitOps pruning). None: the batch prunes nothing.
+Owns = Callable[[Resource], bool]
+
+# Deleted in this order, so that an object goes before those it names (a Lane before
+# its Model, SLOPolicy and SpecPair; a SpecPair before its Models): a watcher of the
+# store never sees a reference left dangling halfway through a prune.
+PRUNE_ORDER: tuple[Kind, ...] = (Kind.LANE, Kind.SPEC_PAIR, Kind.SLO_POLICY, Kind.MODEL)
+
 
 class Store(Protocol):
     # Consulted by `apply.apply_documents` after the manifests validate (None: none).
     admission: Admission | None
 
     def apply_all(
-        self, objs: Sequence[Resource], *, dry_run: bool = False
-    ) -> builtins.list[ApplyOutcome]: ...
+        self, objs: Sequence[Resource], *, dry_run: bool = False, prune: Owns | None = None
+    ) -> builtins.list[ApplyOutcome]:
+        """Apply every object, and delete those `prune` owns that the batch does not
+        hold (outcome PRUNED), in one commit."""
+        ...
 
     def get(self, kind: Kind, name: str) -> Resource | None: ...
 
@@ -163,6 +177,16 @@ def decide_apply(
     return ApplyOutcome(ApplyAction.CONFIGURED, configured)
 
 
+def decide_prune(
+    stored: Sequence[Resource], batch: Sequence[Resource], owns: Owns
+) -> builtins.list[Resource]:
+    """The stored objects `owns` claims that `batch` no longer holds, in `PRUNE_ORDER`
+    (then by name)."""
+    keep = {kinds.key(o) for o in batch}
+    gone = [o for o in stored if kinds.key(o) not in keep and owns(o)]
+    return sorted(gone, key=lambda o: (PRUNE_ORDER.index(Kind(o.kind)), o.metadata.name))
+
+
 # One write inside a commit: the new serialised object, or None to delete.
 Write = tuple[Kind, str, dict[str, Any] | None]
 
@@ -216,11 +240,19 @@ class TransactionalStore(abc.ABC):
             return self._stored_resource_version()
 
     def apply_all(
-        self, objs: Sequence[Resource], *, dry_run: bool = False
+        self, objs: Sequence[Resource], *, dry_run: bool = False, prune: Owns | None = None
     ) -> builtins.list[ApplyOutcome]:
         with self._lock:
             now = self._clock()
             version = self._stored_resource_version()
+            # Deletions first, in their own order: what goes stops serving before what
+            # changes is read, and nothing it named is gone before it.
+            pruned: builtins.list[ApplyOutcome] = []
+            deletes: builtins.list[Write] = []
+            for gone in decide_prune(self.list(), objs, prune) if prune is not None else ():
+                version += 1
+                pruned.append(ApplyOutcome(ApplyAction.PRUNED, gone))
+                deletes.append((*kinds.key(gone), None))
             # Later objects in the batch see the earlier ones, as if applied in turn.
             staged: dict[tuple[Kind, str], Resource] = {}
             outcomes: builtins.list[ApplyOutcome] = []
@@ -241,21 +273,23 @@ class TransactionalStore(abc.ABC):
                     staged[key] = outcome.object
                     writes.append((*key, data))
                 outcomes.append(outcome)
-            if dry_run or not writes:
-                return outcomes
-            self._commit(writes, version)
-            self._notify(
-                [
-                    WatchEvent(
-                        WatchType.ADDED if o.action is ApplyAction.CREATED else WatchType.MODIFIED,
-                        o.object,
-                        o.object.metadata.resource_version or 0,
-                    )
-                    for o in outcomes
-                    if o.action is not ApplyAction.UNCHANGED
-                ]
-            )
-            return outcomes
+            if dry_run or not (writes or deletes):
+                return pruned + outcomes
+            self._commit(deletes + writes, version)
+            first = version - len(writes) - len(deletes) + 1
+            events = [
+                WatchEvent(WatchType.DELETED, o.object, first + i) for i, o in enumerate(pruned)
+            ] + [
+                WatchEvent(
+                    WatchType.ADDED if o.action is ApplyAction.CREATED else WatchType.MODIFIED,
+                    o.object,
+                    o.object.metadata.resource_version or 0,
+                )
+                for o in outcomes
+                if o.action is not ApplyAction.UNCHANGED
+            ]
+            self._notify(events)
+            return pruned + outcomes
 
     def get(self, kind: Kind, name: str) -> Resource | None:
         with self._lock:

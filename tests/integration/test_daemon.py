@@ -3,6 +3,7 @@ gRPC -> OpenAI shim, driven by the real CLI and the official `openai` client."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -10,13 +11,17 @@ import shutil
 import signal
 import textwrap
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
+import grpc
 import httpx
 import openai
 import pytest
 
+from blazar._proto.v1 import control_pb2, control_pb2_grpc
 from blazar.controller import fit
 from tests.integration import pinning
 from tests.integration.harness import (
@@ -154,29 +159,115 @@ def test_unknown_model_and_malformed_json_do_not_disturb_others(
     assert isinstance(result.get("text"), str) and result["text"]
 
 
-def test_watched_directory_is_applied_on_change(daemon: Daemon) -> None:
-    assert daemon.watch is not None
-    extra = daemon.watch / "extra.yaml"
-    extra.write_text(
+class StoreWatch:
+    """The daemon's Control `Watch` of one kind, read by a thread: (arrival time on the
+    monotonic clock, type, object) for every change, to time what a file change does."""
+
+    def __init__(self, daemon: Daemon, kind: str) -> None:
+        self._channel = grpc.insecure_channel(daemon.control)
+        stub = control_pb2_grpc.ControlStub(self._channel)
+        self._stream = stub.Watch(control_pb2.WatchRequest(kind=kind))
+        self.seen: list[tuple[float, str, dict[str, Any]]] = []
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        with contextlib.suppress(grpc.RpcError):  # cancelled by `close`
+            for event in self._stream:
+                self.seen.append((time.monotonic(), event.type, json.loads(event.object_json)))
+
+    def after(self, since: float, kind: str, name: str, generation: int = 0) -> float | None:
+        """Seconds from `since` to the first `kind` event for `name` after it (and at
+        `generation` or above, when given)."""
+        for at, type_, obj in list(self.seen):
+            meta = obj["metadata"]
+            if (at >= since and type_ == kind and meta["name"] == name
+                    and meta.get("generation", 0) >= generation):  # fmt: skip
+                return at - since
+        return None
+
+    def close(self) -> None:
+        self._stream.cancel()
+        self._thread.join(timeout=10)
+        self._channel.close()
+
+
+def policy_yaml(name: str, priority: int) -> str:
+    return (
         "apiVersion: blazar.dev/v1alpha1\nkind: SLOPolicy\n"
-        "metadata: {name: extra}\nspec: {priority: 7}\n"
+        f"metadata: {{name: {name}}}\nspec: {{priority: {priority}}}\n"
     )
+
+
+def test_watched_directory_owns_and_prunes_what_it_applied(daemon: Daemon, tmp_path: Path) -> None:
+    """Issue 20, acceptance 4: creating, editing and deleting a file each reach the
+    store within 1 s; the delete prunes only that file's objects (not another file's,
+    not one applied by hand); a broken file changes nothing and says where it is."""
+    assert daemon.watch is not None
+    extra, other = daemon.watch / "extra.yaml", daemon.watch / "other.yaml"
+    hand = tmp_path / "hand.yaml"
+    hand.write_text(policy_yaml("by-hand", 3))
+    assert daemon.cli("apply", "-f", str(hand)).returncode == 0
+    other.write_text(policy_yaml("other", 4))
+    watch = StoreWatch(daemon, "SLOPolicy")
+
+    def policies() -> list[dict[str, Any]]:
+        listed = json.loads(daemon.cli("get", "slo", "-o", "json").stdout)
+        items: list[dict[str, Any]] = listed.get("items", [listed])
+        return items
+
+    figures: dict[str, float] = {}
     try:
-        wait_for(
-            lambda: daemon.cli("get", "slo", "extra").returncode == 0,
-            timeout=10,
-            what="the new file to be applied",
-        )
-        extra.write_text(extra.read_text().replace("priority: 7", "priority: 9"))
-        wait_for(
-            lambda: daemon.get("slo", "extra")["metadata"]["generation"] == 2,
-            timeout=10,
-            what="the edit to be applied",
-        )
+        wait_for(lambda: watch.after(0, "ADDED", "other"), timeout=10, what="other.yaml")
+
+        def converge(step: str, event: str, name: str, change: Callable[[], None],
+                     generation: int = 0) -> None:  # fmt: skip
+            start = time.monotonic()
+            change()
+            figures[step] = wait_for(
+                lambda: watch.after(start, event, name, generation),
+                timeout=10,
+                what=f"{step} of {name}",
+                step=0.01,
+            )
+
+        converge("create", "ADDED", "extra", lambda: extra.write_text(policy_yaml("extra", 7)))
+        got = daemon.get("slo", "extra")
+        assert got["metadata"]["annotations"] == {"blazar.dev/source": "extra.yaml"}
+        converge("edit", "MODIFIED", "extra",
+                 lambda: extra.write_text(policy_yaml("extra", 9)), generation=2)  # fmt: skip
         assert daemon.get("slo", "extra")["spec"]["priority"] == 9
+
+        # A broken file: nothing is applied or pruned, and an event names file and field.
+        def versions() -> list[tuple[str, int]]:
+            return [(o["metadata"]["name"], o["metadata"]["resourceVersion"]) for o in policies()]
+
+        before = versions()
+        other.write_text(policy_yaml("other", 5).replace("priority: 5", "priority: 5, colour: 1"))
+        wait_for(
+            lambda: (
+                "SLOPolicy/other (other.yaml#1): spec.colour"
+                in daemon.cli("events", "-o", "json").stdout
+            ),
+            timeout=10,
+            what="the rejection event",
+        )
+        assert versions() == before
+        other.write_text(policy_yaml("other", 4))
+
+        # A deleted file prunes its own objects, and only them.
+        converge("delete", "DELETED", "extra", extra.unlink)
+        assert {"other", "by-hand"} <= {o["metadata"]["name"] for o in policies()}
+        assert daemon.cli("get", "slo", "extra").returncode != 0
+        assert daemon.cli("get", "lane", "gemma3").returncode == 0
     finally:
-        extra.unlink()
-        daemon.cli("delete", "slo", "extra")
+        watch.close()
+        for path in (extra, other):
+            path.unlink(missing_ok=True)
+        for name in ("extra", "other", "by-hand"):
+            daemon.cli("delete", "slo", name)
+    print(f"\nwatched directory, file change to store: {figures}")
+    assert all(seconds < 1.0 for seconds in figures.values()), figures
 
 
 def test_second_lane_apply_get_delete(daemon: Daemon, tmp_path: Path) -> None:

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
+from blazar.api import manifests
 from blazar.gitops import watcher
+from blazar.store import apply
+from blazar.store.base import WatchEvent
 from blazar.store.memory import MemoryStore
 
 MODEL = """
@@ -41,7 +46,7 @@ def test_sync_rejects_a_bad_directory_whole(tmp_path: Path) -> None:
     assert store.resource_version == before  # the valid Model change was not applied either
     (event,) = store.events()
     assert (event.reason, event.name) == ("ManifestRejected", f"gitops:{tmp_path}")
-    assert "Lane/l: spec.model" in event.message
+    assert "Lane/l (lane.yaml#1): spec.model" in event.message
 
 
 def test_sync_records_a_file_it_cannot_parse(tmp_path: Path) -> None:
@@ -52,4 +57,133 @@ def test_sync_records_a_file_it_cannot_parse(tmp_path: Path) -> None:
     assert store.list() == []
     (event,) = store.events()
     assert event.reason == "ManifestRejected"
-    assert f"{tmp_path / 'broken.yaml'}#1: invalid YAML" in event.message
+    assert "broken.yaml#1: invalid YAML" in event.message
+
+
+POLICY = """
+apiVersion: blazar.dev/v1alpha1
+kind: SLOPolicy
+metadata: {name: p}
+spec: {priority: 1}
+"""
+
+
+def keys(store: MemoryStore) -> list[str]:
+    return [f"{o.kind}/{o.metadata.name}" for o in store.list()]
+
+
+def test_objects_carry_the_file_they_came_from(tmp_path: Path) -> None:
+    (tmp_path / "lanes").mkdir()
+    (tmp_path / "lanes" / "l.yaml").write_text(LANE)
+    (tmp_path / "model.yaml").write_text(MODEL)
+    store = MemoryStore()
+    assert watcher.sync(store, tmp_path)
+    sources = {
+        o.metadata.name: o.metadata.annotations[watcher.SOURCE_ANNOTATION] for o in store.list()
+    }
+    assert sources == {"l": "lanes/l.yaml", "m": "model.yaml"}
+
+
+def test_a_deleted_file_prunes_its_objects_lanes_first(tmp_path: Path) -> None:
+    (tmp_path / "fleet.yaml").write_text(MODEL + "---" + LANE)
+    (tmp_path / "policy.yaml").write_text(POLICY)
+    store = MemoryStore()
+    assert watcher.sync(store, tmp_path)
+    seen: list[WatchEvent] = []
+    store.subscribe(seen.append)
+    (tmp_path / "fleet.yaml").unlink()
+    assert watcher.sync(store, tmp_path)
+    assert keys(store) == ["SLOPolicy/p"]
+    assert [(e.type.value, e.object.kind) for e in seen] == [
+        ("DELETED", "Lane"),
+        ("DELETED", "Model"),
+    ]
+    assert [e.resource_version for e in seen] == sorted(e.resource_version for e in seen)
+    assert seen[-1].resource_version == store.resource_version
+
+
+def test_an_object_removed_from_a_file_that_remains_is_pruned(tmp_path: Path) -> None:
+    (tmp_path / "fleet.yaml").write_text(MODEL + "---" + POLICY)
+    store = MemoryStore()
+    assert watcher.sync(store, tmp_path)
+    (tmp_path / "fleet.yaml").write_text(MODEL)
+    assert watcher.sync(store, tmp_path)
+    assert keys(store) == ["Model/m"]
+
+
+def test_objects_applied_by_hand_are_never_pruned(tmp_path: Path) -> None:
+    store = MemoryStore()
+    apply.apply_documents(store, manifests.parse_documents(POLICY, source="hand"))
+    (tmp_path / "model.yaml").write_text(MODEL)
+    assert watcher.sync(store, tmp_path)
+    (tmp_path / "model.yaml").unlink()
+    assert watcher.sync(store, tmp_path)
+    assert keys(store) == ["SLOPolicy/p"]
+
+
+def test_prune_off_keeps_what_a_deleted_file_applied(tmp_path: Path) -> None:
+    (tmp_path / "model.yaml").write_text(MODEL)
+    store = MemoryStore()
+    assert watcher.sync(store, tmp_path, prune=False)
+    (tmp_path / "model.yaml").unlink()
+    assert watcher.sync(store, tmp_path, prune=False)
+    assert keys(store) == ["Model/m"]
+
+
+@pytest.mark.parametrize(
+    ("broken", "named"),
+    [
+        ("kind: [unclosed\n", "bad.yaml#1: invalid YAML"),
+        (
+            POLICY.replace("priority: 1", "priority: 1, bogus: 2"),
+            "SLOPolicy/q (bad.yaml#1): spec.bogus",
+        ),
+    ],
+)
+def test_a_broken_file_prunes_nothing_and_names_its_file_and_field(
+    tmp_path: Path, broken: str, named: str
+) -> None:
+    (tmp_path / "fleet.yaml").write_text(MODEL + "---" + LANE)
+    store = MemoryStore()
+    assert watcher.sync(store, tmp_path)
+    before = store.resource_version
+    (tmp_path / "fleet.yaml").unlink()  # would prune both, were the batch accepted
+    (tmp_path / "bad.yaml").write_text(broken.replace("name: p", "name: q"))
+    assert not watcher.sync(store, tmp_path)
+    assert store.resource_version == before
+    assert keys(store) == ["Lane/l", "Model/m"]
+    (event,) = store.events()
+    assert named in event.message
+
+
+def test_a_batch_cannot_name_an_object_it_prunes(tmp_path: Path) -> None:
+    (tmp_path / "model.yaml").write_text(MODEL)
+    store = MemoryStore()
+    assert watcher.sync(store, tmp_path)
+    (tmp_path / "model.yaml").unlink()
+    (tmp_path / "lane.yaml").write_text(LANE)
+    assert not watcher.sync(store, tmp_path)
+    assert keys(store) == ["Model/m"]
+    (event,) = store.events()
+    assert 'Lane/l (lane.yaml#1): spec.model: Model "m" not found' in event.message
+
+
+def test_a_vanished_directory_prunes_nothing(tmp_path: Path) -> None:
+    fleet = tmp_path / "fleet"
+    fleet.mkdir()
+    (fleet / "model.yaml").write_text(MODEL)
+    store = MemoryStore()
+    assert watcher.sync(store, fleet)
+    (fleet / "model.yaml").unlink()
+    fleet.rmdir()
+    assert not watcher.sync(store, fleet)
+    assert keys(store) == ["Model/m"]
+
+
+def test_a_dry_run_reports_what_it_would_prune(tmp_path: Path) -> None:
+    (tmp_path / "model.yaml").write_text(MODEL)
+    store = MemoryStore()
+    assert watcher.sync(store, tmp_path)
+    outcomes = apply.apply_documents(store, [], dry_run=True, prune=watcher.owned)
+    assert [(o.action.value, o.object.metadata.name) for o in outcomes] == [("pruned", "m")]
+    assert keys(store) == ["Model/m"]
