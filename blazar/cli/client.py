@@ -7,6 +7,7 @@ RPC answers. Errors are left as `grpc.RpcError` for `blazar.cli.main` to print.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from types import TracebackType
 
 import grpc
@@ -53,3 +54,12 @@ class ControlClient:
     def events(self, request: control_pb2.EventsRequest) -> control_pb2.EventsResponse:
         response: control_pb2.EventsResponse = self._stub.Events(request, metadata=self._metadata)
         return response
+
+    def watch(self, request: control_pb2.WatchRequest) -> Iterator[control_pb2.WatchEvent]:
+        """Changes as they happen; the stream is cancelled when the caller stops reading
+        (Ctrl-C included) or leaves the `with` block."""
+        stream = self._stub.Watch(request, metadata=self._metadata)
+        try:
+            yield from stream
+        finally:
+            stream.cancel()

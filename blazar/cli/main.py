@@ -25,8 +25,8 @@ import grpc
 
 from blazar import logs
 from blazar._proto.v1 import control_pb2
-from blazar.api import errors, kinds, manifests, tenants
-from blazar.cli import client, home, printers
+from blazar.api import errors, kinds, manifests, selectors, tenants
+from blazar.cli import client, diffs, home, printers
 from blazar.rpc import status
 
 
@@ -113,6 +113,30 @@ def cmd_apply(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_diff(args: argparse.Namespace) -> int:
+    """What `apply` of the same files would change, as a unified diff of what users
+    write; 0 when nothing, 1 when something would change (errors: 2), as kubectl."""
+    docs = _read_docs(args.filename)
+    request = control_pb2.ApplyRequest(
+        objects_json=[json.dumps(doc) for _, doc in docs], dry_run=True, field_manager="blazar-cli"
+    )
+    changed = False
+    with _client(args) as control:
+        for result in control.apply(request).results:
+            if result.action == "unchanged":
+                continue
+            live = None
+            if result.action != "created":
+                got = control.get(control_pb2.GetRequest(kind=result.kind, name=result.name))
+                live = json.loads(got.object_json)
+            applied = None if result.action == "pruned" else json.loads(result.object_json)
+            text = diffs.unified(live, applied, label=f"{result.kind.lower()}/{result.name}")
+            if text:
+                changed = True
+                sys.stdout.write(text)
+    return 1 if changed else 0
+
+
 def _objects(
     control: client.ControlClient, args: argparse.Namespace
 ) -> tuple[str, list[printers.ObjectJson]]:
@@ -127,6 +151,8 @@ def _objects(
 
 
 def cmd_get(args: argparse.Namespace) -> int:
+    if args.watch:
+        return _watch(args)
     with _client(args) as control:
         kind, objs = _objects(control, args)
     if args.output == "yaml":
@@ -137,6 +163,43 @@ def cmd_get(args: argparse.Namespace) -> int:
         print(f"No {kind} resources found.", file=sys.stderr)
     else:
         print(printers.table(kind, objs, wide=args.output == "wide", now=datetime.now(UTC)))
+    return 0
+
+
+def _watch(args: argparse.Namespace) -> int:
+    """`get KIND -w`: the table, then a line per change until Ctrl-C (or the daemon
+    goes away). Changes that the table already shows are not repeated: a change is an
+    object written after the list's resourceVersion, or a deletion."""
+    if args.output in ("yaml", "json"):
+        raise errors.InvalidRequest("get -w prints a table; -o yaml and -o json are not watched")
+    kind = kinds.resolve_kind(args.kind)
+    selector = selectors.parse(args.selector or "")
+    wide = args.output == "wide"
+    with _client(args) as control:
+        listed = control.list(
+            control_pb2.ListRequest(kind=kind.value, label_selector=args.selector or "")
+        )
+        objs = [json.loads(o) for o in listed.objects_json]
+        objs = [o for o in objs if not args.name or o["metadata"]["name"] == args.name]
+        if objs:
+            print(printers.table(kind.value, objs, wide=wide, now=datetime.now(UTC)), flush=True)
+        else:
+            print(f"No {kind.value} resources found.", file=sys.stderr, flush=True)
+        for event in control.watch(control_pb2.WatchRequest(kind=kind.value)):
+            obj = json.loads(event.object_json)
+            meta = obj["metadata"]
+            if args.name and meta["name"] != args.name:
+                continue
+            if not selector.matches(meta.get("labels", {})):
+                continue
+            fresh = (
+                event.type == "DELETED" or meta.get("resourceVersion", 0) > listed.resource_version
+            )
+            if fresh:
+                line = printers.watch_row(
+                    kind.value, event.type, obj, wide=wide, now=datetime.now(UTC)
+                )
+                print(line, flush=True)
     return 0
 
 
@@ -174,9 +237,23 @@ def _event_json(e: control_pb2.Event) -> printers.EventJson:
             "message": e.message}  # fmt: skip
 
 
+def _for(target: str) -> tuple[str, str]:
+    """`events --for KIND/NAME`'s object, its kind in any accepted spelling."""
+    kind, sep, name = target.partition("/")
+    if not sep or not kind or not name:
+        raise errors.InvalidRequest(f"--for takes KIND/NAME (such as lane/gemma3), not '{target}'")
+    return kinds.resolve_kind(kind).value, name
+
+
 def cmd_events(args: argparse.Namespace) -> int:
-    kind = kinds.resolve_kind(args.kind).value if args.kind else ""
-    request = control_pb2.EventsRequest(kind=kind, name=args.name or "", limit=args.limit)
+    if args.for_ and (args.kind or args.name):
+        raise errors.InvalidRequest("events takes KIND [NAME] or --for KIND/NAME, not both")
+    if args.for_:
+        kind, name = _for(args.for_)
+    else:
+        kind = kinds.resolve_kind(args.kind).value if args.kind else ""
+        name = args.name or ""
+    request = control_pb2.EventsRequest(kind=kind, name=name, limit=args.limit)
     with _client(args) as control:
         response = control.events(request)
     events = [_event_json(e) for e in response.events]
@@ -268,11 +345,20 @@ def build_parser() -> argparse.ArgumentParser:
     apply.add_argument("--dry-run", action="store_true", help="validate and report, change nothing")
     apply.set_defaults(func=cmd_apply)
 
+    diff = sub.add_parser(
+        "diff", help="show what apply would change (exit 0: nothing, 1: changes, 2: error)"
+    )
+    diff.add_argument("-f", "--filename", required=True, action="append", help=FILENAME_HELP)
+    diff.set_defaults(func=cmd_diff, error_status=2)
+
     get = sub.add_parser("get", help="list objects of a kind")
     get.add_argument("kind")
     get.add_argument("name", nargs="?")
     get.add_argument("-o", "--output", choices=["yaml", "json", "wide"])
     get.add_argument("-l", "--selector", help=SELECTOR_HELP)
+    get.add_argument(
+        "-w", "--watch", action="store_true", help="after the list, a line per change (Ctrl-C ends)"
+    )
     get.set_defaults(func=cmd_get)
 
     describe = sub.add_parser("describe", help="show an object with its conditions and events")
@@ -290,6 +376,9 @@ def build_parser() -> argparse.ArgumentParser:
     events = sub.add_parser("events", help="what the controller did, newest last")
     events.add_argument("kind", nargs="?")
     events.add_argument("name", nargs="?")
+    events.add_argument(
+        "--for", dest="for_", metavar="KIND/NAME", help="only this object's events (lane/gemma3)"
+    )
     events.add_argument("--limit", type=int, default=200)
     events.add_argument("-o", "--output", choices=["json"])
     events.set_defaults(func=cmd_events)
@@ -324,11 +413,13 @@ def _stdout_closed() -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    # What an error ends with: 1, except where 1 means something else (`diff`: changes).
+    failed = int(getattr(args, "error_status", 1))
     try:
         return int(args.func(args))
     except errors.BlazarError as err:
         print(f"error: {err.message}", file=sys.stderr)
-        return 1
+        return failed
     except grpc.RpcError as exc:
         remote = status.from_rpc_error(exc)
         if exc.code() == grpc.StatusCode.UNAVAILABLE:
@@ -338,7 +429,7 @@ def _run(args: argparse.Namespace) -> int:
             )
         else:
             print(f"Error from server ({_camel(remote.reason)}): {remote.message}", file=sys.stderr)
-        return 1
+        return failed
     except KeyboardInterrupt:
         return 130
 

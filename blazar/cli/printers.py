@@ -204,6 +204,14 @@ def table(kind: str, objs: Sequence[ObjectJson], *, wide: bool = False, now: dat
     return "\n".join(_grid(rows))
 
 
+def watch_row(kind: str, change: str, obj: ObjectJson, *, wide: bool = False, now: datetime) -> str:
+    """One line of `get -w`: the change (ADDED, MODIFIED, DELETED), then the object's
+    row of `table`, its columns at least as wide as their headers."""
+    cols = _columns(kind, wide, now)
+    rows = [[h for h, _ in cols], [str(f(obj)) for _, f in cols]]
+    return f"{change:<9} {_grid(rows)[1]}"
+
+
 def as_yaml(objs: Sequence[ObjectJson]) -> str:
     return yaml.safe_dump_all(list(objs), sort_keys=False).rstrip()
 
