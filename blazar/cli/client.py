@@ -63,3 +63,12 @@ class ControlClient:
             yield from stream
         finally:
             stream.cancel()
+
+    def logs(self, request: control_pb2.LogsRequest) -> Iterator[bytes]:
+        """A replica's log output as it arrives; cancelled as `watch` is."""
+        stream = self._stub.Logs(request, metadata=self._metadata)
+        try:
+            for chunk in stream:
+                yield chunk.data
+        finally:
+            stream.cancel()

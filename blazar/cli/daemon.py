@@ -194,6 +194,19 @@ async def _follow_auth_file(
         )
 
 
+# How often engine logs are checked against their size cap (`logfiles`).
+LOG_ROTATE_INTERVAL_S = 1.0
+
+
+async def _rotate_logs(supervisor: Supervisor, stop: asyncio.Event) -> None:
+    """Keep every engine log under its cap until `stop`."""
+    while not stop.is_set():
+        # In the loop, not a thread: the supervisor's replicas are the loop's to read.
+        supervisor.rotate_logs()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), LOG_ROTATE_INTERVAL_S)
+
+
 def _tighten(home: Path) -> None:
     """Take group and other permissions off what this user owns under `home` (written
     by a daemon before homes were private). Symlinks are left alone, not followed."""
@@ -378,6 +391,7 @@ async def _serve(options: Options, sock: socket.socket, keys: tenants.Tenants | 
             access=gate,
             control_socket=socket_path,
             activity=activity,
+            log_dir=supervisor.log_dir,
         )
     except OSError as exc:
         # Taken since the check in `run` (grpcio does not say why), or the home's path
@@ -414,6 +428,7 @@ async def _serve(options: Options, sock: socket.socket, keys: tenants.Tenants | 
         observe=lambda: [r for lane in sorted(supervisor.lanes()) for r in supervisor.observe(lane)]
     )
     monitor_task = asyncio.create_task(health.run(stop), name="engine-health")
+    rotate_task = asyncio.create_task(_rotate_logs(supervisor, stop), name="engine-logs")
     auth_task = None
     if options.auth_file is not None:
         auth_task = asyncio.create_task(
@@ -452,6 +467,7 @@ async def _serve(options: Options, sock: socket.socket, keys: tenants.Tenants | 
             # The watch died (its directory removed, say); the teardown below must run.
             log.exception("gitops.failed")
     await monitor_task
+    await rotate_task
     if auth_task is not None:
         try:
             await auth_task

@@ -237,11 +237,26 @@ def _event_json(e: control_pb2.Event) -> printers.EventJson:
             "message": e.message}  # fmt: skip
 
 
-def _for(target: str) -> tuple[str, str]:
+def cmd_logs(args: argparse.Namespace) -> int:
+    """`logs lane/NAME [--replica N] [-f]`: the engine's output, through Control (the
+    daemon may be on another host)."""
+    kind, name = _for(args.target, flag="logs")
+    if kind != kinds.Kind.LANE.value:
+        raise errors.InvalidRequest(f"logs are kept for Lanes' engines, not for {kind}s")
+    request = control_pb2.LogsRequest(lane=name, replica=args.replica, follow=args.follow)
+    out = sys.stdout.buffer
+    with _client(args) as control:
+        for data in control.logs(request):
+            out.write(data)
+            out.flush()
+    return 0
+
+
+def _for(target: str, *, flag: str = "--for") -> tuple[str, str]:
     """`events --for KIND/NAME`'s object, its kind in any accepted spelling."""
     kind, sep, name = target.partition("/")
     if not sep or not kind or not name:
-        raise errors.InvalidRequest(f"--for takes KIND/NAME (such as lane/gemma3), not '{target}'")
+        raise errors.InvalidRequest(f"{flag} takes KIND/NAME (such as lane/gemma3), not '{target}'")
     return kinds.resolve_kind(kind).value, name
 
 
@@ -372,6 +387,12 @@ def build_parser() -> argparse.ArgumentParser:
     delete.add_argument("name", nargs="?")
     delete.add_argument("-f", "--filename", action="append", help=FILENAME_HELP)
     delete.set_defaults(func=cmd_delete)
+
+    logs = sub.add_parser("logs", help="a Lane replica's engine output")
+    logs.add_argument("target", metavar="lane/NAME")
+    logs.add_argument("--replica", type=int, default=0, help="replica index (default 0)")
+    logs.add_argument("-f", "--follow", action="store_true", help="keep printing what comes")
+    logs.set_defaults(func=cmd_logs)
 
     events = sub.add_parser("events", help="what the controller did, newest last")
     events.add_argument("kind", nargs="?")

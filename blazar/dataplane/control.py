@@ -2,7 +2,8 @@
 
 Objects travel as JSON. `Apply` decodes them and hands the batch to
 `blazar.store.apply`, the admission GitOps uses too; the other RPCs read, delete and
-watch the store. Get and List add the data plane's live figures to a Lane's and an
+watch the store; `Logs` reads engine replicas' captured output (`logfiles`).
+Get and List add the data plane's live figures to a Lane's and an
 SLOPolicy's status (`status.admission`: queues, running requests, SLO attainment).
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any, TypeAlias
 
 import grpc
@@ -18,11 +20,16 @@ import grpc
 from blazar._proto.v1 import control_pb2, control_pb2_grpc
 from blazar.api import errors, kinds, manifests, selectors
 from blazar.api.errors import FieldError
+from blazar.enginehost import logfiles
 from blazar.rpc import status
 from blazar.store import apply
 from blazar.store.base import Event, Store, WatchEvent, WatchType
 
 Context: TypeAlias = grpc.aio.ServicerContext[Any, Any]
+
+LOG_CHUNK_BYTES = 64 * 1024
+# How often `Logs --follow` looks for more output.
+LOG_FOLLOW_POLL_S = 0.2
 
 # Figures the daemon holds in memory for an object (admission's queues, attainment),
 # merged into its status by Get and List: live, never stored.
@@ -52,9 +59,12 @@ def _event(e: Event) -> control_pb2.Event:
 
 
 class ControlService(control_pb2_grpc.ControlServicer):
-    def __init__(self, *, store: Store, live: LiveStatus | None = None) -> None:
+    def __init__(
+        self, *, store: Store, live: LiveStatus | None = None, log_dir: Path | None = None
+    ) -> None:
         self._store = store
         self._live = live
+        self._log_dir = log_dir
 
     async def Apply(
         self, request: control_pb2.ApplyRequest, context: Context
@@ -177,3 +187,44 @@ class ControlService(control_pb2_grpc.ControlServicer):
             kind=kind, name=request.name or None, limit=request.limit or 200
         )
         return control_pb2.EventsResponse(events=[_event(e) for e in events])
+
+    async def Logs(
+        self, request: control_pb2.LogsRequest, context: Context
+    ) -> AsyncIterator[control_pb2.LogChunk]:
+        """The replica's current log file, then (`follow`) what is appended to it; when
+        the file is rotated (cut to nothing) meanwhile, reading goes on from its start."""
+        try:
+            path = self._log_path(request.lane, request.replica)
+        except errors.BlazarError as err:
+            await status.abort(context, err)
+        offset = 0
+        while True:
+            try:
+                with path.open("rb") as f:
+                    if f.seek(0, 2) < offset:
+                        offset = 0  # rotated: what was before is in `.1`, already sent
+                    f.seek(offset)
+                    while data := f.read(LOG_CHUNK_BYTES):
+                        offset += len(data)
+                        yield control_pb2.LogChunk(data=data)
+            except FileNotFoundError:
+                pass
+            if not request.follow:
+                return
+            await asyncio.sleep(LOG_FOLLOW_POLL_S)
+
+    def _log_path(self, lane: str, replica: int) -> Path:
+        if self._log_dir is None:
+            raise errors.Unavailable("this server keeps no engine logs")
+        if replica < 0:
+            raise errors.InvalidRequest(f"replica must be 0 or more, not {replica}")
+        kinds_lane = kinds.Kind.LANE
+        known = logfiles.replicas(self._log_dir, lane) if lane else []
+        if not lane or (self._store.get(kinds_lane, lane) is None and not known):
+            raise errors.ObjectNotFound(f'Lane "{lane}" not found.')
+        if replica not in known:
+            have = ", ".join(map(str, known)) or "none yet"
+            raise errors.ObjectNotFound(
+                f'Lane "{lane}" has no log of replica {replica} (replicas with logs: {have}).'
+            )
+        return logfiles.path(self._log_dir, lane, replica)

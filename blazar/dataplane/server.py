@@ -70,6 +70,7 @@ async def start(
     access: access_.Access | None = None,
     control_socket: Path | None = None,
     activity: Activity | None = None,
+    log_dir: Path | None = None,
 ) -> DataPlane:
     """Bind address (port 0 picks a free port), and `control_socket` if given, and start
     serving; OSError when either cannot be bound (taken by another process, not local,
@@ -87,7 +88,7 @@ async def start(
     pool = EnginePool()
     inference = InferenceService(store=store, pool=pool, access=access, activity=activity)
     inference_pb2_grpc.add_InferenceServicer_to_server(inference, server)
-    control = ControlService(store=store, live=inference.live_status)
+    control = ControlService(store=store, live=inference.live_status, log_dir=log_dir)
     control_pb2_grpc.add_ControlServicer_to_server(control, server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)

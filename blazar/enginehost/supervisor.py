@@ -48,7 +48,7 @@ import structlog
 
 from blazar._proto.engine.v1 import engine_pb2
 from blazar.api.replicas import EngineLaunch, LaunchSpec, ReplicaObservation, ReplicaState
-from blazar.enginehost import forensics
+from blazar.enginehost import forensics, logfiles
 from blazar.enginehost.client import EngineClient
 
 log = structlog.get_logger(__name__)
@@ -296,8 +296,22 @@ class Supervisor:
         return self._kv_root() / lane
 
     def _log_path(self, replica: _Replica) -> Path:
-        """The replica's log: every run of it appends to the same file."""
-        return self.log_dir / f"{replica.lane}-{replica.index}.log"
+        """The replica's log: every run of it appends to the same file (`logfiles`)."""
+        return logfiles.path(self.log_dir, replica.lane, replica.index)
+
+    def rotate_logs(self) -> None:
+        """Rotate every replica's log that has grown past its cap (`logfiles`)."""
+        for replica in list(self._replicas.values()):
+            try:
+                if logfiles.rotate_if_full(self._log_path(replica)):
+                    replica.log_offset = 0  # this run's earlier output is in `.1`
+            except OSError as exc:
+                log.warning(
+                    "replica.log_rotate_failed",
+                    lane=replica.lane,
+                    index=replica.index,
+                    error=str(exc),
+                )
 
     def _launch_path(self, replica: _Replica) -> Path:
         return self.run_dir / f"{replica.lane}-{replica.index}.launch.json"
@@ -323,6 +337,8 @@ class Supervisor:
             replica, self._launch(replica, kv_dir=self._kv_dir(replica, warnings))
         )
         argv = [self.python, "-m", "blazar.engine", "--launch", str(launch)]
+        with contextlib.suppress(OSError):  # a crash loop must not grow the file past its cap
+            logfiles.rotate_if_full(self._log_path(replica))
         with self._log_path(replica).open("ab") as log_file:
             replica.log_offset = log_file.tell()
             replica.process = await asyncio.create_subprocess_exec(

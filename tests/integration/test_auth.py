@@ -304,6 +304,13 @@ def control_calls(
             control_pb2.DeleteRequest(kind="SLOPolicy", name="auth-test"), metadata=md, timeout=60
         )
 
+    def logs(md: tuple[tuple[str, str], ...]) -> Any:
+        stream = stub.Logs(control_pb2.LogsRequest(lane=LANE), metadata=md, timeout=60)
+        try:
+            return next(stream)
+        finally:
+            stream.cancel()
+
     return {
         "Apply": lambda md: stub.Apply(
             control_pb2.ApplyRequest(objects_json=[json.dumps(policy)], dry_run=True),
@@ -319,7 +326,16 @@ def control_calls(
         "Events": lambda md: stub.Events(
             control_pb2.EventsRequest(limit=1), metadata=md, timeout=60
         ),
+        "Logs": logs,
     }
+
+
+def test_the_matrix_calls_every_control_method() -> None:
+    """A new Control RPC must be added to `control_calls`, so the tests below check it."""
+    service = control_pb2.DESCRIPTOR.services_by_name["Control"]
+    with grpc.insecure_channel("localhost:1") as channel:
+        calls = control_calls(control_pb2_grpc.ControlStub(channel))
+    assert set(calls) == {m.name for m in service.methods}
 
 
 def refused(

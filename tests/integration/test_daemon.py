@@ -9,6 +9,8 @@ import os
 import re
 import shutil
 import signal
+import subprocess
+import sys
 import textwrap
 import threading
 import time
@@ -268,6 +270,65 @@ def test_watched_directory_owns_and_prunes_what_it_applied(daemon: Daemon, tmp_p
             daemon.cli("delete", "slo", name)
     print(f"\nwatched directory, file change to store: {figures}")
     assert all(seconds < 1.0 for seconds in figures.values()), figures
+
+
+class Follower:
+    """A CLI command that keeps printing (`logs -f`), its output gathered by a thread."""
+
+    def __init__(self, daemon: Daemon, *args: str) -> None:
+        argv = [sys.executable, "-m", "blazar.cli", "--server", daemon.control, *args]
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        self.out = bytearray()
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        while data := self.proc.stdout.read1(65536):
+            self.out += data
+
+    def interrupt(self) -> tuple[int, bytes]:
+        """Ctrl-C: its exit status and what it wrote to stderr."""
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            code = self.proc.wait(timeout=30)
+        finally:
+            self.proc.kill()
+            self.proc.wait()
+        assert self.proc.stderr is not None
+        return code, self.proc.stderr.read()
+
+
+def test_logs_print_follow_and_rotate_an_engines_output(daemon: Daemon) -> None:
+    """`blazar logs lane/NAME` reads the replica's captured output over Control; -f
+    follows it, through a rotation too; the file stays under its cap (owner only)."""
+    log = daemon.home / "logs" / "gemma3-0.log"
+    printed = daemon.cli("logs", "lane/gemma3")
+    assert printed.returncode == 0, printed.stderr
+    assert printed.stdout and log.read_text(errors="replace").startswith(printed.stdout)
+
+    follower = Follower(daemon, "logs", "lanes/gemma3", "--replica", "0", "-f")
+    marker = f"marker {time.monotonic()}\n".encode()
+    with log.open("ab") as f:  # what the engine would write next
+        f.write(marker)
+    wait_for(lambda: marker in follower.out, timeout=10, what="the followed line")
+    # Past the cap, the file is copied to .1 and cut; -f goes on from its new start.
+    with log.open("ab") as f:
+        f.write(b"x" * (10 * 1024 * 1024) + b"\n")
+    wait_for(lambda: log.stat().st_size < 1024 * 1024, timeout=10, what="the rotation")
+    rotated = log.with_name(log.name + ".1")
+    assert rotated.stat().st_size > 10 * 1024 * 1024
+    assert {p.stat().st_mode & 0o777 for p in (log, rotated)} == {0o600}
+    after = f"after rotation {time.monotonic()}\n".encode()
+    with log.open("ab") as f:
+        f.write(after)
+    wait_for(lambda: after in follower.out, timeout=20, what="the line after the rotation")
+    assert follower.interrupt() == (130, b"")
+
+    missing = daemon.cli("logs", "lane/gemma3", "--replica", "7")
+    assert missing.returncode == 1 and "no log of replica 7" in missing.stderr
+    assert daemon.cli("logs", "lane/no-such-lane").returncode == 1
+    assert "Lanes' engines" in daemon.cli("logs", "model/gemma3-270m").stderr
 
 
 def test_second_lane_apply_get_delete(daemon: Daemon, tmp_path: Path) -> None:

@@ -65,6 +65,11 @@ class ControlStub:
                 request_serializer=blazar_dot_v1_dot_control__pb2.EventsRequest.SerializeToString,
                 response_deserializer=blazar_dot_v1_dot_control__pb2.EventsResponse.FromString,
                 _registered_method=True)
+        self.Logs = channel.unary_stream(
+                '/blazar.v1.Control/Logs',
+                request_serializer=blazar_dot_v1_dot_control__pb2.LogsRequest.SerializeToString,
+                response_deserializer=blazar_dot_v1_dot_control__pb2.LogChunk.FromString,
+                _registered_method=True)
 
 
 class ControlServicer:
@@ -109,6 +114,15 @@ class ControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Logs(self, request, context):
+        """Logs streams a Lane replica's captured engine output (stdout and stderr): what its
+        current log file holds, then, with `follow`, what is written to it, until the
+        caller cancels. NOT_FOUND when the Lane has no such replica log.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -141,6 +155,11 @@ def add_ControlServicer_to_server(servicer, server):
                     servicer.Events,
                     request_deserializer=blazar_dot_v1_dot_control__pb2.EventsRequest.FromString,
                     response_serializer=blazar_dot_v1_dot_control__pb2.EventsResponse.SerializeToString,
+            ),
+            'Logs': grpc.unary_stream_rpc_method_handler(
+                    servicer.Logs,
+                    request_deserializer=blazar_dot_v1_dot_control__pb2.LogsRequest.FromString,
+                    response_serializer=blazar_dot_v1_dot_control__pb2.LogChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -305,6 +324,33 @@ class Control:
             '/blazar.v1.Control/Events',
             blazar_dot_v1_dot_control__pb2.EventsRequest.SerializeToString,
             blazar_dot_v1_dot_control__pb2.EventsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Logs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/blazar.v1.Control/Logs',
+            blazar_dot_v1_dot_control__pb2.LogsRequest.SerializeToString,
+            blazar_dot_v1_dot_control__pb2.LogChunk.FromString,
             options,
             channel_credentials,
             insecure,
