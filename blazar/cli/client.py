@@ -55,6 +55,10 @@ class ControlClient:
         response: control_pb2.EventsResponse = self._stub.Events(request, metadata=self._metadata)
         return response
 
+    def top(self, request: control_pb2.TopRequest) -> control_pb2.TopResponse:
+        response: control_pb2.TopResponse = self._stub.Top(request, metadata=self._metadata)
+        return response
+
     def watch(self, request: control_pb2.WatchRequest) -> Iterator[control_pb2.WatchEvent]:
         """Changes as they happen; the stream is cancelled when the caller stops reading
         (Ctrl-C included) or leaves the `with` block."""

@@ -384,6 +384,9 @@ async def _serve(options: Options, sock: socket.socket, keys: tenants.Tenants | 
     probe_key = secrets.token_urlsafe(32)
     gate = access.Access(tenants=keys, probe_key=probe_key)
     socket_path = control_socket(home)
+    health = monitor.HealthMonitor(
+        observe=lambda: [r for lane in sorted(supervisor.lanes()) for r in supervisor.observe(lane)]
+    )
     try:
         plane = await dataplane_server.start(
             store=store,
@@ -392,6 +395,7 @@ async def _serve(options: Options, sock: socket.socket, keys: tenants.Tenants | 
             control_socket=socket_path,
             activity=activity,
             log_dir=supervisor.log_dir,
+            engines=lambda: health.latest,
         )
     except OSError as exc:
         # Taken since the check in `run` (grpcio does not say why), or the home's path
@@ -424,9 +428,6 @@ async def _serve(options: Options, sock: socket.socket, keys: tenants.Tenants | 
     # that connects meanwhile waits in the backlog, it is not refused.
     shim = _shim(grpc_target, probe_key=probe_key, allow_origins=options.allow_origins)
     shim_task = asyncio.create_task(shim.serve(sockets=[sock]), name="shim")
-    health = monitor.HealthMonitor(
-        observe=lambda: [r for lane in sorted(supervisor.lanes()) for r in supervisor.observe(lane)]
-    )
     monitor_task = asyncio.create_task(health.run(stop), name="engine-health")
     rotate_task = asyncio.create_task(_rotate_logs(supervisor, stop), name="engine-logs")
     auth_task = None

@@ -252,6 +252,29 @@ def cmd_logs(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_top(args: argparse.Namespace) -> int:
+    with _client(args) as control:
+        response = control.top(control_pb2.TopRequest())
+    rows = [
+        printers.LaneLoad(
+            lane=r.lane,
+            replicas_reporting=r.replicas_reporting,
+            slots_busy=r.slots_busy,
+            slots_total=r.slots_total,
+            queued=r.queued,
+            running=r.running,
+            tokens_per_second=r.tokens_per_second,
+            memory_bytes=r.memory_bytes,
+        )
+        for r in response.lanes
+    ]
+    if args.output == "json":
+        print(json.dumps([vars(r) for r in rows], indent=2))
+    else:
+        print(printers.top_table(rows))
+    return 0
+
+
 def _for(target: str, *, flag: str = "--for") -> tuple[str, str]:
     """`events --for KIND/NAME`'s object, its kind in any accepted spelling."""
     kind, sep, name = target.partition("/")
@@ -393,6 +416,12 @@ def build_parser() -> argparse.ArgumentParser:
     logs.add_argument("--replica", type=int, default=0, help="replica index (default 0)")
     logs.add_argument("-f", "--follow", action="store_true", help="keep printing what comes")
     logs.set_defaults(func=cmd_logs)
+
+    top = sub.add_parser(
+        "top", help="each Lane's load: slots busy, queue, tokens/s, engines' memory"
+    )
+    top.add_argument("-o", "--output", choices=["json"])
+    top.set_defaults(func=cmd_top)
 
     events = sub.add_parser("events", help="what the controller did, newest last")
     events.add_argument("kind", nargs="?")

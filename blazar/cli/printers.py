@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Required, TypedDict
 
@@ -327,6 +328,42 @@ def _admission_lines(obj: ObjectJson) -> list[str]:
         "  Refused:      "
         + (", ".join(f"{reason} {n}" for reason, n in refused.items()) or "<none>"),
     ]
+
+
+@dataclass(frozen=True)
+class LaneLoad:
+    """One row of `blazar top` (Control's `LaneTop`)."""
+
+    lane: str
+    replicas_reporting: int
+    slots_busy: int
+    slots_total: int
+    queued: int
+    running: int
+    tokens_per_second: float
+    memory_bytes: int
+
+
+def top_table(rows: Sequence[LaneLoad]) -> str:
+    """`blazar top`: each Lane's slots, queue, throughput and engines' memory. A Lane
+    whose engines have not reported (none ready yet) shows `-` for what they report."""
+    if not rows:
+        return "No Lane resources found."
+    lines = [["LANE", "REPLICAS", "SLOTS", "QUEUE", "RUNNING", "TOKENS/S", "MEMORY"]]
+    for r in rows:
+        reported = r.replicas_reporting > 0
+        lines.append(
+            [
+                r.lane,
+                str(r.replicas_reporting),
+                f"{r.slots_busy}/{r.slots_total}" if reported else "-",
+                str(r.queued),
+                str(r.running),
+                f"{r.tokens_per_second:.1f}",
+                _size(r.memory_bytes) if reported else "-",
+            ]
+        )
+    return "\n".join(_grid(lines))
 
 
 def events_table(events: Sequence[EventJson], *, now: datetime) -> str:

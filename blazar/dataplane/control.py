@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeAlias
 
@@ -20,7 +20,7 @@ import grpc
 from blazar._proto.v1 import control_pb2, control_pb2_grpc
 from blazar.api import errors, kinds, manifests, selectors
 from blazar.api.errors import FieldError
-from blazar.enginehost import logfiles
+from blazar.enginehost import logfiles, monitor
 from blazar.rpc import status
 from blazar.store import apply
 from blazar.store.base import Event, Store, WatchEvent, WatchType
@@ -34,6 +34,9 @@ LOG_FOLLOW_POLL_S = 0.2
 # Figures the daemon holds in memory for an object (admission's queues, attainment),
 # merged into its status by Get and List: live, never stored.
 LiveStatus: TypeAlias = Callable[[kinds.Kind, str], dict[str, Any]]
+
+# The engines' last Health round (`monitor.HealthMonitor.latest`), for `Top`.
+EngineSamples: TypeAlias = Callable[[], Sequence[monitor.Sample]]
 
 
 def _found(kind: kinds.Kind, name: str, obj: kinds.Resource | None) -> kinds.Resource:
@@ -60,11 +63,17 @@ def _event(e: Event) -> control_pb2.Event:
 
 class ControlService(control_pb2_grpc.ControlServicer):
     def __init__(
-        self, *, store: Store, live: LiveStatus | None = None, log_dir: Path | None = None
+        self,
+        *,
+        store: Store,
+        live: LiveStatus | None = None,
+        log_dir: Path | None = None,
+        engines: EngineSamples | None = None,
     ) -> None:
         self._store = store
         self._live = live
         self._log_dir = log_dir
+        self._engines = engines
 
     async def Apply(
         self, request: control_pb2.ApplyRequest, context: Context
@@ -228,3 +237,27 @@ class ControlService(control_pb2_grpc.ControlServicer):
                 f'Lane "{lane}" has no log of replica {replica} (replicas with logs: {have}).'
             )
         return logfiles.path(self._log_dir, lane, replica)
+
+    async def Top(
+        self, request: control_pb2.TopRequest, context: Context
+    ) -> control_pb2.TopResponse:
+        samples = list(self._engines()) if self._engines is not None else []
+        rows = []
+        for lane in self._store.list(kinds.Kind.LANE):
+            name = lane.metadata.name
+            live = self._live(kinds.Kind.LANE, name) if self._live is not None else {}
+            figures = live.get("admission", {})
+            mine = [s for s in samples if s.lane == name]
+            rows.append(
+                control_pb2.LaneTop(
+                    lane=name,
+                    replicas_reporting=len(mine),
+                    slots_busy=sum(s.busy for s in mine),
+                    slots_total=sum(s.busy + s.free for s in mine),
+                    queued=sum(q["waiting"] for q in figures.get("queue", [])),
+                    running=figures.get("running", 0),
+                    tokens_per_second=figures.get("tokensPerSecond", 0.0),
+                    memory_bytes=sum(s.memory_bytes for s in mine),
+                )
+            )
+        return control_pb2.TopResponse(lanes=rows)

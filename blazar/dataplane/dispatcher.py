@@ -57,7 +57,7 @@ import structlog
 
 from blazar._proto.v1 import inference_pb2
 from blazar.api import errors
-from blazar.dataplane import admission, metrics, routing
+from blazar.dataplane import admission, metrics, routing, throughput
 from blazar.dataplane.measurements import LaneMeasurements
 from blazar.dataplane.parking import Parked, Parker
 
@@ -175,6 +175,7 @@ class LaneDispatcher:
     ) -> None:
         self.lane = route.lane
         self.measurements = LaneMeasurements()
+        self.throughput = throughput.Throughput()
         # Per policy name; read by the Control API (`blazar get slopolicies`).
         self.figures: dict[str, PolicyFigures] = {}
         self._route: routing.Route | None = route
@@ -305,6 +306,10 @@ class LaneDispatcher:
     def running(self) -> int:
         return len(self._running)
 
+    def tokens_per_second(self) -> float:
+        """Tokens generated per second by requests that finished lately (`throughput`)."""
+        return self.throughput.rate(self._clock())
+
     # --- the task ------------------------------------------------------------------
 
     async def _serve(self) -> None:
@@ -368,6 +373,8 @@ class LaneDispatcher:
                 self._parked_bytes.pop(ticket_id, None)
                 self._queue.cancel(ticket_id)
             run = self._running.pop(ticket_id, None)
+            if event.final is not None:
+                self.throughput.record(now, event.final.usage.completion_tokens)
             if run is not None and event.final is not None:
                 self.measurements.record(
                     run.replica.index,

@@ -162,7 +162,13 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                 {"policy": policy, "waiting": n, "oldestWaitMs": round(oldest[policy] * 1000)}
                 for policy, n in sorted(lane.queued().items())
             ]
-            return {"admission": {"running": lane.running(), "queue": queue}}
+            return {
+                "admission": {
+                    "running": lane.running(),
+                    "queue": queue,
+                    "tokensPerSecond": round(lane.tokens_per_second(), 2),
+                }
+            }
         if kind == Kind.SLO_POLICY:
             queued = first_tokens = met = targeted = 0
             refused: Counter[str] = Counter()

@@ -21,7 +21,7 @@ from grpc_reflection.v1alpha import reflection
 
 from blazar._proto.v1 import control_pb2, control_pb2_grpc, inference_pb2, inference_pb2_grpc
 from blazar.dataplane import access as access_
-from blazar.dataplane.control import ControlService
+from blazar.dataplane.control import ControlService, EngineSamples
 from blazar.dataplane.inference import InferenceService
 from blazar.enginehost.activity import Activity
 from blazar.enginehost.client import EnginePool
@@ -71,6 +71,7 @@ async def start(
     control_socket: Path | None = None,
     activity: Activity | None = None,
     log_dir: Path | None = None,
+    engines: EngineSamples | None = None,
 ) -> DataPlane:
     """Bind address (port 0 picks a free port), and `control_socket` if given, and start
     serving; OSError when either cannot be bound (taken by another process, not local,
@@ -88,7 +89,9 @@ async def start(
     pool = EnginePool()
     inference = InferenceService(store=store, pool=pool, access=access, activity=activity)
     inference_pb2_grpc.add_InferenceServicer_to_server(inference, server)
-    control = ControlService(store=store, live=inference.live_status, log_dir=log_dir)
+    control = ControlService(
+        store=store, live=inference.live_status, log_dir=log_dir, engines=engines
+    )
     control_pb2_grpc.add_ControlServicer_to_server(control, server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)

@@ -139,6 +139,8 @@ class HealthMonitor:
     publisher: Publisher = field(default_factory=Publisher)
     # One client per ready replica, kept from round to round.
     pool: EnginePool = field(default_factory=EnginePool)
+    # The last round's samples (`blazar top` reads them).
+    latest: list[Sample] = field(default_factory=list)
 
     async def poll_once(self) -> list[Sample]:
         ready = [r for r in self.observe() if r.state is ReplicaState.READY]
@@ -152,6 +154,7 @@ class HealthMonitor:
             if health is not None
         ]
         self.publisher.publish(samples)
+        self.latest = samples
         return samples
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -165,5 +168,6 @@ class HealthMonitor:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), self.interval)
         finally:
+            self.latest = []
             self.publisher.publish(())
             await self.pool.close()

@@ -327,6 +327,7 @@ def control_calls(
             control_pb2.EventsRequest(limit=1), metadata=md, timeout=60
         ),
         "Logs": logs,
+        "Top": lambda md: stub.Top(control_pb2.TopRequest(), metadata=md, timeout=60),
     }
 
 

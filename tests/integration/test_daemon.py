@@ -331,6 +331,44 @@ def test_logs_print_follow_and_rotate_an_engines_output(daemon: Daemon) -> None:
     assert "Lanes' engines" in daemon.cli("logs", "model/gemma3-270m").stderr
 
 
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
+def test_top_shows_slots_queue_throughput_and_memory(daemon: Daemon, model_path: Path) -> None:
+    """`blazar top`: slots and memory from the engines' Health (polled every 5 s),
+    queue and tokens per second from the data plane, for the default Lane."""
+    no_eog = bias(pinning.no_end_of_generation(model_path))
+    for _ in range(2):  # 16 tokens each, pinned: no end of generation
+        done = client(daemon).completions.create(
+            model="gemma3", prompt="Count:", max_tokens=16, temperature=0, logit_bias=no_eog
+        )
+        assert done.usage is not None and done.usage.completion_tokens == 16
+
+    def row() -> dict[str, Any] | None:
+        out = daemon.cli("top", "-o", "json")
+        assert out.returncode == 0, out.stderr
+        rows = {r["lane"]: r for r in json.loads(out.stdout)}
+        return rows["gemma3"] if rows["gemma3"]["replicas_reporting"] else None
+
+    top = wait_for(row, timeout=15, what="the engines' Health round")
+    assert top["slots_total"] == 4 and 0 <= top["slots_busy"] <= 4  # manifests/: 1 x 4
+    assert (top["queued"], top["running"]) == (0, 0)
+    # At least the last request's 16 tokens, within the 10 s window (more if others
+    # finished in it too).
+    assert top["tokens_per_second"] >= 16 / 10
+    (pid,) = daemon.pids("gemma3")
+    assert 0.5 < top["memory_bytes"] / rss_bytes(pid) < 2.0
+    table = daemon.cli("top").stdout.splitlines()
+    assert table[0].split()[:3] == ["LANE", "REPLICAS", "SLOTS"]
+    (line,) = [line.split() for line in table if line.startswith("gemma3 ")]
+    # The next Health round may have come (or timed out) since: its figures, or dashes.
+    assert len(line) == 7 and line[2] in {*(f"{n}/4" for n in range(5)), "-"}, table
+
+
 def test_second_lane_apply_get_delete(daemon: Daemon, tmp_path: Path) -> None:
     manifest = tmp_path / "second.yaml"
     manifest.write_text(

@@ -142,3 +142,33 @@ class LogChunk(_message.Message):
     DATA_FIELD_NUMBER: _ClassVar[int]
     data: bytes
     def __init__(self, data: _Optional[bytes] = ...) -> None: ...
+
+class TopRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LaneTop(_message.Message):
+    __slots__ = ("lane", "replicas_reporting", "slots_busy", "slots_total", "queued", "running", "tokens_per_second", "memory_bytes")
+    LANE_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_REPORTING_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_BUSY_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    lane: str
+    replicas_reporting: int
+    slots_busy: int
+    slots_total: int
+    queued: int
+    running: int
+    tokens_per_second: float
+    memory_bytes: int
+    def __init__(self, lane: _Optional[str] = ..., replicas_reporting: _Optional[int] = ..., slots_busy: _Optional[int] = ..., slots_total: _Optional[int] = ..., queued: _Optional[int] = ..., running: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., memory_bytes: _Optional[int] = ...) -> None: ...
+
+class TopResponse(_message.Message):
+    __slots__ = ("lanes",)
+    LANES_FIELD_NUMBER: _ClassVar[int]
+    lanes: _containers.RepeatedCompositeFieldContainer[LaneTop]
+    def __init__(self, lanes: _Optional[_Iterable[_Union[LaneTop, _Mapping]]] = ...) -> None: ...

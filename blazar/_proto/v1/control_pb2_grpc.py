@@ -70,6 +70,11 @@ class ControlStub:
                 request_serializer=blazar_dot_v1_dot_control__pb2.LogsRequest.SerializeToString,
                 response_deserializer=blazar_dot_v1_dot_control__pb2.LogChunk.FromString,
                 _registered_method=True)
+        self.Top = channel.unary_unary(
+                '/blazar.v1.Control/Top',
+                request_serializer=blazar_dot_v1_dot_control__pb2.TopRequest.SerializeToString,
+                response_deserializer=blazar_dot_v1_dot_control__pb2.TopResponse.FromString,
+                _registered_method=True)
 
 
 class ControlServicer:
@@ -123,6 +128,15 @@ class ControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Top(self, request, context):
+        """Top reports each Lane's load now: what its engines last said in their Health
+        (slots, resident memory; polled every few seconds) and what the data plane
+        measures (queue, running requests, tokens generated per second lately).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -160,6 +174,11 @@ def add_ControlServicer_to_server(servicer, server):
                     servicer.Logs,
                     request_deserializer=blazar_dot_v1_dot_control__pb2.LogsRequest.FromString,
                     response_serializer=blazar_dot_v1_dot_control__pb2.LogChunk.SerializeToString,
+            ),
+            'Top': grpc.unary_unary_rpc_method_handler(
+                    servicer.Top,
+                    request_deserializer=blazar_dot_v1_dot_control__pb2.TopRequest.FromString,
+                    response_serializer=blazar_dot_v1_dot_control__pb2.TopResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -351,6 +370,33 @@ class Control:
             '/blazar.v1.Control/Logs',
             blazar_dot_v1_dot_control__pb2.LogsRequest.SerializeToString,
             blazar_dot_v1_dot_control__pb2.LogChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Top(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/blazar.v1.Control/Top',
+            blazar_dot_v1_dot_control__pb2.TopRequest.SerializeToString,
+            blazar_dot_v1_dot_control__pb2.TopResponse.FromString,
             options,
             channel_credentials,
             insecure,
