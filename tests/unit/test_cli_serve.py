@@ -18,3 +18,18 @@ def test_serve_refuses_a_watch_directory_that_does_not_exist(
     assert code == 1
     assert f"--watch: '{missing}' is not a directory" in capsys.readouterr().err
     assert not home.exists()  # nothing was started or written
+
+
+@pytest.mark.parametrize(
+    ("argv", "prune"),
+    [([], True), (["--prune"], True), (["--prune=false"], False), (["--prune", "true"], True)],
+)
+def test_serve_prunes_unless_told_not_to(argv: list[str], prune: bool) -> None:
+    assert main.build_parser().parse_args(["serve", *argv]).prune is prune
+
+
+def test_serve_refuses_a_prune_value_it_does_not_know(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main.build_parser().parse_args(["serve", "--prune=maybe"])
+    assert exit_.value.code == 2
+    assert "expected true or false, not 'maybe'" in capsys.readouterr().err
