@@ -11,7 +11,7 @@ The directory owns what it applies: each object carries the annotation
 pruning on (the default), an owned object that no file holds any more (its file
 deleted, or it removed from its file) is deleted by the same batch, Lanes before the
 Models they use. Objects without the annotation (applied by hand with `blazar apply`)
-are never pruned.
+are never pruned. Each pruned object gets a `Pruned` event saying where it came from.
 """
 
 from __future__ import annotations
@@ -59,6 +59,17 @@ def sync(store: Store, directory: Path, *, prune: bool = True) -> bool:
         # Whatever a manifest breaks, the daemon and what it runs stay up.
         log.exception("gitops.failed", directory=str(directory))
         return False
+    for o in outcomes:
+        if o.action is ApplyAction.PRUNED:
+            source = o.object.metadata.annotations.get(SOURCE_ANNOTATION, "?")
+            store.record_event(
+                kind=o.object.kind,
+                name=o.object.metadata.name,
+                type="Normal",
+                reason="Pruned",
+                message=f"Deleted: no file of {directory} holds it any more (it came from "
+                f"{source}).",
+            )
     changed = [
         f"{o.object.kind}/{o.object.metadata.name} {o.action.value}"
         for o in outcomes

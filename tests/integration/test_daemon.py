@@ -167,8 +167,9 @@ class StoreWatch:
 
     def __init__(self, daemon: Daemon, kind: str) -> None:
         self._channel = grpc.insecure_channel(daemon.control)
-        stub = control_pb2_grpc.ControlStub(self._channel)
-        self._stream = stub.Watch(control_pb2.WatchRequest(kind=kind))
+        # For the test's own reads too: in process, not a CLI start each (seconds here).
+        self.stub = control_pb2_grpc.ControlStub(self._channel)
+        self._stream = self.stub.Watch(control_pb2.WatchRequest(kind=kind))
         self.seen: list[tuple[float, str, dict[str, Any]]] = []
         self._thread = threading.Thread(target=self._read, daemon=True)
         self._thread.start()
@@ -212,11 +213,16 @@ def test_watched_directory_owns_and_prunes_what_it_applied(daemon: Daemon, tmp_p
     assert daemon.cli("apply", "-f", str(hand)).returncode == 0
     other.write_text(policy_yaml("other", 4))
     watch = StoreWatch(daemon, "SLOPolicy")
+    stub = watch.stub
 
-    def policies() -> list[dict[str, Any]]:
-        listed = json.loads(daemon.cli("get", "slo", "-o", "json").stdout)
-        items: list[dict[str, Any]] = listed.get("items", [listed])
-        return items
+    def policies() -> dict[str, dict[str, Any]]:
+        listed = stub.List(control_pb2.ListRequest(kind="SLOPolicy"), timeout=30)
+        objs = [json.loads(o) for o in listed.objects_json]
+        return {o["metadata"]["name"]: o for o in objs}
+
+    def events(kind: str = "", name: str = "") -> list[control_pb2.Event]:
+        request = control_pb2.EventsRequest(kind=kind, name=name)
+        return list(stub.Events(request, timeout=30).events)
 
     figures: dict[str, float] = {}
     try:
@@ -234,40 +240,45 @@ def test_watched_directory_owns_and_prunes_what_it_applied(daemon: Daemon, tmp_p
             )
 
         converge("create", "ADDED", "extra", lambda: extra.write_text(policy_yaml("extra", 7)))
-        got = daemon.get("slo", "extra")
+        got = policies()["extra"]
         assert got["metadata"]["annotations"] == {"blazar.dev/source": "extra.yaml"}
+        assert policies()["by-hand"]["metadata"]["annotations"] == {}
         converge("edit", "MODIFIED", "extra",
                  lambda: extra.write_text(policy_yaml("extra", 9)), generation=2)  # fmt: skip
-        assert daemon.get("slo", "extra")["spec"]["priority"] == 9
+        assert policies()["extra"]["spec"]["priority"] == 9
 
         # A broken file: nothing is applied or pruned, and an event names file and field.
-        def versions() -> list[tuple[str, int]]:
-            return [(o["metadata"]["name"], o["metadata"]["resourceVersion"]) for o in policies()]
+        def written() -> dict[str, tuple[Any, ...]]:
+            return {
+                name: (o["metadata"]["generation"], o["metadata"].get("annotations"), o["spec"])
+                for name, o in policies().items()
+            }  # fmt: skip
 
-        before = versions()
+        before = written()
         other.write_text(policy_yaml("other", 5).replace("priority: 5", "priority: 5, colour: 1"))
+        extra.unlink()  # would be pruned, were the batch accepted
         wait_for(
-            lambda: (
-                "SLOPolicy/other (other.yaml#1): spec.colour"
-                in daemon.cli("events", "-o", "json").stdout
+            lambda: any(
+                "SLOPolicy/other (other.yaml#1): spec.colour" in e.message
+                for e in events("Manifest")
             ),
             timeout=10,
             what="the rejection event",
         )
-        assert versions() == before
-        other.write_text(policy_yaml("other", 4))
+        assert written() == before
 
-        # A deleted file prunes its own objects, and only them.
-        converge("delete", "DELETED", "extra", extra.unlink)
-        assert {"other", "by-hand"} <= {o["metadata"]["name"] for o in policies()}
-        assert daemon.cli("get", "slo", "extra").returncode != 0
-        assert daemon.cli("get", "lane", "gemma3").returncode == 0
+        # Fixed: the batch goes through, and the deleted file's objects go, only them.
+        converge("delete", "DELETED", "extra", lambda: other.write_text(policy_yaml("other", 4)))
+        assert {"other", "by-hand"} <= set(policies()) and "extra" not in policies()
+        assert [e.reason for e in events("SLOPolicy", "extra")][-1:] == ["Pruned"]
+        assert stub.Get(control_pb2.GetRequest(kind="Lane", name="gemma3"), timeout=30)
     finally:
-        watch.close()
         for path in (extra, other):
             path.unlink(missing_ok=True)
         for name in ("extra", "other", "by-hand"):
-            daemon.cli("delete", "slo", name)
+            with contextlib.suppress(grpc.RpcError):  # pruned already
+                stub.Delete(control_pb2.DeleteRequest(kind="SLOPolicy", name=name), timeout=30)
+        watch.close()
     print(f"\nwatched directory, file change to store: {figures}")
     assert all(seconds < 1.0 for seconds in figures.values()), figures
 

@@ -94,6 +94,11 @@ def test_a_deleted_file_prunes_its_objects_lanes_first(tmp_path: Path) -> None:
     (tmp_path / "fleet.yaml").unlink()
     assert watcher.sync(store, tmp_path)
     assert keys(store) == ["SLOPolicy/p"]
+    assert [(e.kind, e.name, e.reason) for e in store.events()] == [
+        ("Lane", "l", "Pruned"),
+        ("Model", "m", "Pruned"),
+    ]
+    assert "it came from fleet.yaml" in store.events()[0].message
     assert [(e.type.value, e.object.kind) for e in seen] == [
         ("DELETED", "Lane"),
         ("DELETED", "Model"),
