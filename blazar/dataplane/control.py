@@ -200,8 +200,9 @@ class ControlService(control_pb2_grpc.ControlServicer):
     async def Logs(
         self, request: control_pb2.LogsRequest, context: Context
     ) -> AsyncIterator[control_pb2.LogChunk]:
-        """The replica's current log file, then (`follow`) what is appended to it; when
-        the file is rotated (cut to nothing) meanwhile, reading goes on from its start."""
+        """The replica's current log file, then (`follow`) what is appended to it until
+        the Lane is deleted; when the file is rotated (cut to nothing) meanwhile,
+        reading goes on from its start."""
         try:
             path = self._log_path(request.lane, request.replica)
         except errors.BlazarError as err:
@@ -218,8 +219,8 @@ class ControlService(control_pb2_grpc.ControlServicer):
                         yield control_pb2.LogChunk(data=data)
             except FileNotFoundError:
                 pass
-            if not request.follow:
-                return
+            if not request.follow or self._store.get(kinds.Kind.LANE, request.lane) is None:
+                return  # a deleted Lane writes no more (its last output was sent)
             await asyncio.sleep(LOG_FOLLOW_POLL_S)
 
     def _log_path(self, lane: str, replica: int) -> Path:

@@ -193,3 +193,40 @@ def test_events_for_shows_only_that_objects_events(
     assert wrong.returncode == 1 and "KIND/NAME" in wrong.stderr
     for name in ("absent-a", "absent-b"):
         control.delete("Model", name)
+
+
+def test_logs_follow_ends_when_the_lane_is_deleted(
+    daemon: Daemon, control: Control, tmp_path: Path
+) -> None:
+    """`logs -f` over Control, on a Lane whose engine cannot start (its Model's file is
+    absent): the replica log is written here as its engine would have written it."""
+    manifest = tmp_path / "quiet.yaml"
+    manifest.write_text(
+        "apiVersion: blazar.dev/v1alpha1\nkind: Model\nmetadata: {name: absent-q}\n"
+        f"spec: {{source: {{path: {json.dumps(str(daemon.home / 'absent-q.gguf'))}}}}}\n"
+        "---\napiVersion: blazar.dev/v1alpha1\nkind: Lane\nmetadata: {name: quiet}\n"
+        "spec: {model: absent-q}\n"
+    )
+    control.apply(manifest)
+    log = daemon.home / "logs" / "quiet-0.log"
+    log.write_bytes(b"first line\n")
+    missing = daemon.cli("logs", "lane/quiet", "--replica", "1")
+    assert missing.returncode == 1
+    assert "no log of replica 1 (replicas with logs: 0)" in missing.stderr
+    argv = [sys.executable, "-m", "blazar.cli", "--server", daemon.control]
+    follow = subprocess.Popen(
+        [*argv, "logs", "lane/quiet", "-f"], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    try:
+        assert follow.stdout is not None and follow.stderr is not None
+        assert follow.stdout.readline() == b"first line\n"
+        with log.open("ab") as f:
+            f.write(b"second line\n")
+        assert follow.stdout.readline() == b"second line\n"
+        control.delete("Lane", "quiet")
+        assert follow.wait(timeout=30) == 0
+        assert follow.stderr.read() == b""
+    finally:
+        follow.kill()
+        follow.wait()
+        control.delete("Model", "absent-q")

@@ -122,7 +122,8 @@ class ControlServicer:
     def Logs(self, request, context):
         """Logs streams a Lane replica's captured engine output (stdout and stderr): what its
         current log file holds, then, with `follow`, what is written to it, until the
-        caller cancels. NOT_FOUND when the Lane has no such replica log.
+        caller cancels or the Lane is deleted. NOT_FOUND when the Lane has no such
+        replica log.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
