@@ -635,6 +635,17 @@ def test_daemon_kill_leaves_no_orphans_and_restart_reconverges(model_path: Path)
             spawned = [e for e in events if e.get("event") == "replica.spawned"]
             assert len(spawned) == 1, spawned
             assert not [e for e in events if e.get("event") == "replica.stop"]
+
+            # Its file deleted, the watched directory prunes the Lane, then its Model
+            # (one batch), and the engine stops.
+            seen = third.log_path.stat().st_size
+            started = time.monotonic()
+            manifest.unlink()
+            wait_for(lambda: not pid_alive(pid), timeout=60, what="the pruned Lane's engine")
+            print(f"\npruned Lane's engine gone {time.monotonic() - started:.2f} s after its file")
+            (applied,) = [e for e in third.events("gitops.applied", since=seen) if e["changed"]]
+            assert applied["changed"] == ["Lane/solo pruned", "Model/local pruned"]
+            assert json.loads(third.cli("get", "lanes", "-o", "json").stdout)["items"] == []
         finally:
             third.stop()
     finally:
