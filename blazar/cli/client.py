@@ -7,12 +7,29 @@ RPC answers. Errors are left as `grpc.RpcError` for `blazar.cli.main` to print.
 
 from __future__ import annotations
 
+import argparse
+import os
 from collections.abc import Iterator
 from types import TracebackType
 
 import grpc
 
 from blazar._proto.v1 import control_pb2, control_pb2_grpc
+from blazar.cli import home
+
+
+def target(args: argparse.Namespace) -> str:
+    """The daemon's address: --server, else the Control socket of $BLAZAR_HOME."""
+    if args.server:
+        return str(args.server)
+    return f"unix:{home.control_socket(home.default_home())}"
+
+
+def from_args(args: argparse.Namespace) -> ControlClient:
+    """A client of the daemon the command line names, with its key (--api-key, else
+    $BLAZAR_API_KEY) if any."""
+    key = args.api_key or os.environ.get("BLAZAR_API_KEY") or None
+    return ControlClient(target(args), api_key=key)
 
 
 class ControlClient:

@@ -25,20 +25,9 @@ import grpc
 
 from blazar import logs
 from blazar._proto.v1 import control_pb2
-from blazar.api import errors, kinds, manifests, selectors, tenants
-from blazar.cli import client, diffs, home, printers
+from blazar.api import errors, kinds, manifests, tenants
+from blazar.cli import client, diffs, home, observe, printers
 from blazar.rpc import status
-
-
-def _server(args: argparse.Namespace) -> str:
-    if args.server:
-        return str(args.server)
-    return f"unix:{home.control_socket(home.default_home())}"
-
-
-def _client(args: argparse.Namespace) -> client.ControlClient:
-    key = args.api_key or os.environ.get("BLAZAR_API_KEY") or None
-    return client.ControlClient(_server(args), api_key=key)
 
 
 def _read_docs(targets: Sequence[str]) -> list[tuple[str, dict[str, Any]]]:
@@ -105,7 +94,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
         dry_run=args.dry_run,
         field_manager="blazar-cli",
     )
-    with _client(args) as control:
+    with client.from_args(args) as control:
         response = control.apply(request)
     suffix = " (dry run)" if args.dry_run else ""
     for result in response.results:
@@ -121,7 +110,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
         objects_json=[json.dumps(doc) for _, doc in docs], dry_run=True, field_manager="blazar-cli"
     )
     changed = False
-    with _client(args) as control:
+    with client.from_args(args) as control:
         for result in control.apply(request).results:
             if result.action == "unchanged":
                 continue
@@ -152,8 +141,8 @@ def _objects(
 
 def cmd_get(args: argparse.Namespace) -> int:
     if args.watch:
-        return _watch(args)
-    with _client(args) as control:
+        return observe.watch(args)
+    with client.from_args(args) as control:
         kind, objs = _objects(control, args)
     if args.output == "yaml":
         print(printers.as_yaml(objs))
@@ -166,51 +155,14 @@ def cmd_get(args: argparse.Namespace) -> int:
     return 0
 
 
-def _watch(args: argparse.Namespace) -> int:
-    """`get KIND -w`: the table, then a line per change until Ctrl-C (or the daemon
-    goes away). Changes that the table already shows are not repeated: a change is an
-    object written after the list's resourceVersion, or a deletion."""
-    if args.output in ("yaml", "json"):
-        raise errors.InvalidRequest("get -w prints a table; -o yaml and -o json are not watched")
-    kind = kinds.resolve_kind(args.kind)
-    selector = selectors.parse(args.selector or "")
-    wide = args.output == "wide"
-    with _client(args) as control:
-        listed = control.list(
-            control_pb2.ListRequest(kind=kind.value, label_selector=args.selector or "")
-        )
-        objs = [json.loads(o) for o in listed.objects_json]
-        objs = [o for o in objs if not args.name or o["metadata"]["name"] == args.name]
-        if objs:
-            print(printers.table(kind.value, objs, wide=wide, now=datetime.now(UTC)), flush=True)
-        else:
-            print(f"No {kind.value} resources found.", file=sys.stderr, flush=True)
-        for event in control.watch(control_pb2.WatchRequest(kind=kind.value)):
-            obj = json.loads(event.object_json)
-            meta = obj["metadata"]
-            if args.name and meta["name"] != args.name:
-                continue
-            if not selector.matches(meta.get("labels", {})):
-                continue
-            fresh = (
-                event.type == "DELETED" or meta.get("resourceVersion", 0) > listed.resource_version
-            )
-            if fresh:
-                line = printers.watch_row(
-                    kind.value, event.type, obj, wide=wide, now=datetime.now(UTC)
-                )
-                print(line, flush=True)
-    return 0
-
-
 def cmd_describe(args: argparse.Namespace) -> int:
     pages = []
-    with _client(args) as control:
+    with client.from_args(args) as control:
         kind, objs = _objects(control, args)
         for obj in objs:
             name = obj["metadata"]["name"]
             request = control_pb2.EventsRequest(kind=kind, name=name, limit=50)
-            events = [_event_json(e) for e in control.events(request).events]
+            events = [observe.event_json(e) for e in control.events(request).events]
             pages.append(printers.describe(obj, events, now=datetime.now(UTC)))
     print("\n\n".join(pages))
     return 0
@@ -225,80 +177,10 @@ def cmd_delete(args: argparse.Namespace) -> int:
         targets = [(kinds.resolve_kind(args.kind).value, args.name)]
     else:
         raise errors.InvalidRequest("delete needs KIND NAME or -f FILE")
-    with _client(args) as control:
+    with client.from_args(args) as control:
         for kind, name in targets:
             control.delete(control_pb2.DeleteRequest(kind=kind, name=name))
             print(f"{kind.lower()}/{name} deleted")
-    return 0
-
-
-def _event_json(e: control_pb2.Event) -> printers.EventJson:
-    return {"time": e.time, "type": e.type, "reason": e.reason, "kind": e.kind, "name": e.name,
-            "message": e.message}  # fmt: skip
-
-
-def cmd_logs(args: argparse.Namespace) -> int:
-    """`logs lane/NAME [--replica N] [-f]`: the engine's output, through Control (the
-    daemon may be on another host)."""
-    kind, name = _for(args.target, flag="logs")
-    if kind != kinds.Kind.LANE.value:
-        raise errors.InvalidRequest(f"logs are kept for Lanes' engines, not for {kind}s")
-    request = control_pb2.LogsRequest(lane=name, replica=args.replica, follow=args.follow)
-    out = sys.stdout.buffer
-    with _client(args) as control:
-        for data in control.logs(request):
-            out.write(data)
-            out.flush()
-    return 0
-
-
-def cmd_top(args: argparse.Namespace) -> int:
-    with _client(args) as control:
-        response = control.top(control_pb2.TopRequest())
-    rows = [
-        printers.LaneLoad(
-            lane=r.lane,
-            replicas_reporting=r.replicas_reporting,
-            slots_busy=r.slots_busy,
-            slots_total=r.slots_total,
-            queued=r.queued,
-            running=r.running,
-            tokens_per_second=r.tokens_per_second,
-            memory_bytes=r.memory_bytes,
-        )
-        for r in response.lanes
-    ]
-    if args.output == "json":
-        print(json.dumps([vars(r) for r in rows], indent=2))
-    else:
-        print(printers.top_table(rows))
-    return 0
-
-
-def _for(target: str, *, flag: str = "--for") -> tuple[str, str]:
-    """`events --for KIND/NAME`'s object, its kind in any accepted spelling."""
-    kind, sep, name = target.partition("/")
-    if not sep or not kind or not name:
-        raise errors.InvalidRequest(f"{flag} takes KIND/NAME (such as lane/gemma3), not '{target}'")
-    return kinds.resolve_kind(kind).value, name
-
-
-def cmd_events(args: argparse.Namespace) -> int:
-    if args.for_ and (args.kind or args.name):
-        raise errors.InvalidRequest("events takes KIND [NAME] or --for KIND/NAME, not both")
-    if args.for_:
-        kind, name = _for(args.for_)
-    else:
-        kind = kinds.resolve_kind(args.kind).value if args.kind else ""
-        name = args.name or ""
-    request = control_pb2.EventsRequest(kind=kind, name=name, limit=args.limit)
-    with _client(args) as control:
-        response = control.events(request)
-    events = [_event_json(e) for e in response.events]
-    if args.output == "json":
-        print(json.dumps(events, indent=2))
-    else:
-        print(printers.events_table(events, now=datetime.now(UTC)))
     return 0
 
 
@@ -411,27 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
     delete.add_argument("-f", "--filename", action="append", help=FILENAME_HELP)
     delete.set_defaults(func=cmd_delete)
 
-    logs = sub.add_parser("logs", help="a Lane replica's engine output")
-    logs.add_argument("target", metavar="lane/NAME")
-    logs.add_argument("--replica", type=int, default=0, help="replica index (default 0)")
-    logs.add_argument("-f", "--follow", action="store_true", help="keep printing what comes")
-    logs.set_defaults(func=cmd_logs)
-
-    top = sub.add_parser(
-        "top", help="each Lane's load: slots busy, queue, tokens/s, engines' memory"
-    )
-    top.add_argument("-o", "--output", choices=["json"])
-    top.set_defaults(func=cmd_top)
-
-    events = sub.add_parser("events", help="what the controller did, newest last")
-    events.add_argument("kind", nargs="?")
-    events.add_argument("name", nargs="?")
-    events.add_argument(
-        "--for", dest="for_", metavar="KIND/NAME", help="only this object's events (lane/gemma3)"
-    )
-    events.add_argument("--limit", type=int, default=200)
-    events.add_argument("-o", "--output", choices=["json"])
-    events.set_defaults(func=cmd_events)
+    observe.add_commands(sub)
     return parser
 
 
@@ -474,7 +336,7 @@ def _run(args: argparse.Namespace) -> int:
         remote = status.from_rpc_error(exc)
         if exc.code() == grpc.StatusCode.UNAVAILABLE:
             print(
-                f"error: cannot reach the Blazar daemon at {_server(args)}: {remote.message}",
+                f"error: cannot reach the Blazar daemon at {client.target(args)}: {remote.message}",
                 file=sys.stderr,
             )
         else:

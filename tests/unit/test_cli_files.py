@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from blazar._proto.v1 import control_pb2
-from blazar.cli import main
+from blazar.cli import client, main
 
 MODEL = """\
 apiVersion: blazar.dev/v1alpha1
@@ -58,7 +58,7 @@ class FakeControl:
 @pytest.fixture
 def control(monkeypatch: pytest.MonkeyPatch) -> FakeControl:
     fake = FakeControl()
-    monkeypatch.setattr(main, "_client", lambda args: fake)
+    monkeypatch.setattr(client, "from_args", lambda args: fake)
     return fake
 
 
