@@ -9,8 +9,6 @@ import os
 import re
 import shutil
 import signal
-import subprocess
-import sys
 import textwrap
 import threading
 import time
@@ -23,7 +21,7 @@ import httpx
 import openai
 import pytest
 
-from blazar._proto.v1 import control_pb2, control_pb2_grpc
+from blazar._proto.v1 import control_pb2
 from blazar.controller import fit
 from tests.integration import pinning
 from tests.integration.harness import (
@@ -34,6 +32,7 @@ from tests.integration.harness import (
     short_home,
     wait_for,
 )
+from tests.integration.observers import Follower, StoreWatch, rss_bytes
 
 pytestmark = pytest.mark.slow
 
@@ -161,40 +160,6 @@ def test_unknown_model_and_malformed_json_do_not_disturb_others(
     assert isinstance(result.get("text"), str) and result["text"]
 
 
-class StoreWatch:
-    """The daemon's Control `Watch` of one kind, read by a thread: (arrival time on the
-    monotonic clock, type, object) for every change, to time what a file change does."""
-
-    def __init__(self, daemon: Daemon, kind: str) -> None:
-        self._channel = grpc.insecure_channel(daemon.control)
-        # For the test's own reads too: in process, not a CLI start each (seconds here).
-        self.stub = control_pb2_grpc.ControlStub(self._channel)
-        self._stream = self.stub.Watch(control_pb2.WatchRequest(kind=kind))
-        self.seen: list[tuple[float, str, dict[str, Any]]] = []
-        self._thread = threading.Thread(target=self._read, daemon=True)
-        self._thread.start()
-
-    def _read(self) -> None:
-        with contextlib.suppress(grpc.RpcError):  # cancelled by `close`
-            for event in self._stream:
-                self.seen.append((time.monotonic(), event.type, json.loads(event.object_json)))
-
-    def after(self, since: float, kind: str, name: str, generation: int = 0) -> float | None:
-        """Seconds from `since` to the first `kind` event for `name` after it (and at
-        `generation` or above, when given)."""
-        for at, type_, obj in list(self.seen):
-            meta = obj["metadata"]
-            if (at >= since and type_ == kind and meta["name"] == name
-                    and meta.get("generation", 0) >= generation):  # fmt: skip
-                return at - since
-        return None
-
-    def close(self) -> None:
-        self._stream.cancel()
-        self._thread.join(timeout=10)
-        self._channel.close()
-
-
 def policy_yaml(name: str, priority: int) -> str:
     return (
         "apiVersion: blazar.dev/v1alpha1\nkind: SLOPolicy\n"
@@ -283,33 +248,6 @@ def test_watched_directory_owns_and_prunes_what_it_applied(daemon: Daemon, tmp_p
     assert all(seconds < 1.0 for seconds in figures.values()), figures
 
 
-class Follower:
-    """A CLI command that keeps printing (`logs -f`), its output gathered by a thread."""
-
-    def __init__(self, daemon: Daemon, *args: str) -> None:
-        argv = [sys.executable, "-m", "blazar.cli", "--server", daemon.control, *args]
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        self.out = bytearray()
-        self._thread = threading.Thread(target=self._read, daemon=True)
-        self._thread.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        while data := self.proc.stdout.read1(65536):
-            self.out += data
-
-    def interrupt(self) -> tuple[int, bytes]:
-        """Ctrl-C: its exit status and what it wrote to stderr."""
-        self.proc.send_signal(signal.SIGINT)
-        try:
-            code = self.proc.wait(timeout=30)
-        finally:
-            self.proc.kill()
-            self.proc.wait()
-        assert self.proc.stderr is not None
-        return code, self.proc.stderr.read()
-
-
 def test_logs_print_follow_and_rotate_an_engines_output(daemon: Daemon) -> None:
     """`blazar logs lane/NAME` reads the replica's captured output over Control; -f
     follows it, through a rotation too; the file stays under its cap (owner only)."""
@@ -340,13 +278,6 @@ def test_logs_print_follow_and_rotate_an_engines_output(daemon: Daemon) -> None:
     assert missing.returncode == 1 and "no log of replica 7" in missing.stderr
     assert daemon.cli("logs", "lane/no-such-lane").returncode == 1
     assert "Lanes' engines" in daemon.cli("logs", "model/gemma3-270m").stderr
-
-
-def rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError(f"no VmRSS for {pid}")
 
 
 def test_top_shows_slots_queue_throughput_and_memory(daemon: Daemon, model_path: Path) -> None:
