@@ -23,6 +23,11 @@ ApiVersion = Literal["blazar.dev/v1alpha1"]
 _DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 
 
+def is_name(value: str) -> bool:
+    """Whether `value` may name an object (a DNS-1123 label, as Kubernetes names)."""
+    return bool(_DNS1123_LABEL.match(value))
+
+
 def invalid(message: str) -> PydanticCustomError:
     """An error for a validator to raise, reported to the user as exactly `message`."""
     # PydanticCustomError formats its template with str.format-style `{}` context;

@@ -18,7 +18,7 @@ from typing import Any, TypeAlias
 import grpc
 
 from blazar._proto.v1 import control_pb2, control_pb2_grpc
-from blazar.api import errors, kinds, manifests, selectors
+from blazar.api import errors, kinds, manifests, meta, selectors
 from blazar.api.errors import FieldError
 from blazar.enginehost import logfiles, monitor
 from blazar.rpc import status
@@ -228,9 +228,9 @@ class ControlService(control_pb2_grpc.ControlServicer):
             raise errors.Unavailable("this server keeps no engine logs")
         if replica < 0:
             raise errors.InvalidRequest(f"replica must be 0 or more, not {replica}")
-        kinds_lane = kinds.Kind.LANE
-        known = logfiles.replicas(self._log_dir, lane) if lane else []
-        if not lane or (self._store.get(kinds_lane, lane) is None and not known):
+        # A name, not a path or a pattern: `../x` or `*` must not reach the file system.
+        known = logfiles.replicas(self._log_dir, lane) if meta.is_name(lane) else []
+        if self._store.get(kinds.Kind.LANE, lane) is None and not known:
             raise errors.ObjectNotFound(f'Lane "{lane}" not found.')
         if replica not in known:
             have = ", ".join(map(str, known)) or "none yet"
