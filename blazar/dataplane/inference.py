@@ -25,7 +25,7 @@ import dataclasses
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Collection, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from typing import Any, TypeAlias
 
 import grpc
@@ -38,6 +38,7 @@ from blazar.api.kinds import Kind, Lane, Model, SLOPolicy, SLOPolicySpec
 from blazar.dataplane import (
     access,
     admission,
+    attempt,
     dispatcher,
     metrics,
     parking,
@@ -54,14 +55,6 @@ log = structlog.get_logger(__name__)
 
 # grpc ships no type information; its servicer context is dynamically typed.
 Context: TypeAlias = Any
-
-# Initial metadata of Chat and Complete, sent before the first chunk: where the request
-# runs, for callers (the HTTP shim's headers) that cannot wait for Final.routing.
-LANE_KEY = "blazar-lane"
-REPLICA_KEY = "blazar-replica"
-# Admission's prediction of the time to first token (milliseconds from arrival), when
-# it had one.
-PREDICTED_TTFT_KEY = "blazar-predicted-ttft-ms"
 
 
 def model_file(model: Model) -> inference_pb2.ModelFile | None:
@@ -115,7 +108,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         self._pool = pool
         self._activity = activity if activity is not None else Activity()
         self._access = access if access is not None else _open_access()
-        self._inflight: Counter[tuple[str, int]] = Counter()
+        self._attempts = attempt.Attempts(pool=pool, access=self._access)
         self._sessions = routing.Sessions()
         self._prefixes: dict[str, prefixes.PrefixIndex] = {}
         self._dispatchers = dispatcher.Dispatchers(parker=parker or parking.EngineParker(pool))
@@ -387,7 +380,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         index = self._prefixes.get(route.lane)
         replica = routing.pick_replica(
             route,
-            self._inflight,
+            self._attempts.inflight,
             exclude=exclude,
             prefer=self._sessions.replica_of(route.lane, session),
             matched=index.match(hashes) if index and hashes else None,
@@ -520,9 +513,11 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                 retry = False
                 # aclosing: a caller that leaves mid-stream must cancel the engine call
                 # now (freeing its slot), not whenever the inner generator is collected.
-                attempt = self._attempt(route, run, generate, context, lane=lane, caller=caller)
-                async with contextlib.aclosing(attempt):
-                    async for chunk in attempt:
+                stream = self._attempts.stream(
+                    route, run, generate, context, lane=lane, caller=caller
+                )
+                async with contextlib.aclosing(stream):
+                    async for chunk in stream:
                         if chunk is None:
                             retry = True
                             continue
@@ -530,7 +525,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                             announced = True
                             self._served(run.replica, blocks)
                             self._sessions.record(route.lane, session, run.replica.index)
-                            await context.send_initial_metadata(_initial_metadata(run))
+                            await context.send_initial_metadata(attempt.initial_metadata(run))
                         yield chunk
                 if not retry:
                     return
@@ -557,116 +552,9 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         found = self._store.get(Kind.SLO_POLICY, name)
         return found.spec if isinstance(found, SLOPolicy) else None
 
-    async def _attempt(
-        self,
-        route: routing.Route,
-        run: dispatcher.Run,
-        generate: engine_pb2.GenerateRequest,
-        context: Context,
-        *,
-        lane: dispatcher.LaneDispatcher,
-        caller: access.Caller,
-    ) -> AsyncGenerator[inference_pb2.Chunk | None, None]:
-        """One replica's stream; a final None asks the caller to requeue the request."""
-        replica, ticket = run.replica, run.ticket
-        key = (replica.lane, replica.index)
-        self._inflight[key] += 1
-        metrics.IN_FLIGHT.labels(route.lane).inc()
-        call = self._pool.client(replica.socket, process=replica.pid).generate(generate)
-        first_at: float | None = None
-        tokens = 0
-        sent = False
-        finished: inference_pb2.Final | None = None
-        # Whether the request's outcome is settled here (counted, or handed back for a
-        # retry); a stream left before that was cancelled by its caller.
-        settled = False
-        retried = False
-        try:
-            async for chunk in call:
-                if chunk.HasField("delta"):
-                    if first_at is None:
-                        first_at = time.monotonic()
-                        lane.first_token(run, first_at - ticket.arrived)
-                    tokens += chunk.delta.tokens
-                    run.generated = tokens
-                else:
-                    final = chunk.final
-                    final.model = route.lane
-                    final.routing.lane = route.lane
-                    final.routing.replica = replica.index
-                    if first_at is None:
-                        lane.first_token(run, time.monotonic() - ticket.arrived)
-                    end = first_at or time.monotonic()
-                    final.timings.ttft_ms = (end - ticket.arrived) * 1000.0
-                    # The wait in admission's queue, before the engine's own.
-                    final.timings.queue_ms += ticket.waited_s * 1000.0
-                    if run.predicted_ttft_s is not None:
-                        final.timings.predicted_ttft_ms = run.predicted_ttft_s * 1000.0
-                    final.timings.load_ms = run.load_s * 1000.0
-                    metrics.observe_final(route.lane, final, policy=ticket.policy.name)
-                    self._access.charge(
-                        caller,
-                        prompt_tokens=final.usage.prompt_tokens,
-                        output_tokens=final.usage.completion_tokens,
-                    )
-                    finished = final
-                    settled = True
-                sent = True
-                yield chunk
-        except grpc.aio.AioRpcError as exc:
-            failure = status.from_rpc_error(exc)
-            settled = True
-            if not sent and isinstance(failure, errors.Unavailable):
-                retried = True
-                yield None
-                return
-            if status.lost_peer(exc):
-                # gRPC's own words ("Stream removed (Socket closed)") mean nothing to the
-                # caller; the engine died mid-answer, and another try may well succeed.
-                failure = errors.Unavailable(
-                    f"Lost the engine of replica {replica.index} of Lane '{route.lane}' "
-                    f"before this request finished ({exc.details()}); retry."
-                )
-            metrics.observe_failure(route.lane, failure.reason)
-            log.info(
-                "request.failed",
-                request_id=generate.request_id,
-                lane=route.lane,
-                reason=failure.reason,
-            )
-            await status.abort(context, failure)
-        finally:
-            call.cancel()  # no-op when finished; frees the engine slot when the caller left
-            if not settled:
-                metrics.observe_failure(route.lane, metrics.CANCELLED)
-            if not retried:
-                lane.end(run, finished)
-            metrics.IN_FLIGHT.labels(route.lane).dec()
-            self._inflight[key] -= 1
-            if self._inflight[key] <= 0:
-                del self._inflight[key]
-        log.info(
-            "request.done",
-            request_id=generate.request_id,
-            lane=route.lane,
-            replica=replica.index,
-            policy=ticket.policy.name,
-            tokens=tokens,
-            queued_s=round(ticket.waited_s, 3),
-            seconds=round(time.monotonic() - ticket.arrived, 3),
-        )
-
 
 def _open_access() -> access.Access:
     return access.Access.open()
-
-
-def _initial_metadata(run: dispatcher.Run) -> tuple[tuple[str, str], ...]:
-    """Where the request runs, and when admission expected its first token."""
-    metadata = ((LANE_KEY, run.replica.lane), (REPLICA_KEY, str(run.replica.index)))
-    if run.predicted_ttft_s is None:
-        return metadata
-    return (*metadata, (PREDICTED_TTFT_KEY, str(round(run.predicted_ttft_s * 1000))))
 
 
 # A session key names a conversation; a longer one is a mistake or an attack on memory.

@@ -1,0 +1,157 @@
+"""One admitted request's stream from its replica's engine.
+
+`Attempts.stream` relays the engine's chunks, completing the Final with what only the
+data plane knows (the Lane, the replica, the time to first token from arrival, the
+wait in admission's queue, the prediction, the wait for a sleeping Lane), records the
+first token and the end with the Lane's dispatcher, counts the request on its replica
+(`inflight`, which routing reads as load) and charges its tenant. A replica that
+refuses with UNAVAILABLE before its first chunk yields a final None: the caller hands
+the request back to admission (nothing was generated, so this is safe).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import AsyncGenerator
+from typing import Any, TypeAlias
+
+import grpc
+import structlog
+
+from blazar._proto.engine.v1 import engine_pb2
+from blazar._proto.v1 import inference_pb2
+from blazar.api import errors
+from blazar.dataplane import access, dispatcher, metrics, routing
+from blazar.enginehost.client import EnginePool
+from blazar.rpc import status
+
+log = structlog.get_logger(__name__)
+
+# grpc ships no type information; its servicer context is dynamically typed.
+Context: TypeAlias = Any
+
+# Initial metadata of Chat and Complete, sent before the first chunk: where the request
+# runs, for callers (the HTTP shim's headers) that cannot wait for Final.routing.
+LANE_KEY = "blazar-lane"
+REPLICA_KEY = "blazar-replica"
+# Admission's prediction of the time to first token (milliseconds from arrival), when
+# it had one.
+PREDICTED_TTFT_KEY = "blazar-predicted-ttft-ms"
+
+
+class Attempts:
+    """Streams admitted requests from engines; `inflight` counts them by replica."""
+
+    def __init__(self, *, pool: EnginePool, access: access.Access) -> None:
+        self._pool = pool
+        self._access = access
+        # By (lane, replica index): requests streaming from it now.
+        self.inflight: Counter[tuple[str, int]] = Counter()
+
+    async def stream(
+        self,
+        route: routing.Route,
+        run: dispatcher.Run,
+        generate: engine_pb2.GenerateRequest,
+        context: Context,
+        *,
+        lane: dispatcher.LaneDispatcher,
+        caller: access.Caller,
+    ) -> AsyncGenerator[inference_pb2.Chunk | None, None]:
+        """One replica's stream; a final None asks the caller to requeue the request."""
+        replica, ticket = run.replica, run.ticket
+        key = (replica.lane, replica.index)
+        self.inflight[key] += 1
+        metrics.IN_FLIGHT.labels(route.lane).inc()
+        call = self._pool.client(replica.socket, process=replica.pid).generate(generate)
+        first_at: float | None = None
+        tokens = 0
+        sent = False
+        finished: inference_pb2.Final | None = None
+        # Whether the request's outcome is settled here (counted, or handed back for a
+        # retry); a stream left before that was cancelled by its caller.
+        settled = False
+        retried = False
+        try:
+            async for chunk in call:
+                if chunk.HasField("delta"):
+                    if first_at is None:
+                        first_at = time.monotonic()
+                        lane.first_token(run, first_at - ticket.arrived)
+                    tokens += chunk.delta.tokens
+                    run.generated = tokens
+                else:
+                    final = chunk.final
+                    final.model = route.lane
+                    final.routing.lane = route.lane
+                    final.routing.replica = replica.index
+                    if first_at is None:
+                        lane.first_token(run, time.monotonic() - ticket.arrived)
+                    end = first_at or time.monotonic()
+                    final.timings.ttft_ms = (end - ticket.arrived) * 1000.0
+                    # The wait in admission's queue, before the engine's own.
+                    final.timings.queue_ms += ticket.waited_s * 1000.0
+                    if run.predicted_ttft_s is not None:
+                        final.timings.predicted_ttft_ms = run.predicted_ttft_s * 1000.0
+                    final.timings.load_ms = run.load_s * 1000.0
+                    metrics.observe_final(route.lane, final, policy=ticket.policy.name)
+                    self._access.charge(
+                        caller,
+                        prompt_tokens=final.usage.prompt_tokens,
+                        output_tokens=final.usage.completion_tokens,
+                    )
+                    finished = final
+                    settled = True
+                sent = True
+                yield chunk
+        except grpc.aio.AioRpcError as exc:
+            failure = status.from_rpc_error(exc)
+            settled = True
+            if not sent and isinstance(failure, errors.Unavailable):
+                retried = True
+                yield None
+                return
+            if status.lost_peer(exc):
+                # gRPC's own words ("Stream removed (Socket closed)") mean nothing to the
+                # caller; the engine died mid-answer, and another try may well succeed.
+                failure = errors.Unavailable(
+                    f"Lost the engine of replica {replica.index} of Lane '{route.lane}' "
+                    f"before this request finished ({exc.details()}); retry."
+                )
+            metrics.observe_failure(route.lane, failure.reason)
+            log.info(
+                "request.failed",
+                request_id=generate.request_id,
+                lane=route.lane,
+                reason=failure.reason,
+            )
+            await status.abort(context, failure)
+        finally:
+            call.cancel()  # no-op when finished; frees the engine slot when the caller left
+            if not settled:
+                metrics.observe_failure(route.lane, metrics.CANCELLED)
+            if not retried:
+                lane.end(run, finished)
+            metrics.IN_FLIGHT.labels(route.lane).dec()
+            self.inflight[key] -= 1
+            if self.inflight[key] <= 0:
+                del self.inflight[key]
+        log.info(
+            "request.done",
+            request_id=generate.request_id,
+            lane=route.lane,
+            replica=replica.index,
+            policy=ticket.policy.name,
+            tokens=tokens,
+            queued_s=round(ticket.waited_s, 3),
+            seconds=round(time.monotonic() - ticket.arrived, 3),
+        )
+
+
+def initial_metadata(run: dispatcher.Run) -> tuple[tuple[str, str], ...]:
+    """Where the request runs, and when admission expected its first token."""
+    metadata = ((LANE_KEY, run.replica.lane), (REPLICA_KEY, str(run.replica.index)))
+    if run.predicted_ttft_s is None:
+        return metadata
+    return (*metadata, (PREDICTED_TTFT_KEY, str(round(run.predicted_ttft_s * 1000))))
