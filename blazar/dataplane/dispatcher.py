@@ -663,6 +663,7 @@ class LaneDispatcher:
             replicas=tuple(replicas),
             completion_tokens=self.measurements.completion_tokens,
             completion_share=self.measurements.completion_share,
+            lane_share=self.measurements.lane_share,
         )
 
 

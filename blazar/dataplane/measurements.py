@@ -156,6 +156,7 @@ class LaneMeasurements:
         self._completion = _Mean()
         # By policy: tokens generated over the max_tokens the requests allowed.
         self._share: dict[str, _Ratio] = {}
+        self._lane_share = _Ratio()
         self._chars_per_token = _Ratio()
 
     def record(
@@ -172,9 +173,11 @@ class LaneMeasurements:
         self._lane.record(final)
         self._replicas.setdefault(replica, _Rates()).record(final)
         self._completion.add(final.usage.completion_tokens)
-        if policy and max_tokens > 0:
+        if max_tokens > 0:
             generated = min(final.usage.completion_tokens, max_tokens)
-            self._share.setdefault(policy, _Ratio()).add(generated, max_tokens)
+            self._lane_share.add(generated, max_tokens)
+            if policy:
+                self._share.setdefault(policy, _Ratio()).add(generated, max_tokens)
         if final.usage.prompt_tokens > 0 and prompt_chars > 0:
             self._chars_per_token.add(prompt_chars, final.usage.prompt_tokens)
 
@@ -210,14 +213,20 @@ class LaneMeasurements:
         """By policy, the share of max_tokens its requests generated."""
         return {name: v for name, ratio in self._share.items() if (v := ratio.value) is not None}
 
+    @property
+    def lane_share(self) -> float | None:
+        """The share of max_tokens the Lane's requests generated, whatever their policy."""
+        return self._lane_share.value
+
     def output_tokens(self, max_tokens: int, *, policy: str = "") -> int:
-        """Tokens a request allowed `max_tokens` is expected to generate: its policy's
-        share of it, else the Lane's typical completion, else all of it."""
-        share = self._share[policy].value if policy in self._share else None
-        if share is not None:
-            return max(1, min(max_tokens, math.ceil(share * max_tokens)))
-        typical = self._completion.value
-        return max_tokens if typical is None else min(max_tokens, math.ceil(typical))
+        """Tokens a request allowed `max_tokens` is expected to generate
+        (`admission.expected_output`)."""
+        return admission.expected_output(
+            max_tokens,
+            share=self._share[policy].value if policy in self._share else None,
+            lane_share=self._lane_share.value,
+            typical=self._completion.value,
+        )
 
     def replica_view(
         self,

@@ -156,6 +156,26 @@ def test_each_policy_has_its_share_of_max_tokens() -> None:
     assert m.output_tokens(256, policy="batch") == 256
     assert m.output_tokens(64, policy="chat") == 16
     assert m.output_tokens(2000, policy="chat") == 500
-    # A policy not seen yet: the Lane's typical completion.
-    assert m.output_tokens(256, policy="new") == math.ceil(m.completion_tokens or 0)
+    # A policy not seen yet: the larger of the Lane's typical completion and its share
+    # of max_tokens over every policy (272 of 320 here, a moving ratio).
+    lane_share = m.lane_share or 0.0
+    assert lane_share > 0.5
+    typical = m.completion_tokens or 0.0
+    assert m.output_tokens(256, policy="new") == math.ceil(max(typical, lane_share * 256))
+    assert m.output_tokens(8, policy="new") == 8
     assert m.completion_share == {"batch": pytest.approx(1.0), "chat": pytest.approx(0.25)}
+
+
+def test_a_policy_not_measured_yet_is_not_expected_to_stop_early() -> None:
+    """The bench's flood: the warm-up ran 16-token requests to their end under another
+    policy; 64-token requests of a policy never seen must not be expected to stop at
+    16 (the forecast admitted work it then refused at its deadline)."""
+    m = LaneMeasurements()
+    for _ in range(5):
+        m.record(0, final(completion=16), prompt_chars=0, policy="warm-up", max_tokens=16)
+    assert m.output_tokens(64, policy="interactive") == 64
+    # A Lane whose requests stop well short of their budget: its mean completion.
+    m = LaneMeasurements()
+    for _ in range(5):
+        m.record(0, final(completion=100), prompt_chars=0, policy="chat", max_tokens=2000)
+    assert m.output_tokens(2000, policy="other") == 100

@@ -50,11 +50,11 @@ Forecast. Every decision reads one simulation of the Lane from `now`, in ticket 
   `prefer`red replica, then the least loaded replica, then the lowest index), holds it for
   its service time, its prefill (`start_overhead_s`, what a start costs beyond the
   prompt as measured, plus `prompt_tokens / prefill_tokens_per_s`) plus the decode time
-  of the tokens it will generate (its max_tokens, or fewer when the Lane measures a
-  smaller typical completion: the share of max_tokens its policy's requests generate,
-  else the Lane's mean, `LaneView.output_tokens`), and then frees it for the
-  next. Its first token comes at start + prefill. A parked generation (`Resume`) takes only a
-  slot of its own replica and costs its remaining decode time.
+  of the tokens it will generate (`expected_output`: the share of max_tokens its
+  policy's requests generate, else the larger of the Lane's mean completion and its
+  share over every policy, else all of max_tokens), and then frees it for the next.
+  Its first token comes at start + prefill. A parked generation (`Resume`) takes only
+  a slot of its own replica and costs its remaining decode time.
 - Preemption in the forecast: a ticket whose first token would come past its deadline
   in a slot that is not idle takes instead the slot of a running request of strictly
   lower priority, if parking that request keeps the replica's parked bytes within its
@@ -106,6 +106,7 @@ from blazar.dataplane.admission.terms import (
     Resume,
     Running,
     Ticket,
+    expected_output,
 )
 
 __all__ = [
@@ -126,4 +127,5 @@ __all__ = [
     "Resume",
     "Running",
     "Ticket",
+    "expected_output",
 ]

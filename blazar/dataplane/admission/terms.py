@@ -161,24 +161,44 @@ class ReplicaView:
         return tokens * step / max(self.tokens_per_step, 1.0)
 
 
+def expected_output(
+    max_tokens: int, *, share: float | None, lane_share: float | None, typical: float | None
+) -> int:
+    """Tokens a request allowed `max_tokens` is expected to generate.
+
+    Its policy's `share` of max_tokens once that is measured (a policy's requests are
+    alike: batch jobs run to their budget, chat turns stop early). Before that, the
+    larger of the Lane's `typical` completion and the Lane's share of max_tokens over
+    every policy (`lane_share`): a policy not measured yet may well run to its budget,
+    as the requests before it did, and a forecast that expects too little admits work
+    that it must refuse later, at its deadline. All of max_tokens when nothing is
+    measured."""
+    if share is not None:
+        return max(1, min(max_tokens, math.ceil(share * max_tokens)))
+    guesses = [g for g in (typical, None if lane_share is None else lane_share * max_tokens) if g]
+    if not guesses:
+        return max_tokens
+    return max(1, min(max_tokens, math.ceil(max(guesses))))
+
+
 @dataclass(frozen=True)
 class LaneView:
     replicas: tuple[ReplicaView, ...] = ()
     # The Lane's typical completion length in tokens (a measured mean); None: count a
     # ticket's max_tokens.
     completion_tokens: float | None = None
-    # By policy name, the share of max_tokens its requests generated (measured): a
-    # policy's requests are alike (batch jobs run to their budget, chat turns stop
-    # early), where the Lane's mean mixes them.
+    # By policy name, the share of max_tokens its requests generated (measured).
     completion_share: Mapping[str, float] = field(default_factory=dict)
+    # The same share over every request of the Lane, whatever its policy.
+    lane_share: float | None = None
 
     def output_tokens(self, ticket: Ticket) -> int:
-        share = self.completion_share.get(ticket.policy.name)
-        if share is not None:
-            return max(1, min(ticket.max_tokens, math.ceil(share * ticket.max_tokens)))
-        if self.completion_tokens is None:
-            return ticket.max_tokens
-        return min(ticket.max_tokens, math.ceil(self.completion_tokens))
+        return expected_output(
+            ticket.max_tokens,
+            share=self.completion_share.get(ticket.policy.name),
+            lane_share=self.lane_share,
+            typical=self.completion_tokens,
+        )
 
 
 @dataclass(frozen=True)
