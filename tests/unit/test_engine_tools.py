@@ -535,3 +535,48 @@ def test_a_forced_call_is_resolved_with_its_grammar() -> None:
     )
     assert params.grammar == tools.grammar(toolset(Mode.MODE_REQUIRED))
     assert params.stop == ()
+
+
+CALLS_ONLY = [
+    text.ChatTurn("user", "Weather in Paris and Oslo?"),
+    text.ChatTurn(
+        "assistant",
+        "",
+        tool_calls=(
+            text.ToolCall("c1", "weather", '{"city": "Paris", "unit": "c"}'),
+            text.ToolCall("c2", "weather", '{"city": "Oslo", "unit": "c"}'),
+        ),
+    ),
+    text.ChatTurn("tool", "21", tool_call_id="c1"),
+    text.ChatTurn("tool", "9", tool_call_id="c2"),
+]
+
+
+def _rendered_by(name: str, turns: list[text.ChatTurn]) -> str:
+    source = text.NAMED_TEMPLATES[name]
+    return text.render_gemma(turns) if source is None else text.ChatTemplate(source).render(turns)
+
+
+@pytest.mark.parametrize("template", sorted(text.NAMED_TEMPLATES))
+@pytest.mark.parametrize("conversation", [CONVERSATION, CALLS_ONLY], ids=["text", "calls-only"])
+def test_the_builtin_prompt_puts_every_tool_block_on_lines_of_its_own(
+    template: str, conversation: list[text.ChatTurn]
+) -> None:
+    """The example the model is shown, the calls in its history and the results each
+    start on a line of their own, in the layout a forced call's grammar writes."""
+    prompt = _rendered_by(template, tools.builtin_turns(conversation, toolset()))
+    blocks = list(re.finditer(r"<tool_call>\n(.*?)\n</tool_call>", prompt, flags=re.DOTALL))
+    # The example, then each call of the history.
+    assert len(blocks) == 1 + (1 if conversation is CONVERSATION else 2)
+    assert blocks[0].group(1) == '{"name": "<tool name>", "arguments": {...}}'
+    results = list(re.finditer(r"<tool_response>\n(.*?)\n</tool_response>", prompt, re.DOTALL))
+    assert [r.group(1) for r in results] == (
+        ["21"] if conversation is CONVERSATION else ["21", "9"]
+    )
+    for block in [*blocks, *results]:
+        before = prompt[: block.start()]
+        assert before.endswith("\n"), before[-60:]
+        # Each line of the block is a line of the prompt.
+        assert prompt[block.end() :].startswith(("\n", "<")), prompt[block.end() : block.end() + 20]
+    for call in blocks[1:]:
+        assert tools._HEAD.match(call.group(0)) is not None
