@@ -89,19 +89,24 @@ async def rendered(
                 yield event
 
 
-async def collect(request: Request, stream: inference.ChunkStream) -> canonical.Answer:
-    """The whole generation. Raises `streaming.ClientDisconnected` or `BlazarError`
-    (a stream without its final chunk is `canonical.truncated`)."""
+async def collect(
+    request: Request, stream: inference.ChunkStream
+) -> tuple[canonical.Answer, dict[str, str]]:
+    """The whole generation, and the headers a streamed answer would carry (the
+    replica, admission's predicted first token, the reused prefix). Raises
+    `streaming.ClientDisconnected` or `BlazarError` (a stream without its final chunk
+    is `canonical.truncated`)."""
     answer = canonical.Answer()
 
-    async def read_all() -> None:
+    async def read_all() -> dict[str, str]:
         async with stream:
             async for chunk in stream:
                 answer.add(chunk)
+            return await stream.routing_headers()
 
-    await streaming.until_disconnected(request, read_all())
-    answer.finished()
-    return answer
+    headers = await streaming.until_disconnected(request, read_all())
+    headers.update(inference.final_headers(answer.finished()))
+    return answer, headers
 
 
 def internal_error() -> errors.BlazarError:

@@ -93,6 +93,8 @@ class FakeInference(inference_pb2_grpc.InferenceServicer):
     # Announce this replica in the initial metadata with the first chunk, as the data
     # plane does.
     replica: int | None = None
+    # And admission's predicted first token, in milliseconds, beside the replica.
+    predicted_ttft_ms: int | None = None
 
     async def Chat(self, request: Any, context: Any) -> AsyncIterator[inference_pb2.Chunk]:
         async for chunk in self._play(request, context):
@@ -145,9 +147,12 @@ class FakeInference(inference_pb2_grpc.InferenceServicer):
                 else:
                     if announce:
                         announce = False
-                        await context.send_initial_metadata(
-                            (("blazar-replica", str(self.replica)),)
-                        )
+                        metadata = [("blazar-replica", str(self.replica))]
+                        if self.predicted_ttft_ms is not None:
+                            metadata.append(
+                                ("blazar-predicted-ttft-ms", str(self.predicted_ttft_ms))
+                            )
+                        await context.send_initial_metadata(tuple(metadata))
                     yield step
         except asyncio.CancelledError:
             self.cancelled.append(request.model)

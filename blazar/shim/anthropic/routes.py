@@ -130,13 +130,12 @@ async def _collect(
     request: Request, stream: inference.ChunkStream, meta: convert.ResponseMeta, *, request_id: str
 ) -> Response:
     try:
-        answer = await relay.collect(request, stream)
+        answer, headers = await relay.collect(request, stream)
         body = convert.message(answer, meta)
     except streaming.ClientDisconnected:
         return Response(status_code=streaming.CLIENT_CLOSED_REQUEST)
     except errors.BlazarError as err:
         return error(err, request_id=request_id)
-    headers = inference.final_headers(answer.final) if answer.final else None
     return JSONResponse(body, headers=headers)
 
 

@@ -123,7 +123,7 @@ async def _generation(
     # Ollama streams unless the request says `"stream": false`.
     if body.stream is False:
         try:
-            collected = await relay.collect(request, stream)
+            collected, headers = await relay.collect(request, stream)
             rendered = render.answer(
                 kind,
                 collected,
@@ -135,7 +135,6 @@ async def _generation(
             return Response(status_code=streaming.CLIENT_CLOSED_REQUEST)
         except errors.BlazarError as err:
             return error(err)
-        headers = inference.final_headers(collected.final) if collected.final else None
         return JSONResponse(rendered, headers=headers)
     try:
         first, headers = await relay.first_chunk(request, stream)

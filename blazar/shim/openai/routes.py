@@ -199,7 +199,7 @@ async def _collect(
     blame: envelope.Blame,
 ) -> Response:
     try:
-        collected = await relay.collect(request, stream)
+        collected, headers = await relay.collect(request, stream)
         answer = render.Answer(
             collected.parts, collected.logprobs, collected.final, collected.calls
         )
@@ -208,7 +208,6 @@ async def _collect(
         return Response(status_code=streaming.CLIENT_CLOSED_REQUEST)
     except errors.BlazarError as err:
         return error(err, blame=blame)
-    headers = inference.final_headers(answer.final) if answer.final else None
     return JSONResponse(body, headers=headers)
 
 

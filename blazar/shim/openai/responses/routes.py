@@ -44,7 +44,7 @@ async def create(request: Request) -> Response:
             return error(err)
         return streaming.EventStream(_events(stream, renderer, first), headers=headers)
     try:
-        collected = await relay.collect(request, stream)
+        collected, headers = await relay.collect(request, stream)
         answer = render.Answer(
             collected.parts, collected.logprobs, collected.final, collected.calls
         )
@@ -53,7 +53,7 @@ async def create(request: Request) -> Response:
         return Response(status_code=streaming.CLIENT_CLOSED_REQUEST)
     except errors.BlazarError as err:
         return error(err)
-    return JSONResponse(rendered, headers=inference.final_headers(answer.finished()))
+    return JSONResponse(rendered, headers=headers)
 
 
 def error(err: errors.BlazarError) -> Response:
