@@ -9,7 +9,7 @@ initial metadata (`blazar-lane`, `blazar-replica`) before the first chunk, and i
 `Final.routing`. Chat and Complete wait in their Lane's admission queue
 (`blazar.dataplane.dispatcher`) under the SLOPolicy they name (`policies`) until a slot
 is theirs; engines hold no queue of their own. Embed and Tokenize go straight to a
-replica.
+replica (the policy they name is checked all the same: it must exist).
 
 Who may ask for what is `access`'s: its interceptor has let the call in and named its
 `Caller`; each RPC here asks `Access.permit` once the model name resolves to a Lane
@@ -274,6 +274,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         cache between inputs, and fills no slot's cache either."""
         caller = access.current()
         await self._permit(request.model, context, caller)
+        await self._policy(request.model, "", context)
         route, replica = await self._awake(request.model, context)
         refused: set[int] = set()
         while True:
@@ -302,6 +303,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         self, request: inference_pb2.TokenizeRequest, context: Context
     ) -> inference_pb2.TokenizeResponse:
         await self._permit(request.model, context, access.current())
+        await self._policy(request.model, request.chat.slo, context)
         route, replica = await self._awake(request.model, context)
         try:
             response = await self._pool.client(replica.socket).tokenize(request)
@@ -425,14 +427,12 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         await self._permit(model, context, caller)
         try:
             _check_session(session)
-            # Before a replica is picked: a policy that does not exist is the caller's
-            # mistake whatever state the Lane is in.
-            named = policies.requested(slo, context.invocation_metadata() or ())
-            lane_policy = routing.resolve(self.table, model).slo_policy
-            policy = policies.resolve(named, lane_policy=lane_policy, lookup=self._policy_spec)
         except errors.BlazarError as err:
             log.info("request.rejected", model=model, reason=err.reason)
             await status.abort(context, err)
+        # Before a replica is picked: a policy that does not exist is the caller's
+        # mistake whatever state the Lane is in.
+        policy = await self._policy(model, slo, context)
         route, replica, blocks = await self._route(model, context, session=session, hashes=hashes)
         lane = self._dispatchers.of(route.lane)
         self._activity.begin(route.lane)
@@ -547,6 +547,19 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             if waiting:
                 metrics.observe_failure(route.lane, metrics.CANCELLED)
             raise
+
+    async def _policy(self, model: str, slo: str, context: Context) -> admission.Policy:
+        """The policy a request on `model` is admitted under: the one it names (`slo`,
+        else metadata `x-blazar-slo`), else its Lane's. Every RPC that takes a model
+        asks, admitted or not (Embed, Tokenize), so that a name no SLOPolicy has is the
+        same INVALID_ARGUMENT on every route, never silently ignored."""
+        try:
+            named = policies.requested(slo, context.invocation_metadata() or ())
+            lane_policy = routing.resolve(self.table, model).slo_policy
+            return policies.resolve(named, lane_policy=lane_policy, lookup=self._policy_spec)
+        except errors.BlazarError as err:
+            log.info("request.rejected", model=model, reason=err.reason)
+            await status.abort(context, err)
 
     def _policy_spec(self, name: str) -> SLOPolicySpec | None:
         found = self._store.get(Kind.SLO_POLICY, name)

@@ -65,7 +65,17 @@ class RequestContext:
         items = [(REQUEST_ID_HEADER, self.request_id)]
         if self.authorization:
             items.append(("authorization", self.authorization))
+        if self.slo:
+            # As metadata too, for the RPCs with no `slo` field (Embed, Tokenize): the
+            # data plane checks the name on every route.
+            items.append((SLO_HEADER, _metadata_text(self.slo)))
         return tuple(items)
+
+
+def _metadata_text(value: str) -> str:
+    """`value` as gRPC metadata can carry it (printable ASCII); other characters
+    escaped, so that a name no policy can have is still refused by name."""
+    return "".join(c if " " <= c <= "~" else f"\\x{ord(c):02x}" for c in value)
 
 
 def of(request: Request) -> RequestContext:

@@ -441,3 +441,33 @@ def test_structured_output_validates_20_of_20(client: anthropic.Anthropic) -> No
         model=LANE, max_tokens=longest, messages=ask, output_format=Forecast
     )
     assert isinstance(parsed.parsed_output, Forecast)
+
+
+def test_an_unknown_policy_is_a_400_on_every_route(client: anthropic.Anthropic) -> None:
+    """The data plane checks the policy a request names on every RPC, admitted or not."""
+    named = {"x-blazar-slo": "no-such-policy"}
+    for call in (
+        lambda: client.messages.create(model=LANE, max_tokens=1, messages=HI, extra_headers=named),
+        lambda: client.messages.create(
+            model=LANE, max_tokens=1, messages=HI, stream=True, extra_headers=named
+        ),
+        lambda: client.messages.count_tokens(model=LANE, messages=HI, extra_headers=named),
+    ):
+        with pytest.raises(anthropic.BadRequestError) as refused:
+            call()
+        body = refused.value.body
+        assert isinstance(body, dict) and body["error"]["type"] == "invalid_request_error"
+        assert "SLOPolicy 'no-such-policy' does not exist" in body["error"]["message"]
+
+
+def test_a_message_says_when_its_first_token_was_expected_streamed_or_not(
+    client: anthropic.Anthropic,
+) -> None:
+    whole = client.messages.with_raw_response.create(model=LANE, max_tokens=1, messages=HI)
+    assert int(whole.headers["x-blazar-predicted-ttft-ms"]) >= 0
+    assert whole.parse().usage.output_tokens == 1
+    with client.messages.with_streaming_response.create(
+        model=LANE, max_tokens=1, messages=HI, stream=True
+    ) as streamed:
+        assert int(streamed.headers["x-blazar-predicted-ttft-ms"]) >= 0
+        assert any(line.startswith("event: message_stop") for line in streamed.iter_lines())

@@ -270,3 +270,36 @@ def test_a_preload_loads_nothing_new(client: ollama.Client) -> None:
     """Ollama clients preload with an empty chat; Blazar's Lanes are loaded already."""
     response = client.chat(model=MODEL, messages=[])
     assert (response.done, response.done_reason) == (True, "load")
+
+
+def test_an_unknown_policy_is_a_400_on_every_route(daemon: Daemon) -> None:
+    """The data plane checks the policy a request names on every RPC, admitted or not."""
+    named = ollama.Client(host=f"http://{daemon.http}", headers={"x-blazar-slo": "no-such-policy"})
+    try:
+        for call in (
+            lambda: named.embed(model=MODEL, input="a"),
+            lambda: named.embeddings(model=MODEL, prompt="a"),
+            lambda: named.chat(model=MODEL, messages=MESSAGES, options={"num_predict": 1}),
+        ):
+            with pytest.raises(ollama.ResponseError) as refused:
+                call()
+            assert refused.value.status_code == 400
+            assert "SLOPolicy 'no-such-policy' does not exist" in refused.value.error
+    finally:
+        named._client.close()
+
+
+def test_a_whole_answer_says_when_its_first_token_was_expected(daemon: Daemon) -> None:
+    """The header the stream carries, on a whole answer too (the `ollama` client shows
+    no headers, so plain HTTP)."""
+    for path, body in (
+        ("/api/chat", {"messages": MESSAGES}),
+        ("/api/generate", {"prompt": "Hi"}),
+    ):
+        response = httpx.post(
+            f"http://{daemon.http}{path}",
+            json={"model": MODEL, "stream": False, "options": {"num_predict": 1}, **body},
+            timeout=60,
+        )
+        assert response.status_code == 200, response.text
+        assert int(response.headers["x-blazar-predicted-ttft-ms"]) >= 0

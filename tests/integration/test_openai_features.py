@@ -229,3 +229,34 @@ def test_bad_grammar_through_the_shim_is_a_400(client: openai.OpenAI) -> None:
         model=LANE, messages=[{"role": "user", "content": "Hi"}], max_tokens=2
     )
     assert ok.choices[0].finish_reason in ("stop", "length")
+
+
+def test_an_unknown_policy_is_a_400_on_every_route(client: openai.OpenAI) -> None:
+    """The data plane checks the policy a request names on every RPC, admitted or not."""
+    named = {"x-blazar-slo": "no-such-policy"}
+    for call in (
+        lambda: client.embeddings.create(model=LANE, input="a", extra_headers=named),
+        lambda: client.chat.completions.create(
+            model=LANE,
+            max_tokens=1,
+            messages=[{"role": "user", "content": "Hi"}],
+            extra_headers=named,
+        ),
+        lambda: client.responses.create(
+            model=LANE, input="Hi", max_output_tokens=16, store=False, extra_headers=named
+        ),
+    ):
+        with pytest.raises(openai.BadRequestError) as refused:
+            call()
+        assert "SLOPolicy 'no-such-policy' does not exist" in refused.value.message
+
+
+def test_a_whole_answer_says_when_its_first_token_was_expected(client: openai.OpenAI) -> None:
+    messages: Any = [{"role": "user", "content": "Hi"}]
+    whole = client.chat.completions.with_raw_response.create(
+        model=LANE, max_tokens=1, messages=messages
+    )
+    assert int(whole.headers["x-blazar-predicted-ttft-ms"]) >= 0
+    assert whole.parse().usage is not None
+    completion = client.completions.with_raw_response.create(model=LANE, prompt="Hi", max_tokens=1)
+    assert int(completion.headers["x-blazar-predicted-ttft-ms"]) >= 0
