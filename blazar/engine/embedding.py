@@ -67,6 +67,21 @@ def max_inputs_for(dimensions: int) -> int:
 _EMBEDDINGS_NODE = b"result_embd_pooled"
 
 
+def shaped(values: np.ndarray, *, normalize: bool, dimensions: int | None) -> np.ndarray:
+    """A pooled vector as the request asks for it: with `dimensions`, its first that
+    many values scaled to unit length (how OpenAI's text-embedding-3 models and Ollama
+    shorten an embedding); else the whole vector, at unit length when `normalize`. A
+    zero vector stays zero."""
+    if dimensions is not None:
+        values = values[:dimensions]
+        normalize = True
+    if normalize:
+        norm = float(np.linalg.norm(values))
+        if norm > 0.0:
+            values = values / norm
+    return values
+
+
 @dataclass(frozen=True)
 class Vector:
     values: list[float]
@@ -78,6 +93,7 @@ class Vector:
 class _Work:
     inputs: list[list[int]]
     normalize: bool
+    dimensions: int | None
     deliver: Callable[[list[Vector] | BaseException], None]
     # Set when the caller has gone: the work stops at its next chunk.
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -137,8 +153,17 @@ class Embedder:
         with self._lock:
             return self._unfinished
 
-    async def embed(self, texts: Sequence[str], *, normalize: bool) -> list[Vector]:
-        """One vector per text, in order; ContextLengthExceeded names the first too long."""
+    async def embed(
+        self, texts: Sequence[str], *, normalize: bool, dimensions: int | None = None
+    ) -> list[Vector]:
+        """One vector per text, in order (see `shaped` for `normalize` and
+        `dimensions`); ContextLengthExceeded names the first text too long."""
+        if dimensions is not None and not 1 <= dimensions <= self.dimensions:
+            raise errors.InvalidRequest(
+                f"'dimensions' is {dimensions}; this model's embeddings have "
+                f"{self.dimensions} values, so give 1 to {self.dimensions}, or none for all.",
+                metadata={errors.FIELD_KEY: "dimensions", "dimensions": str(self.dimensions)},
+            )
         if len(texts) > self.max_inputs:
             raise errors.InvalidRequest(
                 f"The request has {len(texts)} inputs; at most {self.max_inputs} are embedded "
@@ -183,7 +208,7 @@ class Embedder:
             if not self._started:
                 self._thread.start()
                 self._started = True
-            work = _Work(inputs, normalize, deliver)
+            work = _Work(inputs, normalize, dimensions, deliver)
             self._unfinished += len(inputs)
             self._inbox.put(work)
         try:
@@ -222,7 +247,14 @@ class Embedder:
                         batch = lc.llama_batch_init(CHUNK, 0, 1)
                     tokens = work.inputs[len(work.vectors)]
                     work.vectors.append(
-                        self._one(ctx, batch, tokens, work.normalize, cancelled=work.cancelled)
+                        self._one(
+                            ctx,
+                            batch,
+                            tokens,
+                            work.normalize,
+                            dimensions=work.dimensions,
+                            cancelled=work.cancelled,
+                        )
                     )
                 except _Cancelled:
                     log.info("embed_cancelled", inputs=len(work.inputs))
@@ -298,6 +330,7 @@ class Embedder:
         tokens: list[int],
         normalize: bool,
         *,
+        dimensions: int | None,
         cancelled: threading.Event,
     ) -> Vector:
         total = np.zeros(self.dimensions, dtype=np.float64)
@@ -324,11 +357,7 @@ class Embedder:
                 )
         finally:
             lc.llama_memory_clear(lc.llama_get_memory(ctx), True)
-        values = total / len(tokens)
-        if normalize:
-            norm = float(np.linalg.norm(values))
-            if norm > 0.0:
-                values = values / norm
+        values = shaped(total / len(tokens), normalize=normalize, dimensions=dimensions)
         return Vector(values=values.tolist(), tokens=len(tokens))
 
 

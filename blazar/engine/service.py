@@ -365,7 +365,9 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             self._idle.clear()
             try:
                 vectors = await self._embeddings().embed(
-                    request.inputs, normalize=request.normalize
+                    request.inputs,
+                    normalize=request.normalize,
+                    dimensions=request.dimensions if request.HasField("dimensions") else None,
                 )
             finally:
                 self._embedding -= 1

@@ -188,6 +188,12 @@ def test_embed_and_embeddings(client: ollama.Client) -> None:
     assert cos(vectors[0], vectors[1]) > cos(vectors[0], vectors[2])
     cut = client.embed(model=MODEL, input=texts[0], dimensions=64).embeddings[0]
     assert len(cut) == 64 and math.isclose(math.hypot(*cut), 1.0, abs_tol=1e-4)
+    # The first 64 values of the whole embedding, scaled to unit length.
+    norm = math.hypot(*vectors[0][:64])
+    assert max(abs(a - b / norm) for a, b in zip(cut, vectors[0][:64], strict=True)) < 1e-4
+    with pytest.raises(ollama.ResponseError) as too_many:
+        client.embed(model=MODEL, input=texts[0], dimensions=641)
+    assert too_many.value.status_code == 400 and "640" in too_many.value.error
     # The older route: the same direction, not scaled to unit length.
     raw = client.embeddings(model=MODEL, prompt=texts[0]).embedding
     norm = math.hypot(*raw)

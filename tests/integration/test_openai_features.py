@@ -260,3 +260,21 @@ def test_a_whole_answer_says_when_its_first_token_was_expected(client: openai.Op
     assert whole.parse().usage is not None
     completion = client.completions.with_raw_response.create(model=LANE, prompt="Hi", max_tokens=1)
     assert int(completion.headers["x-blazar-predicted-ttft-ms"]) >= 0
+
+
+def test_dimensions_keeps_the_first_values_at_unit_length(client: openai.OpenAI) -> None:
+    """As text-embedding-3 and Ollama shorten: the first N values of the whole embedding,
+    scaled to unit length; more than the model has is a 400 naming the field."""
+    text = "The cat sat on the mat."
+    whole = client.embeddings.create(model=LANE, input=text).data[0].embedding
+    # The client asks for base64 on the wire unless told float.
+    for extra in ({}, {"encoding_format": "float"}):
+        cut = client.embeddings.create(model=LANE, input=text, dimensions=64, **extra)  # type: ignore[call-overload]
+        values = cut.data[0].embedding
+        assert len(values) == 64 and math.isclose(math.hypot(*values), 1.0, abs_tol=1e-4)
+        norm = math.hypot(*whole[:64])
+        assert max(abs(a - b / norm) for a, b in zip(values, whole[:64], strict=True)) < 1e-4
+    with pytest.raises(openai.BadRequestError) as too_many:
+        client.embeddings.create(model=LANE, input=text, dimensions=641)
+    assert too_many.value.param == "dimensions"  # type: ignore[attr-defined]
+    assert "640" in too_many.value.message

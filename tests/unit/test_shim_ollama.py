@@ -8,7 +8,6 @@ BLAZAR_UPDATE_GOLDEN=1.
 from __future__ import annotations
 
 import json
-import math
 import re
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
@@ -601,16 +600,12 @@ def test_timestamps_are_rfc3339_in_utc() -> None:
     assert render.timestamp(NOW) == "2026-01-02T03:04:05.678901Z"
 
 
-def test_embed_dimensions_cut_and_rescale() -> None:
-    response = inference_pb2.EmbedResponse(
-        embeddings=[inference_pb2.Embedding(values=[0.6, 0.8, 0.0], tokens=2)], prompt_tokens=2
-    )
-    full = render.embed_response(response, model="m", dimensions=None)
-    assert full["embeddings"] == [pytest.approx([0.6, 0.8, 0.0])]
-    cut = render.embed_response(response, model="m", dimensions=1)
-    assert cut["embeddings"] == [pytest.approx([1.0])]
-    with pytest.raises(errors.InvalidRequest, match="more than this model's 3"):
-        render.embed_response(response, model="m", dimensions=4)
+@pytest.mark.parametrize("dimensions", [None, 1, 64])
+def test_embed_asks_the_engine_for_its_dimensions(dimensions: int | None) -> None:
+    body = protocol.EmbedRequest(model="m", input="a", dimensions=dimensions)
+    request = convert.embed_request(body)
+    assert request.normalize
+    assert (request.dimensions if request.HasField("dimensions") else None) == dimensions
 
 
 @pytest.mark.parametrize("name", ["tags", "show", "ps"])
@@ -917,7 +912,3 @@ async def test_unknown_api_path_is_an_ollama_error(client: httpx.AsyncClient) ->
     assert set(wrong_method.json()) == {"error"}
     # Elsewhere, OpenAI's envelope as before.
     assert "message" in (await client.get("/v1/nothing")).json()["error"]
-
-
-def test_a_unit_vector_stays_finite() -> None:
-    assert all(math.isfinite(v) for v in render._unit([0.0, 0.0]))

@@ -293,10 +293,13 @@ def _sampling_of(body: protocol.ChatRequest | protocol.GenerateRequest) -> infer
 
 
 def embed_request(body: protocol.EmbedRequest) -> inference_pb2.EmbedRequest:
-    """/api/embed's embeddings are unit length, as Ollama's are."""
+    """/api/embed's embeddings are unit length, as Ollama's are; `dimensions` keeps the
+    first values (the engine checks the model has that many)."""
     _check_embedding(body.keep_alive, body.options, truncate=body.truncate)
     inputs = [body.input] if isinstance(body.input, str) else list(body.input)
-    return inference_pb2.EmbedRequest(model=body.model, inputs=inputs, normalize=True)
+    return inference_pb2.EmbedRequest(
+        model=body.model, inputs=inputs, normalize=True, dimensions=body.dimensions
+    )
 
 
 def embeddings_request(body: protocol.EmbeddingsRequest) -> inference_pb2.EmbedRequest:

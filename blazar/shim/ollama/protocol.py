@@ -13,6 +13,8 @@ from typing import Any, Literal, NotRequired, TypedDict
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from blazar.shim.canonical import INT32_MAX
+
 # ---------------------------------------------------------------- requests
 
 
@@ -112,7 +114,7 @@ class GenerateRequest(_Generation):
 class EmbedRequest(_Request):
     model: str = Field(min_length=1)
     input: str | list[str]
-    dimensions: int | None = Field(default=None, ge=1)
+    dimensions: int | None = Field(default=None, ge=1, le=INT32_MAX)
     truncate: bool | None = None
     options: dict[str, Any] | None = None
     keep_alive: KeepAlive = None

@@ -10,7 +10,6 @@ Ollama's statistics (`metrics`, in nanoseconds); `embed_response` and
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -18,7 +17,7 @@ from typing import Literal
 
 from blazar._proto.v1 import inference_pb2
 from blazar.api import errors
-from blazar.shim import canonical, http_errors, validation
+from blazar.shim import canonical, http_errors
 from blazar.shim.ollama import protocol
 
 # Which route a line answers: /api/chat or /api/generate.
@@ -218,28 +217,10 @@ def loaded(kind: Kind, *, model: str, created_at: str) -> Line:
     return line
 
 
-def embed_response(
-    response: inference_pb2.EmbedResponse, *, model: str, dimensions: int | None
-) -> protocol.EmbedResponse:
-    """With `dimensions`, each embedding is cut to that many values and scaled to unit
-    length again, as Ollama does; asking for more than the model has is refused."""
-    vectors = []
-    for embedding in response.embeddings:
-        values = list(embedding.values)
-        if dimensions is not None:
-            if dimensions > len(values):
-                raise validation.invalid(
-                    f"'dimensions' {dimensions} is more than this model's {len(values)}.",
-                    param="dimensions",
-                )
-            values = _unit(values[:dimensions])
-        vectors.append(values)
+def embed_response(response: inference_pb2.EmbedResponse, *, model: str) -> protocol.EmbedResponse:
+    """The embeddings as the engine shaped them (`dimensions` included)."""
+    vectors = [list(embedding.values) for embedding in response.embeddings]
     return {"model": model, "embeddings": vectors, "prompt_eval_count": response.prompt_tokens}
-
-
-def _unit(values: list[float]) -> list[float]:
-    norm = math.sqrt(sum(v * v for v in values))
-    return [v / norm for v in values] if norm > 0 else values
 
 
 def embeddings_response(response: inference_pb2.EmbedResponse) -> protocol.EmbeddingsResponse:

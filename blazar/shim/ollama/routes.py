@@ -213,7 +213,7 @@ async def _embed(
             )
         if isinstance(body, protocol.EmbedRequest):
             rendered: protocol.EmbedResponse | protocol.EmbeddingsResponse = render.embed_response(
-                response, model=body.model, dimensions=body.dimensions
+                response, model=body.model
             )
         else:
             rendered = render.embeddings_response(response)

@@ -188,7 +188,7 @@ class EmbeddingRequest(_Request):
     # Token arrays are accepted by the schema only to be refused clearly in convert.
     input: str | list[str] | list[int] | list[list[int]]
     encoding_format: Literal["float", "base64"] | None = None
-    dimensions: int | None = Field(default=None, ge=1)
+    dimensions: int | None = Field(default=None, ge=1, le=INT32_MAX)
     user: str | None = None
 
 

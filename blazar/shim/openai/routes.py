@@ -105,7 +105,6 @@ async def embeddings(request: Request) -> Response:
             response,
             model=body.model,
             encoding_format=body.encoding_format,
-            dimensions=body.dimensions,
         )
     except streaming.ClientDisconnected:
         return Response(status_code=streaming.CLIENT_CLOSED_REQUEST)

@@ -47,6 +47,7 @@ _PARAMS = {
     "sampling.logit_bias": "logit_bias",
     "sampling.stop": "stop",
     "inputs": "input",
+    "dimensions": "dimensions",
 }
 
 

@@ -16,7 +16,7 @@ from blazar._proto.v1 import inference_pb2
 from blazar.api import errors
 from blazar.shim import canonical
 from blazar.shim.openai import protocol
-from blazar.shim.openai.convert import envelope, logprob
+from blazar.shim.openai.convert import logprob
 
 # OpenAI reports a backend configuration hash; Blazar has one configuration per lane,
 # which the first chunk cannot know yet, so this only tells clients who answered.
@@ -326,18 +326,11 @@ def embedding_list(
     *,
     model: str,
     encoding_format: str | None,
-    dimensions: int | None = None,
 ) -> protocol.EmbeddingList:
     """OpenAI's embeddings list; base64 is little-endian float32, as OpenAI sends it."""
     data: list[protocol.Embedding] = []
     for index, embedding in enumerate(response.embeddings):
         values = list(embedding.values)
-        if dimensions is not None and dimensions != len(values):
-            raise envelope.invalid(
-                f"This model's embeddings have {len(values)} dimensions and cannot be "
-                f"shortened; omit 'dimensions' or set it to {len(values)}.",
-                param="dimensions",
-            )
         vector: list[float] | str = values
         if encoding_format == "base64":
             packed = struct.pack(f"<{len(values)}f", *values)

@@ -189,7 +189,8 @@ def prompt_text(body: protocol.CompletionRequest) -> str:
 
 
 def embed_request(body: protocol.EmbeddingRequest) -> inference_pb2.EmbedRequest:
-    """OpenAI's embeddings are unit length, so Blazar's are normalized too."""
+    """OpenAI's embeddings are unit length, so Blazar's are normalized too; `dimensions`
+    keeps the first values (the engine checks the model has that many)."""
     if isinstance(body.input, str):
         inputs = [body.input]
     elif all(isinstance(item, str) for item in body.input):
@@ -205,7 +206,9 @@ def embed_request(body: protocol.EmbeddingRequest) -> inference_pb2.EmbedRequest
         if not text:
             param = "input" if isinstance(body.input, str) else f"input[{i}]"
             raise envelope.invalid(f"'{param}' must not be empty.", param=param)
-    return inference_pb2.EmbedRequest(model=body.model, inputs=inputs, normalize=True)
+    return inference_pb2.EmbedRequest(
+        model=body.model, inputs=inputs, normalize=True, dimensions=body.dimensions
+    )
 
 
 def _constraint(
