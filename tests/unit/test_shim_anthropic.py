@@ -22,7 +22,8 @@ from google.protobuf import json_format
 from blazar._proto.v1 import inference_pb2
 from blazar.api import errors
 from blazar.shim import validation
-from blazar.shim.anthropic import convert, protocol
+from blazar.shim.anthropic import protocol
+from blazar.shim.anthropic.convert import envelope, render, requests
 from tests.unit import fake_inference
 from tests.unit.fake_inference import (
     Daemon,
@@ -169,7 +170,7 @@ REQUEST_CASES: dict[str, dict[str, Any]] = {
 @pytest.mark.parametrize("name", sorted(REQUEST_CASES))
 def test_request_translation_matches_golden(name: str) -> None:
     http_body = REQUEST_CASES[name]
-    canonical = convert.messages_request(parse(protocol.MessagesRequest, http_body))
+    canonical = requests.messages_request(parse(protocol.MessagesRequest, http_body))
     check_golden(f"request_{name}", {"http_body": http_body, "canonical": message_json(canonical)})
 
 
@@ -178,12 +179,12 @@ def test_count_tokens_translation_matches_golden() -> None:
     http_body["system"] = "Be brief."
     http_body["tool_choice"] = {"type": "any"}
     del http_body["max_tokens"]
-    canonical = convert.count_request(parse(protocol.CountTokensRequest, http_body))
+    canonical = requests.count_request(parse(protocol.CountTokensRequest, http_body))
     check_golden(
         "request_count_tokens", {"http_body": http_body, "canonical": message_json(canonical)}
     )
     # The same prompt and tools as the generation of the same body would have.
-    generation = convert.messages_request(
+    generation = requests.messages_request(
         parse(protocol.MessagesRequest, {**http_body, "max_tokens": 5})
     )
     assert canonical.chat.messages == generation.messages
@@ -192,7 +193,7 @@ def test_count_tokens_translation_matches_golden() -> None:
 
 
 def test_sampling_not_sent_stays_unset() -> None:
-    sampling = convert.messages_request(parse(protocol.MessagesRequest, body())).sampling
+    sampling = requests.messages_request(parse(protocol.MessagesRequest, body())).sampling
     for name in ("temperature", "top_p", "top_k", "seed"):
         assert not sampling.HasField(name), name
     assert sampling.max_tokens == 16
@@ -206,7 +207,7 @@ def test_the_session_is_the_header_else_metadata_user_id(
     header: str, user_id: str | None, session: str
 ) -> None:
     parsed = parse(protocol.MessagesRequest, body(metadata={"user_id": user_id}))
-    assert convert.messages_request(parsed, session=header).session == session
+    assert requests.messages_request(parsed, session=header).session == session
 
 
 # ---------------------------------------------------------------- validation by name
@@ -515,7 +516,7 @@ async def test_a_stream_failing_midway_ends_with_an_error_event(
 def test_usage_counts_the_prompt_once() -> None:
     """Anthropic's total input is input + cache read + cache creation: the prompt."""
     chunk = final(prompt=100, completion=5, cached=64).final
-    counted = convert.usage(chunk)
+    counted = render.usage(chunk)
     assert counted == {
         "input_tokens": 36,
         "output_tokens": 5,
@@ -539,13 +540,13 @@ def test_usage_counts_the_prompt_once() -> None:
     ],
 )
 def test_stop_reasons(reason: int, stop_reason: str) -> None:
-    assert convert.stop_reason(final(reason).final) == stop_reason
+    assert render.stop_reason(final(reason).final) == stop_reason
 
 
 def test_a_stop_sequence_is_named() -> None:
     ended = final(inference_pb2.FINISH_REASON_STOP).final
     ended.stop_sequence = "\n\nHuman:"
-    assert (convert.stop_reason(ended), convert.stop_sequence(ended)) == (
+    assert (render.stop_reason(ended), render.stop_sequence(ended)) == (
         "stop_sequence",
         "\n\nHuman:",
     )
@@ -569,7 +570,7 @@ ERRORS: list[tuple[errors.BlazarError, int, str]] = [
 
 @pytest.mark.parametrize(("err", "status", "kind"), ERRORS, ids=lambda x: str(x)[:20])
 def test_error_envelope(err: errors.BlazarError, status: int, kind: str) -> None:
-    rendered = convert.error_response(err, request_id="r1")
+    rendered = envelope.error_response(err, request_id="r1")
     assert rendered.status == status
     assert rendered.body == {
         "type": "error",
@@ -584,7 +585,7 @@ def test_tool_errors_name_anthropics_field() -> None:
         "'tools[0].parameters' is not a valid JSON Schema at its top: bad.",
         metadata={errors.FIELD_KEY: "tools[0].parameters"},
     )
-    message = convert.error_response(err).body["error"]["message"]
+    message = envelope.error_response(err).body["error"]["message"]
     assert message == "'tools[0].input_schema' is not a valid JSON Schema at its top: bad."
 
 

@@ -18,7 +18,8 @@ from starlette.routing import Route
 from blazar._proto.v1 import inference_pb2
 from blazar.api import errors
 from blazar.shim import context, inference, relay, request_body, streaming
-from blazar.shim.anthropic import convert, protocol
+from blazar.shim.anthropic import protocol
+from blazar.shim.anthropic.convert import envelope, render, requests
 
 _log = structlog.get_logger("blazar.shim.anthropic")
 
@@ -43,13 +44,13 @@ async def messages(request: Request) -> Response:
     ctx = context.of(request)
     try:
         body = await request_body.parse(request, protocol.MessagesRequest)
-        chat = convert.messages_request(body, session=ctx.session, slo=ctx.slo)
+        chat = requests.messages_request(body, session=ctx.session, slo=ctx.slo)
     except errors.BlazarError as err:
         return error(err, request_id=ctx.request_id)
-    meta = convert.ResponseMeta(id=f"msg_{ctx.request_id}", model=body.model)
+    meta = render.ResponseMeta(id=f"msg_{ctx.request_id}", model=body.model)
     stream = inference.client_of(request).chat(chat, metadata=ctx.grpc_metadata())
     if body.stream:
-        return await _stream(request, stream, convert.Events(meta), request_id=ctx.request_id)
+        return await _stream(request, stream, render.Events(meta), request_id=ctx.request_id)
     return await _collect(request, stream, meta, request_id=ctx.request_id)
 
 
@@ -58,7 +59,7 @@ async def count_tokens(request: Request) -> Response:
     ctx = context.of(request)
     try:
         body = await request_body.parse(request, protocol.CountTokensRequest)
-        tokenize = convert.count_request(body)
+        tokenize = requests.count_request(body)
         response = await streaming.until_disconnected(
             request, inference.client_of(request).tokenize(tokenize, metadata=ctx.grpc_metadata())
         )
@@ -66,7 +67,7 @@ async def count_tokens(request: Request) -> Response:
         return Response(status_code=streaming.CLIENT_CLOSED_REQUEST)
     except errors.BlazarError as err:
         return error(err, request_id=ctx.request_id)
-    return JSONResponse(convert.token_count(response))
+    return JSONResponse(render.token_count(response))
 
 
 async def no_route(request: Request, exc: Exception) -> Response:
@@ -91,12 +92,12 @@ async def no_route(request: Request, exc: Exception) -> Response:
 
 
 def error(err: errors.BlazarError, *, request_id: str = "") -> Response:
-    rendered = convert.error_response(err, request_id=request_id)
+    rendered = envelope.error_response(err, request_id=request_id)
     return JSONResponse(rendered.body, status_code=rendered.status, headers=rendered.headers)
 
 
 async def _stream(
-    request: Request, stream: inference.ChunkStream, events: convert.Events, *, request_id: str
+    request: Request, stream: inference.ChunkStream, events: render.Events, *, request_id: str
 ) -> Response:
     """Answer with SSE once the first chunk is in (see `relay.first_chunk`)."""
     try:
@@ -111,14 +112,14 @@ async def _stream(
 
 async def _events(
     stream: inference.ChunkStream,
-    events: convert.Events,
+    events: render.Events,
     first: inference_pb2.Chunk | None,
     *,
     request_id: str,
 ) -> AsyncIterator[bytes]:
     def failure(err: errors.BlazarError) -> list[protocol.Event]:
         # Headers are gone; Anthropic's clients raise on an `error` event.
-        return [convert.error_response(err, request_id=request_id).body]
+        return [envelope.error_response(err, request_id=request_id).body]
 
     async for event in relay.rendered(
         stream, events, first, opening=events.opening(), failure=failure
@@ -127,11 +128,11 @@ async def _events(
 
 
 async def _collect(
-    request: Request, stream: inference.ChunkStream, meta: convert.ResponseMeta, *, request_id: str
+    request: Request, stream: inference.ChunkStream, meta: render.ResponseMeta, *, request_id: str
 ) -> Response:
     try:
         answer, headers = await relay.collect(request, stream)
-        body = convert.message(answer, meta)
+        body = render.message(answer, meta)
     except streaming.ClientDisconnected:
         return Response(status_code=streaming.CLIENT_CLOSED_REQUEST)
     except errors.BlazarError as err:

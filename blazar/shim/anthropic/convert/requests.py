@@ -1,41 +1,22 @@
-"""Translate between Anthropic's Messages API and the canonical `blazar.v1` messages.
+"""Anthropic's Messages API requests as canonical `blazar.v1` requests.
 
-Pure: no IO, no clock, no logging. Request side: `messages_request` builds the
-canonical chat (the system prompt as the first turn, `tool_use` blocks as the
-assistant's calls, `tool_result` blocks as tool turns, consecutive turns of one role
-merged as Anthropic merges them), and `count_request` the Tokenize request that counts
-the same prompt as the chat would render it. Every field is either done as Anthropic
-does it or refused by name. Response side: `message` renders a collected answer,
-`Events` a chunk stream as Anthropic's named SSE events, and `error_response` any
-`BlazarError` in Anthropic's error envelope.
+Pure: no IO, no clock, no logging. `messages_request` builds the canonical chat (the
+system prompt as the first turn, `tool_use` blocks as the assistant's calls,
+`tool_result` blocks as tool turns, consecutive turns of one role merged as Anthropic
+merges them), and `count_request` the Tokenize request that counts the same prompt as
+the chat would render it. Every field is either done as Anthropic does it or refused
+by name.
 """
 
 from __future__ import annotations
 
-import json
-import re
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from blazar._proto.v1 import inference_pb2
 from blazar.api import errors
-from blazar.shim import canonical, http_errors, validation
+from blazar.shim import canonical, validation
 from blazar.shim.anthropic import protocol
 
-# Anthropic answers an overloaded API with 529, where the other dialects say 503.
-OVERLOADED_STATUS = 529
-
-_ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    413: "request_too_large",
-    415: "invalid_request_error",
-    429: "rate_limit_error",
-    504: "timeout_error",
-    OVERLOADED_STATUS: "overloaded_error",
-}
 _MODES = {
     "auto": inference_pb2.ToolChoice.MODE_AUTO,
     "any": inference_pb2.ToolChoice.MODE_REQUIRED,
@@ -60,9 +41,6 @@ ERROR_RESULT_PREFIX = "Error: "
 
 def _invalid(message: str, *, param: str) -> errors.InvalidRequest:
     return errors.InvalidRequest(message, metadata={validation.PARAM_KEY: param})
-
-
-# ---------------------------------------------------------------- requests
 
 
 def messages_request(
@@ -401,210 +379,3 @@ def _tool_choice(
             param="tool_choice.name",
         )
     return inference_pb2.ToolChoice(mode=_MODES["tool"], name=choice.name)
-
-
-# ---------------------------------------------------------------- responses
-
-
-@dataclass(frozen=True)
-class ResponseMeta:
-    """What a response repeats: Anthropic's message id and the model as asked for."""
-
-    id: str
-    model: str
-
-
-def stop_reason(final: inference_pb2.Final) -> protocol.StopReason:
-    """FINISH_REASON_STOP is the model's end of turn, or one of the caller's stop
-    sequences when `Final.stop_sequence` names it."""
-    if final.finish_reason == inference_pb2.FINISH_REASON_LENGTH:
-        return "max_tokens"
-    if final.finish_reason == inference_pb2.FINISH_REASON_TOOL_CALLS:
-        return "tool_use"
-    return "stop_sequence" if final.stop_sequence else "end_turn"
-
-
-def stop_sequence(final: inference_pb2.Final) -> str | None:
-    return final.stop_sequence or None
-
-
-def usage(final: inference_pb2.Final) -> protocol.Usage:
-    """The prompt's tokens reused from the cache are read from it; the rest were
-    prefilled (`input_tokens`). Blazar keeps every prompt's cache without being asked,
-    so no tokens are counted as written to it."""
-    cached = final.usage.cached_tokens
-    return {
-        "input_tokens": final.usage.prompt_tokens - cached,
-        "output_tokens": final.usage.completion_tokens,
-        "cache_creation_input_tokens": 0,
-        "cache_read_input_tokens": cached,
-    }
-
-
-def _no_usage() -> protocol.Usage:
-    return {
-        "input_tokens": 0,
-        "output_tokens": 0,
-        "cache_creation_input_tokens": 0,
-        "cache_read_input_tokens": 0,
-    }
-
-
-def _tool_use(call: inference_pb2.ToolCall) -> protocol.ToolUseContent:
-    arguments = json.loads(call.arguments or "{}")
-    assert isinstance(arguments, dict), "a whole call's arguments are a JSON object"
-    return {"type": "tool_use", "id": call.id, "name": call.name, "input": arguments}
-
-
-def message(answer: canonical.Answer, meta: ResponseMeta) -> protocol.MessageResponse:
-    """A whole generation: its text as one block (none when empty), then its whole calls."""
-    final = answer.finished()
-    content: list[protocol.Content] = []
-    if answer.text:
-        content.append({"type": "text", "text": answer.text})
-    content.extend(_tool_use(call) for call in answer.whole_calls())
-    return {
-        "id": meta.id,
-        "type": "message",
-        "role": "assistant",
-        "model": meta.model,
-        "content": content,
-        "stop_reason": stop_reason(final),
-        "stop_sequence": stop_sequence(final),
-        "usage": usage(final),
-    }
-
-
-class Events:
-    """Renders one generation as Anthropic's stream of named events.
-
-    Order: `message_start` (no content, no stop reason, usage zero: the prompt's counts
-    come with the final chunk) and a `ping`; the text as one block (`content_block_start`,
-    a `text_delta` per canonical delta, `content_block_stop`) once there is text; at the
-    end each whole tool call as a `tool_use` block whose input arrives in one
-    `input_json_delta`; then `message_delta` with the stop reason and the whole usage,
-    and `message_stop`. Tool calls wait for the final chunk because only `Final.tool_calls`
-    says which are whole: a call is never streamed half-formed.
-    """
-
-    def __init__(self, meta: ResponseMeta) -> None:
-        self._meta = meta
-        self._calls = canonical.Answer()
-        self._text_open = False
-        self._blocks = 0
-        self.finished = False
-
-    def opening(self) -> list[protocol.Event]:
-        start: protocol.MessageResponse = {
-            "id": self._meta.id,
-            "type": "message",
-            "role": "assistant",
-            "model": self._meta.model,
-            "content": [],
-            "stop_reason": None,
-            "stop_sequence": None,
-            "usage": _no_usage(),
-        }
-        return [{"type": "message_start", "message": start}, {"type": "ping"}]
-
-    def render(self, chunk: inference_pb2.Chunk) -> list[protocol.Event]:
-        part = chunk.WhichOneof("part")
-        if part == "delta":
-            self._calls.add(chunk)
-            if not chunk.delta.text:
-                return []
-            out: list[protocol.Event] = []
-            if not self._text_open:
-                self._text_open = True
-                out.append(
-                    {
-                        "type": "content_block_start",
-                        "index": self._blocks,
-                        "content_block": {"type": "text", "text": ""},
-                    }
-                )
-            out.append(
-                {
-                    "type": "content_block_delta",
-                    "index": self._blocks,
-                    "delta": {"type": "text_delta", "text": chunk.delta.text},
-                }
-            )
-            return out
-        if part != "final":
-            return []
-        self.finished = True
-        self._calls.add(chunk)
-        out = []
-        if self._text_open:
-            out.append({"type": "content_block_stop", "index": self._blocks})
-            self._blocks += 1
-        for call in self._calls.whole_calls():
-            block = _tool_use(call)
-            out.extend(self._tool_use_block(block, arguments=call.arguments or "{}"))
-        final = chunk.final
-        out.append(
-            {
-                "type": "message_delta",
-                "delta": {"stop_reason": stop_reason(final), "stop_sequence": stop_sequence(final)},
-                "usage": usage(final),
-            }
-        )
-        out.append({"type": "message_stop"})
-        return out
-
-    def _tool_use_block(
-        self, block: protocol.ToolUseContent, *, arguments: str
-    ) -> list[protocol.Event]:
-        index = self._blocks
-        self._blocks += 1
-        return [
-            {
-                "type": "content_block_start",
-                "index": index,
-                "content_block": {**block, "input": {}},
-            },
-            {
-                "type": "content_block_delta",
-                "index": index,
-                "delta": {"type": "input_json_delta", "partial_json": arguments},
-            },
-            {"type": "content_block_stop", "index": index},
-        ]
-
-
-def token_count(response: inference_pb2.TokenizeResponse) -> protocol.TokenCount:
-    return {"input_tokens": len(response.tokens)}
-
-
-# ---------------------------------------------------------------- errors
-
-
-@dataclass(frozen=True)
-class ErrorResponse:
-    status: int
-    body: protocol.ErrorBody
-    headers: dict[str, str]
-
-
-# A canonical tool's `parameters` are Anthropic's `input_schema`.
-_PARAMETERS = re.compile(r"\b(tools\[\d+\])\.parameters\b")
-
-
-def error_response(err: errors.BlazarError, *, request_id: str = "") -> ErrorResponse:
-    """Anthropic's `{"type": "error", "error": {type, message}, "request_id"}`, with the
-    status every dialect shares but for an unavailable server, which Anthropic calls
-    overloaded (529). A 429 carries `retry-after` (`http_errors.headers`)."""
-    status = http_errors.http_status(err)
-    if status == 503:
-        status = OVERLOADED_STATUS
-    message = err.message
-    if err.metadata.get(errors.FIELD_KEY, "").startswith("tools"):
-        message = _PARAMETERS.sub(r"\1.input_schema", message)
-    body: protocol.ErrorBody = {
-        "type": "error",
-        "error": {"type": _ERROR_TYPES.get(status, "api_error"), "message": message},
-    }
-    if request_id:
-        body["request_id"] = request_id
-    return ErrorResponse(status=status, body=body, headers=http_errors.headers(err))

@@ -1,0 +1,58 @@
+"""Any `BlazarError` in Anthropic's error envelope, with Anthropic's error types.
+
+Pure: no IO, no clock, no logging.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from blazar.api import errors
+from blazar.shim import http_errors
+from blazar.shim.anthropic import protocol
+
+# Anthropic answers an overloaded API with 529, where the other dialects say 503.
+OVERLOADED_STATUS = 529
+
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    415: "invalid_request_error",
+    429: "rate_limit_error",
+    504: "timeout_error",
+    OVERLOADED_STATUS: "overloaded_error",
+}
+
+
+@dataclass(frozen=True)
+class ErrorResponse:
+    status: int
+    body: protocol.ErrorBody
+    headers: dict[str, str]
+
+
+# A canonical tool's `parameters` are Anthropic's `input_schema`.
+_PARAMETERS = re.compile(r"\b(tools\[\d+\])\.parameters\b")
+
+
+def error_response(err: errors.BlazarError, *, request_id: str = "") -> ErrorResponse:
+    """Anthropic's `{"type": "error", "error": {type, message}, "request_id"}`, with the
+    status every dialect shares but for an unavailable server, which Anthropic calls
+    overloaded (529). A 429 carries `retry-after` (`http_errors.headers`)."""
+    status = http_errors.http_status(err)
+    if status == 503:
+        status = OVERLOADED_STATUS
+    message = err.message
+    if err.metadata.get(errors.FIELD_KEY, "").startswith("tools"):
+        message = _PARAMETERS.sub(r"\1.input_schema", message)
+    body: protocol.ErrorBody = {
+        "type": "error",
+        "error": {"type": _ERROR_TYPES.get(status, "api_error"), "message": message},
+    }
+    if request_id:
+        body["request_id"] = request_id
+    return ErrorResponse(status=status, body=body, headers=http_errors.headers(err))

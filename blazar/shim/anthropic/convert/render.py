@@ -1,0 +1,186 @@
+"""Canonical generation streams as Anthropic's Messages API responses.
+
+Pure: no IO, no clock, no logging. `message` renders a collected answer, `Events` a
+chunk stream as Anthropic's named SSE events (`message_start` to `message_stop`), and
+`token_count` a Tokenize response as count_tokens answers.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from blazar._proto.v1 import inference_pb2
+from blazar.shim import canonical
+from blazar.shim.anthropic import protocol
+
+
+@dataclass(frozen=True)
+class ResponseMeta:
+    """What a response repeats: Anthropic's message id and the model as asked for."""
+
+    id: str
+    model: str
+
+
+def stop_reason(final: inference_pb2.Final) -> protocol.StopReason:
+    """FINISH_REASON_STOP is the model's end of turn, or one of the caller's stop
+    sequences when `Final.stop_sequence` names it."""
+    if final.finish_reason == inference_pb2.FINISH_REASON_LENGTH:
+        return "max_tokens"
+    if final.finish_reason == inference_pb2.FINISH_REASON_TOOL_CALLS:
+        return "tool_use"
+    return "stop_sequence" if final.stop_sequence else "end_turn"
+
+
+def stop_sequence(final: inference_pb2.Final) -> str | None:
+    return final.stop_sequence or None
+
+
+def usage(final: inference_pb2.Final) -> protocol.Usage:
+    """The prompt's tokens reused from the cache are read from it; the rest were
+    prefilled (`input_tokens`). Blazar keeps every prompt's cache without being asked,
+    so no tokens are counted as written to it."""
+    cached = final.usage.cached_tokens
+    return {
+        "input_tokens": final.usage.prompt_tokens - cached,
+        "output_tokens": final.usage.completion_tokens,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": cached,
+    }
+
+
+def _no_usage() -> protocol.Usage:
+    return {
+        "input_tokens": 0,
+        "output_tokens": 0,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": 0,
+    }
+
+
+def _tool_use(call: inference_pb2.ToolCall) -> protocol.ToolUseContent:
+    arguments = json.loads(call.arguments or "{}")
+    assert isinstance(arguments, dict), "a whole call's arguments are a JSON object"
+    return {"type": "tool_use", "id": call.id, "name": call.name, "input": arguments}
+
+
+def message(answer: canonical.Answer, meta: ResponseMeta) -> protocol.MessageResponse:
+    """A whole generation: its text as one block (none when empty), then its whole calls."""
+    final = answer.finished()
+    content: list[protocol.Content] = []
+    if answer.text:
+        content.append({"type": "text", "text": answer.text})
+    content.extend(_tool_use(call) for call in answer.whole_calls())
+    return {
+        "id": meta.id,
+        "type": "message",
+        "role": "assistant",
+        "model": meta.model,
+        "content": content,
+        "stop_reason": stop_reason(final),
+        "stop_sequence": stop_sequence(final),
+        "usage": usage(final),
+    }
+
+
+class Events:
+    """Renders one generation as Anthropic's stream of named events.
+
+    Order: `message_start` (no content, no stop reason, usage zero: the prompt's counts
+    come with the final chunk) and a `ping`; the text as one block (`content_block_start`,
+    a `text_delta` per canonical delta, `content_block_stop`) once there is text; at the
+    end each whole tool call as a `tool_use` block whose input arrives in one
+    `input_json_delta`; then `message_delta` with the stop reason and the whole usage,
+    and `message_stop`. Tool calls wait for the final chunk because only `Final.tool_calls`
+    says which are whole: a call is never streamed half-formed.
+    """
+
+    def __init__(self, meta: ResponseMeta) -> None:
+        self._meta = meta
+        self._calls = canonical.Answer()
+        self._text_open = False
+        self._blocks = 0
+        self.finished = False
+
+    def opening(self) -> list[protocol.Event]:
+        start: protocol.MessageResponse = {
+            "id": self._meta.id,
+            "type": "message",
+            "role": "assistant",
+            "model": self._meta.model,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": _no_usage(),
+        }
+        return [{"type": "message_start", "message": start}, {"type": "ping"}]
+
+    def render(self, chunk: inference_pb2.Chunk) -> list[protocol.Event]:
+        part = chunk.WhichOneof("part")
+        if part == "delta":
+            self._calls.add(chunk)
+            if not chunk.delta.text:
+                return []
+            out: list[protocol.Event] = []
+            if not self._text_open:
+                self._text_open = True
+                out.append(
+                    {
+                        "type": "content_block_start",
+                        "index": self._blocks,
+                        "content_block": {"type": "text", "text": ""},
+                    }
+                )
+            out.append(
+                {
+                    "type": "content_block_delta",
+                    "index": self._blocks,
+                    "delta": {"type": "text_delta", "text": chunk.delta.text},
+                }
+            )
+            return out
+        if part != "final":
+            return []
+        self.finished = True
+        self._calls.add(chunk)
+        out = []
+        if self._text_open:
+            out.append({"type": "content_block_stop", "index": self._blocks})
+            self._blocks += 1
+        for call in self._calls.whole_calls():
+            block = _tool_use(call)
+            out.extend(self._tool_use_block(block, arguments=call.arguments or "{}"))
+        final = chunk.final
+        out.append(
+            {
+                "type": "message_delta",
+                "delta": {"stop_reason": stop_reason(final), "stop_sequence": stop_sequence(final)},
+                "usage": usage(final),
+            }
+        )
+        out.append({"type": "message_stop"})
+        return out
+
+    def _tool_use_block(
+        self, block: protocol.ToolUseContent, *, arguments: str
+    ) -> list[protocol.Event]:
+        index = self._blocks
+        self._blocks += 1
+        return [
+            {
+                "type": "content_block_start",
+                "index": index,
+                "content_block": {**block, "input": {}},
+            },
+            {
+                "type": "content_block_delta",
+                "index": index,
+                "delta": {"type": "input_json_delta", "partial_json": arguments},
+            },
+            {"type": "content_block_stop", "index": index},
+        ]
+
+
+def token_count(response: inference_pb2.TokenizeResponse) -> protocol.TokenCount:
+    return {"input_tokens": len(response.tokens)}
