@@ -356,3 +356,41 @@ def test_an_input_over_the_context_is_a_400_naming_the_sizes(client: openai.Open
     assert err.code == "context_length_exceeded"
     assert err.param == "input"
     assert str(CONTEXT_PER_SLOT) in err.message and "max_output_tokens" in err.message
+
+
+def test_input_tokens_counts_what_usage_reports(client: openai.OpenAI) -> None:
+    """`responses.input_tokens.count` renders and tokenizes the prompt exactly as
+    `responses.create` does: its count is the response's `usage.input_tokens`."""
+    options: dict[str, Any] = {
+        "model": LANE,
+        "instructions": INSTRUCTIONS,
+        "input": [{"role": "user", "content": [{"type": "input_text", "text": ASK}]}],
+        "tools": FLAT_TOOLS,
+        "tool_choice": {"type": "function", "name": "get_time"},
+    }
+    counted = client.responses.input_tokens.count(**options)
+    assert counted.object == "response.input_tokens"
+    created = client.responses.create(
+        **options, max_output_tokens=forced_budget(options["tool_choice"]), store=False
+    )
+    assert created.usage is not None and counted.input_tokens == created.usage.input_tokens
+    alone = client.responses.input_tokens.count(model=LANE, instructions=INSTRUCTIONS)
+    assert 0 < alone.input_tokens < counted.input_tokens
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_tokens.count(model="nope", input="Hi")
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.input_tokens.count(model=LANE, input="Hi", previous_response_id="r")
+    assert refused.value.param == "previous_response_id"  # type: ignore[attr-defined]
+
+
+def test_stored_responses_are_a_clear_404(client: openai.OpenAI) -> None:
+    for call in (
+        lambda: client.responses.retrieve("resp_123"),
+        lambda: client.responses.delete("resp_123"),
+        lambda: client.responses.cancel("resp_123"),
+        lambda: client.responses.input_items.list("resp_123"),
+    ):
+        with pytest.raises(openai.NotFoundError) as missing:
+            call()
+        assert "'resp_123'" in missing.value.message
+        assert "keeps no responses" in missing.value.message

@@ -674,3 +674,96 @@ async def test_a_stream_that_fails_midway_ends_in_response_failed(daemon: Daemon
     assert failed.response.error is not None
     assert failed.response.error.code == "server_error"
     assert failed.response.output_text == "par"
+
+
+# ---------------------------------------------------------------- input_tokens, stored
+
+
+COUNTED: list[dict[str, Any]] = [
+    {"model": "tiny", "input": "Hi"},
+    {"model": "tiny", "input": "Hi", "instructions": "Be brief.", "tools": [WEATHER]},
+    {
+        "model": "tiny",
+        "input": [{"role": "user", "content": [{"type": "input_text", "text": "Paris?"}]}],
+        "tool_choice": {"type": "function", "name": "get_weather"},
+        "tools": [WEATHER],
+        "parallel_tool_calls": False,
+        "text": {"format": {"type": "json_schema", "name": "p", "schema": PERSON_SCHEMA}},
+    },
+]
+
+
+@pytest.mark.parametrize("body", COUNTED)
+def test_input_tokens_counts_the_chat_a_response_would_render(body: dict[str, Any]) -> None:
+    counted = requests.count_request(protocol.InputTokensRequest.model_validate(body))
+    created = requests.chat_request(protocol.ResponseCreateRequest.model_validate(body))
+    assert counted.model == "tiny"
+    assert counted.chat == created
+
+
+def test_input_tokens_without_input_counts_instructions_and_tools() -> None:
+    body = {"model": "tiny", "instructions": "Be brief.", "tools": [WEATHER]}
+    counted = requests.count_request(protocol.InputTokensRequest.model_validate(body))
+    assert [m.role for m in counted.chat.messages] == ["system"]
+    assert [t.name for t in counted.chat.tools] == ["get_weather"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"conversation": "conv_1"}, "conversation"),
+        ({"truncation": "auto"}, "truncation"),
+        ({"reasoning": {"effort": "high"}}, "reasoning.effort"),
+        ({"personality": "friendly"}, "personality"),
+        ({"tool_choice": "required"}, "tool_choice"),
+    ],
+)
+async def test_input_tokens_refuses_what_a_response_refuses(
+    daemon: Daemon, client: httpx.AsyncClient, extra: dict[str, Any], param: str
+) -> None:
+    response = await client.post(
+        f"{PATH}/input_tokens", json={"model": "tiny", "input": "Hi", **extra}
+    )
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+    assert daemon.fake.requests == []
+
+
+async def test_input_tokens_answers_openais_shape(
+    daemon: Daemon, client: httpx.AsyncClient
+) -> None:
+    daemon.fake.scripts["tiny"] = []
+    daemon.fake.tokenized = inference_pb2.TokenizeResponse(tokens=[2, 9, 7, 5])
+    response = await client.post(
+        f"{PATH}/input_tokens",
+        json={"model": "tiny", "input": "Hi"},
+        headers={"x-blazar-slo": "batch"},
+    )
+    assert response.status_code == 200, response.text
+    assert response.json() == {"object": "response.input_tokens", "input_tokens": 4}
+    (sent,) = daemon.fake.requests
+    assert [m.content for m in sent.chat.messages] == ["Hi"]
+    assert daemon.fake.metadata[-1]["x-blazar-slo"] == "batch"
+    missing = await client.post(f"{PATH}/input_tokens", json={"model": "nope", "input": "Hi"})
+    assert (missing.status_code, missing.json()["error"]["code"]) == (404, "model_not_found")
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "action"),
+    [
+        ("GET", "/resp_abc", "retrieve"),
+        ("DELETE", "/resp_abc", "delete"),
+        ("POST", "/resp_abc/cancel", "cancel"),
+        ("GET", "/resp_abc/input_items", "list the input items of"),
+    ],
+)
+async def test_stored_response_routes_say_nothing_is_stored(
+    client: httpx.AsyncClient, method: str, path: str, action: str
+) -> None:
+    response = await client.request(method, f"{PATH}{path}")
+    assert response.status_code == 404
+    error = response.json()["error"]
+    assert (error["type"], error["param"]) == ("invalid_request_error", "response_id")
+    assert "'resp_abc'" in error["message"] and "keeps no responses" in error["message"]
+    assert f"none to {action}" in error["message"]

@@ -157,6 +157,26 @@ class ResponseCreateRequest(_Request):
     service_tier: str | None = None
 
 
+class InputTokensRequest(_Request):
+    """`POST /v1/responses/input_tokens`: the fields of a response request that make its
+    prompt, counted as `POST /v1/responses` would render it. OpenAI lets `model` and
+    `input` be absent; Blazar needs the model to count with its tokenizer."""
+
+    model: str = Field(min_length=1)
+    input: str | list[InputItem] | None = None
+    instructions: str | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ToolChoiceObject | None = None
+    parallel_tool_calls: bool | None = None
+    text: TextConfig | None = None
+    # Read only to refuse them, as on `POST /v1/responses`.
+    reasoning: Reasoning | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    conversation: str | dict[str, Any] | None = None
+    previous_response_id: str | None = None
+    personality: str | None = None
+
+
 # ---------------------------------------------------------------- responses
 
 Status = Literal["completed", "incomplete", "in_progress", "failed"]
@@ -297,3 +317,10 @@ class Event(TypedDict):
     code: NotRequired[str | None]
     message: NotRequired[str]
     param: NotRequired[str | None]
+
+
+class InputTokenCount(TypedDict):
+    """What `POST /v1/responses/input_tokens` answers."""
+
+    object: Literal["response.input_tokens"]
+    input_tokens: int

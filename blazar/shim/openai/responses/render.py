@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from blazar._proto.v1 import inference_pb2
 from blazar.api import errors
-from blazar.shim import canonical, http_errors
+from blazar.shim import canonical, http_errors, validation
 from blazar.shim.openai import protocol as chat
 from blazar.shim.openai.convert import envelope, logprob, render
 from blazar.shim.openai.responses import protocol
@@ -362,6 +362,25 @@ def _failure_code(err: errors.BlazarError) -> str:
     if status == 400:
         return "invalid_prompt"
     return "server_error"
+
+
+def input_token_count(response: inference_pb2.TokenizeResponse) -> protocol.InputTokenCount:
+    return {"object": "response.input_tokens", "input_tokens": len(response.tokens)}
+
+
+def not_stored(response_id: str, *, action: str) -> errors.ObjectNotFound:
+    """What retrieving, deleting or cancelling a response meets: Blazar stores none
+    (`store` must be false), so no id is ever found; said plainly, not as an unknown
+    route. `action` is what the client tried ("retrieve", "delete", "cancel")."""
+    shown = response_id
+    if len(shown) > errors.ModelNotFound.ECHO_MAX_CHARS:
+        shown = shown[: errors.ModelNotFound.ECHO_MAX_CHARS] + "..."
+    return errors.ObjectNotFound(
+        f"No response found with id '{shown}': this server keeps no responses (requests "
+        f"must send 'store': false or leave it out), so there is none to {action}. Send "
+        "the whole conversation in 'input' instead.",
+        metadata={validation.PARAM_KEY: "response_id"},
+    )
 
 
 def error_response(err: errors.BlazarError) -> envelope.ErrorResponse:

@@ -76,6 +76,27 @@ def chat_request(
     return request
 
 
+def count_request(body: protocol.InputTokensRequest) -> inference_pb2.TokenizeRequest:
+    """The Tokenize request that counts a response's prompt exactly as `chat_request`
+    would build it (the same turns, tools and refusals): no `input` counts the
+    instructions and tools alone. OpenAI's `personality` is a preset of its own models,
+    refused by name."""
+    if body.personality is not None:
+        raise envelope.invalid(
+            "'personality' is not supported: it is a style preset of OpenAI's models.",
+            param="personality",
+        )
+    fields = body.model_dump(exclude={"personality", "input"}, exclude_unset=True, by_alias=True)
+    create = protocol.ResponseCreateRequest.model_validate(
+        {**fields, "input": body.input if body.input is not None else ""}
+    )
+    chat = chat_request(create)
+    if body.input is None:
+        # The empty user turn that "" became: without input there is no turn to count.
+        del chat.messages[-1]
+    return inference_pb2.TokenizeRequest(model=body.model, chat=chat)
+
+
 def wants_logprobs(body: protocol.ResponseCreateRequest) -> bool:
     """Whether the response's text carries its tokens' log-probabilities; any other
     `include` value is refused (`chat_request`)."""

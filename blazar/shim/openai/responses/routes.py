@@ -1,4 +1,10 @@
-"""The HTTP route of the Responses API: parse, convert, call the daemon, render."""
+"""The HTTP routes of the Responses API: parse, convert, call the daemon, render.
+
+`POST /v1/responses` generates; `POST /v1/responses/input_tokens` counts a response's
+prompt through Tokenize. Blazar stores no responses, so the routes that read one back
+(retrieve, delete, cancel, its input items) answer a 404 that says so, in OpenAI's
+envelope, rather than an unknown route.
+"""
 
 from __future__ import annotations
 
@@ -20,7 +26,30 @@ _log = structlog.get_logger("blazar.shim.openai")
 
 
 def routes() -> list[Route]:
-    return [Route("/v1/responses", relay.guarded(create, render=error), methods=["POST"])]
+    # `input_tokens` first: `{response_id}` would match it too.
+    return [
+        Route("/v1/responses", relay.guarded(create, render=error), methods=["POST"]),
+        Route(
+            "/v1/responses/input_tokens",
+            relay.guarded(input_tokens, render=error),
+            methods=["POST"],
+        ),
+        Route(
+            "/v1/responses/{response_id}",
+            relay.guarded(_not_stored("retrieve", "delete"), render=error),
+            methods=["GET", "DELETE"],
+        ),
+        Route(
+            "/v1/responses/{response_id}/cancel",
+            relay.guarded(_not_stored("cancel"), render=error),
+            methods=["POST"],
+        ),
+        Route(
+            "/v1/responses/{response_id}/input_items",
+            relay.guarded(_not_stored("list the input items of"), render=error),
+            methods=["GET"],
+        ),
+    ]
 
 
 async def create(request: Request) -> Response:
@@ -54,6 +83,33 @@ async def create(request: Request) -> Response:
     except errors.BlazarError as err:
         return error(err)
     return JSONResponse(rendered, headers=headers)
+
+
+async def input_tokens(request: Request) -> Response:
+    """The prompt's tokens as the model's tokenizer counts the rendered chat (Tokenize),
+    what `usage.input_tokens` of the same request would say."""
+    ctx = context.of(request)
+    try:
+        body = await request_body.parse(request, protocol.InputTokensRequest)
+        tokenize = requests.count_request(body)
+        response = await streaming.until_disconnected(
+            request, inference.client_of(request).tokenize(tokenize, metadata=ctx.grpc_metadata())
+        )
+    except streaming.ClientDisconnected:
+        return Response(status_code=streaming.CLIENT_CLOSED_REQUEST)
+    except errors.BlazarError as err:
+        return error(err)
+    return JSONResponse(render.input_token_count(response))
+
+
+def _not_stored(*actions: str) -> relay.Handler:
+    """A route over a stored response: `actions` by method (GET, then DELETE)."""
+
+    async def not_stored(request: Request) -> Response:
+        action = actions[-1] if request.method == "DELETE" else actions[0]
+        return error(render.not_stored(request.path_params["response_id"], action=action))
+
+    return not_stored
 
 
 def error(err: errors.BlazarError) -> Response:
