@@ -12,8 +12,9 @@ A request's side, in the relay:
 
 1. `admit(...)` returns once admission starts the request on a replica (a `Run`), or
    raises what admission refused it with (`errors.Overloaded`, carrying
-   `retry_after_ms`), or `errors.Unavailable` when its Lane goes away or is scaled to
-   zero while it waits. A caller that leaves while waiting (its coroutine cancelled)
+   `retry_after_ms`), `errors.ModelNotFound` when its Lane is deleted while it waits
+   (NOT_FOUND: retrying cannot help), or `errors.Unavailable` when its Lane is scaled
+   to zero meanwhile. A caller that leaves while waiting (its coroutine cancelled)
    takes its ticket out of the queue at once.
 2. The relay streams from `run.replica`, counting the tokens it relays on
    `run.generated` (the one field a relay writes; the forecast reads it).
@@ -333,6 +334,10 @@ class LaneDispatcher:
                 if gone:
                     self._leave_all()
                     return
+                if self._route is not None and (stranded := routing.unservable(self._route)):
+                    # No replica left, and none starts until the Model is back: whatever
+                    # waits (or came back from a replica that died) would wait for nothing.
+                    self._fail_all(stranded)
                 self._decide()
             except Exception:
                 # A bug here must not leave every waiting caller hanging: they get an
@@ -418,9 +423,11 @@ class LaneDispatcher:
         return False
 
     def _leave_all(self) -> None:
-        err = errors.Unavailable(
-            f"Lane '{self.lane}' was deleted while the request waited.",
-            metadata={"lane": self.lane},
+        # Not UNAVAILABLE: a retry would find no such model either, so say so for good.
+        err = errors.ModelNotFound(
+            f"Lane '{self.lane}' was deleted while the request waited: the model "
+            f"'{self.lane}' no longer exists.",
+            metadata={"lane": self.lane, "model": self.lane},
         )
         self._fail_all(err)
         # The Lane's gauges go with it (its counters stay, as counters do).

@@ -13,7 +13,7 @@ from collections import OrderedDict
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from blazar.api import errors
+from blazar.api import conditions, errors
 from blazar.api.kinds import Lane
 from blazar.api.replicas import ReplicaState
 
@@ -47,6 +47,9 @@ class Route:
     wakes: bool = False
     # It sleeps now (its status says so).
     sleeping: bool = False
+    # Why no new replica can start, from the Lane's ModelReady condition when it is
+    # False (`Model "m" does not exist.`); empty when the Model is ready.
+    model_problem: str = ""
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,7 @@ def build_table(lanes: Sequence[Lane]) -> RouteTable:
                 max_parked_bytes=lane.spec.kv_cache.max_parked_mib << 20,
                 wakes=lane.spec.idle is not None and lane.spec.idle.sleep_after is not None,
                 sleeping=lane.status.sleeping,
+                model_problem=_model_problem(lane),
             )
         )
     by_name: dict[str, Route] = {route.lane: route for route in routes}
@@ -87,6 +91,26 @@ def build_table(lanes: Sequence[Lane]) -> RouteTable:
         for alias in route.aliases:
             by_name.setdefault(alias, route)
     return RouteTable(routes=tuple(routes), by_name=by_name)
+
+
+def _model_problem(lane: Lane) -> str:
+    cond = conditions.get_condition(lane.status.conditions, "ModelReady")
+    if cond is None or cond.status != "False":
+        return ""
+    return cond.message or f'Model "{lane.spec.model}" is not ready.'
+
+
+def unservable(route: Route) -> errors.Unavailable | None:
+    """Why a Lane with no ready replica will have none until its operator acts (its
+    Model is missing or not ready), as the error its requests get; None when a replica
+    may yet come (starting, restarting). Not "retry shortly": retrying cannot help."""
+    if route.replicas or not route.model_problem:
+        return None
+    return errors.Unavailable(
+        f"The model '{route.lane}' has no ready replica, and Lane '{route.lane}' can start "
+        f"none until its Model is ready: {route.model_problem}",
+        metadata={"lane": route.lane, "model": route.model},
+    )
 
 
 def resolve(table: RouteTable, name: str) -> Route:
@@ -141,6 +165,8 @@ def pick_replica(
             "replicas: 0. Scale it up to serve it.",
             metadata={"lane": route.lane},
         )
+    if not candidates and (stranded := unservable(route)) is not None:
+        raise stranded
     if not candidates:
         raise errors.Unavailable(
             f"The model '{route.lane}' has no ready replica yet; retry shortly.",

@@ -582,3 +582,62 @@ def test_daemon_kill_leaves_no_orphans_and_restart_reconverges(model_path: Path)
     finally:
         first.stop()
         shutil.rmtree(home, ignore_errors=True)
+
+
+def test_a_deleted_lane_or_model_is_said_so_not_retry(
+    daemon: Daemon, model_path: Path, tmp_path: Path
+) -> None:
+    """Deleting a Model a Lane uses is allowed (GitOps prunes in any order): `describe`
+    says the Lane's Model does not exist, and the running replica, which holds the
+    weights, serves on. A request waiting on a Lane that is then deleted is told that
+    the model no longer exists (404, not a retryable 503). (With no replica left, what
+    requests meet is tested in test_dataplane_admission, without an engine to kill.)"""
+    manifest = tmp_path / "doomed.yaml"
+    manifest.write_text(
+        "apiVersion: blazar.dev/v1alpha1\nkind: Model\nmetadata: {name: doomed-weights}\n"
+        f"spec: {{source: {{path: {json.dumps(str(model_path))}}}}}\n---\n"
+        "apiVersion: blazar.dev/v1alpha1\nkind: Lane\nmetadata: {name: doomed}\n"
+        "spec: {model: doomed-weights, replicas: 1, slots: 1, contextPerSlot: 512}\n"
+    )
+    sdk = client(daemon)
+    hi: Any = [{"role": "user", "content": "Hi"}]
+    # A generation no budget finishes holds the one slot; the next request waits.
+    endless: Any = {
+        "type": "json_schema",
+        "json_schema": {"name": "s", "schema": {"type": "string", "minLength": 4000}},
+    }
+    outcome: list[BaseException] = []
+
+    def wait_in_queue() -> None:
+        try:
+            sdk.chat.completions.create(model="doomed", max_tokens=2, messages=hi)
+        except openai.APIError as exc:
+            outcome.append(exc)
+
+    try:
+        assert daemon.cli("apply", "-f", str(manifest)).returncode == 0
+        daemon.wait_condition("lane", "doomed", "Ready", timeout=180)
+        assert daemon.cli("delete", "model", "doomed-weights").returncode == 0
+        daemon.wait_condition("lane", "doomed", "ModelReady", status="False", timeout=30)
+        described = daemon.cli("describe", "lane", "doomed").stdout
+        assert 'Model "doomed-weights" does not exist.' in described
+        with sdk.chat.completions.create(
+            model="doomed", max_tokens=400, messages=hi, stream=True, response_format=endless
+        ) as holding:
+            next(iter(holding))  # served by the running replica
+            waiter = threading.Thread(target=wait_in_queue)
+            waiter.start()
+            wait_for(
+                lambda: "1 waiting" in daemon.cli("describe", "lane", "doomed").stdout,
+                timeout=30,
+                what="the request to queue",
+            )
+            assert daemon.cli("delete", "lane", "doomed").returncode == 0
+            waiter.join(timeout=30)
+        (refused,) = outcome
+        assert isinstance(refused, openai.NotFoundError), refused
+        assert refused.code == "model_not_found"
+        assert "Lane 'doomed' was deleted while the request waited" in refused.message
+    finally:
+        sdk.close()
+        daemon.cli("delete", "lane", "doomed")

@@ -10,6 +10,7 @@ import json
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 import grpc
@@ -29,7 +30,7 @@ from blazar.api.kinds import (
     SLOPolicy,
     SLOPolicySpec,
 )
-from blazar.api.meta import ObjectMeta
+from blazar.api.meta import Condition, ConditionStatus, ObjectMeta
 from blazar.dataplane import server
 from blazar.rpc import status
 from blazar.store.memory import MemoryStore
@@ -361,7 +362,9 @@ def test_the_control_api_shows_the_live_queue_and_attainment() -> None:
     }
 
 
-def test_a_request_waiting_on_a_deleted_lane_is_unavailable() -> None:
+def test_a_request_waiting_on_a_deleted_lane_is_told_its_model_is_gone() -> None:
+    """NOT_FOUND, not a retryable UNAVAILABLE: a retry would meet no such model either."""
+
     async def run() -> errors.BlazarError | None:
         async with plane() as p:
             held = await p.started("hold")
@@ -374,11 +377,46 @@ def test_a_request_waiting_on_a_deleted_lane_is_unavailable() -> None:
             return refused
 
     refused = asyncio.run(run())
-    assert isinstance(refused, errors.Unavailable) and "deleted" in refused.message
+    assert isinstance(refused, errors.ModelNotFound)
+    assert refused.message == (
+        "Lane 'l' was deleted while the request waited: the model 'l' no longer exists."
+    )
     # Its gauges are gone from /metrics rather than left at their last value.
     labels = {"lane": "l", "policy": "builtin:fifo"}
     assert prometheus_client.REGISTRY.get_sample_value("blazar_queue_depth", labels) is None
     assert prometheus_client.REGISTRY.get_sample_value("blazar_parked_bytes", {"lane": "l"}) is None
+
+
+def test_a_request_waiting_on_a_lane_whose_model_is_gone_is_told_so() -> None:
+    """The Lane's last replica leaves while its Model is deleted: none will start, so
+    what waits is refused naming the Model, not left to wait for nothing."""
+
+    async def run() -> tuple[errors.BlazarError | None, errors.BlazarError | None]:
+        async with plane() as p:
+            held = await p.started("hold")
+            waiting = p.start("orphan")
+            await p.until(lambda: depth("builtin:fifo") == 1, "it to wait")
+            gone = LaneStatus(
+                conditions=[
+                    Condition(
+                        type="ModelReady",
+                        status=ConditionStatus.FALSE,
+                        reason="ModelNotFound",
+                        message='Model "m" does not exist.',
+                        last_transition_time=datetime.now(UTC),
+                        observed_generation=1,
+                    )
+                ]
+            )
+            p.store.update_status(Kind.LANE, "l", gone)
+            refused = await outcome(waiting)
+            p.engine.gate("hold").set()
+            return refused, await outcome(held)
+
+    refused, held = asyncio.run(run())
+    assert isinstance(refused, errors.Unavailable)
+    assert refused.message.endswith('until its Model is ready: Model "m" does not exist.')
+    assert held is None  # what already ran finishes
 
 
 def test_the_policy_may_come_as_grpc_metadata() -> None:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+
 import pytest
 
 from blazar.api import errors
 from blazar.api.kinds import Lane, LaneSpec, LaneStatus, ReplicaStatus
-from blazar.api.meta import ObjectMeta
+from blazar.api.meta import Condition, ConditionStatus, ObjectMeta
 from blazar.dataplane import routing
 
 
@@ -64,6 +66,38 @@ def test_lane_without_ready_replica_is_unavailable() -> None:
     with pytest.raises(errors.Unavailable) as exc:
         routing.pick_replica(routing.resolve(TABLE, "c"), {})
     assert "retry shortly" in exc.value.message
+
+
+def _model_missing(name: str, *, ready: tuple[int, ...]) -> Lane:
+    missing = lane(name, ready=ready)
+    missing.status.conditions = [
+        Condition(
+            type="ModelReady",
+            status=ConditionStatus.FALSE,
+            reason="ModelNotFound",
+            message='Model "m" does not exist.',
+            last_transition_time=datetime(2026, 1, 1, tzinfo=UTC),
+            observed_generation=1,
+        )
+    ]
+    return missing
+
+
+def test_a_lane_whose_model_is_gone_says_so_not_retry_shortly() -> None:
+    table = routing.build_table([_model_missing("x", ready=())])
+    with pytest.raises(errors.Unavailable) as exc:
+        routing.pick_replica(routing.resolve(table, "x"), {})
+    assert exc.value.message == (
+        "The model 'x' has no ready replica, and Lane 'x' can start none until its Model "
+        'is ready: Model "m" does not exist.'
+    )
+    assert exc.value.metadata == {"lane": "x", "model": "m"}
+
+
+def test_a_lane_whose_model_is_gone_still_serves_from_its_running_replica() -> None:
+    """GitOps prunes in any order: the engine already holds the weights."""
+    table = routing.build_table([_model_missing("x", ready=(0,))])
+    assert routing.pick_replica(routing.resolve(table, "x"), {}).index == 0
 
 
 def test_lane_scaled_to_zero_says_so() -> None:
