@@ -777,3 +777,27 @@ async def test_the_official_client_raises_anthropics_errors(daemon: Daemon) -> N
             assert "Engine lost." in str(midway.value)
         finally:
             await sdk.close()
+
+
+def test_a_system_message_stays_a_system_turn_where_it_stands() -> None:
+    """The `anthropic` client (2.15) types `{"role": "system"}` messages
+    (`SystemMessageParam` in `MessageParam`), and its tool runner appends them mid
+    conversation; they are kept, in place, rather than refused."""
+    sent: list[anthropic.types.MessageParam] = [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "b"},
+        {"role": "system", "content": [{"type": "text", "text": "Tools changed."}]},
+        {"role": "user", "content": "c"},
+    ]
+    body = parse(
+        protocol.MessagesRequest,
+        {"model": "tiny", "max_tokens": 4, "system": "Be brief.", "messages": sent},
+    )
+    chat = requests.messages_request(body)
+    assert [(m.role, m.content) for m in chat.messages] == [
+        ("system", "Be brief."),
+        ("user", "a"),
+        ("assistant", "b"),
+        ("system", "Tools changed."),
+        ("user", "c"),
+    ]
