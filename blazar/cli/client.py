@@ -10,12 +10,15 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Iterator
+from pathlib import Path
 from types import TracebackType
 
 import grpc
 
 from blazar._proto.v1 import control_pb2, control_pb2_grpc
+from blazar.api import errors
 from blazar.cli import home
+from blazar.rpc import tls
 
 
 def target(args: argparse.Namespace) -> str:
@@ -27,16 +30,44 @@ def target(args: argparse.Namespace) -> str:
 
 def from_args(args: argparse.Namespace) -> ControlClient:
     """A client of the daemon the command line names, with its key (--api-key, else
-    $BLAZAR_API_KEY) if any."""
+    $BLAZAR_API_KEY) if any, over TLS when a CA is named for a TCP daemon."""
     key = args.api_key or os.environ.get("BLAZAR_API_KEY") or None
-    return ControlClient(target(args), api_key=key)
+    where = target(args)
+    return ControlClient(where, api_key=key, credentials=credentials(args, where))
+
+
+def credentials(args: argparse.Namespace, target: str) -> grpc.ChannelCredentials | None:
+    """TLS credentials for a TCP target when a CA is named (--tls-ca, else
+    $BLAZAR_TLS_CA); a Unix socket is always plain."""
+    if target.startswith("unix:"):
+        if args.tls_ca:
+            raise errors.InvalidRequest(
+                f"--tls-ca is for a daemon reached over TCP; {target} is a Unix socket, "
+                "which is always plain"
+            )
+        return None  # $BLAZAR_TLS_CA is for TCP targets only
+    if args.tls_ca:
+        return tls.authority(Path(args.tls_ca))
+    env = os.environ.get("BLAZAR_TLS_CA")
+    return tls.authority(Path(env), flag="BLAZAR_TLS_CA") if env else None
 
 
 class ControlClient:
     """Use inside `with`: leaving the block closes the channel."""
 
-    def __init__(self, target: str, *, api_key: str | None = None) -> None:
-        self._channel = grpc.insecure_channel(target)
+    def __init__(
+        self,
+        target: str,
+        *,
+        api_key: str | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
+    ) -> None:
+        # TLS when the daemon's TCP listener speaks it (`blazar.rpc.tls.authority`).
+        self._channel = (
+            grpc.secure_channel(target, credentials)
+            if credentials is not None
+            else grpc.insecure_channel(target)
+        )
         # Over TCP, Control needs an admin tenant's key; on the Unix socket none.
         self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
         self._stub = control_pb2_grpc.ControlStub(self._channel)

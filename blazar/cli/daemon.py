@@ -11,21 +11,20 @@ file (`--auth-file`) there are no keys, and `serve` refuses to listen anywhere b
 loopback. With one, its tenants' keys are checked by the data plane
 (`blazar.dataplane.access`), and the file is read again whenever it changes: a file
 that no longer reads keeps the one before in force, and says why (log and event).
+With `--tls-cert` and `--tls-key` the HTTP shim serves HTTPS and the TCP gRPC listener
+TLS (`blazar.rpc.tls`); the Unix sockets stay plain.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import ipaddress
 import json
 import os
 import secrets
 import signal
 import socket
-import stat
-from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -37,6 +36,7 @@ import watchfiles
 from blazar.api import errors, tenants
 from blazar.api.kinds import Kind
 from blazar.cli import home as home_
+from blazar.cli import homelock
 from blazar.controller import hostmemory, modelcache, sources
 from blazar.controller.lane import LaneReconciler
 from blazar.controller.manager import Manager
@@ -48,6 +48,7 @@ from blazar.enginehost import monitor
 from blazar.enginehost.activity import Activity
 from blazar.enginehost.supervisor import Supervisor
 from blazar.gitops import watcher
+from blazar.rpc import tls
 from blazar.store.sqlite import SQLiteStore
 
 if TYPE_CHECKING:
@@ -93,6 +94,9 @@ class Options:
     auth_file: Path | None = None
     # Origins whose web pages may call the HTTP shim (CORS); none by default.
     allow_origins: tuple[str, ...] = ()
+    # PEM certificate chain and private key: HTTPS and gRPC over TLS. Both or neither.
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
 
 
 def _now() -> datetime:
@@ -147,6 +151,19 @@ def check_exposure(options: Options) -> None:
                 "API keys: pass --auth-file FILE (docs/SECURITY.md), or listen on "
                 "127.0.0.1"
             )
+
+
+def read_certificate(options: Options) -> tls.Certificate | None:
+    """The TLS certificate `options` names (None: plain text); InvalidRequest (one
+    line) when only one of the two files is named or they do not read as a pair."""
+    if options.tls_cert is None and options.tls_key is None:
+        return None
+    if options.tls_cert is None or options.tls_key is None:
+        given, missing = (
+            ("--tls-cert", "--tls-key") if options.tls_key is None else ("--tls-key", "--tls-cert")
+        )
+        raise errors.InvalidRequest(f"{given} needs {missing} too (TLS takes both files)")
+    return tls.load(options.tls_cert, options.tls_key)
 
 
 def read_auth_file(path: Path) -> tenants.Tenants:
@@ -207,74 +224,10 @@ async def _rotate_logs(supervisor: Supervisor, stop: asyncio.Event) -> None:
             await asyncio.wait_for(stop.wait(), LOG_ROTATE_INTERVAL_S)
 
 
-def _tighten(home: Path) -> None:
-    """Take group and other permissions off what this user owns under `home` (written
-    by a daemon before homes were private). Symlinks are left alone, not followed."""
-    uid = os.getuid()
-    for root, dirs, files in os.walk(home):
-        for name in [*dirs, *files, ""]:
-            path = os.path.join(root, name) if name else root
-            with contextlib.suppress(OSError):
-                st = os.lstat(path)
-                if st.st_uid == uid and not stat.S_ISLNK(st.st_mode) and st.st_mode & 0o077:
-                    os.chmod(path, stat.S_IMODE(st.st_mode) & 0o700)
-
-
-LOCK_FILE = "daemon.lock"
-
-
-def _holder(home: Path, fd: int) -> str:
-    """The pid in the lock file, else in daemon.json, else 'unknown'."""
-    written = os.pread(fd, 32, 0).decode(errors="replace").strip()
-    if written.isdigit():
-        return written
-    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-        return str(int(json.loads((home / "daemon.json").read_text())["pid"]))
-    return "unknown"
-
-
-@contextlib.contextmanager
-def _exclusive(home: Path) -> Iterator[None]:
-    """Hold `$BLAZAR_HOME/daemon.lock` for the daemon's life: one daemon per home, for
-    two would run engines on the same sockets and overwrite each other's state.
-
-    An flock, so the OS releases it however the daemon ends (kill -9 included) and a
-    dead daemon never blocks the next one. The file holds the holder's pid, for the
-    refusal's message. It is removed on the way out, while still locked; a starter
-    that opened it before then and locks it after finds it unlinked and starts over.
-    """
-    path = home / LOCK_FILE
-    while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            pid = _holder(home, fd)
-            os.close(fd)
-            raise errors.Unavailable(
-                f"BLAZAR_HOME {home} is in use by another blazar daemon (pid {pid}); "
-                "stop it, or give this one another --home"
-            ) from None
-        try:
-            current = os.stat(path).st_ino == os.fstat(fd).st_ino
-        except FileNotFoundError:
-            current = False
-        if current:
-            break
-        os.close(fd)
-    try:
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        yield
-    finally:
-        path.unlink(missing_ok=True)
-        os.close(fd)
-
-
 async def run(options: Options) -> None:
     """Serve until SIGTERM, SIGINT or SIGHUP.
 
-    First the home is locked (`_exclusive`), then both addresses are checked, before
+    First the home is locked (`homelock.exclusive`), then both addresses are checked, before
     anything else starts: a home in use or a taken port ends `serve` with Unavailable,
     nothing to undo, and the home as it was (not even created).
 
@@ -284,6 +237,7 @@ async def run(options: Options) -> None:
     """
     check_exposure(options)
     keys = read_auth_file(options.auth_file) if options.auth_file is not None else None
+    certificate = read_certificate(options)
     home = options.home
     created = not home.exists()
     os.umask(0o077)
@@ -292,14 +246,14 @@ async def run(options: Options) -> None:
     except OSError as exc:  # a file in the way, no permission, ...
         raise errors.Unavailable(f"cannot use {home} as BLAZAR_HOME: {exc.strerror}") from None
     try:
-        with _exclusive(home):
+        with homelock.exclusive(home):
             http_sock = _listen(options.http, what="HTTP")
             try:
                 # Only a check: grpcio binds its own socket. Asked first, it would log
                 # its refusal to stderr in C-core's format before the line `serve` prints.
                 _listen(options.grpc, what="gRPC").close()
-                _tighten(home)
-                await _serve(options, http_sock, keys)
+                homelock.tighten(home)
+                await _serve(options, http_sock, keys, certificate)
             finally:
                 http_sock.close()
     finally:
@@ -308,20 +262,34 @@ async def run(options: Options) -> None:
                 home.rmdir()
 
 
-def _shim(grpc_target: str, *, probe_key: str, allow_origins: tuple[str, ...]) -> uvicorn.Server:
-    """The HTTP shim's server, imported only when it starts (see `_serve`)."""
+def _shim(
+    grpc_target: str,
+    *,
+    probe_key: str,
+    allow_origins: tuple[str, ...],
+    certificate: tls.Certificate | None,
+) -> uvicorn.Server:
+    """The HTTP shim's server, imported only when it starts (see `_serve`). With a
+    certificate it serves HTTPS, and reaches the data plane's TLS listener with it."""
     import uvicorn
 
     from blazar.shim import connections
     from blazar.shim.app import create_app
 
+    credentials, channel_options = (
+        certificate.loopback_channel() if certificate is not None else (None, ())
+    )
     return uvicorn.Server(
         uvicorn.Config(
             create_app(
                 inference_target=grpc_target,
                 probe_key=probe_key,
                 allow_origins=allow_origins,
+                inference_credentials=credentials,
+                channel_options=channel_options,
             ),
+            ssl_certfile=certificate.cert_path if certificate is not None else None,
+            ssl_keyfile=certificate.key_path if certificate is not None else None,
             log_level="warning",
             access_log=False,
             lifespan="on",
@@ -332,7 +300,12 @@ def _shim(grpc_target: str, *, probe_key: str, allow_origins: tuple[str, ...]) -
     )
 
 
-async def _serve(options: Options, sock: socket.socket, keys: tenants.Tenants | None) -> None:
+async def _serve(
+    options: Options,
+    sock: socket.socket,
+    keys: tenants.Tenants | None,
+    certificate: tls.Certificate | None,
+) -> None:
     home = options.home
     store = SQLiteStore(home / "state.db")
     model_sources = sources.roots_from_environment(home, options.model_roots)
@@ -396,6 +369,7 @@ async def _serve(options: Options, sock: socket.socket, keys: tenants.Tenants | 
             activity=activity,
             log_dir=supervisor.log_dir,
             engines=lambda: health.latest,
+            credentials=certificate.server_credentials() if certificate is not None else None,
         )
     except OSError as exc:
         # Taken since the check in `run` (grpcio does not say why), or the home's path
@@ -426,7 +400,12 @@ async def _serve(options: Options, sock: socket.socket, keys: tenants.Tenants | 
     # dialects: 0.1 s of CPU, several times that on a busy host) run beside the first
     # engine's start rather than before its spawn. Its socket already listens: a client
     # that connects meanwhile waits in the backlog, it is not refused.
-    shim = _shim(grpc_target, probe_key=probe_key, allow_origins=options.allow_origins)
+    shim = _shim(
+        grpc_target,
+        probe_key=probe_key,
+        allow_origins=options.allow_origins,
+        certificate=certificate,
+    )
     shim_task = asyncio.create_task(shim.serve(sockets=[sock]), name="shim")
     monitor_task = asyncio.create_task(health.run(stop), name="engine-health")
     rotate_task = asyncio.create_task(_rotate_logs(supervisor, stop), name="engine-logs")
@@ -449,6 +428,8 @@ async def _serve(options: Options, sock: socket.socket, keys: tenants.Tenants | 
         "http": http_bound,
         "control": f"unix:{socket_path}",
         "home": str(home),
+        # HTTPS and gRPC over TLS on the TCP addresses above.
+        "tls": certificate is not None,
     }
     # Written whole, then renamed: a reader (the CLI, a test harness, a supervisor
     # script) never sees a half-written file.

@@ -3,7 +3,9 @@
 Every command finds the daemon at --server (HOST:PORT, or unix:PATH), else on the
 Control socket of $BLAZAR_HOME (`control.sock`), which only the daemon's owner can
 use. Over TCP, Control needs an admin key: --api-key, else $BLAZAR_API_KEY, sent as
-`authorization: Bearer <key>`.
+`authorization: Bearer <key>`. A daemon serving TLS (`serve --tls-cert`) is reached
+over TCP with --tls-ca FILE, else $BLAZAR_TLS_CA: the PEM certificate authority that
+signed its certificate. The Unix socket is always plain.
 Errors from the server print as `Error from server (Reason): message` and exit 1. When
 the reader of stdout goes away (`| head`), a command ends quietly with 141.
 """
@@ -65,6 +67,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         model_roots=tuple(Path(d) for d in args.model_root),
         auth_file=Path(args.auth_file) if args.auth_file else None,
         allow_origins=tuple(args.allow_origin or ()),
+        tls_cert=Path(args.tls_cert) if args.tls_cert else None,
+        tls_key=Path(args.tls_key) if args.tls_key else None,
     )
     asyncio.run(daemon.run(options))
     return 0
@@ -207,6 +211,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--api-key", help="API key of an admin tenant, for Control over TCP ($BLAZAR_API_KEY)"
     )
+    parser.add_argument(
+        "--tls-ca",
+        metavar="FILE",
+        help="PEM certificate authority of a daemon serving TLS, reached over TCP ($BLAZAR_TLS_CA)",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="run the daemon")
@@ -249,6 +258,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="ORIGIN",
         help="a web origin (https://app.example) whose pages may call the HTTP API; repeatable",
     )
+    serve.add_argument(
+        "--tls-cert",
+        metavar="FILE",
+        help="PEM certificate chain: HTTPS and gRPC over TLS on the TCP addresses (with --tls-key)",
+    )
+    serve.add_argument("--tls-key", metavar="FILE", help="PEM private key of --tls-cert")
     serve.set_defaults(func=cmd_serve)
 
     auth = sub.add_parser("auth", help="API keys for the auth file")

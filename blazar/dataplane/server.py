@@ -2,7 +2,8 @@
 
 Who may call what is `blazar.dataplane.access`'s to say; every call passes its
 interceptor first. Besides its TCP address the server may listen on a Unix socket
-(`control_socket`), made 0600: Control's home on this host (see `access`).
+(`control_socket`), made 0600: Control's home on this host (see `access`). With
+`credentials` the TCP address speaks TLS only; the Unix socket stays plain.
 
 Requests are limited to `blazar.rpc.limits.MAX_REQUEST_BYTES`; a larger one is refused
 with INVALID_ARGUMENT (see that module for why gRPC's own limit is set higher).
@@ -72,6 +73,7 @@ async def start(
     activity: Activity | None = None,
     log_dir: Path | None = None,
     engines: EngineSamples | None = None,
+    credentials: grpc.ServerCredentials | None = None,
 ) -> DataPlane:
     """Bind address (port 0 picks a free port), and `control_socket` if given, and start
     serving; OSError when either cannot be bound (taken by another process, not local,
@@ -105,7 +107,10 @@ async def start(
     )
     try:
         # grpcio raises RuntimeError when it cannot bind (older releases returned 0).
-        port = server.add_insecure_port(address)
+        if credentials is not None:
+            port = server.add_secure_port(address, credentials)
+        else:
+            port = server.add_insecure_port(address)
     except RuntimeError:
         port = 0
     if port != 0 and control_socket is not None:

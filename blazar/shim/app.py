@@ -2,7 +2,8 @@
 
 `create_app` is what the daemon serves with uvicorn inside its event loop. The one
 `grpc.aio` channel to the daemon is opened in the lifespan (it must be created on
-the serving loop) and closed on shutdown.
+the serving loop) and closed on shutdown; over TLS when the daemon's gRPC listener
+speaks it (`inference_credentials`, from `blazar.rpc.tls`).
 
 Keys are the data plane's to check: every route forwards the caller's
 (`context.RequestContext.grpc_metadata`) and renders a refusal in its dialect. Open
@@ -14,7 +15,7 @@ other origins' pages and bodies that are not JSON before any route runs.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Collection
+from collections.abc import AsyncIterator, Collection, Sequence
 from contextlib import asynccontextmanager
 
 import grpc
@@ -37,13 +38,20 @@ def create_app(
     inference_target: str,
     probe_key: str | None = None,
     allow_origins: Collection[str] = (),
+    inference_credentials: grpc.ChannelCredentials | None = None,
+    channel_options: Sequence[tuple[str, str]] = (),
 ) -> Starlette:
     """The HTTP shim for the daemon whose `blazar.v1.Inference` listens at inference_target;
     `probe_key` is the daemon's key for `/readyz` (see `blazar.dataplane.access`)."""
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        channel = grpc.aio.insecure_channel(inference_target)
+        if inference_credentials is not None:
+            channel = grpc.aio.secure_channel(
+                inference_target, inference_credentials, options=channel_options
+            )
+        else:
+            channel = grpc.aio.insecure_channel(inference_target, options=channel_options)
         app.state.inference = inference.InferenceClient(channel)
         app.state.probe_metadata = (("authorization", f"Bearer {probe_key}"),) if probe_key else ()
         try:
