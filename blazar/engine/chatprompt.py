@@ -14,16 +14,30 @@ is found where the marker was, as it is, stripped, or stripped on one side; a te
 that changes it otherwise (or renders something else around it when it sees the
 marker) cannot be lined up, and `split` answers None.
 
+Not only contents: every string a caller gives that a template or Blazar's own tool
+prompt writes into the prompt is masked the same way (`mask`): a tool's description
+and the keys and strings of its parameters' schema, the name, id and the keys and
+strings of the arguments of a call in the history, a tool turn's name and call id.
+Those are written as JSON (Blazar's tool prompt, or a template's `tojson`), so each is
+also looked for as JSON writes it, escaped. Tool names are not masked: they are 1 to
+64 letters, digits, '_', '-' or '.' (`tools.NAME`), which write no control token.
+
+Markers are ASCII letters and digits, which every encoding writes unchanged.
+
 Pure: no llama, no IO.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+import json
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from blazar.engine.text import ChatTurn
+from blazar.api import errors
+from blazar.engine import tools as tools_
+from blazar.engine.text import ChatTurn, ToolCall
 
 
 @dataclass(frozen=True)
@@ -36,7 +50,9 @@ class Piece:
 
 
 def marker(nonce: str, index: int) -> str:
-    return f"\ue000{nonce}:{index}\ue001"
+    # Letters and digits only: raw, JSON and Jinja's `tojson` all write it as it is.
+    # `z` ends it, so that marker 1 is not the start of marker 10.
+    return f"bzmask{nonce}x{index}z"
 
 
 def masked(turns: Sequence[ChatTurn], which: Mapping[int, str], nonce: str) -> list[ChatTurn]:
@@ -88,8 +104,20 @@ def split(
 
 
 def _as_written(content: str) -> tuple[str, ...]:
-    """How a template may have written a content, most faithful first."""
-    return tuple(dict.fromkeys((content, content.strip(), content.lstrip(), content.rstrip())))
+    """How a template may have written a content, most faithful first: as it is,
+    trimmed, or as a JSON string's inside (Blazar's tool prompt; Jinja's `tojson`,
+    which also escapes `<`, `>`, `&` and `'`)."""
+    escaped = json.dumps(content)[1:-1]
+    htmlsafe = (
+        escaped.replace("<", "\\u003c")
+        .replace(">", "\\u003e")
+        .replace("&", "\\u0026")
+        .replace("'", "\\u0027")
+    )
+    written = (content, content.strip(), content.lstrip(), content.rstrip())
+    return tuple(
+        dict.fromkeys((*written, json.dumps(content, ensure_ascii=False)[1:-1], escaped, htmlsafe))
+    )
 
 
 def _next_marker(text: str, which: Mapping[int, str], nonce: str) -> tuple[int, int, int] | None:
@@ -107,3 +135,114 @@ def _template_prefix(text: str, which: Mapping[int, str], nonce: str) -> str:
     """The template text at the start of `text`, up to the next marker."""
     found = _next_marker(text, which, nonce)
     return text if found is None else text[: found[0]]
+
+
+@dataclass(frozen=True)
+class Masked:
+    """A conversation and its tools with the caller's risky strings masked."""
+
+    turns: list[ChatTurn]
+    tools: tools_.ToolSet | None
+    # Marker index -> the string it stands for; and -> where the caller gave it
+    # (`messages[2].tool_calls[0].arguments`, `tools[1].description`).
+    which: dict[int, str]
+    where: dict[int, str]
+
+
+class _Masker:
+    """Hands out markers for the strings `risky` says write control tokens."""
+
+    def __init__(self, risky: Callable[[str], bool], nonce: str, first: int) -> None:
+        self._risky = risky
+        self._nonce = nonce
+        self._next = first
+        self.which: dict[int, str] = {}
+        self.where: dict[int, str] = {}
+
+    def string(self, value: str, where: str) -> str:
+        if not value or not self._risky(value):
+            return value
+        index = self._next
+        self._next += 1
+        self.which[index] = value
+        self.where[index] = where
+        return marker(self._nonce, index)
+
+    def json(self, value: Any, where: str) -> Any:
+        """`value` (parsed JSON) with its risky keys and strings masked; the whole is
+        checked first, as most values hold nothing risky."""
+        if not self._risky(json.dumps(value, ensure_ascii=False)):
+            return value
+        try:
+            return self._walk(value, where)
+        except RecursionError:
+            raise errors.InvalidRequest(
+                f"{where} is nested too deeply to be checked for control-token text.",
+                metadata={errors.FIELD_KEY: where},
+            ) from None
+
+    def _walk(self, value: Any, where: str) -> Any:
+        if isinstance(value, str):
+            return self.string(value, where)
+        if isinstance(value, list):
+            return [self._walk(v, f"{where}[{i}]") for i, v in enumerate(value)]
+        if isinstance(value, dict):
+            return {
+                self.string(k, f"{where}.{k}"): self._walk(v, f"{where}.{k}")
+                for k, v in value.items()
+            }
+        return value
+
+
+def mask(
+    turns: Sequence[ChatTurn],
+    toolset: tools_.ToolSet | None,
+    *,
+    risky: Callable[[str], bool],
+    nonce: str,
+) -> Masked:
+    """Every caller string in the conversation and its tools that `risky` says writes
+    a control token, replaced by a marker (a turn's content by marker i, for turn i,
+    as `masked` does; the rest from len(turns) on)."""
+    masker = _Masker(risky, nonce, first=len(turns))
+    out: list[ChatTurn] = []
+    for i, turn in enumerate(turns):
+        content = turn.content
+        if content and risky(content):
+            masker.which[i] = content
+            masker.where[i] = f"messages[{i}].content"
+            content = marker(nonce, i)
+        calls = []
+        for j, call in enumerate(turn.tool_calls):
+            at = f"messages[{i}].tool_calls[{j}]"
+            arguments = masker.json(json.loads(call.arguments), f"{at}.arguments")
+            calls.append(
+                ToolCall(
+                    id=masker.string(call.id, f"{at}.id"),
+                    name=masker.string(call.name, f"{at}.name"),
+                    arguments=json.dumps(arguments, ensure_ascii=False),
+                )
+            )
+        out.append(
+            ChatTurn(
+                turn.role,
+                content,
+                tool_calls=tuple(calls),
+                tool_call_id=masker.string(turn.tool_call_id, f"messages[{i}].tool_call_id"),
+                name=masker.string(turn.name, f"messages[{i}].name"),
+            )
+        )
+    shown = toolset
+    if toolset is not None:
+        shown = dataclasses.replace(
+            toolset,
+            tools=tuple(
+                tools_.Tool(
+                    tool.name,
+                    masker.string(tool.description, f"tools[{k}].description"),
+                    masker.json(tool.parameters, f"tools[{k}].parameters"),
+                )
+                for k, tool in enumerate(toolset.tools)
+            ),
+        )
+    return Masked(turns=out, tools=shown, which=masker.which, where=masker.where)

@@ -527,24 +527,25 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         self, turns: list[text.ChatTurn], toolset: tools.ToolSet | None, prompt: str
     ) -> list[int]:
         """The rendered chat's tokens, where only the template's text may write control
-        tokens: a message's content is tokenized as text (`chatprompt`)."""
+        tokens: what the caller wrote (contents, tools, calls) is tokenized as text
+        (`chatprompt`)."""
         vocab = self._decode.vocab
-        risky = {
-            i: turn.content
-            for i, turn in enumerate(turns)
-            if turn.content and _writes_control_tokens(vocab, turn.content)
-        }
-        if not risky:
-            return vocab.tokenize(prompt)
         nonce = secrets.token_hex(8)
-        masked = self._render(chatprompt.masked(turns, risky, nonce), toolset)
-        pieces = chatprompt.split(prompt, masked, risky, nonce)
+        shown = toolset if toolset is not None and toolset.active else None
+        masked = chatprompt.mask(
+            turns, shown, risky=lambda s: _writes_control_tokens(vocab, s), nonce=nonce
+        )
+        if not masked.which:
+            return vocab.tokenize(prompt)
+        masked_prompt = self._render(masked.turns, masked.tools if shown else toolset)
+        pieces = chatprompt.split(prompt, masked_prompt, masked.which, nonce)
         if pieces is None:
-            first = min(risky)
+            where = masked.where[min(masked.which)]
             raise errors.InvalidRequest(
-                f"Message {first} holds text that the model reads as a control token, and "
-                "the chat template changes message text in a way that cannot be followed "
-                "to keep it as text; remove or escape that text."
+                f"{where} holds text that the model reads as a control token, and the "
+                "chat template changes it in a way that cannot be followed to keep it as "
+                "text; remove or escape that text.",
+                metadata={errors.FIELD_KEY: where},
             )
         tokens: list[int] = []
         for k, piece in enumerate(pieces):
