@@ -5,7 +5,8 @@ over the TLS listener (a chat through the shim crosses that hop).
 
 The certificate names `blazar.test` first and 127.0.0.1 second: clients dial the
 address, the shim's own hop asks for the name. Generations ask for two tokens: what
-the model writes does not matter here, only that the answer arrives whole.
+the model writes does not matter here, only that the answer arrives whole. They ask
+for the `batch` policy, which queues rather than refuses on a busy host.
 """
 
 from __future__ import annotations
@@ -72,7 +73,10 @@ def test_the_openai_client_over_https_gets_an_answer(daemon: Daemon, pki: dict[s
     )
     with client:
         reply = client.chat.completions.create(
-            model=LANE, messages=[{"role": "user", "content": "Hi"}], max_tokens=2
+            model=LANE,
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=2,
+            extra_headers={"x-blazar-slo": "batch"},
         )
     assert reply.choices[0].finish_reason in ("stop", "length")
     assert reply.usage is not None and 1 <= reply.usage.completion_tokens <= 2
@@ -86,6 +90,7 @@ def _chat(channel: grpc.Channel) -> list[inference_pb2.Chunk]:
         model=LANE,
         messages=[inference_pb2.Message(role="user", content="Hi")],
         sampling=inference_pb2.Sampling(max_tokens=2),
+        slo="batch",
     )
     with channel:
         stub = inference_pb2_grpc.InferenceStub(channel)
