@@ -31,12 +31,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import os
 import shutil
 import signal
 import sys
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -48,7 +46,7 @@ import structlog
 
 from blazar._proto.engine.v1 import engine_pb2
 from blazar.api.replicas import EngineLaunch, LaunchSpec, ReplicaObservation, ReplicaState
-from blazar.enginehost import forensics, logfiles
+from blazar.enginehost import forensics, logfiles, rundir
 from blazar.enginehost.client import EngineClient
 
 log = structlog.get_logger(__name__)
@@ -73,24 +71,6 @@ LIVENESS_MAX_STEP_S = 300.0
 # waits up to `service.CANCEL_WAIT_SECONDS` (5 s) for it to end (not imported here: the
 # service module loads llama.cpp, which the daemon does not need).
 DRAIN_CANCEL_ALLOWANCE_S = 7.0
-_MAX_UNIX_PATH = 100
-
-
-def cpu_share_path() -> Path:
-    """The table through which engines share the host's cores (`blazar.engine.cpushare`;
-    each keeps libgomp's default spin): one per user and host, so that the engines of
-    two daemons (`make up` beside a test run, two homes) share too."""
-    return Path(tempfile.gettempdir()) / f"blazar-cpu-share-{os.getuid()}"
-
-
-def socket_dir(home: Path) -> Path:
-    """Where worker sockets live: $BLAZAR_HOME/run, or a short /tmp path when that is
-    too long for AF_UNIX (108 bytes including the file name)."""
-    run = home / "run"
-    if len(str(run)) + 40 <= _MAX_UNIX_PATH:
-        return run
-    digest = hashlib.sha256(str(home).encode()).hexdigest()[:12]
-    return Path("/tmp") / f"blazar-{digest}"
 
 
 @dataclass(frozen=True)
@@ -146,9 +126,12 @@ class Supervisor:
     _replicas: dict[tuple[str, int], _Replica] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.run_dir = socket_dir(self.home)
+        # Private directories, checked (`rundir`): a long home's sockets and the
+        # CPU-share table live outside the home, in the user's runtime directory.
+        runtime = rundir.runtime_root()
+        self.run_dir = rundir.socket_dir(self.home, root=runtime)
+        self.cpu_share = rundir.cpu_share_path(runtime)
         self.log_dir = self.home / "logs"
-        self.run_dir.mkdir(parents=True, exist_ok=True)
         self.log_dir.mkdir(parents=True, exist_ok=True)
 
     # -- Processes protocol -------------------------------------------------------
@@ -261,7 +244,7 @@ class Supervisor:
             kv_dir=str(kv_dir) if kv_dir is not None else None,
             parent_pid=os.getpid(),
             log_json=self.log_json,
-            cpu_share=str(cpu_share_path()),
+            cpu_share=str(self.cpu_share),
         )
 
     def _kv_dir(self, replica: _Replica, warnings: list[StartWarning]) -> Path | None:
