@@ -350,8 +350,13 @@ def _run(args: argparse.Namespace) -> int:
     except grpc.RpcError as exc:
         remote = status.from_rpc_error(exc)
         if exc.code() == grpc.StatusCode.UNAVAILABLE:
+            target = client.target(args)
+            plain = not target.startswith("unix:") and not (
+                args.tls_ca or os.environ.get("BLAZAR_TLS_CA")
+            )
+            hint = " (a daemon serving TLS needs --tls-ca FILE)" if plain else ""
             print(
-                f"error: cannot reach the Blazar daemon at {client.target(args)}: {remote.message}",
+                f"error: cannot reach the Blazar daemon at {target}: {remote.message}{hint}",
                 file=sys.stderr,
             )
         else:

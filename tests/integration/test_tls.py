@@ -149,5 +149,6 @@ def test_the_cli_reaches_control_over_tls_with_the_ca(daemon: Daemon, pki: dict[
     plain = _cli(daemon, "get", "lanes", ca=None)
     assert plain.returncode == 1
     assert f"cannot reach the Blazar daemon at {daemon.grpc}" in plain.stderr
+    assert "(a daemon serving TLS needs --tls-ca FILE)" in plain.stderr
     # The Control socket stays plain: the harness's CLI uses it without a CA.
     assert daemon.cli("get", "lanes").returncode == 0

@@ -143,6 +143,11 @@ def test_an_untrusting_or_plaintext_client_is_refused(
         (["--tls-key", "{key}"], "--tls-key needs --tls-cert too"),
         (["--tls-cert", "{cert}", "--tls-key", "{other_key}"], "the key is not the certificate's"),
         (["--tls-cert", "{dir}/nope.pem", "--tls-key", "{key}"], "--tls-cert: cannot read"),
+        # TLS does not replace keys: beyond loopback, an auth file is still required.
+        (
+            ["--tls-cert", "{cert}", "--tls-key", "{key}", "--http", "0.0.0.0:0"],
+            "--http 0.0.0.0:0 is reachable from other hosts, and this server has no API keys",
+        ),
     ],
 )
 def test_serve_refuses_bad_tls_files_before_it_starts_anything(
