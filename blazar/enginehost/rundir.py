@@ -54,17 +54,22 @@ def problem(st: os.stat_result, *, uid: int) -> str | None:
     return None
 
 
-def private(path: Path, *, uid: int | None = None) -> Path:
-    """`path` made (0700) or reused when it passes `problem`; else a fresh directory
-    beside it made with mkdtemp, and a warning in the log."""
-    uid = os.getuid() if uid is None else uid
+def _claim(path: Path, uid: int) -> str | None:
+    """Make `path` (0700) unless it exists; why it may not be used, or None."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with contextlib.suppress(FileExistsError):
         path.mkdir(mode=0o700)
     try:
-        why = problem(os.lstat(path), uid=uid)
+        return problem(os.lstat(path), uid=uid)
     except OSError as exc:
-        why = exc.strerror or str(exc)
+        return exc.strerror or str(exc)
+
+
+def private(path: Path, *, uid: int | None = None) -> Path:
+    """`path` made (0700) or reused when it passes `problem`; else a fresh directory
+    beside it made with mkdtemp, and a warning in the log."""
+    uid = os.getuid() if uid is None else uid
+    why = _claim(path, uid)
     if why is None:
         return path
     fresh = Path(tempfile.mkdtemp(prefix=f"{path.name}-", dir=path.parent))
@@ -89,11 +94,15 @@ def runtime_root() -> Path:
 
 def socket_dir(home: Path, *, root: Path) -> Path:
     """Where worker sockets live: `$BLAZAR_HOME/run`, or, when that is too long for
-    AF_UNIX, a directory named after the home in `root` (`runtime_root()`). Made and
-    checked (`private`)."""
+    AF_UNIX or refused (`problem`), a directory named after the home in `root`
+    (`runtime_root()`). Made and checked (`private`)."""
     run = home / "run"
     if len(os.fsencode(run)) + _SOCKET_NAME_ROOM <= _MAX_UNIX_PATH:
-        return private(run)
+        why = _claim(run, os.getuid())
+        if why is None:
+            return run
+        # Not a longer name beside it, which might not leave room for the sockets.
+        log.warning("rundir.refused", path=str(run), reason=why, using=str(root))
     digest = hashlib.sha256(os.fsencode(home)).hexdigest()[:12]
     return private(root / f"run-{digest}")
 

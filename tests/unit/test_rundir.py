@@ -160,3 +160,16 @@ def test_a_long_homes_sockets_go_to_the_runtime_root(tmp: Path, tmp_path: Path) 
     assert stat.S_IMODE(os.lstat(got).st_mode) == 0o700
     assert rundir.socket_dir(long, root=tmp) == got  # the same home, the same directory
     assert not long.exists()
+
+
+def test_a_homes_run_directory_that_is_refused_gives_way_to_the_runtime_root(
+    tmp: Path,
+) -> None:
+    home = Path(tempfile.mkdtemp(prefix="bz-", dir="/tmp"))
+    try:
+        (home / "run").mkdir()
+        (home / "run").chmod(0o755)
+        got = rundir.socket_dir(home, root=tmp)
+        assert got.parent == tmp and got.name.startswith("run-")
+    finally:
+        shutil.rmtree(home)
