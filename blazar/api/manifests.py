@@ -14,6 +14,7 @@ on the wire (objects travel as JSON).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,9 @@ _SERVER_METADATA = (
     "creation_timestamp",
 )
 
+# An invalid name longer than this is not used to locate its document's errors.
+_NAME_SHOWN_CHARS = 253
+
 _ADAPTER: pydantic.TypeAdapter[Resource] = pydantic.TypeAdapter(Resource)
 
 
@@ -53,9 +57,12 @@ def parse_documents(text: str, *, source: str) -> list[tuple[str, dict[str, Any]
     problems: list[FieldError] = []
     index = 0
     try:
-        for index, doc in enumerate(yaml.safe_load_all(text), start=1):
+        for index, doc in enumerate(yaml.load_all(text, Loader=_Loader), start=1):
             location = f"{source}#{index}"
             if doc is None:
+                continue
+            if (not_data := _not_data(doc)) is not None:
+                problems.append(FieldError(location, not_data))
                 continue
             if not isinstance(doc, dict):
                 problems.append(
@@ -69,9 +76,61 @@ def parse_documents(text: str, *, source: str) -> list[tuple[str, dict[str, Any]
             docs.append((location, doc))
     except yaml.YAMLError as exc:
         problems.append(FieldError(f"{source}#{index + 1}", _yaml_message(exc)))
+    except RecursionError:
+        # PyYAML composes a node per level of nesting by recursion.
+        problems.append(FieldError(f"{source}#{index + 1}", "invalid YAML: nested too deeply"))
+    except ValueError as exc:
+        # An integer past CPython's 4,300-digit conversion limit, say.
+        problems.append(FieldError(f"{source}#{index + 1}", f"invalid YAML: {exc}"))
     if problems:
         raise ManifestInvalid(problems)
     return docs
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML's safe loader, except that an unquoted date stays the string it reads as
+    (as Kubernetes reads it): a manifest is JSON data, which has no dates."""
+
+
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:timestamp"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+
+# Values a document may hold once its YAML aliases are expanded: what `blazar apply`
+# sends and the daemon validates is the expanded document, and a few lines of aliases
+# (each naming the one before several times) expand past any memory.
+MAX_EXPANDED_VALUES = 100_000
+_JSON_SCALARS = (str, int, float, bool, type(None))
+
+
+def _not_data(doc: Any) -> str | None:
+    """Why a loaded document cannot be sent as JSON, or None: a value JSON has no
+    form for (`!!binary`, `!!set`, `!!timestamp`), an alias to a node that contains it
+    (a cycle), or more than `MAX_EXPANDED_VALUES` values once aliases are expanded."""
+    count = 0
+    # Depth first, with the containers on the way to each node, to see a cycle.
+    stack: list[tuple[Any, frozenset[int]]] = [(doc, frozenset())]
+    while stack:
+        node, above = stack.pop()
+        count += 1
+        if count > MAX_EXPANDED_VALUES:
+            return (
+                f"invalid YAML: more than {MAX_EXPANDED_VALUES:,} values once its aliases "
+                "are expanded"
+            )
+        if isinstance(node, dict | list):
+            if id(node) in above:
+                return "invalid YAML: an alias refers to a node that contains it"
+            inside = above | {id(node)}
+            children = list(node.keys()) + list(node.values()) if isinstance(node, dict) else node
+            stack.extend((child, inside) for child in children)
+        elif not isinstance(node, _JSON_SCALARS):
+            return (
+                f"invalid YAML: a {type(node).__name__} value is not data a manifest can "
+                "hold; quote it to make it a string"
+            )
+    return None
 
 
 def load_stream(text: str, source: str = "-") -> list[tuple[str, dict[str, Any]]]:
@@ -226,6 +285,17 @@ def _parse(
     seen: dict[tuple[Kind, str], str] = {}
     for location, raw in docs:
         doc = _user_part(raw)
+        if (where := _unpaired_surrogate(doc)) is not None:
+            # Before anything echoes a value: such a string has no UTF-8 form, so no
+            # error message, event or stored row could hold it.
+            problems.append(
+                FieldError(
+                    f"{location}: {where}",
+                    "holds an unpaired surrogate, so it is not valid Unicode (a character "
+                    "outside the BMP is written as a surrogate pair)",
+                )
+            )
+            continue
         kind = _check_header(doc, location, problems)
         if kind is None:
             continue
@@ -233,8 +303,11 @@ def _parse(
         name = metadata.get("name") if isinstance(metadata, dict) else None
         prefix = location
         if isinstance(name, str) and name:
-            prefix = f"{kind}/{name}"
             declared.add((kind, name))
+            if name.isprintable() and len(name) <= _NAME_SHOWN_CHARS:
+                # Otherwise (line breaks, a page of text) the document's place names it,
+                # and its name's error says why.
+                prefix = f"{kind}/{name}"
         try:
             obj = kinds.KIND_CLASSES[kind].model_validate(doc)
         except pydantic.ValidationError as exc:
@@ -268,6 +341,34 @@ def _missing_references(
                     )
                 )
     return problems
+
+
+_SURROGATE = re.compile("[\\ud800-\\udfff]")
+
+
+def _unpaired_surrogate(doc: dict[str, Any]) -> str | None:
+    """The path (`spec.aliases[0]`) of the first string, key or value, holding a
+    surrogate, or None. JSON and YAML parsers join a valid pair into one character, so
+    any surrogate left is unpaired. One pass without recursion; a key is shown with the
+    surrogate escaped."""
+    stack: list[tuple[Any, str]] = [(doc, "")]
+    while stack:
+        node, path = stack.pop()
+        entries = node.items() if isinstance(node, dict) else enumerate(node)
+        for key, value in entries:
+            if isinstance(key, str):
+                shown = key.encode("utf-8", "backslashreplace").decode()
+                here = f"{path}.{shown}" if path else shown
+                if not key.isascii() and _SURROGATE.search(key):
+                    return here
+            else:
+                here = f"{path}[{key}]"
+            if isinstance(value, str):
+                if not value.isascii() and _SURROGATE.search(value):
+                    return here
+            elif isinstance(value, dict | list):
+                stack.append((value, here))
+    return None
 
 
 def _user_part(raw: dict[str, Any]) -> dict[str, Any]:
@@ -333,7 +434,9 @@ def _dotted(loc: tuple[int | str, ...], doc: Any) -> str:
             continue
         if not last and isinstance(current, dict) and current.get("kind") == segment:
             continue
-        out += f".{segment}" if out else segment
+        # An empty key (an unknown field named "") would leave no path at all.
+        name = segment or '""'
+        out += f".{name}" if out else name
         current = current.get(segment) if isinstance(current, dict) else None
     return out
 

@@ -7,6 +7,7 @@ wire (YAML, JSON), unknown fields rejected. Validators here raise
 
 from __future__ import annotations
 
+import json
 import re
 from datetime import datetime
 from enum import StrEnum
@@ -59,9 +60,10 @@ class ObjectMeta(CamelModel):
     @classmethod
     def _dns1123_label(cls, value: str) -> str:
         if not _DNS1123_LABEL.match(value):
+            # json.dumps: a name with line breaks stays on its error's one line.
             raise invalid(
-                f'"{value}" is not a valid name: use 1 to 63 lowercase letters, digits '
-                "and '-', starting and ending with a letter or digit"
+                f"{json.dumps(value, ensure_ascii=False)} is not a valid name: use 1 to 63 "
+                "lowercase letters, digits and '-', starting and ending with a letter or digit"
             )
         return value
 

@@ -84,7 +84,9 @@ class ControlService(control_pb2_grpc.ControlServicer):
             location = f"object#{i + 1}"
             try:
                 doc = json.loads(text)
-            except json.JSONDecodeError as exc:
+            except ValueError as exc:
+                # JSONDecodeError, and an integer past CPython's 4,300-digit conversion
+                # limit (a plain ValueError: it was an UNKNOWN status).
                 bad.append(FieldError(location, f"not valid JSON: {exc}"))
                 continue
             except RecursionError:

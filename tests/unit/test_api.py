@@ -218,6 +218,26 @@ def test_every_error_is_reported_with_its_path() -> None:
     ]
 
 
+def test_a_name_with_line_breaks_does_not_locate_its_errors() -> None:
+    # Found by tests/integration/fuzz/test_manifests.py: each error took many lines.
+    doc = lane_doc()
+    doc["metadata"]["name"] = "a\nb"
+    with pytest.raises(errors.ManifestInvalid) as info:
+        manifests.parse_objects([("f#1", doc)])
+    [error] = info.value.errors
+    assert (error.path, "\n" in error.message) == ("f#1: metadata.name", False)
+    assert error.message.startswith('"a\\nb" is not a valid name')
+
+
+def test_an_unknown_field_named_nothing_still_has_a_path() -> None:
+    # Found by tests/integration/fuzz/test_manifests.py: it read "Lane/x: : Extra ...".
+    doc = {**lane_doc(), "": 1}
+    with pytest.raises(errors.ManifestInvalid) as info:
+        manifests.parse_objects([("f#1", doc)])
+    [error] = info.value.errors
+    assert error.path.endswith(': ""'), error.path
+
+
 @pytest.mark.parametrize(
     ("err", "metadata", "says"),
     [
@@ -419,6 +439,23 @@ def test_duplicate_object_in_batch() -> None:
         ("a: 1\n---\nb: : c\n", "f.yaml#2", "invalid YAML at line 3"),
         ("- 1\n- 2\n", "f.yaml#1", "got a list"),
         ("---\n---\njust text\n", "f.yaml#2", "got a string"),
+        # Found by tests/integration/fuzz/test_manifests.py: each escaped parse_documents.
+        ("a: " + "1" * 5000 + "\n", "f.yaml#1", "Exceeds the limit (4300 digits)"),
+        ("a: " + "[" * 3000 + "]" * 3000 + "\n", "f.yaml#1", "nested too deeply"),
+        ("a: 1\n---\nb: &x [*x]\n", "f.yaml#2", "refers to a node that contains it"),
+        (
+            "a: &a [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]\n"
+            + "".join(
+                f"{c}: &{c} [{', '.join([f'*{p}'] * 10)}]\n"
+                for p, c in zip("abcd", "bcde", strict=True)
+            )
+            + "f: *e\n",
+            "f.yaml#1",
+            "more than 100,000 values once its aliases are expanded",
+        ),
+        ("a: !!binary AAAA\n", "f.yaml#1", "a bytes value is not data"),
+        ("a: !!set {x}\n", "f.yaml#1", "a set value is not data"),
+        ("a: !!timestamp 2001-12-14\n", "f.yaml#1", "a date value is not data"),
     ],
 )
 def test_document_errors(text: str, path: str, message: str) -> None:
@@ -427,6 +464,20 @@ def test_document_errors(text: str, path: str, message: str) -> None:
     [error] = info.value.errors
     assert error.path == path
     assert message in error.message
+
+
+def test_an_unquoted_date_is_the_string_it_reads_as() -> None:
+    text = "a: 2001-12-14\nb: 2001-12-14t21:59:43.10-05:00\n"
+    assert manifests.parse_documents(text, source="f") == [
+        ("f#1", {"a": "2001-12-14", "b": "2001-12-14t21:59:43.10-05:00"})
+    ]
+
+
+def test_aliases_that_expand_within_the_bound_are_data() -> None:
+    text = "a: &a [1, 2]\nb: [*a, *a]\n"
+    assert manifests.parse_documents(text, source="f") == [
+        ("f#1", {"a": [1, 2], "b": [[1, 2], [1, 2]]})
+    ]
 
 
 def test_documents_numbered_as_written_and_json_accepted() -> None:

@@ -112,6 +112,10 @@ def test_a_batch_with_bad_json_is_rejected_and_recorded() -> None:
         ("null", "object#2: expected a JSON object, got null"),
         ('"Model"', "object#2: expected a JSON object, got a string"),
         ("[" * 100_000, "object#2: not valid JSON: nested too deeply"),
+        # Found by tests/integration/fuzz/test_manifests.py: a ValueError, not a decode error.
+        ('{"a": 1' + "0" * 5000 + "}", "object#2: not valid JSON: Exceeds the limit"),
+        ('{"apiVersion": "\\ud800"}', "object#2: apiVersion: holds an unpaired surrogate"),
+        ('{"spec": {"x\\udfff": [1]}}', "object#2: spec.x\\udfff: holds an unpaired surrogate"),
     ],
 )
 def test_a_document_that_is_no_json_object_is_invalid_not_a_crash(text: str, problem: str) -> None:
