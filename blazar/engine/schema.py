@@ -70,6 +70,13 @@ _CHECKED_FORMATS = frozenset(
     }
 )  # fmt: skip
 _ENFORCED_FORMATS = frozenset({"date-time", "date", "time", "uuid"})
+# The converter spells a length or item count out, one copy of the item per unit
+# (maxLength as that many nested optional groups): `minLength: 1000000000` ran for
+# minutes and gigabytes before any bound on the grammar's size could look at it. Past
+# this count a bound is refused (maxLength past about 1,000 also nests deeper than
+# `gbnf.MAX_NESTING`).
+MAX_REPETITIONS = 1000
+_REPETITIONS = ("minLength", "maxLength", "minItems", "maxItems")
 # Keywords whose value maps names to subschemas (the names are not keywords).
 _SCHEMA_MAPS = frozenset({"properties", "$defs", "definitions"})
 # Keywords whose value is a subschema, or a list of them, where the converter cannot
@@ -341,6 +348,10 @@ def _combination_gaps(node: dict[str, Any], path: str) -> Iterator[str]:
         for other in ("pattern", "format"):
             if key in node and other in node:
                 yield f"{at}{key} (with {other})"
+    for key in _REPETITIONS:
+        count = node.get(key)
+        if isinstance(count, int | float) and count > MAX_REPETITIONS:
+            yield f"{at}{key} (over {MAX_REPETITIONS:,}: the grammar spells out each one)"
     for low, high in (("minLength", "maxLength"), ("minItems", "maxItems")):
         least, most = node.get(low), node.get(high)
         # No value can meet these; the converter wrote the lower bound and dropped the other.

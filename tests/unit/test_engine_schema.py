@@ -129,6 +129,25 @@ def test_unsupported_pattern_is_invalid(pattern: str, fragment: str) -> None:
             ["additionalProperties (other than false, with properties)"],
         ),
         ({"type": "array", "minItems": 2}, ["minItems (without items)"]),
+        # Found by tests/integration/fuzz/test_engine_requests.py: minLength 1e9 ran for
+        # minutes in the converter, which spells each repetition out.
+        (
+            {"type": "string", "minLength": 10**9},
+            ["minLength (over 1,000: the grammar spells out each one)"],
+        ),
+        (
+            {"type": "string", "maxLength": 1001},
+            ["maxLength (over 1,000: the grammar spells out each one)"],
+        ),
+        (
+            {"type": "array", "items": {}, "maxItems": 1e12},
+            ["maxItems (over 1,000: the grammar spells out each one)"],
+        ),
+        (
+            {"properties": {"a": {"type": "array", "items": {}, "minItems": 5000}}},
+            ["properties.a.minItems (over 1,000: the grammar spells out each one)"],
+        ),
+        ({"type": "string", "minLength": 1000, "maxLength": 1000}, []),
         ({"prefixItems": [{}], "maxItems": 1}, ["maxItems (with prefixItems)"]),
         ({"type": "string", "format": "date", "maxLength": 5}, ["maxLength (with format)"]),
         # Formats validators check but the grammar does not write: refused, as is one
