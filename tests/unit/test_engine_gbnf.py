@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from blazar._proto.v1 import inference_pb2
@@ -44,6 +46,35 @@ def test_a_grammar_with_too_many_rules_or_bytes_is_refused() -> None:
     huge = 'root ::= "' + "a" * gbnf.MAX_BYTES + '"'
     with pytest.raises(errors.InvalidRequest, match="bytes of GBNF; at most 1,048,576"):
         sampling.grammar_of(inference_pb2.Constraint(grammar=huge))
+
+
+@pytest.mark.parametrize(
+    ("grammar", "widest"),
+    [
+        ('root ::= "a"', 1),
+        ('root ::= "a" | "b"\nx ::= "c" | "d" | "e"', 3),
+        # A group counts apart from the rule around it.
+        ('root ::= ("a" | "b" | "c" | "d") | "e"', 4),
+        # Bars inside literals, character classes and comments are characters.
+        ('root ::= "|||" [|] "\\"|" # | | |\nx ::= "a"', 1),
+        ("root ::= " + " | ".join(f'"w{i}"' for i in range(600)), 600),
+    ],
+)
+def test_widest_counts_the_alternatives_of_one_rule_or_group(grammar: str, widest: int) -> None:
+    assert gbnf.widest(grammar) == widest
+
+
+def test_a_grammar_too_wide_is_refused_and_a_schema_enum_is_not() -> None:
+    # Found by tests/integration/fuzz/test_engine_requests.py: 60,000 alternatives (under
+    # 1 MiB) held the engine's decode thread for minutes a token.
+    wide = "root ::= " + " | ".join(f'"w{i}"' for i in range(gbnf.MAX_ALTERNATIVES + 1))
+    with pytest.raises(errors.InvalidRequest, match="257 alternatives in one rule or group"):
+        sampling.grammar_of(inference_pb2.Constraint(grammar=wide))
+    at_bound = "root ::= " + " | ".join(f'"w{i}"' for i in range(gbnf.MAX_ALTERNATIVES))
+    assert sampling.grammar_of(inference_pb2.Constraint(grammar=at_bound)) == at_bound
+    # The same many choices as an enum are a trie, as narrow as its alphabet.
+    enum = json.dumps({"enum": [f"w{i}" for i in range(20_000)]})
+    assert sampling.grammar_of(inference_pb2.Constraint(json_schema=enum))
 
 
 def test_the_request_field_is_named_when_resolving() -> None:
