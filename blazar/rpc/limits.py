@@ -56,7 +56,10 @@ _Handler: TypeAlias = "grpc.RpcMethodHandler[Any, Any]"  # not subscriptable at 
 
 
 class RequestSizeLimit(grpc.aio.ServerInterceptor):
-    """Refuses every unary request over `limit` bytes before its handler runs.
+    """Reads every unary request before its handler runs, and refuses with
+    INVALID_ARGUMENT one over `limit` bytes, or one protobuf cannot parse (a string
+    field that is not UTF-8, which a hand-made or C++ client can send: gRPC's own
+    decoding answered it UNKNOWN).
 
     Streaming requests pass untouched (each message is bounded by the ceiling only);
     the daemon serves none but reflection's.
@@ -73,41 +76,55 @@ class RequestSizeLimit(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None or handler.request_streaming:
             return handler
+        # The handler is given the bytes (no deserializer), which `_read` parses.
+        read = self._reader(handler.request_deserializer)
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(
-                self._checked_unary(handler.unary_unary),
-                request_deserializer=handler.request_deserializer,
+                self._checked_unary(handler.unary_unary, read),
                 response_serializer=handler.response_serializer,
             )
         if handler.unary_stream is not None:
             return grpc.unary_stream_rpc_method_handler(
-                self._checked_stream(handler.unary_stream),
-                request_deserializer=handler.request_deserializer,
+                self._checked_stream(handler.unary_stream, read),
                 response_serializer=handler.response_serializer,
             )
         return handler
 
-    async def _check(self, request: protobuf_message.Message, context: _Context) -> None:
-        err = request_too_large(request.ByteSize(), limit=self._limit)
-        if err is not None:
-            await status.abort(context, err)
+    def _reader(
+        self, deserialize: Callable[[bytes], Any] | None
+    ) -> Callable[[bytes, _Context], Awaitable[Any]]:
+        async def read(raw: bytes, context: _Context) -> Any:
+            err = request_too_large(len(raw), limit=self._limit)
+            if err is not None:
+                await status.abort(context, err)
+            if deserialize is None:
+                return raw
+            try:
+                return deserialize(raw)
+            except protobuf_message.DecodeError as exc:
+                await status.abort(
+                    context, errors.InvalidRequest(f"The request is not a valid message: {exc}")
+                )
 
-    def _checked_unary(self, behaviour: _Behaviour) -> _Behaviour:
-        async def checked(request: protobuf_message.Message, context: _Context) -> Any:
-            await self._check(request, context)
-            return await behaviour(request, context)
+        return read
+
+    def _checked_unary(
+        self, behaviour: _Behaviour, read: Callable[[bytes, _Context], Awaitable[Any]]
+    ) -> _Behaviour:
+        async def checked(raw: bytes, context: _Context) -> Any:
+            return await behaviour(await read(raw, context), context)
 
         return checked
 
-    def _checked_stream(self, behaviour: _Behaviour) -> _Behaviour:
+    def _checked_stream(
+        self, behaviour: _Behaviour, read: Callable[[bytes, _Context], Awaitable[Any]]
+    ) -> _Behaviour:
         # grpc.aio tells a generator handler from a writer one (context.write) by its
         # function type, so the wrapper must be of the same kind.
         if inspect.isasyncgenfunction(behaviour):
 
-            async def generate(
-                request: protobuf_message.Message, context: _Context
-            ) -> AsyncIterator[Any]:
-                await self._check(request, context)
+            async def generate(raw: bytes, context: _Context) -> AsyncIterator[Any]:
+                request = await read(raw, context)
                 # aclosing: a caller that leaves must end the handler's stream now.
                 async with contextlib.aclosing(behaviour(request, context)) as responses:
                     async for response in responses:
@@ -115,8 +132,7 @@ class RequestSizeLimit(grpc.aio.ServerInterceptor):
 
             return generate
 
-        async def write(request: protobuf_message.Message, context: _Context) -> None:
-            await self._check(request, context)
-            await behaviour(request, context)
+        async def write(raw: bytes, context: _Context) -> None:
+            await behaviour(await read(raw, context), context)
 
         return write
