@@ -10,7 +10,8 @@ requests on a 2-core machine:
   turns) stay in some slot's cache instead of being prefilled again;
 - `THREADS` compute thread: llama.cpp's threads meet at a barrier after every
   operation, and on cores shared with the daemon, the test process and anything else
-  running, a second thread mostly waits there (see `blazar.engine.cpushare`);
+  running, a second thread mostly waits there (see `blazar.engine.cpushare`):
+  Anthropic's 1,000 bodies took 284 s on 2 threads and 72 s on 1, under the same load;
 - `CONTEXT_PER_SLOT` tokens, so that a huge prompt is refused before any prefill.
 """
 
@@ -20,8 +21,9 @@ LANE = "fuzz"
 # The Model the Lane serves (the bundled GGUF).
 MODEL = "local"
 CONTEXT_PER_SLOT = 1024
-SLOTS = 4
+SLOTS = 8
 THREADS = 1
-# Bodies the body fuzz run keeps in flight: one per slot. Against one at a time:
-# 72 s against 124 s for Anthropic's 1,000 on the loaded 2-core dev box.
+# Bodies the body fuzz run keeps in flight: one per slot. Anthropic's 1,000 on the
+# 2-core dev box, shared with other work: 124 s one at a time, 72 s four at a time
+# (same load); 43 s with 4 slots and 34 s with 8 (a lighter load).
 IN_FLIGHT = SLOTS
