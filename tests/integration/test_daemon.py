@@ -36,6 +36,10 @@ from tests.integration.observers import Follower, StoreWatch, rss_bytes
 
 pytestmark = pytest.mark.slow
 
+# Output no budget finishes: a thousand strings of a thousand characters (the schema
+# converter spells out at most 1,000 of anything, so the length alone cannot do it).
+ENDLESS = {"type": "array", "minItems": 1000, "items": {"type": "string", "minLength": 1000}}
+
 
 @pytest.fixture(scope="module")
 def daemon(model_path: Path) -> Iterator[Daemon]:
@@ -604,7 +608,7 @@ def test_a_deleted_lane_or_model_is_said_so_not_retry(
     # A generation no budget finishes holds the one slot; the next request waits.
     endless: Any = {
         "type": "json_schema",
-        "json_schema": {"name": "s", "schema": {"type": "string", "minLength": 4000}},
+        "json_schema": {"name": "s", "schema": ENDLESS},
     }
     outcome: list[BaseException] = []
 
