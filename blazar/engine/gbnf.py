@@ -28,6 +28,8 @@ Pure: a scan of the text, no llama.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from blazar.api import errors
 
 MAX_NESTING = 1000
@@ -69,22 +71,12 @@ def nesting(grammar: str) -> int:
     """The deepest nesting of parenthesised groups, outside string literals, character
     classes and comments (where a parenthesis is only a character)."""
     depth = deepest = 0
-    i, n = 0, len(grammar)
-    while i < n:
-        c = grammar[i]
+    for _, c in _structure(grammar):
         if c == "(":
             depth += 1
             deepest = max(deepest, depth)
         elif c == ")":
             depth = max(0, depth - 1)
-        elif c in '"[':
-            i = _skip_quoted(grammar, i + 1, '"' if c == '"' else "]")
-            continue
-        elif c == "#":
-            newline = grammar.find("\n", i)
-            i = n if newline < 0 else newline
-            continue
-        i += 1
     return deepest
 
 
@@ -94,9 +86,7 @@ def widest(grammar: str) -> int:
     # One count per open group; the bottom one is the current rule's body.
     counts = [1]
     widest_seen = 1
-    i, n = 0, len(grammar)
-    while i < n:
-        c = grammar[i]
+    for i, c in _structure(grammar):
         if c == "(":
             counts.append(1)
         elif c == ")":
@@ -107,17 +97,24 @@ def widest(grammar: str) -> int:
             widest_seen = max(widest_seen, counts[-1])
         elif c == ":" and grammar.startswith("::=", i) and len(counts) == 1:
             counts[0] = 1  # a new rule begins
-            i += 3
-            continue
-        elif c in '"[':
+    return widest_seen
+
+
+def _structure(grammar: str) -> Iterator[tuple[int, str]]:
+    """Each character of the grammar outside string literals, character classes and
+    comments, with its index: what the bounds above count."""
+    i, n = 0, len(grammar)
+    while i < n:
+        c = grammar[i]
+        if c in '"[':
             i = _skip_quoted(grammar, i + 1, '"' if c == '"' else "]")
             continue
-        elif c == "#":
+        if c == "#":
             newline = grammar.find("\n", i)
             i = n if newline < 0 else newline
             continue
+        yield i, c
         i += 1
-    return widest_seen
 
 
 def _skip_quoted(text: str, i: int, close: str) -> int:
