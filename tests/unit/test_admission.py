@@ -947,3 +947,23 @@ def test_a_burst_of_urgent_requests_parks_lower_priority_work_while_waiting_miss
     assert refused == (set() if waiting_ttft <= 2.0 else left)
     for ticket_id in left - refused:
         assert queue.predict_ttft(ticket_id, now=0, view=view) == pytest.approx(waiting_ttft)
+
+
+def test_a_running_request_frees_its_slot_at_its_own_policys_rate() -> None:
+    """The replica gains 7 tokens a step on average (batch jobs copying their prompt);
+    the chat turn holding the slot gains 1: its 50 tokens take 50 steps, not 7, and a
+    ticket behind it is predicted accordingly."""
+    fast = lane(replica(run("chat", priority=100, left=50), per_step=7.0))
+    own = lane(
+        replica(replace(run("chat", priority=100, left=50), tokens_per_step=1.0), per_step=7.0)
+    )
+    queue = LaneQueue()
+    queue.arrive(ticket("b", BATCH, prompt=100), now=0, view=fast)
+    assert queue.predict_ttft("b", now=0, view=fast) == pytest.approx(50 * 0.02 / 7 + 0.1)
+    assert queue.predict_ttft("b", now=0, view=own) == pytest.approx(50 * 0.02 + 0.1)
+    # A waiting ticket's own service counts at its policy's rate too: b starts when the
+    # chat turn ends (1 s from now), prefills 0.1 s and decodes its 50 tokens 2 a step
+    # (0.5 s); c starts then, and its first token follows its own 0.1 s prefill.
+    view = replace(own, tokens_per_step={"batch": 2.0})
+    queue.arrive(ticket("c", BATCH, arrived=0.5, prompt=100), now=0.5, view=view)
+    assert queue.predict_ttft("c", now=0.5, view=view) == pytest.approx(1.0 + 0.6 + 0.1)

@@ -179,3 +179,15 @@ def test_a_policy_not_measured_yet_is_not_expected_to_stop_early() -> None:
     for _ in range(5):
         m.record(0, final(completion=100), prompt_chars=0, policy="chat", max_tokens=2000)
     assert m.output_tokens(2000, policy="other") == 100
+
+
+def test_each_policy_gains_its_own_tokens_per_step() -> None:
+    """The mixed burst: batch jobs that copy their prompt accepted 6 drafts a step, chat
+    turns none; the replica's figure mixes them, each policy keeps its own."""
+    m = LaneMeasurements()
+    for _ in range(3):
+        m.record(0, final(completion=71, accepted=60), prompt_chars=0, policy="batch")
+        m.record(0, final(completion=11, accepted=0), prompt_chars=0, policy="chat")
+    assert m.tokens_per_step == {"batch": pytest.approx(7.0), "chat": pytest.approx(1.0)}
+    replica = m.replica_view(0, slots=4, running=())
+    assert 1.0 < replica.tokens_per_step < 7.0
