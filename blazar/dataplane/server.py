@@ -74,6 +74,7 @@ async def start(
     log_dir: Path | None = None,
     engines: EngineSamples | None = None,
     credentials: grpc.ServerCredentials | None = None,
+    max_concurrent_rpcs: int = limits.MAX_CONCURRENT_RPCS,
 ) -> DataPlane:
     """Bind address (port 0 picks a free port), and `control_socket` if given, and start
     serving; OSError when either cannot be bound (taken by another process, not local,
@@ -87,6 +88,7 @@ async def start(
     server = grpc.aio.server(
         interceptors=(access_.AccessInterceptor(access), limits.RequestSizeLimit()),
         options=limits.SERVER_OPTIONS,
+        maximum_concurrent_rpcs=max_concurrent_rpcs,
     )
     pool = EnginePool()
     inference = InferenceService(store=store, pool=pool, access=access, activity=activity)

@@ -28,11 +28,21 @@ from blazar.rpc import status
 MAX_REQUEST_BYTES = 4 * 2**20
 RECEIVE_CEILING_BYTES = 64 * 2**20
 
+# Calls the daemon's gRPC server runs at once, over every connection: past it a new
+# call is refused at once with RESOURCE_EXHAUSTED (grpcio's own), so a client opening
+# streams without end cannot grow the daemon's memory without end. Above what the HTTP
+# shim may have open (`shim.connections.LIMIT_CONCURRENCY`, 1,024, over one channel)
+# plus room for gRPC callers and the CLI.
+MAX_CONCURRENT_RPCS = 4096
+# Streams one HTTP/2 connection may carry at once (more wait in the client).
+MAX_CONCURRENT_STREAMS = 2048
+
 SERVER_OPTIONS = (
     ("grpc.max_receive_message_length", RECEIVE_CEILING_BYTES),
     # grpcio sets SO_REUSEPORT by default, so a second daemon could bind the same port
     # and the kernel would share connections between the two. Off: the second bind fails.
     ("grpc.so_reuseport", 0),
+    ("grpc.max_concurrent_streams", MAX_CONCURRENT_STREAMS),
 )
 ENGINE_RECEIVE_BYTES = MAX_REQUEST_BYTES + 2**20
 ENGINE_SERVER_OPTIONS = (("grpc.max_receive_message_length", ENGINE_RECEIVE_BYTES),)

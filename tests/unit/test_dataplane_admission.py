@@ -32,7 +32,7 @@ from blazar.api.kinds import (
 )
 from blazar.api.meta import Condition, ConditionStatus, ObjectMeta
 from blazar.dataplane import server
-from blazar.rpc import status
+from blazar.rpc import limits, status
 from blazar.store.memory import MemoryStore
 from tests.unit.test_dataplane_relay import engines
 
@@ -113,7 +113,10 @@ class Plane:
 
 @contextlib.asynccontextmanager
 async def plane(
-    *policies: SLOPolicy, lane_policy: str | None = None, max_parked_mib: int = 1024
+    *policies: SLOPolicy,
+    lane_policy: str | None = None,
+    max_parked_mib: int = 1024,
+    max_concurrent_rpcs: int = limits.MAX_CONCURRENT_RPCS,
 ) -> AsyncIterator[Plane]:
     engine = HoldingEngine()
     async with engines(engine) as sockets:  # type: ignore[arg-type]  # duck-typed servicer
@@ -133,7 +136,9 @@ async def plane(
         )
         store.apply_all([*policies, lane])
         store.update_status(Kind.LANE, "l", lane.status)
-        data_plane = await server.start(store=store, address="127.0.0.1:0")
+        data_plane = await server.start(
+            store=store, address="127.0.0.1:0", max_concurrent_rpcs=max_concurrent_rpcs
+        )
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{data_plane.port}") as channel:
                 yield Plane(
@@ -492,3 +497,20 @@ def test_no_generation_is_preempted_without_parking_room() -> None:
 
     results, seen, orders = asyncio.run(run())
     assert (results, seen, orders) == ([None, None], ["warm", "hold", "urgent"], [])
+
+
+def test_calls_past_the_servers_concurrency_bound_are_refused_at_once() -> None:
+    """A client that opens calls without end is refused past the bound
+    (RESOURCE_EXHAUSTED, grpcio's own), and the calls within it go on."""
+
+    async def run() -> tuple[grpc.StatusCode, errors.BlazarError | None]:
+        async with plane(max_concurrent_rpcs=1) as p:
+            held = await p.started("hold")
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await p.stub.ListModels(inference_pb2.ListModelsRequest(), timeout=5)
+            p.engine.gate("hold").set()
+            return refused.value.code(), await outcome(held)
+
+    code, held = asyncio.run(run())
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert held is None
