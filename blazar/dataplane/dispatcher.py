@@ -634,7 +634,7 @@ class LaneDispatcher:
             tokens_left=max(0, expected - generated),
             kv_tokens=ticket.prompt_tokens + generated,
             parkable=run.generated > self._refused_parks.get(run.ticket.id, -1),
-            tokens_per_step=self.measurements.tokens_per_step.get(ticket.policy.name),
+            token_s=self.measurements.token_seconds.get(ticket.policy.name),
         )
 
     def _view(self) -> admission.LaneView:
@@ -672,7 +672,7 @@ class LaneDispatcher:
             completion_tokens=self.measurements.completion_tokens,
             completion_share=self.measurements.completion_share,
             lane_share=self.measurements.lane_share,
-            tokens_per_step=self.measurements.tokens_per_step,
+            token_s=self.measurements.token_seconds,
         )
 
 

@@ -157,8 +157,8 @@ class LaneMeasurements:
         # By policy: tokens generated over the max_tokens the requests allowed.
         self._share: dict[str, _Ratio] = {}
         self._lane_share = _Ratio()
-        # By policy: tokens decoded over decode steps (drafts accepted raise it).
-        self._per_step: dict[str, _Ratio] = {}
+        # By policy: seconds of decoding over the tokens decoded.
+        self._token_s: dict[str, _Ratio] = {}
         self._chars_per_token = _Ratio()
 
     def record(
@@ -180,12 +180,11 @@ class LaneMeasurements:
             self._lane_share.add(generated, max_tokens)
             if policy:
                 self._share.setdefault(policy, _Ratio()).add(generated, max_tokens)
-        if policy:
-            # As `_Rates.record` counts them: the first token comes out of the prefill.
-            decoded = final.usage.completion_tokens - 1
-            steps = decoded - final.routing.accepted_tokens
-            if steps > 0:
-                self._per_step.setdefault(policy, _Ratio()).add(decoded, steps)
+        # As `_Rates.record` counts them: the first token comes out of the prefill.
+        decoded = final.usage.completion_tokens - 1
+        if policy and decoded > 0 and final.timings.decode_ms > 0:
+            seconds = final.timings.decode_ms / 1000.0
+            self._token_s.setdefault(policy, _Ratio()).add(seconds, decoded)
         if final.usage.prompt_tokens > 0 and prompt_chars > 0:
             self._chars_per_token.add(prompt_chars, final.usage.prompt_tokens)
 
@@ -222,9 +221,9 @@ class LaneMeasurements:
         return {name: v for name, ratio in self._share.items() if (v := ratio.value) is not None}
 
     @property
-    def tokens_per_step(self) -> dict[str, float]:
-        """By policy, the tokens its requests gained per decode step."""
-        return {name: v for name, ratio in self._per_step.items() if (v := ratio.value) is not None}
+    def token_seconds(self) -> dict[str, float]:
+        """By policy, the seconds per generated token its requests measured."""
+        return {name: v for name, ratio in self._token_s.items() if (v := ratio.value) is not None}
 
     @property
     def lane_share(self) -> float | None:

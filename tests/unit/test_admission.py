@@ -950,20 +950,18 @@ def test_a_burst_of_urgent_requests_parks_lower_priority_work_while_waiting_miss
 
 
 def test_a_running_request_frees_its_slot_at_its_own_policys_rate() -> None:
-    """The replica gains 7 tokens a step on average (batch jobs copying their prompt);
-    the chat turn holding the slot gains 1: its 50 tokens take 50 steps, not 7, and a
-    ticket behind it is predicted accordingly."""
+    """The replica's figures say 7 tokens a step at 0.02 s (batch jobs copying their
+    prompt); the chat turn holding the slot measured 0.05 s a token: its 50 tokens take
+    2.5 s, and a ticket behind it is predicted accordingly."""
     fast = lane(replica(run("chat", priority=100, left=50), per_step=7.0))
-    own = lane(
-        replica(replace(run("chat", priority=100, left=50), tokens_per_step=1.0), per_step=7.0)
-    )
+    own = lane(replica(replace(run("chat", priority=100, left=50), token_s=0.05), per_step=7.0))
     queue = LaneQueue()
     queue.arrive(ticket("b", BATCH, prompt=100), now=0, view=fast)
     assert queue.predict_ttft("b", now=0, view=fast) == pytest.approx(50 * 0.02 / 7 + 0.1)
-    assert queue.predict_ttft("b", now=0, view=own) == pytest.approx(50 * 0.02 + 0.1)
+    assert queue.predict_ttft("b", now=0, view=own) == pytest.approx(50 * 0.05 + 0.1)
     # A waiting ticket's own service counts at its policy's rate too: b starts when the
-    # chat turn ends (1 s from now), prefills 0.1 s and decodes its 50 tokens 2 a step
-    # (0.5 s); c starts then, and its first token follows its own 0.1 s prefill.
-    view = replace(own, tokens_per_step={"batch": 2.0})
+    # chat turn ends (2.5 s from now), prefills 0.1 s and decodes its 50 tokens at
+    # 0.01 s each (0.5 s); c starts then, and its first token follows its own prefill.
+    view = replace(own, token_s={"batch": 0.01})
     queue.arrive(ticket("c", BATCH, arrived=0.5, prompt=100), now=0.5, view=view)
-    assert queue.predict_ttft("c", now=0.5, view=view) == pytest.approx(1.0 + 0.6 + 0.1)
+    assert queue.predict_ttft("c", now=0.5, view=view) == pytest.approx(2.5 + 0.6 + 0.1)

@@ -181,13 +181,19 @@ def test_a_policy_not_measured_yet_is_not_expected_to_stop_early() -> None:
     assert m.output_tokens(2000, policy="other") == 100
 
 
-def test_each_policy_gains_its_own_tokens_per_step() -> None:
-    """The mixed burst: batch jobs that copy their prompt accepted 6 drafts a step, chat
-    turns none; the replica's figure mixes them, each policy keeps its own."""
+def test_each_policy_has_its_own_seconds_per_token() -> None:
+    """The mixed burst: batch jobs that copy their prompt gained 7 tokens a step, in
+    slow steps full of draft rows; chat turns one a step, in fast ones. The replica's
+    figures mix them; each policy keeps what its requests measured."""
     m = LaneMeasurements()
     for _ in range(3):
-        m.record(0, final(completion=71, accepted=60), prompt_chars=0, policy="batch")
-        m.record(0, final(completion=11, accepted=0), prompt_chars=0, policy="chat")
-    assert m.tokens_per_step == {"batch": pytest.approx(7.0), "chat": pytest.approx(1.0)}
-    replica = m.replica_view(0, slots=4, running=())
-    assert 1.0 < replica.tokens_per_step < 7.0
+        m.record(
+            0, final(completion=71, accepted=60, decode_ms=1800.0), prompt_chars=0, policy="batch"
+        )
+        m.record(
+            0, final(completion=11, accepted=0, decode_ms=300.0), prompt_chars=0, policy="chat"
+        )
+    assert m.token_seconds == {
+        "batch": pytest.approx(0.0257, abs=1e-3),
+        "chat": pytest.approx(0.03),
+    }

@@ -44,8 +44,8 @@ Forecast. Every decision reads one simulation of the Lane from `now`, in ticket 
   decode time, `tokens_left x step / tokens_per_step`: step is the measured decode step
   at the batch the replica will run while this queue drains (its running requests plus
   the waiting tickets, at most its slots), `step_s + step_growth_s x (batch - 1)`;
-  tokens_per_step the accepted tokens per step, 1 without speculation (the request's
-  policy's own figure when measured, else the replica's). An idle slot is
+  tokens_per_step the accepted tokens per step, 1 without speculation; or, once the
+  request's policy has measured it, its own seconds per token. An idle slot is
   free now.
 - Each ticket in order takes the slot that frees first (an idle one, then the session's
   `prefer`red replica, then the least loaded replica, then the lowest index), holds it for

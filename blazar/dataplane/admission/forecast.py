@@ -159,15 +159,15 @@ class _Simulation:
             self.parked[replica.index] = replica.parked_bytes
             self.batch[replica.index] = max(1, min(replica.slots, len(replica.running) + waiting))
             for position, run in enumerate(replica.running):
-                free_at = self.decode_s(replica, run.tokens_left, run.tokens_per_step)
+                free_at = self.decode_s(replica, run.tokens_left, run.token_s)
                 self.slots.append(_Slot(replica, position, free_at, idle=False, holder=run))
             for position in range(len(replica.running), replica.slots):
                 self.slots.append(_Slot(replica, position, 0.0, idle=True, holder=None))
 
-    def decode_s(self, replica: ReplicaView, tokens: int, per_step: float | None = None) -> float:
+    def decode_s(self, replica: ReplicaView, tokens: int, token_s: float | None = None) -> float:
         """Decode time on `replica` at the batch it will run while this queue drains,
-        at `per_step` tokens a step (None: the replica's figure)."""
-        return replica.decode_s(tokens, batch=self.batch[replica.index], per_step=per_step)
+        or at `token_s` seconds a token (the request's policy's measured figure)."""
+        return replica.decode_s(tokens, batch=self.batch[replica.index], token_s=token_s)
 
     def slot_for(self, *, pinned: int | None, prefer: int | None) -> _Slot | None:
         """The slot that frees first: an idle one, then on `prefer`, then on the least
@@ -270,9 +270,7 @@ def forecast(waiting: list[tuple[Key, Waiting]], *, now: float, view: LaneView) 
         if isinstance(item, _Victim):
             resumed = sim.slot_for(pinned=item.replica, prefer=None)
             assert resumed is not None  # its replica is in the view: it was parked there
-            service = sim.decode_s(
-                resumed.replica, item.running.tokens_left, item.running.tokens_per_step
-            )
+            service = sim.decode_s(resumed.replica, item.running.tokens_left, item.running.token_s)
             sim.take(resumed, start_s=resumed.free_at, service_s=service)
             continue
         fate, slot = _fate(item, sim, now)
@@ -283,11 +281,11 @@ def forecast(waiting: list[tuple[Key, Waiting]], *, now: float, view: LaneView) 
             victim = sim.park(slot)
             heapq.heappush(heap, (victim.key, seq, victim))
             seq += 1
-        per_step = view.tokens_per_step.get(item.ticket.policy.name)
+        token_s = view.token_s.get(item.ticket.policy.name)
         if item.resume is not None:
-            service = sim.decode_s(slot.replica, item.resume.tokens_left, per_step)
+            service = sim.decode_s(slot.replica, item.resume.tokens_left, token_s)
         else:
-            decode = sim.decode_s(slot.replica, view.output_tokens(item.ticket), per_step)
+            decode = sim.decode_s(slot.replica, view.output_tokens(item.ticket), token_s)
             service = fate.prefill_s + decode
         sim.take(slot, start_s=fate.start_s, service_s=service)
     return fates

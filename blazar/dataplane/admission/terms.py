@@ -115,9 +115,10 @@ class Running:
     tokens_left: int
     # Tokens in its KV cache (prompt and output so far): what parking it copies.
     kv_tokens: int
-    # Tokens it gains per decode step as its policy's requests measured (speculation
-    # accepts more for text it can copy); None: the replica's figure.
-    tokens_per_step: float | None = None
+    # Seconds per generated token, as its policy's requests measured them (the steps
+    # they ran at over the tokens each gained them: speculation accepts many drafts
+    # for text it can copy, and their rows slow every step); None: the replica's.
+    token_s: float | None = None
     # False: its engine refused to park it (not seated yet, say): no victim for now.
     parkable: bool = True
 
@@ -156,14 +157,15 @@ class ReplicaView:
         rate = self.prefill_tokens_per_s
         return self.start_overhead_s + self.prefill_fixed_s + (tokens / rate if rate else 0.0)
 
-    def decode_s(self, tokens: int, *, batch: int = 1, per_step: float | None = None) -> float:
-        """Seconds to generate `tokens` with `batch` sequences decoding together, at
-        `per_step` tokens a step (None: the replica's measured figure)."""
+    def decode_s(self, tokens: int, *, batch: int = 1, token_s: float | None = None) -> float:
+        """Seconds to generate `tokens` with `batch` sequences decoding together, or at
+        `token_s` seconds a token when the request's policy has measured that."""
+        if token_s is not None:
+            return tokens * token_s
         if not self.step_s:
             return 0.0
         step = self.step_s + self.step_growth_s * max(0, batch - 1)
-        gained = self.tokens_per_step if per_step is None else per_step
-        return tokens * step / max(gained, 1.0)
+        return tokens * step / max(self.tokens_per_step, 1.0)
 
 
 def expected_output(
@@ -196,10 +198,10 @@ class LaneView:
     completion_share: Mapping[str, float] = field(default_factory=dict)
     # The same share over every request of the Lane, whatever its policy.
     lane_share: float | None = None
-    # By policy name, tokens its requests gained per decode step (measured): a batch
-    # job that copies its prompt accepts many drafts, a chat turn few, and the
-    # replica's mean of both misjudges each.
-    tokens_per_step: Mapping[str, float] = field(default_factory=dict)
+    # By policy name, seconds per generated token its requests measured: a batch job
+    # that copies its prompt gains many tokens a step (and its draft rows slow every
+    # step), a chat turn few, and the replica's figures, a mean of both, misjudge each.
+    token_s: Mapping[str, float] = field(default_factory=dict)
 
     def output_tokens(self, ticket: Ticket) -> int:
         return expected_output(
