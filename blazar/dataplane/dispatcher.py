@@ -50,7 +50,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Coroutine, Iterable
+from collections.abc import Callable, Coroutine, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
@@ -621,7 +621,7 @@ class LaneDispatcher:
     def _replica(self, index: int) -> routing.Replica | None:
         return next((r for r in self._serving() if r.index == index), None)
 
-    def _holder(self, run: Run) -> admission.Running:
+    def _holder(self, run: Run, token_s: Mapping[str, float]) -> admission.Running:
         """What holds the run's slot as admission sees it: the run, or, while the run
         is being parked, the ticket that will start in its slot."""
         parking = self._parking.get(run.ticket.id)
@@ -634,18 +634,20 @@ class LaneDispatcher:
             tokens_left=max(0, expected - generated),
             kv_tokens=ticket.prompt_tokens + generated,
             parkable=run.generated > self._refused_parks.get(run.ticket.id, -1),
-            token_s=self.measurements.token_seconds.get(ticket.policy.name),
+            token_s=token_s.get(ticket.policy.name),
         )
 
     def _view(self) -> admission.LaneView:
         route = self._route
         if route is None:
             return admission.LaneView()
+        # Read once per view: each running request's figure comes from it.
+        token_s = self.measurements.token_seconds
         replicas = []
         for replica in self._serving():
             identity = _identity(replica)
             mine = [run for run in self._running.values() if _identity(run.replica) == identity]
-            running = [self._holder(run) for run in mine]
+            running = [self._holder(run, token_s) for run in mine]
             parked = sum(
                 self._parked_bytes.get(run.ticket.id, 0)
                 for run in self._parked.values()
@@ -672,7 +674,7 @@ class LaneDispatcher:
             completion_tokens=self.measurements.completion_tokens,
             completion_share=self.measurements.completion_share,
             lane_share=self.measurements.lane_share,
-            token_s=self.measurements.token_seconds,
+            token_s=token_s,
         )
 
 
