@@ -18,7 +18,7 @@ from typing import Any, TypeAlias
 import grpc
 
 from blazar._proto.v1 import control_pb2, control_pb2_grpc
-from blazar.api import errors, kinds, manifests, meta, selectors
+from blazar.api import errors, jsontext, kinds, manifests, meta, selectors
 from blazar.api.errors import FieldError
 from blazar.enginehost import logfiles, monitor
 from blazar.rpc import status
@@ -83,14 +83,9 @@ class ControlService(control_pb2_grpc.ControlServicer):
         for i, text in enumerate(request.objects_json):
             location = f"object#{i + 1}"
             try:
-                doc = json.loads(text)
-            except ValueError as exc:
-                # JSONDecodeError, and an integer past CPython's 4,300-digit conversion
-                # limit (a plain ValueError: it was an UNKNOWN status).
+                doc = jsontext.loads(text)
+            except jsontext.NotJSON as exc:
                 bad.append(FieldError(location, f"not valid JSON: {exc}"))
-                continue
-            except RecursionError:
-                bad.append(FieldError(location, "not valid JSON: nested too deeply"))
                 continue
             if not isinstance(doc, dict):
                 bad.append(

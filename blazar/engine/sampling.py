@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import json
 import math
 import secrets
 from collections.abc import Iterator, Sequence
@@ -23,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from blazar._proto.v1 import inference_pb2
-from blazar.api import errors
+from blazar.api import errors, jsontext
 from blazar.engine import gbnf, schema
 
 PENALTY_LAST_N = 64
@@ -270,7 +269,7 @@ def grammar_of(constraint: inference_pb2.Constraint) -> str | None:
         return schema.grammar({"type": "object"}) if constraint.json_object else None
     if kind == "json_schema":
         try:
-            document = json.loads(constraint.json_schema)
+            document = jsontext.loads(constraint.json_schema)
             if not isinstance(document, dict):
                 raise errors.InvalidRequest(
                     f"The JSON schema must be a JSON object, not {type(document).__name__}."
@@ -278,10 +277,10 @@ def grammar_of(constraint: inference_pb2.Constraint) -> str | None:
             made = schema.grammar(document)
             gbnf.check_bounds(made, what="The grammar made from the JSON schema")
             return made
-        except json.JSONDecodeError as exc:
+        except jsontext.NotJSON as exc:
             raise errors.InvalidRequest(f"The JSON schema is not valid JSON: {exc}.") from None
         except RecursionError:
-            # Python's JSON decoder and encoder recurse once per level.
+            # Python's JSON encoder recurses once per level.
             raise errors.InvalidRequest(
                 "The JSON schema cannot be turned into a grammar: it nests too deeply."
             ) from None

@@ -40,7 +40,7 @@ from typing import Any
 
 from blazar._proto.engine.v1 import engine_pb2
 from blazar._proto.v1 import inference_pb2
-from blazar.api import errors
+from blazar.api import errors, jsontext
 from blazar.engine import schema, text
 
 OPEN = "<tool_call>"
@@ -164,11 +164,9 @@ def _parameters(source: str, where: str) -> dict[str, Any]:
     if not source.strip():
         return dict(NO_PARAMETERS)
     try:
-        document = json.loads(source)
-    except json.JSONDecodeError as exc:
+        document = jsontext.loads(source)
+    except jsontext.NotJSON as exc:
         raise _blame(where, f"'{where}' is not valid JSON: {exc}.") from None
-    except RecursionError:
-        raise _blame(where, _too_deep(where)) from None
     if not isinstance(document, dict):
         raise _blame(where, f"'{where}' must be a JSON Schema object.")
     if depth(document) > MAX_SCHEMA_DEPTH:
@@ -386,8 +384,8 @@ def history_turns(messages: Sequence[inference_pb2.Message]) -> list[text.ChatTu
             if not c.name:
                 raise _blame(f"{where}.name", f"Tool call {j} of message {i} has no name.")
             try:
-                arguments = json.loads(c.arguments or "{}")
-            except (json.JSONDecodeError, RecursionError):
+                arguments = jsontext.loads(c.arguments or "{}")
+            except jsontext.NotJSON:
                 arguments = None
             if not isinstance(arguments, dict):
                 raise _blame(
@@ -519,16 +517,16 @@ class CallParser:
         if self.made and not self.tools.parallel:
             return None
         try:
-            document = json.loads(body)
-        except (json.JSONDecodeError, RecursionError):
+            document = jsontext.loads(body)
+        except jsontext.NotJSON:
             return None
         if not isinstance(document, dict) or set(document) - {"name", "arguments"}:
             return None
         name, arguments = document.get("name"), document.get("arguments", {})
         if isinstance(arguments, str):
             try:
-                arguments = json.loads(arguments)
-            except (json.JSONDecodeError, RecursionError):
+                arguments = jsontext.loads(arguments)
+            except jsontext.NotJSON:
                 return None
         tool = self.tools.by_name(name) if isinstance(name, str) else None
         if tool is None or not isinstance(arguments, dict) or not valid(tool, arguments):

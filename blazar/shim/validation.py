@@ -7,13 +7,12 @@ render a 400 that tells the user what to fix.
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Any, NoReturn, TypeAlias, TypeVar
 
 import pydantic
 
-from blazar.api import errors
+from blazar.api import errors, jsontext
 
 M = TypeVar("M", bound=pydantic.BaseModel)
 
@@ -32,17 +31,11 @@ def parse_body(model: type[M], raw: bytes) -> M:
     """Validate `raw` against `model`; unknown fields are the model's business, but every
     string in the body, known or not, must be valid Unicode."""
     try:
-        document = json.loads(raw, parse_constant=_not_json)
-    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, _not_json
+        document = jsontext.loads(raw, parse_constant=_not_json)
+    except jsontext.NotJSON as exc:
         raise errors.InvalidRequest(
             f"We could not parse the JSON body of your request ({exc}). "
             "The body must be a JSON object."
-        ) from None
-    except RecursionError:
-        # The C decoder recurses once per level and stops at the interpreter's limit.
-        raise errors.InvalidRequest(
-            "We could not parse the JSON body of your request (its arrays and objects are "
-            "nested too deeply). The body must be a JSON object."
         ) from None
     if not isinstance(document, dict):
         raise errors.InvalidRequest(

@@ -111,7 +111,7 @@ def test_a_batch_with_bad_json_is_rejected_and_recorded() -> None:
         ("5", "object#2: expected a JSON object, got a number"),
         ("null", "object#2: expected a JSON object, got null"),
         ('"Model"', "object#2: expected a JSON object, got a string"),
-        ("[" * 100_000, "object#2: not valid JSON: nested too deeply"),
+        ("[" * 100_000, "object#2: not valid JSON: its arrays and objects are nested too deeply"),
         # Found by tests/integration/fuzz/test_manifests.py: a ValueError, not a decode error.
         ('{"a": 1' + "0" * 5000 + "}", "object#2: not valid JSON: Exceeds the limit"),
         ('{"apiVersion": "\\ud800"}', "object#2: apiVersion: holds an unpaired surrogate"),

@@ -226,6 +226,17 @@ def test_bad_constraints_are_invalid_requests(constraint: dict[str, Any], messag
     assert caught.value.metadata[errors.FIELD_KEY] == "constraint"
 
 
+def test_a_schema_with_an_integer_past_the_digit_limit_is_an_invalid_request() -> None:
+    """Found by tests/integration/fuzz: a plain ValueError from the decoder (it was an
+    INTERNAL error)."""
+    document = '{"type": "string", "maxLength": 1' + "0" * 5000 + "}"
+    with pytest.raises(errors.InvalidRequest, match="not valid JSON: Exceeds the limit") as info:
+        sampling.resolve(
+            inference_pb2.Sampling(), constraint=inference_pb2.Constraint(json_schema=document)
+        )
+    assert info.value.metadata[errors.FIELD_KEY] == "constraint"
+
+
 @pytest.mark.parametrize(
     "document",
     [
@@ -235,7 +246,7 @@ def test_bad_constraints_are_invalid_requests(constraint: dict[str, Any], messag
     ],
 )
 def test_a_schema_nested_too_deeply_is_an_invalid_request(document: str) -> None:
-    with pytest.raises(errors.InvalidRequest, match="nests") as info:
+    with pytest.raises(errors.InvalidRequest, match="nest") as info:
         sampling.resolve(
             inference_pb2.Sampling(), constraint=inference_pb2.Constraint(json_schema=document)
         )

@@ -71,6 +71,13 @@ def _deep(levels: int) -> dict[str, Any]:
         (chat(("", {})), "tools[0].name", "1 to 64"),
         (chat(("f", {}), ("f", {})), "tools[1].name", "both named 'f'"),
         (chat(("f", "{")), "tools[0].parameters", "not valid JSON"),
+        # An integer past CPython's 4,300-digit limit is a ValueError, not a decode error.
+        (
+            chat(("f", '{"maxLength": 1' + "0" * 5000 + "}")),
+            "tools[0].parameters",
+            "not valid JSON",
+        ),
+        (chat(("f", "[" * 5000 + "]" * 5000)), "tools[0].parameters", "nested too deeply"),
         (chat(("f", "[1]")), "tools[0].parameters", "JSON Schema object"),
         (chat(("f", {"type": "string"})), "tools[0].parameters", "must describe an object"),
         (

@@ -818,6 +818,7 @@ async def test_unknown_model_is_404(daemon: Daemon, client: httpx.AsyncClient) -
             "could not parse the JSON body",
         ),
         (b'{"x": ' + b'{"y": ' * 5000 + b"1" + b"}" * 5001, None, "nested too deeply"),
+        (b'{"model": "tiny", "n": 1' + b"0" * 5000 + b"}", None, "Exceeds the limit"),
         (
             json.dumps(chat_body(temperature="hot")).encode(),
             "temperature",

@@ -11,10 +11,10 @@ of its own, and never truncates a conversation to fit.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 
 from blazar._proto.v1 import inference_pb2
+from blazar.api import jsontext
 from blazar.shim import canonical
 from blazar.shim.openai.convert import envelope, requests
 from blazar.shim.openai.responses import protocol
@@ -263,8 +263,8 @@ def _call(item: protocol.InputItem, where: str) -> inference_pb2.ToolCall:
             f"Missing required parameter: '{where}.arguments'.", param=f"{where}.arguments"
         )
     try:
-        document = json.loads(arguments or "{}")
-    except (ValueError, RecursionError):
+        document = jsontext.loads(arguments or "{}")
+    except jsontext.NotJSON:
         document = None
     if not isinstance(document, dict):
         raise envelope.invalid(
