@@ -455,15 +455,18 @@ def test_next_expiry() -> None:
         (PATIENT, BUSY, Admit(2.5)),
         # 2 s exactly meets it.
         (INTERACTIVE, lane(replica(run("r", left=75))), Admit(2.0)),
-        # Its own prefill (2.5 s) misses the target on an idle slot: retrying won't help.
+        # Its own prefill (2.5 s) misses the target on an idle slot: it starts at once
+        # all the same (refusing sheds no load, and a retry would fare no better).
+        (INTERACTIVE, lane(replica(prefill=200.0)), Admit(2.5)),
+        # ... and on a busy one it is refused, with the longest retry (it never meets it).
         (
             INTERACTIVE,
-            lane(replica(prefill=200.0)),
+            lane(replica(run("r", left=1), prefill=200.0)),
             Refuse(
                 ticket("t", INTERACTIVE),
                 Reason.SLO_UNATTAINABLE,
                 admission.RETRY_AFTER_MAX_S,
-                predicted_ttft_s=2.5,
+                predicted_ttft_s=2.5 + 0.02,
             ),
         ),
         # No replica: no prediction, no early refusal.
@@ -832,7 +835,7 @@ def test_invariants_under_random_traffic(seed: int) -> None:
             engines.start(d.ticket, d.replica)
             counts["resumed" if d.resume else "started"] += 1
 
-    for step in range(300):
+    for step in range(600):
         now += rng.choice([0.0, 0.01, 0.05, 0.2])
         engines.step(rng)
         op = rng.random()

@@ -72,15 +72,19 @@ Decisions from the forecast. `dispatch` starts the tickets that took an idle slo
 tickets past their wait bound and, under `onOverload: reject`, those predicted to miss
 their time-to-first-token target (a ticket waiting at its deadline misses it); `arrive`
 runs the same simulation with the new ticket in its place and refuses it early
-(SLO_UNATTAINABLE) when it would miss. A ticket refused in the simulation takes no slot,
-so tickets behind it see the room it leaves.
+(SLO_UNATTAINABLE) when it would miss. A ticket that takes an idle slot is never refused
+as SLO_UNATTAINABLE, even when its own prefill misses the target: it starts at once,
+refusing it sheds no load, and its run corrects the measured figures (which nothing
+else would, were every request refused). A ticket refused in the simulation takes no
+slot, so tickets behind it see the room it leaves.
 
 Retry-after, from the same forecast (how fast this Lane drains), within
 [RETRY_AFTER_MIN_S, RETRY_AFTER_MAX_S]: for QUEUE_FULL, until the first ticket of the
 policy leaves the queue (starts or times out); for QUEUE_TIMEOUT, until the ticket's turn
 would have come; for SLO_UNATTAINABLE, until a request like it would meet the target
 (predicted first token minus target, as the work ahead drains), the maximum when its
-prefill alone misses the target. RETRY_AFTER_UNKNOWN_S when the forecast knows nothing.
+prefill alone misses the target (on a busy slot). RETRY_AFTER_UNKNOWN_S when the
+forecast knows nothing.
 
 Known simplifications: the step time is the one at the batch the queue keeps the
 replica at, also for its last requests as the queue runs dry; a resume costs no time;

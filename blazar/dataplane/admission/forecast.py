@@ -248,9 +248,18 @@ def _fate(entry: Waiting, sim: _Simulation, now: float) -> tuple[Fate, _Slot | N
         )
     if entry.timed_out(now, starts_now=fate.starts_now):
         return replace(fate, refuse=Reason.QUEUE_TIMEOUT), None
+    # A ticket that takes an idle slot starts now, at its best: refusing it on a
+    # prediction would shed no load, a retry would fare no better, and only runs correct
+    # the figures the forecast reads (inflated by one slow request, they would otherwise
+    # refuse every request of the policy on an idle Lane, for ever). One already past
+    # its deadline has missed it, idle slot or not.
     if rejects_late(entry) and (
         now >= ticket.deadline
-        or (fate.start_s is not None and now + fate.start_s + fate.prefill_s > ticket.deadline)
+        or (
+            not fate.idle
+            and fate.start_s is not None
+            and now + fate.start_s + fate.prefill_s > ticket.deadline
+        )
     ):
         return replace(fate, refuse=Reason.SLO_UNATTAINABLE), None
     return fate, slot
