@@ -59,7 +59,7 @@ import structlog
 from blazar._proto.v1 import inference_pb2
 from blazar.api import errors
 from blazar.dataplane import admission, metrics, routing, throughput
-from blazar.dataplane.measurements import LaneMeasurements
+from blazar.dataplane.measurements import LaneMeasurements, in_flight_token_seconds
 from blazar.dataplane.parking import Parked, Parker
 
 log = structlog.get_logger(__name__)
@@ -81,6 +81,9 @@ class Run:
     # predicted then: its first token measures the start overhead.
     started_at: float = 0.0
     expected_prefill_s: float = 0.0
+    # On the dispatcher's clock, when its first token came (None: not yet); with
+    # `generated`, what it measures of its policy's decode before it finishes.
+    first_token_at: float | None = None
     # Seconds it waited for its Lane to wake (idle.sleepAfter), within its queue wait.
     load_s: float = 0.0
 
@@ -231,6 +234,7 @@ class LaneDispatcher:
     def first_token(self, run: Run, ttft_s: float) -> None:
         """The run's first token came `ttft_s` after its arrival."""
         ticket = run.ticket
+        run.first_token_at = ticket.arrived + ttft_s
         if run.started_at:
             overhead = ticket.arrived + ttft_s - run.started_at - run.expected_prefill_s
             self.measurements.record_first_token(run.replica.index, overhead_s=overhead)
@@ -641,8 +645,17 @@ class LaneDispatcher:
         route = self._route
         if route is None:
             return admission.LaneView()
-        # Read once per view: each running request's figure comes from it.
-        token_s = self.measurements.token_seconds
+        # Read once per view: each running request's figure comes from it. A policy
+        # none of whose requests has finished yet reads what its runs in flight measure
+        # (else a Lane whose first requests are long generations would see their slots
+        # free at once, and urgent work would wait for them instead of preempting).
+        now = self._clock()
+        in_flight = (
+            (run.ticket.policy.name, now - run.first_token_at, run.generated - 1)
+            for run in self._running.values()
+            if run.first_token_at is not None and run.ticket.id not in self._parking
+        )
+        token_s = {**in_flight_token_seconds(in_flight), **self.measurements.token_seconds}
         replicas = []
         for replica in self._serving():
             identity = _identity(replica)

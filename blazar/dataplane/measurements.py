@@ -15,7 +15,7 @@ as much as a 1,500-token one in the prefill rate.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from blazar._proto.v1 import inference_pb2
@@ -279,3 +279,16 @@ class LaneMeasurements:
             parked_bytes=parked_bytes,
             parked_bytes_max=parked_bytes_max,
         )
+
+
+def in_flight_token_seconds(runs: Iterable[tuple[str, float, int]]) -> dict[str, float]:
+    """By policy, seconds per token of its runs in flight: (policy, seconds since the
+    first token, tokens decoded since) each, read as the ratio of the sums. A run that
+    has decoded nothing since its first token tells nothing."""
+    seconds: dict[str, float] = {}
+    tokens: dict[str, int] = {}
+    for policy, spent, decoded in runs:
+        if decoded > 0 and spent > 0:
+            seconds[policy] = seconds.get(policy, 0.0) + spent
+            tokens[policy] = tokens.get(policy, 0) + decoded
+    return {policy: seconds[policy] / tokens[policy] for policy in seconds}

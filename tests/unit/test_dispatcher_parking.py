@@ -151,3 +151,31 @@ def test_a_park_the_engine_refuses_leaves_the_ticket_waiting_and_the_victim_runn
     # The engine is not asked again until the victim has generated more: the ticket
     # waits for the slot, the victim runs on.
     assert (queued, running, asked) == ("{'patient': 1}", 1, 1)
+
+
+def test_a_lane_that_has_finished_nothing_preempts_by_what_its_runs_in_flight_measure() -> None:
+    """No request has finished, so no rate is measured: the batch run's pace so far (20
+    tokens in 0.2 s, 980 of its 1,000 to go) shows its slot busy for seconds, and the
+    urgent request parks it instead of waiting for a slot it would see free at once."""
+
+    async def run() -> list[str]:
+        parker = SlowParker(0.05)
+        dispatcher = LaneDispatcher(route(), parker=parker)
+        try:
+            batch = await dispatcher.admit(ticket("batch", BATCH), request_id="b", prompt_chars=40)
+            dispatcher.first_token(batch, time.monotonic() - batch.ticket.arrived)
+            await asyncio.sleep(0.2)
+            batch.generated = 21
+            urgent = asyncio.create_task(
+                dispatcher.admit(ticket("urgent", URGENT), request_id="u", prompt_chars=40)
+            )
+            done, _ = await asyncio.wait({urgent}, timeout=1.0)
+            if not done:
+                urgent.cancel()
+                return ["still waiting after 1 s", *parker.parked]
+            assert urgent.result().replica.index == 0
+            return parker.parked
+        finally:
+            await dispatcher.close()
+
+    assert asyncio.run(run()) == ["b"]

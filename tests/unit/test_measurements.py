@@ -197,3 +197,15 @@ def test_each_policy_has_its_own_seconds_per_token() -> None:
         "batch": pytest.approx(0.0257, abs=1e-3),
         "chat": pytest.approx(0.03),
     }
+
+
+def test_runs_in_flight_measure_their_policy_before_any_finishes() -> None:
+    from blazar.dataplane.measurements import in_flight_token_seconds
+
+    runs = [("batch", 2.0, 40), ("batch", 1.0, 60), ("chat", 0.5, 10), ("chat", 0.3, 0)]
+    # Ratio of sums (3 s over 100 tokens), and a run with nothing decoded tells nothing.
+    assert in_flight_token_seconds(runs) == {
+        "batch": pytest.approx(0.03),
+        "chat": pytest.approx(0.05),
+    }
+    assert in_flight_token_seconds([("idle", 0.4, 0)]) == {}
