@@ -1,0 +1,38 @@
+"""The HTTP listener `blazar serve` binds: what its accepted connections inherit."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+from blazar.cli import daemon
+
+
+def test_connections_the_shim_accepts_have_nagle_off() -> None:
+    """asyncio sets TCP_NODELAY only on sockets whose proto says TCP. The listener was
+    made with proto 0, so Nagle's algorithm stayed on: a response's body waited for the
+    client's delayed ACK of its head, 44-48 ms per request on a kept-alive connection
+    (measured: 3 ms after)."""
+
+    async def accepted_nodelay() -> int:
+        sock = daemon._listen("127.0.0.1:0", what="HTTP")
+        port = sock.getsockname()[1]
+        seen: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+
+        def on_connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            peer = writer.get_extra_info("socket")
+            seen.set_result(peer.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            writer.close()
+
+        server = await asyncio.start_server(on_connection, sock=sock)
+        try:
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            try:
+                return await asyncio.wait_for(seen, 5)
+            finally:
+                writer.close()
+        finally:
+            server.close()
+            await server.wait_closed()
+
+    assert asyncio.run(accepted_nodelay()) != 0
