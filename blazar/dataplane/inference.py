@@ -113,7 +113,11 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         self._prefixes: dict[str, prefixes.PrefixIndex] = {}
         self._dispatchers = dispatcher.Dispatchers(parker=parker or parking.EngineParker(pool))
         self.table = routing.RouteTable()
+        # SLOPolicies by name, as the store holds them: read by every request, so kept
+        # here and replaced when one changes, not read from the store each time.
+        self._slo_policies: dict[str, SLOPolicySpec] = {}
         self.refresh()
+        self._refresh_policies()
         self._unsubscribe = store.subscribe(self._on_store_event)
 
     def refresh(self) -> None:
@@ -132,9 +136,18 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         self._prefixes = indexes
         self._dispatchers.update(self.table)
 
+    def _refresh_policies(self) -> None:
+        self._slo_policies = {
+            p.metadata.name: p.spec
+            for p in self._store.list(Kind.SLO_POLICY)
+            if isinstance(p, SLOPolicy)
+        }
+
     def _on_store_event(self, event: WatchEvent) -> None:
         if event.object.kind == Kind.LANE.value:
             self.refresh()
+        elif event.object.kind == Kind.SLO_POLICY.value and not event.status_only:
+            self._refresh_policies()
 
     async def close(self) -> None:
         """Stop following the store, and end every Lane's admission task; requests still
@@ -562,8 +575,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             await status.abort(context, err)
 
     def _policy_spec(self, name: str) -> SLOPolicySpec | None:
-        found = self._store.get(Kind.SLO_POLICY, name)
-        return found.spec if isinstance(found, SLOPolicy) else None
+        return self._slo_policies.get(name)
 
 
 def _open_access() -> access.Access:

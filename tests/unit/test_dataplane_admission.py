@@ -322,6 +322,26 @@ def test_an_unknown_policy_is_invalid_and_named() -> None:
     assert "'nosuch'" in refused.message and refused.metadata["policy"] == "nosuch"
 
 
+def test_a_policy_applied_or_deleted_while_serving_is_seen_by_the_next_request() -> None:
+    """The data plane keeps SLOPolicies in memory (read by every request): an apply
+    and a delete reach it through the store's watch."""
+
+    async def run() -> tuple[errors.BlazarError | None, errors.BlazarError | None]:
+        async with plane() as p:
+            p.store.apply_all([policy("late", max_queue_depth=0)])
+            held = await p.started("hold")
+            # The new policy's bound (no one may wait) refuses at once.
+            full = await outcome(p.start("x", slo="late"))
+            p.engine.gate("hold").set()
+            assert await outcome(held) is None
+            p.store.delete(Kind.SLO_POLICY, "late")
+            return full, await outcome(p.start("y", slo="late"))
+
+    full, gone = asyncio.run(run())
+    assert isinstance(full, errors.QueueFull)
+    assert isinstance(gone, errors.InvalidRequest) and "'late'" in gone.message
+
+
 @pytest.mark.parametrize("reason", ["QUEUE_FULL"])
 def test_refusals_are_resource_exhausted_on_the_wire(reason: str) -> None:
     async def run() -> grpc.aio.AioRpcError:
