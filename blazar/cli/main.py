@@ -29,6 +29,7 @@ from blazar import logs
 from blazar._proto.v1 import control_pb2
 from blazar.api import errors, kinds, manifests, tenants
 from blazar.cli import client, diffs, home, observe, printers
+from blazar.export import kubernetes
 from blazar.rpc import status
 
 
@@ -188,6 +189,14 @@ def cmd_delete(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export_kubernetes(args: argparse.Namespace) -> int:
+    from blazar.cli import export  # reads GGUF headers; only export needs it
+
+    return export.kubernetes_command(
+        _read_docs(args.filename), fleet=args.fleet, image=args.image, output=args.output
+    )
+
+
 def _flag(text: str) -> bool:
     """A boolean flag's value as kubectl spells it (`--prune=false`)."""
     if text.lower() in ("true", "1", "yes"):
@@ -307,6 +316,26 @@ def build_parser() -> argparse.ArgumentParser:
     delete.add_argument("name", nargs="?")
     delete.add_argument("-f", "--filename", action="append", help=FILENAME_HELP)
     delete.set_defaults(func=cmd_delete)
+
+    export = sub.add_parser("export", help="write the fleet's manifests for another platform")
+    targets = export.add_subparsers(dest="target", required=True)
+    k8s = targets.add_parser(
+        "kubernetes",
+        help="Deployments and Services running llama-server, InferencePools and "
+        "InferenceObjectives, and a ConfigMap of the fleet, as YAML",
+    )
+    k8s.add_argument("-f", "--filename", required=True, action="append", help=FILENAME_HELP)
+    k8s.add_argument("-o", "--output", metavar="FILE", help="write the YAML to FILE, not stdout")
+    k8s.add_argument(
+        "--image", default=kubernetes.IMAGE, help=f"llama-server's image ({kubernetes.IMAGE})"
+    )
+    k8s.add_argument(
+        "--fleet",
+        default=kubernetes.DEFAULT_FLEET,
+        help="prefix of the fleet-wide objects' names, value of their part-of label "
+        f"({kubernetes.DEFAULT_FLEET})",
+    )
+    k8s.set_defaults(func=cmd_export_kubernetes)
 
     observe.add_commands(sub)
     return parser
