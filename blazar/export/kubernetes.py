@@ -17,12 +17,17 @@ What each resource becomes:
   `ghcr.io/ggml-org/llama.cpp:server` unless overridden) with the Lane's settings as
   its flags: `--parallel` = slots, `--ctx-size` = slots x contextPerSlot (llama-server
   splits the context between its slots, as Blazar's engine does), `--cache-type-k/-v`,
-  `--threads` (and as many CPUs requested), `--n-gpu-layers`, `--flash-attn`, the
+  `--threads` (and as many CPUs requested), `--n-gpu-layers`, `--flash-attn`,
+  `--alias` (the Lane's name and aliases), the
   Model's chat template by name or as Jinja source, and the SpecPair's drafting:
-  `--model-draft` with `--draft-max` for a draft Model, `--spec-type ngram-simple` with
-  `--spec-ngram-size-n` (ngramSize) and `--spec-ngram-size-m`/`--draft-max`
-  (maxDraftTokens) for prompt lookup. Blazar sets no minimum draft, which is
-  llama-server's `--draft-min` default (0). Probes read llama-server's `/health`
+  `--spec-draft-model` with `--spec-draft-n-max` for a draft Model, `--spec-type
+  ngram-simple` with `--spec-ngram-simple-size-n` (ngramSize) and
+  `--spec-ngram-simple-size-m`/`--spec-draft-n-max` (maxDraftTokens) for prompt
+  lookup. These are the names of llama.cpp's 2026 builds, which the `:server` tag
+  runs (older builds spelled them `--model-draft`, `--draft-max`,
+  `--spec-ngram-size-n/-m`); a pinned older `--image` may need them. Blazar sets no
+  minimum draft, which is llama-server's default (`--spec-draft-n-min` 0). Probes read
+  llama-server's `/health`
   (503 while the model loads); updates surge one pod and take none away first, as
   Blazar's rolling update starts the new replica before it drains the old one. The
   memory request is Blazar's own fit estimate of one replica (`controller.fit`) when
@@ -351,7 +356,7 @@ def server_args(lane: Lane, model: Model, pair: SpecPair | None) -> list[str]:
     spec = lane.spec
     args = [
         "--model", _model_file(model.metadata.name),
-        "--alias", lane.metadata.name,
+        "--alias", ",".join(_names(lane)),
         "--host", "0.0.0.0",
         "--port", str(PORT),
         "--parallel", str(spec.slots),
@@ -372,16 +377,22 @@ def server_args(lane: Lane, model: Model, pair: SpecPair | None) -> list[str]:
         if isinstance(draft, NgramDraft):
             args += [
                 "--spec-type", "ngram-simple",
-                "--spec-ngram-size-n", str(draft.ngram_size),
-                "--spec-ngram-size-m", str(draft.max_draft_tokens),
-                "--draft-max", str(draft.max_draft_tokens),
+                "--spec-ngram-simple-size-n", str(draft.ngram_size),
+                "--spec-ngram-simple-size-m", str(draft.max_draft_tokens),
+                "--spec-draft-n-max", str(draft.max_draft_tokens),
             ]  # fmt: skip
         else:
             args += [
-                "--model-draft", _model_file(draft.model),
-                "--draft-max", str(draft.max_draft_tokens),
+                "--spec-draft-model", _model_file(draft.model),
+                "--spec-draft-n-max", str(draft.max_draft_tokens),
             ]  # fmt: skip
     return args
+
+
+def _names(lane: Lane) -> list[str]:
+    """The names llama-server lists the model under (its `--alias` takes a comma-separated
+    list): the Lane's and those of its aliases that hold no comma."""
+    return [lane.metadata.name, *(a for a in lane.spec.aliases if "," not in a)]
 
 
 def memory_estimate(
@@ -538,8 +549,14 @@ def _lane_gaps(lane: Lane) -> list[str]:
         )
     if spec.aliases:
         gaps.append(
-            f"{where}: spec.aliases: llama-server answers as {lane.metadata.name}; route "
-            f"{', '.join(spec.aliases)} to its pool at the gateway"
+            f"{where}: spec.aliases: llama-server lists them, but the gateway picks a pool by "
+            "route, not by a body's model name: route "
+            f"{', '.join(spec.aliases)} to the {lane.metadata.name} pool"
+        )
+    if any("," in alias for alias in spec.aliases):
+        gaps.append(
+            f"{where}: spec.aliases: llama-server's --alias is comma-separated, so an alias "
+            "holding a comma is left out of it"
         )
     if spec.idle is not None and spec.idle.sleep_after is not None:
         gaps.append(

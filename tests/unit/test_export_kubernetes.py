@@ -291,6 +291,7 @@ def _args(*docs: dict[str, Any]) -> list[str]:
             {"--cache-type-k": "q8_0", "--cache-type-v": "q4_0"},
         ),
         ((_model(chatTemplate="chatml"), _lane()), {"--chat-template": "chatml", "--alias": "l"}),
+        ((_model(), _lane(aliases=["a", "b:1", "c,d"])), {"--alias": "l,a,b:1"}),
         (
             (
                 _model(),
@@ -306,10 +307,10 @@ def _args(*docs: dict[str, Any]) -> list[str]:
             ),
             {
                 "--spec-type": "ngram-simple",
-                "--spec-ngram-size-n": "5",
-                "--spec-ngram-size-m": "12",
-                "--draft-max": "12",
-                "--model-draft": None,
+                "--spec-ngram-simple-size-n": "5",
+                "--spec-ngram-simple-size-m": "12",
+                "--spec-draft-n-max": "12",
+                "--spec-draft-model": None,
             },
         ),
         (
@@ -326,7 +327,11 @@ def _args(*docs: dict[str, Any]) -> list[str]:
                     },
                 },
             ),
-            {"--model-draft": "/models/d.gguf", "--draft-max": "4", "--spec-type": None},
+            {
+                "--spec-draft-model": "/models/d.gguf",
+                "--spec-draft-n-max": "4",
+                "--spec-type": None,
+            },
         ),
         (
             (_model(), _lane()),
@@ -334,7 +339,7 @@ def _args(*docs: dict[str, Any]) -> list[str]:
                 "--threads": None,
                 "--chat-template": None,
                 "--spec-type": None,
-                "--model-draft": None,
+                "--spec-draft-model": None,
             },
         ),
     ],
@@ -430,6 +435,7 @@ def test_an_unread_model_leaves_the_memory_request_out_and_says_why() -> None:
         ((_lane(kvCache={"persist": True}),), {"Lane/l: spec.kvCache.persist"}),
         ((_lane(kvCache={"maxParkedMiB": 0}),), {"Lane/l: spec.kvCache.maxParkedMiB"}),
         ((_lane(aliases=["a"]),), {"Lane/l: spec.aliases"}),
+        ((_lane(aliases=["a,b"]),), {"Lane/l: spec.aliases"}),
         ((_lane(gpuLayers=1),), {"Lane/l: spec.gpuLayers"}),
         ((_policy("p"), _lane(sloPolicy="p")), {"Lane/l: spec.sloPolicy"}),
         (
