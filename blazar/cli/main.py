@@ -318,7 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
     delete.set_defaults(func=cmd_delete)
 
     export = sub.add_parser("export", help="write the fleet's manifests for another platform")
-    targets = export.add_subparsers(dest="target", required=True)
+    targets = export.add_subparsers(dest="export_target", required=True)
     k8s = targets.add_parser(
         "kubernetes",
         help="Deployments and Services running llama-server, InferencePools and "

@@ -682,3 +682,16 @@ def test_the_vendored_crds_give_the_two_schemas_checked() -> None:
         ("inference.networking.k8s.io/v1", "InferencePool"),
         ("llm-d.ai/v1alpha2", "InferenceObjective"),
     }
+
+
+def test_an_upstream_lane_is_refused_as_apply_refuses_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "lane.yaml").write_text(
+        "apiVersion: blazar.dev/v1alpha1\nkind: Lane\nmetadata: {name: remote}\n"
+        "spec: {model: m, engine: upstream, upstream: {url: 'http://x:8000/v1'}}\n"
+    )
+    assert main.main(["export", "kubernetes", "-f", str(tmp_path / "lane.yaml")]) == 1
+    captured = capsys.readouterr()
+    assert "Lane/remote: spec.engine: engine upstream is not supported yet" in captured.err
+    assert captured.out == ""
