@@ -327,7 +327,11 @@ class LaneDispatcher:
                 else:
                     # Just past the expiry: admission refuses a ticket past its bound.
                     timeout = max(0.0, expiry - self._clock()) + 0.001
-                    event = await asyncio.wait_for(self._events.get(), timeout)
+                    # asyncio.timeout, not wait_for: on Python 3.11 wait_for loses a
+                    # cancel that comes as the queue hands over an event, and `close`
+                    # then waited for a task that went on serving.
+                    async with asyncio.timeout(timeout):
+                        event = await self._events.get()
             except TimeoutError:
                 pass
             try:
