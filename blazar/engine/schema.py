@@ -231,6 +231,10 @@ def invalid_schema(document: dict[str, Any]) -> tuple[str, str] | None:
         validator.check_schema(document)
     except exceptions.SchemaError as exc:
         return "".join(f"[{p!r}]" for p in exc.path) or " at its top", exc.message
+    except OverflowError as exc:
+        # The `regex` format check compiles each pattern and catches only re.error;
+        # Python's parser raises OverflowError for a repeat such as a{99999999999}.
+        return " in a pattern", f"the pattern cannot be compiled ({exc})"
     return None
 
 

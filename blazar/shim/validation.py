@@ -8,7 +8,7 @@ render a 400 that tells the user what to fix.
 from __future__ import annotations
 
 import re
-from typing import Any, NoReturn, TypeAlias, TypeVar
+from typing import Any, TypeAlias, TypeVar
 
 import pydantic
 
@@ -31,7 +31,7 @@ def parse_body(model: type[M], raw: bytes) -> M:
     """Validate `raw` against `model`; unknown fields are the model's business, but every
     string in the body, known or not, must be valid Unicode."""
     try:
-        document = jsontext.loads(raw, parse_constant=_not_json)
+        document = jsontext.loads(raw)
     except jsontext.NotJSON as exc:
         raise errors.InvalidRequest(
             f"We could not parse the JSON body of your request ({exc}). "
@@ -46,12 +46,6 @@ def parse_body(model: type[M], raw: bytes) -> M:
         return model.model_validate(document, strict=True)
     except pydantic.ValidationError as exc:
         raise invalid_field(exc, document) from None
-
-
-def _not_json(constant: str) -> NoReturn:
-    """Python's parser reads NaN and (-)Infinity, which JSON does not have: a NaN
-    temperature would otherwise reach the range check and be called "more than 2"."""
-    raise ValueError(f"{constant} is not a JSON value")
 
 
 def invalid_field(exc: pydantic.ValidationError, document: Any) -> errors.InvalidRequest:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any
 
 import pytest
@@ -224,6 +225,23 @@ def test_bad_constraints_are_invalid_requests(constraint: dict[str, Any], messag
         )
     # Each dialect blames its own parameter for it (OpenAI: response_format).
     assert caught.value.metadata[errors.FIELD_KEY] == "constraint"
+
+
+@pytest.mark.parametrize(
+    ("document", "fragment"),
+    [
+        # jsonschema's regex check catches re.error only; this is an OverflowError.
+        ('{"type": "string", "pattern": "a{99999999999}"}', "the pattern cannot be compiled"),
+        # Would be written into the grammar as Infinity, which is not JSON.
+        ('{"enum": [1e400]}', "out of a double's range"),
+    ],
+)
+def test_schemas_python_cannot_hold_are_invalid_requests(document: str, fragment: str) -> None:
+    with pytest.raises(errors.InvalidRequest, match=re.escape(fragment)) as info:
+        sampling.resolve(
+            inference_pb2.Sampling(), constraint=inference_pb2.Constraint(json_schema=document)
+        )
+    assert info.value.metadata[errors.FIELD_KEY] == "constraint"
 
 
 def test_a_schema_with_an_integer_past_the_digit_limit_is_an_invalid_request() -> None:

@@ -12,6 +12,10 @@ from blazar.api import jsontext
         ("[" * 100_000, "nested too deeply"),
         ('{"a": 1' + "0" * 5000 + "}", "Exceeds the limit (4300 digits)"),
         (b"{\xff}", "can't decode byte 0xff"),
+        # What Python reads and JSON has not.
+        ('{"t": NaN}', "NaN is not a JSON value"),
+        ("[-Infinity]", "-Infinity is not a JSON value"),
+        ('{"enum": [1e400]}', "the number 1e400 is out of a double's range"),
     ],
 )
 def test_every_way_json_text_fails_is_one_refusal(text: str | bytes, fragment: str) -> None:
