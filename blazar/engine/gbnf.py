@@ -14,6 +14,10 @@ is refused here, by name, well below what was seen to crash:
   the 50,000 seen to parse;
 - `MAX_BYTES` of grammar text, what llama.cpp allocates for it. A JSON schema's enum of
   20,000 values makes about 170 KB of grammar (one rule, a trie), which must pass;
+- a repetition `{m,n}` whose maximum is below its minimum: llama.cpp's parser loops for
+  ever on it (measured: `"a"{1,0}` and `"a"{3,2}` still parsing after 60 s, the thread
+  at full CPU; `{0,0}` and `{0,50000}` parse at once, a minimum past its own bound is
+  refused by the parser);
 - `MAX_ALTERNATIVES` in one rule or group. This one is about time, not a crash:
   llama.cpp keeps a stack per live alternative and checks each against the whole
   vocabulary when it constrains a step, on the decode thread every slot of the engine
@@ -28,6 +32,7 @@ Pure: a scan of the text, no llama.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 
 from blazar.api import errors
@@ -57,6 +62,12 @@ def check_bounds(grammar: str, *, what: str = "The grammar") -> None:
             f"{what} nests {depth:,} groups inside each other; at most {MAX_NESTING:,} are "
             "accepted."
         )
+    for low, high in repetitions(grammar):
+        if high is not None and high < low:
+            raise errors.InvalidRequest(
+                f"{what} repeats something {{{low},{high}}} times: the most ({high}) is below "
+                f"the least ({low})."
+            )
     wide = widest(grammar)
     if wide > MAX_ALTERNATIVES:
         raise errors.InvalidRequest(
@@ -98,6 +109,25 @@ def widest(grammar: str) -> int:
         elif c == ":" and grammar.startswith("::=", i) and len(counts) == 1:
             counts[0] = 1  # a new rule begins
     return widest_seen
+
+
+_REPETITION = re.compile(r"\{\s*(\d+)\s*(,\s*(\d*)\s*)?\}")
+
+
+def repetitions(grammar: str) -> Iterator[tuple[int, int | None]]:
+    """Each `{m}`, `{m,}` and `{m,n}` outside string literals, character classes and
+    comments, as (m, n): n is m for `{m}`, None for `{m,}`."""
+    for i, c in _structure(grammar):
+        if c != "{":
+            continue
+        found = _REPETITION.match(grammar, i)
+        if found is None:
+            continue  # not a repetition the parser reads; it refuses it
+        low = int(found.group(1))
+        if found.group(2) is None:
+            yield low, low
+        else:
+            yield low, int(found.group(3)) if found.group(3) else None
 
 
 def _structure(grammar: str) -> Iterator[tuple[int, str]]:

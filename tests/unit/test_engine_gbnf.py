@@ -84,3 +84,24 @@ def test_the_request_field_is_named_when_resolving() -> None:
             inference_pb2.Sampling(), constraint=inference_pb2.Constraint(grammar=deep)
         )
     assert caught.value.metadata[errors.FIELD_KEY] == sampling.CONSTRAINT_FIELD
+
+
+@pytest.mark.parametrize(
+    ("grammar", "found"),
+    [
+        ('root ::= "a"{1,0} x{3} y{2,} z{4,5}', [(1, 0), (3, 3), (2, None), (4, 5)]),
+        # Braces in literals, classes and comments are characters.
+        ('root ::= "{9,1}" [{1,0}] # {5,2}\n', []),
+    ],
+)
+def test_repetitions_are_read_outside_literals(
+    grammar: str, found: list[tuple[int, int | None]]
+) -> None:
+    assert list(gbnf.repetitions(grammar)) == found
+
+
+def test_a_repetition_whose_most_is_below_its_least_is_refused() -> None:
+    """llama.cpp's parser loops for ever on `{1,0}`: the engine's thread would spin."""
+    with pytest.raises(errors.InvalidRequest, match=r"\{3,2\} times: the most \(2\)"):
+        gbnf.check_bounds('root ::= "a"{3,2}')
+    gbnf.check_bounds('root ::= "a"{0,0} "b"{2,}')
