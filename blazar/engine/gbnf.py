@@ -18,6 +18,8 @@ is refused here, by name, well below what was seen to crash:
   ever on it (measured: `"a"{1,0}` and `"a"{3,2}` still parsing after 60 s, the thread
   at full CPU; `{0,0}` and `{0,50000}` parse at once, a minimum past its own bound is
   refused by the parser);
+- a part that can match nothing, repeated more than `gbnf_empty.MAX_EMPTIABLE_REPEAT`
+  times (time, as below; see `gbnf_empty`);
 - `MAX_ALTERNATIVES` in one rule or group. This one is about time, not a crash:
   llama.cpp keeps a stack per live alternative and checks each against the whole
   vocabulary when it constrains a step, on the decode thread every slot of the engine
@@ -36,6 +38,7 @@ import re
 from collections.abc import Iterator
 
 from blazar.api import errors
+from blazar.engine import gbnf_empty
 
 MAX_NESTING = 1000
 MAX_RULES = 10_000
@@ -67,6 +70,14 @@ def check_bounds(grammar: str, *, what: str = "The grammar") -> None:
             raise errors.InvalidRequest(
                 f"{what} repeats something {{{low},{high}}} times: the most ({high}) is below "
                 f"the least ({low})."
+            )
+    for rule, count in gbnf_empty.emptiable_repeats(grammar):
+        if count > gbnf_empty.MAX_EMPTIABLE_REPEAT:
+            raise errors.InvalidRequest(
+                f"{what} repeats a part of rule '{rule}' that can match nothing {count:,} "
+                f"times; at most {gbnf_empty.MAX_EMPTIABLE_REPEAT} are accepted (llama.cpp "
+                "follows every way of skipping it, at every step). Make the repeated part "
+                "match at least one character, or repeat it fewer times."
             )
     wide = widest(grammar)
     if wide > MAX_ALTERNATIVES:

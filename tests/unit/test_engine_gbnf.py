@@ -8,7 +8,7 @@ import pytest
 
 from blazar._proto.v1 import inference_pb2
 from blazar.api import errors
-from blazar.engine import gbnf, sampling
+from blazar.engine import gbnf, gbnf_empty, sampling
 
 
 @pytest.mark.parametrize(
@@ -105,3 +105,32 @@ def test_a_repetition_whose_most_is_below_its_least_is_refused() -> None:
     with pytest.raises(errors.InvalidRequest, match=r"\{3,2\} times: the most \(2\)"):
         gbnf.check_bounds('root ::= "a"{3,2}')
     gbnf.check_bounds('root ::= "a"{0,0} "b"{2,}')
+
+
+@pytest.mark.parametrize(
+    ("grammar", "found"),
+    [
+        ('root ::= ("a"?){0,200}', [("root", 200)]),
+        ('root ::= ("a"?){100,}', [("root", 100)]),
+        ('root ::= x{0,100}\nx ::= "a"?', [("root", 100)]),
+        ('root ::= x*\nx ::= y | ""\ny ::= "b"', [("root", 0)]),
+        ('root ::= ("a" | ""){0,5} # ("b"?){0,99}\n', [("root", 5)]),
+        # Its part always matches something: any count is cheap.
+        ('root ::= ("a" "b"?){0,200}', []),
+        ('root ::= "[" x ("," x){0,9} "]"\nx ::= [0-9]+', []),
+    ],
+)
+def test_emptiable_repeats_are_found_through_groups_and_rules(
+    grammar: str, found: list[tuple[str, int]]
+) -> None:
+    assert list(gbnf_empty.emptiable_repeats(grammar)) == found
+
+
+def test_a_part_that_can_match_nothing_repeated_past_the_bound_is_refused() -> None:
+    """("a"?){0,200} took 129 s for 4 tokens, every other stream of the engine waiting."""
+    gbnf.check_bounds('root ::= ("a"?){0,32}')
+    with pytest.raises(errors.InvalidRequest, match="can match nothing 33 times"):
+        gbnf.check_bounds('root ::= ("a"?){0,33}')
+    # A chain of 10,000 rules, the last empty, is one pass of the worklist.
+    chain = "root ::= r0\n" + "".join(f"r{i} ::= r{i + 1}\n" for i in range(9990))
+    gbnf.check_bounds(chain + 'r9990 ::= ""\n')
