@@ -60,6 +60,20 @@ def _check_duration(text: str) -> str:
 Duration = Annotated[str, AfterValidator(_check_duration)]
 
 
+# --- sizes -----------------------------------------------------------------------
+
+_SIZE = re.compile(r"^(\d+)(Ki|Mi|Gi|Ti)?$")
+_UNIT_BYTES = {None: 1, "Ki": 1024, "Mi": 1024**2, "Gi": 1024**3, "Ti": 1024**4}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from a Kubernetes-style quantity: "1073741824", "512Mi", "8Gi"."""
+    found = _SIZE.match(text.strip())
+    if found is None:
+        raise ValueError(f'"{text}" is not a size: use bytes or Ki, Mi, Gi, Ti, e.g. "8Gi"')
+    return int(found.group(1)) * _UNIT_BYTES[found.group(2)]
+
+
 # --- common status ---------------------------------------------------------------
 
 
@@ -246,6 +260,9 @@ class LaneSpec(CamelModel):
     speculation: str | None = None
     slo_policy: str | None = None
     idle: Idle | None = None
+    # Keep the Lane resident: the memory budget never puts it to sleep to make room for
+    # another, nor does a request's keep_alive. Not with idle.sleepAfter (refused).
+    preload: bool = False
     # validate_default so the check below also runs when `upstream` is absent.
     upstream: Upstream | None = Field(default=None, validate_default=True)
 
@@ -270,6 +287,18 @@ class LaneSpec(CamelModel):
             raise invalid(
                 f"kvCache.typeV {kv_cache.type_v} is quantized, which llama.cpp allows only "
                 "with flash attention: set flashAttention to auto or on, or typeV to f16"
+            )
+        return value
+
+    @field_validator("preload")
+    @classmethod
+    def _preload_never_sleeps(cls, value: bool, info: ValidationInfo) -> bool:
+        idle = info.data.get("idle")
+        if value and isinstance(idle, Idle) and idle.sleep_after is not None:
+            raise invalid(
+                "preload: true keeps the Lane resident, and idle.sleepAfter would put it "
+                "to sleep: set one or the other (remove idle.sleepAfter to keep it loaded, "
+                "or preload to let it sleep when idle)"
             )
         return value
 
@@ -323,6 +352,8 @@ class LaneMemory(CamelModel):
     # when the Lane's `Schedulable` verdict was reached: not refreshed while it holds.
     free_bytes: int = 0
     available_bytes: int = 0
+    # The daemon's memory budget (`serve --memory-budget`), when it has one.
+    budget_bytes: int | None = None
     # The replica waiting for memory, when one is.
     waiting_replica: int | None = None
 

@@ -37,7 +37,7 @@ from blazar.api import errors, tenants
 from blazar.api.kinds import Kind
 from blazar.cli import home as home_
 from blazar.cli import homelock
-from blazar.controller import hostmemory, modelcache, sources
+from blazar.controller import hostmemory, modelcache, residency, sources
 from blazar.controller.lane import LaneReconciler
 from blazar.controller.manager import Manager
 from blazar.controller.model import ModelReconciler
@@ -97,6 +97,10 @@ class Options:
     # PEM certificate chain and private key: HTTPS and gRPC over TLS. Both or neither.
     tls_cert: Path | None = None
     tls_key: Path | None = None
+    # Bytes every engine together may hold (None: what the host has), and how long a
+    # Lane stays loaded before the budget may put it to sleep for another (`residency`).
+    memory_budget: int | None = None
+    min_residency_s: float = residency.DEFAULT_MIN_RESIDENCY_S
 
 
 def _now() -> datetime:
@@ -333,8 +337,8 @@ async def _serve(
             manager.enqueue(Kind.LANE, lane)
 
     supervisor = Supervisor(home=home, on_change=lane_changed, log_json=options.log_json)
-    # Requests per Lane, for idle.sleepAfter: the data plane counts, the controller
-    # sleeps and wakes Lanes by it.
+    # Requests per Lane, for idle.sleepAfter, keep_alive and residency: the data plane
+    # counts, the controller sleeps and wakes Lanes by it.
     activity = Activity()
     activity.on_change(lane_changed)
     manager = Manager(
@@ -353,6 +357,9 @@ async def _serve(
                 clock=_now,
                 memory=hostmemory.ProcMemory(),
                 activity=activity,
+                budget=options.memory_budget,
+                min_residency_s=options.min_residency_s,
+                notify=lane_changed,
             ),
             PolicyReconciler(kind=Kind.SLO_POLICY, store=store, clock=_now),
             PolicyReconciler(kind=Kind.SPEC_PAIR, store=store, clock=_now),

@@ -70,9 +70,30 @@ def cmd_serve(args: argparse.Namespace) -> int:
         allow_origins=tuple(args.allow_origin or ()),
         tls_cert=Path(args.tls_cert) if args.tls_cert else None,
         tls_key=Path(args.tls_key) if args.tls_key else None,
+        memory_budget=_size_flag("--memory-budget", args.memory_budget),
+        min_residency_s=_duration_flag("--min-residency", args.min_residency),
     )
     asyncio.run(daemon.run(options))
     return 0
+
+
+def _size_flag(flag: str, value: str | None) -> int | None:
+    if value is None:
+        return None
+    try:
+        size = kinds.parse_size(value)
+    except ValueError as exc:
+        raise errors.InvalidRequest(f"{flag}: {exc}") from None
+    if size <= 0:
+        raise errors.InvalidRequest(f"{flag}: the budget must be more than 0 bytes")
+    return size
+
+
+def _duration_flag(flag: str, value: str) -> float:
+    try:
+        return kinds.parse_duration(value).total_seconds()
+    except ValueError as exc:
+        raise errors.InvalidRequest(f"{flag}: {exc}") from None
 
 
 def cmd_auth_key(args: argparse.Namespace) -> int:
@@ -273,6 +294,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="PEM certificate chain: HTTPS and gRPC over TLS on the TCP addresses (with --tls-key)",
     )
     serve.add_argument("--tls-key", metavar="FILE", help="PEM private key of --tls-cert")
+    serve.add_argument(
+        "--memory-budget",
+        metavar="SIZE",
+        help="memory all engines together may hold (bytes, or Ki/Mi/Gi/Ti: 8Gi); a request "
+        "for a Lane that does not fit puts idle Lanes to sleep (default: what the host has)",
+    )
+    serve.add_argument(
+        "--min-residency",
+        metavar="DURATION",
+        default="30s",
+        help="how long a Lane stays loaded before the budget may put it to sleep for "
+        "another (default 30s)",
+    )
     serve.set_defaults(func=cmd_serve)
 
     auth = sub.add_parser("auth", help="API keys for the auth file")

@@ -295,12 +295,15 @@ def _memory_lines(obj: ObjectJson) -> list[str]:
             ("runtime", "runtimeBytes"),
         )
     )
-    return [
+    lines = [
         "Memory:",
         f"  Per replica:  {_size(m.get('estimateBytes'))} ({parts})",
         f"  Free:         {_size(m.get('freeBytes'))} "
         f"(host available {_size(m.get('availableBytes'))}, less what replicas hold beyond it)",
     ]
+    if m.get("budgetBytes") is not None:
+        lines.append(f"  Budget:       {_size(m.get('budgetBytes'))} (serve --memory-budget)")
+    return lines
 
 
 def _admission_lines(obj: ObjectJson) -> list[str]:

@@ -249,13 +249,20 @@ class Held:
         read back at every step) and what a starting replica has not allocated yet. So a
         replica holds the larger of its estimate and its resident memory, less the
         anonymous part that MemAvailable has taken off already."""
-        held = max(self.estimate, self.resident or 0)
-        return max(0, held - (self.anonymous or 0))
+        return max(0, self.charged - (self.anonymous or 0))
+
+    @property
+    def charged(self) -> int:
+        """Bytes this replica counts against a memory budget: the larger of its estimate
+        and its resident memory (a replica that outgrew its estimate is charged what it
+        holds)."""
+        return max(self.estimate, self.resident or 0)
 
 
 @dataclass(frozen=True)
 class Fit:
-    """Whether one more replica needing `need` bytes fits; `free` is what is left."""
+    """Whether one more replica needing `need` bytes fits; `free` is what is left: the
+    host's free memory, or what the budget has left when that is less."""
 
     fits: bool
     need: int
@@ -264,11 +271,26 @@ class Fit:
     outstanding: int
     # The host's total memory (MemTotal), when known.
     total: int | None = None
+    # The memory budget (`serve --memory-budget`; None: none), and what replicas are
+    # charged against it (0 without one).
+    budget: int | None = None
+    charged: int = 0
+
+    @property
+    def over_budget(self) -> bool:
+        """Whether it needs more than the whole memory budget."""
+        return self.budget is not None and self.need > self.budget
+
+    @property
+    def budget_bound(self) -> bool:
+        """Whether the budget, not the host, is what leaves too little."""
+        return self.budget is not None and self.budget - self.charged == self.free
 
     @property
     def never(self) -> bool:
-        """Whether no freeing of memory could make it fit: it needs more than the host has."""
-        return self.total is not None and self.need > self.total
+        """Whether no freeing of memory could make it fit: it needs more than the host
+        has, or than the whole budget."""
+        return self.over_budget or (self.total is not None and self.need > self.total)
 
 
 def free_bytes(available: int, held: Iterable[Held]) -> tuple[int, int]:
@@ -277,8 +299,21 @@ def free_bytes(available: int, held: Iterable[Held]) -> tuple[int, int]:
     return available - outstanding, outstanding
 
 
-def decide(need: int, *, available: int, held: Sequence[Held], total: int | None = None) -> Fit:
+def decide(
+    need: int,
+    *,
+    available: int,
+    held: Sequence[Held],
+    total: int | None = None,
+    budget: int | None = None,
+) -> Fit:
+    """Whether `need` more bytes fit in what the host has free, and within `budget`
+    (None: no budget) less what the replicas in `held` are charged."""
     free, outstanding = free_bytes(available, held)
+    charged = 0
+    if budget is not None:
+        charged = sum(h.charged for h in held)
+        free = min(free, budget - charged)
     return Fit(
         fits=need <= free,
         need=need,
@@ -286,6 +321,8 @@ def decide(need: int, *, available: int, held: Sequence[Held], total: int | None
         available=available,
         outstanding=outstanding,
         total=total,
+        budget=budget,
+        charged=charged,
     )
 
 
@@ -299,7 +336,26 @@ def human(n: int) -> str:
     raise AssertionError("unreachable")
 
 
+def shortfall_reason(fit: Fit) -> str:
+    """The `Schedulable=False` reason of a replica that does not fit."""
+    return "ExceedsMemoryBudget" if fit.over_budget else "InsufficientMemory"
+
+
 def shortfall_message(fit: Fit, *, index: int) -> str:
+    if fit.over_budget and fit.budget is not None:
+        return (
+            f"Replica {index} needs {human(fit.need)} ({fit.need} bytes), more than the "
+            f"whole memory budget of {human(fit.budget)} ({fit.budget} bytes; serve "
+            "--memory-budget), so it can never fit as it is: lower slots, contextPerSlot "
+            "or the cache types, or raise the budget."
+        )
+    if fit.budget_bound and fit.budget is not None:
+        return (
+            f"Replica {index} needs {human(fit.need)} ({fit.need} bytes) but {human(fit.free)} "
+            f"({fit.free} bytes) of the memory budget of {human(fit.budget)} ({fit.budget} "
+            f"bytes) is free: running replicas hold {human(fit.charged)}. A request for this "
+            "Lane puts idle Lanes to sleep to make room; it starts by itself once it fits."
+        )
     said = (
         f"Replica {index} needs {human(fit.need)} ({fit.need} bytes) but {human(fit.free)} "
         f"({fit.free} bytes) is free: {human(fit.available)} available on the host, less "

@@ -3,6 +3,11 @@
 Reads the Lane, its Model and what the supervisor observes, asks `lane_plan` what to
 do, does it through `Processes`, records an event per action and per replica
 transition, and writes status. A deleted Lane has all its replicas stopped.
+
+A Lane sleeps (zero replicas, `Available=False` reason `Sleeping`) after
+idle.sleepAfter, when a request's keep_alive says so, or when the memory budget put it
+to sleep to make room for a Lane a request waits for (`residency`); the next request
+wakes it. `preload: true` keeps it awake through all of these.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import structlog
 from blazar.api import conditions
 from blazar.api.kinds import Kind, Lane, LaneStatus, Model, ModelDraft, NgramDraft, SpecPair
 from blazar.api.replicas import LaunchSpec, ReplicaObservation, ReplicaState, SpeculationLaunch
-from blazar.controller import fit, lane_plan, ledger
+from blazar.controller import fit, lane_plan, ledger, residency
 from blazar.controller.hostmemory import HostMemory
 from blazar.controller.processes import Processes
 from blazar.controller.reconciler import Result
@@ -140,20 +145,32 @@ class LaneReconciler:
         default_threads: int | None = None,
         activity: Activity | None = None,
         memory: HostMemory | None = None,
+        budget: int | None = None,
+        min_residency_s: float = residency.DEFAULT_MIN_RESIDENCY_S,
+        notify: Callable[[str], None] | None = None,
     ) -> None:
-        """`activity`: what the data plane's callers are doing, for idle.sleepAfter
-        (None: no Lane ever sleeps). `memory` is what the fit ledger reads; None starts
-        replicas unchecked."""
+        """`activity`: what the data plane's callers are doing, for idle.sleepAfter,
+        keep_alive and residency (None: no Lane ever sleeps). `memory` is what the fit
+        ledger reads; None starts replicas unchecked. `budget`: bytes all replicas
+        together may hold (None: what the host has). `notify(lane)` asks for another
+        pass of a Lane (the budget put it to sleep, or memory freed for it)."""
         self._store = store
         self._processes = processes
         self._clock = clock
         self._default_threads = default_threads or os.cpu_count() or 1
         self._activity = activity
-        self._ledger = None if memory is None else ledger.Ledger(processes=processes, memory=memory)
+        self._ledger = (
+            None
+            if memory is None
+            else ledger.Ledger(processes=processes, memory=memory, budget=budget)
+        )
+        self._residency = residency.Residency(min_residency_s=min_residency_s)
+        self._notify = notify
 
     async def reconcile(self, name: str) -> Result:
         lane = self._store.get(Kind.LANE, name)
         if lane is None:
+            self._residency.forget(name)
             await self._stop_all(name)
             # After the stops: each replica saves its caches as it stops gracefully.
             await self._discard_kv(name)
@@ -178,23 +195,24 @@ class LaneReconciler:
             desired=desired, launch=launch, observed=observed, now=self._clock()
         )
         placement = None
+        room: float | None = None
         if launch is not None:
-            plan, placement = self._place(name, lane, plan, launch, model, draft)
+            plan, placement, shortfall = self._place(name, lane, plan, launch, model, draft)
+            room = self._make_room(name, shortfall)
         status = lane.status
         revision = launch.revision if launch is not None else None
-        if sleep.asleep != status.sleeping and (sleep.asleep or not observed):
-            self._event(
-                name,
-                "Normal",
-                "Sleeping" if sleep.asleep else "Waking",
-                lane_plan.SLEEPING if sleep.asleep else "A request waits: starting replicas.",
-            )
+        available = conditions.get_condition(status.conditions, "Available")
+        was_asleep = available is not None and available.reason == "Sleeping"
+        if sleep.asleep and not was_asleep:
+            self._event(name, "Normal", "Sleeping", sleep.message)
+        elif not sleep.asleep and was_asleep:
+            self._event(name, "Normal", "Waking", "A request waits: starting replicas.")
         if plan.actions:
             # What is serving now goes out before acting: a stop drains for up to its
             # grace period, and the data plane routes by this status, so a surge
             # replica that just became ready must be routable before the old one goes.
             status = self._write_status(
-                name, lane, readiness, status, observed, revision, placement, sleeping=sleep.asleep
+                name, lane, readiness, status, observed, revision, placement, sleep=sleep
             )
         gap = speculation_gap(lane, pair, draft)
         for action in plan.actions:
@@ -208,22 +226,109 @@ class LaneReconciler:
                     f"Replica {action.index} runs without speculation: {gap}.",
                 )
         observed = self._processes.observe(name)
+        if not any(o.pid is not None for o in observed):
+            self._residency.gone(name)
         self._write_status(
-            name, lane, readiness, status, observed, revision, placement, sleeping=sleep.asleep
+            name, lane, readiness, status, observed, revision, placement, sleep=sleep
         )
-        later = [t for t in (plan.requeue_after, sleep.recheck_after) if t is not None]
+        self._memory_freed(name, plan)
+        later = [t for t in (plan.requeue_after, sleep.recheck_after, room) if t is not None]
         return Result(requeue_after=min(later, default=None))
 
     def _sleep(self, lane: Lane) -> lane_plan.Sleep:
-        idle, name = lane.spec.idle, lane.metadata.name
-        if self._activity is None or idle is None:
+        name = lane.metadata.name
+        if self._activity is None or lane.spec.preload:
             return lane_plan.Sleep()
+        in_flight, wanted = self._activity.in_flight(name), self._activity.wanted(name)
+        if wanted:
+            self._residency.woken(name)
+        evicted_for = self._residency.evicted_for(name)
+        if evicted_for is not None and in_flight:
+            # Used again before it could sleep: no longer the one to go. The Lane it
+            # was to make room for looks again once this request ends.
+            self._residency.woken(name)
+        elif evicted_for is not None:
+            return lane_plan.Sleep(
+                asleep=True,
+                message=(
+                    "The memory budget put the Lane to sleep to make room for Lane "
+                    f'"{evicted_for}": no replica runs; the next request wakes it.'
+                ),
+            )
+        keep = self._activity.keep(name)
+        idle = lane.spec.idle
         return lane_plan.sleep_decision(
-            sleep_after_s=idle.sleep_after_s,
+            sleep_after_s=idle.sleep_after_s if idle is not None else None,
             idle_s=self._activity.idle_s(name),
-            in_flight=self._activity.in_flight(name),
-            wanted=self._activity.wanted(name),
+            in_flight=in_flight,
+            wanted=wanted,
+            keep_s=keep.remaining_s,
+            keep_forever=keep.forever,
+            release=keep.release,
         )
+
+    def _make_room(self, name: str, shortfall: fit.Fit | None) -> float | None:
+        """When a request waits for this Lane and it does not fit, put the least recently
+        used idle Lanes to sleep until it does (`residency.choose`); the seconds until
+        the decision should be made again, when no Lane can go yet."""
+        activity, ledger_ = self._activity, self._ledger
+        waiting = (
+            shortfall is not None
+            and not shortfall.never
+            and activity is not None
+            and activity.wanted(name)
+        )
+        self._residency.wait(name, waiting)
+        if not waiting or activity is None or ledger_ is None or shortfall is None:
+            return None
+        candidates = []
+        for other in sorted(self._processes.lanes() - {name}):
+            stored = self._store.get(Kind.LANE, other)
+            if not isinstance(stored, Lane) or self._residency.evicted_for(other) is not None:
+                continue  # deleted (stopping anyway), or already on its way to sleep
+            candidates.append(
+                residency.Candidate(
+                    lane=other,
+                    held_bytes=ledger_.charged(other),
+                    resident_since=self._residency.resident_since(other),
+                    idle_s=activity.idle_s(other),
+                    in_flight=activity.in_flight(other),
+                    wanted=activity.wanted(other),
+                    preload=stored.spec.preload,
+                )
+            )
+        eviction = residency.choose(
+            shortfall=shortfall.need - shortfall.free,
+            candidates=candidates,
+            now=self._clock(),
+            min_residency_s=self._residency.min_residency_s,
+        )
+        for victim in eviction.victims:
+            self._residency.evict(victim, for_lane=name)
+            freed = fit.human(ledger_.charged(victim))
+            log.info("lane.evict", lane=victim, for_lane=name)
+            self._event(
+                victim,
+                "Normal",
+                "Evicted",
+                f'Put to sleep to make room for Lane "{name}", which a request waits for: it '
+                f'frees {freed}; Lane "{name}" needs {fit.human(shortfall.need)} and '
+                f"{fit.human(max(0, shortfall.free))} is free.",
+            )
+            if self._notify is not None:
+                self._notify(victim)
+        return eviction.recheck_after
+
+    def _memory_freed(self, name: str, plan: lane_plan.LanePlan) -> None:
+        """Ask the Lanes waiting for memory to look again when this pass stopped a
+        replica, or found this Lane idle (a request's end may have made it a victim)."""
+        if self._notify is None or name in self._residency.waiting():
+            return
+        stopped = any(isinstance(a, lane_plan.Stop) for a in plan.actions)
+        idle = self._activity is not None and self._activity.in_flight(name) == 0
+        if stopped or idle:
+            for waiting in self._residency.waiting():
+                self._notify(waiting)
 
     def _place(
         self,
@@ -233,19 +338,21 @@ class LaneReconciler:
         launch: LaunchSpec,
         model: Model | None,
         draft: Model | None,
-    ) -> tuple[lane_plan.LanePlan, lane_plan.Placement | None]:
-        """The plan with only the starts the host's memory holds (the fit ledger), and
-        the Lane's `Schedulable` word; an event when that word changes."""
+    ) -> tuple[lane_plan.LanePlan, lane_plan.Placement | None, fit.Fit | None]:
+        """The plan with only the starts the host's memory holds (the fit ledger), the
+        Lane's `Schedulable` word, and the fit that failed; an event when the word
+        changes."""
         if self._ledger is None:
-            return plan, None
+            return plan, None, None
         shape = model_shape(model)
         if shape is None:
-            return plan, lane_plan.Placement(
+            placement = lane_plan.Placement(
                 True,
                 "NotEstimated",
                 "The model's GGUF header lacks the figures of a memory estimate; "
                 "replicas start unchecked.",
             )
+            return plan, placement, None
         draft_shape = None
         if launch.speculation is not None and launch.speculation.draft_model_path:
             draft_shape = model_shape(draft)
@@ -253,11 +360,12 @@ class LaneReconciler:
         placed = self._ledger.place(name, plan, estimate)
         before = conditions.get_condition(lane.status.conditions, "Schedulable")
         was = (before.status.value, before.reason) if before is not None else None
-        if not placed.placement.fits and was != ("False", "InsufficientMemory"):
-            self._event(name, "Warning", "InsufficientMemory", placed.placement.message)
-        elif placed.placement.fits and was == ("False", "InsufficientMemory"):
+        now = (placed.placement.fits, placed.placement.reason)
+        if not placed.placement.fits and was != ("False", placed.placement.reason):
+            self._event(name, "Warning", placed.placement.reason, placed.placement.message)
+        elif now == (True, "MemoryFits") and was is not None and was[0] == "False":
             self._event(name, "Normal", "MemoryFits", placed.placement.message)
-        return placed.plan, placed.placement
+        return placed.plan, placed.placement, placed.shortfall
 
     def _write_status(
         self,
@@ -269,18 +377,19 @@ class LaneReconciler:
         revision: str | None,
         placement: lane_plan.Placement | None,
         *,
-        sleeping: bool = False,
+        sleep: lane_plan.Sleep,
     ) -> LaneStatus:
         status = lane_plan.lane_status(
             previous=previous,
             generation=lane.metadata.generation or 0,
-            desired=0 if sleeping else lane.spec.replicas,
+            desired=0 if sleep.asleep else lane.spec.replicas,
             model=readiness,
             observed=observed,
             now=self._clock(),
             revision=revision,
-            sleeping=sleeping,
+            sleeping=sleep.asleep,
             placement=placement,
+            sleep_message=sleep.message,
         )
         self._record_transitions(name, previous, observed)
         self._store.update_status(Kind.LANE, name, status)
@@ -308,6 +417,7 @@ class LaneReconciler:
             else:
                 self._event(name, "Normal", "ReplicaStarting", f"Starting replica {action.index}.")
             log.info("replica.start", lane=name, index=action.index, restart=action.restart)
+            self._residency.resident(name, self._clock())
             warnings = await self._processes.start(name, action.index, action.launch)
             if self._ledger is not None:
                 self._ledger.started(name, action.index)

@@ -16,6 +16,9 @@ from blazar.api.meta import Condition, ConditionStatus
 from blazar.api.replicas import LaunchSpec, ReplicaObservation, ReplicaState
 
 SLEEPING = "No request for idle.sleepAfter: no replica runs; the next request wakes it."
+RELEASED = (
+    "A request's keep_alive ended the Lane's residency: no replica runs; the next request wakes it."
+)
 
 BACKOFF_BASE_S = 1.0
 BACKOFF_MAX_S = 60.0
@@ -59,22 +62,42 @@ class Sleep:
     asleep: bool = False
     # Seconds until it would fall asleep if nothing comes (None: nothing to wait for).
     recheck_after: float | None = None
+    # Why it sleeps, for its Available condition.
+    message: str = SLEEPING
 
 
 def sleep_decision(
-    *, sleep_after_s: float | None, idle_s: float, in_flight: int, wanted: bool
+    *,
+    sleep_after_s: float | None,
+    idle_s: float,
+    in_flight: int,
+    wanted: bool,
+    keep_s: float = 0.0,
+    keep_forever: bool = False,
+    release: bool = False,
 ) -> Sleep:
     """A Lane sleeps once no request has been in flight for `sleep_after_s` seconds
     (`idle_s`: since the last one ended); a request in flight or waiting for it (the
-    data plane `wanted` it) keeps it awake or wakes it."""
-    if sleep_after_s is None:
-        return Sleep()
+    data plane `wanted` it) keeps it awake or wakes it.
+
+    Requests' keep_alive (Ollama's, `Activity.keep`) bends that: `keep_forever` (a
+    negative one, the last said) keeps it awake; `release` (a zero one) puts it to
+    sleep as soon as it is idle, with or without idle.sleepAfter; `keep_s` (what is left
+    of the longest positive one) keeps it awake at least that long, never shorter than
+    idle.sleepAfter would, and does not make a Lane without idle.sleepAfter sleep."""
     if in_flight > 0 or wanted:
         # Busy: the end of its last request wakes the controller (and so this count).
         return Sleep(asleep=False)
-    if idle_s >= sleep_after_s:
+    if keep_forever:
+        return Sleep()
+    if release:
+        return Sleep(asleep=True, message=RELEASED)
+    if sleep_after_s is None:
+        return Sleep()
+    wait = max(sleep_after_s - idle_s, keep_s)
+    if wait <= 0:
         return Sleep(asleep=True)
-    return Sleep(asleep=False, recheck_after=sleep_after_s - idle_s)
+    return Sleep(asleep=False, recheck_after=wait)
 
 
 def plan_replicas(
@@ -247,9 +270,13 @@ def lane_status(
     revision: str | None = None,
     sleeping: bool = False,
     placement: Placement | None = None,
+    sleep_message: str = SLEEPING,
 ) -> LaneStatus:
     """The Lane's status after this pass, conditions carried over from `previous`.
-    `sleeping`: idle.sleepAfter has the Lane at zero replicas (`desired` is 0).
+    `sleeping`: idle.sleepAfter, a keep_alive or the memory budget has the Lane at zero
+    replicas (`desired` is 0), for the reason `sleep_message` says. `status.sleeping`
+    stays true while a Lane that slept wakes, until a replica serves: requests for it
+    wait (and wake it) rather than being refused.
 
     `revision` is the spec's (None while the model is not ready): a replica of another
     revision, or the surge beyond `desired`, means a rolling update is under way.
@@ -287,7 +314,7 @@ def lane_status(
     # A surge replica (index `desired`, during a rolling update) serves too.
     serving = sum(1 for o in observed if o.state == ReplicaState.READY)
     if sleeping and serving == 0:
-        put("Available", False, "Sleeping", SLEEPING)
+        put("Available", False, "Sleeping", sleep_message)
     else:
         put(
             "Available",
@@ -325,7 +352,7 @@ def lane_status(
             f"Replacing replicas: {serving} serving, {len(observed)} running, {desired} desired."
         )
     elif all_ready and sleeping:
-        reason, message = "Sleeping", SLEEPING
+        reason, message = "Sleeping", sleep_message
     elif all_ready:
         reason = "ScaledToZero" if desired == 0 else "AllReplicasReady"
         message = f"{ready} of {desired} replicas are ready."
@@ -338,6 +365,6 @@ def lane_status(
         replicas=len(current),
         ready_replicas=serving,
         replica_statuses=replica_statuses(observed),
-        sleeping=sleeping and serving == 0,
+        sleeping=(sleeping or previous.sleeping) and serving == 0,
         memory=placement.memory if placement is not None else previous.memory,
     )

@@ -7,6 +7,12 @@ replica a plan would start, and drops the starts that do not fit. A start is cou
 the moment it is allowed (pending until the supervisor has the process), so two Lanes
 reconciled at once never both claim the same free memory, even while one of them
 drains a replica before it starts the next.
+
+With a memory budget (`serve --memory-budget`) a replica fits only within the budget
+less what running replicas are charged (each the larger of its estimate and its
+resident memory) as well as in the host's free memory. A replica that needs more than
+the whole budget is `ExceedsMemoryBudget`, looked at again as rarely as one that needs
+more than the host has.
 """
 
 from __future__ import annotations
@@ -38,9 +44,13 @@ class Placed:
 
 
 class Ledger:
-    def __init__(self, *, processes: Processes, memory: HostMemory) -> None:
+    def __init__(
+        self, *, processes: Processes, memory: HostMemory, budget: int | None = None
+    ) -> None:
+        """`budget`: bytes every replica together may hold (None: what the host has)."""
         self._processes = processes
         self._memory = memory
+        self._budget = budget
         self._estimates: dict[tuple[str, int], int] = {}
         # Allowed to start, not yet observed as a process.
         self._pending: set[tuple[str, int]] = set()
@@ -75,7 +85,9 @@ class Ledger:
             if isinstance(action, lane_plan.Start):
                 if shortfall is not None:
                     continue
-                decision = fit.decide(need, available=available, held=held, total=total)
+                decision = fit.decide(
+                    need, available=available, held=held, total=total, budget=self._budget
+                )
                 if not decision.fits:
                     shortfall = decision
                     continue
@@ -83,7 +95,7 @@ class Ledger:
                 self._estimates[(lane, action.index)] = need
                 self._pending.add((lane, action.index))
             actions.append(action)
-        free, _ = fit.free_bytes(available, held)
+        free = fit.decide(0, available=available, held=held, budget=self._budget).free
         waiting = None
         if shortfall is not None:
             waiting = min(starts - {a.index for a in actions if isinstance(a, lane_plan.Start)})
@@ -97,11 +109,15 @@ class Ledger:
             runtime_bytes=estimate.runtime,
             free_bytes=shortfall.free if shortfall is not None else free,
             available_bytes=available,
+            budget_bytes=self._budget,
         )
         if shortfall is not None:
             assert waiting is not None
             placement = lane_plan.Placement(
-                False, "InsufficientMemory", fit.shortfall_message(shortfall, index=waiting), memory
+                False,
+                fit.shortfall_reason(shortfall),
+                fit.shortfall_message(shortfall, index=waiting),
+                memory,
             )
             retry = NEVER_RETRY_S if shortfall.never else RETRY_S
             waits = [w for w in (plan.requeue_after, retry) if w is not None]
@@ -120,10 +136,19 @@ class Ledger:
         self._estimates.pop((lane, index), None)
         self._pending.discard((lane, index))
 
+    def charged(self, lane: str) -> int:
+        """Bytes the Lane's running replicas are charged (what putting it to sleep frees)."""
+        return sum(h.charged for key, h in self._holding(replacing=set()) if key[0] == lane)
+
     def _held(self, *, replacing: set[tuple[str, int]]) -> list[fit.Held]:
+        return [held for _, held in self._holding(replacing=replacing)]
+
+    def _holding(
+        self, *, replacing: set[tuple[str, int]]
+    ) -> list[tuple[tuple[str, int], fit.Held]]:
         """Every replica of every Lane that has a process or is about to, except those
         about to be replaced (a failed replica restarted holds nothing until then)."""
-        held: list[fit.Held] = []
+        held: list[tuple[tuple[str, int], fit.Held]] = []
         running: set[tuple[str, int]] = set()
         for lane in sorted(self._processes.lanes()):
             for obs in self._processes.observe(lane):
@@ -133,14 +158,14 @@ class Ledger:
                 running.add(key)
                 resident = self._memory.resident(obs.pid)
                 if resident is None:  # unreadable: held at its estimate
-                    held.append(fit.Held(self._estimates.get(key, 0)))
+                    held.append((key, fit.Held(self._estimates.get(key, 0))))
                     continue
                 estimate = self._estimates.get(key, resident.total)
-                held.append(fit.Held(estimate, resident.total, resident.anonymous))
+                held.append((key, fit.Held(estimate, resident.total, resident.anonymous)))
         # Allowed to start by another Lane's pass that has not spawned it yet (or is
         # replacing a failed process with it): held at its estimate.
-        for key in self._pending - running - replacing:
-            held.append(fit.Held(self._estimates.get(key, 0)))
+        for key in sorted(self._pending - running - replacing):
+            held.append((key, fit.Held(self._estimates.get(key, 0))))
         for key in set(self._estimates) - running - self._pending:
             del self._estimates[key]
         return held

@@ -43,7 +43,9 @@ class Route:
     slo_policy: str | None = None
     # Host memory each replica may hold parked generations in (kvCache.maxParkedMiB).
     max_parked_bytes: int = 0
-    # idle.sleepAfter is set: without a serving replica, a request waits and wakes it.
+    # Without a serving replica, a request waits and wakes it: idle.sleepAfter is set,
+    # the Lane sleeps (or is waking: a keep_alive or the memory budget put it to
+    # sleep), or it waits for memory that idle Lanes hold.
     wakes: bool = False
     # It sleeps now (its status says so).
     sleeping: bool = False
@@ -81,7 +83,7 @@ def build_table(lanes: Sequence[Lane]) -> RouteTable:
                 desired=lane.spec.replicas,
                 slo_policy=lane.spec.slo_policy,
                 max_parked_bytes=lane.spec.kv_cache.max_parked_mib << 20,
-                wakes=lane.spec.idle is not None and lane.spec.idle.sleep_after is not None,
+                wakes=_wakes(lane),
                 sleeping=lane.status.sleeping,
                 model_problem=_model_problem(lane),
             )
@@ -91,6 +93,15 @@ def build_table(lanes: Sequence[Lane]) -> RouteTable:
         for alias in route.aliases:
             by_name.setdefault(alias, route)
     return RouteTable(routes=tuple(routes), by_name=by_name)
+
+
+def _wakes(lane: Lane) -> bool:
+    if lane.spec.idle is not None and lane.spec.idle.sleep_after is not None:
+        return True
+    if lane.status.sleeping:
+        return True
+    cond = conditions.get_condition(lane.status.conditions, "Schedulable")
+    return cond is not None and cond.status == "False" and cond.reason == "InsufficientMemory"
 
 
 def _model_problem(lane: Lane) -> str:

@@ -4,12 +4,31 @@ The data plane writes (`begin`/`end` around every request, `want` when a request
 waits for a Lane without a serving replica); the controller reads (`idle_since`,
 `in_flight`) and is woken by `want`, so that a Lane put to sleep by `idle.sleepAfter`
 starts again for the request that waits. One ledger per daemon, in its event loop.
+
+A request may say how long its Lane stays awake after it (Ollama's `keep_alive`, the
+canonical requests' `keep_alive_s`), told at its `end`: zero releases the Lane (it
+sleeps as soon as no request is in flight), a positive number of seconds keeps it
+awake at least that long after that request (the longest such keep holds), a negative
+one keeps it awake until a later request says otherwise. `keep` tells the controller.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Keep:
+    """What requests' keep_alive asks of a Lane now (see the module docstring)."""
+
+    # Seconds left of the longest positive keep_alive (0: none left).
+    remaining_s: float = 0.0
+    # A negative keep_alive was the last said: stay awake.
+    forever: bool = False
+    # A zero keep_alive was the last said: sleep once idle.
+    release: bool = False
 
 
 class Activity:
@@ -19,19 +38,27 @@ class Activity:
         self._in_flight: dict[str, int] = {}
         self._last: dict[str, float] = {}
         self._wanted: set[str] = set()
+        self._keep_until: dict[str, float] = {}
+        self._forever: set[str] = set()
+        self._released: set[str] = set()
         self._on_change: list[Callable[[str], None]] = []
 
     def begin(self, lane: str) -> None:
         """A request for `lane` arrived."""
         self._in_flight[lane] = self._in_flight.get(lane, 0) + 1
         self._last[lane] = self._clock()
+        # A release was for the requests before; this one has its own say at its end.
+        self._released.discard(lane)
 
-    def end(self, lane: str) -> None:
-        """A request for `lane` ended, however."""
+    def end(self, lane: str, *, keep_alive_s: float | None = None) -> None:
+        """A request for `lane` ended, however; `keep_alive_s` is what it asked of the
+        Lane's idleness (None: nothing)."""
         left = self._in_flight.get(lane, 0) - 1
         if left > 0:
             self._in_flight[lane] = left
-        self._last[lane] = self._clock()
+        now = self._last[lane] = self._clock()
+        if keep_alive_s is not None:
+            self._keep(lane, keep_alive_s, now)
         if left <= 0:
             self._in_flight.pop(lane, None)
             self._wanted.discard(lane)
@@ -41,6 +68,31 @@ class Activity:
         """A request waits for `lane`, which has no serving replica: wake it."""
         self._wanted.add(lane)
         self._changed(lane)
+
+    def release(self, lane: str) -> None:
+        """Sleep `lane` as soon as no request is in flight (Ollama's unload: keep_alive 0
+        with nothing to generate)."""
+        self._keep(lane, 0.0, self._clock())
+        self._changed(lane)
+
+    def _keep(self, lane: str, keep_alive_s: float, now: float) -> None:
+        self._forever.discard(lane)
+        self._released.discard(lane)
+        if keep_alive_s < 0:
+            self._forever.add(lane)
+        elif keep_alive_s == 0:
+            self._released.add(lane)
+            self._keep_until.pop(lane, None)
+        else:
+            until = now + keep_alive_s
+            self._keep_until[lane] = max(until, self._keep_until.get(lane, until))
+
+    def keep(self, lane: str) -> Keep:
+        until = self._keep_until.get(lane)
+        remaining = 0.0 if until is None else max(0.0, until - self._clock())
+        return Keep(
+            remaining_s=remaining, forever=lane in self._forever, release=lane in self._released
+        )
 
     def on_change(self, callback: Callable[[str], None]) -> None:
         """Call `callback(lane)` when a Lane is wanted or falls idle."""

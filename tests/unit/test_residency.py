@@ -1,0 +1,366 @@
+"""Residency under a memory budget (issue 20): the pure eviction decision, keep_alive in
+the sleep decision and the activity ledger, and the Lane reconciler putting idle Lanes
+to sleep for a wanted one, against fake processes and a host whose memory the test sets."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from datetime import timedelta
+
+import pytest
+
+from blazar.api import conditions
+from blazar.api.kinds import Kind, Lane, parse_size
+from blazar.api.replicas import ReplicaState
+from blazar.controller import fit, ledger, residency
+from blazar.controller.lane import LaneReconciler
+from blazar.controller.lane_plan import RELEASED, SLEEPING, Sleep, sleep_decision
+from blazar.controller.residency import Candidate, Eviction
+from blazar.dataplane import routing
+from blazar.enginehost.activity import Activity, Keep
+from blazar.store.memory import MemoryStore
+from tests import launches
+from tests.unit import helpers
+from tests.unit.helpers import T0, Clock
+from tests.unit.test_controller import FakeProcesses, apply
+from tests.unit.test_fit import GEMMA
+from tests.unit.test_fit_ledger import MODEL, FakeMemory
+
+GIB = 1024**3
+
+
+def at(seconds: float) -> object:
+    return T0 + timedelta(seconds=seconds)
+
+
+def cand(lane: str, *, held: int = 100, since: float | None = 0.0, idle: float = 0.0,
+         in_flight: int = 0, wanted: bool = False, preload: bool = False) -> Candidate:  # fmt: skip
+    return Candidate(
+        lane=lane,
+        held_bytes=held,
+        resident_since=None if since is None else T0 + timedelta(seconds=since),
+        idle_s=idle,
+        in_flight=in_flight,
+        wanted=wanted,
+        preload=preload,
+    )
+
+
+@pytest.mark.parametrize(
+    ("shortfall", "candidates", "expected"),
+    [
+        # Nothing short: nothing to do.
+        (0, [cand("a")], Eviction()),
+        # The least recently used (longest idle) goes first...
+        (100, [cand("a", idle=5), cand("b", idle=50)], Eviction(victims=("b",))),
+        # ... and as many as the shortfall takes.
+        (150, [cand("a", idle=5), cand("b", idle=50)], Eviction(victims=("b", "a"))),
+        # Never one with a request in flight, one a request waits for, or a preload one.
+        (100, [cand("a", in_flight=1, idle=99), cand("b", idle=1)], Eviction(victims=("b",))),
+        (100, [cand("a", wanted=True, idle=99), cand("b", idle=1)], Eviction(victims=("b",))),
+        (100, [cand("a", preload=True, idle=99), cand("b", idle=1)], Eviction(victims=("b",))),
+        (100, [cand("a", in_flight=1), cand("b", preload=True)], Eviction()),
+        # Resident less than the minimum (30 s at now=40: since 20): not yet; look again
+        # when its residency ends.
+        (100, [cand("a", since=20)], Eviction(recheck_after=10.0)),
+        # What can go now does not cover it: none goes (a sleep that frees too little
+        # only costs a reload); look again when the earliest young one may go.
+        (150, [cand("a", since=0), cand("b", since=25), cand("c", since=15)],
+         Eviction(recheck_after=5.0)),
+        # More than everything eligible frees: nothing, and no time to look again at.
+        (500, [cand("a"), cand("b", in_flight=1, held=900)], Eviction()),
+        # A Lane holding nothing frees nothing.
+        (100, [cand("a", held=0)], Eviction()),
+        # An unknown start counts as resident long enough.
+        (100, [cand("a", since=None)], Eviction(victims=("a",))),
+        # Ties in idleness: by name, so the decision is the same every pass.
+        (100, [cand("b"), cand("a")], Eviction(victims=("a",))),
+    ],
+)  # fmt: skip
+def test_choose(shortfall: int, candidates: list[Candidate], expected: Eviction) -> None:
+    got = residency.choose(
+        shortfall=shortfall, candidates=candidates, now=T0 + timedelta(seconds=40),
+        min_residency_s=30.0,
+    )  # fmt: skip
+    assert got == expected
+
+
+@pytest.mark.parametrize(
+    ("sleep_after", "idle", "keep", "expected"),
+    [
+        # A positive keep extends idle.sleepAfter...
+        (5.0, 10.0, Keep(remaining_s=20.0), Sleep(asleep=False, recheck_after=20.0)),
+        # ... and never shortens it.
+        (60.0, 10.0, Keep(remaining_s=5.0), Sleep(asleep=False, recheck_after=50.0)),
+        # Without idle.sleepAfter a positive keep does not make the Lane sleep.
+        (None, 1e6, Keep(remaining_s=0.0), Sleep()),
+        # Zero: it sleeps as soon as idle, with or without idle.sleepAfter.
+        (None, 0.0, Keep(release=True), Sleep(asleep=True, message=RELEASED)),
+        (600.0, 0.0, Keep(release=True), Sleep(asleep=True, message=RELEASED)),
+        # Negative: kept awake past idle.sleepAfter.
+        (5.0, 1e6, Keep(forever=True), Sleep()),
+        # Nothing said: idle.sleepAfter alone.
+        (5.0, 5.0, Keep(), Sleep(asleep=True, message=SLEEPING)),
+    ],
+)
+def test_keep_alive_in_the_sleep_decision(
+    sleep_after: float | None, idle: float, keep: Keep, expected: Sleep
+) -> None:
+    got = sleep_decision(
+        sleep_after_s=sleep_after, idle_s=idle, in_flight=0, wanted=False,
+        keep_s=keep.remaining_s, keep_forever=keep.forever, release=keep.release,
+    )  # fmt: skip
+    assert got == expected
+    # Busy or wanted always wins.
+    busy = sleep_decision(
+        sleep_after_s=sleep_after, idle_s=idle, in_flight=1, wanted=False,
+        keep_s=keep.remaining_s, keep_forever=keep.forever, release=keep.release,
+    )  # fmt: skip
+    assert busy == Sleep(asleep=False)
+
+
+class Ticks:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_activity_keeps_what_requests_ask() -> None:
+    ticks = Ticks()
+    activity = Activity(clock=ticks)
+    changed: list[str] = []
+    activity.on_change(changed.append)
+    activity.begin("l")
+    activity.end("l", keep_alive_s=60)
+    assert activity.keep("l") == Keep(remaining_s=60.0)
+    # A shorter keep later never shortens the longer one.
+    ticks.now = 10.0
+    activity.begin("l")
+    activity.end("l", keep_alive_s=5)
+    assert activity.keep("l") == Keep(remaining_s=50.0)
+    # No keep_alive said: what was kept holds.
+    activity.begin("l")
+    activity.end("l")
+    assert activity.keep("l") == Keep(remaining_s=50.0)
+    # Negative: forever, until a later request says otherwise.
+    activity.begin("l")
+    activity.end("l", keep_alive_s=-1)
+    assert activity.keep("l").forever
+    # Zero: release; the next request's start takes it back.
+    activity.begin("l")
+    activity.end("l", keep_alive_s=0)
+    assert activity.keep("l") == Keep(release=True)
+    activity.begin("l")
+    assert activity.keep("l") == Keep()
+    activity.end("l")
+    # An unload while idle releases and wakes the controller.
+    changed.clear()
+    activity.release("l")
+    assert activity.keep("l").release and changed == ["l"]
+    assert activity.keep("other") == Keep()
+
+
+def test_sizes() -> None:
+    assert parse_size("512Mi") == 512 * 1024**2
+    assert parse_size("8Gi") == 8 * GIB
+    assert parse_size("1000") == 1000
+    assert parse_size("2Ki") == 2048
+    for bad in ("8GB", "-1", "1.5Gi", "", "Gi"):
+        with pytest.raises(ValueError, match="not a size"):
+            parse_size(bad)
+
+
+def lane_yaml(name: str, *, extra: str = "") -> str:
+    return f"""
+apiVersion: blazar.dev/v1alpha1
+kind: Lane
+metadata: {{name: {name}}}
+spec: {{model: m, replicas: 1, slots: 1, contextPerSlot: 512, threads: 2{extra}}}
+"""
+
+
+def need() -> int:
+    shape = fit.ModelShape.of_parameters(GEMMA, size_bytes=0)
+    assert shape is not None
+    return fit.estimate(launches.spec(slots=1, context_per_slot=512), shape).total
+
+
+@dataclass
+class Budgeted:
+    clock: Clock
+    ticks: Ticks
+    store: MemoryStore
+    procs: FakeProcesses
+    activity: Activity
+    reconciler: LaneReconciler
+    notified: list[str]
+
+    def reconcile(self, name: str) -> float | None:
+        return asyncio.run(self.reconciler.reconcile(name)).requeue_after
+
+    def lane(self, name: str) -> Lane:
+        obj = self.store.get(Kind.LANE, name)
+        assert isinstance(obj, Lane)
+        return obj
+
+    def cond(self, name: str, type_: str) -> tuple[str, str, str]:
+        c = conditions.get_condition(self.lane(name).status.conditions, type_)
+        assert c is not None
+        return c.status.value, c.reason, c.message
+
+    def running(self) -> set[str]:
+        return {lane for lane in self.procs.lanes() if self.procs.observe(lane)}
+
+    def ready(self, name: str) -> None:
+        self.procs.set_state(name, 0, ReplicaState.READY)
+
+    def events(self, name: str, reason: str) -> list[str]:
+        return [e.message for e in self.store.events(kind="Lane", name=name) if e.reason == reason]
+
+    def later(self, seconds: float) -> None:
+        self.clock.tick(seconds)
+        self.ticks.now += seconds
+
+
+def budgeted(budget: int, *lanes: str, min_residency_s: float = 30.0) -> Budgeted:
+    clock, ticks = Clock(), Ticks()
+    store = MemoryStore(clock=clock)
+    procs = FakeProcesses(clock)
+    activity = Activity(clock=ticks)
+    notified: list[str] = []
+    apply(store, MODEL)
+    helpers.mark_model_ready(store, "m", path="/models/m.gguf", now=clock.now, parameters=GEMMA)
+    for text in lanes:
+        apply(store, text)
+    reconciler = LaneReconciler(
+        store=store, processes=procs, clock=clock, activity=activity,
+        memory=FakeMemory(64 * GIB), budget=budget, min_residency_s=min_residency_s,
+        notify=notified.append,
+    )  # fmt: skip
+    return Budgeted(clock, ticks, store, procs, activity, reconciler, notified)
+
+
+def test_a_lane_over_the_whole_budget_says_so_and_looks_again_rarely() -> None:
+    w = budgeted(need() - 1, lane_yaml("a"))
+    assert w.reconcile("a") == ledger.NEVER_RETRY_S
+    assert w.running() == set()
+    status, reason, message = w.cond("a", "Schedulable")
+    assert (status, reason) == ("False", "ExceedsMemoryBudget")
+    assert f"({need()} bytes)" in message and f"({need() - 1} bytes" in message
+    assert "--memory-budget" in message
+    memory = w.lane("a").status.memory
+    assert memory is not None and memory.budget_bytes == need() - 1
+    assert len(w.events("a", "ExceedsMemoryBudget")) == 1
+    # Even a request waiting for it evicts nothing: no eviction can make it fit.
+    w.activity.begin("a")
+    w.activity.want("a")
+    assert w.reconcile("a") == ledger.NEVER_RETRY_S
+    assert len(w.events("a", "ExceedsMemoryBudget")) == 1
+
+
+def test_the_budget_holds_one_lane_and_a_request_swaps_them() -> None:
+    w = budgeted(need() * 3 // 2, lane_yaml("a"), lane_yaml("b"))
+    w.reconcile("a")
+    w.ready("a")
+    # b does not fit beside a: it waits for memory, and its route wakes on a request.
+    assert w.reconcile("b") == ledger.RETRY_S
+    assert w.running() == {"a"}
+    assert w.cond("b", "Schedulable")[:2] == ("False", "InsufficientMemory")
+    assert "of the memory budget" in w.cond("b", "Schedulable")[2]
+    assert routing.build_table([w.lane("b")]).routes[0].wakes
+    # A request waits for b while a is younger than the minimum residency: nothing is
+    # evicted; b looks again when a's residency ends.
+    w.later(10)
+    w.activity.begin("b")
+    w.activity.want("b")
+    assert w.reconcile("b") == ledger.RETRY_S  # memory may free meanwhile
+    w.later(18)
+    assert w.reconcile("b") == pytest.approx(2.0)
+    assert w.running() == {"a"} and w.events("a", "Evicted") == []
+    # A request in flight on a: never stopped, even past its residency.
+    w.later(7)
+    w.activity.begin("a")
+    w.reconcile("b")
+    assert w.running() == {"a"} and w.events("a", "Evicted") == []
+    # Its end wakes a's reconcile, which asks the waiting b to look again.
+    w.activity.end("a")
+    w.notified.clear()
+    w.reconcile("a")
+    assert w.notified == ["b"]
+    # Now a is idle and resident long enough: b evicts it (a is asked to reconcile).
+    w.reconcile("b")
+    assert w.events("a", "Evicted") and '"b"' in w.events("a", "Evicted")[0]
+    assert "a" in w.notified
+    w.reconcile("a")
+    assert w.running() == set()
+    assert w.lane("a").status.sleeping
+    assert w.cond("a", "Available")[:2] == ("False", "Sleeping")
+    assert "memory budget" in w.cond("a", "Available")[2]
+    assert w.events("a", "Sleeping")
+    # a's stop frees the memory: b is asked again, and starts.
+    assert "b" in w.notified
+    w.reconcile("b")
+    assert w.running() == {"b"}
+    w.ready("b")
+    w.activity.end("b")
+    w.reconcile("b")
+    assert w.cond("b", "Schedulable")[:2] == ("True", "MemoryFits")
+    # A Lane put to sleep by the budget routes as a sleeping one: its request wakes it.
+    assert routing.build_table([w.lane("a")]).routes[0].wakes
+    w.later(31)
+    w.activity.begin("a")
+    w.activity.want("a")
+    w.reconcile("a")  # wakes, and evicts b (idle, resident 31 s)
+    assert w.events("a", "Waking")
+    assert w.events("b", "Evicted")
+    w.reconcile("b")
+    w.reconcile("a")
+    assert w.running() == {"a"}
+
+
+def test_preload_lanes_are_never_evicted() -> None:
+    w = budgeted(need() * 3 // 2, lane_yaml("a", extra=", preload: true"), lane_yaml("b"))
+    w.reconcile("a")
+    w.ready("a")
+    w.later(3600)
+    w.activity.begin("b")
+    w.activity.want("b")
+    assert w.reconcile("b") == ledger.RETRY_S
+    assert w.running() == {"a"} and w.events("a", "Evicted") == []
+    # keep_alive 0 on a preload Lane: it stays.
+    w.activity.begin("a")
+    w.activity.end("a", keep_alive_s=0)
+    w.reconcile("a")
+    assert w.running() == {"a"}
+
+
+def test_keep_alive_0_sleeps_a_lane_without_idle_and_its_next_request_wakes_it() -> None:
+    w = budgeted(64 * GIB, lane_yaml("a"))
+    w.reconcile("a")
+    w.ready("a")
+    w.activity.begin("a")
+    w.activity.end("a", keep_alive_s=0)
+    w.reconcile("a")
+    assert w.running() == set()
+    assert w.cond("a", "Available") == ("False", "Sleeping", RELEASED)
+    assert routing.build_table([w.lane("a")]).routes[0].wakes
+    w.activity.begin("a")
+    w.activity.want("a")
+    w.reconcile("a")
+    assert w.running() == {"a"}
+    # While it starts, it still routes as waking (requests wait rather than fail).
+    assert w.lane("a").status.sleeping
+    w.ready("a")
+    w.reconcile("a")
+    assert not w.lane("a").status.sleeping
+
+
+def test_preload_with_sleep_after_is_refused_at_apply() -> None:
+    store = MemoryStore(clock=Clock())
+    apply(store, MODEL)
+    with pytest.raises(Exception, match="preload: true keeps the Lane resident"):
+        apply(store, lane_yaml("a", extra=", preload: true, idle: {sleepAfter: 5s}"))
+    assert store.get(Kind.LANE, "a") is None
