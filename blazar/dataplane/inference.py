@@ -251,6 +251,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             prompt_chars=sum(len(m.content) for m in request.messages),
             session=request.session,
             hashes=hashes,
+            keep_alive_s=request.keep_alive_s if request.HasField("keep_alive_s") else None,
         )
         async for chunk in relay:
             yield chunk
@@ -273,9 +274,32 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             prompt_chars=len(request.prompt),
             session=request.session,
             hashes=hashes,
+            keep_alive_s=request.keep_alive_s if request.HasField("keep_alive_s") else None,
         )
         async for chunk in relay:
             yield chunk
+
+    async def KeepAlive(
+        self, request: inference_pb2.KeepAliveRequest, context: Context
+    ) -> inference_pb2.KeepAliveResponse:
+        """Load or unload a Lane as a request with this keep_alive_s that generated
+        nothing would: 0 releases it (`Activity.release`); otherwise a sleeping Lane is
+        woken and waited for (`_awake`), and the keep is told as a request's end."""
+        await self._permit(request.model, context, access.current())
+        route = routing.resolve(self.table, request.model)
+        keep_alive_s = request.keep_alive_s if request.HasField("keep_alive_s") else None
+        if keep_alive_s == 0:
+            self._activity.release(route.lane)
+            log.info("lane.unload", lane=route.lane)
+            return inference_pb2.KeepAliveResponse(lane=route.lane)
+        load_ms = 0.0
+        if route.wakes and not route.replicas:
+            started = time.monotonic()
+            route, _ = await self._awake(request.model, context)
+            load_ms = (time.monotonic() - started) * 1000
+        self._activity.begin(route.lane)
+        self._activity.end(route.lane, keep_alive_s=keep_alive_s)
+        return inference_pb2.KeepAliveResponse(lane=route.lane, load_ms=load_ms)
 
     async def Embed(
         self, request: inference_pb2.EmbedRequest, context: Context
@@ -290,23 +314,29 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         await self._policy(request.model, "", context)
         route, replica = await self._awake(request.model, context)
         refused: set[int] = set()
-        while True:
-            try:
-                response = await self._pool.client(replica.socket).embed(request)
-                break
-            except grpc.aio.AioRpcError as exc:
-                err = status.from_rpc_error(exc)
-                if isinstance(err, errors.Unavailable):
-                    refused.add(replica.index)
-                    with contextlib.suppress(errors.BlazarError):
-                        replica = self._pick(route, exclude=refused)
-                        log.info("embed.retry", lane=route.lane, replica=replica.index)
-                        continue
-                metrics.observe_embedding_failure(route.lane, err.reason)
-                await status.abort(context, err)
-            except asyncio.CancelledError:
-                metrics.observe_embedding_failure(route.lane, metrics.CANCELLED)
-                raise
+        # Counted like a generation: it keeps its Lane awake, and says how long after.
+        self._activity.begin(route.lane)
+        keep_alive_s = request.keep_alive_s if request.HasField("keep_alive_s") else None
+        try:
+            while True:
+                try:
+                    response = await self._pool.client(replica.socket).embed(request)
+                    break
+                except grpc.aio.AioRpcError as exc:
+                    err = status.from_rpc_error(exc)
+                    if isinstance(err, errors.Unavailable):
+                        refused.add(replica.index)
+                        with contextlib.suppress(errors.BlazarError):
+                            replica = self._pick(route, exclude=refused)
+                            log.info("embed.retry", lane=route.lane, replica=replica.index)
+                            continue
+                    metrics.observe_embedding_failure(route.lane, err.reason)
+                    await status.abort(context, err)
+                except asyncio.CancelledError:
+                    metrics.observe_embedding_failure(route.lane, metrics.CANCELLED)
+                    raise
+        finally:
+            self._activity.end(route.lane, keep_alive_s=keep_alive_s)
         metrics.observe_embedding(route.lane, response.prompt_tokens)
         self._access.charge(caller, prompt_tokens=response.prompt_tokens, output_tokens=0)
         response.model = route.lane
@@ -422,8 +452,10 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         prompt_chars: int,
         session: str = "",
         hashes: Callable[[int], tuple[int, ...]] | None = None,
+        keep_alive_s: float | None = None,
     ) -> AsyncIterator[inference_pb2.Chunk]:
-        """Admit the request on its Lane's queue, then stream the engine's answer.
+        """Admit the request on its Lane's queue, then stream the engine's answer;
+        its end tells the Lane's activity what `keep_alive_s` asks (`Activity.end`).
 
         The replica routing prefers (session, cached prefix, load) is the ticket's
         `prefer`; admission starts it on a free slot, that one's first. A replica that
@@ -457,7 +489,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             ):  # fmt: skip
                 yield chunk
         finally:
-            self._activity.end(route.lane)
+            self._activity.end(route.lane, keep_alive_s=keep_alive_s)
 
     async def _admitted(
         self,

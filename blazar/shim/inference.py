@@ -151,6 +151,17 @@ class InferenceClient:
             raise status.from_rpc_error(exc) from None
         return response
 
+    async def keep_alive(
+        self, request: inference_pb2.KeepAliveRequest, *, metadata: Sequence[tuple[str, str]]
+    ) -> inference_pb2.KeepAliveResponse:
+        try:
+            response: inference_pb2.KeepAliveResponse = await self._inference.KeepAlive(
+                request, metadata=tuple(metadata)
+            )
+        except grpc.RpcError as exc:
+            raise status.from_rpc_error(exc) from None
+        return response
+
     async def serving(self) -> bool:
         """True when the daemon's overall health (service "") is SERVING."""
         try:

@@ -95,6 +95,8 @@ class FakeInference(inference_pb2_grpc.InferenceServicer):
     replica: int | None = None
     # And admission's predicted first token, in milliseconds, beside the replica.
     predicted_ttft_ms: int | None = None
+    # Every KeepAlive call (loads and unloads), in order.
+    keep_alives: list[inference_pb2.KeepAliveRequest] = field(default_factory=list)
 
     async def Chat(self, request: Any, context: Any) -> AsyncIterator[inference_pb2.Chunk]:
         async for chunk in self._play(request, context):
@@ -121,6 +123,15 @@ class FakeInference(inference_pb2_grpc.InferenceServicer):
             if isinstance(step, errors.BlazarError):
                 await status.abort(context, step)
         return self.embeddings
+
+    async def KeepAlive(self, request: Any, context: Any) -> inference_pb2.KeepAliveResponse:
+        """A listed model's Lane is loaded or unloaded; others are MODEL_NOT_FOUND."""
+        self.metadata.append(dict(context.invocation_metadata()))
+        listed = {m.id: m.lane for m in self.models}
+        if request.model not in listed:
+            await status.abort(context, errors.ModelNotFound.of(request.model))
+        self.keep_alives.append(request)
+        return inference_pb2.KeepAliveResponse(lane=listed[request.model])
 
     async def Tokenize(self, request: Any, context: Any) -> inference_pb2.TokenizeResponse:
         self.requests.append(request)

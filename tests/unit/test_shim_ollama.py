@@ -362,8 +362,8 @@ REFUSALS: list[tuple[str, dict[str, Any], str, str]] = [
     ("chat", {**CHAT, "think": "high"}, "think", "does not support thinking"),
     ("chat", {**CHAT, "truncate": True}, "truncate", "never cuts"),
     ("chat", {**CHAT, "shift": True}, "shift", "never cuts"),
-    ("chat", {**CHAT, "keep_alive": "5m"}, "keep_alive", "idle.sleepAfter"),
-    ("chat", {**CHAT, "keep_alive": 0}, "keep_alive", "idle.sleepAfter"),
+    ("chat", {**CHAT, "keep_alive": "soon"}, "keep_alive", "duration"),
+    ("chat", {**CHAT, "keep_alive": "1 hour"}, "keep_alive", "duration"),
     ("chat", {**CHAT, "format": "yaml"}, "format", "'yaml'"),
     ("chat", {**CHAT, "top_logprobs": 2}, "top_logprobs", "'logprobs'"),
     ("chat", {**CHAT, "options": {"mirostat": 2}}, "options.mirostat", "sampler"),
@@ -394,9 +394,9 @@ REFUSALS: list[tuple[str, dict[str, Any], str, str]] = [
     ),
     (
         "embeddings",
-        {"model": "tiny", "prompt": "a", "keep_alive": 30},
+        {"model": "tiny", "prompt": "a", "keep_alive": "5 minutes"},
         "keep_alive",
-        "idle.sleepAfter",
+        "duration",
     ),
 ]
 
@@ -483,17 +483,34 @@ def test_a_bad_parallel_tool_calls_header_is_refused_naming_it(header: str) -> N
 
 
 @pytest.mark.parametrize(
-    ("keep_alive", "accepted"),
-    [(None, True), (-1, True), (-0.5, True), ("-1", True), ("-1m", True), ("-1h30m", True),
-     (0, False), (300, False), ("5m", False), ("0", False), ("-x", False), (True, False)],
+    ("keep_alive", "seconds"),
+    [(None, None), (-1, -1.0), (-0.5, -1.0), ("-1", -1.0), ("-1m", -1.0), ("-1h30m", -1.0),
+     (0, 0.0), ("0", 0.0), ("0s", 0.0), (300, 300.0), ("300", 300.0), (2.5, 2.5),
+     ("5m", 300.0), ("1h30m", 5400.0), ("1.5s", 1.5), ("250ms", 0.25), ("+10s", 10.0),
+     ("-x", "refused"), ("5", 5.0), ("5 m", "refused"), ("m", "refused"), (True, "refused"),
+     (float("nan"), "refused"), (float("inf"), "refused")],
 )  # fmt: skip
-def test_only_keep_alive_forever_is_accepted(keep_alive: Any, accepted: bool) -> None:
-    try:
-        convert.check_keep_alive(keep_alive)
-    except errors.InvalidRequest:
-        assert not accepted
+def test_keep_alive_in_seconds(keep_alive: Any, seconds: float | str | None) -> None:
+    """Ollama's keep_alive as the canonical keep_alive_s: a negative one is -1 (keep
+    loaded), 0 unloads, a number is seconds, text a Go duration or a number."""
+    if seconds == "refused":
+        with pytest.raises(errors.InvalidRequest) as info:
+            convert.keep_alive_seconds(keep_alive)
+        assert info.value.metadata[validation.PARAM_KEY] == "keep_alive"
     else:
-        assert accepted
+        assert convert.keep_alive_seconds(keep_alive) == seconds
+
+
+def test_keep_alive_travels_on_every_canonical_request() -> None:
+    chat = canonical_of("chat", {**CHAT, "keep_alive": "5m"})
+    assert chat.HasField("keep_alive_s") and chat.keep_alive_s == 300.0
+    generate = canonical_of("generate", {**GEN, "keep_alive": 0})
+    assert generate.HasField("keep_alive_s") and generate.keep_alive_s == 0.0
+    raw = canonical_of("generate", {**GEN, "raw": True, "keep_alive": -1})
+    assert raw.keep_alive_s == -1.0
+    embed = canonical_of("embed", {"model": "tiny", "input": "a", "keep_alive": "10s"})
+    assert embed.keep_alive_s == 10.0
+    assert not canonical_of("chat", CHAT).HasField("keep_alive_s")
 
 
 @pytest.mark.parametrize(("num_ctx", "fits"), [(1, True), (2048, True), (2049, False)])
@@ -830,6 +847,27 @@ async def test_a_preload_answers_load_without_generating(
         assert response.json()["done"] is True
         assert response.json()["done_reason"] == "load"
     assert daemon.fake.requests == []
+    assert [k.HasField("keep_alive_s") for k in daemon.fake.keep_alives] == [False, False]
+
+
+async def test_keep_alive_0_without_a_prompt_unloads(
+    daemon: Daemon, client: httpx.AsyncClient
+) -> None:
+    """Ollama's unload idiom answers as Ollama does (done_reason "unload") and asks the
+    daemon to put the Lane to sleep; nothing is generated."""
+    chat = await client.post("/api/chat", json={"model": "tiny", "messages": [], "keep_alive": 0})
+    assert chat.status_code == 200
+    body = chat.json()
+    assert body["message"] == {"role": "assistant", "content": ""}
+    assert (body["done"], body["done_reason"], body["model"]) == (True, "unload", "tiny")
+    generate = await client.post("/api/generate", json={"model": "tiny", "keep_alive": "0s"})
+    assert generate.status_code == 200
+    assert generate.json()["response"] == "" and generate.json()["done_reason"] == "unload"
+    assert [k.keep_alive_s for k in daemon.fake.keep_alives] == [0.0, 0.0]
+    assert daemon.fake.requests == []
+    loaded = await client.post("/api/generate", json={"model": "tiny", "keep_alive": "10m"})
+    assert loaded.json()["done_reason"] == "load"
+    assert daemon.fake.keep_alives[-1].keep_alive_s == 600.0
 
 
 async def test_a_bad_body_is_400_naming_the_field(client: httpx.AsyncClient) -> None:

@@ -68,6 +68,11 @@ class InferenceStub:
                 request_serializer=blazar_dot_v1_dot_inference__pb2.TokenizeRequest.SerializeToString,
                 response_deserializer=blazar_dot_v1_dot_inference__pb2.TokenizeResponse.FromString,
                 _registered_method=True)
+        self.KeepAlive = channel.unary_unary(
+                '/blazar.v1.Inference/KeepAlive',
+                request_serializer=blazar_dot_v1_dot_inference__pb2.KeepAliveRequest.SerializeToString,
+                response_deserializer=blazar_dot_v1_dot_inference__pb2.KeepAliveResponse.FromString,
+                _registered_method=True)
 
 
 class InferenceServicer:
@@ -116,6 +121,19 @@ class InferenceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def KeepAlive(self, request, context):
+        """KeepAlive loads or unloads the Lane a model name resolves to, as a request with
+        the same keep_alive_s that generated nothing would (Ollama's load and unload: a
+        generate or chat with nothing to generate). keep_alive_s 0 puts the Lane to sleep
+        (its engines stop) as soon as no request is in flight for it. Otherwise a
+        sleeping Lane is woken and waited for (UNAVAILABLE if it does not serve within
+        two minutes), then kept awake as keep_alive_s says (unset: as its manifest says).
+        A Lane with `preload: true` stays loaded whatever this says.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -143,6 +161,11 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.Tokenize,
                     request_deserializer=blazar_dot_v1_dot_inference__pb2.TokenizeRequest.FromString,
                     response_serializer=blazar_dot_v1_dot_inference__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'KeepAlive': grpc.unary_unary_rpc_method_handler(
+                    servicer.KeepAlive,
+                    request_deserializer=blazar_dot_v1_dot_inference__pb2.KeepAliveRequest.FromString,
+                    response_serializer=blazar_dot_v1_dot_inference__pb2.KeepAliveResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -288,6 +311,33 @@ class Inference:
             '/blazar.v1.Inference/Tokenize',
             blazar_dot_v1_dot_inference__pb2.TokenizeRequest.SerializeToString,
             blazar_dot_v1_dot_inference__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KeepAlive(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/blazar.v1.Inference/KeepAlive',
+            blazar_dot_v1_dot_inference__pb2.KeepAliveRequest.SerializeToString,
+            blazar_dot_v1_dot_inference__pb2.KeepAliveResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -22,20 +22,34 @@ from blazar._proto.v1 import inference_pb2
 from blazar.shim import canonical, context, validation
 from blazar.shim.ollama import options, protocol, template
 
-# Ollama reads a negative keep_alive as "keep the model loaded forever": what Blazar
-# does with a Lane's replicas unless its manifest sets idle.sleepAfter.
-_GO_DURATION = re.compile(
-    r"-?(\d+(\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)((\d+(\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h))*"
-)
+# Ollama's keep_alive as a Go duration (`time.ParseDuration`): a sign, then one or
+# more number-and-unit parts.
+_GO_DURATION = re.compile(r"[-+]?(?:(?:\d+(?:\.\d*)?|\.\d+)(?:ns|us|µs|μs|ms|s|m|h))+")
+_GO_DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|μs|ms|s|m|h)")
+_GO_UNIT_SECONDS = {
+    "ns": 1e-9,
+    "us": 1e-6,
+    "µs": 1e-6,
+    "μs": 1e-6,
+    "ms": 1e-3,
+    "s": 1.0,
+    "m": 60.0,
+    "h": 3600.0,
+}
 _ROLES = ("system", "user", "assistant", "tool")
 
 
 def is_load(body: protocol.ChatRequest | protocol.GenerateRequest) -> bool:
     """Ollama's preload: a chat without messages or a generate without a prompt only
-    loads the model. Blazar's Lanes are loaded already; the answer says the model exists."""
+    loads the model (or, with keep_alive 0, unloads it: `is_unload`)."""
     if isinstance(body, protocol.ChatRequest):
         return not body.messages
     return not body.prompt
+
+
+def is_unload(body: protocol.ChatRequest | protocol.GenerateRequest) -> bool:
+    """Ollama's unload: nothing to generate and keep_alive 0."""
+    return is_load(body) and keep_alive_seconds(body.keep_alive) == 0
 
 
 def chat_request(
@@ -81,6 +95,7 @@ def chat_request(
     )
     if parallel is not None:
         request.parallel_tool_calls = parallel
+    keep_alive(request, body.keep_alive)
     return request
 
 
@@ -142,7 +157,7 @@ def generate_request(
         prompt = body.prompt
         if body.template:
             prompt = template.render(body.template, system=body.system or "", prompt=prompt)
-        return inference_pb2.CompleteRequest(
+        complete = inference_pb2.CompleteRequest(
             model=body.model,
             prompt=prompt,
             sampling=sampling,
@@ -150,10 +165,12 @@ def generate_request(
             session=session,
             slo=slo,
         )
+        keep_alive(complete, body.keep_alive)
+        return complete
     messages = [inference_pb2.Message(role="user", content=body.prompt)]
     if body.system:
         messages.insert(0, inference_pb2.Message(role="system", content=body.system))
-    return inference_pb2.ChatRequest(
+    chat = inference_pb2.ChatRequest(
         model=body.model,
         messages=messages,
         sampling=sampling,
@@ -161,6 +178,8 @@ def generate_request(
         session=session,
         slo=slo,
     )
+    keep_alive(chat, body.keep_alive)
+    return chat
 
 
 _GENERATE_REFUSALS = {
@@ -174,6 +193,19 @@ _GENERATE_REFUSALS = {
         "the conversation and its tools to /api/chat."
     ),
 }
+
+
+def keep_alive(
+    request: inference_pb2.ChatRequest
+    | inference_pb2.CompleteRequest
+    | inference_pb2.EmbedRequest
+    | inference_pb2.KeepAliveRequest,
+    sent: protocol.KeepAlive,
+) -> None:
+    """Set the canonical request's `keep_alive_s` from Ollama's `keep_alive`."""
+    seconds = keep_alive_seconds(sent)
+    if seconds is not None:
+        request.keep_alive_s = seconds
 
 
 def _check_generation(body: protocol.ChatRequest | protocol.GenerateRequest) -> None:
@@ -200,28 +232,41 @@ def _check_generation(body: protocol.ChatRequest | protocol.GenerateRequest) -> 
         )
 
 
-def check_keep_alive(keep_alive: protocol.KeepAlive) -> None:
-    """Accept an absent or negative (forever) keep_alive: Blazar keeps Lanes loaded."""
+def keep_alive_seconds(keep_alive: protocol.KeepAlive) -> float | None:
+    """Ollama's keep_alive in seconds, as the canonical `keep_alive_s` carries it: None
+    when absent, -1 for any negative value (keep loaded), 0 to unload after the
+    request. A number is seconds; text is a Go duration ("5m", "-1h", "0") or a number
+    of seconds ("300", "-1"). Anything else is refused by name."""
     if keep_alive is None:
-        return
+        return None
+    seconds: float | None = None
     if isinstance(keep_alive, bool):
-        forever = False
+        seconds = None
     elif isinstance(keep_alive, int | float):
-        forever = keep_alive < 0
+        seconds = float(keep_alive)
     else:
         text = keep_alive.strip()
-        # A negative number of seconds as text ("-1") means what the number would.
-        number = text.removeprefix("-")
-        seconds = number.replace(".", "", 1).isdigit() and number.isascii()
-        forever = text.startswith("-") and (seconds or bool(_GO_DURATION.fullmatch(text)))
-    if not forever:
+        number = text.removeprefix("-").removeprefix("+")
+        if number.isascii() and number.replace(".", "", 1).isdigit():
+            seconds = float(text)
+        elif _GO_DURATION.fullmatch(text):
+            total = sum(
+                float(n) * _GO_UNIT_SECONDS[unit] for n, unit in _GO_DURATION_PART.findall(text)
+            )
+            seconds = -total if text.startswith("-") else total
+    if seconds is None or seconds != seconds or seconds in (float("inf"), float("-inf")):
         raise validation.invalid(
-            f"'keep_alive' {keep_alive!r} is not supported yet: a Lane's replicas stay "
-            "loaded as its manifest says (unloaded after its idle.sleepAfter, if it has "
-            "one), and a per-request keep_alive is not mapped onto that yet. Leave "
-            "'keep_alive' out, or send a negative value (keep loaded).",
+            f"Invalid value for 'keep_alive': {keep_alive!r}; use a number of seconds or a "
+            'duration such as "5m" (0 unloads the model after the request, a negative '
+            "value keeps it loaded).",
             param="keep_alive",
         )
+    return -1.0 if seconds < 0 else seconds
+
+
+def check_keep_alive(keep_alive: protocol.KeepAlive) -> None:
+    """Refuse a keep_alive that does not read; used where it cannot act yet."""
+    keep_alive_seconds(keep_alive)
 
 
 def _message(message: protocol.Message, *, param: str) -> inference_pb2.Message:
@@ -297,15 +342,19 @@ def embed_request(body: protocol.EmbedRequest) -> inference_pb2.EmbedRequest:
     first values (the engine checks the model has that many)."""
     _check_embedding(body.keep_alive, body.options, truncate=body.truncate)
     inputs = [body.input] if isinstance(body.input, str) else list(body.input)
-    return inference_pb2.EmbedRequest(
+    request = inference_pb2.EmbedRequest(
         model=body.model, inputs=inputs, normalize=True, dimensions=body.dimensions
     )
+    keep_alive(request, body.keep_alive)
+    return request
 
 
 def embeddings_request(body: protocol.EmbeddingsRequest) -> inference_pb2.EmbedRequest:
     """The older /api/embeddings: the raw embedding, not normalized, as Ollama's."""
     _check_embedding(body.keep_alive, body.options, truncate=None)
-    return inference_pb2.EmbedRequest(model=body.model, inputs=[body.prompt], normalize=False)
+    request = inference_pb2.EmbedRequest(model=body.model, inputs=[body.prompt], normalize=False)
+    keep_alive(request, body.keep_alive)
+    return request
 
 
 def _check_embedding(

@@ -138,7 +138,7 @@ class ShowRequest(_Request):
 
 # ---------------------------------------------------------------- responses
 
-DoneReason = Literal["stop", "length", "load"]
+DoneReason = Literal["stop", "length", "load", "unload"]
 
 
 class TopLogprob(TypedDict):

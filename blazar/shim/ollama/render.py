@@ -210,10 +210,11 @@ def answer(
     return _finish(line, final)
 
 
-def loaded(kind: Kind, *, model: str, created_at: str) -> Line:
-    """The answer to a preload (see `is_load`)."""
+def loaded(kind: Kind, *, model: str, created_at: str, unload: bool = False) -> Line:
+    """The answer to a preload, or with `unload` to an unload (see `is_load`), as
+    Ollama's: no text, done, done_reason "load" or "unload"."""
     line = _line(kind, model=model, created_at=created_at, text="", done=True)
-    line["done_reason"] = "load"
+    line["done_reason"] = "unload" if unload else "load"
     return line
 
 

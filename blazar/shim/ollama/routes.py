@@ -102,6 +102,8 @@ async def _generate(request: Request, kind: render.Kind) -> Response:
                 parallel_tool_calls=ctx.parallel_tool_calls,
             )
         await _check_num_ctx(request, body.model, body.options)
+    except streaming.ClientDisconnected:
+        return Response(status_code=streaming.CLIENT_CLOSED_REQUEST)
     except errors.BlazarError as err:
         return error(err)
     client = inference.client_of(request)
@@ -160,10 +162,16 @@ async def _lines(
 async def _loaded(
     request: Request, kind: render.Kind, model: str, *, keep_alive: protocol.KeepAlive
 ) -> Response:
-    """A preload: the model must exist; Blazar's Lanes are loaded already."""
-    convert.check_keep_alive(keep_alive)
-    await _model_info(request, model)
-    return JSONResponse(render.loaded(kind, model=model, created_at=_now()))
+    """A preload (a sleeping Lane wakes, and the keep_alive holds as a request's would)
+    or, with keep_alive 0, an unload (the Lane sleeps once idle)."""
+    call = inference_pb2.KeepAliveRequest(model=model)
+    convert.keep_alive(call, keep_alive)
+    ctx = context.of(request)
+    await streaming.until_disconnected(
+        request, inference.client_of(request).keep_alive(call, metadata=ctx.grpc_metadata())
+    )
+    unload = call.HasField("keep_alive_s") and call.keep_alive_s == 0
+    return JSONResponse(render.loaded(kind, model=model, created_at=_now(), unload=unload))
 
 
 async def _check_num_ctx(request: Request, model: str, sent: dict[str, Any] | None) -> None:
