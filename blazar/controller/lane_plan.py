@@ -365,6 +365,6 @@ def lane_status(
         replicas=len(current),
         ready_replicas=serving,
         replica_statuses=replica_statuses(observed),
-        sleeping=(sleeping or previous.sleeping) and serving == 0,
+        sleeping=(sleeping or (previous.sleeping and desired > 0)) and serving == 0,
         memory=placement.memory if placement is not None else previous.memory,
     )

@@ -11,9 +11,9 @@ from datetime import timedelta
 import pytest
 
 from blazar.api import conditions
-from blazar.api.kinds import Kind, Lane, parse_size
+from blazar.api.kinds import Kind, Lane, LaneStatus, parse_size
 from blazar.api.replicas import ReplicaState
-from blazar.controller import fit, ledger, residency
+from blazar.controller import fit, lane_plan, ledger, residency
 from blazar.controller.lane import LaneReconciler
 from blazar.controller.lane_plan import RELEASED, SLEEPING, Sleep, sleep_decision
 from blazar.controller.residency import Candidate, Eviction
@@ -28,10 +28,6 @@ from tests.unit.test_fit import GEMMA
 from tests.unit.test_fit_ledger import MODEL, FakeMemory
 
 GIB = 1024**3
-
-
-def at(seconds: float) -> object:
-    return T0 + timedelta(seconds=seconds)
 
 
 def cand(lane: str, *, held: int = 100, since: float | None = 0.0, idle: float = 0.0,
@@ -364,3 +360,18 @@ def test_preload_with_sleep_after_is_refused_at_apply() -> None:
     with pytest.raises(Exception, match="preload: true keeps the Lane resident"):
         apply(store, lane_yaml("a", extra=", preload: true, idle: {sleepAfter: 5s}"))
     assert store.get(Kind.LANE, "a") is None
+
+
+def test_a_paused_lane_does_not_stay_sleeping() -> None:
+    """`status.sleeping` carries over while a Lane wakes (desired > 0, nothing serving
+    yet), not once it is paused with replicas: 0."""
+    ready = lane_plan.ModelReadiness(True, "ModelReady", "ok")
+    asleep = LaneStatus(sleeping=True)
+
+    def sleeping(desired: int) -> bool:
+        return lane_plan.lane_status(
+            previous=asleep, generation=1, desired=desired, model=ready, observed=[], now=T0
+        ).sleeping
+
+    assert sleeping(1)
+    assert not sleeping(0)
