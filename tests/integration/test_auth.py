@@ -277,6 +277,10 @@ def inference_calls(
         "ListModels": lambda md: stub.ListModels(
             inference_pb2.ListModelsRequest(), metadata=md, timeout=60
         ),
+        # A load (no keep_alive_s): an unload would put the Lane to sleep.
+        "KeepAlive": lambda md: stub.KeepAlive(
+            inference_pb2.KeepAliveRequest(model=LANE), metadata=md, timeout=60
+        ),
     }
 
 
