@@ -354,6 +354,9 @@ class LaneMemory(CamelModel):
     available_bytes: int = 0
     # The daemon's memory budget (`serve --memory-budget`), when it has one.
     budget_bytes: int | None = None
+    # The waiting replica needs more than the host has in all, or than the whole
+    # budget: no freeing of memory can start it (requests for it are refused).
+    never_fits: bool = False
     # The replica waiting for memory, when one is.
     waiting_replica: int | None = None
 

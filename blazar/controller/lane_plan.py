@@ -255,6 +255,8 @@ def _settled(placement: Placement | None, previous: LaneStatus) -> Placement | N
         and before.reason == placement.reason
         and kept.estimate_bytes == placement.memory.estimate_bytes
         and kept.waiting_replica == placement.memory.waiting_replica
+        and kept.budget_bytes == placement.memory.budget_bytes
+        and kept.never_fits == placement.memory.never_fits
     )
     return Placement(placement.fits, placement.reason, before.message, kept) if same else placement
 

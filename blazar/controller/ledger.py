@@ -110,6 +110,7 @@ class Ledger:
             free_bytes=shortfall.free if shortfall is not None else free,
             available_bytes=available,
             budget_bytes=self._budget,
+            never_fits=shortfall is not None and shortfall.never,
         )
         if shortfall is not None:
             assert waiting is not None

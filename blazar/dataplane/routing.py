@@ -52,6 +52,9 @@ class Route:
     # Why no new replica can start, from the Lane's ModelReady condition when it is
     # False (`Model "m" does not exist.`); empty when the Model is ready.
     model_problem: str = ""
+    # Why no replica can ever start as the Lane is, from its Schedulable condition
+    # when it needs more than the host has or the whole memory budget; else empty.
+    memory_problem: str = ""
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,7 @@ def build_table(lanes: Sequence[Lane]) -> RouteTable:
                 wakes=_wakes(lane),
                 sleeping=lane.status.sleeping,
                 model_problem=_model_problem(lane),
+                memory_problem=_memory_problem(lane),
             )
         )
     by_name: dict[str, Route] = {route.lane: route for route in routes}
@@ -100,8 +104,15 @@ def _wakes(lane: Lane) -> bool:
         return True
     if lane.status.sleeping:
         return True
+    # Waiting for memory that other Lanes hold: a request puts idle ones to sleep.
     cond = conditions.get_condition(lane.status.conditions, "Schedulable")
-    return cond is not None and cond.status == "False" and cond.reason == "InsufficientMemory"
+    never = lane.status.memory is not None and lane.status.memory.never_fits
+    return (
+        cond is not None
+        and cond.status == "False"
+        and cond.reason == "InsufficientMemory"
+        and not never
+    )
 
 
 def _model_problem(lane: Lane) -> str:
@@ -111,12 +122,27 @@ def _model_problem(lane: Lane) -> str:
     return cond.message or f'Model "{lane.spec.model}" is not ready.'
 
 
+def _memory_problem(lane: Lane) -> str:
+    cond = conditions.get_condition(lane.status.conditions, "Schedulable")
+    memory = lane.status.memory
+    if cond is None or cond.status != "False" or memory is None or not memory.never_fits:
+        return ""
+    return cond.message
+
+
 def unservable(route: Route) -> errors.Unavailable | None:
     """Why a Lane with no ready replica will have none until its operator acts (its
     Model is missing or not ready), as the error its requests get; None when a replica
-    may yet come (starting, restarting). Not "retry shortly": retrying cannot help."""
-    if route.replicas or not route.model_problem:
+    may yet come (starting, restarting). Not "retry shortly": retrying cannot help.
+    A Lane whose replica can never fit in memory as it is says so the same way."""
+    if route.replicas or not (route.model_problem or route.memory_problem):
         return None
+    if not route.model_problem:
+        return errors.Unavailable(
+            f"The model '{route.lane}' has no ready replica, and Lane '{route.lane}' can "
+            f"start none as it is: {route.memory_problem}",
+            metadata={"lane": route.lane, "model": route.model},
+        )
     return errors.Unavailable(
         f"The model '{route.lane}' has no ready replica, and Lane '{route.lane}' can start "
         f"none until its Model is ready: {route.model_problem}",

@@ -33,3 +33,20 @@ def test_serve_refuses_a_prune_value_it_does_not_know(capsys: pytest.CaptureFixt
         main.build_parser().parse_args(["serve", "--prune=maybe"])
     assert exit_.value.code == 2
     assert "expected true or false, not 'maybe'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--memory-budget", "8GB"], '--memory-budget: "8GB" is not a size'),
+        (["--memory-budget", "0"], "--memory-budget: the budget must be more than 0 bytes"),
+        (["--min-residency", "soon"], '--min-residency: "soon" is not a duration'),
+    ],
+)
+def test_serve_refuses_a_budget_or_residency_it_cannot_read(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], says: str
+) -> None:
+    home = tmp_path / "home"
+    assert main.main(["serve", "--home", str(home), *argv]) == 1
+    assert says in capsys.readouterr().err
+    assert not home.exists()

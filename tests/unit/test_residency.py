@@ -375,3 +375,13 @@ def test_a_paused_lane_does_not_stay_sleeping() -> None:
 
     assert sleeping(1)
     assert not sleeping(0)
+
+
+def test_requests_for_a_lane_that_can_never_fit_are_refused_not_queued() -> None:
+    w = budgeted(need() - 1, lane_yaml("a"))
+    w.reconcile("a")
+    route = routing.build_table([w.lane("a")]).routes[0]
+    assert not route.wakes
+    refused = routing.unservable(route)
+    assert refused is not None and "ExceedsMemoryBudget" not in refused.message
+    assert "can start none as it is" in refused.message and "--memory-budget" in refused.message
