@@ -56,6 +56,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         # Before anything binds or starts: a daemon that cannot watch its fleet would
         # serve whatever the store last held.
         raise errors.InvalidRequest(f"--watch: '{args.watch}' is not a directory")
+    # Read before logging is configured: a flag that does not read starts nothing.
+    memory_budget = _size_flag("--memory-budget", args.memory_budget)
+    min_residency_s = _duration_flag("--min-residency", args.min_residency)
     logs.configure(json=None if not args.log_json else True)
     options = daemon.Options(
         home=Path(args.home).expanduser() if args.home else home.default_home(),
@@ -70,8 +73,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         allow_origins=tuple(args.allow_origin or ()),
         tls_cert=Path(args.tls_cert) if args.tls_cert else None,
         tls_key=Path(args.tls_key) if args.tls_key else None,
-        memory_budget=_size_flag("--memory-budget", args.memory_budget),
-        min_residency_s=_duration_flag("--min-residency", args.min_residency),
+        memory_budget=memory_budget,
+        min_residency_s=min_residency_s,
     )
     asyncio.run(daemon.run(options))
     return 0
