@@ -21,7 +21,7 @@ import structlog
 from blazar.api import conditions
 from blazar.api.kinds import Kind, Lane, LaneStatus, Model, ModelDraft, NgramDraft, SpecPair
 from blazar.api.replicas import LaunchSpec, ReplicaObservation, ReplicaState, SpeculationLaunch
-from blazar.controller import fit, lane_plan, ledger, residency
+from blazar.controller import fit, lane_plan, ledger, residency, sleeper
 from blazar.controller.hostmemory import HostMemory
 from blazar.controller.processes import Processes
 from blazar.controller.reconciler import Result
@@ -164,13 +164,20 @@ class LaneReconciler:
             if memory is None
             else ledger.Ledger(processes=processes, memory=memory, budget=budget)
         )
-        self._residency = residency.Residency(min_residency_s=min_residency_s)
-        self._notify = notify
+        self._sleeper = sleeper.Sleeper(
+            store=store,
+            processes=processes,
+            clock=clock,
+            activity=activity,
+            ledger=self._ledger,
+            min_residency_s=min_residency_s,
+            notify=notify,
+        )
 
     async def reconcile(self, name: str) -> Result:
         lane = self._store.get(Kind.LANE, name)
         if lane is None:
-            self._residency.forget(name)
+            self._sleeper.forget(name)
             await self._stop_all(name)
             # After the stops: each replica saves its caches as it stops gracefully.
             await self._discard_kv(name)
@@ -189,7 +196,7 @@ class LaneReconciler:
                 speculation=speculation_launch(pair, draft),
             )
         observed = self._processes.observe(name)
-        sleep = self._sleep(lane)
+        sleep = self._sleeper.decide(lane)
         desired = 0 if sleep.asleep else lane.spec.replicas
         plan = lane_plan.plan_replicas(
             desired=desired, launch=launch, observed=observed, now=self._clock()
@@ -198,7 +205,7 @@ class LaneReconciler:
         room: float | None = None
         if launch is not None:
             plan, placement, shortfall = self._place(name, lane, plan, launch, model, draft)
-            room = self._make_room(name, shortfall)
+            room = self._sleeper.make_room(name, shortfall)
         status = lane.status
         revision = launch.revision if launch is not None else None
         available = conditions.get_condition(status.conditions, "Available")
@@ -226,109 +233,12 @@ class LaneReconciler:
                     f"Replica {action.index} runs without speculation: {gap}.",
                 )
         observed = self._processes.observe(name)
-        if not any(o.pid is not None for o in observed):
-            self._residency.gone(name)
         self._write_status(
             name, lane, readiness, status, observed, revision, placement, sleep=sleep
         )
-        self._memory_freed(name, plan)
+        self._sleeper.passed(name, plan, observed)
         later = [t for t in (plan.requeue_after, sleep.recheck_after, room) if t is not None]
         return Result(requeue_after=min(later, default=None))
-
-    def _sleep(self, lane: Lane) -> lane_plan.Sleep:
-        name = lane.metadata.name
-        if self._activity is None or lane.spec.preload:
-            return lane_plan.Sleep()
-        in_flight, wanted = self._activity.in_flight(name), self._activity.wanted(name)
-        if wanted:
-            self._residency.woken(name)
-        evicted_for = self._residency.evicted_for(name)
-        if evicted_for is not None and in_flight:
-            # Used again before it could sleep: no longer the one to go. The Lane it
-            # was to make room for looks again once this request ends.
-            self._residency.woken(name)
-        elif evicted_for is not None:
-            return lane_plan.Sleep(
-                asleep=True,
-                message=(
-                    "The memory budget put the Lane to sleep to make room for Lane "
-                    f'"{evicted_for}": no replica runs; the next request wakes it.'
-                ),
-            )
-        keep = self._activity.keep(name)
-        idle = lane.spec.idle
-        return lane_plan.sleep_decision(
-            sleep_after_s=idle.sleep_after_s if idle is not None else None,
-            idle_s=self._activity.idle_s(name),
-            in_flight=in_flight,
-            wanted=wanted,
-            keep_s=keep.remaining_s,
-            keep_forever=keep.forever,
-            release=keep.release,
-        )
-
-    def _make_room(self, name: str, shortfall: fit.Fit | None) -> float | None:
-        """When a request waits for this Lane and it does not fit, put the least recently
-        used idle Lanes to sleep until it does (`residency.choose`); the seconds until
-        the decision should be made again, when no Lane can go yet."""
-        activity, ledger_ = self._activity, self._ledger
-        waiting = (
-            shortfall is not None
-            and not shortfall.never
-            and activity is not None
-            and activity.wanted(name)
-        )
-        self._residency.wait(name, waiting)
-        if not waiting or activity is None or ledger_ is None or shortfall is None:
-            return None
-        candidates = []
-        for other in sorted(self._processes.lanes() - {name}):
-            stored = self._store.get(Kind.LANE, other)
-            if not isinstance(stored, Lane) or self._residency.evicted_for(other) is not None:
-                continue  # deleted (stopping anyway), or already on its way to sleep
-            candidates.append(
-                residency.Candidate(
-                    lane=other,
-                    held_bytes=ledger_.charged(other),
-                    resident_since=self._residency.resident_since(other),
-                    idle_s=activity.idle_s(other),
-                    in_flight=activity.in_flight(other),
-                    wanted=activity.wanted(other),
-                    preload=stored.spec.preload,
-                )
-            )
-        eviction = residency.choose(
-            shortfall=shortfall.need - shortfall.free,
-            candidates=candidates,
-            now=self._clock(),
-            min_residency_s=self._residency.min_residency_s,
-        )
-        for victim in eviction.victims:
-            self._residency.evict(victim, for_lane=name)
-            freed = fit.human(ledger_.charged(victim))
-            log.info("lane.evict", lane=victim, for_lane=name)
-            self._event(
-                victim,
-                "Normal",
-                "Evicted",
-                f'Put to sleep to make room for Lane "{name}", which a request waits for: it '
-                f'frees {freed}; Lane "{name}" needs {fit.human(shortfall.need)} and '
-                f"{fit.human(max(0, shortfall.free))} is free.",
-            )
-            if self._notify is not None:
-                self._notify(victim)
-        return eviction.recheck_after
-
-    def _memory_freed(self, name: str, plan: lane_plan.LanePlan) -> None:
-        """Ask the Lanes waiting for memory to look again when this pass stopped a
-        replica, or found this Lane idle (a request's end may have made it a victim)."""
-        if self._notify is None or name in self._residency.waiting():
-            return
-        stopped = any(isinstance(a, lane_plan.Stop) for a in plan.actions)
-        idle = self._activity is not None and self._activity.in_flight(name) == 0
-        if stopped or idle:
-            for waiting in self._residency.waiting():
-                self._notify(waiting)
 
     def _place(
         self,
@@ -417,7 +327,7 @@ class LaneReconciler:
             else:
                 self._event(name, "Normal", "ReplicaStarting", f"Starting replica {action.index}.")
             log.info("replica.start", lane=name, index=action.index, restart=action.restart)
-            self._residency.resident(name, self._clock())
+            self._sleeper.started(name)
             warnings = await self._processes.start(name, action.index, action.launch)
             if self._ledger is not None:
                 self._ledger.started(name, action.index)

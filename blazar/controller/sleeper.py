@@ -1,0 +1,163 @@
+"""When a Lane sleeps, for the Lane reconciler: idle.sleepAfter, requests' keep_alive,
+and the memory budget's evictions (`residency`).
+
+`decide` is the Lane's sleep for this pass (`lane_plan.sleep_decision` on the data
+plane's `Activity`, or asleep because the budget put it to sleep for another Lane);
+`make_room` puts idle Lanes to sleep for a Lane a request waits for that does not fit
+(`residency.choose`), with an `Evicted` event on each and a pass of each asked for;
+`passed` asks the Lanes waiting for memory to look again when a pass may have freed
+some. `preload: true` keeps a Lane awake through all of these.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import datetime
+
+import structlog
+
+from blazar.api.kinds import Kind, Lane
+from blazar.api.replicas import ReplicaObservation
+from blazar.controller import fit, lane_plan, residency
+from blazar.controller.ledger import Ledger
+from blazar.controller.processes import Processes
+from blazar.enginehost.activity import Activity
+from blazar.store.base import Store
+
+log = structlog.get_logger(__name__)
+
+
+class Sleeper:
+    def __init__(
+        self,
+        *,
+        store: Store,
+        processes: Processes,
+        clock: Callable[[], datetime],
+        activity: Activity | None,
+        ledger: Ledger | None,
+        min_residency_s: float = residency.DEFAULT_MIN_RESIDENCY_S,
+        notify: Callable[[str], None] | None = None,
+    ) -> None:
+        """`activity` None: no Lane ever sleeps; `ledger` None (no fit ledger): none is
+        put to sleep for memory. `notify(lane)` asks for another pass of a Lane."""
+        self._store = store
+        self._processes = processes
+        self._clock = clock
+        self._activity = activity
+        self._ledger = ledger
+        self._notify = notify
+        self._residency = residency.Residency(min_residency_s=min_residency_s)
+
+    def decide(self, lane: Lane) -> lane_plan.Sleep:
+        """Whether the Lane sleeps this pass, why, and when to look again."""
+        name = lane.metadata.name
+        if self._activity is None or lane.spec.preload:
+            return lane_plan.Sleep()
+        in_flight, wanted = self._activity.in_flight(name), self._activity.wanted(name)
+        if wanted:
+            self._residency.woken(name)
+        evicted_for = self._residency.evicted_for(name)
+        if evicted_for is not None and in_flight:
+            # Used again before it could sleep: no longer the one to go. The Lane it
+            # was to make room for looks again once this request ends (`passed`).
+            self._residency.woken(name)
+        elif evicted_for is not None:
+            return lane_plan.Sleep(
+                asleep=True,
+                message=(
+                    "The memory budget put the Lane to sleep to make room for Lane "
+                    f'"{evicted_for}": no replica runs; the next request wakes it.'
+                ),
+            )
+        keep = self._activity.keep(name)
+        idle = lane.spec.idle
+        return lane_plan.sleep_decision(
+            sleep_after_s=idle.sleep_after_s if idle is not None else None,
+            idle_s=self._activity.idle_s(name),
+            in_flight=in_flight,
+            wanted=wanted,
+            keep_s=keep.remaining_s,
+            keep_forever=keep.forever,
+            release=keep.release,
+        )
+
+    def make_room(self, name: str, shortfall: fit.Fit | None) -> float | None:
+        """When a request waits for Lane `name` and its replica does not fit
+        (`shortfall`), put the least recently used idle Lanes to sleep until it does;
+        the seconds until the decision should be made again, when none can go yet."""
+        activity, ledger = self._activity, self._ledger
+        waiting = (
+            shortfall is not None
+            and not shortfall.never
+            and activity is not None
+            and activity.wanted(name)
+        )
+        self._residency.wait(name, waiting)
+        if not waiting or activity is None or ledger is None or shortfall is None:
+            return None
+        candidates = []
+        for other in sorted(self._processes.lanes() - {name}):
+            stored = self._store.get(Kind.LANE, other)
+            if not isinstance(stored, Lane) or self._residency.evicted_for(other) is not None:
+                continue  # deleted (stopping anyway), or already on its way to sleep
+            candidates.append(
+                residency.Candidate(
+                    lane=other,
+                    held_bytes=ledger.charged(other),
+                    resident_since=self._residency.resident_since(other),
+                    idle_s=activity.idle_s(other),
+                    in_flight=activity.in_flight(other),
+                    wanted=activity.wanted(other),
+                    preload=stored.spec.preload,
+                )
+            )
+        eviction = residency.choose(
+            shortfall=shortfall.need - shortfall.free,
+            candidates=candidates,
+            now=self._clock(),
+            min_residency_s=self._residency.min_residency_s,
+        )
+        for victim in eviction.victims:
+            self._residency.evict(victim, for_lane=name)
+            freed = fit.human(ledger.charged(victim))
+            log.info("lane.evict", lane=victim, for_lane=name)
+            self._store.record_event(
+                kind=Kind.LANE.value,
+                name=victim,
+                type="Normal",
+                reason="Evicted",
+                message=(
+                    f'Put to sleep to make room for Lane "{name}", which a request waits '
+                    f'for: it frees {freed}; Lane "{name}" needs {fit.human(shortfall.need)} '
+                    f"and {fit.human(max(0, shortfall.free))} is free."
+                ),
+            )
+            if self._notify is not None:
+                self._notify(victim)
+        return eviction.recheck_after
+
+    def started(self, name: str) -> None:
+        """A replica of the Lane is starting: it is resident from now (if it was not)."""
+        self._residency.resident(name, self._clock())
+
+    def passed(
+        self, name: str, plan: lane_plan.LanePlan, observed: list[ReplicaObservation]
+    ) -> None:
+        """After a pass of Lane `name` that acted on `plan` and left `observed`: ask the
+        Lanes waiting for memory to look again when it stopped a replica, or found the
+        Lane idle (a request's end may have made it one to put to sleep)."""
+        if not any(o.pid is not None for o in observed):
+            self._residency.gone(name)
+        waiting = self._residency.waiting()
+        if self._notify is None or name in waiting:
+            return
+        stopped = any(isinstance(a, lane_plan.Stop) for a in plan.actions)
+        idle = self._activity is not None and self._activity.in_flight(name) == 0
+        if stopped or idle:
+            for lane in waiting:
+                self._notify(lane)
+
+    def forget(self, name: str) -> None:
+        """The Lane is deleted."""
+        self._residency.forget(name)
