@@ -6,8 +6,8 @@ transition, and writes status. A deleted Lane has all its replicas stopped.
 
 A Lane sleeps (zero replicas, `Available=False` reason `Sleeping`) after
 idle.sleepAfter, when a request's keep_alive says so, or when the memory budget put it
-to sleep to make room for a Lane a request waits for (`residency`); the next request
-wakes it. `preload: true` keeps it awake through all of these.
+to sleep to make room for a Lane a request waits for; `sleeper` decides, with
+`residency`. The next request wakes it. `preload: true` keeps it awake through all.
 """
 
 from __future__ import annotations

@@ -39,6 +39,8 @@ LANE_SPEC = {"model": "local", "slots": 1, "contextPerSlot": 512, "threads": 2}
 MIN_RESIDENCY_S = 3.0
 # The held request's length: long enough that the other Lane's request waits behind it.
 HELD_TOKENS = 96
+# A policy whose requests wait no longer than this for a slot (or a swap).
+BRIEF_WAIT_MS = 300
 
 
 def estimate(model_path: Path) -> int:
@@ -56,6 +58,10 @@ def fleet_text(model_path: Path, *, right_idle: str = "") -> str:
         {"apiVersion": "blazar.dev/v1alpha1", "kind": "Model", "metadata": {"name": "local"},
          "spec": {"source": {"path": str(model_path)}}},
     ]  # fmt: skip
+    docs.append(
+        {"apiVersion": "blazar.dev/v1alpha1", "kind": "SLOPolicy", "metadata": {"name": "brief"},
+         "spec": {"maxQueueWaitMs": BRIEF_WAIT_MS, "onOverload": "queue"}}
+    )  # fmt: skip
     for lane in LANES:
         spec: dict[str, Any] = dict(LANE_SPEC)
         if lane == "right" and right_idle:
@@ -150,6 +156,14 @@ def test_a_lane_in_flight_is_never_stopped_and_the_other_waits_for_it(
         answers["other"] = complete(daemon, other)
         answers["at"] = time.monotonic()
 
+    # A request that may wait only briefly is refused once its bound passes (no Lane
+    # can be put to sleep for it while the held one runs), as admission refuses any.
+    with pytest.raises(openai.RateLimitError) as brief:
+        openai_client(daemon).completions.create(
+            model=other, prompt="Once upon", max_tokens=2, timeout=120,
+            extra_headers={"x-blazar-slo": "brief"},
+        )  # fmt: skip
+    assert brief.value.code == "queue_timeout"
     waiter = threading.Thread(target=other_request)
     waiter.start()
     finish, usage = None, None
