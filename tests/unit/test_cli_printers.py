@@ -225,3 +225,15 @@ def test_describe_lane_shows_the_estimate_by_part() -> None:
     ]
     assert "Status:" not in page  # not repeated as raw bytes
     assert "Memory:" not in printers.describe(lane_with(), [], now=T0)
+
+
+def test_describe_lane_shows_the_memory_budget_and_preload() -> None:
+    lane = lane_with(memory={**MEMORY, "budgetBytes": 3 * 2**30})
+    lane["spec"] = {**lane["spec"], "preload": True}
+    page = printers.describe(lane, [], now=T0).splitlines()
+    assert "  Budget:       3.0GiB (serve --memory-budget)" in page
+    assert "  preload: true" in page
+    assert not any(
+        "Budget:" in line
+        for line in printers.describe(lane_with(memory=MEMORY), [], now=T0).splitlines()
+    )
