@@ -100,7 +100,7 @@ class Options:
     # Bytes every engine together may hold (None: what the host has), and how long a
     # Lane stays loaded before the budget may put it to sleep for another (`residency`).
     memory_budget: int | None = None
-    min_residency_s: float = residency.DEFAULT_MIN_RESIDENCY_S
+    min_residency_s: float | None = None  # None: residency.DEFAULT_MIN_RESIDENCY_S
 
 
 def _now() -> datetime:
@@ -358,7 +358,11 @@ async def _serve(
                 memory=hostmemory.ProcMemory(),
                 activity=activity,
                 budget=options.memory_budget,
-                min_residency_s=options.min_residency_s,
+                min_residency_s=(
+                    residency.DEFAULT_MIN_RESIDENCY_S
+                    if options.min_residency_s is None
+                    else options.min_residency_s
+                ),
                 notify=lane_changed,
             ),
             PolicyReconciler(kind=Kind.SLO_POLICY, store=store, clock=_now),

@@ -29,6 +29,7 @@ from blazar import logs
 from blazar._proto.v1 import control_pb2
 from blazar.api import errors, kinds, manifests, tenants
 from blazar.cli import client, diffs, home, observe, printers
+from blazar.controller import residency
 from blazar.export import kubernetes
 from blazar.rpc import status
 
@@ -92,7 +93,9 @@ def _size_flag(flag: str, value: str | None) -> int | None:
     return size
 
 
-def _duration_flag(flag: str, value: str) -> float:
+def _duration_flag(flag: str, value: str | None) -> float | None:
+    if value is None:
+        return None
     try:
         return kinds.parse_duration(value).total_seconds()
     except ValueError as exc:
@@ -306,9 +309,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--min-residency",
         metavar="DURATION",
-        default="30s",
         help="how long a Lane stays loaded before the budget may put it to sleep for "
-        "another (default 30s)",
+        f"another (default {residency.DEFAULT_MIN_RESIDENCY_S:g}s)",
     )
     serve.set_defaults(func=cmd_serve)
 
