@@ -71,12 +71,13 @@ def check_bounds(grammar: str, *, what: str = "The grammar") -> None:
                 f"{what} repeats something {{{low},{high}}} times: the most ({high}) is below "
                 f"the least ({low})."
             )
+    limit = gbnf_empty.MAX_EMPTIABLE_REPEAT
     for rule, count in gbnf_empty.emptiable_repeats(grammar):
-        if count > gbnf_empty.MAX_EMPTIABLE_REPEAT:
+        if count > limit:
             raise errors.InvalidRequest(
-                f"{what} repeats a part of rule '{rule}' that can match nothing {count:,} "
-                f"times; at most {gbnf_empty.MAX_EMPTIABLE_REPEAT} are accepted (llama.cpp "
-                "follows every way of skipping it, at every step). Make the repeated part "
+                f"{what} repeats a part of rule '{rule}' that can match nothing more than "
+                f"{limit} times (repetitions nested in one another multiply); llama.cpp "
+                "follows every way of skipping it, at every step. Make the repeated part "
                 "match at least one character, or repeat it fewer times."
             )
     wide = widest(grammar)

@@ -172,7 +172,9 @@ class _Parser:
 
 def emptiable_repeats(grammar: str) -> Iterator[tuple[str, int]]:
     """(rule, count) of each repetition, in each rule, of a part that can match the
-    empty string: count is the most times it may repeat, or the least when unbounded."""
+    empty string: count is the most times it may repeat (the least when unbounded),
+    times the repetitions of emptiable parts nested inside it (capped just past
+    `MAX_EMPTIABLE_REPEAT`)."""
     rules = _Parser(list(_tokens(grammar))).parse()
     empty: dict[str, bool] = dict.fromkeys(rules, False)
 
@@ -202,9 +204,33 @@ def emptiable_repeats(grammar: str) -> Iterator[tuple[str, int]]:
         empty[name] = True
         pending.extend(referrers.get(name, ()))
 
+    def count(item: _Item) -> int:
+        """How many times an emptiable part may repeat (1 for anything else)."""
+        least, most = item.repeat
+        if (least, most) == (1, 1) or not inner_empty(item):
+            return 1
+        return max(1, least if most is None else most)
+
+    # Repetitions of emptiable parts nested in one another multiply: ((x?){0,32}){0,32}
+    # is 1,024 ways. weight[rule]: the largest such product inside the rule, capped
+    # just past what is refused, so the worklist ends (each rule rises at most CAP times).
+    cap = MAX_EMPTIABLE_REPEAT + 1
+    weight: dict[str, int] = dict.fromkeys(rules, 1)
+
+    def item_weight(item: _Item) -> int:
+        inner = weight.get(item.name, 1) if item.kind == "ref" else 1
+        return min(cap, count(item) * inner)
+
+    pending = list(rules)
+    while pending:
+        name = pending.pop()
+        heaviest = max((item_weight(x) for seq in rules[name] for x in seq), default=1)
+        if heaviest > weight[name]:
+            weight[name] = heaviest
+            pending.extend(referrers.get(name, ()))
+
     for name, body in rules.items():
         for seq in body:
             for item in seq:
-                least, most = item.repeat
-                if (least, most) != (1, 1) and inner_empty(item):
-                    yield name.partition("#")[0], least if most is None else most
+                if count(item) > 1 or (item.repeat != (1, 1) and inner_empty(item)):
+                    yield name.partition("#")[0], max(count(item), item_weight(item))

@@ -113,7 +113,10 @@ def test_a_repetition_whose_most_is_below_its_least_is_refused() -> None:
         ('root ::= ("a"?){0,200}', [("root", 200)]),
         ('root ::= ("a"?){100,}', [("root", 100)]),
         ('root ::= x{0,100}\nx ::= "a"?', [("root", 100)]),
-        ('root ::= x*\nx ::= y | ""\ny ::= "b"', [("root", 0)]),
+        ('root ::= x*\nx ::= y | ""\ny ::= "b"', [("root", 1)]),
+        # Nested ones multiply, through groups and rules (capped just past the bound).
+        ('root ::= (("a"?){0,5}){0,6}', [("root", 30), ("root", 5)]),
+        ('root ::= x{0,8}\nx ::= ("a"?){0,8}', [("root", 33), ("x", 8)]),
         ('root ::= ("a" | ""){0,5} # ("b"?){0,99}\n', [("root", 5)]),
         # Its part always matches something: any count is cheap.
         ('root ::= ("a" "b"?){0,200}', []),
@@ -129,8 +132,11 @@ def test_emptiable_repeats_are_found_through_groups_and_rules(
 def test_a_part_that_can_match_nothing_repeated_past_the_bound_is_refused() -> None:
     """("a"?){0,200} took 129 s for 4 tokens, every other stream of the engine waiting."""
     gbnf.check_bounds('root ::= ("a"?){0,32}')
-    with pytest.raises(errors.InvalidRequest, match="can match nothing 33 times"):
+    with pytest.raises(errors.InvalidRequest, match="can match nothing more than 32 times"):
         gbnf.check_bounds('root ::= ("a"?){0,33}')
+    # 32 of 32 nested: more than 200 s for 4 tokens.
+    with pytest.raises(errors.InvalidRequest, match="can match nothing more than 32 times"):
+        gbnf.check_bounds('root ::= (("a"?){0,32}){0,32}')
     # A chain of 10,000 rules, the last empty, is one pass of the worklist.
     chain = "root ::= r0\n" + "".join(f"r{i} ::= r{i + 1}\n" for i in range(9990))
     gbnf.check_bounds(chain + 'r9990 ::= ""\n')
