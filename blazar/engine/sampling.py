@@ -17,7 +17,8 @@ import contextlib
 import ctypes
 import math
 import secrets
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -38,6 +39,14 @@ GRAMMAR_ROOT = "root"
 # under e^-100 there, while dividing logits by a much smaller float32 (1e-45, say)
 # overflows to infinity and breaks the softmax.
 GREEDY_BELOW = 1e-6
+
+
+# A grammar's pass over the whole vocabulary (when it rejects the token the chain drew)
+# that takes longer than this ends its request. Static bounds (`gbnf`) refuse the forms
+# known to be hopeless before any work; this one catches the rest at their first slow
+# step: 200 optional items in a row cost 11 s per token on the 2-core dev box, while the
+# largest grammar the bounds allow in width (256 alternatives) cost 3.0 s there, loaded.
+MAX_GRAMMAR_PASS_S = 10.0
 
 
 class Vocabulary(Protocol):
@@ -335,6 +344,7 @@ class Sampler:
         *,
         biased: bool = False,
         banned: Sequence[int] = (),
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         import numpy as np
 
@@ -346,6 +356,7 @@ class Sampler:
         self._grammar = grammar
         self._n_vocab = n_vocab
         self._biased = biased
+        self._clock = clock
         # Argmax only: token ids whose logits are set to -inf before the argmax.
         self._banned = np.asarray(banned, dtype=np.intp)
         self._candidates: Any = None
@@ -383,7 +394,19 @@ class Sampler:
             return int(lc.llama_sampler_sample(self.chain, ctx, index))
         token = self._draw(ctx, index, grammar_first=False)
         if not self._allows(token):
+            started = self._clock()
             token = self._draw(ctx, index, grammar_first=True)
+            spent = self._clock() - started
+            if spent > MAX_GRAMMAR_PASS_S:
+                # The next pass would cost as much, on the decode thread every stream of
+                # the engine shares: this request ends here, the others go on.
+                raise errors.InvalidRequest(
+                    f"The grammar (or JSON schema) took {spent:.1f} s to constrain one "
+                    f"token; at most {MAX_GRAMMAR_PASS_S:.0f} s are allowed. It keeps too "
+                    "many ways open at once (many optional parts in a row, say): write "
+                    "it with fewer optional or repeated parts.",
+                    metadata={errors.FIELD_KEY: CONSTRAINT_FIELD},
+                )
             # The chain can remove every token the grammar allows (a logit bias that
             # bans them all), or the grammar allows none the vocabulary can spell
             # ('root ::= "\\x00"'); the pick is then one the grammar rejected, and

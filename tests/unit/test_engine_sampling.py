@@ -269,3 +269,20 @@ def test_a_schema_nested_too_deeply_is_an_invalid_request(document: str) -> None
             inference_pb2.Sampling(), constraint=inference_pb2.Constraint(json_schema=document)
         )
     assert info.value.metadata[errors.FIELD_KEY] == "constraint"
+
+
+def test_a_grammar_pass_past_its_bound_ends_the_request_not_the_engine(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The chain's pick is rejected, and the grammar's pass over the vocabulary takes
+    11 s (200 optional items in a row did, per token): the request is refused, naming
+    the time, before its next step would hold the decode thread as long again."""
+    ticks = iter([0.0, 11.0])
+    sampler = sampling.Sampler(
+        chain=object(), grammar=object(), n_vocab=4, clock=lambda: next(ticks)
+    )
+    monkeypatch.setattr(sampler, "_draw", lambda ctx, index, *, grammar_first: 1)
+    monkeypatch.setattr(sampler, "_allows", lambda token: False)
+    with pytest.raises(errors.InvalidRequest, match=r"took 11\.0 s to constrain one token") as info:
+        sampler.sample(None, 0)
+    assert info.value.metadata[errors.FIELD_KEY] == "constraint"
