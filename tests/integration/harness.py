@@ -16,6 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from blazar._proto.v1 import control_pb2
+from blazar.api import kinds
+from blazar.cli.client import ControlClient
+
 T = TypeVar("T")
 
 REPO = Path(__file__).resolve().parents[2]
@@ -134,9 +138,16 @@ class Daemon:
         )
 
     def get(self, kind: str, name: str) -> dict[str, Any]:
-        out = self.cli("get", kind, name, "-o", "json")
-        assert out.returncode == 0, out.stderr
-        result: dict[str, Any] = json.loads(out.stdout)
+        """The object as `blazar get KIND NAME -o json` prints it, read over the same
+        Control socket in this process: the polls of `wait_condition` and `pids` run
+        every 0.2 s, and a CLI process costs about 0.3 s of CPU to start (its imports),
+        taken from the engines the tests wait for. The CLI's own output is tested by
+        the tests that run it (`cli`)."""
+        with ControlClient(self.control) as control:
+            got = control.get(
+                control_pb2.GetRequest(kind=kinds.resolve_kind(kind).value, name=name)
+            )
+        result: dict[str, Any] = json.loads(got.object_json)
         return result
 
     def condition(self, kind: str, name: str, type_: str) -> dict[str, Any] | None:
