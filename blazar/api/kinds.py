@@ -10,9 +10,10 @@ duration format used by `idle.sleepAfter`.
 from __future__ import annotations
 
 import re
+import urllib.parse
 from datetime import datetime, timedelta
 from enum import StrEnum
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
@@ -22,6 +23,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic.alias_generators import to_camel
 
 from blazar.api import errors
 from blazar.api.meta import API_VERSION, ApiVersion, CamelModel, Condition, ObjectMeta, invalid
@@ -230,9 +232,97 @@ class Idle(CamelModel):
         )
 
 
+def _check_upstream_url(value: str, info: ValidationInfo) -> str:
+    """An http(s) base URL as OpenAI clients take it (`/v1` included), kept without its
+    trailing slash so that `{url}/chat/completions` is the route."""
+    if _stored(info):
+        return value
+    parts = urllib.parse.urlsplit(value)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise invalid(
+            f'"{value}" is not an http or https URL with a host; give the upstream\'s '
+            'OpenAI base URL, e.g. "http://vllm.internal:8000/v1"'
+        )
+    if parts.query or parts.fragment or parts.username or parts.password:
+        raise invalid("must have no query, fragment or credentials: the key comes from apiKeyFrom")
+    return value.rstrip("/")
+
+
+_KEY_SOURCE = re.compile(r"^(env:[A-Za-z_][A-Za-z0-9_]*|file:/.+)$")
+
+
+def _check_key_source(value: str) -> str:
+    if not _KEY_SOURCE.match(value):
+        raise invalid(
+            "must be env:NAME (an environment variable of the daemon) or file:/ABSOLUTE/PATH; "
+            "the key itself never goes in a manifest"
+        )
+    return value
+
+
+class UpstreamTimeouts(CamelModel):
+    # Opening the TCP (and TLS) connection, and the wait for the upstream's first byte
+    # of an answer (its queue and prefill).
+    connect: Duration = "5s"
+    first_byte: Duration = "60s"
+
+    @property
+    def connect_s(self) -> float:
+        return parse_duration(self.connect).total_seconds()
+
+    @property
+    def first_byte_s(self) -> float:
+        return parse_duration(self.first_byte).total_seconds()
+
+
+class UpstreamTLS(CamelModel):
+    # PEM file of the certificate authorities to trust, instead of the system's.
+    ca_file: str | None = None
+
+    @field_validator("ca_file")
+    @classmethod
+    def _absolute(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith("/"):
+            raise invalid("must be an absolute path on the daemon's host")
+        return value
+
+
+MAX_UPSTREAM_CONCURRENCY = 4096
+
+
 class Upstream(CamelModel):
-    url: str
-    api_key_from: str | None = None
+    """An OpenAI-compatible server a Lane sends its requests to (`engine: upstream`)."""
+
+    url: Annotated[str, AfterValidator(_check_upstream_url)]
+    # The name the upstream knows the model by (its `model` field). Empty only in
+    # objects stored by an earlier version, whose spec.model holds it.
+    model: str = ""
+    api_key_from: Annotated[str, AfterValidator(_check_key_source)] | None = None
+    # The upstream's parallel requests: admission treats them as a local Lane's slots.
+    max_concurrency: int = Field(default=4, ge=1, le=MAX_UPSTREAM_CONCURRENCY)
+    timeouts: UpstreamTimeouts = Field(default_factory=UpstreamTimeouts)
+    tls: UpstreamTLS | None = None
+
+    @model_validator(mode="after")
+    def _tls_needs_https(self) -> Upstream:
+        if self.tls is not None and self.tls.ca_file and not self.url.startswith("https:"):
+            raise invalid("tls.caFile needs an https url")
+        return self
+
+
+# What a local Lane runs that an upstream Lane cannot honour: the upstream decides
+# them. Refused at apply (camelCase, as manifests spell them).
+UPSTREAM_REFUSED = (
+    "replicas",
+    "slots",
+    "contextPerSlot",
+    "threads",
+    "gpuLayers",
+    "kvCache",
+    "flashAttention",
+    "speculation",
+    "idle",
+)
 
 
 MAX_REPLICAS = 64
@@ -243,6 +333,7 @@ MAX_GPU_LAYERS = 9999
 
 
 class LaneSpec(CamelModel):
+    # Required for llama-cpp; an upstream Lane's is its upstream.model.
     model: str
     aliases: list[str] = Field(default_factory=list)
     engine: Literal["llama-cpp", "upstream"] = "llama-cpp"
@@ -302,12 +393,44 @@ class LaneSpec(CamelModel):
             )
         return value
 
+    @model_validator(mode="before")
+    @classmethod
+    def _upstream_lane(cls, data: Any, info: ValidationInfo) -> Any:
+        """An upstream Lane names its model in upstream.model, which becomes spec.model
+        (the name routing and ListModels show); a spec.model of its own is refused
+        unless it is that same name (what `get -o yaml` prints applies again). What
+        only a local engine can do is refused, not stored and ignored."""
+        if not isinstance(data, dict) or data.get("engine") != "upstream" or _stored(info):
+            return data
+        given = sorted({to_camel(k) for k in data} & set(UPSTREAM_REFUSED))
+        if given:
+            raise invalid(
+                f"{', '.join(given)}: not used by an upstream Lane (the upstream server "
+                "decides them); remove them, and give the upstream's parallel requests "
+                "as upstream.maxConcurrency"
+            )
+        upstream = data.get("upstream")
+        name = upstream.get("model") if isinstance(upstream, dict) else None
+        if not isinstance(name, str) or not name:
+            # Reported on the field (spec.upstream) by the validator below.
+            return data
+        if data.get("model", name) != name:
+            raise invalid(
+                f"model: an upstream Lane's model is upstream.model ({name}); remove spec.model"
+            )
+        return {**data, "model": name}
+
     @field_validator("upstream")
     @classmethod
-    def _upstream_needs_url(cls, value: Upstream | None, info: ValidationInfo) -> Upstream | None:
+    def _upstream_given(cls, value: Upstream | None, info: ValidationInfo) -> Upstream | None:
         # Checked on the field rather than the model so the error points at spec.upstream.
-        if info.data.get("engine") == "upstream" and value is None:
-            raise invalid("engine upstream requires upstream.url")
+        engine = info.data.get("engine")
+        if engine == "upstream" and value is None:
+            raise invalid("engine upstream requires upstream.url and upstream.model")
+        if engine == "upstream" and value is not None and not value.model and not _stored(info):
+            raise invalid("engine upstream requires upstream.model (the name the upstream knows)")
+        if engine != "upstream" and value is not None and not _stored(info):
+            raise invalid("is only for engine upstream; remove it, or set engine: upstream")
         return value
 
     # Accepted by the API's shape but not acted on yet: refused at apply rather than

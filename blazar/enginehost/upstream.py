@@ -1,0 +1,216 @@
+"""The one typed client of an upstream Lane's OpenAI-compatible server.
+
+An `UpstreamClient` holds one `httpx.AsyncClient` (its connection pool) per upstream
+spec; `UpstreamPool` keeps one per spec for the data plane and the controller, so a
+connection is reused across requests. `generate` streams canonical chunks as an
+engine's Generate call does (async-iterable, `cancel()` closes the connection so the
+upstream frees its slot); `probe` asks the upstream's `/models`.
+
+The API key is read at each use from where `upstream.apiKeyFrom` says (`env:NAME`,
+`file:PATH`) and is never logged nor put in an error. Failures are Blazar's errors
+(`blazar.api.errors`), mapped by `upstream_convert.http_error`: a refused connection
+or a timeout is UNAVAILABLE.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import ssl
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from blazar._proto.engine.v1 import engine_pb2
+from blazar._proto.v1 import inference_pb2
+from blazar.api import errors
+from blazar.api.kinds import Upstream
+from blazar.enginehost import upstream_convert
+
+# Sending the body (small) and waiting for a free connection of the pool.
+WRITE_TIMEOUT_S = 30.0
+POOL_TIMEOUT_S = 30.0
+# The most of an upstream's error answer read into a message.
+MAX_ERROR_BYTES = 4096
+# A probe's wait for the answer once connected: a model list is quick, and a probe
+# that hangs holds one of the controller's workers.
+PROBE_READ_TIMEOUT_S = 5.0
+
+
+def api_key(spec: Upstream) -> str | None:
+    """The key `apiKeyFrom` points at, read now; UNAVAILABLE (naming where, never the
+    key) when it is not there."""
+    source = spec.api_key_from
+    if source is None:
+        return None
+    where, _, name = source.partition(":")
+    if where == "env":
+        value = os.environ.get(name)
+        if not value:
+            raise errors.Unavailable(
+                f"The upstream's API key is read from the environment variable {name}, "
+                "which the daemon does not have."
+            )
+        return value
+    try:
+        return Path(name).read_text().strip()
+    except OSError as exc:
+        raise errors.Unavailable(
+            f"The upstream's API key file {name} cannot be read: {exc.strerror}."
+        ) from None
+
+
+@dataclass(frozen=True)
+class Probe:
+    """What the upstream answered its probe: `ok` when it served its model list."""
+
+    ok: bool
+    message: str
+
+
+class UpstreamClient:
+    """One upstream server, reached at its OpenAI base URL."""
+
+    def __init__(self, spec: Upstream) -> None:
+        self.spec = spec
+        timeouts = spec.timeouts
+        verify: ssl.SSLContext | bool = True
+        if spec.tls is not None and spec.tls.ca_file:
+            verify = ssl.create_default_context(cafile=spec.tls.ca_file)
+        self._http = httpx.AsyncClient(
+            timeout=httpx.Timeout(
+                connect=timeouts.connect_s,
+                read=timeouts.first_byte_s,
+                write=WRITE_TIMEOUT_S,
+                pool=POOL_TIMEOUT_S,
+            ),
+            verify=verify,
+            limits=httpx.Limits(max_connections=spec.max_concurrency + 2),
+        )
+
+    def _headers(self) -> dict[str, str]:
+        key = api_key(self.spec)
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
+    async def probe(self) -> Probe:
+        url = f"{self.spec.url}/models"
+        try:
+            timeout = httpx.Timeout(
+                connect=self.spec.timeouts.connect_s,
+                read=PROBE_READ_TIMEOUT_S,
+                write=PROBE_READ_TIMEOUT_S,
+                pool=PROBE_READ_TIMEOUT_S,
+            )
+            response = await self._http.get(url, headers=self._headers(), timeout=timeout)
+        except errors.BlazarError as err:
+            return Probe(False, err.message)
+        except httpx.HTTPError as exc:
+            return Probe(False, f"GET {url} failed: {_describe(exc)}.")
+        if response.status_code != 200:
+            text = response.text[:MAX_ERROR_BYTES]
+            said = upstream_convert.http_error(response.status_code, text).message
+            return Probe(False, f"GET {url}: {said}")
+        try:
+            listed = [m.get("id") for m in response.json().get("data", [])]
+        except (ValueError, AttributeError):
+            listed = []
+        model = self.spec.model
+        if model and listed and model not in listed:
+            return Probe(True, f"{self.spec.url} answers; it does not list model {model}.")
+        return Probe(True, f"{self.spec.url} answers and serves {model or 'its models'}.")
+
+    def generate(self, request: engine_pb2.GenerateRequest, *, model: str) -> UpstreamCall:
+        """Start a generation of `model`; iterate the call for its chunks, cancel it to
+        stop. Raises INVALID_ARGUMENT for what the upstream cannot be asked for."""
+        route, body = upstream_convert.request_body(request, model=model)
+        return UpstreamCall(self, f"{self.spec.url}/{route}", body)
+
+    async def _stream(
+        self, url: str, body: dict[str, object]
+    ) -> AsyncGenerator[inference_pb2.Chunk, None]:
+        translator = upstream_convert.StreamTranslator()
+        try:
+            async with self._http.stream("POST", url, json=body, headers=self._headers()) as answer:
+                if answer.status_code != 200:
+                    text = (await answer.aread())[:MAX_ERROR_BYTES].decode(errors="replace")
+                    raise upstream_convert.http_error(
+                        answer.status_code, text, retry_after=answer.headers.get("retry-after")
+                    )
+                async for line in answer.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        break
+                    try:
+                        event = json.loads(data)
+                    except ValueError:
+                        raise errors.Unavailable(
+                            f"The upstream server sent an event that is not JSON: {data[:200]}"
+                        ) from None
+                    for chunk in translator.feed(event):
+                        yield chunk
+        except httpx.HTTPError as exc:
+            raise errors.Unavailable(f"The upstream server {url}: {_describe(exc)}.") from None
+        yield translator.finish()
+
+    async def close(self) -> None:
+        await self._http.aclose()
+
+
+class UpstreamCall:
+    """One generation on an upstream, shaped as an engine's Generate call."""
+
+    def __init__(self, client: UpstreamClient, url: str, body: dict[str, object]) -> None:
+        self._stream = client._stream(url, body)
+        self._closing: asyncio.Task[None] | None = None
+
+    def __aiter__(self) -> AsyncIterator[inference_pb2.Chunk]:
+        return self._stream
+
+    def cancel(self) -> bool:
+        """Close the upstream's connection (it frees its slot); a no-op once ended."""
+        if self._closing is None:
+            self._closing = asyncio.get_running_loop().create_task(self._close())
+        return True
+
+    async def _close(self) -> None:
+        await self._stream.aclose()
+
+
+def _describe(exc: httpx.HTTPError) -> str:
+    if isinstance(exc, httpx.ConnectTimeout):
+        return "no connection within the connect timeout"
+    if isinstance(exc, httpx.ReadTimeout):
+        return "no answer within the first-byte timeout"
+    if isinstance(exc, httpx.ConnectError):
+        return f"cannot connect ({exc})"
+    return f"{type(exc).__name__} ({exc})"
+
+
+class UpstreamPool:
+    """One client per upstream spec, reused by every request to it."""
+
+    def __init__(self) -> None:
+        self._clients: dict[str, UpstreamClient] = {}
+
+    def client(self, spec: Upstream) -> UpstreamClient:
+        key = spec.model_dump_json()
+        found = self._clients.get(key)
+        if found is None:
+            found = self._clients[key] = UpstreamClient(spec)
+        return found
+
+    async def retain(self, specs: list[Upstream]) -> None:
+        """Close the clients of specs no longer in use."""
+        keep = {spec.model_dump_json() for spec in specs}
+        for key in [k for k in self._clients if k not in keep]:
+            await self._clients.pop(key).close()
+
+    async def close(self) -> None:
+        for client in self._clients.values():
+            await client.close()
+        self._clients.clear()
