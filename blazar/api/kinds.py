@@ -433,18 +433,6 @@ class LaneSpec(CamelModel):
             raise invalid("is only for engine upstream; remove it, or set engine: upstream")
         return value
 
-    # Accepted by the API's shape but not acted on yet: refused at apply rather than
-    # stored and ignored (a stored object written before keeps loading).
-    @field_validator("engine")
-    @classmethod
-    def _engine_supported(cls, value: str, info: ValidationInfo) -> str:
-        if value == "upstream" and not _stored(info):
-            raise invalid(
-                "engine upstream is not supported yet: Lanes run llama-cpp engines on this "
-                "host (remove engine, or set it to llama-cpp)"
-            )
-        return value
-
 
 class ReplicaStatus(CamelModel):
     model_config = ConfigDict(extra="ignore")

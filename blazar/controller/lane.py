@@ -8,24 +8,37 @@ A Lane sleeps (zero replicas, `Available=False` reason `Sleeping`) after
 idle.sleepAfter, when a request's keep_alive says so, or when the memory budget put it
 to sleep to make room for a Lane a request waits for; `sleeper` decides, with
 `residency`. The next request wakes it. `preload: true` keeps it awake through all.
+
+An upstream Lane (`engine: upstream`) runs no process: its upstream is probed and its
+status and events are `upstream_plan`'s.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from datetime import datetime
 
 import structlog
 
 from blazar.api import conditions
-from blazar.api.kinds import Kind, Lane, LaneStatus, Model, ModelDraft, NgramDraft, SpecPair
+from blazar.api.kinds import (
+    Kind,
+    Lane,
+    LaneStatus,
+    Model,
+    ModelDraft,
+    NgramDraft,
+    SpecPair,
+    Upstream,
+)
 from blazar.api.replicas import LaunchSpec, ReplicaObservation, ReplicaState, SpeculationLaunch
-from blazar.controller import fit, lane_plan, ledger, residency, sleeper
+from blazar.controller import fit, lane_plan, ledger, residency, sleeper, upstream_plan
 from blazar.controller.hostmemory import HostMemory
 from blazar.controller.processes import Processes
 from blazar.controller.reconciler import Result
 from blazar.enginehost.activity import Activity
+from blazar.enginehost.upstream import Probe, UpstreamPool
 from blazar.store.base import Store
 
 log = structlog.get_logger(__name__)
@@ -42,8 +55,9 @@ def model_readiness(
     it at every start), so nothing starts until the Lane or the pair is fixed.
     """
     if lane.spec.engine != "llama-cpp":
+        # An upstream Lane whose spec lacks its upstream (stored by an earlier version).
         return lane_plan.ModelReadiness(
-            False, "EngineUnsupported", f"Engine '{lane.spec.engine}' is not supported yet."
+            False, "UpstreamMissing", "engine upstream needs spec.upstream; apply it again."
         )
     if model is None:
         return lane_plan.ModelReadiness(
@@ -148,12 +162,24 @@ class LaneReconciler:
         budget: int | None = None,
         min_residency_s: float = residency.DEFAULT_MIN_RESIDENCY_S,
         notify: Callable[[str], None] | None = None,
+        probe: Callable[[Upstream], Awaitable[Probe]] | None = None,
     ) -> None:
         """`activity`: what the data plane's callers are doing, for idle.sleepAfter,
         keep_alive and residency (None: no Lane ever sleeps). `memory` is what the fit
         ledger reads; None starts replicas unchecked. `budget`: bytes all replicas
         together may hold (None: what the host has). `notify(lane)` asks for another
-        pass of a Lane (the budget put it to sleep, or memory freed for it)."""
+        pass of a Lane (the budget put it to sleep, or memory freed for it). `probe`
+        asks an upstream Lane's server whether it answers (None: through one
+        `UpstreamPool` client per upstream)."""
+        if probe is None:
+            pool = UpstreamPool()
+
+            def probe(spec: Upstream) -> Awaitable[Probe]:
+                return pool.client(spec).probe()
+
+        self._probe = probe
+        # Upstream Lanes' probes failed in a row, by Lane: their back-off.
+        self._failures: dict[str, int] = {}
         self._store = store
         self._processes = processes
         self._clock = clock
@@ -181,8 +207,12 @@ class LaneReconciler:
             await self._stop_all(name)
             # After the stops: each replica saves its caches as it stops gracefully.
             await self._discard_kv(name)
+            self._failures.pop(name, None)
             return Result()
         assert isinstance(lane, Lane)
+        if lane.spec.engine == "upstream" and lane.spec.upstream is not None:
+            return await self._reconcile_upstream(lane)
+        self._failures.pop(name, None)
         model = self._store.get(Kind.MODEL, lane.spec.model)
         assert model is None or isinstance(model, Model)
         pair, draft = self._speculation(lane)
@@ -239,6 +269,33 @@ class LaneReconciler:
         self._sleeper.passed(name, plan, observed)
         later = [t for t in (plan.requeue_after, sleep.recheck_after, room) if t is not None]
         return Result(requeue_after=min(later, default=None))
+
+    async def _reconcile_upstream(self, lane: Lane) -> Result:
+        """No process: probe the upstream, write what it answered (`upstream_plan`),
+        and look again after the probe period, or the back-off while it fails."""
+        name, spec = lane.metadata.name, lane.spec.upstream
+        assert spec is not None
+        # Engines of the Lane's life before it became an upstream Lane.
+        for obs in self._processes.observe(name):
+            await self._act(name, lane_plan.Stop(obs.index, "EngineUpstream"))
+        probe = await self._probe(spec)
+        failures = 0 if probe.ok else self._failures.get(name, 0) + 1
+        self._failures[name] = failures
+        event = upstream_plan.transition(lane.status, ok=probe.ok, message=probe.message)
+        status = upstream_plan.upstream_status(
+            previous=lane.status,
+            generation=lane.metadata.generation or 0,
+            url=spec.url,
+            ok=probe.ok,
+            message=probe.message,
+            now=self._clock(),
+        )
+        if status != lane.status:
+            self._store.update_status(Kind.LANE, name, status)
+        if event is not None:
+            log.info("upstream.probe", lane=name, ok=probe.ok, message=probe.message)
+            self._event(name, event.type, event.reason, event.message)
+        return Result(requeue_after=upstream_plan.next_probe_s(failures))
 
     def _place(
         self,

@@ -7,14 +7,19 @@ first token and the end with the Lane's dispatcher, counts the request on its re
 (`inflight`, which routing reads as load) and charges its tenant. A replica that
 refuses with UNAVAILABLE before its first chunk yields a final None: the caller hands
 the request back to admission (nothing was generated, so this is safe).
+
+An upstream Lane's one replica is its upstream server: the stream comes from
+`blazar.enginehost.upstream` as canonical chunks, and its failures (Blazar errors,
+not gRPC's) are the caller's answer at once: handed back, the request would only go
+to the same server again.
 """
 
 from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import AsyncGenerator
-from typing import Any, TypeAlias
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any, Protocol, TypeAlias
 
 import grpc
 import structlog
@@ -24,6 +29,7 @@ from blazar._proto.v1 import inference_pb2
 from blazar.api import errors
 from blazar.dataplane import access, dispatcher, metrics, routing
 from blazar.enginehost.client import EnginePool
+from blazar.enginehost.upstream import UpstreamPool
 from blazar.rpc import status
 
 log = structlog.get_logger(__name__)
@@ -43,8 +49,11 @@ PREDICTED_TTFT_KEY = "blazar-predicted-ttft-ms"
 class Attempts:
     """Streams admitted requests from engines; `inflight` counts them by replica."""
 
-    def __init__(self, *, pool: EnginePool, access: access.Access) -> None:
+    def __init__(
+        self, *, pool: EnginePool, access: access.Access, upstreams: UpstreamPool | None = None
+    ) -> None:
         self._pool = pool
+        self._upstreams = upstreams if upstreams is not None else UpstreamPool()
         self._access = access
         # By (lane, replica index): requests streaming from it now.
         self.inflight: Counter[tuple[str, int]] = Counter()
@@ -64,7 +73,7 @@ class Attempts:
         key = (replica.lane, replica.index)
         self.inflight[key] += 1
         metrics.IN_FLIGHT.labels(route.lane).inc()
-        call = self._pool.client(replica.socket, process=replica.pid).generate(generate)
+        call = self._open(route, replica, generate)
         first_at: float | None = None
         tokens = 0
         sent = False
@@ -105,14 +114,20 @@ class Attempts:
                     settled = True
                 sent = True
                 yield chunk
-        except grpc.aio.AioRpcError as exc:
-            failure = status.from_rpc_error(exc)
+        except (grpc.aio.AioRpcError, errors.BlazarError) as exc:
             settled = True
-            if not sent and isinstance(failure, errors.Unavailable):
+            # A BlazarError is an upstream's failure: its only replica is the one that
+            # failed, so handing the request back would send it there again at once.
+            failure = exc if isinstance(exc, errors.BlazarError) else status.from_rpc_error(exc)
+            if (
+                isinstance(exc, grpc.aio.AioRpcError)
+                and not sent
+                and isinstance(failure, errors.Unavailable)
+            ):
                 retried = True
                 yield None
                 return
-            if status.lost_peer(exc):
+            if isinstance(exc, grpc.aio.AioRpcError) and status.lost_peer(exc):
                 # gRPC's own words ("Stream removed (Socket closed)") mean nothing to the
                 # caller; the engine died mid-answer, and another try may well succeed.
                 failure = errors.Unavailable(
@@ -147,6 +162,22 @@ class Attempts:
             queued_s=round(ticket.waited_s, 3),
             seconds=round(time.monotonic() - ticket.arrived, 3),
         )
+
+    def _open(
+        self, route: routing.Route, replica: routing.Replica, generate: engine_pb2.GenerateRequest
+    ) -> Call:
+        """The generation's call: on the replica's engine, or on the Lane's upstream."""
+        if route.upstream is not None:
+            return self._upstreams.client(route.upstream).generate(generate, model=route.model)
+        return self._pool.client(replica.socket, process=replica.pid).generate(generate)
+
+
+class Call(Protocol):
+    """A generation under way: an engine's Generate call or an upstream's stream."""
+
+    def __aiter__(self) -> AsyncIterator[inference_pb2.Chunk]: ...
+
+    def cancel(self) -> bool: ...
 
 
 def initial_metadata(run: dispatcher.Run) -> tuple[tuple[str, str], ...]:

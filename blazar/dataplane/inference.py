@@ -46,8 +46,10 @@ from blazar.dataplane import (
     prefixes,
     routing,
 )
+from blazar.enginehost import upstream_convert
 from blazar.enginehost.activity import Activity
 from blazar.enginehost.client import EnginePool
+from blazar.enginehost.upstream import UpstreamPool
 from blazar.rpc import status
 from blazar.store.base import Store, WatchEvent
 
@@ -100,15 +102,17 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         parker: parking.Parker | None = None,
         access: access.Access | None = None,
         activity: Activity | None = None,
+        upstreams: UpstreamPool | None = None,
     ) -> None:
         """On the data plane's event loop (each Lane's admission task runs there).
         `activity`: where requests are counted for idle.sleepAfter, and a sleeping
-        Lane is woken."""
+        Lane is woken. `upstreams`: the clients of upstream Lanes' servers."""
         self._store = store
         self._pool = pool
+        self._upstreams = upstreams if upstreams is not None else UpstreamPool()
         self._activity = activity if activity is not None else Activity()
         self._access = access if access is not None else _open_access()
-        self._attempts = attempt.Attempts(pool=pool, access=self._access)
+        self._attempts = attempt.Attempts(pool=pool, access=self._access, upstreams=self._upstreams)
         self._sessions = routing.Sessions()
         self._prefixes: dict[str, prefixes.PrefixIndex] = {}
         self._dispatchers = dispatcher.Dispatchers(parker=parker or parking.EngineParker(pool))
@@ -154,6 +158,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         waiting are refused as UNAVAILABLE (the server is shutting down)."""
         self._unsubscribe()
         await self._dispatchers.close()
+        await self._upstreams.close()
 
     def live_status(self, kind: Kind, name: str) -> dict[str, Any]:
         """Admission's live figures for an object's status as the Control API shows it
@@ -392,6 +397,15 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         (embeddings, tokenizing): a sleeping Lane is woken and waited for, up to
         WAKE_TIMEOUT_S."""
         route, replica, _ = await self._route(model, context)
+        if route.upstream is not None:
+            await status.abort(
+                context,
+                errors.InvalidRequest(
+                    f"The model '{route.lane}' is served by an upstream server; embeddings "
+                    "and tokenizing are not passed to upstream servers.",
+                    metadata={"lane": route.lane},
+                ),
+            )
         if replica is not None:
             return route, replica
         self._activity.begin(route.lane)
@@ -514,6 +528,9 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                     f"The model '{route.lane}' has no ready replica yet; retry shortly.",
                     metadata={"lane": route.lane},
                 )
+            if route.upstream is not None and (refused := upstream_convert.refusal(generate)):
+                # Before admission: a request the upstream cannot be asked takes no slot.
+                raise refused
         except errors.BlazarError as err:
             log.info("request.rejected", model=route.lane, reason=err.reason)
             await status.abort(context, err)

@@ -8,13 +8,14 @@ with a session key, the replica that session used last (`Sessions`).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections import OrderedDict
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from blazar.api import conditions, errors
-from blazar.api.kinds import Lane
+from blazar.api.kinds import Lane, Upstream
 from blazar.api.replicas import ReplicaState
 
 
@@ -50,11 +51,15 @@ class Route:
     # It sleeps now (its status says so).
     sleeping: bool = False
     # Why no new replica can start, from the Lane's ModelReady condition when it is
-    # False (`Model "m" does not exist.`); empty when the Model is ready.
+    # False (`Model "m" does not exist.`); empty when the Model is ready. An upstream
+    # Lane's: why its upstream does not answer (its Available condition).
     model_problem: str = ""
     # Why no replica can ever start as the Lane is, from its Schedulable condition
     # when it needs more than the host has or the whole memory budget; else empty.
     memory_problem: str = ""
+    # engine: upstream: the server its one replica (index 0, ready while the upstream
+    # answers its probe) sends requests to; None for a Lane of local engines.
+    upstream: Upstream | None = None
 
 
 @dataclass(frozen=True)
@@ -74,24 +79,36 @@ def build_table(lanes: Sequence[Lane]) -> RouteTable:
             if r.state == ReplicaState.READY.value and r.socket
         )
         created = lane.metadata.creation_timestamp
-        routes.append(
-            Route(
-                lane=lane.metadata.name,
-                model=lane.spec.model,
-                aliases=tuple(lane.spec.aliases),
-                replicas=ready,
-                created=int(created.timestamp()) if created else 0,
-                context_length=lane.spec.context_per_slot,
-                slots=lane.spec.slots,
-                desired=lane.spec.replicas,
-                slo_policy=lane.spec.slo_policy,
-                max_parked_bytes=lane.spec.kv_cache.max_parked_mib << 20,
-                wakes=_wakes(lane),
-                sleeping=lane.status.sleeping,
-                model_problem=_model_problem(lane),
-                memory_problem=_memory_problem(lane),
-            )
+        route = Route(
+            lane=lane.metadata.name,
+            model=lane.spec.model,
+            aliases=tuple(lane.spec.aliases),
+            replicas=ready,
+            created=int(created.timestamp()) if created else 0,
+            context_length=lane.spec.context_per_slot,
+            slots=lane.spec.slots,
+            desired=lane.spec.replicas,
+            slo_policy=lane.spec.slo_policy,
+            max_parked_bytes=lane.spec.kv_cache.max_parked_mib << 20,
+            wakes=_wakes(lane),
+            sleeping=lane.status.sleeping,
+            model_problem=_model_problem(lane),
+            memory_problem=_memory_problem(lane),
         )
+        if lane.spec.engine == "upstream" and lane.spec.upstream is not None:
+            # Admission counts the upstream's parallel requests as slots; nothing parks
+            # there (no KV is reachable), and it never sleeps.
+            route = dataclasses.replace(
+                route,
+                slots=lane.spec.upstream.max_concurrency,
+                desired=1,
+                max_parked_bytes=0,
+                wakes=False,
+                sleeping=False,
+                model_problem=_upstream_problem(lane),
+                upstream=lane.spec.upstream,
+            )
+        routes.append(route)
     by_name: dict[str, Route] = {route.lane: route for route in routes}
     for route in routes:
         for alias in route.aliases:
@@ -130,13 +147,27 @@ def _memory_problem(lane: Lane) -> str:
     return cond.message
 
 
+def _upstream_problem(lane: Lane) -> str:
+    cond = conditions.get_condition(lane.status.conditions, "Available")
+    if cond is None or cond.status != "False":
+        return ""
+    return cond.message or "Its upstream does not answer."
+
+
 def unservable(route: Route) -> errors.Unavailable | None:
     """Why a Lane with no ready replica will have none until its operator acts (its
     Model is missing or not ready), as the error its requests get; None when a replica
     may yet come (starting, restarting). Not "retry shortly": retrying cannot help.
-    A Lane whose replica can never fit in memory as it is says so the same way."""
+    A Lane whose replica can never fit in memory as it is says so the same way. An
+    upstream Lane's: its upstream does not answer (it may again: the probe says)."""
     if route.replicas or not (route.model_problem or route.memory_problem):
         return None
+    if route.upstream is not None:
+        return errors.Unavailable(
+            f"The model '{route.lane}' is served by an upstream server that does not "
+            f"answer: {route.model_problem} Retry later.",
+            metadata={"lane": route.lane, "upstream": route.upstream.url},
+        )
     if not route.model_problem:
         return errors.Unavailable(
             f"The model '{route.lane}' has no ready replica, and Lane '{route.lane}' can "

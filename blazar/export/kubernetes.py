@@ -178,7 +178,7 @@ FLEET_GAPS = (
     "the endpoint picker's to do in the cluster, by its own rules",
     "Tenants and API keys (the auth file) are not manifests: authentication is the gateway's",
     "Dialects: llama-server speaks the OpenAI API (and Anthropic's messages in recent builds), "
-    "not Ollama's; a local Blazar fronting the cluster through upstream Lanes (planned) would "
+    "not Ollama's; a local Blazar fronting the cluster through upstream Lanes would "
     "keep every dialect",
     f"Sessions and the x-blazar-slo header: clients send {OBJECTIVE_HEADER}: <lane>-<policy>",
 )

@@ -290,7 +290,7 @@ def test_admission_refusals_are_overloaded_with_the_numbers(
         (lane_doc(slots=65), "Lane/gemma: spec.slots", "less than or equal to 64"),
         (lane_doc(replicas=-1), "Lane/gemma: spec.replicas", "greater than or equal to 0"),
         (lane_doc(engine="vllm"), "Lane/gemma: spec.engine", "'llama-cpp' or 'upstream'"),
-        (lane_doc(engine="upstream"), "Lane/gemma: spec.engine", "not supported yet"),
+        (lane_doc(engine="upstream"), "Lane/gemma: spec.upstream", "requires upstream.url"),
         (lane_doc(kvCache={"typeK": "q9"}), "Lane/gemma: spec.kvCache.typeK", "KV cache type"),
         (
             lane_doc(flashAttention="yes"),
@@ -325,11 +325,84 @@ def test_admission_refusals_are_overloaded_with_the_numbers(
         (lane_doc(gpuLayers=999), None, None),
         (lane_doc(idle={"sleepAfter": "soon"}), "Lane/gemma: spec.idle.sleepAfter", "duration"),
         (lane_doc(idle={"sleepAfter": "1h30m"}), None, None),
-        # Fields of the API's shape that are not acted on yet: refused, not ignored.
+        # Upstream Lanes: the upstream's name is upstream.model; what only a local
+        # engine does is refused, not stored and ignored.
         (
             lane_doc(engine="upstream", upstream={"url": "http://vllm:8000/v1"}),
-            "Lane/gemma: spec.engine",
-            "engine upstream is not supported yet",
+            "Lane/gemma: spec.upstream",
+            "requires upstream.model",
+        ),
+        (
+            lane_doc(engine="upstream", upstream={"url": "http://vllm:8000/v1", "model": "m"}),
+            "Lane/gemma: spec",
+            "an upstream Lane's model is upstream.model (m)",
+        ),
+        (
+            {
+                **lane_doc(),
+                "spec": {
+                    "engine": "upstream",
+                    "slots": 4,
+                    "kvCache": {"persist": True},
+                    "upstream": {"url": "http://vllm:8000/v1", "model": "m"},
+                },
+            },
+            "Lane/gemma: spec",
+            "kvCache, slots: not used by an upstream Lane",
+        ),
+        (
+            {
+                **lane_doc(),
+                "spec": {"engine": "upstream", "upstream": {"url": "vllm:8000", "model": "m"}},
+            },
+            "Lane/gemma: spec.upstream.url",
+            "is not an http or https URL",
+        ),
+        (
+            {
+                **lane_doc(),
+                "spec": {
+                    "engine": "upstream",
+                    "upstream": {"url": "http://v/v1", "model": "m", "apiKeyFrom": "sk-abc"},
+                },
+            },
+            "Lane/gemma: spec.upstream.apiKeyFrom",
+            "must be env:NAME",
+        ),
+        (
+            {
+                **lane_doc(),
+                "spec": {
+                    "engine": "upstream",
+                    "upstream": {"url": "http://v/v1", "model": "m", "tls": {"caFile": "/ca"}},
+                },
+            },
+            "Lane/gemma: spec.upstream",
+            "tls.caFile needs an https url",
+        ),
+        (
+            {**lane_doc(), "spec": {"model": "m", "upstream": {"url": "http://v", "model": "m"}}},
+            "Lane/gemma: spec.upstream",
+            "only for engine upstream",
+        ),
+        (
+            {
+                **lane_doc(),
+                "spec": {
+                    "engine": "upstream",
+                    "model": "m",
+                    "upstream": {
+                        "url": "https://v/v1/",
+                        "model": "m",
+                        "apiKeyFrom": "env:KEY",
+                        "maxConcurrency": 8,
+                        "timeouts": {"connect": "2s", "firstByte": "30s"},
+                        "tls": {"caFile": "/etc/ca.pem"},
+                    },
+                },
+            },
+            None,
+            None,
         ),
         (lane_doc(aliases=["a", "a"]), "Lane/gemma: spec.aliases", "distinct"),
         (lane_doc("Bad_Name"), "Lane/Bad_Name: metadata.name", "not a valid name"),

@@ -684,14 +684,14 @@ def test_the_vendored_crds_give_the_two_schemas_checked() -> None:
     }
 
 
-def test_an_upstream_lane_is_refused_as_apply_refuses_it(
+def test_an_upstream_lane_has_nothing_to_run(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     (tmp_path / "lane.yaml").write_text(
         "apiVersion: blazar.dev/v1alpha1\nkind: Lane\nmetadata: {name: remote}\n"
-        "spec: {model: m, engine: upstream, upstream: {url: 'http://x:8000/v1'}}\n"
+        "spec: {engine: upstream, upstream: {url: 'http://x:8000/v1', model: m}}\n"
     )
-    assert main.main(["export", "kubernetes", "-f", str(tmp_path / "lane.yaml")]) == 1
-    captured = capsys.readouterr()
-    assert "Lane/remote: spec.engine: engine upstream is not supported yet" in captured.err
-    assert captured.out == ""
+    assert main.main(["export", "kubernetes", "-f", str(tmp_path / "lane.yaml")]) == 0
+    docs = [d for d in yaml.safe_load_all(capsys.readouterr().out) if d]
+    assert not [d for d in docs if d["kind"] in ("Deployment", "Service")]
+    assert "lane-remote.yaml" in next(d for d in docs if d["kind"] == "ConfigMap")["data"]

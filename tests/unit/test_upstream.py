@@ -1,16 +1,30 @@
-"""Upstream Lanes' pure pieces: the OpenAI translation both ways and error mapping."""
+"""Upstream Lanes' pure pieces: the OpenAI translation both ways, error mapping, the
+probe's status and events, and the route an upstream Lane makes."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
 
 from blazar._proto.engine.v1 import engine_pb2
 from blazar._proto.v1 import inference_pb2 as pb
-from blazar.api import errors
+from blazar.api import errors, kinds
+from blazar.api.kinds import Kind
+from blazar.api.meta import ObjectMeta
+from blazar.controller import upstream_plan
+from blazar.controller.lane import LaneReconciler
+from blazar.dataplane import routing
 from blazar.enginehost import upstream_convert as convert
+from blazar.enginehost.upstream import Probe
+from blazar.store.memory import MemoryStore
+from tests.unit.helpers import Clock
+from tests.unit.test_controller import FakeProcesses, apply, cond
+
+NOW = datetime(2026, 1, 1, tzinfo=UTC)
 
 
 def chat_request(**sampling: Any) -> engine_pb2.GenerateRequest:
@@ -200,3 +214,144 @@ def test_http_errors(status: int, kind: type[errors.BlazarError]) -> None:
     assert "why" in err.message and str(status) in err.message
     if status == 429:
         assert err.metadata[errors.RETRY_AFTER_KEY] == "2000"
+
+
+@pytest.mark.parametrize(
+    ("failures", "seconds"),
+    [
+        (0, upstream_plan.PROBE_PERIOD_S),
+        (1, 5.0),
+        (2, 10.0),
+        (3, upstream_plan.MAX_PROBE_INTERVAL_S),
+    ],
+)
+def test_probe_backs_off_up_to_its_bound(failures: int, seconds: float) -> None:
+    assert upstream_plan.next_probe_s(failures) == seconds
+
+
+def test_probe_status_and_events() -> None:
+    first = kinds.LaneStatus()
+    up = upstream_plan.upstream_status(
+        previous=first, generation=2, url="http://u/v1", ok=True, message="answers", now=NOW
+    )
+    assert upstream_plan.transition(first, ok=True, message="answers") == upstream_plan.Event(
+        "Normal", "UpstreamAvailable", "answers"
+    )
+    assert {c.type: (c.status.value, c.reason) for c in up.conditions} == {
+        "Available": ("True", "UpstreamAnswering"),
+        "Ready": ("True", "UpstreamAnswering"),
+        "Degraded": ("False", "ProbeSucceeded"),
+    }
+    assert up.ready_replicas == 1 and up.replica_statuses[0].state == "Ready"
+    assert up.replica_statuses[0].socket == "http://u/v1"
+    # The same answer again: no event, no change.
+    assert upstream_plan.transition(up, ok=True, message="answers") is None
+    same = upstream_plan.upstream_status(
+        previous=up,
+        generation=2,
+        url="http://u/v1",
+        ok=True,
+        message="answers",
+        now=NOW + timedelta(seconds=5),
+    )
+    assert same == up
+    down = upstream_plan.upstream_status(
+        previous=up, generation=2, url="http://u/v1", ok=False, message="refused", now=NOW
+    )
+    assert upstream_plan.transition(up, ok=False, message="refused") == upstream_plan.Event(
+        "Warning", "UpstreamUnavailable", "refused"
+    )
+    available = next(c for c in down.conditions if c.type == "Available")
+    assert (available.status.value, available.message) == ("False", "refused")
+    assert down.ready_replicas == 0 and down.replica_statuses[0].state == "Failed"
+
+
+def test_stale_local_conditions_are_dropped() -> None:
+    previous = kinds.LaneStatus.model_validate(
+        {
+            "conditions": [
+                {
+                    "type": "ModelReady",
+                    "status": "False",
+                    "reason": "X",
+                    "message": "m",
+                    "lastTransitionTime": NOW.isoformat(),
+                    "observedGeneration": 1,
+                }
+            ]
+        }
+    )
+    status = upstream_plan.upstream_status(
+        previous=previous, generation=1, url="http://u", ok=True, message="ok", now=NOW
+    )
+    assert "ModelReady" not in {c.type for c in status.conditions}
+
+
+def upstream_lane(ok: bool) -> kinds.Lane:
+    spec = kinds.LaneSpec.model_validate(
+        {
+            "engine": "upstream",
+            "upstream": {"url": "http://u/v1", "model": "g", "maxConcurrency": 3},
+        }
+    )
+    status = upstream_plan.upstream_status(
+        previous=kinds.LaneStatus(),
+        generation=1,
+        url="http://u/v1",
+        ok=ok,
+        message="refused.",
+        now=NOW,
+    )
+    return kinds.Lane(metadata=ObjectMeta(name="r"), spec=spec, status=status)
+
+
+def test_an_upstream_lane_routes_to_its_one_replica_while_it_answers() -> None:
+    route = routing.build_table([upstream_lane(True)]).by_name["r"]
+    assert route.model == "g" and route.slots == 3 and route.max_parked_bytes == 0
+    assert route.upstream is not None and route.upstream.url == "http://u/v1"
+    assert routing.pick_replica(route, {}).index == 0
+    down = routing.build_table([upstream_lane(False)]).by_name["r"]
+    assert down.replicas == ()
+    with pytest.raises(errors.Unavailable, match="upstream server that does not answer: refused"):
+        routing.pick_replica(down, {})
+
+
+UPSTREAM_LANE = """
+apiVersion: blazar.dev/v1alpha1
+kind: Lane
+metadata: {name: l}
+spec: {engine: upstream, upstream: {url: "http://u:1/v1", model: g}}
+"""
+
+
+def test_the_reconciler_probes_and_reports_without_a_process() -> None:
+    """State, not calls: no process starts; conditions, replica and events follow the
+    probe's answer; the next look is the period, or the back-off while it fails."""
+    clock = Clock()
+    store = MemoryStore()
+    procs = FakeProcesses(clock)
+    answers: list[Probe] = []
+
+    async def probe(spec: kinds.Upstream) -> Probe:
+        assert spec.url == "http://u:1/v1"
+        return answers.pop(0)
+
+    rec = LaneReconciler(store=store, processes=procs, clock=clock, probe=probe)
+    apply(store, UPSTREAM_LANE)
+
+    def look(answer: Probe) -> float | None:
+        answers.append(answer)
+        return asyncio.run(rec.reconcile("l")).requeue_after
+
+    assert look(Probe(True, "answers.")) == upstream_plan.PROBE_PERIOD_S
+    assert procs.observe("l") == [] and procs.started == []
+    assert cond(store, "Available") == ("True", "UpstreamAnswering")
+    assert look(Probe(False, "cannot connect.")) == upstream_plan.PROBE_PERIOD_S
+    assert cond(store, "Available") == ("False", "UpstreamUnavailable")
+    assert cond(store, "Ready") == ("False", "UpstreamUnavailable")
+    assert look(Probe(False, "cannot connect.")) == 2 * upstream_plan.PROBE_PERIOD_S
+    assert look(Probe(True, "answers.")) == upstream_plan.PROBE_PERIOD_S
+    lane = store.get(Kind.LANE, "l")
+    assert isinstance(lane, kinds.Lane) and lane.status.ready_replicas == 1
+    reasons = [e.reason for e in store.events(kind="Lane", name="l")]
+    assert reasons == ["UpstreamAvailable", "UpstreamUnavailable", "UpstreamAvailable"]
