@@ -398,17 +398,9 @@ class LaneSpec(CamelModel):
     def _upstream_lane(cls, data: Any, info: ValidationInfo) -> Any:
         """An upstream Lane names its model in upstream.model, which becomes spec.model
         (the name routing and ListModels show); a spec.model of its own is refused
-        unless it is that same name (what `get -o yaml` prints applies again). What
-        only a local engine can do is refused, not stored and ignored."""
+        unless it is that same name (what `get -o yaml` prints applies again)."""
         if not isinstance(data, dict) or data.get("engine") != "upstream" or _stored(info):
             return data
-        given = sorted({to_camel(k) for k in data} & set(UPSTREAM_REFUSED))
-        if given:
-            raise invalid(
-                f"{', '.join(given)}: not used by an upstream Lane (the upstream server "
-                "decides them); remove them, and give the upstream's parallel requests "
-                "as upstream.maxConcurrency"
-            )
         upstream = data.get("upstream")
         name = upstream.get("model") if isinstance(upstream, dict) else None
         if not isinstance(name, str) or not name:
@@ -419,6 +411,28 @@ class LaneSpec(CamelModel):
                 f"model: an upstream Lane's model is upstream.model ({name}); remove spec.model"
             )
         return {**data, "model": name}
+
+    @model_validator(mode="after")
+    def _no_local_settings(self, info: ValidationInfo) -> LaneSpec:
+        """What only a local engine does is refused on an upstream Lane. A value equal
+        to the field's default changes nothing and passes, so that what `get -o yaml`
+        prints (every default included) applies again."""
+        if self.engine != "upstream" or _stored(info):
+            return self
+        fields = type(self).model_fields
+        given = sorted(
+            to_camel(name)
+            for name in self.model_fields_set
+            if to_camel(name) in UPSTREAM_REFUSED
+            and getattr(self, name) != fields[name].get_default(call_default_factory=True)
+        )
+        if given:
+            raise invalid(
+                f"{', '.join(given)}: not used by an upstream Lane (the upstream server "
+                "decides them); remove them, and give the upstream's parallel requests "
+                "as upstream.maxConcurrency"
+            )
+        return self
 
     @field_validator("upstream")
     @classmethod

@@ -131,6 +131,11 @@ def st(obj: ObjectJson) -> dict[str, Any]:
     return dict(obj.get("status", {}))
 
 
+def _upstream(obj: ObjectJson) -> dict[str, Any]:
+    """An upstream Lane's spec.upstream; empty for a Lane of local engines."""
+    return dict(spec(obj).get("upstream") or {})
+
+
 def _columns(kind: str, wide: bool, now: datetime) -> list[Column]:
     name: Column = ("NAME", lambda o: o["metadata"]["name"])
     age_col: Column = ("AGE", lambda o: age(o["metadata"].get("creationTimestamp"), now))
@@ -150,8 +155,10 @@ def _columns(kind: str, wide: bool, now: datetime) -> list[Column]:
         if wide:
             cols += [
                 ("ALIASES", lambda o: ",".join(spec(o).get("aliases", [])) or "<none>"),
-                ("SLOTS", lambda o: spec(o).get("slots", "")),
-                ("CONTEXT", lambda o: spec(o).get("contextPerSlot", "")),
+                # An upstream Lane's slots are its upstream's parallel requests; its
+                # context is the upstream's, unknown here.
+                ("SLOTS", lambda o: _upstream(o).get("maxConcurrency") or spec(o).get("slots", "")),
+                ("CONTEXT", lambda o: "" if _upstream(o) else spec(o).get("contextPerSlot", "")),
                 (
                     "PIDS",
                     lambda o: ",".join(str(r.get("pid")) for r in st(o).get("replicaStatuses", [])),

@@ -342,7 +342,8 @@ def test_admission_refusals_are_overloaded_with_the_numbers(
                 **lane_doc(),
                 "spec": {
                     "engine": "upstream",
-                    "slots": 4,
+                    "slots": 8,
+                    "replicas": 1,  # the default: it changes nothing, and passes
                     "kvCache": {"persist": True},
                     "upstream": {"url": "http://vllm:8000/v1", "model": "m"},
                 },

@@ -237,3 +237,25 @@ def test_describe_lane_shows_the_memory_budget_and_preload() -> None:
         "Budget:" in line
         for line in printers.describe(lane_with(memory=MEMORY), [], now=T0).splitlines()
     )
+
+
+def test_get_lanes_wide_shows_an_upstreams_concurrency_as_slots() -> None:
+    upstream = {
+        "kind": "Lane",
+        "metadata": {"name": "u", "creationTimestamp": CREATED},
+        "spec": {
+            "model": "g",
+            "engine": "upstream",
+            "slots": 4,
+            "contextPerSlot": 2048,
+            "upstream": {"url": "http://u/v1", "model": "g", "maxConcurrency": 16},
+        },
+        "status": {"readyReplicas": 1},
+    }
+    [header, local, remote] = printers.table(
+        "Lane", [lane_with(), upstream], wide=True, now=T0
+    ).splitlines()
+    at = header.index("SLOTS")
+    assert local[at:].split()[:2] == ["2", "1024"]
+    assert remote[at:].split()[0] == "16"
+    assert "2048" not in remote  # the upstream's context is not known here

@@ -12,7 +12,7 @@ import pytest
 
 from blazar._proto.engine.v1 import engine_pb2
 from blazar._proto.v1 import inference_pb2 as pb
-from blazar.api import errors, kinds
+from blazar.api import errors, kinds, manifests
 from blazar.api.kinds import Kind
 from blazar.api.meta import ObjectMeta
 from blazar.controller import upstream_plan
@@ -355,3 +355,15 @@ def test_the_reconciler_probes_and_reports_without_a_process() -> None:
     assert isinstance(lane, kinds.Lane) and lane.status.ready_replicas == 1
     reasons = [e.reason for e in store.events(kind="Lane", name="l")]
     assert reasons == ["UpstreamAvailable", "UpstreamUnavailable", "UpstreamAvailable"]
+
+
+def test_an_upstream_lane_as_get_prints_it_applies_again() -> None:
+    """`get -o yaml` prints every default (slots, kvCache, ...): equal to the
+    defaults, they pass; the stored model name is upstream.model's."""
+    docs = manifests.parse_documents(UPSTREAM_LANE, source="a.yaml")
+    [lane] = manifests.validate_objects(docs, exists=lambda kind, name: False)
+    assert isinstance(lane, kinds.Lane) and lane.spec.model == "g"
+    printed = manifests.to_dict(lane)
+    assert printed["spec"]["slots"] == 4 and printed["spec"]["model"] == "g"
+    [again] = manifests.validate_objects([("b.yaml#1", printed)], exists=lambda k, n: False)
+    assert again == lane
