@@ -191,7 +191,9 @@ def test_admission_refuses_past_the_upstreams_concurrency(pair: tuple[Upstream, 
     body = {
         "model": LANE,
         "messages": MESSAGES,
-        "max_tokens": 64,
+        # Far more than it runs for: left, it would hold the upstream's slot for
+        # tens of seconds, so the caller leaving must be what frees it.
+        "max_tokens": 1500,
         "response_format": RESPONSE_FORMAT,
         "stream": True,
     }
@@ -199,15 +201,34 @@ def test_admission_refuses_past_the_upstreams_concurrency(pair: tuple[Upstream, 
         assert first.status_code == 200
         lines = first.iter_lines()
         assert next(line for line in lines if line.startswith("data:"))
-        second = http.post(url, json={**body, "stream": False})
+        second = http.post(url, json={**body, "stream": False, "max_tokens": 2})
         assert second.status_code == 429, second.text
         assert "retry-after" in second.headers
+        assert in_flight(pair[0].daemon, "gemma3") == 1.0
+    # The caller that left cancelled the upstream's generation too (its connection was
+    # closed), rather than leaving it to run to its budget.
+    upstream = pair[0].daemon
+    cancelled = 'blazar_requests_total{lane="gemma3",outcome="cancelled"}'
+    wait_for(
+        lambda: cancelled in httpx.get(f"http://{upstream.http}/metrics", timeout=10).text,
+        timeout=30,
+        what="the upstream's generation cancelled",
+    )
+    assert in_flight(upstream, "gemma3") == 0.0 and in_flight(front, LANE) == 0.0
     metrics = httpx.get(f"http://{front.http}/metrics", timeout=10).text
     assert f'blazar_requests_total{{lane="{LANE}",outcome="ok"}}' in metrics
+    assert f'blazar_requests_total{{lane="{LANE}",outcome="cancelled"}}' in metrics
     refused = (
         f'blazar_admission_rejections_total{{lane="{LANE}",policy="strict",reason="QUEUE_FULL"}}'
     )
     assert refused in metrics
+
+
+def in_flight(daemon: Daemon, lane: str) -> float:
+    metrics = httpx.get(f"http://{daemon.http}/metrics", timeout=10).text
+    series = f'blazar_requests_in_flight{{lane="{lane}"}} '
+    line = next((x for x in metrics.splitlines() if x.startswith(series)), series + "0")
+    return float(line.split()[-1])
 
 
 def refusals(front: Daemon) -> dict[str, int]:
