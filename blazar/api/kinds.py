@@ -261,8 +261,8 @@ def _check_key_source(value: str) -> str:
 
 
 class UpstreamTimeouts(CamelModel):
-    # Opening the TCP (and TLS) connection, and the wait for the upstream's first byte
-    # of an answer (its queue and prefill).
+    # Opening the TCP (and TLS) connection, and the longest wait for a byte of an
+    # answer: the first above all (the upstream's queue and prefill).
     connect: Duration = "5s"
     first_byte: Duration = "60s"
 

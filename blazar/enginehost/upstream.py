@@ -74,13 +74,26 @@ class Probe:
 class UpstreamClient:
     """One upstream server, reached at its OpenAI base URL."""
 
-    def __init__(self, spec: Upstream) -> None:
+    def __init__(
+        self, spec: Upstream, *, transport: httpx.AsyncBaseTransport | None = None
+    ) -> None:
+        """`transport`: httpx's, for tests (None: the network)."""
         self.spec = spec
         timeouts = spec.timeouts
         verify: ssl.SSLContext | bool = True
+        # Why no request can be sent (the CA file is unreadable), as probes and
+        # requests report it; empty when the client works.
+        self.problem = ""
         if spec.tls is not None and spec.tls.ca_file:
-            verify = ssl.create_default_context(cafile=spec.tls.ca_file)
+            try:
+                verify = ssl.create_default_context(cafile=spec.tls.ca_file)
+            except (OSError, ssl.SSLError) as exc:
+                self.problem = (
+                    f"The upstream's tls.caFile {spec.tls.ca_file} cannot be used: "
+                    f"{getattr(exc, 'strerror', None) or exc}."
+                )
         self._http = httpx.AsyncClient(
+            transport=transport,
             timeout=httpx.Timeout(
                 connect=timeouts.connect_s,
                 read=timeouts.first_byte_s,
@@ -92,6 +105,8 @@ class UpstreamClient:
         )
 
     def _headers(self) -> dict[str, str]:
+        if self.problem:
+            raise errors.Unavailable(self.problem)
         key = api_key(self.spec)
         return {"Authorization": f"Bearer {key}"} if key else {}
 

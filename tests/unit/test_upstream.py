@@ -8,6 +8,7 @@ import json
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import httpx
 import pytest
 
 from blazar._proto.engine.v1 import engine_pb2
@@ -18,6 +19,7 @@ from blazar.api.meta import ObjectMeta
 from blazar.controller import upstream_plan
 from blazar.controller.lane import LaneReconciler
 from blazar.dataplane import routing
+from blazar.enginehost import upstream
 from blazar.enginehost import upstream_convert as convert
 from blazar.enginehost.upstream import Probe
 from blazar.store.memory import MemoryStore
@@ -367,3 +369,119 @@ def test_an_upstream_lane_as_get_prints_it_applies_again() -> None:
     assert printed["spec"]["slots"] == 4 and printed["spec"]["model"] == "g"
     [again] = manifests.validate_objects([("b.yaml#1", printed)], exists=lambda k, n: False)
     assert again == lane
+
+
+def sse(*events: dict[str, Any]) -> bytes:
+    return (
+        b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+    )
+
+
+def spec_of(**fields: Any) -> kinds.Upstream:
+    return kinds.Upstream.model_validate({"url": "http://u:1/v1", "model": "g", **fields})
+
+
+def test_the_client_sends_the_key_streams_and_maps_errors(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Against httpx's mock transport: the key from its file on every request, the
+    body on the chat route, the stream back as chunks; an error answer mapped."""
+    key = tmp_path / "key"
+    key.write_text("sk-secret\n")
+    seen: list[httpx.Request] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "g"}]})
+        body = json.loads(request.content)
+        if body["messages"][0]["content"] == "busy":
+            return httpx.Response(
+                429, json={"error": {"message": "full"}}, headers={"retry-after": "3"}
+            )
+        return httpx.Response(
+            200,
+            content=sse(
+                {"choices": [{"index": 0, "delta": {"content": "ok"}}]},
+                {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
+                {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 1}},
+            ),
+        )
+
+    client = upstream.UpstreamClient(
+        spec_of(apiKeyFrom=f"file:{key}"), transport=httpx.MockTransport(answer)
+    )
+
+    def chat(text: str) -> engine_pb2.GenerateRequest:
+        return engine_pb2.GenerateRequest(
+            chat=engine_pb2.ChatInput(messages=[pb.Message(role="user", content=text)])
+        )
+
+    async def run() -> tuple[upstream.Probe, list[pb.Chunk]]:
+        probe = await client.probe()
+        chunks = [c async for c in client.generate(chat("hi"), model="g")]
+        with pytest.raises(errors.Overloaded, match="full") as refused:
+            async for _ in client.generate(chat("busy"), model="g"):
+                pass
+        assert refused.value.metadata[errors.RETRY_AFTER_KEY] == "3000"
+        await client.close()
+        return probe, chunks
+
+    probe, chunks = asyncio.run(run())
+    assert probe == upstream.Probe(True, "http://u:1/v1 answers and serves g.")
+    assert [c.delta.text for c in chunks[:-1]] == ["ok"]
+    assert chunks[-1].final.usage.prompt_tokens == 5
+    assert {r.headers["authorization"] for r in seen} == {"Bearer sk-secret"}
+    assert [r.url.path for r in seen] == ["/v1/models"] + ["/v1/chat/completions"] * 2
+
+
+@pytest.mark.parametrize(
+    ("fields", "problem"),
+    [
+        (
+            {"apiKeyFrom": "env:BLAZAR_TEST_NO_SUCH_KEY"},
+            "environment variable BLAZAR_TEST_NO_SUCH_KEY",
+        ),
+        ({"apiKeyFrom": "file:/nonexistent/key"}, "key file /nonexistent/key cannot be read"),
+        (
+            {"url": "https://u/v1", "tls": {"caFile": "/nonexistent/ca.pem"}},
+            "caFile /nonexistent/ca.pem",
+        ),
+    ],
+)
+def test_a_key_or_ca_that_cannot_be_read_fails_the_probe_and_requests(
+    fields: dict[str, Any], problem: str
+) -> None:
+    def never(request: httpx.Request) -> httpx.Response:
+        raise AssertionError("nothing is sent")
+
+    client = upstream.UpstreamClient(spec_of(**fields), transport=httpx.MockTransport(never))
+
+    async def run() -> upstream.Probe:
+        probe = await client.probe()
+        with pytest.raises(errors.Unavailable, match=problem):
+            async for _ in client.generate(engine_pb2.GenerateRequest(prompt="p"), model="g"):
+                pass
+        await client.close()
+        return probe
+
+    probe = asyncio.run(run())
+    assert not probe.ok and problem in probe.message
+
+
+def test_a_refused_connection_is_unavailable() -> None:
+    def refuse(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("connection refused", request=request)
+
+    client = upstream.UpstreamClient(spec_of(), transport=httpx.MockTransport(refuse))
+
+    async def run() -> upstream.Probe:
+        probe = await client.probe()
+        with pytest.raises(errors.Unavailable, match="cannot connect"):
+            async for _ in client.generate(engine_pb2.GenerateRequest(prompt="p"), model="g"):
+                pass
+        await client.close()
+        return probe
+
+    probe = asyncio.run(run())
+    assert not probe.ok and "cannot connect" in probe.message
