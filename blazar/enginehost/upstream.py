@@ -18,6 +18,7 @@ import asyncio
 import json
 import os
 import ssl
+import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -147,6 +148,8 @@ class UpstreamClient:
         self, url: str, body: dict[str, object]
     ) -> AsyncGenerator[inference_pb2.Chunk, None]:
         translator = upstream_convert.StreamTranslator()
+        sent = time.monotonic()
+        first: float | None = None
         try:
             async with self._http.stream("POST", url, json=body, headers=self._headers()) as answer:
                 if answer.status_code != 200:
@@ -167,10 +170,15 @@ class UpstreamClient:
                             f"The upstream server sent an event that is not JSON: {data[:200]}"
                         ) from None
                     for chunk in translator.feed(event):
+                        if first is None:
+                            first = time.monotonic()
                         yield chunk
         except httpx.HTTPError as exc:
             raise errors.Unavailable(f"The upstream server {url}: {_describe(exc)}.") from None
-        yield translator.finish()
+        end = time.monotonic()
+        yield translator.finish(
+            prefill_s=(first or end) - sent, decode_s=end - first if first is not None else 0.0
+        )
 
     async def close(self) -> None:
         await self._http.aclose()

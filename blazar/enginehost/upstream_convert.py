@@ -209,7 +209,10 @@ class StreamTranslator:
                 chunks.append(inference_pb2.Chunk(delta=delta))
         return chunks
 
-    def finish(self) -> inference_pb2.Chunk:
+    def finish(self, *, prefill_s: float = 0.0, decode_s: float = 0.0) -> inference_pb2.Chunk:
+        """The Final, with the times the caller measured: `prefill_s` from sending the
+        request to its first delta (the upstream's queue, prefill and the network),
+        `decode_s` from there to the end."""
         reason = _FINISH.get(self.finish_reason or "stop", inference_pb2.FINISH_REASON_STOP)
         if self.tool_indexes and reason == inference_pb2.FINISH_REASON_STOP:
             # Servers that predate `tool_calls` as a finish reason say "stop".
@@ -226,6 +229,10 @@ class StreamTranslator:
         )
         final = inference_pb2.Final(finish_reason=reason, usage=usage, tool_calls=whole)
         final.routing.prefix_tokens_reused = usage.cached_tokens
+        final.timings.prefill_ms = prefill_s * 1000.0
+        final.timings.decode_ms = decode_s * 1000.0
+        if decode_s > 0 and usage.completion_tokens > 1:
+            final.timings.decode_tokens_per_second = (usage.completion_tokens - 1) / decode_s
         return inference_pb2.Chunk(final=final)
 
 

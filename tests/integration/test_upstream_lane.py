@@ -173,6 +173,9 @@ def test_ollama_client_streaming_and_not(pair: tuple[Upstream, Daemon]) -> None:
     answer = client.chat(model=LANE, messages=MESSAGES, options=options, format=RUNS_TO_BUDGET)
     assert answer.done is True and answer.done_reason == "length"
     assert answer.eval_count == BUDGET
+    # Measured at the fronting daemon: from sending to the first token, then to the end.
+    assert answer.prompt_eval_duration and answer.prompt_eval_duration > 0
+    assert answer.eval_duration and answer.eval_duration > 0
     parts = list(
         client.chat(
             model=LANE, messages=MESSAGES, options=options, format=RUNS_TO_BUDGET, stream=True

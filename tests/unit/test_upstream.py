@@ -162,7 +162,9 @@ def test_a_chat_stream_becomes_chunks() -> None:
     assert chunks[1].delta.tool_calls[0] == pb.ToolCallDelta(
         index=0, id="c", name="f", arguments="{"
     )
-    final = t.finish().final
+    final = t.finish(prefill_s=0.25, decode_s=0.5).final
+    assert (final.timings.prefill_ms, final.timings.decode_ms) == (250.0, 500.0)
+    assert final.timings.decode_tokens_per_second == 4.0  # 2 tokens after the first
     assert final.finish_reason == pb.FINISH_REASON_TOOL_CALLS and final.tool_calls == 1
     assert (final.usage.prompt_tokens, final.usage.completion_tokens) == (9, 3)
     assert final.usage.cached_tokens == 4 == final.routing.prefix_tokens_reused
