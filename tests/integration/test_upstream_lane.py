@@ -119,6 +119,9 @@ def test_openai_client_streaming_and_not(pair: tuple[Upstream, Daemon]) -> None:
     )
     assert refused.status_code == 400, refused.text
     assert "grammar" in refused.json()["error"]["message"]
+    # Nor are embeddings passed on.
+    with pytest.raises(openai.BadRequestError, match="upstream"):
+        client.embeddings.create(model=LANE, input="x")
     client.close()
 
 
