@@ -396,16 +396,18 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         """The Lane and a serving replica for a call that does not queue in admission
         (embeddings, tokenizing): a sleeping Lane is woken and waited for, up to
         WAKE_TIMEOUT_S."""
-        route, replica, _ = await self._route(model, context)
-        if route.upstream is not None:
+        named = self.table.by_name.get(model)
+        if named is not None and named.upstream is not None:
+            # Whether or not the upstream answers now: it never will be asked.
             await status.abort(
                 context,
                 errors.InvalidRequest(
-                    f"The model '{route.lane}' is served by an upstream server; embeddings "
+                    f"The model '{named.lane}' is served by an upstream server; embeddings "
                     "and tokenizing are not passed to upstream servers.",
-                    metadata={"lane": route.lane},
+                    metadata={"lane": named.lane},
                 ),
             )
+        route, replica, _ = await self._route(model, context)
         if replica is not None:
             return route, replica
         self._activity.begin(route.lane)
@@ -492,6 +494,14 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         # Before a replica is picked: a policy that does not exist is the caller's
         # mistake whatever state the Lane is in.
         policy = await self._policy(model, slo, context)
+        named = self.table.by_name.get(model)
+        if named is not None and named.upstream is not None:
+            # Before admission, whether or not the upstream answers now: what it cannot
+            # be asked takes no slot.
+            refused = upstream_convert.refusal(generate)
+            if refused is not None:
+                log.info("request.rejected", model=model, reason=refused.reason)
+                await status.abort(context, refused)
         route, replica, blocks = await self._route(model, context, session=session, hashes=hashes)
         lane = self._dispatchers.of(route.lane)
         self._activity.begin(route.lane)
@@ -528,9 +538,6 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                     f"The model '{route.lane}' has no ready replica yet; retry shortly.",
                     metadata={"lane": route.lane},
                 )
-            if route.upstream is not None and (refused := upstream_convert.refusal(generate)):
-                # Before admission: a request the upstream cannot be asked takes no slot.
-                raise refused
         except errors.BlazarError as err:
             log.info("request.rejected", model=route.lane, reason=err.reason)
             await status.abort(context, err)

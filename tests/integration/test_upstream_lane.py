@@ -272,6 +272,13 @@ def test_a_stopped_upstream_is_unavailable_then_serves_again(
     codes = refusals(front)
     # UNAVAILABLE in each dialect's terms (Anthropic's: 529 overloaded_error).
     assert codes == {"openai": 503, "anthropic": 529, "ollama": 503}, codes
+    # What an upstream is never asked is the caller's mistake whether or not it answers.
+    grammar = httpx.post(
+        f"http://{front.http}/v1/chat/completions",
+        json={"model": LANE, "messages": MESSAGES, "grammar": 'root ::= "a"'},
+        timeout=30,
+    )
+    assert grammar.status_code == 400, grammar.text
     events = front.cli("events")
     assert "UpstreamUnavailable" in events.stdout
 
