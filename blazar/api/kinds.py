@@ -322,6 +322,7 @@ UPSTREAM_REFUSED = (
     "flashAttention",
     "speculation",
     "idle",
+    "preload",
 )
 
 

@@ -354,6 +354,18 @@ def test_admission_refusals_are_overloaded_with_the_numbers(
         (
             {
                 **lane_doc(),
+                "spec": {
+                    "engine": "upstream",
+                    "preload": True,  # residency is the host's memory: nothing to keep
+                    "upstream": {"url": "http://vllm:8000/v1", "model": "m"},
+                },
+            },
+            "Lane/gemma: spec",
+            "preload: not used by an upstream Lane",
+        ),
+        (
+            {
+                **lane_doc(),
                 "spec": {"engine": "upstream", "upstream": {"url": "vllm:8000", "model": "m"}},
             },
             "Lane/gemma: spec.upstream.url",
