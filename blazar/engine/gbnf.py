@@ -149,7 +149,7 @@ def _structure(grammar: str) -> Iterator[tuple[int, str]]:
     while i < n:
         c = grammar[i]
         if c in '"[':
-            i = _skip_quoted(grammar, i + 1, '"' if c == '"' else "]")
+            i = gbnf_empty.skip_quoted(grammar, i + 1, '"' if c == '"' else "]")
             continue
         if c == "#":
             newline = grammar.find("\n", i)
@@ -157,18 +157,3 @@ def _structure(grammar: str) -> Iterator[tuple[int, str]]:
             continue
         yield i, c
         i += 1
-
-
-def _skip_quoted(text: str, i: int, close: str) -> int:
-    """The index after the `close` that ends a literal or class begun before `i`; a
-    backslash escapes the next character. An unterminated one runs to the end (the
-    parser refuses it)."""
-    n = len(text)
-    while i < n:
-        if text[i] == "\\":
-            i += 2
-            continue
-        if text[i] == close:
-            return i + 1
-        i += 1
-    return n

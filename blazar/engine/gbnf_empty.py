@@ -47,7 +47,7 @@ def _tokens(grammar: str) -> Iterator[tuple[str, str]]:
         elif c in " \t\r\n":
             i += 1
         elif c == '"' or c == "[":
-            j = _close(grammar, i + 1, '"' if c == '"' else "]")
+            j = skip_quoted(grammar, i + 1, '"' if c == '"' else "]")
             yield ("lit" if c == '"' else "class"), grammar[i:j]
             i = j
         elif grammar.startswith("::=", i):
@@ -84,7 +84,10 @@ def _tokens(grammar: str) -> Iterator[tuple[str, str]]:
             i += 1
 
 
-def _close(text: str, i: int, close: str) -> int:
+def skip_quoted(text: str, i: int, close: str) -> int:
+    """The index after the `close` that ends a literal or class begun before `i`; a
+    backslash escapes the next character. An unterminated one runs to the end (the
+    parser refuses it)."""
     n = len(text)
     while i < n:
         if text[i] == "\\":

@@ -132,34 +132,25 @@ class InferenceClient:
     async def embed(
         self, request: inference_pb2.EmbedRequest, *, metadata: Sequence[tuple[str, str]]
     ) -> inference_pb2.EmbedResponse:
-        try:
-            response: inference_pb2.EmbedResponse = await self._inference.Embed(
-                request, metadata=tuple(metadata)
-            )
-        except grpc.RpcError as exc:
-            raise status.from_rpc_error(exc) from None
+        response: inference_pb2.EmbedResponse = await _unary(
+            self._inference.Embed, request, metadata
+        )
         return response
 
     async def tokenize(
         self, request: inference_pb2.TokenizeRequest, *, metadata: Sequence[tuple[str, str]]
     ) -> inference_pb2.TokenizeResponse:
-        try:
-            response: inference_pb2.TokenizeResponse = await self._inference.Tokenize(
-                request, metadata=tuple(metadata)
-            )
-        except grpc.RpcError as exc:
-            raise status.from_rpc_error(exc) from None
+        response: inference_pb2.TokenizeResponse = await _unary(
+            self._inference.Tokenize, request, metadata
+        )
         return response
 
     async def keep_alive(
         self, request: inference_pb2.KeepAliveRequest, *, metadata: Sequence[tuple[str, str]]
     ) -> inference_pb2.KeepAliveResponse:
-        try:
-            response: inference_pb2.KeepAliveResponse = await self._inference.KeepAlive(
-                request, metadata=tuple(metadata)
-            )
-        except grpc.RpcError as exc:
-            raise status.from_rpc_error(exc) from None
+        response: inference_pb2.KeepAliveResponse = await _unary(
+            self._inference.KeepAlive, request, metadata
+        )
         return response
 
     async def serving(self) -> bool:
@@ -177,3 +168,12 @@ def client_of(request: Request) -> InferenceClient:
     """The client `blazar.shim.app` put on the application state during its lifespan."""
     client: InferenceClient = request.app.state.inference
     return client
+
+
+async def _unary(call: Any, request: Any, metadata: Sequence[tuple[str, str]]) -> Any:
+    """A unary call of the daemon's Inference API; its error as the BlazarError the
+    daemon sent."""
+    try:
+        return await call(request, metadata=tuple(metadata))
+    except grpc.RpcError as exc:
+        raise status.from_rpc_error(exc) from None
