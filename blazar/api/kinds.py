@@ -248,14 +248,20 @@ def _check_upstream_url(value: str, info: ValidationInfo) -> str:
     return value.rstrip("/")
 
 
-_KEY_SOURCE = re.compile(r"^(env:[A-Za-z_][A-Za-z0-9_]*|file:/.+)$")
+# Where an upstream key may come from: an environment variable named for Blazar, or a
+# file in the daemon's keys directory ($BLAZAR_HOME/keys), by name. Not any variable or
+# file: whoever applies a manifest names the url the key is sent to, and would otherwise
+# have the daemon send them any secret it can read (AWS_SECRET_ACCESS_KEY, ~/.ssh/...).
+_KEY_SOURCE = re.compile(r"^(env:BLAZAR_[A-Za-z0-9_]+|file:[A-Za-z0-9_-][A-Za-z0-9._-]*)$")
 
 
 def _check_key_source(value: str) -> str:
     if not _KEY_SOURCE.match(value):
         raise invalid(
-            "must be env:NAME (an environment variable of the daemon) or file:/ABSOLUTE/PATH; "
-            "the key itself never goes in a manifest"
+            "must be env:BLAZAR_NAME (an environment variable of the daemon whose name "
+            "starts with BLAZAR_) or file:NAME (a file in the daemon's keys directory, "
+            "$BLAZAR_HOME/keys); the key itself never goes in a manifest, and no other "
+            "variable or file is sent to an upstream"
         )
     return value
 

@@ -47,6 +47,7 @@ from blazar.dataplane import server as dataplane_server
 from blazar.enginehost import monitor
 from blazar.enginehost.activity import Activity
 from blazar.enginehost.supervisor import Supervisor
+from blazar.enginehost.upstream import UpstreamPool
 from blazar.gitops import watcher
 from blazar.rpc import tls
 from blazar.store.sqlite import SQLiteStore
@@ -341,6 +342,8 @@ async def _serve(
     # counts, the controller sleeps and wakes Lanes by it.
     activity = Activity()
     activity.on_change(lane_changed)
+    # The controller's probes of upstream Lanes; the data plane has its own clients.
+    probes = UpstreamPool(keys=home_.keys_dir(home))
     manager = Manager(
         store=store,
         reconcilers=[
@@ -364,6 +367,7 @@ async def _serve(
                     else options.min_residency_s
                 ),
                 notify=lane_changed,
+                probe=lambda spec: probes.client(spec).probe(),
             ),
             PolicyReconciler(kind=Kind.SLO_POLICY, store=store, clock=_now),
             PolicyReconciler(kind=Kind.SPEC_PAIR, store=store, clock=_now),
@@ -387,6 +391,7 @@ async def _serve(
             log_dir=supervisor.log_dir,
             engines=lambda: health.latest,
             credentials=certificate.server_credentials() if certificate is not None else None,
+            upstreams=UpstreamPool(keys=home_.keys_dir(home)),
         )
     except OSError as exc:
         # Taken since the check in `run` (grpcio does not say why), or the home's path

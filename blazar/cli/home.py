@@ -20,3 +20,11 @@ def default_home() -> Path:
 
 def control_socket(home: Path) -> Path:
     return home / CONTROL_SOCKET
+
+
+# Upstream Lanes' key files (`apiKeyFrom: file:NAME`), by name; nothing outside it is read.
+KEYS_DIR = "keys"
+
+
+def keys_dir(home: Path) -> Path:
+    return home / KEYS_DIR

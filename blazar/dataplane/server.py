@@ -26,6 +26,7 @@ from blazar.dataplane.control import ControlService, EngineSamples
 from blazar.dataplane.inference import InferenceService
 from blazar.enginehost.activity import Activity
 from blazar.enginehost.client import EnginePool
+from blazar.enginehost.upstream import UpstreamPool
 from blazar.rpc import limits
 from blazar.store.base import Store
 
@@ -75,6 +76,7 @@ async def start(
     engines: EngineSamples | None = None,
     credentials: grpc.ServerCredentials | None = None,
     max_concurrent_rpcs: int = limits.MAX_CONCURRENT_RPCS,
+    upstreams: UpstreamPool | None = None,
 ) -> DataPlane:
     """Bind address (port 0 picks a free port), and `control_socket` if given, and start
     serving; OSError when either cannot be bound (taken by another process, not local,
@@ -91,7 +93,9 @@ async def start(
         maximum_concurrent_rpcs=max_concurrent_rpcs,
     )
     pool = EnginePool()
-    inference = InferenceService(store=store, pool=pool, access=access, activity=activity)
+    inference = InferenceService(
+        store=store, pool=pool, access=access, activity=activity, upstreams=upstreams
+    )
     inference_pb2_grpc.add_InferenceServicer_to_server(inference, server)
     control = ControlService(
         store=store, live=inference.live_status, log_dir=log_dir, engines=engines

@@ -41,9 +41,9 @@ MAX_ERROR_BYTES = 4096
 PROBE_READ_TIMEOUT_S = 5.0
 
 
-def api_key(spec: Upstream) -> str | None:
-    """The key `apiKeyFrom` points at, read now; UNAVAILABLE (naming where, never the
-    key) when it is not there."""
+def api_key(spec: Upstream, keys: Path | None) -> str | None:
+    """The key `apiKeyFrom` points at, read now (a `file:` one from the `keys`
+    directory); UNAVAILABLE (naming where, never the key) when it is not there."""
     source = spec.api_key_from
     if source is None:
         return None
@@ -56,11 +56,17 @@ def api_key(spec: Upstream) -> str | None:
                 "which the daemon does not have."
             )
         return value
+    if keys is None:
+        raise errors.Unavailable(
+            f"The upstream's API key is the file {name} of the keys directory, and this "
+            "daemon has none."
+        )
+    path = keys / name  # a plain name (apply checks it): nothing outside `keys`
     try:
-        return Path(name).read_text().strip()
+        return path.read_text().strip()
     except OSError as exc:
         raise errors.Unavailable(
-            f"The upstream's API key file {name} cannot be read: {exc.strerror}."
+            f"The upstream's API key file {path} cannot be read: {exc.strerror}."
         ) from None
 
 
@@ -76,10 +82,16 @@ class UpstreamClient:
     """One upstream server, reached at its OpenAI base URL."""
 
     def __init__(
-        self, spec: Upstream, *, transport: httpx.AsyncBaseTransport | None = None
+        self,
+        spec: Upstream,
+        *,
+        keys: Path | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
-        """`transport`: httpx's, for tests (None: the network)."""
+        """`keys`: the directory `file:` keys are read from (None: none can be);
+        `transport`: httpx's, for tests (None: the network)."""
         self.spec = spec
+        self._keys = keys
         timeouts = spec.timeouts
         verify: ssl.SSLContext | bool = True
         # Why no request can be sent (the CA file is unreadable), as probes and
@@ -108,7 +120,7 @@ class UpstreamClient:
     def _headers(self) -> dict[str, str]:
         if self.problem:
             raise errors.Unavailable(self.problem)
-        key = api_key(self.spec)
+        key = api_key(self.spec, self._keys)
         return {"Authorization": f"Bearer {key}"} if key else {}
 
     async def probe(self) -> Probe:
@@ -217,14 +229,17 @@ def _describe(exc: httpx.HTTPError) -> str:
 class UpstreamPool:
     """One client per upstream spec, reused by every request to it."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, keys: Path | None = None) -> None:
+        """`keys`: the daemon's keys directory ($BLAZAR_HOME/keys), where `file:` keys
+        are read (None: none can be)."""
+        self._keys = keys
         self._clients: dict[str, UpstreamClient] = {}
 
     def client(self, spec: Upstream) -> UpstreamClient:
         key = spec.model_dump_json()
         found = self._clients.get(key)
         if found is None:
-            found = self._clients[key] = UpstreamClient(spec)
+            found = self._clients[key] = UpstreamClient(spec, keys=self._keys)
         return found
 
     async def retain(self, specs: list[Upstream]) -> None:

@@ -380,7 +380,7 @@ def test_admission_refusals_are_overloaded_with_the_numbers(
                 },
             },
             "Lane/gemma: spec.upstream.apiKeyFrom",
-            "must be env:NAME",
+            "must be env:BLAZAR_NAME",
         ),
         (
             {
@@ -407,7 +407,7 @@ def test_admission_refusals_are_overloaded_with_the_numbers(
                     "upstream": {
                         "url": "https://v/v1/",
                         "model": "m",
-                        "apiKeyFrom": "env:KEY",
+                        "apiKeyFrom": "env:BLAZAR_VLLM_KEY",
                         "maxConcurrency": 8,
                         "timeouts": {"connect": "2s", "firstByte": "30s"},
                         "tls": {"caFile": "/etc/ca.pem"},

@@ -6,9 +6,11 @@ from __future__ import annotations
 import asyncio
 import json
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import httpx
+import pydantic
 import pytest
 
 from blazar._proto.engine.v1 import engine_pb2
@@ -411,7 +413,7 @@ def test_the_client_sends_the_key_streams_and_maps_errors(
         )
 
     client = upstream.UpstreamClient(
-        spec_of(apiKeyFrom=f"file:{key}"), transport=httpx.MockTransport(answer)
+        spec_of(apiKeyFrom="file:key"), keys=tmp_path, transport=httpx.MockTransport(answer)
     )
 
     def chat(text: str) -> engine_pb2.GenerateRequest:
@@ -444,7 +446,7 @@ def test_the_client_sends_the_key_streams_and_maps_errors(
             {"apiKeyFrom": "env:BLAZAR_TEST_NO_SUCH_KEY"},
             "environment variable BLAZAR_TEST_NO_SUCH_KEY",
         ),
-        ({"apiKeyFrom": "file:/nonexistent/key"}, "key file /nonexistent/key cannot be read"),
+        ({"apiKeyFrom": "file:no-such-key"}, "key file /nonexistent/keys/no-such-key cannot"),
         (
             {"url": "https://u/v1", "tls": {"caFile": "/nonexistent/ca.pem"}},
             "caFile /nonexistent/ca.pem",
@@ -457,7 +459,9 @@ def test_a_key_or_ca_that_cannot_be_read_fails_the_probe_and_requests(
     def never(request: httpx.Request) -> httpx.Response:
         raise AssertionError("nothing is sent")
 
-    client = upstream.UpstreamClient(spec_of(**fields), transport=httpx.MockTransport(never))
+    client = upstream.UpstreamClient(
+        spec_of(**fields), keys=Path("/nonexistent/keys"), transport=httpx.MockTransport(never)
+    )
 
     async def run() -> upstream.Probe:
         probe = await client.probe()
@@ -487,3 +491,19 @@ def test_a_refused_connection_is_unavailable() -> None:
 
     probe = asyncio.run(run())
     assert not probe.ok and "cannot connect" in probe.message
+
+
+@pytest.mark.parametrize(
+    "source",
+    # Whoever applies the manifest names the url the key goes to: no other secret of the
+    # daemon may be named (its environment, its files).
+    ["env:AWS_SECRET_ACCESS_KEY", "env:HOME", "file:/etc/passwd", "file:../state.db", "file:.x"],
+)
+def test_a_key_from_outside_blazars_own_is_refused_at_apply(source: str) -> None:
+    with pytest.raises(pydantic.ValidationError, match="env:BLAZAR_NAME"):
+        spec_of(apiKeyFrom=source)
+
+
+def test_a_file_key_without_a_keys_directory_is_unavailable() -> None:
+    with pytest.raises(errors.Unavailable, match="this daemon has none"):
+        upstream.api_key(spec_of(apiKeyFrom="file:vllm.key"), None)
