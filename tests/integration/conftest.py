@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -9,6 +10,14 @@ import pytest
 
 from tests.integration import pinning
 from tests.integration.engine_harness import Spawner, Worker
+
+# A suite started in the background by a non-interactive shell (`make test &`) inherits
+# SIGINT ignored, and so does every process it starts: the CLI then ignores the Ctrl-C
+# the tests send it (`get -w`, `logs -f`) and they time out. Tests that interrupt a
+# child expect what a terminal gives it, so the suite restores Python's own handler
+# (a child's disposition is then the default again after exec).
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture
