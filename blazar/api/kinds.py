@@ -170,7 +170,20 @@ class ModelSpec(CamelModel):
     source: ModelSource
     sha256: Annotated[str, AfterValidator(_check_sha256)] | None = None
     chat_template: Annotated[str, AfterValidator(_check_chat_template)] | None = None
+    # Accepted by the schema so that objects stored before keep loading; refused at
+    # apply (`_context_length_not_acted_on`): nothing reads it.
     context_length: int | None = Field(default=None, gt=0)
+
+    @field_validator("context_length")
+    @classmethod
+    def _context_length_not_acted_on(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and not _stored(info):
+            raise invalid(
+                "contextLength is not acted on: a Lane's contextPerSlot sets each "
+                "sequence's context (within what the model was trained on, which the "
+                "Model's status shows as contextLength); remove it"
+            )
+        return value
 
 
 class ModelStatus(ObjectStatus):

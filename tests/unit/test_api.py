@@ -425,6 +425,11 @@ def test_admission_refusals_are_overloaded_with_the_numbers(
         (model_doc(), None, None),
         ({**model_doc(), "spec": {"source": {}}}, "Model/gemma3-270m: spec.source", "exactly one"),
         (
+            {**model_doc(), "spec": {"source": {"path": "/m.gguf"}, "contextLength": 8192}},
+            "Model/gemma3-270m: spec.contextLength",
+            "contextLength is not acted on",
+        ),
+        (
             model_doc(path="/a", package="b"),
             "Model/gemma3-270m: spec.source",
             "exactly one of path, package or url",
