@@ -5,7 +5,6 @@ wakes it too."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import time
 from collections.abc import Iterator
@@ -15,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from tests.integration.harness import Daemon, local_fleet, short_home, wait_for
+from tests.integration.harness import Daemon, local_fleet, pid_alive, short_home, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -41,14 +40,6 @@ def daemon(model_path: Path) -> Iterator[Daemon]:
         shutil.rmtree(home, ignore_errors=True)
 
 
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 def complete(d: Daemon) -> openai.types.Completion:
     client = openai.OpenAI(base_url=f"http://{d.http}/v1", api_key="unused", max_retries=0)
     return client.completions.create(model=LANE, prompt="Once upon", max_tokens=2, timeout=120)
@@ -59,10 +50,10 @@ def test_an_idle_lane_sleeps_and_the_next_request_wakes_it(daemon: Daemon) -> No
     ended = time.monotonic()
     assert first.usage is not None and first.usage.completion_tokens >= 1
     pids = daemon.pids(LANE)
-    assert pids and all(alive(pid) for pid in pids)
+    assert pids and all(pid_alive(pid) for pid in pids)
     # No engine process 6 s after the last request.
     wait_for(
-        lambda: not any(alive(pid) for pid in pids),
+        lambda: not any(pid_alive(pid) for pid in pids),
         timeout=SLEEP_AFTER_S + 1 - (time.monotonic() - ended),
         what="the engine to stop",
         step=0.1,
@@ -89,7 +80,9 @@ def test_an_idle_lane_sleeps_and_the_next_request_wakes_it(daemon: Daemon) -> No
 
 def test_an_embedding_request_wakes_a_sleeping_lane(daemon: Daemon) -> None:
     pids = daemon.pids(LANE)
-    wait_for(lambda: not any(alive(pid) for pid in pids), timeout=SLEEP_AFTER_S + 5, what="sleep")
+    wait_for(
+        lambda: not any(pid_alive(pid) for pid in pids), timeout=SLEEP_AFTER_S + 5, what="sleep"
+    )
     client = openai.OpenAI(base_url=f"http://{daemon.http}/v1", api_key="unused", max_retries=0)
     embedded = client.embeddings.create(model=LANE, input="wake up", timeout=120)
     assert len(embedded.data[0].embedding) > 0

@@ -14,7 +14,6 @@ keeps a Lane awake past its idle.sleepAfter.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import threading
 import time
@@ -30,7 +29,7 @@ import pytest
 from blazar.api.kinds import LaneSpec
 from blazar.api.replicas import LaunchSpec
 from blazar.controller import fit, modelfile
-from tests.integration.harness import Daemon, short_home, wait_for
+from tests.integration.harness import Daemon, pid_alive, short_home, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -91,14 +90,6 @@ def daemon(model_path: Path) -> Iterator[Daemon]:
     finally:
         d.stop()
         shutil.rmtree(home, ignore_errors=True)
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def resident(d: Daemon) -> list[str]:
@@ -172,7 +163,7 @@ def test_a_lane_in_flight_is_never_stopped_and_the_other_waits_for_it(
             finish = chunk.choices[0].finish_reason
         usage = chunk.usage or usage
         # While the held request runs, its engine runs and the other Lane has none.
-        assert all(alive(pid) for pid in pids)
+        assert all(pid_alive(pid) for pid in pids)
     held_ended = time.monotonic()
     waiter.join(timeout=120)
     # The held request ran to its end: its Lane was not stopped under it.
@@ -189,7 +180,7 @@ def test_a_lane_in_flight_is_never_stopped_and_the_other_waits_for_it(
         f"held {HELD_TOKENS} tokens; the other waited {served.model_extra['timings']['load_ms']:.0f} ms"
     )
     assert resident(daemon) == [other]
-    assert not any(alive(pid) for pid in pids)
+    assert not any(pid_alive(pid) for pid in pids)
     evicted = [e for e in lane_events(daemon, held) if e["reason"] == "Evicted"]
     assert evicted and f'"{other}"' in evicted[-1]["message"]
 
@@ -229,7 +220,9 @@ def test_ollama_keep_alive_0_and_the_unload_idiom_sleep_the_lane(daemon: Daemon)
     answer = client.generate(model=lane, prompt="Once upon", options={"num_predict": 2},
                              keep_alive=0)  # fmt: skip
     assert answer.done
-    wait_for(lambda: not any(alive(p) for p in pids), timeout=15, what="keep_alive 0 to stop it")
+    wait_for(
+        lambda: not any(pid_alive(p) for p in pids), timeout=15, what="keep_alive 0 to stop it"
+    )
     available = daemon.condition("lane", lane, "Available")
     assert available is not None and available["reason"] == "Sleeping"
     assert "keep_alive" in available["message"]
@@ -239,7 +232,7 @@ def test_ollama_keep_alive_0_and_the_unload_idiom_sleep_the_lane(daemon: Daemon)
     pids = daemon.pids(lane)
     unloaded = client.generate(model=lane, keep_alive=0)
     assert (unloaded.done, unloaded.done_reason, unloaded.response) == (True, "unload", "")
-    wait_for(lambda: not any(alive(p) for p in pids), timeout=15, what="the unload to stop it")
+    wait_for(lambda: not any(pid_alive(p) for p in pids), timeout=15, what="the unload to stop it")
 
 
 def test_ollama_keep_alive_keeps_a_lane_awake_past_its_sleep_after(
@@ -258,8 +251,10 @@ def test_ollama_keep_alive_keeps_a_lane_awake_past_its_sleep_after(
                     keep_alive=f"{keep_s:g}s")  # fmt: skip
     ended = time.monotonic()
     pids = daemon.pids("right")
-    assert pids and all(alive(p) for p in pids)
-    wait_for(lambda: not any(alive(p) for p in pids), timeout=keep_s + 10, what="sleep", step=0.1)
+    assert pids and all(pid_alive(p) for p in pids)
+    wait_for(
+        lambda: not any(pid_alive(p) for p in pids), timeout=keep_s + 10, what="sleep", step=0.1
+    )
     slept = time.monotonic() - ended
     # Not after idle.sleepAfter (1 s) but after the request's keep_alive.
     assert slept >= keep_s - 0.5, slept
