@@ -519,6 +519,116 @@ def test_a_refused_ticket_leaves_room_for_those_behind_it() -> None:
     assert [r.ticket.id for r in queue.expire(now=0.5, view=IDLE)] == ["t"]
 
 
+# --- spillover ---------------------------------------------------------------------
+
+
+def spilled(t: Ticket) -> Ticket:
+    return replace(t, spilled_from="local")
+
+
+@pytest.mark.parametrize(
+    ("arriving", "view", "spill", "decision"),
+    [
+        # Its target met here: it stays, spillover or not.
+        (ticket("t", INTERACTIVE), IDLE, True, Admit(0.5)),
+        (ticket("t", INTERACTIVE), lane(replica(run("r", left=75))), True, Admit(2.0)),
+        # Missed here (2.5 s against 2 s): offered to the spillover Lane, with the
+        # refusal that stands if that Lane refuses it too.
+        (
+            ticket("t", INTERACTIVE),
+            BUSY,
+            True,
+            admission.Spill(
+                ticket("t", INTERACTIVE),
+                Refuse(
+                    ticket("t", INTERACTIVE),
+                    Reason.SLO_UNATTAINABLE,
+                    0.5,
+                    predicted_ttft_s=2.5,
+                ),
+            ),
+        ),
+        # Under onOverload: queue, the same miss would wait past its deadline: offered,
+        # with the admission that stands.
+        (ticket("t", PATIENT), BUSY, True, admission.Spill(ticket("t", PATIENT), Admit(2.5))),
+        # Its own prefill misses the target on an idle slot: it starts here at once.
+        (ticket("t", INTERACTIVE), lane(replica(prefill=200.0)), True, Admit(2.5)),
+        # No replica here: nothing predicts a miss; it waits (the Lane wakes, say).
+        (ticket("t", INTERACTIVE), NOBODY, True, Admit(None)),
+        # No target: nothing to miss.
+        (ticket("t", BATCH), BUSY, True, Admit(2.5)),
+        # No spillover Lane (none named, or it does not exist): the local decision.
+        (
+            ticket("t", INTERACTIVE),
+            BUSY,
+            False,
+            Refuse(ticket("t", INTERACTIVE), Reason.SLO_UNATTAINABLE, 0.5, predicted_ttft_s=2.5),
+        ),
+        (ticket("t", PATIENT), BUSY, False, Admit(2.5)),
+        # On the spillover Lane: admitted when it meets its target there...
+        (spilled(ticket("t", INTERACTIVE)), IDLE, False, Admit(0.5)),
+        # ... refused when it would miss it, whatever onOverload says, and never
+        # spilled again (one hop, whatever the manifests say).
+        (
+            spilled(ticket("t", INTERACTIVE)),
+            BUSY,
+            True,
+            Refuse(
+                spilled(ticket("t", INTERACTIVE)),
+                Reason.SLO_UNATTAINABLE,
+                0.5,
+                predicted_ttft_s=2.5,
+            ),
+        ),
+        (
+            spilled(ticket("t", PATIENT)),
+            BUSY,
+            True,
+            Refuse(
+                spilled(ticket("t", PATIENT)), Reason.SLO_UNATTAINABLE, 0.5, predicted_ttft_s=2.5
+            ),
+        ),
+        # ... and refused when nothing there forecasts that it meets it.
+        (
+            spilled(ticket("t", PATIENT)),
+            NOBODY,
+            False,
+            Refuse(
+                spilled(ticket("t", PATIENT)),
+                Reason.SLO_UNATTAINABLE,
+                admission.RETRY_AFTER_UNKNOWN_S,
+                predicted_ttft_s=0.0,
+            ),
+        ),
+    ],
+)
+def test_spill_verdict(
+    arriving: Ticket, view: LaneView, spill: bool, decision: Admit | Refuse | admission.Spill
+) -> None:
+    queue = LaneQueue()
+    assert queue.arrive(arriving, now=0, view=view, spill=spill) == decision
+    # Only an admission waits here; a spilled ticket is the caller's to offer.
+    assert ("t" in queue) == isinstance(decision, Admit)
+
+
+def test_a_ticket_that_can_preempt_in_time_stays_local() -> None:
+    """Parking the batch generation lets it meet its target here: no spill."""
+    view = lane(parking(LONG))
+    urgent = ticket("u", INTERACTIVE, prompt=100)
+    queue = LaneQueue()
+    assert queue.arrive(urgent, now=0, view=view, spill=True) == Admit(pytest.approx(0.1))
+    assert queue.preemption(now=0, view=view) == Preempt(urgent, victim="long", replica=0)
+
+
+def test_a_full_queue_that_would_miss_spills_with_its_refusal() -> None:
+    """Its policy's queue is full and it would miss: offered elsewhere; QUEUE_FULL stands."""
+    queue = queue_of(ticket("a", PATIENT), ticket("b", PATIENT), view=BUSY)
+    decision = queue.arrive(ticket("c", PATIENT), now=0, view=BUSY, spill=True)
+    assert isinstance(decision, admission.Spill)
+    assert isinstance(decision.local, Refuse) and decision.local.reason == Reason.QUEUE_FULL
+    assert "c" not in queue
+
+
 # --- cancellation ------------------------------------------------------------------
 
 

@@ -78,6 +78,21 @@ refusing it sheds no load, and its run corrects the measured figures (which noth
 else would, were every request refused). A ticket refused in the simulation takes no
 slot, so tickets behind it see the room it leaves.
 
+Spillover. A Lane may name another Lane to take the requests it cannot serve in time
+(`LaneSpec.spillover`). `arrive(..., spill=True)` (the Lane names one, and it exists)
+answers `Spill` instead of queueing or refusing a fresh ticket that the forecast says
+misses its TTFT target: one it would refuse as SLO_UNATTAINABLE, or, under onOverload:
+queue, one it would queue past its deadline (and one refused as QUEUE_FULL that would
+miss it too). A ticket that can meet its target here (on an idle slot, after the work
+ahead, or by preempting) stays. `Spill.local` is this Lane's own decision, which
+stands if the spillover Lane refuses. The data plane then arrives the ticket on the
+spillover Lane's queue with `spilled_from` set: there it is admitted only if the
+forecast says it meets its target (an idle slot, or a first token by its deadline;
+not with no replica to forecast from), whatever onOverload says, else refused as
+SLO_UNATTAINABLE; and it never spills again, so no manifests make a cycle. Only an
+arrival spills: a ticket admitted here that later misses is refused here
+(`expire`), as without spillover.
+
 Retry-after, from the same forecast (how fast this Lane drains), within
 [RETRY_AFTER_MIN_S, RETRY_AFTER_MAX_S]: for QUEUE_FULL, until the first ticket of the
 policy leaves the queue (starts or times out); for QUEUE_TIMEOUT, until the ticket's turn
@@ -110,6 +125,7 @@ from blazar.dataplane.admission.terms import (
     ReplicaView,
     Resume,
     Running,
+    Spill,
     Ticket,
     expected_output,
 )
@@ -131,6 +147,7 @@ __all__ = [
     "ReplicaView",
     "Resume",
     "Running",
+    "Spill",
     "Ticket",
     "expected_output",
 ]

@@ -119,6 +119,21 @@ def rejects_late(entry: Waiting) -> bool:
     )
 
 
+def misses_target(entry: Waiting, fate: Fate, now: float) -> bool:
+    """Whether the forecast says a fresh ticket misses its TTFT target, whatever its
+    policy's onOverload (spillover asks under both). Not one that takes an idle slot
+    before its deadline (it starts at once, at its best), nor one nothing forecasts
+    (no replica serves)."""
+    ticket = entry.ticket
+    if entry.resume is not None or ticket.deadline == math.inf:
+        return False
+    if fate.refuse == Reason.SLO_UNATTAINABLE or now >= ticket.deadline:
+        return True
+    if fate.idle or fate.start_s is None:
+        return False
+    return now + fate.start_s + fate.prefill_s > ticket.deadline
+
+
 @dataclass
 class _Slot:
     replica: ReplicaView

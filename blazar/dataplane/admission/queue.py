@@ -11,6 +11,7 @@ from blazar.dataplane.admission.forecast import (
     clamp,
     forecast,
     key_of,
+    misses_target,
     refusal,
     rejects_late,
 )
@@ -24,6 +25,7 @@ from blazar.dataplane.admission.terms import (
     Reason,
     Refuse,
     Resume,
+    Spill,
     Ticket,
 )
 
@@ -51,20 +53,36 @@ class LaneQueue:
         """Tickets of the policy named `policy` waiting, parked generations included."""
         return sum(1 for w in self._waiting.values() if w.ticket.policy.name == policy)
 
-    def arrive(self, ticket: Ticket, *, now: float, view: LaneView) -> Admit | Refuse:
+    def arrive(
+        self, ticket: Ticket, *, now: float, view: LaneView, spill: bool = False
+    ) -> Admit | Refuse | Spill:
         """Queue `ticket` or refuse it at once. An admitted ticket that can start now is
-        started by the next `dispatch`, the one place where tickets start."""
+        started by the next `dispatch`, the one place where tickets start. With `spill`
+        (the Lane names a spillover Lane that exists), a fresh ticket predicted to miss
+        its target is handed back as `Spill`, not queued; a ticket that spilled here
+        is refused unless predicted to meet it (see the package docstring)."""
         if ticket.id in self._waiting:
             raise ValueError(f"ticket {ticket.id!r} is already waiting")
         entry = Waiting(ticket, since=ticket.arrived)
         fate = forecast(self._ordered(extra=entry), now=now, view=view)[ticket.id]
         policy = ticket.policy
+        local: Admit | Refuse
         if not fate.idle and self.depth(policy.name) >= policy.max_queue_depth:
-            return Refuse(ticket, Reason.QUEUE_FULL, self._room_after(policy, now, view))
-        if fate.refuse is not None:
-            return refusal(entry, fate, now)
-        self._waiting[ticket.id] = entry
-        return Admit(fate.ttft_s)
+            local = Refuse(ticket, Reason.QUEUE_FULL, self._room_after(policy, now, view))
+        elif fate.refuse is not None:
+            local = refusal(entry, fate, now)
+        else:
+            local = Admit(fate.ttft_s)
+        if ticket.spilled_from is not None:
+            if isinstance(local, Admit) and (
+                fate.start_s is None or misses_target(entry, fate, now)
+            ):
+                local = refusal(entry, replace(fate, refuse=Reason.SLO_UNATTAINABLE), now)
+        elif spill and misses_target(entry, fate, now):
+            return Spill(ticket, local)
+        if isinstance(local, Admit):
+            self._waiting[ticket.id] = entry
+        return local
 
     def requeue(self, ticket: Ticket, *, now: float, resume: Resume | None = None) -> None:
         """Put a started ticket back, as `Dispatch`/`Preempt` gave it: a generation

@@ -92,6 +92,9 @@ class Ticket:
     # Whose request it is, and the tenant's share of the Lane (module docstring).
     tenant: str = ""
     weight: float = 1.0
+    # The Lane it spilled over from (it arrives here predicted to miss its target
+    # there): admitted only if predicted to meet it, and never spilled again.
+    spilled_from: str | None = None
 
     @property
     def deadline(self) -> float:
@@ -270,6 +273,19 @@ class Refuse:
             ttft_target_s=policy.ttft_target_s or 0.0,
             retry_after_s=self.retry_after_s,
         )
+
+
+@dataclass(frozen=True)
+class Spill:
+    """The ticket is predicted to miss its TTFT target here and its Lane names a
+    spillover Lane: offer it there (with `spilled_from` set) instead of queueing it.
+    `local` is what this Lane decided otherwise, and stands if the other refuses: a
+    refusal (the caller gets it, with the smaller retry-after of the two), or, under
+    onOverload: queue, an admission (arrive again here, without spill). The ticket is
+    not in the queue."""
+
+    ticket: Ticket
+    local: Admit | Refuse
 
 
 @dataclass(frozen=True)
