@@ -370,6 +370,10 @@ class LaneSpec(CamelModel):
     flash_attention: Literal["auto", "on", "off"] = "auto"
     speculation: str | None = None
     slo_policy: str | None = None
+    # Another Lane that takes, under the same SLOPolicy, the requests this one predicts
+    # would miss their time-to-first-token target (`dataplane.admission`). Named as a
+    # reference that may dangle: a Lane missing at request time means no spill.
+    spillover: str | None = Field(default=None, min_length=1)
     idle: Idle | None = None
     # Keep the Lane resident: the memory budget never puts it to sleep to make room for
     # another, nor does a request's keep_alive. Not with idle.sleepAfter (refused).
@@ -622,6 +626,22 @@ class Lane(CamelModel):
     metadata: ObjectMeta
     spec: LaneSpec
     status: LaneStatus = Field(default_factory=LaneStatus)
+
+    @field_validator("spec")
+    @classmethod
+    def _spillover_elsewhere(cls, value: LaneSpec, info: ValidationInfo) -> LaneSpec:
+        metadata = info.data.get("metadata")
+        if (
+            value.spillover is not None
+            and isinstance(metadata, ObjectMeta)
+            and value.spillover == metadata.name
+            and not _stored(info)
+        ):
+            raise invalid(
+                f"spillover: names this Lane itself ({metadata.name}); name another Lane, "
+                "or remove spillover"
+            )
+        return value
 
 
 class SLOPolicy(CamelModel):

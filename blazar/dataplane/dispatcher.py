@@ -16,6 +16,12 @@ A request's side, in the relay:
    (NOT_FOUND: retrying cannot help), or `errors.Unavailable` when its Lane is scaled
    to zero meanwhile. A caller that leaves while waiting (its coroutine cancelled)
    takes its ticket out of the queue at once.
+   With `spill` (the Lane's spillover Lane exists), it returns admission's `Spill`
+   instead when the request is predicted to miss its target here: nothing is queued,
+   and the relay offers the ticket to the spillover Lane's `admit` (`spilled_from`
+   set; a refusal there is not counted there) and, refused there too, carries out
+   `Spill.local`: `refused(...)` counts this Lane's refusal, or it arrives here again
+   without `spill` to wait.
 2. The relay streams from `run.replica`, counting the tokens it relays on
    `run.generated` (the one field a relay writes; the forecast reads it).
 3. `end(run, final)` when the stream ends in any way; a Final's usage and timings
@@ -101,8 +107,11 @@ class _Pending:
     ticket: admission.Ticket
     request_id: str
     prompt_chars: int
-    started: asyncio.Future[Run]
+    # A Spill: admission handed the request back, to offer to the spillover Lane.
+    started: asyncio.Future[Run | admission.Spill]
     predicted_ttft_s: float | None = None
+    # Its Lane names a spillover Lane that exists (`admission.LaneQueue.arrive`).
+    spill: bool = False
 
 
 @dataclass(frozen=True)
@@ -211,10 +220,16 @@ class LaneDispatcher:
 
     # --- the relay's side ----------------------------------------------------------
 
-    async def admit(self, ticket: admission.Ticket, *, request_id: str, prompt_chars: int) -> Run:
-        """Queue the ticket and wait for its start (see the module docstring)."""
+    async def admit(
+        self, ticket: admission.Ticket, *, request_id: str, prompt_chars: int, spill: bool = False
+    ) -> Run | admission.Spill:
+        """Queue the ticket and wait for its start (see the module docstring). With
+        `spill` (the Lane's spillover Lane exists), a `Spill` when admission predicts it
+        misses its target here: the ticket is not queued, and the caller offers it to
+        the spillover Lane (`admission.Spill`)."""
         self._check_open()
         pending = self._pending_of(ticket, request_id=request_id, prompt_chars=prompt_chars)
+        pending.spill = spill
         self._events.put_nowait(_Arrive(pending))
         return await self._wait(pending)
 
@@ -225,7 +240,14 @@ class LaneDispatcher:
             run.ticket, request_id=run.request_id, prompt_chars=run.prompt_chars
         )
         self._events.put_nowait(_Retry(run, pending))
-        return await self._wait(pending)
+        started = await self._wait(pending)
+        assert isinstance(started, Run)  # a requeued ticket never arrives again
+        return started
+
+    def refused(self, refusal: admission.Refuse, *, request_id: str) -> None:
+        """Count a refusal that the caller gets from this Lane though admission handed
+        the ticket back (`Spill`): the spillover Lane refused it too."""
+        self._count_refusal(refusal, request_id=request_id)
 
     def end(self, run: Run, final: inference_pb2.Final | None) -> None:
         """The run's stream ended: with its Final when it finished."""
@@ -260,17 +282,19 @@ class LaneDispatcher:
     def _pending_of(
         self, ticket: admission.Ticket, *, request_id: str, prompt_chars: int
     ) -> _Pending:
-        started: asyncio.Future[Run] = asyncio.get_running_loop().create_future()
+        started: asyncio.Future[Run | admission.Spill] = asyncio.get_running_loop().create_future()
         return _Pending(ticket, request_id, prompt_chars, started)
 
-    async def _wait(self, pending: _Pending) -> Run:
+    async def _wait(self, pending: _Pending) -> Run | admission.Spill:
         try:
             return await asyncio.shield(pending.started)
         except asyncio.CancelledError:
             # The caller left. Started meanwhile: the run is the caller's to end.
             if pending.started.done() and not pending.started.cancelled():
                 if pending.started.exception() is None:
-                    self.end(pending.started.result(), None)
+                    started = pending.started.result()
+                    if isinstance(started, Run):
+                        self.end(started, None)
             else:
                 pending.started.cancel()
                 self._events.put_nowait(_Cancel(pending.ticket.id))
@@ -407,7 +431,22 @@ class LaneDispatcher:
             return
         ticket = pending.ticket
         self._policies[ticket.policy.name] = ticket.policy
-        decision = self._queue.arrive(ticket, now=now, view=self._view())
+        decision = self._queue.arrive(ticket, now=now, view=self._view(), spill=pending.spill)
+        if isinstance(decision, admission.Spill):
+            pending.started.set_result(decision)
+            return
+        if isinstance(decision, admission.Refuse) and ticket.spilled_from is not None:
+            # Not this Lane's refusal to count: its caller gets the decision of the Lane
+            # it spilled from, counted there.
+            log.info(
+                "admission.spill_refused",
+                request_id=pending.request_id,
+                lane=self.lane,
+                spilled_from=ticket.spilled_from,
+                predicted_ttft_s=_rounded(decision.predicted_ttft_s),
+            )
+            pending.started.set_exception(decision.error(self.lane))
+            return
         if isinstance(decision, admission.Refuse):
             self._refuse(pending, decision)
             return
@@ -574,7 +613,12 @@ class LaneDispatcher:
         task.add_done_callback(self._calls.discard)
 
     def _refuse(self, pending: _Pending, refusal: admission.Refuse) -> None:
-        policy = pending.ticket.policy
+        self._count_refusal(refusal, request_id=pending.request_id)
+        if not pending.started.done():
+            pending.started.set_exception(refusal.error(self.lane))
+
+    def _count_refusal(self, refusal: admission.Refuse, *, request_id: str) -> None:
+        policy = refusal.ticket.policy
         reason = refusal.reason.value
         figures = self._figures(policy)
         figures.refused[reason] = figures.refused.get(reason, 0) + 1
@@ -582,18 +626,16 @@ class LaneDispatcher:
         metrics.QUEUE_WAIT.labels(self.lane, policy.name).observe(refusal.waited_s)
         log.info(
             "admission.refused",
-            request_id=pending.request_id,
+            request_id=request_id,
             lane=self.lane,
             policy=policy.name,
             reason=reason,
             retry_after_s=round(refusal.retry_after_s, 3),
             predicted_ttft_s=_rounded(refusal.predicted_ttft_s),
-            prompt_tokens=pending.ticket.prompt_tokens,
+            prompt_tokens=refusal.ticket.prompt_tokens,
             # What the forecast saw: enough to tell a wrong figure from a full Lane.
             view=[_summary(replica) for replica in self._view().replicas],
         )
-        if not pending.started.done():
-            pending.started.set_exception(refusal.error(self.lane))
 
     def _fail_all(self, err: errors.BlazarError) -> None:
         """Every waiting ticket, and every ticket waiting for a park, fails with `err`."""

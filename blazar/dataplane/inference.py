@@ -8,8 +8,12 @@ replica feed `routing.pick_replica`. The replica chosen goes back to the caller 
 initial metadata (`blazar-lane`, `blazar-replica`) before the first chunk, and in
 `Final.routing`. Chat and Complete wait in their Lane's admission queue
 (`blazar.dataplane.dispatcher`) under the SLOPolicy they name (`policies`) until a slot
-is theirs; engines hold no queue of their own. Embed and Tokenize go straight to a
-replica (the policy they name is checked all the same: it must exist).
+is theirs; engines hold no queue of their own. A request its Lane's admission predicts
+would miss its TTFT target goes to the Lane's spillover Lane (`spec.spillover`) if that
+one predicts it meets it (`_spill`); the Lane it ran on is what `Final.routing` and
+`blazar-lane` say. A spillover naming no Lane is a Warning event on the Lane. Embed and
+Tokenize go straight to a replica (the policy they name is checked all the same: it
+must exist).
 
 Who may ask for what is `access`'s: its interceptor has let the call in and named its
 `Caller`; each RPC here asks `Access.permit` once the model name resolves to a Lane
@@ -120,6 +124,9 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         # SLOPolicies by name, as the store holds them: read by every request, so kept
         # here and replaced when one changes, not read from the store each time.
         self._slo_policies: dict[str, SLOPolicySpec] = {}
+        # Lanes whose spillover names no Lane, as last reported (an event each time
+        # one starts to dangle).
+        self._dangling: dict[str, str] = {}
         self.refresh()
         self._refresh_policies()
         self._unsubscribe = store.subscribe(self._on_store_event)
@@ -139,6 +146,29 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             indexes[route.lane] = index
         self._prefixes = indexes
         self._dispatchers.update(self.table)
+        self._report_dangling()
+
+    def _report_dangling(self) -> None:
+        """A Warning event `SpilloverNotFound` on each Lane whose spillover has just
+        come to name no Lane: it is no apply error (the Lane may come later), and its
+        requests stay where they are meanwhile, so the operator is told here."""
+        dangling = routing.dangling_spillovers(self.table)
+        for lane, target in sorted(dangling.items()):
+            if self._dangling.get(lane) == target:
+                continue
+            log.warning("lane.spillover_missing", lane=lane, spillover=target)
+            self._store.record_event(
+                kind=Kind.LANE.value,
+                name=lane,
+                type="Warning",
+                reason="SpilloverNotFound",
+                message=(
+                    f"spec.spillover names Lane '{target}', which does not exist: requests "
+                    "predicted to miss their target are queued or refused on this Lane, as "
+                    "without spillover, until it does."
+                ),
+            )
+        self._dangling = dangling
 
     def _refresh_policies(self) -> None:
         self._slo_policies = {
@@ -572,8 +602,23 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             weight=caller.weight,
         )
         waiting = True
+        spill_to = self._spill_target(route, caller, generate)
+        spilled: str | None = None
         try:
-            run = await lane.admit(ticket, request_id=request_id, prompt_chars=prompt_chars)
+            started = await lane.admit(
+                ticket, request_id=request_id, prompt_chars=prompt_chars, spill=spill_to is not None
+            )
+            if isinstance(started, admission.Spill):
+                assert spill_to is not None
+                self._activity.begin(spill_to.lane)
+                spilled = spill_to.lane
+                route, lane, run = await self._spill(
+                    started, route=route, lane=lane, to=spill_to, generate=generate,
+                    request_id=request_id, prompt_chars=prompt_chars, session=session,
+                )  # fmt: skip
+                blocks = ()  # hashed for the other Lane's index; not worth a second pass
+            else:
+                run = started
             if replica is None:
                 run.load_s = max(0.0, run.started_at - arrived)
             announced = False
@@ -616,6 +661,94 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             if waiting:
                 metrics.observe_failure(route.lane, metrics.CANCELLED)
             raise
+        finally:
+            if spilled is not None:
+                self._activity.end(spilled)
+
+    def _spill_target(
+        self, route: routing.Route, caller: access.Caller, generate: engine_pb2.GenerateRequest
+    ) -> routing.Route | None:
+        """The Lane a request on `route` may spill over to: its spillover Lane, if it
+        exists (else the local decision stands), the caller may use it, and, for an
+        upstream Lane, the request is one an upstream can be asked."""
+        to = routing.spillover_of(self.table, route)
+        if to is None or self._dispatchers.of(to.lane) is None:
+            return None
+        if not caller.may_use((to.lane, *to.aliases)):
+            return None
+        if to.upstream is not None and upstream_convert.refusal(generate) is not None:
+            return None
+        return to
+
+    async def _spill(
+        self,
+        spill: admission.Spill,
+        *,
+        route: routing.Route,
+        lane: dispatcher.LaneDispatcher,
+        to: routing.Route,
+        generate: engine_pb2.GenerateRequest,
+        request_id: str,
+        prompt_chars: int,
+        session: str,
+    ) -> tuple[routing.Route, dispatcher.LaneDispatcher, dispatcher.Run]:
+        """Offer a ticket its Lane handed back to the spillover Lane `to` (admitted
+        there only if it meets its target, and never spilled again): its run there;
+        else its Lane's own decision (`Spill.local`): the refusal, with the smaller
+        retry-after of the two Lanes, or (onOverload: queue) a wait on its Lane."""
+        other = self._dispatchers.of(to.lane)
+        ticket = spill.ticket
+        elsewhere: errors.BlazarError | None = None
+        if other is not None:
+            prompt_tokens = other.measurements.prompt_tokens(prompt_chars)
+            sampling = generate.sampling
+            max_tokens = (
+                sampling.max_tokens
+                if sampling.HasField("max_tokens")
+                else max(1, to.context_length - prompt_tokens)
+            )
+            if prompt_tokens + (sampling.max_tokens or 1) <= to.context_length:
+                offered = dataclasses.replace(
+                    ticket,
+                    spilled_from=route.lane,
+                    prompt_tokens=prompt_tokens,
+                    max_tokens=max_tokens,
+                    prefer=self._sessions.replica_of(to.lane, session),
+                )
+                try:
+                    started = await other.admit(
+                        offered, request_id=request_id, prompt_chars=prompt_chars
+                    )
+                except errors.BlazarError as err:
+                    elsewhere = err
+                else:
+                    assert isinstance(started, dispatcher.Run)  # it spills no further
+                    metrics.SPILLOVERS.labels(route.lane, to.lane).inc()
+                    log.info(
+                        "request.spilled",
+                        request_id=request_id,
+                        lane=route.lane,
+                        to=to.lane,
+                        predicted_ttft_s=(
+                            None
+                            if started.predicted_ttft_s is None
+                            else round(started.predicted_ttft_s, 3)
+                        ),
+                    )
+                    return to, other, started
+        local = spill.local
+        if isinstance(local, admission.Refuse):
+            retry = local.retry_after_s
+            hint = elsewhere.metadata.get(errors.RETRY_AFTER_KEY) if elsewhere else None
+            if hint is not None and hint.isdigit():
+                retry = min(retry, int(hint) / 1000)
+            refusal = dataclasses.replace(local, retry_after_s=retry)
+            lane.refused(refusal, request_id=request_id)
+            raise refusal.error(route.lane)
+        # onOverload: queue: it waits here after all.
+        started = await lane.admit(ticket, request_id=request_id, prompt_chars=prompt_chars)
+        assert isinstance(started, dispatcher.Run)
+        return route, lane, started
 
     async def _policy(self, model: str, slo: str, context: Context) -> admission.Policy:
         """The policy a request on `model` is admitted under: the one it names (`slo`,

@@ -65,6 +65,12 @@ REJECTIONS = Counter(
     "Requests refused by admission, by reason: QUEUE_FULL, QUEUE_TIMEOUT, SLO_UNATTAINABLE.",
     ["lane", "policy", "reason"],
 )
+SPILLOVERS = Counter(
+    "blazar_spillovers_total",
+    "Requests predicted to miss their TTFT target on a lane that ran on its spillover "
+    "lane instead (`to`).",
+    ["lane", "to"],
+)
 PREEMPTIONS = Counter(
     "blazar_preemptions_total",
     "Generations parked for more urgent work, by the parked request's SLOPolicy.",

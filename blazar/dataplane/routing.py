@@ -60,6 +60,9 @@ class Route:
     # engine: upstream: the server its one replica (index 0, ready while the upstream
     # answers its probe) sends requests to; None for a Lane of local engines.
     upstream: Upstream | None = None
+    # The Lane its requests predicted to miss their TTFT target may run on instead
+    # (spec.spillover); it may name no Lane of the table (`spillover_of`).
+    spillover: str | None = None
 
 
 @dataclass(frozen=True)
@@ -89,6 +92,7 @@ def build_table(lanes: Sequence[Lane]) -> RouteTable:
             slots=lane.spec.slots,
             desired=lane.spec.replicas,
             slo_policy=lane.spec.slo_policy,
+            spillover=lane.spec.spillover,
             max_parked_bytes=lane.spec.kv_cache.max_parked_mib << 20,
             wakes=_wakes(lane),
             sleeping=lane.status.sleeping,
@@ -179,6 +183,24 @@ def unservable(route: Route) -> errors.Unavailable | None:
         f"none until its Model is ready: {route.model_problem}",
         metadata={"lane": route.lane, "model": route.model},
     )
+
+
+def spillover_of(table: RouteTable, route: Route) -> Route | None:
+    """The Lane `route` spills over to, by its own name (an alias names no Lane here);
+    None when it names none, or one the table does not hold (missing: no spill)."""
+    if route.spillover is None or route.spillover == route.lane:
+        return None
+    found = table.by_name.get(route.spillover)
+    return found if found is not None and found.lane == route.spillover else None
+
+
+def dangling_spillovers(table: RouteTable) -> dict[str, str]:
+    """Lanes whose spillover names no Lane of the table, with the name they give."""
+    return {
+        route.lane: route.spillover
+        for route in table.routes
+        if route.spillover is not None and spillover_of(table, route) is None
+    }
 
 
 def resolve(table: RouteTable, name: str) -> Route:

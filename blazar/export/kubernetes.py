@@ -547,6 +547,11 @@ def _lane_gaps(lane: Lane) -> list[str]:
             f"{where}: spec.sloPolicy: a request without {OBJECTIVE_HEADER} gets priority 0, "
             f"not {spec.slo_policy}'s; clients name {lane.metadata.name}-{spec.slo_policy}"
         )
+    if spec.spillover is not None:
+        gaps.append(
+            f"{where}: spec.spillover: the gateway does not send a request predicted to miss "
+            f"its target to another pool; route overflow to the {spec.spillover} pool yourself"
+        )
     if spec.aliases:
         gaps.append(
             f"{where}: spec.aliases: llama-server lists them, but the gateway picks a pool by "

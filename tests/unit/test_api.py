@@ -218,6 +218,14 @@ def test_every_error_is_reported_with_its_path() -> None:
     ]
 
 
+def test_a_spillover_lane_missing_at_apply_is_no_error() -> None:
+    """A reference that may dangle (Kubernetes-style): the data plane, not apply, finds
+    a spillover Lane missing, and the Lane's requests then stay where they are."""
+    docs = [("x.yaml#1", lane_doc(spillover="wide"))]
+    [lane] = manifests.validate_objects(docs, exists=lambda kind, name: name == "gemma3-270m")
+    assert isinstance(lane, kinds.Lane) and lane.spec.spillover == "wide"
+
+
 def test_a_name_with_line_breaks_does_not_locate_its_errors() -> None:
     # Found by tests/integration/fuzz/test_manifests.py: each error took many lines.
     doc = lane_doc()
@@ -418,6 +426,10 @@ def test_admission_refusals_are_overloaded_with_the_numbers(
             None,
         ),
         (lane_doc(aliases=["a", "a"]), "Lane/gemma: spec.aliases", "distinct"),
+        # Spillover names another Lane; one spilling to itself is a mistake.
+        (lane_doc(spillover="gemma"), "Lane/gemma: spec", "spillover: names this Lane itself"),
+        (lane_doc(spillover=""), "Lane/gemma: spec.spillover", "at least 1 character"),
+        (lane_doc(spillover="wide"), None, None),
         (lane_doc("Bad_Name"), "Lane/Bad_Name: metadata.name", "not a valid name"),
         (lane_doc("x" * 64), f"Lane/{'x' * 64}: metadata.name", "not a valid name"),
         ({**lane_doc(), "spec": {}}, "Lane/gemma: spec.model", "Field required"),

@@ -437,6 +437,7 @@ def test_an_unread_model_leaves_the_memory_request_out_and_says_why() -> None:
         ((_lane(aliases=["a"]),), {"Lane/l: spec.aliases"}),
         ((_lane(aliases=["a,b"]),), {"Lane/l: spec.aliases"}),
         ((_lane(gpuLayers=1),), {"Lane/l: spec.gpuLayers"}),
+        ((_lane(spillover="wide"),), {"Lane/l: spec.spillover"}),
         ((_policy("p"), _lane(sloPolicy="p")), {"Lane/l: spec.sloPolicy"}),
         (
             (
