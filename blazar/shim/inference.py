@@ -21,14 +21,17 @@ from blazar.rpc import status
 # A probe must answer even when the daemon hangs; load balancers poll every few seconds.
 _HEALTH_TIMEOUT_S = 2.0
 
-# Where a generation ran, on every dialect's HTTP response: the Lane's replica index, and
-# the prompt tokens its cache already held (only where known before the headers go out).
+# Where a generation ran, on every dialect's HTTP response: the Lane (the one asked for,
+# or its spillover Lane), its replica index, and the prompt tokens its cache already held
+# (only where known before the headers go out).
+LANE_HEADER = "x-blazar-lane"
 REPLICA_HEADER = "x-blazar-replica"
 PREFIX_REUSED_HEADER = "x-blazar-prefix-reused"
 # When admission expected the first token (milliseconds from arrival), if it predicted.
 PREDICTED_TTFT_HEADER = "x-blazar-predicted-ttft-ms"
 # The data plane's initial metadata keys, and the headers they become (inference.proto).
 _HEADERS_OF_METADATA = {
+    "blazar-lane": LANE_HEADER,
     "blazar-replica": REPLICA_HEADER,
     "blazar-predicted-ttft-ms": PREDICTED_TTFT_HEADER,
 }
@@ -38,10 +41,13 @@ def final_headers(final: inference_pb2.Final) -> dict[str, str]:
     """The routing headers of a finished generation; none when the daemon sent no routing."""
     if not final.HasField("routing"):
         return {}
-    return {
+    headers = {
         REPLICA_HEADER: str(final.routing.replica),
         PREFIX_REUSED_HEADER: str(final.routing.prefix_tokens_reused),
     }
+    if final.routing.lane:
+        headers[LANE_HEADER] = final.routing.lane
+    return headers
 
 
 class ChunkStream:
@@ -70,10 +76,10 @@ class ChunkStream:
         return cast(inference_pb2.Chunk, message)
 
     async def routing_headers(self) -> dict[str, str]:
-        """`x-blazar-replica` (and `x-blazar-predicted-ttft-ms`) from the daemon's
-        initial metadata, which it sends with the first chunk: call this once the first
-        chunk (or the end) is in. Empty when the daemon named no replica (the call
-        failed first)."""
+        """`x-blazar-lane`, `x-blazar-replica` (and `x-blazar-predicted-ttft-ms`) from
+        the daemon's initial metadata, which it sends with the first chunk: call this
+        once the first chunk (or the end) is in. Empty when the daemon named no replica
+        (the call failed first)."""
         try:
             metadata = await self._call.initial_metadata()
         except grpc.RpcError:

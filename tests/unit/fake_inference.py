@@ -158,7 +158,10 @@ class FakeInference(inference_pb2_grpc.InferenceServicer):
                 else:
                     if announce:
                         announce = False
-                        metadata = [("blazar-replica", str(self.replica))]
+                        metadata = [
+                            ("blazar-lane", "lane-a"),
+                            ("blazar-replica", str(self.replica)),
+                        ]
                         if self.predicted_ttft_ms is not None:
                             metadata.append(
                                 ("blazar-predicted-ttft-ms", str(self.predicted_ttft_ms))

@@ -631,7 +631,7 @@ def routed_final(*, replica: int, reused: int) -> inference_pb2.Chunk:
     return chunk
 
 
-ROUTING_HEADERS = ("x-blazar-replica", "x-blazar-prefix-reused")
+ROUTING_HEADERS = ("x-blazar-lane", "x-blazar-replica", "x-blazar-prefix-reused")
 
 
 @pytest.mark.parametrize(
@@ -639,20 +639,20 @@ ROUTING_HEADERS = ("x-blazar-replica", "x-blazar-prefix-reused")
     [
         # Whole answers: the final chunk's routing.
         ("/v1/chat/completions", chat_body(), [delta("Hi"), routed_final(replica=1, reused=9)],
-         ("1", "9")),
+         ("lane-a", "1", "9")),
         ("/v1/completions", {"model": "tiny", "prompt": "Once"},
-         [delta(" upon"), routed_final(replica=1, reused=0)], ("1", "0")),
-        # Streams: the replica from the initial metadata; what the cache held is not
-        # known before the first delta goes out...
+         [delta(" upon"), routed_final(replica=1, reused=0)], ("lane-a", "1", "0")),
+        # Streams: the Lane and replica from the initial metadata; what the cache held
+        # is not known before the first delta goes out...
         ("/v1/chat/completions", chat_body(stream=True),
-         [delta("Hi"), routed_final(replica=1, reused=9)], ("1", None)),
+         [delta("Hi"), routed_final(replica=1, reused=9)], ("lane-a", "1", None)),
         ("/v1/completions", {"model": "tiny", "prompt": "Once", "stream": True},
-         [delta(" upon"), routed_final(replica=1, reused=9)], ("1", None)),
+         [delta(" upon"), routed_final(replica=1, reused=9)], ("lane-a", "1", None)),
         # ... unless the first chunk is the final one.
         ("/v1/chat/completions", chat_body(stream=True), [routed_final(replica=1, reused=9)],
-         ("1", "9")),
+         ("lane-a", "1", "9")),
         # A daemon that names no replica gets none invented.
-        ("/v1/chat/completions", chat_body(), HELLO, (None, None)),
+        ("/v1/chat/completions", chat_body(), HELLO, (None, None, None)),
     ],
 )  # fmt: skip
 async def test_responses_say_which_replica_served_them(
@@ -661,7 +661,7 @@ async def test_responses_say_which_replica_served_them(
     path: str,
     body: dict[str, Any],
     script: list[Step],
-    headers: tuple[str | None, str | None],
+    headers: tuple[str | None, str | None, str | None],
 ) -> None:
     daemon.fake.scripts["tiny"] = script
     daemon.fake.replica = None if script is HELLO else 1
