@@ -14,10 +14,10 @@ import grpc
 import prometheus_client
 
 from blazar._proto.v1 import inference_pb2, inference_pb2_grpc
-from blazar.api import errors
+from blazar.api import errors, tenants
 from blazar.api.kinds import Kind, Lane, LaneSpec, LaneStatus, ReplicaStatus, SLOPolicy
 from blazar.api.meta import ObjectMeta
-from blazar.dataplane import server
+from blazar.dataplane import access, server
 from blazar.store.memory import MemoryStore
 from tests.unit.test_dataplane_admission import HoldingEngine, outcome, policy
 from tests.unit.test_dataplane_relay import engines, wait_until
@@ -53,8 +53,13 @@ class Plane:
         index = ["l", "w"].index(name)
         self.store.apply_all([lane(name, self.sockets[index], spillover=spillover)])
 
+    # The key every call presents (None: no auth).
+    key: str | None = None
+
     def start(self, lane: str, prompt: str, slo: str = "") -> grpc.aio.UnaryStreamCall[Any, Any]:
-        return self.stub.Complete(inference_pb2.CompleteRequest(model=lane, prompt=prompt, slo=slo))
+        request = inference_pb2.CompleteRequest(model=lane, prompt=prompt, slo=slo)
+        metadata = (("authorization", f"Bearer {self.key}"),) if self.key else ()
+        return self.stub.Complete(request, metadata=metadata)
 
     async def started(self, lane: str, prompt: str, slo: str = "") -> Any:
         """A call whose engine has it (its first delta is in)."""
@@ -74,7 +79,10 @@ class Plane:
 
 @contextlib.asynccontextmanager
 async def plane(
-    *policies: SLOPolicy, spillover: str | None = "w", back: str | None = None
+    *policies: SLOPolicy,
+    spillover: str | None = "w",
+    back: str | None = None,
+    auth: access.Access | None = None,
 ) -> AsyncIterator[Plane]:
     """Lanes "l" (spilling to `spillover`) and "w" (spilling to `back`)."""
     local, wide = HoldingEngine(), HoldingEngine()
@@ -84,7 +92,7 @@ async def plane(
         store.apply_all([*policies, *lanes])
         for item in lanes:
             store.update_status(Kind.LANE, item.metadata.name, item.status)
-        data_plane = await server.start(store=store, address="127.0.0.1:0")
+        data_plane = await server.start(store=store, address="127.0.0.1:0", access=auth)
         p: Plane | None = None
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{data_plane.port}") as channel:
@@ -231,3 +239,26 @@ def test_a_missing_spillover_lane_leaves_the_local_decision_and_says_so() -> Non
     missing = [e for e in events if e[1] == "SpilloverNotFound"]
     assert len(missing) == 2, events
     assert missing[0][0] == "Warning" and "'nosuch'" in missing[0][2]
+
+
+def test_a_tenant_spills_only_to_a_lane_it_may_use() -> None:
+    """Tenant "narrow" may use "l" only: its request stays, and is refused there."""
+    auth = tenants.parse(
+        f'tenants: [{{name: narrow, keys: ["{tenants.digest("bz-narrow")}"], lanes: [l]}}]',
+        source="test",
+    )
+    before = spillovers()
+
+    async def run() -> tuple[errors.BlazarError | None, list[str]]:
+        async with plane(TIGHT, auth=access.Access(tenants=auth)) as p:
+            p.key = "bz-narrow"
+            await p.warm("l")
+            held = await p.started("l", "hold")
+            refused = await outcome(p.start("l", "urgent", slo="tight"))
+            p.release()
+            assert await outcome(held) is None
+            return refused, p.engines["w"].seen
+
+    refused, on_w = asyncio.run(run())
+    assert isinstance(refused, errors.SloUnattainable) and refused.metadata["lane"] == "l"
+    assert (on_w, spillovers()) == ([], before)
