@@ -610,13 +610,16 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             )
             if isinstance(started, admission.Spill):
                 assert spill_to is not None
-                self._activity.begin(spill_to.lane)
-                spilled = spill_to.lane
                 route, lane, run = await self._spill(
                     started, route=route, lane=lane, to=spill_to, generate=generate,
                     request_id=request_id, prompt_chars=prompt_chars, session=session,
                 )  # fmt: skip
-                blocks = ()  # hashed for the other Lane's index; not worth a second pass
+                if route is spill_to:
+                    # In flight there too, for its idle.sleepAfter (its own Lane's
+                    # activity ends with the relay).
+                    self._activity.begin(spill_to.lane)
+                    spilled = spill_to.lane
+                    blocks = ()  # hashed for the other Lane's index; not worth a second pass
             else:
                 run = started
             if replica is None:
