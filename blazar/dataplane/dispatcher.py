@@ -88,8 +88,12 @@ class Run:
     started_at: float = 0.0
     expected_prefill_s: float = 0.0
     # On the dispatcher's clock, when its first token came (None: not yet); with
-    # `generated`, what it measures of its policy's decode before it finishes.
+    # `generated` and less the time it spent parked, what it measures of its policy's
+    # decode before it finishes.
     first_token_at: float | None = None
+    # Seconds it spent parked after its first token, and since when it is parked now.
+    parked_s: float = 0.0
+    parked_at: float | None = None
     # Seconds it waited for its Lane to wake (idle.sleepAfter), within its queue wait.
     load_s: float = 0.0
 
@@ -564,6 +568,7 @@ class LaneDispatcher:
         ticket = victim.ticket
         self._running.pop(ticket.id, None)
         self._parked[ticket.id] = victim
+        victim.parked_at = now
         self._parked_bytes[ticket.id] = done.parked.parked_bytes
         if done.parked.parked_bytes and done.parked.tokens:
             self._kv_bytes_per_token = -(-done.parked.parked_bytes // done.parked.tokens)
@@ -597,6 +602,10 @@ class LaneDispatcher:
             return  # it ended while parked
         self._running[decision.ticket.id] = run
         self._parked_bytes.pop(decision.ticket.id, None)
+        if run.parked_at is not None:
+            if run.first_token_at is not None:
+                run.parked_s += self._clock() - max(run.parked_at, run.first_token_at)
+            run.parked_at = None
 
         async def resume() -> None:
             if not await self._parker.resume(run.replica, run.request_id):
@@ -697,7 +706,7 @@ class LaneDispatcher:
         # free at once, and urgent work would wait for them instead of preempting).
         now = self._clock()
         in_flight = (
-            (run.ticket.policy.name, now - run.first_token_at, run.generated - 1)
+            (run.ticket.policy.name, now - run.first_token_at - run.parked_s, run.generated - 1)
             for run in self._running.values()
             if run.first_token_at is not None and run.ticket.id not in self._parking
         )

@@ -179,3 +179,34 @@ def test_a_lane_that_has_finished_nothing_preempts_by_what_its_runs_in_flight_me
             await dispatcher.close()
 
     assert asyncio.run(run()) == ["b"]
+
+
+def test_a_resumed_run_measures_its_decode_without_the_time_it_was_parked() -> None:
+    """20 tokens in 0.2 s, then parked for about 0.6 s: once resumed, the run's pace in
+    flight is what it decoded over the time it decoded, about 0.01 s a token, not the
+    0.04 s that counting the park would make it (and its slot would look busy longer)."""
+
+    async def run() -> float:
+        parker = SlowParker(0.05)
+        dispatcher = LaneDispatcher(route(), parker=parker)
+        try:
+            batch = await dispatcher.admit(ticket("batch", BATCH), request_id="b", prompt_chars=40)
+            dispatcher.first_token(batch, time.monotonic() - batch.ticket.arrived)
+            await asyncio.sleep(0.2)
+            batch.generated = 21
+            urgent = await asyncio.wait_for(
+                dispatcher.admit(ticket("urgent", URGENT), request_id="u", prompt_chars=40), 1.0
+            )
+            assert parker.parked == ["b"]
+            await asyncio.sleep(0.6)
+            dispatcher.end(urgent, None)
+            for _ in range(100):
+                if batch.parked_at is None:
+                    break
+                await asyncio.sleep(0.01)
+            assert batch.parked_at is None, "the parked run was not resumed"
+            return dispatcher._view().token_s["batch"]
+        finally:
+            await dispatcher.close()
+
+    assert asyncio.run(run()) < 0.02
