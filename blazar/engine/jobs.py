@@ -4,10 +4,16 @@ The service builds a `Job` per generation request and hands it to the decode loo
 the loop reports through the job's `deliver` callback, from the decode thread, with
 `TextDelta`s while text is produced and one `Finished` or `Failed` at the end.
 `Job.cancel` is the one call that crosses back (any thread).
+
+`Outbox` carries the events onto the service's event loop, one wake-up per step.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import ctypes
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -123,3 +129,90 @@ class Job:
     @property
     def cancelled(self) -> bool:
         return self._cancelled.is_set()
+
+
+class Outbox:
+    """Events from the decode thread to an event loop, handed over once per step.
+
+    `sender` gives a job's `deliver` callback that only holds its events; `flush`
+    wakes the event loop once for everything held. The decode loop flushes right
+    before it releases the GIL into `llama_decode` (and before it waits for work).
+
+    Waking the event loop at each event, as `call_soon_threadsafe` from the decode
+    thread did, let it take the GIL at every token: the decode thread then waited for
+    the event loop's work in the middle of its own, between two decodes (measured
+    with its calls timed in a worker, 32 streams on 8 slots: 2.5-5 ms a step, against
+    0.9 once per step). The wake-up is one byte written to a pipe the event loop
+    reads, with the GIL kept through the write (a write that lets it go hands it over
+    at once). With one stream's chunk to send, the event loop sends it while the next
+    step computes; with several, the flush waits (at most `_WAIT_S`) until the event
+    loop has taken them in: on two cores busy with llama.cpp's threads that work slows
+    the step it runs beside more than it costs before it. Alternating A/B runs of
+    tok/s on one quiet host (docs/BENCHMARKS.md, thirteenth session) put both choices
+    2-10% above one wake-up per event; neither alone was best at 1, 8 and 32 streams.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._held: list[tuple[Callable[[Event], None], Event]] = []
+        # The streams (sinks) the held events are for.
+        self._sinks: set[Callable[[Event], None]] = set()
+        self._read_fd, self._write_fd = os.pipe()  # not inherited by children
+        os.set_blocking(self._read_fd, False)
+        os.set_blocking(self._write_fd, False)
+        # Set by the event loop once it has taken in what a flush handed over.
+        self._taken = threading.Event()
+        loop.add_reader(self._read_fd, self._hand_over)
+
+    def sender(self, sink: Callable[[Event], None]) -> Callable[[Event], None]:
+        """A `deliver` callback whose events reach `sink`, on the event loop, after
+        the next flush."""
+
+        def hold(event: Event) -> None:
+            with self._lock:
+                self._held.append((sink, event))
+                self._sinks.add(sink)
+
+        return hold
+
+    def flush(self) -> None:
+        """Wake the event loop for the held events (nothing when none are held).
+
+        A full pipe (EAGAIN) means a wake-up is pending already; a closed one, that the
+        event loop is gone and nobody listens any more: either way, nothing to do."""
+        with self._lock:
+            if not self._held:
+                return
+            wait = len(self._sinks) > 1
+            self._taken.clear()
+        _write_holding_gil(self._write_fd, b"\0", 1)
+        if wait:
+            self._taken.wait(_WAIT_S)
+
+    def close(self) -> None:
+        """Stop reading (on the event loop's thread); held events are dropped."""
+        self._loop.remove_reader(self._read_fd)
+        os.close(self._read_fd)
+        os.close(self._write_fd)
+
+    def _hand_over(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            os.read(self._read_fd, 4096)
+        with self._lock:
+            batch, self._held = self._held, []
+            self._sinks.clear()
+        for sink, event in batch:
+            sink(event)
+        # After the callbacks those sinks scheduled: the streams have taken their events.
+        self._loop.call_soon(self._taken.set)
+
+
+# The longest a flush waits for the event loop: a loop busy elsewhere (a request being
+# prepared) must not hold up every stream's next step for long.
+_WAIT_S = 0.005
+
+# libc's write(2) through ctypes.PyDLL, which keeps the GIL during the call (see Outbox).
+_write_holding_gil = ctypes.PyDLL(None).write
+_write_holding_gil.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t)
+_write_holding_gil.restype = ctypes.c_ssize_t

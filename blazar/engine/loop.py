@@ -6,8 +6,9 @@ that prefix (`batching.choose_slot`, `batching.reusable_prefix`). Every step pac
 the next token of each decoding slot and prefill chunks of the others into one batch
 (`batching.plan_step`), decodes it, and samples one token per slot that finished its
 prompt or decoded a token. Results leave through each job's `deliver` callback (the
-service hops them onto its event loop). A slot keeps its KV cache and token list after
-its job ends, for the next job to reuse.
+service's go through a `jobs.Outbox`, which the loop flushes before each decode and
+before it waits, so its event loop sends them while the step computes). A slot keeps
+its KV cache and token list after its job ends, for the next job to reuse.
 
 With speculative decoding (`LoopOptions.speculation`), a decoding slot's feed is its
 pending token plus up to k drafted ones (n-gram lookup or a draft model, as the
@@ -90,9 +91,14 @@ class DecodeLoop:
     """The decode thread and its slots; `start` loads the model on that thread."""
 
     def __init__(
-        self, options: LoopOptions, *, on_loaded: Callable[[BaseException | None], None]
+        self,
+        options: LoopOptions,
+        *,
+        on_loaded: Callable[[BaseException | None], None],
+        outbox: jobs.Outbox | None = None,
     ) -> None:
         self.options = options
+        self._outbox = outbox
         self.slots = [Slot(i) for i in range(options.spec.slots)]
         self.kv_bytes = 0
         self._on_loaded = on_loaded
@@ -194,8 +200,10 @@ class DecodeLoop:
         end the thread (any thread)."""
         self._waiting.stop()
 
-    def join(self, timeout: float | None = None) -> None:
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait for the thread to end; whether it has."""
         self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     # --- decode thread only below ---
 
@@ -232,6 +240,7 @@ class DecodeLoop:
             for parked in self._bank.close():
                 self._end_parked(parked, errors.Unavailable("The engine stopped."))
             self._waiting.close()
+            self._flush()
             if self.options.kv_dir is not None:
                 kvstore.save_slots(runtime, self.options.kv_dir, self.slots)
             if self._spec is not None:
@@ -263,9 +272,16 @@ class DecodeLoop:
     def _collect(self) -> bool:
         """Take in what came; block while there is nothing to do. False once stopped."""
         block = not self._active() and not self._waiting and self._bank.next() is None
-        if block and self._cpu is not None:
-            self._cpu.idle()
+        if block:
+            self._flush()
+            if self._cpu is not None:
+                self._cpu.idle()
         return self._waiting.collect(block=block)
+
+    def _flush(self) -> None:
+        """Send what the jobs were told (see `jobs.Outbox`)."""
+        if self._outbox is not None:
+            self._outbox.flush()
 
     def _control(self, runtime: llama.Runtime) -> None:
         """Carry out the Park and Resume orders that came in (resumes are then served
@@ -400,6 +416,8 @@ class DecodeLoop:
         )
         entries: list[tuple[int, int, int, bool]] = []
         placed = [self._place(piece, entries) for piece in pieces]
+        # The last step's tokens go out while this one computes.
+        self._flush()
         if not entries:
             return
         decoding = [p.slot.gen for p in placed if p.piece.decode and p.slot.gen is not None]

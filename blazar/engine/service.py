@@ -77,9 +77,11 @@ def rss_bytes() -> int:
 
 
 class EngineService(engine_pb2_grpc.EngineServicer):
-    def __init__(self, decode: loop.DecodeLoop, *, model_path: str) -> None:
+    def __init__(self, decode: loop.DecodeLoop, outbox: jobs.Outbox, *, model_path: str) -> None:
         self.state = EngineState.STARTING
         self._decode = decode
+        # The decode loop's: its jobs' events reach this event loop through it.
+        self._outbox = outbox
         self._model_path = model_path
         self._inflight: set[jobs.Job] = set()
         # Embed calls in progress; a drain waits for them as for generations.
@@ -255,13 +257,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         if self.state is not EngineState.READY:
             await status.abort(context, errors.Unavailable(f"The engine is {self.state.lower()}."))
         events: asyncio.Queue[jobs.Event] = asyncio.Queue()
-        aio = asyncio.get_running_loop()
-
-        def deliver(event: jobs.Event) -> None:
-            # RuntimeError: the event loop is closed, so nobody is listening any more.
-            with contextlib.suppress(RuntimeError):
-                aio.call_soon_threadsafe(events.put_nowait, event)
-
+        deliver = self._outbox.sender(events.put_nowait)
         arrived = time.perf_counter()
         try:
             job, calls = await self._prepare(request, deliver, arrived=arrived)

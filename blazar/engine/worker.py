@@ -32,7 +32,7 @@ import structlog
 from blazar import logs
 from blazar._proto.engine.v1 import engine_pb2_grpc
 from blazar.api import replicas
-from blazar.engine import llama, loop, service, text
+from blazar.engine import jobs, llama, loop, service, text
 from blazar.rpc import limits
 
 log = structlog.get_logger("blazar.engine.worker")
@@ -73,6 +73,7 @@ async def serve(launch: replicas.EngineLaunch) -> int:
         aio.call_soon_threadsafe(_settle, loaded, exc)
 
     spec = launch.spec
+    outbox = jobs.Outbox(aio)
     decode = loop.DecodeLoop(
         loop.LoopOptions(
             spec,
@@ -80,8 +81,9 @@ async def serve(launch: replicas.EngineLaunch) -> int:
             cpu_share=Path(launch.cpu_share) if launch.cpu_share else None,
         ),
         on_loaded=on_loaded,
+        outbox=outbox,
     )
-    engine = service.EngineService(decode, model_path=spec.model_path)
+    engine = service.EngineService(decode, outbox, model_path=spec.model_path)
     server = grpc.aio.server(options=limits.ENGINE_SERVER_OPTIONS)
     engine_pb2_grpc.add_EngineServicer_to_server(engine, server)
     socket_path = Path(launch.socket)
@@ -131,7 +133,8 @@ async def serve(launch: replicas.EngineLaunch) -> int:
     await engine.drain(launch.drain_grace_seconds)
     await server.stop(grace=1.0)
     decode.stop()
-    await asyncio.to_thread(decode.join, 30.0)
+    if await asyncio.to_thread(decode.join, 30.0):
+        outbox.close()  # else the thread might still flush into a reused descriptor
     socket_path.unlink(missing_ok=True)
     log.info("stopped", exit_code=code)
     return code
