@@ -9,7 +9,9 @@ upstream frees its slot); `probe` asks the upstream's `/models`.
 The API key is read at each use from where `upstream.apiKeyFrom` says (`env:NAME`,
 `file:PATH`) and is never logged nor put in an error. Failures are Blazar's errors
 (`blazar.api.errors`), mapped by `upstream_convert.http_error`: a refused connection
-or a timeout is UNAVAILABLE.
+or a timeout is UNAVAILABLE, and so is an answer that is not whole (not an event
+stream, an event not shaped as OpenAI's, a line over MAX_EVENT_BYTES, or an end with
+neither a finish reason nor `[DONE]`).
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ MAX_ERROR_BYTES = 4096
 # A probe's wait for the answer once connected: a model list is quick, and a probe
 # that hangs holds one of the controller's workers.
 PROBE_READ_TIMEOUT_S = 5.0
+# The longest line of an upstream's event stream: far above any one event (a token's
+# text, tool-call delta or logprobs), as large as a whole request may be.
+MAX_EVENT_BYTES = 4 * 2**20
 
 
 def api_key(spec: Upstream, keys: Path | None) -> str | None:
@@ -169,11 +174,13 @@ class UpstreamClient:
                     raise upstream_convert.http_error(
                         answer.status_code, text, retry_after=answer.headers.get("retry-after")
                     )
-                async for line in answer.aiter_lines():
+                done = False
+                async for line in _lines(answer):
                     if not line.startswith("data:"):
                         continue
                     data = line[5:].strip()
                     if data == "[DONE]":
+                        done = True
                         break
                     try:
                         event = json.loads(data)
@@ -185,6 +192,11 @@ class UpstreamClient:
                         if first is None:
                             first = time.monotonic()
                         yield chunk
+                cut = translator.incomplete(
+                    done=done, content_type=answer.headers.get("content-type", "")
+                )
+                if cut is not None:
+                    raise cut
         except httpx.HTTPError as exc:
             raise errors.Unavailable(f"The upstream server {url}: {_describe(exc)}.") from None
         end = time.monotonic()
@@ -214,6 +226,26 @@ class UpstreamCall:
 
     async def _close(self) -> None:
         await self._stream.aclose()
+
+
+async def _lines(answer: httpx.Response) -> AsyncIterator[str]:
+    """The answer's lines, none longer than MAX_EVENT_BYTES: an upstream that sends
+    one without end would otherwise have the daemon hold all of it."""
+    buffer = bytearray()
+    async for data in answer.aiter_bytes():
+        buffer += data
+        start = 0
+        while (end := buffer.find(b"\n", start)) >= 0:
+            yield buffer[start:end].rstrip(b"\r").decode(errors="replace")
+            start = end + 1
+        del buffer[:start]
+        if len(buffer) > MAX_EVENT_BYTES:
+            raise errors.Unavailable(
+                f"The upstream server sent a line of more than {MAX_EVENT_BYTES} bytes, "
+                "more than any event of an answer holds."
+            )
+    if buffer:
+        yield buffer.rstrip(b"\r").decode(errors="replace")
 
 
 def _describe(exc: httpx.HTTPError) -> str:

@@ -189,10 +189,43 @@ class StreamTranslator:
     finish_reason: str | None = None
     usage: Mapping[str, Any] = field(default_factory=dict)
     tool_indexes: set[int] = field(default_factory=set)
+    # Events fed so far.
+    events: int = 0
 
-    def feed(self, event: Mapping[str, Any]) -> list[inference_pb2.Chunk]:
-        if "error" in event:
+    def feed(self, event: Any) -> list[inference_pb2.Chunk]:
+        """The chunks of one event; UNAVAILABLE for an error event, or one that is not
+        shaped as OpenAI's (a server that is not OpenAI-compatible, or a broken one)."""
+        self.events += 1
+        if isinstance(event, Mapping) and "error" in event:
             raise stream_error(event["error"])
+        try:
+            if not isinstance(event, Mapping):
+                raise TypeError("not a JSON object")
+            return self._feed(event)
+        except (TypeError, ValueError, AttributeError) as exc:
+            raise errors.Unavailable(
+                f"The upstream server sent an event not shaped as OpenAI's ({exc}): "
+                f"{json.dumps(event)[:200]}"
+            ) from None
+
+    def incomplete(self, *, done: bool, content_type: str) -> errors.Unavailable | None:
+        """Why a stream that ended (`done`: with `data: [DONE]`) is not a whole answer:
+        it ended with neither `[DONE]` nor a finish reason (the upstream stopped
+        mid-answer), or held no event at all (not an event stream); None when whole."""
+        if done or self.finish_reason is not None:
+            return None
+        if not self.events:
+            return errors.Unavailable(
+                "The upstream server answered HTTP 200 with no server-sent event "
+                f"(content-type {content_type or 'none'}): is upstream.url the OpenAI "
+                "base URL of a server that streams, /v1 included?"
+            )
+        return errors.Unavailable(
+            "The upstream server's stream ended mid-answer, with neither a finish reason "
+            "nor [DONE]."
+        )
+
+    def _feed(self, event: Mapping[str, Any]) -> list[inference_pb2.Chunk]:
         usage = event.get("usage")
         if isinstance(usage, Mapping):
             self.usage = usage

@@ -507,3 +507,95 @@ def test_a_key_from_outside_blazars_own_is_refused_at_apply(source: str) -> None
 def test_a_file_key_without_a_keys_directory_is_unavailable() -> None:
     with pytest.raises(errors.Unavailable, match="this daemon has none"):
         upstream.api_key(spec_of(apiKeyFrom="file:vllm.key"), None)
+
+
+def stream_from(response: httpx.Response) -> list[pb.Chunk]:
+    """What a chat through a client whose upstream gives `response` yields."""
+    client = upstream.UpstreamClient(spec_of(), transport=httpx.MockTransport(lambda _: response))
+
+    async def run() -> list[pb.Chunk]:
+        try:
+            request = engine_pb2.GenerateRequest(
+                chat=engine_pb2.ChatInput(messages=[pb.Message(role="user", content="hi")])
+            )
+            return [c async for c in client.generate(request, model="g")]
+        finally:
+            await client.close()
+
+    return asyncio.run(run())
+
+
+TEXT = {"choices": [{"index": 0, "delta": {"content": "a"}}]}
+STOP = {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
+SSE_HEADERS = {"content-type": "text/event-stream"}
+
+
+@pytest.mark.parametrize(
+    ("response", "said"),
+    [
+        # The upstream stopped after some text (its body ended with its connection).
+        (
+            httpx.Response(200, headers=SSE_HEADERS, content=b"data: " + json.dumps(TEXT).encode()),
+            "ended mid-answer",
+        ),
+        # Not a stream at all: a web page, or a non-streamed answer.
+        (
+            httpx.Response(200, headers={"content-type": "text/html"}, content=b"<html></html>"),
+            "content-type text/html",
+        ),
+        (
+            httpx.Response(200, json={"choices": [{"message": {"content": "hi"}}]}),
+            "no server-sent event",
+        ),
+    ],
+)
+def test_an_answer_that_is_not_whole_is_unavailable(response: httpx.Response, said: str) -> None:
+    """Never rendered as a whole answer that stopped: the caller would take a cut or
+    empty text for the model's."""
+    with pytest.raises(errors.Unavailable, match=said):
+        stream_from(response)
+
+
+def test_a_finish_reason_without_done_is_a_whole_answer() -> None:
+    body = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in (TEXT, STOP))
+    chunks = stream_from(httpx.Response(200, headers=SSE_HEADERS, content=body))
+    assert [c.delta.text for c in chunks[:-1]] == ["a"]
+    assert chunks[-1].final.finish_reason == pb.FINISH_REASON_STOP
+
+
+def test_a_line_without_end_is_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(upstream, "MAX_EVENT_BYTES", 1000)
+    body = b"data: " + b"x" * 5000
+    with pytest.raises(errors.Unavailable, match="line of more than 1000 bytes"):
+        stream_from(httpx.Response(200, headers=SSE_HEADERS, content=body))
+
+
+def test_lines_split_on_crlf_and_across_reads() -> None:
+    parts = [b"data: " + json.dumps(TEXT).encode()[:5], json.dumps(TEXT).encode()[5:] + b"\r\n\r"]
+    parts += [b"\ndata: " + json.dumps(STOP).encode() + b"\r\n\r\ndata: [DONE]"]
+
+    async def body() -> Any:
+        for part in parts:
+            yield part
+
+    chunks = stream_from(httpx.Response(200, headers=SSE_HEADERS, content=body()))
+    assert [c.delta.text for c in chunks[:-1]] == ["a"]
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        [1, 2],
+        "text",
+        {"choices": 5},
+        {"choices": [{"index": 0, "delta": {"content": 5}}]},
+        {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": "f"}]}}]},
+        {"choices": [{"index": 0, "delta": {"tool_calls": ["call"]}}]},
+        {"choices": [{"index": 0, "text": "a", "logprobs": {"content": [{"logprob": "x"}]}}]},
+    ],
+)
+def test_an_event_not_shaped_as_openais_is_unavailable(event: Any) -> None:
+    """A server that is not OpenAI-compatible (or a broken one) is the Lane's problem,
+    UNAVAILABLE, never an INTERNAL error of Blazar's."""
+    with pytest.raises(errors.Unavailable, match="not shaped as OpenAI's"):
+        convert.StreamTranslator().feed(event)
