@@ -250,12 +250,21 @@ def _check_upstream_url(value: str, info: ValidationInfo) -> str:
     trailing slash so that `{url}/chat/completions` is the route."""
     if _stored(info):
         return value
+    if any(c.isspace() or not c.isprintable() for c in value):
+        # urlsplit strips leading blanks and httpx does not: the url would never work.
+        raise invalid(f"{value!r} holds a space or a control character")
     parts = urllib.parse.urlsplit(value)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise invalid(
             f'"{value}" is not an http or https URL with a host; give the upstream\'s '
             'OpenAI base URL, e.g. "http://vllm.internal:8000/v1"'
         )
+    try:
+        port = parts.port
+    except ValueError:
+        port = 0
+    if port == 0:
+        raise invalid(f'"{value}" has no valid port: give one from 1 to 65535, or none')
     if parts.query or parts.fragment or parts.username or parts.password:
         raise invalid("must have no query, fragment or credentials: the key comes from apiKeyFrom")
     return value.rstrip("/")
@@ -284,6 +293,14 @@ class UpstreamTimeouts(CamelModel):
     # answer: the first above all (the upstream's queue and prefill).
     connect: Duration = "5s"
     first_byte: Duration = "60s"
+
+    @field_validator("connect", "first_byte")
+    @classmethod
+    def _positive(cls, value: str, info: ValidationInfo) -> str:
+        # httpx reads 0 as "time out at once": no request would ever be sent.
+        if not _stored(info) and parse_duration(value).total_seconds() <= 0:
+            raise invalid("must be longer than 0, e.g. 5s")
+        return value
 
     @property
     def connect_s(self) -> float:

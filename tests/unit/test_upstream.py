@@ -599,3 +599,31 @@ def test_an_event_not_shaped_as_openais_is_unavailable(event: Any) -> None:
     UNAVAILABLE, never an INTERNAL error of Blazar's."""
     with pytest.raises(errors.Unavailable, match="not shaped as OpenAI's"):
         convert.StreamTranslator().feed(event)
+
+
+@pytest.mark.parametrize(
+    ("fields", "said"),
+    [
+        # Each was stored, and then never worked: the probe failed on the leading
+        # blank; the port made every reconcile raise (no condition, requests told to
+        # "retry shortly" for ever); a zero timeout timed every connection out at once.
+        ({"url": " http://u:1/v1"}, "space or a control character"),
+        ({"url": "http://u:1/v1\n"}, "space or a control character"),
+        ({"url": "http://u:99999/v1"}, "no valid port"),
+        ({"url": "http://u:0/v1"}, "no valid port"),
+        ({"url": "http://u:x/v1"}, "no valid port"),
+        ({"timeouts": {"connect": "0s"}}, "longer than 0"),
+        ({"timeouts": {"firstByte": "0"}}, "longer than 0"),
+    ],
+)
+def test_an_upstream_that_could_never_be_reached_is_refused_at_apply(
+    fields: dict[str, Any], said: str
+) -> None:
+    with pytest.raises(pydantic.ValidationError, match=said):
+        spec_of(**fields)
+
+
+def test_a_stored_upstream_loads_as_it_was() -> None:
+    stored = {"url": "http://u:1/v1", "model": "g", "timeouts": {"connect": "0s"}}
+    spec = kinds.Upstream.model_validate(stored, context={kinds.STORED: True})
+    assert spec.timeouts.connect == "0s"
