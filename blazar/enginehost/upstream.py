@@ -146,10 +146,14 @@ class UpstreamClient:
             text = response.text[:MAX_ERROR_BYTES]
             said = upstream_convert.http_error(response.status_code, text).message
             return Probe(False, f"GET {url}: {said}")
-        try:
-            listed = [m.get("id") for m in response.json().get("data", [])]
-        except (ValueError, AttributeError):
-            listed = []
+        listed = _model_ids(response)
+        if listed is None:
+            kind = response.headers.get("content-type") or "no content-type"
+            return Probe(
+                False,
+                f"GET {url} answered HTTP 200 but not with OpenAI's model list ({kind}): "
+                "is upstream.url an OpenAI-compatible base URL, /v1 included?",
+            )
         model = self.spec.model
         if model and listed and model not in listed:
             return Probe(True, f"{self.spec.url} answers; it does not list model {model}.")
@@ -226,6 +230,19 @@ class UpstreamCall:
 
     async def _close(self) -> None:
         await self._stream.aclose()
+
+
+def _model_ids(response: httpx.Response) -> list[object] | None:
+    """The ids of an OpenAI model list (`{"data": [{"id": ...}, ...]}`); None when the
+    answer is not one (a web page, another API)."""
+    try:
+        body = response.json()
+    except ValueError:
+        return None
+    data = body.get("data") if isinstance(body, dict) else None
+    if not isinstance(data, list):
+        return None
+    return [m.get("id") for m in data if isinstance(m, dict)]
 
 
 async def _lines(answer: httpx.Response) -> AsyncIterator[str]:

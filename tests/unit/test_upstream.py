@@ -627,3 +627,26 @@ def test_a_stored_upstream_loads_as_it_was() -> None:
     stored = {"url": "http://u:1/v1", "model": "g", "timeouts": {"connect": "0s"}}
     spec = kinds.Upstream.model_validate(stored, context={kinds.STORED: True})
     assert spec.timeouts.connect == "0s"
+
+
+@pytest.mark.parametrize(
+    "response",
+    [
+        # A url that reaches a web page (an SPA answers 200 to every path) or another API.
+        httpx.Response(200, headers={"content-type": "text/html"}, content=b"<html></html>"),
+        httpx.Response(200, json=["gemma"]),
+        httpx.Response(200, json={"models": [{"name": "gemma"}]}),
+    ],
+)
+def test_a_probe_answered_without_a_model_list_fails(response: httpx.Response) -> None:
+    """Else the Lane would be Ready while every request it sends fails."""
+    client = upstream.UpstreamClient(spec_of(), transport=httpx.MockTransport(lambda _: response))
+
+    async def run() -> upstream.Probe:
+        try:
+            return await client.probe()
+        finally:
+            await client.close()
+
+    probe = asyncio.run(run())
+    assert not probe.ok and "not with OpenAI's model list" in probe.message
