@@ -275,6 +275,9 @@ class Fit:
     # charged against it (0 without one).
     budget: int | None = None
     charged: int = 0
+    # Of `charged`, what replicas of Lanes with `preload: true` are charged: the budget
+    # never puts those to sleep, so it is not free for others while they are loaded.
+    pinned: int = 0
 
     @property
     def over_budget(self) -> bool:
@@ -292,6 +295,22 @@ class Fit:
         has, or than the whole budget."""
         return self.over_budget or (self.total is not None and self.need > self.total)
 
+    @property
+    def held_by_preload(self) -> bool:
+        """Whether it needs more than the budget leaves beside the preload Lanes: no
+        eviction can make it fit while they are loaded."""
+        return (
+            self.budget is not None
+            and not self.over_budget
+            and self.need > self.budget - self.pinned
+        )
+
+    @property
+    def blocked(self) -> bool:
+        """Whether it cannot fit as the fleet is, whatever idle Lanes are put to sleep:
+        its requests are refused rather than queued for memory that will not come."""
+        return self.never or self.held_by_preload
+
 
 def free_bytes(available: int, held: Iterable[Held]) -> tuple[int, int]:
     """(free, outstanding): MemAvailable less what the replicas hold beyond it."""
@@ -306,9 +325,11 @@ def decide(
     held: Sequence[Held],
     total: int | None = None,
     budget: int | None = None,
+    pinned: int = 0,
 ) -> Fit:
     """Whether `need` more bytes fit in what the host has free, and within `budget`
-    (None: no budget) less what the replicas in `held` are charged."""
+    (None: no budget) less what the replicas in `held` are charged; `pinned`: what
+    of that the replicas of preload Lanes are charged."""
     free, outstanding = free_bytes(available, held)
     charged = 0
     if budget is not None:
@@ -323,6 +344,7 @@ def decide(
         total=total,
         budget=budget,
         charged=charged,
+        pinned=pinned if budget is not None else 0,
     )
 
 
@@ -338,7 +360,9 @@ def human(n: int) -> str:
 
 def shortfall_reason(fit: Fit) -> str:
     """The `Schedulable=False` reason of a replica that does not fit."""
-    return "ExceedsMemoryBudget" if fit.over_budget else "InsufficientMemory"
+    if fit.over_budget:
+        return "ExceedsMemoryBudget"
+    return "HeldByPreloadLanes" if fit.held_by_preload else "InsufficientMemory"
 
 
 def shortfall_message(fit: Fit, *, index: int) -> str:
@@ -348,6 +372,15 @@ def shortfall_message(fit: Fit, *, index: int) -> str:
             f"whole memory budget of {human(fit.budget)} ({fit.budget} bytes; serve "
             "--memory-budget), so it can never fit as it is: lower slots, contextPerSlot "
             "or the cache types, or raise the budget."
+        )
+    if fit.held_by_preload and fit.budget is not None:
+        return (
+            f"Replica {index} needs {human(fit.need)} ({fit.need} bytes) but Lanes with "
+            f"preload: true hold {human(fit.pinned)} of the memory budget of "
+            f"{human(fit.budget)} ({fit.budget} bytes), which leaves "
+            f"{human(fit.budget - fit.pinned)}, and the budget never puts them to sleep: "
+            "it cannot start while they are loaded. Set preload: false on one of them, "
+            "lower slots, contextPerSlot or the cache types, or raise the budget."
         )
     if fit.budget_bound and fit.budget is not None:
         return (

@@ -324,7 +324,16 @@ class LaneReconciler:
         if launch.speculation is not None and launch.speculation.draft_model_path:
             draft_shape = model_shape(draft)
         estimate = fit.estimate(launch, shape, draft=draft_shape)
-        placed = self._ledger.place(name, plan, estimate)
+        preload = (
+            [
+                other.metadata.name
+                for other in self._store.list(Kind.LANE)
+                if isinstance(other, Lane) and other.spec.preload
+            ]
+            if self._ledger.budgeted
+            else []
+        )
+        placed = self._ledger.place(name, plan, estimate, preload=preload)
         before = conditions.get_condition(lane.status.conditions, "Schedulable")
         was = (before.status.value, before.reason) if before is not None else None
         now = (placed.placement.fits, placed.placement.reason)

@@ -17,6 +17,7 @@ more than the host has.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, replace
 
 from blazar.api.kinds import LaneMemory
@@ -55,8 +56,21 @@ class Ledger:
         # Allowed to start, not yet observed as a process.
         self._pending: set[tuple[str, int]] = set()
 
-    def place(self, lane: str, plan: lane_plan.LanePlan, estimate: fit.Estimate) -> Placed:
+    @property
+    def budgeted(self) -> bool:
+        """Whether a memory budget caps the replicas (`serve --memory-budget`)."""
+        return self._budget is not None
+
+    def place(
+        self,
+        lane: str,
+        plan: lane_plan.LanePlan,
+        estimate: fit.Estimate,
+        *,
+        preload: Collection[str] = (),
+    ) -> Placed:
         """`plan` without the starts that do not fit, each allowed start counted at once.
+        `preload`: the Lanes with `preload: true`, whose replicas nothing evicts.
 
         Stops stay: they only free memory. Once one start does not fit, none after it
         runs either, so replicas start in index order as memory frees.
@@ -76,7 +90,9 @@ class Ledger:
                     "replicas start unchecked.",
                 ),
             )
-        held = self._held(replacing={(lane, i) for i in starts})
+        holding = self._holding(replacing={(lane, i) for i in starts})
+        held = [h for _, h in holding]
+        pinned = sum(h.charged for key, h in holding if key[0] in preload and key[0] != lane)
         total = self._memory.total()
         need = estimate.total
         actions: list[lane_plan.Action] = []
@@ -86,7 +102,12 @@ class Ledger:
                 if shortfall is not None:
                     continue
                 decision = fit.decide(
-                    need, available=available, held=held, total=total, budget=self._budget
+                    need,
+                    available=available,
+                    held=held,
+                    total=total,
+                    budget=self._budget,
+                    pinned=pinned,
                 )
                 if not decision.fits:
                     shortfall = decision
@@ -110,7 +131,7 @@ class Ledger:
             free_bytes=shortfall.free if shortfall is not None else free,
             available_bytes=available,
             budget_bytes=self._budget,
-            never_fits=shortfall is not None and shortfall.never,
+            never_fits=shortfall is not None and shortfall.blocked,
         )
         if shortfall is not None:
             assert waiting is not None

@@ -89,7 +89,7 @@ class Sleeper:
         activity, ledger = self._activity, self._ledger
         waiting = (
             shortfall is not None
-            and not shortfall.never
+            and not shortfall.blocked
             and activity is not None
             and activity.wanted(name)
         )

@@ -385,3 +385,45 @@ def test_requests_for_a_lane_that_can_never_fit_are_refused_not_queued() -> None
     refused = routing.unservable(route)
     assert refused is not None and "ExceedsMemoryBudget" not in refused.message
     assert "can start none as it is" in refused.message and "--memory-budget" in refused.message
+
+
+def test_a_lane_that_fits_only_where_preload_lanes_are_is_refused_not_queued() -> None:
+    """Found on a daemon: with a preload Lane holding the budget, a request for the
+    other Lane waited for memory that no eviction could free, without end (no policy
+    bound) and without a word. It is refused at once now, saying why, until the
+    preload Lane lets go."""
+    w = budgeted(need() * 3 // 2, lane_yaml("a", extra=", preload: true"), lane_yaml("b"))
+    w.reconcile("a")
+    w.ready("a")
+    # Looked at again as often as a Lane waiting for memory: the fleet may change.
+    assert w.reconcile("b") == ledger.RETRY_S
+    status, reason, message = w.cond("b", "Schedulable")
+    assert (status, reason) == ("False", "HeldByPreloadLanes")
+    assert "preload: true hold" in message and f"({need() * 3 // 2} bytes)" in message
+    route = routing.build_table([w.lane("b")]).routes[0]
+    assert not route.wakes
+    refused = routing.unservable(route)
+    assert refused is not None and "preload: true" in refused.message
+    # A request for it evicts nothing and does not wait for memory.
+    w.activity.begin("b")
+    w.activity.want("b")
+    w.reconcile("b")
+    assert w.running() == {"a"} and w.events("a", "Evicted") == []
+    w.activity.end("b")
+    # With preload off, a is swappable again: b waits for memory, and a request wakes it.
+    apply(w.store, lane_yaml("a"))
+    w.reconcile("b")
+    assert w.cond("b", "Schedulable")[:2] == ("False", "InsufficientMemory")
+    assert routing.build_table([w.lane("b")]).routes[0].wakes
+
+
+def test_a_lane_that_fits_once_an_idle_lane_sleeps_still_waits_beside_a_preload_one() -> None:
+    w = budgeted(
+        need() * 5 // 2, lane_yaml("a", extra=", preload: true"), lane_yaml("c"), lane_yaml("b")
+    )
+    for name in ("a", "c"):
+        w.reconcile(name)
+        w.ready(name)
+    w.reconcile("b")
+    assert w.cond("b", "Schedulable")[:2] == ("False", "InsufficientMemory")
+    assert routing.build_table([w.lane("b")]).routes[0].wakes
