@@ -161,7 +161,11 @@ def _columns(kind: str, wide: bool, now: datetime) -> list[Column]:
                 ("CONTEXT", lambda o: "" if _upstream(o) else spec(o).get("contextPerSlot", "")),
                 (
                     "PIDS",
-                    lambda o: ",".join(str(r.get("pid")) for r in st(o).get("replicaStatuses", [])),
+                    lambda o: ",".join(
+                        str(r["pid"])
+                        for r in st(o).get("replicaStatuses", [])
+                        if r.get("pid") is not None
+                    ),
                 ),
                 # The fit ledger's: what one replica needs, and what was free for more.
                 ("MEMORY", lambda o: _size(memory(o).get("estimateBytes")) or "<none>"),
@@ -230,6 +234,12 @@ def as_json(objs: Sequence[ObjectJson]) -> str:
     return json.dumps({"kind": "List", "items": list(objs)}, indent=2)
 
 
+def _pid(replica: dict[str, Any]) -> str:
+    """A replica's process id; `-` when it has none (stopped, or an upstream's)."""
+    pid = replica.get("pid")
+    return "-" if pid is None else str(pid)
+
+
 def describe(obj: ObjectJson, events: Sequence[EventJson], *, now: datetime) -> str:
     meta = obj["metadata"]
     labels = ", ".join(f"{k}={v}" for k, v in meta.get("labels", {}).items()) or "<none>"
@@ -260,7 +270,7 @@ def describe(obj: ObjectJson, events: Sequence[EventJson], *, now: datetime) -> 
         lines.append("Replicas:")
         head = ["INDEX", "STATE", "PID", "RESTARTS", "LAST-EXIT", "MESSAGE"]
         rows = [head] + [
-            [str(r.get("index")), str(r.get("state")), str(r.get("pid")), str(r.get("restarts", 0)),
+            [str(r.get("index")), str(r.get("state")), _pid(r), str(r.get("restarts", 0)),
              str(r.get("lastExitCode", "")), str(r.get("message", ""))]
             for r in replicas
         ]  # fmt: skip

@@ -250,7 +250,10 @@ def test_get_lanes_wide_shows_an_upstreams_concurrency_as_slots() -> None:
             "contextPerSlot": 2048,
             "upstream": {"url": "http://u/v1", "model": "g", "maxConcurrency": 16},
         },
-        "status": {"readyReplicas": 1},
+        "status": {
+            "readyReplicas": 1,
+            "replicaStatuses": [{"index": 0, "state": "Ready", "socket": "http://u/v1"}],
+        },
     }
     [header, local, remote] = printers.table(
         "Lane", [lane_with(), upstream], wide=True, now=T0
@@ -259,3 +262,8 @@ def test_get_lanes_wide_shows_an_upstreams_concurrency_as_slots() -> None:
     assert local[at:].split()[:2] == ["2", "1024"]
     assert remote[at:].split()[0] == "16"
     assert "2048" not in remote  # the upstream's context is not known here
+    # It runs no process: no pid is printed, not "None".
+    assert "None" not in remote
+    page = printers.describe(upstream, [], now=T0).splitlines()
+    row = page[page.index("Replicas:") + 2]
+    assert row.split()[:3] == ["0", "Ready", "-"]
