@@ -83,7 +83,8 @@ def status_word(obj: ObjectJson) -> str:
     if ready is None:
         return "Pending"
     if ready.get("status") == "True":
-        return "Ready"
+        # A sleeping Lane is Ready (its next request wakes it) with no process running.
+        return "Sleeping" if ready.get("reason") == "Sleeping" else "Ready"
     return str(ready.get("reason", "NotReady"))
 
 

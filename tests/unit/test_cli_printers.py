@@ -75,6 +75,15 @@ def test_model_size_column(size: int | None, shown: str) -> None:
             ],
             "CrashLoopBackOff",
         ),
+        # Asleep (idle.sleepAfter, keep_alive 0, the memory budget): Ready, as it serves
+        # its next request, but no process runs; `get` says which.
+        (
+            [
+                {"type": "Available", "status": "False", "reason": "Sleeping"},
+                {"type": "Ready", "status": "True", "reason": "Sleeping"},
+            ],
+            "Sleeping",
+        ),
     ],
 )
 def test_status_word(conditions: list[dict[str, str]], word: str) -> None:
