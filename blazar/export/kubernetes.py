@@ -20,8 +20,8 @@ What each resource becomes:
   `--threads` (and as many CPUs requested), `--n-gpu-layers`, `--flash-attn`,
   `--alias` (the Lane's name and aliases), the
   Model's chat template by name or as Jinja source, and the SpecPair's drafting:
-  `--spec-draft-model` with `--spec-draft-n-max` for a draft Model, `--spec-type
-  ngram-simple` with `--spec-ngram-simple-size-n` (ngramSize) and
+  `--spec-type draft-simple` with `--spec-draft-model` and `--spec-draft-n-max` for a
+  draft Model, `--spec-type ngram-simple` with `--spec-ngram-simple-size-n` (ngramSize) and
   `--spec-ngram-simple-size-m`/`--spec-draft-n-max` (maxDraftTokens) for prompt
   lookup. These are the names of llama.cpp's 2026 builds, which the `:server` tag
   runs (older builds spelled them `--model-draft`, `--draft-max`,
@@ -382,7 +382,10 @@ def server_args(lane: Lane, model: Model, pair: SpecPair | None) -> list[str]:
                 "--spec-draft-n-max", str(draft.max_draft_tokens),
             ]  # fmt: skip
         else:
+            # Without --spec-type, llama-server loads the draft model and never drafts
+            # (its default type is none; checked on the vendored build).
             args += [
+                "--spec-type", "draft-simple",
                 "--spec-draft-model", _model_file(draft.model),
                 "--spec-draft-n-max", str(draft.max_draft_tokens),
             ]  # fmt: skip

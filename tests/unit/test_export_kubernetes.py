@@ -330,7 +330,9 @@ def _args(*docs: dict[str, Any]) -> list[str]:
             {
                 "--spec-draft-model": "/models/d.gguf",
                 "--spec-draft-n-max": "4",
-                "--spec-type": None,
+                # llama-server's default type is none: it would load the draft and
+                # never draft.
+                "--spec-type": "draft-simple",
             },
         ),
         (
