@@ -48,7 +48,8 @@ class Route:
     # the Lane sleeps (or is waking: a keep_alive or the memory budget put it to
     # sleep), or it waits for memory that idle Lanes hold.
     wakes: bool = False
-    # It sleeps now (its status says so).
+    # It sleeps now (its status says so), or waits for memory that a request for it
+    # would free: either way on demand, not a Lane that failed to start.
     sleeping: bool = False
     # Why no new replica can start, from the Lane's ModelReady condition when it is
     # False (`Model "m" does not exist.`); empty when the Model is ready. An upstream
@@ -95,7 +96,7 @@ def build_table(lanes: Sequence[Lane]) -> RouteTable:
             spillover=lane.spec.spillover,
             max_parked_bytes=lane.spec.kv_cache.max_parked_mib << 20,
             wakes=_wakes(lane),
-            sleeping=lane.status.sleeping,
+            sleeping=lane.status.sleeping or _waits_for_memory(lane),
             model_problem=_model_problem(lane),
             memory_problem=_memory_problem(lane),
         )
@@ -123,9 +124,13 @@ def build_table(lanes: Sequence[Lane]) -> RouteTable:
 def _wakes(lane: Lane) -> bool:
     if lane.spec.idle is not None and lane.spec.idle.sleep_after is not None:
         return True
-    if lane.status.sleeping:
-        return True
-    # Waiting for memory that other Lanes hold: a request puts idle ones to sleep.
+    return lane.status.sleeping or _waits_for_memory(lane)
+
+
+def _waits_for_memory(lane: Lane) -> bool:
+    """Whether the Lane waits for memory that other Lanes hold: a request for it puts
+    idle ones to sleep (under a memory budget, the Lanes of a fleet that does not fit
+    at once take turns so)."""
     cond = conditions.get_condition(lane.status.conditions, "Schedulable")
     never = lane.status.memory is not None and lane.status.memory.never_fits
     return (

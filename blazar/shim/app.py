@@ -111,7 +111,8 @@ async def readyz(request: Request) -> Response:
     """200 when the daemon serves and every model it lists has a ready replica; 503 with
     the names that are not ready otherwise (a load balancer's readiness probe). A Lane
     scaled to zero is paused on purpose and does not count, nor does a sleeping one
-    (idle.sleepAfter: the next request wakes it)."""
+    (idle.sleepAfter, keep_alive, the memory budget: the next request wakes it) or one
+    waiting under the memory budget for memory that idle Lanes hold (the same)."""
     client = inference.client_of(request)
     if not await client.serving():
         return JSONResponse({"status": "unavailable"}, status_code=503)

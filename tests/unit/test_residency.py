@@ -267,6 +267,9 @@ def test_the_budget_holds_one_lane_and_a_request_swaps_them() -> None:
     assert w.cond("b", "Schedulable")[:2] == ("False", "InsufficientMemory")
     assert "of the memory budget" in w.cond("b", "Schedulable")[2]
     assert routing.build_table([w.lane("b")]).routes[0].wakes
+    # On demand, as a sleeping Lane is: /readyz does not wait for it (found on a
+    # daemon: a fleet under a budget that holds one of its Lanes was never ready).
+    assert routing.build_table([w.lane("b")]).routes[0].sleeping
     # A request waits for b while a is younger than the minimum residency: nothing is
     # evicted; b looks again when a's residency ends.
     w.later(10)
@@ -401,7 +404,7 @@ def test_a_lane_that_fits_only_where_preload_lanes_are_is_refused_not_queued() -
     assert (status, reason) == ("False", "HeldByPreloadLanes")
     assert "preload: true hold" in message and f"({need() * 3 // 2} bytes)" in message
     route = routing.build_table([w.lane("b")]).routes[0]
-    assert not route.wakes
+    assert not route.wakes and not route.sleeping  # not on demand: /readyz says so
     refused = routing.unservable(route)
     assert refused is not None and "preload: true" in refused.message
     # A request for it evicts nothing and does not wait for memory.
