@@ -252,6 +252,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                         model=route.model,
                         ready=bool(route.replicas),
                         sleeping=route.sleeping and not route.replicas,
+                        upstream=route.upstream is not None,
                         created=route.created,
                         context_length=route.context_length,
                         replicas=route.desired,

@@ -525,6 +525,16 @@ def test_num_ctx_up_to_the_lanes_context_per_slot(num_ctx: int, fits: bool) -> N
     assert "'tiny'" in info.value.message
 
 
+def test_num_ctx_on_an_upstream_lane_is_the_upstreams_to_refuse() -> None:
+    """An upstream Lane's context is its upstream's: refusing num_ctx 8192 against the
+    2,048 default, and telling the caller to raise contextPerSlot (which apply refuses
+    on an upstream Lane), was wrong on both counts (found through llama-server)."""
+    remote = inference_pb2.ModelInfo()
+    remote.CopyFrom(MODELS[0])
+    remote.upstream = True
+    options.check_num_ctx(131072, remote)
+
+
 S, P = "SYS", "PROMPT"
 TEMPLATES: list[tuple[str, str, str]] = [
     # (template, system, rendered)

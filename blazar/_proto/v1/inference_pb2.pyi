@@ -307,7 +307,7 @@ class ListModelsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("id", "lane", "model", "ready", "created", "context_length", "replicas", "ready_replicas", "slots", "file", "sleeping")
+    __slots__ = ("id", "lane", "model", "ready", "created", "context_length", "replicas", "ready_replicas", "slots", "file", "sleeping", "upstream")
     ID_FIELD_NUMBER: _ClassVar[int]
     LANE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -319,6 +319,7 @@ class ModelInfo(_message.Message):
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     FILE_FIELD_NUMBER: _ClassVar[int]
     SLEEPING_FIELD_NUMBER: _ClassVar[int]
+    UPSTREAM_FIELD_NUMBER: _ClassVar[int]
     id: str
     lane: str
     model: str
@@ -330,7 +331,8 @@ class ModelInfo(_message.Message):
     slots: int
     file: ModelFile
     sleeping: bool
-    def __init__(self, id: _Optional[str] = ..., lane: _Optional[str] = ..., model: _Optional[str] = ..., ready: _Optional[bool] = ..., created: _Optional[int] = ..., context_length: _Optional[int] = ..., replicas: _Optional[int] = ..., ready_replicas: _Optional[int] = ..., slots: _Optional[int] = ..., file: _Optional[_Union[ModelFile, _Mapping]] = ..., sleeping: _Optional[bool] = ...) -> None: ...
+    upstream: bool
+    def __init__(self, id: _Optional[str] = ..., lane: _Optional[str] = ..., model: _Optional[str] = ..., ready: _Optional[bool] = ..., created: _Optional[int] = ..., context_length: _Optional[int] = ..., replicas: _Optional[int] = ..., ready_replicas: _Optional[int] = ..., slots: _Optional[int] = ..., file: _Optional[_Union[ModelFile, _Mapping]] = ..., sleeping: _Optional[bool] = ..., upstream: _Optional[bool] = ...) -> None: ...
 
 class ModelFile(_message.Message):
     __slots__ = ("size_bytes", "sha256", "modified", "architecture", "name", "parameter_size", "quantization", "trained_context_length", "embedding_length", "block_count", "head_count", "head_count_kv", "has_chat_template")

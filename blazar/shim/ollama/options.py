@@ -170,8 +170,9 @@ def num_ctx(options: Mapping[str, Any] | None) -> int | None:
 
 def check_num_ctx(requested: int, info: inference_pb2.ModelInfo) -> None:
     """A context up to the Lane's context per slot fits (every request gets that much);
-    a larger one is refused, never silently served with less."""
-    if requested > info.context_length:
+    a larger one is refused, never silently served with less. An upstream Lane's
+    context is the upstream's, unknown here: the upstream refuses what it cannot hold."""
+    if not info.upstream and requested > info.context_length:
         raise errors.ContextLengthExceeded(
             f"'options.num_ctx' {requested} is larger than the context Lane "
             f"'{info.lane}' serves per request (contextPerSlot {info.context_length}). Send "
