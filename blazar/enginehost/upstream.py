@@ -29,7 +29,7 @@ import httpx
 
 from blazar._proto.engine.v1 import engine_pb2
 from blazar._proto.v1 import inference_pb2
-from blazar.api import errors
+from blazar.api import errors, via
 from blazar.api.kinds import Upstream
 from blazar.enginehost import upstream_convert
 
@@ -126,7 +126,10 @@ class UpstreamClient:
         if self.problem:
             raise errors.Unavailable(self.problem)
         key = api_key(self.spec, self._keys)
-        return {"Authorization": f"Bearer {key}"} if key else {}
+        headers = {via.HEADER: via.DAEMON_ID}  # a request that comes back is refused
+        if key:
+            headers["Authorization"] = f"Bearer {key}"
+        return headers
 
     async def probe(self) -> Probe:
         url = f"{self.spec.url}/models"

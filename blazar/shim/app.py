@@ -10,7 +10,9 @@ Keys are the data plane's to check: every route forwards the caller's
 without a key: `/healthz`, `/readyz` (it lists models with the daemon's probe key,
 good for nothing else), `/metrics` (counters by Lane, policy and tenant name; no
 prompts, no keys), Ollama's `/` and `/api/version`. `browsers.BrowserGuard` refuses
-other origins' pages and bodies that are not JSON before any route runs.
+other origins' pages and bodies that are not JSON before any route runs, and
+`loops.LoopGuard` a request that came back to this daemon from one of its own upstream
+Lanes.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from blazar.api import errors
-from blazar.shim import browsers, context, inference
+from blazar.shim import browsers, context, inference, loops
 from blazar.shim.anthropic import routes as anthropic_routes
 from blazar.shim.ollama import routes as ollama_routes
 from blazar.shim.openai import routes as openai_routes
@@ -71,6 +73,7 @@ def create_app(
         ],
         middleware=[
             Middleware(context.RequestIdMiddleware),
+            Middleware(loops.LoopGuard),
             Middleware(browsers.BrowserGuard, allow_origins=allow_origins, render=_error),
         ],
         exception_handlers={404: _no_route, 405: _no_route},
