@@ -367,7 +367,8 @@ class LaneLoad:
 
 def top_table(rows: Sequence[LaneLoad]) -> str:
     """`blazar top`: each Lane's slots, queue, throughput and engines' memory. A Lane
-    whose engines have not reported (none ready yet) shows `-` for what they report."""
+    whose engines have not reported (none ready yet) shows `-` for what they report; an
+    upstream Lane its upstream as its one replica and `maxConcurrency` as its slots."""
     if not rows:
         return "No Lane resources found."
     lines = [["LANE", "REPLICAS", "SLOTS", "QUEUE", "RUNNING", "TOKENS/S", "MEMORY"]]
@@ -381,7 +382,8 @@ def top_table(rows: Sequence[LaneLoad]) -> str:
                 str(r.queued),
                 str(r.running),
                 f"{r.tokens_per_second:.1f}",
-                _size(r.memory_bytes) if reported else "-",
+                # An upstream Lane's memory is its server's: none reported here.
+                _size(r.memory_bytes) if reported and r.memory_bytes else "-",
             ]
         )
     return "\n".join(_grid(lines))

@@ -246,6 +246,22 @@ class ControlService(control_pb2_grpc.ControlServicer):
             live = self._live(kinds.Kind.LANE, name) if self._live is not None else {}
             figures = live.get("admission", {})
             mine = [s for s in samples if s.lane == name]
+            if isinstance(lane, kinds.Lane) and lane.spec.upstream is not None:
+                # No engine reports: the upstream answering its probe is the Lane's
+                # one replica, its parallel requests the slots, its memory not ours.
+                slots, running = lane.spec.upstream.max_concurrency, figures.get("running", 0)
+                rows.append(
+                    control_pb2.LaneTop(
+                        lane=name,
+                        replicas_reporting=lane.status.ready_replicas,
+                        slots_busy=min(running, slots),
+                        slots_total=slots,
+                        queued=sum(q["waiting"] for q in figures.get("queue", [])),
+                        running=running,
+                        tokens_per_second=figures.get("tokensPerSecond", 0.0),
+                    )
+                )
+                continue
             rows.append(
                 control_pb2.LaneTop(
                     lane=name,

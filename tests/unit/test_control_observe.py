@@ -14,6 +14,8 @@ import grpc
 import pytest
 
 from blazar._proto.v1 import control_pb2, control_pb2_grpc
+from blazar.api.kinds import Kind, LaneStatus
+from blazar.cli import printers
 from blazar.dataplane import server
 from blazar.enginehost.monitor import Sample
 from blazar.store.memory import MemoryStore
@@ -114,3 +116,35 @@ def test_top_adds_up_each_lanes_replicas(tmp_path: Path) -> None:
         assert (b.replicas_reporting, b.slots_total, b.memory_bytes) == (0, 0, 0)
 
     run(body, log_dir=tmp_path, samples=samples)
+
+
+def test_top_shows_an_upstream_lanes_concurrency_as_its_slots(tmp_path: Path) -> None:
+    """It reported 0 replicas and no slots while `get` said 1/1 Ready (found with a
+    llama-server upstream): its upstream is its one replica, maxConcurrency its slots."""
+    upstream = {
+        "apiVersion": "blazar.dev/v1alpha1", "kind": "Lane", "metadata": {"name": "u"},
+        "spec": {"engine": "upstream",
+                 "upstream": {"url": "http://u:1/v1", "model": "g", "maxConcurrency": 8}},
+    }  # fmt: skip
+
+    async def main() -> None:
+        store = MemoryStore()
+        plane = await server.start(
+            store=store, address="127.0.0.1:0", log_dir=tmp_path, engines=lambda: []
+        )
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{plane.port}") as channel:
+                stub = control_pb2_grpc.ControlStub(channel)
+                await stub.Apply(control_pb2.ApplyRequest(objects_json=[json.dumps(upstream)]))
+                store.update_status(Kind.LANE, "u", LaneStatus(replicas=1, ready_replicas=1))
+                [row] = (await stub.Top(control_pb2.TopRequest())).lanes
+        finally:
+            await plane.stop(grace=0)
+        assert (row.replicas_reporting, row.slots_busy, row.slots_total) == (1, 0, 8)
+        table = printers.top_table([printers.LaneLoad(
+            lane=row.lane, replicas_reporting=1, slots_busy=0, slots_total=8, queued=0,
+            running=0, tokens_per_second=0.0, memory_bytes=0,
+        )]).splitlines()  # fmt: skip
+        assert table[1].split() == ["u", "1", "0/8", "0", "0", "0.0", "-"]
+
+    asyncio.run(main())
