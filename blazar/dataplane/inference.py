@@ -51,7 +51,7 @@ from blazar.dataplane import (
     routing,
 )
 from blazar.enginehost import upstream_convert
-from blazar.enginehost.activity import Activity
+from blazar.enginehost.activity import Activity, sleeps_in
 from blazar.enginehost.client import EnginePool
 from blazar.enginehost.upstream import UpstreamPool
 from blazar.rpc import status
@@ -253,6 +253,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                         ready=bool(route.replicas),
                         sleeping=route.sleeping and not route.replicas,
                         upstream=route.upstream is not None,
+                        sleeps_in_s=self._sleeps_in(route),
                         created=route.created,
                         context_length=route.context_length,
                         replicas=route.desired,
@@ -262,6 +263,18 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                     )
                 )
         return inference_pb2.ListModelsResponse(models=models)
+
+    def _sleeps_in(self, route: routing.Route) -> float | None:
+        """When the Lane falls asleep if no request comes (None: nothing will put it)."""
+        if route.preload or route.upstream is not None or not route.replicas:
+            return None
+        lane = route.lane
+        return sleeps_in(
+            sleep_after_s=route.sleep_after_s,
+            idle_s=self._activity.idle_s(lane),
+            in_flight=self._activity.in_flight(lane),
+            keep=self._activity.keep(lane),
+        )
 
     async def Chat(
         self, request: inference_pb2.ChatRequest, context: Context

@@ -58,6 +58,9 @@ class Route:
     # Why no replica can ever start as the Lane is, from its Schedulable condition
     # when it needs more than the host has or the whole memory budget; else empty.
     memory_problem: str = ""
+    # idle.sleepAfter in seconds (None: none), and preload: what puts it to sleep.
+    sleep_after_s: float | None = None
+    preload: bool = False
     # engine: upstream: the server its one replica (index 0, ready while the upstream
     # answers its probe) sends requests to; None for a Lane of local engines.
     upstream: Upstream | None = None
@@ -96,6 +99,8 @@ def build_table(lanes: Sequence[Lane]) -> RouteTable:
             spillover=lane.spec.spillover,
             max_parked_bytes=lane.spec.kv_cache.max_parked_mib << 20,
             wakes=_wakes(lane),
+            sleep_after_s=lane.spec.idle.sleep_after_s if lane.spec.idle is not None else None,
+            preload=lane.spec.preload,
             sleeping=lane.status.sleeping or _waits_for_memory(lane),
             model_problem=_model_problem(lane),
             memory_problem=_memory_problem(lane),

@@ -111,3 +111,18 @@ class Activity:
     def idle_s(self, lane: str) -> float:
         """Seconds since the Lane's last request ended (or the daemon started)."""
         return max(0.0, self._clock() - self._last.get(lane, self._started))
+
+
+def sleeps_in(
+    *, sleep_after_s: float | None, idle_s: float, in_flight: int, keep: Keep
+) -> float | None:
+    """Seconds until a Lane falls asleep if no request comes, as the controller's sleep
+    decision (`lane_plan.sleep_decision`) will put it (a test holds the two together);
+    None while nothing will. A request in flight counts as ending now."""
+    if keep.forever:
+        return None
+    if keep.release:
+        return 0.0
+    if sleep_after_s is None:
+        return None
+    return max(0.0, sleep_after_s - (0.0 if in_flight else idle_s), keep.remaining_s)

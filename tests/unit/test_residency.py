@@ -18,7 +18,7 @@ from blazar.controller.lane import LaneReconciler
 from blazar.controller.lane_plan import RELEASED, SLEEPING, Sleep, sleep_decision
 from blazar.controller.residency import Candidate, Eviction
 from blazar.dataplane import routing
-from blazar.enginehost.activity import Activity, Keep
+from blazar.enginehost.activity import Activity, Keep, sleeps_in
 from blazar.store.memory import MemoryStore
 from tests import launches
 from tests.unit import helpers
@@ -430,3 +430,32 @@ def test_a_lane_that_fits_once_an_idle_lane_sleeps_still_waits_beside_a_preload_
     w.reconcile("b")
     assert w.cond("b", "Schedulable")[:2] == ("False", "InsufficientMemory")
     assert routing.build_table([w.lane("b")]).routes[0].wakes
+
+
+@pytest.mark.parametrize("sleep_after", [None, 0.0, 5.0, 60.0])
+@pytest.mark.parametrize("idle", [0.0, 4.0, 10.0, 100.0])
+@pytest.mark.parametrize(
+    "keep",
+    [Keep(), Keep(remaining_s=20.0), Keep(remaining_s=200.0), Keep(forever=True),
+     Keep(release=True)],
+)  # fmt: skip
+def test_sleeps_in_agrees_with_the_sleep_decision(
+    sleep_after: float | None, idle: float, keep: Keep
+) -> None:
+    """What /api/ps says (`activity.sleeps_in`) is when the controller's decision puts
+    the Lane to sleep: asleep now at 0, else after the wait it looks again at."""
+    said = sleeps_in(sleep_after_s=sleep_after, idle_s=idle, in_flight=0, keep=keep)
+    decided = sleep_decision(
+        sleep_after_s=sleep_after, idle_s=idle, in_flight=0, wanted=False,
+        keep_s=keep.remaining_s, keep_forever=keep.forever, release=keep.release,
+    )  # fmt: skip
+    if decided.asleep:
+        assert said == 0.0
+    elif decided.recheck_after is None:
+        assert said is None
+    else:
+        assert said == pytest.approx(decided.recheck_after)
+    # A request in flight counts as ending now: no sooner than that.
+    busy = sleeps_in(sleep_after_s=sleep_after, idle_s=idle, in_flight=1, keep=keep)
+    if said is not None:
+        assert busy is not None and busy >= said

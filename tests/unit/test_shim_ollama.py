@@ -654,6 +654,25 @@ def test_ps_lists_each_serving_lane_once_and_forever() -> None:
     assert running["expires_at"].startswith("2318-")  # Ollama's "forever"
 
 
+@pytest.mark.parametrize(
+    ("sleeps_in_s", "expires"),
+    [
+        (300.0, "2026-01-02T03:09:05.678901Z"),  # idle.sleepAfter or keep_alive "5m"
+        (0.0, "2026-01-02T03:04:05.678901Z"),  # keep_alive 0: asleep once idle
+        (1e300, "2318-"),  # past Ollama's forever: forever
+    ],
+)
+def test_ps_expires_when_the_lane_will_sleep(sleeps_in_s: float, expires: str) -> None:
+    """It said forever for every Lane, even one idle.sleepAfter or a keep_alive was
+    about to put to sleep."""
+    models = [inference_pb2.ModelInfo() for _ in MODELS]
+    for copy, info in zip(models, MODELS, strict=True):
+        copy.CopyFrom(info)
+        copy.sleeps_in_s = sleeps_in_s
+    (running,) = listing.ps(inference_pb2.ListModelsResponse(models=models), now=NOW)["models"]
+    assert running["expires_at"].startswith(expires)
+
+
 # ---------------------------------------------------------------- routes
 
 TOOL_CHAT = {**CHAT, "tools": [WEATHER, NOW_TOOL]}

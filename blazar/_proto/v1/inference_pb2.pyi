@@ -307,7 +307,7 @@ class ListModelsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("id", "lane", "model", "ready", "created", "context_length", "replicas", "ready_replicas", "slots", "file", "sleeping", "upstream")
+    __slots__ = ("id", "lane", "model", "ready", "created", "context_length", "replicas", "ready_replicas", "slots", "file", "sleeping", "upstream", "sleeps_in_s")
     ID_FIELD_NUMBER: _ClassVar[int]
     LANE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -320,6 +320,7 @@ class ModelInfo(_message.Message):
     FILE_FIELD_NUMBER: _ClassVar[int]
     SLEEPING_FIELD_NUMBER: _ClassVar[int]
     UPSTREAM_FIELD_NUMBER: _ClassVar[int]
+    SLEEPS_IN_S_FIELD_NUMBER: _ClassVar[int]
     id: str
     lane: str
     model: str
@@ -332,7 +333,8 @@ class ModelInfo(_message.Message):
     file: ModelFile
     sleeping: bool
     upstream: bool
-    def __init__(self, id: _Optional[str] = ..., lane: _Optional[str] = ..., model: _Optional[str] = ..., ready: _Optional[bool] = ..., created: _Optional[int] = ..., context_length: _Optional[int] = ..., replicas: _Optional[int] = ..., ready_replicas: _Optional[int] = ..., slots: _Optional[int] = ..., file: _Optional[_Union[ModelFile, _Mapping]] = ..., sleeping: _Optional[bool] = ..., upstream: _Optional[bool] = ...) -> None: ...
+    sleeps_in_s: float
+    def __init__(self, id: _Optional[str] = ..., lane: _Optional[str] = ..., model: _Optional[str] = ..., ready: _Optional[bool] = ..., created: _Optional[int] = ..., context_length: _Optional[int] = ..., replicas: _Optional[int] = ..., ready_replicas: _Optional[int] = ..., slots: _Optional[int] = ..., file: _Optional[_Union[ModelFile, _Mapping]] = ..., sleeping: _Optional[bool] = ..., upstream: _Optional[bool] = ..., sleeps_in_s: _Optional[float] = ...) -> None: ...
 
 class ModelFile(_message.Message):
     __slots__ = ("size_bytes", "sha256", "modified", "architecture", "name", "parameter_size", "quantization", "trained_context_length", "embedding_length", "block_count", "head_count", "head_count_kv", "has_chat_template")

@@ -120,9 +120,17 @@ def show(info: inference_pb2.ModelInfo) -> protocol.ShowResponse:
 def ps(response: inference_pb2.ListModelsResponse, *, now: datetime) -> protocol.ProcessResponse:
     """One entry per Lane with a serving replica, under the Lane's name. Replicas share
     the file's pages, so `size` is the file's size once (KV caches not counted); Blazar
-    does not report GPU offload here, so `size_vram` is 0. Lanes stay loaded, so they
-    expire when Ollama's kept-forever models do."""
-    expires_at = render.timestamp(now + _FOREVER)
+    does not report GPU offload here, so `size_vram` is 0. A Lane expires when it will
+    fall asleep if no request comes (idle.sleepAfter, keep_alive), else when Ollama's
+    kept-forever models do."""
+
+    def expires_at(info: inference_pb2.ModelInfo) -> str:
+        if not info.HasField("sleeps_in_s"):
+            return render.timestamp(now + _FOREVER)
+        # A keep_alive of 1e300 seconds is taken; the date stops at Ollama's forever.
+        seconds = min(info.sleeps_in_s, _FOREVER.total_seconds())
+        return render.timestamp(now + timedelta(seconds=seconds))
+
     return {
         "models": [
             {
@@ -131,7 +139,7 @@ def ps(response: inference_pb2.ListModelsResponse, *, now: datetime) -> protocol
                 "size": info.file.size_bytes,
                 "digest": info.file.sha256,
                 "details": _details(info),
-                "expires_at": expires_at,
+                "expires_at": expires_at(info),
                 "size_vram": 0,
                 "context_length": info.context_length,
             }
