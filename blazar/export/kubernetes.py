@@ -129,6 +129,10 @@ def export(
             f'--fleet "{fleet}" cannot prefix Kubernetes names: use at most 53 lowercase '
             "letters, digits and '-', starting and ending with a letter or digit"
         )
+    if not image or any(c.isspace() or not c.isprintable() for c in image):
+        # Kubernetes refuses a container without an image (or with a blank in it) only
+        # at `kubectl apply`, after the file was written.
+        raise ExportError(f"--image {image!r} is not an image reference: give one such as {IMAGE}")
     models = {r.metadata.name: r for r in resources if isinstance(r, Model)}
     pairs = {r.metadata.name: r for r in resources if isinstance(r, SpecPair)}
     policies = sorted(

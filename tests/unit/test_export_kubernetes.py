@@ -514,6 +514,9 @@ def test_image_and_fleet_name_are_the_callers() -> None:
         ),
         (lambda: kubernetes.export(_resources(_model()), files={}, fleet="Prod"), '--fleet "Prod"'),
         (lambda: kubernetes.export(_resources(_model()), files={}, fleet="x" * 60), "--fleet"),
+        # Written as `image: ''` before, which kubectl apply refuses (found by hand).
+        (lambda: kubernetes.export(_resources(_model()), files={}, image=""), "--image ''"),
+        (lambda: kubernetes.export(_resources(_model()), files={}, image="a b"), "--image"),
     ],
 )
 def test_names_kubernetes_refuses_are_an_error(call: Callable[[], object], message: str) -> None:
