@@ -297,6 +297,19 @@ class LaneReconciler:
             self._event(name, event.type, event.reason, event.message)
         return Result(requeue_after=upstream_plan.next_probe_s(failures))
 
+    def _preloaded(self, name: str) -> list[str]:
+        """The Lanes other than `name` with processes and `preload: true`, whose memory
+        the budget never frees (only Lanes with processes hold any: no full listing,
+        which costs a parse of every stored object per pass)."""
+        if self._ledger is None or not self._ledger.budgeted:
+            return []
+        found = []
+        for other in sorted(self._processes.lanes() - {name}):
+            lane = self._store.get(Kind.LANE, other)
+            if isinstance(lane, Lane) and lane.spec.preload:
+                found.append(other)
+        return found
+
     def _place(
         self,
         name: str,
@@ -324,16 +337,7 @@ class LaneReconciler:
         if launch.speculation is not None and launch.speculation.draft_model_path:
             draft_shape = model_shape(draft)
         estimate = fit.estimate(launch, shape, draft=draft_shape)
-        preload = (
-            [
-                other.metadata.name
-                for other in self._store.list(Kind.LANE)
-                if isinstance(other, Lane) and other.spec.preload
-            ]
-            if self._ledger.budgeted
-            else []
-        )
-        placed = self._ledger.place(name, plan, estimate, preload=preload)
+        placed = self._ledger.place(name, plan, estimate, preload=self._preloaded(name))
         before = conditions.get_condition(lane.status.conditions, "Schedulable")
         was = (before.status.value, before.reason) if before is not None else None
         now = (placed.placement.fits, placed.placement.reason)
