@@ -101,7 +101,9 @@ def build_table(lanes: Sequence[Lane]) -> RouteTable:
             wakes=_wakes(lane),
             sleep_after_s=lane.spec.idle.sleep_after_s if lane.spec.idle is not None else None,
             preload=lane.spec.preload,
-            sleeping=lane.status.sleeping or _waits_for_memory(lane),
+            # On demand, unless it cannot start at all (then it is not asleep: broken).
+            sleeping=(lane.status.sleeping or _waits_for_memory(lane))
+            and not _memory_problem(lane),
             model_problem=_model_problem(lane),
             memory_problem=_memory_problem(lane),
         )

@@ -407,6 +407,11 @@ def test_a_lane_that_fits_only_where_preload_lanes_are_is_refused_not_queued() -
     assert not route.wakes and not route.sleeping  # not on demand: /readyz says so
     refused = routing.unservable(route)
     assert refused is not None and "preload: true" in refused.message
+    # Asleep before (the budget put it to sleep when a was not preload): still not on
+    # demand, since no request can start it (/readyz names it).
+    asleep = w.lane("b").status.model_copy(update={"sleeping": True})
+    w.store.update_status(Kind.LANE, "b", asleep)
+    assert not routing.build_table([w.lane("b")]).routes[0].sleeping
     # A request for it evicts nothing and does not wait for memory.
     w.activity.begin("b")
     w.activity.want("b")
