@@ -588,14 +588,8 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         if policy.tpot_target_s is not None:
             # The engine paces prompt chunks beside this stream to keep it.
             generate.tpot_target_ms = max(1, round(policy.tpot_target_s * 1000))
-        prompt_tokens = lane.measurements.prompt_tokens(prompt_chars)
-        sampling = generate.sampling
-        max_tokens = (
-            sampling.max_tokens
-            if sampling.HasField("max_tokens")
-            else max(1, route.context_length - prompt_tokens)
-        )
-        if prompt_tokens + (sampling.max_tokens or 1) > route.context_length:
+        prompt_tokens, max_tokens, fits = _budget(lane, route, generate, prompt_chars)
+        if not fits:
             # Likely too long for a slot, by the estimate: the engine, which counts the
             # tokens, answers that (INVALID_ARGUMENT naming both lengths); a refusal to
             # retry later for a missed target would only send the caller round again.
@@ -717,14 +711,8 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         ticket = spill.ticket
         elsewhere: errors.BlazarError | None = None
         if other is not None:
-            prompt_tokens = other.measurements.prompt_tokens(prompt_chars)
-            sampling = generate.sampling
-            max_tokens = (
-                sampling.max_tokens
-                if sampling.HasField("max_tokens")
-                else max(1, to.context_length - prompt_tokens)
-            )
-            if prompt_tokens + (sampling.max_tokens or 1) <= to.context_length:
+            prompt_tokens, max_tokens, fits = _budget(other, to, generate, prompt_chars)
+            if fits:
                 offered = dataclasses.replace(
                     ticket,
                     spilled_from=route.lane,
@@ -782,6 +770,26 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
 
     def _policy_spec(self, name: str) -> SLOPolicySpec | None:
         return self._slo_policies.get(name)
+
+
+def _budget(
+    lane: dispatcher.LaneDispatcher,
+    route: routing.Route,
+    generate: engine_pb2.GenerateRequest,
+    prompt_chars: int,
+) -> tuple[int, int, bool]:
+    """A request's prompt tokens as the Lane's measured characters per token estimate
+    them, its max_tokens (as asked, else the rest of a slot's context), and whether the
+    prompt and what it asked for likely fit a slot."""
+    prompt_tokens = lane.measurements.prompt_tokens(prompt_chars)
+    sampling = generate.sampling
+    max_tokens = (
+        sampling.max_tokens
+        if sampling.HasField("max_tokens")
+        else max(1, route.context_length - prompt_tokens)
+    )
+    fits = prompt_tokens + (sampling.max_tokens or 1) <= route.context_length
+    return prompt_tokens, max_tokens, fits
 
 
 def _open_access() -> access.Access:
