@@ -38,7 +38,7 @@ import structlog
 from blazar._proto.engine.v1 import engine_pb2
 from blazar._proto.v1 import inference_pb2, inference_pb2_grpc
 from blazar.api import errors, filetypes
-from blazar.api.kinds import Kind, Lane, Model, SLOPolicy, SLOPolicySpec
+from blazar.api.kinds import Kind, Lane, Model, SLOPolicy, SLOPolicySpec, Upstream
 from blazar.dataplane import (
     access,
     admission,
@@ -127,6 +127,9 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         # Lanes whose spillover names no Lane, as last reported (an event each time
         # one starts to dangle).
         self._dangling: dict[str, str] = {}
+        self._loop = asyncio.get_running_loop()
+        # Retiring the clients of upstream specs no longer in the table (`refresh`).
+        self._retiring: set[asyncio.Task[None]] = set()
         self.refresh()
         self._refresh_policies()
         self._unsubscribe = store.subscribe(self._on_store_event)
@@ -147,6 +150,15 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         self._prefixes = indexes
         self._dispatchers.update(self.table)
         self._report_dangling()
+        specs = [route.upstream for route in self.table.routes if route.upstream is not None]
+        self._loop.call_soon_threadsafe(self._retire_upstreams, specs)
+
+    def _retire_upstreams(self, specs: list[Upstream]) -> None:
+        """Close the upstream clients no Lane uses any more (a spec changed, a Lane
+        went), each once its generations in flight end (on the event loop)."""
+        task = self._loop.create_task(self._upstreams.retain(specs))
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
 
     def _report_dangling(self) -> None:
         """A Warning event `SpilloverNotFound` on each Lane whose spillover has just

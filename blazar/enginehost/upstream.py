@@ -17,11 +17,12 @@ neither a finish reason nor `[DONE]`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import ssl
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -121,6 +122,10 @@ class UpstreamClient:
             verify=verify,
             limits=httpx.Limits(max_connections=spec.max_concurrency + 2),
         )
+        # Generations streaming through it now; a retired client (its spec changed or
+        # its Lane went) closes when the last one ends, so none is cut off.
+        self._streaming = 0
+        self._retired = False
 
     def _headers(self) -> dict[str, str]:
         if self.problem:
@@ -171,6 +176,20 @@ class UpstreamClient:
     async def _stream(
         self, url: str, body: dict[str, object]
     ) -> AsyncGenerator[inference_pb2.Chunk, None]:
+        self._streaming += 1
+        try:
+            # Closed with this one (a caller that leaves ends the upstream's generation).
+            async with contextlib.aclosing(self._translated(url, body)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+        finally:
+            self._streaming -= 1
+            if self._retired and not self._streaming:
+                await self.close()
+
+    async def _translated(
+        self, url: str, body: dict[str, object]
+    ) -> AsyncGenerator[inference_pb2.Chunk, None]:
         translator = upstream_convert.StreamTranslator()
         sent = time.monotonic()
         first: float | None = None
@@ -210,6 +229,12 @@ class UpstreamClient:
         yield translator.finish(
             prefill_s=(first or end) - sent, decode_s=end - first if first is not None else 0.0
         )
+
+    async def retire(self) -> None:
+        """No longer in use: close now, or when the generations streaming end."""
+        self._retired = True
+        if not self._streaming:
+            await self.close()
 
     async def close(self) -> None:
         await self._http.aclose()
@@ -294,11 +319,12 @@ class UpstreamPool:
             found = self._clients[key] = UpstreamClient(spec, keys=self._keys)
         return found
 
-    async def retain(self, specs: list[Upstream]) -> None:
-        """Close the clients of specs no longer in use."""
+    async def retain(self, specs: Iterable[Upstream]) -> None:
+        """Retire the clients of specs no longer in use (each closes once the
+        generations streaming through it end)."""
         keep = {spec.model_dump_json() for spec in specs}
         for key in [k for k in self._clients if k not in keep]:
-            await self._clients.pop(key).close()
+            await self._clients.pop(key).retire()
 
     async def close(self) -> None:
         for client in self._clients.values():

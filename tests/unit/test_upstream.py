@@ -650,3 +650,43 @@ def test_a_probe_answered_without_a_model_list_fails(response: httpx.Response) -
 
     probe = asyncio.run(run())
     assert not probe.ok and "not with OpenAI's model list" in probe.message
+
+
+def test_a_retired_client_closes_once_its_streams_end() -> None:
+    """A spec no Lane uses any more (edited, or its Lane deleted): the pool retires its
+    client, which lets the generation streaming through it finish, then closes; a new
+    spec gets a client of its own; an idle retired client closes at once."""
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(
+            200,
+            content=sse(
+                {"choices": [{"index": 0, "delta": {"content": "a"}}]},
+                {"choices": [{"index": 0, "delta": {"content": "b"}}]},
+                {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
+            ),
+        )
+
+    old, new = spec_of(), spec_of(model="h")
+    pool = upstream.UpstreamPool()
+    transport = httpx.MockTransport(answer)
+    # The pool's clients, against the mock transport.
+    pool._clients[old.model_dump_json()] = upstream.UpstreamClient(old, transport=transport)
+    streaming = pool.client(old)
+
+    async def run() -> tuple[list[str], bool, bool]:
+        call = streaming.generate(chat_request(), model="g")
+        chunks = aiter(call)
+        texts = [(await anext(chunks)).delta.text]
+        await pool.retain([new])
+        open_while_streaming = not streaming._http.is_closed
+        texts += [c.delta.text async for c in chunks if c.HasField("delta")]
+        idle = pool.client(new)
+        await pool.retain([])
+        return texts, open_while_streaming, idle._http.is_closed
+
+    texts, open_while_streaming, idle_closed = asyncio.run(run())
+    assert texts == ["a", "b"]
+    assert open_while_streaming and streaming._http.is_closed
+    assert idle_closed
+    assert pool.client(old) is not streaming  # a spec in use again gets a new client
