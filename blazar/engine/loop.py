@@ -6,9 +6,9 @@ that prefix (`batching.choose_slot`, `batching.reusable_prefix`). Every step pac
 the next token of each decoding slot and prefill chunks of the others into one batch
 (`batching.plan_step`), decodes it, and samples one token per slot that finished its
 prompt or decoded a token. Results leave through each job's `deliver` callback (the
-service's go through a `jobs.Outbox`, which the loop flushes before each decode and
-before it waits, so its event loop sends them while the step computes). A slot keeps
-its KV cache and token list after its job ends, for the next job to reuse.
+service's go through a `jobs.Outbox`, which the loop flushes once a step, right before
+the decode, and before it waits for work). A slot keeps its KV cache and token list
+after its job ends, for the next job to reuse.
 
 With speculative decoding (`LoopOptions.speculation`), a decoding slot's feed is its
 pending token plus up to k drafted ones (n-gram lookup or a draft model, as the
@@ -416,7 +416,7 @@ class DecodeLoop:
         )
         entries: list[tuple[int, int, int, bool]] = []
         placed = [self._place(piece, entries) for piece in pieces]
-        # The last step's tokens go out while this one computes.
+        # The last step's tokens go out, once for all its streams (`jobs.Outbox`).
         self._flush()
         if not entries:
             return
