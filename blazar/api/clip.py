@@ -19,10 +19,21 @@ NAME_CHARS = 253
 
 def clip(text: str, limit: int) -> str:
     """`text`, or about `limit` characters of it: its start and its end (where an error
-    says what to do), and how many characters between them were left out."""
+    says what to do), and how many characters between them were left out. Half of a
+    surrogate pair (a caller's JSON escape, `\\ud800`, decodes to one) is written as
+    its escape: a message that no UTF-8 encoder takes could not be sent or stored."""
+    text = _encodable(text)
     if len(text) <= limit:
         return text
     tail = limit // 4
     head = limit - tail
     end = text[len(text) - tail :]
     return f"{text[:head]} [... {len(text) - head - tail} characters left out ...] {end}"
+
+
+def _encodable(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text

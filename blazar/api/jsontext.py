@@ -6,13 +6,18 @@ plain `ValueError` (so is undecodable bytes), and the C decoder recurses once pe
 of nesting until the interpreter's limit (`RecursionError`). Every caller-facing parse
 goes through `loads`, which turns all three into `NotJSON`, so none of them escapes as
 an internal error, and refuses what Python reads but JSON has not (NaN, Infinity, a
-number past a double's range).
+number past a double's range). With `whole_characters`, it also refuses strings that
+are not Unicode text: `"\\ud800"` (half of a UTF-16 surrogate pair, escaped) decodes
+to a Python string no UTF-8 encoder takes, which fails wherever it is next written out
+(a grammar handed to llama.cpp); callers that check each field's text themselves, to
+name the field, leave it off.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any, NoReturn
 
 
@@ -20,18 +25,50 @@ class NotJSON(ValueError):
     """The text is not JSON Blazar can read; the message says why, for the caller."""
 
 
-def loads(text: str | bytes) -> Any:
+def loads(text: str | bytes, *, whole_characters: bool = False) -> Any:
     """The JSON value of `text`, or NotJSON. Python's decoder also reads NaN and
     (-)Infinity, which JSON does not have, and turns a number past a double's range
     (1e400) into infinity; both are refused here: a NaN temperature would reach a range
     check and be called "more than 2", an infinite enum value be written out as
     `Infinity`, which is not JSON either."""
     try:
-        return json.loads(text, parse_constant=_constant, parse_float=_finite)
+        value = json.loads(text, parse_constant=_constant, parse_float=_finite)
     except RecursionError:
         raise NotJSON("its arrays and objects are nested too deeply") from None
     except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, the digit limit
         raise NotJSON(str(exc)) from None
+    if whole_characters:
+        pattern = _SURROGATE_BYTES if isinstance(text, bytes) else _SURROGATE
+        if pattern.search(text):  # type: ignore[arg-type]
+            _refuse_lone_surrogates(value)
+    return value
+
+
+# A \u escape of a UTF-16 surrogate (D800-DFFF): only then can a lone one be decoded.
+_SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")
+_SURROGATE_BYTES = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _refuse_lone_surrogates(value: Any) -> None:
+    """NotJSON when a string or key of `value` holds half of a surrogate pair (a pair
+    written as two escapes decodes to one character, which is fine)."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                half = f"\\u{ord(item[exc.start]):04x}"
+                raise NotJSON(
+                    f"the string escape {half} is half of a UTF-16 surrogate pair, not a "
+                    "character (write the pair, or the character itself)"
+                ) from None
 
 
 def _constant(name: str) -> NoReturn:

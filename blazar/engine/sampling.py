@@ -278,7 +278,7 @@ def grammar_of(constraint: inference_pb2.Constraint) -> str | None:
         return schema.grammar({"type": "object"}) if constraint.json_object else None
     if kind == "json_schema":
         try:
-            document = jsontext.loads(constraint.json_schema)
+            document = jsontext.loads(constraint.json_schema, whole_characters=True)
             if not isinstance(document, dict):
                 raise errors.InvalidRequest(
                     f"The JSON schema must be a JSON object, not {type(document).__name__}."

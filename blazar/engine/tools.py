@@ -164,7 +164,7 @@ def _parameters(source: str, where: str) -> dict[str, Any]:
     if not source.strip():
         return dict(NO_PARAMETERS)
     try:
-        document = jsontext.loads(source)
+        document = jsontext.loads(source, whole_characters=True)
     except jsontext.NotJSON as exc:
         raise _blame(where, f"'{where}' is not valid JSON: {exc}.") from None
     if not isinstance(document, dict):

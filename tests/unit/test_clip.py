@@ -20,3 +20,13 @@ def test_an_error_quoting_a_huge_value_is_bounded() -> None:
     assert len(err.metadata["model"]) < clip.FIELD_CHARS + 100
     field = errors.FieldError(path="Lane/x: spec", message=name)
     assert len(str(field)) < clip.FIELD_CHARS + 200
+
+
+def test_half_a_surrogate_pair_is_written_as_its_escape() -> None:
+    """An error quoting a caller's key decoded from `"\\ud800key"` can still be sent
+    (found by the engine fuzz test: the refusal itself failed as INTERNAL)."""
+    err = errors.InvalidRequest("keyword \ud800key", metadata={"field": "x\udfffy"})
+    assert err.message == "keyword \\ud800key"
+    assert err.metadata["field"] == "x\\udfffy"
+    err.message.encode("utf-8")
+    assert clip.clip("fine \U0001f600", 100) == "fine \U0001f600"
