@@ -13,7 +13,7 @@ import pytest
 from blazar._proto.v1 import inference_pb2
 from blazar.api import errors
 from blazar.dataplane import admission, routing
-from blazar.dataplane.dispatcher import LaneDispatcher
+from blazar.dataplane.dispatcher import LaneDispatcher, Run
 from blazar.dataplane.parking import Parked
 
 PARK_S = 0.2
@@ -153,6 +153,16 @@ def test_a_park_the_engine_refuses_leaves_the_ticket_waiting_and_the_victim_runn
     assert (queued, running, asked) == ("{'patient': 1}", 1, 1)
 
 
+async def decoding_batch(dispatcher: LaneDispatcher) -> Run:
+    """A batch run that has decoded for 0.2 s since its first token, 20 tokens since."""
+    batch = await dispatcher.admit(ticket("batch", BATCH), request_id="b", prompt_chars=40)
+    assert isinstance(batch, Run)
+    dispatcher.first_token(batch, time.monotonic() - batch.ticket.arrived)
+    await asyncio.sleep(0.2)
+    batch.generated = 21
+    return batch
+
+
 def test_a_lane_that_has_finished_nothing_preempts_by_what_its_runs_in_flight_measure() -> None:
     """No request has finished, so no rate is measured: the batch run's pace so far (20
     tokens in 0.2 s, 980 of its 1,000 to go) shows its slot busy for seconds, and the
@@ -162,10 +172,7 @@ def test_a_lane_that_has_finished_nothing_preempts_by_what_its_runs_in_flight_me
         parker = SlowParker(0.05)
         dispatcher = LaneDispatcher(route(), parker=parker)
         try:
-            batch = await dispatcher.admit(ticket("batch", BATCH), request_id="b", prompt_chars=40)
-            dispatcher.first_token(batch, time.monotonic() - batch.ticket.arrived)
-            await asyncio.sleep(0.2)
-            batch.generated = 21
+            await decoding_batch(dispatcher)
             urgent = asyncio.create_task(
                 dispatcher.admit(ticket("urgent", URGENT), request_id="u", prompt_chars=40)
             )
@@ -190,10 +197,7 @@ def test_a_resumed_run_measures_its_decode_without_the_time_it_was_parked() -> N
         parker = SlowParker(0.05)
         dispatcher = LaneDispatcher(route(), parker=parker)
         try:
-            batch = await dispatcher.admit(ticket("batch", BATCH), request_id="b", prompt_chars=40)
-            dispatcher.first_token(batch, time.monotonic() - batch.ticket.arrived)
-            await asyncio.sleep(0.2)
-            batch.generated = 21
+            batch = await decoding_batch(dispatcher)
             urgent = await asyncio.wait_for(
                 dispatcher.admit(ticket("urgent", URGENT), request_id="u", prompt_chars=40), 1.0
             )
