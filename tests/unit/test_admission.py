@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -451,10 +452,10 @@ def test_next_expiry() -> None:
             BUSY,
             Refuse(ticket("t", INTERACTIVE), Reason.SLO_UNATTAINABLE, 0.5, predicted_ttft_s=2.5),
         ),
-        # The same under onOverload: queue waits.
-        (PATIENT, BUSY, Admit(2.5)),
+        # The same under onOverload: queue waits (for the busy slot).
+        (PATIENT, BUSY, Admit(2.5, waits=True)),
         # 2 s exactly meets it.
-        (INTERACTIVE, lane(replica(run("r", left=75))), Admit(2.0)),
+        (INTERACTIVE, lane(replica(run("r", left=75))), Admit(2.0, waits=True)),
         # Its own prefill (2.5 s) misses the target on an idle slot: it starts at once
         # all the same (refusing sheds no load, and a retry would fare no better).
         (INTERACTIVE, lane(replica(prefill=200.0)), Admit(2.5)),
@@ -531,7 +532,12 @@ def spilled(t: Ticket) -> Ticket:
     [
         # Its target met here: it stays, spillover or not.
         (ticket("t", INTERACTIVE), IDLE, True, Admit(0.5)),
-        (ticket("t", INTERACTIVE), lane(replica(run("r", left=75))), True, Admit(2.0)),
+        (
+            ticket("t", INTERACTIVE),
+            lane(replica(run("r", left=75))),
+            True,
+            Admit(2.0, waits=True),
+        ),
         # Missed here (2.5 s against 2 s): offered to the spillover Lane, with the
         # refusal that stands if that Lane refuses it too.
         (
@@ -550,13 +556,18 @@ def spilled(t: Ticket) -> Ticket:
         ),
         # Under onOverload: queue, the same miss would wait past its deadline: offered,
         # with the admission that stands.
-        (ticket("t", PATIENT), BUSY, True, admission.Spill(ticket("t", PATIENT), Admit(2.5))),
+        (
+            ticket("t", PATIENT),
+            BUSY,
+            True,
+            admission.Spill(ticket("t", PATIENT), Admit(2.5, waits=True)),
+        ),
         # Its own prefill misses the target on an idle slot: it starts here at once.
         (ticket("t", INTERACTIVE), lane(replica(prefill=200.0)), True, Admit(2.5)),
         # No replica here: nothing predicts a miss; it waits (the Lane wakes, say).
         (ticket("t", INTERACTIVE), NOBODY, True, Admit(None)),
         # No target: nothing to miss.
-        (ticket("t", BATCH), BUSY, True, Admit(2.5)),
+        (ticket("t", BATCH), BUSY, True, Admit(2.5, waits=True)),
         # No spillover Lane (none named, or it does not exist): the local decision.
         (
             ticket("t", INTERACTIVE),
@@ -564,7 +575,7 @@ def spilled(t: Ticket) -> Ticket:
             False,
             Refuse(ticket("t", INTERACTIVE), Reason.SLO_UNATTAINABLE, 0.5, predicted_ttft_s=2.5),
         ),
-        (ticket("t", PATIENT), BUSY, False, Admit(2.5)),
+        (ticket("t", PATIENT), BUSY, False, Admit(2.5, waits=True)),
         # On the spillover Lane: admitted when it meets its target there...
         (spilled(ticket("t", INTERACTIVE)), IDLE, False, Admit(0.5)),
         # ... refused when it would miss it, whatever onOverload says, and never
@@ -1020,26 +1031,97 @@ def test_a_preempting_start_waits_for_the_measured_park() -> None:
     assert queue.preemption(now=0, view=slower) is None
 
 
+# The slot frees in 1 s (50 tokens at 0.02 s); 0.5 s of prefill: a first token at 1.5 s
+# by waiting, against a 2 s target.
+ON_TIME = replace(LONG, tokens_left=50)
+
+
 @pytest.mark.parametrize(
-    ("turn", "parked", "waiting_ttft"),
+    ("lateness", "decision", "preempt"),
+    [
+        # The forecast as it is: waiting meets the target; nothing is parked.
+        (1.0, Admit(1.5, waits=True), None),
+        # Waits measured 30% late: 1.95 s still meets it.
+        (1.3, Admit(1.5, waits=True), None),
+        # 40% late: 2.1 s may miss it. Parking the batch generation (free: no park time
+        # measured) starts it now, its first token after its prefill.
+        (1.4, Admit(0.5), Preempt(ticket("u", INTERACTIVE), "long", 0)),
+        (3.0, Admit(0.5), Preempt(ticket("u", INTERACTIVE), "long", 0)),
+    ],
+)
+def test_a_forecast_wait_scaled_by_its_measured_lateness_decides_preemption(
+    lateness: float, decision: Admit, preempt: Preempt | None
+) -> None:
+    view = replace(lane(parking(ON_TIME)), lateness=lateness)
+    queue = LaneQueue()
+    assert queue.arrive(ticket("u", INTERACTIVE), now=0, view=view) == decision
+    assert queue.preemption(now=0, view=view) == preempt
+    # A ticket that has waited a while: 1 s left of its 2 s, its slot frees in 0.5 s
+    # and its prefill takes 0.5 s. Scaled, the forecast may miss; it parks.
+    queue = queue_of(ticket("w", INTERACTIVE), view=lane(parking(ON_TIME)))
+    later = replace(lane(parking(replace(LONG, tokens_left=25))), lateness=lateness)
+    waited = queue.preemption(now=1.0, view=later)
+    assert (waited is not None) == (lateness > 1.0)
+
+
+@pytest.mark.parametrize("lateness", [1.0, 1.4, 3.0])
+def test_refusals_and_predictions_read_the_forecast_unscaled(lateness: float) -> None:
+    """However late waits have measured, a ticket is refused (or spilled) only when the
+    forecast itself says it misses, with the same prediction and retry-after; one it
+    says meets the target waits when nothing can be parked for it."""
+    # Nothing to park (the running request has the same priority): 1.5 s by waiting.
+    same = replace(ON_TIME, priority=INTERACTIVE.priority)
+    view = replace(lane(parking(same)), lateness=lateness)
+    queue = LaneQueue()
+    assert queue.arrive(ticket("t", INTERACTIVE), now=0, view=view) == Admit(1.5, waits=True)
+    assert queue.expire(now=0, view=view) == []
+    assert queue.predict_ttft("t", now=0, view=view) == pytest.approx(1.5)
+    # A second on, as forecast: its slot frees in 0.5 s, its first token at 2 s.
+    later = replace(lane(parking(replace(same, tokens_left=25))), lateness=lateness)
+    assert queue.expire(now=1.0, view=later) == []
+    # With a spillover Lane it stays here, the forecast meeting its target.
+    spilling = LaneQueue()
+    assert spilling.arrive(ticket("t", INTERACTIVE), now=0, view=view, spill=True) == Admit(
+        1.5, waits=True
+    )
+    # The forecast misses (2.5 s): refused as without a measured lateness.
+    busy = replace(BUSY, lateness=lateness)
+    assert LaneQueue().arrive(ticket("t", INTERACTIVE), now=0, view=busy) == Refuse(
+        ticket("t", INTERACTIVE), Reason.SLO_UNATTAINABLE, 0.5, predicted_ttft_s=2.5
+    )
+
+
+@pytest.mark.parametrize("lateness", [0.9, 0.0, -1.0, math.inf, math.nan])
+def test_a_lateness_below_one_or_not_finite_is_refused(lateness: float) -> None:
+    with pytest.raises(ValueError, match="lateness must be a finite factor >= 1"):
+        LaneView(lateness=lateness)
+
+
+@pytest.mark.parametrize(
+    ("turn", "lateness", "parked", "waiting_ttft"),
     [
         # 1.6 s turns: after three parks, waiting for an interactive slot meets the
         # target (1.6 s + 0.1 s prefill), so the fourth batch generation runs on.
-        (80, ["b0", "b1", "b2"], 1.7),
+        (80, 1.0, ["b0", "b1", "b2"], 1.7),
+        # ... unless waits have measured 25% later than forecast: 1.7 s may then be
+        # 2.1 s, and the fourth parks the last batch generation. The two left wait for
+        # an interactive turn (there is nothing of lower priority left to park), and are
+        # not refused: the forecast says they meet the target.
+        (80, 1.25, ["b0", "b1", "b2", "b3"], 1.7),
         # 2 s turns: waiting misses, so every batch generation is parked before any
         # interactive request waits; the two left then miss whatever happens.
-        (100, ["b0", "b1", "b2", "b3"], 2.1),
+        (100, 1.0, ["b0", "b1", "b2", "b3"], 2.1),
     ],
 )
 def test_a_burst_of_urgent_requests_parks_lower_priority_work_while_waiting_misses(
-    turn: int, parked: list[str], waiting_ttft: float
+    turn: int, lateness: float, parked: list[str], waiting_ttft: float
 ) -> None:
     """Four batch generations hold the four slots; six interactive requests arrive at
     once (the mixed burst of bench/overload.py). An interactive request parks a batch
-    generation when waiting for any slot would miss its target, and only then."""
+    generation when waiting for any slot may miss its target, and only then."""
     urgent = replace(INTERACTIVE, max_queue_depth=32)
     batch = [run(f"b{i}", left=1000, kv=100 + i) for i in range(4)]
-    view = lane(parking(*batch, bound=10_000))
+    view = replace(lane(parking(*batch, bound=10_000)), lateness=lateness)
     queue = LaneQueue()
     tickets = [ticket(f"i{i}", urgent, prompt=100, max_tokens=turn) for i in range(6)]
     refused = {t.id for t in tickets if isinstance(queue.arrive(t, now=0, view=view), Refuse)}
@@ -1053,7 +1135,9 @@ def test_a_burst_of_urgent_requests_parks_lower_priority_work_while_waiting_miss
         held = next(r for r in running if r.id == preempt.victim)
         running[running.index(held)] = run(preempt.ticket.id, priority=100, left=turn, kv=100)
         queue.requeue(ticket(held.id, BATCH), now=0, resume=Resume(0, held.tokens_left))
-        view = lane(parking(*running, bound=10_000, parked=1000 * len(victims)))
+        view = replace(
+            lane(parking(*running, bound=10_000, parked=1000 * len(victims))), lateness=lateness
+        )
     assert sorted(victims) == parked
     refused |= {r.ticket.id for r in queue.expire(now=0, view=view)}
     left = {t.id for t in tickets} - set(started)

@@ -56,11 +56,15 @@ Forecast. Every decision reads one simulation of the Lane from `now`, in ticket 
   share over every policy, else all of max_tokens), and then frees it for the next.
   Its first token comes at start + prefill. A parked generation (`Resume`) takes only
   a slot of its own replica and costs its remaining decode time.
-- Preemption in the forecast: a ticket whose first token would come past its deadline
+- Preemption in the forecast: a ticket whose first token may come past its deadline
   in a slot that is not idle takes instead the slot of a running request of strictly
   lower priority, if parking that request keeps the replica's parked bytes within its
   bound and lets the ticket meet its deadline (the measured park, `park_s`, then its
-  prefill). The cheapest victim
+  prefill). "May come past": its wait and prefill scaled by the view's `lateness`,
+  how much later than forecast first tokens after a wait have come (measured by the
+  data plane, at least 1, 1 before anything is measured). Parking is cheap insurance
+  (the victim pauses and resumes with no token lost), waiting on a forecast that runs
+  early costs the target. The cheapest victim
   is parked: fewest KV tokens, then lowest priority, then replica index and id. The
   victim re-enters the order at its priority, pinned to its replica.
 - A measurement an engine has not made yet (None) counts as zero seconds: admission
@@ -72,7 +76,10 @@ Decisions from the forecast. `dispatch` starts the tickets that took an idle slo
 tickets past their wait bound and, under `onOverload: reject`, those predicted to miss
 their time-to-first-token target (a ticket waiting at its deadline misses it); `arrive`
 runs the same simulation with the new ticket in its place and refuses it early
-(SLO_UNATTAINABLE) when it would miss. A ticket that takes an idle slot is never refused
+(SLO_UNATTAINABLE) when it would miss. Refusals (and spills) read the forecast
+unscaled by `lateness`, and so does the prediction an `Admit` carries: a pessimistic
+guess may park work, never turn a caller away or change what the caller is told. A
+ticket that takes an idle slot is never refused
 as SLO_UNATTAINABLE, even when its own prefill misses the target: it starts at once,
 refusing it sheds no load, and its run corrects the measured figures (which nothing
 else would, were every request refused). A ticket refused in the simulation takes no

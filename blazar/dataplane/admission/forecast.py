@@ -123,7 +123,8 @@ def misses_target(entry: Waiting, fate: Fate, now: float) -> bool:
     """Whether the forecast says a fresh ticket misses its TTFT target, whatever its
     policy's onOverload (spillover asks under both). Not one that takes an idle slot
     before its deadline (it starts at once, at its best), nor one nothing forecasts
-    (no replica serves)."""
+    (no replica serves). The unscaled forecast, as for refusals: a spilled ticket
+    leaves this Lane, which takes more than a guess (see `_fate`)."""
     ticket = entry.ticket
     if entry.resume is not None or ticket.deadline == math.inf:
         return False
@@ -165,6 +166,7 @@ class _Simulation:
 
     def __init__(self, view: LaneView, now: float, *, waiting: int) -> None:
         self.now = now
+        self.lateness = view.lateness
         self.slots: list[_Slot] = []
         self.load: dict[int, int] = {}
         self.parked: dict[int, int] = {}
@@ -238,7 +240,15 @@ class _Simulation:
 
 def _fate(entry: Waiting, sim: _Simulation, now: float) -> tuple[Fate, _Slot | None]:
     """Where the forecast puts one waiting ticket, and the slot it takes (its `victim`'s
-    when it preempts); `refuse` set when it is to be taken out instead."""
+    when it preempts); `refuse` set when it is to be taken out instead.
+
+    Two readings of one forecast. Preemption reads it as late as first tokens after a
+    wait have measured (its wait and prefill times `sim.lateness`): a ticket that may
+    miss its deadline by waiting parks lower-priority work, which costs the victim a
+    pause and no token, and waiting on a forecast that runs early costs the ticket its
+    target. Refusal and the prediction read it unscaled: a refusal is final for the
+    caller, so it is made only on the forecast's own best estimate, never on a
+    pessimistic one, and the prediction callers see stays that estimate."""
     ticket = entry.ticket
     pinned = entry.resume.replica if entry.resume else None
     slot = sim.slot_for(pinned=pinned, prefer=ticket.prefer)
@@ -247,8 +257,8 @@ def _fate(entry: Waiting, sim: _Simulation, now: float) -> tuple[Fate, _Slot | N
     if slot is not None:
         start = slot.free_at
         prefill = 0.0 if entry.resume else slot.replica.prefill_s(ticket.prompt_tokens)
-        misses = now + start + prefill > ticket.deadline
-        if misses and not slot.idle and entry.resume is None:
+        may_miss = now + (start + prefill) * sim.lateness > ticket.deadline
+        if may_miss and not slot.idle and entry.resume is None:
             parked = sim.victim_for(ticket)
             if parked is not None:
                 slot, victim, start = parked, parked.holder, parked.replica.park_s

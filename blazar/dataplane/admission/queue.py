@@ -72,7 +72,8 @@ class LaneQueue:
         elif fate.refuse is not None:
             local = refusal(entry, fate, now)
         else:
-            local = Admit(fate.ttft_s)
+            waits = fate.start_s is not None and not fate.starts_now
+            local = Admit(fate.ttft_s, waits=waits)
         if ticket.spilled_from is not None:
             if isinstance(local, Admit) and (
                 fate.start_s is None or misses_target(entry, fate, now)

@@ -205,6 +205,14 @@ class LaneView:
     # that copies its prompt gains many tokens a step (and its draft rows slow every
     # step), a chat turn few, and the replica's figures, a mean of both, misjudge each.
     token_s: Mapping[str, float] = field(default_factory=dict)
+    # How much later than forecast first tokens come after a wait, measured (at least
+    # 1: see `forecast`): the preemption decision scales a ticket's forecast wait and
+    # prefill by it. Nothing else does: refusals and predictions read the forecast.
+    lateness: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not 1.0 <= self.lateness < math.inf:
+            raise ValueError(f"lateness must be a finite factor >= 1, not {self.lateness!r}")
 
     def output_tokens(self, ticket: Ticket) -> int:
         return expected_output(
@@ -229,9 +237,13 @@ class Resume:
 @dataclass(frozen=True)
 class Admit:
     """The ticket waits (or starts at the next `dispatch`); its first token is expected
-    this long after its arrival (None: nothing to predict from yet)."""
+    this long after its arrival (None: nothing to predict from yet). `waits`: the
+    forecast has it wait for a busy slot to free (neither an idle slot now nor a
+    victim's): its first token tests the forecast of a wait, and the data plane
+    measures the forecast's lateness from such tickets (`LaneView.lateness`)."""
 
     predicted_ttft_s: float | None
+    waits: bool = False
 
 
 @dataclass(frozen=True)
