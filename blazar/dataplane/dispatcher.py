@@ -37,7 +37,9 @@ A request's side, in the relay:
 The view (`admission.LaneView`) is built from what the data plane knows, never from
 constants: slots and ready replicas from the route table, running requests from the
 runs dispatched and not ended (tokens left from the Lane's typical completion less what
-each generated), and rates from `measurements.LaneMeasurements`.
+each generated), and rates from `measurements.LaneMeasurements`, with the forecast's
+own lateness: how much later than predicted at arrival the first tokens of requests
+that admission had wait for a busy slot came (`_start` says which requests count).
 
 Preemption: a `Preempt` goes through one `parking.Parker` (the engine's Park
 and Resume), called beside the queue: while the engine parks, the queue goes on
@@ -96,6 +98,9 @@ class Run:
     parked_at: float | None = None
     # Seconds it waited for its Lane to wake (idle.sleepAfter), within its queue wait.
     load_s: float = 0.0
+    # Admission's prediction when its first token tests the forecast of a wait (see
+    # `_start`): measured against it, the forecast's lateness. None: it does not.
+    wait_forecast_s: float | None = None
 
 
 # A replica as one engine process: a restarted replica keeps its index, not this.
@@ -116,6 +121,12 @@ class _Pending:
     predicted_ttft_s: float | None = None
     # Its Lane names a spillover Lane that exists (`admission.LaneQueue.arrive`).
     spill: bool = False
+    # Admission has it wait for a busy slot (`admission.Admit.waits`).
+    waits: bool = False
+    # Its place in the order tickets came to this queue (an arrival, or a start that
+    # failed and came back): a ticket that starts before one that came earlier is work
+    # that the earlier one's forecast did not see.
+    seq: int = 0
 
 
 @dataclass(frozen=True)
@@ -218,6 +229,9 @@ class LaneDispatcher:
         self._refused_parks: dict[str, int] = {}
         # Park and Resume calls running beside the queue.
         self._calls: set[asyncio.Task[None]] = set()
+        # The last `_Pending.seq` given, and the highest of the tickets started so far.
+        self._seq = 0
+        self._started_seq = 0
         self._task = asyncio.get_running_loop().create_task(
             self._serve(), name=f"admission:{self.lane}"
         )
@@ -264,6 +278,8 @@ class LaneDispatcher:
         if run.started_at:
             overhead = ticket.arrived + ttft_s - run.started_at - run.expected_prefill_s
             self.measurements.record_first_token(run.replica.index, overhead_s=overhead)
+        if run.wait_forecast_s is not None:
+            self.measurements.record_wait(predicted_s=run.wait_forecast_s, measured_s=ttft_s)
         policy = ticket.policy
         figures = self._figures(policy)
         figures.first_tokens += 1
@@ -389,6 +405,8 @@ class LaneDispatcher:
         elif isinstance(event, _Retry):
             self._running.pop(event.run.ticket.id, None)
             self._excluded.add(_identity(event.run.replica))
+            self._seq += 1
+            event.pending.seq = self._seq
             self._pending[event.pending.ticket.id] = event.pending
             self._queue.requeue(event.run.ticket, now=now)
             log.info(
@@ -435,6 +453,8 @@ class LaneDispatcher:
             return
         ticket = pending.ticket
         self._policies[ticket.policy.name] = ticket.policy
+        self._seq += 1
+        pending.seq = self._seq
         decision = self._queue.arrive(ticket, now=now, view=self._view(), spill=pending.spill)
         if isinstance(decision, admission.Spill):
             pending.started.set_result(decision)
@@ -455,6 +475,7 @@ class LaneDispatcher:
             self._refuse(pending, decision)
             return
         pending.predicted_ttft_s = decision.predicted_ttft_s
+        pending.waits = decision.waits
         self._pending[ticket.id] = pending
 
     def _new_route(self, route: routing.Route | None) -> bool:
@@ -505,7 +526,13 @@ class LaneDispatcher:
                 self._refuse(pending, refusal)
         self._gauge()
 
-    def _start(self, decision: admission.Dispatch, now: float) -> None:
+    def _start(self, decision: admission.Dispatch, now: float, *, preempting: bool = False) -> None:
+        """Start a fresh ticket (`preempting`: in the slot of a generation parked for it).
+
+        Its first token tests the forecast of a wait, and measures its lateness, when
+        admission had it wait for a busy slot at its arrival, it starts in a slot that
+        freed (not by parking work: what it waited for then was a park), and nothing that
+        came to the queue after it started before it (work its forecast could not see)."""
         ticket = decision.ticket
         pending = self._pending.pop(ticket.id, None)
         replica = self._replica(decision.replica)
@@ -515,6 +542,9 @@ class LaneDispatcher:
             self._pending[ticket.id] = pending
             self._queue.requeue(ticket, now=now)
             return
+        overtaken = self._started_seq > pending.seq
+        self._started_seq = max(self._started_seq, pending.seq)
+        tests_forecast = pending.waits and not preempting and not overtaken
         metrics.QUEUE_WAIT.labels(self.lane, ticket.policy.name).observe(ticket.waited_s)
         run = Run(
             ticket,
@@ -526,6 +556,7 @@ class LaneDispatcher:
             expected_prefill_s=self.measurements.expected_prefill_s(
                 replica.index, ticket.prompt_tokens
             ),
+            wait_forecast_s=pending.predicted_ttft_s if tests_forecast else None,
         )
         self._running[ticket.id] = run
         pending.started.set_result(run)
@@ -569,6 +600,8 @@ class LaneDispatcher:
         self._running.pop(ticket.id, None)
         self._parked[ticket.id] = victim
         victim.parked_at = now
+        if victim.first_token_at is None:
+            victim.wait_forecast_s = None  # its first token will count the park too
         self._parked_bytes[ticket.id] = done.parked.parked_bytes
         if done.parked.parked_bytes and done.parked.tokens:
             self._kv_bytes_per_token = -(-done.parked.parked_bytes // done.parked.tokens)
@@ -584,8 +617,10 @@ class LaneDispatcher:
             parked_bytes=done.parked.parked_bytes,
             park_ms=round((now - parking.asked_at) * 1000, 1),
             for_policy=preempt.ticket.policy.name,
+            # The factor the decision to park read the forecast's wait by.
+            lateness=round(self.measurements.lateness, 3),
         )
-        self._start(admission.Dispatch(preempt.ticket, preempt.replica), now)
+        self._start(admission.Dispatch(preempt.ticket, preempt.replica), now, preempting=True)
 
     def _requeue_urgent(self, parking: _Parking, now: float) -> None:
         """The ticket a park was for waits again, unless its caller has left."""
@@ -743,6 +778,7 @@ class LaneDispatcher:
             completion_share=self.measurements.completion_share,
             lane_share=self.measurements.lane_share,
             token_s=token_s,
+            lateness=self.measurements.lateness,
         )
 
 

@@ -10,11 +10,20 @@ measured), and until the Lane has, None (which admission counts as no time at al
 Rates are ratios of moving sums (tokens over seconds), not moving averages of
 per-request rates: a 5-token prefill, dominated by fixed costs, would otherwise weigh
 as much as a 1,500-token one in the prefill rate.
+
+One figure measures the forecast itself: its `lateness`, how much later than admission
+predicted the first tokens of requests that waited for a busy slot came (measured over
+predicted time to first token, both from arrival). The forecast's model leaves out
+what it cannot see (a step slowing as the batch grows past what it measured, parks and
+resumes taking time), and the error shows only in such requests: one that took an
+idle slot never waited on the forecast. Admission's preemption decision scales a
+ticket's forecast wait by it (`admission.LaneView.lateness`).
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -29,6 +38,20 @@ WEIGHT = 0.2
 # rule of thumb for English text and BPE vocabularies). A ticket's prompt size weighs
 # only its own prefill, which counts as no time until a prefill rate is measured too.
 DEFAULT_CHARS_PER_TOKEN = 4.0
+
+# The lateness is an upper quantile of the latest waits' measured / predicted ratios,
+# not their mean: it feeds a decision about whether a ticket may miss its deadline, and
+# a scaled forecast that nine waits in ten came within protects the target where a mean
+# would leave every other wait later than it. By nearest rank over twenty, the two
+# worst ratios in the window move nothing (a wait upset by a failure, say), and twenty
+# waits are a burst or two of traffic, so the figure follows a change of load.
+LATENESS_WINDOW = 20
+LATENESS_QUANTILE = 0.9
+# Bounds: never below the forecast itself (lateness scales only the decision to park,
+# and a forecast that runs late must not be read as early), and never past 3x: beyond,
+# the forecast is broken rather than late, and every ticket would park work.
+LATENESS_MIN = 1.0
+LATENESS_MAX = 3.0
 
 
 @dataclass
@@ -104,6 +127,27 @@ class _LineFit:
         return (intercept, slope) if intercept >= 0.0 else proportional
 
 
+@dataclass
+class _Quantile:
+    """The `q`-quantile (nearest rank) of the latest `size` samples; None before any."""
+
+    q: float
+    size: int
+    samples: deque[float] = field(default_factory=deque)
+
+    def add(self, sample: float) -> None:
+        self.samples.append(sample)
+        while len(self.samples) > self.size:
+            self.samples.popleft()
+
+    @property
+    def value(self) -> float | None:
+        if not self.samples:
+            return None
+        ordered = sorted(self.samples)
+        return ordered[min(len(ordered) - 1, max(0, math.ceil(self.q * len(ordered)) - 1))]
+
+
 def _step_fit() -> _LineFit:
     # Batches spread less than this (sequences squared) give no slope: one step time.
     return _LineFit(min_variance=0.25, constant=True)
@@ -160,6 +204,8 @@ class LaneMeasurements:
         # By policy: seconds of decoding over the tokens decoded.
         self._token_s: dict[str, _Ratio] = {}
         self._chars_per_token = _Ratio()
+        # Measured over predicted time to first token of the requests that waited.
+        self._lateness = _Quantile(q=LATENESS_QUANTILE, size=LATENESS_WINDOW)
 
     def record(
         self,
@@ -199,6 +245,23 @@ class LaneMeasurements:
         sample = max(0.0, overhead_s)
         self._lane.start_overhead.add(sample)
         self._replicas.setdefault(replica, _Rates()).start_overhead.add(sample)
+
+    def record_wait(self, *, predicted_s: float, measured_s: float) -> None:
+        """A request that admission forecast to wait for a busy slot, with its first
+        token `predicted_s` after its arrival, had it `measured_s` after (a prediction of
+        no time has nothing to scale, and tells nothing)."""
+        if predicted_s > 0.0 and math.isfinite(predicted_s) and math.isfinite(measured_s):
+            self._lateness.add(max(0.0, measured_s) / predicted_s)
+
+    @property
+    def lateness(self) -> float:
+        """How much later than forecast first tokens come after a wait: the upper
+        quantile of the latest waits' measured / predicted, within [LATENESS_MIN,
+        LATENESS_MAX]; 1.0 (the forecast as it is) before any wait was measured."""
+        value = self._lateness.value
+        if value is None:
+            return 1.0
+        return min(max(value, LATENESS_MIN), LATENESS_MAX)
 
     def record_park(self, replica: int, *, seconds: float) -> None:
         """The engine of `replica` parked a generation in `seconds`."""

@@ -8,7 +8,13 @@ import pytest
 
 from blazar._proto.v1 import inference_pb2
 from blazar.dataplane import admission
-from blazar.dataplane.measurements import DEFAULT_CHARS_PER_TOKEN, LaneMeasurements
+from blazar.dataplane.measurements import (
+    DEFAULT_CHARS_PER_TOKEN,
+    LATENESS_MAX,
+    LATENESS_MIN,
+    LATENESS_WINDOW,
+    LaneMeasurements,
+)
 
 
 def final(
@@ -209,3 +215,43 @@ def test_runs_in_flight_measure_their_policy_before_any_finishes() -> None:
         "chat": pytest.approx(0.05),
     }
     assert in_flight_token_seconds([("idle", 0.4, 0)]) == {}
+
+
+def test_the_forecast_is_on_time_until_a_wait_is_measured() -> None:
+    m = LaneMeasurements()
+    assert m.lateness == 1.0
+    # A prediction of no time has nothing to scale: it tells nothing.
+    m.record_wait(predicted_s=0.0, measured_s=0.4)
+    assert m.lateness == 1.0
+    m.record_wait(predicted_s=1.5, measured_s=1.95)
+    assert m.lateness == pytest.approx(1.3)
+
+
+@pytest.mark.parametrize(
+    ("measured_s", "lateness"),
+    [
+        # Early first tokens do not make the forecast read as early: at least 1.
+        (0.5, LATENESS_MIN),
+        # A forecast 10x off is broken, not late: at most 3.
+        (10.0, LATENESS_MAX),
+    ],
+)
+def test_the_lateness_is_bounded(measured_s: float, lateness: float) -> None:
+    m = LaneMeasurements()
+    for _ in range(LATENESS_WINDOW):
+        m.record_wait(predicted_s=1.0, measured_s=measured_s)
+    assert m.lateness == lateness
+
+
+def test_the_lateness_is_an_upper_quantile_of_the_latest_waits() -> None:
+    """Nine waits in ten came within it: the two worst of twenty move nothing, a third
+    does; and the window forgets what came before its last twenty waits."""
+    m = LaneMeasurements()
+    for ratio in [1.1] * 9 + [1.2] * 9 + [2.5] * 2:
+        m.record_wait(predicted_s=2.0, measured_s=2.0 * ratio)
+    assert m.lateness == pytest.approx(1.2)
+    m.record_wait(predicted_s=2.0, measured_s=5.0)  # the oldest 1.1 leaves the window
+    assert m.lateness == pytest.approx(2.5)
+    for _ in range(LATENESS_WINDOW):
+        m.record_wait(predicted_s=2.0, measured_s=2.2)
+    assert m.lateness == pytest.approx(1.1)
