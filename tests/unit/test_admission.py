@@ -1064,6 +1064,17 @@ def test_a_forecast_wait_scaled_by_its_measured_lateness_decides_preemption(
     assert (waited is not None) == (lateness > 1.0)
 
 
+@pytest.mark.parametrize(("park_s", "parks"), [(0.9, True), (1.0, False)])
+def test_a_scaled_forecast_parks_work_only_to_start_sooner(park_s: float, parks: bool) -> None:
+    """Waiting gives a first token at 1.5 s, which may be 2.1 s. Parking first takes
+    `park_s`, then the 0.5 s prefill: 1.4 s is sooner, and parks; 1.5 s gains nothing
+    (though it meets the deadline), and the batch generation runs on."""
+    view = replace(lane(replace(parking(ON_TIME), park_s=park_s)), lateness=1.4)
+    queue = LaneQueue()
+    queue.arrive(ticket("u", INTERACTIVE), now=0, view=view)
+    assert (queue.preemption(now=0, view=view) is not None) == parks
+
+
 @pytest.mark.parametrize("lateness", [1.0, 1.4, 3.0])
 def test_refusals_and_predictions_read_the_forecast_unscaled(lateness: float) -> None:
     """However late waits have measured, a ticket is refused (or spilled) only when the

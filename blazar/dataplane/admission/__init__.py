@@ -60,12 +60,12 @@ Forecast. Every decision reads one simulation of the Lane from `now`, in ticket 
   in a slot that is not idle takes instead the slot of a running request of strictly
   lower priority, if parking that request keeps the replica's parked bytes within its
   bound and lets the ticket meet its deadline (the measured park, `park_s`, then its
-  prefill). "May come past": its wait and prefill scaled by the view's `lateness`,
-  how much later than forecast first tokens after a wait have come (measured by the
-  data plane, at least 1, 1 before anything is measured). Parking is cheap insurance
-  (the victim pauses and resumes with no token lost), waiting on a forecast that runs
-  early costs the target. The cheapest victim
-  is parked: fewest KV tokens, then lowest priority, then replica index and id. The
+  prefill), sooner than waiting would. "May come past": its wait and prefill scaled by
+  the view's `lateness`, how much later than forecast first tokens after a wait have
+  come (measured by the data plane, at least 1, 1 before anything is measured).
+  Parking is cheap insurance (the victim pauses and resumes with no token lost), and
+  waiting on a forecast that runs early costs the target. The cheapest victim is
+  parked: fewest KV tokens, then lowest priority, then replica index and id. The
   victim re-enters the order at its priority, pinned to its replica.
 - A measurement an engine has not made yet (None) counts as zero seconds: admission
   never refuses on a guess. With no replica the forecast knows nothing and refuses only

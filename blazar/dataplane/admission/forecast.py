@@ -204,9 +204,10 @@ class _Simulation:
         candidates = [s for s in self.slots if pinned is None or s.replica.index == pinned]
         return min(candidates, key=rank, default=None)
 
-    def victim_for(self, ticket: Ticket) -> _Slot | None:
+    def victim_for(self, ticket: Ticket, *, waiting_s: float) -> _Slot | None:
         """The slot of the running request of lower priority cheapest to park, among
-        those whose parking fits the replica's bound and lets `ticket` meet its deadline."""
+        those whose parking fits the replica's bound and lets `ticket` meet its deadline,
+        with its first token sooner than the `waiting_s` that waiting gives it."""
         options = []
         for slot in self.slots:
             run, replica = slot.holder, slot.replica
@@ -216,7 +217,7 @@ class _Simulation:
             bound = replica.parked_bytes_max
             fits = bound > 0 and self.parked[replica.index] + cost <= bound
             first_token = replica.park_s + replica.prefill_s(ticket.prompt_tokens)
-            meets = self.now + first_token <= ticket.deadline
+            meets = self.now + first_token <= ticket.deadline and first_token < waiting_s
             if fits and meets:
                 options.append(((run.kv_tokens, run.priority, replica.index, run.id), slot))
         if not options:
@@ -259,7 +260,7 @@ def _fate(entry: Waiting, sim: _Simulation, now: float) -> tuple[Fate, _Slot | N
         prefill = 0.0 if entry.resume else slot.replica.prefill_s(ticket.prompt_tokens)
         may_miss = now + (start + prefill) * sim.lateness > ticket.deadline
         if may_miss and not slot.idle and entry.resume is None:
-            parked = sim.victim_for(ticket)
+            parked = sim.victim_for(ticket, waiting_s=start + prefill)
             if parked is not None:
                 slot, victim, start = parked, parked.holder, parked.replica.park_s
                 prefill = slot.replica.prefill_s(ticket.prompt_tokens)
