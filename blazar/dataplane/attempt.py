@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any, Protocol, TypeAlias
 
 import grpc
@@ -67,13 +67,16 @@ class Attempts:
         *,
         lane: dispatcher.LaneDispatcher,
         caller: access.Caller,
+        through: Sequence[str] = (),
     ) -> AsyncGenerator[inference_pb2.Chunk | None, None]:
-        """One replica's stream; a final None asks the caller to requeue the request."""
+        """One replica's stream; a final None asks the caller to requeue the request.
+        `through`: the daemons the request went through (`blazar.api.via`), for an
+        upstream Lane's server."""
         replica, ticket = run.replica, run.ticket
         key = (replica.lane, replica.index)
         self.inflight[key] += 1
         metrics.IN_FLIGHT.labels(route.lane).inc()
-        call = self._open(route, replica, generate)
+        call = self._open(route, replica, generate, through)
         first_at: float | None = None
         tokens = 0
         sent = False
@@ -164,11 +167,16 @@ class Attempts:
         )
 
     def _open(
-        self, route: routing.Route, replica: routing.Replica, generate: engine_pb2.GenerateRequest
+        self,
+        route: routing.Route,
+        replica: routing.Replica,
+        generate: engine_pb2.GenerateRequest,
+        through: Sequence[str],
     ) -> Call:
         """The generation's call: on the replica's engine, or on the Lane's upstream."""
         if route.upstream is not None:
-            return self._upstreams.client(route.upstream).generate(generate, model=route.model)
+            client = self._upstreams.client(route.upstream)
+            return client.generate(generate, model=route.model, through=through)
         return self._pool.client(replica.socket, process=replica.pid).generate(generate)
 
 

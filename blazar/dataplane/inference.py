@@ -37,7 +37,7 @@ import structlog
 
 from blazar._proto.engine.v1 import engine_pb2
 from blazar._proto.v1 import inference_pb2, inference_pb2_grpc
-from blazar.api import errors, filetypes
+from blazar.api import errors, filetypes, via
 from blazar.api.kinds import Kind, Lane, Model, SLOPolicy, SLOPolicySpec, Upstream
 from blazar.dataplane import (
     access,
@@ -544,6 +544,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         await self._permit(model, context, caller)
         try:
             _check_session(session)
+            through = _through(context)
         except errors.BlazarError as err:
             log.info("request.rejected", model=model, reason=err.reason)
             await status.abort(context, err)
@@ -565,7 +566,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             async for chunk in self._admitted(
                 route, replica, blocks, lane, generate, context,
                 arrived=arrived, request_id=request_id, caller=caller, policy=policy,
-                prompt_chars=prompt_chars, session=session,
+                prompt_chars=prompt_chars, session=session, through=through,
             ):  # fmt: skip
                 yield chunk
         finally:
@@ -586,8 +587,10 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         policy: admission.Policy,
         prompt_chars: int,
         session: str,
+        through: tuple[str, ...],
     ) -> AsyncIterator[inference_pb2.Chunk]:
-        """The request through its Lane's admission queue and on to an engine."""
+        """The request through its Lane's admission queue and on to an engine (or an
+        upstream server, told the daemons the request went through: `through`)."""
         try:
             if lane is None:
                 raise errors.Unavailable(
@@ -651,7 +654,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                 # aclosing: a caller that leaves mid-stream must cancel the engine call
                 # now (freeing its slot), not whenever the inner generator is collected.
                 stream = self._attempts.stream(
-                    route, run, generate, context, lane=lane, caller=caller
+                    route, run, generate, context, lane=lane, caller=caller, through=through
                 )
                 async with contextlib.aclosing(stream):
                     async for chunk in stream:
@@ -819,6 +822,15 @@ def _check_session(session: str) -> None:
             f"The session key is {size:,} bytes; at most {MAX_SESSION_BYTES} are accepted.",
             metadata={errors.FIELD_KEY: "session"},
         )
+
+
+def _through(context: Context) -> tuple[str, ...]:
+    """The daemons the request went through (metadata `x-blazar-via`, which the HTTP
+    shim passes on); INVALID_ARGUMENT when it is not a list of daemon ids."""
+    for key, value in context.invocation_metadata() or ():
+        if key == via.HEADER:
+            return via.hops(str(value))
+    return ()
 
 
 def _request_id(context: Context) -> str:

@@ -22,7 +22,7 @@ import json
 import os
 import ssl
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -127,11 +127,13 @@ class UpstreamClient:
         self._streaming = 0
         self._retired = False
 
-    def _headers(self) -> dict[str, str]:
+    def _headers(self, through: Sequence[str] = ()) -> dict[str, str]:
+        """`through`: the daemons the request went through before this one."""
         if self.problem:
             raise errors.Unavailable(self.problem)
         key = api_key(self.spec, self._keys)
-        headers = {via.HEADER: via.DAEMON_ID}  # a request that comes back is refused
+        # A request that comes back to a daemon it went through is refused there.
+        headers = {via.HEADER: via.forwarded(through)}
         if key:
             headers["Authorization"] = f"Bearer {key}"
         return headers
@@ -167,19 +169,23 @@ class UpstreamClient:
             return Probe(True, f"{self.spec.url} answers; it does not list model {model}.")
         return Probe(True, f"{self.spec.url} answers and serves {model or 'its models'}.")
 
-    def generate(self, request: engine_pb2.GenerateRequest, *, model: str) -> UpstreamCall:
-        """Start a generation of `model`; iterate the call for its chunks, cancel it to
-        stop. Raises INVALID_ARGUMENT for what the upstream cannot be asked for."""
+    def generate(
+        self, request: engine_pb2.GenerateRequest, *, model: str, through: Sequence[str] = ()
+    ) -> UpstreamCall:
+        """Start a generation of `model` for a request that went through the daemons
+        `through` (`blazar.api.via`; this one is added); iterate the call for its
+        chunks, cancel it to stop. Raises INVALID_ARGUMENT for what the upstream cannot
+        be asked for; a request that went through too many daemons fails as it streams."""
         route, body = upstream_convert.request_body(request, model=model)
-        return UpstreamCall(self, f"{self.spec.url}/{route}", body)
+        return UpstreamCall(self, f"{self.spec.url}/{route}", body, through=through)
 
     async def _stream(
-        self, url: str, body: dict[str, object]
+        self, url: str, body: dict[str, object], through: Sequence[str]
     ) -> AsyncGenerator[inference_pb2.Chunk, None]:
         self._streaming += 1
         try:
             # Closed with this one (a caller that leaves ends the upstream's generation).
-            async with contextlib.aclosing(self._translated(url, body)) as chunks:
+            async with contextlib.aclosing(self._translated(url, body, through)) as chunks:
                 async for chunk in chunks:
                     yield chunk
         finally:
@@ -188,13 +194,14 @@ class UpstreamClient:
                 await self.close()
 
     async def _translated(
-        self, url: str, body: dict[str, object]
+        self, url: str, body: dict[str, object], through: Sequence[str]
     ) -> AsyncGenerator[inference_pb2.Chunk, None]:
         translator = upstream_convert.StreamTranslator()
         sent = time.monotonic()
         first: float | None = None
+        headers = self._headers(through)
         try:
-            async with self._http.stream("POST", url, json=body, headers=self._headers()) as answer:
+            async with self._http.stream("POST", url, json=body, headers=headers) as answer:
                 if answer.status_code != 200:
                     text = (await answer.aread())[:MAX_ERROR_BYTES].decode(errors="replace")
                     raise upstream_convert.http_error(
@@ -243,8 +250,15 @@ class UpstreamClient:
 class UpstreamCall:
     """One generation on an upstream, shaped as an engine's Generate call."""
 
-    def __init__(self, client: UpstreamClient, url: str, body: dict[str, object]) -> None:
-        self._stream = client._stream(url, body)
+    def __init__(
+        self,
+        client: UpstreamClient,
+        url: str,
+        body: dict[str, object],
+        *,
+        through: Sequence[str] = (),
+    ) -> None:
+        self._stream = client._stream(url, body, through)
         self._closing: asyncio.Task[None] | None = None
 
     def __aiter__(self) -> AsyncIterator[inference_pb2.Chunk]:

@@ -73,7 +73,7 @@ def create_app(
         ],
         middleware=[
             Middleware(context.RequestIdMiddleware),
-            Middleware(loops.LoopGuard),
+            Middleware(loops.LoopGuard, render=_error),
             Middleware(browsers.BrowserGuard, allow_origins=allow_origins, render=_error),
         ],
         exception_handlers={404: _no_route, 405: _no_route},

@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from blazar._proto.v1 import inference_pb2
-from blazar.api import errors
+from blazar.api import errors, via
 from blazar.shim import validation
 
 REQUEST_ID_HEADER = "x-request-id"
@@ -60,6 +60,9 @@ class RequestContext:
     tool_choice: str = ""
     # The `x-blazar-parallel-tool-calls` header as sent (see `parallel_tool_calls`).
     parallel_tool_calls: str = ""
+    # The `x-blazar-via` header as sent (the daemons the request went through, which
+    # `loops.LoopGuard` checked); the data plane's upstream client adds this daemon.
+    via: str = ""
 
     def grpc_metadata(self) -> tuple[tuple[str, str], ...]:
         items = [(REQUEST_ID_HEADER, self.request_id)]
@@ -69,6 +72,8 @@ class RequestContext:
             # As metadata too, for the RPCs with no `slo` field (Embed, Tokenize): the
             # data plane checks the name on every route.
             items.append((SLO_HEADER, _metadata_text(self.slo)))
+        if self.via:
+            items.append((via.HEADER, _metadata_text(self.via)))
         return tuple(items)
 
 
@@ -91,6 +96,7 @@ def of(request: Request) -> RequestContext:
         slo=request.headers.get(SLO_HEADER, ""),
         tool_choice=request.headers.get(TOOL_CHOICE_HEADER, ""),
         parallel_tool_calls=request.headers.get(PARALLEL_TOOL_CALLS_HEADER, ""),
+        via=request.headers.get(via.HEADER, ""),
     )
 
 

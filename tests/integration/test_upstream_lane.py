@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import anthropic
+import grpc
 import httpx
 import ollama
 import openai
@@ -228,6 +229,53 @@ def test_admission_refuses_past_the_upstreams_concurrency(pair: tuple[Upstream, 
         f'blazar_admission_rejections_total{{lane="{LANE}",policy="strict",reason="QUEUE_FULL"}}'
     )
     assert refused in metrics
+
+
+def upstream_lane(name: str, http: str, model: str) -> str:
+    return (
+        "apiVersion: blazar.dev/v1alpha1\nkind: Lane\n"
+        f"metadata: {{name: {name}}}\n"
+        f"spec: {{engine: upstream, upstream: {{url: 'http://{http}/v1', model: {model}}}}}\n"
+    )
+
+
+def available(daemon: Daemon, lane: str) -> bool:
+    try:
+        cond = daemon.condition("lane", lane, "Available")
+    except grpc.RpcError:  # its manifest is not applied yet
+        return False
+    return cond is not None and cond["status"] == "True"
+
+
+def test_a_request_sent_round_two_daemons_is_refused(pair: tuple[Upstream, Daemon]) -> None:
+    """A -> B -> A: the front's Lane `circle` sends to the upstream daemon's Lane `back`,
+    which sends to the front's `circle` again. Each daemon adds itself to
+    `x-blazar-via`, so the front, reached a second time, answers 508, and the caller
+    reads why at once (not a first-byte timeout, nor a queue filled by the loop)."""
+    upstream, front = pair
+    assert front.watch is not None
+    mine, theirs = front.watch / "circle.yaml", upstream.home / "fleet" / "back.yaml"
+    mine.write_text(upstream_lane("circle", upstream.daemon.http, "back"))
+    theirs.write_text(upstream_lane("back", front.http, "circle"))
+    try:
+        for daemon, lane in ((front, "circle"), (upstream.daemon, "back")):
+            wait_for(
+                lambda: available(daemon, lane),  # noqa: B023 (called at once)
+                timeout=30,
+                what=f"Lane {lane} available",
+                step=0.2,
+            )
+        answer = httpx.post(
+            f"http://{front.http}/v1/chat/completions",
+            json={"model": "circle", "messages": MESSAGES, "max_tokens": 2},
+            timeout=60,
+        )
+        assert answer.status_code == 503, answer.text
+        message = answer.json()["error"]["message"]
+        assert "HTTP 508" in message and "came back to a Blazar daemon" in message, message
+    finally:
+        mine.unlink()
+        theirs.unlink()
 
 
 def in_flight(daemon: Daemon, lane: str) -> float:
