@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import json
 import os
 import ssl
@@ -204,9 +205,10 @@ class UpstreamClient:
             async with self._http.stream("POST", url, json=body, headers=headers) as answer:
                 if answer.status_code != 200:
                     text = (await answer.aread())[:MAX_ERROR_BYTES].decode(errors="replace")
-                    raise upstream_convert.http_error(
-                        answer.status_code, text, retry_after=answer.headers.get("retry-after")
+                    hint = upstream_convert.retry_after_ms(
+                        answer.headers.get("retry-after"), now=datetime.datetime.now(datetime.UTC)
                     )
+                    raise upstream_convert.http_error(answer.status_code, text, retry_after_ms=hint)
                 done = False
                 async for line in _lines(answer):
                     if not line.startswith("data:"):

@@ -21,6 +21,8 @@ no field for, and `prompt_logprobs`, which it does not return.
 
 from __future__ import annotations
 
+import datetime
+import email.utils
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -354,10 +356,36 @@ def stream_error(body: Any) -> errors.BlazarError:
     return errors.Unavailable(f"The upstream server failed mid-answer: {_error_message(body)}")
 
 
-def http_error(status: int, text: str, *, retry_after: str | None = None) -> errors.BlazarError:
+# The longest wait an upstream's Retry-After is passed on with: a date far ahead (a
+# clock set wrong, a maintenance window) would have callers wait for hours otherwise.
+MAX_RETRY_AFTER_S = 600
+
+
+def retry_after_ms(value: str | None, *, now: datetime.datetime) -> int | None:
+    """An upstream's `Retry-After` header as milliseconds from `now`: delta-seconds
+    or an HTTP-date (RFC 9110; a date without a zone is GMT), clamped to 0 (a date
+    past) .. MAX_RETRY_AFTER_S. None when not sent or neither form."""
+    if value is None:
+        return None
+    value = value.strip()
+    if value.isascii() and value.isdigit():
+        seconds = float(min(int(value), MAX_RETRY_AFTER_S))
+    else:
+        try:
+            when = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError, IndexError):
+            return None
+        if when.tzinfo is None:
+            when = when.replace(tzinfo=datetime.UTC)
+        seconds = (when - now).total_seconds()
+    return round(min(max(seconds, 0.0), MAX_RETRY_AFTER_S) * 1000)
+
+
+def http_error(status: int, text: str, *, retry_after_ms: int | None = None) -> errors.BlazarError:
     """The error a caller gets for an upstream's HTTP error answer. The caller's
     request is at fault only for 400 and 422; a refused key, an unknown model name or
-    a failing server are the Lane's operator's to fix (UNAVAILABLE); 429 is overload."""
+    a failing server are the Lane's operator's to fix (UNAVAILABLE); 429 is overload.
+    A 429's or 503's `retry_after_ms` (its `Retry-After`) is the error's hint."""
     try:
         message = _error_message(json.loads(text))
     except ValueError:
@@ -365,9 +393,9 @@ def http_error(status: int, text: str, *, retry_after: str | None = None) -> err
     said = f"The upstream server answered HTTP {status}: {message}"
     if status in (400, 413, 422):
         return errors.InvalidRequest(said)
+    metadata = {}
+    if status in (429, 503) and retry_after_ms is not None:
+        metadata[errors.RETRY_AFTER_KEY] = str(retry_after_ms)
     if status == 429:
-        metadata = {}
-        if retry_after is not None and retry_after.strip().isdigit():
-            metadata[errors.RETRY_AFTER_KEY] = str(int(retry_after.strip()) * 1000)
         return errors.Overloaded(said, metadata=metadata)
-    return errors.Unavailable(said)
+    return errors.Unavailable(said, metadata=metadata)

@@ -51,7 +51,9 @@ def retry_after_seconds(err: errors.BlazarError) -> int:
 
 
 def headers(err: errors.BlazarError) -> dict[str, str]:
-    """The headers every dialect's error response carries: `Retry-After` on a 429."""
-    if http_status(err) == 429:
+    """The headers every dialect's error response carries: `Retry-After` on a 429, and
+    on a 503 that carries the daemon's hint (an upstream server's own Retry-After)."""
+    status = http_status(err)
+    if status == 429 or (status == 503 and errors.RETRY_AFTER_KEY in err.metadata):
         return {"retry-after": str(retry_after_seconds(err))}
     return {}

@@ -118,6 +118,21 @@ def test_retry_after_seconds(metadata: dict[str, str], seconds: int) -> None:
     assert http_errors.retry_after_seconds(errors.Overloaded("x", metadata=metadata)) == seconds
 
 
+@pytest.mark.parametrize(
+    ("err", "expected"),
+    [
+        (errors.Overloaded("x"), {"retry-after": "1"}),
+        (errors.Overloaded("x", metadata={"retry_after_ms": "2500"}), {"retry-after": "3"}),
+        # An upstream server's own 503 with its Retry-After.
+        (errors.Unavailable("x", metadata={"retry_after_ms": "30000"}), {"retry-after": "30"}),
+        (errors.Unavailable("x"), {}),
+        (errors.InvalidRequest("x", metadata={"retry_after_ms": "30000"}), {}),
+    ],
+)
+def test_retry_after_header(err: errors.BlazarError, expected: dict[str, str]) -> None:
+    assert http_errors.headers(err) == expected
+
+
 def test_sse_event_framing() -> None:
     assert streaming.sse_event('{"a":1}') == b'data: {"a":1}\n\n'
     assert streaming.sse_event("{}", event="ping") == b"event: ping\ndata: {}\n\n"

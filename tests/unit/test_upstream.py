@@ -4,6 +4,7 @@ probe's status and events, and the route an upstream Lane makes."""
 from __future__ import annotations
 
 import asyncio
+import email.utils
 import json
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -215,11 +216,77 @@ def test_an_error_event_mid_stream_is_unavailable() -> None:
     ],
 )
 def test_http_errors(status: int, kind: type[errors.BlazarError]) -> None:
-    err = convert.http_error(status, json.dumps({"error": {"message": "why"}}), retry_after="2")
+    err = convert.http_error(status, json.dumps({"error": {"message": "why"}}), retry_after_ms=2000)
     assert type(err) is kind
     assert "why" in err.message and str(status) in err.message
-    if status == 429:
-        assert err.metadata[errors.RETRY_AFTER_KEY] == "2000"
+    # The hint of a 429 and a 503 passes on; no other status's means waiting helps.
+    hinted = {errors.RETRY_AFTER_KEY: "2000"} if status in (429, 503) else {}
+    assert err.metadata == hinted
+
+
+RETRY_NOW = datetime(2026, 12, 2, 12, 0, 0, tzinfo=UTC)
+
+
+@pytest.mark.parametrize(
+    ("header", "millis"),
+    [
+        (None, None),
+        ("2", 2000),
+        (" 7 ", 7000),
+        ("0", 0),
+        ("99999999999999999999", convert.MAX_RETRY_AFTER_S * 1000),
+        # HTTP-dates: IMF-fixdate, and the obsolete RFC 850 and asctime forms.
+        ("Wed, 02 Dec 2026 12:00:30 GMT", 30_000),
+        ("Wednesday, 02-Dec-26 12:01:00 GMT", 60_000),
+        ("Wed Dec  2 12:00:05 2026", 5_000),
+        ("Wed, 02 Dec 2026 11:59:00 GMT", 0),  # past
+        ("Thu, 03 Dec 2026 12:00:00 GMT", convert.MAX_RETRY_AFTER_S * 1000),
+        ("soon", None),
+        ("-5", None),
+        ("1.5", None),
+        ("", None),
+        ("\u0662", None),  # a digit, but not an ASCII one
+    ],
+)
+def test_retry_after_is_seconds_or_an_http_date(header: str | None, millis: int | None) -> None:
+    assert convert.retry_after_ms(header, now=RETRY_NOW) == millis
+
+
+def test_an_upstreams_retry_after_date_is_the_callers_hint() -> None:
+    """A 503 (and a 429) whose Retry-After is an HTTP-date keeps its hint."""
+    later = email.utils.format_datetime(datetime.now(UTC) + timedelta(seconds=120), usegmt=True)
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        status = 503 if json.loads(request.content)["messages"][0]["content"] == "a" else 429
+        return httpx.Response(
+            status, json={"error": {"message": "busy"}}, headers={"retry-after": later}
+        )
+
+    client = upstream.UpstreamClient(spec_of(), transport=httpx.MockTransport(answer))
+
+    async def run(text: str) -> errors.BlazarError:
+        request = engine_pb2.GenerateRequest(
+            chat=engine_pb2.ChatInput(messages=[pb.Message(role="user", content=text)])
+        )
+        try:
+            async for _ in client.generate(request, model="g"):
+                pass
+        except errors.BlazarError as err:
+            return err
+        raise AssertionError("no error")
+
+    async def main() -> list[errors.BlazarError]:
+        try:
+            return [await run("a"), await run("b")]
+        finally:
+            await client.close()
+
+    unavailable, overloaded = asyncio.run(main())
+    assert isinstance(unavailable, errors.Unavailable)
+    assert isinstance(overloaded, errors.Overloaded)
+    for err in (unavailable, overloaded):
+        # The date has whole seconds: up to one less, and a slow test's few more.
+        assert 100_000 <= int(err.metadata[errors.RETRY_AFTER_KEY]) <= 120_000
 
 
 @pytest.mark.parametrize(

@@ -42,7 +42,8 @@ _PARAMETERS = re.compile(r"\b(tools\[\d+\])\.parameters\b")
 def error_response(err: errors.BlazarError, *, request_id: str = "") -> ErrorResponse:
     """Anthropic's `{"type": "error", "error": {type, message}, "request_id"}`, with the
     status every dialect shares but for an unavailable server, which Anthropic calls
-    overloaded (529). A 429 carries `retry-after` (`http_errors.headers`)."""
+    overloaded (529). A 429 carries `retry-after`, as does an unavailable server with a
+    hint (`http_errors.headers`)."""
     status = http_errors.http_status(err)
     if status == 503:
         status = OVERLOADED_STATUS
