@@ -367,7 +367,7 @@ async def _serve(
                     else options.min_residency_s
                 ),
                 notify=lane_changed,
-                probe=lambda spec: probes.client(spec).probe(),
+                probes=probes,
             ),
             PolicyReconciler(kind=Kind.SLO_POLICY, store=store, clock=_now),
             PolicyReconciler(kind=Kind.SPEC_PAIR, store=store, clock=_now),
@@ -478,6 +478,7 @@ async def _serve(
         except Exception:
             log.exception("auth.watch_failed")
     await manager.stop()
+    await probes.close()
     await supervisor.stop_all()
     await plane.stop(grace=5)
     with contextlib.suppress(asyncio.CancelledError):

@@ -16,8 +16,9 @@ status and events are `upstream_plan`'s.
 from __future__ import annotations
 
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Iterable
 from datetime import datetime
+from typing import Protocol
 
 import structlog
 
@@ -147,6 +148,14 @@ def launch_spec(
     )
 
 
+class Probes(Protocol):
+    """The clients upstream Lanes are probed through (`UpstreamPool`)."""
+
+    async def probe(self, spec: Upstream) -> Probe: ...
+
+    async def retain(self, specs: Iterable[Upstream]) -> None: ...
+
+
 class LaneReconciler:
     kind = Kind.LANE
 
@@ -162,22 +171,19 @@ class LaneReconciler:
         budget: int | None = None,
         min_residency_s: float = residency.DEFAULT_MIN_RESIDENCY_S,
         notify: Callable[[str], None] | None = None,
-        probe: Callable[[Upstream], Awaitable[Probe]] | None = None,
+        probes: Probes | None = None,
     ) -> None:
         """`activity`: what the data plane's callers are doing, for idle.sleepAfter,
         keep_alive and residency (None: no Lane ever sleeps). `memory` is what the fit
         ledger reads; None starts replicas unchecked. `budget`: bytes all replicas
         together may hold (None: what the host has). `notify(lane)` asks for another
-        pass of a Lane (the budget put it to sleep, or memory freed for it). `probe`
-        asks an upstream Lane's server whether it answers (None: through one
-        `UpstreamPool` client per upstream)."""
-        if probe is None:
-            pool = UpstreamPool()
-
-            def probe(spec: Upstream) -> Awaitable[Probe]:
-                return pool.client(spec).probe()
-
-        self._probe = probe
+        pass of a Lane (the budget put it to sleep, or memory freed for it). `probes`
+        asks upstream Lanes' servers whether they answer (None: an `UpstreamPool` of
+        its own); the clients of specs no Lane has any more are retired."""
+        self._probes: Probes = probes if probes is not None else UpstreamPool()
+        # The upstream each upstream Lane was last probed at, by Lane: the specs whose
+        # probe clients are kept.
+        self._probed: dict[str, Upstream] = {}
         # Upstream Lanes' probes failed in a row, by Lane: their back-off.
         self._failures: dict[str, int] = {}
         self._store = store
@@ -208,11 +214,13 @@ class LaneReconciler:
             # After the stops: each replica saves its caches as it stops gracefully.
             await self._discard_kv(name)
             self._failures.pop(name, None)
+            await self._probing(name, None)
             return Result()
         assert isinstance(lane, Lane)
         if lane.spec.engine == "upstream" and lane.spec.upstream is not None:
             return await self._reconcile_upstream(lane)
         self._failures.pop(name, None)
+        await self._probing(name, None)
         model = self._store.get(Kind.MODEL, lane.spec.model)
         assert model is None or isinstance(model, Model)
         pair, draft = self._speculation(lane)
@@ -270,6 +278,18 @@ class LaneReconciler:
         later = [t for t in (plan.requeue_after, sleep.recheck_after, room) if t is not None]
         return Result(requeue_after=min(later, default=None))
 
+    async def _probing(self, name: str, spec: Upstream | None) -> None:
+        """Lane `name` is probed at `spec` now (None: it is no upstream Lane, or gone):
+        when that changes, the probe clients of specs no Lane is probed at any more are
+        retired (a url edited, a Lane deleted), so none holds its connections forever."""
+        if self._probed.get(name) == spec:
+            return
+        if spec is None:
+            del self._probed[name]
+        else:
+            self._probed[name] = spec
+        await self._probes.retain(self._probed.values())
+
     async def _reconcile_upstream(self, lane: Lane) -> Result:
         """No process: probe the upstream, write what it answered (`upstream_plan`),
         and look again after the probe period, or the back-off while it fails."""
@@ -278,7 +298,8 @@ class LaneReconciler:
         # Engines of the Lane's life before it became an upstream Lane.
         for obs in self._processes.observe(name):
             await self._act(name, lane_plan.Stop(obs.index, "EngineUpstream"))
-        probe = await self._probe(spec)
+        await self._probing(name, spec)
+        probe = await self._probes.probe(spec)
         failures = 0 if probe.ok else self._failures.get(name, 0) + 1
         self._failures[name] = failures
         event = upstream_plan.transition(lane.status, ok=probe.ok, message=probe.message)

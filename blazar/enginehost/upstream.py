@@ -322,25 +322,37 @@ def _describe(exc: httpx.HTTPError) -> str:
 class UpstreamPool:
     """One client per upstream spec, reused by every request to it."""
 
-    def __init__(self, *, keys: Path | None = None) -> None:
+    def __init__(
+        self, *, keys: Path | None = None, transport: httpx.AsyncBaseTransport | None = None
+    ) -> None:
         """`keys`: the daemon's keys directory ($BLAZAR_HOME/keys), where `file:` keys
-        are read (None: none can be)."""
+        are read (None: none can be); `transport`: the clients' (see `UpstreamClient`)."""
         self._keys = keys
+        self._transport = transport
         self._clients: dict[str, UpstreamClient] = {}
 
     def client(self, spec: Upstream) -> UpstreamClient:
         key = spec.model_dump_json()
         found = self._clients.get(key)
         if found is None:
-            found = self._clients[key] = UpstreamClient(spec, keys=self._keys)
+            found = self._clients[key] = UpstreamClient(
+                spec, keys=self._keys, transport=self._transport
+            )
         return found
+
+    async def probe(self, spec: Upstream) -> Probe:
+        """Probe `spec`'s upstream through its client."""
+        return await self.client(spec).probe()
 
     async def retain(self, specs: Iterable[Upstream]) -> None:
         """Retire the clients of specs no longer in use (each closes once the
         generations streaming through it end)."""
         keep = {spec.model_dump_json() for spec in specs}
-        for key in [k for k in self._clients if k not in keep]:
-            await self._clients.pop(key).retire()
+        # All out of the pool before the first await: a retain that runs meanwhile
+        # finds none of them to retire again.
+        gone = [self._clients.pop(k) for k in list(self._clients) if k not in keep]
+        for client in gone:
+            await client.retire()
 
     async def close(self) -> None:
         for client in self._clients.values():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import email.utils
 import json
+from collections.abc import Iterable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ from blazar.enginehost import upstream_convert as convert
 from blazar.enginehost.upstream import Probe
 from blazar.store.memory import MemoryStore
 from tests.unit.helpers import Clock
-from tests.unit.test_controller import FakeProcesses, apply, cond
+from tests.unit.test_controller import MODEL, FakeProcesses, apply, cond
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
 
@@ -405,11 +406,15 @@ def test_the_reconciler_probes_and_reports_without_a_process() -> None:
     procs = FakeProcesses(clock)
     answers: list[Probe] = []
 
-    async def probe(spec: kinds.Upstream) -> Probe:
-        assert spec.url == "http://u:1/v1"
-        return answers.pop(0)
+    class Probes:
+        async def probe(self, spec: kinds.Upstream) -> Probe:
+            assert spec.url == "http://u:1/v1"
+            return answers.pop(0)
 
-    rec = LaneReconciler(store=store, processes=procs, clock=clock, probe=probe)
+        async def retain(self, specs: Iterable[kinds.Upstream]) -> None:
+            pass
+
+    rec = LaneReconciler(store=store, processes=procs, clock=clock, probes=Probes())
     apply(store, UPSTREAM_LANE)
 
     def look(answer: Probe) -> float | None:
@@ -428,6 +433,74 @@ def test_the_reconciler_probes_and_reports_without_a_process() -> None:
     assert isinstance(lane, kinds.Lane) and lane.status.ready_replicas == 1
     reasons = [e.reason for e in store.events(kind="Lane", name="l")]
     assert reasons == ["UpstreamAvailable", "UpstreamUnavailable", "UpstreamAvailable"]
+
+
+def test_the_controller_retires_the_probe_clients_of_specs_no_lane_has() -> None:
+    """State: the probe pool holds a client for each upstream a Lane is probed at; one
+    whose url was edited, that became an engine Lane, or that was deleted, has its
+    client closed (before, each edit left a client and its connections open for good)."""
+    clock = Clock()
+    store = MemoryStore()
+    procs = FakeProcesses(clock)
+    pool = upstream.UpstreamPool(
+        transport=httpx.MockTransport(lambda _: httpx.Response(200, json={"data": []}))
+    )
+    rec = LaneReconciler(store=store, processes=procs, clock=clock, probes=pool)
+
+    def lane(name: str, url: str) -> str:
+        return (
+            f"apiVersion: blazar.dev/v1alpha1\nkind: Lane\nmetadata: {{name: {name}}}\n"
+            f"spec: {{engine: upstream, upstream: {{url: '{url}', model: g}}}}\n"
+        )
+
+    def held() -> set[str]:
+        return {client.spec.url for client in pool._clients.values()}
+
+    async def main() -> None:
+        apply(store, lane("a", "http://one/v1") + "---\n" + lane("b", "http://one/v1"))
+        await rec.reconcile("a")
+        await rec.reconcile("b")
+        first = pool.client(spec_of(url="http://one/v1", model="g"))
+        assert held() == {"http://one/v1"}
+        apply(store, lane("a", "http://two/v1"))
+        await rec.reconcile("a")
+        assert held() == {"http://one/v1", "http://two/v1"}  # b still probes one
+        assert not first._http.is_closed
+        store.delete(Kind.LANE, "b")
+        await rec.reconcile("b")
+        assert held() == {"http://two/v1"} and first._http.is_closed
+        second = pool.client(spec_of(url="http://two/v1", model="g"))
+        engine_lane = "apiVersion: blazar.dev/v1alpha1\nkind: Lane\nmetadata: {name: a}\n"
+        apply(store, MODEL + "---\n" + engine_lane + "spec: {model: m}\n")
+        await rec.reconcile("a")
+        assert held() == set() and second._http.is_closed
+        await pool.close()
+
+    asyncio.run(main())
+
+
+def test_retains_that_overlap_retire_each_client_once() -> None:
+    """The data plane starts a retain per table refresh: two may overlap, each
+    awaiting a client's close (which waits on its connections); neither may find the
+    other's client gone from the pool (a KeyError in a task nobody awaits)."""
+
+    class Slow(upstream.UpstreamClient):
+        closed = 0
+
+        async def close(self) -> None:
+            await asyncio.sleep(0)  # as a client with open connections does
+            Slow.closed += 1
+            await super().close()
+
+    pool = upstream.UpstreamPool()
+    for url in ("http://a/v1", "http://b/v1"):
+        pool._clients[spec_of(url=url).model_dump_json()] = Slow(spec_of(url=url))
+
+    async def main() -> None:
+        await asyncio.gather(pool.retain([]), pool.retain([]))
+
+    asyncio.run(main())
+    assert Slow.closed == 2 and pool._clients == {}
 
 
 def test_an_upstream_lane_as_get_prints_it_applies_again() -> None:
