@@ -156,6 +156,8 @@ def _columns(kind: str, wide: bool, now: datetime) -> list[Column]:
         if wide:
             cols += [
                 ("ALIASES", lambda o: ",".join(spec(o).get("aliases", [])) or "<none>"),
+                # The Lane its requests spill over to when admission would refuse them.
+                ("SPILLOVER", lambda o: spec(o).get("spillover") or "<none>"),
                 # An upstream Lane's slots are its upstream's parallel requests; its
                 # context is the upstream's, unknown here.
                 ("SLOTS", lambda o: _upstream(o).get("maxConcurrency") or spec(o).get("slots", "")),

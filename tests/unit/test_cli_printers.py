@@ -224,6 +224,18 @@ def test_get_lanes_wide_shows_the_estimate_and_what_was_free() -> None:
     assert "MEMORY" not in printers.table("Lane", objs, now=T0)
 
 
+def test_get_lanes_wide_shows_the_spillover_lane() -> None:
+    spilling = lane_with()
+    spilling["spec"] = {**spilling["spec"], "spillover": "big"}
+    [header, spills, stays] = printers.table(
+        "Lane", [spilling, lane_with()], wide=True, now=T0
+    ).splitlines()
+    at = header.index("SPILLOVER")
+    assert spills[at:].split()[0] == "big"
+    assert stays[at:].split()[0] == "<none>"
+    assert "SPILLOVER" not in printers.table("Lane", [spilling], now=T0)
+
+
 def test_describe_lane_shows_the_estimate_by_part() -> None:
     page = printers.describe(lane_with(memory=MEMORY), [], now=T0).splitlines()
     at = page.index("Memory:")
