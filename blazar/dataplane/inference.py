@@ -566,7 +566,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             async for chunk in self._admitted(
                 route, replica, blocks, lane, generate, context,
                 arrived=arrived, request_id=request_id, caller=caller, policy=policy,
-                prompt_chars=prompt_chars, session=session, through=through,
+                prompt_chars=prompt_chars, session=session, through=through, hashes=hashes,
             ):  # fmt: skip
                 yield chunk
         finally:
@@ -588,9 +588,12 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         prompt_chars: int,
         session: str,
         through: tuple[str, ...],
+        hashes: Callable[[int], tuple[int, ...]] | None,
     ) -> AsyncIterator[inference_pb2.Chunk]:
         """The request through its Lane's admission queue and on to an engine (or an
-        upstream server, told the daemons the request went through: `through`)."""
+        upstream server, told the daemons the request went through: `through`). The
+        prompt's block hashes (`blocks`, else `hashes`) are learnt by the index of the
+        Lane that runs it: the spillover Lane's when it spilled."""
         try:
             if lane is None:
                 raise errors.Unavailable(
@@ -633,16 +636,16 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             )
             if isinstance(started, admission.Spill):
                 assert spill_to is not None
-                route, lane, run = await self._spill(
+                route, lane, run, blocks = await self._spill(
                     started, route=route, lane=lane, to=spill_to, generate=generate,
                     request_id=request_id, prompt_chars=prompt_chars, session=session,
+                    blocks=blocks, hashes=hashes,
                 )  # fmt: skip
                 if route is spill_to:
                     # In flight there too, for its idle.sleepAfter (its own Lane's
                     # activity ends with the relay).
                     self._activity.begin(spill_to.lane)
                     spilled = spill_to.lane
-                    blocks = ()  # hashed for the other Lane's index; not worth a second pass
             else:
                 run = started
             if replica is None:
@@ -717,23 +720,34 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         request_id: str,
         prompt_chars: int,
         session: str,
-    ) -> tuple[routing.Route, dispatcher.LaneDispatcher, dispatcher.Run]:
+        blocks: tuple[int, ...],
+        hashes: Callable[[int], tuple[int, ...]] | None,
+    ) -> tuple[routing.Route, dispatcher.LaneDispatcher, dispatcher.Run, tuple[int, ...]]:
         """Offer a ticket its Lane handed back to the spillover Lane `to` (admitted
-        there only if it meets its target, and never spilled again): its run there;
-        else its Lane's own decision (`Spill.local`): the refusal, with the smaller
-        retry-after of the two Lanes, or (onOverload: queue) a wait on its Lane."""
+        there only if it meets its target, and never spilled again): its run there,
+        preferring the replica of `to` routing picks (its session's, else the one
+        whose cache holds most of the prompt), with the prompt's hashes for `to`'s
+        index; else its Lane's own decision (`Spill.local`): the refusal, with the
+        smaller retry-after of the two Lanes, or (onOverload: queue) a wait on its Lane
+        (and `blocks`, its own Lane's hashes)."""
         other = self._dispatchers.of(to.lane)
         ticket = spill.ticket
         elsewhere: errors.BlazarError | None = None
         if other is not None:
             prompt_tokens, max_tokens, fits = _budget(other, to, generate, prompt_chars)
             if fits:
+                # Hashed again: each Lane's index hashes as many blocks as it holds.
+                index = self._prefixes.get(to.lane)
+                there = hashes(index.capacity) if hashes is not None and index else ()
+                prefer = self._sessions.replica_of(to.lane, session)
+                if to.replicas:
+                    prefer = self._pick(to, session=session, hashes=there).index
                 offered = dataclasses.replace(
                     ticket,
                     spilled_from=route.lane,
                     prompt_tokens=prompt_tokens,
                     max_tokens=max_tokens,
-                    prefer=self._sessions.replica_of(to.lane, session),
+                    prefer=prefer,
                 )
                 try:
                     started = await other.admit(
@@ -755,7 +769,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                             else round(started.predicted_ttft_s, 3)
                         ),
                     )
-                    return to, other, started
+                    return to, other, started, there
         local = spill.local
         if isinstance(local, admission.Refuse):
             retry = local.retry_after_s
@@ -768,7 +782,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         # onOverload: queue: it waits here after all.
         started = await lane.admit(ticket, request_id=request_id, prompt_chars=prompt_chars)
         assert isinstance(started, dispatcher.Run)
-        return route, lane, started
+        return route, lane, started, blocks
 
     async def _policy(self, model: str, slo: str, context: Context) -> admission.Policy:
         """The policy a request on `model` is admitted under: the one it names (`slo`,

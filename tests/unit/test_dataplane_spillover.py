@@ -17,7 +17,7 @@ from blazar._proto.v1 import inference_pb2, inference_pb2_grpc
 from blazar.api import errors, tenants
 from blazar.api.kinds import Kind, Lane, LaneSpec, LaneStatus, ReplicaStatus, SLOPolicy
 from blazar.api.meta import ObjectMeta
-from blazar.dataplane import access, server
+from blazar.dataplane import access, prefixes, routing, server
 from blazar.store.memory import MemoryStore
 from tests.unit.test_dataplane_admission import HoldingEngine, outcome, policy
 from tests.unit.test_dataplane_relay import engines, wait_until
@@ -262,3 +262,56 @@ def test_a_tenant_spills_only_to_a_lane_it_may_use() -> None:
     refused, on_w = asyncio.run(run())
     assert isinstance(refused, errors.SloUnattainable) and refused.metadata["lane"] == "l"
     assert (on_w, spillovers()) == ([], before)
+
+
+def test_the_spillover_lane_learns_the_prompts_it_ran() -> None:
+    """Lane "w" has two replicas. A request spilled from "l" runs on w's replica 1 (0
+    is busy); w's prefix index learns its prompt there, so a follow-up sent to "w"
+    goes back to replica 1, and so does one that spills again. Before, neither Lane
+    learnt a spilled prompt, and both follow-ups went to replica 0."""
+    prompt = "p" * prefixes.BLOCK_CHARS * 3 * routing.MIN_PREFIX_BLOCKS
+
+    async def run() -> list[tuple[str, int]]:
+        local, wide = HoldingEngine(), [HoldingEngine(), HoldingEngine()]
+        async with engines(local, *wide) as sockets:  # type: ignore[arg-type]
+            store = MemoryStore()
+            statuses = [
+                ReplicaStatus(index=i, state="Ready", socket=s, pid=1)
+                for i, s in enumerate(sockets[1:])
+            ]
+            lanes = [
+                lane("l", sockets[0], spillover="w"),
+                Lane(
+                    metadata=ObjectMeta(name="w"),
+                    spec=LaneSpec(model="m", replicas=2, slots=1),
+                    status=LaneStatus(replica_statuses=statuses),
+                ),
+            ]
+            store.apply_all([TIGHT, *lanes])
+            for item in lanes:
+                store.update_status(Kind.LANE, item.metadata.name, item.status)
+            data_plane = await server.start(store=store, address="127.0.0.1:0", access=None)
+            p: Plane | None = None
+            try:
+                async with grpc.aio.insecure_channel(f"127.0.0.1:{data_plane.port}") as channel:
+                    stub = inference_pb2_grpc.InferenceStub(channel)
+                    p = Plane(stub, store, {"l": local, "w0": wide[0], "w1": wide[1]}, sockets)
+                    await p.warm("l")
+                    held = [await p.started("l", "hold-l"), await p.started("w", "hold-w")]
+                    assert wide[0].seen == ["hold-w"]
+                    where = [await finals(p.start("l", prompt, slo="tight"))]
+                    p.release()
+                    for call in held:
+                        assert await outcome(call) is None
+                    where.append(await finals(p.start("w", prompt + " and more")))
+                    held = [await p.started("l", "hold-l again")]
+                    where.append(await finals(p.start("l", prompt + " again", slo="tight")))
+                    p.release()
+                    assert await outcome(held[0]) is None
+                    return [(f.routing.lane, f.routing.replica) for f in where]
+            finally:
+                if p is not None:
+                    p.release()
+                await data_plane.stop(grace=0)
+
+    assert asyncio.run(run()) == [("w", 1), ("w", 1), ("w", 1)]
