@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import signal
 import sys
 from collections.abc import Sequence
@@ -84,6 +85,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def _size_flag(flag: str, value: str | None) -> int | None:
     if value is None:
         return None
+    if value.strip().startswith("-"):
+        raise errors.InvalidRequest(
+            f"{flag}: the budget must be more than 0 bytes, and {value} is negative"
+        )
     try:
         size = kinds.parse_size(value)
     except ValueError as exc:
@@ -96,6 +101,10 @@ def _size_flag(flag: str, value: str | None) -> int | None:
 def _duration_flag(flag: str, value: str | None) -> float | None:
     if value is None:
         return None
+    if value.strip().startswith("-"):
+        raise errors.InvalidRequest(
+            f"{flag}: a duration cannot be negative ({value}); use 0s for none, or e.g. 30s"
+        )
     try:
         return kinds.parse_duration(value).total_seconds()
     except ValueError as exc:
@@ -380,8 +389,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Flags whose value a user may write with a minus sign. argparse reads "-1s" after one
+# as an option of its own and says only "expected one argument"; attached to its flag,
+# the value reaches the flag's own check, which says what is wrong with it.
+_SIGNED_VALUE_FLAGS = frozenset({"--min-residency", "--memory-budget"})
+# A minus and a digit: no option of blazar's starts so.
+_SIGNED = re.compile(r"-[\d.]")
+
+
+def attach_signed_values(argv: Sequence[str]) -> list[str]:
+    """`argv` with each value of `_SIGNED_VALUE_FLAGS` that starts with a minus sign
+    attached to its flag (`--min-residency=-1s`); all else (and all after `--`) as is."""
+    out: list[str] = []
+    rest = list(argv)
+    while rest:
+        arg = rest.pop(0)
+        if arg == "--":
+            return [*out, arg, *rest]
+        if arg in _SIGNED_VALUE_FLAGS and rest and _SIGNED.match(rest[0]):
+            arg = f"{arg}={rest.pop(0)}"
+        out.append(arg)
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(attach_signed_values(sys.argv[1:] if argv is None else argv))
     if args.func is cmd_serve:
         # The daemon: a broken pipe there is a socket's, not its reader going away.
         return _run(args)

@@ -41,6 +41,12 @@ def test_serve_refuses_a_prune_value_it_does_not_know(capsys: pytest.CaptureFixt
         (["--memory-budget", "8GB"], '--memory-budget: "8GB" is not a size'),
         (["--memory-budget", "0"], "--memory-budget: the budget must be more than 0 bytes"),
         (["--min-residency", "soon"], '--min-residency: "soon" is not a duration'),
+        # A value with a minus sign reaches the flag's check (argparse would take it
+        # for an option and say only "expected one argument").
+        (["--min-residency", "-1s"], "--min-residency: a duration cannot be negative (-1s)"),
+        (["--min-residency=-1s"], "--min-residency: a duration cannot be negative (-1s)"),
+        (["--min-residency", "-.5s"], "--min-residency: a duration cannot be negative"),
+        (["--memory-budget", "-1Gi"], "--memory-budget: the budget must be more than 0 bytes"),
     ],
 )
 def test_serve_refuses_a_budget_or_residency_it_cannot_read(
@@ -50,3 +56,21 @@ def test_serve_refuses_a_budget_or_residency_it_cannot_read(
     assert main.main(["serve", "--home", str(home), *argv]) == 1
     assert says in capsys.readouterr().err
     assert not home.exists()
+
+
+@pytest.mark.parametrize(
+    ("argv", "attached"),
+    [
+        (["serve", "--min-residency", "-1s"], ["serve", "--min-residency=-1s"]),
+        (["serve", "--min-residency", "30s"], ["serve", "--min-residency", "30s"]),
+        # Another option after the flag stays an option (argparse says it lacks a value).
+        (["serve", "--min-residency", "--prune"], ["serve", "--min-residency", "--prune"]),
+        (["serve", "--min-residency"], ["serve", "--min-residency"]),
+        (
+            ["get", "lanes", "--", "--min-residency", "-1s"],
+            ["get", "lanes", "--", "--min-residency", "-1s"],
+        ),
+    ],
+)
+def test_a_signed_value_is_attached_to_its_flag(argv: list[str], attached: list[str]) -> None:
+    assert main.attach_signed_values(argv) == attached
