@@ -556,6 +556,10 @@ class SLOPolicySpec(CamelModel):
     max_queue_depth: int = Field(default=64, ge=0)
     max_queue_wait_ms: int | None = Field(default=None, ge=0)
     on_overload: Literal["reject", "queue"] = "reject"
+    # The most slots of one replica that this policy's requests hold at once, so that
+    # the others stay free for other policies' (urgent) requests; None: no cap. A cap
+    # at or above a Lane's slots does nothing there (policies are shared by Lanes).
+    max_slots_per_replica: int | None = Field(default=None, ge=1)
     tenants: list[Tenant] = Field(default_factory=list)
     rate_limit: RateLimit | None = None
 

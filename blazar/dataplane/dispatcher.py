@@ -37,9 +37,11 @@ A request's side, in the relay:
 The view (`admission.LaneView`) is built from what the data plane knows, never from
 constants: slots and ready replicas from the route table, running requests from the
 runs dispatched and not ended (tokens left from the Lane's typical completion less what
-each generated), and rates from `measurements.LaneMeasurements`, with the forecast's
-own lateness: how much later than predicted at arrival the first tokens of requests
-that admission had wait for a busy slot came (`_start` says which requests count).
+each generated; their policy's name and maxSlotsPerReplica, by which admission counts
+the slots each policy holds), and rates from `measurements.LaneMeasurements`, with the
+forecast's own lateness: how much later than predicted at arrival the first tokens of
+requests that admission had wait for a busy slot came (`_start` says which requests
+count).
 
 Preemption: a `Preempt` goes through one `parking.Parker` (the engine's Park
 and Resume), called beside the queue: while the engine parks, the queue goes on
@@ -729,6 +731,8 @@ class LaneDispatcher:
             kv_tokens=ticket.prompt_tokens + generated,
             parkable=run.generated > self._refused_parks.get(run.ticket.id, -1),
             token_s=token_s.get(ticket.policy.name),
+            policy=ticket.policy.name,
+            max_slots_per_replica=ticket.policy.max_slots_per_replica,
         )
 
     def _view(self) -> admission.LaneView:
@@ -839,9 +843,10 @@ def _summary(replica: admission.ReplicaView) -> dict[str, object]:
     """A replica's figures in the forecast, for a refusal's log line."""
     return {
         "replica": replica.index,
-        # priority:tokens left, "!" when its engine refused to park it
+        # policy:priority:tokens left, "!" when its engine refused to park it
         "running": [
-            f"{r.priority}:{r.tokens_left}{'' if r.parkable else '!'}" for r in replica.running
+            f"{r.policy}:{r.priority}:{r.tokens_left}{'' if r.parkable else '!'}"
+            for r in replica.running
         ],
         "step_s": _rounded(replica.step_s),
         "growth_s": _rounded(replica.step_growth_s),

@@ -125,6 +125,10 @@ def queue_of(*tickets: Ticket, now: float = 0.0, view: LaneView = BUSY) -> LaneQ
             Policy("p", 0, None, None, 1024, 600.0, reject_early=False),
         ),
         (SLOPolicySpec(), Policy("p", 0, None, None, 64, None, reject_early=True)),
+        (
+            SLOPolicySpec(max_slots_per_replica=4),
+            Policy("p", 0, None, None, 64, None, reject_early=True, max_slots_per_replica=4),
+        ),
     ],
 )
 def test_policy_of_spec(spec: SLOPolicySpec, expected: Policy) -> None:
@@ -750,6 +754,221 @@ def test_the_forecast_counts_the_victim_when_predicting_lower_priorities() -> No
     assert queue.predict_ttft("b", now=0.5, view=view) == pytest.approx(0.3 + 20 + 0.5)
 
 
+# --- caps (maxSlotsPerReplica) -----------------------------------------------------
+
+
+# Batch work that may hold 2 slots of a replica; the others stay free for the rest.
+CAPPED = replace(BATCH, name="capped", max_slots_per_replica=2, max_queue_depth=8)
+ONE = replace(CAPPED, name="one", max_slots_per_replica=1)
+
+
+def held(id: str, policy: Policy = CAPPED, *, left: int = 100, kv: int = 100) -> Running:
+    """A running request of `policy`, as the data plane describes it."""
+    return Running(
+        id,
+        policy.priority,
+        tokens_left=left,
+        kv_tokens=kv,
+        policy=policy.name,
+        max_slots_per_replica=policy.max_slots_per_replica,
+    )
+
+
+@pytest.mark.parametrize(
+    ("view", "tickets", "starts"),
+    [
+        # Two of three slots held by the policy: the idle one is not for its tickets.
+        (lane(replica(held("a"), held("b"), slots=3)), [ticket("c", CAPPED)], []),
+        # One held: one more starts, the next waits though a slot is idle.
+        (
+            lane(replica(held("a"), slots=4)),
+            [ticket("c", CAPPED), ticket("d", CAPPED, arrived=1)],
+            [("c", 0)],
+        ),
+        # From an empty replica: the cap, and no more.
+        (
+            lane(replica(slots=4)),
+            [ticket(f"c{i}", CAPPED, arrived=i) for i in range(3)],
+            [("c0", 0), ("c1", 0)],
+        ),
+        # A capped ticket at its cap waits; an uncapped one behind it takes the slot.
+        (
+            lane(replica(held("a"), held("b"), slots=3)),
+            [ticket("c", CAPPED), ticket("f", arrived=1)],
+            [("f", 0)],
+        ),
+        # Other policies' running requests do not count against it.
+        (
+            lane(replica(held("a", ONE), run("x"), slots=3)),
+            [ticket("c", CAPPED), ticket("d", CAPPED, arrived=1)],
+            [("c", 0)],
+        ),
+        # The cap is per replica: at it on replica 0, the tickets go to replica 1, up
+        # to the cap there, whatever the session prefers.
+        (
+            lane(replica(held("a"), held("b"), slots=3), replica(index=1, slots=3)),
+            [ticket(f"c{i}", CAPPED, arrived=i, prefer=0) for i in range(3)],
+            [("c0", 1), ("c1", 1)],
+        ),
+        # A cap at or above the replica's slots changes nothing there.
+        (
+            lane(replica(slots=2)),
+            [ticket(f"c{i}", replace(CAPPED, max_slots_per_replica=s), arrived=i) for i, s in
+             enumerate([2, 5])],
+            [("c0", 0), ("c1", 0)],
+        ),
+    ],
+)  # fmt: skip
+def test_a_capped_policy_starts_no_ticket_past_its_cap(
+    view: LaneView, tickets: list[Ticket], starts: list[tuple[str, int]]
+) -> None:
+    queue = queue_of(*tickets, view=BUSY)
+    started = queue.dispatch(now=0, view=view)
+    assert [(d.ticket.id, d.replica) for d in started] == starts
+    # Asked again once they run, nothing more starts.
+    now_running = LaneView(
+        replicas=tuple(
+            replace(
+                r,
+                running=r.running
+                + tuple(
+                    held(d.ticket.id, d.ticket.policy) for d in started if d.replica == r.index
+                ),
+            )
+            for r in view.replicas
+        )
+    )
+    assert queue.dispatch(now=0, view=now_running) == []
+
+
+@pytest.mark.parametrize(("cap", "ttft"), [(1, 2.0 + 0.5), (None, 0.5 + 0.5)])
+def test_a_capped_ticket_is_predicted_to_wait_for_its_own_policys_slot(
+    cap: int | None, ttft: float
+) -> None:
+    """Its policy's request frees its slot at 2 s, another policy's at 0.5 s: at its cap
+    the ticket waits for the first (then 0.5 s of prefill); uncapped, for the second.
+    An uncapped ticket behind it takes the slot that frees first all the same."""
+    policy = replace(ONE, max_slots_per_replica=cap)
+    view = lane(replica(held("b", policy), run("i", priority=100, left=25), slots=2))
+    queue = LaneQueue()
+    assert queue.arrive(ticket("c", policy), now=0, view=view) == Admit(ttft, waits=True)
+    behind = queue.arrive(ticket("f", arrived=0.1), now=0.1, view=view)
+    assert isinstance(behind, Admit)
+    assert behind.predicted_ttft_s == pytest.approx(0.5 + 0.5 if cap else 2.0 + 0.5)
+
+
+@pytest.mark.parametrize("cap", [1, None])
+def test_a_capped_ticket_at_its_cap_is_refused_early_though_a_slot_is_idle(
+    cap: int | None,
+) -> None:
+    """Its policy's one slot frees at 20 s, past its 2 s target: the idle slot is not
+    its to take, so it is predicted to miss and refused; uncapped, it starts at once."""
+    policy = replace(INTERACTIVE, name="capped-interactive", max_slots_per_replica=cap)
+    view = lane(replica(held("i", policy, left=1000), slots=2))
+    decision = LaneQueue().arrive(ticket("t", policy), now=0, view=view)
+    if cap is None:
+        assert decision == Admit(0.5)
+    else:
+        assert isinstance(decision, Refuse) and decision.reason == Reason.SLO_UNATTAINABLE
+        assert decision.predicted_ttft_s == pytest.approx(20.5)
+
+
+def test_a_parked_generation_resumes_under_its_policys_cap() -> None:
+    """A parked generation holds no claim while parked: it waits its turn, first in its
+    priority, and resumes as any ticket of its policy would: at the cap on its replica
+    only in a slot its policy frees there, below the cap in any slot there. Resumed,
+    it counts: a fresh ticket of its policy waits."""
+    queue = queue_of(ticket("c", ONE), view=BUSY)
+    queue.requeue(ticket("p", ONE, arrived=-1, waited=1.0), now=0, resume=Resume(0, 20))
+    assert [t.id for t in queue.tickets()] == ["p", "c"]
+    # b of its policy runs on its replica: at the cap, p waits, idle slot or not.
+    at_cap = lane(replica(held("b", ONE), slots=3), replica(index=1, slots=3))
+    assert [(d.ticket.id, d.replica) for d in queue.dispatch(now=1, view=at_cap)] == [("c", 1)]
+    # b ended: p resumes on its replica, before c would have, and holds the cap there.
+    queue = queue_of(ticket("c", ONE), view=BUSY)
+    queue.requeue(ticket("p", ONE, arrived=-1, waited=1.0), now=0, resume=Resume(0, 20))
+    freed = lane(replica(run("x", priority=100), slots=3))
+    assert [(d.ticket.id, d.replica, d.resume) for d in queue.dispatch(now=2, view=freed)] == [
+        ("p", 0, True)
+    ]
+    assert queue.dispatch(now=2, view=lane(replica(held("p", ONE), run("x"), slots=3))) == []
+
+
+def test_a_parked_generation_at_its_cap_resumes_when_its_policy_frees_a_slot() -> None:
+    """Parked on replica 0 where its policy holds its cap: the forecast has it resume in
+    that policy's slot (at 2 s), not the other policy's (0.2 s); the ticket behind it
+    of its policy follows in the next one its policy frees (0.5 s decode later)."""
+    queue = LaneQueue()
+    queue.requeue(ticket("p", ONE), now=0, resume=Resume(0, 25))
+    queue.arrive(ticket("c", ONE, max_tokens=10), now=0, view=BUSY)
+    view = lane(replica(held("b", ONE), run("x", priority=100, left=10), slots=2))
+    # p: 2 s; then 25 tokens (0.5 s); then c's prefill (0.5 s).
+    assert queue.predict_ttft("c", now=0, view=view) == pytest.approx(2.0 + 0.5 + 0.5)
+
+
+@pytest.mark.parametrize(
+    ("view", "urgent", "preempt"),
+    [
+        # Preemption is unchanged: the urgent request parks a capped batch request.
+        (lane(parking(held("long", left=1000))), ticket("u", PATIENT), ("long", 0)),
+        # Uncapped, the urgent request beside its own policy's long one parks long...
+        (
+            lane(parking(held("mine", PATIENT, left=1000), LONG)),
+            ticket("u", PATIENT),
+            ("long", 0),
+        ),
+        # ... at its cap of 1 it parks nothing to pass it: it waits for its own slot.
+        (
+            lane(parking(held("mine", replace(PATIENT, max_slots_per_replica=1), left=1000), LONG)),
+            ticket("u", replace(PATIENT, max_slots_per_replica=1)),
+            None,
+        ),
+        # ... below its cap on another replica, it parks work there.
+        (
+            lane(
+                parking(held("mine", replace(PATIENT, max_slots_per_replica=1), left=1000), LONG),
+                parking(replace(LONG, id="other"), index=1),
+            ),
+            ticket("u", replace(PATIENT, max_slots_per_replica=1)),
+            ("other", 1),
+        ),
+    ],
+)
+def test_preemption_under_caps(
+    view: LaneView, urgent: Ticket, preempt: tuple[str, int] | None
+) -> None:
+    queue = LaneQueue()
+    assert isinstance(queue.arrive(urgent, now=0, view=view), Admit)
+    got = queue.preemption(now=0, view=view)
+    assert got == (None if preempt is None else Preempt(urgent, *preempt))
+
+
+def test_a_capped_ticket_parks_nothing_for_a_slot_its_policy_holds_until_later() -> None:
+    """`top`, ahead in order, will take the slot of `mine` when it ends (20 s): from
+    then, u's policy holds no slot there. Now it holds its cap, so u parks nothing."""
+    capped = replace(PATIENT, max_slots_per_replica=1)
+    view = lane(parking(held("mine", capped, left=1000), LONG))
+    top = replace(BATCH, name="top", priority=200, max_queue_wait_s=None)
+    queue = queue_of(ticket("top", top), view=view)
+    assert isinstance(queue.arrive(ticket("u", capped), now=0, view=view), Admit)
+    assert queue.preemption(now=0, view=view) is None
+
+
+@pytest.mark.parametrize(("cap", "ttft"), [(1, 20.3 + 0.5), (None, 20.0 + 0.5)])
+def test_a_victim_resuming_in_the_forecast_counts_against_its_cap(
+    cap: int | None, ttft: float
+) -> None:
+    """u parks long, of b's policy; long resumes in u's slot (free at 0.3 s) until
+    20.3 s. Capped at 1, b waits for that slot; uncapped, it takes x's at 20 s."""
+    policy = replace(ONE, max_slots_per_replica=cap)
+    view = lane(parking(held("long", policy, left=1000), run("x", priority=100, left=1000)))
+    queue = queue_of(ticket("b", policy, max_tokens=10), view=view)
+    queue.arrive(ticket("u", INTERACTIVE, prompt=100, max_tokens=10), now=0, view=view)
+    assert queue.predict_ttft("b", now=0, view=view) == pytest.approx(ttft)
+    preempt = queue.preemption(now=0, view=view)
+    assert preempt is not None and preempt.victim == "long"
+
+
 # --- retry-after -------------------------------------------------------------------
 
 
@@ -893,12 +1112,37 @@ class Engines:
         )
         return replace(view, lateness=self.lateness)
 
+    def holding(self, index: int, policy: str) -> int:
+        return sum(1 for i, r in self.running.values() if i == index and r.policy == policy)
+
+    def free(self, index: int) -> bool:
+        return sum(1 for i, _ in self.running.values() if i == index) < self.slots
+
+    def could_start(self, t: Ticket) -> bool:
+        """Whether a replica it may use has a slot free that its policy's cap allows."""
+        cap = t.policy.max_slots_per_replica
+        where = [self.parked[t.id][0]] if t.id in self.parked else [0, 1]
+        return any(
+            self.free(index) and (cap is None or self.holding(index, t.policy.name) < cap)
+            for index in where
+        )
+
     def start(self, t: Ticket, index: int) -> None:
         assert sum(1 for i, _ in self.running.values() if i == index) < self.slots
+        cap = t.policy.max_slots_per_replica
+        assert cap is None or self.holding(index, t.policy.name) < cap, t
         _, parked = self.parked.pop(t.id, (index, None))
         self.running[t.id] = (
             index,
-            parked or Running(t.id, t.policy.priority, t.max_tokens, kv_tokens=t.prompt_tokens),
+            parked
+            or Running(
+                t.id,
+                t.policy.priority,
+                t.max_tokens,
+                kv_tokens=t.prompt_tokens,
+                policy=t.policy.name,
+                max_slots_per_replica=cap,
+            ),
         )
 
     def step(self, rng: random.Random) -> None:
@@ -913,8 +1157,15 @@ class Engines:
 
 POLICIES = [
     replace(INTERACTIVE, ttft_target_s=0.5, max_queue_depth=3, max_queue_wait_s=2.0),
-    replace(PATIENT, name="mid", priority=50, ttft_target_s=1.0, max_queue_depth=4),
-    replace(BATCH, max_queue_depth=5, max_queue_wait_s=3.0),
+    replace(
+        PATIENT,
+        name="mid",
+        priority=50,
+        ttft_target_s=1.0,
+        max_queue_depth=4,
+        max_slots_per_replica=1,
+    ),
+    replace(BATCH, max_queue_depth=5, max_queue_wait_s=3.0, max_slots_per_replica=1),
     replace(FIFO_POLICY, max_queue_depth=4),
 ]
 
@@ -925,7 +1176,9 @@ def test_invariants_under_random_traffic(seed: int, lateness: float) -> None:
     """Arrivals, cancels, dispatches, expiries and preemptions in random order: no ticket
     starts twice, late, or after it was refused or cancelled; no replica runs more than
     its slots or parks past its bound; fresh tickets never pass their depth bound; and
-    starts follow the order. The same when waits measure late (parking more)."""
+    starts follow the order, a ticket of a capped policy left behind only when its cap
+    keeps it from every free slot; no policy holds more slots of a replica than its
+    cap. The same when waits measure late (parking more)."""
     rng = random.Random(seed)
     queue = LaneQueue()
     engines = Engines(lateness=lateness)
@@ -933,7 +1186,14 @@ def test_invariants_under_random_traffic(seed: int, lateness: float) -> None:
     started: set[str] = set()
     gone: set[str] = set()  # refused or cancelled
     now = 0.0
-    counts = {"started": 0, "refused": 0, "cancelled": 0, "preempted": 0, "resumed": 0}
+    counts = {
+        "started": 0,
+        "refused": 0,
+        "cancelled": 0,
+        "preempted": 0,
+        "resumed": 0,
+        "capped": 0,
+    }
 
     def never_late(t: Ticket, *, resume: bool) -> None:
         bound = t.policy.max_queue_wait_s
@@ -945,11 +1205,12 @@ def test_invariants_under_random_traffic(seed: int, lateness: float) -> None:
         starts = queue.dispatch(now=now, view=engines.view())
         places = [place[d.ticket.id] for d in starts if not d.resume]
         assert places == sorted(places)
-        # A fresh ticket left waiting ahead of one that started is due to be refused.
         due = {r.ticket.id for r in copy.deepcopy(queue).expire(now=now, view=engines.view())}
-        for left in queue.tickets():
-            if places and place[left.id] < places[-1] and left.id not in engines.parked:
-                assert left.id in due, left.id
+        ahead = [
+            left
+            for left in queue.tickets()
+            if places and place[left.id] < places[-1] and left.id not in engines.parked
+        ]
         for d in starts:
             assert d.ticket.id not in gone
             assert (d.ticket.id in started) == d.resume, d.ticket.id
@@ -959,6 +1220,14 @@ def test_invariants_under_random_traffic(seed: int, lateness: float) -> None:
             started.add(d.ticket.id)
             engines.start(d.ticket, d.replica)
             counts["resumed" if d.resume else "started"] += 1
+        # A fresh ticket left waiting ahead of one that started is due to be refused,
+        # or its policy's cap keeps it from every slot left free.
+        for left in ahead:
+            if left.policy.max_slots_per_replica is None:
+                assert left.id in due, left.id
+            else:
+                assert left.id in due or not engines.could_start(left), left.id
+                counts["capped"] += left.id not in due
 
     for step in range(600):
         now += rng.choice([0.0, 0.01, 0.05, 0.2])

@@ -493,6 +493,26 @@ def test_admission_refusals_are_overloaded_with_the_numbers(
         (
             {
                 "apiVersion": meta.API_VERSION,
+                "kind": "SLOPolicy",
+                "metadata": {"name": "s"},
+                "spec": {"maxSlotsPerReplica": 0},
+            },
+            "SLOPolicy/s: spec.maxSlotsPerReplica",
+            "greater than or equal to 1",
+        ),
+        (
+            {
+                "apiVersion": meta.API_VERSION,
+                "kind": "SLOPolicy",
+                "metadata": {"name": "s"},
+                "spec": {"maxSlotsPerReplica": "four"},
+            },
+            "SLOPolicy/s: spec.maxSlotsPerReplica",
+            "valid integer",
+        ),
+        (
+            {
+                "apiVersion": meta.API_VERSION,
                 "kind": "SpecPair",
                 "metadata": {"name": "p"},
                 "spec": {"target": "m", "draft": {"kind": "ngram", "ngramSize": 9}},

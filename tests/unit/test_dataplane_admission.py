@@ -117,6 +117,7 @@ async def plane(
     lane_policy: str | None = None,
     max_parked_mib: int = 1024,
     max_concurrent_rpcs: int = limits.MAX_CONCURRENT_RPCS,
+    slots: int = 1,
 ) -> AsyncIterator[Plane]:
     engine = HoldingEngine()
     async with engines(engine) as sockets:  # type: ignore[arg-type]  # duck-typed servicer
@@ -126,7 +127,7 @@ async def plane(
             spec=LaneSpec(
                 model="m",
                 replicas=1,
-                slots=1,
+                slots=slots,
                 slo_policy=lane_policy,
                 kv_cache=KVCache(max_parked_mib=max_parked_mib),
             ),
@@ -517,6 +518,31 @@ def test_no_generation_is_preempted_without_parking_room() -> None:
 
     results, seen, orders = asyncio.run(run())
     assert (results, seen, orders) == ([None, None], ["warm", "hold", "urgent"], [])
+
+
+def test_a_policy_holds_no_more_slots_than_its_cap_and_leaves_the_rest_free() -> None:
+    """maxSlotsPerReplica 1 on a replica of 2 slots: the policy's second request waits
+    though a slot is idle (also once a request of another policy has used it and
+    ended), another policy's request starts there at once, and the second starts when
+    the first ends."""
+
+    async def run() -> tuple[list[str], list[str], list[errors.BlazarError | None]]:
+        low = policy("low", on_overload="queue", max_slots_per_replica=1)
+        async with plane(low, slots=2) as p:
+            held = await p.started("hold", slo="low")
+            second = p.start("second", slo="low")
+            await p.until(lambda: depth("low") == 1, "the second to wait")
+            other = await p.started("other")
+            assert await outcome(other) is None
+            await asyncio.sleep(0.1)
+            seen_while_held = list(p.engine.seen)
+            p.engine.gate("hold").set()
+            outcomes = [await outcome(c) for c in (held, second)]
+            return seen_while_held, p.engine.seen, outcomes
+
+    seen_while_held, seen, outcomes = asyncio.run(run())
+    assert seen_while_held == ["hold", "other"]
+    assert (seen, outcomes) == (["hold", "other", "second"], [None, None])
 
 
 def test_calls_past_the_servers_concurrency_bound_are_refused_at_once() -> None:

@@ -47,7 +47,8 @@ Forecast. Every decision reads one simulation of the Lane from `now`, in ticket 
   tokens_per_step the accepted tokens per step, 1 without speculation; or, once the
   request's policy has measured it, its own seconds per token. An idle slot is
   free now.
-- Each ticket in order takes the slot that frees first (an idle one, then the session's
+- Each ticket in order takes the slot that frees first among those its policy's cap
+  allows (see Caps; an idle one, then the session's
   `prefer`red replica, then the least loaded replica, then the lowest index), holds it for
   its service time, its prefill (`start_overhead_s`, what a start costs beyond the
   prompt as measured, plus `prompt_tokens / prefill_tokens_per_s`) plus the decode time
@@ -70,6 +71,23 @@ Forecast. Every decision reads one simulation of the Lane from `now`, in ticket 
 - A measurement an engine has not made yet (None) counts as zero seconds: admission
   never refuses on a guess. With no replica the forecast knows nothing and refuses only
   on the bounds and on deadlines already passed.
+
+Caps. A policy's `maxSlotsPerReplica` (`Policy.max_slots_per_replica`) is the most
+slots of one replica its requests hold at once, running or resumed, so that low-priority
+work cannot hold every slot and urgent work finds one free at once. The forecast counts
+the slots each policy holds on each replica (the running requests' `Running.policy`,
+then each slot as the forecast gives it to a ticket): a ticket whose policy holds its
+cap on a replica may take only a slot that its own policy holds there (when that
+request ends), as if no other slot there were free; below the cap, any slot. So it
+waits, within its bounds, and is predicted, refused early, spilled and dispatched as
+waiting (`dispatch` starts only tickets that took an idle slot, and a policy at its cap
+may take none). A capped ticket parks no work on a replica where its policy is at its
+cap. A parked generation does not hold its claim: parking it gives its slot to the
+urgent ticket, and its policy holds one slot fewer there. It waits its turn, first in
+its priority, and resumes under the same rule as any ticket of its policy: below the
+cap on its replica in any slot that frees there, at the cap in the next one its own
+policy frees there; one always does (a policy at its cap holds a slot), so it always
+resumes. A cap at or above a replica's slots changes nothing there.
 
 Decisions from the forecast. `dispatch` starts the tickets that took an idle slot;
 `preemption` names the first ticket that took a victim's slot; `expire` refuses the
@@ -110,6 +128,8 @@ forecast knows nothing.
 
 Known simplifications: the step time is the one at the batch the queue keeps the
 replica at, also for its last requests as the queue runs dry; a resume costs no time;
+for a start after now, a slot counts against the cap of the policy that took it last
+until another ticket takes it (a start now counts what runs now);
 bytes freed by a simulated resume are not returned to the parking budget;
 tickets that will arrive later are not foreseen (a more urgent arrival may push an
 admitted ticket past its deadline, and `expire` then refuses it).

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections import Counter
 from dataclasses import dataclass, replace
 
 from blazar.dataplane.admission.terms import (
@@ -146,6 +147,9 @@ class _Slot:
     # The running request holding it, until the forecast gives the slot to a ticket:
     # one that a more urgent ticket may park.
     holder: Running | None
+    # The policy whose request holds it (running, or given it by the forecast), counted
+    # against that policy's maxSlotsPerReplica; None while idle.
+    policy: str | None = None
 
 
 @dataclass(frozen=True)
@@ -171,13 +175,24 @@ class _Simulation:
         self.load: dict[int, int] = {}
         self.parked: dict[int, int] = {}
         self.batch: dict[int, int] = {}
+        # Slots each policy holds on each replica, by (replica index, policy name): as
+        # the forecast hands them out (`held`: a slot counts for the policy that took it
+        # last, until another takes it), and now (`holding`: running now, started now
+        # on an idle slot or a victim's, less the victims parked now). A start now is
+        # capped by what runs now, not by slots the forecast hands out later.
+        self.held: Counter[tuple[int, str]] = Counter()
+        self.holding: Counter[tuple[int, str]] = Counter()
         for replica in view.replicas:
             self.load[replica.index] = len(replica.running)
             self.parked[replica.index] = replica.parked_bytes
             self.batch[replica.index] = max(1, min(replica.slots, len(replica.running) + waiting))
             for position, run in enumerate(replica.running):
                 free_at = self.decode_s(replica, run.tokens_left, run.token_s)
-                self.slots.append(_Slot(replica, position, free_at, idle=False, holder=run))
+                self.slots.append(
+                    _Slot(replica, position, free_at, idle=False, holder=run, policy=run.policy)
+                )
+                self.held[(replica.index, run.policy)] += 1
+                self.holding[(replica.index, run.policy)] += 1
             for position in range(len(replica.running), replica.slots):
                 self.slots.append(_Slot(replica, position, 0.0, idle=True, holder=None))
 
@@ -186,9 +201,25 @@ class _Simulation:
         or at `token_s` seconds a token (the request's policy's measured figure)."""
         return replica.decode_s(tokens, batch=self.batch[replica.index], token_s=token_s)
 
-    def slot_for(self, *, pinned: int | None, prefer: int | None) -> _Slot | None:
-        """The slot that frees first: an idle one, then on `prefer`, then on the least
-        loaded replica, then the lowest index. None when no slot may take it."""
+    def allows(self, slot: _Slot, *, policy: str, cap: int | None) -> bool:
+        """Whether a request of `policy`, capped at `cap` slots a replica, may take
+        `slot`: on a replica where the policy holds fewer than `cap`, any slot; at its
+        cap, only one the policy holds there itself (when that request ends), as if no
+        other slot were free there. An idle slot starts it now: what counts then is
+        what the policy holds now. A policy at its cap holds at least one slot there
+        (cap >= 1), so a ticket pinned to a replica always has one to wait for."""
+        if cap is None or slot.policy == policy:
+            return True
+        if slot.idle:
+            return self.holding[(slot.replica.index, policy)] < cap
+        return self.held[(slot.replica.index, policy)] < cap
+
+    def slot_for(
+        self, *, pinned: int | None, prefer: int | None, policy: str, cap: int | None
+    ) -> _Slot | None:
+        """The slot that frees first among those a request of `policy` may take
+        (`allows`): an idle one, then on `prefer`, then on the least loaded replica,
+        then the lowest index. None when no slot may take it."""
 
         def rank(slot: _Slot) -> tuple[float, bool, bool, int, int, int]:
             index = slot.replica.index
@@ -201,17 +232,28 @@ class _Simulation:
                 slot.position,
             )
 
-        candidates = [s for s in self.slots if pinned is None or s.replica.index == pinned]
+        candidates = [
+            s
+            for s in self.slots
+            if (pinned is None or s.replica.index == pinned)
+            and self.allows(s, policy=policy, cap=cap)
+        ]
         return min(candidates, key=rank, default=None)
 
     def victim_for(self, ticket: Ticket, *, waiting_s: float) -> _Slot | None:
         """The slot of the running request of lower priority cheapest to park, among
         those whose parking fits the replica's bound and lets `ticket` meet its deadline,
-        with its first token sooner than the `waiting_s` that waiting gives it."""
+        with its first token sooner than the `waiting_s` that waiting gives it. Not on
+        a replica where the ticket's policy holds its maxSlotsPerReplica already:
+        parking work there would take it past its cap."""
         options = []
+        policy = ticket.policy
         for slot in self.slots:
             run, replica = slot.holder, slot.replica
-            if run is None or not run.parkable or run.priority >= ticket.policy.priority:
+            if run is None or not run.parkable or run.priority >= policy.priority:
+                continue
+            cap = policy.max_slots_per_replica
+            if cap is not None and self.holding[(replica.index, policy.name)] >= cap:
                 continue
             cost = run.kv_tokens * replica.kv_bytes_per_token
             bound = replica.parked_bytes_max
@@ -224,10 +266,23 @@ class _Simulation:
             return None
         return min(options, key=lambda option: option[0])[1]
 
-    def take(self, slot: _Slot, *, start_s: float, service_s: float) -> None:
+    def take(
+        self, slot: _Slot, *, start_s: float, service_s: float, policy: str, now: bool
+    ) -> None:
+        """A request of `policy` holds `slot` from `start_s` for `service_s`; the
+        slot's previous policy holds one slot fewer there from then on. `now`: it
+        starts now (an idle slot, or a victim's, which is parked now)."""
         index = slot.replica.index
         if slot.idle:
             self.load[index] += 1
+        if slot.policy is not None:
+            self.held[(index, slot.policy)] -= 1
+        self.held[(index, policy)] += 1
+        if now:
+            self.holding[(index, policy)] += 1
+            if slot.holder is not None:
+                self.holding[(index, slot.holder.policy)] -= 1
+        slot.policy = policy
         slot.free_at = start_s + service_s
         slot.idle = False
         slot.holder = None
@@ -252,7 +307,12 @@ def _fate(entry: Waiting, sim: _Simulation, now: float) -> tuple[Fate, _Slot | N
     pessimistic one, and the prediction callers see stays that estimate."""
     ticket = entry.ticket
     pinned = entry.resume.replica if entry.resume else None
-    slot = sim.slot_for(pinned=pinned, prefer=ticket.prefer)
+    slot = sim.slot_for(
+        pinned=pinned,
+        prefer=ticket.prefer,
+        policy=ticket.policy.name,
+        cap=ticket.policy.max_slots_per_replica,
+    )
     victim: Running | None = None
     fate = Fate()
     if slot is not None:
@@ -303,10 +363,25 @@ def forecast(waiting: list[tuple[Key, Waiting]], *, now: float, view: LaneView) 
     while heap:
         _, _, item = heapq.heappop(heap)
         if isinstance(item, _Victim):
-            resumed = sim.slot_for(pinned=item.replica, prefer=None)
-            assert resumed is not None  # its replica is in the view: it was parked there
-            service = sim.decode_s(resumed.replica, item.running.tokens_left, item.running.token_s)
-            sim.take(resumed, start_s=resumed.free_at, service_s=service)
+            running = item.running
+            resumed = sim.slot_for(
+                pinned=item.replica,
+                prefer=None,
+                policy=running.policy,
+                cap=running.max_slots_per_replica,
+            )
+            # Its replica is in the view (it was parked there), and at its cap its
+            # policy holds a slot there to wait for (`_Simulation.allows`).
+            assert resumed is not None
+            service = sim.decode_s(resumed.replica, running.tokens_left, running.token_s)
+            # Not now: it resumes once parked, which the forecast's parking is not yet.
+            sim.take(
+                resumed,
+                start_s=resumed.free_at,
+                service_s=service,
+                policy=running.policy,
+                now=False,
+            )
             continue
         fate, slot = _fate(item, sim, now)
         fates[item.ticket.id] = fate
@@ -322,5 +397,11 @@ def forecast(waiting: list[tuple[Key, Waiting]], *, now: float, view: LaneView) 
         else:
             decode = sim.decode_s(slot.replica, view.output_tokens(item.ticket), token_s)
             service = fate.prefill_s + decode
-        sim.take(slot, start_s=fate.start_s, service_s=service)
+        sim.take(
+            slot,
+            start_s=fate.start_s,
+            service_s=service,
+            policy=item.ticket.policy.name,
+            now=fate.starts_now,
+        )
     return fates

@@ -49,6 +49,9 @@ class Policy:
     max_queue_wait_s: float | None = None
     # onOverload: reject. Without a TTFT target there is nothing to predict a miss of.
     reject_early: bool = False
+    # maxSlotsPerReplica: the most slots of one replica its requests hold at once (the
+    # rest stay free for other policies' requests); None: no cap.
+    max_slots_per_replica: int | None = None
 
     @classmethod
     def of(cls, name: str, spec: SLOPolicySpec) -> Policy:
@@ -63,6 +66,7 @@ class Policy:
             max_queue_depth=spec.max_queue_depth,
             max_queue_wait_s=seconds(spec.max_queue_wait_ms),
             reject_early=spec.on_overload == "reject",
+            max_slots_per_replica=spec.max_slots_per_replica,
         )
 
 
@@ -124,6 +128,10 @@ class Running:
     token_s: float | None = None
     # False: its engine refused to park it (not seated yet, say): no victim for now.
     parkable: bool = True
+    # Its policy's name and `max_slots_per_replica`: the slots a policy holds on a
+    # replica are counted against its cap by name ("" for none: never capped).
+    policy: str = ""
+    max_slots_per_replica: int | None = None
 
 
 @dataclass(frozen=True)
