@@ -195,6 +195,8 @@ def _columns(kind: str, wide: bool, now: datetime) -> list[Column]:
                 ),
             ),
             ("MAX-QUEUE", lambda o: spec(o).get("maxQueueDepth", "")),
+            # The most slots of a replica its requests hold at once (maxSlotsPerReplica).
+            ("MAX-SLOTS", lambda o: spec(o).get("maxSlotsPerReplica") or "<none>"),
             ("ON-OVERLOAD", lambda o: spec(o).get("onOverload", "")),
             ("QUEUED", lambda o: admission(o).get("queued", 0)),
             ("ATTAINMENT", lambda o: _share(admission(o).get("attainment"))),

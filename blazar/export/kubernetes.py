@@ -611,6 +611,10 @@ _POLICY_GAPS = {
         "the endpoint picker's flow control sets how long a request waits",
     ),
     "on_overload": ("onOverload", "what an overloaded pool sheds is the endpoint picker's rule"),
+    "max_slots_per_replica": (
+        "maxSlotsPerReplica",
+        "no per-replica concurrency cap by objective; the endpoint picker places requests",
+    ),
     "tenants": ("tenants", "no fair sharing between tenants on an InferenceObjective"),
     "rate_limit": ("rateLimit", "rate limits are the gateway's"),
 }

@@ -132,12 +132,15 @@ def test_describe_shows_status_conditions_and_events() -> None:
     assert page[-2:] == ["Events:", "  <none>"]
 
 
-def slo(name: str, **admission: object) -> printers.ObjectJson:
+def slo(name: str, *, cap: int | None = None, **admission: object) -> printers.ObjectJson:
     status: dict[str, object] = {"admission": dict(admission)} if admission else {}
+    spec: dict[str, object] = {"priority": 100, "ttftTargetMs": 2000, "maxQueueDepth": 32}
+    if cap is not None:
+        spec["maxSlotsPerReplica"] = cap
     return {
         "kind": "SLOPolicy",
         "metadata": {"name": name, "creationTimestamp": CREATED},
-        "spec": {"priority": 100, "ttftTargetMs": 2000, "maxQueueDepth": 32},
+        "spec": spec,
         "status": status,
     }
 
@@ -155,6 +158,16 @@ def test_get_slopolicies_shows_the_live_queue_and_attainment() -> None:
     assert rows["interactive"][-3:-1] == ["3", "97.5%"]
     assert rows["fresh"][-3:-1] == ["0", "<none>"]
     assert rows["old-daemon"][-3:-1] == ["0", "<none>"]
+
+
+def test_get_slopolicies_shows_each_policys_slot_cap() -> None:
+    lines = printers.table("SLOPolicy", [slo("batch", cap=4), slo("interactive")], now=T0)
+    header, *rows = (line.split() for line in lines.splitlines())
+    at = header.index("MAX-SLOTS")
+    assert header[at - 1] == "MAX-QUEUE"
+    assert {row[0]: row[at] for row in rows} == {"batch": "4", "interactive": "<none>"}
+    page = printers.describe(slo("batch", cap=4), [], now=T0).splitlines()
+    assert "  maxSlotsPerReplica: 4" in page[page.index("Spec:") :]
 
 
 def test_describe_lane_shows_its_queue_by_policy() -> None:

@@ -432,6 +432,7 @@ def test_an_unread_model_leaves_the_memory_request_out_and_says_why() -> None:
                 "SLOPolicy/p: spec.onOverload",
             },
         ),
+        ((_policy("p", maxSlotsPerReplica=4),), {"SLOPolicy/p: spec.maxSlotsPerReplica"}),
         ((_policy("p", priority=5),), set()),
         ((_lane(idle={"sleepAfter": "5m"}),), {"Lane/l: spec.idle.sleepAfter"}),
         ((_lane(kvCache={"persist": True}),), {"Lane/l: spec.kvCache.persist"}),
