@@ -1,7 +1,8 @@
 """Overload: SLO admission on the default fleet against the same bursts under FIFO.
 
 Starts `blazar serve` on the repository's own manifests (`manifests/`: the `gemma3` Lane
-with 4 slots and the n-gram SpecPair, the `interactive` and `batch` SLOPolicies) plus
+with 6 slots and the n-gram SpecPair, the `interactive` and `batch` SLOPolicies, batch
+work holding at most 4 slots by its maxSlotsPerReplica) plus
 one more policy, `fifo` (no targets, no early refusal, a deep queue: what a plain server
 does). Every request names its policy with `x-blazar-slo`; each burst runs twice in the
 same run, once under the fleet's policies and once with every request under `fifo`:
@@ -10,9 +11,10 @@ same run, once under the fleet's policies and once with every request under `fif
   first token against the policy's ttftTargetMs; refusals are 429 with Retry-After, and
   come within 20 ms (p99); goodput (requests whose first token met the target, per second
   of the burst) at least 1.5x FIFO's.
-- mixed: 16 batch requests of 256 tokens fill the slots, then 6 interactive ones: every
-  interactive first token within target, every batch request complete (256 tokens,
-  finish "length"), batch throughput at most 15% below the same batch alone.
+- mixed: 16 batch requests of 256 tokens fill the slots batch work may hold (4), then 6
+  interactive ones: every interactive first token within target, every batch request
+  complete (256 tokens, finish "length"), batch throughput at most 15% below the same
+  batch alone.
 - long prefill: while 3 interactive streams decode, a 1,500-token prompt arrives: the
   streams' p99 time between tokens within tpotTargetMs, the prompt's first token at
   most 1.5x what it takes alone.
@@ -64,6 +66,12 @@ def fleet_policies() -> dict[str, dict[str, Any]]:
     """The SLOPolicies of the default fleet, by name (their spec)."""
     docs = yaml.safe_load_all((REPO / "manifests" / "policies.yaml").read_text())
     return {d["metadata"]["name"]: d["spec"] for d in docs if d and d["kind"] == "SLOPolicy"}
+
+
+def fleet_slots() -> int:
+    """The slots of the default fleet's Lane."""
+    docs = yaml.safe_load_all((REPO / "manifests" / "lanes.yaml").read_text())
+    return next(int(d["spec"]["slots"]) for d in docs if d and d["metadata"]["name"] == LANE)
 
 
 class DefaultFleet(servers.Blazar):
@@ -361,7 +369,7 @@ def main() -> int:
     policies = fleet_policies()
     workdir = Path(tempfile.mkdtemp(prefix="bz-overload-"))
     config = servers.Config(
-        model_path=model, threads=2, concurrency=8, slots=4, context_per_slot=2048,
+        model_path=model, threads=2, concurrency=8, slots=fleet_slots(), context_per_slot=2048,
         sizes=servers.FULL, peer_flash_attn=False, workdir=workdir,
     )  # fmt: skip
     lines: list[Line] = []

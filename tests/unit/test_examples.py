@@ -49,6 +49,24 @@ def test_a_fleet_directory_applies_whole(directory: Path, expected: set[tuple[st
     assert store.events() == []
 
 
+def test_the_default_fleet_keeps_slots_free_for_interactive_work() -> None:
+    """manifests/: batch work may hold 4 of the default Lane's 6 slots (n-gram drafting
+    stays on at that batch), and interactive requests have the other two."""
+    store = MemoryStore()
+    assert watcher.sync(store, REPO / "manifests")
+    spec = {
+        name: manifests.to_dict(obj)["spec"]
+        for kind, name in [("Lane", "gemma3"), ("SLOPolicy", "batch"), ("SpecPair", "ngram")]
+        if (obj := store.get(kind, name)) is not None
+    }
+    cap = spec["batch"]["maxSlotsPerReplica"]
+    assert (spec["gemma3"]["slots"], cap) == (6, 4)
+    assert cap <= spec["ngram"]["disableAboveBatch"]
+    interactive = store.get("SLOPolicy", "interactive")
+    assert interactive is not None
+    assert "maxSlotsPerReplica" not in manifests.to_dict(interactive)["spec"]
+
+
 def test_the_example_fleet_lanes_differ_and_use_every_policy_and_the_specpair() -> None:
     store = MemoryStore()
     assert watcher.sync(store, FLEET)
