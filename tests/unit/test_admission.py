@@ -858,11 +858,12 @@ def test_a_capped_ticket_is_predicted_to_wait_for_its_own_policys_slot(
 
 
 @pytest.mark.parametrize("cap", [1, None])
-def test_a_capped_ticket_at_its_cap_is_refused_early_though_a_slot_is_idle(
+def test_a_capped_ticket_at_its_cap_is_refused_early_or_spilled_though_a_slot_is_idle(
     cap: int | None,
 ) -> None:
     """Its policy's one slot frees at 20 s, past its 2 s target: the idle slot is not
-    its to take, so it is predicted to miss and refused; uncapped, it starts at once."""
+    its to take, so it is predicted to miss, and refused or spilled; uncapped, it
+    starts at once."""
     policy = replace(INTERACTIVE, name="capped-interactive", max_slots_per_replica=cap)
     view = lane(replica(held("i", policy, left=1000), slots=2))
     decision = LaneQueue().arrive(ticket("t", policy), now=0, view=view)
@@ -871,6 +872,12 @@ def test_a_capped_ticket_at_its_cap_is_refused_early_though_a_slot_is_idle(
     else:
         assert isinstance(decision, Refuse) and decision.reason == Reason.SLO_UNATTAINABLE
         assert decision.predicted_ttft_s == pytest.approx(20.5)
+    # A Lane with a spillover Lane offers it there instead; uncapped, it stays.
+    spilled = LaneQueue().arrive(ticket("t", policy), now=0, view=view, spill=True)
+    if cap is None:
+        assert spilled == Admit(0.5)
+    else:
+        assert spilled == admission.Spill(ticket("t", policy), decision)
 
 
 def test_a_parked_generation_resumes_under_its_policys_cap() -> None:
