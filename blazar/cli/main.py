@@ -13,7 +13,6 @@ the reader of stdout goes away (`| head`), a command ends quietly with 141.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import re
@@ -26,7 +25,7 @@ from typing import Any
 
 import grpc
 
-from blazar import logs
+from blazar import eventloop, logs
 from blazar._proto.v1 import control_pb2
 from blazar.api import errors, kinds, manifests, tenants
 from blazar.cli import client, diffs, home, observe, printers
@@ -78,7 +77,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         memory_budget=memory_budget,
         min_residency_s=min_residency_s,
     )
-    asyncio.run(daemon.run(options))
+    eventloop.run(daemon.run(options))
     return 0
 
 

@@ -29,7 +29,7 @@ import grpc
 import jinja2
 import structlog
 
-from blazar import logs
+from blazar import eventloop, logs
 from blazar._proto.engine.v1 import engine_pb2_grpc
 from blazar.api import replicas
 from blazar.engine import jobs, llama, loop, service, text
@@ -62,7 +62,7 @@ def main(launch: replicas.EngineLaunch) -> int:
     if len(launch.socket.encode()) > _MAX_SOCKET_PATH:
         log.error("socket_path_too_long", socket=launch.socket)
         return 2
-    return asyncio.run(serve(launch))
+    return eventloop.run(serve(launch))
 
 
 async def serve(launch: replicas.EngineLaunch) -> int:

@@ -4,11 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from collections.abc import Callable
+
+import pytest
+import uvloop
 
 from blazar.cli import daemon
 
 
-def test_connections_the_shim_accepts_have_nagle_off() -> None:
+@pytest.mark.parametrize("loop_factory", [None, uvloop.new_event_loop], ids=["asyncio", "uvloop"])
+def test_connections_the_shim_accepts_have_nagle_off(
+    loop_factory: Callable[[], asyncio.AbstractEventLoop] | None,
+) -> None:
     """asyncio sets TCP_NODELAY only on sockets whose proto says TCP. The listener was
     made with proto 0, so Nagle's algorithm stayed on: a response's body waited for the
     client's delayed ACK of its head, 44-48 ms per request on a kept-alive connection
@@ -35,4 +42,5 @@ def test_connections_the_shim_accepts_have_nagle_off() -> None:
             server.close()
             await server.wait_closed()
 
-    assert asyncio.run(accepted_nodelay()) != 0
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        assert runner.run(accepted_nodelay()) != 0
