@@ -304,8 +304,8 @@ def _shim(
             log_level="warning",
             access_log=False,
             lifespan="on",
-            # h11 whatever else is installed, with a deadline on reading requests.
-            http=connections.BoundedH11Protocol,
+            # httptools, with a deadline on reading requests and a bound on their heads.
+            http=connections.BoundedHttpToolsProtocol,
             limit_concurrency=connections.LIMIT_CONCURRENCY,
         )
     )

@@ -1,12 +1,24 @@
-"""The shim's HTTP connections: a request must arrive in time.
+"""The shim's HTTP connections: httptools parses them, and a request must arrive in time.
 
-uvicorn's h11 protocol waits for a request's headers and body as long as the client
-likes: 21 of 21 connections that sent their headers or body a byte at a time stayed
-open indefinitely, each holding a socket and its buffers (a slowloris). Here a request
-must be read whole, headers and body, within `READ_DEADLINE_S` of its first byte (of
-the connection's opening, for a connection's first request); a connection that misses
-it is closed. Between requests, uvicorn's keep-alive timeout closes an idle connection.
-What follows the read (the answer, a stream of any length) is not bounded here.
+uvicorn's protocols wait for a request's headers and body as long as the client likes:
+21 of 21 connections that sent their headers or body a byte at a time stayed open
+indefinitely, each holding a socket and its buffers (a slowloris). Here a request must
+be read whole, headers and body, within `READ_DEADLINE_S` of its first byte (of the
+connection's opening, for a connection's first request); a connection that misses it
+is closed. A request that arrives pipelined behind one still being answered waits, as
+it is not read meanwhile: its time starts when that answer ends. Between requests,
+uvicorn's keep-alive timeout closes an idle connection. What follows the read (the
+answer, a stream of any length) is not bounded here.
+
+A request's target and header lines together are at most `MAX_HEAD_BYTES`, else the
+answer is 400 and the connection closes, as with uvicorn's h11 protocol: httptools
+itself sets no bound, and gathers a header line in memory however long it grows. A
+head still arriving is refused once its bytes pass that plus `_HEAD_SLACK` (room for
+the request line and separators), so that it never holds more.
+
+httptools (llhttp, in C) rather than h11, uvicorn's pure-Python default: it parses a
+request and frames an answer for less of the daemon's CPU, which on a small host the
+engines' decode threads would otherwise have had.
 
 `LIMIT_CONCURRENCY` bounds open connections (and requests): past it uvicorn answers
 503 at once instead of taking more file descriptors.
@@ -16,45 +28,85 @@ from __future__ import annotations
 
 import asyncio
 
-import h11
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 # Loopback and a LAN deliver a 4 MiB body (the largest accepted) in well under this.
 READ_DEADLINE_S = 8.0
 LIMIT_CONCURRENCY = 1024
+# uvicorn's bound on an h11 request's head (h11_max_incomplete_event_size's default).
+MAX_HEAD_BYTES = 16 * 1024
+_HEAD_SLACK = 1024
+HEAD_TOO_LARGE = f"The request's target and headers are over {MAX_HEAD_BYTES} bytes."
 
 
-class BoundedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with a deadline on reading each request."""
+class HeadTooLarge(Exception):
+    """Raised in httptools' callback to stop its parser; uvicorn then answers 400."""
+
+
+class BoundedHttpToolsProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with a deadline on reading each request, and a
+    bound on each request's head."""
 
     _deadline: asyncio.TimerHandle | None = None
+    # Bytes of the head being read; None while no head is (headers complete, or idle).
+    _head: int | None = None
+    # A request has begun and is not yet read whole.
+    _reading = False
+    # A request was read whole during the chunk being parsed.
+    _ended_in_chunk = False
+    _head_too_large = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._arm()
 
-    def data_received(self, data: bytes) -> None:
-        super().data_received(data)
-        self._watch()
-
-    def on_response_complete(self) -> None:
-        super().on_response_complete()
-        self._watch()
-
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
         super().connection_lost(exc)
 
-    def _watch(self) -> None:
-        """Armed while part of a request is in and the rest is not: its headers begun
-        (data buffered while idle), or its body still coming."""
-        state = self.conn.their_state
-        pending, _closed = self.conn.trailing_data
-        reading = state is h11.SEND_BODY or (state is h11.IDLE and bool(pending))
-        if reading:
+    def data_received(self, data: bytes) -> None:
+        self._ended_in_chunk = False
+        super().data_received(data)
+        # A head still open after the chunk holds all of it, save what precedes the
+        # head's first byte: nothing but blank lines, unless a request ended in this
+        # chunk (pipelined), whose bytes are then not counted; the next chunk's are.
+        if self._head is None or self._ended_in_chunk or self.transport.is_closing():
+            return
+        self._head += len(data)
+        if self._head > MAX_HEAD_BYTES + _HEAD_SLACK:
+            self._head = None
+            self._head_too_large = True
+            self.send_400_response(HEAD_TOO_LARGE)
+
+    def send_400_response(self, msg: str) -> None:
+        super().send_400_response(HEAD_TOO_LARGE if self._head_too_large else msg)
+
+    # httptools' parser callbacks.
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._head = 0
+        self._reading = True
+        if self.cycle is None or self.cycle.response_complete:
             self._arm()
-        elif state is not h11.IDLE:
-            self._disarm()
+
+    def on_headers_complete(self) -> None:
+        self._head = None
+        size = len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers)
+        if size > MAX_HEAD_BYTES:
+            self._head_too_large = True
+            raise HeadTooLarge
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self._reading = False
+        self._ended_in_chunk = True
+        self._disarm()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self._reading and not self.transport.is_closing():
+            self._arm()  # a pipelined request, read from now on
 
     def _arm(self) -> None:
         if self._deadline is None:
