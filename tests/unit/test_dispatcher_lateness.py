@@ -14,6 +14,7 @@ from blazar._proto.v1 import inference_pb2
 from blazar.dataplane import admission, routing
 from blazar.dataplane.dispatcher import LaneDispatcher, Run
 from blazar.dataplane.parking import Parked
+from tests.dispatching import one_slot_route
 
 BATCH = admission.Policy(name="batch", priority=0, max_queue_depth=8)
 URGENT = admission.Policy(
@@ -37,20 +38,6 @@ class InstantParker:
         return True
 
 
-def route() -> routing.Route:
-    replica = routing.Replica("l", 0, "unix:///nowhere", pid=1)
-    return routing.Route(
-        lane="l",
-        model="m",
-        aliases=(),
-        replicas=(replica,),
-        created=0,
-        context_length=1024,
-        slots=1,
-        max_parked_bytes=1 << 20,
-    )
-
-
 def ticket(id: str, policy: admission.Policy, *, max_tokens: int = 1000) -> admission.Ticket:
     return admission.Ticket(id, policy, time.monotonic(), prompt_tokens=10, max_tokens=max_tokens)
 
@@ -64,7 +51,7 @@ async def until(condition: Callable[[], bool], what: str) -> None:
 
 def scenario(body: Callable[[LaneDispatcher], Awaitable[None]]) -> LaneDispatcher:
     async def run() -> LaneDispatcher:
-        dispatcher = LaneDispatcher(route(), parker=InstantParker())
+        dispatcher = LaneDispatcher(one_slot_route(), parker=InstantParker())
         dispatcher.measurements.record(
             0, MEASURED, prompt_chars=400, policy=BATCH.name, max_tokens=11
         )
@@ -136,7 +123,7 @@ def test_a_request_that_waited_then_preempted_did_not_wait_on_the_forecast() -> 
         waiting = asyncio.create_task(admitted(dispatcher, ticket("u", URGENT, max_tokens=10)))
         await until(lambda: dispatcher.queued() == {"urgent": 1}, "u queued")
         dispatcher.measurements.record_wait(predicted_s=1.0, measured_s=2.0)
-        dispatcher.update(route())  # any event: admission decides again
+        dispatcher.update(one_slot_route())  # any event: admission decides again
         urgent = await asyncio.wait_for(waiting, 1.0)
         assert urgent.wait_forecast_s is None
         dispatcher.first_token(urgent, 0.01)

@@ -15,6 +15,7 @@ from blazar.api import errors
 from blazar.dataplane import admission, routing
 from blazar.dataplane.dispatcher import LaneDispatcher, Run
 from blazar.dataplane.parking import Parked
+from tests.dispatching import one_slot_route
 
 PARK_S = 0.2
 BATCH = admission.Policy(name="batch", priority=0, max_queue_depth=8)
@@ -52,26 +53,12 @@ class SlowParker:
         return True
 
 
-def route() -> routing.Route:
-    replica = routing.Replica("l", 0, "unix:///nowhere", pid=1)
-    return routing.Route(
-        lane="l",
-        model="m",
-        aliases=(),
-        replicas=(replica,),
-        created=0,
-        context_length=1024,
-        slots=1,
-        max_parked_bytes=1 << 20,
-    )
-
-
 def ticket(id: str, policy: admission.Policy, *, prompt: int = 10) -> admission.Ticket:
     return admission.Ticket(id, policy, time.monotonic(), prompt_tokens=prompt, max_tokens=1000)
 
 
 def dispatcher_of(parker: SlowParker) -> LaneDispatcher:
-    dispatcher = LaneDispatcher(route(), parker=parker)
+    dispatcher = LaneDispatcher(one_slot_route(), parker=parker)
     # Batch requests run to their budget: one holds its slot for 100 s.
     dispatcher.measurements.record(0, MEASURED, prompt_chars=400, policy=BATCH.name, max_tokens=11)
     return dispatcher
@@ -170,7 +157,7 @@ def test_a_lane_that_has_finished_nothing_preempts_by_what_its_runs_in_flight_me
 
     async def run() -> list[str]:
         parker = SlowParker(0.05)
-        dispatcher = LaneDispatcher(route(), parker=parker)
+        dispatcher = LaneDispatcher(one_slot_route(), parker=parker)
         try:
             await decoding_batch(dispatcher)
             urgent = asyncio.create_task(
@@ -195,7 +182,7 @@ def test_a_resumed_run_measures_its_decode_without_the_time_it_was_parked() -> N
 
     async def run() -> float:
         parker = SlowParker(0.05)
-        dispatcher = LaneDispatcher(route(), parker=parker)
+        dispatcher = LaneDispatcher(one_slot_route(), parker=parker)
         try:
             batch = await decoding_batch(dispatcher)
             urgent = await asyncio.wait_for(
