@@ -6,7 +6,8 @@ import asyncio
 import time
 
 from blazar.dataplane.dispatcher import LaneDispatcher
-from tests.unit.test_dispatcher_parking import BATCH, URGENT, SlowParker, route, ticket
+from tests.dispatching import one_slot_route
+from tests.unit.test_dispatcher_parking import BATCH, URGENT, SlowParker, ticket
 
 
 def test_close_ends_the_task_when_a_caller_left_just_before() -> None:
@@ -16,7 +17,7 @@ def test_close_ends_the_task_when_a_caller_left_just_before() -> None:
     went on serving and `close` (the daemon's shutdown) waited for ever."""
 
     async def run() -> float:
-        dispatcher = LaneDispatcher(route(), parker=SlowParker())
+        dispatcher = LaneDispatcher(one_slot_route(), parker=SlowParker())
         await dispatcher.admit(ticket("batch", BATCH), request_id="b", prompt_chars=40)
         # No rate measured: the urgent ticket waits for the slot, with a deadline.
         waiting = asyncio.create_task(
