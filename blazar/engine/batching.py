@@ -6,7 +6,7 @@ No llama.cpp, no IO, no clock: the loop passes in what it knows and acts on the 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -53,7 +53,12 @@ def worth_keeping(common: int, prompt_len: int) -> bool:
 
 
 def choose_slot(
-    prompt: Sequence[int], free: Sequence[FreeSlot], *, n_swa: int = 0, reuse: bool = True
+    prompt: Sequence[int],
+    free: Sequence[FreeSlot],
+    *,
+    busy: Collection[int] = (),
+    n_swa: int = 0,
+    reuse: bool = True,
 ) -> Placement:
     """Where a prompt goes, and how much of that slot's cache it keeps.
 
@@ -62,10 +67,11 @@ def choose_slot(
     or template opening does not make a request wipe another conversation's long
     cache (llama.cpp's server has the same rule: the shared prefix must be half of
     what the slot holds). Among matches the longest prefix wins (ties: the least
-    recently used). With none, an empty slot, else the least recently used one, which
-    still keeps whatever of its cache is worth keeping. Recency rather than size
-    decides, so a long cache nobody returns to does not hold its slot for ever while
-    two other conversations evict each other from the remaining one.
+    recently used). With none, the slot beside the most `busy` ones (`new_runs`), then
+    an empty slot, else the least recently used one, which still keeps whatever of its
+    cache is worth keeping. Recency rather than size decides, so a long cache nobody
+    returns to does not hold its slot for ever while two other conversations evict
+    each other from the remaining one.
 
     The shared length is capped at len(prompt) - 1: the last prompt token is always
     evaluated again, so that there are logits to sample the first new token from. A
@@ -82,15 +88,29 @@ def choose_slot(
         common = reusable_prefix(common, pos_min=slot.pos_min, n_swa=n_swa)
         return common if worth_keeping(common, len(prompt)) else 0
 
-    def rank(slot: FreeSlot) -> tuple[bool, int, int, int]:
+    def rank(slot: FreeSlot) -> tuple[bool, int, int, int, int]:
         keep = kept(slot)
         lost = len(slot.tokens) - keep
+        runs = new_runs(slot.index, busy)
         if keep > 0 and keep >= lost:
-            return (False, -keep, slot.last_used, slot.index)
-        return (True, int(lost > 0), slot.last_used, slot.index)
+            return (False, -keep, runs, slot.last_used, slot.index)
+        return (True, runs, int(lost > 0), slot.last_used, slot.index)
 
     best = min(free, key=rank)
     return Placement(slot=best.index, common=kept(best))
+
+
+def new_runs(index: int, busy: Collection[int]) -> int:
+    """How many runs of consecutive busy sequence ids taking slot `index` adds: 1 when
+    neither neighbour is busy, 0 beside one, -1 when it joins two.
+
+    With one KV stream per sequence, llama.cpp runs each run of consecutive sequence
+    ids of a batch as its own forward pass (`split_equal`, sequential), and a pass
+    costs the whole model's weights and output head again. Measured on the bundled
+    model, 4 sequences x 1 token on a 6-slot context: 36.5 ms per step as ids 0-3,
+    76.7 ms as ids 0, 2, 4, 5 (three runs).
+    """
+    return 1 - (index - 1 in busy) - (index + 1 in busy)
 
 
 def reusable_prefix(common: int, *, pos_min: int, n_swa: int) -> int:

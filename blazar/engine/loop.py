@@ -342,7 +342,11 @@ class DecodeLoop:
             job = self._waiting.pop()
             # Prompt logprobs need logits at every prompt position: nothing can be kept.
             placement = batching.choose_slot(
-                job.prompt, free, n_swa=runtime.n_swa, reuse=not job.params.prompt_logprobs
+                job.prompt,
+                free,
+                busy=slots.busy(self.slots),
+                n_swa=runtime.n_swa,
+                reuse=not job.params.prompt_logprobs,
             )
             slot = self.slots[placement.slot]
             try:
@@ -367,7 +371,11 @@ class DecodeLoop:
         self, runtime: llama.Runtime, parked: parking.Parked, free: list[batching.FreeSlot]
     ) -> None:
         placement = batching.choose_slot(
-            parked.match, free, n_swa=runtime.n_swa, reuse=parked.reuse
+            parked.match,
+            free,
+            busy=slots.busy(self.slots),
+            n_swa=runtime.n_swa,
+            reuse=parked.reuse,
         )
         slot = self.slots[placement.slot]
         reply = parked.reply

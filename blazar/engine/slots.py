@@ -46,6 +46,11 @@ def free(runtime: llama.Runtime, slots: Sequence[Slot]) -> list[batching.FreeSlo
     ]
 
 
+def busy(slots: Sequence[Slot]) -> frozenset[int]:
+    """The sequence ids generations hold (`batching.choose_slot` keeps them together)."""
+    return frozenset(s.index for s in slots if s.gen is not None)
+
+
 def keep_prefix(runtime: llama.Runtime, slot: Slot, common: int) -> int:
     """Cut the free slot's cache back to the first `common` tokens, or to nothing when
     those cannot be kept; how many it keeps."""

@@ -114,6 +114,44 @@ def test_choose_slot_without_reuse_takes_an_empty_or_lru_slot() -> None:
     assert batching.choose_slot(LONG, free, reuse=False) == Placement(2, 0)
 
 
+@pytest.mark.parametrize(
+    ("index", "busy", "expected"),
+    [
+        (2, set(), 1),
+        (2, {0}, 1),
+        (2, {1}, 0),
+        (2, {3}, 0),
+        (2, {1, 3}, -1),
+        (0, {1}, 0),
+        (5, {4}, 0),
+    ],
+)
+def test_new_runs(index: int, busy: set[int], expected: int) -> None:
+    assert batching.new_runs(index, busy) == expected
+
+
+def test_choose_slot_keeps_busy_sequences_together() -> None:
+    # 6 slots, 0-2 and 4 busy, 3 and 5 free: 3 joins the two runs, 5 would start a third.
+    # Slot 3 wins though it holds a cache and 5 is empty and least recently used.
+    free = [FreeSlot(3, [9] * 50, 7), FreeSlot(5, [], 0)]
+    assert batching.choose_slot(LONG, free, busy={0, 1, 2, 4}) == Placement(3, 0)
+    # Beside one run (slot 1, next to 0) beats apart from every run (slot 4).
+    free = [FreeSlot(1, [], 3), FreeSlot(4, [], 0)]
+    assert batching.choose_slot(LONG, free, busy={0, 2}) == Placement(1, 0)
+    assert batching.choose_slot(LONG, free, busy={0}) == Placement(1, 0)
+    # Nothing busy: as before, the empty or least recently used slot.
+    assert batching.choose_slot(LONG, free) == Placement(4, 0)
+
+
+def test_choose_slot_prefers_a_kept_prefix_to_keeping_sequences_together() -> None:
+    # The cached conversation in slot 5 saves its whole prefill; it wins over slot 1.
+    free = [FreeSlot(1, [], 0), FreeSlot(5, LONG[:150], 2)]
+    assert batching.choose_slot(LONG, free, busy={0, 2}) == Placement(5, 150)
+    # Between two equal prefixes, the slot beside the busy ones.
+    free = [FreeSlot(1, LONG[:150], 2), FreeSlot(5, LONG[:150], 1)]
+    assert batching.choose_slot(LONG, free, busy={0}) == Placement(1, 150)
+
+
 def test_choose_slot_needs_a_free_slot() -> None:
     with pytest.raises(ValueError):
         batching.choose_slot([1], [])
