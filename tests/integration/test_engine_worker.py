@@ -344,8 +344,14 @@ def test_sigterm_finishes_in_flight_work_then_exits_zero(
     assert not os.path.exists(w.socket)
 
 
-def test_drain_refuses_new_work(spawn: Spawner) -> None:
+def test_health_answers_while_the_model_loads_and_drain_refuses_new_work(
+    spawn: Spawner,
+) -> None:
+    # One engine for both: Health is asked from the start, before the model has loaded.
     w = spawn()
+    first = poll(w.health, deadline_s=READY_DEADLINE_S, what="a Health answer")
+    assert first.state in (engine_pb2.ENGINE_STATE_STARTING, engine_pb2.ENGINE_STATE_READY)
+    assert len(first.slots) == SLOTS
     w.wait_ready()
     assert w.stub.Drain(engine_pb2.DrainRequest(grace_seconds=5), timeout=10).abandoned == 0
     h = w.health()
@@ -354,14 +360,6 @@ def test_drain_refuses_new_work(spawn: Spawner) -> None:
     assert err.code() == grpc.StatusCode.UNAVAILABLE
     w.proc.send_signal(signal.SIGTERM)
     assert w.proc.wait(timeout=30) == 0
-
-
-def test_health_answers_while_the_model_loads(spawn: Spawner) -> None:
-    w = spawn()
-    first = poll(w.health, deadline_s=READY_DEADLINE_S, what="a Health answer")
-    assert first.state in (engine_pb2.ENGINE_STATE_STARTING, engine_pb2.ENGINE_STATE_READY)
-    assert len(first.slots) == SLOTS
-    w.wait_ready()
 
 
 def test_exits_when_parent_is_already_gone(model_path: Path) -> None:
