@@ -17,7 +17,6 @@ import pytest
 from blazar._proto.engine.v1 import engine_pb2
 from blazar._proto.v1 import inference_pb2
 from blazar.engine import batching
-from tests import launches
 from tests.integration import pinning
 from tests.integration.engine_harness import (
     READY_DEADLINE_S,
@@ -490,12 +489,3 @@ def test_drain_cancels_what_outlives_its_grace_and_the_stop_saves(
     assert time.monotonic() - started < 5
     assert log_events(w, "kv_saved")
     assert any(path.stat().st_size > 0 for path in kv.glob("slot-*.kv"))
-
-
-def test_worker_takes_its_speculation_from_the_launch(
-    spawn: Spawner, no_eog: dict[int, float]
-) -> None:
-    w = spawn(speculation=launches.ngram(min_acceptance_rate=0.5))
-    assert w.wait_ready().speculation.kind == "ngram"
-    _, final = w.generate(prompt=COUNTING, sampling=greedy(4, logit_bias=no_eog))
-    assert final.usage.completion_tokens == 4
