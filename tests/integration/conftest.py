@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration import pinning
+from tests.integration import harness, pinning
 from tests.integration.engine_harness import Spawner, Worker
 
 # A suite started in the background by a non-interactive shell (`make test &`) inherits
@@ -51,3 +51,13 @@ def no_eog(model_path: Path) -> dict[int, float]:
     """A logit bias banning end-of-generation: the request runs to max_tokens on every
     CPU (an unconstrained model stops whenever its numbers say so)."""
     return pinning.no_end_of_generation(model_path)
+
+
+@pytest.fixture(scope="session")
+def default_daemon(model_path: Path) -> Iterator[harness.Daemon]:
+    """One daemon serving the default fleet (manifests/), shared by the modules whose
+    tests only send it requests: none applies or deletes an object, kills a process or
+    edits its fleet, so each finds it as the fleet describes it. A daemon and its
+    6-slot engine start once for all of them instead of once per module."""
+    with harness.default_fleet() as d:
+        yield d

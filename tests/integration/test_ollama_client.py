@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -23,7 +22,7 @@ import pytest
 
 from blazar.engine import schema as schemas
 from tests.integration import pinning
-from tests.integration.harness import Daemon, default_fleet
+from tests.integration.harness import Daemon
 
 pytestmark = pytest.mark.slow
 
@@ -38,10 +37,9 @@ MESSAGES = [{"role": "user", "content": "Say something."}]
 
 
 @pytest.fixture(scope="module")
-def daemon(model_path: Path) -> Iterator[Daemon]:
-    with default_fleet() as d:
-        d.wait_condition("model", "gemma3-270m", "ModelReady", timeout=60)
-        yield d
+def daemon(default_daemon: Daemon) -> Daemon:
+    default_daemon.wait_condition("model", "gemma3-270m", "ModelReady", timeout=60)
+    return default_daemon
 
 
 @pytest.fixture

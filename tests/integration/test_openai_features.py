@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -19,7 +18,7 @@ from google.rpc import error_details_pb2, status_pb2
 from blazar._proto.v1 import inference_pb2, inference_pb2_grpc
 from blazar.engine import schema as schemas
 from tests.integration import pinning
-from tests.integration.harness import Daemon, default_fleet
+from tests.integration.harness import Daemon
 
 pytestmark = pytest.mark.slow
 
@@ -28,9 +27,8 @@ CONTEXT_PER_SLOT = 2048  # manifests/ gives the default lane 2048 tokens per slo
 
 
 @pytest.fixture(scope="module")
-def daemon(model_path: Path) -> Iterator[Daemon]:
-    with default_fleet() as d:
-        yield d
+def daemon(default_daemon: Daemon) -> Daemon:
+    return default_daemon
 
 
 @pytest.fixture
