@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -61,3 +62,25 @@ def default_daemon(model_path: Path) -> Iterator[harness.Daemon]:
     6-slot engine start once for all of them instead of once per module."""
     with harness.default_fleet() as d:
         yield d
+
+
+@pytest.fixture(scope="session")
+def tools_daemon(model_path: Path) -> Iterator[harness.Daemon]:
+    """One daemon with one Lane (`harness.TOOLS_LANE`: the bundled model, 2 slots of
+    4,096 tokens), shared by the tool-calling and Responses modules of every dialect and
+    the Node.js client's, whose tests only send it requests. Its daemon and engine start
+    once for them all."""
+    home = harness.short_home()
+    fleet = harness.local_fleet(
+        home,
+        model_path,
+        lane=harness.TOOLS_LANE,
+        spec=f"replicas: 1, slots: 2, contextPerSlot: {harness.TOOLS_CONTEXT_PER_SLOT}",
+    )
+    d = harness.Daemon(home=home, watch=fleet).start()
+    try:
+        d.wait_condition("lane", harness.TOOLS_LANE, "Ready", timeout=240)
+        yield d
+    finally:
+        d.stop()
+        shutil.rmtree(home, ignore_errors=True)

@@ -29,6 +29,9 @@ MODEL_CACHE = REPO / ".cache" / "blazar-models"
 # Where the tests' GGUF files are (the bundled model assembled by `model_path`, drafts
 # made beside it): a model root of every test daemon, with the daemon's own home.
 TEST_MODELS = Path(os.environ.get("BLAZAR_TEST_CACHE", REPO / ".cache" / "models"))
+# The Lane of the daemon the tool-calling and Responses modules share (`tools_daemon`).
+TOOLS_LANE = "tools"
+TOOLS_CONTEXT_PER_SLOT = 4096
 
 
 def wait_for(

@@ -16,19 +16,17 @@ import os
 import re
 import shutil
 import subprocess
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import jsonschema
 import pytest
 
-from tests.integration.harness import REPO, Daemon, local_fleet, short_home
+from tests.integration.harness import REPO, TOOLS_LANE, Daemon
 
 pytestmark = pytest.mark.slow
 
 EXAMPLE = REPO / "examples" / "node-client"
-LANE = "node"
+LANE = TOOLS_LANE
 # Written into node_modules after a successful `npm ci`: the lock it installed.
 STAMP = ".blazar-installed-lock-sha256"
 
@@ -68,18 +66,8 @@ def node_client() -> str:
 
 
 @pytest.fixture(scope="module")
-def daemon(model_path: Path) -> Iterator[Daemon]:
-    home = short_home()
-    fleet = local_fleet(
-        home, model_path, lane=LANE, spec="replicas: 1, slots: 1, contextPerSlot: 1024"
-    )
-    d = Daemon(home=home, watch=fleet).start()
-    try:
-        d.wait_condition("lane", LANE, "Ready", timeout=240)
-        yield d
-    finally:
-        d.stop()
-        shutil.rmtree(home, ignore_errors=True)
+def daemon(tools_daemon: Daemon) -> Daemon:
+    return tools_daemon
 
 
 def test_the_node_client_streams_a_chat_and_a_forced_tool_call(

@@ -19,9 +19,7 @@ its own model, which keeps `type`, `properties`, `required`, and per property `t
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -33,11 +31,11 @@ from blazar._proto.engine.v1 import engine_pb2
 from blazar._proto.v1 import inference_pb2
 from blazar.engine import tools as engine_tools
 from tests.integration import pinning
-from tests.integration.harness import Daemon, local_fleet, short_home
+from tests.integration.harness import TOOLS_LANE, Daemon
 
 pytestmark = pytest.mark.slow
 
-LANE = "ollama-tools"
+LANE = TOOLS_LANE
 HEADER = "x-blazar-tool-choice"
 PARALLEL = "x-blazar-parallel-tool-calls"
 TRIES = 20
@@ -79,18 +77,8 @@ QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
-def daemon(model_path: Path) -> Iterator[Daemon]:
-    home = short_home()
-    fleet = local_fleet(
-        home, model_path, lane=LANE, spec="replicas: 1, slots: 2, contextPerSlot: 2048"
-    )
-    d = Daemon(home=home, watch=fleet).start()
-    try:
-        d.wait_condition("lane", LANE, "Ready", timeout=240)
-        yield d
-    finally:
-        d.stop()
-        shutil.rmtree(home, ignore_errors=True)
+def daemon(tools_daemon: Daemon) -> Daemon:
+    return tools_daemon
 
 
 Clients = Callable[..., ollama.Client]

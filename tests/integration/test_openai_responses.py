@@ -6,15 +6,14 @@ As in test_openai_tools, nothing relies on what the weak base model chooses to w
 only on what Blazar guarantees: the shapes and order of the output and events, a
 forced call whose arguments validate (under a budget its grammar cannot outrun), a
 `text.format` schema that validates, usage that counts the reused prompt, and errors
-that name their parameter. One daemon for the module, few tokens per request.
+that name their parameter. One daemon (shared with the tool-calling modules), few
+tokens per request.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import jsonschema
@@ -26,13 +25,13 @@ from blazar._proto.v1 import inference_pb2
 from blazar.engine import schema as schemas
 from blazar.engine import tools as engine_tools
 from tests.integration import pinning
-from tests.integration.harness import Daemon, local_fleet, short_home
+from tests.integration.harness import TOOLS_CONTEXT_PER_SLOT, TOOLS_LANE, Daemon
 from tests.integration.test_openai_tools import QUESTION, TEMPERATURES, TIME_SCHEMA
 
 pytestmark = pytest.mark.slow
 
-LANE = "responses"
-CONTEXT_PER_SLOT = 4096
+LANE = TOOLS_LANE
+CONTEXT_PER_SLOT = TOOLS_CONTEXT_PER_SLOT
 TRIES = 20
 # test_openai_tools' tools in the Responses API's flat shape, but for the forecast's
 # unbounded `days` integer: the chat test covers it, and a model that writes long
@@ -71,21 +70,8 @@ ASK_TIME = "What time is it in Tokyo now?"
 
 
 @pytest.fixture(scope="module")
-def daemon(model_path: Path) -> Iterator[Daemon]:
-    home = short_home()
-    fleet = local_fleet(
-        home,
-        model_path,
-        lane=LANE,
-        spec=f"replicas: 1, slots: 2, contextPerSlot: {CONTEXT_PER_SLOT}",
-    )
-    d = Daemon(home=home, watch=fleet).start()
-    try:
-        d.wait_condition("lane", LANE, "Ready", timeout=240)
-        yield d
-    finally:
-        d.stop()
-        shutil.rmtree(home, ignore_errors=True)
+def daemon(tools_daemon: Daemon) -> Daemon:
+    return tools_daemon
 
 
 @pytest.fixture

@@ -12,9 +12,7 @@ calls; a tool set that cannot be served is a 400 that names the parameter.
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import jsonschema
@@ -25,11 +23,11 @@ from blazar._proto.engine.v1 import engine_pb2
 from blazar._proto.v1 import inference_pb2
 from blazar.engine import tools as engine_tools
 from tests.integration import pinning
-from tests.integration.harness import Daemon, local_fleet, short_home
+from tests.integration.harness import TOOLS_LANE, Daemon
 
 pytestmark = pytest.mark.slow
 
-LANE = "tools"
+LANE = TOOLS_LANE
 TRIES = 20
 TEMPERATURES = (0.0, 0.6, 1.0, 1.4)
 
@@ -77,18 +75,8 @@ QUESTION = [
 
 
 @pytest.fixture(scope="module")
-def daemon(model_path: Path) -> Iterator[Daemon]:
-    home = short_home()
-    fleet = local_fleet(
-        home, model_path, lane=LANE, spec="replicas: 1, slots: 2, contextPerSlot: 4096"
-    )
-    d = Daemon(home=home, watch=fleet).start()
-    try:
-        d.wait_condition("lane", LANE, "Ready", timeout=240)
-        yield d
-    finally:
-        d.stop()
-        shutil.rmtree(home, ignore_errors=True)
+def daemon(tools_daemon: Daemon) -> Daemon:
+    return tools_daemon
 
 
 @pytest.fixture
