@@ -28,9 +28,13 @@ def spawn(model_path: Path) -> Iterator[Spawner]:
     spawner.close()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def worker(model_path: Path) -> Iterator[Worker]:
-    """One worker shared by the tests that leave it as they found it."""
+    """One worker shared by the tests that leave it as they found it, in every module
+    that does not start its own: an engine loads the model once for all of them. What
+    they leave behind is what any engine keeps between requests (cached prefixes, log
+    lines), so a test reads only what it caused (a module that needs a fresh worker,
+    as test_engine_worker's Health test does, defines its own)."""
     spawner = Spawner(model_path)
     w = spawner()
     w.wait_ready()

@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -40,6 +40,17 @@ pytestmark = pytest.mark.slow
 PROMPT = "The capital of France is"
 # Printable ASCII: each token's text goes out at once (no split UTF-8 character waits).
 ASCII = inference_pb2.Constraint(grammar="root ::= [ -~]+")
+
+
+@pytest.fixture(scope="module")
+def worker(model_path: Path) -> Iterator[Worker]:
+    """This module's own worker: its first test reads a fresh worker's Health (no slot
+    has cached anything yet), which the session's shared one no longer is."""
+    spawner = Spawner(model_path)
+    w = spawner()
+    w.wait_ready()
+    yield w
+    spawner.close()
 
 
 # --- tests --------------------------------------------------------------------------------
