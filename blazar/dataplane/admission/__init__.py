@@ -118,6 +118,13 @@ SLO_UNATTAINABLE; and it never spills again, so no manifests make a cycle. Only 
 arrival spills: a ticket admitted here that later misses is refused here
 (`expire`), as without spillover.
 
+Gate. `gate(policy)` asks the same question of a probe, the smallest request there is
+(one prompt token, one to generate, no tenant, no session), arriving now: if even it is
+refused, every fresh request of that policy is, with the same reason, until something
+changes (an event; for SLO_UNATTAINABLE, also the work ahead draining by the amount
+the probe misses its target by). The data plane publishes closed gates so that the
+HTTP shim can refuse such requests without a round trip (`WatchAdmission`).
+
 Retry-after, from the same forecast (how fast this Lane drains), within
 [RETRY_AFTER_MIN_S, RETRY_AFTER_MAX_S]: for QUEUE_FULL, until the first ticket of the
 policy leaves the queue (starts or times out); for QUEUE_TIMEOUT, until the ticket's turn
@@ -135,7 +142,12 @@ tickets that will arrive later are not foreseen (a more urgent arrival may push 
 admitted ticket past its deadline, and `expire` then refuses it).
 """
 
-from blazar.dataplane.admission.queue import LaneQueue
+from blazar.dataplane.admission.queue import (
+    PROBE_ID,
+    PROBE_MAX_TOKENS,
+    PROBE_PROMPT_TOKENS,
+    LaneQueue,
+)
 from blazar.dataplane.admission.terms import (
     FIFO_MAX_QUEUE_DEPTH,
     FIFO_POLICY,
@@ -160,6 +172,9 @@ from blazar.dataplane.admission.terms import (
 __all__ = [
     "FIFO_MAX_QUEUE_DEPTH",
     "FIFO_POLICY",
+    "PROBE_ID",
+    "PROBE_MAX_TOKENS",
+    "PROBE_PROMPT_TOKENS",
     "RETRY_AFTER_MAX_S",
     "RETRY_AFTER_MIN_S",
     "RETRY_AFTER_UNKNOWN_S",

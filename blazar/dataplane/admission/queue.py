@@ -29,6 +29,12 @@ from blazar.dataplane.admission.terms import (
     Ticket,
 )
 
+# The probe `LaneQueue.gate` asks about: the smallest request there is. Its id sorts
+# after any uuid hex, so among tickets arriving at the same instant it comes last.
+PROBE_ID = "~probe"
+PROBE_PROMPT_TOKENS = 1
+PROBE_MAX_TOKENS = 1
+
 
 class LaneQueue:
     """The tickets waiting on one Lane, and the decisions about them."""
@@ -64,6 +70,48 @@ class LaneQueue:
         if ticket.id in self._waiting:
             raise ValueError(f"ticket {ticket.id!r} is already waiting")
         entry = Waiting(ticket, since=ticket.arrived)
+        decision = self._arrival(entry, now=now, view=view, spill=spill)
+        if isinstance(decision, Admit):
+            self._waiting[ticket.id] = entry
+        return decision
+
+    def gate(
+        self, policy: Policy, *, now: float, view: LaneView, spill: bool = False
+    ) -> Refuse | None:
+        """What `arrive` would answer now a probe of `policy`: the smallest request
+        (`PROBE_PROMPT_TOKENS` prompt token, `PROBE_MAX_TOKENS` to generate; no tenant,
+        no session, arriving now, after every waiting ticket of its tier), if it
+        refuses it; None when it would admit or spill it. Nothing changes.
+
+        A refused probe means every fresh request of `policy` (no tenant, no session)
+        is refused until something changes: the probe takes the same place in the
+        order as any such request (after the tickets waiting now), the slot it may take
+        does not depend on its size (so QUEUE_FULL, which depends only on the depth and
+        on an idle slot, refuses both), and a larger prompt only delays its own first
+        token (so SLO_UNATTAINABLE, a first token past the deadline also when preempting,
+        refuses the larger one too). What it generates decides nothing about its own
+        first token. With `spill` (the Lane names a spillover Lane), None for a policy
+        with a TTFT target: a request that misses it is offered to the spillover Lane,
+        and a request larger than the probe may miss it where the probe would not (a
+        QUEUE_FULL probe that meets its target is refused here; a larger one is
+        offered there)."""
+        if spill and policy.ttft_target_s is not None:
+            return None
+        probe = Ticket(
+            id=PROBE_ID,
+            policy=policy,
+            arrived=now,
+            prompt_tokens=PROBE_PROMPT_TOKENS,
+            max_tokens=PROBE_MAX_TOKENS,
+        )
+        decision = self._arrival(Waiting(probe, since=now), now=now, view=view, spill=spill)
+        return decision if isinstance(decision, Refuse) else None
+
+    def _arrival(
+        self, entry: Waiting, *, now: float, view: LaneView, spill: bool
+    ) -> Admit | Refuse | Spill:
+        """`arrive`'s decision for the fresh `entry`, which is not queued."""
+        ticket = entry.ticket
         fate = forecast(self._ordered(extra=entry), now=now, view=view)[ticket.id]
         policy = ticket.policy
         local: Admit | Refuse
@@ -81,8 +129,6 @@ class LaneQueue:
                 local = refusal(entry, replace(fate, refuse=Reason.SLO_UNATTAINABLE), now)
         elif spill and misses_target(entry, fate, now):
             return Spill(ticket, local)
-        if isinstance(local, Admit):
-            self._waiting[ticket.id] = entry
         return local
 
     def requeue(self, ticket: Ticket, *, now: float, resume: Resume | None = None) -> None:

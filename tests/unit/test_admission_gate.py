@@ -1,0 +1,288 @@
+"""The admission gate as tables: the queue's state + a policy -> would the smallest
+request be refused now (`LaneQueue.gate`), and that a refused probe means every larger
+request of the policy is refused too."""
+
+from __future__ import annotations
+
+import copy
+import random
+from dataclasses import replace
+
+import pytest
+
+from blazar.dataplane import admission
+from blazar.dataplane.admission import (
+    FIFO_POLICY,
+    Admit,
+    LaneQueue,
+    LaneView,
+    Policy,
+    Reason,
+    Refuse,
+    Resume,
+    Ticket,
+)
+from tests.unit.test_admission import (
+    BATCH,
+    BUSY,
+    CAPPED,
+    IDLE,
+    INTERACTIVE,
+    LONG,
+    NOBODY,
+    PATIENT,
+    POLICIES,
+    Engines,
+    held,
+    lane,
+    parking,
+    queue_of,
+    replica,
+    run,
+    ticket,
+)
+
+# Random traffic's policies, and one that refuses early yet can park nothing (its
+# priority is batch work's), so that its probe misses its target now and then.
+MIXED = [
+    *POLICIES,
+    replace(INTERACTIVE, name="low", priority=0, ttft_target_s=0.3, max_queue_depth=6),
+]
+
+# A slot that frees in 1 s (50 tokens at 0.02 s): a probe's first token well within 2 s.
+SOON = lane(replica(run("r", left=50)))
+
+
+def closed(
+    policy: Policy, reason: Reason, *, retry: float, predicted: float | None = None
+) -> Refuse:
+    probe = Ticket(
+        admission.PROBE_ID,
+        policy,
+        0.0,
+        admission.PROBE_PROMPT_TOKENS,
+        admission.PROBE_MAX_TOKENS,
+    )
+    return Refuse(probe, reason, retry, predicted_ttft_s=predicted)
+
+
+@pytest.mark.parametrize(
+    ("waiting", "view", "policy", "spill", "gate"),
+    [
+        # An idle slot takes any request at once: open.
+        ([], IDLE, INTERACTIVE, False, None),
+        # Nothing serves: nothing to forecast from, and the queue has room: open.
+        ([], NOBODY, INTERACTIVE, False, None),
+        # The slot frees in 2 s, the target is 2 s: even one prompt token misses it.
+        (
+            [],
+            BUSY,
+            INTERACTIVE,
+            False,
+            closed(INTERACTIVE, Reason.SLO_UNATTAINABLE, retry=0.1, predicted=2.001),
+        ),
+        # The same wait under onOverload: queue: it waits (within the depth): open.
+        ([], BUSY, PATIENT, False, None),
+        # A slot that frees in 1 s: a request as small as the probe meets the target.
+        ([], SOON, INTERACTIVE, False, None),
+        # ... until the policy's queue is full (depth 2): QUEUE_FULL, retry when the
+        # first of them starts (1 s).
+        (
+            [ticket("a", PATIENT, prompt=1), ticket("b", PATIENT, prompt=1)],
+            SOON,
+            PATIENT,
+            False,
+            closed(PATIENT, Reason.QUEUE_FULL, retry=1.0),
+        ),
+        # A full queue of another policy is not this policy's bound; but its tickets
+        # of the same priority come first (earlier deadlines) and push the probe late.
+        (
+            [ticket("a", PATIENT, prompt=1), ticket("b", PATIENT, prompt=1)],
+            lane(replica(run("r", left=50), slots=1), replica(index=1, slots=1, step=0.02)),
+            INTERACTIVE,
+            False,
+            None,
+        ),
+        # Priorities: batch work waiting does not delay an interactive probe ...
+        (
+            [ticket("a", BATCH), ticket("b", BATCH)],
+            SOON,
+            INTERACTIVE,
+            False,
+            None,
+        ),
+        # ... and a full batch queue refuses batch work whatever an idle slot elsewhere
+        # would not take (its cap): the probe cannot start now, and may not wait.
+        (
+            [ticket("a", CAPPED), ticket("b", CAPPED)],
+            lane(replica(held("x"), held("y"), slots=3)),
+            replace(CAPPED, max_queue_depth=2),
+            False,
+            closed(replace(CAPPED, max_queue_depth=2), Reason.QUEUE_FULL, retry=2.0),
+        ),
+        # Preemption: a long batch generation on a replica that may park it: the
+        # probe would take its slot: open.
+        ([], lane(parking(LONG)), INTERACTIVE, False, None),
+        # ... not when parking it would pass the replica's bound: the probe misses.
+        (
+            [],
+            lane(parking(LONG, parked=950)),
+            INTERACTIVE,
+            False,
+            closed(INTERACTIVE, Reason.SLO_UNATTAINABLE, retry=18.001, predicted=20.001),
+        ),
+        # ... nor work of its own priority.
+        (
+            [],
+            lane(parking(run("long", priority=100, left=1000, kv=100))),
+            INTERACTIVE,
+            False,
+            closed(INTERACTIVE, Reason.SLO_UNATTAINABLE, retry=18.001, predicted=20.001),
+        ),
+        # Spillover: a probe that misses here is offered to the spillover Lane, which
+        # decides: open.
+        ([], BUSY, INTERACTIVE, True, None),
+        # ... and a full queue too: the probe would meet its target here (three slots
+        # free in 1 s, one for each waiting ticket and one for it) and be refused, but
+        # a larger request may miss it, and is offered there.
+        (
+            [ticket("a", PATIENT, prompt=1), ticket("b", PATIENT, prompt=1)],
+            lane(replica(*(run(f"r{i}", left=50) for i in range(3)), slots=3)),
+            PATIENT,
+            True,
+            None,
+        ),
+        # A policy without a target never spills: its full queue refuses.
+        (
+            [ticket("a", BATCH), ticket("b", BATCH)],
+            BUSY,
+            BATCH,
+            True,
+            closed(BATCH, Reason.QUEUE_FULL, retry=2.0),
+        ),
+        # The built-in FIFO: no target, a deep queue: open.
+        ([ticket("a"), ticket("b")], BUSY, FIFO_POLICY, False, None),
+    ],
+)
+def test_gate(
+    waiting: list[Ticket], view: LaneView, policy: Policy, spill: bool, gate: Refuse | None
+) -> None:
+    queue = queue_of(*waiting, view=view)
+    before = queue.tickets()
+    found = queue.gate(policy, now=0.0, view=view, spill=spill)
+    if gate is None:
+        assert found is None
+    else:
+        assert found == replace(
+            gate,
+            retry_after_s=pytest.approx(gate.retry_after_s),
+            predicted_ttft_s=found
+            and (
+                pytest.approx(gate.predicted_ttft_s) if gate.predicted_ttft_s is not None else None
+            ),
+        )
+    # Asking changes nothing.
+    assert queue.tickets() == before
+    assert admission.PROBE_ID not in queue
+
+
+def test_a_closed_gate_refuses_larger_requests_alike() -> None:
+    """The probe's refusal stands for a request of any size of its policy, with the
+    same reason; a larger one's first token is only later."""
+    queue = LaneQueue()
+    gate = queue.gate(INTERACTIVE, now=0.0, view=BUSY)
+    assert gate is not None
+    for prompt, max_tokens in [(1, 1), (1, 4000), (500, 50), (1500, 1)]:
+        decision = queue.arrive(
+            ticket(f"t{prompt}-{max_tokens}", INTERACTIVE, prompt=prompt, max_tokens=max_tokens),
+            now=0.0,
+            view=BUSY,
+        )
+        assert isinstance(decision, Refuse)
+        assert decision.reason == gate.reason
+        assert decision.predicted_ttft_s is not None and gate.predicted_ttft_s is not None
+        assert decision.predicted_ttft_s >= gate.predicted_ttft_s
+
+
+def test_a_probe_comes_after_tickets_that_arrived_with_it() -> None:
+    """A ticket that arrived at the same instant waits ahead of the probe, as it would
+    ahead of any later request."""
+    queue = queue_of(ticket("a", INTERACTIVE, prompt=1, arrived=0.0), view=SOON)
+    # One slot, freeing in 1 s: "a" takes it; the probe would wait for "a" too.
+    view = lane(replica(run("r", left=50)))
+    gate = queue.gate(INTERACTIVE, now=0.0, view=view)
+    assert gate is not None and gate.reason == Reason.SLO_UNATTAINABLE
+
+
+@pytest.mark.parametrize("spill", [False, True])
+@pytest.mark.parametrize("lateness", [1.0, 2.0])
+@pytest.mark.parametrize("seed", range(4))
+def test_a_refused_probe_means_every_request_is_refused(
+    seed: int, lateness: float, spill: bool
+) -> None:
+    """Random traffic on two replicas that park, with priorities, caps and bounds:
+    whenever the gate of a policy is closed, a fresh request of that policy of any
+    size arriving then (no tenant, no session) is refused with the same reason. With a
+    spillover Lane the gate of a policy with a target never closes: a larger request
+    may miss its target where the probe would not, and is offered there."""
+    rng = random.Random(seed)
+    queue = LaneQueue()
+    engines = Engines(lateness=lateness)
+    tickets: dict[str, Ticket] = {}
+    now = 0.0
+    checked = {reason: 0 for reason in (Reason.QUEUE_FULL, Reason.SLO_UNATTAINABLE)}
+    for step in range(300):
+        now += rng.choice([0.0, 0.01, 0.05, 0.2])
+        engines.step(rng)
+        view = engines.view()
+        for policy in MIXED:
+            gate = queue.gate(policy, now=now, view=view, spill=spill)
+            if gate is None:
+                continue
+            # A request the shim holds to the gate arrives after it was computed.
+            later = now + 1e-6
+            larger = ticket(
+                "larger",
+                policy,
+                arrived=later,
+                prompt=rng.randint(1, 1500),
+                max_tokens=rng.randint(1, 400),
+            )
+            decision = copy.deepcopy(queue).arrive(larger, now=later, view=view, spill=spill)
+            assert isinstance(decision, Refuse), (policy.name, gate, decision)
+            assert decision.reason == gate.reason
+            checked[gate.reason] += 1
+        op = rng.random()
+        if op < 0.5:
+            policy = rng.choice(MIXED)
+            t = ticket(
+                f"t{step}",
+                policy,
+                arrived=now,
+                prompt=rng.randint(10, 1500),
+                max_tokens=rng.randint(1, 60 if policy.priority else 400),
+            )
+            tickets[t.id] = t
+            queue.arrive(t, now=now, view=view, spill=spill)
+        elif op < 0.75:
+            for d in queue.dispatch(now=now, view=view):
+                engines.start(d.ticket, d.replica)
+            queue.expire(now=now, view=engines.view())
+        else:
+            preempt = queue.preemption(now=now, view=view)
+            if preempt is not None:
+                index, victim = engines.running.pop(preempt.victim)
+                engines.parked[victim.id] = (index, victim)
+                queue.requeue(tickets[victim.id], now=now, resume=Resume(index, victim.tokens_left))
+                engines.start(preempt.ticket, index)
+    # Both kinds of closed gate were seen and checked (only QUEUE_FULL with spillover).
+    assert checked[Reason.QUEUE_FULL]
+    assert spill or checked[Reason.SLO_UNATTAINABLE], checked
+
+
+def test_admit_is_what_arrive_answers_an_open_gate() -> None:
+    """An open gate and an arrival of the probe's size agree: it is admitted."""
+    queue = LaneQueue()
+    assert queue.gate(INTERACTIVE, now=0.0, view=SOON) is None
+    decision = queue.arrive(ticket("t", INTERACTIVE, prompt=1, max_tokens=1), now=0.0, view=SOON)
+    assert isinstance(decision, Admit)
