@@ -5,7 +5,8 @@ metadata `authorization: Bearer <key>`) and renders the refusals.
 Every RPC passes `AccessInterceptor` first, which sorts methods into three kinds:
 
 - Open: `grpc.health.v1.Health` and server reflection (what the API looks like is
-  public; the shim's `/healthz` reads health).
+  public; the shim's `/healthz` reads health), and `Inference.WatchAdmission`, which
+  lists no gate while an auth file is in force.
 - Inference (`blazar.v1.Inference`): with no auth file, anyone who reaches the port;
   the daemon then binds loopback only (`blazar.cli.daemon`). With one, a key that one
   of its tenants holds, else UNAUTHENTICATED. The tenant uses the Lanes it lists
@@ -50,6 +51,9 @@ AUTHORIZATION_KEY = "authorization"
 INFERENCE_PREFIX = "/blazar.v1.Inference/"
 CONTROL_PREFIX = "/blazar.v1.Control/"
 LIST_MODELS = INFERENCE_PREFIX + "ListModels"
+# Open to every caller: it lists no gate while keys are in force (the HTTP shim
+# follows it with no key of its own).
+WATCH_ADMISSION = INFERENCE_PREFIX + "WatchAdmission"
 _OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 # A peer that came through a Unix socket, as gRPC names it.
 _UNIX_PEER = "unix:"
@@ -64,7 +68,7 @@ class Kind(StrEnum):
 
 
 def kind_of(method: str) -> Kind:
-    if method.startswith(_OPEN_PREFIXES):
+    if method.startswith(_OPEN_PREFIXES) or method == WATCH_ADMISSION:
         return Kind.OPEN
     if method.startswith(INFERENCE_PREFIX):
         return Kind.INFERENCE

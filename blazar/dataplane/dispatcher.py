@@ -202,8 +202,11 @@ class LaneDispatcher:
         *,
         parker: Parker,
         clock: Callable[[], float] = time.monotonic,
+        on_decided: Callable[[str], None] | None = None,
     ) -> None:
+        """`on_decided(lane)` after every round of decisions (`gates.GatePublisher`)."""
         self.lane = route.lane
+        self._on_decided = on_decided
         self.measurements = LaneMeasurements()
         self.throughput = throughput.Throughput()
         # Per policy name; read by the Control API (`blazar get slopolicies`).
@@ -357,6 +360,22 @@ class LaneDispatcher:
     def running(self) -> int:
         return len(self._running)
 
+    def named(self) -> list[str]:
+        """The names of the policies this Lane's requests have run under."""
+        return list(self._policies)
+
+    def gates(
+        self, policies: Iterable[admission.Policy], *, spill: bool
+    ) -> dict[str, admission.Refuse | None]:
+        """By policy name, what admission would answer the smallest request of that
+        policy now (`admission.LaneQueue.gate`): its refusal, or None (admitted)."""
+        now = self._clock()
+        view = self._view()
+        return {
+            policy.name: self._queue.gate(policy, now=now, view=view, spill=spill)
+            for policy in policies
+        }
+
     def tokens_per_second(self) -> float:
         """Tokens generated per second by requests that finished lately (`throughput`)."""
         return self.throughput.rate(self._clock())
@@ -393,6 +412,8 @@ class LaneDispatcher:
                     # waits (or came back from a replica that died) would wait for nothing.
                     self._fail_all(stranded)
                 self._decide()
+                if self._on_decided is not None:
+                    self._on_decided(self.lane)
             except Exception:
                 # A bug here must not leave every waiting caller hanging: they get an
                 # error, and the Lane keeps admitting.
@@ -792,9 +813,10 @@ class Dispatchers:
     Created on the data plane's event loop; `update` may be called from any thread
     (store writes notify their subscribers on the writer's thread)."""
 
-    def __init__(self, *, parker: Parker) -> None:
+    def __init__(self, *, parker: Parker, on_decided: Callable[[str], None] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
         self._parker = parker
+        self._on_decided = on_decided
         self._lanes: dict[str, LaneDispatcher] = {}
         self._closed = False
 
@@ -824,7 +846,9 @@ class Dispatchers:
         for lane, route in routes.items():
             found = self._lanes.get(lane)
             if found is None:
-                self._lanes[lane] = LaneDispatcher(route, parker=self._parker)
+                self._lanes[lane] = LaneDispatcher(
+                    route, parker=self._parker, on_decided=self._on_decided
+                )
             else:
                 found.update(route)
 

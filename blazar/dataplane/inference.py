@@ -44,6 +44,7 @@ from blazar.dataplane import (
     admission,
     attempt,
     dispatcher,
+    gates,
     metrics,
     parking,
     policies,
@@ -54,7 +55,7 @@ from blazar.enginehost import upstream_convert
 from blazar.enginehost.activity import Activity, sleeps_in
 from blazar.enginehost.client import EnginePool
 from blazar.enginehost.upstream import UpstreamPool
-from blazar.rpc import status
+from blazar.rpc import refusals, status
 from blazar.store.base import Store, WatchEvent
 
 log = structlog.get_logger(__name__)
@@ -119,8 +120,18 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         self._attempts = attempt.Attempts(pool=pool, access=self._access, upstreams=self._upstreams)
         self._sessions = routing.Sessions()
         self._prefixes: dict[str, prefixes.PrefixIndex] = {}
-        self._dispatchers = dispatcher.Dispatchers(parker=parker or parking.EngineParker(pool))
         self.table = routing.RouteTable()
+        self._gates = gates.GatePublisher(
+            table=lambda: self.table,
+            policies=self._stored_policies,
+            lane_policy=self._lane_policy,
+            named=self._named_policies,
+            source=self._lane_gates,
+            enabled=lambda: self._access.tenants is None,
+        )
+        self._dispatchers = dispatcher.Dispatchers(
+            parker=parker or parking.EngineParker(pool), on_decided=self._gates.mark
+        )
         # SLOPolicies by name, as the store holds them: read by every request, so kept
         # here and replaced when one changes, not read from the store each time.
         self._slo_policies: dict[str, SLOPolicySpec] = {}
@@ -199,6 +210,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         """Stop following the store, and end every Lane's admission task; requests still
         waiting are refused as UNAVAILABLE (the server is shutting down)."""
         self._unsubscribe()
+        await self._gates.close()
         await self._dispatchers.close()
         await self._upstreams.close()
 
@@ -234,6 +246,8 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                 met += figures.met
                 targeted += figures.targeted
                 refused.update(figures.refused)
+            # Refused by the HTTP shim from a closed gate, as admission would have.
+            refused.update(refusals.gated(name))
             live: dict[str, Any] = {
                 "queued": queued,
                 "firstTokens": first_tokens,
@@ -799,6 +813,33 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
 
     def _policy_spec(self, name: str) -> SLOPolicySpec | None:
         return self._slo_policies.get(name)
+
+    async def WatchAdmission(
+        self, request: inference_pb2.WatchAdmissionRequest, context: Context
+    ) -> AsyncIterator[inference_pb2.AdmissionGates]:
+        async for message in self._gates.watch():
+            yield message
+
+    def _stored_policies(self) -> dict[str, admission.Policy]:
+        return {name: admission.Policy.of(name, spec) for name, spec in self._slo_policies.items()}
+
+    def _lane_policy(self, route: routing.Route) -> admission.Policy:
+        return policies.resolve("", lane_policy=route.slo_policy, lookup=self._policy_spec)
+
+    def _named_policies(self, lane: str) -> list[str]:
+        found = self._dispatchers.of(lane)
+        return found.named() if found is not None else []
+
+    def _lane_gates(
+        self, lane: str, wanted: list[admission.Policy], spill: bool
+    ) -> gates.LaneGates | None:
+        found = self._dispatchers.of(lane)
+        if found is None:
+            return None
+        return gates.LaneGates(
+            refusals=found.gates(wanted, spill=spill),
+            chars_per_token=found.measurements.chars_per_token,
+        )
 
 
 def _budget(

@@ -275,8 +275,12 @@ class LaneMeasurements:
 
     def prompt_tokens(self, chars: int) -> int:
         """An estimate of a prompt's tokens from its characters, before tokenizing it."""
-        ratio = self._chars_per_token.value or DEFAULT_CHARS_PER_TOKEN
-        return max(1, math.ceil(chars / ratio))
+        return max(1, math.ceil(chars / self.chars_per_token))
+
+    @property
+    def chars_per_token(self) -> float:
+        """The characters a prompt token stands for, as measured (a default before)."""
+        return self._chars_per_token.value or DEFAULT_CHARS_PER_TOKEN
 
     @property
     def completion_share(self) -> dict[str, float]:

@@ -2,7 +2,9 @@
 and of each Lane's admission queue (by SLOPolicy: `builtin:fifo` for a Lane without one).
 
 They live in prometheus-client's default registry of the daemon process; the HTTP
-shim, which runs in the same process, serves them at GET /metrics.
+shim, which runs in the same process, serves them at GET /metrics. The counts of
+requests, rejections and queue waits are `blazar.rpc.refusals`' (the shim counts its
+own refusals there too).
 """
 
 from __future__ import annotations
@@ -11,11 +13,11 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from blazar._proto.v1 import inference_pb2
 
-REQUESTS = Counter(
-    "blazar_requests_total",
-    "Generation requests by lane and outcome (ok, cancelled, or the error reason).",
-    ["lane", "outcome"],
-)
+# Counted by the HTTP shim too, for the refusals it answers from admission gates.
+from blazar.rpc.refusals import QUEUE_WAIT as QUEUE_WAIT
+from blazar.rpc.refusals import REJECTIONS as REJECTIONS
+from blazar.rpc.refusals import REQUESTS as REQUESTS
+
 IN_FLIGHT = Gauge(
     "blazar_requests_in_flight",
     "Generation requests sent to a lane's engines and not finished: waiting for a slot "
@@ -53,17 +55,6 @@ QUEUE_DEPTH = Gauge(
     "blazar_queue_depth",
     "Requests waiting in a lane's admission queue for a slot, by SLOPolicy.",
     ["lane", "policy"],
-)
-QUEUE_WAIT = Histogram(
-    "blazar_queue_wait_seconds",
-    "Time a request waited in its lane's admission queue, until it started or was refused.",
-    ["lane", "policy"],
-    buckets=(0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
-)
-REJECTIONS = Counter(
-    "blazar_admission_rejections_total",
-    "Requests refused by admission, by reason: QUEUE_FULL, QUEUE_TIMEOUT, SLO_UNATTAINABLE.",
-    ["lane", "policy", "reason"],
 )
 SPILLOVERS = Counter(
     "blazar_spillovers_total",

@@ -29,7 +29,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from blazar.api import errors
-from blazar.shim import browsers, context, inference, loops
+from blazar.shim import browsers, context, gates, inference, loops
 from blazar.shim.anthropic import routes as anthropic_routes
 from blazar.shim.ollama import routes as ollama_routes
 from blazar.shim.openai import routes as openai_routes
@@ -54,10 +54,13 @@ def create_app(
             )
         else:
             channel = grpc.aio.insecure_channel(inference_target, options=channel_options)
-        app.state.inference = inference.InferenceClient(channel)
+        client = inference.InferenceClient(channel)
+        app.state.inference = client
+        app.state.gates = gates.AdmissionGates()
         app.state.probe_metadata = (("authorization", f"Bearer {probe_key}"),) if probe_key else ()
         try:
-            yield
+            async with gates.following(app.state.gates, client.watch_admission):
+                yield
         finally:
             # Cancels RPCs still open; uvicorn has already drained HTTP connections.
             await channel.close()

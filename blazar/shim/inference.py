@@ -159,6 +159,13 @@ class InferenceClient:
         )
         return response
 
+    def watch_admission(self) -> grpc.aio.UnaryStreamCall[Any, inference_pb2.AdmissionGates]:
+        """The daemon's closed admission gates, as they change (`blazar.shim.gates`)."""
+        call: grpc.aio.UnaryStreamCall[Any, inference_pb2.AdmissionGates] = (
+            self._inference.WatchAdmission(inference_pb2.WatchAdmissionRequest())
+        )
+        return call
+
     async def serving(self) -> bool:
         """True when the daemon's overall health (service "") is SERVING."""
         try:

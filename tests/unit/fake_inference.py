@@ -97,6 +97,16 @@ class FakeInference(inference_pb2_grpc.InferenceServicer):
     predicted_ttft_ms: int | None = None
     # Every KeepAlive call (loads and unloads), in order.
     keep_alives: list[inference_pb2.KeepAliveRequest] = field(default_factory=list)
+    # What WatchAdmission streams, in order (None ends the stream).
+    admission: asyncio.Queue[inference_pb2.AdmissionGates | None] = field(
+        default_factory=asyncio.Queue
+    )
+
+    async def WatchAdmission(
+        self, request: Any, context: Any
+    ) -> AsyncIterator[inference_pb2.AdmissionGates]:
+        while (message := await self.admission.get()) is not None:
+            yield message
 
     async def Chat(self, request: Any, context: Any) -> AsyncIterator[inference_pb2.Chunk]:
         async for chunk in self._play(request, context):

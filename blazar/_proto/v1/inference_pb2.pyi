@@ -21,6 +21,49 @@ FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_CANCELLED: FinishReason
 FINISH_REASON_TOOL_CALLS: FinishReason
 
+class WatchAdmissionRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class AdmissionGates(_message.Message):
+    __slots__ = ("closed", "refresh_ms")
+    CLOSED_FIELD_NUMBER: _ClassVar[int]
+    REFRESH_MS_FIELD_NUMBER: _ClassVar[int]
+    closed: _containers.RepeatedCompositeFieldContainer[AdmissionGate]
+    refresh_ms: int
+    def __init__(self, closed: _Optional[_Iterable[_Union[AdmissionGate, _Mapping]]] = ..., refresh_ms: _Optional[int] = ...) -> None: ...
+
+class AdmissionGate(_message.Message):
+    __slots__ = ("lane", "models", "policy", "lane_policy", "reason", "message", "metadata", "closed_for_ms", "chars_per_token", "context_tokens")
+    class MetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    LANE_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    LANE_POLICY_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    CLOSED_FOR_MS_FIELD_NUMBER: _ClassVar[int]
+    CHARS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    lane: str
+    models: _containers.RepeatedScalarFieldContainer[str]
+    policy: str
+    lane_policy: bool
+    reason: str
+    message: str
+    metadata: _containers.ScalarMap[str, str]
+    closed_for_ms: int
+    chars_per_token: float
+    context_tokens: int
+    def __init__(self, lane: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ..., policy: _Optional[str] = ..., lane_policy: _Optional[bool] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., closed_for_ms: _Optional[int] = ..., chars_per_token: _Optional[float] = ..., context_tokens: _Optional[int] = ...) -> None: ...
+
 class KeepAliveRequest(_message.Message):
     __slots__ = ("model", "keep_alive_s")
     MODEL_FIELD_NUMBER: _ClassVar[int]

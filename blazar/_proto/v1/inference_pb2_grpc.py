@@ -73,6 +73,11 @@ class InferenceStub:
                 request_serializer=blazar_dot_v1_dot_inference__pb2.KeepAliveRequest.SerializeToString,
                 response_deserializer=blazar_dot_v1_dot_inference__pb2.KeepAliveResponse.FromString,
                 _registered_method=True)
+        self.WatchAdmission = channel.unary_stream(
+                '/blazar.v1.Inference/WatchAdmission',
+                request_serializer=blazar_dot_v1_dot_inference__pb2.WatchAdmissionRequest.SerializeToString,
+                response_deserializer=blazar_dot_v1_dot_inference__pb2.AdmissionGates.FromString,
+                _registered_method=True)
 
 
 class InferenceServicer:
@@ -134,6 +139,23 @@ class InferenceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchAdmission(self, request, context):
+        """WatchAdmission streams the admission gates that are closed: per Lane and
+        SLOPolicy, whether admission refuses even the smallest request (one prompt token,
+        one to generate) now, and so every request of that policy on that Lane, with the
+        refusal it answers. A proxy in front of Blazar (its own HTTP shim is one) may
+        answer such requests itself instead of calling Chat or Complete. The first
+        message is the state at once; then a message comes whenever it changes, and at
+        least every `refresh_ms` while the daemon is deciding: a stream that has said
+        nothing for longer than twice that is stale, and its gates no longer hold. Each
+        message is whole: a gate it does not list is open. Only while the daemon serves
+        without API keys: with keys (tenants, rate limits and fair share decide first),
+        no gate is ever listed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -166,6 +188,11 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.KeepAlive,
                     request_deserializer=blazar_dot_v1_dot_inference__pb2.KeepAliveRequest.FromString,
                     response_serializer=blazar_dot_v1_dot_inference__pb2.KeepAliveResponse.SerializeToString,
+            ),
+            'WatchAdmission': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchAdmission,
+                    request_deserializer=blazar_dot_v1_dot_inference__pb2.WatchAdmissionRequest.FromString,
+                    response_serializer=blazar_dot_v1_dot_inference__pb2.AdmissionGates.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -338,6 +365,33 @@ class Inference:
             '/blazar.v1.Inference/KeepAlive',
             blazar_dot_v1_dot_inference__pb2.KeepAliveRequest.SerializeToString,
             blazar_dot_v1_dot_inference__pb2.KeepAliveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchAdmission(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/blazar.v1.Inference/WatchAdmission',
+            blazar_dot_v1_dot_inference__pb2.WatchAdmissionRequest.SerializeToString,
+            blazar_dot_v1_dot_inference__pb2.AdmissionGates.FromString,
             options,
             channel_credentials,
             insecure,

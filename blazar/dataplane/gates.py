@@ -1,0 +1,229 @@
+"""Admission gates: which (Lane, SLOPolicy) pairs refuse every fresh request now, as
+`WatchAdmission` streams them (see inference.proto).
+
+After every decision of a Lane's admission task (`dispatcher.LaneDispatcher`), and at
+least every `REFRESH_S`, the Lane's gates are asked again of its queue
+(`admission.LaneQueue.gate`: would the smallest request be refused?), for its own
+policy and for every policy its requests have named, each as the store holds it now.
+Only a Lane that admission would reach with a request is gated: one with a ready
+replica (a sleeping Lane wakes instead) and of local engines (an upstream Lane refuses
+some requests before admission). The closed gates go to every watcher when they
+change, and at least every `REFRESH_S` (a heartbeat: a watcher that hears nothing for
+longer knows its copy is stale). With API keys in force no gate is listed: a key's
+tenant, rate limit and fair share decide before admission, and a caller without a key
+is due a 401, not a 429.
+
+The publisher is one object on the data plane's event loop: `mark` (from the
+dispatchers) schedules one flush for the Lanes that changed, however many events
+came at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+from blazar._proto.v1 import inference_pb2
+from blazar.api import errors
+from blazar.dataplane import admission, routing
+
+# The longest a watcher hears nothing while the stream is healthy.
+REFRESH_S = 0.5
+
+
+@dataclass(frozen=True)
+class LaneGates:
+    """What one Lane's admission task answers for its gates (`LaneDispatcher.gates`)."""
+
+    # By policy name, the refusal of the smallest request (None: open).
+    refusals: Mapping[str, admission.Refuse | None]
+    chars_per_token: float
+
+
+# What the publisher asks of a Lane's admission task: its gates for these policies
+# (None when the Lane has no admission task).
+GateSource = Callable[[str, list[admission.Policy], bool], LaneGates | None]
+
+
+def gate_message(
+    route: routing.Route,
+    policy: admission.Policy,
+    refusal: admission.Refuse,
+    *,
+    lane_policy: bool,
+    names: Iterable[str],
+    chars_per_token: float,
+) -> inference_pb2.AdmissionGate:
+    """One closed gate as WatchAdmission lists it: the refusal a request gets."""
+    err: errors.BlazarError = refusal.error(route.lane)
+    gate = inference_pb2.AdmissionGate(
+        lane=route.lane,
+        models=sorted(names),
+        policy=policy.name,
+        lane_policy=lane_policy,
+        reason=err.reason,
+        message=err.message,
+        metadata=err.metadata,
+        chars_per_token=chars_per_token,
+        context_tokens=route.context_length,
+    )
+    if refusal.reason == admission.Reason.SLO_UNATTAINABLE:
+        # It holds while the work ahead drains by what the probe misses its target by.
+        target = policy.ttft_target_s or 0.0
+        predicted = refusal.predicted_ttft_s or 0.0
+        gate.closed_for_ms = max(0, math.floor((predicted - target) * 1000))
+    return gate
+
+
+class GatePublisher:
+    """The closed gates of every Lane, and the watchers they go to (module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        table: Callable[[], routing.RouteTable],
+        policies: Callable[[], Mapping[str, admission.Policy]],
+        lane_policy: Callable[[routing.Route], admission.Policy],
+        named: Callable[[str], Iterable[str]],
+        source: GateSource,
+        enabled: Callable[[], bool],
+        clock: Callable[[], float] = time.monotonic,
+        refresh_s: float = REFRESH_S,
+    ) -> None:
+        """`table`: the route table now; `policies`: the stored SLOPolicies by name;
+        `lane_policy`: the policy a Lane's requests naming none run under; `named`:
+        the policies a Lane's requests have named; `source`: a Lane's gates;
+        `enabled`: False while API keys are in force."""
+        self._table = table
+        self._policies = policies
+        self._lane_policy = lane_policy
+        self._named = named
+        self._source = source
+        self._enabled = enabled
+        self._clock = clock
+        self._refresh_s = refresh_s
+        self._loop = asyncio.get_running_loop()
+        self._gates: dict[str, list[inference_pb2.AdmissionGate]] = {}
+        self._dirty: set[str] = set()
+        self._scheduled = False
+        self._message = inference_pb2.AdmissionGates(refresh_ms=round(refresh_s * 1000))
+        self._sent_at = -math.inf
+        self._watchers: set[_Watcher] = set()
+        self._ticker = self._loop.create_task(self._tick(), name="admission-gates")
+
+    def mark(self, lane: str) -> None:
+        """The Lane's admission decided something: flush its gates soon (once for every
+        Lane marked before the flush runs)."""
+        self._dirty.add(lane)
+        if not self._scheduled:
+            self._scheduled = True
+            self._loop.call_soon(self._flush)
+
+    def snapshot(self) -> inference_pb2.AdmissionGates:
+        return self._message
+
+    async def watch(self) -> AsyncIterator[inference_pb2.AdmissionGates]:
+        """The gates now, then each change (and a heartbeat) until the caller leaves."""
+        watcher = _Watcher(self._message)
+        self._watchers.add(watcher)
+        try:
+            while True:
+                yield await watcher.next()
+        finally:
+            self._watchers.discard(watcher)
+
+    async def close(self) -> None:
+        self._ticker.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._ticker
+
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(self._refresh_s / 2)
+            # Every Lane again: time passes (work drains), keys and policies change.
+            self._dirty.update(route.lane for route in self._table().routes)
+            self._dirty.update(self._gates)
+            self._flush()
+
+    def _flush(self) -> None:
+        self._scheduled = False
+        dirty, self._dirty = self._dirty, set()
+        table = self._table()
+        routes = {route.lane: route for route in table.routes}
+        enabled = self._enabled()
+        for lane in dirty:
+            route = routes.get(lane)
+            gates = self._lane(route, table) if enabled and route is not None else []
+            if gates:
+                self._gates[lane] = gates
+            else:
+                self._gates.pop(lane, None)
+        closed = [gate for lane in sorted(self._gates) for gate in self._gates[lane]]
+        now = self._clock()
+        changed = list(self._message.closed) != closed
+        if not changed and now - self._sent_at < self._refresh_s:
+            return
+        message = inference_pb2.AdmissionGates(
+            closed=closed, refresh_ms=round(self._refresh_s * 1000)
+        )
+        self._message = message
+        self._sent_at = now
+        for watcher in self._watchers:
+            watcher.put(message)
+
+    def _lane(
+        self, route: routing.Route, table: routing.RouteTable
+    ) -> list[inference_pb2.AdmissionGate]:
+        if not route.replicas or route.upstream is not None:
+            return []
+        own = self._lane_policy(route)
+        stored = self._policies()
+        policies = {own.name: own}
+        for name in self._named(route.lane):
+            if name in stored:
+                policies.setdefault(name, stored[name])
+        spill = route.spillover is not None
+        found = self._source(route.lane, list(policies.values()), spill)
+        if found is None:
+            return []
+        names = [name for name, to in table.by_name.items() if to.lane == route.lane]
+        gates = []
+        for name, policy in sorted(policies.items()):
+            refusal = found.refusals.get(name)
+            if refusal is None:
+                continue
+            gates.append(
+                gate_message(
+                    route,
+                    policy,
+                    refusal,
+                    lane_policy=name == own.name,
+                    names=names,
+                    chars_per_token=found.chars_per_token,
+                )
+            )
+        return gates
+
+
+class _Watcher:
+    """One WatchAdmission stream: only the latest message matters."""
+
+    def __init__(self, first: inference_pb2.AdmissionGates) -> None:
+        self._latest: inference_pb2.AdmissionGates | None = first
+        self._ready = asyncio.Event()
+        self._ready.set()
+
+    def put(self, message: inference_pb2.AdmissionGates) -> None:
+        self._latest = message
+        self._ready.set()
+
+    async def next(self) -> inference_pb2.AdmissionGates:
+        await self._ready.wait()
+        self._ready.clear()
+        message = self._latest
+        assert message is not None
+        return message

@@ -1,0 +1,298 @@
+"""The shim's admission gates: which requests a closed gate refuses without a round
+trip, and that such a refusal is the daemon's own, rendered and counted the same."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+import prometheus_client
+import pytest
+
+from blazar._proto.v1 import inference_pb2
+from blazar.api import errors
+from blazar.rpc import refusals
+from blazar.shim import app as shim_app
+from blazar.shim import gates
+from tests.unit.fake_inference import Daemon, fake_daemon, poll
+
+FULL = errors.QueueFull.of(
+    lane="lane-a", policy="interactive", max_queue_depth=4, retry_after_s=2.5
+)
+LATE = errors.SloUnattainable.of(
+    lane="lane-a",
+    policy="interactive",
+    predicted_ttft_s=3.0,
+    ttft_target_s=2.0,
+    retry_after_s=1.0,
+)
+
+
+def gate(
+    err: errors.BlazarError = FULL,
+    *,
+    lane: str = "lane-a",
+    models: tuple[str, ...] = ("lane-a", "tiny"),
+    policy: str = "interactive",
+    lane_policy: bool = True,
+    closed_for_ms: int | None = None,
+    chars_per_token: float = 4.0,
+    context_tokens: int = 100,
+) -> inference_pb2.AdmissionGate:
+    found = inference_pb2.AdmissionGate(
+        lane=lane,
+        models=models,
+        policy=policy,
+        lane_policy=lane_policy,
+        reason=err.reason,
+        message=err.message,
+        metadata=err.metadata,
+        chars_per_token=chars_per_token,
+        context_tokens=context_tokens,
+    )
+    if closed_for_ms is not None:
+        found.closed_for_ms = closed_for_ms
+    return found
+
+
+def message(
+    *closed: inference_pb2.AdmissionGate, refresh_ms: int = 500
+) -> inference_pb2.AdmissionGates:
+    return inference_pb2.AdmissionGates(closed=closed, refresh_ms=refresh_ms)
+
+
+def complete(
+    model: str = "tiny",
+    *,
+    prompt: str = "Hi",
+    slo: str = "",
+    session: str = "",
+    max_tokens: int | None = None,
+) -> inference_pb2.CompleteRequest:
+    request = inference_pb2.CompleteRequest(model=model, prompt=prompt, slo=slo, session=session)
+    if max_tokens is not None:
+        request.sampling.max_tokens = max_tokens
+    return request
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def following(*closed: inference_pb2.AdmissionGate) -> tuple[gates.AdmissionGates, Clock]:
+    clock = Clock()
+    found = gates.AdmissionGates(clock=clock)
+    found.apply(message(*closed))
+    return found, clock
+
+
+def rejections(lane: str, policy: str, reason: str) -> float:
+    value = prometheus_client.REGISTRY.get_sample_value(
+        "blazar_admission_rejections_total", {"lane": lane, "policy": policy, "reason": reason}
+    )
+    return value or 0.0
+
+
+def outcomes(lane: str, outcome: str) -> float:
+    value = prometheus_client.REGISTRY.get_sample_value(
+        "blazar_requests_total", {"lane": lane, "outcome": outcome}
+    )
+    return value or 0.0
+
+
+# --- which requests a closed gate refuses -----------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("closed", "asked", "via", "refused"),
+    [
+        # The Lane's own policy: a request naming none, or naming it, by any name of
+        # the Lane.
+        (gate(), complete("tiny"), "", True),
+        (gate(), complete("lane-a"), "", True),
+        (gate(), complete("tiny", slo="interactive"), "", True),
+        # Another model, another policy: the daemon decides.
+        (gate(), complete("other"), "", False),
+        (gate(), complete("tiny", slo="batch"), "", False),
+        # A policy the requests of this Lane have named, not the Lane's own: only
+        # requests that name it.
+        (gate(lane_policy=False), complete("tiny"), "", False),
+        (gate(lane_policy=False), complete("tiny", slo="interactive"), "", True),
+        # The built-in FIFO is the Lane's when it has none; no request can name it.
+        (gate(policy="builtin:fifo"), complete("tiny"), "", True),
+        (gate(policy="builtin:fifo"), complete("tiny", slo="builtin:fifo"), "", False),
+        # A session, or a request from another daemon: the daemon decides.
+        (gate(), complete("tiny", session="s1"), "", False),
+        (gate(), complete("tiny"), "daemon-b", False),
+        # SLO_UNATTAINABLE: only requests that fit the Lane's context as admission
+        # estimates it (2 chars / 4 per token -> 1 token, + max_tokens).
+        (gate(LATE), complete("tiny", max_tokens=99), "", True),
+        (gate(LATE), complete("tiny", max_tokens=100), "", False),
+        (gate(LATE), complete("tiny", prompt="x" * 400), "", False),
+        (gate(LATE), complete("tiny", prompt="x" * 396), "", True),
+        # ... which QUEUE_FULL refuses whatever their size, as admission does.
+        (gate(FULL), complete("tiny", prompt="x" * 4000), "", True),
+    ],
+)
+def test_which_requests_a_closed_gate_refuses(
+    closed: inference_pb2.AdmissionGate,
+    asked: inference_pb2.CompleteRequest,
+    via: str,
+    refused: bool,
+) -> None:
+    found, _ = following(closed)
+    err = found.refusal(asked, via=via)
+    if not refused:
+        assert err is None
+        return
+    assert err is not None
+    assert err.reason == closed.reason
+    assert err.message == closed.message
+    assert dict(err.metadata) == dict(closed.metadata)
+    assert err.code == "RESOURCE_EXHAUSTED"
+
+
+def test_a_chat_is_measured_by_its_messages() -> None:
+    found, _ = following(gate(LATE, context_tokens=10))
+    short = inference_pb2.ChatRequest(
+        model="tiny", messages=[inference_pb2.Message(role="user", content="x" * 16)] * 2
+    )
+    assert found.refusal(short) is not None  # 8 tokens + 1
+    longer = inference_pb2.ChatRequest(
+        model="tiny", messages=[inference_pb2.Message(role="user", content="x" * 20)] * 2
+    )
+    assert found.refusal(longer) is None  # 10 tokens + 1
+
+
+def test_a_gate_holds_for_its_closed_for_ms() -> None:
+    found, clock = following(gate(LATE, closed_for_ms=300))
+    assert found.refusal(complete()) is not None
+    clock.now += 0.299
+    assert found.refusal(complete()) is not None
+    clock.now += 0.001
+    assert found.refusal(complete()) is None
+
+
+def test_gates_go_stale_when_the_stream_is_silent() -> None:
+    """Three refresh intervals without a message: the daemon decides again."""
+    found, clock = following(gate())
+    clock.now += 1.5
+    assert found.refusal(complete()) is not None
+    clock.now += 0.001
+    assert found.refusal(complete()) is None
+    # A heartbeat (the same gates) makes them hold again.
+    found.apply(message(gate()))
+    assert found.refusal(complete()) is not None
+
+
+def test_each_message_is_the_whole_set() -> None:
+    found, _ = following(gate())
+    found.apply(message())
+    assert found.refusal(complete()) is None
+    assert found.listed() == []
+
+
+def test_a_lost_stream_opens_every_gate() -> None:
+    found, _ = following(gate())
+    found.lost()
+    assert found.refusal(complete()) is None
+
+
+def test_a_refusal_counts_once_as_the_daemons() -> None:
+    found, _ = following(gate(lane="lane-count"))
+    before = rejections("lane-count", "interactive", "QUEUE_FULL")
+    requests_before = outcomes("lane-count", "queue_full")
+    gated_before = refusals.gated("interactive").get("QUEUE_FULL", 0)
+    assert found.refusal(complete()) is not None
+    assert rejections("lane-count", "interactive", "QUEUE_FULL") == before + 1
+    assert outcomes("lane-count", "queue_full") == requests_before + 1
+    assert refusals.gated("interactive")["QUEUE_FULL"] == gated_before + 1
+    # Not refused: not counted.
+    assert found.refusal(complete("other")) is None
+    assert rejections("lane-count", "interactive", "QUEUE_FULL") == before + 1
+
+
+# --- over HTTP: the daemon's refusal, in each dialect ---------------------------------
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@asynccontextmanager
+async def shim(daemon: Daemon) -> AsyncIterator[tuple[httpx.AsyncClient, Any]]:
+    app = shim_app.create_app(inference_target=daemon.target)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(
+            transport=transport,
+            base_url="http://shim",
+            headers={"content-type": "application/json"},
+        ) as client:
+            yield client, app
+
+
+DIALECTS: list[tuple[str, dict[str, Any]]] = [
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}]}),
+    ("/v1/completions", {"model": "tiny", "prompt": "Hi", "stream": True}),
+    (
+        "/v1/messages",
+        {"model": "tiny", "max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}]},
+    ),
+    ("/api/chat", {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}]}),
+    ("/api/generate", {"model": "tiny", "prompt": "Hi"}),
+]
+
+
+def _comparable(response: httpx.Response) -> tuple[int, str | None, Any]:
+    body = response.json()
+    if isinstance(body, dict):
+        body.pop("request_id", None)
+    return response.status_code, response.headers.get("retry-after"), body
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("path", "body"), DIALECTS)
+async def test_a_closed_gate_answers_what_the_daemon_would(path: str, body: dict[str, Any]) -> None:
+    """The same request, refused by the daemon and then by a closed gate carrying its
+    refusal: the same status, Retry-After and body; the second never reaches it."""
+    async with fake_daemon() as daemon, shim(daemon) as (client, app):
+        daemon.fake.scripts["tiny"] = [FULL]
+        from_daemon = await client.post(path, json=body)
+        assert from_daemon.status_code == 429
+        assert len(daemon.fake.requests) == 1
+        daemon.fake.admission.put_nowait(message(gate()))
+        await poll(lambda: app.state.gates.listed() != [], what="the gate to close")
+        from_gate = await client.post(path, json=body)
+        assert _comparable(from_gate) == _comparable(from_daemon)
+        assert len(daemon.fake.requests) == 1
+        # A malformed request still gets its 400 first.
+        bad = await client.post(path, json={**body, "model": 7})
+        assert bad.status_code == 400
+        # The gate opens: the next request goes to the daemon again.
+        daemon.fake.admission.put_nowait(message())
+        await poll(lambda: app.state.gates.listed() == [], what="the gate to open")
+        await client.post(path, json=body)
+        assert len(daemon.fake.requests) == 2
+
+
+@pytest.mark.anyio
+async def test_the_shim_follows_the_stream_again_after_it_ends() -> None:
+    async with fake_daemon() as daemon, shim(daemon) as (_client, app):
+        daemon.fake.admission.put_nowait(message(gate()))
+        await poll(lambda: app.state.gates.listed() != [], what="the gate to close")
+        daemon.fake.admission.put_nowait(None)  # the daemon ends the stream
+        await poll(lambda: app.state.gates.listed() == [], what="the gates to be dropped")
+        daemon.fake.admission.put_nowait(message(gate()))
+        await poll(lambda: app.state.gates.listed() != [], what="the stream to be followed again")
+
+
+def test_gates_of_no_message_refuse_nothing() -> None:
+    assert gates.AdmissionGates().refusal(complete()) is None
