@@ -366,15 +366,24 @@ class LaneDispatcher:
 
     def gates(
         self, policies: Iterable[admission.Policy], *, spill: bool
-    ) -> dict[str, admission.Refuse | None]:
+    ) -> dict[str, admission.Refuse | tuple[int, int, admission.Refuse] | None]:
         """By policy name, what admission would answer the smallest request of that
-        policy now (`admission.LaneQueue.gate`): its refusal, or None (admitted)."""
+        policy now (`admission.LaneQueue.gate`): its refusal; or, open because of idle
+        slots, after how many requests of at least how many max_tokens it refuses it
+        (`admission.LaneQueue.filling`); or None."""
         now = self._clock()
         view = self._view()
-        return {
-            policy.name: self._queue.gate(policy, now=now, view=view, spill=spill)
-            for policy in policies
-        }
+        context = self._route.context_length if self._route is not None else 0
+        found: dict[str, admission.Refuse | tuple[int, int, admission.Refuse] | None] = {}
+        for policy in policies:
+            closed = self._queue.gate(policy, now=now, view=view, spill=spill)
+            if closed is None and context > 0:
+                found[policy.name] = self._queue.filling(
+                    policy, now=now, view=view, max_tokens=context, spill=spill
+                )
+            else:
+                found[policy.name] = closed
+        return found
 
     def tokens_per_second(self) -> float:
         """Tokens generated per second by requests that finished lately (`throughput`)."""

@@ -39,8 +39,10 @@ REFRESH_S = 0.5
 class LaneGates:
     """What one Lane's admission task answers for its gates (`LaneDispatcher.gates`)."""
 
-    # By policy name, the refusal of the smallest request (None: open).
-    refusals: Mapping[str, admission.Refuse | None]
+    # By policy name, the refusal of the smallest request; or (requests, max_tokens,
+    # refusal): refused once that many requests of at least that max_tokens have
+    # arrived (`admission.LaneQueue.filling`); None: open.
+    refusals: Mapping[str, admission.Refuse | tuple[int, int, admission.Refuse] | None]
     chars_per_token: float
 
 
@@ -57,8 +59,10 @@ def gate_message(
     lane_policy: bool,
     names: Iterable[str],
     chars_per_token: float,
+    after: tuple[int, int] = (0, 0),
 ) -> inference_pb2.AdmissionGate:
-    """One closed gate as WatchAdmission lists it: the refusal a request gets."""
+    """One closed gate as WatchAdmission lists it: the refusal a request gets; `after`:
+    closed only after that many requests of at least that max_tokens."""
     err: errors.BlazarError = refusal.error(route.lane)
     gate = inference_pb2.AdmissionGate(
         lane=route.lane,
@@ -70,6 +74,8 @@ def gate_message(
         metadata=err.metadata,
         chars_per_token=chars_per_token,
         context_tokens=route.context_length,
+        after_requests=after[0],
+        after_max_tokens=after[1],
     )
     if refusal.reason == admission.Reason.SLO_UNATTAINABLE:
         # It holds while the work ahead drains by what the probe misses its target by.
@@ -193,9 +199,15 @@ class GatePublisher:
         names = [name for name, to in table.by_name.items() if to.lane == route.lane]
         gates = []
         for name, policy in sorted(policies.items()):
-            refusal = found.refusals.get(name)
-            if refusal is None:
+            answer = found.refusals.get(name)
+            if answer is None:
                 continue
+            after = (0, 0)
+            if isinstance(answer, tuple):
+                requests, max_tokens, refusal = answer
+                after = (requests, max_tokens)
+            else:
+                refusal = answer
             gates.append(
                 gate_message(
                     route,
@@ -204,6 +216,7 @@ class GatePublisher:
                     lane_policy=name == own.name,
                     names=names,
                     chars_per_token=found.chars_per_token,
+                    after=after,
                 )
             )
         return gates

@@ -25,7 +25,7 @@ import contextlib
 import math
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, TypeAlias
 
 import grpc
@@ -67,6 +67,20 @@ class _Gate:
     closed_until: float
     chars_per_token: float
     context_tokens: int
+    # Closed only after this many requests of at least `after_max_tokens` (0: now).
+    after_requests: int = 0
+    after_max_tokens: int = 0
+
+
+@dataclass
+class _Sent:
+    """The requests sent on to one Lane since the last message (`after_requests`)."""
+
+    count: int = 0
+    # The least max_tokens among them (0: one had none set).
+    least_max_tokens: int = 0
+    # The policies they ran under, as the gates name them ("?" + name for others).
+    policies: set[str] = field(default_factory=set)
 
 
 class AdmissionGates:
@@ -76,6 +90,9 @@ class AdmissionGates:
     def __init__(self, *, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._gates: dict[tuple[str, str], _Gate] = {}
+        # The Lane of each model name that has a gate filling, and what was sent there.
+        self._filling: dict[str, str] = {}
+        self._sent: dict[str, _Sent] = {}
         # When the last message came, and how long one may be awaited.
         self._heard_at = -math.inf
         self._stale_s = 0.0
@@ -84,6 +101,7 @@ class AdmissionGates:
         """A message of the stream: the whole set of closed gates, as of now."""
         now = self._clock()
         gates: dict[tuple[str, str], _Gate] = {}
+        filling: dict[str, str] = {}
         for gate in message.closed:
             until = now + gate.closed_for_ms / 1000 if gate.HasField("closed_for_ms") else math.inf
             found = _Gate(
@@ -96,14 +114,20 @@ class AdmissionGates:
                 closed_until=until,
                 chars_per_token=gate.chars_per_token,
                 context_tokens=gate.context_tokens,
+                after_requests=gate.after_requests,
+                after_max_tokens=gate.after_max_tokens,
             )
             for model in gate.models:
+                if gate.after_requests:
+                    filling[model] = gate.lane
                 if gate.lane_policy:
                     gates[(model, "")] = found
                 # A name with a colon (`builtin:fifo`) is no SLOPolicy a request can name.
                 if ":" not in gate.policy:
                     gates[(model, gate.policy)] = found
         self._gates = gates
+        self._filling = filling
+        self._sent = {}
         self._heard_at = now
         self._stale_s = STALE_FACTOR * message.refresh_ms / 1000
 
@@ -115,23 +139,56 @@ class AdmissionGates:
     def lost(self) -> None:
         """The stream is down: no gate holds until it is back."""
         self._gates = {}
+        self._filling = {}
+        self._sent = {}
         self._heard_at = -math.inf
 
     def refusal(self, request: Generation, *, via: str = "") -> errors.BlazarError | None:
         """The daemon's refusal of `request` if a closed gate says it would refuse it
         now, counted as the daemon counts its own; None: ask the daemon."""
-        if not self._gates or request.session or via:
+        if not self._gates:
             return None
         now = self._clock()
         if now - self._heard_at > self._stale_s:
             return None
         gate = self._gates.get((request.model, request.slo))
-        if gate is None or now >= gate.closed_until:
-            return None
-        if gate.reason == errors.SloUnattainable.reason and not _fits(request, gate):
+        if gate is None or not self._refuses(gate, request, via=via, now=now):
+            self._sending(request, gate)
             return None
         refusals.count(gate.lane, gate.policy, gate.reason)
+        # On the request's one summary line (`context.RequestIdMiddleware`): who refused.
+        structlog.contextvars.bind_contextvars(
+            refused_by="gate", lane=gate.lane, policy=gate.policy, reason=gate.reason
+        )
         return gate.error
+
+    def _refuses(self, gate: _Gate, request: Generation, *, via: str, now: float) -> bool:
+        if request.session or via or now >= gate.closed_until:
+            return False
+        if gate.reason == errors.SloUnattainable.reason and not _fits(request, gate):
+            return False
+        if not gate.after_requests:
+            return True
+        sent = self._sent.get(gate.lane)
+        return (
+            sent is not None
+            and sent.count >= gate.after_requests
+            and sent.least_max_tokens >= gate.after_max_tokens
+            and sent.policies == {gate.policy}
+        )
+
+    def _sending(self, request: Generation, gate: _Gate | None) -> None:
+        """`request` goes on to the daemon: count it against its Lane's filling gates."""
+        lane = self._filling.get(request.model)
+        if lane is None:
+            return
+        sent = self._sent.get(lane)
+        max_tokens = request.sampling.max_tokens if request.sampling.HasField("max_tokens") else 0
+        if sent is None:
+            sent = self._sent[lane] = _Sent(least_max_tokens=max_tokens)
+        sent.count += 1
+        sent.least_max_tokens = min(sent.least_max_tokens, max_tokens)
+        sent.policies.add(gate.policy if gate is not None else "?" + request.slo)
 
     async def follow(self, watch: Watch) -> None:
         """Keep the gates up to date from `watch()` (a WatchAdmission call) until

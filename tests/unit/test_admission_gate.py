@@ -286,3 +286,103 @@ def test_admit_is_what_arrive_answers_an_open_gate() -> None:
     assert queue.gate(INTERACTIVE, now=0.0, view=SOON) is None
     decision = queue.arrive(ticket("t", INTERACTIVE, prompt=1, max_tokens=1), now=0.0, view=SOON)
     assert isinstance(decision, Admit)
+
+
+# --- filling: closed once the idle slots are taken ------------------------------------
+
+
+def test_filling_names_the_requests_that_close_the_gate() -> None:
+    """Two idle slots, 0.02 s a token, a 2 s target: two requests that generate 100
+    tokens or more hold both slots past the target of the one after them."""
+    view = lane(replica(slots=2))
+    queue = LaneQueue()
+    # Its depth (2) does not count the requests that take the idle slots.
+    assert queue.gate(INTERACTIVE, now=0.0, view=view) is None
+    assert queue.idle_for(INTERACTIVE, now=0.0, view=view) == 2
+    found = queue.filling(INTERACTIVE, now=0.0, view=view, max_tokens=2048)
+    assert found is not None
+    requests, max_tokens, refusal = found
+    assert (requests, max_tokens) == (2, 100)
+    assert refusal.reason == Reason.SLO_UNATTAINABLE
+    # As arrivals (each started before the next comes): two of 100 tokens, and the
+    # next is refused; of 99, admitted.
+    for tokens, refused in [(100, True), (99, False)]:
+        q = LaneQueue()
+        engines = lane(replica(slots=2))
+        for i in range(2):
+            t = ticket(f"a{i}", INTERACTIVE, prompt=1, max_tokens=tokens)
+            assert isinstance(q.arrive(t, now=0.0, view=engines), Admit)
+            [started] = q.dispatch(now=0.0, view=engines)
+            running = run(started.ticket.id, priority=100, left=tokens, kv=1)
+            engines = lane(
+                replace(engines.replicas[0], running=(*engines.replicas[0].running, running))
+            )
+        decision = q.arrive(ticket("next", INTERACTIVE, prompt=1), now=0.0, view=engines)
+        assert isinstance(decision, Refuse) == refused
+
+
+@pytest.mark.parametrize(
+    ("policy", "view"),
+    [
+        (PATIENT, lane(replica(slots=2))),  # onOverload: queue refuses nothing early
+        (INTERACTIVE, BUSY),  # no idle slot: the gate itself says it
+        (INTERACTIVE, lane(replica(slots=2, step=0.0001))),  # never, up to max_tokens
+    ],
+)
+def test_no_filling(policy: Policy, view: LaneView) -> None:
+    assert LaneQueue().filling(policy, now=0.0, view=view, max_tokens=2048) is None
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_filled_idle_slots_refuse_the_next_request(seed: int) -> None:
+    """Random traffic: whenever `filling` answers (k, m), k fresh requests of the
+    policy of any size with max_tokens >= m, then one more of any size, arriving
+    after it: the last is refused as SLO_UNATTAINABLE."""
+    rng = random.Random(seed)
+    queue = LaneQueue()
+    engines = Engines()
+    checked = 0
+    now = 0.0
+    for step in range(200):
+        now += rng.choice([0.0, 0.05, 0.2, 0.5])
+        engines.step(rng)
+        view = engines.view()
+        for policy in MIXED:
+            found = queue.filling(policy, now=now, view=view, max_tokens=400)
+            if found is None:
+                continue
+            requests, max_tokens, _ = found
+            # They arrive one after another, each started before the next comes (in
+            # one batch instead, they wait together and the last may be QUEUE_FULL).
+            trial, running = copy.deepcopy(queue), copy.deepcopy(engines)
+            later = now + 1e-6
+            for i in range(requests):
+                t = ticket(
+                    f"fill{i}",
+                    policy,
+                    arrived=later,
+                    prompt=rng.randint(1, 300),
+                    max_tokens=rng.randint(max_tokens, 400),
+                )
+                assert isinstance(trial.arrive(t, now=later, view=running.view()), Admit)
+                for d in trial.dispatch(now=later, view=running.view()):
+                    running.start(d.ticket, d.replica)
+            last = ticket("last", policy, arrived=later, prompt=rng.randint(1, 300))
+            decision = trial.arrive(last, now=later, view=running.view())
+            assert isinstance(decision, Refuse), (policy.name, found, decision)
+            assert decision.reason == Reason.SLO_UNATTAINABLE
+            checked += 1
+        if rng.random() < 0.5:
+            policy = rng.choice(MIXED)
+            t = ticket(
+                f"t{step}",
+                policy,
+                arrived=now,
+                prompt=rng.randint(10, 800),
+                max_tokens=rng.randint(1, 300),
+            )
+            queue.arrive(t, now=now, view=view)
+        for d in queue.dispatch(now=now, view=engines.view()):
+            engines.start(d.ticket, d.replica)
+        queue.expire(now=now, view=engines.view())
+    assert checked

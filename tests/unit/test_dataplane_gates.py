@@ -57,7 +57,9 @@ class World:
         default_factory=lambda: {"interactive": INTERACTIVE, "batch": BATCH}
     )
     named: dict[str, list[str]] = field(default_factory=dict)
-    answers: dict[tuple[str, str], admission.Refuse] = field(default_factory=dict)
+    answers: dict[tuple[str, str], admission.Refuse | tuple[int, int, admission.Refuse]] = field(
+        default_factory=dict
+    )
     asked: list[tuple[str, tuple[str, ...], bool]] = field(default_factory=list)
     enabled: bool = True
 
@@ -130,6 +132,19 @@ async def test_an_slo_gate_holds_for_what_the_probe_misses_by(world: World) -> N
         await publisher.close()
     assert closed.reason == "SLO_UNATTAINABLE"
     assert closed.closed_for_ms == 750  # predicted 2.75 s against a 2 s target
+
+
+@pytest.mark.anyio
+async def test_a_filling_gate_says_after_what_it_closes(world: World) -> None:
+    late = refused(INTERACTIVE, admission.Reason.SLO_UNATTAINABLE)
+    world.answers[("lane-a", "interactive")] = (6, 58, late)
+    publisher = world.publisher()
+    try:
+        [closed] = (await flushed(publisher, "lane-a")).closed
+    finally:
+        await publisher.close()
+    assert (closed.after_requests, closed.after_max_tokens) == (6, 58)
+    assert closed.reason == "SLO_UNATTAINABLE"
 
 
 @pytest.mark.anyio

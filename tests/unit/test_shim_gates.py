@@ -40,6 +40,7 @@ def gate(
     closed_for_ms: int | None = None,
     chars_per_token: float = 4.0,
     context_tokens: int = 100,
+    after: tuple[int, int] = (0, 0),
 ) -> inference_pb2.AdmissionGate:
     found = inference_pb2.AdmissionGate(
         lane=lane,
@@ -51,6 +52,8 @@ def gate(
         metadata=err.metadata,
         chars_per_token=chars_per_token,
         context_tokens=context_tokens,
+        after_requests=after[0],
+        after_max_tokens=after[1],
     )
     if closed_for_ms is not None:
         found.closed_for_ms = closed_for_ms
@@ -202,6 +205,46 @@ def test_a_lost_stream_opens_every_gate() -> None:
     found, _ = following(gate())
     found.lost()
     assert found.refusal(complete()) is None
+
+
+def test_a_filling_gate_closes_once_its_requests_went_on() -> None:
+    """Two idle slots, taken by requests of 50 tokens or more: the third is refused."""
+    found, _ = following(gate(LATE, after=(2, 50)))
+    assert found.refusal(complete(max_tokens=60)) is None
+    assert found.refusal(complete(max_tokens=50)) is None
+    assert found.refusal(complete(max_tokens=1)) is not None  # any size, once filled
+    assert found.refusal(complete(max_tokens=99)) is not None
+    # A new message starts the count again.
+    found.apply(message(gate(LATE, after=(2, 50))))
+    assert found.refusal(complete(max_tokens=60)) is None
+
+
+@pytest.mark.parametrize(
+    "sent",
+    [
+        # One with a smaller max_tokens may free its slot in time.
+        [complete(max_tokens=60), complete(max_tokens=49)],
+        # One without max_tokens: the shim cannot tell.
+        [complete(max_tokens=60), complete()],
+        # One of another policy on the Lane.
+        [complete(max_tokens=60), complete(slo="batch", max_tokens=60)],
+    ],
+)
+def test_a_filling_gate_stays_open_unless_its_requests_went_on(
+    sent: list[inference_pb2.CompleteRequest],
+) -> None:
+    found, _ = following(gate(LATE, after=(2, 50)))
+    for request in sent:
+        assert found.refusal(request) is None
+    assert found.refusal(complete(max_tokens=60)) is None
+
+
+def test_requests_with_a_session_fill_the_slots_too() -> None:
+    """A request the gate does not refuse (a session) still takes a slot."""
+    found, _ = following(gate(LATE, after=(2, 50)))
+    assert found.refusal(complete(max_tokens=60, session="s")) is None
+    assert found.refusal(complete(max_tokens=60, session="t")) is None
+    assert found.refusal(complete(max_tokens=60)) is not None
 
 
 def test_a_refusal_counts_once_as_the_daemons() -> None:

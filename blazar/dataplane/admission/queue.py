@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from collections import defaultdict
 from dataclasses import replace
@@ -32,8 +33,26 @@ from blazar.dataplane.admission.terms import (
 # The probe `LaneQueue.gate` asks about: the smallest request there is. Its id sorts
 # after any uuid hex, so among tickets arriving at the same instant it comes last.
 PROBE_ID = "~probe"
+# Requests supposed to arrive just before the probe (`gate`'s `ahead`): their ids sort
+# before the probe's and after any uuid hex.
+AHEAD_ID = "~ahead"
 PROBE_PROMPT_TOKENS = 1
 PROBE_MAX_TOKENS = 1
+
+
+def _ahead(policy: Policy, now: float, count: int, max_tokens: int) -> dict[str, Waiting]:
+    """`count` fresh requests of `policy` of one prompt token arriving now, by id."""
+    tickets = (
+        Ticket(
+            id=f"{AHEAD_ID}{j:06d}",
+            policy=policy,
+            arrived=now,
+            prompt_tokens=PROBE_PROMPT_TOKENS,
+            max_tokens=max_tokens,
+        )
+        for j in range(count)
+    )
+    return {t.id: Waiting(t, since=now) for t in tickets}
 
 
 class LaneQueue:
@@ -76,7 +95,14 @@ class LaneQueue:
         return decision
 
     def gate(
-        self, policy: Policy, *, now: float, view: LaneView, spill: bool = False
+        self,
+        policy: Policy,
+        *,
+        now: float,
+        view: LaneView,
+        spill: bool = False,
+        ahead: int = 0,
+        ahead_max_tokens: int = PROBE_MAX_TOKENS,
     ) -> Refuse | None:
         """What `arrive` would answer now a probe of `policy`: the smallest request
         (`PROBE_PROMPT_TOKENS` prompt token, `PROBE_MAX_TOKENS` to generate; no tenant,
@@ -94,25 +120,90 @@ class LaneQueue:
         with a TTFT target: a request that misses it is offered to the spillover Lane,
         and a request larger than the probe may miss it where the probe would not (a
         QUEUE_FULL probe that meets its target is refused here; a larger one is
-        offered there)."""
+        offered there).
+
+        With `ahead`, the probe comes after that many fresh requests of `policy`
+        arriving before it (one prompt token, `ahead_max_tokens` to generate): only a
+        SLO_UNATTAINABLE refusal counts then. It stands for any such requests that are
+        larger (a longer prompt or max_tokens holds their slots longer), so a caller
+        that has seen `ahead` requests of the policy with at least that max_tokens
+        arrive, and none of another, may refuse the next (see `filling`)."""
         if spill and policy.ttft_target_s is not None:
             return None
+        queue, asked = self, policy
+        if ahead:
+            queue = copy.copy(self)
+            queue._waiting = {**self._waiting, **_ahead(policy, now, ahead, ahead_max_tokens)}
+            # They start on the idle slots, not wait: not in the probe's depth.
+            asked = replace(policy, max_queue_depth=policy.max_queue_depth + ahead)
         probe = Ticket(
             id=PROBE_ID,
-            policy=policy,
+            policy=asked,
             arrived=now,
             prompt_tokens=PROBE_PROMPT_TOKENS,
             max_tokens=PROBE_MAX_TOKENS,
         )
-        decision = self._arrival(Waiting(probe, since=now), now=now, view=view, spill=spill)
-        return decision if isinstance(decision, Refuse) else None
+        decision = queue._arrival(Waiting(probe, since=now), now=now, view=view, spill=spill)
+        if not isinstance(decision, Refuse):
+            return None
+        if ahead and decision.reason != Reason.SLO_UNATTAINABLE:
+            return None
+        return replace(decision, ticket=replace(decision.ticket, policy=policy))
+
+    def idle_for(self, policy: Policy, *, now: float, view: LaneView) -> int:
+        """How many fresh requests of `policy`, arriving one after another now, would
+        start on an idle slot (its cap and the tickets waiting ahead allowing)."""
+        slots = sum(replica.slots for replica in view.replicas)
+        if not slots:
+            return 0
+        extras = list(_ahead(policy, now, slots, PROBE_MAX_TOKENS).values())
+        fates = forecast(self._ordered(*extras), now=now, view=view)
+        idle = 0
+        for entry in extras:
+            if not fates[entry.ticket.id].idle:
+                break
+            idle += 1
+        return idle
+
+    def filling(
+        self, policy: Policy, *, now: float, view: LaneView, max_tokens: int, spill: bool = False
+    ) -> tuple[int, int, Refuse] | None:
+        """When the gate of `policy` is open because of idle slots: after how many more
+        requests of it (`idle_for`), each generating at least how many tokens (the
+        least max_tokens up to `max_tokens`), the probe is refused as
+        SLO_UNATTAINABLE, and that refusal; None if never (up to `max_tokens`), or
+        when the policy refuses nothing early. Monotone in max_tokens, so found by
+        bisection."""
+        if not policy.reject_early or policy.ttft_target_s is None:
+            return None
+        idle = self.idle_for(policy, now=now, view=view)
+        if not idle:
+            return None
+
+        def refused(tokens: int) -> Refuse | None:
+            return self.gate(
+                policy, now=now, view=view, spill=spill, ahead=idle, ahead_max_tokens=tokens
+            )
+
+        found = refused(max_tokens)
+        if found is None:
+            return None
+        low, high = 1, max_tokens  # refused at high
+        while low < high:
+            mid = (low + high) // 2
+            at = refused(mid)
+            if at is None:
+                low = mid + 1
+            else:
+                high, found = mid, at
+        return idle, high, found
 
     def _arrival(
         self, entry: Waiting, *, now: float, view: LaneView, spill: bool
     ) -> Admit | Refuse | Spill:
         """`arrive`'s decision for the fresh `entry`, which is not queued."""
         ticket = entry.ticket
-        fate = forecast(self._ordered(extra=entry), now=now, view=view)[ticket.id]
+        fate = forecast(self._ordered(entry), now=now, view=view)[ticket.id]
         policy = ticket.policy
         local: Admit | Refuse
         if not fate.idle and self.depth(policy.name) >= policy.max_queue_depth:
@@ -205,10 +296,10 @@ class LaneQueue:
                 times.append(entry.ticket.deadline)
         return min(times, default=None)
 
-    def _ordered(self, extra: Waiting | None = None) -> list[tuple[Key, Waiting]]:
-        """The waiting tickets (and `extra`, as if it waited) with their keys, in order:
+    def _ordered(self, *extra: Waiting) -> list[tuple[Key, Waiting]]:
+        """The waiting tickets (and `extra`, as if they waited) with their keys, in order:
         each tenant's k-th fresh ticket of a tier starts at max(V, F) + (k-1) / weight."""
-        entries = [*self._waiting.values(), *([extra] if extra is not None else [])]
+        entries = [*self._waiting.values(), *extra]
         by_tenant: dict[tuple[int, str], list[Waiting]] = defaultdict(list)
         keyed: list[tuple[Key, Waiting]] = []
         for entry in entries:
