@@ -234,6 +234,9 @@ class LaneDispatcher:
         self._refused_parks: dict[str, int] = {}
         # Park and Resume calls running beside the queue.
         self._calls: set[asyncio.Task[None]] = set()
+        # By policy, the max_tokens its gate last closed after (`gates`: where the
+        # search for the next answer starts).
+        self._filling_hints: dict[str, int] = {}
         # The last `_Pending.seq` given, and the highest of the tickets started so far.
         self._seq = 0
         self._started_seq = 0
@@ -378,9 +381,17 @@ class LaneDispatcher:
         for policy in policies:
             closed = self._queue.gate(policy, now=now, view=view, spill=spill)
             if closed is None and context > 0:
-                found[policy.name] = self._queue.filling(
-                    policy, now=now, view=view, max_tokens=context, spill=spill
+                filling = self._queue.filling(
+                    policy,
+                    now=now,
+                    view=view,
+                    max_tokens=context,
+                    spill=spill,
+                    hint=self._filling_hints.get(policy.name),
                 )
+                if filling is not None:
+                    self._filling_hints[policy.name] = filling[1]
+                found[policy.name] = filling
             else:
                 found[policy.name] = closed
         return found

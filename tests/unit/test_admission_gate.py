@@ -304,6 +304,9 @@ def test_filling_names_the_requests_that_close_the_gate() -> None:
     requests, max_tokens, refusal = found
     assert (requests, max_tokens) == (2, 100)
     assert refusal.reason == Reason.SLO_UNATTAINABLE
+    # Started from a hint, right or wrong, the same answer.
+    for hint in (100, 99, 101, 1, 2048):
+        assert queue.filling(INTERACTIVE, now=0.0, view=view, max_tokens=2048, hint=hint) == found
     # As arrivals (each started before the next comes): two of 100 tokens, and the
     # next is refused; of 99, admitted.
     for tokens, refused in [(100, True), (99, False)]:

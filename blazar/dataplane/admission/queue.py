@@ -166,14 +166,21 @@ class LaneQueue:
         return idle
 
     def filling(
-        self, policy: Policy, *, now: float, view: LaneView, max_tokens: int, spill: bool = False
+        self,
+        policy: Policy,
+        *,
+        now: float,
+        view: LaneView,
+        max_tokens: int,
+        spill: bool = False,
+        hint: int | None = None,
     ) -> tuple[int, int, Refuse] | None:
         """When the gate of `policy` is open because of idle slots: after how many more
         requests of it (`idle_for`), each generating at least how many tokens (the
         least max_tokens up to `max_tokens`), the probe is refused as
         SLO_UNATTAINABLE, and that refusal; None if never (up to `max_tokens`), or
         when the policy refuses nothing early. Monotone in max_tokens, so found by
-        bisection."""
+        bisection, or checked at `hint` (the answer found last) and just below it."""
         if not policy.reject_early or policy.ttft_target_s is None:
             return None
         idle = self.idle_for(policy, now=now, view=view)
@@ -185,6 +192,10 @@ class LaneQueue:
                 policy, now=now, view=view, spill=spill, ahead=idle, ahead_max_tokens=tokens
             )
 
+        if hint is not None and 1 <= hint <= max_tokens:
+            at = refused(hint)
+            if at is not None and (hint == 1 or refused(hint - 1) is None):
+                return idle, hint, at
         found = refused(max_tokens)
         if found is None:
             return None
