@@ -44,6 +44,9 @@ class LaneGates:
     # arrived (`admission.LaneQueue.filling`); None: open.
     refusals: Mapping[str, admission.Refuse | tuple[int, int, admission.Refuse] | None]
     chars_per_token: float
+    # Requests generating on the Lane now: with none, nothing drains while nothing
+    # happens, and a filling gate holds until the next message.
+    running: int = 0
 
 
 # What the publisher asks of a Lane's admission task: its gates for these policies
@@ -60,9 +63,14 @@ def gate_message(
     names: Iterable[str],
     chars_per_token: float,
     after: tuple[int, int] = (0, 0),
+    drains: bool = True,
 ) -> inference_pb2.AdmissionGate:
     """One closed gate as WatchAdmission lists it: the refusal a request gets; `after`:
-    closed only after that many requests of at least that max_tokens."""
+    closed only after that many requests of at least that max_tokens. `drains`: work
+    runs on the Lane, so an SLO refusal holds only while the work ahead drains by what
+    the probe misses its target by; a filling gate on a Lane where nothing runs holds
+    until the next message (its refusal is of the requests that will fill it, and
+    nothing moves until they come or something else happens)."""
     err: errors.BlazarError = refusal.error(route.lane)
     gate = inference_pb2.AdmissionGate(
         lane=route.lane,
@@ -77,7 +85,7 @@ def gate_message(
         after_requests=after[0],
         after_max_tokens=after[1],
     )
-    if refusal.reason == admission.Reason.SLO_UNATTAINABLE:
+    if refusal.reason == admission.Reason.SLO_UNATTAINABLE and (drains or not after[0]):
         # It holds while the work ahead drains by what the probe misses its target by.
         target = policy.ttft_target_s or 0.0
         predicted = refusal.predicted_ttft_s or 0.0
@@ -217,6 +225,7 @@ class GatePublisher:
                     names=names,
                     chars_per_token=found.chars_per_token,
                     after=after,
+                    drains=found.running > 0,
                 )
             )
         return gates

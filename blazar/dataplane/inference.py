@@ -839,6 +839,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         return gates.LaneGates(
             refusals=found.gates(wanted, spill=spill),
             chars_per_token=found.measurements.chars_per_token,
+            running=found.running(),
         )
 
 

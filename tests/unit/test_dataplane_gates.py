@@ -62,12 +62,14 @@ class World:
     )
     asked: list[tuple[str, tuple[str, ...], bool]] = field(default_factory=list)
     enabled: bool = True
+    running: int = 0
 
     def source(self, lane: str, policies: list[admission.Policy], spill: bool) -> gates.LaneGates:
         self.asked.append((lane, tuple(p.name for p in policies), spill))
         return gates.LaneGates(
             refusals={p.name: self.answers.get((lane, p.name)) for p in policies},
             chars_per_token=3.5,
+            running=self.running,
         )
 
     def lane_policy(self, r: routing.Route) -> admission.Policy:
@@ -145,6 +147,21 @@ async def test_a_filling_gate_says_after_what_it_closes(world: World) -> None:
         await publisher.close()
     assert (closed.after_requests, closed.after_max_tokens) == (6, 58)
     assert closed.reason == "SLO_UNATTAINABLE"
+    # Nothing runs on the Lane: it holds until the next message.
+    assert not closed.HasField("closed_for_ms")
+
+
+@pytest.mark.anyio
+async def test_a_filling_gate_on_a_busy_lane_holds_while_the_work_drains(world: World) -> None:
+    late = refused(INTERACTIVE, admission.Reason.SLO_UNATTAINABLE)
+    world.answers[("lane-a", "interactive")] = (2, 58, late)
+    world.running = 4
+    publisher = world.publisher()
+    try:
+        [closed] = (await flushed(publisher, "lane-a")).closed
+    finally:
+        await publisher.close()
+    assert closed.closed_for_ms == 750
 
 
 @pytest.mark.anyio
