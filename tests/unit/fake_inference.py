@@ -206,9 +206,10 @@ async def fake_daemon() -> AsyncIterator[Daemon]:
 
 
 @asynccontextmanager
-async def asgi_client(target: str) -> AsyncIterator[httpx.AsyncClient]:
-    """The app in-process; httpx's ASGITransport does not run the lifespan, so we do.
-    Bodies go as JSON (`content-type`), as every official client sends them."""
+async def asgi_shim(target: str) -> AsyncIterator[tuple[httpx.AsyncClient, Any]]:
+    """The app in-process, and a client of it; httpx's ASGITransport does not run the
+    lifespan, so we do. Bodies go as JSON (`content-type`), as every official client
+    sends them."""
     app = shim_app.create_app(inference_target=target)
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
@@ -217,7 +218,14 @@ async def asgi_client(target: str) -> AsyncIterator[httpx.AsyncClient]:
             base_url="http://shim",
             headers={"content-type": "application/json"},
         ) as client:
-            yield client
+            yield client, app
+
+
+@asynccontextmanager
+async def asgi_client(target: str) -> AsyncIterator[httpx.AsyncClient]:
+    """A client of the app in-process (`asgi_shim`)."""
+    async with asgi_shim(target) as (client, _app):
+        yield client
 
 
 UPDATE_GOLDEN = os.environ.get("BLAZAR_UPDATE_GOLDEN") == "1"

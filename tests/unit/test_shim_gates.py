@@ -3,8 +3,7 @@ trip, and that such a refusal is the daemon's own, rendered and counted the same
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import httpx
@@ -14,9 +13,8 @@ import pytest
 from blazar._proto.v1 import inference_pb2
 from blazar.api import errors
 from blazar.rpc import refusals
-from blazar.shim import app as shim_app
 from blazar.shim import gates
-from tests.unit.fake_inference import Daemon, fake_daemon, poll
+from tests.unit.fake_inference import Daemon, asgi_shim, fake_daemon, poll
 
 FULL = errors.QueueFull.of(
     lane="lane-a", policy="interactive", max_queue_depth=4, retry_after_s=2.5
@@ -269,17 +267,8 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-@asynccontextmanager
-async def shim(daemon: Daemon) -> AsyncIterator[tuple[httpx.AsyncClient, Any]]:
-    app = shim_app.create_app(inference_target=daemon.target)
-    async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(
-            transport=transport,
-            base_url="http://shim",
-            headers={"content-type": "application/json"},
-        ) as client:
-            yield client, app
+def shim(daemon: Daemon) -> AbstractAsyncContextManager[tuple[httpx.AsyncClient, Any]]:
+    return asgi_shim(daemon.target)
 
 
 DIALECTS: list[tuple[str, dict[str, Any]]] = [
