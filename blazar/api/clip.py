@@ -7,6 +7,8 @@ Pure.
 
 from __future__ import annotations
 
+import re
+
 # An error's message, whole: long enough for a batch of manifest errors.
 MESSAGE_CHARS = 16_384
 # One problem in a manifest, or one metadata value of an error.
@@ -29,6 +31,20 @@ def clip(text: str, limit: int) -> str:
     head = limit - tail
     end = text[len(text) - tail :]
     return f"{text[:head]} [... {len(text) - head - tail} characters left out ...] {end}"
+
+
+def one_line(text: str) -> str:
+    """`text` with every line break and other control character written as its escape
+    (`\\n`, `\\x1c`, `\\u2028`): a caller's key quoted in a list of errors, one a line,
+    cannot start a line of its own."""
+    if not _BREAKS.search(text):
+        return text
+    return _BREAKS.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
+
+
+# C0 and C1 control characters (line feed, the separators 0x1c-0x1e, NEL) and the
+# Unicode line and paragraph separators: what `str.splitlines` or a terminal breaks on.
+_BREAKS = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 
 
 def _encodable(text: str) -> str:

@@ -120,8 +120,10 @@ class FieldError:
     message: str
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "path", clip.clip(self.path, clip.FIELD_CHARS))
-        object.__setattr__(self, "message", clip.clip(self.message, clip.FIELD_CHARS))
+        path = clip.one_line(clip.clip(self.path, clip.FIELD_CHARS))
+        message = clip.one_line(clip.clip(self.message, clip.FIELD_CHARS))
+        object.__setattr__(self, "path", path)
+        object.__setattr__(self, "message", message)
 
     def __str__(self) -> str:
         return f"{self.path}: {self.message}"

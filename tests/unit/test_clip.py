@@ -30,3 +30,13 @@ def test_half_a_surrogate_pair_is_written_as_its_escape() -> None:
     assert err.metadata["field"] == "x\\udfffy"
     err.message.encode("utf-8")
     assert clip.clip("fine \U0001f600", 100) == "fine \U0001f600"
+
+
+def test_a_field_error_stays_on_its_line_whatever_key_the_caller_sent() -> None:
+    """Found by the manifest fuzz test: an extra key `'4z\\n§'` split a field error over
+    two lines, so the second no longer said which object and field it was about."""
+    field = errors.FieldError(path="SLOPolicy/p: spec.§\x1c\n4z\u2028", message="Extra\ninputs")
+    assert str(field) == "SLOPolicy/p: spec.§\\x1c\\n4z\\u2028: Extra\\ninputs"
+    batch = errors.ManifestInvalid([field, errors.FieldError("Lane/x: spec", "bad")])
+    assert len(batch.message.splitlines()) == 3
+    assert clip.one_line("plain text, ünïcode \U0001f600") == "plain text, ünïcode \U0001f600"
