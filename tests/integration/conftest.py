@@ -70,16 +70,19 @@ def default_daemon(model_path: Path) -> Iterator[harness.Daemon]:
 
 @pytest.fixture(scope="session")
 def tools_daemon(model_path: Path) -> Iterator[harness.Daemon]:
-    """One daemon with one Lane (`harness.TOOLS_LANE`: the bundled model, 2 slots of
-    4,096 tokens), shared by the tool-calling and Responses modules of every dialect and
-    the Node.js client's, whose tests only send it requests. Its daemon and engine start
-    once for them all."""
+    """One daemon with one Lane (`harness.TOOLS_LANE`: the bundled model,
+    `harness.TOOLS_SLOTS` slots of 4,096 tokens), shared by the tool-calling and
+    Responses modules of every dialect and the Node.js client's, whose tests only send
+    it requests. Its daemon and engine start once for them all."""
     home = harness.short_home()
     fleet = harness.local_fleet(
         home,
         model_path,
         lane=harness.TOOLS_LANE,
-        spec=f"replicas: 1, slots: 2, contextPerSlot: {harness.TOOLS_CONTEXT_PER_SLOT}",
+        spec=(
+            f"replicas: 1, slots: {harness.TOOLS_SLOTS}, "
+            f"contextPerSlot: {harness.TOOLS_CONTEXT_PER_SLOT}"
+        ),
     )
     d = harness.Daemon(home=home, watch=fleet).start()
     try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -32,6 +33,16 @@ TEST_MODELS = Path(os.environ.get("BLAZAR_TEST_CACHE", REPO / ".cache" / "models
 # The Lane of the daemon the tool-calling and Responses modules share (`tools_daemon`).
 TOOLS_LANE = "tools"
 TOOLS_CONTEXT_PER_SLOT = 4096
+# Its slots: the tests that repeat a call many times (20 of 20 valid) send that many at once.
+TOOLS_SLOTS = 4
+
+
+def concurrently(attempt: Callable[[int], T], count: int, *, at_once: int) -> list[T]:
+    """`attempt(i)` for every i below `count`, `at_once` of them at a time on threads
+    (each an independent request: the engine batches them); the results in order of i,
+    and the first failure raised as it was."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=at_once) as pool:
+        return list(pool.map(attempt, range(count)))
 
 
 def wait_for(

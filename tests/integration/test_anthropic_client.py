@@ -7,6 +7,8 @@ Nothing here depends on what the model writes: a generation that must run to its
 budget is held there by a structured output no budget can finish, a stop string is
 met inside a text a grammar forces, forced tool calls and structured output get a
 budget their grammar cannot outrun (`pinning.budget`), and the rest asserts mechanics.
+The tests that send 20 requests send them to the daemon the tool-calling modules share
+(`tools_daemon`), as many at once as its Lane has slots.
 """
 
 from __future__ import annotations
@@ -29,7 +31,14 @@ from blazar._proto.v1 import inference_pb2
 from blazar.engine import schema as schemas
 from blazar.engine import tools as engine_tools
 from tests.integration import pinning
-from tests.integration.harness import Daemon, local_fleet, short_home
+from tests.integration.harness import (
+    TOOLS_LANE,
+    TOOLS_SLOTS,
+    Daemon,
+    concurrently,
+    local_fleet,
+    short_home,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -94,6 +103,17 @@ def daemon(model_path: Path) -> Iterator[Daemon]:
 @pytest.fixture
 def client(daemon: Daemon) -> Iterator[anthropic.Anthropic]:
     sdk = anthropic.Anthropic(base_url=f"http://{daemon.http}", api_key="unused", max_retries=0)
+    yield sdk
+    sdk.close()
+
+
+@pytest.fixture
+def tools_client(tools_daemon: Daemon) -> Iterator[anthropic.Anthropic]:
+    """A client of the daemon the tool-calling modules share (`TOOLS_SLOTS` slots), for
+    the tests that send 20 requests, as many at once as it has slots."""
+    sdk = anthropic.Anthropic(
+        base_url=f"http://{tools_daemon.http}", api_key="unused", max_retries=0
+    )
     yield sdk
     sdk.close()
 
@@ -373,15 +393,18 @@ FORCING: list[dict[str, Any]] = [{"type": "any"}, {"type": "tool", "name": "get_
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
-def test_a_forced_tool_call_validates_20_of_20(client: anthropic.Anthropic, stream: bool) -> None:
+def test_a_forced_tool_call_validates_20_of_20(
+    tools_client: anthropic.Anthropic, stream: bool
+) -> None:
     """`any` and `tool` by turns (a forced call costs about 30 grammar-bound tokens,
-    so 20 tries per way of reading the answer are what the suite can carry)."""
-    distinct = set()
-    for i in range(TRIES):
+    so 20 tries per way of reading the answer are what the suite can carry), as many at
+    once as the Lane has slots."""
+
+    def attempt(i: int) -> str:
         tool_choice = FORCING[i % len(FORCING)]
         names = {tool_choice["name"]} if "name" in tool_choice else set(SCHEMAS)
         options: dict[str, Any] = {
-            "model": LANE,
+            "model": TOOLS_LANE,
             "max_tokens": budget(tool_choice),
             "messages": QUESTION,
             "tools": TOOLS,
@@ -389,15 +412,17 @@ def test_a_forced_tool_call_validates_20_of_20(client: anthropic.Anthropic, stre
             "extra_body": {"temperature": TEMPERATURES[i % len(TEMPERATURES)]},
         }
         if stream:
-            with client.messages.stream(**options) as events:
+            with tools_client.messages.stream(**options) as events:
                 message = events.get_final_message()
         else:
-            message = client.messages.create(**options)
+            message = tools_client.messages.create(**options)
         assert message.stop_reason == "tool_use", (i, message)
         (use,) = message.content
         assert use.type == "tool_use" and use.name in names, (i, message)
         jsonschema.validate(use.input, SCHEMAS[use.name])
-        distinct.add(json.dumps([use.name, use.input], sort_keys=True))
+        return json.dumps([use.name, use.input], sort_keys=True)
+
+    distinct = set(concurrently(attempt, TRIES, at_once=TOOLS_SLOTS))
     print(f"forced, stream={stream}: {TRIES}/{TRIES} valid, {len(distinct)} distinct calls")
 
 
@@ -415,33 +440,37 @@ WEATHER_REPORT: dict[str, Any] = {
 }
 
 
-def test_structured_output_validates_20_of_20(client: anthropic.Anthropic) -> None:
+def test_structured_output_validates_20_of_20(tools_client: anthropic.Anthropic) -> None:
     """`output_config.format` (the client's structured outputs) is the json_schema
-    constraint: half whole, half streamed, and the client's own `parse` once."""
+    constraint: half whole, half streamed, as many at once as the Lane has slots, and
+    the client's own `parse` once."""
     limit = pinning.budget(schemas.grammar(WEATHER_REPORT))
     assert limit is not None
     ask: list[Any] = [{"role": "user", "content": "Describe the weather in Paris as JSON."}]
-    for i in range(TRIES):
+
+    def attempt(i: int) -> None:
         options: dict[str, Any] = {
-            "model": LANE,
+            "model": TOOLS_LANE,
             "max_tokens": limit,
             "messages": ask,
             "output_config": output_format(WEATHER_REPORT),
             "extra_body": {"temperature": TEMPERATURES[i % len(TEMPERATURES)]},
         }
         if i % 2:
-            with client.messages.stream(**options) as events:
+            with tools_client.messages.stream(**options) as events:
                 message = events.get_final_message()
         else:
-            message = client.messages.create(**options)
+            message = tools_client.messages.create(**options)
         assert message.stop_reason == "end_turn", (i, message)
         (block,) = message.content
         assert block.type == "text"
         jsonschema.validate(json.loads(block.text), WEATHER_REPORT)
+
+    concurrently(attempt, TRIES, at_once=TOOLS_SLOTS)
     longest = pinning.budget(schemas.grammar(Forecast.model_json_schema()))
     assert longest is not None
-    parsed = client.messages.parse(
-        model=LANE, max_tokens=longest, messages=ask, output_format=Forecast
+    parsed = tools_client.messages.parse(
+        model=TOOLS_LANE, max_tokens=longest, messages=ask, output_format=Forecast
     )
     assert isinstance(parsed.parsed_output, Forecast)
 

@@ -31,7 +31,7 @@ from blazar._proto.engine.v1 import engine_pb2
 from blazar._proto.v1 import inference_pb2
 from blazar.engine import tools as engine_tools
 from tests.integration import pinning
-from tests.integration.harness import TOOLS_LANE, Daemon
+from tests.integration.harness import TOOLS_LANE, TOOLS_SLOTS, Daemon, concurrently
 
 pytestmark = pytest.mark.slow
 
@@ -143,10 +143,11 @@ def test_the_client_sends_the_schemas_unchanged() -> None:
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_a_forced_call_validates_20_of_20(clients: Clients, stream: bool) -> None:
     """20 tries whole and 20 streamed, the header's `required` and a named tool taking
-    turns (10 each per mode), over seeds and temperatures."""
+    turns (10 each per mode), over seeds and temperatures, as many at once as the Lane
+    has slots."""
     by_choice = {c: (clients(c, parallel=False), clients(c)) for c in ("required", "get_time")}
-    valid, calls_made = 0, 0
-    for i in range(TRIES):
+
+    def attempt(i: int) -> int:
         choice = "get_time" if i % 2 else "required"
         one_call, parallel = by_choice[choice]
         names = set(SCHEMAS) if choice == "required" else {choice}
@@ -182,10 +183,10 @@ def test_a_forced_call_validates_20_of_20(clients: Clients, stream: bool) -> Non
         else:
             assert final.done_reason == "stop", (i, final)
             assert len(calls) == 1
-        calls_made += check_calls(calls, names=names)
-        valid += 1
-    assert valid == TRIES
-    print(f"forced stream={stream}: {valid}/{TRIES} valid, {calls_made} calls")
+        return check_calls(calls, names=names)
+
+    made = concurrently(attempt, TRIES, at_once=TOOLS_SLOTS)
+    print(f"forced stream={stream}: {len(made)}/{TRIES} valid, {sum(made)} calls")
 
 
 def test_a_tool_result_turn_is_answered(daemon: Daemon, clients: Clients) -> None:

@@ -25,7 +25,13 @@ from blazar._proto.v1 import inference_pb2
 from blazar.engine import schema as schemas
 from blazar.engine import tools as engine_tools
 from tests.integration import pinning
-from tests.integration.harness import TOOLS_CONTEXT_PER_SLOT, TOOLS_LANE, Daemon
+from tests.integration.harness import (
+    TOOLS_CONTEXT_PER_SLOT,
+    TOOLS_LANE,
+    TOOLS_SLOTS,
+    Daemon,
+    concurrently,
+)
 from tests.integration.test_openai_tools import QUESTION, TEMPERATURES, TIME_SCHEMA
 
 pytestmark = pytest.mark.slow
@@ -168,7 +174,8 @@ def test_text_format_json_schema_validates_20_of_20(client: openai.OpenAI) -> No
         "text": {"format": {"type": "json_schema", "name": "sky", "schema": SKY_SCHEMA}},
         "max_output_tokens": tokens,
     }
-    for i in range(TRIES):
+
+    def attempt(i: int) -> None:
         temperature = TEMPERATURES[i % len(TEMPERATURES)]
         if i % 2:
             with client.responses.stream(**options, temperature=temperature) as stream:
@@ -177,6 +184,8 @@ def test_text_format_json_schema_validates_20_of_20(client: openai.OpenAI) -> No
             response = client.responses.create(**options, temperature=temperature)
         assert response.status == "completed", (i, response)
         jsonschema.validate(json.loads(response.output_text), SKY_SCHEMA)
+
+    concurrently(attempt, TRIES, at_once=TOOLS_SLOTS)
 
 
 def forced_budget(tool_choice: Any) -> int:
@@ -220,8 +229,10 @@ def test_a_forced_call_validates_20_of_20(client: openai.OpenAI, stream: bool) -
     """Tries alternate `required` and a named tool. One call per turn: the engine's
     grammar for parallel calls is the Chat Completions test's (test_openai_tools), and
     how several calls are rendered here is pinned by the unit goldens; parallel turns
-    run to 8 calls, a cost this file does not repeat."""
-    for i in range(TRIES):
+    run to 8 calls, a cost this file does not repeat. As many at once as the Lane has
+    slots."""
+
+    def attempt(i: int) -> None:
         tool_choice: Any = NAMED if i % 2 else "required"
         options: dict[str, Any] = {
             "model": LANE,
@@ -247,6 +258,8 @@ def test_a_forced_call_validates_20_of_20(client: openai.OpenAI, stream: bool) -
         assert response.status == "completed", (i, response)
         names = {"get_time"} if tool_choice is NAMED else set(SCHEMAS)
         assert check_calls(response.output, names=names) == 1
+
+    concurrently(attempt, TRIES, at_once=TOOLS_SLOTS)
 
 
 def test_a_function_call_output_turn_is_accepted(client: openai.OpenAI) -> None:

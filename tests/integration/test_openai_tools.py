@@ -23,7 +23,7 @@ from blazar._proto.engine.v1 import engine_pb2
 from blazar._proto.v1 import inference_pb2
 from blazar.engine import tools as engine_tools
 from tests.integration import pinning
-from tests.integration.harness import TOOLS_LANE, Daemon
+from tests.integration.harness import TOOLS_LANE, TOOLS_SLOTS, Daemon, concurrently
 
 pytestmark = pytest.mark.slow
 
@@ -125,9 +125,9 @@ NAMED = {"type": "function", "function": {"name": "get_time"}}
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_a_forced_call_validates_20_of_20(client: openai.OpenAI, stream: bool) -> None:
     """20 tries whole and 20 streamed, `required` and a named tool taking turns (10
-    each per mode), over seeds and temperatures."""
-    valid, calls_made, distinct = 0, 0, set()
-    for i in range(TRIES):
+    each per mode), over seeds and temperatures, as many at once as the Lane has slots."""
+
+    def attempt(i: int) -> tuple[int, str]:
         tool_choice: Any = NAMED if i % 2 else "required"
         names = {"get_time"} if tool_choice is NAMED else set(SCHEMAS)
         # With parallel calls allowed the bundled model never ends a turn by itself: it
@@ -156,16 +156,17 @@ def test_a_forced_call_validates_20_of_20(client: openai.OpenAI, stream: bool) -
         calls = list(choice.message.tool_calls or [])
         if not parallel:
             assert len(calls) == 1
-        calls_made += check_calls(calls, names=names)
-        distinct.add(json.dumps([(c.function.name, c.function.arguments) for c in calls]))
+        made = check_calls(calls, names=names)
         if stream:
             parsed = [c.function.parsed_arguments for c in calls]  # type: ignore[union-attr]
             assert parsed == [json.loads(c.function.arguments) for c in calls]
-        valid += 1
-    assert valid == TRIES
+        return made, json.dumps([(c.function.name, c.function.arguments) for c in calls])
+
+    answers = concurrently(attempt, TRIES, at_once=TOOLS_SLOTS)
     print(
-        f"forced stream={stream}: {valid}/{TRIES} valid, {calls_made} calls, "
-        f"{len(distinct)} distinct answers"
+        f"forced stream={stream}: {len(answers)}/{TRIES} valid, "
+        f"{sum(made for made, _ in answers)} calls, "
+        f"{len({answer for _, answer in answers})} distinct answers"
     )
 
 
@@ -216,8 +217,7 @@ def test_a_conversation_goes_on_after_a_tool_result(client: openai.OpenAI) -> No
 
 
 def test_auto_calls_validate_or_are_not_made(client: openai.OpenAI) -> None:
-    made = 0
-    for i in range(10):
+    def attempt(i: int) -> int:
         completion = client.chat.completions.create(
             model=LANE,
             messages=QUESTION,
@@ -231,13 +231,14 @@ def test_auto_calls_validate_or_are_not_made(client: openai.OpenAI) -> None:
         assert (choice.finish_reason == "tool_calls") == bool(
             calls
         ) or choice.finish_reason == "length"
-        if calls:
-            made += check_calls(calls, names=set(SCHEMAS))
+        return check_calls(calls, names=set(SCHEMAS)) if calls else 0
+
+    made = sum(concurrently(attempt, 10, at_once=TOOLS_SLOTS))
     print(f"auto: {made} valid calls in 10 turns")
 
 
 def test_tool_choice_none_never_calls(client: openai.OpenAI) -> None:
-    for i in range(5):
+    def attempt(i: int) -> None:
         completion = client.chat.completions.create(
             model=LANE,
             messages=QUESTION,
@@ -250,6 +251,8 @@ def test_tool_choice_none_never_calls(client: openai.OpenAI) -> None:
         choice = completion.choices[0]
         assert choice.message.tool_calls is None
         assert choice.finish_reason in ("stop", "length")
+
+    concurrently(attempt, 5, at_once=TOOLS_SLOTS)
 
 
 def _deep(levels: int) -> dict[str, Any]:
