@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import math
 from collections import defaultdict
 from dataclasses import replace
@@ -130,25 +129,24 @@ class LaneQueue:
         arrive, and none of another, may refuse the next (see `filling`)."""
         if spill and policy.ttft_target_s is not None:
             return None
-        queue, asked = self, policy
-        if ahead:
-            queue = copy.copy(self)
-            queue._waiting = {**self._waiting, **_ahead(policy, now, ahead, ahead_max_tokens)}
-            # They start on the idle slots, not wait: not in the probe's depth.
-            asked = replace(policy, max_queue_depth=policy.max_queue_depth + ahead)
+        # The requests ahead start on the idle slots, not wait: in the forecast, not in
+        # the probe's depth.
+        extras = _ahead(policy, now, ahead, ahead_max_tokens).values() if ahead else ()
         probe = Ticket(
             id=PROBE_ID,
-            policy=asked,
+            policy=policy,
             arrived=now,
             prompt_tokens=PROBE_PROMPT_TOKENS,
             max_tokens=PROBE_MAX_TOKENS,
         )
-        decision = queue._arrival(Waiting(probe, since=now), now=now, view=view, spill=spill)
+        decision = self._arrival(
+            Waiting(probe, since=now), now=now, view=view, spill=spill, ahead=tuple(extras)
+        )
         if not isinstance(decision, Refuse):
             return None
         if ahead and decision.reason != Reason.SLO_UNATTAINABLE:
             return None
-        return replace(decision, ticket=replace(decision.ticket, policy=policy))
+        return decision
 
     def idle_for(self, policy: Policy, *, now: float, view: LaneView) -> int:
         """How many fresh requests of `policy`, arriving one after another now, would
@@ -210,11 +208,18 @@ class LaneQueue:
         return idle, high, found
 
     def _arrival(
-        self, entry: Waiting, *, now: float, view: LaneView, spill: bool
+        self,
+        entry: Waiting,
+        *,
+        now: float,
+        view: LaneView,
+        spill: bool,
+        ahead: tuple[Waiting, ...] = (),
     ) -> Admit | Refuse | Spill:
-        """`arrive`'s decision for the fresh `entry`, which is not queued."""
+        """`arrive`'s decision for the fresh `entry`, which is not queued; `ahead`:
+        fresh tickets forecast as if they waited too, not counted in its depth."""
         ticket = entry.ticket
-        fate = forecast(self._ordered(entry), now=now, view=view)[ticket.id]
+        fate = forecast(self._ordered(*ahead, entry), now=now, view=view)[ticket.id]
         policy = ticket.policy
         local: Admit | Refuse
         if not fate.idle and self.depth(policy.name) >= policy.max_queue_depth:
