@@ -43,6 +43,11 @@ forecast's own lateness: how much later than predicted at arrival the first toke
 requests that admission had wait for a busy slot came (`_start` says which requests
 count).
 
+Gate watchers (`gates.GatePublisher`): a request tagged by a watcher
+(`blazar.api.gate_tags`) is noted on arrival, in the same step as admission's decision
+about it, so that `seen` and `gates` always answer from the same state: the watcher
+counts toward a filling gate only the requests `seen` does not include.
+
 Preemption: a `Preempt` goes through one `parking.Parker` (the engine's Park
 and Resume), called beside the queue: while the engine parks, the queue goes on
 deciding with the urgent ticket in the victim's slot, and the park's answer comes back
@@ -67,12 +72,18 @@ from typing import Any, TypeAlias
 import structlog
 
 from blazar._proto.v1 import inference_pb2
-from blazar.api import errors
+from blazar.api import errors, gate_tags
 from blazar.dataplane import admission, metrics, routing, throughput
 from blazar.dataplane.measurements import LaneMeasurements, in_flight_token_seconds
 from blazar.dataplane.parking import Parked, Parker
 
 log = structlog.get_logger(__name__)
+
+# The watchers of admission gates whose tags a Lane remembers (`LaneDispatcher.seen`):
+# the ones heard from last. A watcher forgotten (this many others tagged requests to
+# the Lane after its own) hears no `seen` for the Lane, and counts the requests it sent
+# there as still on their way until their calls end or they are old (`blazar.shim.gates`).
+MAX_WATCHERS = 8
 
 
 @dataclass(eq=False)
@@ -129,6 +140,8 @@ class _Pending:
     # failed and came back): a ticket that starts before one that came earlier is work
     # that the earlier one's forecast did not see.
     seq: int = 0
+    # The tag its gate watcher sent it with (`gate_tags`), if any.
+    tag: gate_tags.Tag | None = None
 
 
 @dataclass(frozen=True)
@@ -240,6 +253,9 @@ class LaneDispatcher:
         # The last `_Pending.seq` given, and the highest of the tickets started so far.
         self._seq = 0
         self._started_seq = 0
+        # By gate watcher, the highest tag n of the requests that arrived (`seen`); the
+        # watcher heard from last, last.
+        self._seen: dict[str, int] = {}
         self._task = asyncio.get_running_loop().create_task(
             self._serve(), name=f"admission:{self.lane}"
         )
@@ -247,15 +263,23 @@ class LaneDispatcher:
     # --- the relay's side ----------------------------------------------------------
 
     async def admit(
-        self, ticket: admission.Ticket, *, request_id: str, prompt_chars: int, spill: bool = False
+        self,
+        ticket: admission.Ticket,
+        *,
+        request_id: str,
+        prompt_chars: int,
+        spill: bool = False,
+        tag: gate_tags.Tag | None = None,
     ) -> Run | admission.Spill:
         """Queue the ticket and wait for its start (see the module docstring). With
         `spill` (the Lane's spillover Lane exists), a `Spill` when admission predicts it
         misses its target here: the ticket is not queued, and the caller offers it to
-        the spillover Lane (`admission.Spill`)."""
+        the spillover Lane (`admission.Spill`). `tag`: the one its caller, a gate
+        watcher, sent it with (`seen`)."""
         self._check_open()
         pending = self._pending_of(ticket, request_id=request_id, prompt_chars=prompt_chars)
         pending.spill = spill
+        pending.tag = tag
         self._events.put_nowait(_Arrive(pending))
         return await self._wait(pending)
 
@@ -366,6 +390,13 @@ class LaneDispatcher:
     def named(self) -> list[str]:
         """The names of the policies this Lane's requests have run under."""
         return list(self._policies)
+
+    def seen(self) -> dict[str, int]:
+        """By gate watcher (of the MAX_WATCHERS heard from last), the highest n of the
+        tags on the requests that arrived here: in the queue's state, and so in the
+        `gates` it answers, whatever became of them (queued, started, refused, handed
+        back to spill over, or gone before the queue saw them)."""
+        return dict(self._seen)
 
     def gates(
         self, policies: Iterable[admission.Policy], *, spill: bool
@@ -492,6 +523,8 @@ class LaneDispatcher:
         return False
 
     def _arrive(self, pending: _Pending, now: float) -> None:
+        if pending.tag is not None:
+            self._see(pending.tag)
         if pending.started.done():  # cancelled before the task saw it
             return
         ticket = pending.ticket
@@ -520,6 +553,14 @@ class LaneDispatcher:
         pending.predicted_ttft_s = decision.predicted_ttft_s
         pending.waits = decision.waits
         self._pending[ticket.id] = pending
+
+    def _see(self, tag: gate_tags.Tag) -> None:
+        """Note a tagged arrival; the watcher heard from least lately is forgotten past
+        MAX_WATCHERS."""
+        highest = max(self._seen.pop(tag.watcher, 0), tag.n)
+        self._seen[tag.watcher] = highest
+        while len(self._seen) > MAX_WATCHERS:
+            del self._seen[next(iter(self._seen))]
 
     def _new_route(self, route: routing.Route | None) -> bool:
         if route is None:

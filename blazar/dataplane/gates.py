@@ -13,6 +13,13 @@ longer knows its copy is stale). With API keys in force no gate is listed: a key
 tenant, rate limit and fair share decide before admission, and a caller without a key
 is due a 401, not a 429.
 
+Each watcher gets its own copy of the gates, with `seen`: per Lane listed, the highest
+tag of its requests (`blazar.api.gate_tags`) the Lane's admission had taken in when that
+Lane's gates were computed, read from the same state at the same moment
+(`LaneDispatcher.seen`). A watcher also hears a message when only its `seen` changed: a
+request it sent arrived and left the gates as they were (it was refused, say), and the
+watcher, which counts it as in flight until told, would count it once too often.
+
 The publisher is one object on the data plane's event loop: `mark` (from the
 dispatchers) schedules one flush for the Lanes that changed, however many events
 came at once.
@@ -25,7 +32,7 @@ import contextlib
 import math
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from blazar._proto.v1 import inference_pb2
 from blazar.api import errors
@@ -47,6 +54,9 @@ class LaneGates:
     # Requests generating on the Lane now: with none, nothing drains while nothing
     # happens, and a filling gate holds until the next message.
     running: int = 0
+    # By gate watcher, the highest tag n that arrived (`LaneDispatcher.seen`), as of
+    # these refusals.
+    seen: Mapping[str, int] = field(default_factory=dict)
 
 
 # What the publisher asks of a Lane's admission task: its gates for these policies
@@ -122,6 +132,8 @@ class GatePublisher:
         self._refresh_s = refresh_s
         self._loop = asyncio.get_running_loop()
         self._gates: dict[str, list[inference_pb2.AdmissionGate]] = {}
+        # By Lane with gates, what its watchers' tags had reached when they were computed.
+        self._seen: dict[str, Mapping[str, int]] = {}
         self._dirty: set[str] = set()
         self._scheduled = False
         self._message = inference_pb2.AdmissionGates(refresh_ms=round(refresh_s * 1000))
@@ -137,18 +149,21 @@ class GatePublisher:
             self._scheduled = True
             self._loop.call_soon(self._flush)
 
-    def snapshot(self) -> inference_pb2.AdmissionGates:
-        return self._message
+    def snapshot(self, watcher: str = "") -> inference_pb2.AdmissionGates:
+        """The gates now, as `watcher` (an id, or "" for none) hears them."""
+        return self._copy(self._seen_by(watcher))
 
-    async def watch(self) -> AsyncIterator[inference_pb2.AdmissionGates]:
-        """The gates now, then each change (and a heartbeat) until the caller leaves."""
-        watcher = _Watcher(self._message)
-        self._watchers.add(watcher)
+    async def watch(self, watcher: str = "") -> AsyncIterator[inference_pb2.AdmissionGates]:
+        """The gates now, then each change (and a heartbeat) until the caller leaves;
+        with `seen` for `watcher`'s tags (none for "")."""
+        seen = self._seen_by(watcher)
+        stream = _Watcher(watcher, self._copy(seen), seen)
+        self._watchers.add(stream)
         try:
             while True:
-                yield await watcher.next()
+                yield await stream.next()
         finally:
-            self._watchers.discard(watcher)
+            self._watchers.discard(stream)
 
     async def close(self) -> None:
         self._ticker.cancel()
@@ -171,29 +186,48 @@ class GatePublisher:
         enabled = self._enabled()
         for lane in dirty:
             route = routes.get(lane)
-            gates = self._lane(route, table) if enabled and route is not None else []
+            gates, seen = self._lane(route, table) if enabled and route is not None else ([], {})
             if gates:
                 self._gates[lane] = gates
+                self._seen[lane] = seen
             else:
                 self._gates.pop(lane, None)
+                self._seen.pop(lane, None)
         closed = [gate for lane in sorted(self._gates) for gate in self._gates[lane]]
         now = self._clock()
         changed = list(self._message.closed) != closed
-        if not changed and now - self._sent_at < self._refresh_s:
-            return
-        message = inference_pb2.AdmissionGates(
-            closed=closed, refresh_ms=round(self._refresh_s * 1000)
-        )
-        self._message = message
-        self._sent_at = now
+        due = changed or now - self._sent_at >= self._refresh_s
+        if due:
+            self._message = inference_pb2.AdmissionGates(
+                closed=closed, refresh_ms=round(self._refresh_s * 1000)
+            )
+            self._sent_at = now
         for watcher in self._watchers:
-            watcher.put(message)
+            seen = self._seen_by(watcher.id)
+            if due or seen != watcher.seen:
+                watcher.put(self._copy(seen), seen)
+
+    def _seen_by(self, watcher: str) -> dict[str, int]:
+        """By Lane with gates, the highest tag of `watcher` as of those gates."""
+        if not watcher:
+            return {}
+        return {lane: seen[watcher] for lane, seen in self._seen.items() if watcher in seen}
+
+    def _copy(self, seen: Mapping[str, int]) -> inference_pb2.AdmissionGates:
+        """The shared message, with one watcher's `seen`."""
+        if not seen:
+            return self._message
+        message = inference_pb2.AdmissionGates()
+        message.CopyFrom(self._message)
+        message.seen.update(seen)
+        return message
 
     def _lane(
         self, route: routing.Route, table: routing.RouteTable
-    ) -> list[inference_pb2.AdmissionGate]:
+    ) -> tuple[list[inference_pb2.AdmissionGate], Mapping[str, int]]:
+        """The Lane's closed gates, and its watchers' tags as of them."""
         if not route.replicas or route.upstream is not None:
-            return []
+            return [], {}
         own = self._lane_policy(route)
         stored = self._policies()
         policies = {own.name: own}
@@ -203,7 +237,7 @@ class GatePublisher:
         spill = route.spillover is not None
         found = self._source(route.lane, list(policies.values()), spill)
         if found is None:
-            return []
+            return [], {}
         names = [name for name, to in table.by_name.items() if to.lane == route.lane]
         gates = []
         for name, policy in sorted(policies.items()):
@@ -228,19 +262,25 @@ class GatePublisher:
                     drains=found.running > 0,
                 )
             )
-        return gates
+        return gates, found.seen
 
 
 class _Watcher:
     """One WatchAdmission stream: only the latest message matters."""
 
-    def __init__(self, first: inference_pb2.AdmissionGates) -> None:
+    def __init__(
+        self, watcher: str, first: inference_pb2.AdmissionGates, seen: Mapping[str, int]
+    ) -> None:
+        self.id = watcher
+        # The `seen` of the latest message put.
+        self.seen = seen
         self._latest: inference_pb2.AdmissionGates | None = first
         self._ready = asyncio.Event()
         self._ready.set()
 
-    def put(self, message: inference_pb2.AdmissionGates) -> None:
+    def put(self, message: inference_pb2.AdmissionGates, seen: Mapping[str, int]) -> None:
         self._latest = message
+        self.seen = seen
         self._ready.set()
 
     async def next(self) -> inference_pb2.AdmissionGates:

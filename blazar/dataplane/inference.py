@@ -37,7 +37,7 @@ import structlog
 
 from blazar._proto.engine.v1 import engine_pb2
 from blazar._proto.v1 import inference_pb2, inference_pb2_grpc
-from blazar.api import errors, filetypes, via
+from blazar.api import errors, filetypes, gate_tags, via
 from blazar.api.kinds import Kind, Lane, Model, SLOPolicy, SLOPolicySpec, Upstream
 from blazar.dataplane import (
     access,
@@ -575,12 +575,15 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                 await status.abort(context, refused)
         route, replica, blocks = await self._route(model, context, session=session, hashes=hashes)
         lane = self._dispatchers.of(route.lane)
+        # A malformed tag is ignored: it only helps a gate watcher count.
+        tag = gate_tags.of_metadata(context.invocation_metadata() or ())
         self._activity.begin(route.lane)
         try:
             async for chunk in self._admitted(
                 route, replica, blocks, lane, generate, context,
                 arrived=arrived, request_id=request_id, caller=caller, policy=policy,
                 prompt_chars=prompt_chars, session=session, through=through, hashes=hashes,
+                tag=tag,
             ):  # fmt: skip
                 yield chunk
         finally:
@@ -603,11 +606,14 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         session: str,
         through: tuple[str, ...],
         hashes: Callable[[int], tuple[int, ...]] | None,
+        tag: gate_tags.Tag | None = None,
     ) -> AsyncIterator[inference_pb2.Chunk]:
         """The request through its Lane's admission queue and on to an engine (or an
         upstream server, told the daemons the request went through: `through`). The
         prompt's block hashes (`blocks`, else `hashes`) are learnt by the index of the
-        Lane that runs it: the spillover Lane's when it spilled."""
+        Lane that runs it: the spillover Lane's when it spilled. Its gate watcher's
+        `tag` is noted by the Lane it named (not a spillover Lane's: the watcher counts
+        it there)."""
         try:
             if lane is None:
                 raise errors.Unavailable(
@@ -646,7 +652,11 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         spilled: str | None = None
         try:
             started = await lane.admit(
-                ticket, request_id=request_id, prompt_chars=prompt_chars, spill=spill_to is not None
+                ticket,
+                request_id=request_id,
+                prompt_chars=prompt_chars,
+                spill=spill_to is not None,
+                tag=tag,
             )
             if isinstance(started, admission.Spill):
                 assert spill_to is not None
@@ -817,7 +827,14 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
     async def WatchAdmission(
         self, request: inference_pb2.WatchAdmissionRequest, context: Context
     ) -> AsyncIterator[inference_pb2.AdmissionGates]:
-        async for message in self._gates.watch():
+        if request.watcher and not gate_tags.valid_watcher(request.watcher):
+            err = errors.InvalidRequest(
+                f"Invalid watcher id {request.watcher[: gate_tags.MAX_WATCHER_CHARS]!r}: use 1 "
+                f"to {gate_tags.MAX_WATCHER_CHARS} letters, digits, '-' or '_'.",
+                metadata={errors.FIELD_KEY: "watcher"},
+            )
+            await status.abort(context, err)
+        async for message in self._gates.watch(request.watcher):
             yield message
 
     def _stored_policies(self) -> dict[str, admission.Policy]:
@@ -840,6 +857,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             refusals=found.gates(wanted, spill=spill),
             chars_per_token=found.measurements.chars_per_token,
             running=found.running(),
+            seen=found.seen(),
         )
 
 

@@ -4,7 +4,7 @@ and when watchers hear of it."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field, replace
 
 import pytest
@@ -63,6 +63,8 @@ class World:
     asked: list[tuple[str, tuple[str, ...], bool]] = field(default_factory=list)
     enabled: bool = True
     running: int = 0
+    # By Lane, by watcher: the highest tag that arrived.
+    seen: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def source(self, lane: str, policies: list[admission.Policy], spill: bool) -> gates.LaneGates:
         self.asked.append((lane, tuple(p.name for p in policies), spill))
@@ -70,6 +72,7 @@ class World:
             refusals={p.name: self.answers.get((lane, p.name)) for p in policies},
             chars_per_token=3.5,
             running=self.running,
+            seen=dict(self.seen.get(lane, {})),
         )
 
     def lane_policy(self, r: routing.Route) -> admission.Policy:
@@ -248,3 +251,62 @@ async def test_marks_before_a_flush_make_one_flush(world: World) -> None:
     finally:
         await publisher.close()
     assert sorted(lane for lane, _, _ in world.asked) == ["lane-a", "lane-b"]
+
+
+async def heard(watch: AsyncIterator[inference_pb2.AdmissionGates]) -> dict[str, int] | None:
+    """The `seen` of the next message if one is already due, else None."""
+    try:
+        return dict((await asyncio.wait_for(anext(watch), 0.05)).seen)
+    except TimeoutError:
+        return None
+
+
+@pytest.mark.anyio
+async def test_each_watcher_hears_what_its_tags_had_reached_when_the_gates_were_computed(
+    world: World,
+) -> None:
+    world.routes = table(route("lane-a"), route("lane-b"))
+    world.answers[("lane-a", "interactive")] = refused(INTERACTIVE, admission.Reason.QUEUE_FULL)
+    world.seen = {"lane-a": {"w1": 3, "w2": 9}, "lane-b": {"w1": 4}}
+    publisher = world.publisher()
+    watches = {name: publisher.watch(name) for name in ("w1", "w2", "")}
+    try:
+        for watch in watches.values():
+            await anext(watch)  # the state before the flush
+        await flushed(publisher, "lane-a", "lane-b")
+        # Only Lanes with gates listed (lane-b has none); no watcher id, no `seen`.
+        assert {name: await heard(w) for name, w in watches.items()} == {
+            "w1": {"lane-a": 3},
+            "w2": {"lane-a": 9},
+            "": {},
+        }
+        # As of the gates: later arrivals show once the Lane's gates are asked again.
+        world.seen["lane-a"]["w1"] = 5
+        assert dict(publisher.snapshot("w1").seen) == {"lane-a": 3}
+        await flushed(publisher, "lane-a")
+        # The same gates: only the watcher whose requests arrived hears of it.
+        assert {name: await heard(w) for name, w in watches.items()} == {
+            "w1": {"lane-a": 5},
+            "w2": None,
+            "": None,
+        }
+        assert dict(publisher.snapshot("w1").seen) == {"lane-a": 5}
+    finally:
+        for watch in watches.values():
+            await watch.aclose()
+        await publisher.close()
+
+
+@pytest.mark.anyio
+async def test_a_lane_whose_gates_open_takes_its_seen_along(world: World) -> None:
+    world.answers[("lane-a", "interactive")] = refused(INTERACTIVE, admission.Reason.QUEUE_FULL)
+    world.seen = {"lane-a": {"w1": 3}}
+    publisher = world.publisher()
+    try:
+        assert dict((await flushed(publisher, "lane-a")).seen) == {}  # shared: no watcher
+        assert dict(publisher.snapshot("w1").seen) == {"lane-a": 3}
+        del world.answers[("lane-a", "interactive")]
+        await flushed(publisher, "lane-a")
+        assert dict(publisher.snapshot("w1").seen) == {}
+    finally:
+        await publisher.close()

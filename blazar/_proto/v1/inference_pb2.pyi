@@ -22,16 +22,27 @@ FINISH_REASON_CANCELLED: FinishReason
 FINISH_REASON_TOOL_CALLS: FinishReason
 
 class WatchAdmissionRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("watcher",)
+    WATCHER_FIELD_NUMBER: _ClassVar[int]
+    watcher: str
+    def __init__(self, watcher: _Optional[str] = ...) -> None: ...
 
 class AdmissionGates(_message.Message):
-    __slots__ = ("closed", "refresh_ms")
+    __slots__ = ("closed", "refresh_ms", "seen")
+    class SeenEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     CLOSED_FIELD_NUMBER: _ClassVar[int]
     REFRESH_MS_FIELD_NUMBER: _ClassVar[int]
+    SEEN_FIELD_NUMBER: _ClassVar[int]
     closed: _containers.RepeatedCompositeFieldContainer[AdmissionGate]
     refresh_ms: int
-    def __init__(self, closed: _Optional[_Iterable[_Union[AdmissionGate, _Mapping]]] = ..., refresh_ms: _Optional[int] = ...) -> None: ...
+    seen: _containers.ScalarMap[str, int]
+    def __init__(self, closed: _Optional[_Iterable[_Union[AdmissionGate, _Mapping]]] = ..., refresh_ms: _Optional[int] = ..., seen: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class AdmissionGate(_message.Message):
     __slots__ = ("lane", "models", "policy", "lane_policy", "reason", "message", "metadata", "closed_for_ms", "chars_per_token", "context_tokens", "after_requests", "after_max_tokens")
