@@ -54,12 +54,13 @@ def create_app(
             )
         else:
             channel = grpc.aio.insecure_channel(inference_target, options=channel_options)
-        client = inference.InferenceClient(channel)
+        admission = gates.AdmissionGates()
+        client = inference.InferenceClient(channel, gates=admission)
         app.state.inference = client
-        app.state.gates = gates.AdmissionGates()
+        app.state.gates = admission
         app.state.probe_metadata = (("authorization", f"Bearer {probe_key}"),) if probe_key else ()
         try:
-            async with gates.following(app.state.gates, client.watch_admission):
+            async with gates.following(admission, client.watch_admission):
                 yield
         finally:
             # Cancels RPCs still open; uvicorn has already drained HTTP connections.

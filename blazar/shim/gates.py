@@ -15,7 +15,23 @@ no session, through no other daemon, naming the policy it is for (or none, for t
 Lane's own), and for SLO_UNATTAINABLE fitting the Lane's context as admission
 estimates it. The daemon lists no gate while API keys are in force.
 
-A refusal made here counts where the daemon's would (`blazar.rpc.refusals`), once.
+A filling gate (`after_requests`) is open, and closes once that many more requests
+reach its Lane than its message's gates include. Under a burst, requests the shim has
+sent on are still in gRPC flight, or not yet taken in by the Lane's admission task,
+when the daemon computes the next message; so the shim tags each one
+(`blazar.api.gate_tags`) and keeps those the gates do not include yet. Each message
+says, per Lane, the highest tag that Lane's admission had taken in when its gates were
+computed (`seen`): the requests tagged above it count toward the new gate, with those
+sent after it. A request stops counting when a message includes it, when its call
+ends (`settled`: whatever admission did with it, the gates that follow know), or after
+UNSEEN_FACTOR refresh intervals (one the daemon refused before admission, for a bad
+key say, is never taken in). Each of these can only count too few, which sends a
+request on to the daemon to decide; counting too many would refuse a request that
+admission takes.
+
+Every generation is checked in one place, `inference.InferenceClient`'s `chat` and
+`complete`, which also tag what they send on. A refusal made here counts where the
+daemon's would (`blazar.rpc.refusals`), once.
 """
 
 from __future__ import annotations
@@ -30,10 +46,9 @@ from typing import Protocol, TypeAlias
 
 import grpc
 import structlog
-from starlette.requests import Request
 
 from blazar._proto.v1 import inference_pb2
-from blazar.api import errors
+from blazar.api import errors, gate_tags
 from blazar.rpc import refusals
 
 _log = structlog.get_logger("blazar.shim.gates")
@@ -42,6 +57,10 @@ _log = structlog.get_logger("blazar.shim.gates")
 STALE_FACTOR = 3.0
 # Between attempts to (re)open the stream.
 RETRY_S = 1.0
+# A request sent on counts toward a filling gate for at most this many refresh
+# intervals (UNSEEN_S before the first message) unless the gates include it sooner.
+UNSEEN_FACTOR = 2.0
+UNSEEN_S = 1.0
 
 Generation: TypeAlias = inference_pb2.ChatRequest | inference_pb2.CompleteRequest
 
@@ -54,7 +73,8 @@ class Call(Protocol):
     def cancel(self) -> bool: ...
 
 
-Watch: TypeAlias = Callable[[], Call]
+# Opens the stream for a watcher id.
+Watch: TypeAlias = Callable[[str], Call]
 
 
 @dataclass(frozen=True)
@@ -72,9 +92,22 @@ class _Gate:
     after_max_tokens: int = 0
 
 
+@dataclass(frozen=True)
+class _Forwarded:
+    """A request sent on to the daemon that the gates heard last do not include."""
+
+    model: str
+    slo: str
+    # 0: none set.
+    max_tokens: int
+    # On the shim's clock.
+    sent_at: float
+
+
 @dataclass
 class _Sent:
-    """The requests sent on to one Lane since the last message (`after_requests`)."""
+    """The requests on their way to one Lane that its filling gate does not include
+    (`after_requests`)."""
 
     count: int = 0
     # The least max_tokens among them (0: one had none set).
@@ -85,23 +118,36 @@ class _Sent:
 
 class AdmissionGates:
     """The closed gates the daemon lists, by (model name, policy name); policy "" for
-    requests that name none (their Lane's policy)."""
+    requests that name none (their Lane's policy). `watcher`: this shim's id on the
+    stream and in its requests' tags (`blazar.api.gate_tags`)."""
 
-    def __init__(self, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, *, clock: Callable[[], float] = time.monotonic, watcher: str | None = None
+    ) -> None:
         self._clock = clock
+        self.watcher = watcher or gate_tags.new_watcher()
         self._gates: dict[tuple[str, str], _Gate] = {}
-        # The Lane of each model name that has a gate filling, and what was sent there.
-        self._filling: dict[str, str] = {}
+        # The Lane of each model name the gates list, and the Lanes with a gate filling.
+        self._lanes: dict[str, str] = {}
+        self._filling: set[str] = set()
+        # The requests sent on that the gates do not include yet, by tag n (so in the
+        # order sent); and, per Lane with a gate filling, what they add up to.
+        self._n = 0
+        self._unseen: dict[int, _Forwarded] = {}
         self._sent: dict[str, _Sent] = {}
-        # When the last message came, and how long one may be awaited.
+        # When the last message came, how long one may be awaited, and how long a
+        # request sent on counts at most.
         self._heard_at = -math.inf
         self._stale_s = 0.0
+        self._unseen_s = UNSEEN_S
 
     def apply(self, message: inference_pb2.AdmissionGates) -> None:
-        """A message of the stream: the whole set of closed gates, as of now."""
+        """A message of the stream: the whole set of closed gates, as of now, and the
+        requests of this watcher they include (`seen`)."""
         now = self._clock()
         gates: dict[tuple[str, str], _Gate] = {}
-        filling: dict[str, str] = {}
+        lanes: dict[str, str] = {}
+        filling: set[str] = set()
         for gate in message.closed:
             until = now + gate.closed_for_ms / 1000 if gate.HasField("closed_for_ms") else math.inf
             found = _Gate(
@@ -117,43 +163,74 @@ class AdmissionGates:
                 after_requests=gate.after_requests,
                 after_max_tokens=gate.after_max_tokens,
             )
+            if gate.after_requests:
+                filling.add(gate.lane)
             for model in gate.models:
-                if gate.after_requests:
-                    filling[model] = gate.lane
+                lanes[model] = gate.lane
                 if gate.lane_policy:
                     gates[(model, "")] = found
                 # A name with a colon (`builtin:fifo`) is no SLOPolicy a request can name.
                 if ":" not in gate.policy:
                     gates[(model, gate.policy)] = found
         self._gates = gates
+        self._lanes = lanes
         self._filling = filling
-        self._sent = {}
         self._heard_at = now
         self._stale_s = STALE_FACTOR * message.refresh_ms / 1000
+        self._unseen_s = UNSEEN_FACTOR * message.refresh_ms / 1000 or UNSEEN_S
+        seen = message.seen
+        for n, sent in list(self._unseen.items()):
+            lane = lanes.get(sent.model)
+            if lane is not None and n <= seen.get(lane, 0):
+                del self._unseen[n]
+        self._forget_old(now)
+        self._recount()
 
     def listed(self) -> list[tuple[str, str]]:
         """The (model name, policy name) pairs closed as last heard, policy "" for the
-        requests that name none; whether they hold now is `refusal`'s to say."""
+        requests that name none; whether they hold now is `admit`'s to say."""
         return sorted(self._gates)
 
     def lost(self) -> None:
         """The stream is down: no gate holds until it is back."""
         self._gates = {}
-        self._filling = {}
+        self._lanes = {}
+        self._filling = set()
         self._sent = {}
         self._heard_at = -math.inf
 
-    def refusal(self, request: Generation, *, via: str = "") -> errors.BlazarError | None:
+    def admit(self, request: Generation, *, via: str = "") -> errors.BlazarError | gate_tags.Tag:
         """The daemon's refusal of `request` if a closed gate says it would refuse it
-        now, counted as the daemon counts its own; None: ask the daemon."""
+        now, counted as the daemon counts its own; else the tag it goes on to the daemon
+        with, counted toward its Lane's filling gate until the gates include it (or
+        `settled`)."""
+        now = self._clock()
+        self._forget_old(now)
+        refused = self._refusal(request, via=via, now=now)
+        if refused is not None:
+            return refused
+        max_tokens = request.sampling.max_tokens if request.sampling.HasField("max_tokens") else 0
+        sent = _Forwarded(request.model, request.slo, max_tokens, sent_at=now)
+        self._n += 1
+        self._unseen[self._n] = sent
+        self._count(sent)
+        return gate_tags.Tag(self.watcher, self._n)
+
+    def settled(self, tag: gate_tags.Tag) -> None:
+        """The call `tag` went with has ended: whether or not admission took it in, it
+        holds no slot the gates heard do not know of (counting it no more can only let
+        a request through to the daemon, which decides)."""
+        sent = self._unseen.pop(tag.n, None) if tag.watcher == self.watcher else None
+        if sent is not None and self._lanes.get(sent.model) in self._filling:
+            self._recount()
+
+    def _refusal(self, request: Generation, *, via: str, now: float) -> errors.BlazarError | None:
         if not self._gates:
             return None
-        now = self._clock()
         if now - self._heard_at > self._stale_s:
             return None
         gate = self._gates.get((request.model, request.slo))
         if gate is None or not self._refuses(gate, request, via=via, now=now):
-            self._sending(request, gate)
             return None
         refusals.count(gate.lane, gate.policy, gate.reason)
         # On the request's one summary line (`context.RequestIdMiddleware`): who refused.
@@ -177,24 +254,42 @@ class AdmissionGates:
             and sent.policies == {gate.policy}
         )
 
-    def _sending(self, request: Generation, gate: _Gate | None) -> None:
-        """`request` goes on to the daemon: count it against its Lane's filling gates."""
-        lane = self._filling.get(request.model)
-        if lane is None:
+    def _forget_old(self, now: float) -> None:
+        """Requests sent on longer ago than `_unseen_s` count no more: one that the
+        daemon refused before admission (an unknown key, say) is never taken in."""
+        old = []
+        for n, sent in self._unseen.items():  # in the order sent
+            if now - sent.sent_at <= self._unseen_s:
+                break
+            old.append(n)
+        for n in old:
+            del self._unseen[n]
+        if old:
+            self._recount()
+
+    def _recount(self) -> None:
+        self._sent = {}
+        for sent in self._unseen.values():
+            self._count(sent)
+
+    def _count(self, sent: _Forwarded) -> None:
+        """Count `sent` against its Lane's filling gate, if one is filling."""
+        lane = self._lanes.get(sent.model)
+        if lane is None or lane not in self._filling:
             return
-        sent = self._sent.get(lane)
-        max_tokens = request.sampling.max_tokens if request.sampling.HasField("max_tokens") else 0
-        if sent is None:
-            sent = self._sent[lane] = _Sent(least_max_tokens=max_tokens)
-        sent.count += 1
-        sent.least_max_tokens = min(sent.least_max_tokens, max_tokens)
-        sent.policies.add(gate.policy if gate is not None else "?" + request.slo)
+        gate = self._gates.get((sent.model, sent.slo))
+        found = self._sent.get(lane)
+        if found is None:
+            found = self._sent[lane] = _Sent(least_max_tokens=sent.max_tokens)
+        found.count += 1
+        found.least_max_tokens = min(found.least_max_tokens, sent.max_tokens)
+        found.policies.add(gate.policy if gate is not None else "?" + sent.slo)
 
     async def follow(self, watch: Watch) -> None:
-        """Keep the gates up to date from `watch()` (a WatchAdmission call) until
-        cancelled, opening it again whenever it ends or fails."""
+        """Keep the gates up to date from `watch(self.watcher)` (a WatchAdmission call)
+        until cancelled, opening it again whenever it ends or fails."""
         while True:
-            call = watch()
+            call = watch(self.watcher)
             try:
                 async for message in call:
                     self.apply(message)
@@ -204,13 +299,6 @@ class AdmissionGates:
                 self.lost()
                 call.cancel()
             await asyncio.sleep(RETRY_S)
-
-
-def refusal(request: Request, generation: Generation, *, via: str) -> errors.BlazarError | None:
-    """The refusal the app's gates answer for `generation` (None: ask the daemon); the
-    app has no gates outside its lifespan (a test's)."""
-    found: AdmissionGates | None = getattr(request.app.state, "gates", None)
-    return None if found is None else found.refusal(generation, via=via)
 
 
 def _fits(request: Generation, gate: _Gate) -> bool:

@@ -2,21 +2,27 @@
 
 It owns the translation of gRPC failures into `blazar.api.errors` and the guarantee
 that a generation RPC is cancelled (so the engine frees its slot) whenever the HTTP
-side stops reading early: client gone, error while rendering, or shutdown.
+side stops reading early: client gone, error while rendering, or shutdown. Every
+generation goes through `chat` or `complete`, where the admission gates
+(`blazar.shim.gates`) refuse it without a call, or tag it on its way: a refused
+generation is a `ChunkStream` that raises the refusal on its first read, as the
+daemon's own refusal would come, so each dialect renders it the same way.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from types import TracebackType
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from starlette.requests import Request
 
 from blazar._proto.v1 import inference_pb2, inference_pb2_grpc
+from blazar.api import errors, via
 from blazar.rpc import status
+from blazar.shim import gates
 
 # A probe must answer even when the daemon hangs; load balancers poll every few seconds.
 _HEALTH_TIMEOUT_S = 2.0
@@ -50,6 +56,32 @@ def final_headers(final: inference_pb2.Final) -> dict[str, str]:
     return headers
 
 
+class _Call(Protocol):
+    """What a ChunkStream reads: a grpc.aio streaming call, or `_Refused`."""
+
+    async def read(self) -> object: ...
+
+    async def initial_metadata(self) -> Any: ...
+
+    def cancel(self) -> bool: ...
+
+
+class _Refused:
+    """A call never made: a closed admission gate refused it (`gates.AdmissionGates`)."""
+
+    def __init__(self, err: errors.BlazarError) -> None:
+        self._err = err
+
+    async def read(self) -> object:
+        raise self._err
+
+    async def initial_metadata(self) -> Any:
+        return ()
+
+    def cancel(self) -> bool:
+        return False
+
+
 class ChunkStream:
     """One server-streaming generation call, read chunk by chunk.
 
@@ -59,8 +91,13 @@ class ChunkStream:
     transport failures (daemon down) become `Unavailable`.
     """
 
-    def __init__(self, call: grpc.aio.UnaryStreamCall[Any, inference_pb2.Chunk]) -> None:
+    def __init__(self, call: _Call) -> None:
         self._call = call
+
+    @classmethod
+    def refused(cls, err: errors.BlazarError) -> ChunkStream:
+        """A stream that raises `err` on its first read, with no call behind it."""
+        return cls(_Refused(err))
 
     def __aiter__(self) -> ChunkStream:
         return self
@@ -108,21 +145,44 @@ class ChunkStream:
 
 
 class InferenceClient:
-    """Calls `blazar.v1.Inference` and the daemon's gRPC health service on one channel."""
+    """Calls `blazar.v1.Inference` and the daemon's gRPC health service on one channel;
+    generations through `gates` (none: every one goes to the daemon)."""
 
-    def __init__(self, channel: grpc.aio.Channel) -> None:
+    def __init__(
+        self, channel: grpc.aio.Channel, *, gates: gates.AdmissionGates | None = None
+    ) -> None:
         self._inference = inference_pb2_grpc.InferenceStub(channel)
         self._health = health_pb2_grpc.HealthStub(channel)
+        self._gates = gates
 
     def chat(
         self, request: inference_pb2.ChatRequest, *, metadata: Sequence[tuple[str, str]]
     ) -> ChunkStream:
-        return ChunkStream(self._inference.Chat(request, metadata=tuple(metadata)))
+        """The generation's stream: the daemon's, or a closed gate's refusal."""
+        return self._generate(self._inference.Chat, request, metadata)
 
     def complete(
         self, request: inference_pb2.CompleteRequest, *, metadata: Sequence[tuple[str, str]]
     ) -> ChunkStream:
-        return ChunkStream(self._inference.Complete(request, metadata=tuple(metadata)))
+        """As `chat`."""
+        return self._generate(self._inference.Complete, request, metadata)
+
+    def _generate(
+        self, rpc: Any, request: gates.Generation, metadata: Sequence[tuple[str, str]]
+    ) -> ChunkStream:
+        found = self._gates
+        if found is None:
+            return ChunkStream(rpc(request, metadata=tuple(metadata)))
+        through = next((value for key, value in metadata if key == via.HEADER), "")
+        decided = found.admit(request, via=through)
+        if isinstance(decided, errors.BlazarError):
+            return ChunkStream.refused(decided)
+        call: grpc.aio.UnaryStreamCall[Any, inference_pb2.Chunk] = rpc(
+            request, metadata=(*metadata, decided.metadata())
+        )
+        # However it ends, it is no longer on its way to admission.
+        call.add_done_callback(lambda _: found.settled(decided))
+        return ChunkStream(call)
 
     async def list_models(
         self, *, metadata: Sequence[tuple[str, str]]
@@ -159,10 +219,13 @@ class InferenceClient:
         )
         return response
 
-    def watch_admission(self) -> grpc.aio.UnaryStreamCall[Any, inference_pb2.AdmissionGates]:
-        """The daemon's closed admission gates, as they change (`blazar.shim.gates`)."""
+    def watch_admission(
+        self, watcher: str
+    ) -> grpc.aio.UnaryStreamCall[Any, inference_pb2.AdmissionGates]:
+        """The daemon's closed admission gates, as they change, for the watcher whose
+        tags go on its generations (`blazar.shim.gates`)."""
         call: grpc.aio.UnaryStreamCall[Any, inference_pb2.AdmissionGates] = (
-            self._inference.WatchAdmission(inference_pb2.WatchAdmissionRequest())
+            self._inference.WatchAdmission(inference_pb2.WatchAdmissionRequest(watcher=watcher))
         )
         return call
 

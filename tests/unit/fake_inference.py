@@ -102,9 +102,13 @@ class FakeInference(inference_pb2_grpc.InferenceServicer):
         default_factory=asyncio.Queue
     )
 
+    # The watcher ids WatchAdmission was opened with, in order.
+    watchers: list[str] = field(default_factory=list)
+
     async def WatchAdmission(
         self, request: Any, context: Any
     ) -> AsyncIterator[inference_pb2.AdmissionGates]:
+        self.watchers.append(request.watcher)
         while (message := await self.admission.get()) is not None:
             yield message
 

@@ -11,10 +11,10 @@ import prometheus_client
 import pytest
 
 from blazar._proto.v1 import inference_pb2
-from blazar.api import errors
+from blazar.api import errors, gate_tags
 from blazar.rpc import refusals
 from blazar.shim import gates
-from tests.unit.fake_inference import Daemon, asgi_shim, fake_daemon, poll
+from tests.unit.fake_inference import Daemon, asgi_shim, delta, fake_daemon, final, poll
 
 FULL = errors.QueueFull.of(
     lane="lane-a", policy="interactive", max_queue_depth=4, retry_after_s=2.5
@@ -59,9 +59,9 @@ def gate(
 
 
 def message(
-    *closed: inference_pb2.AdmissionGate, refresh_ms: int = 500
+    *closed: inference_pb2.AdmissionGate, refresh_ms: int = 500, seen: dict[str, int] | None = None
 ) -> inference_pb2.AdmissionGates:
-    return inference_pb2.AdmissionGates(closed=closed, refresh_ms=refresh_ms)
+    return inference_pb2.AdmissionGates(closed=closed, refresh_ms=refresh_ms, seen=seen or {})
 
 
 def complete(
@@ -88,9 +88,20 @@ class Clock:
 
 def following(*closed: inference_pb2.AdmissionGate) -> tuple[gates.AdmissionGates, Clock]:
     clock = Clock()
-    found = gates.AdmissionGates(clock=clock)
+    found = gates.AdmissionGates(clock=clock, watcher="w1")
     found.apply(message(*closed))
     return found, clock
+
+
+def refusal(
+    found: gates.AdmissionGates, request: gates.Generation, *, via: str = ""
+) -> errors.BlazarError | None:
+    """The gates' refusal of `request`; None when it goes on to the daemon (tagged)."""
+    decided = found.admit(request, via=via)
+    if isinstance(decided, errors.BlazarError):
+        return decided
+    assert decided.watcher == found.watcher
+    return None
 
 
 def rejections(lane: str, policy: str, reason: str) -> float:
@@ -148,7 +159,7 @@ def test_which_requests_a_closed_gate_refuses(
     refused: bool,
 ) -> None:
     found, _ = following(closed)
-    err = found.refusal(asked, via=via)
+    err = refusal(found, asked, via=via)
     if not refused:
         assert err is None
         return
@@ -164,57 +175,57 @@ def test_a_chat_is_measured_by_its_messages() -> None:
     short = inference_pb2.ChatRequest(
         model="tiny", messages=[inference_pb2.Message(role="user", content="x" * 16)] * 2
     )
-    assert found.refusal(short) is not None  # 8 tokens + 1
+    assert refusal(found, short) is not None  # 8 tokens + 1
     longer = inference_pb2.ChatRequest(
         model="tiny", messages=[inference_pb2.Message(role="user", content="x" * 20)] * 2
     )
-    assert found.refusal(longer) is None  # 10 tokens + 1
+    assert refusal(found, longer) is None  # 10 tokens + 1
 
 
 def test_a_gate_holds_for_its_closed_for_ms() -> None:
     found, clock = following(gate(LATE, closed_for_ms=300))
-    assert found.refusal(complete()) is not None
+    assert refusal(found, complete()) is not None
     clock.now += 0.299
-    assert found.refusal(complete()) is not None
+    assert refusal(found, complete()) is not None
     clock.now += 0.001
-    assert found.refusal(complete()) is None
+    assert refusal(found, complete()) is None
 
 
 def test_gates_go_stale_when_the_stream_is_silent() -> None:
     """Three refresh intervals without a message: the daemon decides again."""
     found, clock = following(gate())
     clock.now += 1.5
-    assert found.refusal(complete()) is not None
+    assert refusal(found, complete()) is not None
     clock.now += 0.001
-    assert found.refusal(complete()) is None
+    assert refusal(found, complete()) is None
     # A heartbeat (the same gates) makes them hold again.
     found.apply(message(gate()))
-    assert found.refusal(complete()) is not None
+    assert refusal(found, complete()) is not None
 
 
 def test_each_message_is_the_whole_set() -> None:
     found, _ = following(gate())
     found.apply(message())
-    assert found.refusal(complete()) is None
+    assert refusal(found, complete()) is None
     assert found.listed() == []
 
 
 def test_a_lost_stream_opens_every_gate() -> None:
     found, _ = following(gate())
     found.lost()
-    assert found.refusal(complete()) is None
+    assert refusal(found, complete()) is None
 
 
 def test_a_filling_gate_closes_once_its_requests_went_on() -> None:
     """Two idle slots, taken by requests of 50 tokens or more: the third is refused."""
     found, _ = following(gate(LATE, after=(2, 50)))
-    assert found.refusal(complete(max_tokens=60)) is None
-    assert found.refusal(complete(max_tokens=50)) is None
-    assert found.refusal(complete(max_tokens=1)) is not None  # any size, once filled
-    assert found.refusal(complete(max_tokens=99)) is not None
-    # A new message starts the count again.
-    found.apply(message(gate(LATE, after=(2, 50))))
-    assert found.refusal(complete(max_tokens=60)) is None
+    assert refusal(found, complete(max_tokens=60)) is None
+    assert refusal(found, complete(max_tokens=50)) is None
+    assert refusal(found, complete(max_tokens=1)) is not None  # any size, once filled
+    assert refusal(found, complete(max_tokens=99)) is not None
+    # A message whose gates include both starts the count again.
+    found.apply(message(gate(LATE, after=(2, 50)), seen={"lane-a": 2}))
+    assert refusal(found, complete(max_tokens=60)) is None
 
 
 @pytest.mark.parametrize(
@@ -233,16 +244,84 @@ def test_a_filling_gate_stays_open_unless_its_requests_went_on(
 ) -> None:
     found, _ = following(gate(LATE, after=(2, 50)))
     for request in sent:
-        assert found.refusal(request) is None
-    assert found.refusal(complete(max_tokens=60)) is None
+        assert refusal(found, request) is None
+    assert refusal(found, complete(max_tokens=60)) is None
+
+
+def test_requests_the_gates_do_not_include_yet_count_toward_the_next_gate() -> None:
+    """Under a burst, the next message is computed before the requests sent on have
+    reached admission: they still count, and only those its `seen` includes drop out."""
+    found, _ = following(gate(LATE, after=(3, 50)))
+    for _ in range(2):
+        assert refusal(found, complete(max_tokens=60)) is None  # tags 1 and 2
+    # Computed before either arrived (the same gate, nothing seen): the third goes on,
+    # the fourth would wait past the target.
+    found.apply(message(gate(LATE, after=(3, 50))))
+    assert refusal(found, complete(max_tokens=60)) is None  # tag 3
+    assert refusal(found, complete(max_tokens=60)) is not None
+    # Admission took in tags 1 and 2 (two slots taken, one idle): tag 3 is on its way.
+    found.apply(message(gate(LATE, after=(1, 50)), seen={"lane-a": 2}))
+    assert refusal(found, complete(max_tokens=60)) is not None
+    # What another Lane took in says nothing of this one's.
+    found.apply(message(gate(LATE, after=(1, 50)), seen={"other": 9}))
+    assert refusal(found, complete(max_tokens=60)) is not None
+    # Tag 3 taken in too: the next one goes on.
+    found.apply(message(gate(LATE, after=(1, 50)), seen={"lane-a": 3}))
+    assert refusal(found, complete(max_tokens=60)) is None
+
+
+def test_requests_sent_before_a_gate_was_listed_count_toward_it() -> None:
+    found, _ = following()
+    assert refusal(found, complete(max_tokens=60)) is None  # no gate: tag 1 goes on
+    found.apply(message(gate(LATE, after=(1, 50))))
+    assert refusal(found, complete(max_tokens=60)) is not None
+    found.apply(message(gate(LATE, after=(1, 50)), seen={"lane-a": 1}))
+    assert refusal(found, complete(max_tokens=60)) is None
+
+
+def test_a_request_whose_call_ended_counts_no_more() -> None:
+    """Ended before the gates included it (refused before admission, or done): it
+    holds no slot they do not know of."""
+    found, _ = following(gate(LATE, after=(2, 50)))
+    first = found.admit(complete(max_tokens=60))
+    assert isinstance(first, gate_tags.Tag)
+    assert refusal(found, complete(max_tokens=60)) is None
+    assert refusal(found, complete(max_tokens=60)) is not None
+    found.settled(first)
+    assert refusal(found, complete(max_tokens=60)) is None
+    # Another watcher's tag is not this one's to settle.
+    found.settled(gate_tags.Tag("someone-else", 2))
+    assert refusal(found, complete(max_tokens=60)) is not None
+
+
+def test_a_request_the_gates_never_include_counts_for_two_refresh_intervals() -> None:
+    """One the daemon refused before admission (a bad key, say) never arrives there:
+    after twice the refresh interval (500 ms here) it counts no more."""
+    found, clock = following(gate(LATE, after=(1, 50)))
+    assert refusal(found, complete(max_tokens=60)) is None
+    clock.now += 0.5
+    found.apply(message(gate(LATE, after=(1, 50))))  # a heartbeat that does not see it
+    clock.now += 0.5
+    assert refusal(found, complete(max_tokens=60)) is not None  # 1.0 s: still counted
+    clock.now += 0.001
+    assert refusal(found, complete(max_tokens=60)) is None
+
+
+def test_tags_name_the_watcher_and_rise() -> None:
+    found, _ = following()
+    tags = [found.admit(complete()) for _ in range(3)]
+    assert tags == [gate_tags.Tag("w1", n) for n in (1, 2, 3)]
+    assert tags[0].metadata() == ("x-blazar-gate-seq", "w1:1")
+    # A random id by default, one per set of gates.
+    assert gates.AdmissionGates().watcher != gates.AdmissionGates().watcher
 
 
 def test_requests_with_a_session_fill_the_slots_too() -> None:
     """A request the gate does not refuse (a session) still takes a slot."""
     found, _ = following(gate(LATE, after=(2, 50)))
-    assert found.refusal(complete(max_tokens=60, session="s")) is None
-    assert found.refusal(complete(max_tokens=60, session="t")) is None
-    assert found.refusal(complete(max_tokens=60)) is not None
+    assert refusal(found, complete(max_tokens=60, session="s")) is None
+    assert refusal(found, complete(max_tokens=60, session="t")) is None
+    assert refusal(found, complete(max_tokens=60)) is not None
 
 
 def test_a_refusal_counts_once_as_the_daemons() -> None:
@@ -250,12 +329,12 @@ def test_a_refusal_counts_once_as_the_daemons() -> None:
     before = rejections("lane-count", "interactive", "QUEUE_FULL")
     requests_before = outcomes("lane-count", "queue_full")
     gated_before = refusals.gated("interactive").get("QUEUE_FULL", 0)
-    assert found.refusal(complete()) is not None
+    assert refusal(found, complete()) is not None
     assert rejections("lane-count", "interactive", "QUEUE_FULL") == before + 1
     assert outcomes("lane-count", "queue_full") == requests_before + 1
     assert refusals.gated("interactive")["QUEUE_FULL"] == gated_before + 1
     # Not refused: not counted.
-    assert found.refusal(complete("other")) is None
+    assert refusal(found, complete("other")) is None
     assert rejections("lane-count", "interactive", "QUEUE_FULL") == before + 1
 
 
@@ -280,6 +359,8 @@ DIALECTS: list[tuple[str, dict[str, Any]]] = [
     ),
     ("/api/chat", {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}]}),
     ("/api/generate", {"model": "tiny", "prompt": "Hi"}),
+    ("/v1/responses", {"model": "tiny", "input": "Hi"}),
+    ("/v1/responses", {"model": "tiny", "input": "Hi", "stream": True}),
 ]
 
 
@@ -316,6 +397,35 @@ async def test_a_closed_gate_answers_what_the_daemon_would(path: str, body: dict
 
 
 @pytest.mark.anyio
+async def test_every_generation_goes_on_tagged_for_the_watcher_the_stream_names() -> None:
+    async with fake_daemon() as daemon, shim(daemon) as (client, app):
+        daemon.fake.scripts["tiny"] = [FULL]
+        await poll(lambda: daemon.fake.watchers != [], what="the stream to open")
+        watcher = app.state.gates.watcher
+        assert daemon.fake.watchers == [watcher]
+        for path, body in DIALECTS:
+            await client.post(path, json=body)
+        # Not the other calls: they fill no slot.
+        await client.post("/v1/embeddings", json={"model": "tiny", "input": "Hi"})
+        tags = [m.get("x-blazar-gate-seq") for m in daemon.fake.metadata]
+        assert tags == [f"{watcher}:{n}" for n in range(1, len(DIALECTS) + 1)] + [None]
+
+
+@pytest.mark.anyio
+async def test_a_generation_whose_call_ended_fills_no_gate() -> None:
+    """A filling gate for one more request: each one that went on and ended (here
+    before any message included it) leaves it open for the next."""
+    async with fake_daemon() as daemon, shim(daemon) as (client, app):
+        daemon.fake.scripts["tiny"] = [delta("x"), final()]
+        daemon.fake.admission.put_nowait(message(gate(LATE, after=(1, 50))))
+        await poll(lambda: app.state.gates.listed() != [], what="the gate to be listed")
+        body = {"model": "tiny", "prompt": "Hi", "max_tokens": 60}
+        for _ in range(3):
+            assert (await client.post("/v1/completions", json=body)).status_code == 200
+        assert len(daemon.fake.requests) == 3
+
+
+@pytest.mark.anyio
 async def test_the_shim_follows_the_stream_again_after_it_ends() -> None:
     async with fake_daemon() as daemon, shim(daemon) as (_client, app):
         daemon.fake.admission.put_nowait(message(gate()))
@@ -327,4 +437,4 @@ async def test_the_shim_follows_the_stream_again_after_it_ends() -> None:
 
 
 def test_gates_of_no_message_refuse_nothing() -> None:
-    assert gates.AdmissionGates().refusal(complete()) is None
+    assert refusal(gates.AdmissionGates(), complete()) is None

@@ -17,7 +17,7 @@ from starlette.routing import Route
 
 from blazar._proto.v1 import inference_pb2
 from blazar.api import errors
-from blazar.shim import context, gates, inference, relay, request_body, streaming
+from blazar.shim import context, inference, relay, request_body, streaming
 from blazar.shim.anthropic import protocol
 from blazar.shim.anthropic.convert import envelope, render, requests
 
@@ -47,8 +47,6 @@ async def messages(request: Request) -> Response:
         chat = requests.messages_request(body, session=ctx.session, slo=ctx.slo)
     except errors.BlazarError as err:
         return error(err, request_id=ctx.request_id)
-    if (refused := gates.refusal(request, chat, via=ctx.via)) is not None:
-        return error(refused, request_id=ctx.request_id)
     meta = render.ResponseMeta(id=f"msg_{ctx.request_id}", model=body.model)
     stream = inference.client_of(request).chat(chat, metadata=ctx.grpc_metadata())
     if body.stream:

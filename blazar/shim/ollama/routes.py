@@ -16,7 +16,7 @@ from starlette.routing import Route
 
 from blazar._proto.v1 import inference_pb2
 from blazar.api import errors
-from blazar.shim import context, gates, inference, relay, request_body, streaming
+from blazar.shim import context, inference, relay, request_body, streaming
 from blazar.shim.ollama import convert, listing, options, protocol, render
 
 _log = structlog.get_logger("blazar.shim.ollama")
@@ -106,8 +106,6 @@ async def _generate(request: Request, kind: render.Kind) -> Response:
         return Response(status_code=streaming.CLIENT_CLOSED_REQUEST)
     except errors.BlazarError as err:
         return error(err)
-    if (refused := gates.refusal(request, canonical_request, via=ctx.via)) is not None:
-        return error(refused)
     client = inference.client_of(request)
     metadata = ctx.grpc_metadata()
     if isinstance(canonical_request, inference_pb2.CompleteRequest):

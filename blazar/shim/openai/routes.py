@@ -15,7 +15,7 @@ from starlette.routing import Route
 
 from blazar._proto.v1 import inference_pb2
 from blazar.api import errors
-from blazar.shim import context, gates, inference, relay, request_body, streaming
+from blazar.shim import context, inference, relay, request_body, streaming
 from blazar.shim.openai import protocol
 from blazar.shim.openai.convert import envelope, render, requests
 from blazar.shim.openai.responses import routes as responses_routes
@@ -47,8 +47,6 @@ async def chat_completions(request: Request) -> Response:
     except errors.BlazarError as err:
         return error(err)
     blame = requests.blame_of(body)
-    if (refused := gates.refusal(request, canonical, via=ctx.via)) is not None:
-        return error(refused, blame=blame)
     meta = render.ResponseMeta(
         id=f"chatcmpl-{ctx.request_id}", created=int(time.time()), model=body.model
     )
@@ -75,8 +73,6 @@ async def completions(request: Request) -> Response:
     except errors.BlazarError as err:
         return error(err, blame=envelope.COMPLETION_BLAME)
     blame = requests.blame_of(body)
-    if (refused := gates.refusal(request, canonical, via=ctx.via)) is not None:
-        return error(refused, blame=blame)
     meta = render.ResponseMeta(
         id=f"cmpl-{ctx.request_id}", created=int(time.time()), model=body.model
     )
