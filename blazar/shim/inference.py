@@ -11,7 +11,7 @@ daemon's own refusal would come, so each dialect renders it the same way.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any, Protocol, cast
 
@@ -168,7 +168,10 @@ class InferenceClient:
         return self._generate(self._inference.Complete, request, metadata)
 
     def _generate(
-        self, rpc: Any, request: gates.Generation, metadata: Sequence[tuple[str, str]]
+        self,
+        rpc: Callable[..., grpc.aio.UnaryStreamCall[Any, inference_pb2.Chunk]],
+        request: gates.Generation,
+        metadata: Sequence[tuple[str, str]],
     ) -> ChunkStream:
         found = self._gates
         if found is None:
@@ -177,9 +180,7 @@ class InferenceClient:
         decided = found.admit(request, via=through)
         if isinstance(decided, errors.BlazarError):
             return ChunkStream.refused(decided)
-        call: grpc.aio.UnaryStreamCall[Any, inference_pb2.Chunk] = rpc(
-            request, metadata=(*metadata, decided.metadata())
-        )
+        call = rpc(request, metadata=(*metadata, decided.metadata()))
         # However it ends, it is no longer on its way to admission.
         call.add_done_callback(lambda _: found.settled(decided))
         return ChunkStream(call)
