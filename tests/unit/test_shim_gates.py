@@ -279,6 +279,16 @@ def test_requests_sent_before_a_gate_was_listed_count_toward_it() -> None:
     assert refusal(found, complete(max_tokens=60)) is None
 
 
+def test_requests_on_their_way_count_again_once_the_stream_is_back() -> None:
+    found, _ = following(gate(LATE, after=(2, 50)))
+    for _ in range(2):
+        assert refusal(found, complete(max_tokens=60)) is None
+    found.lost()
+    assert refusal(found, complete(max_tokens=60)) is None  # no gates: tag 3 goes on
+    found.apply(message(gate(LATE, after=(2, 50)), seen={"lane-a": 1}))
+    assert refusal(found, complete(max_tokens=60)) is not None  # tags 2 and 3
+
+
 def test_a_request_whose_call_ended_counts_no_more() -> None:
     """Ended before the gates included it (refused before admission, or done): it
     holds no slot they do not know of."""
