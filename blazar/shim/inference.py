@@ -70,10 +70,10 @@ class _Refused:
     """A call never made: a closed admission gate refused it (`gates.AdmissionGates`)."""
 
     def __init__(self, err: errors.BlazarError) -> None:
-        self._err = err
+        self.err = err
 
     async def read(self) -> object:
-        raise self._err
+        raise self.err
 
     async def initial_metadata(self) -> Any:
         return ()
@@ -98,6 +98,13 @@ class ChunkStream:
     def refused(cls, err: errors.BlazarError) -> ChunkStream:
         """A stream that raises `err` on its first read, with no call behind it."""
         return cls(_Refused(err))
+
+    @property
+    def refusal(self) -> errors.BlazarError | None:
+        """The error of a stream made by `refused`, known before any read: a caller
+        that would wait for the first chunk (racing a disconnect) can raise it at once,
+        without a pass of the event loop per request in a flood."""
+        return self._call.err if isinstance(self._call, _Refused) else None
 
     def __aiter__(self) -> ChunkStream:
         return self

@@ -44,6 +44,8 @@ async def first_chunk(
     """The stream's first chunk (None when it ended at once) and the routing headers
     known by then. Raises `streaming.ClientDisconnected` or the daemon's
     `BlazarError`, having cancelled the call."""
+    if (refused := stream.refusal) is not None:
+        raise refused  # a closed gate's: no call to wait for
     try:
         first = await streaming.until_disconnected(request, anext(stream, None))
         headers = await stream.routing_headers()
@@ -96,6 +98,8 @@ async def collect(
     replica, admission's predicted first token, the reused prefix). Raises
     `streaming.ClientDisconnected` or `BlazarError` (a stream without its final chunk
     is `canonical.truncated`)."""
+    if (refused := stream.refusal) is not None:
+        raise refused  # a closed gate's: no call to wait for
     answer = canonical.Answer()
 
     async def read_all() -> dict[str, str]:

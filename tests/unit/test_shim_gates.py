@@ -9,11 +9,12 @@ from typing import Any
 import httpx
 import prometheus_client
 import pytest
+from starlette.requests import Request
 
 from blazar._proto.v1 import inference_pb2
 from blazar.api import errors, gate_tags
 from blazar.rpc import refusals
-from blazar.shim import gates
+from blazar.shim import gates, inference, relay
 from tests.unit.fake_inference import Daemon, asgi_shim, delta, fake_daemon, final, poll
 
 FULL = errors.QueueFull.of(
@@ -324,6 +325,24 @@ def test_tags_name_the_watcher_and_rise() -> None:
     assert tags[0].metadata() == ("x-blazar-gate-seq", "w1:1")
     # A random id by default, one per set of gates.
     assert gates.AdmissionGates().watcher != gates.AdmissionGates().watcher
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("wait", [relay.first_chunk, relay.collect])
+async def test_a_gate_refusal_is_raised_without_waiting_on_the_client(wait: Any) -> None:
+    """A refused generation has no call to race against a disconnect: the relay raises
+    its refusal before reading the client's side, so a flood of them is answered in
+    one pass of the event loop."""
+    read: list[bool] = []
+
+    async def receive() -> Any:
+        read.append(True)
+        return {"type": "http.disconnect"}
+
+    request = Request({"type": "http", "method": "POST", "headers": []}, receive)
+    with pytest.raises(errors.SloUnattainable):
+        await wait(request, inference.ChunkStream.refused(LATE))
+    assert read == []
 
 
 def test_requests_with_a_session_fill_the_slots_too() -> None:
