@@ -387,6 +387,11 @@ class LaneDispatcher:
     def running(self) -> int:
         return len(self._running)
 
+    def busy(self) -> bool:
+        """Whether anything runs, waits, is parked or being parked on the Lane: its
+        forecast then changes as time passes, with no event to say so."""
+        return bool(self._running or self._pending or self._parked or self._parking)
+
     def named(self) -> list[str]:
         """The names of the policies this Lane's requests have run under."""
         return list(self._policies)

@@ -115,19 +115,22 @@ class GatePublisher:
         named: Callable[[str], Iterable[str]],
         source: GateSource,
         enabled: Callable[[], bool],
+        busy: Callable[[str], bool] = lambda lane: True,
         clock: Callable[[], float] = time.monotonic,
         refresh_s: float = REFRESH_S,
     ) -> None:
         """`table`: the route table now; `policies`: the stored SLOPolicies by name;
         `lane_policy`: the policy a Lane's requests naming none run under; `named`:
         the policies a Lane's requests have named; `source`: a Lane's gates;
-        `enabled`: False while API keys are in force."""
+        `enabled`: False while API keys are in force; `busy`: whether a Lane has work
+        running, waiting or parked (its gates change as time passes)."""
         self._table = table
         self._policies = policies
         self._lane_policy = lane_policy
         self._named = named
         self._source = source
         self._enabled = enabled
+        self._busy = busy
         self._clock = clock
         self._refresh_s = refresh_s
         self._loop = asyncio.get_running_loop()
@@ -135,6 +138,9 @@ class GatePublisher:
         # By Lane with gates, what its watchers' tags had reached when they were computed.
         self._seen: dict[str, Mapping[str, int]] = {}
         self._dirty: set[str] = set()
+        # By Lane, what its gates were last computed from beside its admission's state:
+        # its route, and whether keys are in force and which policies are stored.
+        self._inputs: dict[str, tuple[routing.Route, bool, Mapping[str, admission.Policy]]] = {}
         self._scheduled = False
         self._message = inference_pb2.AdmissionGates(refresh_ms=round(refresh_s * 1000))
         self._sent_at = -math.inf
@@ -173,10 +179,24 @@ class GatePublisher:
     async def _tick(self) -> None:
         while True:
             await asyncio.sleep(self._refresh_s / 2)
-            # Every Lane again: time passes (work drains), keys and policies change.
-            self._dirty.update(route.lane for route in self._table().routes)
-            self._dirty.update(self._gates)
+            self._dirty.update(self.stale())
             self._flush()
+
+    def stale(self) -> set[str]:
+        """The Lanes whose gates may have changed with no decision of their admission to
+        say so: those with work (time passes: it drains, waits grow), those whose route,
+        keys or stored policies changed, and those listed that left the table. An idle
+        Lane's gates depend on nothing else (its measurements change as requests end,
+        each a decision), and are not asked again."""
+        enabled, policies = self._enabled(), dict(self._policies())
+        routes = {route.lane: route for route in self._table().routes}
+        stale = {lane for lane in self._gates if lane not in routes}
+        for lane, route in routes.items():
+            if self._busy(lane) or self._inputs.get(lane) != (route, enabled, policies):
+                stale.add(lane)
+        for lane in set(self._inputs) - set(routes):
+            del self._inputs[lane]
+        return stale
 
     def _flush(self) -> None:
         self._scheduled = False
@@ -184,8 +204,11 @@ class GatePublisher:
         table = self._table()
         routes = {route.lane: route for route in table.routes}
         enabled = self._enabled()
+        policies = dict(self._policies()) if dirty else {}
         for lane in dirty:
             route = routes.get(lane)
+            if route is not None:
+                self._inputs[lane] = (route, enabled, policies)
             gates, seen = self._lane(route, table) if enabled and route is not None else ([], {})
             if gates:
                 self._gates[lane] = gates

@@ -128,6 +128,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             named=self._named_policies,
             source=self._lane_gates,
             enabled=lambda: self._access.tenants is None,
+            busy=self._lane_busy,
         )
         self._dispatchers = dispatcher.Dispatchers(
             parker=parker or parking.EngineParker(pool), on_decided=self._gates.mark
@@ -846,6 +847,10 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
     def _named_policies(self, lane: str) -> list[str]:
         found = self._dispatchers.of(lane)
         return found.named() if found is not None else []
+
+    def _lane_busy(self, lane: str) -> bool:
+        found = self._dispatchers.of(lane)
+        return found is not None and found.busy()
 
     def _lane_gates(
         self, lane: str, wanted: list[admission.Policy], spill: bool

@@ -65,6 +65,8 @@ class World:
     running: int = 0
     # By Lane, by watcher: the highest tag that arrived.
     seen: dict[str, dict[str, int]] = field(default_factory=dict)
+    # The Lanes with work running, waiting or parked.
+    busy: set[str] = field(default_factory=set)
 
     def source(self, lane: str, policies: list[admission.Policy], spill: bool) -> gates.LaneGates:
         self.asked.append((lane, tuple(p.name for p in policies), spill))
@@ -86,6 +88,7 @@ class World:
             named=lambda lane: self.named.get(lane, []),
             source=self.source,
             enabled=lambda: self.enabled,
+            busy=lambda lane: lane in self.busy,
             refresh_s=60.0,
         )
 
@@ -308,5 +311,38 @@ async def test_a_lane_whose_gates_open_takes_its_seen_along(world: World) -> Non
         del world.answers[("lane-a", "interactive")]
         await flushed(publisher, "lane-a")
         assert dict(publisher.snapshot("w1").seen) == {}
+    finally:
+        await publisher.close()
+
+
+@pytest.mark.anyio
+async def test_an_idle_lane_is_asked_again_only_when_what_its_gates_read_changes(
+    world: World,
+) -> None:
+    """The heartbeat asks no idle Lane again (a daemon at rest spent its CPU on that):
+    only a Lane with work, whose route, keys or policies changed, or that left."""
+    world.routes = table(route("lane-a"), route("lane-b"))
+    world.answers[("lane-b", "interactive")] = refused(INTERACTIVE, admission.Reason.QUEUE_FULL)
+    publisher = world.publisher()
+    try:
+        assert publisher.stale() == {"lane-a", "lane-b"}  # never computed
+        await flushed(publisher, "lane-a", "lane-b")
+        assert publisher.stale() == set()
+        world.busy.add("lane-a")
+        assert publisher.stale() == {"lane-a"}
+        world.busy.clear()
+        world.stored = {**world.stored, "new": admission.Policy(name="new", priority=1)}
+        assert publisher.stale() == {"lane-a", "lane-b"}
+        await flushed(publisher, "lane-a", "lane-b")
+        world.enabled = False
+        assert publisher.stale() == {"lane-a", "lane-b"}
+        world.enabled = True
+        world.routes = table(route("lane-a", slots=8), route("lane-b"))
+        assert publisher.stale() == {"lane-a"}  # keys back as lane-b was computed
+        await flushed(publisher, "lane-a", "lane-b")
+        world.routes = table(route("lane-a", slots=8))
+        assert publisher.stale() == {"lane-b"}  # listed, and gone from the table
+        await flushed(publisher, "lane-b")
+        assert publisher.stale() == set() and not publisher.snapshot().closed
     finally:
         await publisher.close()
