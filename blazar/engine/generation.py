@@ -11,6 +11,11 @@ A generation can leave its slot and come back (`parking`): it is kept whole mean
 its native sampler included, and `pause` / `unpause` keep the time parked out of its
 prefill and decode figures. Back in a slot without its cache, it prefills its tokens
 again (`refill`) before the pending token in `feed` is decoded.
+
+Its prefill is timed from the first step that carries its prompt (`prompt_began`), not
+from its start: the loop prefills new prompts one after another, so a prompt that
+started beside others waits for their chunks first (`Finished.prefill_wait_ms`), and
+that wait is no part of what its own prompt cost.
 """
 
 from __future__ import annotations
@@ -58,6 +63,10 @@ class Generation:
     prompt_scores: list[logprobs.TokenLogprob] = field(default_factory=list)
     utf8: text.Utf8Stream = field(default_factory=text.Utf8Stream)
     stops: text.StopMatcher = field(default_factory=lambda: text.StopMatcher(()))
+    # When the first decode step carrying its prompt (a chunk of it) began (0.0: none
+    # yet), and the seconds it had been parked by then.
+    prompt_began: float = 0.0
+    parked_before_prompt_s: float = 0.0
     prefill_done: float = 0.0
     first_token: float = 0.0
     last_token: float = 0.0
@@ -112,6 +121,16 @@ class Generation:
         tokens = self.job.prompt[self.prefilled : self.prefilled + count]
         self.prefilled += len(tokens)
         return tokens
+
+    def prompt_step(self, began: float) -> None:
+        """A decode step that began at `began` (perf_counter) carries a chunk of its
+        prompt; the first such step starts its prefill."""
+        if self.prompt_began:
+            return
+        self.prompt_began = began
+        self.parked_before_prompt_s = self.parked_s + (
+            max(0.0, began - self.parked_at) if self.parked_at else 0.0
+        )
 
     def take_feed(self, count: int) -> list[int]:
         tokens = self.feed[:count]
@@ -211,7 +230,11 @@ class Generation:
         self.unpause()
         tail = self.stops.flush() if flush and reason is not jobs.FinishReason.CANCELLED else ""
         first = self.first_token or self.started
+        # Parked before its first token: before its prompt's first step (a longer wait
+        # for it), and after (a longer prefill); neither counts.
         prefilling_parked = self.parked_s - self.parked_decoding_s
+        prompt_began = self.prompt_began or self.started
+        waiting_parked = min(self.parked_before_prompt_s, prefilling_parked)
         finished = jobs.Finished(
             reason=reason,
             slot=slot,
@@ -219,7 +242,13 @@ class Generation:
             completion_tokens=self.completion,
             cached_tokens=self.cached,
             queue_ms=(self.started - job.arrived) * _MS,
-            prefill_ms=max(self.prefill_done - self.started - prefilling_parked, 0.0) * _MS
+            prefill_ms=max(
+                self.prefill_done - prompt_began - (prefilling_parked - waiting_parked), 0.0
+            )
+            * _MS
+            if self.prefill_done
+            else 0.0,
+            prefill_wait_ms=max(prompt_began - self.started - waiting_parked, 0.0) * _MS
             if self.prefill_done
             else 0.0,
             ttft_ms=(first - job.arrived) * _MS if self.first_token else 0.0,

@@ -56,6 +56,8 @@ class Finished:
     completion_tokens: int
     cached_tokens: int
     queue_ms: float
+    # From the first decode step carrying its prompt to its first token, less the time
+    # parked meanwhile.
     prefill_ms: float
     ttft_ms: float
     decode_ms: float
@@ -69,6 +71,9 @@ class Finished:
     parked_ms: float = 0.0
     # Sequences decoded together per decode step while it decoded, on average.
     decode_batch: float = 0.0
+    # From its slot's start to the first decode step carrying its prompt: the wait
+    # behind other prompts' chunks, less the time parked meanwhile.
+    prefill_wait_ms: float = 0.0
     # The caller's stop string that ended it ("" when the model or a bound did).
     stop_sequence: str = ""
 

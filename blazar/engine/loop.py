@@ -433,6 +433,9 @@ class DecodeLoop:
             gen.decode_steps += 1
             gen.decode_batched += len(decoding)
         started = time.perf_counter()
+        for place in placed:
+            if not place.piece.decode and place.slot.gen is not None:
+                place.slot.gen.prompt_step(started)
         runtime.decode(entries)
         self._pacer.observe(
             rows=sum(p.tokens for p in pieces if p.decode),

@@ -660,6 +660,7 @@ def _final(event: jobs.Finished) -> inference_pb2.Final:
         timings=inference_pb2.Timings(
             queue_ms=event.queue_ms,
             prefill_ms=event.prefill_ms,
+            prefill_wait_ms=event.prefill_wait_ms,
             ttft_ms=event.ttft_ms,
             decode_ms=event.decode_ms,
             decode_tokens_per_second=event.decode_tokens_per_second,

@@ -392,3 +392,39 @@ def test_a_pass_that_does_not_end_shows_in_its_step_age(monkeypatch: pytest.Monk
         while decode.step_age_s != 0.0 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert decode.step_age_s == 0.0
+
+
+def test_a_prompt_that_waits_behind_another_reports_the_wait_apart_from_its_prefill(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Prompts are prefilled one after another: a prompt that starts while another's
+    chunks fill the step waits for them. Its prefill_ms counts from the first step that
+    carries its own prompt, and the wait before it is prefill_wait_ms. On a clock that
+    moves one second per decode step: "long" (two full chunks) starts alone; "short"
+    starts during its first step, gets no room in its second, and goes in the third."""
+    clock = [100.0]  # perf_counter: 0.0 means "not yet" to a generation
+    monkeypatch.setattr(loop.time, "perf_counter", lambda: clock[0])
+    short: list[Events] = []
+    with running(monkeypatch, slots=2, context=4 * llama.N_BATCH) as (decode, runtime):
+
+        def step(number: int) -> None:
+            clock[0] += 1.0
+            if number == 1:
+                j, events = job([3] * 50, max_tokens=2, name="short")
+                short.append(events)
+                decode.submit(j)
+
+        runtime.before_decode = step
+        long, long_events = job([1] * (2 * llama.N_BATCH), max_tokens=3, name="long")
+        decode.submit(long)
+        assert long_events.ended.wait(10)
+        assert short and short[0].ended.wait(10)
+    first, second = long_events.last, short[0].last
+    assert isinstance(first, jobs.Finished) and isinstance(second, jobs.Finished)
+    # started at 100, steps 1 and 2 (from 100 and 101) carry its prompt, first token
+    # at 102
+    assert (first.prefill_wait_ms, first.prefill_ms) == (0.0, 2000.0)
+    # started at 101 (after step 1), step 3 (from 102) carries its prompt, first token
+    # at 103
+    assert (second.prefill_wait_ms, second.prefill_ms) == (1000.0, 1000.0)
+    assert second.ttft_ms == 2000.0

@@ -306,6 +306,42 @@ def test_time_parked_is_counted_apart_from_prefill_and_decode(
     assert finished.ttft_ms == 5000.0
 
 
+def test_time_parked_before_and_after_its_prompts_first_step_leaves_both_figures(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Parked while it waited behind other prompts, then while its own prompt was
+    prefilled: prefill_wait_ms and prefill_ms each leave out their part."""
+    now = [100.0]
+    monkeypatch.setattr(generation.time, "perf_counter", lambda: now[0])
+    task = jobs.Job(
+        request_id="r",
+        prompt=[1, 2],
+        params=sampling.SamplingParams(temperature=0.0),
+        max_tokens=10,
+        deliver=Events(),
+        arrived=99.0,
+    )
+    gen = generation.Generation(job=task, sampler=None, started=100.0)
+    now[0] = 101.0
+    gen.pause()  # parked for 1 s while it waited
+    now[0] = 102.0
+    gen.unpause()
+    gen.prompt_step(103.0)  # its prompt's first step: 3 s after its start, 1 parked
+    gen.prompt_step(104.0)  # later chunks change nothing
+    now[0] = 105.0
+    gen.pause()  # parked for 2 s during its prefill
+    now[0] = 107.0
+    gen.unpause()
+    gen.prefilled, gen.prefill_done, gen.first_token = 2, 110.0, 110.0
+    gen.last_token, gen.completion = 110.0, 1
+    (finished,) = gen.conclusion(jobs.FinishReason.LENGTH, slot=0)
+    assert isinstance(finished, jobs.Finished)
+    assert finished.prefill_wait_ms == 3000.0 - 1000.0
+    assert finished.prefill_ms == 7000.0 - 2000.0  # 103 to 110, 2 s parked
+    assert finished.parked_ms == 3000.0
+    assert finished.ttft_ms == 11000.0
+
+
 class ChainDrafter:
     """Drafts the fake model's own continuation (always accepted), and checks that it
     is asked only about whole sequences: a prompt ([1, 2, 3] or [5, 6]) and what

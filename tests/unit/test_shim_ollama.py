@@ -595,6 +595,14 @@ def test_statistics_are_nanoseconds_from_the_canonical_figures() -> None:
     )
     # Parked after the first token: the total counts the time parked.
     assert render.metrics(parked)["total_duration"] == 113_000_000
+    waited = inference_pb2.Final(
+        timings=inference_pb2.Timings(
+            queue_ms=1, prefill_wait_ms=3, prefill_ms=2, ttft_ms=6, decode_ms=10, parked_ms=100
+        )
+    )
+    # The wait behind other prompts is part of the total, not of the prompt's evaluation.
+    metrics = render.metrics(waited)
+    assert (metrics["total_duration"], metrics["prompt_eval_duration"]) == (116_000_000, 2_000_000)
 
 
 def test_lines_render_text_then_a_final_line_with_statistics() -> None:

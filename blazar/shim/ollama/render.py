@@ -61,15 +61,17 @@ def metrics(final: inference_pb2.Final) -> protocol.Metrics:
 
     `load_duration` is the queue time (admission, a free slot, preparing the prompt,
     and waking a sleeping Lane, `Timings.load_ms`): Ollama counts loading a model and
-    waiting for its runner there. The prompt's figures are the prefill's; `eval_*` the
-    decode's. The total runs from arrival to the last token: time to first token plus
-    decoding, or, when the generation was parked after its first token, the parts plus
-    the time parked.
+    waiting for its runner there. The prompt's figures are the prefill's own (the wait
+    behind other prompts' chunks, `prefill_wait_ms`, is not evaluating this one);
+    `eval_*` the decode's. The total runs from arrival to the last token: time to first
+    token plus decoding, or, when the generation was parked after its first token, the
+    parts plus the time parked.
     """
     timings = final.timings
+    parts_ms = timings.queue_ms + timings.prefill_wait_ms + timings.prefill_ms
     total_ms = max(
         timings.ttft_ms + timings.decode_ms,
-        timings.queue_ms + timings.prefill_ms + timings.decode_ms + timings.parked_ms,
+        parts_ms + timings.decode_ms + timings.parked_ms,
     )
     return {
         "total_duration": _ns(total_ms),
