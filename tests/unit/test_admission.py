@@ -1392,7 +1392,8 @@ def test_a_lateness_below_one_or_not_finite_is_refused(lateness: float) -> None:
     ("turn", "lateness", "parked", "waiting_ttft"),
     [
         # 1.6 s turns: after three parks, waiting for an interactive slot meets the
-        # target (1.6 s + 0.1 s prefill), so the fourth batch generation runs on.
+        # target (1.6 s + 0.1 s prefill, for the third in line 0.2 s more), so the
+        # fourth batch generation runs on.
         (80, 1.0, ["b0", "b1", "b2"], 1.7),
         # ... unless waits have measured 25% later than forecast: 1.7 s may then be
         # 2.1 s, and the fourth parks the last batch generation. The two left wait for
@@ -1433,8 +1434,10 @@ def test_a_burst_of_urgent_requests_parks_lower_priority_work_while_waiting_miss
     refused |= {r.ticket.id for r in queue.expire(now=0, view=view)}
     left = {t.id for t in tickets} - set(started)
     assert refused == (set() if waiting_ttft <= 2.0 else left)
-    for ticket_id in left - refused:
-        assert queue.predict_ttft(ticket_id, now=0, view=view) == pytest.approx(waiting_ttft)
+    # Those that wait start as interactive turns end, all at 1.6 s (2 s): the replica
+    # prefills their prompts one after another, 0.1 s each.
+    predicted = sorted(queue.predict_ttft(t, now=0, view=view) or 0.0 for t in left - refused)
+    assert predicted == pytest.approx([waiting_ttft + 0.1 * k for k in range(len(predicted))])
 
 
 def test_a_running_request_frees_its_slot_at_its_own_policys_rate() -> None:
@@ -1453,3 +1456,81 @@ def test_a_running_request_frees_its_slot_at_its_own_policys_rate() -> None:
     view = replace(own, token_s={"batch": 0.01})
     queue.arrive(ticket("c", BATCH, arrived=0.5, prompt=100), now=0.5, view=view)
     assert queue.predict_ttft("c", now=0.5, view=view) == pytest.approx(2.5 + 0.6 + 0.1)
+
+
+# --- the prefill line ----------------------------------------------------------------
+
+
+def prefilling(id: str, left_s: float, *, left: int = 100) -> Running:
+    """A run started whose first token is due in `left_s`."""
+    return replace(run(id, left=left), prefill_left_s=left_s)
+
+
+@pytest.mark.parametrize("overhead", [0.0, 0.05])
+def test_simultaneous_starts_on_one_replica_come_one_prefill_apart(overhead: float) -> None:
+    """Six requests arrive at once for six idle slots: the engine prefills their
+    prompts one after another, so the k-th first token comes after the k - 1 before
+    it, each 0.1 s of prompt plus the start overhead."""
+    view = lane(replace(replica(slots=6), start_overhead_s=overhead))
+    queue = LaneQueue()
+    each = 0.1 + overhead
+    tickets = [ticket(f"t{k}", prompt=100) for k in range(6)]
+    predicted = [queue.arrive(t, now=0, view=view) for t in tickets]
+    assert predicted == [Admit(pytest.approx(each * (k + 1))) for k in range(6)]
+    started = queue.dispatch(now=0, view=view)
+    assert [(d.ticket.id, d.replica) for d in started] == [(t.id, 0) for t in tickets]
+    assert [d.queue_s for d in started] == pytest.approx([each * k for k in range(6)])
+    assert [d.prefill_s for d in started] == pytest.approx([each] * 6)
+
+
+@pytest.mark.parametrize(
+    ("running", "ttft"),
+    [
+        # Its first token has come: the line is free.
+        (prefilling("p", 0.0), 0.1),
+        # Its first token is due in 0.3 s: the new prompt is prefilled after it.
+        (prefilling("p", 0.3), 0.4),
+    ],
+)
+def test_a_run_still_prefilling_delays_a_new_start(running: Running, ttft: float) -> None:
+    view = lane(replica(running, slots=2))
+    assert LaneQueue().arrive(ticket("t", prompt=100), now=0, view=view) == Admit(
+        pytest.approx(ttft)
+    )
+
+
+def test_a_run_still_prefilling_frees_its_slot_after_its_first_token_and_decode() -> None:
+    """0.3 s to its first token, then 100 tokens at 0.02 s: the ticket behind it
+    starts at 2.3 s and its prompt takes 0.1 s."""
+    view = lane(replica(prefilling("p", 0.3)))
+    decision = LaneQueue().arrive(ticket("t", prompt=100), now=0, view=view)
+    assert decision == Admit(pytest.approx(2.4), waits=True)
+
+
+def test_two_replicas_queue_their_prefills_independently() -> None:
+    """Starts alternate between the replicas (the least loaded first); each replica's
+    line holds only its own prompts, and a run prefilling on one (due in 0.05 s)
+    delays only that one's."""
+    view = lane(
+        replica(prefilling("p", 0.05), index=0, slots=3),
+        replica(run("q"), index=1, slots=3),
+    )
+    queue = LaneQueue()
+    tickets = [ticket(f"t{k}", prompt=100) for k in range(4)]
+    predicted = [queue.arrive(t, now=0, view=view) for t in tickets]
+    started = queue.dispatch(now=0, view=view)
+    assert [d.replica for d in started] == [0, 1, 0, 1]
+    assert predicted == [Admit(pytest.approx(s)) for s in (0.15, 0.1, 0.25, 0.2)]
+    assert [d.queue_s for d in started] == pytest.approx([0.05, 0.0, 0.15, 0.1])
+
+
+def test_a_resume_neither_waits_in_the_line_nor_holds_it() -> None:
+    """A parked generation resumes with its KV: no prompt to prefill, so a fresh start
+    beside it has its first token after its own prefill only."""
+    view = lane(replica(slots=2))
+    queue = LaneQueue()
+    queue.requeue(ticket("parked"), now=0, resume=Resume(0, tokens_left=50))
+    assert queue.arrive(ticket("t", prompt=100), now=0, view=view) == Admit(pytest.approx(0.1))
+    resumed, fresh = queue.dispatch(now=0, view=view)
+    assert (resumed.resume, resumed.queue_s, resumed.prefill_s) == (True, 0.0, 0.0)
+    assert (fresh.ticket.id, fresh.queue_s) == ("t", 0.0)

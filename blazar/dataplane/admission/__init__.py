@@ -41,6 +41,7 @@ Forecast. Every decision reads one simulation of the Lane from `now`, in ticket 
 (list scheduling, the model behind every prediction):
 
 - Each replica has `slots` slots. A slot running a request frees after that request's
+  remaining prefill (`Running.prefill_left_s`, see the prefill line) and its
   decode time, `tokens_left x step / tokens_per_step`: step is the measured decode step
   at the batch the replica will run while this queue drains (its running requests plus
   the waiting tickets, at most its slots), `step_s + step_growth_s x (batch - 1)`;
@@ -50,18 +51,35 @@ Forecast. Every decision reads one simulation of the Lane from `now`, in ticket 
 - Each ticket in order takes the slot that frees first among those its policy's cap
   allows (see Caps; an idle one, then the session's
   `prefer`red replica, then the least loaded replica, then the lowest index), holds it for
-  its service time, its prefill (`start_overhead_s`, what a start costs beyond the
+  its service time, its wait in the prefill line (below), its prefill
+  (`start_overhead_s`, what a start costs beyond the
   prompt as measured, plus `prompt_tokens / prefill_tokens_per_s`) plus the decode time
   of the tokens it will generate (`expected_output`: the share of max_tokens its
   policy's requests generate, else the larger of the Lane's mean completion and its
   share over every policy, else all of max_tokens), and then frees it for the next.
-  Its first token comes at start + prefill. A parked generation (`Resume`) takes only
-  a slot of its own replica and costs its remaining decode time.
+  Its first token comes at start + its wait in the prefill line + prefill. A parked
+  generation (`Resume`) takes only a slot of its own replica and costs its remaining
+  decode time.
+- The prefill line: an engine prefills the prompts of new requests one after another
+  (its batch takes the prompts' chunks in order of start), so of k prompts started
+  together on a replica the k-th has its first token after the k - 1 before it. Each
+  replica's prompts form one line in the forecast: a prompt started at `start` is
+  prefilled in the line's first gap from `start` that holds its whole prefill, and
+  holds the line from there to its first token (a ticket later in the order may start
+  sooner than prompts given to the line before it, in a slot that frees sooner). The
+  line starts busy until the latest first token due of the runs that have started
+  without one yet (`Running.prefill_left_s`). A resume has no prompt to prefill: it
+  neither waits in the line nor holds it. The start overhead is in the line: measured,
+  simultaneous starts' first tokens came one whole first token apart. The wait
+  (`Fate.queue_s`) is part of the ticket's slot time and of its first token, for every
+  decision below, and `Dispatch` / `Preempt` carry it, so that the data plane measures
+  the start overhead net of it.
 - Preemption in the forecast: a ticket whose first token may come past its deadline
   in a slot that is not idle takes instead the slot of a running request of strictly
   lower priority, if parking that request keeps the replica's parked bytes within its
   bound and lets the ticket meet its deadline (the measured park, `park_s`, then its
-  prefill), sooner than waiting would. "May come past": its wait and prefill scaled by
+  prefill, after the prompts ahead of it in the line), sooner than waiting would. "May
+  come past": its wait (for a slot and in the line) and prefill scaled by
   the view's `lateness`, how much later than forecast first tokens after a wait have
   come (measured by the data plane, at least 1, 1 before anything is measured).
   Parking is cheap insurance (the victim pauses and resumes with no token lost), and
@@ -138,6 +156,11 @@ replica at, also for its last requests as the queue runs dry; a resume costs no 
 for a start after now, a slot counts against the cap of the policy that took it last
 until another ticket takes it (a start now counts what runs now);
 bytes freed by a simulated resume are not returned to the parking budget;
+the prefill line holds whole prefills one after another, though an engine may put two
+short prompts in one step and paces a prompt's chunks beside decoding streams; the runs
+prefilling now hold it from now as one block, and a ticket starting in the slot of a
+generation being parked does not hold it; an idle start still takes the least loaded
+replica, not the one whose line frees first;
 tickets that will arrive later are not foreseen (a more urgent arrival may push an
 admitted ticket past its deadline, and `expire` then refuses it).
 """

@@ -3,6 +3,7 @@ every admission decision reads (see the package docstring)."""
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 from collections import Counter
@@ -53,7 +54,9 @@ class Fate:
     start_s: float | None = None
     # Seconds from its arrival to its first token; None for a parked generation.
     ttft_s: float | None = None
-    # Seconds of prefill before its first token, once started.
+    # Seconds its prefill waits, once started, behind the prompts started before it on
+    # its replica (the replica's prefill line), then the seconds of its own prefill.
+    queue_s: float = 0.0
     prefill_s: float = 0.0
     replica: int | None = None
     # Starts now on an idle slot: `dispatch` starts it (unless refused).
@@ -66,6 +69,13 @@ class Fate:
     @property
     def starts_now(self) -> bool:
         return self.idle or self.victim is not None
+
+    @property
+    def first_token_s(self) -> float | None:
+        """Seconds from now until its first token; None when it has no start."""
+        if self.start_s is None:
+            return None
+        return self.start_s + self.queue_s + self.prefill_s
 
 
 def refusal(entry: Waiting, fate: Fate, now: float) -> Refuse:
@@ -84,9 +94,8 @@ def refusal(entry: Waiting, fate: Fate, now: float) -> Refuse:
     target = ticket.policy.ttft_target_s or 0.0
     retry: float | None = None
     predicted = fate.ttft_s
-    if fate.start_s is not None:
-        first_token_s = fate.start_s + fate.prefill_s
-        retry = RETRY_AFTER_MAX_S if fate.prefill_s > target else first_token_s - target
+    if fate.first_token_s is not None:
+        retry = RETRY_AFTER_MAX_S if fate.prefill_s > target else fate.first_token_s - target
     else:
         predicted = max(0.0, now - ticket.arrived)
     return Refuse(
@@ -131,9 +140,9 @@ def misses_target(entry: Waiting, fate: Fate, now: float) -> bool:
         return False
     if fate.refuse == Reason.SLO_UNATTAINABLE or now >= ticket.deadline:
         return True
-    if fate.idle or fate.start_s is None:
+    if fate.idle or fate.first_token_s is None:
         return False
-    return now + fate.start_s + fate.prefill_s > ticket.deadline
+    return now + fate.first_token_s > ticket.deadline
 
 
 @dataclass
@@ -182,12 +191,20 @@ class _Simulation:
         # capped by what runs now, not by slots the forecast hands out later.
         self.held: Counter[tuple[int, str]] = Counter()
         self.holding: Counter[tuple[int, str]] = Counter()
+        # By replica index, its prefill line: when (seconds from now) the prompts
+        # given to it are prefilled, (start, first token) each, in time order.
+        self.line: dict[int, list[tuple[float, float]]] = {}
         for replica in view.replicas:
             self.load[replica.index] = len(replica.running)
             self.parked[replica.index] = replica.parked_bytes
             self.batch[replica.index] = max(1, min(replica.slots, len(replica.running) + waiting))
+            # The prompts its runs prefill now, one after another: busy until the last
+            # one's first token.
+            prefilling = max((r.prefill_left_s for r in replica.running), default=0.0)
+            self.line[replica.index] = [(0.0, prefilling)] if prefilling > 0 else []
             for position, run in enumerate(replica.running):
-                free_at = self.decode_s(replica, run.tokens_left, run.token_s)
+                decode = self.decode_s(replica, run.tokens_left, run.token_s)
+                free_at = run.prefill_left_s + decode
                 self.slots.append(
                     _Slot(replica, position, free_at, idle=False, holder=run, policy=run.policy)
                 )
@@ -200,6 +217,27 @@ class _Simulation:
         """Decode time on `replica` at the batch it will run while this queue drains,
         or at `token_s` seconds a token (the request's policy's measured figure)."""
         return replica.decode_s(tokens, batch=self.batch[replica.index], token_s=token_s)
+
+    def line_wait_s(self, replica: ReplicaView, start_s: float, prefill_s: float) -> float:
+        """How long a prompt started on `replica` at `start_s`, taking `prefill_s`,
+        waits for the other prompts on its prefill line: the engine prefills them one
+        after another. It goes in the first gap from its start that holds it whole
+        (the forecast hands out slots in ticket order, not in time order, so a ticket
+        later in the order may start before prompts given to the line already)."""
+        at = start_s
+        for begin, end in self.line[replica.index]:
+            if end <= at:
+                continue
+            if begin >= at + prefill_s:
+                break
+            at = end
+        return at - start_s
+
+    def prefill(self, replica: ReplicaView, *, start_s: float, first_token_s: float) -> None:
+        """A prompt on `replica` holds its prefill line from `start_s` (once the prompts
+        ahead of it are prefilled) to its first token."""
+        if first_token_s > start_s:
+            bisect.insort(self.line[replica.index], (start_s, first_token_s))
 
     def allows(self, slot: _Slot, *, policy: str, cap: int | None) -> bool:
         """Whether a request of `policy`, capped at `cap` slots a replica, may take
@@ -258,7 +296,10 @@ class _Simulation:
             cost = run.kv_tokens * replica.kv_bytes_per_token
             bound = replica.parked_bytes_max
             fits = bound > 0 and self.parked[replica.index] + cost <= bound
-            first_token = replica.park_s + replica.prefill_s(ticket.prompt_tokens)
+            prefill = replica.prefill_s(ticket.prompt_tokens)
+            first_token = (
+                replica.park_s + self.line_wait_s(replica, replica.park_s, prefill) + prefill
+            )
             meets = self.now + first_token <= ticket.deadline and first_token < waiting_s
             if fits and meets:
                 options.append(((run.kv_tokens, run.priority, replica.index, run.id), slot))
@@ -317,16 +358,23 @@ def _fate(entry: Waiting, sim: _Simulation, now: float) -> tuple[Fate, _Slot | N
     fate = Fate()
     if slot is not None:
         start = slot.free_at
-        prefill = 0.0 if entry.resume else slot.replica.prefill_s(ticket.prompt_tokens)
-        may_miss = now + (start + prefill) * sim.lateness > ticket.deadline
+        # A resume has no prompt to prefill: it neither waits in the line nor holds it.
+        queue, prefill = 0.0, 0.0
+        if entry.resume is None:
+            prefill = slot.replica.prefill_s(ticket.prompt_tokens)
+            queue = sim.line_wait_s(slot.replica, start, prefill)
+        may_miss = now + (start + queue + prefill) * sim.lateness > ticket.deadline
         if may_miss and not slot.idle and entry.resume is None:
-            parked = sim.victim_for(ticket, waiting_s=start + prefill)
+            parked = sim.victim_for(ticket, waiting_s=start + queue + prefill)
             if parked is not None:
                 slot, victim, start = parked, parked.holder, parked.replica.park_s
                 prefill = slot.replica.prefill_s(ticket.prompt_tokens)
+                queue = sim.line_wait_s(slot.replica, start, prefill)
+        first_token = start + queue + prefill
         fate = Fate(
             start_s=start,
-            ttft_s=None if entry.resume else max(0.0, now - ticket.arrived) + start + prefill,
+            ttft_s=None if entry.resume else max(0.0, now - ticket.arrived) + first_token,
+            queue_s=queue,
             prefill_s=prefill,
             replica=slot.replica.index,
             idle=slot.idle,
@@ -343,8 +391,8 @@ def _fate(entry: Waiting, sim: _Simulation, now: float) -> tuple[Fate, _Slot | N
         now >= ticket.deadline
         or (
             not fate.idle
-            and fate.start_s is not None
-            and now + fate.start_s + fate.prefill_s > ticket.deadline
+            and fate.first_token_s is not None
+            and now + fate.first_token_s > ticket.deadline
         )
     ):
         return replace(fate, refuse=Reason.SLO_UNATTAINABLE), None
@@ -396,7 +444,9 @@ def forecast(waiting: list[tuple[Key, Waiting]], *, now: float, view: LaneView) 
             service = sim.decode_s(slot.replica, item.resume.tokens_left, token_s)
         else:
             decode = sim.decode_s(slot.replica, view.output_tokens(item.ticket), token_s)
-            service = fate.prefill_s + decode
+            service = fate.queue_s + fate.prefill_s + decode
+            began = fate.start_s + fate.queue_s
+            sim.prefill(slot.replica, start_s=began, first_token_s=began + fate.prefill_s)
         sim.take(
             slot,
             start_s=fate.start_s,

@@ -263,7 +263,15 @@ class LaneQueue:
                 del self._waiting[entry.ticket.id]
                 self._charge(entry)
                 ticket = replace(entry.ticket, waited_s=entry.waited(now))
-                started.append(Dispatch(ticket, fate.replica, resume=entry.resume is not None))
+                started.append(
+                    Dispatch(
+                        ticket,
+                        fate.replica,
+                        resume=entry.resume is not None,
+                        queue_s=fate.queue_s,
+                        prefill_s=fate.prefill_s,
+                    )
+                )
         return started
 
     def preemption(self, *, now: float, view: LaneView) -> Preempt | None:
@@ -278,7 +286,13 @@ class LaneQueue:
                 del self._waiting[entry.ticket.id]
                 self._charge(entry)
                 ticket = replace(entry.ticket, waited_s=entry.waited(now))
-                return Preempt(ticket, victim=fate.victim.id, replica=fate.replica)
+                return Preempt(
+                    ticket,
+                    victim=fate.victim.id,
+                    replica=fate.replica,
+                    queue_s=fate.queue_s,
+                    prefill_s=fate.prefill_s,
+                )
         return None
 
     def expire(self, *, now: float, view: LaneView) -> list[Refuse]:

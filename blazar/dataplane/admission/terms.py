@@ -132,6 +132,10 @@ class Running:
     # replica are counted against its cap by name ("" for none: never capped).
     policy: str = ""
     max_slots_per_replica: int | None = None
+    # Seconds from now until its first token is expected, while it has started without
+    # one (0.0 once it has one, or is overdue): its prompt holds its replica's prefill
+    # line until then (see the forecast), and its slot frees that much later.
+    prefill_left_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -315,6 +319,14 @@ class Dispatch:
     ticket: Ticket
     replica: int
     resume: bool = False
+    # A fresh start as the forecast gave it: its prefill waits `queue_s` behind the
+    # prompts started before it on the replica, then takes `prefill_s` (start overhead
+    # included); its first token is expected queue_s + prefill_s from now. 0.0 for a
+    # resume (no prompt to prefill). Figures for the data plane to measure against,
+    # not part of the decision: two decisions are equal when they start the same ticket
+    # in the same place.
+    queue_s: float = field(default=0.0, compare=False)
+    prefill_s: float = field(default=0.0, compare=False)
 
 
 @dataclass(frozen=True)
@@ -327,3 +339,6 @@ class Preempt:
     ticket: Ticket
     victim: str
     replica: int
+    # As `Dispatch`'s, for the ticket's start once the victim is parked.
+    queue_s: float = field(default=0.0, compare=False)
+    prefill_s: float = field(default=0.0, compare=False)
