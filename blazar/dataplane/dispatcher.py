@@ -102,6 +102,12 @@ class Run:
     # predicted then: its first token measures the start overhead.
     started_at: float = 0.0
     expected_prefill_s: float = 0.0
+    # As admission forecast its start: the wait behind the prompts started before it
+    # on its replica (left out of the start overhead it measures), and when its first
+    # token is due (on the dispatcher's clock; 0.0: no forecast). Until then, or its
+    # first token, its prompt holds the replica's prefill line in the view.
+    queue_s: float = 0.0
+    first_token_due: float = 0.0
     # On the dispatcher's clock, when its first token came (None: not yet); with
     # `generated` and less the time it spent parked, what it measures of its policy's
     # decode before it finishes.
@@ -308,7 +314,10 @@ class LaneDispatcher:
         ticket = run.ticket
         run.first_token_at = ticket.arrived + ttft_s
         if run.started_at:
-            overhead = ticket.arrived + ttft_s - run.started_at - run.expected_prefill_s
+            # Net of the wait the forecast gave it behind other prompts: the hop, the
+            # template and the tokenizer, not the prompts prefilled before its own.
+            spent = ticket.arrived + ttft_s - run.started_at
+            overhead = spent - run.queue_s - run.expected_prefill_s
             self.measurements.record_first_token(run.replica.index, overhead_s=overhead)
         if run.wait_forecast_s is not None:
             self.measurements.record_wait(predicted_s=run.wait_forecast_s, measured_s=ttft_s)
@@ -646,6 +655,8 @@ class LaneDispatcher:
                 replica.index, ticket.prompt_tokens
             ),
             wait_forecast_s=pending.predicted_ttft_s if tests_forecast else None,
+            queue_s=decision.queue_s,
+            first_token_due=now + decision.queue_s + decision.prefill_s,
         )
         self._running[ticket.id] = run
         pending.started.set_result(run)
@@ -709,7 +720,13 @@ class LaneDispatcher:
             # The factor the decision to park read the forecast's wait by.
             lateness=round(self.measurements.lateness, 3),
         )
-        self._start(admission.Dispatch(preempt.ticket, preempt.replica), now, preempting=True)
+        start = admission.Dispatch(
+            preempt.ticket,
+            preempt.replica,
+            queue_s=preempt.queue_s,
+            prefill_s=preempt.prefill_s,
+        )
+        self._start(start, now, preempting=True)
 
     def _requeue_urgent(self, parking: _Parking, now: float) -> None:
         """The ticket a park was for waits again, unless its caller has left."""
@@ -804,12 +821,16 @@ class LaneDispatcher:
     def _replica(self, index: int) -> routing.Replica | None:
         return next((r for r in self._serving() if r.index == index), None)
 
-    def _holder(self, run: Run, token_s: Mapping[str, float]) -> admission.Running:
+    def _holder(self, run: Run, token_s: Mapping[str, float], now: float) -> admission.Running:
         """What holds the run's slot as admission sees it: the run, or, while the run
-        is being parked, the ticket that will start in its slot."""
+        is being parked, the ticket that will start in its slot (its prefill is not in
+        the replica's prefill line: a simplification, it starts once the park is done).
+        A run without its first token holds the line until its first token is due."""
         parking = self._parking.get(run.ticket.id)
         ticket = parking.preempt.ticket if parking is not None else run.ticket
         generated = 0 if parking is not None else run.generated
+        prefilling = parking is None and run.first_token_at is None and run.parked_at is None
+        prefill_left = max(0.0, run.first_token_due - now) if prefilling else 0.0
         expected = self.measurements.output_tokens(ticket.max_tokens, policy=ticket.policy.name)
         return admission.Running(
             id=ticket.id,
@@ -820,6 +841,7 @@ class LaneDispatcher:
             token_s=token_s.get(ticket.policy.name),
             policy=ticket.policy.name,
             max_slots_per_replica=ticket.policy.max_slots_per_replica,
+            prefill_left_s=prefill_left,
         )
 
     def _view(self) -> admission.LaneView:
@@ -841,7 +863,7 @@ class LaneDispatcher:
         for replica in self._serving():
             identity = _identity(replica)
             mine = [run for run in self._running.values() if _identity(run.replica) == identity]
-            running = [self._holder(run, token_s) for run in mine]
+            running = [self._holder(run, token_s, now) for run in mine]
             parked = sum(
                 self._parked_bytes.get(run.ticket.id, 0)
                 for run in self._parked.values()

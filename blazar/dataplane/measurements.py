@@ -167,9 +167,10 @@ class _Rates:
     step: _LineFit = field(default_factory=_step_fit)
     # Tokens decoded over decode steps (above 1 with accepted speculative drafts).
     per_step: _Ratio = field(default_factory=_Ratio)
-    # Seconds from a start to its first token beyond the prefill the rate predicts:
-    # the hop to the engine, its template and tokenizer, the step the prefill joins,
-    # the first chunk's way back. What the forecast would otherwise miss on every start.
+    # Seconds from a start to its first token beyond the prefill the rate predicts and
+    # the wait the forecast gave it behind other prompts on the replica: the hop to the
+    # engine, its template and tokenizer, the step the prefill joins, the first chunk's
+    # way back. What the forecast would otherwise miss on every start.
     start_overhead: _Mean = field(default_factory=_Mean)
     # Seconds a Park took, from asking the engine to its answer: an urgent request that
     # preempts starts only then (the engine parks between two decode steps).
@@ -241,7 +242,8 @@ class LaneMeasurements:
 
     def record_first_token(self, replica: int, *, overhead_s: float) -> None:
         """A started request's first token came `overhead_s` after its start plus the
-        prefill its replica's rate predicted (negative: sooner; counted as none)."""
+        prefill its replica's rate predicted plus the wait the forecast gave it behind
+        other prompts (negative: sooner; counted as none)."""
         sample = max(0.0, overhead_s)
         self._lane.start_overhead.add(sample)
         self._replicas.setdefault(replica, _Rates()).start_overhead.add(sample)

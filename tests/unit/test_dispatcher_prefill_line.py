@@ -1,0 +1,71 @@
+"""Simultaneous starts on one replica as the Lane's dispatcher carries them out: each
+run knows the wait behind other prompts that admission's forecast gave it, holds the
+replica's prefill line in the view until its first token, and measures the start
+overhead net of that wait."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+
+import pytest
+
+from blazar._proto.v1 import inference_pb2
+from blazar.dataplane import admission, routing
+from blazar.dataplane.dispatcher import LaneDispatcher, Run
+from blazar.dataplane.parking import Parked
+from tests.dispatching import one_slot_route
+
+POLICY = admission.Policy(name="chat", priority=0, max_queue_depth=8)
+# One request measured: a 100-token prompt prefilled in 0.1 s (1,000 tokens a second).
+MEASURED = inference_pb2.Final(
+    usage=inference_pb2.Usage(prompt_tokens=100, completion_tokens=11),
+    timings=inference_pb2.Timings(prefill_ms=100.0, decode_ms=1000.0),
+)
+
+
+class NoParker:
+    """Nothing here parks."""
+
+    async def park(self, replica: routing.Replica, request_id: str) -> Parked | None:
+        return None
+
+    async def resume(self, replica: routing.Replica, request_id: str) -> bool:
+        return False
+
+
+def test_simultaneous_starts_queue_on_the_prefill_line_and_overhead_nets_it_out() -> None:
+    now = [50.0]
+    runs: list[Run] = []
+    views: list[tuple[float, ...]] = []
+
+    async def body() -> LaneDispatcher:
+        dispatcher = LaneDispatcher(
+            replace(one_slot_route(), slots=6), parker=NoParker(), clock=lambda: now[0]
+        )
+        dispatcher.measurements.record(0, MEASURED, prompt_chars=400)
+        try:
+            for name in "abc":
+                t = admission.Ticket(name, POLICY, now[0], prompt_tokens=100, max_tokens=10)
+                run = await dispatcher.admit(t, request_id=name, prompt_chars=400)
+                assert isinstance(run, Run)
+                runs.append(run)
+            views.append(tuple(r.prefill_left_s for r in dispatcher._view().replicas[0].running))
+            now[0] += 0.05
+            views.append(tuple(r.prefill_left_s for r in dispatcher._view().replicas[0].running))
+            # c's first token: 20 ms later than its 0.2 s wait and 0.1 s prefill.
+            dispatcher.first_token(runs[2], 0.32)
+            views.append(tuple(r.prefill_left_s for r in dispatcher._view().replicas[0].running))
+        finally:
+            await dispatcher.close()
+        return dispatcher
+
+    dispatcher = asyncio.run(body())
+    assert [r.predicted_ttft_s for r in runs] == pytest.approx([0.1, 0.2, 0.3])
+    assert [r.queue_s for r in runs] == pytest.approx([0.0, 0.1, 0.2])
+    assert views[0] == pytest.approx((0.1, 0.2, 0.3))
+    assert views[1] == pytest.approx((0.05, 0.15, 0.25))
+    assert views[2] == pytest.approx((0.05, 0.15, 0.0))
+    # The hop, template and tokenizer only: not the two prompts prefilled before c's.
+    view = dispatcher.measurements.replica_view(0, slots=6, running=())
+    assert view.start_overhead_s == pytest.approx(0.02)
