@@ -1534,3 +1534,23 @@ def test_a_resume_neither_waits_in_the_line_nor_holds_it() -> None:
     resumed, fresh = queue.dispatch(now=0, view=view)
     assert (resumed.resume, resumed.queue_s, resumed.prefill_s) == (True, 0.0, 0.0)
     assert (fresh.ticket.id, fresh.queue_s) == ("t", 0.0)
+
+
+@pytest.mark.parametrize(("due", "preempts"), [(0.5, True), (1.6, False)])
+def test_a_preempting_start_waits_in_the_prefill_line_too(due: float, preempts: bool) -> None:
+    """An urgent run prefills in the other slot, its first token due in `due`; the
+    urgent ticket's 0.5 s prompt comes after it even in a parked batch run's slot: at
+    1.0 s it meets its 2 s target by parking; at 2.1 s it would not, and parking
+    would not save it."""
+    urgent = replace(prefilling("urgent", due), priority=100)
+    view = lane(parking(LONG, urgent))
+    queue = LaneQueue()
+    decision = queue.arrive(ticket("u", PATIENT), now=0, view=view)
+    assert isinstance(decision, Admit)
+    preempt = queue.preemption(now=0, view=view)
+    if preempts:
+        assert decision.predicted_ttft_s == pytest.approx(due + 0.5)
+        assert preempt == Preempt(ticket("u", PATIENT), "long", 0)
+        assert (preempt.queue_s, preempt.prefill_s) == pytest.approx((due, 0.5))
+    else:
+        assert preempt is None
