@@ -108,6 +108,8 @@ class Run:
     # first token, its prompt holds the replica's prefill line in the view.
     queue_s: float = 0.0
     first_token_due: float = 0.0
+    # Its prefill as the forecast gave it (start overhead included).
+    prefill_s: float = 0.0
     # On the dispatcher's clock, when its first token came (None: not yet); with
     # `generated` and less the time it spent parked, what it measures of its policy's
     # decode before it finishes.
@@ -262,6 +264,8 @@ class LaneDispatcher:
         # By gate watcher, the highest tag n of the requests that arrived (`seen`); the
         # watcher heard from last, last.
         self._seen: dict[str, int] = {}
+        # By replica (as a process), the latest first token that came there.
+        self._line_last: dict[_Identity, float] = {}
         self._task = asyncio.get_running_loop().create_task(
             self._serve(), name=f"admission:{self.lane}"
         )
@@ -313,6 +317,7 @@ class LaneDispatcher:
         """The run's first token came `ttft_s` after its arrival."""
         ticket = run.ticket
         run.first_token_at = ticket.arrived + ttft_s
+        self._line_measure(run, run.first_token_at)
         if run.started_at:
             # Net of the wait the forecast gave it behind other prompts: the hop, the
             # template and the tokenizer, not the prompts prefilled before its own.
@@ -332,6 +337,18 @@ class LaneDispatcher:
         metrics.FIRST_TOKENS.labels(self.lane, policy.name, str(met).lower()).inc()
         if figures.attainment is not None:
             metrics.ATTAINMENT.labels(self.lane, policy.name).set(figures.attainment)
+
+    def _line_measure(self, run: Run, first_token_at: float) -> None:
+        """A prompt that started before the first token of the prompt ahead of it on its
+        replica, and had its own after it, measures the share of its prefill the
+        replica's line held it for."""
+        identity = _identity(run.replica)
+        ahead = self._line_last.get(identity)
+        queued = ahead is not None and run.started_at < ahead <= first_token_at
+        if queued and ahead is not None and run.prefill_s > 0:
+            share = (first_token_at - ahead) / run.prefill_s
+            self.measurements.record_line(run.replica.index, share=share)
+        self._line_last[identity] = max(ahead or 0.0, first_token_at)
 
     def _check_open(self) -> None:
         if self._task.done():
@@ -657,6 +674,7 @@ class LaneDispatcher:
             wait_forecast_s=pending.predicted_ttft_s if tests_forecast else None,
             queue_s=decision.queue_s,
             first_token_due=now + decision.queue_s + decision.prefill_s,
+            prefill_s=decision.prefill_s,
         )
         self._running[ticket.id] = run
         pending.started.set_result(run)

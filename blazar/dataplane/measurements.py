@@ -172,6 +172,12 @@ class _Rates:
     # engine, its template and tokenizer, the step the prefill joins, the first chunk's
     # way back. What the forecast would otherwise miss on every start.
     start_overhead: _Mean = field(default_factory=_Mean)
+    # Of a prompt that started while the one ahead of it on the replica had no first
+    # token yet: its first token's distance from that one's, over its forecast prefill
+    # (within [0, 1]). The share of a prefill the replica's prefill line holds alone:
+    # the engine puts the next prompt's first chunk in the step of this one's last,
+    # and short prompts in one step together.
+    line_share: _Mean = field(default_factory=_Mean)
     # Seconds a Park took, from asking the engine to its answer: an urgent request that
     # preempts starts only then (the engine parks between two decode steps).
     park: _Mean = field(default_factory=_Mean)
@@ -247,6 +253,13 @@ class LaneMeasurements:
         sample = max(0.0, overhead_s)
         self._lane.start_overhead.add(sample)
         self._replicas.setdefault(replica, _Rates()).start_overhead.add(sample)
+
+    def record_line(self, replica: int, *, share: float) -> None:
+        """A prompt that queued behind another on `replica` had its first token `share`
+        of its forecast prefill after that one's (clamped to [0, 1])."""
+        sample = min(max(share, 0.0), 1.0)
+        self._lane.line_share.add(sample)
+        self._replicas.setdefault(replica, _Rates()).line_share.add(sample)
 
     def record_wait(self, *, predicted_s: float, measured_s: float) -> None:
         """A request that admission forecast to wait for a busy slot, with its first
@@ -333,6 +346,9 @@ class LaneMeasurements:
         if overhead is None:
             overhead = lane.start_overhead.value
         park = own.park.value if own.park.value is not None else lane.park.value
+        line = own.line_share.value
+        if line is None:
+            line = lane.line_share.value
         return admission.ReplicaView(
             index=index,
             slots=slots,
@@ -343,6 +359,7 @@ class LaneMeasurements:
             step_growth_s=step[1] if step else 0.0,
             tokens_per_step=pick(own.per_step, lane.per_step) or 1.0,
             start_overhead_s=overhead or 0.0,
+            line_share=1.0 if line is None else line,
             park_s=park or 0.0,
             kv_bytes_per_token=kv_bytes_per_token,
             parked_bytes=parked_bytes,

@@ -1466,20 +1466,23 @@ def prefilling(id: str, left_s: float, *, left: int = 100) -> Running:
     return replace(run(id, left=left), prefill_left_s=left_s)
 
 
-@pytest.mark.parametrize("overhead", [0.0, 0.05])
-def test_simultaneous_starts_on_one_replica_come_one_prefill_apart(overhead: float) -> None:
+@pytest.mark.parametrize(("overhead", "share"), [(0.0, 1.0), (0.05, 1.0), (0.0, 0.5)])
+def test_simultaneous_starts_on_one_replica_come_one_prefill_apart(
+    overhead: float, share: float
+) -> None:
     """Six requests arrive at once for six idle slots: the engine prefills their
     prompts one after another, so the k-th first token comes after the k - 1 before
-    it, each 0.1 s of prompt plus the start overhead."""
-    view = lane(replace(replica(slots=6), start_overhead_s=overhead))
+    it, each 0.1 s of prompt plus the start overhead; or, where the engine was measured
+    to overlap them (`line_share`), that share of it apart."""
+    view = lane(replace(replica(slots=6), start_overhead_s=overhead, line_share=share))
     queue = LaneQueue()
     each = 0.1 + overhead
     tickets = [ticket(f"t{k}", prompt=100) for k in range(6)]
     predicted = [queue.arrive(t, now=0, view=view) for t in tickets]
-    assert predicted == [Admit(pytest.approx(each * (k + 1))) for k in range(6)]
+    assert predicted == [Admit(pytest.approx(each + each * share * k)) for k in range(6)]
     started = queue.dispatch(now=0, view=view)
     assert [(d.ticket.id, d.replica) for d in started] == [(t.id, 0) for t in tickets]
-    assert [d.queue_s for d in started] == pytest.approx([each * k for k in range(6)])
+    assert [d.queue_s for d in started] == pytest.approx([each * share * k for k in range(6)])
     assert [d.prefill_s for d in started] == pytest.approx([each] * 6)
 
 

@@ -69,3 +69,40 @@ def test_simultaneous_starts_queue_on_the_prefill_line_and_overhead_nets_it_out(
     # The hop, template and tokenizer only: not the two prompts prefilled before c's.
     view = dispatcher.measurements.replica_view(0, slots=6, running=())
     assert view.start_overhead_s == pytest.approx(0.02)
+    # c's was the replica's first first token: nothing queued behind another yet.
+    assert view.line_share == 1.0
+
+
+def test_a_prompt_queued_behind_another_measures_the_share_of_its_prefill_the_line_held() -> None:
+    """a and b start together (0.1 s of prefill each, as forecast); b's first token
+    comes 0.06 s after a's: the engine overlapped them, and the line held b for 0.6 of
+    its prefill. d starts after b's first token: it queued behind nothing."""
+    now = [50.0]
+
+    async def body() -> LaneDispatcher:
+        dispatcher = LaneDispatcher(
+            replace(one_slot_route(), slots=6), parker=NoParker(), clock=lambda: now[0]
+        )
+        dispatcher.measurements.record(0, MEASURED, prompt_chars=400)
+
+        async def start(name: str) -> Run:
+            t = admission.Ticket(name, POLICY, now[0], prompt_tokens=100, max_tokens=10)
+            run = await dispatcher.admit(t, request_id=name, prompt_chars=400)
+            assert isinstance(run, Run)
+            return run
+
+        try:
+            a, b = await start("a"), await start("b")
+            assert (a.prefill_s, b.prefill_s) == pytest.approx((0.1, 0.1))
+            dispatcher.first_token(a, 0.1)
+            dispatcher.first_token(b, 0.16)
+            now[0] += 0.5
+            d = await start("d")
+            dispatcher.first_token(d, 0.1)
+        finally:
+            await dispatcher.close()
+        return dispatcher
+
+    dispatcher = asyncio.run(body())
+    view = dispatcher.measurements.replica_view(0, slots=6, running=())
+    assert view.line_share == pytest.approx(0.6)

@@ -152,6 +152,21 @@ def test_the_start_overhead_is_what_first_tokens_took_beyond_the_prefill() -> No
     assert m.replica_view(1, slots=1, running=()).start_overhead_s == pytest.approx(overhead)
 
 
+def test_the_line_share_is_measured_per_replica_within_0_and_1() -> None:
+    """1 (prompts one after another, whole) until a queued prompt measured it; a
+    replica that has not measured it reads the Lane's; samples out of [0, 1] count at
+    the bound."""
+    m = LaneMeasurements()
+    assert m.replica_view(0, slots=4, running=()).line_share == 1.0
+    m.record_line(0, share=0.5)
+    assert m.replica_view(0, slots=4, running=()).line_share == pytest.approx(0.5)
+    assert m.replica_view(1, slots=4, running=()).line_share == pytest.approx(0.5)
+    m.record_line(1, share=3.0)
+    assert m.replica_view(1, slots=4, running=()).line_share == pytest.approx(1.0)
+    m.record_line(0, share=-1.0)
+    assert m.replica_view(0, slots=4, running=()).line_share == pytest.approx(0.4)
+
+
 def test_each_policy_has_its_share_of_max_tokens() -> None:
     """Batch jobs ran to their 256 tokens and chat turns stopped at a quarter of theirs:
     the Lane's mean (about 100) would make a running batch job end far too soon."""

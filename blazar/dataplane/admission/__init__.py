@@ -63,14 +63,18 @@ Forecast. Every decision reads one simulation of the Lane from `now`, in ticket 
 - The prefill line: an engine prefills the prompts of new requests one after another
   (its batch takes the prompts' chunks in order of start), so of k prompts started
   together on a replica the k-th has its first token after the k - 1 before it. Each
-  replica's prompts form one line in the forecast: a prompt started at `start` is
-  prefilled in the line's first gap from `start` that holds its whole prefill, and
-  holds the line from there to its first token (a ticket later in the order may start
-  sooner than prompts given to the line before it, in a slot that frees sooner). The
-  line starts busy until the latest first token due of the runs that have started
-  without one yet (`Running.prefill_left_s`). A resume has no prompt to prefill: it
-  neither waits in the line nor holds it. The start overhead is in the line: measured,
-  simultaneous starts' first tokens came one whole first token apart. The wait
+  replica's prompts form one line in the forecast. A prompt holds the line for the
+  last part of its prefill, its `line_share` (measured: how soon after the first token
+  of the prompt ahead a queued prompt's own came, over its prefill; 1, the whole
+  prefill, until measured), because the engine overlaps neighbours: the next prompt's
+  first chunk shares a step with this one's last, and short prompts share a step.
+  Started at `start`, its hold goes in the line's first gap, from where it would
+  begin unhindered, that holds it whole, and its first token comes at the end of it
+  (a ticket later in the order may start sooner than prompts given to the line before
+  it, in a slot that frees sooner). The line starts busy until the latest first token
+  due of the runs that have started without one yet (`Running.prefill_left_s`). A
+  resume has no prompt to prefill: it neither waits in the line nor holds it. The start
+  overhead is part of the prefill the share applies to. The wait
   (`Fate.queue_s`) is part of the ticket's slot time and of its first token, for every
   decision below, and `Dispatch` / `Preempt` carry it, so that the data plane measures
   the start overhead net of it.

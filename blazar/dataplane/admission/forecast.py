@@ -221,23 +221,31 @@ class _Simulation:
     def line_wait_s(self, replica: ReplicaView, start_s: float, prefill_s: float) -> float:
         """How long a prompt started on `replica` at `start_s`, taking `prefill_s`,
         waits for the other prompts on its prefill line: the engine prefills them one
-        after another. It goes in the first gap from its start that holds it whole
+        after another. The line holds the last `hold_s` of its prefill; that hold goes
+        in the first gap that holds it whole, from where it would begin unhindered
         (the forecast hands out slots in ticket order, not in time order, so a ticket
         later in the order may start before prompts given to the line already)."""
-        at = start_s
+        hold = self.hold_s(replica, prefill_s)
+        at = start_s + prefill_s - hold
         for begin, end in self.line[replica.index]:
             if end <= at:
                 continue
-            if begin >= at + prefill_s:
+            if begin >= at + hold:
                 break
             at = end
-        return at - start_s
+        return at + hold - (start_s + prefill_s)
 
-    def prefill(self, replica: ReplicaView, *, start_s: float, first_token_s: float) -> None:
-        """A prompt on `replica` holds its prefill line from `start_s` (once the prompts
-        ahead of it are prefilled) to its first token."""
-        if first_token_s > start_s:
-            bisect.insort(self.line[replica.index], (start_s, first_token_s))
+    @staticmethod
+    def hold_s(replica: ReplicaView, prefill_s: float) -> float:
+        """The part of a prefill of `prefill_s` that the replica's line holds alone."""
+        return prefill_s * min(max(replica.line_share, 0.0), 1.0)
+
+    def prefill(self, replica: ReplicaView, *, prefill_s: float, first_token_s: float) -> None:
+        """A prompt on `replica` whose prefill takes `prefill_s` holds its prefill line
+        for the last `hold_s` of it, up to its first token."""
+        hold = self.hold_s(replica, prefill_s)
+        if hold > 0:
+            bisect.insort(self.line[replica.index], (first_token_s - hold, first_token_s))
 
     def allows(self, slot: _Slot, *, policy: str, cap: int | None) -> bool:
         """Whether a request of `policy`, capped at `cap` slots a replica, may take
@@ -445,8 +453,11 @@ def forecast(waiting: list[tuple[Key, Waiting]], *, now: float, view: LaneView) 
         else:
             decode = sim.decode_s(slot.replica, view.output_tokens(item.ticket), token_s)
             service = fate.queue_s + fate.prefill_s + decode
-            began = fate.start_s + fate.queue_s
-            sim.prefill(slot.replica, start_s=began, first_token_s=began + fate.prefill_s)
+            sim.prefill(
+                slot.replica,
+                prefill_s=fate.prefill_s,
+                first_token_s=fate.start_s + fate.queue_s + fate.prefill_s,
+            )
         sim.take(
             slot,
             start_s=fate.start_s,

@@ -153,6 +153,12 @@ class ReplicaView:
     step_growth_s: float = 0.0
     # Seconds from a start to its first token beyond the prefill itself (measured).
     start_overhead_s: float = 0.0
+    # The share of a prompt's prefill (`prefill_s`) that holds the replica's prefill
+    # line: how soon after the first token of the prompt ahead of it a queued prompt's
+    # first token comes, over its prefill (measured; 1 before: prompts one after
+    # another, whole). Below 1, the engine overlaps them: the next prompt's first chunk
+    # shares a step with this one's last, and short prompts share steps.
+    line_share: float = 1.0
     # The fixed part of a prefill, whatever its length (measured).
     prefill_fixed_s: float = 0.0
     # Tokens a sequence gains per decode step: 1, or 1 + accepted drafts per step
