@@ -116,6 +116,21 @@ class Result:
     def ttft(self) -> float | None:
         return self.token_times[0] - self.start if self.token_times else None
 
+    def read(self, chunk: dict[str, Any]) -> None:
+        """One streamed chunk, as it arrives: its text (timed now), finish reason and
+        usage, or the error it carries."""
+        if "error" in chunk:
+            self.error = json.dumps(chunk["error"])[:300]
+            return
+        now = time.perf_counter()
+        for choice in chunk.get("choices") or []:
+            if choice.get("text"):
+                self.token_times.append(now)
+                self.texts.append(choice["text"])
+            self.finish_reason = choice.get("finish_reason") or self.finish_reason
+        if chunk.get("usage"):
+            self.completion_tokens = chunk["usage"].get("completion_tokens")
+
 
 async def request(
     client: httpx.AsyncClient, base: str, *, policy: str, prompt: str, max_tokens: int,
@@ -142,18 +157,7 @@ async def request(
             async for line in resp.aiter_lines():
                 if not line.startswith("data:") or line.endswith("[DONE]"):
                     continue
-                chunk = json.loads(line[5:])
-                if "error" in chunk:
-                    out.error = json.dumps(chunk["error"])[:300]
-                    continue
-                now = time.perf_counter()
-                for choice in chunk.get("choices") or []:
-                    if choice.get("text"):
-                        out.token_times.append(now)
-                        out.texts.append(choice["text"])
-                    out.finish_reason = choice.get("finish_reason") or out.finish_reason
-                if chunk.get("usage"):
-                    out.completion_tokens = chunk["usage"].get("completion_tokens")
+                out.read(json.loads(line[5:]))
     except httpx.HTTPError as exc:
         out.error = f"{type(exc).__name__}: {exc}"
     finally:
@@ -212,15 +216,7 @@ async def raw_burst(
             async for event in _sse_events(reader):
                 if event == "[DONE]":
                     break
-                chunk = json.loads(event)
-                now = time.perf_counter()
-                for choice in chunk.get("choices") or []:
-                    if choice.get("text"):
-                        out.token_times.append(now)
-                        out.texts.append(choice["text"])
-                    out.finish_reason = choice.get("finish_reason") or out.finish_reason
-                if chunk.get("usage"):
-                    out.completion_tokens = chunk["usage"].get("completion_tokens")
+                out.read(json.loads(event))
         out.end = time.perf_counter()
         writer.close()
         return out
