@@ -103,12 +103,10 @@ class Run:
     started_at: float = 0.0
     expected_prefill_s: float = 0.0
     # As admission forecast its start: the wait behind the prompts started before it
-    # on its replica (left out of the start overhead it measures), and when its first
-    # token is due (on the dispatcher's clock; 0.0: no forecast). Until then, or its
-    # first token, its prompt holds the replica's prefill line in the view.
+    # on its replica (left out of the start overhead it measures), and its prefill
+    # (start overhead included). Until `first_token_due`, or its first token, its
+    # prompt holds the replica's prefill line in the view.
     queue_s: float = 0.0
-    first_token_due: float = 0.0
-    # Its prefill as the forecast gave it (start overhead included).
     prefill_s: float = 0.0
     # On the dispatcher's clock, when its first token came (None: not yet); with
     # `generated` and less the time it spent parked, what it measures of its policy's
@@ -122,6 +120,11 @@ class Run:
     # Admission's prediction when its first token tests the forecast of a wait (see
     # `_start`): measured against it, the forecast's lateness. None: it does not.
     wait_forecast_s: float | None = None
+
+    @property
+    def first_token_due(self) -> float:
+        """When admission forecast its first token, on the dispatcher's clock."""
+        return self.started_at + self.queue_s + self.prefill_s
 
 
 # A replica as one engine process: a restarted replica keeps its index, not this.
@@ -673,7 +676,6 @@ class LaneDispatcher:
             ),
             wait_forecast_s=pending.predicted_ttft_s if tests_forecast else None,
             queue_s=decision.queue_s,
-            first_token_due=now + decision.queue_s + decision.prefill_s,
             prefill_s=decision.prefill_s,
         )
         self._running[ticket.id] = run

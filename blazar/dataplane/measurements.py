@@ -336,19 +336,16 @@ class LaneMeasurements:
         keeps (what the engine's Park answers said, and the Lane's bound)."""
         own = self._replicas.get(index, self._lane)
 
-        def pick(mine: _Ratio, lanes: _Ratio) -> float | None:
+        def pick(mine: _Ratio | _Mean, lanes: _Ratio | _Mean) -> float | None:
+            """The replica's own figure, else the Lane's."""
             return mine.value if mine.value is not None else lanes.value
 
         lane = self._lane
         step = own.step.line() or lane.step.line()
         prefill = own.prefill.line() or lane.prefill.line()
-        overhead = own.start_overhead.value
-        if overhead is None:
-            overhead = lane.start_overhead.value
-        park = own.park.value if own.park.value is not None else lane.park.value
-        line = own.line_share.value
-        if line is None:
-            line = lane.line_share.value
+        overhead = pick(own.start_overhead, lane.start_overhead)
+        park = pick(own.park, lane.park)
+        line = pick(own.line_share, lane.line_share)
         return admission.ReplicaView(
             index=index,
             slots=slots,
