@@ -209,7 +209,9 @@ class GatePublisher:
             route = routes.get(lane)
             if route is not None:
                 self._inputs[lane] = (route, enabled, policies)
-            gates, seen = self._lane(route, table) if enabled and route is not None else ([], {})
+            gates, seen = (
+                self._lane(route, table, policies) if enabled and route is not None else ([], {})
+            )
             if gates:
                 self._gates[lane] = gates
                 self._seen[lane] = seen
@@ -246,13 +248,16 @@ class GatePublisher:
         return message
 
     def _lane(
-        self, route: routing.Route, table: routing.RouteTable
+        self,
+        route: routing.Route,
+        table: routing.RouteTable,
+        stored: Mapping[str, admission.Policy],
     ) -> tuple[list[inference_pb2.AdmissionGate], Mapping[str, int]]:
-        """The Lane's closed gates, and its watchers' tags as of them."""
+        """The Lane's closed gates, and its watchers' tags as of them; `stored`: the
+        SLOPolicies the store holds, read once per flush."""
         if not route.replicas or route.upstream is not None:
             return [], {}
         own = self._lane_policy(route)
-        stored = self._policies()
         policies = {own.name: own}
         for name in self._named(route.lane):
             if name in stored:
