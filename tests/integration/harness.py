@@ -67,8 +67,8 @@ def pid_alive(pid: int) -> bool:
     # A zombie still answers kill(0); treat it as dead.
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
+    except (FileNotFoundError, ProcessLookupError):
+        return False  # reaped between the two reads (ESRCH from /proc on some kernels)
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
@@ -140,6 +140,24 @@ class Daemon:
             f.seek(since)
             lines = [line for line in f.read().splitlines() if line[:1] == b"{"]
         return [r for r in map(json.loads, lines) if r.get("event") == name]
+
+    def replica_story(self, lane: str, *, since: int = 0) -> str:
+        """What happened to a Lane's engines, for a failing assertion's message: the
+        daemon's `replica.*` records for it from byte `since` of its log, and the end
+        of each engine's own log (why an engine exited is in one or the other)."""
+        with self.log_path.open("rb") as f:
+            f.seek(since)
+            lines = [line for line in f.read().splitlines() if line[:1] == b"{"]
+        records = [
+            r
+            for r in map(json.loads, lines)
+            if str(r.get("event", "")).startswith("replica.") and r.get("lane") == lane
+        ]
+        story = [json.dumps(r, sort_keys=True) for r in records]
+        for path in sorted((self.home / "logs").glob(f"{lane}-*.log")):
+            tail = path.read_text(errors="replace").splitlines()[-25:]
+            story += [f"--- {path.name} (last {len(tail)} lines)", *tail]
+        return "\n".join(story)
 
     def cli(self, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
         return subprocess.run(

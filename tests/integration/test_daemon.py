@@ -568,7 +568,7 @@ def test_daemon_kill_leaves_no_orphans_and_restart_reconverges(model_path: Path)
                 f.seek(seen)
                 events = [json.loads(line) for line in f.read().splitlines() if line[:1] == b"{"]
             spawned = [e for e in events if e.get("event") == "replica.spawned"]
-            assert len(spawned) == 1, spawned
+            assert len(spawned) == 1, third.replica_story("solo", since=seen)
             assert not [e for e in events if e.get("event") == "replica.stop"]
 
             # Its file deleted, the watched directory prunes the Lane, then its Model

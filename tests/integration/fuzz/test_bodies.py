@@ -151,7 +151,7 @@ def test_no_request_body_gets_a_5xx_and_the_daemon_serves_on(
     assert plain.status_code == 200, plain.text
     assert client.get("/readyz").status_code == 200
     (replica,) = daemon.get("lane", serving.LANE)["status"]["replicaStatuses"]
-    assert replica.get("restarts", 0) == 0, replica
+    assert replica.get("restarts", 0) == 0, daemon.replica_story(serving.LANE)
     assert replica["pid"] == pid
     # A stream that failed after its 200 went out says so only in the daemon's log.
     logged = daemon.log_path.read_text(errors="replace").splitlines()

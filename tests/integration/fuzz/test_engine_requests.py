@@ -116,7 +116,7 @@ def test_no_engine_bound_request_crashes_or_fails_the_engine(
 
     assert daemon.pids(serving.LANE) == [pid]
     (replica,) = daemon.get("lane", serving.LANE)["status"]["replicaStatuses"]
-    assert replica.get("restarts", 0) == 0, replica
+    assert replica.get("restarts", 0) == 0, daemon.replica_story(serving.LANE)
     plain = inference_pb2.CompleteRequest(
         model=serving.LANE, prompt="Hi", sampling=inference_pb2.Sampling(max_tokens=1)
     )
