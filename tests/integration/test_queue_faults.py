@@ -27,15 +27,13 @@ SLOTS = 4
 STREAMS = 16
 # Long enough that no started stream can finish before the kill (which follows the 4th
 # first token at once), short enough that the 12 left finish in seconds after it.
-MAX_TOKENS = 160
+MAX_TOKENS = 96
 
 
 @pytest.fixture(scope="module")
 def daemon(model_path: Path) -> Iterator[Daemon]:
     home = short_home()
-    fleet = local_fleet(
-        home, model_path, lane=LANE, spec=f"slots: {SLOTS}, contextPerSlot: 512, threads: 1"
-    )
+    fleet = local_fleet(home, model_path, lane=LANE, spec=f"slots: {SLOTS}, contextPerSlot: 512")
     d = Daemon(home=home, watch=fleet).start()
     try:
         d.wait_condition("lane", LANE, "Ready", timeout=240)
