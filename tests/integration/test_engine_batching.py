@@ -274,20 +274,20 @@ def test_prefix_reuse(
     second = SHARED + " Which budget line did the committee approve last?"
     shared = batching.common_prefix(tokenize(first), tokenize(second))
     assert shared > 900
-    _, cold_first = batch_worker.generate(prompt=first, sampling=greedy(2))
-    assert cold_first.usage.cached_tokens == 0
-    # The second prompt finds the first one's prefix in a slot and prefills the rest ...
     sampling = greedy(6, logprobs=True, top_logprobs=5, logit_bias=no_eog)
+    # A cold run of the second prompt: nothing of it is in any slot yet ...
+    cold_deltas, cold = batch_worker.generate(prompt=second, sampling=sampling)
+    assert cold.usage.cached_tokens == 0
+    # ... the first prompt then finds their common prefix in its slot and prefills the
+    # rest (its own last part replacing the second's) ...
+    _, first_run = batch_worker.generate(prompt=first, sampling=greedy(2))
+    assert first_run.usage.cached_tokens == shared
+    assert first_run.routing.slot == cold.routing.slot
+    # ... and so does the second prompt again, warm.
     warm_deltas, warm = batch_worker.generate(prompt=second, sampling=sampling)
     assert warm.usage.cached_tokens == shared
     assert warm.routing.prefix_tokens_reused == shared
-    assert warm.routing.slot == cold_first.routing.slot
-    # ... and a cold run of it (prompt logprobs never read a cache) in another slot.
-    cold_deltas, cold = batch_worker.generate(
-        prompt=second,
-        sampling=greedy(6, logprobs=True, top_logprobs=5, prompt_logprobs=True, logit_bias=no_eog),
-    )
-    assert cold.usage.cached_tokens == 0
+    assert warm.routing.slot == cold.routing.slot
     assert warm.timings.prefill_ms < 0.3 * cold.timings.prefill_ms, (
         warm.timings.prefill_ms,
         cold.timings.prefill_ms,
