@@ -15,8 +15,9 @@ import pytest
 from blazar._proto.engine.v1 import engine_pb2
 from blazar._proto.v1 import inference_pb2 as pb
 from blazar.engine import text, tools
-from tests.integration import pinning
+from tests.integration import engine_harness, pinning
 from tests.integration.engine_harness import Spawner, Worker, greedy, rpc_error
+from tests.integration.harness import concurrently
 
 pytestmark = pytest.mark.slow
 
@@ -168,8 +169,8 @@ def test_auto_calls_from_a_history_that_shows_one_validate(worker: Worker) -> No
         pb.Message(role="assistant", content="It rains in Oslo, 9C."),
         pb.Message(role="user", content="Weather in Paris?"),
     ]
-    made = 0
-    for seed in range(12):
+
+    def turn(seed: int) -> int:
         deltas, final = worker.generate(
             chat=engine_pb2.ChatInput(messages=history, tools=[TOOL]),
             sampling=pb.Sampling(temperature=0.8, seed=seed, max_tokens=60),
@@ -182,7 +183,10 @@ def test_auto_calls_from_a_history_that_shows_one_validate(worker: Worker) -> No
             assert final.finish_reason == pb.FINISH_REASON_TOOL_CALLS
         # A made-up tool result is where the model stops.
         assert "<tool_response>" not in "".join(d.text for d in deltas)
-        made += len(calls)
+        return len(calls)
+
+    # One turn per slot at a time: each is independent.
+    made = sum(concurrently(turn, 12, at_once=engine_harness.SLOTS))
     print(f"auto after a shown call: {made} valid calls in 12 turns")
 
 
