@@ -1,8 +1,13 @@
-"""Plain greedy requests take the logits row's argmax instead of llama.cpp's sampler
-chain; on the real model both pick the same token from every row."""
+"""The engine's shortcuts past llama.cpp's sampler chain pick, on the real model, what
+the chain picks from every row:
+- plain greedy requests take the logits row's argmax instead of the chain;
+- a grammar that rejects the chain's draw judges the best tokens first (`Sampler`),
+  greedy and sampled. Greedy, it judges far fewer candidates doing so; with top-k the
+  prose rows here rarely hold k allowed tokens among their best, and it falls back."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +25,17 @@ TEXT = (
     "the lamp had burned all night, and that three fishing boats came home at first light "
     "with nets so full of herring that the harbour smelled of fish until noon."
 )
+# The prose rows above: the JSON grammar rejects most of what they would write next.
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 40},
+        "unit": {"enum": ["celsius", "fahrenheit"]},
+        "note": {"type": "string", "maxLength": 80},
+    },
+    "required": ["city", "unit", "note"],
+    "additionalProperties": False,
+}
 
 
 @pytest.fixture(scope="module")
@@ -98,3 +114,52 @@ def test_argmax_with_bans_picks_what_the_chain_picks(runtime: llama.Runtime) -> 
     finally:
         unbanned.free()
         runtime.clear(0)
+
+
+# --- a grammar's fallback judges the best tokens first ----------------------------------
+
+
+def _constrained(rt: llama.Runtime, **fields: object) -> sampling.SamplingParams:
+    return sampling.resolve(
+        inference_pb2.Sampling(**fields),  # type: ignore[arg-type]
+        constraint=inference_pb2.Constraint(json_schema=json.dumps(SCHEMA)),
+        vocab=rt.vocab,
+    )
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"temperature": 0.0},
+        {"temperature": 0.8, "top_k": 40, "seed": 7},
+        {"temperature": 1.5, "top_k": 3, "top_p": 0.9, "min_p": 0.0, "seed": 11},
+    ],
+    ids=["greedy", "top-k-40", "top-k-3"],
+)
+def test_judging_the_best_first_draws_what_a_whole_pass_draws(
+    runtime: llama.Runtime, fields: dict[str, object]
+) -> None:
+    fast = sampling.build_sampler(_constrained(runtime, **fields))
+    # A zero bias changes no logit, but the chain's bias stage makes it judge them all.
+    whole = sampling.build_sampler(_constrained(runtime, logit_bias={5: 0.0}, **fields))
+    tokens = runtime.vocab.tokenize(TEXT)[:ROWS]
+    assert len(tokens) == ROWS
+    ends = runtime.vocab.end_of_generation
+    drawn = []
+    try:
+        runtime.clear(0)
+        runtime.decode([(t, i, 0, True) for i, t in enumerate(tokens)])
+        for row in range(ROWS):
+            token = runtime.sample(whole, row)
+            assert runtime.sample(fast, row) == token, (row, drawn)
+            drawn.append(token)
+            if token in ends:
+                break  # the document is whole: nothing may follow it
+    finally:
+        fast.free()
+        whole.free()
+        runtime.clear(0)
+    print(f"{fields}: {len(drawn)} tokens, judged {fast.judged:,} against {whole.judged:,}")
+    assert whole.judged >= 5 * runtime.vocab.n_tokens  # the rows made the grammar judge
+    if fields["temperature"] == 0.0:
+        assert fast.judged * 2 < whole.judged
