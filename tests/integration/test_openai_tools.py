@@ -136,7 +136,7 @@ def test_a_forced_call_validates_20_of_20(client: openai.OpenAI, stream: bool) -
         # writes the grammar's cap of 8 calls, 8 times the tokens of a single call. One
         # try in 20 shows that those validate too (`required` whole, the named tool
         # streamed); it goes first, being the longest, and offers only `get_time`,
-        # whose calls are the shortest (8 weather calls held every other try up).
+        # whose calls are the shortest.
         parallel = i == (1 if stream else 0)
         tools = [TIME_TOOL] if parallel else TOOLS
         if parallel:
