@@ -469,19 +469,12 @@ class Sampler:
             best = np.argpartition(row, self._n_vocab - widest)[-widest:]
             best = best[np.argsort(row[best], kind="stable")[::-1]]  # best first
             for size in GRAMMAR_SLICES:
-                cand = self._candidates[:size]
-                cand["id"] = best[:size]
-                cand["logit"] = row[best[:size]]
-                cand["p"] = 0.0
-                data = cand.ctypes.data_as(ctypes.POINTER(lc.llama_token_data))
-                arr = lc.llama_token_data_array(data, size, -1, False)
+                arr = self._candidate_array(best[:size], row[best[:size]])
                 lc.llama_sampler_apply(self._grammar, ctypes.byref(arr))
                 self.judged += size
-                if int(np.count_nonzero(cand["logit"] != -np.inf)) >= keep:
-                    lc.llama_sampler_apply(self.chain, ctypes.byref(arr))
-                    if arr.selected < 0:
-                        raise RuntimeError("the sampler chain selected no token")
-                    return int(arr.data[arr.selected].id)
+                allowed = self._candidates[:size]["logit"] != -np.inf
+                if int(np.count_nonzero(allowed)) >= keep:
+                    return self._chain_pick(arr)
         self.judged += self._n_vocab
         return self._draw(ctx, index, grammar_first=True)
 
@@ -490,14 +483,26 @@ class Sampler:
         import numpy as np
 
         ptr = lc.llama_get_logits_ith(ctx, index)
-        cand = self._candidates
-        cand["id"] = self._ids
-        cand["logit"] = np.ctypeslib.as_array(ptr, shape=(self._n_vocab,))
-        cand["p"] = 0.0
-        data = cand.ctypes.data_as(ctypes.POINTER(lc.llama_token_data))
-        arr = lc.llama_token_data_array(data, self._n_vocab, -1, False)
+        arr = self._candidate_array(self._ids, np.ctypeslib.as_array(ptr, shape=(self._n_vocab,)))
         if grammar_first:
             lc.llama_sampler_apply(self._grammar, ctypes.byref(arr))
+        return self._chain_pick(arr)
+
+    def _candidate_array(self, ids: Any, logits: Any) -> Any:
+        """The first len(ids) candidates, filled, as a native `llama_token_data_array`."""
+        import llama_cpp as lc
+
+        cand = self._candidates[: len(ids)]
+        cand["id"] = ids
+        cand["logit"] = logits
+        cand["p"] = 0.0
+        data = cand.ctypes.data_as(ctypes.POINTER(lc.llama_token_data))
+        return lc.llama_token_data_array(data, len(ids), -1, False)
+
+    def _chain_pick(self, arr: Any) -> int:
+        """The token the chain draws from the candidates."""
+        import llama_cpp as lc
+
         lc.llama_sampler_apply(self.chain, ctypes.byref(arr))
         if arr.selected < 0:
             raise RuntimeError("the sampler chain selected no token")
