@@ -77,6 +77,10 @@ class Generation:
     # Decode steps it took part in, and the sequences decoded in those steps in all.
     decode_steps: int = 0
     decode_batched: int = 0
+    # Decode steps that carried a chunk of its prompt, and the sequences in those steps
+    # in all (its own chunk, other prompts' chunks, decoding streams' rows).
+    prefill_steps: int = 0
+    prefill_batched: int = 0
     # The kind of speculation that drafted for it ("" until a draft was verified).
     speculation: str = ""
     # When it was parked (0.0: it is not), and the seconds parked in all and after
@@ -122,9 +126,12 @@ class Generation:
         self.prefilled += len(tokens)
         return tokens
 
-    def prompt_step(self, began: float) -> None:
+    def prompt_step(self, began: float, *, sequences: int) -> None:
         """A decode step that began at `began` (perf_counter) carries a chunk of its
-        prompt; the first such step starts its prefill."""
+        prompt among `sequences` sequences, itself included; the first such step starts
+        its prefill."""
+        self.prefill_steps += 1
+        self.prefill_batched += sequences
         if self.prompt_began:
             return
         self.prompt_began = began
@@ -259,6 +266,7 @@ class Generation:
             drafted_tokens=self.drafted,
             accepted_tokens=self.accepted,
             decode_batch=self.decode_batched / self.decode_steps if self.decode_steps else 0.0,
+            prefill_batch=self.prefill_batched / self.prefill_steps if self.prefill_steps else 0.0,
             stop_sequence=self.stop_sequence,
         )
         events: list[jobs.Event] = []

@@ -71,6 +71,9 @@ class Finished:
     parked_ms: float = 0.0
     # Sequences decoded together per decode step while it decoded, on average.
     decode_batch: float = 0.0
+    # Sequences in the decode steps that carried its prompt, on average, itself
+    # included: 1.0 when it had every such step to itself.
+    prefill_batch: float = 0.0
     # From its slot's start to the first decode step carrying its prompt: the wait
     # behind other prompts' chunks, less the time parked meanwhile.
     prefill_wait_ms: float = 0.0

@@ -435,7 +435,7 @@ class DecodeLoop:
         started = time.perf_counter()
         for place in placed:
             if not place.piece.decode and place.slot.gen is not None:
-                place.slot.gen.prompt_step(started)
+                place.slot.gen.prompt_step(started, sequences=len(placed))
         runtime.decode(entries)
         self._pacer.observe(
             rows=sum(p.tokens for p in pieces if p.decode),

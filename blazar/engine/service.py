@@ -666,6 +666,7 @@ def _final(event: jobs.Finished) -> inference_pb2.Final:
             decode_tokens_per_second=event.decode_tokens_per_second,
             parked_ms=event.parked_ms,
             decode_batch=event.decode_batch,
+            prefill_batch=event.prefill_batch,
         ),
         routing=inference_pb2.Routing(
             slot=event.slot,

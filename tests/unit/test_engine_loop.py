@@ -354,6 +354,7 @@ def test_a_finished_request_reports_the_batch_it_decoded_in(
         finished = alone_events.last
         assert isinstance(finished, jobs.Finished)
         assert finished.decode_batch == pytest.approx(1.0)
+        assert finished.prefill_batch == 1.0  # its prompt's step held it alone
 
         pair = [job([4, 5, 6], max_tokens=6, name=f"pair{i}") for i in range(2)]
         for j, _ in pair:
@@ -365,6 +366,29 @@ def test_a_finished_request_reports_the_batch_it_decoded_in(
         # Both prompts may not start in the same step; each decoded beside the other
         # for most of its steps.
         assert all(1.0 < b <= 2.0 for b in batches)
+
+
+def test_a_prompt_prefilled_beside_a_decoding_stream_reports_that_batch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A prompt that comes while another request decodes is prefilled in a step that
+    also decodes that request's row: two sequences, where alone it had one."""
+    with running(monkeypatch, slots=2) as (decode, runtime):
+        busy, busy_events = job([1, 2, 3], max_tokens=40, name="busy")
+        late, late_events = job([4, 5, 6], max_tokens=4, name="late")
+
+        def submit_at(step: int) -> None:
+            if step == 3:
+                decode.submit(late)
+
+        runtime.before_decode = submit_at
+        decode.submit(busy)
+        assert late_events.ended.wait(10)
+        assert busy_events.ended.wait(10)
+        finished, first = late_events.last, busy_events.last
+        assert isinstance(finished, jobs.Finished) and isinstance(first, jobs.Finished)
+        assert finished.prefill_batch == 2.0
+        assert first.prefill_batch == 1.0
 
 
 def test_a_pass_that_does_not_end_shows_in_its_step_age(monkeypatch: pytest.MonkeyPatch) -> None:

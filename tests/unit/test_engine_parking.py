@@ -326,8 +326,8 @@ def test_time_parked_before_and_after_its_prompts_first_step_leaves_both_figures
     gen.pause()  # parked for 1 s while it waited
     now[0] = 102.0
     gen.unpause()
-    gen.prompt_step(103.0)  # its prompt's first step: 3 s after its start, 1 parked
-    gen.prompt_step(104.0)  # later chunks change nothing
+    gen.prompt_step(103.0, sequences=1)  # its prompt's first step: 3 s after its start, 1 parked
+    gen.prompt_step(104.0, sequences=3)  # later chunks move neither start nor wait
     now[0] = 105.0
     gen.pause()  # parked for 2 s during its prefill
     now[0] = 107.0
@@ -340,6 +340,8 @@ def test_time_parked_before_and_after_its_prompts_first_step_leaves_both_figures
     assert finished.prefill_ms == 7000.0 - 2000.0  # 103 to 110, 2 s parked
     assert finished.parked_ms == 3000.0
     assert finished.ttft_ms == 11000.0
+    # Its two prompt steps held 1 and 3 sequences.
+    assert finished.prefill_batch == 2.0
 
 
 class ChainDrafter:

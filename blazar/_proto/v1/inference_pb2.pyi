@@ -301,7 +301,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
-    __slots__ = ("queue_ms", "prefill_ms", "ttft_ms", "decode_ms", "decode_tokens_per_second", "parked_ms", "predicted_ttft_ms", "decode_batch", "load_ms", "prefill_wait_ms")
+    __slots__ = ("queue_ms", "prefill_ms", "ttft_ms", "decode_ms", "decode_tokens_per_second", "parked_ms", "predicted_ttft_ms", "decode_batch", "load_ms", "prefill_wait_ms", "prefill_batch")
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
     TTFT_MS_FIELD_NUMBER: _ClassVar[int]
@@ -312,6 +312,7 @@ class Timings(_message.Message):
     DECODE_BATCH_FIELD_NUMBER: _ClassVar[int]
     LOAD_MS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_BATCH_FIELD_NUMBER: _ClassVar[int]
     queue_ms: float
     prefill_ms: float
     ttft_ms: float
@@ -322,7 +323,8 @@ class Timings(_message.Message):
     decode_batch: float
     load_ms: float
     prefill_wait_ms: float
-    def __init__(self, queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., decode_tokens_per_second: _Optional[float] = ..., parked_ms: _Optional[float] = ..., predicted_ttft_ms: _Optional[float] = ..., decode_batch: _Optional[float] = ..., load_ms: _Optional[float] = ..., prefill_wait_ms: _Optional[float] = ...) -> None: ...
+    prefill_batch: float
+    def __init__(self, queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., decode_tokens_per_second: _Optional[float] = ..., parked_ms: _Optional[float] = ..., predicted_ttft_ms: _Optional[float] = ..., decode_batch: _Optional[float] = ..., load_ms: _Optional[float] = ..., prefill_wait_ms: _Optional[float] = ..., prefill_batch: _Optional[float] = ...) -> None: ...
 
 class Routing(_message.Message):
     __slots__ = ("lane", "replica", "slot", "prefix_tokens_reused", "drafted_tokens", "accepted_tokens", "speculation")
