@@ -672,7 +672,7 @@ class LaneDispatcher:
             predicted_ttft_s=pending.predicted_ttft_s,
             started_at=now,
             expected_prefill_s=self.measurements.expected_prefill_s(
-                replica.index, ticket.prompt_tokens
+                replica.index, ticket.prompt_tokens, alone=decision.alone
             ),
             wait_forecast_s=pending.predicted_ttft_s if tests_forecast else None,
             queue_s=decision.queue_s,
@@ -843,14 +843,22 @@ class LaneDispatcher:
 
     def _holder(self, run: Run, token_s: Mapping[str, float], now: float) -> admission.Running:
         """What holds the run's slot as admission sees it: the run, or, while the run
-        is being parked, the ticket that will start in its slot (its prefill is not in
-        the replica's prefill line: a simplification, it starts once the park is done).
-        A run without its first token holds the line until its first token is due."""
+        is being parked, the ticket that will start in its slot. A run without its first
+        token holds the replica's prefill line until its first token is due, and so does
+        that ticket, from when the forecast had it start (once parked) until its first
+        token: several urgent tickets that preempt at once are prefilled one after
+        another like any others."""
         parking = self._parking.get(run.ticket.id)
         ticket = parking.preempt.ticket if parking is not None else run.ticket
         generated = 0 if parking is not None else run.generated
-        prefilling = parking is None and run.first_token_at is None and run.parked_at is None
-        prefill_left = max(0.0, run.first_token_due - now) if prefilling else 0.0
+        if parking is not None:
+            preempt = parking.preempt
+            due = parking.asked_at + preempt.start_s + preempt.queue_s + preempt.prefill_s
+            prefill_left = max(0.0, due - now)
+        elif run.first_token_at is None and run.parked_at is None:
+            prefill_left = max(0.0, run.first_token_due - now)
+        else:
+            prefill_left = 0.0
         expected = self.measurements.output_tokens(ticket.max_tokens, policy=ticket.policy.name)
         return admission.Running(
             id=ticket.id,
@@ -984,6 +992,8 @@ def _summary(replica: admission.ReplicaView) -> dict[str, object]:
         "growth_s": _rounded(replica.step_growth_s),
         "prefill_tps": _rounded(replica.prefill_tokens_per_s),
         "prefill_fixed_s": _rounded(replica.prefill_fixed_s),
+        "lone_prefill_tps": _rounded(replica.lone_prefill_tokens_per_s),
+        "lone_prefill_fixed_s": _rounded(replica.lone_prefill_fixed_s),
         "start_overhead_s": _rounded(replica.start_overhead_s),
         "park_s": _rounded(replica.park_s),
         "parked_bytes": replica.parked_bytes,

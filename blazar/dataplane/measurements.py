@@ -161,8 +161,16 @@ def _prefill_fit() -> _LineFit:
 
 @dataclass
 class _Rates:
-    # Seconds of prefill by prompt tokens prefilled (cached ones excluded).
+    # Seconds of prefill by prompt tokens prefilled (cached ones excluded): of every
+    # prompt, and of the prompts that had their steps to themselves
+    # (`Timings.prefill_batch` 1). The second apart, because a prompt that shares its
+    # steps reports the whole time of steps that also carried other prompts' chunks
+    # and decoding streams' rows, and a replica under load has mostly those: a prompt
+    # that starts on an idle replica would read as two or three times what it takes.
+    # The first is for every other start, which may share its steps or not (whether a
+    # burst's first prompt gets a step of its own before the next arrives is a race).
     prefill: _LineFit = field(default_factory=_prefill_fit)
+    lone_prefill: _LineFit = field(default_factory=_prefill_fit)
     # Seconds of decode per decode step, by batch.
     step: _LineFit = field(default_factory=_step_fit)
     # Tokens decoded over decode steps (above 1 with accepted speculative drafts).
@@ -186,7 +194,10 @@ class _Rates:
         usage, timings = final.usage, final.timings
         fresh = usage.prompt_tokens - usage.cached_tokens
         if fresh > 0 and timings.prefill_ms > 0:
-            self.prefill.add(x=fresh, y_total=timings.prefill_ms / 1000.0)
+            seconds = timings.prefill_ms / 1000.0
+            self.prefill.add(x=fresh, y_total=seconds)
+            if 0.0 < timings.prefill_batch <= 1.0:
+                self.lone_prefill.add(x=fresh, y_total=seconds)
         # The first token comes out of the prefill; every later one out of a decode
         # step, which yields one token plus the drafts it accepted.
         decoded = usage.completion_tokens - 1
@@ -196,6 +207,14 @@ class _Rates:
             batch = timings.decode_batch or 1.0
             self.step.add(x=batch, y_total=timings.decode_ms / 1000.0, weight=steps)
             self.per_step.add(decoded, steps)
+
+    def prefill_line(self, lane: _Rates, *, alone: bool) -> tuple[float, float] | None:
+        """(fixed seconds, seconds per token) of a prefill, alone or any, from these
+        rates else the Lane's (`lane`); alone reads as any until measured."""
+        every = self.prefill.line() or lane.prefill.line()
+        if alone:
+            return self.lone_prefill.line() or lane.lone_prefill.line() or every
+        return every
 
 
 class LaneMeasurements:
@@ -241,9 +260,11 @@ class LaneMeasurements:
         if final.usage.prompt_tokens > 0 and prompt_chars > 0:
             self._chars_per_token.add(prompt_chars, final.usage.prompt_tokens)
 
-    def expected_prefill_s(self, replica: int, prompt_tokens: int) -> float:
-        """The prefill the replica's measurements predict (0.0 before it has any)."""
-        line = self._replicas.get(replica, self._lane).prefill.line() or self._lane.prefill.line()
+    def expected_prefill_s(self, replica: int, prompt_tokens: int, *, alone: bool = False) -> float:
+        """The prefill the replica's measurements predict for a prompt alone on it or
+        beside other sequences (0.0 before it has any)."""
+        own = self._replicas.get(replica, self._lane)
+        line = own.prefill_line(self._lane, alone=alone)
         return line[0] + line[1] * prompt_tokens if line else 0.0
 
     def record_first_token(self, replica: int, *, overhead_s: float) -> None:
@@ -342,7 +363,8 @@ class LaneMeasurements:
 
         lane = self._lane
         step = own.step.line() or lane.step.line()
-        prefill = own.prefill.line() or lane.prefill.line()
+        prefill = own.prefill_line(lane, alone=False)
+        lone = own.prefill_line(lane, alone=True)
         overhead = pick(own.start_overhead, lane.start_overhead)
         park = pick(own.park, lane.park)
         line = pick(own.line_share, lane.line_share)
@@ -352,6 +374,8 @@ class LaneMeasurements:
             running=tuple(running),
             prefill_tokens_per_s=1.0 / prefill[1] if prefill and prefill[1] > 0 else None,
             prefill_fixed_s=prefill[0] if prefill else 0.0,
+            lone_prefill_tokens_per_s=1.0 / lone[1] if lone and lone[1] > 0 else None,
+            lone_prefill_fixed_s=lone[0] if lone else 0.0,
             step_s=step[0] + step[1] if step else None,
             step_growth_s=step[1] if step else 0.0,
             tokens_per_step=pick(own.per_step, lane.per_step) or 1.0,

@@ -1486,6 +1486,27 @@ def test_simultaneous_starts_on_one_replica_come_one_prefill_apart(
     assert [d.prefill_s for d in started] == pytest.approx([each] * 6)
 
 
+def test_the_first_start_on_an_idle_replica_is_forecast_as_a_prompt_alone() -> None:
+    """A prompt alone on an idle replica was measured at 0.04 s, one beside others at
+    0.1 s: of three tickets arriving at once the first (alone) has its first token at
+    0.04 s, and the two behind it, whose steps they share, take 0.1 s each after it on
+    the prefill line. A replica that runs anything has no prompt alone."""
+    lone = replace(replica(slots=3), lone_prefill_tokens_per_s=2500.0)
+    queue = LaneQueue()
+    tickets = [ticket(f"t{k}", prompt=100) for k in range(3)]
+    predicted = [queue.arrive(t, now=0, view=lane(lone)) for t in tickets]
+    assert predicted == [Admit(pytest.approx(s)) for s in (0.04, 0.14, 0.24)]
+    started = queue.dispatch(now=0, view=lane(lone))
+    assert [(d.alone, d.prefill_s) for d in started] == [
+        (True, pytest.approx(0.04)),
+        (False, pytest.approx(0.1)),
+        (False, pytest.approx(0.1)),
+    ]
+    busy = replace(lone, running=(run("r"),))
+    decision = LaneQueue().arrive(ticket("t", prompt=100), now=0, view=lane(busy))
+    assert decision == Admit(pytest.approx(0.1))
+
+
 @pytest.mark.parametrize(
     ("running", "ttft"),
     [

@@ -26,13 +26,17 @@ def final(
     decode_ms: float = 1000.0,
     accepted: int = 0,
     batch: float = 0.0,
+    prefill_batch: float = 0.0,
 ) -> inference_pb2.Final:
     return inference_pb2.Final(
         usage=inference_pb2.Usage(
             prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached
         ),
         timings=inference_pb2.Timings(
-            prefill_ms=prefill_ms, decode_ms=decode_ms, decode_batch=batch
+            prefill_ms=prefill_ms,
+            decode_ms=decode_ms,
+            decode_batch=batch,
+            prefill_batch=prefill_batch,
         ),
         routing=inference_pb2.Routing(accepted_tokens=accepted),
     )
@@ -139,6 +143,37 @@ def test_a_prefill_has_a_fixed_part_and_a_rate() -> None:
     assert view.prefill_fixed_s == pytest.approx(0.040)
     assert view.prefill_s(1209) == pytest.approx(1.249)
     assert m.expected_prefill_s(0, 1209) == pytest.approx(1.249)
+
+
+def test_a_prompt_alone_is_fitted_apart_from_every_prompt() -> None:
+    """Prompts that shared their steps (a burst's, or one beside decoding streams)
+    each report the whole time of steps that also carried the others: 25 tokens in
+    200 ms. The first of a burst, alone on an idle replica, took 50 ms: a prompt
+    forecast alone reads its own fit, any other the fit of every prompt."""
+    m = LaneMeasurements()
+    for _ in range(5):
+        m.record(0, final(prompt=25, prefill_ms=200.0, prefill_batch=4.0), prompt_chars=0)
+    m.record(0, final(prompt=25, prefill_ms=50.0, prefill_batch=1.0), prompt_chars=0)
+    view = m.replica_view(0, slots=4, running=())
+    # The moving average of every prompt: 200 ms, then 50 ms at weight 0.2.
+    assert view.prefill_s(25) == pytest.approx(0.170)
+    assert view.prefill_s(25, alone=True) == pytest.approx(0.050)
+    assert m.expected_prefill_s(0, 25) == pytest.approx(0.170)
+    assert m.expected_prefill_s(0, 25, alone=True) == pytest.approx(0.050)
+    # Another replica reads the Lane's figures, both kinds.
+    other = m.replica_view(1, slots=4, running=())
+    assert other.prefill_s(25, alone=True) == pytest.approx(0.050)
+
+
+@pytest.mark.parametrize("prefill_batch", [1.0, 3.0, 0.0])
+def test_a_prefill_alone_reads_as_any_until_measured(prefill_batch: float) -> None:
+    """0.0: an engine that does not tell (an upstream Lane) is not alone."""
+    m = LaneMeasurements()
+    m.record(0, final(prompt=100, prefill_ms=100.0, prefill_batch=prefill_batch), prompt_chars=0)
+    view = m.replica_view(0, slots=4, running=())
+    assert view.prefill_s(100) == pytest.approx(0.1)
+    assert view.prefill_s(100, alone=True) == pytest.approx(0.1)
+    assert m.expected_prefill_s(0, 100, alone=True) == pytest.approx(0.1)
 
 
 def test_the_start_overhead_is_what_first_tokens_took_beyond_the_prefill() -> None:

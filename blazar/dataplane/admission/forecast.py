@@ -58,6 +58,9 @@ class Fate:
     # its replica (the replica's prefill line), then the seconds of its own prefill.
     queue_s: float = 0.0
     prefill_s: float = 0.0
+    # Its prefill is that of a prompt alone on its replica (it starts now on an idle
+    # one, the first there in this forecast).
+    alone: bool = False
     replica: int | None = None
     # Starts now on an idle slot: `dispatch` starts it (unless refused).
     idle: bool = False
@@ -194,7 +197,11 @@ class _Simulation:
         # By replica index, its prefill line: when (seconds from now) the prompts
         # given to it are prefilled, (start, first token) each, in time order.
         self.line: dict[int, list[tuple[float, float]]] = {}
+        # By replica index, whether nothing runs there and the forecast has given it
+        # nothing yet: a prompt started there now has its steps to itself.
+        self.quiet: dict[int, bool] = {}
         for replica in view.replicas:
+            self.quiet[replica.index] = not replica.running
             self.load[replica.index] = len(replica.running)
             self.parked[replica.index] = replica.parked_bytes
             self.batch[replica.index] = max(1, min(replica.slots, len(replica.running) + waiting))
@@ -322,6 +329,7 @@ class _Simulation:
         slot's previous policy holds one slot fewer there from then on. `now`: it
         starts now (an idle slot, or a victim's, which is parked now)."""
         index = slot.replica.index
+        self.quiet[index] = False
         if slot.idle:
             self.load[index] += 1
         if slot.policy is not None:
@@ -368,8 +376,9 @@ def _fate(entry: Waiting, sim: _Simulation, now: float) -> tuple[Fate, _Slot | N
         start = slot.free_at
         # A resume has no prompt to prefill: it neither waits in the line nor holds it.
         queue, prefill = 0.0, 0.0
+        alone = slot.idle and sim.quiet[slot.replica.index] and entry.resume is None
         if entry.resume is None:
-            prefill = slot.replica.prefill_s(ticket.prompt_tokens)
+            prefill = slot.replica.prefill_s(ticket.prompt_tokens, alone=alone)
             queue = sim.line_wait_s(slot.replica, start, prefill)
         may_miss = now + (start + queue + prefill) * sim.lateness > ticket.deadline
         if may_miss and not slot.idle and entry.resume is None:
@@ -384,6 +393,7 @@ def _fate(entry: Waiting, sim: _Simulation, now: float) -> tuple[Fate, _Slot | N
             ttft_s=None if entry.resume else max(0.0, now - ticket.arrived) + first_token,
             queue_s=queue,
             prefill_s=prefill,
+            alone=alone,
             replica=slot.replica.index,
             idle=slot.idle,
             victim=victim,

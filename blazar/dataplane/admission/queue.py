@@ -270,6 +270,7 @@ class LaneQueue:
                         resume=entry.resume is not None,
                         queue_s=fate.queue_s,
                         prefill_s=fate.prefill_s,
+                        alone=fate.alone,
                     )
                 )
         return started
@@ -292,6 +293,7 @@ class LaneQueue:
                     replica=fate.replica,
                     queue_s=fate.queue_s,
                     prefill_s=fate.prefill_s,
+                    start_s=fate.start_s or 0.0,
                 )
         return None
 

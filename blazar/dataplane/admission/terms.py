@@ -161,6 +161,12 @@ class ReplicaView:
     line_share: float = 1.0
     # The fixed part of a prefill, whatever its length (measured).
     prefill_fixed_s: float = 0.0
+    # The same two figures for a prompt that has its steps to itself (started on an
+    # idle replica, with no other sequence in them): its prefill takes less than one
+    # beside other prompts or decoding streams, whose rows share each of its steps.
+    # None until measured: the figures above apply to it then.
+    lone_prefill_tokens_per_s: float | None = None
+    lone_prefill_fixed_s: float = 0.0
     # Tokens a sequence gains per decode step: 1, or 1 + accepted drafts per step
     # when speculation is on.
     tokens_per_step: float = 1.0
@@ -172,11 +178,14 @@ class ReplicaView:
     parked_bytes: int = 0
     parked_bytes_max: int = 0
 
-    def prefill_s(self, tokens: int) -> float:
+    def prefill_s(self, tokens: int, *, alone: bool = False) -> float:
         """Seconds from a start to the first token: the measured start overhead and the
-        prompt at the measured prefill rate."""
-        rate = self.prefill_tokens_per_s
-        return self.start_overhead_s + self.prefill_fixed_s + (tokens / rate if rate else 0.0)
+        prompt at the measured prefill rate (`alone`: the rate of a prompt that has its
+        steps to itself, once measured)."""
+        rate, fixed = self.prefill_tokens_per_s, self.prefill_fixed_s
+        if alone and self.lone_prefill_tokens_per_s is not None:
+            rate, fixed = self.lone_prefill_tokens_per_s, self.lone_prefill_fixed_s
+        return self.start_overhead_s + fixed + (tokens / rate if rate else 0.0)
 
     def decode_s(self, tokens: int, *, batch: int = 1, token_s: float | None = None) -> float:
         """Seconds to generate `tokens` with `batch` sequences decoding together, or at
@@ -333,6 +342,9 @@ class Dispatch:
     # in the same place.
     queue_s: float = field(default=0.0, compare=False)
     prefill_s: float = field(default=0.0, compare=False)
+    # Its prefill as the forecast gave it is that of a prompt alone on its replica
+    # (`ReplicaView.prefill_s`): the replica was idle.
+    alone: bool = field(default=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -345,6 +357,9 @@ class Preempt:
     ticket: Ticket
     victim: str
     replica: int
-    # As `Dispatch`'s, for the ticket's start once the victim is parked.
+    # As `Dispatch`'s, for the ticket's start once the victim is parked, `start_s`
+    # from now (the measured park): its first token is expected start_s + queue_s +
+    # prefill_s from now.
     queue_s: float = field(default=0.0, compare=False)
     prefill_s: float = field(default=0.0, compare=False)
+    start_s: float = field(default=0.0, compare=False)
