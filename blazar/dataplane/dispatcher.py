@@ -108,6 +108,8 @@ class Run:
     # prompt holds the replica's prefill line in the view.
     queue_s: float = 0.0
     prefill_s: float = 0.0
+    # Forecast as a prompt alone on its replica (`admission.Dispatch.alone`).
+    alone: bool = False
     # On the dispatcher's clock, when its first token came (None: not yet); with
     # `generated` and less the time it spent parked, what it measures of its policy's
     # decode before it finishes.
@@ -326,7 +328,9 @@ class LaneDispatcher:
             # template and the tokenizer, not the prompts prefilled before its own.
             spent = ticket.arrived + ttft_s - run.started_at
             overhead = spent - run.queue_s - run.expected_prefill_s
-            self.measurements.record_first_token(run.replica.index, overhead_s=overhead)
+            self.measurements.record_first_token(
+                run.replica.index, overhead_s=overhead, alone=run.alone
+            )
         if run.wait_forecast_s is not None:
             self.measurements.record_wait(predicted_s=run.wait_forecast_s, measured_s=ttft_s)
         policy = ticket.policy
@@ -677,6 +681,7 @@ class LaneDispatcher:
             wait_forecast_s=pending.predicted_ttft_s if tests_forecast else None,
             queue_s=decision.queue_s,
             prefill_s=decision.prefill_s,
+            alone=decision.alone,
         )
         self._running[ticket.id] = run
         pending.started.set_result(run)
@@ -995,6 +1000,7 @@ def _summary(replica: admission.ReplicaView) -> dict[str, object]:
         "lone_prefill_tps": _rounded(replica.lone_prefill_tokens_per_s),
         "lone_prefill_fixed_s": _rounded(replica.lone_prefill_fixed_s),
         "start_overhead_s": _rounded(replica.start_overhead_s),
+        "lone_start_overhead_s": _rounded(replica.lone_start_overhead_s),
         "park_s": _rounded(replica.park_s),
         "parked_bytes": replica.parked_bytes,
         "parked_bytes_max": replica.parked_bytes_max,

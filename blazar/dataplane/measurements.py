@@ -180,6 +180,10 @@ class _Rates:
     # engine, its template and tokenizer, the step the prefill joins, the first chunk's
     # way back. What the forecast would otherwise miss on every start.
     start_overhead: _Mean = field(default_factory=_Mean)
+    # The same of starts forecast alone on their replica, measured against the prefill
+    # of prompts alone: each kind of start against its own fit (what a shared start's
+    # prefill takes beyond its fit is no part of a lone start's).
+    lone_start_overhead: _Mean = field(default_factory=_Mean)
     # Of a prompt that started while the one ahead of it on the replica had no first
     # token yet: its first token's distance from that one's, over its forecast prefill
     # (within [0, 1]). The share of a prefill the replica's prefill line holds alone:
@@ -267,13 +271,14 @@ class LaneMeasurements:
         line = own.prefill_line(self._lane, alone=alone)
         return line[0] + line[1] * prompt_tokens if line else 0.0
 
-    def record_first_token(self, replica: int, *, overhead_s: float) -> None:
+    def record_first_token(self, replica: int, *, overhead_s: float, alone: bool = False) -> None:
         """A started request's first token came `overhead_s` after its start plus the
         prefill its replica's rate predicted plus the wait the forecast gave it behind
-        other prompts (negative: sooner; counted as none)."""
+        other prompts (negative: sooner; counted as none); `alone`: it was forecast as
+        a prompt alone on its replica, against that prefill."""
         sample = max(0.0, overhead_s)
-        self._lane.start_overhead.add(sample)
-        self._replicas.setdefault(replica, _Rates()).start_overhead.add(sample)
+        for rates in (self._lane, self._replicas.setdefault(replica, _Rates())):
+            (rates.lone_start_overhead if alone else rates.start_overhead).add(sample)
 
     def record_line(self, replica: int, *, share: float) -> None:
         """A prompt that queued behind another on `replica` had its first token `share`
@@ -366,6 +371,7 @@ class LaneMeasurements:
         prefill = own.prefill_line(lane, alone=False)
         lone = own.prefill_line(lane, alone=True)
         overhead = pick(own.start_overhead, lane.start_overhead)
+        lone_overhead = pick(own.lone_start_overhead, lane.lone_start_overhead)
         park = pick(own.park, lane.park)
         line = pick(own.line_share, lane.line_share)
         return admission.ReplicaView(
@@ -376,6 +382,7 @@ class LaneMeasurements:
             prefill_fixed_s=prefill[0] if prefill else 0.0,
             lone_prefill_tokens_per_s=1.0 / lone[1] if lone and lone[1] > 0 else None,
             lone_prefill_fixed_s=lone[0] if lone else 0.0,
+            lone_start_overhead_s=lone_overhead,
             step_s=step[0] + step[1] if step else None,
             step_growth_s=step[1] if step else 0.0,
             tokens_per_step=pick(own.per_step, lane.per_step) or 1.0,

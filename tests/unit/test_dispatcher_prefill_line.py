@@ -63,6 +63,8 @@ def test_simultaneous_starts_queue_on_the_prefill_line_and_overhead_nets_it_out(
     dispatcher = asyncio.run(body())
     assert [r.predicted_ttft_s for r in runs] == pytest.approx([0.1, 0.2, 0.3])
     assert [r.queue_s for r in runs] == pytest.approx([0.0, 0.1, 0.2])
+    # The first started on an idle replica: its prompt is forecast alone.
+    assert [r.alone for r in runs] == [True, False, False]
     assert views[0] == pytest.approx((0.1, 0.2, 0.3))
     assert views[1] == pytest.approx((0.05, 0.15, 0.25))
     assert views[2] == pytest.approx((0.05, 0.15, 0.0))

@@ -187,6 +187,24 @@ def test_the_start_overhead_is_what_first_tokens_took_beyond_the_prefill() -> No
     assert m.replica_view(1, slots=1, running=()).start_overhead_s == pytest.approx(overhead)
 
 
+def test_a_start_alone_has_its_own_overhead_against_its_own_prefill() -> None:
+    """Shared starts came 0.1 s past their fit (what their shared steps took beyond
+    it), a start alone 0.01 s past the fit of prompts alone: the forecast of a prompt
+    alone adds its own 0.01 s, not the shared starts' 0.1 s."""
+    m = LaneMeasurements()
+    m.record(0, final(prompt=100, prefill_ms=100.0, prefill_batch=1.0), prompt_chars=0)
+    m.record_first_token(0, overhead_s=0.1)
+    view = m.replica_view(0, slots=1, running=())
+    # No start alone measured yet: the one overhead there is.
+    assert view.prefill_s(100, alone=True) == pytest.approx(0.2)
+    m.record_first_token(0, overhead_s=0.01, alone=True)
+    view = m.replica_view(0, slots=1, running=())
+    assert view.start_overhead_s == pytest.approx(0.1)
+    assert view.prefill_s(100) == pytest.approx(0.2)
+    assert view.prefill_s(100, alone=True) == pytest.approx(0.11)
+    assert m.replica_view(1, slots=1, running=()).prefill_s(100, alone=True) == pytest.approx(0.11)
+
+
 def test_the_line_share_is_measured_per_replica_within_0_and_1() -> None:
     """1 (prompts one after another, whole) until a queued prompt measured it; a
     replica that has not measured it reads the Lane's; samples out of [0, 1] count at

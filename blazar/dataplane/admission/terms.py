@@ -167,6 +167,9 @@ class ReplicaView:
     # None until measured: the figures above apply to it then.
     lone_prefill_tokens_per_s: float | None = None
     lone_prefill_fixed_s: float = 0.0
+    # The start overhead of such starts, measured against that prefill; None until
+    # measured (`start_overhead_s` then).
+    lone_start_overhead_s: float | None = None
     # Tokens a sequence gains per decode step: 1, or 1 + accepted drafts per step
     # when speculation is on.
     tokens_per_step: float = 1.0
@@ -183,9 +186,12 @@ class ReplicaView:
         prompt at the measured prefill rate (`alone`: the rate of a prompt that has its
         steps to itself, once measured)."""
         rate, fixed = self.prefill_tokens_per_s, self.prefill_fixed_s
+        overhead = self.start_overhead_s
         if alone and self.lone_prefill_tokens_per_s is not None:
             rate, fixed = self.lone_prefill_tokens_per_s, self.lone_prefill_fixed_s
-        return self.start_overhead_s + fixed + (tokens / rate if rate else 0.0)
+            if self.lone_start_overhead_s is not None:
+                overhead = self.lone_start_overhead_s
+        return overhead + fixed + (tokens / rate if rate else 0.0)
 
     def decode_s(self, tokens: int, *, batch: int = 1, token_s: float | None = None) -> float:
         """Seconds to generate `tokens` with `batch` sequences decoding together, or at
