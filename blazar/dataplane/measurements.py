@@ -369,7 +369,7 @@ class LaneMeasurements:
         lane = self._lane
         step = own.step.line() or lane.step.line()
         prefill = own.prefill_line(lane, alone=False)
-        lone = own.prefill_line(lane, alone=True)
+        lone = own.lone_prefill.line() or lane.lone_prefill.line()
         overhead = pick(own.start_overhead, lane.start_overhead)
         lone_overhead = pick(own.lone_start_overhead, lane.lone_start_overhead)
         park = pick(own.park, lane.park)

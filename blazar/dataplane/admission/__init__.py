@@ -54,9 +54,9 @@ Forecast. Every decision reads one simulation of the Lane from `now`, in ticket 
   its service time, its wait in the prefill line (below), its prefill
   (`start_overhead_s`, what a start costs beyond the
   prompt as measured, plus `prompt_tokens / prefill_tokens_per_s`, with the fixed part
-  and rate measured on prompts that shared their steps with other sequences, or those
-  of prompts that had them to themselves, `lone_prefill_*`, for the first ticket on a
-  replica that runs nothing) plus the decode time
+  and rate measured on every prompt; for the first ticket on a replica that runs
+  nothing, those measured on prompts that had their steps to themselves and the start
+  overhead measured against them, `lone_*`) plus the decode time
   of the tokens it will generate (`expected_output`: the share of max_tokens its
   policy's requests generate, else the larger of the Lane's mean completion and its
   share over every policy, else all of max_tokens), and then frees it for the next.
