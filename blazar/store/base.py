@@ -393,10 +393,20 @@ def _resource(data: dict[str, Any]) -> Resource | None:
         return manifests.from_dict(data)
     except ValueError as exc:
         meta = data.get("metadata") if isinstance(data, dict) else None
-        _log.warning(
-            "store.row_invalid",
-            kind=str(data.get("kind", "?"))[:64] if isinstance(data, dict) else "?",
-            name=str(meta.get("name", "?"))[:253] if isinstance(meta, dict) else "?",
-            error=clip.clip(str(exc), clip.FIELD_CHARS),
+        report_invalid_row(
+            kind=str(data.get("kind", "?")) if isinstance(data, dict) else "?",
+            name=str(meta.get("name", "?")) if isinstance(meta, dict) else "?",
+            error=str(exc),
         )
         return None
+
+
+def report_invalid_row(*, kind: str, name: str, error: str) -> None:
+    """The warning for a stored row that is skipped: one that no longer validates, or
+    one a backend cannot even decode."""
+    _log.warning(
+        "store.row_invalid",
+        kind=kind[:64],
+        name=name[: clip.NAME_CHARS],
+        error=clip.clip(error, clip.FIELD_CHARS),
+    )

@@ -9,6 +9,7 @@ and desired state is re-applied from manifests anyway.
 A file that is not a readable store (a disk error, a truncated copy, another program's
 file) does not stop the daemon: it is moved aside, named with the time, a new store is
 started, and `recovered_from` says where the old one went, for the daemon to report.
+A row that is not JSON is skipped with a warning, as one that no longer validates is.
 """
 
 from __future__ import annotations
@@ -23,7 +24,14 @@ from pathlib import Path
 from typing import Any
 
 from blazar.api.kinds import Kind
-from blazar.store.base import MAX_EVENTS, Event, TransactionalStore, Write, utcnow
+from blazar.store.base import (
+    MAX_EVENTS,
+    Event,
+    TransactionalStore,
+    Write,
+    report_invalid_row,
+    utcnow,
+)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS objects (
@@ -79,12 +87,24 @@ class SQLiteStore(TransactionalStore):
         self._db.execute("COMMIT")
 
     def _load(self, kind: Kind | None, name: str | None) -> builtins.list[dict[str, Any]]:
+        # As bytes: a row that is not UTF-8 would otherwise fail inside fetchall, and
+        # take every other row down with it.
         rows = self._db.execute(
-            "SELECT data FROM objects "
+            "SELECT CAST(kind AS BLOB), CAST(name AS BLOB), CAST(data AS BLOB) FROM objects "
             "WHERE (?1 IS NULL OR kind = ?1) AND (?2 IS NULL OR name = ?2)",
             (kind, name),
         ).fetchall()
-        return [json.loads(data) for (data,) in rows]
+        found: builtins.list[dict[str, Any]] = []
+        for row_kind, row_name, data in rows:
+            try:
+                found.append(json.loads(data.decode("utf-8")))
+            except (ValueError, RecursionError) as exc:
+                report_invalid_row(
+                    kind=row_kind.decode("utf-8", "replace"),
+                    name=row_name.decode("utf-8", "replace"),
+                    error=f"not JSON: {exc}",
+                )
+        return found
 
     def _commit(self, writes: Sequence[Write], resource_version: int) -> None:
         with self._transaction() as db:

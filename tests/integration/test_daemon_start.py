@@ -7,6 +7,7 @@ import json
 import shutil
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -152,6 +153,26 @@ def test_a_corrupt_store_is_moved_aside_and_the_daemon_starts() -> None:
             assert daemon.stop() == 0
         (aside,) = home.glob("state.db.corrupt-*")
         assert aside.read_bytes().startswith(b"this is not a SQLite database")
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def test_a_row_that_is_not_json_is_skipped_and_the_daemon_starts() -> None:
+    home = short_home()
+    try:
+        home.mkdir(exist_ok=True)
+        SQLiteStore(home / "state.db").close()
+        with sqlite3.connect(home / "state.db") as db:
+            db.execute("INSERT INTO objects VALUES ('Model', 'broken', '{this is not JSON')")
+        daemon = Daemon(home=home).start()
+        try:
+            listed = daemon.cli("get", "models")
+            assert listed.returncode == 0 and "broken" not in listed.stdout, listed
+            warnings = daemon.events("store.row_invalid")
+            assert warnings, daemon.log()
+            assert {(w["kind"], w["name"]) for w in warnings} == {("Model", "broken")}
+        finally:
+            assert daemon.stop() == 0
     finally:
         shutil.rmtree(home, ignore_errors=True)
 

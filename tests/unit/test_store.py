@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pydantic_core
 import pytest
+import structlog
 
 from blazar.api import conditions, errors, kinds, manifests
 from blazar.api.kinds import Kind
@@ -438,6 +439,36 @@ def test_an_invalid_row_is_skipped_and_replaced_by_the_next_apply(tmp_path: Path
     try:
         assert [o.metadata.name for o in reopened.list()] == ["a"]
         assert reopened.get(Kind.LANE, "b") is None
+        [outcome] = reopened.apply_all([lane("b", replicas=2)])
+        assert outcome.object.spec.replicas == 2
+        assert [o.metadata.name for o in reopened.list()] == ["a", "b"]
+    finally:
+        reopened.close()
+
+
+@pytest.mark.parametrize(
+    "data",
+    [b"{not json", b"\xff\xfe{}", b"[" * 100_000, b'{"kind": "Lane"'],
+    ids=["not-json", "not-utf8", "too-deep", "truncated"],
+)
+def test_a_row_that_is_not_json_is_skipped_with_a_warning(tmp_path: Path, data: bytes) -> None:
+    """A row that cannot even be decoded is skipped and reported as an invalid one is;
+    it must not stop the daemon from starting or hide the other rows."""
+    path = tmp_path / "blazar.db"
+    store = SQLiteStore(path)
+    store.apply_all([lane("a"), lane("b")])
+    store.close()
+    with sqlite3.connect(path) as db:
+        db.execute("UPDATE objects SET data = CAST(? AS TEXT) WHERE name = 'b'", (data,))
+    reopened = SQLiteStore(path)
+    try:
+        with structlog.testing.capture_logs() as logs:
+            assert [o.metadata.name for o in reopened.list()] == ["a"]
+            assert reopened.get(Kind.LANE, "b") is None
+        assert [(e["event"], e["kind"], e["name"]) for e in logs] == [
+            ("store.row_invalid", "Lane", "b")
+        ] * 2
+        assert all(e["error"].startswith("not JSON") for e in logs), logs
         [outcome] = reopened.apply_all([lane("b", replicas=2)])
         assert outcome.object.spec.replicas == 2
         assert [o.metadata.name for o in reopened.list()] == ["a", "b"]
