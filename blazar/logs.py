@@ -2,6 +2,8 @@
 
 Human-readable lines on a terminal, one JSON object per line otherwise. Context such
 as `request_id`, `lane` and `reconcile_id` is bound with structlog's contextvars.
+Every string in a record is clipped as an echoed value is (`clip`): a caller's
+3 MB model name must not become a 3 MB log line.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import os
 import sys
 
 import structlog
+
+from blazar.api import clip
 
 
 def configure(*, json: bool | None = None, level: str | None = None) -> None:
@@ -28,6 +32,7 @@ def configure(*, json: bool | None = None, level: str | None = None) -> None:
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.format_exc_info,
+            clip_values,
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
@@ -35,3 +40,16 @@ def configure(*, json: bool | None = None, level: str | None = None) -> None:
         cache_logger_on_first_use=True,
     )
     logging.basicConfig(level=max(numeric, logging.WARNING), stream=sys.stderr)
+
+
+def clip_values(
+    _logger: object, _method: str, event_dict: structlog.typing.EventDict
+) -> structlog.typing.EventDict:
+    """Every string of a record, the event included, at most about `clip.FIELD_CHARS`
+    characters (head and tail kept); a formatted traceback gets `clip.MESSAGE_CHARS`,
+    where its last lines, the error, survive."""
+    for key, value in event_dict.items():
+        if isinstance(value, str):
+            limit = clip.MESSAGE_CHARS if key == "exception" else clip.FIELD_CHARS
+            event_dict[key] = clip.clip(value, limit)
+    return event_dict
