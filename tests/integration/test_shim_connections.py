@@ -3,25 +3,26 @@ read whole within `connections.READ_DEADLINE_S`, while normal requests are serve
 
 from __future__ import annotations
 
-import shutil
 import socket
 import time
-from collections.abc import Iterator
 
 import httpx
 import pytest
 
 from blazar.shim import connections
-from tests.integration.harness import Daemon, short_home
+from tests.integration.harness import Daemon
+
+# The acceptance bound (issue 19): a slow connection is closed within this of opening.
+CLOSED_WITHIN_S = 10.0
+# The default fleet's Lane (tests/integration/conftest.py `default_daemon`).
+LANE = "gemma3"
 
 
 @pytest.fixture(scope="module")
-def daemon() -> Iterator[Daemon]:
-    home = short_home()
-    d = Daemon(home=home).start()
-    yield d
-    d.stop()
-    shutil.rmtree(home, ignore_errors=True)
+def daemon(default_daemon: Daemon) -> Daemon:
+    """The session's default-fleet daemon: this module only opens connections and
+    sends requests, and a Lane must be there to generate while slow clients wait."""
+    return default_daemon
 
 
 def open_slow(address: str, first: bytes) -> socket.socket:
@@ -44,31 +45,45 @@ def closed_by_peer(sock: socket.socket) -> bool:
 
 
 def test_slow_headers_and_bodies_are_closed_while_others_are_served(daemon: Daemon) -> None:
-    started = time.monotonic()
-    slow = [open_slow(daemon.http, b"") for _ in range(7)]  # says nothing at all
-    slow += [open_slow(daemon.http, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
-             for _ in range(7)]  # headers never end  # fmt: skip
-    slow += [
-        open_slow(
-            daemon.http,
-            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
-            b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{",
-        )
-        for _ in range(7)
-    ]  # the body never ends
+    """21 slow connections (7 silent, 7 whose headers never end, 7 whose body never
+    ends), each closed within 10 s of opening, while a generation is served."""
+    assert connections.READ_DEADLINE_S < CLOSED_WITHIN_S
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+    firsts = [b""] * 7 + [head] * 7  # says nothing at all; headers never end
+    # The body never ends.
+    firsts += [head + b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{"] * 7
+    opened: list[float] = []
+    slow: list[socket.socket] = []
+    closed: dict[int, float] = {}
     try:
+        for first in firsts:
+            slow.append(open_slow(daemon.http, first))
+            opened.append(time.monotonic())
         # A byte now and then does not extend the deadline.
         for _ in range(3):
             time.sleep(1.0)
             for sock in slow[7:14]:
                 sock.sendall(b"X")
-        # Served meanwhile, on a fresh connection.
-        assert httpx.get(f"http://{daemon.http}/healthz", timeout=10).status_code == 200
-        deadline = started + connections.READ_DEADLINE_S + 4
-        while time.monotonic() < deadline and not all(closed_by_peer(s) for s in slow):
-            time.sleep(0.2)
-        assert all(closed_by_peer(s) for s in slow)
-        assert time.monotonic() - started < 10 + 4
+        # Served meanwhile, on a fresh connection: a real generation.
+        answer = httpx.post(
+            f"http://{daemon.http}/v1/completions",
+            json={"model": LANE, "prompt": "Once upon a time", "max_tokens": 2},
+            timeout=CLOSED_WITHIN_S,
+        )
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["usage"]["completion_tokens"] >= 1, answer.text
+        deadline = max(opened) + CLOSED_WITHIN_S
+        while len(closed) < len(slow) and time.monotonic() < deadline:
+            for i, sock in enumerate(slow):
+                if i not in closed and closed_by_peer(sock):
+                    closed[i] = time.monotonic()
+            time.sleep(0.05)
+        late = {
+            i: round((closed[i] if i in closed else time.monotonic()) - opened[i], 2)
+            for i in range(len(slow))
+            if i not in closed or closed[i] - opened[i] > CLOSED_WITHIN_S
+        }
+        assert not late, f"open past {CLOSED_WITHIN_S} s (index: seconds): {late}"
         # A keep-alive connection's second request is read under a fresh deadline.
         with httpx.Client(base_url=f"http://{daemon.http}", timeout=10) as client:
             assert client.get("/healthz").status_code == 200
