@@ -164,6 +164,35 @@ def test_unknown_model_and_malformed_json_do_not_disturb_others(
     assert isinstance(result.get("text"), str) and result["text"]
 
 
+def replicas_of(daemon: Daemon, lane: str) -> list[tuple[int, int]]:
+    """Each replica's engine pid and restart count: a request that crashed an engine
+    changes one or the other."""
+    statuses = daemon.get("lane", lane)["status"]["replicaStatuses"]
+    return [(int(r["pid"]), int(r.get("restarts", 0))) for r in statuses]
+
+
+def test_a_session_key_over_256_bytes_is_400_and_the_daemon_serves_on(daemon: Daemon) -> None:
+    """Session keys are bounded (issue 19): 2 MiB in OpenAI's `user` field, or 257
+    bytes in the `x-blazar-session` header, is a 400 in OpenAI's envelope."""
+    before = replicas_of(daemon, "gemma3")
+    body = {"model": "gemma3", "prompt": "Hi", "max_tokens": 1}
+    with httpx.Client(base_url=f"http://{daemon.http}", timeout=60) as http:
+        for extra, headers in [
+            ({"user": "u" * (2 << 20)}, {}),
+            ({}, {"x-blazar-session": "s" * 257}),
+        ]:
+            refused = http.post("/v1/completions", json={**body, **extra}, headers=headers)
+            assert refused.status_code == 400, refused.text[:2000]
+            assert len(refused.content) < 20_000, len(refused.content)
+            error = refused.json()["error"]
+            assert set(error) == {"message", "type", "param", "code"}, error
+            assert error["type"] == "invalid_request_error", error
+            assert "at most 256" in error["message"], error
+        served = http.post("/v1/completions", json=body, headers={"x-blazar-session": "s" * 256})
+        assert served.status_code == 200, served.text
+    assert replicas_of(daemon, "gemma3") == before
+
+
 def policy_yaml(name: str, priority: int) -> str:
     return (
         "apiVersion: blazar.dev/v1alpha1\nkind: SLOPolicy\n"
