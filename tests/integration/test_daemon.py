@@ -193,6 +193,25 @@ def test_a_session_key_over_256_bytes_is_400_and_the_daemon_serves_on(daemon: Da
     assert replicas_of(daemon, "gemma3") == before
 
 
+def test_a_grammar_nested_60000_deep_is_400_and_no_engine_restarts(daemon: Daemon) -> None:
+    """A GBNF grammar of 60,000 nested groups (120 KB) used to send llama.cpp's
+    parser into a recursion that killed the engine (issue 19); over HTTP it is a 400,
+    and the Lane's engine keeps its pid and restart count."""
+    before = replicas_of(daemon, "gemma3")
+    grammar = "root ::= " + "(" * 60_000 + '"a"' + ")" * 60_000
+    body = {"model": "gemma3", "prompt": "Hi", "max_tokens": 1}
+    with httpx.Client(base_url=f"http://{daemon.http}", timeout=60) as http:
+        refused = http.post("/v1/completions", json={**body, "grammar": grammar})
+        assert refused.status_code == 400, refused.text[:2000]
+        error = refused.json()["error"]
+        assert error["type"] == "invalid_request_error", error
+        assert "grammar" in error["message"].lower(), error
+        assert len(refused.content) < 20_000, len(refused.content)
+        served = http.post("/v1/completions", json=body)
+        assert served.status_code == 200, served.text
+    assert replicas_of(daemon, "gemma3") == before
+
+
 def policy_yaml(name: str, priority: int) -> str:
     return (
         "apiVersion: blazar.dev/v1alpha1\nkind: SLOPolicy\n"
