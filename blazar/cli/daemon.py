@@ -25,6 +25,7 @@ import os
 import secrets
 import signal
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -279,6 +280,7 @@ def _shim(
     probe_key: str,
     allow_origins: tuple[str, ...],
     certificate: tls.Certificate | None,
+    require_key: Callable[[str | None], None],
 ) -> uvicorn.Server:
     """The HTTP shim's server, imported only when it starts (see `_serve`). With a
     certificate it serves HTTPS, and reaches the data plane's TLS listener with it."""
@@ -298,6 +300,7 @@ def _shim(
                 allow_origins=allow_origins,
                 inference_credentials=credentials,
                 channel_options=channel_options,
+                require_key=require_key,
             ),
             ssl_certfile=certificate.cert_path if certificate is not None else None,
             ssl_keyfile=certificate.key_path if certificate is not None else None,
@@ -427,6 +430,7 @@ async def _serve(
         probe_key=probe_key,
         allow_origins=options.allow_origins,
         certificate=certificate,
+        require_key=gate.require_key,
     )
     shim_task = asyncio.create_task(shim.serve(sockets=[sock]), name="shim")
     monitor_task = asyncio.create_task(health.run(stop), name="engine-health")

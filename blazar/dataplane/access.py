@@ -200,6 +200,22 @@ class Access:
             )
         return Caller(tenant)
 
+    def require_key(self, authorization: str | None) -> None:
+        """For a front end that refuses a caller without a key before it does any work
+        (the HTTP shim's `keys.KeyGuard`): with an auth file in force, Unauthenticated
+        (counted as the interceptor counts its refusals) unless `authorization` (an
+        `Authorization` header's value) holds a key one of its tenants holds. Nothing
+        without an auth file. What the key may use is still checked call by call."""
+        if not self.keyed:
+            return
+        try:
+            key = None if authorization is None else (tenants.bearer(authorization) or "")
+            if self._authenticate(key) is None:
+                raise _missing_key()
+        except errors.BlazarError as err:
+            metrics.observe_tenant_refusal(UNKNOWN_TENANT, err.reason)
+            raise
+
     @property
     def keyed(self) -> bool:
         """Whether an auth file is in force."""

@@ -6,13 +6,14 @@ the serving loop) and closed on shutdown; over TLS when the daemon's gRPC listen
 speaks it (`inference_credentials`, from `blazar.rpc.tls`).
 
 Keys are the data plane's to check: every route forwards the caller's
-(`context.RequestContext.grpc_metadata`) and renders a refusal in its dialect. Open
-without a key: `/healthz`, `/readyz` (it lists models with the daemon's probe key,
-good for nothing else), `/metrics` (counters by Lane, policy and tenant name; no
+(`context.RequestContext.grpc_metadata`) and renders a refusal in its dialect, and
+`keys.KeyGuard` asks the data plane's check (`require_key`) before any route runs, so
+that a route that makes no call refuses a keyless caller too. Open without a key
+(`keys.OPEN_PATHS`): `/healthz`, `/readyz` (it lists models with the daemon's probe
+key, good for nothing else), `/metrics` (counters by Lane, policy and tenant name; no
 prompts, no keys), Ollama's `/` and `/api/version`. `browsers.BrowserGuard` refuses
-other origins' pages and bodies that are not JSON before any route runs, and
-`loops.LoopGuard` a request that came back to this daemon from one of its own upstream
-Lanes.
+other origins' pages and bodies that are not JSON before that, and `loops.LoopGuard` a
+request that came back to this daemon from one of its own upstream Lanes.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from blazar.api import errors
-from blazar.shim import browsers, context, gates, inference, loops
+from blazar.shim import browsers, context, gates, inference, keys, loops
 from blazar.shim.anthropic import routes as anthropic_routes
 from blazar.shim.ollama import routes as ollama_routes
 from blazar.shim.openai import routes as openai_routes
@@ -42,9 +43,11 @@ def create_app(
     allow_origins: Collection[str] = (),
     inference_credentials: grpc.ChannelCredentials | None = None,
     channel_options: Sequence[tuple[str, str]] = (),
+    require_key: keys.Require | None = None,
 ) -> Starlette:
     """The HTTP shim for the daemon whose `blazar.v1.Inference` listens at inference_target;
-    `probe_key` is the daemon's key for `/readyz` (see `blazar.dataplane.access`)."""
+    `probe_key` is the daemon's key for `/readyz` (see `blazar.dataplane.access`), and
+    `require_key` its check of a caller's key (`access.Access.require_key`)."""
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -79,6 +82,7 @@ def create_app(
             Middleware(context.RequestIdMiddleware),
             Middleware(loops.LoopGuard, render=_error),
             Middleware(browsers.BrowserGuard, allow_origins=allow_origins, render=_error),
+            Middleware(keys.KeyGuard, require=require_key, render=_error),
         ],
         exception_handlers={404: _no_route, 405: _no_route},
         lifespan=lifespan,

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import structlog
+from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -86,18 +87,24 @@ def _metadata_text(value: str) -> str:
 def of(request: Request) -> RequestContext:
     """The context of a request that went through `RequestIdMiddleware`."""
     request_id = request.scope.get(_SCOPE_KEY) or new_request_id()
-    authorization = request.headers.get("authorization")
-    if not authorization and (key := request.headers.get("x-api-key")):
-        authorization = f"Bearer {key}"
     return RequestContext(
         request_id=str(request_id),
-        authorization=authorization,
+        authorization=authorization(request.headers),
         session=request.headers.get(SESSION_HEADER, ""),
         slo=request.headers.get(SLO_HEADER, ""),
         tool_choice=request.headers.get(TOOL_CHOICE_HEADER, ""),
         parallel_tool_calls=request.headers.get(PARALLEL_TOOL_CALLS_HEADER, ""),
         via=request.headers.get(via.HEADER, ""),
     )
+
+
+def authorization(headers: Headers) -> str | None:
+    """The caller's credentials as an `Authorization` value: that header, else
+    Anthropic-style `x-api-key` as `Bearer <key>`; None when neither is sent."""
+    found = headers.get("authorization")
+    if not found and (key := headers.get("x-api-key")):
+        found = f"Bearer {key}"
+    return found
 
 
 def tool_choice(value: str, *, tools: Sequence[str]) -> inference_pb2.ToolChoice | None:

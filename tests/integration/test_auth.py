@@ -20,6 +20,7 @@ from typing import Any
 import grpc
 import httpx
 import pytest
+from starlette.routing import Route
 
 from blazar._proto.v1 import control_pb2, control_pb2_grpc, inference_pb2, inference_pb2_grpc
 from blazar.api import tenants
@@ -100,6 +101,22 @@ LISTING_ROUTES: list[tuple[str, str, str, dict[str, Any] | None]] = [
     ("ollama", "POST", "/api/show", {"model": LANE}),
     ("ollama", "GET", "/api/ps", None),
 ]
+# Routes that need a key but make no model call of their own: stored responses by id,
+# Ollama's management (which Blazar refuses), the token count.
+OTHER_ROUTES: list[tuple[str, str, str, dict[str, Any] | None]] = [
+    ("openai", "POST", "/v1/responses/input_tokens", {"model": LANE, "input": "Hi"}),
+    ("openai", "GET", "/v1/responses/resp_none", None),
+    ("openai", "DELETE", "/v1/responses/resp_none", None),
+    ("openai", "POST", "/v1/responses/resp_none/cancel", {}),
+    ("openai", "GET", "/v1/responses/resp_none/input_items", None),
+    ("ollama", "POST", "/api/pull", {"model": LANE}),
+    ("ollama", "POST", "/api/push", {"model": LANE}),
+    ("ollama", "POST", "/api/create", {"model": "copy", "from": LANE}),
+    ("ollama", "POST", "/api/copy", {"source": LANE, "destination": "copy"}),
+    ("ollama", "DELETE", "/api/delete", {"model": LANE}),
+]
+KEYED_ROUTES = MODEL_ROUTES + LISTING_ROUTES + OTHER_ROUTES
+# Open without a key (`blazar.shim.keys.OPEN_PATHS`), GET and HEAD.
 OPEN_ROUTES = ["/healthz", "/readyz", "/metrics", "/", "/api/version"]
 
 
@@ -142,13 +159,52 @@ def call(
     return http.request(method, path, json=body, headers=headers)
 
 
-@pytest.mark.parametrize(("dialect", "method", "path", "body"), MODEL_ROUTES + LISTING_ROUTES)
+def test_the_matrix_covers_every_route_the_shim_mounts() -> None:
+    """A new HTTP route must be put in the matrix (keyed) or in OPEN_ROUTES (and
+    `keys.OPEN_PATHS`), so that whether it needs a key is decided, and tested."""
+    from blazar.shim import keys
+    from blazar.shim.app import create_app
+
+    assert set(OPEN_ROUTES) == keys.OPEN_PATHS
+    called = [(method, path) for _, method, path, _ in KEYED_ROUTES]
+    called += [("GET", path) for path in OPEN_ROUTES]
+    missing = []
+    for route in create_app(inference_target="127.0.0.1:1").routes:
+        assert isinstance(route, Route)
+        for method in sorted((route.methods or set()) - {"HEAD"}):  # HEAD: with its GET
+            if not any(m == method and route.path_regex.match(p) for m, p in called):
+                missing.append(f"{method} {route.path}")
+    assert not missing, missing
+
+
+@pytest.mark.parametrize(("dialect", "method", "path", "body"), KEYED_ROUTES)
 def test_http_routes_without_a_key_or_with_a_wrong_one_are_401(
     http: httpx.Client, dialect: str, method: str, path: str, body: dict[str, Any] | None
 ) -> None:
     for key in (None, WRONG):
         response = call(http, method, path, body, headers_for(dialect, key))
         assert_refusal(dialect, response, 401, "authentication_error")
+        if method == "GET":
+            head = http.head(path, headers=headers_for(dialect, key))
+            assert head.status_code == 401, (head, head.headers)
+
+
+@pytest.mark.parametrize(("dialect", "method", "path", "body"), OTHER_ROUTES)
+def test_a_key_gets_past_the_check_on_routes_that_make_no_model_call(
+    http: httpx.Client, dialect: str, method: str, path: str, body: dict[str, Any] | None
+) -> None:
+    """What these answer a caller with a key is their own (a token count, no such
+    response, Ollama's management refused); not a 401."""
+    response = call(http, method, path, body, headers_for(dialect, KEYS["user"]))
+    assert response.status_code not in (401, 403, 500), response.text
+
+
+def test_a_path_no_route_serves_is_401_without_a_key(http: httpx.Client) -> None:
+    """Without a key the server does not say which paths it serves."""
+    for dialect, path in (("openai", "/v1/no-such-route"), ("ollama", "/api/no-such-route")):
+        assert_refusal(dialect, http.get(path), 401, "authentication_error")
+        response = http.get(path, headers=headers_for(dialect, KEYS["user"]))
+        assert response.status_code == 404, response.text
 
 
 @pytest.mark.parametrize(("dialect", "method", "path", "body"), MODEL_ROUTES)
@@ -194,6 +250,7 @@ def test_a_tenant_lists_only_the_lanes_it_may_use(http: httpx.Client) -> None:
 @pytest.mark.parametrize("path", OPEN_ROUTES)
 def test_probes_metrics_and_version_need_no_key(http: httpx.Client, path: str) -> None:
     assert http.get(path).status_code == 200
+    assert http.head(path).status_code == 200
 
 
 # --- browsers --------------------------------------------------------------------

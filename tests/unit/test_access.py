@@ -165,3 +165,39 @@ tenants:
 def test_the_callers_weight_is_its_tenants() -> None:
     assert access.Caller(FILE.by_name("user")).weight == 3
     assert access.OWNER.weight == 1
+
+
+@pytest.mark.parametrize(
+    ("keyed", "authorization", "expected"),
+    [
+        # No auth file: the shim asks nothing of anyone.
+        (False, None, ""),
+        (False, "Bearer unused", ""),
+        (True, f"Bearer {KEYS['user']}", ""),
+        (True, f"Bearer {KEYS['admin']}", ""),
+        (True, None, "UNAUTHENTICATED"),
+        (True, f"Bearer {WRONG}", "UNAUTHENTICATED"),
+        (True, "Basic dXNlcjpwYXNz", "UNAUTHENTICATED"),
+        (True, "", "UNAUTHENTICATED"),
+    ],
+)
+def test_require_key_refuses_a_caller_without_a_key_in_force(
+    keyed: bool, authorization: str | None, expected: Outcome
+) -> None:
+    gate = access.Access(tenants=FILE if keyed else None, probe_key="probe")
+    try:
+        gate.require_key(authorization)
+        got = ""
+    except errors.Unauthenticated as err:
+        got = err.reason
+    assert got == expected
+
+
+def test_require_key_follows_the_auth_file_in_force() -> None:
+    gate = access.Access(tenants=FILE)
+    gate.require_key(f"Bearer {KEYS['user']}")
+    others = f'tenants: [{{name: other, keys: ["{tenants.digest("bz-other")}"], lanes: ["*"]}}]'
+    gate.use(tenants.parse(others, source="test"))
+    gate.require_key("Bearer bz-other")
+    with pytest.raises(errors.Unauthenticated):
+        gate.require_key(f"Bearer {KEYS['user']}")
