@@ -209,8 +209,8 @@ class Access:
         if not self.keyed:
             return
         try:
-            key = None if authorization is None else (tenants.bearer(authorization) or "")
-            if self._authenticate(key) is None:
+            metadata = () if authorization is None else ((AUTHORIZATION_KEY, authorization),)
+            if self._authenticate(_key(metadata)) is None:
                 raise _missing_key()
         except errors.BlazarError as err:
             metrics.observe_tenant_refusal(UNKNOWN_TENANT, err.reason)

@@ -28,6 +28,7 @@ from blazar._proto.engine.v1 import engine_pb2
 from blazar._proto.v1 import inference_pb2
 from blazar.api import errors
 from blazar.dataplane import access, dispatcher, metrics, routing
+from blazar.enginehost import client
 from blazar.enginehost.client import EnginePool
 from blazar.enginehost.upstream import UpstreamPool
 from blazar.rpc import status
@@ -44,6 +45,9 @@ REPLICA_KEY = "blazar-replica"
 # Admission's prediction of the time to first token (milliseconds from arrival), when
 # it had one.
 PREDICTED_TTFT_KEY = "blazar-predicted-ttft-ms"
+# The prompt tokens the replica's cache held, when its engine said so with its first
+# chunk (an upstream does not).
+PREFIX_REUSED_KEY = "blazar-prefix-reused"
 
 
 class Attempts:
@@ -87,6 +91,9 @@ class Attempts:
         retried = False
         try:
             async for chunk in call:
+                if not sent:
+                    # With the first chunk in, the engine's initial metadata is too.
+                    run.prefix_reused = client.prefix_reused(await call.initial_metadata())
                 if chunk.HasField("delta"):
                     if first_at is None:
                         first_at = time.monotonic()
@@ -175,8 +182,8 @@ class Attempts:
     ) -> Call:
         """The generation's call: on the replica's engine, or on the Lane's upstream."""
         if route.upstream is not None:
-            client = self._upstreams.client(route.upstream)
-            return client.generate(generate, model=route.model, through=through)
+            upstream = self._upstreams.client(route.upstream)
+            return upstream.generate(generate, model=route.model, through=through)
         return self._pool.client(replica.socket, process=replica.pid).generate(generate)
 
 
@@ -185,12 +192,17 @@ class Call(Protocol):
 
     def __aiter__(self) -> AsyncIterator[inference_pb2.Chunk]: ...
 
+    async def initial_metadata(self) -> Any: ...
+
     def cancel(self) -> bool: ...
 
 
 def initial_metadata(run: dispatcher.Run) -> tuple[tuple[str, str], ...]:
-    """Where the request runs, and when admission expected its first token."""
-    metadata = ((LANE_KEY, run.replica.lane), (REPLICA_KEY, str(run.replica.index)))
-    if run.predicted_ttft_s is None:
-        return metadata
-    return (*metadata, (PREDICTED_TTFT_KEY, str(round(run.predicted_ttft_s * 1000))))
+    """Where the request runs, what its replica's cache held of its prompt, and when
+    admission expected its first token."""
+    metadata = [(LANE_KEY, run.replica.lane), (REPLICA_KEY, str(run.replica.index))]
+    if run.prefix_reused is not None:
+        metadata.append((PREFIX_REUSED_KEY, str(run.prefix_reused)))
+    if run.predicted_ttft_s is not None:
+        metadata.append((PREDICTED_TTFT_KEY, str(round(run.predicted_ttft_s * 1000))))
+    return tuple(metadata)

@@ -98,6 +98,9 @@ class Run:
     predicted_ttft_s: float | None = None
     # Tokens relayed so far: written by the relay, read by the forecast.
     generated: int = 0
+    # The prompt tokens its replica's cache held, as its engine told the relay with
+    # its first chunk (None: not yet, or not told).
+    prefix_reused: int | None = None
     # On the dispatcher's clock, when it started, and the prefill its replica's rate
     # predicted then: its first token measures the start overhead.
     started_at: float = 0.0
@@ -333,6 +336,21 @@ class LaneDispatcher:
             )
         if run.wait_forecast_s is not None:
             self.measurements.record_wait(predicted_s=run.wait_forecast_s, measured_s=ttft_s)
+        # What the forecast said of this start against what came (BLAZAR_LOG_LEVEL=debug):
+        # the figures an error in `bench/overload.py`'s prediction line is read from.
+        log.debug(
+            "admission.first_token",
+            request_id=run.request_id,
+            lane=self.lane,
+            replica=run.replica.index,
+            policy=ticket.policy.name,
+            prompt_tokens=ticket.prompt_tokens,
+            predicted_s=run.predicted_ttft_s,
+            measured_s=ttft_s,
+            alone=run.alone,
+            line_wait_s=run.queue_s,
+            prefill_s=run.prefill_s,
+        )
         policy = ticket.policy
         figures = self._figures(policy)
         figures.first_tokens += 1
@@ -848,22 +866,15 @@ class LaneDispatcher:
 
     def _holder(self, run: Run, token_s: Mapping[str, float], now: float) -> admission.Running:
         """What holds the run's slot as admission sees it: the run, or, while the run
-        is being parked, the ticket that will start in its slot. A run without its first
-        token holds the replica's prefill line until its first token is due, and so does
-        that ticket, from when the forecast had it start (once parked) until its first
-        token: several urgent tickets that preempt at once are prefilled one after
-        another like any others."""
+        is being parked, the ticket that will start in its slot (its prefill is not in
+        the replica's prefill line: it starts once the park is done; see
+        docs/BENCHMARKS.md, eighteenth session, for what putting it there did).
+        A run without its first token holds the line until its first token is due."""
         parking = self._parking.get(run.ticket.id)
         ticket = parking.preempt.ticket if parking is not None else run.ticket
         generated = 0 if parking is not None else run.generated
-        if parking is not None:
-            preempt = parking.preempt
-            due = parking.asked_at + preempt.start_s + preempt.queue_s + preempt.prefill_s
-            prefill_left = max(0.0, due - now)
-        elif run.first_token_at is None and run.parked_at is None:
-            prefill_left = max(0.0, run.first_token_due - now)
-        else:
-            prefill_left = 0.0
+        prefilling = parking is None and run.first_token_at is None and run.parked_at is None
+        prefill_left = max(0.0, run.first_token_due - now) if prefilling else 0.0
         expected = self.measurements.output_tokens(ticket.max_tokens, policy=ticket.policy.name)
         return admission.Running(
             id=ticket.id,

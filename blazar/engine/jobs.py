@@ -128,6 +128,10 @@ class Job:
         # The caller's time-per-output-token target: prompt chunks decoded beside this
         # job are sized to keep it (`pacing`). None: no target.
         self.tpot_target_s = tpot_target_s
+        # Prompt tokens its slot's cache held when it took the slot (None: it has not
+        # yet). Written by the decode thread before it delivers the job's first event,
+        # read by the service once that event is in.
+        self.cached_tokens: int | None = None
         self._cancelled = threading.Event()
 
     def cancel(self) -> None:

@@ -396,6 +396,7 @@ class DecodeLoop:
 
     def _begin(self, runtime: llama.Runtime, slot: Slot, job: jobs.Job, common: int) -> None:
         keep = slots.keep_prefix(runtime, slot, common)
+        job.cached_tokens = keep
         self._seat(slot, Generation.begin(job, cached=keep))
 
     def _seat(self, slot: Slot, gen: Generation) -> None:

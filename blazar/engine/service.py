@@ -36,7 +36,7 @@ from blazar.engine import (
     text,
     tools,
 )
-from blazar.rpc import status
+from blazar.rpc import engine_metadata, status
 
 log = structlog.get_logger("blazar.engine.service")
 
@@ -268,12 +268,20 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         self._idle.clear()
         finished: jobs.Finished | None = None
         streamed = 0
+        announced = False
         try:
             self._decode.submit(job)
             held: jobs.Event | None = None
             while finished is None:
                 event = held or await events.get()
                 held = None
+                if not announced and not isinstance(event, jobs.Failed):
+                    announced = True
+                    # Not to a caller that has gone (nothing would read it).
+                    if job.cached_tokens is not None and not context.cancelled():
+                        await context.send_initial_metadata(
+                            ((engine_metadata.PREFIX_REUSED_KEY, str(job.cached_tokens)),)
+                        )
                 if isinstance(event, jobs.TextDelta):
                     # Deltas that queued up meanwhile (accepted draft tokens, or a
                     # stream the event loop fell behind on) go out as one chunk.

@@ -20,12 +20,23 @@ import grpc
 
 from blazar._proto.engine.v1 import engine_pb2, engine_pb2_grpc
 from blazar._proto.v1 import inference_pb2
+from blazar.rpc import engine_metadata
 
 if TYPE_CHECKING:
     # A Generate stream: async-iterable over chunks, `cancel()` frees the engine's slot.
     GenerateCall: TypeAlias = grpc.aio.UnaryStreamCall[
         engine_pb2.GenerateRequest, inference_pb2.Chunk
     ]
+
+
+def prefix_reused(metadata: Iterable[tuple[str, str | bytes]] | None) -> int | None:
+    """The prompt tokens a Generate call's initial metadata says the cache held; None
+    when it does not say (an engine that sends no such key, or an unreadable value)."""
+    for key, value in metadata or ():
+        if key == engine_metadata.PREFIX_REUSED_KEY:
+            text = value.decode() if isinstance(value, bytes) else value
+            return int(text) if text.isdigit() else None
+    return None
 
 
 class EngineClient:

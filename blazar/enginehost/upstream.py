@@ -266,6 +266,10 @@ class UpstreamCall:
     def __aiter__(self) -> AsyncIterator[inference_pb2.Chunk]:
         return self._stream
 
+    async def initial_metadata(self) -> tuple[tuple[str, str], ...]:
+        """None: an upstream says what its cache held only in its usage, at the end."""
+        return ()
+
     def cancel(self) -> bool:
         """Close the upstream's connection (it frees its slot); a no-op once ended."""
         if self._closing is None:

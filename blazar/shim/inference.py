@@ -29,7 +29,8 @@ _HEALTH_TIMEOUT_S = 2.0
 
 # Where a generation ran, on every dialect's HTTP response: the Lane (the one asked for,
 # or its spillover Lane), its replica index, and the prompt tokens its cache already held
-# (only where known before the headers go out).
+# (streamed as well as whole, since the daemon names them with its first chunk; not
+# from an upstream Lane's stream, whose server says so only at its end).
 LANE_HEADER = "x-blazar-lane"
 REPLICA_HEADER = "x-blazar-replica"
 PREFIX_REUSED_HEADER = "x-blazar-prefix-reused"
@@ -39,6 +40,7 @@ PREDICTED_TTFT_HEADER = "x-blazar-predicted-ttft-ms"
 _HEADERS_OF_METADATA = {
     "blazar-lane": LANE_HEADER,
     "blazar-replica": REPLICA_HEADER,
+    "blazar-prefix-reused": PREFIX_REUSED_HEADER,
     "blazar-predicted-ttft-ms": PREDICTED_TTFT_HEADER,
 }
 
@@ -120,10 +122,10 @@ class ChunkStream:
         return cast(inference_pb2.Chunk, message)
 
     async def routing_headers(self) -> dict[str, str]:
-        """`x-blazar-lane`, `x-blazar-replica` (and `x-blazar-predicted-ttft-ms`) from
-        the daemon's initial metadata, which it sends with the first chunk: call this
-        once the first chunk (or the end) is in. Empty when the daemon named no replica
-        (the call failed first)."""
+        """`x-blazar-lane`, `x-blazar-replica` (and `x-blazar-prefix-reused`,
+        `x-blazar-predicted-ttft-ms`) from the daemon's initial metadata, which it sends
+        with the first chunk: call this once the first chunk (or the end) is in. Empty
+        when the daemon named no replica (the call failed first)."""
         try:
             metadata = await self._call.initial_metadata()
         except grpc.RpcError:

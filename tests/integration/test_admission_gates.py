@@ -3,11 +3,13 @@ is busy and its policy may queue nothing, every request is refused. The daemon
 publishes that gate and the HTTP shim answers the flood itself: 429 with Retry-After
 in the OpenAI and Anthropic dialects, each counted once in /metrics, most of them
 without reaching admission (whose own refusals log `admission.refused`). Once the
-slot frees, the gate opens and the next request is served.
+slot frees, the gate opens and the next request is served. The official `openai` and
+`ollama` clients, streaming or not, raise the refusal in their dialect's shape.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import threading
@@ -16,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import ollama
+import openai
 import pytest
 
 from tests.integration.harness import Daemon, short_home, wait_for
@@ -81,15 +85,10 @@ ANTHROPIC = (
 )
 
 
-def test_a_busy_slot_is_refused_in_the_shim_and_opens_when_it_frees(
-    daemon: Daemon, no_eog: dict[int, float]
-) -> None:
-    base = f"http://{daemon.http}"
-    http = httpx.Client(base_url=base, timeout=60, trust_env=False)
-    metrics_before = http.get("/metrics").text
-    refused_logged = len(daemon.events("admission.refused"))
-
-    # Hold the one slot: a generation that runs to its max_tokens, stopped by hand.
+@contextlib.contextmanager
+def the_slot_held(base: str, no_eog: dict[int, float]) -> Iterator[None]:
+    """The one slot busy with a generation that runs to its max_tokens, stopped (by
+    leaving its stream) on the way out."""
     holding = threading.Event()
     release = threading.Event()
 
@@ -115,6 +114,21 @@ def test_a_busy_slot_is_refused_in_the_shim_and_opens_when_it_frees(
     holder.start()
     try:
         assert holding.wait(60)
+        yield
+    finally:
+        release.set()
+        holder.join(timeout=120)
+
+
+def test_a_busy_slot_is_refused_in_the_shim_and_opens_when_it_frees(
+    daemon: Daemon, no_eog: dict[int, float]
+) -> None:
+    base = f"http://{daemon.http}"
+    http = httpx.Client(base_url=base, timeout=60, trust_env=False)
+    metrics_before = http.get("/metrics").text
+    refused_logged = len(daemon.events("admission.refused"))
+
+    with the_slot_held(base, no_eog):
 
         def refused(path: str, body: dict[str, Any]) -> httpx.Response:
             response = http.post(path, json=body)
@@ -143,9 +157,6 @@ def test_a_busy_slot_is_refused_in_the_shim_and_opens_when_it_frees(
         # Most never reached admission (which logs each refusal it decides).
         by_admission = len(daemon.events("admission.refused")) - refused_logged
         assert by_admission < FLOOD // 2, by_admission
-    finally:
-        release.set()
-        holder.join(timeout=120)
 
     # The slot frees: the gate opens and a request is served.
     def served() -> httpx.Response | None:
@@ -155,3 +166,45 @@ def test_a_busy_slot_is_refused_in_the_shim_and_opens_when_it_frees(
 
     wait_for(served, timeout=30, what="a request served after the flood", step=0.1)
     http.close()
+
+
+def test_the_official_clients_raise_a_refusal_in_their_dialects_shape(
+    daemon: Daemon, no_eog: dict[int, float]
+) -> None:
+    """The OpenAI client on chat completions and responses, and the Ollama client on
+    chat, whole and streamed: a 429 before any chunk, which each client raises as its own error (a
+    refusal of the shim's gate or of admission, whichever comes first)."""
+    base = f"http://{daemon.http}"
+    hi: Any = [{"role": "user", "content": "Hello"}]
+    chat_of_openai = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+    chat_of_ollama = ollama.Client(host=base)
+    try:
+        with the_slot_held(base, no_eog):
+            for stream in (False, True):
+                with pytest.raises(openai.RateLimitError) as refused:
+                    chat_of_openai.chat.completions.create(
+                        model=LANE, messages=hi, max_tokens=4, stream=stream
+                    )
+                assert refused.value.code == "queue_full", stream
+                assert int(refused.value.response.headers["retry-after"]) >= 1
+                assert f"SLOPolicy '{POLICY}'" in refused.value.message
+                with pytest.raises(openai.RateLimitError) as responses_refused:
+                    chat_of_openai.responses.create(
+                        model=LANE, input="Hello", max_output_tokens=16, store=False, stream=stream
+                    )
+                assert responses_refused.value.code == "queue_full", stream
+                with pytest.raises(ollama.ResponseError) as told:
+                    answer = chat_of_ollama.chat(
+                        model=LANE, messages=hi, options={"num_predict": 4}, stream=stream
+                    )
+                    if stream:
+                        list(answer)
+                assert told.value.status_code == 429, stream
+                assert f"SLOPolicy '{POLICY}'" in told.value.error
+            # The client hides headers; Ollama's 429 carries Retry-After as well.
+            raw = httpx.post(f"{base}/api/chat", json={"model": LANE, "messages": hi}, timeout=30)
+            assert raw.status_code == 429 and int(raw.headers["retry-after"]) >= 1
+            assert set(raw.json()) == {"error"}
+    finally:
+        chat_of_openai.close()
+        chat_of_ollama._client.close()

@@ -330,19 +330,26 @@ def test_bad_requests_are_400_in_anthropics_shape(
         "message": "Missing required parameter: 'max_tokens'.",
     }
     image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": ""}}
-    with pytest.raises(anthropic.BadRequestError) as refused:
-        client.messages.create(
-            model=LANE,
-            max_tokens=4,
-            messages=[{"role": "user", "content": [image]}],  # type: ignore[list-item]
-        )
-    assert "'image' block" in str(refused.value)
-    with pytest.raises(anthropic.BadRequestError) as too_long:
-        client.messages.create(
-            model=LANE, max_tokens=4, messages=[{"role": "user", "content": "word " * 2100}]
-        )
-    body = too_long.value.body
-    assert isinstance(body, dict) and "2048" in body["error"]["message"]
+    # Streamed too: both come before the first event, with their status.
+    for stream in (False, True):
+        with pytest.raises(anthropic.BadRequestError) as refused:
+            client.messages.create(
+                model=LANE,
+                max_tokens=4,
+                messages=[{"role": "user", "content": [image]}],  # type: ignore[list-item]
+                stream=stream,
+            )
+        assert "'image' block" in str(refused.value)
+        with pytest.raises(anthropic.BadRequestError) as too_long:
+            client.messages.create(
+                model=LANE,
+                max_tokens=4,
+                messages=[{"role": "user", "content": "word " * 2100}],
+                stream=stream,
+            )
+        body = too_long.value.body
+        assert isinstance(body, dict) and body["error"]["type"] == "invalid_request_error"
+        assert "2048" in body["error"]["message"]
 
 
 def test_an_admission_refusal_is_429_with_retry_after(
@@ -387,6 +394,17 @@ def test_a_repeated_long_prompt_reads_the_cache(client: anthropic.Anthropic) -> 
     assert second.usage.cache_read_input_tokens is not None
     assert second.usage.cache_read_input_tokens > total // 2
     assert second.usage.input_tokens < first.usage.input_tokens
+    # Streamed: message_start's usage is zero (the prompt's counts come at the end);
+    # message_delta carries them, and so does the client's final message.
+    with client.messages.stream(model=LANE, max_tokens=1, messages=messages) as stream:
+        deltas = [e.usage for e in stream if e.type == "message_delta"]
+        streamed = stream.get_final_message().usage
+    (delta,) = deltas
+    assert delta.cache_read_input_tokens is not None
+    assert delta.cache_read_input_tokens > total // 2
+    assert delta.input_tokens == total - delta.cache_read_input_tokens
+    assert prompt_total(streamed) == total
+    assert streamed.cache_read_input_tokens == delta.cache_read_input_tokens
 
 
 FORCING: list[dict[str, Any]] = [{"type": "any"}, {"type": "tool", "name": "get_time"}]

@@ -116,6 +116,16 @@ OTHER_ROUTES: list[tuple[str, str, str, dict[str, Any] | None]] = [
     ("ollama", "DELETE", "/api/delete", {"model": LANE}),
 ]
 KEYED_ROUTES = MODEL_ROUTES + LISTING_ROUTES + OTHER_ROUTES
+# The generation routes again, streamed: a refusal comes before the first chunk, with
+# its status, in the dialect's envelope.
+STREAMED_ROUTES = [
+    (dialect, method, path, {**body, "stream": True})
+    for dialect, method, path, body in MODEL_ROUTES
+    if body is not None and path in {
+        "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
+        "/api/chat", "/api/generate",
+    }
+]  # fmt: skip
 # Open without a key (`blazar.shim.keys.OPEN_PATHS`), GET and HEAD.
 OPEN_ROUTES = ["/healthz", "/readyz", "/metrics", "/", "/api/version"]
 
@@ -177,7 +187,7 @@ def test_the_matrix_covers_every_route_the_shim_mounts() -> None:
     assert not missing, missing
 
 
-@pytest.mark.parametrize(("dialect", "method", "path", "body"), KEYED_ROUTES)
+@pytest.mark.parametrize(("dialect", "method", "path", "body"), KEYED_ROUTES + STREAMED_ROUTES)
 def test_http_routes_without_a_key_or_with_a_wrong_one_are_401(
     http: httpx.Client, dialect: str, method: str, path: str, body: dict[str, Any] | None
 ) -> None:
@@ -207,7 +217,7 @@ def test_a_path_no_route_serves_is_401_without_a_key(http: httpx.Client) -> None
         assert response.status_code == 404, response.text
 
 
-@pytest.mark.parametrize(("dialect", "method", "path", "body"), MODEL_ROUTES)
+@pytest.mark.parametrize(("dialect", "method", "path", "body"), MODEL_ROUTES + STREAMED_ROUTES)
 def test_a_key_without_access_to_the_lane_is_403(
     http: httpx.Client, dialect: str, method: str, path: str, body: dict[str, Any] | None
 ) -> None:
@@ -215,7 +225,9 @@ def test_a_key_without_access_to_the_lane_is_403(
     assert_refusal(dialect, response, 403, "permission_error")
 
 
-@pytest.mark.parametrize(("dialect", "method", "path", "body"), MODEL_ROUTES + LISTING_ROUTES)
+@pytest.mark.parametrize(
+    ("dialect", "method", "path", "body"), MODEL_ROUTES + STREAMED_ROUTES + LISTING_ROUTES
+)
 @pytest.mark.parametrize("tenant", ["user", "admin"])
 def test_a_key_with_access_is_served(
     http: httpx.Client,

@@ -288,6 +288,14 @@ def test_prefix_reuse(
     assert warm.usage.cached_tokens == shared
     assert warm.routing.prefix_tokens_reused == shared
     assert warm.routing.slot == cold.routing.slot
+    # The engine says it with its first chunk too (initial metadata), for callers that
+    # tell it before the answer ends (the HTTP shim's x-blazar-prefix-reused).
+    again = batch_worker.stub.Generate(
+        engine_pb2.GenerateRequest(prompt=second, sampling=greedy(1)), timeout=60
+    )
+    last = list(again)[-1].final
+    announced = dict(again.initial_metadata())["blazar-prefix-reused"]
+    assert int(announced) == last.routing.prefix_tokens_reused >= shared
     assert warm.timings.prefill_ms < 0.3 * cold.timings.prefill_ms, (
         warm.timings.prefill_ms,
         cold.timings.prefill_ms,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -264,6 +265,59 @@ def test_unknown_model_is_404(client: ollama.Client) -> None:
             call()
         assert info.value.status_code == 404
         assert "no-such:model" in info.value.error
+
+
+def test_a_repeated_long_prompt_tells_its_reused_tokens_in_a_header(
+    client: ollama.Client, daemon: Daemon
+) -> None:
+    """Ollama's wire has no cached-token field: the official client gets the whole
+    prompt in `prompt_eval_count`, repeat or not, and Blazar's `x-blazar-prefix-reused`
+    header (which the client does not show; read here with httpx) tells the reused part,
+    on a streamed answer as on a whole one."""
+    text = " ".join(f"Line {i} of the manifest lists a crate of pears." for i in range(60))
+    messages = [{"role": "user", "content": f"{text}\nCount them {time.time()}."}]
+    options = {"num_predict": 1}
+    first = client.chat(model=MODEL, messages=messages, options=options)
+    repeat = client.chat(model=MODEL, messages=messages, options=options)
+    prompt = first.prompt_eval_count
+    assert prompt is not None and prompt > 500
+    assert repeat.prompt_eval_count == prompt
+    for stream in (False, True):
+        body = {"model": MODEL, "messages": messages, "options": options, "stream": stream}
+        with httpx.stream("POST", f"http://{daemon.http}/api/chat", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            reused = int(r.headers["x-blazar-prefix-reused"])
+            last = json.loads(list(r.iter_lines())[-1])
+        assert last["done"] is True and last["prompt_eval_count"] == prompt, stream
+        assert prompt // 2 < reused < prompt, stream
+
+
+def test_bad_requests_are_400_streamed_too(client: ollama.Client) -> None:
+    """Streamed, a bad request still comes before the first line, with its status: an
+    option Blazar refuses, num_ctx over the Lane (both the shim's), a prompt over it
+    (the daemon's)."""
+    for named, call in (
+        (
+            "mirostat",
+            lambda: client.generate(model=MODEL, prompt="x", options={"mirostat": 1}, stream=True),
+        ),
+        (
+            "8192",
+            lambda: client.chat(
+                model=MODEL, messages=MESSAGES, options={"num_ctx": 8192}, stream=True
+            ),
+        ),
+        (
+            "options.num_predict",
+            lambda: client.generate(
+                model=MODEL, prompt="word " * (CONTEXT_PER_SLOT + 50), stream=True
+            ),
+        ),
+    ):
+        with pytest.raises(ollama.ResponseError) as refused:
+            list(call())
+        assert refused.value.status_code == 400
+        assert named in refused.value.error, refused.value.error
 
 
 def test_refusals_name_what_is_not_supported(client: ollama.Client) -> None:

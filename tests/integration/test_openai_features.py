@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -14,6 +15,7 @@ import jsonschema
 import openai
 import pytest
 from google.rpc import error_details_pb2, status_pb2
+from openai.types import CompletionUsage
 
 from blazar._proto.v1 import inference_pb2, inference_pb2_grpc
 from blazar.engine import schema as schemas
@@ -281,3 +283,70 @@ def test_dimensions_keeps_the_first_values_at_unit_length(client: openai.OpenAI)
         client.embeddings.create(model=LANE, input=text, dimensions=641)
     assert too_many.value.param == "dimensions"  # type: ignore[attr-defined]
     assert "640" in too_many.value.message
+
+
+def test_a_repeated_long_prompt_reports_cached_tokens(client: openai.OpenAI) -> None:
+    """Chat whole and streamed (`include_usage`), and a completion: asked again, a long
+    prompt reports the same prompt tokens, most of them in
+    `prompt_tokens_details.cached_tokens`."""
+    text = " ".join(f"Entry {i} of the ledger reads forty-two." for i in range(60))
+    messages: Any = [{"role": "user", "content": f"{text}\nSum it up {time.time()}."}]
+
+    def whole_chat() -> CompletionUsage | None:
+        return client.chat.completions.create(model=LANE, max_tokens=1, messages=messages).usage
+
+    def streamed_chat() -> CompletionUsage | None:
+        chunks = list(
+            client.chat.completions.create(
+                model=LANE,
+                max_tokens=1,
+                messages=messages,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
+        assert chunks[-1].choices == []  # the usage chunk comes last, on its own
+        return chunks[-1].usage
+
+    prompt = f"{text} {time.time()}"
+
+    def completion() -> CompletionUsage | None:
+        return client.completions.create(model=LANE, max_tokens=1, prompt=prompt).usage
+
+    # One cold prefill per prompt: the chat's repeats, whole and streamed, reuse it.
+    for first, repeats in (
+        (whole_chat(), (whole_chat(), streamed_chat())),
+        (completion(), (completion(),)),
+    ):
+        assert first is not None and first.prompt_tokens > 500
+        for repeat in repeats:
+            assert repeat is not None and repeat.prompt_tokens == first.prompt_tokens
+            assert repeat.prompt_tokens_details is not None
+            cached = repeat.prompt_tokens_details.cached_tokens
+            assert cached is not None and cached > repeat.prompt_tokens // 2, repeat
+
+
+def test_errors_are_in_openais_shape_streamed_or_not(client: openai.OpenAI) -> None:
+    """An unknown model is a 404; a field the shim refuses and a prompt the daemon
+    finds too long are 400s naming the parameter. Streamed too: they come before the
+    first chunk, so with their status and the client raises them."""
+    hi: Any = [{"role": "user", "content": "Hi"}]
+    for stream in (False, True):
+        with pytest.raises(openai.NotFoundError) as missing:
+            client.chat.completions.create(
+                model="no-such-model", messages=hi, max_tokens=1, stream=stream
+            )
+        assert missing.value.code == "model_not_found"
+        assert "no-such-model" in missing.value.message
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(
+                model=LANE, messages=hi, max_tokens=1, store=True, stream=stream
+            )
+        assert refused.value.param == "store"
+        assert refused.value.body is not None and refused.value.type == "invalid_request_error"
+        with pytest.raises(openai.BadRequestError) as too_long:
+            client.chat.completions.create(
+                model=LANE, messages=hi, max_tokens=CONTEXT_PER_SLOT + 100, stream=stream
+            )
+        assert too_long.value.code == "context_length_exceeded"
+        assert too_long.value.param == "messages"

@@ -95,6 +95,8 @@ class FakeInference(inference_pb2_grpc.InferenceServicer):
     replica: int | None = None
     # And admission's predicted first token, in milliseconds, beside the replica.
     predicted_ttft_ms: int | None = None
+    # And the prompt tokens the replica's cache held.
+    prefix_reused: int | None = None
     # Every KeepAlive call (loads and unloads), in order.
     keep_alives: list[inference_pb2.KeepAliveRequest] = field(default_factory=list)
     # What WatchAdmission streams, in order (None ends the stream).
@@ -176,6 +178,8 @@ class FakeInference(inference_pb2_grpc.InferenceServicer):
                             ("blazar-lane", "lane-a"),
                             ("blazar-replica", str(self.replica)),
                         ]
+                        if self.prefix_reused is not None:
+                            metadata.append(("blazar-prefix-reused", str(self.prefix_reused)))
                         if self.predicted_ttft_ms is not None:
                             metadata.append(
                                 ("blazar-predicted-ttft-ms", str(self.predicted_ttft_ms))

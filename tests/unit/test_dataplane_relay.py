@@ -34,6 +34,7 @@ from blazar.api.kinds import (
 )
 from blazar.api.meta import ObjectMeta
 from blazar.dataplane import prefixes, routing, server
+from blazar.enginehost import client
 from blazar.rpc import status
 from blazar.store.memory import MemoryStore
 from tests.unit import helpers
@@ -64,6 +65,7 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
         # A token per character of the longest prefix shared with a prompt it served.
         reused = max((shared(p, prompt) for p in self.served), default=0)
         self.served.append(prompt)
+        await context.send_initial_metadata((("blazar-prefix-reused", str(reused)),))
         yield inference_pb2.Chunk(delta=inference_pb2.Delta(text=self.text, tokens=1))
         if request.prompt == "drained":
             await status.abort(context, errors.Unavailable("Drained before it finished."))
@@ -208,6 +210,35 @@ def test_the_replica_is_announced_before_the_first_chunk() -> None:
     metadata, refused = asyncio.run(run())
     # The replica that took the request, not the one that refused it first.
     assert (metadata["blazar-lane"], metadata["blazar-replica"], refused) == ("l", "1", 1)
+    assert metadata["blazar-prefix-reused"] == "0"
+
+
+def test_what_the_cache_held_is_announced_before_the_first_chunk() -> None:
+    """The engine's count of reused prompt tokens, sent with its first chunk, is in the
+    data plane's initial metadata, before the answer ends."""
+
+    async def run() -> tuple[dict[str, str], int]:
+        engine = FakeEngine(refuse=False, text="y")
+        async with data_plane([engine]) as stub:
+            async for _ in stub.Complete(inference_pb2.CompleteRequest(model="l", prompt="hi you")):
+                pass
+            call = stub.Complete(inference_pb2.CompleteRequest(model="l", prompt="hi there"))
+            first = await call.read()
+            assert first.HasField("delta")  # the answer goes on
+            metadata = {k: str(v) for k, v in await call.initial_metadata()}
+            call.cancel()
+        return metadata, engine.calls
+
+    metadata, calls = asyncio.run(run())
+    assert (metadata["blazar-prefix-reused"], calls) == (str(len("hi ")), 2)
+
+
+def test_an_engine_that_does_not_say_what_its_cache_held_announces_nothing_of_it() -> None:
+    assert client.prefix_reused((("blazar-prefix-reused", b"12"),)) == 12
+    assert client.prefix_reused((("blazar-prefix-reused", "7"),)) == 7
+    assert client.prefix_reused((("blazar-prefix-reused", "x"),)) is None
+    assert client.prefix_reused((("other", "1"),)) is None
+    assert client.prefix_reused(None) is None
 
 
 async def wait_until(predicate: Callable[[], bool], what: str, timeout: float = 5.0) -> None:

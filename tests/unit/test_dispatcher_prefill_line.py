@@ -9,6 +9,7 @@ import asyncio
 from dataclasses import replace
 
 import pytest
+import structlog
 
 from blazar._proto.v1 import inference_pb2
 from blazar.dataplane import admission, routing
@@ -54,7 +55,11 @@ def test_simultaneous_starts_queue_on_the_prefill_line_and_overhead_nets_it_out(
             now[0] += 0.05
             views.append(tuple(r.prefill_left_s for r in dispatcher._view().replicas[0].running))
             # c's first token: 20 ms later than its 0.2 s wait and 0.1 s prefill.
-            dispatcher.first_token(runs[2], 0.32)
+            with structlog.testing.capture_logs() as logged:
+                dispatcher.first_token(runs[2], 0.32)
+            (record,) = [r for r in logged if r["event"] == "admission.first_token"]
+            assert (record["predicted_s"], record["measured_s"]) == pytest.approx((0.3, 0.32))
+            assert (record["line_wait_s"], record["alone"]) == (pytest.approx(0.2), False)
             views.append(tuple(r.prefill_left_s for r in dispatcher._view().replicas[0].running))
         finally:
             await dispatcher.close()

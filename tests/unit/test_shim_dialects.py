@@ -47,16 +47,21 @@ async def client(daemon: Daemon) -> AsyncIterator[httpx.AsyncClient]:
 
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize(("path", "body"), GENERATIONS, ids=[p for p, _ in GENERATIONS])
-async def test_every_generation_says_when_its_first_token_was_expected(
+async def test_every_generation_carries_the_daemons_routing_headers_streamed_or_not(
     daemon: Daemon, client: httpx.AsyncClient, path: str, body: dict[str, Any], stream: bool
 ) -> None:
+    """When its first token was expected, where it ran, and the reused prompt tokens:
+    the daemon names them with its first chunk, so a stream's headers carry them as a
+    whole answer's do (for Ollama, the only way to tell reused tokens)."""
     daemon.fake.scripts["tiny"] = [delta("Hi"), final()]
     daemon.fake.replica = 0
     daemon.fake.predicted_ttft_ms = 42
+    daemon.fake.prefix_reused = 37
     response = await client.post(path, json={**body, "stream": stream})
     assert response.status_code == 200, response.text
     assert response.headers["x-blazar-predicted-ttft-ms"] == "42"
     assert response.headers["x-blazar-replica"] == "0"
+    assert response.headers["x-blazar-prefix-reused"] == "37"
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -643,7 +643,8 @@ ROUTING_HEADERS = ("x-blazar-lane", "x-blazar-replica", "x-blazar-prefix-reused"
         ("/v1/completions", {"model": "tiny", "prompt": "Once"},
          [delta(" upon"), routed_final(replica=1, reused=0)], ("lane-a", "1", "0")),
         # Streams: the Lane and replica from the initial metadata; what the cache held
-        # is not known before the first delta goes out...
+        # only where the daemon named it there too (not from an upstream Lane, as
+        # here; test_shim_dialects has the case where it does) ...
         ("/v1/chat/completions", chat_body(stream=True),
          [delta("Hi"), routed_final(replica=1, reused=9)], ("lane-a", "1", None)),
         ("/v1/completions", {"model": "tiny", "prompt": "Once", "stream": True},

@@ -31,10 +31,10 @@ class InferenceStub:
     the replica it used last while that one has room), then by the longest prompt
     prefix that replica's cache holds, then by load. Chat and Complete send
     where the request runs in their initial metadata, before the first chunk:
-    `blazar-lane` (the Lane's name) and `blazar-replica` (the replica's index), and
-    `blazar-predicted-ttft-ms` when admission predicted the time to first token; the
-    final chunk's `routing` and `timings` say it again, with the tokens reused from the
-    cache.
+    `blazar-lane` (the Lane's name) and `blazar-replica` (the replica's index),
+    `blazar-prefix-reused` (the prompt tokens the replica's cache held; not from an
+    upstream Lane), and `blazar-predicted-ttft-ms` when admission predicted the time to
+    first token; the final chunk's `routing`, `usage` and `timings` say it again.
     """
 
     def __init__(self, channel):
@@ -85,10 +85,10 @@ class InferenceServicer:
     the replica it used last while that one has room), then by the longest prompt
     prefix that replica's cache holds, then by load. Chat and Complete send
     where the request runs in their initial metadata, before the first chunk:
-    `blazar-lane` (the Lane's name) and `blazar-replica` (the replica's index), and
-    `blazar-predicted-ttft-ms` when admission predicted the time to first token; the
-    final chunk's `routing` and `timings` say it again, with the tokens reused from the
-    cache.
+    `blazar-lane` (the Lane's name) and `blazar-replica` (the replica's index),
+    `blazar-prefix-reused` (the prompt tokens the replica's cache held; not from an
+    upstream Lane), and `blazar-predicted-ttft-ms` when admission predicted the time to
+    first token; the final chunk's `routing`, `usage` and `timings` say it again.
     """
 
     def Chat(self, request, context):
@@ -207,10 +207,10 @@ class Inference:
     the replica it used last while that one has room), then by the longest prompt
     prefix that replica's cache holds, then by load. Chat and Complete send
     where the request runs in their initial metadata, before the first chunk:
-    `blazar-lane` (the Lane's name) and `blazar-replica` (the replica's index), and
-    `blazar-predicted-ttft-ms` when admission predicted the time to first token; the
-    final chunk's `routing` and `timings` say it again, with the tokens reused from the
-    cache.
+    `blazar-lane` (the Lane's name) and `blazar-replica` (the replica's index),
+    `blazar-prefix-reused` (the prompt tokens the replica's cache held; not from an
+    upstream Lane), and `blazar-predicted-ttft-ms` when admission predicted the time to
+    first token; the final chunk's `routing`, `usage` and `timings` say it again.
     """
 
     @staticmethod

@@ -54,7 +54,7 @@ UNICODE = st.one_of(
     st.sampled_from(
         [
             "",
-            "e\u0301\u0302\u0303" * 40,  # combining marks piled on one letter
+            "e\u0301\u0302\u0303" * 6,  # combining marks piled on one letter
             "\u05e9\u05dc\u05d5\u05dd \u0645\u0631\u062d\u0628\u0627",  # Hebrew, Arabic
             "abc\u202edef\u202c\u2066x\u2069",  # bidirectional overrides and isolates
             "a\x00b",
