@@ -927,6 +927,7 @@ class LaneDispatcher:
                     parked_bytes=parked,
                     parked_bytes_max=route.max_parked_bytes,
                     kv_bytes_per_token=self._kv_bytes_per_token,
+                    draft_batch_max=route.draft_batch_max,
                 )
             )
         return admission.LaneView(

@@ -38,7 +38,7 @@ import structlog
 from blazar._proto.engine.v1 import engine_pb2
 from blazar._proto.v1 import inference_pb2, inference_pb2_grpc
 from blazar.api import errors, filetypes, gate_tags, via
-from blazar.api.kinds import Kind, Lane, Model, SLOPolicy, SLOPolicySpec, Upstream
+from blazar.api.kinds import Kind, Lane, Model, SLOPolicy, SLOPolicySpec, SpecPair, Upstream
 from blazar.dataplane import (
     access,
     admission,
@@ -148,8 +148,13 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
 
     def refresh(self) -> None:
         lanes = [lane for lane in self._store.list(Kind.LANE) if isinstance(lane, Lane)]
+        pairs = {
+            pair.metadata.name: pair.spec.disable_above_batch
+            for pair in self._store.list(Kind.SPEC_PAIR)
+            if isinstance(pair, SpecPair)
+        }
         old = {route.lane: route for route in self.table.routes}
-        self.table = routing.build_table(lanes)
+        self.table = routing.build_table(lanes, draft_batch_max=pairs)
         indexes: dict[str, prefixes.PrefixIndex] = {}
         for route in self.table.routes:
             size = prefixes.capacity(slots=route.slots, context_per_slot=route.context_length)
@@ -202,7 +207,9 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         }
 
     def _on_store_event(self, event: WatchEvent) -> None:
-        if event.object.kind == Kind.LANE.value:
+        if event.object.kind == Kind.LANE.value or (
+            event.object.kind == Kind.SPEC_PAIR.value and not event.status_only
+        ):
             self.refresh()
         elif event.object.kind == Kind.SLO_POLICY.value and not event.status_only:
             self._refresh_policies()

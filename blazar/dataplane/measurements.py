@@ -357,6 +357,7 @@ class LaneMeasurements:
         parked_bytes: int = 0,
         parked_bytes_max: int = 0,
         kv_bytes_per_token: int = 0,
+        draft_batch_max: int | None = None,
     ) -> admission.ReplicaView:
         """The replica as admission sees it, with the parking figures its dispatcher
         keeps (what the engine's Park answers said, and the Lane's bound)."""
@@ -386,6 +387,7 @@ class LaneMeasurements:
             step_s=step[0] + step[1] if step else None,
             step_growth_s=step[1] if step else 0.0,
             tokens_per_step=pick(own.per_step, lane.per_step) or 1.0,
+            draft_batch_max=draft_batch_max,
             start_overhead_s=overhead or 0.0,
             line_share=1.0 if line is None else line,
             park_s=park or 0.0,

@@ -67,6 +67,10 @@ class Route:
     # The Lane its requests predicted to miss their TTFT target may run on instead
     # (spec.spillover); it may name no Lane of the table (`spillover_of`).
     spillover: str | None = None
+    # Its SpecPair's disableAboveBatch: with more sequences than this decoding on a
+    # replica, no sequence drafts there, so each decode step yields one token. None: no
+    # SpecPair named (or none stored), and then no drafts either way.
+    draft_batch_max: int | None = None
 
 
 @dataclass(frozen=True)
@@ -75,9 +79,13 @@ class RouteTable:
     by_name: Mapping[str, Route] = field(default_factory=dict)
 
 
-def build_table(lanes: Sequence[Lane]) -> RouteTable:
+def build_table(
+    lanes: Sequence[Lane], *, draft_batch_max: Mapping[str, int] | None = None
+) -> RouteTable:
     """Lane names first, then aliases in lane-name order: a Lane's own name always
-    wins over another Lane's alias, and the first alias claim wins over later ones."""
+    wins over another Lane's alias, and the first alias claim wins over later ones.
+    `draft_batch_max`: each stored SpecPair's disableAboveBatch, by name."""
+    limits = draft_batch_max or {}
     routes = []
     for lane in sorted(lanes, key=lambda item: item.metadata.name):
         ready = tuple(
@@ -97,6 +105,7 @@ def build_table(lanes: Sequence[Lane]) -> RouteTable:
             desired=lane.spec.replicas,
             slo_policy=lane.spec.slo_policy,
             spillover=lane.spec.spillover,
+            draft_batch_max=limits.get(lane.spec.speculation or ""),
             max_parked_bytes=lane.spec.kv_cache.max_parked_mib << 20,
             wakes=_wakes(lane),
             sleep_after_s=lane.spec.idle.sleep_after_s if lane.spec.idle is not None else None,
@@ -119,6 +128,7 @@ def build_table(lanes: Sequence[Lane]) -> RouteTable:
                 sleeping=False,
                 model_problem=_upstream_problem(lane),
                 upstream=lane.spec.upstream,
+                draft_batch_max=None,
             )
         routes.append(route)
     by_name: dict[str, Route] = {route.lane: route for route in routes}

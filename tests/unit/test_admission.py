@@ -1458,6 +1458,44 @@ def test_a_running_request_frees_its_slot_at_its_own_policys_rate() -> None:
     assert queue.predict_ttft("c", now=0.5, view=view) == pytest.approx(2.5 + 0.6 + 0.1)
 
 
+@pytest.mark.parametrize(("draft_batch_max", "preempts"), [(None, False), (2, False), (1, True)])
+def test_a_batch_too_large_to_draft_decodes_a_token_a_step(
+    draft_batch_max: int | None, preempts: bool
+) -> None:
+    """Two batch jobs hold both slots; they measured 0.01 s a token while drafting
+    (7 tokens a step at 0.07 s), so their 100 tokens end in 1 s and an interactive turn
+    behind them meets its 2 s target waiting. Once it waits, the batch the replica
+    will run is 2 (its slots): where the SpecPair drafts only up to 1 sequence, a step
+    yields one token, the jobs end in 100 x 0.07 = 7 s, and the turn preempts one."""
+    jobs = [replace(run(f"b{k}", left=100), token_s=0.01, policy="batch") for k in range(2)]
+    view = lane(
+        replace(
+            parking(*jobs, bound=10_000),
+            step_s=0.07,
+            tokens_per_step=7.0,
+            draft_batch_max=draft_batch_max,
+        )
+    )
+    queue = LaneQueue()
+    decision = queue.arrive(ticket("chat", INTERACTIVE, prompt=100), now=0, view=view)
+    # Preempting, it starts now in its victim's slot: its prompt's 0.1 s.
+    assert decision == (Admit(pytest.approx(0.1)) if preempts else Admit(pytest.approx(1.1), True))
+    preempt = queue.preemption(now=0, view=view)
+    assert (preempt is not None) == preempts
+
+
+def test_a_policy_at_its_cap_adds_nothing_to_the_batch() -> None:
+    """A batch job capped at one slot a replica runs drafting (0.01 s a token, the
+    SpecPair drafts up to 1 sequence); another waits for that slot, the other stays
+    free: the replica runs one sequence meanwhile, so the job ends in 1 s and the
+    next one's first token comes 0.1 s later, not at the undrafted 7.1 s."""
+    capped = replace(BATCH, max_slots_per_replica=1)
+    job = replace(run("b0", left=100), token_s=0.01, policy="batch", max_slots_per_replica=1)
+    view = lane(replace(replica(job, slots=2), step_s=0.07, tokens_per_step=7.0, draft_batch_max=1))
+    decision = LaneQueue().arrive(ticket("b1", capped, prompt=100), now=0, view=view)
+    assert decision == Admit(pytest.approx(1.1), True)
+
+
 # --- the prefill line ----------------------------------------------------------------
 
 

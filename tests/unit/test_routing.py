@@ -272,3 +272,15 @@ def test_a_long_session_key_is_remembered_by_its_digest() -> None:
     sessions.record("x", "a" * 64, 3)
     assert [sessions.replica_of("x", k) for k in (long_a, long_b, "a" * 64)] == [1, 2, 3]
     assert max(len(session) for _, session in sessions._last) < 200
+
+
+def test_a_route_knows_the_batch_above_which_its_specpair_stops_drafting() -> None:
+    """From the SpecPair the Lane names, as stored; none named or none stored: None."""
+    drafting = lane("d")
+    drafting.spec.speculation = "ngram"
+    dangling = lane("e")
+    dangling.spec.speculation = "gone"
+    table = routing.build_table(
+        [drafting, dangling, lane("f")], draft_batch_max={"ngram": 4, "other": 2}
+    )
+    assert {r.lane: r.draft_batch_max for r in table.routes} == {"d": 4, "e": None, "f": None}

@@ -44,10 +44,12 @@ Forecast. Every decision reads one simulation of the Lane from `now`, in ticket 
   remaining prefill (`Running.prefill_left_s`, see the prefill line) and its
   decode time, `tokens_left x step / tokens_per_step`: step is the measured decode step
   at the batch the replica will run while this queue drains (its running requests plus
-  the waiting tickets, at most its slots), `step_s + step_growth_s x (batch - 1)`;
+  the waiting tickets, each policy's at most its cap, at most its slots),
+  `step_s + step_growth_s x (batch - 1)`;
   tokens_per_step the accepted tokens per step, 1 without speculation; or, once the
-  request's policy has measured it, its own seconds per token. An idle slot is
-  free now.
+  request's policy has measured it, its own seconds per token. At a batch above the
+  SpecPair's disableAboveBatch (`draft_batch_max`) nothing drafts: one token a step,
+  whatever was measured with drafts. An idle slot is free now.
 - Each ticket in order takes the slot that frees first among those its policy's cap
   allows (see Caps; an idle one, then the session's
   `prefer`red replica, then the least loaded replica, then the lowest index), holds it for

@@ -7,6 +7,7 @@ import bisect
 import heapq
 import math
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from blazar.dataplane.admission.terms import (
@@ -177,10 +178,26 @@ class _Victim:
         return (-self.running.priority, -math.inf, -math.inf, -math.inf, self.running.id)
 
 
+def _batch(replica: ReplicaView, waiting: Sequence[Ticket]) -> int:
+    """The sequences `replica` will decode together while the queue drains: what runs
+    there and what waits, each policy's at most its maxSlotsPerReplica, at most its
+    slots (and at least 1)."""
+    count: Counter[str] = Counter()
+    caps: dict[str, int | None] = {}
+    for run in replica.running:
+        count[run.policy] += 1
+        caps.setdefault(run.policy, run.max_slots_per_replica)
+    for ticket in waiting:
+        count[ticket.policy.name] += 1
+        caps[ticket.policy.name] = ticket.policy.max_slots_per_replica
+    total = sum(n if (cap := caps[p]) is None else min(n, cap) for p, n in count.items())
+    return max(1, min(replica.slots, total))
+
+
 class _Simulation:
     """The Lane's slots as the forecast hands them out."""
 
-    def __init__(self, view: LaneView, now: float, *, waiting: int) -> None:
+    def __init__(self, view: LaneView, now: float, *, waiting: Sequence[Ticket]) -> None:
         self.now = now
         self.lateness = view.lateness
         self.slots: list[_Slot] = []
@@ -204,7 +221,7 @@ class _Simulation:
             self.quiet[replica.index] = not replica.running
             self.load[replica.index] = len(replica.running)
             self.parked[replica.index] = replica.parked_bytes
-            self.batch[replica.index] = max(1, min(replica.slots, len(replica.running) + waiting))
+            self.batch[replica.index] = _batch(replica, waiting)
             # The prompts its runs prefill now, one after another: busy until the last
             # one's first token.
             prefilling = max((r.prefill_left_s for r in replica.running), default=0.0)
@@ -419,7 +436,7 @@ def _fate(entry: Waiting, sim: _Simulation, now: float) -> tuple[Fate, _Slot | N
 
 def forecast(waiting: list[tuple[Key, Waiting]], *, now: float, view: LaneView) -> dict[str, Fate]:
     """Every waiting ticket's fate, simulated in order (see the module docstring)."""
-    sim = _Simulation(view, now, waiting=len(waiting))
+    sim = _Simulation(view, now, waiting=[entry.ticket for _, entry in waiting])
     fates: dict[str, Fate] = {}
     heap: list[tuple[Key, int, Waiting | _Victim]] = [
         (key, seq, entry) for seq, (key, entry) in enumerate(waiting)

@@ -173,6 +173,10 @@ class ReplicaView:
     # Tokens a sequence gains per decode step: 1, or 1 + accepted drafts per step
     # when speculation is on.
     tokens_per_step: float = 1.0
+    # With more sequences than this decoding, nothing drafts (the SpecPair's
+    # disableAboveBatch): a step yields one token, and what was measured with drafts
+    # (tokens_per_step, a policy's seconds per token) says nothing of it. None: no limit.
+    draft_batch_max: int | None = None
     kv_bytes_per_token: int = 0
     # Seconds from asking the engine to park a generation to its slot being free
     # (measured): when a preempting request starts.
@@ -195,13 +199,15 @@ class ReplicaView:
 
     def decode_s(self, tokens: int, *, batch: int = 1, token_s: float | None = None) -> float:
         """Seconds to generate `tokens` with `batch` sequences decoding together, or at
-        `token_s` seconds a token when the request's policy has measured that."""
-        if token_s is not None:
+        `token_s` seconds a token when the request's policy has measured that, unless
+        the batch is too large to draft: then a step's time for each token."""
+        plain = self.draft_batch_max is not None and batch > self.draft_batch_max
+        if token_s is not None and not plain:
             return tokens * token_s
         if not self.step_s:
-            return 0.0
+            return 0.0 if token_s is None else tokens * token_s
         step = self.step_s + self.step_growth_s * max(0, batch - 1)
-        return tokens * step / max(self.tokens_per_step, 1.0)
+        return tokens * step / (1.0 if plain else max(self.tokens_per_step, 1.0))
 
 
 def expected_output(
