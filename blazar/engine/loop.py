@@ -455,7 +455,8 @@ class DecodeLoop:
             if want.decode and slot.gen is not None and slot.gen.job.tpot_target_s is not None
         ]
         rows = sum(want.decode for want in wants)
-        return self._pacer.budget(rows=rows, target_s=min(targets, default=None))
+        drafts = sum(want.decode - 1 for want in wants if want.decode > 1)
+        return self._pacer.budget(rows=rows, target_s=min(targets, default=None), drafts=drafts)
 
     @staticmethod
     def _want(slot: Slot) -> batching.Want:

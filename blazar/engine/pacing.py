@@ -15,7 +15,12 @@ chunk): the target is a bound on each step, not on their mean.
 
 A target that even a decode-only step misses still lets the prompt move on, by
 `MIN_CHUNK` tokens a step; a target with room to spare lets the chunk grow up to the
-batch, so that the long prompt is not slowed for nothing.
+batch, so that the long prompt is not slowed for nothing. Speculative drafts come
+first: a step whose drafts leave no room for `MIN_CHUNK` takes no prompt at all (a step
+whose drafts are all rejected emits one token a stream, so the chunk would be what
+breaks the target). The prompt moves on in the steps whose drafts leave room (the
+speculation policy pauses drafts that keep being rejected, and switches them off above
+its batch limit) or once the streams end: while drafts pay, the streams finish sooner.
 
 Pure: the loop reports each decoded step (`observe`) and asks before planning the
 next (`budget`); no clock, no llama.
@@ -77,13 +82,16 @@ class PrefillPacer:
         near = min(self._decode_s, key=lambda r: (abs(r - rows), r))
         return self._decode_s[near] * rows / near
 
-    def budget(self, *, rows: int, target_s: float | None) -> int | None:
+    def budget(self, *, rows: int, target_s: float | None, drafts: int = 0) -> int | None:
         """Prompt tokens the next step may take beside `rows` decoding rows whose
-        tightest target is `target_s` (None: no decoding request has one)."""
+        tightest target is `target_s` (None: no decoding request has one), `drafts` of
+        them speculative drafts."""
         if rows <= 0 or target_s is None:
             return self.default
         base, per_token = self.decode_s(rows), self._per_token_s
         if base is None or per_token is None:
             return self.default
         room = int((target_s - base - SPREAD * self._error_s) / per_token)
+        if room < MIN_CHUNK and drafts > 0:
+            return 0
         return max(MIN_CHUNK, min(room, self.max_tokens))

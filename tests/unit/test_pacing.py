@@ -83,3 +83,15 @@ def test_chunks_keep_clear_of_the_target_by_the_typical_error() -> None:
     pacer.observe(rows=1, prompt_tokens=100, seconds=0.080)  # predicted 70 ms: 10 ms off
     # Error 2 ms (a fifth of 10), per-token 0.52 ms: (100 - 20 - 4) / 0.52 = 146.
     assert pacer.budget(rows=1, target_s=0.100) == 146
+
+
+def test_drafts_that_leave_no_room_for_the_smallest_chunk_hold_the_prompt_back() -> None:
+    """4 rows took 94 ms (streams with drafts): a 100 ms target leaves 6 ms, 12 tokens
+    at 0.5 ms, 4 short of the smallest chunk. Rows that are drafts come first, so no
+    prompt this step; plain decoding rows still let the prompt move on by MIN_CHUNK."""
+    pacer = measured()
+    pacer.observe(rows=4, prompt_tokens=0, seconds=0.094)
+    assert pacer.budget(rows=4, target_s=0.100, drafts=3) == 0
+    assert pacer.budget(rows=4, target_s=0.100, drafts=0) == MIN_CHUNK
+    # Drafts that leave room for a chunk take nothing from it.
+    assert pacer.budget(rows=4, target_s=0.200, drafts=3) == 212
