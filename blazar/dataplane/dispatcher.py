@@ -866,15 +866,22 @@ class LaneDispatcher:
 
     def _holder(self, run: Run, token_s: Mapping[str, float], now: float) -> admission.Running:
         """What holds the run's slot as admission sees it: the run, or, while the run
-        is being parked, the ticket that will start in its slot (its prefill is not in
-        the replica's prefill line: it starts once the park is done; see
-        docs/BENCHMARKS.md, eighteenth session, for what putting it there did).
-        A run without its first token holds the line until its first token is due."""
+        is being parked, the ticket that will start in its slot. A run without its first
+        token holds the replica's prefill line until its first token is due, and so does
+        that ticket, from when the forecast had it start (once parked) until its first
+        token: several urgent tickets that preempt at once are prefilled one after
+        another like any others."""
         parking = self._parking.get(run.ticket.id)
         ticket = parking.preempt.ticket if parking is not None else run.ticket
         generated = 0 if parking is not None else run.generated
-        prefilling = parking is None and run.first_token_at is None and run.parked_at is None
-        prefill_left = max(0.0, run.first_token_due - now) if prefilling else 0.0
+        if parking is not None:
+            preempt = parking.preempt
+            due = parking.asked_at + preempt.start_s + preempt.queue_s + preempt.prefill_s
+            prefill_left = max(0.0, due - now)
+        elif run.first_token_at is None and run.parked_at is None:
+            prefill_left = max(0.0, run.first_token_due - now)
+        else:
+            prefill_left = 0.0
         expected = self.measurements.output_tokens(ticket.max_tokens, policy=ticket.policy.name)
         return admission.Running(
             id=ticket.id,

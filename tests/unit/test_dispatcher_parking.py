@@ -118,6 +118,33 @@ def test_the_queue_goes_on_deciding_while_an_engine_parks() -> None:
     assert parked == ["b"]
 
 
+def test_the_ticket_a_park_is_for_holds_the_prefill_line_until_its_first_token_is_due() -> None:
+    """While the engine parks, the slot shows the urgent ticket, whose 10,000-token
+    prompt (1 s at the measured rate) holds the replica's prefill line from its
+    forecast start: a second urgent ticket that preempts at once is prefilled after
+    it, not beside it."""
+
+    async def run() -> float:
+        parker = SlowParker(0.5)
+        dispatcher = dispatcher_of(parker)
+        try:
+            await dispatcher.admit(ticket("batch", BATCH), request_id="b", prompt_chars=40)
+            urgent = asyncio.create_task(
+                dispatcher.admit(
+                    ticket("urgent", URGENT, prompt=10_000), request_id="u", prompt_chars=40
+                )
+            )
+            await asyncio.sleep(0.1)  # the park is under way
+            (holder,) = dispatcher._view().replicas[0].running
+            assert holder.id == "urgent"
+            await urgent
+            return holder.prefill_left_s
+        finally:
+            await dispatcher.close()
+
+    assert asyncio.run(run()) == pytest.approx(0.9, abs=0.05)
+
+
 def test_a_park_the_engine_refuses_leaves_the_ticket_waiting_and_the_victim_running() -> None:
     async def run() -> tuple[str, int, int]:
         parker = SlowParker(0.05, parks=False)

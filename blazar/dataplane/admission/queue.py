@@ -293,6 +293,7 @@ class LaneQueue:
                     replica=fate.replica,
                     queue_s=fate.queue_s,
                     prefill_s=fate.prefill_s,
+                    start_s=fate.start_s or 0.0,
                 )
         return None
 
