@@ -585,13 +585,16 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         lane = self._dispatchers.of(route.lane)
         # A malformed tag is ignored: it only helps a gate watcher count.
         tag = gate_tags.of_metadata(context.invocation_metadata() or ())
+        # Told to sleep (keep_alive 0, Ollama's unload) and not asleep yet: its replicas
+        # may be stopping under this request, which then waits for the Lane to wake.
+        released = self._activity.keep(route.lane).release
         self._activity.begin(route.lane)
         try:
             async for chunk in self._admitted(
                 route, replica, blocks, lane, generate, context,
                 arrived=arrived, request_id=request_id, caller=caller, policy=policy,
                 prompt_chars=prompt_chars, session=session, through=through, hashes=hashes,
-                tag=tag,
+                tag=tag, waking=released,
             ):  # fmt: skip
                 yield chunk
         finally:
@@ -615,13 +618,15 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         through: tuple[str, ...],
         hashes: Callable[[int], tuple[int, ...]] | None,
         tag: gate_tags.Tag | None = None,
+        waking: bool = False,
     ) -> AsyncIterator[inference_pb2.Chunk]:
         """The request through its Lane's admission queue and on to an engine (or an
         upstream server, told the daemons the request went through: `through`). The
         prompt's block hashes (`blocks`, else `hashes`) are learnt by the index of the
         Lane that runs it: the spillover Lane's when it spilled. Its gate watcher's
         `tag` is noted by the Lane it named (not a spillover Lane's: the watcher counts
-        it there)."""
+        it there). `waking`: the Lane was told to sleep and may be stopping its
+        replicas; the request wakes it as it would a sleeping one."""
         try:
             if lane is None:
                 raise errors.Unavailable(
@@ -640,8 +645,10 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             # tokens, answers that (INVALID_ARGUMENT naming both lengths); a refusal to
             # retry later for a missed target would only send the caller round again.
             policy = dataclasses.replace(policy, reject_early=False)
-        if replica is None:
-            # The Lane sleeps: wake it. Its wake-up is not the request's to be refused
+        if replica is None or waking:
+            # The Lane sleeps, or is falling asleep (a replica that stops under the
+            # request hands it back to the queue, and only the controller starts
+            # another): wake it. Its wake-up is not the request's to be refused
             # for (the Lane was configured to sleep); the wait bound still holds.
             self._activity.want(route.lane)
             policy = dataclasses.replace(policy, reject_early=False)
