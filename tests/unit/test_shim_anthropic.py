@@ -298,6 +298,10 @@ INVALID: dict[str, tuple[dict[str, Any], str]] = {
     ),
     "input_examples": (body(tools=[{**WEATHER, "input_examples": [{}]}]), "'tools[0].input_examples'"),
     "defer_loading": (body(tools=[{**WEATHER, "defer_loading": True}]), "'tools[0].defer_loading'"),
+    "code execution callers only": (
+        body(tools=[{**WEATHER, "allowed_callers": ["code_execution_20250825"]}]),
+        "'tools[0].allowed_callers' without \"direct\"",
+    ),
     "tool_choice without tools": (body(tool_choice={"type": "any"}), "'tool_choice' 'any' needs 'tools'"),
     "tool_choice tool without name": (
         body(tools=[WEATHER], tool_choice={"type": "tool"}),
@@ -339,6 +343,19 @@ async def test_invalid_requests_are_400_naming_the_field(
     assert fragment in error["error"]["message"], error
     assert error["request_id"] == response.headers["request-id"]
     assert not daemon.fake.requests, "a refused request never reaches the daemon"
+
+
+async def test_a_tool_the_model_may_call_directly_is_offered(
+    daemon: Daemon, client: httpx.AsyncClient
+) -> None:
+    daemon.fake.scripts["tiny"] = [delta("x"), final()]
+    callers = ["direct", "code_execution_20250825"]
+    response = await client.post(
+        "/v1/messages", json=body(tools=[{**WEATHER, "allowed_callers": callers}])
+    )
+    assert response.status_code == 200, response.text
+    (sent,) = daemon.fake.requests
+    assert [tool.name for tool in sent.tools] == ["get_weather"]
 
 
 async def test_a_body_that_is_not_json_is_400(client: httpx.AsyncClient) -> None:

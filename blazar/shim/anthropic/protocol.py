@@ -111,6 +111,9 @@ class Tool(_Request):
     # Read only to refuse them (see convert).
     input_examples: list[Any] | None = None
     defer_loading: bool | None = None
+    # Who may call the tool: "direct" (the model) or a code execution tool's version.
+    # Read to refuse a tool the model may not call itself (see convert).
+    allowed_callers: list[str] | None = None
 
 
 class ToolChoice(_Request):

@@ -335,6 +335,15 @@ def _tools(tools: Sequence[protocol.Tool]) -> list[inference_pb2.Tool]:
                 "tool's description and schema only. Leave it out.",
                 param=f"{where}.input_examples",
             )
+        if tool.allowed_callers is not None and "direct" not in tool.allowed_callers:
+            # Only code execution may call it, and Blazar runs none: offering it to the
+            # model would let the model call what the caller reserved for code.
+            raise _invalid(
+                f"'{where}.allowed_callers' without \"direct\" is not supported: Blazar runs "
+                'no code execution, so the model is the only caller. Add "direct" or leave '
+                "it out.",
+                param=f"{where}.allowed_callers",
+            )
         if tool.defer_loading:
             raise _invalid(
                 f"'{where}.defer_loading' is not supported: Blazar has no tool search, so "
