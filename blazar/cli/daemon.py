@@ -468,6 +468,9 @@ async def _serve(
     log.info("daemon.stopping")
     shim.should_exit = True
     await plane.set_serving(False)
+    # Nothing waiting starts any more (the engines drain, then stop): refused now, with
+    # a reason to retry, not held through the drain and cut off at the end.
+    plane.inference.refuse_waiting()
     if gitops_task is not None:
         try:
             await gitops_task

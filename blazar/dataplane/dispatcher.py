@@ -245,6 +245,8 @@ class LaneDispatcher:
         self._clock = clock
         self._queue = admission.LaneQueue()
         self._pending: dict[str, _Pending] = {}
+        # The server is shutting down (`refuse_waiting`): nothing more is admitted.
+        self._closing = False
         self._running: dict[str, Run] = {}
         # Runs whose generation is parked on their replica, by ticket id, and the host
         # memory each one holds there.
@@ -376,6 +378,8 @@ class LaneDispatcher:
         self._line_last[identity] = max(ahead or 0.0, first_token_at)
 
     def _check_open(self) -> None:
+        if self._closing:
+            raise _shutting_down()
         if self._task.done():
             raise errors.Unavailable(
                 f"Lane '{self.lane}' is gone or the server is shutting down.",
@@ -409,6 +413,17 @@ class LaneDispatcher:
         """The Lane's new route (None: the Lane is gone, and so is this dispatcher)."""
         self._events.put_nowait(_Table(route))
 
+    def refuse_waiting(self) -> None:
+        """The server is shutting down: every request still waiting for a start is
+        refused now (UNAVAILABLE, saying to retry), and so is every one that arrives from
+        now on, rather than held through the engines' drain and then cut off by the
+        gRPC server's stop. What runs already runs on, to its end or its engine's."""
+        self._closing = True
+        for ticket_id, pending in list(self._pending.items()):
+            if not pending.started.done():
+                pending.started.set_exception(_shutting_down())
+                self._events.put_nowait(_Cancel(ticket_id))
+
     async def close(self) -> None:
         self._task.cancel()
         for task in list(self._calls):
@@ -417,7 +432,7 @@ class LaneDispatcher:
             await self._task
         for pending in self._pending.values():
             if not pending.started.done():
-                pending.started.set_exception(errors.Unavailable("The server is shutting down."))
+                pending.started.set_exception(_shutting_down())
 
     def queued(self) -> dict[str, int]:
         """Tickets waiting, by policy name."""
@@ -992,11 +1007,20 @@ class Dispatchers:
             else:
                 found.update(route)
 
+    def refuse_waiting(self) -> None:
+        """Every Lane's `LaneDispatcher.refuse_waiting`: the server is shutting down."""
+        for dispatcher in self._lanes.values():
+            dispatcher.refuse_waiting()
+
     async def close(self) -> None:
         self._closed = True
         for dispatcher in self._lanes.values():
             await dispatcher.close()
         self._lanes.clear()
+
+
+def _shutting_down() -> errors.Unavailable:
+    return errors.Unavailable("The server is shutting down; retry.")
 
 
 def _rounded(seconds: float | None) -> float | None:

@@ -214,6 +214,12 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         elif event.object.kind == Kind.SLO_POLICY.value and not event.status_only:
             self._refresh_policies()
 
+    def refuse_waiting(self) -> None:
+        """The server is shutting down: requests waiting in any Lane's queue, and any
+        that arrive from now on, are refused as UNAVAILABLE at once; those running go
+        on (the engines' drain ends them)."""
+        self._dispatchers.refuse_waiting()
+
     async def close(self) -> None:
         """Stop following the store, and end every Lane's admission task; requests still
         waiting are refused as UNAVAILABLE (the server is shutting down)."""

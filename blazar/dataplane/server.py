@@ -56,6 +56,10 @@ class DataPlane:
 
     async def stop(self, grace: float) -> None:
         await self.set_serving(False)
+        # Before the server's stop, which cancels every call still open after `grace`
+        # with gRPC's own "Cancelling all calls": a waiting request hears why, and that
+        # it may retry, and goes at once rather than after the grace period.
+        self.inference.refuse_waiting()
         await self.server.stop(grace)
         await self.inference.close()
         await self.pool.close()
