@@ -32,7 +32,9 @@ from blazar.api.kinds import (
     NgramDraft,
     SpecPair,
     Upstream,
+    references,
 )
+from blazar.api.meta import ConditionStatus
 from blazar.api.replicas import LaunchSpec, ReplicaObservation, ReplicaState, SpeculationLaunch
 from blazar.controller import fit, lane_plan, ledger, residency, sleeper, upstream_plan
 from blazar.controller.hostmemory import HostMemory
@@ -392,9 +394,54 @@ class LaneReconciler:
             placement=placement,
             sleep_message=sleep.message,
         )
+        status = self._resolved_refs(name, lane, previous, status)
         self._record_transitions(name, previous, observed)
         self._store.update_status(Kind.LANE, name, status)
         return status
+
+    def _resolved_refs(
+        self, name: str, lane: Lane, previous: LaneStatus, status: LaneStatus
+    ) -> LaneStatus:
+        """As DESIGN §3 asks of references that disappear after apply: said, not silent.
+        A Lane whose SLOPolicy or SpecPair is gone keeps serving (its requests first
+        come first served, without priority, target or queue bound; its engines without
+        speculation), and says so in `ResolvedRefs` (False, `RefNotFound`) and a Warning
+        event. The condition is written once a reference has been missing, and True
+        again when it is back."""
+        missing = [
+            f'{kind.value} "{ref}"'
+            for _, kind, ref in references(lane)
+            if kind in (Kind.SLO_POLICY, Kind.SPEC_PAIR) and self._store.get(kind, ref) is None
+        ]
+        before = conditions.get_condition(previous.conditions, "ResolvedRefs")
+        if not missing and before is None:
+            return status
+        if missing:
+            message = ", ".join(missing) + " not found."
+            if any(m.startswith(Kind.SLO_POLICY.value) for m in missing):
+                message += (
+                    " Its requests are admitted first come first served meanwhile"
+                    " (no priority, TTFT target or queue bound)."
+                )
+        else:
+            message = "Every reference exists."
+        if missing and (
+            before is None or (before.status, before.message) != (ConditionStatus.FALSE, message)
+        ):
+            self._event(name, "Warning", "RefNotFound", message)
+        return status.model_copy(
+            update={
+                "conditions": conditions.set_condition(
+                    status.conditions,
+                    type="ResolvedRefs",
+                    status=ConditionStatus.FALSE if missing else ConditionStatus.TRUE,
+                    reason="RefNotFound" if missing else "AllRefsResolved",
+                    message=message,
+                    observed_generation=lane.metadata.generation or 0,
+                    now=self._clock(),
+                )
+            }
+        )
 
     def _speculation(self, lane: Lane) -> tuple[SpecPair | None, Model | None]:
         """The Lane's SpecPair and its draft Model, each None when absent."""

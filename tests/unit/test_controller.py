@@ -359,6 +359,37 @@ def test_a_lane_without_its_spec_pair_or_draft_says_so_at_each_start() -> None:
     ]
 
 
+POLICY = """
+apiVersion: blazar.dev/v1alpha1
+kind: SLOPolicy
+metadata: {name: p}
+spec: {priority: 100, ttftTargetMs: 2000, maxQueueDepth: 4, onOverload: reject}
+"""
+
+
+def test_a_lane_whose_slo_policy_is_deleted_says_so() -> None:
+    """Deleting the SLOPolicy a running Lane names leaves its requests first come first
+    served (no priority, target or queue bound); the Lane kept every condition True and
+    wrote no event, though DESIGN §3 asks references that disappear to show as
+    conditions. Now `ResolvedRefs` is False (one Warning), and True once it is back."""
+    clock, store, _procs, rec = lane_world()
+    ready_model(store, clock)
+    apply(store, POLICY)
+    apply(store, LANE.replace("threads: 2", "threads: 2, sloPolicy: p"))
+    asyncio.run(rec.reconcile("l"))
+    assert lane_condition(store, "ResolvedRefs") is None
+    store.delete(Kind.SLO_POLICY, "p")
+    asyncio.run(rec.reconcile("l"))
+    asyncio.run(rec.reconcile("l"))
+    assert cond(store, "ResolvedRefs") == ("False", "RefNotFound")
+    gone = lane_condition(store, "ResolvedRefs")
+    assert gone is not None and gone.message.startswith('SLOPolicy "p" not found.')
+    assert reasons(store).count("RefNotFound") == 1
+    apply(store, POLICY)
+    asyncio.run(rec.reconcile("l"))
+    assert cond(store, "ResolvedRefs") == ("True", "AllRefsResolved")
+
+
 def test_a_lane_with_its_spec_pair_ready_starts_without_warnings() -> None:
     _, store, procs, rec = drafted_world()
     apply(store, SPECULATING_LANE)
