@@ -131,7 +131,7 @@ def parse(chat: engine_pb2.ChatInput) -> ToolSet:
     if mode is None:
         raise _blame(TOOL_CHOICE_FIELD, f"Unknown tool_choice mode {chat.tool_choice.mode}.")
     tools: list[Tool] = []
-    seen: set[str] = set()
+    seen: dict[str, int] = {}
     for i, wire in enumerate(chat.tools):
         where = f"tools[{i}]"
         if not NAME.fullmatch(wire.name):
@@ -141,8 +141,10 @@ def parse(chat: engine_pb2.ChatInput) -> ToolSet:
                 "digits, '_', '-' or '.'.",
             )
         if wire.name in seen:
-            raise _blame(f"{where}.name", f"Tools {i} and another are both named {wire.name!r}.")
-        seen.add(wire.name)
+            raise _blame(
+                f"{where}.name", f"Tools {seen[wire.name]} and {i} are both named {wire.name!r}."
+            )
+        seen[wire.name] = i
         tools.append(
             Tool(wire.name, wire.description, _parameters(wire.parameters, f"{where}.parameters"))
         )

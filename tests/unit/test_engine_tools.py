@@ -69,7 +69,7 @@ def _deep(levels: int) -> dict[str, Any]:
     [
         (chat(("bad name", {})), "tools[0].name", "1 to 64 letters"),
         (chat(("", {})), "tools[0].name", "1 to 64"),
-        (chat(("f", {}), ("f", {})), "tools[1].name", "both named 'f'"),
+        (chat(("f", {}), ("f", {})), "tools[1].name", "Tools 0 and 1 are both named 'f'"),
         (chat(("f", "{")), "tools[0].parameters", "not valid JSON"),
         # An integer past CPython's 4,300-digit limit is a ValueError, not a decode error.
         (
