@@ -288,6 +288,10 @@ INVALID: dict[str, tuple[dict[str, Any], str]] = {
     "effort": (body(output_config={"effort": "high"}), "'output_config.effort' is not supported"),
     "priority tier": (body(service_tier="priority"), "'service_tier' 'priority' is not supported"),
     "fast": (body(speed="fast"), "'speed' 'fast' is not supported"),
+    "eager input streaming": (
+        body(tools=[{**WEATHER, "eager_input_streaming": True}]),
+        "'tools[0].eager_input_streaming' is not supported",
+    ),
     "server tool": (
         body(tools=[{"type": "web_search_20250305", "name": "web_search"}]),
         "'tools[0]' is the server tool 'web_search_20250305'",

@@ -114,6 +114,8 @@ class Tool(_Request):
     # Who may call the tool: "direct" (the model) or a code execution tool's version.
     # Read to refuse a tool the model may not call itself (see convert).
     allowed_callers: list[str] | None = None
+    # Read only to refuse it (see convert): a call's input streams once it is whole.
+    eager_input_streaming: bool | None = None
 
 
 class ToolChoice(_Request):

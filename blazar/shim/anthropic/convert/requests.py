@@ -344,6 +344,13 @@ def _tools(tools: Sequence[protocol.Tool]) -> list[inference_pb2.Tool]:
                 "it out.",
                 param=f"{where}.allowed_callers",
             )
+        if tool.eager_input_streaming:
+            raise _invalid(
+                f"'{where}.eager_input_streaming' is not supported: Blazar streams a "
+                "call's input once it is whole and valid, in one input_json_delta. Leave "
+                "it out.",
+                param=f"{where}.eager_input_streaming",
+            )
         if tool.defer_loading:
             raise _invalid(
                 f"'{where}.defer_loading' is not supported: Blazar has no tool search, so "
