@@ -362,6 +362,8 @@ REFUSALS: list[tuple[str, dict[str, Any], str, str]] = [
     ("chat", {**CHAT, "think": "high"}, "think", "does not support thinking"),
     ("chat", {**CHAT, "truncate": True}, "truncate", "never cuts"),
     ("chat", {**CHAT, "shift": True}, "shift", "never cuts"),
+    ("chat", {**CHAT, "_debug_render_only": True}, "_debug_render_only", "rendered prompt"),
+    ("generate", {**GEN, "_debug_render_only": True}, "_debug_render_only", "rendered prompt"),
     ("chat", {**CHAT, "keep_alive": "soon"}, "keep_alive", "duration"),
     ("chat", {**CHAT, "keep_alive": "1 hour"}, "keep_alive", "duration"),
     ("chat", {**CHAT, "format": "yaml"}, "format", "'yaml'"),

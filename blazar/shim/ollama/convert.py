@@ -226,6 +226,12 @@ def _check_generation(body: protocol.ChatRequest | protocol.GenerateRequest) -> 
                 f"Send '{name}': false or leave it out.",
                 param=name,
             )
+    if body.debug_render_only:
+        raise validation.invalid(
+            "'_debug_render_only': true is not supported: Blazar does not answer with the "
+            "rendered prompt; POST /api/show shows the model's template. Leave it out.",
+            param="_debug_render_only",
+        )
     if body.top_logprobs and not body.logprobs:
         raise validation.invalid(
             "'top_logprobs' needs 'logprobs' set to true.", param="top_logprobs"

@@ -89,6 +89,9 @@ class _Generation(_Request):
     shift: bool | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    # Read only to refuse `true` (see convert): Blazar does not answer with the
+    # rendered template instead of generating.
+    debug_render_only: bool | None = Field(default=None, alias="_debug_render_only")
 
 
 class ChatRequest(_Generation):
