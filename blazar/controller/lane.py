@@ -409,7 +409,7 @@ class LaneReconciler:
         event. The condition is written once a reference has been missing, and True
         again when it is back."""
         missing = [
-            f'{kind.value} "{ref}"'
+            (kind, ref)
             for _, kind, ref in references(lane)
             if kind in (Kind.SLO_POLICY, Kind.SPEC_PAIR) and self._store.get(kind, ref) is None
         ]
@@ -417,8 +417,8 @@ class LaneReconciler:
         if not missing and before is None:
             return status
         if missing:
-            message = ", ".join(missing) + " not found."
-            if any(m.startswith(Kind.SLO_POLICY.value) for m in missing):
+            message = ", ".join(f'{kind.value} "{ref}"' for kind, ref in missing) + " not found."
+            if any(kind == Kind.SLO_POLICY for kind, _ in missing):
                 message += (
                     " Its requests are admitted first come first served meanwhile"
                     " (no priority, TTFT target or queue bound)."
