@@ -74,7 +74,7 @@ import structlog
 from blazar._proto.v1 import inference_pb2
 from blazar.api import errors, gate_tags
 from blazar.dataplane import admission, metrics, routing, throughput
-from blazar.dataplane.measurements import LaneMeasurements, in_flight_token_seconds
+from blazar.dataplane.measurements import LaneMeasurements, in_flight_token_rates
 from blazar.dataplane.parking import Parked, Parker
 
 log = structlog.get_logger(__name__)
@@ -586,6 +586,7 @@ class LaneDispatcher:
                     prompt_chars=run.prompt_chars,
                     policy=run.ticket.policy.name,
                     max_tokens=run.ticket.max_tokens,
+                    draft_batch_max=self._route.draft_batch_max if self._route else None,
                 )
         elif isinstance(event, _ParkDone):
             self._park_done(event, now)
@@ -879,7 +880,9 @@ class LaneDispatcher:
     def _replica(self, index: int) -> routing.Replica | None:
         return next((r for r in self._serving() if r.index == index), None)
 
-    def _holder(self, run: Run, token_s: Mapping[str, float], now: float) -> admission.Running:
+    def _holder(
+        self, run: Run, rates: Mapping[str, admission.TokenRate], now: float
+    ) -> admission.Running:
         """What holds the run's slot as admission sees it: the run, or, while the run
         is being parked, the ticket that will start in its slot. A run without its first
         token holds the replica's prefill line until its first token is due, and so does
@@ -904,7 +907,7 @@ class LaneDispatcher:
             tokens_left=max(0, expected - generated),
             kv_tokens=ticket.prompt_tokens + generated,
             parkable=run.generated > self._refused_parks.get(run.ticket.id, -1),
-            token_s=token_s.get(ticket.policy.name),
+            rate=rates.get(ticket.policy.name),
             policy=ticket.policy.name,
             max_slots_per_replica=ticket.policy.max_slots_per_replica,
             prefill_left_s=prefill_left,
@@ -924,12 +927,12 @@ class LaneDispatcher:
             for run in self._running.values()
             if run.first_token_at is not None and run.ticket.id not in self._parking
         )
-        token_s = {**in_flight_token_seconds(in_flight), **self.measurements.token_seconds}
+        rates = {**in_flight_token_rates(in_flight), **self.measurements.token_rates}
         replicas = []
         for replica in self._serving():
             identity = _identity(replica)
             mine = [run for run in self._running.values() if _identity(run.replica) == identity]
-            running = [self._holder(run, token_s, now) for run in mine]
+            running = [self._holder(run, rates, now) for run in mine]
             parked = sum(
                 self._parked_bytes.get(run.ticket.id, 0)
                 for run in self._parked.values()
@@ -957,7 +960,7 @@ class LaneDispatcher:
             completion_tokens=self.measurements.completion_tokens,
             completion_share=self.measurements.completion_share,
             lane_share=self.measurements.lane_share,
-            token_s=token_s,
+            rates=rates,
             lateness=self.measurements.lateness,
         )
 

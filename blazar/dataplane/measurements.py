@@ -171,9 +171,16 @@ class _Rates:
     # burst's first prompt gets a step of its own before the next arrives is a race).
     prefill: _LineFit = field(default_factory=_prefill_fit)
     lone_prefill: _LineFit = field(default_factory=_prefill_fit)
-    # Seconds of decode per decode step, by batch.
+    # Seconds of decode per decode step, by batch: of requests that decoded where
+    # nothing drafts (at a batch above the SpecPair's disableAboveBatch, or on a Lane
+    # without one), and of those that decoded where sequences may draft, whose steps
+    # carry draft rows (`drafting`, `LaneMeasurements.record`). Apart, because the two
+    # differ by more than the batch does: on one host, 6 sequences took 56 ms a step
+    # without drafts, 4 sequences drafting about 100 ms.
     step: _LineFit = field(default_factory=_step_fit)
-    # Tokens decoded over decode steps (above 1 with accepted speculative drafts).
+    draft_step: _LineFit = field(default_factory=_step_fit)
+    # Tokens decoded over decode steps, where sequences may draft (above 1 with
+    # accepted speculative drafts).
     per_step: _Ratio = field(default_factory=_Ratio)
     # Seconds from a start to its first token beyond the prefill the rate predicts and
     # the wait the forecast gave it behind other prompts on the replica: the hop to the
@@ -194,7 +201,7 @@ class _Rates:
     # preempts starts only then (the engine parks between two decode steps).
     park: _Mean = field(default_factory=_Mean)
 
-    def record(self, final: inference_pb2.Final) -> None:
+    def record(self, final: inference_pb2.Final, *, drafting: bool) -> None:
         usage, timings = final.usage, final.timings
         fresh = usage.prompt_tokens - usage.cached_tokens
         if fresh > 0 and timings.prefill_ms > 0:
@@ -207,10 +214,10 @@ class _Rates:
         decoded = usage.completion_tokens - 1
         steps = decoded - final.routing.accepted_tokens
         if steps > 0 and timings.decode_ms > 0:
-            # An engine that does not report its batch decoded alone as far as we know.
-            batch = timings.decode_batch or 1.0
-            self.step.add(x=batch, y_total=timings.decode_ms / 1000.0, weight=steps)
-            self.per_step.add(decoded, steps)
+            fit = self.draft_step if drafting else self.step
+            fit.add(x=_decode_batch(final), y_total=timings.decode_ms / 1000.0, weight=steps)
+            if drafting:
+                self.per_step.add(decoded, steps)
 
     def prefill_line(self, lane: _Rates, *, alone: bool) -> tuple[float, float] | None:
         """(fixed seconds, seconds per token) of a prefill, alone or any, from these
@@ -219,6 +226,11 @@ class _Rates:
         if alone:
             return self.lone_prefill.line() or lane.lone_prefill.line() or every
         return every
+
+
+def _decode_batch(final: inference_pb2.Final) -> float:
+    # An engine that does not report its batch decoded alone as far as we know.
+    return final.timings.decode_batch or 1.0
 
 
 class LaneMeasurements:
@@ -231,8 +243,10 @@ class LaneMeasurements:
         # By policy: tokens generated over the max_tokens the requests allowed.
         self._share: dict[str, _Ratio] = {}
         self._lane_share = _Ratio()
-        # By policy: seconds of decoding over the tokens decoded.
+        # By policy: seconds of decoding over the tokens decoded, and the batch they
+        # decoded at (weighed by the tokens), where sequences may draft.
         self._token_s: dict[str, _Ratio] = {}
+        self._token_batch: dict[str, _Ratio] = {}
         self._chars_per_token = _Ratio()
         # Measured over predicted time to first token of the requests that waited.
         self._lateness = _Quantile(q=LATENESS_QUANTILE, size=LATENESS_WINDOW)
@@ -245,11 +259,17 @@ class LaneMeasurements:
         prompt_chars: int,
         policy: str = "",
         max_tokens: int = 0,
+        draft_batch_max: int | None = None,
     ) -> None:
-        """A request that finished on `replica`: the characters of its prompt, and the
-        policy it ran under and the max_tokens it allowed."""
-        self._lane.record(final)
-        self._replicas.setdefault(replica, _Rates()).record(final)
+        """A request that finished on `replica`: the characters of its prompt, the
+        policy it ran under and the max_tokens it allowed, and its Lane's SpecPair's
+        disableAboveBatch (None: no SpecPair). It decoded where sequences may draft
+        when its Lane drafts and its mean batch is within that limit; a Lane without a
+        SpecPair has one kind of step, kept as steps where nothing drafts."""
+        batch = _decode_batch(final)
+        drafting = draft_batch_max is not None and batch <= draft_batch_max
+        self._lane.record(final, drafting=drafting)
+        self._replicas.setdefault(replica, _Rates()).record(final, drafting=drafting)
         self._completion.add(final.usage.completion_tokens)
         if max_tokens > 0:
             generated = min(final.usage.completion_tokens, max_tokens)
@@ -257,10 +277,14 @@ class LaneMeasurements:
             if policy:
                 self._share.setdefault(policy, _Ratio()).add(generated, max_tokens)
         # As `_Rates.record` counts them: the first token comes out of the prefill.
+        # A policy's rate is what its requests gain from drafting: one measured where
+        # nothing drafts says nothing of it (the forecast reads a step a token there).
         decoded = final.usage.completion_tokens - 1
-        if policy and decoded > 0 and final.timings.decode_ms > 0:
+        usual = drafting or draft_batch_max is None
+        if policy and usual and decoded > 0 and final.timings.decode_ms > 0:
             seconds = final.timings.decode_ms / 1000.0
             self._token_s.setdefault(policy, _Ratio()).add(seconds, decoded)
+            self._token_batch.setdefault(policy, _Ratio()).add(batch * decoded, decoded)
         if final.usage.prompt_tokens > 0 and prompt_chars > 0:
             self._chars_per_token.add(prompt_chars, final.usage.prompt_tokens)
 
@@ -329,9 +353,14 @@ class LaneMeasurements:
         return {name: v for name, ratio in self._share.items() if (v := ratio.value) is not None}
 
     @property
-    def token_seconds(self) -> dict[str, float]:
-        """By policy, the seconds per generated token its requests measured."""
-        return {name: v for name, ratio in self._token_s.items() if (v := ratio.value) is not None}
+    def token_rates(self) -> dict[str, admission.TokenRate]:
+        """By policy, the seconds per generated token its requests measured, and the
+        batch they decoded at."""
+        return {
+            name: admission.TokenRate(seconds, self._token_batch[name].value)
+            for name, ratio in self._token_s.items()
+            if (seconds := ratio.value) is not None
+        }
 
     @property
     def lane_share(self) -> float | None:
@@ -369,6 +398,7 @@ class LaneMeasurements:
 
         lane = self._lane
         step = own.step.line() or lane.step.line()
+        draft_step = own.draft_step.line() or lane.draft_step.line()
         prefill = own.prefill_line(lane, alone=False)
         lone = own.lone_prefill.line() or lane.lone_prefill.line()
         overhead = pick(own.start_overhead, lane.start_overhead)
@@ -386,6 +416,8 @@ class LaneMeasurements:
             lone_start_overhead_s=lone_overhead,
             step_s=step[0] + step[1] if step else None,
             step_growth_s=step[1] if step else 0.0,
+            draft_step_s=draft_step[0] + draft_step[1] if draft_step else None,
+            draft_step_growth_s=draft_step[1] if draft_step else 0.0,
             tokens_per_step=pick(own.per_step, lane.per_step) or 1.0,
             draft_batch_max=draft_batch_max,
             start_overhead_s=overhead or 0.0,
@@ -397,14 +429,16 @@ class LaneMeasurements:
         )
 
 
-def in_flight_token_seconds(runs: Iterable[tuple[str, float, int]]) -> dict[str, float]:
+def in_flight_token_rates(
+    runs: Iterable[tuple[str, float, int]],
+) -> dict[str, admission.TokenRate]:
     """By policy, seconds per token of its runs in flight: (policy, seconds since the
-    first token, tokens decoded since) each, read as the ratio of the sums. A run that
-    has decoded nothing since its first token tells nothing."""
+    first token, tokens decoded since) each, read as the ratio of the sums, at a batch
+    not known. A run that has decoded nothing since its first token tells nothing."""
     seconds: dict[str, float] = {}
     tokens: dict[str, int] = {}
     for policy, spent, decoded in runs:
         if decoded > 0 and spent > 0:
             seconds[policy] = seconds.get(policy, 0.0) + spent
             tokens[policy] = tokens.get(policy, 0) + decoded
-    return {policy: seconds[policy] / tokens[policy] for policy in seconds}
+    return {policy: admission.TokenRate(seconds[policy] / tokens[policy]) for policy in seconds}

@@ -27,6 +27,7 @@ from blazar.dataplane.admission import (
     Resume,
     Running,
     Ticket,
+    TokenRate,
 )
 
 # Priorities and targets as in manifests/policies.yaml, bounds made small for tables.
@@ -1445,7 +1446,9 @@ def test_a_running_request_frees_its_slot_at_its_own_policys_rate() -> None:
     prompt); the chat turn holding the slot measured 0.05 s a token: its 50 tokens take
     2.5 s, and a ticket behind it is predicted accordingly."""
     fast = lane(replica(run("chat", priority=100, left=50), per_step=7.0))
-    own = lane(replica(replace(run("chat", priority=100, left=50), token_s=0.05), per_step=7.0))
+    own = lane(
+        replica(replace(run("chat", priority=100, left=50), rate=TokenRate(0.05)), per_step=7.0)
+    )
     queue = LaneQueue()
     queue.arrive(ticket("b", BATCH, prompt=100), now=0, view=fast)
     assert queue.predict_ttft("b", now=0, view=fast) == pytest.approx(50 * 0.02 / 7 + 0.1)
@@ -1453,7 +1456,7 @@ def test_a_running_request_frees_its_slot_at_its_own_policys_rate() -> None:
     # A waiting ticket's own service counts at its policy's rate too: b starts when the
     # chat turn ends (2.5 s from now), prefills 0.1 s and decodes its 50 tokens at
     # 0.01 s each (0.5 s); c starts then, and its first token follows its own prefill.
-    view = replace(own, token_s={"batch": 0.01})
+    view = replace(own, rates={"batch": TokenRate(0.01)})
     queue.arrive(ticket("c", BATCH, arrived=0.5, prompt=100), now=0.5, view=view)
     assert queue.predict_ttft("c", now=0.5, view=view) == pytest.approx(2.5 + 0.6 + 0.1)
 
@@ -1467,7 +1470,7 @@ def test_a_batch_too_large_to_draft_decodes_a_token_a_step(
     behind them meets its 2 s target waiting. Once it waits, the batch the replica
     will run is 2 (its slots): where the SpecPair drafts only up to 1 sequence, a step
     yields one token, the jobs end in 100 x 0.07 = 7 s, and the turn preempts one."""
-    jobs = [replace(run(f"b{k}", left=100), token_s=0.01, policy="batch") for k in range(2)]
+    jobs = [replace(run(f"b{k}", left=100), rate=TokenRate(0.01), policy="batch") for k in range(2)]
     view = lane(
         replace(
             parking(*jobs, bound=10_000),
@@ -1484,13 +1487,41 @@ def test_a_batch_too_large_to_draft_decodes_a_token_a_step(
     assert (preempt is not None) == preempts
 
 
+@pytest.mark.parametrize(("measured_at", "preempts"), [(None, False), (2.0, False), (1.0, True)])
+def test_a_policys_rate_is_scaled_to_the_batch_it_will_run_at(
+    measured_at: float | None, preempts: bool
+) -> None:
+    """Two batch jobs hold both slots and measured 0.01 s a token drafting: their 100
+    tokens end in 1 s, and an interactive turn behind them meets its 2 s target waiting.
+    Measured at a batch of 1, though, and drafting steps take 40 ms alone and 100 ms at
+    two (draft rows in each): at 2 they end in 2.5 s, and the turn preempts one. At
+    a batch not known (a rate read off runs in flight), as measured."""
+    rate = TokenRate(0.01, batch=measured_at)
+    jobs = [replace(run(f"b{k}", left=100), rate=rate, policy="batch") for k in range(2)]
+    view = lane(
+        replace(
+            parking(*jobs, bound=10_000),
+            draft_step_s=0.04,
+            draft_step_growth_s=0.06,
+            tokens_per_step=4.0,
+            draft_batch_max=2,
+        )
+    )
+    queue = LaneQueue()
+    decision = queue.arrive(ticket("chat", INTERACTIVE, prompt=100), now=0, view=view)
+    assert decision == (Admit(pytest.approx(0.1)) if preempts else Admit(pytest.approx(1.1), True))
+    assert (queue.preemption(now=0, view=view) is not None) == preempts
+
+
 def test_a_policy_at_its_cap_adds_nothing_to_the_batch() -> None:
     """A batch job capped at one slot a replica runs drafting (0.01 s a token, the
     SpecPair drafts up to 1 sequence); another waits for that slot, the other stays
     free: the replica runs one sequence meanwhile, so the job ends in 1 s and the
     next one's first token comes 0.1 s later, not at the undrafted 7.1 s."""
     capped = replace(BATCH, max_slots_per_replica=1)
-    job = replace(run("b0", left=100), token_s=0.01, policy="batch", max_slots_per_replica=1)
+    job = replace(
+        run("b0", left=100), rate=TokenRate(0.01), policy="batch", max_slots_per_replica=1
+    )
     view = lane(replace(replica(job, slots=2), step_s=0.07, tokens_per_step=7.0, draft_batch_max=1))
     decision = LaneQueue().arrive(ticket("b1", capped, prompt=100), now=0, view=view)
     assert decision == Admit(pytest.approx(1.1), True)

@@ -223,7 +223,7 @@ def test_a_resumed_run_measures_its_decode_without_the_time_it_was_parked() -> N
                     break
                 await asyncio.sleep(0.01)
             assert batch.parked_at is None, "the parked run was not resumed"
-            return dispatcher._view().token_s["batch"]
+            return dispatcher._view().rates["batch"].seconds
         finally:
             await dispatcher.close()
 

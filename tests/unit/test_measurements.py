@@ -66,10 +66,13 @@ def test_one_request_gives_the_rates_it_ran_at() -> None:
 
 def test_accepted_drafts_make_fewer_longer_steps() -> None:
     m = LaneMeasurements()
-    # 20 tokens after the first, 10 of them accepted drafts: 10 steps of 0.1 s.
-    m.record(0, final(completion=21, accepted=10, decode_ms=1000.0), prompt_chars=0)
+    # 20 tokens after the first, 10 of them accepted drafts: 10 steps of 0.1 s, on a
+    # Lane whose SpecPair drafts up to a batch of 4.
+    m.record(
+        0, final(completion=21, accepted=10, decode_ms=1000.0), prompt_chars=0, draft_batch_max=4
+    )
     view = m.replica_view(0, slots=1, running=())
-    assert view.step_s == pytest.approx(0.1)
+    assert (view.step_s, view.draft_step_s) == (None, pytest.approx(0.1))
     assert view.tokens_per_step == pytest.approx(2.0)
     assert view.decode_s(20) == pytest.approx(1.0)
 
@@ -267,22 +270,71 @@ def test_each_policy_has_its_own_seconds_per_token() -> None:
         m.record(
             0, final(completion=11, accepted=0, decode_ms=300.0), prompt_chars=0, policy="chat"
         )
-    assert m.token_seconds == {
+    rates = m.token_rates
+    assert {name: rate.seconds for name, rate in rates.items()} == {
         "batch": pytest.approx(0.0257, abs=1e-3),
         "chat": pytest.approx(0.03),
     }
 
 
+def test_steps_where_sequences_draft_are_fitted_apart_from_steps_where_none_does() -> None:
+    """A SpecPair that drafts up to a batch of 4: jobs at 2 and 4 drafting (40 and 60 ms
+    a step, draft rows in each) and turns at 6 without drafts (30 ms a step). One line
+    through all three would read 6 sequences as faster than 4 drafting, and 4 drafting
+    as slower than it is at 6: each regime has its own."""
+    m = LaneMeasurements()
+    for _ in range(3):
+        for batch, decode_ms, accepted in ((2.0, 400.0, 20), (4.0, 600.0, 20)):
+            m.record(
+                0,
+                final(completion=31, accepted=accepted, decode_ms=decode_ms, batch=batch),
+                prompt_chars=0,
+                policy="batch",
+                draft_batch_max=4,
+            )
+        m.record(
+            0,
+            final(completion=11, decode_ms=300.0, batch=6.0),
+            prompt_chars=0,
+            policy="chat",
+            draft_batch_max=4,
+        )
+    view = m.replica_view(0, slots=6, running=(), draft_batch_max=4)
+    # 40 ms at 2, 60 ms at 4: 30 ms at 1, 10 ms more a sequence.
+    assert view.draft_step_s == pytest.approx(0.03)
+    assert view.draft_step_growth_s == pytest.approx(0.01)
+    assert view.step_s == pytest.approx(0.03) and view.step_growth_s == 0.0
+    # Drafting steps gained 3 tokens each; the turns' plain steps are not counted there.
+    assert view.tokens_per_step == pytest.approx(3.0)
+    assert view.decode_s(30, batch=3) == pytest.approx(10 * 0.05)
+    assert view.decode_s(30, batch=6) == pytest.approx(30 * 0.03)
+    # A policy's rate is what it gains where it may draft, at the batch it ran at
+    # there: the turns measured none (nothing drafts at 6), the jobs 50 ms over 3 tokens
+    # at a batch of 3 on average (moving sums, which start from the first sample).
+    rates = m.token_rates
+    assert list(rates) == ["batch"]
+    assert rates["batch"].seconds == pytest.approx(1.0 / 60, rel=0.1)
+    assert rates["batch"].batch == pytest.approx(3.0, rel=0.1)
+
+
+def test_a_lane_without_speculation_keeps_one_kind_of_step() -> None:
+    m = LaneMeasurements()
+    m.record(0, final(completion=11, decode_ms=200.0, batch=6.0), prompt_chars=0, policy="chat")
+    view = m.replica_view(0, slots=6, running=())
+    assert (view.step_s, view.draft_step_s) == (pytest.approx(0.02), None)
+    assert m.token_rates["chat"] == admission.TokenRate(pytest.approx(0.02), pytest.approx(6.0))
+
+
 def test_runs_in_flight_measure_their_policy_before_any_finishes() -> None:
-    from blazar.dataplane.measurements import in_flight_token_seconds
+    from blazar.dataplane.measurements import in_flight_token_rates
 
     runs = [("batch", 2.0, 40), ("batch", 1.0, 60), ("chat", 0.5, 10), ("chat", 0.3, 0)]
     # Ratio of sums (3 s over 100 tokens), and a run with nothing decoded tells nothing.
-    assert in_flight_token_seconds(runs) == {
-        "batch": pytest.approx(0.03),
-        "chat": pytest.approx(0.05),
+    assert in_flight_token_rates(runs) == {
+        "batch": admission.TokenRate(pytest.approx(0.03)),
+        "chat": admission.TokenRate(pytest.approx(0.05)),
     }
-    assert in_flight_token_seconds([("idle", 0.4, 0)]) == {}
+    assert in_flight_token_rates([("idle", 0.4, 0)]) == {}
 
 
 def test_the_forecast_is_on_time_until_a_wait_is_measured() -> None:

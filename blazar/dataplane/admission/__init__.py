@@ -45,11 +45,15 @@ Forecast. Every decision reads one simulation of the Lane from `now`, in ticket 
   decode time, `tokens_left x step / tokens_per_step`: step is the measured decode step
   at the batch the replica will run while this queue drains (its running requests plus
   the waiting tickets, each policy's at most its cap, at most its slots),
-  `step_s + step_growth_s x (batch - 1)`;
+  `step_s + step_growth_s x (batch - 1)`, along the line measured for steps where
+  sequences may draft (`draft_step_s`, `draft_step_growth_s`: their draft rows lengthen
+  them) or for the others, as the batch falls within the SpecPair's disableAboveBatch
+  (`draft_batch_max`) or above it;
   tokens_per_step the accepted tokens per step, 1 without speculation; or, once the
-  request's policy has measured it, its own seconds per token. At a batch above the
-  SpecPair's disableAboveBatch (`draft_batch_max`) nothing drafts: one token a step,
-  whatever was measured with drafts. An idle slot is free now.
+  request's policy has measured it (`TokenRate`), its own seconds per token, scaled
+  from the batch it measured at to this one along the drafting line. Above the
+  disableAboveBatch nothing drafts: one token a step, whatever was measured with
+  drafts. An idle slot is free now.
 - Each ticket in order takes the slot that frees first among those its policy's cap
   allows (see Caps; an idle one, then the session's
   `prefer`red replica, then the least loaded replica, then the lowest index), holds it for
@@ -198,6 +202,7 @@ from blazar.dataplane.admission.terms import (
     Running,
     Spill,
     Ticket,
+    TokenRate,
     expected_output,
 )
 
@@ -223,5 +228,6 @@ __all__ = [
     "Running",
     "Spill",
     "Ticket",
+    "TokenRate",
     "expected_output",
 ]

@@ -22,6 +22,7 @@ from blazar.dataplane.admission.terms import (
     Resume,
     Running,
     Ticket,
+    TokenRate,
 )
 
 
@@ -227,7 +228,7 @@ class _Simulation:
             prefilling = max((r.prefill_left_s for r in replica.running), default=0.0)
             self.line[replica.index] = [(0.0, prefilling)] if prefilling > 0 else []
             for position, run in enumerate(replica.running):
-                decode = self.decode_s(replica, run.tokens_left, run.token_s)
+                decode = self.decode_s(replica, run.tokens_left, run.rate)
                 free_at = run.prefill_left_s + decode
                 self.slots.append(
                     _Slot(replica, position, free_at, idle=False, holder=run, policy=run.policy)
@@ -237,10 +238,10 @@ class _Simulation:
             for position in range(len(replica.running), replica.slots):
                 self.slots.append(_Slot(replica, position, 0.0, idle=True, holder=None))
 
-    def decode_s(self, replica: ReplicaView, tokens: int, token_s: float | None = None) -> float:
+    def decode_s(self, replica: ReplicaView, tokens: int, rate: TokenRate | None = None) -> float:
         """Decode time on `replica` at the batch it will run while this queue drains,
-        or at `token_s` seconds a token (the request's policy's measured figure)."""
-        return replica.decode_s(tokens, batch=self.batch[replica.index], token_s=token_s)
+        at `rate` when the request's policy has measured one."""
+        return replica.decode_s(tokens, batch=self.batch[replica.index], rate=rate)
 
     def line_wait_s(self, replica: ReplicaView, start_s: float, prefill_s: float) -> float:
         """How long a prompt started on `replica` at `start_s`, taking `prefill_s`,
@@ -456,7 +457,7 @@ def forecast(waiting: list[tuple[Key, Waiting]], *, now: float, view: LaneView) 
             # Its replica is in the view (it was parked there), and at its cap its
             # policy holds a slot there to wait for (`_Simulation.allows`).
             assert resumed is not None
-            service = sim.decode_s(resumed.replica, running.tokens_left, running.token_s)
+            service = sim.decode_s(resumed.replica, running.tokens_left, running.rate)
             # Not now: it resumes once parked, which the forecast's parking is not yet.
             sim.take(
                 resumed,
@@ -474,11 +475,11 @@ def forecast(waiting: list[tuple[Key, Waiting]], *, now: float, view: LaneView) 
             victim = sim.park(slot)
             heapq.heappush(heap, (victim.key, seq, victim))
             seq += 1
-        token_s = view.token_s.get(item.ticket.policy.name)
+        rate = view.rates.get(item.ticket.policy.name)
         if item.resume is not None:
-            service = sim.decode_s(slot.replica, item.resume.tokens_left, token_s)
+            service = sim.decode_s(slot.replica, item.resume.tokens_left, rate)
         else:
-            decode = sim.decode_s(slot.replica, view.output_tokens(item.ticket), token_s)
+            decode = sim.decode_s(slot.replica, view.output_tokens(item.ticket), rate)
             service = fate.queue_s + fate.prefill_s + decode
             sim.prefill(
                 slot.replica,

@@ -112,6 +112,17 @@ Key: TypeAlias = tuple[int, float, float, float, str]
 
 
 @dataclass(frozen=True)
+class TokenRate:
+    """Seconds per generated token, as a policy's requests measured them, and the
+    batch they decoded at on average (None: not known, a figure read off runs in
+    flight). A step grows with the batch, so the forecast scales the figure from that
+    batch to the one it forecasts (`ReplicaView.decode_s`)."""
+
+    seconds: float
+    batch: float | None = None
+
+
+@dataclass(frozen=True)
 class Running:
     """A request generating on a replica, as the data plane knows it."""
 
@@ -125,7 +136,7 @@ class Running:
     # Seconds per generated token, as its policy's requests measured them (the steps
     # they ran at over the tokens each gained them: speculation accepts many drafts
     # for text it can copy, and their rows slow every step); None: the replica's.
-    token_s: float | None = None
+    rate: TokenRate | None = None
     # False: its engine refused to park it (not seated yet, say): no victim for now.
     parkable: bool = True
     # Its policy's name and `max_slots_per_replica`: the slots a policy holds on a
@@ -148,9 +159,14 @@ class ReplicaView:
     # Measured; None until the engine has measured it.
     prefill_tokens_per_s: float | None = None
     # Seconds per decode step with one sequence decoding, and how much longer a step
-    # takes per extra sequence in the batch.
+    # takes per extra sequence in the batch: of steps where nothing drafts (a batch
+    # above `draft_batch_max`, or a Lane without speculation).
     step_s: float | None = None
     step_growth_s: float = 0.0
+    # The same of steps where sequences may draft (a batch within `draft_batch_max`):
+    # their draft rows lengthen them. None until measured: the figures above then.
+    draft_step_s: float | None = None
+    draft_step_growth_s: float = 0.0
     # Seconds from a start to its first token beyond the prefill itself (measured).
     start_overhead_s: float = 0.0
     # The share of a prompt's prefill (`prefill_s`) that holds the replica's prefill
@@ -170,8 +186,8 @@ class ReplicaView:
     # The start overhead of such starts, measured against that prefill; None until
     # measured (`start_overhead_s` then).
     lone_start_overhead_s: float | None = None
-    # Tokens a sequence gains per decode step: 1, or 1 + accepted drafts per step
-    # when speculation is on.
+    # Tokens a sequence gains per decode step where it may draft: 1, or 1 + accepted
+    # drafts per step when speculation is on.
     tokens_per_step: float = 1.0
     # With more sequences than this decoding, nothing drafts (the SpecPair's
     # disableAboveBatch): a step yields one token, and what was measured with drafts
@@ -197,17 +213,41 @@ class ReplicaView:
                 overhead = self.lone_start_overhead_s
         return overhead + fixed + (tokens / rate if rate else 0.0)
 
-    def decode_s(self, tokens: int, *, batch: int = 1, token_s: float | None = None) -> float:
-        """Seconds to generate `tokens` with `batch` sequences decoding together, or at
-        `token_s` seconds a token when the request's policy has measured that, unless
-        the batch is too large to draft: then a step's time for each token."""
-        plain = self.draft_batch_max is not None and batch > self.draft_batch_max
-        if token_s is not None and not plain:
-            return tokens * token_s
-        if not self.step_s:
-            return 0.0 if token_s is None else tokens * token_s
-        step = self.step_s + self.step_growth_s * max(0, batch - 1)
-        return tokens * step / (1.0 if plain else max(self.tokens_per_step, 1.0))
+    def drafts(self, batch: int) -> bool:
+        """Whether sequences may draft at `batch` (a step's figures are then those of
+        drafting steps)."""
+        return self.draft_batch_max is None or batch <= self.draft_batch_max
+
+    def step_at(self, batch: float, *, drafting: bool) -> float | None:
+        """Seconds of a decode step at `batch` sequences, along the line measured for
+        drafting steps or the other (each the other's until measured); None before any
+        step was measured."""
+        lines = [(self.draft_step_s, self.draft_step_growth_s), (self.step_s, self.step_growth_s)]
+        for base, growth in lines if drafting else lines[::-1]:
+            if base is not None:
+                return base + growth * max(0.0, batch - 1)
+        return None
+
+    def decode_s(self, tokens: int, *, batch: int = 1, rate: TokenRate | None = None) -> float:
+        """Seconds to generate `tokens` with `batch` sequences decoding together: at the
+        request's policy's `rate` when it has measured one, scaled from the batch it
+        measured at to `batch` along the measured step line; else a step's time for
+        each `tokens_per_step`. Where the batch is too large to draft, a step for each
+        token, whatever was measured with drafts."""
+        drafting = self.drafts(batch)
+        step = self.step_at(batch, drafting=drafting)
+        if not drafting:
+            if step is not None:
+                return tokens * step
+            return 0.0 if rate is None else tokens * rate.seconds
+        if rate is not None:
+            # Measured where it drafts (`LaneMeasurements.record`).
+            at = None if rate.batch is None else self.step_at(rate.batch, drafting=True)
+            scale = step / at if step is not None and at else 1.0
+            return tokens * rate.seconds * scale
+        if step is None:
+            return 0.0
+        return tokens * step / max(self.tokens_per_step, 1.0)
 
 
 def expected_output(
@@ -243,7 +283,7 @@ class LaneView:
     # By policy name, seconds per generated token its requests measured: a batch job
     # that copies its prompt gains many tokens a step (and its draft rows slow every
     # step), a chat turn few, and the replica's figures, a mean of both, misjudge each.
-    token_s: Mapping[str, float] = field(default_factory=dict)
+    rates: Mapping[str, TokenRate] = field(default_factory=dict)
     # How much later than forecast first tokens come after a wait, measured (at least
     # 1: see `forecast`): the preemption decision scales a ticket's forecast wait and
     # prefill by it. Nothing else does: refusals and predictions read the forecast.
