@@ -30,7 +30,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -417,11 +417,18 @@ class DecodeLoop:
         if self._spec is not None:
             self._draft(runtime, self._spec, active)
         wants = [self._want(slot) for slot in active]
+        budget = self._prefill_budget(active, wants)
+        if budget == 0 and self._drafts_yield(active, wants):
+            for slot in active:
+                if slot.gen is not None:
+                    del slot.gen.feed[1:]
+            wants = [self._want(slot) for slot in active]
+            budget = self._prefill_budget(active, wants)
         pieces = batching.plan_step(
             wants,
             max_tokens=runtime.n_batch,
             max_outputs=runtime.n_outputs,
-            prefill_beside_decode=self._prefill_budget(active, wants),
+            prefill_beside_decode=budget,
         )
         entries: list[tuple[int, int, int, bool]] = []
         placed = [self._place(piece, entries) for piece in pieces]
@@ -457,6 +464,20 @@ class DecodeLoop:
         rows = sum(want.decode for want in wants)
         drafts = sum(want.decode - 1 for want in wants if want.decode > 1)
         return self._pacer.budget(rows=rows, target_s=min(targets, default=None), drafts=drafts)
+
+    def _drafts_yield(self, active: list[Slot], wants: list[batching.Want]) -> bool:
+        """Whether this step's drafts, which leave a waiting prompt no room within the
+        streams' target (`pacing`), give way to it: when, without them, a prompt that
+        waits fits whole in the step. Its first token is then one step away, where the
+        drafts would hold it back for as long as they keep paying (seconds, behind
+        streams that copy their text); the streams decode one token each this step,
+        within their target, and draft again the next. A longer prompt, which needs
+        many steps, still waits for steps whose drafts leave it room."""
+        plain = [replace(want, decode=min(want.decode, 1)) for want in wants]
+        room = self._prefill_budget(active, plain)
+        return room is not None and any(
+            0 < want.prefill <= room for want in wants if not want.decode
+        )
 
     @staticmethod
     def _want(slot: Slot) -> batching.Want:

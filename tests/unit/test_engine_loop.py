@@ -452,3 +452,42 @@ def test_a_prompt_that_waits_behind_another_reports_the_wait_apart_from_its_pref
     # at 103
     assert (second.prefill_wait_ms, second.prefill_ms) == (1000.0, 1000.0)
     assert second.ttft_ms == 2000.0
+
+
+@pytest.mark.parametrize(("prompt", "yields"), [(3, True), (400, False)])
+def test_drafts_that_leave_a_short_waiting_prompt_no_room_yield_to_it(
+    monkeypatch: pytest.MonkeyPatch, prompt: int, yields: bool
+) -> None:
+    """A stream with a 20 ms time-per-token target drafts 4 tokens a step, all
+    accepted, and each logits row costs 4 ms: its steps take the whole target. A short
+    prompt that arrives meanwhile is not held back until the stream ends (the pacer
+    leaves it no room beside the drafts): the drafts yield, the step decodes the
+    stream's one token beside the whole prompt, and the prompt's request is done while
+    the stream still runs. A long one (400 tokens, past the room a step without drafts
+    leaves) waits for steps whose drafts leave it room: here, the stream's end."""
+    drafter = FailingDrafter(fail_at=0)
+    with running(monkeypatch, slots=2, context=512, drafter=drafter) as (decode, runtime):
+        busy, busy_events = job([1, 2, 3], max_tokens=120, name="busy")
+        busy.tpot_target_s = 0.020
+        late, late_events = job([4 + k % 6 for k in range(prompt)], max_tokens=4, name="late")
+        fake_decode = runtime.decode
+
+        def slow_decode(entries: Sequence[Entry]) -> None:
+            rows = sum(e[3] for e in entries)
+            time.sleep(0.004 * rows + 0.0001 * len(entries))
+            fake_decode(entries)
+
+        def submit_at(step: int) -> None:
+            if step == 6:
+                decode.submit(late)
+
+        runtime.decode = slow_decode  # type: ignore[method-assign]
+        runtime.before_decode = submit_at
+        decode.submit(busy)
+        assert late_events.ended.wait(10)
+        assert busy_events.ended.is_set() is not yields
+        assert busy_events.ended.wait(10)
+    finished = busy_events.last
+    assert isinstance(finished, jobs.Finished) and isinstance(late_events.last, jobs.Finished)
+    # The stream drafted before and after the steps it gave up.
+    assert finished.completion_tokens == 120 and finished.drafted_tokens > 60
