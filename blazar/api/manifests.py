@@ -6,7 +6,8 @@ resources, `check_references` checks the names they use; `validate_objects` does
 last two and reports their errors together. A bad batch is rejected whole: every step
 collects every error before raising `errors.ManifestInvalid`, each located as
 `Lane/x: spec.replicas` (camelCase, as written in the YAML) or, before a kind and
-name are known, by document as `fleet.yaml#2: kind`.
+name are known, by document as `fleet.yaml#2: kind`; a later document of a kind and
+name already used, by both, as `Lane/x (fleet.yaml#2): metadata.name`.
 
 `to_dict` / `from_dict` are the one serialisation of resources, used by the store and
 on the wire (objects travel as JSON).
@@ -303,11 +304,15 @@ def _parse(
         name = metadata.get("name") if isinstance(metadata, dict) else None
         prefix = location
         if isinstance(name, str) and name:
-            declared.add((kind, name))
             if name.isprintable() and len(name) <= _NAME_SHOWN_CHARS:
                 # Otherwise (line breaks, a page of text) the document's place names it,
                 # and its name's error says why.
                 prefix = f"{kind}/{name}"
+                if (kind, name) in declared:
+                    # A later document of the same name: `locate` would place its
+                    # errors in the first one, so they carry their own place.
+                    prefix = f"{prefix} ({location})"
+            declared.add((kind, name))
         try:
             obj = kinds.KIND_CLASSES[kind].model_validate(doc)
         except pydantic.ValidationError as exc:

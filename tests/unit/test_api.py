@@ -551,7 +551,14 @@ def test_missing_kind_reported_with_location() -> None:
 
 def test_duplicate_object_in_batch() -> None:
     assert errors_of([("a.yaml#1", lane_doc()), ("b.yaml#1", lane_doc())]) == [
-        ("Lane/gemma: metadata.name", "duplicate Lane (first defined in a.yaml#1)")
+        ("Lane/gemma (b.yaml#1): metadata.name", "duplicate Lane (first defined in a.yaml#1)")
+    ]
+
+
+def test_a_later_document_of_a_name_used_is_located_by_its_own_place() -> None:
+    bad = lane_doc(replicas="x")
+    assert [p for p, _ in errors_of([("f#1", lane_doc()), ("f#2", bad)])] == [
+        "Lane/gemma (f#2): spec.replicas"
     ]
 
 

@@ -68,6 +68,16 @@ def test_a_bad_batch_writes_nothing_and_is_one_warning_event() -> None:
     assert "spec.replicas" in event.message and "spec.model" in event.message
 
 
+def test_the_event_names_the_second_of_two_same_objects_as_the_duplicate() -> None:
+    store = MemoryStore()
+    with pytest.raises(errors.ManifestInvalid):
+        apply.apply_documents(store, located(MODEL, MODEL), source="cli")
+    (event,) = store.events()
+    assert event.message == (
+        "Model/m (fleet.yaml#2): metadata.name: duplicate Model (first defined in fleet.yaml#1)"
+    )
+
+
 def test_a_dry_run_reports_and_writes_nothing() -> None:
     store = MemoryStore()
     outcomes = apply.apply_documents(store, located(MODEL, LANE), dry_run=True)
