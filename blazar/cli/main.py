@@ -50,6 +50,16 @@ def _read_docs(targets: Sequence[str]) -> list[tuple[str, dict[str, Any]]]:
     return docs
 
 
+def _no_objects(verb: str, targets: Sequence[str]) -> errors.InvalidRequest:
+    """kubectl's error for `-f` files that hold only comments or empty documents, which
+    would otherwise do nothing and exit 0 as if they had been applied."""
+    shown = [("standard input" if t == "-" else f"'{t}'") for t in targets]
+    holds = "holds" if len(shown) == 1 else "hold"
+    return errors.InvalidRequest(
+        f"no objects passed to {verb}: {', '.join(shown)} {holds} no objects"
+    )
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from blazar.cli import daemon  # the daemon's imports are heavy; only serve needs them
 
@@ -129,6 +139,8 @@ def cmd_auth_hash(args: argparse.Namespace) -> int:
 
 def cmd_apply(args: argparse.Namespace) -> int:
     docs = _read_docs(args.filename)
+    if not docs:
+        raise _no_objects("apply", args.filename)
     request = control_pb2.ApplyRequest(
         objects_json=[json.dumps(doc) for _, doc in docs],
         dry_run=args.dry_run,
@@ -212,6 +224,8 @@ def cmd_delete(args: argparse.Namespace) -> int:
     targets: list[tuple[str, str]]
     if args.filename:
         objs = manifests.parse_objects(_read_docs(args.filename))
+        if not objs:
+            raise _no_objects("delete", args.filename)
         targets = [(o.kind, o.metadata.name) for o in objs]
     elif args.kind and args.name:
         targets = [(kinds.resolve_kind(args.kind).value, args.name)]

@@ -111,3 +111,30 @@ def test_delete_reads_every_file(control: FakeControl, files: tuple[Path, Path])
     model, lane = files
     assert main.main(["delete", "-f", str(lane), "-f", str(model)]) == 0
     assert control.deleted == [("Lane", "l"), ("Model", "m")]
+
+
+@pytest.mark.parametrize("text", ["", "---\n", "# nothing yet\n---\n---\n# still nothing\n"])
+@pytest.mark.parametrize("command", ["apply", "delete"])
+def test_a_file_of_no_objects_is_an_error_not_a_silent_success(
+    control: FakeControl,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    text: str,
+    command: str,
+) -> None:
+    (tmp_path / "empty.yaml").write_text(text)
+    assert main.main([command, "-f", str(tmp_path / "empty.yaml")]) == 1
+    assert capsys.readouterr().err == (
+        f"error: no objects passed to {command}: '{tmp_path / 'empty.yaml'}' holds no objects\n"
+    )
+    assert (control.applied, control.deleted) == ([], [])
+
+
+def test_files_of_no_objects_are_named_together(
+    control: FakeControl, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "a.yaml").write_text("---\n")
+    (tmp_path / "b").mkdir()
+    assert main.main(["apply", "-f", str(tmp_path / "a.yaml"), "-f", str(tmp_path / "b")]) == 1
+    assert f"'{tmp_path / 'a.yaml'}', '{tmp_path / 'b'}' hold no objects" in capsys.readouterr().err
+    assert control.applied == []
