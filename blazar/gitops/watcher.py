@@ -17,6 +17,7 @@ are never pruned. Each pruned object gets a `Pruned` event saying where it came 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -42,11 +43,11 @@ def owned(obj: Resource) -> bool:
 def sync(store: Store, directory: Path, *, prune: bool = True) -> bool:
     """Apply the directory once; True when it was accepted."""
     try:
-        docs, unreadable = load(directory)
+        loaded = load(directory)
         outcomes = apply.apply_documents(
             store,
-            docs,
-            unreadable=unreadable,
+            loaded.docs,
+            unreadable=loaded.unreadable,
             source=f"gitops:{directory}",
             prune=owned if prune else None,
         )
@@ -75,21 +76,33 @@ def sync(store: Store, directory: Path, *, prune: bool = True) -> bool:
         for o in outcomes
         if o.action != ApplyAction.UNCHANGED
     ]
-    log.info("gitops.applied", directory=str(directory), changed=changed)
+    log.info("gitops.applied", directory=str(directory), changed=changed, empty=loaded.empty)
     return True
 
 
-def load(
-    directory: Path,
-) -> tuple[list[tuple[str, dict[str, Any]]], tuple[errors.FieldError, ...]]:
+@dataclasses.dataclass(frozen=True)
+class Loaded:
+    """What `load` read of the directory."""
+
+    docs: list[tuple[str, dict[str, Any]]]
+    # What kept documents from being read, for `apply_documents` to reject with the batch.
+    unreadable: tuple[errors.FieldError, ...]
+    # Files that hold no object (empty, or only comments and `---`): no error, for a
+    # file may be emptied on purpose, and they hold nothing to apply (what they held
+    # before is pruned like an object removed from its file).
+    empty: tuple[str, ...]
+
+
+def load(directory: Path) -> Loaded:
     """The directory's documents, each located by its file relative to `directory` and
     annotated with it, or else what kept them from being read (for `apply_documents`
     to reject, and record, with the batch)."""
     if not directory.is_dir():
         # Gone or unmounted: never read as "every file deleted", which would prune all.
-        return [], (errors.FieldError(str(directory), "not a directory"),)
+        return Loaded([], (errors.FieldError(str(directory), "not a directory"),), ())
     docs: list[tuple[str, dict[str, Any]]] = []
     problems: list[errors.FieldError] = []
+    empty: list[str] = []
     for file in manifests.manifest_files(directory):
         relative = file.relative_to(directory).as_posix()
         try:
@@ -100,8 +113,10 @@ def load(
         except (OSError, UnicodeDecodeError) as exc:
             problems.append(errors.FieldError(relative, f"cannot read: {exc}"))
             continue
+        if not found:
+            empty.append(relative)
         docs += [(location, _annotated(doc, relative)) for location, doc in found]
-    return docs, tuple(problems)
+    return Loaded(docs, tuple(problems), tuple(empty))
 
 
 def _annotated(doc: dict[str, Any], relative: str) -> dict[str, Any]:

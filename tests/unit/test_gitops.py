@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import structlog
 
 from blazar.api import manifests
 from blazar.gitops import watcher
@@ -114,6 +115,21 @@ def test_an_object_removed_from_a_file_that_remains_is_pruned(tmp_path: Path) ->
     (tmp_path / "fleet.yaml").write_text(MODEL)
     assert watcher.sync(store, tmp_path)
     assert keys(store) == ["Model/m"]
+
+
+def test_a_file_of_no_objects_is_skipped_and_logged_not_an_error(tmp_path: Path) -> None:
+    # Unlike `blazar apply -f`, for which it is an error: a watched file may be emptied
+    # on purpose, and the other files still apply.
+    (tmp_path / "model.yaml").write_text(MODEL)
+    (tmp_path / "empty.yaml").write_text("")
+    (tmp_path / "dashes.yaml").write_text("# later\n---\n")
+    store = MemoryStore()
+    with structlog.testing.capture_logs() as logs:
+        assert watcher.sync(store, tmp_path)
+    assert keys(store) == ["Model/m"]
+    assert store.events() == []
+    [applied] = [e for e in logs if e["event"] == "gitops.applied"]
+    assert applied["empty"] == ("dashes.yaml", "empty.yaml")
 
 
 def test_objects_applied_by_hand_are_never_pruned(tmp_path: Path) -> None:
