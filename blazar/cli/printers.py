@@ -55,10 +55,7 @@ def age(timestamp: str | None, now: datetime) -> str:
     """kubectl's compact age: 42s, 5m, 3h, 2d."""
     if not timestamp:
         return "<unknown>"
-    then = datetime.fromisoformat(timestamp.replace("Z", "+00:00"))
-    if then.tzinfo is None:
-        then = then.replace(tzinfo=UTC)
-    seconds = max(0, int((now - then).total_seconds()))
+    seconds = max(0, int((now - _time(timestamp)).total_seconds()))
     for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
         if seconds >= size:
             return f"{seconds // size}{unit}"
@@ -245,8 +242,21 @@ def _pid(replica: dict[str, Any]) -> str:
     return "-" if pid is None else str(pid)
 
 
+def _time(timestamp: str) -> datetime:
+    then = datetime.fromisoformat(timestamp.replace("Z", "+00:00"))
+    return then if then.tzinfo is not None else then.replace(tzinfo=UTC)
+
+
 def describe(obj: ObjectJson, events: Sequence[EventJson], *, now: datetime) -> str:
+    """`obj`'s page, with those of `events` (its kind's and name's) that are its own.
+
+    Events name their object by kind and name only, so those of an earlier object of
+    the same name (deleted, then created again) come too: the ones recorded before
+    this object's creation are left out, as kubectl shows an object's events by uid.
+    """
     meta = obj["metadata"]
+    if created_at := meta.get("creationTimestamp"):
+        events = [e for e in events if _time(e["time"]) >= _time(created_at)]
     labels = ", ".join(f"{k}={v}" for k, v in meta.get("labels", {}).items()) or "<none>"
     created = meta.get("creationTimestamp")
     observed = obj.get("status", {}).get("observedGeneration")

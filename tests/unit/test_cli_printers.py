@@ -7,8 +7,11 @@ from datetime import timedelta
 
 import pytest
 
+from blazar.api import manifests
+from blazar.api.kinds import Kind
 from blazar.cli import printers
-from tests.unit.helpers import T0
+from blazar.store.memory import MemoryStore
+from tests.unit.helpers import T0, Clock
 
 CREATED = "2026-01-01T00:00:00Z"
 
@@ -301,3 +304,37 @@ def test_get_lanes_wide_shows_an_upstreams_concurrency_as_slots() -> None:
     page = printers.describe(upstream, [], now=T0).splitlines()
     row = page[page.index("Replicas:") + 2]
     assert row.split()[:3] == ["0", "Ready", "-"]
+
+
+def test_describe_shows_only_the_events_of_the_object_not_of_one_deleted_before() -> None:
+    clock = Clock()
+    store = MemoryStore(clock=clock)
+    lane = manifests.parse_objects(
+        [("l#1", {"apiVersion": "blazar.dev/v1alpha1", "kind": "Lane",
+                  "metadata": {"name": "l"}, "spec": {"model": "m"}})]
+    )  # fmt: skip
+    store.apply_all(lane)
+    clock.tick(0.5)
+    store.record_event(kind="Lane", name="l", type="Warning", reason="Old", message="first")
+    clock.tick(0.5)
+    store.delete(Kind.LANE, "l")
+    store.record_event(kind="Lane", name="l", type="Normal", reason="Gone", message="after")
+    clock.tick(0.5)
+    store.apply_all(lane)
+    clock.tick(0.5)
+    store.record_event(kind="Lane", name="l", type="Normal", reason="New", message="second")
+    current = store.get(Kind.LANE, "l")
+    assert current is not None
+    # As the Control service sends them, and the CLI reads them.
+    obj: printers.ObjectJson = json.loads(json.dumps(manifests.to_dict(current)))
+    events: list[printers.EventJson] = [
+        {"time": e.time.isoformat(), "type": e.type, "reason": e.reason, "kind": e.kind,
+         "name": e.name, "message": e.message}
+        for e in store.events(kind="Lane", name="l")
+    ]  # fmt: skip
+    page = printers.describe(obj, events, now=clock.now).splitlines()
+    assert [line.split()[2] for line in page[page.index("Events:") + 2 :]] == ["New"]
+    # An object without a creation time (an old daemon's) still shows every event.
+    del obj["metadata"]["creationTimestamp"]
+    page = printers.describe(obj, events, now=clock.now).splitlines()
+    assert len(page[page.index("Events:") + 2 :]) == 3
