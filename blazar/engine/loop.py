@@ -65,6 +65,13 @@ log = structlog.get_logger("blazar.engine.loop")
 # against 1.9-2.4 s). A prompt alone still takes n_batch tokens per step.
 PREFILL_BESIDE_DECODE = 128
 
+# Steps without drafts that a waiting prompt may take whole, where drafts leave it no
+# room (`DecodeLoop._drafts_yield`): 64 tokens at the smallest chunk, a chat turn or a
+# few, not a document. Measured on Machine E (default fleet, drafting at a batch of 6):
+# three 27-token prompts that had just preempted batch jobs had their first token
+# 1.5 s late when only a prompt that one such step takes whole was let in.
+YIELD_STEPS = 4
+
 
 @dataclass(frozen=True)
 class LoopOptions:
@@ -467,16 +474,17 @@ class DecodeLoop:
 
     def _drafts_yield(self, active: list[Slot], wants: list[batching.Want]) -> bool:
         """Whether this step's drafts, which leave a waiting prompt no room within the
-        streams' target (`pacing`), give way to it: when, without them, a prompt that
-        waits fits whole in the step. Its first token is then one step away, where the
-        drafts would hold it back for as long as they keep paying (seconds, behind
-        streams that copy their text); the streams decode one token each this step,
-        within their target, and draft again the next. A longer prompt, which needs
-        many steps, still waits for steps whose drafts leave it room."""
+        streams' target (`pacing`), give way to it: when steps without them would take
+        a waiting prompt whole within `YIELD_STEPS`. Its first token is then a few
+        steps away, where the drafts would hold it back for as long as they keep paying
+        (seconds, behind streams that copy their text); the streams decode one token
+        each in those steps, within their target. A longer prompt still waits for steps
+        whose drafts leave it room: yielding would slow the streams for the many steps
+        it takes in small chunks, and it comes sooner taken whole once they end."""
         plain = [replace(want, decode=min(want.decode, 1)) for want in wants]
         room = self._prefill_budget(active, plain)
         return room is not None and any(
-            0 < want.prefill <= room for want in wants if not want.decode
+            0 < want.prefill <= room * YIELD_STEPS for want in wants if not want.decode
         )
 
     @staticmethod

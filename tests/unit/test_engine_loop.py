@@ -463,8 +463,9 @@ def test_drafts_that_leave_a_short_waiting_prompt_no_room_yield_to_it(
     prompt that arrives meanwhile is not held back until the stream ends (the pacer
     leaves it no room beside the drafts): the drafts yield, the step decodes the
     stream's one token beside the whole prompt, and the prompt's request is done while
-    the stream still runs. A long one (400 tokens, past the room a step without drafts
-    leaves) waits for steps whose drafts leave it room: here, the stream's end."""
+    the stream still runs. A long one (400 tokens, past what `loop.YIELD_STEPS` steps
+    without drafts take) waits for steps whose drafts leave it room: here, the
+    stream's end."""
     drafter = FailingDrafter(fail_at=0)
     with running(monkeypatch, slots=2, context=512, drafter=drafter) as (decode, runtime):
         busy, busy_events = job([1, 2, 3], max_tokens=120, name="busy")
