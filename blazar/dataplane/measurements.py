@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from blazar._proto.v1 import inference_pb2
 from blazar.dataplane import admission
@@ -405,7 +405,7 @@ class LaneMeasurements:
         lone_overhead = pick(own.lone_start_overhead, lane.lone_start_overhead)
         park = pick(own.park, lane.park)
         line = pick(own.line_share, lane.line_share)
-        return admission.ReplicaView(
+        view = admission.ReplicaView(
             index=index,
             slots=slots,
             running=tuple(running),
@@ -427,6 +427,15 @@ class LaneMeasurements:
             parked_bytes=parked_bytes,
             parked_bytes_max=parked_bytes_max,
         )
+        if park is None:
+            # Before any park is measured: the engine parks between two decode steps,
+            # so a park waits for the step in flight, one step at the batch running
+            # now (measured parks on Machine E took 144-236 ms beside drafting steps
+            # of about that), not no time at all.
+            batch = max(1, len(running))
+            step_s = view.step_at(batch, drafting=view.drafts(batch))
+            view = replace(view, park_s=step_s or 0.0)
+        return view
 
 
 def in_flight_token_rates(

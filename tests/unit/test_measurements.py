@@ -325,6 +325,22 @@ def test_a_lane_without_speculation_keeps_one_kind_of_step() -> None:
     assert m.token_rates["chat"] == admission.TokenRate(pytest.approx(0.02), pytest.approx(6.0))
 
 
+def test_a_park_not_measured_yet_takes_the_step_in_flight() -> None:
+    """The engine parks between two decode steps: before any park is measured, one
+    takes a step at the batch running now (two runs, 10 ms a step plus 5 ms a sequence
+    more), and once one is measured, what it took."""
+    m = LaneMeasurements()
+    for _ in range(3):
+        m.record(0, final(completion=11, decode_ms=100.0, batch=1.0), prompt_chars=0)
+        m.record(0, final(completion=11, decode_ms=250.0, batch=4.0), prompt_chars=0)
+    running = (admission.Running("a", 0, 5, 50), admission.Running("b", 0, 5, 50))
+    assert m.replica_view(0, slots=4, running=running).park_s == pytest.approx(0.015)
+    assert m.replica_view(0, slots=4, running=()).park_s == pytest.approx(0.010)
+    assert LaneMeasurements().replica_view(0, slots=4, running=running).park_s == 0.0
+    m.record_park(0, seconds=0.2)
+    assert m.replica_view(0, slots=4, running=running).park_s == pytest.approx(0.2)
+
+
 def test_runs_in_flight_measure_their_policy_before_any_finishes() -> None:
     from blazar.dataplane.measurements import in_flight_token_rates
 
