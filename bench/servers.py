@@ -3,7 +3,9 @@
 `Peer` is `python -m llama_cpp.server`, tuned as a fair peer; `LlamaServer` is
 llama.cpp's C++ `llama-server` with its defaults; `Blazar` is `blazar serve` with its
 own home and a fleet written from `LaneDef`s. `serving` starts one and always stops
-it, whatever happens in between.
+it, whatever happens in between. A `Blazar` home is removed at the stop; with
+`BENCH_KEEP_LOG=<path>` its daemon's log is copied there first (with
+`BLAZAR_LOG_LEVEL=debug`, admission's forecast of each first token against what came).
 """
 
 from __future__ import annotations
@@ -359,6 +361,8 @@ class Blazar:
         try:
             self._stop_daemon()
         finally:
+            if os.environ.get("BENCH_KEEP_LOG") and self.daemon is not None:
+                shutil.copy(self.daemon.log_path, os.environ["BENCH_KEEP_LOG"])
             self.daemon = None
             shutil.rmtree(self.home, ignore_errors=True)
 
