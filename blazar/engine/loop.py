@@ -425,12 +425,17 @@ class DecodeLoop:
             self._draft(runtime, self._spec, active)
         wants = [self._want(slot) for slot in active]
         budget = self._prefill_budget(active, wants)
-        if budget == 0 and self._drafts_yield(active, wants):
+        if budget == 0 and (favoured := self._drafts_yield(active, wants)):
             for slot in active:
                 if slot.gen is not None:
                     del slot.gen.feed[1:]
-            wants = [self._want(slot) for slot in active]
-            budget = self._prefill_budget(active, wants)
+            budget = self._prefill_budget(active, [self._want(slot) for slot in active])
+            # Only the prompts the drafts gave way to: an older, longer one would
+            # take the room first, and the drafts would give way for all its chunks.
+            wants = [
+                want if want.decode or want.slot in favoured else replace(want, prefill=0)
+                for want in (self._want(slot) for slot in active)
+            ]
         pieces = batching.plan_step(
             wants,
             max_tokens=runtime.n_batch,
@@ -472,20 +477,26 @@ class DecodeLoop:
         drafts = sum(want.decode - 1 for want in wants if want.decode > 1)
         return self._pacer.budget(rows=rows, target_s=min(targets, default=None), drafts=drafts)
 
-    def _drafts_yield(self, active: list[Slot], wants: list[batching.Want]) -> bool:
-        """Whether this step's drafts, which leave a waiting prompt no room within the
-        streams' target (`pacing`), give way to it: when steps without them would take
-        a waiting prompt whole within `YIELD_STEPS`. Its first token is then a few
-        steps away, where the drafts would hold it back for as long as they keep paying
-        (seconds, behind streams that copy their text); the streams decode one token
-        each in those steps, within their target. A longer prompt still waits for steps
-        whose drafts leave it room: yielding would slow the streams for the many steps
-        it takes in small chunks, and it comes sooner taken whole once they end."""
+    def _drafts_yield(self, active: list[Slot], wants: list[batching.Want]) -> set[int]:
+        """The slots of the waiting prompts that this step's drafts, which leave them
+        no room within the streams' target (`pacing`), give way to (none: they do not
+        yield): those that steps without drafts would take whole within `YIELD_STEPS`.
+        Their first token is then a few steps away, where the drafts would hold them
+        back for as long as they keep paying (seconds, behind streams that copy their
+        text); the streams decode one token each in those steps, within their target.
+        A longer prompt still waits for steps whose drafts leave it room, even beside a
+        short one (the step gives it none of the room): yielding would slow the streams
+        for the many steps it takes in small chunks, and it comes sooner taken whole
+        once they end."""
         plain = [replace(want, decode=min(want.decode, 1)) for want in wants]
         room = self._prefill_budget(active, plain)
-        return room is not None and any(
-            0 < want.prefill <= room * YIELD_STEPS for want in wants if not want.decode
-        )
+        if room is None:
+            return set()
+        return {
+            want.slot
+            for want in wants
+            if not want.decode and 0 < want.prefill <= room * YIELD_STEPS
+        }
 
     @staticmethod
     def _want(slot: Slot) -> batching.Want:

@@ -492,3 +492,51 @@ def test_drafts_that_leave_a_short_waiting_prompt_no_room_yield_to_it(
     assert isinstance(finished, jobs.Finished) and isinstance(late_events.last, jobs.Finished)
     # The stream drafted before and after the steps it gave up.
     assert finished.completion_tokens == 120 and finished.drafted_tokens > 60
+
+
+def test_drafts_yield_to_the_short_prompt_not_to_a_long_one_waiting_before_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Drafts give way to a short prompt only: a long one (600 tokens) that waits
+    beside it, and came first, does not take the room they give up. It took it, being
+    the older: the drafts then gave way for every chunk of the long prompt, so the
+    stream decoded a token a step for its whole prefill, and the short prompt came in
+    last. The short prompt's request ends while the stream runs; the long one still
+    waits for the stream's end, as it does alone."""
+    drafter = FailingDrafter(fail_at=0)
+    ended: list[str] = []
+    with running(monkeypatch, slots=3, context=1024, drafter=drafter) as (decode, runtime):
+        busy, busy_events = job([1, 2, 3], max_tokens=120, name="busy")
+        busy.tpot_target_s = 0.020
+        long, long_events = job([4 + k % 6 for k in range(600)], max_tokens=4, name="long")
+        short, short_events = job([5, 6, 7], max_tokens=4, name="short")
+        fake_decode = runtime.decode
+
+        def slow_decode(entries: Sequence[Entry]) -> None:
+            rows = sum(e[3] for e in entries)
+            time.sleep(0.004 * rows + 0.0001 * len(entries))
+            fake_decode(entries)
+
+        def submit_at(step: int) -> None:
+            if step == 6:
+                decode.submit(long)
+            if step == 8:
+                decode.submit(short)
+            # In the order they ended (the last one ends after the last step).
+            for name, events in (
+                ("busy", busy_events),
+                ("long", long_events),
+                ("short", short_events),
+            ):
+                if events.ended.is_set() and name not in ended:
+                    ended.append(name)
+
+        runtime.decode = slow_decode  # type: ignore[method-assign]
+        runtime.before_decode = submit_at
+        decode.submit(busy)
+        for events in (busy_events, long_events, short_events):
+            assert events.ended.wait(10)
+    assert ended[:2] == ["short", "busy"]
+    finished = busy_events.last
+    assert isinstance(finished, jobs.Finished)
+    assert finished.completion_tokens == 120 and finished.drafted_tokens > 60
