@@ -53,7 +53,7 @@ def watch(args: argparse.Namespace) -> int:
 
 def event_json(e: control_pb2.Event) -> printers.EventJson:
     return {"time": e.time, "type": e.type, "reason": e.reason, "kind": e.kind, "name": e.name,
-            "message": e.message}  # fmt: skip
+            "message": e.message, "uid": e.uid}  # fmt: skip
 
 
 def _for(target: str, *, flag: str = "--for") -> tuple[str, str]:

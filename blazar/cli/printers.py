@@ -11,7 +11,7 @@ import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, Required, TypedDict
+from typing import Any, NotRequired, Required, TypedDict
 
 import yaml
 
@@ -45,6 +45,9 @@ class EventJson(TypedDict):
     kind: str
     name: str
     message: str
+    # The uid of the object it is about; empty or absent when the recorder did not
+    # know it (and from a daemon older than the field).
+    uid: NotRequired[str]
 
 
 # A condition, a replica status: entries of an object's status.
@@ -247,16 +250,24 @@ def _time(timestamp: str) -> datetime:
     return then if then.tzinfo is not None else then.replace(tzinfo=UTC)
 
 
+def _own_event(event: EventJson, *, uid: str | None, created_at: str | None) -> bool:
+    if uid and (recorded_for := event.get("uid")):
+        return recorded_for == uid
+    return not created_at or _time(event["time"]) >= _time(created_at)
+
+
 def describe(obj: ObjectJson, events: Sequence[EventJson], *, now: datetime) -> str:
     """`obj`'s page, with those of `events` (its kind's and name's) that are its own.
 
-    Events name their object by kind and name only, so those of an earlier object of
-    the same name (deleted, then created again) come too: the ones recorded before
-    this object's creation are left out, as kubectl shows an object's events by uid.
+    Those of an earlier object of the same name (deleted, then created again) come
+    too, and are left out as kubectl leaves them out, by uid: an event that carries one
+    is shown when it is this object's. One without (its recorder did not know the
+    object, or an older daemon stored it) is shown when it was recorded since this
+    object's creation.
     """
     meta = obj["metadata"]
-    if created_at := meta.get("creationTimestamp"):
-        events = [e for e in events if _time(e["time"]) >= _time(created_at)]
+    uid, created_at = meta.get("uid"), meta.get("creationTimestamp")
+    events = [e for e in events if _own_event(e, uid=uid, created_at=created_at)]
     labels = ", ".join(f"{k}={v}" for k, v in meta.get("labels", {}).items()) or "<none>"
     created = meta.get("creationTimestamp")
     observed = obj.get("status", {}).get("observedGeneration")

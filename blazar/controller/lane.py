@@ -188,6 +188,10 @@ class LaneReconciler:
         self._probed: dict[str, Upstream] = {}
         # Upstream Lanes' probes failed in a row, by Lane: their back-off.
         self._failures: dict[str, int] = {}
+        # The uid of the Lane each name was last reconciled as, for its events: a Lane
+        # deleted and created again may be applied while the old one's replicas stop,
+        # and those stops are the old Lane's.
+        self._uids: dict[str, str] = {}
         self._store = store
         self._processes = processes
         self._clock = clock
@@ -217,8 +221,10 @@ class LaneReconciler:
             await self._discard_kv(name)
             self._failures.pop(name, None)
             await self._probing(name, None)
+            self._uids.pop(name, None)
             return Result()
         assert isinstance(lane, Lane)
+        self._uids[name] = lane.metadata.uid or ""
         if lane.spec.engine == "upstream" and lane.spec.upstream is not None:
             return await self._reconcile_upstream(lane)
         self._failures.pop(name, None)
@@ -528,5 +534,10 @@ class LaneReconciler:
 
     def _event(self, name: str, type_: str, reason: str, message: str) -> None:
         self._store.record_event(
-            kind=Kind.LANE.value, name=name, type=type_, reason=reason, message=message
+            kind=Kind.LANE.value,
+            name=name,
+            type=type_,
+            reason=reason,
+            message=message,
+            uid=self._uids.get(name, ""),
         )

@@ -93,6 +93,7 @@ class ModelReconciler:
                     type="Warning",
                     reason=err.reason,
                     message=err.message,
+                    uid=model.metadata.uid or "",
                 )
             retry = err.reason in ("FileNotFound", "PackageNotInstalled")
             return Result(requeue_after=MISSING_FILE_POLL_S if retry else None)
@@ -116,6 +117,7 @@ class ModelReconciler:
                 type="Normal",
                 reason="ModelReady",
                 message=message,
+                uid=model.metadata.uid or "",
             )
         return Result()
 

@@ -57,7 +57,7 @@ def _dump(obj: kinds.Resource, live: LiveStatus | None = None) -> str:
 def _event(e: Event) -> control_pb2.Event:
     return control_pb2.Event(
         time=e.time.isoformat(), type=e.type, reason=e.reason, kind=e.kind, name=e.name,
-        message=e.message,
+        message=e.message, uid=e.uid,
     )  # fmt: skip
 
 

@@ -77,6 +77,10 @@ class Event:
     kind: str
     name: str
     message: str
+    # The uid of the object it is about, as Kubernetes' involvedObject.uid: a later
+    # object of the same name is another object. Empty when the recorder did not know
+    # it (and in events stored before it was kept).
+    uid: str = ""
 
 
 # A host's own rules on objects about to be applied, as a Kubernetes validating
@@ -115,7 +119,7 @@ class Store(Protocol):
     def update_status(self, kind: Kind, name: str, status: ObjectStatus) -> Resource | None: ...
 
     def record_event(
-        self, *, kind: str, name: str, type: str, reason: str, message: str
+        self, *, kind: str, name: str, type: str, reason: str, message: str, uid: str = ""
     ) -> Event: ...
 
     def events(
@@ -331,7 +335,9 @@ class TransactionalStore(abc.ABC):
             self._notify([WatchEvent(WatchType.MODIFIED, updated, version, status_only=True)])
             return updated
 
-    def record_event(self, *, kind: str, name: str, type: str, reason: str, message: str) -> Event:
+    def record_event(
+        self, *, kind: str, name: str, type: str, reason: str, message: str, uid: str = ""
+    ) -> Event:
         if type not in EVENT_TYPES:
             raise errors.InvalidRequest(f'event type must be "Normal" or "Warning", not "{type}"')
         event = Event(
@@ -341,6 +347,7 @@ class TransactionalStore(abc.ABC):
             kind=clip.clip(kind, clip.NAME_CHARS),
             name=clip.clip(name, clip.NAME_CHARS),
             message=clip.clip(message, clip.EVENT_CHARS),
+            uid=clip.clip(uid, clip.NAME_CHARS),
         )
         with self._lock:
             self._append_event(event)

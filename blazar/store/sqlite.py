@@ -52,7 +52,8 @@ CREATE TABLE IF NOT EXISTS events (
     reason TEXT NOT NULL,
     kind TEXT NOT NULL,
     name TEXT NOT NULL,
-    message TEXT NOT NULL
+    message TEXT NOT NULL,
+    uid TEXT NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS events_by_object ON events (kind, name, id);
 PRAGMA user_version = 1;
@@ -129,8 +130,8 @@ class SQLiteStore(TransactionalStore):
     def _append_event(self, event: Event) -> None:
         with self._transaction() as db:
             cursor = db.execute(
-                "INSERT INTO events (time, type, reason, kind, name, message) "
-                "VALUES (?, ?, ?, ?, ?, ?)",
+                "INSERT INTO events (time, type, reason, kind, name, message, uid) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?)",
                 (
                     event.time.isoformat(),
                     event.type,
@@ -138,6 +139,7 @@ class SQLiteStore(TransactionalStore):
                     event.kind,
                     event.name,
                     event.message,
+                    event.uid,
                 ),
             )
             # Ids only grow (the oldest rows are the ones deleted), so the newest
@@ -148,7 +150,7 @@ class SQLiteStore(TransactionalStore):
 
     def _load_events(self, kind: str | None, name: str | None, limit: int) -> builtins.list[Event]:
         rows = self._db.execute(
-            "SELECT time, type, reason, kind, name, message FROM events "
+            "SELECT time, type, reason, kind, name, message, uid FROM events "
             "WHERE (?1 IS NULL OR kind = ?1) AND (?2 IS NULL OR name = ?2) "
             "ORDER BY id DESC LIMIT ?3",
             (kind, name, limit),
@@ -161,8 +163,9 @@ class SQLiteStore(TransactionalStore):
                 kind=kind_,
                 name=name_,
                 message=message,
+                uid=uid,
             )
-            for time, type_, reason, kind_, name_, message in reversed(rows)
+            for time, type_, reason, kind_, name_, message, uid in reversed(rows)
         ]
 
     def close(self) -> None:
@@ -180,6 +183,9 @@ def _open(path: Path) -> tuple[sqlite3.Connection, int]:
         db.execute("PRAGMA journal_mode=WAL")
         db.execute("PRAGMA synchronous=NORMAL")
         db.executescript(_SCHEMA)
+        columns = {row[1] for row in db.execute("PRAGMA table_info(events)")}
+        if "uid" not in columns:  # a store written before events kept their object's uid
+            db.execute("ALTER TABLE events ADD COLUMN uid TEXT NOT NULL DEFAULT ''")
         (ok,) = db.execute("PRAGMA quick_check").fetchone()
         if ok != "ok":
             raise sqlite3.DatabaseError(f"quick_check: {ok}")

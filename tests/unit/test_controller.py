@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import os
 import threading
 from collections.abc import Callable
@@ -623,3 +624,46 @@ def test_model_reconciler_reinspects_a_status_without_the_fit_figures(tmp_path: 
     store.update_status(Kind.MODEL, "m", old)
     asyncio.run(rec.reconcile("m"))
     assert model_status(store).status.parameters["repacked_bytes"] == "0"
+
+
+def test_describe_of_a_lane_created_again_while_its_old_replicas_stop_shows_its_own() -> None:
+    """A Lane deleted and applied again at once: the reconciler is still stopping the
+    deleted Lane's replicas (each drains for up to its grace) when the new one is
+    created, so those stops are recorded after the new Lane's creation. They are the
+    deleted Lane's (its uid), and the new Lane's page leaves them out; `events --for`
+    lists them all."""
+    from blazar.cli import observe, printers
+    from blazar.dataplane import control
+
+    clock, store, procs, rec = lane_world()
+    ready_model(store, clock)
+    apply(store, LANE)
+    asyncio.run(rec.reconcile("l"))
+    procs.set_state("l", 0, ReplicaState.READY)
+    procs.set_state("l", 1, ReplicaState.READY)
+    asyncio.run(rec.reconcile("l"))
+    first = store.get(Kind.LANE, "l")
+    assert first is not None
+
+    stop = procs.stop
+
+    async def stop_while_applied_again(lane: str, index: int) -> None:
+        if store.get(Kind.LANE, "l") is None:  # `blazar apply -f` during the drain
+            clock.tick(0.5)
+            apply(store, LANE)
+            clock.tick(0.5)
+        await stop(lane, index)
+
+    procs.stop = stop_while_applied_again  # type: ignore[method-assign]
+    store.delete(Kind.LANE, "l")
+    asyncio.run(rec.reconcile("l"))
+    asyncio.run(rec.reconcile("l"))
+    second = store.get(Kind.LANE, "l")
+    assert second is not None and second.metadata.uid != first.metadata.uid
+
+    every = [observe.event_json(control._event(e)) for e in store.events(kind="Lane", name="l")]
+    assert [e["reason"] for e in every].count("ReplicaStopped") == 2
+    obj: printers.ObjectJson = json.loads(json.dumps(manifests.to_dict(second)))
+    page = printers.describe(obj, every, now=clock.now).splitlines()
+    shown = [line.split()[2] for line in page[page.index("Events:") + 2 :]]
+    assert shown == ["ReplicaStarting", "ReplicaStarting"]

@@ -370,6 +370,36 @@ def test_events_order_filter_and_limit(store: Store, clock: Clock) -> None:
         store.record_event(kind="Lane", name="x", type="Error", reason="R", message="m")
 
 
+def test_events_keep_the_uid_of_their_object(store: Store) -> None:
+    store.record_event(kind="Lane", name="l", type="Normal", reason="A", message="a", uid="u1")
+    store.record_event(kind="Lane", name="l", type="Normal", reason="B", message="b")
+    assert [(e.reason, e.uid) for e in store.events()] == [("A", "u1"), ("B", "")]
+
+
+def test_a_store_whose_events_have_no_uid_column_gains_it(tmp_path: Path, clock: Clock) -> None:
+    """A home written before events kept their object's uid: its events stay, with
+    none, and new ones keep theirs."""
+    path = tmp_path / "state.db"
+    with sqlite3.connect(path) as db:
+        db.execute(
+            "CREATE TABLE events (id INTEGER PRIMARY KEY, time TEXT NOT NULL, "
+            "type TEXT NOT NULL, reason TEXT NOT NULL, kind TEXT NOT NULL, "
+            "name TEXT NOT NULL, message TEXT NOT NULL)"
+        )
+        db.execute(
+            "INSERT INTO events (time, type, reason, kind, name, message) "
+            "VALUES (?, 'Normal', 'Old', 'Lane', 'l', 'before')",
+            (T0.isoformat(),),
+        )
+    db.close()
+    store = SQLiteStore(path, clock=clock)
+    try:
+        store.record_event(kind="Lane", name="l", type="Normal", reason="New", message="m", uid="u")
+        assert [(e.reason, e.uid) for e in store.events()] == [("Old", ""), ("New", "u")]
+    finally:
+        store.close()
+
+
 def test_events_are_pruned_oldest_first(make_store: MakeStore) -> None:
     store = make_store(max_events=3)
     for i in range(5):

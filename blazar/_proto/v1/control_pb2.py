@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x62lazar/v1/control.proto\x12\tblazar.v1\"L\n\x0c\x41pplyRequest\x12\x14\n\x0cobjects_json\x18\x01 \x03(\t\x12\x0f\n\x07\x64ry_run\x18\x02 \x01(\x08\x12\x15\n\rfield_manager\x18\x03 \x01(\t\"N\n\x0b\x41pplyResult\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0e\n\x06\x61\x63tion\x18\x03 \x01(\t\x12\x13\n\x0bobject_json\x18\x04 \x01(\t\"8\n\rApplyResponse\x12\'\n\x07results\x18\x01 \x03(\x0b\x32\x16.blazar.v1.ApplyResult\"(\n\nGetRequest\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\"\"\n\x0bGetResponse\x12\x13\n\x0bobject_json\x18\x01 \x01(\t\"3\n\x0bListRequest\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x16\n\x0elabel_selector\x18\x02 \x01(\t\">\n\x0cListResponse\x12\x14\n\x0cobjects_json\x18\x01 \x03(\t\x12\x18\n\x10resource_version\x18\x02 \x01(\x03\"+\n\rDeleteRequest\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\"%\n\x0e\x44\x65leteResponse\x12\x13\n\x0bobject_json\x18\x01 \x01(\t\"\x1c\n\x0cWatchRequest\x12\x0c\n\x04kind\x18\x01 \x01(\t\"I\n\nWatchEvent\x12\x0c\n\x04type\x18\x01 \x01(\t\x12\x13\n\x0bobject_json\x18\x02 \x01(\t\x12\x18\n\x10resource_version\x18\x03 \x01(\x03\":\n\rEventsRequest\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05limit\x18\x03 \x01(\x05\"`\n\x05\x45vent\x12\x0c\n\x04time\x18\x01 \x01(\t\x12\x0c\n\x04type\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x0c\n\x04kind\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\x12\x0f\n\x07message\x18\x06 \x01(\t\"2\n\x0e\x45ventsResponse\x12 \n\x06\x65vents\x18\x01 \x03(\x0b\x32\x10.blazar.v1.Event\"<\n\x0bLogsRequest\x12\x0c\n\x04lane\x18\x01 \x01(\t\x12\x0f\n\x07replica\x18\x02 \x01(\x05\x12\x0e\n\x06\x66ollow\x18\x03 \x01(\x08\"\x18\n\x08LogChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\"\x0c\n\nTopRequest\"\xae\x01\n\x07LaneTop\x12\x0c\n\x04lane\x18\x01 \x01(\t\x12\x1a\n\x12replicas_reporting\x18\x02 \x01(\x05\x12\x12\n\nslots_busy\x18\x03 \x01(\x05\x12\x13\n\x0bslots_total\x18\x04 \x01(\x05\x12\x0e\n\x06queued\x18\x05 \x01(\x05\x12\x0f\n\x07running\x18\x06 \x01(\x05\x12\x19\n\x11tokens_per_second\x18\x07 \x01(\x01\x12\x14\n\x0cmemory_bytes\x18\x08 \x01(\x03\"0\n\x0bTopResponse\x12!\n\x05lanes\x18\x01 \x03(\x0b\x32\x12.blazar.v1.LaneTop2\xda\x03\n\x07\x43ontrol\x12:\n\x05\x41pply\x12\x17.blazar.v1.ApplyRequest\x1a\x18.blazar.v1.ApplyResponse\x12\x34\n\x03Get\x12\x15.blazar.v1.GetRequest\x1a\x16.blazar.v1.GetResponse\x12\x37\n\x04List\x12\x16.blazar.v1.ListRequest\x1a\x17.blazar.v1.ListResponse\x12=\n\x06\x44\x65lete\x12\x18.blazar.v1.DeleteRequest\x1a\x19.blazar.v1.DeleteResponse\x12\x39\n\x05Watch\x12\x17.blazar.v1.WatchRequest\x1a\x15.blazar.v1.WatchEvent0\x01\x12=\n\x06\x45vents\x12\x18.blazar.v1.EventsRequest\x1a\x19.blazar.v1.EventsResponse\x12\x35\n\x04Logs\x12\x16.blazar.v1.LogsRequest\x1a\x13.blazar.v1.LogChunk0\x01\x12\x34\n\x03Top\x12\x15.blazar.v1.TopRequest\x1a\x16.blazar.v1.TopResponseB#Z!blazar.dev/api/blazar/v1;blazarv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x62lazar/v1/control.proto\x12\tblazar.v1\"L\n\x0c\x41pplyRequest\x12\x14\n\x0cobjects_json\x18\x01 \x03(\t\x12\x0f\n\x07\x64ry_run\x18\x02 \x01(\x08\x12\x15\n\rfield_manager\x18\x03 \x01(\t\"N\n\x0b\x41pplyResult\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0e\n\x06\x61\x63tion\x18\x03 \x01(\t\x12\x13\n\x0bobject_json\x18\x04 \x01(\t\"8\n\rApplyResponse\x12\'\n\x07results\x18\x01 \x03(\x0b\x32\x16.blazar.v1.ApplyResult\"(\n\nGetRequest\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\"\"\n\x0bGetResponse\x12\x13\n\x0bobject_json\x18\x01 \x01(\t\"3\n\x0bListRequest\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x16\n\x0elabel_selector\x18\x02 \x01(\t\">\n\x0cListResponse\x12\x14\n\x0cobjects_json\x18\x01 \x03(\t\x12\x18\n\x10resource_version\x18\x02 \x01(\x03\"+\n\rDeleteRequest\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\"%\n\x0e\x44\x65leteResponse\x12\x13\n\x0bobject_json\x18\x01 \x01(\t\"\x1c\n\x0cWatchRequest\x12\x0c\n\x04kind\x18\x01 \x01(\t\"I\n\nWatchEvent\x12\x0c\n\x04type\x18\x01 \x01(\t\x12\x13\n\x0bobject_json\x18\x02 \x01(\t\x12\x18\n\x10resource_version\x18\x03 \x01(\x03\":\n\rEventsRequest\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05limit\x18\x03 \x01(\x05\"m\n\x05\x45vent\x12\x0c\n\x04time\x18\x01 \x01(\t\x12\x0c\n\x04type\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x0c\n\x04kind\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\x12\x0f\n\x07message\x18\x06 \x01(\t\x12\x0b\n\x03uid\x18\x07 \x01(\t\"2\n\x0e\x45ventsResponse\x12 \n\x06\x65vents\x18\x01 \x03(\x0b\x32\x10.blazar.v1.Event\"<\n\x0bLogsRequest\x12\x0c\n\x04lane\x18\x01 \x01(\t\x12\x0f\n\x07replica\x18\x02 \x01(\x05\x12\x0e\n\x06\x66ollow\x18\x03 \x01(\x08\"\x18\n\x08LogChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\"\x0c\n\nTopRequest\"\xae\x01\n\x07LaneTop\x12\x0c\n\x04lane\x18\x01 \x01(\t\x12\x1a\n\x12replicas_reporting\x18\x02 \x01(\x05\x12\x12\n\nslots_busy\x18\x03 \x01(\x05\x12\x13\n\x0bslots_total\x18\x04 \x01(\x05\x12\x0e\n\x06queued\x18\x05 \x01(\x05\x12\x0f\n\x07running\x18\x06 \x01(\x05\x12\x19\n\x11tokens_per_second\x18\x07 \x01(\x01\x12\x14\n\x0cmemory_bytes\x18\x08 \x01(\x03\"0\n\x0bTopResponse\x12!\n\x05lanes\x18\x01 \x03(\x0b\x32\x12.blazar.v1.LaneTop2\xda\x03\n\x07\x43ontrol\x12:\n\x05\x41pply\x12\x17.blazar.v1.ApplyRequest\x1a\x18.blazar.v1.ApplyResponse\x12\x34\n\x03Get\x12\x15.blazar.v1.GetRequest\x1a\x16.blazar.v1.GetResponse\x12\x37\n\x04List\x12\x16.blazar.v1.ListRequest\x1a\x17.blazar.v1.ListResponse\x12=\n\x06\x44\x65lete\x12\x18.blazar.v1.DeleteRequest\x1a\x19.blazar.v1.DeleteResponse\x12\x39\n\x05Watch\x12\x17.blazar.v1.WatchRequest\x1a\x15.blazar.v1.WatchEvent0\x01\x12=\n\x06\x45vents\x12\x18.blazar.v1.EventsRequest\x1a\x19.blazar.v1.EventsResponse\x12\x35\n\x04Logs\x12\x16.blazar.v1.LogsRequest\x1a\x13.blazar.v1.LogChunk0\x01\x12\x34\n\x03Top\x12\x15.blazar.v1.TopRequest\x1a\x16.blazar.v1.TopResponseB#Z!blazar.dev/api/blazar/v1;blazarv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -58,19 +58,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_EVENTSREQUEST']._serialized_start=638
   _globals['_EVENTSREQUEST']._serialized_end=696
   _globals['_EVENT']._serialized_start=698
-  _globals['_EVENT']._serialized_end=794
-  _globals['_EVENTSRESPONSE']._serialized_start=796
-  _globals['_EVENTSRESPONSE']._serialized_end=846
-  _globals['_LOGSREQUEST']._serialized_start=848
-  _globals['_LOGSREQUEST']._serialized_end=908
-  _globals['_LOGCHUNK']._serialized_start=910
-  _globals['_LOGCHUNK']._serialized_end=934
-  _globals['_TOPREQUEST']._serialized_start=936
-  _globals['_TOPREQUEST']._serialized_end=948
-  _globals['_LANETOP']._serialized_start=951
-  _globals['_LANETOP']._serialized_end=1125
-  _globals['_TOPRESPONSE']._serialized_start=1127
-  _globals['_TOPRESPONSE']._serialized_end=1175
-  _globals['_CONTROL']._serialized_start=1178
-  _globals['_CONTROL']._serialized_end=1652
+  _globals['_EVENT']._serialized_end=807
+  _globals['_EVENTSRESPONSE']._serialized_start=809
+  _globals['_EVENTSRESPONSE']._serialized_end=859
+  _globals['_LOGSREQUEST']._serialized_start=861
+  _globals['_LOGSREQUEST']._serialized_end=921
+  _globals['_LOGCHUNK']._serialized_start=923
+  _globals['_LOGCHUNK']._serialized_end=947
+  _globals['_TOPREQUEST']._serialized_start=949
+  _globals['_TOPREQUEST']._serialized_end=961
+  _globals['_LANETOP']._serialized_start=964
+  _globals['_LANETOP']._serialized_end=1138
+  _globals['_TOPRESPONSE']._serialized_start=1140
+  _globals['_TOPRESPONSE']._serialized_end=1188
+  _globals['_CONTROL']._serialized_start=1191
+  _globals['_CONTROL']._serialized_end=1665
 # @@protoc_insertion_point(module_scope)

@@ -106,20 +106,22 @@ class EventsRequest(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., name: _Optional[str] = ..., limit: _Optional[int] = ...) -> None: ...
 
 class Event(_message.Message):
-    __slots__ = ("time", "type", "reason", "kind", "name", "message")
+    __slots__ = ("time", "type", "reason", "kind", "name", "message", "uid")
     TIME_FIELD_NUMBER: _ClassVar[int]
     TYPE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    UID_FIELD_NUMBER: _ClassVar[int]
     time: str
     type: str
     reason: str
     kind: str
     name: str
     message: str
-    def __init__(self, time: _Optional[str] = ..., type: _Optional[str] = ..., reason: _Optional[str] = ..., kind: _Optional[str] = ..., name: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+    uid: str
+    def __init__(self, time: _Optional[str] = ..., type: _Optional[str] = ..., reason: _Optional[str] = ..., kind: _Optional[str] = ..., name: _Optional[str] = ..., message: _Optional[str] = ..., uid: _Optional[str] = ...) -> None: ...
 
 class EventsResponse(_message.Message):
     __slots__ = ("events",)
