@@ -351,7 +351,11 @@ def build_parser() -> argparse.ArgumentParser:
     apply.set_defaults(func=cmd_apply)
 
     diff = sub.add_parser(
-        "diff", help="show what apply would change (exit 0: nothing, 1: changes, 2: error)"
+        "diff",
+        help="show what apply would change (exit 0: nothing, 1: changes, 2: error)",
+        description="Show what apply would change, as a unified diff of the live objects "
+        "and the manifests. Exit status 0: nothing would change, 1: something would, "
+        "2: an error (as kubectl diff).",
     )
     diff.add_argument("-f", "--filename", required=True, action="append", help=FILENAME_HELP)
     diff.set_defaults(func=cmd_diff, error_status=2)

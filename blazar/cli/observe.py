@@ -141,6 +141,8 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     events.add_argument(
         "--for", dest="for_", metavar="KIND/NAME", help="only this object's events (lane/gemma3)"
     )
-    events.add_argument("--limit", type=int, default=200)
+    events.add_argument(
+        "--limit", type=int, default=200, help="at most this many of the newest (default 200)"
+    )
     events.add_argument("-o", "--output", choices=["json"])
     events.set_defaults(func=cmd_events)
