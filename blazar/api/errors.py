@@ -223,8 +223,9 @@ class QueueFull(Overloaded):
 
     @classmethod
     def of(cls, *, lane: str, policy: str, max_queue_depth: int, retry_after_s: float) -> QueueFull:
+        requests = "request" if max_queue_depth == 1 else "requests"
         return cls(
-            f"Lane '{lane}' already has {max_queue_depth} requests waiting under SLOPolicy "
+            f"Lane '{lane}' already has {max_queue_depth} {requests} waiting under SLOPolicy "
             f"'{policy}' (its maxQueueDepth); retry in {retry_after_s:.1f} s.",
             metadata={
                 "lane": lane,

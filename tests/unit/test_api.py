@@ -255,6 +255,11 @@ def test_an_unknown_field_named_nothing_still_has_a_path() -> None:
             "already has 32 requests waiting under SLOPolicy 'p'",
         ),
         (
+            errors.QueueFull.of(lane="g", policy="p", max_queue_depth=1, retry_after_s=0.8),
+            {"lane": "g", "policy": "p", "max_queue_depth": "1", "retry_after_ms": "800"},
+            "already has 1 request waiting under SLOPolicy 'p'",
+        ),
+        (
             errors.QueueTimeout.of(
                 lane="g", policy="p", waited_s=0.0, max_queue_wait_s=0.0, retry_after_s=2.5
             ),
