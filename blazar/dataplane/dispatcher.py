@@ -679,8 +679,26 @@ class LaneDispatcher:
         for refusal in self._queue.expire(now=now, view=self._view()):
             pending = self._pending.pop(refusal.ticket.id, None)
             if pending is not None:
+                self._late(pending, refusal, now)
                 self._refuse(pending, refusal)
         self._gauge()
+
+    def _late(self, pending: _Pending, refusal: admission.Refuse, now: float) -> None:
+        """A ticket that admission had wait for a busy slot, refused now as predicted to
+        miss its target: the forecast it waited on came late, by at least what the
+        forecast says now (its first token would come then, or later) over what it
+        said at its arrival. Counted as a wait measured, as a first token after a wait
+        is (`_start`): the lateness read from the waits that ended well only would
+        leave out the latest ones. Not when later work overtook it."""
+        if (
+            refusal.reason != admission.Reason.SLO_UNATTAINABLE
+            or not pending.waits
+            or pending.predicted_ttft_s is None
+            or self._started_seq > pending.seq
+        ):
+            return
+        at_least = max(now - refusal.ticket.arrived, refusal.predicted_ttft_s or 0.0)
+        self.measurements.record_wait(predicted_s=pending.predicted_ttft_s, measured_s=at_least)
 
     def _start(self, decision: admission.Dispatch, now: float, *, preempting: bool = False) -> None:
         """Start a fresh ticket (`preempting`: in the slot of a generation parked for it).

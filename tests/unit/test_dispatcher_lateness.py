@@ -11,8 +11,10 @@ from collections.abc import Awaitable, Callable
 import pytest
 
 from blazar._proto.v1 import inference_pb2
+from blazar.api import errors
 from blazar.dataplane import admission, routing
 from blazar.dataplane.dispatcher import LaneDispatcher, Run
+from blazar.dataplane.measurements import LATENESS_MAX
 from blazar.dataplane.parking import Parked
 from tests.dispatching import one_slot_route
 
@@ -147,3 +149,30 @@ def test_a_request_parked_before_its_first_token_no_longer_measures_the_forecast
         assert second.wait_forecast_s is None
 
     scenario(body)
+
+
+def test_a_waiting_request_refused_as_late_measures_the_forecast_too() -> None:
+    """w (same priority as the batch run: nothing to park) is forecast to meet its 2 s
+    target by waiting for a's slot; then the batch policy measures ten times slower, and
+    w is refused as predicted to miss. The forecast it waited on was that much late:
+    the lateness counts it, as it counts the waits that end in a first token."""
+    rejecting = admission.Policy(
+        name="rejecting", priority=0, ttft_target_s=2.0, max_queue_depth=8, reject_early=True
+    )
+
+    async def body(dispatcher: LaneDispatcher) -> None:
+        await admitted(dispatcher, ticket("a", BATCH, max_tokens=11))
+        waiting = asyncio.create_task(admitted(dispatcher, ticket("w", rejecting, max_tokens=5)))
+        await until(lambda: dispatcher.queued() == {"rejecting": 1}, "w queued")
+        for _ in range(20):
+            slow = inference_pb2.Final(
+                usage=inference_pb2.Usage(prompt_tokens=100, completion_tokens=11),
+                timings=inference_pb2.Timings(prefill_ms=10.0, decode_ms=10_000.0),
+            )
+            dispatcher.measurements.record(0, slow, prompt_chars=400, policy=BATCH.name)
+        dispatcher.update(one_slot_route())  # any event: admission decides again
+        with pytest.raises(errors.SloUnattainable):
+            await asyncio.wait_for(waiting, 1.0)
+
+    # About 1 s forecast at its arrival, several seconds at its refusal: past the bound.
+    assert scenario(body).measurements.lateness == LATENESS_MAX
