@@ -36,7 +36,7 @@ from typing import Any
 
 import structlog
 
-from blazar.api import errors, replicas
+from blazar.api import errors, prefill, replicas
 from blazar.engine import (
     batching,
     cpushare,
@@ -415,7 +415,8 @@ class DecodeLoop:
         slot.prompt_len = len(gen.job.prompt)
 
     def _step(self, runtime: llama.Runtime) -> None:
-        """One batch: decode tokens first, then prefill chunks (oldest job first)."""
+        """One batch: decode tokens first, then prefill chunks: short prompts first,
+        then the others, oldest job first within each (`api.prefill`)."""
         for slot in self._active():
             assert slot.gen is not None
             if slot.gen.job.cancelled:
@@ -436,6 +437,8 @@ class DecodeLoop:
                 want if want.decode or want.slot in favoured else replace(want, prefill=0)
                 for want in (self._want(slot) for slot in active)
             ]
+        # Stable: oldest first within short prompts and within the rest.
+        wants.sort(key=lambda want: not (not want.decode and prefill.short(want.prefill)))
         pieces = batching.plan_step(
             wants,
             max_tokens=runtime.n_batch,

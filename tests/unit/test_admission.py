@@ -1592,6 +1592,29 @@ def test_a_run_still_prefilling_delays_a_new_start(running: Running, ttft: float
     )
 
 
+@pytest.mark.parametrize(
+    ("running_kv", "prompt", "ttft"),
+    [
+        # A long prompt due in 2 s: a short one (`api.prefill`) goes before it.
+        (600, 10, 0.01),
+        # ... a long one after it.
+        (600, 100, 2.1),
+        # A short one due in 2 s: a short one waits for it, as any does.
+        (10, 10, 2.01),
+        (10, 100, 2.1),
+    ],
+)
+def test_a_short_prompt_waits_only_behind_short_ones(
+    running_kv: int, prompt: int, ttft: float
+) -> None:
+    """The engine prefills prompts of at most 64 tokens before longer ones (`api.prefill`):
+    so does the forecast's prefill line."""
+    running = replace(prefilling("p", 2.0), kv_tokens=running_kv)
+    view = lane(replica(running, slots=3))
+    queue = LaneQueue()
+    assert queue.arrive(ticket("t", prompt=prompt), now=0, view=view) == Admit(pytest.approx(ttft))
+
+
 def test_a_run_still_prefilling_frees_its_slot_after_its_first_token_and_decode() -> None:
     """0.3 s to its first token, then 100 tokens at 0.02 s: the ticket behind it
     starts at 2.3 s and its prompt takes 0.1 s."""

@@ -425,7 +425,8 @@ def test_a_prompt_that_waits_behind_another_reports_the_wait_apart_from_its_pref
     chunks fill the step waits for them. Its prefill_ms counts from the first step that
     carries its own prompt, and the wait before it is prefill_wait_ms. On a clock that
     moves one second per decode step: "long" (two full chunks) starts alone; "short"
-    starts during its first step, gets no room in its second, and goes in the third."""
+    (100 tokens: not short enough to go first, `api.prefill`) starts during its first
+    step, gets no room in its second, and goes in the third."""
     clock = [100.0]  # perf_counter: 0.0 means "not yet" to a generation
     monkeypatch.setattr(loop.time, "perf_counter", lambda: clock[0])
     short: list[Events] = []
@@ -434,7 +435,7 @@ def test_a_prompt_that_waits_behind_another_reports_the_wait_apart_from_its_pref
         def step(number: int) -> None:
             clock[0] += 1.0
             if number == 1:
-                j, events = job([3] * 50, max_tokens=2, name="short")
+                j, events = job([3] * 100, max_tokens=2, name="short")
                 short.append(events)
                 decode.submit(j)
 
@@ -540,3 +541,34 @@ def test_drafts_yield_to_the_short_prompt_not_to_a_long_one_waiting_before_it(
     finished = busy_events.last
     assert isinstance(finished, jobs.Finished)
     assert finished.completion_tokens == 120 and finished.drafted_tokens > 60
+
+
+def test_a_short_prompt_is_prefilled_before_an_older_long_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Beside a decoding stream a step takes at most `loop.PREFILL_BESIDE_DECODE`
+    prompt tokens: a 600-token prompt needs five such steps. A 3-token prompt that
+    comes after it does not wait for all five (`api.prefill`): its request is done
+    before the long prompt's first token."""
+    ended: list[str] = []
+    with running(monkeypatch, slots=3, context=1024) as (decode, runtime):
+        busy, busy_events = job([1, 2, 3], max_tokens=60, name="busy")
+        long, long_events = job([4 + k % 6 for k in range(600)], max_tokens=2, name="long")
+        short, short_events = job([5, 6, 7], max_tokens=2, name="short")
+
+        def submit_at(step: int) -> None:
+            if step == 3:
+                decode.submit(long)
+            if step == 5:
+                decode.submit(short)
+            for name, events in (("long", long_events), ("short", short_events)):
+                if events.ended.is_set() and name not in ended:
+                    ended.append(name)
+
+        runtime.before_decode = submit_at
+        decode.submit(busy)
+        for events in (busy_events, long_events, short_events):
+            assert events.ended.wait(10)
+    assert ended[0] == "short"
+    for events in (busy_events, long_events, short_events):
+        assert isinstance(events.last, jobs.Finished)

@@ -70,8 +70,10 @@ Forecast. Every decision reads one simulation of the Lane from `now`, in ticket 
   generation (`Resume`) takes only a slot of its own replica and costs its remaining
   decode time.
 - The prefill line: an engine prefills the prompts of new requests one after another
-  (its batch takes the prompts' chunks in order of start), so of k prompts started
-  together on a replica the k-th has its first token after the k - 1 before it. Each
+  (its batch takes the prompts' chunks in order of start, a short prompt's before
+  longer ones, `api.prefill`), so of k prompts started together on a replica the k-th
+  has its first token after the k - 1 before it; a short prompt, after the short ones
+  only. Each
   replica's prompts form one line in the forecast. A prompt holds the line for the
   last part of its prefill, its `line_share` (measured: how soon after the first token
   of the prompt ahead a queued prompt's own came, over its prefill; 1, the whole

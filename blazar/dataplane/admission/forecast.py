@@ -10,6 +10,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from blazar.api import prefill as prefill_order
 from blazar.dataplane.admission.terms import (
     RETRY_AFTER_MAX_S,
     RETRY_AFTER_MIN_S,
@@ -213,8 +214,9 @@ class _Simulation:
         self.held: Counter[tuple[int, str]] = Counter()
         self.holding: Counter[tuple[int, str]] = Counter()
         # By replica index, its prefill line: when (seconds from now) the prompts
-        # given to it are prefilled, (start, first token) each, in time order.
-        self.line: dict[int, list[tuple[float, float]]] = {}
+        # given to it are prefilled, (start, first token, short) each, in time order;
+        # a short prompt (`api.prefill`) waits only behind short ones.
+        self.line: dict[int, list[tuple[float, float, bool]]] = {}
         # By replica index, whether nothing runs there and the forecast has given it
         # nothing yet: a prompt started there now has its steps to itself.
         self.quiet: dict[int, bool] = {}
@@ -224,9 +226,22 @@ class _Simulation:
             self.parked[replica.index] = replica.parked_bytes
             self.batch[replica.index] = _batch(replica, waiting)
             # The prompts its runs prefill now, one after another: busy until the last
-            # one's first token.
-            prefilling = max((r.prefill_left_s for r in replica.running), default=0.0)
-            self.line[replica.index] = [(0.0, prefilling)] if prefilling > 0 else []
+            # one's first token, for short prompts until the last short one's.
+            self.line[replica.index] = sorted(
+                (0.0, left, is_short)
+                for is_short in (False, True)
+                if (
+                    left := max(
+                        (
+                            r.prefill_left_s
+                            for r in replica.running
+                            if prefill_order.short(r.kv_tokens) == is_short
+                        ),
+                        default=0.0,
+                    )
+                )
+                > 0
+            )
             for position, run in enumerate(replica.running):
                 decode = self.decode_s(replica, run.tokens_left, run.rate)
                 free_at = run.prefill_left_s + decode
@@ -243,17 +258,20 @@ class _Simulation:
         at `rate` when the request's policy has measured one."""
         return replica.decode_s(tokens, batch=self.batch[replica.index], rate=rate)
 
-    def line_wait_s(self, replica: ReplicaView, start_s: float, prefill_s: float) -> float:
+    def line_wait_s(
+        self, replica: ReplicaView, start_s: float, prefill_s: float, *, short: bool = False
+    ) -> float:
         """How long a prompt started on `replica` at `start_s`, taking `prefill_s`,
         waits for the other prompts on its prefill line: the engine prefills them one
-        after another. The line holds the last `hold_s` of its prefill; that hold goes
-        in the first gap that holds it whole, from where it would begin unhindered
-        (the forecast hands out slots in ticket order, not in time order, so a ticket
-        later in the order may start before prompts given to the line already)."""
+        after another, a `short` one only after short ones (`api.prefill`). The line
+        holds the last `hold_s` of its prefill; that hold goes in the first gap that
+        holds it whole, from where it would begin unhindered (the forecast hands out
+        slots in ticket order, not in time order, so a ticket later in the order may
+        start before prompts given to the line already)."""
         hold = self.hold_s(replica, prefill_s)
         at = start_s + prefill_s - hold
-        for begin, end in self.line[replica.index]:
-            if end <= at:
+        for begin, end, is_short in self.line[replica.index]:
+            if end <= at or (short and not is_short):
                 continue
             if begin >= at + hold:
                 break
@@ -265,12 +283,14 @@ class _Simulation:
         """The part of a prefill of `prefill_s` that the replica's line holds alone."""
         return prefill_s * min(max(replica.line_share, 0.0), 1.0)
 
-    def prefill(self, replica: ReplicaView, *, prefill_s: float, first_token_s: float) -> None:
+    def prefill(
+        self, replica: ReplicaView, *, prefill_s: float, first_token_s: float, short: bool
+    ) -> None:
         """A prompt on `replica` whose prefill takes `prefill_s` holds its prefill line
         for the last `hold_s` of it, up to its first token."""
         hold = self.hold_s(replica, prefill_s)
         if hold > 0:
-            bisect.insort(self.line[replica.index], (first_token_s - hold, first_token_s))
+            bisect.insort(self.line[replica.index], (first_token_s - hold, first_token_s, short))
 
     def allows(self, slot: _Slot, *, policy: str, cap: int | None) -> bool:
         """Whether a request of `policy`, capped at `cap` slots a replica, may take
@@ -330,9 +350,10 @@ class _Simulation:
             bound = replica.parked_bytes_max
             fits = bound > 0 and self.parked[replica.index] + cost <= bound
             prefill = replica.prefill_s(ticket.prompt_tokens)
-            first_token = (
-                replica.park_s + self.line_wait_s(replica, replica.park_s, prefill) + prefill
+            wait = self.line_wait_s(
+                replica, replica.park_s, prefill, short=prefill_order.short(ticket.prompt_tokens)
             )
+            first_token = replica.park_s + wait + prefill
             meets = self.now + first_token <= ticket.deadline and first_token < waiting_s
             if fits and meets:
                 options.append(((run.kv_tokens, run.priority, replica.index, run.id), slot))
@@ -382,6 +403,7 @@ def _fate(entry: Waiting, sim: _Simulation, now: float) -> tuple[Fate, _Slot | N
     pessimistic one, and the prediction callers see stays that estimate."""
     ticket = entry.ticket
     pinned = entry.resume.replica if entry.resume else None
+    short = prefill_order.short(ticket.prompt_tokens)
     slot = sim.slot_for(
         pinned=pinned,
         prefer=ticket.prefer,
@@ -397,14 +419,14 @@ def _fate(entry: Waiting, sim: _Simulation, now: float) -> tuple[Fate, _Slot | N
         alone = slot.idle and sim.quiet[slot.replica.index] and entry.resume is None
         if entry.resume is None:
             prefill = slot.replica.prefill_s(ticket.prompt_tokens, alone=alone)
-            queue = sim.line_wait_s(slot.replica, start, prefill)
+            queue = sim.line_wait_s(slot.replica, start, prefill, short=short)
         may_miss = now + (start + queue + prefill) * sim.lateness > ticket.deadline
         if may_miss and not slot.idle and entry.resume is None:
             parked = sim.victim_for(ticket, waiting_s=start + queue + prefill)
             if parked is not None:
                 slot, victim, start = parked, parked.holder, parked.replica.park_s
                 prefill = slot.replica.prefill_s(ticket.prompt_tokens)
-                queue = sim.line_wait_s(slot.replica, start, prefill)
+                queue = sim.line_wait_s(slot.replica, start, prefill, short=short)
         first_token = start + queue + prefill
         fate = Fate(
             start_s=start,
@@ -485,6 +507,7 @@ def forecast(waiting: list[tuple[Key, Waiting]], *, now: float, view: LaneView) 
                 slot.replica,
                 prefill_s=fate.prefill_s,
                 first_token_s=fate.start_s + fate.queue_s + fate.prefill_s,
+                short=prefill_order.short(item.ticket.prompt_tokens),
             )
         sim.take(
             slot,
