@@ -455,6 +455,39 @@ def test_a_prompt_that_waits_behind_another_reports_the_wait_apart_from_its_pref
     assert second.ttft_ms == 2000.0
 
 
+def long_then_short(
+    decode: loop.DecodeLoop,
+    runtime: FakeRuntime,
+    *,
+    busy_tokens: int,
+    steps: tuple[int, int],
+    tokens: int,
+    tpot_target_s: float | None = None,
+) -> tuple[dict[str, Events], list[str]]:
+    """A stream "busy" decoding, then at `steps` a 600-token prompt "long" and a 3-token
+    one "short" (each generating `tokens`): their events once all have ended, and
+    their names in the order they ended (the last after the last step)."""
+    busy, busy_events = job([1, 2, 3], max_tokens=busy_tokens, name="busy")
+    busy.tpot_target_s = tpot_target_s
+    long, long_events = job([4 + k % 6 for k in range(600)], max_tokens=tokens, name="long")
+    short, short_events = job([5, 6, 7], max_tokens=tokens, name="short")
+    events = {"busy": busy_events, "long": long_events, "short": short_events}
+    ended: list[str] = []
+
+    def submit_at(step: int) -> None:
+        if step == steps[0]:
+            decode.submit(long)
+        if step == steps[1]:
+            decode.submit(short)
+        ended.extend(n for n, e in events.items() if e.ended.is_set() and n not in ended)
+
+    runtime.before_decode = submit_at
+    decode.submit(busy)
+    for e in events.values():
+        assert e.ended.wait(10)
+    return events, ended
+
+
 def priced(runtime: FakeRuntime) -> None:
     """Decodes take time as llama.cpp's do here: 4 ms a logits row, 0.1 ms a token."""
     fake_decode = runtime.decode
@@ -511,34 +544,13 @@ def test_drafts_yield_to_the_short_prompt_not_to_a_long_one_waiting_before_it(
     last. The short prompt's request ends while the stream runs; the long one still
     waits for the stream's end, as it does alone."""
     drafter = FailingDrafter(fail_at=0)
-    ended: list[str] = []
     with running(monkeypatch, slots=3, context=1024, drafter=drafter) as (decode, runtime):
-        busy, busy_events = job([1, 2, 3], max_tokens=120, name="busy")
-        busy.tpot_target_s = 0.020
-        long, long_events = job([4 + k % 6 for k in range(600)], max_tokens=4, name="long")
-        short, short_events = job([5, 6, 7], max_tokens=4, name="short")
-
-        def submit_at(step: int) -> None:
-            if step == 6:
-                decode.submit(long)
-            if step == 8:
-                decode.submit(short)
-            # In the order they ended (the last one ends after the last step).
-            for name, events in (
-                ("busy", busy_events),
-                ("long", long_events),
-                ("short", short_events),
-            ):
-                if events.ended.is_set() and name not in ended:
-                    ended.append(name)
-
         priced(runtime)
-        runtime.before_decode = submit_at
-        decode.submit(busy)
-        for events in (busy_events, long_events, short_events):
-            assert events.ended.wait(10)
+        events, ended = long_then_short(
+            decode, runtime, busy_tokens=120, tpot_target_s=0.020, steps=(6, 8), tokens=4
+        )
     assert ended[:2] == ["short", "busy"]
-    finished = busy_events.last
+    finished = events["busy"].last
     assert isinstance(finished, jobs.Finished)
     assert finished.completion_tokens == 120 and finished.drafted_tokens > 60
 
@@ -550,25 +562,7 @@ def test_a_short_prompt_is_prefilled_before_an_older_long_one(
     prompt tokens: a 600-token prompt needs five such steps. A 3-token prompt that
     comes after it does not wait for all five (`api.prefill`): its request is done
     before the long prompt's first token."""
-    ended: list[str] = []
     with running(monkeypatch, slots=3, context=1024) as (decode, runtime):
-        busy, busy_events = job([1, 2, 3], max_tokens=60, name="busy")
-        long, long_events = job([4 + k % 6 for k in range(600)], max_tokens=2, name="long")
-        short, short_events = job([5, 6, 7], max_tokens=2, name="short")
-
-        def submit_at(step: int) -> None:
-            if step == 3:
-                decode.submit(long)
-            if step == 5:
-                decode.submit(short)
-            for name, events in (("long", long_events), ("short", short_events)):
-                if events.ended.is_set() and name not in ended:
-                    ended.append(name)
-
-        runtime.before_decode = submit_at
-        decode.submit(busy)
-        for events in (busy_events, long_events, short_events):
-            assert events.ended.wait(10)
+        events, ended = long_then_short(decode, runtime, busy_tokens=60, steps=(3, 5), tokens=2)
     assert ended[0] == "short"
-    for events in (busy_events, long_events, short_events):
-        assert isinstance(events.last, jobs.Finished)
+    assert all(isinstance(e.last, jobs.Finished) for e in events.values())
