@@ -196,6 +196,18 @@ def _batch(replica: ReplicaView, waiting: Sequence[Ticket]) -> int:
     return max(1, min(replica.slots, total))
 
 
+def _prefilling(replica: ReplicaView) -> list[tuple[float, float, bool]]:
+    """The prefill line of `replica` as its runs hold it now: they prefill one after
+    another, so it is busy until the last one's first token, and for a short prompt
+    (`api.prefill`) until the last short one's."""
+    line = []
+    for short in (False, True):
+        runs = (r for r in replica.running if prefill_order.short(r.kv_tokens) == short)
+        if (left := max((r.prefill_left_s for r in runs), default=0.0)) > 0:
+            line.append((0.0, left, short))
+    return sorted(line)
+
+
 class _Simulation:
     """The Lane's slots as the forecast hands them out."""
 
@@ -225,23 +237,7 @@ class _Simulation:
             self.load[replica.index] = len(replica.running)
             self.parked[replica.index] = replica.parked_bytes
             self.batch[replica.index] = _batch(replica, waiting)
-            # The prompts its runs prefill now, one after another: busy until the last
-            # one's first token, for short prompts until the last short one's.
-            self.line[replica.index] = sorted(
-                (0.0, left, is_short)
-                for is_short in (False, True)
-                if (
-                    left := max(
-                        (
-                            r.prefill_left_s
-                            for r in replica.running
-                            if prefill_order.short(r.kv_tokens) == is_short
-                        ),
-                        default=0.0,
-                    )
-                )
-                > 0
-            )
+            self.line[replica.index] = _prefilling(replica)
             for position, run in enumerate(replica.running):
                 decode = self.decode_s(replica, run.tokens_left, run.rate)
                 free_at = run.prefill_left_s + decode
