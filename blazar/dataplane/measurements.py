@@ -228,6 +228,32 @@ class _Rates:
         return every
 
 
+@dataclass
+class _PolicyRate:
+    """Seconds of decoding over the tokens decoded, and the batch they decoded at
+    (weighed by the tokens): one moving sum of tokens under both."""
+
+    seconds: _Mean = field(default_factory=_Mean)
+    batch_tokens: _Mean = field(default_factory=_Mean)
+    tokens: _Mean = field(default_factory=_Mean)
+
+    def add(self, *, seconds: float, tokens: int, batch: float) -> None:
+        self.seconds.add(seconds)
+        self.batch_tokens.add(batch * tokens)
+        self.tokens.add(tokens)
+
+    @property
+    def value(self) -> admission.TokenRate | None:
+        seconds, batch_tokens, tokens = (
+            self.seconds.value,
+            self.batch_tokens.value,
+            self.tokens.value,
+        )
+        if seconds is None or batch_tokens is None or not tokens:
+            return None
+        return admission.TokenRate(seconds / tokens, batch_tokens / tokens)
+
+
 def _decode_batch(final: inference_pb2.Final) -> float:
     # An engine that does not report its batch decoded alone as far as we know.
     return final.timings.decode_batch or 1.0
@@ -243,10 +269,8 @@ class LaneMeasurements:
         # By policy: tokens generated over the max_tokens the requests allowed.
         self._share: dict[str, _Ratio] = {}
         self._lane_share = _Ratio()
-        # By policy: seconds of decoding over the tokens decoded, and the batch they
-        # decoded at (weighed by the tokens), where sequences may draft.
-        self._token_s: dict[str, _Ratio] = {}
-        self._token_batch: dict[str, _Ratio] = {}
+        # By policy, its rate where sequences may draft.
+        self._rates: dict[str, _PolicyRate] = {}
         self._chars_per_token = _Ratio()
         # Measured over predicted time to first token of the requests that waited.
         self._lateness = _Quantile(q=LATENESS_QUANTILE, size=LATENESS_WINDOW)
@@ -283,8 +307,8 @@ class LaneMeasurements:
         usual = drafting or draft_batch_max is None
         if policy and usual and decoded > 0 and final.timings.decode_ms > 0:
             seconds = final.timings.decode_ms / 1000.0
-            self._token_s.setdefault(policy, _Ratio()).add(seconds, decoded)
-            self._token_batch.setdefault(policy, _Ratio()).add(batch * decoded, decoded)
+            rate = self._rates.setdefault(policy, _PolicyRate())
+            rate.add(seconds=seconds, tokens=decoded, batch=batch)
         if final.usage.prompt_tokens > 0 and prompt_chars > 0:
             self._chars_per_token.add(prompt_chars, final.usage.prompt_tokens)
 
@@ -356,11 +380,7 @@ class LaneMeasurements:
     def token_rates(self) -> dict[str, admission.TokenRate]:
         """By policy, the seconds per generated token its requests measured, and the
         batch they decoded at."""
-        return {
-            name: admission.TokenRate(seconds, self._token_batch[name].value)
-            for name, ratio in self._token_s.items()
-            if (seconds := ratio.value) is not None
-        }
+        return {name: v for name, rate in self._rates.items() if (v := rate.value) is not None}
 
     @property
     def lane_share(self) -> float | None:
