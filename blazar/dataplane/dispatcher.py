@@ -683,6 +683,12 @@ class LaneDispatcher:
                 self._refuse(pending, refusal)
         self._gauge()
 
+    def _waited_on_forecast(self, pending: _Pending) -> bool:
+        """Whether the ticket waits as admission forecast it at its arrival: for a busy
+        slot, and with no ticket that came to the queue after it started yet (work its
+        forecast could not see)."""
+        return pending.waits and self._started_seq <= pending.seq
+
     def _late(self, pending: _Pending, refusal: admission.Refuse, now: float) -> None:
         """A ticket that admission had wait for a busy slot, refused now as predicted to
         miss its target: the forecast it waited on came late, by at least what the
@@ -692,9 +698,8 @@ class LaneDispatcher:
         leave out the latest ones. Not when later work overtook it."""
         if (
             refusal.reason != admission.Reason.SLO_UNATTAINABLE
-            or not pending.waits
+            or not self._waited_on_forecast(pending)
             or pending.predicted_ttft_s is None
-            or self._started_seq > pending.seq
         ):
             return
         at_least = max(now - refusal.ticket.arrived, refusal.predicted_ttft_s or 0.0)
@@ -716,9 +721,8 @@ class LaneDispatcher:
             self._pending[ticket.id] = pending
             self._queue.requeue(ticket, now=now)
             return
-        overtaken = self._started_seq > pending.seq
+        tests_forecast = not preempting and self._waited_on_forecast(pending)
         self._started_seq = max(self._started_seq, pending.seq)
-        tests_forecast = pending.waits and not preempting and not overtaken
         metrics.QUEUE_WAIT.labels(self.lane, ticket.policy.name).observe(ticket.waited_s)
         run = Run(
             ticket,
