@@ -430,15 +430,16 @@ class DecodeLoop:
             for slot in active:
                 if slot.gen is not None:
                     del slot.gen.feed[1:]
-            budget = self._prefill_budget(active, [self._want(slot) for slot in active])
+            wants = [self._want(slot) for slot in active]
+            budget = self._prefill_budget(active, wants)
             # Only the prompts the drafts gave way to: an older, longer one would
             # take the room first, and the drafts would give way for all its chunks.
             wants = [
                 want if want.decode or want.slot in favoured else replace(want, prefill=0)
-                for want in (self._want(slot) for slot in active)
+                for want in wants
             ]
         # Stable: oldest first within short prompts and within the rest.
-        wants.sort(key=lambda want: not (not want.decode and prefill.short(want.prefill)))
+        wants.sort(key=lambda want: 0 if not want.decode and prefill.short(want.prefill) else 1)
         pieces = batching.plan_step(
             wants,
             max_tokens=runtime.n_batch,
