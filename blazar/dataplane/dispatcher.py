@@ -268,6 +268,9 @@ class LaneDispatcher:
         # By policy, the max_tokens its gate last closed after (`gates`: where the
         # search for the next answer starts).
         self._filling_hints: dict[str, int] = {}
+        # By policy, the prompt tokens and max_tokens of its latest fresh request (what
+        # its gate fills with, `gates`).
+        self._latest: dict[str, tuple[int, int]] = {}
         # The last `_Pending.seq` given, and the highest of the tickets started so far.
         self._seq = 0
         self._started_seq = 0
@@ -471,15 +474,15 @@ class LaneDispatcher:
 
     def gates(
         self, policies: Iterable[admission.Policy], *, spill: bool
-    ) -> dict[str, admission.Refuse | tuple[int, int, admission.Refuse] | None]:
+    ) -> dict[str, admission.Refuse | admission.Filling | None]:
         """By policy name, what admission would answer the smallest request of that
-        policy now (`admission.LaneQueue.gate`): its refusal; or, open because of idle
-        slots, after how many requests of at least how many max_tokens it refuses it
-        (`admission.LaneQueue.filling`); or None."""
+        policy now (`admission.LaneQueue.gate`): its refusal; or, open for now, after
+        how many requests of what sizes it refuses it (`admission.LaneQueue.filling`,
+        for requests like the policy's latest); or None."""
         now = self._clock()
         view = self._view()
         context = self._route.context_length if self._route is not None else 0
-        found: dict[str, admission.Refuse | tuple[int, int, admission.Refuse] | None] = {}
+        found: dict[str, admission.Refuse | admission.Filling | None] = {}
         for policy in policies:
             closed = self._queue.gate(policy, now=now, view=view, spill=spill)
             if closed is None and context > 0:
@@ -490,9 +493,10 @@ class LaneDispatcher:
                     max_tokens=context,
                     spill=spill,
                     hint=self._filling_hints.get(policy.name),
+                    latest=self._latest.get(policy.name),
                 )
-                if filling is not None:
-                    self._filling_hints[policy.name] = filling[1]
+                if filling is not None and not filling.most_max_tokens:
+                    self._filling_hints[policy.name] = filling.max_tokens
                 found[policy.name] = filling
             else:
                 found[policy.name] = closed
@@ -601,6 +605,8 @@ class LaneDispatcher:
             return
         ticket = pending.ticket
         self._policies[ticket.policy.name] = ticket.policy
+        if ticket.spilled_from is None:
+            self._latest[ticket.policy.name] = (ticket.prompt_tokens, ticket.max_tokens)
         self._seq += 1
         pending.seq = self._seq
         decision = self._queue.arrive(ticket, now=now, view=self._view(), spill=pending.spill)

@@ -46,10 +46,10 @@ REFRESH_S = 0.5
 class LaneGates:
     """What one Lane's admission task answers for its gates (`LaneDispatcher.gates`)."""
 
-    # By policy name, the refusal of the smallest request; or (requests, max_tokens,
-    # refusal): refused once that many requests of at least that max_tokens have
-    # arrived (`admission.LaneQueue.filling`); None: open.
-    refusals: Mapping[str, admission.Refuse | tuple[int, int, admission.Refuse] | None]
+    # By policy name, the refusal of the smallest request; or refused once enough
+    # requests of the sizes it says have arrived (`admission.LaneQueue.filling`); None:
+    # open.
+    refusals: Mapping[str, admission.Refuse | admission.Filling | None]
     chars_per_token: float
     # Requests generating on the Lane now: with none, nothing drains while nothing
     # happens, and a filling gate holds until the next message.
@@ -72,11 +72,11 @@ def gate_message(
     lane_policy: bool,
     names: Iterable[str],
     chars_per_token: float,
-    after: tuple[int, int] = (0, 0),
+    after: admission.Filling | None = None,
     drains: bool = True,
 ) -> inference_pb2.AdmissionGate:
     """One closed gate as WatchAdmission lists it: the refusal a request gets; `after`:
-    closed only after that many requests of at least that max_tokens. `drains`: work
+    closed only after the requests it counts. `drains`: work
     runs on the Lane, so an SLO refusal holds only while the work ahead drains by what
     the probe misses its target by; a filling gate on a Lane where nothing runs holds
     until the next message (its refusal is of the requests that will fill it, and
@@ -92,10 +92,14 @@ def gate_message(
         metadata=err.metadata,
         chars_per_token=chars_per_token,
         context_tokens=route.context_length,
-        after_requests=after[0],
-        after_max_tokens=after[1],
     )
-    if refusal.reason == admission.Reason.SLO_UNATTAINABLE and (drains or not after[0]):
+    if after is not None:
+        gate.after_requests = after.requests
+        gate.after_max_tokens = after.max_tokens
+        gate.after_most_max_tokens = after.most_max_tokens
+        gate.after_least_prompt_tokens = after.least_prompt_tokens
+        gate.after_most_prompt_tokens = after.most_prompt_tokens
+    if refusal.reason == admission.Reason.SLO_UNATTAINABLE and (drains or after is None):
         # It holds while the work ahead drains by what the probe misses its target by.
         target = policy.ttft_target_s or 0.0
         predicted = refusal.predicted_ttft_s or 0.0
@@ -272,12 +276,8 @@ class GatePublisher:
             answer = found.refusals.get(name)
             if answer is None:
                 continue
-            after = (0, 0)
-            if isinstance(answer, tuple):
-                requests, max_tokens, refusal = answer
-                after = (requests, max_tokens)
-            else:
-                refusal = answer
+            after = answer if isinstance(answer, admission.Filling) else None
+            refusal = answer.refusal if isinstance(answer, admission.Filling) else answer
             gates.append(
                 gate_message(
                     route,

@@ -87,9 +87,16 @@ class _Gate:
     closed_until: float
     chars_per_token: float
     context_tokens: int
-    # Closed only after this many requests of at least `after_max_tokens` (0: now).
+    # Closed only after this many requests (0: now) of max_tokens of at least
+    # `after_max_tokens` and, where not 0, at most `after_most_max_tokens`, with
+    # `after_least_prompt_tokens` to `after_most_prompt_tokens` prompt tokens as
+    # admission estimates them; and then for requests of at least
+    # `after_least_prompt_tokens` only.
     after_requests: int = 0
     after_max_tokens: int = 0
+    after_most_max_tokens: int = 0
+    after_least_prompt_tokens: int = 0
+    after_most_prompt_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -100,6 +107,7 @@ class _Forwarded:
     slo: str
     # 0: none set.
     max_tokens: int
+    prompt_chars: int
     # On the shim's clock.
     sent_at: float
 
@@ -110,8 +118,13 @@ class _Sent:
     (`after_requests`)."""
 
     count: int = 0
-    # The least max_tokens among them (0: one had none set).
+    # The least and the most max_tokens among them (0: one had none set; the most is
+    # then unbounded), and the least and the most prompt tokens as admission
+    # estimates them.
     least_max_tokens: int = 0
+    most_max_tokens: float = 0
+    least_prompt_tokens: float = math.inf
+    most_prompt_tokens: int = 0
     # The policies they ran under, as the gates name them ("?" + name for others).
     policies: set[str] = field(default_factory=set)
 
@@ -162,6 +175,9 @@ class AdmissionGates:
                 context_tokens=gate.context_tokens,
                 after_requests=gate.after_requests,
                 after_max_tokens=gate.after_max_tokens,
+                after_most_max_tokens=gate.after_most_max_tokens,
+                after_least_prompt_tokens=gate.after_least_prompt_tokens,
+                after_most_prompt_tokens=gate.after_most_prompt_tokens,
             )
             if gate.after_requests:
                 filling.add(gate.lane)
@@ -210,7 +226,9 @@ class AdmissionGates:
         if refused is not None:
             return refused
         max_tokens = request.sampling.max_tokens if request.sampling.HasField("max_tokens") else 0
-        sent = _Forwarded(request.model, request.slo, max_tokens, sent_at=now)
+        sent = _Forwarded(
+            request.model, request.slo, max_tokens, _prompt_chars(request), sent_at=now
+        )
         self._n += 1
         self._unseen[self._n] = sent
         self._count(sent)
@@ -246,11 +264,22 @@ class AdmissionGates:
             return False
         if not gate.after_requests:
             return True
+        least_prompt = gate.after_least_prompt_tokens
+        if least_prompt and _prompt_tokens(_prompt_chars(request), gate) < least_prompt:
+            return False
         sent = self._sent.get(gate.lane)
         return (
             sent is not None
             and sent.count >= gate.after_requests
             and sent.least_max_tokens >= gate.after_max_tokens
+            and sent.least_prompt_tokens >= least_prompt
+            and (
+                not gate.after_most_max_tokens or sent.most_max_tokens <= gate.after_most_max_tokens
+            )
+            and (
+                not gate.after_most_prompt_tokens
+                or sent.most_prompt_tokens <= gate.after_most_prompt_tokens
+            )
             and sent.policies == {gate.policy}
         )
 
@@ -283,6 +312,11 @@ class AdmissionGates:
             found = self._sent[lane] = _Sent(least_max_tokens=sent.max_tokens)
         found.count += 1
         found.least_max_tokens = min(found.least_max_tokens, sent.max_tokens)
+        found.most_max_tokens = max(found.most_max_tokens, sent.max_tokens or math.inf)
+        if gate is not None:
+            tokens = _prompt_tokens(sent.prompt_chars, gate)
+            found.least_prompt_tokens = min(found.least_prompt_tokens, tokens)
+            found.most_prompt_tokens = max(found.most_prompt_tokens, tokens)
         found.policies.add(gate.policy if gate is not None else "?" + sent.slo)
 
     async def follow(self, watch: Watch) -> None:
@@ -301,15 +335,23 @@ class AdmissionGates:
             await asyncio.sleep(RETRY_S)
 
 
+def _prompt_chars(request: Generation) -> int:
+    """The prompt's characters as admission counts them."""
+    if isinstance(request, inference_pb2.CompleteRequest):
+        return len(request.prompt)
+    return sum(len(message.content) for message in request.messages)
+
+
+def _prompt_tokens(chars: int, gate: _Gate) -> int:
+    """A prompt's tokens as admission estimates them from its characters."""
+    ratio = gate.chars_per_token
+    return max(1, math.ceil(chars / ratio)) if ratio > 0 else chars
+
+
 def _fits(request: Generation, gate: _Gate) -> bool:
     """Whether admission would count the request as fitting its Lane's context (else it
     lets it wait, and the engine refuses it as too long)."""
-    if isinstance(request, inference_pb2.CompleteRequest):
-        chars = len(request.prompt)
-    else:
-        chars = sum(len(message.content) for message in request.messages)
-    ratio = gate.chars_per_token
-    prompt_tokens = max(1, math.ceil(chars / ratio)) if ratio > 0 else chars
+    prompt_tokens = _prompt_tokens(_prompt_chars(request), gate)
     return prompt_tokens + (request.sampling.max_tokens or 1) <= gate.context_tokens
 
 

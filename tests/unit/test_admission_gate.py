@@ -301,9 +301,8 @@ def test_filling_names_the_requests_that_close_the_gate() -> None:
     assert queue.idle_for(INTERACTIVE, now=0.0, view=view) == 2
     found = queue.filling(INTERACTIVE, now=0.0, view=view, max_tokens=2048)
     assert found is not None
-    requests, max_tokens, refusal = found
-    assert (requests, max_tokens) == (2, 100)
-    assert refusal.reason == Reason.SLO_UNATTAINABLE
+    assert (found.requests, found.max_tokens, found.most_max_tokens) == (2, 100, 0)
+    assert found.refusal.reason == Reason.SLO_UNATTAINABLE
     # Started from a hint, right or wrong, the same answer.
     for hint in (100, 99, 101, 1, 2048):
         assert queue.filling(INTERACTIVE, now=0.0, view=view, max_tokens=2048, hint=hint) == found
@@ -336,41 +335,130 @@ def test_no_filling(policy: Policy, view: LaneView) -> None:
     assert LaneQueue().filling(policy, now=0.0, view=view, max_tokens=2048) is None
 
 
+# Two idle slots, 0.02 s a token, 1,000 prompt tokens a second, a 2 s target, and room
+# to wait.
+ROOMY = replace(INTERACTIVE, max_queue_depth=8)
+
+
+def test_filling_past_the_idle_slots_counts_the_requests_that_may_wait() -> None:
+    """Requests like the latest (10 prompt tokens, 40 to generate) hold a slot for
+    0.81 s: two take the idle slots, four more wait and meet the target (two turns),
+    and the seventh would not. The idle slots alone close only after requests of 100
+    tokens or more, for a request of any prompt."""
+    view = lane(replica(slots=2))
+    queue = LaneQueue()
+    found = queue.filling(ROOMY, now=0.0, view=view, max_tokens=2048, latest=(10, 40))
+    assert found is not None
+    assert (found.requests, found.max_tokens) == (6, 40)
+    # Sized for exactly its max_tokens and prompts of half to twice its own.
+    assert found.most_max_tokens == 40
+    assert (found.least_prompt_tokens, found.most_prompt_tokens) == (5, 20)
+    assert found.refusal.reason == Reason.SLO_UNATTAINABLE
+    # As arrivals, at once: six of any prompt from 5 to 20 tokens are admitted, the
+    # next of 5 or more is refused; after five, it is admitted.
+    for count, refused in [(6, True), (5, False)]:
+        q = LaneQueue()
+        for i in range(count):
+            t = ticket(f"a{i}", ROOMY, prompt=5 + 15 * (i % 2), max_tokens=40)
+            assert isinstance(q.arrive(t, now=0.0, view=view), Admit)
+        decision = q.arrive(ticket("next", ROOMY, prompt=5, max_tokens=1), now=0.0, view=view)
+        assert isinstance(decision, Refuse) == refused, count
+
+
+def test_filling_for_requests_like_the_latest_counts_their_prompts() -> None:
+    """Two idle slots taken by requests of 99 tokens (1.98 s): the next one with a
+    one-token prompt meets its 2 s target, one with 32 prompt tokens (half the
+    latest's 64) does not. So the gate closes after the two, for requests of 32 to 64
+    prompt tokens."""
+    view = lane(replica(slots=2))
+    found = LaneQueue().filling(ROOMY, now=0.0, view=view, max_tokens=2048, latest=(64, 99))
+    assert found is not None
+    assert (found.requests, found.max_tokens, found.most_max_tokens) == (2, 99, 99)
+    assert (found.least_prompt_tokens, found.most_prompt_tokens) == (32, 64)
+    for prompt, refused in [(32, True), (1, False)]:
+        q = LaneQueue()
+        for i in range(2):
+            t = ticket(f"a{i}", ROOMY, prompt=32, max_tokens=99)
+            assert isinstance(q.arrive(t, now=0.0, view=view), Admit)
+            q.dispatch(now=0.0, view=view)
+        engines = lane(replica(run("a0", left=99, kv=32), run("a1", left=99, kv=32), slots=2))
+        decision = q.arrive(ticket("next", ROOMY, prompt=prompt), now=0.0, view=engines)
+        assert isinstance(decision, Refuse) == refused, prompt
+
+
+@pytest.mark.parametrize(
+    ("policy", "latest", "requests"),
+    [
+        # Requests as large as the idle slots' answer: it stands.
+        (ROOMY, (10, 200), 2),
+        # A long prompt leaves the short prompts' line: the idle slots' answer stands.
+        (ROOMY, (70, 40), 2),
+        # The queue's depth (5) would refuse the fifth that waits as QUEUE_FULL.
+        (replace(ROOMY, max_queue_depth=5), (10, 40), 2),
+    ],
+)
+def test_filling_past_the_idle_slots_only_where_it_holds(
+    policy: Policy, latest: tuple[int, int], requests: int
+) -> None:
+    found = LaneQueue().filling(
+        policy, now=0.0, view=lane(replica(slots=2)), max_tokens=2048, latest=latest
+    )
+    assert found is not None
+    assert (found.requests, found.max_tokens, found.most_max_tokens) == (requests, 100, 0)
+
+
+def test_filling_past_busy_slots() -> None:
+    """No idle slot: the gate is open while requests may still wait in time."""
+    view = lane(replica(run("r", left=20), slots=1))  # frees in 0.4 s
+    found = LaneQueue().filling(ROOMY, now=0.0, view=view, max_tokens=2048, latest=(10, 40))
+    assert found is not None
+    # 0.41, 1.22 s: two wait in time, the third would start at 2.03 s.
+    assert (found.requests, found.max_tokens, found.most_max_tokens) == (2, 40, 40)
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_filled_idle_slots_refuse_the_next_request(seed: int) -> None:
-    """Random traffic: whenever `filling` answers (k, m), k fresh requests of the
-    policy of any size with max_tokens >= m, then one more of any size, arriving
-    after it: the last is refused as SLO_UNATTAINABLE."""
+    """Random traffic: whenever `filling` answers k requests of max_tokens of at least
+    m (and of the sizes it names), k fresh requests of the policy of any such size,
+    then one more of any size (of at least the least prompt it names), arriving after
+    it: the last is refused as SLO_UNATTAINABLE. The requests that take idle slots arrive one after another,
+    each started before the next comes (in one batch instead, they wait together and
+    the last may be QUEUE_FULL); those that wait past them, at once or one by one."""
     rng = random.Random(seed)
     queue = LaneQueue()
     engines = Engines()
-    checked = 0
+    checked = checked_banded = 0
     now = 0.0
     for step in range(200):
         now += rng.choice([0.0, 0.05, 0.2, 0.5])
         engines.step(rng)
         view = engines.view()
         for policy in MIXED:
-            found = queue.filling(policy, now=now, view=view, max_tokens=400)
+            latest = (rng.randint(1, 80), rng.randint(1, 300))
+            found = queue.filling(policy, now=now, view=view, max_tokens=400, latest=latest)
             if found is None:
                 continue
-            requests, max_tokens, _ = found
-            # They arrive one after another, each started before the next comes (in
-            # one batch instead, they wait together and the last may be QUEUE_FULL).
+            banded = bool(found.most_max_tokens)
+            checked_banded += banded
+            least_prompt = found.least_prompt_tokens or 1
+            most_prompt = found.most_prompt_tokens or 300
+            most_tokens = found.most_max_tokens or 400
+            at_once = banded and rng.random() < 0.5
             trial, running = copy.deepcopy(queue), copy.deepcopy(engines)
             later = now + 1e-6
-            for i in range(requests):
+            for i in range(found.requests):
                 t = ticket(
                     f"fill{i}",
                     policy,
                     arrived=later,
-                    prompt=rng.randint(1, 300),
-                    max_tokens=rng.randint(max_tokens, 400),
+                    prompt=rng.randint(least_prompt, most_prompt),
+                    max_tokens=rng.randint(found.max_tokens, most_tokens),
                 )
-                assert isinstance(trial.arrive(t, now=later, view=running.view()), Admit)
-                for d in trial.dispatch(now=later, view=running.view()):
-                    running.start(d.ticket, d.replica)
-            last = ticket("last", policy, arrived=later, prompt=rng.randint(1, 300))
+                assert isinstance(trial.arrive(t, now=later, view=running.view()), Admit), found
+                if not at_once:
+                    for d in trial.dispatch(now=later, view=running.view()):
+                        running.start(d.ticket, d.replica)
+            last = ticket("last", policy, arrived=later, prompt=rng.randint(least_prompt, 300))
             decision = trial.arrive(last, now=later, view=running.view())
             assert isinstance(decision, Refuse), (policy.name, found, decision)
             assert decision.reason == Reason.SLO_UNATTAINABLE
@@ -388,4 +476,4 @@ def test_filled_idle_slots_refuse_the_next_request(seed: int) -> None:
         for d in queue.dispatch(now=now, view=engines.view()):
             engines.start(d.ticket, d.replica)
         queue.expire(now=now, view=engines.view())
-    assert checked
+    assert checked and checked_banded

@@ -57,7 +57,7 @@ class World:
         default_factory=lambda: {"interactive": INTERACTIVE, "batch": BATCH}
     )
     named: dict[str, list[str]] = field(default_factory=dict)
-    answers: dict[tuple[str, str], admission.Refuse | tuple[int, int, admission.Refuse]] = field(
+    answers: dict[tuple[str, str], admission.Refuse | admission.Filling] = field(
         default_factory=dict
     )
     asked: list[tuple[str, tuple[str, ...], bool]] = field(default_factory=list)
@@ -145,7 +145,7 @@ async def test_an_slo_gate_holds_for_what_the_probe_misses_by(world: World) -> N
 @pytest.mark.anyio
 async def test_a_filling_gate_says_after_what_it_closes(world: World) -> None:
     late = refused(INTERACTIVE, admission.Reason.SLO_UNATTAINABLE)
-    world.answers[("lane-a", "interactive")] = (6, 58, late)
+    world.answers[("lane-a", "interactive")] = admission.Filling(6, 58, late)
     publisher = world.publisher()
     try:
         [closed] = (await flushed(publisher, "lane-a")).closed
@@ -160,7 +160,9 @@ async def test_a_filling_gate_says_after_what_it_closes(world: World) -> None:
 @pytest.mark.anyio
 async def test_a_filling_gate_on_a_busy_lane_holds_while_the_work_drains(world: World) -> None:
     late = refused(INTERACTIVE, admission.Reason.SLO_UNATTAINABLE)
-    world.answers[("lane-a", "interactive")] = (2, 58, late)
+    world.answers[("lane-a", "interactive")] = admission.Filling(
+        2, 58, late, most_max_tokens=58, least_prompt_tokens=5, most_prompt_tokens=20
+    )
     world.running = 4
     publisher = world.publisher()
     try:
@@ -168,6 +170,9 @@ async def test_a_filling_gate_on_a_busy_lane_holds_while_the_work_drains(world: 
     finally:
         await publisher.close()
     assert closed.closed_for_ms == 750
+    assert (closed.after_requests, closed.after_max_tokens) == (2, 58)
+    assert closed.after_most_max_tokens == 58
+    assert (closed.after_least_prompt_tokens, closed.after_most_prompt_tokens) == (5, 20)
 
 
 @pytest.mark.anyio

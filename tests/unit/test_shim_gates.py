@@ -40,6 +40,7 @@ def gate(
     chars_per_token: float = 4.0,
     context_tokens: int = 100,
     after: tuple[int, int] = (0, 0),
+    most: tuple[int, int, int] = (0, 0, 0),
 ) -> inference_pb2.AdmissionGate:
     found = inference_pb2.AdmissionGate(
         lane=lane,
@@ -53,6 +54,9 @@ def gate(
         context_tokens=context_tokens,
         after_requests=after[0],
         after_max_tokens=after[1],
+        after_most_max_tokens=most[0],
+        after_least_prompt_tokens=most[1],
+        after_most_prompt_tokens=most[2],
     )
     if closed_for_ms is not None:
         found.closed_for_ms = closed_for_ms
@@ -247,6 +251,45 @@ def test_a_filling_gate_stays_open_unless_its_requests_went_on(
     for request in sent:
         assert refusal(found, request) is None
     assert refusal(found, complete(max_tokens=60)) is None
+
+
+def test_a_gate_filling_past_the_idle_slots_counts_requests_of_its_sizes() -> None:
+    """Closed after three requests of exactly 64 tokens, with prompts of 5 to 10
+    tokens as admission estimates them (4 characters a token here): the fourth is
+    refused if its own prompt has 5 tokens or more."""
+    found, _ = following(gate(LATE, after=(3, 64), most=(64, 5, 10)))
+    for chars in (17, 40, 30):
+        assert refusal(found, complete(prompt="x" * chars, max_tokens=64)) is None
+    assert refusal(found, complete(prompt="x" * 200, max_tokens=1)) is not None
+    assert refusal(found, complete(prompt="x" * 17, max_tokens=64)) is not None
+    # A shorter one may start sooner than the target: it goes on to the daemon.
+    assert refusal(found, complete(prompt="x" * 16, max_tokens=64)) is None
+
+
+@pytest.mark.parametrize(
+    "odd",
+    [
+        # More tokens than the gate was sized for: it may be refused itself, and then
+        # it does not wait ahead of the next.
+        complete(prompt="x" * 40, max_tokens=65),
+        # A longer prompt, likewise (41 characters: 11 tokens).
+        complete(prompt="x" * 41, max_tokens=64),
+        # A shorter prompt (16 characters: 4 tokens): the next may start sooner.
+        complete(prompt="x" * 16, max_tokens=64),
+        # Fewer tokens: the slot it takes frees sooner.
+        complete(prompt="x" * 40, max_tokens=63),
+        # No max_tokens: the shim cannot tell.
+        complete(prompt="x" * 40),
+    ],
+)
+def test_a_gate_filling_past_the_idle_slots_stays_open_for_other_sizes(
+    odd: inference_pb2.CompleteRequest,
+) -> None:
+    found, _ = following(gate(LATE, after=(3, 64), most=(64, 5, 10)))
+    like = complete(prompt="x" * 40, max_tokens=64)
+    for request in (like, odd, like):
+        assert refusal(found, request) is None
+    assert refusal(found, like) is None
 
 
 def test_requests_the_gates_do_not_include_yet_count_toward_the_next_gate() -> None:

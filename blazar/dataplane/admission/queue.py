@@ -6,6 +6,7 @@ import math
 from collections import defaultdict
 from dataclasses import replace
 
+from blazar.api import prefill as prefill_order
 from blazar.dataplane.admission.forecast import (
     Waiting,
     clamp,
@@ -18,6 +19,7 @@ from blazar.dataplane.admission.forecast import (
 from blazar.dataplane.admission.terms import (
     Admit,
     Dispatch,
+    Filling,
     Key,
     LaneView,
     Policy,
@@ -39,14 +41,21 @@ PROBE_PROMPT_TOKENS = 1
 PROBE_MAX_TOKENS = 1
 
 
-def _ahead(policy: Policy, now: float, count: int, max_tokens: int) -> dict[str, Waiting]:
-    """`count` fresh requests of `policy` of one prompt token arriving now, by id."""
+def _ahead(
+    policy: Policy,
+    now: float,
+    count: int,
+    max_tokens: int,
+    *,
+    prompt: int = PROBE_PROMPT_TOKENS,
+) -> dict[str, Waiting]:
+    """`count` fresh requests of `policy` (`prompt` tokens each) arriving now, by id."""
     tickets = (
         Ticket(
             id=f"{AHEAD_ID}{j:06d}",
             policy=policy,
             arrived=now,
-            prompt_tokens=PROBE_PROMPT_TOKENS,
+            prompt_tokens=prompt,
             max_tokens=max_tokens,
         )
         for j in range(count)
@@ -102,6 +111,7 @@ class LaneQueue:
         spill: bool = False,
         ahead: int = 0,
         ahead_max_tokens: int = PROBE_MAX_TOKENS,
+        prompt: int = PROBE_PROMPT_TOKENS,
     ) -> Refuse | None:
         """What `arrive` would answer now a probe of `policy`: the smallest request
         (`PROBE_PROMPT_TOKENS` prompt token, `PROBE_MAX_TOKENS` to generate; no tenant,
@@ -126,17 +136,21 @@ class LaneQueue:
         SLO_UNATTAINABLE refusal counts then. It stands for any such requests that are
         larger (a longer prompt or max_tokens holds their slots longer), so a caller
         that has seen `ahead` requests of the policy with at least that max_tokens
-        arrive, and none of another, may refuse the next (see `filling`)."""
+        arrive, and none of another, may refuse the next (see `filling`).
+
+        With `prompt`, the probe and the requests ahead have that many prompt tokens
+        (all short, or all long, `api.prefill`): the refusal then stands for requests
+        with at least that many, after requests with at least that many."""
         if spill and policy.ttft_target_s is not None:
             return None
         # The requests ahead start on the idle slots, not wait: in the forecast, not in
         # the probe's depth.
-        extras = _ahead(policy, now, ahead, ahead_max_tokens).values() if ahead else ()
+        extras = _ahead(policy, now, ahead, ahead_max_tokens, prompt=prompt).values()
         probe = Ticket(
             id=PROBE_ID,
             policy=policy,
             arrived=now,
-            prompt_tokens=PROBE_PROMPT_TOKENS,
+            prompt_tokens=prompt,
             max_tokens=PROBE_MAX_TOKENS,
         )
         decision = self._arrival(
@@ -172,18 +186,47 @@ class LaneQueue:
         max_tokens: int,
         spill: bool = False,
         hint: int | None = None,
-    ) -> tuple[int, int, Refuse] | None:
-        """When the gate of `policy` is open because of idle slots: after how many more
-        requests of it (`idle_for`), each generating at least how many tokens (the
-        least max_tokens up to `max_tokens`), the probe is refused as
-        SLO_UNATTAINABLE, and that refusal; None if never (up to `max_tokens`), or
-        when the policy refuses nothing early. Monotone in max_tokens, so found by
-        bisection, or checked at `hint` (the answer found last) and just below it."""
+        latest: tuple[int, int] | None = None,
+    ) -> Filling | None:
+        """While the gate of `policy` is open (`gate` refuses no probe): after how many
+        more requests of it, and of what sizes, the next one is refused as
+        SLO_UNATTAINABLE; None if not foreseen, or when the policy refuses nothing
+        early.
+
+        Two answers. On idle slots: after the `idle_for` requests that take them, each
+        generating at least the least max_tokens (up to `max_tokens`) that fills them
+        for long enough, whatever their prompts (a request on an idle slot is always
+        admitted). Monotone in max_tokens, so found by bisection, or checked at `hint`
+        (the answer found last) and just below it. When that closes nothing for
+        requests like `latest` (the prompt tokens and max_tokens of the policy's latest
+        request), an answer for such requests alone (`_like`): their prompts count, and
+        so do the ones that may wait past the idle slots and still meet the target."""
         if not policy.reject_early or policy.ttft_target_s is None:
             return None
         idle = self.idle_for(policy, now=now, view=view)
-        if not idle:
-            return None
+        found = None
+        if idle:
+            found = self._on_idle(
+                policy, now=now, view=view, idle=idle, max_tokens=max_tokens, spill=spill, hint=hint
+            )
+        if latest is not None and (found is None or found.max_tokens > latest[1]):
+            like = self._like(policy, now=now, view=view, idle=idle, latest=latest, spill=spill)
+            if like is not None:
+                return like
+        return found
+
+    def _on_idle(
+        self,
+        policy: Policy,
+        *,
+        now: float,
+        view: LaneView,
+        idle: int,
+        max_tokens: int,
+        spill: bool,
+        hint: int | None,
+    ) -> Filling | None:
+        """`filling`'s answer on the `idle` idle slots alone."""
 
         def refused(tokens: int) -> Refuse | None:
             return self.gate(
@@ -193,7 +236,7 @@ class LaneQueue:
         if hint is not None and 1 <= hint <= max_tokens:
             at = refused(hint)
             if at is not None and (hint == 1 or refused(hint - 1) is None):
-                return idle, hint, at
+                return Filling(idle, hint, at)
         found = refused(max_tokens)
         if found is None:
             return None
@@ -205,7 +248,85 @@ class LaneQueue:
                 low = mid + 1
             else:
                 high, found = mid, at
-        return idle, high, found
+        return Filling(idle, high, found)
+
+    def _like(
+        self,
+        policy: Policy,
+        *,
+        now: float,
+        view: LaneView,
+        idle: int,
+        latest: tuple[int, int],
+        spill: bool,
+    ) -> Filling | None:
+        """`filling`'s answer for requests like `latest`: exactly its max_tokens, and a
+        short prompt of half to twice its own. After the `idle` such requests that
+        take the idle slots, the least number of them waiting after those such that
+        each one is admitted even were all of them the largest, and a request with
+        the least prompt is refused after them even were they all the smallest.
+        Requests in between fall between the two: a larger request ahead only delays
+        the requests after it (a longer prompt holds its slot and the line of short
+        prompts longer), so each is admitted, and the next one of at least the least
+        prompt refused. Prompts stay short (`api.prefill`): a long one would leave the
+        short prompts' line, and could delay the next less than a short one.
+
+        Bounded by the policy's queue depth: the waiting ones count against it, as do
+        the idle ones when they come at once, before any starts, and the next is to be
+        refused as SLO_UNATTAINABLE, not QUEUE_FULL. Both questions are monotone in the
+        number waiting, so it is found by bisection."""
+        prompt_tokens, max_tokens = latest
+        if spill or not prefill_order.short(prompt_tokens):
+            return None
+        least = max(1, prompt_tokens // 2)
+        most = min(2 * prompt_tokens, prefill_order.SHORT_PROMPT_TOKENS)
+        room = policy.max_queue_depth - self.depth(policy.name) - idle - 1
+
+        def refused(waiting: int) -> Refuse | None:
+            """A request of the least prompt after `idle` + `waiting` of the smallest."""
+            return self.gate(
+                policy,
+                now=now,
+                view=view,
+                ahead=idle + waiting,
+                ahead_max_tokens=max_tokens,
+                prompt=least,
+            )
+
+        # The least number waiting that refuses it: more ahead only delays it.
+        if room < 0 or (found := refused(room)) is None:
+            return None
+        low, high = 0, room  # refused at high
+        while low < high:
+            mid = (low + high) // 2
+            at = refused(mid)
+            if at is None:
+                low = mid + 1
+            else:
+                high, found = mid, at
+        if not idle + high:
+            return None  # the gate itself is closed: `gate` says so
+        if high:
+            # The last of them admitted, were they all the largest: then so is each
+            # one before it (fewer ahead), and each one of any size within them.
+            largest = _ahead(policy, now, idle + high - 1, max_tokens, prompt=most)
+            last = Ticket(
+                id=PROBE_ID, policy=policy, arrived=now, prompt_tokens=most, max_tokens=max_tokens
+            )
+            decision = self._arrival(
+                Waiting(last, since=now), now=now, view=view, spill=False,
+                ahead=tuple(largest.values()),
+            )  # fmt: skip
+            if not isinstance(decision, Admit):
+                return None
+        return Filling(
+            idle + high,
+            max_tokens,
+            found,
+            most_max_tokens=max_tokens,
+            least_prompt_tokens=least,
+            most_prompt_tokens=most,
+        )
 
     def _arrival(
         self,

@@ -367,6 +367,23 @@ class Refuse:
 
 
 @dataclass(frozen=True)
+class Filling:
+    """A gate open for now that closes as requests come (`LaneQueue.filling`): after
+    `requests` more fresh requests of its policy (no tenant, no session), each with
+    max_tokens of at least `max_tokens`, and, where set (not 0), at most
+    `most_max_tokens` and a prompt of `least_prompt_tokens` to `most_prompt_tokens`
+    tokens as admission estimates it, the next one is refused with `refusal` if its
+    own prompt has at least `least_prompt_tokens` (any, when not set)."""
+
+    requests: int
+    max_tokens: int
+    refusal: Refuse
+    most_max_tokens: int = 0
+    least_prompt_tokens: int = 0
+    most_prompt_tokens: int = 0
+
+
+@dataclass(frozen=True)
 class Spill:
     """The ticket is predicted to miss its TTFT target here and its Lane names a
     spillover Lane: offer it there (with `spilled_from` set) instead of queueing it.
