@@ -1337,12 +1337,26 @@ def test_a_forecast_wait_scaled_by_its_measured_lateness_decides_preemption(
     queue = LaneQueue()
     assert queue.arrive(ticket("u", INTERACTIVE), now=0, view=view) == decision
     assert queue.preemption(now=0, view=view) == preempt
-    # A ticket that has waited a while: 1 s left of its 2 s, its slot frees in 0.5 s
-    # and its prefill takes 0.5 s. Scaled, the forecast may miss; it parks.
+    # A ticket that has waited a while: 1 s left of its 2 s, its slot frees in 0.44 s
+    # and its prefill takes 0.5 s (a first token 0.06 s before the deadline, more than
+    # `WAIT_STEPS` steps). Scaled, the forecast may miss; it parks.
     queue = queue_of(ticket("w", INTERACTIVE), view=lane(parking(ON_TIME)))
-    later = replace(lane(parking(replace(LONG, tokens_left=25))), lateness=lateness)
+    later = replace(lane(parking(replace(LONG, tokens_left=22))), lateness=lateness)
     waited = queue.preemption(now=1.0, view=later)
     assert (waited is not None) == (lateness > 1.0)
+
+
+@pytest.mark.parametrize(("tokens_left", "parks"), [(22, False), (24, True)])
+def test_a_wait_due_within_two_steps_of_its_deadline_parks_work(
+    tokens_left: int, parks: bool
+) -> None:
+    """The engine moves in whole steps (0.02 s here), and a wait meets two step ends
+    (its slot frees, its prompt's last chunk runs): a first token forecast within two
+    steps of the deadline may miss it, with waits measured on time (lateness 1). The
+    slot frees in 0.44 s or 0.48 s, the prefill takes 0.5 s, 1 s is left."""
+    queue = queue_of(ticket("w", INTERACTIVE), view=lane(parking(ON_TIME)))
+    later = lane(parking(replace(LONG, tokens_left=tokens_left)))
+    assert (queue.preemption(now=1.0, view=later) is not None) == parks
 
 
 @pytest.mark.parametrize(("park_s", "parks"), [(0.9, True), (1.0, False)])

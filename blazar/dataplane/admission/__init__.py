@@ -96,7 +96,9 @@ Forecast. Every decision reads one simulation of the Lane from `now`, in ticket 
   prefill, after the prompts ahead of it in the line), sooner than waiting would. "May
   come past": its wait (for a slot and in the line) and prefill scaled by
   the view's `lateness`, how much later than forecast first tokens after a wait have
-  come (measured by the data plane, at least 1, 1 before anything is measured).
+  come (measured by the data plane, at least 1, 1 before anything is measured), and
+  `WAIT_STEPS` decode steps at the replica's batch later still (the engine moves in
+  whole steps, and a wait meets two step ends that the forecast's times smooth over).
   Parking is cheap insurance (the victim pauses and resumes with no token lost), and
   waiting on a forecast that runs early costs the target. The cheapest victim is
   parked: fewest KV tokens, then lowest priority, then replica index and id. The

@@ -27,6 +27,13 @@ from blazar.dataplane.admission.terms import (
 )
 
 
+# Decode steps a wait's first token may come later than forecast beside its lateness:
+# the engine moves in whole steps, and a wait meets two of their ends, that of the
+# step in which the slot it waits for frees and that of the step in which its prompt's
+# last chunk runs, where the forecast's times are continuous.
+WAIT_STEPS = 2
+
+
 @dataclass(frozen=True)
 class Waiting:
     ticket: Ticket
@@ -249,6 +256,12 @@ class _Simulation:
             for position in range(len(replica.running), replica.slots):
                 self.slots.append(_Slot(replica, position, 0.0, idle=True, holder=None))
 
+    def steps_s(self, replica: ReplicaView, steps: int) -> float:
+        """`steps` decode steps on `replica` at the batch it will run while this queue
+        drains (none before a step was measured)."""
+        batch = self.batch[replica.index]
+        return steps * (replica.step_at(batch, drafting=replica.drafts(batch)) or 0.0)
+
     def decode_s(self, replica: ReplicaView, tokens: int, rate: TokenRate | None = None) -> float:
         """Decode time on `replica` at the batch it will run while this queue drains,
         at `rate` when the request's policy has measured one."""
@@ -391,7 +404,8 @@ def _fate(entry: Waiting, sim: _Simulation, now: float) -> tuple[Fate, _Slot | N
     when it preempts); `refuse` set when it is to be taken out instead.
 
     Two readings of one forecast. Preemption reads it as late as first tokens after a
-    wait have measured (its wait and prefill times `sim.lateness`): a ticket that may
+    wait have measured (its wait and prefill times `sim.lateness`, and `WAIT_STEPS`
+    decode steps later still): a ticket that may
     miss its deadline by waiting parks lower-priority work, which costs the victim a
     pause and no token, and waiting on a forecast that runs early costs the ticket its
     target. Refusal and the prediction read it unscaled: a refusal is final for the
@@ -416,7 +430,10 @@ def _fate(entry: Waiting, sim: _Simulation, now: float) -> tuple[Fate, _Slot | N
         if entry.resume is None:
             prefill = slot.replica.prefill_s(ticket.prompt_tokens, alone=alone)
             queue = sim.line_wait_s(slot.replica, start, prefill, short=short)
-        may_miss = now + (start + queue + prefill) * sim.lateness > ticket.deadline
+        may_miss = (
+            now + (start + queue + prefill) * sim.lateness + sim.steps_s(slot.replica, WAIT_STEPS)
+            > ticket.deadline
+        )
         if may_miss and not slot.idle and entry.resume is None:
             parked = sim.victim_for(ticket, waiting_s=start + queue + prefill)
             if parked is not None:
