@@ -459,8 +459,20 @@ def test_next_expiry() -> None:
         ),
         # The same under onOverload: queue waits (for the busy slot).
         (PATIENT, BUSY, Admit(2.5, waits=True)),
-        # 2 s exactly meets it.
-        (INTERACTIVE, lane(replica(run("r", left=75))), Admit(2.0, waits=True)),
+        # 1.96 s and two steps exactly meet it.
+        (INTERACTIVE, lane(replica(run("r", left=73))), Admit(1.96, waits=True)),
+        # 2 s after a wait may come `WAIT_STEPS` steps (0.04 s) past it: refused now,
+        # not after the wait, predicted as late as that.
+        (
+            INTERACTIVE,
+            lane(replica(run("r", left=75))),
+            Refuse(
+                ticket("t", INTERACTIVE),
+                Reason.SLO_UNATTAINABLE,
+                admission.RETRY_AFTER_MIN_S,
+                predicted_ttft_s=2.04,
+            ),
+        ),
         # Its own prefill (2.5 s) misses the target on an idle slot: it starts at once
         # all the same (refusing sheds no load, and a retry would fare no better).
         (INTERACTIVE, lane(replica(prefill=200.0)), Admit(2.5)),
@@ -539,9 +551,9 @@ def spilled(t: Ticket) -> Ticket:
         (ticket("t", INTERACTIVE), IDLE, True, Admit(0.5)),
         (
             ticket("t", INTERACTIVE),
-            lane(replica(run("r", left=75))),
+            lane(replica(run("r", left=73))),
             True,
-            Admit(2.0, waits=True),
+            Admit(1.96, waits=True),
         ),
         # Missed here (2.5 s against 2 s): offered to the spillover Lane, with the
         # refusal that stands if that Lane refuses it too.

@@ -292,8 +292,9 @@ def test_admit_is_what_arrive_answers_an_open_gate() -> None:
 
 
 def test_filling_names_the_requests_that_close_the_gate() -> None:
-    """Two idle slots, 0.02 s a token, a 2 s target: two requests that generate 100
-    tokens or more hold both slots past the target of the one after them."""
+    """Two idle slots, 0.02 s a token, a 2 s target: two requests that generate 98
+    tokens or more hold both slots past the target of the one after them (1.96 s, and
+    the first token after a wait may come two steps later, `WAIT_STEPS`)."""
     view = lane(replica(slots=2))
     queue = LaneQueue()
     # Its depth (2) does not count the requests that take the idle slots.
@@ -301,14 +302,14 @@ def test_filling_names_the_requests_that_close_the_gate() -> None:
     assert queue.idle_for(INTERACTIVE, now=0.0, view=view) == 2
     found = queue.filling(INTERACTIVE, now=0.0, view=view, max_tokens=2048)
     assert found is not None
-    assert (found.requests, found.max_tokens, found.most_max_tokens) == (2, 100, 0)
+    assert (found.requests, found.max_tokens, found.most_max_tokens) == (2, 98, 0)
     assert found.refusal.reason == Reason.SLO_UNATTAINABLE
     # Started from a hint, right or wrong, the same answer.
-    for hint in (100, 99, 101, 1, 2048):
+    for hint in (98, 97, 99, 1, 2048):
         assert queue.filling(INTERACTIVE, now=0.0, view=view, max_tokens=2048, hint=hint) == found
-    # As arrivals (each started before the next comes): two of 100 tokens, and the
-    # next is refused; of 99, admitted.
-    for tokens, refused in [(100, True), (99, False)]:
+    # As arrivals (each started before the next comes): two of 98 tokens, and the
+    # next is refused; of 97, admitted.
+    for tokens, refused in [(98, True), (97, False)]:
         q = LaneQueue()
         engines = lane(replica(slots=2))
         for i in range(2):
@@ -343,7 +344,7 @@ ROOMY = replace(INTERACTIVE, max_queue_depth=8)
 def test_filling_past_the_idle_slots_counts_the_requests_that_may_wait() -> None:
     """Requests like the latest (10 prompt tokens, 40 to generate) hold a slot for
     0.81 s: two take the idle slots, four more wait and meet the target (two turns),
-    and the seventh would not. The idle slots alone close only after requests of 100
+    and the seventh would not. The idle slots alone close only after requests of 98
     tokens or more, for a request of any prompt."""
     view = lane(replica(slots=2))
     queue = LaneQueue()
@@ -366,22 +367,22 @@ def test_filling_past_the_idle_slots_counts_the_requests_that_may_wait() -> None
 
 
 def test_filling_for_requests_like_the_latest_counts_their_prompts() -> None:
-    """Two idle slots taken by requests of 99 tokens (1.98 s): the next one with a
-    one-token prompt meets its 2 s target, one with 32 prompt tokens (half the
-    latest's 64) does not. So the gate closes after the two, for requests of 32 to 64
-    prompt tokens."""
+    """Two idle slots taken by requests of 97 tokens (1.94 s): the next one with a
+    one-token prompt meets its 2 s target (with two steps to spare, `WAIT_STEPS`), one
+    with 32 prompt tokens (half the latest's 64) does not. So the gate closes after the
+    two, for requests of 32 to 64 prompt tokens."""
     view = lane(replica(slots=2))
-    found = LaneQueue().filling(ROOMY, now=0.0, view=view, max_tokens=2048, latest=(64, 99))
+    found = LaneQueue().filling(ROOMY, now=0.0, view=view, max_tokens=2048, latest=(64, 97))
     assert found is not None
-    assert (found.requests, found.max_tokens, found.most_max_tokens) == (2, 99, 99)
+    assert (found.requests, found.max_tokens, found.most_max_tokens) == (2, 97, 97)
     assert (found.least_prompt_tokens, found.most_prompt_tokens) == (32, 64)
     for prompt, refused in [(32, True), (1, False)]:
         q = LaneQueue()
         for i in range(2):
-            t = ticket(f"a{i}", ROOMY, prompt=32, max_tokens=99)
+            t = ticket(f"a{i}", ROOMY, prompt=32, max_tokens=97)
             assert isinstance(q.arrive(t, now=0.0, view=view), Admit)
             q.dispatch(now=0.0, view=view)
-        engines = lane(replica(run("a0", left=99, kv=32), run("a1", left=99, kv=32), slots=2))
+        engines = lane(replica(run("a0", left=97, kv=32), run("a1", left=97, kv=32), slots=2))
         decision = q.arrive(ticket("next", ROOMY, prompt=prompt), now=0.0, view=engines)
         assert isinstance(decision, Refuse) == refused, prompt
 
@@ -404,7 +405,7 @@ def test_filling_past_the_idle_slots_only_where_it_holds(
         policy, now=0.0, view=lane(replica(slots=2)), max_tokens=2048, latest=latest
     )
     assert found is not None
-    assert (found.requests, found.max_tokens, found.most_max_tokens) == (requests, 100, 0)
+    assert (found.requests, found.max_tokens, found.most_max_tokens) == (requests, 98, 0)
 
 
 def test_filling_past_busy_slots() -> None:

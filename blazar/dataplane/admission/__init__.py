@@ -129,7 +129,10 @@ Decisions from the forecast. `dispatch` starts the tickets that took an idle slo
 tickets past their wait bound and, under `onOverload: reject`, those predicted to miss
 their time-to-first-token target (a ticket waiting at its deadline misses it); `arrive`
 runs the same simulation with the new ticket in its place and refuses it early
-(SLO_UNATTAINABLE) when it would miss. Refusals (and spills) read the forecast
+(SLO_UNATTAINABLE) when it would miss, or when it would start in a busy slot and its
+first token may come up to `WAIT_STEPS` steps past its deadline (`Fate.margin_s`,
+reported as that late): the wait would likely end in the same refusal, later, and a
+caller is better served by the refusal now. Refusals (and spills) read the forecast
 unscaled by `lateness`, and so does the prediction an `Admit` carries: a pessimistic
 guess may park work, never turn a caller away or change what the caller is told. A
 ticket that takes an idle slot is never refused

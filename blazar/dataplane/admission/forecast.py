@@ -26,7 +26,6 @@ from blazar.dataplane.admission.terms import (
     TokenRate,
 )
 
-
 # Decode steps a wait's first token may come later than forecast beside its lateness:
 # the engine moves in whole steps, and a wait meets two of their ends, that of the
 # step in which the slot it waits for frees and that of the step in which its prompt's
@@ -78,6 +77,10 @@ class Fate:
     # refused).
     victim: Running | None = None
     refuse: Reason | None = None
+    # How much later than `first_token_s` its first token may come: `WAIT_STEPS`
+    # decode steps at its replica's batch when it starts in a busy slot (it waits, or
+    # starts once a victim is parked); 0 on an idle slot, and for a parked generation.
+    margin_s: float = 0.0
 
     @property
     def starts_now(self) -> bool:
@@ -91,7 +94,9 @@ class Fate:
         return self.start_s + self.queue_s + self.prefill_s
 
 
-def refusal(entry: Waiting, fate: Fate, now: float) -> Refuse:
+def refusal(entry: Waiting, fate: Fate, now: float, *, margin: bool = False) -> Refuse:
+    """The refusal of `entry` that `fate.refuse` says; `margin`: of a fresh ticket whose
+    first token may come past its deadline (`misses_target`), predicted that late."""
     ticket = entry.ticket
     parked_on = entry.resume.replica if entry.resume else None
     if fate.refuse == Reason.QUEUE_TIMEOUT:
@@ -108,7 +113,10 @@ def refusal(entry: Waiting, fate: Fate, now: float) -> Refuse:
     retry: float | None = None
     predicted = fate.ttft_s
     if fate.first_token_s is not None:
-        retry = RETRY_AFTER_MAX_S if fate.prefill_s > target else fate.first_token_s - target
+        late = fate.margin_s if margin else 0.0
+        first_token = fate.first_token_s + late
+        retry = RETRY_AFTER_MAX_S if fate.prefill_s > target else first_token - target
+        predicted = None if fate.ttft_s is None else fate.ttft_s + late
     else:
         predicted = max(0.0, now - ticket.arrived)
     return Refuse(
@@ -142,12 +150,13 @@ def rejects_late(entry: Waiting) -> bool:
     )
 
 
-def misses_target(entry: Waiting, fate: Fate, now: float) -> bool:
+def misses_target(entry: Waiting, fate: Fate, now: float, *, margin: bool = False) -> bool:
     """Whether the forecast says a fresh ticket misses its TTFT target, whatever its
     policy's onOverload (spillover asks under both). Not one that takes an idle slot
     before its deadline (it starts at once, at its best), nor one nothing forecasts
     (no replica serves). The unscaled forecast, as for refusals: a spilled ticket
-    leaves this Lane, which takes more than a guess (see `_fate`)."""
+    leaves this Lane, which takes more than a guess (see `_fate`). With `margin`, a
+    first token up to `fate.margin_s` later misses it too (see `LaneQueue.arrive`)."""
     ticket = entry.ticket
     if entry.resume is not None or ticket.deadline == math.inf:
         return False
@@ -155,7 +164,8 @@ def misses_target(entry: Waiting, fate: Fate, now: float) -> bool:
         return True
     if fate.idle or fate.first_token_s is None:
         return False
-    return now + fate.first_token_s > ticket.deadline
+    late = fate.margin_s if margin else 0.0
+    return now + fate.first_token_s + late > ticket.deadline
 
 
 @dataclass
@@ -430,10 +440,8 @@ def _fate(entry: Waiting, sim: _Simulation, now: float) -> tuple[Fate, _Slot | N
         if entry.resume is None:
             prefill = slot.replica.prefill_s(ticket.prompt_tokens, alone=alone)
             queue = sim.line_wait_s(slot.replica, start, prefill, short=short)
-        may_miss = (
-            now + (start + queue + prefill) * sim.lateness + sim.steps_s(slot.replica, WAIT_STEPS)
-            > ticket.deadline
-        )
+        margin = 0.0 if slot.idle or entry.resume else sim.steps_s(slot.replica, WAIT_STEPS)
+        may_miss = now + (start + queue + prefill) * sim.lateness + margin > ticket.deadline
         if may_miss and not slot.idle and entry.resume is None:
             parked = sim.victim_for(ticket, waiting_s=start + queue + prefill)
             if parked is not None:
@@ -450,6 +458,7 @@ def _fate(entry: Waiting, sim: _Simulation, now: float) -> tuple[Fate, _Slot | N
             replica=slot.replica.index,
             idle=slot.idle,
             victim=victim,
+            margin_s=margin,
         )
     if entry.timed_out(now, starts_now=fate.starts_now):
         return replace(fate, refuse=Reason.QUEUE_TIMEOUT), None

@@ -8,6 +8,7 @@ from dataclasses import replace
 
 from blazar.api import prefill as prefill_order
 from blazar.dataplane.admission.forecast import (
+    Fate,
     Waiting,
     clamp,
     forecast,
@@ -61,6 +62,16 @@ def _ahead(
         for j in range(count)
     )
     return {t.id: Waiting(t, since=now) for t in tickets}
+
+
+def _missed(entry: Waiting, fate: Fate, now: float) -> Refuse | None:
+    """The SLO_UNATTAINABLE refusal of a fresh ticket whose first token may come past its
+    deadline (`misses_target`): predicted as forecast when that misses it, else as late
+    as its margin; None when it meets it."""
+    for margin in (False, True):
+        if misses_target(entry, fate, now, margin=margin):
+            return refusal(entry, replace(fate, refuse=Reason.SLO_UNATTAINABLE), now, margin=margin)
+    return None
 
 
 class LaneQueue:
@@ -274,7 +285,7 @@ class LaneQueue:
         Bounded by the policy's queue depth: the waiting ones count against it, as do
         the idle ones when they come at once, before any starts, and the next is to be
         refused as SLO_UNATTAINABLE, not QUEUE_FULL. Both questions are monotone in the
-        number waiting, so it is found by bisection."""
+        number waiting, so it is found by search, not by trying each number."""
         prompt_tokens, max_tokens = latest
         if spill or not prefill_order.short(prompt_tokens):
             return None
@@ -293,10 +304,15 @@ class LaneQueue:
                 prompt=least,
             )
 
-        # The least number waiting that refuses it: more ahead only delays it.
-        if room < 0 or (found := refused(room)) is None:
+        # The least number waiting that refuses it (more ahead only delays it): few,
+        # mostly, so searched from none up, doubling, then halving the last step.
+        if room < 0:
             return None
-        low, high = 0, room  # refused at high
+        low, high = 0, 0
+        while (found := refused(high)) is None:
+            if high >= room:
+                return None
+            low, high = high + 1, min(room, 2 * high + 1)
         while low < high:
             mid = (low + high) // 2
             at = refused(mid)
@@ -347,15 +363,19 @@ class LaneQueue:
             local = Refuse(ticket, Reason.QUEUE_FULL, self._room_after(policy, now, view))
         elif fate.refuse is not None:
             local = refusal(entry, fate, now)
+        elif rejects_late(entry) and (missed := _missed(entry, fate, now)) is not None:
+            # Its first token may come a few steps past the deadline: refused now
+            # rather than after a wait that may end in the same refusal.
+            local = missed
         else:
             waits = fate.start_s is not None and not fate.starts_now
             local = Admit(fate.ttft_s, waits=waits)
         if ticket.spilled_from is not None:
-            if isinstance(local, Admit) and (
-                fate.start_s is None or misses_target(entry, fate, now)
-            ):
+            if isinstance(local, Admit) and fate.start_s is None:
                 local = refusal(entry, replace(fate, refuse=Reason.SLO_UNATTAINABLE), now)
-        elif spill and misses_target(entry, fate, now):
+            elif isinstance(local, Admit) and (missed := _missed(entry, fate, now)) is not None:
+                local = missed
+        elif spill and misses_target(entry, fate, now, margin=True):
             return Spill(ticket, local)
         return local
 
