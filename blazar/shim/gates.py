@@ -15,8 +15,10 @@ no session, through no other daemon, naming the policy it is for (or none, for t
 Lane's own), and for SLO_UNATTAINABLE fitting the Lane's context as admission
 estimates it. The daemon lists no gate while API keys are in force.
 
-A filling gate (`after_requests`) is open, and closes once that many more requests
-reach its Lane than its message's gates include. Under a burst, requests the shim has
+A filling gate (`after_requests`) is open, and closes once that many more requests of
+the sizes it names (max_tokens, and prompt tokens as admission estimates them) reach
+its Lane than its message's gates include; then, if it names a least prompt, only for
+requests with at least that prompt. Under a burst, requests the shim has
 sent on are still in gRPC flight, or not yet taken in by the Lane's admission task,
 when the daemon computes the next message; so the shim tags each one
 (`blazar.api.gate_tags`) and keeps those the gates do not include yet. Each message
