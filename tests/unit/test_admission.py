@@ -644,7 +644,7 @@ def test_a_ticket_that_can_preempt_in_time_stays_local() -> None:
     view = lane(parking(LONG))
     urgent = ticket("u", INTERACTIVE, prompt=100)
     queue = LaneQueue()
-    assert queue.arrive(urgent, now=0, view=view, spill=True) == Admit(pytest.approx(0.1))
+    assert queue.arrive(urgent, now=0, view=view, spill=True) == Admit(pytest.approx(0.02 + 0.1))
     assert queue.preemption(now=0, view=view) == Preempt(urgent, victim="long", replica=0)
 
 
@@ -736,7 +736,9 @@ def test_preemption_choice(view: LaneView, urgent: Ticket, preempt: tuple[str, i
         assert urgent.id in queue
     else:
         assert got == Preempt(urgent, victim=preempt[0], replica=preempt[1])
-        assert decision.predicted_ttft_s == pytest.approx(0.5)
+        # The park (none measured), the step the engine goes on with before the
+        # request reaches it (0.02 s), then its prefill.
+        assert decision.predicted_ttft_s == pytest.approx(0.02 + 0.5)
         # The ticket leaves the queue: it starts in the victim's slot.
         assert urgent.id not in queue
 
@@ -763,8 +765,9 @@ def test_the_forecast_counts_the_victim_when_predicting_lower_priorities() -> No
     view = lane(parking(LONG))
     queue = queue_of(ticket("b", BATCH, arrived=0.5, max_tokens=10), view=view)
     queue.arrive(ticket("u", INTERACTIVE, prompt=100, max_tokens=10), now=0.5, view=view)
-    # u: 0.1 s prefill + 0.2 s decode; then long's 1000 tokens (20 s); then b's prefill.
-    assert queue.predict_ttft("b", now=0.5, view=view) == pytest.approx(0.3 + 20 + 0.5)
+    # u: a step after the park (0.02 s), 0.1 s prefill + 0.2 s decode; then long's 1000
+    # tokens (20 s); then b's prefill.
+    assert queue.predict_ttft("b", now=0.5, view=view) == pytest.approx(0.02 + 0.3 + 20 + 0.5)
 
 
 # --- caps (maxSlotsPerReplica) -----------------------------------------------------
@@ -974,12 +977,13 @@ def test_a_capped_ticket_parks_nothing_for_a_slot_its_policy_holds_until_later()
     assert queue.preemption(now=0, view=view) is None
 
 
-@pytest.mark.parametrize(("cap", "ttft"), [(1, 20.3 + 0.5), (None, 20.0 + 0.5)])
+@pytest.mark.parametrize(("cap", "ttft"), [(1, 20.32 + 0.5), (None, 20.0 + 0.5)])
 def test_a_victim_resuming_in_the_forecast_counts_against_its_cap(
     cap: int | None, ttft: float
 ) -> None:
-    """u parks long, of b's policy; long resumes in u's slot (free at 0.3 s) until
-    20.3 s. Capped at 1, b waits for that slot; uncapped, it takes x's at 20 s."""
+    """u parks long, of b's policy; long resumes in u's slot (free at 0.32 s: a step
+    after the park, then u's 0.3 s) until 20.32 s. Capped at 1, b waits for that slot;
+    uncapped, it takes x's at 20 s."""
     policy = replace(ONE, max_slots_per_replica=cap)
     view = lane(parking(held("long", policy, left=1000), run("x", priority=100, left=1000)))
     queue = queue_of(ticket("b", policy, max_tokens=10), view=view)
@@ -1311,14 +1315,15 @@ def test_invariants_under_random_traffic(seed: int, lateness: float) -> None:
 
 
 def test_a_preempting_start_waits_for_the_measured_park() -> None:
-    """The engine parks between two steps: the urgent request starts that much later."""
+    """The engine parks between two steps and goes on with the next (0.02 s) before the
+    urgent request reaches it: the request starts that much later."""
     slow = lane(replace(parking(LONG), park_s=1.0))
     queue = LaneQueue()
     decision = queue.arrive(ticket("u", PATIENT), now=0, view=slow)
-    assert decision == Admit(pytest.approx(1.0 + 0.5))
+    assert decision == Admit(pytest.approx(1.0 + 0.02 + 0.5))
     assert queue.preemption(now=0, view=slow) == Preempt(ticket("u", PATIENT), "long", 0)
     # A park so slow that the prefill after it misses: parking would not save it.
-    slower = lane(replace(parking(LONG), park_s=1.6))
+    slower = lane(replace(parking(LONG), park_s=1.49))
     queue = LaneQueue()
     assert isinstance(queue.arrive(ticket("u", PATIENT), now=0, view=slower), Admit)
     assert queue.preemption(now=0, view=slower) is None
@@ -1337,9 +1342,9 @@ ON_TIME = replace(LONG, tokens_left=50)
         # Waits measured 30% late: 1.95 s still meets it.
         (1.3, Admit(1.5, waits=True), None),
         # 40% late: 2.1 s may miss it. Parking the batch generation (free: no park time
-        # measured) starts it now, its first token after its prefill.
-        (1.4, Admit(0.5), Preempt(ticket("u", INTERACTIVE), "long", 0)),
-        (3.0, Admit(0.5), Preempt(ticket("u", INTERACTIVE), "long", 0)),
+        # measured) starts it a step later (0.02 s), its first token after its prefill.
+        (1.4, Admit(0.52), Preempt(ticket("u", INTERACTIVE), "long", 0)),
+        (3.0, Admit(0.52), Preempt(ticket("u", INTERACTIVE), "long", 0)),
     ],
 )
 def test_a_forecast_wait_scaled_by_its_measured_lateness_decides_preemption(
@@ -1507,8 +1512,11 @@ def test_a_batch_too_large_to_draft_decodes_a_token_a_step(
     )
     queue = LaneQueue()
     decision = queue.arrive(ticket("chat", INTERACTIVE, prompt=100), now=0, view=view)
-    # Preempting, it starts now in its victim's slot: its prompt's 0.1 s.
-    assert decision == (Admit(pytest.approx(0.1)) if preempts else Admit(pytest.approx(1.1), True))
+    # Preempting, it starts in its victim's slot a step (0.07 s) from now: then its
+    # prompt's 0.1 s.
+    assert decision == (
+        Admit(pytest.approx(0.07 + 0.1)) if preempts else Admit(pytest.approx(1.1), True)
+    )
     preempt = queue.preemption(now=0, view=view)
     assert (preempt is not None) == preempts
 
@@ -1535,7 +1543,10 @@ def test_a_policys_rate_is_scaled_to_the_batch_it_will_run_at(
     )
     queue = LaneQueue()
     decision = queue.arrive(ticket("chat", INTERACTIVE, prompt=100), now=0, view=view)
-    assert decision == (Admit(pytest.approx(0.1)) if preempts else Admit(pytest.approx(1.1), True))
+    # Preempting: a drafting step at two (0.1 s), then its prompt's 0.1 s.
+    assert decision == (
+        Admit(pytest.approx(0.1 + 0.1)) if preempts else Admit(pytest.approx(1.1), True)
+    )
     assert (queue.preemption(now=0, view=view) is not None) == preempts
 
 
@@ -1693,6 +1704,7 @@ def test_a_preempting_start_waits_in_the_prefill_line_too(due: float, preempts: 
     if preempts:
         assert decision.predicted_ttft_s == pytest.approx(due + 0.5)
         assert preempt == Preempt(ticket("u", PATIENT), "long", 0)
-        assert (preempt.queue_s, preempt.prefill_s) == pytest.approx((due, 0.5))
+        # It starts a step (0.02 s) after the park, and waits in the line from there.
+        assert (preempt.queue_s, preempt.prefill_s) == pytest.approx((due - 0.02, 0.5))
     else:
         assert preempt is None

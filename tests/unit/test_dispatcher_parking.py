@@ -121,8 +121,9 @@ def test_the_queue_goes_on_deciding_while_an_engine_parks() -> None:
 def test_the_ticket_a_park_is_for_holds_the_prefill_line_until_its_first_token_is_due() -> None:
     """While the engine parks, the slot shows the urgent ticket, whose 10,000-token
     prompt (1 s at the measured rate) holds the replica's prefill line from its
-    forecast start (once parked: no park measured yet, one decode step, 0.1 s): a
-    second urgent ticket that preempts at once is prefilled after it, not beside it."""
+    forecast start (once parked: no park measured yet, one decode step, 0.1 s; then the
+    step the engine goes on with, 0.1 s): a second urgent ticket that preempts at once is
+    prefilled after it, not beside it."""
 
     async def run() -> float:
         parker = SlowParker(0.5)
@@ -142,7 +143,7 @@ def test_the_ticket_a_park_is_for_holds_the_prefill_line_until_its_first_token_i
         finally:
             await dispatcher.close()
 
-    assert asyncio.run(run()) == pytest.approx(0.1 + 1.0 - 0.1, abs=0.05)
+    assert asyncio.run(run()) == pytest.approx(0.1 + 0.1 + 1.0 - 0.1, abs=0.05)
 
 
 def test_a_park_the_engine_refuses_leaves_the_ticket_waiting_and_the_victim_running() -> None:

@@ -92,8 +92,10 @@ Forecast. Every decision reads one simulation of the Lane from `now`, in ticket 
 - Preemption in the forecast: a ticket whose first token may come past its deadline
   in a slot that is not idle takes instead the slot of a running request of strictly
   lower priority, if parking that request keeps the replica's parked bytes within its
-  bound and lets the ticket meet its deadline (the measured park, `park_s`, then its
-  prefill, after the prompts ahead of it in the line), sooner than waiting would. "May
+  bound and lets the ticket meet its deadline (the measured park, `park_s`, and a
+  decode step, since the engine parks between two steps and goes on with the next
+  before the ticket reaches it; then its prefill, after the prompts ahead of it in the
+  line), sooner than waiting would. "May
   come past": its wait (for a slot and in the line) and prefill scaled by
   the view's `lateness`, how much later than forecast first tokens after a wait have
   come (measured by the data plane, at least 1, 1 before anything is measured), and

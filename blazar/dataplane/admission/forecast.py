@@ -266,6 +266,13 @@ class _Simulation:
             for position in range(len(replica.running), replica.slots):
                 self.slots.append(_Slot(replica, position, 0.0, idle=True, holder=None))
 
+    def preempting_start_s(self, replica: ReplicaView) -> float:
+        """When a request that parks a generation on `replica` starts, from now: once
+        the park is done (`park_s`, measured), and a decode step later, since the engine
+        parks between two steps and goes on with the next before the request reaches
+        it."""
+        return replica.park_s + self.steps_s(replica, 1)
+
     def steps_s(self, replica: ReplicaView, steps: int) -> float:
         """`steps` decode steps on `replica` at the batch it will run while this queue
         drains (none before a step was measured)."""
@@ -369,10 +376,11 @@ class _Simulation:
             bound = replica.parked_bytes_max
             fits = bound > 0 and self.parked[replica.index] + cost <= bound
             prefill = replica.prefill_s(ticket.prompt_tokens)
+            start = self.preempting_start_s(replica)
             wait = self.line_wait_s(
-                replica, replica.park_s, prefill, short=prefill_order.short(ticket.prompt_tokens)
+                replica, start, prefill, short=prefill_order.short(ticket.prompt_tokens)
             )
-            first_token = replica.park_s + wait + prefill
+            first_token = start + wait + prefill
             meets = self.now + first_token <= ticket.deadline and first_token < waiting_s
             if fits and meets:
                 options.append(((run.kv_tokens, run.priority, replica.index, run.id), slot))
@@ -445,7 +453,8 @@ def _fate(entry: Waiting, sim: _Simulation, now: float) -> tuple[Fate, _Slot | N
         if may_miss and not slot.idle and entry.resume is None:
             parked = sim.victim_for(ticket, waiting_s=start + queue + prefill)
             if parked is not None:
-                slot, victim, start = parked, parked.holder, parked.replica.park_s
+                slot, victim = parked, parked.holder
+                start = sim.preempting_start_s(parked.replica)
                 prefill = slot.replica.prefill_s(ticket.prompt_tokens)
                 queue = sim.line_wait_s(slot.replica, start, prefill, short=short)
         first_token = start + queue + prefill

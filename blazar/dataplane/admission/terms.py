@@ -426,9 +426,9 @@ class Preempt:
     ticket: Ticket
     victim: str
     replica: int
-    # As `Dispatch`'s, for the ticket's start once the victim is parked, `start_s`
-    # from now (the measured park): its first token is expected start_s + queue_s +
-    # prefill_s from now.
+    # As `Dispatch`'s, for the ticket's start once the victim is parked, `start_s` from
+    # now (the measured park and a step): its first token is expected start_s +
+    # queue_s + prefill_s from now.
     queue_s: float = field(default=0.0, compare=False)
     prefill_s: float = field(default=0.0, compare=False)
     start_s: float = field(default=0.0, compare=False)
