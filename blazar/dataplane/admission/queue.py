@@ -321,7 +321,9 @@ class LaneQueue:
             else:
                 high, found = mid, at
         if not idle + high:
-            return None  # the gate itself is closed: `gate` says so
+            # Refused with none ahead, where a one-token prompt is not (`gate`): closed
+            # now for such prompts only, which a gate message cannot say.
+            return None
         if high:
             # The last of them admitted, were they all the largest: then so is each
             # one before it (fewer ahead), and each one of any size within them.
