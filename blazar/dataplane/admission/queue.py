@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import replace
 
 from blazar.api import prefill as prefill_order
@@ -72,6 +73,21 @@ def _missed(entry: Waiting, fate: Fate, now: float) -> Refuse | None:
         if misses_target(entry, fate, now, margin=margin):
             return refusal(entry, replace(fate, refuse=Reason.SLO_UNATTAINABLE), now, margin=margin)
     return None
+
+
+def _least(
+    refused: Callable[[int], Refuse | None], low: int, high: int, found: Refuse
+) -> tuple[int, Refuse]:
+    """The least n in [low, high] that `refused` refuses, with its refusal, by bisection:
+    it refuses `high` (`found`), and every n above one it refuses."""
+    while low < high:
+        mid = (low + high) // 2
+        at = refused(mid)
+        if at is None:
+            low = mid + 1
+        else:
+            high, found = mid, at
+    return high, found
 
 
 class LaneQueue:
@@ -251,15 +267,8 @@ class LaneQueue:
         found = refused(max_tokens)
         if found is None:
             return None
-        low, high = 1, max_tokens  # refused at high
-        while low < high:
-            mid = (low + high) // 2
-            at = refused(mid)
-            if at is None:
-                low = mid + 1
-            else:
-                high, found = mid, at
-        return Filling(idle, high, found)
+        tokens, found = _least(refused, 1, max_tokens, found)
+        return Filling(idle, tokens, found)
 
     def _like(
         self,
@@ -313,13 +322,7 @@ class LaneQueue:
             if high >= room:
                 return None
             low, high = high + 1, min(room, 2 * high + 1)
-        while low < high:
-            mid = (low + high) // 2
-            at = refused(mid)
-            if at is None:
-                low = mid + 1
-            else:
-                high, found = mid, at
+        high, found = _least(refused, low, high, found)
         if not idle + high:
             # Refused with none ahead, where a one-token prompt is not (`gate`): closed
             # now for such prompts only, which a gate message cannot say.
