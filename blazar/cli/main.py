@@ -158,6 +158,8 @@ def cmd_diff(args: argparse.Namespace) -> int:
     """What `apply` of the same files would change, as a unified diff of what users
     write; 0 when nothing, 1 when something would change (errors: 2), as kubectl."""
     docs = _read_docs(args.filename)
+    if not docs:
+        raise _no_objects("diff", args.filename)
     request = control_pb2.ApplyRequest(
         objects_json=[json.dumps(doc) for _, doc in docs], dry_run=True, field_manager="blazar-cli"
     )

@@ -114,16 +114,19 @@ def test_delete_reads_every_file(control: FakeControl, files: tuple[Path, Path])
 
 
 @pytest.mark.parametrize("text", ["", "---\n", "# nothing yet\n---\n---\n# still nothing\n"])
-@pytest.mark.parametrize("command", ["apply", "delete"])
+@pytest.mark.parametrize(("command", "status"), [("apply", 1), ("delete", 1), ("diff", 2)])
 def test_a_file_of_no_objects_is_an_error_not_a_silent_success(
     control: FakeControl,
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
     text: str,
     command: str,
+    status: int,
 ) -> None:
+    """`diff` too: with nothing to compare it would say "no changes" (0); its errors
+    end with 2, since 1 means changes."""
     (tmp_path / "empty.yaml").write_text(text)
-    assert main.main([command, "-f", str(tmp_path / "empty.yaml")]) == 1
+    assert main.main([command, "-f", str(tmp_path / "empty.yaml")]) == status
     assert capsys.readouterr().err == (
         f"error: no objects passed to {command}: '{tmp_path / 'empty.yaml'}' holds no objects\n"
     )
