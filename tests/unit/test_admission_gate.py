@@ -417,6 +417,43 @@ def test_filling_past_busy_slots() -> None:
     assert (found.requests, found.max_tokens, found.most_max_tokens) == (2, 40, 40)
 
 
+@pytest.mark.parametrize("sizes", [[25] * 5, [64] * 5, [64, 25, 64, 25, 25]])
+def test_filling_like_the_latest_holds_when_larger_requests_ahead_park_work(
+    sizes: list[int],
+) -> None:
+    """Requests like the latest (50 prompt tokens, 119 to generate): one takes the idle
+    slot, the others may park the two batch requests on the other replica. Larger
+    prompts ahead (64 tokens, within the sizes the gate names) are more likely to miss
+    by waiting, so they park both, which frees the slots the smaller ones waited for:
+    the next request with the least prompt (25) is refused after the smallest and
+    admitted after larger ones, so no gate may close for requests of 25 to 64 (a
+    larger request ahead is not just a later one here)."""
+    view = lane(
+        replica(index=0, slots=1, prefill=2000.0, step=0.01, parked_max=3000),
+        replica(
+            run("b1", left=195, kv=24),
+            run("b2", left=282, kv=125),
+            index=1,
+            slots=2,
+            prefill=2000.0,
+            step=0.01,
+            parked_max=3000,
+        ),
+    )
+    found = LaneQueue().filling(ROOMY, now=0.0, view=view, max_tokens=2048, latest=(50, 119))
+    # No band for requests like the latest (work here may be parked); the idle slot's
+    # answer, for requests of any prompt, stands if any.
+    assert found is None or not found.most_max_tokens, found
+    # What the band found before would have named: five of 25 to 64 prompt tokens.
+    queue = LaneQueue()
+    for i, prompt in enumerate(sizes):
+        t = ticket(f"a{i}", ROOMY, prompt=prompt, max_tokens=119)
+        assert isinstance(queue.arrive(t, now=0.0, view=view), Admit)
+    decision = queue.arrive(ticket("next", ROOMY, prompt=25, max_tokens=1), now=0.0, view=view)
+    # Refused after the smallest, admitted after larger ones: no gate may say "refused".
+    assert isinstance(decision, Refuse) == (sizes == [25] * 5), decision
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_filled_idle_slots_refuse_the_next_request(seed: int) -> None:
     """Random traffic: whenever `filling` answers k requests of max_tokens of at least

@@ -289,7 +289,9 @@ class LaneQueue:
         the requests after it (a longer prompt holds its slot and the line of short
         prompts longer), so each is admitted, and the next one of at least the least
         prompt refused. Prompts stay short (`api.prefill`): a long one would leave the
-        short prompts' line, and could delay the next less than a short one.
+        short prompts' line, and could delay the next less than a short one. None
+        where a replica may park lower-priority work running on it: a larger request
+        ahead is likelier to park it, which frees a slot sooner than waiting would.
 
         Bounded by the policy's queue depth: the waiting ones count against it, as do
         the idle ones when they come at once, before any starts, and the next is to be
@@ -297,6 +299,17 @@ class LaneQueue:
         number waiting, so it is found by search, not by trying each number."""
         prompt_tokens, max_tokens = latest
         if spill or not prefill_order.short(prompt_tokens):
+            return None
+        if any(
+            replica.parked_bytes_max > 0 and run.parkable and run.priority < policy.priority
+            for replica in view.replicas
+            for run in replica.running
+        ):
+            # Requests ahead may park lower-priority work, and a larger one is likelier
+            # to (it may miss by waiting where a smaller one would not): its slot then
+            # frees sooner than waiting would have, and the next request may be admitted
+            # after larger requests where it is refused after smaller ones. Not monotone
+            # in their sizes, so no answer for a band of them.
             return None
         least = max(1, prompt_tokens // 2)
         most = min(2 * prompt_tokens, prefill_order.SHORT_PROMPT_TOKENS)
