@@ -1708,3 +1708,21 @@ def test_a_preempting_start_waits_in_the_prefill_line_too(due: float, preempts: 
         assert (preempt.queue_s, preempt.prefill_s) == pytest.approx((due - 0.02, 0.5))
     else:
         assert preempt is None
+
+
+@pytest.mark.parametrize(("prompt", "admitted"), [(400, True), (600, False)])
+def test_a_preempting_start_has_the_margin_of_the_replica_it_starts_on(
+    prompt: int, admitted: bool
+) -> None:
+    """The slot that frees first is on a fast replica (0.01 s steps, busy for 10 s with
+    work it may not park); the batch run it parks is on a slow one (0.5 s steps). The
+    ticket starts there a step after the park (0.5 s), its first token after its
+    prefill: it may come `WAIT_STEPS` of that replica's steps (1 s) late, not two of
+    the other's (0.02 s). A first token at 0.9 s meets the 2 s target by more; at
+    1.1 s it is refused at arrival."""
+    view = lane(
+        replica(run("hi", priority=100, left=1000, kv=10), index=0, step=0.01),
+        replica(run("lo", left=100, kv=10), index=1, step=0.5, parked_max=3000),
+    )
+    decision = LaneQueue().arrive(ticket("t", INTERACTIVE, prompt=prompt), now=0, view=view)
+    assert isinstance(decision, Admit) == admitted, decision

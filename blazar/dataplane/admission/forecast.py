@@ -455,6 +455,7 @@ def _fate(entry: Waiting, sim: _Simulation, now: float) -> tuple[Fate, _Slot | N
             if parked is not None:
                 slot, victim = parked, parked.holder
                 start = sim.preempting_start_s(parked.replica)
+                margin = sim.steps_s(slot.replica, WAIT_STEPS)
                 prefill = slot.replica.prefill_s(ticket.prompt_tokens)
                 queue = sim.line_wait_s(slot.replica, start, prefill, short=short)
         first_token = start + queue + prefill
