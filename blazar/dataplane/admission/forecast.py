@@ -367,14 +367,13 @@ class _Simulation:
         policy = ticket.policy
         for slot in self.slots:
             run, replica = slot.holder, slot.replica
-            if run is None or not run.parkable or run.priority >= policy.priority:
+            if run is None or not replica.may_park(run, priority=policy.priority):
                 continue
             cap = policy.max_slots_per_replica
             if cap is not None and self.holding[(replica.index, policy.name)] >= cap:
                 continue
             cost = run.kv_tokens * replica.kv_bytes_per_token
-            bound = replica.parked_bytes_max
-            fits = bound > 0 and self.parked[replica.index] + cost <= bound
+            fits = self.parked[replica.index] + cost <= replica.parked_bytes_max
             prefill = replica.prefill_s(ticket.prompt_tokens)
             start = self.preempting_start_s(replica)
             wait = self.line_wait_s(

@@ -301,7 +301,7 @@ class LaneQueue:
         if spill or not prefill_order.short(prompt_tokens):
             return None
         if any(
-            replica.parked_bytes_max > 0 and run.parkable and run.priority < policy.priority
+            replica.may_park(run, priority=policy.priority)
             for replica in view.replicas
             for run in replica.running
         ):

@@ -201,6 +201,12 @@ class ReplicaView:
     parked_bytes: int = 0
     parked_bytes_max: int = 0
 
+    def may_park(self, run: Running, *, priority: int) -> bool:
+        """Whether a request of `priority` may park `run`, running here: this engine parks
+        at all, the run may be parked now, and its priority is lower (whether its bytes
+        fit the bound is the forecast's to say, as it parks)."""
+        return self.parked_bytes_max > 0 and run.parkable and run.priority < priority
+
     def prefill_s(self, tokens: int, *, alone: bool = False) -> float:
         """Seconds from a start to the first token: the measured start overhead and the
         prompt at the measured prefill rate (`alone`: the rate of a prompt that has its
