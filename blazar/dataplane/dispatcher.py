@@ -4,7 +4,9 @@
 one asyncio task, the only owner of its Lane's `admission.LaneQueue` and of what runs
 where; relays (`blazar.dataplane.inference`) talk to it through its event queue. On
 every event (an arrival, a run that ends, a cancel, a start that failed, a new route
-table) and at the queue's `next_expiry()`, it drives admission as that module says:
+table), at the queue's `next_expiry()` and at its `recheck_at(...)` (a decode step,
+while urgent work waits where it may park other work), it drives admission as that
+module says:
 `dispatch`, then `preemption` until None, then `expire`, each against a view that
 holds the decisions already carried out.
 
@@ -279,6 +281,8 @@ class LaneDispatcher:
         self._seen: dict[str, int] = {}
         # By replica (as a process), the latest first token that came there.
         self._line_last: dict[_Identity, float] = {}
+        # When to decide again though no event comes (`LaneQueue.recheck_at`).
+        self._recheck_at: float | None = None
         self._task = asyncio.get_running_loop().create_task(
             self._serve(), name=f"admission:{self.lane}"
         )
@@ -510,7 +514,8 @@ class LaneDispatcher:
 
     async def _serve(self) -> None:
         while True:
-            expiry = self._queue.next_expiry()
+            times = [t for t in (self._queue.next_expiry(), self._recheck_at) if t is not None]
+            expiry = min(times, default=None)
             event: _Event | None = None
             try:
                 if expiry is None:
@@ -687,6 +692,7 @@ class LaneDispatcher:
             if pending is not None:
                 self._late(pending, refusal, now)
                 self._refuse(pending, refusal)
+        self._recheck_at = self._queue.recheck_at(now=now, view=self._view())
         self._gauge()
 
     def _waited_on_forecast(self, pending: _Pending) -> bool:

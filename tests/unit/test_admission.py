@@ -444,6 +444,32 @@ def test_next_expiry() -> None:
     assert queue.next_expiry() == 2.5
 
 
+def test_recheck_while_urgent_work_waits_where_it_may_park() -> None:
+    """The forecast is read again a decode step on while a ticket with a deadline waits
+    and a replica runs work it may park: its pace moves between events."""
+    # A batch run that frees its slot in 1 s, parkable: the urgent ticket waits for it.
+    short = run("b", left=50)
+    may_park = lane(parking(short))
+    queue = queue_of(ticket("u", INTERACTIVE, prompt=10), view=may_park)
+    assert queue.recheck_at(now=0.5, view=may_park) == pytest.approx(0.5 + 0.02)
+    # Bounded: a step of 1 ms is read every 20 ms; none measured, every 250 ms.
+    fast = lane(replace(parking(short), step_s=0.001))
+    assert queue.recheck_at(now=0.5, view=fast) == pytest.approx(0.52)
+    unmeasured = lane(replace(parking(short), step_s=None))
+    assert queue.recheck_at(now=0.5, view=unmeasured) == pytest.approx(0.75)
+    # Nothing to park there (no parking, or work of the same priority), or past its
+    # deadline (expire takes it out): no reason to read the forecast without an event.
+    assert queue.recheck_at(now=0.5, view=lane(replica(short))) is None
+    urgent_run = run("x", priority=INTERACTIVE.priority, left=50)
+    assert queue.recheck_at(now=0.5, view=lane(parking(urgent_run))) is None
+    assert queue.recheck_at(now=2.0, view=may_park) is None
+    # A ticket without a target waits for any slot; a parked generation resumes on its
+    # own replica: neither preempts.
+    calm = queue_of(ticket("b2", BATCH), view=may_park)
+    calm.requeue(ticket("p", INTERACTIVE), now=0.0, resume=Resume(0, 10))
+    assert calm.recheck_at(now=0.5, view=may_park) is None
+
+
 # --- early reject ------------------------------------------------------------------
 
 

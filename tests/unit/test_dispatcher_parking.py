@@ -229,3 +229,36 @@ def test_a_resumed_run_measures_its_decode_without_the_time_it_was_parked() -> N
             await dispatcher.close()
 
     assert asyncio.run(run()) < 0.02
+
+
+def test_a_run_that_falls_behind_its_pace_is_parked_before_the_urgent_deadline() -> None:
+    """The batch run decoded 20 tokens in 0.2 s and has 39 to go: its slot frees in
+    0.4 s, so the urgent request waits for it. Then it stalls, and no event comes: the
+    dispatcher reads the forecast again each step (`LaneQueue.recheck_at`), sees the
+    slot free later and later, and parks the run while the urgent request can still
+    meet its 2 s target (without that, it would be refused at its deadline)."""
+
+    async def run() -> tuple[float, list[str]]:
+        parker = SlowParker(0.05)
+        dispatcher = LaneDispatcher(one_slot_route(), parker=parker)
+        try:
+            batch_ticket = admission.Ticket(
+                "batch", BATCH, time.monotonic(), prompt_tokens=10, max_tokens=60
+            )
+            batch = await dispatcher.admit(batch_ticket, request_id="b", prompt_chars=40)
+            assert isinstance(batch, Run)
+            dispatcher.first_token(batch, time.monotonic() - batch.ticket.arrived)
+            await asyncio.sleep(0.2)
+            batch.generated = 21
+            asked = time.monotonic()
+            urgent = await asyncio.wait_for(
+                dispatcher.admit(ticket("urgent", URGENT), request_id="u", prompt_chars=40), 3.0
+            )
+            assert urgent.replica.index == 0
+            return urgent.started_at - asked, parker.parked
+        finally:
+            await dispatcher.close()
+
+    waited, parked = asyncio.run(run())
+    assert parked == ["b"]
+    assert 0.2 < waited < 1.5, waited

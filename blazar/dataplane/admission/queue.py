@@ -40,6 +40,10 @@ PROBE_ID = "~probe"
 # before the probe's and after any uuid hex.
 AHEAD_ID = "~ahead"
 PROBE_PROMPT_TOKENS = 1
+# Bounds of `LaneQueue.recheck_at`'s period: a decode step, but not so short that the
+# Lane's loop forecasts without pause, nor so long that a drift goes unseen.
+RECHECK_MIN_S = 0.02
+RECHECK_MAX_S = 0.25
 PROBE_MAX_TOKENS = 1
 
 
@@ -486,6 +490,33 @@ class LaneQueue:
             if rejects_late(entry):
                 times.append(entry.ticket.deadline)
         return min(times, default=None)
+
+    def recheck_at(self, *, now: float, view: LaneView) -> float | None:
+        """When to read the forecast again though no event comes: while a fresh ticket
+        with a deadline waits and a replica runs work it may park, one decode step from
+        now there (at least `RECHECK_MIN_S`, at most `RECHECK_MAX_S`).
+
+        Its forecast counts on the running requests' pace, which moves between events
+        (their tokens, `Running.tokens_left` and the rates read in flight): a forecast
+        read only when a request arrives, starts or ends goes stale while they run
+        slower than it said, and the ticket that was to wait in time is refused at its
+        deadline instead of parking lower-priority work while a park could still meet
+        it. Read each step, the drift shows within the preemption's margin (`_fate`:
+        `WAIT_STEPS` steps)."""
+        steps = []
+        for entry in self._waiting.values():
+            ticket = entry.ticket
+            if entry.resume is not None or ticket.deadline == math.inf or now >= ticket.deadline:
+                continue
+            for replica in view.replicas:
+                priority = ticket.policy.priority
+                if any(replica.may_park(run, priority=priority) for run in replica.running):
+                    batch = len(replica.running)
+                    step = replica.step_at(batch, drafting=replica.drafts(batch))
+                    steps.append(RECHECK_MAX_S if step is None else step)
+        if not steps:
+            return None
+        return now + min(RECHECK_MAX_S, max(RECHECK_MIN_S, min(steps)))
 
     def _ordered(self, *extra: Waiting) -> list[tuple[Key, Waiting]]:
         """The waiting tickets (and `extra`, as if they waited) with their keys, in order:
