@@ -66,11 +66,11 @@ log = structlog.get_logger("blazar.engine.loop")
 PREFILL_BESIDE_DECODE = 128
 
 # Steps without drafts that a waiting prompt may take whole, where drafts leave it no
-# room (`DecodeLoop._drafts_yield`): 64 tokens at the smallest chunk, a chat turn or a
-# few, not a document. Measured on Machine E (default fleet, drafting at a batch of 6):
-# three 27-token prompts that had just preempted batch jobs had their first token
-# 1.5 s late when only a prompt that one such step takes whole was let in.
-YIELD_STEPS = 4
+# room (`DecodeLoop._drafts_yield`): as many as make a prompt short (`api.prefill`).
+# Measured on Machine E (default fleet, drafting at a batch of 6): three 27-token
+# prompts that had just preempted batch jobs had their first token 1.5 s late when only
+# a prompt that one such step takes whole was let in.
+YIELD_STEPS = prefill.SHORT_PROMPT_STEPS
 
 
 @dataclass(frozen=True)

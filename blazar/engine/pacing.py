@@ -30,8 +30,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# Prompt tokens a step takes at least beside decoding streams with a target.
-MIN_CHUNK = 16
+from blazar.api.prefill import MIN_CHUNK
+
 # Weight of the newest measurement in the moving averages.
 ALPHA = 0.2
 # How many typical prediction errors a chunk keeps clear of the target.

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from blazar.engine.pacing import MIN_CHUNK, PrefillPacer
+from blazar.api.prefill import MIN_CHUNK
+from blazar.engine.pacing import PrefillPacer
 
 
 def measured(*, decode_s: float = 0.020, per_token_s: float = 0.0005) -> PrefillPacer:
