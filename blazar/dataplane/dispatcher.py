@@ -679,6 +679,9 @@ class LaneDispatcher:
 
     def _decide(self) -> None:
         now = self._clock()
+        # What deciding costs, in real time whatever the Lane's clock: the rechecks
+        # are spaced by it (`LaneQueue.recheck_at`).
+        started = time.perf_counter()
         for decision in self._queue.dispatch(now=now, view=self._view()):
             if decision.resume:
                 self._resume(decision)
@@ -692,7 +695,9 @@ class LaneDispatcher:
             if pending is not None:
                 self._late(pending, refusal, now)
                 self._refuse(pending, refusal)
-        self._recheck_at = self._queue.recheck_at(now=now, view=self._view())
+        self._recheck_at = self._queue.recheck_at(
+            now=now, view=self._view(), decide_s=time.perf_counter() - started
+        )
         self._gauge()
 
     def _waited_on_forecast(self, pending: _Pending) -> bool:

@@ -457,6 +457,10 @@ def test_recheck_while_urgent_work_waits_where_it_may_park() -> None:
     assert queue.recheck_at(now=0.5, view=fast) == pytest.approx(0.52)
     unmeasured = lane(replace(parking(short), step_s=None))
     assert queue.recheck_at(now=0.5, view=unmeasured) == pytest.approx(0.75)
+    # And spaced by what a reading costs: one that took 10 ms is read again no sooner
+    # than 50 ms after it began (a fifth of the Lane's loop at most), past the step.
+    assert queue.recheck_at(now=0.5, view=may_park, decide_s=0.01) == pytest.approx(0.55)
+    assert queue.recheck_at(now=0.5, view=may_park, decide_s=0.001) == pytest.approx(0.52)
     # Nothing to park there (no parking, or work of the same priority), or past its
     # deadline (expire takes it out): no reason to read the forecast without an event.
     assert queue.recheck_at(now=0.5, view=lane(replica(short))) is None

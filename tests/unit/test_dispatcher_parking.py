@@ -262,3 +262,67 @@ def test_a_run_that_falls_behind_its_pace_is_parked_before_the_urgent_deadline()
     waited, parked = asyncio.run(run())
     assert parked == ["b"]
     assert 0.2 < waited < 1.5, waited
+
+
+def test_reading_the_forecast_again_each_step_leaves_the_lane_loop_mostly_idle() -> None:
+    """A patient request (a 1,000 s target) waits behind a batch run that decodes a
+    token each 20 ms, with 600 batch requests queued: its forecast is read again each
+    step (`LaneQueue.recheck_at`), and each reading forecasts all 601 tickets, several
+    milliseconds apiece. Nothing else happens, and the Lane's loop (the daemon's one
+    event loop, which also serves HTTP and relays every stream) spends at most
+    `RECHECK_BUSY_SHARE` of its time on those readings, not most of it: the period
+    stretches to what a reading costs."""
+    queued = 600
+    many = dataclasses.replace(BATCH, max_queue_depth=queued + 1)
+    slow = dataclasses.replace(PATIENT, name="slow", ttft_target_s=1000.0)
+    # A token each 20 ms: the recheck's period at its shortest.
+    fast = inference_pb2.Final(
+        usage=inference_pb2.Usage(prompt_tokens=100, completion_tokens=11),
+        timings=inference_pb2.Timings(prefill_ms=10.0, decode_ms=200.0),
+    )
+
+    async def run() -> tuple[float, bool]:
+        dispatcher = LaneDispatcher(one_slot_route(), parker=SlowParker(0.05))
+        dispatcher.measurements.record(0, fast, prompt_chars=400, policy=BATCH.name, max_tokens=11)
+        spent: list[float] = []
+        decide = dispatcher._decide
+
+        def timed() -> None:
+            started = time.perf_counter()
+            decide()
+            spent.append(time.perf_counter() - started)
+
+        dispatcher._decide = timed  # type: ignore[method-assign]
+        waiting = []
+        try:
+            batch = await dispatcher.admit(ticket("batch", many), request_id="b", prompt_chars=40)
+            assert isinstance(batch, Run)
+            dispatcher.first_token(batch, 0.01)
+            waiting = [
+                asyncio.create_task(
+                    dispatcher.admit(ticket(f"q{i}", many), request_id=f"q{i}", prompt_chars=40)
+                )
+                for i in range(queued)
+            ]
+            waiting.append(
+                asyncio.create_task(
+                    dispatcher.admit(ticket("slow", slow), request_id="s", prompt_chars=40)
+                )
+            )
+            while dispatcher.queued().get("slow") != 1:
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.2)
+            spent.clear()
+            started = time.perf_counter()
+            await asyncio.sleep(1.5)
+            share = sum(spent) / (time.perf_counter() - started)
+            return share, waiting[-1].done()
+        finally:
+            await dispatcher.close()
+            for task in waiting:
+                task.cancel()
+            await asyncio.gather(*waiting, return_exceptions=True)
+
+    share, served = asyncio.run(run())
+    assert not served  # it waits (its target is far): nothing happens but the rechecks
+    assert share < 0.4, share  # twice `RECHECK_BUSY_SHARE`: margin for a busy host

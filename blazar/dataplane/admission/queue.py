@@ -40,11 +40,15 @@ PROBE_ID = "~probe"
 # before the probe's and after any uuid hex.
 AHEAD_ID = "~ahead"
 PROBE_PROMPT_TOKENS = 1
+PROBE_MAX_TOKENS = 1
 # Bounds of `LaneQueue.recheck_at`'s period: a decode step, but not so short that the
 # Lane's loop forecasts without pause, nor so long that a drift goes unseen.
 RECHECK_MIN_S = 0.02
 RECHECK_MAX_S = 0.25
-PROBE_MAX_TOKENS = 1
+# The share of the Lane's loop those readings may take: a reading forecasts every
+# waiting ticket (tens of milliseconds behind a thousand queued), and the loop is the
+# daemon's, which also serves HTTP and relays every stream.
+RECHECK_BUSY_SHARE = 0.2
 
 
 def _ahead(
@@ -491,10 +495,12 @@ class LaneQueue:
                 times.append(entry.ticket.deadline)
         return min(times, default=None)
 
-    def recheck_at(self, *, now: float, view: LaneView) -> float | None:
+    def recheck_at(self, *, now: float, view: LaneView, decide_s: float = 0.0) -> float | None:
         """When to read the forecast again though no event comes: while a fresh ticket
         with a deadline waits and a replica runs work it may park, one decode step from
-        now there (at least `RECHECK_MIN_S`, at most `RECHECK_MAX_S`).
+        now there (at least `RECHECK_MIN_S`, at most `RECHECK_MAX_S`), and no sooner
+        than the last reading, begun at `now` and `decide_s` long, leaves the Lane's
+        loop free for all but `RECHECK_BUSY_SHARE` of its time.
 
         Its forecast counts on the running requests' pace, which moves between events
         (their tokens, `Running.tokens_left` and the rates read in flight): a forecast
@@ -516,7 +522,8 @@ class LaneQueue:
                     steps.append(RECHECK_MAX_S if step is None else step)
         if not steps:
             return None
-        return now + min(RECHECK_MAX_S, max(RECHECK_MIN_S, min(steps)))
+        period = min(RECHECK_MAX_S, max(RECHECK_MIN_S, min(steps)))
+        return now + max(period, decide_s / RECHECK_BUSY_SHARE)
 
     def _ordered(self, *extra: Waiting) -> list[tuple[Key, Waiting]]:
         """The waiting tickets (and `extra`, as if they waited) with their keys, in order:
