@@ -541,6 +541,11 @@ def test_timings_in_llama_cpp_server_shape() -> None:
     }
     done.routing.drafted_tokens = 0
     assert "draft_n" not in render.timings(done)
+    # Parked for more urgent work: the pause, beside the decode it is kept out of.
+    assert "parked_ms" not in render.timings(done)
+    done.timings.parked_ms = 350.0
+    assert render.timings(done)["parked_ms"] == 350.0
+    assert render.timings(done)["predicted_ms"] == 800.0
 
 
 async def test_completion_non_stream(daemon: Daemon, client: httpx.AsyncClient) -> None:

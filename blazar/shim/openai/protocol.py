@@ -215,7 +215,8 @@ class Timings(TypedDict):
     token, and the rates divide `predicted_n` by it, as llama.cpp's do.
     `draft_n`/`draft_n_accepted` only when tokens were drafted (speculation);
     `load_ms` (Blazar's) only when the request waited for its Lane to wake from
-    idle.sleepAfter."""
+    idle.sleepAfter; `parked_ms` (Blazar's) only when it was parked for more urgent
+    work (the pause, kept out of `predicted_ms`)."""
 
     cache_n: int
     prompt_n: int
@@ -229,6 +230,7 @@ class Timings(TypedDict):
     draft_n: NotRequired[int]
     draft_n_accepted: NotRequired[int]
     load_ms: NotRequired[float]
+    parked_ms: NotRequired[float]
 
 
 class FunctionDelta(TypedDict, total=False):

@@ -94,6 +94,8 @@ def timings(final: inference_pb2.Final) -> protocol.Timings:
         out["draft_n_accepted"] = final.routing.accepted_tokens
     if final.timings.load_ms > 0:
         out["load_ms"] = final.timings.load_ms
+    if final.timings.parked_ms > 0:
+        out["parked_ms"] = final.timings.parked_ms
     return out
 
 
