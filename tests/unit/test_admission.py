@@ -1224,15 +1224,55 @@ POLICIES = [
 ]
 
 
+def same_without_shortcuts(
+    queue: LaneQueue, monkeypatch: pytest.MonkeyPatch, *, now: float, view: LaneView
+) -> None:
+    """`dispatch`, `preemption` and `expire` decide as they do when they forecast every
+    time: where `forecast.may_start`, `may_preempt` and `may_refuse` let them skip the
+    forecast, it would have decided nothing. And the gates, the predictions and the
+    idle slots, forecast only up to the tickets they ask about (`forecast`'s `until`),
+    answer what a forecast of every ticket answers."""
+
+    def asked(q: LaneQueue) -> list[object]:
+        out: list[object] = []
+        for policy in POLICIES:
+            out.append(q.gate(policy, now=now, view=view))
+            out.append(q.idle_for(policy, now=now, view=view))
+        out.extend(q.predict_ttft(t.id, now=now, view=view) for t in q.tickets())
+        return out
+
+    def deciding(name: str) -> Callable[[LaneQueue], object]:
+        return lambda q: getattr(q, name)(now=now, view=view)
+
+    full_forecast = admission.queue.forecast
+    for run in (deciding("dispatch"), deciding("preemption"), deciding("expire"), asked):
+        fast = run(copy.deepcopy(queue))
+        with monkeypatch.context() as m:
+            for shortcut in ("may_start", "may_preempt", "may_refuse"):
+                m.setattr(admission.queue, shortcut, lambda *_, **__: True)
+            m.setattr(
+                admission.queue,
+                "forecast",
+                lambda waiting, *, now, view, until=None: full_forecast(
+                    waiting, now=now, view=view
+                ),
+            )
+            full = run(copy.deepcopy(queue))
+        assert fast == full
+
+
 @pytest.mark.parametrize("lateness", [1.0, 2.0])
 @pytest.mark.parametrize("seed", range(6))
-def test_invariants_under_random_traffic(seed: int, lateness: float) -> None:
+def test_invariants_under_random_traffic(
+    seed: int, lateness: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Arrivals, cancels, dispatches, expiries and preemptions in random order: no ticket
     starts twice, late, or after it was refused or cancelled; no replica runs more than
     its slots or parks past its bound; fresh tickets never pass their depth bound; and
     starts follow the order, a ticket of a capped policy left behind only when its cap
     keeps it from every free slot; no policy holds more slots of a replica than its
-    cap. The same when waits measure late (parking more)."""
+    cap. The same when waits measure late (parking more). Every decision is the one a
+    forecast of every ticket makes (`same_without_shortcuts`)."""
     rng = random.Random(seed)
     queue = LaneQueue()
     engines = Engines(lateness=lateness)
@@ -1286,6 +1326,8 @@ def test_invariants_under_random_traffic(seed: int, lateness: float) -> None:
     for step in range(600):
         now += rng.choice([0.0, 0.01, 0.05, 0.2])
         engines.step(rng)
+        if step % 4 == 0:
+            same_without_shortcuts(queue, monkeypatch, now=now, view=engines.view())
         op = rng.random()
         if op < 0.4:
             policy = rng.choice(POLICIES)

@@ -7,7 +7,7 @@ import bisect
 import heapq
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 
 from blazar.api import prefill as prefill_order
@@ -166,6 +166,39 @@ def misses_target(entry: Waiting, fate: Fate, now: float, *, margin: bool = Fals
         return False
     late = fate.margin_s if margin else 0.0
     return now + fate.first_token_s + late > ticket.deadline
+
+
+# Whether a forecast can decide anything: each of `LaneQueue.dispatch`, `preemption` and
+# `expire` forecasts every waiting ticket (tens of milliseconds behind a thousand), and
+# the Lane's loop decides on every event. Each answers for what `_fate` does: False only
+# where no fate can be of that kind, whatever the forecast says.
+
+
+def may_start(view: LaneView) -> bool:
+    """Whether a waiting ticket may start now: only an idle slot starts one (`Fate.idle`),
+    and a replica has one while fewer requests run there than it has slots."""
+    return any(len(replica.running) < replica.slots for replica in view.replicas)
+
+
+def may_preempt(entry: Waiting, view: LaneView, *, now: float) -> bool:
+    """Whether `entry` may park work (`Fate.victim`): it is fresh, its deadline is ahead
+    (nothing else may miss one), and a replica runs work it may park."""
+    ticket = entry.ticket
+    if entry.resume is not None or not now <= ticket.deadline < math.inf:
+        return False
+    priority = ticket.policy.priority
+    return any(
+        replica.may_park(run, priority=priority)
+        for replica in view.replicas
+        for run in replica.running
+    )
+
+
+def may_refuse(entry: Waiting, now: float) -> bool:
+    """Whether the forecast may refuse `entry` (`Fate.refuse`): it is refused when
+    predicted late (`rejects_late`), or it has waited its bound (`Waiting.timed_out`)."""
+    bound = entry.ticket.policy.max_queue_wait_s
+    return rejects_late(entry) or (bound is not None and entry.waited(now) >= bound)
 
 
 @dataclass
@@ -488,10 +521,20 @@ def _fate(entry: Waiting, sim: _Simulation, now: float) -> tuple[Fate, _Slot | N
     return fate, slot
 
 
-def forecast(waiting: list[tuple[Key, Waiting]], *, now: float, view: LaneView) -> dict[str, Fate]:
-    """Every waiting ticket's fate, simulated in order (see the module docstring)."""
+def forecast(
+    waiting: list[tuple[Key, Waiting]],
+    *,
+    now: float,
+    view: LaneView,
+    until: Collection[str] | None = None,
+) -> dict[str, Fate]:
+    """Every waiting ticket's fate, simulated in order (see the module docstring). With
+    `until` (ticket ids), only up to the last of those in order: a ticket's fate depends
+    on nothing after it, and a probe or an arrival of high priority is forecast in the
+    few steps ahead of it, not behind every batch job waiting after it."""
     sim = _Simulation(view, now, waiting=[entry.ticket for _, entry in waiting])
     fates: dict[str, Fate] = {}
+    pending = None if until is None else set(until)
     heap: list[tuple[Key, int, Waiting | _Victim]] = [
         (key, seq, entry) for seq, (key, entry) in enumerate(waiting)
     ]
@@ -522,6 +565,10 @@ def forecast(waiting: list[tuple[Key, Waiting]], *, now: float, view: LaneView) 
             continue
         fate, slot = _fate(item, sim, now)
         fates[item.ticket.id] = fate
+        if pending is not None:
+            pending.discard(item.ticket.id)
+            if not pending:
+                break
         if slot is None or fate.start_s is None:
             continue
         if fate.victim is not None:

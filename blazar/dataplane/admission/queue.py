@@ -14,6 +14,9 @@ from blazar.dataplane.admission.forecast import (
     clamp,
     forecast,
     key_of,
+    may_preempt,
+    may_refuse,
+    may_start,
     misses_target,
     refusal,
     rejects_late,
@@ -204,7 +207,12 @@ class LaneQueue:
         if not slots:
             return 0
         extras = list(_ahead(policy, now, slots, PROBE_MAX_TOKENS).values())
-        fates = forecast(self._ordered(*extras), now=now, view=view)
+        fates = forecast(
+            self._ordered(*extras),
+            now=now,
+            view=view,
+            until={entry.ticket.id for entry in extras},
+        )
         idle = 0
         for entry in extras:
             if not fates[entry.ticket.id].idle:
@@ -382,7 +390,9 @@ class LaneQueue:
         """`arrive`'s decision for the fresh `entry`, which is not queued; `ahead`:
         fresh tickets forecast as if they waited too, not counted in its depth."""
         ticket = entry.ticket
-        fate = forecast(self._ordered(*ahead, entry), now=now, view=view)[ticket.id]
+        fate = forecast(self._ordered(*ahead, entry), now=now, view=view, until={ticket.id})[
+            ticket.id
+        ]
         policy = ticket.policy
         local: Admit | Refuse
         if not fate.idle and self.depth(policy.name) >= policy.max_queue_depth:
@@ -421,6 +431,8 @@ class LaneQueue:
 
     def dispatch(self, *, now: float, view: LaneView) -> list[Dispatch]:
         """The tickets to start now, in order, each on a replica with an idle slot."""
+        if not self._waiting or not may_start(view):
+            return []
         ordered = self._ordered()
         fates = forecast(ordered, now=now, view=view)
         started = []
@@ -446,6 +458,8 @@ class LaneQueue:
         """The first ticket in order that would miss its deadline waiting for a slot held
         by lower-priority work, with the request to park for it (see the module's
         forecast); the ticket leaves the queue. None when no ticket needs one."""
+        if not any(may_preempt(entry, view, now=now) for entry in self._waiting.values()):
+            return None
         ordered = self._ordered()
         fates = forecast(ordered, now=now, view=view)
         for _, entry in ordered:
@@ -467,6 +481,8 @@ class LaneQueue:
     def expire(self, *, now: float, view: LaneView) -> list[Refuse]:
         """Take out and refuse, in order, the tickets past their wait bound and (under
         onOverload: reject) those that can no longer meet their TTFT target."""
+        if not any(may_refuse(entry, now) for entry in self._waiting.values()):
+            return []
         ordered = self._ordered()
         fates = forecast(ordered, now=now, view=view)
         refused = []
@@ -481,7 +497,8 @@ class LaneQueue:
         """Seconds from the ticket's arrival to its first token, as forecast now; None
         for a parked generation or when no replica serves. KeyError if not waiting."""
         entry = self._waiting[ticket_id]
-        return forecast(self._ordered(), now=now, view=view)[entry.ticket.id].ttft_s
+        fates = forecast(self._ordered(), now=now, view=view, until={entry.ticket.id})
+        return fates[entry.ticket.id].ttft_s
 
     def next_expiry(self) -> float | None:
         """When `expire` must run next though nothing else changes: the first time a
@@ -512,7 +529,7 @@ class LaneQueue:
         steps = []
         for entry in self._waiting.values():
             ticket = entry.ticket
-            if entry.resume is not None or ticket.deadline == math.inf or now >= ticket.deadline:
+            if now >= ticket.deadline or not may_preempt(entry, view, now=now):
                 continue
             for replica in view.replicas:
                 priority = ticket.policy.priority
