@@ -168,9 +168,21 @@ def test_batched_rounds_agree_up_to_near_ties(
     prompt cached in its own slot, the others reuse it. Each stream repeats its
     output but for what a near-tie may turn (the rounds need not batch alike: requests
     arrive when they arrive, and a cached prefix is decoded in other batches). A
-    stream that reads a wrong cache, or another slot's tokens, parts far from a tie."""
+    stream that reads a wrong cache, or another slot's tokens, parts far from a tie.
+
+    Each prompt is at least 13 tokens, so that what it keeps of its slot (all but its
+    last token) is at least what it throws away there (the 9 tokens it decoded): the
+    slot matches it (`batching.choose_slot`, llama.cpp's rule). A 7-token prompt does
+    not match its own slot, and took whichever slot arrival order and recency gave it
+    (a run of the whole suite on a fresh clone failed so)."""
     sampling = greedy(10, logit_bias=no_eog, logprobs=True, top_logprobs=5)
-    requests = [{"prompt": p, "sampling": sampling} for p in PROMPTS]
+    prompts = [
+        COUNTING,
+        "Monday, Tuesday, Wednesday, Thursday, Friday, Saturday,",
+        "January, February, March, April, May, June, July,",
+        PROMPTS[3],
+    ]
+    requests = [{"prompt": p, "sampling": sampling} for p in prompts]
     rounds = [run_concurrently(batch_worker, requests) for _ in range(3)]
     eog = pinning.end_of_generation(model_path)
     for streams in rounds:
