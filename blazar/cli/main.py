@@ -233,11 +233,25 @@ def cmd_delete(args: argparse.Namespace) -> int:
         targets = [(kinds.resolve_kind(args.kind).value, args.name)]
     else:
         raise errors.InvalidRequest("delete needs KIND NAME or -f FILE")
+    gone = 0
     with client.from_args(args) as control:
         for kind, name in targets:
-            control.delete(control_pb2.DeleteRequest(kind=kind, name=name))
+            try:
+                control.delete(control_pb2.DeleteRequest(kind=kind, name=name))
+            except grpc.RpcError as exc:
+                # As kubectl: an object already gone is reported and the others are
+                # still deleted; stopping here would leave whatever follows it running.
+                remote = status.from_rpc_error(exc)
+                if len(targets) == 1 or not isinstance(remote, errors.ObjectNotFound):
+                    raise
+                print(
+                    f"Error from server ({_camel(remote.reason)}): {remote.message}",
+                    file=sys.stderr,
+                )
+                gone += 1
+                continue
             print(f"{kind.lower()}/{name} deleted")
-    return 0
+    return 1 if gone else 0
 
 
 def cmd_export_kubernetes(args: argparse.Namespace) -> int:

@@ -6,10 +6,13 @@ import io
 import json
 from pathlib import Path
 
+import grpc
 import pytest
 
 from blazar._proto.v1 import control_pb2
+from blazar.api import errors
 from blazar.cli import client, main
+from blazar.rpc import status
 
 MODEL = """\
 apiVersion: blazar.dev/v1alpha1
@@ -31,6 +34,7 @@ class FakeControl:
     def __init__(self) -> None:
         self.applied: list[control_pb2.ApplyRequest] = []
         self.deleted: list[tuple[str, str]] = []
+        self.missing: set[tuple[str, str]] = set()
 
     def __enter__(self) -> FakeControl:
         return self
@@ -51,8 +55,26 @@ class FakeControl:
         return control_pb2.ApplyResponse(results=results)
 
     def delete(self, request: control_pb2.DeleteRequest) -> control_pb2.DeleteResponse:
+        if (request.kind, request.name) in self.missing:
+            raise FakeRpcError(errors.ObjectNotFound(f'{request.kind} "{request.name}" not found.'))
         self.deleted.append((request.kind, request.name))
         return control_pb2.DeleteResponse()
+
+
+class FakeRpcError(grpc.RpcError):
+    """What a grpc call raises for an error the daemon sent."""
+
+    def __init__(self, err: errors.BlazarError) -> None:
+        self._err = err
+
+    def code(self) -> grpc.StatusCode:
+        return status.grpc_code(self._err)
+
+    def details(self) -> str:
+        return self._err.message
+
+    def trailing_metadata(self) -> tuple[tuple[str, str | bytes], ...]:
+        return status.trailing_metadata(self._err)
 
 
 @pytest.fixture
@@ -111,6 +133,21 @@ def test_delete_reads_every_file(control: FakeControl, files: tuple[Path, Path])
     model, lane = files
     assert main.main(["delete", "-f", str(lane), "-f", str(model)]) == 0
     assert control.deleted == [("Lane", "l"), ("Model", "m")]
+
+
+def test_delete_goes_on_past_an_object_already_gone(
+    control: FakeControl, files: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As `kubectl delete -f`: an object that is already gone is reported, the others in
+    the files are still deleted, and the command ends with 1. Stopping at the first one
+    would leave the rest running, depending only on their order in the file."""
+    model, lane = files
+    control.missing.add(("Model", "m"))
+    assert main.main(["delete", "-f", str(model), "-f", str(lane)]) == 1
+    assert control.deleted == [("Lane", "l")]
+    out = capsys.readouterr()
+    assert out.out.splitlines() == ["lane/l deleted"]
+    assert out.err == 'Error from server (NotFound): Model "m" not found.\n'
 
 
 @pytest.mark.parametrize("text", ["", "---\n", "# nothing yet\n---\n---\n# still nothing\n"])
