@@ -494,6 +494,13 @@ def _run(args: argparse.Namespace) -> int:
             )
         else:
             print(f"Error from server ({_camel(remote.reason)}): {remote.message}", file=sys.stderr)
+            if (
+                isinstance(remote, errors.Unauthenticated)
+                and remote.metadata.get("credential") == "missing"
+            ):
+                # The server's message names HTTP headers and gRPC metadata; this
+                # command line sends its key from a flag or the environment.
+                print("(send one with --api-key KEY, or set BLAZAR_API_KEY)", file=sys.stderr)
         return failed
     except KeyboardInterrupt:
         return 130

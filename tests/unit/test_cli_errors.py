@@ -97,6 +97,17 @@ def test_a_received_manifest_error_has_no_field_errors_but_its_message() -> None
             'Error from server (NotFound): Lane "x" not found.\n',
         ),
         (FromTheFuture("Lane x is frozen."), "Error from server (LaneFrozen): Lane x is frozen.\n"),
+        # No key over TCP: how this command line sends one.
+        (
+            errors.Unauthenticated("No API key.", metadata={"credential": "missing"}),
+            "Error from server (Unauthenticated): No API key.\n"
+            "(send one with --api-key KEY, or set BLAZAR_API_KEY)\n",
+        ),
+        # A key no tenant holds: nothing to add.
+        (
+            errors.Unauthenticated("Unknown API key.", metadata={"credential": "unknown"}),
+            "Error from server (Unauthenticated): Unknown API key.\n",
+        ),
     ],
 )
 def test_cli_prints_the_reason_the_server_sent(
