@@ -261,6 +261,10 @@ def _settled(placement: Placement | None, previous: LaneStatus) -> Placement | N
     return Placement(placement.fits, placement.reason, before.message, kept) if same else placement
 
 
+# The Ready reason while a rolling update replaces replicas.
+ROLLING_UPDATE = "RollingUpdate"
+
+
 def lane_status(
     *,
     previous: LaneStatus,
@@ -281,7 +285,10 @@ def lane_status(
     wait (and wake it) rather than being refused.
 
     `revision` is the spec's (None while the model is not ready): a replica of another
-    revision, or the surge beyond `desired`, means a rolling update is under way.
+    revision means a rolling update is under way, and so does the surge beyond
+    `desired` while one was (its last pass, once every replica below runs the new
+    spec). A replica beyond `desired` of the spec's own revision otherwise is being
+    scaled down (`ScalingDown`): nothing is replaced.
     `placement` is the fit ledger's (None while the model is not ready: `Schedulable`
     and the memory figures stay as they were).
     """
@@ -290,9 +297,12 @@ def lane_status(
     # The surge counts: a rollout whose new replica keeps crashing is degraded.
     crashing = [o for o in observed if o.restarts > 0 and o.state != ReplicaState.READY]
     crashing += [o for o in observed if o.state == ReplicaState.FAILED and o not in crashing]
-    rolling = any(
-        o.index >= desired or (revision is not None and o.revision != revision) for o in observed
-    )
+    beyond = [o for o in observed if o.index >= desired]
+    replaced = revision is not None and any(o.revision != revision for o in observed)
+    previous_ready = conditions.get_condition(previous.conditions, "Ready")
+    was_rolling = previous_ready is not None and previous_ready.reason == ROLLING_UPDATE
+    rolling = replaced or (bool(beyond) and (revision is None or was_rolling))
+    scaling_down = bool(beyond) and not rolling
 
     conds: list[Condition] = list(previous.conditions)
 
@@ -342,16 +352,21 @@ def lane_status(
         )
     else:
         put("Degraded", False, "ReplicasHealthy", "No replica is crash-looping.")
-    all_ready = model.ready and ready == desired and not crashing and not rolling
+    all_ready = model.ready and ready == desired and not crashing and not rolling and not beyond
     if not model.ready:
         reason, message = "ModelNotReady", model.message
     elif unplaced and not all_ready:
         assert placement is not None
         reason, message = placement.reason, placement.message
     elif rolling and not crashing:
-        reason = "RollingUpdate"
+        reason = ROLLING_UPDATE
         message = (
             f"Replacing replicas: {serving} serving, {len(observed)} running, {desired} desired."
+        )
+    elif scaling_down and not crashing:
+        reason = "ScalingDown"
+        message = (
+            f"Stopping {len(beyond)} replica(s) beyond the {desired} desired: {serving} serving."
         )
     elif all_ready and sleeping:
         reason, message = "Sleeping", sleep_message

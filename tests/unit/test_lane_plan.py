@@ -170,10 +170,13 @@ READY_MODEL = ModelReadiness(True, "ModelReady", "ok")
 
 
 def status_of(
-    observed: list[ReplicaObservation], desired: int = 1, model: ModelReadiness = READY_MODEL
+    observed: list[ReplicaObservation],
+    desired: int = 1,
+    model: ModelReadiness = READY_MODEL,
+    previous: LaneStatus | None = None,
 ) -> dict[str, tuple[str, str]]:
     status = lane_plan.lane_status(
-        previous=LaneStatus(),
+        previous=previous or LaneStatus(),
         generation=3,
         desired=desired,
         model=model,
@@ -196,7 +199,9 @@ def status_of(
         pytest.param([obs(0, restarts=1)], 1, READY_MODEL, {"Ready": ("True", "AllReplicasReady"), "Degraded": ("False", "ReplicasHealthy")}, id="recovered"),
         pytest.param([], 1, ModelReadiness(False, "ChecksumMismatch", "bad"), {"Ready": ("False", "ModelNotReady"), "ModelReady": ("False", "ChecksumMismatch")}, id="model-bad"),
         pytest.param([], 0, READY_MODEL, {"Ready": ("True", "ScaledToZero")}, id="zero"),
-        pytest.param([obs(0, ReplicaState.STARTING), obs(1)], 1, READY_MODEL, {"Available": ("True", "MinimumReplicasAvailable"), "Ready": ("False", "RollingUpdate"), "Progressing": ("True", "ReplicasUpdating")}, id="surge-serving"),
+        # A replica beyond `desired` of the spec's own revision, the Lane not rolling:
+        # scaled down (replicas 2 -> 1), nothing replaced.
+        pytest.param([obs(0), obs(1)], 1, READY_MODEL, {"Available": ("True", "MinimumReplicasAvailable"), "Ready": ("False", "ScalingDown"), "Progressing": ("True", "ReplicasUpdating")}, id="scaling-down"),
         pytest.param([obs(0, launch=OLD)], 1, READY_MODEL, {"Available": ("True", "MinimumReplicasAvailable"), "Ready": ("False", "RollingUpdate")}, id="spec-changed"),
         pytest.param([obs(0, launch=OLD), obs(1, ReplicaState.FAILED, restarts=5, exited_ago=1)], 1, READY_MODEL, {"Available": ("True", "MinimumReplicasAvailable"), "Ready": ("False", "ReplicasNotReady"), "Degraded": ("True", "CrashLoopBackOff")}, id="failing-surge-is-degraded"),
     ],
@@ -209,6 +214,25 @@ def test_lane_status(
 ) -> None:
     got = status_of(observed, desired, model)
     assert {k: got[k] for k in expect} == expect
+
+
+def test_the_surge_of_a_rollout_is_still_rolling_in_its_last_pass() -> None:
+    """Every replica below `desired` runs the new spec and the surge still serves: the
+    rollout's last pass, not a scale-down."""
+    rolling = lane_plan.lane_status(
+        previous=LaneStatus(),
+        generation=3,
+        desired=1,
+        model=READY_MODEL,
+        observed=[obs(0, launch=OLD), obs(1)],
+        now=NOW,
+        revision=LAUNCH.revision,
+    )
+    got = status_of([obs(0, ReplicaState.STARTING), obs(1)], previous=rolling)
+    assert got["Ready"] == ("False", "RollingUpdate")
+    assert got["Available"] == ("True", "MinimumReplicasAvailable")
+    assert status_of([obs(0), obs(1)], previous=rolling)["Ready"] == ("False", "RollingUpdate")
+    assert status_of([obs(0)], previous=rolling)["Ready"] == ("True", "AllReplicasReady")
 
 
 def test_lane_status_keeps_transition_time_when_unchanged() -> None:
