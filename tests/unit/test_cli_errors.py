@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import argparse
 
-import grpc
 import pytest
 
 from blazar.api import errors
 from blazar.cli import main
-from blazar.rpc import status
+from tests.rpc_errors import FakeRpcError
 
 BAD = errors.ManifestInvalid(
     [
@@ -18,22 +17,6 @@ BAD = errors.ManifestInvalid(
         errors.FieldError("Lane/broken: spec.colour", "Extra inputs are not permitted"),
     ]
 )
-
-
-class FakeRpcError(grpc.RpcError):
-    """What a grpc call raises: a code, details and trailing metadata."""
-
-    def __init__(self, err: errors.BlazarError) -> None:
-        self._err = err
-
-    def code(self) -> grpc.StatusCode:
-        return status.grpc_code(self._err)
-
-    def details(self) -> str:
-        return self._err.message
-
-    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
-        return status.trailing_metadata(self._err)
 
 
 class FromTheFuture(errors.BlazarError):

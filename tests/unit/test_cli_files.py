@@ -6,13 +6,12 @@ import io
 import json
 from pathlib import Path
 
-import grpc
 import pytest
 
 from blazar._proto.v1 import control_pb2
 from blazar.api import errors
 from blazar.cli import client, main
-from blazar.rpc import status
+from tests.rpc_errors import FakeRpcError
 
 MODEL = """\
 apiVersion: blazar.dev/v1alpha1
@@ -59,22 +58,6 @@ class FakeControl:
             raise FakeRpcError(errors.ObjectNotFound(f'{request.kind} "{request.name}" not found.'))
         self.deleted.append((request.kind, request.name))
         return control_pb2.DeleteResponse()
-
-
-class FakeRpcError(grpc.RpcError):
-    """What a grpc call raises for an error the daemon sent."""
-
-    def __init__(self, err: errors.BlazarError) -> None:
-        self._err = err
-
-    def code(self) -> grpc.StatusCode:
-        return status.grpc_code(self._err)
-
-    def details(self) -> str:
-        return self._err.message
-
-    def trailing_metadata(self) -> tuple[tuple[str, str | bytes], ...]:
-        return status.trailing_metadata(self._err)
 
 
 @pytest.fixture
