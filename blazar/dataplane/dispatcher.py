@@ -690,13 +690,16 @@ class LaneDispatcher:
         while (preempt := self._queue.preemption(now=now, view=self._view())) is not None:
             if not self._preempt(preempt, now):
                 break  # asked again, admission would name the same victim
-        for refusal in self._queue.expire(now=now, view=self._view()):
+        # Refusals take out waiting tickets only (and a late one moves the lateness,
+        # which `recheck_at` does not read): the same view serves both.
+        view = self._view()
+        for refusal in self._queue.expire(now=now, view=view):
             pending = self._pending.pop(refusal.ticket.id, None)
             if pending is not None:
                 self._late(pending, refusal, now)
                 self._refuse(pending, refusal)
         self._recheck_at = self._queue.recheck_at(
-            now=now, view=self._view(), decide_s=time.perf_counter() - started
+            now=now, view=view, decide_s=time.perf_counter() - started
         )
         self._gauge()
 

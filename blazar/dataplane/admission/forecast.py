@@ -186,12 +186,7 @@ def may_preempt(entry: Waiting, view: LaneView, *, now: float) -> bool:
     ticket = entry.ticket
     if entry.resume is not None or not now <= ticket.deadline < math.inf:
         return False
-    priority = ticket.policy.priority
-    return any(
-        replica.may_park(run, priority=priority)
-        for replica in view.replicas
-        for run in replica.running
-    )
+    return any(replica.parks_for(ticket.policy.priority) for replica in view.replicas)
 
 
 def may_refuse(entry: Waiting, now: float) -> bool:

@@ -316,11 +316,7 @@ class LaneQueue:
         prompt_tokens, max_tokens = latest
         if spill or not prefill_order.short(prompt_tokens):
             return None
-        if any(
-            replica.may_park(run, priority=policy.priority)
-            for replica in view.replicas
-            for run in replica.running
-        ):
+        if any(replica.parks_for(policy.priority) for replica in view.replicas):
             # Requests ahead may park lower-priority work, and a larger one is likelier
             # to (it may miss by waiting where a smaller one would not): its slot then
             # frees sooner than waiting would have, and the next request may be admitted
@@ -532,8 +528,7 @@ class LaneQueue:
             if now >= ticket.deadline or not may_preempt(entry, view, now=now):
                 continue
             for replica in view.replicas:
-                priority = ticket.policy.priority
-                if any(replica.may_park(run, priority=priority) for run in replica.running):
+                if replica.parks_for(ticket.policy.priority):
                     batch = len(replica.running)
                     step = replica.step_at(batch, drafting=replica.drafts(batch))
                     steps.append(RECHECK_MAX_S if step is None else step)

@@ -207,6 +207,10 @@ class ReplicaView:
         fit the bound is the forecast's to say, as it parks)."""
         return self.parked_bytes_max > 0 and run.parkable and run.priority < priority
 
+    def parks_for(self, priority: int) -> bool:
+        """Whether a request of `priority` may park any run here (`may_park`)."""
+        return any(self.may_park(run, priority=priority) for run in self.running)
+
     def prefill_s(self, tokens: int, *, alone: bool = False) -> float:
         """Seconds from a start to the first token: the measured start overhead and the
         prompt at the measured prefill rate (`alone`: the rate of a prompt that has its
