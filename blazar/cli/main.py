@@ -244,10 +244,7 @@ def cmd_delete(args: argparse.Namespace) -> int:
                 remote = status.from_rpc_error(exc)
                 if len(targets) == 1 or not isinstance(remote, errors.ObjectNotFound):
                     raise
-                print(
-                    f"Error from server ({_camel(remote.reason)}): {remote.message}",
-                    file=sys.stderr,
-                )
+                print(_from_server(remote), file=sys.stderr)
                 gone += 1
                 continue
             print(f"{kind.lower()}/{name} deleted")
@@ -493,7 +490,7 @@ def _run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
         else:
-            print(f"Error from server ({_camel(remote.reason)}): {remote.message}", file=sys.stderr)
+            print(_from_server(remote), file=sys.stderr)
             if (
                 isinstance(remote, errors.Unauthenticated)
                 and remote.metadata.get("credential") == "missing"
@@ -504,6 +501,11 @@ def _run(args: argparse.Namespace) -> int:
         return failed
     except KeyboardInterrupt:
         return 130
+
+
+def _from_server(remote: errors.BlazarError) -> str:
+    """An error the daemon sent, as kubectl shows one: `Error from server (Reason): ...`."""
+    return f"Error from server ({_camel(remote.reason)}): {remote.message}"
 
 
 def _camel(reason: str) -> str:
