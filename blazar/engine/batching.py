@@ -6,7 +6,7 @@ No llama.cpp, no IO, no clock: the loop passes in what it knows and acts on the 
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -111,6 +111,93 @@ def new_runs(index: int, busy: Collection[int]) -> int:
     76.7 ms as ids 0, 2, 4, 5 (three runs).
     """
     return 1 - (index - 1 in busy) - (index + 1 in busy)
+
+
+def passes(counts: Mapping[int, int]) -> list[int]:
+    """The rows of each forward pass llama.cpp runs for a batch in which sequence
+    (slot) `s` has `counts[s]` tokens, the batch in slot order (`plan_step`).
+
+    With one KV stream per sequence it splits a batch into micro-batches with the same
+    number of tokens from each sequence of a run of consecutive ids
+    (`llama_batch_allocr::split_equal`, sequential): from the lowest id with tokens
+    left, the run of consecutive ids with tokens left, each giving as many tokens as
+    the fewest of them has left. Each pass costs the model's weights again.
+    """
+    left = {slot: n for slot, n in counts.items() if n > 0}
+    out = []
+    while left:
+        run = [min(left)]
+        while run[-1] + 1 in left:
+            run.append(run[-1] + 1)
+        take = min(left[slot] for slot in run)
+        out.append(take * len(run))
+        for slot in run:
+            left[slot] -= take
+            if not left[slot]:
+                del left[slot]
+    return out
+
+
+# What one forward pass of a decoding batch costs by its rows (every row asks for
+# logits), in units of one row of a pass whose rows come in groups of 4. Measured on
+# the bundled model, 2 threads, raw `llama_decode` on 6 streams of 300 cached tokens
+# (Machine E, about 2.6 ms a unit; docs/BENCHMARKS.md, twenty-fifth session): a pass
+# costs about 8 rows on its own (the model's weights are read again), each row 1, and
+# each row beyond a multiple of 4 about 3 more (llama.cpp's repacked CPU kernels run
+# the output head over rows in groups of 4 and the rest one by one). Up to 3 rows
+# take a cheaper path, measured directly.
+PASS_ROWS = 8.0
+REMAINDER_ROWS = 3.0
+SMALL_PASS = {1: 4.0, 2: 9.0, 3: 12.0}
+
+
+def pass_cost(rows: int) -> float:
+    """One pass of `rows` rows, in units of an aligned row (see `PASS_ROWS`)."""
+    if rows <= 0:
+        return 0.0
+    if rows in SMALL_PASS:
+        return SMALL_PASS[rows]
+    return PASS_ROWS + rows + REMAINDER_ROWS * (rows % 4)
+
+
+def step_cost(counts: Mapping[int, int]) -> float:
+    """A decoding step whose sequence `s` has `counts[s]` tokens (`passes`)."""
+    return sum(pass_cost(rows) for rows in passes(counts))
+
+
+def trim_drafts(
+    drafts: Mapping[int, Sequence[int]], feeds: Mapping[int, int]
+) -> dict[int, tuple[int, ...]]:
+    """Cut a step's drafts to the shape that decodes the most rows per unit of cost.
+
+    `feeds` holds every decoding sequence's tokens before drafts (1: its pending
+    token); `drafts` what some of them drafted after it. Uneven feeds split a step
+    into several passes (`passes`): six sequences feeding 9, 9, 9, 9, 8 and 8 tokens
+    run as one pass of 48 rows and one of 4, where 8 each is one pass of 48 (measured:
+    182 against 148 ms), and a sequence that drafts 3 beside others that draft 8 costs
+    a pass of its own. So every draft is cut to one common length, or, with the other
+    choice, a draft shorter than it is dropped: whichever length and choice
+    gives the most rows per `step_cost`, and the fewest rows on a tie (counting drafts
+    as rows that hold: whether they are worth drafting at all is `SpeculationPolicy`'s
+    to say). With one sequence this keeps 8 rows of 9, 4 of 4, and 1 of 3.
+    """
+    longest = max((len(d) for d in drafts.values()), default=0)
+    best: dict[int, tuple[int, ...]] = {seq: () for seq in drafts}
+    best_key = (-1.0, 0)
+    for length in range(longest + 1):
+        for drop_short in (False, True):
+            trial = {
+                seq: () if drop_short and len(d) < length else tuple(d[:length])
+                for seq, d in drafts.items()
+            }
+            counts = {seq: feeds.get(seq, 1) + len(trial.get(seq, ())) for seq in feeds}
+            counts.update({seq: 1 + len(d) for seq, d in trial.items() if seq not in feeds})
+            rows = sum(counts.values())
+            # On a tie, fewer rows: a draft is a guess.
+            key = (rows / step_cost(counts), -rows) if rows else (0.0, 0)
+            if key > best_key:
+                best, best_key = trial, key
+    return best
 
 
 def reusable_prefix(common: int, *, pos_min: int, n_swa: int) -> int:

@@ -358,13 +358,8 @@ class SpeculationPolicy:
     sequence drafts `probe_tokens` every `probe_every` steps and resumes when a probe
     does at least as well as the floor (text can turn copy-heavy, e.g. code edits).
 
-    `align` trims a step's drafts so that the batch asks for a multiple of
-    `row_multiple` logits rows. On CPU, llama.cpp's repacked Q8_0 kernels run the
-    output head (262k x 640 for Gemma 3) over rows in groups of 4 and the remainder
-    row by row, which is far slower: measured on the 2-core dev box, one decode with
-    1/2/3/4/5/8/9/16 logits rows takes 10/21/27/31/45/38/51/51 ms. So 1 + 7 drafted
-    rows cost less than 1 + 4, and a lone 1- or 2-token draft costs two decode steps
-    for at most two or three tokens.
+    How far each draft is then cut so that the step runs as few and as full forward
+    passes as it can is `batching.trim_drafts`'s.
     """
 
     def __init__(
@@ -377,7 +372,6 @@ class SpeculationPolicy:
         warmup: int = 16,
         probe_every: int = 32,
         probe_tokens: int = 3,
-        row_multiple: int = 4,
     ) -> None:
         self.max_draft_tokens = max_draft_tokens
         self.disable_above_batch = disable_above_batch
@@ -386,7 +380,6 @@ class SpeculationPolicy:
         self.warmup = min(warmup, window)
         self.probe_every = probe_every
         self.probe_tokens = min(probe_tokens, max_draft_tokens)
-        self.row_multiple = max(1, row_multiple)
         self._tracks: dict[int, _Track] = {}
         self._drafted = 0
         self._accepted = 0
@@ -491,30 +484,10 @@ class SpeculationPolicy:
             t.switched_off = True
             self._disabled += 1
 
-    def align(
-        self, drafts: Mapping[int, Sequence[int]], *, rows: int
-    ) -> dict[int, tuple[int, ...]]:
-        """Trim drafts so the step's logits rows are a multiple of `row_multiple`.
-
-        `rows` counts the rows the step needs without drafts (one per decoding
-        sequence, plus prefill outputs). The total is rounded down; when that leaves
-        no more rows than `rows`, every draft is dropped. Tokens go from the end of
-        the longest drafts first: the later a drafted token, the less likely it holds.
-        """
-        out = {seq: tuple(d) for seq, d in drafts.items()}
-        total = rows + sum(len(d) for d in out.values())
-        target = total // self.row_multiple * self.row_multiple
-        if target <= rows:
-            return {seq: () for seq in out}
-        for _ in range(total - target):
-            seq = max(out, key=lambda s: len(out[s]))
-            out[seq] = out[seq][:-1]
-        return out
-
 
 # Prompt lookup drafts only after a match this long (see `NgramProposer`). Replaying
 # outputs of the bundled model (128 tokens each) through the measured row costs with
-# aligned rows (`SpeculationPolicy.align`): a minimum of 1, 3 or 8 tokens keeps about
+# aligned rows (`batching.trim_drafts`): a minimum of 1, 3 or 8 tokens keeps about
 # 2.0x on a copy task with each, but costs sampled open prose 4-6% / 2-7% / 0-2%.
 NGRAM_MIN_MATCH = 8
 

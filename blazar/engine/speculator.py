@@ -10,11 +10,11 @@ thread only.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from blazar.api import replicas
-from blazar.engine import draft, llama, speculation
+from blazar.engine import batching, draft, llama, speculation
 from blazar.engine.slots import Slot
 
 
@@ -84,17 +84,18 @@ class Speculator:
         step can hold. Raises whatever the drafter raises.
         """
         candidates = []
-        feeding = rows = 0
+        feeds: dict[int, int] = {}
         for slot in active:
             gen = slot.gen
-            if gen is None or gen.refill:
+            if gen is None or gen.refill or not gen.feed:
                 continue
-            feeding += len(gen.feed)
-            rows += bool(gen.feed)
+            feeds[slot.index] = len(gen.feed)
             if len(gen.feed) == 1:
                 room = min(gen.room, context - len(slot.tokens))
                 candidates.append(Candidate(slot.index, [*slot.tokens, gen.feed[0]], room))
-        drafts = self.draft(candidates, active=len(active), rows=rows, spare=capacity - feeding)
+        drafts = self.draft(
+            candidates, active=len(active), feeds=feeds, spare=capacity - sum(feeds.values())
+        )
         by_seq = {slot.index: slot for slot in active}
         for seq, tokens in drafts.items():
             gen = by_seq[seq].gen
@@ -102,15 +103,21 @@ class Speculator:
             gen.feed.extend(tokens)
 
     def draft(
-        self, candidates: Sequence[Candidate], *, active: int, rows: int, spare: int
+        self,
+        candidates: Sequence[Candidate],
+        *,
+        active: int,
+        feeds: Mapping[int, int],
+        spare: int,
     ) -> dict[int, tuple[int, ...]]:
         """Drafted tokens per sequence, to decode after its pending token.
 
-        `active` sequences share the step, `rows` of them ask for logits, and `spare`
-        more rows fit the step's outputs. Each draft is capped so that the step cannot
-        emit past a sequence's room, and so that every decoding sequence's rows fit
-        (`batching.plan_step` would otherwise leave one out). Raises whatever the
-        drafter raises.
+        `active` sequences share the step, `feeds` holds the tokens each decoding
+        one feeds before drafts, and `spare` more rows fit the step's outputs. Each
+        draft is capped so that the step cannot emit past a sequence's room, and so
+        that every decoding sequence's rows fit (`batching.plan_step` would otherwise
+        leave one out), then cut to the step's cheapest shape
+        (`batching.trim_drafts`). Raises whatever the drafter raises.
         """
         requests: list[speculation.DraftRequest] = []
         for candidate in candidates:
@@ -127,8 +134,8 @@ class Speculator:
             return {}
         proposed = self.drafter.propose(requests)
         drafts = {r.seq: proposed.get(r.seq, ())[: r.max_tokens] for r in requests}
-        # Every other sequence's rows count too: all rows go through one output matmul.
-        return self.policy.align(drafts, rows=rows)
+        # Every decoding sequence counts: together they make the step's passes.
+        return batching.trim_drafts(drafts, feeds)
 
     def stats(self, *, failure: str = "") -> SpeculationStats:
         totals = self.policy.totals

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from blazar.engine import batching
@@ -309,3 +311,88 @@ def test_piece_outputs(piece_: Piece, outputs: int) -> None:
 )
 def test_worth_keeping(common: int, prompt_len: int, expected: bool) -> None:
     assert batching.worth_keeping(common, prompt_len) is expected
+
+
+# --- forward passes and draft trimming --------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("counts", "expected"),
+    [
+        ({}, []),
+        ({0: 9, 1: 9, 2: 9, 3: 9}, [36]),
+        # Uneven drafts: every sequence's shortest share, then what the longer have left.
+        ({0: 9, 1: 9, 2: 9, 3: 9, 4: 8, 5: 8}, [48, 4]),
+        ({0: 9, 1: 8, 2: 1, 3: 8, 4: 1, 5: 1}, [6, 14, 1, 7]),
+        # Ids that are not consecutive are passes of their own.
+        ({0: 1, 2: 1, 4: 1, 5: 1}, [1, 1, 2]),
+        ({3: 2, 4: 2, 0: 0}, [4]),
+    ],
+)
+def test_passes_follow_llamas_sequential_equal_split(
+    counts: dict[int, int], expected: list[int]
+) -> None:
+    assert batching.passes(counts) == expected
+
+
+def test_pass_cost_prefers_rows_in_groups_of_four() -> None:
+    cost = batching.pass_cost
+    assert cost(0) == 0
+    # 8 rows cost less than 9 and less than two passes of 4.
+    assert cost(8) < cost(9) and cost(8) < 2 * cost(4)
+    assert cost(48) < cost(54) and cost(48) / 48 < cost(36) / 36
+    # One pass per step is cheaper than the same rows in two.
+    assert batching.step_cost({i: 8 for i in range(6)}) < batching.step_cost(
+        {0: 9, 1: 9, 2: 9, 3: 9, 4: 8, 5: 8}
+    )
+
+
+DRAFT = tuple(range(100, 108))  # 8 drafted tokens
+
+
+@pytest.mark.parametrize(
+    ("feeds", "drafts", "expected"),
+    [
+        ({}, {}, {}),
+        # One sequence: 8 rows of 9; 4 rows; 3 rows are not worth more than 1.
+        ({0: 1}, {0: DRAFT}, {0: DRAFT[:7]}),
+        ({0: 1}, {0: DRAFT[:3]}, {0: DRAFT[:3]}),
+        ({0: 1}, {0: DRAFT[:2]}, {0: ()}),
+        # Four sequences drafting 8 fill one pass of 36 rows.
+        ({i: 1 for i in range(4)}, dict.fromkeys(range(4), DRAFT), dict.fromkeys(range(4), DRAFT)),
+        # Six: one pass of 48 (7 each), not 54 with 2 left over, nor 52 in two passes.
+        ({i: 1 for i in range(6)}, dict.fromkeys(range(6), DRAFT), dict.fromkeys(range(6), DRAFT[:7])),
+        # Sequences that do not draft yet beside ones that do: the drafts stay whole
+        # (cutting some would split the step further).
+        ({i: 1 for i in range(6)}, {0: DRAFT, 1: DRAFT, 3: DRAFT},
+         {0: DRAFT, 1: DRAFT, 3: DRAFT}),
+        # A 1-token draft beside 8-token ones costs a pass of its own: dropped.
+        ({i: 1 for i in range(4)}, {0: DRAFT, 1: DRAFT, 2: DRAFT, 3: DRAFT[:1]},
+         {0: DRAFT, 1: DRAFT, 2: DRAFT, 3: ()}),
+    ],
+)  # fmt: skip
+def test_trim_drafts_picks_the_cheapest_shape_per_row(
+    feeds: dict[int, int],
+    drafts: dict[int, tuple[int, ...]],
+    expected: dict[int, tuple[int, ...]],
+) -> None:
+    assert batching.trim_drafts(drafts, feeds) == expected
+
+
+def _rows_per_cost(feeds: dict[int, int], drafts: dict[int, tuple[int, ...]]) -> float:
+    counts = {seq: n + len(drafts.get(seq, ())) for seq, n in feeds.items()}
+    return sum(counts.values()) / batching.step_cost(counts)
+
+
+def test_trim_drafts_never_loses_to_the_whole_drafts_or_none() -> None:
+    rng = random.Random(7)
+    for _ in range(500):
+        slots = rng.sample(range(8), rng.randint(1, 8))
+        feeds = dict.fromkeys(slots, 1)
+        drafts = {seq: tuple(range(rng.randint(0, 8))) for seq in slots if rng.random() < 0.7}
+        out = batching.trim_drafts(drafts, feeds)
+        assert out.keys() == drafts.keys()
+        assert all(drafts[seq][: len(d)] == d for seq, d in out.items())
+        best = _rows_per_cost(feeds, out)
+        assert best >= _rows_per_cost(feeds, drafts) - 1e-12
+        assert best >= _rows_per_cost(feeds, {}) - 1e-12

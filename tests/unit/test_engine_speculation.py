@@ -9,6 +9,7 @@ import pytest
 
 from blazar.api import replicas
 from blazar.engine import speculation as sp
+from blazar.engine import speculator
 
 # --- NgramProposer -------------------------------------------------------------------
 
@@ -403,32 +404,6 @@ def test_record_rejects_impossible_counts(drafted: int, accepted: int) -> None:
         _policy().record(0, drafted=drafted, accepted=accepted)
 
 
-@pytest.mark.parametrize(
-    ("drafts", "rows", "multiple", "expected"),
-    [
-        ({0: (1, 2, 3, 4, 5, 6, 7, 8)}, 1, 4, {0: (1, 2, 3, 4, 5, 6, 7)}),  # 9 -> 8 rows
-        ({0: (1, 2, 3)}, 1, 4, {0: (1, 2, 3)}),  # 4 rows already
-        ({0: (1, 2)}, 1, 4, {0: ()}),  # 3 rows: not worth it, plain decode
-        ({0: (1, 2, 3, 4, 5, 6)}, 1, 4, {0: (1, 2, 3)}),
-        # Two sequences share the rows; the longer draft loses its tail first.
-        ({0: (1, 2, 3, 4, 5), 1: (6, 7)}, 2, 4, {0: (1, 2, 3, 4), 1: (6, 7)}),
-        ({0: (1,), 1: (2,)}, 2, 4, {0: (1,), 1: (2,)}),
-        ({0: (1,), 1: ()}, 2, 4, {0: (), 1: ()}),
-        ({0: (1, 2)}, 4, 4, {0: ()}),  # 4 plain rows are aligned already
-        ({0: (1, 2)}, 1, 1, {0: (1, 2)}),  # no alignment
-        ({}, 3, 4, {}),
-    ],
-)
-def test_align(
-    drafts: dict[int, tuple[int, ...]],
-    rows: int,
-    multiple: int,
-    expected: dict[int, tuple[int, ...]],
-) -> None:
-    p = _policy(max_draft_tokens=8, row_multiple=multiple)
-    assert p.align(drafts, rows=rows) == expected
-
-
 def test_disabled_requests_count_switched_off_sequences() -> None:
     p = _policy()
     p.begin(0)
@@ -490,3 +465,25 @@ def test_from_launch(launch: replicas.SpeculationLaunch, drafter: bool) -> None:
     assert (d is not None) == drafter
     if d is not None:
         assert (d.ngram_size, d.max_draft_tokens) == (2, 6)
+
+
+class _Copies:
+    """A drafter that always has as many tokens as it is asked for."""
+
+    def propose(self, requests: Sequence[sp.DraftRequest]) -> dict[int, tuple[int, ...]]:
+        return {r.seq: tuple(range(r.max_tokens)) for r in requests}
+
+    def release(self, seq: int) -> None:
+        pass
+
+
+@pytest.mark.parametrize(("streams", "drafted"), [(1, 7), (4, 8), (6, 7)])
+def test_speculator_cuts_drafts_to_one_full_pass(streams: int, drafted: int) -> None:
+    policy = sp.SpeculationPolicy(
+        max_draft_tokens=8, disable_above_batch=8, min_acceptance_rate=0.3
+    )
+    spec = speculator.Speculator("fake", policy, _Copies())
+    candidates = [speculator.Candidate(seq, [1, 2, 3], room=100) for seq in range(streams)]
+    feeds = dict.fromkeys(range(streams), 1)
+    out = spec.draft(candidates, active=streams, feeds=feeds, spare=200)
+    assert [len(d) for d in out.values()] == [drafted] * streams
