@@ -141,7 +141,7 @@ def passes(counts: Mapping[int, int]) -> list[int]:
 # What one forward pass of a decoding batch costs by its rows (every row asks for
 # logits), in units of one row of a pass whose rows come in groups of 4. Measured on
 # the bundled model, 2 threads, raw `llama_decode` on 6 streams of 300 cached tokens
-# (Machine E, about 2.6 ms a unit; docs/BENCHMARKS.md, twenty-fifth session): a pass
+# (Machine E, 2.3-3.1 ms a unit: `bench/decode_passes.py`, docs/BENCHMARKS.md): a pass
 # costs about 8 rows on its own (the model's weights are read again), each row 1, and
 # each row beyond a multiple of 4 about 3 more (llama.cpp's repacked CPU kernels run
 # the output head over rows in groups of 4 and the rest one by one). Up to 3 rows
