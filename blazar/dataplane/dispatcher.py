@@ -196,6 +196,9 @@ class _Parking:
     preempt: admission.Preempt
     victim: Run
     asked_at: float
+    # A decode step on the victim's replica at the batch it ran when asked (None: not
+    # measured yet): the most a park waits for.
+    step_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -772,7 +775,13 @@ class LaneDispatcher:
         if victim is None or replica is None or preempt.victim in self._parking:
             self._queue.requeue(preempt.ticket, now=now)
             return False
-        parking = _Parking(preempt, victim, asked_at=now)
+        batch = sum(run.replica.index == preempt.replica for run in self._running.values())
+        step_s = self.measurements.step_s(
+            preempt.replica,
+            batch=max(1, batch),
+            draft_batch_max=self._route.draft_batch_max if self._route else None,
+        )
+        parking = _Parking(preempt, victim, asked_at=now, step_s=step_s)
         self._parking[preempt.victim] = parking
 
         async def park() -> None:
@@ -796,7 +805,10 @@ class LaneDispatcher:
             return
         # The park is a figure of its own; the urgent request's start (and so its first
         # token's start overhead) is counted from now, when its slot is free.
-        self.measurements.record_park(preempt.replica, seconds=now - parking.asked_at)
+        bound = None if parking.step_s is None else done.parked.copy_s + parking.step_s
+        self.measurements.record_park(
+            preempt.replica, seconds=now - parking.asked_at, bound_s=bound
+        )
         ticket = victim.ticket
         self._running.pop(ticket.id, None)
         self._parked[ticket.id] = victim
@@ -817,6 +829,7 @@ class LaneDispatcher:
             replica=preempt.replica,
             parked_bytes=done.parked.parked_bytes,
             park_ms=round((now - parking.asked_at) * 1000, 1),
+            copy_ms=round(done.parked.copy_s * 1000, 1),
             for_policy=preempt.ticket.policy.name,
             # The factor the decision to park read the forecast's wait by.
             lateness=round(self.measurements.lateness, 3),

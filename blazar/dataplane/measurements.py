@@ -198,7 +198,8 @@ class _Rates:
     # and short prompts in one step together.
     line_share: _Mean = field(default_factory=_Mean)
     # Seconds a Park took, from asking the engine to its answer: an urgent request that
-    # preempts starts only then (the engine parks between two decode steps).
+    # preempts starts only then (the engine parks between two decode steps). Each
+    # sample at most the copy and one step (`LaneMeasurements.record_park`).
     park: _Mean = field(default_factory=_Mean)
 
     def record(self, final: inference_pb2.Final, *, drafting: bool) -> None:
@@ -352,10 +353,22 @@ class LaneMeasurements:
             return 1.0
         return min(max(value, LATENESS_MIN), LATENESS_MAX)
 
-    def record_park(self, replica: int, *, seconds: float) -> None:
-        """The engine of `replica` parked a generation in `seconds`."""
+    def record_park(self, replica: int, *, seconds: float, bound_s: float | None = None) -> None:
+        """The engine of `replica` parked a generation in `seconds`, counted as at most
+        `bound_s`: the engine's copy and the decode step it was running when asked,
+        which is all a park waits for. A Park that came while a long prompt chunk ran
+        waits longer once, and a few such samples would otherwise hold the figure up
+        for good: the forecast would then refuse urgent requests rather than park, and
+        no park would come to bring it down again."""
+        if bound_s is not None:
+            seconds = min(seconds, bound_s)
         self._lane.park.add(seconds)
         self._replicas.setdefault(replica, _Rates()).park.add(seconds)
+
+    def step_s(self, replica: int, *, batch: int, draft_batch_max: int | None) -> float | None:
+        """A decode step of `batch` sequences on `replica`, as measured (None before)."""
+        view = self.replica_view(replica, slots=batch, running=(), draft_batch_max=draft_batch_max)
+        return view.step_at(batch, drafting=view.drafts(batch))
 
     @property
     def completion_tokens(self) -> float | None:

@@ -27,6 +27,9 @@ class Parked:
     parked_bytes: int
     # Tokens its cache held.
     tokens: int
+    # Seconds the engine took to copy the cache out: its own measure, which leaves out
+    # the wait for the step it was running when the Park came.
+    copy_s: float = 0.0
 
 
 class Parker(Protocol):
@@ -74,7 +77,9 @@ class EngineParker:
             # Gone, finished meanwhile, or not running yet: nothing was parked.
             log.info("admission.park_failed", request_id=request_id, error=exc.details())
             return None
-        return Parked(parked_bytes=answer.parked_bytes, tokens=answer.tokens)
+        return Parked(
+            parked_bytes=answer.parked_bytes, tokens=answer.tokens, copy_s=answer.park_ms / 1000
+        )
 
     async def resume(self, replica: routing.Replica, request_id: str) -> bool:
         client = self._pool.client(replica.socket, process=replica.pid)

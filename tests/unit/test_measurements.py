@@ -339,6 +339,11 @@ def test_a_park_not_measured_yet_takes_the_step_in_flight() -> None:
     assert LaneMeasurements().replica_view(0, slots=4, running=running).park_s == 0.0
     m.record_park(0, seconds=0.2)
     assert m.replica_view(0, slots=4, running=running).park_s == pytest.approx(0.2)
+    # Counted as at most its bound (the engine's copy and the step in flight).
+    fresh = LaneMeasurements()
+    fresh.record_park(0, seconds=0.6, bound_s=0.12)
+    assert fresh.replica_view(0, slots=4, running=()).park_s == pytest.approx(0.12)
+    assert m.step_s(0, batch=4, draft_batch_max=None) == pytest.approx(0.025)
 
 
 def test_runs_in_flight_measure_their_policy_before_any_finishes() -> None:
