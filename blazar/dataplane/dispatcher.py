@@ -68,7 +68,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable, Coroutine, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeAlias
 
 import structlog
@@ -86,6 +86,11 @@ log = structlog.get_logger(__name__)
 # the Lane after its own) hears no `seen` for the Lane, and counts the requests it sent
 # there as still on their way until their calls end or they are old (`blazar.shim.gates`).
 MAX_WATCHERS = 8
+# Times the engine is asked to park a victim that has no first token yet: dispatched a
+# moment before, it may not be seated (`LaneDispatcher._park_again`), and it is asked
+# again a decode step later (this long before any step is measured).
+PARK_TRIES = 3
+PARK_AGAIN_S = 0.05
 
 
 @dataclass(eq=False)
@@ -199,6 +204,8 @@ class _Parking:
     # A decode step on the victim's replica at the batch it ran when asked (None: not
     # measured yet): the most a park waits for.
     step_s: float | None = None
+    # How many times the engine was asked (`PARK_TRIES`).
+    tries: int = 1
 
 
 @dataclass(frozen=True)
@@ -783,12 +790,43 @@ class LaneDispatcher:
         )
         parking = _Parking(preempt, victim, asked_at=now, step_s=step_s)
         self._parking[preempt.victim] = parking
+        self._ask_park(parking, replica)
+        return True
+
+    def _ask_park(
+        self, parking: _Parking, replica: routing.Replica, *, after_s: float = 0.0
+    ) -> None:
+        victim = parking.victim
 
         async def park() -> None:
+            if after_s > 0:
+                await asyncio.sleep(after_s)
             parked = await self._parker.park(replica, victim.request_id)
             self._events.put_nowait(_ParkDone(parking, parked))
 
         self._call(park(), name=f"park:{victim.request_id}")
+
+    def _park_again(self, parking: _Parking) -> bool:
+        """Ask the engine again, a step later, to park a victim it refused that has no
+        first token yet (False: it is not asked again). Such a run was dispatched a
+        moment ago, and its engine seats new work between two steps and parks only what
+        is seated; meanwhile its slot stays the ticket's, as while any park is asked."""
+        victim, preempt = parking.victim, parking.preempt
+        pending = self._pending.get(preempt.ticket.id)
+        replica = self._replica(preempt.replica)
+        if (
+            parking.tries >= PARK_TRIES
+            or victim.first_token_at is not None
+            or victim.generated > 0
+            or victim.ticket.id not in self._running
+            or replica is None
+            or pending is None
+            or pending.started.done()
+        ):
+            return False
+        again = replace(parking, tries=parking.tries + 1)
+        self._parking[preempt.victim] = again
+        self._ask_park(again, replica, after_s=parking.step_s or PARK_AGAIN_S)
         return True
 
     def _park_done(self, done: _ParkDone, now: float) -> None:
@@ -800,6 +838,8 @@ class LaneDispatcher:
         if self._parking.pop(preempt.victim, None) is None:
             return  # the victim ended meanwhile (`_End` requeued the ticket)
         if done.parked is None:
+            if self._park_again(parking):
+                return
             self._refused_parks[preempt.victim] = victim.generated
             self._requeue_urgent(parking, now)
             return

@@ -13,7 +13,7 @@ import pytest
 from blazar._proto.v1 import inference_pb2
 from blazar.api import errors
 from blazar.dataplane import admission, routing
-from blazar.dataplane.dispatcher import LaneDispatcher, Run
+from blazar.dataplane.dispatcher import PARK_TRIES, LaneDispatcher, Run
 from blazar.dataplane.parking import Parked
 from tests.dispatching import one_slot_route
 
@@ -36,10 +36,16 @@ class SlowParker:
     parks nothing (the engine could not)."""
 
     def __init__(
-        self, seconds: float = PARK_S, *, parks: bool = True, copy_s: float = PARK_S
+        self,
+        seconds: float = PARK_S,
+        *,
+        parks: bool = True,
+        copy_s: float = PARK_S,
+        refuse_first: int = 0,
     ) -> None:
         self.seconds = seconds
         self.copy_s = copy_s
+        self.refuse_first = refuse_first
         self.parks = parks
         self.parked: list[str] = []
         self.asked = 0
@@ -47,7 +53,7 @@ class SlowParker:
     async def park(self, replica: routing.Replica, request_id: str) -> Parked | None:
         self.asked += 1
         await asyncio.sleep(self.seconds)
-        if not self.parks:
+        if not self.parks or self.asked <= self.refuse_first:
             return None
         self.parked.append(request_id)
         return Parked(parked_bytes=1000, tokens=10, copy_s=self.copy_s)
@@ -171,26 +177,55 @@ def test_the_ticket_a_park_is_for_holds_the_prefill_line_until_its_first_token_i
     assert asyncio.run(run()) == pytest.approx(0.1 + 0.1 + 1.0 - 0.1, abs=0.05)
 
 
-def test_a_park_the_engine_refuses_leaves_the_ticket_waiting_and_the_victim_running() -> None:
+@pytest.mark.parametrize(("decoding", "asked"), [(True, 1), (False, PARK_TRIES)])
+def test_a_park_the_engine_refuses_leaves_the_ticket_waiting_and_the_victim_running(
+    decoding: bool, asked: int
+) -> None:
+    """A victim that decodes is not asked again until it has generated more; one with
+    no first token yet (its engine may not have seated it) is asked again a step later,
+    `PARK_TRIES` times in all. Then the ticket waits for the slot, the victim runs on."""
+
     async def run() -> tuple[str, int, int]:
-        parker = SlowParker(0.05, parks=False)
+        parker = SlowParker(0.02, parks=False)
         dispatcher = dispatcher_of(parker)
         try:
-            await dispatcher.admit(ticket("batch", BATCH), request_id="b", prompt_chars=40)
+            batch = await dispatcher.admit(ticket("batch", BATCH), request_id="b", prompt_chars=40)
+            assert isinstance(batch, Run)
+            if decoding:
+                dispatcher.first_token(batch, time.monotonic() - batch.ticket.arrived)
+                batch.generated = 2
             urgent = asyncio.create_task(
                 dispatcher.admit(ticket("patient", PATIENT), request_id="p", prompt_chars=40)
             )
-            await asyncio.sleep(0.3)
+            await asyncio.sleep(0.3 + PARK_TRIES * 0.1)
             return str(dispatcher.queued()), dispatcher.running(), parker.asked
         finally:
             await dispatcher.close()
             with contextlib.suppress(errors.BlazarError):
                 await urgent
 
-    queued, running, asked = asyncio.run(run())
-    # The engine is not asked again until the victim has generated more: the ticket
-    # waits for the slot, the victim runs on.
-    assert (queued, running, asked) == ("{'patient': 1}", 1, 1)
+    assert asyncio.run(run()) == ("{'patient': 1}", 1, asked)
+
+
+def test_a_victim_not_seated_yet_is_parked_when_asked_again() -> None:
+    """The engine refuses the first Park (the batch run waits for its seat) and parks on
+    the second: the urgent request starts in its slot, not refused nor left waiting."""
+
+    async def run() -> tuple[list[str], int, str]:
+        parker = SlowParker(0.02, refuse_first=1)
+        dispatcher = dispatcher_of(parker)
+        try:
+            await dispatcher.admit(ticket("batch", BATCH), request_id="b", prompt_chars=40)
+            urgent = await asyncio.wait_for(
+                dispatcher.admit(ticket("urgent", URGENT), request_id="u", prompt_chars=40),
+                timeout=1.0,
+            )
+            assert isinstance(urgent, Run)
+            return parker.parked, parker.asked, urgent.request_id
+        finally:
+            await dispatcher.close()
+
+    assert asyncio.run(run()) == (["b"], 2, "u")
 
 
 async def decoding_batch(dispatcher: LaneDispatcher) -> Run:
