@@ -19,6 +19,7 @@
     ├── Unauthenticated               missing or wrong API key           UNAUTHENTICATED
     ├── PermissionDenied              key without access                 PERMISSION_DENIED
     │   ├── ModelNotPermitted         a Lane the tenant may not use      PERMISSION_DENIED
+    │   │                             (told as ModelNotFound to a tenant that is not admin)
     │   ├── AdminRequired             Control without an admin key       PERMISSION_DENIED
     │   └── OriginNotAllowed          a browser page of another origin   PERMISSION_DENIED
     └── DeadlineExceeded              the caller's deadline passed       DEADLINE_EXCEEDED

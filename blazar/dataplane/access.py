@@ -10,9 +10,12 @@ Every RPC passes `AccessInterceptor` first, which sorts methods into three kinds
 - Inference (`blazar.v1.Inference`): with no auth file, anyone who reaches the port;
   the daemon then binds loopback only (`blazar.cli.daemon`). With one, a key that one
   of its tenants holds, else UNAUTHENTICATED. The tenant uses the Lanes it lists
-  (`InferenceService` asks `permit`: PERMISSION_DENIED, reason MODEL_NOT_PERMITTED)
-  within its rate limits (RESOURCE_EXHAUSTED, RATE_LIMITED, with retry_after_ms), and
-  ListModels shows it only those Lanes. Over the Unix socket a call without a key is
+  (`InferenceService` asks `permit`) within its rate limits (RESOURCE_EXHAUSTED,
+  RATE_LIMITED, with retry_after_ms), and ListModels shows it only those Lanes. A Lane
+  it may not use is refused as a model that does not exist (NOT_FOUND,
+  MODEL_NOT_FOUND, word for word; `shown`), unless it is an admin tenant, which can
+  list every Lane anyway (PERMISSION_DENIED, MODEL_NOT_PERMITTED); metrics and logs
+  say MODEL_NOT_PERMITTED either way. Over the Unix socket a call without a key is
   the owner's, unrestricted.
 - Control (`blazar.v1.Control`, and any method not named above): over the daemon's
   Unix socket (0600, in the private `$BLAZAR_HOME`, so its owner's alone) always;
@@ -274,6 +277,18 @@ class Access:
             self._limiters[tenant.name] = limiter.charge(
                 prompt_tokens + output_tokens, now=self._clock()
             )
+
+
+def shown(caller: Caller, err: errors.BlazarError, *, model: str) -> errors.BlazarError:
+    """What `caller` is told of `err`, a refusal of a request for `model`. A Lane the
+    tenant may not use is, to a tenant that is not admin, exactly what a name no Lane
+    serves is: a different answer would tell it which Lane names exist, which its model
+    lists hide. An admin tenant can list every Lane (Control), so it is told the truth."""
+    if isinstance(err, errors.ModelNotPermitted) and not (
+        caller.tenant is not None and caller.tenant.admin
+    ):
+        return errors.ModelNotFound.of(model)
+    return err
 
 
 _Context: TypeAlias = grpc.aio.ServicerContext[Any, Any]

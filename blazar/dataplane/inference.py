@@ -446,13 +446,14 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
 
     async def _permit(self, model: str, context: Context, caller: access.Caller) -> None:
         """Refuse the call unless `caller` may use the Lane `model` names, now (see
-        `Access.permit`). An unknown name is NOT_FOUND first, for any caller."""
+        `Access.permit`). An unknown name is NOT_FOUND first, for any caller; a Lane the
+        caller may not use is logged as such, and told as `access.shown` says."""
         try:
             route = routing.resolve(self.table, model)
             self._access.permit(caller, model=model, names=(route.lane, *route.aliases))
         except errors.BlazarError as err:
             log.info("request.rejected", model=model, reason=err.reason, tenant=caller.name)
-            await status.abort(context, err)
+            await status.abort(context, access.shown(caller, err, model=model))
 
     async def _route(
         self,

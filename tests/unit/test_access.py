@@ -201,3 +201,24 @@ def test_require_key_follows_the_auth_file_in_force() -> None:
     gate.require_key("Bearer bz-other")
     with pytest.raises(errors.Unauthenticated):
         gate.require_key(f"Bearer {KEYS['user']}")
+
+
+NOT_PERMITTED = errors.ModelNotPermitted("Tenant 'user' may not use the model 'other'.")
+LIMITED = errors.RateLimited("spent")
+
+
+@pytest.mark.parametrize(
+    ("tenant", "refusal", "told"),
+    [
+        # A Lane it may not use reads as one that does not exist, word for word.
+        ("user", NOT_PERMITTED, errors.ModelNotFound.of("other")),
+        # An admin tenant can list every Lane through Control: it is told the truth.
+        ("admin", NOT_PERMITTED, NOT_PERMITTED),
+        ("user", LIMITED, LIMITED),
+    ],
+)
+def test_what_a_tenant_is_told_of_a_refusal(
+    tenant: str, refusal: errors.BlazarError, told: errors.BlazarError
+) -> None:
+    shown = access.shown(access.Caller(FILE.by_name(tenant)), refusal, model="other")
+    assert (type(shown), shown.message, shown.metadata) == (type(told), told.message, told.metadata)
