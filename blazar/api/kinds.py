@@ -560,24 +560,37 @@ class SLOPolicySpec(CamelModel):
     # the others stay free for other policies' (urgent) requests; None: no cap. A cap
     # at or above a Lane's slots does nothing there (policies are shared by Lanes).
     max_slots_per_replica: int | None = Field(default=None, ge=1)
-    tenants: list[Tenant] = Field(default_factory=list)
+    # Not acted on, so refused at apply in any form (`_tenants_not_acted_on`) and shown
+    # nowhere; only objects stored before the refusal still hold them.
+    tenants: list[Tenant] | None = None
     rate_limit: RateLimit | None = None
 
-    @field_validator("tenants")
+    @field_validator("tenants", mode="before")
     @classmethod
-    def _distinct_tenants(cls, value: list[Tenant], info: ValidationInfo) -> list[Tenant]:
-        names = [t.name for t in value]
-        if len(set(names)) != len(names):
-            raise invalid("tenant names must be distinct")
-        if value and not _stored(info):
+    def _tenants_not_acted_on(cls, value: Any, info: ValidationInfo) -> Any:
+        # Before the type check, so that a list of names or a mapping is told what a
+        # list of tenants is told, not how a tenant is written. Empty sets nothing
+        # (`get -o yaml` of an older daemon printed `tenants: []`).
+        if value is None or value == []:
+            return None
+        if not _stored(info):
             raise invalid(
                 _NOT_ACTED_ON.format(field="tenants", what="weighted fair sharing between tenants")
             )
         return value
 
-    @field_validator("rate_limit")
+    @field_validator("tenants")
     @classmethod
-    def _rate_limit_not_yet(cls, value: RateLimit | None, info: ValidationInfo) -> RateLimit | None:
+    def _distinct_tenants(cls, value: list[Tenant] | None) -> list[Tenant] | None:
+        names = [t.name for t in value or ()]
+        if len(set(names)) != len(names):
+            raise invalid("tenant names must be distinct")
+        return value
+
+    @field_validator("rate_limit", mode="before")
+    @classmethod
+    def _rate_limit_not_acted_on(cls, value: Any, info: ValidationInfo) -> Any:
+        # Before the type check, as for tenants.
         if value is not None and not _stored(info):
             raise invalid(_NOT_ACTED_ON.format(field="rateLimit", what="rate limiting per tenant"))
         return value
