@@ -14,7 +14,9 @@ A request's target and header lines together are at most `MAX_HEAD_BYTES`, else 
 answer is 400 and the connection closes, as with uvicorn's h11 protocol: httptools
 itself sets no bound, and gathers a header line in memory however long it grows. A
 head still arriving is refused once its bytes pass that plus `_HEAD_SLACK` (room for
-the request line and separators), so that it never holds more.
+the request line and separators), so that it never holds more. The refusal is JSON in
+OpenAI's error envelope, as the shim's other refusals are JSON: no route has read the
+request to pick its dialect's.
 
 httptools (llhttp, in C) rather than h11, uvicorn's pure-Python default: it parses a
 request and frames an answer for less of the daemon's CPU, which on a small host the
@@ -27,8 +29,13 @@ engines' decode threads would otherwise have had.
 from __future__ import annotations
 
 import asyncio
+import http
+import json
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from blazar.api import errors
+from blazar.shim.openai.convert import envelope
 
 # Loopback and a LAN deliver a 4 MiB body (the largest accepted) in well under this.
 READ_DEADLINE_S = 8.0
@@ -79,7 +86,26 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             self.send_400_response(HEAD_TOO_LARGE)
 
     def send_400_response(self, msg: str) -> None:
-        super().send_400_response(HEAD_TOO_LARGE if self._head_too_large else msg)
+        if not self._head_too_large:
+            super().send_400_response(msg)  # a request httptools cannot parse
+            return
+        refusal = envelope.error_response(errors.InvalidRequest(HEAD_TOO_LARGE))
+        body = json.dumps(refusal.body).encode()
+        content = [
+            b"HTTP/1.1 %d %s\r\n"
+            % (refusal.status, http.HTTPStatus(refusal.status).phrase.encode())
+        ]
+        for name, value in self.server_state.default_headers:
+            content += [name, b": ", value, b"\r\n"]
+        content += [
+            b"content-type: application/json\r\n",
+            b"content-length: %d\r\n" % len(body),
+            b"connection: close\r\n",
+            b"\r\n",
+            body,
+        ]
+        self.transport.write(b"".join(content))
+        self.transport.close()
 
     # httptools' parser callbacks.
     def on_message_begin(self) -> None:

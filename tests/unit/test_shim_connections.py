@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -235,6 +236,23 @@ async def exchange(port: int, parts: list[bytes], *, pause_s: float = 0.0) -> by
 
 
 REFUSED = b"HTTP/1.1 400 "
+
+
+def assert_head_too_large(got: bytes) -> None:
+    """400, and a JSON body in OpenAI's error envelope, as every other refusal has."""
+    assert got.startswith(REFUSED), got[:200]
+    head, _, body = got.partition(b"\r\n\r\n")
+    assert b"\r\ncontent-type: application/json\r\n" in head.lower(), head
+    assert json.loads(body) == {
+        "error": {
+            "message": connections.HEAD_TOO_LARGE,
+            "type": "invalid_request_error",
+            "param": None,
+            "code": None,
+        }
+    }
+
+
 START = b"POST /echo HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: 1\r\n"
 
 
@@ -262,8 +280,7 @@ def test_a_head_past_its_bound_is_refused(
             )
             got = await exchange(port, parts, pause_s=pause_s)
             if refused:
-                assert got.startswith(REFUSED), got[:200]
-                assert got.endswith(connections.HEAD_TOO_LARGE.encode())
+                assert_head_too_large(got)
             else:
                 assert got.startswith(b"HTTP/1.1 200 "), got[:200]
                 assert got.endswith(b"\r\n\r\n1")
@@ -283,8 +300,7 @@ def test_a_head_still_arriving_is_refused_once_past_its_bound(
             parts = [b"POST /echo HTTP/1.1\r\nX-Pad: ", *[b"p" * 1024] * 64]
             started = time.monotonic()
             got = await exchange(port, parts, pause_s=0.002)
-            assert got.startswith(REFUSED), got[:200]
-            assert got.endswith(connections.HEAD_TOO_LARGE.encode())
+            assert_head_too_large(got)
             assert time.monotonic() - started < 2
 
     run(loop_factory, main)
