@@ -25,7 +25,7 @@ import os
 import secrets
 import signal
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -314,6 +314,20 @@ def _shim(
     )
 
 
+# What `serve` writes once listening (`write_info`), and removes when it stops.
+INFO_FILE = "daemon.json"
+
+
+def write_info(home: Path, info: Mapping[str, object]) -> None:
+    """`$BLAZAR_HOME/daemon.json`: `info` as one line of JSON, ended by a newline as a
+    text file is (`cat` and shell `read` expect one). Written whole, then renamed: a
+    reader (the CLI, a test harness, a supervisor script) never sees a half-written
+    file."""
+    staged = home / (INFO_FILE + ".tmp")
+    staged.write_text(json.dumps(info) + "\n")
+    os.replace(staged, home / INFO_FILE)
+
+
 async def _serve(
     options: Options,
     sock: socket.socket,
@@ -457,11 +471,7 @@ async def _serve(
         # HTTPS and gRPC over TLS on the TCP addresses above.
         "tls": certificate is not None,
     }
-    # Written whole, then renamed: a reader (the CLI, a test harness, a supervisor
-    # script) never sees a half-written file.
-    staged = home / "daemon.json.tmp"
-    staged.write_text(json.dumps(info))
-    os.replace(staged, home / "daemon.json")
+    write_info(home, info)
     log.info("daemon.serving", **info)
 
     await stop.wait()
@@ -492,7 +502,7 @@ async def _serve(
         await shim_task
     store.close()
     with contextlib.suppress(FileNotFoundError):
-        (home / "daemon.json").unlink()
+        (home / INFO_FILE).unlink()
     with contextlib.suppress(FileNotFoundError):
         socket_path.unlink()
     log.info("daemon.stopped")
