@@ -173,8 +173,8 @@ def trim_drafts(
     `feeds` holds every decoding sequence's tokens before drafts (1: its pending
     token); `drafts` what some of them drafted after it. Uneven feeds split a step
     into several passes (`passes`): six sequences feeding 9, 9, 9, 9, 8 and 8 tokens
-    run as one pass of 48 rows and one of 4, where 8 each is one pass of 48 (measured:
-    182 against 148 ms), and a sequence that drafts 3 beside others that draft 8 costs
+    run as one pass of 48 rows and one of 4, where 8 each is one pass of 48 (176
+    against 140 ms, `bench/decode_passes.py`), and a sequence that drafts 3 beside others that draft 8 costs
     a pass of its own. So every draft is cut to one common length, or, with the other
     choice, a draft shorter than it is dropped: whichever length and choice
     gives the most rows per `step_cost`, and the fewest rows on a tie (counting drafts
