@@ -166,7 +166,10 @@ def step_cost(counts: Mapping[int, int]) -> float:
 
 
 def trim_drafts(
-    drafts: Mapping[int, Sequence[int]], feeds: Mapping[int, int]
+    drafts: Mapping[int, Sequence[int]],
+    feeds: Mapping[int, int],
+    *,
+    probes: Collection[int] = (),
 ) -> dict[int, tuple[int, ...]]:
     """Cut a step's drafts to the shape that decodes the most rows per unit of cost.
 
@@ -174,21 +177,29 @@ def trim_drafts(
     token); `drafts` what some of them drafted after it. Uneven feeds split a step
     into several passes (`passes`): six sequences feeding 9, 9, 9, 9, 8 and 8 tokens
     run as one pass of 48 rows and one of 4, where 8 each is one pass of 48 (176
-    against 140 ms, `bench/decode_passes.py`), and a sequence that drafts 3 beside others that draft 8 costs
-    a pass of its own. So every draft is cut to one common length, or, with the other
-    choice, a draft shorter than it is dropped: whichever length and choice
-    gives the most rows per `step_cost`, and the fewest rows on a tie (counting drafts
-    as rows that hold: whether they are worth drafting at all is `SpeculationPolicy`'s
-    to say). With one sequence this keeps 8 rows of 9, 4 of 4, and 1 of 3.
+    against 140 ms, `bench/decode_passes.py`), and a sequence that drafts 3 beside
+    others that draft 8 costs a pass of its own. So every draft is cut to one common
+    length, or, with the other choice, a draft shorter than it is dropped: whichever
+    length and choice gives the most rows per `step_cost`, and the fewest rows on a
+    tie (counting drafts as rows that hold: whether they are worth drafting at all is
+    `SpeculationPolicy`'s to say). With one sequence this keeps 8 rows of 9, 4 of 4,
+    and 1 of 3.
+
+    The drafts of `probes` (sequences whose drafting is paused for poor acceptance,
+    trying a few tokens now and then) are kept as they are, and the others are cut as
+    if the probes drafted nothing: counted as rows that hold, a probe's would shorten
+    the others' drafts to its length, when they mostly do not hold.
     """
-    longest = max((len(d) for d in drafts.values()), default=0)
-    best: dict[int, tuple[int, ...]] = {seq: () for seq in drafts}
+    kept = {seq: tuple(d) for seq, d in drafts.items() if seq in probes}
+    others = {seq: d for seq, d in drafts.items() if seq not in kept}
+    longest = max((len(d) for d in others.values()), default=0)
+    best: dict[int, tuple[int, ...]] = {seq: () for seq in others}
     best_key = (-1.0, 0)
     for length in range(longest + 1):
         for drop_short in (False, True):
             trial = {
                 seq: () if drop_short and len(d) < length else tuple(d[:length])
-                for seq, d in drafts.items()
+                for seq, d in others.items()
             }
             counts = {seq: feeds.get(seq, 1) + len(trial.get(seq, ())) for seq in feeds}
             counts.update({seq: 1 + len(d) for seq, d in trial.items() if seq not in feeds})
@@ -197,7 +208,7 @@ def trim_drafts(
             key = (rows / step_cost(counts), -rows) if rows else (0.0, 0)
             if key > best_key:
                 best, best_key = trial, key
-    return best
+    return {seq: kept[seq] if seq in kept else best[seq] for seq in drafts}
 
 
 def reusable_prefix(common: int, *, pos_min: int, n_swa: int) -> int:

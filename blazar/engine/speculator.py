@@ -17,6 +17,8 @@ from blazar.api import replicas
 from blazar.engine import batching, draft, llama, speculation
 from blazar.engine.slots import Slot
 
+PAUSED = speculation.DraftState.PAUSED
+
 
 @dataclass(frozen=True)
 class SpeculationStats:
@@ -134,8 +136,9 @@ class Speculator:
             return {}
         proposed = self.drafter.propose(requests)
         drafts = {r.seq: proposed.get(r.seq, ())[: r.max_tokens] for r in requests}
+        probes = {seq for seq in drafts if self.policy.sequence(seq).state is PAUSED}
         # Every decoding sequence counts: together they make the step's passes.
-        return batching.trim_drafts(drafts, feeds)
+        return batching.trim_drafts(drafts, feeds, probes=probes)
 
     def stats(self, *, failure: str = "") -> SpeculationStats:
         totals = self.policy.totals

@@ -379,6 +379,22 @@ def test_trim_drafts_picks_the_cheapest_shape_per_row(
     assert batching.trim_drafts(drafts, feeds) == expected
 
 
+def test_a_probe_keeps_its_draft_and_cuts_no_others() -> None:
+    feeds = {i: 1 for i in range(4)}
+    drafts = {0: DRAFT, 1: DRAFT, 2: DRAFT, 3: DRAFT[:3]}
+    # Counted as holding, the probe's 3 tokens would cut the others to 3 (4 x 4 rows in
+    # one pass); as a probe, it is kept and they keep their 8.
+    assert batching.trim_drafts(drafts, feeds) == dict.fromkeys(range(4), DRAFT[:3])
+    assert batching.trim_drafts(drafts, feeds, probes={3}) == {
+        0: DRAFT,
+        1: DRAFT,
+        2: DRAFT,
+        3: DRAFT[:3],
+    }
+    # A probe alone is kept whatever it costs.
+    assert batching.trim_drafts({0: DRAFT[:2]}, {0: 1}, probes={0}) == {0: DRAFT[:2]}
+
+
 def _rows_per_cost(feeds: dict[int, int], drafts: dict[int, tuple[int, ...]]) -> float:
     counts = {seq: n + len(drafts.get(seq, ())) for seq, n in feeds.items()}
     return sum(counts.values()) / batching.step_cost(counts)

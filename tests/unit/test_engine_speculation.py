@@ -487,3 +487,18 @@ def test_speculator_cuts_drafts_to_one_full_pass(streams: int, drafted: int) -> 
     feeds = dict.fromkeys(range(streams), 1)
     out = spec.draft(candidates, active=streams, feeds=feeds, spare=200)
     assert [len(d) for d in out.values()] == [drafted] * streams
+
+
+def test_speculator_keeps_a_probe_without_cutting_the_other_drafts() -> None:
+    policy = sp.SpeculationPolicy(
+        max_draft_tokens=8, disable_above_batch=8, min_acceptance_rate=0.3
+    )
+    policy.begin(3)
+    policy.record(3, drafted=16, accepted=0)  # paused: probes now and then
+    assert policy.sequence(3).state is sp.DraftState.PAUSED
+    for _ in range(policy.probe_every - 1):
+        policy.draft_budget(3, active=4)
+    spec = speculator.Speculator("fake", policy, _Copies())
+    candidates = [speculator.Candidate(seq, [1, 2, 3], room=100) for seq in range(4)]
+    out = spec.draft(candidates, active=4, feeds=dict.fromkeys(range(4), 1), spare=200)
+    assert [len(out[seq]) for seq in range(4)] == [8, 8, 8, policy.probe_tokens]
