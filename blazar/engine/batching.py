@@ -113,6 +113,42 @@ def new_runs(index: int, busy: Collection[int]) -> int:
     return 1 - (index - 1 in busy) - (index + 1 in busy)
 
 
+def runs(busy: Collection[int]) -> int:
+    """How many runs of consecutive sequence ids `busy` holds: each is a forward pass of
+    its own in every step (`new_runs`)."""
+    return sum(1 for index in busy if index - 1 not in busy)
+
+
+def compaction(
+    busy: Collection[int], movable: Mapping[int, int], free: Sequence[FreeSlot]
+) -> tuple[int, int] | None:
+    """A move of one generation, from a slot of `movable` (busy slot -> tokens its cache
+    holds, what the move copies) to a free slot, that leaves the `busy` slots in fewer
+    runs (`runs`); None when no move does.
+
+    Ends and parks scatter the busy slots, and new work cannot always fill the holes
+    (a policy at its slot cap, say): four generations on slots 0, 1, 3 and 4 decode in
+    two passes a step, for as long as they run. Moving one costs a copy of its cache
+    (milliseconds), against a pass saved every step after. Among the moves that leave
+    the fewest runs: the smallest cache, then into the free slot whose cache is worth
+    least (empty, else the least recently used: a later prompt may reuse it).
+    """
+    now = runs(busy)
+    if now <= 1:
+        return None
+    best: tuple[tuple[int, int, bool, int, int], tuple[int, int]] | None = None
+    for src, tokens in movable.items():
+        rest = set(busy) - {src}
+        for slot in free:
+            after = runs(rest | {slot.index})
+            if after >= now:
+                continue
+            key = (after, tokens, bool(slot.tokens), slot.last_used, slot.index)
+            if best is None or key < best[0]:
+                best = (key, (src, slot.index))
+    return None if best is None else best[1]
+
+
 def passes(counts: Mapping[int, int]) -> list[int]:
     """The rows of each forward pass llama.cpp runs for a batch in which sequence
     (slot) `s` has `counts[s]` tokens, the batch in slot order (`plan_step`).

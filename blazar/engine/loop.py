@@ -72,6 +72,11 @@ PREFILL_BESIDE_DECODE = 128
 # a prompt that one such step takes whole was let in.
 YIELD_STEPS = prefill.SHORT_PROMPT_STEPS
 
+# A generation is moved to gather the busy slots (`DecodeLoop._compact`) only while it
+# may emit this many tokens more: the copy of its cache pays for itself in the passes
+# saved over that many steps (one step at the least, more when it drafts).
+MOVE_MIN_ROOM = 16
+
 
 @dataclass(frozen=True)
 class LoopOptions:
@@ -233,6 +238,7 @@ class DecodeLoop:
                 self._pass_began = time.monotonic()
                 self._control(runtime)
                 self._admit(runtime)
+                self._compact(runtime)
                 self._share_cpu(runtime)
                 try:
                     self._step(runtime)
@@ -361,6 +367,29 @@ class DecodeLoop:
             except Exception as exc:
                 log.exception("begin_failed", request_id=job.request_id)
                 job.deliver(jobs.Failed(f"could not start generation: {exc}"))
+
+    def _compact(self, runtime: llama.Runtime) -> None:
+        """Move a decoding generation into a free slot when that gathers the busy slots
+        into fewer runs, each a forward pass of every step (`batching.compaction`). After
+        `_admit`: a slot still free has no work waiting for it."""
+        if self._spec is not None and self._spec.runner is not None:
+            return  # a draft model's cache follows its sequence id: not moved
+        movable = {
+            s.index: len(s.tokens)
+            for s in self.slots
+            if s.gen is not None
+            and not s.gen.prefilling
+            and not s.gen.refill
+            and s.gen.room >= MOVE_MIN_ROOM
+        }
+        if not movable:
+            return
+        move = batching.compaction(slots.busy(self.slots), movable, slots.free(runtime, self.slots))
+        if move is None:
+            return
+        src, dst = self.slots[move[0]], self.slots[move[1]]
+        if slots.move(runtime, src, dst) and self._spec is not None:
+            self._spec.moved(src.index, dst.index)
 
     def _share_cpu(self, runtime: llama.Runtime) -> None:
         """Compute the next step on this engine's share of the host's cores."""

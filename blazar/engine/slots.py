@@ -63,3 +63,19 @@ def keep_prefix(runtime: llama.Runtime, slot: Slot, common: int) -> int:
             keep = 0
         del slot.tokens[keep:]
     return keep
+
+
+def move(runtime: llama.Runtime, src: Slot, dst: Slot) -> bool:
+    """Move `src`'s generation and its cache to the free slot `dst`, whose own cache is
+    dropped (`batching.compaction`). False when llama.cpp could not copy the state:
+    nothing moved, `src` as it was, `dst` empty."""
+    state = runtime.seq_state(src.index, runtime.seq_state_size(src.index))
+    if state is None or not runtime.set_seq_state(dst.index, state):
+        runtime.clear(dst.index)
+        dst.tokens.clear()
+        return False
+    runtime.clear(src.index)
+    dst.tokens, src.tokens = src.tokens, []
+    dst.gen, src.gen = src.gen, None
+    dst.prompt_len, dst.last_used = src.prompt_len, src.last_used
+    return True

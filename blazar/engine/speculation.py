@@ -412,6 +412,12 @@ class SpeculationPolicy:
         self.release(seq)
         self._track(seq)
 
+    def move(self, src: int, dst: int) -> None:
+        """The request in sequence `src` goes on in `dst`, its statistics with it."""
+        track = self._tracks.pop(src, None)
+        if track is not None:
+            self._tracks[dst] = track
+
     def release(self, seq: int) -> None:
         """The sequence's request ended: count it if speculation was switched off."""
         t = self._tracks.pop(seq, None)

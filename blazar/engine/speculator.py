@@ -140,6 +140,14 @@ class Speculator:
         # Every decoding sequence counts: together they make the step's passes.
         return batching.trim_drafts(drafts, feeds, probes=probes)
 
+    def moved(self, src: int, dst: int) -> None:
+        """A generation moved from sequence `src` to `dst` (`slots.move`): its statistics
+        go with it; the drafter forgets both (an n-gram index is rebuilt from the tokens
+        at the next draft)."""
+        self.policy.move(src, dst)
+        self.drafter.release(src)
+        self.drafter.release(dst)
+
     def stats(self, *, failure: str = "") -> SpeculationStats:
         totals = self.policy.totals
         return SpeculationStats(

@@ -412,3 +412,43 @@ def test_trim_drafts_never_loses_to_the_whole_drafts_or_none() -> None:
         best = _rows_per_cost(feeds, out)
         assert best >= _rows_per_cost(feeds, drafts) - 1e-12
         assert best >= _rows_per_cost(feeds, {}) - 1e-12
+
+
+def _free(*indexes: int, cached: tuple[int, ...] = ()) -> list[FreeSlot]:
+    return [FreeSlot(i, [7] * (5 if i in cached else 0), last_used=i) for i in indexes]
+
+
+@pytest.mark.parametrize(
+    ("busy", "movable", "free", "expected"),
+    [
+        # One run already, or none: nothing to gain.
+        ({0, 1, 2}, {0: 5, 1: 5, 2: 5}, _free(3, 4), None),
+        (set(), {}, _free(0, 1), None),
+        # 0, 1, 3, 4 -> the smallest cache moves into the hole.
+        ({0, 1, 3, 4}, {0: 50, 1: 50, 3: 50, 4: 20}, _free(2, 5), (4, 2)),
+        ({0, 1, 3, 4}, {0: 10, 1: 50, 3: 50, 4: 20}, _free(2, 5), (0, 2)),
+        # Only a move that leaves fewer runs: 0 and 3 of 0, 2, 3 could go to 1.
+        ({0, 2, 3}, {2: 1}, _free(1, 4, 5), None),
+        ({0, 2, 3}, {0: 9, 2: 1}, _free(1, 4, 5), (0, 1)),
+        # Between free slots that serve alike: the empty one, not the one with a cache.
+        ({1, 4}, {4: 9}, _free(0, 2, cached=(2,)), (4, 0)),
+        ({1, 4}, {4: 9}, _free(0, 2, cached=(0,)), (4, 2)),
+    ],
+)  # fmt: skip
+def test_compaction_gathers_the_busy_slots_with_the_cheapest_move(
+    busy: set[int],
+    movable: dict[int, int],
+    free: list[FreeSlot],
+    expected: tuple[int, int] | None,
+) -> None:
+    assert batching.compaction(busy, movable, free) == expected
+
+
+def test_runs_counts_consecutive_busy_ids() -> None:
+    assert [batching.runs(b) for b in (set(), {3}, {0, 1, 2}, {0, 2, 3}, {0, 2, 4})] == [
+        0,
+        1,
+        1,
+        2,
+        3,
+    ]

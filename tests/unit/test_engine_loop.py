@@ -566,3 +566,37 @@ def test_a_short_prompt_is_prefilled_before_an_older_long_one(
         events, ended = long_then_short(decode, runtime, busy_tokens=60, steps=(3, 5), tokens=2)
     assert ended[0] == "short"
     assert all(isinstance(e.last, jobs.Finished) for e in events.values())
+
+
+def test_a_generation_moves_to_gather_the_busy_slots(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Four generations on slots 0-3, and the one on slot 1 ends early: the others
+    would decode on 0, 2 and 3, two forward passes a step, until they end. One moves,
+    cache and all, into slot 1 (`batching.compaction`), and every text is what it would
+    have been where it was."""
+    with running(monkeypatch, slots=4) as (decode, runtime):
+        steps: list[list[int]] = []
+        decode_entries = runtime.decode
+
+        def record(entries: Sequence[Entry]) -> None:
+            entries = list(entries)
+            steps.append(sorted({seq for _, _, seq, _ in entries}))
+            decode_entries(entries)
+
+        runtime.decode = record  # type: ignore[method-assign]
+        started = [
+            job([10 * i + 1], max_tokens=4 if i == 1 else 40, name=f"r{i}") for i in range(4)
+        ]
+        for submitted, _ in started:
+            decode.submit(submitted)
+        for _, events in started:
+            assert events.ended.wait(10)
+    for i, (_, events) in enumerate(started):
+        finished = events.last
+        assert isinstance(finished, jobs.Finished), finished
+        text = "".join(e.text for e in events.events if isinstance(e, jobs.TextDelta))
+        expected = [(10 * i + 1 + k) % 10 + 1 for k in range(finished.completion_tokens)]
+        assert text == "".join(f"w{t} " for t in expected)
+        assert finished.completion_tokens == (4 if i == 1 else 40)
+    # Once slot 1 was free, the three went on as one run of slots: one pass a step.
+    assert [1, 2, 3] in steps or [0, 1, 2] in steps
+    assert steps.count([0, 2, 3]) <= 1
