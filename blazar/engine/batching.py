@@ -128,22 +128,22 @@ def compaction(
 
     Ends and parks scatter the busy slots, and new work cannot always fill the holes
     (a policy at its slot cap, say): four generations on slots 0, 1, 3 and 4 decode in
-    two passes a step, for as long as they run. Moving one costs a copy of its cache
-    (milliseconds), against a pass saved every step after. Among the moves that leave
-    the fewest runs: the smallest cache, then into the free slot whose cache is worth
-    least (empty, else the least recently used: a later prompt may reuse it).
+    two passes a step, for as long as they run. Moving one costs a copy of its cache,
+    and of the free slot's, which goes to the slot it leaves (`slots.move`):
+    milliseconds, against a pass saved every step after. Among the moves that leave the
+    fewest runs, the one that copies the fewest tokens.
     """
     now = runs(busy)
     if now <= 1:
         return None
-    best: tuple[tuple[int, int, bool, int, int], tuple[int, int]] | None = None
+    best: tuple[tuple[int, int, int], tuple[int, int]] | None = None
     for src, tokens in movable.items():
         rest = set(busy) - {src}
         for slot in free:
             after = runs(rest | {slot.index})
             if after >= now:
                 continue
-            key = (after, tokens, bool(slot.tokens), slot.last_used, slot.index)
+            key = (after, tokens + len(slot.tokens), slot.index)
             if best is None or key < best[0]:
                 best = (key, (src, slot.index))
     return None if best is None else best[1]

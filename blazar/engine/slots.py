@@ -66,16 +66,24 @@ def keep_prefix(runtime: llama.Runtime, slot: Slot, common: int) -> int:
 
 
 def move(runtime: llama.Runtime, src: Slot, dst: Slot) -> bool:
-    """Move `src`'s generation and its cache to the free slot `dst`, whose own cache is
-    dropped (`batching.compaction`). False when llama.cpp could not copy the state:
-    nothing moved, `src` as it was, `dst` empty."""
+    """Move `src`'s generation and its cache to the free slot `dst` (`batching.compaction`);
+    what `dst` cached goes to `src`, so that a later prompt may still reuse it there.
+    False when llama.cpp could not copy `src`'s state: nothing moved."""
     state = runtime.seq_state(src.index, runtime.seq_state_size(src.index))
-    if state is None or not runtime.set_seq_state(dst.index, state):
-        runtime.clear(dst.index)
-        dst.tokens.clear()
+    if state is None:
+        return False
+    kept = runtime.seq_state(dst.index, runtime.seq_state_size(dst.index)) if dst.tokens else None
+    if not runtime.set_seq_state(dst.index, state):
+        # Cleared by the failed copy: put back what it held, if it can.
+        if kept is None or not runtime.set_seq_state(dst.index, kept):
+            dst.tokens.clear()
         return False
     runtime.clear(src.index)
-    dst.tokens, src.tokens = src.tokens, []
+    cached = dst.tokens, dst.last_used, dst.prompt_len
+    dst.tokens, dst.last_used, dst.prompt_len = src.tokens, src.last_used, src.prompt_len
     dst.gen, src.gen = src.gen, None
-    dst.prompt_len, dst.last_used = src.prompt_len, src.last_used
+    if kept is not None and runtime.set_seq_state(src.index, kept):
+        src.tokens, src.last_used, src.prompt_len = cached
+    else:
+        src.tokens = []
     return True

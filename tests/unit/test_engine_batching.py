@@ -415,7 +415,7 @@ def test_trim_drafts_never_loses_to_the_whole_drafts_or_none() -> None:
 
 
 def _free(*indexes: int, cached: tuple[int, ...] = ()) -> list[FreeSlot]:
-    return [FreeSlot(i, [7] * (5 if i in cached else 0), last_used=i) for i in indexes]
+    return [FreeSlot(i, [7] * (5 if i in cached else 0)) for i in indexes]
 
 
 @pytest.mark.parametrize(
@@ -430,7 +430,7 @@ def _free(*indexes: int, cached: tuple[int, ...] = ()) -> list[FreeSlot]:
         # Only a move that leaves fewer runs: 0 and 3 of 0, 2, 3 could go to 1.
         ({0, 2, 3}, {2: 1}, _free(1, 4, 5), None),
         ({0, 2, 3}, {0: 9, 2: 1}, _free(1, 4, 5), (0, 1)),
-        # Between free slots that serve alike: the empty one, not the one with a cache.
+        # Between free slots that serve alike: the one whose cache is smaller to copy.
         ({1, 4}, {4: 9}, _free(0, 2, cached=(2,)), (4, 0)),
         ({1, 4}, {4: 9}, _free(0, 2, cached=(0,)), (4, 2)),
     ],
