@@ -215,7 +215,14 @@ class _ParkDone:
     parked: Parked | None
 
 
-_Event: TypeAlias = _Arrive | _Retry | _Cancel | _End | _Table | _ParkDone
+@dataclass(frozen=True)
+class _ParkAgain:
+    """A step has passed since the engine refused to park a victim it had not seated."""
+
+    parking: _Parking
+
+
+_Event: TypeAlias = _Arrive | _Retry | _Cancel | _End | _Table | _ParkDone | _ParkAgain
 
 
 @dataclass
@@ -580,7 +587,12 @@ class LaneDispatcher:
                 replica=event.run.replica.index,
             )
         elif isinstance(event, _Cancel):
-            if self._queue.cancel(event.ticket_id):
+            # Out of the queue, or (its caller left while a park was asked for it) out
+            # of the tickets that parks wait for: the park's answer starts nothing.
+            pending = self._pending.get(event.ticket_id)
+            if self._queue.cancel(event.ticket_id) or (
+                pending is not None and pending.started.done()
+            ):
                 self._pending.pop(event.ticket_id, None)
         elif isinstance(event, _End):
             ticket_id = event.run.ticket.id
@@ -609,6 +621,8 @@ class LaneDispatcher:
                 )
         elif isinstance(event, _ParkDone):
             self._park_done(event, now)
+        elif isinstance(event, _ParkAgain):
+            self._ask_again(event.parking, now)
         else:
             return self._new_route(event.route)
         return False
@@ -793,14 +807,10 @@ class LaneDispatcher:
         self._ask_park(parking, replica)
         return True
 
-    def _ask_park(
-        self, parking: _Parking, replica: routing.Replica, *, after_s: float = 0.0
-    ) -> None:
+    def _ask_park(self, parking: _Parking, replica: routing.Replica) -> None:
         victim = parking.victim
 
         async def park() -> None:
-            if after_s > 0:
-                await asyncio.sleep(after_s)
             parked = await self._parker.park(replica, victim.request_id)
             self._events.put_nowait(_ParkDone(parking, parked))
 
@@ -826,8 +836,28 @@ class LaneDispatcher:
             return False
         again = replace(parking, tries=parking.tries + 1)
         self._parking[preempt.victim] = again
-        self._ask_park(again, replica, after_s=parking.step_s or PARK_AGAIN_S)
+
+        async def later() -> None:
+            await asyncio.sleep(parking.step_s or PARK_AGAIN_S)
+            self._events.put_nowait(_ParkAgain(again))
+
+        self._call(later(), name=f"park-again:{victim.request_id}")
         return True
+
+    def _ask_again(self, parking: _Parking, now: float) -> None:
+        """A step after the engine refused: ask it again, if the ticket still waits for
+        the park. Its caller may have left meanwhile (the victim then keeps its slot,
+        not parked for nothing) or the replica (the ticket waits again)."""
+        preempt = parking.preempt
+        if self._parking.get(preempt.victim) is not parking:
+            return  # the victim ended meanwhile (`_End` requeued the ticket)
+        pending = self._pending.get(preempt.ticket.id)
+        replica = self._replica(preempt.replica)
+        if replica is None or pending is None or pending.started.done():
+            del self._parking[preempt.victim]
+            self._requeue_urgent(parking, now)
+            return
+        self._ask_park(parking, replica)
 
     def _park_done(self, done: _ParkDone, now: float) -> None:
         """The engine answered a park: the victim waits parked and the ticket starts in

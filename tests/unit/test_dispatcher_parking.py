@@ -228,6 +228,49 @@ def test_a_victim_not_seated_yet_is_parked_when_asked_again() -> None:
     assert asyncio.run(run()) == (["b"], 2, "u")
 
 
+@pytest.mark.parametrize(
+    ("seated", "cancel_after", "asked"),
+    [
+        # The victim decodes: the one park asked is refused after the caller left.
+        (True, 0.01, 1),
+        # Not seated yet: the caller leaves while the engine is to be asked again a
+        # step later (0.1 s here, `MEASURED`), and it is not asked again.
+        (False, 0.05, 1),
+    ],
+)
+def test_a_caller_that_leaves_while_its_park_is_asked_leaves_nothing_behind(
+    seated: bool, cancel_after: float, asked: int
+) -> None:
+    """The victim runs on in its slot, parked for no one, and once it ends the Lane
+    holds nothing of the urgent request (it is idle)."""
+
+    async def run() -> tuple[int, list[str], int, bool]:
+        parker = SlowParker(0.03, parks=False)
+        dispatcher = dispatcher_of(parker)
+        try:
+            batch = await dispatcher.admit(ticket("batch", BATCH), request_id="b", prompt_chars=40)
+            assert isinstance(batch, Run)
+            if seated:
+                dispatcher.first_token(batch, time.monotonic() - batch.ticket.arrived)
+                batch.generated = 2
+            urgent = asyncio.create_task(
+                dispatcher.admit(ticket("urgent", URGENT), request_id="u", prompt_chars=40)
+            )
+            await asyncio.sleep(cancel_after)
+            urgent.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await urgent
+            await asyncio.sleep(0.3)
+            running = dispatcher.running()
+            dispatcher.end(batch, None)
+            await asyncio.sleep(0.05)
+            return parker.asked, parker.parked, running, dispatcher.busy()
+        finally:
+            await dispatcher.close()
+
+    assert asyncio.run(run()) == (asked, [], 1, False)
+
+
 async def decoding_batch(dispatcher: LaneDispatcher) -> Run:
     """A batch run that has decoded for 0.2 s since its first token, 20 tokens since."""
     batch = await dispatcher.admit(ticket("batch", BATCH), request_id="b", prompt_chars=40)
