@@ -177,6 +177,22 @@ def test_the_ticket_a_park_is_for_holds_the_prefill_line_until_its_first_token_i
     assert asyncio.run(run()) == pytest.approx(0.1 + 0.1 + 1.0 - 0.1, abs=0.05)
 
 
+async def batch_then_urgent(
+    dispatcher: LaneDispatcher, *, decoding: bool, policy: admission.Policy, name: str
+) -> tuple[Run, asyncio.Task[Run | admission.Spill]]:
+    """A batch run (`decoding`: past its first token, 2 generated; else not seated yet
+    as far as anyone knows), then a request of `policy` that would park it."""
+    batch = await dispatcher.admit(ticket("batch", BATCH), request_id="b", prompt_chars=40)
+    assert isinstance(batch, Run)
+    if decoding:
+        dispatcher.first_token(batch, time.monotonic() - batch.ticket.arrived)
+        batch.generated = 2
+    urgent = asyncio.create_task(
+        dispatcher.admit(ticket(name, policy), request_id=name[0], prompt_chars=40)
+    )
+    return batch, urgent
+
+
 @pytest.mark.parametrize(("decoding", "asked"), [(True, 1), (False, PARK_TRIES)])
 def test_a_park_the_engine_refuses_leaves_the_ticket_waiting_and_the_victim_running(
     decoding: bool, asked: int
@@ -189,13 +205,8 @@ def test_a_park_the_engine_refuses_leaves_the_ticket_waiting_and_the_victim_runn
         parker = SlowParker(0.02, parks=False)
         dispatcher = dispatcher_of(parker)
         try:
-            batch = await dispatcher.admit(ticket("batch", BATCH), request_id="b", prompt_chars=40)
-            assert isinstance(batch, Run)
-            if decoding:
-                dispatcher.first_token(batch, time.monotonic() - batch.ticket.arrived)
-                batch.generated = 2
-            urgent = asyncio.create_task(
-                dispatcher.admit(ticket("patient", PATIENT), request_id="p", prompt_chars=40)
+            _, urgent = await batch_then_urgent(
+                dispatcher, decoding=decoding, policy=PATIENT, name="patient"
             )
             await asyncio.sleep(0.3 + PARK_TRIES * 0.1)
             return str(dispatcher.queued()), dispatcher.running(), parker.asked
@@ -248,13 +259,8 @@ def test_a_caller_that_leaves_while_its_park_is_asked_leaves_nothing_behind(
         parker = SlowParker(0.03, parks=False)
         dispatcher = dispatcher_of(parker)
         try:
-            batch = await dispatcher.admit(ticket("batch", BATCH), request_id="b", prompt_chars=40)
-            assert isinstance(batch, Run)
-            if seated:
-                dispatcher.first_token(batch, time.monotonic() - batch.ticket.arrived)
-                batch.generated = 2
-            urgent = asyncio.create_task(
-                dispatcher.admit(ticket("urgent", URGENT), request_id="u", prompt_chars=40)
+            batch, urgent = await batch_then_urgent(
+                dispatcher, decoding=seated, policy=URGENT, name="urgent"
             )
             await asyncio.sleep(cancel_after)
             urgent.cancel()
