@@ -139,8 +139,10 @@ def compaction(
     best: tuple[tuple[int, int, int], tuple[int, int]] | None = None
     for src, tokens in movable.items():
         rest = set(busy) - {src}
+        # What leaving `src` and joining the free slot each do to the runs (`new_runs`).
+        left = now - new_runs(src, rest)
         for slot in free:
-            after = runs(rest | {slot.index})
+            after = left + new_runs(slot.index, rest)
             if after >= now:
                 continue
             key = (after, tokens + len(slot.tokens), slot.index)

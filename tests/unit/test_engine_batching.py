@@ -452,3 +452,23 @@ def test_runs_counts_consecutive_busy_ids() -> None:
         2,
         3,
     ]
+
+
+def test_compaction_counts_runs_as_a_recount_would() -> None:
+    rng = random.Random(11)
+    for _ in range(300):
+        slots = rng.randint(2, 12)
+        busy = set(rng.sample(range(slots), rng.randint(1, slots - 1)))
+        free = [FreeSlot(i, []) for i in range(slots) if i not in busy]
+        movable = {i: rng.randint(1, 9) for i in busy if rng.random() < 0.7}
+        move = batching.compaction(busy, movable, free)
+        best = min(
+            (batching.runs(busy - {src} | {dst.index}) for src in movable for dst in free),
+            default=batching.runs(busy),
+        )
+        if move is None:
+            assert best >= batching.runs(busy) or batching.runs(busy) <= 1
+        else:
+            src, dst = move
+            assert src in movable and dst not in busy
+            assert batching.runs(busy - {src} | {dst}) == best < batching.runs(busy)
