@@ -129,6 +129,9 @@ class Run:
     parked_at: float | None = None
     # Seconds it waited for its Lane to wake (idle.sleepAfter), within its queue wait.
     load_s: float = 0.0
+    # Asked to resume and not yet answered: its engine holds it parked still, and
+    # would refuse to park it again (it is no victim meanwhile).
+    resuming: bool = False
     # Admission's prediction when its first token tests the forecast of a wait (see
     # `_start`): measured against it, the forecast's lateness. None: it does not.
     wait_forecast_s: float | None = None
@@ -222,7 +225,14 @@ class _ParkAgain:
     parking: _Parking
 
 
-_Event: TypeAlias = _Arrive | _Retry | _Cancel | _End | _Table | _ParkDone | _ParkAgain
+@dataclass(frozen=True)
+class _Resumed:
+    """The engine answered a Resume of `run` (resumed, or lost it)."""
+
+    run: Run
+
+
+_Event: TypeAlias = _Arrive | _Retry | _Cancel | _End | _Table | _ParkDone | _ParkAgain | _Resumed
 
 
 @dataclass
@@ -623,6 +633,8 @@ class LaneDispatcher:
             self._park_done(event, now)
         elif isinstance(event, _ParkAgain):
             self._ask_again(event.parking, now)
+        elif isinstance(event, _Resumed):
+            event.run.resuming = False
         else:
             return self._new_route(event.route)
         return False
@@ -932,11 +944,16 @@ class LaneDispatcher:
                 run.parked_s += self._clock() - max(run.parked_at, run.first_token_at)
             run.parked_at = None
 
+        run.resuming = True
+
         async def resume() -> None:
-            if not await self._parker.resume(run.replica, run.request_id):
-                # The engine lost it (restarted, or drained and resumed it itself): its
-                # stream ends one way or the other, and `end` takes the run out.
-                log.warning("admission.resume_lost", request_id=run.request_id, lane=self.lane)
+            try:
+                if not await self._parker.resume(run.replica, run.request_id):
+                    # The engine lost it (restarted, or drained and resumed it itself):
+                    # its stream ends one way or the other, and `end` takes the run out.
+                    log.warning("admission.resume_lost", request_id=run.request_id, lane=self.lane)
+            finally:
+                self._events.put_nowait(_Resumed(run))
 
         self._call(resume(), name=f"resume:{run.request_id}")
 
@@ -1031,7 +1048,8 @@ class LaneDispatcher:
             priority=ticket.policy.priority,
             tokens_left=max(0, expected - generated),
             kv_tokens=ticket.prompt_tokens + generated,
-            parkable=run.generated > self._refused_parks.get(run.ticket.id, -1),
+            parkable=not run.resuming
+            and run.generated > self._refused_parks.get(run.ticket.id, -1),
             rate=rates.get(ticket.policy.name),
             policy=ticket.policy.name,
             max_slots_per_replica=ticket.policy.max_slots_per_replica,

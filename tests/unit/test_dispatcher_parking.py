@@ -46,6 +46,8 @@ class SlowParker:
         self.seconds = seconds
         self.copy_s = copy_s
         self.refuse_first = refuse_first
+        # How long a Resume takes to be answered.
+        self.resume_s = 0.0
         self.parks = parks
         self.parked: list[str] = []
         self.asked = 0
@@ -59,6 +61,7 @@ class SlowParker:
         return Parked(parked_bytes=1000, tokens=10, copy_s=self.copy_s)
 
     async def resume(self, replica: routing.Replica, request_id: str) -> bool:
+        await asyncio.sleep(self.resume_s)
         return True
 
 
@@ -435,3 +438,37 @@ def test_reading_the_forecast_again_each_step_leaves_the_lane_loop_mostly_idle()
     share, served = asyncio.run(run())
     assert not served  # it waits (its target is far): nothing happens but the rechecks
     assert share < 0.4, share  # twice `RECHECK_BUSY_SHARE`: margin for a busy host
+
+
+def test_a_run_being_resumed_is_no_victim_until_its_engine_answers() -> None:
+    """The urgent request that parked the batch run ends; the run is resumed, which its
+    engine answers 0.3 s later. A patient request arriving meanwhile does not ask to park
+    it (the engine, holding it parked still, would refuse); once the resume is answered
+    it does."""
+
+    async def run() -> tuple[int, int]:
+        parker = SlowParker(0.02)
+        parker.resume_s = 0.3
+        dispatcher = LaneDispatcher(one_slot_route(), parker=parker)
+        try:
+            await decoding_batch(dispatcher)
+            urgent = await asyncio.wait_for(
+                dispatcher.admit(ticket("urgent", URGENT), request_id="u", prompt_chars=40), 1.0
+            )
+            assert isinstance(urgent, Run) and parker.parked == ["b"]
+            dispatcher.end(urgent, None)
+            await asyncio.sleep(0.05)
+            patient = asyncio.create_task(
+                dispatcher.admit(ticket("patient", PATIENT), request_id="p", prompt_chars=40)
+            )
+            await asyncio.sleep(0.15)
+            while_resuming = parker.asked
+            await asyncio.sleep(0.4)
+            patient.cancel()
+            with contextlib.suppress(asyncio.CancelledError, errors.BlazarError):
+                await patient
+            return while_resuming, parker.asked
+        finally:
+            await dispatcher.close()
+
+    assert asyncio.run(run()) == (1, 2)
