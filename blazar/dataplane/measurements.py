@@ -368,7 +368,7 @@ class LaneMeasurements:
     def step_s(self, replica: int, *, batch: int, draft_batch_max: int | None) -> float | None:
         """A decode step of `batch` sequences on `replica`, as measured (None before)."""
         view = self.replica_view(replica, slots=batch, running=(), draft_batch_max=draft_batch_max)
-        return view.step_at(batch, drafting=view.drafts(batch))
+        return view.step_of(batch)
 
     @property
     def completion_tokens(self) -> float | None:
@@ -465,9 +465,7 @@ class LaneMeasurements:
             # so a park waits for the step in flight, one step at the batch running
             # now (measured parks on Machine E took 144-236 ms beside drafting steps
             # of about that), not no time at all.
-            batch = max(1, len(running))
-            step_s = view.step_at(batch, drafting=view.drafts(batch))
-            view = replace(view, park_s=step_s or 0.0)
+            view = replace(view, park_s=view.step_of(max(1, len(running))) or 0.0)
         return view
 
 

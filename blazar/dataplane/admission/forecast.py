@@ -304,8 +304,7 @@ class _Simulation:
     def steps_s(self, replica: ReplicaView, steps: int) -> float:
         """`steps` decode steps on `replica` at the batch it will run while this queue
         drains (none before a step was measured)."""
-        batch = self.batch[replica.index]
-        return steps * (replica.step_at(batch, drafting=replica.drafts(batch)) or 0.0)
+        return steps * (replica.step_of(self.batch[replica.index]) or 0.0)
 
     def decode_s(self, replica: ReplicaView, tokens: int, rate: TokenRate | None = None) -> float:
         """Decode time on `replica` at the batch it will run while this queue drains,

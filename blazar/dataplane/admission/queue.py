@@ -529,8 +529,7 @@ class LaneQueue:
                 continue
             for replica in view.replicas:
                 if replica.parks_for(ticket.policy.priority):
-                    batch = len(replica.running)
-                    step = replica.step_at(batch, drafting=replica.drafts(batch))
+                    step = replica.step_of(len(replica.running))
                     steps.append(RECHECK_MAX_S if step is None else step)
         if not steps:
             return None

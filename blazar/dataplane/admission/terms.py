@@ -238,6 +238,11 @@ class ReplicaView:
                 return base + growth * max(0.0, batch - 1)
         return None
 
+    def step_of(self, batch: int) -> float | None:
+        """Seconds of a decode step at `batch` sequences, drafting or not as the replica's
+        SpecPair does at that batch (`drafts`); None before any step was measured."""
+        return self.step_at(batch, drafting=self.drafts(batch))
+
     def decode_s(self, tokens: int, *, batch: int = 1, rate: TokenRate | None = None) -> float:
         """Seconds to generate `tokens` with `batch` sequences decoding together: at the
         request's policy's `rate` when it has measured one, scaled from the batch it
