@@ -834,16 +834,13 @@ class LaneDispatcher:
         moment ago, and its engine seats new work between two steps and parks only what
         is seated; meanwhile its slot stays the ticket's, as while any park is asked."""
         victim, preempt = parking.victim, parking.preempt
-        pending = self._pending.get(preempt.ticket.id)
-        replica = self._replica(preempt.replica)
         if (
             parking.tries >= PARK_TRIES
             or victim.first_token_at is not None
             or victim.generated > 0
             or victim.ticket.id not in self._running
-            or replica is None
-            or pending is None
-            or pending.started.done()
+            or not self._caller_waits(parking)
+            or self._replica(preempt.replica) is None
         ):
             return False
         again = replace(parking, tries=parking.tries + 1)
@@ -863,9 +860,8 @@ class LaneDispatcher:
         preempt = parking.preempt
         if self._parking.get(preempt.victim) is not parking:
             return  # the victim ended meanwhile (`_End` requeued the ticket)
-        pending = self._pending.get(preempt.ticket.id)
         replica = self._replica(preempt.replica)
-        if replica is None or pending is None or pending.started.done():
+        if replica is None or not self._caller_waits(parking):
             del self._parking[preempt.victim]
             self._requeue_urgent(parking, now)
             return
@@ -924,10 +920,14 @@ class LaneDispatcher:
         )
         self._start(start, now, preempting=True)
 
+    def _caller_waits(self, parking: _Parking) -> bool:
+        """Whether the caller of the ticket a park is asked for still waits for it."""
+        pending = self._pending.get(parking.preempt.ticket.id)
+        return pending is not None and not pending.started.done()
+
     def _requeue_urgent(self, parking: _Parking, now: float) -> None:
         """The ticket a park was for waits again, unless its caller has left."""
-        pending = self._pending.get(parking.preempt.ticket.id)
-        if pending is not None and not pending.started.done():
+        if self._caller_waits(parking):
             self._queue.requeue(parking.preempt.ticket, now=now)
 
     def _resume(self, decision: admission.Dispatch) -> None:
