@@ -374,6 +374,9 @@ class DecodeLoop:
         `_admit`: a slot still free has no work waiting for it."""
         if self._spec is not None and self._spec.runner is not None:
             return  # a draft model's cache follows its sequence id: not moved
+        busy = slots.busy(self.slots)
+        if batching.runs(busy) <= 1:
+            return  # the usual case, every pass: nothing to gather
         movable = {
             s.index: len(s.tokens)
             for s in self.slots
@@ -384,7 +387,7 @@ class DecodeLoop:
         }
         if not movable:
             return
-        move = batching.compaction(slots.busy(self.slots), movable, slots.free(runtime, self.slots))
+        move = batching.compaction(busy, movable, slots.free(runtime, self.slots))
         if move is None:
             return
         src, dst = self.slots[move[0]], self.slots[move[1]]
