@@ -239,8 +239,7 @@ def trim_drafts(
                 seq: () if drop_short and len(d) < length else tuple(d[:length])
                 for seq, d in others.items()
             }
-            counts = {seq: feeds.get(seq, 1) + len(trial.get(seq, ())) for seq in feeds}
-            counts.update({seq: 1 + len(d) for seq, d in trial.items() if seq not in feeds})
+            counts = {seq: n + len(trial.get(seq, ())) for seq, n in feeds.items()}
             rows = sum(counts.values())
             # On a tie, fewer rows: a draft is a guess.
             key = (rows / step_cost(counts), -rows) if rows else (0.0, 0)
