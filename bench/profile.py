@@ -56,7 +56,7 @@ CATEGORIES: list[tuple[str, re.Pattern[str]]] = [
     ("llama decode (native)", re.compile(r"llama_decode|ggml_|llama_context::decode")),
     ("sampling", re.compile(r"sampling\.py|llama_sampler|argmax")),
     ("logprobs / text", re.compile(r"generation\.py|text\.py|logprobs\.py|token_to_piece")),
-    ("loop scheduling", re.compile(r"engine/loop\.py|batching\.py|speculat")),
+    ("loop scheduling", re.compile(r"engine/(loop|seats|assembly)\.py|batching\.py|speculat")),
     ("protobuf", re.compile(r"protobuf|_message|upb_|MergeFrom|SerializeToString")),
     ("SSE / JSON", re.compile(r"json|streaming\.py|_sse|convert\.py")),
     ("logging", re.compile(r"structlog|logging")),

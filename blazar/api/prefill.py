@@ -7,7 +7,7 @@ wait for every chunk of that one (seconds on a CPU), and the long prompt comes l
 those few steps. 64 tokens: `SHORT_PROMPT_STEPS` steps at the smallest chunk a paced
 step takes (`MIN_CHUNK`, `engine.pacing`), a chat turn or a short instruction, not a
 document. The engine's drafts give way to such a prompt for as many steps
-(`engine.loop.DecodeLoop._drafts_yield`).
+(`engine.assembly.drafts_yield`).
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ cache and the slot's tokens. Every emitted token is exactly what plain decoding 
 have drawn, logprobs and grammar included.
 
 Decode thread only. The loop acts on the `Outcome` (finishing or failing the request
-frees its slot); what fails while sampling is raised for the loop to pin on the request.
+frees its slot, `seats.Seats.conclude`); what fails while sampling is that request's
+own failure (`after`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import structlog
+
+from blazar.api import errors
 from blazar.engine import batching, generation, jobs, llama, speculation
 from blazar.engine.slots import Slot
 from blazar.engine.speculator import Speculator
@@ -31,6 +35,36 @@ class Outcome:
 
 
 GOING_ON = Outcome()
+
+
+log = structlog.get_logger("blazar.engine.emission")
+
+
+def after(
+    runtime: llama.Runtime,
+    slot: Slot,
+    first: int,
+    piece: batching.Piece,
+    *,
+    context: int,
+    spec: Speculator | None,
+) -> Outcome:
+    """What the slot's piece, decoded at batch entries from `first`, emits. What fails
+    here (the request's sampler, its logprobs) is that request's own fault: the batch
+    is decoded and the other slots are fine."""
+    gen = slot.gen
+    assert gen is not None
+    try:
+        if piece.decode:
+            return after_decode(runtime, slot, first, piece.tokens, context=context, spec=spec)
+        return after_prefill(runtime, slot, first, piece, context=context)
+    except errors.InvalidRequest as exc:
+        # A contradiction in the request itself that showed only now.
+        log.info("request_invalid", request_id=gen.job.request_id, error=exc.message)
+        return Outcome(failure=jobs.Failed.invalid(exc))
+    except Exception as exc:
+        log.exception("sampling_failed", request_id=gen.job.request_id)
+        return Outcome(failure=jobs.Failed(f"sampling failed: {exc}"))
 
 
 def after_prefill(

@@ -1,28 +1,24 @@
 """The decode thread: sole owner of the llama runtime, the slots and the order of work.
 
-Requests arrive as `jobs.Job`s on a thread-safe queue and wait FIFO for a free slot. A job
-takes the free slot whose cache shares the longest prefix with its prompt and keeps
-that prefix (`batching.choose_slot`, `batching.reusable_prefix`). Every step packs
-the next token of each decoding slot and prefill chunks of the others into one batch
-(`batching.plan_step`), decodes it, and samples one token per slot that finished its
-prompt or decoded a token. Results leave through each job's `deliver` callback (the
-service's go through a `jobs.Outbox`, which the loop flushes once a step, right before
-the decode, and before it waits for work). A slot keeps its KV cache and token list
-after its job ends, for the next job to reuse.
+Each pass of the loop (`DecodeLoop._run`) takes in what came, carries out Park and
+Resume orders, seats work in free slots (resumed generations first, then waiting jobs,
+oldest first), gathers the busy slots, and runs one step: draft, assemble a batch of
+every seated generation's next tokens and prompt chunks, decode it, read it back. That
+order is the scheduling; how each part is done lives beside it:
 
-With speculative decoding (`LoopOptions.speculation`), a decoding slot's feed is its
-pending token plus up to k drafted ones (n-gram lookup or a draft model, as the
-`speculation.SpeculationPolicy` allows), all with logits; `emission` verifies them
-after the decode.
+- `waiting`: the inbox (jobs and orders from any thread) and the line of jobs;
+- `seats`: who sits in which slot, and every way a generation takes or leaves one;
+- `batching`: the pure decisions (which free slot, which pieces fit a step, drafts cut
+  to one pass, which move gathers the busy slots);
+- `assembly`: one step's batch from the slots, paced by `pacing`;
+- `emission`: sampling a decoded piece, verifying drafts, whether the request ends;
+- `speculator`: drafting; `parking`: the bank of parked generations; `kvstore`: slot
+  caches saved on stop and restored on start.
 
-Preemption: between steps the loop carries out Park and Resume orders (`parking`). A
-parked generation leaves its slot with its sampler state and, within the engine's
-bound, its KV cache in host memory; a resumed one takes the next free slot before any
-waiting job, its cache restored or its tokens prefilled again.
-
-The pieces around it: `waiting` (the inbox and the line of jobs), `slots` (what each
-sequence holds, prefix keeping), `emission` (sampling a decoded piece, verifying
-drafts), `parking` (the bank of parked generations), `pacing` (prompt chunk sizes).
+A slot keeps its KV cache and token list after its job ends, for the next job to reuse.
+Results leave through each job's `deliver` callback (the service's go through a
+`jobs.Outbox`, which the loop flushes once a step, right before the decode, and before
+it waits for work).
 """
 
 from __future__ import annotations
@@ -30,15 +26,15 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import structlog
 
-from blazar.api import errors, prefill, replicas
+from blazar.api import errors, replicas
 from blazar.engine import (
-    batching,
+    assembly,
     cpushare,
     emission,
     jobs,
@@ -46,10 +42,9 @@ from blazar.engine import (
     llama,
     pacing,
     parking,
-    slots,
+    seats,
     waiting,
 )
-from blazar.engine.generation import Generation
 from blazar.engine.slots import Slot
 from blazar.engine.speculator import SpeculationStats, Speculator
 
@@ -65,18 +60,6 @@ log = structlog.get_logger("blazar.engine.loop")
 # against 1.9-2.4 s). A prompt alone still takes n_batch tokens per step.
 PREFILL_BESIDE_DECODE = 128
 
-# Steps without drafts that a waiting prompt may take whole, where drafts leave it no
-# room (`DecodeLoop._drafts_yield`): as many as make a prompt short (`api.prefill`).
-# Measured on Machine E (default fleet, drafting at a batch of 6): three 27-token
-# prompts that had just preempted batch jobs had their first token 1.5 s late when only
-# a prompt that one such step takes whole was let in.
-YIELD_STEPS = prefill.SHORT_PROMPT_STEPS
-
-# A generation is moved to gather the busy slots (`DecodeLoop._compact`) only while it
-# may emit this many tokens more: the copy of its cache pays for itself in the passes
-# saved over that many steps (one step at the least, more when it drafts).
-MOVE_MIN_ROOM = 16
-
 
 @dataclass(frozen=True)
 class LoopOptions:
@@ -88,15 +71,6 @@ class LoopOptions:
     prefill_beside_decode: int | None = PREFILL_BESIDE_DECODE
     # The host's CPU share table (`cpushare`); None: always compute on spec.threads.
     cpu_share: Path | None = None
-
-
-@dataclass(frozen=True)
-class _Placed:
-    """A slot's piece of the step being decoded, from batch entry `first` on."""
-
-    slot: Slot
-    piece: batching.Piece
-    first: int
 
 
 class DecodeLoop:
@@ -111,16 +85,16 @@ class DecodeLoop:
     ) -> None:
         self.options = options
         self._outbox = outbox
-        self.slots = [Slot(i) for i in range(options.spec.slots)]
+        self._bank = parking.Bank(max_bytes=options.spec.max_parked_mib << 20)
+        self._seats = seats.Seats(options.spec.slots, self._bank)
+        # The slots, for Health and the KV store (read from other threads: `slots`).
+        self.slots = self._seats.slots
         self.kv_bytes = 0
         self._on_loaded = on_loaded
         self._waiting = waiting.WaitingLine()
-        self._bank = parking.Bank(max_bytes=options.spec.max_parked_mib << 20)
         self._runtime: llama.Runtime | None = None
-        self._spec: Speculator | None = None
         # What Health reports once a failed drafter switched speculation off.
         self._spec_failed: SpeculationStats | None = None
-        self._clock = 0
         self._cpu: cpushare.CpuShare | None = None
         self._pacer = pacing.PrefillPacer(
             default=options.prefill_beside_decode, max_tokens=llama.N_BATCH
@@ -165,7 +139,7 @@ class DecodeLoop:
     @property
     def speculation_stats(self) -> SpeculationStats:
         """Counters so far (any thread: reads of ints the decode thread updates)."""
-        spec = self._spec
+        spec = self._seats.spec
         if spec is None:
             return self._spec_failed or SpeculationStats()
         return spec.stats()
@@ -235,33 +209,42 @@ class DecodeLoop:
         self._on_loaded(None)
         try:
             while self._collect():
-                self._pass_began = time.monotonic()
-                self._control(runtime)
-                self._admit(runtime)
-                self._compact(runtime)
-                self._share_cpu(runtime)
-                try:
-                    self._step(runtime)
-                except Exception as exc:
-                    log.exception("decode_step_failed")
-                    for slot in self._active():
-                        self._fail(runtime, slot, jobs.Failed(f"decode failed: {exc}"))
-                self._pass_began = 0.0
+                self._pass(runtime)
         finally:
-            for slot in self._active():
-                self._finish(runtime, slot, jobs.FinishReason.CANCELLED)
-            for parked in self._bank.close():
-                self._end_parked(parked, errors.Unavailable("The engine stopped."))
-            self._waiting.close()
-            self._flush()
-            if self.options.kv_dir is not None:
-                kvstore.save_slots(runtime, self.options.kv_dir, self.slots)
-            if self._spec is not None:
-                self._spec.close()
-            if self._cpu is not None:
-                self._cpu.close()
-            runtime.close()
-            self._runtime = None
+            self._close(runtime)
+
+    def _pass(self, runtime: llama.Runtime) -> None:
+        """One pass: the orders that came, then who sits where, then one step."""
+        self._pass_began = time.monotonic()
+        self._control(runtime)
+        self._admit(runtime)
+        self._seats.compact(runtime)
+        self._share_cpu(runtime)
+        try:
+            self._step(runtime)
+        except Exception as exc:
+            log.exception("decode_step_failed")
+            for slot in self._seats.active():
+                self._seats.fail(runtime, slot, jobs.Failed(f"decode failed: {exc}"))
+        self._pass_began = 0.0
+
+    def _close(self, runtime: llama.Runtime) -> None:
+        """End every generation, answer what waits, save the caches if asked, and free
+        llama's resources."""
+        for slot in self._seats.active():
+            self._seats.finish(runtime, slot, jobs.FinishReason.CANCELLED)
+        for parked in self._bank.close():
+            parked.end(errors.Unavailable("The engine stopped."))
+        self._waiting.close()
+        self._flush()
+        if self.options.kv_dir is not None:
+            kvstore.save_slots(runtime, self.options.kv_dir, self.slots)
+        if self._seats.spec is not None:
+            self._seats.spec.close()
+        if self._cpu is not None:
+            self._cpu.close()
+        runtime.close()
+        self._runtime = None
 
     def _load(self) -> llama.Runtime:
         """The model, its context and its drafter; nothing is left open on failure."""
@@ -269,7 +252,7 @@ class DecodeLoop:
         launch = self.options.spec.speculation
         if launch is not None:
             try:
-                self._spec = Speculator.load(
+                self._seats.spec = Speculator.load(
                     launch, runtime, catch_up_tokens=self.options.prefill_beside_decode
                 )
             except BaseException:
@@ -279,12 +262,9 @@ class DecodeLoop:
         self.kv_bytes = runtime.kv_bytes
         return runtime
 
-    def _active(self) -> list[Slot]:
-        return [s for s in self.slots if s.gen is not None]
-
     def _collect(self) -> bool:
         """Take in what came; block while there is nothing to do. False once stopped."""
-        block = not self._active() and not self._waiting and self._bank.next() is None
+        block = not self._seats.active() and not self._waiting and self._bank.next() is None
         if block:
             self._flush()
             if self._cpu is not None:
@@ -304,10 +284,10 @@ class DecodeLoop:
                 self._bank.resume_all()
                 continue
             rid = order.request_id
-            slot = next((s for s in self.slots if s.gen and s.gen.job.request_id == rid), None)
+            slot = self._seats.running(rid)
             parked = self._bank.find(rid)
             if isinstance(order, parking.Park) and slot is not None:
-                order.reply(self._park(runtime, slot))
+                order.reply(self._seats.park(runtime, slot))
             elif isinstance(order, parking.Resume) and parked is not None:
                 if not self._bank.ask(parked, order.reply):
                     order.reply(parking.refusal(order, "resuming"))
@@ -316,83 +296,16 @@ class DecodeLoop:
                 where = "running" if slot else "parked" if parked else "waiting" if queued else ""
                 order.reply(parking.refusal(order, where or None))
         for parked in self._bank.cancelled():
-            self._end_parked(parked, errors.RequestNotFound.of(parked.request_id))
-
-    def _park(self, runtime: llama.Runtime, slot: Slot) -> parking.ParkOutcome:
-        gen = slot.gen
-        assert gen is not None
-        try:
-            result = self._bank.park(runtime, slot, gen)
-        except Exception as exc:
-            log.exception("park_failed", request_id=gen.job.request_id)
-            return errors.BlazarError(f"could not park the request: {exc}")
-        self._unseat(slot)
-        return result
-
-    def _end_parked(self, parked: parking.Parked, unanswered: errors.BlazarError) -> None:
-        """End a generation taken out of the bank while parked: cancelled by its caller,
-        or the worker stops. A Resume that waited for it is answered `unanswered`."""
-        gen = parked.gen
-        if parked.reply is not None:
-            parked.reply(unanswered)
-        events = gen.conclusion(jobs.FinishReason.CANCELLED, slot=-1)
-        gen.sampler.free()
-        for event in events:
-            gen.job.deliver(event)
+            parked.end(errors.RequestNotFound.of(parked.request_id))
 
     def _admit(self, runtime: llama.Runtime) -> None:
         """Resume the parked generations asked for, then end waiting jobs that were
         cancelled and start the others, oldest first, while slots are free."""
-        while (parked := self._bank.next()) is not None and (
-            free := slots.free(runtime, self.slots)
-        ):
-            self._resume(runtime, parked, free)
+        while (parked := self._bank.next()) is not None and (free := self._seats.free(runtime)):
+            self._seats.resume(runtime, parked, free)
         self._waiting.end_cancelled()
-        while self._waiting:
-            free = slots.free(runtime, self.slots)
-            if not free:
-                return
-            job = self._waiting.pop()
-            # Prompt logprobs need logits at every prompt position: nothing can be kept.
-            placement = batching.choose_slot(
-                job.prompt,
-                free,
-                busy=slots.busy(self.slots),
-                n_swa=runtime.n_swa,
-                reuse=not job.params.prompt_logprobs,
-            )
-            slot = self.slots[placement.slot]
-            try:
-                self._begin(runtime, slot, job, placement.common)
-            except Exception as exc:
-                log.exception("begin_failed", request_id=job.request_id)
-                job.deliver(jobs.Failed(f"could not start generation: {exc}"))
-
-    def _compact(self, runtime: llama.Runtime) -> None:
-        """Move a decoding generation into a free slot when that gathers the busy slots
-        into fewer runs, each a forward pass of every step (`batching.compaction`). After
-        `_admit`: a slot still free has no work waiting for it."""
-        if self._spec is not None and self._spec.runner is not None:
-            return  # a draft model's cache follows its sequence id: not moved
-        busy = slots.busy(self.slots)
-        if batching.runs(busy) <= 1:
-            return  # the usual case, every pass: nothing to gather
-        movable = {
-            s.index: len(s.tokens)
-            for s in self.slots
-            if s.gen is not None
-            and not s.gen.prefilling
-            and not s.gen.refill
-            and s.gen.room >= MOVE_MIN_ROOM
-        }
-        if not movable:
-            return
-        move = batching.compaction(busy, movable, slots.free(runtime, self.slots))
-        if move is None:
-            return
-        src, dst = self.slots[move[0]], self.slots[move[1]]
-        if slots.move(runtime, src, dst) and self._spec is not None:
-            self._spec.moved(src.index, dst.index)
+        while self._waiting and (free := self._seats.free(runtime)):
+            self._seats.begin(runtime, self._waiting.pop(), free)
 
     def _share_cpu(self, runtime: llama.Runtime) -> None:
         """Compute the next step on this engine's share of the host's cores."""
@@ -401,195 +314,44 @@ class DecodeLoop:
         threads = self._cpu.busy(self.options.spec.threads)
         if threads != self.threads:
             runtime.set_threads(threads)
-            if self._spec is not None:
-                self._spec.set_threads(threads)
+            if self._seats.spec is not None:
+                self._seats.spec.set_threads(threads)
             log.debug("threads_changed", threads=threads, wanted=self.options.spec.threads)
             self.threads = threads
 
-    def _resume(
-        self, runtime: llama.Runtime, parked: parking.Parked, free: list[batching.FreeSlot]
-    ) -> None:
-        placement = batching.choose_slot(
-            parked.match,
-            free,
-            busy=slots.busy(self.slots),
-            n_swa=runtime.n_swa,
-            reuse=parked.reuse,
-        )
-        slot = self.slots[placement.slot]
-        reply = parked.reply
-        assert reply is not None
-        try:
-            keep = slots.keep_prefix(runtime, slot, placement.common)
-            result = self._bank.resume(runtime, parked, slot, keep=keep)
-        except Exception as exc:
-            log.exception("resume_failed", request_id=parked.request_id)
-            runtime.clear(slot.index)
-            slot.tokens.clear()
-            parked.gen.sampler.free()
-            parked.gen.job.deliver(jobs.Failed(f"could not resume generation: {exc}"))
-            reply(errors.BlazarError(f"could not resume the request: {exc}"))
-            return
-        self._seat(slot, parked.gen)
-        reply(result)
-
-    def _begin(self, runtime: llama.Runtime, slot: Slot, job: jobs.Job, common: int) -> None:
-        keep = slots.keep_prefix(runtime, slot, common)
-        job.cached_tokens = keep
-        self._seat(slot, Generation.begin(job, cached=keep))
-
-    def _seat(self, slot: Slot, gen: Generation) -> None:
-        slot.gen = gen
-        if self._spec is not None:
-            self._spec.policy.begin(slot.index)
-        self._clock += 1
-        slot.last_used = self._clock
-        slot.prompt_len = len(gen.job.prompt)
-
     def _step(self, runtime: llama.Runtime) -> None:
-        """One batch: decode tokens first, then prefill chunks: short prompts first,
-        then the others, oldest job first within each (`api.prefill`)."""
-        for slot in self._active():
+        """One batch: end what was cancelled, draft, assemble (`assembly`), send the last
+        step's tokens, decode, and read each piece back (`emission`)."""
+        seats = self._seats
+        for slot in seats.active():
             assert slot.gen is not None
             if slot.gen.job.cancelled:
-                self._finish(runtime, slot, jobs.FinishReason.CANCELLED)
-        active = sorted(self._active(), key=lambda s: s.gen.started if s.gen else 0.0)
-        if self._spec is not None:
-            self._draft(runtime, self._spec, active)
-        wants = [self._want(slot) for slot in active]
-        budget = self._prefill_budget(active, wants)
-        if budget == 0 and (favoured := self._drafts_yield(active, wants)):
-            for slot in active:
-                if slot.gen is not None:
-                    del slot.gen.feed[1:]
-            wants = [self._want(slot) for slot in active]
-            budget = self._prefill_budget(active, wants)
-            # Only the prompts the drafts gave way to: an older, longer one would
-            # take the room first, and the drafts would give way for all its chunks.
-            wants = [
-                want if want.decode or want.slot in favoured else replace(want, prefill=0)
-                for want in wants
-            ]
-        # Stable: oldest first within short prompts and within the rest.
-        wants.sort(key=lambda want: 0 if not want.decode and prefill.short(want.prefill) else 1)
-        pieces = batching.plan_step(
-            wants,
-            max_tokens=runtime.n_batch,
-            max_outputs=runtime.n_outputs,
-            prefill_beside_decode=budget,
+                seats.finish(runtime, slot, jobs.FinishReason.CANCELLED)
+        active = sorted(seats.active(), key=lambda s: s.gen.started if s.gen else 0.0)
+        if seats.spec is not None:
+            self._draft(runtime, seats.spec, active)
+        step = assembly.assemble(
+            active, self._pacer, max_tokens=runtime.n_batch, max_outputs=runtime.n_outputs
         )
-        entries: list[tuple[int, int, int, bool]] = []
-        placed = [self._place(piece, entries) for piece in pieces]
         # The last step's tokens go out, once for all its streams (`jobs.Outbox`).
         self._flush()
-        if not entries:
+        if not step.entries:
             return
-        decoding = [p.slot.gen for p in placed if p.piece.decode and p.slot.gen is not None]
-        for gen in decoding:
-            gen.decode_steps += 1
-            gen.decode_batched += len(decoding)
         started = time.perf_counter()
-        for place in placed:
-            if not place.piece.decode and place.slot.gen is not None:
-                place.slot.gen.prompt_step(started, sequences=len(placed))
-        runtime.decode(entries)
+        assembly.started(step, started)
+        runtime.decode(step.entries)
         self._pacer.observe(
-            rows=sum(p.tokens for p in pieces if p.decode),
-            prompt_tokens=sum(p.tokens for p in pieces if not p.decode),
+            rows=sum(p.piece.tokens for p in step.placed if p.piece.decode),
+            prompt_tokens=sum(p.piece.tokens for p in step.placed if not p.piece.decode),
             seconds=time.perf_counter() - started,
         )
-        for place in placed:
-            self._sample(runtime, place)
-
-    def _prefill_budget(self, active: list[Slot], wants: list[batching.Want]) -> int | None:
-        """Prompt tokens this step may take beside its decoding rows: paced to the
-        tightest time-per-output-token target among them (`pacing`)."""
-        targets = [
-            slot.gen.job.tpot_target_s
-            for slot, want in zip(active, wants, strict=True)
-            if want.decode and slot.gen is not None and slot.gen.job.tpot_target_s is not None
-        ]
-        rows = sum(want.decode for want in wants)
-        drafts = sum(want.decode - 1 for want in wants if want.decode > 1)
-        return self._pacer.budget(rows=rows, target_s=min(targets, default=None), drafts=drafts)
-
-    def _drafts_yield(self, active: list[Slot], wants: list[batching.Want]) -> set[int]:
-        """The slots of the waiting prompts that this step's drafts, which leave them
-        no room within the streams' target (`pacing`), give way to (none: they do not
-        yield): those that steps without drafts would take whole within `YIELD_STEPS`.
-        Their first token is then a few steps away, where the drafts would hold them
-        back for as long as they keep paying (seconds, behind streams that copy their
-        text); the streams decode one token each in those steps, within their target.
-        A longer prompt still waits for steps whose drafts leave it room, even beside a
-        short one (the step gives it none of the room): yielding would slow the streams
-        for the many steps it takes in small chunks, and it comes sooner taken whole
-        once they end."""
-        plain = [replace(want, decode=min(want.decode, 1)) for want in wants]
-        room = self._prefill_budget(active, plain)
-        if room is None:
-            return set()
-        return {
-            want.slot
-            for want in wants
-            if not want.decode and 0 < want.prefill <= room * YIELD_STEPS
-        }
-
-    @staticmethod
-    def _want(slot: Slot) -> batching.Want:
-        gen = slot.gen
-        assert gen is not None
-        # A resumed generation prefills its tokens again before its pending token.
-        return batching.Want(
-            slot=slot.index,
-            decode=0 if gen.refill else len(gen.feed),
-            prefill=gen.to_prefill,
-            prompt_logits=gen.job.params.prompt_logprobs and gen.prefilling,
-        )
-
-    def _place(self, piece: batching.Piece, entries: list[tuple[int, int, int, bool]]) -> _Placed:
-        """Append a slot's piece to the batch entries; the slot's tokens follow them."""
-        slot = self.slots[piece.slot]
-        gen = slot.gen
-        assert gen is not None
-        tokens = gen.take_feed(piece.tokens) if piece.decode else gen.take_prompt(piece.tokens)
-        first, start, last = len(entries), len(slot.tokens), len(tokens) - 1
-        every = piece.logits is batching.Logits.ALL
-        at_end = piece.logits is batching.Logits.LAST
-        entries.extend(
-            (tok, start + i, slot.index, every or (at_end and i == last))
-            for i, tok in enumerate(tokens)
-        )
-        slot.tokens.extend(tokens)
-        return _Placed(slot, piece, first)
-
-    def _sample(self, runtime: llama.Runtime, place: _Placed) -> None:
-        """Sample what the decoded piece asks for (`emission`) and end the request if it
-        is over. What fails here (the request's sampler, its logprobs) is that request's
-        own fault: the batch is decoded and the other slots are fine."""
-        slot, piece = place.slot, place.piece
-        gen = slot.gen
-        assert gen is not None
-        context = self.context_per_slot
-        try:
-            if piece.decode:
-                outcome = emission.after_decode(
-                    runtime, slot, place.first, piece.tokens, context=context, spec=self._spec
-                )
-            else:
-                outcome = emission.after_prefill(runtime, slot, place.first, piece, context=context)
-        except errors.InvalidRequest as exc:
-            # A contradiction in the request itself that showed only now.
-            log.info("request_invalid", request_id=gen.job.request_id, error=exc.message)
-            outcome = emission.Outcome(failure=jobs.Failed.invalid(exc))
-        except Exception as exc:
-            log.exception("sampling_failed", request_id=gen.job.request_id)
-            outcome = emission.Outcome(failure=jobs.Failed(f"sampling failed: {exc}"))
-        if slot.gen is not gen:
-            return
-        if outcome.failure is not None:
-            self._fail(runtime, slot, outcome.failure)
-        elif outcome.end is not None:
-            self._finish(runtime, slot, outcome.end.reason, flush=outcome.end.flush)
+        for p in step.placed:
+            gen = p.slot.gen
+            outcome = emission.after(
+                runtime, p.slot, p.first, p.piece, context=self.context_per_slot, spec=seats.spec
+            )
+            if p.slot.gen is gen:
+                seats.conclude(runtime, p.slot, outcome)
 
     def _draft(self, runtime: llama.Runtime, spec: Speculator, active: list[Slot]) -> None:
         """Extend decoding slots' feeds with drafted tokens, as the policy allows."""
@@ -606,45 +368,5 @@ class DecodeLoop:
             # Health says so (an operator sees a slower replica, not a quiet one).
             log.exception("drafting_failed", kind=spec.kind)
             self._spec_failed = spec.stats(failure=f"the {spec.kind} drafter failed: {exc}")
-            self._spec = None
+            self._seats.spec = None
             spec.close()
-
-    def _finish(
-        self, runtime: llama.Runtime, slot: Slot, reason: jobs.FinishReason, *, flush: bool = True
-    ) -> None:
-        """Free the slot (its cache stays for reuse), then tell the job how it ended.
-
-        In that order, so a caller that has seen its final chunk finds the slot free.
-        """
-        gen = slot.gen
-        assert gen is not None
-        events = gen.conclusion(reason, slot=slot.index, flush=flush)
-        self._release(runtime, slot, keep_cache=True)
-        for event in events:
-            gen.job.deliver(event)
-
-    def _fail(self, runtime: llama.Runtime, slot: Slot, failure: jobs.Failed) -> None:
-        assert slot.gen is not None
-        job = slot.gen.job
-        self._release(runtime, slot, keep_cache=False)
-        job.deliver(failure)
-
-    def _release(self, runtime: llama.Runtime, slot: Slot, *, keep_cache: bool) -> None:
-        assert slot.gen is not None
-        slot.gen.sampler.free()
-        self._unseat(slot)
-        if not keep_cache:
-            runtime.clear(slot.index)
-            slot.tokens.clear()
-            if self._spec is not None:
-                self._spec.drafter.release(slot.index)
-
-    def _unseat(self, slot: Slot) -> None:
-        """Free the slot; its cache stays, and so does its generation's sampler."""
-        # Recency counts from the end of use too: a long generation that just finished
-        # is the conversation most likely to continue (see batching.choose_slot).
-        self._clock += 1
-        slot.last_used = self._clock
-        if self._spec is not None:
-            self._spec.policy.release(slot.index)
-        slot.gen = None

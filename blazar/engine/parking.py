@@ -37,7 +37,7 @@ import numpy as np
 import numpy.typing as npt
 
 from blazar.api import errors
-from blazar.engine import llama
+from blazar.engine import jobs, llama
 from blazar.engine.generation import Generation
 
 _MS = 1000.0
@@ -142,6 +142,16 @@ class Parked:
         """What a free slot's cache is compared with to choose where it resumes (the
         prompt while it was still being prefilled: a slot may hold more of it)."""
         return self.gen.job.prompt if self.gen.prefilling else self.tokens
+
+    def end(self, unanswered: errors.BlazarError) -> None:
+        """End it while parked (taken out of the bank: cancelled by its caller, or the
+        worker stops). A Resume that waited for it is answered `unanswered`."""
+        if self.reply is not None:
+            self.reply(unanswered)
+        events = self.gen.conclusion(jobs.FinishReason.CANCELLED, slot=-1)
+        self.gen.sampler.free()
+        for event in events:
+            self.gen.job.deliver(event)
 
     @property
     def reuse(self) -> bool:

@@ -509,7 +509,7 @@ def test_drafts_that_leave_a_short_waiting_prompt_no_room_yield_to_it(
     prompt that arrives meanwhile is not held back until the stream ends (the pacer
     leaves it no room beside the drafts): the drafts yield, the step decodes the
     stream's one token beside the whole prompt, and the prompt's request is done while
-    the stream still runs. A long one (400 tokens, past what `loop.YIELD_STEPS` steps
+    the stream still runs. A long one (400 tokens, past what `assembly.YIELD_STEPS` steps
     without drafts take) waits for steps whose drafts leave it room: here, the
     stream's end."""
     drafter = FailingDrafter(fail_at=0)
