@@ -30,7 +30,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from blazar.api import errors
-from blazar.shim import browsers, context, gates, inference, keys, loops
+from blazar.shim import browsers, context, dialects, gates, inference, keys, loops
 from blazar.shim.anthropic import routes as anthropic_routes
 from blazar.shim.ollama import routes as ollama_routes
 from blazar.shim.openai import routes as openai_routes
@@ -91,24 +91,19 @@ def create_app(
 
 async def _no_route(request: Request, exc: Exception) -> Response:
     """Starlette's 404 (no such path) and 405 (wrong method) in the envelope of the
-    dialect the path belongs to: Ollama's under /api/, Anthropic's under /v1/messages,
-    OpenAI's elsewhere."""
-    if request.url.path.startswith("/api/"):
+    dialect the path belongs to (`dialects`)."""
+    dialect = dialects.of(request.url.path)
+    if dialect == "ollama":
         return await ollama_routes.no_route(request, exc)
-    if anthropic_routes.owns(request.url.path):
+    if dialect == "anthropic":
         return await anthropic_routes.no_route(request, exc)
     return await openai_routes.no_route(request, exc)
 
 
 async def _error(request: Request, err: errors.BlazarError) -> Response:
-    """err in the envelope of the dialect the path belongs to (as `_no_route`)."""
-    if request.url.path.startswith("/api/") or request.url.path == "/":
-        return ollama_routes.error(err)
-    if anthropic_routes.owns(request.url.path):
-        response = anthropic_routes.error(err, request_id=context.of(request).request_id)
-        response.headers[anthropic_routes.REQUEST_ID_HEADER] = context.of(request).request_id
-        return response
-    return openai_routes.error(err)
+    """err in the envelope of the dialect the path belongs to (`dialects`)."""
+    refusal = dialects.refusal(request.url.path, err, request_id=context.of(request).request_id)
+    return JSONResponse(refusal.body, status_code=refusal.status, headers=refusal.headers)
 
 
 async def healthz(request: Request) -> Response:

@@ -15,8 +15,9 @@ answer is 400 and the connection closes, as with uvicorn's h11 protocol: httptoo
 itself sets no bound, and gathers a header line in memory however long it grows. A
 head still arriving is refused once its bytes pass that plus `_HEAD_SLACK` (room for
 the request line and separators), so that it never holds more. The refusal is JSON in
-OpenAI's error envelope, as the shim's other refusals are JSON: no route has read the
-request to pick its dialect's.
+the envelope of the dialect the request's path speaks (`dialects`), as far as the
+path has arrived: Ollama's `{"error": ...}` under `/api/`, Anthropic's under
+`/v1/messages`, OpenAI's elsewhere.
 
 httptools (llhttp, in C) rather than h11, uvicorn's pure-Python default: it parses a
 request and frames an answer for less of the daemon's CPU, which on a small host the
@@ -35,7 +36,7 @@ import json
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from blazar.api import errors
-from blazar.shim.openai.convert import envelope
+from blazar.shim import context, dialects
 
 # Loopback and a LAN deliver a 4 MiB body (the largest accepted) in well under this.
 READ_DEADLINE_S = 8.0
@@ -89,7 +90,10 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         if not self._head_too_large:
             super().send_400_response(msg)  # a request httptools cannot parse
             return
-        refusal = envelope.error_response(errors.InvalidRequest(HEAD_TOO_LARGE))
+        path = getattr(self, "url", b"").split(b"?", 1)[0].decode("latin-1")
+        refusal = dialects.refusal(
+            path, errors.InvalidRequest(HEAD_TOO_LARGE), request_id=context.new_request_id()
+        )
         body = json.dumps(refusal.body).encode()
         content = [
             b"HTTP/1.1 %d %s\r\n"
@@ -97,6 +101,8 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         ]
         for name, value in self.server_state.default_headers:
             content += [name, b": ", value, b"\r\n"]
+        for key, text in refusal.headers.items():
+            content += [key.encode("latin-1"), b": ", text.encode("latin-1"), b"\r\n"]
         content += [
             b"content-type: application/json\r\n",
             b"content-length: %d\r\n" % len(body),

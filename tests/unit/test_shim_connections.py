@@ -239,7 +239,8 @@ REFUSED = b"HTTP/1.1 400 "
 
 
 def assert_head_too_large(got: bytes) -> None:
-    """400, and a JSON body in OpenAI's error envelope, as every other refusal has."""
+    """400, and a JSON body in OpenAI's error envelope, which every path outside
+    Ollama's and Anthropic's speaks."""
     assert got.startswith(REFUSED), got[:200]
     head, _, body = got.partition(b"\r\n\r\n")
     assert b"\r\ncontent-type: application/json\r\n" in head.lower(), head
@@ -302,6 +303,43 @@ def test_a_head_still_arriving_is_refused_once_past_its_bound(
             got = await exchange(port, parts, pause_s=0.002)
             assert_head_too_large(got)
             assert time.monotonic() - started < 2
+
+    run(loop_factory, main)
+
+
+@LOOPS
+@pytest.mark.parametrize("pause_s", [0.0, 0.002], ids=["whole-head", "head-still-arriving"])
+@pytest.mark.parametrize("path", [b"/api/chat", b"/", b"/v1/messages", b"/v1/messages?beta=true"])
+def test_a_head_past_its_bound_is_refused_in_its_paths_dialect(
+    loop_factory: Callable[[], asyncio.AbstractEventLoop] | None, path: bytes, pause_s: float
+) -> None:
+    """Ollama's paths get Ollama's `{"error": ...}`, Anthropic's its envelope and a
+    request id (the OpenAI envelope is `assert_head_too_large`'s)."""
+
+    async def main() -> None:
+        async with serving() as port:
+            start = b"POST " + path + b" HTTP/1.1\r\nHost: x\r\n"
+            if pause_s:
+                parts = [start + b"X-Pad: ", *[b"p" * 1024] * 64]
+            else:
+                pads = b"".join(b"X-Pad-%d: %s\r\n" % (i, b"p" * 1000) for i in range(17))
+                parts = [start + pads + b"Content-Length: 1\r\n\r\nA"]
+            got = await exchange(port, parts, pause_s=pause_s)
+            assert got.startswith(REFUSED), got[:200]
+            head, _, body = got.partition(b"\r\n\r\n")
+            if path.startswith(b"/v1/messages"):
+                request_id = head.lower().partition(b"\r\nrequest-id: ")[2].split(b"\r\n")[0]
+                assert request_id, head
+                assert json.loads(body) == {
+                    "type": "error",
+                    "error": {
+                        "type": "invalid_request_error",
+                        "message": connections.HEAD_TOO_LARGE,
+                    },
+                    "request_id": request_id.decode(),
+                }
+            else:
+                assert json.loads(body) == {"error": connections.HEAD_TOO_LARGE}
 
     run(loop_factory, main)
 
