@@ -288,6 +288,12 @@ INVALID: dict[str, tuple[dict[str, Any], str]] = {
     "effort": (body(output_config={"effort": "high"}), "'output_config.effort' is not supported"),
     "priority tier": (body(service_tier="priority"), "'service_tier' 'priority' is not supported"),
     "fast": (body(speed="fast"), "'speed' 'fast' is not supported"),
+    "thread": (body(thread={"type": "create"}), "'thread' is not supported"),
+    "thread continued": (
+        body(thread={"type": "continue", "previous_message_id": "msg_1"}),
+        "'thread' is not supported",
+    ),
+    "compaction": (body(compaction={"type": "summarize"}), "'compaction' is not supported"),
     "eager input streaming": (
         body(tools=[{**WEATHER, "eager_input_streaming": True}]),
         "'tools[0].eager_input_streaming' is not supported",
@@ -798,6 +804,55 @@ async def test_the_official_client_raises_anthropics_errors(daemon: Daemon) -> N
             assert "Engine lost." in str(midway.value)
         finally:
             await sdk.close()
+
+
+async def test_a_thread_is_refused_so_the_tool_runner_sends_the_whole_conversation(
+    daemon: Daemon, client: httpx.AsyncClient
+) -> None:
+    """The `anthropic` client's tool runner asks for a server-held thread (`thread:
+    {"type": "create"}`) and then sends only each new turn. Blazar holds none, so it
+    refuses `thread` with the `error_code` on which the runner sends the whole
+    conversation without it instead of a turn out of its context."""
+    daemon.fake.scripts["tiny"] = [
+        *CALLS,
+        final(inference_pb2.FINISH_REASON_TOOL_CALLS, tool_calls=2),
+    ]
+    response = await client.post("/v1/messages", json=body(thread={"type": "create"}))
+    assert response.status_code == 400
+    assert response.json()["error"]["details"] == {"error_code": "thread_unsupported_request"}
+    assert not daemon.fake.requests
+
+    @anthropic.beta_async_tool
+    async def get_weather(city: str, unit: str) -> str:
+        """The weather in a city.
+
+        Args:
+            city: the city
+            unit: c or f
+        """
+        return f"Sunny in {city}"
+
+    async with uvicorn_shim(daemon.target) as base:
+        sdk = anthropic.AsyncAnthropic(base_url=base, api_key="unused", max_retries=0)
+        try:
+            runner = sdk.beta.messages.tool_runner(
+                model="tiny", max_tokens=64, messages=HI, tools=[get_weather], max_iterations=2
+            )
+            replies = [reply async for reply in runner]
+        finally:
+            await sdk.close()
+    assert [reply.stop_reason for reply in replies] == ["tool_use", "tool_use"]
+    # Both turns reached the daemon whole: the second carries the first's calls and
+    # their results.
+    assert len(daemon.fake.requests) == 2
+    second = daemon.fake.requests[-1]
+    assert [(m.role, m.tool_call_id) for m in second.messages] == [
+        ("user", ""),
+        ("assistant", ""),
+        ("tool", "call_a"),
+        ("tool", "call_b"),
+    ]
+    assert [m.content for m in second.messages[2:]] == ["Sunny in Paris", "Sunny in Oslo"]
 
 
 def test_a_system_message_stays_a_system_turn_where_it_stands() -> None:

@@ -174,6 +174,11 @@ class MessagesRequest(Conversation):
     # Read only to refuse them (see convert).
     container: str | dict[str, Any] | None = None
     speed: str | None = None
+    # Server-held conversation state (the `anthropic` client's message threads, which
+    # its tool runner uses by default) and server-side summarizing: Blazar keeps no
+    # conversation between requests and summarizes none.
+    thread: dict[str, Any] | None = None
+    compaction: dict[str, Any] | None = None
 
 
 class CountTokensRequest(Conversation):
@@ -276,6 +281,8 @@ class MessageStop(TypedDict):
 class ErrorDetail(TypedDict):
     type: str
     message: str
+    # Machine-readable details some errors carry (`error_code`, ...), as Anthropic's do.
+    details: NotRequired[dict[str, Any]]
 
 
 class ErrorBody(TypedDict):

@@ -35,6 +35,11 @@ class ErrorResponse:
     headers: dict[str, str]
 
 
+# The metadata key under which an error raised in this dialect carries Anthropic's
+# `error.details.error_code`, which clients act on (the `anthropic` client's message
+# threads fall back to sending the whole conversation on `thread_unsupported_request`).
+ERROR_CODE_KEY = "anthropic_error_code"
+
 # A canonical tool's `parameters` are Anthropic's `input_schema`.
 _PARAMETERS = re.compile(r"\b(tools\[\d+\])\.parameters\b")
 
@@ -50,10 +55,13 @@ def error_response(err: errors.BlazarError, *, request_id: str = "") -> ErrorRes
     message = err.message
     if err.metadata.get(errors.FIELD_KEY, "").startswith("tools"):
         message = _PARAMETERS.sub(r"\1.input_schema", message)
-    body: protocol.ErrorBody = {
-        "type": "error",
-        "error": {"type": _ERROR_TYPES.get(status, "api_error"), "message": message},
+    detail: protocol.ErrorDetail = {
+        "type": _ERROR_TYPES.get(status, "api_error"),
+        "message": message,
     }
+    if code := err.metadata.get(ERROR_CODE_KEY):
+        detail["details"] = {"error_code": code}
+    body: protocol.ErrorBody = {"type": "error", "error": detail}
     if request_id:
         body["request_id"] = request_id
     return ErrorResponse(status=status, body=body, headers=http_errors.headers(err))

@@ -16,6 +16,7 @@ from blazar._proto.v1 import inference_pb2
 from blazar.api import errors
 from blazar.shim import canonical, validation
 from blazar.shim.anthropic import protocol
+from blazar.shim.anthropic.convert import envelope
 
 _MODES = {
     "auto": inference_pb2.ToolChoice.MODE_AUTO,
@@ -118,6 +119,23 @@ def _refuse_conversation_fields(body: protocol.Conversation) -> None:
 
 
 def _refuse_generation_fields(body: protocol.MessagesRequest) -> None:
+    if body.thread is not None:
+        # The code tells the `anthropic` client's threads (and so its tool runner) to
+        # send the whole conversation without `thread` instead.
+        raise errors.InvalidRequest(
+            "'thread' is not supported: Blazar keeps no conversation between requests. "
+            "Send the whole conversation in 'messages', without 'thread'.",
+            metadata={
+                validation.PARAM_KEY: "thread",
+                envelope.ERROR_CODE_KEY: "thread_unsupported_request",
+            },
+        )
+    if body.compaction is not None:
+        raise _invalid(
+            "'compaction' is not supported: Blazar does not summarize conversations. "
+            "Leave it out, and send the context you want the model to read.",
+            param="compaction",
+        )
     if body.container is not None:
         raise _invalid(
             "'container' is not supported: Blazar runs no code execution containers.",
