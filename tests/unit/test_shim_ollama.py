@@ -386,6 +386,9 @@ REFUSALS: list[tuple[str, dict[str, Any], str, str]] = [
     ("generate", {**GEN, "raw": True, "template": "{{ .Prompt }}"}, "template", "raw"),
     ("generate", {**GEN, "images": ["aGk="]}, "images", "text-only"),
     ("generate", {**GEN, "context": [1, 2]}, "context", "/api/chat"),
+    ("generate", {**GEN, "width": 512}, "width", "image generation"),
+    ("generate", {**GEN, "height": 512}, "height", "image generation"),
+    ("generate", {**GEN, "steps": 20}, "steps", "image generation"),
     ("generate", {**GEN, "raw": True, "system": "x"}, "system", "raw"),
     ("embed", {"model": "tiny", "input": "a", "truncate": True}, "truncate", "never cuts"),
     (

@@ -137,6 +137,13 @@ def generate_request(
     for name in ("images", "context", "tools"):
         if getattr(body, name):
             raise validation.invalid(_GENERATE_REFUSALS[name], param=name)
+    for name in ("width", "height", "steps"):
+        if getattr(body, name) is not None:
+            raise validation.invalid(
+                f"'{name}' is not supported: it sets up image generation, and Blazar "
+                "serves text-only models. Leave it out.",
+                param=name,
+            )
     context.tool_choice(tool_choice, tools=())
     context.parallel_tool_calls(parallel_tool_calls)
     if body.suffix:

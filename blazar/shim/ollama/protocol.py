@@ -112,6 +112,10 @@ class GenerateRequest(_Generation):
     images: list[str] | None = None
     # Ollama's generate has no tools (its server ignores them): refused, not dropped.
     tools: list[Any] | None = None
+    # Image generation (the `ollama` client's `width`, `height`, `steps`): refused.
+    width: int | None = None
+    height: int | None = None
+    steps: int | None = None
 
 
 class EmbedRequest(_Request):
