@@ -209,6 +209,9 @@ class _Parking:
     step_s: float | None = None
     # How many times the engine was asked (`PARK_TRIES`).
     tries: int = 1
+    # The victim's tokens relayed when the engine was last asked: with none, a refusal
+    # may only mean its engine had not seated it yet (`_park_again`).
+    generated_when_asked: int = 0
 
 
 @dataclass(frozen=True)
@@ -814,7 +817,9 @@ class LaneDispatcher:
             batch=max(1, batch),
             draft_batch_max=self._route.draft_batch_max if self._route else None,
         )
-        parking = _Parking(preempt, victim, asked_at=now, step_s=step_s)
+        parking = _Parking(
+            preempt, victim, asked_at=now, step_s=step_s, generated_when_asked=victim.generated
+        )
         self._parking[preempt.victim] = parking
         self._ask_park(parking, replica)
         return True
@@ -829,15 +834,15 @@ class LaneDispatcher:
         self._call(park(), name=f"park:{victim.request_id}")
 
     def _park_again(self, parking: _Parking) -> bool:
-        """Ask the engine again, a step later, to park a victim it refused that has no
-        first token yet (False: it is not asked again). Such a run was dispatched a
+        """Ask the engine again, a step later, to park a victim it refused that had no
+        token yet when asked (False: it is not asked again). Such a run was dispatched a
         moment ago, and its engine seats new work between two steps and parks only what
-        is seated; meanwhile its slot stays the ticket's, as while any park is asked."""
+        is seated; meanwhile its slot stays the ticket's, as while any park is asked. A
+        token that came since says the engine has seated it: the next ask parks it."""
         victim, preempt = parking.victim, parking.preempt
         if (
             parking.tries >= PARK_TRIES
-            or victim.first_token_at is not None
-            or victim.generated > 0
+            or parking.generated_when_asked > 0
             or victim.ticket.id not in self._running
             or not self._caller_waits(parking)
             or self._replica(preempt.replica) is None
@@ -865,6 +870,8 @@ class LaneDispatcher:
             del self._parking[preempt.victim]
             self._requeue_urgent(parking, now)
             return
+        parking = replace(parking, generated_when_asked=parking.victim.generated)
+        self._parking[preempt.victim] = parking
         self._ask_park(parking, replica)
 
     def _park_done(self, done: _ParkDone, now: float) -> None:

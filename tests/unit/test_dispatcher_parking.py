@@ -472,3 +472,27 @@ def test_a_run_being_resumed_is_no_victim_until_its_engine_answers() -> None:
             await dispatcher.close()
 
     assert asyncio.run(run()) == (1, 2)
+
+
+def test_a_victim_seated_while_its_park_was_asked_is_parked_when_asked_again() -> None:
+    """The engine refuses the first Park (the batch run had not been seated when asked)
+    and the run's first token comes while that answer is on its way: the token says it
+    is seated now, so it is asked again and parked; the urgent request starts."""
+
+    async def run() -> tuple[list[str], int, str]:
+        parker = SlowParker(0.1, refuse_first=1)
+        dispatcher = dispatcher_of(parker)
+        try:
+            batch, urgent = await batch_then_urgent(
+                dispatcher, decoding=False, policy=URGENT, name="urgent"
+            )
+            await asyncio.sleep(0.05)  # the first Park is asked, not yet answered
+            dispatcher.first_token(batch, time.monotonic() - batch.ticket.arrived)
+            batch.generated = 1
+            started = await asyncio.wait_for(urgent, timeout=1.0)
+            assert isinstance(started, Run)
+            return parker.parked, parker.asked, started.request_id
+        finally:
+            await dispatcher.close()
+
+    assert asyncio.run(run()) == (["b"], 2, "u")
