@@ -294,6 +294,8 @@ INVALID: dict[str, tuple[dict[str, Any], str]] = {
         "'thread' is not supported",
     ),
     "compaction": (body(compaction={"type": "summarize"}), "'compaction' is not supported"),
+    "diagnostics": (body(diagnostics={"previous_message_id": None}), "'diagnostics' is not supported"),
+    "fallbacks": (body(fallbacks=[{"model": "other"}]), "'fallbacks' is not supported"),
     "eager input streaming": (
         body(tools=[{**WEATHER, "eager_input_streaming": True}]),
         "'tools[0].eager_input_streaming' is not supported",

@@ -179,6 +179,10 @@ class MessagesRequest(Conversation):
     # conversation between requests and summarizes none.
     thread: dict[str, Any] | None = None
     compaction: dict[str, Any] | None = None
+    # Asks for `diagnostics.cache_miss_reason` against an earlier response, and (beta)
+    # other models to try when this one declines: Blazar gives neither.
+    diagnostics: dict[str, Any] | None = None
+    fallbacks: Any = None
 
 
 class CountTokensRequest(Conversation):

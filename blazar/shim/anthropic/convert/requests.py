@@ -136,6 +136,18 @@ def _refuse_generation_fields(body: protocol.MessagesRequest) -> None:
             "Leave it out, and send the context you want the model to read.",
             param="compaction",
         )
+    if body.diagnostics is not None:
+        raise _invalid(
+            "'diagnostics' is not supported: Blazar keeps no earlier request to explain a "
+            "cache miss against. The answer's usage says how many prompt tokens the cache "
+            "held (cache_read_input_tokens). Leave it out.",
+            param="diagnostics",
+        )
+    if body.fallbacks is not None:
+        raise _invalid(
+            "'fallbacks' is not supported: a request runs on the model it names. Leave it out.",
+            param="fallbacks",
+        )
     if body.container is not None:
         raise _invalid(
             "'container' is not supported: Blazar runs no code execution containers.",
