@@ -334,10 +334,14 @@ def lane_status(
             "MinimumReplicasAvailable" if serving >= 1 else "NoReplicaReady",
             f"{serving} replica(s) serving, {desired} desired.",
         )
+    # As a Deployment's: True while replicas are started, replaced or stopped, and
+    # still True once they match the spec (reason ReplicasConverged, Kubernetes'
+    # NewReplicaSetAvailable). False would say the rollout is stuck, which a converged
+    # Lane is not; a crash-looping one says so in Degraded.
     progressing = ready != desired or len(observed) != desired
     put(
         "Progressing",
-        progressing,
+        True,
         "ReplicasUpdating" if progressing else "ReplicasConverged",
         f"{ready} of {desired} replicas ready, {len(observed)} running or failed.",
     )

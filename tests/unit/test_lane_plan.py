@@ -192,7 +192,7 @@ def status_of(
 @pytest.mark.parametrize(
     ("observed", "desired", "model", "expect"),
     [
-        pytest.param([obs(0)], 1, READY_MODEL, {"Ready": ("True", "AllReplicasReady"), "Available": ("True", "MinimumReplicasAvailable"), "Degraded": ("False", "ReplicasHealthy"), "Progressing": ("False", "ReplicasConverged")}, id="ready"),
+        pytest.param([obs(0)], 1, READY_MODEL, {"Ready": ("True", "AllReplicasReady"), "Available": ("True", "MinimumReplicasAvailable"), "Degraded": ("False", "ReplicasHealthy"), "Progressing": ("True", "ReplicasConverged")}, id="ready"),
         pytest.param([obs(0, ReplicaState.STARTING)], 1, READY_MODEL, {"Ready": ("False", "ReplicasNotReady"), "Available": ("False", "NoReplicaReady"), "Progressing": ("True", "ReplicasUpdating")}, id="starting"),
         pytest.param([obs(0, ReplicaState.FAILED, restarts=2, exited_ago=0.1)], 1, READY_MODEL, {"Ready": ("False", "ReplicasNotReady"), "Degraded": ("True", "CrashLoopBackOff")}, id="crash-loop"),
         pytest.param([obs(0, ReplicaState.STARTING, restarts=1)], 1, READY_MODEL, {"Degraded": ("True", "CrashLoopBackOff")}, id="restarting-still-degraded"),
