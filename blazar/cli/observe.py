@@ -15,9 +15,10 @@ from blazar.cli import client, printers
 
 
 def watch(args: argparse.Namespace) -> int:
-    """`get KIND -w`: the table, then a line per change until Ctrl-C (or the daemon
-    goes away). Changes that the table already shows are not repeated: a change is an
-    object written after the list's resourceVersion, or a deletion."""
+    """`get KIND -w`: the table (each object ADDED), then a line per change until
+    Ctrl-C (or the daemon goes away), aligned with it. Changes that the table already
+    shows are not repeated: a change is an object written after the list's
+    resourceVersion, or a deletion."""
     if args.output in ("yaml", "json"):
         raise errors.InvalidRequest("get -w prints a table; -o yaml and -o json are not watched")
     kind = kinds.resolve_kind(args.kind)
@@ -29,8 +30,10 @@ def watch(args: argparse.Namespace) -> int:
         )
         objs = [json.loads(o) for o in listed.objects_json]
         objs = [o for o in objs if not args.name or o["metadata"]["name"] == args.name]
+        rows = printers.WatchTable(kind.value, wide=wide)
         if objs:
-            print(printers.table(kind.value, objs, wide=wide, now=datetime.now(UTC)), flush=True)
+            listed_rows = rows.lines([("ADDED", o) for o in objs], now=datetime.now(UTC))
+            print("\n".join(listed_rows), flush=True)
         else:
             print(f"No {kind.value} resources found.", file=sys.stderr, flush=True)
         for event in control.watch(control_pb2.WatchRequest(kind=kind.value)):
@@ -44,10 +47,8 @@ def watch(args: argparse.Namespace) -> int:
                 event.type == "DELETED" or meta.get("resourceVersion", 0) > listed.resource_version
             )
             if fresh:
-                line = printers.watch_row(
-                    kind.value, event.type, obj, wide=wide, now=datetime.now(UTC)
-                )
-                print(line, flush=True)
+                changed = rows.lines([(event.type, obj)], now=datetime.now(UTC))
+                print("\n".join(changed), flush=True)
     return 0
 
 

@@ -221,12 +221,29 @@ def table(kind: str, objs: Sequence[ObjectJson], *, wide: bool = False, now: dat
     return "\n".join(_grid(rows))
 
 
-def watch_row(kind: str, change: str, obj: ObjectJson, *, wide: bool = False, now: datetime) -> str:
-    """One line of `get -w`: the change (ADDED, MODIFIED, DELETED), then the object's
-    row of `table`, its columns at least as wide as their headers."""
-    cols = _columns(kind, wide, now)
-    rows = [[h for h, _ in cols], [str(f(obj)) for _, f in cols]]
-    return f"{change:<9} {_grid(rows)[1]}"
+class WatchTable:
+    """The lines of `get -w`, as kubectl's with `--output-watch-events`: a header with
+    an EVENT column first, then a row per change (ADDED, MODIFIED, DELETED; the objects
+    listed at the start are ADDED). Every row is aligned with the header and the rows
+    before it: the columns are as wide as the widest value yet, and a column grows,
+    for the rows after, only when a value is wider."""
+
+    def __init__(self, kind: str, *, wide: bool = False) -> None:
+        self.kind = kind
+        self.wide = wide
+        self.widths: list[int] | None = None
+
+    def lines(self, changes: Sequence[tuple[str, ObjectJson]], *, now: datetime) -> list[str]:
+        """The rows of `changes`, after the header when none was printed yet."""
+        cols = _columns(self.kind, self.wide, now)
+        rows = [[change] + [str(f(obj)) for _, f in cols] for change, obj in changes]
+        if self.widths is None:
+            header = ["EVENT"] + [h for h, _ in cols]
+            # The event column holds MODIFIED at most: it never moves the others.
+            self.widths = [len("MODIFIED")] + [len(h) for h in header[1:]]
+            rows = [header, *rows]
+        self.widths = [max([w] + [len(r[i]) for r in rows]) for i, w in enumerate(self.widths)]
+        return [_line(r, self.widths) for r in rows]
 
 
 def as_yaml(objs: Sequence[ObjectJson]) -> str:
@@ -426,4 +443,8 @@ def events_table(events: Sequence[EventJson], *, now: datetime) -> str:
 
 def _grid(rows: Sequence[Sequence[str]]) -> list[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return ["   ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    return [_line(r, widths) for r in rows]
+
+
+def _line(row: Sequence[str], widths: Sequence[int]) -> str:
+    return "   ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()

@@ -147,8 +147,8 @@ def test_get_watch_prints_the_list_then_each_change_until_ctrl_c(
             assert len(seen) < 50, seen
 
     try:
-        assert lines.get(timeout=30)[0] == "NAME"
-        assert lines.get(timeout=30)[0] == "watched"
+        assert lines.get(timeout=30)[:2] == ["EVENT", "NAME"]
+        assert lines.get(timeout=30)[:2] == ["ADDED", "watched"]
         manifest.write_text(policy("watched", 2) + "---\n" + policy("second", 1))
         control.apply(manifest)
         until(["ADDED", "second"])

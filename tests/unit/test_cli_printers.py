@@ -338,3 +338,26 @@ def test_describe_shows_only_the_events_of_the_object_not_of_one_deleted_before(
     del obj["metadata"]["creationTimestamp"]
     page = printers.describe(obj, events, now=clock.now).splitlines()
     assert len(page[page.index("Events:") + 2 :]) == 3
+
+
+def test_get_watch_rows_line_up_with_the_header() -> None:
+    """`get -w`: an EVENT column in the header (kubectl's --output-watch-events), and
+    each change's row starts its columns where the header's start, also when a value
+    is wider than the header's: the columns after it move for good, not for one row."""
+    listed = lane_with()
+    longer = lane_with(
+        conditions=[{"type": "Ready", "status": "False", "reason": "ReplicasNotReady"}]
+    )
+    longer["metadata"] = {**longer["metadata"], "name": "a-lane-with-a-long-name"}
+    rows = printers.WatchTable("Lane")
+    first = rows.lines([("ADDED", listed)], now=T0)
+    later = rows.lines([("MODIFIED", longer)], now=T0) + rows.lines([("DELETED", listed)], now=T0)
+    [header, added] = first
+    assert header.split()[:3] == ["EVENT", "NAME", "READY"]
+    assert added.split()[:2] == ["ADDED", "l"]
+    for line in (added, later[0]):
+        assert line.index(line.split()[1]) == header.index("NAME")
+    # The long name moved READY right: the rows after it keep the new place.
+    at = later[0].index("0/")
+    assert later[1].index("0/") == at
+    assert later[1].split()[:2] == ["DELETED", "l"]
