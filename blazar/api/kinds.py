@@ -26,7 +26,15 @@ from pydantic import (
 from pydantic.alias_generators import to_camel
 
 from blazar.api import errors
-from blazar.api.meta import API_VERSION, ApiVersion, CamelModel, Condition, ObjectMeta, invalid
+from blazar.api.meta import (
+    API_VERSION,
+    ApiVersion,
+    CamelModel,
+    Condition,
+    ObjectMeta,
+    invalid,
+    invalid_at,
+)
 
 
 class Kind(StrEnum):
@@ -671,9 +679,10 @@ class Lane(CamelModel):
             and value.spillover == metadata.name
             and not _stored(info)
         ):
-            raise invalid(
-                f"spillover: names this Lane itself ({metadata.name}); name another Lane, "
-                "or remove spillover"
+            raise invalid_at(
+                "spillover",
+                f"names this Lane itself ({metadata.name}); name another Lane, or remove spillover",
+                value.spillover,
             )
         return value
 

@@ -13,7 +13,7 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Final, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic.alias_generators import to_camel
 from pydantic_core import PydanticCustomError
 
@@ -34,6 +34,16 @@ def invalid(message: str) -> PydanticCustomError:
     # PydanticCustomError formats its template with str.format-style `{}` context;
     # braces in user-supplied text must not be mistaken for placeholders.
     return PydanticCustomError("value_error", message.replace("{", "{{").replace("}", "}}"))
+
+
+def invalid_at(field: str, message: str, value: object) -> ValidationError:
+    """An error for a validator of a model to raise about one of its fields (one that
+    checks it against another), reported at that field's path (`spec.spillover`, not
+    `spec`) as exactly `message`."""
+    error = PydanticCustomError("value_error", message.replace("{", "{{").replace("}", "}}"))
+    return ValidationError.from_exception_data(
+        "invalid", [{"type": error, "loc": (field,), "input": value}]
+    )
 
 
 class CamelModel(BaseModel):

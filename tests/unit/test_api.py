@@ -462,7 +462,7 @@ def test_admission_refusals_are_overloaded_with_the_numbers(
         ),
         (lane_doc(aliases=["a", "a"]), "Lane/gemma: spec.aliases", "distinct"),
         # Spillover names another Lane; one spilling to itself is a mistake.
-        (lane_doc(spillover="gemma"), "Lane/gemma: spec", "spillover: names this Lane itself"),
+        (lane_doc(spillover="gemma"), "Lane/gemma: spec.spillover", "names this Lane itself"),
         (lane_doc(spillover=""), "Lane/gemma: spec.spillover", "at least 1 character"),
         (lane_doc(spillover="wide"), None, None),
         (lane_doc("Bad_Name"), "Lane/Bad_Name: metadata.name", "not a valid name"),
@@ -581,6 +581,15 @@ def test_field_errors(doc: dict[str, Any], path: str | None, message: str | None
 def test_missing_kind_reported_with_location() -> None:
     assert errors_of([("x.yaml#3", {"apiVersion": meta.API_VERSION})]) == [
         ("x.yaml#3: kind", "Field required (one of Model, Lane, SLOPolicy, SpecPair)")
+    ]
+
+
+def test_a_lane_spilling_to_itself_is_one_error_at_spec_spillover() -> None:
+    assert errors_of([("x.yaml#1", lane_doc(spillover="gemma"))]) == [
+        (
+            "Lane/gemma: spec.spillover",
+            "names this Lane itself (gemma); name another Lane, or remove spillover",
+        )
     ]
 
 
