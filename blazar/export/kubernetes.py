@@ -625,5 +625,6 @@ def _policy_gaps(policy: SLOPolicy) -> list[str]:
     return [
         f"{where}: spec.{name}: {why}"
         for attr, (name, why) in _POLICY_GAPS.items()
-        if attr in policy.spec.model_fields_set
+        # Set, and to something: `tenants: []` (stored as None) or a null sets nothing.
+        if attr in policy.spec.model_fields_set and getattr(policy.spec, attr) is not None
     ]

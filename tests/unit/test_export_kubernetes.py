@@ -434,6 +434,10 @@ def test_an_unread_model_leaves_the_memory_request_out_and_says_why() -> None:
         ),
         ((_policy("p", maxSlotsPerReplica=4),), {"SLOPolicy/p: spec.maxSlotsPerReplica"}),
         ((_policy("p", priority=5),), set()),
+        # Written but empty (as `get -o yaml` of an older daemon printed tenants):
+        # nothing set, nothing left out.
+        ((_policy("p", tenants=[]),), set()),
+        ((_policy("p", ttftTargetMs=None, maxSlotsPerReplica=None),), set()),
         ((_lane(idle={"sleepAfter": "5m"}),), {"Lane/l: spec.idle.sleepAfter"}),
         ((_lane(kvCache={"persist": True}),), {"Lane/l: spec.kvCache.persist"}),
         ((_lane(kvCache={"maxParkedMiB": 0}),), {"Lane/l: spec.kvCache.maxParkedMiB"}),
