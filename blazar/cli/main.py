@@ -60,6 +60,42 @@ def _no_objects(verb: str, targets: Sequence[str]) -> errors.InvalidRequest:
     )
 
 
+# How the daemon locates a document of an ApplyRequest: by its place in the batch,
+# which runs on across every `-f` file.
+_BATCH_PLACE = re.compile(r"\bobject#(\d+)\b")
+
+
+class _FromServer(Exception):
+    """An error the daemon sent, as the CLI rewrote it (`_apply`)."""
+
+    def __init__(self, remote: errors.BlazarError) -> None:
+        super().__init__(remote.message)
+        self.remote = remote
+
+
+def _apply(
+    control: client.ControlClient,
+    request: control_pb2.ApplyRequest,
+    docs: Sequence[tuple[str, dict[str, Any]]],
+) -> control_pb2.ApplyResponse:
+    """`control.apply`; a manifest error naming documents by their place in the batch
+    (`object#3`, counted over every file) names them by file instead (`fleet/b.yaml#1`),
+    as `apply -f` read them."""
+    try:
+        return control.apply(request)
+    except grpc.RpcError as exc:
+        remote = status.from_rpc_error(exc)
+        if not isinstance(remote, errors.ManifestInvalid):
+            raise
+
+        def where(match: re.Match[str]) -> str:
+            n = int(match.group(1))
+            return docs[n - 1][0] if 0 < n <= len(docs) else match.group(0)
+
+        remote.message = _BATCH_PLACE.sub(where, remote.message)
+        raise _FromServer(remote) from exc
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from blazar.cli import daemon  # the daemon's imports are heavy; only serve needs them
 
@@ -147,7 +183,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
         field_manager="blazar-cli",
     )
     with client.from_args(args) as control:
-        response = control.apply(request)
+        response = _apply(control, request, docs)
     suffix = " (dry run)" if args.dry_run else ""
     for result in response.results:
         print(f"{result.kind.lower()}/{result.name} {result.action}{suffix}")
@@ -165,7 +201,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
     )
     changed = False
     with client.from_args(args) as control:
-        for result in control.apply(request).results:
+        for result in _apply(control, request, docs).results:
             if result.action == "unchanged":
                 continue
             live = None
@@ -476,6 +512,9 @@ def _run(args: argparse.Namespace) -> int:
         return int(args.func(args))
     except errors.BlazarError as err:
         print(f"error: {err.message}", file=sys.stderr)
+        return failed
+    except _FromServer as err:
+        print(_from_server(err.remote), file=sys.stderr)
         return failed
     except grpc.RpcError as exc:
         remote = status.from_rpc_error(exc)

@@ -161,3 +161,33 @@ def test_files_of_no_objects_are_named_together(
     assert main.main(["apply", "-f", str(tmp_path / "a.yaml"), "-f", str(tmp_path / "b")]) == 1
     assert f"'{tmp_path / 'a.yaml'}', '{tmp_path / 'b'}' hold no objects" in capsys.readouterr().err
     assert control.applied == []
+
+
+def test_a_manifest_error_names_the_file_not_the_place_in_the_batch(
+    control: FakeControl,
+    files: tuple[Path, Path],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The daemon numbers the batch's documents across every file (object#3 is the
+    second file's first here); the CLI names the file and document it read."""
+    model, lane = files
+    model.write_text(MODEL + "---\n" + LANE)
+    refused = errors.ManifestInvalid(
+        [
+            errors.FieldError(
+                "Lane/l (object#3): metadata.name", "duplicate Lane (first defined in object#2)"
+            )
+        ]
+    )
+
+    def refuse(request: control_pb2.ApplyRequest) -> control_pb2.ApplyResponse:
+        raise FakeRpcError(refused)
+
+    monkeypatch.setattr(control, "apply", refuse)
+    for verb, status in (("apply", 1), ("diff", 2)):
+        assert main.main([verb, "-f", str(model), "-f", str(lane)]) == status
+        assert capsys.readouterr().err == (
+            "Error from server (InvalidManifest): 1 error(s) in manifest:\n"
+            f"Lane/l ({lane}#1): metadata.name: duplicate Lane (first defined in {model}#2)\n"
+        )
