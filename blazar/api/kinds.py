@@ -34,6 +34,7 @@ from blazar.api.meta import (
     ObjectMeta,
     invalid,
     invalid_at,
+    invalid_each,
 )
 
 
@@ -456,8 +457,10 @@ class LaneSpec(CamelModel):
             # Reported on the field (spec.upstream) by the validator below.
             return data
         if data.get("model", name) != name:
-            raise invalid(
-                f"model: an upstream Lane's model is upstream.model ({name}); remove spec.model"
+            raise invalid_at(
+                "model",
+                f"an upstream Lane's model is upstream.model ({name}); remove spec.model",
+                data.get("model"),
             )
         return {**data, "model": name}
 
@@ -470,16 +473,20 @@ class LaneSpec(CamelModel):
             return self
         fields = type(self).model_fields
         given = sorted(
-            to_camel(name)
+            (to_camel(name), getattr(self, name))
             for name in self.model_fields_set
             if to_camel(name) in UPSTREAM_REFUSED
             and getattr(self, name) != fields[name].get_default(call_default_factory=True)
         )
+        # Each at its own path (spec.slots), as every other field's error.
+        refused = "not used by an upstream Lane (the upstream server decides it); remove it"
+        concurrency = ", and give the upstream's parallel requests as upstream.maxConcurrency"
         if given:
-            raise invalid(
-                f"{', '.join(given)}: not used by an upstream Lane (the upstream server "
-                "decides them); remove them, and give the upstream's parallel requests "
-                "as upstream.maxConcurrency"
+            raise invalid_each(
+                [
+                    (field, refused + (concurrency if field == "slots" else ""), value)
+                    for field, value in given
+                ]
             )
         return self
 

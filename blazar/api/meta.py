@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from datetime import datetime
 from enum import StrEnum
 from typing import Final, Literal
@@ -40,9 +41,23 @@ def invalid_at(field: str, message: str, value: object) -> ValidationError:
     """An error for a validator of a model to raise about one of its fields (one that
     checks it against another), reported at that field's path (`spec.spillover`, not
     `spec`) as exactly `message`."""
-    error = PydanticCustomError("value_error", message.replace("{", "{{").replace("}", "}}"))
+    return invalid_each([(field, message, value)])
+
+
+def invalid_each(problems: Sequence[tuple[str, str, object]]) -> ValidationError:
+    """`invalid_at` for several fields at once: (field, message, value) each."""
     return ValidationError.from_exception_data(
-        "invalid", [{"type": error, "loc": (field,), "input": value}]
+        "invalid",
+        [
+            {
+                "type": PydanticCustomError(
+                    "value_error", message.replace("{", "{{").replace("}", "}}")
+                ),
+                "loc": (field,),
+                "input": value,
+            }
+            for field, message, value in problems
+        ],
     )
 
 

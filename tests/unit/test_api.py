@@ -377,7 +377,7 @@ def test_admission_refusals_are_overloaded_with_the_numbers(
         ),
         (
             lane_doc(engine="upstream", upstream={"url": "http://vllm:8000/v1", "model": "m"}),
-            "Lane/gemma: spec",
+            "Lane/gemma: spec.model",
             "an upstream Lane's model is upstream.model (m)",
         ),
         (
@@ -391,8 +391,8 @@ def test_admission_refusals_are_overloaded_with_the_numbers(
                     "upstream": {"url": "http://vllm:8000/v1", "model": "m"},
                 },
             },
-            "Lane/gemma: spec",
-            "kvCache, slots: not used by an upstream Lane",
+            "Lane/gemma: spec.slots",
+            "not used by an upstream Lane",
         ),
         (
             {
@@ -403,8 +403,8 @@ def test_admission_refusals_are_overloaded_with_the_numbers(
                     "upstream": {"url": "http://vllm:8000/v1", "model": "m"},
                 },
             },
-            "Lane/gemma: spec",
-            "preload: not used by an upstream Lane",
+            "Lane/gemma: spec.preload",
+            "not used by an upstream Lane",
         ),
         (
             {
@@ -591,6 +591,19 @@ def test_a_lane_spilling_to_itself_is_one_error_at_spec_spillover() -> None:
             "names this Lane itself (gemma); name another Lane, or remove spillover",
         )
     ]
+
+
+def test_what_an_upstream_lane_refuses_is_an_error_at_each_field() -> None:
+    spec = {
+        "engine": "upstream",
+        "slots": 8,
+        "kvCache": {"persist": True},
+        "upstream": {"url": "http://vllm:8000/v1", "model": "m"},
+    }
+    found = errors_of([("x.yaml#1", {**lane_doc(), "spec": spec})])
+    assert [p for p, _ in found] == ["Lane/gemma: spec.kvCache", "Lane/gemma: spec.slots"]
+    assert all(m.startswith("not used by an upstream Lane") for _, m in found)
+    assert "upstream.maxConcurrency" in found[1][1]
 
 
 def test_duplicate_object_in_batch() -> None:
