@@ -237,7 +237,7 @@ def cmd_get(args: argparse.Namespace) -> int:
     if args.output == "yaml":
         print(printers.as_yaml(objs))
     elif args.output == "json":
-        print(printers.as_json(objs))
+        print(printers.as_json(objs, named=bool(args.name)))
     elif not objs:
         print(f"No {kind} resources found.", file=sys.stderr)
     else:

@@ -250,8 +250,10 @@ def as_yaml(objs: Sequence[ObjectJson]) -> str:
     return yaml.safe_dump_all(list(objs), sort_keys=False).rstrip()
 
 
-def as_json(objs: Sequence[ObjectJson]) -> str:
-    if len(objs) == 1:
+def as_json(objs: Sequence[ObjectJson], *, named: bool = False) -> str:
+    """The object alone when one was asked for by name; a List otherwise, as kubectl
+    prints one, also when the listing holds a single object (or none)."""
+    if named and len(objs) == 1:
         return json.dumps(objs[0], indent=2)
     return json.dumps({"kind": "List", "items": list(objs)}, indent=2)
 

@@ -94,10 +94,21 @@ def test_status_word(conditions: list[dict[str, str]], word: str) -> None:
 
 
 def test_as_json_is_the_object_alone_or_a_list() -> None:
-    assert json.loads(printers.as_json([model()]))["kind"] == "Model"
+    assert json.loads(printers.as_json([model()], named=True))["kind"] == "Model"
     listed = json.loads(printers.as_json([model("a"), model("b")]))
     assert listed["kind"] == "List"
     assert [o["metadata"]["name"] for o in listed["items"]] == ["a", "b"]
+
+
+def test_a_listing_of_one_object_is_still_a_list() -> None:
+    """`get models -o json` is a List however many it holds (kubectl's), so a script
+    reads `.items` whether one Model or several exist; `get model m` is the object."""
+    for objs in ([], [model("a")]):
+        listed = json.loads(printers.as_json(objs))
+        assert listed["kind"] == "List"
+        assert [o["metadata"]["name"] for o in listed["items"]] == [
+            o["metadata"]["name"] for o in objs
+        ]
 
 
 def test_events_table() -> None:
