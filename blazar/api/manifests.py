@@ -183,6 +183,29 @@ def parse_objects(docs: Sequence[tuple[str, dict[str, Any]]]) -> list[Resource]:
     return objects
 
 
+def identities(docs: Sequence[tuple[str, dict[str, Any]]]) -> list[tuple[Kind, str]]:
+    """The (kind, name) of each document, read from its header and `metadata.name`
+    alone, as kubectl's delete reads them: a manifest that no longer validates (written
+    under older rules, say) still names what it made. Raise `ManifestInvalid` for a
+    document that names no object."""
+    found: list[tuple[Kind, str]] = []
+    problems: list[FieldError] = []
+    for location, raw in docs:
+        doc = _user_part(raw)
+        kind = _check_header(doc, location, problems)
+        if kind is None:
+            continue
+        metadata = doc.get("metadata")
+        name = metadata.get("name") if isinstance(metadata, dict) else None
+        if not isinstance(name, str) or not name:
+            problems.append(FieldError(f"{location}: metadata.name", "Field required"))
+            continue
+        found.append((kind, name))
+    if problems:
+        raise ManifestInvalid(problems)
+    return found
+
+
 def check_references(
     objects: Sequence[Resource], *, exists: Callable[[Kind, str], bool]
 ) -> list[FieldError]:

@@ -261,14 +261,18 @@ def cmd_describe(args: argparse.Namespace) -> int:
 def cmd_delete(args: argparse.Namespace) -> int:
     targets: list[tuple[str, str]]
     if args.filename:
-        objs = manifests.parse_objects(_read_docs(args.filename))
-        if not objs:
+        if args.kind or args.names:
+            raise errors.InvalidRequest("delete takes KIND NAME... or -f FILE, not both")
+        # Kind and name only: a file that no longer validates still deletes what it made.
+        found = manifests.identities(_read_docs(args.filename))
+        if not found:
             raise _no_objects("delete", args.filename)
-        targets = [(o.kind, o.metadata.name) for o in objs]
-    elif args.kind and args.name:
-        targets = [(kinds.resolve_kind(args.kind).value, args.name)]
+        targets = [(kind.value, name) for kind, name in found]
+    elif args.kind and args.names:
+        kind = kinds.resolve_kind(args.kind).value
+        targets = [(kind, name) for name in dict.fromkeys(args.names)]
     else:
-        raise errors.InvalidRequest("delete needs KIND NAME or -f FILE")
+        raise errors.InvalidRequest("delete needs KIND NAME... or -f FILE")
     gone = 0
     with client.from_args(args) as control:
         for kind, name in targets:
@@ -427,7 +431,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     delete = sub.add_parser("delete", help="delete objects")
     delete.add_argument("kind", nargs="?")
-    delete.add_argument("name", nargs="?")
+    delete.add_argument("names", nargs="*", metavar="NAME")
     delete.add_argument("-f", "--filename", action="append", help=FILENAME_HELP)
     delete.set_defaults(func=cmd_delete)
 

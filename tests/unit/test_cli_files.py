@@ -118,6 +118,35 @@ def test_delete_reads_every_file(control: FakeControl, files: tuple[Path, Path])
     assert control.deleted == [("Lane", "l"), ("Model", "m")]
 
 
+def test_delete_reads_only_kind_and_name(
+    control: FakeControl, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As `kubectl delete -f`: a file whose spec no longer validates (here a Lane
+    spilling over to itself, refused at apply since) still deletes what it names; a
+    document that names no object is an error naming its place, and deletes nothing."""
+    stale = tmp_path / "stale.yaml"
+    stale.write_text(LANE.replace("spec: {model: m}", "spec: {model: m, spillover: l, slots: -3}"))
+    assert main.main(["delete", "-f", str(stale)]) == 0
+    assert control.deleted == [("Lane", "l")]
+    nameless = tmp_path / "nameless.yaml"
+    nameless.write_text("apiVersion: blazar.dev/v1alpha1\nkind: Lane\nspec: {}\n")
+    assert main.main(["delete", "-f", str(stale), "-f", str(nameless)]) == 1
+    assert "nameless.yaml#1: metadata.name: Field required" in capsys.readouterr().err
+    assert control.deleted == [("Lane", "l")]
+
+
+def test_delete_takes_several_names(
+    control: FakeControl, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`delete lane a b`, as kubectl; a name given twice is deleted once."""
+    control.missing.add(("Lane", "b"))
+    assert main.main(["delete", "lane", "a", "b", "c", "a"]) == 1
+    assert control.deleted == [("Lane", "a"), ("Lane", "c")]
+    out = capsys.readouterr()
+    assert out.out.splitlines() == ["lane/a deleted", "lane/c deleted"]
+    assert 'Lane "b" not found' in out.err
+
+
 def test_delete_goes_on_past_an_object_already_gone(
     control: FakeControl, files: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
 ) -> None:
