@@ -238,6 +238,10 @@ def cmd_get(args: argparse.Namespace) -> int:
         print(printers.as_yaml(objs))
     elif args.output == "json":
         print(printers.as_json(objs, named=bool(args.name)))
+    elif args.output == "name":
+        # kubectl's `-o name`: kind/name a line, for scripts (`xargs blazar delete`).
+        for obj in objs:
+            print(f"{kind.lower()}/{obj['metadata']['name']}")
     elif not objs:
         print(f"No {kind} resources found.", file=sys.stderr)
     else:
@@ -268,11 +272,14 @@ def cmd_delete(args: argparse.Namespace) -> int:
         if not found:
             raise _no_objects("delete", args.filename)
         targets = [(kind.value, name) for kind, name in found]
+    elif args.kind and "/" in args.kind:
+        # KIND/NAME..., as `get -o name` prints them.
+        targets = list(dict.fromkeys(_kind_slash_name(t) for t in [args.kind, *args.names]))
     elif args.kind and args.names:
         kind = kinds.resolve_kind(args.kind).value
         targets = [(kind, name) for name in dict.fromkeys(args.names)]
     else:
-        raise errors.InvalidRequest("delete needs KIND NAME... or -f FILE")
+        raise errors.InvalidRequest("delete needs KIND NAME..., KIND/NAME... or -f FILE")
     gone = 0
     with client.from_args(args) as control:
         for kind, name in targets:
@@ -289,6 +296,15 @@ def cmd_delete(args: argparse.Namespace) -> int:
                 continue
             print(f"{kind.lower()}/{name} deleted")
     return 1 if gone else 0
+
+
+def _kind_slash_name(text: str) -> tuple[str, str]:
+    kind, slash, name = text.partition("/")
+    if not slash or not name or "/" in name:
+        raise errors.InvalidRequest(
+            f"'{text}': give every object as KIND/NAME (lane/gemma3), or KIND NAME..."
+        )
+    return kinds.resolve_kind(kind).value, name
 
 
 def cmd_export_kubernetes(args: argparse.Namespace) -> int:
@@ -416,7 +432,7 @@ def build_parser() -> argparse.ArgumentParser:
     get = sub.add_parser("get", help="list objects of a kind")
     get.add_argument("kind")
     get.add_argument("name", nargs="?")
-    get.add_argument("-o", "--output", choices=["yaml", "json", "wide"])
+    get.add_argument("-o", "--output", choices=["yaml", "json", "wide", "name"])
     get.add_argument("-l", "--selector", help=SELECTOR_HELP)
     get.add_argument(
         "-w", "--watch", action="store_true", help="after the list, a line per change (Ctrl-C ends)"

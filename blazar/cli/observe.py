@@ -19,8 +19,10 @@ def watch(args: argparse.Namespace) -> int:
     Ctrl-C (or the daemon goes away), aligned with it. Changes that the table already
     shows are not repeated: a change is an object written after the list's
     resourceVersion, or a deletion."""
-    if args.output in ("yaml", "json"):
-        raise errors.InvalidRequest("get -w prints a table; -o yaml and -o json are not watched")
+    if args.output in ("yaml", "json", "name"):
+        raise errors.InvalidRequest(
+            f"get -w prints a table; -o {args.output} is not watched (leave out -o, or use -o wide)"
+        )
     kind = kinds.resolve_kind(args.kind)
     selector = selectors.parse(args.selector or "")
     wide = args.output == "wide"

@@ -53,6 +53,10 @@ class FakeControl:
             )
         return control_pb2.ApplyResponse(results=results)
 
+    def list(self, request: control_pb2.ListRequest) -> control_pb2.ListResponse:
+        objects = [json.dumps({"kind": request.kind, "metadata": {"name": n}}) for n in "ab"]
+        return control_pb2.ListResponse(objects_json=objects)
+
     def delete(self, request: control_pb2.DeleteRequest) -> control_pb2.DeleteResponse:
         if (request.kind, request.name) in self.missing:
             raise FakeRpcError(errors.ObjectNotFound(f'{request.kind} "{request.name}" not found.'))
@@ -145,6 +149,20 @@ def test_delete_takes_several_names(
     out = capsys.readouterr()
     assert out.out.splitlines() == ["lane/a deleted", "lane/c deleted"]
     assert 'Lane "b" not found' in out.err
+
+
+def test_get_o_name_prints_what_delete_takes(
+    control: FakeControl, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """kubectl's `-o name`: KIND/NAME a line, which `delete` takes back."""
+    assert main.main(["get", "lanes", "-o", "name"]) == 0
+    names = capsys.readouterr().out.split()
+    assert names == ["lane/a", "lane/b"]
+    assert main.main(["delete", *names, "lane/a"]) == 0
+    assert control.deleted == [("Lane", "a"), ("Lane", "b")]
+    assert main.main(["delete", "lane/c", "d"]) == 1
+    assert "'d': give every object as KIND/NAME" in capsys.readouterr().err
+    assert control.deleted == [("Lane", "a"), ("Lane", "b")]
 
 
 def test_delete_goes_on_past_an_object_already_gone(
