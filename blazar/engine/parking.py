@@ -248,6 +248,12 @@ class Bank:
             parked_ms=parked_s * _MS,
         )
 
+    def drop(self, parked: Parked) -> None:
+        """Take out a generation whose resume failed, if it is still in (it failed
+        before `resume` took it out): it has ended, and no later pass may resume it."""
+        if parked in self._parked:
+            self._take(parked)
+
     def cancelled(self) -> list[Parked]:
         """Take out the parked generations whose callers cancelled them."""
         gone = [p for p in self._parked if p.gen.job.cancelled]

@@ -85,6 +85,8 @@ class Seats:
             result = self.bank.resume(runtime, parked, slot, keep=keep)
         except Exception as exc:
             log.exception("resume_failed", request_id=parked.request_id)
+            # It ends here: out of the bank even if it failed before `resume` took it.
+            self.bank.drop(parked)
             runtime.clear(slot.index)
             slot.tokens.clear()
             parked.gen.sampler.free()

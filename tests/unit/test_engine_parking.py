@@ -423,3 +423,43 @@ def test_prefilling_again_counts_as_parked_not_as_decoding(
     assert 500.0 <= finished.parked_ms < 700.0
     assert 220.0 <= finished.decode_ms < 450.0
     assert text(long_events) == counted(4, 30)
+
+
+def test_a_resume_that_fails_before_it_restores_leaves_nothing_parked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Clearing the free slot for a resume fails (before the bank gave the generation
+    back): the request is told once that it failed, the Resume is answered with the
+    error, and nothing stays parked to be resumed again by the next pass (its sampler
+    already freed, its caller already told)."""
+    with running(monkeypatch, slots=1) as (decode, runtime):
+        long, long_events = job([1, 2, 3], max_tokens=100, name="long")
+        parked = park_at(decode, runtime, "long", step=3)
+        decode.submit(long)
+        assert parked.wait().parked_bytes > 0
+        # The slot the long one left now holds another request's cache, which the
+        # resume clears (a saved state replaces the whole sequence).
+        urgent, urgent_events = job([5, 6], max_tokens=4, name="urgent")
+        decode.submit(urgent)
+        assert urgent_events.ended.wait(10)
+        clear = runtime.clear
+        failures = iter([RuntimeError("clear failed")])
+
+        def failing_clear(seq: int) -> None:
+            if (exc := next(failures, None)) is not None:
+                raise exc
+            clear(seq)
+
+        monkeypatch.setattr(runtime, "clear", failing_clear)
+        answer = resume(decode, "long").wait()
+        assert isinstance(answer, errors.BlazarError) and "clear failed" in answer.message
+        assert long_events.ended.wait(10)
+        after, after_events = job([7, 8], max_tokens=3, name="after")
+        decode.submit(after)
+        assert after_events.ended.wait(10)
+        assert decode.parked == 0 and decode.parked_bytes == 0
+    assert [type(e) for e in long_events.events if not isinstance(e, jobs.TextDelta)] == [
+        jobs.Failed
+    ]
+    assert isinstance(long_events.last, jobs.Failed)
+    assert text(after_events) == counted(9, 3)
