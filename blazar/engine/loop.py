@@ -82,9 +82,13 @@ class DecodeLoop:
         *,
         on_loaded: Callable[[BaseException | None], None],
         outbox: jobs.Outbox | None = None,
+        on_failed: Callable[[BaseException], None] | None = None,
     ) -> None:
         self.options = options
         self._outbox = outbox
+        # Told (on the decode thread) when a pass raised outside its step: the thread
+        # has ended its work and stops, and nothing submitted afterwards would run.
+        self._on_failed = on_failed
         self._bank = parking.Bank(max_bytes=options.spec.max_parked_mib << 20)
         self._seats = seats.Seats(options.spec.slots, self._bank)
         # The slots, for Health and the KV store (read from other threads: `slots`).
@@ -210,7 +214,12 @@ class DecodeLoop:
         try:
             while self._collect():
                 self._pass(runtime)
-        finally:
+        except Exception as exc:
+            log.exception("decode_loop_failed")
+            self._close(runtime)
+            if self._on_failed is not None:
+                self._on_failed(exc)
+        else:
             self._close(runtime)
 
     def _pass(self, runtime: llama.Runtime) -> None:

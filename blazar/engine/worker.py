@@ -72,6 +72,13 @@ async def serve(launch: replicas.EngineLaunch) -> int:
     def on_loaded(exc: BaseException | None) -> None:
         aio.call_soon_threadsafe(_settle, loaded, exc)
 
+    # Set when the decode thread failed outside a step and stopped: the worker exits
+    # (code 1) for its supervisor to restart it, rather than take work nobody runs.
+    failed = asyncio.Event()
+
+    def on_failed(exc: BaseException) -> None:
+        aio.call_soon_threadsafe(failed.set)
+
     spec = launch.spec
     outbox = jobs.Outbox(aio)
     decode = loop.DecodeLoop(
@@ -82,6 +89,7 @@ async def serve(launch: replicas.EngineLaunch) -> int:
         ),
         on_loaded=on_loaded,
         outbox=outbox,
+        on_failed=on_failed,
     )
     engine = service.EngineService(decode, outbox, model_path=spec.model_path)
     server = grpc.aio.server(options=limits.ENGINE_SERVER_OPTIONS)
@@ -125,7 +133,12 @@ async def serve(launch: replicas.EngineLaunch) -> int:
                 rss=service.rss_bytes(),
             )
     if code == 0:
-        await stopping
+        dead = asyncio.ensure_future(failed.wait())
+        await asyncio.wait([stopping, dead], return_when=asyncio.FIRST_COMPLETED)
+        dead.cancel()
+        if failed.is_set():
+            log.error("decode_loop_failed_exiting")
+            code = 1
     stopping.cancel()
 
     # Returns at once when the supervisor's Drain RPC already did this.

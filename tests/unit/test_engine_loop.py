@@ -600,3 +600,43 @@ def test_a_generation_moves_to_gather_the_busy_slots(monkeypatch: pytest.MonkeyP
     # Once slot 1 was free, the three went on as one run of slots: one pass a step.
     assert [1, 2, 3] in steps or [0, 1, 2] in steps
     assert steps.count([0, 2, 3]) <= 1
+
+
+def test_a_pass_that_fails_outside_its_step_ends_the_work_and_says_so(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A pass raises before its step (here reading a free slot for a waiting job): the
+    thread ends, so the job it held is ended (CANCELLED, a retryable error for its
+    caller) and `on_failed` hears of it, for the worker to exit and be restarted; before,
+    the thread died quietly and every later request waited on it for ever."""
+    launch_spec = launches.spec(slots=1, context_per_slot=256, threads=1)
+    runtime = FakeRuntime(launch_spec, cycle)
+    monkeypatch.setattr(llama.Runtime, "load", lambda _spec: runtime)
+
+    def broken(seq: int) -> int:
+        raise RuntimeError("pos_min failed")
+
+    monkeypatch.setattr(runtime, "pos_min", broken)
+    failed: list[BaseException] = []
+    told = threading.Event()
+
+    def on_failed(exc: BaseException) -> None:
+        failed.append(exc)
+        told.set()
+
+    decode = loop.DecodeLoop(
+        loop.LoopOptions(launch_spec), on_loaded=lambda _error: None, on_failed=on_failed
+    )
+    decode.start()
+    try:
+        first, first_events = job([1, 2, 3], max_tokens=5, name="first")
+        decode.submit(first)
+        assert told.wait(10), "the loop's failure was never reported"
+        assert first_events.ended.wait(10)
+    finally:
+        decode.stop()
+        assert decode.join(10)
+    assert [str(e) for e in failed] == ["pos_min failed"]
+    finished = first_events.last
+    assert isinstance(finished, jobs.Finished)
+    assert finished.reason is jobs.FinishReason.CANCELLED
