@@ -243,7 +243,7 @@ class DecodeLoop:
         for slot in self._seats.active():
             self._seats.finish(runtime, slot, jobs.FinishReason.CANCELLED)
         for parked in self._bank.close():
-            parked.end(errors.Unavailable("The engine stopped."))
+            self._seats.end_parked(parked, errors.Unavailable("The engine stopped."))
         self._waiting.close()
         self._flush()
         if self.options.kv_dir is not None:
@@ -305,7 +305,7 @@ class DecodeLoop:
                 where = "running" if slot else "parked" if parked else "waiting" if queued else ""
                 order.reply(parking.refusal(order, where or None))
         for parked in self._bank.cancelled():
-            parked.end(errors.RequestNotFound.of(parked.request_id))
+            self._seats.end_parked(parked, errors.RequestNotFound.of(parked.request_id))
 
     def _admit(self, runtime: llama.Runtime) -> None:
         """Resume the parked generations asked for, then end waiting jobs that were

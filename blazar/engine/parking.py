@@ -39,6 +39,7 @@ import numpy.typing as npt
 from blazar.api import errors
 from blazar.engine import jobs, llama
 from blazar.engine.generation import Generation
+from blazar.engine.speculation import DraftTrack
 
 _MS = 1000.0
 
@@ -128,6 +129,8 @@ class Parked:
     state: npt.NDArray[np.uint8] | None
     # Set once a Resume asked for it.
     reply: Callable[[ResumeOutcome], None] | None = None
+    # Its drafting record, which it takes back when resumed (None: no speculation).
+    draft: DraftTrack | None = None
 
     @property
     def request_id(self) -> str:
@@ -177,14 +180,16 @@ class Bank:
     def find(self, request_id: str) -> Parked | None:
         return next((p for p in self._parked if p.request_id == request_id), None)
 
-    def park(self, runtime: llama.Runtime, slot: Seat, gen: Generation) -> ParkResult:
-        """Bank the generation running in `slot`: its cache copied out if the bound
-        allows. The caller then frees the slot (keeping its cache, which a resume
-        without a saved state may find again)."""
+    def park(
+        self, runtime: llama.Runtime, slot: Seat, gen: Generation, *, draft: DraftTrack | None
+    ) -> ParkResult:
+        """Bank the generation running in `slot`, with its drafting record: its cache
+        copied out if the bound allows. The caller then frees the slot (keeping its
+        cache, which a resume without a saved state may find again)."""
         started = time.perf_counter()
         size = runtime.seq_state_size(slot.index)
         state = runtime.seq_state(slot.index, size) if self.bytes + size <= self.max_bytes else None
-        parked = Parked(gen, list(slot.tokens), state)
+        parked = Parked(gen, list(slot.tokens), state, draft=draft)
         gen.pause()
         self._parked.append(parked)
         self.bytes += parked.nbytes

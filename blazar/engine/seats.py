@@ -87,6 +87,8 @@ class Seats:
             log.exception("resume_failed", request_id=parked.request_id)
             # It ends here: out of the bank even if it failed before `resume` took it.
             self.bank.drop(parked)
+            if self.spec is not None:
+                self.spec.policy.ended(parked.draft)
             runtime.clear(slot.index)
             slot.tokens.clear()
             parked.gen.sampler.free()
@@ -94,6 +96,8 @@ class Seats:
             reply(errors.BlazarError(f"could not resume the request: {exc}"))
             return
         self._seat(slot, parked.gen)
+        if self.spec is not None:
+            self.spec.policy.attach(slot.index, parked.draft)
         reply(result)
 
     def _seat(self, slot: Slot, gen: Generation) -> None:
@@ -167,13 +171,24 @@ class Seats:
         """Bank the slot's generation (`parking.Bank.park`) and free the slot."""
         gen = slot.gen
         assert gen is not None
+        policy = self.spec.policy if self.spec is not None else None
+        draft = policy.detach(slot.index) if policy is not None else None
         try:
-            result = self.bank.park(runtime, slot, gen)
+            result = self.bank.park(runtime, slot, gen, draft=draft)
         except Exception as exc:
             log.exception("park_failed", request_id=gen.job.request_id)
+            if policy is not None:
+                policy.attach(slot.index, draft)
             return errors.BlazarError(f"could not park the request: {exc}")
         self._unseat(slot)
         return result
+
+    def end_parked(self, parked: parking.Parked, unanswered: errors.BlazarError) -> None:
+        """End a generation taken out of the bank while parked (`parking.Parked.end`),
+        and its drafting record."""
+        parked.end(unanswered)
+        if self.spec is not None:
+            self.spec.policy.ended(parked.draft)
 
     def _release(self, runtime: llama.Runtime, slot: Slot, *, keep_cache: bool) -> None:
         assert slot.gen is not None

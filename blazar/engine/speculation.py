@@ -338,7 +338,10 @@ class PolicyCounters:
 
 
 @dataclass
-class _Track:
+class DraftTrack:
+    """One request's drafting record (`SpeculationPolicy`): it follows the request when
+    it moves to another slot or is parked, and ends with it."""
+
     window: deque[bool]
     state: DraftState = DraftState.SPECULATING
     drafted: int = 0
@@ -380,7 +383,7 @@ class SpeculationPolicy:
         self.warmup = min(warmup, window)
         self.probe_every = probe_every
         self.probe_tokens = min(probe_tokens, max_draft_tokens)
-        self._tracks: dict[int, _Track] = {}
+        self._tracks: dict[int, DraftTrack] = {}
         self._drafted = 0
         self._accepted = 0
         self._disabled = 0
@@ -420,14 +423,29 @@ class SpeculationPolicy:
 
     def release(self, seq: int) -> None:
         """The sequence's request ended: count it if speculation was switched off."""
-        t = self._tracks.pop(seq, None)
-        if t is not None and t.switched_off:
+        self.ended(self._tracks.pop(seq, None))
+
+    def detach(self, seq: int) -> DraftTrack | None:
+        """The sequence's request leaves its slot for a while (it is parked): its record
+        goes with it, to come back with `attach`, or to end with `ended`."""
+        return self._tracks.pop(seq, None)
+
+    def attach(self, seq: int, track: DraftTrack | None) -> None:
+        """A parked request is seated in `seq` again: it goes on with its record (a
+        paused one still pauses), not a fresh one."""
+        self._tracks.pop(seq, None)
+        if track is not None:
+            self._tracks[seq] = track
+
+    def ended(self, track: DraftTrack | None) -> None:
+        """A request ended, with this record: count it if speculation was switched off."""
+        if track is not None and track.switched_off:
             self._disabled_requests += 1
 
-    def _track(self, seq: int) -> _Track:
+    def _track(self, seq: int) -> DraftTrack:
         t = self._tracks.get(seq)
         if t is None:
-            t = self._tracks[seq] = _Track(window=deque(maxlen=self.window))
+            t = self._tracks[seq] = DraftTrack(window=deque(maxlen=self.window))
         return t
 
     def sequence(self, seq: int) -> SequenceCounters:

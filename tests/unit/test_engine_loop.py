@@ -120,13 +120,16 @@ def running(
     context: int = 256,
     model: Callable[[Sequence[int]], int] = cycle,
     drafter: speculation.DraftModel | None = None,
+    min_acceptance_rate: float = 0.0,
     **spec: Any,
 ) -> Iterator[tuple[loop.DecodeLoop, FakeRuntime]]:
-    """A decode loop on a fake runtime; with `drafter`, it speculates (up to 4 tokens);
-    `spec`: other launch settings."""
+    """A decode loop on a fake runtime; with `drafter`, it speculates (up to 4 tokens,
+    paused below `min_acceptance_rate`); `spec`: other launch settings."""
     launch = None
     if drafter is not None:
-        launch = launches.ngram(max_draft_tokens=4, disable_above_batch=8, min_acceptance_rate=0.0)
+        launch = launches.ngram(
+            max_draft_tokens=4, disable_above_batch=8, min_acceptance_rate=min_acceptance_rate
+        )
         policy = speculation.SpeculationPolicy.from_launch(launch)
         monkeypatch.setattr(
             speculator.Speculator,

@@ -392,6 +392,51 @@ def test_parking_a_speculating_generation(
     assert runtime.kv[0] == [1, 2, 3] + [(3 + i) % 10 + 1 for i in range(39)]
 
 
+class WrongDrafter:
+    """Drafts tokens the fake model never emits (0 is no word of it), and records how
+    many each request asked for."""
+
+    def __init__(self) -> None:
+        self.asked: list[int] = []
+
+    def propose(self, requests: Sequence[speculation.DraftRequest]) -> dict[int, tuple[int, ...]]:
+        self.asked += [r.max_tokens for r in requests]
+        return {r.seq: (0,) * r.max_tokens for r in requests}
+
+    def release(self, seq: int) -> None:
+        pass
+
+
+def test_a_parked_generation_keeps_its_drafting_record(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Drafting paused for its poor acceptance stays paused across a park and resume
+    (it probes 3 tokens at most now and then, never 4 again), and the request counts once
+    as one speculation was switched off for, when it ends."""
+    drafter = WrongDrafter()
+    with running(monkeypatch, slots=1, drafter=drafter, min_acceptance_rate=0.5) as (
+        decode,
+        runtime,
+    ):
+        long, long_events = job([1, 2, 3], max_tokens=60, name="long")
+        parked = park_at(decode, runtime, "long", step=12)
+        decode.submit(long)
+        assert isinstance(parked.wait(), parking.ParkResult)
+        # Asked for 4 a step (a step verifies 3 of them) until, with none held, its
+        # warm-up ended and drafting paused; then nothing, or probes of 3.
+        before = len(drafter.asked)
+        full = drafter.asked.count(4)
+        assert 0 < full < 12 and drafter.asked[:full] == [4] * full, drafter.asked
+        urgent, urgent_events = job([5, 6], max_tokens=4, name="urgent")
+        decode.submit(urgent)
+        assert urgent_events.ended.wait(10)
+        assert isinstance(resume(decode, "long").wait(), parking.ResumeResult)
+        assert long_events.ended.wait(10)
+        stats = decode.speculation_stats
+    assert text(long_events) == counted(4, 60)
+    # Probes only (fewer near its budget's end), as before the park.
+    assert max(drafter.asked[full:], default=0) <= 3, (drafter.asked, before)
+    assert stats.disabled_requests == 1
+
+
 def test_prefilling_again_counts_as_parked_not_as_decoding(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
