@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
@@ -64,6 +64,30 @@ def park_at(decode: loop.DecodeLoop, runtime: FakeRuntime, request_id: str, step
 
     runtime.before_decode = order
     return reply
+
+
+def park_serve_resume(
+    decode: loop.DecodeLoop,
+    runtime: FakeRuntime,
+    *,
+    max_tokens: int,
+    step: int,
+    parked: Callable[[], None] = lambda: None,
+) -> Events:
+    """The long request (prompt [1, 2, 3]) parked after decode step `step` (then
+    `parked()`), an urgent one served to its end in the slot it left, then the long one
+    resumed and run to its end; the long one's events."""
+    long, long_events = job([1, 2, 3], max_tokens=max_tokens, name="long")
+    reply = park_at(decode, runtime, "long", step=step)
+    decode.submit(long)
+    assert isinstance(reply.wait(), parking.ParkResult)
+    parked()
+    urgent, urgent_events = job([5, 6], max_tokens=4, name="urgent")
+    decode.submit(urgent)
+    assert urgent_events.ended.wait(10)
+    assert isinstance(resume(decode, "long").wait(), parking.ResumeResult)
+    assert long_events.ended.wait(10)
+    return long_events
 
 
 @pytest.mark.parametrize("max_parked_mib", [64, 0], ids=["kv-restored", "prefilled-again"])
@@ -376,15 +400,7 @@ def test_parking_a_speculating_generation(
         decode,
         runtime,
     ):
-        long, long_events = job([1, 2, 3], max_tokens=40, name="long")
-        parked = park_at(decode, runtime, "long", step=3)
-        decode.submit(long)
-        assert isinstance(parked.wait(), parking.ParkResult)
-        urgent, urgent_events = job([5, 6], max_tokens=4, name="urgent")
-        decode.submit(urgent)
-        assert urgent_events.ended.wait(10)
-        assert isinstance(resume(decode, "long").wait(), parking.ResumeResult)
-        assert long_events.ended.wait(10)
+        long_events = park_serve_resume(decode, runtime, max_tokens=40, step=3)
         assert decode.speculation_stats.failure == ""
     finished = long_events.last
     assert isinstance(finished, jobs.Finished) and finished.drafted_tokens > 0
@@ -416,21 +432,15 @@ def test_a_parked_generation_keeps_its_drafting_record(monkeypatch: pytest.Monke
         decode,
         runtime,
     ):
-        long, long_events = job([1, 2, 3], max_tokens=60, name="long")
-        parked = park_at(decode, runtime, "long", step=12)
-        decode.submit(long)
-        assert isinstance(parked.wait(), parking.ParkResult)
         # Asked for 4 a step (a step verifies 3 of them) until, with none held, its
         # warm-up ended and drafting paused; then nothing, or probes of 3.
-        before = len(drafter.asked)
-        full = drafter.asked.count(4)
-        assert 0 < full < 12 and drafter.asked[:full] == [4] * full, drafter.asked
-        urgent, urgent_events = job([5, 6], max_tokens=4, name="urgent")
-        decode.submit(urgent)
-        assert urgent_events.ended.wait(10)
-        assert isinstance(resume(decode, "long").wait(), parking.ResumeResult)
-        assert long_events.ended.wait(10)
+        before: list[int] = []
+        long_events = park_serve_resume(
+            decode, runtime, max_tokens=60, step=12, parked=lambda: before.extend(drafter.asked)
+        )
         stats = decode.speculation_stats
+    full = before.count(4)
+    assert 0 < full < 12 and before[:full] == [4] * full, before
     assert text(long_events) == counted(4, 60)
     # Probes only (fewer near its budget's end), as before the park.
     assert max(drafter.asked[full:], default=0) <= 3, (drafter.asked, before)
