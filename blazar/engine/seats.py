@@ -13,6 +13,7 @@ from blazar.api import errors
 from blazar.engine import batching, emission, jobs, llama, parking, slots
 from blazar.engine.generation import Generation
 from blazar.engine.slots import Slot
+from blazar.engine.speculation import DraftTrack
 from blazar.engine.speculator import Speculator
 
 log = structlog.get_logger("blazar.engine.seats")
@@ -95,14 +96,15 @@ class Seats:
             parked.gen.job.deliver(jobs.Failed(f"could not resume generation: {exc}"))
             reply(errors.BlazarError(f"could not resume the request: {exc}"))
             return
-        self._seat(slot, parked.gen)
-        if self.spec is not None:
-            self.spec.policy.attach(slot.index, parked.draft)
+        self._seat(slot, parked.gen, draft=parked.draft)
         reply(result)
 
-    def _seat(self, slot: Slot, gen: Generation) -> None:
+    def _seat(self, slot: Slot, gen: Generation, *, draft: DraftTrack | None = None) -> None:
+        """`gen` takes the slot, with its drafting record if it had one (a resume)."""
         slot.gen = gen
-        if self.spec is not None:
+        if self.spec is not None and draft is not None:
+            self.spec.policy.attach(slot.index, draft)
+        elif self.spec is not None:
             self.spec.policy.begin(slot.index)
         self._clock += 1
         slot.last_used = self._clock
