@@ -327,6 +327,9 @@ def lane_status(
     serving = sum(1 for o in observed if o.state == ReplicaState.READY)
     if sleeping and serving == 0:
         put("Available", False, "Sleeping", sleep_message)
+    elif desired == 0 and serving == 0:
+        # As a Deployment of 0 replicas: nothing is missing (Ready says ScaledToZero).
+        put("Available", True, "ScaledToZero", "0 replicas desired: the Lane is paused.")
     else:
         put(
             "Available",

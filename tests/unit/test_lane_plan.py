@@ -198,7 +198,8 @@ def status_of(
         pytest.param([obs(0, ReplicaState.STARTING, restarts=1)], 1, READY_MODEL, {"Degraded": ("True", "CrashLoopBackOff")}, id="restarting-still-degraded"),
         pytest.param([obs(0, restarts=1)], 1, READY_MODEL, {"Ready": ("True", "AllReplicasReady"), "Degraded": ("False", "ReplicasHealthy")}, id="recovered"),
         pytest.param([], 1, ModelReadiness(False, "ChecksumMismatch", "bad"), {"Ready": ("False", "ModelNotReady"), "ModelReady": ("False", "ChecksumMismatch")}, id="model-bad"),
-        pytest.param([], 0, READY_MODEL, {"Ready": ("True", "ScaledToZero")}, id="zero"),
+        pytest.param([], 0, READY_MODEL, {"Ready": ("True", "ScaledToZero"), "Available": ("True", "ScaledToZero"), "Progressing": ("True", "ReplicasConverged")}, id="zero"),
+        pytest.param([obs(0)], 0, READY_MODEL, {"Available": ("True", "MinimumReplicasAvailable"), "Ready": ("False", "ScalingDown")}, id="scaling-to-zero"),
         # A replica beyond `desired` of the spec's own revision, the Lane not rolling:
         # scaled down (replicas 2 -> 1), nothing replaced.
         pytest.param([obs(0), obs(1)], 1, READY_MODEL, {"Available": ("True", "MinimumReplicasAvailable"), "Ready": ("False", "ScalingDown"), "Progressing": ("True", "ReplicasUpdating")}, id="scaling-down"),
