@@ -926,9 +926,12 @@ async def test_embed_and_the_older_embeddings(daemon: Daemon, client: httpx.Asyn
         embeddings=[inference_pb2.Embedding(values=[0.6, 0.8], tokens=3)], prompt_tokens=3
     )
     response = await client.post("/api/embed", json={"model": "tiny", "input": "hi"})
+    total = response.json()["total_duration"]
+    assert isinstance(total, int) and 0 < total < 10**10
     assert response.json() == {
         "model": "tiny",
         "embeddings": [[pytest.approx(0.6), pytest.approx(0.8)]],
+        "total_duration": total,
         "prompt_eval_count": 3,
     }
     old = await client.post("/api/embeddings", json={"model": "tiny", "prompt": "hi"})

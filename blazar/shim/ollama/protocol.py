@@ -224,6 +224,8 @@ class Metrics(TypedDict):
 class EmbedResponse(TypedDict):
     model: str
     embeddings: list[list[float]]
+    # Nanoseconds from the request's arrival at the shim to its answer.
+    total_duration: int
     prompt_eval_count: int
 
 

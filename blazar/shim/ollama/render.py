@@ -220,10 +220,19 @@ def loaded(kind: Kind, *, model: str, created_at: str, unload: bool = False) -> 
     return line
 
 
-def embed_response(response: inference_pb2.EmbedResponse, *, model: str) -> protocol.EmbedResponse:
-    """The embeddings as the engine shaped them (`dimensions` included)."""
+def embed_response(
+    response: inference_pb2.EmbedResponse, *, model: str, total_s: float
+) -> protocol.EmbedResponse:
+    """The embeddings as the engine shaped them (`dimensions` included), and how long
+    the request took (`total_s`; Ollama's `load_duration`, a model load, has no
+    counterpart Blazar measures here and is left out)."""
     vectors = [list(embedding.values) for embedding in response.embeddings]
-    return {"model": model, "embeddings": vectors, "prompt_eval_count": response.prompt_tokens}
+    return {
+        "model": model,
+        "embeddings": vectors,
+        "total_duration": _ns(total_s * 1000.0),
+        "prompt_eval_count": response.prompt_tokens,
+    }
 
 
 def embeddings_response(response: inference_pb2.EmbedResponse) -> protocol.EmbeddingsResponse:

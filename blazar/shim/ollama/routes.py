@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import time
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from typing import Any
@@ -199,6 +200,7 @@ async def _embed(
 ) -> Response:
     """/api/embed, and the older /api/embeddings. Nothing to embed is Ollama's preload
     for embedding models: an empty answer once the model is known."""
+    started = time.monotonic()
     ctx = context.of(request)
     try:
         body = await request_body.parse(request, model)
@@ -221,7 +223,7 @@ async def _embed(
             )
         if isinstance(body, protocol.EmbedRequest):
             rendered: protocol.EmbedResponse | protocol.EmbeddingsResponse = render.embed_response(
-                response, model=body.model
+                response, model=body.model, total_s=time.monotonic() - started
             )
         else:
             rendered = render.embeddings_response(response)
