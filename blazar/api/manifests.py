@@ -199,8 +199,11 @@ def identities(docs: Sequence[tuple[str, dict[str, Any]]]) -> list[tuple[Kind, s
         name = metadata.get("name") if isinstance(metadata, dict) else None
         if not isinstance(name, str) or not name:
             problems.append(FieldError(f"{location}: metadata.name", "Field required"))
-            continue
-        found.append((kind, name))
+        elif _SURROGATE.search(name):
+            # No such name can be stored, nor sent (it has no UTF-8 form).
+            problems.append(FieldError(f"{location}: metadata.name", "is not valid Unicode"))
+        else:
+            found.append((kind, name))
     if problems:
         raise ManifestInvalid(problems)
     return found

@@ -137,6 +137,12 @@ def test_delete_reads_only_kind_and_name(
     assert main.main(["delete", "-f", str(stale), "-f", str(nameless)]) == 1
     assert "nameless.yaml#1: metadata.name: Field required" in capsys.readouterr().err
     assert control.deleted == [("Lane", "l")]
+    # A name with no UTF-8 form (an unpaired surrogate) could never have been stored.
+    unpaired = tmp_path / "unpaired.yaml"
+    unpaired.write_text(LANE.replace("name: l", 'name: "\\ud800"'))
+    assert main.main(["delete", "-f", str(unpaired)]) == 1
+    assert "unpaired.yaml#1: metadata.name: is not valid Unicode" in capsys.readouterr().err
+    assert control.deleted == [("Lane", "l")]
 
 
 def test_delete_takes_several_names(
