@@ -216,9 +216,13 @@ class DecodeLoop:
                 self._pass(runtime)
         except Exception as exc:
             log.exception("decode_loop_failed")
-            self._close(runtime)
-            if self._on_failed is not None:
-                self._on_failed(exc)
+            try:
+                self._close(runtime)
+            finally:
+                # Even when closing fails too (the same broken state): the worker
+                # must hear of it and exit, or it takes work nothing decodes.
+                if self._on_failed is not None:
+                    self._on_failed(exc)
         else:
             self._close(runtime)
 
