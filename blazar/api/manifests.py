@@ -197,7 +197,12 @@ def identities(docs: Sequence[tuple[str, dict[str, Any]]]) -> list[tuple[Kind, s
             continue
         metadata = doc.get("metadata")
         name = metadata.get("name") if isinstance(metadata, dict) else None
-        if not isinstance(name, str) or not name:
+        if name is not None and not isinstance(name, str):
+            # Written, and read as another type (`name: 2024`): said as apply says it.
+            problems.append(
+                FieldError(f"{location}: metadata.name", "Input should be a valid string")
+            )
+        elif not name:
             problems.append(FieldError(f"{location}: metadata.name", "Field required"))
         elif _SURROGATE.search(name):
             # No such name can be stored, nor sent (it has no UTF-8 form).

@@ -145,6 +145,20 @@ def test_delete_reads_only_kind_and_name(
     assert control.deleted == [("Lane", "l")]
 
 
+def test_delete_says_a_name_that_is_no_string_is_not_one(
+    control: FakeControl, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """YAML reads `name: 2024` as a number: the name is there, and not a string. It is
+    said so, as `apply -f` says it, not "Field required" for a field that is written."""
+    numbered = tmp_path / "numbered.yaml"
+    numbered.write_text(LANE.replace("name: l", "name: 2024"))
+    assert main.main(["delete", "-f", str(numbered)]) == 1
+    err = capsys.readouterr().err
+    assert "numbered.yaml#1: metadata.name: Input should be a valid string" in err
+    assert "Field required" not in err
+    assert control.deleted == []
+
+
 def test_delete_takes_several_names(
     control: FakeControl, capsys: pytest.CaptureFixture[str]
 ) -> None:
