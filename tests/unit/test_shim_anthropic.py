@@ -289,6 +289,7 @@ INVALID: dict[str, tuple[dict[str, Any], str]] = {
     "priority tier": (body(service_tier="priority"), "'service_tier' 'priority' is not supported"),
     "fast": (body(speed="fast"), "'speed' 'fast' is not supported"),
     "thread": (body(thread={"type": "create"}), "'thread' is not supported"),
+    "thread by id": (body(thread="thr_1"), "'thread' is not supported"),
     "thread continued": (
         body(thread={"type": "continue", "previous_message_id": "msg_1"}),
         "'thread' is not supported",
@@ -819,9 +820,11 @@ async def test_a_thread_is_refused_so_the_tool_runner_sends_the_whole_conversati
         *CALLS,
         final(inference_pb2.FINISH_REASON_TOOL_CALLS, tool_calls=2),
     ]
-    response = await client.post("/v1/messages", json=body(thread={"type": "create"}))
-    assert response.status_code == 400
-    assert response.json()["error"]["details"] == {"error_code": "thread_unsupported_request"}
+    for thread in ({"type": "create"}, "thr_1"):
+        response = await client.post("/v1/messages", json=body(thread=thread))
+        assert response.status_code == 400
+        details = response.json()["error"]["details"]
+        assert details == {"error_code": "thread_unsupported_request"}
     assert not daemon.fake.requests
 
     @anthropic.beta_async_tool

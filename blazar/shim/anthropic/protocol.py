@@ -177,7 +177,8 @@ class MessagesRequest(Conversation):
     # Server-held conversation state (the `anthropic` client's message threads, which
     # its tool runner uses by default) and server-side summarizing: Blazar keeps no
     # conversation between requests and summarizes none.
-    thread: dict[str, Any] | None = None
+    # Any shape: whatever it holds, the refusal carries the code the client acts on.
+    thread: Any = None
     compaction: dict[str, Any] | None = None
     # Asks for `diagnostics.cache_miss_reason` against an earlier response, and (beta)
     # other models to try when this one declines: Blazar gives neither.
