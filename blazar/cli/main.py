@@ -271,7 +271,8 @@ def cmd_delete(args: argparse.Namespace) -> int:
         found = manifests.identities(_read_docs(args.filename))
         if not found:
             raise _no_objects("delete", args.filename)
-        targets = [(kind.value, name) for kind, name in found]
+        # Each once, as for names given on the command line.
+        targets = list(dict.fromkeys((kind.value, name) for kind, name in found))
     elif args.kind and "/" in args.kind:
         # KIND/NAME..., as `get -o name` prints them.
         targets = list(dict.fromkeys(_kind_slash_name(t) for t in [args.kind, *args.names]))
