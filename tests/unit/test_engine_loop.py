@@ -605,13 +605,16 @@ def test_a_generation_moves_to_gather_the_busy_slots(monkeypatch: pytest.MonkeyP
     assert steps.count([0, 2, 3]) <= 1
 
 
+@pytest.mark.parametrize("close_fails", [False, True], ids=["closed", "close-failed-too"])
 def test_a_pass_that_fails_outside_its_step_ends_the_work_and_says_so(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, close_fails: bool
 ) -> None:
     """A pass raises before its step (here reading a free slot for a waiting job): the
     thread ends, so the job it held is ended (CANCELLED, a retryable error for its
     caller) and `on_failed` hears of it, for the worker to exit and be restarted; before,
-    the thread died quietly and every later request waited on it for ever."""
+    the thread died quietly and every later request waited on it for ever. So it does
+    when freeing the runtime after it fails as well (the same broken state), or the
+    thread would die in `_close` and the worker keep taking work nothing decodes."""
     launch_spec = launches.spec(slots=1, context_per_slot=256, threads=1)
     runtime = FakeRuntime(launch_spec, cycle)
     monkeypatch.setattr(llama.Runtime, "load", lambda _spec: runtime)
@@ -619,7 +622,14 @@ def test_a_pass_that_fails_outside_its_step_ends_the_work_and_says_so(
     def broken(seq: int) -> int:
         raise RuntimeError("pos_min failed")
 
+    def close_broken() -> None:
+        raise RuntimeError("close failed")
+
     monkeypatch.setattr(runtime, "pos_min", broken)
+    if close_fails:
+        monkeypatch.setattr(runtime, "close", close_broken)
+        # The thread's own exception (from close) is expected: not reported as a leak.
+        monkeypatch.setattr(threading, "excepthook", lambda _args: None)
     failed: list[BaseException] = []
     told = threading.Event()
 
@@ -643,45 +653,3 @@ def test_a_pass_that_fails_outside_its_step_ends_the_work_and_says_so(
     finished = first_events.last
     assert isinstance(finished, jobs.Finished)
     assert finished.reason is jobs.FinishReason.CANCELLED
-
-
-def test_a_failed_pass_is_reported_even_when_closing_fails_too(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """The pass fails outside its step, and freeing the runtime after it fails as well
-    (the same broken state): `on_failed` still hears of the first failure, for the
-    worker to exit. Otherwise the thread dies in `_close` and the worker keeps taking
-    requests that nothing decodes."""
-    launch_spec = launches.spec(slots=1, context_per_slot=256, threads=1)
-    runtime = FakeRuntime(launch_spec, cycle)
-    monkeypatch.setattr(llama.Runtime, "load", lambda _spec: runtime)
-
-    def broken(seq: int) -> int:
-        raise RuntimeError("pos_min failed")
-
-    def close_broken() -> None:
-        raise RuntimeError("close failed")
-
-    monkeypatch.setattr(runtime, "pos_min", broken)
-    monkeypatch.setattr(runtime, "close", close_broken)
-    # The thread's own exception (from close) is expected: not reported as a leak.
-    monkeypatch.setattr(threading, "excepthook", lambda _args: None)
-    failed: list[BaseException] = []
-    told = threading.Event()
-
-    def on_failed(exc: BaseException) -> None:
-        failed.append(exc)
-        told.set()
-
-    decode = loop.DecodeLoop(
-        loop.LoopOptions(launch_spec), on_loaded=lambda _error: None, on_failed=on_failed
-    )
-    decode.start()
-    try:
-        first, _events = job([1, 2, 3], max_tokens=5, name="first")
-        decode.submit(first)
-        assert told.wait(10), "the loop's failure was never reported"
-    finally:
-        decode.stop()
-        assert decode.join(10)
-    assert [str(e) for e in failed] == ["pos_min failed"]
