@@ -275,7 +275,8 @@ def cmd_delete(args: argparse.Namespace) -> int:
         targets = list(dict.fromkeys((kind.value, name) for kind, name in found))
     elif args.kind and "/" in args.kind:
         # KIND/NAME..., as `get -o name` prints them.
-        targets = list(dict.fromkeys(_kind_slash_name(t) for t in [args.kind, *args.names]))
+        refs = [args.kind, *args.names]
+        targets = list(dict.fromkeys(observe.object_ref(t, flag="delete") for t in refs))
     elif args.kind and args.names:
         kind = kinds.resolve_kind(args.kind).value
         targets = [(kind, name) for name in dict.fromkeys(args.names)]
@@ -297,15 +298,6 @@ def cmd_delete(args: argparse.Namespace) -> int:
                 continue
             print(f"{kind.lower()}/{name} deleted")
     return 1 if gone else 0
-
-
-def _kind_slash_name(text: str) -> tuple[str, str]:
-    kind, slash, name = text.partition("/")
-    if not slash or not name or "/" in name:
-        raise errors.InvalidRequest(
-            f"'{text}': give every object as KIND/NAME (lane/gemma3), or KIND NAME..."
-        )
-    return kinds.resolve_kind(kind).value, name
 
 
 def cmd_export_kubernetes(args: argparse.Namespace) -> int:

@@ -59,10 +59,11 @@ def event_json(e: control_pb2.Event) -> printers.EventJson:
             "message": e.message, "uid": e.uid}  # fmt: skip
 
 
-def _for(target: str, *, flag: str = "--for") -> tuple[str, str]:
-    """`events --for KIND/NAME`'s object, its kind in any accepted spelling."""
+def object_ref(target: str, *, flag: str = "--for") -> tuple[str, str]:
+    """A KIND/NAME argument's object (`events --for`, `logs`, `delete`), its kind in any
+    accepted spelling; `flag` names the argument in the error."""
     kind, sep, name = target.partition("/")
-    if not sep or not kind or not name:
+    if not sep or not kind or not name or "/" in name:
         raise errors.InvalidRequest(f"{flag} takes KIND/NAME (such as lane/gemma3), not '{target}'")
     return kinds.resolve_kind(kind).value, name
 
@@ -70,7 +71,7 @@ def _for(target: str, *, flag: str = "--for") -> tuple[str, str]:
 def cmd_logs(args: argparse.Namespace) -> int:
     """`logs lane/NAME [--replica N] [-f]`: the engine's output, through Control (the
     daemon may be on another host)."""
-    kind, name = _for(args.target, flag="logs")
+    kind, name = object_ref(args.target, flag="logs")
     if kind != kinds.Kind.LANE.value:
         raise errors.InvalidRequest(f"logs are kept for Lanes' engines, not for {kind}s")
     request = control_pb2.LogsRequest(lane=name, replica=args.replica, follow=args.follow)
@@ -109,7 +110,7 @@ def cmd_events(args: argparse.Namespace) -> int:
     if args.for_ and (args.kind or args.name):
         raise errors.InvalidRequest("events takes KIND [NAME] or --for KIND/NAME, not both")
     if args.for_:
-        kind, name = _for(args.for_)
+        kind, name = object_ref(args.for_)
     else:
         kind = kinds.resolve_kind(args.kind).value if args.kind else ""
         name = args.name or ""

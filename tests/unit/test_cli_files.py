@@ -182,7 +182,7 @@ def test_get_o_name_prints_what_delete_takes(
     assert main.main(["delete", *names, "lane/a"]) == 0
     assert control.deleted == [("Lane", "a"), ("Lane", "b")]
     assert main.main(["delete", "lane/c", "d"]) == 1
-    assert "'d': give every object as KIND/NAME" in capsys.readouterr().err
+    assert "delete takes KIND/NAME (such as lane/gemma3), not 'd'" in capsys.readouterr().err
     assert control.deleted == [("Lane", "a"), ("Lane", "b")]
 
 
