@@ -49,13 +49,7 @@ def invalid_each(problems: Sequence[tuple[str, str, object]]) -> ValidationError
     return ValidationError.from_exception_data(
         "invalid",
         [
-            {
-                "type": PydanticCustomError(
-                    "value_error", message.replace("{", "{{").replace("}", "}}")
-                ),
-                "loc": (field,),
-                "input": value,
-            }
+            {"type": invalid(message), "loc": (field,), "input": value}
             for field, message, value in problems
         ],
     )

@@ -423,7 +423,7 @@ class SpeculationPolicy:
 
     def release(self, seq: int) -> None:
         """The sequence's request ended: count it if speculation was switched off."""
-        self.ended(self._tracks.pop(seq, None))
+        self.ended(self.detach(seq))
 
     def detach(self, seq: int) -> DraftTrack | None:
         """The sequence's request leaves its slot for a while (it is parked): its record
