@@ -217,24 +217,26 @@ def mutated(draw: st.DrawFn, body: dict[str, Any]) -> tuple[Any, list[str]]:
             elif isinstance(node, list):
                 node.insert(draw(st.integers(0, len(node))), value)
                 done.append(f"insert into {spot}")
-            continue
-        places = paths(current)
-        if not places:
-            continue
-        path = draw(st.sampled_from(places))
-        parent = walk(current, path[:-1]) if path[:-1] else current
-        key = path[-1]
-        if kind == "delete":
-            if isinstance(parent, dict):
-                parent.pop(key, None)
-            elif isinstance(parent, list) and isinstance(key, int):
-                del parent[key]
-            done.append(f"delete {path}")
         else:
-            old = parent[key]
-            new = [old] if kind == "wrap" else weird()
-            parent[key] = new
-            done.append(f"{kind} {path}")
+            places = paths(current)
+            if not places:
+                continue
+            path = draw(st.sampled_from(places))
+            parent = walk(current, path[:-1]) if path[:-1] else current
+            key = path[-1]
+            if kind == "delete":
+                if isinstance(parent, dict):
+                    parent.pop(key, None)
+                elif isinstance(parent, list) and isinstance(key, int):
+                    del parent[key]
+                done.append(f"delete {path}")
+            else:
+                old = parent[key]
+                new = [old] if kind == "wrap" else weird()
+                parent[key] = new
+                done.append(f"{kind} {path}")
+        # A large value's lists share their elements (`[[1, 2]] * 3_000`): a mutation
+        # inside one changes every copy at once (a 72 MB body once).
         if large:
             break
     return current, done
