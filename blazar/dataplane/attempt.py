@@ -27,7 +27,7 @@ import structlog
 from blazar._proto.engine.v1 import engine_pb2
 from blazar._proto.v1 import inference_pb2
 from blazar.api import errors
-from blazar.dataplane import access, dispatcher, metrics, routing
+from blazar.dataplane import access, dispatcher, metrics, routing, runs
 from blazar.enginehost import client
 from blazar.enginehost.client import EnginePool
 from blazar.enginehost.upstream import UpstreamPool
@@ -65,7 +65,7 @@ class Attempts:
     async def stream(
         self,
         route: routing.Route,
-        run: dispatcher.Run,
+        run: runs.Run,
         generate: engine_pb2.GenerateRequest,
         context: Context,
         *,
@@ -197,7 +197,7 @@ class Call(Protocol):
     def cancel(self) -> bool: ...
 
 
-def initial_metadata(run: dispatcher.Run) -> tuple[tuple[str, str], ...]:
+def initial_metadata(run: runs.Run) -> tuple[tuple[str, str], ...]:
     """Where the request runs, what its replica's cache held of its prompt, and when
     admission expected its first token."""
     metadata = [(LANE_KEY, run.replica.lane), (REPLICA_KEY, str(run.replica.index))]

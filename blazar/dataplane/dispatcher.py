@@ -12,7 +12,7 @@ holds the decisions already carried out.
 
 A request's side, in the relay:
 
-1. `admit(...)` returns once admission starts the request on a replica (a `Run`), or
+1. `admit(...)` returns once admission starts the request on a replica (a `runs.Run`), or
    raises what admission refused it with (`errors.Overloaded`, carrying
    `retry_after_ms`), `errors.ModelNotFound` when its Lane is deleted while it waits
    (NOT_FOUND: retrying cannot help), or `errors.Unavailable` when its Lane is scaled
@@ -36,11 +36,8 @@ A request's side, in the relay:
    bounds, for the restarted replica or another one; only generations already under
    way end with an error (UNAVAILABLE, retryable).
 
-The view (`admission.LaneView`) is built from what the data plane knows, never from
-constants: slots and ready replicas from the route table, running requests from the
-runs dispatched and not ended (tokens left from the Lane's typical completion less what
-each generated; their policy's name and maxSlotsPerReplica, by which admission counts
-the slots each policy holds), and rates from `measurements.LaneMeasurements`, with the
+The view (`admission.LaneView`) is `runs.LaneRuns.view`: the route's replicas, the
+runs dispatched and not ended, and the rates of `measurements.LaneMeasurements`, with the
 forecast's own lateness: how much later than predicted at arrival the first tokens of
 requests that admission had wait for a busy slot came (`_start` says which requests
 count).
@@ -67,7 +64,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Coroutine, Iterable, Mapping
+from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeAlias
 
@@ -75,8 +72,8 @@ import structlog
 
 from blazar._proto.v1 import inference_pb2
 from blazar.api import errors, gate_tags
-from blazar.dataplane import admission, metrics, routing, throughput
-from blazar.dataplane.measurements import LaneMeasurements, in_flight_token_rates
+from blazar.dataplane import admission, metrics, routing, runs, throughput
+from blazar.dataplane.measurements import LaneMeasurements
 from blazar.dataplane.parking import Parked, Parker
 
 log = structlog.get_logger(__name__)
@@ -94,69 +91,12 @@ PARK_AGAIN_S = 0.05
 
 
 @dataclass(eq=False)
-class Run:
-    """A request admission started on a replica."""
-
-    ticket: admission.Ticket
-    request_id: str
-    replica: routing.Replica
-    prompt_chars: int
-    # Admission's prediction of its time to first token, from arrival (None: none).
-    predicted_ttft_s: float | None = None
-    # Tokens relayed so far: written by the relay, read by the forecast.
-    generated: int = 0
-    # The prompt tokens its replica's cache held, as its engine told the relay with
-    # its first chunk (None: not yet, or not told).
-    prefix_reused: int | None = None
-    # On the dispatcher's clock, when it started, and the prefill its replica's rate
-    # predicted then: its first token measures the start overhead.
-    started_at: float = 0.0
-    expected_prefill_s: float = 0.0
-    # As admission forecast its start: the wait behind the prompts started before it
-    # on its replica (left out of the start overhead it measures), and its prefill
-    # (start overhead included). Until `first_token_due`, or its first token, its
-    # prompt holds the replica's prefill line in the view.
-    queue_s: float = 0.0
-    prefill_s: float = 0.0
-    # Forecast as a prompt alone on its replica (`admission.Dispatch.alone`).
-    alone: bool = False
-    # On the dispatcher's clock, when its first token came (None: not yet); with
-    # `generated` and less the time it spent parked, what it measures of its policy's
-    # decode before it finishes.
-    first_token_at: float | None = None
-    # Seconds it spent parked after its first token, and since when it is parked now.
-    parked_s: float = 0.0
-    parked_at: float | None = None
-    # Seconds it waited for its Lane to wake (idle.sleepAfter), within its queue wait.
-    load_s: float = 0.0
-    # Asked to resume and not yet answered: its engine holds it parked still, and
-    # would refuse to park it again (it is no victim meanwhile).
-    resuming: bool = False
-    # Admission's prediction when its first token tests the forecast of a wait (see
-    # `_start`): measured against it, the forecast's lateness. None: it does not.
-    wait_forecast_s: float | None = None
-
-    @property
-    def first_token_due(self) -> float:
-        """When admission forecast its first token, on the dispatcher's clock."""
-        return self.started_at + self.queue_s + self.prefill_s
-
-
-# A replica as one engine process: a restarted replica keeps its index, not this.
-_Identity: TypeAlias = tuple[int, str, int | None]
-
-
-def _identity(replica: routing.Replica) -> _Identity:
-    return (replica.index, replica.socket, replica.pid)
-
-
-@dataclass(eq=False)
 class _Pending:
     ticket: admission.Ticket
     request_id: str
     prompt_chars: int
     # A Spill: admission handed the request back, to offer to the spillover Lane.
-    started: asyncio.Future[Run | admission.Spill]
+    started: asyncio.Future[runs.Run | admission.Spill]
     predicted_ttft_s: float | None = None
     # Its Lane names a spillover Lane that exists (`admission.LaneQueue.arrive`).
     spill: bool = False
@@ -177,7 +117,7 @@ class _Arrive:
 
 @dataclass(frozen=True)
 class _Retry:
-    run: Run
+    run: runs.Run
     pending: _Pending
 
 
@@ -188,7 +128,7 @@ class _Cancel:
 
 @dataclass(frozen=True)
 class _End:
-    run: Run
+    run: runs.Run
     final: inference_pb2.Final | None
 
 
@@ -198,25 +138,8 @@ class _Table:
 
 
 @dataclass(frozen=True)
-class _Parking:
-    """A park asked of an engine for `preempt`, not yet answered."""
-
-    preempt: admission.Preempt
-    victim: Run
-    asked_at: float
-    # A decode step on the victim's replica at the batch it ran when asked (None: not
-    # measured yet): the most a park waits for.
-    step_s: float | None = None
-    # How many times the engine was asked (`PARK_TRIES`).
-    tries: int = 1
-    # The victim's tokens relayed when the engine was last asked: with none, a refusal
-    # may only mean its engine had not seated it yet (`_park_again`).
-    generated_when_asked: int = 0
-
-
-@dataclass(frozen=True)
 class _ParkDone:
-    parking: _Parking
+    parking: runs.Parking
     # None: the engine did not park it (it ended meanwhile, or cannot).
     parked: Parked | None
 
@@ -225,14 +148,14 @@ class _ParkDone:
 class _ParkAgain:
     """A step has passed since the engine refused to park a victim it had not seated."""
 
-    parking: _Parking
+    parking: runs.Parking
 
 
 @dataclass(frozen=True)
 class _Resumed:
     """The engine answered a Resume of `run` (resumed, or lost it)."""
 
-    run: Run
+    run: runs.Run
 
 
 _Event: TypeAlias = _Arrive | _Retry | _Cancel | _End | _Table | _ParkDone | _ParkAgain | _Resumed
@@ -279,22 +202,10 @@ class LaneDispatcher:
         self._pending: dict[str, _Pending] = {}
         # The server is shutting down (`refuse_waiting`): nothing more is admitted.
         self._closing = False
-        self._running: dict[str, Run] = {}
-        # Runs whose generation is parked on their replica, by ticket id, and the host
-        # memory each one holds there.
-        self._parked: dict[str, Run] = {}
-        self._parked_bytes: dict[str, int] = {}
-        # KV bytes per cached token, as the engines' Park answers measured them.
-        self._kv_bytes_per_token = 0
-        self._excluded: set[_Identity] = set()
+        # What runs where, is parked or being parked (`runs`).
+        self._runs = runs.LaneRuns()
         self._policies: dict[str, admission.Policy] = {}
         self._events: asyncio.Queue[_Event] = asyncio.Queue()
-        # Parks asked of engines and not yet answered, by the victim's ticket id: the
-        # view shows the urgent request in the victim's slot meanwhile.
-        self._parking: dict[str, _Parking] = {}
-        # Runs whose engine refused to park them, with the tokens they had generated
-        # then: no victim again until they have generated more (seated, say).
-        self._refused_parks: dict[str, int] = {}
         # Park and Resume calls running beside the queue.
         self._calls: set[asyncio.Task[None]] = set()
         # By policy, the max_tokens its gate last closed after (`gates`: where the
@@ -310,7 +221,7 @@ class LaneDispatcher:
         # watcher heard from last, last.
         self._seen: dict[str, int] = {}
         # By replica (as a process), the latest first token that came there.
-        self._line_last: dict[_Identity, float] = {}
+        self._line_last: dict[runs.Identity, float] = {}
         # When to decide again though no event comes (`LaneQueue.recheck_at`).
         self._recheck_at: float | None = None
         self._task = asyncio.get_running_loop().create_task(
@@ -327,7 +238,7 @@ class LaneDispatcher:
         prompt_chars: int,
         spill: bool = False,
         tag: gate_tags.Tag | None = None,
-    ) -> Run | admission.Spill:
+    ) -> runs.Run | admission.Spill:
         """Queue the ticket and wait for its start (see the module docstring). With
         `spill` (the Lane's spillover Lane exists), a `Spill` when admission predicts it
         misses its target here: the ticket is not queued, and the caller offers it to
@@ -340,7 +251,7 @@ class LaneDispatcher:
         self._events.put_nowait(_Arrive(pending))
         return await self._wait(pending)
 
-    async def retry(self, run: Run) -> Run:
+    async def retry(self, run: runs.Run) -> runs.Run:
         """The replica refused `run` before its first chunk: wait for another start."""
         self._check_open()
         pending = self._pending_of(
@@ -348,7 +259,7 @@ class LaneDispatcher:
         )
         self._events.put_nowait(_Retry(run, pending))
         started = await self._wait(pending)
-        assert isinstance(started, Run)  # a requeued ticket never arrives again
+        assert isinstance(started, runs.Run)  # a requeued ticket never arrives again
         return started
 
     def refused(self, refusal: admission.Refuse, *, request_id: str) -> None:
@@ -356,11 +267,11 @@ class LaneDispatcher:
         the ticket back (`Spill`): the spillover Lane refused it too."""
         self._count_refusal(refusal, request_id=request_id)
 
-    def end(self, run: Run, final: inference_pb2.Final | None) -> None:
+    def end(self, run: runs.Run, final: inference_pb2.Final | None) -> None:
         """The run's stream ended: with its Final when it finished."""
         self._events.put_nowait(_End(run, final))
 
-    def first_token(self, run: Run, ttft_s: float) -> None:
+    def first_token(self, run: runs.Run, ttft_s: float) -> None:
         """The run's first token came `ttft_s` after its arrival."""
         ticket = run.ticket
         run.first_token_at = ticket.arrived + ttft_s
@@ -402,11 +313,11 @@ class LaneDispatcher:
         if figures.attainment is not None:
             metrics.ATTAINMENT.labels(self.lane, policy.name).set(figures.attainment)
 
-    def _line_measure(self, run: Run, first_token_at: float) -> None:
+    def _line_measure(self, run: runs.Run, first_token_at: float) -> None:
         """A prompt that started before the first token of the prompt ahead of it on its
         replica, and had its own after it, measures the share of its prefill the
         replica's line held it for."""
-        identity = _identity(run.replica)
+        identity = runs.identity(run.replica)
         ahead = self._line_last.get(identity)
         queued = ahead is not None and run.started_at < ahead <= first_token_at
         if queued and ahead is not None and run.prefill_s > 0:
@@ -426,10 +337,11 @@ class LaneDispatcher:
     def _pending_of(
         self, ticket: admission.Ticket, *, request_id: str, prompt_chars: int
     ) -> _Pending:
-        started: asyncio.Future[Run | admission.Spill] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        started: asyncio.Future[runs.Run | admission.Spill] = loop.create_future()
         return _Pending(ticket, request_id, prompt_chars, started)
 
-    async def _wait(self, pending: _Pending) -> Run | admission.Spill:
+    async def _wait(self, pending: _Pending) -> runs.Run | admission.Spill:
         try:
             return await asyncio.shield(pending.started)
         except asyncio.CancelledError:
@@ -437,7 +349,7 @@ class LaneDispatcher:
             if pending.started.done() and not pending.started.cancelled():
                 if pending.started.exception() is None:
                     started = pending.started.result()
-                    if isinstance(started, Run):
+                    if isinstance(started, runs.Run):
                         self.end(started, None)
             else:
                 pending.started.cancel()
@@ -488,12 +400,12 @@ class LaneDispatcher:
         return oldest
 
     def running(self) -> int:
-        return len(self._running)
+        return len(self._runs.running)
 
     def busy(self) -> bool:
         """Whether anything runs, waits, is parked or being parked on the Lane: its
         forecast then changes as time passes, with no event to say so."""
-        return bool(self._running or self._pending or self._parked or self._parking)
+        return bool(self._pending) or self._runs.busy()
 
     def named(self) -> list[str]:
         """The names of the policies this Lane's requests have run under."""
@@ -587,8 +499,8 @@ class LaneDispatcher:
         if isinstance(event, _Arrive):
             self._arrive(event.pending, now)
         elif isinstance(event, _Retry):
-            self._running.pop(event.run.ticket.id, None)
-            self._excluded.add(_identity(event.run.replica))
+            self._runs.running.pop(event.run.ticket.id, None)
+            self._runs.excluded.add(runs.identity(event.run.replica))
             self._seq += 1
             event.pending.seq = self._seq
             self._pending[event.pending.ticket.id] = event.pending
@@ -609,18 +521,18 @@ class LaneDispatcher:
                 self._pending.pop(event.ticket_id, None)
         elif isinstance(event, _End):
             ticket_id = event.run.ticket.id
-            self._refused_parks.pop(ticket_id, None)
-            parking = self._parking.pop(ticket_id, None)
+            self._runs.refused_parks.pop(ticket_id, None)
+            parking = self._runs.parking.pop(ticket_id, None)
             if parking is not None:
                 # Ended while its engine was asked to park it: its slot is idle now, for
                 # the ticket that was to start there (the park's answer is ignored).
                 self._requeue_urgent(parking, now)
-            if ticket_id in self._parked:
+            if ticket_id in self._runs.parked:
                 # Ended while parked (its caller left): out of the queue, memory freed.
-                self._parked.pop(ticket_id)
-                self._parked_bytes.pop(ticket_id, None)
+                self._runs.parked.pop(ticket_id)
+                self._runs.parked_bytes.pop(ticket_id, None)
                 self._queue.cancel(ticket_id)
-            run = self._running.pop(ticket_id, None)
+            run = self._runs.running.pop(ticket_id, None)
             if event.final is not None:
                 self.throughput.record(now, event.final.usage.completion_tokens)
             if run is not None and event.final is not None:
@@ -665,7 +577,7 @@ class LaneDispatcher:
                 request_id=pending.request_id,
                 lane=self.lane,
                 spilled_from=ticket.spilled_from,
-                predicted_ttft_s=_rounded(decision.predicted_ttft_s),
+                predicted_ttft_s=runs.rounded(decision.predicted_ttft_s),
             )
             pending.started.set_exception(decision.error(self.lane))
             return
@@ -689,8 +601,7 @@ class LaneDispatcher:
             self._route = None
             return True
         self._route = route
-        # A replica that left the table is gone as that process; forget it.
-        self._excluded &= {_identity(r) for r in route.replicas}
+        self._runs.forget_gone(route)
         if route.desired == 0:
             err = errors.Unavailable(
                 f"Lane '{self.lane}' was scaled to zero (replicas: 0) while the request "
@@ -773,7 +684,7 @@ class LaneDispatcher:
         came to the queue after it started before it (work its forecast could not see)."""
         ticket = decision.ticket
         pending = self._pending.pop(ticket.id, None)
-        replica = self._replica(decision.replica)
+        replica = self._runs.replica(self._route, decision.replica)
         if pending is None or pending.started.done():
             return
         if replica is None:  # cannot happen: the view is made of the serving replicas
@@ -783,7 +694,7 @@ class LaneDispatcher:
         tests_forecast = not preempting and self._waited_on_forecast(pending)
         self._started_seq = max(self._started_seq, pending.seq)
         metrics.QUEUE_WAIT.labels(self.lane, ticket.policy.name).observe(ticket.waited_s)
-        run = Run(
+        run = runs.Run(
             ticket,
             pending.request_id,
             replica,
@@ -798,7 +709,7 @@ class LaneDispatcher:
             prefill_s=decision.prefill_s,
             alone=decision.alone,
         )
-        self._running[ticket.id] = run
+        self._runs.running[ticket.id] = run
         pending.started.set_result(run)
 
     def _preempt(self, preempt: admission.Preempt, now: float) -> bool:
@@ -806,25 +717,25 @@ class LaneDispatcher:
         the ticket waits on). The park runs beside the queue, which goes on deciding
         meanwhile with the ticket in the victim's slot (`_view`); `_park_done` carries
         out the answer."""
-        victim = self._running.get(preempt.victim)
-        replica = self._replica(preempt.replica)
-        if victim is None or replica is None or preempt.victim in self._parking:
+        victim = self._runs.running.get(preempt.victim)
+        replica = self._runs.replica(self._route, preempt.replica)
+        if victim is None or replica is None or preempt.victim in self._runs.parking:
             self._queue.requeue(preempt.ticket, now=now)
             return False
-        batch = sum(run.replica.index == preempt.replica for run in self._running.values())
+        batch = sum(run.replica.index == preempt.replica for run in self._runs.running.values())
         step_s = self.measurements.step_s(
             preempt.replica,
             batch=max(1, batch),
             draft_batch_max=self._route.draft_batch_max if self._route else None,
         )
-        parking = _Parking(
+        parking = runs.Parking(
             preempt, victim, asked_at=now, step_s=step_s, generated_when_asked=victim.generated
         )
-        self._parking[preempt.victim] = parking
+        self._runs.parking[preempt.victim] = parking
         self._ask_park(parking, replica)
         return True
 
-    def _ask_park(self, parking: _Parking, replica: routing.Replica) -> None:
+    def _ask_park(self, parking: runs.Parking, replica: routing.Replica) -> None:
         victim = parking.victim
 
         async def park() -> None:
@@ -833,7 +744,7 @@ class LaneDispatcher:
 
         self._call(park(), name=f"park:{victim.request_id}")
 
-    def _park_again(self, parking: _Parking) -> bool:
+    def _park_again(self, parking: runs.Parking) -> bool:
         """Ask the engine again, a step later, to park a victim it refused that had no
         token yet when asked (False: it is not asked again). Such a run was dispatched a
         moment ago, and its engine seats new work between two steps and parks only what
@@ -843,13 +754,13 @@ class LaneDispatcher:
         if (
             parking.tries >= PARK_TRIES
             or parking.generated_when_asked > 0
-            or victim.ticket.id not in self._running
+            or victim.ticket.id not in self._runs.running
             or not self._caller_waits(parking)
-            or self._replica(preempt.replica) is None
+            or self._runs.replica(self._route, preempt.replica) is None
         ):
             return False
         again = replace(parking, tries=parking.tries + 1)
-        self._parking[preempt.victim] = again
+        self._runs.parking[preempt.victim] = again
 
         async def later() -> None:
             await asyncio.sleep(parking.step_s or PARK_AGAIN_S)
@@ -858,20 +769,20 @@ class LaneDispatcher:
         self._call(later(), name=f"park-again:{victim.request_id}")
         return True
 
-    def _ask_again(self, parking: _Parking, now: float) -> None:
+    def _ask_again(self, parking: runs.Parking, now: float) -> None:
         """A step after the engine refused: ask it again, if the ticket still waits for
         the park. Its caller may have left meanwhile (the victim then keeps its slot,
         not parked for nothing) or the replica (the ticket waits again)."""
         preempt = parking.preempt
-        if self._parking.get(preempt.victim) is not parking:
+        if self._runs.parking.get(preempt.victim) is not parking:
             return  # the victim ended meanwhile (`_End` requeued the ticket)
-        replica = self._replica(preempt.replica)
+        replica = self._runs.replica(self._route, preempt.replica)
         if replica is None or not self._caller_waits(parking):
-            del self._parking[preempt.victim]
+            del self._runs.parking[preempt.victim]
             self._requeue_urgent(parking, now)
             return
         parking = replace(parking, generated_when_asked=parking.victim.generated)
-        self._parking[preempt.victim] = parking
+        self._runs.parking[preempt.victim] = parking
         self._ask_park(parking, replica)
 
     def _park_done(self, done: _ParkDone, now: float) -> None:
@@ -880,12 +791,12 @@ class LaneDispatcher:
         left its slot idle for it all the same."""
         parking = done.parking
         preempt, victim = parking.preempt, parking.victim
-        if self._parking.pop(preempt.victim, None) is None:
+        if self._runs.parking.pop(preempt.victim, None) is None:
             return  # the victim ended meanwhile (`_End` requeued the ticket)
         if done.parked is None:
             if self._park_again(parking):
                 return
-            self._refused_parks[preempt.victim] = victim.generated
+            self._runs.refused_parks[preempt.victim] = victim.generated
             self._requeue_urgent(parking, now)
             return
         # The park is a figure of its own; the urgent request's start (and so its first
@@ -895,14 +806,14 @@ class LaneDispatcher:
             preempt.replica, seconds=now - parking.asked_at, bound_s=bound
         )
         ticket = victim.ticket
-        self._running.pop(ticket.id, None)
-        self._parked[ticket.id] = victim
+        self._runs.running.pop(ticket.id, None)
+        self._runs.parked[ticket.id] = victim
         victim.parked_at = now
         if victim.first_token_at is None:
             victim.wait_forecast_s = None  # its first token will count the park too
-        self._parked_bytes[ticket.id] = done.parked.parked_bytes
+        self._runs.parked_bytes[ticket.id] = done.parked.parked_bytes
         if done.parked.parked_bytes and done.parked.tokens:
-            self._kv_bytes_per_token = -(-done.parked.parked_bytes // done.parked.tokens)
+            self._runs.kv_bytes_per_token = -(-done.parked.parked_bytes // done.parked.tokens)
         expected = self.measurements.output_tokens(ticket.max_tokens, policy=ticket.policy.name)
         left = max(0, expected - victim.generated)
         self._queue.requeue(ticket, now=now, resume=admission.Resume(preempt.replica, left))
@@ -927,12 +838,12 @@ class LaneDispatcher:
         )
         self._start(start, now, preempting=True)
 
-    def _caller_waits(self, parking: _Parking) -> bool:
+    def _caller_waits(self, parking: runs.Parking) -> bool:
         """Whether the caller of the ticket a park is asked for still waits for it."""
         pending = self._pending.get(parking.preempt.ticket.id)
         return pending is not None and not pending.started.done()
 
-    def _requeue_urgent(self, parking: _Parking, now: float) -> None:
+    def _requeue_urgent(self, parking: runs.Parking, now: float) -> None:
         """The ticket a park was for waits again, unless its caller has left."""
         if self._caller_waits(parking):
             self._queue.requeue(parking.preempt.ticket, now=now)
@@ -941,11 +852,11 @@ class LaneDispatcher:
         """Have the engine resume a parked generation in the slot admission gave it;
         its relay's stream goes on by itself. The call runs beside the queue: it waits
         for the engine to free that slot, which must not hold up the Lane."""
-        run = self._parked.pop(decision.ticket.id, None)
+        run = self._runs.parked.pop(decision.ticket.id, None)
         if run is None:
             return  # it ended while parked
-        self._running[decision.ticket.id] = run
-        self._parked_bytes.pop(decision.ticket.id, None)
+        self._runs.running[decision.ticket.id] = run
+        self._runs.parked_bytes.pop(decision.ticket.id, None)
         if run.parked_at is not None:
             if run.first_token_at is not None:
                 run.parked_s += self._clock() - max(run.parked_at, run.first_token_at)
@@ -989,10 +900,10 @@ class LaneDispatcher:
             policy=policy.name,
             reason=reason,
             retry_after_s=round(refusal.retry_after_s, 3),
-            predicted_ttft_s=_rounded(refusal.predicted_ttft_s),
+            predicted_ttft_s=runs.rounded(refusal.predicted_ttft_s),
             prompt_tokens=refusal.ticket.prompt_tokens,
             # What the forecast saw: enough to tell a wrong figure from a full Lane.
-            view=[_summary(replica) for replica in self._view().replicas],
+            view=[runs.summary(replica) for replica in self._view().replicas],
         )
 
     def _fail_all(self, err: errors.BlazarError) -> None:
@@ -1000,7 +911,7 @@ class LaneDispatcher:
         for ticket in self._queue.tickets():
             self._queue.cancel(ticket.id)
             self._fail(ticket.id, err)
-        for parking in self._parking.values():
+        for parking in self._runs.parking.values():
             self._fail(parking.preempt.ticket.id, err)
 
     def _fail(self, ticket_id: str, err: errors.BlazarError) -> None:
@@ -1017,102 +928,10 @@ class LaneDispatcher:
             count = depth.get(name, 0)
             self._figures(self._policies[name]).queued = count
             metrics.QUEUE_DEPTH.labels(self.lane, name).set(count)
-        metrics.PARKED_BYTES.labels(self.lane).set(sum(self._parked_bytes.values()))
-
-    # --- the view ------------------------------------------------------------------
-
-    def _serving(self) -> Iterable[routing.Replica]:
-        if self._route is None:
-            return ()
-        return (r for r in self._route.replicas if _identity(r) not in self._excluded)
-
-    def _replica(self, index: int) -> routing.Replica | None:
-        return next((r for r in self._serving() if r.index == index), None)
-
-    def _holder(
-        self, run: Run, rates: Mapping[str, admission.TokenRate], now: float
-    ) -> admission.Running:
-        """What holds the run's slot as admission sees it: the run, or, while the run
-        is being parked, the ticket that will start in its slot. A run without its first
-        token holds the replica's prefill line until its first token is due, and so does
-        that ticket, from when the forecast had it start (once parked) until its first
-        token: several urgent tickets that preempt at once are prefilled one after
-        another like any others."""
-        parking = self._parking.get(run.ticket.id)
-        ticket = parking.preempt.ticket if parking is not None else run.ticket
-        generated = 0 if parking is not None else run.generated
-        if parking is not None:
-            preempt = parking.preempt
-            due = parking.asked_at + preempt.start_s + preempt.queue_s + preempt.prefill_s
-            prefill_left = max(0.0, due - now)
-        elif run.first_token_at is None and run.parked_at is None:
-            prefill_left = max(0.0, run.first_token_due - now)
-        else:
-            prefill_left = 0.0
-        expected = self.measurements.output_tokens(ticket.max_tokens, policy=ticket.policy.name)
-        return admission.Running(
-            id=ticket.id,
-            priority=ticket.policy.priority,
-            tokens_left=max(0, expected - generated),
-            kv_tokens=ticket.prompt_tokens + generated,
-            parkable=not run.resuming
-            and run.generated > self._refused_parks.get(run.ticket.id, -1),
-            rate=rates.get(ticket.policy.name),
-            policy=ticket.policy.name,
-            max_slots_per_replica=ticket.policy.max_slots_per_replica,
-            prefill_left_s=prefill_left,
-        )
+        metrics.PARKED_BYTES.labels(self.lane).set(self._runs.parked_total())
 
     def _view(self) -> admission.LaneView:
-        route = self._route
-        if route is None:
-            return admission.LaneView()
-        # Read once per view: each running request's figure comes from it. A policy
-        # none of whose requests has finished yet reads what its runs in flight measure
-        # (else a Lane whose first requests are long generations would see their slots
-        # free at once, and urgent work would wait for them instead of preempting).
-        now = self._clock()
-        in_flight = (
-            (run.ticket.policy.name, now - run.first_token_at - run.parked_s, run.generated - 1)
-            for run in self._running.values()
-            if run.first_token_at is not None and run.ticket.id not in self._parking
-        )
-        rates = {**in_flight_token_rates(in_flight), **self.measurements.token_rates}
-        replicas = []
-        for replica in self._serving():
-            identity = _identity(replica)
-            mine = [run for run in self._running.values() if _identity(run.replica) == identity]
-            running = [self._holder(run, rates, now) for run in mine]
-            parked = sum(
-                self._parked_bytes.get(run.ticket.id, 0)
-                for run in self._parked.values()
-                if _identity(run.replica) == identity
-            )
-            # A park under way: its bytes count already, at the rate parks measured.
-            parked += sum(
-                self._kv_bytes_per_token * (run.ticket.prompt_tokens + run.generated)
-                for run in mine
-                if run.ticket.id in self._parking
-            )
-            replicas.append(
-                self.measurements.replica_view(
-                    replica.index,
-                    slots=route.slots,
-                    running=running,
-                    parked_bytes=parked,
-                    parked_bytes_max=route.max_parked_bytes,
-                    kv_bytes_per_token=self._kv_bytes_per_token,
-                    draft_batch_max=route.draft_batch_max,
-                )
-            )
-        return admission.LaneView(
-            replicas=tuple(replicas),
-            completion_tokens=self.measurements.completion_tokens,
-            completion_share=self.measurements.completion_share,
-            lane_share=self.measurements.lane_share,
-            rates=rates,
-            lateness=self.measurements.lateness,
-        )
+        return self._runs.view(self._route, self.measurements, now=self._clock())
 
 
 class Dispatchers:
@@ -1174,31 +993,3 @@ class Dispatchers:
 
 def _shutting_down() -> errors.Unavailable:
     return errors.Unavailable("The server is shutting down; retry.")
-
-
-def _rounded(seconds: float | None) -> float | None:
-    return None if seconds is None else round(seconds, 3)
-
-
-def _summary(replica: admission.ReplicaView) -> dict[str, object]:
-    """A replica's figures in the forecast, for a refusal's log line."""
-    return {
-        "replica": replica.index,
-        # policy:priority:tokens left, "!" when its engine refused to park it
-        "running": [
-            f"{r.policy}:{r.priority}:{r.tokens_left}{'' if r.parkable else '!'}"
-            for r in replica.running
-        ],
-        "step_s": _rounded(replica.step_s),
-        "growth_s": _rounded(replica.step_growth_s),
-        "prefill_tps": _rounded(replica.prefill_tokens_per_s),
-        "prefill_fixed_s": _rounded(replica.prefill_fixed_s),
-        "lone_prefill_tps": _rounded(replica.lone_prefill_tokens_per_s),
-        "lone_prefill_fixed_s": _rounded(replica.lone_prefill_fixed_s),
-        "start_overhead_s": _rounded(replica.start_overhead_s),
-        "lone_start_overhead_s": _rounded(replica.lone_start_overhead_s),
-        "park_s": _rounded(replica.park_s),
-        "parked_bytes": replica.parked_bytes,
-        "parked_bytes_max": replica.parked_bytes_max,
-        "per_step": _rounded(replica.tokens_per_step),
-    }

@@ -50,6 +50,7 @@ from blazar.dataplane import (
     policies,
     prefixes,
     routing,
+    runs,
 )
 from blazar.enginehost import upstream_convert
 from blazar.enginehost.activity import Activity, sleeps_in
@@ -768,7 +769,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         session: str,
         blocks: tuple[int, ...],
         hashes: Callable[[int], tuple[int, ...]] | None,
-    ) -> tuple[routing.Route, dispatcher.LaneDispatcher, dispatcher.Run, tuple[int, ...]]:
+    ) -> tuple[routing.Route, dispatcher.LaneDispatcher, runs.Run, tuple[int, ...]]:
         """Offer a ticket its Lane handed back to the spillover Lane `to` (admitted
         there only if it meets its target, and never spilled again): its run there,
         preferring the replica of `to` routing picks (its session's, else the one
@@ -802,7 +803,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                 except errors.BlazarError as err:
                     elsewhere = err
                 else:
-                    assert isinstance(started, dispatcher.Run)  # it spills no further
+                    assert isinstance(started, runs.Run)  # it spills no further
                     metrics.SPILLOVERS.labels(route.lane, to.lane).inc()
                     log.info(
                         "request.spilled",
@@ -827,7 +828,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             raise refusal.error(route.lane)
         # onOverload: queue: it waits here after all.
         started = await lane.admit(ticket, request_id=request_id, prompt_chars=prompt_chars)
-        assert isinstance(started, dispatcher.Run)
+        assert isinstance(started, runs.Run)
         return route, lane, started, blocks
 
     async def _policy(self, model: str, slo: str, context: Context) -> admission.Policy:

@@ -13,9 +13,10 @@ import pytest
 from blazar._proto.v1 import inference_pb2
 from blazar.api import errors
 from blazar.dataplane import admission, routing
-from blazar.dataplane.dispatcher import LaneDispatcher, Run
+from blazar.dataplane.dispatcher import LaneDispatcher
 from blazar.dataplane.measurements import LATENESS_MAX
 from blazar.dataplane.parking import Parked
+from blazar.dataplane.runs import Run
 from tests.dispatching import one_slot_route
 
 BATCH = admission.Policy(name="batch", priority=0, max_queue_depth=8)

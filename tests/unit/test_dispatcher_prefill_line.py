@@ -13,8 +13,9 @@ import structlog
 
 from blazar._proto.v1 import inference_pb2
 from blazar.dataplane import admission, routing
-from blazar.dataplane.dispatcher import LaneDispatcher, Run
+from blazar.dataplane.dispatcher import LaneDispatcher
 from blazar.dataplane.parking import Parked
+from blazar.dataplane.runs import Run
 from tests.dispatching import one_slot_route
 
 POLICY = admission.Policy(name="chat", priority=0, max_queue_depth=8)
