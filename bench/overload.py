@@ -436,7 +436,9 @@ def long_prefill(
         servers.log(
             f"long prefill, streams {streams_policy}, prompt {long_policy}: p99 time per "
             f"token {lines[long_policy][0]}, TTFT {long_run.ttft} (alone {base_ttft}) "
-            f"{long_run.error[:80]}"
+            f"{long_run.error[:80]}; {len(gaps)} gaps, p50/p90/p95 "
+            f"{[round(x, 3) for x in (p(gaps, 0.5), p(gaps, 0.9), p(gaps, 0.95)) if x]}, "
+            f"slowest {sorted(round(g, 3) for g in gaps)[-5:]}"
         )
     gap, ttft, alone_ttft = lines["batch"]
     fifo_gap, fifo_ttft, fifo_alone = lines[FIFO]

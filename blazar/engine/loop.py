@@ -105,6 +105,10 @@ class DecodeLoop:
         )
         # Threads the last step computed with (Health reads it from other threads).
         self.threads = options.spec.threads
+        # time.perf_counter() when the last decode with decoding rows ended (None: the
+        # last decode had none, or the loop waited for work since): the next one
+        # measures the pass between (`pacing`).
+        self._decoded_at: float | None = None
         # time.monotonic() when the current pass of the loop began; 0.0 between passes.
         self._pass_began = 0.0
         self._thread = threading.Thread(target=self._run, name="decode", daemon=True)
@@ -280,6 +284,7 @@ class DecodeLoop:
         block = not self._seats.active() and not self._waiting and self._bank.next() is None
         if block:
             self._flush()
+            self._decoded_at = None  # what comes after the wait is no pass's
             if self._cpu is not None:
                 self._cpu.idle()
         return self._waiting.collect(block=block)
@@ -349,14 +354,20 @@ class DecodeLoop:
         # The last step's tokens go out, once for all its streams (`jobs.Outbox`).
         self._flush()
         if not step.entries:
+            self._decoded_at = None
             return
         started = time.perf_counter()
         assembly.started(step, started)
         runtime.decode(step.entries)
+        decoded_at = time.perf_counter()
+        rows = sum(p.piece.tokens for p in step.placed if p.piece.decode)
+        if rows and self._decoded_at is not None:
+            self._pacer.between(started - self._decoded_at)
+        self._decoded_at = decoded_at if rows else None
         self._pacer.observe(
-            rows=sum(p.piece.tokens for p in step.placed if p.piece.decode),
+            rows=rows,
             prompt_tokens=sum(p.piece.tokens for p in step.placed if not p.piece.decode),
-            seconds=time.perf_counter() - started,
+            seconds=decoded_at - started,
         )
         for p in step.placed:
             gen = p.slot.gen

@@ -9,6 +9,12 @@ each prompt token adds to a step. Without a target the loop's fixed cap applies
 (`loop.PREFILL_BESIDE_DECODE`), and so it does until both figures are measured: the
 pacer never sizes a chunk on a guess.
 
+A stream's time per output token is a whole pass of the loop, not only its decode:
+reading each row back (sampling, stops, the stream's send), drafting and assembling the
+next batch happen between two decodes (2-5 ms a pass with three streams drafting, on
+Machine C). The pacer measures that too (`between`: from one decode's end to the next
+one's start, while streams decode all along) and leaves it out of the room.
+
 Steps vary, so the chunk aims below the target by `SPREAD` times the pacer's own
 typical error (the moving average of |measured - predicted| over steps that carried a
 chunk): the target is a bound on each step, not on their mean.
@@ -54,6 +60,8 @@ class PrefillPacer:
     _per_token_s: float | None = None
     # Typical |measured - predicted| seconds of a step that carried a chunk.
     _error_s: float = 0.0
+    # Seconds from a decode's end to the next one's start while streams decode.
+    _between_s: float = 0.0
 
     def observe(self, *, rows: int, prompt_tokens: int, seconds: float) -> None:
         """A step decoded `rows` rows of decoding streams and `prompt_tokens` prompt
@@ -71,6 +79,11 @@ class PrefillPacer:
         added = (seconds - base) / prompt_tokens
         if added > 0:
             self._per_token_s = _average(self._per_token_s, added)
+
+    def between(self, seconds: float) -> None:
+        """A decode began `seconds` after the last one ended, with streams decoding in
+        both (the loop did not wait for work meanwhile)."""
+        self._between_s = _average(self._between_s or None, seconds)
 
     def decode_s(self, rows: int) -> float | None:
         """The measured decode-only step of `rows` rows, or of the nearest row count
@@ -91,7 +104,7 @@ class PrefillPacer:
         base, per_token = self.decode_s(rows), self._per_token_s
         if base is None or per_token is None:
             return self.default
-        room = int((target_s - base - SPREAD * self._error_s) / per_token)
+        room = int((target_s - base - self._between_s - SPREAD * self._error_s) / per_token)
         if room < MIN_CHUNK and drafts > 0:
             return 0
         return max(MIN_CHUNK, min(room, self.max_tokens))

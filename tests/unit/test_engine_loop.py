@@ -653,3 +653,29 @@ def test_a_pass_that_fails_outside_its_step_ends_the_work_and_says_so(
     finished = first_events.last
     assert isinstance(finished, jobs.Finished)
     assert finished.reason is jobs.FinishReason.CANCELLED
+
+
+def test_the_pacer_measures_the_pass_between_decodes_not_the_wait_for_work(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Between two decodes of a stream, the loop reads the rows back, sends and
+    assembles: the pacer learns that time (`pacing.PrefillPacer.between`), here a
+    send that takes 10 ms. A loop that waited for work (0.5 s) does not count the wait
+    as a pass."""
+    real_after = loop.emission.after
+
+    def slow_after(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(0.01)
+        return real_after(*args, **kwargs)
+
+    monkeypatch.setattr(loop.emission, "after", slow_after)
+    with running(monkeypatch, slots=1) as (decode, _runtime):
+        first, first_events = job([1, 2, 3], max_tokens=8, name="first")
+        decode.submit(first)
+        assert first_events.ended.wait(10)
+        time.sleep(0.5)
+        second, second_events = job([4, 5, 6], max_tokens=8, name="second")
+        decode.submit(second)
+        assert second_events.ended.wait(10)
+        between = decode._pacer._between_s
+    assert 0.01 <= between < 0.1

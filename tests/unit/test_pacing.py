@@ -96,3 +96,13 @@ def test_drafts_that_leave_no_room_for_the_smallest_chunk_hold_the_prompt_back()
     assert pacer.budget(rows=4, target_s=0.100, drafts=0) == MIN_CHUNK
     # Drafts that leave room for a chunk take nothing from it.
     assert pacer.budget(rows=4, target_s=0.200, drafts=3) == 212
+
+
+def test_the_pass_between_two_decodes_leaves_less_room() -> None:
+    pacer = measured()
+    pacer.between(0.010)
+    # 100 ms target, 20 ms of decoding and 10 ms between decodes: 140 tokens.
+    assert pacer.budget(rows=1, target_s=0.100) == 140
+    pacer.between(0.060)
+    # Averaged: a fifth of the way from 10 to 60 ms, 20 ms, leaving 60 ms: 120 tokens.
+    assert pacer.budget(rows=1, target_s=0.100) == 120
