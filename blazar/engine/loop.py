@@ -106,8 +106,8 @@ class DecodeLoop:
         # Threads the last step computed with (Health reads it from other threads).
         self.threads = options.spec.threads
         # time.perf_counter() when the last decode with decoding rows ended (None: the
-        # last decode had none, or the loop waited for work since): the next one
-        # measures the pass between (`pacing`).
+        # last decode had none, or failed, or since then the loop waited for work or
+        # a slot changed hands): the next one measures the pass between (`pacing`).
         self._decoded_at: float | None = None
         # time.monotonic() when the current pass of the loop began; 0.0 between passes.
         self._pass_began = 0.0
@@ -233,14 +233,21 @@ class DecodeLoop:
     def _pass(self, runtime: llama.Runtime) -> None:
         """One pass: the orders that came, then who sits where, then one step."""
         self._pass_began = time.monotonic()
+        seated = [slot.gen for slot in self.slots]
         self._control(runtime)
         self._admit(runtime)
         self._seats.compact(runtime)
+        if any(slot.gen is not gen for slot, gen in zip(self.slots, seated, strict=True)):
+            # A park copies a cache out, a resume copies one in, a move or a start
+            # edits the cache: once, not a pass between two decodes (`pacing`), whose
+            # average would shrink every prompt chunk after it.
+            self._decoded_at = None
         self._share_cpu(runtime)
         try:
             self._step(runtime)
         except Exception as exc:
             log.exception("decode_step_failed")
+            self._decoded_at = None  # nor is the failed step, or its error's handling
             for slot in self._seats.active():
                 self._seats.fail(runtime, slot, jobs.Failed(f"decode failed: {exc}"))
         self._pass_began = 0.0

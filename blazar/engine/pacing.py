@@ -28,8 +28,8 @@ breaks the target). The prompt moves on in the steps whose drafts leave room (th
 speculation policy pauses drafts that keep being rejected, and switches them off above
 its batch limit) or once the streams end: while drafts pay, the streams finish sooner.
 
-Pure: the loop reports each decoded step (`observe`) and asks before planning the
-next (`budget`); no clock, no llama.
+Pure: the loop reports each decoded step (`observe`) and the pass before it
+(`between`), and asks before planning the next (`budget`); no clock, no llama.
 """
 
 from __future__ import annotations

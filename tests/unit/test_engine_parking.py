@@ -518,3 +518,53 @@ def test_a_resume_that_fails_before_it_restores_leaves_nothing_parked(
     ]
     assert isinstance(long_events.last, jobs.Failed)
     assert text(after_events) == counted(9, 3)
+
+
+@pytest.mark.parametrize("order", ["park", "resume"])
+def test_a_park_or_resume_is_no_pass_between_decodes_for_the_pacer(
+    monkeypatch: pytest.MonkeyPatch, order: str
+) -> None:
+    """A park copies a cache out, a resume copies it back in, in the pass before the
+    next decode of the streams that go on: a one-off (here 0.3 s) that the pacer must
+    not learn as the pass between two decodes (`pacing.PrefillPacer.between`), or
+    every prompt chunk after it shrinks for it."""
+    with running(monkeypatch, slots=2, max_parked_mib=64) as (decode, runtime):
+        samples: list[float] = []
+        real_between = decode._pacer.between
+
+        def between(seconds: float) -> None:
+            samples.append(seconds)
+            real_between(seconds)
+
+        monkeypatch.setattr(decode._pacer, "between", between)
+        real_state, real_set_state = runtime.seq_state, runtime.set_seq_state
+
+        def slow_state(seq: int, size: int) -> Any:
+            if order == "park":
+                time.sleep(0.3)
+            return real_state(seq, size)
+
+        def slow_set_state(seq: int, state: Any) -> bool:
+            if order == "resume":
+                time.sleep(0.3)
+            return real_set_state(seq, state)
+
+        monkeypatch.setattr(runtime, "seq_state", slow_state)
+        monkeypatch.setattr(runtime, "set_seq_state", slow_set_state)
+        other, other_events = job([5, 6], max_tokens=60, name="other")
+        long, long_events = job([1, 2, 3], max_tokens=60, name="long")
+        parked = park_at(decode, runtime, "long", step=4)
+        park_order = runtime.before_decode
+
+        def slow_decode(step: int) -> None:
+            park_order(step)
+            time.sleep(0.005)  # `other` still decodes when the resume comes
+
+        runtime.before_decode = slow_decode
+        decode.submit(other)
+        decode.submit(long)
+        assert isinstance(parked.wait(), parking.ParkResult)
+        assert isinstance(resume(decode, "long").wait(), parking.ResumeResult)
+        assert not other_events.ended.is_set()
+        assert other_events.ended.wait(10) and long_events.ended.wait(10)
+    assert samples and max(samples) < 0.1, samples
