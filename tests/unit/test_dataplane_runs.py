@@ -1,0 +1,89 @@
+"""The view admission decides against, built from what runs where (`dataplane.runs`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from blazar.dataplane import admission, routing, runs
+from blazar.dataplane.measurements import LaneMeasurements
+from tests.dispatching import one_slot_route
+
+BATCH = admission.Policy(name="batch", priority=0, max_queue_depth=8)
+URGENT = admission.Policy(name="urgent", priority=100, ttft_target_s=2.0, max_queue_depth=8)
+
+
+def two_replicas() -> routing.Route:
+    route = one_slot_route()
+    second = routing.Replica("l", 1, "unix:///elsewhere", pid=2)
+    return dataclasses.replace(route, replicas=(*route.replicas, second), slots=2)
+
+
+def run(
+    id: str, replica: routing.Replica, *, policy: admission.Policy = BATCH, generated: int = 0
+) -> runs.Run:
+    ticket = admission.Ticket(id, policy, 0.0, prompt_tokens=10, max_tokens=100)
+    return runs.Run(ticket, id, replica, 40, generated=generated, first_token_at=1.0)
+
+
+def test_each_run_holds_a_slot_on_its_own_replica() -> None:
+    route = two_replicas()
+    lane = runs.LaneRuns()
+    lane.running["a"] = run("a", route.replicas[0], generated=30)
+    lane.running["b"] = run("b", route.replicas[1])
+    view = lane.view(route, LaneMeasurements(), now=2.0)
+    assert [[r.id for r in replica.running] for replica in view.replicas] == [["a"], ["b"]]
+    (a,) = view.replicas[0].running
+    # Tokens left: its max_tokens (nothing measured yet) less what it generated.
+    assert (a.tokens_left, a.kv_tokens, a.parkable) == (70, 40, True)
+
+
+def test_a_replica_left_out_is_not_in_the_view_until_the_route_forgets_it() -> None:
+    route = two_replicas()
+    lane = runs.LaneRuns(excluded={runs.identity(route.replicas[1])})
+    assert [r.index for r in lane.view(route, LaneMeasurements(), now=0.0).replicas] == [0]
+    assert lane.replica(route, 1) is None
+    # The replica restarted as another process: the new one serves.
+    restarted = dataclasses.replace(route.replicas[1], pid=3)
+    route = dataclasses.replace(route, replicas=(route.replicas[0], restarted))
+    lane.forget_gone(route)
+    assert lane.replica(route, 1) is restarted
+
+
+def test_a_run_being_parked_shows_as_the_ticket_that_takes_its_slot() -> None:
+    route = one_slot_route()
+    lane = runs.LaneRuns(kv_bytes_per_token=100)
+    victim = run("victim", route.replicas[0], generated=20)
+    lane.running["victim"] = victim
+    urgent = admission.Ticket("urgent", URGENT, 0.0, prompt_tokens=5, max_tokens=50)
+    preempt = admission.Preempt(urgent, "victim", 0, prefill_s=0.5, start_s=0.25)
+    lane.parking["victim"] = runs.Parking(preempt, victim, asked_at=10.0)
+    (replica,) = lane.view(route, LaneMeasurements(), now=10.5).replicas
+    (holder,) = replica.running
+    assert (holder.id, holder.priority, holder.tokens_left) == ("urgent", 100, 50)
+    # Its prompt holds the prefill line until its first token is due (10.75).
+    assert holder.prefill_left_s == 0.25
+    # The victim's cache counts as parked already: 30 tokens at 100 bytes.
+    assert replica.parked_bytes == 3000
+
+
+def test_a_parked_run_holds_memory_and_no_slot() -> None:
+    route = one_slot_route()
+    lane = runs.LaneRuns()
+    lane.parked["p"] = run("p", route.replicas[0])
+    lane.parked_bytes["p"] = 4096
+    (replica,) = lane.view(route, LaneMeasurements(), now=0.0).replicas
+    assert (replica.running, replica.parked_bytes) == ((), 4096)
+    assert lane.busy() and lane.parked_total() == 4096
+
+
+def test_a_run_whose_park_was_refused_is_no_victim_until_it_generates_more() -> None:
+    route = one_slot_route()
+    lane = runs.LaneRuns(refused_parks={"a": 5})
+    lane.running["a"] = run("a", route.replicas[0], generated=5)
+    assert not lane.view(route, LaneMeasurements(), now=0.0).replicas[0].running[0].parkable
+    lane.running["a"].generated = 6
+    assert lane.view(route, LaneMeasurements(), now=0.0).replicas[0].running[0].parkable
+
+
+def test_no_route_no_replicas() -> None:
+    assert runs.LaneRuns().view(None, LaneMeasurements(), now=0.0) == admission.LaneView()
