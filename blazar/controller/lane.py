@@ -258,7 +258,7 @@ class LaneReconciler:
         was_asleep = available is not None and available.reason == "Sleeping"
         if sleep.asleep and not was_asleep:
             self._event(name, "Normal", "Sleeping", sleep.message)
-        elif not sleep.asleep and was_asleep:
+        elif not sleep.asleep and was_asleep and desired > 0:
             self._event(name, "Normal", "Waking", "A request waits: starting replicas.")
         if plan.actions:
             # What is serving now goes out before acting: a stop drains for up to its

@@ -52,7 +52,9 @@ class Sleeper:
     def decide(self, lane: Lane) -> lane_plan.Sleep:
         """Whether the Lane sleeps this pass, why, and when to look again."""
         name = lane.metadata.name
-        if self._activity is None or lane.spec.preload:
+        # A Lane scaled to zero is paused, not asleep: no request wakes it (the data
+        # plane refuses them), and its status says ScaledToZero.
+        if self._activity is None or lane.spec.preload or lane.spec.replicas == 0:
             return lane_plan.Sleep()
         in_flight, wanted = self._activity.in_flight(name), self._activity.wanted(name)
         if wanted:

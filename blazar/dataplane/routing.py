@@ -112,7 +112,8 @@ def build_table(
             preload=lane.spec.preload,
             # On demand, unless it cannot start at all (then it is not asleep: broken).
             sleeping=(lane.status.sleeping or _waits_for_memory(lane))
-            and not _memory_problem(lane),
+            and not _memory_problem(lane)
+            and lane.spec.replicas > 0,
             model_problem=_model_problem(lane),
             memory_problem=_memory_problem(lane),
         )
@@ -139,6 +140,8 @@ def build_table(
 
 
 def _wakes(lane: Lane) -> bool:
+    if lane.spec.replicas == 0:
+        return False  # paused: a request is refused at once (`pick_replica`), not woken
     if lane.spec.idle is not None and lane.spec.idle.sleep_after is not None:
         return True
     return lane.status.sleeping or _waits_for_memory(lane)

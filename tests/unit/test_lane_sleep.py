@@ -113,3 +113,36 @@ def test_a_lane_without_idle_never_sleeps() -> None:
     ticks.now = 1e6
     asyncio.run(rec.reconcile("l"))
     assert len(procs.observe("l")) == 1
+
+
+def test_a_sleeping_lane_scaled_to_zero_is_paused_not_asleep() -> None:
+    """Scaled to `replicas: 0` while asleep, a Lane says ScaledToZero, as any Lane of
+    zero replicas does (not Sleeping, which says a request wakes it), and it neither
+    says it wakes nor starts a replica when a request is wanted."""
+    clock, ticks = Clock(), Ticks()
+    store = MemoryStore(clock=clock)
+    procs = FakeProcesses(clock)
+    activity = Activity(clock=ticks)
+    rec = LaneReconciler(store=store, processes=procs, clock=clock, activity=activity)
+    ready_model(store, clock)
+    apply(store, SLEEPY)
+    asyncio.run(rec.reconcile("l"))
+    procs.set_state("l", 0, ReplicaState.READY)
+    ticks.now = 10.0
+    asyncio.run(rec.reconcile("l"))
+    assert procs.observe("l") == []
+    apply(store, SLEEPY.replace("replicas: 1", "replicas: 0"))
+    activity.want("l")
+    asyncio.run(rec.reconcile("l"))
+    lane = store.get(Kind.LANE, "l")
+    assert isinstance(lane, Lane)
+    available = conditions.get_condition(lane.status.conditions, "Available")
+    ready = conditions.get_condition(lane.status.conditions, "Ready")
+    assert available is not None and ready is not None
+    assert (lane.status.sleeping, available.reason, ready.reason) == (
+        False,
+        "ScaledToZero",
+        "ScaledToZero",
+    )
+    assert procs.observe("l") == []
+    assert "Waking" not in [e.reason for e in store.events(kind="Lane", name="l")]

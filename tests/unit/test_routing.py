@@ -7,7 +7,7 @@ from datetime import UTC, datetime
 import pytest
 
 from blazar.api import errors
-from blazar.api.kinds import Lane, LaneSpec, LaneStatus, ReplicaStatus
+from blazar.api.kinds import Idle, Lane, LaneSpec, LaneStatus, ReplicaStatus
 from blazar.api.meta import Condition, ConditionStatus, ObjectMeta
 from blazar.dataplane import routing
 
@@ -284,3 +284,16 @@ def test_a_route_knows_the_batch_above_which_its_specpair_stops_drafting() -> No
         [drafting, dangling, lane("f")], draft_batch_max={"ngram": 4, "other": 2}
     )
     assert {r.lane: r.draft_batch_max for r in table.routes} == {"d": 4, "e": None, "f": None}
+
+
+def test_a_lane_scaled_to_zero_is_refused_at_once_not_woken() -> None:
+    """A Lane of `replicas: 0` that sleeps on idle (or slept before it was scaled to
+    zero) is paused: a request gets the scaled-to-zero error now, not a wait for a wake
+    that scaling to zero rules out."""
+    paused = lane("p", ready=(), desired=0)
+    paused.spec.idle = Idle(sleep_after="5m")
+    paused.status.sleeping = True
+    (route,) = routing.build_table([paused]).routes
+    assert (route.wakes, route.sleeping) == (False, False)
+    with pytest.raises(errors.Unavailable, match="scaled to zero"):
+        routing.pick_replica(route, {})
