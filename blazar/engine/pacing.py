@@ -11,7 +11,7 @@ pacer never sizes a chunk on a guess.
 
 A stream's time per output token is a whole pass of the loop, not only its decode:
 reading each row back (sampling, stops, the stream's send), drafting and assembling the
-next batch happen between two decodes (2-5 ms a pass with three streams drafting, on
+next batch happen between two decodes (2.5-6 ms a pass with three streams drafting, on
 Machine C). The pacer measures that too (`between`: from one decode's end to the next
 one's start, while streams decode all along) and leaves it out of the room.
 
