@@ -14,6 +14,8 @@ import httpx
 import openai
 import pytest
 
+from blazar._proto.v1 import control_pb2
+from blazar.cli.client import ControlClient
 from tests.integration.harness import Daemon, local_fleet, pid_alive, short_home, wait_for
 
 pytestmark = pytest.mark.slow
@@ -86,3 +88,45 @@ def test_an_embedding_request_wakes_a_sleeping_lane(daemon: Daemon) -> None:
     client = openai.OpenAI(base_url=f"http://{daemon.http}/v1", api_key="unused", max_retries=0)
     embedded = client.embeddings.create(model=LANE, input="wake up", timeout=120)
     assert len(embedded.data[0].embedding) > 0
+
+
+def test_a_sleeping_lane_scaled_to_zero_refuses_at_once(daemon: Daemon) -> None:
+    """Asleep, then scaled to `replicas: 0` in the watched directory: the Lane says
+    ScaledToZero (not Sleeping), a request is refused at once with the scaled-to-zero
+    error (it waited for a wake that never came, then failed), and no Waking event is
+    written. Last in the module: it leaves the Lane at zero replicas."""
+
+    def wakings() -> int:
+        with ControlClient(daemon.control) as control:
+            listed = control.events(control_pb2.EventsRequest(kind="Lane", name=LANE))
+        return sum(e.reason == "Waking" for e in listed.events)
+
+    daemon.wait_condition("lane", LANE, "Available", "False", timeout=SLEEP_AFTER_S + 30)
+    available = daemon.condition("lane", LANE, "Available")
+    assert available is not None and available["reason"] == "Sleeping"
+    woken_before = wakings()
+    assert daemon.watch is not None
+    fleet = daemon.watch / "fleet.yaml"
+    scaled = fleet.read_text().replace(
+        "spec: {model: local, ", "spec: {model: local, replicas: 0, "
+    )
+    fleet.write_text(scaled)
+    wait_for(
+        lambda: (daemon.condition("lane", LANE, "Available") or {}).get("reason") == "ScaledToZero",
+        timeout=30,
+        what="the Lane to say ScaledToZero",
+        step=0.2,
+    )
+    assert daemon.get("lane", LANE)["status"].get("sleeping") is not True
+    started = time.monotonic()
+    answer = httpx.post(
+        f"http://{daemon.http}/v1/completions",
+        json={"model": LANE, "prompt": "Once upon", "max_tokens": 2},
+        timeout=60,
+        trust_env=False,
+    )
+    took = time.monotonic() - started
+    assert answer.status_code == 503, answer.text
+    assert "scaled to zero" in answer.json()["error"]["message"]
+    assert took < 2.0, took
+    assert wakings() == woken_before
