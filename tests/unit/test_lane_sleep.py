@@ -45,6 +45,16 @@ spec: {model: m, replicas: 1, slots: 2, threads: 2, idle: {sleepAfter: 5s}}
 """
 
 
+def status(store: MemoryStore) -> tuple[bool, str, str]:
+    """Lane "l": whether it sleeps, and its Available and Ready reasons."""
+    lane = store.get(Kind.LANE, "l")
+    assert isinstance(lane, Lane)
+    available = conditions.get_condition(lane.status.conditions, "Available")
+    ready = conditions.get_condition(lane.status.conditions, "Ready")
+    assert available is not None and ready is not None
+    return lane.status.sleeping, available.reason, ready.reason
+
+
 class Ticks:
     def __init__(self) -> None:
         self.now = 0.0
@@ -53,7 +63,9 @@ class Ticks:
         return self.now
 
 
-def test_an_idle_lane_sleeps_and_a_request_wakes_it() -> None:
+def sleepy() -> tuple[MemoryStore, FakeProcesses, Activity, LaneReconciler, Ticks]:
+    """Lane "l" (SLEEPY) applied beside a ready Model, with its reconciler, faked
+    processes and an activity ledger on a clock the test moves (`Ticks.now`)."""
     clock, ticks = Clock(), Ticks()
     store = MemoryStore(clock=clock)
     procs = FakeProcesses(clock)
@@ -61,14 +73,11 @@ def test_an_idle_lane_sleeps_and_a_request_wakes_it() -> None:
     rec = LaneReconciler(store=store, processes=procs, clock=clock, activity=activity)
     ready_model(store, clock)
     apply(store, SLEEPY)
+    return store, procs, activity, rec, ticks
 
-    def status() -> tuple[bool, str, str]:
-        lane = store.get(Kind.LANE, "l")
-        assert isinstance(lane, Lane)
-        available = conditions.get_condition(lane.status.conditions, "Available")
-        ready = conditions.get_condition(lane.status.conditions, "Ready")
-        assert available is not None and ready is not None
-        return lane.status.sleeping, available.reason, ready.reason
+
+def test_an_idle_lane_sleeps_and_a_request_wakes_it() -> None:
+    store, procs, activity, rec, ticks = sleepy()
 
     # Fresh: awake, one replica; asked to look again when it would fall asleep.
     assert asyncio.run(rec.reconcile("l")).requeue_after == pytest.approx(5.0)
@@ -85,7 +94,7 @@ def test_an_idle_lane_sleeps_and_a_request_wakes_it() -> None:
     ticks.now = 35.0
     asyncio.run(rec.reconcile("l"))
     assert procs.observe("l") == []
-    assert status() == (True, "Sleeping", "Sleeping")
+    assert status(store) == (True, "Sleeping", "Sleeping")
     assert "Sleeping" in [e.reason for e in store.events(kind="Lane", name="l")]
     # A request waits for it: the data plane wants it, the controller starts it.
     woken: list[str] = []
@@ -98,7 +107,7 @@ def test_an_idle_lane_sleeps_and_a_request_wakes_it() -> None:
     assert "Waking" in [e.reason for e in store.events(kind="Lane", name="l")]
     procs.set_state("l", 0, ReplicaState.READY)
     asyncio.run(rec.reconcile("l"))
-    assert status() == (False, "MinimumReplicasAvailable", "AllReplicasReady")
+    assert status(store) == (False, "MinimumReplicasAvailable", "AllReplicasReady")
 
 
 def test_a_lane_without_idle_never_sleeps() -> None:
@@ -119,13 +128,7 @@ def test_a_sleeping_lane_scaled_to_zero_is_paused_not_asleep() -> None:
     """Scaled to `replicas: 0` while asleep, a Lane says ScaledToZero, as any Lane of
     zero replicas does (not Sleeping, which says a request wakes it), and it neither
     says it wakes nor starts a replica when a request is wanted."""
-    clock, ticks = Clock(), Ticks()
-    store = MemoryStore(clock=clock)
-    procs = FakeProcesses(clock)
-    activity = Activity(clock=ticks)
-    rec = LaneReconciler(store=store, processes=procs, clock=clock, activity=activity)
-    ready_model(store, clock)
-    apply(store, SLEEPY)
+    store, procs, activity, rec, ticks = sleepy()
     asyncio.run(rec.reconcile("l"))
     procs.set_state("l", 0, ReplicaState.READY)
     ticks.now = 10.0
@@ -134,15 +137,6 @@ def test_a_sleeping_lane_scaled_to_zero_is_paused_not_asleep() -> None:
     apply(store, SLEEPY.replace("replicas: 1", "replicas: 0"))
     activity.want("l")
     asyncio.run(rec.reconcile("l"))
-    lane = store.get(Kind.LANE, "l")
-    assert isinstance(lane, Lane)
-    available = conditions.get_condition(lane.status.conditions, "Available")
-    ready = conditions.get_condition(lane.status.conditions, "Ready")
-    assert available is not None and ready is not None
-    assert (lane.status.sleeping, available.reason, ready.reason) == (
-        False,
-        "ScaledToZero",
-        "ScaledToZero",
-    )
+    assert status(store) == (False, "ScaledToZero", "ScaledToZero")
     assert procs.observe("l") == []
     assert "Waking" not in [e.reason for e in store.events(kind="Lane", name="l")]
