@@ -292,6 +292,32 @@ def test_a_waiting_request_of_a_lane_scaled_to_zero_is_unavailable() -> None:
     assert "scaled to zero" in (error.details() or "")
 
 
+def test_a_request_to_a_lane_scaled_to_zero_while_it_drains_is_refused_at_once() -> None:
+    """Scaled to `replicas: 0` while its replica still drains (the status lists it as
+    Ready until the drain ends, up to the stop grace): a request that arrives then is
+    refused at once with the scaled-to-zero error, as the ones already waiting were,
+    rather than queued for a draining engine that refuses it (a 429 at its deadline, or
+    a wait until the drain ends)."""
+
+    async def run() -> tuple[grpc.aio.AioRpcError, float]:
+        async with serving([FakeEngine(refuse=True, text="a")]) as plane:
+            paused = lane(plane.sockets)
+            paused.spec.replicas = 0
+            plane.store.apply_all([paused])
+            plane.store.update_status(Kind.LANE, "l", lane(plane.sockets).status)
+            await asyncio.sleep(0.2)
+            started = time.monotonic()
+            call = plane.stub.Complete(inference_pb2.CompleteRequest(model="l", prompt="hi"))
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await asyncio.wait_for(call.read(), timeout=3)
+            return info.value, time.monotonic() - started
+
+    error, took = asyncio.run(run())
+    assert error.code() == grpc.StatusCode.UNAVAILABLE
+    assert "scaled to zero" in (error.details() or "")
+    assert took < 1.0, took
+
+
 def test_an_engine_lost_mid_stream_is_a_retryable_error_that_says_so() -> None:
     dying = FakeEngine(refuse=False, text="x", hang=True, die=True)
     chunks, error = asyncio.run(complete([dying]))
