@@ -259,7 +259,10 @@ class GatePublisher:
     ) -> tuple[list[inference_pb2.AdmissionGate], Mapping[str, int]]:
         """The Lane's closed gates, and its watchers' tags as of them; `stored`: the
         SLOPolicies the store holds, read once per flush."""
-        if not route.replicas or route.upstream is not None:
+        # No replica (asleep: a request wakes it), an upstream (refusing before
+        # admission), or scaled to zero while a replica drains (the Lane refuses
+        # every request as that, 503, not as the drain's overload).
+        if not route.replicas or route.upstream is not None or route.desired == 0:
             return [], {}
         own = self._lane_policy(route)
         policies = {own.name: own}

@@ -197,6 +197,9 @@ async def test_policies_asked_are_the_lanes_and_those_its_requests_named(world: 
         ({"replicas": ()}, True, False),
         # An upstream Lane refuses some requests before admission; no gate.
         ({"upstream": object()}, True, False),
+        # Scaled to zero, its replica draining: the Lane refuses every request as
+        # scaled to zero (503), which a gate's 429 for the work it drains would hide.
+        ({"desired": 0}, True, False),
         # With API keys in force, none at all.
         ({}, False, False),
         # A spillover Lane: asked with spill (admission opens the gate of a targeted
