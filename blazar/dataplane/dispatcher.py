@@ -564,7 +564,7 @@ class LaneDispatcher:
             # Scaled to zero while a replica still drains (listed Ready until it has
             # stopped): a draining engine takes no new work, so the request would wait
             # for nothing, as the ones waiting when it was scaled down were told.
-            pending.started.set_exception(self._scaled_to_zero(waited=False))
+            pending.started.set_exception(routing.scaled_to_zero(self._route))
             return
         self._policies[ticket.policy.name] = ticket.policy
         if ticket.spilled_from is None:
@@ -609,17 +609,13 @@ class LaneDispatcher:
         self._route = route
         self._runs.forget_gone(route)
         if route.desired == 0:
-            self._fail_all(self._scaled_to_zero(waited=True))
+            err = errors.Unavailable(
+                f"Lane '{self.lane}' was scaled to zero (replicas: 0) while the request "
+                "waited; scale it up to serve it.",
+                metadata={"lane": self.lane},
+            )
+            self._fail_all(err)
         return False
-
-    def _scaled_to_zero(self, *, waited: bool) -> errors.Unavailable:
-        when = "was scaled to zero (replicas: 0) while the request waited"
-        if not waited:
-            when = "is scaled to zero (replicas: 0), its last replicas draining"
-        return errors.Unavailable(
-            f"Lane '{self.lane}' {when}; scale it up to serve it.",
-            metadata={"lane": self.lane},
-        )
 
     def _leave_all(self) -> None:
         # Not UNAVAILABLE: a retry would find no such model either, so say so for good.

@@ -210,6 +210,16 @@ def unservable(route: Route) -> errors.Unavailable | None:
     )
 
 
+def scaled_to_zero(route: Route) -> errors.Unavailable:
+    """The error of a request for a Lane of `replicas: 0` (paused: no replica will
+    serve it until its operator scales it up), its last replicas drained or not."""
+    return errors.Unavailable(
+        f"The model '{route.lane}' is scaled to zero: Lane '{route.lane}' has "
+        "replicas: 0. Scale it up to serve it.",
+        metadata={"lane": route.lane},
+    )
+
+
 def spillover_of(table: RouteTable, route: Route) -> Route | None:
     """The Lane `route` spills over to, by its own name (an alias names no Lane here);
     None when it names none, or one the table does not hold (missing: no spill)."""
@@ -275,11 +285,7 @@ def pick_replica(
     """
     candidates = [r for r in route.replicas if r.index not in exclude]
     if not candidates and route.desired == 0 and not route.replicas:
-        raise errors.Unavailable(
-            f"The model '{route.lane}' is scaled to zero: Lane '{route.lane}' has "
-            "replicas: 0. Scale it up to serve it.",
-            metadata={"lane": route.lane},
-        )
+        raise scaled_to_zero(route)
     if not candidates and (stranded := unservable(route)) is not None:
         raise stranded
     if not candidates:
