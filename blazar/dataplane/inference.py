@@ -748,7 +748,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         exists (else the local decision stands), the caller may use it, and, for an
         upstream Lane, the request is one an upstream can be asked."""
         to = routing.spillover_of(self.table, route)
-        if to is None or self._dispatchers.of(to.lane) is None:
+        if to is None or to.desired == 0 or self._dispatchers.of(to.lane) is None:
             return None
         if not caller.may_use((to.lane, *to.aliases)):
             return None

@@ -282,10 +282,14 @@ def pick_replica(
     3. The least loaded replica; on equal load the one whose cache holds the fewest
        blocks (`held`), so that new conversations spread over the replicas' caches
        instead of evicting each other on one; then the lowest index.
+
+    A Lane scaled to zero has none (`scaled_to_zero`), draining replicas listed or not.
     """
-    candidates = [r for r in route.replicas if r.index not in exclude]
-    if not candidates and route.desired == 0 and not route.replicas:
+    if route.desired == 0:
+        # Paused: its replicas are stopped, or draining (listed until they stop), and a
+        # draining engine takes no new work.
         raise scaled_to_zero(route)
+    candidates = [r for r in route.replicas if r.index not in exclude]
     if not candidates and (stranded := unservable(route)) is not None:
         raise stranded
     if not candidates:

@@ -318,6 +318,36 @@ def test_a_request_to_a_lane_scaled_to_zero_while_it_drains_is_refused_at_once()
     assert took < 1.0, took
 
 
+def test_embed_and_tokenize_on_a_lane_scaled_to_zero_while_it_drains_say_so() -> None:
+    """Embeddings and tokenizing do not queue in admission: they went straight to the
+    draining replica, which refused them ("the engine is draining"), and the caller
+    learnt nothing of the Lane's `replicas: 0`. They get the error generation gets, and
+    the draining engine is not asked."""
+    draining = FakeEngine(refuse=True, text="a")
+
+    async def run() -> list[grpc.aio.AioRpcError]:
+        async with serving([draining]) as plane:
+            paused = lane(plane.sockets)
+            paused.spec.replicas = 0
+            plane.store.apply_all([paused])
+            plane.store.update_status(Kind.LANE, "l", lane(plane.sockets).status)
+            await asyncio.sleep(0.2)
+            errors_seen = []
+            for call in (
+                plane.stub.Embed(inference_pb2.EmbedRequest(model="l", inputs=["a"])),
+                plane.stub.Tokenize(inference_pb2.TokenizeRequest(model="l", text="a")),
+            ):
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await asyncio.wait_for(call, timeout=3)
+                errors_seen.append(info.value)
+            return errors_seen
+
+    for error in asyncio.run(run()):
+        assert error.code() == grpc.StatusCode.UNAVAILABLE
+        assert "scaled to zero" in (error.details() or ""), error.details()
+    assert draining.calls == 0
+
+
 def test_an_engine_lost_mid_stream_is_a_retryable_error_that_says_so() -> None:
     dying = FakeEngine(refuse=False, text="x", hang=True, die=True)
     chunks, error = asyncio.run(complete([dying]))

@@ -315,3 +315,29 @@ def test_the_spillover_lane_learns_the_prompts_it_ran() -> None:
                 await data_plane.stop(grace=0)
 
     assert asyncio.run(run()) == [("w", 1), ("w", 1), ("w", 1)]
+
+
+def test_a_spillover_lane_scaled_to_zero_while_it_drains_leaves_the_local_decision() -> None:
+    """ "w" scaled to `replicas: 0`, its replica still listed while it drains: nothing
+    spills there (a draining engine takes no new work), and the caller gets its own
+    Lane's refusal, not "w"'s scaled-to-zero error."""
+    before = spillovers()
+
+    async def run() -> tuple[errors.BlazarError | None, list[str]]:
+        async with plane(TIGHT) as p:
+            for name in ("l", "w"):
+                await p.warm(name)
+            paused = lane("w", p.sockets[1], spillover=None)
+            paused.spec.replicas = 0
+            p.store.apply_all([paused])
+            await asyncio.sleep(0.2)
+            held = await p.started("l", "hold")
+            refused = await outcome(p.start("l", "urgent", slo="tight"))
+            p.release()
+            assert await outcome(held) is None
+            return refused, p.engines["w"].seen
+
+    refused, on_w = asyncio.run(run())
+    assert isinstance(refused, errors.SloUnattainable), refused
+    assert refused.metadata["lane"] == "l"
+    assert (on_w, spillovers()) == (["warm-w"], before)

@@ -108,9 +108,11 @@ def test_lane_scaled_to_zero_says_so() -> None:
     assert exc.value.metadata == {"lane": "z"}
 
 
-def test_lane_scaled_to_zero_still_serves_from_a_draining_replica() -> None:
+def test_lane_scaled_to_zero_takes_no_work_on_a_replica_that_still_drains() -> None:
     draining = routing.build_table([lane("z", ready=(0,), desired=0)])
-    assert routing.pick_replica(routing.resolve(draining, "z"), {}).index == 0
+    with pytest.raises(errors.Unavailable) as exc:
+        routing.pick_replica(routing.resolve(draining, "z"), {})
+    assert "scaled to zero" in exc.value.message
 
 
 @pytest.mark.parametrize(
