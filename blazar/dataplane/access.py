@@ -11,7 +11,8 @@ Every RPC passes `AccessInterceptor` first, which sorts methods into three kinds
   the daemon then binds loopback only (`blazar.cli.daemon`). With one, a key that one
   of its tenants holds, else UNAUTHENTICATED. The tenant uses the Lanes it lists
   (`InferenceService` asks `permit`) within its rate limits (RESOURCE_EXHAUSTED,
-  RATE_LIMITED, with retry_after_ms), and ListModels shows it only those Lanes. A Lane
+  RATE_LIMITED, with retry_after_ms; `count`, once the request's own checks passed),
+  and ListModels shows it only those Lanes. A Lane
   it may not use is refused as a model that does not exist (NOT_FOUND,
   MODEL_NOT_FOUND, word for word; `shown`), unless it is an admin tenant, which can
   list every Lane anyway (PERMISSION_DENIED, MODEL_NOT_PERMITTED); metrics and logs
@@ -237,9 +238,8 @@ class Access:
         return found
 
     def permit(self, caller: Caller, *, model: str, names: Iterable[str]) -> None:
-        """Whether `caller` may send a request now to the Lane known by `names` (asked
-        for as `model`): ModelNotPermitted, or RateLimited, else the request is counted
-        against the tenant's rate limit."""
+        """Whether `caller` may use the Lane known by `names` (asked for as `model`):
+        ModelNotPermitted when not. Nothing is counted: see `count`."""
         tenant = caller.tenant
         if caller.probe:
             raise errors.PermissionDenied("The readiness probe's key may only list models.")
@@ -252,6 +252,15 @@ class Access:
                 "not name that Lane or any of its aliases).",
                 metadata={"tenant": tenant.name, "model": model},
             )
+
+    def count(self, caller: Caller) -> None:
+        """Count a request of `caller` that passed every check of its own (`permit`, its
+        policy, its session key) against the tenant's rate limit: RateLimited when the
+        limit is reached. A request refused as the caller's mistake is never counted,
+        so it costs the tenant nothing."""
+        tenant = caller.tenant
+        if tenant is None:
+            return
         limiter = self._limiters.get(tenant.name)
         if limiter is not None:
             limiter, refusal = limiter.admit(now=self._clock())

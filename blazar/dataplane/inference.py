@@ -17,8 +17,10 @@ must exist).
 
 Who may ask for what is `access`'s: its interceptor has let the call in and named its
 `Caller`; each RPC here asks `Access.permit` once the model name resolves to a Lane
-(may the tenant use it, within its rate limits), charges the tokens the Final (or an
-embedding) reports, and ListModels shows a tenant only the Lanes it may use.
+(may the tenant use it), then checks what the request names (its policy, its session
+key) and only then counts it against the tenant's rate limits (`Access.count`: a
+request refused as the caller's mistake costs nothing), charges the tokens the Final
+(or an embedding) reports, and ListModels shows a tenant only the Lanes it may use.
 """
 
 from __future__ import annotations
@@ -375,7 +377,9 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         """Load or unload a Lane as a request with this keep_alive_s that generated
         nothing would: 0 releases it (`Activity.release`); otherwise a sleeping Lane is
         woken and waited for (`_awake`), and the keep is told as a request's end."""
-        await self._permit(request.model, context, access.current())
+        caller = access.current()
+        await self._permit(request.model, context, caller)
+        await self._count(request.model, context, caller)
         route = routing.resolve(self.table, request.model)
         keep_alive_s = request.keep_alive_s if request.HasField("keep_alive_s") else None
         if keep_alive_s == 0:
@@ -402,6 +406,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         caller = access.current()
         await self._permit(request.model, context, caller)
         await self._policy(request.model, "", context)
+        await self._count(request.model, context, caller)
         route, replica = await self._awake(request.model, context)
         refused: set[int] = set()
         # Counted like a generation: it keeps its Lane awake, and says how long after.
@@ -435,8 +440,10 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
     async def Tokenize(
         self, request: inference_pb2.TokenizeRequest, context: Context
     ) -> inference_pb2.TokenizeResponse:
-        await self._permit(request.model, context, access.current())
+        caller = access.current()
+        await self._permit(request.model, context, caller)
         await self._policy(request.model, request.chat.slo, context)
+        await self._count(request.model, context, caller)
         route, replica = await self._awake(request.model, context)
         try:
             response = await self._pool.client(replica.socket).tokenize(request)
@@ -446,7 +453,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         return response
 
     async def _permit(self, model: str, context: Context, caller: access.Caller) -> None:
-        """Refuse the call unless `caller` may use the Lane `model` names, now (see
+        """Refuse the call unless `caller` may use the Lane `model` names (see
         `Access.permit`). An unknown name is NOT_FOUND first, for any caller; a Lane the
         caller may not use is logged as such, and told as `access.shown` says."""
         try:
@@ -455,6 +462,15 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         except errors.BlazarError as err:
             log.info("request.rejected", model=model, reason=err.reason, tenant=caller.name)
             await status.abort(context, access.shown(caller, err, model=model))
+
+    async def _count(self, model: str, context: Context, caller: access.Caller) -> None:
+        """Count the call against `caller`'s rate limits (`Access.count`): after every
+        check of the request itself, before any work."""
+        try:
+            self._access.count(caller)
+        except errors.BlazarError as err:
+            log.info("request.rejected", model=model, reason=err.reason, tenant=caller.name)
+            await status.abort(context, err)
 
     async def _route(
         self,
@@ -589,6 +605,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             if refused is not None:
                 log.info("request.rejected", model=model, reason=refused.reason)
                 await status.abort(context, refused)
+        await self._count(model, context, caller)
         route, replica, blocks = await self._route(model, context, session=session, hashes=hashes)
         lane = self._dispatchers.of(route.lane)
         # A malformed tag is ignored: it only helps a gate watcher count.

@@ -106,7 +106,7 @@ def test_the_probe_key_lists_models_and_nothing_else() -> None:
         gate.permit(caller, model="gemma3", names=["gemma3"])
 
 
-def test_permit_checks_the_lane_then_the_rate_limit() -> None:
+def test_permit_checks_the_lane_and_count_the_rate_limit() -> None:
     now = [0.0]
     gate = access.Access(tenants=FILE, clock=lambda: now[0])
     user = access.Caller(FILE.by_name("user"))
@@ -115,29 +115,33 @@ def test_permit_checks_the_lane_then_the_rate_limit() -> None:
         gate.permit(user, model="other", names=["other"])
     assert info.value.metadata == {"tenant": "user", "model": "other"}
     limited = access.Caller(FILE.by_name("limited"))
-    gate.permit(limited, model="x", names=["x"])
-    with pytest.raises(errors.RateLimited) as refused:
+    # Permitting counts nothing: a request refused after it (its policy, say) is free.
+    for _ in range(3):
         gate.permit(limited, model="x", names=["x"])
+    gate.count(limited)
+    with pytest.raises(errors.RateLimited) as refused:
+        gate.count(limited)
     assert refused.value.metadata["limit"] == "requestsPerMinute"
     assert refused.value.metadata[errors.RETRY_AFTER_KEY] == "60000"
     now[0] = 60.0
-    gate.permit(limited, model="x", names=["x"])
+    gate.count(limited)
     # 100 tokens a minute: a request that used 250 holds the next one back.
     gate.charge(limited, prompt_tokens=200, output_tokens=50)
     now[0] = 120.0
     with pytest.raises(errors.RateLimited) as refused:
-        gate.permit(limited, model="x", names=["x"])
+        gate.count(limited)
     assert refused.value.metadata["limit"] == "tokensPerMinute"
     # The owner (no tenant) is never limited.
     for _ in range(10):
         gate.permit(access.OWNER, model="x", names=["x"])
+        gate.count(access.OWNER)
 
 
 def test_a_new_auth_file_takes_effect_and_keeps_spent_buckets() -> None:
     now = [0.0]
     gate = access.Access(tenants=FILE, clock=lambda: now[0])
     limited = access.Caller(FILE.by_name("limited"))
-    gate.permit(limited, model="x", names=["x"])
+    gate.count(limited)
     assert outcome(gate, CHAT, "bz-new", TCP) == "UNAUTHENTICATED"
     fresh = tenants.parse(
         f"""
@@ -154,10 +158,10 @@ tenants:
     # Spent under the old file, and a larger allowance does not refill it: it refills
     # at the new rate, one every 12 s.
     with pytest.raises(errors.RateLimited) as refused:
-        gate.permit(limited, model="x", names=["x"])
+        gate.count(limited)
     assert refused.value.metadata[errors.RETRY_AFTER_KEY] == "12000"
     now[0] = 12.0
-    gate.permit(limited, model="x", names=["x"])
+    gate.count(limited)
     gate.use(None)
     assert outcome(gate, CHAT, NONE, TCP) == ""
 

@@ -28,6 +28,7 @@ AUTH = tenants.parse(
 tenants:
   - {{name: narrow, keys: ["{tenants.digest("bz-narrow")}"], lanes: [mine]}}
   - {{name: boss, keys: ["{tenants.digest("bz-boss")}"], lanes: [mine], admin: true}}
+  - {{name: once, keys: ["{tenants.digest("bz-once")}"], lanes: ["*"], rateLimit: {{requestsPerMinute: 1}}}}
 """,
     source="test",
 )
@@ -122,6 +123,34 @@ def test_an_admin_tenant_which_can_list_every_lane_is_told_the_truth() -> None:
     forbidden = answers("bz-boss", "mine", ASKED)
     assert {code for code, _, _ in forbidden.values()} == {grpc.StatusCode.PERMISSION_DENIED}
     assert all(("blazar-reason", "MODEL_NOT_PERMITTED") in t for _, _, t in forbidden.values())
+
+
+def test_a_request_refused_as_the_callers_mistake_costs_no_rate_limit() -> None:
+    """An unknown policy or too long a session key is refused before the request is
+    counted: the tenant's one request a minute is still there afterwards."""
+
+    async def run() -> tuple[set[grpc.StatusCode], grpc.StatusCode]:
+        async with plane(ASKED) as (stub, _):
+            key = ("authorization", "Bearer bz-once")
+            codes = set()
+            for method in ("Chat", "Complete", "Embed", "Tokenize"):
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await CALLS[method](stub, (key, ("x-blazar-slo", "no-such-policy")))
+                codes.add(info.value.code())
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                long_session = inference_pb2.ChatRequest(model=ASKED, session="s" * 300)
+                await _stream(stub.Chat(long_session, metadata=(key,)))
+            codes.add(info.value.code())
+            counted = CALLS["KeepAlive"](stub, (key,))
+            try:
+                await counted
+            except grpc.aio.AioRpcError as err:
+                return codes, err.code()
+            return codes, grpc.StatusCode.OK
+
+    refused, then = asyncio.run(run())
+    assert refused == {grpc.StatusCode.INVALID_ARGUMENT}
+    assert then == grpc.StatusCode.OK
 
 
 # (path, body) of every shim route that asks the data plane about one model.
