@@ -4,7 +4,8 @@
 data plane knows (the Lane, the replica, the time to first token from arrival, the
 wait in admission's queue, the prediction, the wait for a sleeping Lane), records the
 first token and the end with the Lane's dispatcher, counts the request on its replica
-(`inflight`, which routing reads as load) and charges its tenant. A replica that
+(`inflight`, which routing reads as load) and charges its tenant (the Final's usage,
+or what it was sent when it left before the Final). A replica that
 refuses with UNAVAILABLE before its first chunk yields a final None: the caller hands
 the request back to admission (nothing was generated, so this is safe).
 
@@ -156,6 +157,12 @@ class Attempts:
             call.cancel()  # no-op when finished; frees the engine slot when the caller left
             if not settled:
                 metrics.observe_failure(route.lane, metrics.CANCELLED)
+                # The caller left before the Final that charges it: the tokens it was
+                # sent were generated all the same (else leaving a stream one chunk
+                # early escapes tokensPerMinute). Its prompt, once prefilled, as
+                # admission estimated it: the engine counts it only in the Final.
+                prompt = lane.measurements.prompt_tokens(run.prompt_chars) if first_at else 0
+                self._access.charge(caller, prompt_tokens=prompt, output_tokens=tokens)
             if not retried:
                 lane.end(run, finished)
             metrics.IN_FLIGHT.labels(route.lane).dec()

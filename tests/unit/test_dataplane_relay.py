@@ -21,7 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from blazar._proto.engine.v1 import engine_pb2_grpc
 from blazar._proto.v1 import inference_pb2, inference_pb2_grpc
-from blazar.api import errors
+from blazar.api import errors, tenants
 from blazar.api.kinds import (
     Kind,
     Lane,
@@ -33,7 +33,7 @@ from blazar.api.kinds import (
     ReplicaStatus,
 )
 from blazar.api.meta import ObjectMeta
-from blazar.dataplane import prefixes, routing, server
+from blazar.dataplane import access, prefixes, routing, server
 from blazar.enginehost import client
 from blazar.rpc import status
 from blazar.store.memory import MemoryStore
@@ -146,13 +146,16 @@ class Plane:
 
 
 @contextlib.asynccontextmanager
-async def serving(fakes: list[FakeEngine]) -> AsyncIterator[Plane]:
-    """A data plane serving lane "l", whose replicas are the fakes, with its store."""
+async def serving(
+    fakes: list[FakeEngine], *, keys: access.Access | None = None
+) -> AsyncIterator[Plane]:
+    """A data plane serving lane "l", whose replicas are the fakes, with its store (and
+    the keys in force, if any)."""
     async with engines(*fakes) as sockets:
         store = MemoryStore()
         store.apply_all([lane(sockets)])
         store.update_status(Kind.LANE, "l", lane(sockets).status)
-        plane = await server.start(store=store, address="127.0.0.1:0")
+        plane = await server.start(store=store, address="127.0.0.1:0", access=keys)
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{plane.port}") as channel:
                 yield Plane(inference_pb2_grpc.InferenceStub(channel), store, sockets)
@@ -446,6 +449,53 @@ def test_a_caller_leaving_counts_as_cancelled() -> None:
     # A finished request counts once, as ok.
     asyncio.run(complete([FakeEngine(refuse=False, text="y")]))
     assert (requests_counted("cancelled"), requests_counted("ok")) == (before + 1, ok + 1)
+
+
+def test_a_caller_leaving_a_stream_is_charged_the_tokens_it_was_sent() -> None:
+    """Else leaving a stream before its Final escapes the tenant's tokensPerMinute: a
+    tenant allowed one token a minute that leaves after its first chunk (one token, of
+    a prompt prefilled) is refused its next request."""
+    auth = tenants.parse(
+        f"""
+tenants:
+  - {{name: t, keys: ["{tenants.digest("bz-t")}"], lanes: ["*"], rateLimit: {{tokensPerMinute: 1}}}}
+""",
+        source="test",
+    )
+    key = (("authorization", "Bearer bz-t"),)
+
+    def completion_tokens() -> float:
+        labels = {"tenant": "t", "kind": "completion"}
+        return (
+            prometheus_client.REGISTRY.get_sample_value("blazar_tenant_tokens_total", labels) or 0
+        )
+
+    async def leave_then_ask_again() -> grpc.aio.AioRpcError | None:
+        fake = FakeEngine(refuse=False, text="x", hang=True)
+        async with serving([fake], keys=access.Access(tenants=auth)) as plane:
+            call = plane.stub.Complete(
+                inference_pb2.CompleteRequest(model="l", prompt="hi"), metadata=key
+            )
+            assert (await call.read()).delta.text == "x"
+            call.cancel()
+            deadline = time.monotonic() + 5
+            while completion_tokens() == before and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            again = plane.stub.Complete(
+                inference_pb2.CompleteRequest(model="l", prompt="hi"), metadata=key
+            )
+            try:
+                await again.read()
+            except grpc.aio.AioRpcError as exc:
+                return exc
+            again.cancel()
+            return None
+
+    before = completion_tokens()
+    refused = asyncio.run(leave_then_ask_again())
+    assert completion_tokens() == before + 1
+    assert refused is not None and refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert isinstance(status.from_rpc_error(refused), errors.RateLimited)
 
 
 def test_a_session_returns_to_its_replica_while_it_has_room() -> None:
