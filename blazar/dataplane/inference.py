@@ -412,10 +412,12 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         # Counted like a generation: it keeps its Lane awake, and says how long after.
         self._activity.begin(route.lane)
         keep_alive_s = request.keep_alive_s if request.HasField("keep_alive_s") else None
+        served = False
         try:
             while True:
                 try:
                     response = await self._pool.client(replica.socket).embed(request)
+                    served = True
                     break
                 except grpc.aio.AioRpcError as exc:
                     err = status.from_rpc_error(exc)
@@ -431,7 +433,8 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                     metrics.observe_embedding_failure(route.lane, metrics.CANCELLED)
                     raise
         finally:
-            self._activity.end(route.lane, keep_alive_s=keep_alive_s)
+            # As a generation's: a refused embedding says nothing of the Lane's idleness.
+            self._activity.end(route.lane, keep_alive_s=keep_alive_s if served else None)
         metrics.observe_embedding(route.lane, response.prompt_tokens)
         self._access.charge(caller, prompt_tokens=response.prompt_tokens, output_tokens=0)
         response.model = route.lane
@@ -614,6 +617,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         # may be stopping under this request, which then waits for the Lane to wake.
         released = self._activity.keep(route.lane).release
         self._activity.begin(route.lane)
+        served = False
         try:
             async for chunk in self._admitted(
                 route, replica, blocks, lane, generate, context,
@@ -621,9 +625,13 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                 prompt_chars=prompt_chars, session=session, through=through, hashes=hashes,
                 tag=tag, waking=released,
             ):  # fmt: skip
+                served = True
                 yield chunk
         finally:
-            self._activity.end(route.lane, keep_alive_s=keep_alive_s)
+            # A request refused before its first chunk (admission's 429, the engine's
+            # 400 for a prompt over the context) leaves the Lane's idleness as it was:
+            # its keep_alive is said only by a request that was served.
+            self._activity.end(route.lane, keep_alive_s=keep_alive_s if served else None)
 
     async def _admitted(
         self,

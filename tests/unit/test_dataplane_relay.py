@@ -35,6 +35,7 @@ from blazar.api.kinds import (
 from blazar.api.meta import ObjectMeta
 from blazar.dataplane import access, prefixes, routing, server
 from blazar.enginehost import client
+from blazar.enginehost.activity import Activity, Keep
 from blazar.rpc import status
 from blazar.store.memory import MemoryStore
 from tests.unit import helpers
@@ -65,6 +66,8 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
         # A token per character of the longest prefix shared with a prompt it served.
         reused = max((shared(p, prompt) for p in self.served), default=0)
         self.served.append(prompt)
+        if request.prompt == "refused":
+            await status.abort(context, errors.InvalidRequest("The prompt does not fit."))
         await context.send_initial_metadata((("blazar-prefix-reused", str(reused)),))
         yield inference_pb2.Chunk(delta=inference_pb2.Delta(text=self.text, tokens=1))
         if request.prompt == "drained":
@@ -147,15 +150,20 @@ class Plane:
 
 @contextlib.asynccontextmanager
 async def serving(
-    fakes: list[FakeEngine], *, keys: access.Access | None = None
+    fakes: list[FakeEngine],
+    *,
+    keys: access.Access | None = None,
+    activity: Activity | None = None,
 ) -> AsyncIterator[Plane]:
     """A data plane serving lane "l", whose replicas are the fakes, with its store (and
-    the keys in force, if any)."""
+    the keys in force, and the activity ledger, if given)."""
     async with engines(*fakes) as sockets:
         store = MemoryStore()
         store.apply_all([lane(sockets)])
         store.update_status(Kind.LANE, "l", lane(sockets).status)
-        plane = await server.start(store=store, address="127.0.0.1:0", access=keys)
+        plane = await server.start(
+            store=store, address="127.0.0.1:0", access=keys, activity=activity
+        )
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{plane.port}") as channel:
                 yield Plane(inference_pb2_grpc.InferenceStub(channel), store, sockets)
@@ -496,6 +504,41 @@ tenants:
     assert completion_tokens() == before + 1
     assert refused is not None and refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert isinstance(status.from_rpc_error(refused), errors.RateLimited)
+
+
+def test_a_refused_request_says_nothing_of_its_lanes_idleness() -> None:
+    """A generation or an embedding its engine refuses (a prompt over the context) with
+    Ollama's keep_alive 0 does not put the Lane to sleep, nor does -1 keep it awake:
+    a refused request leaves nothing behind. A served one does."""
+
+    async def keeps() -> list[Keep]:
+        activity = Activity()
+        async with serving([FakeEngine(refuse=False, text="x")], activity=activity) as plane:
+            seen = []
+            for keep_alive_s in (0.0, -1.0):
+                with pytest.raises(grpc.aio.AioRpcError):
+                    request = inference_pb2.CompleteRequest(
+                        model="l", prompt="refused", keep_alive_s=keep_alive_s
+                    )
+                    async for _ in plane.stub.Complete(request):
+                        pass
+                seen.append(activity.keep("l"))
+                with pytest.raises(grpc.aio.AioRpcError):
+                    await plane.stub.Embed(
+                        inference_pb2.EmbedRequest(
+                            model="l", inputs=["bad"], keep_alive_s=keep_alive_s
+                        )
+                    )
+                seen.append(activity.keep("l"))
+            served = inference_pb2.CompleteRequest(model="l", prompt="hi", keep_alive_s=0)
+            async for _ in plane.stub.Complete(served):
+                pass
+            seen.append(activity.keep("l"))
+            return seen
+
+    *refused, served = asyncio.run(keeps())
+    assert refused == [Keep()] * 4
+    assert served == Keep(release=True)
 
 
 def test_a_session_returns_to_its_replica_while_it_has_room() -> None:
