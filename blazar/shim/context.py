@@ -68,7 +68,10 @@ class RequestContext:
     def grpc_metadata(self) -> tuple[tuple[str, str], ...]:
         items = [(REQUEST_ID_HEADER, self.request_id)]
         if self.authorization:
-            items.append(("authorization", self.authorization))
+            # Escaped like the others: a placeholder key with a byte gRPC metadata cannot
+            # carry (no auth file checks it) is ignored, not a 500; with an auth file,
+            # `keys.KeyGuard` has refused such a key already (no tenant holds it).
+            items.append(("authorization", _metadata_text(self.authorization)))
         if self.slo:
             # As metadata too, for the RPCs with no `slo` field (Embed, Tokenize): the
             # data plane checks the name on every route.

@@ -100,3 +100,20 @@ async def test_the_policy_header_reaches_the_data_plane_on_every_route(
     assert response.status_code == 200, response.text
     # Printable ASCII, as gRPC metadata must be; the data plane refuses such a name.
     assert daemon.fake.metadata[-1]["x-blazar-slo"] == "batch\\xe9"
+
+
+@pytest.mark.parametrize("header", ["authorization", "x-api-key"])
+@pytest.mark.parametrize("key", ["\u00fcnused", "un\x7fused"], ids=["latin-1", "control"])
+async def test_a_placeholder_key_grpc_metadata_cannot_carry_is_ignored(
+    daemon: Daemon, client: httpx.AsyncClient, header: str, key: str
+) -> None:
+    """Without an auth file any placeholder key is accepted and ignored (README, "Keys
+    and tenants"): one with a byte outside printable ASCII too, not a 500."""
+    daemon.fake.scripts["tiny"] = [delta("Hi"), final()]
+    value = (key if header == "x-api-key" else f"Bearer {key}").encode("latin-1")
+    for method, path, body in (
+        ("GET", "/v1/models", None),
+        ("POST", "/v1/chat/completions", {"model": "tiny", "messages": HI}),
+    ):
+        response = await client.request(method, path, json=body, headers={header: value})
+        assert response.status_code == 200, response.text
