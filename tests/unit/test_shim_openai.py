@@ -983,6 +983,18 @@ async def test_unknown_model_is_404(daemon: Daemon, client: httpx.AsyncClient) -
         (json.dumps(chat_body(web_search_options={})).encode(), "web_search_options", "web search"),
         (
             json.dumps(
+                chat_body(
+                    moderation={
+                        "model": "omni-moderation-latest",
+                        "policy": {"input": {"mode": "block"}, "output": {"mode": "block"}},
+                    }
+                )
+            ).encode(),
+            "moderation",
+            "not run by this server",
+        ),
+        (
+            json.dumps(
                 {
                     "model": "tiny",
                     "messages": [

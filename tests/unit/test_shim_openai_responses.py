@@ -372,6 +372,8 @@ async def test_a_stream_ends_in_the_response_a_whole_request_gets(
         ({"prompt": {"id": "pmpt_1"}}, "prompt", "Stored prompts"),
         ({"truncation": "auto"}, "truncation", "never drops"),
         ({"max_tool_calls": 3}, "max_tool_calls", "built-in tools"),
+        ({"context_management": [{"type": "compaction"}]}, "context_management", "compaction"),
+        ({"moderation": {"model": "omni-moderation-latest"}}, "moderation", "not run by this server"),
         ({"service_tier": "flex"}, "service_tier", "one tier"),
         ({"reasoning": {"effort": "high"}}, "reasoning.effort", "do not reason"),
         ({"reasoning": {"summary": "auto"}}, "reasoning.summary", "no reasoning"),

@@ -167,6 +167,7 @@ class ChatCompletionRequest(_Sampling):
     store: bool | None = None
     metadata: dict[str, Any] | None = None
     web_search_options: dict[str, Any] | None = None
+    moderation: dict[str, Any] | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
 

@@ -306,6 +306,14 @@ def _refuse_non_text_output(body: protocol.ChatCompletionRequest) -> None:
         )
 
 
+# Chat Completions' and the Responses API's `moderation`: a request asking to have its
+# input or output scored or blocked must not get an unmoderated answer as if it had.
+MODERATION_REFUSED = (
+    "moderation is not run by this server: nothing would score or block the input or "
+    "the output. Moderate them yourself, and omit 'moderation'"
+)
+
+
 def _refuse_unhonoured(body: protocol.ChatCompletionRequest) -> None:
     """OpenAI's fields that change what its models do, which this server cannot honour:
     refused by name rather than ignored. Their defaults pass."""
@@ -340,6 +348,11 @@ def _refuse_unhonoured(body: protocol.ChatCompletionRequest) -> None:
             "web_search_options",
             body.web_search_options is not None,
             "web search is not supported by this server",
+        ),
+        (
+            "moderation",
+            body.moderation is not None,
+            MODERATION_REFUSED,
         ),
     )
     for param, refused, why in refusals:

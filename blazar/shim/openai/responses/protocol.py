@@ -155,6 +155,8 @@ class ResponseCreateRequest(_Request):
     truncation: Literal["auto", "disabled"] | None = None
     max_tool_calls: int | None = None
     service_tier: str | None = None
+    context_management: list[dict[str, Any]] | None = None
+    moderation: dict[str, Any] | None = None
 
 
 class InputTokensRequest(_Request):

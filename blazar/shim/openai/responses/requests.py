@@ -138,6 +138,15 @@ def _refuse_state(body: protocol.ResponseCreateRequest) -> None:
             "context is a 400) and shorten the input yourself.",
             param="truncation",
         )
+    if body.context_management:
+        raise envelope.invalid(
+            "'context_management' (compaction) is not supported: this server never "
+            "summarizes or drops part of a conversation to fit. Omit it; a conversation "
+            "too long for the context is a 400, and shortening it is yours.",
+            param="context_management",
+        )
+    if body.moderation is not None:
+        raise envelope.invalid(f"'moderation': {requests.MODERATION_REFUSED}.", param="moderation")
     if body.max_tool_calls is not None:
         raise envelope.invalid(
             "'max_tool_calls' limits built-in tools, and this server runs none; the "
