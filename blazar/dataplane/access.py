@@ -99,6 +99,13 @@ class Caller:
     def weight(self) -> float:
         return self.tenant.weight if self.tenant is not None else 1.0
 
+    @property
+    def cache_scope(self) -> str:
+        """Whose cached prompts this caller's requests may reuse (prefix caching in the
+        engines, prefix routing): its tenant's; "" for the owner and without an auth
+        file, one trust domain."""
+        return self.tenant.name if self.tenant is not None else ""
+
 
 OWNER = Caller()
 _CALLER: contextvars.ContextVar[Caller] = contextvars.ContextVar("blazar_caller", default=OWNER)

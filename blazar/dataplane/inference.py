@@ -609,6 +609,14 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                 log.info("request.rejected", model=model, reason=refused.reason)
                 await status.abort(context, refused)
         await self._count(model, context, caller)
+        # Whose cached prompts it may share (`access.Caller.cache_scope`): an engine
+        # reuses a slot's cache only within one scope, and the prefix index and the
+        # sessions routing reads are kept per scope, so that no tenant learns another's
+        # prompt or session from its cached tokens, its speed or the replica it gets.
+        scope = caller.cache_scope
+        generate.cache_scope = scope
+        session = _scoped_session(session, scope)
+        hashes = _scoped_hashes(hashes, scope)
         route, replica, blocks = await self._route(model, context, session=session, hashes=hashes)
         lane = self._dispatchers.of(route.lane)
         # A malformed tag is ignored: it only helps a gate watcher count.
@@ -935,6 +943,23 @@ def _budget(
 
 def _open_access() -> access.Access:
     return access.Access.open()
+
+
+def _scoped_session(session: str, scope: str) -> str:
+    """The key routing remembers a session by: one scope's session names are not
+    another's (`Caller.cache_scope`; "" shares one namespace, as without an auth file)."""
+    return f"{len(scope)}:{scope}{session}" if scope and session else session
+
+
+def _scoped_hashes(
+    hashes: Callable[[int], tuple[int, ...]] | None, scope: str
+) -> Callable[[int], tuple[int, ...]] | None:
+    """A prompt's block hashes as the prefix index keeps them for `scope`
+    (`prefixes.scoped`): one scope's prompts never match another's."""
+    if hashes is None or not scope:
+        return hashes
+    unscoped = hashes
+    return lambda limit: prefixes.scoped(unscoped(limit), scope)
 
 
 # A session key names a conversation; a longer one is a mistake or an attack on memory.

@@ -14,6 +14,10 @@ holds. It is bounded per replica by what the replica's KV cache can hold
 (`capacity`), least recently used blocks going first; recency is the order of
 insertion, not a clock. A replica that restarted or left starts over (`forget`).
 
+Each tenant has its own view (`scoped`): a prompt's hashes are mixed with its cache
+scope, so that no tenant's request is routed by what another tenant's prompts left in
+a replica's cache.
+
 No IO, no clock, no logging.
 """
 
@@ -73,6 +77,21 @@ def _hashes(text: str, *, person: bytes) -> tuple[int, ...]:
         running.update(text[start : start + BLOCK_CHARS].encode("utf-8", "surrogatepass"))
         out.append(int.from_bytes(running.copy().digest(), "big"))
     return tuple(out)
+
+
+def scoped(hashes: Sequence[int], scope: str) -> tuple[int, ...]:
+    """`hashes` as one cache scope (a tenant) sees them: each mixed with the scope, so
+    that the same prompt of two scopes shares no block, while one scope's chain (block
+    i covering blocks 0..i) stays a chain. "" is the shared scope: unchanged."""
+    if not scope:
+        return tuple(hashes)
+    key = hashlib.blake2b(scope.encode("utf-8", "surrogatepass"), digest_size=32).digest()
+    return tuple(
+        int.from_bytes(
+            hashlib.blake2b(h.to_bytes(8, "big"), digest_size=8, key=key).digest(), "big"
+        )
+        for h in hashes
+    )
 
 
 class PrefixIndex:

@@ -31,6 +31,8 @@ class FreeSlot:
     # The oldest position its cache still holds (-1: empty); above 0 when only a
     # sliding window's worth survives (a restored state).
     pos_min: int = 0
+    # Whose requests filled its cache (`Job.cache_scope`).
+    scope: str = ""
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,7 @@ def choose_slot(
     busy: Collection[int] = (),
     n_swa: int = 0,
     reuse: bool = True,
+    scope: str = "",
 ) -> Placement:
     """Where a prompt goes, and how much of that slot's cache it keeps.
 
@@ -77,14 +80,16 @@ def choose_slot(
     evaluated again, so that there are logits to sample the first new token from. A
     slot whose cache lacks part of the window the shared prefix needs (`n_swa`,
     `reusable_prefix`) keeps nothing. With reuse=False (the request needs logits for
-    every prompt position) nothing is kept anywhere.
+    every prompt position) nothing is kept anywhere, and nothing is kept from a slot
+    that requests of another `scope` filled (their tenant's: `Job.cache_scope`).
     """
     if not free:
         raise ValueError("no free slot")
     limit = max(len(prompt) - 1, 0)
 
     def kept(slot: FreeSlot) -> int:
-        common = min(common_prefix(slot.tokens, prompt), limit) if reuse else 0
+        shared = reuse and slot.scope == scope
+        common = min(common_prefix(slot.tokens, prompt), limit) if shared else 0
         common = reusable_prefix(common, pos_min=slot.pos_min, n_swa=n_swa)
         return common if worth_keeping(common, len(prompt)) else 0
 

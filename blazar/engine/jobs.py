@@ -116,6 +116,7 @@ class Job:
         deliver: Callable[[Event], None],
         arrived: float | None = None,
         tpot_target_s: float | None = None,
+        cache_scope: str = "",
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
@@ -128,6 +129,9 @@ class Job:
         # The caller's time-per-output-token target: prompt chunks decoded beside this
         # job are sized to keep it (`pacing`). None: no target.
         self.tpot_target_s = tpot_target_s
+        # Whose cached prompts it may reuse, and who may reuse what it leaves in its
+        # slot's cache (the data plane's tenant; "" without an auth file).
+        self.cache_scope = cache_scope
         # Prompt tokens its slot's cache held when it took the slot (None: it has not
         # yet). Written by the decode thread before it delivers the job's first event,
         # read by the service once that event is in.

@@ -3,7 +3,9 @@
 Per slot two files: `slot-<i>.kv` (llama.cpp's sequence state with its token list)
 and `slot-<i>.json`, written last, which says what the state belongs to: the model
 file (size, modification time and a hash of its head and tail), the slot count, the
-context per slot and the cache types, and the `.kv` file's own sha256.
+context per slot and the cache types, and the `.kv` file's own sha256; and whose
+requests filled it (the slot's cache scope, `Job.cache_scope`), which a restored slot
+keeps: only their requests reuse it after the restart, as before it.
 A restore loads only files whose identity matches this worker and whose content is
 what was written (llama.cpp reads a damaged state without complaint as long as it
 parses, and the cache would then answer wrongly), and consumes them; anything else
@@ -32,6 +34,14 @@ log = structlog.get_logger("blazar.engine.kvstore")
 # 2: the record holds the `.kv` file's sha256.
 FORMAT = 2
 _HASHED_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class Cached:
+    """What one slot's cache holds: its tokens, and whose requests filled it."""
+
+    tokens: list[int]
+    scope: str = ""
 
 
 @dataclass(frozen=True)
@@ -90,17 +100,18 @@ def _slot_of(path: Path) -> int | None:
 
 
 def save(
-    runtime: llama.Runtime, directory: Path, identity: Identity, slots: dict[int, list[int]]
+    runtime: llama.Runtime, directory: Path, identity: Identity, slots: dict[int, Cached]
 ) -> None:
-    """Write each slot's state (slot index -> its cached tokens); stale files go."""
+    """Write each slot's state (slot index -> what it caches); stale files go."""
     started = time.perf_counter()
     directory.mkdir(parents=True, exist_ok=True)
     saved: dict[int, int] = {}
     for index in range(runtime.spec.slots):
         kv, meta = _paths(directory, index)
         meta.unlink(missing_ok=True)  # first: a crash mid-save leaves no valid pair
-        tokens = slots.get(index) or []
-        if not tokens:
+        cached = slots.get(index)
+        tokens = cached.tokens if cached is not None else []
+        if cached is None or not tokens:
             kv.unlink(missing_ok=True)
             continue
         tmp = kv.with_suffix(".kv.tmp")
@@ -109,7 +120,11 @@ def save(
             if written == 0:
                 raise OSError("llama_state_seq_save_file failed")
             tmp.replace(kv)
-            record = asdict(identity) | {"tokens": len(tokens), "sha256": _file_sha256(kv)}
+            record = asdict(identity) | {
+                "tokens": len(tokens),
+                "sha256": _file_sha256(kv),
+                "scope": cached.scope,
+            }
             meta.write_text(json.dumps(record, sort_keys=True))
         except OSError as exc:
             log.warning("kv_save_failed", slot=index, error=str(exc))
@@ -125,10 +140,11 @@ def save(
     )
 
 
-def restore(runtime: llama.Runtime, directory: Path, identity: Identity) -> dict[int, list[int]]:
-    """Load every matching slot file into its sequence; slot index -> restored tokens."""
+def restore(runtime: llama.Runtime, directory: Path, identity: Identity) -> dict[int, Cached]:
+    """Load every matching slot file into its sequence; slot index -> what it caches
+    now. A record with no scope (saved before scopes were) is the owner's: ""."""
     started = time.perf_counter()
-    restored: dict[int, list[int]] = {}
+    restored: dict[int, Cached] = {}
     expected = asdict(identity)
     for index in range(runtime.spec.slots):
         kv, meta = _paths(directory, index)
@@ -152,7 +168,8 @@ def restore(runtime: llama.Runtime, directory: Path, identity: Identity) -> dict
                 runtime.clear(index)
                 log.warning("kv_restore_skipped", slot=index, reason="unreadable")
                 continue
-            restored[index] = tokens
+            scope = record.get("scope", "")
+            restored[index] = Cached(tokens, scope if isinstance(scope, str) else "")
         except (OSError, ValueError, AttributeError) as exc:
             log.warning("kv_restore_skipped", slot=index, reason="unreadable", error=str(exc))
         finally:
@@ -169,7 +186,7 @@ def restore(runtime: llama.Runtime, directory: Path, identity: Identity) -> dict
         log.info(
             "kv_restored",
             dir=str(directory),
-            slots={i: len(t) for i, t in restored.items()},
+            slots={i: len(c.tokens) for i, c in restored.items()},
             ms=round((time.perf_counter() - started) * 1000, 1),
         )
     return restored
@@ -183,6 +200,8 @@ class SlotCache(Protocol):
 
     # Exactly the tokens in the slot's KV cache (mutable: restore and save set it).
     tokens: list[int]
+    # Whose requests filled it (restore sets it).
+    scope: str
 
     @property
     def prompt_len(self) -> int: ...
@@ -197,8 +216,9 @@ def restore_slots(runtime: llama.Runtime, directory: Path, slots: Sequence[SlotC
         return
     try:
         identity = Identity.of(runtime.spec, context_per_slot=runtime.context_per_slot)
-        for index, tokens in restore(runtime, directory, identity).items():
-            slots[index].tokens = tokens
+        for index, cached in restore(runtime, directory, identity).items():
+            slots[index].tokens = cached.tokens
+            slots[index].scope = cached.scope
     except Exception:
         log.exception("kv_restore_failed")
 
@@ -217,6 +237,8 @@ def save_slots(runtime: llama.Runtime, directory: Path, slots: Sequence[SlotCach
             del slot.tokens[slot.prompt_len :]
     try:
         identity = Identity.of(runtime.spec, context_per_slot=runtime.context_per_slot)
-        save(runtime, directory, identity, {s.index: list(s.tokens) for s in slots})
+        save(
+            runtime, directory, identity, {s.index: Cached(list(s.tokens), s.scope) for s in slots}
+        )
     except Exception:
         log.exception("kv_save_failed")

@@ -56,6 +56,7 @@ class Seats:
             busy=slots.busy(self.slots),
             n_swa=runtime.n_swa,
             reuse=not job.params.prompt_logprobs,
+            scope=job.cache_scope,
         )
         slot = self.slots[placement.slot]
         try:
@@ -77,6 +78,7 @@ class Seats:
             busy=slots.busy(self.slots),
             n_swa=runtime.n_swa,
             reuse=parked.reuse,
+            scope=parked.gen.job.cache_scope,
         )
         slot = self.slots[placement.slot]
         reply = parked.reply
@@ -102,6 +104,7 @@ class Seats:
     def _seat(self, slot: Slot, gen: Generation, *, draft: DraftTrack | None = None) -> None:
         """`gen` takes the slot, with its drafting record if it had one (a resume)."""
         slot.gen = gen
+        slot.scope = gen.job.cache_scope
         if self.spec is not None and draft is not None:
             self.spec.policy.attach(slot.index, draft)
         elif self.spec is not None:

@@ -516,6 +516,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             deliver=deliver,
             arrived=arrived,
             tpot_target_s=request.tpot_target_ms / 1000 if request.tpot_target_ms > 0 else None,
+            cache_scope=request.cache_scope,
         )
         return job, tools.CallParser(toolset) if toolset is not None and active else None
 

@@ -27,6 +27,8 @@ class Slot:
     last_used: int = 0
     # Prompt length of the last job: where a later prompt most likely parts from it.
     prompt_len: int = 0
+    # Whose requests filled its cache (`Job.cache_scope`): only theirs reuse it.
+    scope: str = ""
 
     @property
     def busy(self) -> bool:
@@ -40,7 +42,7 @@ class Slot:
 def free(runtime: llama.Runtime, slots: Sequence[Slot]) -> list[batching.FreeSlot]:
     """The slots no generation holds, as `batching.choose_slot` weighs them."""
     return [
-        batching.FreeSlot(s.index, s.tokens, s.last_used, runtime.pos_min(s.index))
+        batching.FreeSlot(s.index, s.tokens, s.last_used, runtime.pos_min(s.index), s.scope)
         for s in slots
         if s.gen is None
     ]
@@ -79,11 +81,12 @@ def move(runtime: llama.Runtime, src: Slot, dst: Slot) -> bool:
             dst.tokens.clear()
         return False
     runtime.clear(src.index)
-    cached = dst.tokens, dst.last_used, dst.prompt_len
+    cached = dst.tokens, dst.last_used, dst.prompt_len, dst.scope
     dst.tokens, dst.last_used, dst.prompt_len = src.tokens, src.last_used, src.prompt_len
+    dst.scope = src.scope
     dst.gen, src.gen = src.gen, None
     if kept is not None and runtime.set_seq_state(src.index, kept):
-        src.tokens, src.last_used, src.prompt_len = cached
+        src.tokens, src.last_used, src.prompt_len, src.scope = cached
     else:
         src.tokens = []
     return True

@@ -254,6 +254,30 @@ def test_a_key_with_access_is_served(
     assert response.status_code == 200, response.text
 
 
+def test_a_tenant_reuses_only_its_own_cached_prompts(http: httpx.Client) -> None:
+    """The prefix cache is kept per tenant: a prompt another tenant sent is not reused
+    (else its cached-token count, or its speed, tells a guess at another tenant's
+    prompt right from wrong), and the tenant's own repeat is. The long prompt keeps a
+    slot's cache worth keeping (`batching.MIN_KEEP_TOKENS`)."""
+    prompt = "The secret of tenant admin is 4417. " * 40
+
+    def cached(tenant: str) -> int:
+        response = http.post(
+            "/v1/completions",
+            json={"model": LANE, "prompt": prompt, "max_tokens": 1},
+            headers=headers_for("openai", KEYS[tenant]),
+        )
+        assert response.status_code == 200, response.text
+        usage = response.json()["usage"]
+        assert usage["prompt_tokens"] > 200, usage
+        return int(usage["prompt_tokens_details"]["cached_tokens"])
+
+    cached("admin")
+    assert cached("admin") > 200  # the cache works: its owner reuses it
+    assert cached("user") == 0  # another tenant does not
+    assert cached("user") > 200  # its own, once it has sent it
+
+
 def test_a_tenant_lists_only_the_lanes_it_may_use(http: httpx.Client) -> None:
     def listed(key: str) -> set[str]:
         response = http.get("/v1/models", headers={"authorization": f"Bearer {key}"})

@@ -871,3 +871,47 @@ def test_an_unset_parallel_tool_calls_stays_unset() -> None:
 
     asyncio.run(run())
     assert not fake.requests[0].chat.HasField("parallel_tool_calls")
+
+
+def test_each_tenant_has_its_own_cache_scope_and_sessions() -> None:
+    """The engine is told the tenant's cache scope (it reuses a slot's cache only within
+    one), and a session name one tenant used does not route another tenant's request:
+    "s" of tenant a went to replica 1; b's "s", both replicas idle, goes to replica 0,
+    as a session nobody used would, while a's "s" goes back to replica 1."""
+    auth = tenants.parse(
+        f"""
+tenants:
+  - {{name: a, keys: ["{tenants.digest("bz-a")}"], lanes: ["*"]}}
+  - {{name: b, keys: ["{tenants.digest("bz-b")}"], lanes: ["*"]}}
+""",
+        source="test",
+    )
+
+    def key(tenant: str) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"Bearer bz-{tenant}"),)
+
+    async def replica_of(plane: Plane, tenant: str, prompt: str, session: str) -> str:
+        request = inference_pb2.CompleteRequest(model="l", prompt=prompt, session=session)
+        call = plane.stub.Complete(request, metadata=key(tenant))
+        async for _ in call:
+            pass
+        return dict(await call.initial_metadata())["blazar-replica"]
+
+    async def run() -> tuple[list[str], list[str]]:
+        engines = [FakeEngine(refuse=False, text="x"), FakeEngine(refuse=False, text="x")]
+        async with serving(engines, keys=access.Access(tenants=auth)) as plane:
+            busy = plane.stub.Complete(
+                inference_pb2.CompleteRequest(model="l", prompt="hang"), metadata=key("a")
+            )
+            assert (await busy.read()).delta.text == "x"  # replica 0 is busy with it
+            first = await replica_of(plane, "a", "hi", "s")
+            busy.cancel()
+            await asyncio.sleep(0.2)  # its end reaches the data plane: both idle
+            others = await replica_of(plane, "b", "hi", "s")
+            again = await replica_of(plane, "a", "hi", "s")
+            scopes = [r.cache_scope for e in engines for r in e.requests]
+            return [first, others, again], scopes
+
+    replicas, scopes = asyncio.run(run())
+    assert replicas == ["1", "0", "1"]
+    assert sorted(scopes) == ["a", "a", "a", "b"]

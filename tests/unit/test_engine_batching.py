@@ -111,6 +111,17 @@ def test_choose_slot_passes_over_a_prefix_its_window_cannot_keep() -> None:
     assert batching.choose_slot(longer, [restored, empty], n_swa=512) == Placement(0, 1000)
 
 
+def test_choose_slot_keeps_a_prefix_only_for_the_scope_that_cached_it() -> None:
+    """A slot another tenant's request filled keeps nothing for this one (its cached
+    tokens would tell this caller whether its prompt matched the other's), and is
+    weighed as any slot whose cache would be lost."""
+    theirs = FreeSlot(0, LONG, 5, scope="a")
+    empty = FreeSlot(1, [], 0, pos_min=-1, scope="b")
+    assert batching.choose_slot(LONG, [theirs, empty], scope="a") == Placement(0, len(LONG) - 1)
+    assert batching.choose_slot(LONG, [theirs, empty], scope="b") == Placement(1, 0)
+    assert batching.choose_slot(LONG, [theirs], scope="") == Placement(0, 0)
+
+
 def test_choose_slot_without_reuse_takes_an_empty_or_lru_slot() -> None:
     free = [FreeSlot(0, LONG, 4), FreeSlot(1, [3], 2), FreeSlot(2, [4], 1)]
     assert batching.choose_slot(LONG, free, reuse=False) == Placement(2, 0)

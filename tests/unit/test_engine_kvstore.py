@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -66,15 +67,28 @@ def saved(tmp_path: Path) -> tuple[FakeRuntime, Path, kvstore.Identity]:
     model = tmp_path / "m.gguf"
     model.write_bytes(b"GGUF" + bytes(1 << 10))
     runtime, directory, ident = FakeRuntime(), tmp_path / "kv", identity(model)
-    kvstore.save(runtime, directory, ident, {0: [1, 2, 3, 4], 1: [7, 8]})
+    slots = {0: kvstore.Cached([1, 2, 3, 4], "t1"), 1: kvstore.Cached([7, 8])}
+    kvstore.save(runtime, directory, ident, slots)
     return runtime, directory, ident
 
 
 def test_a_saved_state_is_restored_and_consumed(tmp_path: Path) -> None:
     runtime, directory, ident = saved(tmp_path)
     restored = kvstore.restore(runtime, directory, ident)
-    assert restored == {0: [1, 2, 3, 4], 1: [7, 8]}
+    # Each with the scope of the requests that filled it: only theirs reuse it.
+    assert restored == {0: kvstore.Cached([1, 2, 3, 4], "t1"), 1: kvstore.Cached([7, 8], "")}
     assert list(directory.iterdir()) == []
+
+
+def test_a_state_saved_before_scopes_is_the_owners(tmp_path: Path) -> None:
+    """A record written before cache scopes has none: the shared scope "", which no
+    tenant's requests reuse (their scope is their name)."""
+    runtime, directory, ident = saved(tmp_path)
+    meta = directory / "slot-0.json"
+    record = json.loads(meta.read_text())
+    del record["scope"]
+    meta.write_text(json.dumps(record))
+    assert kvstore.restore(runtime, directory, ident)[0] == kvstore.Cached([1, 2, 3, 4], "")
 
 
 def test_a_damaged_state_is_not_loaded(tmp_path: Path) -> None:
@@ -86,7 +100,7 @@ def test_a_damaged_state_is_not_loaded(tmp_path: Path) -> None:
         f.seek(8)
         f.write(b"\xee")
     restored = kvstore.restore(runtime, directory, ident)
-    assert restored == {1: [7, 8]}
+    assert restored == {1: kvstore.Cached([7, 8])}
     assert 0 not in runtime.loaded
     assert list(directory.iterdir()) == []
 

@@ -36,12 +36,25 @@ class Caches:
 
 def test_a_move_swaps_the_generation_and_the_free_slots_cache() -> None:
     gen: Any = object()
-    src = Slot(3, tokens=[1, 2, 3], gen=gen, last_used=9, prompt_len=2)
-    dst = Slot(1, tokens=[7, 8], last_used=4, prompt_len=1)
+    src = Slot(3, tokens=[1, 2, 3], gen=gen, last_used=9, prompt_len=2, scope="a")
+    dst = Slot(1, tokens=[7, 8], last_used=4, prompt_len=1, scope="b")
     caches = Caches(s3=[1, 2, 3], s1=[7, 8])
     assert slots.move(caches, src, dst)  # type: ignore[arg-type]
-    assert (dst.gen, dst.tokens, dst.last_used, dst.prompt_len) == (gen, [1, 2, 3], 9, 2)
-    assert (src.gen, src.tokens, src.last_used, src.prompt_len) == (None, [7, 8], 4, 1)
+    # Each cache keeps the scope of the requests that filled it.
+    assert (dst.gen, dst.tokens, dst.last_used, dst.prompt_len, dst.scope) == (
+        gen,
+        [1, 2, 3],
+        9,
+        2,
+        "a",
+    )
+    assert (src.gen, src.tokens, src.last_used, src.prompt_len, src.scope) == (
+        None,
+        [7, 8],
+        4,
+        1,
+        "b",
+    )
     assert caches.kv == {1: [1, 2, 3], 3: [7, 8]}
 
 

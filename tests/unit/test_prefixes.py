@@ -156,3 +156,20 @@ def test_a_forgotten_replica_holds_nothing() -> None:
 def test_an_index_holds_at_least_one_block() -> None:
     with pytest.raises(ValueError, match="at least 1 block"):
         prefixes.PrefixIndex(0)
+
+
+def test_a_scope_sees_its_own_chains_and_none_of_another_scopes() -> None:
+    """Prefix routing per tenant (`prefixes.scoped`): the same prompt of two scopes
+    shares no block, one scope's prompts share what they share unscoped, and the shared
+    scope "" is the hashes as they are."""
+    a = prefixes.prompt_hashes(text(("a", 3)), limit=LIMIT)
+    b = prefixes.prompt_hashes(text(("a", 2), ("b", 1)), limit=LIMIT)
+    mine_a, mine_b = prefixes.scoped(a, "t1"), prefixes.scoped(b, "t1")
+    assert mine_a[:2] == mine_b[:2] and mine_a[2] != mine_b[2]
+    assert set(prefixes.scoped(a, "t2")).isdisjoint(mine_a)
+    assert set(mine_a).isdisjoint(a)
+    assert prefixes.scoped(a, "") == a
+    index = prefixes.PrefixIndex(capacity=64)
+    index.record(0, mine_a)
+    assert index.match(prefixes.scoped(a, "t2")) == {}
+    assert index.match(mine_b) == {0: 2}

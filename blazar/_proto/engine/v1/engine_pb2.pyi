@@ -21,20 +21,22 @@ ENGINE_STATE_READY: EngineState
 ENGINE_STATE_DRAINING: EngineState
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "chat", "sampling", "request_id", "constraint", "tpot_target_ms")
+    __slots__ = ("prompt", "chat", "sampling", "request_id", "constraint", "tpot_target_ms", "cache_scope")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
     TPOT_TARGET_MS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SCOPE_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     chat: ChatInput
     sampling: _inference_pb2.Sampling
     request_id: str
     constraint: _inference_pb2.Constraint
     tpot_target_ms: int
-    def __init__(self, prompt: _Optional[str] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., sampling: _Optional[_Union[_inference_pb2.Sampling, _Mapping]] = ..., request_id: _Optional[str] = ..., constraint: _Optional[_Union[_inference_pb2.Constraint, _Mapping]] = ..., tpot_target_ms: _Optional[int] = ...) -> None: ...
+    cache_scope: str
+    def __init__(self, prompt: _Optional[str] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., sampling: _Optional[_Union[_inference_pb2.Sampling, _Mapping]] = ..., request_id: _Optional[str] = ..., constraint: _Optional[_Union[_inference_pb2.Constraint, _Mapping]] = ..., tpot_target_ms: _Optional[int] = ..., cache_scope: _Optional[str] = ...) -> None: ...
 
 class ChatInput(_message.Message):
     __slots__ = ("messages", "tools", "tool_choice", "parallel_tool_calls")
