@@ -472,6 +472,17 @@ def path_prefix(path: str) -> str:
 # ---------------------------------------------------------------- happy paths
 
 
+async def test_prompt_cache_controls_that_ask_for_what_the_server_does_pass(
+    daemon: Daemon, client: httpx.AsyncClient
+) -> None:
+    """An implicit, in-memory prompt cache is what this server has: asking for it is
+    served, not refused (the other values are, in `test_bad_chat_body_is_400`)."""
+    daemon.fake.scripts["tiny"] = [delta("Hi"), final()]
+    body = chat_body(prompt_cache_retention="in_memory", prompt_cache_options={"mode": "implicit"})
+    response = await client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+
+
 async def test_chat_non_stream(daemon: Daemon, client: httpx.AsyncClient) -> None:
     daemon.fake.scripts["tiny"] = [delta("Hel"), delta("lo"), final(cached=4)]
     response = await client.post("/v1/chat/completions", json=chat_body(temperature=0.5))
@@ -992,6 +1003,22 @@ async def test_unknown_model_is_404(daemon: Daemon, client: httpx.AsyncClient) -
             ).encode(),
             "moderation",
             "not run by this server",
+        ),
+        # The prompt cache is implicit, in memory, with no promised lifetime.
+        (
+            json.dumps(chat_body(prompt_cache_retention="24h")).encode(),
+            "prompt_cache_retention",
+            "in memory only",
+        ),
+        (
+            json.dumps(chat_body(prompt_cache_options={"ttl": "30m"})).encode(),
+            "prompt_cache_options.ttl",
+            "no promised lifetime",
+        ),
+        (
+            json.dumps(chat_body(prompt_cache_options={"mode": "explicit"})).encode(),
+            "prompt_cache_options.mode",
+            "no breakpoints",
         ),
         (
             json.dumps(

@@ -168,6 +168,8 @@ class ChatCompletionRequest(_Sampling):
     metadata: dict[str, Any] | None = None
     web_search_options: dict[str, Any] | None = None
     moderation: dict[str, Any] | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from blazar._proto.v1 import inference_pb2
 from blazar.shim import canonical
@@ -314,6 +314,31 @@ MODERATION_REFUSED = (
 )
 
 
+def prompt_cache_refusal(
+    retention: str | None, options: dict[str, Any] | None
+) -> tuple[str, str] | None:
+    """Chat Completions' and the Responses API's prompt-cache controls that this server
+    cannot honour, as (param, why); None when they ask for what it does. Its cache is
+    implicit, in memory and per tenant, kept while a slot holds it: no retention or
+    minimum lifetime is promised, and there are no explicit breakpoints."""
+    if retention not in (None, "in_memory"):
+        return (
+            "prompt_cache_retention",
+            f"{retention!r} is not supported: prompts are cached in memory only, while an "
+            'engine\'s slot holds them; send "in_memory" or omit it',
+        )
+    for key, value in (options or {}).items():
+        if key == "mode" and value in (None, "implicit"):
+            continue
+        return (
+            f"prompt_cache_options.{key}",
+            "is not supported: the prompt cache is implicit (every prompt's prefix is "
+            "reused while an engine's slot holds it), with no breakpoints and no "
+            'promised lifetime; omit it, or send mode "implicit"',
+        )
+    return None
+
+
 def _refuse_unhonoured(body: protocol.ChatCompletionRequest) -> None:
     """OpenAI's fields that change what its models do, which this server cannot honour:
     refused by name rather than ignored. Their defaults pass."""
@@ -358,6 +383,9 @@ def _refuse_unhonoured(body: protocol.ChatCompletionRequest) -> None:
     for param, refused, why in refusals:
         if refused:
             raise envelope.invalid(f"'{param}': {why}.", param=param)
+    cache = prompt_cache_refusal(body.prompt_cache_retention, body.prompt_cache_options)
+    if cache is not None:
+        raise envelope.invalid(f"'{cache[0]}' {cache[1]}.", param=cache[0])
 
 
 def _refuse_functions(body: protocol.ChatCompletionRequest) -> None:

@@ -157,6 +157,11 @@ class ResponseCreateRequest(_Request):
     service_tier: str | None = None
     context_management: list[dict[str, Any]] | None = None
     moderation: dict[str, Any] | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    background_options: dict[str, Any] | None = None
+    image: dict[str, Any] | None = None
+    access_programs: Any = None
 
 
 class InputTokensRequest(_Request):

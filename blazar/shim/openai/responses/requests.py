@@ -147,6 +147,16 @@ def _refuse_state(body: protocol.ResponseCreateRequest) -> None:
         )
     if body.moderation is not None:
         raise envelope.invalid(f"'moderation': {requests.MODERATION_REFUSED}.", param="moderation")
+    cache = requests.prompt_cache_refusal(body.prompt_cache_retention, body.prompt_cache_options)
+    if cache is not None:
+        raise envelope.invalid(f"'{cache[0]}' {cache[1]}.", param=cache[0])
+    for param, value, why in (
+        ("background_options", body.background_options, "background responses are not"),
+        ("image", body.image, "image options are not"),
+        ("access_programs", body.access_programs, "access programs are not"),
+    ):
+        if value is not None:
+            raise envelope.invalid(f"'{param}': {why} supported by this server.", param=param)
     if body.max_tool_calls is not None:
         raise envelope.invalid(
             "'max_tool_calls' limits built-in tools, and this server runs none; the "
