@@ -1,10 +1,11 @@
 """The decode thread: sole owner of the llama runtime, the slots and the order of work.
 
 Each pass of the loop (`DecodeLoop._run`) takes in what came, carries out Park and
-Resume orders, seats work in free slots (resumed generations first, then waiting jobs,
-oldest first), gathers the busy slots, and runs one step: draft, assemble a batch of
-every seated generation's next tokens and prompt chunks, decode it, read it back. That
-order is the scheduling; how each part is done lives beside it:
+Resume orders, seats work in free slots (generations the data plane resumed first, then
+waiting jobs, oldest first, then those a drain resumed), gathers the busy slots, and
+runs one step: draft, assemble a batch of every seated generation's next tokens and
+prompt chunks, decode it, read it back. That order is the scheduling; how each part is
+done lives beside it:
 
 - `waiting`: the inbox (jobs and orders from any thread) and the line of jobs;
 - `seats`: who sits in which slot, and every way a generation takes or leaves one;
@@ -324,13 +325,20 @@ class DecodeLoop:
             self._seats.end_parked(parked, errors.RequestNotFound.of(parked.request_id))
 
     def _admit(self, runtime: llama.Runtime) -> None:
-        """Resume the parked generations asked for, then end waiting jobs that were
-        cancelled and start the others, oldest first, while slots are free."""
-        while (parked := self._bank.next()) is not None and (free := self._seats.free(runtime)):
+        """Resume the parked generations the data plane asked for, then end waiting jobs
+        that were cancelled and start the others, oldest first, while slots are free;
+        then resume those a drain asked for. The data plane asks a Resume for a slot it
+        freed, but a drain for none: the jobs waiting may be the urgent work a park
+        freed a slot for, which must not wait for the very generation parked for it."""
+        while (parked := self._bank.next(drained=False)) is not None and (
+            free := self._seats.free(runtime)
+        ):
             self._seats.resume(runtime, parked, free)
         self._waiting.end_cancelled()
         while self._waiting and (free := self._seats.free(runtime)):
             self._seats.begin(runtime, self._waiting.pop(), free)
+        while (parked := self._bank.next()) is not None and (free := self._seats.free(runtime)):
+            self._seats.resume(runtime, parked, free)
 
     def _share_cpu(self, runtime: llama.Runtime) -> None:
         """Compute the next step on this engine's share of the host's cores."""

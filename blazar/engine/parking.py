@@ -91,7 +91,8 @@ class Resume:
 
 @dataclass(frozen=True)
 class ResumeAll:
-    """Order of a drain: resume every parked generation as slots free up."""
+    """Order of a drain: resume every parked generation as slots free up, after the
+    jobs waiting for one."""
 
 
 Order = Park | Resume | ResumeAll
@@ -216,9 +217,10 @@ class Bank:
             if parked.reply is None:
                 self.ask(parked, _nobody)
 
-    def next(self) -> Parked | None:
-        """The first generation a Resume asked for, still waiting for a slot."""
-        return self._asked[0] if self._asked else None
+    def next(self, *, drained: bool = True) -> Parked | None:
+        """The first generation a Resume asked for, still waiting for a slot; without
+        `drained`, the first a caller's Resume asked for (not a drain's)."""
+        return next((p for p in self._asked if drained or p.reply is not _nobody), None)
 
     def resume(
         self, runtime: llama.Runtime, parked: Parked, slot: Seat, *, keep: int

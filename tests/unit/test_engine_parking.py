@@ -264,6 +264,31 @@ def test_a_drain_resumes_what_is_parked(monkeypatch: pytest.MonkeyPatch) -> None
     assert text(long_events) == counted(4, 12)
 
 
+def test_a_drain_resumes_parked_work_after_the_jobs_waiting_for_a_slot(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The data plane parks a generation to start urgent work in its slot; a drain that
+    comes while that work still waits in the engine resumes the parked one after it, not
+    in the slot the park freed for it (the urgent work would wait for the very
+    generation parked for it, and be cut off at the drain's grace)."""
+    with running(monkeypatch, slots=1) as (decode, runtime):
+        first, first_events = job([1, 2, 3], max_tokens=20, name="first")
+        parked = park_at(decode, runtime, "first", step=2)
+        decode.submit(first)
+        assert isinstance(parked.wait(), parking.ParkResult)
+        holder, holder_events = job([7], max_tokens=200, name="holder")
+        urgent, urgent_events = job([4, 5], max_tokens=3, name="urgent")
+        decode.submit(holder)
+        decode.submit(urgent)
+        decode.order(parking.ResumeAll())
+        decode.cancel(holder)
+        assert first_events.ended.wait(10) and urgent_events.ended.wait(10)
+        assert holder_events.ended.is_set()
+    assert text(first_events) == counted(4, 20)
+    # One slot, and `first` ran in it last: after `urgent`.
+    assert runtime.kv[0][:3] == [1, 2, 3]
+
+
 def test_stopping_ends_parked_generations_and_answers_their_resume(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
