@@ -176,8 +176,14 @@ def plan_replicas(
             actions.append(Start(index, launch, restart=False))
         elif replica.state == ReplicaState.FAILED:
             _restart_after_backoff(replica, launch, now, actions, waits)
-        elif replica.revision != new and replica.state in _KEPT_SURGE:
-            stop(replica, "SpecChanged")
+        elif (
+            replica.revision != new
+            and replica.state in _KEPT_SURGE
+            and stop(replica, "SpecChanged")
+        ):
+            # Nothing else wakes the Lane once the stop is done: look again then, to
+            # start the index at the new revision.
+            waits.append(STOPPED_INDEX_RETRY_S)
     return LanePlan(actions, requeue_after=min(waits) if waits else None)
 
 
@@ -185,6 +191,9 @@ def plan_replicas(
 _KEPT_SURGE = (ReplicaState.STARTING, ReplicaState.READY, ReplicaState.FAILED)
 # How soon to look again when the surge's index is still held by a replica being stopped.
 SURGE_RETRY_S = 1.0
+# How soon to look again, after a pass that stops an old replica below `desired`, to
+# start its index at the new revision (the pass ends once the stop is done).
+STOPPED_INDEX_RETRY_S = 1.0
 
 
 def _restart_after_backoff(

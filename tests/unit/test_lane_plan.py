@@ -64,15 +64,16 @@ def obs(
         # As the kubelet: 10 minutes of running resets the back-off (not the restart count).
         pytest.param(1, LAUNCH, [obs(0, ReplicaState.FAILED, restarts=3, exited_ago=1.5, ran=600)], [Start(0, LAUNCH, True)], None, id="backoff-resets-after-a-long-run"),
         pytest.param(1, LAUNCH, [obs(0, ReplicaState.FAILED, restarts=6, exited_ago=0.2, ran=3600)], [], 0.8, id="long-run-waits-base-backoff"),
-        # A rolling update: a surge replica first, the old one stopped once it is ready.
+        # A rolling update: a surge replica first, the old one stopped once it is ready,
+        # and a look again once that stop is done, to start its index at the new revision.
         pytest.param(1, LAUNCH, [obs(0, launch=OLD)], [Start(1, LAUNCH, False)], None, id="spec-change-starts-a-surge"),
         pytest.param(1, LAUNCH, [obs(0, launch=OLD), obs(1, ReplicaState.STARTING)], [], None, id="surge-starting"),
-        pytest.param(1, LAUNCH, [obs(0, launch=OLD), obs(1)], [Stop(0, "SpecChanged")], None, id="surge-ready-old-stops"),
+        pytest.param(1, LAUNCH, [obs(0, launch=OLD), obs(1)], [Stop(0, "SpecChanged")], 1.0, id="surge-ready-old-stops"),
         pytest.param(1, LAUNCH, [obs(1)], [Start(0, LAUNCH, False)], None, id="surge-serves-while-index-restarts"),
         pytest.param(1, LAUNCH, [obs(0, ReplicaState.STARTING), obs(1)], [], None, id="surge-kept-until-settled"),
-        pytest.param(2, LAUNCH, [obs(0, launch=OLD), obs(1, launch=OLD), obs(2)], [Stop(0, "SpecChanged")], None, id="one-old-at-a-time"),
+        pytest.param(2, LAUNCH, [obs(0, launch=OLD), obs(1, launch=OLD), obs(2)], [Stop(0, "SpecChanged")], 1.0, id="one-old-at-a-time"),
         pytest.param(2, LAUNCH, [obs(0, ReplicaState.STARTING), obs(1, launch=OLD), obs(2)], [], None, id="next-old-waits-for-capacity"),
-        pytest.param(1, LAUNCH, [obs(0, ReplicaState.STARTING, launch=OLD)], [Stop(0, "SpecChanged")], None, id="old-starting-replaced-at-once"),
+        pytest.param(1, LAUNCH, [obs(0, ReplicaState.STARTING, launch=OLD)], [Stop(0, "SpecChanged")], 1.0, id="old-starting-replaced-at-once"),
         pytest.param(1, LAUNCH, [obs(0, launch=OLD), obs(1, launch=OLD)], [Stop(1, "SpecChanged")], 1.0, id="surge-index-busy"),
         pytest.param(1, LAUNCH, [obs(0, launch=OLD), obs(1, ReplicaState.FAILED, restarts=3, exited_ago=1)], [], 7.0, id="failing-surge-old-keeps-serving"),
         pytest.param(1, LAUNCH, [obs(0, launch=OLD), obs(1, ReplicaState.FAILED, exited_ago=2)], [Start(1, LAUNCH, True)], None, id="failed-surge-restarts"),
