@@ -6,8 +6,10 @@ One asyncio task per replica follows it through its lifecycle:
         \\--exits or not ready in time--> Failed
 
 and calls `on_change(lane)` on every transition so the Lane is reconciled. `stop()`
-is the teardown: Drain RPC (finish in-flight work up to the grace period), SIGTERM,
-wait, then SIGKILL of the whole process group. Workers also die on their own when the
+(which the Lane's reconcile calls and awaits, so it calls no `on_change`; a plan that
+stops a replica asks for its own next pass) is the teardown: Drain RPC (finish
+in-flight work up to the grace period), SIGTERM, wait, then SIGKILL of the whole
+process group. Workers also die on their own when the
 daemon dies (parent-death signal), so a `kill -9` of the daemon leaves no orphans.
 
 A Ready replica's Health is polled as a liveness probe: one that misses
