@@ -253,6 +253,46 @@ def trim_drafts(
     return {seq: kept[seq] if seq in kept else best[seq] for seq in drafts}
 
 
+def pad_drafts(
+    drafts: Mapping[int, Sequence[int]],
+    feeds: Mapping[int, int],
+    fillers: Mapping[int, Sequence[int]],
+) -> dict[int, tuple[int, ...]]:
+    """Lengthen drafts with `fillers` where the step costs no more for it.
+
+    `drafts` is a step's drafts as `trim_drafts` cut them (the drafting sequences at one
+    common length), `feeds` every decoding sequence's tokens before drafts, and
+    `fillers` weaker proposals for sequences that draft nothing (an n-gram match too
+    short for a draft of their own). A sequence that decodes one row beside drafting
+    ones costs a forward pass of its own (`passes`): three sequences feeding 9 and one
+    feeding 1 run as passes of 4 and 24 rows, as dear as one pass of 36. Filled to the
+    common length it joins their pass, and whatever of its filler holds is a token for
+    nothing. So each filler, in sequence order, is taken (cut to the common length)
+    when the step's `step_cost` does not grow; a filler shorter than that length is
+    not (it would leave the step as uneven).
+    """
+    out = {seq: tuple(d) for seq, d in drafts.items()}
+    length = max((len(d) for d in out.values()), default=0)
+    if length == 0:
+        return out
+
+    def cost() -> float:
+        return step_cost({seq: n + len(out.get(seq, ())) for seq, n in feeds.items()})
+
+    now = cost()
+    for seq in sorted(fillers):
+        filler = tuple(fillers[seq][:length])
+        if out.get(seq) or len(filler) < length or feeds.get(seq) != 1:
+            continue
+        out[seq] = filler
+        after = cost()
+        if after > now:
+            out[seq] = ()
+        else:
+            now = after
+    return out
+
+
 def reusable_prefix(common: int, *, pos_min: int, n_swa: int) -> int:
     """How many of `common` cached tokens may be kept, given what the cache still holds.
 

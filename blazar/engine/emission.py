@@ -126,7 +126,7 @@ def after_decode(
     if outcome.drafted:
         assert spec is not None
         gen.record_draft(spec.kind, drafted=outcome.drafted, accepted=outcome.accepted)
-        spec.policy.record(slot.index, drafted=outcome.drafted, accepted=outcome.accepted)
+        spec.record(slot.index, drafted=outcome.drafted, accepted=outcome.accepted)
     if end is not None:
         return Outcome(end=end)
     gen.feed.append(outcome.emitted[-1])

@@ -224,8 +224,10 @@ class NgramProposer:
         if length < len(self._tokens):
             self.reset(self._tokens[:length])
 
-    def propose(self, limit: int | None = None) -> tuple[int, ...]:
-        """Up to min(limit, max_draft_tokens) tokens; () when no n-gram recurs."""
+    def propose(self, limit: int | None = None, *, min_match: int | None = None) -> tuple[int, ...]:
+        """Up to min(limit, max_draft_tokens) tokens; () when no n-gram recurs (or the
+        match is shorter than `min_match`, by default the proposer's own)."""
+        least = self.min_match if min_match is None else min_match
         k = self.max_draft_tokens if limit is None else min(limit, self.max_draft_tokens)
         seq = self._tokens
         if k <= 0 or not seq:
@@ -234,7 +236,7 @@ class NgramProposer:
             end = self._index[n].get(tuple(seq[-n:]))
             if end is None:
                 continue
-            if n < self.min_match and not self._matches(end, self.min_match):
+            if n < least and not self._matches(end, least):
                 return ()
             return tuple(seq[end + 1 : end + 1 + k])
         return ()
@@ -264,6 +266,15 @@ class NgramDrafter:
             proposer = self._synced(req.seq, req.tokens)
             out[req.seq] = proposer.propose(req.max_tokens)
         return out
+
+    def fill(self, requests: Sequence[DraftRequest]) -> dict[int, tuple[int, ...]]:
+        """Weaker proposals (any recurring n-gram, however short its match) for
+        sequences that have no draft of their own this step: only worth decoding where
+        they cost nothing (`batching.pad_drafts`)."""
+        return {
+            req.seq: self._synced(req.seq, req.tokens).propose(req.max_tokens, min_match=1)
+            for req in requests
+        }
 
     def release(self, seq: int) -> None:
         self._proposers.pop(seq, None)
@@ -479,8 +490,10 @@ class SpeculationPolicy:
             return 0
         return max(0, budget if room is None else min(budget, room))
 
-    def record(self, seq: int, *, drafted: int, accepted: int) -> None:
-        """Account one verified step (drafted == 0 — nothing proposed — is a no-op)."""
+    def record(self, seq: int, *, drafted: int, accepted: int, filler: bool = False) -> None:
+        """Account one verified step (drafted == 0 — nothing proposed — is a no-op).
+        A `filler` (`batching.pad_drafts`: decoded because it cost nothing) counts in
+        the totals only: the sequence's own drafts are what its window judges."""
         if drafted <= 0:
             return
         if not 0 <= accepted <= drafted:
@@ -490,6 +503,8 @@ class SpeculationPolicy:
         t.accepted += accepted
         self._drafted += drafted
         self._accepted += accepted
+        if filler:
+            return
         if t.state is DraftState.PAUSED:
             # A probe: resume on a good one, with a fresh window and warm-up.
             if accepted >= self.min_acceptance_rate * drafted and accepted > 0:

@@ -10,7 +10,7 @@ thread only.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from blazar.api import replicas
@@ -50,6 +50,8 @@ class Speculator:
     drafter: speculation.DraftModel
     # Owned native resources of a draft model, closed with the runtime.
     runner: draft.LlamaDraftRunner | None = None
+    # The sequences whose drafts this step are fillers (`batching.pad_drafts`).
+    fillers: frozenset[int] = frozenset()
 
     @classmethod
     def load(
@@ -121,6 +123,7 @@ class Speculator:
         leave one out), then cut to the step's cheapest shape
         (`batching.trim_drafts`). Raises whatever the drafter raises.
         """
+        self.fillers = frozenset()
         requests: list[speculation.DraftRequest] = []
         for candidate in candidates:
             room = min(candidate.room, spare + 1)
@@ -138,7 +141,32 @@ class Speculator:
         drafts = {r.seq: proposed.get(r.seq, ())[: r.max_tokens] for r in requests}
         probes = {seq for seq in drafts if self.policy.sequence(seq).state is PAUSED}
         # Every decoding sequence counts: together they make the step's passes.
-        return batching.trim_drafts(drafts, feeds, probes=probes)
+        trimmed = batching.trim_drafts(drafts, feeds, probes=probes)
+        return self._filled(trimmed, requests, feeds, probes=probes)
+
+    def _filled(
+        self,
+        drafts: dict[int, tuple[int, ...]],
+        requests: Sequence[speculation.DraftRequest],
+        feeds: Mapping[int, int],
+        *,
+        probes: Collection[int],
+    ) -> dict[int, tuple[int, ...]]:
+        """Fill the sequences the policy let draft but that proposed nothing with the
+        n-gram drafter's weaker proposals, where that costs the step nothing
+        (`batching.pad_drafts`); remembered as fillers until the next step's drafts."""
+        if not isinstance(self.drafter, speculation.NgramDrafter) or not any(drafts.values()):
+            return drafts
+        empty = [r for r in requests if not drafts.get(r.seq) and r.seq not in probes]
+        if not empty:
+            return drafts
+        padded = batching.pad_drafts(drafts, feeds, self.drafter.fill(empty))
+        self.fillers = frozenset(seq for seq, d in padded.items() if d and not drafts.get(seq))
+        return padded
+
+    def record(self, seq: int, *, drafted: int, accepted: int) -> None:
+        """Account a verified draft of this step (`SpeculationPolicy.record`)."""
+        self.policy.record(seq, drafted=drafted, accepted=accepted, filler=seq in self.fillers)
 
     def moved(self, src: int, dst: int) -> None:
         """A generation moved from sequence `src` to `dst` (`slots.move`): its statistics

@@ -10,6 +10,7 @@ from blazar.engine import batching
 from blazar.engine.batching import FreeSlot, Logits, Piece, Placement, Want
 
 LONG = list(range(1, 201))  # a 200-token prompt
+D8 = tuple(range(500, 508))  # an 8-token draft
 
 
 @pytest.mark.parametrize(
@@ -483,3 +484,33 @@ def test_compaction_counts_runs_as_a_recount_would() -> None:
             src, dst = move
             assert src in movable and dst not in busy
             assert batching.runs(busy - {src} | {dst}) == best < batching.runs(busy)
+
+
+@pytest.mark.parametrize(
+    ("drafts", "feeds", "fillers", "expected"),
+    [
+        # 9, 9, 9 and 1 rows: passes of 4 and 24, as dear as one of 36.
+        ({0: D8, 1: D8, 2: D8}, {0: 1, 1: 1, 2: 1, 3: 1}, {3: D8}, {0: D8, 1: D8, 2: D8, 3: D8}),
+        # 9, 9, 1, 1: passes of 4 and 16 cost less than one of 36: left plain.
+        ({0: D8, 1: D8}, {0: 1, 1: 1, 2: 1, 3: 1}, {2: D8, 3: D8}, {0: D8, 1: D8}),
+        # Six sequences, five drafting 7: passes of 6 and 35 against one of 48.
+        (
+            {s: D8[:7] for s in range(5)},
+            dict.fromkeys(range(6), 1),
+            {5: D8},
+            {**{s: D8[:7] for s in range(5)}, 5: D8[:7]},
+        ),
+        # A filler shorter than the common length would leave the step uneven.
+        ({0: D8, 1: D8, 2: D8}, {0: 1, 1: 1, 2: 1, 3: 1}, {3: D8[:5]}, {0: D8, 1: D8, 2: D8}),
+        # Nobody drafts: nothing to join.
+        ({}, {0: 1, 1: 1}, {1: D8}, {}),
+    ],
+)
+def test_pad_drafts_fills_where_the_step_costs_no_more(
+    drafts: dict[int, tuple[int, ...]],
+    feeds: dict[int, int],
+    fillers: dict[int, tuple[int, ...]],
+    expected: dict[int, tuple[int, ...]],
+) -> None:
+    out = batching.pad_drafts(drafts, feeds, fillers)
+    assert {seq: d for seq, d in out.items() if d} == expected

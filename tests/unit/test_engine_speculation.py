@@ -502,3 +502,43 @@ def test_speculator_keeps_a_probe_without_cutting_the_other_drafts() -> None:
     candidates = [speculator.Candidate(seq, [1, 2, 3], room=100) for seq in range(4)]
     out = spec.draft(candidates, active=4, feeds=dict.fromkeys(range(4), 1), spare=200)
     assert [len(out[seq]) for seq in range(4)] == [8, 8, 8, policy.probe_tokens]
+
+
+def test_a_filler_counts_in_the_totals_but_not_in_the_window() -> None:
+    """Fillers are decoded because they cost nothing: their rejections must not pause
+    the sequence's own drafting."""
+    p = _policy()
+    p.begin(0)
+    for _ in range(4):
+        p.record(0, drafted=4, accepted=0, filler=True)
+    assert p.sequence(0).state is sp.DraftState.SPECULATING
+    assert (p.totals.drafted, p.totals.accepted) == (16, 0)
+
+
+def test_speculator_fills_a_sequence_with_no_match_where_it_costs_nothing() -> None:
+    """Three sequences copy a long text (their drafts need an 8-token match, and have
+    one); the fourth has only a short recurring n-gram. Decoding one row beside three
+    9-row drafts costs a pass of its own, so its weak proposal is filled in to the
+    common length, counted as a filler; two such sequences beside two drafting ones
+    would make the step dearer, and are left plain."""
+    copied = list(range(100, 120)) * 2
+    short = [7, 8, 9, 1, 2, 3, 4, 5, 6, 10, 11, 12, 7, 8, 9]
+
+    def drafts(texts: list[list[int]]) -> tuple[dict[int, tuple[int, ...]], frozenset[int]]:
+        policy = sp.SpeculationPolicy(
+            max_draft_tokens=8, disable_above_batch=8, min_acceptance_rate=0.3
+        )
+        drafter = sp.NgramDrafter(ngram_size=3, max_draft_tokens=8, min_match=8)
+        spec = speculator.Speculator("ngram", policy, drafter)
+        candidates = [speculator.Candidate(s, t, room=100) for s, t in enumerate(texts)]
+        feeds = dict.fromkeys(range(len(texts)), 1)
+        out = spec.draft(candidates, active=len(texts), feeds=feeds, spare=200)
+        return out, spec.fillers
+
+    out, fillers = drafts([copied, copied, copied, short])
+    assert [len(out[s]) for s in range(4)] == [8, 8, 8, 8]
+    assert out[3] == (1, 2, 3, 4, 5, 6, 10, 11)
+    assert fillers == {3}
+    out, fillers = drafts([copied, copied, short, short])
+    assert [len(out[s]) for s in range(4)] == [8, 8, 0, 0]
+    assert fillers == frozenset()
