@@ -119,6 +119,15 @@ def rejections(lane: str, policy: str) -> float:
     )
 
 
+async def urgent_beside_hold(p: Plane) -> errors.BlazarError | None:
+    """What a tight request on "l" gets while "hold" holds its one slot (then released)."""
+    held = await p.started("l", "hold")
+    refused = await outcome(p.start("l", "urgent", slo="tight"))
+    p.release()
+    assert await outcome(held) is None
+    return refused
+
+
 async def finals(call: grpc.aio.UnaryStreamCall[Any, Any]) -> inference_pb2.Final:
     final = None
     while (chunk := await call.read()) is not grpc.aio.EOF:
@@ -223,10 +232,7 @@ def test_a_missing_spillover_lane_leaves_the_local_decision_and_says_so() -> Non
     async def run() -> tuple[errors.BlazarError | None, list[tuple[str, str, str]], list[str]]:
         async with plane(TIGHT, spillover="nosuch") as p:
             await p.warm("l")
-            held = await p.started("l", "hold")
-            refused = await outcome(p.start("l", "urgent", slo="tight"))
-            p.release()
-            assert await outcome(held) is None
+            refused = await urgent_beside_hold(p)
             # Said once, however often the table is rebuilt; again once it dangles anew.
             p.respill("l", "w")
             p.respill("l", "nosuch")
@@ -253,11 +259,7 @@ def test_a_tenant_spills_only_to_a_lane_it_may_use() -> None:
         async with plane(TIGHT, auth=access.Access(tenants=auth)) as p:
             p.key = "bz-narrow"
             await p.warm("l")
-            held = await p.started("l", "hold")
-            refused = await outcome(p.start("l", "urgent", slo="tight"))
-            p.release()
-            assert await outcome(held) is None
-            return refused, p.engines["w"].seen
+            return await urgent_beside_hold(p), p.engines["w"].seen
 
     refused, on_w = asyncio.run(run())
     assert isinstance(refused, errors.SloUnattainable) and refused.metadata["lane"] == "l"
@@ -331,11 +333,7 @@ def test_a_spillover_lane_scaled_to_zero_while_it_drains_leaves_the_local_decisi
             paused.spec.replicas = 0
             p.store.apply_all([paused])
             await asyncio.sleep(0.2)
-            held = await p.started("l", "hold")
-            refused = await outcome(p.start("l", "urgent", slo="tight"))
-            p.release()
-            assert await outcome(held) is None
-            return refused, p.engines["w"].seen
+            return await urgent_beside_hold(p), p.engines["w"].seen
 
     refused, on_w = asyncio.run(run())
     assert isinstance(refused, errors.SloUnattainable), refused

@@ -229,18 +229,27 @@ def test_a_waiting_job_cannot_be_parked(monkeypatch: pytest.MonkeyPatch) -> None
         assert busy_events.ended.wait(10) and waiting_events.ended.wait(10)
 
 
+def parked_behind_a_holder(decode: Any, runtime: Any, then: str) -> tuple[Any, ...]:
+    """In one slot: `first` (20 tokens) parked at its second step, then a long `holder`
+    and a 3-token job named `then` waiting for the slot. Their job and events."""
+    first, first_events = job([1, 2, 3], max_tokens=20, name="first")
+    parked = park_at(decode, runtime, "first", step=2)
+    decode.submit(first)
+    assert isinstance(parked.wait(), parking.ParkResult)
+    holder, holder_events = job([7], max_tokens=200, name="holder")
+    other, other_events = job([4, 5], max_tokens=3, name=then)
+    decode.submit(holder)
+    decode.submit(other)
+    return holder, holder_events, first_events, other_events
+
+
 def test_a_resume_goes_before_waiting_jobs(monkeypatch: pytest.MonkeyPatch) -> None:
     """The data plane resumes a parked generation when a slot frees; jobs that waited
     in the engine meanwhile come after it."""
     with running(monkeypatch, slots=1) as (decode, runtime):
-        first, first_events = job([1, 2, 3], max_tokens=20, name="first")
-        parked = park_at(decode, runtime, "first", step=2)
-        decode.submit(first)
-        assert isinstance(parked.wait(), parking.ParkResult)
-        holder, holder_events = job([7], max_tokens=200, name="holder")
-        later, later_events = job([4, 5], max_tokens=3, name="later")
-        decode.submit(holder)
-        decode.submit(later)
+        holder, holder_events, first_events, later_events = parked_behind_a_holder(
+            decode, runtime, "later"
+        )
         resumed = resume(decode, "first")
         decode.cancel(holder)
         assert resumed.wait().slot == 0
@@ -272,14 +281,9 @@ def test_a_drain_resumes_parked_work_after_the_jobs_waiting_for_a_slot(
     in the slot the park freed for it (the urgent work would wait for the very
     generation parked for it, and be cut off at the drain's grace)."""
     with running(monkeypatch, slots=1) as (decode, runtime):
-        first, first_events = job([1, 2, 3], max_tokens=20, name="first")
-        parked = park_at(decode, runtime, "first", step=2)
-        decode.submit(first)
-        assert isinstance(parked.wait(), parking.ParkResult)
-        holder, holder_events = job([7], max_tokens=200, name="holder")
-        urgent, urgent_events = job([4, 5], max_tokens=3, name="urgent")
-        decode.submit(holder)
-        decode.submit(urgent)
+        holder, holder_events, first_events, urgent_events = parked_behind_a_holder(
+            decode, runtime, "urgent"
+        )
         decode.order(parking.ResumeAll())
         decode.cancel(holder)
         assert first_events.ended.wait(10) and urgent_events.ended.wait(10)
