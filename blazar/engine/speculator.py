@@ -3,9 +3,11 @@
 `Speculator.load` builds what a `replicas.SpeculationLaunch` asks for (the pure n-gram
 drafter, or a draft model's runner); `Speculator.draft` decides which decoding
 sequences draft this step and how many tokens each, within what the step can hold,
-and asks the drafter; `extend_feeds` does that for the loop's slots. Verification is
-`emission`'s (`speculation.Speculation`), which samples the target's rows. Decode
-thread only.
+and asks the drafter (with the n-gram drafter, a sequence whose match is too short for
+a draft of its own takes a weaker one where that costs the step nothing: a filler,
+`batching.pad_drafts`); `extend_feeds` does that for the loop's slots. Verification is
+`emission`'s (`speculation.Speculation`), which samples the target's rows, and its
+count goes back through `record`. Decode thread only.
 """
 
 from __future__ import annotations
