@@ -200,7 +200,6 @@ REQUEST_CASES: dict[
             "stream_options": {"include_usage": True},
             "user": "someone",
             "logit_bias": {"50256": -100},
-            "parallel_tool_calls": False,
         },
     ),
     "request_chat_stop_string": (
@@ -1003,6 +1002,12 @@ async def test_unknown_model_is_404(daemon: Daemon, client: httpx.AsyncClient) -
             ).encode(),
             "moderation",
             "not run by this server",
+        ),
+        # As OpenAI answers it.
+        (
+            json.dumps(chat_body(parallel_tool_calls=False)).encode(),
+            "parallel_tool_calls",
+            "only allowed when 'tools' are specified",
         ),
         # The prompt cache is implicit, in memory, with no promised lifetime.
         (

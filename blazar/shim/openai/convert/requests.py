@@ -63,6 +63,13 @@ def chat_request(
         tool_choice=_tool_choice(body),
     )
     if body.parallel_tool_calls is not None:
+        if not body.tools:
+            # As OpenAI answers it: with no tools it would say nothing of any call.
+            raise envelope.invalid(
+                "Invalid value for 'parallel_tool_calls': 'parallel_tool_calls' is only "
+                "allowed when 'tools' are specified.",
+                param="parallel_tool_calls",
+            )
         request.parallel_tool_calls = body.parallel_tool_calls
     return request
 
