@@ -321,29 +321,26 @@ MODERATION_REFUSED = (
 )
 
 
-def prompt_cache_refusal(
-    retention: str | None, options: dict[str, Any] | None
-) -> tuple[str, str] | None:
-    """Chat Completions' and the Responses API's prompt-cache controls that this server
-    cannot honour, as (param, why); None when they ask for what it does. Its cache is
-    implicit, in memory and per tenant, kept while a slot holds it: no retention or
-    minimum lifetime is promised, and there are no explicit breakpoints."""
+def refuse_prompt_cache(retention: str | None, options: dict[str, Any] | None) -> None:
+    """Refuse Chat Completions' and the Responses API's prompt-cache controls that this
+    server cannot honour; pass those that ask for what it does. Its cache is implicit,
+    in memory and per tenant, kept while a slot holds it: no retention or minimum
+    lifetime is promised, and there are no explicit breakpoints."""
     if retention not in (None, "in_memory"):
-        return (
-            "prompt_cache_retention",
-            f"{retention!r} is not supported: prompts are cached in memory only, while an "
-            'engine\'s slot holds them; send "in_memory" or omit it',
+        raise envelope.invalid(
+            f"'prompt_cache_retention' {retention!r} is not supported: prompts are cached "
+            'in memory only, while an engine\'s slot holds them; send "in_memory" or omit it.',
+            param="prompt_cache_retention",
         )
     for key, value in (options or {}).items():
         if key == "mode" and value in (None, "implicit"):
             continue
-        return (
-            f"prompt_cache_options.{key}",
-            "is not supported: the prompt cache is implicit (every prompt's prefix is "
-            "reused while an engine's slot holds it), with no breakpoints and no "
-            'promised lifetime; omit it, or send mode "implicit"',
+        raise envelope.invalid(
+            f"'prompt_cache_options.{key}' is not supported: the prompt cache is implicit "
+            "(every prompt's prefix is reused while an engine's slot holds it), with no "
+            'breakpoints and no promised lifetime; omit it, or send mode "implicit".',
+            param=f"prompt_cache_options.{key}",
         )
-    return None
 
 
 def _refuse_unhonoured(body: protocol.ChatCompletionRequest) -> None:
@@ -390,9 +387,7 @@ def _refuse_unhonoured(body: protocol.ChatCompletionRequest) -> None:
     for param, refused, why in refusals:
         if refused:
             raise envelope.invalid(f"'{param}': {why}.", param=param)
-    cache = prompt_cache_refusal(body.prompt_cache_retention, body.prompt_cache_options)
-    if cache is not None:
-        raise envelope.invalid(f"'{cache[0]}' {cache[1]}.", param=cache[0])
+    refuse_prompt_cache(body.prompt_cache_retention, body.prompt_cache_options)
 
 
 def _refuse_functions(body: protocol.ChatCompletionRequest) -> None:

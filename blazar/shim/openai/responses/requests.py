@@ -147,9 +147,7 @@ def _refuse_state(body: protocol.ResponseCreateRequest) -> None:
         )
     if body.moderation is not None:
         raise envelope.invalid(f"'moderation': {requests.MODERATION_REFUSED}.", param="moderation")
-    cache = requests.prompt_cache_refusal(body.prompt_cache_retention, body.prompt_cache_options)
-    if cache is not None:
-        raise envelope.invalid(f"'{cache[0]}' {cache[1]}.", param=cache[0])
+    requests.refuse_prompt_cache(body.prompt_cache_retention, body.prompt_cache_options)
     for param, value, why in (
         ("background_options", body.background_options, "background responses are not"),
         ("image", body.image, "image options are not"),
