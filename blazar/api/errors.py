@@ -20,6 +20,7 @@
     ├── PermissionDenied              key without access                 PERMISSION_DENIED
     │   ├── ModelNotPermitted         a Lane the tenant may not use      PERMISSION_DENIED
     │   │                             (told as ModelNotFound to a tenant that is not admin)
+    │   ├── PolicyNotPermitted        an SLOPolicy the tenant may not name
     │   ├── AdminRequired             Control without an admin key       PERMISSION_DENIED
     │   └── OriginNotAllowed          a browser page of another origin   PERMISSION_DENIED
     └── DeadlineExceeded              the caller's deadline passed       DEADLINE_EXCEEDED
@@ -339,6 +340,12 @@ class ModelNotPermitted(PermissionDenied):
     reason = "MODEL_NOT_PERMITTED"
 
 
+class PolicyNotPermitted(PermissionDenied):
+    """A request names an SLOPolicy its tenant's `sloPolicies` do not list."""
+
+    reason = "SLO_POLICY_NOT_PERMITTED"
+
+
 class AdminRequired(PermissionDenied):
     """Control called by a tenant without `admin`, or over TCP without an admin key."""
 
@@ -377,6 +384,7 @@ _BY_REASON: dict[str, type[BlazarError]] = {
         Unauthenticated,
         PermissionDenied,
         ModelNotPermitted,
+        PolicyNotPermitted,
         AdminRequired,
         OriginNotAllowed,
         DeadlineExceeded,

@@ -7,16 +7,23 @@
         admin: true                            # may call Control (apply, get, delete, ...)
         rateLimit: {requestsPerMinute: 60, tokensPerMinute: 100000}
         weight: 2                              # its share of a Lane inside a priority tier
+        sloPolicies: ["*"]                     # SLOPolicies it may name; "*": all
       - name: ci
         keys: ["sha256:..."]
         lanes: [gemma3]
+        sloPolicies: [batch]
 
 `blazar auth key` prints a new random key and the line to put in `keys`. A request's
 key is hashed and compared with every tenant's digests in constant time, so neither
 the file nor the comparison tells anything about a key it does not hold.
 
 A tenant that names a Lane (or any of a Lane's aliases) may use that Lane under all
-its names. `admin` only opens Control; it does not widen `lanes`.
+its names. `admin` only opens Control; it does not widen `lanes` or `sloPolicies`.
+
+A request that names no SLOPolicy runs under its Lane's, and naming the Lane's own is
+the same; naming any other (`x-blazar-slo`, the `slo` field) needs the tenant's
+`sloPolicies` to list it. Without that, one tenant could mark its work as another's
+priority and have it admitted first, parking theirs.
 
 Pure: parsing, validation and key checks; who calls with which key is the data
 plane's (`blazar.dataplane.access`).
@@ -45,6 +52,7 @@ _DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
 # scanners and people can recognise.
 KEY_PREFIX = "bz-"
 ALL_LANES = "*"
+ALL_POLICIES = "*"
 
 
 class AuthFileInvalid(ValueError):
@@ -63,6 +71,7 @@ class Tenant(CamelModel):
     admin: bool = False
     rate_limit: RateLimit | None = None
     weight: float = Field(default=1.0, gt=0, le=1000)
+    slo_policies: list[str] = Field(default_factory=list)
 
     @field_validator("keys")
     @classmethod
@@ -78,10 +87,23 @@ class Tenant(CamelModel):
             raise invalid("a digest is listed twice")
         return value
 
+    @field_validator("slo_policies")
+    @classmethod
+    def _policy_names(cls, value: list[str]) -> list[str]:
+        for i, name in enumerate(value):
+            if not name.strip():
+                raise invalid(f'sloPolicies[{i}] is empty: name an SLOPolicy, or "*" for all')
+        return value
+
     def may_use(self, names: Iterable[str]) -> bool:
         """Whether the tenant may use the Lane known by `names` (its name and aliases)."""
         allowed = set(self.lanes)
         return ALL_LANES in allowed or not allowed.isdisjoint(names)
+
+    def may_name(self, policy: str) -> bool:
+        """Whether the tenant may name the SLOPolicy `policy` on a request (its Lane's
+        own needs no permission: see `blazar.dataplane.policies.resolve`)."""
+        return ALL_POLICIES in self.slo_policies or policy in self.slo_policies
 
 
 class AuthFile(CamelModel):

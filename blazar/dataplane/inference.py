@@ -405,7 +405,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         cache between inputs, and fills no slot's cache either."""
         caller = access.current()
         await self._permit(request.model, context, caller)
-        await self._policy(request.model, "", context)
+        await self._policy(request.model, "", context, caller)
         await self._count(request.model, context, caller)
         route, replica = await self._awake(request.model, context)
         refused: set[int] = set()
@@ -445,7 +445,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
     ) -> inference_pb2.TokenizeResponse:
         caller = access.current()
         await self._permit(request.model, context, caller)
-        await self._policy(request.model, request.chat.slo, context)
+        await self._policy(request.model, request.chat.slo, context, caller)
         await self._count(request.model, context, caller)
         route, replica = await self._awake(request.model, context)
         try:
@@ -599,7 +599,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             await status.abort(context, err)
         # Before a replica is picked: a policy that does not exist is the caller's
         # mistake whatever state the Lane is in.
-        policy = await self._policy(model, slo, context)
+        policy = await self._policy(model, slo, context, caller)
         named = self.table.by_name.get(model)
         if named is not None and named.upstream is not None:
             # Before admission, whether or not the upstream answers now: what it cannot
@@ -864,18 +864,43 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         assert isinstance(started, runs.Run)
         return route, lane, started, blocks
 
-    async def _policy(self, model: str, slo: str, context: Context) -> admission.Policy:
+    async def _policy(
+        self, model: str, slo: str, context: Context, caller: access.Caller
+    ) -> admission.Policy:
         """The policy a request on `model` is admitted under: the one it names (`slo`,
         else metadata `x-blazar-slo`), else its Lane's. Every RPC that takes a model
         asks, admitted or not (Embed, Tokenize), so that a name no SLOPolicy has is the
-        same INVALID_ARGUMENT on every route, never silently ignored."""
+        same INVALID_ARGUMENT on every route, never silently ignored, and a name the
+        caller's tenant may not use the same PERMISSION_DENIED."""
         try:
             named = policies.requested(slo, context.invocation_metadata() or ())
             lane_policy = routing.resolve(self.table, model).slo_policy
-            return policies.resolve(named, lane_policy=lane_policy, lookup=self._policy_spec)
+            return policies.resolve(
+                named, lane_policy=lane_policy, lookup=self._policy_spec, tenant=caller.tenant
+            )
         except errors.BlazarError as err:
+            if isinstance(err, errors.PolicyNotPermitted):
+                metrics.observe_tenant_refusal(caller.name, err.reason)
             log.info("request.rejected", model=model, reason=err.reason)
             await status.abort(context, err)
+
+    def may_ask(self, authorization: str | None, model: str, slo: str) -> bool:
+        """Whether a request for `model` under the policy `slo` ("": none) with this
+        `Authorization` passes its caller's own checks: its key, its Lane, the policy it
+        names. The HTTP shim asks before a closed admission gate answers for the data
+        plane, so that a request the data plane would refuse as the caller's own is
+        told that (401, 403, not found), never 429."""
+        try:
+            tenant = self._access.holder(authorization)
+            if tenant is None:
+                return not self._access.keyed
+            route = routing.resolve(self.table, model)
+            policies.resolve(
+                slo, lane_policy=route.slo_policy, lookup=self._policy_spec, tenant=tenant
+            )
+        except errors.BlazarError:
+            return False
+        return tenant.may_use((route.lane, *route.aliases))
 
     def _policy_spec(self, name: str) -> SLOPolicySpec | None:
         return self._slo_policies.get(name)

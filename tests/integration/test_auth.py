@@ -17,8 +17,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import grpc
 import httpx
+import openai
 import pytest
 from starlette.routing import Route
 
@@ -48,6 +50,7 @@ def auth_file(limited_rpm: int = 2) -> str:
           - name: user
             keys: [{digest("user")}]
             lanes: [default]
+            sloPolicies: [batch]
           - name: outsider
             keys: [{digest("outsider")}]
             lanes: [some-other-lane]
@@ -252,6 +255,43 @@ def test_a_key_with_access_is_served(
 ) -> None:
     response = call(http, method, path, body, headers_for(dialect, KEYS[tenant]))
     assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize(("dialect", "method", "path", "body"), MODEL_ROUTES)
+def test_a_tenant_names_only_the_slo_policies_it_lists(
+    http: httpx.Client, dialect: str, method: str, path: str, body: dict[str, Any]
+) -> None:
+    """Naming a policy (`x-blazar-slo`) needs the tenant's `sloPolicies` to list it, on
+    every route that takes a model; else a tenant could mark its work as another's
+    priority. `admin` does not widen it. The Lane's own (`interactive`) needs nothing."""
+    for tenant, policy, status in [
+        ("user", "batch", 200),
+        ("user", "interactive", 200),
+        ("admin", "interactive", 200),
+        ("admin", "batch", 403),
+        ("user", "no-such-policy", 403),  # the same answer whether it exists or not
+    ]:
+        headers = {**headers_for(dialect, KEYS[tenant]), "x-blazar-slo": policy}
+        response = call(http, method, path, body, headers)
+        assert response.status_code == status, (tenant, policy, response.text)
+        if status == 403:
+            assert_refusal(dialect, response, 403, "permission_error")
+            assert "sloPolicies" in response.text and f"'{policy}'" in response.text
+
+
+def test_the_official_clients_see_a_policy_the_tenant_may_not_name_as_permission_denied(
+    daemon: Daemon,
+) -> None:
+    slo = {"x-blazar-slo": "batch"}
+    client = openai.OpenAI(base_url=f"http://{daemon.http}/v1", api_key=KEYS["admin"])
+    with client, pytest.raises(openai.PermissionDeniedError) as refused:
+        client.chat.completions.create(
+            model=LANE, messages=MESSAGES, max_tokens=1, extra_headers=slo
+        )
+    assert "sloPolicies" in str(refused.value)
+    claude = anthropic.Anthropic(base_url=f"http://{daemon.http}", api_key=KEYS["admin"])
+    with claude, pytest.raises(anthropic.PermissionDeniedError):
+        claude.messages.create(model=LANE, messages=MESSAGES, max_tokens=1, extra_headers=slo)
 
 
 def test_a_tenant_reuses_only_its_own_cached_prompts(http: httpx.Client) -> None:

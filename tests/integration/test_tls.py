@@ -49,6 +49,7 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
                 keys: ["{tenants.digest(KEY)}"]
                 lanes: ["*"]
                 admin: true
+                sloPolicies: ["*"]
             """
         )
     )

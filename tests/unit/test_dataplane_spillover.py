@@ -250,7 +250,7 @@ def test_a_missing_spillover_lane_leaves_the_local_decision_and_says_so() -> Non
 def test_a_tenant_spills_only_to_a_lane_it_may_use() -> None:
     """Tenant "narrow" may use "l" only: its request stays, and is refused there."""
     auth = tenants.parse(
-        f'tenants: [{{name: narrow, keys: ["{tenants.digest("bz-narrow")}"], lanes: [l]}}]',
+        f'tenants: [{{name: narrow, keys: ["{tenants.digest("bz-narrow")}"], lanes: [l], sloPolicies: ["*"]}}]',
         source="test",
     )
     before = spillovers()

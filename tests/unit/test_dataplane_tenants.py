@@ -17,7 +17,7 @@ import pytest
 
 from blazar._proto.v1 import inference_pb2, inference_pb2_grpc
 from blazar.api import tenants
-from blazar.api.kinds import Lane, LaneSpec
+from blazar.api.kinds import Lane, LaneSpec, SLOPolicy, SLOPolicySpec
 from blazar.api.meta import ObjectMeta
 from blazar.dataplane import access, server
 from blazar.store.memory import MemoryStore
@@ -28,7 +28,9 @@ AUTH = tenants.parse(
 tenants:
   - {{name: narrow, keys: ["{tenants.digest("bz-narrow")}"], lanes: [mine]}}
   - {{name: boss, keys: ["{tenants.digest("bz-boss")}"], lanes: [mine], admin: true}}
-  - {{name: once, keys: ["{tenants.digest("bz-once")}"], lanes: ["*"], rateLimit: {{requestsPerMinute: 1}}}}
+  - {{name: once, keys: ["{tenants.digest("bz-once")}"], lanes: ["*"], rateLimit: {{requestsPerMinute: 1}},
+      sloPolicies: ["*"]}}
+  - {{name: plain, keys: ["{tenants.digest("bz-plain")}"], lanes: ["*"], rateLimit: {{requestsPerMinute: 1}}}}
 """,
     source="test",
 )
@@ -104,8 +106,8 @@ def answers(key: str, *lanes: str) -> dict[str, Answer]:
     return asyncio.run(run())
 
 
-def refusals(tenant: str) -> float:
-    labels = {"tenant": tenant, "reason": "MODEL_NOT_PERMITTED"}
+def refusals(tenant: str, reason: str = "MODEL_NOT_PERMITTED") -> float:
+    labels = {"tenant": tenant, "reason": reason}
     return prometheus_client.REGISTRY.get_sample_value("blazar_tenant_refusals_total", labels) or 0
 
 
@@ -151,6 +153,67 @@ def test_a_request_refused_as_the_callers_mistake_costs_no_rate_limit() -> None:
     refused, then = asyncio.run(run())
     assert refused == {grpc.StatusCode.INVALID_ARGUMENT}
     assert then == grpc.StatusCode.OK
+
+
+def test_a_policy_the_tenant_may_not_name_is_refused_on_every_route_and_costs_nothing() -> None:
+    """A tenant without `sloPolicies` names a policy (one that exists or not: the
+    answer is the same, and says nothing of which do): PERMISSION_DENIED before the
+    request is counted, so its one request a minute is still there afterwards."""
+    before = refusals("plain", "SLO_POLICY_NOT_PERMITTED")
+
+    async def run() -> tuple[set[tuple[grpc.StatusCode, str]], grpc.StatusCode]:
+        async with plane(ASKED) as (stub, _):
+            key = ("authorization", "Bearer bz-plain")
+            seen = set()
+            for method in ("Chat", "Complete", "Embed", "Tokenize"):
+                for name in ("batch", "no-such-policy"):
+                    with pytest.raises(grpc.aio.AioRpcError) as info:
+                        await CALLS[method](stub, (key, ("x-blazar-slo", name)))
+                    reason = dict(info.value.trailing_metadata() or ())["blazar-reason"]
+                    seen.add((info.value.code(), reason))
+                    assert "sloPolicies" in (info.value.details() or "")
+            try:
+                await CALLS["KeepAlive"](stub, (key,))
+            except grpc.aio.AioRpcError as err:
+                return seen, err.code()
+            return seen, grpc.StatusCode.OK
+
+    seen, then = asyncio.run(run())
+    assert seen == {(grpc.StatusCode.PERMISSION_DENIED, "SLO_POLICY_NOT_PERMITTED")}
+    assert then == grpc.StatusCode.OK
+    assert refusals("plain", "SLO_POLICY_NOT_PERMITTED") - before == 8
+
+
+def test_may_ask_is_the_callers_own_checks_for_the_shims_gates() -> None:
+    async def run() -> dict[tuple[str | None, str, str], bool]:
+        store = MemoryStore()
+        batch = SLOPolicy(metadata=ObjectMeta(name="batch"), spec=SLOPolicySpec())
+        store.apply_all([lane(ASKED), batch])
+        plane = await server.start(
+            store=store, address="127.0.0.1:0", access=access.Access(tenants=AUTH)
+        )
+        try:
+            asks = [
+                ("Bearer bz-once", ASKED, ""),
+                ("Bearer bz-once", ASKED, "batch"),  # sloPolicies: ["*"]
+                ("Bearer bz-once", ASKED, "no-such-policy"),  # the daemon's to say
+                ("Bearer bz-plain", ASKED, ""),
+                ("Bearer bz-plain", ASKED, "batch"),  # no sloPolicies
+                ("Bearer bz-narrow", ASKED, ""),  # not its Lane
+                ("Bearer bz-plain", "no-such-lane", ""),
+                ("Bearer bz-wrong", ASKED, ""),
+                (None, ASKED, ""),
+            ]
+            return {ask: plane.inference.may_ask(*ask) for ask in asks}
+        finally:
+            await plane.stop(grace=0)
+
+    found = asyncio.run(run())
+    assert [ask for ask, may in found.items() if may] == [
+        ("Bearer bz-once", ASKED, ""),
+        ("Bearer bz-once", ASKED, "batch"),
+        ("Bearer bz-plain", ASKED, ""),
+    ]
 
 
 # (path, body) of every shim route that asks the data plane about one model.

@@ -23,13 +23,16 @@ def test_a_file_parses_with_defaults() -> None:
     parsed = tenants.parse(
         f"tenants:\n- name: alice\n  keys: [{DIGEST}]\n  lanes: ['*']\n  admin: true\n"
         f"  rateLimit: {{requestsPerMinute: 60, tokensPerMinute: 1000}}\n  weight: 2\n"
+        f"  sloPolicies: [batch]\n"
         f"- name: bob\n  keys: [{OTHER}]\n",
         source="auth.yaml",
     )
     alice, bob = parsed.tenants
     assert alice.admin and alice.weight == 2 and alice.rate_limit is not None
     assert alice.rate_limit.requests_per_minute == 60
+    assert alice.slo_policies == ["batch"]
     assert (bob.admin, bob.weight, bob.lanes, bob.rate_limit) == (False, 1.0, [], None)
+    assert bob.slo_policies == []
 
 
 def test_authenticate_finds_the_holder_only() -> None:
@@ -80,6 +83,14 @@ def test_authenticate_finds_the_holder_only() -> None:
             "tenants[0].admn: Extra inputs are not permitted",
         ),
         (
+            f"tenants: [{{name: a, keys: [{DIGEST}], sloPolicies: ['']}}]",
+            "tenants[0].sloPolicies: sloPolicies[0] is empty",
+        ),
+        (
+            f"tenants: [{{name: a, keys: [{DIGEST}], sloPolicies: batch}}]",
+            "tenants[0].sloPolicies: Input should be a valid list",
+        ),
+        (
             f"tenants: [{{name: 'a b', keys: [{DIGEST}]}}]",
             "tenants[0].name: String should match pattern",
         ),
@@ -111,6 +122,15 @@ def test_may_use_a_lane_by_any_of_its_names(
 ) -> None:
     tenant = tenants.Tenant(name="t", keys=[DIGEST], lanes=lanes)
     assert tenant.may_use(names) is allowed
+
+
+@pytest.mark.parametrize(
+    ("allowed", "policy", "may"),
+    [(["*"], "interactive", True), (["batch"], "batch", True), (["batch"], "interactive", False),
+     ([], "batch", False)],
+)  # fmt: skip
+def test_may_name_the_policies_it_lists(allowed: list[str], policy: str, may: bool) -> None:
+    assert tenants.Tenant(name="t", keys=[DIGEST], slo_policies=allowed).may_name(policy) is may
 
 
 @pytest.mark.parametrize(
