@@ -288,6 +288,22 @@ class Access:
                 )
         metrics.TENANT_REQUESTS.labels(tenant.name).inc()
 
+    def refund(self, caller: Caller, err: errors.BlazarError) -> None:
+        """`count` took a request of `caller` that the server then refused, before any
+        of it was served, with `err`. A refusal for the server's own state (no ready
+        replica, admission's QUEUE_FULL, QUEUE_TIMEOUT, SLO_UNATTAINABLE) gives the
+        request back: the tenant did nothing wrong, a client that retries under load
+        would otherwise spend its limit on the server's overload, and the HTTP shim's
+        admission gates answer the same refusals without counting them. A refusal of
+        the request itself (a prompt over the context, which an engine found) stays
+        counted: it cost the engine work."""
+        tenant = caller.tenant
+        if tenant is None or not server_side(err):
+            return
+        limiter = self._limiters.get(tenant.name)
+        if limiter is not None:
+            self._limiters[tenant.name] = limiter.refund(now=self._clock())
+
     def charge(self, caller: Caller, *, prompt_tokens: int, output_tokens: int) -> None:
         """The tokens a request of `caller` used, once known."""
         tenant = caller.tenant
@@ -299,6 +315,15 @@ class Access:
             self._limiters[tenant.name] = limiter.charge(
                 prompt_tokens + output_tokens, now=self._clock()
             )
+
+
+def server_side(err: errors.BlazarError) -> bool:
+    """Whether `err` refuses a request for the server's state, not for the request or
+    its caller: UNAVAILABLE, and RESOURCE_EXHAUSTED other than the tenant's own rate
+    limit."""
+    if isinstance(err, errors.RateLimited):
+        return False
+    return isinstance(err, errors.Overloaded | errors.Unavailable)
 
 
 def shown(caller: Caller, err: errors.BlazarError, *, model: str) -> errors.BlazarError:

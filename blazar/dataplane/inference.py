@@ -32,7 +32,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Collection, Sequence
-from typing import Any, TypeAlias
+from typing import Any, NoReturn, TypeAlias
 
 import grpc
 import structlog
@@ -389,7 +389,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         load_ms = 0.0
         if route.wakes and not route.replicas:
             started = time.monotonic()
-            route, _ = await self._awake(request.model, context)
+            route, _ = await self._awake(request.model, context, caller)
             load_ms = (time.monotonic() - started) * 1000
         self._activity.begin(route.lane)
         self._activity.end(route.lane, keep_alive_s=keep_alive_s)
@@ -407,7 +407,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         await self._permit(request.model, context, caller)
         await self._policy(request.model, "", context, caller)
         await self._count(request.model, context, caller)
-        route, replica = await self._awake(request.model, context)
+        route, replica = await self._awake(request.model, context, caller)
         refused: set[int] = set()
         # Counted like a generation: it keeps its Lane awake, and says how long after.
         self._activity.begin(route.lane)
@@ -428,7 +428,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                             log.info("embed.retry", lane=route.lane, replica=replica.index)
                             continue
                     metrics.observe_embedding_failure(route.lane, err.reason)
-                    await status.abort(context, err)
+                    await self._refuse(context, err, caller)
                 except asyncio.CancelledError:
                     metrics.observe_embedding_failure(route.lane, metrics.CANCELLED)
                     raise
@@ -447,11 +447,11 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         await self._permit(request.model, context, caller)
         await self._policy(request.model, request.chat.slo, context, caller)
         await self._count(request.model, context, caller)
-        route, replica = await self._awake(request.model, context)
+        route, replica = await self._awake(request.model, context, caller)
         try:
             response = await self._pool.client(replica.socket).tokenize(request)
         except grpc.aio.AioRpcError as exc:
-            await status.abort(context, status.from_rpc_error(exc))
+            await self._refuse(context, status.from_rpc_error(exc), caller)
         response.model = route.lane
         return response
 
@@ -475,6 +475,16 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             log.info("request.rejected", model=model, reason=err.reason, tenant=caller.name)
             await status.abort(context, err)
 
+    async def _refuse(
+        self, context: Context, err: errors.BlazarError, caller: access.Caller | None
+    ) -> NoReturn:
+        """End a call that `_count` counted against `caller` (None: not counted) with
+        `err`, before any of it was served: a refusal for the server's state gives the
+        count back (`Access.refund`)."""
+        if caller is not None:
+            self._access.refund(caller, err)
+        await status.abort(context, err)
+
     async def _route(
         self,
         model: str,
@@ -482,6 +492,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         *,
         session: str = "",
         hashes: Callable[[int], tuple[int, ...]] | None = None,
+        caller: access.Caller | None = None,
     ) -> tuple[routing.Route, routing.Replica | None, tuple[int, ...]]:
         """The request's Lane, its replica (None: the Lane sleeps and wakes for it),
         and its prompt's block hashes (computed here, once the Lane tells how many
@@ -495,12 +506,14 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             return route, self._pick(route, session=session, hashes=blocks), blocks
         except errors.BlazarError as err:
             log.info("request.rejected", model=model, reason=err.reason)
-            await status.abort(context, err)
+            await self._refuse(context, err, caller)
 
-    async def _awake(self, model: str, context: Context) -> tuple[routing.Route, routing.Replica]:
-        """The Lane and a serving replica for a call that does not queue in admission
-        (embeddings, tokenizing): a sleeping Lane is woken and waited for, up to
-        WAKE_TIMEOUT_S."""
+    async def _awake(
+        self, model: str, context: Context, caller: access.Caller
+    ) -> tuple[routing.Route, routing.Replica]:
+        """The Lane and a serving replica for a call of `caller` that does not queue in
+        admission (embeddings, tokenizing): a sleeping Lane is woken and waited for, up
+        to WAKE_TIMEOUT_S."""
         named = self.table.by_name.get(model)
         if named is not None and named.upstream is not None:
             # Whether or not the upstream answers now: it never will be asked.
@@ -512,7 +525,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                     metadata={"lane": named.lane},
                 ),
             )
-        route, replica, _ = await self._route(model, context)
+        route, replica, _ = await self._route(model, context, caller=caller)
         if replica is not None:
             return route, replica
         self._activity.begin(route.lane)
@@ -521,18 +534,19 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             deadline = time.monotonic() + WAKE_TIMEOUT_S
             while time.monotonic() < deadline:
                 await asyncio.sleep(WAKE_POLL_S)
-                route, replica, _ = await self._route(model, context)
+                route, replica, _ = await self._route(model, context, caller=caller)
                 if replica is not None:
                     return route, replica
         finally:
             self._activity.end(route.lane)
-        await status.abort(
+        await self._refuse(
             context,
             errors.Unavailable(
                 f"Lane '{route.lane}' was asleep and did not wake within "
                 f"{WAKE_TIMEOUT_S:g} s; see `blazar describe lane {route.lane}`.",
                 metadata={"lane": route.lane},
             ),
+            caller,
         )
 
     def _pick(
@@ -617,7 +631,9 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         generate.cache_scope = scope
         session = _scoped_session(session, scope)
         hashes = _scoped_hashes(hashes, scope)
-        route, replica, blocks = await self._route(model, context, session=session, hashes=hashes)
+        route, replica, blocks = await self._route(
+            model, context, session=session, hashes=hashes, caller=caller
+        )
         lane = self._dispatchers.of(route.lane)
         # A malformed tag is ignored: it only helps a gate watcher count.
         tag = gate_tags.of_metadata(context.invocation_metadata() or ())
@@ -676,7 +692,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                 )
         except errors.BlazarError as err:
             log.info("request.rejected", model=route.lane, reason=err.reason)
-            await status.abort(context, err)
+            await self._refuse(context, err, caller)
         if policy.tpot_target_s is not None:
             # The engine paces prompt chunks beside this stream to keep it.
             generate.tpot_target_ms = max(1, round(policy.tpot_target_s * 1000))
@@ -704,6 +720,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             weight=caller.weight,
         )
         waiting = True
+        announced = False
         spill_to = self._spill_target(route, caller, generate)
         spilled: str | None = None
         try:
@@ -730,7 +747,6 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                 run = started
             if replica is None:
                 run.load_s = max(0.0, run.started_at - arrived)
-            announced = False
             while True:
                 waiting = False
                 retry = False
@@ -764,7 +780,8 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             metrics.observe_failure(route.lane, err.reason)
             if caller.tenant is not None:
                 metrics.observe_tenant_refusal(caller.name, err.reason)
-            await status.abort(context, err)
+            # Part of it served: it counts, whatever ended it.
+            await self._refuse(context, err, None if announced else caller)
         except asyncio.CancelledError:
             # A caller that leaves mid-stream is counted by its attempt.
             if waiting:

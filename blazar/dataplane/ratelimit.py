@@ -3,7 +3,9 @@
 A bucket holds up to its per-minute allowance and refills continuously at that
 allowance per 60 s, so a tenant may burst up to a minute's worth and then goes at the
 allowed rate. A request takes one from the requests bucket when it is admitted, and is
-refused when less than one is there. Tokens are charged once they are known (prompt
+refused when less than one is there; a request the server then refuses for its own
+state (no ready replica, a full queue, a missed target) gets it back, as the HTTP
+shim's early refusals of the same never took it. Tokens are charged once they are known (prompt
 plus completion, from a generation's final usage; an embedding's input tokens), so a
 request is admitted while the tokens bucket holds at least one token, and a large one
 may take it below zero: the debt is paid back, at the same rate, before the next
@@ -108,6 +110,16 @@ class Limiter:
         if self.requests is None:
             return self, None
         return replace(self, requests=self.requests.take(1.0, now=now)), None
+
+    def refund(self, *, now: float) -> Limiter:
+        """Give back the request `admit` took: it was refused for the server's state
+        (up to the bucket's allowance, as refilling is)."""
+        if self.requests is None:
+            return self
+        level = min(float(self.requests.per_minute), self.requests.level_at(now) + 1.0)
+        return replace(
+            self, requests=Bucket(self.requests.per_minute, level, max(now, self.requests.at))
+        )
 
     def charge(self, tokens: int, *, now: float) -> Limiter:
         """The tokens a request used, once known."""

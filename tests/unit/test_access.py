@@ -137,6 +137,34 @@ def test_permit_checks_the_lane_and_count_the_rate_limit() -> None:
         gate.count(access.OWNER)
 
 
+@pytest.mark.parametrize(
+    ("err", "refunded"),
+    [
+        (errors.Unavailable("no ready replica"), True),
+        (errors.QueueFull.of(lane="l", policy="p", max_queue_depth=1, retry_after_s=1), True),
+        (errors.QueueTimeout("waited"), True),
+        (errors.SloUnattainable("late"), True),
+        (errors.RateLimited("spent"), False),
+        (errors.InvalidRequest("prompt over the context"), False),
+        (errors.ContextLengthExceeded("too long"), False),
+    ],
+)
+def test_a_refusal_for_the_servers_state_gives_the_request_back(
+    err: errors.BlazarError, refunded: bool
+) -> None:
+    gate = access.Access(tenants=FILE, clock=lambda: 0.0)
+    limited = access.Caller(FILE.by_name("limited"))
+    gate.count(limited)
+    gate.refund(limited, err)
+    if refunded:
+        gate.count(limited)
+    else:
+        with pytest.raises(errors.RateLimited):
+            gate.count(limited)
+    # The owner has nothing to give back.
+    gate.refund(access.OWNER, err)
+
+
 def test_a_new_auth_file_takes_effect_and_keeps_spent_buckets() -> None:
     now = [0.0]
     gate = access.Access(tenants=FILE, clock=lambda: now[0])

@@ -184,6 +184,30 @@ def test_a_policy_the_tenant_may_not_name_is_refused_on_every_route_and_costs_no
     assert refusals("plain", "SLO_POLICY_NOT_PERMITTED") - before == 8
 
 
+def test_a_request_refused_for_the_servers_state_costs_no_rate_limit() -> None:
+    """The Lane has no ready replica: each call is refused UNAVAILABLE after it was
+    counted, and gives its count back, so the tenant's one request a minute is still
+    there afterwards."""
+
+    async def run() -> tuple[set[grpc.StatusCode], grpc.StatusCode]:
+        async with plane(ASKED) as (stub, _):
+            key = ("authorization", "Bearer bz-once")
+            codes = set()
+            for method in ("Chat", "Complete", "Embed", "Tokenize"):
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await CALLS[method](stub, (key,))
+                codes.add(info.value.code())
+            try:
+                await CALLS["KeepAlive"](stub, (key,))
+            except grpc.aio.AioRpcError as err:
+                return codes, err.code()
+            return codes, grpc.StatusCode.OK
+
+    refused, then = asyncio.run(run())
+    assert refused == {grpc.StatusCode.UNAVAILABLE}
+    assert then == grpc.StatusCode.OK
+
+
 def test_may_ask_is_the_callers_own_checks_for_the_shims_gates() -> None:
     async def run() -> dict[tuple[str | None, str, str], bool]:
         store = MemoryStore()

@@ -63,6 +63,22 @@ def test_requests_per_minute_admits_a_minutes_burst_then_one_at_the_rate() -> No
     assert refusal is None
 
 
+def test_a_refund_gives_back_one_request_up_to_the_allowance() -> None:
+    limiter = Limiter.of(RateLimit(requests_per_minute=2), now=0.0)
+    limiter, _ = limiter.admit(now=0.0)
+    limiter, _ = limiter.admit(now=0.0)
+    assert limiter.admit(now=0.0)[1] is not None
+    limiter = limiter.refund(now=0.0)
+    limiter, refusal = limiter.admit(now=0.0)
+    assert refusal is None
+    # Never past the allowance, as refilling is not.
+    full = Limiter.of(RateLimit(requests_per_minute=2), now=0.0).refund(now=5.0)
+    assert full.requests is not None and full.requests.level_at(5.0) == 2.0
+    # Without a requests limit there is nothing to give back.
+    tokens_only = Limiter.of(RateLimit(tokens_per_minute=10), now=0.0)
+    assert tokens_only.refund(now=1.0) == tokens_only
+
+
 def test_tokens_are_charged_when_known_and_a_debt_blocks_the_next_request() -> None:
     limiter = Limiter.of(RateLimit(tokens_per_minute=600), now=0.0)
     limiter, refusal = limiter.admit(now=0.0)
