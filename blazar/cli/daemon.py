@@ -281,7 +281,6 @@ def _shim(
     allow_origins: tuple[str, ...],
     certificate: tls.Certificate | None,
     require_key: Callable[[str | None], None],
-    may_ask: Callable[[str | None, str, str], bool],
 ) -> uvicorn.Server:
     """The HTTP shim's server, imported only when it starts (see `_serve`). With a
     certificate it serves HTTPS, and reaches the data plane's TLS listener with it."""
@@ -302,7 +301,6 @@ def _shim(
                 inference_credentials=credentials,
                 channel_options=channel_options,
                 require_key=require_key,
-                may_ask=may_ask,
             ),
             ssl_certfile=certificate.cert_path if certificate is not None else None,
             ssl_keyfile=certificate.key_path if certificate is not None else None,
@@ -447,7 +445,6 @@ async def _serve(
         allow_origins=options.allow_origins,
         certificate=certificate,
         require_key=gate.require_key,
-        may_ask=plane.inference.may_ask,
     )
     shim_task = asyncio.create_task(shim.serve(sockets=[sock]), name="shim")
     monitor_task = asyncio.create_task(health.run(stop), name="engine-health")

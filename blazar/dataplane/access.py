@@ -220,18 +220,12 @@ class Access:
         if not self.keyed:
             return
         try:
-            if self.holder(authorization) is None:
+            metadata = () if authorization is None else ((AUTHORIZATION_KEY, authorization),)
+            if self._authenticate(_key(metadata)) is None:
                 raise _missing_key()
         except errors.BlazarError as err:
             metrics.observe_tenant_refusal(UNKNOWN_TENANT, err.reason)
             raise
-
-    def holder(self, authorization: str | None) -> Tenant | None:
-        """The tenant whose key `authorization` (an `Authorization` header's value)
-        holds: None without an auth file or without a key, Unauthenticated for a key
-        none holds. Nothing is counted."""
-        metadata = () if authorization is None else ((AUTHORIZATION_KEY, authorization),)
-        return self._authenticate(_key(metadata))
 
     @property
     def keyed(self) -> bool:

@@ -901,24 +901,6 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             log.info("request.rejected", model=model, reason=err.reason)
             await status.abort(context, err)
 
-    def may_ask(self, authorization: str | None, model: str, slo: str) -> bool:
-        """Whether a request for `model` under the policy `slo` ("": none) with this
-        `Authorization` passes its caller's own checks: its key, its Lane, the policy it
-        names. The HTTP shim asks before a closed admission gate answers for the data
-        plane, so that a request the data plane would refuse as the caller's own is
-        told that (401, 403, not found), never 429."""
-        try:
-            tenant = self._access.holder(authorization)
-            if tenant is None:
-                return not self._access.keyed
-            route = routing.resolve(self.table, model)
-            policies.resolve(
-                slo, lane_policy=route.slo_policy, lookup=self._policy_spec, tenant=tenant
-            )
-        except errors.BlazarError:
-            return False
-        return tenant.may_use((route.lane, *route.aliases))
-
     def _policy_spec(self, name: str) -> SLOPolicySpec | None:
         return self._slo_policies.get(name)
 

@@ -44,12 +44,10 @@ def create_app(
     inference_credentials: grpc.ChannelCredentials | None = None,
     channel_options: Sequence[tuple[str, str]] = (),
     require_key: keys.Require | None = None,
-    may_ask: keys.MayAsk | None = None,
 ) -> Starlette:
     """The HTTP shim for the daemon whose `blazar.v1.Inference` listens at inference_target;
-    `probe_key` is the daemon's key for `/readyz` (see `blazar.dataplane.access`),
-    `require_key` its check of a caller's key (`access.Access.require_key`) and `may_ask`
-    its check of what the key may ask (`InferenceService.may_ask`)."""
+    `probe_key` is the daemon's key for `/readyz` (see `blazar.dataplane.access`), and
+    `require_key` its check of a caller's key (`access.Access.require_key`)."""
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -60,7 +58,7 @@ def create_app(
         else:
             channel = grpc.aio.insecure_channel(inference_target, options=channel_options)
         admission = gates.AdmissionGates()
-        client = inference.InferenceClient(channel, gates=admission, may_ask=may_ask)
+        client = inference.InferenceClient(channel, gates=admission)
         app.state.inference = client
         app.state.gates = admission
         app.state.probe_metadata = (("authorization", f"Bearer {probe_key}"),) if probe_key else ()

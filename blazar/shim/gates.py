@@ -217,17 +217,14 @@ class AdmissionGates:
         self._sent = {}
         self._heard_at = -math.inf
 
-    def admit(
-        self, request: Generation, *, via: str = "", own: Callable[[], bool] | None = None
-    ) -> errors.BlazarError | gate_tags.Tag:
+    def admit(self, request: Generation, *, via: str = "") -> errors.BlazarError | gate_tags.Tag:
         """The daemon's refusal of `request` if a closed gate says it would refuse it
         now, counted as the daemon counts its own; else the tag it goes on to the daemon
         with, counted toward its Lane's filling gate until the gates include it (or
-        `settled`). `own` says whether the request passes its caller's own checks (key,
-        Lane, policy); one that does not goes on, for the daemon to tell the caller why."""
+        `settled`)."""
         now = self._clock()
         self._forget_old(now)
-        refused = self._refusal(request, via=via, now=now, own=own)
+        refused = self._refusal(request, via=via, now=now)
         if refused is not None:
             return refused
         max_tokens = request.sampling.max_tokens if request.sampling.HasField("max_tokens") else 0
@@ -247,17 +244,13 @@ class AdmissionGates:
         if sent is not None and self._lanes.get(sent.model) in self._filling:
             self._recount()
 
-    def _refusal(
-        self, request: Generation, *, via: str, now: float, own: Callable[[], bool] | None
-    ) -> errors.BlazarError | None:
+    def _refusal(self, request: Generation, *, via: str, now: float) -> errors.BlazarError | None:
         if not self._gates:
             return None
         if now - self._heard_at > self._stale_s:
             return None
         gate = self._gates.get((request.model, request.slo))
         if gate is None or not self._refuses(gate, request, via=via, now=now):
-            return None
-        if own is not None and not own():
             return None
         refusals.count(gate.lane, gate.policy, gate.reason)
         # On the request's one summary line (`context.RequestIdMiddleware`): who refused.

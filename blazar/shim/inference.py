@@ -11,7 +11,6 @@ daemon's own refusal would come, so each dialect renders it the same way.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any, Protocol, cast
@@ -23,7 +22,7 @@ from starlette.requests import Request
 from blazar._proto.v1 import inference_pb2, inference_pb2_grpc
 from blazar.api import errors, via
 from blazar.rpc import status
-from blazar.shim import gates, keys
+from blazar.shim import gates
 
 # A probe must answer even when the daemon hangs; load balancers poll every few seconds.
 _HEALTH_TIMEOUT_S = 2.0
@@ -159,16 +158,11 @@ class InferenceClient:
     generations through `gates` (none: every one goes to the daemon)."""
 
     def __init__(
-        self,
-        channel: grpc.aio.Channel,
-        *,
-        gates: gates.AdmissionGates | None = None,
-        may_ask: keys.MayAsk | None = None,
+        self, channel: grpc.aio.Channel, *, gates: gates.AdmissionGates | None = None
     ) -> None:
         self._inference = inference_pb2_grpc.InferenceStub(channel)
         self._health = health_pb2_grpc.HealthStub(channel)
         self._gates = gates
-        self._may_ask = may_ask
 
     def chat(
         self, request: inference_pb2.ChatRequest, *, metadata: Sequence[tuple[str, str]]
@@ -192,13 +186,7 @@ class InferenceClient:
         if found is None:
             return ChunkStream(rpc(request, metadata=tuple(metadata)))
         through = next((value for key, value in metadata if key == via.HEADER), "")
-        # Asked only when a gate would refuse: a request its caller may not make (a Lane
-        # or an SLOPolicy its tenant does not list) is the daemon's to refuse, as such.
-        own = None
-        if self._may_ask is not None:
-            authorization = next((v for k, v in metadata if k == "authorization"), None)
-            own = functools.partial(self._may_ask, authorization, request.model, request.slo)
-        decided = found.admit(request, via=through, own=own)
+        decided = found.admit(request, via=through)
         if isinstance(decided, errors.BlazarError):
             return ChunkStream.refused(decided)
         call = rpc(request, metadata=(*metadata, decided.metadata()))

@@ -30,9 +30,6 @@ OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/", "/api/version"})
 
 # Raises errors.Unauthenticated unless the `Authorization` value holds a key in force.
 Require = Callable[[str | None], None]
-# Whether a request with this `Authorization` for (model, policy name) passes its
-# caller's own checks: its key, its Lane, its policy (`InferenceService.may_ask`).
-MayAsk = Callable[[str | None, str, str], bool]
 
 
 class KeyGuard:

@@ -17,7 +17,7 @@ import pytest
 
 from blazar._proto.v1 import inference_pb2, inference_pb2_grpc
 from blazar.api import tenants
-from blazar.api.kinds import Lane, LaneSpec, SLOPolicy, SLOPolicySpec
+from blazar.api.kinds import Lane, LaneSpec
 from blazar.api.meta import ObjectMeta
 from blazar.dataplane import access, server
 from blazar.store.memory import MemoryStore
@@ -206,38 +206,6 @@ def test_a_request_refused_for_the_servers_state_costs_no_rate_limit() -> None:
     refused, then = asyncio.run(run())
     assert refused == {grpc.StatusCode.UNAVAILABLE}
     assert then == grpc.StatusCode.OK
-
-
-def test_may_ask_is_the_callers_own_checks_for_the_shims_gates() -> None:
-    async def run() -> dict[tuple[str | None, str, str], bool]:
-        store = MemoryStore()
-        batch = SLOPolicy(metadata=ObjectMeta(name="batch"), spec=SLOPolicySpec())
-        store.apply_all([lane(ASKED), batch])
-        plane = await server.start(
-            store=store, address="127.0.0.1:0", access=access.Access(tenants=AUTH)
-        )
-        try:
-            asks = [
-                ("Bearer bz-once", ASKED, ""),
-                ("Bearer bz-once", ASKED, "batch"),  # sloPolicies: ["*"]
-                ("Bearer bz-once", ASKED, "no-such-policy"),  # the daemon's to say
-                ("Bearer bz-plain", ASKED, ""),
-                ("Bearer bz-plain", ASKED, "batch"),  # no sloPolicies
-                ("Bearer bz-narrow", ASKED, ""),  # not its Lane
-                ("Bearer bz-plain", "no-such-lane", ""),
-                ("Bearer bz-wrong", ASKED, ""),
-                (None, ASKED, ""),
-            ]
-            return {ask: plane.inference.may_ask(*ask) for ask in asks}
-        finally:
-            await plane.stop(grace=0)
-
-    found = asyncio.run(run())
-    assert [ask for ask, may in found.items() if may] == [
-        ("Bearer bz-once", ASKED, ""),
-        ("Bearer bz-once", ASKED, "batch"),
-        ("Bearer bz-plain", ASKED, ""),
-    ]
 
 
 # (path, body) of every shim route that asks the data plane about one model.

@@ -361,31 +361,6 @@ def test_a_request_the_gates_never_include_counts_for_two_refresh_intervals() ->
     assert refusal(found, complete(max_tokens=60)) is None
 
 
-def test_a_request_its_caller_may_not_make_goes_on_uncounted() -> None:
-    """A closed gate asks `own` only when it would refuse; a request that fails its
-    caller's own checks (a Lane or a policy the tenant may not use) goes on to the
-    daemon, which tells the caller that, and is not counted as a refusal."""
-    found, _ = following(gate(lane="lane-own"))
-    asked: list[bool] = []
-
-    def own(allowed: bool) -> Any:
-        def check() -> bool:
-            asked.append(allowed)
-            return allowed
-
-        return check
-
-    before = rejections("lane-own", "interactive", "QUEUE_FULL")
-    decided = found.admit(complete(), own=own(False))
-    assert isinstance(decided, gate_tags.Tag)
-    assert rejections("lane-own", "interactive", "QUEUE_FULL") == before
-    assert isinstance(found.admit(complete(), own=own(True)), errors.QueueFull)
-    assert rejections("lane-own", "interactive", "QUEUE_FULL") == before + 1
-    # Not asked where no gate refuses.
-    assert isinstance(found.admit(complete("other"), own=own(False)), gate_tags.Tag)
-    assert asked == [False, True]
-
-
 def test_tags_name_the_watcher_and_rise() -> None:
     found, _ = following()
     tags = [found.admit(complete()) for _ in range(3)]
