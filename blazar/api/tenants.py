@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import re
 import secrets
 from collections.abc import Iterable
@@ -44,7 +45,7 @@ import yaml
 from pydantic import Field, field_validator
 
 from blazar.api import clip
-from blazar.api.meta import CamelModel, invalid
+from blazar.api.meta import CamelModel, invalid, is_name
 
 DIGEST_PREFIX = "sha256:"
 _DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
@@ -90,9 +91,17 @@ class Tenant(CamelModel):
     @field_validator("slo_policies")
     @classmethod
     def _policy_names(cls, value: list[str]) -> list[str]:
+        # An entry no SLOPolicy can be named (names are DNS labels: `meta.is_name`) would
+        # grant nothing, silently: a typo ("Batch", " batch") is told at load instead.
         for i, name in enumerate(value):
             if not name.strip():
                 raise invalid(f'sloPolicies[{i}] is empty: name an SLOPolicy, or "*" for all')
+            if name != ALL_POLICIES and not is_name(name):
+                raise invalid(
+                    f"sloPolicies[{i}] {json.dumps(name, ensure_ascii=False)} is not an "
+                    "SLOPolicy name (lowercase letters, digits and '-'); name one, or "
+                    '"*" for all'
+                )
         return value
 
     def may_use(self, names: Iterable[str]) -> bool:

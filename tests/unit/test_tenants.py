@@ -90,6 +90,19 @@ def test_authenticate_finds_the_holder_only() -> None:
             f"tenants: [{{name: a, keys: [{DIGEST}], sloPolicies: batch}}]",
             "tenants[0].sloPolicies: Input should be a valid list",
         ),
+        # Never a policy's name (names are lowercase DNS labels): a typo granting nothing.
+        (
+            f"tenants: [{{name: a, keys: [{DIGEST}], sloPolicies: [batch, Interactive]}}]",
+            'tenants[0].sloPolicies: sloPolicies[1] "Interactive" is not an SLOPolicy name',
+        ),
+        (
+            f"tenants: [{{name: a, keys: [{DIGEST}], sloPolicies: [' batch']}}]",
+            'sloPolicies[0] " batch" is not an SLOPolicy name',
+        ),
+        (
+            f"tenants: [{{name: a, keys: [{DIGEST}], sloPolicies: ['batch*']}}]",
+            'sloPolicies[0] "batch*" is not an SLOPolicy name',
+        ),
         (
             f"tenants: [{{name: 'a b', keys: [{DIGEST}]}}]",
             "tenants[0].name: String should match pattern",
