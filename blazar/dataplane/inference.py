@@ -898,7 +898,8 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         except errors.BlazarError as err:
             if isinstance(err, errors.PolicyNotPermitted):
                 metrics.observe_tenant_refusal(caller.name, err.reason)
-            log.info("request.rejected", model=model, reason=err.reason)
+            # Who, as `_permit` and `_count` log it: a tenant's refusal is told as its own.
+            log.info("request.rejected", model=model, reason=err.reason, tenant=caller.name)
             await status.abort(context, err)
 
     def _policy_spec(self, name: str) -> SLOPolicySpec | None:

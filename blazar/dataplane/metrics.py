@@ -90,7 +90,8 @@ TENANT_REQUESTS = Counter(
 TENANT_REFUSALS = Counter(
     "blazar_tenant_refusals_total",
     "Requests refused, by tenant and reason (UNAUTHENTICATED, MODEL_NOT_PERMITTED, "
-    "ADMIN_REQUIRED, RATE_LIMITED, or admission's); tenant `unknown` before a key is read.",
+    "SLO_POLICY_NOT_PERMITTED, ADMIN_REQUIRED, RATE_LIMITED, or admission's); tenant "
+    "`unknown` before a key is read.",
     ["tenant", "reason"],
 )
 TENANT_TOKENS = Counter(
