@@ -1,11 +1,11 @@
 """`blazar.v1.Inference`: resolve the model, pick a replica, relay the engine's stream.
 
-The route table is owned here and rebuilt from the store whenever a Lane changes, and
-so is one `prefixes.PrefixIndex` per Lane: a replica's prompt is recorded once its
-engine answers, and a replica that leaves the table (not ready, restarted, gone) is
-forgotten. In-flight counts per replica, the index's matches and the session's last
-replica feed `routing.pick_replica`. The replica chosen goes back to the caller in the
-initial metadata (`blazar-lane`, `blazar-replica`) before the first chunk, and in
+The route table, one `prefixes.PrefixIndex` per Lane and the SLOPolicies are read
+from the store by `fleet.FleetView`, rebuilt whenever they change. A replica's prompt
+is recorded in its Lane's index once its engine answers. In-flight counts per
+replica, the index's matches and the session's last replica feed
+`routing.pick_replica`. The replica chosen goes back to the caller in the initial
+metadata (`blazar-lane`, `blazar-replica`) before the first chunk, and in
 `Final.routing`. Chat and Complete wait in their Lane's admission queue
 (`blazar.dataplane.dispatcher`) under the SLOPolicy they name (`policies`) until a slot
 is theirs; engines hold no queue of their own. A request its Lane's admission predicts
@@ -30,7 +30,6 @@ import contextlib
 import dataclasses
 import time
 import uuid
-from collections import Counter
 from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from typing import Any, NoReturn, TypeAlias
 
@@ -40,13 +39,15 @@ import structlog
 from blazar._proto.engine.v1 import engine_pb2
 from blazar._proto.v1 import inference_pb2, inference_pb2_grpc
 from blazar.api import errors, filetypes, gate_tags, via
-from blazar.api.kinds import Kind, Lane, Model, SLOPolicy, SLOPolicySpec, SpecPair, Upstream
+from blazar.api.kinds import Kind, Model, SLOPolicySpec, Upstream
 from blazar.dataplane import (
     access,
     admission,
     attempt,
     dispatcher,
+    fleet,
     gates,
+    live,
     metrics,
     parking,
     policies,
@@ -58,8 +59,8 @@ from blazar.enginehost import upstream_convert
 from blazar.enginehost.activity import Activity, sleeps_in
 from blazar.enginehost.client import EnginePool
 from blazar.enginehost.upstream import UpstreamPool
-from blazar.rpc import refusals, status
-from blazar.store.base import Store, WatchEvent
+from blazar.rpc import status
+from blazar.store.base import Store
 
 log = structlog.get_logger(__name__)
 
@@ -122,10 +123,8 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         self._access = access if access is not None else _open_access()
         self._attempts = attempt.Attempts(pool=pool, access=self._access, upstreams=self._upstreams)
         self._sessions = routing.Sessions()
-        self._prefixes: dict[str, prefixes.PrefixIndex] = {}
-        self.table = routing.RouteTable()
         self._gates = gates.GatePublisher(
-            table=lambda: self.table,
+            table=lambda: self._fleet.table,
             policies=self._stored_policies,
             lane_policy=self._lane_policy,
             named=self._named_policies,
@@ -136,41 +135,20 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         self._dispatchers = dispatcher.Dispatchers(
             parker=parker or parking.EngineParker(pool), on_decided=self._gates.mark
         )
-        # SLOPolicies by name, as the store holds them: read by every request, so kept
-        # here and replaced when one changes, not read from the store each time.
-        self._slo_policies: dict[str, SLOPolicySpec] = {}
-        # Lanes whose spillover names no Lane, as last reported (an event each time
-        # one starts to dangle).
-        self._dangling: dict[str, str] = {}
         self._loop = asyncio.get_running_loop()
-        # Retiring the clients of upstream specs no longer in the table (`refresh`).
+        # Retiring the clients of upstream specs no longer in the table.
         self._retiring: set[asyncio.Task[None]] = set()
-        self.refresh()
-        self._refresh_policies()
-        self._unsubscribe = store.subscribe(self._on_store_event)
+        self._fleet = fleet.FleetView(store, on_table=self._table_built)
 
-    def refresh(self) -> None:
-        lanes = [lane for lane in self._store.list(Kind.LANE) if isinstance(lane, Lane)]
-        pairs = {
-            pair.metadata.name: pair.spec.disable_above_batch
-            for pair in self._store.list(Kind.SPEC_PAIR)
-            if isinstance(pair, SpecPair)
-        }
-        old = {route.lane: route for route in self.table.routes}
-        self.table = routing.build_table(lanes, draft_batch_max=pairs)
-        indexes: dict[str, prefixes.PrefixIndex] = {}
-        for route in self.table.routes:
-            size = prefixes.capacity(slots=route.slots, context_per_slot=route.context_length)
-            index = self._prefixes.get(route.lane)
-            if index is None or index.capacity != size:
-                index = prefixes.PrefixIndex(size)
-            for replica in routing.departed(old.get(route.lane), route):
-                index.forget(replica)
-            indexes[route.lane] = index
-        self._prefixes = indexes
-        self._dispatchers.update(self.table)
-        self._report_dangling()
-        specs = [route.upstream for route in self.table.routes if route.upstream is not None]
+    @property
+    def table(self) -> routing.RouteTable:
+        return self._fleet.table
+
+    def _table_built(self, table: routing.RouteTable) -> None:
+        """A new route table (`fleet.FleetView`): admission follows its Lanes, and the
+        clients of upstream specs it no longer holds are retired."""
+        self._dispatchers.update(table)
+        specs = [route.upstream for route in table.routes if route.upstream is not None]
         self._loop.call_soon_threadsafe(self._retire_upstreams, specs)
 
     def _retire_upstreams(self, specs: list[Upstream]) -> None:
@@ -179,43 +157,6 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         task = self._loop.create_task(self._upstreams.retain(specs))
         self._retiring.add(task)
         task.add_done_callback(self._retiring.discard)
-
-    def _report_dangling(self) -> None:
-        """A Warning event `SpilloverNotFound` on each Lane whose spillover has just
-        come to name no Lane: it is no apply error (the Lane may come later), and its
-        requests stay where they are meanwhile, so the operator is told here."""
-        dangling = routing.dangling_spillovers(self.table)
-        for lane, target in sorted(dangling.items()):
-            if self._dangling.get(lane) == target:
-                continue
-            log.warning("lane.spillover_missing", lane=lane, spillover=target)
-            self._store.record_event(
-                kind=Kind.LANE.value,
-                name=lane,
-                type="Warning",
-                reason="SpilloverNotFound",
-                message=(
-                    f"spec.spillover names Lane '{target}', which does not exist: requests "
-                    "predicted to miss their target are queued or refused on this Lane, as "
-                    "without spillover, until it does."
-                ),
-            )
-        self._dangling = dangling
-
-    def _refresh_policies(self) -> None:
-        self._slo_policies = {
-            p.metadata.name: p.spec
-            for p in self._store.list(Kind.SLO_POLICY)
-            if isinstance(p, SLOPolicy)
-        }
-
-    def _on_store_event(self, event: WatchEvent) -> None:
-        if event.object.kind == Kind.LANE.value or (
-            event.object.kind == Kind.SPEC_PAIR.value and not event.status_only
-        ):
-            self.refresh()
-        elif event.object.kind == Kind.SLO_POLICY.value and not event.status_only:
-            self._refresh_policies()
 
     def refuse_waiting(self) -> None:
         """The server is shutting down: requests waiting in any Lane's queue, and any
@@ -226,54 +167,14 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
     async def close(self) -> None:
         """Stop following the store, and end every Lane's admission task; requests still
         waiting are refused as UNAVAILABLE (the server is shutting down)."""
-        self._unsubscribe()
+        self._fleet.close()
         await self._gates.close()
         await self._dispatchers.close()
         await self._upstreams.close()
 
     def live_status(self, kind: Kind, name: str) -> dict[str, Any]:
-        """Admission's live figures for an object's status as the Control API shows it
-        (never stored): a Lane's queue by policy and its running requests; an
-        SLOPolicy's queue, first tokens and attainment over every Lane."""
-        if kind == Kind.LANE:
-            lane = self._dispatchers.of(name)
-            if lane is None:
-                return {}
-            oldest = lane.oldest_wait_s()
-            queue = [
-                {"policy": policy, "waiting": n, "oldestWaitMs": round(oldest[policy] * 1000)}
-                for policy, n in sorted(lane.queued().items())
-            ]
-            return {
-                "admission": {
-                    "running": lane.running(),
-                    "queue": queue,
-                    "tokensPerSecond": round(lane.tokens_per_second(), 2),
-                }
-            }
-        if kind == Kind.SLO_POLICY:
-            queued = first_tokens = met = targeted = 0
-            refused: Counter[str] = Counter()
-            for lane in self._dispatchers.all():
-                figures = lane.figures.get(name)
-                if figures is None:
-                    continue
-                queued += figures.queued
-                first_tokens += figures.first_tokens
-                met += figures.met
-                targeted += figures.targeted
-                refused.update(figures.refused)
-            # Refused by the HTTP shim from a closed gate, as admission would have.
-            refused.update(refusals.gated(name))
-            live: dict[str, Any] = {
-                "queued": queued,
-                "firstTokens": first_tokens,
-                "refused": dict(sorted(refused.items())),
-            }
-            if targeted:
-                live["attainment"] = round(met / targeted, 4)
-            return {"admission": live}
-        return {}
+        """Admission's live figures for an object's status (`live.status`)."""
+        return live.status(self._dispatchers, kind, name)
 
     async def ListModels(
         self, request: inference_pb2.ListModelsRequest, context: Context
@@ -499,7 +400,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         blocks its replicas can hold)."""
         try:
             route = routing.resolve(self.table, model)
-            index = self._prefixes.get(route.lane)
+            index = self._fleet.prefixes(route.lane)
             blocks = hashes(index.capacity) if hashes is not None and index else ()
             if route.wakes and not route.replicas:
                 return route, None, blocks  # asleep (or waking): the request waits
@@ -557,7 +458,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         hashes: Sequence[int] = (),
         exclude: Collection[int] = (),
     ) -> routing.Replica:
-        index = self._prefixes.get(route.lane)
+        index = self._fleet.prefixes(route.lane)
         replica = routing.pick_replica(
             route,
             self._attempts.inflight,
@@ -573,7 +474,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         """The replica's engine has taken the prompt: its cache now holds it. Not
         recorded for a replica that left the table meanwhile (its cache is forgotten)."""
         route = self.table.by_name.get(replica.lane)
-        index = self._prefixes.get(replica.lane)
+        index = self._fleet.prefixes(replica.lane)
         if route is not None and index is not None and replica in route.replicas:
             index.record(replica.index, hashes)
 
@@ -834,7 +735,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             prompt_tokens, max_tokens, fits = _budget(other, to, generate, prompt_chars)
             if fits:
                 # Hashed again: each Lane's index hashes as many blocks as it holds.
-                index = self._prefixes.get(to.lane)
+                index = self._fleet.prefixes(to.lane)
                 there = hashes(index.capacity) if hashes is not None and index else ()
                 prefer = self._sessions.replica_of(to.lane, session)
                 if to.replicas:
@@ -903,7 +804,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             await status.abort(context, err)
 
     def _policy_spec(self, name: str) -> SLOPolicySpec | None:
-        return self._slo_policies.get(name)
+        return self._fleet.policy(name)
 
     async def WatchAdmission(
         self, request: inference_pb2.WatchAdmissionRequest, context: Context
@@ -919,7 +820,9 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             yield message
 
     def _stored_policies(self) -> dict[str, admission.Policy]:
-        return {name: admission.Policy.of(name, spec) for name, spec in self._slo_policies.items()}
+        return {
+            name: admission.Policy.of(name, spec) for name, spec in self._fleet.policies.items()
+        }
 
     def _lane_policy(self, route: routing.Route) -> admission.Policy:
         return policies.resolve("", lane_policy=route.slo_policy, lookup=self._policy_spec)
