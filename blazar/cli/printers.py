@@ -377,6 +377,8 @@ def _admission_lines(obj: ObjectJson) -> list[str]:
         queue = live.get("queue", [])
         waiting = sum(int(q.get("waiting", 0)) for q in queue)
         lines = [f"Queue:        {waiting} waiting, {live.get('running', 0)} running"]
+        if live.get("parked"):
+            lines[0] += f", {live['parked']} parked ({_size(live.get('parkedBytes'))})"
         if queue:
             rows = [["POLICY", "WAITING", "OLDEST-WAIT"]] + [
                 [str(q.get("policy")), str(q.get("waiting", 0)), _millis(q.get("oldestWaitMs"))]

@@ -402,6 +402,11 @@ class LaneDispatcher:
     def running(self) -> int:
         return len(self._runs.running)
 
+    def parked(self) -> tuple[int, int]:
+        """Generations parked on the Lane's replicas, and the host memory they hold
+        there (bytes, as their Park answers said)."""
+        return len(self._runs.parked), sum(self._runs.parked_bytes.values())
+
     def busy(self) -> bool:
         """Whether anything runs, waits, is parked or being parked on the Lane: its
         forecast then changes as time passes, with no event to say so."""

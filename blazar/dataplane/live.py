@@ -2,8 +2,9 @@
 (`blazar get`, `blazar describe`): read from the Lanes' dispatchers on each call,
 never stored.
 
-- a Lane: its running requests, its queue by policy (how many wait, the oldest
-  wait) and the tokens a second its replicas made lately;
+- a Lane: its running requests, the generations parked for more urgent ones (and
+  the host memory they hold), its queue by policy (how many wait, the oldest wait)
+  and the tokens a second its replicas made lately;
 - an SLOPolicy: over every Lane, the requests queued under it, their first tokens,
   its refusals by reason (those the HTTP shim answered from a closed gate too, as
   admission would have) and its attainment (the share of first tokens within the
@@ -31,9 +32,12 @@ def status(dispatchers: dispatcher.Dispatchers, kind: Kind, name: str) -> dict[s
             {"policy": policy, "waiting": n, "oldestWaitMs": round(oldest[policy] * 1000)}
             for policy, n in sorted(lane.queued().items())
         ]
+        parked, parked_bytes = lane.parked()
         return {
             "admission": {
                 "running": lane.running(),
+                "parked": parked,
+                "parkedBytes": parked_bytes,
                 "queue": queue,
                 "tokensPerSecond": round(lane.tokens_per_second(), 2),
             }

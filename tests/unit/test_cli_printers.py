@@ -207,6 +207,10 @@ def test_describe_lane_shows_its_queue_by_policy() -> None:
         ["interactive", "2", "340ms"],
     ]
     assert "Status:" not in page  # the live figures are not repeated as raw status
+    # Generations parked for more urgent ones are told with the memory they hold.
+    lane["status"]["admission"].update(parked=2, parkedBytes=3 * 1024 * 1024)
+    page = printers.describe(lane, [], now=T0).splitlines()
+    assert "Queue:        11 waiting, 4 running, 2 parked (3.0MiB)" in page
 
 
 def test_describe_slopolicy_shows_its_figures() -> None:

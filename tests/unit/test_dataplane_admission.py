@@ -498,6 +498,32 @@ def test_an_urgent_request_parks_lower_priority_work_which_resumes_after_it() ->
     assert preemptions("low") == before + 1
 
 
+def test_the_control_api_shows_parked_generations_and_their_memory() -> None:
+    """While the urgent request runs in the parked one's slot, the Lane's live status
+    counts the parked generation and the bytes its Park answer said it holds."""
+
+    async def run() -> tuple[dict[str, Any], dict[str, Any]]:
+        low = policy("low", on_overload="queue")
+        urgent = policy("urgent", priority=100, ttft_target_ms=500)
+        async with plane(low, urgent) as p:
+            await measured(p)
+            held = await p.started("hold", slo="low")
+            fast = await p.started("hold-urgent", slo="urgent")
+            await p.until(lambda: p.engine.orders == [("park", p.engine.ids["hold"])], "a park")
+            during = (await p.status("lane", "l"))["admission"]
+            p.engine.gate("hold-urgent").set()
+            assert await outcome(fast) is None
+            await p.until(lambda: len(p.engine.orders) == 2, "the held one to resume")
+            after = (await p.status("lane", "l"))["admission"]
+            p.engine.gate("hold").set()
+            assert await outcome(held) is None
+            return during, after
+
+    during, after = asyncio.run(run())
+    assert (during["parked"], during["parkedBytes"], during["running"]) == (1, 1000, 1)
+    assert (after["parked"], after["parkedBytes"]) == (0, 0)
+
+
 def test_no_generation_is_preempted_without_parking_room() -> None:
     """maxParkedMiB 0 turns preemption off: the urgent request waits for the slot and
     the running generation is never interrupted."""
