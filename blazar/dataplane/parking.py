@@ -86,6 +86,10 @@ class EngineParker:
         try:
             await client.resume(request_id, timeout=RESUME_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
-            log.warning("admission.resume_failed", request_id=request_id, error=exc.details())
+            # A replica that drains or went away takes no resume, and the parked
+            # generation ends with it: expected in a drain or a restart, not a warning.
+            unavailable = exc.code() == grpc.StatusCode.UNAVAILABLE
+            told = log.info if unavailable else log.warning
+            told("admission.resume_failed", request_id=request_id, error=exc.details())
             return False
         return True
