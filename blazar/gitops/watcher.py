@@ -44,6 +44,15 @@ def sync(store: Store, directory: Path, *, prune: bool = True) -> bool:
     """Apply the directory once; True when it was accepted."""
     try:
         loaded = load(directory)
+    except Exception:
+        log.exception("gitops.failed", directory=str(directory))
+        return False
+    return apply_loaded(store, directory, loaded, prune=prune)
+
+
+def apply_loaded(store: Store, directory: Path, loaded: Loaded, *, prune: bool = True) -> bool:
+    """Apply what `load` read of the directory as one batch; True when it was accepted."""
+    try:
         outcomes = apply.apply_documents(
             store,
             loaded.docs,
@@ -139,8 +148,18 @@ def _is_manifest(change: watchfiles.Change, path: str) -> bool:
 
 
 async def watch(store: Store, directory: Path, stop: asyncio.Event, *, prune: bool = True) -> None:
-    """Apply the directory on every change until `stop`; `sync` it first yourself."""
+    """Apply the directory on every change until `stop`; `sync` it first yourself.
+
+    The directory is read and parsed on a worker thread: a huge file (YAML parses at a
+    few MB a second) must not hold up the event loop that serves every request. Only
+    the batch's apply, which writes the store, runs on the loop.
+    """
     async for _ in watchfiles.awatch(
         directory, stop_event=stop, debounce=200, step=50, watch_filter=_is_manifest
     ):
-        sync(store, directory, prune=prune)
+        try:
+            loaded = await asyncio.to_thread(load, directory)
+        except Exception:
+            log.exception("gitops.failed", directory=str(directory))
+            continue
+        apply_loaded(store, directory, loaded, prune=prune)

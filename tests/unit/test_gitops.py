@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 from pathlib import Path
 
 import pytest
 import structlog
 
 from blazar.api import manifests
+from blazar.api.kinds import Kind
 from blazar.gitops import watcher
 from blazar.store import apply
 from blazar.store.base import WatchEvent
@@ -208,3 +211,37 @@ def test_a_dry_run_reports_what_it_would_prune(tmp_path: Path) -> None:
     outcomes = apply.apply_documents(store, [], dry_run=True, prune=watcher.owned)
     assert [(o.action.value, o.object.metadata.name) for o in outcomes] == [("pruned", "m")]
     assert keys(store) == ["Model/m"]
+
+
+def test_watch_reads_the_directory_off_the_event_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A huge file takes seconds to parse; meanwhile the loop serves every request, so
+    it must keep running: the directory is read on a thread, only applied on the loop."""
+    real_load = watcher.load
+
+    def slow_load(directory: Path) -> watcher.Loaded:
+        time.sleep(1.0)  # a 30 MB manifest, say
+        return real_load(directory)
+
+    monkeypatch.setattr(watcher, "load", slow_load)
+    store = MemoryStore()
+
+    async def scenario() -> float:
+        stop = asyncio.Event()
+        task = asyncio.create_task(watcher.watch(store, tmp_path, stop))
+        await asyncio.sleep(0.3)  # the watch has started
+        (tmp_path / "fleet.yaml").write_text(MODEL + "---" + LANE)
+        longest, last = 0.0, time.monotonic()
+        deadline = last + 10
+        while store.get(Kind.LANE, "l") is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+            now = time.monotonic()
+            longest, last = max(longest, now - last), now
+        stop.set()
+        await task
+        return longest
+
+    longest = asyncio.run(scenario())
+    assert store.get(Kind.LANE, "l") is not None
+    assert longest < 0.5, f"the event loop stalled {longest:.2f} s while the directory was read"
