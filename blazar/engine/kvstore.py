@@ -140,6 +140,16 @@ def save(
     )
 
 
+def _discard(path: Path) -> None:
+    """Remove a consumed or stale file; something that cannot be removed (a directory
+    of that name, say) stays, with a warning, and never fails the restore: the slots
+    already loaded into the context would be left without the tokens they hold."""
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as exc:
+        log.warning("kv_discard_failed", path=str(path), error=str(exc))
+
+
 def restore(runtime: llama.Runtime, directory: Path, identity: Identity) -> dict[int, Cached]:
     """Load every matching slot file into its sequence; slot index -> what it caches
     now. A record with no scope (saved before scopes were) is the owner's: ""."""
@@ -174,14 +184,14 @@ def restore(runtime: llama.Runtime, directory: Path, identity: Identity) -> dict
             log.warning("kv_restore_skipped", slot=index, reason="unreadable", error=str(exc))
         finally:
             # Consumed either way: what is on disk now describes no live cache.
-            meta.unlink(missing_ok=True)
-            kv.unlink(missing_ok=True)
+            _discard(meta)
+            _discard(kv)
     # Slots this worker does not have (it was started with more before).
     found_slots = {_slot_of(p) for p in directory.glob("slot-*")}
     for index in sorted(i for i in found_slots if i is not None and i >= runtime.spec.slots):
         log.warning("kv_restore_skipped", slot=index, reason="mismatch", fields=["slots"])
         for path in _paths(directory, index):
-            path.unlink(missing_ok=True)
+            _discard(path)
     if restored:
         log.info(
             "kv_restored",
@@ -221,6 +231,12 @@ def restore_slots(runtime: llama.Runtime, directory: Path, slots: Sequence[SlotC
             slots[index].scope = cached.scope
     except Exception:
         log.exception("kv_restore_failed")
+        # Whatever was loaded before the failure has no tokens recorded for it: a slot
+        # whose sequence holds positions its tokens do not say fails every decode.
+        for slot in slots:
+            runtime.clear(slot.index)
+            slot.tokens = []
+            slot.scope = ""
 
 
 def save_slots(runtime: llama.Runtime, directory: Path, slots: Sequence[SlotCache]) -> None:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
+
+import pytest
 
 from blazar.engine import kvstore
 from tests import launches
@@ -113,3 +116,39 @@ def test_the_record_is_gone_before_llama_cpp_reads_a_state(tmp_path: Path) -> No
         {"slot-0.kv", "slot-1.kv", "slot-1.json"},
         {"slot-1.kv"},
     ]
+
+
+def test_something_that_cannot_be_removed_does_not_fail_the_restore(tmp_path: Path) -> None:
+    """A directory where a slot's file goes (junk in the cache directory) cannot be
+    unlinked: the restore must still return what it loaded, or the slots would hold
+    positions their tokens do not say, and every decode in them fails."""
+    runtime, directory, ident = saved(tmp_path)
+    (directory / "slot-5.kv").mkdir()  # a slot this worker does not have
+    restored = kvstore.restore(runtime, directory, ident)
+    assert restored == {0: kvstore.Cached([1, 2, 3, 4], "t1"), 1: kvstore.Cached([7, 8])}
+
+
+@dataclasses.dataclass
+class Slot:
+    index: int
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    scope: str = ""
+    prompt_len: int = 0
+
+
+def test_a_restore_that_fails_leaves_no_slot_loaded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runtime, directory, _ = saved(tmp_path)
+    runtime.spec = dataclasses.replace(runtime.spec, model_path=str(tmp_path / "m.gguf"))
+    runtime.context_per_slot = 512  # type: ignore[attr-defined]
+
+    def fails_after_loading(rt: FakeRuntime, *_: object) -> dict[int, kvstore.Cached]:
+        rt.load_seq(0, str(directory / "slot-0.kv"))
+        raise OSError("the disk went away")
+
+    monkeypatch.setattr(kvstore, "restore", fails_after_loading)
+    slots = [Slot(0), Slot(1)]
+    kvstore.restore_slots(runtime, directory, slots)  # type: ignore[arg-type]
+    assert runtime.loaded == {}
+    assert [s.tokens for s in slots] == [[], []]
