@@ -17,7 +17,9 @@ are never pruned. Each pruned object gets a `Pruned` event saying where it came 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -147,19 +149,73 @@ def _is_manifest(change: watchfiles.Change, path: str) -> bool:
     return path.endswith(manifests.MANIFEST_SUFFIXES) and not Path(path).name.startswith(".")
 
 
-async def watch(store: Store, directory: Path, stop: asyncio.Event, *, prune: bool = True) -> None:
+def _identity(directory: Path) -> tuple[int, int] | None:
+    """The directory the path names now (device and inode, through any symlink), or
+    None when there is none."""
+    try:
+        found = directory.stat()
+    except OSError:
+        return None
+    return (found.st_dev, found.st_ino) if stat.S_ISDIR(found.st_mode) else None
+
+
+async def watch(
+    store: Store, directory: Path, stop: asyncio.Event, *, prune: bool = True, poll: float = 1.0
+) -> None:
     """Apply the directory on every change until `stop`; `sync` it first yourself.
 
     The directory is read and parsed on a worker thread: a huge file (YAML parses at a
     few MB a second) must not hold up the event loop that serves every request. Only
     the batch's apply, which writes the store, runs on the loop.
+
+    A watch follows the directory it started on, not its path. Every `poll` seconds the
+    path is looked at again: one re-pointed to another directory (a symlink swapped,
+    as git-sync publishes each revision) or replaced by a rename is applied and
+    watched from then on; one gone is applied once (an error, which prunes nothing)
+    and waited for.
     """
-    async for _ in watchfiles.awatch(
-        directory, stop_event=stop, debounce=200, step=50, watch_filter=_is_manifest
-    ):
+    watching = _identity(directory)
+
+    async def apply_directory() -> None:
         try:
             loaded = await asyncio.to_thread(load, directory)
         except Exception:
             log.exception("gitops.failed", directory=str(directory))
-            continue
+            return
         apply_loaded(store, directory, loaded, prune=prune)
+
+    while not stop.is_set():
+        if watching is None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), poll)
+            if (now := _identity(directory)) is not None:
+                log.info("gitops.directory_back", directory=str(directory))
+                watching = now
+                await apply_directory()
+            continue
+        changes = watchfiles.awatch(
+            directory,
+            stop_event=stop,
+            debounce=200,
+            step=50,
+            watch_filter=_is_manifest,
+            rust_timeout=round(poll * 1000),
+            yield_on_timeout=True,
+        )
+        try:
+            async with contextlib.aclosing(changes):
+                async for changed in changes:
+                    now = _identity(directory)
+                    if now != watching:
+                        log.info(
+                            "gitops.directory_replaced", directory=str(directory), found=bool(now)
+                        )
+                        watching = now
+                        await apply_directory()
+                        break  # watch what the path names now
+                    if changed:
+                        await apply_directory()
+        except OSError:
+            # Gone between the look and the watch's start: waited for as above.
+            log.warning("gitops.watch_failed", directory=str(directory), exc_info=True)
+            watching = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -245,3 +246,70 @@ def test_watch_reads_the_directory_off_the_event_loop(
     longest = asyncio.run(scenario())
     assert store.get(Kind.LANE, "l") is not None
     assert longest < 0.5, f"the event loop stalled {longest:.2f} s while the directory was read"
+
+
+async def _watch_until(
+    store: MemoryStore, directory: Path, change: Callable[[], None], *, seen: Callable[[], bool]
+) -> bool:
+    """Watch `directory`, make `change`, and say whether `seen()` came true in 5 s."""
+    stop = asyncio.Event()
+    task = asyncio.create_task(watcher.watch(store, directory, stop, poll=0.2))
+    await asyncio.sleep(0.3)  # the watch has started
+    change()
+    deadline = time.monotonic() + 5
+    while not seen() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    stop.set()
+    await task
+    return seen()
+
+
+def test_a_symlink_repointed_to_another_directory_is_applied_and_watched(tmp_path: Path) -> None:
+    """git-sync publishes each revision by swapping a symlink: the watch, on the old
+    revision's directory, saw nothing of the new one."""
+    old, new = tmp_path / "rev1", tmp_path / "rev2"
+    old.mkdir()
+    new.mkdir()
+    (old / "model.yaml").write_text(MODEL)
+    (new / "model.yaml").write_text(MODEL)
+    (new / "lane.yaml").write_text(LANE)
+    fleet = tmp_path / "fleet"
+    fleet.symlink_to(old)
+    store = MemoryStore()
+    assert watcher.sync(store, fleet)
+
+    def swap() -> None:
+        (tmp_path / "next").symlink_to(new)
+        (tmp_path / "next").rename(fleet)
+
+    assert asyncio.run(
+        _watch_until(store, fleet, swap, seen=lambda: store.get(Kind.LANE, "l") is not None)
+    )
+
+    # And what changes in the new one from then on is applied too.
+    def edit() -> None:
+        (new / "lane.yaml").write_text(LANE.replace("name: l", "name: l2"))
+
+    assert asyncio.run(
+        _watch_until(store, fleet, edit, seen=lambda: store.get(Kind.LANE, "l2") is not None)
+    )
+
+
+def test_a_directory_replaced_by_rename_is_applied_and_watched(tmp_path: Path) -> None:
+    fleet = tmp_path / "fleet"
+    fleet.mkdir()
+    (fleet / "model.yaml").write_text(MODEL)
+    store = MemoryStore()
+    assert watcher.sync(store, fleet)
+
+    def replace() -> None:
+        fleet.rename(tmp_path / "old")
+        staged = tmp_path / "staged"
+        staged.mkdir()
+        (staged / "model.yaml").write_text(MODEL)
+        (staged / "lane.yaml").write_text(LANE)
+        staged.rename(fleet)
+
+    assert asyncio.run(
+        _watch_until(store, fleet, replace, seen=lambda: store.get(Kind.LANE, "l") is not None)
+    )
