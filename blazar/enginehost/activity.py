@@ -45,10 +45,16 @@ class Activity:
 
     def begin(self, lane: str) -> None:
         """A request for `lane` arrived."""
+        first = lane not in self._in_flight
         self._in_flight[lane] = self._in_flight.get(lane, 0) + 1
         self._last[lane] = self._clock()
         # A release was for the requests before; this one has its own say at its end.
         self._released.discard(lane)
+        if first:
+            # Busy from now: a Lane the controller has just put to sleep, whose replica
+            # still routes (and hands this request back to the queue as it stops), must
+            # be woken; nothing else would tell the controller it waits.
+            self._changed(lane)
 
     def end(self, lane: str, *, keep_alive_s: float | None = None) -> None:
         """A request for `lane` ended, however; `keep_alive_s` is what it asked of the

@@ -101,13 +101,31 @@ def test_an_idle_lane_sleeps_and_a_request_wakes_it() -> None:
     activity.on_change(woken.append)
     activity.begin("l")
     activity.want("l")
-    assert woken == ["l"]
+    assert woken == ["l", "l"]
     asyncio.run(rec.reconcile("l"))
     assert len(procs.observe("l")) == 1
     assert "Waking" in [e.reason for e in store.events(kind="Lane", name="l")]
     procs.set_state("l", 0, ReplicaState.READY)
     asyncio.run(rec.reconcile("l"))
     assert status(store) == (False, "MinimumReplicasAvailable", "AllReplicasReady")
+
+
+def test_a_request_that_arrives_as_the_lane_falls_asleep_wakes_it() -> None:
+    """The request is routed to the replica being stopped (the routing table still
+    lists it), which hands it back to the queue: no `want`, only its `begin`. It waited
+    90 s in a review, with the Lane asleep, until its caller gave up."""
+    _store, procs, activity, rec, ticks = sleepy()
+    asyncio.run(rec.reconcile("l"))
+    procs.set_state("l", 0, ReplicaState.READY)
+    ticks.now = 5.0
+    asyncio.run(rec.reconcile("l"))
+    assert procs.observe("l") == []  # told to sleep
+    woken: list[str] = []
+    activity.on_change(woken.append)
+    activity.begin("l")
+    assert woken == ["l"]  # the controller looks again
+    asyncio.run(rec.reconcile("l"))
+    assert len(procs.observe("l")) == 1
 
 
 def test_a_lane_without_idle_never_sleeps() -> None:
