@@ -38,7 +38,7 @@ import structlog
 
 from blazar._proto.engine.v1 import engine_pb2
 from blazar._proto.v1 import inference_pb2, inference_pb2_grpc
-from blazar.api import errors, filetypes, gate_tags, via
+from blazar.api import errors, filetypes, gate_tags, sessions, via
 from blazar.api.kinds import Kind, Model, SLOPolicySpec, Upstream
 from blazar.dataplane import (
     access,
@@ -891,14 +891,12 @@ def _scoped_hashes(
 
 
 # A session key names a conversation; a longer one is a mistake or an attack on memory.
-MAX_SESSION_BYTES = 256
-
-
 def _check_session(session: str) -> None:
     size = len(session.encode())
-    if size > MAX_SESSION_BYTES:
+    if size > sessions.MAX_SESSION_BYTES:
         raise errors.InvalidRequest(
-            f"The session key is {size:,} bytes; at most {MAX_SESSION_BYTES} are accepted.",
+            f"The session key is {size:,} bytes; at most {sessions.MAX_SESSION_BYTES} are "
+            "accepted.",
             metadata={errors.FIELD_KEY: "session"},
         )
 

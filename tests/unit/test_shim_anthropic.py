@@ -201,7 +201,16 @@ def test_sampling_not_sent_stays_unset() -> None:
 
 @pytest.mark.parametrize(
     ("header", "user_id", "session"),
-    [("", None, ""), ("", "user-7", "user-7"), ("s-1", "user-7", "s-1")],
+    [
+        ("", None, ""),
+        ("", "user-7", "user-7"),
+        ("s-1", "user-7", "s-1"),
+        (
+            "",
+            "u" * 300,
+            "sha256:8b5089b44d9fefeafc563a34f6cb19fbdbe3814023622cb463bb4a74caba1c19",
+        ),  # past a session key's 256 bytes: its digest
+    ],
 )
 def test_the_session_is_the_header_else_metadata_user_id(
     header: str, user_id: str | None, session: str

@@ -695,6 +695,20 @@ async def test_responses_say_which_replica_served_them(
         ("/v1/chat/completions", "alice", "conv-7", "conv-7"),  # the header is more specific
         ("/v1/completions", "alice", None, "alice"),
         ("/v1/completions", "alice", "conv-7", "conv-7"),
+        # OpenAI sets no bound on `user`: a longer one than Blazar's session keys is
+        # keyed by its digest, not refused.
+        (
+            "/v1/chat/completions",
+            "u" * 300,
+            None,
+            "sha256:8b5089b44d9fefeafc563a34f6cb19fbdbe3814023622cb463bb4a74caba1c19",
+        ),
+        (
+            "/v1/completions",
+            "u" * 300,
+            None,
+            "sha256:8b5089b44d9fefeafc563a34f6cb19fbdbe3814023622cb463bb4a74caba1c19",
+        ),
     ],
 )
 async def test_the_session_key_is_the_session_header_else_the_user(

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from blazar._proto.v1 import inference_pb2
-from blazar.api import errors
+from blazar.api import errors, sessions
 from blazar.shim import canonical, validation
 from blazar.shim.anthropic import protocol
 from blazar.shim.anthropic.convert import envelope
@@ -63,7 +63,7 @@ def messages_request(
     constraint = _constraint(body)
     if constraint is not None:
         request.constraint.CopyFrom(constraint)
-    request.session = session or (body.metadata.user_id if body.metadata else None) or ""
+    request.session = session or sessions.of_field(body.metadata.user_id if body.metadata else None)
     request.slo = slo
     return request
 

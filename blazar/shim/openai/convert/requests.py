@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from blazar._proto.v1 import inference_pb2
+from blazar.api import sessions
 from blazar.shim import canonical
 from blazar.shim.openai import protocol
 from blazar.shim.openai.convert import envelope
@@ -57,7 +58,8 @@ def chat_request(
         messages=messages,
         sampling=sampling,
         constraint=_constraint(body),
-        session=session or body.prompt_cache_key or body.user or body.safety_identifier or "",
+        session=session
+        or sessions.of_field(body.prompt_cache_key or body.user or body.safety_identifier),
         slo=slo,
         tools=[_tool(t) for t in body.tools or ()],
         tool_choice=_tool_choice(body),
@@ -183,7 +185,7 @@ def complete_request(
         prompt=prompt,
         sampling=sampling,
         constraint=_constraint(body),
-        session=session or body.user or "",
+        session=session or sessions.of_field(body.user),
         slo=slo,
     )
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from blazar._proto.v1 import inference_pb2
-from blazar.api import jsontext
+from blazar.api import jsontext, sessions
 from blazar.shim import canonical
 from blazar.shim.openai.convert import envelope, requests
 from blazar.shim.openai.responses import protocol
@@ -66,7 +66,8 @@ def chat_request(
         messages=messages,
         sampling=sampling,
         constraint=_constraint(body.text),
-        session=session or body.prompt_cache_key or body.user or body.safety_identifier or "",
+        session=session
+        or sessions.of_field(body.prompt_cache_key or body.user or body.safety_identifier),
         slo=slo,
         tools=[_tool(t, i) for i, t in enumerate(body.tools or ())],
         tool_choice=_tool_choice(body),
