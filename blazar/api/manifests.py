@@ -163,11 +163,13 @@ def load_path(path: Path) -> list[tuple[str, dict[str, Any]]]:
 
 def manifest_files(directory: Path) -> list[Path]:
     """The manifest files under `directory`, recursively, sorted, hidden ones (and
-    those under hidden directories such as `.git`) left out."""
+    those under hidden directories such as `.git`) left out. A symlink of a manifest's
+    name that points nowhere is listed too: reading it fails, and that is told (left
+    out, a watched directory would prune what the file held, silently)."""
     return sorted(
         p
         for p in directory.rglob("*")
-        if p.is_file()
+        if (p.is_file() or (p.is_symlink() and not p.exists()))
         and p.suffix in MANIFEST_SUFFIXES
         and not any(part.startswith(".") for part in p.relative_to(directory).parts)
     )

@@ -181,6 +181,25 @@ def test_a_broken_file_prunes_nothing_and_names_its_file_and_field(
     assert named in event.message
 
 
+def test_a_manifest_symlink_that_points_nowhere_prunes_nothing(tmp_path: Path) -> None:
+    """The file it pointed to is gone (a checkout half done, a typo): the batch is
+    rejected naming it, where leaving it out pruned what it held without a word."""
+    fleet, elsewhere = tmp_path / "fleet", tmp_path / "src"
+    fleet.mkdir()
+    elsewhere.mkdir()
+    (fleet / "model.yaml").write_text(MODEL)
+    (elsewhere / "lane.yaml").write_text(LANE)
+    (fleet / "lane.yaml").symlink_to(elsewhere / "lane.yaml")
+    store = MemoryStore()
+    assert watcher.sync(store, fleet)
+    assert keys(store) == ["Lane/l", "Model/m"]
+    (elsewhere / "lane.yaml").unlink()
+    assert not watcher.sync(store, fleet)
+    assert keys(store) == ["Lane/l", "Model/m"]
+    event = store.events()[-1]
+    assert "lane.yaml" in event.message and "cannot read" in event.message
+
+
 def test_a_batch_cannot_name_an_object_it_prunes(tmp_path: Path) -> None:
     (tmp_path / "model.yaml").write_text(MODEL)
     store = MemoryStore()
