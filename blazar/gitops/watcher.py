@@ -172,9 +172,12 @@ async def watch(
     path is looked at again: one re-pointed to another directory (a symlink swapped,
     as git-sync publishes each revision) or replaced by a rename is applied and
     watched from then on; one gone is applied once (an error, which prunes nothing)
-    and waited for.
+    and waited for. A directory applied before its watch began is read again at the
+    watch's first tick, so that an edit made in between is not missed.
     """
     watching = _identity(directory)
+    # Read before the current watch began: read once more when it has.
+    reread = False
 
     async def apply_directory() -> None:
         try:
@@ -192,6 +195,7 @@ async def watch(
                 log.info("gitops.directory_back", directory=str(directory))
                 watching = now
                 await apply_directory()
+                reread = True
             continue
         changes = watchfiles.awatch(
             directory,
@@ -212,8 +216,10 @@ async def watch(
                         )
                         watching = now
                         await apply_directory()
+                        reread = True
                         break  # watch what the path names now
-                    if changed:
+                    if changed or reread:
+                        reread = False
                         await apply_directory()
         except OSError:
             # Gone between the look and the watch's start: waited for as above.

@@ -314,6 +314,41 @@ def test_a_symlink_repointed_to_another_directory_is_applied_and_watched(tmp_pat
     )
 
 
+def test_an_edit_between_a_swap_and_the_new_watch_is_applied(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The swapped-in directory is read, and only then watched: an edit landing in
+    between made no change event the new watch could see."""
+    old, new = tmp_path / "rev1", tmp_path / "rev2"
+    old.mkdir()
+    new.mkdir()
+    (old / "model.yaml").write_text(MODEL)
+    (new / "model.yaml").write_text(MODEL)
+    (new / "lane.yaml").write_text(LANE)
+    fleet = tmp_path / "fleet"
+    fleet.symlink_to(old)
+    store = MemoryStore()
+    assert watcher.sync(store, fleet)
+    read = watcher.load
+
+    def load_then_edit(directory: Path) -> watcher.Loaded:
+        loaded = read(directory)
+        if (new / "lane.yaml").read_text() == LANE and fleet.resolve() == new:
+            # Right after the swapped-in revision was read, before its watch starts.
+            (new / "lane.yaml").write_text(LANE.replace("name: l", "name: l2"))
+        return loaded
+
+    monkeypatch.setattr(watcher, "load", load_then_edit)
+
+    def swap() -> None:
+        (tmp_path / "next").symlink_to(new)
+        (tmp_path / "next").rename(fleet)
+
+    assert asyncio.run(
+        _watch_until(store, fleet, swap, seen=lambda: store.get(Kind.LANE, "l2") is not None)
+    )
+
+
 def test_a_directory_replaced_by_rename_is_applied_and_watched(tmp_path: Path) -> None:
     fleet = tmp_path / "fleet"
     fleet.mkdir()
