@@ -52,7 +52,9 @@ def parse_documents(text: str, *, source: str) -> list[tuple[str, dict[str, Any]
     """Split multi-document YAML (JSON is YAML too) into (location, mapping) pairs.
 
     Locations are `source#n`, n counting documents from 1 as written, empty ones
-    included, so the number matches what the user sees between `---` lines.
+    included, so the number matches what the user sees between `---` lines. A List
+    (what `get -o json` prints for several objects, as kubectl's) stands for its items,
+    located as `source#n.items[i]`.
     """
     docs: list[tuple[str, dict[str, Any]]] = []
     problems: list[FieldError] = []
@@ -65,16 +67,23 @@ def parse_documents(text: str, *, source: str) -> list[tuple[str, dict[str, Any]
             if (not_data := _not_data(doc)) is not None:
                 problems.append(FieldError(location, not_data))
                 continue
-            if not isinstance(doc, dict):
-                problems.append(
-                    FieldError(
-                        location,
-                        f"expected a mapping with apiVersion, kind, metadata and spec, "
-                        f"got {_yaml_type(doc)}",
+            if _is_list(doc):
+                # kubectl's List, as `get -o json` prints a listing: its items, each
+                # located by its place in the list.
+                items = [(f"{location}.items[{i}]", item) for i, item in enumerate(doc["items"])]
+            else:
+                items = [(location, doc)]
+            for where, item in items:
+                if not isinstance(item, dict):
+                    problems.append(
+                        FieldError(
+                            where,
+                            f"expected a mapping with apiVersion, kind, metadata and spec, "
+                            f"got {_yaml_type(item)}",
+                        )
                     )
-                )
-                continue
-            docs.append((location, doc))
+                    continue
+                docs.append((where, item))
     except yaml.YAMLError as exc:
         problems.append(FieldError(f"{source}#{index + 1}", _yaml_message(exc)))
     except RecursionError:
@@ -86,6 +95,17 @@ def parse_documents(text: str, *, source: str) -> list[tuple[str, dict[str, Any]
     if problems:
         raise ManifestInvalid(problems)
     return docs
+
+
+def _is_list(doc: Any) -> bool:
+    """Whether a document is a List of objects (`kind: List`, `apiVersion: v1` or none,
+    and `items`), as kubectl and `blazar get -o json` write a listing."""
+    return (
+        isinstance(doc, dict)
+        and doc.get("kind") == "List"
+        and doc.get("apiVersion", "v1") == "v1"
+        and isinstance(doc.get("items"), list)
+    )
 
 
 class _Loader(yaml.SafeLoader):

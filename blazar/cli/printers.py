@@ -255,7 +255,7 @@ def as_json(objs: Sequence[ObjectJson], *, named: bool = False) -> str:
     prints one, also when the listing holds a single object (or none)."""
     if named and len(objs) == 1:
         return json.dumps(objs[0], indent=2)
-    return json.dumps({"kind": "List", "items": list(objs)}, indent=2)
+    return json.dumps({"apiVersion": "v1", "kind": "List", "items": list(objs)}, indent=2)
 
 
 def _pid(replica: dict[str, Any]) -> str:

@@ -673,6 +673,28 @@ def test_documents_numbered_as_written_and_json_accepted() -> None:
     assert manifests.load_stream(json.dumps(lane_doc())) == [("-#1", lane_doc())]
 
 
+def test_a_list_stands_for_its_items() -> None:
+    """`blazar get lanes -o json > fleet.json` writes a List, as kubectl does; `apply -f
+    fleet.json` reads its items, each located by its place in the list."""
+    listing = {"apiVersion": "v1", "kind": "List", "items": [model_doc(), lane_doc()]}
+    text = json.dumps(listing) + "\n---\n" + json.dumps(lane_doc("b")) + "\n"
+    assert manifests.parse_documents(text, source="f") == [
+        ("f#1.items[0]", model_doc()),
+        ("f#1.items[1]", lane_doc()),
+        ("f#2", lane_doc("b")),
+    ]
+    # Without apiVersion too (as `get -o json` wrote it before it said v1).
+    unversioned = json.dumps({"kind": "List", "items": [lane_doc()]})
+    assert manifests.parse_documents(unversioned, source="f") == [("f#1.items[0]", lane_doc())]
+    with pytest.raises(errors.ManifestInvalid) as info:
+        manifests.parse_documents(
+            json.dumps({"kind": "List", "items": [lane_doc(), 3]}), source="f"
+        )
+    [error] = info.value.errors
+    assert error.path == "f#1.items[1]"
+    assert "got int" in error.message
+
+
 def test_load_path_reads_directories_recursively(tmp_path: Path) -> None:
     (tmp_path / "b").mkdir()
     (tmp_path / ".git").mkdir()

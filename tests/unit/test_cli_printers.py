@@ -111,6 +111,15 @@ def test_a_listing_of_one_object_is_still_a_list() -> None:
         ]
 
 
+def test_a_json_listing_applies_back() -> None:
+    """`get -o json > f.json; apply -f f.json` round-trips, as with kubectl: the List
+    says its apiVersion and `apply` reads its items."""
+    listed = printers.as_json([model("a"), model("b")])
+    assert json.loads(listed)["apiVersion"] == "v1"
+    docs = manifests.parse_documents(listed, source="f.json")
+    assert [doc["metadata"]["name"] for _, doc in docs] == ["a", "b"]
+
+
 def test_events_table() -> None:
     event: printers.EventJson = {
         "time": "2026-01-01T00:00:00+00:00",
