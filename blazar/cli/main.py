@@ -216,6 +216,19 @@ def cmd_diff(args: argparse.Namespace) -> int:
     return 1 if changed else 0
 
 
+def _split_kind_name(args: argparse.Namespace, verb: str) -> None:
+    """`KIND/NAME` as the one argument (`get lane/gemma3`, as `get -o name` prints it
+    and kubectl takes it) into `args.kind` and `args.name`; anything else as it is."""
+    if not args.kind or "/" not in args.kind:
+        return
+    if args.name:
+        # kubectl's rule: the kind is given once, in KIND/NAME or on its own.
+        raise errors.InvalidRequest(
+            f"{verb} takes KIND NAME or KIND/NAME, not both ('{args.kind}' and '{args.name}')"
+        )
+    args.kind, args.name = observe.object_ref(args.kind, flag=verb)
+
+
 def _objects(
     control: client.ControlClient, args: argparse.Namespace
 ) -> tuple[str, list[printers.ObjectJson]]:
@@ -230,6 +243,7 @@ def _objects(
 
 
 def cmd_get(args: argparse.Namespace) -> int:
+    _split_kind_name(args, "get")
     if args.watch:
         return observe.watch(args)
     with client.from_args(args) as control:
@@ -250,6 +264,7 @@ def cmd_get(args: argparse.Namespace) -> int:
 
 
 def cmd_describe(args: argparse.Namespace) -> int:
+    _split_kind_name(args, "describe")
     pages = []
     with client.from_args(args) as control:
         kind, objs = _objects(control, args)

@@ -33,6 +33,7 @@ class FakeControl:
     def __init__(self) -> None:
         self.applied: list[control_pb2.ApplyRequest] = []
         self.deleted: list[tuple[str, str]] = []
+        self.got: list[tuple[str, str]] = []
         self.missing: set[tuple[str, str]] = set()
 
     def __enter__(self) -> FakeControl:
@@ -56,6 +57,11 @@ class FakeControl:
     def list(self, request: control_pb2.ListRequest) -> control_pb2.ListResponse:
         objects = [json.dumps({"kind": request.kind, "metadata": {"name": n}}) for n in "ab"]
         return control_pb2.ListResponse(objects_json=objects)
+
+    def get(self, request: control_pb2.GetRequest) -> control_pb2.GetResponse:
+        self.got.append((request.kind, request.name))
+        obj = {"kind": request.kind, "metadata": {"name": request.name}}
+        return control_pb2.GetResponse(object_json=json.dumps(obj))
 
     def delete(self, request: control_pb2.DeleteRequest) -> control_pb2.DeleteResponse:
         if (request.kind, request.name) in self.missing:
@@ -184,6 +190,25 @@ def test_get_o_name_prints_what_delete_takes(
     assert main.main(["delete", "lane/c", "d"]) == 1
     assert "delete takes KIND/NAME (such as lane/gemma3), not 'd'" in capsys.readouterr().err
     assert control.deleted == [("Lane", "a"), ("Lane", "b")]
+
+
+def test_get_takes_kind_slash_name_as_delete_does(
+    control: FakeControl, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`get lane/a` (what `get -o name` prints, as kubectl takes it) is `get lane a`."""
+    assert main.main(["get", "lane/a", "-o", "name"]) == 0
+    assert main.main(["get", "SP/b", "-o", "json"]) == 0
+    assert control.got == [("Lane", "a"), ("SpecPair", "b")]
+    out = capsys.readouterr().out
+    assert out.startswith("lane/a\n")
+    assert json.loads(out.split("\n", 1)[1])["metadata"]["name"] == "b"
+    assert main.main(["get", "lane/a", "b"]) == 1
+    assert "get takes KIND NAME or KIND/NAME, not both" in capsys.readouterr().err
+    assert main.main(["describe", "lane/"]) == 1
+    assert "describe takes KIND/NAME (such as lane/gemma3), not 'lane/'" in (
+        capsys.readouterr().err
+    )
+    assert control.got == [("Lane", "a"), ("SpecPair", "b")]
 
 
 def test_delete_goes_on_past_an_object_already_gone(
