@@ -44,10 +44,21 @@ def _read_docs(targets: Sequence[str]) -> list[tuple[str, dict[str, Any]]]:
     docs: list[tuple[str, dict[str, Any]]] = []
     for target in targets:
         if target == "-":
-            docs += manifests.parse_documents(sys.stdin.read(), source="<stdin>")
+            docs += manifests.parse_documents(_stdin_text(), source="<stdin>")
         else:
             docs += manifests.load_path(Path(target))
     return docs
+
+
+def _stdin_text() -> str:
+    """Standard input as UTF-8, as files are read (`manifests.load_path`), whatever
+    the locale's encoding: the same manifest piped in is the same manifest."""
+    data = sys.stdin.buffer.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        problem = errors.FieldError("<stdin>", f"cannot read: {exc}")
+        raise errors.ManifestInvalid([problem]) from None
 
 
 def _no_objects(verb: str, targets: Sequence[str]) -> errors.InvalidRequest:

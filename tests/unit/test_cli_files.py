@@ -97,10 +97,39 @@ def test_apply_sends_every_file_in_one_batch(
 def test_apply_with_stdin_among_the_files(
     control: FakeControl, files: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("sys.stdin", io.StringIO(LANE))
+    monkeypatch.setattr("sys.stdin", stdin(LANE.encode()))
     assert main.main(["apply", "-f", str(files[0]), "-f", "-"]) == 0
     [request] = control.applied
     assert [json.loads(o)["kind"] for o in request.objects_json] == ["Model", "Lane"]
+
+
+def stdin(data: bytes, encoding: str = "utf-8") -> io.TextIOWrapper:
+    """Standard input holding `data`, read in the locale's `encoding`."""
+    return io.TextIOWrapper(io.BytesIO(data), encoding=encoding)
+
+
+def test_stdin_is_read_as_utf8_as_files_are(
+    control: FakeControl,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A manifest piped in is read as the same file given by name, whatever the
+    locale's encoding; bytes that are not UTF-8 are the same error as in a file."""
+    text = LANE.replace("metadata: {name: l}", "metadata: {name: l, annotations: {n: café “q”}}")
+    monkeypatch.setattr("sys.stdin", stdin(text.encode(), encoding="latin-1"))
+    assert main.main(["apply", "-f", "-"]) == 0
+    [request] = control.applied
+    assert json.loads(request.objects_json[0])["metadata"]["annotations"] == {"n": "café “q”"}
+    bad = LANE.encode().replace(b"name: l", b"name: l\xff")
+    monkeypatch.setattr("sys.stdin", stdin(bad))
+    assert main.main(["apply", "-f", "-"]) == 1
+    (tmp_path / "bad.yaml").write_bytes(bad)
+    assert main.main(["apply", "-f", str(tmp_path / "bad.yaml")]) == 1
+    from_stdin, from_file = capsys.readouterr().err.split("error: ")[1:]
+    assert from_stdin == from_file.replace(str(tmp_path / "bad.yaml"), "<stdin>")
+    assert "cannot read: 'utf-8' codec can't decode byte 0xff" in from_stdin
+    assert len(control.applied) == 1
 
 
 @pytest.mark.parametrize(
