@@ -96,6 +96,8 @@ def _apply(
         return control.apply(request)
     except grpc.RpcError as exc:
         remote = status.from_rpc_error(exc)
+        if isinstance(remote, errors.RequestTooLarge):
+            raise _FromServer(_batch_too_large(remote)) from exc
         if not isinstance(remote, errors.ManifestInvalid):
             raise
 
@@ -105,6 +107,20 @@ def _apply(
 
         remote.message = _BATCH_PLACE.sub(where, remote.message)
         raise _FromServer(remote) from exc
+
+
+def _batch_too_large(remote: errors.RequestTooLarge) -> errors.RequestTooLarge:
+    """The daemon's refusal of a batch by its size, worded for manifests: its own
+    wording asks for a shorter prompt, which an `apply` has none of."""
+    size, limit = remote.metadata.get("request_bytes"), remote.metadata.get("limit_bytes")
+    if limit is None or not limit.isdigit():
+        return remote
+    return status.request_too_large(
+        int(size) if size is not None and size.isdigit() else None,
+        limit=int(limit),
+        what="batch of manifests",
+        hint="Apply the files in smaller batches, or make the objects smaller.",
+    )
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -207,11 +207,16 @@ def _too_large(details: str) -> errors.InvalidRequest | None:
 
 
 def request_too_large(
-    size: int | None, *, limit: int, what: str = "request"
+    size: int | None,
+    *,
+    limit: int,
+    what: str = "request",
+    hint: str = "Send a shorter prompt or fewer inputs.",
 ) -> errors.RequestTooLarge:
     """The one wording of every refusal of a request by its size, wherever it is measured.
 
-    `size` is None when only a lower bound is known (a body stopped once past `limit`).
+    `size` is None when only a lower bound is known (a body stopped once past `limit`);
+    `hint` says what to send instead.
     """
     metadata = {"limit_bytes": str(limit)}
     if size is not None:
@@ -219,7 +224,7 @@ def request_too_large(
     return errors.RequestTooLarge(
         f"The {what} is larger than the server accepts: "
         f"{size if size is not None else f'more than {limit}'} bytes, and the limit is "
-        f"{byte_count(limit)}. Send a shorter prompt or fewer inputs.",
+        f"{byte_count(limit)}. {hint}",
         metadata=metadata,
     )
 

@@ -11,6 +11,7 @@ import pytest
 from blazar._proto.v1 import control_pb2
 from blazar.api import errors
 from blazar.cli import client, main
+from blazar.rpc import status as rpc_status
 from tests.rpc_errors import FakeRpcError
 
 MODEL = """\
@@ -149,6 +150,30 @@ def test_a_bad_file_among_several_applies_nothing(
     assert main.main(["apply", "-f", str(files[0]), *extra]) == 1
     assert message in capsys.readouterr().err
     assert control.applied == []
+
+
+@pytest.mark.parametrize("command", ["apply", "diff"])
+def test_a_batch_too_large_is_worded_for_manifests(
+    command: str,
+    control: FakeControl,
+    files: tuple[Path, Path],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The daemon's size refusal asks for a shorter prompt; `apply` has none to shorten."""
+
+    def too_large(request: control_pb2.ApplyRequest) -> control_pb2.ApplyResponse:
+        raise FakeRpcError(rpc_status.request_too_large(5_000_000, limit=4 * 2**20))
+
+    monkeypatch.setattr(control, "apply", too_large)
+    assert main.main([command, "-f", str(files[0])]) == (1 if command == "apply" else 2)
+    err = capsys.readouterr().err
+    assert err.startswith(
+        "Error from server (RequestTooLarge): The batch of manifests is larger than the "
+        "server accepts: 5000000 bytes, and the limit is 4194304 bytes (4 MiB)."
+    )
+    assert "prompt" not in err
+    assert "smaller batches" in err
 
 
 def test_delete_reads_every_file(control: FakeControl, files: tuple[Path, Path]) -> None:
