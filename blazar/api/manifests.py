@@ -84,8 +84,12 @@ def parse_documents(text: str, *, source: str) -> list[tuple[str, dict[str, Any]
                     )
                     continue
                 docs.append((where, item))
+    except yaml.reader.ReaderError as exc:
+        # Found before any document is read (PyYAML checks the whole text first): by
+        # its line, not a document's number.
+        problems.append(FieldError(source, _yaml_message(exc, text)))
     except yaml.YAMLError as exc:
-        problems.append(FieldError(f"{source}#{index + 1}", _yaml_message(exc)))
+        problems.append(FieldError(f"{source}#{index + 1}", _yaml_message(exc, text)))
     except RecursionError:
         # PyYAML composes a node per level of nesting by recursion.
         problems.append(FieldError(f"{source}#{index + 1}", "invalid YAML: nested too deeply"))
@@ -507,7 +511,17 @@ def _yaml_type(value: object) -> str:
     return type(value).__name__
 
 
-def _yaml_message(exc: yaml.YAMLError) -> str:
+def _yaml_message(exc: yaml.YAMLError, text: str) -> str:
+    if isinstance(exc, yaml.reader.ReaderError):
+        # A character YAML does not allow (a control character, a lone surrogate):
+        # PyYAML's own text is two lines naming "<unicode string>" and an offset.
+        line = text.count("\n", 0, exc.position) + 1
+        column = exc.position - (text.rfind("\n", 0, exc.position) + 1) + 1
+        code = exc.character if isinstance(exc.character, int) else ord(exc.character)
+        return (
+            f"invalid YAML at line {line}, column {column}: character U+{code:04X} is "
+            "not allowed (write it as an escape in a double-quoted string)"
+        )
     mark = getattr(exc, "problem_mark", None)
     problem = getattr(exc, "problem", None) or str(exc)
     if mark is not None:

@@ -640,6 +640,14 @@ def test_a_later_document_of_a_name_used_is_located_by_its_own_place() -> None:
             "f.yaml#1",
             "more than 100,000 values once its aliases are expanded",
         ),
+        # A control character, found before any document is read: located by line,
+        # in one line of text (PyYAML's own spans two and names "<unicode string>").
+        (
+            'a: 1\n---\nb: "x\x01"\n',
+            "f.yaml",
+            "invalid YAML at line 3, column 6: character U+0001 is not allowed (write it "
+            "as an escape in a double-quoted string)",
+        ),
         ("a: !!binary AAAA\n", "f.yaml#1", "a bytes value is not data"),
         ("a: !!set {x}\n", "f.yaml#1", "a set value is not data"),
         ("a: !!timestamp 2001-12-14\n", "f.yaml#1", "a date value is not data"),

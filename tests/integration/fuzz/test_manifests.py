@@ -62,10 +62,12 @@ EXAMPLES = MANIFESTS * 4 // 5
 TOP_UPS = 3
 YAML_MAX_BYTES = 32_000
 # "Lane/x: spec.replicas: ..." or, before a kind and name are known (or for a
-# document that did not parse), "object#2: ..." / "<stdin>#1: kind: ...".
+# document that did not parse), "object#2: ..." / "<stdin>#1: kind: ..." (a character
+# YAML refuses, found before any document is read, by line: "<stdin>: invalid YAML at
+# line 3, ...").
 # A field's name is whatever the manifest wrote (an unknown one too).
 LOCATED = re.compile(
-    r"^(?:(?:Model|Lane|SLOPolicy|SpecPair)/[^\n]+?: [^\n]+?|(?:object|<stdin>)#\d+): \S",
+    r"^(?:(?:Model|Lane|SLOPolicy|SpecPair)/[^\n]+?: [^\n]+?|object#\d+|<stdin>(?:#\d+)?): \S",
     re.MULTILINE,
 )
 
