@@ -106,13 +106,50 @@ def cmd_top(args: argparse.Namespace) -> int:
     return 0
 
 
+# What the daemon records events for besides the kinds of objects (the OBJECT column
+# of `events`): a rejected batch of manifests (`Manifest/<field manager or file>`),
+# the auth file, and the store recovered at start.
+EVENT_ONLY_KINDS = ("Manifest", "AuthFile", "Store")
+
+
+def _event_kind(text: str) -> str:
+    """A kind `events` filters by: an object's, in any accepted spelling, or one of
+    `EVENT_ONLY_KINDS` (any case), so what the OBJECT column shows can be asked for."""
+    try:
+        return kinds.resolve_kind(text).value
+    except errors.InvalidRequest as err:
+        found = {k.lower(): k for k in EVENT_ONLY_KINDS}.get(text.strip().lower())
+        if found is None:
+            raise errors.InvalidRequest(
+                f"{err.message}; events are also kept for {', '.join(EVENT_ONLY_KINDS)}",
+                metadata=err.metadata,
+            ) from None
+        return found
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, not '{text}'") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
 def cmd_events(args: argparse.Namespace) -> int:
+    if args.kind and "/" in args.kind and not args.name and not args.for_:
+        args.for_, args.kind = args.kind, None  # `events lane/gemma3`, as `get` takes it
     if args.for_ and (args.kind or args.name):
         raise errors.InvalidRequest("events takes KIND [NAME] or --for KIND/NAME, not both")
     if args.for_:
-        kind, name = object_ref(args.for_)
+        kind_text, sep, name = args.for_.partition("/")
+        if not sep or not kind_text or not name or "/" in name:
+            # object_ref's error, which says what the flag takes.
+            object_ref(args.for_)
+        kind = _event_kind(kind_text)
     else:
-        kind = kinds.resolve_kind(args.kind).value if args.kind else ""
+        kind = _event_kind(args.kind) if args.kind else ""
         name = args.name or ""
     request = control_pb2.EventsRequest(kind=kind, name=name, limit=args.limit)
     with client.from_args(args) as control:
@@ -146,7 +183,7 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         "--for", dest="for_", metavar="KIND/NAME", help="only this object's events (lane/gemma3)"
     )
     events.add_argument(
-        "--limit", type=int, default=200, help="at most this many of the newest (default 200)"
+        "--limit", type=_positive, default=200, help="at most this many of the newest (default 200)"
     )
     events.add_argument("-o", "--output", choices=["json"])
     events.set_defaults(func=cmd_events)

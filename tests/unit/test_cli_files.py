@@ -35,6 +35,7 @@ class FakeControl:
         self.applied: list[control_pb2.ApplyRequest] = []
         self.deleted: list[tuple[str, str]] = []
         self.got: list[tuple[str, str]] = []
+        self.asked_events: list[tuple[str, str, int]] = []
         self.missing: set[tuple[str, str]] = set()
 
     def __enter__(self) -> FakeControl:
@@ -63,6 +64,10 @@ class FakeControl:
         self.got.append((request.kind, request.name))
         obj = {"kind": request.kind, "metadata": {"name": request.name}}
         return control_pb2.GetResponse(object_json=json.dumps(obj))
+
+    def events(self, request: control_pb2.EventsRequest) -> control_pb2.EventsResponse:
+        self.asked_events.append((request.kind, request.name, request.limit))
+        return control_pb2.EventsResponse()
 
     def delete(self, request: control_pb2.DeleteRequest) -> control_pb2.DeleteResponse:
         if (request.kind, request.name) in self.missing:
@@ -263,6 +268,41 @@ def test_get_takes_kind_slash_name_as_delete_does(
         capsys.readouterr().err
     )
     assert control.got == [("Lane", "a"), ("SpecPair", "b")]
+
+
+def test_events_filter_by_what_their_object_column_shows(
+    control: FakeControl, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`events` lists `Manifest/blazar-cli` (a rejected apply), `AuthFile/...`; the
+    filters take those as they take objects' kinds, and KIND/NAME as `--for` does."""
+    assert main.main(["events", "--for", "Manifest/blazar-cli"]) == 0
+    assert main.main(["events", "authfile"]) == 0
+    assert main.main(["events", "lanes", "a"]) == 0
+    assert main.main(["events", "lane/a", "--limit", "5"]) == 0
+    assert control.asked_events == [
+        ("Manifest", "blazar-cli", 200),
+        ("AuthFile", "", 200),
+        ("Lane", "a", 200),
+        ("Lane", "a", 5),
+    ]
+    capsys.readouterr()
+    assert main.main(["events", "pod"]) == 1
+    err = capsys.readouterr().err
+    assert 'unknown kind "pod"' in err
+    assert "events are also kept for Manifest, AuthFile, Store" in err
+    assert len(control.asked_events) == 4
+
+
+@pytest.mark.parametrize("limit", ["0", "-1", "x"])
+def test_events_limit_is_a_count_of_at_least_one(
+    limit: str, control: FakeControl, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--limit -1` printed "No events." and `--limit 0` the default 200: an error."""
+    with pytest.raises(SystemExit) as exited:
+        main.main(["events", "--limit", limit])
+    assert exited.value.code == 2
+    assert "argument --limit" in capsys.readouterr().err
+    assert control.asked_events == []
 
 
 def test_delete_goes_on_past_an_object_already_gone(
