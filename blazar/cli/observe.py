@@ -101,6 +101,9 @@ def cmd_top(args: argparse.Namespace) -> int:
     ]
     if args.output == "json":
         print(json.dumps([vars(r) for r in rows], indent=2))
+    elif not rows:
+        # On stderr, as `get` says it (and kubectl): stdout holds only the table.
+        print(printers.top_table(rows), file=sys.stderr)
     else:
         print(printers.top_table(rows))
     return 0
@@ -158,7 +161,9 @@ def cmd_events(args: argparse.Namespace) -> int:
     if args.output == "json":
         print(json.dumps(events, indent=2))
     else:
-        print(printers.events_table(events, now=datetime.now(UTC)))
+        table = printers.events_table(events, now=datetime.now(UTC))
+        # "No events." on stderr, as `get` says it has nothing: stdout holds only rows.
+        print(table, file=sys.stdout if events else sys.stderr)
     return 0
 
 

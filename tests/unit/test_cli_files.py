@@ -69,6 +69,9 @@ class FakeControl:
         self.asked_events.append((request.kind, request.name, request.limit))
         return control_pb2.EventsResponse()
 
+    def top(self, request: control_pb2.TopRequest) -> control_pb2.TopResponse:
+        return control_pb2.TopResponse()
+
     def delete(self, request: control_pb2.DeleteRequest) -> control_pb2.DeleteResponse:
         if (request.kind, request.name) in self.missing:
             raise FakeRpcError(errors.ObjectNotFound(f'{request.kind} "{request.name}" not found.'))
@@ -291,6 +294,18 @@ def test_events_filter_by_what_their_object_column_shows(
     assert 'unknown kind "pod"' in err
     assert "events are also kept for Manifest, AuthFile, Store" in err
     assert len(control.asked_events) == 4
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"), [(["events"], "No events.\n"), (["top"], "No Lane resources found.\n")]
+)
+def test_nothing_to_list_is_said_on_stderr(
+    argv: list[str], said: str, control: FakeControl, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As `get` (and kubectl) say it: `blazar events | wc -l` counts events, not the
+    sentence saying there are none."""
+    assert main.main(argv) == 0
+    assert capsys.readouterr() == ("", said)
 
 
 @pytest.mark.parametrize("limit", ["0", "-1", "x"])
