@@ -33,7 +33,11 @@ def kubernetes_command(
 ) -> int:
     """Validate `docs` as `apply` does, translate, write the YAML to `output` (None:
     stdout) and what did not translate to stderr."""
-    resources = manifests.validate_objects(docs, exists=lambda kind, name: False)
+    try:
+        resources = manifests.validate_objects(docs, exists=lambda kind, name: False)
+    except errors.ManifestInvalid as err:
+        # Each object's errors with the file it came from, as `apply -f` shows them.
+        raise errors.ManifestInvalid(manifests.locate(err.errors, docs)) from None
     files = {r.metadata.name: model_file(r) for r in resources if isinstance(r, Model)}
     result = kubernetes.export(resources, files=files, fleet=fleet, image=image)
     text = kubernetes.render(result)

@@ -74,6 +74,8 @@ def _no_objects(verb: str, targets: Sequence[str]) -> errors.InvalidRequest:
 # How the daemon locates a document of an ApplyRequest: by its place in the batch,
 # which runs on across every `-f` file.
 _BATCH_PLACE = re.compile(r"\bobject#(\d+)\b")
+# A line of a manifest error about an object, not yet located by document.
+_OBJECT_ERROR = re.compile(r"^((?:Model|Lane|SLOPolicy|SpecPair)/[^\s:()]+): ", re.MULTILINE)
 
 
 class _FromServer(Exception):
@@ -105,7 +107,22 @@ def _apply(
             n = int(match.group(1))
             return docs[n - 1][0] if 0 < n <= len(docs) else match.group(0)
 
-        remote.message = _BATCH_PLACE.sub(where, remote.message)
+        # An object's own errors (`Lane/x: spec.replicas`) say which file too, as the
+        # watched directory's events do (`manifests.locate`): with many files given,
+        # the name alone leaves the reader to search them.
+        read_from: dict[str, str] = {}
+        for location, doc in docs:
+            metadata = doc.get("metadata")
+            name = metadata.get("name") if isinstance(metadata, dict) else None
+            if isinstance(doc.get("kind"), str) and isinstance(name, str):
+                read_from.setdefault(f"{doc['kind']}/{name}", location)
+
+        def located(match: re.Match[str]) -> str:
+            found = read_from.get(match.group(1))
+            return f"{match.group(1)} ({found}): " if found else match.group(0)
+
+        message = _BATCH_PLACE.sub(where, remote.message)
+        remote.message = _OBJECT_ERROR.sub(located, message)
         raise _FromServer(remote) from exc
 
 

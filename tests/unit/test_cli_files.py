@@ -365,6 +365,39 @@ def test_files_of_no_objects_are_named_together(
     assert control.applied == []
 
 
+def test_an_object_s_errors_name_its_file(
+    control: FakeControl,
+    files: tuple[Path, Path],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """With several files given, `Lane/l: spec.replicas` alone leaves the reader to
+    search them: each object's errors say the file and document it was read from."""
+    model, lane = files
+    refused = errors.ManifestInvalid(
+        [
+            errors.FieldError("Lane/l: spec.replicas", "Input should be a valid integer"),
+            errors.FieldError("Lane/l: spec.colour", "Extra inputs are not permitted"),
+            errors.FieldError("Lane/other: spec.model", 'Model "m" not found'),
+            errors.FieldError("object#1: kind", "Field required"),
+        ]
+    )
+
+    def refuse(request: control_pb2.ApplyRequest) -> control_pb2.ApplyResponse:
+        raise FakeRpcError(refused)
+
+    monkeypatch.setattr(control, "apply", refuse)
+    assert main.main(["apply", "-f", str(model), "-f", str(lane)]) == 1
+    assert capsys.readouterr().err == (
+        "Error from server (InvalidManifest): 4 error(s) in manifest:\n"
+        f"Lane/l ({lane}#1): spec.replicas: Input should be a valid integer\n"
+        f"Lane/l ({lane}#1): spec.colour: Extra inputs are not permitted\n"
+        # Not one the files hold: as the daemon said it.
+        'Lane/other: spec.model: Model "m" not found\n'
+        f"{model}#1: kind: Field required\n"
+    )
+
+
 def test_a_manifest_error_names_the_file_not_the_place_in_the_batch(
     control: FakeControl,
     files: tuple[Path, Path],

@@ -673,9 +673,10 @@ def test_a_bad_manifest_is_apply_s_error_and_writes_nothing(
     assert code == 1
     assert not out.exists()
     assert captured.out == ""
-    # Every error of the batch, located as apply locates them.
-    assert "Lane/l: spec.replicas" in captured.err
-    assert 'Lane/l: spec.model: Model "nowhere" not found' in captured.err
+    # Every error of the batch, located as apply locates them: by object and file.
+    where = f"Lane/l ({tmp_path / 'fleet' / 'lane.yaml'}#1)"
+    assert f"{where}: spec.replicas" in captured.err
+    assert f'{where}: spec.model: Model "nowhere" not found' in captured.err
 
 
 def test_a_missing_path_and_an_unwritable_output_are_errors(
