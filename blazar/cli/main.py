@@ -75,7 +75,9 @@ def _no_objects(verb: str, targets: Sequence[str]) -> errors.InvalidRequest:
 # which runs on across every `-f` file.
 _BATCH_PLACE = re.compile(r"\bobject#(\d+)\b")
 # A line of a manifest error about an object, not yet located by document.
-_OBJECT_ERROR = re.compile(r"^((?:Model|Lane|SLOPolicy|SpecPair)/[^\s:()]+): ", re.MULTILINE)
+_OBJECT_ERROR = re.compile(
+    rf"^((?:{'|'.join(kind.value for kind in kinds.Kind)})/[^\s:()]+): ", re.MULTILINE
+)
 
 
 class _FromServer(Exception):
