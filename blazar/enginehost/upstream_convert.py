@@ -271,8 +271,16 @@ class StreamTranslator:
         return inference_pb2.Chunk(final=final)
 
 
+# The largest count a protobuf int32 field holds.
+_INT32_MAX = 2**31 - 1
+
+
 def _int(value: Any, *, default: int = 0) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) else default
+    """A count the upstream reported, or `default` for one that is not a count: not an
+    integer, negative (the daemon's counters only go up) or beyond an int32 field."""
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= _INT32_MAX:
+        return value
+    return default
 
 
 def _delta(choice: Mapping[str, Any]) -> inference_pb2.Delta | None:

@@ -199,6 +199,19 @@ def test_a_completion_stream_with_logprobs_and_no_usage() -> None:
     assert final.usage.completion_tokens == 2  # counted when the upstream reports none
 
 
+@pytest.mark.parametrize("count", [-5, 2**31, 1e300, "many", True, None])
+def test_usage_that_is_no_count_is_not_taken(count: object) -> None:
+    # A negative count reached the daemon's Prometheus counters, which raised: the
+    # request failed with a 500 after the upstream had answered it whole.
+    t = convert.StreamTranslator()
+    t.feed({"choices": [{"index": 0, "delta": {"content": "Hi"}, "finish_reason": "stop"}]})
+    usage = {"prompt_tokens": count, "completion_tokens": count}
+    t.feed({"choices": [], "usage": {**usage, "prompt_tokens_details": {"cached_tokens": count}}})
+    final = t.finish().final
+    assert (final.usage.prompt_tokens, final.usage.completion_tokens) == (0, 1)
+    assert final.usage.cached_tokens == 0 == final.routing.prefix_tokens_reused
+
+
 def test_an_error_event_mid_stream_is_unavailable() -> None:
     with pytest.raises(errors.Unavailable, match="boom"):
         convert.StreamTranslator().feed({"error": {"message": "boom"}})
