@@ -11,6 +11,7 @@ bundled model where this takes 0.07 s.
 from __future__ import annotations
 
 import importlib.metadata
+import math
 import mmap
 import struct
 from dataclasses import dataclass, field
@@ -210,6 +211,17 @@ def read_gguf_layout(path: Path) -> tuple[dict[str, Any], TensorIndex]:
             raise ValueError("its header runs past the end of the file") from None
 
 
+# ggml tensor types by number (ggml.h's `ggml_type`): (elements per block, bytes per
+# block), to tell how far a tensor's data reaches. A type not listed is not checked.
+GGML_BLOCKS: dict[int, tuple[int, int]] = {
+    0: (1, 4), 1: (1, 2), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34),
+    9: (32, 40), 10: (256, 84), 11: (256, 110), 12: (256, 144), 13: (256, 176),
+    14: (256, 210), 15: (256, 292), 16: (256, 66), 17: (256, 74), 18: (256, 98),
+    19: (256, 50), 20: (32, 18), 21: (256, 110), 22: (256, 82), 23: (256, 136), 24: (1, 1),
+    25: (1, 2), 26: (1, 4), 27: (1, 8), 28: (1, 8), 29: (256, 56), 30: (1, 2),
+    34: (256, 54), 35: (256, 66), 39: (32, 17),
+}  # fmt: skip
+
 # Where tensor data begins is aligned to this many bytes unless `general.alignment` says.
 _DEFAULT_ALIGNMENT = 32
 
@@ -229,11 +241,16 @@ def _layout(buf: mmap.mmap) -> tuple[dict[str, Any], TensorIndex]:
         key = reader.string()
         values[key] = reader.value(reader.scalar("I"))
     placed: list[tuple[int, str, int]] = []  # (offset, name, type)
+    needed = 0  # how far into the data section the tensors of known types reach
     for _ in range(tensors):
         name = reader.string()
-        reader.skip(8 * reader.scalar("I"))  # dimensions
+        elements = math.prod(reader.scalar("Q") for _ in range(reader.scalar("I")))
         ggml_type = reader.scalar("I")
-        placed.append((reader.scalar("Q"), name, ggml_type))
+        offset = reader.scalar("Q")
+        placed.append((offset, name, ggml_type))
+        if ggml_type in GGML_BLOCKS:
+            block, block_bytes = GGML_BLOCKS[ggml_type]
+            needed = max(needed, offset + -(-elements // block) * block_bytes)
     alignment = values.get("general.alignment", _DEFAULT_ALIGNMENT)
     if not isinstance(alignment, int) or alignment <= 0:
         raise ValueError(f"general.alignment is {alignment!r}, not a positive integer")
@@ -241,6 +258,13 @@ def _layout(buf: mmap.mmap) -> tuple[dict[str, Any], TensorIndex]:
     if start > len(buf):
         raise struct.error("the tensor index runs past the end of the file")
     data_bytes = len(buf) - start
+    if needed > data_bytes:
+        # Cut short (an interrupted copy or download): llama.cpp refuses it at every
+        # engine start, so it is refused here, before a Lane crash-loops on it.
+        raise ValueError(
+            f"its tensor data runs past the end of the file (the tensors need "
+            f"{needed} bytes, the file holds {data_bytes}): it is cut short"
+        )
     # A tensor runs to where the next begins (its alignment padding included).
     placed.sort()
     ends = [offset for offset, _, _ in placed[1:]] + [data_bytes] * bool(placed)

@@ -98,6 +98,8 @@ BROKEN: list[tuple[str, Any, str]] = [
     ("in a long array", lambda good: good[: good.index(b"tok4000")], "its header runs past the end of the file"),
     ("unknown type", lambda good: good[:24] + b"\x01\0\0\0\0\0\0\0k\x63\0\0\0", "unknown GGUF value type 99"),
     ("in the tensor index", lambda good: good[: good.index(b"weights") + 4], "its header runs past the end of the file"),
+    # Cut inside the tensor data (an interrupted copy): llama.cpp cannot load it.
+    ("in the tensor data", lambda good: good[:-1], "its tensor data runs past the end of the file"),
 ]  # fmt: skip
 
 
@@ -172,3 +174,9 @@ def test_tensor_bytes_are_the_data_the_gguf_package_finds(
         assert ggml_type == t.tensor_type
         assert int(t.n_bytes) <= size < int(t.n_bytes) + (alignment or 32)
     assert sum(size for _, size in index.tensors.values()) == index.data_bytes
+
+
+def test_the_block_sizes_are_ggmls() -> None:
+    # Those of the types the gguf package knows; it may know newer ones, not checked.
+    known = {int(t): size for t, size in gguf.GGML_QUANT_SIZES.items()}
+    assert {t: known[t] for t in modelfile.GGML_BLOCKS} == modelfile.GGML_BLOCKS
