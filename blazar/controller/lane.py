@@ -99,9 +99,12 @@ def model_readiness(
     return lane_plan.ModelReadiness(True, "ModelReady", f"Serving {model.status.path}.")
 
 
-def speculation_launch(pair: SpecPair | None, draft: Model | None) -> SpeculationLaunch | None:
-    """The SpecPair as the engine runs it; None when it is missing or its draft model
-    is not ready (the Lane then serves without speculation)."""
+def speculation_launch(
+    pair: SpecPair | None, draft: Model | None, target: Model | None = None
+) -> SpeculationLaunch | None:
+    """The SpecPair as the engine runs it; None when it is missing, its draft model is
+    not ready, or the draft's vocabulary is not the `target` Model's (the Lane then
+    serves without speculation)."""
     if pair is None:
         return None
     if isinstance(pair.spec.draft, NgramDraft):
@@ -110,10 +113,28 @@ def speculation_launch(pair: SpecPair | None, draft: Model | None) -> Speculatio
         return None
     if not conditions.is_true(draft.status.conditions, "ModelReady"):
         return None
+    if vocabularies_differ(draft, target):
+        return None
     return SpeculationLaunch.of_pair(pair.spec, draft_model_path=draft.status.path)
 
 
-def speculation_gap(lane: Lane, pair: SpecPair | None, draft: Model | None) -> str | None:
+def vocabularies_differ(draft: Model, target: Model | None) -> tuple[str, str] | None:
+    """The vocabulary sizes of a draft Model and its target, as their GGUF headers
+    give them, when both are known and differ: the engine refuses such a draft at
+    every start (it drafts token ids the target reads as its own), so a replica
+    started with it would only crash-loop. None otherwise."""
+    if target is None:
+        return None
+    ours = draft.status.parameters.get("vocab_size")
+    theirs = target.status.parameters.get("vocab_size")
+    if ours is None or theirs is None or ours == theirs:
+        return None
+    return ours, theirs
+
+
+def speculation_gap(
+    lane: Lane, pair: SpecPair | None, draft: Model | None, target: Model | None = None
+) -> str | None:
     """Why a Lane that asks for speculation runs without it; None when it does not ask
     or gets it."""
     name = lane.spec.speculation
@@ -121,11 +142,18 @@ def speculation_gap(lane: Lane, pair: SpecPair | None, draft: Model | None) -> s
         return None
     if pair is None:
         return f'SpecPair "{name}" does not exist'
-    if speculation_launch(pair, draft) is not None:
+    if speculation_launch(pair, draft, target) is not None:
         return None
     assert isinstance(pair.spec.draft, ModelDraft)  # an n-gram pair always launches
+    described = f'the draft Model "{pair.spec.draft.model}" of SpecPair "{name}"'
+    sizes = None if draft is None else vocabularies_differ(draft, target)
+    if sizes is not None:
+        return (
+            f"{described} has a vocabulary of {sizes[0]} tokens, its target "
+            f'"{lane.spec.model}" one of {sizes[1]}: a draft must share the target\'s vocabulary'
+        )
     state = "does not exist" if draft is None else "is not ready"
-    return f'the draft Model "{pair.spec.draft.model}" of SpecPair "{name}" {state}'
+    return f"{described} {state}"
 
 
 def model_shape(model: Model | None) -> fit.ModelShape | None:
@@ -239,7 +267,7 @@ class LaneReconciler:
                 lane,
                 model,
                 default_threads=self._default_threads,
-                speculation=speculation_launch(pair, draft),
+                speculation=speculation_launch(pair, draft, model),
             )
         observed = self._processes.observe(name)
         sleep = self._sleeper.decide(lane)
@@ -267,7 +295,7 @@ class LaneReconciler:
             status = self._write_status(
                 name, lane, readiness, status, observed, revision, placement, sleep=sleep
             )
-        gap = speculation_gap(lane, pair, draft)
+        gap = speculation_gap(lane, pair, draft, model)
         for action in plan.actions:
             await self._act(name, action)
             if gap is not None and isinstance(action, lane_plan.Start):

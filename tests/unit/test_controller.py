@@ -360,6 +360,30 @@ def test_a_lane_without_its_spec_pair_or_draft_says_so_at_each_start() -> None:
     ]
 
 
+def test_a_draft_of_another_vocabulary_is_not_launched() -> None:
+    # The engine refuses such a draft at every start: launched with it, the Lane's
+    # replicas crash-looped and it served nothing.
+    clock, store, procs, rec = lane_world()
+    apply(store, MODEL)
+    helpers.mark_model_ready(
+        store, "m", path="/models/m.gguf", now=clock.now, parameters={"vocab_size": "262144"}
+    )
+    apply(store, DRAFTED)
+    helpers.mark_model_ready(
+        store, "d", path="/models/d.gguf", now=clock.now, parameters={"vocab_size": "50257"}
+    )
+    apply(store, SPECULATING_LANE)
+    asyncio.run(rec.reconcile("l"))
+    assert [launch.speculation for _, _, launch in procs.started] == [None, None]
+    warnings = [e for e in store.events(kind="Lane", name="l") if e.type == "Warning"]
+    assert (warnings[0].reason, warnings[0].message) == (
+        "SpeculationUnavailable",
+        'Replica 0 runs without speculation: the draft Model "d" of SpecPair "sp" has a '
+        'vocabulary of 50257 tokens, its target "m" one of 262144: a draft must share the '
+        "target's vocabulary.",
+    )
+
+
 POLICY = """
 apiVersion: blazar.dev/v1alpha1
 kind: SLOPolicy
