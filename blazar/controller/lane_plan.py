@@ -349,8 +349,9 @@ def lane_status(
     # As a Deployment's: True while replicas are started, replaced or stopped, and
     # still True once they match the spec (reason ReplicasConverged, Kubernetes'
     # NewReplicaSetAvailable). False would say the rollout is stuck, which a converged
-    # Lane is not; a crash-looping one says so in Degraded.
-    progressing = ready != desired or len(observed) != desired
+    # Lane is not; a crash-looping one says so in Degraded. A replica of an older
+    # spec is still to be replaced, also while its successor cannot be placed.
+    progressing = replaced or ready != desired or len(observed) != desired
     put(
         "Progressing",
         True,

@@ -204,7 +204,7 @@ def status_of(
         # A replica beyond `desired` of the spec's own revision, the Lane not rolling:
         # scaled down (replicas 2 -> 1), nothing replaced.
         pytest.param([obs(0), obs(1)], 1, READY_MODEL, {"Available": ("True", "MinimumReplicasAvailable"), "Ready": ("False", "ScalingDown"), "Progressing": ("True", "ReplicasUpdating")}, id="scaling-down"),
-        pytest.param([obs(0, launch=OLD)], 1, READY_MODEL, {"Available": ("True", "MinimumReplicasAvailable"), "Ready": ("False", "RollingUpdate")}, id="spec-changed"),
+        pytest.param([obs(0, launch=OLD)], 1, READY_MODEL, {"Available": ("True", "MinimumReplicasAvailable"), "Ready": ("False", "RollingUpdate"), "Progressing": ("True", "ReplicasUpdating")}, id="spec-changed"),
         pytest.param([obs(0, launch=OLD), obs(1, ReplicaState.FAILED, restarts=5, exited_ago=1)], 1, READY_MODEL, {"Available": ("True", "MinimumReplicasAvailable"), "Ready": ("False", "ReplicasNotReady"), "Degraded": ("True", "CrashLoopBackOff")}, id="failing-surge-is-degraded"),
     ],
 )  # fmt: skip
