@@ -197,7 +197,10 @@ class UpstreamClient:
     async def _translated(
         self, url: str, body: dict[str, object], through: Sequence[str]
     ) -> AsyncGenerator[inference_pb2.Chunk, None]:
-        translator = upstream_convert.StreamTranslator()
+        limit = body.get("max_tokens")
+        translator = upstream_convert.StreamTranslator(
+            max_tokens=limit if isinstance(limit, int) else None
+        )
         sent = time.monotonic()
         first: float | None = None
         headers = self._headers(through)
@@ -227,6 +230,8 @@ class UpstreamClient:
                         if first is None:
                             first = time.monotonic()
                         yield chunk
+                    if translator.overran:
+                        break  # leaving closes the connection: the upstream stops
                 cut = translator.incomplete(
                     done=done, content_type=answer.headers.get("content-type", "")
                 )

@@ -193,6 +193,12 @@ class StreamTranslator:
     tool_indexes: set[int] = field(default_factory=set)
     # Events fed so far.
     events: int = 0
+    # The request's max_tokens (None: unset). An upstream that streams past it is cut
+    # there, as an engine would stop: one that ignores it would otherwise hold the
+    # Lane's slot and the caller's stream for as long as it goes on.
+    max_tokens: int | None = None
+    # Whether the upstream went past max_tokens (its answer ends there, "length").
+    overran: bool = False
 
     def feed(self, event: Any) -> list[inference_pb2.Chunk]:
         """The chunks of one event; UNAVAILABLE for an error event, or one that is not
@@ -239,6 +245,10 @@ class StreamTranslator:
                 self.finish_reason = str(choice["finish_reason"])
             delta = _delta(choice)
             if delta is not None:
+                if self.max_tokens is not None and self.tokens + delta.tokens > self.max_tokens:
+                    self.overran = True
+                    self.finish_reason = "length"
+                    break
                 self.tokens += delta.tokens
                 self.tool_indexes.update(call.index for call in delta.tool_calls)
                 chunks.append(inference_pb2.Chunk(delta=delta))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import email.utils
 import json
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -681,6 +681,45 @@ def stream_from(response: httpx.Response) -> list[pb.Chunk]:
 TEXT = {"choices": [{"index": 0, "delta": {"content": "a"}}]}
 STOP = {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
 SSE_HEADERS = {"content-type": "text/event-stream"}
+
+
+def test_an_upstream_that_streams_past_max_tokens_is_cut_there() -> None:
+    # One that ignored max_tokens streamed on (here: without end) and the caller's
+    # request, and the Lane's slot, with it.
+    async def endless() -> AsyncIterator[bytes]:
+        while True:
+            yield f"data: {json.dumps(TEXT)}\n\n".encode()
+            await asyncio.sleep(0)  # a test that fails times out rather than spins
+
+    client = upstream.UpstreamClient(
+        spec_of(),
+        transport=httpx.MockTransport(
+            lambda _: httpx.Response(200, headers=SSE_HEADERS, content=endless())
+        ),
+    )
+
+    async def run() -> list[pb.Chunk]:
+        try:
+            request = engine_pb2.GenerateRequest(
+                chat=engine_pb2.ChatInput(messages=[pb.Message(role="user", content="hi")]),
+                sampling=pb.Sampling(max_tokens=3),
+            )
+            return [c async for c in client.generate(request, model="g")]
+        finally:
+            await client.close()
+
+    chunks = asyncio.run(asyncio.wait_for(run(), timeout=5))
+    assert [c.delta.text for c in chunks[:-1]] == ["a", "a", "a"]
+    final = chunks[-1].final
+    assert final.finish_reason == pb.FINISH_REASON_LENGTH
+    assert final.usage.completion_tokens == 3
+
+
+def test_an_answer_of_exactly_max_tokens_is_whole() -> None:
+    t = convert.StreamTranslator(max_tokens=2)
+    chunks = [c for e in (TEXT, TEXT, STOP) for c in t.feed(e)]
+    assert len(chunks) == 2 and not t.overran
+    assert t.finish().final.finish_reason == pb.FINISH_REASON_STOP
 
 
 @pytest.mark.parametrize(
