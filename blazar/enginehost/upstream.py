@@ -213,9 +213,19 @@ class UpstreamClient:
                     )
                     raise upstream_convert.http_error(answer.status_code, text, retry_after_ms=hint)
                 done = False
+                # The last event (or the request): keep-alive comments are bytes, which
+                # reset httpx's read timeout, but no answer; an upstream that sends
+                # nothing else is as silent as one that sends nothing.
+                heard = sent
                 async for line in _lines(answer):
                     if not line.startswith("data:"):
+                        if time.monotonic() - heard > self.spec.timeouts.first_byte_s:
+                            raise errors.Unavailable(
+                                f"The upstream server {url}: no event within the first-byte "
+                                "timeout (only keep-alive comments)."
+                            )
                         continue
+                    heard = time.monotonic()
                     data = line[5:].strip()
                     if data == "[DONE]":
                         done = True

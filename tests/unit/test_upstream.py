@@ -715,6 +715,38 @@ def test_an_upstream_that_streams_past_max_tokens_is_cut_there() -> None:
     assert final.usage.completion_tokens == 3
 
 
+def test_keep_alive_comments_alone_are_silence() -> None:
+    # An upstream that sent a token, then only comments, held the stream forever:
+    # each comment reset the read timeout.
+    async def drip() -> AsyncIterator[bytes]:
+        yield f"data: {json.dumps(TEXT)}\n\n".encode()
+        while True:
+            yield b": ping\n\n"
+            await asyncio.sleep(0.01)
+
+    client = upstream.UpstreamClient(
+        spec_of(timeouts={"firstByte": "200ms"}),
+        transport=httpx.MockTransport(
+            lambda _: httpx.Response(200, headers=SSE_HEADERS, content=drip())
+        ),
+    )
+    texts: list[str] = []
+
+    async def run() -> None:
+        try:
+            request = engine_pb2.GenerateRequest(
+                chat=engine_pb2.ChatInput(messages=[pb.Message(role="user", content="hi")])
+            )
+            async for chunk in client.generate(request, model="g"):
+                texts.append(chunk.delta.text)
+        finally:
+            await client.close()
+
+    with pytest.raises(errors.Unavailable, match="only keep-alive comments"):
+        asyncio.run(asyncio.wait_for(run(), timeout=5))
+    assert texts == ["a"]
+
+
 def test_an_answer_of_exactly_max_tokens_is_whole() -> None:
     t = convert.StreamTranslator(max_tokens=2)
     chunks = [c for e in (TEXT, TEXT, STOP) for c in t.feed(e)]
