@@ -242,6 +242,10 @@ class UpstreamClient:
                         yield chunk
                     if translator.overran:
                         break  # leaving closes the connection: the upstream stops
+                    if translator.finish_reason is not None and translator.usage:
+                        # The usage (asked for with include_usage) comes last, after the
+                        # finish reason: the answer is whole, whatever follows or not.
+                        break
                 cut = translator.incomplete(
                     done=done, content_type=answer.headers.get("content-type", "")
                 )

@@ -747,6 +747,38 @@ def test_keep_alive_comments_alone_are_silence() -> None:
     assert texts == ["a"]
 
 
+def test_an_answer_is_whole_at_its_usage_after_its_finish_reason() -> None:
+    # An upstream that sent its finish reason and usage, then neither [DONE] nor the
+    # end of its body, had the whole answer fail at the first-byte timeout.
+    async def then_nothing() -> AsyncIterator[bytes]:
+        usage = {"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 1}}
+        for event in (TEXT, STOP, usage):
+            yield f"data: {json.dumps(event)}\n\n".encode()
+        await asyncio.sleep(3600)
+
+    client = upstream.UpstreamClient(
+        spec_of(),
+        transport=httpx.MockTransport(
+            lambda _: httpx.Response(200, headers=SSE_HEADERS, content=then_nothing())
+        ),
+    )
+
+    async def run() -> list[pb.Chunk]:
+        try:
+            request = engine_pb2.GenerateRequest(
+                chat=engine_pb2.ChatInput(messages=[pb.Message(role="user", content="hi")])
+            )
+            return [c async for c in client.generate(request, model="g")]
+        finally:
+            await client.close()
+
+    chunks = asyncio.run(asyncio.wait_for(run(), timeout=5))
+    assert [c.delta.text for c in chunks[:-1]] == ["a"]
+    final = chunks[-1].final
+    assert final.finish_reason == pb.FINISH_REASON_STOP
+    assert (final.usage.prompt_tokens, final.usage.completion_tokens) == (4, 1)
+
+
 def test_an_answer_of_exactly_max_tokens_is_whole() -> None:
     t = convert.StreamTranslator(max_tokens=2)
     chunks = [c for e in (TEXT, TEXT, STOP) for c in t.feed(e)]
