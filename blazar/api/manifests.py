@@ -267,6 +267,18 @@ def validate_objects(
     return objects
 
 
+def locations(docs: Sequence[tuple[str, dict[str, Any]]]) -> dict[str, str]:
+    """`KIND/NAME` of each document that names an object -> where it was read (the
+    first, for a name given twice)."""
+    where: dict[str, str] = {}
+    for location, raw in docs:
+        metadata = raw.get("metadata")
+        name = metadata.get("name") if isinstance(metadata, dict) else None
+        if isinstance(raw.get("kind"), str) and isinstance(name, str):
+            where.setdefault(f"{raw['kind']}/{name}", location)
+    return where
+
+
 def locate(
     problems: Sequence[FieldError], docs: Sequence[tuple[str, dict[str, Any]]]
 ) -> list[FieldError]:
@@ -274,12 +286,7 @@ def locate(
     becomes `Lane/x (fleet/lanes.yaml#2): spec.replicas`, for a reader who must find the
     file (an event of the watched directory). Errors located by document already are
     left as they are."""
-    where: dict[str, str] = {}
-    for location, raw in docs:
-        metadata = raw.get("metadata")
-        name = metadata.get("name") if isinstance(metadata, dict) else None
-        if isinstance(raw.get("kind"), str) and isinstance(name, str):
-            where.setdefault(f"{raw['kind']}/{name}", location)
+    where = locations(docs)
     located = []
     for problem in problems:
         prefix, sep, rest = problem.path.partition(": ")

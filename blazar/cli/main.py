@@ -112,12 +112,7 @@ def _apply(
         # An object's own errors (`Lane/x: spec.replicas`) say which file too, as the
         # watched directory's events do (`manifests.locate`): with many files given,
         # the name alone leaves the reader to search them.
-        read_from: dict[str, str] = {}
-        for location, doc in docs:
-            metadata = doc.get("metadata")
-            name = metadata.get("name") if isinstance(metadata, dict) else None
-            if isinstance(doc.get("kind"), str) and isinstance(name, str):
-                read_from.setdefault(f"{doc['kind']}/{name}", location)
+        read_from = manifests.locations(docs)
 
         def located(match: re.Match[str]) -> str:
             found = read_from.get(match.group(1))

@@ -127,6 +127,15 @@ def test_an_admin_tenant_which_can_list_every_lane_is_told_the_truth() -> None:
     assert all(("blazar-reason", "MODEL_NOT_PERMITTED") in t for _, _, t in forbidden.values())
 
 
+async def keep_alive(stub: Stub, key: tuple[str, str]) -> grpc.StatusCode:
+    """A KeepAlive of the key's tenant: OK while its rate limit has a request left."""
+    try:
+        await CALLS["KeepAlive"](stub, (key,))
+    except grpc.aio.AioRpcError as err:
+        return err.code()
+    return grpc.StatusCode.OK
+
+
 def test_a_request_refused_as_the_callers_mistake_costs_no_rate_limit() -> None:
     """An unknown policy or too long a session key is refused before the request is
     counted: the tenant's one request a minute is still there afterwards."""
@@ -143,12 +152,7 @@ def test_a_request_refused_as_the_callers_mistake_costs_no_rate_limit() -> None:
                 long_session = inference_pb2.ChatRequest(model=ASKED, session="s" * 300)
                 await _stream(stub.Chat(long_session, metadata=(key,)))
             codes.add(info.value.code())
-            counted = CALLS["KeepAlive"](stub, (key,))
-            try:
-                await counted
-            except grpc.aio.AioRpcError as err:
-                return codes, err.code()
-            return codes, grpc.StatusCode.OK
+            return codes, await keep_alive(stub, key)
 
     refused, then = asyncio.run(run())
     assert refused == {grpc.StatusCode.INVALID_ARGUMENT}
@@ -172,11 +176,7 @@ def test_a_policy_the_tenant_may_not_name_is_refused_on_every_route_and_costs_no
                     reason = dict(info.value.trailing_metadata() or ())["blazar-reason"]
                     seen.add((info.value.code(), reason))
                     assert "sloPolicies" in (info.value.details() or "")
-            try:
-                await CALLS["KeepAlive"](stub, (key,))
-            except grpc.aio.AioRpcError as err:
-                return seen, err.code()
-            return seen, grpc.StatusCode.OK
+            return seen, await keep_alive(stub, key)
 
     seen, then = asyncio.run(run())
     assert seen == {(grpc.StatusCode.PERMISSION_DENIED, "SLO_POLICY_NOT_PERMITTED")}
@@ -197,11 +197,7 @@ def test_a_request_refused_for_the_servers_state_costs_no_rate_limit() -> None:
                 with pytest.raises(grpc.aio.AioRpcError) as info:
                     await CALLS[method](stub, (key,))
                 codes.add(info.value.code())
-            try:
-                await CALLS["KeepAlive"](stub, (key,))
-            except grpc.aio.AioRpcError as err:
-                return codes, err.code()
-            return codes, grpc.StatusCode.OK
+            return codes, await keep_alive(stub, key)
 
     refused, then = asyncio.run(run())
     assert refused == {grpc.StatusCode.UNAVAILABLE}

@@ -283,9 +283,9 @@ async def _watch_until(
     return seen()
 
 
-def test_a_symlink_repointed_to_another_directory_is_applied_and_watched(tmp_path: Path) -> None:
-    """git-sync publishes each revision by swapping a symlink: the watch, on the old
-    revision's directory, saw nothing of the new one."""
+def _two_revisions(tmp_path: Path) -> tuple[Path, Path, MemoryStore]:
+    """`fleet`, a symlink to revision 1 (a Model) as applied, and revision 2 (the
+    Model and a Lane) beside it, as git-sync lays out two revisions."""
     old, new = tmp_path / "rev1", tmp_path / "rev2"
     old.mkdir()
     new.mkdir()
@@ -296,6 +296,13 @@ def test_a_symlink_repointed_to_another_directory_is_applied_and_watched(tmp_pat
     fleet.symlink_to(old)
     store = MemoryStore()
     assert watcher.sync(store, fleet)
+    return fleet, new, store
+
+
+def test_a_symlink_repointed_to_another_directory_is_applied_and_watched(tmp_path: Path) -> None:
+    """git-sync publishes each revision by swapping a symlink: the watch, on the old
+    revision's directory, saw nothing of the new one."""
+    fleet, new, store = _two_revisions(tmp_path)
 
     def swap() -> None:
         (tmp_path / "next").symlink_to(new)
@@ -319,16 +326,7 @@ def test_an_edit_between_a_swap_and_the_new_watch_is_applied(
 ) -> None:
     """The swapped-in directory is read, and only then watched: an edit landing in
     between made no change event the new watch could see."""
-    old, new = tmp_path / "rev1", tmp_path / "rev2"
-    old.mkdir()
-    new.mkdir()
-    (old / "model.yaml").write_text(MODEL)
-    (new / "model.yaml").write_text(MODEL)
-    (new / "lane.yaml").write_text(LANE)
-    fleet = tmp_path / "fleet"
-    fleet.symlink_to(old)
-    store = MemoryStore()
-    assert watcher.sync(store, fleet)
+    fleet, new, store = _two_revisions(tmp_path)
     read = watcher.load
 
     def load_then_edit(directory: Path) -> watcher.Loaded:
