@@ -367,6 +367,17 @@ def lane_status(
             "CrashLoopBackOff",
             f"Replica {worst.index} crashed{code} and has been restarted {worst.restarts} time(s).",
         )
+    elif rolling and unplaced:
+        # The rollout cannot go on: its next replica of the new spec does not fit, and
+        # the old ones keep serving until it does (a Deployment's stuck rollout).
+        assert placement is not None
+        put(
+            "Degraded",
+            True,
+            placement.reason,
+            "The rolling update cannot start a replica of the new spec, so the old "
+            f"replicas keep serving: {placement.message}",
+        )
     else:
         put("Degraded", False, "ReplicasHealthy", "No replica is crash-looping.")
     all_ready = model.ready and ready == desired and not crashing and not rolling and not beyond

@@ -287,6 +287,31 @@ def test_lane_status_shows_the_placement(
     assert status.memory == placement.memory
 
 
+@pytest.mark.parametrize(
+    ("observed", "desired", "degraded"),
+    [
+        # A spec change whose new replica does not fit beside the old one: the rollout
+        # is stuck, the old replica serves on.
+        ([obs(0, launch=OLD)], 1, ("True", "InsufficientMemory")),
+        # Not a rollout: a Lane short of a replica it never had is not degraded.
+        ([obs(0)], 2, ("False", "ReplicasHealthy")),
+    ],
+)
+def test_a_rollout_whose_next_replica_cannot_be_placed_is_degraded(
+    observed: list[ReplicaObservation], desired: int, degraded: tuple[str, str]
+) -> None:
+    status = lane_plan.lane_status(
+        previous=LaneStatus(), generation=1, desired=desired, model=READY_MODEL,
+        observed=observed, now=NOW, revision=LAUNCH.revision, placement=SHORT,
+    )  # fmt: skip
+    found = conditions.get_condition(status.conditions, "Degraded")
+    assert found is not None and (found.status.value, found.reason) == degraded
+    if degraded[0] == "True":
+        assert SHORT.message in found.message and "old replicas keep serving" in found.message
+        available = conditions.get_condition(status.conditions, "Available")
+        assert available is not None and available.status.value == "True"
+
+
 def test_lane_status_without_a_placement_keeps_the_last() -> None:
     first = lane_plan.lane_status(
         previous=LaneStatus(), generation=1, desired=1, model=READY_MODEL, observed=[],
