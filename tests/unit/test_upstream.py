@@ -662,20 +662,35 @@ def test_a_file_key_without_a_keys_directory_is_unavailable() -> None:
         upstream.api_key(spec_of(apiKeyFrom="file:vllm.key"), None)
 
 
-def stream_from(response: httpx.Response) -> list[pb.Chunk]:
-    """What a chat through a client whose upstream gives `response` yields."""
-    client = upstream.UpstreamClient(spec_of(), transport=httpx.MockTransport(lambda _: response))
+def stream_from(
+    response: httpx.Response,
+    *,
+    spec: kinds.Upstream | None = None,
+    sampling: pb.Sampling | None = None,
+    received: list[pb.Chunk] | None = None,
+) -> list[pb.Chunk]:
+    """What a chat through a client (of `spec`) whose upstream gives `response` yields,
+    each chunk also put in `received` as it comes (for a stream that then fails); a
+    stream that never ends fails the test in 5 s rather than hang it."""
+    client = upstream.UpstreamClient(
+        spec or spec_of(), transport=httpx.MockTransport(lambda _: response)
+    )
+    chunks = [] if received is None else received
 
-    async def run() -> list[pb.Chunk]:
+    async def run() -> None:
         try:
             request = engine_pb2.GenerateRequest(
                 chat=engine_pb2.ChatInput(messages=[pb.Message(role="user", content="hi")])
             )
-            return [c async for c in client.generate(request, model="g")]
+            if sampling is not None:
+                request.sampling.CopyFrom(sampling)
+            async for chunk in client.generate(request, model="g"):
+                chunks.append(chunk)
         finally:
             await client.close()
 
-    return asyncio.run(run())
+    asyncio.run(asyncio.wait_for(run(), timeout=5))
+    return chunks
 
 
 TEXT = {"choices": [{"index": 0, "delta": {"content": "a"}}]}
@@ -691,24 +706,10 @@ def test_an_upstream_that_streams_past_max_tokens_is_cut_there() -> None:
             yield f"data: {json.dumps(TEXT)}\n\n".encode()
             await asyncio.sleep(0)  # a test that fails times out rather than spins
 
-    client = upstream.UpstreamClient(
-        spec_of(),
-        transport=httpx.MockTransport(
-            lambda _: httpx.Response(200, headers=SSE_HEADERS, content=endless())
-        ),
+    chunks = stream_from(
+        httpx.Response(200, headers=SSE_HEADERS, content=endless()),
+        sampling=pb.Sampling(max_tokens=3),
     )
-
-    async def run() -> list[pb.Chunk]:
-        try:
-            request = engine_pb2.GenerateRequest(
-                chat=engine_pb2.ChatInput(messages=[pb.Message(role="user", content="hi")]),
-                sampling=pb.Sampling(max_tokens=3),
-            )
-            return [c async for c in client.generate(request, model="g")]
-        finally:
-            await client.close()
-
-    chunks = asyncio.run(asyncio.wait_for(run(), timeout=5))
     assert [c.delta.text for c in chunks[:-1]] == ["a", "a", "a"]
     final = chunks[-1].final
     assert final.finish_reason == pb.FINISH_REASON_LENGTH
@@ -724,27 +725,14 @@ def test_keep_alive_comments_alone_are_silence() -> None:
             yield b": ping\n\n"
             await asyncio.sleep(0.01)
 
-    client = upstream.UpstreamClient(
-        spec_of(timeouts={"firstByte": "200ms"}),
-        transport=httpx.MockTransport(
-            lambda _: httpx.Response(200, headers=SSE_HEADERS, content=drip())
-        ),
-    )
-    texts: list[str] = []
-
-    async def run() -> None:
-        try:
-            request = engine_pb2.GenerateRequest(
-                chat=engine_pb2.ChatInput(messages=[pb.Message(role="user", content="hi")])
-            )
-            async for chunk in client.generate(request, model="g"):
-                texts.append(chunk.delta.text)
-        finally:
-            await client.close()
-
+    received: list[pb.Chunk] = []
     with pytest.raises(errors.Unavailable, match="only keep-alive comments"):
-        asyncio.run(asyncio.wait_for(run(), timeout=5))
-    assert texts == ["a"]
+        stream_from(
+            httpx.Response(200, headers=SSE_HEADERS, content=drip()),
+            spec=spec_of(timeouts={"firstByte": "200ms"}),
+            received=received,
+        )
+    assert [c.delta.text for c in received] == ["a"]
 
 
 def test_an_answer_is_whole_at_its_usage_after_its_finish_reason() -> None:
@@ -756,23 +744,7 @@ def test_an_answer_is_whole_at_its_usage_after_its_finish_reason() -> None:
             yield f"data: {json.dumps(event)}\n\n".encode()
         await asyncio.sleep(3600)
 
-    client = upstream.UpstreamClient(
-        spec_of(),
-        transport=httpx.MockTransport(
-            lambda _: httpx.Response(200, headers=SSE_HEADERS, content=then_nothing())
-        ),
-    )
-
-    async def run() -> list[pb.Chunk]:
-        try:
-            request = engine_pb2.GenerateRequest(
-                chat=engine_pb2.ChatInput(messages=[pb.Message(role="user", content="hi")])
-            )
-            return [c async for c in client.generate(request, model="g")]
-        finally:
-            await client.close()
-
-    chunks = asyncio.run(asyncio.wait_for(run(), timeout=5))
+    chunks = stream_from(httpx.Response(200, headers=SSE_HEADERS, content=then_nothing()))
     assert [c.delta.text for c in chunks[:-1]] == ["a"]
     final = chunks[-1].final
     assert final.finish_reason == pb.FINISH_REASON_STOP
