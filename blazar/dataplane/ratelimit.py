@@ -113,13 +113,10 @@ class Limiter:
 
     def refund(self, *, now: float) -> Limiter:
         """Give back the request `admit` took: it was refused for the server's state
-        (up to the bucket's allowance, as refilling is)."""
+        (never past the bucket's allowance: `Bucket.level_at` caps what it holds)."""
         if self.requests is None:
             return self
-        level = min(float(self.requests.per_minute), self.requests.level_at(now) + 1.0)
-        return replace(
-            self, requests=Bucket(self.requests.per_minute, level, max(now, self.requests.at))
-        )
+        return replace(self, requests=self.requests.take(-1.0, now=now))
 
     def charge(self, tokens: int, *, now: float) -> Limiter:
         """The tokens a request used, once known."""
