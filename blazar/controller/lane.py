@@ -100,7 +100,7 @@ def model_readiness(
 
 
 def speculation_launch(
-    pair: SpecPair | None, draft: Model | None, target: Model | None = None
+    pair: SpecPair | None, draft: Model | None, target: Model | None
 ) -> SpeculationLaunch | None:
     """The SpecPair as the engine runs it; None when it is missing, its draft model is
     not ready, or the draft's vocabulary is not the `target` Model's (the Lane then
@@ -133,7 +133,7 @@ def vocabularies_differ(draft: Model, target: Model | None) -> tuple[str, str] |
 
 
 def speculation_gap(
-    lane: Lane, pair: SpecPair | None, draft: Model | None, target: Model | None = None
+    lane: Lane, pair: SpecPair | None, draft: Model | None, target: Model | None
 ) -> str | None:
     """Why a Lane that asks for speculation runs without it; None when it does not ask
     or gets it."""
