@@ -55,7 +55,9 @@ def model_readiness(
 
     A SpecPair made for another Model is not served: its draft was chosen for that
     target (a draft model must share the target's vocabulary, or the engine refuses
-    it at every start), so nothing starts until the Lane or the pair is fixed.
+    it at every start), so nothing starts until the Lane or the pair is fixed. Nor is
+    a `contextPerSlot` beyond the context the model was trained on (its GGUF header
+    says it; a file that does not is not checked).
     """
     if lane.spec.engine != "llama-cpp":
         # An upstream Lane whose spec lacks its upstream (stored by an earlier version).
@@ -96,6 +98,17 @@ def model_readiness(
         return lane_plan.ModelReadiness(False, cond.reason, cond.message)
     if not model.status.path:
         return pending
+    trained = model.status.context_length
+    if trained and lane.spec.context_per_slot > trained:
+        # llama.cpp would start it with a warning nobody reads, and the model's answers
+        # past its trained length are noise: nothing starts, what runs keeps serving.
+        return lane_plan.ModelReadiness(
+            False,
+            "ContextBeyondTraining",
+            f"contextPerSlot {lane.spec.context_per_slot} is more than the {trained} "
+            f'tokens Model "{model.metadata.name}" was trained on; set it to {trained} '
+            "or less.",
+        )
     return lane_plan.ModelReadiness(True, "ModelReady", f"Serving {model.status.path}.")
 
 

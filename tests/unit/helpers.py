@@ -36,6 +36,7 @@ def mark_model_ready(
     now: datetime,
     parameters: dict[str, str] | None = None,
     size_bytes: int | None = None,
+    context_length: int | None = None,
 ) -> None:
     """Give the stored Model `name` the status its controller gives a resolved file,
     observed at the Model's current generation (with `parameters` read from its
@@ -56,6 +57,7 @@ def mark_model_ready(
             path=path,
             parameters=parameters or {},
             size_bytes=size_bytes,
+            context_length=context_length,
         ),
     )
 

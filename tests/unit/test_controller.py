@@ -423,6 +423,46 @@ def test_a_lane_with_its_spec_pair_ready_starts_without_warnings() -> None:
     assert [e.type for e in store.events(kind="Lane", name="l")] == ["Normal", "Normal"]
 
 
+def test_a_context_beyond_the_models_training_starts_nothing_and_stops_nothing() -> None:
+    # llama.cpp would run it, past the trained length the answers are noise: the Lane
+    # says so, and a spec change to it leaves the replicas of the old spec serving.
+    clock, store, procs, rec = lane_world()
+    apply(store, MODEL)
+    helpers.mark_model_ready(store, "m", path="/models/m.gguf", now=clock.now, context_length=4096)
+    apply(store, LANE)
+    asyncio.run(rec.reconcile("l"))
+    for index in (0, 1):
+        procs.set_state("l", index, ReplicaState.READY)
+    asyncio.run(rec.reconcile("l"))
+    serving = procs.observe("l")
+    assert cond(store, "Ready") == ("True", "AllReplicasReady")
+
+    apply(store, LANE.replace("threads: 2}", "threads: 2, contextPerSlot: 8192}"))
+    asyncio.run(rec.reconcile("l"))
+    assert procs.observe("l") == serving
+    assert cond(store, "ModelReady") == ("False", "ContextBeyondTraining")
+    assert cond(store, "Available") == ("True", "MinimumReplicasAvailable")
+    ready = lane_condition(store, "ModelReady")
+    assert ready is not None
+    assert ready.message == (
+        'contextPerSlot 8192 is more than the 4096 tokens Model "m" was trained on; '
+        "set it to 4096 or less."
+    )
+
+    apply(store, LANE.replace("threads: 2}", "threads: 2, contextPerSlot: 4096}"))
+    asyncio.run(rec.reconcile("l"))
+    assert cond(store, "ModelReady") == ("True", "ModelReady")
+    assert [launch.context_per_slot for _, _, launch in procs.started][-1] == 4096
+
+
+def test_a_model_whose_header_has_no_trained_context_is_not_checked() -> None:
+    clock, store, procs, rec = lane_world()
+    ready_model(store, clock)
+    apply(store, LANE.replace("threads: 2}", "threads: 2, contextPerSlot: 65536}"))
+    asyncio.run(rec.reconcile("l"))
+    assert len(procs.observe("l")) == 2
+
+
 def test_a_lane_does_not_start_with_a_spec_pair_made_for_another_model() -> None:
     # The pair's draft was chosen for its target (a draft model must share its
     # vocabulary): on another model the engine would refuse it at every start.
