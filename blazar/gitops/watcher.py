@@ -12,6 +12,8 @@ pruning on (the default), an owned object that no file holds any more (its file
 deleted, or it removed from its file) is deleted by the same batch, Lanes before the
 Models they use. Objects without the annotation (applied by hand with `blazar apply`)
 are never pruned. Each pruned object gets a `Pruned` event saying where it came from.
+While the watch runs, a file of zero bytes prunes what it held only once it has stayed
+so for `ZERO_BYTE_SETTLE_S`: it may be in the middle of being rewritten.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import asyncio
 import contextlib
 import dataclasses
 import stat
+import time
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -37,9 +41,30 @@ log = structlog.get_logger(__name__)
 SOURCE_ANNOTATION = "blazar.dev/source"
 
 
+# How long a watched file of zero bytes keeps what it held from being pruned. A shell's
+# `>` and editors that save in place truncate a file before they write it; a write
+# that comes later than the watch's debounce (`blazar get lanes -o yaml > fleet.yaml`
+# starts a Python process first) would otherwise prune what the file held, stopping
+# its engines (and deleting persisted KV caches), then create it all again.
+ZERO_BYTE_SETTLE_S = 5.0
+
+
 def owned(obj: Resource) -> bool:
     """Whether the watched directory applied `obj` (and may prune it)."""
     return SOURCE_ANNOTATION in obj.metadata.annotations
+
+
+def zero_byte_since(
+    zero_byte: Iterable[str], since: Mapping[str, float], now: float
+) -> dict[str, float]:
+    """Each file of zero bytes now, with when it was first seen so: in `since` (the
+    last read's answer), else `now`."""
+    return {file: since.get(file, now) for file in zero_byte}
+
+
+def settling(since: Mapping[str, float], now: float) -> frozenset[str]:
+    """The zero-byte files (`zero_byte_since`) whose objects are not pruned yet."""
+    return frozenset(f for f, t in since.items() if now - t < ZERO_BYTE_SETTLE_S)
 
 
 def sync(store: Store, directory: Path, *, prune: bool = True) -> bool:
@@ -52,15 +77,27 @@ def sync(store: Store, directory: Path, *, prune: bool = True) -> bool:
     return apply_loaded(store, directory, loaded, prune=prune)
 
 
-def apply_loaded(store: Store, directory: Path, loaded: Loaded, *, prune: bool = True) -> bool:
-    """Apply what `load` read of the directory as one batch; True when it was accepted."""
+def apply_loaded(
+    store: Store,
+    directory: Path,
+    loaded: Loaded,
+    *,
+    prune: bool = True,
+    keep: frozenset[str] = frozenset(),
+) -> bool:
+    """Apply what `load` read of the directory as one batch; True when it was accepted.
+    What came from the files in `keep` is not pruned."""
+
+    def prunable(obj: Resource) -> bool:
+        return owned(obj) and obj.metadata.annotations[SOURCE_ANNOTATION] not in keep
+
     try:
         outcomes = apply.apply_documents(
             store,
             loaded.docs,
             unreadable=loaded.unreadable,
             source=f"gitops:{directory}",
-            prune=owned if prune else None,
+            prune=prunable if prune else None,
         )
     except errors.ManifestInvalid as err:
         log.warning(
@@ -102,6 +139,8 @@ class Loaded:
     # file may be emptied on purpose, and they hold nothing to apply (what they held
     # before is pruned like an object removed from its file).
     empty: tuple[str, ...]
+    # Those of `empty` that are zero bytes long.
+    zero_byte: tuple[str, ...] = ()
 
 
 def load(directory: Path) -> Loaded:
@@ -114,10 +153,12 @@ def load(directory: Path) -> Loaded:
     docs: list[tuple[str, dict[str, Any]]] = []
     problems: list[errors.FieldError] = []
     empty: list[str] = []
+    zero_byte: list[str] = []
     for file in manifests.manifest_files(directory):
         relative = file.relative_to(directory).as_posix()
         try:
-            found = manifests.parse_documents(file.read_text(encoding="utf-8"), source=relative)
+            text = file.read_text(encoding="utf-8")
+            found = manifests.parse_documents(text, source=relative)
         except errors.ManifestInvalid as err:
             problems += err.errors
             continue
@@ -126,8 +167,10 @@ def load(directory: Path) -> Loaded:
             continue
         if not found:
             empty.append(relative)
+        if not text:
+            zero_byte.append(relative)
         docs += [(location, _annotated(doc, relative)) for location, doc in found]
-    return Loaded(docs, tuple(problems), tuple(empty))
+    return Loaded(docs, tuple(problems), tuple(empty), tuple(zero_byte))
 
 
 def _annotated(doc: dict[str, Any], relative: str) -> dict[str, Any]:
@@ -174,18 +217,41 @@ async def watch(
     watched from then on; one gone is applied once (an error, which prunes nothing)
     and waited for. A directory applied before its watch began is read again at the
     watch's first tick, so that an edit made in between is not missed.
+
+    What a file of zero bytes held is pruned once it has stayed so for
+    `ZERO_BYTE_SETTLE_S` (within a `poll` more): a file being rewritten is truncated
+    first.
     """
     watching = _identity(directory)
     # Read before the current watch began: read once more when it has.
     reread = False
+    # Files of zero bytes, since when; and when the first of them may prune.
+    zero_byte: dict[str, float] = {}
+    recheck_at: float | None = None
 
     async def apply_directory() -> None:
+        nonlocal zero_byte, recheck_at
         try:
             loaded = await asyncio.to_thread(load, directory)
         except Exception:
             log.exception("gitops.failed", directory=str(directory))
             return
-        apply_loaded(store, directory, loaded, prune=prune)
+        now = time.monotonic()
+        zero_byte = zero_byte_since(loaded.zero_byte, zero_byte, now)
+        keep = settling(zero_byte, now) if prune else frozenset()
+        recheck_at = min((zero_byte[f] for f in keep), default=None)
+        if recheck_at is not None:
+            recheck_at += ZERO_BYTE_SETTLE_S
+            log.info(
+                "gitops.prune_deferred",
+                directory=str(directory),
+                files=sorted(keep),
+                reason="zero bytes: maybe being rewritten",
+            )
+        apply_loaded(store, directory, loaded, prune=prune, keep=keep)
+
+    def settled() -> bool:
+        return recheck_at is not None and time.monotonic() >= recheck_at
 
     while not stop.is_set():
         if watching is None:
@@ -218,7 +284,7 @@ async def watch(
                         await apply_directory()
                         reread = True
                         break  # watch what the path names now
-                    if changed or reread:
+                    if changed or reread or settled():
                         reread = False
                         await apply_directory()
         except OSError:

@@ -365,3 +365,79 @@ def test_a_directory_replaced_by_rename_is_applied_and_watched(tmp_path: Path) -
     assert asyncio.run(
         _watch_until(store, fleet, replace, seen=lambda: store.get(Kind.LANE, "l") is not None)
     )
+
+
+def test_a_zero_byte_file_settles_before_it_prunes() -> None:
+    assert watcher.zero_byte_since(["a.yaml", "b.yaml"], {"a.yaml": 10.0, "c.yaml": 1.0}, 12.0) == {
+        "a.yaml": 10.0,
+        "b.yaml": 12.0,
+    }
+    since = {"a.yaml": 10.0, "b.yaml": 12.0}
+    settle = watcher.ZERO_BYTE_SETTLE_S
+    assert watcher.settling(since, 12.0) == {"a.yaml", "b.yaml"}
+    assert watcher.settling(since, 10.0 + settle) == {"b.yaml"}
+    assert watcher.settling(since, 12.0 + settle) == frozenset()
+
+
+def _truncate_then(store: MemoryStore, fleet: Path, then: Callable[[], None]) -> list[str]:
+    """Watch `fleet`, truncate its fleet.yaml to zero bytes, and call `then` 0.8 s later;
+    what the store holds then."""
+
+    async def scenario() -> list[str]:
+        stop = asyncio.Event()
+        task = asyncio.create_task(watcher.watch(store, fleet, stop, poll=0.1))
+        await asyncio.sleep(0.3)  # the watch has started
+        (fleet / "fleet.yaml").write_text("")
+        await asyncio.sleep(0.8)  # well past the watch's debounce
+        during = keys(store)
+        then()
+        await asyncio.sleep(1.2)
+        stop.set()
+        await task
+        return during
+
+    return asyncio.run(scenario())
+
+
+def test_a_file_truncated_while_being_rewritten_prunes_nothing(tmp_path: Path) -> None:
+    """`blazar get lanes -o yaml > fleet.yaml`: the shell truncates the file, and the
+    command writes it a second later. Its Lane must not be stopped and started again."""
+    (tmp_path / "fleet.yaml").write_text(MODEL + "---" + LANE)
+    store = MemoryStore()
+    assert watcher.sync(store, tmp_path)
+
+    def rewrite() -> None:
+        (tmp_path / "fleet.yaml").write_text(MODEL + "---" + LANE)
+
+    assert _truncate_then(store, tmp_path, rewrite) == ["Lane/l", "Model/m"]
+    assert keys(store) == ["Lane/l", "Model/m"]
+    assert [e.reason for e in store.events()] == []
+
+
+def test_a_file_left_at_zero_bytes_prunes_once_settled(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(watcher, "ZERO_BYTE_SETTLE_S", 1.2)
+    (tmp_path / "fleet.yaml").write_text(MODEL + "---" + LANE)
+    (tmp_path / "policy.yaml").write_text(POLICY)
+    store = MemoryStore()
+    assert watcher.sync(store, tmp_path)
+
+    def delete_the_policy() -> None:
+        (tmp_path / "policy.yaml").unlink()
+
+    # The other file's change applies at once; the zero-byte one waits out its settle.
+    during = _truncate_then(store, tmp_path, delete_the_policy)
+    assert during == ["Lane/l", "Model/m", "SLOPolicy/p"]
+    assert keys(store) == []
+    assert [e.reason for e in store.events()] == ["Pruned"] * 3
+
+
+def test_a_zero_byte_file_at_start_prunes_at_once(tmp_path: Path) -> None:
+    # `sync` runs before anything serves: there is no rewrite to wait out.
+    (tmp_path / "fleet.yaml").write_text(MODEL)
+    store = MemoryStore()
+    assert watcher.sync(store, tmp_path)
+    (tmp_path / "fleet.yaml").write_text("")
+    assert watcher.sync(store, tmp_path)
+    assert keys(store) == []
