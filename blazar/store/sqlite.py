@@ -6,9 +6,13 @@ are an append-only table pruned to the newest `max_events`. WAL with
 synchronous=NORMAL: a crash may lose the last commits but never corrupts the file,
 and desired state is re-applied from manifests anyway.
 
-A file that is not a readable store (a disk error, a truncated copy, another program's
-file) does not stop the daemon: it is moved aside, named with the time, a new store is
-started, and `recovered_from` says where the old one went, for the daemon to report.
+A file that is not a readable store (a corrupted page, a truncated copy, another
+program's file) does not stop the daemon: it is moved aside, named with the time, a new
+store is started, and `recovered_from` says where the old one went, for the daemon to
+report. A store that only cannot be opened now (a full disk, an I/O error, a lock
+another program holds) is kept as it is and refused with Unavailable: moving it aside
+would start the daemon on an empty fleet, and lose what was applied once the disk is
+back.
 A row that is not JSON is skipped with a warning, as one that no longer validates is.
 """
 
@@ -23,6 +27,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from blazar.api import errors
 from blazar.api.kinds import Kind
 from blazar.store.base import (
     MAX_EVENTS,
@@ -73,7 +78,9 @@ class SQLiteStore(TransactionalStore):
         self.recovered_from: Path | None = None
         try:
             self._db, self._version = _open(path)
-        except sqlite3.DatabaseError:
+        except sqlite3.DatabaseError as exc:
+            if not is_not_a_store(exc):
+                raise errors.Unavailable(f"cannot open the store {path}: {exc}") from None
             self.recovered_from = _move_aside(path, clock())
             self._db, self._version = _open(path)
 
@@ -173,6 +180,25 @@ class SQLiteStore(TransactionalStore):
             self._db.close()
 
 
+# SQLite's primary result codes for a file whose content is not a store it can read.
+# Every other code (IOERR, FULL, BUSY, LOCKED, READONLY, CANTOPEN, PERM, ...) is about
+# the file's circumstances, not its content.
+_NOT_A_STORE = frozenset({sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB})
+
+
+class _CheckFailed(sqlite3.DatabaseError):
+    """`PRAGMA quick_check` found the file damaged."""
+
+
+def is_not_a_store(exc: sqlite3.DatabaseError) -> bool:
+    """Whether `exc`, raised opening a store, says the file holds no readable store
+    (so it may be moved aside), rather than that it cannot be opened now."""
+    if isinstance(exc, _CheckFailed):
+        return True
+    code = getattr(exc, "sqlite_errorcode", None)
+    return code is not None and (code & 0xFF) in _NOT_A_STORE
+
+
 def _open(path: Path) -> tuple[sqlite3.Connection, int]:
     """The store's connection and resourceVersion; sqlite3.DatabaseError when the file
     is not a store it can read."""
@@ -188,7 +214,7 @@ def _open(path: Path) -> tuple[sqlite3.Connection, int]:
             db.execute("ALTER TABLE events ADD COLUMN uid TEXT NOT NULL DEFAULT ''")
         (ok,) = db.execute("PRAGMA quick_check").fetchone()
         if ok != "ok":
-            raise sqlite3.DatabaseError(f"quick_check: {ok}")
+            raise _CheckFailed(f"quick_check: {ok}")
         row = db.execute("SELECT value FROM counters WHERE key = 'resource_version'").fetchone()
         return db, int(row[0])
     except BaseException:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import resource
 import sqlite3
 import threading
 from collections.abc import Callable, Iterator
@@ -16,6 +17,7 @@ import structlog
 from blazar.api import conditions, errors, kinds, manifests
 from blazar.api.kinds import Kind
 from blazar.api.meta import ConditionStatus, ObjectMeta
+from blazar.store import sqlite
 from blazar.store.base import ApplyAction, ApplyOutcome, Store, WatchEvent, WatchType, decide_apply
 from blazar.store.memory import MemoryStore
 from blazar.store.sqlite import SQLiteStore
@@ -519,3 +521,46 @@ def test_a_file_that_is_not_a_store_is_moved_aside(tmp_path: Path) -> None:
     again = SQLiteStore(path)
     assert again.recovered_from is None
     again.close()
+
+
+@pytest.mark.parametrize(
+    ("code", "not_a_store"),
+    [
+        (sqlite3.SQLITE_NOTADB, True),
+        (sqlite3.SQLITE_CORRUPT, True),
+        (sqlite3.SQLITE_IOERR, False),
+        (sqlite3.SQLITE_FULL, False),
+        (sqlite3.SQLITE_BUSY, False),
+        (sqlite3.SQLITE_LOCKED, False),
+        (sqlite3.SQLITE_READONLY, False),
+        (sqlite3.SQLITE_CANTOPEN, False),
+        (sqlite3.SQLITE_PERM, False),
+    ],
+)
+def test_only_corruption_says_a_file_is_not_a_store(code: int, not_a_store: bool) -> None:
+    exc = sqlite3.DatabaseError("from SQLite")
+    exc.sqlite_errorcode = code | (3 << 8)  # an extended code: the primary is its low byte
+    assert sqlite.is_not_a_store(exc) is not_a_store
+
+
+def test_a_store_that_cannot_be_written_is_refused_and_kept(tmp_path: Path) -> None:
+    """A full disk (here the file size limit) at start says nothing of the store: it is
+    not moved aside for a new, empty one, which would lose the fleet once space is back."""
+    path = tmp_path / "blazar.db"
+    store = SQLiteStore(path)
+    store.apply_all([lane("a")])
+    store.close()
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1024, hard))
+    try:
+        with pytest.raises(errors.Unavailable, match="cannot open the store"):
+            SQLiteStore(path)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert [p.name for p in tmp_path.iterdir() if "corrupt" in p.name] == []
+    again = SQLiteStore(path)
+    try:
+        assert again.recovered_from is None
+        assert [o.metadata.name for o in again.list()] == ["a"]
+    finally:
+        again.close()
