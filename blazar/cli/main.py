@@ -587,7 +587,9 @@ def _run(args: argparse.Namespace) -> int:
         return failed
     except grpc.RpcError as exc:
         remote = status.from_rpc_error(exc)
-        if exc.code() == grpc.StatusCode.UNAVAILABLE:
+        # Only when gRPC itself lost the daemon: an Unavailable the daemon sent (its
+        # store cannot be written, say) is its answer, shown as any other.
+        if status.lost_peer(exc):
             target = client.target(args)
             plain = not target.startswith("unix:") and not (
                 args.tls_ca or os.environ.get("BLAZAR_TLS_CA")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+import grpc
 import pytest
 
 from blazar.api import errors
@@ -86,6 +87,12 @@ def test_a_received_manifest_error_has_no_field_errors_but_its_message() -> None
             "Error from server (Unauthenticated): No API key.\n"
             "(send one with --api-key KEY, or set BLAZAR_API_KEY)\n",
         ),
+        # Unavailable the daemon itself sent (its store cannot be written): it was
+        # reached, so it is not told as "cannot reach the daemon".
+        (
+            errors.Unavailable("cannot write the store /h/state.db: disk I/O error"),
+            "Error from server (Unavailable): cannot write the store /h/state.db: disk I/O error\n",
+        ),
         # A key no tenant holds: nothing to add.
         (
             errors.Unauthenticated("Unknown API key.", metadata={"credential": "unknown"}),
@@ -101,3 +108,30 @@ def test_cli_prints_the_reason_the_server_sent(
 
     assert main._run(argparse.Namespace(func=fails, server=None)) == 1
     assert capsys.readouterr().err == printed
+
+
+class NoDaemon(grpc.RpcError):
+    """What gRPC raises when nothing answers at the address: no trailers of a daemon."""
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return "failed to connect to all addresses"
+
+    def trailing_metadata(self) -> tuple[tuple[str, str | bytes], ...]:
+        return ()
+
+
+def test_cli_says_it_cannot_reach_a_daemon_that_did_not_answer(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    def fails(args: argparse.Namespace) -> int:
+        raise NoDaemon()
+
+    args = argparse.Namespace(func=fails, server="unix:/h/control.sock", tls_ca=None)
+    assert main._run(args) == 1
+    assert capsys.readouterr().err == (
+        "error: cannot reach the Blazar daemon at unix:/h/control.sock: "
+        "failed to connect to all addresses\n"
+    )
