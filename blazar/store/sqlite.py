@@ -76,6 +76,7 @@ class SQLiteStore(TransactionalStore):
         super().__init__(clock=clock, max_events=max_events)
         path.parent.mkdir(parents=True, exist_ok=True)
         self.recovered_from: Path | None = None
+        self._path = path
         try:
             self._db, self._version = _open(path)
         except sqlite3.DatabaseError as exc:
@@ -86,13 +87,21 @@ class SQLiteStore(TransactionalStore):
 
     @contextmanager
     def _transaction(self) -> Iterator[sqlite3.Connection]:
-        self._db.execute("BEGIN IMMEDIATE")
+        """One write transaction, all or nothing. A write SQLite cannot make (a full
+        disk, an I/O error, a lock another program holds) leaves nothing behind and is
+        raised as Unavailable, which each caller reports in its own terms."""
         try:
-            yield self._db
-        except BaseException:
-            self._db.execute("ROLLBACK")
-            raise
-        self._db.execute("COMMIT")
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+                self._db.execute("COMMIT")
+            except BaseException:
+                # SQLite rolls some failures back by itself (an I/O error at COMMIT).
+                if self._db.in_transaction:
+                    self._db.execute("ROLLBACK")
+                raise
+        except sqlite3.OperationalError as exc:
+            raise errors.Unavailable(f"cannot write the store {self._path}: {exc}") from None
 
     def _load(self, kind: Kind | None, name: str | None) -> builtins.list[dict[str, Any]]:
         # As bytes: a row that is not UTF-8 would otherwise fail inside fetchall, and

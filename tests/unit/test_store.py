@@ -564,3 +564,27 @@ def test_a_store_that_cannot_be_written_is_refused_and_kept(tmp_path: Path) -> N
         assert [o.metadata.name for o in again.list()] == ["a"]
     finally:
         again.close()
+
+
+def test_a_write_the_disk_refuses_is_unavailable_and_leaves_nothing(tmp_path: Path) -> None:
+    path = tmp_path / "blazar.db"
+    store = SQLiteStore(path)
+    try:
+        store.apply_all([lane("a")])
+        before = store.resource_version
+        soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+        resource.setrlimit(
+            resource.RLIMIT_FSIZE, (path.with_name("blazar.db-wal").stat().st_size, hard)
+        )
+        try:
+            with pytest.raises(errors.Unavailable, match="cannot write the store"):
+                store.apply_all([lane("a", replicas=2), lane("b")])
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        assert store.resource_version == before
+        assert [(o.metadata.name, o.spec.replicas) for o in store.list()] == [("a", 1)]
+        # Once there is room again, the same store takes writes.
+        store.apply_all([lane("b")])
+        assert [o.metadata.name for o in store.list()] == ["a", "b"]
+    finally:
+        store.close()
