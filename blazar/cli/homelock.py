@@ -53,7 +53,12 @@ def exclusive(home: Path) -> Iterator[None]:
     """
     path = home / LOCK_FILE
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:  # a read-only home, a directory in its place, ...
+            raise errors.Unavailable(
+                f"cannot use {home} as BLAZAR_HOME: cannot open {path}: {exc.strerror}"
+            ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -7,6 +7,9 @@ import json
 import os
 from pathlib import Path
 
+import pytest
+
+from blazar.api import errors
 from blazar.cli import daemon, homelock
 
 INFO = {"pid": 4242, "grpc": "127.0.0.1:8421", "http": "127.0.0.1:8420", "tls": False}
@@ -28,3 +31,13 @@ def test_a_second_daemon_reads_the_holders_pid_from_it(tmp_path: Path) -> None:
         assert homelock._holder(tmp_path, fd) == "4242"
     finally:
         os.close(fd)
+
+
+def test_a_home_whose_lock_cannot_be_opened_is_refused_in_one_line(tmp_path: Path) -> None:
+    """A read-only home (or anything in the lock's place) is said, not a traceback."""
+    (tmp_path / homelock.LOCK_FILE).mkdir()
+    with (
+        pytest.raises(errors.Unavailable, match=r"cannot use .* as BLAZAR_HOME: .*daemon\.lock"),
+        homelock.exclusive(tmp_path),
+    ):
+        pass
