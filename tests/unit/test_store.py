@@ -588,3 +588,19 @@ def test_a_write_the_disk_refuses_is_unavailable_and_leaves_nothing(tmp_path: Pa
         assert [o.metadata.name for o in store.list()] == ["a", "b"]
     finally:
         store.close()
+
+
+def test_a_store_with_a_damaged_page_is_moved_aside(tmp_path: Path) -> None:
+    """SQLite opens it; its quick_check finds the damage, which is the file's content."""
+    path = tmp_path / "blazar.db"
+    store = SQLiteStore(path)
+    store.apply_all([lane(f"lane-{i}") for i in range(200)])
+    store.close()
+    with path.open("r+b") as f:
+        f.seek(2 * 4096)  # page 3: a b-tree page, past the header SQLite checks on open
+        f.write(b"garbage!" * 512)
+    again = SQLiteStore(path)
+    try:
+        assert again.recovered_from is not None and again.list() == []
+    finally:
+        again.close()
