@@ -74,7 +74,11 @@ def sync(store: Store, directory: Path, *, prune: bool = True) -> bool:
     except Exception:
         log.exception("gitops.failed", directory=str(directory))
         return False
-    return apply_loaded(store, directory, loaded, prune=prune)
+    try:
+        return apply_loaded(store, directory, loaded, prune=prune)
+    except errors.Unavailable as err:
+        log.warning("gitops.retry", directory=str(directory), error=err.message)
+        return False
 
 
 def apply_loaded(
@@ -86,7 +90,11 @@ def apply_loaded(
     keep: frozenset[str] = frozenset(),
 ) -> bool:
     """Apply what `load` read of the directory as one batch; True when it was accepted.
-    What came from the files in `keep` is not pruned."""
+    What came from the files in `keep` is not pruned.
+
+    Unavailable (the store cannot take a write now: a full disk, a lock) is raised, for
+    the caller to try again: unlike a rejected manifest, it says nothing of the files.
+    """
 
     def prunable(obj: Resource) -> bool:
         return owned(obj) and obj.metadata.annotations[SOURCE_ANNOTATION] not in keep
@@ -104,6 +112,8 @@ def apply_loaded(
             "gitops.rejected", directory=str(directory), errors=[str(e) for e in err.errors]
         )
         return False
+    except errors.Unavailable:
+        raise
     except Exception:
         # Whatever a manifest breaks, the daemon and what it runs stay up.
         log.exception("gitops.failed", directory=str(directory))
@@ -229,13 +239,15 @@ async def watch(
     zero_byte: dict[str, float] = {}
     recheck_at: float | None = None
 
-    async def apply_directory() -> None:
+    async def apply_directory() -> bool:
+        """Read and apply the directory; False when the store could not take it, to
+        be tried again at the next tick rather than at the next change."""
         nonlocal zero_byte, recheck_at
         try:
             loaded = await asyncio.to_thread(load, directory)
         except Exception:
             log.exception("gitops.failed", directory=str(directory))
-            return
+            return True
         now = time.monotonic()
         zero_byte = zero_byte_since(loaded.zero_byte, zero_byte, now)
         keep = settling(zero_byte, now) if prune else frozenset()
@@ -248,7 +260,12 @@ async def watch(
                 files=sorted(keep),
                 reason="zero bytes: maybe being rewritten",
             )
-        apply_loaded(store, directory, loaded, prune=prune, keep=keep)
+        try:
+            apply_loaded(store, directory, loaded, prune=prune, keep=keep)
+        except errors.Unavailable as err:
+            log.warning("gitops.retry", directory=str(directory), error=err.message)
+            return False
+        return True
 
     def settled() -> bool:
         return recheck_at is not None and time.monotonic() >= recheck_at
@@ -285,8 +302,7 @@ async def watch(
                         reread = True
                         break  # watch what the path names now
                     if changed or reread or settled():
-                        reread = False
-                        await apply_directory()
+                        reread = not await apply_directory()
         except OSError:
             # Gone between the look and the watch's start: waited for as above.
             log.warning("gitops.watch_failed", directory=str(directory), exc_info=True)

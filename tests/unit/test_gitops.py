@@ -6,15 +6,16 @@ import asyncio
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import structlog
 
-from blazar.api import manifests
+from blazar.api import errors, manifests
 from blazar.api.kinds import Kind
 from blazar.gitops import watcher
 from blazar.store import apply
-from blazar.store.base import WatchEvent
+from blazar.store.base import ApplyOutcome, WatchEvent
 from blazar.store.memory import MemoryStore
 
 MODEL = """
@@ -441,3 +442,37 @@ def test_a_zero_byte_file_at_start_prunes_at_once(tmp_path: Path) -> None:
     (tmp_path / "fleet.yaml").write_text("")
     assert watcher.sync(store, tmp_path)
     assert keys(store) == []
+
+
+class FullDisk(MemoryStore):
+    """A store that cannot take a write until `room` is set (a full disk, a lock)."""
+
+    room = False
+
+    def apply_all(self, *args: Any, **kwargs: Any) -> list[ApplyOutcome]:
+        if not self.room and not kwargs.get("dry_run"):
+            raise errors.Unavailable("cannot write the store state.db: disk I/O error")
+        return super().apply_all(*args, **kwargs)
+
+
+def test_an_edit_the_store_could_not_take_is_applied_once_it_can(tmp_path: Path) -> None:
+    """The edit made no other change event: waiting for the next one would leave the
+    store behind the directory, with nothing but a log line to say so."""
+    store = FullDisk()
+
+    async def scenario() -> bool:
+        stop = asyncio.Event()
+        task = asyncio.create_task(watcher.watch(store, tmp_path, stop, poll=0.2))
+        await asyncio.sleep(0.3)  # the watch has started
+        (tmp_path / "fleet.yaml").write_text(MODEL + "---" + LANE)
+        await asyncio.sleep(1.0)  # the edit is seen, and its apply refused
+        assert store.get(Kind.LANE, "l") is None
+        store.room = True
+        deadline = time.monotonic() + 5
+        while store.get(Kind.LANE, "l") is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        stop.set()
+        await task
+        return store.get(Kind.LANE, "l") is not None
+
+    assert asyncio.run(scenario())
