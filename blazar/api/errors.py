@@ -87,12 +87,15 @@ class ContextLengthExceeded(InvalidRequest):
 
     @classmethod
     def of(
-        cls, *, prompt_tokens: int, max_tokens: int, context_length: int
+        cls, *, prompt_tokens: int, max_tokens: int, context_length: int, at_least: bool = False
     ) -> ContextLengthExceeded:
+        """`at_least`: prompt_tokens is a lower bound, the prompt being refused by its
+        length in bytes without tokenizing it."""
+        some = "at least " if at_least else ""
         return cls(
             f"This model's context is {context_length} tokens per request, but the request "
-            f"needs {prompt_tokens + max_tokens} ({prompt_tokens} in the prompt and "
-            f"{max_tokens} to generate). Shorten the prompt or lower max_tokens.",
+            f"needs {some}{prompt_tokens + max_tokens} ({some}{prompt_tokens} in the prompt "
+            f"and {max_tokens} to generate). Shorten the prompt or lower max_tokens.",
             metadata={
                 "prompt_tokens": str(prompt_tokens),
                 "max_tokens": str(max_tokens),

@@ -479,7 +479,15 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         else:
             raise errors.InvalidRequest("Set either prompt or chat.")
 
+        limit = self._decode.context_per_slot
+
         def tokenize() -> list[int]:
+            if len(prompt) > INLINE_TOKENIZE_CHARS:
+                # llama.cpp's tokenizer takes superlinear time in the control-token text
+                # of a prompt (minutes for a few MiB of `<`, not stopped by a caller
+                # who leaves): a prompt too long in bytes to fit is refused untokenized.
+                least = text.fewest_tokens(prompt, self._decode.vocab.longest_piece)
+                text.generation_room(least, params.max_tokens, limit, at_least=True)
             if turns is None:
                 # A raw prompt is the caller's whole prompt, control tokens included.
                 return self._decode.vocab.tokenize(prompt)
@@ -495,19 +503,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             raise errors.InvalidRequest(
                 "The prompt is empty.", metadata={errors.FIELD_KEY: "prompt"}
             )
-        limit = self._decode.context_per_slot
-        if params.max_tokens is None:
-            if len(tokens) >= limit:
-                raise errors.ContextLengthExceeded.of(
-                    prompt_tokens=len(tokens), max_tokens=1, context_length=limit
-                )
-            max_tokens = limit - len(tokens)
-        else:
-            max_tokens = params.max_tokens
-            if len(tokens) + max_tokens > limit:
-                raise errors.ContextLengthExceeded.of(
-                    prompt_tokens=len(tokens), max_tokens=max_tokens, context_length=limit
-                )
+        max_tokens = text.generation_room(len(tokens), params.max_tokens, limit)
         job = jobs.Job(
             request_id=request.request_id,
             prompt=tokens,

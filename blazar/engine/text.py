@@ -207,6 +207,37 @@ def _template_error(message: str) -> NoReturn:
     raise errors.InvalidRequest(f"The chat template refused the conversation: {message}")
 
 
+def fewest_tokens(text: str, longest_piece: int | None) -> int:
+    """A lower bound on how many tokens text takes, known without tokenizing it: each
+    token spells at most `longest_piece` of its bytes. 0 (no bound) for a tokenizer
+    that may drop or fold text (`longest_piece` None)."""
+    if not longest_piece:
+        return 0
+    return -(-len(text.encode("utf-8", errors="surrogatepass")) // longest_piece)
+
+
+def generation_room(
+    prompt_tokens: int, max_tokens: int | None, context: int, *, at_least: bool = False
+) -> int:
+    """The tokens a request may generate: its max_tokens, or what the context leaves
+    after the prompt. Raises ContextLengthExceeded when the prompt (at least
+    `prompt_tokens` long, with `at_least`) and max_tokens do not fit."""
+    if max_tokens is None:
+        if prompt_tokens >= context:
+            raise errors.ContextLengthExceeded.of(
+                prompt_tokens=prompt_tokens, max_tokens=1, context_length=context, at_least=at_least
+            )
+        return context - prompt_tokens
+    if prompt_tokens + max_tokens > context:
+        raise errors.ContextLengthExceeded.of(
+            prompt_tokens=prompt_tokens,
+            max_tokens=max_tokens,
+            context_length=context,
+            at_least=at_least,
+        )
+    return max_tokens
+
+
 @dataclass(frozen=True)
 class StopResult:
     """What to emit after feeding text, and whether a stop string matched.

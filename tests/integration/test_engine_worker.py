@@ -9,8 +9,10 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -187,6 +189,31 @@ def test_a_prompt_at_the_data_planes_size_limit_reaches_the_engine(worker: Worke
     err = rpc_error(lambda: worker.generate(prompt=prompt, sampling=greedy(1)))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
     assert dict(err.trailing_metadata())["blazar-reason"] == "CONTEXT_LENGTH_EXCEEDED"
+
+
+@pytest.mark.parametrize(
+    "request_",
+    [
+        # llama.cpp tokenizes text dense in control-token candidates in superlinear
+        # time: minutes for these, where a prompt too long in bytes is refused at once.
+        {"prompt": "<" * (limits.MAX_REQUEST_BYTES - 1024)},
+        {
+            "chat": engine_pb2.ChatInput(
+                messages=[inference_pb2.Message(role="user", content="x")] * 100_000
+            )
+        },
+    ],
+    ids=["prompt", "chat"],
+)
+def test_a_prompt_too_long_in_bytes_is_refused_before_tokenizing(
+    worker: Worker, request_: dict[str, Any]
+) -> None:
+    started = time.monotonic()
+    err = rpc_error(lambda: worker.generate(sampling=greedy(1), **request_))
+    assert time.monotonic() - started < 10
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
+    assert dict(err.trailing_metadata())["blazar-reason"] == "CONTEXT_LENGTH_EXCEEDED"
+    assert "at least" in (err.details() or "")
 
 
 def test_an_empty_prompt_generates_from_bos(worker: Worker, no_eog: dict[int, float]) -> None:

@@ -246,3 +246,41 @@ def test_a_template_that_breaks_while_rendering_is_the_callers_error(
     with pytest.raises(errors.InvalidRequest, match="The chat template failed") as caught:
         template.render([T("user", "Hi")])
     assert fragment in str(caught.value).lower()
+
+
+@pytest.mark.parametrize(
+    ("text_", "longest", "fewest"),
+    [
+        ("", 48, 0),
+        ("a" * 48, 48, 1),
+        ("a" * 49, 48, 2),
+        ("é" * 24, 48, 1),  # bytes, not characters: 48 of them
+        ("\ud800", 4, 1),  # an unpaired surrogate (the engine refuses it later) counts too
+        ("a" * 1000, None, 0),  # a tokenizer that may fold text: no bound
+    ],
+)
+def test_fewest_tokens_is_the_bytes_over_the_longest_piece(
+    text_: str, longest: int | None, fewest: int
+) -> None:
+    assert text.fewest_tokens(text_, longest) == fewest
+
+
+@pytest.mark.parametrize(
+    ("prompt", "max_tokens", "room"),
+    [(10, None, 2038), (10, 100, 100), (2047, None, 1), (2000, 48, 48)],
+)
+def test_generation_room(prompt: int, max_tokens: int | None, room: int) -> None:
+    assert text.generation_room(prompt, max_tokens, 2048) == room
+
+
+@pytest.mark.parametrize(("prompt", "max_tokens"), [(2048, None), (2000, 49), (10, 2048)])
+def test_no_generation_room_is_context_length_exceeded(prompt: int, max_tokens: int | None) -> None:
+    with pytest.raises(errors.ContextLengthExceeded, match="context is 2048 tokens"):
+        text.generation_room(prompt, max_tokens, 2048)
+
+
+def test_a_bound_on_the_prompt_says_at_least() -> None:
+    with pytest.raises(errors.ContextLengthExceeded) as caught:
+        text.generation_room(90_000, 16, 2048, at_least=True)
+    assert "needs at least 90016 (at least 90000 in the prompt and 16" in str(caught.value)
+    assert caught.value.metadata["prompt_tokens"] == "90000"
