@@ -8,7 +8,16 @@ connection's opening, for a connection's first request); a connection that misse
 is closed. A request that arrives pipelined behind one still being answered waits, as
 it is not read meanwhile: its time starts when that answer ends. Between requests,
 uvicorn's keep-alive timeout closes an idle connection. What follows the read (the
-answer, a stream of any length) is not bounded here.
+answer, a stream of any length) is not bounded in time here.
+
+An answer must be taken, though: a client that stops reading (a full TCP window, the
+connection kept open) held its connection, and what the answer had buffered, for as
+long as it liked, whatever the keep-alive timeout (an unread 2 MiB embeddings answer
+stayed in the daemon's memory with its socket; a thousand of them would have taken
+every connection `LIMIT_CONCURRENCY` allows). So while an answer waits for the client
+(the transport's buffer past its high-water mark), the client must take at least
+`MIN_DRAIN_BYTES` of it (or all that waits, if less) in every `WRITE_STALL_S`, else
+the connection is aborted; the app then sees the client gone, as on any disconnect.
 
 A request's target and header lines together are at most `MAX_HEAD_BYTES`, else the
 answer is 400 and the connection closes, as with uvicorn's h11 protocol: httptools
@@ -44,6 +53,9 @@ LIMIT_CONCURRENCY = 1024
 # uvicorn's bound on an h11 request's head (h11_max_incomplete_event_size's default).
 MAX_HEAD_BYTES = 16 * 1024
 _HEAD_SLACK = 1024
+# A client must take this much of an answer waiting for it in each window: ~2 KiB/s.
+WRITE_STALL_S = 30.0
+MIN_DRAIN_BYTES = 64 * 1024
 HEAD_TOO_LARGE = f"The request's target and headers are over {MAX_HEAD_BYTES} bytes."
 
 
@@ -63,6 +75,10 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
     # A request was read whole during the chunk being parsed.
     _ended_in_chunk = False
     _head_too_large = False
+    # While writing is paused: the check of the client's progress, and the bytes
+    # waiting when the window began.
+    _stall: asyncio.TimerHandle | None = None
+    _waiting = 0
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -70,7 +86,35 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        self._unwatch()
         super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._stall is None:
+            self._watch()
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._unwatch()
+
+    def _watch(self) -> None:
+        self._waiting = self.transport.get_write_buffer_size()
+        self._stall = self.loop.call_later(WRITE_STALL_S, self._check_progress)
+
+    def _unwatch(self) -> None:
+        if self._stall is not None:
+            self._stall.cancel()
+            self._stall = None
+
+    def _check_progress(self) -> None:
+        self._stall = None
+        waiting = self.transport.get_write_buffer_size()
+        if not stalled(before=self._waiting, after=waiting):
+            if waiting:
+                self._watch()
+            return
+        self.transport.abort()
 
     def data_received(self, data: bytes) -> None:
         self._ended_in_chunk = False
@@ -153,3 +197,9 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._deadline = None
         if not self.transport.is_closing():
             self.transport.close()
+
+
+def stalled(*, before: int, after: int) -> bool:
+    """Whether a client that had `before` bytes of an answer waiting for it, and
+    `after` one `WRITE_STALL_S` later, took too little of it."""
+    return after > 0 and before - after < min(MIN_DRAIN_BYTES, before)

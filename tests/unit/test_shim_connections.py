@@ -21,6 +21,8 @@ from blazar.cli import daemon
 from blazar.shim import connections
 
 DEADLINE_S = 0.4
+# More than loopback's socket buffers hold, so that most of it waits in the transport.
+BIG_BYTES = 12 * 1024 * 1024
 
 LOOPS = pytest.mark.parametrize(
     "loop_factory", [None, uvloop.new_event_loop], ids=["asyncio", "uvloop"]
@@ -53,6 +55,12 @@ async def app(scope: Scope, receive: Receive, send: Send) -> None:
             await asyncio.sleep(DEADLINE_S)
             await send({"type": "http.response.body", "body": b"part;", "more_body": True})
         await send({"type": "http.response.body", "body": b""})
+        return
+    if scope["path"] == "/big":
+        body = b"x" * BIG_BYTES
+        headers = [(b"content-length", str(len(body)).encode())]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
         return
     if scope["path"] == "/slow":
         await asyncio.sleep(2.5 * DEADLINE_S)
@@ -361,6 +369,61 @@ def test_past_the_concurrency_limit_a_request_is_answered_503(
             await asyncio.sleep(0.1)
             reader, writer = await connect(port, request("/echo", b"ab"))
             assert await response(reader) == (200, b"2")
+            writer.close()
+
+    run(loop_factory, main)
+
+
+@pytest.mark.parametrize(
+    ("before", "after", "stalled"),
+    [
+        (10_000_000, 10_000_000, True),  # took nothing
+        (10_000_000, 10_000_000 - 1000, True),  # a drip
+        (10_000_000, 10_000_000 - connections.MIN_DRAIN_BYTES, False),
+        (1000, 1, True),  # less than all that waited
+        (1000, 0, False),  # all of it
+        (0, 0, False),
+    ],
+)
+def test_a_client_that_takes_too_little_of_its_answer_is_stalled(
+    before: int, after: int, stalled: bool
+) -> None:
+    assert connections.stalled(before=before, after=after) is stalled
+
+
+async def read_all(
+    reader: asyncio.StreamReader, *, pause_s: float = 0.0, until: int | None = None
+) -> int:
+    """Bytes read until the connection ends (or `until` are), `pause_s` between 1 MiB
+    reads."""
+    got = 0
+    with contextlib.suppress(ConnectionResetError):
+        while (until is None or got < until) and (chunk := await reader.read(1 << 20)):
+            got += len(chunk)
+            await asyncio.sleep(pause_s)
+    return got
+
+
+@LOOPS
+def test_a_client_that_stops_reading_its_answer_is_cut_off(
+    loop_factory: Callable[[], asyncio.AbstractEventLoop] | None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(connections, "WRITE_STALL_S", DEADLINE_S)
+
+    async def main() -> None:
+        async with serving() as port:
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect(("127.0.0.1", port))
+            reader, writer = await asyncio.open_connection(sock=sock)
+            writer.write(request("/big"))
+            await asyncio.sleep(4 * DEADLINE_S)  # reads nothing meanwhile
+            assert await read_all(reader) < BIG_BYTES
+            writer.close()
+            # One that reads along gets all of it, however long that takes.
+            reader, writer = await connect(port, request("/big"))
+            assert await read_all(reader, pause_s=DEADLINE_S / 40, until=BIG_BYTES) >= BIG_BYTES
             writer.close()
 
     run(loop_factory, main)
