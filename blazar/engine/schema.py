@@ -18,6 +18,10 @@ and validates against the schema (as `jsonschema`, with Python's `re`, checks it
   `items: {}` (Pydantic's `list[Any]`) and `true` fail, `{}` elsewhere is "any object",
   and a schema of annotations only (Pydantic's `Any`) is refused. Such subschemas are
   written here as any JSON value; a `false` one (no value) is refused.
+- It named a `$ref`'s rule by the ref's last segment and reused any rule of that
+  name (a property's, a built-in's), and its built-in rules took any rule whose name
+  came out as theirs once made a valid rule name (a property "integral part"): the
+  grammar wrote one value's rule for another. Each ref gets its own rule here.
 - Its string character rule lets raw control characters into strings, which no JSON
   parser accepts; llama.cpp's own converter has since excluded them.
 - Its `date` format lets every month have 31 days and the year be 0000, which the
@@ -174,7 +178,27 @@ def grammar(schema: dict[str, Any]) -> str:
         def _generate_constant_rule(self, value: Any) -> str:
             return _literal(_json_text(value))
 
+        # The converter names a ref's rule by the ref's last segment and reuses any
+        # rule already of that name: `#/$defs/a` took a property `a`'s rule, and
+        # `#/$defs/string` the built-in string's. Here each ref has a rule of its own.
+        def _resolve_ref(self, ref: str) -> str:
+            found = ref_rules.get(ref)
+            if found is None:
+                if ref in self._refs_being_resolved:
+                    raise KeyError(ref)  # refers to itself
+                self._refs_being_resolved.add(ref)
+                found = self.visit(self._refs[ref], ref.split("/")[-1])
+                self._refs_being_resolved.remove(ref)
+                ref_rules[ref] = found
+            return found
+
         def visit(self, node: dict[str, Any], name: str) -> str:
+            # The converter keeps its built-in rules' names (`string`, `integral-part`,
+            # ...) from schemas' rules before it replaces the characters a rule name
+            # cannot hold, and its built-ins take whatever rule has their name: a
+            # property "integral part" became the digits of every number. Replaced
+            # first, such a name is told apart from the built-in's.
+            name = llama_grammar.INVALID_RULE_CHARS_RE.sub("-", name)
             # The converter writes an enum (or an anyOf of constants) as one
             # alternative per value. llama.cpp's grammar keeps a stack per alternative
             # alive and checks every one against the whole vocabulary each step: 100
@@ -190,6 +214,7 @@ def grammar(schema: dict[str, Any]) -> str:
             found: str = super().visit(node, name)
             return found
 
+    ref_rules: dict[str, str] = {}
     try:
         converter = Converter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
         # resolve_refs rewrites the schema it is given.

@@ -441,3 +441,51 @@ def test_a_subschema_that_allows_anything_allows_any_value(
     assert any(line.startswith(f"{rule} ::= ") and line.endswith(ANY_VALUE) for line in lines), (
         lines
     )
+
+
+def _rules(text: str) -> dict[str, str]:
+    return dict(line.split(" ::= ", 1) for line in text.splitlines())
+
+
+@pytest.mark.parametrize(
+    "defined",
+    [
+        # A property's rule of the same name: the converter reused it for the ref.
+        {"a": {"type": "string", "maxLength": 3}},
+        # A built-in rule's name: the converter took the built-in string.
+        {"a": {"type": "string"}, "string": {"type": "integer"}},
+    ],
+)
+def test_a_ref_is_written_as_its_own_definition(defined: dict[str, Any]) -> None:
+    name = list(defined)[-1]
+    document = {
+        "type": "object",
+        "properties": {"a": defined["a"], "b": {"$ref": f"#/$defs/{name}"}},
+        "required": ["a", "b"],
+        "$defs": {name: {"type": "integer"}},
+    }
+    rules = _rules(schema.grammar(document))
+    assert rules["b-kv"].endswith(" b") and rules["b"] == "integer", rules
+
+
+@pytest.mark.parametrize("name", ["integral part", "decimal_part", "date time", "time string"])
+def test_a_name_like_a_built_in_rules_leaves_the_built_in_alone(name: str) -> None:
+    """A property whose name, once written as a rule name, is a built-in rule's
+    (`integral part` is `integral-part`) got that name, and the built-in string,
+    number and date-time rules referred to the property's rule instead."""
+    from llama_cpp import llama_grammar
+
+    document = {
+        "type": "object",
+        "properties": {
+            name: {"const": "x"},
+            "n": {"type": "number"},
+            "s": {"type": "string"},
+            "t": {"type": "string", "format": "date-time"},
+        },
+    }
+    builtins = {**llama_grammar.PRIMITIVE_RULES, **llama_grammar.STRING_FORMAT_RULES}
+    rules = _rules(schema.grammar(document))
+    for rule, body in rules.items():
+        if rule in builtins and rule not in ("char", "date"):  # rewritten strict here
+            assert body == builtins[rule].content, (rule, body)
