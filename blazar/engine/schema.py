@@ -358,6 +358,11 @@ def _combination_gaps(node: dict[str, Any], path: str) -> Iterator[str]:
         parts = node["allOf"] if isinstance(node["allOf"], list) else []
         if not all(isinstance(p, dict) and "properties" in p and "$ref" not in p for p in parts):
             yield f"{at}allOf (other than of object schemas with properties)"
+        else:
+            yield from _all_of_gaps(parts, at)
+        # The converter writes the sibling properties and drops the allOf, or the
+        # allOf and drops the siblings.
+        yield from beside("allOf", frozenset({"type"}))
     properties = node.get("properties")
     if isinstance(properties, dict):
         missing = [n for n in node.get("required", []) if n not in properties]
@@ -393,6 +398,29 @@ def _combination_gaps(node: dict[str, Any], path: str) -> Iterator[str]:
             yield f"{at}format (with pattern)"
         elif fmt in _CHECKED_FORMATS - _ENFORCED_FORMATS:
             yield f"{at}format ({fmt} is not enforced)"
+
+
+def _all_of_gaps(parts: list[dict[str, Any]], at: str) -> Iterator[str]:
+    """What the converter drops of an allOf of object schemas: it writes one object of
+    all the parts' properties (each required) and nothing else of any part, and of a
+    property two parts list, one part's schema."""
+    kept = {"properties", "required"}
+    for i, part in enumerate(parts):
+        other = sorted(
+            k
+            for k in part
+            if k not in kept and k not in _ANNOTATIONS and not k.startswith("x-")
+            and not (k == "type" and part[k] == "object")
+        )  # fmt: skip
+        if other:
+            yield f"{at}allOf[{i}] ({', '.join(other)} beside properties)"
+    seen: set[str] = set()
+    for part in parts:
+        properties = part["properties"] if isinstance(part["properties"], dict) else {}
+        for name in properties:
+            if name in seen:
+                yield f"{at}allOf (property {name!r} in more than one part)"
+            seen.add(name)
 
 
 def _is_json_type(value: Any, kind: str) -> bool:

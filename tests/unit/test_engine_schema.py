@@ -117,6 +117,39 @@ def test_unsupported_pattern_is_invalid(pattern: str, fragment: str) -> None:
             {"allOf": [{"$ref": "#/definitions/Color"}], "definitions": {"Color": {"enum": ["r"]}}},
             ["allOf (other than of object schemas with properties)"],
         ),
+        # The converter writes an allOf as one object of every part's properties and
+        # drops all else: a part's other keywords, one of two schemas for a property,
+        # and properties beside the allOf (or the allOf beside properties).
+        (
+            {
+                "allOf": [
+                    {"properties": {"a": {"type": "string"}}, "additionalProperties": False},
+                    {"type": "string", "properties": {"b": {"type": "integer"}}},
+                ]
+            },
+            [
+                "allOf[0] (additionalProperties beside properties)",
+                "allOf[1] (type beside properties)",
+            ],
+        ),
+        (
+            {"allOf": [{"properties": {"a": {"type": "string"}}}, {"properties": {"a": {}}}]},
+            ["allOf (property 'a' in more than one part)"],
+        ),
+        (
+            {"properties": {"x": {}}, "allOf": [{"properties": {"y": {}}, "required": ["y"]}]},
+            ["allOf (with properties)"],
+        ),
+        (
+            {
+                "type": "object",
+                "allOf": [
+                    {"type": "object", "properties": {"a": {}}, "required": ["a"]},
+                    {"properties": {"b": {}}, "title": "B"},
+                ],
+            },
+            [],
+        ),
         (
             {"type": "object", "properties": {"a": {}}, "required": ["b"]},
             ["required (names not in properties: b)"],
