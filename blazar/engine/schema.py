@@ -12,7 +12,8 @@ and validates against the schema (as `jsonschema`, with Python's `re`, checks it
   both accept, or the pattern is refused.
 - Keywords the converter ignores (`minimum`, `uniqueItems`, a `format` such as
   `email`, ...) and combinations it gets wrong (a `$ref` or `enum` with sibling
-  constraints, `type` lists with other keywords, `oneOf` without a discriminator, ...)
+  constraints, `type` lists with other keywords, `oneOf` without a discriminator each
+  branch requires as a constant of its own, ...)
   are refused with a 400 that names them, rather than promised and not kept.
 - It reads a subschema that allows anything as something narrower or nothing:
   `items: {}` (Pydantic's `list[Any]`) and `true` fail, `{}` elsewhere is "any object",
@@ -152,7 +153,7 @@ def grammar(schema: dict[str, Any]) -> str:
         at, why = problem
         raise errors.InvalidRequest(f"The JSON schema is not a valid JSON Schema{at}: {why}.")
     schema = _any_value_subschemas(schema)
-    unenforced = sorted(set(unenforced_keywords(schema)))
+    unenforced = sorted({*unenforced_keywords(schema), *overlapping_one_of(schema)})
     if unenforced:
         raise errors.InvalidRequest(
             "The JSON schema uses keywords the output grammar cannot enforce: "
@@ -398,6 +399,70 @@ def _combination_gaps(node: dict[str, Any], path: str) -> Iterator[str]:
             yield f"{at}format (with pattern)"
         elif fmt in _CHECKED_FORMATS - _ENFORCED_FORMATS:
             yield f"{at}format ({fmt} is not enforced)"
+
+
+def overlapping_one_of(root: Any, node: Any = None, path: str = "") -> Iterator[str]:
+    """`path.oneOf` for each oneOf (with a discriminator) of `root` whose branches a
+    document might match more than one of. The converter writes a oneOf as an anyOf,
+    which keeps only "at least one"; with a discriminator that each branch requires as
+    a constant of its own, no document matches two."""
+    node = root if node is None else node
+    if isinstance(node, list):
+        for i, item in enumerate(node):
+            yield from overlapping_one_of(root, item, f"{path}[{i}]")
+        return
+    if not isinstance(node, dict):
+        return
+    branches = node.get("oneOf")
+    if isinstance(branches, list) and len(branches) > 1 and "discriminator" in node:
+        at = f"{path}.oneOf" if path else "oneOf"
+        discriminator = node["discriminator"]
+        name = discriminator.get("propertyName") if isinstance(discriminator, dict) else None
+        seen: dict[str, int] = {}
+        for i, branch in enumerate(branches):
+            values = _discriminator_values(root, branch, name)
+            if values is None:
+                yield f"{at} (branch {i} does not require {name!r} to be a constant)"
+                continue
+            for value in values:
+                key = _json_text(float(value) if _is_json_type(value, "number") else value)
+                if key in seen and seen[key] != i:
+                    yield f"{at} (branches {seen[key]} and {i} both allow {name!r} {value!r})"
+                seen.setdefault(key, i)
+    for key, value in node.items():
+        if key not in _DATA and not key.startswith("x-"):
+            yield from overlapping_one_of(root, value, f"{path}.{key}" if path else key)
+
+
+def _discriminator_values(root: Any, branch: Any, name: Any) -> list[Any] | None:
+    """The values an object schema `branch` (or the local `$ref` it is) requires its
+    property `name` to take, or None when it does not require it to be a constant."""
+    for _ in range(32):  # a ref to a ref ...; a cycle is refused elsewhere
+        ref = branch.get("$ref") if isinstance(branch, dict) else None
+        if not isinstance(ref, str):
+            break
+        branch = _pointer(root, ref)
+    if not isinstance(branch, dict) or not isinstance(name, str):
+        return None
+    properties, required = branch.get("properties"), branch.get("required")
+    if not isinstance(properties, dict) or not isinstance(required, list):
+        return None
+    if name not in required or name not in properties:
+        return None
+    return _constants(properties[name])
+
+
+def _pointer(root: Any, ref: str) -> Any:
+    """What the local reference `ref` (`#/$defs/x`) points to in `root`, else None."""
+    if not ref.startswith("#/"):
+        return None
+    target = root
+    for part in ref[2:].split("/"):
+        part = part.replace("~1", "/").replace("~0", "~")
+        if not isinstance(target, dict) or part not in target:
+            return None
+        target = target[part]
+    return target
 
 
 def _all_of_gaps(parts: list[dict[str, Any]], at: str) -> Iterator[str]:

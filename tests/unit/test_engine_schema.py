@@ -522,3 +522,61 @@ def test_a_name_like_a_built_in_rules_leaves_the_built_in_alone(name: str) -> No
     for rule, body in rules.items():
         if rule in builtins and rule not in ("char", "date"):  # rewritten strict here
             assert body == builtins[rule].content, (rule, body)
+
+
+_CAT = {"properties": {"kind": {"const": "cat", "type": "string"}}, "required": ["kind"]}
+_DOG = {"properties": {"kind": {"enum": ["dog", "puppy"]}}, "required": ["kind"]}
+
+
+@pytest.mark.parametrize(
+    ("document", "found"),
+    [
+        # Pydantic's discriminated union: refs to objects with a constant each.
+        (
+            {
+                "$defs": {"Cat": _CAT, "Dog": _DOG},
+                "oneOf": [{"$ref": "#/$defs/Cat"}, {"$ref": "#/$defs/Dog"}],
+                "discriminator": {"propertyName": "kind"},
+            },
+            [],
+        ),
+        # The converter writes a oneOf as an anyOf: "ab" matched both branches.
+        (
+            {
+                "oneOf": [{"type": "string"}, {"type": "string", "maxLength": 3}],
+                "discriminator": {"propertyName": "kind"},
+            },
+            [
+                "oneOf (branch 0 does not require 'kind' to be a constant)",
+                "oneOf (branch 1 does not require 'kind' to be a constant)",
+            ],
+        ),
+        (
+            {
+                "properties": {
+                    "pet": {
+                        "oneOf": [_CAT, {**_DOG, "properties": {"kind": {"enum": ["cat"]}}}],
+                        "discriminator": {"propertyName": "kind"},
+                    }
+                }
+            },
+            ["properties.pet.oneOf (branches 0 and 1 both allow 'kind' 'cat')"],
+        ),
+        (
+            {
+                "oneOf": [_CAT, {**_DOG, "required": []}],
+                "discriminator": {"propertyName": "kind"},
+            },
+            ["oneOf (branch 1 does not require 'kind' to be a constant)"],
+        ),
+    ],
+)
+def test_a_one_of_is_accepted_only_when_its_discriminator_parts_the_branches(
+    document: dict[str, Any], found: list[str]
+) -> None:
+    assert list(schema.overlapping_one_of(document)) == found
+    if found:
+        with pytest.raises(errors.InvalidRequest, match=re.escape(found[0])):
+            schema.grammar(document)
+    else:
+        schema.grammar(document)
