@@ -264,6 +264,10 @@ def _rename(body: str, names: set[str], prefix: str) -> str:
             end = _closing(body, i, '"' if c == '"' else "]")
             out.append(body[i:end])
             i = end
+        elif c == "{":  # a repetition's counts: `{5}` is no reference to a rule "5"
+            end = body.index("}", i) + 1
+            out.append(body[i:end])
+            i = end
         elif word := _WORD.match(body, i):
             name = word.group(0)
             out.append(prefix + name if name in names else name)

@@ -233,6 +233,22 @@ def test_rule_names_are_prefixed_outside_literals_and_classes() -> None:
     ]
 
 
+def test_a_repetitions_count_is_no_rule_name() -> None:
+    """A property named "5" has a rule "5"; the count of a pattern's `{5}` was prefixed
+    with the rule names into `{tool0-5}`, and llama.cpp refused the grammar of a valid
+    schema as not GBNF."""
+    parameters = {
+        "type": "object",
+        "properties": {
+            "5": {"type": "string", "maxLength": 2},
+            "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+        },
+    }
+    forced = tools.ToolSet((tools.Tool("f", "", parameters),), mode=tools.Mode.NAMED, named="f")
+    zip_rule = next(line for line in tools.grammar(forced).splitlines() if "tool0-zip ::=" in line)
+    assert "[\\x30-\\x39]{5}" in zip_rule, zip_rule
+
+
 # ---------------------------------------------------------------- parsing
 
 
