@@ -99,9 +99,16 @@ class Sleeper:
         if not waiting or activity is None or ledger is None or shortfall is None:
             return None
         candidates = []
+        # Lanes already put to sleep for this one whose replicas have not stopped yet:
+        # their memory is on its way, so a pass before their own one (this Lane's
+        # requeue, another Lane's notify) must not choose more victims for it.
+        freeing = 0
         for other in sorted(self._processes.lanes() - {name}):
             stored = self._store.get(Kind.LANE, other)
-            if not isinstance(stored, Lane) or self._residency.evicted_for(other) is not None:
+            evicted_for = self._residency.evicted_for(other)
+            if evicted_for == name:
+                freeing += ledger.charged(other)
+            if not isinstance(stored, Lane) or evicted_for is not None:
                 continue  # deleted (stopping anyway), or already on its way to sleep
             candidates.append(
                 residency.Candidate(
@@ -115,7 +122,7 @@ class Sleeper:
                 )
             )
         eviction = residency.choose(
-            shortfall=shortfall.need - shortfall.free,
+            shortfall=shortfall.need - shortfall.free - freeing,
             candidates=candidates,
             now=self._clock(),
             min_residency_s=self._residency.min_residency_s,

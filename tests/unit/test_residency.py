@@ -464,3 +464,25 @@ def test_sleeps_in_agrees_with_the_sleep_decision(
     busy = sleeps_in(sleep_after_s=sleep_after, idle_s=idle, in_flight=1, keep=keep)
     if said is not None:
         assert busy is not None and busy >= said
+
+
+def test_a_second_pass_before_the_victim_stops_evicts_no_more() -> None:
+    # Found on a daemon: a budget of two Lanes, a request for a third evicted both
+    # others, each `Evicted` event saying 60 MiB free: the waiting Lane's next pass
+    # (its requeue, or another Lane's notify) came before the first victim had stopped,
+    # so its memory was not yet free and a second victim was chosen for the same need.
+    w = budgeted(need() * 5 // 2, lane_yaml("a"), lane_yaml("b"), lane_yaml("c"))
+    for name in ("a", "b"):
+        w.reconcile(name)
+        w.ready(name)
+    w.later(31)
+    w.activity.begin("c")
+    w.activity.want("c")
+    w.reconcile("c")
+    assert [bool(w.events(n, "Evicted")) for n in ("a", "b")].count(True) == 1
+    w.reconcile("c")  # again, before the victim's own pass stops it
+    assert [bool(w.events(n, "Evicted")) for n in ("a", "b")].count(True) == 1
+    for name in ("a", "b"):
+        w.reconcile(name)
+    w.reconcile("c")
+    assert w.running() == {"c", "a"} or w.running() == {"c", "b"}
