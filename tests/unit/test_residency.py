@@ -8,8 +8,10 @@ import asyncio
 from dataclasses import dataclass
 from datetime import timedelta
 
+import grpc
 import pytest
 
+from blazar._proto.v1 import inference_pb2, inference_pb2_grpc
 from blazar.api import conditions
 from blazar.api.kinds import Kind, Lane, LaneStatus, parse_size
 from blazar.api.replicas import ReplicaState
@@ -17,7 +19,7 @@ from blazar.controller import fit, lane_plan, ledger, residency
 from blazar.controller.lane import LaneReconciler
 from blazar.controller.lane_plan import RELEASED, SLEEPING, Sleep, sleep_decision
 from blazar.controller.residency import Candidate, Eviction
-from blazar.dataplane import routing
+from blazar.dataplane import routing, server
 from blazar.enginehost.activity import Activity, Keep, sleeps_in
 from blazar.store.memory import MemoryStore
 from tests import launches
@@ -486,3 +488,33 @@ def test_a_second_pass_before_the_victim_stops_evicts_no_more() -> None:
         w.reconcile(name)
     w.reconcile("c")
     assert w.running() == {"c", "a"} or w.running() == {"c", "b"}
+
+
+def test_ollamas_load_idiom_on_a_lane_that_cannot_start_is_refused_not_loaded() -> None:
+    """Found on a daemon: `/api/generate` with an empty prompt (the KeepAlive RPC) for a
+    Lane over the whole budget answered `done_reason: "load"` while its chats got 503:
+    the load said done for an engine that can never start. So did one scaled to 0."""
+    w = budgeted(
+        need() - 1, lane_yaml("a"), lane_yaml("paused").replace("replicas: 1", "replicas: 0")
+    )
+    w.reconcile("a")
+    w.reconcile("paused")
+
+    async def keep_alive(model: str) -> tuple[grpc.StatusCode, str]:
+        running = await server.start(store=w.store, address="127.0.0.1:0")
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+                stub = inference_pb2_grpc.InferenceStub(channel)
+                request = inference_pb2.KeepAliveRequest(model=model, keep_alive_s=300)
+                try:
+                    await stub.KeepAlive(request)
+                except grpc.aio.AioRpcError as err:
+                    return err.code(), err.details() or ""
+                return grpc.StatusCode.OK, ""
+        finally:
+            await running.stop(grace=0)
+
+    code, details = asyncio.run(keep_alive("a"))
+    assert code == grpc.StatusCode.UNAVAILABLE and "can start none as it is" in details
+    code, details = asyncio.run(keep_alive("paused"))
+    assert code == grpc.StatusCode.UNAVAILABLE and "scaled to zero" in details
