@@ -2,7 +2,8 @@
 
 Sets status (path, size, digest, architecture, trained context) and the `ModelReady`
 condition. Failures that only a spec change can fix (bad checksum, unsupported source)
-stop retrying; a missing file is polled.
+stop retrying; a missing file is polled, and so is a ready Model's file (a stat), so
+one removed or replaced under a running fleet is seen in seconds, not at the next resync.
 """
 
 from __future__ import annotations
@@ -26,6 +27,11 @@ from blazar.store.base import Store
 log = structlog.get_logger(__name__)
 
 MISSING_FILE_POLL_S = 10.0
+# How often a ready Model's file is looked at again (a stat; read again only if it
+# changed). A file removed under a sleeping Lane otherwise stayed Ready for up to the
+# 5-minute resync: a request waking the Lane waited out its queue bound behind a
+# crash-looping engine, where a Model that is not ready refuses it at once with why.
+READY_FILE_POLL_S = 10.0
 
 
 class ModelReconciler:
@@ -79,7 +85,7 @@ class ModelReconciler:
             return Result()
         assert isinstance(model, Model)
         if self._unchanged(model):
-            return Result()
+            return Result(requeue_after=READY_FILE_POLL_S)
         generation = model.metadata.generation or 0
         started = time.monotonic()
         try:
@@ -119,7 +125,7 @@ class ModelReconciler:
                 message=message,
                 uid=model.metadata.uid or "",
             )
-        return Result()
+        return Result(requeue_after=READY_FILE_POLL_S)
 
     def _inspect(self, model: Model) -> ModelStatus:
         path = modelfile.resolve(

@@ -731,3 +731,24 @@ def test_describe_of_a_lane_created_again_while_its_old_replicas_stop_shows_its_
     page = printers.describe(obj, every, now=clock.now).splitlines()
     shown = [line.split()[2] for line in page[page.index("Events:") + 2 :]]
     assert shown == ["ReplicaStarting", "ReplicaStarting"]
+
+
+def test_model_reconciler_notices_a_ready_models_file_removed(tmp_path: Path) -> None:
+    """Found on a daemon: a Model's file removed after apply left the Model Ready (it was
+    looked at again only by the 5-minute resync), so its sleeping Lane, woken by a
+    request, crash-looped on "could not load model" and the request waited out its
+    queue bound for a 429 "retry in 1 s". A ready Model's file is checked again soon."""
+    path = tiny_gguf(tmp_path / "m.gguf")
+    clock = Clock()
+    store = MemoryStore(clock=clock)
+    apply(store, MODEL.replace("/models/m.gguf", str(path)))
+    rec = ModelReconciler(store=store, models_dir=tmp_path, clock=clock)
+    first = asyncio.run(rec.reconcile("m"))
+    assert conditions.is_true(model_status(store).status.conditions, "ModelReady")
+    again = asyncio.run(rec.reconcile("m"))  # unchanged: nothing read, but looked at again
+    for result in (first, again):
+        assert result.requeue_after is not None and result.requeue_after <= 10.0
+    path.unlink()
+    asyncio.run(rec.reconcile("m"))
+    ready = conditions.get_condition(model_status(store).status.conditions, "ModelReady")
+    assert ready is not None and (ready.status.value, ready.reason) == ("False", "FileNotFound")
