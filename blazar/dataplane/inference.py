@@ -442,6 +442,9 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             self._activity.want(route.lane)
             deadline = time.monotonic() + WAKE_TIMEOUT_S
             while time.monotonic() < deadline:
+                if (stranded := routing.unservable(route)) is not None:
+                    # Its Model is not ready, or it can never fit: no wake will come.
+                    await self._refuse(context, stranded, caller)
                 await asyncio.sleep(WAKE_POLL_S)
                 route, replica, _ = await self._route(model, context, caller=caller)
                 if replica is not None:

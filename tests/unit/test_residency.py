@@ -500,21 +500,45 @@ def test_ollamas_load_idiom_on_a_lane_that_cannot_start_is_refused_not_loaded() 
     w.reconcile("a")
     w.reconcile("paused")
 
-    async def keep_alive(model: str) -> tuple[grpc.StatusCode, str]:
-        running = await server.start(store=w.store, address="127.0.0.1:0")
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
-                stub = inference_pb2_grpc.InferenceStub(channel)
-                request = inference_pb2.KeepAliveRequest(model=model, keep_alive_s=300)
-                try:
-                    await stub.KeepAlive(request)
-                except grpc.aio.AioRpcError as err:
-                    return err.code(), err.details() or ""
-                return grpc.StatusCode.OK, ""
-        finally:
-            await running.stop(grace=0)
-
-    code, details = asyncio.run(keep_alive("a"))
+    code, details = asyncio.run(wake_call(w.store, "a"))
     assert code == grpc.StatusCode.UNAVAILABLE and "can start none as it is" in details
-    code, details = asyncio.run(keep_alive("paused"))
+    code, details = asyncio.run(wake_call(w.store, "paused"))
     assert code == grpc.StatusCode.UNAVAILABLE and "scaled to zero" in details
+
+
+async def wake_call(
+    store: MemoryStore, model: str, method: str = "KeepAlive"
+) -> tuple[grpc.StatusCode, str]:
+    """A KeepAlive (load) or Embed of `model` on a data plane over `store`: its code and
+    details (a 10 s deadline: a call that would wait for a wake does not hang the test)."""
+    running = await server.start(store=store, address="127.0.0.1:0")
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+            stub = inference_pb2_grpc.InferenceStub(channel)
+            try:
+                if method == "KeepAlive":
+                    request = inference_pb2.KeepAliveRequest(model=model, keep_alive_s=300)
+                    await stub.KeepAlive(request, timeout=10)
+                else:
+                    await stub.Embed(
+                        inference_pb2.EmbedRequest(model=model, inputs=["Hi"]), timeout=10
+                    )
+            except grpc.aio.AioRpcError as err:
+                return err.code(), err.details() or ""
+            return grpc.StatusCode.OK, ""
+    finally:
+        await running.stop(grace=0)
+
+
+def test_a_waking_call_for_a_sleeping_lane_whose_model_is_gone_is_refused_at_once() -> None:
+    """Found on a daemon: the load idiom for a Lane with idle.sleepAfter whose Model's
+    file was removed waited the whole 120 s wake bound for a 503 "did not wake", while
+    its chats were refused at once saying the Model is not ready. So did embeddings."""
+    w = budgeted(64 * GIB, lane_yaml("a", extra=", idle: {sleepAfter: 5s}"))
+    w.store.delete(Kind.MODEL, "m")
+    w.reconcile("a")
+    assert routing.build_table([w.lane("a")]).routes[0].wakes
+    for method in ("KeepAlive", "Embed"):
+        code, details = asyncio.run(wake_call(w.store, "a", method))
+        assert code == grpc.StatusCode.UNAVAILABLE, (method, code, details)
+        assert "until its Model is ready" in details
