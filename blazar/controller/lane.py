@@ -442,6 +442,8 @@ class LaneReconciler:
             sleep_message=sleep.message,
         )
         status = self._resolved_refs(name, lane, previous, status)
+        if (unready := lane_plan.model_warning(previous, status)) is not None:
+            self._event(name, "Warning", unready.reason, unready.message)
         self._record_transitions(name, previous, observed)
         self._store.update_status(Kind.LANE, name, status)
         return status

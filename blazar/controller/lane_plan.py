@@ -236,6 +236,24 @@ class ModelReadiness:
     message: str
 
 
+def model_warning(previous: LaneStatus, status: LaneStatus) -> Condition | None:
+    """The Lane's `ModelReady` when it has just turned False for a reason its operator
+    must act on (its Model deleted or failed, a SpecPair of another model, a context
+    beyond training), for a Warning event; None otherwise. `ModelPending` (the Model
+    being resolved again after an edit) passes by itself and warns of nothing."""
+    now = conditions.get_condition(status.conditions, "ModelReady")
+    if now is None or now.status != ConditionStatus.FALSE or now.reason == "ModelPending":
+        return None
+    before = conditions.get_condition(previous.conditions, "ModelReady")
+    if before is not None and (before.status, before.reason, before.message) == (
+        now.status,
+        now.reason,
+        now.message,
+    ):
+        return None
+    return now
+
+
 @dataclass(frozen=True)
 class Placement:
     """The fit ledger's word on the Lane's next replica (`Schedulable`)."""

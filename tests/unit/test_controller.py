@@ -448,11 +448,31 @@ def test_a_context_beyond_the_models_training_starts_nothing_and_stops_nothing()
         'contextPerSlot 8192 is more than the 4096 tokens Model "m" was trained on; '
         "set it to 4096 or less."
     )
+    asyncio.run(rec.reconcile("l"))
+    assert reasons(store).count("ContextBeyondTraining") == 1  # once, as it turned False
 
     apply(store, LANE.replace("threads: 2}", "threads: 2, contextPerSlot: 4096}"))
     asyncio.run(rec.reconcile("l"))
     assert cond(store, "ModelReady") == ("True", "ModelReady")
     assert [launch.context_per_slot for _, _, launch in procs.started][-1] == 4096
+
+
+def test_a_lanes_model_deleted_or_being_resolved_warns_only_of_what_needs_acting_on() -> None:
+    # As a deleted SLOPolicy or SpecPair does (RefNotFound): `blazar events` says why.
+    clock, store, procs, rec = lane_world()
+    ready_model(store, clock)
+    apply(store, LANE)
+    asyncio.run(rec.reconcile("l"))
+    apply(store, MODEL.replace("/m.gguf", "/m2.gguf"))  # being resolved again: no warning
+    asyncio.run(rec.reconcile("l"))
+    assert cond(store, "ModelReady") == ("False", "ModelPending")
+    store.delete(Kind.MODEL, "m")
+    for _ in range(2):
+        asyncio.run(rec.reconcile("l"))
+    warned = [
+        (e.type, e.reason) for e in store.events(kind="Lane", name="l") if e.type == "Warning"
+    ]
+    assert warned == [("Warning", "ModelNotFound")]
 
 
 def test_a_model_whose_header_has_no_trained_context_is_not_checked() -> None:
