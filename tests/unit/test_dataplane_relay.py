@@ -604,7 +604,7 @@ def test_a_request_over_the_size_limit_is_invalid_not_overloaded() -> None:
     async def run() -> tuple[list[Any], list[grpc.aio.AioRpcError | None]]:
         async with data_plane([fake]) as stub:
             unary: list[Any] = []
-            for text in ("y" * 10_000_000, "y" * 70 * 2**20):
+            for text in ("y" * 6_000_000, "y" * 9 * 2**20):
                 try:
                     await stub.Tokenize(inference_pb2.TokenizeRequest(model="l", text=text))
                 except grpc.aio.AioRpcError as exc:
