@@ -473,6 +473,7 @@ def test_a_lanes_model_deleted_or_being_resolved_warns_only_of_what_needs_acting
         (e.type, e.reason) for e in store.events(kind="Lane", name="l") if e.type == "Warning"
     ]
     assert warned == [("Warning", "ModelNotFound")]
+    assert len(procs.observe("l")) == 2  # what was started keeps running
 
 
 def test_a_model_whose_header_has_no_trained_context_is_not_checked() -> None:
