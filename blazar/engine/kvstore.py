@@ -217,15 +217,35 @@ class SlotCache(Protocol):
     def prompt_len(self) -> int: ...
 
 
-def restore_slots(runtime: llama.Runtime, directory: Path, slots: Sequence[SlotCache]) -> None:
-    """Load the caches a previous worker saved into `directory` into these slots.
+def loaded(runtime: llama.Runtime) -> Identity | None:
+    """What the caches of a runtime that has just loaded its model are valid for.
+
+    Taken once, at load: the model file may be replaced while the engine runs (a new
+    download under the same name), and a cache saved at stop under the identity of
+    the file on disk then would be restored for weights that never computed it.
+    None when the file cannot be read: nothing is restored or saved then.
+    """
+    try:
+        return Identity.of(runtime.spec, context_per_slot=runtime.context_per_slot)
+    except OSError as exc:
+        log.warning("kv_persist_off", reason="model_unreadable", error=str(exc))
+        return None
+
+
+def restore_slots(
+    runtime: llama.Runtime,
+    directory: Path,
+    slots: Sequence[SlotCache],
+    identity: Identity | None,
+) -> None:
+    """Load the caches a previous worker saved into `directory` into these slots, if
+    saved for `identity` (`loaded`).
 
     Never raises: a cache that cannot be restored only costs a prefill.
     """
-    if not directory.is_dir():
+    if identity is None or not directory.is_dir():
         return
     try:
-        identity = Identity.of(runtime.spec, context_per_slot=runtime.context_per_slot)
         for index, cached in restore(runtime, directory, identity).items():
             slots[index].tokens = cached.tokens
             slots[index].scope = cached.scope
@@ -239,8 +259,15 @@ def restore_slots(runtime: llama.Runtime, directory: Path, slots: Sequence[SlotC
             slot.scope = ""
 
 
-def save_slots(runtime: llama.Runtime, directory: Path, slots: Sequence[SlotCache]) -> None:
-    """Save every slot's cache into `directory`, each cut back to its last prompt.
+def save_slots(
+    runtime: llama.Runtime,
+    directory: Path,
+    slots: Sequence[SlotCache],
+    identity: Identity | None,
+) -> None:
+    """Save every slot's cache into `directory`, each cut back to its last prompt, for
+    `identity` (`loaded`): only while the model file is still the one loaded, since
+    a record describes the file on disk and the next worker loads that one.
 
     A saved state keeps only the sliding window's last positions, so it can be reused
     only by a prompt that contains the whole saved sequence. A repeated prompt, or the
@@ -248,11 +275,21 @@ def save_slots(runtime: llama.Runtime, directory: Path, slots: Sequence[SlotCach
     almost never be matched. Never raises: a failed save only costs the next start
     its prefill.
     """
+    if identity is None:
+        return
+    try:
+        now = Identity.of(runtime.spec, context_per_slot=runtime.context_per_slot)
+    except OSError as exc:
+        log.warning("kv_save_skipped", reason="model_unreadable", error=str(exc))
+        return
+    if now != identity:
+        differs = sorted(k for k, v in asdict(identity).items() if asdict(now)[k] != v)
+        log.warning("kv_save_skipped", reason="model_changed", fields=differs)
+        return
     for slot in slots:
         if 0 < slot.prompt_len < len(slot.tokens) and runtime.truncate(slot.index, slot.prompt_len):
             del slot.tokens[slot.prompt_len :]
     try:
-        identity = Identity.of(runtime.spec, context_per_slot=runtime.context_per_slot)
         save(
             runtime, directory, identity, {s.index: Cached(list(s.tokens), s.scope) for s in slots}
         )

@@ -101,6 +101,8 @@ class DecodeLoop:
         # What Health reports once a failed drafter switched speculation off.
         self._spec_failed: SpeculationStats | None = None
         self._cpu: cpushare.CpuShare | None = None
+        # What the caches are valid for, taken at load (`kvstore.loaded`).
+        self._kv_identity: kvstore.Identity | None = None
         self._pacer = pacing.PrefillPacer(
             default=options.prefill_beside_decode, max_tokens=llama.N_BATCH
         )
@@ -209,7 +211,8 @@ class DecodeLoop:
             self._on_loaded(exc)
             return
         if self.options.kv_dir is not None:
-            kvstore.restore_slots(runtime, self.options.kv_dir, self.slots)
+            self._kv_identity = kvstore.loaded(runtime)
+            kvstore.restore_slots(runtime, self.options.kv_dir, self.slots, self._kv_identity)
         if self.options.cpu_share is not None:
             try:
                 self._cpu = cpushare.CpuShare(self.options.cpu_share)
@@ -263,7 +266,7 @@ class DecodeLoop:
         self._waiting.close()
         self._flush()
         if self.options.kv_dir is not None:
-            kvstore.save_slots(runtime, self.options.kv_dir, self.slots)
+            kvstore.save_slots(runtime, self.options.kv_dir, self.slots, self._kv_identity)
         if self._seats.spec is not None:
             self._seats.spec.close()
         if self._cpu is not None:

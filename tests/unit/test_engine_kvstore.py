@@ -149,6 +149,48 @@ def test_a_restore_that_fails_leaves_no_slot_loaded(
 
     monkeypatch.setattr(kvstore, "restore", fails_after_loading)
     slots = [Slot(0), Slot(1)]
-    kvstore.restore_slots(runtime, directory, slots)  # type: ignore[arg-type]
+    kvstore.restore_slots(runtime, directory, slots, kvstore.loaded(runtime))  # type: ignore[arg-type]
     assert runtime.loaded == {}
     assert [s.tokens for s in slots] == [[], []]
+
+
+class SavingRuntime(FakeRuntime):
+    """A loaded runtime of the model at `path`, as `save_slots` needs one."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__()
+        self.spec = dataclasses.replace(self.spec, model_path=str(path))
+        self.context_per_slot = 512
+
+    def truncate(self, seq: int, keep: int) -> bool:
+        return True
+
+
+def test_a_cache_of_weights_replaced_while_running_is_not_saved(tmp_path: Path) -> None:
+    """A review replaced the model file under a running engine (a new GGUF, same name),
+    stopped it, and the next start restored a cache the old weights had computed under
+    the new file's identity: its answer differed from a cold one's."""
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF" + bytes(1 << 10))
+    runtime, directory = SavingRuntime(model), tmp_path / "kv"
+    at_load = kvstore.loaded(runtime)  # type: ignore[arg-type]
+    assert at_load is not None
+    other = tmp_path / "other.gguf"
+    other.write_bytes(b"GGUF" + b"\x01" * (2 << 10))
+    other.replace(model)
+    slots = [Slot(0, [1, 2, 3], "", 3), Slot(1)]
+    kvstore.save_slots(runtime, directory, slots, at_load)  # type: ignore[arg-type]
+    now = kvstore.loaded(runtime)  # type: ignore[arg-type]
+    assert now is not None
+    assert kvstore.restore(runtime, directory, now) == {}  # type: ignore[arg-type]
+
+
+def test_a_cache_of_the_weights_still_on_disk_is_saved(tmp_path: Path) -> None:
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF" + bytes(1 << 10))
+    runtime, directory = SavingRuntime(model), tmp_path / "kv"
+    at_load = kvstore.loaded(runtime)  # type: ignore[arg-type]
+    kvstore.save_slots(runtime, directory, [Slot(0, [1, 2, 3], "t", 3)], at_load)  # type: ignore[arg-type]
+    assert at_load is not None
+    restored = kvstore.restore(runtime, directory, at_load)  # type: ignore[arg-type]
+    assert restored == {0: kvstore.Cached([1, 2, 3], "t")}
