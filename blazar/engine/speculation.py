@@ -238,7 +238,12 @@ class NgramProposer:
                 continue
             if n < least and not self._matches(end, least):
                 return ()
-            return tuple(seq[end + 1 : end + 1 + k])
+            # An occurrence fewer than k tokens back (a run of one token, a short loop)
+            # has only `period` tokens after it before the sequence ends; the text goes
+            # on repeating them, so does the draft. A run drafted 1 token a step here.
+            start = end + 1
+            period = len(seq) - start
+            return tuple(seq[start + i % period] for i in range(k))
         return ()
 
     def _matches(self, end: int, length: int) -> bool:

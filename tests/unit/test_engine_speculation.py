@@ -15,12 +15,14 @@ from blazar.engine import speculator
 
 
 def _reference(tokens: Sequence[int], ngram_size: int, k: int) -> tuple[int, ...]:
-    """The definition, by full scan: latest earlier occurrence of the longest suffix."""
+    """The definition, by full scan: latest earlier occurrence of the longest suffix,
+    what followed it, and past the sequence's end that same stretch again (a loop)."""
     for n in range(min(ngram_size, len(tokens)), 0, -1):
         suffix = list(tokens[-n:])
         for end in range(len(tokens) - 2, n - 2, -1):
             if list(tokens[end - n + 1 : end + 1]) == suffix:
-                return tuple(tokens[end + 1 : end + 1 + k])
+                loop = list(tokens[end + 1 :])
+                return tuple((loop * k)[:k])
     return ()
 
 
@@ -37,8 +39,10 @@ def _reference(tokens: Sequence[int], ngram_size: int, k: int) -> tuple[int, ...
         ([5, 3, 8, 6, 2, 3], 3, 4, (8, 6, 2, 3)),  # only the unigram 3 recurs
         ([1, 2, 4, 1, 2, 5, 1, 2], 2, 3, (5, 1, 2)),  # the most recent occurrence wins
         ([1, 2, 4, 1, 2, 5, 1, 2], 3, 3, (5, 1, 2)),  # trigram (5,1,2) absent -> bigram
-        ([4, 4, 4, 4], 2, 3, (4,)),  # latest earlier (4, 4) ends at 2: one token follows
-        ([1, 2, 3, 1, 2, 3], 1, 4, (1, 2, 3)),  # ngram_size 1
+        # Latest earlier (4, 4) ends at 2: one token follows, and the run goes on.
+        ([4, 4, 4, 4], 2, 3, (4, 4, 4)),
+        ([1, 2, 3, 1, 2, 3], 1, 4, (1, 2, 3, 1)),  # ngram_size 1; the loop goes on
+        ([7, 1, 2, 1, 2, 1, 2], 2, 5, (1, 2, 1, 2, 1)),  # a loop of two tokens
     ],
 )
 def test_ngram_proposals(
@@ -69,7 +73,7 @@ def test_ngram_limit(limit: int | None, expected: tuple[int, ...]) -> None:
         ([1, 2, 3, 7, 1, 2, 3], 3, 4, ()),  # the hit starts the sequence: 3 long
         ([5, 3, 8, 6, 2, 3], 3, 2, ()),  # only a unigram recurs
         ([1, 2, 3, 7, 1, 2, 3], 3, 3, (7, 1, 2, 3)),  # min_match <= ngram_size: as before
-        ([4, 4, 4, 4, 4, 4], 2, 4, (4,)),  # self-overlapping run, 4 long
+        ([4, 4, 4, 4, 4, 4], 2, 4, (4, 4, 4, 4)),  # self-overlapping run, 4 long
     ],
 )
 def test_ngram_min_match(
@@ -118,7 +122,7 @@ def test_ngram_truncate_and_reset_forget_the_tail() -> None:
     assert p.propose() == (8, 8, 3, 1)
     p.truncate(3)  # [1, 2, 8]: what followed (2, 8) is gone
     p.append(2)  # no earlier (8, 2): the unigram 2 at index 1 leads
-    assert p.propose() == (8, 2)
+    assert p.propose() == (8, 2, 8, 2)  # and that loop again
     p.truncate(10)  # longer than the sequence: no-op
     assert list(p.tokens) == [1, 2, 8, 2]
     p.reset([5, 6])
@@ -150,7 +154,7 @@ def test_ngram_drafter_follows_the_sequence() -> None:
             sp.DraftRequest(seq=1, tokens=[9, 9], max_tokens=3),
         ]
     )
-    assert out == {0: (6, 5), 1: (9,)}
+    assert out == {0: (6, 5, 6), 1: (9, 9, 9)}
     d.release(1)
     d.release(1)
     assert d.propose([sp.DraftRequest(seq=1, tokens=[4], max_tokens=3)]) == {1: ()}
