@@ -186,6 +186,11 @@ def restore(runtime: llama.Runtime, directory: Path, identity: Identity) -> dict
             # Consumed either way: what is on disk now describes no live cache.
             _discard(meta)
             _discard(kv)
+    # A save cut short (the worker killed mid-write) leaves its temporary file: no
+    # save of this worker's is under way yet, and one of a slot this worker does not
+    # have would never be replaced.
+    for tmp in directory.glob("slot-*.kv.tmp"):
+        _discard(tmp)
     # Slots this worker does not have (it was started with more before).
     found_slots = {_slot_of(p) for p in directory.glob("slot-*")}
     for index in sorted(i for i in found_slots if i is not None and i >= runtime.spec.slots):

@@ -194,3 +194,13 @@ def test_a_cache_of_the_weights_still_on_disk_is_saved(tmp_path: Path) -> None:
     assert at_load is not None
     restored = kvstore.restore(runtime, directory, at_load)  # type: ignore[arg-type]
     assert restored == {0: kvstore.Cached([1, 2, 3], "t")}
+
+
+def test_a_save_cut_short_leaves_no_file_behind(tmp_path: Path) -> None:
+    """A worker killed while writing a slot's state leaves `slot-<i>.kv.tmp`; one of a
+    slot the next worker does not have (fewer slots now) was never removed."""
+    runtime, directory, ident = saved(tmp_path)
+    (directory / "slot-0.kv.tmp").write_bytes(b"half")
+    (directory / "slot-5.kv.tmp").write_bytes(b"half")
+    assert kvstore.restore(runtime, directory, ident).keys() == {0, 1}
+    assert list(directory.iterdir()) == []
