@@ -43,12 +43,18 @@ class SpeculationLaunch:
     min_acceptance_rate: float
     # n-gram drafting: the length of the suffix looked up in the sequence.
     ngram_size: int | None = None
-    # Draft-model drafting: the draft GGUF.
+    # Draft-model drafting: the draft GGUF, and its modification time as its Model's
+    # controller last read it (`LaunchSpec.model_mtime_ns`).
     draft_model_path: str | None = None
+    draft_model_mtime_ns: int | None = None
 
     @classmethod
     def of_pair(
-        cls, pair: kinds.SpecPairSpec, *, draft_model_path: str | None = None
+        cls,
+        pair: kinds.SpecPairSpec,
+        *,
+        draft_model_path: str | None = None,
+        draft_model_mtime_ns: int | None = None,
     ) -> SpeculationLaunch:
         """A SpecPair's settings as written (the API holds their defaults); a `model`
         pair with its draft Model's resolved file."""
@@ -67,6 +73,7 @@ class SpeculationLaunch:
             disable_above_batch=pair.disable_above_batch,
             min_acceptance_rate=pair.min_acceptance_rate,
             draft_model_path=draft_model_path,
+            draft_model_mtime_ns=draft_model_mtime_ns,
         )
 
 
@@ -98,6 +105,10 @@ class LaunchSpec:
     # Overrides the GGUF's template: a name (`text.NAMED_TEMPLATES`) or Jinja source.
     chat_template: str | None = None
     speculation: SpeculationLaunch | None = None
+    # The model file's modification time as the Model's controller last read it: a
+    # file replaced under the same path is another revision, so the Lane rolls onto it
+    # rather than serve the old weights until its replicas happen to restart.
+    model_mtime_ns: int | None = None
 
     @property
     def revision(self) -> str:
@@ -113,6 +124,7 @@ class LaunchSpec:
         default_threads: int,
         chat_template: str | None = None,
         speculation: SpeculationLaunch | None = None,
+        model_mtime_ns: int | None = None,
     ) -> LaunchSpec:
         """What a Lane's replicas run: its settings as written (the API holds their
         defaults), its Model's resolved file and template, its resolved SpecPair."""
@@ -129,6 +141,7 @@ class LaunchSpec:
             max_parked_mib=lane.kv_cache.max_parked_mib,
             chat_template=chat_template,
             speculation=speculation,
+            model_mtime_ns=model_mtime_ns,
         )
 
 

@@ -128,7 +128,9 @@ def speculation_launch(
         return None
     if vocabularies_differ(draft, target):
         return None
-    return SpeculationLaunch.of_pair(pair.spec, draft_model_path=draft.status.path)
+    return SpeculationLaunch.of_pair(
+        pair.spec, draft_model_path=draft.status.path, draft_model_mtime_ns=draft.status.mtime_ns
+    )
 
 
 def vocabularies_differ(draft: Model, target: Model | None) -> tuple[str, str] | None:
@@ -188,6 +190,7 @@ def launch_spec(
         default_threads=default_threads,
         chat_template=model.spec.chat_template,
         speculation=speculation,
+        model_mtime_ns=model.status.mtime_ns,
     )
 
 

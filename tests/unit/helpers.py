@@ -37,6 +37,7 @@ def mark_model_ready(
     parameters: dict[str, str] | None = None,
     size_bytes: int | None = None,
     context_length: int | None = None,
+    mtime_ns: int | None = None,
 ) -> None:
     """Give the stored Model `name` the status its controller gives a resolved file,
     observed at the Model's current generation (with `parameters` read from its
@@ -58,6 +59,7 @@ def mark_model_ready(
             parameters=parameters or {},
             size_bytes=size_bytes,
             context_length=context_length,
+            mtime_ns=mtime_ns,
         ),
     )
 

@@ -573,6 +573,23 @@ def test_spec_change_replaces_replicas() -> None:
     assert isinstance(lane, Lane) and lane.status.observed_generation == 2
 
 
+def test_a_model_file_replaced_under_its_path_replaces_the_replicas() -> None:
+    """A review replaced a Model's GGUF under the same path: the Model's status took
+    the new file within seconds, and the Lane's replicas served the old weights on."""
+    clock, store, procs, rec = lane_world()
+    apply(store, MODEL)
+    helpers.mark_model_ready(store, "m", path="/models/m.gguf", now=clock.now, mtime_ns=1)
+    apply(store, LANE)
+    asyncio.run(rec.reconcile("l"))
+    before = {r.pid for r in procs.observe("l")}
+    helpers.mark_model_ready(store, "m", path="/models/m.gguf", now=clock.now, mtime_ns=2)
+    asyncio.run(rec.reconcile("l"))  # stops the old revision
+    asyncio.run(rec.reconcile("l"))  # starts the new one
+    after = procs.observe("l")
+    assert len(after) == 2 and not before & {r.pid for r in after}
+    assert [launch.model_mtime_ns for _, _, launch in procs.started][-1] == 2
+
+
 def test_a_spec_change_of_ready_replicas_rolls_with_a_surge() -> None:
     """Ready replicas are replaced one at a time behind a surge replica (index 2), so
     the Lane serves from two ready replicas at every step and routes to the surge."""
