@@ -7,6 +7,7 @@ Resume calls, `NoParking` refuses every park (tests, and engines that cannot).
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -57,8 +58,12 @@ class NoParking:
 # A Park waits for the engine's current step (a long prompt chunk can take seconds)
 # while the Lane's queue waits, so it is bounded: an engine that does not answer in
 # time (hung: its liveness probe will restart it) costs the queue at most this, and the
-# urgent request waits for a slot instead. A Resume runs beside the queue (it waits for
-# the slot admission freed); given up on, it still happens when the slot frees.
+# urgent request waits for a slot instead. The engine still carries out a Park whose
+# caller gave up, once its step ends: the parker then asks a Resume right after it (the
+# engine takes orders in the order they came), so that the generation it was told
+# runs does not stay parked with nobody to resume it. A Resume runs beside the queue
+# (it waits for the slot admission freed); given up on, it still happens when the slot
+# frees.
 PARK_TIMEOUT_S = 3.0
 RESUME_TIMEOUT_S = 30.0
 
@@ -68,14 +73,21 @@ class EngineParker:
 
     def __init__(self, pool: EnginePool) -> None:
         self._pool = pool
+        # Resumes undoing Parks given up on, kept until done.
+        self._undoing: set[asyncio.Task[bool]] = set()
 
     async def park(self, replica: routing.Replica, request_id: str) -> Parked | None:
         client = self._pool.client(replica.socket, process=replica.pid)
         try:
             answer = await client.park(request_id, timeout=PARK_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
-            # Gone, finished meanwhile, or not running yet: nothing was parked.
+            # Gone, finished meanwhile, or not running yet: nothing was parked. Or
+            # given up on: the engine may park it yet, and is told to resume it after.
             log.info("admission.park_failed", request_id=request_id, error=exc.details())
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                undo = asyncio.get_running_loop().create_task(self.resume(replica, request_id))
+                self._undoing.add(undo)
+                undo.add_done_callback(self._undoing.discard)
             return None
         return Parked(
             parked_bytes=answer.parked_bytes, tokens=answer.tokens, copy_s=answer.park_ms / 1000

@@ -48,3 +48,43 @@ def test_a_resume_a_draining_engine_refuses_is_no_warning(
     assert resumed is False
     (line,) = [x for x in logs if x["event"] == "admission.resume_failed"]
     assert line["log_level"] == level and line["request_id"] == "r1"
+
+
+class SlowParkEngine(engine_pb2_grpc.EngineServicer):
+    """Answers a Park only after its step, as an engine in a long prompt chunk does; the
+    calls it took, in order."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str]] = []
+
+    async def Park(self, request: Any, context: Any) -> engine_pb2.ParkResponse:
+        self.calls.append(("park", request.request_id))
+        await asyncio.sleep(0.5)
+        return engine_pb2.ParkResponse(slot=0, tokens=10, parked_bytes=100)
+
+    async def Resume(self, request: Any, context: Any) -> engine_pb2.ResumeResponse:
+        self.calls.append(("resume", request.request_id))
+        return engine_pb2.ResumeResponse()
+
+
+def test_a_park_given_up_on_is_followed_by_a_resume(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine carries out a Park whose caller gave up (its answer is dropped):
+    admission counts the generation as running, so the engine is told to resume it
+    after, else it would stay parked with nobody to resume it and its stream hang."""
+    monkeypatch.setattr(parking, "PARK_TIMEOUT_S", 0.1)
+    engine = SlowParkEngine()
+
+    async def run() -> parking.Parked | None:
+        async with engines(engine) as sockets:  # type: ignore[arg-type]
+            pool = EnginePool()
+            replica = routing.Replica(lane="l", index=0, socket=sockets[0], pid=1)
+            parked = await parking.EngineParker(pool).park(replica, "r1")
+            for _ in range(50):
+                if len(engine.calls) == 2:
+                    break
+                await asyncio.sleep(0.02)
+            await pool.close()
+            return parked
+
+    assert asyncio.run(run()) is None
+    assert engine.calls == [("park", "r1"), ("resume", "r1")]
