@@ -412,31 +412,43 @@ def engines(daemon: Daemon, lane: str) -> set[int]:
 def test_a_lane_that_does_not_fit_starts_nothing_until_its_ask_is_lowered(
     daemon: Daemon, tmp_path: Path
 ) -> None:
-    # Within the API's bounds, and 1.1 TiB of KV cache for the bundled model: more than
-    # this host, or any host the suite runs on, has (the message's figures say so).
     manifest = tmp_path / "big.yaml"
     lane = (
         "apiVersion: blazar.dev/v1alpha1\nkind: Lane\nmetadata: {{name: big}}\n"
-        "spec: {{model: gemma3-270m, slots: {slots}, contextPerSlot: {context}}}\n"
+        "spec: {{model: gemma3-270m, slots: {slots}, contextPerSlot: {context}, "
+        "kvCache: {{typeK: {kv}, typeV: {kv}}}}}\n"
     )
-    manifest.write_text(lane.format(slots=64, context=2**20))
+    # Past the 32,768 tokens the bundled model was trained on: nothing starts, and why
+    # is said in the Lane's ModelReady and a Warning event.
+    manifest.write_text(lane.format(slots=1, context=2**20, kv="f16"))
+    assert daemon.cli("apply", "-f", str(manifest)).returncode == 0
+    beyond = daemon.wait_condition("lane", "big", "ModelReady", "False", timeout=60)
+    assert beyond["reason"] == "ContextBeyondTraining"
+    assert "contextPerSlot 1048576 is more than the 32768 tokens" in beyond["message"]
+    assert engines(daemon, "big") == set()
+    # Within the API's bounds and the model's training, and 77 GB of f32 KV cache for
+    # the bundled model: more than this host has (the message's figures say so).
+    manifest.write_text(lane.format(slots=64, context=32768, kv="f32"))
     assert daemon.cli("apply", "-f", str(manifest)).returncode == 0
     cond = daemon.wait_condition("lane", "big", "Schedulable", "False", timeout=60)
     assert cond["reason"] == "InsufficientMemory"
     status = daemon.get("lane", "big")["status"]
     need, free = status["memory"]["estimateBytes"], status["memory"]["freeBytes"]
     assert need > free
-    assert need > 2**40
+    assert need > 70 * 10**9
     assert cond["message"].startswith(f"Replica 0 needs {fit.human(need)} ({need} bytes) but ")
     assert f"but {fit.human(free)} ({free} bytes) is free" in cond["message"]
-    assert "so it can never fit as it is" in cond["message"]  # more than MemTotal
+    total = int(Path("/proc/meminfo").read_text().split("MemTotal:")[1].split()[0]) * 1024
+    never = "so it can never fit as it is" in cond["message"]
+    assert never == (need > total)  # more than MemTotal
     assert status.get("replicaStatuses", []) == []
     assert engines(daemon, "big") == set()  # no engine process for it
     described = daemon.cli("describe", "lane", "big").stdout
     assert "InsufficientMemory" in described.split("Events:")[1]
+    assert "ContextBeyondTraining" in described.split("Events:")[1]
     assert "Per replica:" in described
 
-    manifest.write_text(lane.format(slots=1, context=512))
+    manifest.write_text(lane.format(slots=1, context=512, kv="f16"))
     assert daemon.cli("apply", "-f", str(manifest)).returncode == 0
     daemon.wait_condition("lane", "big", "Ready", timeout=180)
     cond = daemon.condition("lane", "big", "Schedulable")
