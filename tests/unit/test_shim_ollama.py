@@ -946,6 +946,30 @@ async def test_embed_and_the_older_embeddings(daemon: Daemon, client: httpx.Asyn
     assert len(daemon.fake.requests) == 2
 
 
+async def test_embed_with_nothing_to_embed_is_a_preload(
+    daemon: Daemon, client: httpx.AsyncClient
+) -> None:
+    """As in Ollama, an empty or absent `input` loads the model (the `ollama` client's
+    `embed(model)` sends `input: ""`) and its keep_alive acts, as on chat and generate."""
+    daemon.fake.scripts["tiny"] = []
+    for body in (
+        {"model": "tiny", "input": ""},
+        {"model": "tiny"},
+        {"model": "tiny", "input": [], "keep_alive": 0},
+    ):
+        response = await client.post("/api/embed", json=body)
+        assert response.status_code == 200, (body, response.text)
+        assert response.json()["embeddings"] == []
+    old = await client.post("/api/embeddings", json={"model": "tiny", "keep_alive": "10m"})
+    assert old.json() == {"embedding": []}
+    assert daemon.fake.requests == []
+    sent = [(k.model, k.keep_alive_s if k.HasField("keep_alive_s") else None)
+            for k in daemon.fake.keep_alives]  # fmt: skip
+    assert sent == [("tiny", None), ("tiny", None), ("tiny", 0.0), ("tiny", 600.0)]
+    unknown = await client.post("/api/embed", json={"model": "nope", "input": ""})
+    assert unknown.status_code == 404
+
+
 async def test_listings(client: httpx.AsyncClient) -> None:
     tags = (await client.get("/api/tags")).json()
     assert [m["name"] for m in tags["models"]] == ["tiny", "tiny:270m", "paused"]

@@ -354,7 +354,12 @@ def embed_request(body: protocol.EmbedRequest) -> inference_pb2.EmbedRequest:
     """/api/embed's embeddings are unit length, as Ollama's are; `dimensions` keeps the
     first values (the engine checks the model has that many)."""
     _check_embedding(body.keep_alive, body.options, truncate=body.truncate)
-    inputs = [body.input] if isinstance(body.input, str) else list(body.input)
+    # An empty string is no input, as in Ollama (a preload); an empty item of a list
+    # is an input, which the engine refuses.
+    if isinstance(body.input, str):
+        inputs = [body.input] if body.input else []
+    else:
+        inputs = list(body.input)
     request = inference_pb2.EmbedRequest(
         model=body.model, inputs=inputs, normalize=True, dimensions=body.dimensions
     )

@@ -120,7 +120,8 @@ class GenerateRequest(_Generation):
 
 class EmbedRequest(_Request):
     model: str = Field(min_length=1)
-    input: str | list[str]
+    # Empty or absent: nothing to embed, Ollama's preload (the `ollama` client sends "").
+    input: str | list[str] = ""
     dimensions: int | None = Field(default=None, ge=1, le=INT32_MAX)
     truncate: bool | None = None
     options: dict[str, Any] | None = None

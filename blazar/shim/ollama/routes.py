@@ -165,14 +165,20 @@ async def _loaded(
 ) -> Response:
     """A preload (a sleeping Lane wakes, and the keep_alive holds as a request's would)
     or, with keep_alive 0, an unload (the Lane sleeps once idle)."""
+    unload = await _load(request, model, keep_alive=keep_alive)
+    return JSONResponse(render.loaded(kind, model=model, created_at=_now(), unload=unload))
+
+
+async def _load(request: Request, model: str, *, keep_alive: protocol.KeepAlive) -> bool:
+    """Load the model's Lane, or with keep_alive 0 unload it (True then), as a request
+    with nothing to do does in Ollama."""
     call = inference_pb2.KeepAliveRequest(model=model)
     convert.keep_alive(call, keep_alive)
     ctx = context.of(request)
     await streaming.until_disconnected(
         request, inference.client_of(request).keep_alive(call, metadata=ctx.grpc_metadata())
     )
-    unload = call.HasField("keep_alive_s") and call.keep_alive_s == 0
-    return JSONResponse(render.loaded(kind, model=model, created_at=_now(), unload=unload))
+    return call.HasField("keep_alive_s") and call.keep_alive_s == 0
 
 
 async def _check_num_ctx(request: Request, model: str, sent: dict[str, Any] | None) -> None:
@@ -199,7 +205,8 @@ async def _embed(
     request: Request, model: type[protocol.EmbedRequest] | type[protocol.EmbeddingsRequest]
 ) -> Response:
     """/api/embed, and the older /api/embeddings. Nothing to embed is Ollama's preload
-    for embedding models: an empty answer once the model is known."""
+    for embedding models: the Lane loads (or unloads, with keep_alive 0) and the answer
+    is empty."""
     started = time.monotonic()
     ctx = context.of(request)
     try:
@@ -214,7 +221,7 @@ async def _embed(
         else:
             nothing = not canonical_request.inputs
         if nothing:
-            await _model_info(request, body.model)
+            await _load(request, body.model, keep_alive=body.keep_alive)
             response = inference_pb2.EmbedResponse()
         else:
             response = await streaming.until_disconnected(
