@@ -509,7 +509,7 @@ class LaneDispatcher:
             self._seq += 1
             event.pending.seq = self._seq
             self._pending[event.pending.ticket.id] = event.pending
-            self._queue.requeue(event.run.ticket, now=now)
+            self._queue.requeue(replace(event.run.ticket, restarted=True), now=now)
             log.info(
                 "admission.requeued",
                 request_id=event.run.request_id,
@@ -704,7 +704,7 @@ class LaneDispatcher:
             return
         tests_forecast = not preempting and self._waited_on_forecast(pending)
         self._started_seq = max(self._started_seq, pending.seq)
-        metrics.QUEUE_WAIT.labels(self.lane, ticket.policy.name).observe(ticket.waited_s)
+        self._observe_wait(ticket)
         run = runs.Run(
             ticket,
             pending.request_id,
@@ -903,7 +903,7 @@ class LaneDispatcher:
         figures = self._figures(policy)
         figures.refused[reason] = figures.refused.get(reason, 0) + 1
         metrics.REJECTIONS.labels(self.lane, policy.name, reason).inc()
-        metrics.QUEUE_WAIT.labels(self.lane, policy.name).observe(refusal.waited_s)
+        self._observe_wait(refusal.ticket, waited_s=refusal.waited_s)
         log.info(
             "admission.refused",
             request_id=request_id,
@@ -929,6 +929,12 @@ class LaneDispatcher:
         pending = self._pending.pop(ticket_id, None)
         if pending is not None and not pending.started.done():
             pending.started.set_exception(err)
+
+    def _observe_wait(self, ticket: admission.Ticket, *, waited_s: float | None = None) -> None:
+        """The ticket left the queue (started or refused): its wait, once a request."""
+        if not ticket.restarted:
+            wait = ticket.waited_s if waited_s is None else waited_s
+            metrics.QUEUE_WAIT.labels(self.lane, ticket.policy.name).observe(wait)
 
     def _figures(self, policy: admission.Policy) -> PolicyFigures:
         return self.figures.setdefault(policy.name, PolicyFigures())

@@ -21,7 +21,8 @@ REQUESTS = Counter(
 )
 QUEUE_WAIT = Histogram(
     "blazar_queue_wait_seconds",
-    "Time a request waited in its lane's admission queue, until it started or was refused.",
+    "Time a request waited in its lane's admission queue, until it started or was refused "
+    "(once a request: not again when a failed start brings it back).",
     ["lane", "policy"],
     buckets=(0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
 )

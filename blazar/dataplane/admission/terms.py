@@ -93,6 +93,9 @@ class Ticket:
     # Seconds spent waiting in earlier stints (before a start that failed or a park):
     # the wait bound counts them all.
     waited_s: float = 0.0
+    # It started before (a start that failed and came back): its wait is in
+    # blazar_queue_wait_seconds already, which observes a request once.
+    restarted: bool = False
     # Whose request it is, and the tenant's share of the Lane (module docstring).
     tenant: str = ""
     weight: float = 1.0
