@@ -145,7 +145,7 @@ class Attempts:
                     f"Lost the engine of replica {replica.index} of Lane '{route.lane}' "
                     f"before this request finished ({exc.details()}); retry."
                 )
-            metrics.observe_failure(route.lane, failure.reason)
+            metrics.observe_failure(route.lane, failure.reason, tokens=tokens)
             log.info(
                 "request.failed",
                 request_id=generate.request_id,
@@ -156,7 +156,7 @@ class Attempts:
         finally:
             call.cancel()  # no-op when finished; frees the engine slot when the caller left
             if not settled:
-                metrics.observe_failure(route.lane, metrics.CANCELLED)
+                metrics.observe_failure(route.lane, metrics.CANCELLED, tokens=tokens)
                 # The caller left before the Final that charges it: the tokens it was
                 # sent were generated all the same (else leaving a stream one chunk
                 # early escapes tokensPerMinute). Its prompt, once prefilled, as

@@ -30,7 +30,12 @@ PROMPT_TOKENS = Counter("blazar_prompt_tokens_total", "Prompt tokens received.",
 CACHED_TOKENS = Counter(
     "blazar_cached_prompt_tokens_total", "Prompt tokens served from the KV cache.", ["lane"]
 )
-COMPLETION_TOKENS = Counter("blazar_completion_tokens_total", "Tokens generated.", ["lane"])
+COMPLETION_TOKENS = Counter(
+    "blazar_completion_tokens_total",
+    "Tokens generated, those of streams that ended early (the caller left, the engine "
+    "was lost) included.",
+    ["lane"],
+)
 DRAFTED_TOKENS = Counter(
     "blazar_speculative_drafted_tokens_total", "Speculative draft tokens proposed.", ["lane"]
 )
@@ -119,8 +124,11 @@ def observe_final(lane: str, final: inference_pb2.Final, *, policy: str) -> None
         DECODE_RATE.labels(lane).observe(final.timings.decode_tokens_per_second)
 
 
-def observe_failure(lane: str, reason: str) -> None:
+def observe_failure(lane: str, reason: str, *, tokens: int = 0) -> None:
+    """A request that ended without its Final, after `tokens` were generated for it (a
+    stream its caller left or its engine lost midway): generated all the same."""
     REQUESTS.labels(lane, reason.lower()).inc()
+    COMPLETION_TOKENS.labels(lane).inc(tokens)
 
 
 def observe_embedding(lane: str, tokens: int) -> None:

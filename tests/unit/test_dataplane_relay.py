@@ -459,6 +459,31 @@ def test_a_caller_leaving_counts_as_cancelled() -> None:
     assert (requests_counted("cancelled"), requests_counted("ok")) == (before + 1, ok + 1)
 
 
+def test_the_tokens_a_caller_that_left_was_sent_count_as_generated() -> None:
+    """blazar_completion_tokens_total counts what the engines generated, of streams
+    their callers left too (as the tenant's tokens do), not only of finished ones."""
+
+    def generated() -> float:
+        labels = {"lane": "l"}
+        value = prometheus_client.REGISTRY.get_sample_value(
+            "blazar_completion_tokens_total", labels
+        )
+        return value or 0.0
+
+    async def leave_after_first_chunk() -> None:
+        async with data_plane([FakeEngine(refuse=False, text="x", hang=True)]) as stub:
+            call = stub.Complete(inference_pb2.CompleteRequest(model="l", prompt="hi"))
+            assert (await call.read()).delta.tokens == 1
+            call.cancel()
+            deadline = time.monotonic() + 5
+            while generated() == before and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+
+    before = generated()
+    asyncio.run(leave_after_first_chunk())
+    assert generated() == before + 1
+
+
 def test_a_caller_leaving_a_stream_is_charged_the_tokens_it_was_sent() -> None:
     """Else leaving a stream before its Final escapes the tenant's tokensPerMinute: a
     tenant allowed one token a minute that leaves after its first chunk (one token, of
