@@ -76,7 +76,13 @@ def model_file(model: Model) -> kubernetes.ModelFile:
         return kubernetes.ModelFile(missing=f"{path} cannot be read: {exc.strerror}")
     shape = fit.ModelShape.of_parameters(info.parameters, size_bytes=size)
     missing = None if shape is not None else "its header lacks the figures of an estimate"
-    return kubernetes.ModelFile(shape=shape, size_bytes=size, missing=missing)
+    return kubernetes.ModelFile(
+        shape=shape,
+        size_bytes=size,
+        missing=missing,
+        architecture=info.architecture,
+        has_chat_template=info.parameters.get("has_chat_template") == "true",
+    )
 
 
 def _local_path(model: Model) -> Path | None:

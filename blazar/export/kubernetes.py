@@ -19,7 +19,11 @@ What each resource becomes:
   splits the context between its slots, as Blazar's engine does), `--cache-type-k/-v`,
   `--threads` (and as many CPUs requested), `--n-gpu-layers`, `--flash-attn`,
   `--alias` (the Lane's name and aliases), the
-  Model's chat template by name or as Jinja source, and the SpecPair's drafting:
+  Model's chat template by name or as Jinja source (`gemma` and `llama3` with
+  `--no-jinja`: llama-server's Jinja mode would take the name for the template; and
+  when the Model names none and its GGUF ships none, the format Blazar's engine falls
+  back to by architecture, as llama-server's own fallback is ChatML), and the
+  SpecPair's drafting:
   `--spec-type draft-simple` with `--spec-draft-model` and `--spec-draft-n-max` for a
   draft Model, `--spec-type ngram-simple` with `--spec-ngram-simple-size-n` (ngramSize) and
   `--spec-ngram-simple-size-m`/`--spec-draft-n-max` (maxDraftTokens) for prompt
@@ -55,6 +59,7 @@ import yaml
 
 from blazar.api import errors, meta
 from blazar.api.kinds import (
+    CHAT_TEMPLATE_NAMES,
     Lane,
     Model,
     ModelDraft,
@@ -99,6 +104,10 @@ class ModelFile:
     shape: fit.ModelShape | None = None
     size_bytes: int | None = None
     missing: str | None = None
+    # From its header: `general.architecture`, and whether it ships a chat template
+    # (None: not read).
+    architecture: str | None = None
+    has_chat_template: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -355,8 +364,12 @@ def _provide(
 # --- a Lane -------------------------------------------------------------------------
 
 
-def server_args(lane: Lane, model: Model, pair: SpecPair | None) -> list[str]:
-    """llama-server's command line for one replica of `lane`."""
+def server_args(
+    lane: Lane, model: Model, pair: SpecPair | None, *, fallback_template: str | None = None
+) -> list[str]:
+    """llama-server's command line for one replica of `lane`; `fallback_template` is the
+    named turn format Blazar's engine renders with when the Model sets none and its GGUF
+    ships none (`chat_template_fallback`)."""
     spec = lane.spec
     args = [
         "--model", _model_file(model.metadata.name),
@@ -372,9 +385,14 @@ def server_args(lane: Lane, model: Model, pair: SpecPair | None) -> list[str]:
     ]  # fmt: skip
     if spec.threads is not None:
         args += ["--threads", str(spec.threads)]
-    template = model.spec.chat_template
-    if template is not None:
-        # llama-server knows these names too; anything else is Jinja source.
+    template = model.spec.chat_template or fallback_template
+    if template in _LEGACY_TEMPLATES:
+        # llama-server's Jinja mode (its default) takes any other name as the template's
+        # source, so every conversation would render as the bare word "gemma"; its
+        # built-in formats of these names are Blazar's (checked on the vendored build).
+        args += ["--no-jinja", "--chat-template", template]
+    elif template is not None:
+        # "chatml", which Jinja mode also knows by name, or Jinja source.
         args += ["--chat-template", template]
     if pair is not None:
         draft = pair.spec.draft
@@ -394,6 +412,32 @@ def server_args(lane: Lane, model: Model, pair: SpecPair | None) -> list[str]:
                 "--spec-draft-n-max", str(draft.max_draft_tokens),
             ]  # fmt: skip
     return args
+
+
+# Blazar's named turn formats that llama-server knows only with --no-jinja.
+_LEGACY_TEMPLATES = tuple(n for n in CHAT_TEMPLATE_NAMES if n != "chatml")
+
+
+def chat_template_fallback(model: Model, file: ModelFile | None) -> tuple[str | None, str | None]:
+    """The named template llama-server must be given for `model` to render as Blazar's
+    engine does when neither the Model nor its GGUF has one (llama-server falls back to
+    ChatML, Blazar by architecture), or None; and, when that cannot be told because the
+    GGUF was not read, the gap to report."""
+    if model.spec.chat_template is not None:
+        return None, None
+    if file is None or file.has_chat_template is None or file.architecture is None:
+        return None, (
+            f"Model/{model.metadata.name}: spec.chatTemplate: unset, and its GGUF was not read "
+            "here: if the file ships no chat template, llama-server renders ChatML where "
+            "Blazar picks the format by architecture (Gemma's turns for gemma); set "
+            "chatTemplate to export the same prompts"
+        )
+    if file.has_chat_template:
+        return None, None
+    # Imported here: the engine's text module loads Jinja, which the CLI's start avoids.
+    from blazar.engine.text import fallback_template
+
+    return fallback_template(file.architecture), None
 
 
 def _names(lane: Lane) -> list[str]:
@@ -453,11 +497,20 @@ def _deployment(
         untranslated.append(
             f"Deployment/{name}: resources.requests.memory: left out, Blazar's estimate needs {why}"
         )
+    fallback, gap = chat_template_fallback(model, files.get(model.metadata.name))
+    if gap is not None:
+        untranslated.append(gap)
+    if model.spec.chat_template in _LEGACY_TEMPLATES or fallback in _LEGACY_TEMPLATES:
+        untranslated.append(
+            f"Model/{model.metadata.name}: spec.chatTemplate: llama-server knows the "
+            f"{model.spec.chat_template or fallback} format only without Jinja (--no-jinja), "
+            "where it refuses requests that carry tools"
+        )
     probe = {"httpGet": {"path": "/health", "port": PORT_NAME}}
     container: Object = {
         "name": "llama-server",
         "image": image,
-        "args": server_args(lane, model, pair),
+        "args": server_args(lane, model, pair, fallback_template=fallback),
         "ports": [{"name": PORT_NAME, "containerPort": PORT, "protocol": "TCP"}],
         # llama-server answers 503 until the model is loaded: a large one takes minutes.
         "startupProbe": {**probe, "periodSeconds": 5, "failureThreshold": 120},

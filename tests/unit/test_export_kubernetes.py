@@ -707,3 +707,63 @@ def test_an_upstream_lane_has_nothing_to_run(
     docs = [d for d in yaml.safe_load_all(capsys.readouterr().out) if d]
     assert not [d for d in docs if d["kind"] in ("Deployment", "Service")]
     assert "lane-remote.yaml" in next(d for d in docs if d["kind"] == "ConfigMap")["data"]
+
+
+@pytest.mark.parametrize("name", ["gemma", "llama3"])
+def test_a_named_template_llama_server_knows_only_without_jinja_is_given_so(name: str) -> None:
+    # llama-server's default Jinja mode reads any name but chatml as the template's
+    # source: every conversation would render as the bare word (the vendored build).
+    args = _args(_model(chatTemplate=name), _lane())
+    assert args[args.index("--chat-template") - 1 :][:3] == ["--no-jinja", "--chat-template", name]
+    result = kubernetes.export(_resources(_model(chatTemplate=name), _lane()), files={})
+    assert any(
+        g.startswith("Model/m: spec.chatTemplate:") and "tools" in g for g in result.untranslated
+    )
+
+
+def test_chatml_keeps_jinja() -> None:
+    assert "--no-jinja" not in _args(_model(chatTemplate="chatml"), _lane())
+
+
+@pytest.mark.parametrize(
+    ("file", "expected"),
+    [
+        # No template in the GGUF: Blazar's engine falls back by architecture, and
+        # llama-server to ChatML, so the export names Blazar's.
+        (kubernetes.ModelFile(architecture="gemma3", has_chat_template=False), "gemma"),
+        (kubernetes.ModelFile(architecture="llama", has_chat_template=False), "llama3"),
+        (kubernetes.ModelFile(architecture="qwen2", has_chat_template=False), "chatml"),
+        # The GGUF's own template: both servers render with it.
+        (kubernetes.ModelFile(architecture="gemma3", has_chat_template=True), None),
+    ],
+)
+def test_a_gguf_without_a_template_gets_blazars_fallback(
+    file: kubernetes.ModelFile, expected: str | None
+) -> None:
+    result = kubernetes.export(_resources(_model(), _lane()), files={"m": file})
+    (deployment,) = _of(result.objects, "Deployment").values()
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert _flag(args, "--chat-template") == expected
+    assert not any("GGUF was not read" in g for g in result.untranslated)
+
+
+def test_an_unread_gguf_without_a_chat_template_is_reported() -> None:
+    result = kubernetes.export(_resources(_model(), _lane()), files={})
+    assert any(
+        g.startswith("Model/m: spec.chatTemplate: unset, and its GGUF was not read")
+        for g in result.untranslated
+    )
+
+
+def test_the_cli_reads_the_bundled_ggufs_architecture_and_template(model_path: Path) -> None:
+    source = {
+        "kind": "Model",
+        "metadata": {"name": "m"},
+        "spec": {"source": {"path": str(model_path)}},
+    }
+    (model,) = _resources(source)
+    assert isinstance(model, Model)
+    file = cli_export.model_file(model)
+    info = modelfile.read_gguf(model_path)
+    assert file.architecture == info.architecture
+    assert file.has_chat_template == (info.parameters["has_chat_template"] == "true")
