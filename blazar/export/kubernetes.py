@@ -152,6 +152,7 @@ def export(
         key=lambda lane: lane.metadata.name,
     )
     _check_service_names(lanes)
+    _check_derived_names(lanes, policies)
 
     untranslated: list[str] = []
     served = _served_models(lanes, pairs)
@@ -177,6 +178,9 @@ def export(
         untranslated += _pair_gaps(pairs[name])
     for policy in policies:
         untranslated += _policy_gaps(policy)
+    untranslated += [
+        _upstream_gap(r) for r in resources if isinstance(r, Lane) and r.spec.engine == "upstream"
+    ]
     return Export(
         objects=objects,
         provide=_provide(served, models, lanes, fleet=fleet),
@@ -249,6 +253,44 @@ def _check_service_names(lanes: Sequence[Lane]) -> None:
             f"Lane {', '.join(bad)}: a Kubernetes Service name must begin with a letter; "
             "rename the Lane to export it"
         )
+
+
+def _check_derived_names(lanes: Sequence[Lane], policies: Sequence[SLOPolicy]) -> None:
+    """The names made of two (`<lane>-<policy>`, `<lane>-epp`) must be distinct and fit:
+    kubectl applies a second object of a name over the first, and a Service name is at
+    most 63 characters."""
+    by_name: dict[str, list[str]] = {}
+    for lane in lanes:
+        for policy in policies:
+            name = f"{lane.metadata.name}-{policy.metadata.name}"
+            by_name.setdefault(name, []).append(f"{lane.metadata.name} x {policy.metadata.name}")
+    clashes = [f"{name} ({', '.join(pairs)})" for name, pairs in by_name.items() if len(pairs) > 1]
+    if clashes:
+        raise ExportError(
+            f"InferenceObjective {'; '.join(clashes)}: Lane and SLOPolicy pairs would share "
+            "an object's name; rename a Lane or an SLOPolicy to export them"
+        )
+    services = {lane.metadata.name for lane in lanes}
+    bad = [
+        lane.metadata.name
+        for lane in lanes
+        if f"{lane.metadata.name}-epp" in services or len(lane.metadata.name) > 63 - len("-epp")
+    ]
+    if bad:
+        raise ExportError(
+            f"Lane {', '.join(bad)}: its endpoint picker Service <lane>-epp would be another "
+            "Lane's Service or longer than 63 characters; rename the Lane to export it"
+        )
+
+
+def _upstream_gap(lane: Lane) -> str:
+    upstream = lane.spec.upstream
+    where = upstream.url if upstream is not None else "its upstream"
+    return (
+        f"Lane/{lane.metadata.name}: spec.engine: upstream Lanes get no Deployment, Service or "
+        f"InferencePool: nothing in the cluster sends {', '.join(_names(lane))} to {where} "
+        "(a Blazar serving the ConfigMap does)"
+    )
 
 
 def _labels(name: str, *, fleet: str) -> dict[str, str]:

@@ -767,3 +767,36 @@ def test_the_cli_reads_the_bundled_ggufs_architecture_and_template(model_path: P
     info = modelfile.read_gguf(model_path)
     assert file.architecture == info.architecture
     assert file.has_chat_template == (info.parameters["has_chat_template"] == "true")
+
+
+def test_lane_and_policy_pairs_sharing_an_objective_name_are_refused() -> None:
+    docs = (_model(), _lane("a-b"), _lane("a"), _policy("c"), _policy("b-c"))
+    with pytest.raises(kubernetes.ExportError, match="a-b-c"):
+        kubernetes.export(_resources(*docs), files={})
+
+
+@pytest.mark.parametrize("lanes", [("x", "x-epp"), ("l" * 60,)])
+def test_an_endpoint_picker_name_that_cannot_be_a_service_is_refused(
+    lanes: tuple[str, ...],
+) -> None:
+    docs = (_model(), *(_lane(name) for name in lanes))
+    with pytest.raises(kubernetes.ExportError, match="<lane>-epp"):
+        kubernetes.export(_resources(*docs), files={})
+
+
+def test_an_upstream_lane_is_listed_as_not_translated() -> None:
+    upstream = {
+        "kind": "Lane",
+        "metadata": {"name": "up"},
+        "spec": {
+            "engine": "upstream",
+            "aliases": ["big"],
+            "upstream": {"url": "http://10.0.0.1:8000/v1", "model": "foo"},
+        },
+    }
+    result = kubernetes.export(_resources(_model(), _lane(), upstream), files={})
+    assert "up" not in _of(result.objects, "Deployment")
+    assert any(
+        g.startswith("Lane/up: spec.engine:") and "up, big" in g and "http://10.0.0.1:8000/v1" in g
+        for g in result.untranslated
+    )
