@@ -131,6 +131,17 @@ def _check_sha256(value: str) -> str:
 CHAT_TEMPLATE_NAMES = ("gemma", "chatml", "llama3")
 
 
+def fallback_template(architecture: str) -> str:
+    """The named turn format for a GGUF without a chat template, by architecture:
+    Gemma's own for the Gemma family, Llama 3's headers for "llama", ChatML (the most
+    widely shared format: Qwen, Phi-3, Yi, ...) for everything else."""
+    if architecture.startswith("gemma"):
+        return "gemma"
+    if architecture == "llama":
+        return "llama3"
+    return "chatml"
+
+
 def _check_chat_template(value: str, info: ValidationInfo) -> str:
     """A named turn format, or a Jinja template that compiles and reads `messages`.
 

@@ -111,17 +111,6 @@ NAMED_TEMPLATES: dict[str, str | None] = {
 }
 
 
-def fallback_template(architecture: str) -> str:
-    """The named turn format for a GGUF without a chat template, by architecture:
-    Gemma's own for the Gemma family, Llama 3's headers for "llama", ChatML (the most
-    widely shared format: Qwen, Phi-3, Yi, ...) for everything else."""
-    if architecture.startswith("gemma"):
-        return "gemma"
-    if architecture == "llama":
-        return "llama3"
-    return "chatml"
-
-
 class ChatTemplate:
     """A Hugging Face style Jinja chat template (`messages`, `add_generation_prompt`).
 

@@ -31,7 +31,7 @@ import structlog
 
 from blazar import eventloop, logs
 from blazar._proto.engine.v1 import engine_pb2_grpc
-from blazar.api import replicas
+from blazar.api import kinds, replicas
 from blazar.engine import jobs, llama, loop, service, text
 from blazar.rpc import limits
 
@@ -177,7 +177,7 @@ def chat_template(override: str | None, decode: loop.DecodeLoop) -> text.ChatTem
             return compiled(source)
         except jinja2.TemplateError as exc:
             log.warning("gguf_chat_template_unusable", error=str(exc))
-    name = text.fallback_template(decode.architecture)
+    name = kinds.fallback_template(decode.architecture)
     log.info("chat_template_fallback", architecture=decode.architecture, template=name)
     return compiled(text.NAMED_TEMPLATES[name])
 

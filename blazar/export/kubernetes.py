@@ -67,6 +67,7 @@ from blazar.api.kinds import (
     Resource,
     SLOPolicy,
     SpecPair,
+    fallback_template,
 )
 from blazar.api.replicas import LaunchSpec, SpeculationLaunch
 from blazar.controller import fit
@@ -476,9 +477,6 @@ def chat_template_fallback(model: Model, file: ModelFile | None) -> tuple[str | 
         )
     if file.has_chat_template:
         return None, None
-    # Imported here: the engine's text module loads Jinja, which the CLI's start avoids.
-    from blazar.engine.text import fallback_template
-
     return fallback_template(file.architecture), None
 
 

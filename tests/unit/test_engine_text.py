@@ -194,7 +194,7 @@ def test_utf8_stream(pieces: list[bytes], out: list[str], pending: bool) -> None
      ("qwen2", "chatml"), ("phi3", "chatml"), ("", "chatml")],
 )  # fmt: skip
 def test_fallback_template_by_architecture(architecture: str, name: str) -> None:
-    assert text.fallback_template(architecture) == name
+    assert kinds.fallback_template(architecture) == name
     assert name in text.NAMED_TEMPLATES
 
 
