@@ -85,7 +85,9 @@ class EngineParker:
             # given up on: the engine may park it yet, and is told to resume it after.
             log.info("admission.park_failed", request_id=request_id, error=exc.details())
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                undo = asyncio.get_running_loop().create_task(self.resume(replica, request_id))
+                undo = asyncio.get_running_loop().create_task(
+                    self.resume(replica, request_id, undoing=True)
+                )
                 self._undoing.add(undo)
                 undo.add_done_callback(self._undoing.discard)
             return None
@@ -93,15 +95,20 @@ class EngineParker:
             parked_bytes=answer.parked_bytes, tokens=answer.tokens, copy_s=answer.park_ms / 1000
         )
 
-    async def resume(self, replica: routing.Replica, request_id: str) -> bool:
+    async def resume(
+        self, replica: routing.Replica, request_id: str, *, undoing: bool = False
+    ) -> bool:
+        """`undoing`: the Resume that follows a Park given up on, which finds nothing
+        parked whenever that Park never reached the engine."""
         client = self._pool.client(replica.socket, process=replica.pid)
         try:
             await client.resume(request_id, timeout=RESUME_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
             # A replica that drains or went away takes no resume, and the parked
-            # generation ends with it: expected in a drain or a restart, not a warning.
+            # generation ends with it: expected in a drain or a restart, not a warning;
+            # nor is an undo that found nothing to resume.
             unavailable = exc.code() == grpc.StatusCode.UNAVAILABLE
-            told = log.info if unavailable else log.warning
+            told = log.info if unavailable or undoing else log.warning
             told("admission.resume_failed", request_id=request_id, error=exc.details())
             return False
         return True

@@ -88,3 +88,34 @@ def test_a_park_given_up_on_is_followed_by_a_resume(monkeypatch: pytest.MonkeyPa
 
     assert asyncio.run(run()) is None
     assert engine.calls == [("park", "r1"), ("resume", "r1")]
+
+
+class NeverParkedEngine(SlowParkEngine):
+    """Its Park never happened (the engine stopped before it arrived): nothing to resume."""
+
+    async def Resume(self, request: Any, context: Any) -> engine_pb2.ResumeResponse:
+        self.calls.append(("resume", request.request_id))
+        await context.abort(grpc.StatusCode.NOT_FOUND, "No parked generation r1.")
+        raise AssertionError("unreachable")
+
+
+def test_an_undo_that_finds_nothing_parked_is_no_warning(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(parking, "PARK_TIMEOUT_S", 0.1)
+    engine = NeverParkedEngine()
+
+    async def run() -> None:
+        async with engines(engine) as sockets:  # type: ignore[arg-type]
+            pool = EnginePool()
+            replica = routing.Replica(lane="l", index=0, socket=sockets[0], pid=1)
+            await parking.EngineParker(pool).park(replica, "r1")
+            for _ in range(50):
+                if len(engine.calls) == 2:
+                    break
+                await asyncio.sleep(0.02)
+            await asyncio.sleep(0.1)  # the undo's answer is logged
+            await pool.close()
+
+    with capture_logs() as logs:
+        asyncio.run(run())
+    [failed] = [e for e in logs if e["event"] == "admission.resume_failed"]
+    assert failed["log_level"] == "info"
