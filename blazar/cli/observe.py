@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from datetime import UTC, datetime
 
 from blazar._proto.v1 import control_pb2
@@ -59,13 +60,16 @@ def event_json(e: control_pb2.Event) -> printers.EventJson:
             "message": e.message, "uid": e.uid}  # fmt: skip
 
 
-def object_ref(target: str, *, flag: str = "--for") -> tuple[str, str]:
+def object_ref(
+    target: str, *, flag: str = "--for", kind_of: Callable[[str], str] | None = None
+) -> tuple[str, str]:
     """A KIND/NAME argument's object (`events --for`, `logs`, `delete`), its kind in any
-    accepted spelling; `flag` names the argument in the error."""
+    accepted spelling (`kind_of` reads it, if given: `events` takes more kinds than
+    objects have); `flag` names the argument in the error."""
     kind, sep, name = target.partition("/")
     if not sep or not kind or not name or "/" in name:
         raise errors.InvalidRequest(f"{flag} takes KIND/NAME (such as lane/gemma3), not '{target}'")
-    return kinds.resolve_kind(kind).value, name
+    return (kind_of(kind) if kind_of is not None else kinds.resolve_kind(kind).value), name
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
@@ -146,11 +150,7 @@ def cmd_events(args: argparse.Namespace) -> int:
     if args.for_ and (args.kind or args.name):
         raise errors.InvalidRequest("events takes KIND [NAME] or --for KIND/NAME, not both")
     if args.for_:
-        kind_text, sep, name = args.for_.partition("/")
-        if not sep or not kind_text or not name or "/" in name:
-            # object_ref's error, which says what the flag takes.
-            object_ref(args.for_)
-        kind = _event_kind(kind_text)
+        kind, name = object_ref(args.for_, kind_of=_event_kind)
     else:
         kind = _event_kind(args.kind) if args.kind else ""
         name = args.name or ""
