@@ -288,14 +288,11 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             log.info("lane.unload", lane=route.lane)
             return inference_pb2.KeepAliveResponse(lane=route.lane)
         load_ms = 0.0
-        if not route.replicas and not route.wakes:
+        refused = None if route.replicas or route.wakes else routing.closed(route)
+        if refused is not None:
             # Paused, or no replica can start until its operator acts (Model not ready,
             # never fits in memory): "loaded" would be a lie that its chats then refute.
-            refused = (
-                routing.scaled_to_zero(route) if route.desired == 0 else routing.unservable(route)
-            )
-            if refused is not None:
-                await self._refuse(context, refused, caller)
+            await self._refuse(context, refused, caller)
         if route.wakes and not route.replicas:
             started = time.monotonic()
             route, _ = await self._awake(request.model, context, caller)

@@ -220,6 +220,12 @@ def scaled_to_zero(route: Route) -> errors.Unavailable:
     )
 
 
+def closed(route: Route) -> errors.Unavailable | None:
+    """Why a Lane serves nothing until its operator acts: paused (`scaled_to_zero`), or
+    no replica can start (`unservable`); None while a replica serves or may yet come."""
+    return scaled_to_zero(route) if route.desired == 0 else unservable(route)
+
+
 def spillover_of(table: RouteTable, route: Route) -> Route | None:
     """The Lane `route` spills over to, by its own name (an alias names no Lane here);
     None when it names none, or one the table does not hold (missing: no spill)."""
@@ -285,13 +291,11 @@ def pick_replica(
 
     A Lane scaled to zero has none (`scaled_to_zero`), draining replicas listed or not.
     """
-    if route.desired == 0:
-        # Paused: its replicas are stopped, or draining (listed until they stop), and a
-        # draining engine takes no new work.
-        raise scaled_to_zero(route)
     candidates = [r for r in route.replicas if r.index not in exclude]
-    if not candidates and (stranded := unservable(route)) is not None:
-        raise stranded
+    # Paused: its replicas are stopped, or draining (listed until they stop), and a
+    # draining engine takes no new work.
+    if (route.desired == 0 or not candidates) and (why := closed(route)) is not None:
+        raise why
     if not candidates:
         raise errors.Unavailable(
             f"The model '{route.lane}' has no ready replica yet; retry shortly.",
