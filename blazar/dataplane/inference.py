@@ -280,6 +280,8 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         woken and waited for (`_awake`), and the keep is told as a request's end."""
         caller = access.current()
         await self._permit(request.model, context, caller)
+        # Admits nothing, but a policy named here is checked as on every route.
+        await self._policy(request.model, "", context, caller)
         await self._count(request.model, context, caller)
         route = routing.resolve(self.table, request.model)
         keep_alive_s = request.keep_alive_s if request.HasField("keep_alive_s") else None

@@ -144,7 +144,7 @@ def test_a_request_refused_as_the_callers_mistake_costs_no_rate_limit() -> None:
         async with plane(ASKED) as (stub, _):
             key = ("authorization", "Bearer bz-once")
             codes = set()
-            for method in ("Chat", "Complete", "Embed", "Tokenize"):
+            for method in ("Chat", "Complete", "Embed", "Tokenize", "KeepAlive"):
                 with pytest.raises(grpc.aio.AioRpcError) as info:
                     await CALLS[method](stub, (key, ("x-blazar-slo", "no-such-policy")))
                 codes.add(info.value.code())
@@ -169,7 +169,7 @@ def test_a_policy_the_tenant_may_not_name_is_refused_on_every_route_and_costs_no
         async with plane(ASKED) as (stub, _):
             key = ("authorization", "Bearer bz-plain")
             seen = set()
-            for method in ("Chat", "Complete", "Embed", "Tokenize"):
+            for method in ("Chat", "Complete", "Embed", "Tokenize", "KeepAlive"):
                 for name in ("batch", "no-such-policy"):
                     with pytest.raises(grpc.aio.AioRpcError) as info:
                         await CALLS[method](stub, (key, ("x-blazar-slo", name)))
@@ -181,7 +181,7 @@ def test_a_policy_the_tenant_may_not_name_is_refused_on_every_route_and_costs_no
     seen, then = asyncio.run(run())
     assert seen == {(grpc.StatusCode.PERMISSION_DENIED, "SLO_POLICY_NOT_PERMITTED")}
     assert then == grpc.StatusCode.OK
-    assert refusals("plain", "SLO_POLICY_NOT_PERMITTED") - before == 8
+    assert refusals("plain", "SLO_POLICY_NOT_PERMITTED") - before == 10
 
 
 def test_a_request_refused_for_the_servers_state_costs_no_rate_limit() -> None:
