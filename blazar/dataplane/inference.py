@@ -401,10 +401,13 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         session: str = "",
         hashes: Callable[[int], tuple[int, ...]] | None = None,
         caller: access.Caller | None = None,
+        generation: bool = False,
     ) -> tuple[routing.Route, routing.Replica | None, tuple[int, ...]]:
         """The request's Lane, its replica (None: the Lane sleeps and wakes for it),
         and its prompt's block hashes (computed here, once the Lane tells how many
-        blocks its replicas can hold)."""
+        blocks its replicas can hold). A `generation` refused here, on a Lane that
+        exists, counts among its Lane's requests (no replica ready: UNAVAILABLE)."""
+        route: routing.Route | None = None
         try:
             route = routing.resolve(self.table, model)
             index = self._fleet.prefixes(route.lane)
@@ -414,6 +417,8 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             return route, self._pick(route, session=session, hashes=blocks), blocks
         except errors.BlazarError as err:
             log.info("request.rejected", model=model, reason=err.reason)
+            if generation and route is not None:
+                metrics.observe_failure(route.lane, err.reason)
             await self._refuse(context, err, caller)
 
     async def _awake(
@@ -543,7 +548,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         session = _scoped_session(session, scope)
         hashes = _scoped_hashes(hashes, scope)
         route, replica, blocks = await self._route(
-            model, context, session=session, hashes=hashes, caller=caller
+            model, context, session=session, hashes=hashes, caller=caller, generation=True
         )
         lane = self._dispatchers.of(route.lane)
         # A malformed tag is ignored: it only helps a gate watcher count.
@@ -603,6 +608,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                 )
         except errors.BlazarError as err:
             log.info("request.rejected", model=route.lane, reason=err.reason)
+            metrics.observe_failure(route.lane, err.reason)
             await self._refuse(context, err, caller)
         if policy.tpot_target_s is not None:
             # The engine paces prompt chunks beside this stream to keep it.
