@@ -104,7 +104,7 @@ def cmd_top(args: argparse.Namespace) -> int:
         for r in response.lanes
     ]
     if args.output == "json":
-        print(json.dumps([vars(r) for r in rows], indent=2))
+        print(printers.top_json(rows))
     elif not rows:
         # On stderr, as `get` says it (and kubectl): stdout holds only the table.
         print(printers.top_table(rows), file=sys.stderr)

@@ -7,6 +7,7 @@ fields. Every field but the kind and the name may be missing.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ from datetime import UTC, datetime
 from typing import Any, NotRequired, Required, TypedDict
 
 import yaml
+from pydantic.alias_generators import to_camel
 
 
 class MetadataJson(TypedDict, total=False):
@@ -409,6 +411,14 @@ class LaneLoad:
     running: int
     tokens_per_second: float
     memory_bytes: int
+
+
+def top_json(rows: Sequence[LaneLoad]) -> str:
+    """`blazar top -o json`: the rows with camelCase keys, as every other JSON output
+    (`get`, `events`) writes them."""
+    return json.dumps(
+        [{to_camel(k): v for k, v in dataclasses.asdict(r).items()} for r in rows], indent=2
+    )
 
 
 def top_table(rows: Sequence[LaneLoad]) -> str:

@@ -347,16 +347,16 @@ def test_top_shows_slots_queue_throughput_and_memory(daemon: Daemon, model_path:
         out = daemon.cli("top", "-o", "json")
         assert out.returncode == 0, out.stderr
         rows = {r["lane"]: r for r in json.loads(out.stdout)}
-        return rows["gemma3"] if rows["gemma3"]["replicas_reporting"] else None
+        return rows["gemma3"] if rows["gemma3"]["replicasReporting"] else None
 
     top = wait_for(row, timeout=15, what="the engines' Health round")
-    assert top["slots_total"] == 6 and 0 <= top["slots_busy"] <= 6  # manifests/: 1 x 6
+    assert top["slotsTotal"] == 6 and 0 <= top["slotsBusy"] <= 6  # manifests/: 1 x 6
     assert (top["queued"], top["running"]) == (0, 0)
     # At least the last request's 16 tokens, within the 10 s window (more if others
     # finished in it too).
-    assert top["tokens_per_second"] >= 16 / 10
+    assert top["tokensPerSecond"] >= 16 / 10
     (pid,) = daemon.pids("gemma3")
-    assert 0.5 < top["memory_bytes"] / rss_bytes(pid) < 2.0
+    assert 0.5 < top["memoryBytes"] / rss_bytes(pid) < 2.0
     table = daemon.cli("top").stdout.splitlines()
     assert table[0].split()[:3] == ["LANE", "REPLICAS", "SLOTS"]
     (line,) = [line.split() for line in table if line.startswith("gemma3 ")]

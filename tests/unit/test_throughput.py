@@ -3,6 +3,8 @@ and how the table shows a Lane."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from blazar.cli import printers
@@ -42,3 +44,12 @@ def test_top_table_shows_what_engines_reported_and_dashes_otherwise() -> None:
     _, silent = printers.top_table([load(0)]).splitlines()
     assert silent.split() == ["gemma3", "0", "-", "2", "1", "12.3", "-"]
     assert printers.top_table([]) == "No Lane resources found."
+
+
+def test_top_json_keys_are_camel_case_as_every_other_json_output() -> None:
+    (row,) = json.loads(printers.top_json([load(1)]))
+    assert set(row) == {
+        "lane", "replicasReporting", "slotsBusy", "slotsTotal", "queued", "running",
+        "tokensPerSecond", "memoryBytes",
+    }  # fmt: skip
+    assert (row["slotsBusy"], row["slotsTotal"], row["queued"]) == (1, 4, 2)
