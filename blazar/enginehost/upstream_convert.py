@@ -30,7 +30,7 @@ from typing import Any
 
 from blazar._proto.engine.v1 import engine_pb2
 from blazar._proto.v1 import inference_pb2
-from blazar.api import errors
+from blazar.api import errors, wire
 
 CHAT_ROUTE = "chat/completions"
 COMPLETIONS_ROUTE = "completions"
@@ -152,7 +152,7 @@ def _tools(chat: engine_pb2.ChatInput) -> dict[str, Any]:
 
 def _sampling(sampling: inference_pb2.Sampling, *, chat: bool) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for name, wire in (
+    for name, key in (
         ("temperature", "temperature"),
         ("top_p", "top_p"),
         ("top_k", "top_k"),
@@ -164,7 +164,7 @@ def _sampling(sampling: inference_pb2.Sampling, *, chat: bool) -> dict[str, Any]
         ("max_tokens", "max_tokens"),
     ):
         if sampling.HasField(name):
-            out[wire] = getattr(sampling, name)
+            out[key] = getattr(sampling, name)
     if sampling.stop:
         out["stop"] = list(sampling.stop)
     if sampling.logit_bias:
@@ -281,14 +281,10 @@ class StreamTranslator:
         return inference_pb2.Chunk(final=final)
 
 
-# The largest count a protobuf int32 field holds.
-_INT32_MAX = 2**31 - 1
-
-
 def _int(value: Any, *, default: int = 0) -> int:
     """A count the upstream reported, or `default` for one that is not a count: not an
     integer, negative (the daemon's counters only go up) or beyond an int32 field."""
-    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= _INT32_MAX:
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= wire.INT32_MAX:
         return value
     return default
 

@@ -17,9 +17,6 @@ from typing import Any
 from blazar._proto.v1 import inference_pb2
 from blazar.api import errors
 
-# The largest value of a proto3 int32, which carries max_tokens, top_k and the like:
-# every dialect bounds its integers by it.
-INT32_MAX = 2**31 - 1
 # proto3 uint32: clients send any integer seed, so larger ones are folded in.
 _SEED_MODULUS = 2**32
 # llama.cpp (and Ollama after it) read seed -1, their default, as "a random seed", and

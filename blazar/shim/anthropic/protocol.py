@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal, NotRequired, TypedDict
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
-from blazar.shim.canonical import INT32_MAX
+from blazar.api.wire import INT32_MAX
 
 # ---------------------------------------------------------------- requests
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from blazar._proto.v1 import inference_pb2
-from blazar.api import errors
+from blazar.api import errors, wire
 from blazar.shim import canonical, validation
 
 # Ollama's num_predict: -1 generates until the model stops, -2 until the context is
@@ -52,7 +52,7 @@ def sampling(options: Mapping[str, Any]) -> inference_pb2.Sampling:
         if name not in _OPTIONS:
             raise _unsupported_option(name)
     read = _OptionReader(options)
-    num_predict = read.integer("num_predict", low=-2, high=canonical.INT32_MAX)
+    num_predict = read.integer("num_predict", low=-2, high=wire.INT32_MAX)
     stop = options.get("stop")
     if stop is not None and not (
         isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))
@@ -61,11 +61,11 @@ def sampling(options: Mapping[str, Any]) -> inference_pb2.Sampling:
             "Invalid value for 'options.stop': use a string or a list of strings.",
             param="options.stop",
         )
-    read.integer("num_ctx", low=1, high=canonical.INT32_MAX)
+    read.integer("num_ctx", low=1, high=wire.INT32_MAX)
     return canonical.sampling(
         temperature=read.number("temperature", low=0),
         top_p=read.number("top_p", low=0, high=1),
-        top_k=read.integer("top_k", low=0, high=canonical.INT32_MAX),
+        top_k=read.integer("top_k", low=0, high=wire.INT32_MAX),
         min_p=read.number("min_p", low=0, high=1),
         repeat_penalty=read.number("repeat_penalty", low=0, low_open=True),
         presence_penalty=read.number("presence_penalty", low=-2, high=2),
@@ -193,4 +193,4 @@ def check_embedding(options: Mapping[str, Any] | None) -> None:
                 f"'options.{name}' is not supported for embeddings; only num_ctx is.",
                 param=f"options.{name}",
             )
-    _OptionReader(options or {}).integer("num_ctx", low=1, high=canonical.INT32_MAX)
+    _OptionReader(options or {}).integer("num_ctx", low=1, high=wire.INT32_MAX)

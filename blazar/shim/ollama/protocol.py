@@ -13,7 +13,7 @@ from typing import Any, Literal, NotRequired, TypedDict
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from blazar.shim.canonical import INT32_MAX
+from blazar.api.wire import INT32_MAX
 
 # ---------------------------------------------------------------- requests
 

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from blazar._proto.v1 import inference_pb2
-from blazar.api import sessions
+from blazar.api import sessions, wire
 from blazar.shim import canonical
 from blazar.shim.openai import protocol
 from blazar.shim.openai.convert import envelope
@@ -23,8 +23,6 @@ _ROLES = {"developer": "system"}
 # content when they carry tool_calls; one with neither is still taken here, as an
 # empty turn.
 _CONTENT_REQUIRED = frozenset({"system", "developer", "user", "tool"})
-# proto3 int32 map keys.
-_TOKEN_ID_LIMIT = 2**31
 # OpenAI's legacy completions endpoint stops after 16 tokens when `max_tokens` is
 # unset or null (vLLM does the same); chat has no such default and runs until the
 # context is full.
@@ -459,7 +457,7 @@ def _sampling(
     for key, bias in (body.logit_bias or {}).items():
         # Digits only: int() would also take " 5", "1_000" and other scripts' digits.
         token = int(key) if key.isascii() and key.isdigit() else -1
-        if not 0 <= token < _TOKEN_ID_LIMIT:
+        if not 0 <= token <= wire.INT32_MAX:
             raise envelope.invalid(
                 f"Invalid key in 'logit_bias': {key!r} is not a token id.", param="logit_bias"
             )

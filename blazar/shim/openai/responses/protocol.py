@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal, NotRequired, TypedDict
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from blazar.shim.canonical import INT32_MAX
+from blazar.api.wire import INT32_MAX
 from blazar.shim.openai import protocol as chat
 
 # ---------------------------------------------------------------- requests
