@@ -94,7 +94,7 @@ class Parking:
     # A decode step on the victim's replica at the batch it ran when asked (None: not
     # measured yet): the most a park waits for.
     step_s: float | None = None
-    # How many times the engine was asked (`dispatcher.PARK_TRIES`).
+    # How many times the engine was asked (`preempting.PARK_TRIES`).
     tries: int = 1
     # The victim's tokens relayed when the engine was last asked: with none, a refusal
     # may only mean its engine had not seated it yet (`LaneDispatcher._park_again`).

@@ -13,8 +13,9 @@ import pytest
 from blazar._proto.v1 import inference_pb2
 from blazar.api import errors
 from blazar.dataplane import admission, routing
-from blazar.dataplane.dispatcher import PARK_TRIES, LaneDispatcher
+from blazar.dataplane.dispatcher import LaneDispatcher
 from blazar.dataplane.parking import Parked
+from blazar.dataplane.preempting import PARK_TRIES
 from blazar.dataplane.runs import Run
 from tests.dispatching import one_slot_route
 
