@@ -10,6 +10,7 @@
     ├── ObjectNotFound                no such resource in the store      NOT_FOUND
     ├── RequestNotFound               no such request on the engine      NOT_FOUND
     ├── RequestStateConflict          not in a state that allows it      FAILED_PRECONDITION
+    ├── Conflict                      an apply's stale resourceVersion   ABORTED
     ├── Overloaded                    admission refused, retry later     RESOURCE_EXHAUSTED
     │   ├── QueueFull                 its policy's queue is at its depth RESOURCE_EXHAUSTED
     │   ├── QueueTimeout              waited its policy's longest wait   RESOURCE_EXHAUSTED
@@ -203,6 +204,39 @@ class RequestStateConflict(BlazarError):
         )
 
 
+class Conflict(BlazarError):
+    """An apply whose `metadata.resourceVersion` (its precondition, as Kubernetes'
+    optimistic concurrency has it) is not the stored object's: someone changed the
+    object since it was read, or it is gone. ABORTED, as gRPC says of a
+    read-modify-write that lost a race: read again and retry. The metadata names the
+    object, the version the caller sent and (when the object exists) the current one."""
+
+    code = "ABORTED"
+    reason = "CONFLICT"
+
+    @classmethod
+    def stale(cls, *, kind: str, name: str, expected: int, current: int) -> Conflict:
+        return cls(
+            f"{kind}/{name} has been modified since resourceVersion {expected} (now "
+            f"{current}); get it again, apply your change to it, and apply that.",
+            metadata={
+                "kind": kind,
+                "name": name,
+                "resource_version": str(expected),
+                "current_resource_version": str(current),
+            },
+        )
+
+    @classmethod
+    def gone(cls, *, kind: str, name: str, expected: int) -> Conflict:
+        return cls(
+            f"{kind}/{name} does not exist, so it cannot be at resourceVersion {expected} "
+            "(it was deleted since it was read, or never created); remove "
+            "metadata.resourceVersion to create it.",
+            metadata={"kind": kind, "name": name, "resource_version": str(expected)},
+        )
+
+
 class Overloaded(BlazarError):
     code = "RESOURCE_EXHAUSTED"
     reason = "OVERLOADED"
@@ -378,6 +412,7 @@ _BY_REASON: dict[str, type[BlazarError]] = {
         ObjectNotFound,
         RequestNotFound,
         RequestStateConflict,
+        Conflict,
         Overloaded,
         QueueFull,
         QueueTimeout,

@@ -7,8 +7,9 @@ store-wide `resourceVersion` it produced.
 
 `TransactionalStore` implements the whole `Store` protocol on top of a handful of
 storage primitives, so the SQLite and in-memory stores differ only in where bytes go.
-What `apply` does to one object is decided by the pure `decide_apply`; which stored
-objects a batch prunes, by the pure `decide_prune`.
+What `apply` does to one object is decided by the pure `decide_apply`; whether the
+resourceVersion its caller expects (a precondition) lets it happen, by the pure
+`decide_precondition`; which stored objects a batch prunes, by the pure `decide_prune`.
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ import abc
 import builtins
 import threading
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from enum import StrEnum
+from types import MappingProxyType
 from typing import Any, Protocol
 
 import structlog
@@ -91,6 +93,11 @@ Admission = Callable[[Sequence[Resource]], builtins.list[FieldError]]
 # are deleted with it (GitOps pruning). None: the batch prunes nothing.
 Owns = Callable[[Resource], bool]
 
+# The resourceVersion an apply expects each object it names to be at, by (kind, name):
+# Kubernetes' optimistic concurrency. An object not in it is written whatever its version.
+Preconditions = Mapping[tuple[Kind, str], int]
+NO_PRECONDITIONS: Preconditions = MappingProxyType({})
+
 # Deleted in this order, so that an object goes before those it names (a Lane before
 # its Model, SLOPolicy and SpecPair; a SpecPair before its Models): a watcher of the
 # store never sees a reference left dangling halfway through a prune.
@@ -102,10 +109,16 @@ class Store(Protocol):
     admission: Admission | None
 
     def apply_all(
-        self, objs: Sequence[Resource], *, dry_run: bool = False, prune: Owns | None = None
+        self,
+        objs: Sequence[Resource],
+        *,
+        dry_run: bool = False,
+        prune: Owns | None = None,
+        preconditions: Preconditions = NO_PRECONDITIONS,
     ) -> builtins.list[ApplyOutcome]:
         """Apply every object, and delete those `prune` owns that the batch does not
-        hold (outcome PRUNED), in one commit."""
+        hold (outcome PRUNED), in one commit; or, when an object is not at the version
+        `preconditions` expects, raise `errors.Conflict` and write nothing."""
         ...
 
     def get(self, kind: Kind, name: str) -> Resource | None: ...
@@ -181,6 +194,19 @@ def decide_apply(
     return ApplyOutcome(ApplyAction.CONFIGURED, configured)
 
 
+def decide_precondition(
+    kind: Kind, name: str, expected: int, current: Resource | None
+) -> errors.Conflict | None:
+    """Why an apply that expects `kind/name` at resourceVersion `expected` must not
+    happen, given the stored `current`; None when the object is at that version."""
+    if current is None:
+        return errors.Conflict.gone(kind=kind.value, name=name, expected=expected)
+    now = current.metadata.resource_version or 0
+    if now != expected:
+        return errors.Conflict.stale(kind=kind.value, name=name, expected=expected, current=now)
+    return None
+
+
 def decide_prune(
     stored: Sequence[Resource], batch: Sequence[Resource], owns: Owns
 ) -> builtins.list[Resource]:
@@ -244,9 +270,20 @@ class TransactionalStore(abc.ABC):
             return self._stored_resource_version()
 
     def apply_all(
-        self, objs: Sequence[Resource], *, dry_run: bool = False, prune: Owns | None = None
+        self,
+        objs: Sequence[Resource],
+        *,
+        dry_run: bool = False,
+        prune: Owns | None = None,
+        preconditions: Preconditions = NO_PRECONDITIONS,
     ) -> builtins.list[ApplyOutcome]:
         with self._lock:
+            # Checked against what is stored, under the lock that the commit below
+            # holds too: no write can come between the check and this batch's own.
+            for (kind, name), expected in preconditions.items():
+                conflict = decide_precondition(kind, name, expected, self._get(kind, name))
+                if conflict is not None:
+                    raise conflict
             now = self._clock()
             version = self._stored_resource_version()
             # Deletions first, in their own order: what goes stops serving before what

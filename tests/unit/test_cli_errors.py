@@ -19,6 +19,8 @@ BAD = errors.ManifestInvalid(
     ]
 )
 
+STALE = errors.Conflict.stale(kind="Lane", name="x", expected=12, current=14)
+
 
 class FromTheFuture(errors.BlazarError):
     """A reason this CLI has no class for (a newer daemon's)."""
@@ -49,6 +51,7 @@ class FromTheFuture(errors.BlazarError):
             ),
             errors.SloUnattainable,
         ),
+        (STALE, errors.Conflict),
     ],
 )
 def test_from_reason_rebuilds_class_reason_message_and_metadata(
@@ -81,6 +84,12 @@ def test_a_received_manifest_error_has_no_field_errors_but_its_message() -> None
             'Error from server (NotFound): Lane "x" not found.\n',
         ),
         (FromTheFuture("Lane x is frozen."), "Error from server (LaneFrozen): Lane x is frozen.\n"),
+        # As kubectl shows a stale apply.
+        (
+            STALE,
+            "Error from server (Conflict): Lane/x has been modified since resourceVersion 12 "
+            "(now 14); get it again, apply your change to it, and apply that.\n",
+        ),
         # No key over TCP: how this command line sends one.
         (
             errors.Unauthenticated("No API key.", metadata={"credential": "missing"}),

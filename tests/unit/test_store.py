@@ -18,7 +18,15 @@ from blazar.api import conditions, errors, kinds, manifests
 from blazar.api.kinds import Kind
 from blazar.api.meta import ConditionStatus, ObjectMeta
 from blazar.store import sqlite
-from blazar.store.base import ApplyAction, ApplyOutcome, Store, WatchEvent, WatchType, decide_apply
+from blazar.store.base import (
+    ApplyAction,
+    ApplyOutcome,
+    Store,
+    WatchEvent,
+    WatchType,
+    decide_apply,
+    decide_precondition,
+)
 from blazar.store.memory import MemoryStore
 from blazar.store.sqlite import SQLiteStore
 from tests.unit.helpers import T0, Clock
@@ -604,3 +612,116 @@ def test_a_store_with_a_damaged_page_is_moved_aside(tmp_path: Path) -> None:
         assert again.recovered_from is not None and again.list() == []
     finally:
         again.close()
+
+
+# --- resourceVersion preconditions (optimistic concurrency) ---------------------------
+
+
+def test_a_precondition_at_the_current_version_applies(store: Store) -> None:
+    [created] = store.apply_all([lane()])
+    store.update_status(Kind.LANE, "gemma", ready_status())
+    current = store.get(Kind.LANE, "gemma")
+    assert current is not None and current.metadata.resource_version == 2
+    [outcome] = store.apply_all([lane(replicas=2)], preconditions={(Kind.LANE, "gemma"): 2})
+    assert outcome.action is ApplyAction.CONFIGURED
+    assert outcome.object.metadata.resource_version == 3
+    assert created.object.metadata.uid == outcome.object.metadata.uid
+
+
+def test_a_stale_precondition_refuses_the_apply(store: Store, seen: list[WatchEvent]) -> None:
+    store.apply_all([lane()])
+    store.apply_all([lane(replicas=3)])  # someone else's change, at version 2
+    seen.clear()
+    with pytest.raises(errors.Conflict) as refused:
+        store.apply_all([lane(replicas=2)], preconditions={(Kind.LANE, "gemma"): 1})
+    assert refused.value.code == "ABORTED" and refused.value.reason == "CONFLICT"
+    assert refused.value.message == (
+        "Lane/gemma has been modified since resourceVersion 1 (now 2); get it again, "
+        "apply your change to it, and apply that."
+    )
+    assert refused.value.metadata == {
+        "kind": "Lane",
+        "name": "gemma",
+        "resource_version": "1",
+        "current_resource_version": "2",
+    }
+    got = store.get(Kind.LANE, "gemma")
+    assert isinstance(got, kinds.Lane) and got.spec.replicas == 3
+    assert store.resource_version == 2
+    assert seen == []
+
+
+def test_without_a_precondition_the_last_apply_wins(store: Store) -> None:
+    store.apply_all([lane()])
+    store.apply_all([lane(replicas=3)])
+    [outcome] = store.apply_all([lane(replicas=2)])
+    assert outcome.action is ApplyAction.CONFIGURED
+    got = store.get(Kind.LANE, "gemma")
+    assert isinstance(got, kinds.Lane) and got.spec.replicas == 2
+
+
+def test_a_precondition_on_an_object_that_does_not_exist_refuses_it(store: Store) -> None:
+    with pytest.raises(errors.Conflict) as refused:
+        store.apply_all([lane()], preconditions={(Kind.LANE, "gemma"): 4})
+    assert "Lane/gemma does not exist" in refused.value.message
+    assert "remove metadata.resourceVersion to create it" in refused.value.message
+    assert refused.value.metadata == {"kind": "Lane", "name": "gemma", "resource_version": "4"}
+    assert store.list() == [] and store.resource_version == 0
+
+
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_one_stale_precondition_refuses_the_whole_batch(
+    store: Store, seen: list[WatchEvent], dry_run: bool
+) -> None:
+    store.apply_all([model(), lane("a"), lane("b")])  # versions 1, 2, 3
+    store.apply_all([lane("b", replicas=4)])  # b now at 4
+    seen.clear()
+    batch = [model(tier="x"), lane("a", replicas=2), lane("b", replicas=2), lane("c")]
+    with pytest.raises(errors.Conflict) as refused:
+        store.apply_all(
+            batch,
+            dry_run=dry_run,
+            preconditions={(Kind.LANE, "a"): 2, (Kind.LANE, "b"): 3},
+        )
+    assert refused.value.metadata["name"] == "b"
+    assert store.resource_version == 4
+    assert [kinds.key(o) for o in store.list()] == [
+        (Kind.LANE, "a"),
+        (Kind.LANE, "b"),
+        (Kind.MODEL, "gemma3-270m"),
+    ]
+    a, b, m = (
+        store.get(Kind.LANE, "a"),
+        store.get(Kind.LANE, "b"),
+        store.get(Kind.MODEL, "gemma3-270m"),
+    )
+    assert isinstance(a, kinds.Lane) and a.spec.replicas == 1
+    assert isinstance(b, kinds.Lane) and b.spec.replicas == 4
+    assert m is not None and m.metadata.labels == {}
+    assert seen == []
+
+
+@pytest.mark.parametrize(
+    ("expected", "current", "refused"),
+    [
+        (5, 5, None),
+        (4, 5, "Lane/gemma has been modified since resourceVersion 4 (now 5)"),
+        (6, 5, "Lane/gemma has been modified since resourceVersion 6 (now 5)"),
+        (5, None, "Lane/gemma does not exist"),
+    ],
+)
+def test_decide_precondition_is_pure(
+    expected: int, current: int | None, refused: str | None
+) -> None:
+    stored = (
+        None
+        if current is None
+        else lane().model_copy(
+            update={"metadata": ObjectMeta(name="gemma", resource_version=current)}
+        )
+    )
+    conflict = decide_precondition(Kind.LANE, "gemma", expected, stored)
+    if refused is None:
+        assert conflict is None
+    else:
+        assert conflict is not None and conflict.message.startswith(refused)
