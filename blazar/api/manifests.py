@@ -26,7 +26,7 @@ import yaml
 from blazar.api import kinds
 from blazar.api.errors import FieldError, ManifestInvalid
 from blazar.api.kinds import Kind, Resource
-from blazar.api.meta import API_VERSION
+from blazar.api.meta import API_VERSION, is_name
 
 MANIFEST_SUFFIXES = (".yaml", ".yml", ".json")
 
@@ -238,6 +238,41 @@ def identities(docs: Sequence[tuple[str, dict[str, Any]]]) -> list[tuple[Kind, s
     if problems:
         raise ManifestInvalid(problems)
     return found
+
+
+def resource_versions(
+    docs: Sequence[tuple[str, dict[str, Any]]],
+) -> tuple[dict[tuple[Kind, str], int], list[FieldError]]:
+    """The `metadata.resourceVersion` each document sets, by (kind, name), and the
+    errors of those that are no version: an interactive apply takes them as
+    preconditions (`Store.apply_all`). Absent, null, empty and 0 set none (last apply
+    wins), as an empty one does in Kubernetes; a version is a whole number, as `get`
+    prints it, or the same in a string, as Kubernetes prints it. A document without a
+    valid kind and name is skipped: validation says what is wrong with it."""
+    found: dict[tuple[Kind, str], int] = {}
+    problems: list[FieldError] = []
+    for _, raw in docs:
+        metadata = raw.get("metadata")
+        kind_text = raw.get("kind")
+        if not isinstance(metadata, dict) or kind_text not in [k.value for k in Kind]:
+            continue
+        name = metadata.get("name")
+        value = metadata.get("resourceVersion", metadata.get("resource_version"))
+        if not isinstance(name, str) or not is_name(name) or value is None or value == "":
+            continue
+        if isinstance(value, str) and value.isascii() and value.isdigit():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            problems.append(
+                FieldError(
+                    f"{kind_text}/{name}: metadata.resourceVersion",
+                    "must be the version `get` printed (a whole number), or be left out "
+                    "for the apply to replace whatever is stored",
+                )
+            )
+        elif value:
+            found[(Kind(kind_text), name)] = value
+    return found, problems
 
 
 def check_references(

@@ -100,6 +100,7 @@ class ControlService(control_pb2_grpc.ControlServicer):
                 unreadable=bad,
                 dry_run=request.dry_run,
                 source=request.field_manager or "apply",
+                resource_versions=apply.ResourceVersions.PRECONDITION,
             )
         except errors.BlazarError as err:
             await status.abort(context, err)

@@ -106,6 +106,10 @@ def apply_loaded(
             unreadable=loaded.unreadable,
             source=f"gitops:{directory}",
             prune=prunable if prune else None,
+            # The directory is the desired state: a version copied into a file (from
+            # `get -o yaml`) is no precondition, or the file would conflict after its
+            # own second edit.
+            resource_versions=apply.ResourceVersions.IGNORED,
         )
     except errors.ManifestInvalid as err:
         log.warning(

@@ -9,9 +9,11 @@ from typing import Any
 
 import grpc
 import pytest
+from google.rpc import error_details_pb2, status_pb2
 
 from blazar._proto.v1 import control_pb2, control_pb2_grpc
 from blazar.dataplane import server
+from blazar.rpc import status
 from blazar.store.memory import MemoryStore
 
 MODEL = {
@@ -85,6 +87,52 @@ def test_rejected_batch_changes_nothing_and_is_an_event() -> None:
             assert path in details
         assert store.list() == []
         assert [e.reason for e in store.events()] == ["ManifestRejected"]
+
+    run(body)
+
+
+def test_a_stale_resource_version_is_aborted_as_a_conflict_and_writes_nothing() -> None:
+    async def body(stub: control_pb2_grpc.ControlStub, store: MemoryStore) -> None:
+        await stub.Apply(apply_request(MODEL, LANE))
+        got = json.loads(
+            (await stub.Get(control_pb2.GetRequest(kind="lane", name="l"))).object_json
+        )
+        read_at = got["metadata"]["resourceVersion"]
+        # Someone else changes the Lane after it was read.
+        await stub.Apply(apply_request({**LANE, "spec": {"model": "m", "replicas": 3}}))
+        now = read_at + 1
+        got["spec"]["replicas"] = 2
+        new_model = {**MODEL, "metadata": {"name": "m2"}}
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.Apply(apply_request(new_model, got))
+        assert refused.value.code() == grpc.StatusCode.ABORTED
+        assert refused.value.details() == (
+            f"Lane/l has been modified since resourceVersion {read_at} (now {now}); get it "
+            "again, apply your change to it, and apply that."
+        )
+        raw = dict(refused.value.trailing_metadata() or ())[status.DETAILS_KEY]
+        (detail,) = status_pb2.Status.FromString(raw).details
+        info = error_details_pb2.ErrorInfo()
+        assert detail.Unpack(info)
+        assert (info.reason, info.domain) == ("CONFLICT", "blazar.dev")
+        assert dict(info.metadata)["current_resource_version"] == str(now)
+        # All or nothing: the new Model in the same batch was not created either.
+        assert [o.metadata.name for o in store.list()] == ["l", "m"]
+        assert store.resource_version == now
+        # Read again, changed again, applied: accepted.
+        got = json.loads(
+            (await stub.Get(control_pb2.GetRequest(kind="lane", name="l"))).object_json
+        )
+        got["spec"]["replicas"] = 2
+        (result,) = (await stub.Apply(apply_request(got))).results
+        assert result.action == "configured"
+        # A version on an object that does not exist: nothing to be at that version.
+        with pytest.raises(grpc.aio.AioRpcError) as missing:
+            await stub.Apply(
+                apply_request({**got, "metadata": {"name": "x", "resourceVersion": 3}})
+            )
+        assert missing.value.code() == grpc.StatusCode.ABORTED
+        assert "remove metadata.resourceVersion to create it" in (missing.value.details() or "")
 
     run(body)
 

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import structlog
 
-from blazar.api import errors, manifests
+from blazar.api import errors, kinds, manifests
 from blazar.api.kinds import Kind
 from blazar.gitops import watcher
 from blazar.store import apply
@@ -64,6 +64,24 @@ def test_sync_records_a_file_it_cannot_parse(tmp_path: Path) -> None:
     (event,) = store.events()
     assert event.reason == "ManifestRejected"
     assert "broken.yaml#1: invalid YAML" in event.message
+
+
+def test_a_watched_file_s_resource_version_is_no_precondition(tmp_path: Path) -> None:
+    # A file taken from `get -o yaml`, edited twice: its copied version is stale by the
+    # second edit, and the directory, being the desired state, still applies.
+    store = MemoryStore()
+    (tmp_path / "model.yaml").write_text(MODEL)
+    (tmp_path / "lane.yaml").write_text(LANE)
+    assert watcher.sync(store, tmp_path)
+    stale = LANE.replace("{name: l}", "{name: l, resourceVersion: 1}")
+    (tmp_path / "lane.yaml").write_text(stale.replace("{model: m}", "{model: m, replicas: 2}"))
+    assert watcher.sync(store, tmp_path)
+    (tmp_path / "lane.yaml").write_text(stale.replace("{model: m}", "{model: m, replicas: 3}"))
+    assert watcher.sync(store, tmp_path)
+    lane = store.get(Kind.LANE, "l")
+    assert isinstance(lane, kinds.Lane) and lane.metadata.resource_version == 4
+    assert lane.spec.replicas == 3
+    assert store.events() == []
 
 
 POLICY = """

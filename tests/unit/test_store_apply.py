@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from blazar.api import errors
+from blazar.api import errors, kinds
+from blazar.api.kinds import Kind
 from blazar.store import apply
 from blazar.store.memory import MemoryStore
 from blazar.store.sqlite import SQLiteStore
@@ -130,3 +131,73 @@ def test_a_huge_rejected_value_is_neither_stored_nor_echoed_whole(tmp_path: Path
         assert (tmp_path / "state.db").stat().st_size - before < 10_000
     finally:
         store.close()
+
+
+# --- metadata.resourceVersion: a precondition on the interactive path ----------------
+
+
+def versioned(doc: dict[str, Any], version: object) -> dict[str, Any]:
+    return {**doc, "metadata": {**doc["metadata"], "resourceVersion": version}}
+
+
+def changed_by_someone_else() -> MemoryStore:
+    """A store where Lane/l was read at version 2 and then changed (now at 3)."""
+    store = MemoryStore()
+    apply.apply_documents(store, located(MODEL, LANE))
+    apply.apply_documents(store, located({**LANE, "spec": {"model": "m", "replicas": 3}}))
+    return store
+
+
+@pytest.mark.parametrize("version", [None, "", 0, "0"])
+def test_no_resource_version_means_the_last_apply_wins(version: object) -> None:
+    store = changed_by_someone_else()
+    mine = versioned({**LANE, "spec": {"model": "m", "replicas": 2}}, version)
+    (outcome,) = apply.apply_documents(store, located(mine))
+    assert outcome.action.value == "configured"
+
+
+@pytest.mark.parametrize("version", [2, "2"])
+def test_a_stale_resource_version_is_a_conflict_and_no_event(version: object) -> None:
+    store = changed_by_someone_else()
+    mine = versioned({**LANE, "spec": {"model": "m", "replicas": 2}}, version)
+    with pytest.raises(errors.Conflict) as refused:
+        apply.apply_documents(store, located(mine))
+    assert refused.value.message.startswith(
+        "Lane/l has been modified since resourceVersion 2 (now 3)"
+    )
+    lane = store.get(Kind.LANE, "l")
+    assert isinstance(lane, kinds.Lane) and lane.spec.replicas == 3
+    # The manifest is sound, only out of date: not a ManifestRejected.
+    assert store.events() == []
+
+
+@pytest.mark.parametrize("version", [3, "3"])
+def test_the_current_resource_version_applies(version: object) -> None:
+    store = changed_by_someone_else()
+    mine = versioned({**LANE, "spec": {"model": "m", "replicas": 2}}, version)
+    (outcome,) = apply.apply_documents(store, located(mine))
+    assert outcome.action.value == "configured"
+    assert outcome.object.metadata.resource_version == 4
+
+
+@pytest.mark.parametrize("version", [-1, "abc", 1.5, True, "12 ", [3]])
+def test_a_resource_version_that_is_no_version_is_a_manifest_error(version: object) -> None:
+    store = MemoryStore()
+    bad_lane = {**versioned(LANE, version), "spec": {"model": "m", "replicas": "x"}}
+    with pytest.raises(errors.ManifestInvalid) as rejected:
+        apply.apply_documents(store, located(MODEL, bad_lane))
+    # Reported with the object's other errors, in one round.
+    assert [e.path for e in rejected.value.errors] == [
+        "Lane/l: spec.replicas",
+        "Lane/l: metadata.resourceVersion",
+    ]
+    assert store.list() == []
+
+
+def test_the_watched_directory_takes_no_precondition() -> None:
+    store = changed_by_someone_else()
+    stale = versioned({**LANE, "spec": {"model": "m", "replicas": 2}}, 1)
+    (outcome,) = apply.apply_documents(
+        store, located(stale), resource_versions=apply.ResourceVersions.IGNORED
+    )
+    assert outcome.action.value == "configured"

@@ -81,8 +81,9 @@ class ControlServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Apply(self, request, context):
-        """Apply creates or updates objects. All or nothing: if one object is invalid,
-        nothing is written.
+        """Apply creates or updates objects. All or nothing: if one object is invalid, or
+        not at the resourceVersion it sets (a precondition; none when left out, empty or
+        0), nothing is written.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
