@@ -36,6 +36,8 @@ What each resource becomes:
   Blazar's rolling update starts the new replica before it drains the old one. The
   memory request is Blazar's own fit estimate of one replica (`controller.fit`) when
   the caller could read the Model's GGUF header; otherwise it is left out and said so.
+  `--cache-ram 0` turns off llama-server's host-memory prompt cache (8 GiB by
+  default), which that estimate does not count and Blazar's engine does not keep.
 - Routing and SLOs: an **InferencePool** (`inference.networking.k8s.io/v1`, the Gateway
   API Inference Extension) per Lane, selecting its pods, with an endpoint picker
   reference `<lane>-epp` the user deploys; and per Lane and SLOPolicy an
@@ -425,6 +427,10 @@ def server_args(
         "--cache-type-v", spec.kv_cache.type_v,
         "--n-gpu-layers", str(spec.gpu_layers),
         "--flash-attn", spec.flash_attention,
+        # llama-server keeps up to 8 GiB of prompts in host memory by default, which the
+        # pod's memory request (Blazar's fit estimate) does not count and Blazar's
+        # engine does not do: its slots' caches are its only prompt cache.
+        "--cache-ram", "0",
     ]  # fmt: skip
     if spec.threads is not None:
         args += ["--threads", str(spec.threads)]

@@ -173,6 +173,8 @@ def test_each_lane_runs_llama_server_with_its_settings(
         assert _flag(args, "--cache-type-v") == spec.kv_cache.type_v
         assert _flag(args, "--threads") == (None if spec.threads is None else str(spec.threads))
         assert (_flag(args, "--host"), _flag(args, "--port")) == ("0.0.0.0", "8080")
+        # No host-memory prompt cache beyond the memory request.
+        assert _flag(args, "--cache-ram") == "0"
         assert _flag(args, "--model") == f"/models/{spec.model}.gguf"
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert container[probe]["httpGet"] == {"path": "/health", "port": "http"}
