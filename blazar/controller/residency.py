@@ -15,6 +15,11 @@ put to sleep, as Ollama's scheduler unloads its least recently used runner:
   the earliest residency among the rest ends, so the controller looks again then; a
   request's end wakes it too.
 
+Lanes waiting for memory start in the order their requests came, as Ollama serves
+pending loads: a Lane put to sleep for another, whose own request comes before that one
+has started, stays asleep until it has (`sleeper.Sleeper`), rather than take back the
+memory it freed and leave the other waiting out its whole residency.
+
 Every Lane without `preload` is swappable, whether or not it sets idle.sleepAfter: a
 user who runs two big models under one budget expects both to be served on demand.
 A Lane put to sleep this way wakes on its next request as a sleeping one does.
@@ -135,12 +140,22 @@ class Residency:
     def resident_since(self, lane: str) -> datetime | None:
         return self._since.get(lane)
 
-    def wait(self, lane: str, waiting: bool) -> None:
-        """Whether a request for the Lane waits for memory."""
+    def evicted_for_lane(self, lane: str) -> list[str]:
+        """The Lanes put to sleep to make room for `lane`."""
+        return sorted(name for name, first in self._evicted.items() if first == lane)
+
+    def wait(self, lane: str, waiting: bool) -> bool:
+        """Whether a request for the Lane waits for memory; True when that changed."""
+        if waiting == (lane in self._waiting):
+            return False
         if waiting:
             self._waiting.add(lane)
         else:
             self._waiting.discard(lane)
+        return True
+
+    def waits(self, lane: str) -> bool:
+        return lane in self._waiting
 
     def waiting(self) -> list[str]:
         return sorted(self._waiting)

@@ -18,7 +18,7 @@ import structlog
 
 from blazar.api.kinds import Kind, Lane
 from blazar.api.replicas import ReplicaObservation
-from blazar.controller import fit, lane_plan, residency
+from blazar.controller import fit, lane_plan, ledger, residency
 from blazar.controller.ledger import Ledger
 from blazar.controller.processes import Processes
 from blazar.enginehost.activity import Activity
@@ -57,6 +57,16 @@ class Sleeper:
         if self._activity is None or lane.spec.preload or lane.spec.replicas == 0:
             return lane_plan.Sleep()
         in_flight, wanted = self._activity.in_flight(name), self._activity.wanted(name)
+        if wanted and (first := self._first_in_line(name)) is not None:
+            return lane_plan.Sleep(
+                asleep=True,
+                recheck_after=ledger.RETRY_S,
+                message=(
+                    f"A request waits for the Lane, but the memory budget put it to sleep "
+                    f'for Lane "{first}", whose request came first and which has not '
+                    "started yet: it starts once that one has."
+                ),
+            )
         if wanted:
             self._residency.woken(name)
         evicted_for = self._residency.evicted_for(name)
@@ -84,6 +94,30 @@ class Sleeper:
             release=keep.release,
         )
 
+    def _first_in_line(self, name: str) -> str | None:
+        """The Lane that Lane `name` (stopped) was put to sleep for, while that one still
+        waits for memory and has not started: Lanes waiting for memory start in the
+        order their requests came, as Ollama serves pending loads, so `name`'s own
+        request does not take back the memory it freed for the other."""
+        first = self._residency.evicted_for(name)
+        if (
+            first is None
+            or self._activity is None
+            or self._residency.resident_since(name) is not None
+            or self._residency.resident_since(first) is not None
+        ):
+            return None
+        return first if self._residency.waits(first) and self._activity.wanted(first) else None
+
+    def _next_in_line(self, name: str) -> None:
+        """Lane `name` started, or no longer waits: ask the Lanes put to sleep for it
+        whose requests wait behind it to look again."""
+        if self._notify is None or self._activity is None:
+            return
+        for other in self._residency.evicted_for_lane(name):
+            if self._activity.wanted(other):
+                self._notify(other)
+
     def make_room(self, name: str, shortfall: fit.Fit | None) -> float | None:
         """When a request waits for Lane `name` and its replica does not fit
         (`shortfall`), put the least recently used idle Lanes to sleep until it does;
@@ -95,7 +129,8 @@ class Sleeper:
             and activity is not None
             and activity.wanted(name)
         )
-        self._residency.wait(name, waiting)
+        if self._residency.wait(name, waiting) and not waiting:
+            self._next_in_line(name)
         if not waiting or activity is None or ledger is None or shortfall is None:
             return None
         candidates = []
@@ -149,6 +184,7 @@ class Sleeper:
     def started(self, name: str) -> None:
         """A replica of the Lane is starting: it is resident from now (if it was not)."""
         self._residency.resident(name, self._clock())
+        self._next_in_line(name)
 
     def passed(
         self, name: str, plan: lane_plan.LanePlan, observed: list[ReplicaObservation]

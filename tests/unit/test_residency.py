@@ -490,6 +490,56 @@ def test_a_second_pass_before_the_victim_stops_evicts_no_more() -> None:
     assert w.running() == {"c", "a"} or w.running() == {"c", "b"}
 
 
+def test_a_lane_put_to_sleep_for_another_does_not_take_its_memory_back_first() -> None:
+    """Lanes waiting for memory start in the order their requests came, as Ollama
+    serves pending loads: a, put to sleep for b, gets a request of its own before b's
+    replica started; a waits for b to start rather than take back the memory it freed
+    (b would then wait out a's whole minimum residency again)."""
+    w = budgeted(need() * 3 // 2, lane_yaml("a"), lane_yaml("b"))
+    w.reconcile("a")
+    w.ready("a")
+    w.later(31)
+    w.activity.begin("b")
+    w.activity.want("b")
+    w.reconcile("b")  # evicts a
+    w.reconcile("a")  # a stops
+    assert w.running() == set() and w.events("a", "Evicted")
+    w.activity.begin("a")
+    w.activity.want("a")
+    assert w.reconcile("a") == ledger.RETRY_S
+    assert w.running() == set()
+    assert '"b"' in w.cond("a", "Available")[2] and "came first" in w.cond("a", "Available")[2]
+    w.notified.clear()
+    w.reconcile("b")
+    assert w.running() == {"b"}
+    # b's start asks a to look again: a now waits for memory as any Lane does.
+    assert "a" in w.notified
+    w.ready("b")
+    w.reconcile("a")
+    assert w.running() == {"b"}
+    assert w.cond("a", "Schedulable")[:2] == ("False", "InsufficientMemory")
+
+
+def test_a_lane_behind_another_whose_request_left_goes_next() -> None:
+    """The Lane a was put to sleep for has no request waiting any more (its caller
+    left before it started): a's own request is the first in line, and starts it."""
+    w = budgeted(need() * 3 // 2, lane_yaml("a"), lane_yaml("b"))
+    w.reconcile("a")
+    w.ready("a")
+    w.later(31)
+    w.activity.begin("b")
+    w.activity.want("b")
+    w.reconcile("b")
+    w.reconcile("a")
+    w.activity.begin("a")
+    w.activity.want("a")
+    w.reconcile("a")
+    assert w.running() == set()
+    w.activity.end("b")  # b's caller left, before b's pass
+    w.reconcile("a")
+    assert w.running() == {"a"}
+
+
 def test_ollamas_load_idiom_on_a_lane_that_cannot_start_is_refused_not_loaded() -> None:
     """Found on a daemon: `/api/generate` with an empty prompt (the KeepAlive RPC) for a
     Lane over the whole budget answered `done_reason: "load"` while its chats got 503:
