@@ -373,6 +373,17 @@ def _flag(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, not '{text}'")
 
 
+def _dry_run(text: str) -> bool:
+    """`--dry-run`'s value as kubectl spells it: `server` and `client` both preview on
+    the daemon (Blazar has no client-side check, and the daemon's is the stricter);
+    `none` applies."""
+    if text in ("server", "client"):
+        return True
+    if text == "none":
+        return False
+    raise argparse.ArgumentTypeError(f"expected none, client or server, not '{text}'")
+
+
 FILENAME_HELP = "file, directory, or - for stdin; repeatable"
 SELECTOR_HELP = "label selector: k=v, k==v, k!=v, k, !k; comma-separated, all must hold"
 
@@ -465,7 +476,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     apply = sub.add_parser("apply", help="create or update objects from manifests")
     apply.add_argument("-f", "--filename", required=True, action="append", help=FILENAME_HELP)
-    apply.add_argument("--dry-run", action="store_true", help="validate and report, change nothing")
+    apply.add_argument(
+        "--dry-run",
+        type=_dry_run,
+        nargs="?",
+        const=True,
+        default=False,
+        metavar="server|client|none",
+        help="validate on the daemon and report, change nothing (server and client "
+        "alike; none: apply)",
+    )
     apply.set_defaults(func=cmd_apply)
 
     diff = sub.add_parser(

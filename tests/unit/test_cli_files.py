@@ -426,3 +426,32 @@ def test_a_manifest_error_names_the_file_not_the_place_in_the_batch(
             "Error from server (InvalidManifest): 1 error(s) in manifest:\n"
             f"Lane/l ({lane}#1): metadata.name: duplicate Lane (first defined in {model}#2)\n"
         )
+
+
+@pytest.mark.parametrize(
+    ("flag", "dry_run"),
+    [
+        ("--dry-run", True),
+        ("--dry-run=server", True),
+        ("--dry-run=client", True),
+        ("--dry-run=none", False),
+    ],
+)
+def test_dry_run_takes_the_values_kubectl_users_type(
+    flag: str, dry_run: bool, control: FakeControl, files: tuple[Path, Path]
+) -> None:
+    """`--dry-run=client` and `=server` are what kubectl asks for (its bare `--dry-run`
+    is deprecated); argparse refused them as "ignored explicit argument"."""
+    assert main.main(["apply", "-f", str(files[0]), flag]) == 0
+    [request] = control.applied
+    assert request.dry_run is dry_run
+
+
+def test_dry_run_refuses_a_value_kubectl_does_not_take(
+    control: FakeControl, files: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main.main(["apply", "-f", str(files[0]), "--dry-run=yes"])
+    assert exited.value.code == 2
+    assert "expected none, client or server, not 'yes'" in capsys.readouterr().err
+    assert control.applied == []
