@@ -289,16 +289,17 @@ def cmd_get(args: argparse.Namespace) -> int:
         return observe.watch(args)
     with client.from_args(args) as control:
         kind, objs = _objects(control, args)
-    if args.output == "yaml":
-        print(printers.as_yaml(objs))
-    elif args.output == "json":
+    if args.output == "json":
         print(printers.as_json(objs, named=bool(args.name)))
+    elif not objs:
+        # On stderr, as kubectl: stdout holds only objects (an empty List for -o json).
+        print(_none_found(kind), file=sys.stderr)
+    elif args.output == "yaml":
+        print(printers.as_yaml(objs))
     elif args.output == "name":
         # kubectl's `-o name`: kind/name a line, for scripts (`xargs blazar delete`).
         for obj in objs:
             print(f"{kind.lower()}/{obj['metadata']['name']}")
-    elif not objs:
-        print(f"No {kind} resources found.", file=sys.stderr)
     else:
         print(printers.table(kind, objs, wide=args.output == "wide", now=datetime.now(UTC)))
     return 0
@@ -314,8 +315,16 @@ def cmd_describe(args: argparse.Namespace) -> int:
             request = control_pb2.EventsRequest(kind=kind, name=name, limit=50)
             events = [observe.event_json(e) for e in control.events(request).events]
             pages.append(printers.describe(obj, events, now=datetime.now(UTC)))
+    if not pages:
+        print(_none_found(kind), file=sys.stderr)
+        return 0
     print("\n\n".join(pages))
     return 0
+
+
+def _none_found(kind: str) -> str:
+    """What `get` and `describe` say, on stderr, when a selector matches nothing."""
+    return f"No {kind} resources found."
 
 
 def cmd_delete(args: argparse.Namespace) -> int:

@@ -37,6 +37,7 @@ class FakeControl:
         self.got: list[tuple[str, str]] = []
         self.asked_events: list[tuple[str, str, int]] = []
         self.missing: set[tuple[str, str]] = set()
+        self.listed = "ab"  # the names `list` answers, one a letter
 
     def __enter__(self) -> FakeControl:
         return self
@@ -57,7 +58,7 @@ class FakeControl:
         return control_pb2.ApplyResponse(results=results)
 
     def list(self, request: control_pb2.ListRequest) -> control_pb2.ListResponse:
-        objects = [json.dumps({"kind": request.kind, "metadata": {"name": n}}) for n in "ab"]
+        objects = [json.dumps({"kind": request.kind, "metadata": {"name": n}}) for n in self.listed]
         return control_pb2.ListResponse(objects_json=objects)
 
     def get(self, request: control_pb2.GetRequest) -> control_pb2.GetResponse:
@@ -455,3 +456,15 @@ def test_dry_run_refuses_a_value_kubectl_does_not_take(
     assert exited.value.code == 2
     assert "expected none, client or server, not 'yes'" in capsys.readouterr().err
     assert control.applied == []
+
+
+@pytest.mark.parametrize("argv", [["describe", "lanes"], ["get", "lanes", "-o", "yaml"],
+                                  ["get", "lanes", "-o", "name"], ["get", "lanes"]])  # fmt: skip
+def test_a_selector_that_matches_nothing_says_so_on_stderr_only(
+    argv: list[str], control: FakeControl, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`describe lanes -l x=y` printed a blank line on stdout and said nothing, and
+    `get -o yaml` a blank line: a script reading stdout saw an empty object."""
+    control.listed = ""
+    assert main.main([*argv, "-l", "x=y"]) == 0
+    assert capsys.readouterr() == ("", "No Lane resources found.\n")
