@@ -23,6 +23,9 @@ from blazar.controller import fit, modelcache, modelfile
 from blazar.controller.sources import ModelSources, SourceError
 from blazar.export import kubernetes
 
+# What kubectl users give `-o`: formats, which `export`'s `-o FILE` would take as names.
+KUBECTL_FORMATS = frozenset({"yaml", "json", "wide", "name"})
+
 
 def kubernetes_command(
     docs: Sequence[tuple[str, dict[str, Any]]],
@@ -33,6 +36,12 @@ def kubernetes_command(
 ) -> int:
     """Validate `docs` as `apply` does, translate, write the YAML to `output` (None:
     stdout) and what did not translate to stderr."""
+    if output in KUBECTL_FORMATS:
+        # kubectl's `-o` names a format: `-o yaml` would write a file named yaml.
+        raise errors.InvalidRequest(
+            f"-o takes a FILE to write, not a format: export always writes YAML (to "
+            f"stdout without -o); for a file named {output}, give -o ./{output}"
+        )
     try:
         resources = manifests.validate_objects(docs, exists=lambda kind, name: False)
     except errors.ManifestInvalid as err:

@@ -537,7 +537,12 @@ def build_parser() -> argparse.ArgumentParser:
         "InferenceObjectives, and a ConfigMap of the fleet, as YAML",
     )
     k8s.add_argument("-f", "--filename", required=True, action="append", help=FILENAME_HELP)
-    k8s.add_argument("-o", "--output", metavar="FILE", help="write the YAML to FILE, not stdout")
+    k8s.add_argument(
+        "-o",
+        "--output",
+        metavar="FILE",
+        help="write the YAML to FILE, not stdout (a file name, not a format: always YAML)",
+    )
     k8s.add_argument(
         "--image", default=kubernetes.IMAGE, help=f"llama-server's image ({kubernetes.IMAGE})"
     )

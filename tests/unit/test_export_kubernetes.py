@@ -691,6 +691,21 @@ def test_a_missing_path_and_an_unwritable_output_are_errors(
     assert "cannot write" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("output", ["yaml", "json"])
+def test_o_with_a_kubectl_format_is_refused_not_written_as_a_file_of_that_name(
+    output: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`-o yaml`, typed as for kubectl, wrote the fleet silently to ./yaml."""
+    monkeypatch.chdir(tmp_path)
+    assert main.main(["export", "kubernetes", "-f", str(FLEETS[0]), "-o", output]) == 1
+    assert not (tmp_path / output).exists()
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "-o takes a FILE to write, not a format" in captured.err
+    assert main.main(["export", "kubernetes", "-f", str(FLEETS[0]), "-o", f"./{output}"]) == 0
+    assert (tmp_path / output).exists()
+
+
 def test_the_vendored_crds_give_the_two_schemas_checked() -> None:
     assert set(CRD_SCHEMAS) == {
         ("inference.networking.k8s.io/v1", "InferencePool"),
