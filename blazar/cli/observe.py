@@ -33,6 +33,10 @@ def watch(args: argparse.Namespace) -> int:
         )
         objs = [json.loads(o) for o in listed.objects_json]
         objs = [o for o in objs if not args.name or o["metadata"]["name"] == args.name]
+        if args.name and not objs:
+            # As `get NAME` and kubectl: a name that is not stored is NotFound, not a
+            # watch that waits, silently, on a typo.
+            control.get(control_pb2.GetRequest(kind=kind.value, name=args.name))
         rows = printers.WatchTable(kind.value, wide=wide)
         if objs:
             listed_rows = rows.lines([("ADDED", o) for o in objs], now=datetime.now(UTC))

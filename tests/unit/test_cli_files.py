@@ -63,6 +63,8 @@ class FakeControl:
 
     def get(self, request: control_pb2.GetRequest) -> control_pb2.GetResponse:
         self.got.append((request.kind, request.name))
+        if (request.kind, request.name) in self.missing:
+            raise FakeRpcError(errors.ObjectNotFound(f'{request.kind} "{request.name}" not found.'))
         obj = {"kind": request.kind, "metadata": {"name": request.name}}
         return control_pb2.GetResponse(object_json=json.dumps(obj))
 
@@ -468,3 +470,12 @@ def test_a_selector_that_matches_nothing_says_so_on_stderr_only(
     control.listed = ""
     assert main.main([*argv, "-l", "x=y"]) == 0
     assert capsys.readouterr() == ("", "No Lane resources found.\n")
+
+
+def test_get_w_of_a_name_not_stored_is_not_found_not_a_silent_wait(
+    control: FakeControl, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`get lane nope -w` said "No Lane resources found." and waited for ever."""
+    control.listed, control.missing = "", {("Lane", "nope")}
+    assert main.main(["get", "lane", "nope", "-w"]) == 1
+    assert capsys.readouterr() == ("", 'Error from server (NotFound): Lane "nope" not found.\n')
