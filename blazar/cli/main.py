@@ -270,6 +270,15 @@ def _split_kind_name(args: argparse.Namespace, verb: str) -> None:
     args.kind, args.name = observe.object_ref(args.kind, flag=verb)
 
 
+def _name_or_selector(args: argparse.Namespace, verb: str) -> None:
+    """kubectl's rule: a NAME picks one object, a selector filters a list; given both,
+    one of them would be ignored, so neither is guessed at."""
+    if args.name and args.selector:
+        raise errors.InvalidRequest(
+            f"{verb} takes a NAME or -l SELECTOR, not both ('{args.name}' and '{args.selector}')"
+        )
+
+
 def _objects(
     control: client.ControlClient, args: argparse.Namespace
 ) -> tuple[str, list[printers.ObjectJson]]:
@@ -285,6 +294,7 @@ def _objects(
 
 def cmd_get(args: argparse.Namespace) -> int:
     _split_kind_name(args, "get")
+    _name_or_selector(args, "get")
     if args.watch:
         return observe.watch(args)
     with client.from_args(args) as control:
@@ -307,6 +317,7 @@ def cmd_get(args: argparse.Namespace) -> int:
 
 def cmd_describe(args: argparse.Namespace) -> int:
     _split_kind_name(args, "describe")
+    _name_or_selector(args, "describe")
     pages = []
     with client.from_args(args) as control:
         kind, objs = _objects(control, args)

@@ -479,3 +479,25 @@ def test_get_w_of_a_name_not_stored_is_not_found_not_a_silent_wait(
     control.listed, control.missing = "", {("Lane", "nope")}
     assert main.main(["get", "lane", "nope", "-w"]) == 1
     assert capsys.readouterr() == ("", 'Error from server (NotFound): Lane "nope" not found.\n')
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["get", "lane", "a"],
+        ["get", "lane/a"],
+        ["get", "lane", "a", "-w"],
+        ["describe", "lane", "a"],
+    ],
+)
+def test_a_name_and_a_selector_together_are_refused_not_one_ignored(
+    argv: list[str], control: FakeControl, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`get lane a -l x=y` showed `a` whatever its labels: the selector was ignored."""
+    assert main.main([*argv, "-l", "x=y"]) == 1
+    verb = argv[0]
+    assert capsys.readouterr() == (
+        "",
+        f"error: {verb} takes a NAME or -l SELECTOR, not both ('a' and 'x=y')\n",
+    )
+    assert control.got == []
