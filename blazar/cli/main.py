@@ -404,7 +404,7 @@ def _dry_run(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected none, client or server, not '{text}'")
 
 
-FILENAME_HELP = "file, directory, or - for stdin; repeatable"
+FILENAME_HELP = "file, directory (read recursively, as kubectl -R), or - for stdin; repeatable"
 SELECTOR_HELP = "label selector: k=v, k==v, k!=v, k, !k; comma-separated, all must hold"
 
 
