@@ -11,7 +11,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 
 from blazar._proto.v1 import control_pb2
-from blazar.api import errors, kinds, selectors
+from blazar.api import errors, kinds, selectors, wire
 from blazar.cli import client, printers
 
 
@@ -138,14 +138,22 @@ def _event_kind(text: str) -> str:
         return found
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, not '{text}'") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
-    return value
+def _whole_number(least: int) -> Callable[[str], int]:
+    """An argparse type: a whole number from `least` to the int32 its request field
+    carries (larger, building the request raised a traceback)."""
+
+    def read(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, not '{text}'") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"must be at least {least}, not {value}")
+        if value > wire.INT32_MAX:
+            raise argparse.ArgumentTypeError(f"must be at most {wire.INT32_MAX}, not {value}")
+        return value
+
+    return read
 
 
 def cmd_events(args: argparse.Namespace) -> int:
@@ -175,7 +183,9 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     """Add `logs`, `top` and `events` to the CLI's subcommands."""
     logs = sub.add_parser("logs", help="a Lane replica's engine output")
     logs.add_argument("target", metavar="lane/NAME")
-    logs.add_argument("--replica", type=int, default=0, help="replica index (default 0)")
+    logs.add_argument(
+        "--replica", type=_whole_number(0), default=0, help="replica index (default 0)"
+    )
     logs.add_argument("-f", "--follow", action="store_true", help="keep printing what comes")
     logs.set_defaults(func=cmd_logs)
 
@@ -192,7 +202,10 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         "--for", dest="for_", metavar="KIND/NAME", help="only this object's events (lane/gemma3)"
     )
     events.add_argument(
-        "--limit", type=_positive, default=200, help="at most this many of the newest (default 200)"
+        "--limit",
+        type=_whole_number(1),
+        default=200,
+        help="at most this many of the newest (default 200)",
     )
     events.add_argument("-o", "--output", choices=["json"])
     events.set_defaults(func=cmd_events)

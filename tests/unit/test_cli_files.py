@@ -501,3 +501,23 @@ def test_a_name_and_a_selector_together_are_refused_not_one_ignored(
         f"error: {verb} takes a NAME or -l SELECTOR, not both ('a' and 'x=y')\n",
     )
     assert control.got == []
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["events", "--limit", "2147483648"], "argument --limit: must be at most 2147483647"),
+        (["logs", "lane/l", "--replica", "2147483648"], "argument --replica: must be at most"),
+        (["logs", "lane/l", "--replica", "-1"], "argument --replica: must be at least 0, not -1"),
+    ],
+)
+def test_a_number_beyond_its_int32_field_is_a_usage_error_not_a_traceback(
+    argv: list[str], said: str, control: FakeControl, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`events --limit 99999999999` and `logs --replica 99999999999` ended in a
+    ValueError traceback from building the request."""
+    with pytest.raises(SystemExit) as exited:
+        main.main(argv)
+    assert exited.value.code == 2
+    assert said in capsys.readouterr().err
+    assert control.asked_events == []
