@@ -272,7 +272,10 @@ def _split_kind_name(args: argparse.Namespace, verb: str) -> None:
 
 def _name_or_selector(args: argparse.Namespace, verb: str) -> None:
     """kubectl's rule: a NAME picks one object, a selector filters a list; given both,
-    one of them would be ignored, so neither is guessed at."""
+    one of them would be ignored, so neither is guessed at. An empty NAME (`get lane
+    ""`, a shell variable left unset) is refused as kubectl does, not read as none."""
+    if args.name == "":
+        raise errors.InvalidRequest(f"{verb}: a resource name may not be empty")
     if args.name and args.selector:
         raise errors.InvalidRequest(
             f"{verb} takes a NAME or -l SELECTOR, not both ('{args.name}' and '{args.selector}')"

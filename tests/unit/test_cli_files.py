@@ -521,3 +521,12 @@ def test_a_number_beyond_its_int32_field_is_a_usage_error_not_a_traceback(
     assert exited.value.code == 2
     assert said in capsys.readouterr().err
     assert control.asked_events == []
+
+
+@pytest.mark.parametrize("verb", ["get", "describe"])
+def test_an_empty_name_is_refused_not_read_as_every_object(
+    verb: str, control: FakeControl, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`get lane "$NAME"` with NAME unset listed every Lane."""
+    assert main.main([verb, "lane", ""]) == 1
+    assert capsys.readouterr() == ("", f"error: {verb}: a resource name may not be empty\n")
