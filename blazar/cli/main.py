@@ -657,6 +657,13 @@ def _run(args: argparse.Namespace) -> int:
                 # command line sends its key from a flag or the environment.
                 print("(send one with --api-key KEY, or set BLAZAR_API_KEY)", file=sys.stderr)
         return failed
+    except UnicodeEncodeError as exc:
+        # An argument that is not UTF-8 (`get lane $'\xff'`): Python keeps its bytes as
+        # lone surrogates, which fail only when a request is encoded. A path that is not
+        # UTF-8 still works wherever it is used as a path.
+        shown = repr(str(exc.object).encode("utf-8", "surrogateescape"))
+        print(f"error: {shown} is not UTF-8 text", file=sys.stderr)
+        return failed
     except KeyboardInterrupt:
         return 130
 

@@ -530,3 +530,15 @@ def test_an_empty_name_is_refused_not_read_as_every_object(
     """`get lane "$NAME"` with NAME unset listed every Lane."""
     assert main.main([verb, "lane", ""]) == 1
     assert capsys.readouterr() == ("", f"error: {verb}: a resource name may not be empty\n")
+
+
+def test_an_argument_that_is_not_utf8_is_an_error_not_a_traceback(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`get lane $'\\xff'`: Python reads the byte as a lone surrogate, and encoding the
+    request raised UnicodeEncodeError."""
+    name = b"x\xff".decode("utf-8", "surrogateescape")
+    # As the real client does: building the request encodes the name.
+    monkeypatch.setattr(client, "from_args", lambda args: client.ControlClient("unix:/nowhere"))
+    assert main.main(["get", "lane", name]) == 1
+    assert capsys.readouterr() == ("", "error: b'x\\xff' is not UTF-8 text\n")
