@@ -106,6 +106,17 @@ class Vocab:
             tokens.append(lc.llama_vocab_eos(self._vocab))
         return tokens
 
+    def writes_control_tokens(self, text: str) -> bool:
+        """Whether `text` holds text that tokenizes as a control token (`<end_of_turn>`):
+        whether it tokenizes otherwise with parse_special. Without a control token's
+        text in it (the common case, one scan to tell), it cannot."""
+        partition = self._partition
+        if partition is not None and not partition.finds_control(text.encode("utf-8")):
+            return False
+        return self.tokenize(text, add_bos=False, parse_special=True) != self.tokenize(
+            text, add_bos=False, parse_special=False
+        )
+
     def _native(self, data: bytes, *, add_special: bool, parse_special: bool) -> list[int]:
         capacity = len(data) + 8
         while True:

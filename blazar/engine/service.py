@@ -533,9 +533,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         vocab = self._decode.vocab
         nonce = secrets.token_hex(8)
         shown = toolset if toolset is not None and toolset.active else None
-        masked = chatprompt.mask(
-            turns, shown, risky=lambda s: _writes_control_tokens(vocab, s), nonce=nonce
-        )
+        masked = chatprompt.mask(turns, shown, risky=vocab.writes_control_tokens, nonce=nonce)
         if not masked.which:
             return vocab.tokenize(prompt)
         masked_prompt = self._render(masked.turns, masked.tools if shown else toolset)
@@ -571,13 +569,6 @@ def chat_input(request: inference_pb2.ChatRequest) -> engine_pb2.ChatInput:
     if request.HasField("parallel_tool_calls"):
         chat.parallel_tool_calls = request.parallel_tool_calls
     return chat
-
-
-def _writes_control_tokens(vocab: llama.Vocab, content: str) -> bool:
-    """Whether `content` holds text that tokenizes as a control token (`<end_of_turn>`)."""
-    return vocab.tokenize(content, add_bos=False, parse_special=True) != vocab.tokenize(
-        content, add_bos=False, parse_special=False
-    )
 
 
 def _resolve(

@@ -112,6 +112,13 @@ def test_targeted_texts_tokenize_as_llama_cpp_does(vocab: llama.Vocab, written: 
     check(vocab, written)
 
 
+def test_control_tokens_written_as_text_are_found(vocab: llama.Vocab) -> None:
+    assert vocab.writes_control_tokens("a <end_of_turn> b")
+    assert vocab.writes_control_tokens("<unused7>")
+    assert not vocab.writes_control_tokens("a <end_of_turn b\n\n  <table>")
+    assert not vocab.writes_control_tokens("")
+
+
 MB = 2**20
 
 
