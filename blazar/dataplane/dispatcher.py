@@ -589,6 +589,10 @@ class LaneDispatcher(preempting.Preempting):
             return True
         self._route = route
         self._runs.forget_gone(route)
+        # A process that left the route never has a first token again: without this, a
+        # daemon would keep one entry per engine restart (crash, rollout) for good.
+        serving = {runs.identity(r) for r in route.replicas}
+        self._line_last = {k: v for k, v in self._line_last.items() if k in serving}
         if route.desired == 0:
             err = errors.Unavailable(
                 f"Lane '{self.lane}' was scaled to zero (replicas: 0) while the request "

@@ -114,3 +114,36 @@ def test_a_prompt_queued_behind_another_measures_the_share_of_its_prefill_the_li
     dispatcher = asyncio.run(body())
     view = dispatcher.measurements.replica_view(0, slots=6, running=())
     assert view.line_share == pytest.approx(0.6)
+
+
+def test_a_replica_process_gone_from_the_route_leaves_no_line_behind() -> None:
+    """Each restart of an engine (a crash, a rollout) is a new process on the line: the
+    last first token of one that left the route is forgotten, so a daemon that outlives
+    many restarts holds one line per replica serving, not one per process it ever had."""
+    now = [50.0]
+
+    async def body() -> int:
+        route = replace(one_slot_route(), slots=6)
+        dispatcher = LaneDispatcher(route, parker=NoParker(), clock=lambda: now[0])
+        try:
+            for pid in range(1, 6):  # the replica restarted: a new process each time
+                (old,) = route.replicas
+                route = replace(route, replicas=(replace(old, pid=pid),))
+                dispatcher.update(route)
+                t = admission.Ticket(f"r{pid}", POLICY, now[0], prompt_tokens=10, max_tokens=1)
+                run = await dispatcher.admit(t, request_id=f"r{pid}", prompt_chars=40)
+                assert isinstance(run, Run)
+                dispatcher.first_token(run, 0.1)
+                dispatcher.end(run, MEASURED)
+                now[0] += 1.0
+            dispatcher.update(route)
+            await dispatcher.admit(
+                admission.Ticket("last", POLICY, now[0], prompt_tokens=10, max_tokens=1),
+                request_id="last",
+                prompt_chars=40,
+            )
+            return len(dispatcher._line_last)
+        finally:
+            await dispatcher.close()
+
+    assert asyncio.run(body()) == 1
