@@ -837,7 +837,9 @@ def test_a_restarted_replica_is_forgotten() -> None:
     assert asyncio.run(run()) == [0, 0, 1]
 
 
-def test_an_unknown_policy_is_invalid_even_with_no_ready_replica() -> None:
+def refused_with_no_ready_replica(request: inference_pb2.CompleteRequest) -> grpc.aio.AioRpcError:
+    """What a Complete on Lane "l", stored with no replica ready, is refused with."""
+
     async def run() -> grpc.aio.AioRpcError:
         store = MemoryStore()
         store.apply_all([Lane(metadata=ObjectMeta(name="l"), spec=LaneSpec(model="m"))])
@@ -845,14 +847,19 @@ def test_an_unknown_policy_is_invalid_even_with_no_ready_replica() -> None:
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{plane.port}") as channel:
                 stub = inference_pb2_grpc.InferenceStub(channel)
-                request = inference_pb2.CompleteRequest(model="l", prompt="x", slo="nosuch")
                 with pytest.raises(grpc.aio.AioRpcError) as info:
                     await stub.Complete(request).read()
                 return info.value
         finally:
             await plane.stop(grace=0)
 
-    error = asyncio.run(run())
+    return asyncio.run(run())
+
+
+def test_an_unknown_policy_is_invalid_even_with_no_ready_replica() -> None:
+    error = refused_with_no_ready_replica(
+        inference_pb2.CompleteRequest(model="l", prompt="x", slo="nosuch")
+    )
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "'nosuch'" in (error.details() or "")
 
@@ -860,22 +867,8 @@ def test_an_unknown_policy_is_invalid_even_with_no_ready_replica() -> None:
 def test_a_request_refused_for_want_of_a_ready_replica_counts_among_its_lanes() -> None:
     """The 503 of a Lane whose only replica is (re)starting is one of its requests'
     outcomes in `blazar_requests_total`, as every other refusal after the Lane is known."""
-
-    async def run() -> grpc.aio.AioRpcError:
-        store = MemoryStore()
-        store.apply_all([Lane(metadata=ObjectMeta(name="l"), spec=LaneSpec(model="m"))])
-        plane = await server.start(store=store, address="127.0.0.1:0")
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{plane.port}") as channel:
-                stub = inference_pb2_grpc.InferenceStub(channel)
-                with pytest.raises(grpc.aio.AioRpcError) as info:
-                    await stub.Complete(inference_pb2.CompleteRequest(model="l", prompt="x")).read()
-                return info.value
-        finally:
-            await plane.stop(grace=0)
-
     before = requests_counted("unavailable")
-    error = asyncio.run(run())
+    error = refused_with_no_ready_replica(inference_pb2.CompleteRequest(model="l", prompt="x"))
     assert error.code() == grpc.StatusCode.UNAVAILABLE
     assert "no ready replica" in (error.details() or "")
     assert requests_counted("unavailable") == before + 1

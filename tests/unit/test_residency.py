@@ -490,11 +490,9 @@ def test_a_second_pass_before_the_victim_stops_evicts_no_more() -> None:
     assert w.running() == {"c", "a"} or w.running() == {"c", "b"}
 
 
-def test_a_lane_put_to_sleep_for_another_does_not_take_its_memory_back_first() -> None:
-    """Lanes waiting for memory start in the order their requests came, as Ollama
-    serves pending loads: a, put to sleep for b, gets a request of its own before b's
-    replica started; a waits for b to start rather than take back the memory it freed
-    (b would then wait out a's whole minimum residency again)."""
+def a_asleep_for_b() -> Budgeted:
+    """A budget that holds one of Lanes a and b: a served, then a request for b put
+    it to sleep (a has stopped), and b has not started yet."""
     w = budgeted(need() * 3 // 2, lane_yaml("a"), lane_yaml("b"))
     w.reconcile("a")
     w.ready("a")
@@ -503,6 +501,15 @@ def test_a_lane_put_to_sleep_for_another_does_not_take_its_memory_back_first() -
     w.activity.want("b")
     w.reconcile("b")  # evicts a
     w.reconcile("a")  # a stops
+    return w
+
+
+def test_a_lane_put_to_sleep_for_another_does_not_take_its_memory_back_first() -> None:
+    """Lanes waiting for memory start in the order their requests came, as Ollama
+    serves pending loads: a, put to sleep for b, gets a request of its own before b's
+    replica started; a waits for b to start rather than take back the memory it freed
+    (b would then wait out a's whole minimum residency again)."""
+    w = a_asleep_for_b()
     assert w.running() == set() and w.events("a", "Evicted")
     w.activity.begin("a")
     w.activity.want("a")
@@ -523,14 +530,7 @@ def test_a_lane_put_to_sleep_for_another_does_not_take_its_memory_back_first() -
 def test_a_lane_behind_another_whose_request_left_goes_next() -> None:
     """The Lane a was put to sleep for has no request waiting any more (its caller
     left before it started): a's own request is the first in line, and starts it."""
-    w = budgeted(need() * 3 // 2, lane_yaml("a"), lane_yaml("b"))
-    w.reconcile("a")
-    w.ready("a")
-    w.later(31)
-    w.activity.begin("b")
-    w.activity.want("b")
-    w.reconcile("b")
-    w.reconcile("a")
+    w = a_asleep_for_b()
     w.activity.begin("a")
     w.activity.want("a")
     w.reconcile("a")
