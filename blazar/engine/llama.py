@@ -130,9 +130,10 @@ class Vocab:
 
     @functools.cached_property
     def _partition(self) -> pretokenize.Partition | None:
-        """llama.cpp's special-token partition for this vocabulary (~0.5 s to build, once),
-        or None where Blazar cannot reproduce it: a tokenizer other than SPM or BPE, or
-        special texts whose order llama.cpp leaves to an unstable sort."""
+        """llama.cpp's special-token partition for this vocabulary (0.2 s to build for
+        Gemma 3, once: `Runtime.warm_up` does it), or None where Blazar cannot
+        reproduce it: a tokenizer other than SPM or BPE, or special texts whose order
+        llama.cpp leaves to an unstable sort."""
         if lc.llama_vocab_type(self._vocab) not in _SPELLING_VOCAB_TYPES:
             return None
         specials = []
