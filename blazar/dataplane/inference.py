@@ -30,8 +30,8 @@ import contextlib
 import dataclasses
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Collection, Sequence
-from typing import Any, NoReturn, TypeAlias
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
+from typing import Any, NoReturn, TypeAlias, TypeVar
 
 import grpc
 import structlog
@@ -57,7 +57,7 @@ from blazar.dataplane import (
 )
 from blazar.enginehost import upstream_convert
 from blazar.enginehost.activity import Activity, sleeps_in
-from blazar.enginehost.client import EnginePool
+from blazar.enginehost.client import EngineClient, EnginePool
 from blazar.enginehost.upstream import UpstreamPool
 from blazar.rpc import status
 from blazar.store.base import Store
@@ -100,6 +100,12 @@ def model_file(model: Model) -> inference_pb2.ModelFile | None:
 # a sleeping Lane to wake, looking this often.
 WAKE_TIMEOUT_S = 120.0
 WAKE_POLL_S = 0.05
+# Such a call whose replica turned it away (its process died, or it is draining) waits
+# this long for another to serve it: a restarted process is ready in about 2 s, after a
+# crash back-off of 1 s the first time.
+REPLICA_RETURN_S = 30.0
+
+_Answer = TypeVar("_Answer")
 
 
 class InferenceService(inference_pb2_grpc.InferenceServicer):
@@ -306,8 +312,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
     async def Embed(
         self, request: inference_pb2.EmbedRequest, context: Context
     ) -> inference_pb2.EmbedResponse:
-        """Embedding is safe to repeat, so a replica that refuses with UNAVAILABLE
-        (draining, or its process just died) is left out and the next ready one asked.
+        """Embedding is safe to repeat: see `_on_replicas`.
 
         No prefix routing: an engine embeds in a context of its own that keeps no
         cache between inputs, and fills no slot's cache either."""
@@ -316,30 +321,21 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         await self._policy(request.model, "", context, caller)
         await self._count(request.model, context, caller)
         route, replica = await self._awake(request.model, context, caller)
-        refused: set[int] = set()
         # Counted like a generation: it keeps its Lane awake, and says how long after.
         self._activity.begin(route.lane)
         keep_alive_s = request.keep_alive_s if request.HasField("keep_alive_s") else None
         served = False
         try:
-            while True:
-                try:
-                    response = await self._pool.client(replica.socket).embed(request)
-                    served = True
-                    break
-                except grpc.aio.AioRpcError as exc:
-                    err = status.from_rpc_error(exc)
-                    if isinstance(err, errors.Unavailable):
-                        refused.add(replica.index)
-                        with contextlib.suppress(errors.BlazarError):
-                            replica = self._pick(route, exclude=refused)
-                            log.info("embed.retry", lane=route.lane, replica=replica.index)
-                            continue
-                    metrics.observe_embedding_failure(route.lane, err.reason)
-                    await self._refuse(context, err, caller)
-                except asyncio.CancelledError:
-                    metrics.observe_embedding_failure(route.lane, metrics.CANCELLED)
-                    raise
+            route, response = await self._on_replicas(
+                request.model, route, replica, lambda client: client.embed(request)
+            )
+            served = True
+        except errors.BlazarError as err:
+            metrics.observe_embedding_failure(route.lane, err.reason)
+            await self._refuse(context, err, caller)
+        except asyncio.CancelledError:
+            metrics.observe_embedding_failure(route.lane, metrics.CANCELLED)
+            raise
         finally:
             # As a generation's: a refused embedding says nothing of the Lane's idleness.
             self._activity.end(route.lane, keep_alive_s=keep_alive_s if served else None)
@@ -357,9 +353,11 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         await self._count(request.model, context, caller)
         route, replica = await self._awake(request.model, context, caller)
         try:
-            response = await self._pool.client(replica.socket).tokenize(request)
-        except grpc.aio.AioRpcError as exc:
-            await self._refuse(context, status.from_rpc_error(exc), caller)
+            route, response = await self._on_replicas(
+                request.model, route, replica, lambda client: client.tokenize(request)
+            )
+        except errors.BlazarError as err:
+            await self._refuse(context, err, caller)
         response.model = route.lane
         return response
 
@@ -464,6 +462,59 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             ),
             caller,
         )
+
+    async def _on_replicas(
+        self,
+        model: str,
+        route: routing.Route,
+        replica: routing.Replica,
+        call: Callable[[EngineClient], Awaitable[_Answer]],
+    ) -> tuple[routing.Route, _Answer]:
+        """Run `call`, which is safe to repeat (embedding, tokenizing), on `replica`; the
+        route it ran on and its answer. A replica process that turns it away with
+        UNAVAILABLE (draining, or it just died) is left out, and the call goes to another
+        ready one, or waits up to REPLICA_RETURN_S for one: the same replica restarted
+        (a new process) serves it, as a generation that had not started waits in its
+        queue. Raises the engine's own refusal, or why no replica served it."""
+        refused: set[tuple[int, int | None]] = set()
+        while True:
+            try:
+                client = self._pool.client(replica.socket, process=replica.pid)
+                return route, await call(client)
+            except grpc.aio.AioRpcError as exc:
+                err = status.from_rpc_error(exc)
+                if not isinstance(err, errors.Unavailable):
+                    raise err from None
+                refused.add((replica.index, replica.pid))
+                log.info(
+                    "call.replica_refused", lane=route.lane, replica=replica.index, error=str(err)
+                )
+                route, replica = await self._replica_back(model, route, refused)
+
+    async def _replica_back(
+        self, model: str, route: routing.Route, refused: Collection[tuple[int, int | None]]
+    ) -> tuple[routing.Route, routing.Replica]:
+        """A ready replica of the Lane `model` names that is none of the processes in
+        `refused` (index, pid), waited for up to REPLICA_RETURN_S. Raises why there is
+        none: the Lane was deleted or paused, or can start no replica, or none came."""
+        deadline = time.monotonic() + REPLICA_RETURN_S
+        while True:
+            route = routing.resolve(self.table, model)
+            exclude = {r.index for r in route.replicas if (r.index, r.pid) in refused}
+            if len(exclude) < len(route.replicas):
+                return route, self._pick(route, exclude=exclude)
+            if (why := routing.closed(route)) is not None:
+                raise why
+            if route.wakes and not route.replicas:
+                self._activity.want(route.lane)  # it went to sleep meanwhile
+            if time.monotonic() >= deadline:
+                raise errors.Unavailable(
+                    f"The model '{route.lane}' lost its replica during the call, and none "
+                    f"was ready again within {REPLICA_RETURN_S:g} s; see `blazar describe "
+                    f"lane {route.lane}`.",
+                    metadata={"lane": route.lane},
+                )
+            await asyncio.sleep(WAKE_POLL_S)
 
     def _pick(
         self,

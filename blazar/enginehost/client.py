@@ -39,6 +39,13 @@ def prefix_reused(metadata: Iterable[tuple[str, str | bytes]] | None) -> int | N
     return None
 
 
+# Each client's channel keeps its own connection ("subchannel"). gRPC otherwise shares
+# one per target across channels, with its reconnect backoff: a fresh client for a
+# restarted worker would inherit the backoff its dead predecessor's channel ran into, and
+# fail its first calls for up to that long (1 s, growing) although the worker serves.
+_CHANNEL_OPTIONS = (("grpc.use_local_subchannel_pool", 1),)
+
+
 class EngineClient:
     """One engine worker, reached over its Unix socket."""
 
@@ -47,7 +54,7 @@ class EngineClient:
         # The worker's pid when the caller knew it: a restarted worker on the same
         # socket gets a fresh channel (see `EnginePool.client`).
         self.process = process
-        self._channel = grpc.aio.insecure_channel(f"unix:{socket}")
+        self._channel = grpc.aio.insecure_channel(f"unix:{socket}", options=_CHANNEL_OPTIONS)
         self._stub = engine_pb2_grpc.EngineStub(self._channel)
 
     async def health(self, *, timeout: float) -> engine_pb2.HealthResponse:

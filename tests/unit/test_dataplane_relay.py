@@ -33,7 +33,7 @@ from blazar.api.kinds import (
     ReplicaStatus,
 )
 from blazar.api.meta import ObjectMeta
-from blazar.dataplane import access, prefixes, routing, server
+from blazar.dataplane import access, inference, prefixes, routing, server
 from blazar.enginehost import client
 from blazar.enginehost.activity import Activity, Keep
 from blazar.rpc import status
@@ -97,6 +97,12 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
             embeddings=[inference_pb2.Embedding(values=[1.0], tokens=7) for _ in request.inputs],
             prompt_tokens=7 * len(request.inputs),
         )
+
+    async def Tokenize(self, request: Any, context: Any) -> inference_pb2.TokenizeResponse:
+        self.calls += 1
+        if self.refuse:
+            await status.abort(context, errors.Unavailable("draining"))
+        return inference_pb2.TokenizeResponse(tokens=[1] * len(request.text))
 
 
 def shared(a: str, b: str) -> int:
@@ -283,6 +289,40 @@ def test_a_request_every_replica_refuses_waits_for_a_restarted_one() -> None:
     chunks, calls = asyncio.run(run())
     assert chunks[0].delta.text == "a" and chunks[-1].final.routing.replica == 0
     assert calls == [2, 1]
+
+
+def test_a_request_whose_replica_process_died_is_served_by_its_restart() -> None:
+    """The process is gone, its socket with it: the connection fails, and the request
+    waits for the restarted process on the same socket, which serves it at once (the
+    new process's channel does not inherit the dead one's reconnect backoff)."""
+    fake = FakeEngine(refuse=False, text="a")
+
+    async def run() -> tuple[list[inference_pb2.Chunk], float]:
+        async with serving([fake]) as plane:
+            assert fake.server is not None
+            await fake.server.stop(0)
+            call = plane.stub.Complete(inference_pb2.CompleteRequest(model="l", prompt="hi"))
+            reading = asyncio.ensure_future(call.read())
+            await asyncio.sleep(0.3)
+            assert not reading.done()
+            restarted = grpc.aio.server()
+            engine_pb2_grpc.add_EngineServicer_to_server(fake, restarted)
+            restarted.add_insecure_port(f"unix:{plane.sockets[0]}")
+            await restarted.start()
+            try:
+                started = time.monotonic()
+                plane.store.update_status(Kind.LANE, "l", lane(plane.sockets, [200]).status)
+                chunks = [await asyncio.wait_for(reading, timeout=10)]
+                took = time.monotonic() - started
+                while (chunk := await call.read()) is not grpc.aio.EOF:
+                    chunks.append(chunk)
+                return chunks, took
+            finally:
+                await restarted.stop(0)
+
+    chunks, took = asyncio.run(run())
+    assert chunks[0].delta.text == "a" and chunks[-1].HasField("final")
+    assert took < 0.9, took  # gRPC's first reconnect backoff is 1 s
 
 
 def test_a_waiting_request_of_a_lane_scaled_to_zero_is_unavailable() -> None:
@@ -720,14 +760,61 @@ def test_an_embedding_refused_by_a_draining_replica_goes_to_the_next() -> None:
     assert embeddings_counted("ok") == before + 1
 
 
-def test_an_embedding_no_replica_takes_is_unavailable() -> None:
-    async def run() -> grpc.aio.AioRpcError:
+def test_an_embedding_no_replica_takes_is_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every replica turned it away and none came back as a new process in time: the
+    caller is told so in Blazar's words (not gRPC's text of a failed connection)."""
+    monkeypatch.setattr(inference, "REPLICA_RETURN_S", 0.3)
+
+    async def run() -> tuple[grpc.aio.AioRpcError, float]:
         async with data_plane([FakeEngine(refuse=True, text="x")] * 2) as stub:
+            started = time.monotonic()
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await stub.Embed(inference_pb2.EmbedRequest(model="l", inputs=["a"]))
-            return info.value
+            return info.value, time.monotonic() - started
 
-    assert asyncio.run(run()).code() == grpc.StatusCode.UNAVAILABLE
+    error, took = asyncio.run(run())
+    assert error.code() == grpc.StatusCode.UNAVAILABLE
+    assert "lost its replica" in (error.details() or ""), error.details()
+    assert 0.3 <= took < 3.0, took
+
+
+def test_embed_and_tokenize_whose_replica_died_wait_for_it_to_restart() -> None:
+    """Faults keep the call, as they keep a queued generation: replica 0's process is
+    gone (its socket no longer answers) and replica 1 drains. Embedding and tokenizing
+    are safe to repeat, so they wait, and the replicas as new processes serve them."""
+    gone, draining = FakeEngine(refuse=False, text="a"), FakeEngine(refuse=True, text="b")
+
+    async def run() -> tuple[inference_pb2.EmbedResponse, inference_pb2.TokenizeResponse]:
+        async with serving([gone, draining]) as plane:
+            assert gone.server is not None
+            await gone.server.stop(0)
+            embedding = asyncio.ensure_future(
+                plane.stub.Embed(inference_pb2.EmbedRequest(model="l", inputs=["a"]))
+            )
+            counting = asyncio.ensure_future(
+                plane.stub.Tokenize(inference_pb2.TokenizeRequest(model="l", text="abc"))
+            )
+            await wait_until(lambda: draining.calls == 2, "both refused by the draining one")
+            await asyncio.sleep(0.3)
+            # Left out until they are other processes: nobody asks them again.
+            assert draining.calls == 2 and not embedding.done() and not counting.done()
+            # Replica 0 restarted on its socket; replica 1 still drains.
+            restarted = grpc.aio.server()
+            engine_pb2_grpc.add_EngineServicer_to_server(gone, restarted)
+            restarted.add_insecure_port(f"unix:{plane.sockets[0]}")
+            await restarted.start()
+            try:
+                plane.store.update_status(Kind.LANE, "l", lane(plane.sockets, [200, 101]).status)
+                return (
+                    await asyncio.wait_for(embedding, timeout=5),
+                    await asyncio.wait_for(counting, timeout=5),
+                )
+            finally:
+                await restarted.stop(0)
+
+    embedded, counted = asyncio.run(run())
+    assert (embedded.model, embedded.prompt_tokens, len(counted.tokens)) == ("l", 7, 3)
+    assert (gone.calls, draining.calls) == (2, 2)
 
 
 def test_an_embedding_whose_caller_leaves_counts_as_cancelled() -> None:
