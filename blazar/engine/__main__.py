@@ -8,6 +8,7 @@ from standard input.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -40,6 +41,9 @@ def parse_args(argv: Sequence[str] | None = None) -> EngineLaunch:
 
 
 if __name__ == "__main__":
+    # A crash in native code (llama.cpp, gRPC) leaves its Python stacks in the worker's
+    # log, which `enginehost.forensics` reads for the replica's Failed message.
+    faulthandler.enable()
     from blazar.engine import worker  # after parsing: it loads llama.cpp
 
     sys.exit(worker.main(parse_args()))

@@ -16,6 +16,10 @@ LOG_TAIL_BYTES = 16_384
 _REASON_CHARS = 300
 # "ValueError: ...", "llama_cpp.LlamaError: ...": the last line of a traceback.
 _TRACEBACK_LAST = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b.*")
+# Python's fault handler (the worker enables it) on a fatal signal: this line, then each
+# thread's Python stack, innermost call first, the crashing thread's as "Current thread".
+_FATAL = "Fatal Python error:"
+_FRAME = re.compile(r'^File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<function>\S+)')
 
 
 def exit_reason(log_tail: str, code: int | None) -> str:
@@ -25,7 +29,8 @@ def exit_reason(log_tail: str, code: int | None) -> str:
     SIGKILL, say), and an error it logged earlier did not end it. Otherwise the latest
     explanation in the log wins: an error record (`"level": "error"` or worse in the
     worker's JSON log, with its message), a Python traceback's last line or a ggml
-    assertion; then the last line. Another signal (llama.cpp aborts on a failed
+    assertion; a fatal signal's dump by Python's fault handler, with the Python call it
+    came in; then the last line. Another signal (llama.cpp aborts on a failed
     GGML_ASSERT) is named before that explanation.
     """
     signal_name = ""
@@ -36,7 +41,11 @@ def exit_reason(log_tail: str, code: int | None) -> str:
         return f"killed by {signal_name}"
     lines = [line.strip() for line in log_tail.splitlines() if line.strip()]
     reason = next(
-        (found for line in reversed(lines) if (found := _explanation(line))),
+        (
+            found + (_crashed_in(lines[at + 1 :]) if found.startswith(_FATAL) else "")
+            for at in reversed(range(len(lines)))
+            if (found := _explanation(lines[at]))
+        ),
         lines[-1] if lines else "",
     )
     if signal_name:
@@ -53,7 +62,19 @@ def _explanation(line: str) -> str:
         event = str(record.get("event", "error"))
         detail = str(record.get("error") or record.get("exception") or "").strip()
         return f"{event}: {detail.splitlines()[-1]}" if detail else event
-    return line if _TRACEBACK_LAST.match(line) or "GGML_ASSERT" in line else ""
+    explains = _TRACEBACK_LAST.match(line) or "GGML_ASSERT" in line or line.startswith(_FATAL)
+    return line if explains else ""
+
+
+def _crashed_in(dump: list[str]) -> str:
+    """Where the crashing thread was, from the fault handler's dump after its first line:
+    " in FUNCTION (DIR/FILE:LINE)" of its innermost Python call; "" if the dump has none
+    (the crash came in a thread that runs no Python)."""
+    for at, line in enumerate(dump[:-1]):
+        if line.startswith("Current thread") and (frame := _FRAME.match(dump[at + 1])):
+            where = "/".join(frame["file"].split("/")[-2:])
+            return f" in {frame['function']} ({where}:{frame['line']})"
+    return ""
 
 
 def _json_record(line: str) -> dict[str, Any] | None:

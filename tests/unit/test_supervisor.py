@@ -426,6 +426,29 @@ def log_line(event: str, level: str = "info", **fields: object) -> str:
             -6,
             "killed by SIGABRT: ggml.c:1234: GGML_ASSERT(n_tokens <= n_batch) failed",
         ),
+        # A native crash: the fault handler's dump, with the crashing thread's
+        # innermost Python call (the other threads' stacks and the module list after
+        # it explain nothing).
+        (
+            "\n".join(
+                [
+                    log_line("ready"),
+                    "Fatal Python error: Segmentation fault",
+                    "",
+                    "Thread 0x00007f0000000001 (most recent call first):",
+                    '  File "/usr/lib/python3.11/threading.py", line 320 in wait',
+                    "",
+                    "Current thread 0x00007f0000000002 (most recent call first):",
+                    '  File "/repo/blazar/engine/llama.py", line 88 in decode',
+                    '  File "/repo/blazar/engine/loop.py", line 301 in step',
+                    "",
+                    "Extension modules: numpy.core._multiarray_umath, grpc._cython (total: 2)",
+                ]
+            ),
+            -11,
+            "killed by SIGSEGV: Fatal Python error: Segmentation fault in decode "
+            "(engine/llama.py:88)",
+        ),
         # Nothing structured: a traceback's last line, then the last line.
         (
             "Traceback (most recent call last):\n  File 'x'\nOSError: [Errno 12]\n",

@@ -138,7 +138,9 @@ def test_no_request_body_gets_a_5xx_and_the_daemon_serves_on(
             STATUSES[name][response.status_code] += 1
             assert acceptable(response.status_code), (
                 f"{case.description}\nbody: {case.body[:2000]!r}\n"
-                f"-> {response.status_code} {response.text[:2000]}"
+                f"-> {response.status_code} {response.text[:2000]}\n"
+                # A 503 has been an engine gone after it was Ready: say why.
+                f"{daemon.replica_story(serving.LANE)}"
             )
 
     run()

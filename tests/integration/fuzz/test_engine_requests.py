@@ -105,7 +105,10 @@ def test_no_engine_bound_request_crashes_or_fails_the_engine(
             or code in {c.name for c in CLEAN}
             or (code == "NOT_FOUND" and request.model != serving.LANE)
         )
-        assert clean, f"{requests.describe(request)}\n-> {code}: {message[:2000]}"
+        assert clean, (
+            f"{requests.describe(request)}\n-> {code}: {message[:2000]}\n"
+            f"{daemon.replica_story(serving.LANE)}"
+        )
 
     run()
     seconds = time.monotonic() - started
