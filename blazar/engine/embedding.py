@@ -39,6 +39,7 @@ import structlog
 
 from blazar.api import errors
 from blazar.engine import llama
+from blazar.rpc import limits
 
 log = structlog.get_logger("blazar.engine.embedding")
 
@@ -49,17 +50,17 @@ CHUNK = 64
 MAX_INPUTS = 2048
 MAX_TOTAL_TOKENS = 300_000
 # The vectors of one request travel in one gRPC message to the data plane and on to the
-# shim or a client, each of which takes at most 4 MiB by default (gRPC's own limit): 1,700
-# inputs of 640 dimensions were embedded for 43 s and then refused on the way back. Fewer
-# inputs per request are taken for wider vectors (a vector costs 4 bytes a dimension, plus
-# its framing), checked before any work.
-MAX_RESPONSE_BYTES = 4 * 2**20
+# shim or a client (`limits.MAX_ANSWER_BYTES`): 1,700 inputs of 640 dimensions were
+# embedded for 43 s and then refused on the way back. Fewer inputs per request are taken
+# for wider vectors (a vector costs 4 bytes a dimension, plus its framing), checked
+# before any work.
 _VECTOR_FRAMING_BYTES = 24
 
 
 def max_inputs_for(dimensions: int) -> int:
     """How many vectors of `dimensions` fit one response, at most `MAX_INPUTS`."""
-    return max(1, min(MAX_INPUTS, MAX_RESPONSE_BYTES // (4 * dimensions + _VECTOR_FRAMING_BYTES)))
+    vector_bytes = 4 * dimensions + _VECTOR_FRAMING_BYTES
+    return max(1, min(MAX_INPUTS, limits.MAX_ANSWER_BYTES // vector_bytes))
 
 
 # The graph node llama.cpp names the embeddings it returns (per token with pooling

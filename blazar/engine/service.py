@@ -36,7 +36,7 @@ from blazar.engine import (
     text,
     tools,
 )
-from blazar.rpc import engine_metadata, status
+from blazar.rpc import engine_metadata, limits, status
 
 log = structlog.get_logger("blazar.engine.service")
 
@@ -409,14 +409,26 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                 tokens = vocab.tokenize(
                     request.text, add_bos=request.add_special, parse_special=request.parse_special
                 )
+            if request.count_only:
+                return inference_pb2.TokenizeResponse(count=len(tokens))
             raw = [vocab.piece(t, special=True) for t in tokens]
-            return inference_pb2.TokenizeResponse(
+            answer = inference_pb2.TokenizeResponse(
+                count=len(tokens),
                 tokens=tokens,
                 # A token may be part of a multi-byte character; its piece then shows
                 # U+FFFD, and only piece_bytes carries it exactly.
                 pieces=[b.decode("utf-8", errors="replace") for b in raw],
                 piece_bytes=raw,
             )
+            if (size := answer.ByteSize()) > limits.MAX_ANSWER_BYTES:
+                # Else gRPC refuses it on the way back, as RESOURCE_EXHAUSTED.
+                raise errors.InvalidRequest(
+                    f"The text is {len(tokens):,} tokens; listing them takes {size:,} "
+                    f"bytes, more than the {limits.MAX_ANSWER_BYTES:,} one answer may "
+                    "carry. Set count_only for the count alone, or send the text in parts.",
+                    metadata={errors.FIELD_KEY: "count_only"},
+                )
+            return answer
 
         try:
             return await asyncio.to_thread(split)

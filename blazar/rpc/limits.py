@@ -48,6 +48,11 @@ SERVER_OPTIONS = (
     ("grpc.max_concurrent_streams", MAX_CONCURRENT_STREAMS),
 )
 ENGINE_RECEIVE_BYTES = MAX_REQUEST_BYTES + 2**20
+# What a gRPC client takes in by default, so the most one answer may carry from an engine
+# through the data plane and the shim to a client: each hop keeps gRPC's default. An
+# answer whose size the request decides (embeddings, a text's tokens) is kept under it,
+# with room for the Lane's name the data plane adds.
+MAX_ANSWER_BYTES = 4 * 2**20 - 4096
 ENGINE_SERVER_OPTIONS = (("grpc.max_receive_message_length", ENGINE_RECEIVE_BYTES),)
 
 

@@ -212,6 +212,21 @@ def test_system_as_blocks_and_count_tokens_equal_the_prompt_generated(
     assert counts[1] > counts[0] and counts[2] > counts[0]
 
 
+def test_count_tokens_counts_a_conversation_longer_than_one_answer_could_list(
+    client: anthropic.Anthropic,
+) -> None:
+    """A 2 MB turn: its tokens listed would take more than the 4 MiB one gRPC answer may
+    carry, so the shim asks Tokenize for the count alone."""
+
+    def count(words: int) -> int:
+        turn = [{"role": "user", "content": "word " * words}]
+        return client.messages.count_tokens(model=LANE, messages=turn).input_tokens
+
+    half, part, whole = count(50_000), count(100_000), count(400_000)
+    # The rendered chat around the turn is the same each time: the counts grow in step.
+    assert whole - part == 6 * (part - half) > 0
+
+
 def test_stop_sequences_end_the_text_before_them(client: anthropic.Anthropic) -> None:
     """A grammar forces a text with the stop string inside it: the text ends before it,
     and the answer names the stop sequence that ended it."""

@@ -18,7 +18,7 @@ from blazar._proto.engine.v1 import engine_pb2
 from blazar._proto.v1 import inference_pb2
 from blazar.api import errors
 from blazar.engine import embedding, llama
-from blazar.rpc import status
+from blazar.rpc import limits, status
 from tests import launches
 from tests.integration.engine_harness import (
     CONTEXT_PER_SLOT,
@@ -131,7 +131,8 @@ def test_more_vectors_than_a_response_holds_are_refused_before_any_work(worker: 
     assert time.monotonic() - started < 5
     # What fits is well within the receive limit of every client.
     fits = embedding.max_inputs_for(640)
-    assert fits * (4 * 640 + 24) <= 4 * 2**20 < (fits + 1) * (4 * 640 + 24)
+    assert fits * (4 * 640 + 24) <= limits.MAX_ANSWER_BYTES < (fits + 1) * (4 * 640 + 24)
+    assert limits.MAX_ANSWER_BYTES < 4 * 2**20
 
 
 def test_an_empty_input_is_invalid(worker: Worker) -> None:
@@ -167,6 +168,29 @@ def test_tokenize_parses_control_tokens_only_when_asked(worker: Worker) -> None:
     assert "".join(literal.pieces) == text
     assert parsed.tokens[0] == START_OF_TURN
     assert list(parsed.pieces) == ["<start_of_turn>", "user"]
+
+
+def test_a_text_too_long_to_list_is_counted_with_count_only(worker: Worker) -> None:
+    """Every answer says its count. A text whose tokens would take more than one gRPC
+    answer may carry is refused as such, naming `count_only`, which counts it (before,
+    the engine built the answer and gRPC refused it on the way back, RESOURCE_EXHAUSTED,
+    which callers read as "overloaded")."""
+    short = tokenize(worker, "word " * 1000)
+    assert short.count == len(short.tokens) > 0
+    long_text = "word " * 400_000  # 2 MB: under the request limit, its answer is not
+    err = rpc_error(
+        lambda: worker.stub.Tokenize(inference_pb2.TokenizeRequest(text=long_text), timeout=60)
+    )
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "count_only" in (err.details() or ""), err.details()
+    counted = worker.stub.Tokenize(
+        inference_pb2.TokenizeRequest(text=long_text, count_only=True), timeout=60
+    )
+    assert counted.count > 0 and not counted.tokens and not counted.pieces
+    # The count is the listed one's, extended: the repetitions' tokens grow in step
+    # (each " word" is whole tokens; the text's first word and its end are counted once).
+    half, part = (tokenize(worker, "word " * n).count for n in (50_000, 100_000))
+    assert counted.count - part == 6 * (part - half)
 
 
 def test_an_abandoned_embedding_stops_computing(worker: Worker) -> None:

@@ -83,7 +83,7 @@ class FakeInference(inference_pb2_grpc.InferenceServicer):
     models: list[inference_pb2.ModelInfo] = field(default_factory=list)
     # What Embed answers for a model whose script holds no error.
     embeddings: inference_pb2.EmbedResponse = field(default_factory=inference_pb2.EmbedResponse)
-    # What Tokenize answers for a model whose script holds no error.
+    # What Tokenize answers for a model whose script holds no error (its count set).
     tokenized: inference_pb2.TokenizeResponse = field(
         default_factory=inference_pb2.TokenizeResponse
     )
@@ -157,7 +157,14 @@ class FakeInference(inference_pb2_grpc.InferenceServicer):
         for step in self.scripts[request.model]:
             if isinstance(step, errors.BlazarError):
                 await status.abort(context, step)
-        return self.tokenized
+        # As the engine answers: the count always, the tokens unless only it was asked.
+        count = len(self.tokenized.tokens)
+        if request.count_only:
+            return inference_pb2.TokenizeResponse(count=count)
+        answer = inference_pb2.TokenizeResponse()
+        answer.CopyFrom(self.tokenized)
+        answer.count = count
+        return answer
 
     async def _play(self, request: Any, context: Any) -> AsyncIterator[inference_pb2.Chunk]:
         self.requests.append(request)

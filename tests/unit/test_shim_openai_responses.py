@@ -750,7 +750,7 @@ async def test_input_tokens_answers_openais_shape(
     assert response.status_code == 200, response.text
     assert response.json() == {"object": "response.input_tokens", "input_tokens": 4}
     (sent,) = daemon.fake.requests
-    assert [m.content for m in sent.chat.messages] == ["Hi"]
+    assert [m.content for m in sent.chat.messages] == ["Hi"] and sent.count_only
     assert daemon.fake.metadata[-1]["x-blazar-slo"] == "batch"
     missing = await client.post(f"{PATH}/input_tokens", json={"model": "nope", "input": "Hi"})
     assert (missing.status_code, missing.json()["error"]["code"]) == (404, "model_not_found")

@@ -473,27 +473,31 @@ class EmbedResponse(_message.Message):
     def __init__(self, embeddings: _Optional[_Iterable[_Union[Embedding, _Mapping]]] = ..., model: _Optional[str] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
-    __slots__ = ("model", "text", "add_special", "parse_special", "chat")
+    __slots__ = ("model", "text", "add_special", "parse_special", "chat", "count_only")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     ADD_SPECIAL_FIELD_NUMBER: _ClassVar[int]
     PARSE_SPECIAL_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
+    COUNT_ONLY_FIELD_NUMBER: _ClassVar[int]
     model: str
     text: str
     add_special: bool
     parse_special: bool
     chat: ChatRequest
-    def __init__(self, model: _Optional[str] = ..., text: _Optional[str] = ..., add_special: _Optional[bool] = ..., parse_special: _Optional[bool] = ..., chat: _Optional[_Union[ChatRequest, _Mapping]] = ...) -> None: ...
+    count_only: bool
+    def __init__(self, model: _Optional[str] = ..., text: _Optional[str] = ..., add_special: _Optional[bool] = ..., parse_special: _Optional[bool] = ..., chat: _Optional[_Union[ChatRequest, _Mapping]] = ..., count_only: _Optional[bool] = ...) -> None: ...
 
 class TokenizeResponse(_message.Message):
-    __slots__ = ("tokens", "pieces", "model", "piece_bytes")
+    __slots__ = ("count", "tokens", "pieces", "model", "piece_bytes")
+    COUNT_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     PIECES_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PIECE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    count: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
     pieces: _containers.RepeatedScalarFieldContainer[str]
     model: str
     piece_bytes: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., pieces: _Optional[_Iterable[str]] = ..., model: _Optional[str] = ..., piece_bytes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    def __init__(self, count: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., pieces: _Optional[_Iterable[str]] = ..., model: _Optional[str] = ..., piece_bytes: _Optional[_Iterable[bytes]] = ...) -> None: ...

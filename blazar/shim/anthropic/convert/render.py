@@ -183,4 +183,4 @@ class Events:
 
 
 def token_count(response: inference_pb2.TokenizeResponse) -> protocol.TokenCount:
-    return {"input_tokens": len(response.tokens)}
+    return {"input_tokens": response.count}

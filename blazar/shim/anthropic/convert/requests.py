@@ -73,7 +73,7 @@ def count_request(body: protocol.CountTokensRequest) -> inference_pb2.TokenizeRe
     The output format is checked as for a generation, though it adds no prompt tokens."""
     chat = _chat(body)
     _constraint(body)
-    return inference_pb2.TokenizeRequest(model=body.model, chat=chat)
+    return inference_pb2.TokenizeRequest(model=body.model, chat=chat, count_only=True)
 
 
 def _chat(body: protocol.Conversation) -> inference_pb2.ChatRequest:

@@ -365,7 +365,7 @@ def _failure_code(err: errors.BlazarError) -> str:
 
 
 def input_token_count(response: inference_pb2.TokenizeResponse) -> protocol.InputTokenCount:
-    return {"object": "response.input_tokens", "input_tokens": len(response.tokens)}
+    return {"object": "response.input_tokens", "input_tokens": response.count}
 
 
 def not_stored(response_id: str, *, action: str) -> errors.ObjectNotFound:

@@ -95,7 +95,7 @@ def count_request(body: protocol.InputTokensRequest) -> inference_pb2.TokenizeRe
     if body.input is None:
         # The empty user turn that "" became: without input there is no turn to count.
         del chat.messages[-1]
-    return inference_pb2.TokenizeRequest(model=body.model, chat=chat)
+    return inference_pb2.TokenizeRequest(model=body.model, chat=chat, count_only=True)
 
 
 def wants_logprobs(body: protocol.ResponseCreateRequest) -> bool:
