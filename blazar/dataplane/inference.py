@@ -296,12 +296,12 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             log.info("lane.unload", lane=route.lane)
             return inference_pb2.KeepAliveResponse(lane=route.lane)
         load_ms = 0.0
-        refused = None if route.replicas or route.wakes else routing.closed(route)
+        refused = None if route.replicas or routing.waits(route) else routing.closed(route)
         if refused is not None:
             # Paused, or no replica can start until its operator acts (Model not ready,
             # never fits in memory): "loaded" would be a lie that its chats then refute.
             await self._refuse(context, refused, caller)
-        if route.wakes and not route.replicas:
+        if routing.waits(route):
             started = time.monotonic()
             route, _ = await self._awake(request.model, context, caller)
             load_ms = (time.monotonic() - started) * 1000
@@ -401,7 +401,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         caller: access.Caller | None = None,
         generation: bool = False,
     ) -> tuple[routing.Route, routing.Replica | None, tuple[int, ...]]:
-        """The request's Lane, its replica (None: the Lane sleeps and wakes for it),
+        """The request's Lane, its replica (None: it waits, `routing.waits`),
         and its prompt's block hashes (computed here, once the Lane tells how many
         blocks its replicas can hold). A `generation` refused here, on a Lane that
         exists, counts among its Lane's requests (no replica ready: UNAVAILABLE)."""
@@ -410,8 +410,8 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             route = routing.resolve(self.table, model)
             index = self._fleet.prefixes(route.lane)
             blocks = hashes(index.capacity) if hashes is not None and index else ()
-            if route.wakes and not route.replicas:
-                return route, None, blocks  # asleep (or waking): the request waits
+            if routing.waits(route):
+                return route, None, blocks  # asleep, waking or starting: it waits
             return route, self._pick(route, session=session, hashes=blocks), blocks
         except errors.BlazarError as err:
             log.info("request.rejected", model=model, reason=err.reason)
@@ -423,8 +423,8 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         self, model: str, context: Context, caller: access.Caller
     ) -> tuple[routing.Route, routing.Replica]:
         """The Lane and a serving replica for a call of `caller` that does not queue in
-        admission (embeddings, tokenizing): a sleeping Lane is woken and waited for, up
-        to WAKE_TIMEOUT_S."""
+        admission (embeddings, tokenizing): a sleeping Lane is woken, and it or a
+        starting replica waited for, up to WAKE_TIMEOUT_S."""
         named = self.table.by_name.get(model)
         if named is not None and named.upstream is not None:
             # Whether or not the upstream answers now: it never will be asked.
@@ -441,7 +441,8 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             return route, replica
         self._activity.begin(route.lane)
         try:
-            self._activity.want(route.lane)
+            if route.wakes:
+                self._activity.want(route.lane)
             deadline = time.monotonic() + WAKE_TIMEOUT_S
             while time.monotonic() < deadline:
                 if (stranded := routing.unservable(route)) is not None:
@@ -456,7 +457,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         await self._refuse(
             context,
             errors.Unavailable(
-                f"Lane '{route.lane}' was asleep and did not wake within "
+                f"Lane '{route.lane}' had no ready replica, and none was ready within "
                 f"{WAKE_TIMEOUT_S:g} s; see `blazar describe lane {route.lane}`.",
                 metadata={"lane": route.lane},
             ),
@@ -673,9 +674,11 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         if replica is None or waking:
             # The Lane sleeps, or is falling asleep (a replica that stops under the
             # request hands it back to the queue, and only the controller starts
-            # another): wake it. Its wake-up is not the request's to be refused
-            # for (the Lane was configured to sleep); the wait bound still holds.
-            self._activity.want(route.lane)
+            # another): wake it. Or its replica is starting. Its start is not the
+            # request's to be refused for (the Lane was configured to sleep, or is
+            # coming up); the wait bound still holds.
+            if route.wakes or waking:
+                self._activity.want(route.lane)
             policy = dataclasses.replace(policy, reject_early=False)
         ticket = admission.Ticket(
             id=uuid.uuid4().hex,

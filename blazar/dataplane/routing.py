@@ -51,6 +51,9 @@ class Route:
     # It sleeps now (its status says so), or waits for memory that a request for it
     # would free: either way on demand, not a Lane that failed to start.
     sleeping: bool = False
+    # A replica of it is starting (spawned, loading its model): a first start, a restart
+    # after a crash, a rollout's new replica.
+    starting: bool = False
     # Why no new replica can start, from the Lane's ModelReady condition when it is
     # False (`Model "m" does not exist.`); empty when the Model is ready. An upstream
     # Lane's: why its upstream does not answer (its Available condition).
@@ -114,6 +117,9 @@ def build_table(
             sleeping=(lane.status.sleeping or _waits_for_memory(lane))
             and not _memory_problem(lane)
             and lane.spec.replicas > 0,
+            starting=any(
+                r.state == ReplicaState.STARTING.value for r in lane.status.replica_statuses
+            ),
             model_problem=_model_problem(lane),
             memory_problem=_memory_problem(lane),
         )
@@ -127,6 +133,7 @@ def build_table(
                 max_parked_bytes=0,
                 wakes=False,
                 sleeping=False,
+                starting=False,
                 model_problem=_upstream_problem(lane),
                 upstream=lane.spec.upstream,
                 draft_batch_max=None,
@@ -181,6 +188,15 @@ def _upstream_problem(lane: Lane) -> str:
     if cond is None or cond.status != "False":
         return ""
     return cond.message or "Its upstream does not answer."
+
+
+def waits(route: Route) -> bool:
+    """Whether a request for the Lane, which no replica serves now, waits for one (within
+    its policy's bounds) rather than being refused: the Lane wakes for it (it sleeps, or
+    waits for memory), or a replica of it is starting, as a request already queued waits
+    when its replica dies. A Lane whose replica failed and waits out its crash back-off
+    refuses at once ("retry shortly"); so does a paused one."""
+    return not route.replicas and route.desired > 0 and (route.wakes or route.starting)
 
 
 def unservable(route: Route) -> errors.Unavailable | None:

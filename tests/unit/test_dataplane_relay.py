@@ -325,6 +325,49 @@ def test_a_request_whose_replica_process_died_is_served_by_its_restart() -> None
     assert took < 0.9, took  # gRPC's first reconnect backoff is 1 s
 
 
+def test_requests_for_a_lane_whose_replica_is_starting_wait_for_it() -> None:
+    """A generation and an embedding that arrive while the Lane's only replica starts
+    (the daemon just came up, or its engine is restarting) wait for it and are served,
+    where they were refused with 503 "retry shortly"; a refusal comes only once no
+    replica is on its way (the start failed)."""
+    fake = FakeEngine(refuse=False, text="a")
+
+    async def run() -> tuple[list[inference_pb2.Chunk], inference_pb2.EmbedResponse, Any]:
+        async with serving([fake]) as plane:
+            starting = lane(plane.sockets)
+            starting.status.replica_statuses[0].state = "Starting"
+            plane.store.update_status(Kind.LANE, "l", starting.status)
+            await asyncio.sleep(0.2)
+            call = plane.stub.Complete(inference_pb2.CompleteRequest(model="l", prompt="hi"))
+            reading = asyncio.ensure_future(call.read())
+            embedding = asyncio.ensure_future(
+                plane.stub.Embed(inference_pb2.EmbedRequest(model="l", inputs=["a"]))
+            )
+            await asyncio.sleep(0.3)
+            assert not reading.done() and not embedding.done() and fake.calls == 0
+            plane.store.update_status(Kind.LANE, "l", lane(plane.sockets).status)
+            chunks = [await asyncio.wait_for(reading, timeout=5)]
+            while (chunk := await call.read()) is not grpc.aio.EOF:
+                chunks.append(chunk)
+            embedded = await asyncio.wait_for(embedding, timeout=5)
+            # The start failed: nothing is on its way, a new request is refused at once.
+            failed = lane(plane.sockets)
+            failed.status.replica_statuses[0].state = "Failed"
+            plane.store.update_status(Kind.LANE, "l", failed.status)
+            await asyncio.sleep(0.2)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await asyncio.wait_for(
+                    plane.stub.Embed(inference_pb2.EmbedRequest(model="l", inputs=["a"])), 3
+                )
+            return chunks, embedded, info.value
+
+    chunks, embedded, refused = asyncio.run(run())
+    assert chunks[0].delta.text == "a" and chunks[-1].HasField("final")
+    assert embedded.prompt_tokens == 7
+    assert refused.code() == grpc.StatusCode.UNAVAILABLE
+    assert "retry shortly" in (refused.details() or "")
+
+
 def test_a_waiting_request_of_a_lane_scaled_to_zero_is_unavailable() -> None:
     async def run() -> grpc.aio.AioRpcError:
         async with serving([FakeEngine(refuse=True, text="a")]) as plane:

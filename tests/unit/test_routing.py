@@ -68,6 +68,18 @@ def test_lane_without_ready_replica_is_unavailable() -> None:
     assert "retry shortly" in exc.value.message
 
 
+def test_a_request_waits_for_a_starting_replica_not_for_a_failed_one() -> None:
+    """A replica on its way (first start, restart after a crash, a rollout's new one):
+    the request waits for it. One that failed and waits out its back-off, or a paused
+    Lane: refused at once, as `pick_replica` says."""
+    failed = lane("f", ready=())
+    failed.status.replica_statuses = [ReplicaStatus(index=0, state="Failed", socket="/s/f-0")]
+    paused = lane("p", ready=(), starting=(0,), desired=0)
+    table = routing.build_table([lane("c", ready=(), starting=(0,)), failed, paused, lane("r")])
+    waits = {name: routing.waits(routing.resolve(table, name)) for name in "cfpr"}
+    assert waits == {"c": True, "f": False, "p": False, "r": False}
+
+
 def _model_missing(name: str, *, ready: tuple[int, ...]) -> Lane:
     missing = lane(name, ready=ready)
     missing.status.conditions = [
