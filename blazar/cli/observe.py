@@ -77,12 +77,14 @@ def object_ref(
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
-    """`logs lane/NAME [--replica N] [-f]`: the engine's output, through Control (the
+    """`logs lane/NAME [--replica N] [-f] [--tail N]`: the engine's output, through Control (the
     daemon may be on another host)."""
     kind, name = object_ref(args.target, flag="logs")
     if kind != kinds.Kind.LANE.value:
         raise errors.InvalidRequest(f"logs are kept for Lanes' engines, not for {kind}s")
     request = control_pb2.LogsRequest(lane=name, replica=args.replica, follow=args.follow)
+    if args.tail >= 0:
+        request.tail_lines = args.tail
     out = sys.stdout.buffer
     with client.from_args(args) as control:
         for data in control.logs(request):
@@ -187,6 +189,12 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         "--replica", type=_whole_number(0), default=0, help="replica index (default 0)"
     )
     logs.add_argument("-f", "--follow", action="store_true", help="keep printing what comes")
+    logs.add_argument(
+        "--tail",
+        type=_whole_number(-1),
+        default=-1,
+        help="begin with the last N lines of the log (default -1: all of it)",
+    )
     logs.set_defaults(func=cmd_logs)
 
     top = sub.add_parser(

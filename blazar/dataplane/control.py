@@ -198,10 +198,16 @@ class ControlService(control_pb2_grpc.ControlServicer):
     async def Logs(
         self, request: control_pb2.LogsRequest, context: Context
     ) -> AsyncIterator[control_pb2.LogChunk]:
-        """The replica's current log file, then (`follow`) what is appended to it until
-        the Lane is deleted; when the file is rotated (cut to nothing) meanwhile,
-        reading goes on from its start."""
+        """The replica's current log file (its last `tail_lines` lines, if set), then
+        (`follow`) what is appended to it until the Lane is deleted; when the file is
+        rotated (cut to nothing) meanwhile, reading goes on from its start."""
+        tail = request.tail_lines if request.HasField("tail_lines") else None
         try:
+            if tail is not None and tail < 0:
+                raise errors.InvalidRequest(
+                    f"tail_lines must be 0 or more, not {tail} (unset: the whole log)",
+                    metadata={errors.FIELD_KEY: "tail_lines"},
+                )
             path = self._log_path(request.lane, request.replica)
         except errors.BlazarError as err:
             await status.abort(context, err)
@@ -209,14 +215,16 @@ class ControlService(control_pb2_grpc.ControlServicer):
         while True:
             try:
                 with path.open("rb") as f:
-                    if f.seek(0, 2) < offset:
+                    if tail is not None:
+                        offset, tail = logfiles.tail_start(f, tail), None
+                    elif f.seek(0, 2) < offset:
                         offset = 0  # rotated: what was before is in `.1`, already sent
                     f.seek(offset)
                     while data := f.read(LOG_CHUNK_BYTES):
                         offset += len(data)
                         yield control_pb2.LogChunk(data=data)
             except FileNotFoundError:
-                pass
+                tail = None  # none written yet: whatever comes is new
             if not request.follow or self._store.get(kinds.Kind.LANE, request.lane) is None:
                 return  # a deleted Lane writes no more (its last output was sent)
             await asyncio.sleep(LOG_FOLLOW_POLL_S)

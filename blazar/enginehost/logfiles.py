@@ -16,9 +16,12 @@ import contextlib
 import os
 import shutil
 from pathlib import Path
+from typing import BinaryIO
 
 MAX_BYTES = 10 * 1024 * 1024
 KEEP = 3
+# How much of a log is read at a time when looking for its last lines from the end.
+_TAIL_BLOCK_BYTES = 64 * 1024
 
 
 def path(log_dir: Path, lane: str, index: int) -> Path:
@@ -59,3 +62,26 @@ def replicas(log_dir: Path, lane: str) -> list[int]:
         if index.isdigit():
             found.append(int(index))
     return sorted(found)
+
+
+def tail_start(f: BinaryIO, lines: int) -> int:
+    """Where the last `lines` lines of the open log `f` begin (its start when it has no
+    more; its end for 0). A last line without its newline counts as a line. Reads
+    backwards from the end, a block at a time: a 10 MB log's last lines cost a block."""
+    end = pos = f.seek(0, os.SEEK_END)
+    if lines <= 0 or end == 0:
+        return end
+    f.seek(end - 1)
+    # Newlines to pass, from the end: the one that ends the last line is not one.
+    wanted = lines + (f.read(1) == b"\n")
+    while pos > 0:
+        start = max(0, pos - _TAIL_BLOCK_BYTES)
+        f.seek(start)
+        block = f.read(pos - start)
+        at = len(block)
+        while (at := block.rfind(b"\n", 0, at)) >= 0:
+            wanted -= 1
+            if wanted == 0:
+                return start + at + 1
+        pos = start
+    return 0

@@ -209,13 +209,16 @@ def test_logs_follow_ends_when_the_lane_is_deleted(
     )
     control.apply(manifest)
     log = daemon.home / "logs" / "quiet-0.log"
-    log.write_bytes(b"first line\n")
+    log.write_bytes(b"zeroth line\nfirst line\n")
+    assert daemon.cli("logs", "lane/quiet", "--tail", "1").stdout == "first line\n"
     missing = daemon.cli("logs", "lane/quiet", "--replica", "1")
     assert missing.returncode == 1
     assert "no log of replica 1 (replicas with logs: 0)" in missing.stderr
     argv = [sys.executable, "-m", "blazar.cli", "--server", daemon.control]
     follow = subprocess.Popen(
-        [*argv, "logs", "lane/quiet", "-f"], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        [*argv, "logs", "lane/quiet", "-f", "--tail=1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
     )
     try:
         assert follow.stdout is not None and follow.stderr is not None

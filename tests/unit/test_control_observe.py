@@ -68,6 +68,25 @@ def test_logs_send_the_replicas_file(tmp_path: Path) -> None:
     run(body, log_dir=tmp_path, samples=[])
 
 
+def test_logs_begin_with_the_last_lines_asked(tmp_path: Path) -> None:
+    (tmp_path / "a-1.log").write_bytes(b"".join(b"line %d\n" % i for i in range(1000)))
+
+    async def body(stub: control_pb2_grpc.ControlStub) -> None:
+        async def tail(lines: int) -> bytes:
+            call = stub.Logs(control_pb2.LogsRequest(lane="a", replica=1, tail_lines=lines))
+            return b"".join([chunk.data async for chunk in call])
+
+        assert await tail(2) == b"line 998\nline 999\n"
+        assert await tail(0) == b""
+        assert (await tail(5000)).count(b"\n") == 1000
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await tail(-1)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "tail_lines must be 0 or more" in (info.value.details() or "")
+
+    run(body, log_dir=tmp_path, samples=[])
+
+
 @pytest.mark.parametrize(
     ("lane", "replica", "code", "words"),
     [

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from blazar.enginehost import logfiles
 
 
@@ -39,3 +41,41 @@ def test_replicas_are_the_indices_with_a_log(tmp_path: Path) -> None:
     for name in ("l-0.log", "l-2.log", "l-2.log.1", "l-x.log", "other-1.log", "l-extra-1.log"):
         (tmp_path / name).touch()
     assert logfiles.replicas(tmp_path, "l") == [0, 2]
+
+
+@pytest.mark.parametrize(
+    ("content", "lines", "tail"),
+    [
+        (b"a\nb\nc\n", 2, b"b\nc\n"),
+        (b"a\nb\nc\n", 1, b"c\n"),
+        (b"a\nb\nc", 1, b"c"),  # a last line without its newline is a line
+        (b"a\nb\nc", 2, b"b\nc"),
+        (b"a\nb\nc\n", 3, b"a\nb\nc\n"),
+        (b"a\nb\nc\n", 10, b"a\nb\nc\n"),
+        (b"a\nb\nc\n", 0, b""),
+        (b"", 5, b""),
+        (b"\n\n\n", 2, b"\n\n"),
+        (b"no newline at all", 1, b"no newline at all"),
+    ],
+)
+def test_tail_start_is_where_the_last_lines_begin(
+    tmp_path: Path, content: bytes, lines: int, tail: bytes
+) -> None:
+    log = tmp_path / "x.log"
+    log.write_bytes(content)
+    with log.open("rb") as f:
+        assert content[logfiles.tail_start(f, lines) :] == tail
+
+
+def test_tail_start_reads_blocks_back_from_the_end(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Lines longer than a block, and a block edge right after a newline."""
+    monkeypatch.setattr(logfiles, "_TAIL_BLOCK_BYTES", 4)
+    content = b"".join(f"{i}:{'x' * (i % 7)}\n".encode() for i in range(50))
+    log = tmp_path / "x.log"
+    log.write_bytes(content)
+    with log.open("rb") as f:
+        for n in range(52):
+            got = content[logfiles.tail_start(f, n) :]
+            assert got == b"".join(content.splitlines(keepends=True)[-n:] if n else []), n

@@ -130,14 +130,16 @@ class EventsResponse(_message.Message):
     def __init__(self, events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ...) -> None: ...
 
 class LogsRequest(_message.Message):
-    __slots__ = ("lane", "replica", "follow")
+    __slots__ = ("lane", "replica", "follow", "tail_lines")
     LANE_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     FOLLOW_FIELD_NUMBER: _ClassVar[int]
+    TAIL_LINES_FIELD_NUMBER: _ClassVar[int]
     lane: str
     replica: int
     follow: bool
-    def __init__(self, lane: _Optional[str] = ..., replica: _Optional[int] = ..., follow: _Optional[bool] = ...) -> None: ...
+    tail_lines: int
+    def __init__(self, lane: _Optional[str] = ..., replica: _Optional[int] = ..., follow: _Optional[bool] = ..., tail_lines: _Optional[int] = ...) -> None: ...
 
 class LogChunk(_message.Message):
     __slots__ = ("data",)
