@@ -16,7 +16,7 @@ from types import TracebackType
 import grpc
 
 from blazar._proto.v1 import control_pb2, control_pb2_grpc
-from blazar.api import errors
+from blazar.api import errors, kinds
 from blazar.cli import home
 from blazar.rpc import tls
 
@@ -30,10 +30,29 @@ def target(args: argparse.Namespace) -> str:
 
 def from_args(args: argparse.Namespace) -> ControlClient:
     """A client of the daemon the command line names, with its key (--api-key, else
-    $BLAZAR_API_KEY) if any, over TLS when a CA is named for a TCP daemon."""
+    $BLAZAR_API_KEY) if any, over TLS when a CA is named for a TCP daemon, and a
+    deadline on each call (--request-timeout)."""
     key = args.api_key or os.environ.get("BLAZAR_API_KEY") or None
     where = target(args)
-    return ControlClient(where, api_key=key, credentials=credentials(args, where))
+    return ControlClient(
+        where,
+        api_key=key,
+        credentials=credentials(args, where),
+        timeout=request_timeout(args),
+    )
+
+
+def request_timeout(args: argparse.Namespace) -> float | None:
+    """--request-timeout in seconds, as kubectl reads it: a duration with its unit (5s,
+    2m, 1h); 0 or unset waits as long as the call takes (None)."""
+    text = getattr(args, "request_timeout", None)
+    if text is None:
+        return None
+    try:
+        seconds = kinds.parse_duration(text.strip()).total_seconds()
+    except ValueError as exc:
+        raise errors.InvalidRequest(f"--request-timeout: {exc}") from None
+    return seconds or None
 
 
 def credentials(args: argparse.Namespace, target: str) -> grpc.ChannelCredentials | None:
@@ -61,7 +80,11 @@ class ControlClient:
         *,
         api_key: str | None = None,
         credentials: grpc.ChannelCredentials | None = None,
+        timeout: float | None = None,
     ) -> None:
+        # Each call's deadline in seconds (None: none); not a watch's or a followed
+        # log's, which run until the caller stops reading.
+        self.timeout = timeout
         # TLS when the daemon's TCP listener speaks it (`blazar.rpc.tls.authority`).
         self._channel = (
             grpc.secure_channel(target, credentials)
@@ -84,27 +107,39 @@ class ControlClient:
         self._channel.close()
 
     def apply(self, request: control_pb2.ApplyRequest) -> control_pb2.ApplyResponse:
-        response: control_pb2.ApplyResponse = self._stub.Apply(request, metadata=self._metadata)
+        response: control_pb2.ApplyResponse = self._stub.Apply(
+            request, metadata=self._metadata, timeout=self.timeout
+        )
         return response
 
     def get(self, request: control_pb2.GetRequest) -> control_pb2.GetResponse:
-        response: control_pb2.GetResponse = self._stub.Get(request, metadata=self._metadata)
+        response: control_pb2.GetResponse = self._stub.Get(
+            request, metadata=self._metadata, timeout=self.timeout
+        )
         return response
 
     def list(self, request: control_pb2.ListRequest) -> control_pb2.ListResponse:
-        response: control_pb2.ListResponse = self._stub.List(request, metadata=self._metadata)
+        response: control_pb2.ListResponse = self._stub.List(
+            request, metadata=self._metadata, timeout=self.timeout
+        )
         return response
 
     def delete(self, request: control_pb2.DeleteRequest) -> control_pb2.DeleteResponse:
-        response: control_pb2.DeleteResponse = self._stub.Delete(request, metadata=self._metadata)
+        response: control_pb2.DeleteResponse = self._stub.Delete(
+            request, metadata=self._metadata, timeout=self.timeout
+        )
         return response
 
     def events(self, request: control_pb2.EventsRequest) -> control_pb2.EventsResponse:
-        response: control_pb2.EventsResponse = self._stub.Events(request, metadata=self._metadata)
+        response: control_pb2.EventsResponse = self._stub.Events(
+            request, metadata=self._metadata, timeout=self.timeout
+        )
         return response
 
     def top(self, request: control_pb2.TopRequest) -> control_pb2.TopResponse:
-        response: control_pb2.TopResponse = self._stub.Top(request, metadata=self._metadata)
+        response: control_pb2.TopResponse = self._stub.Top(
+            request, metadata=self._metadata, timeout=self.timeout
+        )
         return response
 
     def watch(self, request: control_pb2.WatchRequest) -> Iterator[control_pb2.WatchEvent]:
@@ -117,8 +152,10 @@ class ControlClient:
             stream.cancel()
 
     def logs(self, request: control_pb2.LogsRequest) -> Iterator[bytes]:
-        """A replica's log output as it arrives; cancelled as `watch` is."""
-        stream = self._stub.Logs(request, metadata=self._metadata)
+        """A replica's log output as it arrives; cancelled as `watch` is. Without
+        `follow`, the whole answer is due within the call's deadline."""
+        timeout = None if request.follow else self.timeout
+        stream = self._stub.Logs(request, metadata=self._metadata, timeout=timeout)
         try:
             for chunk in stream:
                 yield chunk.data

@@ -426,6 +426,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="PEM certificate authority of a daemon serving TLS, reached over TCP ($BLAZAR_TLS_CA)",
     )
+    parser.add_argument(
+        "--request-timeout",
+        metavar="DURATION",
+        help="give up on a call to the daemon after this long (5s, 2m; default 0: wait); "
+        "not on a watch or a followed log",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="run the daemon")
@@ -595,8 +601,33 @@ def attach_signed_values(argv: Sequence[str]) -> list[str]:
     return out
 
 
+# The flags that say how to reach a running daemon, by their argparse names.
+_DAEMON_FLAGS = {
+    "server": "--server",
+    "api_key": "--api-key",
+    "tls_ca": "--tls-ca",
+    "request_timeout": "--request-timeout",
+}
+
+
+def _unused_daemon_flags(args: argparse.Namespace) -> list[str]:
+    """The daemon flags given to a command that calls no daemon (it runs one, or works
+    on files alone): taken and ignored, they would mislead."""
+    local = (cmd_serve, cmd_auth_key, cmd_auth_hash, cmd_export_kubernetes)
+    if args.func not in local:
+        return []
+    return [flag for name, flag in _DAEMON_FLAGS.items() if getattr(args, name, None)]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(attach_signed_values(sys.argv[1:] if argv is None else argv))
+    if unused := _unused_daemon_flags(args):
+        print(
+            f"error: {', '.join(unused)}: for commands that call a running daemon; "
+            f"`blazar {args.command}` calls none",
+            file=sys.stderr,
+        )
+        return 2
     if args.func is cmd_serve:
         # The daemon: a broken pipe there is a socket's, not its reader going away.
         return _run(args)
@@ -635,6 +666,14 @@ def _run(args: argparse.Namespace) -> int:
         return failed
     except grpc.RpcError as exc:
         remote = status.from_rpc_error(exc)
+        timeout = client.request_timeout(args)
+        if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and timeout is not None:
+            print(
+                f"error: the Blazar daemon at {client.target(args)} did not answer within "
+                f"{timeout:g}s (--request-timeout)",
+                file=sys.stderr,
+            )
+            return failed
         # Only when gRPC itself lost the daemon: an Unavailable the daemon sent (its
         # store cannot be written, say) is its answer, shown as any other.
         if status.lost_peer(exc):

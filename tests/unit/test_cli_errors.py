@@ -4,12 +4,14 @@ with the reason the server gave, whatever the CLI knows of it."""
 from __future__ import annotations
 
 import argparse
+import socket
+import time
 
 import grpc
 import pytest
 
 from blazar.api import errors
-from blazar.cli import main
+from blazar.cli import client, main
 from tests.rpc_errors import FakeRpcError
 
 BAD = errors.ManifestInvalid(
@@ -144,3 +146,52 @@ def test_cli_says_it_cannot_reach_a_daemon_that_did_not_answer(
         "error: cannot reach the Blazar daemon at unix:/h/control.sock: "
         "failed to connect to all addresses\n"
     )
+
+
+def test_request_timeout_gives_up_on_a_daemon_that_never_answers(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A listener that takes the connection and never speaks (a stopped daemon): with
+    --request-timeout the command ends in time, saying so; kubectl's default (0) waits."""
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        port = silent.getsockname()[1]
+        started = time.monotonic()
+        status = main.main(
+            ["--server", f"127.0.0.1:{port}", "--request-timeout", "500ms", "get", "lanes"]
+        )
+        took = time.monotonic() - started
+    assert status == 1
+    assert capsys.readouterr().err == (
+        f"error: the Blazar daemon at 127.0.0.1:{port} did not answer within 0.5s "
+        "(--request-timeout)\n"
+    )
+    assert took < 5.0, took
+
+
+@pytest.mark.parametrize(
+    ("given", "seconds"), [(None, None), ("0", None), ("5s", 5.0), ("2m", 120.0)]
+)
+def test_request_timeout_reads_kubectls_durations(given: str | None, seconds: float | None) -> None:
+    assert client.request_timeout(argparse.Namespace(request_timeout=given)) == seconds
+
+
+@pytest.mark.parametrize("given", ["5", "-1s", "soon"])
+def test_request_timeout_refuses_what_is_not_a_duration(given: str) -> None:
+    with pytest.raises(errors.InvalidRequest, match="--request-timeout"):
+        client.request_timeout(argparse.Namespace(request_timeout=given))
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--server", "127.0.0.1:1", "serve"],
+        ["--api-key", "k", "auth", "key"],
+        ["--request-timeout", "5s", "export", "kubernetes", "-f", "examples/fleet"],
+    ],
+)
+def test_daemon_flags_on_a_command_that_calls_no_daemon_are_refused(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Taken and ignored, they would mislead (`--server` on `serve` is not its address)."""
+    assert main.main(argv) == 2
+    assert "for commands that call a running daemon" in capsys.readouterr().err
