@@ -13,15 +13,18 @@
 //   BLAZAR_GRPC_ADDR=127.0.0.1:8421 node chat.js
 //
 // Environment: BLAZAR_GRPC_ADDR (host:port, default 127.0.0.1:8421, as `blazar serve`);
-// BLAZAR_MODEL (a Lane name or alias; default: the first model that is ready).
+// BLAZAR_MODEL (a Lane name or alias; default: the first model that is ready);
+// BLAZAR_API_KEY (a tenant's key, for a daemon started with --auth-file).
 "use strict";
 
 const path = require("node:path");
 const grpc = require("@grpc/grpc-js");
 const protoLoader = require("@grpc/proto-loader");
+const protobuf = require("protobufjs");
 
 const PROTO_ROOT = path.resolve(__dirname, "..", "..", "proto");
 const ADDRESS = process.env.BLAZAR_GRPC_ADDR || "127.0.0.1:8421";
+const API_KEY = process.env.BLAZAR_API_KEY || "";
 // The tool the model is made to call: name, description and JSON Schema parameters.
 const TOOL = require("./tool.json");
 // Every call gets a deadline: a daemon that hangs must not hang the client.
@@ -32,8 +35,10 @@ function loadInference() {
     includeDirs: [PROTO_ROOT],
     keepCase: true, // field names as in the .proto: max_tokens, tool_choice, ...
     enums: String, // "FINISH_REASON_TOOL_CALLS" rather than 4
+    // int64 fields (ModelInfo.created, ModelFile.size_bytes) as numbers rather than
+    // Long objects; `String` keeps the uint64 values of AdmissionGates.seen exact.
     longs: Number,
-    defaults: true,
+    defaults: true, // zero values present (routing.replica 0) rather than undefined
     oneofs: true, // chunk.part says which of `delta` / `final` is set
   });
   const v1 = grpc.loadPackageDefinition(definition).blazar.v1;
@@ -44,9 +49,16 @@ function deadline() {
   return new Date(Date.now() + DEADLINE_MS);
 }
 
+// Each call's metadata: the API key, when there is one, as `authorization: Bearer`.
+function metadata() {
+  const md = new grpc.Metadata();
+  if (API_KEY) md.set("authorization", `Bearer ${API_KEY}`);
+  return md;
+}
+
 function listModels(client) {
   return new Promise((resolve, reject) => {
-    client.ListModels({}, { deadline: deadline() }, (err, response) =>
+    client.ListModels({}, metadata(), { deadline: deadline() }, (err, response) =>
       err ? reject(err) : resolve(response.models),
     );
   });
@@ -55,7 +67,7 @@ function listModels(client) {
 // Runs one Chat call; `onDelta` sees every Delta, the promise resolves to the Final.
 function chat(client, request, onDelta) {
   return new Promise((resolve, reject) => {
-    const call = client.Chat(request, { deadline: deadline() });
+    const call = client.Chat(request, metadata(), { deadline: deadline() });
     let final = null;
     call.on("data", (chunk) => {
       if (chunk.part === "delta") onDelta(chunk.delta);
@@ -158,12 +170,71 @@ async function main() {
   }
 }
 
+// google.rpc.Status and google.rpc.ErrorInfo, the rich error details Blazar sends in
+// the `grpc-status-details-bin` trailer. Declared here rather than loaded from
+// googleapis' .proto files, which proto/ does not ship.
+const RPC = protobuf.Root.fromJSON({
+  nested: {
+    google: {
+      nested: {
+        protobuf: {
+          nested: {
+            Any: {
+              fields: {
+                type_url: { type: "string", id: 1 },
+                value: { type: "bytes", id: 2 },
+              },
+            },
+          },
+        },
+        rpc: {
+          nested: {
+            Status: {
+              fields: {
+                code: { type: "int32", id: 1 },
+                message: { type: "string", id: 2 },
+                details: { rule: "repeated", type: "google.protobuf.Any", id: 3 },
+              },
+            },
+            ErrorInfo: {
+              fields: {
+                reason: { type: "string", id: 1 },
+                domain: { type: "string", id: 2 },
+                metadata: { keyType: "string", type: "string", id: 3 },
+              },
+            },
+          },
+        },
+      },
+    },
+  },
+});
+const STATUS = RPC.lookupType("google.rpc.Status");
+const ERROR_INFO = RPC.lookupType("google.rpc.ErrorInfo");
+
+// Blazar's ErrorInfo ({reason, domain, metadata}) in a gRPC error, or null. The reason
+// says what went wrong (MODEL_NOT_FOUND, QUEUE_FULL, ...) and the metadata the numbers
+// behind it, such as `retry_after_ms` on a RESOURCE_EXHAUSTED refusal.
+function errorInfo(err) {
+  const [raw] = err.metadata ? err.metadata.get("grpc-status-details-bin") : [];
+  if (!raw) return null; // an error from gRPC itself (a deadline, a lost connection)
+  for (const any of STATUS.decode(raw).details) {
+    if (any.type_url === "type.googleapis.com/google.rpc.ErrorInfo") {
+      const info = ERROR_INFO.toObject(ERROR_INFO.decode(any.value), { defaults: true });
+      if (info.domain === "blazar.dev") return info;
+    }
+  }
+  return null;
+}
+
 main().catch((err) => {
-  // A gRPC error carries a status code and Blazar's reason as a plain trailer.
   if (err.code !== undefined && err.metadata) {
-    const reason = err.metadata.get("blazar-reason")[0];
+    // A gRPC error: a status code, and Blazar's reason with its numbers.
+    const info = errorInfo(err);
     const name = grpc.status[err.code] || err.code;
-    console.error(`error: gRPC ${name}${reason ? ` (${reason})` : ""}: ${err.details}`);
+    const numbers = info ? Object.entries(info.metadata).map(([k, v]) => `${k}=${v}`) : [];
+    const said = info ? ` (${[info.reason, ...numbers].join("; ")})` : "";
+    console.error(`error: gRPC ${name}${said}: ${err.details}`);
   } else {
     console.error(`error: ${err.message || err}`);
   }

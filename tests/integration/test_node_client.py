@@ -94,3 +94,26 @@ def test_the_node_client_streams_a_chat_and_a_forced_tool_call(
     tool: dict[str, Any] = json.loads((EXAMPLE / "tool.json").read_text())
     assert name == tool["name"], report
     jsonschema.validate(json.loads(arguments), tool["parameters"])
+
+
+def test_the_node_client_reads_the_reason_and_its_numbers_from_the_error_details(
+    node_client: str, daemon: Daemon
+) -> None:
+    """A refusal reaches the Node client whole: the ErrorInfo in
+    `grpc-status-details-bin`, decoded in JS, gives the reason and its metadata."""
+    env = {**os.environ, "BLAZAR_GRPC_ADDR": daemon.grpc, "BLAZAR_MODEL": "no-such-model"}
+    env.pop("BLAZAR_API_KEY", None)
+    run = subprocess.run(
+        [node_client, "chat.js"],
+        cwd=EXAMPLE,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    report = f"exit {run.returncode}\nstdout:\n{run.stdout}\nstderr:\n{run.stderr}"
+    assert run.returncode == 1, report
+    assert (
+        "error: gRPC NOT_FOUND (MODEL_NOT_FOUND; model=no-such-model): "
+        "The model 'no-such-model' does not exist." in run.stderr
+    ), report
