@@ -163,6 +163,9 @@ def cmd_events(args: argparse.Namespace) -> int:
         args.for_, args.kind = args.kind, None  # `events lane/gemma3`, as `get` takes it
     if args.for_ and (args.kind or args.name):
         raise errors.InvalidRequest("events takes KIND [NAME] or --for KIND/NAME, not both")
+    if args.name == "" or args.kind == "":
+        # A shell variable left unset: read as none, it would list every object's events.
+        raise errors.InvalidRequest("events: a kind or resource name may not be empty")
     if args.for_:
         kind, name = object_ref(args.for_, kind_of=_event_kind)
     else:

@@ -299,6 +299,16 @@ def test_events_filter_by_what_their_object_column_shows(
     assert len(control.asked_events) == 4
 
 
+@pytest.mark.parametrize("argv", [["events", "lane", ""], ["events", ""]])
+def test_events_refuse_an_empty_kind_or_name(
+    argv: list[str], control: FakeControl, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`events lane "$LANE"` with the variable unset listed every Lane's events."""
+    assert main.main(argv) == 1
+    assert "may not be empty" in capsys.readouterr().err
+    assert control.asked_events == []
+
+
 @pytest.mark.parametrize(
     ("argv", "said"), [(["events"], "No events.\n"), (["top"], "No Lane resources found.\n")]
 )
