@@ -678,8 +678,12 @@ def _run(args: argparse.Namespace) -> int:
         # store cannot be written, say) is its answer, shown as any other.
         if status.lost_peer(exc):
             target = client.target(args)
-            plain = not target.startswith("unix:") and not (
-                args.tls_ca or os.environ.get("BLAZAR_TLS_CA")
+            # Nothing listens there: whether it would speak TLS is beside the point.
+            refused = "Connection refused" in remote.message
+            plain = (
+                not target.startswith("unix:")
+                and not (args.tls_ca or os.environ.get("BLAZAR_TLS_CA"))
+                and not refused
             )
             hint = " (a daemon serving TLS needs --tls-ca FILE)" if plain else ""
             print(

@@ -195,3 +195,13 @@ def test_daemon_flags_on_a_command_that_calls_no_daemon_are_refused(
     """Taken and ignored, they would mislead (`--server` on `serve` is not its address)."""
     assert main.main(argv) == 2
     assert "for commands that call a running daemon" in capsys.readouterr().err
+
+
+def test_cli_gives_no_tls_hint_when_nothing_listens(capsys: pytest.CaptureFixture[str]) -> None:
+    """The hint is for a plain client meeting a TLS daemon; nothing at the port is not that."""
+    with socket.create_server(("127.0.0.1", 0)) as closed:
+        port = closed.getsockname()[1]
+    assert main.main(["--server", f"127.0.0.1:{port}", "get", "lanes"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: cannot reach the Blazar daemon at 127.0.0.1:{port}: ")
+    assert "Connection refused" in err and "--tls-ca" not in err
