@@ -304,11 +304,12 @@ def cmd_get(args: argparse.Namespace) -> int:
         kind, objs = _objects(control, args)
     if args.output == "json":
         print(printers.as_json(objs, named=bool(args.name)))
-    elif not objs:
-        # On stderr, as kubectl: stdout holds only objects (an empty List for -o json).
-        print(_none_found(kind), file=sys.stderr)
     elif args.output == "yaml":
-        print(printers.as_yaml(objs))
+        print(printers.as_yaml(objs, named=bool(args.name)))
+    elif not objs:
+        # On stderr, as kubectl: stdout holds only objects (an empty List for -o json
+        # and -o yaml).
+        print(_none_found(kind), file=sys.stderr)
     elif args.output == "name":
         # kubectl's `-o name`: kind/name a line, for scripts (`xargs blazar delete`).
         for obj in objs:

@@ -248,16 +248,21 @@ class WatchTable:
         return [_line(r, self.widths) for r in rows]
 
 
-def as_yaml(objs: Sequence[ObjectJson]) -> str:
-    return yaml.safe_dump_all(list(objs), sort_keys=False).rstrip()
+def as_yaml(objs: Sequence[ObjectJson], *, named: bool = False) -> str:
+    """As `as_json`, in YAML: what `apply -f` takes back (a List as well)."""
+    return yaml.safe_dump(_listed(objs, named=named), sort_keys=False).rstrip()
 
 
 def as_json(objs: Sequence[ObjectJson], *, named: bool = False) -> str:
+    return json.dumps(_listed(objs, named=named), indent=2)
+
+
+def _listed(objs: Sequence[ObjectJson], *, named: bool) -> ObjectJson | dict[str, Any]:
     """The object alone when one was asked for by name; a List otherwise, as kubectl
     prints one, also when the listing holds a single object (or none)."""
     if named and len(objs) == 1:
-        return json.dumps(objs[0], indent=2)
-    return json.dumps({"apiVersion": "v1", "kind": "List", "items": list(objs)}, indent=2)
+        return objs[0]
+    return {"apiVersion": "v1", "kind": "List", "items": list(objs)}
 
 
 def _pid(replica: dict[str, Any]) -> str:

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 
 from blazar._proto.v1 import control_pb2
 from blazar.api import errors
@@ -470,16 +471,34 @@ def test_dry_run_refuses_a_value_kubectl_does_not_take(
     assert control.applied == []
 
 
-@pytest.mark.parametrize("argv", [["describe", "lanes"], ["get", "lanes", "-o", "yaml"],
-                                  ["get", "lanes", "-o", "name"], ["get", "lanes"]])  # fmt: skip
+@pytest.mark.parametrize("argv", [["describe", "lanes"], ["get", "lanes", "-o", "name"],
+                                  ["get", "lanes"]])  # fmt: skip
 def test_a_selector_that_matches_nothing_says_so_on_stderr_only(
     argv: list[str], control: FakeControl, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """`describe lanes -l x=y` printed a blank line on stdout and said nothing, and
-    `get -o yaml` a blank line: a script reading stdout saw an empty object."""
+    """`describe lanes -l x=y` printed a blank line on stdout and said nothing: a script
+    reading stdout saw an empty object."""
     control.listed = ""
     assert main.main([*argv, "-l", "x=y"]) == 0
     assert capsys.readouterr() == ("", "No Lane resources found.\n")
+
+
+@pytest.mark.parametrize("output", ["yaml", "json"])
+def test_a_listing_is_a_list_in_yaml_as_in_json(
+    output: str, control: FakeControl, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As kubectl prints one: a List, empty or not (`get -o yaml` wrote a stream of
+    documents, and nothing at all for none); the object alone when named."""
+    control.listed = ""
+    assert main.main(["get", "lanes", "-l", "x=y", "-o", output]) == 0
+    empty = yaml.safe_load(capsys.readouterr().out)
+    assert empty == {"apiVersion": "v1", "kind": "List", "items": []}
+    control.listed = "a"
+    assert main.main(["get", "lanes", "-o", output]) == 0
+    listed = yaml.safe_load(capsys.readouterr().out)
+    assert listed["kind"] == "List" and [o["metadata"]["name"] for o in listed["items"]] == ["a"]
+    assert main.main(["get", "lane", "a", "-o", output]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["metadata"]["name"] == "a"
 
 
 def test_get_w_of_a_name_not_stored_is_not_found_not_a_silent_wait(
