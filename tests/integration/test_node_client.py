@@ -70,20 +70,26 @@ def daemon(tools_daemon: Daemon) -> Daemon:
     return tools_daemon
 
 
+def run_example(
+    node_client: str, daemon: Daemon, *, model: str | None = None
+) -> tuple[subprocess.CompletedProcess[str], str]:
+    """chat.js against the daemon (on `model`, else the first ready one, with no API
+    key), and a report of what it wrote for a failing assertion."""
+    env = {**os.environ, "BLAZAR_GRPC_ADDR": daemon.grpc}
+    env.pop("BLAZAR_MODEL", None)
+    env.pop("BLAZAR_API_KEY", None)
+    if model is not None:
+        env["BLAZAR_MODEL"] = model
+    run = subprocess.run(
+        [node_client, "chat.js"], cwd=EXAMPLE, env=env, capture_output=True, text=True, timeout=240
+    )
+    return run, f"exit {run.returncode}\nstdout:\n{run.stdout}\nstderr:\n{run.stderr}"
+
+
 def test_the_node_client_streams_a_chat_and_a_forced_tool_call(
     node_client: str, daemon: Daemon
 ) -> None:
-    env = {**os.environ, "BLAZAR_GRPC_ADDR": daemon.grpc}
-    env.pop("BLAZAR_MODEL", None)
-    run = subprocess.run(
-        [node_client, "chat.js"],
-        cwd=EXAMPLE,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    report = f"exit {run.returncode}\nstdout:\n{run.stdout}\nstderr:\n{run.stderr}"
+    run, report = run_example(node_client, daemon)
     assert run.returncode == 0, report
     assert re.search(rf"^  {LANE}  \(lane {LANE}, ready\)$", run.stdout, re.M), report
     deltas = re.findall(r"^streamed (\d+) deltas, finish (\S+),", run.stdout, re.M)
@@ -101,17 +107,7 @@ def test_the_node_client_reads_the_reason_and_its_numbers_from_the_error_details
 ) -> None:
     """A refusal reaches the Node client whole: the ErrorInfo in
     `grpc-status-details-bin`, decoded in JS, gives the reason and its metadata."""
-    env = {**os.environ, "BLAZAR_GRPC_ADDR": daemon.grpc, "BLAZAR_MODEL": "no-such-model"}
-    env.pop("BLAZAR_API_KEY", None)
-    run = subprocess.run(
-        [node_client, "chat.js"],
-        cwd=EXAMPLE,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    report = f"exit {run.returncode}\nstdout:\n{run.stdout}\nstderr:\n{run.stderr}"
+    run, report = run_example(node_client, daemon, model="no-such-model")
     assert run.returncode == 1, report
     assert (
         "error: gRPC NOT_FOUND (MODEL_NOT_FOUND; model=no-such-model): "
