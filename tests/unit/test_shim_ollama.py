@@ -882,14 +882,16 @@ async def test_a_preload_answers_load_without_generating(
 ) -> None:
     for path, body in [
         ("/api/chat", {"model": "tiny", "messages": []}),
+        # Go's api.ChatRequest{Model: m} (no omitempty on messages), as Ollama reads it.
+        ("/api/chat", {"model": "tiny", "messages": None, "options": None}),
         ("/api/generate", {"model": "tiny"}),
     ]:
         response = await client.post(path, json=body)
-        assert response.status_code == 200
+        assert response.status_code == 200, response.text
         assert response.json()["done"] is True
         assert response.json()["done_reason"] == "load"
     assert daemon.fake.requests == []
-    assert [k.HasField("keep_alive_s") for k in daemon.fake.keep_alives] == [False, False]
+    assert [k.HasField("keep_alive_s") for k in daemon.fake.keep_alives] == [False] * 3
 
 
 async def test_keep_alive_0_without_a_prompt_unloads(
@@ -955,6 +957,8 @@ async def test_embed_with_nothing_to_embed_is_a_preload(
     for body in (
         {"model": "tiny", "input": ""},
         {"model": "tiny"},
+        # Go's api.EmbedRequest{Model: m}: `input` is an interface, nil is null.
+        {"model": "tiny", "input": None, "options": None},
         {"model": "tiny", "input": [], "keep_alive": 0},
     ):
         response = await client.post("/api/embed", json=body)
@@ -965,7 +969,7 @@ async def test_embed_with_nothing_to_embed_is_a_preload(
     assert daemon.fake.requests == []
     sent = [(k.model, k.keep_alive_s if k.HasField("keep_alive_s") else None)
             for k in daemon.fake.keep_alives]  # fmt: skip
-    assert sent == [("tiny", None), ("tiny", None), ("tiny", 0.0), ("tiny", 600.0)]
+    assert sent == [("tiny", None)] * 3 + [("tiny", 0.0), ("tiny", 600.0)]
     unknown = await client.post("/api/embed", json={"model": "nope", "input": ""})
     assert unknown.status_code == 404
 

@@ -9,9 +9,9 @@ Ollama's JSON. Reference: ollama/ollama `api/types.go` and `server/routes.go`.
 
 from __future__ import annotations
 
-from typing import Any, Literal, NotRequired, TypedDict
+from typing import Annotated, Any, Literal, NotRequired, TypedDict
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from blazar.api.wire import INT32_MAX
 
@@ -30,6 +30,16 @@ Format = str | dict[str, Any] | None
 
 # `think`: true/false, or an effort ("high", "medium", "low") for models that take one.
 Think = bool | str | None
+
+
+def _null_is_empty(value: Any) -> Any:
+    return [] if value is None else value
+
+
+# Go writes a nil slice or interface as `null`, and Ollama's `messages` and `input` have
+# no omitempty: a Go client's preload (`api.ChatRequest{Model: m}`) sends
+# `"messages": null`, which Ollama reads as none. So does Blazar.
+NullIsEmpty = BeforeValidator(_null_is_empty)
 
 
 class ToolCallFunction(_Request):
@@ -96,7 +106,7 @@ class _Generation(_Request):
 
 class ChatRequest(_Generation):
     # Empty: load the model and answer at once (Ollama's preload).
-    messages: list[Message] = Field(default_factory=list)
+    messages: Annotated[list[Message], NullIsEmpty] = Field(default_factory=list)
     tools: list[Tool] | None = None
 
 
@@ -121,7 +131,7 @@ class GenerateRequest(_Generation):
 class EmbedRequest(_Request):
     model: str = Field(min_length=1)
     # Empty or absent: nothing to embed, Ollama's preload (the `ollama` client sends "").
-    input: str | list[str] = ""
+    input: Annotated[str | list[str], NullIsEmpty] = ""
     dimensions: int | None = Field(default=None, ge=1, le=INT32_MAX)
     truncate: bool | None = None
     options: dict[str, Any] | None = None
