@@ -204,7 +204,7 @@ WEATHER = {
         },
     },
 }
-# As Go clients send a tool without properties: `null`, which Blazar drops.
+# As Go clients send a tool without properties: `null`, which is none.
 NOW_TOOL = {
     "type": "function",
     "function": {"name": "get_time", "parameters": {"type": "object", "properties": None}},
@@ -243,6 +243,31 @@ TOOL_REQUEST_CASES: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
         {"x-blazar-tool-choice": "required", "x-blazar-parallel-tool-calls": "false"},
     ),
 }
+
+
+@pytest.mark.parametrize(
+    ("tool", "parameters"),
+    [
+        # Go's zero values (api.Tool without Type, ToolFunctionParameters without
+        # Type or Properties), read as Ollama reads them: a function without parameters.
+        (
+            {
+                "type": "",
+                "function": {"name": "now", "parameters": {"type": "", "properties": None}},
+            },
+            {"properties": {}},
+        ),
+        (NOW_TOOL, {"type": "object", "properties": {}}),
+        (BARE_TOOL, None),
+        (WEATHER, WEATHER["function"]["parameters"]),
+    ],
+)
+def test_go_clients_zero_values_are_a_tool_without_parameters(
+    tool: dict[str, Any], parameters: dict[str, Any] | None
+) -> None:
+    request = canonical_of("chat", {**CHAT, "tools": [tool]})
+    sent = request.tools[0].parameters
+    assert (json.loads(sent) if sent else None) == parameters
 
 
 def canonical_of(kind: str, body: dict[str, Any], *, headers: dict[str, str] | None = None) -> Any:

@@ -100,8 +100,14 @@ def chat_request(
 
 
 def _tool(tool: protocol.Tool, *, param: str) -> inference_pb2.Tool:
-    """The daemon checks names and schemas, naming `tools[i].name` or `.parameters`."""
-    if tool.type != "function":
+    """The daemon checks names and schemas, naming `tools[i].name` or `.parameters`.
+
+    A Go client sends its structs' zero values for what it leaves unset (Ollama's
+    `api.Tool` has no omitempty on `type`, `parameters`' `type` or `properties`):
+    `"type": ""` and `"properties": null`, which Ollama reads as a function tool
+    without parameters, and so does Blazar (an empty `properties`, so that the only
+    call is `{}`; without it, any object would do)."""
+    if tool.type not in ("function", ""):
         raise validation.invalid(
             f"Invalid value for '{param}.type': {tool.type!r}; the only type of tool is "
             "'function'.",
@@ -109,10 +115,12 @@ def _tool(tool: protocol.Tool, *, param: str) -> inference_pb2.Tool:
         )
     function = tool.function
     parameters = function.parameters
-    if parameters is not None and parameters.get("properties", {}) is None:
-        # Go clients send a tool without properties as `"properties": null` (Ollama's
-        # struct has no omitempty there), which JSON Schema does not allow.
-        parameters = {k: v for k, v in parameters.items() if k != "properties"}
+    if parameters is not None:
+        parameters = dict(parameters)
+        if parameters.get("type") == "":
+            del parameters["type"]
+        if "properties" in parameters and parameters["properties"] is None:
+            parameters["properties"] = {}
     return inference_pb2.Tool(
         name=function.name,
         description=function.description or "",
