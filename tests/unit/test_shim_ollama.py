@@ -939,6 +939,15 @@ async def test_keep_alive_0_without_a_prompt_unloads(
     assert daemon.fake.keep_alives[-1].keep_alive_s == 600.0
 
 
+async def test_debug_render_only_points_to_a_template_only_where_one_is_shown(
+    client: httpx.AsyncClient,
+) -> None:
+    refused = await client.post("/api/chat", json={**CHAT, "_debug_render_only": True})
+    assert refused.status_code == 400
+    shown = (await client.post("/api/show", json={"model": "tiny"})).json()
+    assert ("/api/show" in refused.json()["error"]) == ("template" in shown)
+
+
 async def test_a_bad_body_is_400_naming_the_field(client: httpx.AsyncClient) -> None:
     response = await client.post("/api/chat", json={"model": "tiny", "messages": "hi"})
     assert response.status_code == 400

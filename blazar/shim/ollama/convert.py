@@ -244,7 +244,7 @@ def _check_generation(body: protocol.ChatRequest | protocol.GenerateRequest) -> 
     if body.debug_render_only:
         raise validation.invalid(
             "'_debug_render_only': true is not supported: Blazar does not answer with the "
-            "rendered prompt; POST /api/show shows the model's template. Leave it out.",
+            "rendered prompt. Leave it out.",
             param="_debug_render_only",
         )
     if body.top_logprobs and not body.logprobs:
