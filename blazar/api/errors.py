@@ -92,16 +92,63 @@ class ContextLengthExceeded(InvalidRequest):
     ) -> ContextLengthExceeded:
         """`at_least`: prompt_tokens is a lower bound, the prompt being refused by its
         length in bytes without tokenizing it."""
-        some = "at least " if at_least else ""
+        sizes = ContextSizes(
+            prompt_tokens=prompt_tokens,
+            max_tokens=max_tokens,
+            context_length=context_length,
+            at_least=at_least,
+        )
+        metadata = {
+            "prompt_tokens": str(prompt_tokens),
+            "max_tokens": str(max_tokens),
+            "context_length": str(context_length),
+        }
+        if at_least:
+            metadata[PROMPT_TOKENS_AT_LEAST_KEY] = "true"
         return cls(
             f"This model's context is {context_length} tokens per request, but the request "
-            f"needs {some}{prompt_tokens + max_tokens} ({some}{prompt_tokens} in the prompt "
-            f"and {max_tokens} to generate). Shorten the prompt or lower max_tokens.",
-            metadata={
-                "prompt_tokens": str(prompt_tokens),
-                "max_tokens": str(max_tokens),
-                "context_length": str(context_length),
-            },
+            f"{sizes.needs(prompt='prompt')}. Shorten the prompt or lower max_tokens.",
+            metadata=metadata,
+        )
+
+    def sizes(self) -> ContextSizes | None:
+        """The numbers `of` put in the metadata, for a dialect that words the refusal in
+        its own terms; None when the error did not come from `of`."""
+        numbers = [
+            self.metadata.get(k, "") for k in ("prompt_tokens", "max_tokens", "context_length")
+        ]
+        if not all(n.isdigit() for n in numbers):
+            return None
+        prompt_tokens, max_tokens, context_length = map(int, numbers)
+        return ContextSizes(
+            prompt_tokens=prompt_tokens,
+            max_tokens=max_tokens,
+            context_length=context_length,
+            at_least=self.metadata.get(PROMPT_TOKENS_AT_LEAST_KEY) == "true",
+        )
+
+
+# Metadata of a ContextLengthExceeded whose prompt_tokens is a lower bound (a prompt
+# refused by its length in bytes, untokenized); absent when the count is exact.
+PROMPT_TOKENS_AT_LEAST_KEY = "prompt_tokens_at_least"
+
+
+@dataclass(frozen=True)
+class ContextSizes:
+    """Why a request does not fit: its prompt, what it may generate, the context."""
+
+    prompt_tokens: int
+    max_tokens: int
+    context_length: int
+    # prompt_tokens is a lower bound, not a count.
+    at_least: bool
+
+    def needs(self, *, prompt: str) -> str:
+        """Says "needs N (P in the <prompt> and M to generate)", "at least" on a bound."""
+        some = "at least " if self.at_least else ""
+        return (
+            f"needs {some}{self.prompt_tokens + self.max_tokens} ({some}{self.prompt_tokens} "
+            f"in the {prompt} and {self.max_tokens} to generate)"
         )
 
 

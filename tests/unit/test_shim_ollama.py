@@ -873,6 +873,25 @@ async def test_a_prompt_over_the_context_is_told_in_ollamas_terms(
     }
 
 
+async def test_a_bound_on_the_prompt_stays_a_bound_in_ollamas_terms(
+    daemon: Daemon, client: httpx.AsyncClient
+) -> None:
+    """A prompt refused by its length in bytes, untokenized, has a lower bound for a
+    count: the answer says "at least", as the daemon's does."""
+    daemon.fake.scripts["tiny"] = [
+        errors.ContextLengthExceeded.of(
+            prompt_tokens=4167, max_tokens=5, context_length=1024, at_least=True
+        )
+    ]
+    response = await client.post("/api/chat", json=CHAT)
+    assert response.status_code == 400
+    assert response.json()["error"] == (
+        "This model's context is 1024 tokens per request, but the request needs at least "
+        "4172 (at least 4167 in the prompt and 5 to generate). Shorten the prompt, or lower "
+        "options.num_predict."
+    )
+
+
 async def test_unknown_model_is_404(daemon: Daemon, client: httpx.AsyncClient) -> None:
     for path, body in [
         ("/api/chat", {**CHAT, "model": "nope"}),

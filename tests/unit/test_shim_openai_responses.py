@@ -543,6 +543,25 @@ async def test_a_prompt_over_the_context_names_the_sizes_in_this_apis_terms(
     )
 
 
+async def test_a_bound_on_the_input_stays_a_bound(
+    daemon: Daemon, client: httpx.AsyncClient
+) -> None:
+    """An input refused by its length in bytes, untokenized, has a lower bound for a
+    count: the message says "at least", as the daemon's does."""
+    daemon.fake.scripts["tiny"] = [
+        errors.ContextLengthExceeded.of(
+            prompt_tokens=4167, max_tokens=5, context_length=1024, at_least=True
+        )
+    ]
+    response = await client.post(PATH, json=body(max_output_tokens=5))
+    assert response.status_code == 400
+    assert response.json()["error"]["message"] == (
+        "This model's context is 1024 tokens per request, but the request needs at least "
+        "4172 (at least 4167 in the input and 5 to generate). Shorten the input, or lower "
+        "max_output_tokens."
+    )
+
+
 @pytest.mark.parametrize("stream", [False, True])
 async def test_admission_refusal_is_a_429_with_retry_after(
     daemon: Daemon, client: httpx.AsyncClient, stream: bool

@@ -263,12 +263,10 @@ def error_response(err: errors.BlazarError) -> ErrorResponse:
 def _error_message(err: errors.BlazarError) -> str:
     """The error's sentence, with a prompt that does not fit told in Ollama's terms
     (the daemon's says `max_tokens`, which is `options.num_predict` here)."""
-    numbers = [err.metadata.get(k, "") for k in ("prompt_tokens", "max_tokens", "context_length")]
-    if not isinstance(err, errors.ContextLengthExceeded) or not all(n.isdigit() for n in numbers):
+    sizes = err.sizes() if isinstance(err, errors.ContextLengthExceeded) else None
+    if sizes is None:
         return err.message
-    prompt, generate, context_length = map(int, numbers)
     return (
-        f"This model's context is {context_length} tokens per request, but the request needs "
-        f"{prompt + generate} ({prompt} in the prompt and {generate} to generate). Shorten "
-        "the prompt, or lower options.num_predict."
+        f"This model's context is {sizes.context_length} tokens per request, but the request "
+        f"{sizes.needs(prompt='prompt')}. Shorten the prompt, or lower options.num_predict."
     )

@@ -387,12 +387,11 @@ def error_response(err: errors.BlazarError) -> envelope.ErrorResponse:
     """OpenAI's error envelope blaming this API's parameters, with a prompt that does
     not fit told in its terms (the daemon's sentence says max_tokens)."""
     rendered = envelope.error_response(err, blame=BLAME)
-    numbers = [err.metadata.get(k, "") for k in ("prompt_tokens", "max_tokens", "context_length")]
-    if isinstance(err, errors.ContextLengthExceeded) and all(n.isdigit() for n in numbers):
-        prompt, generate, context_length = map(int, numbers)
+    sizes = err.sizes() if isinstance(err, errors.ContextLengthExceeded) else None
+    if sizes is not None:
         rendered.body["error"]["message"] = (
-            f"This model's context is {context_length} tokens per request, but the request "
-            f"needs {prompt + generate} ({prompt} in the input and {generate} to generate). "
-            "Shorten the input, or lower max_output_tokens."
+            f"This model's context is {sizes.context_length} tokens per request, but the "
+            f"request {sizes.needs(prompt='input')}. Shorten the input, or lower "
+            "max_output_tokens."
         )
     return rendered
