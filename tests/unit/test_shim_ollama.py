@@ -396,6 +396,12 @@ REFUSALS: list[tuple[str, dict[str, Any], str, str]] = [
     ("chat", {**CHAT, "options": {"mirostat": 2}}, "options.mirostat", "sampler"),
     ("chat", {**CHAT, "options": {"num_gpu": 99}}, "options.num_gpu", "gpuLayers"),
     ("chat", {**CHAT, "options": {"use_mmap": True}}, "options.use_mmap", "engine setting"),
+    (
+        "chat",
+        {**CHAT, "options": {"draft_num_predict": 4}},
+        "options.draft_num_predict",
+        "maxDraftTokens",
+    ),
     ("chat", {**CHAT, "options": {"flavour": 1}}, "options.flavour", "not an option"),
     ("chat", {**CHAT, "options": {"temperature": "hot"}}, "options.temperature", "not a number"),
     ("chat", {**CHAT, "options": {"temperature": -1}}, "options.temperature", "at least 0"),

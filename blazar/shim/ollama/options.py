@@ -40,6 +40,8 @@ _LANE_OPTIONS = {
     "vocab_only": None,
     "numa": None,
     "logits_all": None,
+    # Ollama's draft tokens per step; Blazar drafts by the Lane's SpecPair.
+    "draft_num_predict": "speculation, a SpecPair's draft.maxDraftTokens",
 }
 
 
