@@ -391,6 +391,7 @@ REFUSALS: list[tuple[str, dict[str, Any], str, str]] = [
     ("generate", {**GEN, "_debug_render_only": True}, "_debug_render_only", "rendered prompt"),
     ("chat", {**CHAT, "keep_alive": "soon"}, "keep_alive", "duration"),
     ("chat", {**CHAT, "keep_alive": "1 hour"}, "keep_alive", "duration"),
+    ("chat", {**CHAT, "keep_alive": True}, "keep_alive", "duration"),
     ("chat", {**CHAT, "format": "yaml"}, "format", "'yaml'"),
     ("chat", {**CHAT, "top_logprobs": 2}, "top_logprobs", "'logprobs'"),
     ("chat", {**CHAT, "options": {"mirostat": 2}}, "options.mirostat", "sampler"),

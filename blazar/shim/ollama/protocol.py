@@ -23,7 +23,8 @@ class _Request(BaseModel):
 
 
 # Ollama's `keep_alive`: seconds as a number, or a Go duration such as "5m" or "-1h".
-KeepAlive = str | float | None
+# A boolean is read only so that `convert` refuses it saying what would do.
+KeepAlive = str | float | bool | None
 
 # `format`: "json", a JSON schema, or empty for free text.
 Format = str | dict[str, Any] | None
