@@ -140,10 +140,12 @@ class Attempts:
                 return
             if isinstance(exc, grpc.aio.AioRpcError) and status.lost_peer(exc):
                 # gRPC's own words ("Stream removed (Socket closed)") mean nothing to the
-                # caller; the engine died mid-answer, and another try may well succeed.
+                # caller, so they go to the log only; the engine died mid-answer, and
+                # another try may well succeed.
+                log.info("request.engine_lost", lane=route.lane, error=exc.details())
                 failure = errors.Unavailable(
                     f"Lost the engine of replica {replica.index} of Lane '{route.lane}' "
-                    f"before this request finished ({exc.details()}); retry."
+                    "before this request finished; retry."
                 )
             metrics.observe_failure(route.lane, failure.reason, tokens=tokens)
             log.info(
