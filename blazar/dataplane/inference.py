@@ -142,7 +142,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             parker=parker or parking.EngineParker(pool), on_decided=self._gates.mark
         )
         self._loop = asyncio.get_running_loop()
-        # Retiring the clients of upstream specs no longer in the table.
+        # Retiring the clients of upstream specs and engine processes no longer in the table.
         self._retiring: set[asyncio.Task[None]] = set()
         self._fleet = fleet.FleetView(store, on_table=self._table_built)
 
@@ -152,17 +152,21 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
 
     def _table_built(self, table: routing.RouteTable) -> None:
         """A new route table (`fleet.FleetView`): admission follows its Lanes, and the
-        clients of upstream specs it no longer holds are retired."""
+        clients of upstream specs and of engine processes it no longer holds are retired."""
         self._dispatchers.update(table)
         specs = [route.upstream for route in table.routes if route.upstream is not None]
-        self._loop.call_soon_threadsafe(self._retire_upstreams, specs)
+        serving = [(r.socket, r.pid) for route in table.routes for r in route.replicas]
+        self._loop.call_soon_threadsafe(self._retire_clients, specs, serving)
 
-    def _retire_upstreams(self, specs: list[Upstream]) -> None:
+    def _retire_clients(self, specs: list[Upstream], serving: list[tuple[str, int | None]]) -> None:
         """Close the upstream clients no Lane uses any more (a spec changed, a Lane
-        went), each once its generations in flight end (on the event loop)."""
-        task = self._loop.create_task(self._upstreams.retain(specs))
-        self._retiring.add(task)
-        task.add_done_callback(self._retiring.discard)
+        went), each once its generations in flight end, and the engine clients of
+        processes a restart replaced (on the event loop): else each restart left one
+        open until the daemon stopped."""
+        for retiring in (self._upstreams.retain(specs), self._pool.retire(serving)):
+            task = self._loop.create_task(retiring)
+            self._retiring.add(task)
+            task.add_done_callback(self._retiring.discard)
 
     def refuse_waiting(self) -> None:
         """The server is shutting down: requests waiting in any Lane's queue, and any

@@ -135,5 +135,16 @@ class EnginePool:
         while self._stale:
             await self._stale.pop().close()
 
+    async def retire(self, serving: Iterable[tuple[str, int | None]]) -> None:
+        """Close the replaced clients (see `client`) whose process, (socket, pid), is
+        none of `serving`: a restarted worker's predecessor is gone, and every call on
+        its channel has failed. One whose process still serves is kept: a caller routed
+        before the restart swaps the two back, and calls may run on either."""
+        keep = set(serving)
+        gone = [c for c in self._stale if (c.socket, c.process) not in keep]
+        self._stale = [c for c in self._stale if (c.socket, c.process) in keep]
+        for stale in gone:
+            await stale.close()
+
     async def close(self) -> None:
         await self.retain(())

@@ -152,6 +152,7 @@ class Plane:
     stub: inference_pb2_grpc.InferenceStub
     store: MemoryStore
     sockets: list[str]
+    pool: client.EnginePool
 
 
 @contextlib.asynccontextmanager
@@ -172,7 +173,8 @@ async def serving(
         )
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{plane.port}") as channel:
-                yield Plane(inference_pb2_grpc.InferenceStub(channel), store, sockets)
+                stub = inference_pb2_grpc.InferenceStub(channel)
+                yield Plane(stub, store, sockets, plane.pool)
         finally:
             await plane.stop(grace=0)
 
@@ -366,6 +368,39 @@ def test_requests_for_a_lane_whose_replica_is_starting_wait_for_it() -> None:
     assert embedded.prompt_tokens == 7
     assert refused.code() == grpc.StatusCode.UNAVAILABLE
     assert "retry shortly" in (refused.details() or "")
+
+
+def test_the_client_of_a_replaced_engine_process_is_closed() -> None:
+    """A restarted worker gets a client of its own; its predecessor's, whose process is
+    gone, is closed once the route table no longer holds that process (it stayed open
+    until the daemon stopped, one more for every restart). The new one keeps serving."""
+    fake = FakeEngine(refuse=False, text="a")
+
+    async def tokenize(plane: Plane) -> None:
+        await plane.stub.Tokenize(inference_pb2.TokenizeRequest(model="l", text="a"))
+
+    def closed(engine: client.EngineClient) -> bool:
+        return engine._channel.get_state() is grpc.ChannelConnectivity.SHUTDOWN
+
+    async def run() -> tuple[bool, bool]:
+        async with serving([fake]) as plane:
+            await tokenize(plane)
+            old = plane.pool.client(plane.sockets[0], process=100)
+            plane.store.update_status(Kind.LANE, "l", lane(plane.sockets, [200]).status)
+            await asyncio.sleep(0.2)
+            await tokenize(plane)
+            new = plane.pool.client(plane.sockets[0], process=200)
+            assert new is not old
+            # Any later table (another status write) retires what it no longer holds.
+            later = lane(plane.sockets, [200]).status
+            later.ready_replicas = 1
+            plane.store.update_status(Kind.LANE, "l", later)
+            with contextlib.suppress(AssertionError):
+                await wait_until(lambda: closed(old), "the old client closed", timeout=2)
+            await tokenize(plane)
+            return closed(old), closed(new)
+
+    assert asyncio.run(run()) == (True, False)
 
 
 def test_a_waiting_request_of_a_lane_scaled_to_zero_is_unavailable() -> None:
@@ -1088,3 +1123,20 @@ tenants:
     replicas, scopes = asyncio.run(run())
     assert replicas == ["1", "0", "1"]
     assert sorted(scopes) == ["a", "a", "a", "b"]
+
+
+def test_retiring_keeps_a_replaced_client_whose_process_still_serves() -> None:
+    """A caller routed before a restart asks for the old process's client and so swaps
+    the two (the new process's client becomes the replaced one): the route table still
+    holds the new process, so its client, and the calls on it, stay open."""
+
+    async def run() -> tuple[bool, bool]:
+        pool = client.EnginePool()
+        new = pool.client("/nonexistent/e0.sock", process=200)
+        old = pool.client("/nonexistent/e0.sock", process=100)  # a late caller's
+        await pool.retire([("/nonexistent/e0.sock", 200)])
+        shut = [c._channel.get_state() is grpc.ChannelConnectivity.SHUTDOWN for c in (new, old)]
+        await pool.close()
+        return shut[0], shut[1]
+
+    assert asyncio.run(run()) == (False, False)
