@@ -136,23 +136,30 @@ def test_lane_lifecycle_start_ready_crash_restart_delete() -> None:
     assert isinstance(lane, Lane) and lane.status.ready_replicas == 2
     assert lane.status.observed_generation == 1
 
+    # A crash: restarted at once.
+    procs.set_state("l", 1, ReplicaState.FAILED)
+    asyncio.run(rec.reconcile("l"))
+    restarted = procs.observe("l")[1]
+    assert restarted.state == ReplicaState.STARTING and restarted.restarts == 1
+    assert cond(store, "Degraded") == ("True", "CrashLoopBackOff")
+
+    # It crashes again: now it backs off.
     procs.set_state("l", 1, ReplicaState.FAILED)
     result = asyncio.run(rec.reconcile("l"))
     assert result.requeue_after == pytest.approx(1.0)
-    assert cond(store, "Degraded") == ("True", "CrashLoopBackOff")
     assert procs.observe("l")[1].state == ReplicaState.FAILED  # still backing off
 
     clock.now += timedelta(seconds=1.1)
     asyncio.run(rec.reconcile("l"))
     restarted = procs.observe("l")[1]
-    assert restarted.state == ReplicaState.STARTING and restarted.restarts == 1
+    assert restarted.state == ReplicaState.STARTING and restarted.restarts == 2
     procs.set_state("l", 1, ReplicaState.READY)
     asyncio.run(rec.reconcile("l"))
     assert cond(store, "Ready") == ("True", "AllReplicasReady")
     assert cond(store, "Degraded") == ("False", "ReplicasHealthy")
     assert reasons(store) == [
         "ReplicaStarting", "ReplicaStarting", "ReplicaReady", "ReplicaReady",
-        "ReplicaCrashed", "BackOff", "ReplicaReady",
+        "ReplicaCrashed", "BackOff", "ReplicaCrashed", "BackOff", "ReplicaReady",
     ]  # fmt: skip
 
     store.delete(Kind.LANE, "l")

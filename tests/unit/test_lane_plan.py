@@ -57,13 +57,14 @@ def obs(
         # The Model changed mid-rollout: the surge is the only replica serving, so it stays.
         pytest.param(1, None, [obs(0, ReplicaState.STARTING), obs(1)], [], None, id="model-not-ready-keeps-the-serving-surge"),
         pytest.param(1, None, [obs(0, ReplicaState.FAILED, exited_ago=9), obs(1)], [], None, id="model-not-ready-keeps-the-surge-for-a-failed-index"),
-        pytest.param(1, LAUNCH, [obs(0, ReplicaState.FAILED, exited_ago=0.2)], [], 0.8, id="crash-waits-backoff"),
-        pytest.param(1, LAUNCH, [obs(0, ReplicaState.FAILED, exited_ago=1.5)], [Start(0, LAUNCH, True)], None, id="crash-restarts-after-backoff"),
-        pytest.param(1, LAUNCH, [obs(0, ReplicaState.FAILED, restarts=3, exited_ago=5)], [], 3.0, id="backoff-grows"),
-        pytest.param(1, LAUNCH, [obs(0, ReplicaState.FAILED, restarts=3, exited_ago=5, ran=599)], [], 3.0, id="backoff-grows-after-a-short-run"),
+        pytest.param(1, LAUNCH, [obs(0, ReplicaState.FAILED, exited_ago=0.01)], [Start(0, LAUNCH, True)], None, id="first-crash-restarts-at-once"),
+        pytest.param(1, LAUNCH, [obs(0, ReplicaState.FAILED, restarts=1, exited_ago=0.2)], [], 0.8, id="crash-waits-backoff"),
+        pytest.param(1, LAUNCH, [obs(0, ReplicaState.FAILED, restarts=1, exited_ago=1.5)], [Start(0, LAUNCH, True)], None, id="crash-restarts-after-backoff"),
+        pytest.param(1, LAUNCH, [obs(0, ReplicaState.FAILED, restarts=4, exited_ago=5)], [], 3.0, id="backoff-grows"),
+        pytest.param(1, LAUNCH, [obs(0, ReplicaState.FAILED, restarts=4, exited_ago=5, ran=599)], [], 3.0, id="backoff-grows-after-a-short-run"),
         # As the kubelet: 10 minutes of running resets the back-off (not the restart count).
         pytest.param(1, LAUNCH, [obs(0, ReplicaState.FAILED, restarts=3, exited_ago=1.5, ran=600)], [Start(0, LAUNCH, True)], None, id="backoff-resets-after-a-long-run"),
-        pytest.param(1, LAUNCH, [obs(0, ReplicaState.FAILED, restarts=6, exited_ago=0.2, ran=3600)], [], 0.8, id="long-run-waits-base-backoff"),
+        pytest.param(1, LAUNCH, [obs(0, ReplicaState.FAILED, restarts=6, exited_ago=0.01, ran=3600)], [Start(0, LAUNCH, True)], None, id="long-run-restarts-at-once"),
         # A rolling update: a surge replica first, the old one stopped once it is ready,
         # and a look again once that stop is done, to start its index at the new revision.
         pytest.param(1, LAUNCH, [obs(0, launch=OLD)], [Start(1, LAUNCH, False)], None, id="spec-change-starts-a-surge"),
@@ -75,7 +76,7 @@ def obs(
         pytest.param(2, LAUNCH, [obs(0, ReplicaState.STARTING), obs(1, launch=OLD), obs(2)], [], None, id="next-old-waits-for-capacity"),
         pytest.param(1, LAUNCH, [obs(0, ReplicaState.STARTING, launch=OLD)], [Stop(0, "SpecChanged")], 1.0, id="old-starting-replaced-at-once"),
         pytest.param(1, LAUNCH, [obs(0, launch=OLD), obs(1, launch=OLD)], [Stop(1, "SpecChanged")], 1.0, id="surge-index-busy"),
-        pytest.param(1, LAUNCH, [obs(0, launch=OLD), obs(1, ReplicaState.FAILED, restarts=3, exited_ago=1)], [], 7.0, id="failing-surge-old-keeps-serving"),
+        pytest.param(1, LAUNCH, [obs(0, launch=OLD), obs(1, ReplicaState.FAILED, restarts=4, exited_ago=1)], [], 7.0, id="failing-surge-old-keeps-serving"),
         pytest.param(1, LAUNCH, [obs(0, launch=OLD), obs(1, ReplicaState.FAILED, exited_ago=2)], [Start(1, LAUNCH, True)], None, id="failed-surge-restarts"),
         pytest.param(1, LAUNCH, [obs(0, ReplicaState.DRAINING, launch=OLD)], [], None, id="draining-left-alone"),
     ],
@@ -161,9 +162,10 @@ def test_spec_changes_mid_rollout_never_serve_with_fewer_ready_replicas(seed: in
 
 
 @pytest.mark.parametrize(
-    ("restarts", "delay"), [(0, 1.0), (1, 2.0), (2, 4.0), (6, 60.0), (100, 60.0)]
+    ("restarts", "delay"), [(0, 0.0), (1, 1.0), (2, 2.0), (3, 4.0), (7, 60.0), (100, 60.0)]
 )
 def test_crash_backoff_is_exponential_and_capped(restarts: int, delay: float) -> None:
+    """The first restart at once (a one-off crash), then 1 s doubling to 60 s."""
     assert lane_plan.crash_backoff(restarts) == delay
 
 
