@@ -332,6 +332,19 @@ def test_request_translation_matches_golden(name: str) -> None:
     )
 
 
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [(None, "I can't help with that."), ("Well.", "Well.\nI can't help with that.")],
+)
+def test_assistant_refusal_is_part_of_the_turn(content: str | None, expected: str) -> None:
+    """OpenAI answers a refusal in `message.refusal`, not `content`; sent back in the
+    history, it is what the model said, not a turn to drop."""
+    assistant = {"role": "assistant", "content": content, "refusal": "I can't help with that."}
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}, assistant]}
+    parsed = validation.parse_body(protocol.ChatCompletionRequest, json.dumps(body).encode())
+    assert requests.chat_request(parsed).messages[1].content == expected
+
+
 def test_unset_sampling_fields_stay_unset() -> None:
     parsed = validation.parse_body(protocol.ChatCompletionRequest, json.dumps(chat_body()).encode())
     sampling = requests.chat_request(parsed).sampling
@@ -1038,6 +1051,20 @@ async def test_unknown_model_is_404(daemon: Daemon, client: httpx.AsyncClient) -
             json.dumps(chat_body(prompt_cache_options={"mode": "explicit"})).encode(),
             "prompt_cache_options.mode",
             "no breakpoints",
+        ),
+        # An earlier audio answer, by id: nothing here can replay it.
+        (
+            json.dumps(
+                {
+                    "model": "tiny",
+                    "messages": [
+                        {"role": "user", "content": "Sing."},
+                        {"role": "assistant", "audio": {"id": "audio_1"}},
+                    ],
+                }
+            ).encode(),
+            "messages[1].audio",
+            "transcript",
         ),
         (
             json.dumps(

@@ -53,6 +53,12 @@ class ChatMessage(_Request):
     tool_calls: list[ToolCallParam] | None = None
     # Tool messages: the call this is the result of.
     tool_call_id: str | None = None
+    # Assistant messages: what the model said in declining (OpenAI returns it in place
+    # of content); part of the turn's text.
+    refusal: str | None = None
+    # Assistant messages: a previous audio answer, by id. Read only to refuse it (see
+    # convert): this server keeps no audio to replay.
+    audio: dict[str, Any] | None = None
 
 
 class FunctionDefinition(_Request):

@@ -86,9 +86,19 @@ def _message(message: protocol.ChatMessage, i: int) -> inference_pb2.Message:
             f"Only assistant messages carry 'tool_calls'; message {i} is a {message.role} one.",
             param=f"messages[{i}].tool_calls",
         )
+    if message.audio is not None:
+        raise envelope.invalid(
+            f"'messages[{i}].audio' is not supported: this server keeps no audio answers "
+            "to replay; send the turn's transcript as its 'content'.",
+            param=f"messages[{i}].audio",
+        )
+    content = _flatten(message.content, param=f"messages[{i}].content")
+    if message.refusal and message.role == "assistant":
+        # OpenAI's answer in place of content: the model said it, so the turn holds it.
+        content = "\n".join(text for text in (content, message.refusal) if text)
     return inference_pb2.Message(
         role=_ROLES.get(message.role, message.role),
-        content=_flatten(message.content, param=f"messages[{i}].content"),
+        content=content,
         tool_calls=[
             inference_pb2.ToolCall(id=c.id, name=c.function.name, arguments=c.function.arguments)
             for c in message.tool_calls or ()
