@@ -1052,6 +1052,24 @@ async def test_unknown_model_is_404(daemon: Daemon, client: httpx.AsyncClient) -
             "prompt_cache_options.mode",
             "no breakpoints",
         ),
+        # The deprecated form of a call in the history, like the request's `functions`.
+        (
+            json.dumps(
+                {
+                    "model": "tiny",
+                    "messages": [
+                        {"role": "user", "content": "Weather?"},
+                        {
+                            "role": "assistant",
+                            "content": None,
+                            "function_call": {"name": "get_weather", "arguments": "{}"},
+                        },
+                    ],
+                }
+            ).encode(),
+            "messages[1].function_call",
+            "'tool_calls'",
+        ),
         # An earlier audio answer, by id: nothing here can replay it.
         (
             json.dumps(

@@ -59,6 +59,9 @@ class ChatMessage(_Request):
     # Assistant messages: a previous audio answer, by id. Read only to refuse it (see
     # convert): this server keeps no audio to replay.
     audio: dict[str, Any] | None = None
+    # Assistant messages: the deprecated form of a call. Read only to refuse it (see
+    # convert), as the request's `functions` and `function_call` are.
+    function_call: dict[str, Any] | None = None
 
 
 class FunctionDefinition(_Request):

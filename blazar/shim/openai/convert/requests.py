@@ -86,6 +86,12 @@ def _message(message: protocol.ChatMessage, i: int) -> inference_pb2.Message:
             f"Only assistant messages carry 'tool_calls'; message {i} is a {message.role} one.",
             param=f"messages[{i}].tool_calls",
         )
+    if message.function_call is not None:
+        raise envelope.invalid(
+            f"'messages[{i}].function_call' (deprecated by OpenAI) is not supported by this "
+            "server; send the call in 'tool_calls', and its result as a 'tool' message.",
+            param=f"messages[{i}].function_call",
+        )
     if message.audio is not None:
         raise envelope.invalid(
             f"'messages[{i}].audio' is not supported: this server keeps no audio answers "
