@@ -1215,6 +1215,25 @@ async def test_stream_options_need_a_stream(daemon: Daemon, client: httpx.AsyncC
     assert not daemon.fake.requests
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+async def test_stream_obfuscation_is_refused_not_ignored(
+    daemon: Daemon, client: httpx.AsyncClient, path: str
+) -> None:
+    """OpenAI pads streamed chunks when asked (`obfuscation`); these are not padded."""
+    daemon.fake.scripts["tiny"] = HELLO
+    base = chat_body(stream=True) if "chat" in path else {"model": "tiny", "prompt": "a"}
+    base["stream"] = True
+    asked = {**base, "stream_options": {"include_obfuscation": True}}
+    response = await client.post(path, json=asked)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "stream_options.include_obfuscation"
+    assert not daemon.fake.requests
+    declined = {**base, "stream_options": {"include_obfuscation": False, "include_usage": True}}
+    response = await client.post(path, json=declined)
+    assert response.status_code == 200, response.text
+
+
 async def test_context_length_exceeded_is_400(daemon: Daemon, client: httpx.AsyncClient) -> None:
     daemon.fake.scripts["tiny"] = [
         errors.ContextLengthExceeded.of(prompt_tokens=900, max_tokens=200, context_length=1024)

@@ -90,6 +90,8 @@ class NamedToolChoice(_Request):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    # Read only to refuse true (see convert): streamed chunks are not padded.
+    include_obfuscation: bool | None = None
 
 
 class TextFormat(_Request):

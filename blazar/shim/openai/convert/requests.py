@@ -291,11 +291,20 @@ def _require_single_choice(
 def _require_stream_for_options(
     body: protocol.ChatCompletionRequest | protocol.CompletionRequest,
 ) -> None:
-    """OpenAI refuses `stream_options` on a request that does not stream."""
+    """OpenAI refuses `stream_options` on a request that does not stream. Its
+    `include_obfuscation` pads each chunk against size side channels; Blazar's chunks
+    are not padded, so asking for it is refused (its default, on at OpenAI, is off here)."""
     if body.stream_options is not None and not body.stream:
         raise envelope.invalid(
             "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
             param="stream_options",
+        )
+    if body.stream_options is not None and body.stream_options.include_obfuscation:
+        raise envelope.invalid(
+            "Stream obfuscation is not supported by this server: streamed chunks are not "
+            "padded. Send 'include_obfuscation' false or omit it, and serve over TLS "
+            "(--tls-cert) on links you do not trust.",
+            param="stream_options.include_obfuscation",
         )
 
 
