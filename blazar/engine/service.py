@@ -595,12 +595,17 @@ def _resolve(
 ) -> sampling.SamplingParams:
     """The request's sampling; a forced call's grammar is its constraint. With tools
     the model may call, it stops where it would begin a tool's result: that is the
-    caller's to give, and a model that writes one is making it up."""
+    caller's to give, and a model that writes one is making it up. A forced turn keeps
+    none of the caller's stop strings: its grammar lets the model write calls only, so
+    a stop string could only match inside one (`"\n"` in every call's format) and cut
+    the call the caller forced."""
     free = toolset is not None and toolset.active and not toolset.forced
     if free and tools.RESULT_OPEN not in wire.stop and len(wire.stop) < sampling.MAX_STOPS:
         wire = _copy(wire)
         wire.stop.append(tools.RESULT_OPEN)
     if toolset is not None and toolset.forced:
+        wire = _copy(wire)
+        del wire.stop[:]
         made = tools.grammar(toolset)
         try:
             gbnf.check_bounds(made, what="The grammar that forces a call of these tools")

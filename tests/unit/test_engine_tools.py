@@ -560,6 +560,24 @@ def test_a_forced_call_is_resolved_with_its_grammar() -> None:
     assert params.stop == ()
 
 
+@pytest.mark.parametrize(("mode", "name"), [(Mode.MODE_REQUIRED, ""), (Mode.MODE_NAMED, "weather")])
+def test_a_forced_call_is_not_cut_by_the_callers_stop_strings(mode: int, name: str) -> None:
+    """The grammar writes calls only, and every call's format holds a newline: a stop
+    string could only end the turn inside the call the caller forced."""
+    from blazar.engine import service
+
+    wire = pb.Sampling(stop=["\n", "}"])
+    params = service._resolve(
+        wire,
+        constraint=pb.Constraint(),
+        toolset=toolset(mode, name),
+        vocab=None,  # type: ignore[arg-type]
+    )
+    assert params.grammar == tools.grammar(toolset(mode, name))
+    assert params.stop == ()
+    assert list(wire.stop) == ["\n", "}"]  # the caller's message is left alone
+
+
 CALLS_ONLY = [
     text.ChatTurn("user", "Weather in Paris and Oslo?"),
     text.ChatTurn(
