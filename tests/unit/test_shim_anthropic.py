@@ -267,6 +267,14 @@ INVALID: dict[str, tuple[dict[str, Any], str]] = {
         body(messages=[{"role": "user", "content": [{"type": "hologram"}]}]),
         "not a content block type Blazar knows",
     ),
+    "block without a type": (
+        body(messages=[{"role": "user", "content": [{"text": "Hi"}]}]),
+        "Invalid value for 'messages[0].content[0]': a content block is an object whose 'type'",
+    ),
+    "result block without a type": (
+        body(messages=[{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": ["x"]}]}]),
+        "Invalid value for 'messages[0].content[0].content[0]': a content block is an object whose 'type'",
+    ),
     "empty content": (body(messages=[{"role": "user", "content": []}]), "at least one content block"),
     "citations": (
         body(messages=[{"role": "user", "content": [{"type": "text", "text": "x", "citations": [{"type": "char_location"}]}]}]),

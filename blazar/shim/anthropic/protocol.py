@@ -61,6 +61,14 @@ def _block_tag(block: Any) -> str | None:
     return kind if kind in ("text", "tool_use", "tool_result") else "other"
 
 
+# Without a tag pydantic would name its own discriminator function to the caller.
+_UNTAGGED = "untagged_block"
+_UNTAGGED_MESSAGE = (
+    "a content block is an object whose 'type' says what it is (text, tool_use or "
+    "tool_result; a tool result's content holds text blocks)"
+)
+
+
 def _result_tag(block: Any) -> str | None:
     tag = _block_tag(block)
     return None if tag is None else "text" if tag == "text" else "other"
@@ -69,7 +77,7 @@ def _result_tag(block: Any) -> str | None:
 # What a tool result may hold: text, or (refused by convert) images and the like.
 ResultBlock = Annotated[
     Annotated[TextBlock, Tag("text")] | Annotated[OtherBlock, Tag("other")],
-    Discriminator(_result_tag),
+    Discriminator(_result_tag, custom_error_type=_UNTAGGED, custom_error_message=_UNTAGGED_MESSAGE),
 ]
 
 
@@ -86,7 +94,7 @@ ContentBlock = Annotated[
     | Annotated[ToolUseBlock, Tag("tool_use")]
     | Annotated[ToolResultBlock, Tag("tool_result")]
     | Annotated[OtherBlock, Tag("other")],
-    Discriminator(_block_tag),
+    Discriminator(_block_tag, custom_error_type=_UNTAGGED, custom_error_message=_UNTAGGED_MESSAGE),
 ]
 
 
