@@ -288,6 +288,24 @@ INVALID: dict[str, tuple[dict[str, Any], str]] = {
         body(messages=[{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]),
         "only assistant turns make tool calls",
     ),
+    "a call code execution made": (
+        body(
+            messages=[
+                *HI,
+                {
+                    "role": "assistant",
+                    "content": [
+                        {
+                            "type": "tool_use", "id": "t", "name": "f", "input": {},
+                            "caller": {"type": "code_execution_20250825", "tool_id": "srvtoolu_1"},
+                        }
+                    ],
+                },
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": "x"}]},
+            ]
+        ),
+        "'messages[1].content[0].caller' 'code_execution_20250825' is not supported",
+    ),
     "tool_result in an assistant turn": (
         body(
             messages=[
@@ -386,6 +404,22 @@ async def test_a_tool_the_model_may_call_directly_is_offered(
     assert response.status_code == 200, response.text
     (sent,) = daemon.fake.requests
     assert [tool.name for tool in sent.tools] == ["get_weather"]
+
+
+async def test_a_call_the_model_made_directly_stays_in_the_history(
+    daemon: Daemon, client: httpx.AsyncClient
+) -> None:
+    daemon.fake.scripts["tiny"] = [delta("x"), final()]
+    call = {"type": "tool_use", "id": "t1", "name": "get_weather", "input": {}}
+    messages = [
+        *HI,
+        {"role": "assistant", "content": [{**call, "caller": {"type": "direct"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "9"}]},
+    ]
+    response = await client.post("/v1/messages", json=body(tools=[WEATHER], messages=messages))
+    assert response.status_code == 200, response.text
+    (sent,) = daemon.fake.requests
+    assert [c.id for m in sent.messages for c in m.tool_calls] == ["t1"]
 
 
 async def test_a_body_that_is_not_json_is_400(client: httpx.AsyncClient) -> None:

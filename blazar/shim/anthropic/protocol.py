@@ -46,6 +46,9 @@ class ToolUseBlock(_Request):
     name: str
     input: dict[str, Any]
     cache_control: CacheControl = None
+    # Who made the call: the model (`{"type": "direct"}`, as when absent) or a code
+    # execution tool. Read to refuse the latter (see convert).
+    caller: dict[str, Any] | None = None
 
 
 class OtherBlock(_Request):

@@ -265,6 +265,15 @@ def _turns(
                     "turns make tool calls.",
                     param=where,
                 )
+            if block.caller is not None and block.caller.get("type") != "direct":
+                # A call code execution made: Blazar runs none, and showing it to the
+                # model as its own call would rewrite the history.
+                raise _invalid(
+                    f"'{where}.caller' {block.caller.get('type')!r} is not supported: Blazar "
+                    'runs no code execution, so every call is the model\'s ("direct"). Leave '
+                    "it out.",
+                    param=f"{where}.caller",
+                )
             names[block.id] = block.name
             calls.append(
                 inference_pb2.ToolCall(
