@@ -249,6 +249,30 @@ def test_stop_sequences_end_the_text_before_them(client: anthropic.Anthropic) ->
         assert (message.stop_reason, message.stop_sequence) == ("stop_sequence", "STOP")
 
 
+def test_stop_sequences_do_not_cut_a_forced_tool_call(client: anthropic.Anthropic) -> None:
+    """Every call's format holds a newline and its input's JSON a brace: stop strings
+    that would match inside the call leave the forced call whole."""
+    tool_choice: dict[str, Any] = {"type": "tool", "name": "get_weather"}
+    for stream in (False, True):
+        options: dict[str, Any] = {
+            "model": LANE,
+            "max_tokens": budget(tool_choice),
+            "messages": QUESTION,
+            "tools": TOOLS,
+            "tool_choice": {**tool_choice, "disable_parallel_tool_use": True},
+            "stop_sequences": ["\n", "{", "city"],
+        }
+        if stream:
+            with client.messages.stream(**options) as events:
+                message = events.get_final_message()
+        else:
+            message = client.messages.create(**options)
+        assert (message.stop_reason, message.stop_sequence) == ("tool_use", None), message
+        (use,) = message.content
+        assert use.type == "tool_use" and use.name == "get_weather", message
+        jsonschema.validate(use.input, WEATHER_SCHEMA)
+
+
 def budget(tool_choice: dict[str, Any]) -> int:
     """Tokens enough for a forced single call's grammar to end: its longest document + 1."""
     wire = engine_pb2.ChatInput(
