@@ -46,9 +46,11 @@ REPLICA_KEY = "blazar-replica"
 # Admission's prediction of the time to first token (milliseconds from arrival), when
 # it had one.
 PREDICTED_TTFT_KEY = "blazar-predicted-ttft-ms"
-# The prompt tokens the replica's cache held, when its engine said so with its first
-# chunk (an upstream does not).
+# The prompt tokens the replica's cache held, and the prompt's tokens in all, when its
+# engine said so with its first chunk (an upstream does not): a dialect whose stream
+# starts with the prompt's usage (Anthropic's message_start) has it before the end.
 PREFIX_REUSED_KEY = "blazar-prefix-reused"
+PROMPT_TOKENS_KEY = "blazar-prompt-tokens"
 
 
 class Attempts:
@@ -94,7 +96,9 @@ class Attempts:
             async for chunk in call:
                 if not sent:
                     # With the first chunk in, the engine's initial metadata is too.
-                    run.prefix_reused = client.prefix_reused(await call.initial_metadata())
+                    told = await call.initial_metadata()
+                    run.prefix_reused = client.prefix_reused(told)
+                    run.prompt_tokens = client.prompt_tokens(told)
                 if chunk.HasField("delta"):
                     if first_at is None:
                         first_at = time.monotonic()
@@ -207,11 +211,13 @@ class Call(Protocol):
 
 
 def initial_metadata(run: runs.Run) -> tuple[tuple[str, str], ...]:
-    """Where the request runs, what its replica's cache held of its prompt, and when
-    admission expected its first token."""
+    """Where the request runs, what its replica's cache held of its prompt and how long
+    the prompt is, and when admission expected its first token."""
     metadata = [(LANE_KEY, run.replica.lane), (REPLICA_KEY, str(run.replica.index))]
     if run.prefix_reused is not None:
         metadata.append((PREFIX_REUSED_KEY, str(run.prefix_reused)))
+    if run.prompt_tokens is not None:
+        metadata.append((PROMPT_TOKENS_KEY, str(run.prompt_tokens)))
     if run.predicted_ttft_s is not None:
         metadata.append((PREDICTED_TTFT_KEY, str(round(run.predicted_ttft_s * 1000))))
     return tuple(metadata)

@@ -38,9 +38,10 @@ class Run:
     predicted_ttft_s: float | None = None
     # Tokens relayed so far: written by the relay, read by the forecast.
     generated: int = 0
-    # The prompt tokens its replica's cache held, as its engine told the relay with
-    # its first chunk (None: not yet, or not told).
+    # The prompt tokens its replica's cache held, and the prompt's tokens in all, as its
+    # engine told the relay with its first chunk (None: not yet, or not told).
     prefix_reused: int | None = None
+    prompt_tokens: int | None = None
     # On the dispatcher's clock, when it started, and the prefill its replica's rate
     # predicted then: its first token measures the start overhead.
     started_at: float = 0.0

@@ -283,7 +283,10 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                     # Not to a caller that has gone (nothing would read it).
                     if job.cached_tokens is not None and not context.cancelled():
                         await context.send_initial_metadata(
-                            ((engine_metadata.PREFIX_REUSED_KEY, str(job.cached_tokens)),)
+                            (
+                                (engine_metadata.PREFIX_REUSED_KEY, str(job.cached_tokens)),
+                                (engine_metadata.PROMPT_TOKENS_KEY, str(len(job.prompt))),
+                            )
                         )
                 if isinstance(event, jobs.TextDelta):
                     # Deltas that queued up meanwhile (accepted draft tokens, or a

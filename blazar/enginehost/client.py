@@ -32,8 +32,18 @@ if TYPE_CHECKING:
 def prefix_reused(metadata: Iterable[tuple[str, str | bytes]] | None) -> int | None:
     """The prompt tokens a Generate call's initial metadata says the cache held; None
     when it does not say (an engine that sends no such key, or an unreadable value)."""
+    return _count(metadata, engine_metadata.PREFIX_REUSED_KEY)
+
+
+def prompt_tokens(metadata: Iterable[tuple[str, str | bytes]] | None) -> int | None:
+    """The prompt's tokens, as a Generate call's initial metadata says; None as for
+    `prefix_reused`."""
+    return _count(metadata, engine_metadata.PROMPT_TOKENS_KEY)
+
+
+def _count(metadata: Iterable[tuple[str, str | bytes]] | None, wanted: str) -> int | None:
     for key, value in metadata or ():
-        if key == engine_metadata.PREFIX_REUSED_KEY:
+        if key == wanted:
             text = value.decode() if isinstance(value, bytes) else value
             return int(text) if text.isdigit() else None
     return None

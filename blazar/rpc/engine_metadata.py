@@ -4,5 +4,6 @@ daemon's client that reads them (`blazar.enginehost.client`), which share no mod
 their own."""
 
 # Generate's initial metadata, sent with its first chunk: the prompt tokens the slot's
-# cache held, known once the request has its slot.
+# cache held, known once the request has its slot, and the prompt's tokens in all.
 PREFIX_REUSED_KEY = "blazar-prefix-reused"
+PROMPT_TOKENS_KEY = "blazar-prompt-tokens"

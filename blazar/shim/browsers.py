@@ -36,7 +36,7 @@ _PREFLIGHT_MAX_AGE_S = "600"
 # Headers a page's script may read: the ones Blazar adds and a 429's Retry-After.
 _EXPOSE = ", ".join(
     ("x-request-id", "request-id", "retry-after", "x-blazar-lane", "x-blazar-replica",
-     "x-blazar-prefix-reused", "x-blazar-predicted-ttft-ms")
+     "x-blazar-prefix-reused", "x-blazar-prompt-tokens", "x-blazar-predicted-ttft-ms")
 )  # fmt: skip
 
 

@@ -34,6 +34,8 @@ _HEALTH_TIMEOUT_S = 2.0
 LANE_HEADER = "x-blazar-lane"
 REPLICA_HEADER = "x-blazar-replica"
 PREFIX_REUSED_HEADER = "x-blazar-prefix-reused"
+# The prompt's tokens in all, told with the first chunk as the reused ones are.
+PROMPT_TOKENS_HEADER = "x-blazar-prompt-tokens"
 # When admission expected the first token (milliseconds from arrival), if it predicted.
 PREDICTED_TTFT_HEADER = "x-blazar-predicted-ttft-ms"
 # The data plane's initial metadata keys, and the headers they become (inference.proto).
@@ -41,6 +43,7 @@ _HEADERS_OF_METADATA = {
     "blazar-lane": LANE_HEADER,
     "blazar-replica": REPLICA_HEADER,
     "blazar-prefix-reused": PREFIX_REUSED_HEADER,
+    "blazar-prompt-tokens": PROMPT_TOKENS_HEADER,
     "blazar-predicted-ttft-ms": PREDICTED_TTFT_HEADER,
 }
 
@@ -123,9 +126,10 @@ class ChunkStream:
 
     async def routing_headers(self) -> dict[str, str]:
         """`x-blazar-lane`, `x-blazar-replica` (and `x-blazar-prefix-reused`,
-        `x-blazar-predicted-ttft-ms`) from the daemon's initial metadata, which it sends
-        with the first chunk: call this once the first chunk (or the end) is in. Empty
-        when the daemon named no replica (the call failed first)."""
+        `x-blazar-prompt-tokens`, `x-blazar-predicted-ttft-ms`) from the daemon's initial
+        metadata, which it sends with the first chunk: call this once the first chunk
+        (or the end) is in. Empty when the daemon named no replica (the call failed
+        first)."""
         try:
             metadata = await self._call.initial_metadata()
         except grpc.RpcError:

@@ -212,6 +212,21 @@ def test_system_as_blocks_and_count_tokens_equal_the_prompt_generated(
     assert counts[1] > counts[0] and counts[2] > counts[0]
 
 
+def test_message_start_tells_the_prompts_tokens_as_count_tokens_counts_them(
+    client: anthropic.Anthropic,
+) -> None:
+    """The stream's first event holds the prompt's usage (reused and prefilled), as
+    Anthropic's does, equal to count_tokens and to the final usage."""
+    counted = client.messages.count_tokens(model=LANE, messages=HI).input_tokens
+    for _ in range(2):  # the second time, its prefix comes from the cache
+        with client.messages.stream(model=LANE, max_tokens=2, messages=HI) as events:
+            start = next(e for e in events if e.type == "message_start")
+            final = events.get_final_message()
+        started = start.message.usage
+        assert started.input_tokens + (started.cache_read_input_tokens or 0) == counted
+        assert prompt_total(final.usage) == counted
+
+
 def test_count_tokens_counts_a_conversation_longer_than_one_answer_could_list(
     client: anthropic.Anthropic,
 ) -> None:

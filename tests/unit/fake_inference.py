@@ -95,8 +95,9 @@ class FakeInference(inference_pb2_grpc.InferenceServicer):
     replica: int | None = None
     # And admission's predicted first token, in milliseconds, beside the replica.
     predicted_ttft_ms: int | None = None
-    # And the prompt tokens the replica's cache held.
+    # And the prompt tokens the replica's cache held, and the prompt's in all.
     prefix_reused: int | None = None
+    prompt_tokens: int | None = None
     # Every KeepAlive call (loads and unloads), in order.
     keep_alives: list[inference_pb2.KeepAliveRequest] = field(default_factory=list)
     # What WatchAdmission streams, in order (None ends the stream).
@@ -187,6 +188,8 @@ class FakeInference(inference_pb2_grpc.InferenceServicer):
                         ]
                         if self.prefix_reused is not None:
                             metadata.append(("blazar-prefix-reused", str(self.prefix_reused)))
+                        if self.prompt_tokens is not None:
+                            metadata.append(("blazar-prompt-tokens", str(self.prompt_tokens)))
                         if self.predicted_ttft_ms is not None:
                             metadata.append(
                                 ("blazar-predicted-ttft-ms", str(self.predicted_ttft_ms))

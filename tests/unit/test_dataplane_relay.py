@@ -68,7 +68,9 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
         self.served.append(prompt)
         if request.prompt == "refused":
             await status.abort(context, errors.InvalidRequest("The prompt does not fit."))
-        await context.send_initial_metadata((("blazar-prefix-reused", str(reused)),))
+        await context.send_initial_metadata(
+            (("blazar-prefix-reused", str(reused)), ("blazar-prompt-tokens", str(len(prompt))))
+        )
         yield inference_pb2.Chunk(delta=inference_pb2.Delta(text=self.text, tokens=1))
         if request.prompt == "drained":
             await status.abort(context, errors.Unavailable("Drained before it finished."))
@@ -233,8 +235,8 @@ def test_the_replica_is_announced_before_the_first_chunk() -> None:
 
 
 def test_what_the_cache_held_is_announced_before_the_first_chunk() -> None:
-    """The engine's count of reused prompt tokens, sent with its first chunk, is in the
-    data plane's initial metadata, before the answer ends."""
+    """The engine's count of reused prompt tokens, and of the prompt's, sent with its
+    first chunk, are in the data plane's initial metadata, before the answer ends."""
 
     async def run() -> tuple[dict[str, str], int]:
         engine = FakeEngine(refuse=False, text="y")
@@ -250,6 +252,8 @@ def test_what_the_cache_held_is_announced_before_the_first_chunk() -> None:
 
     metadata, calls = asyncio.run(run())
     assert (metadata["blazar-prefix-reused"], calls) == (str(len("hi ")), 2)
+    # And the prompt's length, for a dialect that starts with its usage.
+    assert metadata["blazar-prompt-tokens"] == str(len("hi there"))
 
 
 def test_an_engine_that_does_not_say_what_its_cache_held_announces_nothing_of_it() -> None:
@@ -258,6 +262,8 @@ def test_an_engine_that_does_not_say_what_its_cache_held_announces_nothing_of_it
     assert client.prefix_reused((("blazar-prefix-reused", "x"),)) is None
     assert client.prefix_reused((("other", "1"),)) is None
     assert client.prefix_reused(None) is None
+    assert client.prompt_tokens((("blazar-prompt-tokens", "40"),)) == 40
+    assert client.prompt_tokens((("blazar-prefix-reused", "7"),)) is None
 
 
 async def wait_until(predicate: Callable[[], bool], what: str, timeout: float = 5.0) -> None:

@@ -574,6 +574,26 @@ def accumulate(events: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return message
 
 
+async def test_message_start_holds_the_prompts_usage_when_the_daemon_told_it(
+    daemon: Daemon, client: httpx.AsyncClient
+) -> None:
+    """As Anthropic's does: clients that read the input tokens from message_start alone
+    (LangChain's streaming usage, for one) saw 0. The daemon tells the prompt's tokens
+    with the first chunk; the end's usage says the same."""
+    http_body, script = RESPONSE_CASES["text"]
+    daemon.fake.scripts["tiny"] = script
+    daemon.fake.replica, daemon.fake.prefix_reused, daemon.fake.prompt_tokens = 0, 3, 8
+    try:
+        streamed = await client.post("/v1/messages", json={**http_body, "stream": True})
+    finally:
+        daemon.fake.replica = daemon.fake.prefix_reused = daemon.fake.prompt_tokens = None
+    assert streamed.status_code == 200, streamed.text
+    assert streamed.headers["x-blazar-prompt-tokens"] == "8"
+    usage = sse_events(streamed.text)[0]["message"]["usage"]
+    assert (usage["input_tokens"], usage["cache_read_input_tokens"]) == (5, 3)
+    assert (usage["output_tokens"], usage["cache_creation_input_tokens"]) == (0, 0)
+
+
 @pytest.mark.parametrize("name", sorted(STREAM_FAILURES))
 async def test_a_stream_failing_midway_ends_with_an_error_event(
     name: str, daemon: Daemon, client: httpx.AsyncClient

@@ -32,9 +32,10 @@ class InferenceStub:
     prefix that replica's cache holds, then by load. Chat and Complete send
     where the request runs in their initial metadata, before the first chunk:
     `blazar-lane` (the Lane's name) and `blazar-replica` (the replica's index),
-    `blazar-prefix-reused` (the prompt tokens the replica's cache held; not from an
-    upstream Lane), and `blazar-predicted-ttft-ms` when admission predicted the time to
-    first token; the final chunk's `routing`, `usage` and `timings` say it again.
+    `blazar-prefix-reused` (the prompt tokens the replica's cache held) and
+    `blazar-prompt-tokens` (the prompt's tokens in all; neither from an upstream Lane),
+    and `blazar-predicted-ttft-ms` when admission predicted the time to first token; the
+    final chunk's `routing`, `usage` and `timings` say it again.
     """
 
     def __init__(self, channel):
@@ -86,9 +87,10 @@ class InferenceServicer:
     prefix that replica's cache holds, then by load. Chat and Complete send
     where the request runs in their initial metadata, before the first chunk:
     `blazar-lane` (the Lane's name) and `blazar-replica` (the replica's index),
-    `blazar-prefix-reused` (the prompt tokens the replica's cache held; not from an
-    upstream Lane), and `blazar-predicted-ttft-ms` when admission predicted the time to
-    first token; the final chunk's `routing`, `usage` and `timings` say it again.
+    `blazar-prefix-reused` (the prompt tokens the replica's cache held) and
+    `blazar-prompt-tokens` (the prompt's tokens in all; neither from an upstream Lane),
+    and `blazar-predicted-ttft-ms` when admission predicted the time to first token; the
+    final chunk's `routing`, `usage` and `timings` say it again.
     """
 
     def Chat(self, request, context):
@@ -208,9 +210,10 @@ class Inference:
     prefix that replica's cache holds, then by load. Chat and Complete send
     where the request runs in their initial metadata, before the first chunk:
     `blazar-lane` (the Lane's name) and `blazar-replica` (the replica's index),
-    `blazar-prefix-reused` (the prompt tokens the replica's cache held; not from an
-    upstream Lane), and `blazar-predicted-ttft-ms` when admission predicted the time to
-    first token; the final chunk's `routing`, `usage` and `timings` say it again.
+    `blazar-prefix-reused` (the prompt tokens the replica's cache held) and
+    `blazar-prompt-tokens` (the prompt's tokens in all; neither from an upstream Lane),
+    and `blazar-predicted-ttft-ms` when admission predicted the time to first token; the
+    final chunk's `routing`, `usage` and `timings` say it again.
     """
 
     @staticmethod

@@ -106,14 +106,24 @@ async def _stream(
         return Response(status_code=streaming.CLIENT_CLOSED_REQUEST)
     except errors.BlazarError as err:
         return error(err, request_id=request_id)
-    body = _events(stream, events, first, request_id=request_id)
+    opening = events.opening(
+        prompt_tokens=_count(headers, inference.PROMPT_TOKENS_HEADER),
+        cached_tokens=_count(headers, inference.PREFIX_REUSED_HEADER) or 0,
+    )
+    body = _events(stream, events, first, opening, request_id=request_id)
     return streaming.EventStream(body, headers=headers)
+
+
+def _count(headers: dict[str, str], name: str) -> int | None:
+    value = headers.get(name, "")
+    return int(value) if value.isdigit() else None
 
 
 async def _events(
     stream: inference.ChunkStream,
     events: render.Events,
     first: inference_pb2.Chunk | None,
+    opening: list[protocol.Event],
     *,
     request_id: str,
 ) -> AsyncIterator[bytes]:
@@ -121,9 +131,7 @@ async def _events(
         # Headers are gone; Anthropic's clients raise on an `error` event.
         return [envelope.error_response(err, request_id=request_id).body]
 
-    async for event in relay.rendered(
-        stream, events, first, opening=events.opening(), failure=failure
-    ):
+    async for event in relay.rendered(stream, events, first, opening=opening, failure=failure):
         yield _sse(event)
 
 

@@ -87,8 +87,8 @@ def message(answer: canonical.Answer, meta: ResponseMeta) -> protocol.MessageRes
 class Events:
     """Renders one generation as Anthropic's stream of named events.
 
-    Order: `message_start` (no content, no stop reason, usage zero: the prompt's counts
-    come with the final chunk) and a `ping`; the text as one block (`content_block_start`,
+    Order: `message_start` (no content, no stop reason; the prompt's usage, see
+    `opening`) and a `ping`; the text as one block (`content_block_start`,
     a `text_delta` per canonical delta, `content_block_stop`) once there is text; at the
     end each whole tool call as a `tool_use` block whose input arrives in one
     `input_json_delta`; then `message_delta` with the stop reason and the whole usage,
@@ -103,7 +103,18 @@ class Events:
         self._blocks = 0
         self.finished = False
 
-    def opening(self) -> list[protocol.Event]:
+    def opening(
+        self, *, prompt_tokens: int | None = None, cached_tokens: int = 0
+    ) -> list[protocol.Event]:
+        """`message_start` and a `ping`. The start's usage holds the prompt's counts when
+        the daemon told them with the first chunk (`prompt_tokens`, of which
+        `cached_tokens` came from the cache), as Anthropic's does: clients that read the
+        input tokens there alone see them; else zeros, and the counts come at the end."""
+        usage = _no_usage()
+        if prompt_tokens is not None:
+            cached = min(cached_tokens, prompt_tokens)
+            usage["input_tokens"] = prompt_tokens - cached
+            usage["cache_read_input_tokens"] = cached
         start: protocol.MessageResponse = {
             "id": self._meta.id,
             "type": "message",
@@ -112,7 +123,7 @@ class Events:
             "content": [],
             "stop_reason": None,
             "stop_sequence": None,
-            "usage": _no_usage(),
+            "usage": usage,
         }
         return [{"type": "message_start", "message": start}, {"type": "ping"}]
 
