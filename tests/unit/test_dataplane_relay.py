@@ -33,7 +33,7 @@ from blazar.api.kinds import (
     ReplicaStatus,
 )
 from blazar.api.meta import ObjectMeta
-from blazar.dataplane import access, inference, prefixes, routing, server
+from blazar.dataplane import access, prefixes, routing, server, unqueued
 from blazar.enginehost import client
 from blazar.enginehost.activity import Activity, Keep
 from blazar.rpc import status
@@ -848,7 +848,7 @@ def test_an_embedding_refused_by_a_draining_replica_goes_to_the_next() -> None:
 def test_an_embedding_no_replica_takes_is_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every replica turned it away and none came back as a new process in time: the
     caller is told so in Blazar's words (not gRPC's text of a failed connection)."""
-    monkeypatch.setattr(inference, "REPLICA_RETURN_S", 0.3)
+    monkeypatch.setattr(unqueued, "REPLICA_RETURN_S", 0.3)
 
     async def run() -> tuple[grpc.aio.AioRpcError, float]:
         async with data_plane([FakeEngine(refuse=True, text="x")] * 2) as stub:
