@@ -73,9 +73,21 @@ def default_model_cache() -> Path:
 
 def split_address(address: str) -> tuple[str, int]:
     host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit():
+    if not sep or not port.isdigit() or int(port) > 65535:
         raise ValueError(f"address '{address}' is not HOST:PORT")
     return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def check_addresses(options: Options) -> None:
+    """InvalidRequest (one line, naming the flag) when --http or --grpc is not HOST:PORT
+    with a port from 0 to 65535, before anything reads them."""
+    for flag, address in (("--http", options.http), ("--grpc", options.grpc)):
+        try:
+            split_address(address)
+        except ValueError:
+            raise errors.InvalidRequest(
+                f"{flag} {address!r} is not HOST:PORT (a port from 0 to 65535; 0 picks a free one)"
+            ) from None
 
 
 @dataclass(frozen=True)
@@ -247,6 +259,7 @@ async def run(options: Options) -> None:
     store, logs, engine sockets and saved KV caches, which hold prompts' tokens. A home
     made readable by others before is tightened on start.
     """
+    check_addresses(options)
     check_exposure(options)
     keys = read_auth_file(options.auth_file) if options.auth_file is not None else None
     certificate = read_certificate(options)

@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 import socket
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import uvloop
 
+from blazar.api import errors
 from blazar.cli import daemon
 
 
@@ -44,3 +46,23 @@ def test_connections_the_shim_accepts_have_nagle_off(
 
     with asyncio.Runner(loop_factory=loop_factory) as runner:
         assert runner.run(accepted_nodelay()) != 0
+
+
+@pytest.mark.parametrize(
+    ("flag", "address"),
+    [
+        ("--http", "127.0.0.1:"),
+        ("--http", "nohost"),
+        ("--grpc", "127.0.0.1:x"),
+        ("--grpc", "[::1]:99999"),
+    ],
+)
+def test_serve_refuses_an_address_that_is_not_host_port_in_one_line(
+    flag: str, address: str, tmp_path: Path
+) -> None:
+    """`serve --http 127.0.0.1:` ended in a ValueError traceback, and a port over 65535 in
+    bind's OverflowError: each is a one-line error naming the flag."""
+    addresses = {"--http": "127.0.0.1:0", "--grpc": "127.0.0.1:0", flag: address}
+    options = daemon.Options(home=tmp_path, http=addresses["--http"], grpc=addresses["--grpc"])
+    with pytest.raises(errors.InvalidRequest, match=f"^{flag} '.*' is not HOST:PORT"):
+        daemon.check_addresses(options)
