@@ -511,9 +511,7 @@ class LaneReconciler:
     async def _act(self, name: str, action: lane_plan.Action) -> None:
         if isinstance(action, lane_plan.Start):
             if action.restart:
-                self._event(
-                    name, "Warning", "BackOff", f"Restarting crashed replica {action.index}."
-                )
+                self._event(name, "Warning", "BackOff", lane_plan.restart_message(action))
             else:
                 self._event(name, "Normal", "ReplicaStarting", f"Starting replica {action.index}.")
             log.info("replica.start", lane=name, index=action.index, restart=action.restart)

@@ -44,6 +44,8 @@ class Start:
     index: int
     launch: LaunchSpec
     restart: bool
+    # The back-off a restart waited out (`crash_backoff`): 0 for a first crash.
+    backoff_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -212,11 +214,20 @@ def _restart_after_backoff(
     exited_at = replica.exited_at or now
     ran = (exited_at - replica.started_at).total_seconds() if replica.started_at else 0.0
     restarts = 0 if ran >= BACKOFF_RESET_S else replica.restarts
-    wait = crash_backoff(restarts) - (now - exited_at).total_seconds()
+    backoff = crash_backoff(restarts)
+    wait = backoff - (now - exited_at).total_seconds()
     if wait <= 0:
-        actions.append(Start(replica.index, launch, restart=True))
+        actions.append(Start(replica.index, launch, restart=True, backoff_s=backoff))
     else:
         waits.append(wait)
+
+
+def restart_message(start: Start) -> str:
+    """The BackOff event's message: whether the restart waited, and how long (the
+    README's schedule: at once the first time, then 1 s doubling to 60 s)."""
+    if start.backoff_s <= 0:
+        return f"Restarting crashed replica {start.index} at once."
+    return f"Restarting crashed replica {start.index} after a {start.backoff_s:g} s back-off."
 
 
 def replica_statuses(observed: Sequence[ReplicaObservation]) -> list[ReplicaStatus]:

@@ -59,7 +59,7 @@ def obs(
         pytest.param(1, None, [obs(0, ReplicaState.FAILED, exited_ago=9), obs(1)], [], None, id="model-not-ready-keeps-the-surge-for-a-failed-index"),
         pytest.param(1, LAUNCH, [obs(0, ReplicaState.FAILED, exited_ago=0.01)], [Start(0, LAUNCH, True)], None, id="first-crash-restarts-at-once"),
         pytest.param(1, LAUNCH, [obs(0, ReplicaState.FAILED, restarts=1, exited_ago=0.2)], [], 0.8, id="crash-waits-backoff"),
-        pytest.param(1, LAUNCH, [obs(0, ReplicaState.FAILED, restarts=1, exited_ago=1.5)], [Start(0, LAUNCH, True)], None, id="crash-restarts-after-backoff"),
+        pytest.param(1, LAUNCH, [obs(0, ReplicaState.FAILED, restarts=1, exited_ago=1.5)], [Start(0, LAUNCH, True, backoff_s=1.0)], None, id="crash-restarts-after-backoff"),
         pytest.param(1, LAUNCH, [obs(0, ReplicaState.FAILED, restarts=4, exited_ago=5)], [], 3.0, id="backoff-grows"),
         pytest.param(1, LAUNCH, [obs(0, ReplicaState.FAILED, restarts=4, exited_ago=5, ran=599)], [], 3.0, id="backoff-grows-after-a-short-run"),
         # As the kubelet: 10 minutes of running resets the back-off (not the restart count).
@@ -167,6 +167,22 @@ def test_spec_changes_mid_rollout_never_serve_with_fewer_ready_replicas(seed: in
 def test_crash_backoff_is_exponential_and_capped(restarts: int, delay: float) -> None:
     """The first restart at once (a one-off crash), then 1 s doubling to 60 s."""
     assert lane_plan.crash_backoff(restarts) == delay
+
+
+@pytest.mark.parametrize(
+    ("start", "message"),
+    [
+        (Start(0, LAUNCH, True), "Restarting crashed replica 0 at once."),
+        (
+            Start(1, LAUNCH, True, backoff_s=2.0),
+            "Restarting crashed replica 1 after a 2 s back-off.",
+        ),
+    ],
+)
+def test_restart_event_says_how_long_it_backed_off(start: Start, message: str) -> None:
+    """The BackOff event said "Restarting crashed replica 0." every time, the first
+    restart (at once, the README says) too: it says whether and how long it waited."""
+    assert lane_plan.restart_message(start) == message
 
 
 READY_MODEL = ModelReadiness(True, "ModelReady", "ok")

@@ -367,7 +367,7 @@ def test_a_worker_that_cannot_be_spawned_fails_like_a_crash(tmp_path: Path) -> N
     failed = ("Warning", "ReplicaStartFailed", f"Replica 0: {obs.message}.")
     assert [e for e in events if e[0] == "Warning"] == [
         failed,
-        ("Warning", "BackOff", "Restarting crashed replica 0."),
+        ("Warning", "BackOff", "Restarting crashed replica 0 at once."),
         failed,
     ]
     degraded = conditions.get_condition(lane_obj.status.conditions, "Degraded")
