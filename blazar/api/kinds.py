@@ -525,6 +525,10 @@ class ReplicaStatus(CamelModel):
     restarts: int = 0
     started_at: datetime | None = None
     last_exit_code: int | None = None
+    # Why the last run exited (a crash's reason), shown while its replacement runs, as
+    # a Pod's lastState: a first crash is restarted at once, so its Failed message
+    # would otherwise be gone by the next look.
+    last_exit_reason: str = ""
     message: str = ""
 
 

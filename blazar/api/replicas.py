@@ -195,4 +195,6 @@ class ReplicaObservation:
     started_at: datetime | None = None
     exited_at: datetime | None = None
     exit_code: int | None = None
+    # Why the last run exited, kept while its replacement runs (as `exit_code`).
+    exit_reason: str = ""
     message: str = ""

@@ -265,6 +265,14 @@ def _listed(objs: Sequence[ObjectJson], *, named: bool) -> ObjectJson | dict[str
     return {"apiVersion": "v1", "kind": "List", "items": list(objs)}
 
 
+def _replica_message(replica: dict[str, Any]) -> str:
+    """What its state says; else why its last run exited (a crash, restarted since)."""
+    if message := str(replica.get("message", "")):
+        return message
+    reason = str(replica.get("lastExitReason", ""))
+    return f"last exit: {reason}" if reason else ""
+
+
 def _pid(replica: dict[str, Any]) -> str:
     """A replica's process id; `-` when it has none (stopped, or an upstream's)."""
     pid = replica.get("pid")
@@ -323,7 +331,7 @@ def describe(obj: ObjectJson, events: Sequence[EventJson], *, now: datetime) -> 
         head = ["INDEX", "STATE", "PID", "RESTARTS", "LAST-EXIT", "MESSAGE"]
         rows = [head] + [
             [str(r.get("index")), str(r.get("state")), _pid(r), str(r.get("restarts", 0)),
-             str(r.get("lastExitCode", "")), str(r.get("message", ""))]
+             str(r.get("lastExitCode", "")), _replica_message(r)]
             for r in replicas
         ]  # fmt: skip
         lines += ["  " + _grid(rows)[i] for i in range(len(rows))]

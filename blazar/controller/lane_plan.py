@@ -240,6 +240,7 @@ def replica_statuses(observed: Sequence[ReplicaObservation]) -> list[ReplicaStat
             restarts=obs.restarts,
             started_at=obs.started_at,
             last_exit_code=obs.exit_code,
+            last_exit_reason=obs.exit_reason,
             message=obs.message,
         )
         for obs in sorted(observed, key=lambda o: o.index)

@@ -98,6 +98,8 @@ class _Replica:
     started_at: datetime | None = None
     exited_at: datetime | None = None
     exit_code: int | None = None
+    # Why the last run exited (its Failed message), kept as `exit_code` is.
+    exit_reason: str = ""
     message: str = ""
     stopping: bool = False
     # Where this run's output starts in the replica's log (the file is appended to).
@@ -115,6 +117,7 @@ class _Replica:
             started_at=self.started_at,
             exited_at=self.exited_at,
             exit_code=self.exit_code,
+            exit_reason=self.exit_reason,
             message=self.message,
         )
 
@@ -158,6 +161,7 @@ class Supervisor:
             # The last run's exit stays on show while its replacement runs (as a Pod's
             # lastState): `describe` answers "why did it restart?".
             exit_code=old.exit_code if old else None,
+            exit_reason=old.exit_reason if old else "",
         )
         self._replicas[key] = replica
         warnings: list[StartWarning] = []
@@ -373,11 +377,10 @@ class Supervisor:
         self._kill_group(proc)  # stragglers of the group, if any
         replica.exit_code = code
         replica.exited_at = datetime.now(UTC)
-        self._set(
-            replica,
-            ReplicaState.FAILED,
-            replica.message or forensics.exit_reason(self._log_tail(replica), code),
+        replica.exit_reason = replica.message or forensics.exit_reason(
+            self._log_tail(replica), code
         )
+        self._set(replica, ReplicaState.FAILED, replica.exit_reason)
         log.warning("replica.exited", lane=replica.lane, index=replica.index, code=code)
 
     async def _wait_ready(self, replica: _Replica) -> bool:

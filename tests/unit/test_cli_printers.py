@@ -385,3 +385,22 @@ def test_get_watch_rows_line_up_with_the_header() -> None:
     at = later[0].index("0/")
     assert later[1].index("0/") == at
     assert later[1].split()[:2] == ["DELETED", "l"]
+
+
+def test_describe_shows_why_a_restarted_replica_last_exited() -> None:
+    """Its own message first; without one, the last run's exit reason."""
+    lane = {
+        "kind": "Lane",
+        "metadata": {"name": "l"},
+        "status": {
+            "replicaStatuses": [
+                {"index": 0, "state": "Starting", "restarts": 1, "lastExitCode": -11,
+                 "lastExitReason": "killed by SIGSEGV"},
+                {"index": 1, "state": "Failed", "restarts": 2, "lastExitCode": 1,
+                 "lastExitReason": "old", "message": "ValueError: bad"},
+            ]
+        },
+    }  # fmt: skip
+    shown = printers.describe(lane, [], now=T0)
+    assert "last exit: killed by SIGSEGV" in shown
+    assert "ValueError: bad" in shown and "last exit: old" not in shown

@@ -578,3 +578,31 @@ def test_a_replica_whose_decode_pass_never_ends_is_killed_though_it_answers(
     remove_run_dir(sup)
     assert obs.exit_code == -signal.SIGKILL
     assert obs.message.startswith("its decode loop was stuck in one pass for 5s")
+
+
+def test_a_restarted_replica_keeps_why_its_last_run_exited(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A first crash is restarted at once, so its Failed message would be gone by the
+    next look: the replacement carries it (`exit_reason`, as `exit_code`) while it runs."""
+    monkeypatch.setattr(supervisor, "LIVENESS_PERIOD_S", 0.1)
+    monkeypatch.setattr(supervisor, "LIVENESS_MAX_STEP_S", 1.0)
+    sup, spec, worker = bare_supervisor(tmp_path)
+    worker.write_text(SERVING_WORKER.replace("STEP_AGE_MS = 0.0", "STEP_AGE_MS = 5000.0"))
+
+    async def run() -> tuple[ReplicaObservation, ReplicaObservation]:
+        await sup.start("l", 0, spec)
+        await until(lambda: sup.observe("l")[0].state == ReplicaState.FAILED, what="failed")
+        (failed,) = sup.observe("l")
+        await sup.start("l", 0, spec)
+        (restarted,) = sup.observe("l")
+        await sup.stop_all(grace=1.0)
+        return failed, restarted
+
+    failed, restarted = asyncio.run(run())
+    remove_run_dir(sup)
+    assert failed.exit_reason == failed.message
+    assert failed.message.startswith("its decode loop was stuck in one pass for 5s")
+    assert restarted.state == ReplicaState.STARTING and restarted.restarts == 1
+    assert (restarted.exit_code, restarted.exit_reason) == (-signal.SIGKILL, failed.message)
+    assert restarted.message == ""
