@@ -261,6 +261,7 @@ class Unqueued:
         `refused` (index, pid), waited for up to REPLICA_RETURN_S. Raises why there is
         none: the Lane was deleted or paused, or can start no replica, or none came."""
         deadline = time.monotonic() + REPLICA_RETURN_S
+        woken = False
         while True:
             route = routing.resolve(self.table, model)
             exclude = {r.index for r in route.replicas if (r.index, r.pid) in refused}
@@ -268,8 +269,11 @@ class Unqueued:
                 return route, self._pick(route, exclude=exclude)
             if (why := routing.closed(route)) is not None:
                 raise why
-            if route.wakes and not route.replicas:
-                self._activity.want(route.lane)  # it went to sleep meanwhile
+            if route.wakes and not route.replicas and not woken:
+                # It went to sleep meanwhile: asked to wake once, as `_awake` asks (each
+                # ask has the controller look at the Lane again).
+                self._activity.want(route.lane)
+                woken = True
             if time.monotonic() >= deadline:
                 raise errors.Unavailable(
                     f"The model '{route.lane}' lost its replica during the call, and none "
