@@ -529,6 +529,9 @@ class ReplicaStatus(CamelModel):
     # a Pod's lastState: a first crash is restarted at once, so its Failed message
     # would otherwise be gone by the next look.
     last_exit_reason: str = ""
+    # A Failed replica's restart, once its crash back-off ends: until then requests for
+    # a Lane with no other replica are refused with a Retry-After that says so.
+    restart_at: datetime | None = None
     message: str = ""
 
 

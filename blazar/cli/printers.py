@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -265,12 +266,16 @@ def _listed(objs: Sequence[ObjectJson], *, named: bool) -> ObjectJson | dict[str
     return {"apiVersion": "v1", "kind": "List", "items": list(objs)}
 
 
-def _replica_message(replica: dict[str, Any]) -> str:
-    """What its state says; else why its last run exited (a crash, restarted since)."""
-    if message := str(replica.get("message", "")):
-        return message
+def _replica_message(replica: dict[str, Any], now: datetime) -> str:
+    """What its state says; else why its last run exited (a crash, restarted since).
+    A failed replica waiting out its crash back-off says when it restarts."""
     reason = str(replica.get("lastExitReason", ""))
-    return f"last exit: {reason}" if reason else ""
+    message = str(replica.get("message", "")) or (f"last exit: {reason}" if reason else "")
+    due = replica.get("restartAt")
+    if due and (wait := (_time(str(due)) - now).total_seconds()) > 0:
+        back_off = f"back-off: restarts in {math.ceil(wait)}s"
+        return f"{message} ({back_off})" if message else back_off
+    return message
 
 
 def _pid(replica: dict[str, Any]) -> str:
@@ -331,7 +336,7 @@ def describe(obj: ObjectJson, events: Sequence[EventJson], *, now: datetime) -> 
         head = ["INDEX", "STATE", "PID", "RESTARTS", "LAST-EXIT", "MESSAGE"]
         rows = [head] + [
             [str(r.get("index")), str(r.get("state")), _pid(r), str(r.get("restarts", 0)),
-             str(r.get("lastExitCode", "")), _replica_message(r)]
+             str(r.get("lastExitCode", "")), _replica_message(r, now)]
             for r in replicas
         ]  # fmt: skip
         lines += ["  " + _grid(rows)[i] for i in range(len(rows))]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from blazar.api import conditions
 from blazar.api.kinds import LaneMemory, LaneStatus, ReplicaStatus
@@ -204,6 +204,21 @@ SURGE_RETRY_S = 1.0
 STOPPED_INDEX_RETRY_S = 1.0
 
 
+def _backoff_of(replica: ReplicaObservation, exited_at: datetime) -> float:
+    """`crash_backoff` for a failed replica: none after BACKOFF_RESET_S of running."""
+    ran = (exited_at - replica.started_at).total_seconds() if replica.started_at else 0.0
+    return crash_backoff(0 if ran >= BACKOFF_RESET_S else replica.restarts)
+
+
+def restart_due(replica: ReplicaObservation) -> datetime | None:
+    """When a failed replica's crash back-off ends and it is restarted; None for one that
+    has not failed (or whose exit time is unknown). Shown in its status (`restartAt`),
+    from which a request refused meanwhile learns how long to wait."""
+    if replica.state != ReplicaState.FAILED or replica.exited_at is None:
+        return None
+    return replica.exited_at + timedelta(seconds=_backoff_of(replica, replica.exited_at))
+
+
 def _restart_after_backoff(
     replica: ReplicaObservation,
     launch: LaunchSpec,
@@ -212,9 +227,7 @@ def _restart_after_backoff(
     waits: list[float],
 ) -> None:
     exited_at = replica.exited_at or now
-    ran = (exited_at - replica.started_at).total_seconds() if replica.started_at else 0.0
-    restarts = 0 if ran >= BACKOFF_RESET_S else replica.restarts
-    backoff = crash_backoff(restarts)
+    backoff = _backoff_of(replica, exited_at)
     wait = backoff - (now - exited_at).total_seconds()
     if wait <= 0:
         actions.append(Start(replica.index, launch, restart=True, backoff_s=backoff))
@@ -241,6 +254,7 @@ def replica_statuses(observed: Sequence[ReplicaObservation]) -> list[ReplicaStat
             started_at=obs.started_at,
             last_exit_code=obs.exit_code,
             last_exit_reason=obs.exit_reason,
+            restart_at=restart_due(obs),
             message=obs.message,
         )
         for obs in sorted(observed, key=lambda o: o.index)

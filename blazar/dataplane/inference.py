@@ -340,6 +340,7 @@ class InferenceService(Unqueued, inference_pb2_grpc.InferenceServicer):
         replica = routing.pick_replica(
             route,
             self._attempts.inflight,
+            now=time.time(),
             exclude=exclude,
             prefer=self._sessions.replica_of(route.lane, session),
             matched=index.match(hashes) if index and hashes else None,
@@ -465,10 +466,7 @@ class InferenceService(Unqueued, inference_pb2_grpc.InferenceServicer):
         replicas; the request wakes it as it would a sleeping one."""
         try:
             if lane is None:
-                raise errors.Unavailable(
-                    f"The model '{route.lane}' has no ready replica yet; retry shortly.",
-                    metadata={"lane": route.lane},
-                )
+                raise routing.not_ready(route, time.time())
         except errors.BlazarError as err:
             log.info("request.rejected", model=route.lane, reason=err.reason)
             metrics.observe_failure(route.lane, err.reason)

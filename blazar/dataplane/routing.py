@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 from collections import OrderedDict
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -54,6 +55,9 @@ class Route:
     # A replica of it is starting (spawned, loading its model): a first start, a restart
     # after a crash, a rollout's new replica.
     starting: bool = False
+    # When the first of its failed replicas is restarted, its crash back-off over (epoch
+    # seconds; None: none waits for a restart).
+    restart_at: float | None = None
     # Why no new replica can start, from the Lane's ModelReady condition when it is
     # False (`Model "m" does not exist.`); empty when the Model is ready. An upstream
     # Lane's: why its upstream does not answer (its Available condition).
@@ -120,6 +124,10 @@ def build_table(
             starting=any(
                 r.state == ReplicaState.STARTING.value for r in lane.status.replica_statuses
             ),
+            restart_at=min(
+                (r.restart_at.timestamp() for r in lane.status.replica_statuses if r.restart_at),
+                default=None,
+            ),
             model_problem=_model_problem(lane),
             memory_problem=_memory_problem(lane),
         )
@@ -134,6 +142,7 @@ def build_table(
                 wakes=False,
                 sleeping=False,
                 starting=False,
+                restart_at=None,
                 model_problem=_upstream_problem(lane),
                 upstream=lane.spec.upstream,
                 draft_batch_max=None,
@@ -226,6 +235,26 @@ def unservable(route: Route) -> errors.Unavailable | None:
     )
 
 
+def not_ready(route: Route, now: float) -> errors.Unavailable:
+    """The error of a request for a Lane with no ready replica that will have one
+    without its operator's help: its failed replica waits out its crash back-off
+    (`restart_at`), and the refusal's Retry-After is the wait left (then the restarted
+    replica is Starting, and a request waits for it: `waits`). Without a known restart,
+    "retry shortly" with the default second."""
+    if route.restart_at is None or route.restart_at <= now:
+        return errors.Unavailable(
+            f"The model '{route.lane}' has no ready replica yet; retry shortly.",
+            metadata={"lane": route.lane},
+        )
+    wait_s = route.restart_at - now
+    return errors.Unavailable(
+        f"The model '{route.lane}' has no ready replica: its engine crashed and is "
+        f"restarted in {math.ceil(wait_s)} s, after its crash back-off; retry then "
+        f"(see `blazar describe lane {route.lane}`).",
+        metadata={"lane": route.lane, errors.RETRY_AFTER_KEY: str(max(1, round(wait_s * 1000)))},
+    )
+
+
 def scaled_to_zero(route: Route) -> errors.Unavailable:
     """The error of a request for a Lane of `replicas: 0` (paused: no replica will
     serve it until its operator scales it up), its last replicas drained or not."""
@@ -283,6 +312,7 @@ def pick_replica(
     route: Route,
     inflight: Mapping[tuple[str, int], int],
     *,
+    now: float,
     exclude: Collection[int] = (),
     prefer: int | None = None,
     matched: Mapping[int, int] | None = None,
@@ -305,7 +335,8 @@ def pick_replica(
        blocks (`held`), so that new conversations spread over the replicas' caches
        instead of evicting each other on one; then the lowest index.
 
-    A Lane scaled to zero has none (`scaled_to_zero`), draining replicas listed or not.
+    A Lane scaled to zero has none (`scaled_to_zero`), draining replicas listed or not;
+    one whose replicas all failed none until a restart (`not_ready`, at wall clock `now`).
     """
     candidates = [r for r in route.replicas if r.index not in exclude]
     # Paused: its replicas are stopped, or draining (listed until they stop), and a
@@ -313,10 +344,7 @@ def pick_replica(
     if (route.desired == 0 or not candidates) and (why := closed(route)) is not None:
         raise why
     if not candidates:
-        raise errors.Unavailable(
-            f"The model '{route.lane}' has no ready replica yet; retry shortly.",
-            metadata={"lane": route.lane},
-        )
+        raise not_ready(route, now)
     matched = matched or {}
     held = held or {}
 

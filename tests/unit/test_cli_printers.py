@@ -397,10 +397,15 @@ def test_describe_shows_why_a_restarted_replica_last_exited() -> None:
                 {"index": 0, "state": "Starting", "restarts": 1, "lastExitCode": -11,
                  "lastExitReason": "killed by SIGSEGV"},
                 {"index": 1, "state": "Failed", "restarts": 2, "lastExitCode": 1,
-                 "lastExitReason": "old", "message": "ValueError: bad"},
+                 "lastExitReason": "old", "message": "ValueError: bad",
+                 "restartAt": (T0 + timedelta(seconds=3.5)).isoformat()},
+                {"index": 2, "state": "Failed", "restarts": 1, "message": "exit 1",
+                 "restartAt": (T0 - timedelta(seconds=1)).isoformat()},
             ]
         },
     }  # fmt: skip
     shown = printers.describe(lane, [], now=T0)
     assert "last exit: killed by SIGSEGV" in shown
-    assert "ValueError: bad" in shown and "last exit: old" not in shown
+    assert "ValueError: bad (back-off: restarts in 4s)" in shown
+    assert "last exit: old" not in shown
+    assert "exit 1 (" not in shown  # its restart is due: no back-off left to show

@@ -11,6 +11,7 @@ import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -367,13 +368,25 @@ def test_requests_for_a_lane_whose_replica_is_starting_wait_for_it() -> None:
                 await asyncio.wait_for(
                     plane.stub.Embed(inference_pb2.EmbedRequest(model="l", inputs=["a"])), 3
                 )
-            return chunks, embedded, info.value
+            # Its crash back-off runs for 5 s more: a generation is refused with that
+            # wait as its hint (HTTP's Retry-After), not a bare "retry shortly".
+            due = datetime.now(UTC) + timedelta(seconds=5)
+            failed.status.replica_statuses[0].restart_at = due
+            plane.store.update_status(Kind.LANE, "l", failed.status)
+            await asyncio.sleep(0.2)
+            call = plane.stub.Complete(inference_pb2.CompleteRequest(model="l", prompt="hi"))
+            with pytest.raises(grpc.aio.AioRpcError) as backing_off:
+                await asyncio.wait_for(call.read(), 3)
+            return chunks, embedded, info.value, backing_off.value
 
-    chunks, embedded, refused = asyncio.run(run())
+    chunks, embedded, refused, backing_off = asyncio.run(run())
     assert chunks[0].delta.text == "a" and chunks[-1].HasField("final")
     assert embedded.prompt_tokens == 7
     assert refused.code() == grpc.StatusCode.UNAVAILABLE
     assert "retry shortly" in (refused.details() or "")
+    hint = status.from_rpc_error(backing_off)
+    assert isinstance(hint, errors.Unavailable) and "restarted in" in hint.message
+    assert 4000 < int(hint.metadata[errors.RETRY_AFTER_KEY]) <= 5000
 
 
 def test_the_client_of_a_replaced_engine_process_is_closed() -> None:

@@ -185,6 +185,27 @@ def test_restart_event_says_how_long_it_backed_off(start: Start, message: str) -
     assert lane_plan.restart_message(start) == message
 
 
+@pytest.mark.parametrize(
+    ("replica", "due_in"),
+    [
+        pytest.param(obs(0, ReplicaState.FAILED, restarts=3, exited_ago=1.5), 2.5, id="in-back-off"),
+        pytest.param(obs(0, ReplicaState.FAILED, exited_ago=1.5), -1.5, id="first-crash-at-once"),
+        pytest.param(obs(0, ReplicaState.FAILED, restarts=3, exited_ago=1, ran=600), -1, id="long-run-resets"),
+        pytest.param(obs(0), None, id="ready"),
+    ],
+)  # fmt: skip
+def test_a_failed_replicas_status_says_when_it_is_restarted(
+    replica: ReplicaObservation, due_in: float | None
+) -> None:
+    """`restartAt` is what `plan_replicas` waits for: its exit plus the back-off."""
+    (status,) = lane_plan.replica_statuses([replica])
+    due = None if due_in is None else NOW + timedelta(seconds=due_in)
+    assert status.restart_at == due
+    if due is not None and due > NOW:
+        plan = lane_plan.plan_replicas(desired=1, launch=LAUNCH, observed=[replica], now=NOW)
+        assert plan.actions == [] and plan.requeue_after == due_in
+
+
 READY_MODEL = ModelReadiness(True, "ModelReady", "ok")
 
 

@@ -64,7 +64,7 @@ def test_no_model_name_is_an_invalid_request() -> None:
 
 def test_lane_without_ready_replica_is_unavailable() -> None:
     with pytest.raises(errors.Unavailable) as exc:
-        routing.pick_replica(routing.resolve(TABLE, "c"), {})
+        routing.pick_replica(routing.resolve(TABLE, "c"), {}, now=0.0)
     assert "retry shortly" in exc.value.message
 
 
@@ -78,6 +78,28 @@ def test_a_request_waits_for_a_starting_replica_not_for_a_failed_one() -> None:
     table = routing.build_table([lane("c", ready=(), starting=(0,)), failed, paused, lane("r")])
     waits = {name: routing.waits(routing.resolve(table, name)) for name in "cfpr"}
     assert waits == {"c": True, "f": False, "p": False, "r": False}
+
+
+def test_a_failed_replica_in_back_off_is_refused_with_the_wait_left() -> None:
+    """Its restart is due at `restartAt`: the refusal says so and carries the wait as
+    its Retry-After hint (rounded up), not a bare "retry shortly"; once the restart is
+    due (or unknown) the bare refusal with the default second comes back."""
+    due = datetime(2026, 1, 1, 0, 0, 10, tzinfo=UTC)
+    failed = lane("f", ready=())
+    failed.status.replica_statuses = [
+        ReplicaStatus(index=0, state="Failed", socket="/s/f-0", restart_at=due),
+        ReplicaStatus(index=1, state="Failed", socket="/s/f-1", restart_at=due.replace(second=30)),
+    ]
+    route = routing.resolve(routing.build_table([failed]), "f")
+    assert route.restart_at == due.timestamp()
+    with pytest.raises(errors.Unavailable) as exc:
+        routing.pick_replica(route, {}, now=due.timestamp() - 3.2)
+    assert exc.value.metadata[errors.RETRY_AFTER_KEY] == "3200"
+    assert "restarted in 4 s" in exc.value.message
+    with pytest.raises(errors.Unavailable) as late:
+        routing.pick_replica(route, {}, now=due.timestamp() + 0.5)
+    assert errors.RETRY_AFTER_KEY not in late.value.metadata
+    assert "retry shortly" in late.value.message
 
 
 def _model_missing(name: str, *, ready: tuple[int, ...]) -> Lane:
@@ -98,7 +120,7 @@ def _model_missing(name: str, *, ready: tuple[int, ...]) -> Lane:
 def test_a_lane_whose_model_is_gone_says_so_not_retry_shortly() -> None:
     table = routing.build_table([_model_missing("x", ready=())])
     with pytest.raises(errors.Unavailable) as exc:
-        routing.pick_replica(routing.resolve(table, "x"), {})
+        routing.pick_replica(routing.resolve(table, "x"), {}, now=0.0)
     assert exc.value.message == (
         "The model 'x' has no ready replica, and Lane 'x' can start none until its Model "
         'is ready: Model "m" does not exist.'
@@ -109,13 +131,13 @@ def test_a_lane_whose_model_is_gone_says_so_not_retry_shortly() -> None:
 def test_a_lane_whose_model_is_gone_still_serves_from_its_running_replica() -> None:
     """GitOps prunes in any order: the engine already holds the weights."""
     table = routing.build_table([_model_missing("x", ready=(0,))])
-    assert routing.pick_replica(routing.resolve(table, "x"), {}).index == 0
+    assert routing.pick_replica(routing.resolve(table, "x"), {}, now=0.0).index == 0
 
 
 def test_lane_scaled_to_zero_says_so() -> None:
     paused = routing.build_table([lane("z", ready=(), desired=0)])
     with pytest.raises(errors.Unavailable) as exc:
-        routing.pick_replica(routing.resolve(paused, "z"), {})
+        routing.pick_replica(routing.resolve(paused, "z"), {}, now=0.0)
     assert "scaled to zero" in exc.value.message
     assert exc.value.metadata == {"lane": "z"}
 
@@ -123,7 +145,7 @@ def test_lane_scaled_to_zero_says_so() -> None:
 def test_lane_scaled_to_zero_takes_no_work_on_a_replica_that_still_drains() -> None:
     draining = routing.build_table([lane("z", ready=(0,), desired=0)])
     with pytest.raises(errors.Unavailable) as exc:
-        routing.pick_replica(routing.resolve(draining, "z"), {})
+        routing.pick_replica(routing.resolve(draining, "z"), {}, now=0.0)
     assert "scaled to zero" in exc.value.message
 
 
@@ -135,19 +157,19 @@ def test_pick_least_loaded_then_lowest_index(
     inflight: dict[tuple[str, int], int], index: int
 ) -> None:
     route = routing.resolve(routing.build_table([lane("x", ready=(0, 1))]), "x")
-    assert routing.pick_replica(route, inflight).index == index
+    assert routing.pick_replica(route, inflight, now=0.0).index == index
 
 
 @pytest.mark.parametrize(("exclude", "index"), [((), 0), ((0,), 1), ((1,), 0)])
 def test_pick_leaves_out_refused_replicas(exclude: tuple[int, ...], index: int) -> None:
     route = routing.resolve(routing.build_table([lane("x", ready=(0, 1))]), "x")
-    assert routing.pick_replica(route, {}, exclude=exclude).index == index
+    assert routing.pick_replica(route, {}, now=0.0, exclude=exclude).index == index
 
 
 def test_every_replica_refused_is_unavailable() -> None:
     route = routing.resolve(routing.build_table([lane("x", ready=(0, 1))]), "x")
     with pytest.raises(errors.Unavailable):
-        routing.pick_replica(route, {}, exclude=(0, 1))
+        routing.pick_replica(route, {}, now=0.0, exclude=(0, 1))
 
 
 @pytest.mark.parametrize(
@@ -166,7 +188,7 @@ def test_pick_prefers_the_session_replica_while_it_has_room(
 ) -> None:
     route = routing.resolve(routing.build_table([lane("x", ready=(0, 1))]), "x")
     assert route.slots == 4
-    assert routing.pick_replica(route, inflight, prefer=prefer).index == index
+    assert routing.pick_replica(route, inflight, now=0.0, prefer=prefer).index == index
 
 
 N = routing.MIN_PREFIX_BLOCKS
@@ -210,13 +232,15 @@ def test_pick_by_session_then_cached_prefix_then_load(
 ) -> None:
     route = routing.resolve(routing.build_table([lane("x", ready=(0, 1, 2))]), "x")
     assert route.slots == 4
-    picked = routing.pick_replica(route, inflight, prefer=prefer, matched=matched, held=held)
+    picked = routing.pick_replica(
+        route, inflight, now=0.0, prefer=prefer, matched=matched, held=held
+    )
     assert picked.index == index
 
 
 def test_pick_never_goes_to_a_refused_replica_for_its_prefix() -> None:
     route = routing.resolve(routing.build_table([lane("x", ready=(0, 1))]), "x")
-    assert routing.pick_replica(route, {}, exclude=(1,), matched={1: 50}).index == 0
+    assert routing.pick_replica(route, {}, now=0.0, exclude=(1,), matched={1: 50}).index == 0
 
 
 def replicas(*spec: tuple[int, str, int | None]) -> routing.Route:
@@ -264,7 +288,7 @@ def test_the_table_knows_each_replica_process() -> None:
 
 def test_pick_never_prefers_a_refused_replica() -> None:
     route = routing.resolve(routing.build_table([lane("x", ready=(0, 1))]), "x")
-    assert routing.pick_replica(route, {}, exclude=(1,), prefer=1).index == 0
+    assert routing.pick_replica(route, {}, now=0.0, exclude=(1,), prefer=1).index == 0
 
 
 def test_sessions_remember_the_latest_replica_of_the_most_recent_sessions() -> None:
@@ -310,4 +334,4 @@ def test_a_lane_scaled_to_zero_is_refused_at_once_not_woken() -> None:
     (route,) = routing.build_table([paused]).routes
     assert (route.wakes, route.sleeping) == (False, False)
     with pytest.raises(errors.Unavailable, match="scaled to zero"):
-        routing.pick_replica(route, {})
+        routing.pick_replica(route, {}, now=0.0)

@@ -396,11 +396,11 @@ def test_an_upstream_lane_routes_to_its_one_replica_while_it_answers() -> None:
     route = routing.build_table([upstream_lane(True)]).by_name["r"]
     assert route.model == "g" and route.slots == 3 and route.max_parked_bytes == 0
     assert route.upstream is not None and route.upstream.url == "http://u/v1"
-    assert routing.pick_replica(route, {}).index == 0
+    assert routing.pick_replica(route, {}, now=0.0).index == 0
     down = routing.build_table([upstream_lane(False)]).by_name["r"]
     assert down.replicas == ()
     with pytest.raises(errors.Unavailable, match="upstream server that does not answer: refused"):
-        routing.pick_replica(down, {})
+        routing.pick_replica(down, {}, now=0.0)
 
 
 UPSTREAM_LANE = """
