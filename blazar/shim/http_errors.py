@@ -10,14 +10,19 @@ import math
 
 from blazar.api import errors
 
-# Keyed by the gRPC code name so that error classes added later (unauthenticated,
-# permission denied, deadline exceeded) map correctly without touching the shim.
+# Keyed by the gRPC code name so that error classes added later, and a newer peer's
+# reasons this shim does not know (`errors.from_reason` keeps their code), map as
+# google.rpc's HTTP mapping has them rather than as 500.
 _STATUS_BY_CODE: dict[str, int] = {
     "INVALID_ARGUMENT": 400,
+    "FAILED_PRECONDITION": 400,
+    "OUT_OF_RANGE": 400,
     "UNAUTHENTICATED": 401,
     "PERMISSION_DENIED": 403,
     "NOT_FOUND": 404,
+    "ABORTED": 409,
     "RESOURCE_EXHAUSTED": 429,
+    "UNIMPLEMENTED": 501,
     "UNAVAILABLE": 503,
     "DEADLINE_EXCEEDED": 504,
 }

@@ -95,6 +95,12 @@ def test_nan_and_infinity_are_not_json(constant: str) -> None:
         (errors.Overloaded("x"), 429),
         (errors.Unavailable("x"), 503),
         (errors.BlazarError("x"), 500),
+        (errors.RequestStateConflict("x"), 400),
+        (errors.Conflict("x"), 409),
+        # A newer peer's reason, unknown here: its code decides.
+        (errors.from_reason("NEW_REASON", "x", {}, code="OUT_OF_RANGE"), 400),
+        (errors.from_reason("NEW_REASON", "x", {}, code="UNIMPLEMENTED"), 501),
+        (errors.from_reason("NEW_REASON", "x", {}, code="DATA_LOSS"), 500),
     ],
 )
 def test_http_status(err: errors.BlazarError, status: int) -> None:
