@@ -693,7 +693,7 @@ class LaneDispatcher(preempting.Preempting):
             predicted_ttft_s=pending.predicted_ttft_s,
             started_at=now,
             expected_prefill_s=self.measurements.expected_prefill_s(
-                replica.index, ticket.prompt_tokens, alone=decision.alone
+                replica.index, ticket.fresh_tokens(replica.index), alone=decision.alone
             ),
             wait_forecast_s=pending.predicted_ttft_s if tests_forecast else None,
             queue_s=decision.queue_s,

@@ -349,6 +349,22 @@ class InferenceService(Unqueued, inference_pb2_grpc.InferenceServicer):
         self._sessions.record(route.lane, session, replica.index)
         return replica
 
+    def _cached_tokens(
+        self,
+        lane_name: str,
+        lane: dispatcher.LaneDispatcher,
+        replica: routing.Replica | None,
+        hashes: Sequence[int],
+    ) -> int:
+        """The leading prompt tokens `replica`'s cache holds, by the Lane's prefix index
+        (its blocks of the prompt's `hashes`, in tokens at the Lane's measured
+        characters a token): admission forecasts the prefill of the rest only."""
+        index = self._fleet.prefixes(lane_name)
+        if replica is None or index is None or not hashes:
+            return 0
+        held = index.match(hashes).get(replica.index, 0)
+        return lane.measurements.prompt_tokens(held * prefixes.BLOCK_CHARS) if held else 0
+
     def _served(self, replica: routing.Replica, hashes: Sequence[int]) -> None:
         """The replica's engine has taken the prompt: its cache now holds it. Not
         recorded for a replica that left the table meanwhile (its cache is forgotten)."""
@@ -496,6 +512,7 @@ class InferenceService(Unqueued, inference_pb2_grpc.InferenceServicer):
             prompt_tokens=prompt_tokens,
             max_tokens=max_tokens,
             prefer=replica.index if replica is not None else None,
+            cached_tokens=self._cached_tokens(route.lane, lane, replica, blocks),
             tenant=caller.name,
             weight=caller.weight,
         )
@@ -616,15 +633,18 @@ class InferenceService(Unqueued, inference_pb2_grpc.InferenceServicer):
                 # Hashed again: each Lane's index hashes as many blocks as it holds.
                 index = self._fleet.prefixes(to.lane)
                 there = hashes(index.capacity) if hashes is not None and index else ()
-                prefer = self._sessions.replica_of(to.lane, session)
-                if to.replicas:
-                    prefer = self._pick(to, session=session, hashes=there).index
+                picked = self._pick(to, session=session, hashes=there) if to.replicas else None
                 offered = dataclasses.replace(
                     ticket,
                     spilled_from=route.lane,
                     prompt_tokens=prompt_tokens,
                     max_tokens=max_tokens,
-                    prefer=prefer,
+                    prefer=(
+                        picked.index
+                        if picked is not None
+                        else self._sessions.replica_of(to.lane, session)
+                    ),
+                    cached_tokens=self._cached_tokens(to.lane, other, picked, there),
                 )
                 try:
                     started = await other.admit(

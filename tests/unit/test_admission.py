@@ -527,6 +527,37 @@ def test_early_reject(policy: Policy, view: LaneView, decision: Admit | Refuse) 
     assert ("t" in queue) == isinstance(decision, Admit)
 
 
+@pytest.mark.parametrize(
+    ("prefer", "cached", "decision"),
+    [
+        # 2,000 prompt tokens at 1,000 a second after a slot that frees at 0.5 s: 2.5 s,
+        # past the 2 s target.
+        (0, 0, Refuse(ticket("t", INTERACTIVE), Reason.SLO_UNATTAINABLE, 0.5, predicted_ttft_s=2.5)),
+        # The replica's cache holds 1,900 of them: 0.1 s of prefill, its first token at
+        # 0.6 s (the ticket waits for that slot).
+        (0, 1900, Admit(0.6, waits=True)),
+        # A cache of another replica than the one it prefers (and so takes) saves nothing.
+        (1, 1900, Refuse(ticket("t", INTERACTIVE), Reason.SLO_UNATTAINABLE, 0.5, predicted_ttft_s=2.5)),
+        # A cache that holds the whole prompt still leaves one token to prefill.
+        (0, 5000, Admit(0.501, waits=True)),
+    ],
+)  # fmt: skip
+def test_the_forecast_prefills_only_what_the_preferred_replicas_cache_lacks(
+    prefer: int, cached: int, decision: Admit | Refuse
+) -> None:
+    """A follow-up in a long conversation is as fast as its new part on the replica
+    that holds the rest: not refused early for a prefill it will not do."""
+    view = lane(replica(run("r", left=25)))
+    arriving = replace(ticket("t", INTERACTIVE, prompt=2000, prefer=prefer), cached_tokens=cached)
+    got = LaneQueue().arrive(arriving, now=0, view=view)
+    if isinstance(got, Refuse) and isinstance(decision, Refuse):
+        assert (got.reason, got.predicted_ttft_s) == (decision.reason, decision.predicted_ttft_s)
+    else:
+        assert isinstance(got, Admit) and isinstance(decision, Admit)
+        assert got.predicted_ttft_s == pytest.approx(decision.predicted_ttft_s)
+        assert got.waits == decision.waits
+
+
 def test_an_admitted_ticket_pushed_past_its_deadline_is_refused_not_started_late() -> None:
     """Admitted with 2 s to spare; then more urgent work arrives ahead of it."""
     queue = queue_of(ticket("t", INTERACTIVE), ticket("q", PATIENT, arrived=0.01), view=IDLE)

@@ -34,7 +34,7 @@ from blazar.api.kinds import (
     ReplicaStatus,
 )
 from blazar.api.meta import ObjectMeta
-from blazar.dataplane import access, prefixes, routing, server, unqueued
+from blazar.dataplane import access, admission, dispatcher, prefixes, routing, server, unqueued
 from blazar.enginehost import client
 from blazar.enginehost.activity import Activity, Keep
 from blazar.rpc import status
@@ -946,6 +946,35 @@ async def routed(
     chunks = [c async for c in stub.Complete(request)]
     final = chunks[-1].final
     return final.routing.replica, final.routing.prefix_tokens_reused
+
+
+def test_a_follow_up_is_forecast_to_prefill_only_what_its_replicas_cache_lacks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Admission hears how much of the prompt the cache of the replica it prefers holds
+    (by the prefix index), so a long conversation's next turn is not forecast, and
+    refused early, as a cold prompt."""
+    seen: list[admission.Ticket] = []
+    admit = dispatcher.LaneDispatcher.admit
+
+    async def spy(self: dispatcher.LaneDispatcher, ticket: admission.Ticket, **kw: Any) -> Any:
+        seen.append(ticket)
+        return await admit(self, ticket, **kw)
+
+    monkeypatch.setattr(dispatcher.LaneDispatcher, "admit", spy)
+
+    async def run() -> list[tuple[int, int]]:
+        fakes = [FakeEngine(refuse=False, text="x") for _ in range(2)]
+        async with data_plane(fakes) as stub:
+            a = long_text("a")
+            return [await routed(stub, a), await routed(stub, a + " and more")]
+
+    (first, _), (again, reused) = asyncio.run(run())
+    assert again == first and reused > 0
+    cold, warm = seen
+    assert cold.cached_tokens == 0
+    assert warm.prefer == again and 0 < warm.cached_tokens < warm.prompt_tokens
+    assert warm.fresh_tokens(again) < warm.fresh_tokens(1 - again) == warm.prompt_tokens
 
 
 def test_follow_ups_go_to_the_replica_that_holds_their_prefix() -> None:

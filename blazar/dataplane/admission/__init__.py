@@ -59,8 +59,10 @@ Forecast. Every decision reads one simulation of the Lane from `now`, in ticket 
   `prefer`red replica, then the least loaded replica, then the lowest index), holds it for
   its service time, its wait in the prefill line (below), its prefill
   (`start_overhead_s`, what a start costs beyond the
-  prompt as measured, plus `prompt_tokens / prefill_tokens_per_s`, with the fixed part
-  and rate measured on every prompt; for the first ticket on a replica that runs
+  prompt as measured, plus its fresh tokens / `prefill_tokens_per_s`, with the fixed
+  part and rate measured on every prompt's fresh tokens; fresh: the prompt less what
+  the `prefer`red replica's cache holds of it, `Ticket.cached_tokens`, there, and the
+  whole prompt elsewhere; for the first ticket on a replica that runs
   nothing, those measured on prompts that had their steps to themselves and the start
   overhead measured against them, `lone_*`) plus the decode time
   of the tokens it will generate (`expected_output`: the share of max_tokens its

@@ -401,11 +401,10 @@ class _Simulation:
                 continue
             cost = run.kv_tokens * replica.kv_bytes_per_token
             fits = self.parked[replica.index] + cost <= replica.parked_bytes_max
-            prefill = replica.prefill_s(ticket.prompt_tokens)
+            fresh = ticket.fresh_tokens(replica.index)
+            prefill = replica.prefill_s(fresh)
             start = self.preempting_start_s(replica)
-            wait = self.line_wait_s(
-                replica, start, prefill, short=prefill_order.short(ticket.prompt_tokens)
-            )
+            wait = self.line_wait_s(replica, start, prefill, short=prefill_order.short(fresh))
             first_token = start + wait + prefill
             meets = self.now + first_token <= ticket.deadline and first_token < waiting_s
             if fits and meets:
@@ -457,7 +456,6 @@ def _fate(entry: Waiting, sim: _Simulation, now: float) -> tuple[Fate, _Slot | N
     pessimistic one, and the prediction callers see stays that estimate."""
     ticket = entry.ticket
     pinned = entry.resume.replica if entry.resume else None
-    short = prefill_order.short(ticket.prompt_tokens)
     slot = sim.slot_for(
         pinned=pinned,
         prefer=ticket.prefer,
@@ -472,8 +470,9 @@ def _fate(entry: Waiting, sim: _Simulation, now: float) -> tuple[Fate, _Slot | N
         queue, prefill = 0.0, 0.0
         alone = slot.idle and sim.quiet[slot.replica.index] and entry.resume is None
         if entry.resume is None:
-            prefill = slot.replica.prefill_s(ticket.prompt_tokens, alone=alone)
-            queue = sim.line_wait_s(slot.replica, start, prefill, short=short)
+            fresh = ticket.fresh_tokens(slot.replica.index)
+            prefill = slot.replica.prefill_s(fresh, alone=alone)
+            queue = sim.line_wait_s(slot.replica, start, prefill, short=prefill_order.short(fresh))
         margin = 0.0 if slot.idle or entry.resume else sim.steps_s(slot.replica, WAIT_STEPS)
         may_miss = now + (start + queue + prefill) * sim.lateness + margin > ticket.deadline
         if may_miss and not slot.idle and entry.resume is None:
@@ -482,8 +481,11 @@ def _fate(entry: Waiting, sim: _Simulation, now: float) -> tuple[Fate, _Slot | N
                 slot, victim = parked, parked.holder
                 start = sim.preempting_start_s(parked.replica)
                 margin = sim.steps_s(slot.replica, WAIT_STEPS)
-                prefill = slot.replica.prefill_s(ticket.prompt_tokens)
-                queue = sim.line_wait_s(slot.replica, start, prefill, short=short)
+                fresh = ticket.fresh_tokens(slot.replica.index)
+                prefill = slot.replica.prefill_s(fresh)
+                queue = sim.line_wait_s(
+                    slot.replica, start, prefill, short=prefill_order.short(fresh)
+                )
         first_token = start + queue + prefill
         fate = Fate(
             start_s=start,
@@ -579,7 +581,7 @@ def forecast(
                 slot.replica,
                 prefill_s=fate.prefill_s,
                 first_token_s=fate.start_s + fate.queue_s + fate.prefill_s,
-                short=prefill_order.short(item.ticket.prompt_tokens),
+                short=prefill_order.short(item.ticket.fresh_tokens(slot.replica.index)),
             )
         sim.take(
             slot,

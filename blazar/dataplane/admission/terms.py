@@ -90,6 +90,9 @@ class Ticket:
     # The replica a session used last (its cache holds the conversation): preferred
     # while it has an idle slot, as `routing.pick_replica` does.
     prefer: int | None = None
+    # Of its prompt, the leading tokens the cache of `prefer` holds, by the Lane's
+    # prefix index (an estimate): its prefill there is of the rest (`fresh_tokens`).
+    cached_tokens: int = 0
     # Seconds spent waiting in earlier stints (before a start that failed or a park):
     # the wait bound counts them all.
     waited_s: float = 0.0
@@ -107,6 +110,14 @@ class Ticket:
     def deadline(self) -> float:
         target = self.policy.ttft_target_s
         return math.inf if target is None else self.arrived + target
+
+    def fresh_tokens(self, replica: int) -> int:
+        """The prompt tokens its start on `replica` prefills: those its cache does not
+        hold (at least one, the token that yields the first logits), as the measured
+        prefill rates count them."""
+        if replica != self.prefer:
+            return self.prompt_tokens
+        return max(1, self.prompt_tokens - self.cached_tokens)
 
 
 # A waiting ticket's place in the order: priority, its virtual start (fair share),
