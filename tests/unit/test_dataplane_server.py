@@ -7,6 +7,8 @@ from typing import Any
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from blazar._proto.v1 import inference_pb2
 from blazar.dataplane import server
@@ -65,3 +67,30 @@ def test_a_request_protobuf_cannot_parse_is_invalid_argument_not_unknown() -> No
 async def _drain(call: Any) -> None:
     async for _ in call:
         pass
+
+
+def test_health_checking_and_reflection_are_on() -> None:
+    """DESIGN §6: `grpc.health.v1` answers for the server and each public service, and
+    reflection lists them, so grpcurl and load balancers work without the .proto files."""
+
+    async def main() -> tuple[list[int], set[str]]:
+        running = await server.start(store=MemoryStore(), address="127.0.0.1:0")
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+                health = health_pb2_grpc.HealthStub(channel)
+                statuses = [
+                    (await health.Check(health_pb2.HealthCheckRequest(service=name))).status
+                    for name in ("", "blazar.v1.Inference", "blazar.v1.Control")
+                ]
+                reflect = reflection_pb2_grpc.ServerReflectionStub(channel)
+                ask = reflection_pb2.ServerReflectionRequest(list_services="")
+                services: set[str] = set()
+                async for answer in reflect.ServerReflectionInfo(iter([ask])):
+                    services |= {s.name for s in answer.list_services_response.service}
+        finally:
+            await running.stop(grace=0)
+        return statuses, services
+
+    statuses, services = asyncio.run(main())
+    assert statuses == [health_pb2.HealthCheckResponse.SERVING] * 3
+    assert {"blazar.v1.Inference", "blazar.v1.Control", "grpc.health.v1.Health"} <= services
