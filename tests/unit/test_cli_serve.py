@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from blazar.cli import main
+from blazar.cli import daemon, main
 
 
 def test_serve_refuses_a_watch_directory_that_does_not_exist(
@@ -74,3 +74,59 @@ def test_serve_refuses_a_budget_or_residency_it_cannot_read(
 )
 def test_a_signed_value_is_attached_to_its_flag(argv: list[str], attached: list[str]) -> None:
     assert main.attach_signed_values(argv) == attached
+
+
+def _serve_options(
+    monkeypatch: pytest.MonkeyPatch, argv: list[str], env: dict[str, str]
+) -> daemon.Options:
+    """The Options `blazar serve ARGV` would start the daemon with, under ENV."""
+    for name in ("BLAZAR_HTTP_ADDR", "BLAZAR_GRPC_ADDR", "BLAZAR_HOME", "XDG_DATA_HOME"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    started: list[daemon.Options] = []
+    monkeypatch.setattr(daemon, "run", started.append)
+    monkeypatch.setattr(main.eventloop, "run", lambda _: None)
+    monkeypatch.setattr(main.logs, "configure", lambda **_: None)
+    assert main.main(["serve", *argv]) == 0
+    (options,) = started
+    return options
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "http", "grpc"),
+    [
+        ([], {}, "127.0.0.1:8420", "127.0.0.1:8421"),
+        (
+            [],
+            {"BLAZAR_HTTP_ADDR": "127.0.0.1:9420", "BLAZAR_GRPC_ADDR": "127.0.0.1:9421"},
+            "127.0.0.1:9420",
+            "127.0.0.1:9421",
+        ),
+        (
+            ["--http", "127.0.0.1:7420", "--grpc", "127.0.0.1:7421"],
+            {"BLAZAR_HTTP_ADDR": "127.0.0.1:9420", "BLAZAR_GRPC_ADDR": "127.0.0.1:9421"},
+            "127.0.0.1:7420",
+            "127.0.0.1:7421",
+        ),
+    ],
+)
+def test_serve_addresses_are_the_flag_then_the_environment_then_the_default(
+    monkeypatch: pytest.MonkeyPatch, argv: list[str], env: dict[str, str], http: str, grpc: str
+) -> None:
+    """DESIGN §9 and the README's Defaults table."""
+    options = _serve_options(monkeypatch, argv, env)
+    assert (options.http, options.grpc) == (http, grpc)
+
+
+def test_serve_home_is_the_flag_then_blazar_home_then_xdg_data_home(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path / "user"))
+    assert _serve_options(monkeypatch, [], {}).home == tmp_path / "user/.local/share/blazar"
+    xdg = {"XDG_DATA_HOME": str(tmp_path / "data")}
+    assert _serve_options(monkeypatch, [], xdg).home == tmp_path / "data/blazar"
+    env = {**xdg, "BLAZAR_HOME": str(tmp_path / "env")}
+    assert _serve_options(monkeypatch, [], env).home == tmp_path / "env"
+    flag = ["--home", str(tmp_path / "flag")]
+    assert _serve_options(monkeypatch, flag, env).home == tmp_path / "flag"
