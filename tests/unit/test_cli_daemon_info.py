@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -41,3 +42,28 @@ def test_a_home_whose_lock_cannot_be_opened_is_refused_in_one_line(tmp_path: Pat
         homelock.exclusive(tmp_path),
     ):
         pass
+
+
+@pytest.mark.parametrize(
+    ("http", "grpc", "exposed"),
+    [
+        ("127.0.0.1:0", "127.0.0.1:0", None),
+        ("[::1]:0", "localhost:0", None),
+        (":0", "127.0.0.2:0", None),  # an empty host is 127.0.0.1; all of 127/8 is loopback
+        ("0.0.0.0:0", "127.0.0.1:0", "--http 0.0.0.0:0"),
+        ("127.0.0.1:0", "[::]:0", "--grpc [::]:0"),
+        ("127.0.0.1:0", "192.0.2.7:0", "--grpc 192.0.2.7:0"),
+    ],
+)
+def test_without_keys_only_loopback_is_served(
+    tmp_path: Path, http: str, grpc: str, exposed: str | None
+) -> None:
+    """DESIGN §6: with no keys configured the daemon only binds loopback."""
+    options = daemon.Options(home=tmp_path, http=http, grpc=grpc)
+    if exposed is None:
+        daemon.check_exposure(options)
+    else:
+        with pytest.raises(errors.InvalidRequest, match=f"^{re.escape(exposed)} is reachable"):
+            daemon.check_exposure(options)
+    # With an auth file, its keys guard whatever address is named.
+    daemon.check_exposure(daemon.Options(home=tmp_path, http=http, grpc=grpc, auth_file=tmp_path))
