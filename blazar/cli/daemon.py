@@ -78,6 +78,12 @@ def split_address(address: str) -> tuple[str, int]:
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
+def join_address(host: str, port: int) -> str:
+    """HOST:PORT as gRPC targets and URLs spell it: an IPv6 address in brackets, as
+    `split_address` took it ("::1:8421" resolves as no host at all)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def check_addresses(options: Options) -> None:
     """InvalidRequest (one line, naming the flag) when --http or --grpc is not HOST:PORT
     with a port from 0 to 65535, before anything reads them."""
@@ -414,7 +420,9 @@ async def _serve(
     try:
         plane = await dataplane_server.start(
             store=store,
-            address=options.grpc,
+            # As `split_address` reads it, like the HTTP listener: an empty host is
+            # 127.0.0.1 (grpcio refuses ":PORT").
+            address=join_address(*split_address(options.grpc)),
             access=gate,
             control_socket=socket_path,
             activity=activity,
@@ -431,10 +439,10 @@ async def _serve(
             raise errors.Unavailable(f"{exc}; use a shorter --home") from None
         raise _cannot_listen(options.grpc, "gRPC", "grpcio could not bind it") from None
     grpc_host, _ = split_address(options.grpc)
-    grpc_target = f"{grpc_host}:{plane.port}"
+    grpc_target = join_address(grpc_host, plane.port)
 
     http_host, _ = split_address(options.http)
-    http_bound = f"{http_host}:{sock.getsockname()[1]}"
+    http_bound = join_address(http_host, sock.getsockname()[1])
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

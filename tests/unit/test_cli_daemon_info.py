@@ -67,3 +67,19 @@ def test_without_keys_only_loopback_is_served(
             daemon.check_exposure(options)
     # With an auth file, its keys guard whatever address is named.
     daemon.check_exposure(daemon.Options(home=tmp_path, http=http, grpc=grpc, auth_file=tmp_path))
+
+
+@pytest.mark.parametrize(
+    ("flag", "address"),
+    [
+        ("127.0.0.1:8421", "127.0.0.1:8421"),
+        ("localhost:0", "localhost:0"),
+        (":8421", "127.0.0.1:8421"),
+        # The shim dialled "::1:PORT", which gRPC cannot resolve: every request was a 503.
+        ("[::1]:8421", "[::1]:8421"),
+        ("[::]:0", "[::]:0"),
+    ],
+)
+def test_an_address_read_from_a_flag_is_written_back_dialable(flag: str, address: str) -> None:
+    """What the shim dials and daemon.json says: brackets kept around an IPv6 host."""
+    assert daemon.join_address(*daemon.split_address(flag)) == address
