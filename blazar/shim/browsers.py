@@ -11,7 +11,11 @@ nobody first. So, before any route runs:
   the CORS headers, and every response carries `Access-Control-Allow-Origin`.
 - A POST whose body is not declared `application/json` (the type every official
   client sends, and one a page cannot send without a preflight) is refused, 415
-  `UNSUPPORTED_MEDIA_TYPE`.
+  `UNSUPPORTED_MEDIA_TYPE`, unless it declares no type (no `Content-Type`, or
+  `application/octet-stream`, which RFC 9110 reads the same) and has no `Origin`: no
+  page sends that (a form always declares its type, and a script's request carries its
+  origin), while clients that wrap Ollama's API do (LiteLLM's `ollama` and `ollama_chat`
+  providers), since Ollama parses a body as JSON whatever it declares.
 
 Refusals are rendered by the caller's `render` (each dialect's own envelope).
 Clients that are not browsers send no `Origin` and are unaffected by the first rule.
@@ -31,6 +35,8 @@ from blazar.api import errors
 Render = Callable[[Request, errors.BlazarError], Awaitable[Response]]
 
 JSON = "application/json"
+# What a body that declares no type is taken to be (RFC 9110, section 8.3).
+UNDECLARED = "application/octet-stream"
 _ALLOW_METHODS = "GET, POST, DELETE, OPTIONS"
 _PREFLIGHT_MAX_AGE_S = "600"
 # Headers a page's script may read: the ones Blazar adds and a 429's Retry-After.
@@ -45,6 +51,17 @@ def is_json(content_type: str | None) -> bool:
     if content_type is None:
         return False
     return content_type.split(";", 1)[0].strip().lower() == JSON
+
+
+def body_allowed(content_type: str | None, *, origin: str | None) -> bool:
+    """Whether a POST's body may reach the routes (see the module docstring): JSON, or
+    from no browser's page (no `Origin`) a body that declares no type."""
+    if is_json(content_type):
+        return True
+    undeclared = content_type is None or (
+        content_type.split(";", 1)[0].strip().lower() == UNDECLARED
+    )
+    return undeclared and origin is None
 
 
 class BrowserGuard:
@@ -78,7 +95,7 @@ class BrowserGuard:
         ):
             await self._preflight(origin, headers, send)
             return
-        if method == "POST" and not is_json(headers.get("content-type")):
+        if method == "POST" and not body_allowed(headers.get("content-type"), origin=origin):
             sent = headers.get("content-type")
             err = errors.UnsupportedMediaType(
                 f"The request body must be JSON, sent with `Content-Type: {JSON}` "

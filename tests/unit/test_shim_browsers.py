@@ -50,7 +50,18 @@ JSON = {"content-type": "application/json"}
         ("POST", {"content-type": "application/json; charset=utf-8"}, 200, None),
         ("POST", {"content-type": "Application/JSON"}, 200, None),
         ("GET", {}, 200, None),
-        ("POST", {}, 415, "UNSUPPORTED_MEDIA_TYPE"),
+        # A body that declares no type, as LiteLLM's Ollama providers send it.
+        ("POST", {}, 200, None),
+        ("POST", {"content-type": "application/octet-stream"}, 200, None),
+        # ... but not from a page: a script's request carries its origin.
+        ("POST", {"origin": ALLOWED}, 415, "UNSUPPORTED_MEDIA_TYPE"),
+        (
+            "POST",
+            {"content-type": "application/octet-stream", "origin": ALLOWED},
+            415,
+            "UNSUPPORTED_MEDIA_TYPE",
+        ),
+        ("POST", {"content-type": "text/html"}, 415, "UNSUPPORTED_MEDIA_TYPE"),
         ("POST", {"content-type": "text/plain"}, 415, "UNSUPPORTED_MEDIA_TYPE"),
         (
             "POST",

@@ -838,6 +838,26 @@ async def test_the_tool_headers_reach_the_daemon(daemon: Daemon, client: httpx.A
     assert len(daemon.fake.requests) == 2
 
 
+async def test_a_body_that_declares_no_type_is_read_as_json(
+    daemon: Daemon, client: httpx.AsyncClient
+) -> None:
+    """Ollama parses a body as JSON whatever it declares, and LiteLLM's `ollama_chat`
+    provider sends its bodies without a Content-Type (its async client: as
+    `application/octet-stream`)."""
+    daemon.fake.scripts["tiny"] = HELLO
+    for declared in [None, "application/octet-stream"]:
+        request = client.build_request(
+            "POST", "/api/chat", content=json.dumps({**CHAT, "stream": False}).encode()
+        )
+        del request.headers["content-type"]
+        if declared is not None:
+            request.headers["content-type"] = declared
+        response = await client.send(request)
+        assert response.status_code == 200, response.text
+        assert response.json()["done"] is True
+    assert len(daemon.fake.requests) == 2
+
+
 async def test_the_session_and_slo_headers_reach_the_daemon(
     daemon: Daemon, client: httpx.AsyncClient
 ) -> None:
