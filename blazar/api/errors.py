@@ -106,8 +106,11 @@ class ContextLengthExceeded(InvalidRequest):
         if at_least:
             metadata[PROMPT_TOKENS_AT_LEAST_KEY] = "true"
         return cls(
-            f"This model's context is {context_length} tokens per request, but the request "
-            f"{sizes.needs(prompt='prompt')}. Shorten the prompt or lower max_tokens.",
+            # OpenAI's (and vLLM's) opening words, by which clients such as LiteLLM
+            # tell a context overflow from other bad requests.
+            f"This model's maximum context length is {context_length} tokens per request, "
+            f"but the request {sizes.needs(prompt='prompt')}. Shorten the prompt or lower "
+            "max_tokens.",
             metadata=metadata,
         )
 

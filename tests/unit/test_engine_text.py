@@ -275,7 +275,7 @@ def test_generation_room(prompt: int, max_tokens: int | None, room: int) -> None
 
 @pytest.mark.parametrize(("prompt", "max_tokens"), [(2048, None), (2000, 49), (10, 2048)])
 def test_no_generation_room_is_context_length_exceeded(prompt: int, max_tokens: int | None) -> None:
-    with pytest.raises(errors.ContextLengthExceeded, match="context is 2048 tokens"):
+    with pytest.raises(errors.ContextLengthExceeded, match="maximum context length is 2048 tokens"):
         text.generation_room(prompt, max_tokens, 2048)
 
 

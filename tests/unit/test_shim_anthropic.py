@@ -657,7 +657,6 @@ def test_a_stop_sequence_is_named() -> None:
 
 ERRORS: list[tuple[errors.BlazarError, int, str]] = [
     (errors.InvalidRequest("Bad."), 400, "invalid_request_error"),
-    (errors.ContextLengthExceeded.of(prompt_tokens=3000, max_tokens=16, context_length=2048), 400, "invalid_request_error"),
     (errors.RequestTooLarge("Too big."), 413, "request_too_large"),
     (errors.Unauthenticated("Who?"), 401, "authentication_error"),
     (errors.PermissionDenied("No."), 403, "permission_error"),
@@ -679,6 +678,34 @@ def test_error_envelope(err: errors.BlazarError, status: int, kind: str) -> None
         "request_id": "r1",
     }
     assert ("retry-after" in rendered.headers) == (status == 429)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "max_tokens", "at_least", "message"),
+    [
+        (3000, 16, False, "prompt is too long: 3000 tokens > 2048 maximum"),
+        (3000, 16, True, "prompt is too long: at least 3000 tokens > 2048 maximum"),
+        (
+            2000,
+            100,
+            False,
+            "input length and `max_tokens` exceed context limit: 2000 + 100 > 2048, "
+            "decrease input length or `max_tokens` and try again",
+        ),
+    ],
+)
+def test_a_request_over_the_context_is_told_in_anthropics_words(
+    prompt: int, max_tokens: int, at_least: bool, message: str
+) -> None:
+    """Clients tell an overflow by these words: langchain-anthropic's
+    ContextOverflowError by "prompt is too long", LiteLLM's ContextWindowExceededError
+    by that or "exceed context limit"."""
+    err = errors.ContextLengthExceeded.of(
+        prompt_tokens=prompt, max_tokens=max_tokens, context_length=2048, at_least=at_least
+    )
+    rendered = envelope.error_response(err)
+    assert rendered.status == 400
+    assert rendered.body["error"] == {"type": "invalid_request_error", "message": message}
 
 
 def test_tool_errors_name_anthropics_field() -> None:
@@ -712,8 +739,7 @@ async def test_daemon_errors_before_the_first_chunk_keep_their_status(
     ]
     overflow = await client.post("/v1/messages", json=body(stream=stream))
     assert overflow.status_code == 400
-    message = overflow.json()["error"]["message"]
-    assert "2048" in message and "3016" in message and "3000" in message
+    assert overflow.json()["error"]["message"] == "prompt is too long: 3000 tokens > 2048 maximum"
 
 
 @pytest.mark.parametrize(

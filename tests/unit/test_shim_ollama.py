@@ -894,7 +894,7 @@ async def test_a_prompt_over_the_context_is_told_in_ollamas_terms(
     response = await client.post("/api/chat", json=CHAT)
     assert response.status_code == 400
     assert response.json() == {
-        "error": "This model's context is 2048 tokens per request, but the request needs 3100 "
+        "error": "This model's maximum context length is 2048 tokens per request, but the request needs 3100 "
         "(3000 in the prompt and 100 to generate). Shorten the prompt, or lower "
         "options.num_predict."
     }
@@ -913,7 +913,7 @@ async def test_a_bound_on_the_prompt_stays_a_bound_in_ollamas_terms(
     response = await client.post("/api/chat", json=CHAT)
     assert response.status_code == 400
     assert response.json()["error"] == (
-        "This model's context is 1024 tokens per request, but the request needs at least "
+        "This model's maximum context length is 1024 tokens per request, but the request needs at least "
         "4172 (at least 4167 in the prompt and 5 to generate). Shorten the prompt, or lower "
         "options.num_predict."
     )

@@ -1246,6 +1246,8 @@ async def test_context_length_exceeded_is_400(daemon: Daemon, client: httpx.Asyn
         assert error["type"] == "invalid_request_error"
         assert error["param"] == "messages"
         assert "1024" in error["message"] and "1100" in error["message"]
+        # OpenAI's opening words, by which LiteLLM raises ContextWindowExceededError.
+        assert error["message"].startswith("This model's maximum context length is 1024 tokens")
     response = await client.post("/v1/completions", json={"model": "tiny", "prompt": "x"})
     assert response.json()["error"]["param"] == "prompt"
 

@@ -537,7 +537,7 @@ async def test_a_prompt_over_the_context_names_the_sizes_in_this_apis_terms(
     assert error["code"] == "context_length_exceeded"
     assert error["param"] == "input"
     assert error["message"] == (
-        "This model's context is 2048 tokens per request, but the request needs 2100 "
+        "This model's maximum context length is 2048 tokens per request, but the request needs 2100 "
         "(2000 in the input and 100 to generate). Shorten the input, or lower "
         "max_output_tokens."
     )
@@ -556,7 +556,7 @@ async def test_a_bound_on_the_input_stays_a_bound(
     response = await client.post(PATH, json=body(max_output_tokens=5))
     assert response.status_code == 400
     assert response.json()["error"]["message"] == (
-        "This model's context is 1024 tokens per request, but the request needs at least "
+        "This model's maximum context length is 1024 tokens per request, but the request needs at least "
         "4172 (at least 4167 in the input and 5 to generate). Shorten the input, or lower "
         "max_output_tokens."
     )

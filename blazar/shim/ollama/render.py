@@ -267,6 +267,7 @@ def _error_message(err: errors.BlazarError) -> str:
     if sizes is None:
         return err.message
     return (
-        f"This model's context is {sizes.context_length} tokens per request, but the request "
-        f"{sizes.needs(prompt='prompt')}. Shorten the prompt, or lower options.num_predict."
+        f"This model's maximum context length is {sizes.context_length} tokens per request, "
+        f"but the request {sizes.needs(prompt='prompt')}. Shorten the prompt, or lower "
+        "options.num_predict."
     )

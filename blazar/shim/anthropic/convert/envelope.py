@@ -53,6 +53,9 @@ def error_response(err: errors.BlazarError, *, request_id: str = "") -> ErrorRes
     if status == 503:
         status = OVERLOADED_STATUS
     message = err.message
+    sizes = err.sizes() if isinstance(err, errors.ContextLengthExceeded) else None
+    if sizes is not None:
+        message = _overflow_message(sizes)
     if err.metadata.get(errors.FIELD_KEY, "").startswith("tools"):
         message = _PARAMETERS.sub(r"\1.input_schema", message)
     detail: protocol.ErrorDetail = {
@@ -65,3 +68,20 @@ def error_response(err: errors.BlazarError, *, request_id: str = "") -> ErrorRes
     if request_id:
         body["request_id"] = request_id
     return ErrorResponse(status=status, body=body, headers=http_errors.headers(err))
+
+
+def _overflow_message(sizes: errors.ContextSizes) -> str:
+    """A request that does not fit, in Anthropic's words, by which clients tell it from
+    other bad requests (langchain-anthropic's ContextOverflowError looks for "prompt is
+    too long", LiteLLM's ContextWindowExceededError for that or "exceed context limit")."""
+    some = "at least " if sizes.at_least else ""
+    if sizes.prompt_tokens >= sizes.context_length:
+        return (
+            f"prompt is too long: {some}{sizes.prompt_tokens} tokens > "
+            f"{sizes.context_length} maximum"
+        )
+    return (
+        f"input length and `max_tokens` exceed context limit: {some}{sizes.prompt_tokens} + "
+        f"{sizes.max_tokens} > {sizes.context_length}, decrease input length or `max_tokens` "
+        "and try again"
+    )

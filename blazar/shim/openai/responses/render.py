@@ -390,7 +390,8 @@ def error_response(err: errors.BlazarError) -> envelope.ErrorResponse:
     sizes = err.sizes() if isinstance(err, errors.ContextLengthExceeded) else None
     if sizes is not None:
         rendered.body["error"]["message"] = (
-            f"This model's context is {sizes.context_length} tokens per request, but the "
+            f"This model's maximum context length is {sizes.context_length} tokens per "
+            "request, but the "
             f"request {sizes.needs(prompt='input')}. Shorten the input, or lower "
             "max_output_tokens."
         )
