@@ -1,9 +1,10 @@
 """The Model reconciler: resolve the source, verify the checksum, read the GGUF header.
 
 Sets status (path, size, digest, architecture, trained context) and the `ModelReady`
-condition. Failures that only a spec change can fix (bad checksum, unsupported source)
-stop retrying; a missing file is polled, and so is a ready Model's file (a stat), so
-one removed or replaced under a running fleet is seen in seconds, not at the next resync.
+condition. Failures that only a spec change can fix (an unsupported source) stop
+retrying; a missing file is polled, and so is a ready Model's file and a refused one
+(a bad checksum, a GGUF cut short: a stat, read again only once it changes), so one
+removed or replaced under a running fleet is seen in seconds, not at the next resync.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
@@ -34,6 +36,36 @@ MISSING_FILE_POLL_S = 10.0
 READY_FILE_POLL_S = 10.0
 
 
+@dataclass(frozen=True)
+class _FileSeen:
+    """A file as a stat saw it: another inode, size, modification or change time (a
+    chmod that makes it readable) is another file."""
+
+    path: str
+    inode: int
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+
+    @classmethod
+    def of(cls, path: Path) -> _FileSeen | None:
+        try:
+            stat = path.stat()
+        except OSError:
+            return None
+        return cls(str(path), stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
+
+
+class _FileRefused(Exception):
+    """The resolved file is there but cannot be served (`error` says why): `file` is
+    what it was when read (None if it changed meanwhile)."""
+
+    def __init__(self, error: SourceError, file: _FileSeen | None) -> None:
+        super().__init__(error.message)
+        self.error = error
+        self.file = file
+
+
 class ModelReconciler:
     kind = Kind.MODEL
 
@@ -53,6 +85,10 @@ class ModelReconciler:
         self._clock = clock
         # Without one, packages are assembled into models_dir, digests kept in memory.
         self._cache = cache or modelcache.ModelCache(None)
+        # The file each Model's spec (by generation) was last refused for: it is looked
+        # at again once it changes (a copy caught half-written, then finished), and not
+        # hashed and parsed again while it does not.
+        self._rejected: dict[str, tuple[int, _FileSeen]] = {}
 
     @staticmethod
     def _unchanged(model: Model) -> bool:
@@ -87,21 +123,28 @@ class ModelReconciler:
         if self._unchanged(model):
             return Result(requeue_after=READY_FILE_POLL_S)
         generation = model.metadata.generation or 0
+        rejected = self._rejected.pop(name, None)
+        if rejected is not None and rejected == (generation, _FileSeen.of(Path(rejected[1].path))):
+            self._rejected[name] = rejected  # the same file, refused: not read again
+            return Result(requeue_after=READY_FILE_POLL_S)
         started = time.monotonic()
         try:
             status = await asyncio.to_thread(self._inspect, model)
+        except _FileRefused as refused:
+            if refused.file is not None:
+                self._rejected[name] = (generation, refused.file)
+            self._refuse(model, refused.error)
+            return Result(requeue_after=READY_FILE_POLL_S)
         except SourceError as err:
-            self._set(model, ModelStatus(), False, err.reason, err.message)
-            if (model.status.observed_generation, self._reason(model)) != (generation, err.reason):
-                self._store.record_event(
-                    kind=Kind.MODEL.value,
-                    name=name,
-                    type="Warning",
-                    reason=err.reason,
-                    message=err.message,
-                    uid=model.metadata.uid or "",
-                )
-            retry = err.reason in ("FileNotFound", "PackageNotInstalled")
+            self._refuse(model, err)
+            # A file not there, or not (yet) a GGUF file: looking again costs a stat and
+            # four bytes (`cp` over a served file empties it first, then writes).
+            retry = err.reason in (
+                "FileNotFound",
+                "PackageNotInstalled",
+                "NotGGUF",
+                "FileUnreadable",
+            )
             return Result(requeue_after=MISSING_FILE_POLL_S if retry else None)
         # How long the file took, and this daemon's files hashed and assembled so far:
         # a slow start says here whether it hashed or assembled hundreds of MB.
@@ -127,13 +170,37 @@ class ModelReconciler:
             )
         return Result(requeue_after=READY_FILE_POLL_S)
 
+    def _refuse(self, model: Model, err: SourceError) -> None:
+        """ModelReady False for `err`, with a Warning event unless it already said so."""
+        generation = model.metadata.generation or 0
+        self._set(model, ModelStatus(), False, err.reason, err.message)
+        if (model.status.observed_generation, self._reason(model)) != (generation, err.reason):
+            self._store.record_event(
+                kind=Kind.MODEL.value,
+                name=model.metadata.name,
+                type="Warning",
+                reason=err.reason,
+                message=err.message,
+                uid=model.metadata.uid or "",
+            )
+
     def _inspect(self, model: Model) -> ModelStatus:
+        """The status of the file the source resolves to; `_FileRefused` when that file
+        is there but cannot be served (its content, not its absence, is at fault)."""
         path = modelfile.resolve(
             model.spec.source,
             models_dir=self._models_dir,
             cache=self._cache,
             sources=self._sources,
         )
+        seen = _FileSeen.of(path)
+        try:
+            return self._read(model, path)
+        except SourceError as err:
+            # Gone or changed while it was read: the next pass reads it again.
+            raise _FileRefused(err, seen if _FileSeen.of(path) == seen else None) from err
+
+    def _read(self, model: Model, path: Path) -> ModelStatus:
         digest = self._cache.digests.sha256(path) if model.spec.sha256 else None
         if model.spec.sha256 and digest != model.spec.sha256:
             raise SourceError(

@@ -688,6 +688,50 @@ def test_model_reconciler_polls_a_missing_file(tmp_path: Path) -> None:
     assert conditions.is_true(model_status(store).status.conditions, "ModelReady")
 
 
+@pytest.mark.parametrize(
+    ("content", "reason"),
+    [("half", "InvalidGGUF"), ("empty", "NotGGUF"), ("other", "ChecksumMismatch")],
+)
+def test_model_reconciler_looks_again_at_a_refused_file_once_it_changes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, content: str, reason: str
+) -> None:
+    """A file caught while `cp new.gguf m.gguf` writes over the served one (empty, or
+    cut short) or one with the wrong checksum is refused, and then replaced: the Model
+    turns ready again within a poll, with no edit of its spec. A refused file is not
+    parsed again while it stays as it is."""
+    path = tmp_path / "m.gguf"
+    good = tiny_gguf(tmp_path / "good.gguf").read_bytes()
+    path.write_bytes({"half": good[: len(good) // 2], "empty": b"", "other": good + b"\0"}[content])
+    clock = Clock()
+    store = MemoryStore(clock=clock)
+    sha = f", sha256: '{hashlib.sha256(good).hexdigest()}'" if content == "other" else ""
+    spec = f"{{source: {{path: {path}}}{sha}}}"
+    apply(store, MODEL.replace("{source: {path: /models/m.gguf}}", spec))
+    rec = ModelReconciler(store=store, models_dir=tmp_path, clock=clock)
+    result = asyncio.run(rec.reconcile("m"))
+    ready = conditions.get_condition(model_status(store).status.conditions, "ModelReady")
+    assert ready is not None and ready.status == ConditionStatus.FALSE
+    assert ready.reason == reason
+    assert result.requeue_after is not None
+    reads: list[Path] = []
+    read_gguf = modelfile.read_gguf
+
+    def counted_read(path: Path) -> modelfile.GGUFInfo:
+        reads.append(path)
+        return read_gguf(path)
+
+    monkeypatch.setattr(modelfile, "read_gguf", counted_read)
+    assert asyncio.run(rec.reconcile("m")).requeue_after is not None
+    assert reads == []  # unchanged: not parsed (nor hashed) again
+    assert [e.reason for e in store.events(kind="Model")] == [reason]
+    replacement = tmp_path / "m.tmp"
+    replacement.write_bytes(good)
+    os.utime(replacement, ns=(path.stat().st_mtime_ns + 10**9,) * 2)
+    replacement.replace(path)
+    asyncio.run(rec.reconcile("m"))
+    assert conditions.is_true(model_status(store).status.conditions, "ModelReady")
+
+
 def test_model_reconciler_reinspects_only_when_the_file_or_spec_changes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
