@@ -451,6 +451,14 @@ def lane_status(
     elif all_ready:
         reason = "ScaledToZero" if desired == 0 else "AllReplicasReady"
         message = f"{ready} of {desired} replicas are ready."
+    elif rolling and any(o.revision == revision for o in crashing):
+        # "N of N replicas are ready" beside Ready False would read as a contradiction
+        # when it is the new spec's replica that fails and the old ones that serve.
+        reason = "ReplicasNotReady"
+        message = (
+            f"The rolling update is stuck: a replica of the new spec keeps crashing (see "
+            f"Degraded), and {serving} replica(s) of the previous spec keep serving."
+        )
     else:
         reason, message = "ReplicasNotReady", f"{ready} of {desired} replicas are ready."
     put("Ready", all_ready, reason, message)

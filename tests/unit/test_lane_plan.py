@@ -10,6 +10,7 @@ import pytest
 
 from blazar.api import conditions
 from blazar.api.kinds import LaneMemory, LaneStatus
+from blazar.api.meta import ConditionStatus
 from blazar.api.replicas import LaunchSpec, ReplicaObservation, ReplicaState
 from blazar.controller import lane_plan
 from blazar.controller.lane_plan import ModelReadiness, Start, Stop
@@ -255,6 +256,23 @@ def test_lane_status(
 ) -> None:
     got = status_of(observed, desired, model)
     assert {k: got[k] for k in expect} == expect
+
+
+def test_a_stuck_rollout_says_the_old_replicas_serve() -> None:
+    """The new spec's surge crash-loops while the old replica serves: Ready says the
+    rollout is stuck, not "1 of 1 replicas are ready" beside Ready False."""
+    status = lane_plan.lane_status(
+        previous=LaneStatus(),
+        generation=3,
+        desired=1,
+        model=READY_MODEL,
+        observed=[obs(0, launch=OLD), obs(1, ReplicaState.FAILED, restarts=5, exited_ago=1)],
+        now=NOW,
+        revision=LAUNCH.revision,
+    )
+    ready = conditions.get_condition(status.conditions, "Ready")
+    assert ready is not None and ready.status == ConditionStatus.FALSE
+    assert "stuck" in ready.message and "1 replica(s) of the previous spec" in ready.message
 
 
 def test_the_surge_of_a_rollout_is_still_rolling_in_its_last_pass() -> None:
