@@ -118,6 +118,7 @@ class ModelReconciler:
     async def reconcile(self, name: str) -> Result:
         model = self._store.get(Kind.MODEL, name)
         if model is None:
+            self._rejected.pop(name, None)
             return Result()
         assert isinstance(model, Model)
         if self._unchanged(model):
