@@ -254,9 +254,18 @@ class LaneDispatcher(preempting.Preempting):
         self._line_measure(run, run.first_token_at)
         if run.started_at:
             # Net of the wait the forecast gave it behind other prompts: the hop, the
-            # template and the tokenizer, not the prompts prefilled before its own.
+            # template and the tokenizer, not the prompts prefilled before its own. Net
+            # of the prefill of what its engine did prefill, when it said (the cache
+            # may have held more of the prompt than the prefix index guessed, or less).
+            expected = run.expected_prefill_s
+            if run.prompt_tokens is not None and run.prefix_reused is not None:
+                expected = self.measurements.expected_prefill_s(
+                    run.replica.index,
+                    max(1, run.prompt_tokens - run.prefix_reused),
+                    alone=run.alone,
+                )
             spent = ticket.arrived + ttft_s - run.started_at
-            overhead = spent - run.queue_s - run.expected_prefill_s
+            overhead = spent - run.queue_s - expected
             self.measurements.record_first_token(
                 run.replica.index, overhead_s=overhead, alone=run.alone
             )

@@ -147,3 +147,44 @@ def test_a_replica_process_gone_from_the_route_leaves_no_line_behind() -> None:
             await dispatcher.close()
 
     assert asyncio.run(body()) == 1
+
+
+@pytest.mark.parametrize(
+    ("cached_guess", "reused", "first_token_s"),
+    [
+        # Guessed cold, its engine reused 90 of 100 tokens: 10 tokens (0.01 s) of
+        # prefill, its first token 0.02 s after that.
+        (0, 90, 0.03),
+        # Guessed 90 cached, its engine's slot held none: 0.1 s of prefill, 0.02 s more.
+        (90, 0, 0.12),
+    ],
+)
+def test_the_start_overhead_nets_out_the_prefill_its_engine_did(
+    cached_guess: int, reused: int, first_token_s: float
+) -> None:
+    """The overhead a first token measures is against the tokens its engine said it
+    prefilled (its initial metadata), not the prefix index's guess: a wrong guess would
+    otherwise move every later forecast of the Lane by the miss."""
+    now = [50.0]
+
+    async def body() -> LaneDispatcher:
+        dispatcher = LaneDispatcher(
+            replace(one_slot_route(), slots=6), parker=NoParker(), clock=lambda: now[0]
+        )
+        dispatcher.measurements.record(0, MEASURED, prompt_chars=400)
+        try:
+            t = admission.Ticket(
+                "a", POLICY, now[0], prompt_tokens=100, max_tokens=10, prefer=0,
+                cached_tokens=cached_guess,
+            )  # fmt: skip
+            run = await dispatcher.admit(t, request_id="a", prompt_chars=400)
+            assert isinstance(run, Run)
+            run.prompt_tokens, run.prefix_reused = 100, reused
+            dispatcher.first_token(run, first_token_s)
+        finally:
+            await dispatcher.close()
+        return dispatcher
+
+    dispatcher = asyncio.run(body())
+    view = dispatcher.measurements.replica_view(0, slots=6, running=())
+    assert view.lone_start_overhead_s == pytest.approx(0.02)
