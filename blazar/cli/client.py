@@ -43,13 +43,17 @@ def from_args(args: argparse.Namespace) -> ControlClient:
 
 
 def request_timeout(args: argparse.Namespace) -> float | None:
-    """--request-timeout in seconds, as kubectl reads it: a duration with its unit (5s,
-    2m, 1h); 0 or unset waits as long as the call takes (None)."""
+    """--request-timeout in seconds, as kubectl (client-go's ParseTimeout) reads it: a
+    whole number of seconds, or a duration with its unit (5s, 2m, 1h); 0 or unset waits
+    as long as the call takes (None)."""
     text = getattr(args, "request_timeout", None)
     if text is None:
         return None
+    text = text.strip()
     try:
-        seconds = kinds.parse_duration(text.strip()).total_seconds()
+        if text.isascii() and text.isdigit():
+            return float(text) or None
+        seconds = kinds.parse_duration(text).total_seconds()
     except ValueError as exc:
         raise errors.InvalidRequest(f"--request-timeout: {exc}") from None
     return seconds or None

@@ -430,7 +430,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--request-timeout",
         metavar="DURATION",
-        help="give up on a call to the daemon after this long (5s, 2m; default 0: wait); "
+        help="give up on a call to the daemon after this long (5, 5s, 2m; default 0: wait); "
         "not on a watch or a followed log",
     )
     sub = parser.add_subparsers(dest="command", required=True)

@@ -169,13 +169,15 @@ def test_request_timeout_gives_up_on_a_daemon_that_never_answers(
 
 
 @pytest.mark.parametrize(
-    ("given", "seconds"), [(None, None), ("0", None), ("5s", 5.0), ("2m", 120.0)]
+    ("given", "seconds"),
+    # A bare number is seconds, as client-go's ParseTimeout reads it.
+    [(None, None), ("0", None), ("5s", 5.0), ("2m", 120.0), ("5", 5.0), (" 30 ", 30.0)],
 )
 def test_request_timeout_reads_kubectls_durations(given: str | None, seconds: float | None) -> None:
     assert client.request_timeout(argparse.Namespace(request_timeout=given)) == seconds
 
 
-@pytest.mark.parametrize("given", ["5", "-1s", "soon"])
+@pytest.mark.parametrize("given", ["-5", "-1s", "soon", "1.5", "٣"])
 def test_request_timeout_refuses_what_is_not_a_duration(given: str) -> None:
     with pytest.raises(errors.InvalidRequest, match="--request-timeout"):
         client.request_timeout(argparse.Namespace(request_timeout=given))
