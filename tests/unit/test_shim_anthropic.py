@@ -692,6 +692,15 @@ def test_error_envelope(err: errors.BlazarError, status: int, kind: str) -> None
             "input length and `max_tokens` exceed context limit: 2000 + 100 > 2048, "
             "decrease input length or `max_tokens` and try again",
         ),
+        # A prompt that fills the context exactly is not over it: what is to be
+        # generated is (never "2048 tokens > 2048 maximum").
+        (
+            2048,
+            16,
+            False,
+            "input length and `max_tokens` exceed context limit: 2048 + 16 > 2048, "
+            "decrease input length or `max_tokens` and try again",
+        ),
     ],
 )
 def test_a_request_over_the_context_is_told_in_anthropics_words(

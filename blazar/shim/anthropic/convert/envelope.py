@@ -75,7 +75,7 @@ def _overflow_message(sizes: errors.ContextSizes) -> str:
     other bad requests (langchain-anthropic's ContextOverflowError looks for "prompt is
     too long", LiteLLM's ContextWindowExceededError for that or "exceed context limit")."""
     some = "at least " if sizes.at_least else ""
-    if sizes.prompt_tokens >= sizes.context_length:
+    if sizes.prompt_tokens > sizes.context_length:
         return (
             f"prompt is too long: {some}{sizes.prompt_tokens} tokens > "
             f"{sizes.context_length} maximum"
