@@ -246,12 +246,13 @@ def not_ready(route: Route, now: float) -> errors.Unavailable:
             f"The model '{route.lane}' has no ready replica yet; retry shortly.",
             metadata={"lane": route.lane},
         )
-    wait_s = route.restart_at - now
+    # Whole milliseconds, and the message's seconds from them: the same as Retry-After.
+    wait_ms = max(1, round((route.restart_at - now) * 1000))
     return errors.Unavailable(
         f"The model '{route.lane}' has no ready replica: its engine crashed and is "
-        f"restarted in {math.ceil(wait_s)} s, after its crash back-off; retry then "
+        f"restarted in {math.ceil(wait_ms / 1000)} s, after its crash back-off; retry then "
         f"(see `blazar describe lane {route.lane}`).",
-        metadata={"lane": route.lane, errors.RETRY_AFTER_KEY: str(max(1, round(wait_s * 1000)))},
+        metadata={"lane": route.lane, errors.RETRY_AFTER_KEY: str(wait_ms)},
     )
 
 
