@@ -46,22 +46,23 @@ _EXPOSE = ", ".join(
 )  # fmt: skip
 
 
+def _media_type(content_type: str | None) -> str | None:
+    """A Content-Type's media type, lowercased and without its parameters."""
+    if content_type is None:
+        return None
+    return content_type.split(";", 1)[0].strip().lower()
+
+
 def is_json(content_type: str | None) -> bool:
     """Whether a Content-Type declares JSON (`application/json`, parameters allowed)."""
-    if content_type is None:
-        return False
-    return content_type.split(";", 1)[0].strip().lower() == JSON
+    return _media_type(content_type) == JSON
 
 
 def body_allowed(content_type: str | None, *, origin: str | None) -> bool:
     """Whether a POST's body may reach the routes (see the module docstring): JSON, or
     from no browser's page (no `Origin`) a body that declares no type."""
-    if is_json(content_type):
-        return True
-    undeclared = content_type is None or (
-        content_type.split(";", 1)[0].strip().lower() == UNDECLARED
-    )
-    return undeclared and origin is None
+    media = _media_type(content_type)
+    return media == JSON or (media in (None, UNDECLARED) and origin is None)
 
 
 class BrowserGuard:
