@@ -106,11 +106,7 @@ class ContextLengthExceeded(InvalidRequest):
         if at_least:
             metadata[PROMPT_TOKENS_AT_LEAST_KEY] = "true"
         return cls(
-            # OpenAI's (and vLLM's) opening words, by which clients such as LiteLLM
-            # tell a context overflow from other bad requests.
-            f"This model's maximum context length is {context_length} tokens per request, "
-            f"but the request {sizes.needs(prompt='prompt')}. Shorten the prompt or lower "
-            "max_tokens.",
+            sizes.refusal(prompt="prompt", advice="Shorten the prompt or lower max_tokens."),
             metadata=metadata,
         )
 
@@ -145,6 +141,16 @@ class ContextSizes:
     context_length: int
     # prompt_tokens is a lower bound, not a count.
     at_least: bool
+
+    def refusal(self, *, prompt: str, advice: str) -> str:
+        """The sentence every dialect but Anthropic's refuses with, in its own terms for
+        the prompt and for what to lower (`advice`). It opens with OpenAI's (and vLLM's)
+        words, by which clients such as LiteLLM tell a context overflow from other bad
+        requests."""
+        return (
+            f"This model's maximum context length is {self.context_length} tokens per "
+            f"request, but the request {self.needs(prompt=prompt)}. {advice}"
+        )
 
     def needs(self, *, prompt: str) -> str:
         """Says "needs N (P in the <prompt> and M to generate)", "at least" on a bound."""

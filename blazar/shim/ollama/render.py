@@ -266,8 +266,6 @@ def _error_message(err: errors.BlazarError) -> str:
     sizes = err.sizes() if isinstance(err, errors.ContextLengthExceeded) else None
     if sizes is None:
         return err.message
-    return (
-        f"This model's maximum context length is {sizes.context_length} tokens per request, "
-        f"but the request {sizes.needs(prompt='prompt')}. Shorten the prompt, or lower "
-        "options.num_predict."
+    return sizes.refusal(
+        prompt="prompt", advice="Shorten the prompt, or lower options.num_predict."
     )

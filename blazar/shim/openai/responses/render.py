@@ -389,10 +389,7 @@ def error_response(err: errors.BlazarError) -> envelope.ErrorResponse:
     rendered = envelope.error_response(err, blame=BLAME)
     sizes = err.sizes() if isinstance(err, errors.ContextLengthExceeded) else None
     if sizes is not None:
-        rendered.body["error"]["message"] = (
-            f"This model's maximum context length is {sizes.context_length} tokens per "
-            "request, but the "
-            f"request {sizes.needs(prompt='input')}. Shorten the input, or lower "
-            "max_output_tokens."
+        rendered.body["error"]["message"] = sizes.refusal(
+            prompt="input", advice="Shorten the input, or lower max_output_tokens."
         )
     return rendered
