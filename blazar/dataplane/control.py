@@ -164,10 +164,9 @@ class ControlService(control_pb2_grpc.ControlServicer):
             if kind is None or event.object.kind == kind.value:
                 loop.call_soon_threadsafe(queue.put_nowait, event)
 
-        unsubscribe = self._store.subscribe(on_event)
+        rv, listed, unsubscribe = self._store.list_and_subscribe(kind, on_event)
         try:
-            rv = self._store.resource_version
-            for obj in self._store.list(kind):
+            for obj in listed:
                 yield control_pb2.WatchEvent(
                     type=WatchType.ADDED.value, object_json=_dump(obj), resource_version=rv
                 )

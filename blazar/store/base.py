@@ -141,6 +141,14 @@ class Store(Protocol):
 
     def subscribe(self, callback: Callable[[WatchEvent], None]) -> Callable[[], None]: ...
 
+    def list_and_subscribe(
+        self, kind: Kind | None, callback: Callable[[WatchEvent], None]
+    ) -> tuple[int, builtins.list[Resource], Callable[[], None]]:
+        """`list(kind)`, the resourceVersion it is at, and `callback` subscribed in the
+        same instant: the callback gets every later change and none the list shows.
+        Returns the version, the objects and the unsubscribe."""
+        ...
+
     @property
     def resource_version(self) -> int: ...
 
@@ -408,6 +416,14 @@ class TransactionalStore(abc.ABC):
                     self._subscribers.remove(callback)
 
         return unsubscribe
+
+    def list_and_subscribe(
+        self, kind: Kind | None, callback: Callable[[WatchEvent], None]
+    ) -> tuple[int, builtins.list[Resource], Callable[[], None]]:
+        # Under the lock that every commit and its notification hold: no change comes
+        # between the list and the subscription.
+        with self._lock:
+            return self._stored_resource_version(), self.list(kind), self.subscribe(callback)
 
     # --- internals -------------------------------------------------------------------
 

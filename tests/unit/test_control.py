@@ -12,6 +12,7 @@ import pytest
 from google.rpc import error_details_pb2, status_pb2
 
 from blazar._proto.v1 import control_pb2, control_pb2_grpc
+from blazar.api import manifests
 from blazar.dataplane import server
 from blazar.rpc import status
 from blazar.store.memory import MemoryStore
@@ -210,6 +211,52 @@ def test_watch_sends_existing_then_changes() -> None:
         call.cancel()
 
     run(body)
+
+
+def test_a_change_while_a_watch_lists_is_sent_once() -> None:
+    """A write that lands as a watch starts is either in the list or sent after it,
+    never both: the list and the subscription are one instant of the store."""
+
+    class RacingStore(MemoryStore):
+        """Another writer gets in on the first list: between a subscription and a
+        list taken one after the other, that is where its change would fall."""
+
+        armed = False
+
+        def list(self, kind: Any = None) -> Any:
+            if self.armed:
+                self.armed = False
+                self.apply_all([manifests.from_dict({**MODEL, "metadata": {"name": "racer"}})])
+            return super().list(kind)
+
+    async def main() -> None:
+        store = RacingStore()
+        store.apply_all([manifests.from_dict(MODEL)])
+        plane = await server.start(store=store, address="127.0.0.1:0")
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{plane.port}") as channel:
+                stub = control_pb2_grpc.ControlStub(channel)
+                store.armed = True
+                call = stub.Watch(control_pb2.WatchRequest(kind="Model"))
+                events: AsyncIterator[control_pb2.WatchEvent] = call.__aiter__()
+                seen = []
+                for i in range(3):
+                    if i == 2:  # what was listed is read: now a change of ours
+                        await stub.Delete(control_pb2.DeleteRequest(kind="model", name="m"))
+                    event = await asyncio.wait_for(events.__anext__(), timeout=5)
+                    name = json.loads(event.object_json)["metadata"]["name"]
+                    seen.append((event.type, name, event.resource_version))
+                call.cancel()
+        finally:
+            await plane.stop(grace=0)
+        assert [(t, n) for t, n, _ in seen] == [
+            ("ADDED", "m"),
+            ("ADDED", "racer"),
+            ("DELETED", "m"),
+        ], seen
+        assert seen[0][2] == seen[1][2] < seen[2][2]
+
+    asyncio.run(main())
 
 
 @pytest.mark.parametrize(
