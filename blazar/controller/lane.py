@@ -565,7 +565,8 @@ class LaneReconciler:
                     name,
                     "Warning",
                     "ReplicaStartFailed",
-                    f"Replica {obs.index}: {obs.message or 'its process could not be started'}.",
+                    f"Replica {obs.index}: {obs.message or 'its process could not be started'}."
+                    + lane_plan.restart_note(obs),
                 )
             elif obs.state == ReplicaState.FAILED:
                 self._event(
@@ -573,7 +574,7 @@ class LaneReconciler:
                     "Warning",
                     "ReplicaCrashed",
                     f"Replica {obs.index} (pid {obs.pid}) exited with code {obs.exit_code}: "
-                    f"{obs.message or 'no message'}.",
+                    f"{obs.message or 'no message'}." + lane_plan.restart_note(obs),
                 )
 
     def _event(self, name: str, type_: str, reason: str, message: str) -> None:

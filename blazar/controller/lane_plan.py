@@ -219,6 +219,18 @@ def restart_due(replica: ReplicaObservation) -> datetime | None:
     return replica.exited_at + timedelta(seconds=_backoff_of(replica, replica.exited_at))
 
 
+def restart_note(replica: ReplicaObservation) -> str:
+    """What a failed replica's crash event adds: when it is restarted, so that the event
+    list says so during the back-off and not only once the restart happens."""
+    due = restart_due(replica)
+    if due is None or replica.exited_at is None:
+        return ""
+    wait = (due - replica.exited_at).total_seconds()
+    if wait <= 0:
+        return " It is restarted at once."
+    return f" It is restarted in {wait:g} s, after its crash back-off."
+
+
 def _restart_after_backoff(
     replica: ReplicaObservation,
     launch: LaunchSpec,

@@ -161,6 +161,12 @@ def test_lane_lifecycle_start_ready_crash_restart_delete() -> None:
         "ReplicaStarting", "ReplicaStarting", "ReplicaReady", "ReplicaReady",
         "ReplicaCrashed", "BackOff", "ReplicaCrashed", "BackOff", "ReplicaReady",
     ]  # fmt: skip
+    # Each crash says when its restart comes, while the back-off runs.
+    crashes = [
+        e.message for e in store.events(kind="Lane", name="l") if e.reason == "ReplicaCrashed"
+    ]
+    assert crashes[0].endswith(" It is restarted at once."), crashes
+    assert crashes[1].endswith(" It is restarted in 1 s, after its crash back-off."), crashes
 
     store.delete(Kind.LANE, "l")
     asyncio.run(rec.reconcile("l"))

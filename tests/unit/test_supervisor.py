@@ -365,10 +365,11 @@ def test_a_worker_that_cannot_be_spawned_fails_like_a_crash(tmp_path: Path) -> N
     assert (obs.state, obs.pid, obs.restarts) == (ReplicaState.FAILED, None, 1)
     assert obs.message.startswith("cannot start the engine process: [Errno 2] No such file")
     failed = ("Warning", "ReplicaStartFailed", f"Replica 0: {obs.message}.")
+    # Each failure says when the next try comes: at once, then after the back-off.
     assert [e for e in events if e[0] == "Warning"] == [
-        failed,
+        (*failed[:2], failed[2] + " It is restarted at once."),
         ("Warning", "BackOff", "Restarting crashed replica 0 at once."),
-        failed,
+        (*failed[:2], failed[2] + " It is restarted in 1 s, after its crash back-off."),
     ]
     degraded = conditions.get_condition(lane_obj.status.conditions, "Degraded")
     assert degraded is not None and degraded.status == ConditionStatus.TRUE
