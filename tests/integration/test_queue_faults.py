@@ -27,7 +27,7 @@ SLOTS = 4
 STREAMS = 16
 # Long enough that no started stream can finish before the kill (which follows the 4th
 # first token at once), short enough that the 12 left finish in seconds after it.
-MAX_TOKENS = 96
+MAX_TOKENS = 48
 
 
 @pytest.fixture(scope="module")

@@ -35,7 +35,7 @@ pytestmark = pytest.mark.slow
 
 LANES = ("left", "right")
 LANE_SPEC = {"model": "local", "slots": 1, "contextPerSlot": 512, "threads": 2}
-MIN_RESIDENCY_S = 3.0
+MIN_RESIDENCY_S = 2.0
 # The held request's length: long enough that the other Lane's request waits behind it.
 HELD_TOKENS = 96
 # A policy whose requests wait no longer than this for a slot (or a swap).
