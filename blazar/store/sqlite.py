@@ -12,7 +12,9 @@ store is started, and `recovered_from` says where the old one went, for the daem
 report. A store that only cannot be opened now (a full disk, an I/O error, a lock
 another program holds) is kept as it is and refused with Unavailable: moving it aside
 would start the daemon on an empty fleet, and lose what was applied once the disk is
-back.
+back. A store a newer Blazar wrote (its `user_version` above `SCHEMA_VERSION`) is
+refused the same way, and left untouched: this version would write rows in a layout
+the newer one may not read, and reset the marker that tells it so.
 A row that is not JSON is skipped with a warning, as one that no longer validates is.
 """
 
@@ -38,7 +40,11 @@ from blazar.store.base import (
     utcnow,
 )
 
-_SCHEMA = """
+# The layout of the tables below, kept in SQLite's `user_version`. A change that an
+# older version could not read or write correctly raises it.
+SCHEMA_VERSION = 1
+
+_SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS objects (
     kind TEXT NOT NULL,
     name TEXT NOT NULL,
@@ -61,7 +67,7 @@ CREATE TABLE IF NOT EXISTS events (
     uid TEXT NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS events_by_object ON events (kind, name, id);
-PRAGMA user_version = 1;
+PRAGMA user_version = {SCHEMA_VERSION};
 """
 
 
@@ -210,11 +216,19 @@ def is_not_a_store(exc: sqlite3.DatabaseError) -> bool:
 
 def _open(path: Path) -> tuple[sqlite3.Connection, int]:
     """The store's connection and resourceVersion; sqlite3.DatabaseError when the file
-    is not a store it can read."""
+    is not a store it can read, Unavailable when a newer version wrote it."""
     # One connection shared by every thread; the base class's lock serialises use.
     # Autocommit mode, so transactions are exactly the explicit ones below.
     db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
     try:
+        # Before anything is written: the schema below would reset a newer marker.
+        (schema,) = db.execute("PRAGMA user_version").fetchone()
+        if schema > SCHEMA_VERSION:
+            raise errors.Unavailable(
+                f"cannot open the store {path}: a newer Blazar wrote it (schema {schema}; "
+                f"this version reads schema {SCHEMA_VERSION}); run that version, or "
+                "another --home"
+            )
         db.execute("PRAGMA journal_mode=WAL")
         db.execute("PRAGMA synchronous=NORMAL")
         db.executescript(_SCHEMA)

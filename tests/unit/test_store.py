@@ -574,6 +574,26 @@ def test_a_store_that_cannot_be_written_is_refused_and_kept(tmp_path: Path) -> N
         again.close()
 
 
+def test_a_store_a_newer_version_wrote_is_refused_and_kept(tmp_path: Path) -> None:
+    """A downgrade over a home a newer Blazar used: its store is neither opened (this
+    version would write rows it cannot lay out as the newer one reads them) nor marked
+    as this version's, nor moved aside; the newer version opens it as it left it."""
+    path = tmp_path / "state.db"
+    store = SQLiteStore(path)
+    store.apply_all([lane("a")])
+    store.close()
+    with sqlite3.connect(path) as db:
+        db.execute("PRAGMA user_version = 1000")
+    db.close()
+    with pytest.raises(errors.Unavailable, match=r"a newer Blazar wrote it \(schema 1000;"):
+        SQLiteStore(path)
+    with sqlite3.connect(path) as db:
+        assert db.execute("PRAGMA user_version").fetchone() == (1000,)
+        assert db.execute("SELECT name FROM objects").fetchall() == [("a",)]
+    db.close()
+    assert [p.name for p in tmp_path.iterdir() if "corrupt" in p.name] == []
+
+
 def test_a_write_the_disk_refuses_is_unavailable_and_leaves_nothing(tmp_path: Path) -> None:
     path = tmp_path / "blazar.db"
     store = SQLiteStore(path)
