@@ -367,6 +367,18 @@ async def _serve(
         store.record_event(
             kind="Store", name="state.db", type="Warning", reason="StoreRecovered", message=message
         )
+    for (kind, name), error in store.unreadable_rows().items():
+        store.record_event(
+            kind=kind,
+            name=name,
+            type="Warning",
+            reason="StoredObjectUnreadable",
+            message=(
+                f'The stored {kind} "{name}" does not validate in this version of Blazar '
+                "(another version wrote it, or it is damaged), so it is skipped: no get, "
+                f"list or reference finds it. Apply it again to replace it. {error}"
+            ),
+        )
     manager: Manager | None = None
 
     def lane_changed(lane: str) -> None:

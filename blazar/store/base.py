@@ -245,6 +245,9 @@ class TransactionalStore(abc.ABC):
         self.admission: Admission | None = None
         self._lock = threading.RLock()
         self._subscribers: builtins.list[Callable[[WatchEvent], None]] = []
+        # Rows skipped as unreadable since `unreadable_rows` last looked: (kind, name)
+        # to why.
+        self._skipped: dict[tuple[str, str], str] = {}
 
     # --- primitives ------------------------------------------------------------------
 
@@ -346,7 +349,7 @@ class TransactionalStore(abc.ABC):
 
     def list(self, kind: Kind | None = None) -> builtins.list[Resource]:
         with self._lock:
-            found = [r for d in self._load(kind, None) if (r := _resource(d)) is not None]
+            found = [r for d in self._load(kind, None) if (r := self._resource(d)) is not None]
         return sorted(found, key=kinds.key)
 
     def delete(self, kind: Kind, name: str) -> Resource | None:
@@ -425,11 +428,21 @@ class TransactionalStore(abc.ABC):
         with self._lock:
             return self._stored_resource_version(), self.list(kind), self.subscribe(callback)
 
+    def unreadable_rows(self) -> dict[tuple[str, str], str]:
+        """Every stored row this version cannot read, by (kind, name), with why. Such
+        an object is in no list and no get (a version that wrote a field this one does
+        not know, say); the daemon says so in events at its start, so that it does not
+        vanish with only a log line to tell."""
+        with self._lock:
+            self._skipped.clear()
+            self.list()
+            return dict(self._skipped)
+
     # --- internals -------------------------------------------------------------------
 
     def _get(self, kind: Kind, name: str) -> Resource | None:
         found = self._load(kind, name)
-        return _resource(found[0]) if found else None
+        return self._resource(found[0]) if found else None
 
     def _notify(self, events: Sequence[WatchEvent]) -> None:
         # The write is committed; a failing subscriber must not undo it for the others.
@@ -444,29 +457,24 @@ class TransactionalStore(abc.ABC):
                         name=event.object.metadata.name,
                     )
 
+    def _resource(self, data: dict[str, Any]) -> Resource | None:
+        """A stored row as its resource; None, and a warning naming it, when the row no
+        longer validates (written by another version, or damaged): one bad row must
+        not stop the daemon or hide the others. Applying the object again replaces it."""
+        try:
+            return manifests.from_dict(data)
+        except ValueError as exc:
+            meta = data.get("metadata") if isinstance(data, dict) else None
+            self._skip_row(
+                kind=str(data.get("kind", "?")) if isinstance(data, dict) else "?",
+                name=str(meta.get("name", "?")) if isinstance(meta, dict) else "?",
+                error=str(exc),
+            )
+            return None
 
-def _resource(data: dict[str, Any]) -> Resource | None:
-    """A stored row as its resource; None, and a warning naming it, when the row no
-    longer validates (written by another version, or damaged): one bad row must not
-    stop the daemon or hide the others. Applying the object again replaces it."""
-    try:
-        return manifests.from_dict(data)
-    except ValueError as exc:
-        meta = data.get("metadata") if isinstance(data, dict) else None
-        report_invalid_row(
-            kind=str(data.get("kind", "?")) if isinstance(data, dict) else "?",
-            name=str(meta.get("name", "?")) if isinstance(meta, dict) else "?",
-            error=str(exc),
-        )
-        return None
-
-
-def report_invalid_row(*, kind: str, name: str, error: str) -> None:
-    """The warning for a stored row that is skipped: one that no longer validates, or
-    one a backend cannot even decode."""
-    _log.warning(
-        "store.row_invalid",
-        kind=kind[:64],
-        name=name[: clip.NAME_CHARS],
-        error=clip.clip(error, clip.FIELD_CHARS),
-    )
+    def _skip_row(self, *, kind: str, name: str, error: str) -> None:
+        """Warn of a stored row that is skipped: one that no longer validates, or one a
+        backend cannot even decode; `unreadable_rows` reports it too."""
+        kind, name, error = kind[:64], name[: clip.NAME_CHARS], clip.clip(error, clip.FIELD_CHARS)
+        _log.warning("store.row_invalid", kind=kind, name=name, error=error)
+        self._skipped[(kind, name)] = error

@@ -36,7 +36,6 @@ from blazar.store.base import (
     Event,
     TransactionalStore,
     Write,
-    report_invalid_row,
     utcnow,
 )
 
@@ -122,7 +121,7 @@ class SQLiteStore(TransactionalStore):
             try:
                 found.append(json.loads(data.decode("utf-8")))
             except (ValueError, RecursionError) as exc:
-                report_invalid_row(
+                self._skip_row(
                     kind=row_kind.decode("utf-8", "replace"),
                     name=row_name.decode("utf-8", "replace"),
                     error=f"not JSON: {exc}",

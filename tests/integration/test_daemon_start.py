@@ -171,6 +171,9 @@ def test_a_row_that_is_not_json_is_skipped_and_the_daemon_starts() -> None:
             warnings = daemon.events("store.row_invalid")
             assert warnings, daemon.log()
             assert {(w["kind"], w["name"]) for w in warnings} == {("Model", "broken")}
+            # Said where `blazar events` shows it, not only in the daemon's log.
+            events = daemon.cli("events", "--for", "model/broken")
+            assert "StoredObjectUnreadable" in events.stdout, events
         finally:
             assert daemon.stop() == 0
     finally:

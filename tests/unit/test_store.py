@@ -479,9 +479,12 @@ def test_an_invalid_row_is_skipped_and_replaced_by_the_next_apply(tmp_path: Path
     try:
         assert [o.metadata.name for o in reopened.list()] == ["a"]
         assert reopened.get(Kind.LANE, "b") is None
+        [(key, why)] = reopened.unreadable_rows().items()
+        assert key == ("Lane", "b") and "replicas" in why, why
         [outcome] = reopened.apply_all([lane("b", replicas=2)])
         assert outcome.object.spec.replicas == 2
         assert [o.metadata.name for o in reopened.list()] == ["a", "b"]
+        assert reopened.unreadable_rows() == {}  # replaced: readable again
     finally:
         reopened.close()
 
@@ -509,6 +512,7 @@ def test_a_row_that_is_not_json_is_skipped_with_a_warning(tmp_path: Path, data: 
             ("store.row_invalid", "Lane", "b")
         ] * 2
         assert all(e["error"].startswith("not JSON") for e in logs), logs
+        assert list(reopened.unreadable_rows()) == [("Lane", "b")]
         [outcome] = reopened.apply_all([lane("b", replicas=2)])
         assert outcome.object.spec.replicas == 2
         assert [o.metadata.name for o in reopened.list()] == ["a", "b"]
