@@ -20,12 +20,27 @@ from blazar.api import errors, kinds
 from blazar.cli import home
 from blazar.rpc import tls
 
+# Targets gRPC reads by a scheme of its own (name resolvers), taken as they are.
+_SCHEMES = ("unix:", "unix-abstract:", "dns:", "ipv4:", "ipv6:")
+
 
 def target(args: argparse.Namespace) -> str:
-    """The daemon's address: --server, else the Control socket of $BLAZAR_HOME."""
-    if args.server:
-        return str(args.server)
-    return f"unix:{home.control_socket(home.default_home())}"
+    """The daemon's address: --server, else the Control socket of $BLAZAR_HOME.
+    InvalidRequest for a --server that is neither HOST:PORT (a port from 1 to 65535)
+    nor a gRPC target with its scheme: gRPC would dial port 443 for "HOST:" or "HOST"."""
+    if not args.server:
+        return f"unix:{home.control_socket(home.default_home())}"
+    server = str(args.server)
+    if server.startswith(_SCHEMES):
+        return server
+    host, sep, port = server.rpartition(":")
+    if not (sep and host.strip("[]") and port.isascii() and port.isdigit()) or not (
+        0 < int(port) <= 65535
+    ):
+        raise errors.InvalidRequest(
+            f"--server: '{server}' is not HOST:PORT (a port from 1 to 65535) or unix:PATH"
+        )
+    return server
 
 
 def from_args(args: argparse.Namespace) -> ControlClient:

@@ -184,6 +184,26 @@ def test_request_timeout_refuses_what_is_not_a_duration(given: str) -> None:
 
 
 @pytest.mark.parametrize(
+    "server", ["127.0.0.1:", "127.0.0.1", "localhost:0", ":8421", "[::1]:99999", "h:٣"]
+)
+def test_a_server_that_is_not_an_address_is_refused_before_any_call(
+    server: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """gRPC would dial port 443 for "HOST:" or "HOST" and say only that it cannot
+    connect; the flag is refused, named, before any call is made."""
+    assert main.main(["--server", server, "--request-timeout", "1s", "get", "lanes"]) == 1
+    err = capsys.readouterr().err
+    assert f"--server: '{server}' is not HOST:PORT" in err, err
+
+
+@pytest.mark.parametrize(
+    "server", ["127.0.0.1:8421", "[::1]:8421", "unix:/h/control.sock", "dns:///h:8421"]
+)
+def test_a_server_address_is_taken_as_given(server: str) -> None:
+    assert client.target(argparse.Namespace(server=server)) == server
+
+
+@pytest.mark.parametrize(
     "argv",
     [
         ["--server", "127.0.0.1:1", "serve"],
