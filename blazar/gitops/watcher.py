@@ -13,7 +13,9 @@ deleted, or it removed from its file) is deleted by the same batch, Lanes before
 Models they use. Objects without the annotation (applied by hand with `blazar apply`)
 are never pruned. Each pruned object gets a `Pruned` event saying where it came from.
 While the watch runs, a file of zero bytes prunes what it held only once it has stayed
-so for `ZERO_BYTE_SETTLE_S`: it may be in the middle of being rewritten.
+so for `ZERO_BYTE_SETTLE_S`: it may be in the middle of being rewritten. Nor is a
+directory applied while git is rewriting it (`GIT_LOCK_WAIT_S`): what git has written so
+far is no revision of the fleet.
 """
 
 from __future__ import annotations
@@ -49,6 +51,15 @@ SOURCE_ANNOTATION = "blazar.dev/source"
 ZERO_BYTE_SETTLE_S = 5.0
 
 
+# How long the git work tree holding the watched directory may hold its `index.lock`
+# before the directory is applied anyway. git holds the lock while it rewrites the work
+# tree (checkout, reset --hard, stash, merge and so pull), removing files before it
+# writes the new ones: a batch read in between prunes a Lane whose file was renamed, or
+# moved to another file, stopping its engine, and creates it again a moment later. A lock
+# held longer than this was left by a git that died (git itself then refuses to run).
+GIT_LOCK_WAIT_S = 10.0
+
+
 def owned(obj: Resource) -> bool:
     """Whether the watched directory applied `obj` (and may prune it)."""
     return SOURCE_ANNOTATION in obj.metadata.annotations
@@ -65,6 +76,41 @@ def zero_byte_since(
 def settling(since: Mapping[str, float], now: float) -> frozenset[str]:
     """The zero-byte files (`zero_byte_since`) whose objects are not pruned yet."""
     return frozenset(f for f, t in since.items() if now - t < ZERO_BYTE_SETTLE_S)
+
+
+def waiting_for_git(locked_since: float | None, now: float) -> bool:
+    """Whether a git work tree locked since `locked_since` (None: not locked) is still
+    being rewritten, so that the directory is not applied yet."""
+    return locked_since is not None and now - locked_since < GIT_LOCK_WAIT_S
+
+
+def git_index_lock(directory: Path) -> Path | None:
+    """The `index.lock` of the git work tree that holds `directory` (its root or any
+    folder in it), or None outside one. A linked worktree's or a submodule's `.git` is a
+    file naming its git directory."""
+    try:
+        folder = directory.resolve()
+    except OSError:
+        return None
+    for candidate in (folder, *folder.parents):
+        dot_git = candidate / ".git"
+        try:
+            if dot_git.is_dir():
+                return dot_git / "index.lock"
+            if dot_git.is_file():
+                named = dot_git.read_text(encoding="utf-8").strip()
+                if not named.startswith("gitdir:"):
+                    return None
+                return candidate / named.removeprefix("gitdir:").strip() / "index.lock"
+        except (OSError, UnicodeDecodeError):
+            return None
+    return None
+
+
+def _git_writing(directory: Path) -> bool:
+    """Whether git holds the index lock of the work tree that holds `directory`."""
+    lock = git_index_lock(directory)
+    return lock is not None and lock.exists()
 
 
 def sync(store: Store, directory: Path, *, prune: bool = True) -> bool:
@@ -234,7 +280,8 @@ async def watch(
 
     What a file of zero bytes held is pruned once it has stayed so for
     `ZERO_BYTE_SETTLE_S` (within a `poll` more): a file being rewritten is truncated
-    first.
+    first. A directory in a git work tree whose index git has locked is applied once
+    git is done (within a `poll`), or once `GIT_LOCK_WAIT_S` has passed.
     """
     watching = _identity(directory)
     # Read before the current watch began: read once more when it has.
@@ -242,11 +289,30 @@ async def watch(
     # Files of zero bytes, since when; and when the first of them may prune.
     zero_byte: dict[str, float] = {}
     recheck_at: float | None = None
+    # Since when git has held the work tree's index lock, as last seen.
+    git_locked_since: float | None = None
 
     async def apply_directory() -> bool:
-        """Read and apply the directory; False when the store could not take it, to
-        be tried again at the next tick rather than at the next change."""
-        nonlocal zero_byte, recheck_at
+        """Read and apply the directory; False when git is rewriting it or the store
+        could not take it, to be tried again at the next tick rather than at the next
+        change."""
+        nonlocal zero_byte, recheck_at, git_locked_since
+        locked = await asyncio.to_thread(_git_writing, directory)
+        now = time.monotonic()
+        git_locked_since = (
+            (now if git_locked_since is None else git_locked_since) if locked else None
+        )
+        if waiting_for_git(git_locked_since, now):
+            log.info(
+                "gitops.deferred", directory=str(directory), reason="git is writing the work tree"
+            )
+            return False
+        if locked:
+            log.warning(
+                "gitops.git_lock_ignored",
+                directory=str(directory),
+                reason=f"index.lock held over {GIT_LOCK_WAIT_S:g} s: left by a git that died?",
+            )
         try:
             loaded = await asyncio.to_thread(load, directory)
         except Exception:

@@ -494,3 +494,64 @@ def test_an_edit_the_store_could_not_take_is_applied_once_it_can(tmp_path: Path)
         return store.get(Kind.LANE, "l") is not None
 
     assert asyncio.run(scenario())
+
+
+def test_git_s_index_lock_is_found_from_the_watched_directory(tmp_path: Path) -> None:
+    fleet = tmp_path / "repo" / "deploy" / "fleet"
+    fleet.mkdir(parents=True)
+    assert watcher.git_index_lock(fleet) is None  # no git work tree holds tmp_path
+    (tmp_path / "repo" / ".git").mkdir()
+    assert watcher.git_index_lock(fleet) == tmp_path / "repo" / ".git" / "index.lock"
+    # A linked worktree (and a submodule): `.git` is a file naming the git directory.
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    (tree / ".git").write_text("gitdir: ../repo/.git/worktrees/tree\n")
+    assert watcher.git_index_lock(tree) == tree / "../repo/.git/worktrees/tree/index.lock"
+
+
+def test_a_directory_git_locks_waits_for_git_a_while() -> None:
+    wait = watcher.GIT_LOCK_WAIT_S
+    assert not watcher.waiting_for_git(None, 100.0)
+    assert watcher.waiting_for_git(100.0, 100.0)
+    assert watcher.waiting_for_git(100.0, 100.0 + wait - 0.1)
+    assert not watcher.waiting_for_git(100.0, 100.0 + wait)
+
+
+def test_a_file_git_renames_in_a_checkout_keeps_its_lane(tmp_path: Path) -> None:
+    """git removes a renamed file before it writes the new one, and a large file
+    between the two can outlast the watch's debounce: the Lane must not be pruned
+    (its engine stopped) and created again, nor anything applied before git is done."""
+    (tmp_path / ".git").mkdir()
+    lock = tmp_path / ".git" / "index.lock"
+    (tmp_path / "model.yaml").write_text(MODEL)
+    (tmp_path / "a.yaml").write_text(LANE)
+    store = MemoryStore()
+    assert watcher.sync(store, tmp_path)
+    uid = store.get(Kind.LANE, "l").metadata.uid  # type: ignore[union-attr]
+
+    async def scenario() -> list[str]:
+        stop = asyncio.Event()
+        task = asyncio.create_task(watcher.watch(store, tmp_path, stop, poll=0.2))
+        await asyncio.sleep(0.3)  # the watch has started
+        lock.write_text("")
+        (tmp_path / "a.yaml").unlink()
+        await asyncio.sleep(0.8)  # git writes a large file: well past the debounce
+        during = keys(store)
+        (tmp_path / "b.yaml").write_text(LANE)
+        lock.unlink()
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and (
+            store.get(Kind.LANE, "l") is None
+            or store.get(Kind.LANE, "l").metadata.annotations.get(watcher.SOURCE_ANNOTATION)  # type: ignore[union-attr]
+            != "b.yaml"
+        ):
+            await asyncio.sleep(0.05)
+        stop.set()
+        await task
+        return during
+
+    assert asyncio.run(scenario()) == ["Lane/l", "Model/m"]
+    lane = store.get(Kind.LANE, "l")
+    assert lane is not None and lane.metadata.uid == uid
+    assert lane.metadata.annotations[watcher.SOURCE_ANNOTATION] == "b.yaml"
+    assert [e.reason for e in store.events()] == []
