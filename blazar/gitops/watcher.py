@@ -201,6 +201,8 @@ class Loaded:
     empty: tuple[str, ...]
     # Those of `empty` that are zero bytes long.
     zero_byte: tuple[str, ...] = ()
+    # Every manifest file read (or tried), relative to the directory.
+    files: tuple[str, ...] = ()
 
 
 def load(directory: Path) -> Loaded:
@@ -214,8 +216,10 @@ def load(directory: Path) -> Loaded:
     problems: list[errors.FieldError] = []
     empty: list[str] = []
     zero_byte: list[str] = []
+    files: list[str] = []
     for file in manifests.manifest_files(directory):
         relative = file.relative_to(directory).as_posix()
+        files.append(relative)
         try:
             text = file.read_text(encoding="utf-8")
             found = manifests.parse_documents(text, source=relative)
@@ -230,7 +234,7 @@ def load(directory: Path) -> Loaded:
         if not text:
             zero_byte.append(relative)
         docs += [(location, _annotated(doc, relative)) for location, doc in found]
-    return Loaded(docs, tuple(problems), tuple(empty), tuple(zero_byte))
+    return Loaded(docs, tuple(problems), tuple(empty), tuple(zero_byte), tuple(files))
 
 
 def _annotated(doc: dict[str, Any], relative: str) -> dict[str, Any]:
@@ -248,8 +252,44 @@ def _annotated(doc: dict[str, Any], relative: str) -> dict[str, Any]:
     }
 
 
-def _is_manifest(change: watchfiles.Change, path: str) -> bool:
-    return path.endswith(manifests.MANIFEST_SUFFIXES) and not Path(path).name.startswith(".")
+def folders(files: Iterable[str]) -> frozenset[str]:
+    """Each folder (relative to the directory, `/`-separated) that holds, at any depth,
+    one of `files` (relative to the directory)."""
+    return frozenset(
+        "/".join(parts[:i])
+        for parts in (file.split("/") for file in files)
+        for i in range(1, len(parts))
+    )
+
+
+def relevant(
+    relative: tuple[str, ...] | None,
+    *,
+    change: watchfiles.Change,
+    is_dir: bool,
+    held: frozenset[str],
+) -> bool:
+    """Whether a change the watch saw may change what the directory holds: a manifest
+    file's, a folder's moved in (whose files make no event of their own), or a folder's
+    moved away or deleted that held manifests (`held`, from `folders`). `relative` is the
+    changed path's parts under the directory (None: not under it, as far as can be
+    told); nothing hidden (`.git`, an editor's `.x.yaml.swp`) is."""
+    if relative is None or not relative or any(part.startswith(".") for part in relative):
+        return False
+    if relative[-1].endswith(manifests.MANIFEST_SUFFIXES):
+        return True
+    if change is watchfiles.Change.deleted:
+        return "/".join(relative) in held
+    return is_dir
+
+
+def _held(directory: Path) -> frozenset[str]:
+    """The folders of `directory` that hold manifests now (`folders`)."""
+    try:
+        found = manifests.manifest_files(directory)
+    except OSError:
+        return frozenset()
+    return folders(file.relative_to(directory).as_posix() for file in found)
 
 
 def _identity(directory: Path) -> tuple[int, int] | None:
@@ -291,12 +331,27 @@ async def watch(
     recheck_at: float | None = None
     # Since when git has held the work tree's index lock, as last seen.
     git_locked_since: float | None = None
+    # The folders that held manifests at the last read: moved away, they are a change.
+    held: frozenset[str] = frozenset()
+
+    def under(path: str) -> tuple[str, ...] | None:
+        """`path`'s parts under the directory, as named or (a symlink) as resolved."""
+        changed = Path(path)
+        if changed.is_relative_to(directory):
+            return changed.relative_to(directory).parts
+        with contextlib.suppress(OSError, RuntimeError):
+            if changed.is_relative_to(root := directory.resolve()):
+                return changed.relative_to(root).parts
+        return None
+
+    def watched(change: watchfiles.Change, path: str) -> bool:
+        return relevant(under(path), change=change, is_dir=Path(path).is_dir(), held=held)
 
     async def apply_directory() -> bool:
         """Read and apply the directory; False when git is rewriting it or the store
         could not take it, to be tried again at the next tick rather than at the next
         change."""
-        nonlocal zero_byte, recheck_at, git_locked_since
+        nonlocal zero_byte, recheck_at, git_locked_since, held
         locked = await asyncio.to_thread(_git_writing, directory)
         now = time.monotonic()
         git_locked_since = (
@@ -318,6 +373,7 @@ async def watch(
         except Exception:
             log.exception("gitops.failed", directory=str(directory))
             return True
+        held = folders(loaded.files)
         now = time.monotonic()
         zero_byte = zero_byte_since(loaded.zero_byte, zero_byte, now)
         keep = settling(zero_byte, now) if prune else frozenset()
@@ -340,6 +396,7 @@ async def watch(
     def settled() -> bool:
         return recheck_at is not None and time.monotonic() >= recheck_at
 
+    held = await asyncio.to_thread(_held, directory)
     while not stop.is_set():
         if watching is None:
             with contextlib.suppress(TimeoutError):
@@ -355,7 +412,7 @@ async def watch(
             stop_event=stop,
             debounce=200,
             step=50,
-            watch_filter=_is_manifest,
+            watch_filter=watched,
             rust_timeout=round(poll * 1000),
             yield_on_timeout=True,
         )

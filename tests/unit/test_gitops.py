@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import structlog
+import watchfiles
 
 from blazar.api import errors, kinds, manifests
 from blazar.api.kinds import Kind
@@ -555,3 +556,81 @@ def test_a_file_git_renames_in_a_checkout_keeps_its_lane(tmp_path: Path) -> None
     assert lane is not None and lane.metadata.uid == uid
     assert lane.metadata.annotations[watcher.SOURCE_ANNOTATION] == "b.yaml"
     assert [e.reason for e in store.events()] == []
+
+
+def test_the_folders_that_hold_manifests_are_every_ancestor_of_each_file() -> None:
+    assert watcher.folders(["a.yaml", "lanes/b.yaml", "x/y/z/c.yaml"]) == {
+        "lanes",
+        "x",
+        "x/y",
+        "x/y/z",
+    }
+
+
+@pytest.mark.parametrize(
+    ("relative", "change", "is_dir", "seen"),
+    [
+        (("lanes", "a.yaml"), watchfiles.Change.added, False, True),
+        (("a.json",), watchfiles.Change.deleted, False, True),
+        # A folder moved in makes one event, its files none.
+        (("newdir",), watchfiles.Change.added, True, True),
+        # A folder that held manifests moved away (or to a hidden name), or deleted.
+        (("lanes",), watchfiles.Change.deleted, False, True),
+        (("x", "y"), watchfiles.Change.deleted, False, True),
+        # A folder that held none, or a file of no manifest's name, changes nothing.
+        (("docs",), watchfiles.Change.deleted, False, False),
+        (("4913",), watchfiles.Change.added, False, False),
+        (("4913",), watchfiles.Change.deleted, False, False),
+        (("a.yaml~",), watchfiles.Change.added, False, False),
+        (("a.yaml.orig",), watchfiles.Change.added, False, False),
+        (("lanes", ".a.yaml.swp"), watchfiles.Change.added, False, False),
+        # Nothing under a hidden folder: git's own objects, whatever their names.
+        ((".git", "objects", "ab"), watchfiles.Change.added, True, False),
+        ((".git", "x.yaml"), watchfiles.Change.modified, False, False),
+        ((".hidden", "lanes"), watchfiles.Change.deleted, False, False),
+        (None, watchfiles.Change.added, True, False),
+        ((), watchfiles.Change.modified, True, False),
+    ],
+)
+def test_what_the_watch_reads_the_directory_again_for(
+    relative: tuple[str, ...] | None, change: watchfiles.Change, is_dir: bool, seen: bool
+) -> None:
+    held = frozenset({"lanes", "x", "x/y"})
+    assert watcher.relevant(relative, change=change, is_dir=is_dir, held=held) is seen
+
+
+@pytest.mark.parametrize("away", ["outside", ".hidden"])
+def test_a_folder_moved_away_prunes_what_it_held(tmp_path: Path, away: str) -> None:
+    fleet = tmp_path / "fleet"
+    (fleet / "lanes" / "nested").mkdir(parents=True)
+    (fleet / "model.yaml").write_text(MODEL)
+    (fleet / "lanes" / "nested" / "lane.yaml").write_text(LANE)
+    store = MemoryStore()
+    assert watcher.sync(store, fleet)
+    target = tmp_path / away if away == "outside" else fleet / away
+    assert asyncio.run(
+        _watch_until(
+            store,
+            fleet,
+            lambda: (fleet / "lanes").rename(target),
+            seen=lambda: store.get(Kind.LANE, "l") is None,
+        )
+    )
+
+
+def test_a_folder_moved_in_is_applied(tmp_path: Path) -> None:
+    fleet = tmp_path / "fleet"
+    fleet.mkdir()
+    (fleet / "model.yaml").write_text(MODEL)
+    (tmp_path / "lanes").mkdir()
+    (tmp_path / "lanes" / "lane.yaml").write_text(LANE)
+    store = MemoryStore()
+    assert watcher.sync(store, fleet)
+    assert asyncio.run(
+        _watch_until(
+            store,
+            fleet,
+            lambda: (tmp_path / "lanes").rename(fleet / "lanes"),
+            seen=lambda: store.get(Kind.LANE, "l") is not None,
+        )
+    )
