@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import textwrap
+import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -620,6 +622,24 @@ def test_a_later_document_of_a_name_used_is_located_by_its_own_place() -> None:
 
 
 @pytest.mark.parametrize(
+    "text",
+    [
+        "<<<<<<< a\n" + "k: v\n" * 40_000,  # a conflict that never ends
+        "<<<<<<<\n" * 40_000,  # openers without a middle
+        "<<<<<<< a\n=======\n" * 20_000,  # no closer
+    ],
+    ids=["unended", "openers", "no-closer"],
+)
+def test_looking_for_a_merge_conflict_takes_time_linear_in_the_file(text: str) -> None:
+    """A 200 kB file with a marker that starts no whole conflict is parsed (or refused
+    as YAML) at once, not after a search that tries every later line."""
+    started = time.monotonic()
+    with contextlib.suppress(errors.ManifestInvalid):
+        manifests.parse_documents(text, source="f.yaml")
+    assert time.monotonic() - started < 2.0
+
+
+@pytest.mark.parametrize(
     ("text", "path", "message"),
     [
         ("a: [1, 2\n", "f.yaml#1", "invalid YAML at line 2"),
@@ -647,6 +667,17 @@ def test_a_later_document_of_a_name_used_is_located_by_its_own_place() -> None:
             "f.yaml",
             "invalid YAML at line 3, column 6: character U+0001 is not allowed (write it "
             "as an escape in a double-quoted string)",
+        ),
+        # Left by a `git merge`: named, and where, rather than a ':' YAML expected.
+        (
+            "a: 1\n---\nb: 1\n<<<<<<< HEAD\nc: 2\n=======\nc: 3\n>>>>>>> other\nd: 4\n",
+            "f.yaml",
+            "an unresolved merge conflict (git's <<<<<<< at line 4)",
+        ),
+        (
+            "<<<<<<< HEAD\r\na: 1\r\n=======\r\na: 2\r\n>>>>>>> x\r\n",
+            "f.yaml",
+            "merge conflict (git's <<<<<<< at line 1)",
         ),
         ("a: !!binary AAAA\n", "f.yaml#1", "a bytes value is not data"),
         ("a: !!set {x}\n", "f.yaml#1", "a set value is not data"),
