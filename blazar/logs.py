@@ -4,13 +4,18 @@ Human-readable lines on a terminal, one JSON object per line otherwise. Context 
 as `request_id`, `lane` and `reconcile_id` is bound with structlog's contextvars.
 Every string in a record is clipped as an echoed value is (`clip`): a caller's
 3 MB model name must not become a 3 MB log line.
+A line that cannot be written (a full disk or a read-only home under an engine's log
+file, a closed pipe under the daemon's) is dropped: logging never fails the work it
+describes, and the next line is written once the stream takes it again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
+from typing import TextIO, cast
 
 import structlog
 
@@ -26,6 +31,8 @@ def configure(*, json: bool | None = None, level: str | None = None) -> None:
     renderer: structlog.typing.Processor = (
         structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer()
     )
+    # Lossy writes and flushes, all that structlog and logging use of a TextIO.
+    stream = cast(TextIO, Lossy(sys.stderr))
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
@@ -36,10 +43,10 @@ def configure(*, json: bool | None = None, level: str | None = None) -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=stream),
         cache_logger_on_first_use=True,
     )
-    logging.basicConfig(level=max(numeric, logging.WARNING), stream=sys.stderr)
+    logging.basicConfig(level=max(numeric, logging.WARNING), stream=stream)
 
 
 def clip_values(
@@ -53,3 +60,23 @@ def clip_values(
             limit = clip.MESSAGE_CHARS if key == "exception" else clip.FIELD_CHARS
             event_dict[key] = clip.clip(value, limit)
     return event_dict
+
+
+class Lossy:
+    """A text stream whose writes that fail (OSError) are dropped, not raised."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except OSError:
+            return 0
+
+    def flush(self) -> None:
+        with contextlib.suppress(OSError):
+            self._stream.flush()
+
+    def isatty(self) -> bool:
+        return self._stream.isatty()

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -52,3 +54,41 @@ def test_a_huge_value_is_logged_clipped_with_its_head_and_tail(
             clip.MESSAGE_CHARS + 100
         )
         assert "ValueError: xxx" in second["exception"]
+
+
+class _Disk:
+    """A stderr on a disk that can be full."""
+
+    def __init__(self) -> None:
+        self.full = False
+        self.lines: list[str] = []
+
+    def write(self, text: str) -> int:
+        if self.full:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        self.lines.append(text)
+        return len(text)
+
+    def flush(self) -> None:
+        if self.full:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    def isatty(self) -> bool:
+        return False
+
+
+def test_a_line_the_disk_cannot_take_is_dropped_and_the_next_is_written_once_it_can(
+    configured: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An engine's log is a file under the home: a full disk must not fail the request
+    # whose summary line it is (it did, with "Unexpected OSError").
+    disk = _Disk()
+    monkeypatch.setattr(sys, "stderr", disk)
+    logs.configure(json=True, level="INFO")
+    log = structlog.get_logger("test")
+    disk.full = True
+    log.info("generate", tokens=8)
+    logging.getLogger("stdlib").warning("also dropped")
+    disk.full = False
+    log.info("generate", tokens=9)
+    assert [json.loads(line)["tokens"] for line in "".join(disk.lines).splitlines()] == [9]
