@@ -446,7 +446,15 @@ class LaneDispatcher(preempting.Preempting):
 
     async def _serve(self) -> None:
         while True:
-            times = [t for t in (self._queue.next_expiry(), self._recheck_at) if t is not None]
+            times = [
+                t
+                for t in (
+                    self._queue.next_expiry(),
+                    self._recheck_at,
+                    self._runs.readmission_at(),
+                )
+                if t is not None
+            ]
             expiry = min(times, default=None)
             event: _Event | None = None
             try:
@@ -490,7 +498,7 @@ class LaneDispatcher(preempting.Preempting):
             self._arrive(event.pending, now)
         elif isinstance(event, _Retry):
             self._runs.running.pop(event.run.ticket.id, None)
-            self._runs.excluded.add(runs.identity(event.run.replica))
+            self._runs.exclude(event.run.replica, now=now)
             self._seq += 1
             event.pending.seq = self._seq
             self._pending[event.pending.ticket.id] = event.pending
@@ -629,6 +637,7 @@ class LaneDispatcher(preempting.Preempting):
 
     def _decide(self) -> None:
         now = self._clock()
+        self._runs.readmit(now)
         # What deciding costs, in real time whatever the Lane's clock: the rechecks
         # are spaced by it (`LaneQueue.recheck_at`).
         started = time.perf_counter()

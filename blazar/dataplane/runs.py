@@ -108,6 +108,15 @@ class Parking:
         return self.asked_at + preempt.start_s + preempt.queue_s + preempt.prefill_s
 
 
+# How long a replica that refused a request before its first chunk stays out of the
+# view. One whose process died leaves the route before that, and comes back as
+# another; one that refused for a cause that passes (the daemon could not open a
+# socket to it: too many open files) and still answers its health checks would
+# otherwise stay out for as long as it lives, and every request of a Lane with one
+# replica would wait for nothing.
+EXCLUDED_S = 1.0
+
+
 @dataclass
 class LaneRuns:
     """The Lane's runs by ticket id, and what admission must know of each replica."""
@@ -125,9 +134,10 @@ class LaneRuns:
     refused_parks: dict[str, int] = field(default_factory=dict)
     # KV bytes per cached token, as the engines' Park answers measured them.
     kv_bytes_per_token: int = 0
-    # Replicas (as processes) that refused a request before its first chunk: out of
-    # the view until the route shows them as another process.
-    excluded: set[Identity] = field(default_factory=set)
+    # Replicas (as processes) that refused a request before its first chunk, and until
+    # when: out of the view until then (`EXCLUDED_S`), or until the route shows them
+    # as another process.
+    excluded: dict[Identity, float] = field(default_factory=dict)
 
     def busy(self) -> bool:
         """Whether anything runs, is parked or being parked."""
@@ -147,7 +157,21 @@ class LaneRuns:
 
     def forget_gone(self, route: routing.Route) -> None:
         """A replica that left the route is gone as that process; forget it."""
-        self.excluded &= {identity(r) for r in route.replicas}
+        present = {identity(r) for r in route.replicas}
+        self.excluded = {k: until for k, until in self.excluded.items() if k in present}
+
+    def exclude(self, replica: routing.Replica, *, now: float) -> None:
+        """`replica` refused a request before its first chunk: out of the view for
+        `EXCLUDED_S`."""
+        self.excluded[identity(replica)] = now + EXCLUDED_S
+
+    def readmit(self, now: float) -> None:
+        """Replicas whose time out has passed are in the view again."""
+        self.excluded = {k: until for k, until in self.excluded.items() if until > now}
+
+    def readmission_at(self) -> float | None:
+        """When the first replica left out comes back (None: none is out)."""
+        return min(self.excluded.values(), default=None)
 
     def view(
         self, route: routing.Route | None, measurements: LaneMeasurements, *, now: float

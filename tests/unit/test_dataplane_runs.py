@@ -39,7 +39,9 @@ def test_each_run_holds_a_slot_on_its_own_replica() -> None:
 
 def test_a_replica_left_out_is_not_in_the_view_until_the_route_forgets_it() -> None:
     route = two_replicas()
-    lane = runs.LaneRuns(excluded={runs.identity(route.replicas[1])})
+    lane = runs.LaneRuns()
+    lane.exclude(route.replicas[1], now=0.0)
+    assert lane.readmission_at() == runs.EXCLUDED_S
     assert [r.index for r in lane.view(route, LaneMeasurements(), now=0.0).replicas] == [0]
     assert lane.replica(route, 1) is None
     # The replica restarted as another process: the new one serves.
@@ -47,6 +49,20 @@ def test_a_replica_left_out_is_not_in_the_view_until_the_route_forgets_it() -> N
     route = dataclasses.replace(route, replicas=(route.replicas[0], restarted))
     lane.forget_gone(route)
     assert lane.replica(route, 1) is restarted
+    assert lane.readmission_at() is None
+
+
+def test_a_replica_left_out_comes_back_when_its_time_out_passes() -> None:
+    """The same process, still in the route (it answers its health checks): it refused
+    for a cause that passed, and is asked again."""
+    route = two_replicas()
+    lane = runs.LaneRuns()
+    lane.exclude(route.replicas[1], now=10.0)
+    lane.readmit(10.0 + runs.EXCLUDED_S / 2)
+    assert lane.replica(route, 1) is None
+    lane.readmit(10.0 + runs.EXCLUDED_S)
+    assert lane.replica(route, 1) is route.replicas[1]
+    assert lane.readmission_at() is None
 
 
 def test_a_run_being_parked_shows_as_the_ticket_that_takes_its_slot() -> None:
