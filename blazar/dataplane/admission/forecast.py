@@ -331,6 +331,17 @@ class _Simulation:
             at = end
         return at + hold - (start_s + prefill_s)
 
+    def prefill_and_wait_s(
+        self, replica: ReplicaView, ticket: Ticket, start_s: float, *, alone: bool = False
+    ) -> tuple[float, float]:
+        """A start of `ticket` on `replica` at `start_s`: its prefill, of the tokens that
+        replica's cache lacks (`Ticket.fresh_tokens`), and its wait on the replica's
+        prefill line (`line_wait_s`, as short as those tokens are)."""
+        fresh = ticket.fresh_tokens(replica.index)
+        prefill = replica.prefill_s(fresh, alone=alone)
+        wait = self.line_wait_s(replica, start_s, prefill, short=prefill_order.short(fresh))
+        return prefill, wait
+
     @staticmethod
     def hold_s(replica: ReplicaView, prefill_s: float) -> float:
         """The part of a prefill of `prefill_s` that the replica's line holds alone."""
@@ -401,10 +412,8 @@ class _Simulation:
                 continue
             cost = run.kv_tokens * replica.kv_bytes_per_token
             fits = self.parked[replica.index] + cost <= replica.parked_bytes_max
-            fresh = ticket.fresh_tokens(replica.index)
-            prefill = replica.prefill_s(fresh)
             start = self.preempting_start_s(replica)
-            wait = self.line_wait_s(replica, start, prefill, short=prefill_order.short(fresh))
+            prefill, wait = self.prefill_and_wait_s(replica, ticket, start)
             first_token = start + wait + prefill
             meets = self.now + first_token <= ticket.deadline and first_token < waiting_s
             if fits and meets:
@@ -470,9 +479,7 @@ def _fate(entry: Waiting, sim: _Simulation, now: float) -> tuple[Fate, _Slot | N
         queue, prefill = 0.0, 0.0
         alone = slot.idle and sim.quiet[slot.replica.index] and entry.resume is None
         if entry.resume is None:
-            fresh = ticket.fresh_tokens(slot.replica.index)
-            prefill = slot.replica.prefill_s(fresh, alone=alone)
-            queue = sim.line_wait_s(slot.replica, start, prefill, short=prefill_order.short(fresh))
+            prefill, queue = sim.prefill_and_wait_s(slot.replica, ticket, start, alone=alone)
         margin = 0.0 if slot.idle or entry.resume else sim.steps_s(slot.replica, WAIT_STEPS)
         may_miss = now + (start + queue + prefill) * sim.lateness + margin > ticket.deadline
         if may_miss and not slot.idle and entry.resume is None:
@@ -481,11 +488,7 @@ def _fate(entry: Waiting, sim: _Simulation, now: float) -> tuple[Fate, _Slot | N
                 slot, victim = parked, parked.holder
                 start = sim.preempting_start_s(parked.replica)
                 margin = sim.steps_s(slot.replica, WAIT_STEPS)
-                fresh = ticket.fresh_tokens(slot.replica.index)
-                prefill = slot.replica.prefill_s(fresh)
-                queue = sim.line_wait_s(
-                    slot.replica, start, prefill, short=prefill_order.short(fresh)
-                )
+                prefill, queue = sim.prefill_and_wait_s(slot.replica, ticket, start)
         first_token = start + queue + prefill
         fate = Fate(
             start_s=start,
