@@ -36,16 +36,27 @@ class NoParker:
         return False
 
 
+def measured(now: list[float]) -> LaneDispatcher:
+    """A Lane of one replica with 6 slots on the clock `now[0]`, one request measured."""
+    dispatcher = LaneDispatcher(
+        replace(one_slot_route(), slots=6), parker=NoParker(), clock=lambda: now[0]
+    )
+    dispatcher.measurements.record(0, MEASURED, prompt_chars=400)
+    return dispatcher
+
+
+def idle_view(dispatcher: LaneDispatcher) -> admission.ReplicaView:
+    """What the dispatcher's measurements make of its replica with nothing running."""
+    return dispatcher.measurements.replica_view(0, slots=6, running=())
+
+
 def test_simultaneous_starts_queue_on_the_prefill_line_and_overhead_nets_it_out() -> None:
     now = [50.0]
     runs: list[Run] = []
     views: list[tuple[float, ...]] = []
 
     async def body() -> LaneDispatcher:
-        dispatcher = LaneDispatcher(
-            replace(one_slot_route(), slots=6), parker=NoParker(), clock=lambda: now[0]
-        )
-        dispatcher.measurements.record(0, MEASURED, prompt_chars=400)
+        dispatcher = measured(now)
         try:
             for name in "abc":
                 t = admission.Ticket(name, POLICY, now[0], prompt_tokens=100, max_tokens=10)
@@ -75,7 +86,7 @@ def test_simultaneous_starts_queue_on_the_prefill_line_and_overhead_nets_it_out(
     assert views[1] == pytest.approx((0.05, 0.15, 0.25))
     assert views[2] == pytest.approx((0.05, 0.15, 0.0))
     # The hop, template and tokenizer only: not the two prompts prefilled before c's.
-    view = dispatcher.measurements.replica_view(0, slots=6, running=())
+    view = idle_view(dispatcher)
     assert view.start_overhead_s == pytest.approx(0.02)
     # c's was the replica's first first token: nothing queued behind another yet.
     assert view.line_share == 1.0
@@ -88,10 +99,7 @@ def test_a_prompt_queued_behind_another_measures_the_share_of_its_prefill_the_li
     now = [50.0]
 
     async def body() -> LaneDispatcher:
-        dispatcher = LaneDispatcher(
-            replace(one_slot_route(), slots=6), parker=NoParker(), clock=lambda: now[0]
-        )
-        dispatcher.measurements.record(0, MEASURED, prompt_chars=400)
+        dispatcher = measured(now)
 
         async def start(name: str) -> Run:
             t = admission.Ticket(name, POLICY, now[0], prompt_tokens=100, max_tokens=10)
@@ -112,7 +120,7 @@ def test_a_prompt_queued_behind_another_measures_the_share_of_its_prefill_the_li
         return dispatcher
 
     dispatcher = asyncio.run(body())
-    view = dispatcher.measurements.replica_view(0, slots=6, running=())
+    view = idle_view(dispatcher)
     assert view.line_share == pytest.approx(0.6)
 
 
@@ -168,10 +176,7 @@ def test_the_start_overhead_nets_out_the_prefill_its_engine_did(
     now = [50.0]
 
     async def body() -> LaneDispatcher:
-        dispatcher = LaneDispatcher(
-            replace(one_slot_route(), slots=6), parker=NoParker(), clock=lambda: now[0]
-        )
-        dispatcher.measurements.record(0, MEASURED, prompt_chars=400)
+        dispatcher = measured(now)
         try:
             t = admission.Ticket(
                 "a", POLICY, now[0], prompt_tokens=100, max_tokens=10, prefer=0,
@@ -186,5 +191,5 @@ def test_the_start_overhead_nets_out_the_prefill_its_engine_did(
         return dispatcher
 
     dispatcher = asyncio.run(body())
-    view = dispatcher.measurements.replica_view(0, slots=6, running=())
+    view = idle_view(dispatcher)
     assert view.lone_start_overhead_s == pytest.approx(0.02)
