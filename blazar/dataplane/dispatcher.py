@@ -261,7 +261,7 @@ class LaneDispatcher(preempting.Preempting):
             if run.prompt_tokens is not None and run.prefix_reused is not None:
                 expected = self.measurements.expected_prefill_s(
                     run.replica.index,
-                    max(1, run.prompt_tokens - run.prefix_reused),
+                    admission.fresh_tokens(run.prompt_tokens, run.prefix_reused),
                     alone=run.alone,
                 )
             spent = ticket.arrived + ttft_s - run.started_at

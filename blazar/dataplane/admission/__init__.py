@@ -216,6 +216,7 @@ from blazar.dataplane.admission.terms import (
     Ticket,
     TokenRate,
     expected_output,
+    fresh_tokens,
 )
 
 __all__ = [
@@ -243,4 +244,5 @@ __all__ = [
     "Ticket",
     "TokenRate",
     "expected_output",
+    "fresh_tokens",
 ]

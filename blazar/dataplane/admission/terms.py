@@ -117,7 +117,14 @@ class Ticket:
         prefill rates count them."""
         if replica != self.prefer:
             return self.prompt_tokens
-        return max(1, self.prompt_tokens - self.cached_tokens)
+        return fresh_tokens(self.prompt_tokens, self.cached_tokens)
+
+
+def fresh_tokens(prompt_tokens: int, cached_tokens: int) -> int:
+    """The tokens a prompt's start prefills when a slot's cache holds `cached_tokens`
+    of it: the rest, and at least one (the token that yields the first logits), as the
+    measured prefill rates count them."""
+    return max(1, prompt_tokens - cached_tokens)
 
 
 # A waiting ticket's place in the order: priority, its virtual start (fair share),
