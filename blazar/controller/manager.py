@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable
 
 import structlog
 
+from blazar.api import errors
 from blazar.api.kinds import Kind, Lane, SpecPair, references
 from blazar.controller import metrics
 from blazar.controller.reconciler import Reconciler, TemporaryError
@@ -175,7 +176,12 @@ class Manager:
             await asyncio.sleep(every)
             metrics.RESYNCS.inc()
             log.debug("reconcile.resync")
-            self._enqueue_all()
+            try:
+                self._enqueue_all()
+            except errors.Unavailable as err:
+                # The store cannot be read now (a damaged or vanished file): the
+                # next resync tries again; what was queued is worked on meanwhile.
+                log.warning("reconcile.resync_failed", error=str(err))
 
     async def stop(self) -> None:
         unsubscribe = self._unsubscribe

@@ -133,7 +133,10 @@ class Store(Protocol):
 
     def record_event(
         self, *, kind: str, name: str, type: str, reason: str, message: str, uid: str = ""
-    ) -> Event: ...
+    ) -> Event:
+        """Append an event. Best effort, as Kubernetes' event recorder is: an event the
+        store cannot write now is logged and dropped, never raised."""
+        ...
 
     def events(
         self, *, kind: str | None = None, name: str | None = None, limit: int = 200
@@ -398,7 +401,15 @@ class TransactionalStore(abc.ABC):
             uid=clip.clip(uid, clip.NAME_CHARS),
         )
         with self._lock:
-            self._append_event(event)
+            try:
+                self._append_event(event)
+            except errors.Unavailable as err:
+                # An event is a record, not state: one the store cannot take now (a
+                # full disk) is dropped and said in the log, so that no reconcile
+                # stops at its bookkeeping before the effect it reports.
+                _log.warning(
+                    "store.event_dropped", kind=kind, name=name, reason=reason, error=str(err)
+                )
         return event
 
     def events(

@@ -93,7 +93,8 @@ class SQLiteStore(TransactionalStore):
     @contextmanager
     def _transaction(self) -> Iterator[sqlite3.Connection]:
         """One write transaction, all or nothing. A write SQLite cannot make (a full
-        disk, an I/O error, a lock another program holds) leaves nothing behind and is
+        disk, an I/O error, a lock another program holds, a file damaged under the
+        daemon) leaves nothing behind and is
         raised as Unavailable, which each caller reports in its own terms."""
         try:
             self._db.execute("BEGIN IMMEDIATE")
@@ -105,17 +106,27 @@ class SQLiteStore(TransactionalStore):
                 if self._db.in_transaction:
                     self._db.execute("ROLLBACK")
                 raise
-        except sqlite3.OperationalError as exc:
+        except sqlite3.DatabaseError as exc:
+            if not _about_the_file(exc):
+                raise
             raise errors.Unavailable(f"cannot write the store {self._path}: {exc}") from None
+
+    def _read(self, sql: str, parameters: tuple[Any, ...]) -> builtins.list[Any]:
+        """The rows of one query. A read SQLite cannot make (an I/O error, a file gone
+        or damaged under the daemon) is raised as Unavailable, as a failed write is."""
+        try:
+            return self._db.execute(sql, parameters).fetchall()
+        except sqlite3.DatabaseError as exc:
+            raise errors.Unavailable(f"cannot read the store {self._path}: {exc}") from None
 
     def _load(self, kind: Kind | None, name: str | None) -> builtins.list[dict[str, Any]]:
         # As bytes: a row that is not UTF-8 would otherwise fail inside fetchall, and
         # take every other row down with it.
-        rows = self._db.execute(
+        rows = self._read(
             "SELECT CAST(kind AS BLOB), CAST(name AS BLOB), CAST(data AS BLOB) FROM objects "
             "WHERE (?1 IS NULL OR kind = ?1) AND (?2 IS NULL OR name = ?2)",
             (kind, name),
-        ).fetchall()
+        )
         found: builtins.list[dict[str, Any]] = []
         for row_kind, row_name, data in rows:
             try:
@@ -170,12 +181,12 @@ class SQLiteStore(TransactionalStore):
             )
 
     def _load_events(self, kind: str | None, name: str | None, limit: int) -> builtins.list[Event]:
-        rows = self._db.execute(
+        rows = self._read(
             "SELECT time, type, reason, kind, name, message, uid FROM events "
             "WHERE (?1 IS NULL OR kind = ?1) AND (?2 IS NULL OR name = ?2) "
             "ORDER BY id DESC LIMIT ?3",
             (kind, name, limit),
-        ).fetchall()
+        )
         return [
             Event(
                 time=datetime.fromisoformat(time),
@@ -198,6 +209,12 @@ class SQLiteStore(TransactionalStore):
 # Every other code (IOERR, FULL, BUSY, LOCKED, READONLY, CANTOPEN, PERM, ...) is about
 # the file's circumstances, not its content.
 _NOT_A_STORE = frozenset({sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB})
+
+
+def _about_the_file(exc: sqlite3.DatabaseError) -> bool:
+    """Whether SQLite raised `exc` about the file (its disk, its lock, its content)
+    rather than about a statement (a constraint, a misuse), which stays a bug."""
+    return type(exc) in (sqlite3.DatabaseError, sqlite3.OperationalError)
 
 
 class _CheckFailed(sqlite3.DatabaseError):

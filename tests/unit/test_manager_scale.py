@@ -9,8 +9,10 @@ import asyncio
 import time
 from pathlib import Path
 
-from blazar.api import manifests
-from blazar.api.kinds import Kind
+import pytest
+
+from blazar.api import errors, manifests
+from blazar.api.kinds import Kind, Resource
 from blazar.controller import manager
 from blazar.controller.lane import LaneReconciler
 from blazar.controller.model import ModelReconciler
@@ -126,3 +128,34 @@ def test_a_periodic_resync_reconciles_every_object_again(tmp_path: Path) -> None
 
 def keys(store: SQLiteStore) -> list[tuple[Kind, str]]:
     return [(kind, obj.metadata.name) for kind in KINDS for obj in store.list(kind)]
+
+
+def test_a_resync_the_store_cannot_read_is_tried_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store, mgr = world(tmp_path, resync_s=0.3)
+    apply(store, fleet(tmp_path / "models"))
+    real_list = store.list
+    failed: list[str] = []
+
+    def list_failing_once(kind: Kind | None = None) -> list[Resource]:
+        if kind is None and not failed:  # the resync's read of every object
+            failed.append("resync")
+            raise errors.Unavailable("cannot read the store: disk I/O error")
+        return real_list(kind)
+
+    async def run() -> None:
+        await mgr.start()
+        try:
+            await until(lambda: settled(store) == 4 * EACH)
+            monkeypatch.setattr(store, "list", list_failing_once)
+            await until(lambda: bool(failed), timeout=5.0)
+            after_failure = mgr.reconciled.copy()
+            await until(
+                lambda: all(mgr.reconciled[k] > after_failure[k] for k in keys(store)),
+                timeout=5.0,
+            )
+        finally:
+            await mgr.stop()
+
+    asyncio.run(run())

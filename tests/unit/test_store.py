@@ -622,6 +622,59 @@ def test_a_write_the_disk_refuses_is_unavailable_and_leaves_nothing(tmp_path: Pa
         store.close()
 
 
+def test_an_event_the_disk_refuses_is_dropped_not_raised(tmp_path: Path) -> None:
+    path = tmp_path / "blazar.db"
+    store = SQLiteStore(path)
+    try:
+        store.record_event(kind="Lane", name="a", type="Normal", reason="Kept", message="1")
+        soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+        resource.setrlimit(
+            resource.RLIMIT_FSIZE, (path.with_name("blazar.db-wal").stat().st_size, hard)
+        )
+        try:
+            event = store.record_event(
+                kind="Lane", name="a", type="Warning", reason="Dropped", message="x" * 50_000
+            )
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        assert event.reason == "Dropped"
+        assert [e.reason for e in store.events()] == ["Kept"]
+        store.record_event(kind="Lane", name="a", type="Normal", reason="Again", message="2")
+        assert [e.reason for e in store.events()] == ["Kept", "Again"]
+    finally:
+        store.close()
+
+
+def test_a_store_damaged_while_open_refuses_reads_and_writes_as_unavailable(
+    tmp_path: Path,
+) -> None:
+    """Damage found after the start is kept, not moved aside: the caller is told the
+    store cannot be read, in its own terms, rather than an unexpected error."""
+    path = tmp_path / "blazar.db"
+    store = SQLiteStore(path)
+    try:
+        store.apply_all([lane(f"lane-{i}") for i in range(200)])
+        # Another connection's commit makes this one drop its page cache and read
+        # the file again, as it would after any change it did not make itself.
+        other = sqlite3.connect(path, isolation_level=None)
+        other.execute("UPDATE counters SET value = value")
+        other.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        other.close()
+        pages = path.stat().st_size // 4096
+        with path.open("r+b") as f:
+            f.seek(4096)  # every page but the header's
+            f.write(b"garbage!" * 512 * (pages - 1))
+        with pytest.raises(errors.Unavailable, match=r"cannot read the store .*malformed"):
+            store.list()
+        with pytest.raises(errors.Unavailable, match="cannot read the store"):
+            store.events()
+        with pytest.raises(errors.Unavailable, match=r"cannot (read|write) the store"):
+            store.apply_all([lane("new")])
+    finally:
+        store.close()
+    assert [p.name for p in tmp_path.iterdir() if "corrupt" in p.name] == []
+
+
 def test_a_store_with_a_damaged_page_is_moved_aside(tmp_path: Path) -> None:
     """SQLite opens it; its quick_check finds the damage, which is the file's content."""
     path = tmp_path / "blazar.db"
