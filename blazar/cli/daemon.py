@@ -534,8 +534,9 @@ async def _serve(
     with contextlib.suppress(asyncio.CancelledError):
         await shim_task
     store.close()
-    with contextlib.suppress(FileNotFoundError):
+    # Gone, or a home turned read-only: the next start replaces both.
+    with contextlib.suppress(OSError):
         (home / INFO_FILE).unlink()
-    with contextlib.suppress(FileNotFoundError):
+    with contextlib.suppress(OSError):
         socket_path.unlink()
     log.info("daemon.stopped")

@@ -80,5 +80,8 @@ def exclusive(home: Path) -> Iterator[None]:
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         yield
     finally:
-        path.unlink(missing_ok=True)
+        # The lock is the open descriptor's, not the file's: a file left behind (a
+        # home turned read-only) is taken over by the next daemon as it is.
+        with contextlib.suppress(OSError):
+            path.unlink()
         os.close(fd)

@@ -148,7 +148,8 @@ async def serve(launch: replicas.EngineLaunch) -> int:
     decode.stop()
     if await asyncio.to_thread(decode.join, 30.0):
         outbox.close()  # else the thread might still flush into a reused descriptor
-    socket_path.unlink(missing_ok=True)
+    with contextlib.suppress(OSError):  # a home turned read-only: the next start replaces it
+        socket_path.unlink()
     log.info("stopped", exit_code=code)
     return code
 

@@ -139,6 +139,21 @@ class Supervisor:
         self.log_dir = self.home / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
 
+    def _directories(self) -> None:
+        """Make again the home's directories a worker needs, should they have gone
+        while the daemon ran (the home removed under it): each spawn would otherwise
+        fail on a missing directory until the daemon restarts. Made 0700 and checked
+        as at the start; OSError when one cannot be made or used."""
+        for directory in (self.home, self.log_dir, self.run_dir):
+            if directory.is_dir():
+                continue
+            with contextlib.suppress(FileExistsError):
+                directory.mkdir(mode=0o700, parents=True)
+            log.warning("replica.directory_recreated", directory=str(directory))
+        why = rundir.problem(os.lstat(self.run_dir), uid=os.getuid())
+        if why is not None:
+            raise OSError(f"cannot use {self.run_dir} for engine sockets: {why}")
+
     # -- Processes protocol -------------------------------------------------------
 
     def observe(self, lane: str) -> list[ReplicaObservation]:
@@ -201,7 +216,8 @@ class Supervisor:
         self._replicas.pop((lane, index), None)
         await self._close_client(replica)
         for path in (replica.socket, self._launch_path(replica)):
-            with contextlib.suppress(FileNotFoundError):
+            # Gone, or a home turned read-only: a leftover is replaced at the next start.
+            with contextlib.suppress(OSError):
                 path.unlink()
 
     def kv_lanes(self) -> list[str]:
@@ -320,6 +336,7 @@ class Supervisor:
 
     async def _spawn(self, replica: _Replica, warnings: list[StartWarning]) -> None:
         """Start the worker process; OSError when the OS refuses to."""
+        self._directories()
         with contextlib.suppress(FileNotFoundError):
             replica.socket.unlink()
         launch = self._write_launch(

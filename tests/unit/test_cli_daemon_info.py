@@ -3,6 +3,7 @@ JSON line, which every reader still parses."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -41,6 +42,22 @@ def test_a_home_whose_lock_cannot_be_opened_is_refused_in_one_line(tmp_path: Pat
         pytest.raises(errors.Unavailable, match=r"cannot use .* as BLAZAR_HOME: .*daemon\.lock"),
         homelock.exclusive(tmp_path),
     ):
+        pass
+
+
+def test_a_home_turned_read_only_keeps_its_lock_file_and_releases_the_lock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The daemon's way out must not fail on a file it cannot remove."""
+
+    def read_only(self: Path, missing_ok: bool = False) -> None:
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(self))
+
+    with homelock.exclusive(tmp_path):
+        monkeypatch.setattr(Path, "unlink", read_only)
+    monkeypatch.undo()
+    assert (tmp_path / homelock.LOCK_FILE).exists()
+    with homelock.exclusive(tmp_path):  # the next daemon takes the file over
         pass
 
 

@@ -8,9 +8,12 @@ command line and sleeps, so these tests spawn real processes but load no model.
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import os
+import shutil
 import signal
+import stat
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
@@ -346,6 +349,59 @@ def test_the_launch_document_reaches_the_worker_whatever_its_length(
     assert parsed.socket == obs.socket
     assert parsed.parent_pid == os.getpid()
     remove_run_dir(sup)  # stop() removed the launch document and the socket
+
+
+def test_a_stop_in_a_home_turned_read_only_still_stops_the_replica(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The files a replica leaves (its socket, its launch document) are cleaned up
+    when they can be; one that cannot be removed does not fail the stop."""
+    sup, launch, _ = bare_supervisor(tmp_path)
+
+    def read_only(self: Path, missing_ok: bool = False) -> None:
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(self))
+
+    async def run() -> int:
+        assert await sup.start("l", 0, launch) == []
+        (obs,) = sup.observe("l")
+        assert obs.pid is not None
+        monkeypatch.setattr(Path, "unlink", read_only)
+        await sup.stop_all(grace=1.0)
+        monkeypatch.undo()
+        return obs.pid
+
+    pid = asyncio.run(run())
+    assert sup.observe("l") == []
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    left = sorted(p.name for p in sup.run_dir.iterdir())
+    assert left == ["l-0.launch.json", "l-0.sock"] or left == ["l-0.launch.json"], left
+    for path in sup.run_dir.iterdir():
+        path.unlink()
+    remove_run_dir(sup)
+
+
+def test_a_home_removed_under_the_daemon_is_made_again_for_the_next_start(
+    tmp_path: Path,
+) -> None:
+    sup, launch, _ = bare_supervisor(tmp_path)
+    shutil.rmtree(sup.home)
+    sup.run_dir.rmdir()
+
+    async def run() -> ReplicaObservation:
+        try:
+            assert await sup.start("l", 0, launch) == []
+            (obs,) = sup.observe("l")
+            return obs
+        finally:
+            await sup.stop_all(grace=1.0)
+
+    obs = asyncio.run(run())
+    assert obs.pid is not None and obs.state == ReplicaState.STARTING, obs
+    assert (sup.log_dir / "l-0.log").is_file()
+    for directory in (sup.home, sup.log_dir, sup.run_dir):
+        assert stat.S_IMODE(directory.stat().st_mode) == 0o700, directory
+    remove_run_dir(sup)
 
 
 def test_a_worker_that_cannot_be_spawned_fails_like_a_crash(tmp_path: Path) -> None:
