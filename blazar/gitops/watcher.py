@@ -51,13 +51,19 @@ SOURCE_ANNOTATION = "blazar.dev/source"
 ZERO_BYTE_SETTLE_S = 5.0
 
 
-# How long the git work tree holding the watched directory may hold its `index.lock`
-# before the directory is applied anyway. git holds the lock while it rewrites the work
-# tree (checkout, reset --hard, stash, merge and so pull), removing files before it
+# How long the git work tree holding the watched directory may be busy (`git_busy`)
+# before the directory is applied anyway. git holds `index.lock` while it rewrites the
+# work tree (checkout, reset --hard, stash, merge and so pull), removing files before it
 # writes the new ones: a batch read in between prunes a Lane whose file was renamed, or
-# moved to another file, stopping its engine, and creates it again a moment later. A lock
-# held longer than this was left by a git that died (git itself then refuses to run).
+# moved to another file, stopping its engine, and creates it again a moment later. A
+# rebase (or `am`, or a cherry-pick or revert of several commits) rewrites it once per
+# commit, each step a tree nobody asked for. A lock held longer than this was left by a
+# git that died (git itself then refuses to run); a rebase that long has stopped for
+# its user (a conflict, an `edit`), whose tree is theirs to apply.
 GIT_LOCK_WAIT_S = 10.0
+# What git keeps in its directory while it is busy: the index lock, then the state of
+# a rebase, an `am`, or a sequence of cherry-picks or reverts.
+_GIT_BUSY = ("index.lock", "rebase-merge", "rebase-apply", "sequencer")
 
 
 def owned(obj: Resource) -> bool:
@@ -84,8 +90,8 @@ def waiting_for_git(locked_since: float | None, now: float) -> bool:
     return locked_since is not None and now - locked_since < GIT_LOCK_WAIT_S
 
 
-def git_index_lock(directory: Path) -> Path | None:
-    """The `index.lock` of the git work tree that holds `directory` (its root or any
+def git_dir(directory: Path) -> Path | None:
+    """The git directory of the work tree that holds `directory` (its root or any
     folder in it), or None outside one. A linked worktree's or a submodule's `.git` is a
     file naming its git directory."""
     try:
@@ -96,21 +102,24 @@ def git_index_lock(directory: Path) -> Path | None:
         dot_git = candidate / ".git"
         try:
             if dot_git.is_dir():
-                return dot_git / "index.lock"
+                return dot_git
             if dot_git.is_file():
                 named = dot_git.read_text(encoding="utf-8").strip()
                 if not named.startswith("gitdir:"):
                     return None
-                return candidate / named.removeprefix("gitdir:").strip() / "index.lock"
+                return candidate / named.removeprefix("gitdir:").strip()
         except (OSError, UnicodeDecodeError):
             return None
     return None
 
 
-def _git_writing(directory: Path) -> bool:
-    """Whether git holds the index lock of the work tree that holds `directory`."""
-    lock = git_index_lock(directory)
-    return lock is not None and lock.exists()
+def git_busy(directory: Path) -> str | None:
+    """What says git is busy with the work tree that holds `directory` (`_GIT_BUSY`:
+    `index.lock`, `rebase-merge`, ...), or None when it is not."""
+    found = git_dir(directory)
+    if found is None:
+        return None
+    return next((name for name in _GIT_BUSY if (found / name).exists()), None)
 
 
 def sync(store: Store, directory: Path, *, prune: bool = True) -> bool:
@@ -352,21 +361,21 @@ async def watch(
         could not take it, to be tried again at the next tick rather than at the next
         change."""
         nonlocal zero_byte, recheck_at, git_locked_since, held
-        locked = await asyncio.to_thread(_git_writing, directory)
+        busy = await asyncio.to_thread(git_busy, directory)
+        locked = busy is not None
         now = time.monotonic()
         git_locked_since = (
             (now if git_locked_since is None else git_locked_since) if locked else None
         )
         if waiting_for_git(git_locked_since, now):
-            log.info(
-                "gitops.deferred", directory=str(directory), reason="git is writing the work tree"
-            )
+            log.info("gitops.deferred", directory=str(directory), reason=f"git is busy ({busy})")
             return False
         if locked:
             log.warning(
                 "gitops.git_lock_ignored",
                 directory=str(directory),
-                reason=f"index.lock held over {GIT_LOCK_WAIT_S:g} s: left by a git that died?",
+                reason=f"git busy ({busy}) over {GIT_LOCK_WAIT_S:g} s: a git that died, or "
+                "a rebase stopped for its user",
             )
         try:
             loaded = await asyncio.to_thread(load, directory)

@@ -497,17 +497,31 @@ def test_an_edit_the_store_could_not_take_is_applied_once_it_can(tmp_path: Path)
     assert asyncio.run(scenario())
 
 
-def test_git_s_index_lock_is_found_from_the_watched_directory(tmp_path: Path) -> None:
+def test_git_s_directory_is_found_from_the_watched_directory(tmp_path: Path) -> None:
     fleet = tmp_path / "repo" / "deploy" / "fleet"
     fleet.mkdir(parents=True)
-    assert watcher.git_index_lock(fleet) is None  # no git work tree holds tmp_path
+    assert watcher.git_dir(fleet) is None  # no git work tree holds tmp_path
     (tmp_path / "repo" / ".git").mkdir()
-    assert watcher.git_index_lock(fleet) == tmp_path / "repo" / ".git" / "index.lock"
+    assert watcher.git_dir(fleet) == tmp_path / "repo" / ".git"
     # A linked worktree (and a submodule): `.git` is a file naming the git directory.
     tree = tmp_path / "tree"
     tree.mkdir()
     (tree / ".git").write_text("gitdir: ../repo/.git/worktrees/tree\n")
-    assert watcher.git_index_lock(tree) == tree / "../repo/.git/worktrees/tree/index.lock"
+    assert watcher.git_dir(tree) == tree / "../repo/.git/worktrees/tree"
+
+
+def test_git_is_busy_while_it_holds_its_index_or_a_rebase_runs(tmp_path: Path) -> None:
+    fleet = tmp_path / "fleet"
+    fleet.mkdir()
+    git = tmp_path / ".git"
+    git.mkdir()
+    assert watcher.git_busy(fleet) is None
+    for state in ("rebase-merge", "rebase-apply", "sequencer"):
+        (git / state).mkdir()
+        assert watcher.git_busy(fleet) == state
+        (git / state).rmdir()
+    (git / "index.lock").write_text("")
+    assert watcher.git_busy(fleet) == "index.lock"
 
 
 def test_a_directory_git_locks_waits_for_git_a_while() -> None:
