@@ -158,9 +158,17 @@ class ModelReconciler:
             files_assembled=self._cache.assembled,
         )
         was_ready = conditions.is_true(model.status.conditions, "ModelReady")
+        before = model.status
+        same_file = (before.path, before.size_bytes, before.mtime_ns) == (
+            status.path,
+            status.size_bytes,
+            status.mtime_ns,
+        )
         message = f"{status.architecture} model at {status.path} ({status.size_bytes} bytes)."
         self._set(model, status, True, "Verified" if model.spec.sha256 else "Resolved", message)
-        if not was_ready:
+        # Said once per file served: when it becomes ready, and when it stays ready on
+        # another file (a new path, or the file replaced), which its Lanes roll to.
+        if not (was_ready and same_file):
             self._store.record_event(
                 kind=Kind.MODEL.value,
                 name=name,

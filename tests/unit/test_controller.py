@@ -680,6 +680,22 @@ def test_model_reconciler_verifies_and_reads_header(tmp_path: Path, checksum: st
         assert model.status.sha256 == sha
 
 
+def test_a_model_ready_on_another_file_says_so_once(tmp_path: Path) -> None:
+    first, second = tiny_gguf(tmp_path / "a.gguf"), tiny_gguf(tmp_path / "b.gguf")
+    clock = Clock()
+    store = MemoryStore(clock=clock)
+    rec = ModelReconciler(store=store, models_dir=tmp_path, clock=clock)
+    apply(store, MODEL.replace("/models/m.gguf", str(first)))
+    asyncio.run(rec.reconcile("m"))
+    asyncio.run(rec.reconcile("m"))  # the same file, looked at again: nothing new
+    apply(store, MODEL.replace("/models/m.gguf", str(second)))
+    asyncio.run(rec.reconcile("m"))
+    asyncio.run(rec.reconcile("m"))
+    events = [(e.reason, e.message) for e in store.events(kind="Model")]
+    assert [reason for reason, _ in events] == ["ModelReady", "ModelReady"]
+    assert str(first) in events[0][1] and str(second) in events[1][1]
+
+
 def test_model_reconciler_polls_a_missing_file(tmp_path: Path) -> None:
     clock = Clock()
     store = MemoryStore(clock=clock)
