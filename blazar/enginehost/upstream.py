@@ -7,7 +7,8 @@ engine's Generate call does (async-iterable, `cancel()` closes the connection so
 upstream frees its slot); `probe` asks the upstream's `/models`.
 
 The API key is read at each use from where `upstream.apiKeyFrom` says (`env:NAME`,
-`file:PATH`) and is never logged nor put in an error. Failures are Blazar's errors
+`file:PATH`) and is never logged nor put in an error, not even when the upstream
+quotes it in what it answers. Failures are Blazar's errors
 (`blazar.api.errors`), mapped by `upstream_convert.http_error`: a refused connection
 or a timeout is UNAVAILABLE, and so is an answer that is not whole (not an event
 stream, an event not shaped as OpenAI's, a line over MAX_EVENT_BYTES, or an end with
@@ -128,11 +129,14 @@ class UpstreamClient:
         self._streaming = 0
         self._retired = False
 
-    def _headers(self, through: Sequence[str] = ()) -> dict[str, str]:
-        """`through`: the daemons the request went through before this one."""
+    def _key(self) -> str | None:
+        """The key to send, read now; UNAVAILABLE when no request can be sent."""
         if self.problem:
             raise errors.Unavailable(self.problem)
-        key = api_key(self.spec, self._keys)
+        return api_key(self.spec, self._keys)
+
+    def _headers(self, key: str | None, through: Sequence[str] = ()) -> dict[str, str]:
+        """`through`: the daemons the request went through before this one."""
         # A request that comes back to a daemon it went through is refused there.
         headers = {via.HEADER: via.forwarded(through)}
         if key:
@@ -148,14 +152,16 @@ class UpstreamClient:
                 write=PROBE_READ_TIMEOUT_S,
                 pool=PROBE_READ_TIMEOUT_S,
             )
-            response = await self._http.get(url, headers=self._headers(), timeout=timeout)
+            key = self._key()
+            response = await self._http.get(url, headers=self._headers(key), timeout=timeout)
         except errors.BlazarError as err:
             return Probe(False, err.message)
         except httpx.HTTPError as exc:
             return Probe(False, f"GET {url} failed: {_describe(exc)}.")
         if response.status_code != 200:
             text = response.text[:MAX_ERROR_BYTES]
-            said = upstream_convert.http_error(response.status_code, text).message
+            refused = upstream_convert.http_error(response.status_code, text)
+            said = upstream_convert.redacted(refused, key).message
             return Probe(False, f"GET {url}: {said}")
         listed = _model_ids(response)
         if listed is None:
@@ -203,7 +209,8 @@ class UpstreamClient:
         )
         sent = time.monotonic()
         first: float | None = None
-        headers = self._headers(through)
+        key = self._key()
+        headers = self._headers(key, through)
         try:
             async with self._http.stream("POST", url, json=body, headers=headers) as answer:
                 if answer.status_code != 200:
@@ -253,6 +260,12 @@ class UpstreamClient:
                     raise cut
         except httpx.HTTPError as exc:
             raise errors.Unavailable(f"The upstream server {url}: {_describe(exc)}.") from None
+        except errors.BlazarError as err:
+            # What the upstream said (its error answer or event) may quote the key.
+            clean = upstream_convert.redacted(err, key)
+            if clean is err:
+                raise
+            raise clean from None
         end = time.monotonic()
         yield translator.finish(
             prefill_s=(first or end) - sent, decode_s=end - first if first is not None else 0.0

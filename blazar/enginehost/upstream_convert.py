@@ -365,6 +365,19 @@ def _error_message(body: Any) -> str:
     return str(body)
 
 
+# What stands for an upstream's key in what the upstream said.
+REDACTED = "[redacted]"
+
+
+def redacted(err: errors.BlazarError, secret: str | None) -> errors.BlazarError:
+    """`err` without `secret` (the key the upstream was sent) in its message: a server
+    may quote the key it refuses ("Invalid API key sk-..."), and what it says reaches
+    callers, statuses, events and logs."""
+    if not secret or secret not in err.message:
+        return err
+    return type(err)(err.message.replace(secret, REDACTED), metadata=err.metadata)
+
+
 def stream_error(body: Any) -> errors.BlazarError:
     """An error event in the middle of an upstream's stream."""
     return errors.Unavailable(f"The upstream server failed mid-answer: {_error_message(body)}")

@@ -918,3 +918,45 @@ def test_a_retired_client_closes_once_its_streams_end() -> None:
     assert open_while_streaming and streaming._http.is_closed
     assert idle_closed
     assert pool.client(old) is not streaming  # a spec in use again gets a new client
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        httpx.Response(401, json={"error": {"message": "Invalid API key sk-secret"}}),
+        httpx.Response(
+            200,
+            content=b'data: {"error": {"message": "key sk-secret revoked"}}\n\n',
+            headers=SSE_HEADERS,
+        ),
+        httpx.Response(200, content=b"data: sk-secret?\n\n", headers=SSE_HEADERS),
+    ],
+)
+def test_an_upstream_that_quotes_the_key_has_it_redacted(
+    tmp_path: Path, answer: httpx.Response
+) -> None:
+    """What an upstream says reaches callers, statuses, events and logs: a server that
+    quotes the key it was sent (as some do when they refuse it) must not show it there."""
+    (tmp_path / "key").write_text("sk-secret\n")
+
+    def respond(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(401, json={"error": {"message": "Invalid API key sk-secret"}})
+        return httpx.Response(answer.status_code, content=answer.content, headers=answer.headers)
+
+    client = upstream.UpstreamClient(
+        spec_of(apiKeyFrom="file:key"), keys=tmp_path, transport=httpx.MockTransport(respond)
+    )
+
+    async def run() -> tuple[upstream.Probe, errors.BlazarError]:
+        probe = await client.probe()
+        with pytest.raises(errors.Unavailable) as failed:
+            async for _ in client.generate(engine_pb2.GenerateRequest(prompt="p"), model="g"):
+                pass
+        await client.close()
+        return probe, failed.value
+
+    probe, failed = asyncio.run(run())
+    assert not probe.ok
+    for said in (probe.message, failed.message, str(failed)):
+        assert "sk-secret" not in said and convert.REDACTED in said
