@@ -156,6 +156,10 @@ class UpstreamClient:
             response = await self._http.get(url, headers=self._headers(key), timeout=timeout)
         except errors.BlazarError as err:
             return Probe(False, err.message)
+        except httpx.ReadTimeout:
+            # The probe's own bound, not the Lane's firstByte: naming that one would
+            # have an operator raise it to no effect.
+            return Probe(False, f"GET {url} failed: no answer within {PROBE_READ_TIMEOUT_S:g} s.")
         except httpx.HTTPError as exc:
             return Probe(False, f"GET {url} failed: {_describe(exc)}.")
         if response.status_code != 200:

@@ -960,3 +960,25 @@ def test_an_upstream_that_quotes_the_key_has_it_redacted(
     assert not probe.ok
     for said in (probe.message, failed.message, str(failed)):
         assert "sk-secret" not in said and convert.REDACTED in said
+
+
+def test_a_probe_that_times_out_names_its_own_bound() -> None:
+    """The probe waits PROBE_READ_TIMEOUT_S, not the Lane's firstByte: a message naming
+    firstByte would have an operator raise it, to no effect."""
+
+    def hang(request: httpx.Request) -> httpx.Response:
+        raise httpx.ReadTimeout("timed out", request=request)
+
+    client = upstream.UpstreamClient(
+        spec_of(timeouts={"firstByte": "60s"}), transport=httpx.MockTransport(hang)
+    )
+
+    async def run() -> upstream.Probe:
+        try:
+            return await client.probe()
+        finally:
+            await client.close()
+
+    probe = asyncio.run(run())
+    assert not probe.ok
+    assert probe.message == "GET http://u:1/v1/models failed: no answer within 5 s."
