@@ -153,7 +153,10 @@ class UpstreamClient:
                 pool=PROBE_READ_TIMEOUT_S,
             )
             key = self._key()
-            response = await self._http.get(url, headers=self._headers(key), timeout=timeout)
+            request = self._http.stream("GET", url, headers=self._headers(key), timeout=timeout)
+            async with request as response:
+                ok = response.status_code == 200
+                body = await _head(response, MAX_EVENT_BYTES if ok else MAX_ERROR_BYTES)
         except errors.BlazarError as err:
             return Probe(False, err.message)
         except httpx.ReadTimeout:
@@ -162,12 +165,12 @@ class UpstreamClient:
             return Probe(False, f"GET {url} failed: no answer within {PROBE_READ_TIMEOUT_S:g} s.")
         except httpx.HTTPError as exc:
             return Probe(False, f"GET {url} failed: {_describe(exc)}.")
-        if response.status_code != 200:
-            text = response.text[:MAX_ERROR_BYTES]
+        if not ok:
+            text = body.decode(errors="replace")
             refused = upstream_convert.http_error(response.status_code, text)
             said = upstream_convert.redacted(refused, key).message
             return Probe(False, f"GET {url}: {said}")
-        listed = _model_ids(response)
+        listed = _model_ids(body)
         if listed is None:
             kind = response.headers.get("content-type") or "no content-type"
             return Probe(
@@ -218,7 +221,7 @@ class UpstreamClient:
         try:
             async with self._http.stream("POST", url, json=body, headers=headers) as answer:
                 if answer.status_code != 200:
-                    text = (await answer.aread())[:MAX_ERROR_BYTES].decode(errors="replace")
+                    text = (await _head(answer, MAX_ERROR_BYTES)).decode(errors="replace")
                     hint = upstream_convert.retry_after_ms(
                         answer.headers.get("retry-after"), now=datetime.datetime.now(datetime.UTC)
                     )
@@ -316,11 +319,23 @@ class UpstreamCall:
         await self._stream.aclose()
 
 
-def _model_ids(response: httpx.Response) -> list[object] | None:
+async def _head(answer: httpx.Response, limit: int) -> bytes:
+    """The first `limit` bytes of `answer`'s body, the rest left unread (the connection
+    closes with the answer): an upstream's error page or model list of any size would
+    otherwise be held whole by the daemon."""
+    head = bytearray()
+    async for data in answer.aiter_bytes():
+        head += data
+        if len(head) >= limit:
+            break
+    return bytes(head[:limit])
+
+
+def _model_ids(answer: bytes) -> list[object] | None:
     """The ids of an OpenAI model list (`{"data": [{"id": ...}, ...]}`); None when the
-    answer is not one (a web page, another API)."""
+    answer is not one (a web page, another API, one cut at MAX_EVENT_BYTES)."""
     try:
-        body = response.json()
+        body = json.loads(answer)
     except ValueError:
         return None
     data = body.get("data") if isinstance(body, dict) else None

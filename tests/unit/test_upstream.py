@@ -982,3 +982,38 @@ def test_a_probe_that_times_out_names_its_own_bound() -> None:
     probe = asyncio.run(run())
     assert not probe.ok
     assert probe.message == "GET http://u:1/v1/models failed: no answer within 5 s."
+
+
+@pytest.mark.parametrize("status", [200, 500])
+def test_an_upstreams_endless_answer_is_read_only_as_far_as_needed(status: int) -> None:
+    """An error page, or a model list, of any size: the daemon reads a bounded head of
+    it, never the whole (which could be larger than its memory)."""
+    sent: list[int] = []
+
+    class Endless(httpx.AsyncByteStream):
+        async def __aiter__(self) -> AsyncIterator[bytes]:
+            for _ in range(10_000):
+                sent.append(1)
+                yield b"e" * 1024
+
+    def respond(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(status, stream=Endless())
+
+    client = upstream.UpstreamClient(spec_of(), transport=httpx.MockTransport(respond))
+
+    async def run() -> tuple[upstream.Probe, list[int]]:
+        probe = await client.probe()
+        read_by_probe = len(sent)
+        sent.clear()
+        if status != 200:
+            with pytest.raises(errors.Unavailable, match="HTTP 500: eee"):
+                async for _ in client.generate(engine_pb2.GenerateRequest(prompt="p"), model="g"):
+                    pass
+        await client.close()
+        return probe, [read_by_probe, len(sent)]
+
+    probe, read = asyncio.run(asyncio.wait_for(run(), timeout=10))
+    assert not probe.ok
+    bound = (upstream.MAX_EVENT_BYTES if status == 200 else upstream.MAX_ERROR_BYTES) // 1024
+    assert read[0] <= bound + 1
+    assert read[1] <= upstream.MAX_ERROR_BYTES // 1024 + 1
