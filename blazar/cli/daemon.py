@@ -198,47 +198,90 @@ def read_certificate(options: Options) -> tls.Certificate | None:
 
 def read_auth_file(path: Path) -> tenants.Tenants:
     """The tenants of the auth file at `path`; InvalidRequest (one line) otherwise."""
+    return _parse_auth_file(_auth_file_text(path), path)
+
+
+def _auth_file_text(path: Path) -> str:
     try:
-        text = path.read_text()
+        return path.read_text()
     except OSError as exc:
         raise errors.InvalidRequest(f"--auth-file: cannot read {path}: {exc.strerror}") from None
+
+
+def _parse_auth_file(text: str, path: Path) -> tenants.Tenants:
     try:
         return tenants.parse(text, source=str(path))
     except tenants.AuthFileInvalid as exc:
         raise errors.InvalidRequest(str(exc)) from None
 
 
+def auth_file_dirs(path: Path) -> frozenset[Path]:
+    """The directories to watch for changes to what the auth file at `path` reads: its
+    own, and its target's when it is (or goes through) a symbolic link. The link's side
+    sees a link re-pointed (`ln -sfn`, Kubernetes' `..data` swap of a mounted Secret),
+    the target's side a target edited where it lies. Only directories that exist."""
+    return frozenset(d for d in (path.parent, path.resolve().parent) if d.is_dir())
+
+
 async def _follow_auth_file(
     path: Path, gate: access.Access, store: SQLiteStore, stop: asyncio.Event
 ) -> None:
-    """Put the auth file in force again whenever it changes, until `stop`. A file that
-    does not read (half written, a typo) keeps the tenants in force; the log and an
-    event (`blazar events`) say why. Its directory is watched: editors and config
-    tools replace a file by renaming another over it."""
-    async for changes in watchfiles.awatch(path.parent, stop_event=stop, debounce=200, step=50):
-        if not any(Path(changed) == path for _, changed in changes):
-            continue
+    """Put the auth file in force again whenever what it reads changes, until `stop`. A
+    file that does not read (half written, a typo) keeps the tenants in force; the log
+    and an event (`blazar events`) say why. `path` is followed as given, not resolved
+    once: a symbolic link is read through again on every change, and the watch moves
+    with its target (`auth_file_dirs`). Directories are watched, not the file: editors
+    and config tools replace a file by renaming another over it. What the file reads is
+    compared with what was read last, so a change beside it does nothing."""
+    path = path.absolute()
+    seen: str | None = None
+    while not stop.is_set():
+        dirs = auth_file_dirs(path)
+        async for _ in watchfiles.awatch(*dirs, stop_event=stop, debounce=200, step=50):
+            seen = _reload_auth_file(path, gate, store, seen=seen)
+            if auth_file_dirs(path) != dirs:
+                break  # the link points elsewhere now: watch where it points
+
+
+def _reload_auth_file(
+    path: Path, gate: access.Access, store: SQLiteStore, *, seen: str | None
+) -> str | None:
+    """Read the auth file again and put it in force if it reads otherwise than `seen`
+    (what the last reading found, or its error); what this reading found."""
+    problem: errors.BlazarError | None = None
+    try:
+        found = _auth_file_text(path)
+    except errors.BlazarError as err:
+        found, problem = err.message, err
+    if found == seen:
+        return seen
+    fresh: tenants.Tenants | None = None
+    if problem is None:
         try:
-            fresh = read_auth_file(path)
+            fresh = _parse_auth_file(found, path)
         except errors.BlazarError as err:
-            log.warning("auth.rejected", path=str(path), error=err.message)
-            store.record_event(
-                kind="AuthFile",
-                name=path.name,
-                type="Warning",
-                reason="AuthFileRejected",
-                message=f"{err.message}; the tenants read before stay in force.",
-            )
-            continue
-        gate.use(fresh)
-        log.info("auth.reloaded", path=str(path), tenants=len(fresh.tenants))
+            problem = err
+    if fresh is None:
+        message = problem.message if problem is not None else found
+        log.warning("auth.rejected", path=str(path), error=message)
         store.record_event(
             kind="AuthFile",
             name=path.name,
-            type="Normal",
-            reason="AuthFileLoaded",
-            message=f"{len(fresh.tenants)} tenants in force from {path}.",
+            type="Warning",
+            reason="AuthFileRejected",
+            message=f"{message}; the tenants read before stay in force.",
         )
+        return found
+    gate.use(fresh)
+    log.info("auth.reloaded", path=str(path), tenants=len(fresh.tenants))
+    store.record_event(
+        kind="AuthFile",
+        name=path.name,
+        type="Normal",
+        reason="AuthFileLoaded",
+        message=f"{len(fresh.tenants)} tenants in force from {path}.",
+    )
+    return found
 
 
 # How often engine logs are checked against their size cap (`logfiles`).
@@ -485,7 +528,7 @@ async def _serve(
     auth_task = None
     if options.auth_file is not None:
         auth_task = asyncio.create_task(
-            _follow_auth_file(options.auth_file.resolve(), gate, store, stop), name="auth-file"
+            _follow_auth_file(options.auth_file, gate, store, stop), name="auth-file"
         )
     gitops_task = None
     if options.watch is not None:
