@@ -25,6 +25,7 @@ import os
 import secrets
 import signal
 import socket
+import stat
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -201,11 +202,30 @@ def read_auth_file(path: Path) -> tenants.Tenants:
     return _parse_auth_file(_auth_file_text(path), path)
 
 
+def auth_file_problem(st: os.stat_result, *, uid: int) -> str | None:
+    """Why an auth file with this stat() may not be trusted; None: it may. Whoever can
+    write the file can give themselves a key, or make their tenant admin and so reach
+    Control over TCP; so, as ssh does with `authorized_keys`, a file another user may
+    write is refused: one owned by someone other than this user or root, or writable by
+    everyone. Reading it gives nothing away (it holds digests, never keys)."""
+    if st.st_uid not in (uid, 0):
+        return f"it belongs to uid {st.st_uid}, not this user ({uid}) or root"
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & stat.S_IWOTH:
+        return f"anyone may write it (mode {mode:04o}); chmod o-w it"
+    return None
+
+
 def _auth_file_text(path: Path) -> str:
     try:
-        return path.read_text()
+        with path.open() as file:
+            problem = auth_file_problem(os.fstat(file.fileno()), uid=os.geteuid())
+            text = file.read()
     except OSError as exc:
         raise errors.InvalidRequest(f"--auth-file: cannot read {path}: {exc.strerror}") from None
+    if problem is not None:
+        raise errors.InvalidRequest(f"--auth-file {path}: not used, as {problem}")
+    return text
 
 
 def _parse_auth_file(text: str, path: Path) -> tenants.Tenants:

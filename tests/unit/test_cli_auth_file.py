@@ -7,12 +7,14 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import stat
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from blazar.api import errors
 from blazar.cli import daemon
 from blazar.dataplane import access
 from blazar.store.sqlite import SQLiteStore
@@ -117,3 +119,53 @@ async def test_a_plain_file_rewritten_is_put_in_force(tmp_path: Path) -> None:
     path = tmp_path / "auth.yaml"
     path.write_text(auth_text("alice"))
     await follow(path, tmp_path, lambda: path.write_text(auth_text("bob")))
+
+
+@pytest.mark.parametrize(
+    ("mode", "owner", "says"),
+    [
+        (0o600, 1000, None),
+        (0o644, 1000, None),
+        (0o664, 1000, None),  # a user's private group, as Debian's umask 002 makes
+        (0o644, 0, None),  # root's: a Secret mounted by the kubelet
+        (0o666, 1000, "anyone may write it (mode 0666); chmod o-w it"),
+        (0o602, 0, "anyone may write it (mode 0602); chmod o-w it"),
+        (0o600, 1001, "it belongs to uid 1001, not this user (1000) or root"),
+    ],
+)
+def test_an_auth_file_another_user_may_write_is_not_trusted(
+    mode: int, owner: int, says: str | None
+) -> None:
+    st = os.stat_result((stat.S_IFREG | mode, 0, 0, 1, owner, 0, 0, 0, 0, 0))
+    assert daemon.auth_file_problem(st, uid=1000) == says
+
+
+def test_serve_refuses_a_world_writable_auth_file(tmp_path: Path) -> None:
+    path = tmp_path / "auth.yaml"
+    path.write_text(auth_text("alice"))
+    path.chmod(0o666)
+    with pytest.raises(errors.InvalidRequest, match=r"not used, as anyone may write it"):
+        daemon.read_auth_file(path)
+    path.chmod(0o644)
+    assert daemon.read_auth_file(path).by_name("alice") is not None
+
+
+@pytest.mark.anyio
+async def test_an_auth_file_made_world_writable_keeps_the_tenants_in_force(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "auth.yaml"
+    path.write_text(auth_text("alice"))
+    gate = access.Access(tenants=daemon.read_auth_file(path))
+    store = SQLiteStore(tmp_path / "state.db")
+    stop = asyncio.Event()
+    task = asyncio.create_task(daemon._follow_auth_file(path, gate, store, stop))
+    try:
+        await asyncio.sleep(0.5)  # the watch is armed
+        path.chmod(0o666)
+        path.write_text(auth_text("bob"))
+        await until(lambda: any(e.reason == "AuthFileRejected" for e in store.events()))
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 5)
+    assert in_force(gate) == ["alice"]
