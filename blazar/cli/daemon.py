@@ -235,6 +235,10 @@ def _parse_auth_file(text: str, path: Path) -> tenants.Tenants:
         raise errors.InvalidRequest(str(exc)) from None
 
 
+# How often a follower whose auth file's directory is gone looks for it again.
+AUTH_FILE_RETRY_S = 1.0
+
+
 def auth_file_dirs(path: Path) -> frozenset[Path]:
     """The directories to watch for changes to what the auth file at `path` reads: its
     own, and its target's when it is (or goes through) a symbolic link. The link's side
@@ -257,6 +261,10 @@ async def _follow_auth_file(
     seen: str | None = None
     while not stop.is_set():
         dirs = auth_file_dirs(path)
+        if not dirs:  # its directory is gone: nothing to watch until it is back
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), AUTH_FILE_RETRY_S)
+            continue
         async for _ in watchfiles.awatch(*dirs, stop_event=stop, debounce=200, step=50):
             seen = _reload_auth_file(path, gate, store, seen=seen)
             if auth_file_dirs(path) != dirs:

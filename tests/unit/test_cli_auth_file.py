@@ -169,3 +169,28 @@ async def test_an_auth_file_made_world_writable_keeps_the_tenants_in_force(
         stop.set()
         await asyncio.wait_for(task, 5)
     assert in_force(gate) == ["alice"]
+
+
+@pytest.mark.anyio
+async def test_an_auth_file_whose_directory_comes_back_is_followed_again(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "conf").mkdir()
+    path = tmp_path / "conf" / "auth.yaml"
+    path.write_text(auth_text("alice"))
+    gate = access.Access(tenants=daemon.read_auth_file(path))
+    (tmp_path / "conf" / "auth.yaml").unlink()
+    (tmp_path / "conf").rmdir()
+    store = SQLiteStore(tmp_path / "state.db")
+    stop = asyncio.Event()
+    task = asyncio.create_task(daemon._follow_auth_file(path, gate, store, stop))
+    try:
+        await asyncio.sleep(0.2)
+        assert not task.done()  # it waits for the directory, it does not end or spin
+        (tmp_path / "conf").mkdir()
+        await asyncio.sleep(daemon.AUTH_FILE_RETRY_S + 0.5)  # the watch is armed again
+        path.write_text(auth_text("bob"))
+        await until(lambda: in_force(gate) == ["bob"])
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 5)
