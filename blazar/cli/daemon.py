@@ -258,7 +258,8 @@ async def _follow_auth_file(
     and config tools replace a file by renaming another over it. What the file reads is
     compared with what was read last, so a change beside it does nothing."""
     path = path.absolute()
-    seen: str | None = None
+    # What `serve` put in force at its start: a change beside the file reloads nothing.
+    seen, _ = _reading(path)
     while not stop.is_set():
         dirs = auth_file_dirs(path)
         if not dirs:  # its directory is gone: nothing to watch until it is back
@@ -271,16 +272,19 @@ async def _follow_auth_file(
                 break  # the link points elsewhere now: watch where it points
 
 
-def _reload_auth_file(
-    path: Path, gate: access.Access, store: SQLiteStore, *, seen: str | None
-) -> str | None:
+def _reading(path: Path) -> tuple[str, errors.BlazarError | None]:
+    """What the auth file reads now: its text, or why it cannot be used (the message,
+    and the error)."""
+    try:
+        return _auth_file_text(path), None
+    except errors.BlazarError as err:
+        return err.message, err
+
+
+def _reload_auth_file(path: Path, gate: access.Access, store: SQLiteStore, *, seen: str) -> str:
     """Read the auth file again and put it in force if it reads otherwise than `seen`
     (what the last reading found, or its error); what this reading found."""
-    problem: errors.BlazarError | None = None
-    try:
-        found = _auth_file_text(path)
-    except errors.BlazarError as err:
-        found, problem = err.message, err
+    found, problem = _reading(path)
     if found == seen:
         return seen
     fresh: tenants.Tenants | None = None

@@ -121,6 +121,27 @@ async def test_a_plain_file_rewritten_is_put_in_force(tmp_path: Path) -> None:
     await follow(path, tmp_path, lambda: path.write_text(auth_text("bob")))
 
 
+@pytest.mark.anyio
+async def test_a_change_beside_the_auth_file_reloads_nothing(tmp_path: Path) -> None:
+    path = tmp_path / "auth.yaml"
+    path.write_text(auth_text("alice"))
+    gate = access.Access(tenants=daemon.read_auth_file(path))
+    store = SQLiteStore(tmp_path / "elsewhere.db")
+    stop = asyncio.Event()
+    task = asyncio.create_task(daemon._follow_auth_file(path, gate, store, stop))
+    try:
+        await asyncio.sleep(0.5)  # the watch is armed
+        (tmp_path / "notes.txt").write_text("not the auth file")
+        await asyncio.sleep(0.8)  # past the watch's debounce
+        path.write_text(auth_text("bob"))
+        await until(lambda: in_force(gate) == ["bob"])
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 5)
+    assert [e.reason for e in store.events()] == ["AuthFileLoaded"]
+    store.close()
+
+
 @pytest.mark.parametrize(
     ("mode", "owner", "says"),
     [
