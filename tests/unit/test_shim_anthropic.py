@@ -316,6 +316,26 @@ INVALID: dict[str, tuple[dict[str, Any], str]] = {
         ),
         "tool results come in user turns",
     ),
+    "tool_result answering no call": (
+        body(
+            messages=[
+                *HI,
+                {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "f", "input": {}}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_2", "content": "x"}]},
+            ]
+        ),
+        "'messages[2].content[0].tool_use_id' 'toolu_2' matches no tool_use block",
+    ),
+    "tool_result before its call": (
+        body(
+            messages=[
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "x"}]},
+                {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "f", "input": {}}]},
+                *HI,
+            ]
+        ),
+        "'messages[0].content[0].tool_use_id' 'toolu_1' matches no tool_use block",
+    ),
     "thinking": (body(thinking={"type": "enabled", "budget_tokens": 2048}), "'thinking' is not supported"),
     "mcp_servers": (body(mcp_servers=[{"type": "url", "url": "http://x", "name": "x"}]), "'mcp_servers'"),
     "container": (body(container="container_1"), "'container' is not supported"),

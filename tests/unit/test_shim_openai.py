@@ -964,6 +964,35 @@ async def test_unknown_model_is_404(daemon: Daemon, client: httpx.AsyncClient) -
             "messages[0].tool_calls",
             "Only assistant messages",
         ),
+        # A tool message answers a call made before it, as OpenAI insists.
+        (
+            json.dumps(
+                {
+                    "model": "tiny",
+                    "messages": [
+                        {"role": "user", "content": "x"},
+                        {"role": "assistant", "content": None, "tool_calls": [TOOL_CALL]},
+                        {"role": "tool", "tool_call_id": "call_typo", "content": "21"},
+                    ],
+                }
+            ).encode(),
+            "messages[2].tool_call_id",
+            "'call_typo' matches no call",
+        ),
+        (
+            json.dumps(
+                {
+                    "model": "tiny",
+                    "messages": [
+                        {"role": "user", "content": "x"},
+                        {"role": "tool", "tool_call_id": "call_1", "content": "21"},
+                        {"role": "assistant", "content": None, "tool_calls": [TOOL_CALL]},
+                    ],
+                }
+            ).encode(),
+            "messages[1].tool_call_id",
+            "a tool message answers a call made before it",
+        ),
         # System and user turns need content; an assistant turn may be empty.
         (
             json.dumps({"model": "tiny", "messages": [{"role": "user"}]}).encode(),

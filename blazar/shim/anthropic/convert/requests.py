@@ -311,6 +311,13 @@ def _tool_result(
             _refuse_citations(part, param=f"{param}.content[{k}]")
             parts.append(part.text)
         text = "\n".join(parts)
+    if block.tool_use_id not in names:
+        # Anthropic refuses it too: a result must answer a call made before it.
+        raise _invalid(
+            f"'{param}.tool_use_id' {block.tool_use_id!r} matches no tool_use block in an "
+            "earlier assistant turn; each tool_result block answers a call made before it.",
+            param=f"{param}.tool_use_id",
+        )
     if block.is_error:
         text = ERROR_RESULT_PREFIX + text
     return inference_pb2.Message(
@@ -318,7 +325,7 @@ def _tool_result(
         content=text,
         tool_call_id=block.tool_use_id,
         # The tool's name, for templates that print it: the call's, when the history has it.
-        name=names.get(block.tool_use_id, ""),
+        name=names[block.tool_use_id],
     )
 
 

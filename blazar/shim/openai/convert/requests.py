@@ -42,6 +42,7 @@ def chat_request(
     _refuse_unhonoured(body)
     _require_content(body.messages)
     messages = [_message(message, i) for i, message in enumerate(body.messages)]
+    _require_earlier_calls(messages)
     max_tokens = (
         body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     )
@@ -113,6 +114,22 @@ def _message(message: protocol.ChatMessage, i: int) -> inference_pb2.Message:
         # A tool message's name is the tool's; other roles' are participants'.
         name=message.name or "",
     )
+
+
+def _require_earlier_calls(messages: Sequence[inference_pb2.Message]) -> None:
+    """A tool message answers a call an assistant turn made before it, as OpenAI
+    insists: a result whose `tool_call_id` matches no call is an app's bug (an id
+    mistyped, a history trimmed of its call), not a turn to show the model."""
+    calls: set[str] = set()
+    for i, message in enumerate(messages):
+        calls.update(call.id for call in message.tool_calls)
+        if message.role == "tool" and message.tool_call_id not in calls:
+            raise envelope.invalid(
+                f"Invalid parameter: 'messages[{i}].tool_call_id' {message.tool_call_id!r} "
+                "matches no call in the 'tool_calls' of an earlier assistant message; a tool "
+                "message answers a call made before it.",
+                param=f"messages[{i}].tool_call_id",
+            )
 
 
 def _tool(tool: protocol.FunctionTool) -> inference_pb2.Tool:
