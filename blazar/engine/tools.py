@@ -455,6 +455,9 @@ class CallParser:
     # separate calls, or (auto) an open block.
     _held: str = ""
     _in_call: bool = False
+    # Auto: the whitespace before the open block, which goes out with it when the
+    # block is not a call (the text as it was), and nowhere when it is one.
+    _gap: str = ""
     # Forced: where the call being streamed is (head, arguments, tail).
     _stage: str = "head"
     _args: _JsonScan = field(default_factory=lambda: _JsonScan())
@@ -478,7 +481,7 @@ class CallParser:
             return Parsed()
         if self._in_call:
             self._in_call = False
-            return Parsed(text=OPEN + held)
+            return Parsed(text=self._gap + OPEN + held)
         # Whitespace after the last call only separated it from nothing.
         return Parsed(text="" if self.made and not held.strip() else held)
 
@@ -498,13 +501,15 @@ class CallParser:
                 self._in_call = False
                 call = self._validated(body)
                 if call is None:
-                    out.append(OPEN + body + CLOSE)
+                    out.append(self._gap + OPEN + body + CLOSE)
                 else:
                     calls.append(call)
                 continue
             start = buf.find(OPEN)
             if start >= 0:
-                out.append(buf[:start].rstrip())
+                before = buf[:start].rstrip()
+                self._gap = buf[len(before) : start]
+                out.append(before)
                 buf = buf[start + len(OPEN) :]
                 self._in_call = True
                 continue

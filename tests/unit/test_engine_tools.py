@@ -329,6 +329,13 @@ def test_a_forced_arguments_string_may_hold_braces_and_the_closing_tag() -> None
         ),
         (call("weather", '{"city": "Paris"}'), call("weather", '{"city": "Paris"}'), {}),
         (call("nope", "{}"), call("nope", "{}"), {}),
+        # With the whitespace before it.
+        (f"Let me look.\n{call('nope', '{}')}", f"Let me look.\n{call('nope', '{}')}", {}),
+        (
+            f"{GOOD} \n{call('nope', '{}')}",
+            f" \n{call('nope', '{}')}",
+            {0: ("weather", {"city": "Paris", "unit": "c"})},
+        ),
         ("<tool_call>\n{not json}\n</tool_call>", "<tool_call>\n{not json}\n</tool_call>", {}),
         (
             '<tool_call>{"name": "noop", "arguments": {}, "x": 1}</tool_call>',
@@ -338,6 +345,7 @@ def test_a_forced_arguments_string_may_hold_braces_and_the_closing_tag() -> None
         # Cut short: the text as it was.
         (GOOD[:30], GOOD[:30], {}),
         ("a <tool_ca", "a <tool_ca", {}),
+        (f"Let me look.\n\n{GOOD[:30]}", f"Let me look.\n\n{GOOD[:30]}", {}),
         ("  ", "  ", {}),
         ("a \n b \n", "a \n b \n", {}),
         (f"{GOOD}\n \n", "", {0: ("weather", {"city": "Paris", "unit": "c"})}),
@@ -362,7 +370,7 @@ def test_auto_output_is_a_call_only_when_it_validates(
 def test_auto_without_parallel_calls_keeps_a_second_call_as_text() -> None:
     parser = tools.CallParser(toolset(parallel=False), new_id=ids())
     said, calls = run(parser, [f"{GOOD}\n{EMPTY}"])
-    assert list(calls) == [0] and said == EMPTY
+    assert list(calls) == [0] and said == f"\n{EMPTY}"
 
 
 def test_auto_calls_come_out_whole_with_their_own_ids() -> None:
