@@ -439,6 +439,12 @@ class PolicyNotPermitted(PermissionDenied):
     reason = "SLO_POLICY_NOT_PERMITTED"
 
 
+class KeepAliveNotPermitted(PermissionDenied):
+    """A request sets keep_alive, which its tenant's `keepAlive` does not allow."""
+
+    reason = "KEEP_ALIVE_NOT_PERMITTED"
+
+
 class AdminRequired(PermissionDenied):
     """Control called by a tenant without `admin`, or over TCP without an admin key."""
 
@@ -479,6 +485,7 @@ _BY_REASON: dict[str, type[BlazarError]] = {
         PermissionDenied,
         ModelNotPermitted,
         PolicyNotPermitted,
+        KeepAliveNotPermitted,
         AdminRequired,
         OriginNotAllowed,
         DeadlineExceeded,

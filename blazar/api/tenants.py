@@ -8,6 +8,7 @@
         rateLimit: {requestsPerMinute: 60, tokensPerMinute: 100000}
         weight: 2                              # its share of a Lane inside a priority tier
         sloPolicies: ["*"]                     # SLOPolicies it may name; "*": all
+        keepAlive: true                        # may say how long a Lane stays loaded
       - name: ci
         keys: ["sha256:..."]
         lanes: [gemma3]
@@ -24,6 +25,12 @@ A request that names no SLOPolicy runs under its Lane's, and naming the Lane's o
 the same; naming any other (`x-blazar-slo`, the `slo` field) needs the tenant's
 `sloPolicies` to list it. Without that, one tenant could mark its work as another's
 priority and have it admitted first, parking theirs.
+
+A request's `keep_alive` (Ollama's, the gRPC `keep_alive_s`) says how long its Lane
+stays loaded for every tenant: 0 unloads it now, under the others' requests, losing
+their cached prompts; a long or negative one keeps it in memory another Lane could
+use. So setting it needs the tenant's `keepAlive`; without that a request that sets it
+is refused, not served as if it had not.
 
 Pure: parsing, validation and key checks; who calls with which key is the data
 plane's (`blazar.dataplane.access`).
@@ -73,6 +80,7 @@ class Tenant(CamelModel):
     rate_limit: RateLimit | None = None
     weight: float = Field(default=1.0, gt=0, le=1000)
     slo_policies: list[str] = Field(default_factory=list)
+    keep_alive: bool = False
 
     @field_validator("keys")
     @classmethod

@@ -95,6 +95,10 @@ class Caller:
     def may_use(self, names: Iterable[str]) -> bool:
         return self.tenant is None or self.tenant.may_use(names)
 
+    def may_keep_alive(self) -> bool:
+        """Whether the caller may say how long a Lane stays loaded (`keep_alive`)."""
+        return self.tenant is None or self.tenant.keep_alive
+
     @property
     def weight(self) -> float:
         return self.tenant.weight if self.tenant is not None else 1.0

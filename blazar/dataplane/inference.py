@@ -410,6 +410,7 @@ class InferenceService(Unqueued, inference_pb2_grpc.InferenceServicer):
         # Before a replica is picked: a policy that does not exist is the caller's
         # mistake whatever state the Lane is in.
         policy = await self._policy(model, slo, context, caller)
+        await self._keep_alive(model, keep_alive_s, context, caller)
         named = self.table.by_name.get(model)
         if named is not None and named.upstream is not None:
             # Before admission, whether or not the upstream answers now: what it cannot
@@ -701,6 +702,23 @@ class InferenceService(Unqueued, inference_pb2_grpc.InferenceServicer):
             # Who, as `_permit` and `_count` log it: a tenant's refusal is told as its own.
             log.info("request.rejected", model=model, reason=err.reason, tenant=caller.name)
             await status.abort(context, err)
+
+    async def _keep_alive(
+        self, model: str, keep_alive_s: float | None, context: Context, caller: access.Caller
+    ) -> None:
+        """Refuse a request that sets keep_alive, which changes how long its Lane stays
+        loaded for every tenant, unless the caller's tenant may (`keepAlive`). Before
+        the rate limit counts it, as a policy it may not name is."""
+        if keep_alive_s is None or caller.may_keep_alive():
+            return
+        err = errors.KeepAliveNotPermitted(
+            f"keep_alive sets how long '{model}' stays loaded for every tenant, and this "
+            "key's tenant may not set it (its keepAlive is not true in the auth file); "
+            "leave it out."
+        )
+        metrics.observe_tenant_refusal(caller.name, err.reason)
+        log.info("request.rejected", model=model, reason=err.reason, tenant=caller.name)
+        await status.abort(context, err)
 
     def _policy_spec(self, name: str) -> SLOPolicySpec | None:
         return self._fleet.policy(name)

@@ -68,6 +68,11 @@ class Unqueued:
     ) -> admission.Policy:
         raise NotImplementedError
 
+    async def _keep_alive(
+        self, model: str, keep_alive_s: float | None, context: Context, caller: access.Caller
+    ) -> None:
+        raise NotImplementedError
+
     async def _count(self, model: str, context: Context, caller: access.Caller) -> None:
         raise NotImplementedError
 
@@ -108,9 +113,10 @@ class Unqueued:
         await self._permit(request.model, context, caller)
         # Admits nothing, but a policy named here is checked as on every route.
         await self._policy(request.model, "", context, caller)
+        keep_alive_s = request.keep_alive_s if request.HasField("keep_alive_s") else None
+        await self._keep_alive(request.model, keep_alive_s, context, caller)
         await self._count(request.model, context, caller)
         route = routing.resolve(self.table, request.model)
-        keep_alive_s = request.keep_alive_s if request.HasField("keep_alive_s") else None
         if keep_alive_s == 0:
             self._activity.release(route.lane)
             log.info("lane.unload", lane=route.lane)
@@ -139,11 +145,12 @@ class Unqueued:
         caller = access.current()
         await self._permit(request.model, context, caller)
         await self._policy(request.model, "", context, caller)
+        keep_alive_s = request.keep_alive_s if request.HasField("keep_alive_s") else None
+        await self._keep_alive(request.model, keep_alive_s, context, caller)
         await self._count(request.model, context, caller)
         route, replica = await self._awake(request.model, context, caller)
         # Counted like a generation: it keeps its Lane awake, and says how long after.
         self._activity.begin(route.lane)
-        keep_alive_s = request.keep_alive_s if request.HasField("keep_alive_s") else None
         served = False
         try:
             route, response = await self._on_replicas(

@@ -29,8 +29,10 @@ tenants:
   - {{name: narrow, keys: ["{tenants.digest("bz-narrow")}"], lanes: [mine]}}
   - {{name: boss, keys: ["{tenants.digest("bz-boss")}"], lanes: [mine], admin: true}}
   - {{name: once, keys: ["{tenants.digest("bz-once")}"], lanes: ["*"], rateLimit: {{requestsPerMinute: 1}},
-      sloPolicies: ["*"]}}
-  - {{name: plain, keys: ["{tenants.digest("bz-plain")}"], lanes: ["*"], rateLimit: {{requestsPerMinute: 1}}}}
+      sloPolicies: ["*"], keepAlive: true}}
+  - {{name: plain, keys: ["{tenants.digest("bz-plain")}"], lanes: ["*"], rateLimit: {{requestsPerMinute: 1}},
+      keepAlive: true}}
+  - {{name: guest, keys: ["{tenants.digest("bz-guest")}"], lanes: ["*"], rateLimit: {{requestsPerMinute: 1}}}}
 """,
     source="test",
 )
@@ -182,6 +184,49 @@ def test_a_policy_the_tenant_may_not_name_is_refused_on_every_route_and_costs_no
     assert seen == {(grpc.StatusCode.PERMISSION_DENIED, "SLO_POLICY_NOT_PERMITTED")}
     assert then == grpc.StatusCode.OK
     assert refusals("plain", "SLO_POLICY_NOT_PERMITTED") - before == 10
+
+
+def test_keep_alive_from_a_tenant_without_keep_alive_is_refused_and_costs_nothing() -> None:
+    """keep_alive decides how long a Lane stays loaded for every tenant (0 unloads it
+    under their requests): a tenant needs `keepAlive` to set it, on every route that
+    takes it, and the refusal is not counted against its rate limit."""
+    before = refusals("guest", "KEEP_ALIVE_NOT_PERMITTED")
+    calls: dict[str, Call] = {
+        "Chat": lambda s, m: _stream(
+            s.Chat(inference_pb2.ChatRequest(model=ASKED, keep_alive_s=300), metadata=m)
+        ),
+        "Complete": lambda s, m: _stream(
+            s.Complete(
+                inference_pb2.CompleteRequest(model=ASKED, prompt="Hi", keep_alive_s=-1),
+                metadata=m,
+            )
+        ),
+        "Embed": lambda s, m: s.Embed(
+            inference_pb2.EmbedRequest(model=ASKED, inputs=["Hi"], keep_alive_s=0), metadata=m
+        ),
+        "KeepAlive": CALLS["KeepAlive"],
+    }
+
+    async def run() -> tuple[set[tuple[grpc.StatusCode, str]], grpc.StatusCode]:
+        async with plane(ASKED) as (stub, _):
+            key = ("authorization", "Bearer bz-guest")
+            seen = set()
+            for call in calls.values():
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await call(stub, (key,))
+                reason = dict(info.value.trailing_metadata() or ())["blazar-reason"]
+                seen.add((info.value.code(), reason))
+                assert "keepAlive" in (info.value.details() or "")
+            # Its one request a minute is still there: refused for the Lane's state
+            # (no ready replica), not for its rate limit.
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await CALLS["Tokenize"](stub, (key,))
+            return seen, info.value.code()
+
+    seen, then = asyncio.run(run())
+    assert seen == {(grpc.StatusCode.PERMISSION_DENIED, "KEEP_ALIVE_NOT_PERMITTED")}
+    assert then == grpc.StatusCode.UNAVAILABLE
+    assert refusals("guest", "KEEP_ALIVE_NOT_PERMITTED") - before == len(calls)
 
 
 def test_a_request_refused_for_the_servers_state_costs_no_rate_limit() -> None:
