@@ -94,8 +94,8 @@ class SQLiteStore(TransactionalStore):
     def _transaction(self) -> Iterator[sqlite3.Connection]:
         """One write transaction, all or nothing. A write SQLite cannot make (a full
         disk, an I/O error, a lock another program holds, a file damaged under the
-        daemon) leaves nothing behind and is
-        raised as Unavailable, which each caller reports in its own terms."""
+        daemon) leaves nothing behind and is raised as Unavailable, which each caller
+        reports in its own terms."""
         try:
             self._db.execute("BEGIN IMMEDIATE")
             try:
@@ -117,6 +117,8 @@ class SQLiteStore(TransactionalStore):
         try:
             return self._db.execute(sql, parameters).fetchall()
         except sqlite3.DatabaseError as exc:
+            if not _about_the_file(exc):
+                raise
             raise errors.Unavailable(f"cannot read the store {self._path}: {exc}") from None
 
     def _load(self, kind: Kind | None, name: str | None) -> builtins.list[dict[str, Any]]:

@@ -622,6 +622,22 @@ def test_a_write_the_disk_refuses_is_unavailable_and_leaves_nothing(tmp_path: Pa
         store.close()
 
 
+@pytest.mark.parametrize(
+    ("exc", "about_the_file"),
+    [
+        (sqlite3.DatabaseError("database disk image is malformed"), True),
+        (sqlite3.OperationalError("disk I/O error"), True),
+        (sqlite3.IntegrityError("UNIQUE constraint failed"), False),
+        (sqlite3.ProgrammingError("Incorrect number of bindings"), False),
+    ],
+)
+def test_only_failures_of_the_file_are_unavailable(
+    exc: sqlite3.DatabaseError, about_the_file: bool
+) -> None:
+    """A statement's own mistake stays a bug (INTERNAL), never 'cannot read the store'."""
+    assert sqlite._about_the_file(exc) is about_the_file
+
+
 def test_an_event_the_disk_refuses_is_dropped_not_raised(tmp_path: Path) -> None:
     path = tmp_path / "blazar.db"
     store = SQLiteStore(path)
