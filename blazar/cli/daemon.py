@@ -26,7 +26,7 @@ import secrets
 import signal
 import socket
 import stat
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -386,7 +386,16 @@ def _shim(
     credentials, channel_options = (
         certificate.loopback_channel() if certificate is not None else (None, ())
     )
-    return uvicorn.Server(
+
+    class Server(uvicorn.Server):
+        # The daemon owns its signals (`_serve`). uvicorn's own capture would also
+        # raise each signal it saw again once the shim has stopped, which the daemon
+        # would take for a second one.
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            yield
+
+    return Server(
         uvicorn.Config(
             create_app(
                 inference_target=grpc_target,
@@ -533,10 +542,19 @@ async def _serve(
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def on_signal() -> None:
+        # A second signal while stopping (Ctrl-C pressed again, a service manager's
+        # second SIGTERM) stops now: engines killed, not waited on through the drain.
+        if stop.is_set():
+            log.warning("daemon.hurried")
+            supervisor.hurry()
+        stop.set()
+
     # SIGHUP (the terminal closed, or a service manager's reload) drains like SIGTERM:
     # its default action would end the daemon at once, engines and streams cut off.
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
 
     if options.watch is not None:
         # Before the controllers start: a manifest edited while the daemon was down

@@ -129,6 +129,8 @@ class Supervisor:
     python: str = sys.executable
     log_json: bool = True
     _replicas: dict[tuple[str, int], _Replica] = field(default_factory=dict)
+    # Set by `hurry`: stops no longer drain or wait out a grace.
+    _hurried: bool = False
 
     def __post_init__(self) -> None:
         # Private directories, checked (`rundir`): a long home's sockets and the
@@ -198,15 +200,16 @@ class Supervisor:
         replica.stopping = True
         proc = replica.process
         if proc is not None and proc.returncode is None:
-            replica.state = ReplicaState.DRAINING
-            await self._drain(replica, grace)
-            replica.state = ReplicaState.STOPPING
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(signal.SIGTERM)
-            try:
-                await asyncio.wait_for(proc.wait(), timeout=grace)
-            except TimeoutError:
-                log.warning("replica.kill", lane=lane, index=index, pid=proc.pid)
+            if not self._hurried:
+                replica.state = ReplicaState.DRAINING
+                await self._drain(replica, grace)
+                replica.state = ReplicaState.STOPPING
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(signal.SIGTERM)
+                try:
+                    await asyncio.wait_for(proc.wait(), timeout=grace)
+                except TimeoutError:
+                    log.warning("replica.kill", lane=lane, index=index, pid=proc.pid)
             self._kill_group(proc)
             await proc.wait()
         if replica.task is not None:
@@ -219,6 +222,18 @@ class Supervisor:
             # Gone, or a home turned read-only: a leftover is replaced at the next start.
             with contextlib.suppress(OSError):
                 path.unlink()
+
+    def hurry(self) -> None:
+        """Stop now rather than gracefully (a second SIGTERM or Ctrl-C of `serve`):
+        SIGKILL the group of every replica, which ends a stop waiting on its drain or
+        grace at once, and make every later stop skip both. Streams still running end
+        with the engine's stop error; caches are not saved."""
+        self._hurried = True
+        for replica in self._replicas.values():
+            # Being stopped, not failed: nothing restarts it before `stop_all` comes.
+            replica.stopping = True
+            if replica.process is not None and replica.process.returncode is None:
+                self._kill_group(replica.process)
 
     def kv_lanes(self) -> list[str]:
         try:

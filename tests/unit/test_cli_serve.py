@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 import pytest
@@ -130,3 +131,19 @@ def test_serve_home_is_the_flag_then_blazar_home_then_xdg_data_home(
     assert _serve_options(monkeypatch, [], env).home == tmp_path / "env"
     flag = ["--home", str(tmp_path / "flag")]
     assert _serve_options(monkeypatch, flag, env).home == tmp_path / "flag"
+
+
+def test_the_shim_leaves_the_daemons_signal_handlers_alone() -> None:
+    """The daemon owns SIGTERM and SIGINT (a second one hurries the stop). uvicorn's own
+    capture would replace its handlers while the shim serves, then raise each signal
+    again once the shim stopped: a single SIGTERM would read as two."""
+    shim = daemon._shim(
+        "127.0.0.1:1",
+        probe_key="k",
+        allow_origins=(),
+        certificate=None,
+        require_key=lambda _: None,
+    )
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    with shim.capture_signals():
+        assert {sig: signal.getsignal(sig) for sig in before} == before

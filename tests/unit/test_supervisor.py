@@ -663,3 +663,40 @@ def test_a_restarted_replica_keeps_why_its_last_run_exited(
     assert restarted.state == ReplicaState.STARTING and restarted.restarts == 1
     assert (restarted.exit_code, restarted.exit_reason) == (-signal.SIGKILL, failed.message)
     assert restarted.message == ""
+
+
+STUBBORN_WORKER = f"""#!{sys.executable}
+import signal, time
+
+signal.signal(signal.SIGTERM, signal.SIG_IGN)  # as an engine still saving or draining
+time.sleep(60)
+"""
+
+
+def test_hurry_cuts_a_stop_short_rather_than_wait_out_its_grace(tmp_path: Path) -> None:
+    """A second SIGTERM or Ctrl-C of `serve` hurries the stop: a worker that would keep
+    its whole grace is killed at once, and one started after the hurry is not waited on."""
+    sup, launch, worker = bare_supervisor(tmp_path)
+    worker.write_text(STUBBORN_WORKER)
+
+    async def run() -> tuple[list[int], float]:
+        assert await sup.start("l", 0, launch) == []
+        stopping = asyncio.create_task(sup.stop_all(grace=30.0))
+        await asyncio.sleep(0.3)
+        begun = time.monotonic()
+        sup.hurry()
+        await asyncio.wait_for(stopping, 5.0)
+        pids = [obs.pid for obs in sup.observe("l") if obs.pid is not None]
+        assert await sup.start("l", 1, launch) == []
+        (obs,) = sup.observe("l")
+        assert obs.pid is not None
+        await asyncio.wait_for(sup.stop_all(grace=30.0), 5.0)
+        return [*pids, obs.pid], time.monotonic() - begun
+
+    pids, took = asyncio.run(run())
+    assert took < 5.0
+    assert sup.observe("l") == []
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    remove_run_dir(sup)
