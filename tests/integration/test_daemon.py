@@ -711,3 +711,42 @@ def test_a_deleted_lane_or_model_is_said_so_not_retry(
     finally:
         sdk.close()
         daemon.cli("delete", "lane", "doomed")
+
+
+def test_a_second_signal_stops_at_once_cutting_streams_with_an_error(model_path: Path) -> None:
+    """SIGTERM drains through the engines' 10 s stop grace; Ctrl-C again (a second
+    signal) kills the engines at once, and a stream still running ends with the
+    dialect's error, never a normal finish."""
+    home = short_home()
+    fleet = local_fleet(
+        home, model_path, lane="cut", spec="replicas: 1, slots: 1, contextPerSlot: 512"
+    )
+    daemon = Daemon(home=home, watch=fleet).start()
+    try:
+        daemon.wait_condition("lane", "cut", "Ready", timeout=180)
+        pids = daemon.pids("cut")
+        assert daemon.process is not None
+        chunks = client(daemon).chat.completions.create(
+            model="cut",
+            messages=[{"role": "user", "content": "Tell a long story."}],
+            max_tokens=480,
+            logit_bias={"1": -100, "106": -100},  # no end of turn: it runs for its budget
+            stream=True,
+        )
+        finishes: list[str | None] = []
+        with pytest.raises(openai.APIError, match="before this request finished"):
+            for n, chunk in enumerate(chunks):
+                if n == 2:
+                    daemon.process.send_signal(signal.SIGTERM)
+                    time.sleep(0.5)
+                    started = time.monotonic()
+                    daemon.process.send_signal(signal.SIGINT)
+                finishes += [c.finish_reason for c in chunk.choices if c.finish_reason]
+        assert finishes == []
+        assert daemon.process.wait(timeout=5) == 0
+        print(f"\nstopped {time.monotonic() - started:.2f} s after the second signal")
+        assert not any(pid_alive(p) for p in pids)
+        assert not (home / "daemon.json").exists()
+    finally:
+        daemon.stop()
+        shutil.rmtree(home, ignore_errors=True)
