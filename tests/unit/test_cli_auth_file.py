@@ -5,11 +5,12 @@ re-pointed (`ln -sfn`, a Kubernetes Secret mounted as a volume)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import os
 import stat
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
@@ -40,19 +41,30 @@ async def until(condition: Callable[[], bool], *, within_s: float = 10.0) -> Non
         await asyncio.sleep(0.05)
 
 
-async def follow(path: Path, tmp_path: Path, change: Callable[[], None]) -> access.Access:
-    """The tenants in force after `change`, followed from a file that held alice's."""
-    gate = access.Access(tenants=daemon.read_auth_file(path))
-    store = SQLiteStore(tmp_path / "state.db")
+@contextlib.asynccontextmanager
+async def following(
+    path: Path, gate: access.Access, store_path: Path
+) -> AsyncIterator[tuple[SQLiteStore, asyncio.Task[None]]]:
+    """The auth file at `path` followed into `gate`, its events in a store at
+    `store_path`, until the block ends: the store, and the follower's task."""
+    store = SQLiteStore(store_path)
     stop = asyncio.Event()
     task = asyncio.create_task(daemon._follow_auth_file(path, gate, store, stop))
     try:
-        await asyncio.sleep(0.5)  # the watch is armed
-        change()
-        await until(lambda: in_force(gate) == ["bob"])
+        yield store, task
     finally:
         stop.set()
         await asyncio.wait_for(task, 5)
+        store.close()
+
+
+async def follow(path: Path, tmp_path: Path, change: Callable[[], None]) -> access.Access:
+    """The tenants in force after `change`, followed from a file that held alice's."""
+    gate = access.Access(tenants=daemon.read_auth_file(path))
+    async with following(path, gate, tmp_path / "state.db"):
+        await asyncio.sleep(0.5)  # the watch is armed
+        change()
+        await until(lambda: in_force(gate) == ["bob"])
     return gate
 
 
@@ -126,20 +138,13 @@ async def test_a_change_beside_the_auth_file_reloads_nothing(tmp_path: Path) -> 
     path = tmp_path / "auth.yaml"
     path.write_text(auth_text("alice"))
     gate = access.Access(tenants=daemon.read_auth_file(path))
-    store = SQLiteStore(tmp_path / "elsewhere.db")
-    stop = asyncio.Event()
-    task = asyncio.create_task(daemon._follow_auth_file(path, gate, store, stop))
-    try:
+    async with following(path, gate, tmp_path / "elsewhere.db") as (store, _):
         await asyncio.sleep(0.5)  # the watch is armed
         (tmp_path / "notes.txt").write_text("not the auth file")
         await asyncio.sleep(0.8)  # past the watch's debounce
         path.write_text(auth_text("bob"))
         await until(lambda: in_force(gate) == ["bob"])
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 5)
-    assert [e.reason for e in store.events()] == ["AuthFileLoaded"]
-    store.close()
+        assert [e.reason for e in store.events()] == ["AuthFileLoaded"]
 
 
 @pytest.mark.parametrize(
@@ -178,17 +183,11 @@ async def test_an_auth_file_made_world_writable_keeps_the_tenants_in_force(
     path = tmp_path / "auth.yaml"
     path.write_text(auth_text("alice"))
     gate = access.Access(tenants=daemon.read_auth_file(path))
-    store = SQLiteStore(tmp_path / "state.db")
-    stop = asyncio.Event()
-    task = asyncio.create_task(daemon._follow_auth_file(path, gate, store, stop))
-    try:
+    async with following(path, gate, tmp_path / "state.db") as (store, _):
         await asyncio.sleep(0.5)  # the watch is armed
         path.chmod(0o666)
         path.write_text(auth_text("bob"))
         await until(lambda: any(e.reason == "AuthFileRejected" for e in store.events()))
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 5)
     assert in_force(gate) == ["alice"]
 
 
@@ -202,16 +201,10 @@ async def test_an_auth_file_whose_directory_comes_back_is_followed_again(
     gate = access.Access(tenants=daemon.read_auth_file(path))
     (tmp_path / "conf" / "auth.yaml").unlink()
     (tmp_path / "conf").rmdir()
-    store = SQLiteStore(tmp_path / "state.db")
-    stop = asyncio.Event()
-    task = asyncio.create_task(daemon._follow_auth_file(path, gate, store, stop))
-    try:
+    async with following(path, gate, tmp_path / "state.db") as (_, task):
         await asyncio.sleep(0.2)
         assert not task.done()  # it waits for the directory, it does not end or spin
         (tmp_path / "conf").mkdir()
         await asyncio.sleep(daemon.AUTH_FILE_RETRY_S + 0.5)  # the watch is armed again
         path.write_text(auth_text("bob"))
         await until(lambda: in_force(gate) == ["bob"])
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 5)
