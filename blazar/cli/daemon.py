@@ -287,31 +287,29 @@ def _reload_auth_file(path: Path, gate: access.Access, store: SQLiteStore, *, se
     found, problem = _reading(path)
     if found == seen:
         return seen
-    fresh: tenants.Tenants | None = None
     if problem is None:
         try:
             fresh = _parse_auth_file(found, path)
         except errors.BlazarError as err:
             problem = err
-    if fresh is None:
-        message = problem.message if problem is not None else found
-        log.warning("auth.rejected", path=str(path), error=message)
-        store.record_event(
-            kind="AuthFile",
-            name=path.name,
-            type="Warning",
-            reason="AuthFileRejected",
-            message=f"{message}; the tenants read before stay in force.",
-        )
-        return found
-    gate.use(fresh)
-    log.info("auth.reloaded", path=str(path), tenants=len(fresh.tenants))
+        else:
+            gate.use(fresh)
+            log.info("auth.reloaded", path=str(path), tenants=len(fresh.tenants))
+            store.record_event(
+                kind="AuthFile",
+                name=path.name,
+                type="Normal",
+                reason="AuthFileLoaded",
+                message=f"{len(fresh.tenants)} tenants in force from {path}.",
+            )
+            return found
+    log.warning("auth.rejected", path=str(path), error=problem.message)
     store.record_event(
         kind="AuthFile",
         name=path.name,
-        type="Normal",
-        reason="AuthFileLoaded",
-        message=f"{len(fresh.tenants)} tenants in force from {path}.",
+        type="Warning",
+        reason="AuthFileRejected",
+        message=f"{problem.message}; the tenants read before stay in force.",
     )
     return found
 
