@@ -156,6 +156,7 @@ class Attempts:
                 "request.failed",
                 request_id=generate.request_id,
                 lane=route.lane,
+                tenant=ticket.tenant,
                 reason=failure.reason,
             )
             await status.abort(context, failure)
@@ -181,6 +182,7 @@ class Attempts:
             lane=route.lane,
             replica=replica.index,
             policy=ticket.policy.name,
+            tenant=ticket.tenant,
             tokens=tokens,
             queued_s=round(ticket.waited_s, 3),
             seconds=round(time.monotonic() - ticket.arrived, 3),

@@ -7,6 +7,7 @@ socket that takes a few milliseconds per request."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -14,6 +15,7 @@ from typing import Any
 
 import grpc
 import pytest
+from structlog.testing import capture_logs
 
 from blazar._proto.engine.v1 import engine_pb2_grpc
 from blazar._proto.v1 import inference_pb2, inference_pb2_grpc
@@ -113,3 +115,54 @@ def test_weights_two_to_one_give_two_to_one_service_under_saturation() -> None:
     served = asyncio.run(main())
     assert served["heavy"] + served["light"] == SERVED
     assert served["heavy"] / served["light"] == pytest.approx(2.0, rel=0.1), served
+
+
+@pytest.mark.timeout(30)
+def test_the_request_log_names_the_tenant_that_made_it() -> None:
+    """`request.done` and `request.failed` say whose request it was, as the refusals'
+    log lines do: an operator reading one tenant's complaint must find its requests."""
+
+    class FailingSecond(SlowEngine):
+        async def Generate(self, request: Any, context: Any) -> AsyncIterator[inference_pb2.Chunk]:
+            if self.served:
+                await context.abort(grpc.StatusCode.INTERNAL, "engine trouble")
+            async for chunk in super().Generate(request, context):
+                yield chunk
+
+    async def main() -> list[dict[str, Any]]:
+        engine = FailingSecond()
+        async with engines(engine) as sockets:  # type: ignore[arg-type]  # duck-typed servicer
+            store = MemoryStore()
+            lane = Lane(
+                metadata=ObjectMeta(name="l"),
+                spec=LaneSpec(model="m", replicas=1, slots=1),
+                status=LaneStatus(
+                    replica_statuses=[
+                        ReplicaStatus(index=0, state="Ready", socket=sockets[0], pid=1)
+                    ]
+                ),
+            )
+            store.apply_all([lane])
+            store.update_status(Kind.LANE, "l", lane.status)
+            plane = await server.start(
+                store=store, address="127.0.0.1:0", access=access.Access(tenants=AUTH)
+            )
+            try:
+                async with grpc.aio.insecure_channel(f"127.0.0.1:{plane.port}") as channel:
+                    stub = inference_pb2_grpc.InferenceStub(channel)
+                    with capture_logs() as logs:
+                        for tenant in ("heavy", "light"):
+                            metadata = (("authorization", f"Bearer {KEYS[tenant]}"),)
+                            request = inference_pb2.CompleteRequest(model="l", prompt=tenant)
+                            with contextlib.suppress(grpc.aio.AioRpcError):
+                                async for _ in stub.Complete(request, metadata=metadata):
+                                    pass
+            finally:
+                await plane.stop(grace=0)
+            return logs
+
+    logs = asyncio.run(main())
+    [done] = [line for line in logs if line["event"] == "request.done"]
+    [failed] = [line for line in logs if line["event"] == "request.failed"]
+    assert done["tenant"] == "heavy"
+    assert failed["tenant"] == "light"
