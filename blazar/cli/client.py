@@ -16,7 +16,7 @@ from types import TracebackType
 import grpc
 
 from blazar._proto.v1 import control_pb2, control_pb2_grpc
-from blazar.api import errors, kinds
+from blazar.api import errors, features, kinds
 from blazar.cli import home
 from blazar.rpc import tls
 
@@ -110,6 +110,10 @@ class ControlClient:
             if credentials is not None
             else grpc.insecure_channel(target)
         )
+        self._target = target
+        # What the daemon acts on of `features.SERVED`, once asked (`require`).
+        self._features: frozenset[str] | None = None
+        self._daemon_version: str | None = None
         # Over TCP, Control needs an admin tenant's key; on the Unix socket none.
         self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
         self._stub = control_pb2_grpc.ControlStub(self._channel)
@@ -160,6 +164,40 @@ class ControlClient:
             request, metadata=self._metadata, timeout=self.timeout
         )
         return response
+
+    def version(self) -> control_pb2.VersionResponse | None:
+        """The daemon's version and features; None from one that predates `Version`
+        (UNIMPLEMENTED), which has none of the features."""
+        try:
+            response: control_pb2.VersionResponse = self._stub.Version(
+                control_pb2.VersionRequest(), metadata=self._metadata, timeout=self.timeout
+            )
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                return None
+            raise
+        return response
+
+    def require(self, feature: str, *, used: str) -> None:
+        """InvalidRequest, before anything is sent, unless the daemon acts on `feature`
+        (`blazar.api.features`), which `used` (what the command line asked for) needs:
+        an older daemon would drop it without a word."""
+        if self._features is None:
+            answer = self.version()
+            self._features = frozenset(answer.features) if answer is not None else frozenset()
+            self._daemon_version = answer.version if answer is not None else None
+        if feature in self._features:
+            return
+        runs = (
+            f"runs Blazar {self._daemon_version}"
+            if self._daemon_version
+            else "runs a Blazar older than this one"
+        )
+        raise errors.InvalidRequest(
+            f"the Blazar daemon at {self._target} does not act on {used}: it {runs}, and "
+            f"would ignore it (this CLI is Blazar {features.version()}). Restart the "
+            f"daemon to run this version, or leave {used} out."
+        )
 
     def watch(self, request: control_pb2.WatchRequest) -> Iterator[control_pb2.WatchEvent]:
         """Changes as they happen; the stream is cancelled when the caller stops reading

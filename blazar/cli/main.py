@@ -27,7 +27,7 @@ import grpc
 
 from blazar import eventloop, logs
 from blazar._proto.v1 import control_pb2
-from blazar.api import errors, kinds, manifests, tenants
+from blazar.api import errors, features, kinds, manifests, tenants
 from blazar.cli import client, diffs, home, observe, printers
 from blazar.controller import residency
 from blazar.export import kubernetes
@@ -96,6 +96,9 @@ def _apply(
     """`control.apply`; a manifest error naming documents by their place in the batch
     (`object#3`, counted over every file) names them by file instead (`fleet/b.yaml#1`),
     as `apply -f` read them."""
+    preconditions, malformed = manifests.resource_versions(docs)
+    if preconditions or malformed:
+        control.require(features.APPLY_PRECONDITION, used="metadata.resourceVersion")
     try:
         return control.apply(request)
     except grpc.RpcError as exc:

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 
 from blazar._proto.v1 import control_pb2
-from blazar.api import errors, kinds, selectors, wire
+from blazar.api import errors, features, kinds, selectors, wire
 from blazar.cli import client, printers
 
 
@@ -87,9 +87,34 @@ def cmd_logs(args: argparse.Namespace) -> int:
         request.tail_lines = args.tail
     out = sys.stdout.buffer
     with client.from_args(args) as control:
+        if request.HasField("tail_lines"):
+            control.require(features.LOGS_TAIL, used="--tail")
         for data in control.logs(request):
             out.write(data)
             out.flush()
+    return 0
+
+
+def cmd_version(args: argparse.Namespace) -> int:
+    """`version [--client]`: as kubectl prints it, this CLI's version first (also when
+    the daemon cannot be reached), then the daemon's and what it acts on of the
+    features added since the first release (`blazar.api.features`)."""
+    print(f"Client Version: {features.version()}", flush=True)
+    if args.client:
+        return 0
+    with client.from_args(args) as control:
+        answer = control.version()
+    if answer is None:
+        print("Server Version: older than this CLI (it cannot tell its version)")
+        missing = features.SERVED
+    else:
+        print(f"Server Version: {answer.version}")
+        missing = tuple(f for f in features.SERVED if f not in answer.features)
+    if missing:
+        print(
+            f"The daemon does not act on: {', '.join(missing)}; this CLI refuses to send "
+            "them to it. Restart the daemon to run this version."
+        )
     return 0
 
 
@@ -185,7 +210,7 @@ def cmd_events(args: argparse.Namespace) -> int:
 
 
 def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Add `logs`, `top` and `events` to the CLI's subcommands."""
+    """Add `logs`, `version`, `top` and `events` to the CLI's subcommands."""
     logs = sub.add_parser("logs", help="a Lane replica's engine output")
     logs.add_argument("target", metavar="lane/NAME")
     logs.add_argument(
@@ -199,6 +224,15 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         help="begin with the last N lines of the log (default -1: all of it)",
     )
     logs.set_defaults(func=cmd_logs)
+
+    version = sub.add_parser(
+        "version",
+        help="this CLI's version and the daemon's, with the features the daemon acts on",
+    )
+    version.add_argument(
+        "--client", action="store_true", help="this CLI's version only: call no daemon"
+    )
+    version.set_defaults(func=cmd_version)
 
     top = sub.add_parser(
         "top", help="each Lane's load: slots busy, queue, tokens/s, engines' memory"

@@ -2,7 +2,8 @@
 
 Objects travel as JSON. `Apply` decodes them and hands the batch to
 `blazar.store.apply`, the admission GitOps uses too; the other RPCs read, delete and
-watch the store; `Logs` reads engine replicas' captured output (`logfiles`).
+watch the store; `Logs` reads engine replicas' captured output (`logfiles`);
+`Version` names the features this daemon acts on (`blazar.api.features`).
 Get and List add the data plane's live figures to a Lane's and an
 SLOPolicy's status (`status.admission`: queues, running requests, SLO attainment).
 """
@@ -18,7 +19,7 @@ from typing import Any, TypeAlias
 import grpc
 
 from blazar._proto.v1 import control_pb2, control_pb2_grpc
-from blazar.api import errors, jsontext, kinds, manifests, meta, selectors
+from blazar.api import errors, features, jsontext, kinds, manifests, meta, selectors
 from blazar.api.errors import FieldError
 from blazar.enginehost import logfiles, monitor
 from blazar.rpc import status
@@ -243,6 +244,11 @@ class ControlService(control_pb2_grpc.ControlServicer):
                 f'Lane "{lane}" has no log of replica {replica} (replicas with logs: {have}).'
             )
         return logfiles.path(self._log_dir, lane, replica)
+
+    async def Version(
+        self, request: control_pb2.VersionRequest, context: Context
+    ) -> control_pb2.VersionResponse:
+        return control_pb2.VersionResponse(version=features.version(), features=features.SERVED)
 
     async def Top(
         self, request: control_pb2.TopRequest, context: Context

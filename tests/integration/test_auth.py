@@ -478,6 +478,7 @@ def control_calls(
         ),
         "Logs": logs,
         "Top": lambda md: stub.Top(control_pb2.TopRequest(), metadata=md, timeout=60),
+        "Version": lambda md: stub.Version(control_pb2.VersionRequest(), metadata=md, timeout=60),
     }
 
 

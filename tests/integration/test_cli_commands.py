@@ -211,6 +211,9 @@ def test_logs_follow_ends_when_the_lane_is_deleted(
     log = daemon.home / "logs" / "quiet-0.log"
     log.write_bytes(b"zeroth line\nfirst line\n")
     assert daemon.cli("logs", "lane/quiet", "--tail", "1").stdout == "first line\n"
+    # The daemon and this CLI are the same version: it acts on every feature.
+    version = daemon.cli("version").stdout.splitlines()
+    assert version[1] == version[0].replace("Client", "Server") and len(version) == 2
     missing = daemon.cli("logs", "lane/quiet", "--replica", "1")
     assert missing.returncode == 1
     assert "no log of replica 1 (replicas with logs: 0)" in missing.stderr

@@ -176,3 +176,15 @@ class TopResponse(_message.Message):
     LANES_FIELD_NUMBER: _ClassVar[int]
     lanes: _containers.RepeatedCompositeFieldContainer[LaneTop]
     def __init__(self, lanes: _Optional[_Iterable[_Union[LaneTop, _Mapping]]] = ...) -> None: ...
+
+class VersionRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class VersionResponse(_message.Message):
+    __slots__ = ("version", "features")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
+    version: str
+    features: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, version: _Optional[str] = ..., features: _Optional[_Iterable[str]] = ...) -> None: ...

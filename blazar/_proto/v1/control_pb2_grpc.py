@@ -75,6 +75,11 @@ class ControlStub:
                 request_serializer=blazar_dot_v1_dot_control__pb2.TopRequest.SerializeToString,
                 response_deserializer=blazar_dot_v1_dot_control__pb2.TopResponse.FromString,
                 _registered_method=True)
+        self.Version = channel.unary_unary(
+                '/blazar.v1.Control/Version',
+                request_serializer=blazar_dot_v1_dot_control__pb2.VersionRequest.SerializeToString,
+                response_deserializer=blazar_dot_v1_dot_control__pb2.VersionResponse.FromString,
+                _registered_method=True)
 
 
 class ControlServicer:
@@ -139,6 +144,17 @@ class ControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Version(self, request, context):
+        """Version says which Blazar this daemon is and which of the request features that
+        came after the first release it acts on. A client newer than its daemon asks before
+        it sends one: proto3 drops a field its server does not know without a word, and
+        an older daemon would take a request with a precondition for one without it. A
+        daemon that predates Version answers UNIMPLEMENTED: it has none of the features.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -181,6 +197,11 @@ def add_ControlServicer_to_server(servicer, server):
                     servicer.Top,
                     request_deserializer=blazar_dot_v1_dot_control__pb2.TopRequest.FromString,
                     response_serializer=blazar_dot_v1_dot_control__pb2.TopResponse.SerializeToString,
+            ),
+            'Version': grpc.unary_unary_rpc_method_handler(
+                    servicer.Version,
+                    request_deserializer=blazar_dot_v1_dot_control__pb2.VersionRequest.FromString,
+                    response_serializer=blazar_dot_v1_dot_control__pb2.VersionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -399,6 +420,33 @@ class Control:
             '/blazar.v1.Control/Top',
             blazar_dot_v1_dot_control__pb2.TopRequest.SerializeToString,
             blazar_dot_v1_dot_control__pb2.TopResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Version(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/blazar.v1.Control/Version',
+            blazar_dot_v1_dot_control__pb2.VersionRequest.SerializeToString,
+            blazar_dot_v1_dot_control__pb2.VersionResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import time
 from collections.abc import AsyncIterator
@@ -16,7 +15,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from blazar._proto.v1 import inference_pb2
-from blazar.api import errors
+from blazar.api import errors, features
 from blazar.shim import context, inference, relay, request_body, streaming
 from blazar.shim.ollama import convert, listing, options, protocol, render
 
@@ -55,15 +54,8 @@ async def running(request: Request) -> Response:
 
 
 async def version(request: Request) -> Response:
-    body: protocol.VersionResponse = {"version": _blazar_version()}
+    body: protocol.VersionResponse = {"version": features.version()}
     return JSONResponse(body)
-
-
-def _blazar_version() -> str:
-    try:
-        return importlib.metadata.version("blazar")
-    except importlib.metadata.PackageNotFoundError:
-        return "0.0.0"
 
 
 async def chat(request: Request) -> Response:
