@@ -15,6 +15,7 @@ on the wire (objects travel as JSON).
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -149,7 +150,32 @@ def _is_list(doc: Any) -> bool:
 
 class _Loader(yaml.SafeLoader):
     """YAML's safe loader, except that an unquoted date stays the string it reads as
-    (as Kubernetes reads it): a manifest is JSON data, which has no dates."""
+    (as Kubernetes reads it): a manifest is JSON data, which has no dates; and that a
+    key given twice in one mapping is an error (as kubectl's strict decoding says),
+    not the last value silently kept: `slots: 1` above `slots: 8` is a mistake that
+    would otherwise apply whichever came second."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        first: dict[Any, yaml.Mark] = {}
+        for key_node, _ in node.value:
+            # A merge key (`<<: *base`) may be overridden by the keys beside it, as YAML
+            # says; only keys written in this mapping must be distinct.
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == _MERGE_TAG:
+                continue
+            key = self.construct_object(key_node)
+            if key in first:
+                raise yaml.constructor.ConstructorError(
+                    problem=(
+                        f"key {json.dumps(key_node.value)} is given twice in one mapping (first at "
+                        f"line {first[key].line + 1}); keep one"
+                    ),
+                    problem_mark=key_node.start_mark,
+                )
+            first[key] = key_node.start_mark
+        return super().construct_mapping(node, deep=deep)
+
+
+_MERGE_TAG = "tag:yaml.org,2002:merge"
 
 
 _Loader.yaml_implicit_resolvers = {

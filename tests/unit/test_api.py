@@ -682,6 +682,16 @@ def test_looking_for_a_merge_conflict_takes_time_linear_in_the_file(text: str) -
         ("a: !!binary AAAA\n", "f.yaml#1", "a bytes value is not data"),
         ("a: !!set {x}\n", "f.yaml#1", "a set value is not data"),
         ("a: !!timestamp 2001-12-14\n", "f.yaml#1", "a date value is not data"),
+        # A key given twice is refused, not the last value kept (kubectl's strict
+        # decoding), however it is nested or written.
+        (
+            "kind: Lane\nspec:\n  slots: 1\n  contextPerSlot: 512\n  slots: 8\n",
+            "f.yaml#1",
+            'invalid YAML at line 5, column 3: key "slots" is given twice in one mapping '
+            "(first at line 3); keep one",
+        ),
+        ("a: 1\n---\nb: {x: 1, x: 2}\n", "f.yaml#2", 'key "x" is given twice'),
+        ('{"a": 1, "a": 2}\n', "f.yaml#1", 'key "a" is given twice'),
     ],
 )
 def test_document_errors(text: str, path: str, message: str) -> None:
@@ -696,6 +706,15 @@ def test_an_unquoted_date_is_the_string_it_reads_as() -> None:
     text = "a: 2001-12-14\nb: 2001-12-14t21:59:43.10-05:00\n"
     assert manifests.parse_documents(text, source="f") == [
         ("f#1", {"a": "2001-12-14", "b": "2001-12-14t21:59:43.10-05:00"})
+    ]
+
+
+def test_a_merge_key_may_be_overridden_beside_it() -> None:
+    """YAML's merge keys (`<<: *base`) give defaults that the mapping's own keys
+    override: not a key given twice."""
+    text = "base: &b {x: 1, y: 2}\nc:\n  <<: *b\n  x: 3\n"
+    assert manifests.parse_documents(text, source="f") == [
+        ("f#1", {"base": {"x": 1, "y": 2}, "c": {"x": 3, "y": 2}})
     ]
 
 
