@@ -48,6 +48,7 @@ from blazar.dataplane import access
 from blazar.dataplane import server as dataplane_server
 from blazar.enginehost import monitor
 from blazar.enginehost.activity import Activity
+from blazar.enginehost.offload import GpuOffload
 from blazar.enginehost.supervisor import Supervisor
 from blazar.enginehost.upstream import UpstreamPool
 from blazar.gitops import watcher
@@ -438,7 +439,11 @@ async def _serve(
     home = options.home
     store = SQLiteStore(home / "state.db")
     model_sources = sources.roots_from_environment(home, options.model_roots)
-    store.admission = model_sources.problems
+    offload = GpuOffload()
+    store.admission = lambda objects: [
+        *model_sources.problems(objects),
+        *offload.problems(objects),
+    ]
     if store.recovered_from is not None:
         message = (
             f"{home / 'state.db'} could not be read as a store; it was moved to "

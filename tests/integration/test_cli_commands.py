@@ -236,3 +236,28 @@ def test_logs_follow_ends_when_the_lane_is_deleted(
         follow.kill()
         follow.wait()
         control.delete("Model", "absent-q")
+
+
+def test_gpu_layers_are_refused_at_apply_where_llama_cpp_cannot_offload(
+    daemon: Daemon, tmp_path: Path
+) -> None:
+    """The daemon asks its llama.cpp build (in a process of its own) whether layers can
+    leave the CPU: a Lane asking for some is refused by name where they cannot, and
+    admitted where they can (this host's answer, asked the same way)."""
+    from blazar.enginehost import offload
+
+    manifest = tmp_path / "gpu.yaml"
+    manifest.write_text(
+        "apiVersion: blazar.dev/v1alpha1\nkind: Model\nmetadata: {name: absent-g}\n"
+        f"spec: {{source: {{path: {json.dumps(str(daemon.home / 'absent-g.gguf'))}}}}}\n"
+        "---\napiVersion: blazar.dev/v1alpha1\nkind: Lane\nmetadata: {name: gpu}\n"
+        "spec: {model: absent-g, gpuLayers: 4}\n"
+    )
+    applied = daemon.cli("apply", "-f", str(manifest), "--dry-run")
+    if offload.probe():
+        assert applied.returncode == 0, applied.stderr
+    else:
+        assert applied.returncode == 1
+        assert "Lane/gpu (" in applied.stderr
+        assert "spec.gpuLayers: 4 layers asked" in applied.stderr
+        assert "built for the CPU only" in applied.stderr
