@@ -25,14 +25,19 @@ class NotJSON(ValueError):
     """The text is not JSON Blazar can read; the message says why, for the caller."""
 
 
-def loads(text: str | bytes, *, whole_characters: bool = False) -> Any:
+def loads(text: str | bytes, *, whole_characters: bool = False, unique_keys: bool = False) -> Any:
     """The JSON value of `text`, or NotJSON. Python's decoder also reads NaN and
     (-)Infinity, which JSON does not have, and turns a number past a double's range
     (1e400) into infinity; both are refused here: a NaN temperature would reach a range
     check and be called "more than 2", an infinite enum value be written out as
-    `Infinity`, which is not JSON either."""
+    `Infinity`, which is not JSON either. With `unique_keys`, an object that gives a
+    key twice is refused too, where Python keeps the last (a manifest: as YAML's
+    loader refuses it, `blazar.api.manifests`)."""
+    hook = _unique if unique_keys else None
     try:
-        value = json.loads(text, parse_constant=_constant, parse_float=_finite)
+        value = json.loads(
+            text, parse_constant=_constant, parse_float=_finite, object_pairs_hook=hook
+        )
     except RecursionError:
         raise NotJSON("its arrays and objects are nested too deeply") from None
     except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, the digit limit
@@ -69,6 +74,15 @@ def _refuse_lone_surrogates(value: Any) -> None:
                     f"the string escape {half} is half of a UTF-16 surrogate pair, not a "
                     "character (write the pair, or the character itself)"
                 ) from None
+
+
+def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"the key {json.dumps(key)} is given twice in one object")
+        out[key] = value
+    return out
 
 
 def _constant(name: str) -> NoReturn:

@@ -84,7 +84,7 @@ class ControlService(control_pb2_grpc.ControlServicer):
         for i, text in enumerate(request.objects_json):
             location = f"object#{i + 1}"
             try:
-                doc = jsontext.loads(text)
+                doc = jsontext.loads(text, unique_keys=True)
             except jsontext.NotJSON as exc:
                 bad.append(FieldError(location, f"not valid JSON: {exc}"))
                 continue

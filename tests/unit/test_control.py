@@ -165,6 +165,11 @@ def test_a_batch_with_bad_json_is_rejected_and_recorded() -> None:
         ('{"a": 1' + "0" * 5000 + "}", "object#2: not valid JSON: Exceeds the limit"),
         ('{"apiVersion": "\\ud800"}', "object#2: apiVersion: holds an unpaired surrogate"),
         ('{"spec": {"x\\udfff": [1]}}', "object#2: spec.x\\udfff: holds an unpaired surrogate"),
+        # As YAML's loader refuses it: the last value is not silently kept.
+        (
+            '{"kind": "Lane", "spec": {"slots": 1, "slots": 3}}',
+            'object#2: not valid JSON: the key "slots" is given twice in one object',
+        ),
     ],
 )
 def test_a_document_that_is_no_json_object_is_invalid_not_a_crash(text: str, problem: str) -> None:

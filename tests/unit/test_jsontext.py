@@ -30,6 +30,10 @@ def test_json_blazar_can_read_reads_as_json_does() -> None:
     text = '{"a": [1, 2.5, "x", null, true], "b": {"c": ' + "9" * 4300 + "}}"
     assert jsontext.loads(text) == json.loads(text)
     assert jsontext.loads(b'{"k": 1}') == {"k": 1}
+    # A key given twice: the last kept, as JSON parsers do, unless keys must be unique.
+    assert jsontext.loads('{"k": 1, "k": 2}') == {"k": 2}
+    with pytest.raises(jsontext.NotJSON, match='the key "k" is given twice'):
+        jsontext.loads('{"a": {"k": 1, "k": 2}}', unique_keys=True)
 
 
 @pytest.mark.parametrize(
