@@ -412,6 +412,19 @@ REFUSALS: list[tuple[str, dict[str, Any], str, str]] = [
     ("chat", {**CHAT, "options": {"repeat_penalty": 0}}, "options.repeat_penalty", "more than 0"),
     ("chat", {**CHAT, "options": {"num_predict": -3}}, "options.num_predict", "at least -2"),
     ("chat", {**CHAT, "options": {"num_ctx": 0}}, "options.num_ctx", "at least 1"),
+    # An integer's bound is written out whole, not rounded as 2.14748e+09.
+    (
+        "chat",
+        {**CHAT, "options": {"num_ctx": 2**31}},
+        "options.num_ctx",
+        "at most 2147483647.",
+    ),
+    (
+        "chat",
+        {**CHAT, "options": {"num_predict": 2**31}},
+        "options.num_predict",
+        "at most 2147483647.",
+    ),
     ("chat", {**CHAT, "options": {"stop": [1]}}, "options.stop", "list of strings"),
     ("generate", {**GEN, "suffix": "end"}, "suffix", "fill in"),
     ("generate", {**GEN, "template": "{{ range .Messages }}{{ end }}"}, "template", "range"),

@@ -152,14 +152,20 @@ class _OptionReader:
         if below or above or not math.isfinite(value):
             bounds = []
             if low is not None:
-                bounds.append(f"more than {low:g}" if low_open else f"at least {low:g}")
+                bounds.append(f"more than {_bound(low)}" if low_open else f"at least {_bound(low)}")
             if high is not None:
-                bounds.append(f"at most {high:g}")
+                bounds.append(f"at most {_bound(high)}")
             raise validation.invalid(
                 f"Invalid value for 'options.{name}': {value!r}; it must be "
                 f"{' and '.join(bounds)}.",
                 param=f"options.{name}",
             )
+
+
+def _bound(value: float) -> str:
+    """A range's end as the caller must read it: an integer whole (`:g` would round
+    INT32_MAX to 2.14748e+09, a number the caller cannot send), a fraction short."""
+    return str(value) if isinstance(value, int) else f"{value:g}"
 
 
 def num_ctx(options: Mapping[str, Any] | None) -> int | None:
