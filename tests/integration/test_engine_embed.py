@@ -277,6 +277,30 @@ def test_too_many_inputs_or_tokens_are_refused(runtime: llama.Runtime) -> None:
     assert info.value.metadata[errors.FIELD_KEY] == "inputs"
 
 
+def test_an_input_too_long_in_bytes_is_refused_untokenized(runtime: llama.Runtime) -> None:
+    """Tokenizing costs about 1 us a byte and no caller's leaving stops it: an input
+    that cannot fit by its length alone is refused by name, its tokens a lower bound,
+    as a generation's prompt is; not counted first and refused for the total."""
+    huge = "abcdefghij " * 100_000
+    with pytest.raises(
+        errors.ContextLengthExceeded, match=r"Input 1 is at least \d+ tokens"
+    ) as info:
+        embed_all(embedder(runtime, max_total_tokens=50), ["fine", huge])
+    metadata = info.value.metadata
+    assert metadata[errors.PROMPT_TOKENS_AT_LEAST_KEY] == "true"
+    assert metadata["input"] == "1"
+    assert metadata["context_length"] == str(CONTEXT_PER_SLOT)
+    assert CONTEXT_PER_SLOT < int(metadata["prompt_tokens"]) <= len(huge)
+
+
+def test_an_input_over_the_context_is_named_before_the_total(runtime: llama.Runtime) -> None:
+    """Splitting into more requests would not help an input too long on its own."""
+    too_long = "word " * (CONTEXT_PER_SLOT + 10)
+    with pytest.raises(errors.ContextLengthExceeded, match=r"Input 0 is \d+ tokens long") as info:
+        embed_all(embedder(runtime, max_total_tokens=50), [too_long])
+    assert errors.PROMPT_TOKENS_AT_LEAST_KEY not in info.value.metadata
+
+
 def test_requests_take_turns_input_by_input(runtime: llama.Runtime) -> None:
     """A one-input request is not held behind every input of a large one."""
 
