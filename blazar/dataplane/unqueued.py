@@ -153,7 +153,7 @@ class Unqueued:
         self._activity.begin(route.lane)
         served = False
         try:
-            route, response = await self._on_replicas(
+            route, replica, response = await self._on_replicas(
                 request.model, route, replica, lambda client: client.embed(request)
             )
             served = True
@@ -169,6 +169,8 @@ class Unqueued:
         metrics.observe_embedding(route.lane, response.prompt_tokens)
         self._access.charge(caller, prompt_tokens=response.prompt_tokens, output_tokens=0)
         response.model = route.lane
+        response.routing.lane = route.lane
+        response.routing.replica = replica.index
         return response
 
     async def Tokenize(
@@ -180,7 +182,7 @@ class Unqueued:
         await self._count(request.model, context, caller)
         route, replica = await self._awake(request.model, context, caller)
         try:
-            route, response = await self._on_replicas(
+            route, _, response = await self._on_replicas(
                 request.model, route, replica, lambda client: client.tokenize(request)
             )
         except errors.BlazarError as err:
@@ -239,9 +241,9 @@ class Unqueued:
         route: routing.Route,
         replica: routing.Replica,
         call: Callable[[EngineClient], Awaitable[_Answer]],
-    ) -> tuple[routing.Route, _Answer]:
+    ) -> tuple[routing.Route, routing.Replica, _Answer]:
         """Run `call`, which is safe to repeat (embedding, tokenizing), on `replica`; the
-        route it ran on and its answer. A replica process that turns it away with
+        route and replica it ran on and its answer. A replica process that turns it away with
         UNAVAILABLE (draining, or it just died) is left out, and the call goes to another
         ready one, or waits up to REPLICA_RETURN_S for one: the same replica restarted
         (a new process) serves it, as a generation that had not started waits in its
@@ -250,7 +252,7 @@ class Unqueued:
         while True:
             try:
                 client = self._pool.client(replica.socket, process=replica.pid)
-                return route, await call(client)
+                return route, replica, await call(client)
             except grpc.aio.AioRpcError as exc:
                 err = status.from_rpc_error(exc)
                 if not isinstance(err, errors.Unavailable):

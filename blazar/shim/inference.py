@@ -48,6 +48,17 @@ _HEADERS_OF_METADATA = {
 }
 
 
+def embedding_headers(response: inference_pb2.EmbedResponse) -> dict[str, str]:
+    """`x-blazar-lane` and `x-blazar-replica` of an embedding; none when nothing was
+    embedded (a preload) or the daemon sent no routing."""
+    if not response.HasField("routing"):
+        return {}
+    return {
+        LANE_HEADER: response.routing.lane,
+        REPLICA_HEADER: str(response.routing.replica),
+    }
+
+
 def final_headers(final: inference_pb2.Final) -> dict[str, str]:
     """The routing headers of a finished generation; none when the daemon sent no routing."""
     if not final.HasField("routing"):

@@ -856,6 +856,8 @@ def test_an_embedding_refused_by_a_draining_replica_goes_to_the_next() -> None:
     assert response.prompt_tokens == 7
     assert (draining.calls, ready.calls) == (1, 1)
     assert embeddings_counted("ok") == before + 1
+    # The replica that embedded it, not the one asked first.
+    assert (response.routing.lane, response.routing.replica) == ("l", 1)
 
 
 def test_an_embedding_no_replica_takes_is_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:

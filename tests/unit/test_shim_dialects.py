@@ -117,3 +117,20 @@ async def test_a_placeholder_key_grpc_metadata_cannot_carry_is_ignored(
     ):
         response = await client.request(method, path, json=body, headers={header: value})
         assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize("path", ["/v1/embeddings", "/api/embed", "/api/embeddings"])
+async def test_an_embedding_says_where_it_ran_as_a_generation_does(
+    daemon: Daemon, client: httpx.AsyncClient, path: str
+) -> None:
+    daemon.fake.scripts["tiny"] = []
+    daemon.fake.embeddings = inference_pb2.EmbedResponse(
+        embeddings=[inference_pb2.Embedding(values=[1.0, 0.0], tokens=2)],
+        prompt_tokens=2,
+        routing=inference_pb2.Routing(lane="tiny", replica=3),
+    )
+    body = {"model": "tiny", "prompt" if path == "/api/embeddings" else "input": "Hi"}
+    response = await client.post(path, json=body)
+    assert response.status_code == 200, response.text
+    assert response.headers["x-blazar-lane"] == "tiny"
+    assert response.headers["x-blazar-replica"] == "3"

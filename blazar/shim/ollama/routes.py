@@ -230,7 +230,7 @@ async def _embed(
         return Response(status_code=streaming.CLIENT_CLOSED_REQUEST)
     except errors.BlazarError as err:
         return error(err)
-    return JSONResponse(rendered)
+    return JSONResponse(rendered, headers=inference.embedding_headers(response))
 
 
 async def tags(request: Request) -> Response:

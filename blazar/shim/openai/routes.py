@@ -110,7 +110,7 @@ async def embeddings(request: Request) -> Response:
         return Response(status_code=streaming.CLIENT_CLOSED_REQUEST)
     except errors.BlazarError as err:
         return error(err, blame=envelope.EMBEDDING_BLAME)
-    return JSONResponse(rendered)
+    return JSONResponse(rendered, headers=inference.embedding_headers(response))
 
 
 async def list_models(request: Request) -> Response:
