@@ -406,6 +406,7 @@ async def test_a_stream_ends_in_the_response_a_whole_request_gets(
         ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
                     {"type": "function_call_output", "call_id": "c"}]}, "input[1].output", "Missing"),
         ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema", "Missing"),
+        ({"stream": True, "stream_options": {"include_obfuscation": True}}, "stream_options.include_obfuscation", "not padded"),
         ({"temperature": 3}, "temperature", "less than or equal to 2"),
         ({"max_output_tokens": 0}, "max_output_tokens", "greater than or equal to 1"),
         ({"metadata": {"k": "v" * 513}}, "metadata.k", "at most 512"),

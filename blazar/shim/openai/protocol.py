@@ -88,10 +88,15 @@ class NamedToolChoice(_Request):
     function: NamedFunction
 
 
-class StreamOptions(_Request):
-    include_usage: bool = False
+class ObfuscationOption(_Request):
+    """`stream_options` as the Responses API has it; Chat Completions' adds usage."""
+
     # Read only to refuse true (see convert): streamed chunks are not padded.
     include_obfuscation: bool | None = None
+
+
+class StreamOptions(ObfuscationOption):
+    include_usage: bool = False
 
 
 class TextFormat(_Request):

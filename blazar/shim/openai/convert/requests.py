@@ -308,15 +308,20 @@ def _require_single_choice(
 def _require_stream_for_options(
     body: protocol.ChatCompletionRequest | protocol.CompletionRequest,
 ) -> None:
-    """OpenAI refuses `stream_options` on a request that does not stream. Its
-    `include_obfuscation` pads each chunk against size side channels; Blazar's chunks
-    are not padded, so asking for it is refused (its default, on at OpenAI, is off here)."""
+    """OpenAI refuses `stream_options` on a request that does not stream."""
     if body.stream_options is not None and not body.stream:
         raise envelope.invalid(
             "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
             param="stream_options",
         )
-    if body.stream_options is not None and body.stream_options.include_obfuscation:
+    refuse_obfuscation(body.stream_options)
+
+
+def refuse_obfuscation(options: protocol.ObfuscationOption | None) -> None:
+    """Chat Completions' and the Responses API's `stream_options.include_obfuscation`
+    pads each chunk (or event) against size side channels; Blazar's are not padded, so
+    asking for it is refused (its default, on at OpenAI, is off here)."""
+    if options is not None and options.include_obfuscation:
         raise envelope.invalid(
             "Stream obfuscation is not supported by this server: streamed chunks are not "
             "padded. Send 'include_obfuscation' false or omit it, and serve over TLS "

@@ -128,6 +128,8 @@ class ResponseCreateRequest(_Request):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     include: list[str] | None = None
     stream: bool | None = False
+    # Read only to refuse what Blazar cannot honour (see requests): events are not padded.
+    stream_options: chat.ObfuscationOption | None = None
     # Echoed in the response.
     metadata: Metadata | None = None
     # End-user identifiers; the first sent of these keys the session (replica

@@ -34,6 +34,7 @@ def chat_request(
     `slo` (the `x-blazar-slo` header) names the SLOPolicy, else the Lane's applies."""
     _refuse_state(body)
     _refuse_reasoning(body)
+    requests.refuse_obfuscation(body.stream_options)
     messages: list[inference_pb2.Message] = []
     if body.instructions:
         messages.append(inference_pb2.Message(role="system", content=body.instructions))
