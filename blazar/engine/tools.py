@@ -130,6 +130,13 @@ def parse(chat: engine_pb2.ChatInput) -> ToolSet:
     mode = _MODES.get(chat.tool_choice.mode)
     if mode is None:
         raise _blame(TOOL_CHOICE_FIELD, f"Unknown tool_choice mode {chat.tool_choice.mode}.")
+    if chat.tool_choice.name and mode is not Mode.NAMED:
+        # A name is a choice of tool: dropping it would run another mode than asked for.
+        raise _blame(
+            TOOL_CHOICE_FIELD,
+            f"tool_choice names the tool {chat.tool_choice.name!r} but its mode is "
+            f"'{mode}'; a name goes only with MODE_NAMED.",
+        )
     tools: list[Tool] = []
     seen: dict[str, int] = {}
     for i, wire in enumerate(chat.tools):

@@ -89,6 +89,9 @@ def _deep(levels: int) -> dict[str, Any]:
         (chat(("f", {"$schema": []})), "tools[0].parameters", "['$schema']: [] is not a string"),
         (chat(mode=Mode.MODE_REQUIRED), "tool_choice", "needs tools"),
         (chat(("f", {}), mode=Mode.MODE_NAMED, name="g"), "tool_choice", "'g'"),
+        (chat(("f", {}), mode=Mode.MODE_AUTO, name="f"), "tool_choice", "only with MODE_NAMED"),
+        (chat(mode=Mode.MODE_NONE, name="f"), "tool_choice", "only with MODE_NAMED"),
+        (chat(("f", {}), mode=Mode.MODE_UNSPECIFIED, name="f"), "tool_choice", "'auto'"),
     ],
 )
 def test_invalid_tools_are_refused_naming_the_field(
