@@ -978,6 +978,31 @@ async def test_a_preload_answers_load_without_generating(
     assert [k.HasField("keep_alive_s") for k in daemon.fake.keep_alives] == [False] * 3
 
 
+@pytest.mark.parametrize(
+    ("path", "extra", "fragment"),
+    [
+        ("/api/generate", {"options": {"mirostat": 2}}, "'options.mirostat'"),
+        ("/api/chat", {"options": {"temperature": -1}}, "'options.temperature'"),
+        ("/api/chat", {"options": {"num_ctx": 4096}}, "4096"),
+        ("/api/generate", {"format": "xml"}, "'format'"),
+        ("/api/chat", {"think": True}, "thinking"),
+        ("/api/generate", {"images": ["aGk="]}, "'images'"),
+        ("/api/generate", {"suffix": "x", "keep_alive": 0}, "'suffix'"),
+        ("/api/chat", {"tools": [{"type": "function", "function": {"name": "f"}}], "format": "json"}, "'format'"),
+    ],
+)  # fmt: skip
+async def test_a_preload_refuses_what_a_generation_would(
+    daemon: Daemon, client: httpx.AsyncClient, path: str, extra: dict[str, Any], fragment: str
+) -> None:
+    """A preload is not a way around the checks: Ollama reads its options, format and
+    the model's capabilities before it loads, so a field Blazar would refuse on a
+    generation is refused here too, rather than answered "load" and dropped."""
+    response = await client.post(path, json={"model": "tiny", **extra})
+    assert response.status_code == 400, response.text
+    assert fragment in response.json()["error"]
+    assert daemon.fake.keep_alives == [] and daemon.fake.requests == []
+
+
 async def test_keep_alive_0_without_a_prompt_unloads(
     daemon: Daemon, client: httpx.AsyncClient
 ) -> None:

@@ -67,7 +67,8 @@ async def generate(request: Request) -> Response:
 
 
 async def _generate(request: Request, kind: render.Kind) -> Response:
-    """/api/chat and /api/generate: a preload, or a generation through Chat or Complete."""
+    """/api/chat and /api/generate: a preload, or a generation through Chat or Complete;
+    either way the request is converted first, so a preload's fields are checked too."""
     ctx = context.of(request)
     try:
         body: protocol.ChatRequest | protocol.GenerateRequest
@@ -75,8 +76,6 @@ async def _generate(request: Request, kind: render.Kind) -> Response:
             body = await request_body.parse(request, protocol.ChatRequest)
         else:
             body = await request_body.parse(request, protocol.GenerateRequest)
-        if convert.is_load(body):
-            return await _loaded(request, kind, body.model, keep_alive=body.keep_alive)
         canonical_request: inference_pb2.ChatRequest | inference_pb2.CompleteRequest
         if isinstance(body, protocol.ChatRequest):
             canonical_request = convert.chat_request(
@@ -95,6 +94,10 @@ async def _generate(request: Request, kind: render.Kind) -> Response:
                 parallel_tool_calls=ctx.parallel_tool_calls,
             )
         await _check_num_ctx(request, body.model, body.options)
+        # A preload is checked as the generation would be (as Ollama checks its options,
+        # format and capabilities before it loads): what it asks for is done or refused.
+        if convert.is_load(body):
+            return await _loaded(request, kind, body.model, keep_alive=body.keep_alive)
     except streaming.ClientDisconnected:
         return Response(status_code=streaming.CLIENT_CLOSED_REQUEST)
     except errors.BlazarError as err:
