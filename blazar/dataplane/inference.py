@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Collection, Sequence
@@ -707,8 +708,18 @@ class InferenceService(Unqueued, inference_pb2_grpc.InferenceServicer):
         self, model: str, keep_alive_s: float | None, context: Context, caller: access.Caller
     ) -> None:
         """Refuse a request that sets keep_alive, which changes how long its Lane stays
-        loaded for every tenant, unless the caller's tenant may (`keepAlive`). Before
-        the rate limit counts it, as a policy it may not name is."""
+        loaded for every tenant, unless the caller's tenant may (`keepAlive`); and one
+        whose keep_alive is not a number of seconds (NaN, infinite: a negative value
+        is the way to keep a Lane loaded). Before the rate limit counts it, as a policy
+        it may not name is."""
+        if keep_alive_s is not None and not math.isfinite(keep_alive_s):
+            invalid = errors.InvalidRequest(
+                f"keep_alive_s is {keep_alive_s}; give a number of seconds (0 releases "
+                f"'{model}' once idle, a negative number keeps it loaded).",
+                metadata={errors.FIELD_KEY: "keep_alive_s"},
+            )
+            log.info("request.rejected", model=model, reason=invalid.reason)
+            await status.abort(context, invalid)
         if keep_alive_s is None or caller.may_keep_alive():
             return
         err = errors.KeepAliveNotPermitted(

@@ -297,3 +297,41 @@ def test_every_dialect_tells_a_lane_the_tenant_may_not_use_as_one_that_does_not_
     forbidden = http_answers("mine", ASKED)
     assert forbidden == http_answers("mine")
     assert {status for status, _ in forbidden} == {404}
+
+
+def test_a_keep_alive_that_is_not_a_number_of_seconds_is_invalid_on_every_route() -> None:
+    """NaN or an infinite keep_alive_s is no duration (a negative one keeps a Lane
+    loaded): refused naming the field rather than read as some other keep, before the
+    rate limit counts it."""
+    calls: dict[str, Call] = {
+        "Chat": lambda s, m: _stream(
+            s.Chat(inference_pb2.ChatRequest(model=ASKED, keep_alive_s=float("nan")), metadata=m)
+        ),
+        "Complete": lambda s, m: _stream(
+            s.Complete(
+                inference_pb2.CompleteRequest(model=ASKED, prompt="Hi", keep_alive_s=float("inf")),
+                metadata=m,
+            )
+        ),
+        "Embed": lambda s, m: s.Embed(
+            inference_pb2.EmbedRequest(model=ASKED, inputs=["Hi"], keep_alive_s=float("-inf")),
+            metadata=m,
+        ),
+        "KeepAlive": lambda s, m: s.KeepAlive(
+            inference_pb2.KeepAliveRequest(model=ASKED, keep_alive_s=float("nan")), metadata=m
+        ),
+    }
+
+    async def run() -> list[tuple[grpc.StatusCode, str]]:
+        async with plane(ASKED) as (stub, _):
+            key = (("authorization", "Bearer bz-plain"),)
+            seen = []
+            for call in calls.values():
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await call(stub, key)
+                seen.append((info.value.code(), info.value.details() or ""))
+            return seen
+
+    seen = asyncio.run(run())
+    assert [code for code, _ in seen] == [grpc.StatusCode.INVALID_ARGUMENT] * len(calls)
+    assert all("keep_alive_s" in details for _, details in seen), seen
