@@ -61,25 +61,30 @@ class SlowEngine(engine_pb2_grpc.EngineServicer):
         )
 
 
+def one_slot_lane(socket: str) -> MemoryStore:
+    """A store holding Lane "l": one replica of one slot, ready on `socket`."""
+    store = MemoryStore()
+    lane = Lane(
+        metadata=ObjectMeta(name="l"),
+        spec=LaneSpec(model="m", replicas=1, slots=1),
+        status=LaneStatus(
+            replica_statuses=[ReplicaStatus(index=0, state="Ready", socket=socket, pid=1)]
+        ),
+    )
+    store.apply_all([lane])
+    store.update_status(Kind.LANE, "l", lane.status)
+    return store
+
+
 @pytest.mark.timeout(60)
 def test_weights_two_to_one_give_two_to_one_service_under_saturation() -> None:
     async def main() -> Counter[str]:
         engine = SlowEngine()
         async with engines(engine) as sockets:  # type: ignore[arg-type]  # duck-typed servicer
-            store = MemoryStore()
-            lane = Lane(
-                metadata=ObjectMeta(name="l"),
-                spec=LaneSpec(model="m", replicas=1, slots=1),
-                status=LaneStatus(
-                    replica_statuses=[
-                        ReplicaStatus(index=0, state="Ready", socket=sockets[0], pid=1)
-                    ]
-                ),
-            )
-            store.apply_all([lane])
-            store.update_status(Kind.LANE, "l", lane.status)
             plane = await server.start(
-                store=store, address="127.0.0.1:0", access=access.Access(tenants=AUTH)
+                store=one_slot_lane(sockets[0]),
+                address="127.0.0.1:0",
+                access=access.Access(tenants=AUTH),
             )
             stop = asyncio.Event()
             try:
@@ -132,20 +137,10 @@ def test_the_request_log_names_the_tenant_that_made_it() -> None:
     async def main() -> list[dict[str, Any]]:
         engine = FailingSecond()
         async with engines(engine) as sockets:  # type: ignore[arg-type]  # duck-typed servicer
-            store = MemoryStore()
-            lane = Lane(
-                metadata=ObjectMeta(name="l"),
-                spec=LaneSpec(model="m", replicas=1, slots=1),
-                status=LaneStatus(
-                    replica_statuses=[
-                        ReplicaStatus(index=0, state="Ready", socket=sockets[0], pid=1)
-                    ]
-                ),
-            )
-            store.apply_all([lane])
-            store.update_status(Kind.LANE, "l", lane.status)
             plane = await server.start(
-                store=store, address="127.0.0.1:0", access=access.Access(tenants=AUTH)
+                store=one_slot_lane(sockets[0]),
+                address="127.0.0.1:0",
+                access=access.Access(tenants=AUTH),
             )
             try:
                 async with grpc.aio.insecure_channel(f"127.0.0.1:{plane.port}") as channel:
