@@ -41,7 +41,12 @@ def test_a_cpu_only_build_refuses_the_lanes_that_ask_for_layers_by_name() -> Non
 
 @pytest.mark.parametrize("answer", [True, None])
 def test_a_build_that_offloads_or_cannot_tell_admits_them(answer: bool | None) -> None:
-    assert offload.GpuOffload(Asked(answer)).problems([lane("gpu", 20)]) == []
+    ask = Asked(answer)
+    check = offload.GpuOffload(ask)
+    assert check.problems([lane("gpu", 20)]) == []
+    check.problems([lane("again", 1)])
+    # A yes is kept; a probe that failed is asked again.
+    assert ask.times == (1 if answer else 2)
 
 
 def test_the_build_is_not_asked_when_no_lane_wants_layers() -> None:
