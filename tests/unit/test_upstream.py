@@ -857,6 +857,18 @@ def test_a_stored_upstream_loads_as_it_was() -> None:
     assert spec.timeouts.connect == "0s"
 
 
+def probed_once(client: upstream.UpstreamClient) -> upstream.Probe:
+    """One probe of `client`, which is closed after it."""
+
+    async def run() -> upstream.Probe:
+        try:
+            return await client.probe()
+        finally:
+            await client.close()
+
+    return asyncio.run(run())
+
+
 @pytest.mark.parametrize(
     "response",
     [
@@ -870,13 +882,7 @@ def test_a_probe_answered_without_a_model_list_fails(response: httpx.Response) -
     """Else the Lane would be Ready while every request it sends fails."""
     client = upstream.UpstreamClient(spec_of(), transport=httpx.MockTransport(lambda _: response))
 
-    async def run() -> upstream.Probe:
-        try:
-            return await client.probe()
-        finally:
-            await client.close()
-
-    probe = asyncio.run(run())
+    probe = probed_once(client)
     assert not probe.ok and "not with OpenAI's model list" in probe.message
 
 
@@ -973,13 +979,7 @@ def test_a_probe_that_times_out_names_its_own_bound() -> None:
         spec_of(timeouts={"firstByte": "60s"}), transport=httpx.MockTransport(hang)
     )
 
-    async def run() -> upstream.Probe:
-        try:
-            return await client.probe()
-        finally:
-            await client.close()
-
-    probe = asyncio.run(run())
+    probe = probed_once(client)
     assert not probe.ok
     assert probe.message == "GET http://u:1/v1/models failed: no answer within 5 s."
 
