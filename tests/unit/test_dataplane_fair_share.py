@@ -61,61 +61,59 @@ class SlowEngine(engine_pb2_grpc.EngineServicer):
         )
 
 
-def one_slot_lane(socket: str) -> MemoryStore:
-    """A store holding Lane "l": one replica of one slot, ready on `socket`."""
-    store = MemoryStore()
-    lane = Lane(
-        metadata=ObjectMeta(name="l"),
-        spec=LaneSpec(model="m", replicas=1, slots=1),
-        status=LaneStatus(
-            replica_statuses=[ReplicaStatus(index=0, state="Ready", socket=socket, pid=1)]
-        ),
-    )
-    store.apply_all([lane])
-    store.update_status(Kind.LANE, "l", lane.status)
-    return store
+@contextlib.asynccontextmanager
+async def one_slot_plane(engine: SlowEngine) -> AsyncIterator[inference_pb2_grpc.InferenceStub]:
+    """A data plane serving `AUTH`'s tenants Lane "l": one replica of one slot, ready on
+    `engine`; a stub of it."""
+    async with engines(engine) as sockets:  # type: ignore[arg-type]  # duck-typed servicer
+        store = MemoryStore()
+        lane = Lane(
+            metadata=ObjectMeta(name="l"),
+            spec=LaneSpec(model="m", replicas=1, slots=1),
+            status=LaneStatus(
+                replica_statuses=[ReplicaStatus(index=0, state="Ready", socket=sockets[0], pid=1)]
+            ),
+        )
+        store.apply_all([lane])
+        store.update_status(Kind.LANE, "l", lane.status)
+        plane = await server.start(
+            store=store, address="127.0.0.1:0", access=access.Access(tenants=AUTH)
+        )
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{plane.port}") as channel:
+                yield inference_pb2_grpc.InferenceStub(channel)
+        finally:
+            await plane.stop(grace=0)
 
 
 @pytest.mark.timeout(60)
 def test_weights_two_to_one_give_two_to_one_service_under_saturation() -> None:
     async def main() -> Counter[str]:
         engine = SlowEngine()
-        async with engines(engine) as sockets:  # type: ignore[arg-type]  # duck-typed servicer
-            plane = await server.start(
-                store=one_slot_lane(sockets[0]),
-                address="127.0.0.1:0",
-                access=access.Access(tenants=AUTH),
-            )
-            stop = asyncio.Event()
-            try:
-                async with grpc.aio.insecure_channel(f"127.0.0.1:{plane.port}") as channel:
-                    stub = inference_pb2_grpc.InferenceStub(channel)
+        stop = asyncio.Event()
+        async with one_slot_plane(engine) as stub:
 
-                    async def client(tenant: str) -> None:
-                        metadata = (("authorization", f"Bearer {KEYS[tenant]}"),)
-                        request = inference_pb2.CompleteRequest(model="l", prompt=tenant)
-                        while not stop.is_set():
-                            async for _ in stub.Complete(request, metadata=metadata):
-                                pass
+            async def client(tenant: str) -> None:
+                metadata = (("authorization", f"Bearer {KEYS[tenant]}"),)
+                request = inference_pb2.CompleteRequest(model="l", prompt=tenant)
+                while not stop.is_set():
+                    async for _ in stub.Complete(request, metadata=metadata):
+                        pass
 
-                    clients = [
-                        asyncio.create_task(client(tenant))
-                        for tenant in KEYS
-                        for _ in range(IN_FLIGHT)
-                    ]
-                    deadline = time.monotonic() + 30
-                    # The first requests start before both tenants have queued: skip them.
-                    while len(engine.served) < SERVED + 2 * IN_FLIGHT:
-                        assert time.monotonic() < deadline, len(engine.served)
-                        await asyncio.sleep(0.01)
-                    stop.set()
-                    window = engine.served[2 * IN_FLIGHT : 2 * IN_FLIGHT + SERVED]
-                    for task in clients:
-                        task.cancel()
-                    await asyncio.gather(*clients, return_exceptions=True)
-            finally:
-                await plane.stop(grace=0)
-            return Counter(window)
+            clients = [
+                asyncio.create_task(client(tenant)) for tenant in KEYS for _ in range(IN_FLIGHT)
+            ]
+            deadline = time.monotonic() + 30
+            # The first requests start before both tenants have queued: skip them.
+            while len(engine.served) < SERVED + 2 * IN_FLIGHT:
+                assert time.monotonic() < deadline, len(engine.served)
+                await asyncio.sleep(0.01)
+            stop.set()
+            window = engine.served[2 * IN_FLIGHT : 2 * IN_FLIGHT + SERVED]
+            for task in clients:
+                task.cancel()
+            await asyncio.gather(*clients, return_exceptions=True)
+        return Counter(window)
 
     served = asyncio.run(main())
     assert served["heavy"] + served["light"] == SERVED
@@ -135,26 +133,15 @@ def test_the_request_log_names_the_tenant_that_made_it() -> None:
                 yield chunk
 
     async def main() -> list[dict[str, Any]]:
-        engine = FailingSecond()
-        async with engines(engine) as sockets:  # type: ignore[arg-type]  # duck-typed servicer
-            plane = await server.start(
-                store=one_slot_lane(sockets[0]),
-                address="127.0.0.1:0",
-                access=access.Access(tenants=AUTH),
-            )
-            try:
-                async with grpc.aio.insecure_channel(f"127.0.0.1:{plane.port}") as channel:
-                    stub = inference_pb2_grpc.InferenceStub(channel)
-                    with capture_logs() as logs:
-                        for tenant in ("heavy", "light"):
-                            metadata = (("authorization", f"Bearer {KEYS[tenant]}"),)
-                            request = inference_pb2.CompleteRequest(model="l", prompt=tenant)
-                            with contextlib.suppress(grpc.aio.AioRpcError):
-                                async for _ in stub.Complete(request, metadata=metadata):
-                                    pass
-            finally:
-                await plane.stop(grace=0)
-            return logs
+        async with one_slot_plane(FailingSecond()) as stub:
+            with capture_logs() as logs:
+                for tenant in ("heavy", "light"):
+                    metadata = (("authorization", f"Bearer {KEYS[tenant]}"),)
+                    request = inference_pb2.CompleteRequest(model="l", prompt=tenant)
+                    with contextlib.suppress(grpc.aio.AioRpcError):
+                        async for _ in stub.Complete(request, metadata=metadata):
+                            pass
+        return logs
 
     logs = asyncio.run(main())
     [done] = [line for line in logs if line["event"] == "request.done"]
