@@ -61,11 +61,8 @@ class GpuOffload:
     def problems(self, objects: Sequence[Resource]) -> list[FieldError]:
         """Each Lane that asks for offloaded layers on a host that cannot offload; the
         build is asked only when one does."""
-        asking = [
-            obj
-            for obj in objects
-            if isinstance(obj, Lane) and obj.spec.gpu_layers > 0 and obj.spec.upstream is None
-        ]
+        # An upstream Lane's gpuLayers is refused by validation, before admission.
+        asking = [obj for obj in objects if isinstance(obj, Lane) and obj.spec.gpu_layers > 0]
         if not asking or self.supported() is not False:
             return []
         return [
