@@ -588,7 +588,11 @@ class SLOPolicySpec(CamelModel):
     tpot_target_ms: int | None = Field(default=None, gt=0)
     max_queue_depth: int = Field(default=64, ge=0)
     max_queue_wait_ms: int | None = Field(default=None, ge=0)
-    on_overload: Literal["reject", "queue"] = "reject"
+    # What a request predicted to miss ttftTargetMs gets: a refusal at once (`reject`,
+    # the default when a target is set) or a wait within its bounds (`queue`). Without
+    # a target nothing is predicted and every request queues, so an explicit `reject`
+    # there is refused at apply (`_reject_needs_a_target`).
+    on_overload: Literal["reject", "queue"] | None = None
     # The most slots of one replica that this policy's requests hold at once, so that
     # the others stay free for other policies' (urgent) requests; None: no cap. A cap
     # at or above a Lane's slots does nothing there (policies are shared by Lanes).
@@ -597,6 +601,16 @@ class SLOPolicySpec(CamelModel):
     # nowhere; only objects stored before the refusal still hold them.
     tenants: list[Tenant] | None = None
     rate_limit: RateLimit | None = None
+
+    @model_validator(mode="after")
+    def _reject_needs_a_target(self, info: ValidationInfo) -> SLOPolicySpec:
+        if self.on_overload == "reject" and self.ttft_target_ms is None and not _stored(info):
+            raise invalid(
+                "onOverload: reject refuses a request predicted to miss ttftTargetMs, "
+                "and this policy sets none, so every request would queue; set "
+                "ttftTargetMs, or remove onOverload"
+            )
+        return self
 
     @field_validator("tenants", mode="before")
     @classmethod

@@ -200,7 +200,16 @@ def _columns(kind: str, wide: bool, now: datetime) -> list[Column]:
             ("MAX-QUEUE", lambda o: spec(o).get("maxQueueDepth", "")),
             # The most slots of a replica its requests hold at once (maxSlotsPerReplica).
             ("MAX-SLOTS", lambda o: spec(o).get("maxSlotsPerReplica") or "<none>"),
-            ("ON-OVERLOAD", lambda o: spec(o).get("onOverload", "")),
+            # What a request predicted to miss its target gets; without a target every
+            # request queues.
+            (
+                "ON-OVERLOAD",
+                lambda o: (
+                    spec(o).get("onOverload") or "reject"
+                    if spec(o).get("ttftTargetMs")
+                    else "queue"
+                ),
+            ),
             ("QUEUED", lambda o: admission(o).get("queued", 0)),
             ("ATTAINMENT", lambda o: _share(admission(o).get("attainment"))),
             age_col,

@@ -89,7 +89,7 @@ def daemon(model_path: Path) -> Iterator[Daemon]:
         "apiVersion: blazar.dev/v1alpha1\n"
         "kind: SLOPolicy\n"
         "metadata: {name: tight}\n"
-        "spec: {maxQueueDepth: 0, onOverload: reject}\n"
+        "spec: {maxQueueDepth: 0}\n"
     )
     d = Daemon(home=home, watch=fleet).start()
     try:

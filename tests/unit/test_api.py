@@ -147,6 +147,20 @@ def test_a_stored_policy_with_tenants_still_loads() -> None:
     assert isinstance(policy, kinds.SLOPolicy) and policy.spec.tenants[0].weight == 2
 
 
+def test_on_overload_reject_without_a_target_is_refused() -> None:
+    """Nothing predicts a miss without ttftTargetMs: every request would queue."""
+    [(path, message)] = errors_of([("a.yaml", slo_doc(onOverload="reject"))])
+    assert path == "SLOPolicy/s: spec" and "set ttftTargetMs, or remove onOverload" in message
+    # What a policy without a target does anyway; and reject with a target.
+    for spec in ({"onOverload": "queue"}, {"onOverload": "reject", "ttftTargetMs": 500}, {}):
+        [policy] = manifests.parse_objects([("a.yaml", slo_doc(**spec))])
+        # `get -o yaml` prints only what was set, so its output applies again.
+        assert manifests.to_dict(policy)["spec"].get("onOverload") == spec.get("onOverload")
+    # Stored by a daemon that took it: still loads.
+    stored = manifests.from_dict(slo_doc(onOverload="reject"))
+    assert isinstance(stored, kinds.SLOPolicy) and stored.spec.on_overload == "reject"
+
+
 def errors_of(docs: list[tuple[str, dict[str, Any]]]) -> list[tuple[str, str]]:
     with pytest.raises(errors.ManifestInvalid) as info:
         manifests.parse_objects(docs)

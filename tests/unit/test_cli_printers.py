@@ -409,3 +409,18 @@ def test_describe_shows_why_a_restarted_replica_last_exited() -> None:
     assert "ValueError: bad (back-off: restarts in 4s)" in shown
     assert "last exit: old" not in shown
     assert "exit 1 (" not in shown  # its restart is due: no back-off left to show
+
+
+def test_get_slopolicies_shows_what_an_overloaded_request_gets() -> None:
+    """reject unless said otherwise when there is a target; without one, a wait."""
+    policies = [slo("default"), slo("patient"), slo("untargeted")]
+    policies[1]["spec"]["onOverload"] = "queue"
+    del policies[2]["spec"]["ttftTargetMs"]
+    lines = printers.table("SLOPolicy", policies, now=T0)
+    header, *rows = (line.split() for line in lines.splitlines())
+    at = header.index("ON-OVERLOAD")
+    assert {row[0]: row[at] for row in rows} == {
+        "default": "reject",
+        "patient": "queue",
+        "untargeted": "queue",
+    }

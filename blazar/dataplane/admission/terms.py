@@ -65,7 +65,7 @@ class Policy:
             tpot_target_s=seconds(spec.tpot_target_ms),
             max_queue_depth=spec.max_queue_depth,
             max_queue_wait_s=seconds(spec.max_queue_wait_ms),
-            reject_early=spec.on_overload == "reject",
+            reject_early=spec.on_overload != "queue",
             max_slots_per_replica=spec.max_slots_per_replica,
         )
 
