@@ -533,6 +533,9 @@ class ReplicaStatus(CamelModel):
     # a Lane with no other replica are refused with a Retry-After that says so.
     restart_at: datetime | None = None
     message: str = ""
+    # The slots its engine runs with (None: not known, the Lane's `slots`): an old
+    # replica of a rollout that changes `slots` still runs the old number.
+    slots: int | None = None
 
 
 class LaneMemory(CamelModel):

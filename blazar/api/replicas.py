@@ -198,3 +198,6 @@ class ReplicaObservation:
     # Why the last run exited, kept while its replacement runs (as `exit_code`).
     exit_reason: str = ""
     message: str = ""
+    # The slots its engine was launched with: during a rollout of a `slots` change the
+    # Lane's spec already says the new number while an old replica still runs the old.
+    slots: int | None = None

@@ -268,6 +268,7 @@ def replica_statuses(observed: Sequence[ReplicaObservation]) -> list[ReplicaStat
             last_exit_reason=obs.exit_reason,
             restart_at=restart_due(obs),
             message=obs.message,
+            slots=obs.slots,
         )
         for obs in sorted(observed, key=lambda o: o.index)
     ]

@@ -27,6 +27,8 @@ class Replica:
     socket: str
     # The engine process: a restarted replica keeps its index and socket, not its cache.
     pid: int | None = None
+    # The slots its engine runs with, when its status says (`slots_of`).
+    slots: int | None = None
 
 
 @dataclass(frozen=True)
@@ -96,7 +98,7 @@ def build_table(
     routes = []
     for lane in sorted(lanes, key=lambda item: item.metadata.name):
         ready = tuple(
-            Replica(lane.metadata.name, r.index, r.socket, r.pid)
+            Replica(lane.metadata.name, r.index, r.socket, r.pid, r.slots)
             for r in lane.status.replica_statuses
             if r.state == ReplicaState.READY.value and r.socket
         )
@@ -153,6 +155,13 @@ def build_table(
         for alias in route.aliases:
             by_name.setdefault(alias, route)
     return RouteTable(routes=tuple(routes), by_name=by_name)
+
+
+def slots_of(route: Route, replica: Replica) -> int:
+    """The slots `replica` runs with: its own, else the Lane's. They differ while a
+    rollout of a `slots` change runs, and an old replica given the new number would be
+    sent work it has no slot for, to wait blind inside an engine about to drain."""
+    return route.slots if replica.slots is None else replica.slots
 
 
 def _wakes(lane: Lane) -> bool:
@@ -356,7 +365,7 @@ def pick_replica(
         return (load(replica), held.get(replica.index, 0), replica.index)
 
     least = min(candidates, key=by_load)
-    roomy = [r for r in candidates if load(r) < route.slots or load(r) <= load(least)]
+    roomy = [r for r in candidates if load(r) < slots_of(route, r) or load(r) <= load(least)]
     for replica in roomy:
         if replica.index == prefer:
             return replica

@@ -208,7 +208,7 @@ class LaneRuns:
             replicas.append(
                 measurements.replica_view(
                     replica.index,
-                    slots=route.slots,
+                    slots=routing.slots_of(route, replica),
                     running=running,
                     parked_bytes=parked,
                     parked_bytes_max=route.max_parked_bytes,

@@ -119,6 +119,7 @@ class _Replica:
             exit_code=self.exit_code,
             exit_reason=self.exit_reason,
             message=self.message,
+            slots=self.launch.slots,
         )
 
 

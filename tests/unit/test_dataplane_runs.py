@@ -37,6 +37,24 @@ def test_each_run_holds_a_slot_on_its_own_replica() -> None:
     assert (a.tokens_left, a.kv_tokens, a.parkable) == (70, 40, True)
 
 
+def test_a_replica_of_an_earlier_slots_shows_its_own_during_a_rollout() -> None:
+    """The Lane went from 1 slot to 2: the old replica's one slot is busy, so admission
+    has a waiting ticket wait for the new replica (or that slot) rather than send it to
+    an engine with no slot for it, which would hold it blind until its drain."""
+    route = two_replicas()
+    old = dataclasses.replace(route.replicas[0], slots=1)
+    new = dataclasses.replace(route.replicas[1], slots=2)
+    route = dataclasses.replace(route, replicas=(old, new))
+    lane = runs.LaneRuns()
+    lane.running["a"] = run("a", old, generated=30)
+    view = lane.view(route, LaneMeasurements(), now=2.0)
+    assert [r.slots for r in view.replicas] == [1, 2]
+    queue = admission.LaneQueue()
+    ticket = admission.Ticket("b", BATCH, 2.0, prompt_tokens=10, max_tokens=100)
+    assert isinstance(queue.arrive(ticket, now=2.0, view=view), admission.Admit)
+    assert [d.replica for d in queue.dispatch(now=2.0, view=view)] == [1]
+
+
 def test_a_replica_left_out_is_not_in_the_view_until_the_route_forgets_it() -> None:
     route = two_replicas()
     lane = runs.LaneRuns()

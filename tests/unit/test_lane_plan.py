@@ -207,6 +207,13 @@ def test_a_failed_replicas_status_says_when_it_is_restarted(
         assert plan.actions == [] and plan.requeue_after == due_in
 
 
+def test_each_replicas_status_says_the_slots_its_engine_runs_with() -> None:
+    """A rollout of a `slots` change: the old replica runs the old number until it
+    stops, and routing reads it from here (`routing.slots_of`)."""
+    old, new = replace(obs(0), slots=1), replace(obs(1), slots=2)
+    assert [s.slots for s in lane_plan.replica_statuses([old, new])] == [1, 2]
+
+
 READY_MODEL = ModelReadiness(True, "ModelReady", "ok")
 
 

@@ -286,6 +286,31 @@ def test_the_table_knows_each_replica_process() -> None:
     assert routing.resolve(table, "x").replicas == (routing.Replica("x", 0, "/s", 42),)
 
 
+def test_a_replica_of_an_earlier_slots_keeps_its_own_during_a_rollout() -> None:
+    """The Lane now says 2 slots; replica 0 still runs its engine's 1 (it drains once
+    the new one is ready), replica 1 the new 2. A status that does not say (an
+    upstream Lane's, or one written before it was recorded) is the Lane's."""
+    statuses = [
+        ReplicaStatus(index=0, state="Ready", socket="/a", pid=1, slots=1),
+        ReplicaStatus(index=1, state="Ready", socket="/b", pid=2, slots=2),
+        ReplicaStatus(index=2, state="Ready", socket="/c", pid=3),
+    ]
+    table = routing.build_table(
+        [
+            Lane(
+                metadata=ObjectMeta(name="x"),
+                spec=LaneSpec(model="m", slots=2, replicas=2),
+                status=LaneStatus(replica_statuses=statuses),
+            )
+        ]
+    )
+    route = routing.resolve(table, "x")
+    assert [routing.slots_of(route, r) for r in route.replicas] == [1, 2, 2]
+    # Replica 0's one slot is busy: a session that used it last goes where there is room.
+    busy = {("x", 0): 1, ("x", 2): 1}
+    assert routing.pick_replica(route, busy, now=0.0, prefer=0).index == 1
+
+
 def test_pick_never_prefers_a_refused_replica() -> None:
     route = routing.resolve(routing.build_table([lane("x", ready=(0, 1))]), "x")
     assert routing.pick_replica(route, {}, now=0.0, exclude=(1,), prefer=1).index == 0
