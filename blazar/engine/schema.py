@@ -240,7 +240,9 @@ def grammar(schema: dict[str, Any]) -> str:
             "The JSON schema cannot be turned into a grammar: it nests or refers to "
             "itself too deeply."
         ) from None
-    return "\n".join(_strict_rule(line) for line in text.splitlines())
+    # Rules end at "\n" only: `splitlines` also breaks at U+2028, U+2029 and NEL,
+    # which a literal holds as themselves (a const or enum value with one).
+    return "\n".join(_strict_rule(line) for line in text.split("\n"))
 
 
 def invalid_schema(document: dict[str, Any]) -> tuple[str, str] | None:

@@ -254,7 +254,8 @@ _WORD = re.compile(r"[A-Za-z0-9-]+")
 def _prefixed(gbnf: str, prefix: str) -> Iterator[str]:
     """The rules of `gbnf` with `prefix` before every rule name, where defined and
     where referred to (not inside string literals or character classes)."""
-    rules = [_RULE.match(line) for line in gbnf.splitlines() if line.strip()]
+    # At "\n" only, not `splitlines`: a literal may hold U+2028, U+2029 or NEL.
+    rules = [_RULE.match(line) for line in gbnf.split("\n") if line.strip()]
     names = {m.group(1) for m in rules if m}
     for m in rules:
         if m is None:

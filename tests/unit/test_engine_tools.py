@@ -127,7 +127,7 @@ def test_depth_counts_containers_without_recursing() -> None:
 
 def _gbnf_regex(gbnf: str) -> re.Pattern[str]:
     """A Python regex for a grammar without recursion (rules inlined)."""
-    rules = dict(line.split(" ::= ", 1) for line in gbnf.splitlines())
+    rules = dict(line.split(" ::= ", 1) for line in gbnf.split("\n"))
 
     def expand(body: str) -> str:
         out, i = [], 0
@@ -250,6 +250,16 @@ def test_a_repetitions_count_is_no_rule_name() -> None:
     forced = tools.ToolSet((tools.Tool("f", "", parameters),), mode=tools.Mode.NAMED, named="f")
     zip_rule = next(line for line in tools.grammar(forced).splitlines() if "tool0-zip ::=" in line)
     assert "[\\x30-\\x39]{5}" in zip_rule, zip_rule
+
+
+def test_a_forced_grammar_keeps_unicode_line_breaks_inside_its_literals() -> None:
+    """U+2028, U+2029 and NEL are characters of a JSON string, not ends of grammar
+    rules: a forced call whose schema held one in a value failed with a 500."""
+    value = "a\u2028b\u2029c\x85d"
+    parameters = {"type": "object", "properties": {"s": {"const": value}}, "required": ["s"]}
+    forced = tools.ToolSet((tools.Tool("f", "", parameters),), mode=tools.Mode.NAMED, named="f")
+    pattern = _gbnf_regex(tools.grammar(forced))
+    assert pattern.fullmatch(call("f", json.dumps({"s": value}, ensure_ascii=False)))
 
 
 # ---------------------------------------------------------------- parsing
