@@ -49,6 +49,19 @@ def loads(text: str | bytes, *, whole_characters: bool = False, unique_keys: boo
     return value
 
 
+def dumps(value: Any) -> str:
+    """`value` as JSON text, non-ASCII characters written as themselves (as a model
+    writes them), except where half of a surrogate pair (read from a `"\\ud800"`
+    escape) leaves only the \\u escapes: that text has a UTF-8 form, so it can go on
+    the wire, into a prompt or into a grammar."""
+    text = json.dumps(value, ensure_ascii=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(value)
+    return text
+
+
 # A \u escape of a UTF-16 surrogate (D800-DFFF): only then can a lone one be decoded.
 _SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")
 _SURROGATE_BYTES = re.compile(rb"\\u[dD][89a-fA-F]")

@@ -47,12 +47,11 @@ from __future__ import annotations
 import copy
 import functools
 import itertools
-import json
 import re
 from collections.abc import Iterator, Sequence
 from typing import Any, NoReturn
 
-from blazar.api import errors
+from blazar.api import errors, jsontext
 
 # Keywords whose constraint the converter leaves out of the grammar.
 UNENFORCED = frozenset(
@@ -177,7 +176,7 @@ def grammar(schema: dict[str, Any]) -> str:
             return _literal(literal)
 
         def _generate_constant_rule(self, value: Any) -> str:
-            return _literal(_json_text(value))
+            return _literal(jsontext.dumps(value))
 
         # The converter names a ref's rule by the ref's last segment and reuses any
         # rule already of that name: `#/$defs/a` took a property `a`'s rule, and
@@ -209,7 +208,7 @@ def grammar(schema: dict[str, Any]) -> str:
             if values is not None and "const" not in node:
                 rule: str = self._add_rule(
                     name + "-" if name in llama_grammar.RESERVED_NAMES else name or "root",
-                    alternation([_json_text(value) for value in values]),
+                    alternation([jsontext.dumps(value) for value in values]),
                 )
                 return rule
             found: str = super().visit(node, name)
@@ -427,7 +426,7 @@ def overlapping_one_of(root: Any, node: Any = None, path: str = "") -> Iterator[
                 yield f"{at} (branch {i} does not require {name!r} to be a constant)"
                 continue
             for value in values:
-                key = _json_text(float(value) if _is_json_type(value, "number") else value)
+                key = jsontext.dumps(float(value) if _is_json_type(value, "number") else value)
                 if key in seen and seen[key] != i:
                     yield f"{at} (branches {seen[key]} and {i} both allow {name!r} {value!r})"
                 seen.setdefault(key, i)
@@ -840,14 +839,3 @@ def _literal_char(c: str) -> str:
     if c in '"\\':
         return "\\" + c
     return _char_text(ord(c)) if ord(c) < 0x20 or ord(c) == 0x7F else c
-
-
-def _json_text(value: Any) -> str:
-    """`value` as JSON text, non-ASCII characters written as themselves (as a model
-    writes them), except where a lone surrogate leaves only the \\u escape."""
-    text = json.dumps(value, ensure_ascii=False)
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return json.dumps(value)
-    return text

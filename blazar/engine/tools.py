@@ -397,14 +397,17 @@ def history_turns(messages: Sequence[inference_pb2.Message]) -> list[text.ChatTu
                 raise _blame(where, f"Message {i} has tool calls; only assistant turns make them.")
             if not c.name:
                 raise _blame(f"{where}.name", f"Tool call {j} of message {i} has no name.")
+            why = ""
             try:
-                arguments = jsontext.loads(c.arguments or "{}")
-            except jsontext.NotJSON:
-                arguments = None
+                # Whole characters: half a surrogate pair ("\\ud800") has no UTF-8 form,
+                # so no prompt can hold it (refused as the shim refuses it elsewhere).
+                arguments = jsontext.loads(c.arguments or "{}", whole_characters=True)
+            except jsontext.NotJSON as exc:
+                arguments, why = None, f" ({exc})"
             if not isinstance(arguments, dict):
                 raise _blame(
                     f"{where}.arguments",
-                    f"The arguments of tool call {j} of message {i} are not a JSON object.",
+                    f"The arguments of tool call {j} of message {i} are not a JSON object{why}.",
                 )
             calls.append(
                 text.ToolCall(
@@ -551,7 +554,7 @@ class CallParser:
         if tool is None or not isinstance(arguments, dict) or not valid(tool, arguments):
             return None
         index, self.made = self.made, self.made + 1
-        return CallDelta(index, self.new_id(), tool.name, json.dumps(arguments, ensure_ascii=False))
+        return CallDelta(index, self.new_id(), tool.name, jsontext.dumps(arguments))
 
     # --- forced
 

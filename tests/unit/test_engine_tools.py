@@ -394,6 +394,17 @@ def test_auto_calls_come_out_whole_with_their_own_ids() -> None:
     )
 
 
+def test_an_auto_call_with_half_a_surrogate_pair_keeps_its_escape() -> None:
+    """JSON may escape half of a surrogate pair (`"\\ud800"`), which has no UTF-8 form:
+    written out as a character, the call could not go on the wire (a 500)."""
+    parser = tools.CallParser(toolset(), new_id=ids())
+    parsed = parser.feed(call("weather", '{"city": "\\ud800é", "unit": "c"}'))
+    assert parsed.calls == (
+        tools.CallDelta(0, "call_0", "weather", '{"city": "\\ud800\\u00e9", "unit": "c"}'),
+    )
+    parsed.calls[0].arguments.encode("utf-8")
+
+
 def test_call_ids_are_unique_and_openai_shaped() -> None:
     made = {tools.new_call_id() for _ in range(100)}
     assert len(made) == 100 and all(re.fullmatch(r"call_[0-9a-f]{24}", i) for i in made)
@@ -433,6 +444,16 @@ def test_history_turns_keep_calls_and_results() -> None:
     turns = tools.history_turns(messages)
     assert turns[1].tool_calls == (text.ToolCall("c1", "weather", '{"city": "Paris"}'),)
     assert (turns[2].tool_call_id, turns[2].name) == ("c1", "weather")
+
+
+def test_history_call_arguments_with_half_a_surrogate_pair_are_refused() -> None:
+    """The caller's arguments are JSON text; one that escapes half of a surrogate pair
+    (`"\\ud800"`) has no UTF-8 form, and reached the prompt as a 500."""
+    arguments = '{"city": "\\ud800"}'
+    call_ = pb.ToolCall(id="c1", name="weather", arguments=arguments)
+    with pytest.raises(errors.InvalidRequest, match="surrogate") as caught:
+        tools.history_turns([pb.Message(role="assistant", tool_calls=[call_])])
+    assert caught.value.metadata[errors.FIELD_KEY] == "messages[0].tool_calls[0].arguments"
 
 
 @pytest.mark.parametrize(
