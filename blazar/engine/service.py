@@ -330,7 +330,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                         if calls.called and event.reason is jobs.FinishReason.STOP:
                             final.finish_reason = inference_pb2.FINISH_REASON_TOOL_CALLS
                     final.prompt_logprobs.extend(
-                        _wire_logprobs(self._decode.vocab, event.prompt_logprobs)
+                        _wire_logprobs(self._decode.vocab, event.prompt_logprobs, special=True)
                     )
                     yield inference_pb2.Chunk(final=final)
                 else:
@@ -649,10 +649,14 @@ def _delta(
 
 
 def _wire_logprobs(
-    vocab: llama.Vocab, scores: Sequence[logprobs.TokenLogprob]
+    vocab: llama.Vocab, scores: Sequence[logprobs.TokenLogprob], *, special: bool = False
 ) -> list[inference_pb2.TokenLogprob]:
+    """Each token as its bytes. With `special`, control tokens as written (`<bos>`): a
+    prompt's, which was read with them (completions' `echo` shows it so); the output's
+    text leaves them out, and so do its tokens."""
+
     def entry(token: int, logprob: float) -> inference_pb2.TokenLogprob:
-        piece = vocab.piece(token)
+        piece = vocab.piece(token, special=special)
         return inference_pb2.TokenLogprob(
             id=token,
             token=piece.decode("utf-8", errors="replace"),

@@ -163,6 +163,16 @@ def test_stop_string_ends_generation(worker: Worker, stop: str) -> None:
     assert sum(d.tokens for d in deltas) <= final.usage.completion_tokens
 
 
+def test_prompt_logprobs_spell_the_prompt_control_tokens_included(worker: Worker) -> None:
+    """A raw prompt (completions' `echo`) reads its control tokens as written: their
+    log-probabilities spell them too, else the echoed text and its tokens (and their
+    `text_offset`s) disagree."""
+    prompt = "<start_of_turn>user 日本🫠"
+    _, final = worker.generate(prompt=prompt, sampling=greedy(1, prompt_logprobs=True))
+    assert len(final.prompt_logprobs) == final.usage.prompt_tokens - 1  # all but BOS
+    assert b"".join(lp.bytes for lp in final.prompt_logprobs) == prompt.encode()
+
+
 @pytest.mark.parametrize(
     ("prompt", "max_tokens"),
     [
