@@ -16,7 +16,9 @@ come text, tool-call deltas, logprobs, the finish reason and usage with cached t
 (`usage.prompt_tokens_details.cached_tokens`) when the upstream reports them.
 
 Refused (INVALID_ARGUMENT, before admission): a GBNF `grammar`, which OpenAI's API has
-no field for, and `prompt_logprobs`, which it does not return.
+no field for, `prompt_logprobs`, which it does not return, and what the engine refuses
+too where it would otherwise pass as something else (a schema that is not JSON, a
+`tool_choice` name without MODE_NAMED).
 """
 
 from __future__ import annotations
@@ -63,6 +65,14 @@ def refusal(request: engine_pb2.GenerateRequest) -> errors.InvalidRequest | None
             "This model is served by an upstream server, which returns no prompt "
             "logprobs; remove prompt_logprobs.",
             metadata={errors.FIELD_KEY: "prompt_logprobs"},
+        )
+    choice = request.chat.tool_choice
+    if choice.name and choice.mode != inference_pb2.ToolChoice.MODE_NAMED:
+        # As the engine refuses it (`engine.tools.parse`): the mode alone would run.
+        return errors.InvalidRequest(
+            f"tool_choice names the tool {choice.name!r} but its mode is not MODE_NAMED; "
+            "a name goes only with MODE_NAMED.",
+            metadata={errors.FIELD_KEY: "tool_choice"},
         )
     texts = [("tools", tool.parameters) for tool in request.chat.tools if tool.parameters]
     if request.constraint.WhichOneof("kind") == "json_schema":

@@ -124,6 +124,17 @@ def test_structured_output_passes_as_response_format(
             engine_pb2.GenerateRequest(prompt="p", constraint=pb.Constraint(json_schema="{")),
             "constraint",
         ),
+        # A name the mode would drop (the engine refuses it too: `tools.parse`).
+        (
+            engine_pb2.GenerateRequest(
+                chat=engine_pb2.ChatInput(
+                    messages=[pb.Message(role="user", content="hi")],
+                    tools=[pb.Tool(name="f")],
+                    tool_choice=pb.ToolChoice(mode=pb.ToolChoice.MODE_AUTO, name="f"),
+                )
+            ),
+            "tool_choice",
+        ),
     ],
 )
 def test_what_cannot_pass_is_refused(request_: engine_pb2.GenerateRequest, field: str) -> None:
