@@ -14,7 +14,9 @@ def default_home() -> Path:
     env = os.environ.get("BLAZAR_HOME")
     if env:
         return Path(env).expanduser()
-    data = Path(os.environ.get("XDG_DATA_HOME", Path.home() / ".local" / "share"))
+    # The XDG base directory specification: unset, empty or relative means the default.
+    xdg = os.environ.get("XDG_DATA_HOME", "")
+    data = Path(xdg) if os.path.isabs(xdg) else Path.home() / ".local" / "share"
     return data / "blazar"
 
 

@@ -456,7 +456,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--grpc", help="gRPC address (default $BLAZAR_GRPC_ADDR or 127.0.0.1:8421)")
     serve.add_argument(
-        "--home", help="state directory (default $BLAZAR_HOME or ~/.local/share/blazar)"
+        "--home",
+        help=(
+            "state directory (default $BLAZAR_HOME, else $XDG_DATA_HOME/blazar, "
+            "else ~/.local/share/blazar)"
+        ),
     )
     serve.add_argument("--log-json", action="store_true", help="JSON logs even on a terminal")
     serve.add_argument(

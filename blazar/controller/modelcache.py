@@ -47,8 +47,10 @@ def default_root() -> Path:
     env = os.environ.get("BLAZAR_MODEL_CACHE")
     if env:
         return Path(env).expanduser()
-    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(cache) / "blazar" / "models"
+    # The XDG base directory specification: unset, empty or relative means the default.
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    cache = Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache"
+    return cache / "blazar" / "models"
 
 
 @dataclass(frozen=True)

@@ -133,6 +133,18 @@ def test_serve_home_is_the_flag_then_blazar_home_then_xdg_data_home(
     assert _serve_options(monkeypatch, flag, env).home == tmp_path / "flag"
 
 
+@pytest.mark.parametrize("xdg", ["", "relative/data"])
+def test_an_empty_or_relative_xdg_data_home_is_ignored(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, xdg: str
+) -> None:
+    """As the XDG base directory specification says (and `rundir` reads XDG_RUNTIME_DIR):
+    otherwise the home would be `./blazar` under whatever directory serve, or the CLI
+    looking for its socket, was started in."""
+    monkeypatch.setenv("HOME", str(tmp_path / "user"))
+    options = _serve_options(monkeypatch, [], {"XDG_DATA_HOME": xdg})
+    assert options.home == tmp_path / "user/.local/share/blazar"
+
+
 def test_the_shim_leaves_the_daemons_signal_handlers_alone() -> None:
     """The daemon owns SIGTERM and SIGINT (a second one hurries the stop). uvicorn's own
     capture would replace its handlers while the shim serves, then raise each signal

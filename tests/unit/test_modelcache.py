@@ -344,3 +344,25 @@ def test_a_package_that_assembles_the_wrong_bytes_is_a_checksum_mismatch(
     assert ready is not None and (ready.status.value, ready.reason) == ("False", "ChecksumMismatch")
     assert ready.message.startswith("Package 'tiny-weights' assembled a file with sha256 ")
     assert not list((tmp_path / "h1").rglob("*.gguf"))
+
+
+@pytest.mark.parametrize(
+    ("env", "root"),
+    [
+        ({}, "user/.cache/blazar/models"),
+        ({"XDG_CACHE_HOME": "{tmp}/cache"}, "cache/blazar/models"),
+        ({"XDG_CACHE_HOME": ""}, "user/.cache/blazar/models"),
+        ({"XDG_CACHE_HOME": "relative/cache"}, "user/.cache/blazar/models"),
+        ({"XDG_CACHE_HOME": "{tmp}/cache", "BLAZAR_MODEL_CACHE": "{tmp}/mine"}, "mine"),
+    ],
+)
+def test_the_cache_root_ignores_an_empty_or_relative_xdg_cache_home(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, env: dict[str, str], root: str
+) -> None:
+    """The XDG base directory specification: a relative path is invalid and ignored."""
+    monkeypatch.setenv("HOME", str(tmp_path / "user"))
+    for name in ("XDG_CACHE_HOME", "BLAZAR_MODEL_CACHE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value.format(tmp=tmp_path))
+    assert modelcache.default_root() == tmp_path / root
