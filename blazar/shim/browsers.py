@@ -11,11 +11,15 @@ nobody first. So, before any route runs:
   the CORS headers, and every response carries `Access-Control-Allow-Origin`.
 - A POST whose body is not declared `application/json` (the type every official
   client sends, and one a page cannot send without a preflight) is refused, 415
-  `UNSUPPORTED_MEDIA_TYPE`, unless it declares no type (no `Content-Type`, or
-  `application/octet-stream`, which RFC 9110 reads the same) and has no `Origin`: no
-  page sends that (a form always declares its type, and a script's request carries its
-  origin), while clients that wrap Ollama's API do (LiteLLM's `ollama` and `ollama_chat`
-  providers), since Ollama parses a body as JSON whatever it declares.
+  `UNSUPPORTED_MEDIA_TYPE`, unless it has no `Origin` and declares no type (no
+  `Content-Type`, or `application/octet-stream`, which RFC 9110 reads the same) or
+  `application/x-www-form-urlencoded`: no page sends the first (a form always declares
+  its type, and a script's request carries its origin), and a form of the second
+  percent-encodes every `{` and `"`, so its body is never a JSON object. Clients that
+  wrap Ollama's API send the first (LiteLLM's `ollama` and `ollama_chat` providers),
+  and `curl -d` the second, as in Ollama's own examples, since Ollama parses a body as
+  JSON whatever it declares. `text/plain` and `multipart/form-data` stay refused: a
+  form of either type can carry a JSON body.
 
 Refusals are rendered by the caller's `render` (each dialect's own envelope).
 Clients that are not browsers send no `Origin` and are unaffected by the first rule.
@@ -37,6 +41,8 @@ Render = Callable[[Request, errors.BlazarError], Awaitable[Response]]
 JSON = "application/json"
 # What a body that declares no type is taken to be (RFC 9110, section 8.3).
 UNDECLARED = "application/octet-stream"
+# What `curl -d` declares: a form of this type cannot write a JSON object.
+FORM = "application/x-www-form-urlencoded"
 _ALLOW_METHODS = "GET, POST, DELETE, OPTIONS"
 _PREFLIGHT_MAX_AGE_S = "600"
 # Headers a page's script may read: the ones Blazar adds and a 429's Retry-After.
@@ -60,9 +66,10 @@ def is_json(content_type: str | None) -> bool:
 
 def body_allowed(content_type: str | None, *, origin: str | None) -> bool:
     """Whether a POST's body may reach the routes (see the module docstring): JSON, or
-    from no browser's page (no `Origin`) a body that declares no type."""
+    from no browser's page (no `Origin`) a body that declares no type or curl's form
+    type (read as JSON all the same)."""
     media = _media_type(content_type)
-    return media == JSON or (media in (None, UNDECLARED) and origin is None)
+    return media == JSON or (media in (None, UNDECLARED, FORM) and origin is None)
 
 
 class BrowserGuard:
