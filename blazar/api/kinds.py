@@ -536,6 +536,9 @@ class ReplicaStatus(CamelModel):
     # The slots its engine runs with (None: not known, the Lane's `slots`): an old
     # replica of a rollout that changes `slots` still runs the old number.
     slots: int | None = None
+    # The same of the context per slot its engine holds (None: the Lane's
+    # `contextPerSlot`): an old replica of a `contextPerSlot` rollout holds the old size.
+    context_per_slot: int | None = None
 
 
 class LaneMemory(CamelModel):

@@ -201,3 +201,5 @@ class ReplicaObservation:
     # The slots its engine was launched with: during a rollout of a `slots` change the
     # Lane's spec already says the new number while an old replica still runs the old.
     slots: int | None = None
+    # The same of its context per slot: the Lane's may say more (or less) than it holds.
+    context_per_slot: int | None = None

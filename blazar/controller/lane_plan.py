@@ -269,6 +269,7 @@ def replica_statuses(observed: Sequence[ReplicaObservation]) -> list[ReplicaStat
             restart_at=restart_due(obs),
             message=obs.message,
             slots=obs.slots,
+            context_per_slot=obs.context_per_slot,
         )
         for obs in sorted(observed, key=lambda o: o.index)
     ]

@@ -492,8 +492,8 @@ class InferenceService(Unqueued, inference_pb2_grpc.InferenceServicer):
         if policy.tpot_target_s is not None:
             # The engine paces prompt chunks beside this stream to keep it.
             generate.tpot_target_ms = max(1, round(policy.tpot_target_s * 1000))
-        prompt_tokens, max_tokens, fits = _budget(lane, route, generate, prompt_chars)
-        if not fits:
+        prompt_tokens, max_tokens, needs = _budget(lane, route, generate, prompt_chars)
+        if needs > route.context_length:
             # Likely too long for a slot, by the estimate: the engine, which counts the
             # tokens, answers that (INVALID_ARGUMENT naming both lengths); a refusal to
             # retry later for a missed target would only send the caller round again.
@@ -517,6 +517,7 @@ class InferenceService(Unqueued, inference_pb2_grpc.InferenceServicer):
             cached_tokens=self._cached_tokens(route.lane, lane, replica, blocks),
             tenant=caller.name,
             weight=caller.weight,
+            context_tokens=needs,
         )
         waiting = True
         announced = False
@@ -630,8 +631,8 @@ class InferenceService(Unqueued, inference_pb2_grpc.InferenceServicer):
         ticket = spill.ticket
         elsewhere: errors.BlazarError | None = None
         if other is not None:
-            prompt_tokens, max_tokens, fits = _budget(other, to, generate, prompt_chars)
-            if fits:
+            prompt_tokens, max_tokens, needs = _budget(other, to, generate, prompt_chars)
+            if needs <= to.context_length:
                 # Hashed again: each Lane's index hashes as many blocks as it holds.
                 index = self._fleet.prefixes(to.lane)
                 there = hashes(index.capacity) if hashes is not None and index else ()
@@ -641,6 +642,7 @@ class InferenceService(Unqueued, inference_pb2_grpc.InferenceServicer):
                     spilled_from=route.lane,
                     prompt_tokens=prompt_tokens,
                     max_tokens=max_tokens,
+                    context_tokens=needs,
                     prefer=(
                         picked.index
                         if picked is not None
@@ -782,10 +784,12 @@ def _budget(
     route: routing.Route,
     generate: engine_pb2.GenerateRequest,
     prompt_chars: int,
-) -> tuple[int, int, bool]:
+) -> tuple[int, int, int]:
     """A request's prompt tokens as the Lane's measured characters per token estimate
-    them, its max_tokens (as asked, else the rest of a slot's context), and whether the
-    prompt and what it asked for likely fit a slot."""
+    them, its max_tokens (as asked, else the rest of a slot's context), and the tokens
+    of a slot's context the prompt and what it asked for likely need (it likely fits
+    a slot of the Lane's when they are at most its context; admission starts it only
+    on a replica whose slots hold them, `Ticket.context_tokens`)."""
     prompt_tokens = lane.measurements.prompt_tokens(prompt_chars)
     sampling = generate.sampling
     max_tokens = (
@@ -793,8 +797,7 @@ def _budget(
         if sampling.HasField("max_tokens")
         else max(1, route.context_length - prompt_tokens)
     )
-    fits = prompt_tokens + (sampling.max_tokens or 1) <= route.context_length
-    return prompt_tokens, max_tokens, fits
+    return prompt_tokens, max_tokens, prompt_tokens + (sampling.max_tokens or 1)
 
 
 def _open_access() -> access.Access:

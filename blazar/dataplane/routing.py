@@ -29,6 +29,8 @@ class Replica:
     pid: int | None = None
     # The slots its engine runs with, when its status says (`slots_of`).
     slots: int | None = None
+    # The tokens each of its slots holds, when its status says (`context_of`).
+    context_per_slot: int | None = None
 
 
 @dataclass(frozen=True)
@@ -98,7 +100,7 @@ def build_table(
     routes = []
     for lane in sorted(lanes, key=lambda item: item.metadata.name):
         ready = tuple(
-            Replica(lane.metadata.name, r.index, r.socket, r.pid, r.slots)
+            Replica(lane.metadata.name, r.index, r.socket, r.pid, r.slots, r.context_per_slot)
             for r in lane.status.replica_statuses
             if r.state == ReplicaState.READY.value and r.socket
         )
@@ -162,6 +164,13 @@ def slots_of(route: Route, replica: Replica) -> int:
     rollout of a `slots` change runs, and an old replica given the new number would be
     sent work it has no slot for, to wait blind inside an engine about to drain."""
     return route.slots if replica.slots is None else replica.slots
+
+
+def context_of(route: Route, replica: Replica) -> int:
+    """The tokens a slot of `replica` holds: its own context per slot, else the Lane's.
+    They differ while a rollout of a `contextPerSlot` change runs: a request that fits
+    the Lane's new size may not fit an old replica's, whose engine would refuse it."""
+    return route.context_length if replica.context_per_slot is None else replica.context_per_slot
 
 
 def _wakes(lane: Lane) -> bool:

@@ -209,6 +209,7 @@ class LaneRuns:
                 measurements.replica_view(
                     replica.index,
                     slots=routing.slots_of(route, replica),
+                    context_per_slot=routing.context_of(route, replica),
                     running=running,
                     parked_bytes=parked,
                     parked_bytes_max=route.max_parked_bytes,
@@ -223,6 +224,7 @@ class LaneRuns:
             lane_share=measurements.lane_share,
             rates=rates,
             lateness=measurements.lateness,
+            starting_context=route.context_length if route.starting else None,
         )
 
     def _holder(

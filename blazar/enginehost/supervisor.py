@@ -120,6 +120,7 @@ class _Replica:
             exit_reason=self.exit_reason,
             message=self.message,
             slots=self.launch.slots,
+            context_per_slot=self.launch.context_per_slot,
         )
 
 

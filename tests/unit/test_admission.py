@@ -1829,3 +1829,69 @@ def test_a_preempting_start_has_the_margin_of_the_replica_it_starts_on(
     )
     decision = LaneQueue().arrive(ticket("t", INTERACTIVE, prompt=prompt), now=0, view=view)
     assert isinstance(decision, Admit) == admitted, decision
+
+
+# A rollout of contextPerSlot: replica 0 an old engine of 512 tokens a slot.
+OLD = replace(replica(index=0), context_per_slot=512)
+
+
+@pytest.mark.parametrize(
+    ("replicas", "starting", "needs", "fitting"),
+    [
+        # The Lane's context went 512 -> 2048: a request of 725 tokens goes to the new
+        # replica only, and waits for it while it starts, rather than meet the old
+        # engine's refusal; a short one goes anywhere.
+        ((OLD, replace(replica(index=1), context_per_slot=2048)), None, 725, {1}),
+        ((OLD,), 2048, 725, set()),
+        ((OLD,), 2048, 500, None),
+        ((OLD, replace(replica(index=1), context_per_slot=2048)), None, 100, None),
+        # No replica, ready or starting, holds it: it goes where it would, and that
+        # engine's count (not the estimate) answers.
+        ((OLD,), None, 725, None),
+        ((OLD,), 600, 725, None),
+        # Lowered 2048 -> 512: the old replica serves what only it holds while it
+        # serves (after that an engine of the new size refuses it).
+        ((replace(OLD, context_per_slot=2048), replace(OLD, index=1)), None, 725, {0}),
+        # Not said (an upstream's, a status from before it was recorded): any.
+        ((replica(index=0), OLD), None, 725, {0}),
+        # A ticket that says nothing needs nothing.
+        ((OLD,), 2048, 0, None),
+    ],
+)
+def test_a_ticket_starts_only_where_its_context_fits(
+    replicas: tuple[ReplicaView, ...],
+    starting: int | None,
+    needs: int,
+    fitting: set[int] | None,
+) -> None:
+    view = LaneView(replicas=replicas, starting_context=starting)
+    t = replace(ticket("t", prompt=needs - 16, max_tokens=16), context_tokens=needs)
+    assert view.fitting(t) == (None if fitting is None else frozenset(fitting))
+    queue = queue_of(t, view=view)
+    started = [d.replica for d in queue.dispatch(now=0.0, view=view)]
+    assert started == ([] if fitting == set() else [min(fitting or {0})])
+
+
+def test_a_ticket_waits_for_a_replica_its_context_fits_not_the_old_one() -> None:
+    """The old replica (512 a slot) is idle, the new one (2048) busy: a request of 725
+    tokens waits for the new one's slot; one of 300 starts on the old one now."""
+    new = replace(replica(run("r"), index=1), context_per_slot=2048)
+    view = LaneView(replicas=(OLD, new))
+    long = replace(ticket("long", prompt=709, max_tokens=16), context_tokens=725)
+    short = replace(ticket("short", prompt=284, max_tokens=16, arrived=0.1), context_tokens=300)
+    queue = queue_of(long, short, view=view)
+    assert [(d.ticket.id, d.replica) for d in queue.dispatch(now=0.2, view=view)] == [("short", 0)]
+    freed = LaneView(replicas=(OLD, replace(new, running=())))
+    assert [(d.ticket.id, d.replica) for d in queue.dispatch(now=3.0, view=freed)] == [("long", 1)]
+
+
+def test_an_urgent_ticket_parks_work_only_where_its_context_fits() -> None:
+    """Both replicas run batch work it may park; the old one's is the cheaper victim,
+    but its slots hold 512 tokens, not the 725 the urgent ticket needs."""
+    old = replace(parking(run("cheap", kv=10)), context_per_slot=512)
+    new = replace(parking(run("dear", kv=90), index=1), context_per_slot=2048)
+    view = LaneView(replicas=(old, new))
+    urgent = replace(ticket("u", INTERACTIVE, prompt=709, max_tokens=16), context_tokens=725)
+    queue = queue_of(urgent, view=view)
+    preempt = queue.preemption(now=0.0, view=view)
+    assert preempt is not None and (preempt.victim, preempt.replica) == ("dear", 1)

@@ -55,6 +55,23 @@ def test_a_replica_of_an_earlier_slots_shows_its_own_during_a_rollout() -> None:
     assert [d.replica for d in queue.dispatch(now=2.0, view=view)] == [1]
 
 
+def test_a_replica_of_an_earlier_context_shows_its_own_during_a_rollout() -> None:
+    """The Lane went from 512 tokens a slot to 2048 and its new replica is starting:
+    the old one is idle, but a ticket of 725 tokens waits for the new one rather than
+    start where its engine would refuse it; a short one starts there."""
+    route = one_slot_route()
+    old = dataclasses.replace(route.replicas[0], context_per_slot=512)
+    route = dataclasses.replace(route, replicas=(old,), context_length=2048, starting=True)
+    view = runs.LaneRuns().view(route, LaneMeasurements(), now=2.0)
+    assert ([r.context_per_slot for r in view.replicas], view.starting_context) == ([512], 2048)
+    queue = admission.LaneQueue()
+    long = admission.Ticket("a", BATCH, 2.0, 709, 16, context_tokens=725)
+    short = admission.Ticket("b", BATCH, 2.0, 100, 16, context_tokens=116)
+    for ticket in (long, short):
+        assert isinstance(queue.arrive(ticket, now=2.0, view=view), admission.Admit)
+    assert [(d.ticket.id, d.replica) for d in queue.dispatch(now=2.0, view=view)] == [("b", 0)]
+
+
 def test_a_replica_left_out_is_not_in_the_view_until_the_route_forgets_it() -> None:
     route = two_replicas()
     lane = runs.LaneRuns()

@@ -214,6 +214,13 @@ def test_each_replicas_status_says_the_slots_its_engine_runs_with() -> None:
     assert [s.slots for s in lane_plan.replica_statuses([old, new])] == [1, 2]
 
 
+def test_each_replicas_status_says_the_context_its_engine_holds() -> None:
+    """A rollout of a `contextPerSlot` change: the old replica holds the old size until
+    it stops, and routing reads it from here (`routing.context_of`)."""
+    old, new = replace(obs(0), context_per_slot=512), replace(obs(1), context_per_slot=2048)
+    assert [s.context_per_slot for s in lane_plan.replica_statuses([old, new])] == [512, 2048]
+
+
 READY_MODEL = ModelReadiness(True, "ModelReady", "ok")
 
 

@@ -311,6 +311,27 @@ def test_a_replica_of_an_earlier_slots_keeps_its_own_during_a_rollout() -> None:
     assert routing.pick_replica(route, busy, now=0.0, prefer=0).index == 1
 
 
+def test_a_replica_of_an_earlier_context_keeps_its_own_during_a_rollout() -> None:
+    """The Lane now says 2048 tokens a slot; replica 0's engine still holds 512 (it
+    drains once the new one is ready). A status that does not say is the Lane's."""
+    statuses = [
+        ReplicaStatus(index=0, state="Ready", socket="/a", pid=1, context_per_slot=512),
+        ReplicaStatus(index=1, state="Ready", socket="/b", pid=2, context_per_slot=2048),
+        ReplicaStatus(index=2, state="Ready", socket="/c", pid=3),
+    ]
+    table = routing.build_table(
+        [
+            Lane(
+                metadata=ObjectMeta(name="x"),
+                spec=LaneSpec(model="m", context_per_slot=2048, replicas=2),
+                status=LaneStatus(replica_statuses=statuses),
+            )
+        ]
+    )
+    route = routing.resolve(table, "x")
+    assert [routing.context_of(route, r) for r in route.replicas] == [512, 2048, 2048]
+
+
 def test_pick_never_prefers_a_refused_replica() -> None:
     route = routing.resolve(routing.build_table([lane("x", ready=(0, 1))]), "x")
     assert routing.pick_replica(route, {}, now=0.0, exclude=(1,), prefer=1).index == 0

@@ -71,6 +71,11 @@ Forecast. Every decision reads one simulation of the Lane from `now`, in ticket 
   Its first token comes at start + its wait in the prefill line + prefill. A parked
   generation (`Resume`) takes only a slot of its own replica and costs its remaining
   decode time.
+- Context: a fresh ticket takes slots only on the replicas whose context per slot
+  holds its `context_tokens` (`LaneView.fitting`): during a `contextPerSlot` rollout an
+  old replica may hold less than the Lane says. One that only the starting replica
+  would hold waits for it; one that no replica, ready or starting, holds takes any
+  slot (its engine, which counts the tokens, answers). It parks work only there too.
 - The prefill line: an engine prefills the prompts of new requests one after another
   (its batch takes the prompts' chunks in order of start, a short prompt's before
   longer ones, `api.prefill`), so of k prompts started together on a replica the k-th

@@ -259,6 +259,7 @@ class _Simulation:
     def __init__(self, view: LaneView, now: float, *, waiting: Sequence[Ticket]) -> None:
         self.now = now
         self.lateness = view.lateness
+        self.fitting = view.fitting
         self.slots: list[_Slot] = []
         self.load: dict[int, int] = {}
         self.parked: dict[int, int] = {}
@@ -370,11 +371,18 @@ class _Simulation:
         return self.held[(slot.replica.index, policy)] < cap
 
     def slot_for(
-        self, *, pinned: int | None, prefer: int | None, policy: str, cap: int | None
+        self,
+        *,
+        pinned: int | None,
+        prefer: int | None,
+        policy: str,
+        cap: int | None,
+        within: Collection[int] | None = None,
     ) -> _Slot | None:
         """The slot that frees first among those a request of `policy` may take
-        (`allows`): an idle one, then on `prefer`, then on the least loaded replica,
-        then the lowest index. None when no slot may take it."""
+        (`allows`) on the replicas `within` (None: any; `LaneView.fitting`): an idle
+        one, then on `prefer`, then on the least loaded replica, then the lowest index.
+        None when no slot may take it."""
 
         def rank(slot: _Slot) -> tuple[float, bool, bool, int, int, int]:
             index = slot.replica.index
@@ -391,21 +399,27 @@ class _Simulation:
             s
             for s in self.slots
             if (pinned is None or s.replica.index == pinned)
+            and (within is None or s.replica.index in within)
             and self.allows(s, policy=policy, cap=cap)
         ]
         return min(candidates, key=rank, default=None)
 
-    def victim_for(self, ticket: Ticket, *, waiting_s: float) -> _Slot | None:
+    def victim_for(
+        self, ticket: Ticket, *, waiting_s: float, within: Collection[int] | None = None
+    ) -> _Slot | None:
         """The slot of the running request of lower priority cheapest to park, among
         those whose parking fits the replica's bound and lets `ticket` meet its deadline,
         with its first token sooner than the `waiting_s` that waiting gives it. Not on
         a replica where the ticket's policy holds its maxSlotsPerReplica already:
-        parking work there would take it past its cap."""
+        parking work there would take it past its cap. Only on the replicas `within`
+        (None: any), those whose context holds it."""
         options = []
         policy = ticket.policy
         for slot in self.slots:
             run, replica = slot.holder, slot.replica
             if run is None or not replica.may_park(run, priority=policy.priority):
+                continue
+            if within is not None and replica.index not in within:
                 continue
             cap = policy.max_slots_per_replica
             if cap is not None and self.holding[(replica.index, policy.name)] >= cap:
@@ -465,11 +479,15 @@ def _fate(entry: Waiting, sim: _Simulation, now: float) -> tuple[Fate, _Slot | N
     pessimistic one, and the prediction callers see stays that estimate."""
     ticket = entry.ticket
     pinned = entry.resume.replica if entry.resume else None
+    # A parked generation resumes where its cache is; a fresh ticket only where its
+    # context fits (a `contextPerSlot` rollout's old replica may hold less).
+    within = None if entry.resume else sim.fitting(ticket)
     slot = sim.slot_for(
         pinned=pinned,
         prefer=ticket.prefer,
         policy=ticket.policy.name,
         cap=ticket.policy.max_slots_per_replica,
+        within=within,
     )
     victim: Running | None = None
     fate = Fate()
@@ -483,7 +501,7 @@ def _fate(entry: Waiting, sim: _Simulation, now: float) -> tuple[Fate, _Slot | N
         margin = 0.0 if slot.idle or entry.resume else sim.steps_s(slot.replica, WAIT_STEPS)
         may_miss = now + (start + queue + prefill) * sim.lateness + margin > ticket.deadline
         if may_miss and not slot.idle and entry.resume is None:
-            parked = sim.victim_for(ticket, waiting_s=start + queue + prefill)
+            parked = sim.victim_for(ticket, waiting_s=start + queue + prefill, within=within)
             if parked is not None:
                 slot, victim = parked, parked.holder
                 start = sim.preempting_start_s(parked.replica)

@@ -105,6 +105,10 @@ class Ticket:
     # The Lane it spilled over from (it arrives here predicted to miss its target
     # there): admitted only if predicted to meet it, and never spilled again.
     spilled_from: str | None = None
+    # The tokens of a slot's context it needs, by the same estimate as its fit (its
+    # prompt and the tokens it asks for, at least one): it starts only on a replica
+    # whose slots hold that many (`LaneView.fitting`). 0: any.
+    context_tokens: int = 0
 
     @property
     def deadline(self) -> float:
@@ -177,6 +181,9 @@ class ReplicaView:
     index: int
     slots: int
     running: tuple[Running, ...] = ()
+    # The tokens each of its slots holds (None: any request fits, as far as admission
+    # knows): during a `contextPerSlot` rollout, an old replica's differs.
+    context_per_slot: int | None = None
     # Measured; None until the engine has measured it.
     prefill_tokens_per_s: float | None = None
     # Seconds per decode step with one sequence decoding, and how much longer a step
@@ -324,10 +331,31 @@ class LaneView:
     # 1: see `forecast`): the preemption decision scales a ticket's forecast wait and
     # prefill by it. Nothing else does: refusals and predictions read the forecast.
     lateness: float = 1.0
+    # The context per slot of the replica starting (the Lane's), None when none starts:
+    # a ticket that no ready replica holds waits for it if it will (`fitting`).
+    starting_context: int | None = None
 
     def __post_init__(self) -> None:
         if not 1.0 <= self.lateness < math.inf:
             raise ValueError(f"lateness must be a finite factor >= 1, not {self.lateness!r}")
+
+    def fitting(self, ticket: Ticket) -> frozenset[int] | None:
+        """The replicas `ticket` may start on for their context (None: any): those whose
+        slots hold its `context_tokens`, or none yet while only the replica starting
+        would (it waits for that one). When no replica, ready or starting, holds it,
+        any: it goes where it would, and that engine, which counts the tokens, has the
+        final word (the estimate may be off either way)."""
+        need = ticket.context_tokens
+        fit = frozenset(
+            r.index
+            for r in self.replicas
+            if r.context_per_slot is None or need <= r.context_per_slot
+        )
+        if len(fit) == len(self.replicas):
+            return None
+        if fit or (self.starting_context is not None and need <= self.starting_context):
+            return fit
+        return None
 
     def output_tokens(self, ticket: Ticket) -> int:
         return expected_output(
