@@ -245,6 +245,7 @@ class LaneDispatcher(preempting.Preempting):
 
     def end(self, run: runs.Run, final: inference_pb2.Final | None) -> None:
         """The run's stream ended: with its Final when it finished."""
+        run.ended = True
         self._events.put_nowait(_End(run, final))
 
     def first_token(self, run: runs.Run, ttft_s: float) -> None:

@@ -106,9 +106,11 @@ class EngineParker:
         except grpc.aio.AioRpcError as exc:
             # A replica that drains or went away takes no resume, and the parked
             # generation ends with it: expected in a drain or a restart, not a warning;
-            # nor is an undo that found nothing to resume.
-            unavailable = exc.code() == grpc.StatusCode.UNAVAILABLE
-            told = log.info if unavailable or undoing else log.warning
+            # nor is an undo that found nothing to resume, nor a generation the engine
+            # no longer holds (its caller left while the Resume was on its way; the
+            # dispatcher warns when nobody left: `admission.resume_lost`).
+            expected = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND)
+            told = log.info if exc.code() in expected or undoing else log.warning
             told("admission.resume_failed", request_id=request_id, error=exc.details())
             return False
         return True

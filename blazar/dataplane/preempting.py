@@ -236,9 +236,12 @@ class Preempting:
 
         async def resume() -> None:
             try:
-                if not await self._parker.resume(run.replica, run.request_id):
+                resumed = await self._parker.resume(run.replica, run.request_id)
+                if not resumed and not run.ended:
                     # The engine lost it (restarted, or drained and resumed it itself):
                     # its stream ends one way or the other, and `end` takes the run out.
+                    # Not when its caller left while the Resume was on its way: the
+                    # engine dropped it on the cancel, and nothing was lost.
                     log.warning("admission.resume_lost", request_id=run.request_id, lane=self.lane)
             finally:
                 self._tell(Resumed(run))

@@ -66,6 +66,9 @@ class Run:
     # Asked to resume and not yet answered: its engine holds it parked still, and
     # would refuse to park it again (it is no victim meanwhile).
     resuming: bool = False
+    # Its stream ended (set by `LaneDispatcher.end` at once, before the Lane's task
+    # reads the end): an engine that finds it gone then dropped it for its caller.
+    ended: bool = False
     # Admission's prediction when its first token tests the forecast of a wait (see
     # `dispatcher.LaneDispatcher._start`): measured against it, the forecast's
     # lateness. None: it does not.

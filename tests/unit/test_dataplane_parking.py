@@ -27,13 +27,19 @@ class RefusingEngine(engine_pb2_grpc.EngineServicer):
 
 @pytest.mark.parametrize(
     ("code", "level"),
-    [(grpc.StatusCode.UNAVAILABLE, "info"), (grpc.StatusCode.INTERNAL, "warning")],
+    [
+        (grpc.StatusCode.UNAVAILABLE, "info"),
+        (grpc.StatusCode.NOT_FOUND, "info"),
+        (grpc.StatusCode.INTERNAL, "warning"),
+    ],
 )
 def test_a_resume_a_draining_engine_refuses_is_no_warning(
     code: grpc.StatusCode, level: str
 ) -> None:
     """In a drain or a restart the engine takes no resume, and its parked generation
-    ends with it: expected, so told at info; any other refusal is a warning."""
+    ends with it; one whose caller left meanwhile is no longer held (NOT_FOUND; the
+    dispatcher warns when nobody left): expected, so told at info; any other refusal is
+    a warning."""
 
     async def run() -> tuple[bool, list[dict[str, Any]]]:
         async with engines(RefusingEngine(code)) as sockets:  # type: ignore[arg-type]

@@ -9,6 +9,7 @@ import dataclasses
 import time
 
 import pytest
+from structlog.testing import capture_logs
 
 from blazar._proto.v1 import inference_pb2
 from blazar.api import errors
@@ -498,3 +499,47 @@ def test_a_victim_seated_while_its_park_was_asked_is_parked_when_asked_again() -
             await dispatcher.close()
 
     assert asyncio.run(run()) == (["b"], 2, "u")
+
+
+class LeftParker(SlowParker):
+    """Its Resume finds nothing parked, as when the parked generation's caller left
+    while the Resume was on its way (the engine dropped it on the cancel)."""
+
+    async def resume(self, replica: routing.Replica, request_id: str) -> bool:
+        await asyncio.sleep(self.resume_s)
+        return False
+
+
+def test_a_resume_whose_caller_left_meanwhile_is_no_lost_generation() -> None:
+    """The urgent request ends and the parked batch run is resumed; its caller leaves
+    before the engine answers, and the engine, which dropped it on the cancel, finds
+    nothing to resume. Nothing was lost: no warning."""
+
+    async def run() -> list[dict[str, object]]:
+        parker = LeftParker(0.02)
+        parker.resume_s = 0.2
+        dispatcher = LaneDispatcher(one_slot_route(), parker=parker)
+        try:
+            batch = await decoding_batch(dispatcher)
+            urgent = await asyncio.wait_for(
+                dispatcher.admit(ticket("urgent", URGENT), request_id="u", prompt_chars=40), 1.0
+            )
+            assert isinstance(urgent, Run) and parker.parked == ["b"]
+            with capture_logs() as logs:
+                dispatcher.end(urgent, None)
+                for _ in range(100):
+                    if batch.resuming:
+                        break
+                    await asyncio.sleep(0.01)
+                assert batch.resuming, "the parked run was not resumed"
+                dispatcher.end(batch, None)
+                for _ in range(100):
+                    if not batch.resuming:
+                        break
+                    await asyncio.sleep(0.01)
+            return logs
+        finally:
+            await dispatcher.close()
+
+    logs = asyncio.run(run())
+    assert [x for x in logs if x["log_level"] == "warning"] == []
