@@ -170,6 +170,19 @@ class Attempts:
                 # admission estimated it: the engine counts it only in the Final.
                 prompt = lane.measurements.prompt_tokens(run.prompt_chars) if first_at else 0
                 self._access.charge(caller, prompt_tokens=prompt, output_tokens=tokens)
+                # Its summary line: `request.done` below is not reached (the caller's
+                # leaving ends this generator).
+                log.info(
+                    "request.cancelled",
+                    request_id=generate.request_id,
+                    lane=route.lane,
+                    replica=replica.index,
+                    policy=ticket.policy.name,
+                    tenant=ticket.tenant,
+                    tokens=tokens,
+                    queued_s=round(ticket.waited_s, 3),
+                    seconds=round(time.monotonic() - ticket.arrived, 3),
+                )
             if not retried:
                 lane.end(run, finished)
             metrics.IN_FLIGHT.labels(route.lane).dec()

@@ -583,9 +583,19 @@ class InferenceService(Unqueued, inference_pb2_grpc.InferenceServicer):
             # Part of it served: it counts, whatever ended it.
             await self._refuse(context, err, None if announced else caller)
         except asyncio.CancelledError:
-            # A caller that leaves mid-stream is counted by its attempt.
+            # A caller that leaves mid-stream is counted, and logged, by its attempt.
             if waiting:
                 metrics.observe_failure(route.lane, metrics.CANCELLED)
+                log.info(
+                    "request.cancelled",
+                    request_id=request_id,
+                    lane=route.lane,
+                    policy=ticket.policy.name,
+                    tenant=ticket.tenant,
+                    tokens=0,
+                    queued=True,
+                    seconds=round(time.monotonic() - ticket.arrived, 3),
+                )
             raise
         finally:
             if spilled is not None:

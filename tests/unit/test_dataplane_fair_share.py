@@ -148,3 +148,40 @@ def test_the_request_log_names_the_tenant_that_made_it() -> None:
     [failed] = [line for line in logs if line["event"] == "request.failed"]
     assert done["tenant"] == "heavy"
     assert failed["tenant"] == "light"
+
+
+@pytest.mark.timeout(30)
+def test_a_caller_that_leaves_gets_a_summary_line_running_or_queued() -> None:
+    """`request.cancelled`, as `request.done` and `request.failed`: every request that
+    reached the queue leaves one line, also when its caller gives up."""
+
+    class Holding(SlowEngine):
+        async def Generate(self, request: Any, context: Any) -> AsyncIterator[inference_pb2.Chunk]:
+            yield inference_pb2.Chunk(delta=inference_pb2.Delta(text="x", tokens=1))
+            await asyncio.sleep(60)
+
+    async def main() -> list[dict[str, Any]]:
+        async with one_slot_plane(Holding()) as stub:
+            with capture_logs() as logs:
+
+                def call(tenant: str) -> Any:
+                    metadata = (("authorization", f"Bearer {KEYS[tenant]}"),)
+                    request = inference_pb2.CompleteRequest(model="l", prompt=tenant)
+                    return stub.Complete(request, metadata=metadata)
+
+                running = call("heavy")
+                await running.read()  # its first chunk: it holds the one slot
+                queued = call("light")
+                await asyncio.sleep(0.2)
+                queued.cancel()
+                running.cancel()
+                deadline = time.monotonic() + 10
+                while sum(line["event"] == "request.cancelled" for line in logs) < 2:
+                    assert time.monotonic() < deadline, logs
+                    await asyncio.sleep(0.01)
+        return logs
+
+    lines = [line for line in asyncio.run(main()) if line["event"] == "request.cancelled"]
+    by_tenant = {line["tenant"]: line for line in lines}
+    assert by_tenant["light"]["queued"] is True and by_tenant["light"]["tokens"] == 0
+    assert by_tenant["heavy"]["tokens"] == 1 and by_tenant["heavy"]["replica"] == 0
