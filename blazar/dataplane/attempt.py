@@ -92,6 +92,21 @@ class Attempts:
         # retry); a stream left before that was cancelled by its caller.
         settled = False
         retried = False
+
+        def summary(event: str) -> None:
+            """The request's one summary line: done, or cancelled by its caller."""
+            log.info(
+                event,
+                request_id=generate.request_id,
+                lane=route.lane,
+                replica=replica.index,
+                policy=ticket.policy.name,
+                tenant=ticket.tenant,
+                tokens=tokens,
+                queued_s=round(ticket.waited_s, 3),
+                seconds=round(time.monotonic() - ticket.arrived, 3),
+            )
+
         try:
             async for chunk in call:
                 if not sent:
@@ -172,34 +187,14 @@ class Attempts:
                 self._access.charge(caller, prompt_tokens=prompt, output_tokens=tokens)
                 # Its summary line: `request.done` below is not reached (the caller's
                 # leaving ends this generator).
-                log.info(
-                    "request.cancelled",
-                    request_id=generate.request_id,
-                    lane=route.lane,
-                    replica=replica.index,
-                    policy=ticket.policy.name,
-                    tenant=ticket.tenant,
-                    tokens=tokens,
-                    queued_s=round(ticket.waited_s, 3),
-                    seconds=round(time.monotonic() - ticket.arrived, 3),
-                )
+                summary("request.cancelled")
             if not retried:
                 lane.end(run, finished)
             metrics.IN_FLIGHT.labels(route.lane).dec()
             self.inflight[key] -= 1
             if self.inflight[key] <= 0:
                 del self.inflight[key]
-        log.info(
-            "request.done",
-            request_id=generate.request_id,
-            lane=route.lane,
-            replica=replica.index,
-            policy=ticket.policy.name,
-            tenant=ticket.tenant,
-            tokens=tokens,
-            queued_s=round(ticket.waited_s, 3),
-            seconds=round(time.monotonic() - ticket.arrived, 3),
-        )
+        summary("request.done")
 
     def _open(
         self,

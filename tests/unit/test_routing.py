@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime
+from typing import Any
 
 import pytest
 
@@ -286,25 +287,24 @@ def test_the_table_knows_each_replica_process() -> None:
     assert routing.resolve(table, "x").replicas == (routing.Replica("x", 0, "/s", 42),)
 
 
+def _rolling(spec: LaneSpec, launched: list[dict[str, Any]]) -> routing.Route:
+    """Lane "x" of `spec` mid-rollout: a ready replica launched with each of `launched`,
+    then one whose status says nothing of its launch (the Lane's, then)."""
+    statuses = [
+        ReplicaStatus(index=i, state="Ready", socket=f"/{i}", pid=i + 1, **given)
+        for i, given in enumerate([*launched, {}])
+    ]
+    lane = Lane(
+        metadata=ObjectMeta(name="x"), spec=spec, status=LaneStatus(replica_statuses=statuses)
+    )
+    return routing.resolve(routing.build_table([lane]), "x")
+
+
 def test_a_replica_of_an_earlier_slots_keeps_its_own_during_a_rollout() -> None:
     """The Lane now says 2 slots; replica 0 still runs its engine's 1 (it drains once
     the new one is ready), replica 1 the new 2. A status that does not say (an
     upstream Lane's, or one written before it was recorded) is the Lane's."""
-    statuses = [
-        ReplicaStatus(index=0, state="Ready", socket="/a", pid=1, slots=1),
-        ReplicaStatus(index=1, state="Ready", socket="/b", pid=2, slots=2),
-        ReplicaStatus(index=2, state="Ready", socket="/c", pid=3),
-    ]
-    table = routing.build_table(
-        [
-            Lane(
-                metadata=ObjectMeta(name="x"),
-                spec=LaneSpec(model="m", slots=2, replicas=2),
-                status=LaneStatus(replica_statuses=statuses),
-            )
-        ]
-    )
-    route = routing.resolve(table, "x")
+    route = _rolling(LaneSpec(model="m", slots=2, replicas=2), [{"slots": 1}, {"slots": 2}])
     assert [routing.slots_of(route, r) for r in route.replicas] == [1, 2, 2]
     # Replica 0's one slot is busy: a session that used it last goes where there is room.
     busy = {("x", 0): 1, ("x", 2): 1}
@@ -314,21 +314,10 @@ def test_a_replica_of_an_earlier_slots_keeps_its_own_during_a_rollout() -> None:
 def test_a_replica_of_an_earlier_context_keeps_its_own_during_a_rollout() -> None:
     """The Lane now says 2048 tokens a slot; replica 0's engine still holds 512 (it
     drains once the new one is ready). A status that does not say is the Lane's."""
-    statuses = [
-        ReplicaStatus(index=0, state="Ready", socket="/a", pid=1, context_per_slot=512),
-        ReplicaStatus(index=1, state="Ready", socket="/b", pid=2, context_per_slot=2048),
-        ReplicaStatus(index=2, state="Ready", socket="/c", pid=3),
-    ]
-    table = routing.build_table(
-        [
-            Lane(
-                metadata=ObjectMeta(name="x"),
-                spec=LaneSpec(model="m", context_per_slot=2048, replicas=2),
-                status=LaneStatus(replica_statuses=statuses),
-            )
-        ]
+    route = _rolling(
+        LaneSpec(model="m", context_per_slot=2048, replicas=2),
+        [{"context_per_slot": 512}, {"context_per_slot": 2048}],
     )
-    route = routing.resolve(table, "x")
     assert [routing.context_of(route, r) for r in route.replicas] == [512, 2048, 2048]
 
 
