@@ -458,8 +458,38 @@ class OriginNotAllowed(PermissionDenied):
 
 
 class DeadlineExceeded(BlazarError):
+    """The caller's deadline (gRPC's) passed while the request waited, or admission
+    predicted its first token after it."""
+
     code = "DEADLINE_EXCEEDED"
     reason = "DEADLINE_EXCEEDED"
+
+    @classmethod
+    def of(
+        cls,
+        *,
+        lane: str,
+        deadline_s: float,
+        waited_s: float,
+        predicted_ttft_s: float | None = None,
+    ) -> DeadlineExceeded:
+        """`predicted_ttft_s` set: refused at arrival, its first token being predicted
+        that long after it; else its deadline passed after `waited_s` in the queue."""
+        metadata = {"lane": lane, "deadline_ms": _millis(deadline_s)}
+        if predicted_ttft_s is not None:
+            metadata["predicted_ttft_ms"] = _millis(predicted_ttft_s)
+            return cls(
+                f"The first token would come after {predicted_ttft_s:.2f} s on Lane '{lane}' "
+                f"(the work ahead of it), past the caller's deadline of {deadline_s:.2f} s; "
+                "the request was not started.",
+                metadata=metadata,
+            )
+        metadata["waited_ms"] = _millis(waited_s)
+        return cls(
+            f"The caller's deadline of {deadline_s:.2f} s passed while the request waited "
+            f"{waited_s:.2f} s in Lane '{lane}''s queue; it was not started.",
+            metadata=metadata,
+        )
 
 
 _BY_REASON: dict[str, type[BlazarError]] = {

@@ -14,7 +14,8 @@ A request's side, in the relay:
 
 1. `admit(...)` returns once admission starts the request on a replica (a `runs.Run`), or
    raises what admission refused it with (`errors.Overloaded`, carrying
-   `retry_after_ms`), `errors.ModelNotFound` when its Lane is deleted while it waits
+   `retry_after_ms`; `errors.DeadlineExceeded` for its caller's gRPC deadline,
+   `Ticket.caller_deadline`), `errors.ModelNotFound` when its Lane is deleted while it waits
    (NOT_FOUND: retrying cannot help), or `errors.Unavailable` when its Lane is scaled
    to zero meanwhile. A caller that leaves while waiting (its coroutine cancelled)
    takes its ticket out of the queue at once.

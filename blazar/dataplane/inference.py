@@ -397,6 +397,7 @@ class InferenceService(Unqueued, inference_pb2_grpc.InferenceServicer):
         in the initial metadata with the first chunk, once no other replica can take
         over."""
         arrived = time.monotonic()
+        caller_deadline = _caller_deadline(context, arrived)
         request_id = _request_id(context)
         generate.request_id = request_id
         structlog.contextvars.bind_contextvars(request_id=request_id)
@@ -445,7 +446,7 @@ class InferenceService(Unqueued, inference_pb2_grpc.InferenceServicer):
                 route, replica, blocks, lane, generate, context,
                 arrived=arrived, request_id=request_id, caller=caller, policy=policy,
                 prompt_chars=prompt_chars, session=session, through=through, hashes=hashes,
-                tag=tag, waking=released,
+                tag=tag, waking=released, caller_deadline=caller_deadline,
             ):  # fmt: skip
                 served = True
                 yield chunk
@@ -474,6 +475,7 @@ class InferenceService(Unqueued, inference_pb2_grpc.InferenceServicer):
         hashes: Callable[[int], tuple[int, ...]] | None,
         tag: gate_tags.Tag | None = None,
         waking: bool = False,
+        caller_deadline: float = math.inf,
     ) -> AsyncIterator[inference_pb2.Chunk]:
         """The request through its Lane's admission queue and on to an engine (or an
         upstream server, told the daemons the request went through: `through`). The
@@ -481,7 +483,8 @@ class InferenceService(Unqueued, inference_pb2_grpc.InferenceServicer):
         Lane that runs it: the spillover Lane's when it spilled. Its gate watcher's
         `tag` is noted by the Lane it named (not a spillover Lane's: the watcher counts
         it there). `waking`: the Lane was told to sleep and may be stopping its
-        replicas; the request wakes it as it would a sleeping one."""
+        replicas; the request wakes it as it would a sleeping one. `caller_deadline`:
+        when the caller stops waiting (`_caller_deadline`), which admission reads."""
         try:
             if lane is None:
                 raise routing.not_ready(route, time.time())
@@ -518,6 +521,7 @@ class InferenceService(Unqueued, inference_pb2_grpc.InferenceServicer):
             tenant=caller.name,
             weight=caller.weight,
             context_tokens=needs,
+            caller_deadline=caller_deadline,
         )
         waiting = True
         announced = False
@@ -849,6 +853,14 @@ def _through(context: Context) -> tuple[str, ...]:
         if key == via.HEADER:
             return via.hops(str(value))
     return ()
+
+
+def _caller_deadline(context: Context, now: float) -> float:
+    """When the caller stops waiting, on the clock of `now` (monotonic): its gRPC
+    deadline (`timeout=` in grpcio, `deadline` in grpc-js); inf when it set none, as
+    the HTTP shim does (HTTP has none)."""
+    remaining = context.time_remaining()
+    return math.inf if remaining is None else now + max(0.0, remaining)
 
 
 def _request_id(context: Context) -> str:

@@ -28,7 +28,8 @@ QUEUE_WAIT = Histogram(
 )
 REJECTIONS = Counter(
     "blazar_admission_rejections_total",
-    "Requests refused by admission, by reason: QUEUE_FULL, QUEUE_TIMEOUT, SLO_UNATTAINABLE.",
+    "Requests refused by admission, by reason: QUEUE_FULL, QUEUE_TIMEOUT, SLO_UNATTAINABLE, "
+    "DEADLINE_EXCEEDED.",
     ["lane", "policy", "reason"],
 )
 

@@ -5,29 +5,38 @@ in the OpenAI and Anthropic dialects, each counted once in /metrics, most of the
 without reaching admission (whose own refusals log `admission.refused`). Once the
 slot frees, the gate opens and the next request is served. The official `openai` and
 `ollama` clients, streaming or not, raise the refusal in their dialect's shape.
+Under a second policy that queues (`patient`), a gRPC caller whose deadline the wait
+would pass is refused at once with DEADLINE_EXCEEDED, while an HTTP request (no
+deadline) waits and is served.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import re
 import shutil
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
 import ollama
 import openai
 import pytest
 
+from blazar._proto.v1 import inference_pb2, inference_pb2_grpc
 from tests.integration.harness import Daemon, short_home, wait_for
 
 pytestmark = pytest.mark.slow
 
 LANE = "solo"
 POLICY = "nowait"
+# Queues as many as the default bound allows, for the caller's deadline to decide.
+PATIENT = "patient"
 FLOOD = 12
 
 
@@ -48,6 +57,11 @@ def daemon(model_path: Path) -> Iterator[Daemon]:
         "spec: {maxQueueDepth: 0, onOverload: queue}\n"
         "---\n"
         "apiVersion: blazar.dev/v1alpha1\n"
+        "kind: SLOPolicy\n"
+        f"metadata: {{name: {PATIENT}}}\n"
+        "spec: {onOverload: queue}\n"
+        "---\n"
+        "apiVersion: blazar.dev/v1alpha1\n"
         "kind: Lane\n"
         f"metadata: {{name: {LANE}}}\n"
         f"spec: {{model: gemma, slots: 1, threads: 1, contextPerSlot: 512, sloPolicy: {POLICY}}}\n"
@@ -64,10 +78,19 @@ def daemon(model_path: Path) -> Iterator[Daemon]:
 def rejections(metrics: str) -> float:
     total = 0.0
     for line in metrics.splitlines():
-        if line.startswith("blazar_admission_rejections_total{") and f'lane="{LANE}"' in line:
-            assert f'policy="{POLICY}"' in line and 'reason="QUEUE_FULL"' in line, line
+        mine = line.startswith("blazar_admission_rejections_total{") and f'lane="{LANE}"' in line
+        if mine and f'policy="{POLICY}"' in line:
+            assert 'reason="QUEUE_FULL"' in line, line
             total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+def deadline_rejections(metrics: str) -> float:
+    for line in metrics.splitlines():
+        mine = line.startswith("blazar_admission_rejections_total{") and f'lane="{LANE}"' in line
+        if mine and f'policy="{PATIENT}"' in line and 'reason="DEADLINE_EXCEEDED"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
 
 
 def refused_outcomes(metrics: str) -> float:
@@ -208,3 +231,69 @@ def test_the_official_clients_raise_a_refusal_in_their_dialects_shape(
     finally:
         chat_of_openai.close()
         chat_of_ollama._client.close()
+
+
+def complete(max_tokens: int) -> inference_pb2.CompleteRequest:
+    """A Complete under PATIENT that runs to `max_tokens` whatever the model writes."""
+    sampling = inference_pb2.Sampling(max_tokens=max_tokens, ignore_eos=True)
+    return inference_pb2.CompleteRequest(
+        model=LANE, prompt="Once upon a time", slo=PATIENT, sampling=sampling
+    )
+
+
+def test_a_grpc_deadline_the_wait_would_pass_is_refused_at_once_http_waits(
+    daemon: Daemon,
+) -> None:
+    """The slot held by a generation of 400 tokens (its policy's requests run to their
+    max_tokens, as the first one here measures): a gRPC caller with 2 s left is refused
+    at arrival by admission (its message, not gRPC's own), before its deadline, and
+    counted; an HTTP request of the same policy queued before it (HTTP sends no
+    deadline) waits, and is served once the slot frees."""
+    stub = inference_pb2_grpc.InferenceStub(channel := grpc.insecure_channel(daemon.grpc))
+    http = httpx.Client(base_url=f"http://{daemon.http}", timeout=120, trust_env=False)
+
+    def queued() -> bool:
+        wanted = f'blazar_queue_depth{{lane="{LANE}",policy="{PATIENT}"}} 1.0'
+        return wanted in http.get("/metrics").text
+
+    answered: list[httpx.Response] = []
+    waiter = threading.Thread(
+        target=lambda: answered.append(
+            http.post(
+                "/v1/completions",
+                json={"model": LANE, "prompt": "Hello", "max_tokens": 4},
+                headers={"x-blazar-slo": PATIENT},
+            )
+        )
+    )
+    holder: Any = None
+    try:
+        list(stub.Complete(complete(8), timeout=60))  # its policy runs to max_tokens
+        holder = stub.Complete(complete(400), timeout=120)
+        next(holder)
+        waiter.start()
+        wait_for(queued, timeout=30, what="the HTTP request queued", step=0.05)
+        before = deadline_rejections(http.get("/metrics").text)
+
+        began = time.monotonic()
+        with pytest.raises(grpc.RpcError) as refused:
+            list(stub.Complete(complete(4), timeout=2.0))
+        elapsed = time.monotonic() - began
+        error = refused.value
+        assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED, error.details()
+        told = re.search(r"past the caller's deadline of ([0-9.]+) s", error.details() or "")
+        assert told is not None and abs(float(told[1]) - 2.0) < 0.1, error.details()
+        assert ("blazar-reason", "DEADLINE_EXCEEDED") in (error.trailing_metadata() or ())
+        assert elapsed < 2.0, elapsed
+        assert deadline_rejections(http.get("/metrics").text) == before + 1
+        assert waiter.is_alive() and not answered, "the HTTP request must wait"
+        holder.cancel()
+        waiter.join(timeout=60)
+        assert [r.status_code for r in answered] == [200]
+    finally:
+        if holder is not None:
+            holder.cancel()
+        if waiter.is_alive():
+            waiter.join(timeout=60)
+        http.close()
+        channel.close()

@@ -172,6 +172,17 @@ changes (an event; for SLO_UNATTAINABLE, also the work ahead draining by the amo
 the probe misses its target by). The data plane publishes closed gates so that the
 HTTP shim can refuse such requests without a round trip (`WatchAdmission`).
 
+Caller's deadline. A ticket may carry its caller's own deadline (`caller_deadline`: a
+gRPC deadline, on the clock of `now`; none over HTTP). It orders nothing. `arrive`
+refuses (DEADLINE_EXCEEDED, with the predicted first token) a fresh ticket that would
+wait (for a busy slot or a park) and whose first token the unscaled forecast puts
+after it: its caller would be gone first. One that takes an idle slot starts, as for
+a target. A fresh ticket still waiting when its caller's deadline comes is taken out
+then by `expire` (`next_expiry` says when), and never starts after it, idle slot or
+not; a parked generation is not (its caller leaving ends its stream, which takes it
+out). No work is parked for a ticket whose expected output (its first token, then
+`expected_output` tokens of decode) would end after its caller's deadline.
+
 Retry-after, from the same forecast (how fast this Lane drains), within
 [RETRY_AFTER_MIN_S, RETRY_AFTER_MAX_S]: for QUEUE_FULL, until the first ticket of the
 policy leaves the queue (starts or times out); for QUEUE_TIMEOUT, until the ticket's turn

@@ -99,6 +99,18 @@ def refusal(entry: Waiting, fate: Fate, now: float, *, margin: bool = False) -> 
     first token may come past its deadline (`misses_target`), predicted that late."""
     ticket = entry.ticket
     parked_on = entry.resume.replica if entry.resume else None
+    if fate.refuse == Reason.DEADLINE_EXCEEDED:
+        # Its caller's deadline passed (no prediction to tell), or the forecast puts its
+        # first token after it. No retry hint: the caller chose the deadline.
+        passed = now >= ticket.caller_deadline
+        return Refuse(
+            ticket,
+            Reason.DEADLINE_EXCEEDED,
+            clamp(fate.start_s),
+            waited_s=entry.waited(now),
+            predicted_ttft_s=None if passed else fate.ttft_s,
+            parked_on=parked_on,
+        )
     if fate.refuse == Reason.QUEUE_TIMEOUT:
         return Refuse(
             ticket,
@@ -182,18 +194,41 @@ def may_start(view: LaneView) -> bool:
 
 def may_preempt(entry: Waiting, view: LaneView, *, now: float) -> bool:
     """Whether `entry` may park work (`Fate.victim`): it is fresh, its deadline is ahead
-    (nothing else may miss one), and a replica runs work it may park."""
+    (nothing else may miss one), so is its caller's, and a replica runs work it may park."""
     ticket = entry.ticket
     if entry.resume is not None or not now <= ticket.deadline < math.inf:
+        return False
+    if now >= ticket.caller_deadline:
         return False
     return any(replica.parks_for(ticket.policy.priority) for replica in view.replicas)
 
 
 def may_refuse(entry: Waiting, now: float) -> bool:
     """Whether the forecast may refuse `entry` (`Fate.refuse`): it is refused when
-    predicted late (`rejects_late`), or it has waited its bound (`Waiting.timed_out`)."""
+    predicted late (`rejects_late`), it has waited its bound (`Waiting.timed_out`), or
+    it is fresh and its caller's deadline has passed."""
     bound = entry.ticket.policy.max_queue_wait_s
-    return rejects_late(entry) or (bound is not None and entry.waited(now) >= bound)
+    return (
+        rejects_late(entry)
+        or (bound is not None and entry.waited(now) >= bound)
+        or (entry.resume is None and now >= entry.ticket.caller_deadline)
+    )
+
+
+def past_caller_deadline(entry: Waiting, fate: Fate, now: float) -> Refuse | None:
+    """The DEADLINE_EXCEEDED refusal of a fresh ticket that would wait (for a busy slot,
+    or a park) and whose first token the forecast puts after its caller's deadline: the
+    caller would be gone before it, and the wait would hold its place and maybe park
+    work for nothing. None otherwise; also for one that takes an idle slot (it starts
+    at once, at its best, as `_fate` says of targets) and one nothing forecasts (no
+    replica serves: it waits until its deadline). The unscaled forecast, as for every
+    refusal."""
+    ticket = entry.ticket
+    if entry.resume is not None or fate.idle or fate.first_token_s is None:
+        return None
+    if now + fate.first_token_s <= ticket.caller_deadline:
+        return None
+    return refusal(entry, replace(fate, refuse=Reason.DEADLINE_EXCEEDED), now)
 
 
 @dataclass
@@ -260,6 +295,8 @@ class _Simulation:
         self.now = now
         self.lateness = view.lateness
         self.fitting = view.fitting
+        self.output_tokens = view.output_tokens
+        self.rates = view.rates
         self.slots: list[_Slot] = []
         self.load: dict[int, int] = {}
         self.parked: dict[int, int] = {}
@@ -409,7 +446,9 @@ class _Simulation:
     ) -> _Slot | None:
         """The slot of the running request of lower priority cheapest to park, among
         those whose parking fits the replica's bound and lets `ticket` meet its deadline,
-        with its first token sooner than the `waiting_s` that waiting gives it. Not on
+        with its first token sooner than the `waiting_s` that waiting gives it, and its
+        expected output (`LaneView.output_tokens`) done by its caller's deadline: work
+        is not parked for a request whose caller will be gone before it ends. Not on
         a replica where the ticket's policy holds its maxSlotsPerReplica already:
         parking work there would take it past its cap. Only on the replicas `within`
         (None: any), those whose context holds it."""
@@ -430,6 +469,11 @@ class _Simulation:
             prefill, wait = self.prefill_and_wait_s(replica, ticket, start)
             first_token = start + wait + prefill
             meets = self.now + first_token <= ticket.deadline and first_token < waiting_s
+            if meets and ticket.caller_deadline < math.inf:
+                decode = self.decode_s(
+                    replica, self.output_tokens(ticket), self.rates.get(policy.name)
+                )
+                meets = self.now + first_token + decode <= ticket.caller_deadline
             if fits and meets:
                 options.append(((run.kv_tokens, run.priority, replica.index, run.id), slot))
         if not options:
@@ -519,6 +563,10 @@ def _fate(entry: Waiting, sim: _Simulation, now: float) -> tuple[Fate, _Slot | N
             victim=victim,
             margin_s=margin,
         )
+    if entry.resume is None and now >= ticket.caller_deadline:
+        # Its caller is gone, or leaving now: it starts nowhere, idle slot or not. (A
+        # parked generation's caller ends its stream as it leaves, which takes it out.)
+        return replace(fate, refuse=Reason.DEADLINE_EXCEEDED), None
     if entry.timed_out(now, starts_now=fate.starts_now):
         return replace(fate, refuse=Reason.QUEUE_TIMEOUT), None
     # A ticket that takes an idle slot starts now, at its best: refusing it on a

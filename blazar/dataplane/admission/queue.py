@@ -18,6 +18,7 @@ from blazar.dataplane.admission.forecast import (
     may_refuse,
     may_start,
     misses_target,
+    past_caller_deadline,
     refusal,
     rejects_late,
 )
@@ -399,6 +400,9 @@ class LaneQueue:
             # Its first token may come a few steps past the deadline: refused now
             # rather than after a wait that may end in the same refusal.
             local = missed
+        elif (late := past_caller_deadline(entry, fate, now)) is not None:
+            # Its caller would be gone before its first token: refused before any work.
+            local = late
         else:
             waits = fate.start_s is not None and not fate.starts_now
             local = Admit(fate.ttft_s, waits=waits)
@@ -498,9 +502,12 @@ class LaneQueue:
 
     def next_expiry(self) -> float | None:
         """When `expire` must run next though nothing else changes: the first time a
-        ticket reaches its wait bound or (under onOverload: reject) its deadline."""
+        ticket reaches its wait bound, (under onOverload: reject) its deadline, or (fresh)
+        its caller's deadline."""
         times = []
         for entry in self._waiting.values():
+            if entry.resume is None and entry.ticket.caller_deadline < math.inf:
+                times.append(entry.ticket.caller_deadline)
             bound = entry.ticket.policy.max_queue_wait_s
             if bound is not None:
                 times.append(entry.since + bound - entry.ticket.waited_s)

@@ -31,6 +31,8 @@ class Reason(StrEnum):
     QUEUE_FULL = errors.QueueFull.reason
     QUEUE_TIMEOUT = errors.QueueTimeout.reason
     SLO_UNATTAINABLE = errors.SloUnattainable.reason
+    # The caller's own deadline (gRPC's) passed, or its first token would come after it.
+    DEADLINE_EXCEEDED = errors.DeadlineExceeded.reason
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,10 @@ class Ticket:
     # prompt and the tokens it asks for, at least one): it starts only on a replica
     # whose slots hold that many (`LaneView.fitting`). 0: any.
     context_tokens: int = 0
+    # On the same clock as `arrived`, when its caller stops waiting for it (a gRPC
+    # deadline; inf: none, as over HTTP). Unlike `deadline`, nothing is ordered by it:
+    # past it the ticket leaves, and work that would come after it is not done.
+    caller_deadline: float = math.inf
 
     @property
     def deadline(self) -> float:
@@ -404,8 +410,15 @@ class Refuse:
     # Its generation was parked on this replica: the engine drops that KV.
     parked_on: int | None = None
 
-    def error(self, lane: str) -> errors.Overloaded:
+    def error(self, lane: str) -> errors.Overloaded | errors.DeadlineExceeded:
         policy = self.ticket.policy
+        if self.reason == Reason.DEADLINE_EXCEEDED:
+            return errors.DeadlineExceeded.of(
+                lane=lane,
+                deadline_s=self.ticket.caller_deadline - self.ticket.arrived,
+                waited_s=self.waited_s,
+                predicted_ttft_s=self.predicted_ttft_s,
+            )
         if self.reason == Reason.QUEUE_FULL:
             return errors.QueueFull.of(
                 lane=lane,
