@@ -93,7 +93,7 @@ class Attempts:
         settled = False
         retried = False
 
-        def summary(event: str) -> None:
+        def summary(event: str, **extra: object) -> None:
             """The request's one summary line: done, or cancelled by its caller."""
             log.info(
                 event,
@@ -105,6 +105,7 @@ class Attempts:
                 tokens=tokens,
                 queued_s=round(ticket.waited_s, 3),
                 seconds=round(time.monotonic() - ticket.arrived, 3),
+                **extra,
             )
 
         try:
@@ -178,7 +179,9 @@ class Attempts:
         finally:
             call.cancel()  # no-op when finished; frees the engine slot when the caller left
             if not settled:
-                metrics.observe_failure(route.lane, metrics.CANCELLED, tokens=tokens)
+                cut = status.cut_by_deadline(context)
+                outcome = metrics.DEADLINE_EXCEEDED if cut else metrics.CANCELLED
+                metrics.observe_failure(route.lane, outcome, tokens=tokens)
                 # The caller left before the Final that charges it: the tokens it was
                 # sent were generated all the same (else leaving a stream one chunk
                 # early escapes tokensPerMinute). Its prompt, once prefilled, as
@@ -187,7 +190,7 @@ class Attempts:
                 self._access.charge(caller, prompt_tokens=prompt, output_tokens=tokens)
                 # Its summary line: `request.done` below is not reached (the caller's
                 # leaving ends this generator).
-                summary("request.cancelled")
+                summary("request.cancelled", deadline_exceeded=cut)
             if not retried:
                 lane.end(run, finished)
             metrics.IN_FLIGHT.labels(route.lane).dec()

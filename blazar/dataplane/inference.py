@@ -589,7 +589,9 @@ class InferenceService(Unqueued, inference_pb2_grpc.InferenceServicer):
         except asyncio.CancelledError:
             # A caller that leaves mid-stream is counted, and logged, by its attempt.
             if waiting:
-                metrics.observe_failure(route.lane, metrics.CANCELLED)
+                cut = status.cut_by_deadline(context)
+                outcome = metrics.DEADLINE_EXCEEDED if cut else metrics.CANCELLED
+                metrics.observe_failure(route.lane, outcome)
                 log.info(
                     "request.cancelled",
                     request_id=request_id,
@@ -599,6 +601,7 @@ class InferenceService(Unqueued, inference_pb2_grpc.InferenceServicer):
                     tokens=0,
                     queued=True,
                     seconds=round(time.monotonic() - ticket.arrived, 3),
+                    deadline_exceeded=cut,
                 )
             raise
         finally:

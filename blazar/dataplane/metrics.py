@@ -12,6 +12,7 @@ from __future__ import annotations
 from prometheus_client import Counter, Gauge, Histogram
 
 from blazar._proto.v1 import inference_pb2
+from blazar.api import errors
 
 # Counted by the HTTP shim too, for the refusals it answers from admission gates.
 from blazar.rpc.refusals import QUEUE_WAIT as QUEUE_WAIT
@@ -26,6 +27,9 @@ IN_FLIGHT = Gauge(
 )
 # The outcome of a request whose caller left before it finished.
 CANCELLED = "cancelled"
+# The outcome of one whose gRPC deadline passed first (`status.cut_by_deadline`), as of
+# one admission refused for it.
+DEADLINE_EXCEEDED = errors.DeadlineExceeded.reason
 PROMPT_TOKENS = Counter("blazar_prompt_tokens_total", "Prompt tokens received.", ["lane"])
 CACHED_TOKENS = Counter(
     "blazar_cached_prompt_tokens_total", "Prompt tokens served from the KV cache.", ["lane"]

@@ -161,7 +161,9 @@ class Unqueued:
             metrics.observe_embedding_failure(route.lane, err.reason)
             await self._refuse(context, err, caller)
         except asyncio.CancelledError:
-            metrics.observe_embedding_failure(route.lane, metrics.CANCELLED)
+            cut = status.cut_by_deadline(context)
+            outcome = metrics.DEADLINE_EXCEEDED if cut else metrics.CANCELLED
+            metrics.observe_embedding_failure(route.lane, outcome)
             raise
         finally:
             # As a generation's: a refused embedding says nothing of the Lane's idleness.

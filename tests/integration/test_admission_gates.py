@@ -7,7 +7,8 @@ slot frees, the gate opens and the next request is served. The official `openai`
 `ollama` clients, streaming or not, raise the refusal in their dialect's shape.
 Under a second policy that queues (`patient`), a gRPC caller whose deadline the wait
 would pass is refused at once with DEADLINE_EXCEEDED, while an HTTP request (no
-deadline) waits and is served.
+deadline) waits and is served; and a stream its gRPC deadline cuts off is counted as
+such, not as its caller leaving.
 """
 
 from __future__ import annotations
@@ -241,6 +242,14 @@ def complete(max_tokens: int) -> inference_pb2.CompleteRequest:
     )
 
 
+def outcomes(metrics: str, outcome: str) -> float:
+    for line in metrics.splitlines():
+        mine = line.startswith("blazar_requests_total{") and f'lane="{LANE}"' in line
+        if mine and f'outcome="{outcome}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
 def test_a_grpc_deadline_the_wait_would_pass_is_refused_at_once_http_waits(
     daemon: Daemon,
 ) -> None:
@@ -295,5 +304,32 @@ def test_a_grpc_deadline_the_wait_would_pass_is_refused_at_once_http_waits(
             holder.cancel()
         if waiter.is_alive():
             waiter.join(timeout=60)
+        http.close()
+        channel.close()
+
+
+def test_a_deadline_that_cuts_a_stream_is_counted_and_logged_as_such(daemon: Daemon) -> None:
+    """A generation whose gRPC deadline passes mid-stream ends there: counted as
+    outcome `deadline_exceeded`, not `cancelled` (its caller did not leave), and its
+    `request.cancelled` line says so; the slot it held serves the next request."""
+    channel = grpc.insecure_channel(daemon.grpc)
+    stub = inference_pb2_grpc.InferenceStub(channel)
+    http = httpx.Client(base_url=f"http://{daemon.http}", timeout=60, trust_env=False)
+    try:
+        before = outcomes(http.get("/metrics").text, "deadline_exceeded")
+        logged = len(daemon.events("request.cancelled"))
+        with pytest.raises(grpc.RpcError) as cut:
+            list(stub.Complete(complete(400), timeout=1.5))
+        assert cut.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+        def counted() -> bool:
+            return outcomes(http.get("/metrics").text, "deadline_exceeded") == before + 1
+
+        wait_for(counted, timeout=10, what="the cut stream counted", step=0.05)
+        (line,) = daemon.events("request.cancelled")[logged:]
+        assert line["deadline_exceeded"] is True and line["lane"] == LANE, line
+        served = list(stub.Complete(complete(2), timeout=60))
+        assert served[-1].HasField("final")
+    finally:
         http.close()
         channel.close()

@@ -917,22 +917,37 @@ def test_embed_and_tokenize_whose_replica_died_wait_for_it_to_restart() -> None:
     assert (gone.calls, draining.calls) == (2, 2)
 
 
-def test_an_embedding_whose_caller_leaves_counts_as_cancelled() -> None:
-    before = embeddings_counted("cancelled")
+@pytest.mark.parametrize(
+    ("ending", "outcome"),
+    [
+        # Its caller cancels the call.
+        ("leaves", "cancelled"),
+        # Its deadline passes: the caller did not leave (`status.cut_by_deadline`).
+        ("deadline", "deadline_exceeded"),
+    ],
+)
+def test_an_embedding_that_ends_unanswered_counts_how(ending: str, outcome: str) -> None:
+    before = embeddings_counted(outcome)
 
     async def run() -> None:
         async with data_plane([FakeEngine(refuse=False, text="x")]) as stub:
-            with pytest.raises(grpc.aio.AioRpcError) as info:
-                await stub.Embed(
-                    inference_pb2.EmbedRequest(model="l", inputs=["hang"]), timeout=0.3
-                )
-            assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            request = inference_pb2.EmbedRequest(model="l", inputs=["hang"])
+            if ending == "deadline":
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await stub.Embed(request, timeout=0.3)
+                assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            else:
+                call = stub.Embed(request, timeout=30)
+                await asyncio.sleep(0.3)
+                call.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await call
             deadline = time.monotonic() + 10
-            while embeddings_counted("cancelled") == before and time.monotonic() < deadline:
+            while embeddings_counted(outcome) == before and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
 
     asyncio.run(run())
-    assert embeddings_counted("cancelled") == before + 1
+    assert embeddings_counted(outcome) == before + 1
 
 
 # Whole prefix blocks of text, each conversation its own letter.

@@ -340,3 +340,30 @@ def test_request_too_large(size: int, refused: bool) -> None:
             f"The request is larger than the server accepts: {size} bytes, and the limit is "
             "4194304 bytes (4 MiB). Send a shorter prompt or fewer inputs."
         )
+
+
+class Remaining:
+    """A servicer context as `cut_by_deadline` reads it: its time_remaining()."""
+
+    def __init__(self, remaining: float | None) -> None:
+        self.remaining = remaining
+
+    def time_remaining(self) -> float | None:
+        return self.remaining
+
+
+@pytest.mark.parametrize(
+    ("remaining", "cut"),
+    [
+        (None, False),  # no deadline: a cancel is its caller leaving
+        (30.0, False),
+        (0.5, False),
+        # gRPC's timer fires when its other clock says a few ms are left.
+        (0.006, True),
+        (0.0, True),
+    ],
+)
+def test_a_cancel_at_the_deadline_is_told_from_a_caller_leaving(
+    remaining: float | None, cut: bool
+) -> None:
+    assert status.cut_by_deadline(Remaining(remaining)) is cut
