@@ -543,3 +543,35 @@ def test_a_resume_whose_caller_left_meanwhile_is_no_lost_generation() -> None:
 
     logs = asyncio.run(run())
     assert [x for x in logs if x["log_level"] == "warning"] == []
+
+
+def test_a_parked_run_past_its_wait_bound_is_resumed_not_dropped() -> None:
+    """Its policy bounds waits at 0.3 s; parked for 0.6 s, it is still the Lane's (its
+    parked bytes counted) and resumes once the urgent request ends: the bound is for a
+    request that has not started, and taking a parked one out would leave its open
+    stream waiting for a resume that never comes."""
+    bounded = dataclasses.replace(BATCH, max_queue_wait_s=0.3)
+
+    async def run() -> tuple[tuple[int, int], Run]:
+        parker = SlowParker(0.05)
+        dispatcher = dispatcher_of(parker)
+        try:
+            batch = await dispatcher.admit(ticket("b", bounded), request_id="b", prompt_chars=40)
+            urgent = await asyncio.wait_for(
+                dispatcher.admit(ticket("urgent", URGENT), request_id="u", prompt_chars=40), 1.0
+            )
+            assert parker.parked == ["b"]
+            await asyncio.sleep(0.6)
+            parked = dispatcher.parked()
+            dispatcher.end(urgent, None)
+            for _ in range(100):
+                if batch.parked_at is None:
+                    break
+                await asyncio.sleep(0.01)
+            return parked, batch
+        finally:
+            await dispatcher.close()
+
+    parked, batch = asyncio.run(run())
+    assert parked == (1, 1000)
+    assert batch.parked_at is None and batch.resuming is False, "the parked run was not resumed"

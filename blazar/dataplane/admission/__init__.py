@@ -34,8 +34,10 @@ refused at once (QUEUE_FULL) unless an idle slot takes it at once. A ticket that
 waited `maxQueueWaitMs` and cannot start now is taken out and refused (QUEUE_TIMEOUT),
 never started late. A cancelled ticket leaves at once. A parked generation waits again
 (`requeue`): it comes first in its priority, counts in its policy's depth (parking may
-take the depth past the bound; arrivals are then refused), and its waits add up against
-its bound; having started, it is never refused for its TTFT target.
+take the depth past the bound; arrivals are then refused), and its waits add up in the
+queue time it reports. Having started, it is never refused: neither its wait bound nor
+its TTFT target takes it out (its stream is open, and ending it would throw away what
+it was sent); it resumes when a slot frees, or leaves with its caller.
 
 Forecast. Every decision reads one simulation of the Lane from `now`, in ticket order
 (list scheduling, the model behind every prediction):

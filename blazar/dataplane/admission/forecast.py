@@ -46,9 +46,11 @@ class Waiting:
         return self.ticket.waited_s + max(0.0, now - self.since)
 
     def timed_out(self, now: float, *, starts_now: bool) -> bool:
-        """At its bound a ticket may still start, but not wait on."""
+        """At its bound a fresh ticket may still start, but not wait on. A parked
+        generation has no bound: it has started (its stream is open, and nothing it was
+        sent is taken back), so it waits to resume until its caller leaves."""
         bound = self.ticket.policy.max_queue_wait_s
-        if bound is None:
+        if bound is None or self.resume is not None:
             return False
         waited = self.waited(now)
         return waited > bound or (waited >= bound and not starts_now)
@@ -98,7 +100,6 @@ def refusal(entry: Waiting, fate: Fate, now: float, *, margin: bool = False) -> 
     """The refusal of `entry` that `fate.refuse` says; `margin`: of a fresh ticket whose
     first token may come past its deadline (`misses_target`), predicted that late."""
     ticket = entry.ticket
-    parked_on = entry.resume.replica if entry.resume else None
     if fate.refuse == Reason.DEADLINE_EXCEEDED:
         # Its caller's deadline passed (no prediction to tell), or the forecast puts its
         # first token after it. No retry hint: the caller chose the deadline.
@@ -109,7 +110,6 @@ def refusal(entry: Waiting, fate: Fate, now: float, *, margin: bool = False) -> 
             clamp(fate.start_s),
             waited_s=entry.waited(now),
             predicted_ttft_s=None if passed else fate.ttft_s,
-            parked_on=parked_on,
         )
     if fate.refuse == Reason.QUEUE_TIMEOUT:
         return Refuse(
@@ -117,7 +117,6 @@ def refusal(entry: Waiting, fate: Fate, now: float, *, margin: bool = False) -> 
             Reason.QUEUE_TIMEOUT,
             clamp(fate.start_s),
             waited_s=entry.waited(now),
-            parked_on=parked_on,
         )
     # SLO_UNATTAINABLE: a request like it meets the target once the work ahead has
     # drained by the amount it misses by; never, if its own prefill misses it.
@@ -137,7 +136,6 @@ def refusal(entry: Waiting, fate: Fate, now: float, *, margin: bool = False) -> 
         clamp(retry),
         waited_s=entry.waited(now),
         predicted_ttft_s=predicted,
-        parked_on=parked_on,
     )
 
 
@@ -153,8 +151,8 @@ def clamp(seconds: float | None) -> float:
 
 def rejects_late(entry: Waiting) -> bool:
     """Refused when predicted to miss its deadline: a fresh ticket under onOverload:
-    reject with a TTFT target. A parked generation has started: only its wait bound
-    can take it out."""
+    reject with a TTFT target. A parked generation has started: nothing refuses it
+    (`Waiting.timed_out`)."""
     return (
         entry.resume is None
         and entry.ticket.policy.reject_early
@@ -207,11 +205,13 @@ def may_refuse(entry: Waiting, now: float) -> bool:
     """Whether the forecast may refuse `entry` (`Fate.refuse`): it is refused when
     predicted late (`rejects_late`), it has waited its bound (`Waiting.timed_out`), or
     it is fresh and its caller's deadline has passed."""
+    if entry.resume is not None:
+        return False
     bound = entry.ticket.policy.max_queue_wait_s
     return (
         rejects_late(entry)
         or (bound is not None and entry.waited(now) >= bound)
-        or (entry.resume is None and now >= entry.ticket.caller_deadline)
+        or now >= entry.ticket.caller_deadline
     )
 
 

@@ -502,11 +502,13 @@ class LaneQueue:
 
     def next_expiry(self) -> float | None:
         """When `expire` must run next though nothing else changes: the first time a
-        ticket reaches its wait bound, (under onOverload: reject) its deadline, or (fresh)
-        its caller's deadline."""
+        fresh ticket reaches its wait bound, (under onOverload: reject) its deadline, or
+        its caller's deadline (a parked generation has none: `Waiting.timed_out`)."""
         times = []
         for entry in self._waiting.values():
-            if entry.resume is None and entry.ticket.caller_deadline < math.inf:
+            if entry.resume is not None:
+                continue
+            if entry.ticket.caller_deadline < math.inf:
                 times.append(entry.ticket.caller_deadline)
             bound = entry.ticket.policy.max_queue_wait_s
             if bound is not None:

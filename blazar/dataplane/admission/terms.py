@@ -407,8 +407,6 @@ class Refuse:
     # (from arrival; a lower bound when no replica serves).
     waited_s: float = 0.0
     predicted_ttft_s: float | None = None
-    # Its generation was parked on this replica: the engine drops that KV.
-    parked_on: int | None = None
 
     def error(self, lane: str) -> errors.Overloaded | errors.DeadlineExceeded:
         policy = self.ticket.policy
