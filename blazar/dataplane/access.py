@@ -289,12 +289,13 @@ class Access:
     def refund(self, caller: Caller, err: errors.BlazarError) -> None:
         """`count` took a request of `caller` that the server then refused, before any
         of it was served, with `err`. A refusal for the server's own state (no ready
-        replica, admission's QUEUE_FULL, QUEUE_TIMEOUT, SLO_UNATTAINABLE) gives the
-        request back: the tenant did nothing wrong, a client that retries under load
-        would otherwise spend its limit on the server's overload, and the HTTP shim's
-        admission gates answer the same refusals without counting them. A refusal of
-        the request itself (a prompt over the context, which an engine found) stays
-        counted: it cost the engine work."""
+        replica, admission's QUEUE_FULL, QUEUE_TIMEOUT, SLO_UNATTAINABLE, and its
+        DEADLINE_EXCEEDED: the wait ahead is longer than the caller's gRPC deadline)
+        gives the request back: the tenant did nothing wrong, a client that retries
+        under load would otherwise spend its limit on the server's overload, and the
+        HTTP shim's admission gates answer the same refusals without counting them. A
+        refusal of the request itself (a prompt over the context, which an engine
+        found) stays counted: it cost the engine work."""
         tenant = caller.tenant
         if tenant is None or not server_side(err):
             return
@@ -317,11 +318,11 @@ class Access:
 
 def server_side(err: errors.BlazarError) -> bool:
     """Whether `err` refuses a request for the server's state, not for the request or
-    its caller: UNAVAILABLE, and RESOURCE_EXHAUSTED other than the tenant's own rate
-    limit."""
+    its caller: UNAVAILABLE, RESOURCE_EXHAUSTED other than the tenant's own rate limit,
+    and DEADLINE_EXCEEDED (admission's: the queue is longer than the caller waits)."""
     if isinstance(err, errors.RateLimited):
         return False
-    return isinstance(err, errors.Overloaded | errors.Unavailable)
+    return isinstance(err, errors.Overloaded | errors.Unavailable | errors.DeadlineExceeded)
 
 
 def shown(caller: Caller, err: errors.BlazarError, *, model: str) -> errors.BlazarError:

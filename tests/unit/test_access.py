@@ -144,6 +144,8 @@ def test_permit_checks_the_lane_and_count_the_rate_limit() -> None:
         (errors.QueueFull.of(lane="l", policy="p", max_queue_depth=1, retry_after_s=1), True),
         (errors.QueueTimeout("waited"), True),
         (errors.SloUnattainable("late"), True),
+        (errors.DeadlineExceeded.of(lane="l", deadline_s=1, waited_s=0, predicted_ttft_s=3), True),
+        (errors.DeadlineExceeded.of(lane="l", deadline_s=1, waited_s=1), True),
         (errors.RateLimited("spent"), False),
         (errors.InvalidRequest("prompt over the context"), False),
         (errors.ContextLengthExceeded("too long"), False),
