@@ -51,7 +51,7 @@ import re
 from collections.abc import Iterator, Sequence
 from typing import Any, NoReturn
 
-from blazar.api import errors, jsontext
+from blazar.api import errors, jsonschemas, jsontext
 
 # Keywords whose constraint the converter leaves out of the grammar.
 UNENFORCED = frozenset(
@@ -147,10 +147,7 @@ def grammar(schema: dict[str, Any]) -> str:
     """GBNF for the documents valid against `schema`; InvalidRequest when it cannot be."""
     # The checks below read keywords by their meaning (`required` as a list of names):
     # a schema that is not one (`"required": 5`) stops here, not in a TypeError.
-    problem = invalid_schema(schema)
-    if problem is not None:
-        at, why = problem
-        raise errors.InvalidRequest(f"The JSON schema is not a valid JSON Schema{at}: {why}.")
+    jsonschemas.check(schema)
     schema = _any_value_subschemas(schema)
     unenforced = sorted({*unenforced_keywords(schema), *overlapping_one_of(schema)})
     if unenforced:
@@ -242,27 +239,6 @@ def grammar(schema: dict[str, Any]) -> str:
     # Rules end at "\n" only: `splitlines` also breaks at U+2028, U+2029 and NEL,
     # which a literal holds as themselves (a const or enum value with one).
     return "\n".join(_strict_rule(line) for line in text.split("\n"))
-
-
-def invalid_schema(document: dict[str, Any]) -> tuple[str, str] | None:
-    """Where and why `document` is not a valid JSON Schema (by the metaschema of the
-    draft its `$schema` names, else 2020-12), or None when it is one."""
-    from jsonschema import exceptions, validators
-
-    declared = document.get("$schema")
-    # jsonschema looks the name up as a URI: anything but a string raises TypeError.
-    if declared is not None and not isinstance(declared, str):
-        return "['$schema']", f"{declared!r} is not a string"
-    validator = validators.validator_for(document, default=validators.Draft202012Validator)
-    try:
-        validator.check_schema(document)
-    except exceptions.SchemaError as exc:
-        return "".join(f"[{p!r}]" for p in exc.path) or " at its top", exc.message
-    except OverflowError as exc:
-        # The `regex` format check compiles each pattern and catches only re.error;
-        # Python's parser raises OverflowError for a repeat such as a{99999999999}.
-        return " in a pattern", f"the pattern cannot be compiled ({exc})"
-    return None
 
 
 def _strict_rule(line: str) -> str:

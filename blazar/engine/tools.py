@@ -40,7 +40,7 @@ from typing import Any
 
 from blazar._proto.engine.v1 import engine_pb2
 from blazar._proto.v1 import inference_pb2
-from blazar.api import errors, jsontext
+from blazar.api import errors, jsonschemas, jsontext
 from blazar.engine import schema, text
 
 OPEN = "<tool_call>"
@@ -185,7 +185,7 @@ def _parameters(source: str, where: str) -> dict[str, Any]:
         raise _blame(
             where, f'\'{where}\' must describe an object ("type": "object"); got {kind!r}.'
         )
-    problem = schema.invalid_schema(document)
+    problem = jsonschemas.problem(document)
     if problem is not None:
         at, why = problem
         raise _blame(where, f"'{where}' is not a valid JSON Schema{at}: {why}.")

@@ -985,6 +985,9 @@ async def test_a_preload_answers_load_without_generating(
         ("/api/chat", {"options": {"temperature": -1}}, "'options.temperature'"),
         ("/api/chat", {"options": {"num_ctx": 4096}}, "4096"),
         ("/api/generate", {"format": "xml"}, "'format'"),
+        # The engine refuses such a schema on a generation; a preload reaches none.
+        ("/api/generate", {"format": {"type": "object", "properties": 5}}, "not a valid JSON Schema['properties']"),
+        ("/api/chat", {"format": {"type": "strin"}}, "not a valid JSON Schema['type']"),
         ("/api/chat", {"think": True}, "thinking"),
         ("/api/generate", {"images": ["aGk="]}, "'images'"),
         ("/api/generate", {"suffix": "x", "keep_alive": 0}, "'suffix'"),

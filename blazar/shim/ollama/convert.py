@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from blazar._proto.v1 import inference_pb2
+from blazar.api import jsonschemas
 from blazar.shim import canonical, context, validation
 from blazar.shim.ollama import options, protocol, template
 
@@ -45,6 +46,13 @@ def is_load(body: protocol.ChatRequest | protocol.GenerateRequest) -> bool:
     if isinstance(body, protocol.ChatRequest):
         return not body.messages
     return not body.prompt
+
+
+def check_load(body: protocol.ChatRequest | protocol.GenerateRequest) -> None:
+    """What a preload is refused for beyond its conversion: a `format` that is not a
+    JSON Schema, which a generation's engine refuses but a preload never reaches."""
+    if isinstance(body.format, dict):
+        jsonschemas.check(body.format)
 
 
 def is_unload(body: protocol.ChatRequest | protocol.GenerateRequest) -> bool:

@@ -97,6 +97,7 @@ async def _generate(request: Request, kind: render.Kind) -> Response:
         # A preload is checked as the generation would be (as Ollama checks its options,
         # format and capabilities before it loads): what it asks for is done or refused.
         if convert.is_load(body):
+            convert.check_load(body)
             return await _loaded(request, kind, body.model, keep_alive=body.keep_alive)
     except streaming.ClientDisconnected:
         return Response(status_code=streaming.CLIENT_CLOSED_REQUEST)
