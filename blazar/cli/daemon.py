@@ -46,7 +46,7 @@ from blazar.controller.model import ModelReconciler
 from blazar.controller.policy import PolicyReconciler
 from blazar.dataplane import access
 from blazar.dataplane import server as dataplane_server
-from blazar.enginehost import monitor
+from blazar.enginehost import cores, monitor
 from blazar.enginehost.activity import Activity
 from blazar.enginehost.offload import GpuOffload
 from blazar.enginehost.supervisor import Supervisor
@@ -443,6 +443,7 @@ async def _serve(
     store.admission = lambda objects: [
         *model_sources.problems(objects),
         *offload.problems(objects),
+        *cores.problems(objects, cpus=cores.count()),
     ]
     if store.recovered_from is not None:
         message = (

@@ -15,7 +15,6 @@ status and events are `upstream_plan`'s.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterable
 from datetime import datetime
 from typing import Protocol
@@ -40,6 +39,7 @@ from blazar.controller import fit, lane_plan, ledger, residency, sleeper, upstre
 from blazar.controller.hostmemory import HostMemory
 from blazar.controller.processes import Processes
 from blazar.controller.reconciler import Result
+from blazar.enginehost import cores
 from blazar.enginehost.activity import Activity
 from blazar.enginehost.upstream import Probe, UpstreamPool
 from blazar.store.base import Store
@@ -239,7 +239,7 @@ class LaneReconciler:
         self._store = store
         self._processes = processes
         self._clock = clock
-        self._default_threads = default_threads or os.cpu_count() or 1
+        self._default_threads = default_threads or cores.count()
         self._activity = activity
         self._ledger = (
             None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import queue
 import shutil
 import signal
@@ -261,3 +262,29 @@ def test_gpu_layers_are_refused_at_apply_where_llama_cpp_cannot_offload(
         assert "Lane/gpu (" in applied.stderr
         assert "spec.gpuLayers: 4 layers asked" in applied.stderr
         assert "built for the CPU only" in applied.stderr
+
+
+def test_threads_beyond_the_hosts_cpus_are_refused_at_apply(
+    control: Control, daemon: Daemon
+) -> None:
+    """llama.cpp would start every thread asked for, and on a host with fewer CPUs they
+    only wait for each other: the Lane is refused by name with both numbers, and
+    nothing of the apply is stored."""
+    cpus = os.cpu_count() or 1
+    model = {
+        "apiVersion": "blazar.dev/v1alpha1", "kind": "Model", "metadata": {"name": "absent-t"},
+        "spec": {"source": {"path": str(daemon.home / "absent-t.gguf")}},
+    }  # fmt: skip
+    lane = {
+        "apiVersion": "blazar.dev/v1alpha1", "kind": "Lane", "metadata": {"name": "threads"},
+        "spec": {"model": "absent-t", "threads": cpus + 1},
+    }  # fmt: skip
+    request = control_pb2.ApplyRequest(objects_json=[json.dumps(model), json.dumps(lane)])
+    with pytest.raises(grpc.RpcError) as refused:
+        control.stub.Apply(request, timeout=30)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert (
+        f"Lane/threads: spec.threads: {cpus + 1} threads asked, but this host has {cpus} CPUs"
+        in (refused.value.details() or "")
+    )
+    assert control.get("Lane", "threads") is None and control.get("Model", "absent-t") is None

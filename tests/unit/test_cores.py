@@ -1,0 +1,50 @@
+"""`spec.threads` beyond the host's CPUs is refused at apply, by name, with both
+numbers; a Lane within them, or without threads, is admitted."""
+
+from __future__ import annotations
+
+import pytest
+
+from blazar.api import errors
+from blazar.api.kinds import Kind, Lane, LaneSpec
+from blazar.api.meta import ObjectMeta
+from blazar.enginehost import cores
+from blazar.store import apply
+from blazar.store.memory import MemoryStore
+
+
+def lane(name: str, threads: int | None) -> Lane:
+    return Lane(metadata=ObjectMeta(name=name), spec=LaneSpec(model="m", threads=threads))
+
+
+@pytest.mark.parametrize(
+    ("threads", "refused"),
+    [(None, False), (1, False), (2, False), (3, True), (1024, True)],
+)
+def test_threads_beyond_the_cpus_are_refused(threads: int | None, refused: bool) -> None:
+    problems = cores.problems([lane("l", threads)], cpus=2)
+    assert [p.path for p in problems] == (["Lane/l: spec.threads"] if refused else [])
+    if refused:
+        assert f"{threads} threads asked, but this host has 2 CPUs" in problems[0].message
+        assert "at most 2" in problems[0].message
+
+
+def test_the_default_always_fits() -> None:
+    assert cores.problems([lane("l", cores.count())], cpus=cores.count()) == []
+
+
+def test_an_apply_with_a_refused_lane_writes_nothing() -> None:
+    store = MemoryStore()
+    store.admission = lambda objects: cores.problems(objects, cpus=2)
+    head = {"apiVersion": "blazar.dev/v1alpha1"}
+    docs = [
+        ("a.yaml#1", {**head, "kind": "Model", "metadata": {"name": "m"},
+                      "spec": {"source": {"path": "/m.gguf"}}}),
+        ("a.yaml#2", {**head, "kind": "Lane", "metadata": {"name": "ok"},
+                      "spec": {"model": "m", "threads": 2}}),
+        ("a.yaml#3", {**head, "kind": "Lane", "metadata": {"name": "many"},
+                      "spec": {"model": "m", "threads": 1024}}),
+    ]  # fmt: skip
+    with pytest.raises(errors.ManifestInvalid, match=r"Lane/many: spec.threads"):
+        apply.apply_documents(store, docs)
+    assert store.list(Kind.LANE) == [] and store.list(Kind.MODEL) == []
