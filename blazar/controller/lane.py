@@ -21,7 +21,7 @@ from typing import Protocol
 
 import structlog
 
-from blazar.api import conditions
+from blazar.api import conditions, errors
 from blazar.api.kinds import (
     Kind,
     Lane,
@@ -38,13 +38,17 @@ from blazar.api.replicas import LaunchSpec, ReplicaObservation, ReplicaState, Sp
 from blazar.controller import fit, lane_plan, ledger, residency, sleeper, upstream_plan
 from blazar.controller.hostmemory import HostMemory
 from blazar.controller.processes import Processes
-from blazar.controller.reconciler import Result
+from blazar.controller.reconciler import Result, TemporaryError
 from blazar.enginehost import cores
 from blazar.enginehost.activity import Activity
 from blazar.enginehost.upstream import Probe, UpstreamPool
 from blazar.store.base import Store
 
 log = structlog.get_logger(__name__)
+
+# Seconds before a Lane whose status the store could not take (a full disk, a file
+# that cannot be written) is reconciled again to write it.
+STATUS_RETRY_S = 5.0
 
 
 def model_readiness(
@@ -304,15 +308,24 @@ class LaneReconciler:
             self._event(name, "Normal", "Sleeping", sleep.message)
         elif not sleep.asleep and was_asleep and desired > 0:
             self._event(name, "Normal", "Waking", "A request waits: starting replicas.")
-        if plan.actions:
+        actions = plan.actions
+        unwritten: errors.Unavailable | None = None
+        if actions:
             # What is serving now goes out before acting: a stop drains for up to its
             # grace period, and the data plane routes by this status, so a surge
             # replica that just became ready must be routable before the old one goes.
-            status = self._write_status(
-                name, lane, readiness, status, observed, revision, placement, sleep=sleep
-            )
+            try:
+                status = self._write_status(
+                    name, lane, readiness, status, observed, revision, placement, sleep=sleep
+                )
+            except errors.Unavailable as err:
+                # The store cannot take it now: replicas still start (a crashed one is
+                # restarted), but none is stopped while the data plane may still route
+                # to it by the status it last read; the stops come once it is written.
+                unwritten = err
+                actions = [a for a in actions if isinstance(a, lane_plan.Start)]
         gap = speculation_gap(lane, pair, draft, model)
-        for action in plan.actions:
+        for action in actions:
             await self._act(name, action)
             if gap is not None and isinstance(action, lane_plan.Start):
                 # As DESIGN §3 asks of references that disappear: said, not silent.
@@ -323,11 +336,19 @@ class LaneReconciler:
                     f"Replica {action.index} runs without speculation: {gap}.",
                 )
         observed = self._processes.observe(name)
-        self._write_status(
-            name, lane, readiness, status, observed, revision, placement, sleep=sleep
-        )
+        try:
+            self._write_status(
+                name, lane, readiness, status, observed, revision, placement, sleep=sleep
+            )
+        except errors.Unavailable as err:
+            unwritten = err
         self._sleeper.passed(name, plan, observed)
         later = [t for t in (plan.requeue_after, sleep.recheck_after, room) if t is not None]
+        if unwritten is not None:
+            raise TemporaryError(
+                f"The Lane's status was not written ({unwritten})",
+                delay=min([*later, STATUS_RETRY_S]),
+            )
         return Result(requeue_after=min(later, default=None))
 
     async def _probing(self, name: str, spec: Upstream | None) -> None:

@@ -17,13 +17,15 @@ from typing import Any
 import gguf
 import pytest
 
-from blazar.api import conditions, manifests
+from blazar.api import conditions, errors, manifests
 from blazar.api.kinds import Kind, Lane, Model, ModelStatus
 from blazar.api.meta import Condition, ConditionStatus
 from blazar.api.replicas import LaunchSpec, ReplicaObservation, ReplicaState
+from blazar.controller import lane as lane_module
 from blazar.controller import manager, modelfile
 from blazar.controller.lane import LaneReconciler
 from blazar.controller.model import ModelReconciler
+from blazar.controller.reconciler import TemporaryError
 from blazar.store.memory import MemoryStore
 from tests.unit import helpers
 from tests.unit.helpers import Clock
@@ -863,3 +865,115 @@ def test_model_reconciler_notices_a_ready_models_file_removed(tmp_path: Path) ->
     asyncio.run(rec.reconcile("m"))
     ready = conditions.get_condition(model_status(store).status.conditions, "ModelReady")
     assert ready is not None and (ready.status.value, ready.reason) == ("False", "FileNotFound")
+
+
+def ready(store: MemoryStore, name: str) -> bool:
+    lane = store.get(Kind.LANE, name)
+    assert isinstance(lane, Lane)
+    found = conditions.get_condition(lane.status.conditions, "Ready")
+    return found is not None and found.status == ConditionStatus.TRUE
+
+
+class StatusLessStore(MemoryStore):
+    """A store that cannot take status writes while `full` (a full disk, a status file
+    that cannot be written), as the SQLite store says so: Unavailable."""
+
+    full = False
+
+    def update_status(self, kind: Kind, name: str, status: Any) -> Any:
+        if self.full:
+            raise errors.Unavailable("cannot write the store state.db: database or disk is full")
+        return super().update_status(kind, name, status)
+
+
+def status_less_world() -> tuple[Clock, StatusLessStore, FakeProcesses, LaneReconciler]:
+    clock = Clock()
+    store = StatusLessStore(clock=clock)
+    procs = FakeProcesses(clock)
+    return clock, store, procs, LaneReconciler(store=store, processes=procs, clock=clock)
+
+
+def test_a_status_the_store_cannot_take_still_restarts_a_crashed_replica() -> None:
+    """The write is retried soon, and the replica the Lane lost comes back meanwhile
+    rather than wait for the disk."""
+    clock, store, procs, rec = status_less_world()
+    ready_model(store, clock)
+    apply(store, LANE)
+    asyncio.run(rec.reconcile("l"))
+    for index in (0, 1):
+        procs.set_state("l", index, ReplicaState.READY)
+    asyncio.run(rec.reconcile("l"))
+    store.full = True
+    procs.set_state("l", 1, ReplicaState.FAILED)
+    with pytest.raises(TemporaryError, match="database or disk is full") as retry:
+        asyncio.run(rec.reconcile("l"))
+    assert retry.value.delay <= lane_module.STATUS_RETRY_S
+    assert [(r.index, r.state, r.restarts) for r in procs.observe("l")] == [
+        (0, ReplicaState.READY, 0), (1, ReplicaState.STARTING, 1),
+    ]  # fmt: skip
+    store.full = False
+    procs.set_state("l", 1, ReplicaState.READY)
+    asyncio.run(rec.reconcile("l"))
+    assert cond(store, "Ready") == ("True", "AllReplicasReady")
+
+
+def test_a_status_the_store_cannot_take_stops_no_replica_the_data_plane_routes_to() -> None:
+    """A rollout's surge replica is ready, but the status that makes it routable is not
+    written: the old replica keeps serving until it is."""
+    clock, store, procs, rec = status_less_world()
+    ready_model(store, clock)
+    apply(store, LANE.replace("replicas: 2", "replicas: 1"))
+    asyncio.run(rec.reconcile("l"))
+    procs.set_state("l", 0, ReplicaState.READY)
+    asyncio.run(rec.reconcile("l"))
+    apply(store, LANE.replace("replicas: 2", "replicas: 1").replace("slots: 2", "slots: 4"))
+    asyncio.run(rec.reconcile("l"))  # the surge replica starts
+    procs.set_state("l", 1, ReplicaState.READY)
+    store.full = True
+    for _ in range(3):
+        with pytest.raises(TemporaryError):
+            asyncio.run(rec.reconcile("l"))
+    assert [r.index for r in procs.observe("l")] == [0, 1]
+    store.full = False
+    for _ in range(4):
+        asyncio.run(rec.reconcile("l"))
+        for r in procs.observe("l"):
+            if r.state == ReplicaState.STARTING:
+                procs.set_state("l", r.index, ReplicaState.READY)
+    assert [r.index for r in procs.observe("l")] == [0]
+    assert cond(store, "Ready") == ("True", "AllReplicasReady")
+
+
+def test_a_lane_whose_status_cannot_be_written_holds_back_no_other_lane() -> None:
+    """Through the manager: the failing Lane is retried, the other converges."""
+    clock = Clock()
+
+    class OneLaneFull(MemoryStore):
+        def update_status(self, kind: Kind, name: str, status: Any) -> Any:
+            if name == "l":
+                raise errors.Unavailable("cannot write the store state.db: disk I/O error")
+            return super().update_status(kind, name, status)
+
+    store = OneLaneFull(clock=clock)
+    procs = FakeProcesses(clock)
+    ready_model(store, clock)
+    apply(store, LANE)
+    apply(store, LANE.replace("{name: l}", "{name: other}"))
+
+    async def run() -> None:
+        mgr = manager.Manager(
+            store=store, reconcilers=[LaneReconciler(store=store, processes=procs, clock=clock)]
+        )
+        await mgr.start()
+        try:
+            await until(lambda: len(procs.observe("other")) == 2 and len(procs.observe("l")) == 2)
+            for name in ("l", "other"):
+                for index in (0, 1):
+                    procs.set_state(name, index, ReplicaState.READY)
+            mgr.enqueue(Kind.LANE, "other")
+            await until(lambda: ready(store, "other"))
+        finally:
+            await mgr.stop()
+
+    asyncio.run(run())
+    assert [r.state for r in procs.observe("l")] == [ReplicaState.READY] * 2
