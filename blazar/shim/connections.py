@@ -26,7 +26,9 @@ head still arriving is refused once its bytes pass that plus `_HEAD_SLACK` (room
 the request line and separators), so that it never holds more. The refusal is JSON in
 the envelope of the dialect the request's path speaks (`dialects`), as far as the
 path has arrived: Ollama's `{"error": ...}` under `/api/`, Anthropic's under
-`/v1/messages`, OpenAI's elsewhere.
+`/v1/messages`, OpenAI's elsewhere. So is the 400 for a request httptools cannot parse
+at all (a control character in a header, which llhttp refuses), where uvicorn would
+answer in plain text.
 
 httptools (llhttp, in C) rather than h11, uvicorn's pure-Python default: it parses a
 request and frames an answer for less of the daemon's CPU, which on a small host the
@@ -57,6 +59,10 @@ _HEAD_SLACK = 1024
 WRITE_STALL_S = 30.0
 MIN_DRAIN_BYTES = 64 * 1024
 HEAD_TOO_LARGE = f"The request's target and headers are over {MAX_HEAD_BYTES} bytes."
+NOT_HTTP = (
+    "The request is not valid HTTP/1.1: its request line or a header holds a character "
+    "HTTP does not allow there (a control character in a header value, say)."
+)
 
 
 class HeadTooLarge(Exception):
@@ -131,12 +137,14 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             self.send_400_response(HEAD_TOO_LARGE)
 
     def send_400_response(self, msg: str) -> None:
-        if not self._head_too_large:
-            super().send_400_response(msg)  # a request httptools cannot parse
-            return
+        """uvicorn's answer to a request httptools cannot parse (or one whose head is
+        too large), in the JSON envelope of the dialect its path speaks rather than
+        uvicorn's plain text."""
+        why = HEAD_TOO_LARGE if self._head_too_large else NOT_HTTP
+        # uvicorn clears `url` as each request begins: never an earlier request's path.
         path = getattr(self, "url", b"").split(b"?", 1)[0].decode("latin-1")
         refusal = dialects.refusal(
-            path, errors.InvalidRequest(HEAD_TOO_LARGE), request_id=context.new_request_id()
+            path, errors.InvalidRequest(why), request_id=context.new_request_id()
         )
         body = json.dumps(refusal.body).encode()
         content = [

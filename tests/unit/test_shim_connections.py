@@ -353,6 +353,41 @@ def test_a_head_past_its_bound_is_refused_in_its_paths_dialect(
 
 
 @LOOPS
+@pytest.mark.parametrize(
+    ("path", "field", "expected"),
+    [
+        (b"/v1/models", b"X-Test: a\x01b", {"error": {"message": connections.NOT_HTTP, "type": "invalid_request_error", "param": None, "code": None}}),
+        (b"/api/tags", b"Authorization: Bearer a\x00b", {"error": connections.NOT_HTTP}),
+        (b"/v1/messages", b"X-T\x01est: ab", {"type": "error", "error": {"type": "invalid_request_error", "message": connections.NOT_HTTP}}),
+    ],
+    ids=["openai-value", "ollama-nul", "anthropic-name"],
+)  # fmt: skip
+def test_a_header_httptools_cannot_parse_is_refused_in_its_paths_dialect(
+    loop_factory: Callable[[], asyncio.AbstractEventLoop] | None,
+    path: bytes,
+    field: bytes,
+    expected: dict[str, object],
+) -> None:
+    """A control character in a header is llhttp's parse error: 400 in the JSON of the
+    dialect the path speaks, not uvicorn's plain text, and the connection closes."""
+
+    async def main() -> None:
+        async with serving() as port:
+            got = await exchange(
+                port, [b"GET " + path + b" HTTP/1.1\r\nHost: x\r\n" + field + b"\r\n\r\n"]
+            )
+            assert got.startswith(REFUSED), got[:200]
+            head, _, body = got.partition(b"\r\n\r\n")
+            assert b"\r\ncontent-type: application/json\r\n" in head.lower(), head
+            assert b"\r\nconnection: close" in head.lower(), head
+            answer = json.loads(body)
+            answer.pop("request_id", None)
+            assert answer == expected
+
+    run(loop_factory, main)
+
+
+@LOOPS
 def test_past_the_concurrency_limit_a_request_is_answered_503(
     loop_factory: Callable[[], asyncio.AbstractEventLoop] | None,
 ) -> None:
