@@ -316,7 +316,14 @@ class LaneReconciler:
             # replica that just became ready must be routable before the old one goes.
             try:
                 status = self._write_status(
-                    name, lane, readiness, status, observed, revision, placement, sleep=sleep
+                    name,
+                    lane,
+                    readiness,
+                    status,
+                    lane_plan.stopping(observed, actions),
+                    revision,
+                    placement,
+                    sleep=sleep,
                 )
             except errors.Unavailable as err:
                 # The store cannot take it now: replicas still start (a crashed one is

@@ -7,7 +7,7 @@ state machine is tested with tables.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 
 from blazar.api import conditions
@@ -253,6 +253,22 @@ def restart_message(start: Start) -> str:
     if start.backoff_s <= 0:
         return f"Restarting crashed replica {start.index} at once."
     return f"Restarting crashed replica {start.index} after a {start.backoff_s:g} s back-off."
+
+
+def stopping(
+    observed: Sequence[ReplicaObservation], actions: Sequence[Action]
+) -> list[ReplicaObservation]:
+    """`observed` as it is once `actions` begin: a serving replica they stop is
+    Draining (it takes no new request, and a Pod that terminates is not ready), so the
+    status written before a stop neither counts it ready nor routes to it while it
+    finishes its requests."""
+    stops = {action.index for action in actions if isinstance(action, Stop)}
+    return [
+        replace(o, state=ReplicaState.DRAINING)
+        if o.index in stops and o.state == ReplicaState.READY
+        else o
+        for o in observed
+    ]
 
 
 def replica_statuses(observed: Sequence[ReplicaObservation]) -> list[ReplicaStatus]:

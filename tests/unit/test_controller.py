@@ -977,3 +977,61 @@ def test_a_lane_whose_status_cannot_be_written_holds_back_no_other_lane() -> Non
 
     asyncio.run(run())
     assert [r.state for r in procs.observe("l")] == [ReplicaState.READY] * 2
+
+
+@dataclass
+class DrainWatchingProcesses(FakeProcesses):
+    """Records what the stored status says of the Lane while each stop drains."""
+
+    store: MemoryStore | None = None
+    seen: list[tuple[int, int, list[tuple[int, str]], str]] = field(default_factory=list)
+
+    async def stop(self, lane: str, index: int) -> None:
+        assert self.store is not None
+        stored = self.store.get(Kind.LANE, lane)
+        assert isinstance(stored, Lane)
+        ready = conditions.get_condition(stored.status.conditions, "Ready")
+        assert ready is not None
+        self.seen.append(
+            (
+                index,
+                stored.status.ready_replicas,
+                [(r.index, r.state) for r in stored.status.replica_statuses],
+                ready.reason,
+            )
+        )
+        await super().stop(lane, index)
+
+
+@pytest.mark.parametrize(
+    ("change", "seen"),
+    [
+        # The only replica of the old spec drains behind the ready surge: one serves.
+        (("slots: 2", "slots: 4"), (0, 1, [(0, "Draining"), (1, "Ready")], "RollingUpdate")),
+        # Scaled to zero: nothing serves while it drains, and the Lane says why.
+        (("replicas: 1", "replicas: 0"), (0, 0, [(0, "Draining")], "ScalingDown")),
+    ],
+    ids=["rollout", "scale-to-zero"],
+)
+def test_a_replica_draining_is_neither_counted_ready_nor_shown_ready(
+    change: tuple[str, str], seen: tuple[int, int, list[tuple[int, str]], str]
+) -> None:
+    """`get lanes` read 2/1 during a one-replica rollout and 1/0 while scaling to zero:
+    the status written before a stop still called the draining replica Ready."""
+    clock = Clock()
+    store = MemoryStore(clock=clock)
+    procs = DrainWatchingProcesses(clock, store=store)
+    rec = LaneReconciler(store=store, processes=procs, clock=clock)
+    ready_model(store, clock)
+    one = LANE.replace("replicas: 2", "replicas: 1")
+    apply(store, one)
+    asyncio.run(rec.reconcile("l"))
+    procs.set_state("l", 0, ReplicaState.READY)
+    asyncio.run(rec.reconcile("l"))
+    apply(store, one.replace(*change))
+    for _ in range(2):
+        asyncio.run(rec.reconcile("l"))
+        for r in procs.observe("l"):
+            if r.state == ReplicaState.STARTING:
+                procs.set_state("l", r.index, ReplicaState.READY)
+    assert procs.seen[0] == seen

@@ -395,3 +395,19 @@ def test_lane_status_without_a_placement_keeps_the_last() -> None:
     assert later.memory == SHORT.memory
     cond = conditions.get_condition(later.conditions, "Schedulable")
     assert cond is not None and cond.reason == "InsufficientMemory"
+
+
+@pytest.mark.parametrize(
+    ("observed", "actions", "states"),
+    [
+        pytest.param([obs(0), obs(1)], [Stop(0, "SpecChanged")], ["Draining", "Ready"], id="stopped-ready-drains"),
+        pytest.param([obs(0, ReplicaState.STARTING)], [Stop(0, "SpecChanged")], ["Starting"], id="starting-stays"),
+        pytest.param([obs(0, ReplicaState.FAILED, exited_ago=1)], [Stop(0, "ScaledDown")], ["Failed"], id="failed-stays"),
+        pytest.param([obs(0)], [Start(1, LAUNCH, False)], ["Ready"], id="a-start-changes-nothing"),
+        pytest.param([obs(0)], [], ["Ready"], id="no-actions"),
+    ],
+)  # fmt: skip
+def test_stopping_marks_the_serving_replicas_a_stop_drains(
+    observed: list[ReplicaObservation], actions: list[lane_plan.Action], states: list[str]
+) -> None:
+    assert [o.state.value for o in lane_plan.stopping(observed, actions)] == states
