@@ -335,6 +335,25 @@ def test_a_preload_loads_nothing_new(client: ollama.Client) -> None:
     assert (response.done, response.done_reason) == (True, "load")
 
 
+def test_a_preload_refuses_a_format_that_is_no_json_schema_as_a_generation_does(
+    client: ollama.Client,
+) -> None:
+    """The engine refuses it on a generation; a preload, which reaches none, in the same
+    words."""
+    schema = {"type": "object", "properties": 5}
+    errors = []
+    for call in (
+        lambda: client.generate(model=MODEL, format=schema),
+        lambda: client.chat(model=MODEL, messages=[], format=schema),
+        lambda: client.generate(model=MODEL, prompt="x", format=schema, options={"num_predict": 1}),
+    ):
+        with pytest.raises(ollama.ResponseError) as refused:
+            call()
+        assert refused.value.status_code == 400
+        errors.append(refused.value.error)
+    assert len(set(errors)) == 1 and "not a valid JSON Schema['properties']" in errors[0], errors
+
+
 def test_an_unknown_policy_is_a_400_on_every_route(daemon: Daemon) -> None:
     """The data plane checks the policy a request names on every RPC, admitted or not."""
     named = ollama.Client(host=f"http://{daemon.http}", headers={"x-blazar-slo": "no-such-policy"})
