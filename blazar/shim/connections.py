@@ -59,9 +59,11 @@ _HEAD_SLACK = 1024
 WRITE_STALL_S = 30.0
 MIN_DRAIN_BYTES = 64 * 1024
 HEAD_TOO_LARGE = f"The request's target and headers are over {MAX_HEAD_BYTES} bytes."
+# httptools says no more than that it could not parse: the message names what may be
+# wrong (a bad Content-Length, chunk size or version fails the same way).
 NOT_HTTP = (
-    "The request is not valid HTTP/1.1: its request line or a header holds a character "
-    "HTTP does not allow there (a control character in a header value, say)."
+    "The request is not valid HTTP/1.1 and could not be read: its request line, a header "
+    "(a control character in a value, say) or its body's framing breaks the protocol."
 )
 
 

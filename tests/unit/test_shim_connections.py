@@ -359,8 +359,9 @@ def test_a_head_past_its_bound_is_refused_in_its_paths_dialect(
         (b"/v1/models", b"X-Test: a\x01b", {"error": {"message": connections.NOT_HTTP, "type": "invalid_request_error", "param": None, "code": None}}),
         (b"/api/tags", b"Authorization: Bearer a\x00b", {"error": connections.NOT_HTTP}),
         (b"/v1/messages", b"X-T\x01est: ab", {"type": "error", "error": {"type": "invalid_request_error", "message": connections.NOT_HTTP}}),
+        (b"/api/chat", b"Content-Length: abc", {"error": connections.NOT_HTTP}),
     ],
-    ids=["openai-value", "ollama-nul", "anthropic-name"],
+    ids=["openai-value", "ollama-nul", "anthropic-name", "ollama-length"],
 )  # fmt: skip
 def test_a_header_httptools_cannot_parse_is_refused_in_its_paths_dialect(
     loop_factory: Callable[[], asyncio.AbstractEventLoop] | None,
