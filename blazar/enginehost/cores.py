@@ -8,7 +8,8 @@ on the 2-CPU test host: a Lane of `threads: 1024` (the bound validation takes) r
 slowing the other engines' decode as much. So a Lane that asks for more threads than
 the host has CPUs is refused at apply, naming the field and both numbers, as Kubernetes
 leaves a Pod that requests more CPU than a node has unschedulable. The bound is the
-CPU count a Lane without `threads` computes on (`count`), so the default always fits.
+CPU count a Lane without `threads` computes on (`count`: the daemon's affinity), so
+the default always fits.
 A Lane stored before this check keeps running as it did.
 """
 
@@ -22,8 +23,13 @@ from blazar.api.kinds import Lane, Resource
 
 
 def count() -> int:
-    """The CPUs of this host: the threads of a Lane that does not set `threads`."""
-    return os.cpu_count() or 1
+    """The CPUs the daemon, and so its engines, may run on (its affinity, as `nproc`
+    counts them: a daemon started under `taskset -c 0` has one of a host's many): the
+    threads of a Lane that does not set `threads`."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except AttributeError:  # no affinity outside Linux
+        return os.cpu_count() or 1
 
 
 def problems(objects: Sequence[Resource], *, cpus: int) -> list[FieldError]:
@@ -31,7 +37,8 @@ def problems(objects: Sequence[Resource], *, cpus: int) -> list[FieldError]:
     return [
         FieldError(
             f"Lane/{obj.metadata.name}: spec.threads",
-            f"{obj.spec.threads} threads asked, but this host has {cpus} CPUs: threads "
+            f"{obj.spec.threads} threads asked, but this host has {cpus} "
+            f"CPU{'' if cpus == 1 else 's'} for its engines: threads "
             "beyond them only wait for each other and slow every engine. Set threads to "
             f"at most {cpus}, or leave it out to use them all",
         )

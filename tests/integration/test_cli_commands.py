@@ -270,7 +270,7 @@ def test_threads_beyond_the_hosts_cpus_are_refused_at_apply(
     """llama.cpp would start every thread asked for, and on a host with fewer CPUs they
     only wait for each other: the Lane is refused by name with both numbers, and
     nothing of the apply is stored."""
-    cpus = os.cpu_count() or 1
+    cpus = len(os.sched_getaffinity(0))
     model = {
         "apiVersion": "blazar.dev/v1alpha1", "kind": "Model", "metadata": {"name": "absent-t"},
         "spec": {"source": {"path": str(daemon.home / "absent-t.gguf")}},
@@ -284,7 +284,7 @@ def test_threads_beyond_the_hosts_cpus_are_refused_at_apply(
         control.stub.Apply(request, timeout=30)
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert (
-        f"Lane/threads: spec.threads: {cpus + 1} threads asked, but this host has {cpus} CPUs"
+        f"Lane/threads: spec.threads: {cpus + 1} threads asked, but this host has {cpus} CPU"
         in (refused.value.details() or "")
     )
     assert control.get("Lane", "threads") is None and control.get("Model", "absent-t") is None

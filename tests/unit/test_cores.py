@@ -25,7 +25,7 @@ def test_threads_beyond_the_cpus_are_refused(threads: int | None, refused: bool)
     problems = cores.problems([lane("l", threads)], cpus=2)
     assert [p.path for p in problems] == (["Lane/l: spec.threads"] if refused else [])
     if refused:
-        assert f"{threads} threads asked, but this host has 2 CPUs" in problems[0].message
+        assert f"{threads} threads asked, but this host has 2 CPUs for" in problems[0].message
         assert "at most 2" in problems[0].message
 
 
@@ -48,3 +48,13 @@ def test_an_apply_with_a_refused_lane_writes_nothing() -> None:
     with pytest.raises(errors.ManifestInvalid, match=r"Lane/many: spec.threads"):
         apply.apply_documents(store, docs)
     assert store.list(Kind.LANE) == [] and store.list(Kind.MODEL) == []
+
+
+def test_the_cpus_are_those_the_daemon_may_run_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under `taskset -c 0` a many-CPU host gives its engines one: a Lane's default
+    threads, and its bound, are that one."""
+    monkeypatch.setattr(cores.os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    monkeypatch.setattr(cores.os, "cpu_count", lambda: 64)
+    assert cores.count() == 1
+    [problem] = cores.problems([lane("l", 2)], cpus=cores.count())
+    assert "has 1 CPU for its engines" in problem.message
