@@ -7,6 +7,9 @@ Every string in a record is clipped as an echoed value is (`clip`): a caller's
 A line that cannot be written (a full disk or a read-only home under an engine's log
 file, a closed pipe under the daemon's) is dropped: logging never fails the work it
 describes, and the next line is written once the stream takes it again.
+`native_stderr_muted` silences what native code prints straight to file descriptor 2
+(llama.cpp's grammar parser writes a caller's whole grammar there) without losing the
+log lines other threads write meanwhile.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ import contextlib
 import logging
 import os
 import sys
+import threading
+from collections.abc import Iterator
 from typing import TextIO, cast
 
 import structlog
@@ -62,20 +67,77 @@ def clip_values(
     return event_dict
 
 
+class _Mute:
+    """Who has file descriptor 2 pointed at /dev/null, and the lines other threads
+    wrote meanwhile. `lock` is held only for a write or a switch of the descriptor,
+    never while native code runs: that code may log through `Lossy` itself."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.sections = threading.Lock()  # one muted section at a time
+        self.owner: int | None = None
+        self.held: list[tuple[TextIO, str]] = []
+
+
+_mute = _Mute()
+
+
+@contextlib.contextmanager
+def native_stderr_muted() -> Iterator[None]:
+    """File descriptor 2 points at /dev/null while the block runs, for native calls
+    that print a caller's input there (llama.cpp's grammar parser prints the whole
+    grammar it refuses). What this thread logs meanwhile is dropped with it; what
+    other threads log through `Lossy` is held and written after. Native output of
+    other threads in that window is lost, so keep the block to one short call."""
+    with _mute.sections:
+        with _mute.lock:
+            with contextlib.suppress(OSError, ValueError):
+                sys.stderr.flush()
+            try:
+                saved = os.dup(2)
+                devnull = os.open(os.devnull, os.O_WRONLY)
+            except OSError:
+                saved = devnull = -1
+            if saved >= 0:
+                os.dup2(devnull, 2)
+                os.close(devnull)
+                _mute.owner = threading.get_ident()
+        try:
+            yield
+        finally:
+            with _mute.lock:
+                if saved >= 0:
+                    with contextlib.suppress(OSError, ValueError):
+                        sys.stderr.flush()  # this thread's own lines go to /dev/null
+                    os.dup2(saved, 2)
+                    os.close(saved)
+                _mute.owner = None
+                held, _mute.held = _mute.held, []
+                for stream, text in held:
+                    with contextlib.suppress(OSError, ValueError):
+                        stream.write(text)
+                        stream.flush()
+
+
 class Lossy:
-    """A text stream whose writes that fail (OSError) are dropped, not raised."""
+    """A text stream whose writes that fail (OSError) are dropped, not raised; while
+    another thread has native stderr muted, its writes are held until the mute ends."""
 
     def __init__(self, stream: TextIO) -> None:
         self._stream = stream
 
     def write(self, text: str) -> int:
-        try:
-            return self._stream.write(text)
-        except OSError:
-            return 0
+        with _mute.lock:
+            if _mute.owner is not None and _mute.owner != threading.get_ident():
+                _mute.held.append((self._stream, text))
+                return len(text)
+            try:
+                return self._stream.write(text)
+            except OSError:
+                return 0
 
     def flush(self) -> None:
-        with contextlib.suppress(OSError):
+        with _mute.lock, contextlib.suppress(OSError):
             self._stream.flush()
 
     def isatty(self) -> bool:

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from blazar import logs
 from blazar._proto.v1 import inference_pb2
 from blazar.api import errors, jsontext
 from blazar.engine import gbnf, schema
@@ -307,7 +308,12 @@ def check_grammar(grammar: str, vocab: Vocabulary, *, from_schema: bool = False)
     """
     import llama_cpp as lc
 
-    sampler = lc.llama_sampler_init_grammar(vocab.handle, grammar.encode(), GRAMMAR_ROOT.encode())
+    # A grammar llama.cpp cannot parse is printed whole to stderr, the engine's log:
+    # it is the caller's text (a forced answer, a schema's names), not the log's.
+    with logs.native_stderr_muted():
+        sampler = lc.llama_sampler_init_grammar(
+            vocab.handle, grammar.encode(), GRAMMAR_ROOT.encode()
+        )
     if not sampler and from_schema:
         raise errors.InvalidRequest(
             "The JSON schema cannot be turned into a grammar llama.cpp accepts: most "

@@ -226,6 +226,19 @@ def test_a_prompt_too_long_in_bytes_is_refused_before_tokenizing(
     assert "at least" in (err.details() or "")
 
 
+def test_a_grammar_llama_cpp_refuses_is_not_written_to_the_log(worker: Worker) -> None:
+    # llama.cpp's parser prints a grammar it cannot parse, whole, to stderr: the
+    # engine's log, where a caller's text (here a forced answer) does not belong.
+    secret = "do-not-log-7f3a"
+    for grammar in (f'root ::= "{secret}" | (', f"root ::= {secret.replace('-', '')}"):
+        constraint = inference_pb2.Constraint(grammar=grammar)
+        err = rpc_error(lambda c=constraint: worker.generate(prompt="x", constraint=c))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
+    worker.wait_ready()
+    log = worker.log.read_text()
+    assert secret not in log and secret.replace("-", "") not in log, log
+
+
 def test_an_empty_prompt_generates_from_bos(worker: Worker, no_eog: dict[int, float]) -> None:
     _, final = worker.generate(prompt="", sampling=greedy(4, logit_bias=no_eog))
     assert final.usage.prompt_tokens == 1  # BOS

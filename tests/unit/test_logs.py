@@ -5,7 +5,9 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import os
 import sys
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -92,3 +94,33 @@ def test_a_line_the_disk_cannot_take_is_dropped_and_the_next_is_written_once_it_
     disk.full = False
     log.info("generate", tokens=9)
     assert [json.loads(line)["tokens"] for line in "".join(disk.lines).splitlines()] == [9]
+
+
+def test_native_stderr_is_muted_and_other_threads_lines_are_written_after(
+    configured: None, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # llama.cpp's grammar parser prints a grammar it refuses, whole, to fd 2: the
+    # engine's log. The caller's text must not reach it; the engine's own lines must.
+    monkeypatch.setattr(sys, "stderr", open(2, "w", buffering=1, closefd=False))  # noqa: SIM115
+    logs.configure(json=True, level="INFO")
+    log = structlog.get_logger("test")
+    muted, logged = threading.Event(), threading.Event()
+
+    def other_thread() -> None:
+        assert muted.wait(5)
+        log.info("decode_step", n=1)
+        logged.set()
+
+    thread = threading.Thread(target=other_thread)
+    thread.start()
+    with logs.native_stderr_muted():
+        os.write(2, b'parse: error parsing grammar\n\nroot ::= "secret-1"\n')
+        log.warning("llama_cpp", message="secret-2")  # native code's own callback line
+        muted.set()
+        assert logged.wait(5), "a line logged by another thread waited for the mute to end"
+        os.write(2, b"secret-3\n")
+    thread.join()
+    log.info("after", n=2)
+    err = capfd.readouterr().err
+    assert "secret" not in err, err
+    assert [json.loads(line)["event"] for line in err.splitlines()] == ["decode_step", "after"]
