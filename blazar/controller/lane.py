@@ -606,6 +606,13 @@ class LaneReconciler:
                 )
 
     def _event(self, name: str, type_: str, reason: str, message: str) -> None:
+        """An event on the Lane; a Warning one is the daemon's log line too, as
+        Kubernetes' event recorder logs what it records: a Lane that cannot start
+        (its Model, its memory) or runs short of its spec says why where an operator
+        tails the log, not only in `describe`. Each is recorded once per change, so
+        the line is too."""
+        if type_ == "Warning":
+            log.warning("lane.warning", lane=name, reason=reason, message=message)
         self._store.record_event(
             kind=Kind.LANE.value,
             name=name,

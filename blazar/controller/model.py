@@ -134,10 +134,9 @@ class ModelReconciler:
         except _FileRefused as refused:
             if refused.file is not None:
                 self._rejected[name] = (generation, refused.file)
-            self._refuse(model, refused.error)
+            self._refuse(model, refused.error, retry_in=READY_FILE_POLL_S)
             return Result(requeue_after=READY_FILE_POLL_S)
         except SourceError as err:
-            self._refuse(model, err)
             # A file not there, or not (yet) a GGUF file: looking again costs a stat and
             # four bytes (`cp` over a served file empties it first, then writes).
             retry = err.reason in (
@@ -146,7 +145,9 @@ class ModelReconciler:
                 "NotGGUF",
                 "FileUnreadable",
             )
-            return Result(requeue_after=MISSING_FILE_POLL_S if retry else None)
+            retry_in = MISSING_FILE_POLL_S if retry else None
+            self._refuse(model, err, retry_in=retry_in)
+            return Result(requeue_after=retry_in)
         # How long the file took, and this daemon's files hashed and assembled so far:
         # a slow start says here whether it hashed or assembled hundreds of MB.
         log.info(
@@ -179,11 +180,21 @@ class ModelReconciler:
             )
         return Result(requeue_after=READY_FILE_POLL_S)
 
-    def _refuse(self, model: Model, err: SourceError) -> None:
-        """ModelReady False for `err`, with a Warning event unless it already said so."""
+    def _refuse(self, model: Model, err: SourceError, *, retry_in: float | None) -> None:
+        """ModelReady False for `err`, with a Warning event and log line unless it
+        already said so; `retry_in`: when the file is looked at again (None: only at a
+        spec change)."""
         generation = model.metadata.generation or 0
         self._set(model, ModelStatus(), False, err.reason, err.message)
         if (model.status.observed_generation, self._reason(model)) != (generation, err.reason):
+            # The event is for `describe`; the line for whoever tails the daemon's log.
+            log.warning(
+                "model.not_ready",
+                model=model.metadata.name,
+                reason=err.reason,
+                message=err.message,
+                retry_in_s=retry_in,
+            )
             self._store.record_event(
                 kind=Kind.MODEL.value,
                 name=model.metadata.name,

@@ -16,6 +16,7 @@ from typing import Any
 
 import gguf
 import pytest
+import structlog
 
 from blazar.api import conditions, errors, manifests
 from blazar.api.kinds import Kind, Lane, Model, ModelStatus
@@ -1035,3 +1036,33 @@ def test_a_replica_draining_is_neither_counted_ready_nor_shown_ready(
             if r.state == ReplicaState.STARTING:
                 procs.set_state("l", r.index, ReplicaState.READY)
     assert procs.seen[0] == seen
+
+
+def test_a_model_and_its_lane_that_turn_unready_say_why_in_the_daemons_log_once(
+    tmp_path: Path,
+) -> None:
+    """Found on a daemon: a Model's file removed under a running Lane turned both
+    unready with Warning events, and the daemon's log said nothing."""
+    path = tiny_gguf(tmp_path / "m.gguf")
+    clock, store, _procs, lanes = lane_world()
+    models = ModelReconciler(store=store, models_dir=tmp_path, clock=clock)
+    apply(store, MODEL.replace("/models/m.gguf", str(path)))
+    asyncio.run(models.reconcile("m"))
+    apply(store, LANE)
+    asyncio.run(lanes.reconcile("l"))
+    path.unlink()
+    with structlog.testing.capture_logs() as logged:
+        for _ in range(2):
+            asyncio.run(models.reconcile("m"))
+            asyncio.run(lanes.reconcile("l"))
+    warnings = [
+        (e["event"], e.get("model") or e.get("lane"), e["reason"], e["message"])
+        for e in logged
+        if e["log_level"] == "warning"
+    ]
+    missing = f"No file at {path}."
+    assert warnings == [
+        ("model.not_ready", "m", "FileNotFound", missing),
+        ("lane.warning", "l", "FileNotFound", missing),
+    ]
+    assert next(e for e in logged if e["event"] == "model.not_ready")["retry_in_s"] == 10.0

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
+import structlog
+
 from blazar.api import conditions
 from blazar.api.kinds import Kind, Lane
 from blazar.api.replicas import ReplicaState
@@ -118,6 +120,20 @@ def test_a_lane_that_does_not_fit_starts_nothing_and_says_why() -> None:
     # Looked at again: still no process, and no second event for the same shortfall.
     assert w.reconcile() == ledger.RETRY_S
     assert w.procs.started == [] and len(w.events("InsufficientMemory")) == 1
+
+
+def test_a_lane_that_does_not_fit_says_why_in_the_daemons_log_once() -> None:
+    # The event and condition were there; the daemon's log said nothing at all.
+    w = world(free=GIB)
+    apply(w.store, lane(slots=64, context=2**20))
+    with structlog.testing.capture_logs() as logged:
+        w.reconcile()
+        w.reconcile()
+    warnings = [e for e in logged if e["log_level"] == "warning"]
+    assert [(e["event"], e["lane"], e["reason"]) for e in warnings] == [
+        ("lane.warning", "l", "InsufficientMemory")
+    ]
+    assert warnings[0]["message"] == w.schedulable()[2]
 
 
 def test_lowering_the_ask_starts_it() -> None:
