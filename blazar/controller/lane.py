@@ -475,7 +475,7 @@ class LaneReconciler:
         status = self._resolved_refs(name, lane, previous, status)
         if (unready := lane_plan.model_warning(previous, status)) is not None:
             self._event(name, "Warning", unready.reason, unready.message)
-        self._record_transitions(name, previous, observed)
+        self._record_transitions(name, previous, observed, model=readiness)
         self._store.update_status(Kind.LANE, name, status)
         return status
 
@@ -576,7 +576,12 @@ class LaneReconciler:
             )
 
     def _record_transitions(
-        self, name: str, previous: LaneStatus, observed: list[ReplicaObservation]
+        self,
+        name: str,
+        previous: LaneStatus,
+        observed: list[ReplicaObservation],
+        *,
+        model: lane_plan.ModelReadiness,
     ) -> None:
         # Restarts are in the key because a replica that failed to spawn has no pid, so
         # each failed attempt would otherwise look like the one before.
@@ -594,7 +599,7 @@ class LaneReconciler:
                     "Warning",
                     "ReplicaStartFailed",
                     f"Replica {obs.index}: {obs.message or 'its process could not be started'}."
-                    + lane_plan.restart_note(obs),
+                    + lane_plan.restart_note(obs, model=model),
                 )
             elif obs.state == ReplicaState.FAILED:
                 self._event(
@@ -602,7 +607,7 @@ class LaneReconciler:
                     "Warning",
                     "ReplicaCrashed",
                     f"Replica {obs.index} (pid {obs.pid}) exited with code {obs.exit_code}: "
-                    f"{obs.message or 'no message'}." + lane_plan.restart_note(obs),
+                    f"{obs.message or 'no message'}." + lane_plan.restart_note(obs, model=model),
                 )
 
     def _event(self, name: str, type_: str, reason: str, message: str) -> None:

@@ -219,9 +219,13 @@ def restart_due(replica: ReplicaObservation) -> datetime | None:
     return replica.exited_at + timedelta(seconds=_backoff_of(replica, replica.exited_at))
 
 
-def restart_note(replica: ReplicaObservation) -> str:
+def restart_note(replica: ReplicaObservation, *, model: ModelReadiness | None = None) -> str:
     """What a failed replica's crash event adds: when it is restarted, so that the event
-    list says so during the back-off and not only once the restart happens."""
+    list says so during the back-off and not only once the restart happens. With its
+    Lane's Model not ready nothing starts (`plan_replicas` with no launch), whatever
+    the back-off says, so the note says what the restart waits for instead."""
+    if model is not None and not model.ready:
+        return f" It is restarted once its Model is ready ({model.reason})."
     due = restart_due(replica)
     if due is None or replica.exited_at is None:
         return ""

@@ -1066,3 +1066,30 @@ def test_a_model_and_its_lane_that_turn_unready_say_why_in_the_daemons_log_once(
         ("lane.warning", "l", "FileNotFound", missing),
     ]
     assert next(e for e in logged if e["event"] == "model.not_ready")["retry_in_s"] == 10.0
+
+
+def test_a_crash_while_the_model_is_not_ready_says_the_restart_waits_for_it() -> None:
+    """Found on a daemon: a Model's file removed under a running Lane, then its engine
+    killed: the event said "It is restarted at once." and nothing restarted, as no
+    replica starts while its Model is not ready."""
+    clock, store, procs, rec = lane_world()
+    ready_model(store, clock)
+    apply(store, LANE)
+    asyncio.run(rec.reconcile("l"))
+    for index in (0, 1):
+        procs.set_state("l", index, ReplicaState.READY)
+    asyncio.run(rec.reconcile("l"))
+    missing = conditions.set_condition(
+        [], type="ModelReady", status=ConditionStatus.FALSE, reason="FileNotFound",
+        message="No file at /models/m.gguf.", observed_generation=1, now=clock.now,
+    )  # fmt: skip
+    store.update_status(Kind.MODEL, "m", ModelStatus(observed_generation=1, conditions=missing))
+    asyncio.run(rec.reconcile("l"))
+    procs.set_state("l", 1, ReplicaState.FAILED)
+    asyncio.run(rec.reconcile("l"))
+    assert procs.observe("l")[1].state == ReplicaState.FAILED  # not restarted
+    crashes = [e.message for e in store.events(kind="Lane") if e.reason == "ReplicaCrashed"]
+    assert crashes == [
+        "Replica 1 (pid 1002) exited with code -9: no message."
+        " It is restarted once its Model is ready (FileNotFound)."
+    ]
