@@ -51,7 +51,35 @@ def configure(*, json: bool | None = None, level: str | None = None) -> None:
         logger_factory=structlog.PrintLoggerFactory(file=stream),
         cache_logger_on_first_use=True,
     )
-    logging.basicConfig(level=max(numeric, logging.WARNING), stream=stream)
+    # What libraries log through the standard library (uvicorn's "Invalid HTTP request
+    # received.", asyncio, grpc's Python side) is rendered as Blazar's own lines are:
+    # logging's default "WARNING:name:message" broke a JSON log's one object per line.
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            foreign_pre_chain=[
+                structlog.contextvars.merge_contextvars,
+                structlog.stdlib.add_logger_name,
+                structlog.stdlib.add_log_level,
+                structlog.processors.TimeStamper(fmt="iso", utc=True),
+            ],
+            processors=[
+                structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+                structlog.processors.format_exc_info,
+                clip_values,
+                renderer,
+            ],
+        )
+    )
+    root = logging.getLogger()
+    for earlier in [h for h in root.handlers if getattr(h, _OURS, False)]:
+        root.removeHandler(earlier)  # configured again (a test): one line per record
+    setattr(handler, _OURS, True)
+    root.addHandler(handler)
+    root.setLevel(max(numeric, logging.WARNING))
+
+
+_OURS = "_blazar_logs"
 
 
 def clip_values(

@@ -406,6 +406,9 @@ def _shim(
             ),
             ssl_certfile=certificate.cert_path if certificate is not None else None,
             ssl_keyfile=certificate.key_path if certificate is not None else None,
+            # uvicorn's loggers go to the root logger, which `logs` renders: uvicorn's
+            # own configuration would print them in its own text format.
+            log_config=None,
             log_level="warning",
             access_log=False,
             lifespan="on",

@@ -3,6 +3,7 @@ read whole within `connections.READ_DEADLINE_S`, while normal requests are serve
 
 from __future__ import annotations
 
+import json
 import socket
 import time
 
@@ -10,7 +11,7 @@ import httpx
 import pytest
 
 from blazar.shim import connections
-from tests.integration.harness import Daemon
+from tests.integration.harness import Daemon, wait_for
 
 # The acceptance bound (issue 19): a slow connection is closed within this of opening.
 CLOSED_WITHIN_S = 10.0
@@ -92,3 +93,24 @@ def test_slow_headers_and_bodies_are_closed_while_others_are_served(daemon: Daem
     finally:
         for sock in slow:
             sock.close()
+
+
+def test_a_request_that_is_not_http_is_one_json_line_in_the_daemons_log(daemon: Daemon) -> None:
+    # uvicorn's own logging printed it as "WARNING:  Invalid HTTP request received.",
+    # not JSON: a log shipper reading one object per line choked on it.
+    since = daemon.log_path.stat().st_size
+    sock = open_slow(daemon.http, b"GARBAGE \x01\x02 HTTP/9\r\n\r\n")
+    try:
+        assert sock.recv(64).startswith(b"HTTP/1.1 400")
+    finally:
+        sock.close()
+
+    def logged() -> list[dict[str, object]]:
+        return daemon.events("Invalid HTTP request received.", since=since)
+
+    wait_for(logged, timeout=5, what="uvicorn's line")
+    with daemon.log_path.open("rb") as f:
+        f.seek(since)
+        for line in f.read().splitlines():
+            json.loads(line)
+    assert logged()[0]["logger"] == "uvicorn.error"

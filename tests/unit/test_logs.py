@@ -124,3 +124,28 @@ def test_native_stderr_is_muted_and_other_threads_lines_are_written_after(
     err = capfd.readouterr().err
     assert "secret" not in err, err
     assert [json.loads(line)["event"] for line in err.splitlines()] == ["decode_step", "after"]
+
+
+def test_a_json_log_is_one_object_per_line_also_for_libraries_newlines_and_non_ascii(
+    configured: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # uvicorn's "Invalid HTTP request received." came out as "WARNING:  Invalid HTTP
+    # request received.", asyncio's and grpc's as "WARNING:name:message": no JSON.
+    logs.configure(json=True, level="INFO")
+    structlog.get_logger("test").warning("two\nlines", value="naïve ☃\r\n\u2028")
+    logging.getLogger("uvicorn.error").warning("Invalid HTTP request received.")
+    try:
+        raise RuntimeError("bad\nthing")
+    except RuntimeError:
+        logging.getLogger("asyncio").exception("Task exception was never retrieved")
+    logging.getLogger("grpc").info("below the standard library's warning floor")
+    lines = capsys.readouterr().err.splitlines()
+    records = [json.loads(line) for line in lines]
+    assert [(r["event"], r["level"]) for r in records] == [
+        ("two\nlines", "warning"),
+        ("Invalid HTTP request received.", "warning"),
+        ("Task exception was never retrieved", "error"),
+    ]
+    assert records[0]["value"] == "naïve ☃\r\n\u2028"
+    assert records[1]["logger"] == "uvicorn.error" and "timestamp" in records[1]
+    assert "RuntimeError: bad\nthing" in records[2]["exception"]
