@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import os
 import shutil
 import signal
@@ -192,7 +193,11 @@ class Supervisor:
             self._set(replica, ReplicaState.FAILED, f"cannot start the engine process: {exc}")
             log.warning("replica.spawn_failed", lane=lane, index=index, error=str(exc))
             return warnings
-        replica.task = asyncio.create_task(self._follow(replica), name=f"replica {lane}/{index}")
+        # A context of its own: the reconcile that started it is long over when its
+        # exit is logged, and its reconcile_id on that line would name the wrong pass.
+        replica.task = asyncio.create_task(
+            self._follow(replica), name=f"replica {lane}/{index}", context=contextvars.Context()
+        )
         return warnings
 
     async def stop(self, lane: str, index: int, *, grace: float = STOP_GRACE_S) -> None:
@@ -397,7 +402,13 @@ class Supervisor:
             if alive in ended and (why := alive.result()) is not None:
                 self._kill_group(proc)
                 replica.message = f"{why} and was killed"
-                log.warning("replica.unresponsive", lane=replica.lane, index=replica.index)
+                log.warning(
+                    "replica.unresponsive",
+                    lane=replica.lane,
+                    index=replica.index,
+                    pid=proc.pid,
+                    reason=replica.message,
+                )
         elif exited not in done:
             ready.cancel()
             self._kill_group(proc)
@@ -415,7 +426,14 @@ class Supervisor:
             self._log_tail(replica), code
         )
         self._set(replica, ReplicaState.FAILED, replica.exit_reason)
-        log.warning("replica.exited", lane=replica.lane, index=replica.index, code=code)
+        log.warning(
+            "replica.exited",
+            lane=replica.lane,
+            index=replica.index,
+            pid=proc.pid,
+            code=code,
+            reason=replica.exit_reason,
+        )
 
     async def _wait_ready(self, replica: _Replica) -> bool:
         client = replica.client

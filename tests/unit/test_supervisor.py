@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import structlog
 
 from blazar.api import conditions, manifests
 from blazar.api.kinds import Kind, Lane
@@ -663,6 +664,43 @@ def test_a_restarted_replica_keeps_why_its_last_run_exited(
     assert restarted.state == ReplicaState.STARTING and restarted.restarts == 1
     assert (restarted.exit_code, restarted.exit_reason) == (-signal.SIGKILL, failed.message)
     assert restarted.message == ""
+
+
+def test_a_killed_replicas_log_lines_say_why_and_not_the_reconcile_that_started_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found on a daemon: `replica.exited` said only `code: -9`, the why was in the
+    event alone, and it carried the reconcile_id of the pass that had spawned the
+    replica minutes before."""
+    monkeypatch.setattr(supervisor, "LIVENESS_PERIOD_S", 0.1)
+    monkeypatch.setattr(supervisor, "LIVENESS_TIMEOUT_S", 0.3)
+    sup, spec, worker = bare_supervisor(tmp_path)
+    worker.write_text(SERVING_WORKER)
+
+    async def run() -> int:
+        with structlog.contextvars.bound_contextvars(reconcile_id="r-start"):
+            await sup.start("l", 0, spec)
+        await until(lambda: sup.observe("l")[0].state == ReplicaState.READY, what="ready")
+        pid = sup.observe("l")[0].pid
+        assert pid is not None
+        os.kill(pid, signal.SIGSTOP)
+        await until(lambda: sup.observe("l")[0].state == ReplicaState.FAILED, what="failed")
+        await sup.stop_all(grace=1.0)
+        return pid
+
+    with structlog.testing.capture_logs(
+        processors=[structlog.contextvars.merge_contextvars]
+    ) as logged:
+        pid = asyncio.run(run())
+    remove_run_dir(sup)
+    lines = {e["event"]: e for e in logged if e["event"].startswith("replica.")}
+    unresponsive, exited = lines["replica.unresponsive"], lines["replica.exited"]
+    assert (exited["pid"], exited["code"]) == (pid, -signal.SIGKILL)
+    assert exited["reason"].startswith("stopped answering its health checks (3 in a row")
+    assert exited["reason"].endswith(" and was killed")
+    assert (unresponsive["pid"], unresponsive["reason"]) == (pid, exited["reason"])
+    assert "reconcile_id" not in exited and "reconcile_id" not in unresponsive
+    assert lines["replica.spawned"]["reconcile_id"] == "r-start"
 
 
 STUBBORN_WORKER = f"""#!{sys.executable}
