@@ -26,13 +26,29 @@ import structlog
 
 from blazar.api import clip
 
+LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def level_number(level: str | None = None) -> int:
+    """`level`, else `$BLAZAR_LOG_LEVEL`, else info, as logging's number; ValueError
+    for a name that is none of `LEVELS` (`warn` too, as logging reads it)."""
+    name = (level or os.environ.get("BLAZAR_LOG_LEVEL", "").strip() or "info").upper()
+    numeric = logging.getLevelNamesMapping().get(name)
+    if numeric is None or name == "NOTSET":
+        raise ValueError(f"{name.lower()!r} is not a log level; use one of {', '.join(LEVELS)}")
+    return numeric
+
 
 def configure(*, json: bool | None = None, level: str | None = None) -> None:
-    """Configure structlog and the stdlib root logger. `json=None` decides by isatty."""
+    """Configure structlog and the stdlib root logger. `json=None` decides by isatty.
+    A level that does not read is taken for info: `serve` refuses it first
+    (`level_number`), and an engine inherits the daemon's."""
     if json is None:
         json = not sys.stderr.isatty()
-    level_name = (level or os.environ.get("BLAZAR_LOG_LEVEL", "INFO")).upper()
-    numeric = logging.getLevelNamesMapping().get(level_name, logging.INFO)
+    try:
+        numeric = level_number(level)
+    except ValueError:
+        numeric = logging.INFO
     renderer: structlog.typing.Processor = (
         structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer()
     )

@@ -150,6 +150,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # Read before logging is configured: a flag that does not read starts nothing.
     memory_budget = _size_flag("--memory-budget", args.memory_budget)
     min_residency_s = _duration_flag("--min-residency", args.min_residency)
+    try:
+        logs.level_number()
+    except ValueError as exc:
+        raise errors.InvalidRequest(f"BLAZAR_LOG_LEVEL: {exc}") from None
     logs.configure(json=None if not args.log_json else True)
     options = daemon.Options(
         home=Path(args.home).expanduser() if args.home else home.default_home(),

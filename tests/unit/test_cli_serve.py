@@ -59,6 +59,25 @@ def test_serve_refuses_a_budget_or_residency_it_cannot_read(
     assert not home.exists()
 
 
+@pytest.mark.parametrize("level", ["verbose", "warnings", "notset"])
+def test_serve_refuses_a_log_level_it_does_not_know(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    level: str,
+) -> None:
+    # It was taken for info without a word: a daemon asked for warnings only, or for
+    # debug under a misspelling, logged something else and never said so.
+    monkeypatch.setenv("BLAZAR_LOG_LEVEL", level)
+    monkeypatch.setattr(main.eventloop, "run", lambda _: None)  # never a daemon here
+    monkeypatch.setattr(daemon, "run", lambda _: None)
+    home = tmp_path / "home"
+    assert main.main(["serve", "--home", str(home)]) == 1
+    err = capsys.readouterr().err
+    assert f"BLAZAR_LOG_LEVEL: '{level}' is not a log level; use one of debug," in err
+    assert not home.exists()
+
+
 @pytest.mark.parametrize(
     ("argv", "attached"),
     [

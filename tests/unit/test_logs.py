@@ -149,3 +149,22 @@ def test_a_json_log_is_one_object_per_line_also_for_libraries_newlines_and_non_a
     assert records[0]["value"] == "naïve ☃\r\n\u2028"
     assert records[1]["logger"] == "uvicorn.error" and "timestamp" in records[1]
     assert "RuntimeError: bad\nthing" in records[2]["exception"]
+
+
+@pytest.mark.parametrize(
+    ("env", "level"),
+    [
+        (None, logging.INFO),
+        ("", logging.INFO),
+        (" debug ", logging.DEBUG),
+        ("WARN", logging.WARNING),
+    ],
+)
+def test_the_log_level_comes_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch, env: str | None, level: int
+) -> None:
+    if env is None:
+        monkeypatch.delenv("BLAZAR_LOG_LEVEL", raising=False)
+    else:
+        monkeypatch.setenv("BLAZAR_LOG_LEVEL", env)
+    assert logs.level_number() == level
