@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 import structlog
 
 from blazar.api.kinds import Kind, Lane, SLOPolicy, SLOPolicySpec, SpecPair
-from blazar.dataplane import prefixes, routing
+from blazar.dataplane import metrics, prefixes, routing
 from blazar.store.base import Store, WatchEvent
 
 log = structlog.get_logger(__name__)
@@ -68,6 +68,7 @@ class FleetView:
         }
         old = {route.lane: route for route in self.table.routes}
         self.table = routing.build_table(lanes, draft_batch_max=pairs)
+        metrics.observe_lanes(lanes)
         indexes: dict[str, prefixes.PrefixIndex] = {}
         for route in self.table.routes:
             size = prefixes.capacity(slots=route.slots, context_per_slot=route.context_length)

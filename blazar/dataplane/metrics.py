@@ -9,10 +9,14 @@ own refusals there too).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from prometheus_client import Counter, Gauge, Histogram
 
 from blazar._proto.v1 import inference_pb2
 from blazar.api import errors
+from blazar.api.kinds import Lane
+from blazar.api.replicas import ReplicaState
 
 # Counted by the HTTP shim too, for the refusals it answers from admission gates.
 from blazar.rpc.refusals import QUEUE_WAIT as QUEUE_WAIT
@@ -151,3 +155,47 @@ def observe_tenant_refusal(tenant: str, reason: str) -> None:
 def observe_tenant_tokens(tenant: str, *, prompt: int, output: int) -> None:
     TENANT_TOKENS.labels(tenant, "prompt").inc(prompt)
     TENANT_TOKENS.labels(tenant, "completion").inc(output)
+
+
+# What the controller writes of each Lane's replicas, so that a crash loop or a Lane
+# with nothing serving can be alerted on: without these, /metrics said nothing of an
+# engine killed, hung or failing to start.
+LANE_REPLICAS = Gauge(
+    "blazar_lane_replicas",
+    "A Lane's engine replicas by state (starting, ready, draining, stopping, failed), "
+    "as its status says; every state is written, 0 when none is in it.",
+    ["lane", "state"],
+)
+REPLICA_RESTARTS = Gauge(
+    "blazar_replica_restarts",
+    "Times a Lane's replica was restarted after its engine exited or stopped answering "
+    "(its status' restarts; it goes back to 0 when the replica is replaced by a rollout).",
+    ["lane", "replica"],
+)
+# The label sets last written, so that a Lane or replica gone loses its series.
+_lanes_shown: set[str] = set()
+_replicas_shown: set[tuple[str, str]] = set()
+
+
+def observe_lanes(lanes: Iterable[Lane]) -> None:
+    """Set the replica gauges from every stored Lane's status; drop those of the
+    Lanes and replicas no longer there."""
+    global _lanes_shown, _replicas_shown
+    lanes_now: set[str] = set()
+    replicas_now: set[tuple[str, str]] = set()
+    for lane in lanes:
+        name = lane.metadata.name
+        lanes_now.add(name)
+        states = [r.state for r in lane.status.replica_statuses]
+        for state in ReplicaState:
+            LANE_REPLICAS.labels(name, state.value.lower()).set(states.count(state.value))
+        for replica in lane.status.replica_statuses:
+            key = (name, str(replica.index))
+            replicas_now.add(key)
+            REPLICA_RESTARTS.labels(*key).set(replica.restarts)
+    for gone in _lanes_shown - lanes_now:
+        for state in ReplicaState:
+            LANE_REPLICAS.remove(gone, state.value.lower())
+    for key in _replicas_shown - replicas_now:
+        REPLICA_RESTARTS.remove(*key)
+    _lanes_shown, _replicas_shown = lanes_now, replicas_now
