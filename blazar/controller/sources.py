@@ -72,6 +72,15 @@ class ModelSources:
         real = Path(os.path.realpath(Path(given).expanduser()))
         if not any(real == root or real.is_relative_to(root) for root in self.roots):
             shown = ", ".join(str(r) for r in self.roots)
+            if not Path(given).expanduser().is_absolute():
+                # `path: m.gguf` beside the root's other files read "m.gguf is not under
+                # a model root (/home/.../models)", which it seemed to be.
+                raise SourceError(
+                    "OutsideModelRoots",
+                    f"{given} is a relative path, read from the daemon's working "
+                    f"directory as {real}, which is not under a model root ({shown}); "
+                    "give the file's absolute path.",
+                )
             raise SourceError(
                 "OutsideModelRoots",
                 f"{given} is not under a model root ({shown}); start the daemon with "

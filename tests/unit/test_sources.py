@@ -48,6 +48,22 @@ def test_a_path_must_resolve_under_a_root(roots: ModelSources, tmp_path: Path) -
         assert "--model-root" in caught.value.message
 
 
+def test_a_relative_path_is_refused_saying_where_it_was_read(
+    roots: ModelSources, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Found on a daemon: "ok.gguf is not under a model root (.../models)", for a file
+    # that sat in that very directory: a relative path is read from the daemon's cwd.
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SourceError) as caught:
+        roots.path("ok.gguf")
+    assert caught.value.reason == "OutsideModelRoots"
+    assert caught.value.message.startswith(
+        f"ok.gguf is a relative path, read from the daemon's working directory as "
+        f"{tmp_path / 'ok.gguf'}, which is not under a model root ({tmp_path / 'models'})"
+    )
+    assert caught.value.message.endswith("give the file's absolute path.")
+
+
 def test_only_registered_packages_are_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
     """`package: this` imported the standard library's `this` and ran it."""
     with pytest.raises(SourceError) as caught:
