@@ -26,6 +26,11 @@ _GGML_LOG_LEVEL_WARN = 3
 _GGML_LOG_LEVEL_ERROR = 4
 
 
+# llama.cpp's first error since `_native_errors.clear()`: a load that fails returns
+# only NULL, and the why ("key not found in model: llama.embedding_length") is this.
+_native_errors: list[str] = []
+
+
 @lc.llama_log_callback  # type: ignore[untyped-decorator]  # a ctypes CFUNCTYPE: untyped
 def _native_log(level: int, text: bytes, _user_data: ctypes.c_void_p) -> None:
     # llama.cpp prints hundreds of load lines; keep only what needs attention.
@@ -33,6 +38,14 @@ def _native_log(level: int, text: bytes, _user_data: ctypes.c_void_p) -> None:
         message = text.decode("utf-8", errors="replace").strip()
         if message:
             log.warning("llama_cpp", native_level=level, message=message)
+            if level == _GGML_LOG_LEVEL_ERROR and not _native_errors:
+                _native_errors.append(message)
+
+
+def _failed(what: str) -> LlamaError:
+    """`what` failed, with llama.cpp's first error since the call began, if it said one."""
+    said = f" (llama.cpp: {_native_errors[0]})" if _native_errors else ""
+    return LlamaError(f"{what}{said}")
 
 
 def quiet_native_logs() -> None:
@@ -246,9 +259,10 @@ def open_model(spec: replicas.LaunchSpec, *, n_batch: int, n_outputs: int) -> tu
     mparams = lc.llama_model_default_params()
     mparams.n_gpu_layers = spec.gpu_layers
     mparams.use_extra_bufts = extra_buffers_safe(lc.llama_print_system_info().decode())
+    _native_errors.clear()
     model = lc.llama_model_load_from_file(model_path.encode(), mparams)
     if not model:
-        raise LlamaError(f"could not load model {model_path}")
+        raise _failed(f"could not load model {model_path}")
     cparams = lc.llama_context_default_params()
     cparams.n_ctx = slots * context_per_slot
     cparams.n_seq_max = slots
@@ -270,10 +284,11 @@ def open_model(spec: replicas.LaunchSpec, *, n_batch: int, n_outputs: int) -> tu
     cparams.n_threads = spec.threads
     cparams.n_threads_batch = spec.threads
     cparams.no_perf = True
+    _native_errors.clear()
     ctx = lc.llama_init_from_model(model, cparams)
     if not ctx:
         lc.llama_model_free(model)
-        raise LlamaError(f"could not create a llama context for {model_path}")
+        raise _failed(f"could not create a llama context for {model_path}")
     return model, ctx
 
 

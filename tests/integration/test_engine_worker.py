@@ -14,12 +14,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import gguf
 import grpc
 import pytest
 
 from blazar._proto.engine.v1 import engine_pb2, engine_pb2_grpc
 from blazar._proto.v1 import inference_pb2
 from blazar.engine import cpushare
+from blazar.enginehost import forensics
 from blazar.rpc import limits
 from tests.integration import pinning
 from tests.integration.engine_harness import (
@@ -317,6 +319,31 @@ def test_broken_chat_template_is_fatal(spawn: Spawner) -> None:
     w = spawn(chat_template="{% for %}")
     assert w.proc.wait(timeout=READY_DEADLINE_S) == 1
     assert "chat_template_invalid" in w.log.read_text()
+
+
+def test_a_model_llama_cpp_cannot_load_says_why_in_its_exit(tmp_path: Path) -> None:
+    """Found on a daemon: a GGUF whose header lacks a hyperparameter crash-looped with
+    "could not load model PATH" in its status, event and log line; llama.cpp's why was
+    only in the engine's own log, lines above."""
+    path = tmp_path / "headless.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_context_length(4096)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    spawner = Spawner(path)
+    try:
+        w = spawner()
+        assert w.proc.wait(timeout=READY_DEADLINE_S) == 1
+        log = w.log.read_text()
+        assert forensics.exit_reason(log, 1) == (
+            f"model_load_failed: could not load model {path} (llama.cpp: llama_model_load: "
+            "error loading model: error loading model hyperparameters: key not found in "
+            "model: llama.embedding_length)"
+        ), log
+    finally:
+        spawner.close()
 
 
 def test_flash_attention_reaches_llama_cpp(spawn: Spawner) -> None:
