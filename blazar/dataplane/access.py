@@ -45,6 +45,7 @@ from enum import StrEnum
 from typing import Any, TypeAlias
 
 import grpc
+import structlog
 
 from blazar.api import errors, tenants
 from blazar.api.tenants import Tenant, Tenants
@@ -63,6 +64,8 @@ _OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 _UNIX_PEER = "unix:"
 # The tenant label of refusals before any tenant is known.
 UNKNOWN_TENANT = "unknown"
+
+log = structlog.get_logger("blazar.access")
 
 
 class Kind(StrEnum):
@@ -316,6 +319,17 @@ class Access:
             )
 
 
+def refusal_fields(err: errors.BlazarError) -> dict[str, str]:
+    """What a `request.rejected` log line says of a caller refused before any tenant
+    was granted: the reason, the tenant when one was named (an admin-only call by a
+    tenant that is not admin), and whether the key was missing or unknown. Never the
+    key: the line is for an operator watching for probing, not for replaying it."""
+    fields = {"reason": err.reason, "tenant": err.metadata.get("tenant", UNKNOWN_TENANT)}
+    if credential := err.metadata.get("credential"):
+        fields["credential"] = credential
+    return fields
+
+
 def server_side(err: errors.BlazarError) -> bool:
     """Whether `err` refuses a request for the server's state, not for the request or
     its caller: UNAVAILABLE, RESOURCE_EXHAUSTED other than the tenant's own rate limit,
@@ -381,6 +395,7 @@ class AccessInterceptor(grpc.aio.ServerInterceptor):
             )
         except errors.BlazarError as err:
             metrics.observe_tenant_refusal(UNKNOWN_TENANT, err.reason)
+            log.info("request.rejected", rpc=method, peer=context.peer(), **refusal_fields(err))
             await status.abort(context, err)
         return _CALLER.set(caller)
 

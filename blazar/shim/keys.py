@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import structlog
 from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -27,6 +28,8 @@ from blazar.api import errors
 from blazar.shim import browsers, context
 
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/", "/api/version"})
+
+_log = structlog.get_logger("blazar.shim")
 
 # Raises errors.Unauthenticated unless the `Authorization` value holds a key in force.
 Require = Callable[[str | None], None]
@@ -48,6 +51,15 @@ class KeyGuard:
         try:
             self._require(context.authorization(Headers(scope=scope)))
         except errors.BlazarError as err:
+            client = scope.get("client")
+            _log.info(
+                "request.rejected",
+                method=scope["method"],
+                path=scope["path"],
+                client=f"{client[0]}:{client[1]}" if client else "",
+                reason=err.reason,
+                credential=err.metadata.get("credential", ""),
+            )
             response = await self._render(Request(scope, receive), err)
             await response(scope, receive, send)
             return

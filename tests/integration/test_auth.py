@@ -530,6 +530,30 @@ def test_every_inference_method_checks_the_key(daemon: Daemon) -> None:
                 assert rpc(metadata(KEYS[tenant])) is not None, (name, tenant)
 
 
+def test_a_refused_key_is_logged_with_its_source_and_never_the_key(
+    daemon: Daemon, http: httpx.Client
+) -> None:
+    since = daemon.log_path.stat().st_size
+    call(http, "GET", "/v1/models", None, headers_for("openai", WRONG))
+    with grpc.insecure_channel(daemon.grpc) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        refused(lambda md: stub.ListModels(inference_pb2.ListModelsRequest(), metadata=md), ())
+
+    def logged() -> list[dict[str, Any]] | None:
+        lines = daemon.events("request.rejected", since=since)
+        return lines if len(lines) >= 2 else None
+
+    rejected = wait_for(logged, timeout=5, what="two request.rejected lines")
+    by_source = {("path" in r): r for r in rejected}
+    assert by_source[True]["credential"] == "unknown"
+    assert by_source[True]["client"].startswith("127.0.0.1:")
+    assert by_source[False]["credential"] == "missing"
+    assert by_source[False]["rpc"] == "/blazar.v1.Inference/ListModels"
+    assert by_source[False]["peer"]
+    assert all(r["reason"] == "UNAUTHENTICATED" for r in rejected)
+    assert WRONG not in daemon.log_path.read_text(errors="replace")
+
+
 def test_every_control_method_over_tcp_needs_an_admin_key(daemon: Daemon) -> None:
     with grpc.insecure_channel(daemon.grpc) as channel:
         calls = control_calls(control_pb2_grpc.ControlStub(channel))

@@ -10,6 +10,7 @@ import pytest
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
+from structlog.testing import capture_logs
 
 from blazar.api import errors
 from blazar.shim import http_errors, keys
@@ -75,3 +76,15 @@ def test_only_the_open_paths_pass_without_a_key(
 def test_without_a_check_every_request_passes() -> None:
     response, reached = serve("POST", "/v1/chat/completions", {}, check=None)
     assert (response.status_code, reached) == (200, 1)
+
+
+def test_a_refused_caller_is_logged_with_where_it_came_from_and_never_its_key() -> None:
+    with capture_logs() as logs:
+        serve("POST", "/v1/chat/completions", {"authorization": "Bearer bz-bad"})
+        serve("POST", "/v1/chat/completions", {"authorization": GOOD})
+    rejected = [line for line in logs if line["event"] == "request.rejected"]
+    assert len(rejected) == 1
+    assert rejected[0]["reason"] == "UNAUTHENTICATED"
+    assert rejected[0]["path"] == "/v1/chat/completions"
+    assert rejected[0]["client"].startswith("127.0.0.1:")
+    assert "bz-bad" not in repr(rejected[0])
