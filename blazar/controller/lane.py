@@ -38,17 +38,13 @@ from blazar.api.replicas import LaunchSpec, ReplicaObservation, ReplicaState, Sp
 from blazar.controller import fit, lane_plan, ledger, residency, sleeper, upstream_plan
 from blazar.controller.hostmemory import HostMemory
 from blazar.controller.processes import Processes
-from blazar.controller.reconciler import Result, TemporaryError
+from blazar.controller.reconciler import STORE_RETRY_S, Result, TemporaryError
 from blazar.enginehost import cores
 from blazar.enginehost.activity import Activity
 from blazar.enginehost.upstream import Probe, UpstreamPool
 from blazar.store.base import Store
 
 log = structlog.get_logger(__name__)
-
-# Seconds before a Lane whose status the store could not take (a full disk, a file
-# that cannot be written) is reconciled again to write it.
-STATUS_RETRY_S = 5.0
 
 
 def model_readiness(
@@ -354,7 +350,7 @@ class LaneReconciler:
         if unwritten is not None:
             raise TemporaryError(
                 f"The Lane's status was not written ({unwritten})",
-                delay=min([*later, STATUS_RETRY_S]),
+                delay=min([*later, STORE_RETRY_S]),
             )
         return Result(requeue_after=min(later, default=None))
 

@@ -24,7 +24,7 @@ import structlog
 from blazar.api import errors
 from blazar.api.kinds import Kind, Lane, SpecPair, references
 from blazar.controller import metrics
-from blazar.controller.reconciler import Reconciler, TemporaryError
+from blazar.controller.reconciler import STORE_RETRY_S, Reconciler, TemporaryError
 from blazar.controller.workqueue import WorkQueue
 from blazar.store.base import Store, WatchEvent, WatchType
 
@@ -216,6 +216,14 @@ class Manager:
             outcome = "retry"
             log.warning("reconcile.retry", error=str(err), delay=err.delay)
             self.queue.add_after(key, err.delay)
+        except errors.Unavailable as err:
+            # The store could not take a write or give a read (a full disk, a file
+            # made read-only): nothing is wrong with the object, so it is tried again
+            # soon, never left on a back-off that keeps it stale long after the store
+            # is back. Said once per try, without a traceback.
+            outcome = "retry"
+            delay = self.queue.add_rate_limited(key, max_delay=STORE_RETRY_S)
+            log.warning("reconcile.retry", error=str(err), delay=delay)
         except Exception:
             outcome = "error"
             delay = self.queue.add_rate_limited(key)

@@ -15,6 +15,12 @@ class Result:
     requeue_after: float | None = None
 
 
+# The longest an object waits to be reconciled again after the store could not take
+# its status or give a read (`errors.Unavailable`: a full disk, a file made read-only);
+# other failures back off up to the work queue's bound.
+STORE_RETRY_S = 5.0
+
+
 class TemporaryError(Exception):
     """Retry after `delay` seconds instead of the work queue's backoff."""
 

@@ -61,11 +61,13 @@ class WorkQueue(Generic[K]):
         self._timers.pop(key, None)
         self.add(key)
 
-    def add_rate_limited(self, key: K) -> float:
-        """Requeue a failed key after exponential backoff; returns the delay used."""
+    def add_rate_limited(self, key: K, *, max_delay: float | None = None) -> float:
+        """Requeue a failed key after exponential backoff, at most `max_delay` (the
+        queue's own bound when None); returns the delay used."""
         failures = self._failures.get(key, 0)
         self._failures[key] = failures + 1
-        delay = min(self._base_delay * 2.0**failures, self._max_delay)
+        bound = self._max_delay if max_delay is None else min(max_delay, self._max_delay)
+        delay = min(self._base_delay * 2.0**failures, bound)
         self.add_after(key, delay)
         return delay
 

@@ -908,7 +908,7 @@ def test_a_status_the_store_cannot_take_still_restarts_a_crashed_replica() -> No
     procs.set_state("l", 1, ReplicaState.FAILED)
     with pytest.raises(TemporaryError, match="database or disk is full") as retry:
         asyncio.run(rec.reconcile("l"))
-    assert retry.value.delay <= lane_module.STATUS_RETRY_S
+    assert retry.value.delay <= lane_module.STORE_RETRY_S
     assert [(r.index, r.state, r.restarts) for r in procs.observe("l")] == [
         (0, ReplicaState.READY, 0), (1, ReplicaState.STARTING, 1),
     ]  # fmt: skip
@@ -1093,3 +1093,31 @@ def test_a_crash_while_the_model_is_not_ready_says_the_restart_waits_for_it() ->
         "Replica 1 (pid 1002) exited with code -9: no message."
         " It is restarted once its Model is ready (FileNotFound)."
     ]
+
+
+def test_a_model_whose_status_the_store_cannot_take_is_retried_within_seconds(
+    tmp_path: Path,
+) -> None:
+    """Found by a review: a Model (or SLOPolicy) whose status write failed took the
+    generic back-off, which grows to a minute, so after a full disk was freed its Lanes
+    waited up to a minute more for it. A store refusal is retried every few seconds at
+    most, as a warning without a traceback."""
+    path = tiny_gguf(tmp_path / "m.gguf")
+    clock = Clock()
+    store = StatusLessStore(clock=clock)
+    apply(store, MODEL.replace("/models/m.gguf", str(path)))
+    rec = ModelReconciler(store=store, models_dir=tmp_path, clock=clock)
+    key = (Kind.MODEL, "m")
+
+    async def main() -> list[dict[str, Any]]:
+        controller = manager.Manager(store=store, reconcilers=[rec])
+        store.full = True
+        with structlog.testing.capture_logs() as logs:
+            for _ in range(12):
+                await controller._reconcile(key)
+        controller.queue.shut_down()
+        return logs
+
+    logs = [line for line in asyncio.run(main()) if line["event"].startswith("reconcile.")]
+    assert [line["event"] for line in logs] == ["reconcile.retry"] * 12
+    assert max(line["delay"] for line in logs) <= manager.STORE_RETRY_S

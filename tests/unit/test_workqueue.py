@@ -60,3 +60,12 @@ def test_add_after_keeps_the_earliest_and_add_cancels_it() -> None:
         q.shut_down()
 
     run(main())
+
+
+def test_a_retry_bound_caps_the_backoff_of_that_failure() -> None:
+    async def main() -> None:
+        q: WorkQueue[str] = WorkQueue(base_delay=0.01, max_delay=1.0)
+        assert [q.add_rate_limited("a", max_delay=0.02) for _ in range(3)] == [0.01, 0.02, 0.02]
+        assert q.add_rate_limited("a") == 0.08  # the failures still count
+
+    run(main())
