@@ -168,6 +168,9 @@ class EngineLaunch:
     # The table through which the engines of one daemon share the host's cores
     # (`blazar.engine.cpushare`); None: the worker always computes on spec.threads.
     cpu_share: str | None = None
+    # The CPUs that table shares (`blazar.enginehost.cores.count`: affinity and cgroup
+    # quota); None: the worker counts its own affinity.
+    host_cpus: int | None = None
 
     def to_json(self) -> bytes:
         return _ENGINE_LAUNCH.dump_json(self, indent=2)

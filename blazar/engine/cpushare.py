@@ -50,7 +50,8 @@ def share(wanted: int, others: int, cores: int) -> int:
 
 
 def host_cores() -> int:
-    """The cores this process may run on."""
+    """The cores this process may run on (its affinity): what `CpuShare` shares when
+    the launch document does not say (`blazar.enginehost.cores.count`)."""
     return len(os.sched_getaffinity(0)) or 1
 
 

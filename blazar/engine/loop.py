@@ -72,6 +72,8 @@ class LoopOptions:
     prefill_beside_decode: int | None = PREFILL_BESIDE_DECODE
     # The host's CPU share table (`cpushare`); None: always compute on spec.threads.
     cpu_share: Path | None = None
+    # The CPUs that table shares; None: this process's affinity.
+    host_cpus: int | None = None
 
 
 class DecodeLoop:
@@ -215,7 +217,7 @@ class DecodeLoop:
             kvstore.restore_slots(runtime, self.options.kv_dir, self.slots, self._kv_identity)
         if self.options.cpu_share is not None:
             try:
-                self._cpu = cpushare.CpuShare(self.options.cpu_share)
+                self._cpu = cpushare.CpuShare(self.options.cpu_share, cores=self.options.host_cpus)
             except (OSError, RuntimeError) as exc:
                 log.warning("cpu_share_off", path=str(self.options.cpu_share), error=str(exc))
         self._on_loaded(None)

@@ -86,6 +86,7 @@ async def serve(launch: replicas.EngineLaunch) -> int:
             spec,
             kv_dir=Path(launch.kv_dir) if launch.kv_dir else None,
             cpu_share=Path(launch.cpu_share) if launch.cpu_share else None,
+            host_cpus=launch.host_cpus,
         ),
         on_loaded=on_loaded,
         outbox=outbox,

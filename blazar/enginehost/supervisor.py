@@ -49,7 +49,7 @@ import structlog
 
 from blazar._proto.engine.v1 import engine_pb2
 from blazar.api.replicas import EngineLaunch, LaunchSpec, ReplicaObservation, ReplicaState
-from blazar.enginehost import forensics, logfiles, rundir
+from blazar.enginehost import cores, forensics, logfiles, rundir
 from blazar.enginehost.client import EngineClient
 
 log = structlog.get_logger(__name__)
@@ -289,6 +289,7 @@ class Supervisor:
             parent_pid=os.getpid(),
             log_json=self.log_json,
             cpu_share=str(self.cpu_share),
+            host_cpus=cores.count(),
         )
 
     def _kv_dir(self, replica: _Replica, warnings: list[StartWarning]) -> Path | None:

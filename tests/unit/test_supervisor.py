@@ -32,7 +32,7 @@ from blazar.api.meta import ConditionStatus
 from blazar.api.replicas import EngineLaunch, LaunchSpec, ReplicaObservation, ReplicaState
 from blazar.controller.lane import LaneReconciler
 from blazar.engine import __main__ as engine_main
-from blazar.enginehost import forensics, rundir, supervisor
+from blazar.enginehost import cores, forensics, rundir, supervisor
 from blazar.store.memory import MemoryStore
 from tests import launches
 from tests.unit import helpers
@@ -545,6 +545,7 @@ def test_a_worker_shares_the_cores_with_libgomps_own_spin(
     env, document = asyncio.run(run())
     assert not {k for k in env if k.startswith(("GOMP_", "OMP_"))}
     assert document["cpu_share"] == str(sup.cpu_share)
+    assert document["host_cpus"] == cores.count()  # the cores the table shares
     assert sup.cpu_share == rundir.cpu_share_path(rundir.runtime_root())
     remove_run_dir(sup)
 
