@@ -270,6 +270,32 @@ def test_go_clients_zero_values_are_a_tool_without_parameters(
     assert (json.loads(sent) if sent else None) == parameters
 
 
+def nulled(value: Any) -> Any:
+    """`value` with every "" and [] in its objects sent as null, as Go's zero values
+    may arrive from a client (a nil slice is null; so is a JS client's null)."""
+    if isinstance(value, dict):
+        return {k: None if v in ("", []) else nulled(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [nulled(v) for v in value]
+    return value
+
+
+@pytest.mark.parametrize(
+    ("kind", "body"),
+    [
+        ("chat", {"model": "tiny", "messages": TOOL_TURNS, "tools": TOOLS}),
+        ("generate", {"model": "tiny", "prompt": "Hi", "system": "", "suffix": "", "images": []}),
+        ("embeddings", {"model": "tiny", "prompt": ""}),
+    ],
+)
+def test_a_null_field_reads_as_absent_as_go_reads_it(kind: str, body: dict[str, Any]) -> None:
+    """An assistant turn's `"content": null` beside its calls is "" (Go's zero value),
+    not a 400."""
+    sent = nulled(body)
+    assert sent != body
+    assert canonical_of(kind, sent) == canonical_of(kind, body)
+
+
 def canonical_of(kind: str, body: dict[str, Any], *, headers: dict[str, str] | None = None) -> Any:
     tool_headers = {
         "tool_choice": (headers or {}).get("x-blazar-tool-choice", ""),
@@ -969,13 +995,14 @@ async def test_a_preload_answers_load_without_generating(
         # Go's api.ChatRequest{Model: m} (no omitempty on messages), as Ollama reads it.
         ("/api/chat", {"model": "tiny", "messages": None, "options": None}),
         ("/api/generate", {"model": "tiny"}),
+        ("/api/generate", {"model": "tiny", "prompt": None, "system": None}),
     ]:
         response = await client.post(path, json=body)
         assert response.status_code == 200, response.text
         assert response.json()["done"] is True
         assert response.json()["done_reason"] == "load"
     assert daemon.fake.requests == []
-    assert [k.HasField("keep_alive_s") for k in daemon.fake.keep_alives] == [False] * 3
+    assert [k.HasField("keep_alive_s") for k in daemon.fake.keep_alives] == [False] * 4
 
 
 @pytest.mark.parametrize(

@@ -9,9 +9,9 @@ Ollama's JSON. Reference: ollama/ollama `api/types.go` and `server/routes.go`.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, NotRequired, TypedDict
+from typing import Any, Literal, NotRequired, TypedDict
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from blazar.api.wire import INT32_MAX
 
@@ -20,6 +20,17 @@ from blazar.api.wire import INT32_MAX
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_absent(cls, data: Any) -> Any:
+        """Go decodes a JSON `null` into a field as its zero value, the same as leaving
+        the field out, so Ollama reads `"content": null` as "", `"prompt": null` as no
+        prompt (a preload) and `"messages": null` as none (Go's client sends that for an
+        unset slice). So does Blazar: a null field takes its default, as if absent."""
+        if isinstance(data, dict):
+            return {name: value for name, value in data.items() if value is not None}
+        return data
 
 
 # Ollama's `keep_alive`: seconds as a number, or a Go duration such as "5m" or "-1h".
@@ -31,16 +42,6 @@ Format = str | dict[str, Any] | None
 
 # `think`: true/false, or an effort ("high", "medium", "low") for models that take one.
 Think = bool | str | None
-
-
-def _null_is_empty(value: Any) -> Any:
-    return [] if value is None else value
-
-
-# Go writes a nil slice or interface as `null`, and Ollama's `messages` and `input` have
-# no omitempty: a Go client's preload (`api.ChatRequest{Model: m}`) sends
-# `"messages": null`, which Ollama reads as none. So does Blazar.
-NullIsEmpty = BeforeValidator(_null_is_empty)
 
 
 class ToolCallFunction(_Request):
@@ -107,7 +108,7 @@ class _Generation(_Request):
 
 class ChatRequest(_Generation):
     # Empty: load the model and answer at once (Ollama's preload).
-    messages: Annotated[list[Message], NullIsEmpty] = Field(default_factory=list)
+    messages: list[Message] = Field(default_factory=list)
     tools: list[Tool] | None = None
 
 
@@ -132,7 +133,7 @@ class GenerateRequest(_Generation):
 class EmbedRequest(_Request):
     model: str = Field(min_length=1)
     # Empty or absent: nothing to embed, Ollama's preload (the `ollama` client sends "").
-    input: Annotated[str | list[str], NullIsEmpty] = ""
+    input: str | list[str] = ""
     dimensions: int | None = Field(default=None, ge=1, le=INT32_MAX)
     truncate: bool | None = None
     options: dict[str, Any] | None = None
