@@ -1144,8 +1144,12 @@ async def test_server_probes(client: httpx.AsyncClient) -> None:
     assert (root.status_code, root.text) == (200, "Ollama is running")
     assert (await client.head("/")).status_code == 200
     version = (await client.get("/api/version")).json()["version"]
-    assert re.fullmatch(r"\d+\.\d+\.\d+.*", version)
+    assert re.fullmatch(r"\d+\.\d+\.\d+", version)
     assert (await client.head("/api/version")).status_code == 200
+    # Clients read it as Ollama's version and refuse an old one: GitHub Copilot's
+    # Ollama provider wants 0.6.4 at least. Blazar's own (0.x) would read as too old.
+    assert tuple(int(part) for part in version.split(".")) >= (0, 6, 4)
+    assert version == protocol.API_VERSION
 
 
 @pytest.mark.parametrize(

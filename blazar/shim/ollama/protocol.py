@@ -15,6 +15,14 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from blazar.api.wire import INT32_MAX
 
+# The Ollama release whose API this dialect follows, which `/api/version` answers:
+# clients read that as Ollama's version to decide what the server can do (GitHub
+# Copilot's Ollama provider refuses a server older than 0.6.4; others gate tools on
+# 0.3.0), so Blazar's own version there would read as an Ollama too old to use. What
+# Ollama's API has up to this release is served or refused by name; 0.12.11 brought
+# `logprobs` and `top_logprobs`, the latest fields read here.
+API_VERSION = "0.12.11"
+
 # ---------------------------------------------------------------- requests
 
 

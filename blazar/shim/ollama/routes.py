@@ -15,7 +15,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from blazar._proto.v1 import inference_pb2
-from blazar.api import errors, features
+from blazar.api import errors
 from blazar.shim import context, inference, relay, request_body, streaming
 from blazar.shim.ollama import convert, listing, options, protocol, render
 
@@ -54,7 +54,9 @@ async def running(request: Request) -> Response:
 
 
 async def version(request: Request) -> Response:
-    body: protocol.VersionResponse = {"version": features.version()}
+    """The Ollama version whose API Blazar speaks (`protocol.API_VERSION`), as clients
+    read this route; `blazar version` tells Blazar's own."""
+    body: protocol.VersionResponse = {"version": protocol.API_VERSION}
     return JSONResponse(body)
 
 
