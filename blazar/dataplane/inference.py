@@ -803,18 +803,21 @@ def _budget(
     prompt_chars: int,
 ) -> tuple[int, int, int]:
     """A request's prompt tokens as the Lane's measured characters per token estimate
-    them, its max_tokens (as asked, else the rest of a slot's context), and the tokens
+    them, its max_tokens (as asked, else the rest of a slot's context, and no more than
+    that rest when max_tokens only bounds it: `max_tokens_up_to_context`), and the tokens
     of a slot's context the prompt and what it asked for likely need (it likely fits
     a slot of the Lane's when they are at most its context; admission starts it only
     on a replica whose slots hold them, `Ticket.context_tokens`)."""
     prompt_tokens = lane.measurements.prompt_tokens(prompt_chars)
     sampling = generate.sampling
-    max_tokens = (
-        sampling.max_tokens
-        if sampling.HasField("max_tokens")
-        else max(1, route.context_length - prompt_tokens)
-    )
-    return prompt_tokens, max_tokens, prompt_tokens + (sampling.max_tokens or 1)
+    room = max(1, route.context_length - prompt_tokens)
+    if not sampling.HasField("max_tokens"):
+        return prompt_tokens, room, prompt_tokens + 1
+    if sampling.max_tokens_up_to_context:
+        # A bound only: the generation stops where the context ends, so the prompt
+        # needs a slot, not the prompt and max_tokens together.
+        return prompt_tokens, min(sampling.max_tokens, room), prompt_tokens + 1
+    return prompt_tokens, sampling.max_tokens, prompt_tokens + (sampling.max_tokens or 1)
 
 
 def _open_access() -> access.Access:

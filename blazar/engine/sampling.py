@@ -82,6 +82,9 @@ class SamplingParams:
     seed: int = 0
     # None: generate until the slot's context is full.
     max_tokens: int | None = None
+    # max_tokens bounds the generation but reserves no context: a prompt that leaves
+    # less room is served up to the context's end (`text.generation_room`).
+    max_tokens_up_to_context: bool = False
     stop: tuple[str, ...] = ()
     # (token id, bias) sorted by id; a bias <= BAN_BIAS bans the token.
     logit_bias: tuple[tuple[int, float], ...] = ()
@@ -170,6 +173,7 @@ def resolve(
             else (secrets.randbits(32) if seed is None else seed)
         ),
         max_tokens=sampling.max_tokens if sampling.HasField("max_tokens") else None,
+        max_tokens_up_to_context=sampling.max_tokens_up_to_context,
         stop=tuple(sampling.stop),
         logit_bias=_bias(sampling, vocab),
         grammar=grammar,

@@ -505,7 +505,13 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                 # a byte (seconds for the 16 MiB a body may hold): a prompt too long in
                 # bytes to fit is refused untokenized.
                 least = text.fewest_tokens(prompt, self._decode.vocab.longest_piece)
-                text.generation_room(least, params.max_tokens, limit, at_least=True)
+                text.generation_room(
+                    least,
+                    params.max_tokens,
+                    limit,
+                    at_least=True,
+                    up_to_context=params.max_tokens_up_to_context,
+                )
             if turns is None:
                 # A raw prompt is the caller's whole prompt, control tokens included.
                 return self._decode.vocab.tokenize(prompt)
@@ -521,7 +527,9 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             raise errors.InvalidRequest(
                 "The prompt is empty.", metadata={errors.FIELD_KEY: "prompt"}
             )
-        max_tokens = text.generation_room(len(tokens), params.max_tokens, limit)
+        max_tokens = text.generation_room(
+            len(tokens), params.max_tokens, limit, up_to_context=params.max_tokens_up_to_context
+        )
         job = jobs.Job(
             request_id=request.request_id,
             prompt=tokens,

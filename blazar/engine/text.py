@@ -206,11 +206,20 @@ def fewest_tokens(text: str, longest_piece: int | None) -> int:
 
 
 def generation_room(
-    prompt_tokens: int, max_tokens: int | None, context: int, *, at_least: bool = False
+    prompt_tokens: int,
+    max_tokens: int | None,
+    context: int,
+    *,
+    at_least: bool = False,
+    up_to_context: bool = False,
 ) -> int:
     """The tokens a request may generate: its max_tokens, or what the context leaves
     after the prompt. Raises ContextLengthExceeded when the prompt (at least
-    `prompt_tokens` long, with `at_least`) and max_tokens do not fit."""
+    `prompt_tokens` long, with `at_least`) and max_tokens do not fit; with
+    `up_to_context` (Sampling.max_tokens_up_to_context), max_tokens only bounds what
+    the context leaves, and only a prompt that leaves nothing is refused."""
+    if max_tokens is not None and up_to_context:
+        return min(max_tokens, generation_room(prompt_tokens, None, context, at_least=at_least))
     if max_tokens is None:
         if prompt_tokens >= context:
             raise errors.ContextLengthExceeded.of(

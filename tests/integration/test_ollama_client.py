@@ -251,7 +251,22 @@ def test_num_ctx_or_a_prompt_over_the_lane_is_a_400_naming_both(client: ollama.C
         client.generate(model=MODEL, prompt="word " * (CONTEXT_PER_SLOT + 50))
     assert long_prompt.value.status_code == 400
     assert str(CONTEXT_PER_SLOT) in long_prompt.value.error
-    assert "options.num_predict" in long_prompt.value.error
+    assert "Shorten the prompt" in long_prompt.value.error
+
+
+def test_num_predict_beyond_the_context_bounds_without_reserving(client: ollama.Client) -> None:
+    """Ollama's num_predict reserves no context (clients send 4096 whatever the Lane
+    holds): twice the context is served, ended here by the format's end, where OpenAI's
+    max_tokens over the context is a 400. (A generation the context ends stops with
+    done_reason "length": tests/unit/test_engine_text.py.)"""
+    answer = client.chat(
+        model=MODEL,
+        messages=MESSAGES,
+        format={"type": "boolean"},
+        options={"num_predict": 2 * CONTEXT_PER_SLOT},
+    )
+    assert answer.done_reason == "stop"
+    assert answer.message.content.strip() in ("true", "false")
 
 
 def test_unknown_model_is_404(client: ollama.Client) -> None:
@@ -309,7 +324,7 @@ def test_bad_requests_are_400_streamed_too(client: ollama.Client) -> None:
             ),
         ),
         (
-            "options.num_predict",
+            "Shorten the prompt",
             lambda: client.generate(
                 model=MODEL, prompt="word " * (CONTEXT_PER_SLOT + 50), stream=True
             ),

@@ -279,6 +279,26 @@ def test_no_generation_room_is_context_length_exceeded(prompt: int, max_tokens: 
         text.generation_room(prompt, max_tokens, 2048)
 
 
+@pytest.mark.parametrize(
+    ("prompt", "max_tokens", "room"),
+    [(10, 100, 100), (2000, 49, 48), (10, 4096, 2038), (2047, 4096, 1), (10, None, 2038)],
+)
+def test_max_tokens_up_to_context_only_bounds_the_room(
+    prompt: int, max_tokens: int | None, room: int
+) -> None:
+    """Ollama's num_predict: a bound, not a reservation; the context's end stops it."""
+    assert text.generation_room(prompt, max_tokens, 2048, up_to_context=True) == room
+
+
+@pytest.mark.parametrize(("prompt", "max_tokens"), [(2048, 16), (3000, 4096), (2048, None)])
+def test_up_to_context_still_refuses_a_prompt_that_leaves_no_room(
+    prompt: int, max_tokens: int | None
+) -> None:
+    with pytest.raises(errors.ContextLengthExceeded) as caught:
+        text.generation_room(prompt, max_tokens, 2048, up_to_context=True)
+    assert caught.value.metadata["max_tokens"] == "1"
+
+
 def test_a_bound_on_the_prompt_says_at_least() -> None:
     with pytest.raises(errors.ContextLengthExceeded) as caught:
         text.generation_room(90_000, 16, 2048, at_least=True)

@@ -340,6 +340,14 @@ def test_options_not_sent_stay_unset() -> None:
     # Null is not set, even for an option Blazar would refuse.
     nulls = {**CHAT, "options": {"temperature": None, "mirostat": None, "stop": None}}
     assert convert.chat_request(parse(protocol.ChatRequest, nulls)).sampling == sampling
+    assert not sampling.max_tokens_up_to_context
+    # num_predict only bounds the generation; -1 (until the model stops) bounds nothing.
+    bounded = {**CHAT, "options": {"num_predict": 4096}}
+    assert convert.chat_request(
+        parse(protocol.ChatRequest, bounded)
+    ).sampling.max_tokens_up_to_context
+    endless = {**CHAT, "options": {"num_predict": -1}}
+    assert convert.chat_request(parse(protocol.ChatRequest, endless)).sampling == sampling
     zero = {**CHAT, "options": {"temperature": 0}}
     assert convert.chat_request(parse(protocol.ChatRequest, zero)).sampling.HasField("temperature")
 
@@ -934,8 +942,7 @@ async def test_a_prompt_over_the_context_is_told_in_ollamas_terms(
     assert response.status_code == 400
     assert response.json() == {
         "error": "This model's maximum context length is 2048 tokens per request, but the request needs 3100 "
-        "(3000 in the prompt and 100 to generate). Shorten the prompt, or lower "
-        "options.num_predict."
+        "(3000 in the prompt and 100 to generate). Shorten the prompt."
     }
 
 
@@ -953,8 +960,7 @@ async def test_a_bound_on_the_prompt_stays_a_bound_in_ollamas_terms(
     assert response.status_code == 400
     assert response.json()["error"] == (
         "This model's maximum context length is 1024 tokens per request, but the request needs at least "
-        "4172 (at least 4167 in the prompt and 5 to generate). Shorten the prompt, or lower "
-        "options.num_predict."
+        "4172 (at least 4167 in the prompt and 5 to generate). Shorten the prompt."
     )
 
 

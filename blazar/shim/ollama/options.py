@@ -46,7 +46,8 @@ _LANE_OPTIONS = {
 
 
 def sampling(options: Mapping[str, Any]) -> inference_pb2.Sampling:
-    """Ollama's `options` as canonical sampling. `num_ctx` is not sampling: see
+    """Ollama's `options` as canonical sampling, `num_predict` a bound only
+    (`max_tokens_up_to_context`). `num_ctx` is not sampling: see
     `check_num_ctx`. Anything else is refused by name, never ignored; an option sent as
     null is not set (clients send every setting they have, set or not)."""
     options = {name: value for name, value in options.items() if value is not None}
@@ -64,7 +65,7 @@ def sampling(options: Mapping[str, Any]) -> inference_pb2.Sampling:
             param="options.stop",
         )
     read.integer("num_ctx", low=1, high=wire.INT32_MAX)
-    return canonical.sampling(
+    out = canonical.sampling(
         temperature=read.number("temperature", low=0),
         top_p=read.number("top_p", low=0, high=1),
         top_k=read.integer("top_k", low=0, high=wire.INT32_MAX),
@@ -76,6 +77,11 @@ def sampling(options: Mapping[str, Any]) -> inference_pb2.Sampling:
         max_tokens=None if num_predict in (None, *_UNLIMITED_PREDICT) else num_predict,
         stop=[stop] if isinstance(stop, str) else (stop or ()),
     )
+    # Ollama's num_predict caps the generation and reserves nothing: a prompt that
+    # leaves less room is served, and stops where the context ends (done_reason
+    # "length"), never refused for the two together as OpenAI's max_tokens is.
+    out.max_tokens_up_to_context = out.HasField("max_tokens")
+    return out
 
 
 _OPTIONS = frozenset(

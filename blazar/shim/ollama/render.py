@@ -261,11 +261,10 @@ def error_response(err: errors.BlazarError) -> ErrorResponse:
 
 
 def _error_message(err: errors.BlazarError) -> str:
-    """The error's sentence, with a prompt that does not fit told in Ollama's terms
-    (the daemon's says `max_tokens`, which is `options.num_predict` here)."""
+    """The error's sentence, with a prompt that does not fit told in Ollama's terms.
+    `options.num_predict` only bounds the generation (`max_tokens_up_to_context`), so
+    the prompt is what to shorten."""
     sizes = err.sizes() if isinstance(err, errors.ContextLengthExceeded) else None
     if sizes is None:
         return err.message
-    return sizes.refusal(
-        prompt="prompt", advice="Shorten the prompt, or lower options.num_predict."
-    )
+    return sizes.refusal(prompt="prompt", advice="Shorten the prompt.")
