@@ -27,18 +27,22 @@ class Budget:
     paths: tuple[Path_, ...]
     # Values the shim reads as "no budget" (Ollama's num_predict -1, -2 and 0).
     unbounded: frozenset[int] = frozenset()
+    # Whether the budget reserves its tokens beside the prompt, so that one over the
+    # context is refused before any work (OpenAI's max_tokens); Ollama's num_predict
+    # only bounds the generation, which the context's end stops.
+    reserves: bool = True
 
     def hold(self, body: Any) -> None:
         """Set the budget to 1 token unless what is there is refused or cannot run long:
-        the shim refuses a budget of a wrong type, and one over the context
-        (`CONTEXT_PER_SLOT`) is `context_length_exceeded` before any work."""
+        the shim refuses a budget of a wrong type, and one that `reserves` over the
+        context (`CONTEXT_PER_SLOT`) is `context_length_exceeded` before any work."""
         if not isinstance(body, dict):
             return
         for path in self.paths:
             parent = walk(body, path[:-1])
             if isinstance(parent, dict) and parent.get(path[-1]) is not None:
                 value = parent[path[-1]]
-                if _cheap(value, self.unbounded):
+                if _cheap(value, self.unbounded, reserves=self.reserves):
                     return
                 parent[path[-1]] = 1
                 return
@@ -56,7 +60,7 @@ class Budget:
             node[first[-1]] = 1
 
 
-def _cheap(value: Any, unbounded: frozenset[int]) -> bool:
+def _cheap(value: Any, unbounded: frozenset[int], *, reserves: bool) -> bool:
     if isinstance(value, Raw):
         try:
             value = json.loads(value.text)  # "-0" and "1e-400" are numbers, and 0
@@ -69,7 +73,7 @@ def _cheap(value: Any, unbounded: frozenset[int]) -> bool:
     n = int(value)
     if n in unbounded:
         return False
-    return n <= 2 or n > 4 * CONTEXT_PER_SLOT
+    return n <= 2 or (reserves and n > 4 * CONTEXT_PER_SLOT)
 
 
 @dataclass(frozen=True)
@@ -430,7 +434,9 @@ def anthropic_messages(draw: st.DrawFn, *, count: bool = False) -> dict[str, Any
 
 
 OPENAI_BUDGET = Budget(paths=(("max_completion_tokens",), ("max_tokens",)))
-OLLAMA_BUDGET = Budget(paths=(("options", "num_predict"),), unbounded=frozenset({-2, -1, 0}))
+OLLAMA_BUDGET = Budget(
+    paths=(("options", "num_predict"),), unbounded=frozenset({-2, -1, 0}), reserves=False
+)
 # A schema whose keywords were read before it was validated: TypeError, HTTP 500.
 NOT_A_SCHEMA = {"type": "object", "properties": {"a": {}}, "required": 5}
 
