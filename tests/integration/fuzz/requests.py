@@ -206,6 +206,7 @@ def sampling(draw: st.DrawFn) -> inference_pb2.Sampling:
         top_k=mostly(st.integers(0, 100), INT32), seed=st.integers(0, 2**32 - 1),
         logprobs=st.booleans(), top_logprobs=mostly(st.integers(0, 20), INT32),
         prompt_logprobs=st.booleans(), ignore_eos=st.booleans(),
+        max_tokens_up_to_context=st.booleans(),
     )  # fmt: skip
     if s.top_logprobs and draw(mostly(st.just(True), st.just(False))):
         s.logprobs = True
