@@ -461,6 +461,28 @@ def test_a_repeated_long_prompt_reads_the_cache(client: anthropic.Anthropic) -> 
     assert streamed.cache_read_input_tokens == delta.cache_read_input_tokens
 
 
+def test_max_tokens_zero_prewarms_the_cache(client: anthropic.Anthropic) -> None:
+    """Anthropic's cache pre-warming: no content, and the prompt is in the cache for the
+    next request, streamed or not."""
+    text = " ".join(f"Rule {i} says to keep answers short." for i in range(40))
+    for stream in (False, True):
+        messages: list[Any] = [{"role": "user", "content": f"{text}\nWarm {time.time()}."}]
+        if stream:
+            with client.messages.stream(model=LANE, max_tokens=0, messages=messages) as events:
+                kinds = [e.type for e in events]
+                warm = events.get_final_message()
+            assert kinds == ["message_start", "message_delta", "message_stop"]
+        else:
+            warm = client.messages.create(model=LANE, max_tokens=0, messages=messages)
+        assert (warm.content, warm.stop_reason, warm.usage.output_tokens) == ([], "max_tokens", 0)
+        total = prompt_total(warm.usage)
+        assert total > 300
+        read = client.messages.create(model=LANE, max_tokens=1, messages=messages)
+        assert prompt_total(read.usage) == total
+        # All but the last token, whose logits the next request computes again.
+        assert read.usage.cache_read_input_tokens == total - 1
+
+
 FORCING: list[dict[str, Any]] = [{"type": "any"}, {"type": "tool", "name": "get_time"}]
 
 

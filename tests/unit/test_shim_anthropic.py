@@ -199,6 +199,13 @@ def test_sampling_not_sent_stays_unset() -> None:
     assert sampling.max_tokens == 16
 
 
+def test_max_tokens_zero_runs_to_one_token_to_prefill_the_prompt() -> None:
+    """Anthropic's cache pre-warming: the engine prefills the prompt (and so keeps it in
+    the slot's cache) and ends on its first token, which the answer leaves out."""
+    sampling = requests.messages_request(parse(protocol.MessagesRequest, body(max_tokens=0)))
+    assert sampling.sampling.max_tokens == requests.PREWARM_TOKENS == 1
+
+
 @pytest.mark.parametrize(
     ("header", "user_id", "session"),
     [
@@ -228,7 +235,7 @@ INVALID: dict[str, tuple[dict[str, Any], str]] = {
         {"model": "tiny", "messages": HI},
         "Missing required parameter: 'max_tokens'",
     ),
-    "max_tokens zero": (body(max_tokens=0), "'max_tokens'"),
+    "max_tokens negative": (body(max_tokens=-1), "'max_tokens'"),
     "temperature over 1": (body(temperature=1.5), "'temperature'"),
     "no messages": (body(messages=[]), "'messages'"),
     "bad role": (body(messages=[{"role": "tool", "content": "x"}]), "'messages[0].role'"),
@@ -502,6 +509,14 @@ RESPONSE_CASES: dict[str, tuple[dict[str, Any], list[Step]]] = {
         body(tools=[{"name": "now", "input_schema": {"type": "object"}}], tool_choice={"type": "any"}),
         [calling(0, id="call_n", name="now", arguments="{}"),
          final(inference_pb2.FINISH_REASON_TOOL_CALLS, completion=4, tool_calls=1)],
+    ),
+    # max_tokens 0 pre-warms the cache: whatever the one token the engine ran to, the
+    # answer holds nothing and stops on max_tokens.
+    "prewarm": (body(max_tokens=0), [delta("Hel"), final(inference_pb2.FINISH_REASON_STOP, completion=1, cached=4)]),
+    "prewarm_tool_call": (
+        body(max_tokens=0, tools=[{"name": "now", "input_schema": {"type": "object"}}], tool_choice={"type": "any"}),
+        [calling(0, id="call_n", name="now", arguments="{}"),
+         final(inference_pb2.FINISH_REASON_TOOL_CALLS, completion=1, tool_calls=1)],
     ),
 }  # fmt: skip
 STREAM_FAILURES: dict[str, list[Step]] = {

@@ -172,8 +172,9 @@ class Conversation(_Request):
 
 
 class MessagesRequest(Conversation):
-    # Required, as in Anthropic's API.
-    max_tokens: int = Field(ge=1, le=INT32_MAX)
+    # Required, as in Anthropic's API; 0 pre-warms the cache: the prompt is prefilled
+    # and nothing is written (`convert.requests.PREWARM_TOKENS`).
+    max_tokens: int = Field(ge=0, le=INT32_MAX)
     stop_sequences: list[str] | None = None
     # Anthropic's ranges.
     temperature: float | None = Field(default=None, ge=0, le=1)

@@ -47,7 +47,9 @@ async def messages(request: Request) -> Response:
         chat = requests.messages_request(body, session=ctx.session, slo=ctx.slo)
     except errors.BlazarError as err:
         return error(err, request_id=ctx.request_id)
-    meta = render.ResponseMeta(id=f"msg_{ctx.request_id}", model=body.model)
+    meta = render.ResponseMeta(
+        id=f"msg_{ctx.request_id}", model=body.model, prewarm=requests.prewarms(body)
+    )
     stream = inference.client_of(request).chat(chat, metadata=ctx.grpc_metadata())
     if body.stream:
         return await _stream(request, stream, render.Events(meta), request_id=ctx.request_id)

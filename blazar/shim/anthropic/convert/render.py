@@ -17,10 +17,14 @@ from blazar.shim.anthropic import protocol
 
 @dataclass(frozen=True)
 class ResponseMeta:
-    """What a response repeats: Anthropic's message id and the model as asked for."""
+    """What a response repeats: Anthropic's message id and the model as asked for, and
+    whether the request only pre-warms the cache (`max_tokens: 0`): its answer holds no
+    content, stops on `max_tokens` and counts no output tokens, whatever the one token
+    the engine ran to (`requests.PREWARM_TOKENS`) was."""
 
     id: str
     model: str
+    prewarm: bool = False
 
 
 def stop_reason(final: inference_pb2.Final) -> protocol.StopReason:
@@ -37,14 +41,14 @@ def stop_sequence(final: inference_pb2.Final) -> str | None:
     return final.stop_sequence or None
 
 
-def usage(final: inference_pb2.Final) -> protocol.Usage:
+def usage(final: inference_pb2.Final, *, prewarm: bool = False) -> protocol.Usage:
     """The prompt's tokens reused from the cache are read from it; the rest were
     prefilled (`input_tokens`). Blazar keeps every prompt's cache without being asked,
-    so no tokens are counted as written to it."""
+    so no tokens are counted as written to it. A pre-warming request outputs none."""
     cached = final.usage.cached_tokens
     return {
         "input_tokens": final.usage.prompt_tokens - cached,
-        "output_tokens": final.usage.completion_tokens,
+        "output_tokens": 0 if prewarm else final.usage.completion_tokens,
         "cache_creation_input_tokens": 0,
         "cache_read_input_tokens": cached,
     }
@@ -66,22 +70,32 @@ def _tool_use(call: inference_pb2.ToolCall) -> protocol.ToolUseContent:
 
 
 def message(answer: canonical.Answer, meta: ResponseMeta) -> protocol.MessageResponse:
-    """A whole generation: its text as one block (none when empty), then its whole calls."""
+    """A whole generation: its text as one block (none when empty), then its whole calls;
+    nothing when it pre-warms the cache."""
     final = answer.finished()
     content: list[protocol.Content] = []
-    if answer.text:
+    if answer.text and not meta.prewarm:
         content.append({"type": "text", "text": answer.text})
-    content.extend(_tool_use(call) for call in answer.whole_calls())
+    if not meta.prewarm:
+        content.extend(_tool_use(call) for call in answer.whole_calls())
+    stop = _stop(final, prewarm=meta.prewarm)
     return {
         "id": meta.id,
         "type": "message",
         "role": "assistant",
         "model": meta.model,
         "content": content,
-        "stop_reason": stop_reason(final),
-        "stop_sequence": stop_sequence(final),
-        "usage": usage(final),
+        "stop_reason": stop["stop_reason"],
+        "stop_sequence": stop["stop_sequence"],
+        "usage": usage(final, prewarm=meta.prewarm),
     }
+
+
+def _stop(final: inference_pb2.Final, *, prewarm: bool) -> protocol.StopDelta:
+    """Why the answer stopped; a pre-warming request at its `max_tokens` of 0."""
+    if prewarm:
+        return {"stop_reason": "max_tokens", "stop_sequence": None}
+    return {"stop_reason": stop_reason(final), "stop_sequence": stop_sequence(final)}
 
 
 class Events:
@@ -131,7 +145,7 @@ class Events:
         part = chunk.WhichOneof("part")
         if part == "delta":
             self._calls.add(chunk)
-            if not chunk.delta.text:
+            if not chunk.delta.text or self._meta.prewarm:
                 return []
             out: list[protocol.Event] = []
             if not self._text_open:
@@ -159,15 +173,15 @@ class Events:
         if self._text_open:
             out.append({"type": "content_block_stop", "index": self._blocks})
             self._blocks += 1
-        for call in self._calls.whole_calls():
+        for call in () if self._meta.prewarm else self._calls.whole_calls():
             block = _tool_use(call)
             out.extend(self._tool_use_block(block, arguments=call.arguments or "{}"))
         final = chunk.final
         out.append(
             {
                 "type": "message_delta",
-                "delta": {"stop_reason": stop_reason(final), "stop_sequence": stop_sequence(final)},
-                "usage": usage(final),
+                "delta": _stop(final, prewarm=self._meta.prewarm),
+                "usage": usage(final, prewarm=self._meta.prewarm),
             }
         )
         out.append({"type": "message_stop"})

@@ -38,6 +38,11 @@ _REFUSED_BLOCKS = {
 _SERVICE_TIERS = ("auto", "standard_only")
 # What a tool result flagged `is_error` says to the model before the result.
 ERROR_RESULT_PREFIX = "Error: "
+# The tokens a generation of `max_tokens: 0` (Anthropic's cache pre-warming) runs to.
+# An engine samples once its prompt is in: it prefills the prompt, and so leaves it in
+# the slot's cache, then ends on this one token, which is never decoded into the cache
+# and which the answer leaves out (`render.ResponseMeta.prewarm`).
+PREWARM_TOKENS = 1
 
 
 def _invalid(message: str, *, param: str) -> errors.InvalidRequest:
@@ -56,7 +61,7 @@ def messages_request(
             temperature=body.temperature,
             top_p=body.top_p,
             top_k=body.top_k,
-            max_tokens=body.max_tokens,
+            max_tokens=PREWARM_TOKENS if prewarms(body) else body.max_tokens,
             stop=body.stop_sequences or (),
         )
     )
@@ -66,6 +71,11 @@ def messages_request(
     request.session = session or sessions.of_field(body.metadata.user_id if body.metadata else None)
     request.slo = slo
     return request
+
+
+def prewarms(body: protocol.MessagesRequest) -> bool:
+    """Whether the request only pre-warms the cache (`max_tokens: 0`)."""
+    return body.max_tokens == 0
 
 
 def count_request(body: protocol.CountTokensRequest) -> inference_pb2.TokenizeRequest:
