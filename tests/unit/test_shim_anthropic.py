@@ -344,6 +344,7 @@ INVALID: dict[str, tuple[dict[str, Any], str]] = {
         "'messages[0].content[0].tool_use_id' 'toolu_1' matches no tool_use block",
     ),
     "thinking": (body(thinking={"type": "enabled", "budget_tokens": 2048}), "'thinking' is not supported"),
+    "thinking between tools": (body(thinking={"type": "between_tools"}), "'thinking' is not supported"),
     "mcp_servers": (body(mcp_servers=[{"type": "url", "url": "http://x", "name": "x"}]), "'mcp_servers'"),
     "container": (body(container="container_1"), "'container' is not supported"),
     "context_management": (body(context_management={"edits": []}), "'context_management'"),
@@ -473,6 +474,22 @@ async def test_fields_that_change_nothing_are_accepted(
         ),
     )
     assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/messages/count_tokens"])
+@pytest.mark.parametrize(
+    "thinking", [{"type": "adaptive"}, {"type": "adaptive", "display": "omitted"}]
+)
+async def test_adaptive_thinking_is_the_models_choice_not_to_think(
+    path: str, thinking: dict[str, Any], daemon: Daemon, client: httpx.AsyncClient
+) -> None:
+    """Under `adaptive` the model decides whether to think (the default of Anthropic's
+    newer models and of the clients written for them), and Blazar's never do: taken."""
+    daemon.fake.scripts["tiny"] = [delta("ok"), final()]
+    response = await client.post(path, json=body(thinking=thinking))
+    assert response.status_code == 200, response.text
+    if path == "/v1/messages":
+        assert [block["type"] for block in response.json()["content"]] == ["text"]
 
 
 # ---------------------------------------------------------------- golden: responses out

@@ -100,12 +100,18 @@ def _chat(body: protocol.Conversation) -> inference_pb2.ChatRequest:
     return request
 
 
+# Thinking configurations Blazar honours: none, or the model's own choice
+# ("adaptive": it decides when and how much to think, and Blazar's never choose to).
+_THINKING_TAKEN = ("disabled", "adaptive")
+
+
 def _refuse_conversation_fields(body: protocol.Conversation) -> None:
     thinking = body.thinking
-    if thinking is not None and thinking.get("type") != "disabled":
+    if thinking is not None and thinking.get("type") not in _THINKING_TAKEN:
         raise _invalid(
             "'thinking' is not supported: Blazar's models do not think. Leave it out, or "
-            'send {"type": "disabled"}.',
+            'send {"type": "disabled"} or {"type": "adaptive"} (under which they never '
+            "choose to).",
             param="thinking",
         )
     if body.mcp_servers:
