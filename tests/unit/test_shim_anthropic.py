@@ -246,7 +246,20 @@ INVALID: dict[str, tuple[dict[str, Any], str]] = {
     ),
     "document": (
         body(messages=[{"role": "user", "content": [{"type": "document", "source": {}}]}]),
-        "'document' block",
+        "'document' block, which is not supported: Blazar reads no documents",
+    ),
+    "text document": (
+        body(messages=[{"role": "user", "content": [
+            {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "Sky: blue."}},
+        ]}]),
+        "send a text document's text in a text block",
+    ),
+    "search result": (
+        body(messages=[{"role": "user", "content": [
+            {"type": "search_result", "source": "https://a.example", "title": "A",
+             "content": [{"type": "text", "text": "Blue."}]},
+        ]}]),
+        "Blazar cites no search results; send a result's text in a text block",
     ),
     "image in a tool result": (
         body(

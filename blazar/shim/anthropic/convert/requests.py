@@ -26,10 +26,13 @@ _MODES = {
 }
 # Block types Blazar does not take, and why.
 _TEXT_ONLY = "Blazar serves text-only models"
+# A document or search result may hold nothing but text: "text-only" would not say why
+# it is refused, nor that its text goes through in a text block.
 _REFUSED_BLOCKS = {
     "image": _TEXT_ONLY,
-    "document": _TEXT_ONLY,
-    "search_result": _TEXT_ONLY,
+    "document": "Blazar reads no documents (PDFs, images, or text to cite); send a text "
+    "document's text in a text block",
+    "search_result": "Blazar cites no search results; send a result's text in a text block",
     "container_upload": "Blazar runs no containers",
     "thinking": "Blazar's models do not think",
     "redacted_thinking": "Blazar's models do not think",
