@@ -45,10 +45,11 @@ UNDECLARED = "application/octet-stream"
 FORM = "application/x-www-form-urlencoded"
 _ALLOW_METHODS = "GET, POST, DELETE, OPTIONS"
 _PREFLIGHT_MAX_AGE_S = "600"
-# Headers a page's script may read: the ones Blazar adds and a 429's Retry-After.
+# Headers a page's script may read: the ones Blazar adds and a 429's Retry-After(-ms).
 _EXPOSE = ", ".join(
-    ("x-request-id", "request-id", "retry-after", "x-blazar-lane", "x-blazar-replica",
-     "x-blazar-prefix-reused", "x-blazar-prompt-tokens", "x-blazar-predicted-ttft-ms")
+    ("x-request-id", "request-id", "retry-after", "retry-after-ms", "x-blazar-lane",
+     "x-blazar-replica", "x-blazar-prefix-reused", "x-blazar-prompt-tokens",
+     "x-blazar-predicted-ttft-ms")
 )  # fmt: skip
 
 

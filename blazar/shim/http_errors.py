@@ -55,10 +55,25 @@ def retry_after_seconds(err: errors.BlazarError) -> int:
     return DEFAULT_RETRY_AFTER_S
 
 
+def retry_after_millis(err: errors.BlazarError) -> int | None:
+    """The daemon's hint in whole milliseconds, rounded up (None: it gave none)."""
+    try:
+        millis = float(err.metadata.get(errors.RETRY_AFTER_KEY, "nan"))
+    except ValueError:
+        return None
+    return max(0, math.ceil(millis)) if math.isfinite(millis) else None
+
+
 def headers(err: errors.BlazarError) -> dict[str, str]:
     """The headers every dialect's error response carries: `Retry-After` on a 429, and
-    on a 503 that carries the daemon's hint (an upstream server's own Retry-After)."""
+    on a 503 that carries the daemon's hint (an upstream server's own Retry-After).
+    Beside it, `retry-after-ms` with the hint to the millisecond when there is one: the
+    OpenAI and Anthropic clients read it before `Retry-After`, whose whole seconds
+    would make a client told "0.2 s" wait a second."""
     status = http_status(err)
     if status == 429 or (status == 503 and errors.RETRY_AFTER_KEY in err.metadata):
-        return {"retry-after": str(retry_after_seconds(err))}
+        out = {"retry-after": str(retry_after_seconds(err))}
+        if (millis := retry_after_millis(err)) is not None:
+            out["retry-after-ms"] = str(millis)
+        return out
     return {}

@@ -210,7 +210,10 @@ def test_the_official_clients_raise_a_refusal_in_their_dialects_shape(
                         model=LANE, messages=hi, max_tokens=4, stream=stream
                     )
                 assert refused.value.code == "queue_full", stream
-                assert int(refused.value.response.headers["retry-after"]) >= 1
+                headers = refused.value.response.headers
+                assert int(headers["retry-after"]) >= 1
+                # The hint to the millisecond, which the client reads first.
+                assert 0 <= int(headers["retry-after-ms"]) <= 1000 * int(headers["retry-after"])
                 assert f"SLOPolicy '{POLICY}'" in refused.value.message
                 with pytest.raises(openai.RateLimitError) as responses_refused:
                     chat_of_openai.responses.create(

@@ -135,9 +135,20 @@ def test_retry_after_seconds(metadata: dict[str, str], seconds: int) -> None:
     ("err", "expected"),
     [
         (errors.Overloaded("x"), {"retry-after": "1"}),
-        (errors.Overloaded("x", metadata={"retry_after_ms": "2500"}), {"retry-after": "3"}),
+        (
+            errors.Overloaded("x", metadata={"retry_after_ms": "2500"}),
+            {"retry-after": "3", "retry-after-ms": "2500"},
+        ),
+        (
+            errors.Overloaded("x", metadata={"retry_after_ms": "120.2"}),
+            {"retry-after": "1", "retry-after-ms": "121"},
+        ),
+        (errors.Overloaded("x", metadata={"retry_after_ms": "soon"}), {"retry-after": "1"}),
         # An upstream server's own 503 with its Retry-After.
-        (errors.Unavailable("x", metadata={"retry_after_ms": "30000"}), {"retry-after": "30"}),
+        (
+            errors.Unavailable("x", metadata={"retry_after_ms": "30000"}),
+            {"retry-after": "30", "retry-after-ms": "30000"},
+        ),
         (errors.Unavailable("x"), {}),
         (errors.InvalidRequest("x", metadata={"retry_after_ms": "30000"}), {}),
     ],
