@@ -15,7 +15,7 @@ from collections import OrderedDict
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from blazar.api import conditions, errors
+from blazar.api import conditions, errors, modelnames
 from blazar.api.kinds import Lane, Upstream
 from blazar.api.replicas import ReplicaState
 
@@ -313,10 +313,10 @@ def resolve(table: RouteTable, name: str) -> Route:
         raise errors.InvalidRequest(
             "The request names no model; set `model`.", metadata={errors.FIELD_KEY: "model"}
         )
-    route = table.by_name.get(name)
-    if route is None:
-        raise errors.ModelNotFound.of(name)
-    return route
+    for candidate in modelnames.lookups(name):
+        if (route := table.by_name.get(candidate)) is not None:
+            return route
+    raise errors.ModelNotFound.of(name)
 
 
 # How many more leading prompt blocks (of prefixes.BLOCK_CHARS characters, so ~256

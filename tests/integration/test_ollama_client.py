@@ -223,6 +223,13 @@ def test_tags_show_ps_version(client: ollama.Client, daemon: Daemon) -> None:
     assert shown.modelinfo["gemma3.context_length"] == CONTEXT_PER_SLOT
     assert shown.details is not None and shown.details.parameter_size
 
+    # Ollama reads `gemma3:latest` as `gemma3`; so does Blazar, here and in a chat.
+    assert client.show(f"{LANE}:latest").modelinfo == shown.modelinfo
+    answer = client.chat(
+        model=f"{LANE}:latest", messages=MESSAGES, options={"num_predict": 1}, stream=False
+    )
+    assert answer.done
+
     running = client.ps().models
     assert [m.model for m in running] == [LANE]
     assert running[0].context_length == CONTEXT_PER_SLOT

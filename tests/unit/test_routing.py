@@ -44,6 +44,18 @@ def test_resolve(name: str, lane_name: str) -> None:
     assert routing.resolve(TABLE, name).lane == lane_name
 
 
+def test_a_name_tagged_latest_finds_the_untagged_lane_as_ollama_reads_it() -> None:
+    """Ollama reads `gemma3` and `gemma3:latest` as one model; an alias that carries
+    the tag itself is found exactly first, and only `:latest` is folded."""
+    table = routing.build_table([lane("gemma3"), lane("other", "tagged:latest")])
+    assert routing.resolve(table, "gemma3:latest").lane == "gemma3"
+    assert routing.resolve(table, "tagged:latest").lane == "other"
+    for missing in ("gemma3:270m", ":latest", "gemma3:LATEST", "tagged"):
+        with pytest.raises(errors.ModelNotFound) as exc:
+            routing.resolve(table, missing)
+        assert exc.value.metadata == {"model": missing}
+
+
 def test_unknown_name_is_model_not_found() -> None:
     with pytest.raises(errors.ModelNotFound) as exc:
         routing.resolve(TABLE, "zzz")

@@ -10,7 +10,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from blazar._proto.v1 import inference_pb2
-from blazar.api import errors
+from blazar.api import errors, modelnames
 from blazar.shim import validation
 from blazar.shim.ollama import protocol, render
 
@@ -23,10 +23,12 @@ _MANAGED = (
 
 
 def model_info(response: inference_pb2.ListModelsResponse, name: str) -> inference_pb2.ModelInfo:
-    """The listed model called `name` (a Lane name or an alias); ModelNotFound if none."""
-    for info in response.models:
-        if info.id == name:
-            return info
+    """The listed model called `name` (a Lane name or an alias, `modelnames.lookups`);
+    ModelNotFound if none."""
+    for candidate in modelnames.lookups(name):
+        for info in response.models:
+            if info.id == candidate:
+                return info
     raise errors.ModelNotFound.of(name)
 
 
