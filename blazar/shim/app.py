@@ -75,6 +75,7 @@ def create_app(
             Route("/readyz", readyz, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
             *openai_routes.routes(),
+            *dialects.models_routes(),
             *ollama_routes.routes(),
             *anthropic_routes.routes(),
         ],

@@ -372,6 +372,23 @@ def test_unknown_model_is_404(client: anthropic.Anthropic) -> None:
         assert "no-such-model" in body["error"]["message"]
 
 
+def test_the_models_api_in_anthropics_shape(client: anthropic.Anthropic, daemon: Daemon) -> None:
+    """`client.models` gets Anthropic's Models API on the path OpenAI's clients list
+    models on; an OpenAI client there still gets OpenAI's list."""
+    listed = list(client.models.list())
+    assert [m.id for m in listed] == [LANE]
+    assert (listed[0].type, listed[0].display_name) == ("model", LANE)
+    assert listed[0].created_at.year >= 2026
+    one = client.models.retrieve(f"{LANE}:latest")
+    assert one.id == LANE and one.type == "model"
+    with pytest.raises(anthropic.NotFoundError) as missing:
+        client.models.retrieve("no-such-model")
+    assert missing.value.body["error"]["type"] == "not_found_error"  # type: ignore[index]
+    assert missing.value.request_id
+    openai_shape = httpx.get(f"http://{daemon.http}/v1/models").json()
+    assert openai_shape["object"] == "list" and openai_shape["data"][0]["object"] == "model"
+
+
 def test_bad_requests_are_400_in_anthropics_shape(
     client: anthropic.Anthropic, daemon: Daemon
 ) -> None:

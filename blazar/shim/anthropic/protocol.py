@@ -322,3 +322,19 @@ Event = (
 
 class TokenCount(TypedDict):
     input_tokens: int
+
+
+class ModelInfo(TypedDict):
+    """An entry of Anthropic's Models API."""
+
+    type: Literal["model"]
+    id: str
+    display_name: str
+    created_at: str  # RFC 3339
+
+
+class ModelList(TypedDict):
+    data: list[ModelInfo]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool

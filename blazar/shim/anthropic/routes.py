@@ -19,7 +19,7 @@ from blazar._proto.v1 import inference_pb2
 from blazar.api import errors
 from blazar.shim import context, inference, relay, request_body, streaming
 from blazar.shim.anthropic import protocol
-from blazar.shim.anthropic.convert import envelope, render, requests
+from blazar.shim.anthropic.convert import envelope, listing, render, requests
 
 _log = structlog.get_logger("blazar.shim.anthropic")
 
@@ -33,6 +33,12 @@ def routes() -> list[Route]:
         Route(PREFIX, _guarded(messages), methods=["POST"]),
         Route(f"{PREFIX}/count_tokens", _guarded(count_tokens), methods=["POST"]),
     ]
+
+
+def model_handlers() -> tuple[relay.Handler, relay.Handler]:
+    """The Models API's list and retrieve, for `/v1/models` asked with Anthropic's
+    `anthropic-version` header (`blazar.shim.dialects.models_routes`)."""
+    return _guarded(list_models), _guarded(retrieve_model)
 
 
 def owns(path: str) -> bool:
@@ -54,6 +60,28 @@ async def messages(request: Request) -> Response:
     if body.stream:
         return await _stream(request, stream, render.Events(meta), request_id=ctx.request_id)
     return await _collect(request, stream, meta, request_id=ctx.request_id)
+
+
+async def list_models(request: Request) -> Response:
+    """Anthropic's `GET /v1/models` (`client.models.list()`), one page of it."""
+    ctx = context.of(request)
+    try:
+        response = await inference.client_of(request).list_models(metadata=ctx.grpc_metadata())
+        body = listing.page(response, request.query_params)
+    except errors.BlazarError as err:
+        return error(err, request_id=ctx.request_id)
+    return JSONResponse(body)
+
+
+async def retrieve_model(request: Request) -> Response:
+    """Anthropic's `GET /v1/models/{model_id}` (`client.models.retrieve`)."""
+    ctx = context.of(request)
+    try:
+        response = await inference.client_of(request).list_models(metadata=ctx.grpc_metadata())
+        body = listing.find(response, request.path_params["model"])
+    except errors.BlazarError as err:
+        return error(err, request_id=ctx.request_id)
+    return JSONResponse(body)
 
 
 async def count_tokens(request: Request) -> Response:

@@ -32,11 +32,14 @@ def routes() -> list[Route]:
         Route("/v1/chat/completions", _guarded(chat_completions), methods=["POST"]),
         Route("/v1/completions", _guarded(completions), methods=["POST"]),
         Route("/v1/embeddings", _guarded(embeddings), methods=["POST"]),
-        Route("/v1/models", _guarded(list_models), methods=["GET"]),
-        # `path`: an alias may contain a slash (`google/gemma-3`).
-        Route("/v1/models/{model:path}", _guarded(retrieve_model), methods=["GET"]),
         *responses_routes.routes(),
     ]
+
+
+def model_handlers() -> tuple[relay.Handler, relay.Handler]:
+    """`/v1/models` and `/v1/models/{model}` as OpenAI's, mounted by
+    `blazar.shim.dialects.models_routes` (Anthropic's clients use the same paths)."""
+    return _guarded(list_models), _guarded(retrieve_model)
 
 
 async def chat_completions(request: Request) -> Response:
