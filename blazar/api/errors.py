@@ -17,6 +17,8 @@
     │   ├── SloUnattainable           predicted to miss its TTFT target  RESOURCE_EXHAUSTED
     │   └── RateLimited               the tenant's rate limit is spent   RESOURCE_EXHAUSTED
     ├── Unavailable                   no ready replica / shutting down   UNAVAILABLE
+    │   └── ReplicaFailed             its replica failed, then its bound UNAVAILABLE
+    │                                 passed (a 503, not admission's 429)
     ├── Unauthenticated               missing or wrong API key           UNAUTHENTICATED
     ├── PermissionDenied              key without access                 PERMISSION_DENIED
     │   ├── ModelNotPermitted         a Lane the tenant may not use      PERMISSION_DENIED
@@ -413,6 +415,27 @@ class RateLimited(Overloaded):
 class Unavailable(BlazarError):
     code = "UNAVAILABLE"
     reason = "UNAVAILABLE"
+
+
+class ReplicaFailed(Unavailable):
+    """A request handed back to the queue when its replica failed before its first
+    token (its engine exited or stopped answering), whose policy's bound passed while
+    it waited for another: its target or wait bound is missed because a replica
+    failed, not because the Lane is loaded, so it is UNAVAILABLE (a 503), not a 429."""
+
+    @classmethod
+    def of(cls, *, lane: str, policy: str, bound: str, retry_after_s: float) -> ReplicaFailed:
+        return cls(
+            f"The replica of Lane '{lane}' this request was sent to failed before its "
+            f"first token (its engine exited or stopped answering), and the "
+            f"{bound} of SLOPolicy '{policy}' passed while it waited for another. "
+            f"Retry in {retry_after_s:.1f} s.",
+            metadata={
+                "lane": lane,
+                "policy": policy,
+                RETRY_AFTER_KEY: _retry_millis(retry_after_s),
+            },
+        )
 
 
 class Unauthenticated(BlazarError):

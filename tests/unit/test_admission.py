@@ -1898,3 +1898,29 @@ def test_an_urgent_ticket_parks_work_only_where_its_context_fits() -> None:
     queue = queue_of(urgent, view=view)
     preempt = queue.preemption(now=0.0, view=view)
     assert preempt is not None and (preempt.victim, preempt.replica) == ("dear", 1)
+
+
+@pytest.mark.parametrize(
+    ("restarted", "reason", "expected"),
+    [
+        (False, Reason.SLO_UNATTAINABLE, errors.SloUnattainable),
+        (False, Reason.QUEUE_TIMEOUT, errors.QueueTimeout),
+        # Handed back by a replica that failed before its first token: the bound passed
+        # while a replica was lost, not under load. A 503 with the same retry hint.
+        (True, Reason.SLO_UNATTAINABLE, errors.ReplicaFailed),
+        (True, Reason.QUEUE_TIMEOUT, errors.ReplicaFailed),
+        # Its caller's own deadline is its caller's, whatever held it up.
+        (True, Reason.DEADLINE_EXCEEDED, errors.DeadlineExceeded),
+    ],
+)
+def test_a_bound_missed_after_a_failed_replica_is_unavailable_not_overload(
+    restarted: bool, reason: Reason, expected: type[errors.BlazarError]
+) -> None:
+    policy = replace(INTERACTIVE, max_queue_wait_s=5.0)
+    t = replace(ticket("t", policy), restarted=restarted, caller_deadline=10.0)
+    err = Refuse(t, reason, 1.5, predicted_ttft_s=20.0).error("l")
+    assert type(err) is expected
+    if expected is errors.ReplicaFailed:
+        assert (err.code, err.reason) == ("UNAVAILABLE", "UNAVAILABLE")
+        assert err.metadata[errors.RETRY_AFTER_KEY] == "1500"
+        assert "failed before its first token" in str(err)

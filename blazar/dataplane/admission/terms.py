@@ -408,8 +408,28 @@ class Refuse:
     waited_s: float = 0.0
     predicted_ttft_s: float | None = None
 
-    def error(self, lane: str) -> errors.Overloaded | errors.DeadlineExceeded:
+    def error(
+        self, lane: str
+    ) -> errors.Overloaded | errors.DeadlineExceeded | errors.ReplicaFailed:
+        """The caller's error. A ticket handed back by a failed replica (`restarted`)
+        that misses its target or wait bound meanwhile lost that time to the failure,
+        not to load: `errors.ReplicaFailed`."""
         policy = self.ticket.policy
+        if self.ticket.restarted and self.reason in (
+            Reason.QUEUE_TIMEOUT,
+            Reason.SLO_UNATTAINABLE,
+        ):
+            timeout = self.reason == Reason.QUEUE_TIMEOUT
+            return errors.ReplicaFailed.of(
+                lane=lane,
+                policy=policy.name,
+                bound=(
+                    f"{policy.max_queue_wait_s or 0.0:.2f} s wait bound (maxQueueWaitMs)"
+                    if timeout
+                    else f"{policy.ttft_target_s or 0.0:.2f} s target (ttftTargetMs)"
+                ),
+                retry_after_s=self.retry_after_s,
+            )
         if self.reason == Reason.DEADLINE_EXCEEDED:
             return errors.DeadlineExceeded.of(
                 lane=lane,
