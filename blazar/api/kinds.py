@@ -539,6 +539,10 @@ class ReplicaStatus(CamelModel):
     # The same of the context per slot its engine holds (None: the Lane's
     # `contextPerSlot`): an old replica of a `contextPerSlot` rollout holds the old size.
     context_per_slot: int | None = None
+    # Health checks a Ready replica has missed in a row: while above 0 no request is
+    # routed to it, and those sent to it that have no first token yet go back to the
+    # queue (`ReplicaObservation.missed_probes`).
+    missed_probes: int = 0
 
 
 class LaneMemory(CamelModel):

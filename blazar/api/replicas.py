@@ -206,3 +206,7 @@ class ReplicaObservation:
     slots: int | None = None
     # The same of its context per slot: the Lane's may say more (or less) than it holds.
     context_per_slot: int | None = None
+    # Liveness probes of a Ready replica missed in a row (0: its last one passed). One
+    # miss takes it out of routing until a probe passes again, as a failed readiness
+    # probe takes a Pod out of its Service; `supervisor.LIVENESS_FAILURES` kill it.
+    missed_probes: int = 0

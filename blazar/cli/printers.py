@@ -277,7 +277,12 @@ def _listed(objs: Sequence[ObjectJson], *, named: bool) -> ObjectJson | dict[str
 
 def _replica_message(replica: dict[str, Any], now: datetime) -> str:
     """What its state says; else why its last run exited (a crash, restarted since).
-    A failed replica waiting out its crash back-off says when it restarts."""
+    A failed replica waiting out its crash back-off says when it restarts; a Ready one
+    that misses its health checks, how many in a row (it takes no requests meanwhile)."""
+    missed = int(replica.get("missedProbes") or 0)
+    if missed and replica.get("state") == "Ready":
+        checks = "health check" if missed == 1 else "health checks"
+        return f"missed {missed} {checks} in a row: no requests go to it until it answers"
     reason = str(replica.get("lastExitReason", ""))
     message = str(replica.get("message", "")) or (f"last exit: {reason}" if reason else "")
     due = replica.get("restartAt")

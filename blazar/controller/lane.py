@@ -582,7 +582,22 @@ class LaneReconciler:
         # Restarts are in the key because a replica that failed to spawn has no pid, so
         # each failed attempt would otherwise look like the one before.
         before = {r.index: (r.state, r.pid, r.restarts) for r in previous.replica_statuses}
+        missed_before = {(r.index, r.pid): r.missed_probes for r in previous.replica_statuses}
         for obs in observed:
+            if (
+                obs.state == ReplicaState.READY
+                and obs.missed_probes
+                and not missed_before.get((obs.index, obs.pid))
+            ):
+                # As the kubelet's Unhealthy event for a failed probe.
+                self._event(
+                    name,
+                    "Warning",
+                    "Unhealthy",
+                    f"Replica {obs.index} (pid {obs.pid}) missed a health check: no "
+                    "requests go to it until it answers again, and those it holds without "
+                    "a first token go back to the queue.",
+                )
             if before.get(obs.index) == (obs.state.value, obs.pid, obs.restarts):
                 continue
             if obs.state == ReplicaState.READY:

@@ -290,6 +290,7 @@ def replica_statuses(observed: Sequence[ReplicaObservation]) -> list[ReplicaStat
             message=obs.message,
             slots=obs.slots,
             context_per_slot=obs.context_per_slot,
+            missed_probes=obs.missed_probes,
         )
         for obs in sorted(observed, key=lambda o: o.index)
     ]

@@ -7,7 +7,11 @@ first token and the end with the Lane's dispatcher, counts the request on its re
 (`inflight`, which routing reads as load) and charges its tenant (the Final's usage,
 or what it was sent when it left before the Final). A replica that
 refuses with UNAVAILABLE before its first chunk yields a final None: the caller hands
-the request back to admission (nothing was generated, so this is safe).
+the request back to admission (nothing was generated, so this is safe). So does a run
+taken back (`runs.Run.withdraw`) before its first chunk, its replica having missed a
+health check: its call is cancelled, and it waits for a replica that answers rather
+than for one that may never answer again. Taken back after a chunk came in meanwhile,
+it fails as one whose engine was lost.
 
 An upstream Lane's one replica is its upstream server: the stream comes from
 `blazar.enginehost.upstream` as canonical chunks, and its failures (Blazar errors,
@@ -17,6 +21,7 @@ to the same server again.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import Counter
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
@@ -80,10 +85,14 @@ class Attempts:
         `through`: the daemons the request went through (`blazar.api.via`), for an
         upstream Lane's server."""
         replica, ticket = run.replica, run.ticket
+        if run.withdrawn:  # taken back before its relay got here
+            yield None
+            return
         key = (replica.lane, replica.index)
         self.inflight[key] += 1
         metrics.IN_FLIGHT.labels(route.lane).inc()
         call = self._open(route, replica, generate, through)
+        run.cancel = call.cancel
         first_at: float | None = None
         tokens = 0
         sent = False
@@ -145,6 +154,28 @@ class Attempts:
                     settled = True
                 sent = True
                 yield chunk
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if not run.taken_back() or (task is not None and task.cancelling()):
+                raise  # its caller left
+            settled = True
+            if not sent:
+                retried = True
+                yield None
+                return
+            lost = errors.Unavailable(
+                f"Replica {replica.index} of Lane '{route.lane}' stopped answering its "
+                "health checks before this request finished; retry."
+            )
+            metrics.observe_failure(route.lane, lost.reason, tokens=tokens)
+            log.info(
+                "request.failed",
+                request_id=generate.request_id,
+                lane=route.lane,
+                tenant=ticket.tenant,
+                reason=lost.reason,
+            )
+            await status.abort(context, lost)
         except (grpc.aio.AioRpcError, errors.BlazarError) as exc:
             settled = True
             # A BlazarError is an upstream's failure: its only replica is the one that

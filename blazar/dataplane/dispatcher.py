@@ -608,6 +608,14 @@ class LaneDispatcher(preempting.Preempting):
             return True
         self._route = route
         self._runs.forget_gone(route)
+        for run in self._runs.stranded(route):
+            log.info(
+                "admission.withdrawn",
+                request_id=run.request_id,
+                lane=self.lane,
+                replica=run.replica.index,
+            )
+            run.withdraw()
         # A process that left the route never has a first token again: without this, a
         # daemon would keep one entry per engine restart (crash, rollout) for good.
         serving = {runs.identity(r) for r in route.replicas}

@@ -78,6 +78,11 @@ class Route:
     # The Lane its requests predicted to miss their TTFT target may run on instead
     # (spec.spillover); it may name no Lane of the table (`spillover_of`).
     spillover: str | None = None
+    # Ready replicas that missed their last health check (`ReplicaStatus.missed_probes`):
+    # no request goes to them, and those they hold without a first token are handed
+    # back to the queue, until a probe passes (they are in `replicas` again) or they are
+    # killed and restarted. A request for a Lane that has only these waits.
+    unanswering: tuple[Replica, ...] = ()
     # Its SpecPair's disableAboveBatch: with more sequences than this decoding on a
     # replica, no sequence drafts there, so each decode step yields one token. None: no
     # SpecPair named (or none stored), and then no drafts either way.
@@ -99,17 +104,20 @@ def build_table(
     limits = draft_batch_max or {}
     routes = []
     for lane in sorted(lanes, key=lambda item: item.metadata.name):
-        ready = tuple(
-            Replica(lane.metadata.name, r.index, r.socket, r.pid, r.slots, r.context_per_slot)
+        running = [
+            (Replica(lane.metadata.name, r.index, r.socket, r.pid, r.slots, r.context_per_slot), r)
             for r in lane.status.replica_statuses
             if r.state == ReplicaState.READY.value and r.socket
-        )
+        ]
+        ready = tuple(replica for replica, r in running if not r.missed_probes)
+        unanswering = tuple(replica for replica, r in running if r.missed_probes)
         created = lane.metadata.creation_timestamp
         route = Route(
             lane=lane.metadata.name,
             model=lane.spec.model,
             aliases=tuple(lane.spec.aliases),
             replicas=ready,
+            unanswering=unanswering,
             created=int(created.timestamp()) if created else 0,
             context_length=lane.spec.context_per_slot,
             slots=lane.spec.slots,
@@ -221,9 +229,14 @@ def waits(route: Route) -> bool:
     """Whether a request for the Lane, which no replica serves now, waits for one (within
     its policy's bounds) rather than being refused: the Lane wakes for it (it sleeps, or
     waits for memory), or a replica of it is starting, as a request already queued waits
-    when its replica dies. A Lane whose replica failed and waits out its crash back-off
+    when its replica dies; or its replicas missed a health check (each answers again
+    or is restarted). A Lane whose replica failed and waits out its crash back-off
     refuses at once ("retry shortly"); so does a paused one."""
-    return not route.replicas and route.desired > 0 and (route.wakes or route.starting)
+    return (
+        not route.replicas
+        and route.desired > 0
+        and (route.wakes or route.starting or bool(route.unanswering))
+    )
 
 
 def unservable(route: Route) -> errors.Unavailable | None:

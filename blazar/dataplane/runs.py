@@ -18,7 +18,7 @@ will start in its slot, and its KV counts toward its replica's parked bytes alre
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TypeAlias
 
@@ -73,6 +73,22 @@ class Run:
     # `dispatcher.LaneDispatcher._start`): measured against it, the forecast's
     # lateness. None: it does not.
     wait_forecast_s: float | None = None
+    # Cancels its engine call, once its relay opened one (`withdraw`).
+    cancel: Callable[[], object] | None = None
+    # Taken back from a replica that missed a health check before its first token:
+    # its relay hands it back to the queue (`attempt.Attempts.stream`).
+    withdrawn: bool = False
+
+    def taken_back(self) -> bool:
+        """Whether it was withdrawn (a call, where the field would be narrowed)."""
+        return self.withdrawn
+
+    def withdraw(self) -> None:
+        """Take the run back from its replica: its call is cancelled, and its relay,
+        seeing `withdrawn`, hands it back to the queue rather than fail it."""
+        self.withdrawn = True
+        if self.cancel is not None:
+            self.cancel()
 
     @property
     def first_token_due(self) -> float:
@@ -162,6 +178,20 @@ class LaneRuns:
         """A replica that left the route is gone as that process; forget it."""
         present = {identity(r) for r in route.replicas}
         self.excluded = {k: until for k, until in self.excluded.items() if k in present}
+
+    def stranded(self, route: routing.Route) -> list[Run]:
+        """The runs without a first token on replicas that missed a health check
+        (`routing.Route.unanswering`): nothing was generated for them, so they may go
+        back to the queue for a replica that answers."""
+        unanswering = {identity(r) for r in route.unanswering}
+        return [
+            run
+            for run in self.running.values()
+            if identity(run.replica) in unanswering
+            and run.first_token_at is None
+            and not run.ended
+            and not run.withdrawn
+        ]
 
     def exclude(self, replica: routing.Replica, *, now: float) -> None:
         """`replica` refused a request before its first chunk: out of the view for

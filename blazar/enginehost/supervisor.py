@@ -15,7 +15,9 @@ daemon dies (parent-death signal), so a `kill -9` of the daemon leaves no orphan
 A Ready replica's Health is polled as a liveness probe: one that misses
 `LIVENESS_FAILURES` checks in a row (stopped, deadlocked, wedged inside llama.cpp) is
 killed and fails like a crash, so the Lane restarts it instead of routing requests to
-it forever. A replica being stopped is not probed.
+it forever. From its first miss until a check passes it shows its misses in a row
+(`missed_probes`), which takes it out of routing, as a failed readiness probe takes a
+Pod out of its Service. A replica being stopped is not probed.
 
 Each worker is started as `python -m blazar.engine --launch FILE`, where FILE is its
 launch document (`replicas.EngineLaunch`, JSON) written into the run directory: the
@@ -60,8 +62,10 @@ STOP_GRACE_S = 10.0
 # The liveness probe of a Ready replica, as a kubelet's: 3 misses in a row (its default)
 # fail it. Every 5 s rather than 10, to catch a hang sooner, and a 5 s timeout rather
 # than 1, since the Health RPC shares two busy cores with the decode loop. A hung
-# worker is killed after 15-30 s. (The HealthMonitor also calls Health every 5 s, for
-# the gauges; the two are kept apart so that metrics never decide a replica's life.)
+# worker misses its first check 5-10 s after it stops (and takes no new requests from
+# then on: `_until_unresponsive`) and is killed 25-30 s after it stops. (The
+# HealthMonitor also calls Health every 5 s, for the gauges; the two are kept apart so
+# that metrics never decide a replica's life.)
 LIVENESS_PERIOD_S = 5.0
 LIVENESS_TIMEOUT_S = 5.0
 LIVENESS_FAILURES = 3
@@ -105,6 +109,8 @@ class _Replica:
     stopping: bool = False
     # Where this run's output starts in the replica's log (the file is appended to).
     log_offset: int = 0
+    # Liveness probes missed in a row by this run (`ReplicaObservation.missed_probes`).
+    missed_probes: int = 0
 
     def observation(self) -> ReplicaObservation:
         return ReplicaObservation(
@@ -122,6 +128,7 @@ class _Replica:
             message=self.message,
             slots=self.launch.slots,
             context_per_slot=self.launch.context_per_slot,
+            missed_probes=self.missed_probes,
         )
 
 
@@ -456,10 +463,11 @@ class Supervisor:
         """Probe a Ready replica's Health until it misses `LIVENESS_FAILURES` in a row
         (what it did, for its message) or is being stopped (None, whatever it answers
         then). A miss: no answer in time, or a decode pass older than
-        `LIVENESS_MAX_STEP_S`."""
+        `LIVENESS_MAX_STEP_S`. Each change of the count of misses in a row is told
+        (`on_change`): from the first miss until a probe passes, the replica takes no
+        new requests, and those it holds without a first token go back to the queue."""
         client = replica.client
         assert client is not None
-        failures = 0
         while not replica.stopping:
             await asyncio.sleep(LIVENESS_PERIOD_S)
             try:
@@ -471,16 +479,36 @@ class Supervisor:
                 )
             else:
                 if health.step_age_ms <= LIVENESS_MAX_STEP_S * 1000.0:
-                    failures = 0
+                    self._missed(replica, 0)
                     continue
                 why = (
                     f"its decode loop was stuck in one pass for {health.step_age_ms / 1000:.0f}s "
                     f"(over {LIVENESS_MAX_STEP_S:.0f}s, {LIVENESS_FAILURES} checks in a row)"
                 )
-            failures += 1
-            if failures >= LIVENESS_FAILURES and not replica.stopping:
+            missed = replica.missed_probes + 1
+            if missed >= LIVENESS_FAILURES and not replica.stopping:
                 return why
+            if not replica.stopping:
+                self._missed(replica, missed)
         return None
+
+    def _missed(self, replica: _Replica, count: int) -> None:
+        """Set the replica's probes missed in a row, telling a change."""
+        if replica.missed_probes == count:
+            return
+        replica.missed_probes = count
+        pid = replica.process.pid if replica.process else None
+        if count:
+            log.warning(
+                "replica.probe_missed",
+                lane=replica.lane,
+                index=replica.index,
+                pid=pid,
+                missed=count,
+            )
+        else:
+            log.info("replica.probe_passed", lane=replica.lane, index=replica.index, pid=pid)
+        self.on_change(replica.lane)
 
     async def _drain(self, replica: _Replica, grace: float) -> None:
         client = replica.client

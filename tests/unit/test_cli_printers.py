@@ -411,6 +411,22 @@ def test_describe_shows_why_a_restarted_replica_last_exited() -> None:
     assert "exit 1 (" not in shown  # its restart is due: no back-off left to show
 
 
+def test_describe_shows_a_ready_replica_that_misses_its_health_checks() -> None:
+    lane = {
+        "kind": "Lane",
+        "metadata": {"name": "l"},
+        "status": {
+            "replicaStatuses": [
+                {"index": 0, "state": "Ready", "missedProbes": 2},
+                {"index": 1, "state": "Ready", "missedProbes": 0},
+            ]
+        },
+    }  # fmt: skip
+    shown = printers.describe(lane, [], now=T0)
+    assert "missed 2 health checks in a row: no requests go to it until it answers" in shown
+    assert shown.count("missed") == 1
+
+
 def test_get_slopolicies_shows_what_an_overloaded_request_gets() -> None:
     """reject unless said otherwise when there is a target; without one, a wait."""
     policies = [slo("default"), slo("patient"), slo("untargeted")]

@@ -32,6 +32,8 @@ from blazar.api.kinds import (
     ModelSpec,
     ModelStatus,
     ReplicaStatus,
+    SLOPolicy,
+    SLOPolicySpec,
 )
 from blazar.api.meta import ObjectMeta
 from blazar.dataplane import access, admission, dispatcher, prefixes, routing, server, unqueued
@@ -43,13 +45,19 @@ from tests.unit import helpers
 
 
 class FakeEngine(engine_pb2_grpc.EngineServicer):
-    def __init__(self, *, refuse: bool, text: str, hang: bool = False, die: bool = False) -> None:
+    def __init__(
+        self, *, refuse: bool, text: str, hang: bool = False, die: bool = False, stall: bool = False
+    ) -> None:
         self.refuse = refuse
         self.text = text
         # Never finish after the first chunk (a long generation).
         self.hang = hang
         # Go away after the first chunk, as a crashed engine process does.
         self.die = die
+        # Answer nothing at all, as a stopped or deadlocked engine process does.
+        self.stall = stall
+        # Generate calls that ended by their caller's cancel.
+        self.cancelled = 0
         self.server: grpc.aio.Server | None = None
         self.stopping: asyncio.Task[None] | None = None
         self.calls = 0
@@ -63,6 +71,12 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
         self.requests.append(request)
         if self.refuse:
             await status.abort(context, errors.Unavailable("draining"))
+        if self.stall:
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                self.cancelled += 1
+                raise
         prompt = request.prompt or "".join(m.content for m in request.chat.messages)
         # A token per character of the longest prefix shared with a prompt it served.
         reused = max((shared(p, prompt) for p in self.served), default=0)
@@ -136,15 +150,24 @@ async def engines(*fakes: FakeEngine) -> AsyncIterator[list[str]]:
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def lane(sockets: list[str], pids: list[int] | None = None) -> Lane:
+def lane(
+    sockets: list[str],
+    pids: list[int] | None = None,
+    *,
+    missed: list[int] | None = None,
+    slo_policy: str | None = None,
+) -> Lane:
+    """Lane "l" whose Ready replicas are at `sockets` (with the health checks each
+    missed in a row: `missed`)."""
     pids = pids or [100 + i for i in range(len(sockets))]
+    missed = missed or [0] * len(sockets)
     return Lane(
         metadata=ObjectMeta(name="l"),
-        spec=LaneSpec(model="m", replicas=len(sockets)),
+        spec=LaneSpec(model="m", replicas=len(sockets), slo_policy=slo_policy),
         status=LaneStatus(
             replica_statuses=[
-                ReplicaStatus(index=i, state="Ready", socket=s, pid=pid)
-                for i, (s, pid) in enumerate(zip(sockets, pids, strict=True))
+                ReplicaStatus(index=i, state="Ready", socket=s, pid=pid, missed_probes=m)
+                for i, (s, pid, m) in enumerate(zip(sockets, pids, missed, strict=True))
             ]
         ),
     )
@@ -164,12 +187,15 @@ async def serving(
     *,
     keys: access.Access | None = None,
     activity: Activity | None = None,
+    policies: tuple[SLOPolicy, ...] = (),
 ) -> AsyncIterator[Plane]:
     """A data plane serving lane "l", whose replicas are the fakes, with its store (and
-    the keys in force, and the activity ledger, if given)."""
+    the keys in force, the activity ledger, and the SLOPolicies, the first of them the
+    Lane's, if given)."""
     async with engines(*fakes) as sockets:
         store = MemoryStore()
-        store.apply_all([lane(sockets)])
+        named = policies[0].metadata.name if policies else None
+        store.apply_all([*policies, lane(sockets, slo_policy=named)])
         store.update_status(Kind.LANE, "l", lane(sockets).status)
         plane = await server.start(
             store=store, address="127.0.0.1:0", access=keys, activity=activity
@@ -332,6 +358,75 @@ def test_a_request_whose_replica_process_died_is_served_by_its_restart() -> None
     chunks, took = asyncio.run(run())
     assert chunks[0].delta.text == "a" and chunks[-1].HasField("final")
     assert took < 0.9, took  # gRPC's first reconnect backoff is 1 s
+
+
+def test_a_request_held_by_a_replica_that_misses_a_health_check_goes_to_one_that_answers() -> None:
+    """A stopped or deadlocked engine answers nothing until the liveness probe kills it
+    (20-30 s on): once it has missed one health check, the request it holds without a
+    first token goes back to the queue and the replica that answers serves it, and no
+    new request goes to the silent one."""
+    hung, healthy = (
+        FakeEngine(refuse=False, text="a", stall=True),
+        FakeEngine(refuse=False, text="b"),
+    )
+
+    async def run() -> tuple[list[inference_pb2.Chunk], inference_pb2.Chunk, float]:
+        async with serving([hung, healthy]) as plane:
+            call = plane.stub.Complete(inference_pb2.CompleteRequest(model="l", prompt="x"))
+            reading = asyncio.ensure_future(call.read())
+            await wait_until(lambda: hung.calls == 1, "the request on the silent replica")
+            await asyncio.sleep(0.2)
+            assert not reading.done() and healthy.calls == 0
+            started = time.monotonic()
+            missed = lane(plane.sockets, missed=[1, 0]).status
+            plane.store.update_status(Kind.LANE, "l", missed)
+            chunks = [await asyncio.wait_for(reading, timeout=5)]
+            took = time.monotonic() - started
+            while (chunk := await call.read()) is not grpc.aio.EOF:
+                chunks.append(chunk)
+            await wait_until(lambda: hung.cancelled == 1, "the silent call cancelled")
+            later = [
+                c
+                async for c in plane.stub.Complete(
+                    inference_pb2.CompleteRequest(model="l", prompt="y")
+                )
+            ]
+            return chunks, later[-1], took
+
+    chunks, later, took = asyncio.run(run())
+    assert chunks[0].delta.text == "b" and chunks[-1].final.routing.replica == 1
+    assert took < 2.0, took
+    assert later.final.routing.replica == 1 and (hung.calls, healthy.calls) == (1, 2)
+
+
+def test_a_request_whose_only_replica_went_silent_past_its_target_is_a_503() -> None:
+    """The Lane's only replica goes silent with the request on it: taken back at the
+    first missed health check, the request is past its policy's TTFT target, and is
+    refused as UNAVAILABLE (a replica failed) with a retry hint, not as
+    RESOURCE_EXHAUSTED (load), and not only when the replica is killed."""
+    hung = FakeEngine(refuse=False, text="a", stall=True)
+    fast = SLOPolicy(metadata=ObjectMeta(name="fast"), spec=SLOPolicySpec(ttft_target_ms=100))
+
+    async def run() -> tuple[grpc.aio.AioRpcError, float]:
+        async with serving([hung], policies=(fast,)) as plane:
+            call = plane.stub.Complete(
+                inference_pb2.CompleteRequest(model="l", prompt="x"), timeout=5
+            )
+            reading = asyncio.ensure_future(call.read())
+            await wait_until(lambda: hung.calls == 1, "the request on the silent replica")
+            await asyncio.sleep(0.2)  # past its 100 ms target
+            started = time.monotonic()
+            plane.store.update_status(Kind.LANE, "l", lane(plane.sockets, missed=[1]).status)
+            with pytest.raises(grpc.aio.AioRpcError) as raised:
+                await reading
+            return raised.value, time.monotonic() - started
+
+    error, took = asyncio.run(run())
+    assert error.code() == grpc.StatusCode.UNAVAILABLE, error.details()
+    assert "failed before its first token" in (error.details() or "")
+    assert "ttftTargetMs" in (error.details() or "")
+    assert status.from_rpc_error(error).metadata.get(errors.RETRY_AFTER_KEY)
+    assert took < 2.0, took
 
 
 def test_requests_for_a_lane_whose_replica_is_starting_wait_for_it() -> None:

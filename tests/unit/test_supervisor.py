@@ -616,6 +616,46 @@ def test_a_ready_replica_that_stops_answering_is_killed_and_fails(
         assert (obs.state, obs.exit_code, obs.message) == (ReplicaState.READY, None, "")
 
 
+def test_a_replica_that_misses_a_health_check_says_so_until_it_answers_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """From its first missed health check (SIGSTOP) a Ready replica shows its misses in
+    a row, and the Lane is told (routing takes it out); a probe that passes again
+    (SIGCONT) clears them, and it is told again. It stays Ready and is not killed
+    before `LIVENESS_FAILURES` misses."""
+    monkeypatch.setattr(supervisor, "LIVENESS_PERIOD_S", 0.1)
+    monkeypatch.setattr(supervisor, "LIVENESS_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(supervisor, "LIVENESS_FAILURES", 100)
+    sup, spec, worker = bare_supervisor(tmp_path)
+    worker.write_text(SERVING_WORKER)
+    told: list[int] = []
+    sup.on_change = lambda _: told.append(sup.observe("l")[0].missed_probes)
+
+    async def run() -> tuple[ReplicaObservation, ReplicaObservation]:
+        await sup.start("l", 0, spec)
+        await until(lambda: sup.observe("l")[0].state == ReplicaState.READY, what="ready")
+        (ready,) = sup.observe("l")
+        assert ready.pid is not None and ready.missed_probes == 0
+        os.kill(ready.pid, signal.SIGSTOP)
+        try:
+            await until(lambda: sup.observe("l")[0].missed_probes >= 1, what="a missed probe")
+            (silent,) = sup.observe("l")
+        finally:
+            os.kill(ready.pid, signal.SIGCONT)
+            if sup.observe("l")[0].missed_probes == 0:
+                await sup.stop_all(grace=1.0)  # failing: no worker left behind
+        await until(lambda: sup.observe("l")[0].missed_probes == 0, what="a probe passed")
+        (back,) = sup.observe("l")
+        await sup.stop_all(grace=1.0)
+        return silent, back
+
+    silent, back = asyncio.run(run())
+    remove_run_dir(sup)
+    assert (silent.state, back.state) == (ReplicaState.READY, ReplicaState.READY)
+    assert silent.pid == back.pid and back.exit_code is None
+    assert told[told.index(1) :][-1] == 0 and 1 in told
+
+
 def test_a_replica_whose_decode_pass_never_ends_is_killed_though_it_answers(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
