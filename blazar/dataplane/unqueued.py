@@ -11,7 +11,9 @@ generation would in its queue (`routing.waits`: it sleeps and wakes for the call
 replica is starting), up to WAKE_TIMEOUT_S. Embedding and tokenizing are safe to
 repeat, so a replica process that turns one away (draining, or it died under the
 call) is left out, and the call goes to another ready replica or waits for one (the
-same replica restarted) up to REPLICA_RETURN_S.
+same replica restarted) up to REPLICA_RETURN_S. So is one that goes silent under the
+call (it missed a health check: `routing.Route.unanswering`), without waiting for it
+to be killed.
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ WAKE_POLL_S = 0.05
 # Such a call whose replica turned it away (its process died, or it is draining) waits
 # this long for another to serve it: a restarted process is ready in about 2 s.
 REPLICA_RETURN_S = 30.0
+# How often a call under way looks whether its replica went silent (missed a health
+# check), to take it elsewhere.
+SILENCE_POLL_S = 0.25
 
 _Answer = TypeVar("_Answer")
 
@@ -252,11 +257,17 @@ class Unqueued:
         queue. Raises the engine's own refusal, or why no replica served it."""
         refused: set[tuple[int, int | None]] = set()
         while True:
+            client = self._pool.client(replica.socket, process=replica.pid)
+            answer = asyncio.ensure_future(call(client))
             try:
-                client = self._pool.client(replica.socket, process=replica.pid)
-                return route, replica, await call(client)
-            except grpc.aio.AioRpcError as exc:
-                err = status.from_rpc_error(exc)
+                while not answer.done():
+                    await asyncio.wait({answer}, timeout=SILENCE_POLL_S)
+                    if not answer.done() and self._silent(route.lane, replica):
+                        answer.cancel()
+                        raise errors.Unavailable("it stopped answering its health checks")
+                return route, replica, answer.result()
+            except (grpc.aio.AioRpcError, errors.Unavailable) as exc:
+                err = exc if isinstance(exc, errors.Unavailable) else status.from_rpc_error(exc)
                 if not isinstance(err, errors.Unavailable):
                     raise err from None
                 refused.add((replica.index, replica.pid))
@@ -264,6 +275,15 @@ class Unqueued:
                     "call.replica_refused", lane=route.lane, replica=replica.index, error=str(err)
                 )
                 route, replica = await self._replica_back(model, route, refused)
+            finally:
+                answer.cancel()  # a no-op once done; else the caller left
+
+    def _silent(self, lane: str, replica: routing.Replica) -> bool:
+        """Whether `replica` (as its process) missed a health check, by the table now."""
+        route = self.table.by_name.get(lane)
+        return route is not None and any(
+            (r.index, r.pid) == (replica.index, replica.pid) for r in route.unanswering
+        )
 
     async def _replica_back(
         self, model: str, route: routing.Route, refused: Collection[tuple[int, int | None]]

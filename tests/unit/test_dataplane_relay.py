@@ -106,6 +106,8 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
         self.calls += 1
         if self.refuse:
             await status.abort(context, errors.Unavailable("draining"))
+        if self.stall:
+            await asyncio.Event().wait()
         if list(request.inputs) == ["hang"]:
             await asyncio.Event().wait()
         if list(request.inputs) == ["bad"]:
@@ -397,6 +399,33 @@ def test_a_request_held_by_a_replica_that_misses_a_health_check_goes_to_one_that
     assert chunks[0].delta.text == "b" and chunks[-1].final.routing.replica == 1
     assert took < 2.0, took
     assert later.final.routing.replica == 1 and (hung.calls, healthy.calls) == (1, 2)
+
+
+def test_an_embedding_held_by_a_replica_that_misses_a_health_check_goes_to_one_that_answers() -> (
+    None
+):
+    """Embedding is safe to repeat: one under way on a replica that goes silent is
+    sent to the replica that answers once the silent one misses a health check, not
+    when it is killed."""
+    hung = FakeEngine(refuse=False, text="a", stall=True)
+    healthy = FakeEngine(refuse=False, text="b")
+
+    async def run() -> tuple[inference_pb2.EmbedResponse, float]:
+        async with serving([hung, healthy]) as plane:
+            call = plane.stub.Embed(inference_pb2.EmbedRequest(model="l", inputs=["x"]))
+            answer = asyncio.ensure_future(call)
+            await wait_until(lambda: hung.calls == 1, "the call on the silent replica")
+            await asyncio.sleep(0.3)
+            assert not answer.done() and healthy.calls == 0
+            started = time.monotonic()
+            missed = lane(plane.sockets, missed=[1, 0]).status
+            plane.store.update_status(Kind.LANE, "l", missed)
+            response = await asyncio.wait_for(answer, timeout=5)
+            return response, time.monotonic() - started
+
+    response, took = asyncio.run(run())
+    assert response.routing.replica == 1 and healthy.calls == 1
+    assert took < 2.0, took
 
 
 def test_a_request_whose_only_replica_went_silent_past_its_target_is_a_503() -> None:
