@@ -8,8 +8,9 @@ One asyncio task per replica follows it through its lifecycle:
 and calls `on_change(lane)` on every transition so the Lane is reconciled. `stop()`
 (which the Lane's reconcile calls and awaits, so it calls no `on_change`; a plan that
 stops a replica asks for its own next pass) is the teardown: Drain RPC (finish
-in-flight work up to the grace period), SIGTERM, wait, then SIGKILL of the whole
-process group. Workers also die on their own when the
+in-flight work up to the grace period; not to a replica that missed its last health
+check, which would not answer it), SIGTERM, wait, then SIGKILL of the whole process
+group. Workers also die on their own when the
 daemon dies (parent-death signal), so a `kill -9` of the daemon leaves no orphans.
 
 A Ready replica's Health is polled as a liveness probe: one that misses
@@ -216,12 +217,20 @@ class Supervisor:
         if proc is not None and proc.returncode is None:
             if not self._hurried:
                 replica.state = ReplicaState.DRAINING
-                await self._drain(replica, grace)
+                # A silent replica (it missed its last health check) would not answer a
+                # Drain either: waiting out the call's deadline would only delay the
+                # rollout or delete. Should it answer again, SIGTERM has it drain itself,
+                # which takes up to its grace and the cancel after it.
+                silent = replica.missed_probes > 0
+                if not silent:
+                    await self._drain(replica, grace)
                 replica.state = ReplicaState.STOPPING
                 with contextlib.suppress(ProcessLookupError):
                     proc.send_signal(signal.SIGTERM)
                 try:
-                    await asyncio.wait_for(proc.wait(), timeout=grace)
+                    await asyncio.wait_for(
+                        proc.wait(), timeout=grace + (DRAIN_CANCEL_ALLOWANCE_S if silent else 0.0)
+                    )
                 except TimeoutError:
                     log.warning("replica.kill", lane=lane, index=index, pid=proc.pid)
             self._kill_group(proc)

@@ -656,6 +656,38 @@ def test_a_replica_that_misses_a_health_check_says_so_until_it_answers_again(
     assert told[told.index(1) :][-1] == 0 and 1 in told
 
 
+def test_a_silent_replica_is_stopped_without_waiting_out_a_drain_it_cannot_answer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rollout or delete of a replica that went silent (SIGSTOP: it missed a health
+    check) sends it no Drain, whose deadline (grace + 7 s) it would wait out: SIGTERM,
+    the grace and the cancel allowance, then SIGKILL."""
+    monkeypatch.setattr(supervisor, "LIVENESS_PERIOD_S", 0.1)
+    monkeypatch.setattr(supervisor, "LIVENESS_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(supervisor, "LIVENESS_FAILURES", 100)
+    monkeypatch.setattr(supervisor, "DRAIN_CANCEL_ALLOWANCE_S", 0.5)
+    sup, spec, worker = bare_supervisor(tmp_path)
+    worker.write_text(SERVING_WORKER)
+
+    async def run() -> float:
+        await sup.start("l", 0, spec)
+        await until(lambda: sup.observe("l")[0].state == ReplicaState.READY, what="ready")
+        (ready,) = sup.observe("l")
+        assert ready.pid is not None
+        os.kill(ready.pid, signal.SIGSTOP)
+        try:
+            await until(lambda: sup.observe("l")[0].missed_probes >= 1, what="a missed probe")
+        finally:
+            started = time.monotonic()
+            await sup.stop("l", 0, grace=2.0)
+        return time.monotonic() - started
+
+    took = asyncio.run(run())
+    remove_run_dir(sup)
+    # The grace and the allowance (2.5 s), not the Drain's deadline before them (4.5 s).
+    assert 2.4 < took < 3.8, took
+
+
 def test_a_replica_whose_decode_pass_never_ends_is_killed_though_it_answers(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
