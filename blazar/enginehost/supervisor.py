@@ -70,6 +70,14 @@ STOP_GRACE_S = 10.0
 LIVENESS_PERIOD_S = 5.0
 LIVENESS_TIMEOUT_S = 5.0
 LIVENESS_FAILURES = 3
+# A starting worker answers Health (STARTING) from its first second, while its model
+# loads on another thread: one silent this long (the liveness probe's three misses) is
+# stopped or deadlocked, and is killed then rather than at READY_TIMEOUT_S.
+STARTUP_SILENCE_S = LIVENESS_TIMEOUT_S * LIVENESS_FAILURES
+# Its socket comes up about 1 s after its spawn (imports); one that has none this long
+# after (stopped or stuck before it serves) is killed then too. Twice the silence, as a
+# cold start imports from a cold page cache.
+SOCKET_TIMEOUT_S = 2 * STARTUP_SILENCE_S
 # Health is answered off the decode thread, so a decode wedged inside llama.cpp still
 # answers; its `step_age_ms` gives it away. No pass of the loop takes this long on any
 # model Blazar runs on a CPU (a 512-token prompt chunk of an 8B model on two cores takes
@@ -408,7 +416,7 @@ class Supervisor:
         exited = asyncio.create_task(proc.wait())
         ready = asyncio.create_task(self._wait_ready(replica))
         done, _ = await asyncio.wait({exited, ready}, return_when=asyncio.FIRST_COMPLETED)
-        if ready in done and ready.result():
+        if ready in done and ready.result() is None:
             self._set(replica, ReplicaState.READY)
             alive = asyncio.create_task(self._until_unresponsive(replica))
             watched: set[asyncio.Task[Any]] = {exited, alive}
@@ -427,9 +435,8 @@ class Supervisor:
                     reason=replica.message,
                 )
         elif exited not in done:
-            ready.cancel()
             self._kill_group(proc)
-            replica.message = f"not ready within {READY_TIMEOUT_S:.0f}s"
+            replica.message = ready.result() or f"not ready within {READY_TIMEOUT_S:.0f}s"
         else:
             ready.cancel()
         code = await exited
@@ -452,21 +459,37 @@ class Supervisor:
             reason=replica.exit_reason,
         )
 
-    async def _wait_ready(self, replica: _Replica) -> bool:
+    async def _wait_ready(self, replica: _Replica) -> str | None:
+        """None once the worker reports READY; else why it is not: not READY within
+        `READY_TIMEOUT_S`; no socket within `SOCKET_TIMEOUT_S` of its spawn; or, once its
+        socket is up (its Health answers STARTING at once, off the thread that loads
+        the model), no answer at all for `STARTUP_SILENCE_S` (stopped or deadlocked
+        while starting: the liveness probe's misses, not the whole start timeout)."""
         client = replica.client
         assert client is not None
-        deadline = asyncio.get_running_loop().time() + READY_TIMEOUT_S
-        while asyncio.get_running_loop().time() < deadline:
+        loop = asyncio.get_running_loop()
+        spawned = loop.time()
+        deadline = spawned + READY_TIMEOUT_S
+        answered: float | None = None  # when it last answered (or its socket came up)
+        while loop.time() < deadline:
+            if answered is None and loop.time() - spawned >= SOCKET_TIMEOUT_S:
+                return f"did not serve its health checks within {SOCKET_TIMEOUT_S:.0f}s"
             if replica.socket.exists():
+                answered = answered or loop.time()
                 try:
                     health = await client.health(timeout=2.0)
                 except grpc.aio.AioRpcError:
-                    pass
+                    if loop.time() - answered >= STARTUP_SILENCE_S:
+                        return (
+                            f"stopped answering its health checks while starting "
+                            f"(none for {STARTUP_SILENCE_S:.0f}s)"
+                        )
                 else:
+                    answered = loop.time()
                     if health.state == engine_pb2.ENGINE_STATE_READY:
-                        return True
+                        return None
             await asyncio.sleep(HEALTH_POLL_S)
-        return False
+        return f"not ready within {READY_TIMEOUT_S:.0f}s"
 
     async def _until_unresponsive(self, replica: _Replica) -> str | None:
         """Probe a Ready replica's Health until it misses `LIVENESS_FAILURES` in a row

@@ -8,6 +8,7 @@ command line and sleeps, so these tests spawn real processes but load no model.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import json
 import os
@@ -686,6 +687,80 @@ def test_a_silent_replica_is_stopped_without_waiting_out_a_drain_it_cannot_answe
     remove_run_dir(sup)
     # The grace and the allowance (2.5 s), not the Drain's deadline before them (4.5 s).
     assert 2.4 < took < 3.8, took
+
+
+def test_a_replica_that_never_serves_its_health_checks_is_killed_before_the_start_timeout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stopped right after its spawn, before its socket is up: killed after
+    SOCKET_TIMEOUT_S, not at READY_TIMEOUT_S."""
+    monkeypatch.setattr(supervisor, "SOCKET_TIMEOUT_S", 1.0)
+    sup, spec, worker = bare_supervisor(tmp_path)
+    worker.write_text(SERVING_WORKER)
+
+    async def run() -> ReplicaObservation:
+        await sup.start("l", 0, spec)
+        (starting,) = sup.observe("l")
+        assert starting.pid is not None
+        os.kill(starting.pid, signal.SIGSTOP)
+        try:
+            await until(
+                lambda: sup.observe("l")[0].state == ReplicaState.FAILED, what="failed", timeout=8
+            )
+            (obs,) = sup.observe("l")
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(starting.pid, signal.SIGCONT)
+            await sup.stop_all(grace=0.5)
+        return obs
+
+    obs = asyncio.run(run())
+    remove_run_dir(sup)
+    assert obs.exit_code == -signal.SIGKILL
+    assert obs.message == "did not serve its health checks within 1s"
+
+
+@pytest.mark.parametrize("hangs", [True, False])
+def test_a_replica_that_goes_silent_while_starting_is_killed_before_the_start_timeout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hangs: bool
+) -> None:
+    """A worker answers STARTING while its model loads: one that goes silent then
+    (SIGSTOP, a deadlock) is killed after STARTUP_SILENCE_S, not at READY_TIMEOUT_S
+    (180 s, which requests for the Lane waited out); one that keeps answering STARTING
+    is left to load."""
+    monkeypatch.setattr(supervisor, "STARTUP_SILENCE_S", 1.0)
+    sup, spec, worker = bare_supervisor(tmp_path)
+    worker.write_text(SERVING_WORKER.replace("ENGINE_STATE_READY", "ENGINE_STATE_STARTING"))
+
+    async def run() -> ReplicaObservation:
+        await sup.start("l", 0, spec)
+        (starting,) = sup.observe("l")
+        assert starting.pid is not None
+        try:
+            await until(Path(starting.socket).exists, what="the worker's socket")
+            if not hangs:
+                await asyncio.sleep(2.5)
+            else:
+                os.kill(starting.pid, signal.SIGSTOP)
+                await until(
+                    lambda: sup.observe("l")[0].state == ReplicaState.FAILED,
+                    what="failed",
+                    timeout=8.0,
+                )
+            (obs,) = sup.observe("l")
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(starting.pid, signal.SIGCONT)
+            await sup.stop_all(grace=0.5)
+        return obs
+
+    obs = asyncio.run(run())
+    remove_run_dir(sup)
+    if hangs:
+        assert obs.exit_code == -signal.SIGKILL
+        assert obs.message == "stopped answering its health checks while starting (none for 1s)"
+    else:
+        assert (obs.state, obs.message) == (ReplicaState.STARTING, "")
 
 
 def test_a_replica_whose_decode_pass_never_ends_is_killed_though_it_answers(
