@@ -275,6 +275,14 @@ def stopping(
     ]
 
 
+def _answering(obs: ReplicaObservation) -> bool:
+    """Ready and answering its health checks: what the Lane counts as ready and
+    serving. One that missed its last check takes no requests until it answers
+    (`ReplicaObservation.missed_probes`), so it is not counted, as a Pod that fails its
+    readiness probe is not."""
+    return obs.state == ReplicaState.READY and not obs.missed_probes
+
+
 def replica_statuses(observed: Sequence[ReplicaObservation]) -> list[ReplicaStatus]:
     return [
         ReplicaStatus(
@@ -387,7 +395,7 @@ def lane_status(
     and the memory figures stay as they were).
     """
     current = [o for o in observed if o.index < desired]
-    ready = sum(1 for o in current if o.state == ReplicaState.READY)
+    ready = sum(1 for o in current if _answering(o))
     # The surge counts: a rollout whose new replica keeps crashing is degraded.
     crashing = [o for o in observed if o.restarts > 0 and o.state != ReplicaState.READY]
     crashing += [o for o in observed if o.state == ReplicaState.FAILED and o not in crashing]
@@ -418,7 +426,7 @@ def lane_status(
         put("Schedulable", placement.fits, placement.reason, placement.message)
     unplaced = placement is not None and not placement.fits
     # A surge replica (index `desired`, during a rolling update) serves too.
-    serving = sum(1 for o in observed if o.state == ReplicaState.READY)
+    serving = sum(1 for o in observed if _answering(o))
     if sleeping and serving == 0:
         put("Available", False, "Sleeping", sleep_message)
     elif desired == 0 and serving == 0:

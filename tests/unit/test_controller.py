@@ -1121,3 +1121,27 @@ def test_a_model_whose_status_the_store_cannot_take_is_retried_within_seconds(
     logs = [line for line in asyncio.run(main()) if line["event"].startswith("reconcile.")]
     assert [line["event"] for line in logs] == ["reconcile.retry"] * 12
     assert max(line["delay"] for line in logs) <= manager.STORE_RETRY_S
+
+
+def test_a_replica_that_missed_a_health_check_is_not_counted_ready() -> None:
+    """Found by a review: with its only engine stopped (SIGSTOP), `get lanes` read 1/1
+    and Ready True while routing sent it nothing; it reads 0/1 until it answers."""
+    clock, store, procs, rec = lane_world()
+    ready_model(store, clock)
+    apply(store, LANE.replace("replicas: 2", "replicas: 1"))
+    asyncio.run(rec.reconcile("l"))
+    procs.set_state("l", 0, ReplicaState.READY)
+    asyncio.run(rec.reconcile("l"))
+    lane = store.get(Kind.LANE, "l")
+    assert isinstance(lane, Lane) and lane.status.ready_replicas == 1 and ready(store, "l")
+    procs.replicas[("l", 0)] = replace(procs.replicas[("l", 0)], missed_probes=1)
+    asyncio.run(rec.reconcile("l"))
+    lane = store.get(Kind.LANE, "l")
+    assert isinstance(lane, Lane) and lane.status.ready_replicas == 0 and not ready(store, "l")
+    assert lane.status.replica_statuses[0].missed_probes == 1
+    available = conditions.get_condition(lane.status.conditions, "Available")
+    assert available is not None and available.reason == "NoReplicaReady"
+    assert procs.observe("l")[0].state == ReplicaState.READY  # nothing stopped or started
+    procs.replicas[("l", 0)] = replace(procs.replicas[("l", 0)], missed_probes=0)
+    asyncio.run(rec.reconcile("l"))
+    assert ready(store, "l")
