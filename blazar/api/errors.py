@@ -423,6 +423,8 @@ class ReplicaFailed(Unavailable):
     it waited for another: its target or wait bound is missed because a replica
     failed, not because the Lane is loaded, so it is UNAVAILABLE (a 503), not a 429."""
 
+    reason = "REPLICA_FAILED"
+
     @classmethod
     def of(cls, *, lane: str, policy: str, bound: str, retry_after_s: float) -> ReplicaFailed:
         return cls(

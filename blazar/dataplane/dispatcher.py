@@ -752,7 +752,7 @@ class LaneDispatcher(preempting.Preempting):
 
     def _count_refusal(self, refusal: admission.Refuse, *, request_id: str) -> None:
         policy = refusal.ticket.policy
-        reason = refusal.reason.value
+        reason = refusal.counted_reason
         figures = self._figures(policy)
         figures.refused[reason] = figures.refused.get(reason, 0) + 1
         metrics.REJECTIONS.labels(self.lane, policy.name, reason).inc()

@@ -29,7 +29,8 @@ QUEUE_WAIT = Histogram(
 REJECTIONS = Counter(
     "blazar_admission_rejections_total",
     "Requests refused by admission, by reason: QUEUE_FULL, QUEUE_TIMEOUT, SLO_UNATTAINABLE, "
-    "DEADLINE_EXCEEDED.",
+    "DEADLINE_EXCEEDED, REPLICA_FAILED (a bound missed waiting for another replica after "
+    "its replica failed).",
     ["lane", "policy", "reason"],
 )
 

@@ -1918,9 +1918,12 @@ def test_a_bound_missed_after_a_failed_replica_is_unavailable_not_overload(
 ) -> None:
     policy = replace(INTERACTIVE, max_queue_wait_s=5.0)
     t = replace(ticket("t", policy), restarted=restarted, caller_deadline=10.0)
-    err = Refuse(t, reason, 1.5, predicted_ttft_s=20.0).error("l")
+    refusal = Refuse(t, reason, 1.5, predicted_ttft_s=20.0)
+    err = refusal.error("l")
     assert type(err) is expected
+    # Counted as the caller is told: a failure never reads as load on /metrics.
+    assert refusal.counted_reason == err.reason
     if expected is errors.ReplicaFailed:
-        assert (err.code, err.reason) == ("UNAVAILABLE", "UNAVAILABLE")
+        assert (err.code, err.reason) == ("UNAVAILABLE", "REPLICA_FAILED")
         assert err.metadata[errors.RETRY_AFTER_KEY] == "1500"
         assert "failed before its first token" in str(err)

@@ -408,6 +408,22 @@ class Refuse:
     waited_s: float = 0.0
     predicted_ttft_s: float | None = None
 
+    @property
+    def replica_failed(self) -> bool:
+        """Whether the ticket, handed back by a failed replica, missed its target or
+        wait bound meanwhile (`error`: `errors.ReplicaFailed`)."""
+        return self.ticket.restarted and self.reason in (
+            Reason.QUEUE_TIMEOUT,
+            Reason.SLO_UNATTAINABLE,
+        )
+
+    @property
+    def counted_reason(self) -> str:
+        """The reason /metrics and the policy's figures count it under: admission's,
+        but REPLICA_FAILED for a bound lost to a failed replica, so that a failure does
+        not read as load (`blazar_admission_rejections_total`)."""
+        return errors.ReplicaFailed.reason if self.replica_failed else self.reason.value
+
     def error(
         self, lane: str
     ) -> errors.Overloaded | errors.DeadlineExceeded | errors.ReplicaFailed:
@@ -415,10 +431,7 @@ class Refuse:
         that misses its target or wait bound meanwhile lost that time to the failure,
         not to load: `errors.ReplicaFailed`."""
         policy = self.ticket.policy
-        if self.ticket.restarted and self.reason in (
-            Reason.QUEUE_TIMEOUT,
-            Reason.SLO_UNATTAINABLE,
-        ):
+        if self.replica_failed:
             timeout = self.reason == Reason.QUEUE_TIMEOUT
             return errors.ReplicaFailed.of(
                 lane=lane,
