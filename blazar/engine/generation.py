@@ -99,7 +99,7 @@ class Generation:
             started=time.perf_counter(),
             cached=cached,
             prefilled=cached,
-            stops=text.StopMatcher(job.params.stop),
+            stops=text.StopMatcher(job.params.stop, quiet=job.stop_quiet),
         )
 
     @property

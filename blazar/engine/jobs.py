@@ -117,6 +117,7 @@ class Job:
         arrived: float | None = None,
         tpot_target_s: float | None = None,
         cache_scope: str = "",
+        stop_quiet: tuple[str, str] | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
@@ -132,6 +133,9 @@ class Job:
         # Whose cached prompts it may reuse, and who may reuse what it leaves in its
         # slot's cache (the data plane's tenant; "" without an auth file).
         self.cache_scope = cache_scope
+        # The markers of a block its stop strings do not apply inside (a tool call the
+        # model may write in auto mode: `text.StopMatcher`); None: they apply anywhere.
+        self.stop_quiet = stop_quiet
         # Prompt tokens its slot's cache held when it took the slot (None: it has not
         # yet). Written by the decode thread before it delivers the job's first event,
         # read by the service once that event is in.

@@ -539,6 +539,9 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             arrived=arrived,
             tpot_target_s=request.tpot_target_ms / 1000 if request.tpot_target_ms > 0 else None,
             cache_scope=request.cache_scope,
+            # The caller's stop strings end the answer's text, not a call the model
+            # writes in it (a forced call's grammar keeps them out: `_resolve`).
+            stop_quiet=(tools.OPEN, tools.CLOSE) if active else None,
         )
         return job, tools.CallParser(toolset) if toolset is not None and active else None
 

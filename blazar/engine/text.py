@@ -256,12 +256,19 @@ class StopMatcher:
 
     Text that could be the start of a stop string is held back until the next feed
     proves otherwise, so nothing past (or part of) a stop string is ever emitted.
+
+    `quiet` (an opening and a closing marker: a tool call's block in auto mode) names
+    stretches where stops do not apply: from the end of an opening marker to the end
+    of its closing one, a stop string that begins there is not matched. A caller's stop
+    sequences end the text of an answer, not a call written inside it, as a forced
+    call's grammar keeps them out of calls altogether.
     """
 
-    def __init__(self, stops: Sequence[str]) -> None:
+    def __init__(self, stops: Sequence[str], *, quiet: tuple[str, str] | None = None) -> None:
         self._stops = tuple(s for s in stops if s)
         self._held = ""
         self._fed = 0
+        self._quiet = _QuietStretches(*quiet) if quiet is not None and self._stops else None
 
     def feed(self, text: str) -> StopResult:
         # Where buf begins in everything fed: the held text was fed before.
@@ -271,14 +278,25 @@ class StopMatcher:
         if not self._stops:
             self._held = ""
             return StopResult(buf, stopped=False)
-        hits = [(i, s) for s, i in ((s, buf.find(s)) for s in self._stops) if i >= 0]
+        quiet = self._quiet
+        if quiet is not None:
+            quiet.feed(text)
+        hits = [(i, s) for s in self._stops if (i := self._find(buf, s, start)) >= 0]
         if hits:
             self._held = ""
             at, matched = min(hits, key=lambda hit: hit[0])
             return StopResult(buf[:at], stopped=True, stop_at=start + at, matched=matched)
-        keep = self._partial_suffix(buf)
+        keep = 0 if quiet is not None and quiet.inside_at(self._fed) else self._partial_suffix(buf)
         self._held = buf[len(buf) - keep :]
         return StopResult(buf[: len(buf) - keep], stopped=False)
+
+    def _find(self, buf: str, stop: str, start: int) -> int:
+        """Where `stop` first begins in `buf` outside a quiet stretch (-1: nowhere);
+        `start`: where buf begins in everything fed."""
+        at = buf.find(stop)
+        while at >= 0 and self._quiet is not None and self._quiet.inside_at(start + at):
+            at = buf.find(stop, at + 1)
+        return at
 
     def flush(self) -> str:
         """The held-back text, once the stream ends without a stop."""
@@ -294,6 +312,50 @@ class StopMatcher:
                     longest = n
                     break
         return longest
+
+
+class _QuietStretches:
+    """Where, in everything fed, text lies from the end of an `opening` marker to the
+    end of the `closing` one after it (markers found across feeds)."""
+
+    def __init__(self, opening: str, closing: str) -> None:
+        self._opening, self._closing = opening, closing
+        # The last characters fed, too few to hold a whole marker: one that ends in the
+        # next feed is found across the boundary, and none is found twice.
+        self._tail = ""
+        self._keep = max(len(opening), len(closing)) - 1
+        self._fed = 0
+        # Positions (in everything fed) where a stretch begins and ends, in order;
+        # an odd count: the last one is still open.
+        self._bounds: list[int] = []
+
+    def feed(self, text: str) -> None:
+        scan = self._tail + text
+        base = self._fed - len(self._tail)
+        at = 0
+        while True:
+            marker = self._closing if len(self._bounds) % 2 else self._opening
+            found = scan.find(marker, at)
+            if found < 0:
+                break
+            at = found + len(marker)
+            self._bounds.append(base + at)
+        self._fed += len(text)
+        self._tail = scan[-self._keep :] if self._keep else ""
+        # A found marker's end may lie in the kept tail: never scan it again.
+        self._tail = self._tail[max(0, len(self._tail) - (self._fed - self._last_bound())) :]
+
+    def _last_bound(self) -> int:
+        return self._bounds[-1] if self._bounds else 0
+
+    def inside_at(self, position: int) -> bool:
+        """Whether the character at `position` (of everything fed) is in a stretch."""
+        inside = False
+        for bound in self._bounds:
+            if bound > position:
+                break
+            inside = not inside
+        return inside
 
 
 class Utf8Stream:

@@ -165,6 +165,54 @@ def test_the_first_given_stop_is_named_when_two_begin_at_one_place() -> None:
     assert text.StopMatcher(["abc", "ab"]).feed("xabc").matched == "abc"
 
 
+QUIET = ("<tool_call>", "</tool_call>")
+CALL = '<tool_call>\n{"name": "f", "arguments": {"a": "x}y"}}\n</tool_call>'
+
+
+def feed_all(m: text.StopMatcher, pieces: list[str]) -> tuple[str, text.StopResult]:
+    """What went out, and the last result: pieces are fed until a stop matches."""
+    out = ""
+    for piece in pieces:
+        result = m.feed(piece)
+        out += result.text
+        if result.stopped:
+            break
+    return out, result
+
+
+@pytest.mark.parametrize("split", [1, 2, 3, 5, 7, 64])
+@pytest.mark.parametrize("stops", [["\n"], ["}"], ["\n", "}"], ["y"]])
+def test_stops_do_not_apply_inside_a_quiet_block_whatever_the_pieces(
+    split: int, stops: list[str]
+) -> None:
+    """Found by a review: an auto-mode tool call cut by the caller's stop sequence
+    ("\n" follows every call's opening marker) came back as text. Inside the block
+    they do not apply; after it, they do again."""
+    whole = "Sure. " + CALL + " then\nmore} y"
+    pieces = [whole[i : i + split] for i in range(0, len(whole), split)]
+    out, last = feed_all(text.StopMatcher(stops, quiet=QUIET), pieces)
+    assert out.startswith("Sure. " + CALL)  # the block went out whole
+    assert last.stopped and last.stop_at == len(out)
+    assert whole[last.stop_at :].startswith(last.matched)
+    assert last.stop_at >= len("Sure. " + CALL)
+
+
+def test_a_stop_before_the_block_still_ends_the_text() -> None:
+    out, last = feed_all(text.StopMatcher(["\n"], quiet=QUIET), ["Hi\n", CALL])
+    assert (out, last.stopped) == ("Hi", True)
+
+
+def test_without_quiet_markers_a_stop_inside_the_block_ends_the_text() -> None:
+    out, last = feed_all(text.StopMatcher(["\n"]), [CALL])
+    assert (out, last.stopped) == ("<tool_call>", True)
+
+
+def test_an_unclosed_block_keeps_stops_quiet_to_the_end() -> None:
+    m = text.StopMatcher(["}"], quiet=QUIET)
+    out, last = feed_all(m, ["<tool_", "call>{", '"a": 1}', "}"])
+    assert (out, last.stopped, m.flush()) == ('<tool_call>{"a": 1}}', False, "")
+
+
 # --- UTF-8 streaming --------------------------------------------------------------------
 
 
