@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import json
 import re
+import typing
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
+import pydantic
 import pytest
 from google.protobuf import json_format
+from openai.types.responses import Response, ResponseStreamEvent
 
 from blazar._proto.v1 import inference_pb2
 from blazar.api import errors
@@ -357,6 +360,33 @@ async def test_a_stream_ends_in_the_response_a_whole_request_gets(
     # The items done along the way are the response's output, in order.
     done = [e["item"] for e in streamed if e["type"] == "response.output_item.done"]
     assert normalise(done) == normalise(whole["output"])
+
+
+def sdk_event_types() -> dict[str, type[pydantic.BaseModel]]:
+    """Each streaming event model of the installed `openai` package, by its `type`."""
+    (union, *_) = typing.get_args(ResponseStreamEvent)
+    found = {}
+    for model in typing.get_args(union):
+        (kind,) = typing.get_args(model.model_fields["type"].annotation)
+        found[kind] = model
+    return found
+
+
+@pytest.mark.parametrize("name", sorted(RESPONSE_CASES) + sorted(STREAM_CASES))
+async def test_every_response_and_event_validates_against_the_sdks_types(
+    name: str, daemon: Daemon, client: httpx.AsyncClient
+) -> None:
+    """What the `openai` package's models require is there, with its type: the SDK
+    reads leniently (a missing field reads as None), a typed client does not."""
+    document, script = RESPONSE_CASES.get(name) or STREAM_CASES[name]
+    if not document.get("stream"):
+        daemon.fake.scripts["tiny"] = script
+        Response.model_validate((await client.post(PATH, json=document)).json())
+    daemon.fake.scripts["tiny"] = script
+    streamed = sse_events((await client.post(PATH, json={**document, "stream": True})).text)
+    models = sdk_event_types()
+    for event in streamed:
+        models[event["type"]].model_validate(event)
 
 
 # ---------------------------------------------------------------- errors

@@ -248,6 +248,9 @@ class TextEcho(TypedDict):
 
 class InputTokensDetails(TypedDict):
     cached_tokens: int
+    # Always 0: the prefix cache is implicit (prompts stay in their slot as they are
+    # prefilled), with no cache write to account for, as OpenAI's implicit mode.
+    cache_write_tokens: int
 
 
 class OutputTokensDetails(TypedDict):

@@ -116,7 +116,10 @@ def usage(final: inference_pb2.Final) -> protocol.Usage:
     completion = final.usage.completion_tokens
     return {
         "input_tokens": prompt,
-        "input_tokens_details": {"cached_tokens": final.usage.cached_tokens},
+        "input_tokens_details": {
+            "cached_tokens": final.usage.cached_tokens,
+            "cache_write_tokens": 0,
+        },
         "output_tokens": completion,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": prompt + completion,
