@@ -105,13 +105,14 @@ LISTING_ROUTES: list[tuple[str, str, str, dict[str, Any] | None]] = [
     ("ollama", "GET", "/api/ps", None),
 ]
 # Routes that need a key but make no model call of their own: stored responses by id,
-# Ollama's management (which Blazar refuses), the token count.
+# compaction and Ollama's management (which Blazar refuses), the token count.
 OTHER_ROUTES: list[tuple[str, str, str, dict[str, Any] | None]] = [
     ("openai", "POST", "/v1/responses/input_tokens", {"model": LANE, "input": "Hi"}),
     ("openai", "GET", "/v1/responses/resp_none", None),
     ("openai", "DELETE", "/v1/responses/resp_none", None),
     ("openai", "POST", "/v1/responses/resp_none/cancel", {}),
     ("openai", "GET", "/v1/responses/resp_none/input_items", None),
+    ("openai", "POST", "/v1/responses/compact", {"model": LANE, "input": "Hi"}),
     ("ollama", "POST", "/api/pull", {"model": LANE}),
     ("ollama", "POST", "/api/push", {"model": LANE}),
     ("ollama", "POST", "/api/create", {"model": "copy", "from": LANE}),

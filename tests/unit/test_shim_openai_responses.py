@@ -824,3 +824,14 @@ async def test_stored_response_routes_say_nothing_is_stored(
     assert (error["type"], error["param"]) == ("invalid_request_error", "response_id")
     assert "'resp_abc'" in error["message"] and "keeps no responses" in error["message"]
     assert f"none to {action}" in error["message"]
+
+
+async def test_compacting_is_a_404_that_says_so(client: httpx.AsyncClient) -> None:
+    """`responses.compact` posts to a path `{response_id}` also matches: it must not
+    meet that route's 405 telling the client to use GET or DELETE."""
+    response = await client.post(f"{PATH}/compact", json={"model": "tiny", "input": "Hi"})
+    assert response.status_code == 404
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert "Compacting a conversation" in error["message"]
+    assert "not supported" in error["message"]

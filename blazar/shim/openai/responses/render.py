@@ -386,6 +386,18 @@ def not_stored(response_id: str, *, action: str) -> errors.ObjectNotFound:
     )
 
 
+def not_compacted() -> errors.ObjectNotFound:
+    """What `POST /v1/responses/compact` (the `openai` client's `responses.compact`)
+    meets: this server never summarizes or drops part of a conversation, as it refuses
+    `context_management`."""
+    return errors.ObjectNotFound(
+        "Compacting a conversation (POST /v1/responses/compact) is not supported by this "
+        "server: it never summarizes or drops part of a conversation to fit. Send the "
+        "whole conversation in 'input'; one too long for the context is a 400, and "
+        "shortening it is yours."
+    )
+
+
 def error_response(err: errors.BlazarError) -> envelope.ErrorResponse:
     """OpenAI's error envelope blaming this API's parameters, with a prompt that does
     not fit told in its terms (the daemon's sentence says max_tokens)."""

@@ -3,7 +3,8 @@
 `POST /v1/responses` generates; `POST /v1/responses/input_tokens` counts a response's
 prompt through Tokenize. Blazar stores no responses, so the routes that read one back
 (retrieve, delete, cancel, its input items) answer a 404 that says so, in OpenAI's
-envelope, rather than an unknown route.
+envelope, rather than an unknown route; so does `POST /v1/responses/compact`, which
+would otherwise meet the stored-response route's 405.
 """
 
 from __future__ import annotations
@@ -26,12 +27,17 @@ _log = structlog.get_logger("blazar.shim.openai")
 
 
 def routes() -> list[Route]:
-    # `input_tokens` first: `{response_id}` would match it too.
+    # `input_tokens` and `compact` first: `{response_id}` would match them too.
     return [
         Route("/v1/responses", relay.guarded(create, render=error), methods=["POST"]),
         Route(
             "/v1/responses/input_tokens",
             relay.guarded(input_tokens, render=error),
+            methods=["POST"],
+        ),
+        Route(
+            "/v1/responses/compact",
+            relay.guarded(_not_compacted, render=error),
             methods=["POST"],
         ),
         Route(
@@ -110,6 +116,10 @@ def _not_stored(*actions: str) -> relay.Handler:
         return error(render.not_stored(request.path_params["response_id"], action=action))
 
     return not_stored
+
+
+async def _not_compacted(request: Request) -> Response:
+    return error(render.not_compacted())
 
 
 def error(err: errors.BlazarError) -> Response:
