@@ -88,12 +88,25 @@ class Answer:
     final: inference_pb2.Final | None = None
     # Tool calls by index: id, name and the arguments' fragments joined.
     calls: dict[int, inference_pb2.ToolCall] = field(default_factory=dict)
+    # The log-probabilities of the tokens that made `text`: those of a delta without
+    # text wait for the next text (a character's first bytes), and are dropped when a
+    # call comes first (its markup's tokens, held back until it parsed, are not text).
+    text_logprobs: list[inference_pb2.TokenLogprob] = field(default_factory=list)
+    _held: list[inference_pb2.TokenLogprob] = field(default_factory=list, repr=False)
 
     def add(self, chunk: inference_pb2.Chunk) -> None:
         part = chunk.WhichOneof("part")
         if part == "delta":
             self.parts.append(chunk.delta.text)
             self.logprobs.extend(chunk.delta.logprobs)
+            if chunk.delta.text:
+                self.text_logprobs.extend(self._held)
+                self.text_logprobs.extend(chunk.delta.logprobs)
+                self._held.clear()
+            elif chunk.delta.tool_calls:
+                self._held.clear()
+            else:
+                self._held.extend(chunk.delta.logprobs)
             for d in chunk.delta.tool_calls:
                 call = self.calls.setdefault(d.index, inference_pb2.ToolCall())
                 call.id = call.id or d.id

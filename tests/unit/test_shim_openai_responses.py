@@ -389,6 +389,36 @@ async def test_every_response_and_event_validates_against_the_sdks_types(
         models[event["type"]].model_validate(event)
 
 
+async def test_output_text_logprobs_are_its_own_tokens(
+    daemon: Daemon, client: httpx.AsyncClient
+) -> None:
+    """A call's tokens come with no text (held back until the call parses): they are
+    not the message's. The text's logprobs are its own tokens', whole and streamed, and
+    the deltas' add up to the done event's."""
+    call = calling(0, id="call_a", name="get_weather", arguments='{"city":"Paris","unit":"c"}')
+    call.delta.logprobs.append(lp("}", -0.3))
+    script: list[Step] = [
+        delta("", logprobs=[lp("\ufffd", -0.5)]),
+        delta("✓ Let me check.", logprobs=[lp("\ufffd", -0.4), lp(" Let me check.", -0.1)]),
+        delta("", logprobs=[lp("<tool_call>", -0.2)]),
+        call,
+        final(inference_pb2.FINISH_REASON_TOOL_CALLS, completion=4, tool_calls=1),
+    ]
+    document = body(tools=[WEATHER], include=["message.output_text.logprobs"])
+    own = [-0.5, -0.4, -0.1]
+    daemon.fake.scripts["tiny"] = script
+    whole = (await client.post(PATH, json=document)).json()
+    message, _ = whole["output"]
+    assert [e["logprob"] for e in message["content"][0]["logprobs"]] == pytest.approx(own)
+    daemon.fake.scripts["tiny"] = script
+    events = sse_events((await client.post(PATH, json={**document, "stream": True})).text)
+    deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+    (done,) = [e for e in events if e["type"] == "response.output_text.done"]
+    assert [e["logprob"] for d in deltas for e in d["logprobs"]] == pytest.approx(own)
+    assert [e["logprob"] for e in done["logprobs"]] == pytest.approx(own)
+    assert normalise(events[-1]["response"]) == normalise(whole)
+
+
 # ---------------------------------------------------------------- errors
 
 

@@ -185,7 +185,7 @@ class Answer(canonical.Answer):
         output: list[protocol.OutputItem] = []
         calls = self.whole_calls()
         if self.text or not calls:
-            entries = _logprobs(self.logprobs) if logprobs else []
+            entries = _logprobs(self.text_logprobs) if logprobs else []
             output.append(
                 _message(meta, status=item_status, parts=[_text_part(self.text, entries)])
             )
@@ -229,7 +229,8 @@ class ResponseStream:
         self._answer = Answer()
         self._sequence = 0
         self._message_open = False
-        self._pending: list[chat.TokenLogprob] = []
+        # How many of the answer's text logprobs have gone out in deltas.
+        self._sent_logprobs = 0
         self.finished = False
 
     def opening(self) -> list[protocol.Event]:
@@ -242,13 +243,14 @@ class ResponseStream:
         self._answer.add(chunk)
         part = chunk.WhichOneof("part")
         if part == "delta":
-            if self._logprobs:
-                self._pending.extend(_logprobs(chunk.delta.logprobs))
-            # Calls' tokens (and a character's first bytes) come with no text: their
-            # log-probabilities wait for the next text, and the message for any.
+            # Calls' tokens (and a character's first bytes) come with no text: the
+            # message waits for text, and the answer sorts out whose logprobs are whose.
             if not chunk.delta.text:
                 return []
-            entries, self._pending = self._pending, []
+            entries: list[chat.TokenLogprob] = []
+            if self._logprobs:
+                entries = _logprobs(self._answer.text_logprobs[self._sent_logprobs :])
+                self._sent_logprobs = len(self._answer.text_logprobs)
             out = self._open_message()
             out.append(
                 self._event(
@@ -286,7 +288,7 @@ class ResponseStream:
             "error": {"code": code, "message": rendered["message"]},
         }
         if self._message_open:
-            entries = _logprobs(self._answer.logprobs) if self._logprobs else []
+            entries = _logprobs(self._answer.text_logprobs) if self._logprobs else []
             failed["output"] = [
                 _message(
                     self._meta, status="incomplete", parts=[_text_part(self._answer.text, entries)]

@@ -81,7 +81,11 @@ async def create(request: Request) -> Response:
     try:
         collected, headers = await relay.collect(request, stream)
         answer = render.Answer(
-            collected.parts, collected.logprobs, collected.final, collected.calls
+            collected.parts,
+            collected.logprobs,
+            collected.final,
+            collected.calls,
+            text_logprobs=collected.text_logprobs,
         )
         rendered = answer.response(started, meta, logprobs=logprobs)
     except streaming.ClientDisconnected:
