@@ -419,6 +419,28 @@ async def test_output_text_logprobs_are_its_own_tokens(
     assert normalise(events[-1]["response"]) == normalise(whole)
 
 
+async def test_the_response_echoes_the_settings_it_was_asked_for(
+    daemon: Daemon, client: httpx.AsyncClient
+) -> None:
+    """As OpenAI's does, whole and in every lifecycle event: what a client reads back
+    from `response.prompt_cache_key` is what it sent, not None."""
+    echoed = {
+        "prompt_cache_key": "tenant-7",
+        "safety_identifier": "user-42",
+        "prompt_cache_retention": "in_memory",
+        "user": "u",
+        "metadata": {"k": "v"},
+    }
+    document = body(**echoed, service_tier="auto")
+    daemon.fake.scripts["tiny"] = HELLO
+    whole = (await client.post(PATH, json=document)).json()
+    daemon.fake.scripts["tiny"] = HELLO
+    events = sse_events((await client.post(PATH, json={**document, "stream": True})).text)
+    for response in [whole, *(e["response"] for e in events if "response" in e)]:
+        assert {k: response[k] for k in echoed} == echoed
+        assert response["service_tier"] == "default"
+
+
 # ---------------------------------------------------------------- errors
 
 

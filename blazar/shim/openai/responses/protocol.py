@@ -302,6 +302,12 @@ class Response(TypedDict):
     truncation: Literal["disabled"]
     usage: Usage | None
     user: str | None
+    # Echoed as sent, as OpenAI's response does.
+    prompt_cache_key: str | None
+    safety_identifier: str | None
+    prompt_cache_retention: str | None
+    # The tier that served it: this server has one.
+    service_tier: Literal["default"]
     metadata: dict[str, str]
     background: Literal[False]
     # Blazar's extension, as on Chat Completions (llama.cpp server's figures).

@@ -91,6 +91,10 @@ def template(body: protocol.ResponseCreateRequest, meta: ResponseMeta) -> protoc
         "truncation": "disabled",
         "usage": None,
         "user": body.user,
+        "prompt_cache_key": body.prompt_cache_key,
+        "safety_identifier": body.safety_identifier,
+        "prompt_cache_retention": body.prompt_cache_retention,
+        "service_tier": "default",
         "metadata": dict(body.metadata or {}),
         "background": False,
     }
