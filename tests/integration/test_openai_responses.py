@@ -102,6 +102,8 @@ def check_text_response(response: Any, *, max_output_tokens: int) -> None:
     usage = response.usage
     assert 0 <= usage.output_tokens <= max_output_tokens
     assert usage.total_tokens == usage.input_tokens + usage.output_tokens
+    # Required by the SDK's ResponseUsage: the implicit cache writes nothing on request.
+    assert usage.input_tokens_details.cache_write_tokens == 0
 
 
 def test_text_input(client: openai.OpenAI) -> None:
@@ -400,3 +402,7 @@ def test_stored_responses_are_a_clear_404(client: openai.OpenAI) -> None:
             call()
         assert "'resp_123'" in missing.value.message
         assert "keeps no responses" in missing.value.message
+    # Nor is anything compacted (a POST the stored-response route must not take).
+    with pytest.raises(openai.NotFoundError) as refused:
+        client.responses.compact(model=LANE, input="Hi")
+    assert "not supported" in refused.value.message
