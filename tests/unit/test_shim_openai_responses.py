@@ -218,6 +218,43 @@ def test_request_translation_matches_golden(name: str) -> None:
     )
 
 
+def test_an_assistant_refusal_in_the_history_is_its_text() -> None:
+    """An earlier answer as OpenAI's output holds it (an `output_text` part, or a
+    `refusal` part) goes back as the assistant's text, as Chat Completions takes an
+    assistant turn's `refusal`; a user's message has no refusal part."""
+    refused = {"type": "refusal", "refusal": "I can't help with that."}
+    history = [
+        {"role": "user", "content": "Help?"},
+        {"type": "message", "role": "assistant", "content": [refused]},
+        {"role": "user", "content": "Why?"},
+    ]
+    request = requests.chat_request(
+        protocol.ResponseCreateRequest.model_validate(body(input=history))
+    )
+    assert [(m.role, m.content) for m in request.messages] == [
+        ("user", "Help?"),
+        ("assistant", "I can't help with that."),
+        ("user", "Why?"),
+    ]
+    for content, param in (
+        ([{"type": "refusal"}], "input[1].content[0].refusal"),
+        (
+            [{"type": "output_text", "text": "a"}, {"type": "input_image"}],
+            "input[1].content[1].type",
+        ),
+    ):
+        bad = [history[0], {"role": "assistant", "content": content}]
+        with pytest.raises(errors.InvalidRequest) as missing:
+            requests.chat_request(protocol.ResponseCreateRequest.model_validate(body(input=bad)))
+        assert missing.value.metadata[validation.PARAM_KEY] == param
+    user_refusal = [{"role": "user", "content": [refused]}]
+    with pytest.raises(errors.InvalidRequest) as not_text:
+        requests.chat_request(
+            protocol.ResponseCreateRequest.model_validate(body(input=user_refusal))
+        )
+    assert not_text.value.metadata[validation.PARAM_KEY] == "input[0].content[0].type"
+
+
 def test_unset_sampling_fields_stay_unset() -> None:
     sampling = requests.chat_request(parse(body())).sampling
     for name in ("temperature", "top_p", "seed", "max_tokens", "top_k"):

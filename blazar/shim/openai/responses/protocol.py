@@ -28,10 +28,12 @@ class _Request(BaseModel):
 
 
 class ContentPart(_Request):
-    """A part of a message's content; `input_text` and `output_text` carry text."""
+    """A part of a message's content; `input_text` and `output_text` carry text, and
+    an assistant message's `refusal` (an earlier answer's) its refusal."""
 
     type: str
     text: str | None = None
+    refusal: str | None = None
 
 
 class InputItem(_Request):

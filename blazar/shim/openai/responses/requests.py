@@ -269,7 +269,8 @@ def _message(item: protocol.InputItem, where: str) -> inference_pb2.Message:
             param=f"{where}.content",
         )
     return inference_pb2.Message(
-        role=_ROLES.get(role, role), content=_text(item.content, param=f"{where}.content")
+        role=_ROLES.get(role, role),
+        content=_text(item.content, param=f"{where}.content", refusals=role == "assistant"),
     )
 
 
@@ -300,12 +301,22 @@ def _required(value: str | None, param: str) -> str:
     return value
 
 
-def _text(content: str | list[protocol.ContentPart], *, param: str) -> str:
-    """Text parts joined with newlines, as the Chat Completions dialect joins them."""
+def _text(content: str | list[protocol.ContentPart], *, param: str, refusals: bool = False) -> str:
+    """Text parts joined with newlines, as the Chat Completions dialect joins them. With
+    `refusals` (an assistant's message, as OpenAI's output holds it) a `refusal` part
+    is text too, as Chat Completions takes an assistant turn's `refusal`."""
     if isinstance(content, str):
         return content
     texts = []
     for j, part in enumerate(content):
+        if refusals and part.type == "refusal":
+            if part.refusal is None:
+                raise envelope.invalid(
+                    f"Missing required parameter: '{param}[{j}].refusal'.",
+                    param=f"{param}[{j}].refusal",
+                )
+            texts.append(part.refusal)
+            continue
         if part.type not in _TEXT_PARTS:
             raise envelope.invalid(
                 f"Only text content parts ('input_text', 'output_text') are supported; "
