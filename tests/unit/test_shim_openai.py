@@ -2125,3 +2125,38 @@ async def test_the_official_client_accumulates_streamed_tool_calls(daemon: Daemo
             ]
         finally:
             await sdk.close()
+
+
+async def test_chat_logprobs_are_the_contents_tokens_not_a_calls(
+    daemon: Daemon, client: httpx.AsyncClient
+) -> None:
+    """Found by a review: `logprobs.content` listed a call's markup tokens
+    ('<', 'tool', '_', 'call', '>', ...), where OpenAI's covers content only. A call's
+    tokens come with no text, held back until it parses: they are not content's. A
+    character's first bytes (no text yet) wait for its text, whole and streamed."""
+    call = calling(0, id="call_a", name="get_weather", arguments='{"city":"Paris","unit":"c"}')
+    call.delta.logprobs.append(lp("}", -0.3))
+    script: list[Step] = [
+        delta("", logprobs=[lp("\ufffd", -0.5)]),
+        delta("✓ Let me check.", logprobs=[lp("\ufffd", -0.4), lp(" Let me check.", -0.1)]),
+        delta("", logprobs=[lp("<tool_call>", -0.2)]),
+        call,
+        final(inference_pb2.FINISH_REASON_TOOL_CALLS, completion=4, tool_calls=1),
+    ]
+    document = chat_body(tools=[WEATHER], logprobs=True)
+    own = [-0.5, -0.4, -0.1]
+    daemon.fake.scripts["tiny"] = script
+    whole = (await client.post("/v1/chat/completions", json=document)).json()
+    (choice,) = whole["choices"]
+    assert [e["logprob"] for e in choice["logprobs"]["content"]] == pytest.approx(own)
+    assert choice["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+    daemon.fake.scripts["tiny"] = script
+    streamed = await client.post("/v1/chat/completions", json={**document, "stream": True})
+    chunks = [e for e in sse_events(streamed.text) if e != "[DONE]" and e["choices"]]
+    entries = [
+        e["logprob"]
+        for c in chunks
+        if c["choices"][0].get("logprobs")
+        for e in c["choices"][0]["logprobs"]["content"]
+    ]
+    assert entries == pytest.approx(own)

@@ -203,7 +203,11 @@ async def _collect(
     try:
         collected, headers = await relay.collect(request, stream)
         answer = render.Answer(
-            collected.parts, collected.logprobs, collected.final, collected.calls
+            collected.parts,
+            collected.logprobs,
+            collected.final,
+            collected.calls,
+            text_logprobs=collected.text_logprobs,
         )
         body = body_of(answer)
     except streaming.ClientDisconnected:

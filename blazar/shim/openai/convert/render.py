@@ -104,13 +104,18 @@ class ChatStream:
 
     Order: a role chunk, one chunk per text delta, a chunk with an empty delta and the
     finish reason, then (with include_usage) a chunk with no choices and the usage.
-    With logprobs, each delta chunk carries its tokens' log-probabilities.
+    With logprobs, each delta chunk carries the log-probabilities of the tokens that made
+    its text, as OpenAI's `logprobs.content` covers content only: those of a delta with
+    no text (a character's first bytes) wait for the next text, and those of a tool
+    call's markup, held back until it parsed, are dropped when the call comes.
     """
 
     def __init__(self, meta: ResponseMeta, *, include_usage: bool, logprobs: bool = False) -> None:
         self._meta = meta
         self._include_usage = include_usage
         self._logprobs = logprobs
+        # By choice index, the logprobs waiting for their text.
+        self._held: dict[int, list[inference_pb2.TokenLogprob]] = {}
         self.finished = False
 
     def opening(self) -> list[protocol.ChatCompletionChunk]:
@@ -119,9 +124,18 @@ class ChatStream:
     def render(self, chunk: inference_pb2.Chunk) -> list[protocol.ChatCompletionChunk]:
         part = chunk.WhichOneof("part")
         if part == "delta":
-            logprobs = logprob.chat_logprobs(chunk.delta.logprobs) if self._logprobs else None
             calls = chunk.delta.tool_calls
-            if not chunk.delta.text and not calls and not (logprobs and logprobs["content"]):
+            held = self._held.setdefault(chunk.index, [])
+            if chunk.delta.text:
+                entries, held[:] = [*held, *chunk.delta.logprobs], []
+            else:
+                entries = []
+                if calls:
+                    held.clear()
+                else:
+                    held.extend(chunk.delta.logprobs)
+            logprobs = logprob.chat_logprobs(entries) if self._logprobs else None
+            if not chunk.delta.text and not calls:
                 return []
             delta: protocol.ChatDelta = {"content": chunk.delta.text}
             if calls:
@@ -283,7 +297,7 @@ class Answer(canonical.Answer):
                 {
                     "index": 0,
                     "message": message,
-                    "logprobs": logprob.chat_logprobs(self.logprobs) if logprobs else None,
+                    "logprobs": logprob.chat_logprobs(self.text_logprobs) if logprobs else None,
                     "finish_reason": finish_reason(final),
                 }
             ],
