@@ -387,6 +387,8 @@ class LaneReconciler:
             message=probe.message,
             now=self._clock(),
         )
+        # Its SLOPolicy is as much a reference as a local Lane's: one deleted says so.
+        status = self._resolved_refs(name, lane, lane.status, status)
         if status != lane.status:
             self._store.update_status(Kind.LANE, name, status)
         if event is not None:

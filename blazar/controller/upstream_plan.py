@@ -11,7 +11,8 @@ its requests with UNAVAILABLE until a probe passes again.
   that is down is not hammered and one that comes back is seen within that bound.
 - Conditions: `Available` and `Ready` True (`UpstreamAnswering`) or False
   (`UpstreamUnavailable`) with the probe's words in the message; `Degraded` True
-  (`ProbeFailing`) while probes fail. The conditions of a local Lane's life
+  (`ProbeFailing`) while probes fail; `ResolvedRefs`, which the reconciler writes
+  when the Lane's SLOPolicy is deleted, is kept. The conditions of a local Lane's life
   (`ModelReady`, `Schedulable`, `Progressing`) are dropped: they describe nothing here.
 - An event when the answer changes: `UpstreamAvailable` (Normal) or
   `UpstreamUnavailable` (Warning).
@@ -30,7 +31,8 @@ from blazar.api.replicas import ReplicaState
 PROBE_PERIOD_S = 5.0
 MAX_PROBE_INTERVAL_S = 10.0
 
-_KEPT = ("Available", "Ready", "Degraded")
+# ResolvedRefs is the Lane reconciler's (a deleted SLOPolicy), kept across probes.
+_KEPT = ("Available", "Ready", "Degraded", "ResolvedRefs")
 
 
 @dataclass(frozen=True)

@@ -459,6 +459,41 @@ def test_the_reconciler_probes_and_reports_without_a_process() -> None:
     assert reasons == ["UpstreamAvailable", "UpstreamUnavailable", "UpstreamAvailable"]
 
 
+def test_an_upstream_lane_whose_slo_policy_is_deleted_says_so() -> None:
+    """As a local Lane does (DESIGN §3: references that disappear show as conditions):
+    an upstream Lane whose SLOPolicy is deleted admits first come first served, and
+    said nothing, its status rebuilt from each probe. Now `ResolvedRefs` is False (one
+    Warning over several probes), and True once the policy is back."""
+    clock = Clock()
+    store = MemoryStore()
+    procs = FakeProcesses(clock)
+
+    class Probes:
+        async def probe(self, spec: kinds.Upstream) -> Probe:
+            return Probe(True, "answers.")
+
+        async def retain(self, specs: Iterable[kinds.Upstream]) -> None:
+            pass
+
+    rec = LaneReconciler(store=store, processes=procs, clock=clock, probes=Probes())
+    policy = (
+        "apiVersion: blazar.dev/v1alpha1\nkind: SLOPolicy\nmetadata: {name: p}\n"
+        "spec: {priority: 100, ttftTargetMs: 2000}\n"
+    )
+    apply(store, policy + "---\n" + UPSTREAM_LANE.replace("model: g}", "model: g}, sloPolicy: p"))
+    asyncio.run(rec.reconcile("l"))
+    store.delete(Kind.SLO_POLICY, "p")
+    for _ in range(3):
+        asyncio.run(rec.reconcile("l"))
+    assert cond(store, "ResolvedRefs") == ("False", "RefNotFound")
+    assert cond(store, "Available") == ("True", "UpstreamAnswering")
+    reasons = [e.reason for e in store.events(kind="Lane", name="l")]
+    assert reasons.count("RefNotFound") == 1
+    apply(store, policy)
+    asyncio.run(rec.reconcile("l"))
+    assert cond(store, "ResolvedRefs") == ("True", "AllRefsResolved")
+
+
 def test_the_controller_retires_the_probe_clients_of_specs_no_lane_has() -> None:
     """State: the probe pool holds a client for each upstream a Lane is probed at; one
     whose url was edited, that became an engine Lane, or that was deleted, has its
