@@ -86,13 +86,18 @@ class Sleeper:
         idle = lane.spec.idle
         return lane_plan.sleep_decision(
             sleep_after_s=idle.sleep_after_s if idle is not None else None,
-            idle_s=self._activity.idle_s(name),
+            idle_s=self._activity.idle_s(name, age_s=self._age_s(lane)),
             in_flight=in_flight,
             wanted=wanted,
             keep_s=keep.remaining_s,
             keep_forever=keep.forever,
             release=keep.release,
         )
+
+    def _age_s(self, lane: Lane) -> float | None:
+        """Seconds since the Lane was created (None: not known)."""
+        created = lane.metadata.creation_timestamp
+        return None if created is None else (self._clock() - created).total_seconds()
 
     def _first_in_line(self, name: str) -> str | None:
         """The Lane that Lane `name` (stopped) was put to sleep for, while that one still
@@ -150,7 +155,7 @@ class Sleeper:
                     lane=other,
                     held_bytes=ledger.charged(other),
                     resident_since=self._residency.resident_since(other),
-                    idle_s=activity.idle_s(other),
+                    idle_s=activity.idle_s(other, age_s=self._age_s(stored)),
                     in_flight=activity.in_flight(other),
                     wanted=activity.wanted(other),
                     preload=stored.spec.preload,

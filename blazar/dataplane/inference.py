@@ -214,7 +214,9 @@ class InferenceService(Unqueued, inference_pb2_grpc.InferenceServicer):
         lane = route.lane
         return sleeps_in(
             sleep_after_s=route.sleep_after_s,
-            idle_s=self._activity.idle_s(lane),
+            idle_s=self._activity.idle_s(
+                lane, age_s=time.time() - route.created if route.created else None
+            ),
             in_flight=self._activity.in_flight(lane),
             keep=self._activity.keep(lane),
         )

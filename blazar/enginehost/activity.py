@@ -114,9 +114,13 @@ class Activity:
     def wanted(self, lane: str) -> bool:
         return lane in self._wanted
 
-    def idle_s(self, lane: str) -> float:
-        """Seconds since the Lane's last request ended (or the daemon started)."""
-        return max(0.0, self._clock() - self._last.get(lane, self._started))
+    def idle_s(self, lane: str, *, age_s: float | None = None) -> float:
+        """Seconds since the Lane's last request ended, or since its life began: the
+        daemon's start, or its creation `age_s` ago when that is later (a Lane applied
+        while the daemon runs, or deleted and applied again under its name, has been
+        idle only since then, not since the daemon started)."""
+        idle = max(0.0, self._clock() - self._last.get(lane, self._started))
+        return idle if age_s is None else min(idle, max(0.0, age_s))
 
 
 def sleeps_in(

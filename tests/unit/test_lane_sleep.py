@@ -56,17 +56,32 @@ def status(store: MemoryStore) -> tuple[bool, str, str]:
 
 
 class Ticks:
-    def __init__(self) -> None:
-        self.now = 0.0
+    """The activity ledger's monotonic clock; with `wall`, the store's and the
+    reconciler's clock moves with it (a Lane's age is read from that one)."""
+
+    def __init__(self, wall: Clock | None = None) -> None:
+        self._now = 0.0
+        self._wall = wall
+
+    @property
+    def now(self) -> float:
+        return self._now
+
+    @now.setter
+    def now(self, value: float) -> None:
+        if self._wall is not None:
+            self._wall.tick(value - self._now)
+        self._now = value
 
     def __call__(self) -> float:
-        return self.now
+        return self._now
 
 
 def sleepy() -> tuple[MemoryStore, FakeProcesses, Activity, LaneReconciler, Ticks]:
     """Lane "l" (SLEEPY) applied beside a ready Model, with its reconciler, faked
     processes and an activity ledger on a clock the test moves (`Ticks.now`)."""
-    clock, ticks = Clock(), Ticks()
+    clock = Clock()
+    ticks = Ticks(clock)
     store = MemoryStore(clock=clock)
     procs = FakeProcesses(clock)
     activity = Activity(clock=ticks)
@@ -108,6 +123,49 @@ def test_an_idle_lane_sleeps_and_a_request_wakes_it() -> None:
     procs.set_state("l", 0, ReplicaState.READY)
     asyncio.run(rec.reconcile("l"))
     assert status(store) == (False, "MinimumReplicasAvailable", "AllReplicasReady")
+
+
+def test_a_lane_applied_while_the_daemon_runs_is_idle_only_since_its_creation() -> None:
+    """Idleness was counted from the daemon's start, so a Lane with `sleepAfter: 5s`
+    applied 10 minutes into the daemon's life (or deleted and applied again under its
+    name) was asleep at once, "No request for idle.sleepAfter", never having run,
+    where the same Lane at the daemon's start runs its replicas for 5 s first."""
+    clock = Clock()
+    ticks = Ticks(clock)
+    store = MemoryStore(clock=clock)
+    procs = FakeProcesses(clock)
+    activity = Activity(clock=ticks)
+    rec = LaneReconciler(store=store, processes=procs, clock=clock, activity=activity)
+    ready_model(store, clock)
+    ticks.now = 600.0
+    apply(store, SLEEPY)
+    assert asyncio.run(rec.reconcile("l")).requeue_after == pytest.approx(5.0)
+    assert len(procs.observe("l")) == 1
+    procs.set_state("l", 0, ReplicaState.READY)
+    ticks.now = 605.0
+    asyncio.run(rec.reconcile("l"))
+    assert procs.observe("l") == []
+    assert status(store)[:2] == (True, "Sleeping")
+    # Deleted and applied again: a new Lane, awake for its own sleepAfter.
+    store.delete(Kind.LANE, "l")
+    asyncio.run(rec.reconcile("l"))
+    ticks.now = 700.0
+    apply(store, SLEEPY)
+    assert asyncio.run(rec.reconcile("l")).requeue_after == pytest.approx(5.0)
+    assert len(procs.observe("l")) == 1
+
+
+def test_idle_counts_from_the_lanes_creation_when_that_is_later() -> None:
+    ticks = Ticks()
+    activity = Activity(clock=ticks)
+    ticks.now = 600.0
+    assert activity.idle_s("l") == 600.0
+    assert activity.idle_s("l", age_s=3.0) == 3.0
+    assert activity.idle_s("l", age_s=-1.0) == 0.0  # a clock set back: not negative
+    activity.begin("l")
+    activity.end("l")
+    ticks.now = 610.0
+    assert activity.idle_s("l", age_s=100.0) == 10.0
 
 
 def test_a_request_that_arrives_as_the_lane_falls_asleep_wakes_it() -> None:
