@@ -8,7 +8,9 @@ prefix index lives as long as the Lane and its capacity: a replica that leaves t
 table (not ready, restarted, gone) is forgotten by it, and a new capacity (slots or
 context changed) starts it afresh. A Lane whose spillover names no Lane is told once
 as a Warning event each time it starts to dangle (it is no apply error: the Lane may
-come later).
+come later). So is a Lane whose alias routes to another Lane (that Lane's name, or
+an alias another Lane claims first): requests for it go there, which nothing else
+would tell its operator.
 
 The data plane's other owners hear of each new table through `on_table` (its
 admission dispatchers, its upstream clients).
@@ -38,6 +40,8 @@ class FleetView:
         self._policies: dict[str, SLOPolicySpec] = {}
         # Lanes whose spillover names no Lane, as last reported.
         self._dangling: dict[str, str] = {}
+        # (Lane, alias) routed to another Lane, with that Lane, as last reported.
+        self._shadowed: dict[tuple[str, str], str] = {}
         self.refresh()
         self._refresh_policies()
         self._unsubscribe = store.subscribe(self._on_store_event)
@@ -81,6 +85,7 @@ class FleetView:
         self._prefixes = indexes
         self._on_table(self.table)
         self._report_dangling()
+        self._report_shadowed()
 
     def _report_dangling(self) -> None:
         """A Warning event `SpilloverNotFound` on each Lane whose spillover has just
@@ -103,6 +108,27 @@ class FleetView:
                 ),
             )
         self._dangling = dangling
+
+    def _report_shadowed(self) -> None:
+        """A Warning event `AliasConflict` on each Lane with an alias that has just come
+        to route to another Lane: its callers reach that Lane instead, without a word."""
+        shadowed = routing.shadowed_aliases(self.table)
+        for (lane, alias), owner in sorted(shadowed.items()):
+            if self._shadowed.get((lane, alias)) == owner:
+                continue
+            log.warning("lane.alias_conflict", lane=lane, alias=alias, served_by=owner)
+            self._store.record_event(
+                kind=Kind.LANE.value,
+                name=lane,
+                type="Warning",
+                reason="AliasConflict",
+                message=(
+                    f"spec.aliases names '{alias}', which Lane '{owner}' answers to (its "
+                    "name, or an alias it claims first in name order): requests for "
+                    f"'{alias}' go there, not to this Lane."
+                ),
+            )
+        self._shadowed = shadowed
 
     def _refresh_policies(self) -> None:
         self._policies = {

@@ -321,6 +321,17 @@ def dangling_spillovers(table: RouteTable) -> dict[str, str]:
     }
 
 
+def shadowed_aliases(table: RouteTable) -> dict[tuple[str, str], str]:
+    """(Lane, alias) for each alias a Lane claims that routes to another Lane (one of
+    that name, or an earlier claim: `build_table`'s order), with the Lane it routes to."""
+    return {
+        (route.lane, alias): owner.lane
+        for route in table.routes
+        for alias in route.aliases
+        if (owner := table.by_name[alias]) is not route
+    }
+
+
 def resolve(table: RouteTable, name: str) -> Route:
     if not name:
         raise errors.InvalidRequest(

@@ -1,5 +1,6 @@
-"""/metrics says what each Lane's replicas are doing, as the controller writes it: a
-crash loop or a Lane with nothing serving can be alerted on."""
+"""What the data plane's view of the fleet tells an operator of each Lane: /metrics says
+what its replicas are doing, as the controller writes it (a crash loop or a Lane with
+nothing serving can be alerted on), and events say when its names route elsewhere."""
 
 from __future__ import annotations
 
@@ -52,5 +53,43 @@ def test_a_lanes_replicas_and_restarts_follow_its_status_and_leave_with_it() -> 
         assert restarts(1) is None  # the replica is gone: so is its series
         store.delete(Kind.LANE, "metered")
         assert replicas("ready") is None and restarts(0) is None
+    finally:
+        fleet.close()
+
+
+def lane_with(name: str, *aliases: str) -> str:
+    return (
+        f"apiVersion: blazar.dev/v1alpha1\nkind: Lane\nmetadata: {{name: {name}}}\n"
+        f"spec: {{model: m, aliases: [{', '.join(aliases)}]}}\n"
+    )
+
+
+def test_a_lane_whose_alias_another_lane_answers_to_is_told() -> None:
+    """A Lane `aa` applied with the alias `assistant` took it from Lane `chat` (the first
+    claim in name order wins), and a Lane claiming another Lane's name as an alias never
+    got it: clients were routed elsewhere and no Lane said so. Now the Lane that lost
+    the name gets one Warning `AliasConflict` naming the Lane that answers, each time."""
+    store = MemoryStore(clock=Clock())
+    fleet = FleetView(store, on_table=lambda _: None)
+
+    def conflicts(lane: str) -> list[str]:
+        return [
+            e.message for e in store.events(kind="Lane", name=lane) if e.reason == "AliasConflict"
+        ]
+
+    try:
+        apply(store, MODEL)
+        apply(store, lane_with("chat", "assistant"))
+        apply(store, lane_with("wide", "chat", "bulk"))
+        assert conflicts("chat") == []
+        assert len(conflicts("wide")) == 1 and "'chat'" in conflicts("wide")[0]
+        apply(store, lane_with("aa", "assistant"))
+        store.update_status(Kind.LANE, "chat", LaneStatus())  # a rebuild: said once
+        (taken,) = conflicts("chat")
+        assert taken.startswith("spec.aliases names 'assistant', which Lane 'aa' answers to")
+        assert conflicts("aa") == [] and len(conflicts("wide")) == 1
+        store.delete(Kind.LANE, "aa")
+        apply(store, lane_with("aa", "assistant"))
+        assert len(conflicts("chat")) == 2  # again once it is taken anew
     finally:
         fleet.close()

@@ -56,6 +56,12 @@ def test_a_name_tagged_latest_finds_the_untagged_lane_as_ollama_reads_it() -> No
         assert exc.value.metadata == {"model": missing}
 
 
+def test_shadowed_aliases_name_the_lane_that_answers() -> None:
+    # "shared": "a" claims it first; "b" is Lane b's own name; "bee" is b's alone.
+    assert routing.shadowed_aliases(TABLE) == {("b", "shared"): "a", ("a", "b"): "b"}
+    assert routing.shadowed_aliases(routing.build_table([lane("x", "x", "y")])) == {}
+
+
 def test_unknown_name_is_model_not_found() -> None:
     with pytest.raises(errors.ModelNotFound) as exc:
         routing.resolve(TABLE, "zzz")
