@@ -6,15 +6,17 @@ watch the store; `Logs` reads engine replicas' captured output (`logfiles`);
 `Version` names the features this daemon acts on (`blazar.api.features`).
 Get and List add the data plane's live figures to a Lane's and an
 SLOPolicy's status (`status.admission`: queues, running requests, SLO attainment).
+Watch and a followed Logs have no end of their own: `close` ends them when the daemon
+stops.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any, TypeAlias
+from typing import Any, TypeAlias, TypeVar
 
 import grpc
 
@@ -38,6 +40,8 @@ LiveStatus: TypeAlias = Callable[[kinds.Kind, str], dict[str, Any]]
 
 # The engines' last Health round (`monitor.HealthMonitor.latest`), for `Top`.
 EngineSamples: TypeAlias = Callable[[], Sequence[monitor.Sample]]
+
+T = TypeVar("T")
 
 
 def _found(kind: kinds.Kind, name: str, obj: kinds.Resource | None) -> kinds.Resource:
@@ -75,6 +79,29 @@ class ControlService(control_pb2_grpc.ControlServicer):
         self._live = live
         self._log_dir = log_dir
         self._engines = engines
+        self._closing = asyncio.Event()
+
+    def close(self) -> None:
+        """End every Watch and followed Logs stream, and any opened after, with
+        UNAVAILABLE saying that the daemon stops. They end only when their caller
+        leaves, so the gRPC server's stop would otherwise wait its whole grace period
+        for an open `blazar get -w` or `logs -f`, then cut it with gRPC's bare
+        "Cancelling all calls"."""
+        self._closing.set()
+
+    async def _unless_closed(self, step: Awaitable[T]) -> T:
+        """`step`'s result; Unavailable, `step` cancelled, once `close` is called."""
+        task = asyncio.ensure_future(step)
+        closing = asyncio.ensure_future(self._closing.wait())
+        try:
+            await asyncio.wait((task, closing), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            closing.cancel()
+            if not task.done():
+                task.cancel()
+        if not task.done() or task.cancelled():
+            raise errors.Unavailable("The Blazar daemon is stopping; this stream ends with it.")
+        return task.result()
 
     async def Apply(
         self, request: control_pb2.ApplyRequest, context: Context
@@ -172,7 +199,10 @@ class ControlService(control_pb2_grpc.ControlServicer):
                     type=WatchType.ADDED.value, object_json=_dump(obj), resource_version=rv
                 )
             while True:
-                event = await queue.get()
+                try:
+                    event = await self._unless_closed(queue.get())
+                except errors.BlazarError as err:
+                    await status.abort(context, err)
                 yield control_pb2.WatchEvent(
                     type=event.type.value,
                     object_json=_dump(event.object),
@@ -227,7 +257,10 @@ class ControlService(control_pb2_grpc.ControlServicer):
                 tail = None  # none written yet: whatever comes is new
             if not request.follow or self._store.get(kinds.Kind.LANE, request.lane) is None:
                 return  # a deleted Lane writes no more (its last output was sent)
-            await asyncio.sleep(LOG_FOLLOW_POLL_S)
+            try:
+                await self._unless_closed(asyncio.sleep(LOG_FOLLOW_POLL_S))
+            except errors.BlazarError as err:
+                await status.abort(context, err)
 
     def _log_path(self, lane: str, replica: int) -> Path:
         if self._log_dir is None:

@@ -41,6 +41,7 @@ class DataPlane:
     server: grpc.aio.Server
     port: int
     inference: InferenceService
+    control: ControlService
     health: health_aio.HealthServicer
     pool: EnginePool
     access: access_.Access
@@ -60,6 +61,9 @@ class DataPlane:
         # with gRPC's own "Cancelling all calls": a waiting request hears why, and that
         # it may retry, and goes at once rather than after the grace period.
         self.inference.refuse_waiting()
+        # Likewise a `get -w` or `logs -f` hears that the daemon stops, and the stop
+        # does not wait out the grace period for streams that never end by themselves.
+        self.control.close()
         await self.server.stop(grace)
         await self.inference.close()
         await self.pool.close()
@@ -141,7 +145,13 @@ async def start(
         # Its owner's alone, whatever the umask (the home around it is 0700 too).
         os.chmod(control_socket, 0o600)
     plane = DataPlane(
-        server=server, port=port, inference=inference, health=health, pool=pool, access=access
+        server=server,
+        port=port,
+        inference=inference,
+        control=control,
+        health=health,
+        pool=pool,
+        access=access,
     )
     await plane.set_serving(True)
     return plane

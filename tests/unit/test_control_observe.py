@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
@@ -14,10 +15,12 @@ import grpc
 import pytest
 
 from blazar._proto.v1 import control_pb2, control_pb2_grpc
+from blazar.api import errors
 from blazar.api.kinds import Kind, LaneStatus
 from blazar.cli import printers
 from blazar.dataplane import server
 from blazar.enginehost.monitor import Sample
+from blazar.rpc import status
 from blazar.store.memory import MemoryStore
 
 DOCS = [
@@ -165,5 +168,41 @@ def test_top_shows_an_upstream_lanes_concurrency_as_its_slots(tmp_path: Path) ->
             running=0, tokens_per_second=0.0, memory_bytes=0,
         )]).splitlines()  # fmt: skip
         assert table[1].split() == ["u", "1", "0/8", "0", "0", "0.0", "-"]
+
+    asyncio.run(main())
+
+
+def test_a_stopping_daemon_ends_open_watches_and_followed_logs(tmp_path: Path) -> None:
+    """An open `blazar get lanes -w` (or `logs -f`) held the daemon's stop for the gRPC
+    server's whole 5 s grace, then ended with gRPC's bare "Cancelling all calls", which
+    the CLI showed as "cannot reach the Blazar daemon"."""
+    (tmp_path / "a-0.log").write_bytes(b"ready\n")
+
+    async def main() -> None:
+        plane = await server.start(store=MemoryStore(), address="127.0.0.1:0", log_dir=tmp_path)
+        stopped = False
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{plane.port}") as channel:
+                stub = control_pb2_grpc.ControlStub(channel)
+                await stub.Apply(control_pb2.ApplyRequest(objects_json=map(json.dumps, DOCS)))
+                watch = stub.Watch(control_pb2.WatchRequest(kind="Lane"))
+                logs = stub.Logs(control_pb2.LogsRequest(lane="a", replica=0, follow=True))
+                assert (await watch.read()).type == "ADDED"
+                assert (await logs.read()).data == b"ready\n"
+                began = time.monotonic()
+                await plane.stop(grace=5)
+                stopped = True
+                assert time.monotonic() - began < 2.5
+                for call in (watch, logs):
+                    with pytest.raises(grpc.aio.AioRpcError) as info:
+                        while await call.read() is not grpc.aio.EOF:
+                            pass
+                    assert not status.lost_peer(info.value)  # the daemon's own answer
+                    remote = status.from_rpc_error(info.value)
+                    assert isinstance(remote, errors.Unavailable)
+                    assert "daemon is stopping" in remote.message
+        finally:
+            if not stopped:
+                await plane.stop(grace=0)
 
     asyncio.run(main())
