@@ -269,8 +269,15 @@ class ControlService(control_pb2_grpc.ControlServicer):
             raise errors.InvalidRequest(f"replica must be 0 or more, not {replica}")
         # A name, not a path or a pattern: `../x` or `*` must not reach the file system.
         known = logfiles.replicas(self._log_dir, lane) if meta.is_name(lane) else []
-        if self._store.get(kinds.Kind.LANE, lane) is None and not known:
+        stored = self._store.get(kinds.Kind.LANE, lane)
+        if stored is None and not known:
             raise errors.ObjectNotFound(f'Lane "{lane}" not found.')
+        if isinstance(stored, kinds.Lane) and stored.spec.engine == "upstream" and not known:
+            # Not "none yet": no engine ever runs for it, so no log will come.
+            raise errors.ObjectNotFound(
+                f'Lane "{lane}" runs no engine (engine: upstream), so it has no engine log; '
+                f"`blazar describe lane {lane}` shows its upstream's health."
+            )
         if replica not in known:
             have = ", ".join(map(str, known)) or "none yet"
             raise errors.ObjectNotFound(

@@ -117,6 +117,29 @@ def test_logs_refuse_what_is_not_a_replica_log(
     run(body, log_dir=tmp_path / "logs", samples=[])
 
 
+def test_logs_of_an_upstream_lane_say_it_runs_no_engine(tmp_path: Path) -> None:
+    """It said "replicas with logs: none yet", as if an engine's output were to come."""
+    upstream = {
+        "apiVersion": "blazar.dev/v1alpha1", "kind": "Lane", "metadata": {"name": "u"},
+        "spec": {"engine": "upstream", "upstream": {"url": "http://u:1/v1", "model": "g"}},
+    }  # fmt: skip
+
+    async def main() -> None:
+        plane = await server.start(store=MemoryStore(), address="127.0.0.1:0", log_dir=tmp_path)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{plane.port}") as channel:
+                stub = control_pb2_grpc.ControlStub(channel)
+                await stub.Apply(control_pb2.ApplyRequest(objects_json=[json.dumps(upstream)]))
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await read_logs(stub, "u")
+        finally:
+            await plane.stop(grace=0)
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
+        assert "runs no engine (engine: upstream)" in (info.value.details() or "")
+
+    asyncio.run(main())
+
+
 def test_top_adds_up_each_lanes_replicas(tmp_path: Path) -> None:
     samples = [
         Sample(lane="a", replica=0, busy=1, free=3, cached_tokens=0, kv_bytes=0,
