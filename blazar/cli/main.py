@@ -690,6 +690,18 @@ def _run(args: argparse.Namespace) -> int:
         # store cannot be written, say) is its answer, shown as any other.
         if status.lost_peer(exc):
             target = client.target(args)
+            socket_path = Path(target.removeprefix("unix:"))
+            if target.startswith("unix:") and _absent(socket_path):
+                # gRPC says only "connect failed ... No such file or directory": the
+                # usual cause is no daemon at all, or one started with another home.
+                print(
+                    f"error: cannot reach the Blazar daemon at {target}: no daemon serves "
+                    f"the home {socket_path.parent} (it has no {socket_path.name}). Start "
+                    "one (`blazar serve`), or give the home the running one was started "
+                    "with (BLAZAR_HOME), or its address (--server).",
+                    file=sys.stderr,
+                )
+                return failed
             # Nothing listens there: whether it would speak TLS is beside the point.
             refused = "Connection refused" in remote.message
             plain = (
@@ -721,6 +733,18 @@ def _run(args: argparse.Namespace) -> int:
         return failed
     except KeyboardInterrupt:
         return 130
+
+
+def _absent(path: Path) -> bool:
+    """Whether nothing is at `path`; not when it cannot be looked at (another user's
+    0700 home: gRPC's "Permission denied" says that better)."""
+    try:
+        path.stat()
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    return False
 
 
 def _from_server(remote: errors.BlazarError) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import socket
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -135,17 +136,35 @@ class NoDaemon(grpc.RpcError):
 
 
 def test_cli_says_it_cannot_reach_a_daemon_that_did_not_answer(
-    capsys: pytest.CaptureFixture[str],
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     def fails(args: argparse.Namespace) -> int:
         raise NoDaemon()
 
-    args = argparse.Namespace(func=fails, server="unix:/h/control.sock", tls_ca=None)
+    sock = tmp_path / "control.sock"
+    sock.touch()  # left by a daemon that died
+    args = argparse.Namespace(func=fails, server=f"unix:{sock}", tls_ca=None)
     assert main._run(args) == 1
     assert capsys.readouterr().err == (
-        "error: cannot reach the Blazar daemon at unix:/h/control.sock: "
+        f"error: cannot reach the Blazar daemon at unix:{sock}: "
         "failed to connect to all addresses\n"
     )
+
+
+def test_cli_says_no_daemon_serves_a_home_without_a_control_socket(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first CLI call of a new user whose daemon runs with another BLAZAR_HOME (or
+    none runs) printed gRPC's "connect failed: addr: unix:... error: No such file or
+    directory" and nothing about homes."""
+    monkeypatch.setenv("BLAZAR_HOME", str(tmp_path / "home"))
+    assert main.main(["get", "lanes"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(
+        f"error: cannot reach the Blazar daemon at unix:{tmp_path}/home/control.sock: "
+        f"no daemon serves the home {tmp_path}/home (it has no control.sock)."
+    ), err
+    assert "BLAZAR_HOME" in err and "--server" in err and "blazar serve" in err
 
 
 def test_request_timeout_gives_up_on_a_daemon_that_never_answers(
