@@ -71,8 +71,8 @@ def _no_objects(verb: str, targets: Sequence[str]) -> errors.InvalidRequest:
     )
 
 
-# How the daemon locates a document of an ApplyRequest: by its place in the batch,
-# which runs on across every `-f` file.
+# How a daemon that does not read `ApplyRequest.sources` (an older one) locates a
+# document: by its place in the batch, which runs on across every `-f` file.
 _BATCH_PLACE = re.compile(r"\bobject#(\d+)\b")
 # A line of a manifest error about an object, not yet located by document.
 _OBJECT_ERROR = re.compile(
@@ -229,6 +229,8 @@ def cmd_apply(args: argparse.Namespace) -> int:
         objects_json=[json.dumps(doc) for _, doc in docs],
         dry_run=args.dry_run,
         field_manager="blazar-cli",
+        # So that the daemon's ManifestRejected event names the files too.
+        sources=[location for location, _ in docs],
     )
     with client.from_args(args) as control:
         response = _apply(control, request, docs)
@@ -245,7 +247,10 @@ def cmd_diff(args: argparse.Namespace) -> int:
     if not docs:
         raise _no_objects("diff", args.filename)
     request = control_pb2.ApplyRequest(
-        objects_json=[json.dumps(doc) for _, doc in docs], dry_run=True, field_manager="blazar-cli"
+        objects_json=[json.dumps(doc) for _, doc in docs],
+        dry_run=True,
+        field_manager="blazar-cli",
+        sources=[location for location, _ in docs],
     )
     changed = False
     with client.from_args(args) as control:

@@ -59,6 +59,22 @@ def _dump(obj: kinds.Resource, live: LiveStatus | None = None) -> str:
     return json.dumps(data)
 
 
+# A source longer than this, or not one line of printable text, is not used: it would
+# be written into every error and event that names its object.
+MAX_SOURCE_CHARS = 1024
+
+
+def _sources(request: control_pb2.ApplyRequest) -> Sequence[str] | None:
+    """Where the client read each object (`ApplyRequest.sources`), if it says so for
+    every one of them in a form fit to quote; else None."""
+    sources = request.sources
+    if len(sources) != len(request.objects_json) or not all(
+        0 < len(s) <= MAX_SOURCE_CHARS and s.isprintable() for s in sources
+    ):
+        return None
+    return list(sources)
+
+
 def _event(e: Event) -> control_pb2.Event:
     return control_pb2.Event(
         time=e.time.isoformat(), type=e.type, reason=e.reason, kind=e.kind, name=e.name,
@@ -108,8 +124,9 @@ class ControlService(control_pb2_grpc.ControlServicer):
     ) -> control_pb2.ApplyResponse:
         docs: list[tuple[str, dict[str, Any]]] = []
         bad: list[FieldError] = []
+        sources = _sources(request)
         for i, text in enumerate(request.objects_json):
-            location = f"object#{i + 1}"
+            location = sources[i] if sources else f"object#{i + 1}"
             try:
                 doc = jsontext.loads(text, unique_keys=True)
             except jsontext.NotJSON as exc:

@@ -154,6 +154,37 @@ def test_a_batch_with_bad_json_is_rejected_and_recorded() -> None:
 
 
 @pytest.mark.parametrize(
+    ("sources", "where"),
+    [
+        (["fleet/models.yaml#1", "fleet/lanes.yaml#2"], "Lane/l (fleet/lanes.yaml#2)"),
+        # Not one per object, or not fit to quote: each by its place in the batch.
+        (["fleet/models.yaml#1"], "Lane/l (object#2)"),
+        (["fleet/models.yaml#1", "a\nb"], "Lane/l (object#2)"),
+        (["fleet/models.yaml#1", "x" * 1025], "Lane/l (object#2)"),
+    ],
+)
+def test_a_rejected_batch_names_the_files_the_client_read(sources: list[str], where: str) -> None:
+    """`blazar apply -f fleet/` was refused naming `fleet/lanes.yaml#2`, but the
+    ManifestRejected event that `blazar events` shows later said `object#2`."""
+    bad_lane = {**LANE, "spec": {"model": "m", "replicas": -1}}
+
+    async def body(stub: control_pb2_grpc.ControlStub, store: MemoryStore) -> None:
+        request = control_pb2.ApplyRequest(
+            objects_json=[json.dumps(MODEL), json.dumps(bad_lane)],
+            field_manager="blazar-cli",
+            sources=sources,
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as rejected:
+            await stub.Apply(request)
+        assert rejected.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        (event,) = store.events()
+        assert (event.name, event.reason) == ("blazar-cli", "ManifestRejected")
+        assert f"{where}: spec.replicas" in event.message
+
+    run(body)
+
+
+@pytest.mark.parametrize(
     ("text", "problem"),
     [
         ("[1]", "object#2: expected a JSON object, got an array"),

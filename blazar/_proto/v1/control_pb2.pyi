@@ -8,14 +8,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ApplyRequest(_message.Message):
-    __slots__ = ("objects_json", "dry_run", "field_manager")
+    __slots__ = ("objects_json", "dry_run", "field_manager", "sources")
     OBJECTS_JSON_FIELD_NUMBER: _ClassVar[int]
     DRY_RUN_FIELD_NUMBER: _ClassVar[int]
     FIELD_MANAGER_FIELD_NUMBER: _ClassVar[int]
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
     objects_json: _containers.RepeatedScalarFieldContainer[str]
     dry_run: bool
     field_manager: str
-    def __init__(self, objects_json: _Optional[_Iterable[str]] = ..., dry_run: _Optional[bool] = ..., field_manager: _Optional[str] = ...) -> None: ...
+    sources: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, objects_json: _Optional[_Iterable[str]] = ..., dry_run: _Optional[bool] = ..., field_manager: _Optional[str] = ..., sources: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ApplyResult(_message.Message):
     __slots__ = ("kind", "name", "action", "object_json")
