@@ -102,8 +102,9 @@ class ObjectStatus(CamelModel):
 
 
 class ModelSource(CamelModel):
-    path: str | None = None
-    package: str | None = None
+    # Empty names no file (it would resolve to the daemon's working directory).
+    path: str | None = Field(default=None, min_length=1)
+    package: str | None = Field(default=None, min_length=1)
     url: str | None = None
 
     @model_validator(mode="after")

@@ -497,6 +497,18 @@ def test_admission_refusals_are_overloaded_with_the_numbers(
             "Model/gemma3-270m: spec.source",
             "exactly one of path, package or url",
         ),
+        # Found by the manifest fuzzer: an empty path named the working directory,
+        # refused as "  is a relative path" with nothing to read between the colons.
+        (
+            {**model_doc(), "spec": {"source": {"path": ""}}},
+            "Model/gemma3-270m: spec.source.path",
+            "at least 1 character",
+        ),
+        (
+            {**model_doc(), "spec": {"source": {"package": ""}}},
+            "Model/gemma3-270m: spec.source.package",
+            "at least 1 character",
+        ),
         (
             model_doc(url="https://example.com/x.gguf"),
             "Model/gemma3-270m: spec.source",
