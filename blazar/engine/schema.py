@@ -378,12 +378,18 @@ def _combination_gaps(node: dict[str, Any], path: str) -> Iterator[str]:
             yield f"{at}format ({fmt} is not enforced)"
 
 
-def overlapping_one_of(root: Any, node: Any = None, path: str = "") -> Iterator[str]:
+# `overlapping_one_of`'s "start at the root": a JSON null in the schema is None, so
+# None cannot say it (found by the body fuzzer: a null under a keyword JSON Schema does
+# not define recursed from the root again until RecursionError, a 500).
+_ROOT: Any = object()
+
+
+def overlapping_one_of(root: Any, node: Any = _ROOT, path: str = "") -> Iterator[str]:
     """`path.oneOf` for each oneOf (with a discriminator) of `root` whose branches a
     document might match more than one of. The converter writes a oneOf as an anyOf,
     which keeps only "at least one"; with a discriminator that each branch requires as
     a constant of its own, no document matches two."""
-    node = root if node is None else node
+    node = root if node is _ROOT else node
     if isinstance(node, list):
         for i, item in enumerate(node):
             yield from overlapping_one_of(root, item, f"{path}[{i}]")

@@ -583,3 +583,12 @@ def test_a_one_of_is_accepted_only_when_its_discriminator_parts_the_branches(
             schema.grammar(document)
     else:
         schema.grammar(document)
+
+
+def test_a_null_in_the_schema_is_no_cause_to_start_over_from_its_root() -> None:
+    """Found by the body fuzzer: a JSON null as the value of a keyword JSON Schema does
+    not define (which it allows) sent the oneOf check back to the schema's root, until
+    RecursionError: a 500."""
+    document = {"type": "object", "properties": {"city": {"type": "string", "note": None}}}
+    assert list(schema.overlapping_one_of(document)) == []
+    schema.grammar(document)
