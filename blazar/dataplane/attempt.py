@@ -102,6 +102,18 @@ class Attempts:
         settled = False
         retried = False
 
+        async def fail(err: errors.BlazarError) -> None:
+            """End the call with `err`, counted and logged as the request's failure."""
+            metrics.observe_failure(route.lane, err.reason, tokens=tokens)
+            log.info(
+                "request.failed",
+                request_id=generate.request_id,
+                lane=route.lane,
+                tenant=ticket.tenant,
+                reason=err.reason,
+            )
+            await status.abort(context, err)
+
         def summary(event: str, **extra: object) -> None:
             """The request's one summary line: done, or cancelled by its caller."""
             log.info(
@@ -163,19 +175,12 @@ class Attempts:
                 retried = True
                 yield None
                 return
-            lost = errors.Unavailable(
-                f"Replica {replica.index} of Lane '{route.lane}' stopped answering its "
-                "health checks before this request finished; retry."
+            await fail(
+                errors.Unavailable(
+                    f"Replica {replica.index} of Lane '{route.lane}' stopped answering its "
+                    "health checks before this request finished; retry."
+                )
             )
-            metrics.observe_failure(route.lane, lost.reason, tokens=tokens)
-            log.info(
-                "request.failed",
-                request_id=generate.request_id,
-                lane=route.lane,
-                tenant=ticket.tenant,
-                reason=lost.reason,
-            )
-            await status.abort(context, lost)
         except (grpc.aio.AioRpcError, errors.BlazarError) as exc:
             settled = True
             # A BlazarError is an upstream's failure: its only replica is the one that
@@ -198,15 +203,7 @@ class Attempts:
                     f"Lost the engine of replica {replica.index} of Lane '{route.lane}' "
                     "before this request finished; retry."
                 )
-            metrics.observe_failure(route.lane, failure.reason, tokens=tokens)
-            log.info(
-                "request.failed",
-                request_id=generate.request_id,
-                lane=route.lane,
-                tenant=ticket.tenant,
-                reason=failure.reason,
-            )
-            await status.abort(context, failure)
+            await fail(failure)
         finally:
             call.cancel()  # no-op when finished; frees the engine slot when the caller left
             if not settled:
