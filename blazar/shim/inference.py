@@ -20,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from starlette.requests import Request
 
 from blazar._proto.v1 import inference_pb2, inference_pb2_grpc
-from blazar.api import errors, via
+from blazar.api import errors, modelnames, via
 from blazar.rpc import status
 from blazar.shim import gates
 
@@ -46,6 +46,17 @@ _HEADERS_OF_METADATA = {
     "blazar-prompt-tokens": PROMPT_TOKENS_HEADER,
     "blazar-predicted-ttft-ms": PREDICTED_TTFT_HEADER,
 }
+
+
+def listed_model(response: inference_pb2.ListModelsResponse, name: str) -> inference_pb2.ModelInfo:
+    """The entry of a model list called `name` (a Lane's name or alias, as
+    `modelnames.lookups` tries it); ModelNotFound if none. What each dialect's lookup
+    of one model reads."""
+    for candidate in modelnames.lookups(name):
+        for info in response.models:
+            if info.id == candidate:
+                return info
+    raise errors.ModelNotFound.of(name)
 
 
 def embedding_headers(response: inference_pb2.EmbedResponse) -> dict[str, str]:

@@ -10,8 +10,8 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from blazar._proto.v1 import inference_pb2
-from blazar.api import errors, modelnames
-from blazar.shim import validation
+from blazar.api import errors
+from blazar.shim import inference, validation
 from blazar.shim.ollama import protocol, render
 
 # What Ollama's ps shows for a model kept forever: now plus Go's longest duration.
@@ -25,11 +25,7 @@ _MANAGED = (
 def model_info(response: inference_pb2.ListModelsResponse, name: str) -> inference_pb2.ModelInfo:
     """The listed model called `name` (a Lane name or an alias, `modelnames.lookups`);
     ModelNotFound if none."""
-    for candidate in modelnames.lookups(name):
-        for info in response.models:
-            if info.id == candidate:
-                return info
-    raise errors.ModelNotFound.of(name)
+    return inference.listed_model(response, name)
 
 
 def show_name(body: protocol.ShowRequest) -> str:

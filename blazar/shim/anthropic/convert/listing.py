@@ -13,7 +13,8 @@ from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 
 from blazar._proto.v1 import inference_pb2
-from blazar.api import errors, modelnames
+from blazar.api import errors
+from blazar.shim import inference
 from blazar.shim.anthropic import protocol
 
 DEFAULT_LIMIT = 20
@@ -32,11 +33,7 @@ def model(info: inference_pb2.ModelInfo) -> protocol.ModelInfo:
 
 def find(response: inference_pb2.ListModelsResponse, name: str) -> protocol.ModelInfo:
     """The entry called `name` (`modelnames.lookups`); ModelNotFound if none."""
-    for candidate in modelnames.lookups(name):
-        for info in response.models:
-            if info.id == candidate:
-                return model(info)
-    raise errors.ModelNotFound.of(name)
+    return model(inference.listed_model(response, name))
 
 
 def page(

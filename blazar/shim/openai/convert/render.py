@@ -13,8 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from blazar._proto.v1 import inference_pb2
-from blazar.api import errors, modelnames
-from blazar.shim import canonical
+from blazar.shim import canonical, inference
 from blazar.shim.openai import protocol
 from blazar.shim.openai.convert import logprob
 
@@ -367,11 +366,7 @@ def model_list(response: inference_pb2.ListModelsResponse) -> protocol.ModelList
 def model(response: inference_pb2.ListModelsResponse, name: str) -> protocol.Model:
     """The entry of `model_list` whose id is `name` (a Lane name or an alias);
     ModelNotFound when there is none (`modelnames.lookups`)."""
-    for candidate in modelnames.lookups(name):
-        for info in response.models:
-            if info.id == candidate:
-                return _model(info)
-    raise errors.ModelNotFound.of(name)
+    return _model(inference.listed_model(response, name))
 
 
 def _model(info: inference_pb2.ModelInfo) -> protocol.Model:
