@@ -24,6 +24,7 @@ import pytest
 from blazar._proto.engine.v1 import engine_pb2, engine_pb2_grpc
 from blazar._proto.v1 import inference_pb2
 from blazar.api.replicas import EngineLaunch
+from blazar.enginehost import rundir
 from tests import launches
 
 REPO = Path(__file__).resolve().parents[2]
@@ -122,7 +123,13 @@ def launch(
     **spec: Any,
 ) -> EngineLaunch:
     """A worker's launch document: `SLOTS` slots of `CONTEXT_PER_SLOT` on two threads,
-    unless `spec` says otherwise (any `LaunchSpec` field)."""
+    unless `spec` says otherwise (any `LaunchSpec` field). Its engine shares the cores
+    with the user's other engines as a daemon's do (the host's table, unless
+    `cpu_share` names another): with the suite on two workers, an engine a test starts
+    itself and one a daemon started meanwhile would otherwise spin against each other
+    at every barrier (`blazar.engine.cpushare`)."""
+    if cpu_share is None:
+        cpu_share = rundir.cpu_share_path(rundir.runtime_root())
     fields: dict[str, Any] = {"slots": SLOTS, "context_per_slot": CONTEXT_PER_SLOT} | spec
     return EngineLaunch(
         spec=launches.spec(model_path, kv_persist=kv_dir is not None, **fields),
@@ -131,7 +138,7 @@ def launch(
         kv_dir=str(kv_dir) if kv_dir is not None else None,
         parent_pid=parent_pid,
         log_json=True,
-        cpu_share=str(cpu_share) if cpu_share is not None else None,
+        cpu_share=str(cpu_share),
     )
 
 
