@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import secrets
 import time
@@ -464,12 +465,6 @@ class EngineService(engine_pb2_grpc.EngineServicer):
 
         def resolve() -> tuple[tools.ToolSet | None, sampling.SamplingParams]:
             toolset = tools.parse(request.chat) if which == "chat" else None
-            if toolset is not None and toolset.active and constraint.WhichOneof("kind"):
-                raise errors.InvalidRequest(
-                    "A constraint on the output (structured output) and tools cannot both "
-                    "apply; send one, or tool_choice none.",
-                    metadata={errors.FIELD_KEY: sampling.CONSTRAINT_FIELD},
-                )
             params = _resolve(
                 request.sampling, constraint=constraint, toolset=toolset, vocab=self._decode.vocab
             )
@@ -607,33 +602,48 @@ def _resolve(
     toolset: tools.ToolSet | None,
     vocab: llama.Vocab,
 ) -> sampling.SamplingParams:
-    """The request's sampling; a forced call's grammar is its constraint. With tools
-    the model may call, it stops where it would begin a tool's result: that is the
-    caller's to give, and a model that writes one is making it up. A forced turn keeps
-    none of the caller's stop strings: its grammar lets the model write calls only, so
-    a stop string could only match inside one (`"\n"` in every call's format) and cut
-    the call the caller forced."""
-    free = toolset is not None and toolset.active and not toolset.forced
-    if free and tools.RESULT_OPEN not in wire.stop and len(wire.stop) < sampling.MAX_STOPS:
-        wire = _copy(wire)
-        wire.stop.append(tools.RESULT_OPEN)
-    if toolset is not None and toolset.forced:
-        wire = _copy(wire)
+    """The request's sampling, with tools the model may call in it:
+
+    - a forced call's grammar is its constraint. It keeps none of the caller's stop
+      strings: its grammar lets the model write calls only, so a stop string could only
+      match inside one (`"\n"` in every call's format) and cut the call the caller
+      forced. A response format is checked and shapes no output of this turn, which
+      has only calls (it shapes the answer of a later turn, as OpenAI reads it).
+    - in auto mode, the model stops where it would begin a tool's result: that is the
+      caller's to give, and a model that writes one is making it up. With a response
+      format, the grammar lets it write calls or the formatted answer
+      (`tools.grammar`).
+    """
+    if toolset is None or not toolset.active:
+        return sampling.resolve(wire, constraint=constraint, vocab=vocab)
+    if constraint.WhichOneof("kind") == "grammar":
+        raise errors.InvalidRequest(
+            "A GBNF grammar and tools the model may call cannot both apply: send a JSON "
+            "schema as the response format instead (the model then calls tools or answers "
+            "in it), or tool_choice none.",
+            metadata={errors.FIELD_KEY: sampling.CONSTRAINT_FIELD},
+        )
+    wire = _copy(wire)
+    if toolset.forced:
         del wire.stop[:]
-        made = tools.grammar(toolset)
-        try:
-            gbnf.check_bounds(made, what="The grammar that forces a call of these tools")
-        except errors.InvalidRequest as err:
-            err.metadata[errors.FIELD_KEY] = tools.TOOLS_FIELD
-            raise
-        forced = inference_pb2.Constraint(grammar=made)
-        try:
-            return sampling.resolve(wire, constraint=forced, vocab=vocab)
-        except errors.InvalidRequest as err:
-            if err.metadata.get(errors.FIELD_KEY) == sampling.CONSTRAINT_FIELD:
-                err.metadata[errors.FIELD_KEY] = tools.TOOLS_FIELD
-            raise
-    return sampling.resolve(wire, constraint=constraint, vocab=vocab)
+    elif tools.RESULT_OPEN not in wire.stop and len(wire.stop) < sampling.MAX_STOPS:
+        wire.stop.append(tools.RESULT_OPEN)
+    # The caller's own format first, as if alone: what is wrong with it is said of it.
+    params = sampling.resolve(wire, constraint=constraint, vocab=vocab)
+    if not toolset.forced and params.grammar is None:
+        return params
+    made = tools.grammar(toolset, answer=None if toolset.forced else params.grammar)
+    what = "The grammar that forces a call of these tools"
+    if not toolset.forced:
+        what = "The grammar of these tools' calls or the structured answer"
+    try:
+        gbnf.check_bounds(made, what=what)
+        if vocab is not None:
+            sampling.check_grammar(made, vocab)
+    except errors.InvalidRequest as err:
+        err.metadata[errors.FIELD_KEY] = tools.TOOLS_FIELD
+        raise
+    return dataclasses.replace(params, grammar=made)
 
 
 def _copy(wire: inference_pb2.Sampling) -> inference_pb2.Sampling:

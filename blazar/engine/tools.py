@@ -25,6 +25,10 @@ One call format, whatever renders the prompt: the one Hermes 2 Pro made common (
   (llama.cpp's server starts a grammar lazily at the opening tag instead; its grammar
   aborts the process when the token that completes the tag carries text the grammar
   refuses, so Blazar validates rather than constrains here.)
+- `MODE_AUTO` with a structured answer (a response format's JSON schema): a grammar
+  from the first token lets the model write either calls, as when forced, or the
+  answer the format describes, and nothing else (an agent's "call tools, then answer
+  in this shape").
 - `MODE_NONE`: tools are neither shown nor parsed.
 """
 
@@ -217,9 +221,11 @@ def depth(value: Any) -> int:
 # ---------------------------------------------------------------- grammar
 
 
-def grammar(tools: ToolSet) -> str:
-    """GBNF for a forced turn: only calls, in the call format, with arguments that
-    validate. InvalidRequest names the tool whose schema the grammar cannot enforce."""
+def grammar(tools: ToolSet, *, answer: str | None = None) -> str:
+    """GBNF for a turn whose output has a set shape. Forced (`required`, a named tool):
+    only calls, in the call format, with arguments that validate. With `answer` (the
+    grammar of a structured answer, in auto mode): the calls of any tool, or that
+    answer. InvalidRequest names the tool whose schema the grammar cannot enforce."""
     lines: list[str] = []
     choices: list[str] = []
     for i, tool in enumerate(tools.tools):
@@ -230,9 +236,7 @@ def grammar(tools: ToolSet) -> str:
         except errors.InvalidRequest as err:
             where = f"tools[{i}].parameters"
             raise _blame(
-                where,
-                f"Tool '{tool.name}' cannot be forced: {err.message} ('{where}'; "
-                "tool_choice 'auto' accepts any valid schema and validates calls instead.)",
+                where, _unenforceable(tool, err.message, where, answer is not None)
             ) from None
         prefix = f"tool{i}-"
         lines.extend(_prefixed(arguments, prefix))
@@ -244,7 +248,28 @@ def grammar(tools: ToolSet) -> str:
         f"( {' | '.join(choices)} ) {schema.literal('}' + chr(10) + CLOSE)}"
     )
     more = f' ( "\\n" call ){{0,{MAX_FORCED_CALLS - 1}}}' if tools.parallel else ""
-    return "\n".join([f"root ::= call{more}", call, *lines])
+    if answer is None:
+        return "\n".join([f"root ::= call{more}", call, *lines])
+    shaped = list(_prefixed(answer, ANSWER_PREFIX))
+    return "\n".join([f"root ::= call{more} | {ANSWER_PREFIX}root", call, *lines, *shaped])
+
+
+# The prefix of the structured answer's rules beside the calls' (`tool{i}-`).
+ANSWER_PREFIX = "answer-"
+
+
+def _unenforceable(tool: Tool, why: str, where: str, beside_answer: bool) -> str:
+    if beside_answer:
+        return (
+            f"Tool '{tool.name}' cannot be offered beside a structured answer: {why} "
+            f"('{where}'; the grammar that lets the model either call a tool or answer in "
+            "the response format must write every call. Without a response format, "
+            "tool_choice 'auto' accepts any valid schema and validates calls instead.)"
+        )
+    return (
+        f"Tool '{tool.name}' cannot be forced: {why} ('{where}'; "
+        "tool_choice 'auto' accepts any valid schema and validates calls instead.)"
+    )
 
 
 _RULE = re.compile(r"^([A-Za-z0-9-]+) ::= (.*)$")

@@ -11,16 +11,19 @@ calls; a tool set that cannot be served is a 400 that names the parameter.
 
 from __future__ import annotations
 
+import collections
 import json
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Literal
 
 import jsonschema
 import openai
+import pydantic
 import pytest
 
 from blazar._proto.engine.v1 import engine_pb2
 from blazar._proto.v1 import inference_pb2
+from blazar.engine import schema as schemas
 from blazar.engine import tools as engine_tools
 from tests.integration import pinning
 from tests.integration.harness import TOOLS_LANE, TOOLS_SLOTS, Daemon, concurrently
@@ -242,6 +245,63 @@ def test_auto_calls_validate_or_are_not_made(client: openai.OpenAI) -> None:
 
     made = sum(concurrently(attempt, 10, at_once=TOOLS_SLOTS))
     print(f"auto: {made} valid calls in 10 turns")
+
+
+class Forecast(pydantic.BaseModel):
+    """An agent's final answer (the SDK's `response_format`, strict)."""
+
+    sky: Literal["clear", "cloudy", "rain"]
+    summary: str = pydantic.Field(max_length=16)
+
+
+def test_tools_beside_a_response_format_give_valid_calls_or_a_parsed_answer(
+    client: openai.OpenAI,
+) -> None:
+    """An agent's turn: tools it may call, and the shape of its final answer. Each
+    turn is valid calls or an answer the SDK parses into `Forecast`, never text beside
+    or instead of them; half the turns streamed."""
+    answer = dict(Forecast.model_json_schema(), additionalProperties=False)
+    wire = engine_pb2.ChatInput(
+        tools=[
+            inference_pb2.Tool(
+                name=t["function"]["name"], parameters=json.dumps(t["function"]["parameters"])
+            )
+            for t in TOOLS
+        ],
+        parallel_tool_calls=False,
+    )
+    made = engine_tools.grammar(engine_tools.parse(wire), answer=schemas.grammar(answer))
+    tokens = pinning.budget(made)
+    assert tokens is not None
+
+    def attempt(i: int) -> str:
+        options: dict[str, Any] = {
+            "model": LANE,
+            "messages": QUESTION,
+            "tools": TOOLS,
+            "response_format": Forecast,
+            "parallel_tool_calls": False,
+            "seed": 4000 + i,
+            "temperature": TEMPERATURES[i % len(TEMPERATURES)],
+            "max_tokens": tokens,
+        }
+        if i % 2:
+            with client.chat.completions.stream(**options) as events:
+                completion = events.get_final_completion()
+        else:
+            completion = client.chat.completions.parse(**options)
+        choice = completion.choices[0]
+        if choice.finish_reason == "tool_calls":
+            check_calls(list(choice.message.tool_calls or []), names=set(SCHEMAS))
+            assert not choice.message.content
+            return "call"
+        assert choice.finish_reason == "stop", choice
+        assert not choice.message.tool_calls
+        assert isinstance(choice.message.parsed, Forecast), choice.message.content
+        return "answer"
+
+    made_turns = concurrently(attempt, 8, at_once=TOOLS_SLOTS)
+    print(f"tools beside a response format: {collections.Counter(made_turns)}")
 
 
 def test_tool_choice_none_never_calls(client: openai.OpenAI) -> None:

@@ -15,7 +15,7 @@ import pytest
 from blazar._proto.engine.v1 import engine_pb2
 from blazar._proto.v1 import inference_pb2 as pb
 from blazar.api import errors
-from blazar.engine import text, tools
+from blazar.engine import schema, text, tools
 
 WEATHER = {
     "type": "object",
@@ -225,6 +225,46 @@ def test_a_schema_the_grammar_cannot_enforce_is_refused_only_when_forced() -> No
     )
     # Auto: any valid schema; calls are validated instead.
     assert tools.parse(chat(("counted", loose))).tools[0].parameters == loose
+
+
+ANSWER = {
+    "type": "object",
+    "properties": {"summary": {"type": "string", "maxLength": 12}},
+    "required": ["summary"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize(
+    ("parallel", "output", "allowed"),
+    [
+        (None, GOOD, True),
+        (None, EMPTY, True),
+        (None, f"{GOOD}\n{EMPTY}", True),
+        (False, f"{GOOD}\n{EMPTY}", False),
+        (None, '{"summary": "Sunny"}', True),
+        (None, '{"summary": 3}', False),
+        (None, '{"summary": "Sunny", "more": 1}', False),
+        (None, "Sunny", False),
+        (None, f"Let me look. {GOOD}", False),
+        (None, f'{GOOD}\n{{"summary": "Sunny"}}', False),
+        (None, call("weather", '{"city": "Paris"}'), False),
+    ],
+)
+def test_an_auto_turn_with_a_structured_answer_writes_calls_or_that_answer(
+    parallel: bool | None, output: str, allowed: bool
+) -> None:
+    made = tools.grammar(toolset(Mode.MODE_AUTO, parallel=parallel), answer=schema.grammar(ANSWER))
+    assert bool(_gbnf_regex(made).fullmatch(output)) == allowed
+
+
+def test_a_tool_the_grammar_cannot_write_is_refused_beside_a_structured_answer() -> None:
+    loose = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1}}}
+    auto = tools.parse(chat(("ok", {}), ("counted", loose)))
+    with pytest.raises(errors.InvalidRequest, match="minimum") as caught:
+        tools.grammar(auto, answer=schema.grammar(ANSWER))
+    assert caught.value.metadata[errors.FIELD_KEY] == "tools[1].parameters"
+    assert "cannot be offered beside a structured answer" in caught.value.message
 
 
 def test_rule_names_are_prefixed_outside_literals_and_classes() -> None:
@@ -618,6 +658,61 @@ def test_a_forced_call_is_not_cut_by_the_callers_stop_strings(mode: int, name: s
     assert params.grammar == tools.grammar(toolset(mode, name))
     assert params.stop == ()
     assert list(wire.stop) == ["\n", "}"]  # the caller's message is left alone
+
+
+def _resolved(mode: int, constraint: pb.Constraint, stop: tuple[str, ...] = ()) -> Any:
+    from blazar.engine import service
+
+    return service._resolve(
+        pb.Sampling(stop=stop),
+        constraint=constraint,
+        toolset=toolset(mode, "weather" if mode == Mode.MODE_NAMED else ""),
+        vocab=None,  # type: ignore[arg-type]
+    )
+
+
+def test_an_auto_turn_with_a_response_format_is_resolved_to_calls_or_the_answer() -> None:
+    params = _resolved(
+        Mode.MODE_AUTO, pb.Constraint(json_schema=json.dumps(ANSWER)), stop=("\n\n",)
+    )
+    assert params.grammar == tools.grammar(toolset(), answer=schema.grammar(ANSWER))
+    # The caller's stops stay (quiet inside a call block, as in any auto turn).
+    assert params.stop == ("\n\n", tools.RESULT_OPEN)
+    # Any JSON object: the answer's grammar is the one `json_object` stands for.
+    any_object = _resolved(Mode.MODE_AUTO, pb.Constraint(json_object=True))
+    assert any_object.grammar == tools.grammar(toolset(), answer=schema.grammar({"type": "object"}))
+    # json_object false constrains nothing: the turn is free, as without a format.
+    assert _resolved(Mode.MODE_AUTO, pb.Constraint(json_object=False)).grammar is None
+
+
+@pytest.mark.parametrize(("mode", "name"), [(Mode.MODE_REQUIRED, ""), (Mode.MODE_NAMED, "weather")])
+def test_a_forced_turn_with_a_response_format_writes_only_calls(mode: int, name: str) -> None:
+    params = _resolved(mode, pb.Constraint(json_schema=json.dumps(ANSWER)))
+    assert params.grammar == tools.grammar(toolset(mode, name))
+
+
+def test_a_response_format_beside_tools_is_checked_as_if_alone() -> None:
+    for mode in (Mode.MODE_AUTO, Mode.MODE_REQUIRED):
+        with pytest.raises(errors.InvalidRequest, match="not valid JSON") as caught:
+            _resolved(mode, pb.Constraint(json_schema="{"))
+        assert caught.value.metadata[errors.FIELD_KEY] == "constraint"
+
+
+def test_a_gbnf_grammar_beside_tools_is_refused_naming_the_constraint() -> None:
+    for mode in (Mode.MODE_AUTO, Mode.MODE_REQUIRED):
+        with pytest.raises(errors.InvalidRequest, match="GBNF grammar and tools") as caught:
+            _resolved(mode, pb.Constraint(grammar='root ::= "a"'))
+        assert caught.value.metadata[errors.FIELD_KEY] == "constraint"
+    # With tool_choice none the tools are not in play: the grammar alone applies.
+    from blazar.engine import service
+
+    params = service._resolve(
+        pb.Sampling(),
+        constraint=pb.Constraint(grammar='root ::= "a"'),
+        toolset=toolset(Mode.MODE_NONE),
+        vocab=None,  # type: ignore[arg-type]
+    )
+    assert params.grammar == 'root ::= "a"'
 
 
 CALLS_ONLY = [

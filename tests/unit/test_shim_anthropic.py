@@ -164,6 +164,10 @@ REQUEST_CASES: dict[str, dict[str, Any]] = {
         }
     ),
     "output_format_beta": body(output_format={"type": "json_schema", "schema": {"type": "object"}}),
+    "output_config_format_beside_tools": body(
+        tools=[WEATHER],
+        output_config={"format": {"type": "json_schema", "schema": {"type": "object", "properties": {"a": {"type": "integer"}}}}},
+    ),
 }  # fmt: skip
 
 
@@ -405,10 +409,6 @@ INVALID: dict[str, tuple[dict[str, Any], str]] = {
         "'tool_choice.name' goes only with type 'tool'",
     ),
     "bad tool_choice type": (body(tools=[WEATHER], tool_choice={"type": "some"}), "'tool_choice.type'"),
-    "structured output with tools": (
-        body(tools=[WEATHER], output_config={"format": {"type": "json_schema", "schema": {}}}),
-        "'output_config.format' cannot go with 'tools'",
-    ),
     "two output formats": (
         body(
             output_config={"format": {"type": "json_schema", "schema": {}}},

@@ -76,18 +76,6 @@ def chat_request(
     tools = [_tool(tool, param=f"tools[{i}]") for i, tool in enumerate(body.tools or ())]
     choice = context.tool_choice(tool_choice, tools=[t.name for t in tools])
     parallel = context.parallel_tool_calls(parallel_tool_calls)
-    fmt = constraint(body.format)
-    if (
-        fmt is not None
-        and tools
-        and (choice is None or choice.mode != inference_pb2.ToolChoice.MODE_NONE)
-    ):
-        raise validation.invalid(
-            "'format' and 'tools' cannot both apply: a call's arguments follow its tool's "
-            f"schema, not 'format'. Send one of them, or '{context.TOOL_CHOICE_HEADER}: "
-            "none' to answer in 'format' without calling.",
-            param="format",
-        )
     messages = [
         _message(message, param=f"messages[{i}]") for i, message in enumerate(body.messages)
     ]
@@ -95,7 +83,7 @@ def chat_request(
         model=body.model,
         messages=messages,
         sampling=_sampling_of(body),
-        constraint=fmt,
+        constraint=constraint(body.format),
         session=session,
         slo=slo,
         tools=tools,

@@ -204,13 +204,6 @@ def _constraint(
         )
     fmt = given[named[0]]
     assert fmt is not None
-    choice = body.tool_choice
-    if body.tools and (choice is None or choice.type != "none"):
-        raise _invalid(
-            f"'{named[0]}' cannot go with 'tools' the model may call: a structured answer "
-            "and a tool call cannot both be forced. Send one, or tool_choice none.",
-            param=named[0],
-        )
     return canonical.json_schema(fmt.json_schema)
 
 
