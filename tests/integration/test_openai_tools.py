@@ -90,8 +90,15 @@ def client(daemon: Daemon) -> Iterator[openai.OpenAI]:
     sdk.close()
 
 
-def budget(tool_choice: Any, *, parallel: bool, tools: list[Any] = TOOLS) -> int:
-    """Tokens enough for the forced grammar to end: its longest document plus one."""
+def budget(
+    tool_choice: Any,
+    *,
+    parallel: bool,
+    tools: list[Any] = TOOLS,
+    answer: dict[str, Any] | None = None,
+) -> int:
+    """Tokens enough for the grammar to end: its longest document plus one. A forced
+    call's, or in auto mode (`tool_choice` None) with `answer`, calls or that answer."""
     wire = engine_pb2.ChatInput(
         tools=[
             inference_pb2.Tool(
@@ -103,11 +110,12 @@ def budget(tool_choice: Any, *, parallel: bool, tools: list[Any] = TOOLS) -> int
     )
     if tool_choice == "required":
         wire.tool_choice.mode = inference_pb2.ToolChoice.MODE_REQUIRED
-    else:
+    elif tool_choice is not None:
         wire.tool_choice.mode = inference_pb2.ToolChoice.MODE_NAMED
         wire.tool_choice.name = tool_choice["function"]["name"]
-    found = pinning.budget(engine_tools.grammar(engine_tools.parse(wire)))
-    assert found is not None, "a forced call's grammar has a longest document"
+    shaped = None if answer is None else schemas.grammar(answer)
+    found = pinning.budget(engine_tools.grammar(engine_tools.parse(wire), answer=shaped))
+    assert found is not None, "the grammar has a longest document"
     return found
 
 
@@ -261,18 +269,7 @@ def test_tools_beside_a_response_format_give_valid_calls_or_a_parsed_answer(
     turn is valid calls or an answer the SDK parses into `Forecast`, never text beside
     or instead of them; half the turns streamed."""
     answer = dict(Forecast.model_json_schema(), additionalProperties=False)
-    wire = engine_pb2.ChatInput(
-        tools=[
-            inference_pb2.Tool(
-                name=t["function"]["name"], parameters=json.dumps(t["function"]["parameters"])
-            )
-            for t in TOOLS
-        ],
-        parallel_tool_calls=False,
-    )
-    made = engine_tools.grammar(engine_tools.parse(wire), answer=schemas.grammar(answer))
-    tokens = pinning.budget(made)
-    assert tokens is not None
+    tokens = budget(None, parallel=False, answer=answer)
 
     def attempt(i: int) -> str:
         options: dict[str, Any] = {
