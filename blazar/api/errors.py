@@ -302,6 +302,10 @@ class Overloaded(BlazarError):
 
 # The metadata key of an Overloaded error's hint: milliseconds until a retry may succeed.
 RETRY_AFTER_KEY = "retry_after_ms"
+# The metadata key, set to "false", of an Overloaded error that no wait cures: the
+# same request is refused again however long its caller waits (HTTP: no Retry-After,
+# and `x-should-retry: false`, which the OpenAI and Anthropic clients obey).
+RETRYABLE_KEY = "retryable"
 
 
 def _millis(seconds: float) -> str:
@@ -388,6 +392,34 @@ class SloUnattainable(Overloaded):
                 "predicted_ttft_ms": _millis(predicted_ttft_s),
                 "ttft_target_ms": _millis(ttft_target_s),
                 RETRY_AFTER_KEY: _retry_millis(retry_after_s),
+            },
+        )
+
+    @classmethod
+    def too_long(
+        cls,
+        *,
+        lane: str,
+        policy: str,
+        prefill_s: float,
+        predicted_ttft_s: float,
+        ttft_target_s: float,
+    ) -> SloUnattainable:
+        """Refused because its prompt alone misses the target: waiting for the work ahead
+        to drain would not make it meet it, so the error carries no retry hint."""
+        return cls(
+            f"The prompt alone takes about {prefill_s:.2f} s to prefill on Lane '{lane}' "
+            f"(at its measured rate, with nothing else running), past the "
+            f"{ttft_target_s:.2f} s that SLOPolicy '{policy}' sets (its ttftTargetMs), "
+            "so no wait makes its first token meet the target. Send a shorter prompt, or "
+            "send it under an SLOPolicy with a larger ttftTargetMs or onOverload: queue.",
+            metadata={
+                "lane": lane,
+                "policy": policy,
+                "prefill_ms": _millis(prefill_s),
+                "predicted_ttft_ms": _millis(predicted_ttft_s),
+                "ttft_target_ms": _millis(ttft_target_s),
+                RETRYABLE_KEY: "false",
             },
         )
 

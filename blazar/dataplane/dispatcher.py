@@ -763,7 +763,8 @@ class LaneDispatcher(preempting.Preempting):
             lane=self.lane,
             policy=policy.name,
             reason=reason,
-            retry_after_s=round(refusal.retry_after_s, 3),
+            retry_after_s=runs.rounded(refusal.retry_after_s),
+            prefill_s=runs.rounded(refusal.prefill_s),
             predicted_ttft_s=runs.rounded(refusal.predicted_ttft_s),
             prompt_tokens=refusal.ticket.prompt_tokens,
             # What the forecast saw: enough to tell a wrong figure from a full Lane.

@@ -692,11 +692,13 @@ class InferenceService(Unqueued, inference_pb2_grpc.InferenceServicer):
                     return to, other, started, there
         local = spill.local
         if isinstance(local, admission.Refuse):
-            retry = local.retry_after_s
+            refusal = local
             hint = elsewhere.metadata.get(errors.RETRY_AFTER_KEY) if elsewhere else None
             if hint is not None and hint.isdigit():
-                retry = min(retry, int(hint) / 1000)
-            refusal = dataclasses.replace(local, retry_after_s=retry)
+                # The spillover Lane may take it later, even one too long for this Lane.
+                hinted = int(hint) / 1000
+                retry = hinted if local.retry_after_s is None else min(local.retry_after_s, hinted)
+                refusal = dataclasses.replace(local, retry_after_s=retry, prefill_s=None)
             lane.refused(refusal, request_id=request_id)
             raise refusal.error(route.lane)
         # onOverload: queue: it waits here after all.

@@ -69,7 +69,11 @@ def headers(err: errors.BlazarError) -> dict[str, str]:
     on a 503 that carries the daemon's hint (an upstream server's own Retry-After).
     Beside it, `retry-after-ms` with the hint to the millisecond when there is one: the
     OpenAI and Anthropic clients read it before `Retry-After`, whose whole seconds
-    would make a client told "0.2 s" wait a second."""
+    would make a client told "0.2 s" wait a second. An error that no wait cures
+    (`errors.RETRYABLE_KEY`) has no Retry-After but `x-should-retry: false`, which keeps
+    the OpenAI and Anthropic clients from retrying a 429 on their own."""
+    if err.metadata.get(errors.RETRYABLE_KEY) == "false":
+        return {"x-should-retry": "false"}
     status = http_status(err)
     if status == 429 or (status == 503 and errors.RETRY_AFTER_KEY in err.metadata):
         out = {"retry-after": str(retry_after_seconds(err))}

@@ -508,15 +508,70 @@ def test_recheck_while_urgent_work_waits_where_it_may_park() -> None:
         # Its own prefill (2.5 s) misses the target on an idle slot: it starts at once
         # all the same (refusing sheds no load, and a retry would fare no better).
         (INTERACTIVE, lane(replica(prefill=200.0)), Admit(2.5)),
-        # ... and on a busy one it is refused, with the longest retry (it never meets it).
+        # ... and on a busy one it is refused. Only the shared rate is measured, which
+        # overstates a prompt alone: retry once the work ahead has drained.
         (
             INTERACTIVE,
             lane(replica(run("r", left=1), prefill=200.0)),
             Refuse(
                 ticket("t", INTERACTIVE),
                 Reason.SLO_UNATTAINABLE,
-                admission.RETRY_AFTER_MAX_S,
+                0.02 + 2.5 - 2.0,
                 predicted_ttft_s=2.5 + 0.02,
+            ),
+        ),
+        # Alone it prefills at 100 tokens/s (5 s, over 1.5 times the target): no wait
+        # makes it meet the target, so no retry hint, and how long its prompt takes.
+        (
+            INTERACTIVE,
+            lane(replace(replica(run("r", left=1), prefill=50.0), lone_prefill_tokens_per_s=100.0)),
+            Refuse(
+                ticket("t", INTERACTIVE),
+                Reason.SLO_UNATTAINABLE,
+                None,
+                predicted_ttft_s=10.0 + 0.02,
+                prefill_s=5.0,
+            ),
+        ),
+        # Alone 2.5 s, within the measurement's noise of the target: the usual hint.
+        (
+            INTERACTIVE,
+            lane(replace(replica(run("r", left=1), prefill=50.0), lone_prefill_tokens_per_s=200.0)),
+            Refuse(
+                ticket("t", INTERACTIVE),
+                Reason.SLO_UNATTAINABLE,
+                0.02 + 10.0 - 2.0,
+                predicted_ttft_s=10.0 + 0.02,
+            ),
+        ),
+        # Slow beside other work, quick alone: it meets the target once the work drains.
+        (
+            INTERACTIVE,
+            lane(
+                replace(replica(run("r", left=1), prefill=50.0), lone_prefill_tokens_per_s=1000.0)
+            ),
+            Refuse(
+                ticket("t", INTERACTIVE),
+                Reason.SLO_UNATTAINABLE,
+                0.02 + 10.0 - 2.0,
+                predicted_ttft_s=10.0 + 0.02,
+            ),
+        ),
+        # Two replicas: quick alone on one of them is enough for a retry hint.
+        (
+            INTERACTIVE,
+            lane(
+                replace(replica(run("r", left=1), prefill=50.0), lone_prefill_tokens_per_s=100.0),
+                replace(
+                    replica(run("s", left=1), index=1, prefill=50.0),
+                    lone_prefill_tokens_per_s=1000.0,
+                ),
+            ),
+            Refuse(
+                ticket("t", INTERACTIVE),
+                Reason.SLO_UNATTAINABLE,
+                0.02 + 10.0 - 2.0,
+                predicted_ttft_s=10.0 + 0.02,
             ),
         ),
         # No replica: no prediction, no early refusal.
@@ -1153,6 +1208,23 @@ def test_queue_timeout_retry_after_is_when_its_turn_would_have_come() -> None:
             errors.SloUnattainable,
             {"predicted_ttft_ms": "2500", "ttft_target_ms": "2000", "retry_after_ms": "500"},
         ),
+        # Its own prefill misses the target: no retry hint, and how long the prompt takes.
+        (
+            Refuse(
+                ticket("t", INTERACTIVE),
+                Reason.SLO_UNATTAINABLE,
+                None,
+                predicted_ttft_s=6.0,
+                prefill_s=5.0,
+            ),
+            errors.SloUnattainable,
+            {
+                "predicted_ttft_ms": "6000",
+                "ttft_target_ms": "2000",
+                "prefill_ms": "5000",
+                "retryable": "false",
+            },
+        ),
     ],
 )
 def test_a_refusal_is_the_error_its_caller_gets(
@@ -1162,6 +1234,16 @@ def test_a_refusal_is_the_error_its_caller_gets(
     assert type(err) is cls
     assert err.reason == refusal.reason
     assert err.metadata == {"lane": "gemma", "policy": refusal.ticket.policy.name, **metadata}
+
+
+def test_a_prompt_too_long_for_its_target_is_told_what_to_do() -> None:
+    refusal = Refuse(
+        ticket("t", INTERACTIVE), Reason.SLO_UNATTAINABLE, None, predicted_ttft_s=6.0, prefill_s=5.0
+    )
+    message = refusal.error("gemma").message
+    assert "5.00 s" in message and "2.00 s" in message
+    assert "Retry" not in message
+    assert "shorter prompt" in message and "onOverload: queue" in message
 
 
 # --- invariants under random traffic -----------------------------------------------

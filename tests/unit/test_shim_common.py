@@ -151,6 +151,13 @@ def test_retry_after_seconds(metadata: dict[str, str], seconds: int) -> None:
         ),
         (errors.Unavailable("x"), {}),
         (errors.InvalidRequest("x", metadata={"retry_after_ms": "30000"}), {}),
+        # A refusal no wait cures: no Retry-After, and the SDKs told not to retry.
+        (
+            errors.SloUnattainable.too_long(
+                lane="l", policy="p", prefill_s=5.0, predicted_ttft_s=6.0, ttft_target_s=2.0
+            ),
+            {"x-should-retry": "false"},
+        ),
     ],
 )
 def test_retry_after_header(err: errors.BlazarError, expected: dict[str, str]) -> None:

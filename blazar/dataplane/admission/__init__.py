@@ -189,9 +189,13 @@ Retry-after, from the same forecast (how fast this Lane drains), within
 [RETRY_AFTER_MIN_S, RETRY_AFTER_MAX_S]: for QUEUE_FULL, until the first ticket of the
 policy leaves the queue (starts or times out); for QUEUE_TIMEOUT, until the ticket's turn
 would have come; for SLO_UNATTAINABLE, until a request like it would meet the target
-(predicted first token minus target, as the work ahead drains), the maximum when its
-prefill alone misses the target (on a busy slot). RETRY_AFTER_UNKNOWN_S when the
-forecast knows nothing.
+(predicted first token minus target, as the work ahead drains). RETRY_AFTER_UNKNOWN_S
+when the forecast knows nothing. None for SLO_UNATTAINABLE when no wait helps: the
+ticket's own prefill at its quickest (alone on a replica, as measured, without the start
+overhead: `Fate.best_prefill_s`) takes over `NO_WAIT_HELPS_FACTOR` times its target, so
+a retry would be refused the same; the refusal carries that prefill instead
+(`errors.SloUnattainable.too_long`). Nearer the target the measurement's noise may
+decide, and the usual hint stands.
 
 Known simplifications: the step time is the one at the batch the queue keeps the
 replica at, also for its last requests as the queue runs dry; a resume costs no time;

@@ -32,6 +32,13 @@ from blazar.dataplane.admission.terms import (
 # last chunk runs, where the forecast's times are continuous.
 WAIT_STEPS = 2
 
+# How many times its target a prompt's own quickest prefill must take for a refusal to
+# say that no wait helps. The figure is a moving average of runs that vary by a third
+# on a loaded host: a prompt nearer its target may meet it on a good run, so it gets
+# the usual hint, and on a drained Lane it starts at once (a free slot is never
+# refused on a prediction).
+NO_WAIT_HELPS_FACTOR = 1.5
+
 
 @dataclass(frozen=True)
 class Waiting:
@@ -83,6 +90,10 @@ class Fate:
     # decode steps at its replica's batch when it starts in a busy slot (it waits, or
     # starts once a victim is parked); 0 on an idle slot, and for a parked generation.
     margin_s: float = 0.0
+    # Seconds its prompt's prefill takes at its quickest: alone, on the replica it may
+    # use that does it soonest (`ReplicaView.lone_prefill_s`); None for a parked
+    # generation, and until every such replica has measured a prefill alone.
+    best_prefill_s: float | None = None
 
     @property
     def starts_now(self) -> bool:
@@ -119,17 +130,31 @@ def refusal(entry: Waiting, fate: Fate, now: float, *, margin: bool = False) -> 
             waited_s=entry.waited(now),
         )
     # SLO_UNATTAINABLE: a request like it meets the target once the work ahead has
-    # drained by the amount it misses by; never, if its own prefill misses it.
+    # drained by the amount it misses by; never, if its own prefill misses it even at
+    # its quickest (alone on a quiet replica, which a drained Lane gives it): then no
+    # hint. Only that measured figure, clearly past the target (`NO_WAIT_HELPS_FACTOR`),
+    # says "never": a prompt whose prefill misses the target only beside other work,
+    # only by `margin`, or only by the measurement's noise may meet it once the work
+    # drains, and is told when that is.
     target = ticket.policy.ttft_target_s or 0.0
     retry: float | None = None
     predicted = fate.ttft_s
     if fate.first_token_s is not None:
         late = fate.margin_s if margin else 0.0
-        first_token = fate.first_token_s + late
-        retry = RETRY_AFTER_MAX_S if fate.prefill_s > target else first_token - target
+        retry = fate.first_token_s + late - target
         predicted = None if fate.ttft_s is None else fate.ttft_s + late
     else:
         predicted = max(0.0, now - ticket.arrived)
+    best = fate.best_prefill_s
+    if best is not None and best > target * NO_WAIT_HELPS_FACTOR and not ticket.restarted:
+        return Refuse(
+            ticket,
+            Reason.SLO_UNATTAINABLE,
+            None,
+            waited_s=entry.waited(now),
+            predicted_ttft_s=predicted,
+            prefill_s=best,
+        )
     return Refuse(
         ticket,
         Reason.SLO_UNATTAINABLE,
@@ -297,6 +322,7 @@ class _Simulation:
         self.fitting = view.fitting
         self.output_tokens = view.output_tokens
         self.rates = view.rates
+        self.replicas = view.replicas
         self.slots: list[_Slot] = []
         self.load: dict[int, int] = {}
         self.parked: dict[int, int] = {}
@@ -331,6 +357,19 @@ class _Simulation:
                 self.holding[(replica.index, run.policy)] += 1
             for position in range(len(replica.running), replica.slots):
                 self.slots.append(_Slot(replica, position, 0.0, idle=True, holder=None))
+
+    def best_prefill_s(self, ticket: Ticket, within: Collection[int] | None) -> float | None:
+        """`Fate.best_prefill_s` of a fresh `ticket` that may start on the replicas
+        `within` (None: any)."""
+        best: float | None = None
+        for replica in self.replicas:
+            if within is not None and replica.index not in within:
+                continue
+            lone = replica.lone_prefill_s(ticket.fresh_tokens(replica.index))
+            if lone is None:
+                return None
+            best = lone if best is None else min(best, lone)
+        return best
 
     def preempting_start_s(self, replica: ReplicaView) -> float:
         """When a request that parks a generation on `replica` starts, from now: once
@@ -562,6 +601,7 @@ def _fate(entry: Waiting, sim: _Simulation, now: float) -> tuple[Fate, _Slot | N
             idle=slot.idle,
             victim=victim,
             margin_s=margin,
+            best_prefill_s=None if entry.resume else sim.best_prefill_s(ticket, within),
         )
     if entry.resume is None and now >= ticket.caller_deadline:
         # Its caller is gone, or leaving now: it starts nowhere, idle slot or not. (A

@@ -257,6 +257,17 @@ class ReplicaView:
                 overhead = self.lone_start_overhead_s
         return overhead + fixed + (tokens / rate if rate else 0.0)
 
+    def lone_prefill_s(self, tokens: int) -> float | None:
+        """The quickest this replica prefills a prompt of `tokens`: alone, with its
+        steps to itself, and without the start overhead (the hop, template and
+        tokenizer, a figure read against whatever prefill was forecast, little or
+        nothing on a new replica): a lower bound of `prefill_s(alone=True)`. None
+        until such a prefill was measured (the shared figures overstate it)."""
+        rate = self.lone_prefill_tokens_per_s
+        if rate is None:
+            return None
+        return self.lone_prefill_fixed_s + tokens / rate
+
     def drafts(self, batch: int) -> bool:
         """Whether sequences may draft at `batch` (a step's figures are then those of
         drafting steps)."""
@@ -402,11 +413,16 @@ class Refuse:
 
     ticket: Ticket
     reason: Reason
-    retry_after_s: float
+    # None: no wait helps. Only for SLO_UNATTAINABLE, when its own prefill at its
+    # quickest (`prefill_s`) misses the target.
+    retry_after_s: float | None
     # Seconds it waited in all; for SLO_UNATTAINABLE, when its first token was predicted
     # (from arrival; a lower bound when no replica serves).
     waited_s: float = 0.0
     predicted_ttft_s: float | None = None
+    # With no retry hint: the seconds its prompt takes to prefill alone on the replica
+    # quickest for it, past its target.
+    prefill_s: float | None = None
 
     @property
     def replica_failed(self) -> bool:
@@ -429,8 +445,18 @@ class Refuse:
     ) -> errors.Overloaded | errors.DeadlineExceeded | errors.ReplicaFailed:
         """The caller's error. A ticket handed back by a failed replica (`restarted`)
         that misses its target or wait bound meanwhile lost that time to the failure,
-        not to load: `errors.ReplicaFailed`."""
+        not to load: `errors.ReplicaFailed`. One whose own prefill misses its target
+        gets no retry hint (`errors.SloUnattainable.too_long`)."""
         policy = self.ticket.policy
+        target = policy.ttft_target_s or 0.0
+        if self.retry_after_s is None:
+            return errors.SloUnattainable.too_long(
+                lane=lane,
+                policy=policy.name,
+                prefill_s=self.prefill_s or 0.0,
+                predicted_ttft_s=self.predicted_ttft_s or 0.0,
+                ttft_target_s=target,
+            )
         if self.replica_failed:
             timeout = self.reason == Reason.QUEUE_TIMEOUT
             return errors.ReplicaFailed.of(
@@ -469,7 +495,7 @@ class Refuse:
             lane=lane,
             policy=policy.name,
             predicted_ttft_s=self.predicted_ttft_s or 0.0,
-            ttft_target_s=policy.ttft_target_s or 0.0,
+            ttft_target_s=target,
             retry_after_s=self.retry_after_s,
         )
 
