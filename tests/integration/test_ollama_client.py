@@ -61,7 +61,8 @@ def assert_statistics(final: Any, *, eval_count: int | None = None) -> None:
         assert (final.done_reason, final.eval_count) == ("length", eval_count)
     assert final.load_duration is not None and final.load_duration >= 0
     assert final.prompt_eval_duration and final.prompt_eval_duration > 1_000
-    assert final.eval_duration is not None and final.eval_duration >= 0
+    # Never 0, a single token's included: clients divide eval_count by it.
+    assert final.eval_duration and final.eval_duration > 0
     assert final.total_duration and final.total_duration >= final.prompt_eval_duration
     assert final.total_duration < 600 * 10**9
 
@@ -95,6 +96,19 @@ def test_chat_streaming(client: ollama.Client) -> None:
     text = "".join(p.message.content for p in parts)
     assert text.startswith('"') and parts[-1].message.content == ""
     assert_statistics(parts[-1], eval_count=BUDGET)
+
+
+def test_a_single_token_has_an_eval_duration(client: ollama.Client) -> None:
+    for stream in (False, True):
+        answer = client.generate(
+            model=MODEL,
+            prompt="Say something.",
+            format=RUNS_TO_BUDGET,
+            options={"num_predict": 1},
+            stream=stream,
+        )
+        final = list(answer)[-1] if stream else answer
+        assert_statistics(final, eval_count=1)
 
 
 def test_generate_streaming_and_not(client: ollama.Client) -> None:

@@ -678,15 +678,23 @@ def test_statistics_are_nanoseconds_from_the_canonical_figures() -> None:
         "prompt_eval_count": 7,
         "prompt_eval_duration": 20_250_000,
         "eval_count": 3,
-        "eval_duration": 30_000_000,
+        # Decode, and the first token's own 3.25 ms past the queue and prefill.
+        "eval_duration": 33_250_000,
     }
+    one_token = inference_pb2.Final(
+        usage=inference_pb2.Usage(prompt_tokens=7, completion_tokens=1),
+        timings=inference_pb2.Timings(queue_ms=1, prefill_ms=20, ttft_ms=21.5, decode_ms=0),
+    )
+    # One token took time too, as Ollama reports it: eval_count / eval_duration is a rate.
+    assert render.metrics(one_token)["eval_duration"] == 500_000
     parked = inference_pb2.Final(
         timings=inference_pb2.Timings(
             queue_ms=1, prefill_ms=2, ttft_ms=4, decode_ms=10, parked_ms=100
         )
     )
-    # Parked after the first token: the total counts the time parked.
+    # Parked after the first token: the total counts the time parked, the generation not.
     assert render.metrics(parked)["total_duration"] == 113_000_000
+    assert render.metrics(parked)["eval_duration"] == 10_000_000
     waited = inference_pb2.Final(
         timings=inference_pb2.Timings(
             queue_ms=1, prefill_wait_ms=3, prefill_ms=2, ttft_ms=6, decode_ms=10, parked_ms=100

@@ -63,12 +63,17 @@ def metrics(final: inference_pb2.Final) -> protocol.Metrics:
     and waking a sleeping Lane, `Timings.load_ms`): Ollama counts loading a model and
     waiting for its runner there. The prompt's figures are the prefill's own (the wait
     behind other prompts' chunks, `prefill_wait_ms`, is not evaluating this one);
-    `eval_*` the decode's. The total runs from arrival to the last token: time to first
-    token plus decoding, or, when the generation was parked after its first token, the
-    parts plus the time parked.
+    `eval_*` the generation's: as Ollama times it, from the prompt's evaluation to the
+    last token, so the first token's own time (sampled after the prefill, up to its
+    delivery: `ttft_ms` past the parts, less any time parked) counts with the decode.
+    Otherwise one generated token would read as taking no time at all, and a client's
+    `eval_count / eval_duration` would divide by zero. The total runs from arrival to
+    the last token: time to first token plus decoding, or, when the generation was
+    parked after its first token, the parts plus the time parked.
     """
     timings = final.timings
     parts_ms = timings.queue_ms + timings.prefill_wait_ms + timings.prefill_ms
+    first_token_ms = max(0.0, timings.ttft_ms - parts_ms - timings.parked_ms)
     total_ms = max(
         timings.ttft_ms + timings.decode_ms,
         parts_ms + timings.decode_ms + timings.parked_ms,
@@ -79,7 +84,7 @@ def metrics(final: inference_pb2.Final) -> protocol.Metrics:
         "prompt_eval_count": final.usage.prompt_tokens,
         "prompt_eval_duration": _ns(timings.prefill_ms),
         "eval_count": final.usage.completion_tokens,
-        "eval_duration": _ns(timings.decode_ms),
+        "eval_duration": _ns(first_token_ms + timings.decode_ms),
     }
 
 
