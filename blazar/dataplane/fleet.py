@@ -9,8 +9,8 @@ table (not ready, restarted, gone) is forgotten by it, and a new capacity (slots
 context changed) starts it afresh. A Lane whose spillover names no Lane is told once
 as a Warning event each time it starts to dangle (it is no apply error: the Lane may
 come later). So is a Lane whose alias routes to another Lane (that Lane's name, or
-an alias another Lane claims first): requests for it go there, which nothing else
-would tell its operator.
+an alias an older Lane claims): requests for it go there, which nothing else would
+tell its operator.
 
 The data plane's other owners hear of each new table through `on_table` (its
 admission dispatchers, its upstream clients).
@@ -124,8 +124,8 @@ class FleetView:
                 reason="AliasConflict",
                 message=(
                     f"spec.aliases names '{alias}', which Lane '{owner}' answers to (its "
-                    "name, or an alias it claims first in name order): requests for "
-                    f"'{alias}' go there, not to this Lane."
+                    "name, or an alias it claimed first: the oldest Lane's claim wins): "
+                    f"requests for '{alias}' go there, not to this Lane."
                 ),
             )
         self._shadowed = shadowed

@@ -98,9 +98,11 @@ class RouteTable:
 def build_table(
     lanes: Sequence[Lane], *, draft_batch_max: Mapping[str, int] | None = None
 ) -> RouteTable:
-    """Lane names first, then aliases in lane-name order: a Lane's own name always
-    wins over another Lane's alias, and the first alias claim wins over later ones.
-    `draft_batch_max`: each stored SpecPair's disableAboveBatch, by name."""
+    """Lane names first, then aliases by claim: a Lane's own name always wins over
+    another Lane's alias, and of Lanes claiming one alias the oldest (its
+    creationTimestamp; then name order) wins, as Gateway API settles two Routes that
+    claim one hostname, so a Lane applied later never takes an alias a running Lane
+    serves. `draft_batch_max`: each stored SpecPair's disableAboveBatch, by name."""
     limits = draft_batch_max or {}
     routes = []
     for lane in sorted(lanes, key=lambda item: item.metadata.name):
@@ -161,10 +163,17 @@ def build_table(
             )
         routes.append(route)
     by_name: dict[str, Route] = {route.lane: route for route in routes}
-    for route in routes:
+    claims = {lane.metadata.name: _claimed(lane) for lane in lanes}
+    for route in sorted(routes, key=lambda r: (claims[r.lane], r.lane)):
         for alias in route.aliases:
             by_name.setdefault(alias, route)
     return RouteTable(routes=tuple(routes), by_name=by_name)
+
+
+def _claimed(lane: Lane) -> float:
+    """When `lane` claimed its aliases: its creation (before any, when unstored)."""
+    created = lane.metadata.creation_timestamp
+    return created.timestamp() if created is not None else -math.inf
 
 
 def slots_of(route: Route, replica: Replica) -> int:
@@ -323,7 +332,7 @@ def dangling_spillovers(table: RouteTable) -> dict[str, str]:
 
 def shadowed_aliases(table: RouteTable) -> dict[tuple[str, str], str]:
     """(Lane, alias) for each alias a Lane claims that routes to another Lane (one of
-    that name, or an earlier claim: `build_table`'s order), with the Lane it routes to."""
+    that name, or an older claim: `build_table`'s order), with the Lane it routes to."""
     return {
         (route.lane, alias): owner.lane
         for route in table.routes

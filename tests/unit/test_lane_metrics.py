@@ -65,11 +65,14 @@ def lane_with(name: str, *aliases: str) -> str:
 
 
 def test_a_lane_whose_alias_another_lane_answers_to_is_told() -> None:
-    """A Lane `aa` applied with the alias `assistant` took it from Lane `chat` (the first
-    claim in name order wins), and a Lane claiming another Lane's name as an alias never
-    got it: clients were routed elsewhere and no Lane said so. Now the Lane that lost
-    the name gets one Warning `AliasConflict` naming the Lane that answers, each time."""
-    store = MemoryStore(clock=Clock())
+    """A Lane claiming another Lane's name as an alias, or an alias an older Lane
+    claims, never gets it: clients are routed elsewhere, and the Lane that lost the name
+    gets one Warning `AliasConflict` naming the Lane that answers, each time it starts
+    to lose it. A Lane applied later never takes an alias from a running one (a Lane
+    `aa` applied with the alias `assistant` took it from Lane `chat` when name order
+    decided, and live traffic went to a Lane with no replica)."""
+    clock = Clock()
+    store = MemoryStore(clock=clock)
     fleet = FleetView(store, on_table=lambda _: None)
 
     def conflicts(lane: str) -> list[str]:
@@ -80,16 +83,25 @@ def test_a_lane_whose_alias_another_lane_answers_to_is_told() -> None:
     try:
         apply(store, MODEL)
         apply(store, lane_with("chat", "assistant"))
+        clock.tick()
         apply(store, lane_with("wide", "chat", "bulk"))
         assert conflicts("chat") == []
         assert len(conflicts("wide")) == 1 and "'chat'" in conflicts("wide")[0]
         apply(store, lane_with("aa", "assistant"))
+        assert fleet.table.by_name["assistant"].lane == "chat"
+        (lost,) = conflicts("aa")
+        assert lost.startswith("spec.aliases names 'assistant', which Lane 'chat' answers to")
+        assert conflicts("chat") == [] and len(conflicts("wide")) == 1
         store.update_status(Kind.LANE, "chat", LaneStatus())  # a rebuild: said once
+        assert len(conflicts("aa")) == 1
+        # The older claim gone, the alias passes to the next oldest, and is said anew
+        # when a Lane older than that one claims it back.
+        store.delete(Kind.LANE, "chat")
+        assert fleet.table.by_name["assistant"].lane == "aa"
+        clock.tick()
+        apply(store, lane_with("chat", "assistant"))
+        assert fleet.table.by_name["assistant"].lane == "aa"
         (taken,) = conflicts("chat")
-        assert taken.startswith("spec.aliases names 'assistant', which Lane 'aa' answers to")
-        assert conflicts("aa") == [] and len(conflicts("wide")) == 1
-        store.delete(Kind.LANE, "aa")
-        apply(store, lane_with("aa", "assistant"))
-        assert len(conflicts("chat")) == 2  # again once it is taken anew
+        assert "which Lane 'aa' answers to" in taken
     finally:
         fleet.close()

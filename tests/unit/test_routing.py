@@ -56,6 +56,22 @@ def test_a_name_tagged_latest_finds_the_untagged_lane_as_ollama_reads_it() -> No
         assert exc.value.metadata == {"model": missing}
 
 
+def test_of_lanes_claiming_one_alias_the_oldest_wins_then_name_order() -> None:
+    def created(name: str, second: int, *aliases: str) -> Lane:
+        made = lane(name, *aliases)
+        made.metadata.creation_timestamp = datetime(2026, 1, 1, 0, 0, second, tzinfo=UTC)
+        return made
+
+    table = routing.build_table(
+        [created("a", 9, "shared"), created("z", 1, "shared", "late"), created("m", 9, "late")]
+    )
+    assert routing.resolve(table, "shared").lane == "z"  # older than "a"
+    assert routing.resolve(table, "late").lane == "z"
+    assert routing.shadowed_aliases(table) == {("a", "shared"): "z", ("m", "late"): "z"}
+    tie = routing.build_table([created("b", 5, "x"), created("a", 5, "x")])
+    assert routing.resolve(tie, "x").lane == "a"
+
+
 def test_shadowed_aliases_name_the_lane_that_answers() -> None:
     # "shared": "a" claims it first; "b" is Lane b's own name; "bee" is b's alone.
     assert routing.shadowed_aliases(TABLE) == {("b", "shared"): "a", ("a", "b"): "b"}
