@@ -259,6 +259,8 @@ class LaneDispatcher(preempting.Preempting):
             # template and the tokenizer, not the prompts prefilled before its own. Net
             # of the prefill of what its engine did prefill, when it said (the cache
             # may have held more of the prompt than the prefix index guessed, or less).
+            # Nothing before the Lane has measured a prefill: the whole prefill would
+            # count as overhead, and every forecast after a restart would add it.
             expected = run.expected_prefill_s
             if run.prompt_tokens is not None and run.prefix_reused is not None:
                 expected = self.measurements.expected_prefill_s(
@@ -266,11 +268,12 @@ class LaneDispatcher(preempting.Preempting):
                     admission.fresh_tokens(run.prompt_tokens, run.prefix_reused),
                     alone=run.alone,
                 )
-            spent = ticket.arrived + ttft_s - run.started_at
-            overhead = spent - run.queue_s - expected
-            self.measurements.record_first_token(
-                run.replica.index, overhead_s=overhead, alone=run.alone
-            )
+            if expected is not None:
+                spent = ticket.arrived + ttft_s - run.started_at
+                overhead = spent - run.queue_s - expected
+                self.measurements.record_first_token(
+                    run.replica.index, overhead_s=overhead, alone=run.alone
+                )
         if run.wait_forecast_s is not None:
             self.measurements.record_wait(predicted_s=run.wait_forecast_s, measured_s=ttft_s)
         # What the forecast said of this start against what came (BLAZAR_LOG_LEVEL=debug):

@@ -313,12 +313,14 @@ class LaneMeasurements:
         if final.usage.prompt_tokens > 0 and prompt_chars > 0:
             self._chars_per_token.add(prompt_chars, final.usage.prompt_tokens)
 
-    def expected_prefill_s(self, replica: int, prompt_tokens: int, *, alone: bool = False) -> float:
+    def expected_prefill_s(
+        self, replica: int, prompt_tokens: int, *, alone: bool = False
+    ) -> float | None:
         """The prefill the replica's measurements predict for a prompt alone on it or
-        beside other sequences (0.0 before it has any)."""
+        beside other sequences (None before the Lane has measured any)."""
         own = self._replicas.get(replica, self._lane)
         line = own.prefill_line(self._lane, alone=alone)
-        return line[0] + line[1] * prompt_tokens if line else 0.0
+        return line[0] + line[1] * prompt_tokens if line else None
 
     def record_first_token(self, replica: int, *, overhead_s: float, alone: bool = False) -> None:
         """A started request's first token came `overhead_s` after its start plus the

@@ -43,9 +43,10 @@ class Run:
     prefix_reused: int | None = None
     prompt_tokens: int | None = None
     # On the dispatcher's clock, when it started, and the prefill its replica's rate
-    # predicted then: its first token measures the start overhead.
+    # predicted then (None: no prefill measured yet): its first token measures the
+    # start overhead.
     started_at: float = 0.0
-    expected_prefill_s: float = 0.0
+    expected_prefill_s: float | None = None
     # As admission forecast its start: the wait behind the prompts started before it
     # on its replica (left out of the start overhead it measures), and its prefill
     # (start overhead included). Until `first_token_due`, or its first token, its

@@ -193,3 +193,35 @@ def test_the_start_overhead_nets_out_the_prefill_its_engine_did(
     dispatcher = asyncio.run(body())
     view = idle_view(dispatcher)
     assert view.lone_start_overhead_s == pytest.approx(0.02)
+
+
+def test_a_first_token_before_any_prefill_was_measured_counts_no_overhead() -> None:
+    """A new Lane's (or a restarted daemon's) first request knows no prefill rate: its
+    whole prefill was counted as start overhead (4.4 s seen live), and every forecast
+    after it added that to each start, refusing what would have met its target. It
+    counts none; the next first token, once a prefill is measured, counts its own."""
+    now = [50.0]
+
+    async def body() -> LaneDispatcher:
+        dispatcher = LaneDispatcher(
+            replace(one_slot_route(), slots=6), parker=NoParker(), clock=lambda: now[0]
+        )
+        try:
+            t = admission.Ticket("a", POLICY, now[0], prompt_tokens=100, max_tokens=10)
+            run = await dispatcher.admit(t, request_id="a", prompt_chars=400)
+            assert isinstance(run, Run)
+            dispatcher.first_token(run, 4.4)
+            view = idle_view(dispatcher)
+            assert view.lone_start_overhead_s is None and view.start_overhead_s == 0.0
+            dispatcher.end(run, MEASURED)
+            now[0] += 10.0
+            t = admission.Ticket("b", POLICY, now[0], prompt_tokens=100, max_tokens=10)
+            run = await dispatcher.admit(t, request_id="b", prompt_chars=400)
+            assert isinstance(run, Run)
+            dispatcher.first_token(run, 0.13)  # 0.1 s of prefill, as measured
+        finally:
+            await dispatcher.close()
+        return dispatcher
+
+    dispatcher = asyncio.run(body())
+    assert idle_view(dispatcher).lone_start_overhead_s == pytest.approx(0.03)
