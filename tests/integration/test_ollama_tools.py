@@ -29,6 +29,7 @@ import pytest
 
 from blazar._proto.engine.v1 import engine_pb2
 from blazar._proto.v1 import inference_pb2
+from blazar.engine import schema as schemas
 from blazar.engine import tools as engine_tools
 from tests.integration import pinning
 from tests.integration.harness import TOOLS_LANE, TOOLS_SLOTS, Daemon, concurrently
@@ -285,6 +286,55 @@ def test_what_ollama_has_no_tools_for_is_refused(daemon: Daemon, clients: Client
         timeout=60,
     )
     assert generate.status_code == 400 and "'tools'" in generate.json()["error"]
-    with pytest.raises(ollama.ResponseError) as both:
-        clients(None).chat(model=LANE, messages=QUESTION, tools=TOOLS, format="json")
-    assert both.value.status_code == 400 and "'format'" in both.value.error
+
+
+ANSWER_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {"sky": {"type": "string", "enum": ["clear", "rain"]}},
+    "required": ["sky"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_format_beside_tools_gives_valid_calls_or_an_answer_in_it(
+    clients: Clients, stream: bool
+) -> None:
+    """`format` with tools: the model calls tools or answers in the format, nothing
+    else (one grammar allows both); whichever it picks validates."""
+    wire = engine_pb2.ChatInput(
+        tools=[
+            inference_pb2.Tool(name=name, parameters=json.dumps(schema))
+            for name, schema in SCHEMAS.items()
+        ],
+        parallel_tool_calls=False,
+    )
+    answer = schemas.grammar(ANSWER_SCHEMA)
+    tokens = pinning.budget(engine_tools.grammar(engine_tools.parse(wire), answer=answer))
+    assert tokens is not None
+    client = clients(None, parallel=False)
+    options = {"num_predict": tokens, "seed": 11, "temperature": 1.0}
+    if stream:
+        chunks = list(
+            client.chat(
+                model=LANE,
+                messages=QUESTION,
+                tools=TOOLS,
+                format=ANSWER_SCHEMA,
+                options=options,
+                stream=True,
+            )
+        )
+        content = "".join(c.message.content or "" for c in chunks)
+        calls = [call for c in chunks for call in c.message.tool_calls or []]
+        final = chunks[-1]
+    else:
+        final = client.chat(
+            model=LANE, messages=QUESTION, tools=TOOLS, format=ANSWER_SCHEMA, options=options
+        )
+        content, calls = final.message.content or "", list(final.message.tool_calls or [])
+    assert final.done_reason == "stop"
+    if calls:
+        assert check_calls(calls, names=set(SCHEMAS)) == 1 and not content
+    else:
+        jsonschema.validate(json.loads(content), ANSWER_SCHEMA)
