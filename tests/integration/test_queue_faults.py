@@ -28,15 +28,25 @@ STREAMS = 16
 # Long enough that no started stream can finish before the kill (which follows the 4th
 # first token at once), short enough that the 12 left finish in seconds after it.
 MAX_TOKENS = 48
+# A second Lane of the same daemon, whose replica has never crashed: the restart test's
+# (its first crash restarts at once), without a daemon of its own.
+FRESH = "fresh"
 
 
 @pytest.fixture(scope="module")
 def daemon(model_path: Path) -> Iterator[Daemon]:
     home = short_home()
     fleet = local_fleet(home, model_path, lane=LANE, spec=f"slots: {SLOTS}, contextPerSlot: 512")
+    with (fleet / "fleet.yaml").open("a") as f:
+        f.write(
+            "---\napiVersion: blazar.dev/v1alpha1\nkind: Lane\n"
+            f"metadata: {{name: {FRESH}}}\n"
+            "spec: {model: local, slots: 2, contextPerSlot: 512}\n"
+        )
     d = Daemon(home=home, watch=fleet).start()
     try:
-        d.wait_condition("lane", LANE, "Ready", timeout=240)
+        for lane in (LANE, FRESH):
+            d.wait_condition("lane", lane, "Ready", timeout=240)
         yield d
     finally:
         d.stop()
@@ -128,34 +138,29 @@ def test_requests_not_started_survive_a_killed_engine(daemon: Daemon) -> None:
     assert wait_for(restarted, timeout=30, what="the restarted replica")
 
 
-def test_new_requests_during_a_restart_wait_for_it(model_path: Path) -> None:
+def test_new_requests_during_a_restart_wait_for_it(daemon: Daemon) -> None:
     """Requests that arrive in the second after a `kill -9`, while the replica is being
     restarted, are served by the restart: a first crash restarts at once and requests
     wait for a Starting replica. Before, 37 of 40 such requests got 503 "retry shortly"
     during the 1 s crash back-off."""
-    home = short_home()
-    fleet = local_fleet(home, model_path, lane=LANE, spec="slots: 2, contextPerSlot: 512")
-    d = Daemon(home=home, watch=fleet).start()
-    try:
-        d.wait_condition("lane", LANE, "Ready", timeout=240)
-        (pid,) = d.pids(LANE)
-        body = {"model": LANE, "prompt": "Once upon", "max_tokens": 2, "temperature": 0}
+    d = daemon
+    (pid,) = d.pids(FRESH)
+    (replica,) = d.get("lane", FRESH)["status"]["replicaStatuses"]
+    assert replica["restarts"] == 0  # its first crash follows
+    body = {"model": FRESH, "prompt": "Once upon", "max_tokens": 2, "temperature": 0}
 
-        async def run() -> list[httpx.Response]:
-            async with httpx.AsyncClient(
-                base_url=f"http://{d.http}", timeout=120, trust_env=False
-            ) as http:
-                os.kill(pid, signal.SIGKILL)
-                sent = []
-                for _ in range(10):
-                    sent.append(asyncio.create_task(http.post("/v1/completions", json=body)))
-                    await asyncio.sleep(0.05)
-                return list(await asyncio.gather(*sent))
+    async def run() -> list[httpx.Response]:
+        async with httpx.AsyncClient(
+            base_url=f"http://{d.http}", timeout=120, trust_env=False
+        ) as http:
+            os.kill(pid, signal.SIGKILL)
+            sent = []
+            for _ in range(10):
+                sent.append(asyncio.create_task(http.post("/v1/completions", json=body)))
+                await asyncio.sleep(0.05)
+            return list(await asyncio.gather(*sent))
 
-        answers = asyncio.run(run())
-        assert [a.status_code for a in answers] == [200] * 10, [a.text for a in answers]
-        (replica,) = d.get("lane", LANE)["status"]["replicaStatuses"]
-        assert replica["pid"] != pid and replica["restarts"] == 1
-    finally:
-        d.stop()
-        shutil.rmtree(home, ignore_errors=True)
+    answers = asyncio.run(run())
+    assert [a.status_code for a in answers] == [200] * 10, [a.text for a in answers]
+    (replica,) = d.get("lane", FRESH)["status"]["replicaStatuses"]
+    assert replica["pid"] != pid and replica["restarts"] == 1
