@@ -23,6 +23,7 @@ import pytest
 
 from blazar._proto.v1 import control_pb2
 from blazar.controller import fit
+from blazar.enginehost import supervisor
 from tests.integration import pinning
 from tests.integration.harness import (
     Daemon,
@@ -737,11 +738,23 @@ def test_a_second_signal_stops_at_once_cutting_streams_with_an_error(model_path:
         with pytest.raises(openai.APIError, match="before this request finished"):
             for n, chunk in enumerate(chunks):
                 if n == 2:
+                    seen = daemon.log_path.stat().st_size
                     daemon.process.send_signal(signal.SIGTERM)
-                    time.sleep(0.5)
+                    # The second signal once the first is being handled (not a fixed
+                    # half second): both at once could be read as one.
+                    wait_for(
+                        lambda since=seen: daemon.events("daemon.stopping", since=since),
+                        timeout=10,
+                        what="the first signal's stop to begin",
+                        step=0.02,
+                    )
                     started = time.monotonic()
                     daemon.process.send_signal(signal.SIGINT)
                 finishes += [c.finish_reason for c in chunk.choices if c.finish_reason]
+        # Cut at once, not at the end of the drain's grace (which a first signal alone
+        # also reaches, with the same error).
+        cut_s = time.monotonic() - started
+        assert cut_s < supervisor.STOP_GRACE_S / 2, cut_s
         assert finishes == []
         assert daemon.process.wait(timeout=5) == 0
         print(f"\nstopped {time.monotonic() - started:.2f} s after the second signal")
