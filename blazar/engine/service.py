@@ -538,7 +538,10 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             # writes in it (a forced call's grammar keeps them out: `_resolve`).
             stop_quiet=(tools.OPEN, tools.CLOSE) if active else None,
         )
-        return job, tools.CallParser(toolset) if toolset is not None and active else None
+        if toolset is None or not active:
+            return job, None
+        # An auto turn with a grammar has one only beside a structured answer (`_resolve`).
+        return job, tools.CallParser(toolset, shaped=params.grammar is not None)
 
     def _chat_turns(self, messages: Sequence[inference_pb2.Message]) -> list[text.ChatTurn]:
         """A conversation's turns, checked: what Generate prefills and Tokenize counts."""

@@ -487,6 +487,13 @@ class CallParser:
     tools: ToolSet
     new_id: Callable[[], str] = new_call_id
     made: int = 0
+    # Auto with a structured answer: the grammar lets the model write calls or that
+    # answer and nothing else, so what is held when a generation that has not begun
+    # the answer ends (a call, or its opening tag, cut short) is a call cut short:
+    # left out, as a forced one is when collected, never text.
+    shaped: bool = False
+    # Auto: text was passed on (with `shaped`, the answer was begun).
+    _texted: bool = False
     # Text not yet passed on: a possible start of OPEN, whitespace that may only
     # separate calls, or (auto) an open block.
     _held: str = ""
@@ -497,7 +504,7 @@ class CallParser:
     # Forced: where the call being streamed is (head, arguments, tail).
     _stage: str = "head"
     _args: _JsonScan = field(default_factory=lambda: _JsonScan())
-    # Forced: a call was begun and not finished.
+    # A call was begun and not finished (forced, or shaped).
     partial: bool = False
 
     @property
@@ -514,6 +521,10 @@ class CallParser:
         """The text held back, once the generation has ended."""
         held, self._held = self._held, ""
         if self.tools.forced:
+            return Parsed()
+        if self.shaped and not self._texted:
+            self.partial = self.partial or self._in_call or bool(held.strip())
+            self._in_call = False
             return Parsed()
         if self._in_call:
             self._in_call = False
@@ -556,7 +567,9 @@ class CallParser:
             out.append(ready)
             self._held = buf[len(ready) :]
             break
-        return Parsed(text="".join(out), calls=tuple(calls))
+        said = "".join(out)
+        self._texted = self._texted or bool(said)
+        return Parsed(text=said, calls=tuple(calls))
 
     def _validated(self, body: str) -> CallDelta | None:
         """The whole call a block holds, when it is one: JSON with a known tool's name

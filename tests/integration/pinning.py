@@ -61,6 +61,12 @@ def spellings(model_path: Path, piece: bytes) -> list[int]:
     return [t for t in range(vocab.n_vocab()) if vocab.detokenize([t]) == piece]
 
 
+def beginning_with(model_path: Path, piece: bytes) -> list[int]:
+    """Every token id whose text begins with `piece`."""
+    vocab = _vocab_model(model_path)
+    return [t for t in range(vocab.n_vocab()) if vocab.detokenize([t]).startswith(piece)]
+
+
 @functools.cache
 def sole_spelling_bias(model_path: Path, characters: str) -> dict[int, float]:
     """A logit bias after which each of `characters` has one token only.

@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, Literal
 
 import jsonschema
@@ -262,6 +263,9 @@ class Forecast(pydantic.BaseModel):
     summary: str = pydantic.Field(max_length=16)
 
 
+FORECAST = Forecast.model_json_schema()
+
+
 def test_tools_beside_a_response_format_give_valid_calls_or_a_parsed_answer(
     client: openai.OpenAI,
 ) -> None:
@@ -299,6 +303,37 @@ def test_tools_beside_a_response_format_give_valid_calls_or_a_parsed_answer(
 
     made_turns = concurrently(attempt, 8, at_once=TOOLS_SLOTS)
     print(f"tools beside a response format: {collections.Counter(made_turns)}")
+
+
+def test_a_call_cut_short_beside_a_response_format_is_not_the_answers_text(
+    client: openai.OpenAI, model_path: Path
+) -> None:
+    """The turn may hold calls or the answer: a call the budget cuts is left out, not
+    passed on as content, which the SDK parses as the format (`<tool_call>` is not
+    JSON: its stream raised ValueError instead of LengthFinishReasonError). Banning
+    the tokens that begin with the answer's `{` pins the model to a call; four tokens
+    end inside its opening tag and newline, before any `{` is due."""
+    options: dict[str, Any] = {
+        "model": LANE,
+        "messages": QUESTION,
+        "tools": TOOLS,
+        "response_format": Forecast,
+        "max_tokens": 4,
+        "logit_bias": dict.fromkeys(
+            map(str, pinning.beginning_with(model_path, b"{")), pinning.BAN
+        ),
+    }
+    with (
+        pytest.raises(openai.LengthFinishReasonError),
+        client.chat.completions.stream(**options) as events,
+    ):
+        for _ in events:
+            pass
+    fmt = {"type": "json_schema", "json_schema": {"name": "Forecast", "schema": FORECAST}}
+    completion = client.chat.completions.create(**{**options, "response_format": fmt})
+    choice = completion.choices[0]
+    assert choice.finish_reason == "length"
+    assert not choice.message.content and not choice.message.tool_calls
 
 
 def test_tool_choice_none_never_calls(client: openai.OpenAI) -> None:

@@ -758,3 +758,38 @@ def test_the_builtin_prompt_puts_every_tool_block_on_lines_of_its_own(
         assert prompt[block.end() :].startswith(("\n", "<")), prompt[block.end() : block.end() + 20]
     for call in blocks[1:]:
         assert tools._HEAD.match(call.group(0)) is not None
+
+
+@pytest.mark.parametrize(
+    ("output", "called"),
+    [
+        (GOOD[:30], {}),
+        (tools.OPEN[:5], {}),
+        (f"{GOOD}\n{EMPTY[:20]}", {0: ("weather", {"city": "Paris", "unit": "c"})}),
+        (f"{GOOD}\n{tools.OPEN[:3]}", {0: ("weather", {"city": "Paris", "unit": "c"})}),
+        (f"{GOOD}\n{EMPTY}", {0: ("weather", {"city": "Paris", "unit": "c"}), 1: ("noop", {})}),
+    ],
+)
+def test_a_call_cut_short_beside_a_structured_answer_is_left_out(
+    output: str, called: dict[int, tuple[str, dict[str, Any]]]
+) -> None:
+    """The grammar let the model write calls or the answer: a call block the budget
+    ended is a cut call, never the answer's text (an SDK parses that text as the
+    format, and `<tool_call>` is not JSON)."""
+    for pieces in ([output], list(output), *(splits(output, s) for s in range(5))):
+        parser = tools.CallParser(toolset(), new_id=ids(), shaped=True)
+        text_, calls = run(parser, pieces)
+        assert text_ == ""
+        assert {i: (c["name"], json.loads(c["arguments"])) for i, c in calls.items()} == called
+        assert parser.made == len(called)
+        assert parser.partial == (not output.endswith(tools.CLOSE))
+
+
+def test_an_answer_beside_tools_is_text() -> None:
+    answer = '{"summary": "Sunny"}'
+    parser = tools.CallParser(toolset(), new_id=ids(), shaped=True)
+    assert run(parser, list(answer)) == (answer, {})
+    # Cut short, even where what is left could begin a call: the answer's text.
+    for cut in (answer[:9], '{"summary": "a <tool'):
+        parser = tools.CallParser(toolset(), new_id=ids(), shaped=True)
+        assert run(parser, [cut]) == (cut, {}) and not parser.partial
