@@ -614,8 +614,8 @@ def _resolve(
       has only calls (it shapes the answer of a later turn, as OpenAI reads it).
     - in auto mode, the model stops where it would begin a tool's result: that is the
       caller's to give, and a model that writes one is making it up. With a response
-      format, the grammar lets it write calls or the formatted answer
-      (`tools.grammar`).
+      format, the grammar lets it write calls (and that opening after them, while it
+      is a stop string) or the formatted answer (`tools.grammar`).
     """
     if toolset is None or not toolset.active:
         return sampling.resolve(wire, constraint=constraint, vocab=vocab)
@@ -635,7 +635,11 @@ def _resolve(
     params = sampling.resolve(wire, constraint=constraint, vocab=vocab)
     if not toolset.forced and params.grammar is None:
         return params
-    made = tools.grammar(toolset, answer=None if toolset.forced else params.grammar)
+    made = tools.grammar(
+        toolset,
+        answer=None if toolset.forced else params.grammar,
+        result_stops=tools.RESULT_OPEN in wire.stop,
+    )
     what = "The grammar that forces a call of these tools"
     if not toolset.forced:
         what = "The grammar of these tools' calls or the structured answer"

@@ -221,11 +221,17 @@ def depth(value: Any) -> int:
 # ---------------------------------------------------------------- grammar
 
 
-def grammar(tools: ToolSet, *, answer: str | None = None) -> str:
+def grammar(tools: ToolSet, *, answer: str | None = None, result_stops: bool = False) -> str:
     """GBNF for a turn whose output has a set shape. Forced (`required`, a named tool):
     only calls, in the call format, with arguments that validate. With `answer` (the
     grammar of a structured answer, in auto mode): the calls of any tool, or that
-    answer. InvalidRequest names the tool whose schema the grammar cannot enforce."""
+    answer; with `result_stops` (RESULT_OPEN is a stop string of the turn) the calls
+    may be followed by the opening of a result, as a free auto turn's may: the model
+    ends its turn there, where it would make the result up, instead of writing calls
+    until the budget or the most it may make (measured on the bundled model: one call
+    and `tool_calls` in 5 of 5 turns, against 5 or 6 calls repeated up to
+    `max_tokens` in 5 of 5). InvalidRequest names the tool whose schema the grammar
+    cannot enforce."""
     lines: list[str] = []
     choices: list[str] = []
     for i, tool in enumerate(tools.tools):
@@ -251,7 +257,8 @@ def grammar(tools: ToolSet, *, answer: str | None = None) -> str:
     if answer is None:
         return "\n".join([f"root ::= call{more}", call, *lines])
     shaped = list(_prefixed(answer, ANSWER_PREFIX))
-    return "\n".join([f"root ::= call{more} | {ANSWER_PREFIX}root", call, *lines, *shaped])
+    result = f" {schema.literal(chr(10) + RESULT_OPEN)}?" if result_stops else ""
+    return "\n".join([f"root ::= call{more}{result} | {ANSWER_PREFIX}root", call, *lines, *shaped])
 
 
 # The prefix of the structured answer's rules beside the calls' (`tool{i}-`).

@@ -115,7 +115,11 @@ def budget(
         wire.tool_choice.mode = inference_pb2.ToolChoice.MODE_NAMED
         wire.tool_choice.name = tool_choice["function"]["name"]
     shaped = None if answer is None else schemas.grammar(answer)
-    found = pinning.budget(engine_tools.grammar(engine_tools.parse(wire), answer=shaped))
+    # Beside an answer, calls may end where a result would begin (the engine's stop).
+    made = engine_tools.grammar(
+        engine_tools.parse(wire), answer=shaped, result_stops=shaped is not None
+    )
+    found = pinning.budget(made)
     assert found is not None, "the grammar has a longest document"
     return found
 

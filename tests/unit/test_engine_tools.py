@@ -15,7 +15,7 @@ import pytest
 from blazar._proto.engine.v1 import engine_pb2
 from blazar._proto.v1 import inference_pb2 as pb
 from blazar.api import errors
-from blazar.engine import schema, text, tools
+from blazar.engine import sampling, schema, text, tools
 
 WEATHER = {
     "type": "object",
@@ -249,13 +249,23 @@ ANSWER = {
         (None, f"Let me look. {GOOD}", False),
         (None, f'{GOOD}\n{{"summary": "Sunny"}}', False),
         (None, call("weather", '{"city": "Paris"}'), False),
+        # Where the model would write a call's result, it may begin to: a stop ends it.
+        (None, f"{GOOD}\n{tools.RESULT_OPEN}", True),
+        (False, f"{GOOD}\n{tools.RESULT_OPEN}", True),
+        (None, f"{GOOD}\n{EMPTY}\n{tools.RESULT_OPEN}", True),
+        (None, f'{{"summary": "Sunny"}}\n{tools.RESULT_OPEN}', False),
+        (None, tools.RESULT_OPEN, False),
     ],
 )
 def test_an_auto_turn_with_a_structured_answer_writes_calls_or_that_answer(
     parallel: bool | None, output: str, allowed: bool
 ) -> None:
-    made = tools.grammar(toolset(Mode.MODE_AUTO, parallel=parallel), answer=schema.grammar(ANSWER))
+    answer = schema.grammar(ANSWER)
+    auto = toolset(Mode.MODE_AUTO, parallel=parallel)
+    made = tools.grammar(auto, answer=answer, result_stops=True)
     assert bool(_gbnf_regex(made).fullmatch(output)) == allowed
+    if tools.RESULT_OPEN in output:  # only while it is a stop string
+        assert not _gbnf_regex(tools.grammar(auto, answer=answer)).fullmatch(output)
 
 
 def test_a_tool_the_grammar_cannot_write_is_refused_beside_a_structured_answer() -> None:
@@ -675,12 +685,22 @@ def test_an_auto_turn_with_a_response_format_is_resolved_to_calls_or_the_answer(
     params = _resolved(
         Mode.MODE_AUTO, pb.Constraint(json_schema=json.dumps(ANSWER)), stop=("\n\n",)
     )
-    assert params.grammar == tools.grammar(toolset(), answer=schema.grammar(ANSWER))
+    assert params.grammar == tools.grammar(
+        toolset(), answer=schema.grammar(ANSWER), result_stops=True
+    )
     # The caller's stops stay (quiet inside a call block, as in any auto turn).
     assert params.stop == ("\n\n", tools.RESULT_OPEN)
     # Any JSON object: the answer's grammar is the one `json_object` stands for.
     any_object = _resolved(Mode.MODE_AUTO, pb.Constraint(json_object=True))
-    assert any_object.grammar == tools.grammar(toolset(), answer=schema.grammar({"type": "object"}))
+    assert any_object.grammar == tools.grammar(
+        toolset(), answer=schema.grammar({"type": "object"}), result_stops=True
+    )
+    # No room for the result's stop among the caller's: the grammar cannot write the
+    # opening, which would then be passed on as text.
+    full = tuple(f"s{i}" for i in range(sampling.MAX_STOPS))
+    crowded = _resolved(Mode.MODE_AUTO, pb.Constraint(json_schema=json.dumps(ANSWER)), stop=full)
+    assert crowded.stop == full
+    assert crowded.grammar == tools.grammar(toolset(), answer=schema.grammar(ANSWER))
     # json_object false constrains nothing: the turn is free, as without a format.
     assert _resolved(Mode.MODE_AUTO, pb.Constraint(json_object=False)).grammar is None
 
