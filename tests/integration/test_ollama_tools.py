@@ -310,7 +310,8 @@ def test_format_beside_tools_gives_valid_calls_or_an_answer_in_it(
         parallel_tool_calls=False,
     )
     answer = schemas.grammar(ANSWER_SCHEMA)
-    tokens = pinning.budget(engine_tools.grammar(engine_tools.parse(wire), answer=answer))
+    made = engine_tools.grammar(engine_tools.parse(wire), answer=answer, result_stops=True)
+    tokens = pinning.budget(made)
     assert tokens is not None
     client = clients(None, parallel=False)
     options = {"num_predict": tokens, "seed": 11, "temperature": 1.0}
