@@ -498,6 +498,9 @@ async def test_the_response_echoes_the_settings_it_was_asked_for(
         ({"background_options": {}}, "background_options", "background responses"),
         ({"image": {"detail": "low"}}, "image", "image options"),
         ({"access_programs": ["x"]}, "access_programs", "access programs"),
+        # Blazar's Chat Completions constraints, which here would be dropped.
+        ({"grammar": 'root ::= "a"'}, "grammar", "not a Responses API parameter"),
+        ({"json_schema": {"type": "object"}}, "json_schema", "'text.format'"),
         ({"service_tier": "flex"}, "service_tier", "one tier"),
         ({"reasoning": {"effort": "high"}}, "reasoning.effort", "do not reason"),
         ({"reasoning": {"summary": "auto"}}, "reasoning.summary", "no reasoning"),

@@ -148,6 +148,10 @@ class ResponseCreateRequest(_Request):
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     stop: str | list[str] | None = None
+    # Read only to refuse them (see requests): Blazar's Chat Completions takes these
+    # constraints (llama.cpp's names); here `text.format` is the one.
+    grammar: str | None = None
+    json_schema: Any = None
     # Read only to refuse them (see requests): each needs state, a tool or a model
     # feature this server does not have.
     store: bool | None = None

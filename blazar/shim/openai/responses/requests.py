@@ -34,6 +34,7 @@ def chat_request(
     `slo` (the `x-blazar-slo` header) names the SLOPolicy, else the Lane's applies."""
     _refuse_state(body)
     _refuse_reasoning(body)
+    _refuse_chat_constraints(body)
     requests.refuse_obfuscation(body.stream_options)
     messages: list[inference_pb2.Message] = []
     if body.instructions:
@@ -103,6 +104,19 @@ def wants_logprobs(body: protocol.ResponseCreateRequest) -> bool:
     """Whether the response's text carries its tokens' log-probabilities; any other
     `include` value is refused (`chat_request`)."""
     return LOGPROBS_INCLUDE in (body.include or ())
+
+
+def _refuse_chat_constraints(body: protocol.ResponseCreateRequest) -> None:
+    """`grammar` and `json_schema` are Blazar's Chat Completions extensions (llama.cpp's
+    names): sent here they would be dropped, and the answer unconstrained."""
+    for name in ("grammar", "json_schema"):
+        if name in body.model_fields_set:
+            raise envelope.invalid(
+                f"'{name}' is not a Responses API parameter: Blazar takes it on "
+                "/v1/chat/completions and /v1/completions. Here send "
+                '\'text.format\' ({"type": "json_schema", ...}).',
+                param=name,
+            )
 
 
 def _refuse_state(body: protocol.ResponseCreateRequest) -> None:
