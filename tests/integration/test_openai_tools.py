@@ -305,7 +305,7 @@ def test_tools_beside_a_response_format_give_valid_calls_or_a_parsed_answer(
         assert isinstance(choice.message.parsed, Forecast), choice.message.content
         return "answer"
 
-    made_turns = concurrently(attempt, 8, at_once=TOOLS_SLOTS)
+    made_turns = concurrently(attempt, TOOLS_SLOTS, at_once=TOOLS_SLOTS)
     print(f"tools beside a response format: {collections.Counter(made_turns)}")
 
 
