@@ -2,12 +2,15 @@
 
 Pure. Failures are `blazar.api.errors.InvalidRequest` whose message names the field
 (`messages[0].content`) and whose metadata carries it as `param`, so every dialect can
-render a 400 that tells the user what to fix.
+render a 400 that tells the user what to fix. A body model that derives from
+`StrictBody` refuses the top-level fields it does not know, all of them by name, in
+the words its API uses.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from typing import Any, TypeAlias, TypeVar
 
 import pydantic
@@ -17,6 +20,10 @@ from blazar.api import errors, jsontext
 M = TypeVar("M", bound=pydantic.BaseModel)
 
 PARAM_KEY = "param"
+# The metadata key of a machine-readable error code a dialect may show (OpenAI's
+# `error.code`), for errors the shim finds before the daemon sees the request.
+CODE_KEY = "code"
+UNKNOWN_PARAMETER = "unknown_parameter"
 
 # `json.loads` turns a `\uD800` escape (or, decoding bytes with surrogatepass, its
 # UTF-8 form) into a surrogate code point, and joins a valid pair into one character,
@@ -25,6 +32,38 @@ _SURROGATE = re.compile("[\\ud800-\\udfff]")
 
 # Where a node sits in the document: (parent's path, key or index), None at the top.
 _Path: TypeAlias = "tuple[_Path, int | str] | None"
+
+
+class StrictBody(pydantic.BaseModel):
+    """A whole request body that refuses the top-level fields it does not declare,
+    rather than drop them and answer as if they had not been sent: a field a client
+    sends must do something, or be refused. A field sent as null is one not sent, as
+    OpenAI treats it (an argument it does not recognise passes when null). Nested
+    objects keep their own model's policy.
+    """
+
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
+
+    @pydantic.model_validator(mode="before")
+    @classmethod
+    def _null_is_absent(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        known = field_names(cls)
+        return {k: v for k, v in data.items() if v is not None or k in known}
+
+    @classmethod
+    def unknown_fields_message(cls, names: Sequence[str]) -> str:
+        """What the 400 says about `names` (sorted, at least one); an API overrides it
+        with its own words."""
+        quoted = ", ".join(f"'{name}'" for name in names)
+        plural = "s" if len(names) > 1 else ""
+        return f"Unknown parameter{plural}: {quoted}."
+
+
+def field_names(model: type[pydantic.BaseModel]) -> frozenset[str]:
+    """The top-level keys `model` takes, under the names clients send (aliases)."""
+    return frozenset(info.alias or name for name, info in model.model_fields.items())
 
 
 def parse_body(model: type[M], raw: bytes) -> M:
@@ -45,7 +84,23 @@ def parse_body(model: type[M], raw: bytes) -> M:
     try:
         return model.model_validate(document, strict=True)
     except pydantic.ValidationError as exc:
+        if issubclass(model, StrictBody) and (unknown := unknown_fields(exc)):
+            raise errors.InvalidRequest(
+                model.unknown_fields_message(unknown),
+                metadata={PARAM_KEY: unknown[0], CODE_KEY: UNKNOWN_PARAMETER},
+            ) from None
         raise invalid_field(exc, document) from None
+
+
+def unknown_fields(exc: pydantic.ValidationError) -> list[str]:
+    """The top-level fields `exc` refuses as not declared, sorted: reported before any
+    other problem, since a client that sent them meant something the server does not
+    do, and every one of them at once, so that one answer names all there are."""
+    return sorted(
+        str(problem["loc"][0])
+        for problem in exc.errors(include_url=False, include_context=False, include_input=False)
+        if problem["type"] == "extra_forbidden" and len(problem["loc"]) == 1
+    )
 
 
 def invalid_field(exc: pydantic.ValidationError, document: Any) -> errors.InvalidRequest:

@@ -201,6 +201,33 @@ def test_llama_cpp_grammar_and_json_schema_fields(client: openai.OpenAI) -> None
     assert "root" in info.value.message
 
 
+def test_unknown_fields_from_extra_body_are_refused_by_name(client: openai.OpenAI) -> None:
+    """A llama.cpp sampler field Blazar has no sampler for, sent through the official
+    client's extra_body, is a 400 naming it on each OpenAI route, never dropped; sent
+    as null it is not sent. Nothing here reaches the engine but the null cases."""
+    chat: dict[str, Any] = {"model": LANE, "messages": [{"role": "user", "content": "Hi"}]}
+    calls = {
+        "chat": lambda extra: client.chat.completions.create(
+            **chat, max_tokens=1, extra_body=extra
+        ),
+        "completions": lambda extra: client.completions.create(
+            model=LANE, prompt="Hi", max_tokens=1, extra_body=extra
+        ),
+        "embeddings": lambda extra: client.embeddings.create(
+            model=LANE, input="Hi", extra_body=extra
+        ),
+        "responses": lambda extra: client.responses.create(
+            model=LANE, input="Hi", max_output_tokens=1, extra_body=extra
+        ),
+    }
+    for route, call in calls.items():
+        with pytest.raises(openai.BadRequestError) as info:
+            call({"typical_p": 0.5, "mirostat": 2})
+        assert (info.value.param, info.value.code) == ("mirostat", "unknown_parameter"), route
+        assert "mirostat" in info.value.message and "typical_p" in info.value.message, route
+        call({"typical_p": None})
+
+
 def test_llama_cpp_ignore_eos_runs_to_max_tokens(client: openai.OpenAI) -> None:
     """llama.cpp's `ignore_eos`: the end-of-generation tokens are never sampled, so a
     generation ends at max_tokens on every CPU, greedy (the argmax path) or sampled."""

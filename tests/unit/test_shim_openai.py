@@ -1236,6 +1236,88 @@ async def test_options_that_change_nothing_are_accepted(
         assert response.status_code == 200, response.text
 
 
+# Each OpenAI route, with a body it takes (beside the fake daemon's script for it).
+ROUTE_BODIES = {
+    "/v1/chat/completions": chat_body(max_tokens=4),
+    "/v1/completions": {"model": "tiny", "prompt": "Hi", "max_tokens": 4},
+    "/v1/embeddings": {"model": "tiny", "input": "Hi"},
+    "/v1/responses": {"model": "tiny", "input": "Hi", "max_output_tokens": 4},
+    "/v1/responses/input_tokens": {"model": "tiny", "input": "Hi"},
+}
+# What OpenAI says of one unknown argument, and of several, on each route.
+UNKNOWN_ONE = {
+    "/v1/responses": "Unknown parameter: 'typical_p'.",
+    "/v1/responses/input_tokens": "Unknown parameter: 'typical_p'.",
+}
+UNKNOWN_MANY = {
+    "/v1/responses": "Unknown parameters: 'chat_template_kwargs', 'mirostat', 'n_probs'.",
+    "/v1/responses/input_tokens": (
+        "Unknown parameters: 'chat_template_kwargs', 'mirostat', 'n_probs'."
+    ),
+}
+
+
+def script_every_route(daemon: Daemon) -> None:
+    daemon.fake.scripts["tiny"] = HELLO
+    daemon.fake.embeddings = EMBEDDINGS
+    daemon.fake.tokenized = inference_pb2.TokenizeResponse(tokens=[2, 9])
+
+
+@pytest.mark.parametrize("path", list(ROUTE_BODIES))
+async def test_an_unknown_field_is_400_naming_it_on_every_route(
+    daemon: Daemon, client: httpx.AsyncClient, path: str
+) -> None:
+    """A field Blazar does not know would otherwise be dropped, and the request answered
+    as if it had not been sent (llama.cpp's `typical_p`, `mirostat`, ...)."""
+    script_every_route(daemon)
+    one = await client.post(path, json={**ROUTE_BODIES[path], "typical_p": 0.5})
+    assert one.status_code == 400, one.text
+    assert one.json()["error"] == {
+        "message": UNKNOWN_ONE.get(path, "Unrecognized request argument supplied: typical_p"),
+        "type": "invalid_request_error",
+        "param": "typical_p",
+        "code": "unknown_parameter",
+    }
+    # All of them, sorted, before any other problem of the body.
+    several = {"n_probs": 3, "mirostat": 2, "chat_template_kwargs": {}, "model": ""}
+    many = await client.post(path, json={**ROUTE_BODIES[path], **several})
+    assert many.status_code == 400, many.text
+    error = many.json()["error"]
+    assert error["message"] == UNKNOWN_MANY.get(
+        path, "Unrecognized request arguments supplied: chat_template_kwargs, mirostat, n_probs"
+    )
+    assert (error["param"], error["code"]) == ("chat_template_kwargs", "unknown_parameter")
+    assert daemon.fake.requests == []
+
+
+@pytest.mark.parametrize("path", list(ROUTE_BODIES))
+async def test_an_unknown_field_sent_as_null_is_one_not_sent(
+    daemon: Daemon, client: httpx.AsyncClient, path: str
+) -> None:
+    """As OpenAI takes an argument it does not recognise when it is null; clients that
+    serialize every field they know send their unset ones so."""
+    script_every_route(daemon)
+    response = await client.post(path, json={**ROUTE_BODIES[path], "typical_p": None})
+    assert response.status_code == 200, response.text
+
+
+async def test_unknown_fields_inside_the_body_are_left_alone(
+    daemon: Daemon, client: httpx.AsyncClient
+) -> None:
+    """Only the top level is strict: clients echo fields of OpenAI's output (an id, a
+    status) back inside messages, tools and items."""
+    script_every_route(daemon)
+    message = {"role": "user", "content": [{"type": "text", "text": "Hi", "cache": 1}], "id": "m"}
+    tool = {**TOOL, "id": "t"}
+    chat = await client.post(
+        "/v1/chat/completions", json=chat_body(messages=[message], tools=[tool])
+    )
+    assert chat.status_code == 200, chat.text
+    item = {"type": "message", "role": "user", "content": "Hi", "id": "msg_1", "status": "done"}
+    response = await client.post("/v1/responses", json={"model": "tiny", "input": [item]})
+    assert response.status_code == 200, response.text
+
+
 async def test_stream_options_need_a_stream(daemon: Daemon, client: httpx.AsyncClient) -> None:
     body = {"model": "tiny", "prompt": "a", "stream_options": {"include_usage": True}}
     response = await client.post("/v1/completions", json=body)
@@ -1434,7 +1516,8 @@ async def test_a_large_body_is_parsed_off_the_event_loop(
 
     monkeypatch.setattr(validation, "parse_body", parse_body)
     small = {"model": "tiny", "prompt": "Hi", "max_tokens": 4}
-    large = {**small, "padding": [[]] * (request_body.PARSE_INLINE_BYTES // 3 + 1)}
+    # A known field: an unknown one would be refused (after parsing, but with a 400).
+    large = {**small, "user": "u" * (request_body.PARSE_INLINE_BYTES + 1)}
     for body in (small, large):
         response = await client.post("/v1/completions", json=body)
         assert response.status_code == 200, response.text

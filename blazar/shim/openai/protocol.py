@@ -1,8 +1,10 @@
 """OpenAI's wire format, with OpenAI's field names.
 
-Requests are pydantic models that ignore fields they do not know (OpenAI clients send
-many). Responses are TypedDicts because their JSON must match OpenAI byte for byte in
-shape: some keys are present-but-null (`logprobs`, `finish_reason`), others absent
+Request bodies refuse the top-level fields they do not know, naming them in OpenAI's
+words (`_Body`); objects inside a body (messages, tools, content parts) ignore theirs,
+as clients echo back fields of OpenAI's output there (an item's `id`, `status`).
+Responses are TypedDicts because their JSON must match OpenAI byte for byte in shape:
+some keys are present-but-null (`logprobs`, `finish_reason`), others absent
 (`delta.role` after the first chunk), which a plain dict states most directly.
 Reference: https://platform.openai.com/docs/api-reference/chat, /completions and
 /embeddings (checked against the Stainless-generated types of the `openai` package).
@@ -10,17 +12,30 @@ Reference: https://platform.openai.com/docs/api-reference/chat, /completions and
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal, NotRequired, TypedDict
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from blazar.api.wire import INT32_MAX
+from blazar.shim import validation
 
 # ---------------------------------------------------------------- requests
 
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
+
+
+class _Body(validation.StrictBody):
+    """A whole request body of Chat Completions, Completions or Embeddings: a field it
+    does not declare is a 400 in OpenAI's words for these APIs (a null one passes)."""
+
+    @classmethod
+    def unknown_fields_message(cls, names: Sequence[str]) -> str:
+        if len(names) == 1:
+            return f"Unrecognized request argument supplied: {names[0]}"
+        return f"Unrecognized request arguments supplied: {', '.join(names)}"
 
 
 class ContentPart(_Request):
@@ -129,7 +144,7 @@ ResponseFormat = Annotated[
 LogitBias = dict[str, Annotated[float, Field(ge=-100, le=100)]]
 
 
-class _Sampling(_Request):
+class _Sampling(_Body):
     model: str = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     temperature: float | None = Field(default=None, ge=0, le=2)
@@ -202,7 +217,7 @@ class CompletionRequest(_Sampling):
     suffix: str | None = None
 
 
-class EmbeddingRequest(_Request):
+class EmbeddingRequest(_Body):
     model: str = Field(min_length=1)
     # Token arrays are accepted by the schema only to be refused clearly in convert.
     input: str | list[str] | list[int] | list[list[int]]

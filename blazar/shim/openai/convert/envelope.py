@@ -61,7 +61,7 @@ def error_response(err: errors.BlazarError, *, blame: Blame = CHAT_BLAME) -> Err
         or _PARAMS.get(field)
         or _tool_param(field, blame)
     )
-    code: str | None = None
+    code: str | None = err.metadata.get(validation.CODE_KEY)
     if isinstance(err, errors.ModelNotFound):
         code, param = "model_not_found", "model"
     elif isinstance(err, errors.ContextLengthExceeded):

@@ -1,7 +1,9 @@
 """The Responses API's wire format (`POST /v1/responses`), with OpenAI's field names.
 
-As in the Chat Completions models (`blazar.shim.openai.protocol`), requests are
-pydantic models that ignore fields they do not know, and responses are TypedDicts.
+As in the Chat Completions models (`blazar.shim.openai.protocol`), a request body
+refuses the top-level fields it does not know (`validation.StrictBody`, in this API's
+words: "Unknown parameter: 'foo'."), the objects inside it ignore theirs, and
+responses are TypedDicts.
 Fields OpenAI defines that a stateless server without built-in tools cannot honour
 (`store: true`, `previous_response_id`, `conversation`, `background`, `reasoning`,
 `truncation: "auto"`, ...) are read only to be refused by name (see `requests`).
@@ -18,6 +20,7 @@ from typing import Annotated, Any, Literal, NotRequired, TypedDict
 from pydantic import BaseModel, ConfigDict, Field
 
 from blazar.api.wire import INT32_MAX
+from blazar.shim import validation
 from blazar.shim.openai import protocol as chat
 
 # ---------------------------------------------------------------- requests
@@ -113,7 +116,7 @@ Metadata = Annotated[
 ]
 
 
-class ResponseCreateRequest(_Request):
+class ResponseCreateRequest(validation.StrictBody):
     model: str = Field(min_length=1)
     input: str | list[InputItem]
     # The system prompt, ahead of `input`.
@@ -172,7 +175,7 @@ class ResponseCreateRequest(_Request):
     access_programs: Any = None
 
 
-class InputTokensRequest(_Request):
+class InputTokensRequest(validation.StrictBody):
     """`POST /v1/responses/input_tokens`: the fields of a response request that make its
     prompt, counted as `POST /v1/responses` would render it. OpenAI lets `model` and
     `input` be absent; Blazar needs the model to count with its tokenizer."""
