@@ -1301,6 +1301,23 @@ async def test_an_unknown_field_sent_as_null_is_one_not_sent(
     assert response.status_code == 200, response.text
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/responses"])
+async def test_llama_cpp_cache_prompt_true_is_taken_and_false_refused(
+    daemon: Daemon, client: httpx.AsyncClient, path: str
+) -> None:
+    """llama.cpp's `cache_prompt`: true is what the engine does (reuse the cached
+    prefix), so it passes; false asks for a prefill from scratch, which it cannot do."""
+    script_every_route(daemon)
+    taken = await client.post(path, json={**ROUTE_BODIES[path], "cache_prompt": True})
+    assert taken.status_code == 200, taken.text
+    refused = await client.post(path, json={**ROUTE_BODIES[path], "cache_prompt": False})
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert (error["param"], error["code"]) == ("cache_prompt", None)
+    assert "always reuses the cached prefix" in error["message"]
+    assert len(daemon.fake.requests) == 1
+
+
 async def test_unknown_fields_inside_the_body_are_left_alone(
     daemon: Daemon, client: httpx.AsyncClient
 ) -> None:

@@ -171,6 +171,9 @@ class _Sampling(_Body):
     json_schema: dict[str, Any] | None = None
     # Not in OpenAI's API: llama.cpp's server (and vLLM) generate past end-of-generation.
     ignore_eos: bool | None = None
+    # Not in OpenAI's API: llama.cpp's server reuses the cached prefix of a prompt unless
+    # this is false. Blazar always does, so true is what happens and false is refused.
+    cache_prompt: bool | None = None
 
 
 class ChatCompletionRequest(_Sampling):

@@ -37,6 +37,7 @@ def chat_request(
     header) names the SLOPolicy, else the Lane's applies."""
     _require_single_choice(body)
     _require_stream_for_options(body)
+    refuse_uncached(body.cache_prompt)
     _refuse_functions(body)
     _refuse_non_text_output(body)
     _refuse_unhonoured(body)
@@ -179,6 +180,7 @@ def complete_request(
     """The canonical request; `session` and `slo` as for `chat_request`."""
     _require_single_choice(body)
     _require_stream_for_options(body)
+    refuse_uncached(body.cache_prompt)
     _refuse_best_of_and_suffix(body)
     if isinstance(body.prompt, str):
         prompt = body.prompt
@@ -315,6 +317,18 @@ def _require_stream_for_options(
             param="stream_options",
         )
     refuse_obfuscation(body.stream_options)
+
+
+def refuse_uncached(cache_prompt: bool | None) -> None:
+    """llama.cpp's `cache_prompt`: true (its default) is what Blazar always does, reuse
+    the longest cached prefix of the prompt; false asks for a prefill from scratch,
+    which the engine has no way to do."""
+    if cache_prompt is False:
+        raise envelope.invalid(
+            "'cache_prompt' false is not supported: this server always reuses the cached "
+            "prefix of a prompt. Send true or omit it.",
+            param="cache_prompt",
+        )
 
 
 def refuse_obfuscation(options: protocol.ObfuscationOption | None) -> None:

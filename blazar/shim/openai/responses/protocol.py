@@ -151,6 +151,7 @@ class ResponseCreateRequest(validation.StrictBody):
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     stop: str | list[str] | None = None
+    cache_prompt: bool | None = None
     # Read only to refuse them (see requests): Blazar's Chat Completions takes these
     # constraints (llama.cpp's names); here `text.format` is the one.
     grammar: str | None = None

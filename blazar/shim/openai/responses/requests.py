@@ -36,6 +36,7 @@ def chat_request(
     _refuse_reasoning(body)
     _refuse_chat_constraints(body)
     requests.refuse_obfuscation(body.stream_options)
+    requests.refuse_uncached(body.cache_prompt)
     messages: list[inference_pb2.Message] = []
     if body.instructions:
         messages.append(inference_pb2.Message(role="system", content=body.instructions))
