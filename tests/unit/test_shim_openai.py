@@ -1795,6 +1795,42 @@ async def test_response_format_reaches_the_daemon(
 
 
 @pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        (
+            "/v1/chat/completions",
+            chat_body(response_format={"type": "json_object", "schema": PERSON_SCHEMA}),
+        ),
+        (
+            "/v1/completions",
+            {"model": "tiny", "prompt": "x", "response_format": {"type": "json_object"}},
+        ),
+        (
+            "/v1/responses",
+            {
+                "model": "tiny",
+                "input": "x",
+                "text": {"format": {"type": "json_object", "schema": PERSON_SCHEMA}},
+            },
+        ),
+    ],
+)
+async def test_json_object_with_llama_cpps_schema_constrains_to_it(
+    daemon: Daemon, client: httpx.AsyncClient, path: str, body: dict[str, Any]
+) -> None:
+    """llama.cpp's server reads a `schema` beside `"type": "json_object"` as the schema
+    to enforce; dropped, the output would be any object, not the one asked for."""
+    daemon.fake.scripts["tiny"] = [delta('{"name": "Ada", "age": 36}'), final()]
+    response = await client.post(path, json=body)
+    assert response.status_code == 200, response.text
+    constraint = daemon.fake.requests[-1].constraint
+    if path == "/v1/completions":
+        assert constraint.WhichOneof("kind") == "json_object"
+    else:
+        assert json.loads(constraint.json_schema) == PERSON_SCHEMA
+
+
+@pytest.mark.parametrize(
     ("seed", "sent"), [(-1, None), (0, 0), (7, 7), (-2, 2**32 - 2), (2**32 + 3, 3)]
 )
 async def test_seed_minus_one_draws_a_random_seed_as_in_llama_cpp(

@@ -120,6 +120,10 @@ class TextFormat(_Request):
 
 class JsonObjectFormat(_Request):
     type: Literal["json_object"]
+    # Not in OpenAI's API: llama.cpp's server (and llama-cpp-python's) constrain the
+    # output to this JSON Schema, not just to any object. `schema` would shadow a
+    # BaseModel attribute.
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
 
 
 class JsonSchemaSpec(_Request):

@@ -291,13 +291,21 @@ def _constraints(
 
 def _format_constraint(fmt: protocol.ResponseFormat | None) -> inference_pb2.Constraint | None:
     if isinstance(fmt, protocol.JsonObjectFormat):
-        return canonical.json_object()
+        return json_object(fmt)
     if isinstance(fmt, protocol.JsonSchemaFormat):
         schema = fmt.json_schema.json_schema
         if schema is None:
             return canonical.json_object()
         return canonical.json_schema(schema)
     return None
+
+
+def json_object(fmt: protocol.JsonObjectFormat) -> inference_pb2.Constraint:
+    """`json_object`: any JSON object, or with llama.cpp's `schema` beside the type, one
+    valid against that schema (as llama.cpp's server reads it, never dropped)."""
+    if fmt.json_schema is None:
+        return canonical.json_object()
+    return canonical.json_schema(fmt.json_schema)
 
 
 def _require_single_choice(

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from blazar._proto.v1 import inference_pb2
 from blazar.api import jsontext, sessions
 from blazar.shim import canonical
+from blazar.shim.openai import protocol as chat
 from blazar.shim.openai.convert import envelope, requests
 from blazar.shim.openai.responses import protocol
 
@@ -379,6 +380,6 @@ def _constraint(text: protocol.TextConfig | None) -> inference_pb2.Constraint | 
     fmt = text.format if text is not None else None
     if isinstance(fmt, protocol.JsonSchemaFormat):
         return canonical.json_schema(fmt.json_schema)
-    if fmt is not None and fmt.type == "json_object":
-        return canonical.json_object()
+    if isinstance(fmt, chat.JsonObjectFormat):
+        return requests.json_object(fmt)
     return None
