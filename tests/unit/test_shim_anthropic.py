@@ -364,7 +364,16 @@ INVALID: dict[str, tuple[dict[str, Any], str]] = {
     "thinking between tools": (body(thinking={"type": "between_tools"}), "'thinking' is not supported"),
     "mcp_servers": (body(mcp_servers=[{"type": "url", "url": "http://x", "name": "x"}]), "'mcp_servers'"),
     "container": (body(container="container_1"), "'container' is not supported"),
-    "context_management": (body(context_management={"edits": []}), "'context_management'"),
+    "context_management": (
+        body(context_management={"edits": [{"type": "clear_tool_uses_20250919"}]}),
+        "'context_management.edits[0]' 'clear_tool_uses_20250919' is not supported",
+    ),
+    "inference_geo": (body(inference_geo="us"), "'inference_geo' 'us' is not supported"),
+    "billing_policy": (
+        body(billing_policy={"type": "billing_policy", "bill_to": "user_profile"}),
+        "'billing_policy.bill_to' 'user_profile' is not supported",
+    ),
+    "fallback_credit_token": (body(fallback_credit_token="fct_1"), "'fallback_credit_token' is not"),
     "effort": (body(output_config={"effort": "high"}), "'output_config.effort' is not supported"),
     "priority tier": (body(service_tier="priority"), "'service_tier' 'priority' is not supported"),
     "fast": (body(speed="fast"), "'speed' 'fast' is not supported"),
@@ -472,8 +481,9 @@ async def test_a_body_that_is_not_json_is_400(client: httpx.AsyncClient) -> None
 async def test_fields_that_change_nothing_are_accepted(
     daemon: Daemon, client: httpx.AsyncClient
 ) -> None:
-    """Cache marks (Blazar caches every prefix), standard tiers, strict tools, unknown
-    fields: accepted, as they ask for nothing Blazar does not do."""
+    """Cache marks (Blazar caches every prefix), standard tiers, strict tools, any
+    region, billing oneself, clearing thinking (there is none; Claude Code asks on every
+    request): accepted, as they ask for nothing Blazar does not do."""
     daemon.fake.scripts["tiny"] = [delta("ok"), final()]
     response = await client.post(
         "/v1/messages",
@@ -483,10 +493,46 @@ async def test_fields_that_change_nothing_are_accepted(
             speed="standard",
             thinking={"type": "disabled"},
             tools=[{**WEATHER, "strict": True, "cache_control": {"type": "ephemeral"}}],
-            inference_geo="us",
+            inference_geo="global",
+            billing_policy={"type": "billing_policy", "bill_to": "self"},
+            context_management={"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+            fallback_credit_token=None,
         ),
     )
     assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/messages/count_tokens"])
+@pytest.mark.parametrize("field", ["top_q", "response_format", "max_tokens_to_sample"])
+async def test_an_unknown_top_level_field_is_a_400_naming_it(
+    path: str, field: str, daemon: Daemon, client: httpx.AsyncClient
+) -> None:
+    """As Anthropic answers it, in its words: a field Blazar does not know would do
+    nothing, so it is refused rather than dropped."""
+    daemon.fake.scripts["tiny"] = [delta("ok"), final()]
+    request = (
+        body(**{field: 1})
+        if path == "/v1/messages"
+        else {"model": "tiny", "messages": HI, field: 1}
+    )
+    response = await client.post(path, json=request)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"] == {
+        "type": "invalid_request_error",
+        "message": f"{field}: Extra inputs are not permitted",
+    }
+    assert not daemon.fake.requests
+
+
+async def test_count_tokens_refuses_what_only_a_generation_takes(
+    daemon: Daemon, client: httpx.AsyncClient
+) -> None:
+    """Anthropic's count_tokens has no `max_tokens` nor `stream`: extra there too."""
+    response = await client.post(
+        "/v1/messages/count_tokens", json={"model": "tiny", "messages": HI, "max_tokens": 8}
+    )
+    assert response.status_code == 400
+    assert response.json()["error"]["message"] == "max_tokens: Extra inputs are not permitted"
 
 
 @pytest.mark.parametrize("path", ["/v1/messages", "/v1/messages/count_tokens"])
@@ -499,7 +545,10 @@ async def test_adaptive_thinking_is_the_models_choice_not_to_think(
     """Under `adaptive` the model decides whether to think (the default of Anthropic's
     newer models and of the clients written for them), and Blazar's never do: taken."""
     daemon.fake.scripts["tiny"] = [delta("ok"), final()]
-    response = await client.post(path, json=body(thinking=thinking))
+    request = body(thinking=thinking)
+    if path != "/v1/messages":
+        del request["max_tokens"]  # count_tokens has none
+    response = await client.post(path, json=request)
     assert response.status_code == 200, response.text
     if path == "/v1/messages":
         assert [block["type"] for block in response.json()["content"]] == ["text"]

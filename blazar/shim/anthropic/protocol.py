@@ -1,11 +1,14 @@
 """Anthropic's Messages API wire format, with Anthropic's field names.
 
-Requests are pydantic models that ignore top-level fields they do not know, as the
-OpenAI and Ollama dialects do; fields Blazar cannot honour are read only so that
-`convert` refuses them by name. A content block of a type Blazar does not take (an
-image, a document, a thinking block, a server tool's result) is read as `OtherBlock`
-for the same reason: refused by its type, never dropped. Responses are TypedDicts whose
-keys follow Anthropic's JSON. Reference: the Messages, streaming, count_tokens and
+A request's top level forbids fields it does not know, as Anthropic's API does: such a
+field is a 400 in Anthropic's words (`<field>: Extra inputs are not permitted`), never
+dropped. Every top-level field of Anthropic's Messages API (the `anthropic` package's
+`message_create_params.py` and its beta twin) is declared, and those Blazar cannot
+honour are read only so that `convert` refuses them by name. Objects below the top
+level still ignore fields they do not know. A content block of a type Blazar does not
+take (an image, a document, a thinking block, a server tool's result) is read as
+`OtherBlock` for the same reason: refused by its type, never dropped. Responses are
+TypedDicts whose keys follow Anthropic's JSON. Reference: the Messages, streaming, count_tokens and
 errors pages of Anthropic's API documentation, checked against the Stainless-generated
 types of the `anthropic` package (`types/message.py`, `raw_message_stream_event.py`).
 """
@@ -153,8 +156,19 @@ class OutputConfig(_Request):
     effort: str | None = None
 
 
+class ContextEdit(_Request):
+    # `clear_thinking_20251015`, `clear_tool_uses_20250919`, `compact_20260112`, ...
+    type: str
+
+
+class ContextManagement(_Request):
+    edits: list[ContextEdit] | None = None
+
+
 class Conversation(_Request):
     """What `/v1/messages` and `/v1/messages/count_tokens` share: the prompt and tools."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
     model: str = Field(min_length=1)
     messages: list[Message] = Field(min_length=1)
@@ -165,10 +179,14 @@ class Conversation(_Request):
     # The beta spelling of `output_config.format` (the `structured-outputs` beta).
     output_format: JsonOutputFormat | None = None
     cache_control: CacheControl = None
-    # Read only to refuse them (see convert).
+    # Read only to refuse them (see convert), save the values Blazar does as asked.
     thinking: dict[str, Any] | None = None
     mcp_servers: list[Any] | None = None
-    context_management: dict[str, Any] | None = None
+    context_management: ContextManagement | None = None
+    speed: str | None = None
+    compaction: dict[str, Any] | None = None
+    # Who is billed: Blazar bills nobody, which `bill_to: "self"` (the default) accepts.
+    billing_policy: dict[str, Any] | None = None
 
 
 class MessagesRequest(Conversation):
@@ -185,17 +203,20 @@ class MessagesRequest(Conversation):
     service_tier: str | None = None
     # Read only to refuse them (see convert).
     container: str | dict[str, Any] | None = None
-    speed: str | None = None
+    # Where inference runs: "global" (anywhere, the default) is taken; Blazar runs on
+    # this host and knows no region to promise.
+    inference_geo: str | None = None
     # Server-held conversation state (the `anthropic` client's message threads, which
     # its tool runner uses by default) and server-side summarizing: Blazar keeps no
     # conversation between requests and summarizes none.
     # Any shape: whatever it holds, the refusal carries the code the client acts on.
     thread: Any = None
-    compaction: dict[str, Any] | None = None
     # Asks for `diagnostics.cache_miss_reason` against an earlier response, and (beta)
     # other models to try when this one declines: Blazar gives neither.
     diagnostics: dict[str, Any] | None = None
     fallbacks: Any = None
+    # Redeems a refusal's credit on a retry: Blazar neither refuses so nor bills.
+    fallback_credit_token: Any = None
 
 
 class CountTokensRequest(Conversation):

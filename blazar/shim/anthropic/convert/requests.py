@@ -39,6 +39,12 @@ _REFUSED_BLOCKS = {
 }
 # Service tiers Blazar honours: it has one, and it is the standard one.
 _SERVICE_TIERS = ("auto", "standard_only")
+# Where inference may run: "global" is anywhere, and this host is somewhere.
+_INFERENCE_GEOS = ("global",)
+# Context edits Blazar does as Anthropic would. A `clear_thinking` edit drops earlier
+# turns' thinking blocks: Blazar's models write none and a history holding one is
+# refused, so there is none to clear (Claude Code sends this edit on every request).
+_CONTEXT_EDITS_TAKEN = ("clear_thinking_20251015",)
 # What a tool result flagged `is_error` says to the model before the result.
 ERROR_RESULT_PREFIX = "Error: "
 # The tokens a generation of `max_tokens: 0` (Anthropic's cache pre-warming) runs to.
@@ -123,11 +129,25 @@ def _refuse_conversation_fields(body: protocol.Conversation) -> None:
             "the MCP client yourself and pass its tools in 'tools'.",
             param="mcp_servers",
         )
-    if body.context_management is not None:
+    _refuse_context_edits(body.context_management)
+    if body.compaction is not None:
         raise _invalid(
-            "'context_management' is not supported: Blazar never edits a conversation; "
-            "send the context you want the model to read.",
-            param="context_management",
+            "'compaction' is not supported: Blazar does not summarize conversations. "
+            "Leave it out, and send the context you want the model to read.",
+            param="compaction",
+        )
+    if body.speed not in (None, "standard"):
+        raise _invalid(
+            f"'speed' {body.speed!r} is not supported: Blazar has one speed; send "
+            '"standard" or leave it out.',
+            param="speed",
+        )
+    billing = body.billing_policy
+    if billing is not None and billing.get("bill_to", "self") != "self":
+        raise _invalid(
+            f"'billing_policy.bill_to' {billing.get('bill_to')!r} is not supported: Blazar "
+            'bills nobody. Send "self" or leave it out.',
+            param="billing_policy.bill_to",
         )
     if body.output_config is not None and body.output_config.effort is not None:
         raise _invalid(
@@ -135,6 +155,18 @@ def _refuse_conversation_fields(body: protocol.Conversation) -> None:
             "setting. Leave it out.",
             param="output_config.effort",
         )
+
+
+def _refuse_context_edits(management: protocol.ContextManagement | None) -> None:
+    for i, edit in enumerate(management.edits or () if management else ()):
+        if edit.type not in _CONTEXT_EDITS_TAKEN:
+            raise _invalid(
+                f"'context_management.edits[{i}]' {edit.type!r} is not supported: Blazar "
+                "never edits a conversation; send the context you want the model to read. "
+                f"Blazar takes only {', '.join(_CONTEXT_EDITS_TAKEN)} (there is no thinking "
+                "to clear).",
+                param=f"context_management.edits[{i}].type",
+            )
 
 
 def _refuse_generation_fields(body: protocol.MessagesRequest) -> None:
@@ -148,12 +180,6 @@ def _refuse_generation_fields(body: protocol.MessagesRequest) -> None:
                 validation.PARAM_KEY: "thread",
                 envelope.ERROR_CODE_KEY: "thread_unsupported_request",
             },
-        )
-    if body.compaction is not None:
-        raise _invalid(
-            "'compaction' is not supported: Blazar does not summarize conversations. "
-            "Leave it out, and send the context you want the model to read.",
-            param="compaction",
         )
     if body.diagnostics is not None:
         raise _invalid(
@@ -172,11 +198,17 @@ def _refuse_generation_fields(body: protocol.MessagesRequest) -> None:
             "'container' is not supported: Blazar runs no code execution containers.",
             param="container",
         )
-    if body.speed not in (None, "standard"):
+    if body.fallback_credit_token is not None:
         raise _invalid(
-            f"'speed' {body.speed!r} is not supported: Blazar has one speed; send "
-            '"standard" or leave it out.',
-            param="speed",
+            "'fallback_credit_token' is not supported: Blazar mints no fallback credit "
+            "(it refuses no request so, and bills none). Leave it out.",
+            param="fallback_credit_token",
+        )
+    if body.inference_geo not in (None, *_INFERENCE_GEOS):
+        raise _invalid(
+            f"'inference_geo' {body.inference_geo!r} is not supported: Blazar runs on this "
+            'host and promises no region; send "global" or leave it out.',
+            param="inference_geo",
         )
     if body.service_tier not in (None, *_SERVICE_TIERS):
         raise _invalid(
