@@ -90,15 +90,23 @@ class ContextLengthExceeded(InvalidRequest):
 
     @classmethod
     def of(
-        cls, *, prompt_tokens: int, max_tokens: int, context_length: int, at_least: bool = False
+        cls,
+        *,
+        prompt_tokens: int,
+        max_tokens: int,
+        context_length: int,
+        at_least: bool = False,
+        requested: bool = False,
     ) -> ContextLengthExceeded:
         """`at_least`: prompt_tokens is a lower bound, the prompt being refused by its
-        length in bytes without tokenizing it."""
+        length in bytes without tokenizing it. `requested`: context_length is the
+        smaller context the request asked for (Sampling.context_limit), not a slot's."""
         sizes = ContextSizes(
             prompt_tokens=prompt_tokens,
             max_tokens=max_tokens,
             context_length=context_length,
             at_least=at_least,
+            requested=requested,
         )
         metadata = {
             "prompt_tokens": str(prompt_tokens),
@@ -107,6 +115,8 @@ class ContextLengthExceeded(InvalidRequest):
         }
         if at_least:
             metadata[PROMPT_TOKENS_AT_LEAST_KEY] = "true"
+        if requested:
+            metadata[CONTEXT_LIMIT_KEY] = str(context_length)
         return cls(
             sizes.refusal(prompt="prompt", advice="Shorten the prompt or lower max_tokens."),
             metadata=metadata,
@@ -126,12 +136,16 @@ class ContextLengthExceeded(InvalidRequest):
             max_tokens=max_tokens,
             context_length=context_length,
             at_least=self.metadata.get(PROMPT_TOKENS_AT_LEAST_KEY) == "true",
+            requested=CONTEXT_LIMIT_KEY in self.metadata,
         )
 
 
 # Metadata of a ContextLengthExceeded whose prompt_tokens is a lower bound (a prompt
 # refused by its length in bytes, untokenized); absent when the count is exact.
 PROMPT_TOKENS_AT_LEAST_KEY = "prompt_tokens_at_least"
+# Metadata of a ContextLengthExceeded whose context is the smaller one the request asked
+# for (Sampling.context_limit, Ollama's num_ctx); absent when it is a slot's context.
+CONTEXT_LIMIT_KEY = "context_limit"
 
 
 @dataclass(frozen=True)
@@ -143,12 +157,20 @@ class ContextSizes:
     context_length: int
     # prompt_tokens is a lower bound, not a count.
     at_least: bool
+    # context_length is what the request asked for (Sampling.context_limit), less than
+    # a slot holds.
+    requested: bool = False
 
     def refusal(self, *, prompt: str, advice: str) -> str:
         """The sentence every dialect but Anthropic's refuses with, in its own terms for
         the prompt and for what to lower (`advice`). It opens with OpenAI's (and vLLM's)
         words, by which clients such as LiteLLM tell a context overflow from other bad
         requests."""
+        if self.requested:
+            return (
+                f"The request asked for a context of {self.context_length} tokens "
+                f"(context_limit), but it {self.needs(prompt=prompt)}. {advice}"
+            )
         return (
             f"This model's maximum context length is {self.context_length} tokens per "
             f"request, but the request {self.needs(prompt=prompt)}. {advice}"

@@ -498,7 +498,7 @@ class InferenceService(Unqueued, inference_pb2_grpc.InferenceServicer):
             # The engine paces prompt chunks beside this stream to keep it.
             generate.tpot_target_ms = max(1, round(policy.tpot_target_s * 1000))
         prompt_tokens, max_tokens, needs = _budget(lane, route, generate, prompt_chars)
-        if needs > route.context_length:
+        if needs > _context(route, generate.sampling):
             # Likely too long for a slot, by the estimate: the engine, which counts the
             # tokens, answers that (INVALID_ARGUMENT naming both lengths); a refusal to
             # retry later for a missed target would only send the caller round again.
@@ -814,7 +814,7 @@ def _budget(
     on a replica whose slots hold them, `Ticket.context_tokens`)."""
     prompt_tokens = lane.measurements.prompt_tokens(prompt_chars)
     sampling = generate.sampling
-    room = max(1, route.context_length - prompt_tokens)
+    room = max(1, _context(route, sampling) - prompt_tokens)
     if not sampling.HasField("max_tokens"):
         return prompt_tokens, room, prompt_tokens + 1
     if sampling.max_tokens_up_to_context:
@@ -822,6 +822,13 @@ def _budget(
         # needs a slot, not the prompt and max_tokens together.
         return prompt_tokens, min(sampling.max_tokens, room), prompt_tokens + 1
     return prompt_tokens, sampling.max_tokens, prompt_tokens + (sampling.max_tokens or 1)
+
+
+def _context(route: routing.Route, sampling: inference_pb2.Sampling) -> int:
+    """The context a request may fill on `route`: a slot's, or the smaller one it asked
+    for (`Sampling.context_limit`; the engine bounds it so: `text.context_limit`)."""
+    asked = sampling.context_limit
+    return min(route.context_length, asked) if asked else route.context_length
 
 
 def _open_access() -> access.Access:

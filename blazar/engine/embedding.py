@@ -158,10 +158,16 @@ class Embedder:
             return self._unfinished
 
     async def embed(
-        self, texts: Sequence[str], *, normalize: bool, dimensions: int | None = None
+        self,
+        texts: Sequence[str],
+        *,
+        normalize: bool,
+        dimensions: int | None = None,
+        context_limit: int | None = None,
     ) -> list[Vector]:
         """One vector per text, in order (see `shaped` for `normalize` and
-        `dimensions`); ContextLengthExceeded names the first text too long."""
+        `dimensions`); ContextLengthExceeded names the first text too long for the
+        context, or for the smaller one the request asked for (`context_limit`)."""
         if dimensions is not None and not 1 <= dimensions <= self.dimensions:
             raise errors.InvalidRequest(
                 f"'dimensions' is {dimensions}; this model's embeddings have "
@@ -180,7 +186,8 @@ class Embedder:
             if not item:
                 raise errors.InvalidRequest(f"Input {i} is empty.")
         # An input too long on its own is named first: more requests would not help it.
-        inputs = await asyncio.to_thread(self._tokenize, texts)
+        limit = text.context_limit(self.context_length, context_limit)
+        inputs = await asyncio.to_thread(self._tokenize, texts, limit)
         total = sum(len(tokens) for tokens in inputs)
         if total > self.max_total_tokens:
             raise errors.InvalidRequest(
@@ -221,34 +228,42 @@ class Embedder:
         if started:
             self._thread.join()
 
-    def _tokenize(self, texts: Sequence[str]) -> list[list[int]]:
+    def _tokenize(self, texts: Sequence[str], limit: int) -> list[list[int]]:
         """Each text's tokens, BOS first; ContextLengthExceeded names the first text
-        longer than the context. Tokenizing costs about 1 us a byte and is not stopped
-        by a caller who leaves, so a text too long in bytes to fit is refused before it
-        is tokenized, its `prompt_tokens` a lower bound (as a generation's prompt is)."""
+        longer than `limit` (the context, or less). Tokenizing costs about 1 us a byte
+        and is not stopped by a caller who leaves, so a text too long in bytes to fit is
+        refused before it is tokenized, its `prompt_tokens` a lower bound (as a
+        generation's prompt is)."""
         inputs = []
         for i, item in enumerate(texts):
             if len(item) > UNTOKENIZED_CHECK_CHARS:
                 least = text.fewest_tokens(item, self._vocab.longest_piece)
-                if least > self.context_length:
-                    raise self._too_long(i, least, at_least=True)
+                if least > limit:
+                    raise self._too_long(i, least, limit=limit, at_least=True)
             tokens = self._vocab.tokenize(item, add_bos=True, parse_special=False)
-            if len(tokens) > self.context_length:
-                raise self._too_long(i, len(tokens), at_least=False)
+            if len(tokens) > limit:
+                raise self._too_long(i, len(tokens), limit=limit, at_least=False)
             inputs.append(tokens)
         return inputs
 
-    def _too_long(self, index: int, tokens: int, *, at_least: bool) -> errors.ContextLengthExceeded:
+    def _too_long(
+        self, index: int, tokens: int, *, limit: int, at_least: bool
+    ) -> errors.ContextLengthExceeded:
         metadata = {
             "prompt_tokens": str(tokens),
-            "context_length": str(self.context_length),
+            "context_length": str(limit),
             "input": str(index),
         }
         if at_least:
             metadata[errors.PROMPT_TOKENS_AT_LEAST_KEY] = "true"
+        some = "at least " if at_least else ""
+        if limit < self.context_length:
+            metadata[errors.CONTEXT_LIMIT_KEY] = str(limit)
+            why = f"the request asked for a context of {limit} tokens (context_limit)"
+        else:
+            why = f"this model embeds at most {limit} tokens per input"
         return errors.ContextLengthExceeded(
-            f"Input {index} is {'at least ' if at_least else ''}{tokens} tokens long, but this "
-            f"model embeds at most {self.context_length} tokens per input. Shorten or split it.",
+            f"Input {index} is {some}{tokens} tokens long, but {why}. Shorten or split it.",
             metadata=metadata,
         )
 

@@ -85,6 +85,9 @@ class SamplingParams:
     # max_tokens bounds the generation but reserves no context: a prompt that leaves
     # less room is served up to the context's end (`text.generation_room`).
     max_tokens_up_to_context: bool = False
+    # The context the request may fill, when it asks for less than a slot's
+    # (Sampling.context_limit, Ollama's num_ctx); None: the slot's.
+    context_limit: int | None = None
     stop: tuple[str, ...] = ()
     # (token id, bias) sorted by id; a bias <= BAN_BIAS bans the token.
     logit_bias: tuple[tuple[int, float], ...] = ()
@@ -174,6 +177,7 @@ def resolve(
         ),
         max_tokens=sampling.max_tokens if sampling.HasField("max_tokens") else None,
         max_tokens_up_to_context=sampling.max_tokens_up_to_context,
+        context_limit=sampling.context_limit or None,
         stop=tuple(sampling.stop),
         logit_bias=_bias(sampling, vocab),
         grammar=grammar,

@@ -379,6 +379,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                     request.inputs,
                     normalize=request.normalize,
                     dimensions=request.dimensions if request.HasField("dimensions") else None,
+                    context_limit=request.context_limit or None,
                 )
             finally:
                 self._embedding -= 1
@@ -492,7 +493,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         else:
             raise errors.InvalidRequest("Set either prompt or chat.")
 
-        limit = self._decode.context_per_slot
+        limit = text.context_limit(self._decode.context_per_slot, params.context_limit)
 
         def tokenize() -> list[int]:
             if len(prompt) > INLINE_TOKENIZE_CHARS:
@@ -506,6 +507,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                     limit,
                     at_least=True,
                     up_to_context=params.max_tokens_up_to_context,
+                    requested=limit != self._decode.context_per_slot,
                 )
             if turns is None:
                 # A raw prompt is the caller's whole prompt, control tokens included.
@@ -523,7 +525,11 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                 "The prompt is empty.", metadata={errors.FIELD_KEY: "prompt"}
             )
         max_tokens = text.generation_room(
-            len(tokens), params.max_tokens, limit, up_to_context=params.max_tokens_up_to_context
+            len(tokens),
+            params.max_tokens,
+            limit,
+            up_to_context=params.max_tokens_up_to_context,
+            requested=limit != self._decode.context_per_slot,
         )
         job = jobs.Job(
             request_id=request.request_id,

@@ -205,6 +205,13 @@ def fewest_tokens(text: str, longest_piece: int | None) -> int:
     return -(-len(text.encode("utf-8", errors="surrogatepass")) // longest_piece)
 
 
+def context_limit(per_slot: int, requested: int | None) -> int:
+    """The context a request may fill: a slot's, or the smaller one it asked for
+    (Sampling.context_limit, Ollama's num_ctx). One that asks for more gets a slot's,
+    which is all there is (the Ollama dialect refuses such a num_ctx first)."""
+    return per_slot if not requested else min(per_slot, requested)
+
+
 def generation_room(
     prompt_tokens: int,
     max_tokens: int | None,
@@ -212,18 +219,26 @@ def generation_room(
     *,
     at_least: bool = False,
     up_to_context: bool = False,
+    requested: bool = False,
 ) -> int:
     """The tokens a request may generate: its max_tokens, or what the context leaves
     after the prompt. Raises ContextLengthExceeded when the prompt (at least
     `prompt_tokens` long, with `at_least`) and max_tokens do not fit; with
     `up_to_context` (Sampling.max_tokens_up_to_context), max_tokens only bounds what
-    the context leaves, and only a prompt that leaves nothing is refused."""
+    the context leaves, and only a prompt that leaves nothing is refused. `requested`:
+    `context` is the one the request asked for (`context_limit`), which the refusal
+    says."""
     if max_tokens is not None and up_to_context:
-        return min(max_tokens, generation_room(prompt_tokens, None, context, at_least=at_least))
+        room = generation_room(prompt_tokens, None, context, at_least=at_least, requested=requested)
+        return min(max_tokens, room)
     if max_tokens is None:
         if prompt_tokens >= context:
             raise errors.ContextLengthExceeded.of(
-                prompt_tokens=prompt_tokens, max_tokens=1, context_length=context, at_least=at_least
+                prompt_tokens=prompt_tokens,
+                max_tokens=1,
+                context_length=context,
+                at_least=at_least,
+                requested=requested,
             )
         return context - prompt_tokens
     if prompt_tokens + max_tokens > context:
@@ -232,6 +247,7 @@ def generation_room(
             max_tokens=max_tokens,
             context_length=context,
             at_least=at_least,
+            requested=requested,
         )
     return max_tokens
 

@@ -66,6 +66,12 @@ def refusal(request: engine_pb2.GenerateRequest) -> errors.InvalidRequest | None
             "logprobs; remove prompt_logprobs.",
             metadata={errors.FIELD_KEY: "prompt_logprobs"},
         )
+    if request.sampling.context_limit:
+        return errors.InvalidRequest(
+            "This model is served by an upstream server, which sizes its own context and "
+            "takes no smaller one per request; remove context_limit.",
+            metadata={errors.FIELD_KEY: "context_limit"},
+        )
     choice = request.chat.tool_choice
     if choice.name and choice.mode != inference_pb2.ToolChoice.MODE_NAMED:
         # As the engine refuses it (`engine.tools.parse`): the mode alone would run.

@@ -217,6 +217,14 @@ def test_embed_and_embeddings(client: ollama.Client) -> None:
     norm = math.hypot(*raw)
     assert not math.isclose(norm, 1.0, abs_tol=1e-3)
     assert cos([x / norm for x in raw], vectors[0]) > 0.999
+    # num_ctx bounds each input (Ollama cuts a longer one; Blazar refuses it).
+    within = client.embed(model=MODEL, input=texts, options={"num_ctx": 16})
+    assert len(within.embeddings) == len(vectors)
+    assert all(cos(a, b) > 0.999 for a, b in zip(within.embeddings, vectors, strict=True))
+    with pytest.raises(ollama.ResponseError) as over:
+        client.embed(model=MODEL, input=[texts[0], "word " * 40], options={"num_ctx": 16})
+    assert over.value.status_code == 400
+    assert "Input 1" in over.value.error and "options.num_ctx is 16" in over.value.error
 
 
 def test_tags_show_ps_version(client: ollama.Client, daemon: Daemon) -> None:
@@ -273,6 +281,34 @@ def test_num_ctx_or_a_prompt_over_the_lane_is_a_400_naming_both(client: ollama.C
     assert long_prompt.value.status_code == 400
     assert str(CONTEXT_PER_SLOT) in long_prompt.value.error
     assert "Shorten the prompt" in long_prompt.value.error
+
+
+def test_num_ctx_below_the_lane_bounds_prompt_and_generation(client: ollama.Client) -> None:
+    """Ollama sizes the context by num_ctx: the generation stops at its end (the format
+    keeps the model writing past it, num_predict would allow more), streamed or not,
+    chat or generate; a prompt longer than it is refused as one over the Lane is."""
+    endless: dict[str, Any] = {"type": "string", "minLength": 1000}
+    room = 4
+    calls = {
+        "chat": lambda options, stream: client.chat(
+            model=MODEL, messages=MESSAGES, format=endless, options=options, stream=stream
+        ),
+        "generate": lambda options, stream: client.generate(
+            model=MODEL, prompt="Say something.", format=endless, options=options, stream=stream
+        ),
+    }
+    for name, call in calls.items():
+        prompt = call({"num_predict": 1}, False).prompt_eval_count
+        num_ctx = prompt + room
+        for stream in (False, True):
+            answer = call({"num_ctx": num_ctx, "num_predict": 100}, stream)
+            final = list(answer)[-1] if stream else answer
+            assert (name, final.done_reason) == (name, "length")
+            assert final.prompt_eval_count + final.eval_count == num_ctx, (name, stream)
+    with pytest.raises(ollama.ResponseError) as long_prompt:
+        client.generate(model=MODEL, prompt="word " * 40, options={"num_ctx": 16})
+    assert long_prompt.value.status_code == 400
+    assert "options.num_ctx is 16 tokens" in long_prompt.value.error
 
 
 def test_num_predict_beyond_the_context_bounds_without_reserving(client: ollama.Client) -> None:

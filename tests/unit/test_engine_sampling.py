@@ -29,6 +29,11 @@ from blazar.engine import sampling
             {"max_tokens": 5, "stop": ["\n", "END"], "repeat_penalty": 1.25},
             sampling.SamplingParams(max_tokens=5, stop=("\n", "END"), repeat_penalty=1.25, seed=7),
         ),
+        (  # a requested context; 0 is none
+            {"context_limit": 16},
+            sampling.SamplingParams(context_limit=16, seed=7),
+        ),
+        ({"context_limit": 0}, sampling.SamplingParams(seed=7)),
         (
             {"presence_penalty": 0.5, "frequency_penalty": 0.25, "top_p": 0.5},
             sampling.SamplingParams(

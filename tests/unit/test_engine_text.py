@@ -352,3 +352,25 @@ def test_a_bound_on_the_prompt_says_at_least() -> None:
         text.generation_room(90_000, 16, 2048, at_least=True)
     assert "needs at least 90016 (at least 90000 in the prompt and 16" in str(caught.value)
     assert caught.value.metadata["prompt_tokens"] == "90000"
+
+
+@pytest.mark.parametrize(
+    ("per_slot", "requested", "limit"),
+    [(2048, None, 2048), (2048, 0, 2048), (2048, 16, 16), (2048, 2048, 2048), (2048, 4096, 2048)],
+)
+def test_context_limit_is_the_smaller_of_the_slots_and_the_requests(
+    per_slot: int, requested: int | None, limit: int
+) -> None:
+    assert text.context_limit(per_slot, requested) == limit
+
+
+def test_a_prompt_over_the_requested_context_says_it_is_the_requests() -> None:
+    """Ollama's num_ctx below the Lane's: the same refusal, saying whose context it is."""
+    with pytest.raises(errors.ContextLengthExceeded) as caught:
+        text.generation_room(30, 100, 16, up_to_context=True, requested=True)
+    assert caught.value.metadata[errors.CONTEXT_LIMIT_KEY] == "16"
+    sizes = caught.value.sizes()
+    assert sizes is not None and sizes.requested and sizes.context_length == 16
+    assert "asked for a context of 16 tokens (context_limit)" in caught.value.message
+    # The room left in it bounds num_predict: the generation stops at its end.
+    assert text.generation_room(10, 100, 16, up_to_context=True, requested=True) == 6

@@ -962,6 +962,98 @@ async def test_a_prompt_over_the_context_is_told_in_ollamas_terms(
     }
 
 
+async def test_a_prompt_over_num_ctx_is_told_naming_num_ctx(
+    daemon: Daemon, client: httpx.AsyncClient
+) -> None:
+    """Refused as a prompt over the Lane's context is (400, both sizes), naming the
+    request's own num_ctx as the context it did not fit."""
+    daemon.fake.scripts["tiny"] = [
+        errors.ContextLengthExceeded.of(
+            prompt_tokens=30, max_tokens=1, context_length=16, requested=True
+        )
+    ]
+    response = await client.post("/api/chat", json={**CHAT, "options": {"num_ctx": 16}})
+    assert response.status_code == 400
+    assert response.json() == {
+        "error": "The request's options.num_ctx is 16 tokens, but the request needs 31 (30 in "
+        "the prompt and 1 to generate). Shorten the prompt or raise num_ctx."
+    }
+
+
+@pytest.mark.parametrize("path", ["/api/chat", "/api/generate"])
+@pytest.mark.parametrize("stream", [True, False])
+async def test_num_ctx_below_the_lane_bounds_the_requests_context(
+    path: str, stream: bool, daemon: Daemon, client: httpx.AsyncClient
+) -> None:
+    """Ollama sizes the context by num_ctx: the daemon is asked to keep the prompt and
+    the generation within it (`Sampling.context_limit`), not the Lane's 2048."""
+    daemon.fake.scripts["tiny"] = HELLO
+    request = CHAT if path == "/api/chat" else GEN
+    response = await client.post(
+        path, json={**request, "stream": stream, "options": {"num_ctx": 64, "num_predict": 500}}
+    )
+    assert response.status_code == 200, response.text
+    (sent,) = daemon.fake.requests
+    assert sent.sampling.context_limit == 64
+    assert sent.sampling.max_tokens == 500 and sent.sampling.max_tokens_up_to_context
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/api/embed", {"model": "tiny", "input": ["a", "b"]}),
+        ("/api/embeddings", {"model": "tiny", "prompt": "a"}),
+    ],
+)
+async def test_num_ctx_below_the_lane_bounds_each_input_embedded(
+    path: str, body: dict[str, Any], daemon: Daemon, client: httpx.AsyncClient
+) -> None:
+    """Ollama embeds within num_ctx (cutting a longer input where Blazar refuses it)."""
+    daemon.fake.scripts["tiny"] = []
+    response = await client.post(path, json={**body, "options": {"num_ctx": 16}})
+    assert response.status_code == 200, response.text
+    (sent,) = daemon.fake.requests
+    assert isinstance(sent, inference_pb2.EmbedRequest) and sent.context_limit == 16
+
+
+async def test_an_input_over_num_ctx_is_told_naming_num_ctx(
+    daemon: Daemon, client: httpx.AsyncClient
+) -> None:
+    daemon.fake.scripts["tiny"] = [
+        errors.ContextLengthExceeded(
+            "Input 1 is 30 tokens long, but the request asked for a context of 16 tokens "
+            "(context_limit). Shorten or split it.",
+            metadata={
+                "prompt_tokens": "30",
+                "context_length": "16",
+                "input": "1",
+                errors.CONTEXT_LIMIT_KEY: "16",
+            },
+        )
+    ]
+    response = await client.post(
+        "/api/embed", json={"model": "tiny", "input": ["a", "b"], "options": {"num_ctx": 16}}
+    )
+    assert response.status_code == 400
+    assert response.json() == {
+        "error": "Input 1 is 30 tokens long, but the request's options.num_ctx is 16 tokens. "
+        "Shorten or split it, or raise num_ctx."
+    }
+
+
+def test_num_ctx_is_no_bound_sent_to_an_upstream_lane() -> None:
+    """An upstream server sizes its own context, which Blazar does not know."""
+    remote = inference_pb2.ModelInfo()
+    remote.CopyFrom(MODELS[0])
+    remote.upstream = True
+    local = inference_pb2.Sampling(context_limit=64)
+    options.bound_context(local, MODELS[0])
+    assert local.context_limit == 64
+    upstream = inference_pb2.Sampling(context_limit=64)
+    options.bound_context(upstream, remote)
+    assert not upstream.HasField("context_limit")
+
+
 async def test_a_bound_on_the_prompt_stays_a_bound_in_ollamas_terms(
     daemon: Daemon, client: httpx.AsyncClient
 ) -> None:

@@ -124,6 +124,11 @@ def test_structured_output_passes_as_response_format(
             engine_pb2.GenerateRequest(prompt="p", constraint=pb.Constraint(json_schema="{")),
             "constraint",
         ),
+        # Blazar cannot bound what the upstream counts.
+        (
+            engine_pb2.GenerateRequest(prompt="p", sampling=pb.Sampling(context_limit=16)),
+            "context_limit",
+        ),
         # A name the mode would drop (the engine refuses it too: `tools.parse`).
         (
             engine_pb2.GenerateRequest(

@@ -168,7 +168,7 @@ class ToolCallDelta(_message.Message):
     def __init__(self, index: _Optional[int] = ..., id: _Optional[str] = ..., name: _Optional[str] = ..., arguments: _Optional[str] = ...) -> None: ...
 
 class Sampling(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "min_p", "repeat_penalty", "presence_penalty", "frequency_penalty", "seed", "max_tokens", "stop", "logit_bias", "logprobs", "top_logprobs", "prompt_logprobs", "ignore_eos", "max_tokens_up_to_context")
+    __slots__ = ("temperature", "top_p", "top_k", "min_p", "repeat_penalty", "presence_penalty", "frequency_penalty", "seed", "max_tokens", "stop", "logit_bias", "logprobs", "top_logprobs", "prompt_logprobs", "ignore_eos", "max_tokens_up_to_context", "context_limit")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -192,6 +192,7 @@ class Sampling(_message.Message):
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_UP_TO_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_LIMIT_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
@@ -208,7 +209,8 @@ class Sampling(_message.Message):
     prompt_logprobs: bool
     ignore_eos: bool
     max_tokens_up_to_context: bool
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repeat_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., ignore_eos: _Optional[bool] = ..., max_tokens_up_to_context: _Optional[bool] = ...) -> None: ...
+    context_limit: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repeat_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., ignore_eos: _Optional[bool] = ..., max_tokens_up_to_context: _Optional[bool] = ..., context_limit: _Optional[int] = ...) -> None: ...
 
 class Constraint(_message.Message):
     __slots__ = ("json_schema", "grammar", "json_object")
@@ -443,18 +445,20 @@ class ListModelsResponse(_message.Message):
     def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...
 
 class EmbedRequest(_message.Message):
-    __slots__ = ("model", "inputs", "normalize", "dimensions", "keep_alive_s")
+    __slots__ = ("model", "inputs", "normalize", "dimensions", "keep_alive_s", "context_limit")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     INPUTS_FIELD_NUMBER: _ClassVar[int]
     NORMALIZE_FIELD_NUMBER: _ClassVar[int]
     DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
     KEEP_ALIVE_S_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_LIMIT_FIELD_NUMBER: _ClassVar[int]
     model: str
     inputs: _containers.RepeatedScalarFieldContainer[str]
     normalize: bool
     dimensions: int
     keep_alive_s: float
-    def __init__(self, model: _Optional[str] = ..., inputs: _Optional[_Iterable[str]] = ..., normalize: _Optional[bool] = ..., dimensions: _Optional[int] = ..., keep_alive_s: _Optional[float] = ...) -> None: ...
+    context_limit: int
+    def __init__(self, model: _Optional[str] = ..., inputs: _Optional[_Iterable[str]] = ..., normalize: _Optional[bool] = ..., dimensions: _Optional[int] = ..., keep_alive_s: _Optional[float] = ..., context_limit: _Optional[int] = ...) -> None: ...
 
 class Embedding(_message.Message):
     __slots__ = ("values", "tokens")

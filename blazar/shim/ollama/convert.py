@@ -365,7 +365,11 @@ def embed_request(body: protocol.EmbedRequest) -> inference_pb2.EmbedRequest:
     else:
         inputs = list(body.input)
     request = inference_pb2.EmbedRequest(
-        model=body.model, inputs=inputs, normalize=True, dimensions=body.dimensions
+        model=body.model,
+        inputs=inputs,
+        normalize=True,
+        dimensions=body.dimensions,
+        context_limit=options.embedding_context(body.options),
     )
     keep_alive(request, body.keep_alive)
     return request
@@ -374,7 +378,12 @@ def embed_request(body: protocol.EmbedRequest) -> inference_pb2.EmbedRequest:
 def embeddings_request(body: protocol.EmbeddingsRequest) -> inference_pb2.EmbedRequest:
     """The older /api/embeddings: the raw embedding, not normalized, as Ollama's."""
     _check_embedding(body.keep_alive, body.options, truncate=None)
-    request = inference_pb2.EmbedRequest(model=body.model, inputs=[body.prompt], normalize=False)
+    request = inference_pb2.EmbedRequest(
+        model=body.model,
+        inputs=[body.prompt],
+        normalize=False,
+        context_limit=options.embedding_context(body.options),
+    )
     keep_alive(request, body.keep_alive)
     return request
 

@@ -3,7 +3,9 @@
 Pure. Every option either does what Ollama does with it or is refused by name, never
 ignored: `sampling` reads a generation's options, `check_embedding` an embedding's
 (only `num_ctx` means anything there), and `check_num_ctx` refuses a context larger
-than the Lane serves per request.
+than the Lane serves per request. A smaller `num_ctx` bounds the request's context
+(`Sampling.context_limit`): a prompt that does not fit is refused, and the generation
+stops at its end, as at the end of the Lane's.
 """
 
 from __future__ import annotations
@@ -47,9 +49,10 @@ _LANE_OPTIONS = {
 
 def sampling(options: Mapping[str, Any]) -> inference_pb2.Sampling:
     """Ollama's `options` as canonical sampling, `num_predict` a bound only
-    (`max_tokens_up_to_context`). `num_ctx` is not sampling: see
-    `check_num_ctx`. Anything else is refused by name, never ignored; an option sent as
-    null is not set (clients send every setting they have, set or not)."""
+    (`max_tokens_up_to_context`), `num_ctx` the context the request may fill
+    (`context_limit`; one over the Lane's is refused by `check_num_ctx`). Anything else
+    is refused by name, never ignored; an option sent as null is not set (clients send
+    every setting they have, set or not)."""
     options = {name: value for name, value in options.items() if value is not None}
     for name in options:
         if name not in _OPTIONS:
@@ -64,7 +67,7 @@ def sampling(options: Mapping[str, Any]) -> inference_pb2.Sampling:
             "Invalid value for 'options.stop': use a string or a list of strings.",
             param="options.stop",
         )
-    read.integer("num_ctx", low=1, high=wire.INT32_MAX)
+    context = read.integer("num_ctx", low=1, high=wire.INT32_MAX)
     out = canonical.sampling(
         temperature=read.number("temperature", low=0),
         top_p=read.number("top_p", low=0, high=1),
@@ -81,6 +84,11 @@ def sampling(options: Mapping[str, Any]) -> inference_pb2.Sampling:
     # leaves less room is served, and stops where the context ends (done_reason
     # "length"), never refused for the two together as OpenAI's max_tokens is.
     out.max_tokens_up_to_context = out.HasField("max_tokens")
+    if context is not None:
+        # Ollama sizes the context by it: a prompt must fit in it and the generation
+        # stops at its end. Blazar refuses the prompt Ollama would cut (`check_num_ctx`
+        # refuses a num_ctx over the Lane's first).
+        out.context_limit = context
     return out
 
 
@@ -183,9 +191,11 @@ def num_ctx(options: Mapping[str, Any] | None) -> int | None:
 
 
 def check_num_ctx(requested: int, info: inference_pb2.ModelInfo) -> None:
-    """A context up to the Lane's context per slot fits (every request gets that much);
-    a larger one is refused, never silently served with less. An upstream Lane's
-    context is the upstream's, unknown here: the upstream refuses what it cannot hold."""
+    """A context up to the Lane's context per slot fits (every request gets that much,
+    and one that asks for less is bounded by it: `sampling`); a larger one is refused,
+    never silently served with less. An upstream Lane's context is the upstream's,
+    unknown here: the upstream refuses what it cannot hold (and `bound_context` leaves
+    the bound to it)."""
     if not info.upstream and requested > info.context_length:
         raise errors.ContextLengthExceeded(
             f"'options.num_ctx' {requested} is larger than the context Lane "
@@ -197,6 +207,25 @@ def check_num_ctx(requested: int, info: inference_pb2.ModelInfo) -> None:
                 "context_length": str(info.context_length),
             },
         )
+
+
+def bound_context(
+    bounded: inference_pb2.Sampling | inference_pb2.EmbedRequest, info: inference_pb2.ModelInfo
+) -> None:
+    """Check the num_ctx a generation's sampling or an embedding carries (its
+    `context_limit`) against the Lane (`check_num_ctx`). An upstream Lane's server sizes
+    its own context and is sent no bound, as before num_ctx bounded a local Lane's."""
+    if not bounded.HasField("context_limit"):
+        return
+    check_num_ctx(bounded.context_limit, info)
+    if info.upstream:
+        bounded.ClearField("context_limit")
+
+
+def embedding_context(options: Mapping[str, Any] | None) -> int | None:
+    """An embedding's num_ctx (checked by `check_embedding`): the context its inputs
+    must fit, as in Ollama, which cuts a longer one short where Blazar refuses it."""
+    return num_ctx(options)
 
 
 def check_embedding(options: Mapping[str, Any] | None) -> None:

@@ -271,5 +271,20 @@ def _error_message(err: errors.BlazarError) -> str:
     the prompt is what to shorten."""
     sizes = err.sizes() if isinstance(err, errors.ContextLengthExceeded) else None
     if sizes is None:
+        limit = err.metadata.get(errors.CONTEXT_LIMIT_KEY)
+        if isinstance(err, errors.ContextLengthExceeded) and limit and "input" in err.metadata:
+            # An embedding's input over the request's num_ctx.
+            some = "at least " if errors.PROMPT_TOKENS_AT_LEAST_KEY in err.metadata else ""
+            return (
+                f"Input {err.metadata['input']} is {some}{err.metadata.get('prompt_tokens')} "
+                f"tokens long, but the request's options.num_ctx is {limit} tokens. Shorten "
+                "or split it, or raise num_ctx."
+            )
         return err.message
+    if sizes.requested:
+        # The context is the request's own `options.num_ctx` (`Sampling.context_limit`).
+        return (
+            f"The request's options.num_ctx is {sizes.context_length} tokens, but the "
+            f"request {sizes.needs(prompt='prompt')}. Shorten the prompt or raise num_ctx."
+        )
     return sizes.refusal(prompt="prompt", advice="Shorten the prompt.")

@@ -95,7 +95,9 @@ async def _generate(request: Request, kind: render.Kind) -> Response:
                 tool_choice=ctx.tool_choice,
                 parallel_tool_calls=ctx.parallel_tool_calls,
             )
-        await _check_num_ctx(request, body.model, body.options)
+        if canonical_request.sampling.HasField("context_limit"):
+            info = await _model_info(request, body.model)
+            options.bound_context(canonical_request.sampling, info)
         # A preload is checked as the generation would be (as Ollama checks its options,
         # format and capabilities before it loads): what it asks for is done or refused.
         if convert.is_load(body):
@@ -179,12 +181,6 @@ async def _load(request: Request, model: str, *, keep_alive: protocol.KeepAlive)
     return call.HasField("keep_alive_s") and call.keep_alive_s == 0
 
 
-async def _check_num_ctx(request: Request, model: str, sent: dict[str, Any] | None) -> None:
-    requested = options.num_ctx(sent)
-    if requested is not None:
-        options.check_num_ctx(requested, await _model_info(request, model))
-
-
 async def _model_info(request: Request, model: str) -> inference_pb2.ModelInfo:
     ctx = context.of(request)
     listed = await inference.client_of(request).list_models(metadata=ctx.grpc_metadata())
@@ -213,7 +209,9 @@ async def _embed(
             canonical_request = convert.embed_request(body)
         else:
             canonical_request = convert.embeddings_request(body)
-        await _check_num_ctx(request, body.model, body.options)
+        if canonical_request.HasField("context_limit"):
+            info = await _model_info(request, body.model)
+            options.bound_context(canonical_request, info)
         if isinstance(body, protocol.EmbeddingsRequest):
             nothing = not body.prompt
         else:
