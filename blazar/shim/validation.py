@@ -112,10 +112,6 @@ def invalid_field(exc: pydantic.ValidationError, document: Any) -> errors.Invali
     path = field_path(problem["loc"], document, missing=missing)
     if missing:
         message = f"Missing required parameter: '{path}'."
-    elif problem["type"] == "extra_forbidden":
-        # A model that forbids unknown fields (Anthropic's top level) says so in
-        # Anthropic's words, which are pydantic's: clients and proxies match on them.
-        message = f"{path}: Extra inputs are not permitted"
     else:
         message = f"Invalid value for '{path}': {problem['msg']}."
     return errors.InvalidRequest(message, metadata={PARAM_KEY: path})

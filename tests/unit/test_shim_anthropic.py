@@ -524,6 +524,19 @@ async def test_an_unknown_top_level_field_is_a_400_naming_it(
     assert not daemon.fake.requests
 
 
+async def test_every_unknown_field_is_named_at_once_and_a_null_one_is_not_sent(
+    daemon: Daemon, client: httpx.AsyncClient
+) -> None:
+    daemon.fake.scripts["tiny"] = [delta("ok"), final()]
+    response = await client.post("/v1/messages", json=body(top_q=1, frobnicate=2, typo=None))
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["message"] == (
+        "frobnicate: Extra inputs are not permitted; top_q: Extra inputs are not permitted"
+    )
+    response = await client.post("/v1/messages", json=body(typo=None))
+    assert response.status_code == 200, response.text
+
+
 async def test_count_tokens_refuses_what_only_a_generation_takes(
     daemon: Daemon, client: httpx.AsyncClient
 ) -> None:

@@ -2,24 +2,27 @@
 
 A request's top level forbids fields it does not know, as Anthropic's API does: such a
 field is a 400 in Anthropic's words (`<field>: Extra inputs are not permitted`), never
-dropped. Every top-level field of Anthropic's Messages API (the `anthropic` package's
-`message_create_params.py` and its beta twin) is declared, and those Blazar cannot
-honour are read only so that `convert` refuses them by name. Objects below the top
-level still ignore fields they do not know. A content block of a type Blazar does not
-take (an image, a document, a thinking block, a server tool's result) is read as
-`OtherBlock` for the same reason: refused by its type, never dropped. Responses are
-TypedDicts whose keys follow Anthropic's JSON. Reference: the Messages, streaming, count_tokens and
-errors pages of Anthropic's API documentation, checked against the Stainless-generated
-types of the `anthropic` package (`types/message.py`, `raw_message_stream_event.py`).
+dropped (`validation.StrictBody`, as in the OpenAI dialect). Every top-level field of
+Anthropic's Messages API (the `anthropic` package's `message_create_params.py` and its
+beta twin) is declared, and those Blazar cannot honour are read only so that `convert`
+refuses them by name. Objects below the top level still ignore fields they do not know.
+A content block of a type Blazar does not take (an image, a document, a thinking block,
+a server tool's result) is read as `OtherBlock` for the same reason: refused by its
+type, never dropped. Responses are TypedDicts whose keys follow Anthropic's JSON.
+Reference: the Messages, streaming, count_tokens and errors pages of Anthropic's API
+documentation, checked against the Stainless-generated types of the `anthropic` package
+(`types/message.py`, `raw_message_stream_event.py`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal, NotRequired, TypedDict
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from blazar.api.wire import INT32_MAX
+from blazar.shim import validation
 
 # ---------------------------------------------------------------- requests
 
@@ -165,10 +168,14 @@ class ContextManagement(_Request):
     edits: list[ContextEdit] | None = None
 
 
-class Conversation(_Request):
-    """What `/v1/messages` and `/v1/messages/count_tokens` share: the prompt and tools."""
+class Conversation(validation.StrictBody):
+    """What `/v1/messages` and `/v1/messages/count_tokens` share: the prompt and tools.
+    A top-level field it does not declare is a 400 in Anthropic's words, which are
+    pydantic's (clients and proxies match on them)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    @classmethod
+    def unknown_fields_message(cls, names: Sequence[str]) -> str:
+        return "; ".join(f"{name}: Extra inputs are not permitted" for name in names)
 
     model: str = Field(min_length=1)
     messages: list[Message] = Field(min_length=1)
