@@ -402,6 +402,21 @@ def test_refusals_name_what_is_not_supported(client: ollama.Client) -> None:
     assert option.value.status_code == 400 and "mirostat" in option.value.error
 
 
+def test_an_unknown_top_level_field_is_a_400_naming_it(daemon: Daemon) -> None:
+    """The `ollama` client sends only fields Blazar knows, so these go by httpx: a top-level
+    option or a field of another route is refused by name, never dropped (num_ctx 2
+    would otherwise be ignored and the prompt served; `input` on /api/embeddings would
+    be a preload answering no embedding)."""
+    for path, body, named in (
+        ("/api/chat", {"model": MODEL, "messages": MESSAGES, "num_ctx": 2}, "'num_ctx'"),
+        ("/api/generate", {"model": MODEL, "prompt": "x", "user": "me"}, "'user'"),
+        ("/api/embeddings", {"model": MODEL, "input": "hi"}, "'input'"),
+    ):
+        response = httpx.post(f"http://{daemon.http}{path}", json=body, timeout=30)
+        assert response.status_code == 400, response.text
+        assert named in response.json()["error"] and path in response.json()["error"]
+
+
 def test_a_preload_loads_nothing_new(client: ollama.Client) -> None:
     """Ollama clients preload with an empty chat; Blazar's Lanes are loaded already."""
     response = client.chat(model=MODEL, messages=[])

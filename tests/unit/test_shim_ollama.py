@@ -1288,3 +1288,115 @@ async def test_unknown_api_path_is_an_ollama_error(client: httpx.AsyncClient) ->
     assert set(wrong_method.json()) == {"error"}
     # Elsewhere, OpenAI's envelope as before.
     assert "message" in (await client.get("/v1/nothing")).json()["error"]
+
+
+# Every top-level field of Ollama's requests (ollama/ollama `api/types.go`) on the
+# routes Blazar serves: each is declared, so it acts or is refused by name; any other
+# is an unknown field.
+OLLAMA_FIELDS = {
+    protocol.ChatRequest: {
+        "model", "messages", "stream", "format", "keep_alive", "tools", "options", "think",
+        "truncate", "shift", "_debug_render_only", "logprobs", "top_logprobs",
+    },
+    protocol.GenerateRequest: {
+        "model", "prompt", "suffix", "system", "template", "context", "stream", "raw",
+        "format", "keep_alive", "images", "options", "think", "truncate", "shift",
+        "_debug_render_only", "logprobs", "top_logprobs",
+        # The `ollama` Python client's image generation.
+        "width", "height", "steps",
+    },
+    protocol.EmbedRequest: {"model", "input", "keep_alive", "truncate", "dimensions", "options"},
+    protocol.EmbeddingsRequest: {"model", "prompt", "keep_alive", "options"},
+    protocol.ShowRequest: {"model", "system", "template", "verbose", "options", "name"},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("model", list(OLLAMA_FIELDS), ids=lambda m: m.__name__)
+def test_every_field_of_ollamas_requests_is_declared(model: type[protocol._Body]) -> None:
+    assert OLLAMA_FIELDS[model] <= validation.field_names(model)
+
+
+def test_every_field_the_ollama_client_sends_is_declared() -> None:
+    """The official client sends only the fields its request models have: none of them
+    may be refused as unknown."""
+    import ollama._types as client_types
+
+    for ours, theirs in [
+        (protocol.ChatRequest, client_types.ChatRequest),
+        (protocol.GenerateRequest, client_types.GenerateRequest),
+        (protocol.EmbedRequest, client_types.EmbedRequest),
+        (protocol.EmbeddingsRequest, client_types.EmbeddingsRequest),
+        (protocol.ShowRequest, client_types.ShowRequest),
+    ]:
+        assert set(theirs.model_fields) <= validation.field_names(ours), ours.__name__
+
+
+UNKNOWN_FIELDS = [
+    ("/api/chat", {**CHAT, "num_ctx": 4096}, ["num_ctx"]),
+    ("/api/chat", {**CHAT, "user": "me", "seed": 1, "tool_choice": "auto"},
+     ["seed", "tool_choice", "user"]),
+    ("/api/chat", {**CHAT, "prompt": "Hi"}, ["prompt"]),
+    # A preload is checked too: it would not answer "load" and drop the field.
+    ("/api/chat", {"model": "tiny", "messages": [], "num_gpu": 0}, ["num_gpu"]),
+    ("/api/generate", {**GEN, "temperature": 0, "max_tokens": 5}, ["max_tokens", "temperature"]),
+    ("/api/generate", {**GEN, "debug_render_only": True}, ["debug_render_only"]),
+    ("/api/embed", {"model": "tiny", "input": "hi", "user": "me"}, ["user"]),
+    ("/api/embed", {"model": "tiny", "input": "hi", "encoding_format": "float"},
+     ["encoding_format"]),
+    ("/api/embeddings", {"model": "tiny", "prompt": "hi", "input": "hi"}, ["input"]),
+    ("/api/show", {"model": "tiny", "details": True}, ["details"]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("path", "body", "unknown"), UNKNOWN_FIELDS)
+async def test_an_unknown_top_level_field_is_a_400_naming_every_one(
+    daemon: Daemon, client: httpx.AsyncClient, path: str, body: dict[str, Any], unknown: list[str]
+) -> None:
+    daemon.fake.scripts["tiny"] = [delta("x"), final()]
+    response = await client.post(path, json=body)
+    assert response.status_code == 400, response.text
+    said = response.json()["error"]
+    assert list(response.json()) == ["error"]
+    assert path in said
+    for name in unknown:
+        assert f"'{name}'" in said
+    assert ("inside 'options'" in said) == any(options.is_option(n) for n in unknown)
+    assert daemon.fake.requests == [] and daemon.fake.keep_alives == []
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/api/chat", CHAT),
+        ("/api/generate", GEN),
+        ("/api/embed", {"model": "tiny", "input": "hi"}),
+        ("/api/embeddings", {"model": "tiny", "prompt": "hi"}),
+        ("/api/show", {"model": "tiny"}),
+    ],
+)
+async def test_an_unknown_field_sent_as_null_is_one_not_sent(
+    daemon: Daemon, client: httpx.AsyncClient, path: str, body: dict[str, Any]
+) -> None:
+    daemon.fake.scripts["tiny"] = [delta("x"), final()]
+    response = await client.post(path, json={**body, "user": None, "num_ctx": None})
+    assert response.status_code == 200, response.text
+
+
+async def test_show_as_gos_client_sends_it(client: httpx.AsyncClient) -> None:
+    """Go's `api.ShowRequest` has no omitempty: its unset fields arrive as "" and null."""
+    body = {"model": "tiny", "system": "", "template": "", "verbose": False, "options": None,
+            "name": ""}  # fmt: skip
+    response = await client.post("/api/show", json=body)
+    assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize(
+    "field", [{"system": "Be brief."}, {"template": "{{ .Prompt }}"}, {"options": {"seed": 1}}]
+)
+async def test_show_refuses_what_it_cannot_show_by_name(
+    client: httpx.AsyncClient, field: dict[str, Any]
+) -> None:
+    response = await client.post("/api/show", json={"model": "tiny", **field})
+    assert response.status_code == 400
+    [name] = field
+    assert response.json()["error"].startswith(f"'{name}' is not supported on /api/show")

@@ -29,6 +29,17 @@ def model_info(response: inference_pb2.ListModelsResponse, name: str) -> inferen
 
 
 def show_name(body: protocol.ShowRequest) -> str:
+    """The model `/api/show` is asked about. Ollama's `system`, `template` and
+    `options` there show the model as if its Modelfile had them; Blazar's Modelfile is
+    a Lane, so they are refused when set (Go's client sends them empty)."""
+    for field in ("system", "template", "options"):
+        if getattr(body, field):
+            raise validation.invalid(
+                f"'{field}' is not supported on /api/show: Blazar shows the Lane as it is "
+                "served and cannot show it with another system prompt, template or "
+                "options. Leave it out.",
+                param=field,
+            )
     name = body.model or body.name
     if not name:
         raise validation.invalid("Missing required parameter: 'model'.", param="model")

@@ -100,6 +100,12 @@ _OPTIONS = frozenset(
 )  # fmt: skip
 
 
+def is_option(name: str) -> bool:
+    """Whether `name` is one of Ollama's model options (taken or refused here), which
+    a client may have sent beside `options` instead of in it."""
+    return name in _OPTIONS or name in _SAMPLER_OPTIONS or name in _LANE_OPTIONS
+
+
 def _unsupported_option(name: str) -> errors.InvalidRequest:
     param = f"options.{name}"
     if name in _SAMPLER_OPTIONS:

@@ -1,19 +1,28 @@
 """Ollama's wire format, with Ollama's field names.
 
-Requests are pydantic models that ignore top-level fields they do not know, as Ollama
-does; fields Blazar cannot honour are read only so that `convert` refuses them by
-name. `options` is read as an open mapping for the same reason: an option Blazar does
-not support is refused, not dropped. Responses are TypedDicts whose keys follow
-Ollama's JSON. Reference: ollama/ollama `api/types.go` and `server/routes.go`.
+A request body refuses the top-level fields it does not know (`validation.StrictBody`,
+as in the OpenAI and Anthropic dialects): Ollama's Go server ignores them, but there
+they do nothing either, so a client that sends `num_ctx` beside `options` instead of in
+it, or a newer Ollama field Blazar does not implement, learns it at once from a 400
+naming every such field. Every top-level field of Ollama's requests for the routes
+Blazar serves is declared, and those Blazar cannot honour are read only so that
+`convert` (or `listing`) refuses them by name. Objects below the top level (messages,
+tools) still ignore fields they do not know. `options` is read as an open mapping for
+the same reason: an option Blazar does not support is refused, not dropped. Responses
+are TypedDicts whose keys follow Ollama's JSON. Reference: ollama/ollama `api/types.go`
+and `server/routes.go`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal, NotRequired, TypedDict
+from collections.abc import Sequence
+from typing import Any, ClassVar, Literal, NotRequired, TypedDict
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from blazar.api.wire import INT32_MAX
+from blazar.shim import validation
+from blazar.shim.ollama import options
 
 # The Ollama release whose API this dialect follows, which `/api/version` answers:
 # clients read that as Ollama's version to decide what the server can do (GitHub
@@ -26,19 +35,58 @@ API_VERSION = "0.12.11"
 # ---------------------------------------------------------------- requests
 
 
+def _without_nulls(data: Any) -> Any:
+    """Go decodes a JSON `null` into a field as its zero value, the same as leaving the
+    field out, so Ollama reads `"content": null` as "", `"prompt": null` as no prompt (a
+    preload) and `"messages": null` as none (Go's client sends that for an unset slice).
+    So does Blazar: a null field takes its default, as if absent, known or not."""
+    if isinstance(data, dict):
+        return {name: value for name, value in data.items() if value is not None}
+    return data
+
+
 class _Request(BaseModel):
+    """An object inside a request body: fields it does not know are ignored."""
+
     model_config = ConfigDict(extra="ignore", frozen=True)
 
     @model_validator(mode="before")
     @classmethod
     def _null_is_absent(cls, data: Any) -> Any:
-        """Go decodes a JSON `null` into a field as its zero value, the same as leaving
-        the field out, so Ollama reads `"content": null` as "", `"prompt": null` as no
-        prompt (a preload) and `"messages": null` as none (Go's client sends that for an
-        unset slice). So does Blazar: a null field takes its default, as if absent."""
-        if isinstance(data, dict):
-            return {name: value for name, value in data.items() if value is not None}
-        return data
+        return _without_nulls(data)
+
+
+class _Body(validation.StrictBody):
+    """A whole request body: a top-level field it does not declare is a 400 naming it
+    (and every other one), where Ollama's server would drop it unread."""
+
+    # The route whose body this is, for the error's words.
+    route: ClassVar[str]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_absent(cls, data: Any) -> Any:
+        # Overrides StrictBody's (nulls of unknown fields only): every null is absent.
+        return _without_nulls(data)
+
+    @classmethod
+    def unknown_fields_message(cls, names: Sequence[str]) -> str:
+        quoted = ", ".join(f"'{name}'" for name in names)
+        plural = "s" if len(names) > 1 else ""
+        message = (
+            f"Unknown field{plural} {quoted} in the body of {cls.route}: Blazar refuses "
+            "the fields it does not know rather than ignore them."
+        )
+        misplaced = [name for name in names if options.is_option(name)]
+        if misplaced:
+            which = ", ".join(f"'{name}'" for name in misplaced)
+            if len(misplaced) == 1:
+                message += f" {which} is a model option: send it inside 'options'."
+            else:
+                message += f" {which} are model options: send them inside 'options'."
+        if len(misplaced) < len(names):
+            message += " Leave the others out." if misplaced else " Leave them out."
+        return message
 
 
 # Ollama's `keep_alive`: seconds as a number, or a Go duration such as "5m" or "-1h".
@@ -96,7 +144,7 @@ class Tool(_Request):
     function: ToolFunction
 
 
-class _Generation(_Request):
+class _Generation(_Body):
     model: str = Field(min_length=1)
     # Ollama streams unless told not to.
     stream: bool | None = None
@@ -115,12 +163,14 @@ class _Generation(_Request):
 
 
 class ChatRequest(_Generation):
+    route = "/api/chat"
     # Empty: load the model and answer at once (Ollama's preload).
     messages: list[Message] = Field(default_factory=list)
     tools: list[Tool] | None = None
 
 
 class GenerateRequest(_Generation):
+    route = "/api/generate"
     # Empty: load the model and answer at once (Ollama's preload).
     prompt: str = ""
     system: str | None = None
@@ -138,7 +188,9 @@ class GenerateRequest(_Generation):
     steps: int | None = None
 
 
-class EmbedRequest(_Request):
+class EmbedRequest(_Body):
+    route = "/api/embed"
+
     model: str = Field(min_length=1)
     # Empty or absent: nothing to embed, Ollama's preload (the `ollama` client sends "").
     input: str | list[str] = ""
@@ -148,8 +200,10 @@ class EmbedRequest(_Request):
     keep_alive: KeepAlive = None
 
 
-class EmbeddingsRequest(_Request):
+class EmbeddingsRequest(_Body):
     """The older `/api/embeddings`: one prompt, an embedding that is not normalized."""
+
+    route = "/api/embeddings"
 
     model: str = Field(min_length=1)
     prompt: str = ""
@@ -157,11 +211,18 @@ class EmbeddingsRequest(_Request):
     keep_alive: KeepAlive = None
 
 
-class ShowRequest(_Request):
+class ShowRequest(_Body):
+    route = "/api/show"
+
     # `name` is the older spelling of `model`.
     model: str | None = None
     name: str | None = None
     verbose: bool | None = None
+    # Read only to refuse them when set (see listing): Ollama shows the model as if
+    # they were in its Modelfile. Go's client sends "" and null for them unset.
+    system: str | None = None
+    template: str | None = None
+    options: dict[str, Any] | None = None
 
 
 # ---------------------------------------------------------------- responses
