@@ -347,6 +347,8 @@ class LaneReconciler:
             unwritten = err
         self._sleeper.passed(name, plan, observed)
         later = [t for t in (plan.requeue_after, sleep.recheck_after, room) if t is not None]
+        if plan.again and any(isinstance(a, lane_plan.Stop) for a in actions):
+            later.append(0.0)  # the stops are done: what they freed starts now
         if unwritten is not None:
             raise TemporaryError(
                 f"The Lane's status was not written ({unwritten})",

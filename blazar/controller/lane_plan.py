@@ -61,6 +61,10 @@ Action = Start | Stop
 class LanePlan:
     actions: list[Action] = field(default_factory=list)
     requeue_after: float | None = None
+    # Look again as soon as this pass's actions are done: a Stop in them frees an index
+    # that the next pass starts at the new revision (the stop is over when the pass
+    # is; nothing else would wake the Lane then).
+    again: bool = False
 
 
 @dataclass(frozen=True)
@@ -136,6 +140,7 @@ def plan_replicas(
     """
     actions: list[Action] = []
     waits: list[float] = []
+    again = False
     serving = sum(1 for o in observed if o.state == ReplicaState.READY)
 
     def stop(replica: ReplicaObservation, reason: str) -> bool:
@@ -177,7 +182,7 @@ def plan_replicas(
         if surge is None:
             actions.append(Start(desired, launch, restart=False))
         else:
-            waits.append(SURGE_RETRY_S)  # its index is being stopped this pass
+            again = True  # its index is being stopped this pass
     for index in range(desired):
         replica = by_index.get(index)
         if replica is None:
@@ -189,19 +194,13 @@ def plan_replicas(
             and replica.state in _KEPT_SURGE
             and stop(replica, "SpecChanged")
         ):
-            # Nothing else wakes the Lane once the stop is done: look again then, to
-            # start the index at the new revision.
-            waits.append(STOPPED_INDEX_RETRY_S)
-    return LanePlan(actions, requeue_after=min(waits) if waits else None)
+            # Look again once the stop is done, to start the index at the new revision.
+            again = True
+    return LanePlan(actions, requeue_after=min(waits) if waits else None, again=again)
 
 
 # A replica is kept while it is on its way to serving, serving, or failed (and restarted).
 _KEPT_SURGE = (ReplicaState.STARTING, ReplicaState.READY, ReplicaState.FAILED)
-# How soon to look again when the surge's index is still held by a replica being stopped.
-SURGE_RETRY_S = 1.0
-# How soon to look again, after a pass that stops an old replica below `desired`, to
-# start its index at the new revision (the pass ends once the stop is done).
-STOPPED_INDEX_RETRY_S = 1.0
 
 
 def _backoff_of(replica: ReplicaObservation, exited_at: datetime) -> float:

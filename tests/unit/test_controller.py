@@ -581,7 +581,9 @@ def test_spec_change_replaces_replicas() -> None:
     asyncio.run(rec.reconcile("l"))
     before = {r.pid for r in procs.observe("l")}
     apply(store, LANE.replace("slots: 2", "slots: 4"))
-    asyncio.run(rec.reconcile("l"))  # stops the old revision
+    stopping = asyncio.run(rec.reconcile("l"))  # stops the old revision
+    # The stops are over when the pass is: it looks again at once, not after a timer.
+    assert stopping.requeue_after == 0.0
     asyncio.run(rec.reconcile("l"))  # starts the new one
     after = procs.observe("l")
     assert len(after) == 2 and not before & {r.pid for r in after}
@@ -932,8 +934,10 @@ def test_a_status_the_store_cannot_take_stops_no_replica_the_data_plane_routes_t
     procs.set_state("l", 1, ReplicaState.READY)
     store.full = True
     for _ in range(3):
-        with pytest.raises(TemporaryError):
+        with pytest.raises(TemporaryError) as retry:
             asyncio.run(rec.reconcile("l"))
+        # No stop ran, so nothing is looked at again at once: the write is retried soon.
+        assert retry.value.delay == lane_module.STORE_RETRY_S
     assert [r.index for r in procs.observe("l")] == [0, 1]
     store.full = False
     for _ in range(4):

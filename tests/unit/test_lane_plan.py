@@ -70,13 +70,13 @@ def obs(
         # and a look again once that stop is done, to start its index at the new revision.
         pytest.param(1, LAUNCH, [obs(0, launch=OLD)], [Start(1, LAUNCH, False)], None, id="spec-change-starts-a-surge"),
         pytest.param(1, LAUNCH, [obs(0, launch=OLD), obs(1, ReplicaState.STARTING)], [], None, id="surge-starting"),
-        pytest.param(1, LAUNCH, [obs(0, launch=OLD), obs(1)], [Stop(0, "SpecChanged")], 1.0, id="surge-ready-old-stops"),
+        pytest.param(1, LAUNCH, [obs(0, launch=OLD), obs(1)], [Stop(0, "SpecChanged")], "again", id="surge-ready-old-stops"),
         pytest.param(1, LAUNCH, [obs(1)], [Start(0, LAUNCH, False)], None, id="surge-serves-while-index-restarts"),
         pytest.param(1, LAUNCH, [obs(0, ReplicaState.STARTING), obs(1)], [], None, id="surge-kept-until-settled"),
-        pytest.param(2, LAUNCH, [obs(0, launch=OLD), obs(1, launch=OLD), obs(2)], [Stop(0, "SpecChanged")], 1.0, id="one-old-at-a-time"),
+        pytest.param(2, LAUNCH, [obs(0, launch=OLD), obs(1, launch=OLD), obs(2)], [Stop(0, "SpecChanged")], "again", id="one-old-at-a-time"),
         pytest.param(2, LAUNCH, [obs(0, ReplicaState.STARTING), obs(1, launch=OLD), obs(2)], [], None, id="next-old-waits-for-capacity"),
-        pytest.param(1, LAUNCH, [obs(0, ReplicaState.STARTING, launch=OLD)], [Stop(0, "SpecChanged")], 1.0, id="old-starting-replaced-at-once"),
-        pytest.param(1, LAUNCH, [obs(0, launch=OLD), obs(1, launch=OLD)], [Stop(1, "SpecChanged")], 1.0, id="surge-index-busy"),
+        pytest.param(1, LAUNCH, [obs(0, ReplicaState.STARTING, launch=OLD)], [Stop(0, "SpecChanged")], "again", id="old-starting-replaced-at-once"),
+        pytest.param(1, LAUNCH, [obs(0, launch=OLD), obs(1, launch=OLD)], [Stop(1, "SpecChanged")], "again", id="surge-index-busy"),
         pytest.param(1, LAUNCH, [obs(0, launch=OLD), obs(1, ReplicaState.FAILED, restarts=4, exited_ago=1)], [], 7.0, id="failing-surge-old-keeps-serving"),
         pytest.param(1, LAUNCH, [obs(0, launch=OLD), obs(1, ReplicaState.FAILED, exited_ago=2)], [Start(1, LAUNCH, True)], None, id="failed-surge-restarts"),
         pytest.param(1, LAUNCH, [obs(0, ReplicaState.DRAINING, launch=OLD)], [], None, id="draining-left-alone"),
@@ -87,11 +87,14 @@ def test_plan_replicas(
     launch: LaunchSpec | None,
     observed: list[ReplicaObservation],
     actions: list[lane_plan.Action],
-    requeue: float | None,
+    requeue: float | str | None,
 ) -> None:
     plan = lane_plan.plan_replicas(desired=desired, launch=launch, observed=observed, now=NOW)
     assert plan.actions == actions
-    assert plan.requeue_after == (None if requeue is None else pytest.approx(requeue))
+    # "again": look again as soon as the pass's stops are done, with no timer.
+    assert plan.again == (requeue == "again")
+    timer = None if requeue in (None, "again") else requeue
+    assert plan.requeue_after == (None if timer is None else pytest.approx(timer))
 
 
 @pytest.mark.parametrize("desired", [1, 2, 3])
