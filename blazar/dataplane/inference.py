@@ -225,7 +225,10 @@ class InferenceService(Unqueued, inference_pb2_grpc.InferenceServicer):
         self, request: inference_pb2.ChatRequest, context: Context
     ) -> AsyncIterator[inference_pb2.Chunk]:
         chat = engine_pb2.ChatInput(
-            messages=request.messages, tools=request.tools, tool_choice=request.tool_choice
+            messages=request.messages,
+            tools=request.tools,
+            tool_choice=request.tool_choice,
+            continue_final_message=request.continue_final_message,
         )
         if request.HasField("parallel_tool_calls"):
             chat.parallel_tool_calls = request.parallel_tool_calls

@@ -411,7 +411,10 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                 chat = chat_input(request.chat)
                 toolset = tools.parse(chat)
                 turns = self._chat_turns(chat.messages)
-                tokens = self._chat_tokens(turns, toolset, self._render(turns, toolset))
+                final = chat.continue_final_message
+                tokens = self._chat_tokens(
+                    turns, toolset, self._render(turns, toolset, continue_final=final), final
+                )
             else:
                 tokens = vocab.tokenize(
                     request.text, add_bos=request.add_special, parse_special=request.parse_special
@@ -485,11 +488,17 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         toolset, params = await asyncio.to_thread(resolve) if slow else resolve()
         active = toolset is not None and toolset.active
         turns: list[text.ChatTurn] | None = None
+        final = which == "chat" and request.chat.continue_final_message
         if which == "prompt":
             prompt = request.prompt
         elif which == "chat":
             turns = self._chat_turns(request.chat.messages)
-            prompt = self._render(turns, toolset)
+            if final:
+                text.check_continuation(
+                    constrained=constraint.WhichOneof("kind") is not None,
+                    forced=toolset is not None and toolset.forced,
+                )
+            prompt = self._render(turns, toolset, continue_final=final)
         else:
             raise errors.InvalidRequest("Set either prompt or chat.")
 
@@ -512,7 +521,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             if turns is None:
                 # A raw prompt is the caller's whole prompt, control tokens included.
                 return self._decode.vocab.tokenize(prompt)
-            return self._chat_tokens(turns, toolset, prompt)
+            return self._chat_tokens(turns, toolset, prompt, final)
 
         if len(prompt) > INLINE_TOKENIZE_CHARS:
             tokens = await asyncio.to_thread(tokenize)
@@ -558,7 +567,11 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         return turns
 
     def _chat_tokens(
-        self, turns: list[text.ChatTurn], toolset: tools.ToolSet | None, prompt: str
+        self,
+        turns: list[text.ChatTurn],
+        toolset: tools.ToolSet | None,
+        prompt: str,
+        continue_final: bool,
     ) -> list[int]:
         """The rendered chat's tokens, where only the template's text may write control
         tokens: what the caller wrote (contents, tools, calls) is tokenized as text
@@ -569,7 +582,9 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         masked = chatprompt.mask(turns, shown, risky=vocab.writes_control_tokens, nonce=nonce)
         if not masked.which:
             return vocab.tokenize(prompt)
-        masked_prompt = self._render(masked.turns, masked.tools if shown else toolset)
+        masked_prompt = self._render(
+            masked.turns, masked.tools if shown else toolset, continue_final=continue_final
+        )
         pieces = chatprompt.split(prompt, masked_prompt, masked.which, nonce)
         if pieces is None:
             where = masked.where[min(masked.which)]
@@ -584,20 +599,40 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             tokens += vocab.tokenize(piece.text, add_bos=k == 0, parse_special=piece.special)
         return tokens
 
-    def _render(self, turns: list[text.ChatTurn], toolset: tools.ToolSet | None) -> str:
+    def _render(
+        self,
+        turns: list[text.ChatTurn],
+        toolset: tools.ToolSet | None,
+        *,
+        continue_final: bool,
+    ) -> str:
         """The prompt: tools and tool turns by the model's template when it shows tools
-        in the call format Blazar parses, else by Blazar's own tool prompt."""
+        in the call format Blazar parses, else by Blazar's own tool prompt. With
+        `continue_final`, the final assistant turn is left open (prefill)."""
         if self._chat is not None and self._chat.renders_tools:
             shown = toolset if toolset is not None and toolset.active else None
-            return self._chat.render(turns, tools=tools.template_tools(shown) if shown else None)
+            return self._chat.render(
+                turns,
+                tools=tools.template_tools(shown) if shown else None,
+                continue_final=continue_final,
+            )
+        if continue_final:
+            # Checked before the tool prompt rewrites the turns: a final turn's calls
+            # would be written into its text.
+            text.check_continuable(turns)
         plain = tools.builtin_turns(turns, toolset)
-        return self._chat.render(plain) if self._chat else text.render_gemma(plain)
+        if self._chat is not None:
+            return self._chat.render(plain, continue_final=continue_final)
+        return text.render_gemma(plain, continue_final=continue_final)
 
 
 def chat_input(request: inference_pb2.ChatRequest) -> engine_pb2.ChatInput:
     """The conversation and tools of a public chat request, as Generate takes them."""
     chat = engine_pb2.ChatInput(
-        messages=request.messages, tools=request.tools, tool_choice=request.tool_choice
+        messages=request.messages,
+        tools=request.tools,
+        tool_choice=request.tool_choice,
+        continue_final_message=request.continue_final_message,
     )
     if request.HasField("parallel_tool_calls"):
         chat.parallel_tool_calls = request.parallel_tool_calls

@@ -59,7 +59,50 @@ def check_roles(turns: Sequence[ChatTurn]) -> None:
             )
 
 
-def render_gemma(turns: Sequence[ChatTurn]) -> str:
+# The request field that asks to continue the final assistant turn (prefill).
+CONTINUE_FIELD = "continue_final_message"
+
+
+def check_continuable(turns: Sequence[ChatTurn]) -> None:
+    """InvalidRequest unless the conversation ends with an assistant turn that made no
+    calls: the one kind of turn a continuation (prefill) can extend."""
+    last = turns[-1] if turns else None
+    if last is None or last.role != "assistant":
+        raise errors.InvalidRequest(
+            "Continuing the final message needs an assistant turn last; the conversation "
+            f"ends with {'no turn' if last is None else f'a {last.role} turn'}.",
+            metadata={errors.FIELD_KEY: CONTINUE_FIELD},
+        )
+    if last.tool_calls:
+        raise errors.InvalidRequest(
+            "The final assistant turn makes tool calls, and a turn's calls end it: it "
+            "cannot be continued. Send the calls' results, or a final turn of text only.",
+            metadata={errors.FIELD_KEY: CONTINUE_FIELD},
+        )
+
+
+def check_continuation(*, constrained: bool, forced: bool) -> None:
+    """InvalidRequest when a continuation (prefill) comes with what would make it
+    dishonest: a constraint (JSON schema, grammar) would shape only the continuation,
+    not the answer the prefill begins, and a forced tool call would write calls after
+    text the caller wrote, which a forced turn never holds."""
+    if constrained:
+        raise errors.InvalidRequest(
+            "A structured output constraint (JSON schema or grammar) would apply to the "
+            "continuation only, not to the final assistant turn it continues: send one or "
+            "the other.",
+            metadata={errors.FIELD_KEY: CONTINUE_FIELD},
+        )
+    if forced:
+        raise errors.InvalidRequest(
+            "A forced tool call (tool_choice required or a named tool) makes a turn of "
+            "calls only, which cannot continue the final assistant turn's text: send one "
+            "or the other.",
+            metadata={errors.FIELD_KEY: CONTINUE_FIELD},
+        )
+
+
+def render_gemma(turns: Sequence[ChatTurn], *, continue_final: bool = False) -> str:
     """Render a conversation in Gemma's turn format, ending with an open model turn.
 
     The fallback when a model ships no chat template. System messages have no turn
@@ -67,8 +110,16 @@ def render_gemma(turns: Sequence[ChatTurn]) -> str:
     llama.cpp's Gemma format does), and where a model turn or the end follows
     instead, it is a user turn of its own, so it stays where it was said. BOS is not
     part of the result; the tokenizer adds it.
+
+    With `continue_final`, the final (assistant) turn is the open model turn: its
+    content is written with no end of turn after it, trailing whitespace kept (the
+    model continues right after it), and no new turn is opened.
     """
     check_roles(turns)
+    final: ChatTurn | None = None
+    if continue_final:
+        check_continuable(turns)
+        *turns, final = turns
     rendered: list[str] = []
     pending: list[str] = []
 
@@ -90,6 +141,8 @@ def render_gemma(turns: Sequence[ChatTurn]) -> str:
     if pending:
         turn("user", "\n\n".join(pending))
     rendered.append("<start_of_turn>model\n")
+    if final is not None:
+        rendered.append(final.content.lstrip())
     return "".join(rendered)
 
 
@@ -144,15 +197,59 @@ class ChatTemplate:
             return False
 
     def render(
-        self, turns: Sequence[ChatTurn], *, tools: Sequence[dict[str, Any]] | None = None
+        self,
+        turns: Sequence[ChatTurn],
+        *,
+        tools: Sequence[dict[str, Any]] | None = None,
+        continue_final: bool = False,
     ) -> str:
         """The prompt; with `tools` (the OpenAI shape), the template gets them as
-        `tools`, as Hugging Face's apply_chat_template passes them."""
+        `tools`, as Hugging Face's apply_chat_template passes them.
+
+        With `continue_final`, the final (assistant) turn is left open, as llama.cpp's
+        server and vLLM's `continue_final_message` do: the conversation is rendered
+        without a generation prompt and cut after the final turn's content. What the
+        template writes after that content must not depend on it (end-of-turn text):
+        the cut is found by rendering the turn a second time with a marker for its
+        content, and a template whose two renders do not line up that way (one that
+        drops, repeats or rewrites the final turn) is refused.
+        """
+        if not continue_final:
+            return self._render(turns, tools=tools, add_generation_prompt=True)
+        check_roles(turns)
+        check_continuable(turns)
+        rendered = self._render(turns, tools=tools, add_generation_prompt=False)
+        content = turns[-1].content
+        mark = _FINAL_MARKER
+        while mark in rendered or any(mark in t.content for t in turns):
+            mark += "q"
+        marked = [*turns[:-1], ChatTurn("assistant", mark)]
+        head, found, tail = self._render(
+            marked, tools=tools, add_generation_prompt=False
+        ).partition(mark)
+        if found and mark not in tail and rendered.startswith(head) and rendered.endswith(tail):
+            written = rendered[len(head) : len(rendered) - len(tail)]
+            if written in _kept(content):
+                return head + written
+        raise errors.InvalidRequest(
+            "The chat template does not end an assistant turn with its content followed "
+            "by end-of-turn text only, so its final turn cannot be continued with this "
+            "model; end the conversation with a user turn.",
+            metadata={errors.FIELD_KEY: CONTINUE_FIELD},
+        )
+
+    def _render(
+        self,
+        turns: Sequence[ChatTurn],
+        *,
+        tools: Sequence[dict[str, Any]] | None,
+        add_generation_prompt: bool,
+    ) -> str:
         extra: dict[str, Any] = {"tools": list(tools)} if tools else {}
         try:
             rendered = self._template.render(
                 messages=[_message(t) for t in turns],
-                add_generation_prompt=True,
+                add_generation_prompt=add_generation_prompt,
                 bos_token=self._bos,
                 eos_token=self._eos,
                 **extra,
@@ -165,6 +262,16 @@ class ChatTemplate:
             # conversation or the template is at fault, not Blazar.
             raise errors.InvalidRequest(f"The chat template failed: {exc}") from exc
         return rendered.removeprefix(self._bos) if self._bos else rendered
+
+
+# Stands for the final turn's content in `ChatTemplate.render`'s second render:
+# letters only, which every template writes as they are.
+_FINAL_MARKER = "bzfinalturnmarker"
+
+
+def _kept(content: str) -> tuple[str, ...]:
+    """How a template may write a content it keeps: as it is, or trimmed."""
+    return (content, content.strip(), content.lstrip(), content.rstrip())
 
 
 def _writes_tool_calls(source: str) -> bool:

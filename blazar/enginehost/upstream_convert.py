@@ -16,9 +16,10 @@ come text, tool-call deltas, logprobs, the finish reason and usage with cached t
 (`usage.prompt_tokens_details.cached_tokens`) when the upstream reports them.
 
 Refused (INVALID_ARGUMENT, before admission): a GBNF `grammar`, which OpenAI's API has
-no field for, `prompt_logprobs`, which it does not return, and what the engine refuses
-too where it would otherwise pass as something else (a schema that is not JSON, a
-`tool_choice` name without MODE_NAMED).
+no field for, `prompt_logprobs`, which it does not return, a continued final assistant
+turn (`continue_final_message`), which OpenAI-compatible servers do not agree on, and
+what the engine refuses too where it would otherwise pass as something else (a schema
+that is not JSON, a `tool_choice` name without MODE_NAMED).
 """
 
 from __future__ import annotations
@@ -71,6 +72,14 @@ def refusal(request: engine_pb2.GenerateRequest) -> errors.InvalidRequest | None
             "This model is served by an upstream server, which sizes its own context and "
             "takes no smaller one per request; remove context_limit.",
             metadata={errors.FIELD_KEY: "context_limit"},
+        )
+    if request.chat.continue_final_message:
+        # OpenAI's API has no such field; llama.cpp's server continues a final assistant
+        # turn by default, vLLM only when asked: no one body means it everywhere.
+        return errors.InvalidRequest(
+            "This model is served by an upstream server, which cannot be asked to "
+            "continue the final assistant turn; end the conversation with a user turn.",
+            metadata={errors.FIELD_KEY: "continue_final_message"},
         )
     choice = request.chat.tool_choice
     if choice.name and choice.mode != inference_pb2.ToolChoice.MODE_NAMED:

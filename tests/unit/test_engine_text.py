@@ -374,3 +374,120 @@ def test_a_prompt_over_the_requested_context_says_it_is_the_requests() -> None:
     assert "asked for a context of 16 tokens (context_limit)" in caught.value.message
     # The room left in it bounds num_predict: the generation stops at its end.
     assert text.generation_room(10, 100, 16, up_to_context=True, requested=True) == 6
+
+
+# --- continuing the final assistant turn (prefill) --------------------------------------
+
+PREFILL = [T("system", "S"), T("user", "Hi"), T("assistant", "  Sure: {")]
+# Gemma 3's own template, in short: contents trimmed, each turn closed.
+GEMMA_JINJA = (
+    "{{ bos_token }}{% for m in messages %}<start_of_turn>"
+    "{{ 'model' if m.role == 'assistant' else m.role }}\n{{ m.content | trim }}"
+    "<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+
+@pytest.mark.parametrize(
+    ("final", "expected"),
+    [
+        # OpenAI's meaning: the final assistant turn is closed, the answer a new turn.
+        (
+            False,
+            "<start_of_turn>user\nS\n\nHi<end_of_turn>\n<start_of_turn>model\nSure: {"
+            "<end_of_turn>\n<start_of_turn>model\n",
+        ),
+        # Continued: left open, no end of turn, no new turn; trailing space kept.
+        (True, "<start_of_turn>user\nS\n\nHi<end_of_turn>\n<start_of_turn>model\nSure: {"),
+    ],
+)
+def test_render_gemma_continues_the_final_assistant_turn_when_asked(
+    final: bool, expected: str
+) -> None:
+    assert text.render_gemma(PREFILL, continue_final=final) == expected
+
+
+def test_render_gemma_continuation_keeps_the_prefills_trailing_whitespace() -> None:
+    turns = [T("user", "Hi"), T("assistant", "The answer is ")]
+    assert text.render_gemma(turns, continue_final=True).endswith("model\nThe answer is ")
+
+
+@pytest.mark.parametrize(
+    ("source", "turns", "expected"),
+    [
+        (
+            GEMMA_JINJA,
+            PREFILL,
+            "<start_of_turn>system\nS<end_of_turn>\n<start_of_turn>user\nHi<end_of_turn>\n"
+            "<start_of_turn>model\nSure: {",
+        ),
+        # A template that keeps contents as they are keeps the prefill's spaces.
+        (SIMPLE, [T("user", "u"), T("assistant", "a ")], "[user] u</s>\n[assistant] a "),
+        # An empty prefill opens the turn as a generation prompt would.
+        (SIMPLE, [T("user", "u"), T("assistant", "")], "[user] u</s>\n[assistant] "),
+        (
+            text.NAMED_TEMPLATES["chatml"],
+            [T("user", "u"), T("assistant", "{")],
+            "<|im_start|>user\nu<|im_end|>\n<|im_start|>assistant\n{",
+        ),
+    ],
+)
+def test_chat_template_continues_the_final_assistant_turn(
+    source: str, turns: list[T], expected: str
+) -> None:
+    template = text.ChatTemplate(source, bos_token="<s>", eos_token="</s>")
+    assert template.render(turns, continue_final=True) == expected
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        # Drops the final assistant turn.
+        "{% for m in messages %}{% if not loop.last %}{{ m.content }}|{% endif %}{% endfor %}",
+        # Writes what follows the content from the content itself.
+        "{% for m in messages %}{{ m.content }}<{{ m.content | length }}>{% endfor %}",
+        # Writes the content twice.
+        "{% for m in messages %}{{ m.content }}={{ m.content }};{% endfor %}",
+        # Rewrites it.
+        "{% for m in messages %}{{ m.content | upper }};{% endfor %}",
+    ],
+)
+def test_a_template_that_does_not_end_the_turn_with_its_content_cannot_continue_it(
+    source: str,
+) -> None:
+    with pytest.raises(errors.InvalidRequest, match="cannot be continued") as caught:
+        text.ChatTemplate(source).render(
+            [T("user", "u"), T("assistant", "go")], continue_final=True
+        )
+    assert caught.value.metadata[errors.FIELD_KEY] == "continue_final_message"
+
+
+@pytest.mark.parametrize(
+    ("turns", "match"),
+    [
+        ([T("user", "u")], "ends with a user turn"),
+        ([], "ends with no turn"),
+        (
+            [T("user", "u"), T("assistant", "", tool_calls=(text.ToolCall("c", "f", "{}"),))],
+            "makes tool calls",
+        ),
+    ],
+)
+def test_only_a_final_assistant_turn_of_text_is_continued(turns: list[T], match: str) -> None:
+    for render in (
+        lambda: text.render_gemma(turns, continue_final=True),
+        lambda: text.ChatTemplate(SIMPLE).render(turns, continue_final=True),
+    ):
+        with pytest.raises(errors.InvalidRequest, match=match):
+            render()
+
+
+@pytest.mark.parametrize(
+    ("constrained", "forced", "match"),
+    [(True, False, "constraint"), (False, True, "forced tool call"), (True, True, "constraint")],
+)
+def test_a_continuation_refuses_a_constraint_or_a_forced_call(
+    constrained: bool, forced: bool, match: str
+) -> None:
+    with pytest.raises(errors.InvalidRequest, match=match):
+        text.check_continuation(constrained=constrained, forced=forced)
+    text.check_continuation(constrained=False, forced=False)

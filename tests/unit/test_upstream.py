@@ -140,6 +140,19 @@ def test_structured_output_passes_as_response_format(
             ),
             "tool_choice",
         ),
+        # OpenAI-compatible servers do not agree on how a prefill is asked for.
+        (
+            engine_pb2.GenerateRequest(
+                chat=engine_pb2.ChatInput(
+                    messages=[
+                        pb.Message(role="user", content="hi"),
+                        pb.Message(role="assistant", content="Sure"),
+                    ],
+                    continue_final_message=True,
+                )
+            ),
+            "continue_final_message",
+        ),
     ],
 )
 def test_what_cannot_pass_is_refused(request_: engine_pb2.GenerateRequest, field: str) -> None:

@@ -223,7 +223,7 @@ class Constraint(_message.Message):
     def __init__(self, json_schema: _Optional[str] = ..., grammar: _Optional[str] = ..., json_object: _Optional[bool] = ...) -> None: ...
 
 class ChatRequest(_message.Message):
-    __slots__ = ("model", "messages", "sampling", "slo", "session", "constraint", "tools", "tool_choice", "parallel_tool_calls", "keep_alive_s")
+    __slots__ = ("model", "messages", "sampling", "slo", "session", "constraint", "tools", "tool_choice", "parallel_tool_calls", "keep_alive_s", "continue_final_message")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -234,6 +234,7 @@ class ChatRequest(_message.Message):
     TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
     PARALLEL_TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     KEEP_ALIVE_S_FIELD_NUMBER: _ClassVar[int]
+    CONTINUE_FINAL_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     model: str
     messages: _containers.RepeatedCompositeFieldContainer[Message]
     sampling: Sampling
@@ -244,7 +245,8 @@ class ChatRequest(_message.Message):
     tool_choice: ToolChoice
     parallel_tool_calls: bool
     keep_alive_s: float
-    def __init__(self, model: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., slo: _Optional[str] = ..., session: _Optional[str] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ..., keep_alive_s: _Optional[float] = ...) -> None: ...
+    continue_final_message: bool
+    def __init__(self, model: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., slo: _Optional[str] = ..., session: _Optional[str] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ..., keep_alive_s: _Optional[float] = ..., continue_final_message: _Optional[bool] = ...) -> None: ...
 
 class CompleteRequest(_message.Message):
     __slots__ = ("model", "prompt", "sampling", "slo", "session", "constraint", "keep_alive_s")

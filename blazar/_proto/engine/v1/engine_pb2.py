@@ -26,39 +26,39 @@ _sym_db = _symbol_database.Default()
 from blazar._proto.v1 import inference_pb2 as blazar_dot_v1_dot_inference__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x62lazar/engine/v1/engine.proto\x12\x10\x62lazar.engine.v1\x1a\x19\x62lazar/v1/inference.proto\"\xec\x01\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12+\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x1b.blazar.engine.v1.ChatInputH\x00\x12%\n\x08sampling\x18\x03 \x01(\x0b\x32\x13.blazar.v1.Sampling\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12)\n\nconstraint\x18\x05 \x01(\x0b\x32\x15.blazar.v1.Constraint\x12\x16\n\x0etpot_target_ms\x18\x06 \x01(\x05\x12\x13\n\x0b\x63\x61\x63he_scope\x18\x07 \x01(\tB\x07\n\x05input\"\xb7\x01\n\tChatInput\x12$\n\x08messages\x18\x01 \x03(\x0b\x32\x12.blazar.v1.Message\x12\x1e\n\x05tools\x18\x02 \x03(\x0b\x32\x0f.blazar.v1.Tool\x12*\n\x0btool_choice\x18\x03 \x01(\x0b\x32\x15.blazar.v1.ToolChoice\x12 \n\x13parallel_tool_calls\x18\x04 \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_parallel_tool_calls\"@\n\nSlotStatus\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04\x62usy\x18\x02 \x01(\x08\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\x0f\n\rHealthRequest\"}\n\x10SpeculationStats\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x16\n\x0e\x64rafted_tokens\x18\x02 \x01(\x03\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x01(\x03\x12\x19\n\x11\x64isabled_requests\x18\x04 \x01(\x03\x12\x0f\n\x07\x66\x61ilure\x18\x05 \x01(\t\"\xed\x02\n\x0eHealthResponse\x12,\n\x05state\x18\x01 \x01(\x0e\x32\x1d.blazar.engine.v1.EngineState\x12+\n\x05slots\x18\x02 \x03(\x0b\x32\x1c.blazar.engine.v1.SlotStatus\x12\x14\n\x0cmemory_bytes\x18\x03 \x01(\x03\x12\x18\n\x10\x63ontext_per_slot\x18\x04 \x01(\x05\x12\x12\n\nmodel_path\x18\x05 \x01(\t\x12\x0b\n\x03pid\x18\x06 \x01(\x05\x12\x37\n\x0bspeculation\x18\x07 \x01(\x0b\x32\".blazar.engine.v1.SpeculationStats\x12\x10\n\x08kv_bytes\x18\x08 \x01(\x03\x12\x0f\n\x07threads\x18\t \x01(\x05\x12\x0e\n\x06parked\x18\n \x01(\x05\x12\x14\n\x0cparked_bytes\x18\x0b \x01(\x03\x12\x18\n\x10parked_bytes_max\x18\x0c \x01(\x03\x12\x13\n\x0bstep_age_ms\x18\r \x01(\x01\"%\n\x0c\x44rainRequest\x12\x15\n\rgrace_seconds\x18\x01 \x01(\x01\"\"\n\rDrainResponse\x12\x11\n\tabandoned\x18\x01 \x01(\x05\"!\n\x0bParkRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"S\n\x0cParkResponse\x12\x0c\n\x04slot\x18\x01 \x01(\x05\x12\x0e\n\x06tokens\x18\x02 \x01(\x05\x12\x14\n\x0cparked_bytes\x18\x03 \x01(\x03\x12\x0f\n\x07park_ms\x18\x04 \x01(\x01\"#\n\rResumeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"s\n\x0eResumeResponse\x12\x0c\n\x04slot\x18\x01 \x01(\x05\x12\x16\n\x0erestored_bytes\x18\x02 \x01(\x03\x12\x15\n\rrefill_tokens\x18\x03 \x01(\x05\x12\x11\n\tresume_ms\x18\x04 \x01(\x01\x12\x11\n\tparked_ms\x18\x05 \x01(\x01*y\n\x0b\x45ngineState\x12\x1c\n\x18\x45NGINE_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15\x45NGINE_STATE_STARTING\x10\x01\x12\x16\n\x12\x45NGINE_STATE_READY\x10\x02\x12\x19\n\x15\x45NGINE_STATE_DRAINING\x10\x03\x32\xf7\x03\n\x06\x45ngine\x12\x41\n\x08Generate\x12!.blazar.engine.v1.GenerateRequest\x1a\x10.blazar.v1.Chunk0\x01\x12:\n\x05\x45mbed\x12\x17.blazar.v1.EmbedRequest\x1a\x18.blazar.v1.EmbedResponse\x12\x43\n\x08Tokenize\x12\x1a.blazar.v1.TokenizeRequest\x1a\x1b.blazar.v1.TokenizeResponse\x12K\n\x06Health\x12\x1f.blazar.engine.v1.HealthRequest\x1a .blazar.engine.v1.HealthResponse\x12H\n\x05\x44rain\x12\x1e.blazar.engine.v1.DrainRequest\x1a\x1f.blazar.engine.v1.DrainResponse\x12\x45\n\x04Park\x12\x1d.blazar.engine.v1.ParkRequest\x1a\x1e.blazar.engine.v1.ParkResponse\x12K\n\x06Resume\x12\x1f.blazar.engine.v1.ResumeRequest\x1a .blazar.engine.v1.ResumeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x62lazar/engine/v1/engine.proto\x12\x10\x62lazar.engine.v1\x1a\x19\x62lazar/v1/inference.proto\"\xec\x01\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12+\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x1b.blazar.engine.v1.ChatInputH\x00\x12%\n\x08sampling\x18\x03 \x01(\x0b\x32\x13.blazar.v1.Sampling\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12)\n\nconstraint\x18\x05 \x01(\x0b\x32\x15.blazar.v1.Constraint\x12\x16\n\x0etpot_target_ms\x18\x06 \x01(\x05\x12\x13\n\x0b\x63\x61\x63he_scope\x18\x07 \x01(\tB\x07\n\x05input\"\xd7\x01\n\tChatInput\x12$\n\x08messages\x18\x01 \x03(\x0b\x32\x12.blazar.v1.Message\x12\x1e\n\x05tools\x18\x02 \x03(\x0b\x32\x0f.blazar.v1.Tool\x12*\n\x0btool_choice\x18\x03 \x01(\x0b\x32\x15.blazar.v1.ToolChoice\x12 \n\x13parallel_tool_calls\x18\x04 \x01(\x08H\x00\x88\x01\x01\x12\x1e\n\x16\x63ontinue_final_message\x18\x05 \x01(\x08\x42\x16\n\x14_parallel_tool_calls\"@\n\nSlotStatus\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04\x62usy\x18\x02 \x01(\x08\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\x0f\n\rHealthRequest\"}\n\x10SpeculationStats\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x16\n\x0e\x64rafted_tokens\x18\x02 \x01(\x03\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x01(\x03\x12\x19\n\x11\x64isabled_requests\x18\x04 \x01(\x03\x12\x0f\n\x07\x66\x61ilure\x18\x05 \x01(\t\"\xed\x02\n\x0eHealthResponse\x12,\n\x05state\x18\x01 \x01(\x0e\x32\x1d.blazar.engine.v1.EngineState\x12+\n\x05slots\x18\x02 \x03(\x0b\x32\x1c.blazar.engine.v1.SlotStatus\x12\x14\n\x0cmemory_bytes\x18\x03 \x01(\x03\x12\x18\n\x10\x63ontext_per_slot\x18\x04 \x01(\x05\x12\x12\n\nmodel_path\x18\x05 \x01(\t\x12\x0b\n\x03pid\x18\x06 \x01(\x05\x12\x37\n\x0bspeculation\x18\x07 \x01(\x0b\x32\".blazar.engine.v1.SpeculationStats\x12\x10\n\x08kv_bytes\x18\x08 \x01(\x03\x12\x0f\n\x07threads\x18\t \x01(\x05\x12\x0e\n\x06parked\x18\n \x01(\x05\x12\x14\n\x0cparked_bytes\x18\x0b \x01(\x03\x12\x18\n\x10parked_bytes_max\x18\x0c \x01(\x03\x12\x13\n\x0bstep_age_ms\x18\r \x01(\x01\"%\n\x0c\x44rainRequest\x12\x15\n\rgrace_seconds\x18\x01 \x01(\x01\"\"\n\rDrainResponse\x12\x11\n\tabandoned\x18\x01 \x01(\x05\"!\n\x0bParkRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"S\n\x0cParkResponse\x12\x0c\n\x04slot\x18\x01 \x01(\x05\x12\x0e\n\x06tokens\x18\x02 \x01(\x05\x12\x14\n\x0cparked_bytes\x18\x03 \x01(\x03\x12\x0f\n\x07park_ms\x18\x04 \x01(\x01\"#\n\rResumeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"s\n\x0eResumeResponse\x12\x0c\n\x04slot\x18\x01 \x01(\x05\x12\x16\n\x0erestored_bytes\x18\x02 \x01(\x03\x12\x15\n\rrefill_tokens\x18\x03 \x01(\x05\x12\x11\n\tresume_ms\x18\x04 \x01(\x01\x12\x11\n\tparked_ms\x18\x05 \x01(\x01*y\n\x0b\x45ngineState\x12\x1c\n\x18\x45NGINE_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15\x45NGINE_STATE_STARTING\x10\x01\x12\x16\n\x12\x45NGINE_STATE_READY\x10\x02\x12\x19\n\x15\x45NGINE_STATE_DRAINING\x10\x03\x32\xf7\x03\n\x06\x45ngine\x12\x41\n\x08Generate\x12!.blazar.engine.v1.GenerateRequest\x1a\x10.blazar.v1.Chunk0\x01\x12:\n\x05\x45mbed\x12\x17.blazar.v1.EmbedRequest\x1a\x18.blazar.v1.EmbedResponse\x12\x43\n\x08Tokenize\x12\x1a.blazar.v1.TokenizeRequest\x1a\x1b.blazar.v1.TokenizeResponse\x12K\n\x06Health\x12\x1f.blazar.engine.v1.HealthRequest\x1a .blazar.engine.v1.HealthResponse\x12H\n\x05\x44rain\x12\x1e.blazar.engine.v1.DrainRequest\x1a\x1f.blazar.engine.v1.DrainResponse\x12\x45\n\x04Park\x12\x1d.blazar.engine.v1.ParkRequest\x1a\x1e.blazar.engine.v1.ParkResponse\x12K\n\x06Resume\x12\x1f.blazar.engine.v1.ResumeRequest\x1a .blazar.engine.v1.ResumeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'blazar.engine.v1.engine_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ENGINESTATE']._serialized_start=1430
-  _globals['_ENGINESTATE']._serialized_end=1551
+  _globals['_ENGINESTATE']._serialized_start=1462
+  _globals['_ENGINESTATE']._serialized_end=1583
   _globals['_GENERATEREQUEST']._serialized_start=79
   _globals['_GENERATEREQUEST']._serialized_end=315
   _globals['_CHATINPUT']._serialized_start=318
-  _globals['_CHATINPUT']._serialized_end=501
-  _globals['_SLOTSTATUS']._serialized_start=503
-  _globals['_SLOTSTATUS']._serialized_end=567
-  _globals['_HEALTHREQUEST']._serialized_start=569
-  _globals['_HEALTHREQUEST']._serialized_end=584
-  _globals['_SPECULATIONSTATS']._serialized_start=586
-  _globals['_SPECULATIONSTATS']._serialized_end=711
-  _globals['_HEALTHRESPONSE']._serialized_start=714
-  _globals['_HEALTHRESPONSE']._serialized_end=1079
-  _globals['_DRAINREQUEST']._serialized_start=1081
-  _globals['_DRAINREQUEST']._serialized_end=1118
-  _globals['_DRAINRESPONSE']._serialized_start=1120
-  _globals['_DRAINRESPONSE']._serialized_end=1154
-  _globals['_PARKREQUEST']._serialized_start=1156
-  _globals['_PARKREQUEST']._serialized_end=1189
-  _globals['_PARKRESPONSE']._serialized_start=1191
-  _globals['_PARKRESPONSE']._serialized_end=1274
-  _globals['_RESUMEREQUEST']._serialized_start=1276
-  _globals['_RESUMEREQUEST']._serialized_end=1311
-  _globals['_RESUMERESPONSE']._serialized_start=1313
-  _globals['_RESUMERESPONSE']._serialized_end=1428
-  _globals['_ENGINE']._serialized_start=1554
-  _globals['_ENGINE']._serialized_end=2057
+  _globals['_CHATINPUT']._serialized_end=533
+  _globals['_SLOTSTATUS']._serialized_start=535
+  _globals['_SLOTSTATUS']._serialized_end=599
+  _globals['_HEALTHREQUEST']._serialized_start=601
+  _globals['_HEALTHREQUEST']._serialized_end=616
+  _globals['_SPECULATIONSTATS']._serialized_start=618
+  _globals['_SPECULATIONSTATS']._serialized_end=743
+  _globals['_HEALTHRESPONSE']._serialized_start=746
+  _globals['_HEALTHRESPONSE']._serialized_end=1111
+  _globals['_DRAINREQUEST']._serialized_start=1113
+  _globals['_DRAINREQUEST']._serialized_end=1150
+  _globals['_DRAINRESPONSE']._serialized_start=1152
+  _globals['_DRAINRESPONSE']._serialized_end=1186
+  _globals['_PARKREQUEST']._serialized_start=1188
+  _globals['_PARKREQUEST']._serialized_end=1221
+  _globals['_PARKRESPONSE']._serialized_start=1223
+  _globals['_PARKRESPONSE']._serialized_end=1306
+  _globals['_RESUMEREQUEST']._serialized_start=1308
+  _globals['_RESUMEREQUEST']._serialized_end=1343
+  _globals['_RESUMERESPONSE']._serialized_start=1345
+  _globals['_RESUMERESPONSE']._serialized_end=1460
+  _globals['_ENGINE']._serialized_start=1586
+  _globals['_ENGINE']._serialized_end=2089
 # @@protoc_insertion_point(module_scope)

@@ -39,16 +39,18 @@ class GenerateRequest(_message.Message):
     def __init__(self, prompt: _Optional[str] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., sampling: _Optional[_Union[_inference_pb2.Sampling, _Mapping]] = ..., request_id: _Optional[str] = ..., constraint: _Optional[_Union[_inference_pb2.Constraint, _Mapping]] = ..., tpot_target_ms: _Optional[int] = ..., cache_scope: _Optional[str] = ...) -> None: ...
 
 class ChatInput(_message.Message):
-    __slots__ = ("messages", "tools", "tool_choice", "parallel_tool_calls")
+    __slots__ = ("messages", "tools", "tool_choice", "parallel_tool_calls", "continue_final_message")
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     TOOLS_FIELD_NUMBER: _ClassVar[int]
     TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
     PARALLEL_TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    CONTINUE_FINAL_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     messages: _containers.RepeatedCompositeFieldContainer[_inference_pb2.Message]
     tools: _containers.RepeatedCompositeFieldContainer[_inference_pb2.Tool]
     tool_choice: _inference_pb2.ToolChoice
     parallel_tool_calls: bool
-    def __init__(self, messages: _Optional[_Iterable[_Union[_inference_pb2.Message, _Mapping]]] = ..., tools: _Optional[_Iterable[_Union[_inference_pb2.Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[_inference_pb2.ToolChoice, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ...) -> None: ...
+    continue_final_message: bool
+    def __init__(self, messages: _Optional[_Iterable[_Union[_inference_pb2.Message, _Mapping]]] = ..., tools: _Optional[_Iterable[_Union[_inference_pb2.Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[_inference_pb2.ToolChoice, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ...) -> None: ...
 
 class SlotStatus(_message.Message):
     __slots__ = ("index", "busy", "cached_tokens")
