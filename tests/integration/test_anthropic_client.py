@@ -23,6 +23,8 @@ from typing import Any, Literal
 import anthropic
 import httpx
 import jsonschema
+import ollama
+import openai
 import pydantic
 import pytest
 
@@ -614,3 +616,92 @@ def test_a_message_says_when_its_first_token_was_expected_streamed_or_not(
     ) as streamed:
         assert int(streamed.headers["x-blazar-predicted-ttft-ms"]) >= 0
         assert any(line.startswith("event: message_stop") for line in streamed.iter_lines())
+
+
+# --- a final assistant turn continued (prefill), in every dialect ----------------------
+
+PREFILL = "The capital of France is"
+# What the model's template (Gemma 3's) renders for HI with PREFILL as the open final
+# turn: the oracle a plain completion of the same text gives (BOS is the engine's).
+PREFILLED_PROMPT = (
+    "<start_of_turn>user\nSay something.<end_of_turn>\n<start_of_turn>model\n" + PREFILL
+)
+CONTINUED = 4
+
+
+def oracle(daemon: Daemon) -> tuple[str, int]:
+    """The greedy completion of the rendered prompt, and its prompt tokens."""
+    sdk = openai.OpenAI(base_url=f"http://{daemon.http}/v1", api_key="unused", max_retries=0)
+    with sdk:
+        done = sdk.completions.create(
+            model=LANE, prompt=PREFILLED_PROMPT, max_tokens=CONTINUED, temperature=0
+        )
+    assert done.usage is not None
+    return done.choices[0].text, done.usage.prompt_tokens
+
+
+def test_anthropic_continues_a_final_assistant_turn(
+    client: anthropic.Anthropic, daemon: Daemon
+) -> None:
+    """Anthropic's prefill: the answer is the greedy continuation of the prompt that
+    ends in the open assistant turn, and only that (whole and streamed); the prefill
+    counts as prompt tokens, in count_tokens too."""
+    expected, prompt_tokens = oracle(daemon)
+    messages: list[Any] = [*HI, {"role": "assistant", "content": PREFILL}]
+    answer = client.messages.create(
+        model=LANE, max_tokens=CONTINUED, messages=messages, extra_body={"temperature": 0}
+    )
+    assert answer.content[0].type == "text"
+    assert answer.content[0].text == expected
+    assert prompt_total(answer.usage) == prompt_tokens
+    assert client.messages.count_tokens(model=LANE, messages=messages).input_tokens == prompt_tokens
+    with client.messages.stream(
+        model=LANE, max_tokens=CONTINUED, messages=messages, extra_body={"temperature": 0}
+    ) as events:
+        streamed = "".join(events.text_stream)
+    assert streamed == expected
+    closed = client.messages.count_tokens(model=LANE, messages=HI).input_tokens
+    assert prompt_tokens > closed  # the prefill is prompt
+
+
+def test_openai_continues_a_final_assistant_message_only_when_asked(daemon: Daemon) -> None:
+    expected, prompt_tokens = oracle(daemon)
+    sdk = openai.OpenAI(base_url=f"http://{daemon.http}/v1", api_key="unused", max_retries=0)
+    messages: list[Any] = [*HI, {"role": "assistant", "content": PREFILL}]
+    with sdk:
+        asked = [
+            {"extra_body": {"continue_final_message": True, "add_generation_prompt": False}},
+            {"messages": [*HI, {"role": "assistant", "content": PREFILL, "prefix": True}]},
+        ]
+        for how in asked:
+            kwargs: dict[str, Any] = {"messages": messages, **how}
+            done = sdk.chat.completions.create(
+                model=LANE, max_tokens=CONTINUED, temperature=0, **kwargs
+            )
+            assert done.choices[0].message.content == expected, how
+            assert done.usage is not None and done.usage.prompt_tokens == prompt_tokens
+            stream = sdk.chat.completions.create(
+                model=LANE, max_tokens=CONTINUED, temperature=0, stream=True, **kwargs
+            )
+            text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+            assert text == expected, how
+        # Unasked, OpenAI's meaning: the assistant turn is closed and a new one begins.
+        new_turn = sdk.chat.completions.create(
+            model=LANE, max_tokens=1, temperature=0, messages=messages
+        )
+        assert new_turn.usage is not None and new_turn.usage.prompt_tokens > prompt_tokens
+
+
+def test_ollama_continues_a_final_assistant_message(daemon: Daemon) -> None:
+    expected, prompt_tokens = oracle(daemon)
+    sdk = ollama.Client(host=f"http://{daemon.http}")
+    messages: list[Any] = [*HI, {"role": "assistant", "content": PREFILL}]
+    options = {"temperature": 0, "num_predict": CONTINUED}
+    done = sdk.chat(model=LANE, messages=messages, options=options)
+    assert done.message.content == expected
+    assert done.prompt_eval_count == prompt_tokens
+    streamed = "".join(
+        part.message.content or ""
+        for part in sdk.chat(model=LANE, messages=messages, options=options, stream=True)
+    )
+    assert streamed == expected

@@ -196,6 +196,38 @@ def test_count_tokens_translation_matches_golden() -> None:
     assert canonical.chat.tool_choice == generation.tool_choice
 
 
+@pytest.mark.parametrize(
+    ("messages", "continued", "last"),
+    [
+        ([*HI, {"role": "assistant", "content": "The answer is"}], True, "The answer is"),
+        # Consecutive assistant messages are one turn, and that one is continued.
+        (
+            [
+                *HI,
+                {"role": "assistant", "content": "A"},
+                {"role": "assistant", "content": [{"type": "text", "text": "B"}]},
+            ],
+            True,
+            "A\nB",
+        ),
+        ([*HI, {"role": "assistant", "content": ""}], True, ""),
+        ([*HI, {"role": "assistant", "content": "x"}, *HI], False, "Hi"),
+    ],
+)
+def test_a_final_assistant_turn_is_continued(
+    messages: list[Any], continued: bool, last: str
+) -> None:
+    """Anthropic's prefill: the conversation's final assistant turn is continued, and
+    its count_tokens counts the same prompt."""
+    request = requests.messages_request(parse(protocol.MessagesRequest, body(messages=messages)))
+    assert request.continue_final_message is continued
+    assert request.messages[-1].content == last
+    counted = requests.count_request(
+        parse(protocol.CountTokensRequest, {"model": "tiny", "messages": messages})
+    )
+    assert counted.chat.continue_final_message is continued
+
+
 def test_sampling_not_sent_stays_unset() -> None:
     sampling = requests.messages_request(parse(protocol.MessagesRequest, body())).sampling
     for name in ("temperature", "top_p", "top_k", "seed"):
@@ -304,9 +336,26 @@ INVALID: dict[str, tuple[dict[str, Any], str]] = {
         body(messages=[{"role": "user", "content": [{"type": "text", "text": "x", "citations": [{"type": "char_location"}]}]}]),
         "'messages[0].content[0].citations' are not supported",
     ),
-    "prefill": (
-        body(messages=[*HI, {"role": "assistant", "content": "The answer is"}]),
-        "'messages[1]' is an assistant turn: a final assistant turn (prefill",
+    "prefill ending in whitespace": (
+        body(messages=[*HI, {"role": "assistant", "content": "The answer is "}]),
+        "final assistant content cannot end with trailing whitespace",
+    ),
+    "prefill with a call": (
+        body(messages=[*HI, {"role": "assistant", "content": [
+            {"type": "text", "text": "Let me look."},
+            {"type": "tool_use", "id": "t", "name": "get_weather", "input": {}},
+        ]}], tools=[WEATHER]),
+        "'messages[1]' is a final assistant turn with tool_use blocks",
+    ),
+    "prefill with a forced call": (
+        body(messages=[*HI, {"role": "assistant", "content": "{"}], tools=[WEATHER],
+             tool_choice={"type": "any"}),
+        "a forced tool call (tool_choice 'any') cannot continue",
+    ),
+    "prefill with an output format": (
+        body(messages=[*HI, {"role": "assistant", "content": "{"}],
+             output_config={"format": {"type": "json_schema", "schema": {"type": "object"}}}),
+        "an output format would shape only its continuation",
     ),
     "tool_use in a user turn": (
         body(messages=[{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]),

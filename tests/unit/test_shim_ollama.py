@@ -342,6 +342,56 @@ def test_tool_request_translation_matches_golden(name: str) -> None:
     )
 
 
+OLLAMA_PREFILL = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Sure: "}]
+OLLAMA_WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
+
+
+@pytest.mark.parametrize(
+    ("messages", "continued"),
+    [
+        (OLLAMA_PREFILL, True),
+        ([*OLLAMA_PREFILL, {"role": "user", "content": "More"}], False),
+        (CHAT["messages"], False),
+    ],
+)
+def test_a_final_assistant_message_is_continued_as_ollama_does(
+    messages: list[Any], continued: bool
+) -> None:
+    request = convert.chat_request(parse(protocol.ChatRequest, {**CHAT, "messages": messages}))
+    assert request.continue_final_message is continued
+
+
+@pytest.mark.parametrize(
+    ("extra", "headers", "param"),
+    [
+        ({"format": "json"}, {}, "format"),
+        ({"tools": [OLLAMA_WEATHER]}, {"tool_choice": "required"}, "x-blazar-tool-choice"),
+        (
+            {
+                "tools": [OLLAMA_WEATHER],
+                "messages": [
+                    OLLAMA_PREFILL[0],
+                    {
+                        "role": "assistant",
+                        "content": "",
+                        "tool_calls": [{"function": {"name": "get_weather", "arguments": {}}}],
+                    },
+                ],
+            },
+            {},
+            "messages[1].tool_calls",
+        ),
+    ],
+)
+def test_a_continuation_that_cannot_be_honoured_is_refused(
+    extra: dict[str, Any], headers: dict[str, str], param: str
+) -> None:
+    body = {**CHAT, "messages": OLLAMA_PREFILL, **extra}
+    with pytest.raises(errors.InvalidRequest) as caught:
+        convert.chat_request(parse(protocol.ChatRequest, body), **headers)
+    assert caught.value.metadata[validation.PARAM_KEY] == param
+
+
 def test_options_not_sent_stay_unset() -> None:
     sampling = convert.chat_request(parse(protocol.ChatRequest, CHAT)).sampling
     for name in ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens"):

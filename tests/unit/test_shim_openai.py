@@ -332,6 +332,95 @@ def test_request_translation_matches_golden(name: str) -> None:
     )
 
 
+PREFILL_USER = {"role": "user", "content": "Hi"}
+
+
+def prefill_body(last: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
+    final = last if last is not None else {"role": "assistant", "content": "Sure: "}
+    return {"model": "tiny", "messages": [PREFILL_USER, final], **extra}
+
+
+@pytest.mark.parametrize(
+    ("body", "continued"),
+    [
+        # OpenAI's meaning: a final assistant message is answered after, in a new turn.
+        (prefill_body(), False),
+        # DeepSeek's and Mistral's prefix, vLLM's continue_final_message.
+        (prefill_body({"role": "assistant", "content": "Sure: ", "prefix": True}), True),
+        (prefill_body(continue_final_message=True), True),
+        (prefill_body(continue_final_message=True, add_generation_prompt=False), True),
+        (prefill_body(continue_final_message=False, add_generation_prompt=True), False),
+        (prefill_body(tools=[TOOL], tool_choice="auto", continue_final_message=True), True),
+    ],
+)
+def test_a_final_assistant_message_is_continued_only_when_asked(
+    body: dict[str, Any], continued: bool
+) -> None:
+    parsed = validation.parse_body(protocol.ChatCompletionRequest, json.dumps(body).encode())
+    request = requests.chat_request(parsed)
+    assert request.continue_final_message is continued
+    assert request.messages[-1].content == "Sure: "  # kept as sent, trailing space too
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "fragment"),
+    [
+        (
+            prefill_body(continue_final_message=True, add_generation_prompt=True),
+            "add_generation_prompt",
+            "Cannot set both",
+        ),
+        (prefill_body(add_generation_prompt=False), "add_generation_prompt", "supported only"),
+        (
+            {"model": "tiny", "messages": [{**PREFILL_USER, "prefix": True}]},
+            "messages[0].prefix",
+            "only on the last message, an assistant one",
+        ),
+        (
+            {"model": "tiny", "messages": [PREFILL_USER], "continue_final_message": True},
+            "continue_final_message",
+            "messages[0] is a user message",
+        ),
+        (
+            prefill_body(
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": "c",
+                            "type": "function",
+                            "function": {"name": "get_weather", "arguments": "{}"},
+                        }
+                    ],
+                },
+                tools=[TOOL],
+                continue_final_message=True,
+            ),
+            "continue_final_message",
+            "makes tool calls",
+        ),
+        (
+            prefill_body(continue_final_message=True, response_format={"type": "json_object"}),
+            "continue_final_message",
+            "would shape only the continuation",
+        ),
+        (
+            prefill_body(continue_final_message=True, tools=[TOOL], tool_choice="required"),
+            "tool_choice",
+            "forced tool call",
+        ),
+    ],
+)
+def test_a_continuation_that_cannot_be_honoured_is_refused(
+    body: dict[str, Any], param: str, fragment: str
+) -> None:
+    parsed = validation.parse_body(protocol.ChatCompletionRequest, json.dumps(body).encode())
+    with pytest.raises(errors.InvalidRequest, match=re.escape(fragment)) as caught:
+        requests.chat_request(parsed)
+    assert caught.value.metadata[validation.PARAM_KEY] == param
+
+
 @pytest.mark.parametrize(
     ("content", "expected"),
     [(None, "I can't help with that."), ("Well.", "Well.\nI can't help with that.")],

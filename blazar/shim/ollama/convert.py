@@ -6,6 +6,9 @@ canonical request, with `options` read by `options.sampling`; `embed_request` an
 name, never ignored. The way back is `render` (generations, errors) and `listing`
 (tags, show, ps).
 
+A chat that ends with an assistant message continues it, as Ollama's templates leave
+the last assistant turn open (`_continues`).
+
 Tools are OpenAI's function tools in Ollama's shape: a call's `arguments` is a JSON
 object (the canonical request carries it as text), and a tool message names its tool
 (`tool_name`) rather than the call it answers. Ollama has no tool choice; Blazar's
@@ -91,8 +94,46 @@ def chat_request(
     )
     if parallel is not None:
         request.parallel_tool_calls = parallel
+    request.continue_final_message = _continues(request)
     keep_alive(request, body.keep_alive)
     return request
+
+
+def _continues(request: inference_pb2.ChatRequest) -> bool:
+    """Whether the chat ends with an assistant message, which Ollama continues (its
+    templates leave the last assistant turn open): the answer is what the model writes
+    after it. Refused where a continuation cannot be honest: a message that made calls
+    ends its turn, and a `format` or a forced call (`x-blazar-tool-choice`) would shape
+    a turn that the message's text already began."""
+    last = len(request.messages) - 1
+    if last < 0 or request.messages[last].role != "assistant":
+        return False
+    final = request.messages[last]
+    param = f"messages[{last}]"
+    if final.tool_calls:
+        raise validation.invalid(
+            f"'{param}' is a final assistant message with tool_calls: its calls end its "
+            "turn, so it cannot be continued. Send the calls' results as tool messages.",
+            param=f"{param}.tool_calls",
+        )
+    if request.constraint.WhichOneof("kind") is not None:
+        raise validation.invalid(
+            f"'{param}' is a final assistant message, which is continued, and 'format' "
+            "would shape only the continuation, not the answer the message began: send "
+            "one or the other.",
+            param="format",
+        )
+    if request.tool_choice.mode in (
+        inference_pb2.ToolChoice.MODE_REQUIRED,
+        inference_pb2.ToolChoice.MODE_NAMED,
+    ):
+        raise validation.invalid(
+            f"'{param}' is a final assistant message, which is continued, and a forced "
+            "tool call (x-blazar-tool-choice) makes a turn of calls only: send one or "
+            "the other.",
+            param="x-blazar-tool-choice",
+        )
+    return True
 
 
 def _tool(tool: protocol.Tool, *, param: str) -> inference_pb2.Tool:

@@ -77,6 +77,9 @@ class ChatMessage(_Request):
     # Assistant messages: the deprecated form of a call. Read only to refuse it (see
     # convert), as the request's `functions` and `function_call` are.
     function_call: dict[str, Any] | None = None
+    # Not in OpenAI's API: DeepSeek's and Mistral's, on the last message, an assistant
+    # one: continue it (prefill) instead of answering after it (see convert).
+    prefix: bool | None = None
 
 
 class FunctionDefinition(_Request):
@@ -210,6 +213,10 @@ class ChatCompletionRequest(_Sampling):
     prompt_cache_options: dict[str, Any] | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
+    # Not in OpenAI's API: vLLM's (and SGLang's) way to continue the final assistant
+    # message, which goes with add_generation_prompt false (see convert).
+    continue_final_message: bool | None = None
+    add_generation_prompt: bool | None = None
 
 
 class CompletionRequest(_Sampling):

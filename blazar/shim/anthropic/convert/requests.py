@@ -3,7 +3,8 @@
 Pure: no IO, no clock, no logging. `messages_request` builds the canonical chat (the
 system prompt as the first turn, `tool_use` blocks as the assistant's calls,
 `tool_result` blocks as tool turns, consecutive turns of one role merged as Anthropic
-merges them), and `count_request` the Tokenize request that counts the same prompt as
+merges them, a final assistant turn continued as Anthropic continues it: `_prefill`),
+and `count_request` the Tokenize request that counts the same prompt as
 the chat would render it. Every field is either done as Anthropic does it or refused
 by name.
 """
@@ -76,6 +77,13 @@ def messages_request(
     )
     constraint = _constraint(body)
     if constraint is not None:
+        if request.continue_final_message:
+            raise _invalid(
+                f"'messages[{len(body.messages) - 1}]' is a final assistant turn (prefill), "
+                "and an output format would shape only its continuation, not the answer "
+                "the prefill begins: send one or the other.",
+                param="output_config.format",
+            )
         request.constraint.CopyFrom(constraint)
     request.session = session or sessions.of_field(body.metadata.user_id if body.metadata else None)
     request.slo = slo
@@ -101,6 +109,7 @@ def _chat(body: protocol.Conversation) -> inference_pb2.ChatRequest:
     request = inference_pb2.ChatRequest(
         model=body.model, messages=_messages(body), tools=_tools(body.tools or ())
     )
+    request.continue_final_message = _prefill(body, request)
     choice = body.tool_choice
     if choice is not None:
         request.tool_choice.CopyFrom(_tool_choice(choice, body.tools or ()))
@@ -247,19 +256,44 @@ def _messages(
         system = _text(body.system, param="system")
         if system:
             out.append(inference_pb2.Message(role="system", content=system))
-    last = len(body.messages) - 1
-    if body.messages[last].role == "assistant":
-        raise _invalid(
-            f"'messages[{last}]' is an assistant turn: a final assistant turn (prefill, to "
-            "be continued) is not supported. Blazar's answer is a turn of its own; end the "
-            "conversation with a user turn.",
-            param=f"messages[{last}]",
-        )
     names: dict[str, str] = {}
     for i, message in enumerate(body.messages):
         for turn in _turns(message, param=f"messages[{i}]", names=names):
             _append(out, turn)
     return out
+
+
+def _prefill(body: protocol.Conversation, request: inference_pb2.ChatRequest) -> bool:
+    """Whether the conversation ends with an assistant turn, which Anthropic continues
+    (prefill): the answer is what the model writes after it. Refused as Anthropic
+    refuses it (trailing whitespace), and where a continuation cannot be honest: a turn
+    that makes calls ends there, and a forced tool call or an output format would shape
+    a turn that the prefill's text already began."""
+    last = len(body.messages) - 1
+    if body.messages[last].role != "assistant":
+        return False
+    param = f"messages[{last}]"
+    final = request.messages[-1]
+    if final.tool_calls:
+        raise _invalid(
+            f"'{param}' is a final assistant turn with tool_use blocks: a turn's calls end "
+            "it, so it cannot be continued (prefill). Send the calls' results in a user turn.",
+            param=param,
+        )
+    if final.content != final.content.rstrip():
+        # Anthropic's own wording for it.
+        raise _invalid(
+            "messages: final assistant content cannot end with trailing whitespace", param=param
+        )
+    choice = body.tool_choice
+    if choice is not None and choice.type in ("any", "tool"):
+        raise _invalid(
+            f"'{param}' is a final assistant turn (prefill), which a forced tool call "
+            f"(tool_choice {choice.type!r}) cannot continue: its turn holds calls only. Send "
+            "one or the other.",
+            param="tool_choice",
+        )
+    return True
 
 
 def _append(out: list[inference_pb2.Message], turn: inference_pb2.Message) -> None:

@@ -64,6 +64,7 @@ def chat_request(
         tools=[_tool(t) for t in body.tools or ()],
         tool_choice=_tool_choice(body),
     )
+    request.continue_final_message = _continues(body, messages, request)
     if body.parallel_tool_calls is not None:
         if not body.tools:
             # As OpenAI answers it: with no tools it would say nothing of any call.
@@ -74,6 +75,72 @@ def chat_request(
             )
         request.parallel_tool_calls = body.parallel_tool_calls
     return request
+
+
+def _continues(
+    body: protocol.ChatCompletionRequest,
+    messages: Sequence[inference_pb2.Message],
+    request: inference_pb2.ChatRequest,
+) -> bool:
+    """Whether the final assistant message is continued (prefill) rather than answered
+    after, as OpenAI's API does: only when the request asks, by DeepSeek's and
+    Mistral's `prefix: true` on it or vLLM's `continue_final_message` (with
+    `add_generation_prompt` false, or unset). A continuation with what would shape a
+    turn the prefill already began (a response format or grammar, a forced call) is
+    refused, as is a final message that made calls."""
+    last = len(body.messages) - 1
+    for i, message in enumerate(body.messages):
+        if message.prefix and (i != last or message.role != "assistant"):
+            raise envelope.invalid(
+                f"'messages[{i}].prefix' true goes only on the last message, an assistant "
+                "one: the one to continue.",
+                param=f"messages[{i}].prefix",
+            )
+    asked = bool(body.continue_final_message)
+    if asked and body.add_generation_prompt:
+        # vLLM's refusal: a new generation prompt would close the message to continue.
+        raise envelope.invalid(
+            "Cannot set both 'continue_final_message' and 'add_generation_prompt' to true.",
+            param="add_generation_prompt",
+        )
+    continues = asked or bool(body.messages[last].prefix)
+    if body.add_generation_prompt is False and not continues:
+        raise envelope.invalid(
+            "'add_generation_prompt' false is supported only with 'continue_final_message' "
+            "true: a conversation without it ends with a generation prompt.",
+            param="add_generation_prompt",
+        )
+    if not continues:
+        return False
+    param = "continue_final_message" if asked else f"messages[{last}].prefix"
+    if body.messages[last].role != "assistant":
+        raise envelope.invalid(
+            f"'{param}' continues the final message, which must be an assistant one; "
+            f"messages[{last}] is a {body.messages[last].role} message.",
+            param=param,
+        )
+    if messages[-1].tool_calls:
+        raise envelope.invalid(
+            f"'{param}' continues the final message, and messages[{last}] makes tool calls, "
+            "which end its turn: send their results, or a final message of text only.",
+            param=param,
+        )
+    if request.constraint.WhichOneof("kind") is not None:
+        raise envelope.invalid(
+            f"'{param}' continues the final assistant message, and a response format or "
+            "grammar would shape only the continuation, not the answer the message "
+            "began: send one or the other.",
+            param=param,
+        )
+    mode = request.tool_choice.mode
+    if mode in (inference_pb2.ToolChoice.MODE_REQUIRED, inference_pb2.ToolChoice.MODE_NAMED):
+        raise envelope.invalid(
+            f"'{param}' continues the final assistant message, which a forced tool call "
+            "(tool_choice required or a named function) cannot: its turn holds calls only. "
+            "Send one or the other.",
+            param="tool_choice",
+        )
+    return True
 
 
 def _message(message: protocol.ChatMessage, i: int) -> inference_pb2.Message:
