@@ -411,6 +411,24 @@ def test_options_not_sent_stay_unset() -> None:
     assert convert.chat_request(parse(protocol.ChatRequest, zero)).sampling.HasField("temperature")
 
 
+@pytest.mark.parametrize(
+    "off",
+    [
+        {"mirostat": 0},
+        {"mirostat": 0.0, "mirostat_tau": 5.0, "mirostat_eta": 0.1},
+        {"mirostat_tau": 5, "mirostat_eta": 0.1},
+        {"typical_p": 1, "tfs_z": 1.0},
+    ],
+)
+def test_sampler_options_turned_off_are_taken(off: dict[str, Any]) -> None:
+    """Clients that send every option they have (LangChain's ChatOllama with
+    `mirostat=0`) send Ollama's off values: they ask for nothing, and are served as if
+    not sent."""
+    plain = convert.chat_request(parse(protocol.ChatRequest, CHAT)).sampling
+    sent = {**CHAT, "options": {**off, "temperature": None}}
+    assert convert.chat_request(parse(protocol.ChatRequest, sent)).sampling == plain
+
+
 # ---------------------------------------------------------------- refusals, by name
 
 GEN = {"model": "tiny", "prompt": "Hi"}
@@ -486,7 +504,16 @@ REFUSALS: list[tuple[str, dict[str, Any], str, str]] = [
     ("chat", {**CHAT, "keep_alive": True}, "keep_alive", "duration"),
     ("chat", {**CHAT, "format": "yaml"}, "format", "'yaml'"),
     ("chat", {**CHAT, "top_logprobs": 2}, "top_logprobs", "'logprobs'"),
-    ("chat", {**CHAT, "options": {"mirostat": 2}}, "options.mirostat", "sampler"),
+    ("chat", {**CHAT, "options": {"mirostat": 2}}, "options.mirostat", "send 0, off, or omit"),
+    ("chat", {**CHAT, "options": {"mirostat": False}}, "options.mirostat", "sampler"),
+    ("chat", {**CHAT, "options": {"typical_p": 0.9}}, "options.typical_p", "send 1, off"),
+    ("chat", {**CHAT, "options": {"tfs_z": 0.5}}, "options.tfs_z", "sampler"),
+    (
+        "chat",
+        {**CHAT, "options": {"mirostat_tau": 4.0, "mirostat": 1}},
+        "options.mirostat_tau",
+        "only with mirostat 0",
+    ),
     ("chat", {**CHAT, "options": {"num_gpu": 99}}, "options.num_gpu", "gpuLayers"),
     ("chat", {**CHAT, "options": {"use_mmap": True}}, "options.use_mmap", "engine setting"),
     (

@@ -1,7 +1,8 @@
 """Ollama's `options`, read as canonical sampling or refused by name.
 
 Pure. Every option either does what Ollama does with it or is refused by name, never
-ignored: `sampling` reads a generation's options, `check_embedding` an embedding's
+ignored (a sampler option sent at its "off" value does what Ollama's does with it:
+nothing): `sampling` reads a generation's options, `check_embedding` an embedding's
 (only `num_ctx` means anything there), and `check_num_ctx` refuses a context larger
 than the Lane serves per request. A smaller `num_ctx` bounds the request's context
 (`Sampling.context_limit`): a prompt that does not fit is refused, and the generation
@@ -30,6 +31,12 @@ _SAMPLER_OPTIONS = frozenset(
         "mirostat_eta", "penalize_newline",
     }
 )  # fmt: skip
+# Sampler options at the value that turns them off in Ollama's runner ask for nothing
+# Blazar's sampler does not do: taken, so that clients which send every setting they
+# have, defaults included, are served. Any other value is refused by name.
+_OFF_VALUES = {"mirostat": 0, "typical_p": 1, "tfs_z": 1}
+# Mirostat's target entropy and learning rate tune mirostat only: with it off, nothing.
+_MIROSTAT_TUNING = frozenset({"mirostat_tau", "mirostat_eta"})
 _LANE_OPTIONS = {
     "num_thread": "threads",
     "num_gpu": "gpuLayers",
@@ -55,7 +62,7 @@ def sampling(options: Mapping[str, Any]) -> inference_pb2.Sampling:
     every setting they have, set or not)."""
     options = {name: value for name, value in options.items() if value is not None}
     for name in options:
-        if name not in _OPTIONS:
+        if name not in _OPTIONS and not _turned_off(name, options):
             raise _unsupported_option(name)
     read = _OptionReader(options)
     num_predict = read.integer("num_predict", low=-2, high=wire.INT32_MAX)
@@ -106,9 +113,26 @@ def is_option(name: str) -> bool:
     return name in _OPTIONS or name in _SAMPLER_OPTIONS or name in _LANE_OPTIONS
 
 
+def _turned_off(name: str, options: Mapping[str, Any]) -> bool:
+    """Whether the unsupported option `name` is sent at a value that asks for nothing
+    (`_OFF_VALUES`, or mirostat's tuning while mirostat is off)."""
+    value = options[name]
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    if name in _OFF_VALUES:
+        return value == _OFF_VALUES[name]
+    if name in _MIROSTAT_TUNING:
+        return "mirostat" not in options or _turned_off("mirostat", options)
+    return False
+
+
 def _unsupported_option(name: str) -> errors.InvalidRequest:
     param = f"options.{name}"
-    if name in _SAMPLER_OPTIONS:
+    if name in _OFF_VALUES:
+        why = f"Blazar's sampler does not have it (send {_OFF_VALUES[name]}, off, or omit it)"
+    elif name in _MIROSTAT_TUNING:
+        why = "Blazar's sampler has no mirostat (it is taken only with mirostat 0, off)"
+    elif name in _SAMPLER_OPTIONS:
         why = "Blazar's sampler does not have it"
     elif name in _LANE_OPTIONS:
         setting = _LANE_OPTIONS[name]
