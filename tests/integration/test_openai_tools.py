@@ -150,10 +150,10 @@ def test_a_forced_call_validates_20_of_20(client: openai.OpenAI, stream: bool) -
         names = {"get_time"} if tool_choice is NAMED else set(SCHEMAS)
         # With parallel calls allowed the bundled model never ends a turn by itself: it
         # writes the grammar's cap of 8 calls, 8 times the tokens of a single call. One
-        # try in 20 shows that those validate too (`required` whole, the named tool
-        # streamed); it goes first, being the longest, and offers only `get_time`,
-        # whose calls are the shortest.
-        parallel = i == (1 if stream else 0)
+        # `required` try in 20 shows that those validate too (a named tool is one call
+        # whatever `parallel_tool_calls` says); it goes first, being the longest, and
+        # offers only `get_time`, whose calls are the shortest.
+        parallel = i == 0
         tools = [TIME_TOOL] if parallel else TOOLS
         if parallel:
             names = {"get_time"}
@@ -198,8 +198,9 @@ def test_a_conversation_goes_on_after_a_tool_result(client: openai.OpenAI) -> No
         model=LANE,
         messages=QUESTION,
         tools=TOOLS,
+        # A named tool is exactly one call without `parallel_tool_calls` (as Instructor
+        # sends it): one call's budget is enough.
         tool_choice={"type": "function", "function": {"name": "get_weather"}},
-        parallel_tool_calls=False,
         seed=7,
         max_tokens=budget({"function": {"name": "get_weather"}}, parallel=False),
     )

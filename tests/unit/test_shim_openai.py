@@ -445,6 +445,37 @@ def test_unset_sampling_fields_stay_unset() -> None:
     assert requests.chat_request(zero).sampling.HasField("temperature")
 
 
+NAMED_WEATHER = {"type": "function", "function": {"name": "get_weather"}}
+
+
+@pytest.mark.parametrize(
+    ("tool_choice", "parallel", "expected"),
+    [
+        (NAMED_WEATHER, None, False),
+        (NAMED_WEATHER, True, False),
+        (NAMED_WEATHER, False, False),
+        ("required", None, None),
+        ("required", True, True),
+        ("auto", None, None),
+        (None, False, False),
+    ],
+)
+def test_a_named_tool_choice_makes_exactly_one_call(
+    tool_choice: Any, parallel: bool | None, expected: bool | None
+) -> None:
+    """OpenAI's named tool_choice calls exactly one function (Instructor's default mode
+    reads the one call, and failed on the 8 a parallel turn allowed); the modes keep
+    what `parallel_tool_calls` says, unset when it is."""
+    body = chat_body(tools=[WEATHER], tool_choice=tool_choice, parallel_tool_calls=parallel)
+    parsed = validation.parse_body(protocol.ChatCompletionRequest, json.dumps(body).encode())
+    request = requests.chat_request(parsed)
+    if expected is None:
+        assert not request.HasField("parallel_tool_calls")
+    else:
+        assert request.HasField("parallel_tool_calls")
+        assert request.parallel_tool_calls is expected
+
+
 @pytest.mark.parametrize("ignore_eos", [True, False, None])
 def test_llama_cpp_ignore_eos_reaches_sampling(ignore_eos: bool | None) -> None:
     body = {"model": "base", "prompt": "Once", "ignore_eos": ignore_eos}

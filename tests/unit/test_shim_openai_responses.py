@@ -218,6 +218,29 @@ def test_request_translation_matches_golden(name: str) -> None:
     )
 
 
+@pytest.mark.parametrize(
+    ("tool_choice", "parallel", "expected"),
+    [
+        ({"type": "function", "name": "get_weather"}, None, False),
+        ({"type": "function", "name": "get_weather"}, True, False),
+        ("required", True, True),
+        ("required", None, None),
+    ],
+)
+def test_a_named_tool_choice_makes_exactly_one_call(
+    tool_choice: Any, parallel: bool | None, expected: bool | None
+) -> None:
+    """As in Chat Completions: a named tool_choice is exactly one call."""
+    request = requests.chat_request(
+        parse(body(tools=[WEATHER], tool_choice=tool_choice, parallel_tool_calls=parallel))
+    )
+    if expected is None:
+        assert not request.HasField("parallel_tool_calls")
+    else:
+        assert request.HasField("parallel_tool_calls")
+        assert request.parallel_tool_calls is expected
+
+
 def test_an_assistant_refusal_in_the_history_is_its_text() -> None:
     """An earlier answer as OpenAI's output holds it (an `output_text` part, or a
     `refusal` part) goes back as the assistant's text, as Chat Completions takes an

@@ -74,6 +74,7 @@ def chat_request(
                 param="parallel_tool_calls",
             )
         request.parallel_tool_calls = body.parallel_tool_calls
+    one_call_when_named(request)
     return request
 
 
@@ -141,6 +142,15 @@ def _continues(
             param="tool_choice",
         )
     return True
+
+
+def one_call_when_named(request: inference_pb2.ChatRequest) -> None:
+    """OpenAI's named `tool_choice` (either API) is "call exactly one specific function"
+    (its function-calling guide), whatever `parallel_tool_calls` says: extraction
+    libraries (Instructor, LangChain) read the one call. Left to the 1 to 8 calls of
+    a parallel turn, the bundled model wrote all 8, past their `max_tokens`."""
+    if request.tool_choice.mode == inference_pb2.ToolChoice.MODE_NAMED:
+        request.parallel_tool_calls = False
 
 
 def _message(message: protocol.ChatMessage, i: int) -> inference_pb2.Message:

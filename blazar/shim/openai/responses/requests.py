@@ -78,6 +78,7 @@ def chat_request(
     )
     if body.parallel_tool_calls is not None:
         request.parallel_tool_calls = body.parallel_tool_calls
+    requests.one_call_when_named(request)
     return request
 
 
