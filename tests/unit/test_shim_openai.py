@@ -1844,6 +1844,21 @@ async def test_embeddings_match_golden(
     )
 
 
+@pytest.mark.parametrize("tokens", [[15339, 1917], [[15339, 1917], [9906]]])
+async def test_embedding_token_arrays_are_refused_saying_what_to_send(
+    daemon: Daemon, client: httpx.AsyncClient, tokens: Any
+) -> None:
+    """LangChain's OpenAIEmbeddings sends tiktoken ids by default (as here, base64):
+    the 400 names the setting that makes it send the text."""
+    body = {"model": "tiny", "input": tokens, "encoding_format": "base64"}
+    response = await client.post("/v1/embeddings", json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "input"
+    assert "token arrays are not supported" in error["message"]
+    assert "check_embedding_ctx_length=False" in error["message"]
+
+
 # ---------------------------------------------------------------- structured output, logprobs
 
 

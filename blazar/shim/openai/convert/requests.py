@@ -315,8 +315,13 @@ def embed_request(body: protocol.EmbeddingRequest) -> inference_pb2.EmbedRequest
     elif all(isinstance(item, str) for item in body.input):
         inputs = [item for item in body.input if isinstance(item, str)]
     else:
+        # LangChain's OpenAIEmbeddings sends ids of OpenAI's tokenizer (tiktoken) by
+        # default, which name other tokens in this model's vocabulary: embedding them
+        # would answer for a text nobody sent. Say how to send the text instead.
         raise envelope.invalid(
-            "'input' must be a string or a list of strings; token arrays are not supported.",
+            "'input' must be a string or a list of strings; token arrays are not supported "
+            "(ids of another tokenizer would embed a different text). Send the text: with "
+            "LangChain's OpenAIEmbeddings, set check_embedding_ctx_length=False.",
             param="input",
         )
     if not inputs:
