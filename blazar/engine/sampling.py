@@ -53,6 +53,51 @@ MAX_GRAMMAR_PASS_S = 10.0
 GRAMMAR_SLICES = (256, 4096)
 
 
+# Room left for float32 arithmetic in llama.cpp's top-p and min-p stages against the
+# float64 here (`slice_decides`): a decision within it falls back to the whole pass.
+_CUT_MARGIN = 1e-3
+
+
+def slice_decides(
+    allowed: Sequence[float] | Any, boundary: float, *, keep: int, top_p: float, min_p: float
+) -> bool:
+    """Whether the chain (top-k `keep`, then top-p, then min-p, on raw logits, then
+    temperature and the draw) keeps the same tokens from a slice of the best logits, the
+    grammar applied, as from the whole vocabulary: then its draw from the slice is its
+    draw from the whole (`Sampler._constrained_draw`), and no pass over the rest is needed.
+
+    `allowed`: the logits the grammar allows in the slice, best first; `boundary`: the
+    slice's lowest logit, which every token outside it is at or below. With `keep` of
+    them allowed, top-k keeps only slice tokens. With fewer, up to keep - n allowed
+    tokens outside could join; min-p drops each (its logit is at most `boundary`) when
+    `boundary` is below the best logit + ln(min_p). Those tokens' weight can only move
+    top-p's cut later: it keeps at least the tokens it keeps with none outside, and
+    whatever it keeps beyond those, min-p must drop too."""
+    n = len(allowed)
+    if n >= keep:
+        return True
+    if n == 0 or min_p <= 0.0:
+        return False
+    best = float(allowed[0])
+    threshold = best + math.log(min_p)
+    if not boundary < threshold - _CUT_MARGIN:
+        return False
+    if top_p >= 1.0:
+        return True
+    weights = [math.exp(float(logit) - best) for logit in allowed]
+    inside = sum(weights)
+    # The fewest tokens top-p can keep: with no weight outside its sums run highest,
+    # and llama.cpp's float32 sums may run a little higher still.
+    fewest, running = n, 0.0
+    for i, weight in enumerate(weights):
+        running += weight
+        if running / inside >= top_p - _CUT_MARGIN:
+            fewest = i + 1
+            break
+    # Whatever top-p keeps past `fewest` (slice tokens, then outside ones) min-p drops.
+    return fewest >= n or float(allowed[fewest]) < threshold - _CUT_MARGIN
+
+
 class Vocabulary(Protocol):
     """The loaded model's vocabulary, as far as sampling needs it."""
 
@@ -354,7 +399,11 @@ class Sampler:
     and draws the same token (one random draw either way) as after a pass over the
     whole vocabulary, which is what it falls back to when the slices hold too few.
     Measured on the tools Lane's forced calls: the whole-vocabulary pass cost 34 ms
-    and came at one token in five.
+    and came at one token in five. With fewer than `keep` allowed in a slice, the
+    chain's min-p (0.05 by default) may still prove that no token outside the slice
+    can be drawn (`slice_decides`): the bundled model's forced named call, 31 tokens
+    at temperature 0.6 and the default top-k, top-p and min-p, took 0.89-0.93 s
+    against 1.21-1.38 s before, and four at once 4.1-4.3 s against 5.4-6.6 s.
 
     Plain greedy decoding (no penalties, no grammar, no bias but bans) has no chain at
     all: the token is the logits row's argmax, taken in place, with banned tokens set
@@ -372,6 +421,8 @@ class Sampler:
         biased: bool = False,
         banned: Sequence[int] = (),
         keep: int | None = None,
+        top_p: float = 1.0,
+        min_p: float = 0.0,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         import numpy as np
@@ -385,6 +436,9 @@ class Sampler:
         self._n_vocab = n_vocab
         self._biased = biased
         self._keep = keep if grammar is not None else None
+        # The chain's top-p and min-p stages, which `slice_decides` reads with `keep`.
+        self._top_p = top_p
+        self._min_p = min_p
         self._clock = clock
         # Candidates the grammar judged in its fallback passes (all of them: n_vocab).
         self.judged = 0
@@ -486,8 +540,15 @@ class Sampler:
                 arr = self._candidate_array(best[:size], row[best[:size]])
                 lc.llama_sampler_apply(self._grammar, ctypes.byref(arr))
                 self.judged += size
-                allowed = self._candidates[:size]["logit"] != -np.inf
-                if int(np.count_nonzero(allowed)) >= keep:
+                logits = self._candidates[:size]["logit"]
+                allowed = logits[logits != -np.inf]  # best first, as `best` is
+                if slice_decides(
+                    allowed,
+                    float(row[best[size - 1]]),
+                    keep=keep,
+                    top_p=self._top_p,
+                    min_p=self._min_p,
+                ):
                     return self._chain_pick(arr)
         self.judged += self._n_vocab
         return self._draw(ctx, index, grammar_first=True)
@@ -607,4 +668,12 @@ def build_sampler(params: SamplingParams, *, prompt: Sequence[int] = ()) -> Samp
     keep = None
     if not params.logit_bias and not params.penalized:
         keep = 1 if params.greedy else (params.top_k if params.top_k > 0 else None)
-    return Sampler(chain, grammar, n_vocab, biased=bool(params.logit_bias), keep=keep)
+    return Sampler(
+        chain,
+        grammar,
+        n_vocab,
+        biased=bool(params.logit_bias),
+        keep=keep,
+        top_p=params.top_p,
+        min_p=params.min_p,
+    )

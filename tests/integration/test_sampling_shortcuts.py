@@ -3,7 +3,8 @@ the chain picks from every row:
 - plain greedy requests take the logits row's argmax instead of the chain;
 - a grammar that rejects the chain's draw judges the best tokens first (`Sampler`),
   greedy and sampled. Greedy, it judges far fewer candidates doing so; with top-k the
-  prose rows here rarely hold k allowed tokens among their best, and it falls back."""
+  prose rows here rarely hold k allowed tokens among their best, and it falls back
+  unless min-p proves that no token outside the best can be drawn (`slice_decides`)."""
 
 from __future__ import annotations
 
@@ -133,8 +134,13 @@ def _constrained(rt: llama.Runtime, **fields: object) -> sampling.SamplingParams
         {"temperature": 0.0},
         {"temperature": 0.8, "top_k": 40, "seed": 7},
         {"temperature": 1.5, "top_k": 3, "top_p": 0.9, "min_p": 0.0, "seed": 11},
+        # The defaults (top-k 40, top-p 0.95, min-p 0.05): what most clients get.
+        {"temperature": 0.8, "seed": 3},
+        {"temperature": 1.2, "top_p": 0.5, "seed": 5},
+        {"temperature": 0.7, "top_p": 1.0, "min_p": 0.2, "seed": 9},
+        {"temperature": 1.0, "top_k": 100, "min_p": 0.01, "seed": 13},
     ],
-    ids=["greedy", "top-k-40", "top-k-3"],
+    ids=["greedy", "top-k-40", "top-k-3", "defaults", "top-p-0.5", "min-p-0.2", "top-k-100"],
 )
 def test_judging_the_best_first_draws_what_a_whole_pass_draws(
     runtime: llama.Runtime, fields: dict[str, object]
@@ -163,3 +169,6 @@ def test_judging_the_best_first_draws_what_a_whole_pass_draws(
     assert whole.judged >= 5 * runtime.vocab.n_tokens  # the rows made the grammar judge
     if fields["temperature"] == 0.0:
         assert fast.judged * 2 < whole.judged
+    if fields.keys() == {"temperature", "seed"}:
+        # min-p proves the rest of the vocabulary out of the draw (`slice_decides`).
+        assert fast.judged * 5 < whole.judged * 4

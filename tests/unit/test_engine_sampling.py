@@ -291,3 +291,38 @@ def test_a_grammar_pass_past_its_bound_ends_the_request_not_the_engine(
     with pytest.raises(errors.InvalidRequest, match=r"took 11\.0 s to constrain one token") as info:
         sampler.sample(None, 0)
     assert info.value.metadata[errors.FIELD_KEY] == "constraint"
+
+
+# --- when a slice of the best logits decides the chain's draw ---------------------------
+
+LN20 = math.log(20)  # -ln(0.05): min-p 0.05 keeps logits within this of the best
+
+
+@pytest.mark.parametrize(
+    ("allowed", "boundary", "keep", "top_p", "min_p", "decides"),
+    [
+        # keep of them allowed: top-k never looks past the slice.
+        pytest.param([5.0, 4.0, 3.0], 0.0, 3, 0.95, 0.0, True, id="keep-allowed"),
+        pytest.param([], 0.0, 40, 0.95, 0.05, False, id="none-allowed"),
+        # Without min-p, a token outside could be drawn, however unlikely.
+        pytest.param([9.0], 0.0, 40, 1.0, 0.0, False, id="no-min-p"),
+        # min-p drops everything at or below the boundary...
+        pytest.param([9.0], 9.0 - LN20 - 0.01, 40, 1.0, 0.05, True, id="min-p-drops-the-rest"),
+        # ...but not a boundary within its reach (nor within the float margin of it).
+        pytest.param([9.0], 9.0 - LN20 + 0.01, 40, 1.0, 0.05, False, id="min-p-reaches-past"),
+        pytest.param([9.0], 9.0 - LN20 - 1e-4, 40, 1.0, 0.05, False, id="within-the-margin"),
+        # top-p cuts after the best (0.99 of the slice's weight), and min-p drops the
+        # second: outside weight moving the cut later changes nothing.
+        pytest.param([9.0, 4.0], 0.0, 40, 0.95, 0.05, True, id="top-p-cut-min-p-drops"),
+        # top-p may cut after the best, but the second survives min-p if outside
+        # weight moves the cut past it: undecided.
+        pytest.param([9.0, 7.0], 0.0, 40, 0.5, 0.05, False, id="top-p-cut-moves"),
+        # top-p keeps both whatever lies outside: decided.
+        pytest.param([9.0, 8.5], 0.0, 40, 0.95, 0.05, True, id="top-p-keeps-both"),
+    ],
+)
+def test_a_slice_decides_the_draw_only_when_nothing_outside_can_be_drawn(
+    allowed: list[float], boundary: float, keep: int, top_p: float, min_p: float, decides: bool
+) -> None:
+    got = sampling.slice_decides(allowed, boundary, keep=keep, top_p=top_p, min_p=min_p)
+    assert got is decides
