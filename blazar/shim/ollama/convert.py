@@ -410,7 +410,7 @@ def embed_request(body: protocol.EmbedRequest) -> inference_pb2.EmbedRequest:
         inputs=inputs,
         normalize=True,
         dimensions=body.dimensions,
-        context_limit=options.embedding_context(body.options),
+        context_limit=options.num_ctx(body.options),
     )
     keep_alive(request, body.keep_alive)
     return request
@@ -423,7 +423,7 @@ def embeddings_request(body: protocol.EmbeddingsRequest) -> inference_pb2.EmbedR
         model=body.model,
         inputs=[body.prompt],
         normalize=False,
-        context_limit=options.embedding_context(body.options),
+        context_limit=options.num_ctx(body.options),
     )
     keep_alive(request, body.keep_alive)
     return request

@@ -213,7 +213,9 @@ def _bound(value: float) -> str:
 
 
 def num_ctx(options: Mapping[str, Any] | None) -> int | None:
-    """The `num_ctx` option (checked by `sampling`), None when not sent."""
+    """An embedding's `num_ctx` option (checked by `check_embedding`), None when not
+    sent: the context its inputs must fit, as in Ollama, which cuts a longer one short
+    where Blazar refuses it. A generation's is read by `sampling`."""
     value = (options or {}).get("num_ctx")
     if isinstance(value, float) and value.is_integer():
         value = int(value)
@@ -250,12 +252,6 @@ def bound_context(
     check_num_ctx(bounded.context_limit, info)
     if info.upstream:
         bounded.ClearField("context_limit")
-
-
-def embedding_context(options: Mapping[str, Any] | None) -> int | None:
-    """An embedding's num_ctx (checked by `check_embedding`): the context its inputs
-    must fit, as in Ollama, which cuts a longer one short where Blazar refuses it."""
-    return num_ctx(options)
 
 
 def check_embedding(options: Mapping[str, Any] | None) -> None:
