@@ -503,6 +503,8 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             raise errors.InvalidRequest("Set either prompt or chat.")
 
         limit = text.context_limit(self._decode.context_per_slot, params.context_limit)
+        # The request asked for less than a slot holds: its refusals say so.
+        requested = limit != self._decode.context_per_slot
 
         def tokenize() -> list[int]:
             if len(prompt) > INLINE_TOKENIZE_CHARS:
@@ -516,7 +518,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                     limit,
                     at_least=True,
                     up_to_context=params.max_tokens_up_to_context,
-                    requested=limit != self._decode.context_per_slot,
+                    requested=requested,
                 )
             if turns is None:
                 # A raw prompt is the caller's whole prompt, control tokens included.
@@ -538,7 +540,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             params.max_tokens,
             limit,
             up_to_context=params.max_tokens_up_to_context,
-            requested=limit != self._decode.context_per_slot,
+            requested=requested,
         )
         job = jobs.Job(
             request_id=request.request_id,
