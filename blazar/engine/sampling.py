@@ -24,10 +24,9 @@ from typing import Any, Protocol
 
 from blazar import logs
 from blazar._proto.v1 import inference_pb2
-from blazar.api import errors, jsontext
+from blazar.api import errors, jsontext, penalties
 from blazar.engine import gbnf, schema
 
-PENALTY_LAST_N = 64
 # OpenAI's limit, and what the loop is sized for.
 MAX_TOP_LOGPROBS = 20
 # Stop strings are matched against the text after every token, on the thread every
@@ -638,16 +637,16 @@ def build_sampler(params: SamplingParams, *, prompt: Sequence[int] = ()) -> Samp
         # n_vocab; the library's function takes (last_n, repeat, freq, present). Ints
         # and floats travel in separate registers, so the C side reads the first int
         # as last_n and the floats correctly: pass last_n in both int positions.
-        penalties = lc.llama_sampler_init_penalties(
-            PENALTY_LAST_N,
-            PENALTY_LAST_N,
+        penalizer = lc.llama_sampler_init_penalties(
+            penalties.WINDOW,
+            penalties.WINDOW,
             params.repeat_penalty,
             params.frequency_penalty,
             params.presence_penalty,
         )
-        for token in prompt[-PENALTY_LAST_N:]:
-            lc.llama_sampler_accept(penalties, token)
-        stages.append(penalties)
+        for token in prompt[-penalties.WINDOW :]:
+            lc.llama_sampler_accept(penalizer, token)
+        stages.append(penalizer)
     if params.greedy:
         stages.append(lc.llama_sampler_init_greedy())
     else:

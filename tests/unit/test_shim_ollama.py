@@ -429,6 +429,25 @@ def test_sampler_options_turned_off_are_taken(off: dict[str, Any]) -> None:
     assert convert.chat_request(parse(protocol.ChatRequest, sent)).sampling == plain
 
 
+def test_repeat_last_n_is_blazars_window_or_off() -> None:
+    """Blazar's penalties look back over 64 tokens, Ollama's default `repeat_last_n`:
+    64 asks for what Blazar does, and 0 turns the penalties off, as in Ollama's runner."""
+
+    def sampling(options: dict[str, Any]) -> Any:
+        return convert.chat_request(
+            parse(protocol.ChatRequest, {**CHAT, "options": options})
+        ).sampling
+
+    penalized = {"repeat_penalty": 1.3, "presence_penalty": 0.5, "frequency_penalty": 0.2}
+    assert sampling({**penalized, "repeat_last_n": 64}) == sampling(penalized)
+    assert sampling(penalized).repeat_penalty == pytest.approx(1.3)
+    assert sampling({**penalized, "repeat_last_n": 0}) == sampling({})
+    assert sampling({"repeat_last_n": 64.0, "temperature": 0.5}) == sampling({"temperature": 0.5})
+    # Off still checks what it turns off.
+    with pytest.raises(errors.InvalidRequest, match=r"options\.repeat_penalty"):
+        sampling({"repeat_last_n": 0, "repeat_penalty": 0})
+
+
 # ---------------------------------------------------------------- refusals, by name
 
 GEN = {"model": "tiny", "prompt": "Hi"}
@@ -508,6 +527,8 @@ REFUSALS: list[tuple[str, dict[str, Any], str, str]] = [
     ("chat", {**CHAT, "options": {"mirostat": False}}, "options.mirostat", "sampler"),
     ("chat", {**CHAT, "options": {"typical_p": 0.9}}, "options.typical_p", "send 1, off"),
     ("chat", {**CHAT, "options": {"tfs_z": 0.5}}, "options.tfs_z", "sampler"),
+    ("chat", {**CHAT, "options": {"repeat_last_n": -1}}, "options.repeat_last_n", "send 64, or 0"),
+    ("generate", {**GEN, "options": {"repeat_last_n": 128}}, "options.repeat_last_n", "last 64"),
     (
         "chat",
         {**CHAT, "options": {"mirostat_tau": 4.0, "mirostat": 1}},

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from blazar._proto.v1 import inference_pb2
-from blazar.api import errors, wire
+from blazar.api import errors, penalties, wire
 from blazar.shim import canonical, validation
 
 # Ollama's num_predict: -1 generates until the model stops, -2 until the context is
@@ -27,7 +27,7 @@ _UNLIMITED_PREDICT = (-2, -1, 0)
 # Ollama options Blazar does not take, and why (the rest are unknown to Ollama too).
 _SAMPLER_OPTIONS = frozenset(
     {
-        "num_keep", "typical_p", "repeat_last_n", "tfs_z", "mirostat", "mirostat_tau",
+        "num_keep", "typical_p", "tfs_z", "mirostat", "mirostat_tau",
         "mirostat_eta", "penalize_newline",
     }
 )  # fmt: skip
@@ -75,14 +75,18 @@ def sampling(options: Mapping[str, Any]) -> inference_pb2.Sampling:
             param="options.stop",
         )
     context = read.integer("num_ctx", low=1, high=wire.INT32_MAX)
+    penalized = _penalized(read.integer("repeat_last_n"))
+    repeat_penalty = read.number("repeat_penalty", low=0, low_open=True)
+    presence_penalty = read.number("presence_penalty", low=-2, high=2)
+    frequency_penalty = read.number("frequency_penalty", low=-2, high=2)
     out = canonical.sampling(
         temperature=read.number("temperature", low=0),
         top_p=read.number("top_p", low=0, high=1),
         top_k=read.integer("top_k", low=0, high=wire.INT32_MAX),
         min_p=read.number("min_p", low=0, high=1),
-        repeat_penalty=read.number("repeat_penalty", low=0, low_open=True),
-        presence_penalty=read.number("presence_penalty", low=-2, high=2),
-        frequency_penalty=read.number("frequency_penalty", low=-2, high=2),
+        repeat_penalty=repeat_penalty if penalized else None,
+        presence_penalty=presence_penalty if penalized else None,
+        frequency_penalty=frequency_penalty if penalized else None,
         seed=read.integer("seed"),
         max_tokens=None if num_predict in (None, *_UNLIMITED_PREDICT) else num_predict,
         stop=[stop] if isinstance(stop, str) else (stop or ()),
@@ -102,9 +106,27 @@ def sampling(options: Mapping[str, Any]) -> inference_pb2.Sampling:
 _OPTIONS = frozenset(
     {
         "num_predict", "temperature", "top_k", "top_p", "min_p", "seed", "stop",
-        "repeat_penalty", "presence_penalty", "frequency_penalty", "num_ctx",
+        "repeat_penalty", "presence_penalty", "frequency_penalty", "repeat_last_n",
+        "num_ctx",
     }
 )  # fmt: skip
+
+
+def _penalized(window: int | None) -> bool:
+    """Whether the penalties act, by `repeat_last_n`: Blazar's window
+    (`penalties.WINDOW`, Ollama's default) or unset, yes; 0 turns them off, as in
+    Ollama's runner. Another window (-1 is the whole context) is refused: Blazar's
+    penalties look back over only that one."""
+    if window is None or window == penalties.WINDOW:
+        return True
+    if window == 0:
+        return False
+    raise validation.invalid(
+        f"'options.repeat_last_n' {window} is not supported: Blazar's penalties look back "
+        f"over the last {penalties.WINDOW} tokens (send {penalties.WINDOW}, or 0 for no "
+        "penalties, or omit it).",
+        param="options.repeat_last_n",
+    )
 
 
 def is_option(name: str) -> bool:
