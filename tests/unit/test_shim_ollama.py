@@ -1489,7 +1489,13 @@ async def test_show_as_gos_client_sends_it(client: httpx.AsyncClient) -> None:
 
 
 @pytest.mark.parametrize(
-    "field", [{"system": "Be brief."}, {"template": "{{ .Prompt }}"}, {"options": {"seed": 1}}]
+    "field",
+    [
+        {"system": "Be brief."},
+        {"template": "{{ .Prompt }}"},
+        {"options": {"seed": 1}},
+        {"verbose": True},
+    ],
 )
 async def test_show_refuses_what_it_cannot_show_by_name(
     client: httpx.AsyncClient, field: dict[str, Any]

@@ -31,7 +31,16 @@ def model_info(response: inference_pb2.ListModelsResponse, name: str) -> inferen
 def show_name(body: protocol.ShowRequest) -> str:
     """The model `/api/show` is asked about. Ollama's `system`, `template` and
     `options` there show the model as if its Modelfile had them; Blazar's Modelfile is
-    a Lane, so they are refused when set (Go's client sends them empty)."""
+    a Lane, so they are refused when set (Go's client sends them empty). `verbose`
+    asks for the tensors and the tokenizer's arrays, which Blazar does not read from the
+    file: refused when true, where Ollama's CLI sends it (`ollama show --verbose`)."""
+    if body.verbose:
+        raise validation.invalid(
+            "'verbose' is not supported on /api/show: Blazar does not show a model's "
+            "tensors or tokenizer arrays, only what the answer without it has. Leave it "
+            "out or send false.",
+            param="verbose",
+        )
     for field in ("system", "template", "options"):
         if getattr(body, field):
             raise validation.invalid(
