@@ -244,6 +244,33 @@ def test_count_tokens_counts_a_conversation_longer_than_one_answer_could_list(
     assert whole - part == 6 * (part - half) > 0
 
 
+def test_max_tokens_past_the_context_stops_where_the_context_ends(
+    client: anthropic.Anthropic,
+) -> None:
+    """max_tokens bounds the answer and reserves nothing, as on Anthropic's current
+    models: LangChain's ChatAnthropic sends 4096 whatever the prompt, on a 2,048-token
+    Lane. The answer runs to the context's end and says so. A schema whose string
+    needs more room than is left pins that the model cannot end its turn first."""
+    room = 6
+
+    def turn(words: int) -> list[Any]:
+        return [{"role": "user", "content": "word " * words}]
+
+    def count(words: int) -> int:
+        return client.messages.count_tokens(model=LANE, messages=turn(words)).input_tokens
+
+    low, high = count(1000), count(1500)
+    words = 1000 + (2048 - room - low) * 500 // (high - low)
+    assert count(words) == 2048 - room
+    longer = {"type": "object", "properties": {"a": {"type": "string", "minLength": 100}},
+              "required": ["a"], "additionalProperties": False}  # fmt: skip
+    message = client.messages.create(
+        model=LANE, max_tokens=4096, messages=turn(words), output_config=output_format(longer)
+    )
+    assert message.stop_reason == "model_context_window_exceeded"
+    assert (prompt_total(message.usage), message.usage.output_tokens) == (2048 - room, room)
+
+
 def test_stop_sequences_end_the_text_before_them(client: anthropic.Anthropic) -> None:
     """A grammar forces a text with the stop string inside it: the text ends before it,
     and the answer names the stop sequence that ended it."""

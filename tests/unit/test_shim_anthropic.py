@@ -627,6 +627,9 @@ CALLS: list[Step] = [
 RESPONSE_CASES: dict[str, tuple[dict[str, Any], list[Step]]] = {
     "text": (body(), [delta("Hel"), delta(""), delta("lo"), final(prompt=12, completion=3, cached=8)]),
     "max_tokens": (body(max_tokens=2), [delta("a"), delta("b"), final(inference_pb2.FINISH_REASON_LENGTH, completion=2)]),
+    # Stopped before max_tokens by the end of the context, which max_tokens does not
+    # reserve: Anthropic's current models say so.
+    "context_window": (body(max_tokens=4096), [delta("a"), final(inference_pb2.FINISH_REASON_LENGTH, completion=1)]),
     "empty": (body(), [final(completion=1)]),
     "tool_calls": (
         body(tools=[WEATHER], tool_choice={"type": "any"}),
@@ -642,7 +645,7 @@ RESPONSE_CASES: dict[str, tuple[dict[str, Any], list[Step]]] = {
     ),
     # The second call was cut short by max_tokens: only the whole one goes out.
     "tool_call_cut_short": (
-        body(tools=[WEATHER], tool_choice={"type": "any"}),
+        body(max_tokens=9, tools=[WEATHER], tool_choice={"type": "any"}),
         [*CALLS[:3], calling(1, id="call_b", name="get_weather", arguments='{"city": "Os'),
          final(inference_pb2.FINISH_REASON_LENGTH, completion=9, tool_calls=1)],
     ),
@@ -809,21 +812,25 @@ def test_usage_counts_the_prompt_once() -> None:
 
 
 @pytest.mark.parametrize(
-    ("reason", "stop_reason"),
+    ("reason", "max_tokens", "stop_reason"),
     [
-        (inference_pb2.FINISH_REASON_STOP, "end_turn"),
-        (inference_pb2.FINISH_REASON_LENGTH, "max_tokens"),
-        (inference_pb2.FINISH_REASON_TOOL_CALLS, "tool_use"),
+        (inference_pb2.FINISH_REASON_STOP, 16, "end_turn"),
+        (inference_pb2.FINISH_REASON_LENGTH, 3, "max_tokens"),
+        (inference_pb2.FINISH_REASON_LENGTH, 4, "model_context_window_exceeded"),
+        (inference_pb2.FINISH_REASON_TOOL_CALLS, 16, "tool_use"),
     ],
 )
-def test_stop_reasons(reason: int, stop_reason: str) -> None:
-    assert render.stop_reason(final(reason).final) == stop_reason
+def test_stop_reasons(reason: int, max_tokens: int, stop_reason: str) -> None:
+    """`final` generated 3 tokens: a length stop before max_tokens is the context's end."""
+    assert (
+        render.stop_reason(final(reason, completion=3).final, max_tokens=max_tokens) == stop_reason
+    )
 
 
 def test_a_stop_sequence_is_named() -> None:
     ended = final(inference_pb2.FINISH_REASON_STOP).final
     ended.stop_sequence = "\n\nHuman:"
-    assert (render.stop_reason(ended), render.stop_sequence(ended)) == (
+    assert (render.stop_reason(ended, max_tokens=16), render.stop_sequence(ended)) == (
         "stop_sequence",
         "\n\nHuman:",
     )

@@ -232,7 +232,9 @@ class CountTokensRequest(Conversation):
 
 # ---------------------------------------------------------------- responses
 
-StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
+StopReason = Literal[
+    "end_turn", "max_tokens", "stop_sequence", "tool_use", "model_context_window_exceeded"
+]
 
 
 class TextContent(TypedDict):

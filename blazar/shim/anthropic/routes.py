@@ -54,7 +54,10 @@ async def messages(request: Request) -> Response:
     except errors.BlazarError as err:
         return error(err, request_id=ctx.request_id)
     meta = render.ResponseMeta(
-        id=f"msg_{ctx.request_id}", model=body.model, prewarm=requests.prewarms(body)
+        id=f"msg_{ctx.request_id}",
+        model=body.model,
+        max_tokens=body.max_tokens,
+        prewarm=requests.prewarms(body),
     )
     stream = inference.client_of(request).chat(chat, metadata=ctx.grpc_metadata())
     if body.stream:

@@ -17,20 +17,28 @@ from blazar.shim.anthropic import protocol
 
 @dataclass(frozen=True)
 class ResponseMeta:
-    """What a response repeats: Anthropic's message id and the model as asked for, and
-    whether the request only pre-warms the cache (`max_tokens: 0`): its answer holds no
-    content, stops on `max_tokens` and counts no output tokens, whatever the one token
-    the engine ran to (`requests.PREWARM_TOKENS`) was."""
+    """What a response repeats: Anthropic's message id and the model as asked for; the
+    `max_tokens` asked for, which tells an answer stopped by it from one stopped by the
+    end of the context; and whether the request only pre-warms the cache
+    (`max_tokens: 0`): its answer holds no content, stops on `max_tokens` and counts no
+    output tokens, whatever the one token the engine ran to
+    (`requests.PREWARM_TOKENS`) was."""
 
     id: str
     model: str
+    max_tokens: int
     prewarm: bool = False
 
 
-def stop_reason(final: inference_pb2.Final) -> protocol.StopReason:
+def stop_reason(final: inference_pb2.Final, *, max_tokens: int) -> protocol.StopReason:
     """FINISH_REASON_STOP is the model's end of turn, or one of the caller's stop
-    sequences when `Final.stop_sequence` names it."""
+    sequences when `Final.stop_sequence` names it. FINISH_REASON_LENGTH before
+    `max_tokens` tokens is the end of the context, which Anthropic's current models
+    report as "model_context_window_exceeded" (max_tokens reserves no room there:
+    `requests.messages_request`)."""
     if final.finish_reason == inference_pb2.FINISH_REASON_LENGTH:
+        if final.usage.completion_tokens < max_tokens:
+            return "model_context_window_exceeded"
         return "max_tokens"
     if final.finish_reason == inference_pb2.FINISH_REASON_TOOL_CALLS:
         return "tool_use"
@@ -78,7 +86,7 @@ def message(answer: canonical.Answer, meta: ResponseMeta) -> protocol.MessageRes
         content.append({"type": "text", "text": answer.text})
     if not meta.prewarm:
         content.extend(_tool_use(call) for call in answer.whole_calls())
-    stop = _stop(final, prewarm=meta.prewarm)
+    stop = _stop(final, meta)
     return {
         "id": meta.id,
         "type": "message",
@@ -91,11 +99,14 @@ def message(answer: canonical.Answer, meta: ResponseMeta) -> protocol.MessageRes
     }
 
 
-def _stop(final: inference_pb2.Final, *, prewarm: bool) -> protocol.StopDelta:
+def _stop(final: inference_pb2.Final, meta: ResponseMeta) -> protocol.StopDelta:
     """Why the answer stopped; a pre-warming request at its `max_tokens` of 0."""
-    if prewarm:
+    if meta.prewarm:
         return {"stop_reason": "max_tokens", "stop_sequence": None}
-    return {"stop_reason": stop_reason(final), "stop_sequence": stop_sequence(final)}
+    return {
+        "stop_reason": stop_reason(final, max_tokens=meta.max_tokens),
+        "stop_sequence": stop_sequence(final),
+    }
 
 
 class Events:
@@ -180,7 +191,7 @@ class Events:
         out.append(
             {
                 "type": "message_delta",
-                "delta": _stop(final, prewarm=self._meta.prewarm),
+                "delta": _stop(final, self._meta),
                 "usage": usage(final, prewarm=self._meta.prewarm),
             }
         )

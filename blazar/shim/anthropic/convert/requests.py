@@ -75,6 +75,11 @@ def messages_request(
             stop=body.stop_sequences or (),
         )
     )
+    # As Anthropic's current models take it, max_tokens bounds the answer and reserves
+    # nothing: a prompt that leaves less room is served, and the answer stops where the
+    # context ends (stop_reason "model_context_window_exceeded", `render.stop_reason`).
+    # Only a prompt that leaves no room is refused ("prompt is too long").
+    request.sampling.max_tokens_up_to_context = True
     constraint = _constraint(body)
     if constraint is not None:
         if request.continue_final_message:
