@@ -27,7 +27,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -62,38 +61,25 @@ log = structlog.get_logger("blazar.engine.loop")
 PREFILL_BESIDE_DECODE = 128
 
 
-@dataclass(frozen=True)
-class LoopOptions:
-    # The replica's launch settings: the model, its context, its speculation.
-    spec: replicas.LaunchSpec
-    # Save slot caches here on stop and restore them on start (None: do not).
-    kv_dir: Path | None = None
-    # Prompt tokens a step takes while other sequences decode (None: n_batch).
-    prefill_beside_decode: int | None = PREFILL_BESIDE_DECODE
-    # The host's CPU share table (`cpushare`); None: always compute on spec.threads.
-    cpu_share: Path | None = None
-    # The CPUs that table shares; None: this process's affinity.
-    host_cpus: int | None = None
-
-
 class DecodeLoop:
     """The decode thread and its slots; `start` loads the model on that thread."""
 
     def __init__(
         self,
-        options: LoopOptions,
+        launch: replicas.EngineLaunch,
         *,
         on_loaded: Callable[[BaseException | None], None],
         outbox: jobs.Outbox | None = None,
         on_failed: Callable[[BaseException], None] | None = None,
     ) -> None:
-        self.options = options
+        # The launch document, whose settings the loop reads where it uses them.
+        self.launch = launch
         self._outbox = outbox
         # Told (on the decode thread) when a pass raised outside its step: the thread
         # has ended its work and stops, and nothing submitted afterwards would run.
         self._on_failed = on_failed
-        self._bank = parking.Bank(max_bytes=options.spec.max_parked_mib << 20)
-        self._seats = seats.Seats(options.spec.slots, self._bank)
+        self._bank = parking.Bank(max_bytes=launch.spec.max_parked_mib << 20)
+        self._seats = seats.Seats(launch.spec.slots, self._bank)
         # The slots, for Health and the KV store (read from other threads: `slots`).
         self.slots = self._seats.slots
         self.kv_bytes = 0
@@ -105,11 +91,9 @@ class DecodeLoop:
         self._cpu: cpushare.CpuShare | None = None
         # What the caches are valid for, taken at load (`kvstore.loaded`).
         self._kv_identity: kvstore.Identity | None = None
-        self._pacer = pacing.PrefillPacer(
-            default=options.prefill_beside_decode, max_tokens=llama.N_BATCH
-        )
+        self._pacer = pacing.PrefillPacer(default=PREFILL_BESIDE_DECODE, max_tokens=llama.N_BATCH)
         # Threads the last step computed with (Health reads it from other threads).
-        self.threads = options.spec.threads
+        self.threads = launch.spec.threads
         # time.perf_counter() when the last decode with decoding rows ended (None: the
         # last decode had none, or failed, or since then the loop waited for work or
         # a slot changed hands): the next one measures the pass between (`pacing`).
@@ -147,7 +131,7 @@ class DecodeLoop:
 
     @property
     def context_per_slot(self) -> int:
-        return self.options.spec.context_per_slot
+        return self.launch.spec.context_per_slot
 
     @property
     def speculation_stats(self) -> SpeculationStats:
@@ -212,14 +196,16 @@ class DecodeLoop:
         except BaseException as exc:
             self._on_loaded(exc)
             return
-        if self.options.kv_dir is not None:
+        if self.launch.kv_dir is not None:
             self._kv_identity = kvstore.loaded(runtime)
-            kvstore.restore_slots(runtime, self.options.kv_dir, self.slots, self._kv_identity)
-        if self.options.cpu_share is not None:
+            kvstore.restore_slots(runtime, Path(self.launch.kv_dir), self.slots, self._kv_identity)
+        if self.launch.cpu_share is not None:
             try:
-                self._cpu = cpushare.CpuShare(self.options.cpu_share, cores=self.options.host_cpus)
+                self._cpu = cpushare.CpuShare(
+                    Path(self.launch.cpu_share), cores=self.launch.host_cpus
+                )
             except (OSError, RuntimeError) as exc:
-                log.warning("cpu_share_off", path=str(self.options.cpu_share), error=str(exc))
+                log.warning("cpu_share_off", path=self.launch.cpu_share, error=str(exc))
         self._on_loaded(None)
         try:
             while self._collect():
@@ -267,8 +253,8 @@ class DecodeLoop:
             self._seats.end_parked(parked, errors.Unavailable("The engine stopped."))
         self._waiting.close()
         self._flush()
-        if self.options.kv_dir is not None:
-            kvstore.save_slots(runtime, self.options.kv_dir, self.slots, self._kv_identity)
+        if self.launch.kv_dir is not None:
+            kvstore.save_slots(runtime, Path(self.launch.kv_dir), self.slots, self._kv_identity)
         if self._seats.spec is not None:
             self._seats.spec.close()
         if self._cpu is not None:
@@ -278,12 +264,12 @@ class DecodeLoop:
 
     def _load(self) -> llama.Runtime:
         """The model, its context and its drafter; nothing is left open on failure."""
-        runtime = llama.Runtime.load(self.options.spec)
-        launch = self.options.spec.speculation
+        runtime = llama.Runtime.load(self.launch.spec)
+        launch = self.launch.spec.speculation
         if launch is not None:
             try:
                 self._seats.spec = Speculator.load(
-                    launch, runtime, catch_up_tokens=self.options.prefill_beside_decode
+                    launch, runtime, catch_up_tokens=PREFILL_BESIDE_DECODE
                 )
             except BaseException:
                 runtime.close()
@@ -349,12 +335,12 @@ class DecodeLoop:
         """Compute the next step on this engine's share of the host's cores."""
         if self._cpu is None:
             return
-        threads = self._cpu.busy(self.options.spec.threads)
+        threads = self._cpu.busy(self.launch.spec.threads)
         if threads != self.threads:
             runtime.set_threads(threads)
             if self._seats.spec is not None:
                 self._seats.spec.set_threads(threads)
-            log.debug("threads_changed", threads=threads, wanted=self.options.spec.threads)
+            log.debug("threads_changed", threads=threads, wanted=self.launch.spec.threads)
             self.threads = threads
 
     def _step(self, runtime: llama.Runtime) -> None:

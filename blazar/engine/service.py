@@ -451,7 +451,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                 model=self._decode.model,
                 vocab=self._decode.vocab,
                 context_length=self._decode.context_per_slot,
-                threads=self._decode.options.spec.threads,
+                threads=self._decode.launch.spec.threads,
             )
         return self._embedder
 

@@ -82,12 +82,7 @@ async def serve(launch: replicas.EngineLaunch) -> int:
     spec = launch.spec
     outbox = jobs.Outbox(aio)
     decode = loop.DecodeLoop(
-        loop.LoopOptions(
-            spec,
-            kv_dir=Path(launch.kv_dir) if launch.kv_dir else None,
-            cpu_share=Path(launch.cpu_share) if launch.cpu_share else None,
-            host_cpus=launch.host_cpus,
-        ),
+        launch,
         on_loaded=on_loaded,
         outbox=outbox,
         on_failed=on_failed,

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 def running(model_path: Path, *, slots: int) -> Iterator[loop.DecodeLoop]:
     loaded = threading.Event()
     decode = loop.DecodeLoop(
-        loop.LoopOptions(launches.spec(model_path, slots=slots, context_per_slot=512)),
+        launches.engine(launches.spec(model_path, slots=slots, context_per_slot=512)),
         on_loaded=lambda _error: loaded.set(),
     )
     decode.start()

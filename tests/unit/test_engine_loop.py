@@ -142,7 +142,7 @@ def running(
     runtime = FakeRuntime(launch_spec, model)
     monkeypatch.setattr(llama.Runtime, "load", lambda _spec: runtime)
     loaded = threading.Event()
-    decode = loop.DecodeLoop(loop.LoopOptions(launch_spec), on_loaded=lambda _error: loaded.set())
+    decode = loop.DecodeLoop(launches.engine(launch_spec), on_loaded=lambda _error: loaded.set())
     decode.start()
     try:
         assert loaded.wait(10), "the fake runtime did not load"
@@ -638,7 +638,7 @@ def test_a_pass_that_fails_outside_its_step_ends_the_work_and_says_so(
         told.set()
 
     decode = loop.DecodeLoop(
-        loop.LoopOptions(launch_spec), on_loaded=lambda _error: None, on_failed=on_failed
+        launches.engine(launch_spec), on_loaded=lambda _error: None, on_failed=on_failed
     )
     decode.start()
     try:
