@@ -252,7 +252,7 @@ def _restart_after_backoff(
 
 def restart_message(start: Start) -> str:
     """The BackOff event's message: whether the restart waited, and how long (the
-    README's schedule: at once the first time, then 1 s doubling to 60 s)."""
+    schedule in docs/lanes.md: at once the first time, then 1 s doubling to 60 s)."""
     if start.backoff_s <= 0:
         return f"Restarting crashed replica {start.index} at once."
     return f"Restarting crashed replica {start.index} after a {start.backoff_s:g} s back-off."

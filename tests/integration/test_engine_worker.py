@@ -92,7 +92,7 @@ def cold_twice(worker: Worker, sampling: inference_pb2.Sampling) -> list[inferen
     """One request twice, the same way: prompt logprobs keep each run off the prefix
     cache, so both prefill the whole prompt alone. (After a cached prefix the prompt's
     last token is decoded in a batch of another shape, which rounds otherwise and can
-    turn a near-tie: another arrangement, see the README.)"""
+    turn a near-tie: another arrangement, see docs/engine.md.)"""
     outputs = []
     for _ in range(2):
         deltas, final = worker.generate(prompt=PROMPT, sampling=sampling)

@@ -4,7 +4,7 @@ unload puts the Lane to sleep, which the modules sharing `default_daemon` do not
 `keep_alive: 0` with nothing to generate puts the Lane to sleep at once: its replica is
 stopping when the next request arrives, is refused there and handed back to the queue.
 That request must wake the Lane as a request for a sleeping one does, and is not refused
-for its time-to-first-token target (the Lane was told to sleep: README, scale to zero).
+for its time-to-first-token target (the Lane was told to sleep: docs/memory.md, scale to zero).
 """
 
 from __future__ import annotations

@@ -134,7 +134,7 @@ def _serve_options(
 def test_serve_addresses_are_the_flag_then_the_environment_then_the_default(
     monkeypatch: pytest.MonkeyPatch, argv: list[str], env: dict[str, str], http: str, grpc: str
 ) -> None:
-    """DESIGN §9 and the README's Defaults table."""
+    """DESIGN §9 and the Defaults table in docs/defaults.md."""
     options = _serve_options(monkeypatch, argv, env)
     assert (options.http, options.grpc) == (http, grpc)
 

@@ -185,7 +185,7 @@ def test_crash_backoff_is_exponential_and_capped(restarts: int, delay: float) ->
 )
 def test_restart_event_says_how_long_it_backed_off(start: Start, message: str) -> None:
     """The BackOff event said "Restarting crashed replica 0." every time, the first
-    restart (at once, the README says) too: it says whether and how long it waited."""
+    restart (at once, docs/lanes.md says) too: it says whether and how long it waited."""
     assert lane_plan.restart_message(start) == message
 
 

@@ -107,8 +107,8 @@ async def test_the_policy_header_reaches_the_data_plane_on_every_route(
 async def test_a_placeholder_key_grpc_metadata_cannot_carry_is_ignored(
     daemon: Daemon, client: httpx.AsyncClient, header: str, key: str
 ) -> None:
-    """Without an auth file any placeholder key is accepted and ignored (README, "Keys
-    and tenants"): one with a byte outside printable ASCII too, not a 500."""
+    """Without an auth file any placeholder key is accepted and ignored (docs/keys.md,
+    "Keys and tenants"): one with a byte outside printable ASCII too, not a 500."""
     daemon.fake.scripts["tiny"] = [delta("Hi"), final()]
     value = (key if header == "x-api-key" else f"Bearer {key}").encode("latin-1")
     for method, path, body in (

@@ -123,7 +123,7 @@ class Tool(_Request):
     type: str | None = None
     cache_control: CacheControl = None
     # Blazar keeps the promise whatever this says: a forced call's input is written
-    # under a grammar from the schema, an auto call's validated (see README).
+    # under a grammar from the schema, an auto call's validated (see docs/tools.md).
     strict: bool | None = None
     # Read only to refuse them (see convert).
     input_examples: list[Any] | None = None

@@ -88,7 +88,7 @@ class FunctionDefinition(_Request):
     # A JSON Schema object; absent means a function without parameters.
     parameters: dict[str, Any] | None = None
     # Blazar keeps the promise whatever this says: a forced call's arguments are
-    # written under a grammar from the schema, an auto call's validated (see README).
+    # written under a grammar from the schema, an auto call's validated (see docs/tools.md).
     strict: bool | None = None
 
 
