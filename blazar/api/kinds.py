@@ -266,6 +266,21 @@ class Idle(CamelModel):
         )
 
 
+class Health(CamelModel):
+    """How the daemon checks a Lane's engine replicas, as a kubelet's startup and
+    liveness probes check a pod's containers (`blazar.enginehost.supervisor`). A replica
+    must be Ready within `startupSeconds` of its spawn: loading the weights, from a cold
+    disk for a large model, is most of it. A Ready one is asked every `periodSeconds`
+    and must answer within `timeoutSeconds`; `failureThreshold` misses in a row (or a
+    decode step stuck that long) and it is killed and restarted. Read at each check,
+    so a change applies to running replicas without restarting them."""
+
+    startup_seconds: int = Field(default=180, ge=1, le=86_400)
+    period_seconds: int = Field(default=5, ge=1, le=3_600)
+    timeout_seconds: int = Field(default=5, ge=1, le=3_600)
+    failure_threshold: int = Field(default=3, ge=1, le=100)
+
+
 def _check_upstream_url(value: str, info: ValidationInfo) -> str:
     """An http(s) base URL as OpenAI clients take it (`/v1` included), kept without its
     trailing slash so that `{url}/chat/completions` is the route."""
@@ -380,6 +395,7 @@ UPSTREAM_REFUSED = (
     "speculation",
     "idle",
     "preload",
+    "health",
 )
 
 
@@ -416,6 +432,9 @@ class LaneSpec(CamelModel):
     # Keep the Lane resident: the memory budget never puts it to sleep to make room for
     # another, nor does a request's keep_alive. Not with idle.sleepAfter (refused).
     preload: bool = False
+    # How the daemon checks the replicas' engines (an upstream's server is probed by
+    # its own readiness checks instead).
+    health: Health = Field(default_factory=Health)
     # validate_default so the check below also runs when `upstream` is absent.
     upstream: Upstream | None = Field(default=None, validate_default=True)
 

@@ -260,6 +260,7 @@ class LaneReconciler:
         lane = self._store.get(Kind.LANE, name)
         if lane is None:
             self._sleeper.forget(name)
+            self._processes.check(name, None)
             await self._stop_all(name)
             # After the stops: each replica saves its caches as it stops gracefully.
             await self._discard_kv(name)
@@ -273,6 +274,7 @@ class LaneReconciler:
             return await self._reconcile_upstream(lane)
         self._failures.pop(name, None)
         await self._probing(name, None)
+        self._processes.check(name, lane.spec.health)
         model = self._store.get(Kind.MODEL, lane.spec.model)
         assert model is None or isinstance(model, Model)
         pair, draft = self._speculation(lane)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+from blazar.api.kinds import Health
 from blazar.api.replicas import LaunchSpec, ReplicaObservation
 
 
@@ -30,6 +31,11 @@ class Processes(Protocol):
 
     def lanes(self) -> set[str]:
         """Names of lanes that have at least one replica."""
+        ...
+
+    def check(self, lane: str, health: Health | None) -> None:
+        """Check lane's replicas as `health` says from now on (None: the defaults),
+        those running at their next check: no restart."""
         ...
 
     async def start(self, lane: str, index: int, launch: LaunchSpec) -> Sequence[StartWarning]:

@@ -13,12 +13,13 @@ check, which would not answer it), SIGTERM, wait, then SIGKILL of the whole proc
 group. Workers also die on their own when the
 daemon dies (parent-death signal), so a `kill -9` of the daemon leaves no orphans.
 
-A Ready replica's Health is polled as a liveness probe: one that misses
-`LIVENESS_FAILURES` checks in a row (stopped, deadlocked, wedged inside llama.cpp) is
-killed and fails like a crash, so the Lane restarts it instead of routing requests to
-it forever. From its first miss until a check passes it shows its misses in a row
-(`missed_probes`), which takes it out of routing, as a failed readiness probe takes a
-Pod out of its Service. A replica being stopped is not probed.
+A Ready replica's Health is polled as a liveness probe, as its Lane's `health` says
+(`kinds.Health`, read at each check): one that misses `failureThreshold` checks in a
+row (stopped, deadlocked, wedged inside llama.cpp) is killed and fails like a crash,
+so the Lane restarts it instead of routing requests to it forever. From its first
+miss until a check passes it shows its misses in a row (`missed_probes`), which takes
+it out of routing, as a failed readiness probe takes a Pod out of its Service. A
+replica being stopped is not probed.
 
 Each worker is started as `python -m blazar.engine --launch FILE`, where FILE is its
 launch document (`replicas.EngineLaunch`, JSON) written into the run directory: the
@@ -51,13 +52,18 @@ import grpc
 import structlog
 
 from blazar._proto.engine.v1 import engine_pb2
+from blazar.api import kinds
 from blazar.api.replicas import EngineLaunch, LaunchSpec, ReplicaObservation, ReplicaState
 from blazar.enginehost import cores, forensics, logfiles, rundir
 from blazar.enginehost.client import EngineClient
 
 log = structlog.get_logger(__name__)
 
-READY_TIMEOUT_S = 180.0
+# A Lane's `health` (`kinds.Health`) says how its replicas are checked; these are its
+# defaults, in the seconds the checks wait, for a Lane the supervisor has been told
+# nothing of (`check`). Each run reads its Lane's at each check (`_checks`).
+_DEFAULT_HEALTH = kinds.Health()
+READY_TIMEOUT_S = float(_DEFAULT_HEALTH.startup_seconds)
 HEALTH_POLL_S = 0.1
 STOP_GRACE_S = 10.0
 # The liveness probe of a Ready replica, as a kubelet's: 3 misses in a row (its default)
@@ -67,12 +73,12 @@ STOP_GRACE_S = 10.0
 # then on: `_until_unresponsive`) and is killed 25-30 s after it stops. (The
 # HealthMonitor also calls Health every 5 s, for the gauges; the two are kept apart so
 # that metrics never decide a replica's life.)
-LIVENESS_PERIOD_S = 5.0
-LIVENESS_TIMEOUT_S = 5.0
-LIVENESS_FAILURES = 3
+LIVENESS_PERIOD_S = float(_DEFAULT_HEALTH.period_seconds)
+LIVENESS_TIMEOUT_S = float(_DEFAULT_HEALTH.timeout_seconds)
+LIVENESS_FAILURES = _DEFAULT_HEALTH.failure_threshold
 # A starting worker answers Health (STARTING) from its first second, while its model
-# loads on another thread: one silent this long (the liveness probe's three misses) is
-# stopped or deadlocked, and is killed then rather than at READY_TIMEOUT_S.
+# loads on another thread: one silent this long (the liveness probe's misses) is
+# stopped or deadlocked, and is killed then rather than at its startup timeout.
 STARTUP_SILENCE_S = LIVENESS_TIMEOUT_S * LIVENESS_FAILURES
 # Its socket comes up about 1 s after its spawn (imports); one that has none this long
 # after (stopped or stuck before it serves) is killed then too. Twice the silence, as a
@@ -95,6 +101,41 @@ class StartWarning:
 
     reason: str
     message: str
+
+
+@dataclass(frozen=True)
+class _Checks:
+    """How one replica is checked, in seconds: its Lane's `Health`, or the defaults."""
+
+    startup_s: float
+    period_s: float
+    timeout_s: float
+    failures: int
+    # Silent this long while starting: stopped or deadlocked. No socket this long
+    # after its spawn: stuck before it serves.
+    startup_silence_s: float
+    socket_timeout_s: float
+
+    @classmethod
+    def of(cls, health: kinds.Health | None) -> _Checks:
+        if health is None:
+            return cls(
+                READY_TIMEOUT_S,
+                LIVENESS_PERIOD_S,
+                LIVENESS_TIMEOUT_S,
+                LIVENESS_FAILURES,
+                STARTUP_SILENCE_S,
+                SOCKET_TIMEOUT_S,
+            )
+        silence = float(health.timeout_seconds * health.failure_threshold)
+        return cls(
+            float(health.startup_seconds),
+            float(health.period_seconds),
+            float(health.timeout_seconds),
+            health.failure_threshold,
+            silence,
+            2 * silence,
+        )
 
 
 @dataclass
@@ -148,6 +189,8 @@ class Supervisor:
     python: str = sys.executable
     log_json: bool = True
     _replicas: dict[tuple[str, int], _Replica] = field(default_factory=dict)
+    # Each Lane's health checks as last told (`check`); the defaults for the others.
+    _health: dict[str, kinds.Health] = field(default_factory=dict)
     # Set by `hurry`: stops no longer drain or wait out a grace.
     _hurried: bool = False
 
@@ -176,6 +219,15 @@ class Supervisor:
             raise OSError(f"cannot use {self.run_dir} for engine sockets: {why}")
 
     # -- Processes protocol -------------------------------------------------------
+
+    def check(self, lane: str, health: kinds.Health | None) -> None:
+        if health is None:
+            self._health.pop(lane, None)
+        else:
+            self._health[lane] = health
+
+    def _checks(self, lane: str) -> _Checks:
+        return _Checks.of(self._health.get(lane))
 
     def observe(self, lane: str) -> list[ReplicaObservation]:
         return [r.observation() for (name, _), r in sorted(self._replicas.items()) if name == lane]
@@ -436,7 +488,7 @@ class Supervisor:
                 )
         elif exited not in done:
             self._kill_group(proc)
-            replica.message = ready.result() or f"not ready within {READY_TIMEOUT_S:.0f}s"
+            replica.message = ready.result() or "not ready in time"
         else:
             ready.cancel()
         code = await exited
@@ -461,38 +513,39 @@ class Supervisor:
 
     async def _wait_ready(self, replica: _Replica) -> str | None:
         """None once the worker reports READY; else why it is not: not READY within
-        `READY_TIMEOUT_S`; no socket within `SOCKET_TIMEOUT_S` of its spawn; or, once its
-        socket is up (its Health answers STARTING at once, off the thread that loads
-        the model), no answer at all for `STARTUP_SILENCE_S` (stopped or deadlocked
-        while starting: the liveness probe's misses, not the whole start timeout)."""
+        its Lane's `startupSeconds` (`_Checks`); no socket within its socket timeout of
+        its spawn; or, once its socket is up (its Health answers STARTING at once, off
+        the thread that loads the model), no answer at all for its startup silence
+        (stopped or deadlocked while starting: the liveness probe's misses, not the
+        whole start timeout)."""
         client = replica.client
         assert client is not None
         loop = asyncio.get_running_loop()
         spawned = loop.time()
-        deadline = spawned + READY_TIMEOUT_S
         answered: float | None = None  # when it last answered (or its socket came up)
-        while loop.time() < deadline:
-            if answered is None and loop.time() - spawned >= SOCKET_TIMEOUT_S:
-                return f"did not serve its health checks within {SOCKET_TIMEOUT_S:.0f}s"
+        while loop.time() - spawned < (checks := self._checks(replica.lane)).startup_s:
+            if answered is None and loop.time() - spawned >= checks.socket_timeout_s:
+                return f"did not serve its health checks within {checks.socket_timeout_s:.0f}s"
             if replica.socket.exists():
                 answered = answered or loop.time()
                 try:
                     health = await client.health(timeout=2.0)
                 except grpc.aio.AioRpcError:
-                    if loop.time() - answered >= STARTUP_SILENCE_S:
+                    if loop.time() - answered >= checks.startup_silence_s:
                         return (
                             f"stopped answering its health checks while starting "
-                            f"(none for {STARTUP_SILENCE_S:.0f}s)"
+                            f"(none for {checks.startup_silence_s:.0f}s)"
                         )
                 else:
                     answered = loop.time()
                     if health.state == engine_pb2.ENGINE_STATE_READY:
                         return None
             await asyncio.sleep(HEALTH_POLL_S)
-        return f"not ready within {READY_TIMEOUT_S:.0f}s"
+        return f"not ready within {checks.startup_s:.0f}s (the Lane's health.startupSeconds)"
 
     async def _until_unresponsive(self, replica: _Replica) -> str | None:
-        """Probe a Ready replica's Health until it misses `LIVENESS_FAILURES` in a row
+        """Probe a Ready replica's Health, as its Lane's `health` says (read at each check),
+        until it misses its failure threshold in a row
         (what it did, for its message) or is being stopped (None, whatever it answers
         then). A miss: no answer in time, or a decode pass older than
         `LIVENESS_MAX_STEP_S`. Each change of the count of misses in a row is told
@@ -501,13 +554,14 @@ class Supervisor:
         client = replica.client
         assert client is not None
         while not replica.stopping:
-            await asyncio.sleep(LIVENESS_PERIOD_S)
+            await asyncio.sleep(self._checks(replica.lane).period_s)
+            checks = self._checks(replica.lane)
             try:
-                health = await client.health(timeout=LIVENESS_TIMEOUT_S)
+                health = await client.health(timeout=checks.timeout_s)
             except grpc.aio.AioRpcError:
                 why = (
-                    f"stopped answering its health checks ({LIVENESS_FAILURES} in a row, "
-                    f"{LIVENESS_TIMEOUT_S:.0f}s each)"
+                    f"stopped answering its health checks ({checks.failures} in a row, "
+                    f"{checks.timeout_s:g}s each)"
                 )
             else:
                 if health.step_age_ms <= LIVENESS_MAX_STEP_S * 1000.0:
@@ -515,10 +569,10 @@ class Supervisor:
                     continue
                 why = (
                     f"its decode loop was stuck in one pass for {health.step_age_ms / 1000:.0f}s "
-                    f"(over {LIVENESS_MAX_STEP_S:.0f}s, {LIVENESS_FAILURES} checks in a row)"
+                    f"(over {LIVENESS_MAX_STEP_S:.0f}s, {checks.failures} checks in a row)"
                 )
             missed = replica.missed_probes + 1
-            if missed >= LIVENESS_FAILURES and not replica.stopping:
+            if missed >= checks.failures and not replica.stopping:
                 return why
             if not replica.stopping:
                 self._missed(replica, missed)

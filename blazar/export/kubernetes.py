@@ -552,16 +552,12 @@ def _deployment(
             f"{model.spec.chat_template or fallback} format only without Jinja (--no-jinja), "
             "where it refuses requests that carry tools"
         )
-    probe = {"httpGet": {"path": "/health", "port": PORT_NAME}}
     container: Object = {
         "name": "llama-server",
         "image": image,
         "args": server_args(lane, model, pair, fallback_template=fallback),
         "ports": [{"name": PORT_NAME, "containerPort": PORT, "protocol": "TCP"}],
-        # llama-server answers 503 until the model is loaded: a large one takes minutes.
-        "startupProbe": {**probe, "periodSeconds": 5, "failureThreshold": 120},
-        "readinessProbe": {**probe, "periodSeconds": 5},
-        "livenessProbe": {**probe, "periodSeconds": 10, "failureThreshold": 6},
+        **_probes(lane),
         "volumeMounts": [{"name": MODELS_VOLUME, "mountPath": MODELS_DIR, "readOnly": True}],
     }
     if requests:
@@ -642,6 +638,36 @@ def _objective(lane: Lane, policy: SLOPolicy, *, fleet: str, untranslated: list[
         "kind": "InferenceObjective",
         "metadata": {"name": name, "labels": _labels(lane.metadata.name, fleet=fleet)},
         "spec": spec,
+    }
+
+
+def _probes(lane: Lane) -> Object:
+    """The container's probes of llama-server's /health: the Lane's `health` where it
+    sets one (a replica Ready within startupSeconds, checked every periodSeconds), else
+    a kubelet's usual shape, patient with a large model's load (10 minutes)."""
+    probe = {"httpGet": {"path": "/health", "port": PORT_NAME}}
+    if "health" not in lane.spec.model_fields_set:
+        # llama-server answers 503 until the model is loaded: a large one takes minutes.
+        return {
+            "startupProbe": {**probe, "periodSeconds": 5, "failureThreshold": 120},
+            "readinessProbe": {**probe, "periodSeconds": 5},
+            "livenessProbe": {**probe, "periodSeconds": 10, "failureThreshold": 6},
+        }
+    health = lane.spec.health
+    period = health.period_seconds
+    return {
+        "startupProbe": {
+            **probe,
+            "periodSeconds": period,
+            "failureThreshold": -(-health.startup_seconds // period),
+        },
+        "readinessProbe": {**probe, "periodSeconds": period},
+        "livenessProbe": {
+            **probe,
+            "periodSeconds": period,
+            "timeoutSeconds": health.timeout_seconds,
+            "failureThreshold": health.failure_threshold,
+        },
     }
 
 

@@ -626,12 +626,23 @@ def test_what_an_upstream_lane_refuses_is_an_error_at_each_field() -> None:
         "engine": "upstream",
         "slots": 8,
         "kvCache": {"persist": True},
+        # The daemon checks its own engines; an upstream's server has its own probe.
+        "health": {"failureThreshold": 5},
         "upstream": {"url": "http://vllm:8000/v1", "model": "m"},
     }
     found = errors_of([("x.yaml#1", {**lane_doc(), "spec": spec})])
-    assert [p for p, _ in found] == ["Lane/gemma: spec.kvCache", "Lane/gemma: spec.slots"]
+    assert [p for p, _ in found] == [
+        "Lane/gemma: spec.health",
+        "Lane/gemma: spec.kvCache",
+        "Lane/gemma: spec.slots",
+    ]
     assert all(m.startswith("not used by an upstream Lane") for _, m in found)
-    assert "upstream.maxConcurrency" in found[1][1]
+    assert "upstream.maxConcurrency" in found[2][1]
+
+
+def test_health_settings_are_bounded_where_they_are_given() -> None:
+    found = errors_of([("x.yaml#1", lane_doc(health={"startupSeconds": 0, "periodSeconds": 5}))])
+    assert [p for p, _ in found] == ["Lane/gemma: spec.health.startupSeconds"]
 
 
 def test_duplicate_object_in_batch() -> None:

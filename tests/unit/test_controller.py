@@ -19,7 +19,7 @@ import pytest
 import structlog
 
 from blazar.api import conditions, errors, manifests
-from blazar.api.kinds import Kind, Lane, Model, ModelStatus
+from blazar.api.kinds import Health, Kind, Lane, Model, ModelStatus
 from blazar.api.meta import Condition, ConditionStatus
 from blazar.api.replicas import LaunchSpec, ReplicaObservation, ReplicaState
 from blazar.controller import lane as lane_module
@@ -41,6 +41,14 @@ class FakeProcesses:
     next_pid: int = 1000
     # Every start, in order: what each replica was launched with.
     started: list[tuple[str, int, LaunchSpec]] = field(default_factory=list)
+    # Each Lane's health checks as last told.
+    health: dict[str, Health] = field(default_factory=dict)
+
+    def check(self, lane: str, health: Health | None) -> None:
+        if health is None:
+            self.health.pop(lane, None)
+        else:
+            self.health[lane] = health
 
     def observe(self, lane: str) -> list[ReplicaObservation]:
         return [r for (name, _), r in sorted(self.replicas.items()) if name == lane]
@@ -589,6 +597,26 @@ def test_spec_change_replaces_replicas() -> None:
     assert len(after) == 2 and not before & {r.pid for r in after}
     lane = store.get(Kind.LANE, "l")
     assert isinstance(lane, Lane) and lane.status.observed_generation == 2
+
+
+def test_a_health_change_is_told_to_the_supervisor_and_replaces_no_replica() -> None:
+    """How replicas are checked is the daemon's business, not the engine's: a change
+    reaches the supervisor (which reads it at each check) and restarts nothing; a
+    deleted Lane's settings are forgotten."""
+    clock, store, procs, rec = lane_world()
+    ready_model(store, clock)
+    apply(store, LANE)
+    asyncio.run(rec.reconcile("l"))
+    assert procs.health["l"] == Health()
+    before = {r.pid for r in procs.observe("l")}
+    apply(store, LANE.replace("threads: 2}", "threads: 2, health: {startupSeconds: 900}}"))
+    asyncio.run(rec.reconcile("l"))
+    asyncio.run(rec.reconcile("l"))
+    assert procs.health["l"] == Health(startup_seconds=900)
+    assert {r.pid for r in procs.observe("l")} == before
+    store.delete(Kind.LANE, "l")
+    asyncio.run(rec.reconcile("l"))
+    assert "l" not in procs.health
 
 
 def test_a_model_file_replaced_under_its_path_replaces_the_replicas() -> None:

@@ -356,6 +356,29 @@ def test_lane_settings_become_llama_server_flags(
     assert len(args) == len(set(a for a in args if a.startswith("--"))) * 2
 
 
+def test_a_lanes_health_becomes_the_containers_probes() -> None:
+    """Blazar's checks of a replica, as the kubelet's of the pod: ready within
+    startupSeconds, killed after failureThreshold misses; unset, a large model's load
+    still has ten minutes."""
+
+    def probes(*docs: dict[str, Any]) -> dict[str, Any]:
+        result = kubernetes.export(_resources(*docs), files={})
+        (deployment,) = _of(result.objects, "Deployment").values()
+        (container,) = deployment["spec"]["template"]["spec"]["containers"]
+        return {k: {n: v for n, v in container[k].items() if n != "httpGet"}
+                for k in ("startupProbe", "readinessProbe", "livenessProbe")}  # fmt: skip
+
+    health = {"startupSeconds": 900, "periodSeconds": 4, "timeoutSeconds": 2, "failureThreshold": 5}
+    assert probes(_model(), _lane(health=health)) == {
+        "startupProbe": {"periodSeconds": 4, "failureThreshold": 225},
+        "readinessProbe": {"periodSeconds": 4},
+        "livenessProbe": {"periodSeconds": 4, "timeoutSeconds": 2, "failureThreshold": 5},
+    }
+    unset = probes(_model(), _lane())
+    startup = unset["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] == 600
+
+
 def test_an_inline_template_is_passed_whole() -> None:
     template = "{% for m in messages %}{{ m.content }}\n{% endfor %}"
     assert _flag(_args(_model(chatTemplate=template), _lane()), "--chat-template") == template

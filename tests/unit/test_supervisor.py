@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 import structlog
 
-from blazar.api import conditions, manifests
+from blazar.api import conditions, kinds, manifests
 from blazar.api.kinds import Kind, Lane
 from blazar.api.meta import ConditionStatus
 from blazar.api.replicas import EngineLaunch, LaunchSpec, ReplicaObservation, ReplicaState
@@ -615,6 +615,49 @@ def test_a_ready_replica_that_stops_answering_is_killed_and_fails(
         assert obs.message.startswith("stopped answering its health checks (3 in a row")
     else:
         assert (obs.state, obs.exit_code, obs.message) == (ReplicaState.READY, None, "")
+
+
+def test_a_lanes_health_settings_decide_its_checks(tmp_path: Path) -> None:
+    """`Lane.spec.health` acts: a replica must be Ready within startupSeconds (one that
+    loads forever fails then, saying which setting), and a Ready one is killed after
+    failureThreshold misses of timeoutSeconds each, read at each check (told after it
+    was Ready)."""
+    sup, spec, worker = bare_supervisor(tmp_path)
+    worker.write_text(SERVING_WORKER.replace("ENGINE_STATE_READY", "ENGINE_STATE_STARTING"))
+    fast = kinds.Health(startup_seconds=1, period_seconds=1, timeout_seconds=1, failure_threshold=1)
+
+    async def loading() -> ReplicaObservation:
+        sup.check("l", fast)
+        await sup.start("l", 0, spec)
+        await until(lambda: sup.observe("l")[0].state == ReplicaState.FAILED, what="failed")
+        (obs,) = sup.observe("l")
+        await sup.stop_all(grace=1.0)
+        return obs
+
+    started = time.monotonic()
+    obs = asyncio.run(loading())
+    assert time.monotonic() - started < 8
+    assert obs.message == "not ready within 1s (the Lane's health.startupSeconds)"
+
+    worker.write_text(SERVING_WORKER)
+
+    async def hung() -> ReplicaObservation:
+        sup.check("l", None)
+        await sup.start("l", 0, spec)
+        await until(lambda: sup.observe("l")[0].state == ReplicaState.READY, what="ready")
+        sup.check("l", fast)
+        (ready,) = sup.observe("l")
+        assert ready.pid is not None
+        os.kill(ready.pid, signal.SIGSTOP)
+        await until(lambda: sup.observe("l")[0].state == ReplicaState.FAILED, what="failed")
+        (obs,) = sup.observe("l")
+        await sup.stop_all(grace=1.0)
+        return obs
+
+    obs = asyncio.run(hung())
+    remove_run_dir(sup)
+    assert obs.exit_code == -signal.SIGKILL
+    assert obs.message.startswith("stopped answering its health checks (1 in a row, 1s each)")
 
 
 def test_a_replica_that_misses_a_health_check_says_so_until_it_answers_again(
