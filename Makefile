@@ -73,10 +73,12 @@ lint: $(STAMP)
 
 # The unit tests on two workers (pytest-xdist): they mostly wait on timers and sockets,
 # 74 s one at a time and 41 s on two on the 2-core dev box. The integration tests run
-# one at a time: their engines want both cores, and many time what they serve.
+# one at a time: their engines want both cores, and many time what they serve. Their
+# slowest 25 are listed at the end, so that every CI log shows where the suite's time
+# (the brief's 15 minutes) goes.
 test: lint model
 	$(BIN)/pytest -q -n 2 tests/unit
-	$(BIN)/pytest -q tests/integration
+	$(BIN)/pytest -q --durations=25 tests/integration
 
 # Benchmarks against llama-cpp-python's own server and llama.cpp's C++ llama-server;
 # results go in docs/BENCHMARKS.md. llama-server is built once (about 10 minutes on
