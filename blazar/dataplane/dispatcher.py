@@ -50,7 +50,9 @@ counts toward a filling gate only the requests `seen` does not include.
 
 Preemption (`Preempt`, parking a running generation for urgent work, and its
 `Dispatch(resume=True)`) is carried out by the steps of `preempting.Preempting`, mixed
-into `LaneDispatcher`.
+into `LaneDispatcher`. What it records of its requests (each policy's figures, its
+refusals, queue waits and gauges, first tokens' measurements) is `recording.Recording`'s,
+mixed in too.
 """
 
 from __future__ import annotations
@@ -59,14 +61,14 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable, Coroutine, Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, TypeAlias
 
 import structlog
 
 from blazar._proto.v1 import inference_pb2
 from blazar.api import errors, gate_tags
-from blazar.dataplane import admission, metrics, preempting, routing, runs, throughput
+from blazar.dataplane import admission, metrics, preempting, recording, routing, runs, throughput
 from blazar.dataplane.measurements import LaneMeasurements
 from blazar.dataplane.parking import Parker
 
@@ -138,23 +140,7 @@ _Event: TypeAlias = (
 )
 
 
-@dataclass
-class PolicyFigures:
-    """What one policy's requests met on one Lane since the daemon started."""
-
-    queued: int = 0
-    first_tokens: int = 0
-    # First tokens within the policy's ttftTargetMs (counted only under a target).
-    met: int = 0
-    targeted: int = 0
-    refused: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def attainment(self) -> float | None:
-        return self.met / self.targeted if self.targeted else None
-
-
-class LaneDispatcher(preempting.Preempting):
+class LaneDispatcher(recording.Recording, preempting.Preempting):
     """One Lane's admission queue and the task that owns it (see the module docstring)."""
 
     def __init__(
@@ -171,7 +157,7 @@ class LaneDispatcher(preempting.Preempting):
         self.measurements = LaneMeasurements()
         self.throughput = throughput.Throughput()
         # Per policy name; read by the Control API (`blazar get slopolicies`).
-        self.figures: dict[str, PolicyFigures] = {}
+        self.figures: dict[str, recording.PolicyFigures] = {}
         self._route: routing.Route | None = route
         self._parker = parker
         self._clock = clock
@@ -248,72 +234,6 @@ class LaneDispatcher(preempting.Preempting):
         """The run's stream ended: with its Final when it finished."""
         run.ended = True
         self._events.put_nowait(_End(run, final))
-
-    def first_token(self, run: runs.Run, ttft_s: float) -> None:
-        """The run's first token came `ttft_s` after its arrival."""
-        ticket = run.ticket
-        run.first_token_at = ticket.arrived + ttft_s
-        self._line_measure(run, run.first_token_at)
-        if run.started_at:
-            # Net of the wait the forecast gave it behind other prompts: the hop, the
-            # template and the tokenizer, not the prompts prefilled before its own. Net
-            # of the prefill of what its engine did prefill, when it said (the cache
-            # may have held more of the prompt than the prefix index guessed, or less).
-            # Nothing before the Lane has measured a prefill: the whole prefill would
-            # count as overhead, and every forecast after a restart would add it.
-            expected = run.expected_prefill_s
-            if run.prompt_tokens is not None and run.prefix_reused is not None:
-                expected = self.measurements.expected_prefill_s(
-                    run.replica.index,
-                    admission.fresh_tokens(run.prompt_tokens, run.prefix_reused),
-                    alone=run.alone,
-                )
-            if expected is not None:
-                spent = ticket.arrived + ttft_s - run.started_at
-                overhead = spent - run.queue_s - expected
-                self.measurements.record_first_token(
-                    run.replica.index, overhead_s=overhead, alone=run.alone
-                )
-        if run.wait_forecast_s is not None:
-            self.measurements.record_wait(predicted_s=run.wait_forecast_s, measured_s=ttft_s)
-        # What the forecast said of this start against what came (BLAZAR_LOG_LEVEL=debug):
-        # the figures an error in `bench/overload.py`'s prediction line is read from.
-        log.debug(
-            "admission.first_token",
-            request_id=run.request_id,
-            lane=self.lane,
-            replica=run.replica.index,
-            policy=ticket.policy.name,
-            prompt_tokens=ticket.prompt_tokens,
-            predicted_s=run.predicted_ttft_s,
-            measured_s=ttft_s,
-            alone=run.alone,
-            line_wait_s=run.queue_s,
-            prefill_s=run.prefill_s,
-        )
-        policy = ticket.policy
-        figures = self._figures(policy)
-        figures.first_tokens += 1
-        if policy.ttft_target_s is None:
-            return
-        met = ttft_s <= policy.ttft_target_s
-        figures.targeted += 1
-        figures.met += met
-        metrics.FIRST_TOKENS.labels(self.lane, policy.name, str(met).lower()).inc()
-        if figures.attainment is not None:
-            metrics.ATTAINMENT.labels(self.lane, policy.name).set(figures.attainment)
-
-    def _line_measure(self, run: runs.Run, first_token_at: float) -> None:
-        """A prompt that started before the first token of the prompt ahead of it on its
-        replica, and had its own after it, measures the share of its prefill the
-        replica's line held it for."""
-        identity = runs.identity(run.replica)
-        ahead = self._line_last.get(identity)
-        queued = ahead is not None and run.started_at < ahead <= first_token_at
-        if queued and ahead is not None and run.prefill_s > 0:
-            share = (first_token_at - ahead) / run.prefill_s
-            self.measurements.record_line(run.replica.index, share=share)
-        self._line_last[identity] = max(ahead or 0.0, first_token_at)
 
     def _check_open(self) -> None:
         if self._closing:
@@ -753,27 +673,6 @@ class LaneDispatcher(preempting.Preempting):
         if not pending.started.done():
             pending.started.set_exception(refusal.error(self.lane))
 
-    def _count_refusal(self, refusal: admission.Refuse, *, request_id: str) -> None:
-        policy = refusal.ticket.policy
-        reason = refusal.counted_reason
-        figures = self._figures(policy)
-        figures.refused[reason] = figures.refused.get(reason, 0) + 1
-        metrics.REJECTIONS.labels(self.lane, policy.name, reason).inc()
-        self._observe_wait(refusal.ticket, waited_s=refusal.waited_s)
-        log.info(
-            "admission.refused",
-            request_id=request_id,
-            lane=self.lane,
-            policy=policy.name,
-            reason=reason,
-            retry_after_s=runs.rounded(refusal.retry_after_s),
-            prefill_s=runs.rounded(refusal.prefill_s),
-            predicted_ttft_s=runs.rounded(refusal.predicted_ttft_s),
-            prompt_tokens=refusal.ticket.prompt_tokens,
-            # What the forecast saw: enough to tell a wrong figure from a full Lane.
-            view=[runs.summary(replica) for replica in self._view().replicas],
-        )
-
     def _fail_all(self, err: errors.BlazarError) -> None:
         """Every waiting ticket, and every ticket waiting for a park, fails with `err`."""
         for ticket in self._queue.tickets():
@@ -786,23 +685,6 @@ class LaneDispatcher(preempting.Preempting):
         pending = self._pending.pop(ticket_id, None)
         if pending is not None and not pending.started.done():
             pending.started.set_exception(err)
-
-    def _observe_wait(self, ticket: admission.Ticket, *, waited_s: float | None = None) -> None:
-        """The ticket left the queue (started or refused): its wait, once a request."""
-        if not ticket.restarted:
-            wait = ticket.waited_s if waited_s is None else waited_s
-            metrics.QUEUE_WAIT.labels(self.lane, ticket.policy.name).observe(wait)
-
-    def _figures(self, policy: admission.Policy) -> PolicyFigures:
-        return self.figures.setdefault(policy.name, PolicyFigures())
-
-    def _gauge(self) -> None:
-        depth = self.queued()
-        for name in self._policies:
-            count = depth.get(name, 0)
-            self._figures(self._policies[name]).queued = count
-            metrics.QUEUE_DEPTH.labels(self.lane, name).set(count)
-        metrics.PARKED_BYTES.labels(self.lane).set(self._runs.parked_total())
 
     def _view(self) -> admission.LaneView:
         return self._runs.view(self._route, self.measurements, now=self._clock())
