@@ -44,6 +44,7 @@ from blazar.dataplane import (
     access,
     admission,
     attempt,
+    budget,
     dispatcher,
     fleet,
     gates,
@@ -500,8 +501,8 @@ class InferenceService(Unqueued, inference_pb2_grpc.InferenceServicer):
         if policy.tpot_target_s is not None:
             # The engine paces prompt chunks beside this stream to keep it.
             generate.tpot_target_ms = max(1, round(policy.tpot_target_s * 1000))
-        prompt_tokens, max_tokens, needs = _budget(lane, route, generate, prompt_chars)
-        if needs > _context(route, generate.sampling):
+        prompt_tokens, max_tokens, needs = budget.estimate(lane, route, generate, prompt_chars)
+        if needs > budget.context(route, generate.sampling):
             # Likely too long for a slot, by the estimate: the engine, which counts the
             # tokens, answers that (INVALID_ARGUMENT naming both lengths); a refusal to
             # retry later for a missed target would only send the caller round again.
@@ -653,7 +654,7 @@ class InferenceService(Unqueued, inference_pb2_grpc.InferenceServicer):
         ticket = spill.ticket
         elsewhere: errors.BlazarError | None = None
         if other is not None:
-            prompt_tokens, max_tokens, needs = _budget(other, to, generate, prompt_chars)
+            prompt_tokens, max_tokens, needs = budget.estimate(other, to, generate, prompt_chars)
             if needs <= to.context_length:
                 # Hashed again: each Lane's index hashes as many blocks as it holds.
                 index = self._fleet.prefixes(to.lane)
@@ -801,37 +802,6 @@ class InferenceService(Unqueued, inference_pb2_grpc.InferenceServicer):
             running=found.running(),
             seen=found.seen(),
         )
-
-
-def _budget(
-    lane: dispatcher.LaneDispatcher,
-    route: routing.Route,
-    generate: engine_pb2.GenerateRequest,
-    prompt_chars: int,
-) -> tuple[int, int, int]:
-    """A request's prompt tokens as the Lane's measured characters per token estimate
-    them, its max_tokens (as asked, else the rest of a slot's context, and no more than
-    that rest when max_tokens only bounds it: `max_tokens_up_to_context`), and the tokens
-    of a slot's context the prompt and what it asked for likely need (it likely fits
-    a slot of the Lane's when they are at most its context; admission starts it only
-    on a replica whose slots hold them, `Ticket.context_tokens`)."""
-    prompt_tokens = lane.measurements.prompt_tokens(prompt_chars)
-    sampling = generate.sampling
-    room = max(1, _context(route, sampling) - prompt_tokens)
-    if not sampling.HasField("max_tokens"):
-        return prompt_tokens, room, prompt_tokens + 1
-    if sampling.max_tokens_up_to_context:
-        # A bound only: the generation stops where the context ends, so the prompt
-        # needs a slot, not the prompt and max_tokens together.
-        return prompt_tokens, min(sampling.max_tokens, room), prompt_tokens + 1
-    return prompt_tokens, sampling.max_tokens, prompt_tokens + (sampling.max_tokens or 1)
-
-
-def _context(route: routing.Route, sampling: inference_pb2.Sampling) -> int:
-    """The context a request may fill on `route`: a slot's, or the smaller one it asked
-    for (`Sampling.context_limit`; the engine bounds it so: `text.context_limit`)."""
-    asked = sampling.context_limit
-    return min(route.context_length, asked) if asked else route.context_length
 
 
 def _open_access() -> access.Access:

@@ -1,4 +1,4 @@
-"""The data plane's estimate of what a request needs of a slot (`inference._budget`),
+"""The data plane's estimate of what a request needs of a slot (`budget.estimate`),
 which admission reads to pick a replica whose slots hold it and to forecast its output."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 
 from blazar._proto.engine.v1 import engine_pb2
 from blazar._proto.v1 import inference_pb2
-from blazar.dataplane import inference, routing
+from blazar.dataplane import budget, routing
 
 ROUTE = routing.Route(
     lane="tiny", model="tiny-model", aliases=(), replicas=(), created=0, context_length=2048
@@ -20,7 +20,7 @@ LANE: Any = SimpleNamespace(measurements=SimpleNamespace(prompt_tokens=lambda ch
 
 
 @pytest.mark.parametrize(
-    ("sampling", "budget"),
+    ("sampling", "expected"),
     [
         # Unset: the rest of a slot's context; the prompt needs a slot.
         (inference_pb2.Sampling(), (100, 1948, 101)),
@@ -33,7 +33,7 @@ LANE: Any = SimpleNamespace(measurements=SimpleNamespace(prompt_tokens=lambda ch
     ],
 )
 def test_a_budget_reserves_max_tokens_unless_it_only_bounds(
-    sampling: inference_pb2.Sampling, budget: tuple[int, int, int]
+    sampling: inference_pb2.Sampling, expected: tuple[int, int, int]
 ) -> None:
     generate = engine_pb2.GenerateRequest(sampling=sampling)
-    assert inference._budget(LANE, ROUTE, generate, prompt_chars=400) == budget
+    assert budget.estimate(LANE, ROUTE, generate, prompt_chars=400) == expected
