@@ -1,10 +1,10 @@
 """Spill-over: a generation its Lane's admission predicts would miss its TTFT target
 goes to the Lane's spillover Lane (`spec.spillover`) if that one predicts it meets it.
 
-`Spilling` is mixed into `inference.InferenceService`, whose admitted path asks it:
-its methods read the service's route table, admission tasks, prefix indexes and
-sessions, and use its replica pick (`_pick`) and cache estimate (`_cached_tokens`),
-declared below; the split is only of the text.
+`Spilling` is mixed into `inference.InferenceService` through `relaying.Relaying`,
+whose admitted path asks it: its methods read the service's route table, admission
+tasks, prefix indexes and sessions, and use its replica pick (`_pick`) and cache
+estimate (`_cached_tokens`), declared below; the split is only of the text.
 `_spill_target` says whether a request may spill and where; `_spill` offers it there,
 and carries out its own Lane's decision (`admission.Spill.local`) when that Lane
 refuses it too.
