@@ -8,7 +8,7 @@ replica, the index's matches and the session's last replica feed
 metadata (`blazar-lane`, `blazar-replica`) before the first chunk, and in
 `Final.routing`. Chat and Complete wait in their Lane's admission queue
 (`blazar.dataplane.dispatcher`) under the SLOPolicy they name (`policies`) until a slot
-is theirs; engines hold no queue of their own. A request its Lane's admission predicts
+is theirs (`relaying`); engines hold no queue of their own. A request its Lane's admission predicts
 would miss its TTFT target goes to the Lane's spillover Lane (`spec.spillover`) if that
 one predicts it meets it (`spillover`); the Lane it ran on is what `Final.routing` and
 `blazar-lane` say. A spillover naming no Lane is a Warning event on the Lane. Embed,
@@ -20,7 +20,9 @@ Who may ask for what is `access`'s: its interceptor has let the call in and name
 (may the tenant use it), then checks what the request names (its policy, its session
 key) and only then counts it against the tenant's rate limits (`Access.count`: a
 request refused as the caller's mistake costs nothing), charges the tokens the Final
-(or an embedding) reports, and ListModels shows a tenant only the Lanes it may use.
+(or an embedding) reports, and ListModels shows a tenant only the Lanes it may use
+(`listing`). Those checks, routing and the admission gates' sources stay here; the
+other modules named are mixed into `InferenceService`, each owning its RPCs' path.
 """
 
 from __future__ import annotations
@@ -35,8 +37,8 @@ import structlog
 
 from blazar._proto.engine.v1 import engine_pb2
 from blazar._proto.v1 import inference_pb2, inference_pb2_grpc
-from blazar.api import errors, filetypes, gate_tags
-from blazar.api.kinds import Kind, Model, SLOPolicySpec, Upstream
+from blazar.api import errors, gate_tags
+from blazar.api.kinds import Kind, SLOPolicySpec, Upstream
 from blazar.dataplane import (
     access,
     admission,
@@ -44,6 +46,7 @@ from blazar.dataplane import (
     dispatcher,
     fleet,
     gates,
+    listing,
     live,
     metrics,
     parking,
@@ -53,7 +56,7 @@ from blazar.dataplane import (
     routing,
 )
 from blazar.dataplane.unqueued import Unqueued
-from blazar.enginehost.activity import Activity, sleeps_in
+from blazar.enginehost.activity import Activity
 from blazar.enginehost.client import EnginePool
 from blazar.enginehost.upstream import UpstreamPool
 from blazar.rpc import status
@@ -65,35 +68,9 @@ log = structlog.get_logger(__name__)
 Context: TypeAlias = Any
 
 
-def model_file(model: Model) -> inference_pb2.ModelFile | None:
-    """What ListModels says of a Model's file; None until its controller inspected it."""
-    status = model.status
-    if status.size_bytes is None:
-        return None
-    params = status.parameters
-
-    def number(key: str) -> int:
-        value = params.get(key, "")
-        return int(value) if value.isascii() and value.isdigit() else 0
-
-    return inference_pb2.ModelFile(
-        size_bytes=status.size_bytes,
-        sha256=status.sha256 or "",
-        modified=(status.mtime_ns or 0) // 1_000_000_000,
-        architecture=status.architecture or "",
-        name=params.get("name", ""),
-        parameter_size=params.get("size_label", ""),
-        quantization=filetypes.quantization(params.get("file_type")),
-        trained_context_length=status.context_length or 0,
-        embedding_length=number("embedding_length"),
-        block_count=number("block_count"),
-        head_count=number("attention.head_count"),
-        head_count_kv=number("attention.head_count_kv"),
-        has_chat_template=params.get("has_chat_template") == "true",
-    )
-
-
-class InferenceService(relaying.Relaying, Unqueued, inference_pb2_grpc.InferenceServicer):
+class InferenceService(
+    relaying.Relaying, listing.Listing, Unqueued, inference_pb2_grpc.InferenceServicer
+):
     def __init__(
         self,
         *,
@@ -170,52 +147,6 @@ class InferenceService(relaying.Relaying, Unqueued, inference_pb2_grpc.Inference
     def live_status(self, kind: Kind, name: str) -> dict[str, Any]:
         """Admission's live figures for an object's status (`live.status`)."""
         return live.status(self._dispatchers, kind, name)
-
-    async def ListModels(
-        self, request: inference_pb2.ListModelsRequest, context: Context
-    ) -> inference_pb2.ListModelsResponse:
-        models = []
-        caller = access.current()
-        for route in self.table.routes:
-            if not caller.may_use((route.lane, *route.aliases)):
-                continue
-            stored = self._store.get(Kind.MODEL, route.model)
-            file = model_file(stored) if isinstance(stored, Model) else None
-            for name in (route.lane, *route.aliases):
-                if self.table.by_name.get(name) is not route:
-                    continue
-                models.append(
-                    inference_pb2.ModelInfo(
-                        id=name,
-                        lane=route.lane,
-                        model=route.model,
-                        ready=bool(route.replicas),
-                        sleeping=route.sleeping and not route.replicas,
-                        upstream=route.upstream is not None,
-                        sleeps_in_s=self._sleeps_in(route),
-                        created=route.created,
-                        context_length=route.context_length,
-                        replicas=route.desired,
-                        ready_replicas=len(route.replicas),
-                        slots=route.slots,
-                        file=file,
-                    )
-                )
-        return inference_pb2.ListModelsResponse(models=models)
-
-    def _sleeps_in(self, route: routing.Route) -> float | None:
-        """When the Lane falls asleep if no request comes (None: nothing will put it)."""
-        if route.preload or route.upstream is not None or not route.replicas:
-            return None
-        lane = route.lane
-        return sleeps_in(
-            sleep_after_s=route.sleep_after_s,
-            idle_s=self._activity.idle_s(
-                lane, age_s=time.time() - route.created if route.created else None
-            ),
-            in_flight=self._activity.in_flight(lane),
-            keep=self._activity.keep(lane),
-        )
 
     async def Chat(
         self, request: inference_pb2.ChatRequest, context: Context
