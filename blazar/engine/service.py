@@ -26,11 +26,11 @@ from blazar._proto.v1 import inference_pb2
 from blazar.api import errors
 from blazar.engine import (
     chatprompt,
+    chunks,
     embedding,
     gbnf,
     jobs,
     llama,
-    logprobs,
     loop,
     parking,
     sampling,
@@ -50,12 +50,6 @@ DEFAULT_DRAIN_GRACE_SECONDS = 10.0
 # 16 KiB), the hop to a thread about 0.15 ms: at most 2 ms of the loop, and a hop only
 # for prompts whose prefill takes far longer.
 INLINE_TOKENIZE_CHARS = 2_048
-
-_FINISH = {
-    jobs.FinishReason.STOP: inference_pb2.FINISH_REASON_STOP,
-    jobs.FinishReason.LENGTH: inference_pb2.FINISH_REASON_LENGTH,
-    jobs.FinishReason.CANCELLED: inference_pb2.FINISH_REASON_CANCELLED,
-}
 
 
 class EngineState(StrEnum):
@@ -301,10 +295,10 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                     streamed += event.tokens
                     parsed = calls.feed(event.text) if calls else tools.Parsed(text=event.text)
                     yield inference_pb2.Chunk(
-                        delta=_delta(
+                        delta=chunks.delta(
                             parsed,
                             tokens=event.tokens,
-                            logprobs=_wire_logprobs(self._decode.vocab, event.logprobs),
+                            logprobs=chunks.wire_logprobs(self._decode.vocab, event.logprobs),
                         )
                     )
                 elif isinstance(event, jobs.Finished):
@@ -312,7 +306,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                     if calls is not None:
                         rest = calls.finish()
                         if rest.text or rest.calls:
-                            yield inference_pb2.Chunk(delta=_delta(rest, tokens=0))
+                            yield inference_pb2.Chunk(delta=chunks.delta(rest, tokens=0))
                     if event.reason is jobs.FinishReason.CANCELLED:
                         # Cancelled here, not by the caller (who is gone): the drain.
                         await status.abort(
@@ -321,7 +315,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                                 "The engine stopped before this request finished; retry."
                             ),
                         )
-                    final = _final(event)
+                    final = chunks.final(event)
                     if final.stop_sequence not in request.sampling.stop:
                         # A stop the engine added (where a tool's result would begin),
                         # not one of the caller's: the model ended its turn.
@@ -331,7 +325,9 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                         if calls.called and event.reason is jobs.FinishReason.STOP:
                             final.finish_reason = inference_pb2.FINISH_REASON_TOOL_CALLS
                     final.prompt_logprobs.extend(
-                        _wire_logprobs(self._decode.vocab, event.prompt_logprobs, special=True)
+                        chunks.wire_logprobs(
+                            self._decode.vocab, event.prompt_logprobs, special=True
+                        )
                     )
                     yield inference_pb2.Chunk(final=final)
                 else:
@@ -700,74 +696,3 @@ def _copy(wire: inference_pb2.Sampling) -> inference_pb2.Sampling:
     out = inference_pb2.Sampling()
     out.CopyFrom(wire)
     return out
-
-
-def _delta(
-    parsed: tools.Parsed,
-    *,
-    tokens: int,
-    logprobs: Sequence[inference_pb2.TokenLogprob] = (),
-) -> inference_pb2.Delta:
-    return inference_pb2.Delta(
-        text=parsed.text,
-        tokens=tokens,
-        logprobs=logprobs,
-        tool_calls=[
-            inference_pb2.ToolCallDelta(index=c.index, id=c.id, name=c.name, arguments=c.arguments)
-            for c in parsed.calls
-        ],
-    )
-
-
-def _wire_logprobs(
-    vocab: llama.Vocab, scores: Sequence[logprobs.TokenLogprob], *, special: bool = False
-) -> list[inference_pb2.TokenLogprob]:
-    """Each token as its bytes. With `special`, control tokens as written (`<bos>`): a
-    prompt's, which was read with them (completions' `echo` shows it so); the output's
-    text leaves them out, and so do its tokens."""
-
-    def entry(token: int, logprob: float) -> inference_pb2.TokenLogprob:
-        piece = vocab.piece(token, special=special)
-        return inference_pb2.TokenLogprob(
-            id=token,
-            token=piece.decode("utf-8", errors="replace"),
-            logprob=logprob,
-            bytes=piece,
-        )
-
-    wire = []
-    for score in scores:
-        item = entry(score.token, score.logprob)
-        item.top.extend(entry(t, lp) for t, lp in score.top)
-        wire.append(item)
-    return wire
-
-
-def _final(event: jobs.Finished) -> inference_pb2.Final:
-    return inference_pb2.Final(
-        finish_reason=_FINISH[event.reason],
-        usage=inference_pb2.Usage(
-            prompt_tokens=event.prompt_tokens,
-            completion_tokens=event.completion_tokens,
-            cached_tokens=event.cached_tokens,
-        ),
-        timings=inference_pb2.Timings(
-            queue_ms=event.queue_ms,
-            prefill_ms=event.prefill_ms,
-            prefill_wait_ms=event.prefill_wait_ms,
-            ttft_ms=event.ttft_ms,
-            decode_ms=event.decode_ms,
-            decode_tokens_per_second=event.decode_tokens_per_second,
-            parked_ms=event.parked_ms,
-            decode_batch=event.decode_batch,
-            prefill_batch=event.prefill_batch,
-        ),
-        routing=inference_pb2.Routing(
-            slot=event.slot,
-            prefix_tokens_reused=event.cached_tokens,
-            drafted_tokens=event.drafted_tokens,
-            accepted_tokens=event.accepted_tokens,
-            speculation=event.speculation,
-        ),
-        stop_sequence=event.stop_sequence,
-    )
