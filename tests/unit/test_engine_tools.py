@@ -626,10 +626,10 @@ def test_the_schema_of_the_test_tool_is_valid() -> None:
 def test_a_model_free_to_call_stops_where_it_would_make_up_a_result(
     mode: int, stops: list[str], expected: tuple[str, ...]
 ) -> None:
-    from blazar.engine import service
+    from blazar.engine import preparing
 
     wire = pb.Sampling(stop=stops)
-    params = service._resolve(
+    params = preparing._resolve(
         wire,
         constraint=pb.Constraint(),
         toolset=toolset(mode),
@@ -640,9 +640,9 @@ def test_a_model_free_to_call_stops_where_it_would_make_up_a_result(
 
 
 def test_a_forced_call_is_resolved_with_its_grammar() -> None:
-    from blazar.engine import service
+    from blazar.engine import preparing
 
-    params = service._resolve(
+    params = preparing._resolve(
         pb.Sampling(),
         constraint=pb.Constraint(),
         toolset=toolset(Mode.MODE_REQUIRED),
@@ -656,10 +656,10 @@ def test_a_forced_call_is_resolved_with_its_grammar() -> None:
 def test_a_forced_call_is_not_cut_by_the_callers_stop_strings(mode: int, name: str) -> None:
     """The grammar writes calls only, and every call's format holds a newline: a stop
     string could only end the turn inside the call the caller forced."""
-    from blazar.engine import service
+    from blazar.engine import preparing
 
     wire = pb.Sampling(stop=["\n", "}"])
-    params = service._resolve(
+    params = preparing._resolve(
         wire,
         constraint=pb.Constraint(),
         toolset=toolset(mode, name),
@@ -671,9 +671,9 @@ def test_a_forced_call_is_not_cut_by_the_callers_stop_strings(mode: int, name: s
 
 
 def _resolved(mode: int, constraint: pb.Constraint, stop: tuple[str, ...] = ()) -> Any:
-    from blazar.engine import service
+    from blazar.engine import preparing
 
-    return service._resolve(
+    return preparing._resolve(
         pb.Sampling(stop=stop),
         constraint=constraint,
         toolset=toolset(mode, "weather" if mode == Mode.MODE_NAMED else ""),
@@ -724,9 +724,9 @@ def test_a_gbnf_grammar_beside_tools_is_refused_naming_the_constraint() -> None:
             _resolved(mode, pb.Constraint(grammar='root ::= "a"'))
         assert caught.value.metadata[errors.FIELD_KEY] == "constraint"
     # With tool_choice none the tools are not in play: the grammar alone applies.
-    from blazar.engine import service
+    from blazar.engine import preparing
 
-    params = service._resolve(
+    params = preparing._resolve(
         pb.Sampling(),
         constraint=pb.Constraint(grammar='root ::= "a"'),
         toolset=toolset(Mode.MODE_NONE),
