@@ -299,6 +299,13 @@ class LaneDispatcher(deciding.Deciding):
                 found[policy.name] = closed
         return found
 
+    def hinted_prompts(self, policies: Iterable[admission.Policy]) -> dict[str, int]:
+        """By policy name, the longest prompt a SLO_UNATTAINABLE refusal hints a retry
+        to now (`admission.hinted_prompt_tokens`), for the policies with such a bound."""
+        view = self._view()
+        found = {p.name: admission.hinted_prompt_tokens(view, p) for p in policies}
+        return {name: tokens for name, tokens in found.items() if tokens is not None}
+
     def tokens_per_second(self) -> float:
         """Tokens generated per second by requests that finished lately (`throughput`)."""
         return self.throughput.rate(self._clock())

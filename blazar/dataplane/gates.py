@@ -57,6 +57,9 @@ class LaneGates:
     # By gate watcher, the highest tag n that arrived (`LaneDispatcher.seen`), as of
     # these refusals.
     seen: Mapping[str, int] = field(default_factory=dict)
+    # By policy name, the longest prompt a SLO_UNATTAINABLE refusal still hints a retry
+    # to (`admission.hinted_prompt_tokens`); a policy not here has no bound.
+    hinted_prompts: Mapping[str, int] = field(default_factory=dict)
 
 
 # What the publisher asks of a Lane's admission task: its gates for these policies
@@ -74,9 +77,12 @@ def gate_message(
     chars_per_token: float,
     after: admission.Filling | None = None,
     drains: bool = True,
+    hinted_prompt: int | None = None,
 ) -> inference_pb2.AdmissionGate:
     """One closed gate as WatchAdmission lists it: the refusal a request gets; `after`:
-    closed only after the requests it counts. `drains`: work
+    closed only after the requests it counts; `hinted_prompt`: for SLO_UNATTAINABLE,
+    the longest prompt the refusal holds for (a longer one is told that no wait helps,
+    which only the Lane can say). `drains`: work
     runs on the Lane, so an SLO refusal holds only while the work ahead drains by what
     the probe misses its target by; a filling gate on a Lane where nothing runs holds
     until the next message (its refusal is of the requests that will fill it, and
@@ -99,6 +105,8 @@ def gate_message(
         gate.after_most_max_tokens = after.most_max_tokens
         gate.after_least_prompt_tokens = after.least_prompt_tokens
         gate.after_most_prompt_tokens = after.most_prompt_tokens
+    if refusal.reason == admission.Reason.SLO_UNATTAINABLE and hinted_prompt is not None:
+        gate.most_prompt_tokens = hinted_prompt
     if refusal.reason == admission.Reason.SLO_UNATTAINABLE and (drains or after is None):
         # It holds while the work ahead drains by what the probe misses its target by.
         target = policy.ttft_target_s or 0.0
@@ -291,6 +299,7 @@ class GatePublisher:
                     chars_per_token=found.chars_per_token,
                     after=after,
                     drains=found.running > 0,
+                    hinted_prompt=found.hinted_prompts.get(name),
                 )
             )
         return gates, found.seen

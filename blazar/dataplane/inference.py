@@ -397,6 +397,7 @@ class InferenceService(
             chars_per_token=found.measurements.chars_per_token,
             running=found.running(),
             seen=found.seen(),
+            hinted_prompts=found.hinted_prompts(wanted),
         )
 
 

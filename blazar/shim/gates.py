@@ -13,7 +13,9 @@ that long; otherwise every request goes to the daemon, as without them. A gate
 applies only to the requests `inference.proto` says it does (`AdmissionGate`): with
 no session, through no other daemon, naming the policy it is for (or none, for the
 Lane's own), and for SLO_UNATTAINABLE fitting the Lane's context as admission
-estimates it. The daemon lists no gate while API keys are in force.
+estimates it, with a prompt no longer than the gate's `most_prompt_tokens` (a longer
+one is told by the daemon that no wait helps, not the probe's retry hint). The daemon
+lists no gate while API keys are in force.
 
 A filling gate (`after_requests`) is open, and closes once that many more requests of
 the sizes it names (max_tokens, and prompt tokens as admission estimates them) reach
@@ -99,6 +101,9 @@ class _Gate:
     after_most_max_tokens: int = 0
     after_least_prompt_tokens: int = 0
     after_most_prompt_tokens: int = 0
+    # SLO_UNATTAINABLE: the longest prompt the refusal holds for (None: any). A longer
+    # one goes on to the daemon, which tells it that no wait helps.
+    most_prompt_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -180,6 +185,9 @@ class AdmissionGates:
                 after_most_max_tokens=gate.after_most_max_tokens,
                 after_least_prompt_tokens=gate.after_least_prompt_tokens,
                 after_most_prompt_tokens=gate.after_most_prompt_tokens,
+                most_prompt_tokens=(
+                    gate.most_prompt_tokens if gate.HasField("most_prompt_tokens") else None
+                ),
             )
             if gate.after_requests:
                 filling.add(gate.lane)
@@ -263,6 +271,11 @@ class AdmissionGates:
         if request.session or via or now >= gate.closed_until:
             return False
         if gate.reason == errors.SloUnattainable.reason and not _fits(request, gate):
+            return False
+        if (
+            gate.most_prompt_tokens is not None
+            and _prompt_tokens(_prompt_chars(request), gate) > gate.most_prompt_tokens
+        ):
             return False
         if not gate.after_requests:
             return True

@@ -585,6 +585,40 @@ def test_early_reject(policy: Policy, view: LaneView, decision: Admit | Refuse) 
 
 
 @pytest.mark.parametrize(
+    ("rates", "hinted"),
+    [
+        # 2 s target: a prompt alone over 3 s is told that no wait helps.
+        ((100.0,), 300),
+        # Quick alone on one replica is enough for a hint (the refusal's `best`).
+        ((100.0, 1000.0), 3000),
+        # A replica not measured alone: no bound (the refusal hints, as the gate's).
+        ((100.0, None), None),
+    ],
+)
+def test_the_longest_prompt_a_refusal_hints_a_retry_to(
+    rates: tuple[float | None, ...], hinted: int | None
+) -> None:
+    """`hinted_prompt_tokens` is where `refusal` stops giving a retry hint: the gates
+    answer only prompts up to it with the probe's refusal."""
+    view = lane(
+        *(
+            replace(
+                replica(run(f"r{i}", left=1), index=i, prefill=50.0), lone_prefill_tokens_per_s=r
+            )
+            for i, r in enumerate(rates)
+        )
+    )
+    assert admission.hinted_prompt_tokens(view, INTERACTIVE) == hinted
+    assert admission.hinted_prompt_tokens(view, BATCH) is None  # no target
+    if hinted is None:
+        return
+    for prompt, hint in ((hinted, True), (hinted + 1, False)):
+        decision = LaneQueue().arrive(ticket("t", INTERACTIVE, prompt=prompt), now=0, view=view)
+        assert isinstance(decision, Refuse) and decision.reason == Reason.SLO_UNATTAINABLE
+        assert (decision.retry_after_s is not None) == hint, prompt
+
+
+@pytest.mark.parametrize(
     ("prefer", "cached", "decision"),
     [
         # 2,000 prompt tokens at 1,000 a second after a slot that frees at 0.5 s: 2.5 s,

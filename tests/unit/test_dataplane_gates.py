@@ -67,6 +67,8 @@ class World:
     seen: dict[str, dict[str, int]] = field(default_factory=dict)
     # The Lanes with work running, waiting or parked.
     busy: set[str] = field(default_factory=set)
+    # By policy, the longest prompt a SLO_UNATTAINABLE refusal hints a retry to.
+    hinted: dict[str, int] = field(default_factory=dict)
 
     def source(self, lane: str, policies: list[admission.Policy], spill: bool) -> gates.LaneGates:
         self.asked.append((lane, tuple(p.name for p in policies), spill))
@@ -75,6 +77,7 @@ class World:
             chars_per_token=3.5,
             running=self.running,
             seen=dict(self.seen.get(lane, {})),
+            hinted_prompts=self.hinted,
         )
 
     def lane_policy(self, r: routing.Route) -> admission.Policy:
@@ -140,6 +143,29 @@ async def test_an_slo_gate_holds_for_what_the_probe_misses_by(world: World) -> N
         await publisher.close()
     assert closed.reason == "SLO_UNATTAINABLE"
     assert closed.closed_for_ms == 750  # predicted 2.75 s against a 2 s target
+    assert not closed.HasField("most_prompt_tokens")  # no bound measured: any prompt
+
+
+@pytest.mark.anyio
+async def test_an_slo_gate_holds_only_for_prompts_its_retry_hint_is_true_of(
+    world: World,
+) -> None:
+    """A longer prompt's own prefill misses the target: the Lane tells it that no wait
+    helps, so the gate must not answer it with the probe's hint. A QUEUE_FULL gate
+    refuses every size."""
+    world.answers[("lane-a", "interactive")] = refused(
+        INTERACTIVE, admission.Reason.SLO_UNATTAINABLE
+    )
+    world.answers[("lane-b", "interactive")] = refused(INTERACTIVE, admission.Reason.QUEUE_FULL)
+    world.hinted["interactive"] = 1800
+    world.routes = table(route("lane-a"), route("lane-b"))
+    publisher = world.publisher()
+    try:
+        closed = {g.lane: g for g in (await flushed(publisher, "lane-a", "lane-b")).closed}
+    finally:
+        await publisher.close()
+    assert closed["lane-a"].most_prompt_tokens == 1800
+    assert not closed["lane-b"].HasField("most_prompt_tokens")
 
 
 @pytest.mark.anyio

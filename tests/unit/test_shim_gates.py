@@ -41,6 +41,7 @@ def gate(
     context_tokens: int = 100,
     after: tuple[int, int] = (0, 0),
     most: tuple[int, int, int] = (0, 0, 0),
+    most_prompt: int | None = None,
 ) -> inference_pb2.AdmissionGate:
     found = inference_pb2.AdmissionGate(
         lane=lane,
@@ -60,6 +61,8 @@ def gate(
     )
     if closed_for_ms is not None:
         found.closed_for_ms = closed_for_ms
+    if most_prompt is not None:
+        found.most_prompt_tokens = most_prompt
     return found
 
 
@@ -155,6 +158,10 @@ def outcomes(lane: str, outcome: str) -> float:
         (gate(LATE), complete("tiny", prompt="x" * 396), "", True),
         # ... which QUEUE_FULL refuses whatever their size, as admission does.
         (gate(FULL), complete("tiny", prompt="x" * 4000), "", True),
+        # SLO_UNATTAINABLE with the longest prompt its retry hint holds for: a longer
+        # one goes on, for the daemon to tell it that no wait helps (25 chars -> 7).
+        (gate(LATE, most_prompt=6), complete("tiny", prompt="x" * 24), "", True),
+        (gate(LATE, most_prompt=6), complete("tiny", prompt="x" * 25), "", False),
     ],
 )
 def test_which_requests_a_closed_gate_refuses(

@@ -45,7 +45,7 @@ class AdmissionGates(_message.Message):
     def __init__(self, closed: _Optional[_Iterable[_Union[AdmissionGate, _Mapping]]] = ..., refresh_ms: _Optional[int] = ..., seen: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class AdmissionGate(_message.Message):
-    __slots__ = ("lane", "models", "policy", "lane_policy", "reason", "message", "metadata", "closed_for_ms", "chars_per_token", "context_tokens", "after_requests", "after_max_tokens", "after_most_max_tokens", "after_most_prompt_tokens", "after_least_prompt_tokens")
+    __slots__ = ("lane", "models", "policy", "lane_policy", "reason", "message", "metadata", "closed_for_ms", "chars_per_token", "context_tokens", "after_requests", "after_max_tokens", "after_most_max_tokens", "after_most_prompt_tokens", "after_least_prompt_tokens", "most_prompt_tokens")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +68,7 @@ class AdmissionGate(_message.Message):
     AFTER_MOST_MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     AFTER_MOST_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     AFTER_LEAST_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MOST_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     lane: str
     models: _containers.RepeatedScalarFieldContainer[str]
     policy: str
@@ -83,7 +84,8 @@ class AdmissionGate(_message.Message):
     after_most_max_tokens: int
     after_most_prompt_tokens: int
     after_least_prompt_tokens: int
-    def __init__(self, lane: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ..., policy: _Optional[str] = ..., lane_policy: _Optional[bool] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., closed_for_ms: _Optional[int] = ..., chars_per_token: _Optional[float] = ..., context_tokens: _Optional[int] = ..., after_requests: _Optional[int] = ..., after_max_tokens: _Optional[int] = ..., after_most_max_tokens: _Optional[int] = ..., after_most_prompt_tokens: _Optional[int] = ..., after_least_prompt_tokens: _Optional[int] = ...) -> None: ...
+    most_prompt_tokens: int
+    def __init__(self, lane: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ..., policy: _Optional[str] = ..., lane_policy: _Optional[bool] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., closed_for_ms: _Optional[int] = ..., chars_per_token: _Optional[float] = ..., context_tokens: _Optional[int] = ..., after_requests: _Optional[int] = ..., after_max_tokens: _Optional[int] = ..., after_most_max_tokens: _Optional[int] = ..., after_most_prompt_tokens: _Optional[int] = ..., after_least_prompt_tokens: _Optional[int] = ..., most_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class KeepAliveRequest(_message.Message):
     __slots__ = ("model", "keep_alive_s")

@@ -211,6 +211,7 @@ tickets that will arrive later are not foreseen (a more urgent arrival may push 
 admitted ticket past its deadline, and `expire` then refuses it).
 """
 
+from blazar.dataplane.admission.forecast import hinted_prompt_tokens
 from blazar.dataplane.admission.queue import (
     PROBE_ID,
     PROBE_MAX_TOKENS,
@@ -267,4 +268,5 @@ __all__ = [
     "TokenRate",
     "expected_output",
     "fresh_tokens",
+    "hinted_prompt_tokens",
 ]

@@ -17,6 +17,7 @@ from blazar.dataplane.admission.terms import (
     RETRY_AFTER_UNKNOWN_S,
     Key,
     LaneView,
+    Policy,
     Reason,
     Refuse,
     ReplicaView,
@@ -162,6 +163,25 @@ def refusal(entry: Waiting, fate: Fate, now: float, *, margin: bool = False) -> 
         waited_s=entry.waited(now),
         predicted_ttft_s=predicted,
     )
+
+
+def hinted_prompt_tokens(view: LaneView, policy: Policy) -> int | None:
+    """The longest prompt (its tokens, none cached) whose SLO_UNATTAINABLE refusal
+    under `policy` still carries a retry hint on `view`'s replicas: a longer one's own
+    quickest prefill takes over `NO_WAIT_HELPS_FACTOR` times the target on every one,
+    so `refusal` tells it that no wait helps. None when no bound is known (no target,
+    no replica, or one whose prefill alone is not measured yet: `refusal` then hints)."""
+    target = policy.ttft_target_s
+    if target is None or not view.replicas:
+        return None
+    limit = target * NO_WAIT_HELPS_FACTOR
+    longest = 0
+    for replica in view.replicas:
+        rate = replica.lone_prefill_tokens_per_s
+        if rate is None:
+            return None
+        longest = max(longest, math.floor((limit - replica.lone_prefill_fixed_s) * rate))
+    return longest
 
 
 def key_of(ticket: Ticket, virtual_start: float) -> Key:
