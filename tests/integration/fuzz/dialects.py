@@ -454,7 +454,13 @@ class Dialect:
 DIALECTS: dict[str, Dialect] = {
     "anthropic": Dialect(
         routes=[
-            Route("/v1/messages", anthropic_messages(), Budget(paths=(("max_tokens",),))),
+            # max_tokens only bounds the answer, which the context's end stops, as on
+            # Anthropic's current models: nothing over the context is refused.
+            Route(
+                "/v1/messages",
+                anthropic_messages(),
+                Budget(paths=(("max_tokens",),), reserves=False),
+            ),
             Route("/v1/messages/count_tokens", anthropic_messages(count=True)),
         ],
         plain=(
