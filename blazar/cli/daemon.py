@@ -129,8 +129,17 @@ def _now() -> datetime:
     return datetime.now(UTC)
 
 
+# The flag and the variable that choose each listener's address, for the error that
+# says it is taken: `make up` takes no flags, so the variable is its only way.
+_ADDRESS_SETTINGS = {"HTTP": ("--http", "BLAZAR_HTTP_ADDR"), "gRPC": ("--grpc", "BLAZAR_GRPC_ADDR")}
+
+
 def _cannot_listen(address: str, what: str, reason: str) -> errors.Unavailable:
-    return errors.Unavailable(f"cannot listen on {address} ({what}): {reason}")
+    flag, variable = _ADDRESS_SETTINGS[what]
+    return errors.Unavailable(
+        f"cannot listen on {address} ({what}): {reason}; give another address with "
+        f"{flag} HOST:PORT or {variable}"
+    )
 
 
 def _listen(address: str, *, what: str) -> socket.socket:

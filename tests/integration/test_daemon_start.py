@@ -60,7 +60,14 @@ def test_a_taken_port_is_one_line_and_changes_nothing(taken: str, home: Path, wh
         home, http=taken if which == "HTTP" else free, grpc=taken if which == "gRPC" else free
     )
     assert (out.returncode, out.stdout) == (1, "")
-    assert out.stderr == f"error: cannot listen on {taken} ({which}): address already in use\n"
+    flag, variable = {
+        "HTTP": ("--http", "BLAZAR_HTTP_ADDR"),
+        "gRPC": ("--grpc", "BLAZAR_GRPC_ADDR"),
+    }[which]
+    assert out.stderr == (
+        f"error: cannot listen on {taken} ({which}): address already in use; "
+        f"give another address with {flag} HOST:PORT or {variable}\n"
+    )
     assert contents(home) == before
 
 

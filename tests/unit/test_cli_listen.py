@@ -66,3 +66,23 @@ def test_serve_refuses_an_address_that_is_not_host_port_in_one_line(
     options = daemon.Options(home=tmp_path, http=addresses["--http"], grpc=addresses["--grpc"])
     with pytest.raises(errors.InvalidRequest, match=f"^{flag} '.*' is not HOST:PORT"):
         daemon.check_addresses(options)
+
+
+@pytest.mark.parametrize(
+    ("what", "flag", "variable"),
+    [("HTTP", "--http", "BLAZAR_HTTP_ADDR"), ("gRPC", "--grpc", "BLAZAR_GRPC_ADDR")],
+)
+def test_a_taken_address_says_how_to_choose_another(what: str, flag: str, variable: str) -> None:
+    """`make up` with another program on 8420 stopped with "cannot listen on
+    127.0.0.1:8420 (HTTP): address already in use" and nothing more: `make up` takes no
+    flags, and the way to move it (BLAZAR_HTTP_ADDR) was only in docs/defaults.md."""
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        taken = f"127.0.0.1:{other.getsockname()[1]}"
+        with pytest.raises(errors.Unavailable) as caught:
+            daemon._listen(taken, what=what).close()
+    assert str(caught.value) == (
+        f"cannot listen on {taken} ({what}): address already in use; "
+        f"give another address with {flag} HOST:PORT or {variable}"
+    )
