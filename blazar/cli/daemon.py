@@ -310,7 +310,10 @@ def _reload_auth_file(path: Path, gate: access.Access, store: SQLiteStore, *, se
                 name=path.name,
                 type="Normal",
                 reason="AuthFileLoaded",
-                message=f"{len(fresh.tenants)} tenants in force from {path}.",
+                message=(
+                    f"{len(fresh.tenants)} tenant{'' if len(fresh.tenants) == 1 else 's'} "
+                    f"in force from {path}."
+                ),
             )
             return found
     log.warning("auth.rejected", path=str(path), error=problem.message)

@@ -656,9 +656,11 @@ def _probes(lane: Lane) -> Object:
     health = lane.spec.health
     period = health.period_seconds
     return {
+        # Whole periods, at least startupSeconds: a kubelet counts failed probes.
         "startupProbe": {
             **probe,
             "periodSeconds": period,
+            "timeoutSeconds": health.timeout_seconds,
             "failureThreshold": -(-health.startup_seconds // period),
         },
         "readinessProbe": {**probe, "periodSeconds": period},

@@ -370,7 +370,7 @@ def test_a_lanes_health_becomes_the_containers_probes() -> None:
 
     health = {"startupSeconds": 900, "periodSeconds": 4, "timeoutSeconds": 2, "failureThreshold": 5}
     assert probes(_model(), _lane(health=health)) == {
-        "startupProbe": {"periodSeconds": 4, "failureThreshold": 225},
+        "startupProbe": {"periodSeconds": 4, "timeoutSeconds": 2, "failureThreshold": 225},
         "readinessProbe": {"periodSeconds": 4},
         "livenessProbe": {"periodSeconds": 4, "timeoutSeconds": 2, "failureThreshold": 5},
     }
