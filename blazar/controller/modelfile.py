@@ -153,8 +153,40 @@ def read_gguf(path: Path) -> GGUFInfo:
         params["vocab_size"] = str(
             tokens.count if isinstance(tokens, SkippedArray) else len(tokens)
         )
-    ctx = values.get(f"{arch}.context_length")
-    return GGUFInfo(architecture=arch, context_length=int(ctx) if ctx else None, parameters=params)
+    try:
+        ctx = _count(values, f"{arch}.context_length", low=0)
+        _count(values, f"{arch}.block_count", low=1, high=LAYERS_MAX)
+    except ValueError as exc:
+        raise SourceError("InvalidGGUF", f"{path} is not a loadable GGUF file: {exc}.") from None
+    return GGUFInfo(architecture=arch, context_length=ctx or None, parameters=params)
+
+
+# The layers llama.cpp loads at most (`LLAMA_MAX_LAYERS`): it aborts on a model of more,
+# or of none, rather than refuse it.
+LAYERS_MAX = 512
+_U32_MAX = 2**32 - 1
+
+
+def _count(values: dict[str, Any], key: str, *, low: int, high: int = _U32_MAX) -> int | None:
+    """The figure at `key`, a whole number from `low` to `high` (None when absent).
+
+    llama.cpp reads these figures as 32-bit unsigned integers and refuses the file at
+    every engine start when one is anything else (a string, a float: "key
+    gemma3.context_length has wrong type f32 but expected type u32"), or aborts the
+    engine (a `block_count` of 0); said here, it is the Model's reason, not a Lane's
+    crash loop, and never an exception that left the Model unresolved for good."""
+    value = values.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        kinds = {str: "a string", float: "a float", bool: "a boolean", list: "an array"}
+        kind = kinds.get(type(value), "an array")  # else a SkippedArray
+        raise ValueError(
+            f"{key} is {kind} ({repr(value)[:80]}) where llama.cpp reads an unsigned integer"
+        )
+    if not low <= value <= high:
+        raise ValueError(f"{key} is {value}, where llama.cpp takes {low} to {high}")
+    return value
 
 
 # GGUF metadata value types (ggml's gguf.h): fixed-size scalars by struct format.
@@ -167,6 +199,10 @@ _GGUF_ARRAY = 9
 # over, not decoded: nothing here needs them, and decoding them is what made the
 # `gguf` package's reader take 17-22 s on the bundled model.
 ARRAY_DECODE_MAX = 4096
+# Array items decoded in one header at most; arrays past it are stepped over too. A
+# header of 10,000 arrays of 4,096 integers (156 MB) took 23 s and 1.7 GB of the
+# daemon's memory to decode; a real model's short arrays hold a few hundred items.
+DECODED_ITEMS_MAX = 65536
 
 
 @dataclass(frozen=True)
@@ -239,7 +275,10 @@ def _layout(buf: mmap.mmap) -> tuple[dict[str, Any], TensorIndex]:
     values: dict[str, Any] = {}
     for _ in range(reader.scalar("Q")):
         key = reader.string()
-        values[key] = reader.value(reader.scalar("I"))
+        try:
+            values[key] = reader.value(reader.scalar("I"))
+        except ValueError as exc:  # struct.error (cut short) is not one: said as such
+            raise ValueError(f"{key[:80]}: {exc}") from None
     placed: list[tuple[int, str, int]] = []  # (offset, name, type)
     needed = 0  # how far into the data section the tensors of known types reach
     for _ in range(tensors):
@@ -281,6 +320,8 @@ class _MetadataReader:
         self._buf = buf
         self._order = order
         self._offset = offset
+        # Array items decoded so far (`DECODED_ITEMS_MAX`).
+        self._decoded = 0
 
     @property
     def offset(self) -> int:
@@ -314,7 +355,14 @@ class _MetadataReader:
             raise ValueError(f"unknown GGUF value type {kind}")
         item = self.scalar("I")
         count = self.scalar("Q")
-        if count <= ARRAY_DECODE_MAX:
+        if item == _GGUF_ARRAY:
+            # llama.cpp refuses such a file ("key 'x' has invalid GGUF type 9"), and
+            # nested deep enough it made this reader recurse until Python gave up.
+            raise ValueError("it is an array of arrays, which GGUF readers do not load")
+        if item not in _GGUF_SCALARS and item != _GGUF_STRING:
+            raise ValueError(f"unknown GGUF value type {item}")
+        if count <= ARRAY_DECODE_MAX and self._decoded + count <= DECODED_ITEMS_MAX:
+            self._decoded += count
             return [self.value(item) for _ in range(count)]
         self._skip(item, count)
         return SkippedArray(item_type=item, count=count)
@@ -324,13 +372,10 @@ class _MetadataReader:
             self._offset += count * struct.calcsize(_GGUF_SCALARS[item])
             if self._offset > len(self._buf):
                 raise struct.error("an array runs past the end of the file")
-        elif item == _GGUF_STRING:
-            buf, offset, length = self._buf, self._offset, struct.Struct(self._order + "Q")
-            for _ in range(count):
-                offset += 8 + length.unpack_from(buf, offset)[0]
-            if offset > len(buf):
-                raise struct.error("an array runs past the end of the file")
-            self._offset = offset
-        else:
-            for _ in range(count):
-                self.value(item)
+            return
+        buf, offset, length = self._buf, self._offset, struct.Struct(self._order + "Q")
+        for _ in range(count):
+            offset += 8 + length.unpack_from(buf, offset)[0]
+        if offset > len(buf):
+            raise struct.error("an array runs past the end of the file")
+        self._offset = offset

@@ -180,3 +180,97 @@ def test_the_block_sizes_are_ggmls() -> None:
     # Those of the types the gguf package knows; it may know newer ones, not checked.
     known = {int(t): size for t, size in gguf.GGML_QUANT_SIZES.items()}
     assert {t: known[t] for t in modelfile.GGML_BLOCKS} == modelfile.GGML_BLOCKS
+
+
+def header_only(path: Path, *kvs: tuple[str, Any, gguf.GGUFValueType]) -> Path:
+    """A GGUF of architecture `llama` with `kvs` and one small tensor."""
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for key, value, vtype in kvs:
+        if vtype == gguf.GGUFValueType.ARRAY:
+            writer.add_array(key, value)
+        else:
+            writer.add_key_value(key, value, vtype)
+    writer.add_tensor("w", np.ones((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+U32, U64 = gguf.GGUFValueType.UINT32, gguf.GGUFValueType.UINT64
+LIES: list[tuple[str, Any, gguf.GGUFValueType, str]] = [
+    ("llama.context_length", "lots", gguf.GGUFValueType.STRING,
+     "llama.context_length is a string ('lots') where llama.cpp reads an unsigned integer"),
+    ("llama.context_length", 32768.0, gguf.GGUFValueType.FLOAT32,
+     "llama.context_length is a float (32768.0) where llama.cpp reads an unsigned integer"),
+    ("llama.context_length", float("nan"), gguf.GGUFValueType.FLOAT32, "is a float (nan)"),
+    ("llama.context_length", [1, 2], gguf.GGUFValueType.ARRAY, "is an array ([1, 2])"),
+    ("llama.context_length", True, gguf.GGUFValueType.BOOL, "is a boolean (True)"),
+    ("llama.context_length", -5, gguf.GGUFValueType.INT32,
+     "llama.context_length is -5, where llama.cpp takes 0 to 4294967295"),
+    ("llama.context_length", 2**64 - 1, U64, "is 18446744073709551615, where llama.cpp takes"),
+    # llama.cpp aborts the engine (GGML_ASSERT) on these rather than refuse the file.
+    ("llama.block_count", 0, U32, "llama.block_count is 0, where llama.cpp takes 1 to 512"),
+    ("llama.block_count", 513, U32, "llama.block_count is 513, where llama.cpp takes 1 to 512"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("key", "value", "vtype", "says"), LIES, ids=[lie[3][:40] for lie in LIES])
+def test_a_figure_llama_cpp_cannot_read_is_invalid_gguf(
+    tmp_path: Path, key: str, value: Any, vtype: gguf.GGUFValueType, says: str
+) -> None:
+    """Not an exception other than SourceError (a ValueError left the Model unresolved,
+    retried with a traceback for good), nor a Model that is ready for engines to
+    crash-loop on."""
+    path = header_only(tmp_path / "m.gguf", (key, value, vtype))
+    with pytest.raises(modelfile.SourceError) as err:
+        modelfile.read_gguf(path)
+    assert err.value.reason == "InvalidGGUF"
+    assert err.value.message.startswith(f"{path} is not a loadable GGUF file: ")
+    assert says in err.value.message
+
+
+@pytest.mark.parametrize(
+    ("key", "value"), [("llama.context_length", 0), ("llama.block_count", 512)]
+)
+def test_figures_at_their_bounds_are_read(tmp_path: Path, key: str, value: int) -> None:
+    info = modelfile.read_gguf(header_only(tmp_path / "m.gguf", (key, value, U32)))
+    assert info.context_length is None  # 0: not said, as llama.cpp takes it
+
+
+def test_an_array_of_arrays_is_invalid_gguf(tmp_path: Path) -> None:
+    """llama.cpp refuses one ("has invalid GGUF type 9"); nested 100,000 deep in 1.2 MB
+    it made the reader raise RecursionError, which the Model reconciler did not catch."""
+    path = header_only(tmp_path / "m.gguf", ("t.nested", [[1, 2], [3]], gguf.GGUFValueType.ARRAY))
+    with pytest.raises(modelfile.SourceError) as err:
+        modelfile.read_gguf(path)
+    assert err.value.reason == "InvalidGGUF"
+    assert "t.nested: it is an array of arrays" in err.value.message
+    deep = tmp_path / "deep.gguf"
+    nested = (9).to_bytes(4, "little") + (
+        (9).to_bytes(4, "little") + (1).to_bytes(8, "little")
+    ) * 100_000
+    key = len(b"x").to_bytes(8, "little") + b"x"
+    deep.write_bytes(b"GGUF" + (3).to_bytes(4, "little") + (0).to_bytes(8, "little")
+                     + (1).to_bytes(8, "little") + key + nested)  # fmt: skip
+    with pytest.raises(modelfile.SourceError) as err:
+        modelfile.read_gguf(deep)
+    assert "x: it is an array of arrays" in err.value.message
+
+
+def test_short_arrays_are_decoded_only_up_to_a_budget(tmp_path: Path) -> None:
+    """Short arrays past DECODED_ITEMS_MAX items in all are stepped over like long ones:
+    10,000 arrays of 4,096 integers (a 156 MB header) held 1.7 GB of the daemon."""
+    per = modelfile.ARRAY_DECODE_MAX
+    count = modelfile.DECODED_ITEMS_MAX // per + 2
+    arrays = [(f"t.a{i:03d}", list(range(per)), gguf.GGUFValueType.ARRAY) for i in range(count)]
+    path = header_only(tmp_path / "m.gguf", *arrays, ("t.after", "here", gguf.GGUFValueType.STRING))
+    values = modelfile.read_gguf_metadata(path)
+    decoded = [k for k, _, _ in arrays if isinstance(values[k], list)]
+    assert len(decoded) == modelfile.DECODED_ITEMS_MAX // per
+    assert values[arrays[0][0]] == list(range(per))
+    assert values[arrays[-1][0]] == modelfile.SkippedArray(
+        item_type=gguf.GGUFValueType.INT32, count=per
+    )
+    assert values["t.after"] == "here"  # in step after the arrays stepped over
