@@ -100,6 +100,7 @@ class Deciding(recording.Recording, preempting.Preempting):
     _seq: int
     _started_seq: int
     _recheck_at: float | None
+    _wall_clock: Callable[[], float]
 
     # What the dispatcher provides.
 
@@ -142,9 +143,13 @@ class Deciding(recording.Recording, preempting.Preempting):
                 if gone:
                     self._leave_all()
                     return
-                if self._route is not None and (stranded := routing.unservable(self._route)):
-                    # No replica left, and none starts until the Model is back: whatever
-                    # waits (or came back from a replica that died) would wait for nothing.
+                if self._route is not None and (
+                    stranded := routing.unservable(self._route)
+                    or routing.backing_off(self._route, self._wall_clock())
+                ):
+                    # No replica left, and none starts until the Model is back (or its
+                    # crash back-off ends): whatever waits (or came back from a replica
+                    # that died) would wait for nothing, or through a crash loop.
                     self._fail_all(stranded)
                 self._decide()
                 if self._on_decided is not None:

@@ -85,9 +85,11 @@ class LaneDispatcher(deciding.Deciding):
         *,
         parker: Parker,
         clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
         on_decided: Callable[[str], None] | None = None,
     ) -> None:
-        """`on_decided(lane)` after every round of decisions (`gates.GatePublisher`)."""
+        """`on_decided(lane)` after every round of decisions (`gates.GatePublisher`);
+        `wall_clock` reads the epoch seconds a crash back-off ends at (`restart_at`)."""
         self.lane = route.lane
         self._on_decided = on_decided
         self.measurements = LaneMeasurements()
@@ -97,6 +99,7 @@ class LaneDispatcher(deciding.Deciding):
         self._route: routing.Route | None = route
         self._parker = parker
         self._clock = clock
+        self._wall_clock = wall_clock
         self._queue = admission.LaneQueue()
         self._pending: dict[str, deciding.Pending] = {}
         # The server is shutting down (`refuse_waiting`): nothing more is admitted.

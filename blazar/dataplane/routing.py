@@ -296,6 +296,21 @@ def not_ready(route: Route, now: float) -> errors.Unavailable:
     )
 
 
+def backing_off(route: Route, now: float) -> errors.Unavailable | None:
+    """The refusal of requests that wait for a Lane (queued, or waiting for a starting
+    replica) once none of its replicas serves, starts or wakes and a failed one waits
+    out its crash back-off: what a request arriving then gets (`not_ready`, with the
+    wait left as its hint). Without it a request that came while the replica was
+    starting waited, unbounded, through the crash loop of an engine that can never
+    load its model. None while a replica serves, or may without a back-off first (the
+    first restart after a crash is at once: what waits goes to it)."""
+    if route.replicas or route.desired == 0 or waits(route):
+        return None
+    if route.restart_at is None or route.restart_at <= now:
+        return None
+    return not_ready(route, now)
+
+
 def scaled_to_zero(route: Route) -> errors.Unavailable:
     """The error of a request for a Lane of `replicas: 0` (paused: no replica will
     serve it until its operator scales it up), its last replicas drained or not."""

@@ -223,8 +223,10 @@ class Unqueued:
                 self._activity.want(route.lane)
             deadline = time.monotonic() + WAKE_TIMEOUT_S
             while time.monotonic() < deadline:
-                if (stranded := routing.unservable(route)) is not None:
-                    # Its Model is not ready, or it can never fit: no wake will come.
+                stranded = routing.unservable(route) or routing.backing_off(route, time.time())
+                if stranded is not None:
+                    # Its Model is not ready, or it can never fit: no wake will come; or
+                    # its replica crashed again and waits out its back-off.
                     await self._refuse(context, stranded, caller)
                 await asyncio.sleep(WAKE_POLL_S)
                 route, replica, _ = await self._route(model, context, caller=caller)

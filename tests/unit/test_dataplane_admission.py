@@ -10,7 +10,7 @@ import json
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import grpc
@@ -443,6 +443,37 @@ def test_a_request_waiting_on_a_lane_whose_model_is_gone_is_told_so() -> None:
     assert isinstance(refused, errors.Unavailable)
     assert refused.message.endswith('until its Model is ready: Model "m" does not exist.')
     assert held is None  # what already ran finishes
+
+
+def test_a_request_waiting_for_a_start_is_refused_once_the_replica_backs_off() -> None:
+    """A request that came while the only replica was starting waits for it, and for
+    its restart at once after a crash; once the replica crashed again and waits out its
+    back-off (an engine that cannot load its model: it crash-loops for good), it is
+    refused with the wait left, as a request arriving then is, not left waiting."""
+
+    def replica(state: str, restart_in_s: float | None = None) -> LaneStatus:
+        due = None if restart_in_s is None else datetime.now(UTC) + timedelta(seconds=restart_in_s)
+        return LaneStatus(
+            replica_statuses=[ReplicaStatus(index=0, state=state, pid=1, restart_at=due)]
+        )
+
+    async def run() -> errors.BlazarError | None:
+        async with plane() as p:
+            p.store.update_status(Kind.LANE, "l", replica("Starting"))
+            await asyncio.sleep(0.2)
+            waiting = p.start("waits")
+            await p.until(lambda: depth("builtin:fifo") == 1, "it to wait")
+            # The first crash: restarted at once (its back-off is over), so it waits on.
+            p.store.update_status(Kind.LANE, "l", replica("Failed", restart_in_s=-1))
+            await asyncio.sleep(0.3)
+            assert depth("builtin:fifo") == 1
+            p.store.update_status(Kind.LANE, "l", replica("Failed", restart_in_s=30))
+            return await asyncio.wait_for(outcome(waiting), 5)
+
+    refused = asyncio.run(run())
+    assert isinstance(refused, errors.Unavailable)
+    assert "restarted in 30 s, after its crash back-off" in refused.message
+    assert 29000 < int(refused.metadata[errors.RETRY_AFTER_KEY]) <= 30000
 
 
 def test_the_policy_may_come_as_grpc_metadata() -> None:

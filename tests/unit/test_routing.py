@@ -137,6 +137,35 @@ def test_a_failed_replica_in_back_off_is_refused_with_the_wait_left() -> None:
     assert "retry shortly" in late.value.message
 
 
+def test_what_waits_is_refused_only_while_every_replica_backs_off() -> None:
+    """`backing_off`: a Lane with a replica serving, starting or due for its restart
+    keeps what waits for it; one whose failed replicas all wait out a back-off refuses
+    it with the wait left."""
+    due = datetime(2026, 1, 1, 0, 0, 10, tzinfo=UTC)
+    now = due.timestamp() - 3.2
+
+    def with_failed(name: str, **kwargs: Any) -> Lane:
+        found = lane(name, **kwargs)
+        failed = ReplicaStatus(index=9, state="Failed", socket=f"/s/{name}-9", restart_at=due)
+        found.status.replica_statuses.append(failed)
+        return found
+
+    table = routing.build_table(
+        [
+            with_failed("b", ready=()),
+            with_failed("r", ready=(0,)),
+            with_failed("s", ready=(), starting=(0,)),
+            with_failed("p", ready=(), desired=0),
+        ]
+    )
+    refused = {n: routing.backing_off(routing.resolve(table, n), now) for n in "brsp"}
+    assert {n: e is not None for n, e in refused.items()} == {
+        "b": True, "r": False, "s": False, "p": False,
+    }  # fmt: skip
+    assert refused["b"] is not None and refused["b"].metadata[errors.RETRY_AFTER_KEY] == "3200"
+    assert routing.backing_off(routing.resolve(table, "b"), due.timestamp() + 0.5) is None
+
+
 def _model_missing(name: str, *, ready: tuple[int, ...]) -> Lane:
     missing = lane(name, ready=ready)
     missing.status.conditions = [
