@@ -213,6 +213,9 @@ class ModelStatus(ObjectStatus):
     # The file's modification time when it was inspected: with the size, it tells a
     # controller (a restarted one too) that the file needs no new hashing and parsing.
     mtime_ns: int | None = None
+    # Its inode: a file renamed over it with the same size and modification time (`cp
+    # -p`, `rsync -a`, `touch -r`) is another file, hashed and parsed again.
+    inode: int | None = None
     sha256: str | None = None
     architecture: str | None = None
     context_length: int | None = None

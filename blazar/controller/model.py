@@ -97,7 +97,12 @@ class ModelReconciler:
         Then the file is not hashed and parsed again: every status write of its own and
         every restart of the daemon would otherwise re-read hundreds of MB (measured: 2-5 s
         of CPU for the bundled model, competing with the first requests after a restart).
-        A file is taken as unchanged while its size and modification time are.
+        A file is taken as unchanged while its inode, size and modification time are:
+        another file renamed over it with the same size and time (a corrupt or other
+        copy made with `cp -p`) kept the status, `Verified` against a sha256 it did
+        not have, and its engines' next start loaded it. A status without the inode
+        (written before it was kept) is inspected once more; the digest memo spares
+        the hashing of a file that did not change.
         """
         status = model.status
         if (
@@ -113,7 +118,8 @@ class ModelReconciler:
             return False
         if "repacked_bytes" not in status.parameters:
             return False  # inspected before the fit ledger's figures were kept
-        return (stat.st_size, stat.st_mtime_ns) == (status.size_bytes, status.mtime_ns)
+        seen = (stat.st_size, stat.st_mtime_ns, stat.st_ino)
+        return seen == (status.size_bytes, status.mtime_ns, status.inode)
 
     async def reconcile(self, name: str) -> Result:
         model = self._store.get(Kind.MODEL, name)
@@ -233,6 +239,7 @@ class ModelReconciler:
             path=str(path),
             size_bytes=stat.st_size,
             mtime_ns=stat.st_mtime_ns,
+            inode=stat.st_ino,
             sha256=digest,
             architecture=info.architecture,
             context_length=info.context_length,

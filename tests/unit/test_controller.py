@@ -815,6 +815,32 @@ def test_model_reconciler_reinspects_only_when_the_file_or_spec_changes(
     assert ready is not None and ready.reason == "InvalidGGUF"
 
 
+def test_model_reconciler_reinspects_another_file_of_the_same_size_and_time(
+    tmp_path: Path,
+) -> None:
+    """A copy renamed over the served file with its size and modification time (`cp -p`,
+    `rsync -a`, `touch -r`) is another file: hashed again, and refused when its sha256
+    is not the spec's. It stayed `Verified` on the old file's digest, for good."""
+    path = tiny_gguf(tmp_path / "m.gguf")
+    good = path.read_bytes()
+    clock = Clock()
+    store = MemoryStore(clock=clock)
+    spec = f"{{source: {{path: {path}}}, sha256: '{hashlib.sha256(good).hexdigest()}'}}"
+    apply(store, MODEL.replace("{source: {path: /models/m.gguf}}", spec))
+    rec = ModelReconciler(store=store, models_dir=tmp_path, clock=clock)
+    asyncio.run(rec.reconcile("m"))
+    assert conditions.is_true(model_status(store).status.conditions, "ModelReady")
+    other = tmp_path / "m.tmp"
+    other.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))  # one bit: the same size
+    before = path.stat()
+    os.utime(other, ns=(before.st_atime_ns, before.st_mtime_ns))
+    other.replace(path)
+    for reconciler in (rec, ModelReconciler(store=store, models_dir=tmp_path, clock=clock)):
+        asyncio.run(reconciler.reconcile("m"))  # the running controller, a restarted one
+        ready = conditions.get_condition(model_status(store).status.conditions, "ModelReady")
+        assert ready is not None and ready.reason == "ChecksumMismatch"
+
+
 def test_model_reconciler_reinspects_a_status_without_the_fit_figures(tmp_path: Path) -> None:
     """A Model resolved by a daemon that did not keep `repacked_bytes` is read once
     more, so that the fit ledger has its figures without the file changing."""
