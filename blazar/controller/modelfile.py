@@ -10,9 +10,11 @@ bundled model where this takes 0.07 s.
 
 from __future__ import annotations
 
+import errno
 import importlib.metadata
 import math
 import mmap
+import os
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,13 +41,31 @@ def resolve(
     if source.path is not None:
         path = sources.path(source.path)
         if not path.is_file():
-            raise SourceError("FileNotFound", f"No file at {source.path}.")
+            raise SourceError("FileNotFound", missing(source.path, path))
         check_magic(path)
         return path
     if source.package is not None:
         module = sources.package(source.package)
         return _from_package(source.package, module, models_dir=models_dir, cache=cache)
     raise SourceError("SourceUnsupported", "Only `path` and `package` sources are supported yet.")
+
+
+def missing(given: str, real: Path) -> str:
+    """Why no file is at `given` (`real` with its links followed): every case read "No
+    file at ...", a directory (a model's download folder) and a link whose target is
+    gone too, which looked like a wrong path to a user who could see it there."""
+    if real.is_dir():
+        return f"{given} is a directory, not a GGUF file: name the .gguf file in it."
+    try:
+        os.stat(given)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return f"{given} is a loop of symbolic links: none of them leads to a file."
+    if real.exists():
+        return f"{given} is not a regular file (a FIFO, socket or device): name a .gguf file."
+    if os.path.islink(given):
+        return f"{given} is a symbolic link to {real}, where there is no file."
+    return f"No file at {given}."
 
 
 def check_magic(path: Path) -> None:

@@ -3,6 +3,7 @@ and read back by its reader (the reference), and against broken files."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +11,9 @@ import gguf
 import numpy as np
 import pytest
 
-from blazar.controller import modelfile
+from blazar.api.kinds import ModelSource
+from blazar.controller import modelcache, modelfile
+from blazar.controller.sources import ModelSources
 
 LONG = modelfile.ARRAY_DECODE_MAX + 1
 
@@ -274,3 +277,45 @@ def test_short_arrays_are_decoded_only_up_to_a_budget(tmp_path: Path) -> None:
         item_type=gguf.GGUFValueType.INT32, count=per
     )
     assert values["t.after"] == "here"  # in step after the arrays stepped over
+
+
+def make_directory(path: Path) -> None:
+    path.mkdir()
+
+
+def make_dangling_link(path: Path) -> None:
+    path.symlink_to(path.parent / "gone.gguf")
+
+
+def make_link_loop(path: Path) -> None:
+    other = path.parent / "other.gguf"
+    path.symlink_to(other)
+    other.symlink_to(path)
+
+
+MISSING: list[tuple[str, Any, str]] = [
+    ("missing", lambda path: None, "No file at {path}."),
+    ("directory", make_directory, "{path} is a directory, not a GGUF file: name the .gguf file in it."),
+    ("dangling link", make_dangling_link, "{path} is a symbolic link to {dir}/gone.gguf, where there is no file."),
+    ("link loop", make_link_loop, "{path} is a loop of symbolic links: none of them leads to a file."),
+    ("fifo", lambda path: os.mkfifo(path), "{path} is not a regular file (a FIFO, socket or device)"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "make", "says"), MISSING, ids=[m[0] for m in MISSING])
+def test_a_path_with_no_file_says_what_is_there(
+    tmp_path: Path, name: str, make: Any, says: str
+) -> None:
+    """Each was "No file at ...", which a user who saw the directory or the link there
+    took for a typo in the path. Still FileNotFound: it is looked at again."""
+    path = tmp_path / "m.gguf"
+    make(path)
+    with pytest.raises(modelfile.SourceError) as err:
+        modelfile.resolve(
+            ModelSource(path=str(path)),
+            models_dir=tmp_path,
+            cache=modelcache.ModelCache(None),
+            sources=ModelSources.of([tmp_path]),
+        )
+    assert err.value.reason == "FileNotFound"
+    assert err.value.message.startswith(says.format(path=path, dir=tmp_path.resolve()))
