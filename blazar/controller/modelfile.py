@@ -155,15 +155,16 @@ def read_gguf(path: Path) -> GGUFInfo:
     except (OSError, ValueError) as exc:  # UnicodeDecodeError is a ValueError
         raise SourceError("InvalidGGUF", f"{path} is not a readable GGUF file: {exc}.") from exc
 
-    arch = str(values.get("general.architecture") or "unknown")
+    arch = values.get("general.architecture")
+    arch = arch if isinstance(arch, str) and arch else "unknown"
     params: dict[str, str] = {}
     for suffix in _KEPT_SUFFIXES:
         v = values.get(f"{arch}.{suffix}")
-        if v is not None:
+        if v is not None and not isinstance(v, SkippedString):
             params[suffix] = str(v)
     for key in ("general.name", "general.size_label", "general.file_type"):
         v = values.get(key)
-        if v is not None:
+        if v is not None and not isinstance(v, SkippedString):
             params[key.removeprefix("general.")] = str(v)
     params["has_chat_template"] = str("tokenizer.chat_template" in values).lower()
     params["tensor_bytes"] = str(index.data_bytes)
@@ -199,8 +200,8 @@ def _count(values: dict[str, Any], key: str, *, low: int, high: int = _U32_MAX) 
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
-        kinds = {str: "a string", float: "a float", bool: "a boolean", list: "an array"}
-        kind = kinds.get(type(value), "an array")  # else a SkippedArray
+        kinds = {str: "a string", SkippedString: "a string", float: "a float", bool: "a boolean"}
+        kind = kinds.get(type(value), "an array")  # else a list or a SkippedArray
         raise ValueError(
             f"{key} is {kind} ({repr(value)[:80]}) where llama.cpp reads an unsigned integer"
         )
@@ -223,6 +224,22 @@ ARRAY_DECODE_MAX = 4096
 # header of 10,000 arrays of 4,096 integers (156 MB) took 23 s and 1.7 GB of the
 # daemon's memory to decode; a real model's short arrays hold a few hundred items.
 DECODED_ITEMS_MAX = 65536
+# String values longer than this, or past this many bytes of strings decoded in one
+# header, are stepped over: a 300 MB chat template held 0.9 GB of the daemon (the mapped
+# pages, their bytes and the str) to tell that the model has one. A real template is
+# tens of KB.
+STRING_DECODE_MAX = 1 << 20
+DECODED_BYTES_MAX = 16 << 20
+# The longest key or tensor name taken: GGUF's limit for keys (llama.cpp's for tensor
+# names is 63 bytes, and it refuses the file).
+NAME_MAX = 65535
+
+
+@dataclass(frozen=True)
+class SkippedString:
+    """A metadata string too long to decode (`STRING_DECODE_MAX`): its length in bytes."""
+
+    length: int
 
 
 @dataclass(frozen=True)
@@ -252,7 +269,9 @@ def read_gguf_layout(path: Path) -> tuple[dict[str, Any], TensorIndex]:
     its tensor index.
 
     Strings come as str, numbers as int or float, booleans as bool, arrays as lists,
-    and arrays longer than `ARRAY_DECODE_MAX` as `SkippedArray`. Only the header is
+    arrays longer than `ARRAY_DECODE_MAX` (or past `DECODED_ITEMS_MAX` in all) as
+    `SkippedArray`, strings longer than `STRING_DECODE_MAX` (or past `DECODED_BYTES_MAX`)
+    as `SkippedString`. Only the header is
     read (through mmap, so a few MB of a file of any size): the header and the tensor
     index after it, not the tensors. Raises ValueError
     (UnicodeDecodeError for a string that is not UTF-8) on a file that is not GGUF or
@@ -294,7 +313,7 @@ def _layout(buf: mmap.mmap) -> tuple[dict[str, Any], TensorIndex]:
     reader = _MetadataReader(buf, order, offset=16)  # past the tensor count
     values: dict[str, Any] = {}
     for _ in range(reader.scalar("Q")):
-        key = reader.string()
+        key = reader.name()
         try:
             values[key] = reader.value(reader.scalar("I"))
         except ValueError as exc:  # struct.error (cut short) is not one: said as such
@@ -302,7 +321,7 @@ def _layout(buf: mmap.mmap) -> tuple[dict[str, Any], TensorIndex]:
     placed: list[tuple[int, str, int]] = []  # (offset, name, type)
     needed = 0  # how far into the data section the tensors of known types reach
     for _ in range(tensors):
-        name = reader.string()
+        name = reader.name()
         elements = math.prod(reader.scalar("Q") for _ in range(reader.scalar("I")))
         ggml_type = reader.scalar("I")
         offset = reader.scalar("Q")
@@ -340,8 +359,10 @@ class _MetadataReader:
         self._buf = buf
         self._order = order
         self._offset = offset
-        # Array items decoded so far (`DECODED_ITEMS_MAX`).
+        # Array items and string bytes decoded so far (`DECODED_ITEMS_MAX`,
+        # `DECODED_BYTES_MAX`).
         self._decoded = 0
+        self._decoded_bytes = 0
 
     @property
     def offset(self) -> int:
@@ -357,8 +378,24 @@ class _MetadataReader:
         self._offset += struct.calcsize(fmt)
         return v
 
-    def string(self) -> str:
+    def name(self) -> str:
+        """A key or a tensor's name (GGUF keys are at most 65,535 bytes)."""
         length = self.scalar("Q")
+        if length > NAME_MAX:
+            raise ValueError(f"a key or tensor name is {length} bytes long (GGUF allows 65535)")
+        return self._text(length)
+
+    def string(self) -> str | SkippedString:
+        """A string value; one too long to decode (`STRING_DECODE_MAX`, `DECODED_BYTES_MAX`)
+        is stepped over."""
+        length = self.scalar("Q")
+        if length > STRING_DECODE_MAX or self._decoded_bytes + length > DECODED_BYTES_MAX:
+            self.skip(length)
+            return SkippedString(length)
+        self._decoded_bytes += length
+        return self._text(length)
+
+    def _text(self, length: int) -> str:
         end = self._offset + length
         if end > len(self._buf):
             raise struct.error("a string runs past the end of the file")

@@ -319,3 +319,34 @@ def test_a_path_with_no_file_says_what_is_there(
         )
     assert err.value.reason == "FileNotFound"
     assert err.value.message.startswith(says.format(path=path, dir=tmp_path.resolve()))
+
+
+def test_long_strings_are_stepped_over_not_decoded(tmp_path: Path) -> None:
+    """A string past STRING_DECODE_MAX, or past DECODED_BYTES_MAX decoded in all, is a
+    SkippedString: a 300 MB chat template held 0.9 GB of the daemon to tell that the
+    model has one, which it still tells."""
+    long = "x" * (modelfile.STRING_DECODE_MAX + 1)
+    per = modelfile.STRING_DECODE_MAX // 2
+    fill = modelfile.DECODED_BYTES_MAX // per + 1
+    strings = [(f"t.s{i:03d}", "y" * per, gguf.GGUFValueType.STRING) for i in range(fill)]
+    path = header_only(
+        tmp_path / "m.gguf",
+        ("tokenizer.chat_template", long, gguf.GGUFValueType.STRING),
+        *strings,
+        ("t.after", 7, U32),
+    )
+    values = modelfile.read_gguf_metadata(path)
+    assert values["tokenizer.chat_template"] == modelfile.SkippedString(len(long))
+    assert values[strings[0][0]] == "y" * per
+    assert values[strings[-1][0]] == modelfile.SkippedString(per)
+    assert values["t.after"] == 7  # in step after the strings stepped over
+    assert modelfile.read_gguf(path).parameters["has_chat_template"] == "true"
+
+
+def test_a_key_longer_than_gguf_allows_is_invalid_gguf(tmp_path: Path) -> None:
+    key = "k" * (modelfile.NAME_MAX + 1)
+    path = header_only(tmp_path / "m.gguf", (key, 1, U32))
+    with pytest.raises(modelfile.SourceError) as err:
+        modelfile.read_gguf(path)
+    assert err.value.reason == "InvalidGGUF"
+    assert f"a key or tensor name is {len(key)} bytes long" in err.value.message
