@@ -174,6 +174,14 @@ def read_gguf(path: Path) -> GGUFInfo:
         params["vocab_size"] = str(
             tokens.count if isinstance(tokens, SkippedArray) else len(tokens)
         )
+    if not index.tensors:
+        # llama.cpp's ggml-vocab-*.gguf are such files (a tokenizer's tests read them):
+        # every engine start failed on "tensor 'token_embd.weight' not found".
+        raise SourceError(
+            "InvalidGGUF",
+            f"{path} holds no tensors: it is a vocabulary-only GGUF, with no weights to "
+            "serve; name the model's GGUF file.",
+        )
     try:
         ctx = _count(values, f"{arch}.context_length", low=0)
         _count(values, f"{arch}.block_count", low=1, high=LAYERS_MAX)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import gguf
+import numpy
 import pytest
 import structlog
 
@@ -672,9 +673,12 @@ def test_a_spec_change_of_ready_replicas_rolls_with_a_surge() -> None:
 
 
 def tiny_gguf(path: Path) -> Path:
+    """A GGUF with one small F32 tensor (one without any is a vocabulary-only file,
+    which a Model refuses)."""
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_context_length(4096)
     writer.add_block_count(2)
+    writer.add_tensor("w", numpy.ones((4, 8), dtype=numpy.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -851,7 +855,7 @@ def test_model_reconciler_reinspects_a_status_without_the_fit_figures(tmp_path: 
     rec = ModelReconciler(store=store, models_dir=tmp_path, clock=clock)
     asyncio.run(rec.reconcile("m"))
     status = model_status(store).status
-    assert status.parameters["repacked_bytes"] == "0"  # a header without tensors
+    assert status.parameters["repacked_bytes"] == "0"  # an F32 tensor: nothing repacked
     old = status.model_copy(
         update={"parameters": {k: v for k, v in status.parameters.items() if k != "repacked_bytes"}}
     )

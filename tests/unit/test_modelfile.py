@@ -350,3 +350,23 @@ def test_a_key_longer_than_gguf_allows_is_invalid_gguf(tmp_path: Path) -> None:
         modelfile.read_gguf(path)
     assert err.value.reason == "InvalidGGUF"
     assert f"a key or tensor name is {len(key)} bytes long" in err.value.message
+
+
+def test_a_gguf_without_tensors_is_invalid_gguf(tmp_path: Path) -> None:
+    """A vocabulary-only GGUF (llama.cpp's ggml-vocab-*.gguf) was ModelReady, and every
+    engine start failed on "tensor 'token_embd.weight' not found"."""
+    path = tmp_path / "vocab.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_context_length(4096)
+    writer.add_array("tokenizer.ggml.tokens", ["a", "b"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(modelfile.SourceError) as err:
+        modelfile.read_gguf(path)
+    assert err.value.reason == "InvalidGGUF"
+    assert err.value.message == (
+        f"{path} holds no tensors: it is a vocabulary-only GGUF, with no weights to serve; "
+        "name the model's GGUF file."
+    )
