@@ -128,7 +128,10 @@ def build_table(
             spillover=lane.spec.spillover,
             draft_batch_max=limits.get(lane.spec.speculation or ""),
             max_parked_bytes=lane.spec.kv_cache.max_parked_mib << 20,
-            wakes=_wakes(lane),
+            # A Lane whose Model is not ready starts nothing: a request is refused
+            # with why (`unservable`), and waking it only recorded Waking and Sleeping
+            # events, two for every request.
+            wakes=_wakes(lane) and not _model_problem(lane),
             sleep_after_s=lane.spec.idle.sleep_after_s if lane.spec.idle is not None else None,
             preload=lane.spec.preload,
             # On demand, unless it cannot start at all (then it is not asleep: broken).

@@ -587,7 +587,9 @@ def test_a_waking_call_for_a_sleeping_lane_whose_model_is_gone_is_refused_at_onc
     w = budgeted(64 * GIB, lane_yaml("a", extra=", idle: {sleepAfter: 5s}"))
     w.store.delete(Kind.MODEL, "m")
     w.reconcile("a")
-    assert routing.build_table([w.lane("a")]).routes[0].wakes
+    route = routing.build_table([w.lane("a")]).routes[0]
+    # It would sleep and wake, but starts nothing until its Model is back: no wake.
+    assert route.sleep_after_s is not None and not route.wakes
     for method in ("KeepAlive", "Embed"):
         code, details = asyncio.run(wake_call(w.store, "a", method))
         assert code == grpc.StatusCode.UNAVAILABLE, (method, code, details)

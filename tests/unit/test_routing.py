@@ -192,6 +192,19 @@ def test_a_lane_whose_model_is_gone_says_so_not_retry_shortly() -> None:
     assert exc.value.metadata == {"lane": "x", "model": "m"}
 
 
+def test_a_sleeping_lane_whose_model_is_not_ready_is_not_woken() -> None:
+    """No replica can start until its Model is ready: a request is refused saying so
+    (`unservable`) and does not wake it; each one recorded Waking, then Sleeping."""
+    broken, asleep = _model_missing("x", ready=()), lane("y", ready=())
+    for sleeper in (broken, asleep):
+        sleeper.spec.idle = Idle(sleep_after="5s")
+        sleeper.status.sleeping = True
+    table = routing.build_table([broken, asleep])
+    x, y = routing.resolve(table, "x"), routing.resolve(table, "y")
+    assert (x.wakes, routing.waits(x), routing.unservable(x) is not None) == (False, False, True)
+    assert (y.wakes, routing.waits(y), routing.unservable(y) is not None) == (True, True, False)
+
+
 def test_a_lane_whose_model_is_gone_still_serves_from_its_running_replica() -> None:
     """GitOps prunes in any order: the engine already holds the weights."""
     table = routing.build_table([_model_missing("x", ready=(0,))])
