@@ -81,6 +81,16 @@ class ModelSources:
                     f"directory as {real}, which is not under a model root ({shown}); "
                     "give the file's absolute path.",
                 )
+            inside = Path(os.path.abspath(Path(given).expanduser()))
+            if any(inside == root or inside.is_relative_to(root) for root in self.roots):
+                # A link in a root to a file outside: "m.gguf is not under a model
+                # root (.../models)" named the link, which is.
+                raise SourceError(
+                    "OutsideModelRoots",
+                    f"{given} is a link to {real}, which is not under a model root "
+                    f"({shown}); links are followed, so start the daemon with "
+                    f"--model-root for the directory that holds {real}.",
+                )
             raise SourceError(
                 "OutsideModelRoots",
                 f"{given} is not under a model root ({shown}); start the daemon with "

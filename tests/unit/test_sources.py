@@ -48,6 +48,21 @@ def test_a_path_must_resolve_under_a_root(roots: ModelSources, tmp_path: Path) -
         assert "--model-root" in caught.value.message
 
 
+def test_a_link_in_a_root_to_a_file_outside_is_refused_naming_both(
+    roots: ModelSources, tmp_path: Path
+) -> None:
+    """It read "models/escape.gguf is not under a model root (.../models)", which it is:
+    the file it links to is not."""
+    link = tmp_path / "models" / "escape.gguf"
+    with pytest.raises(SourceError) as caught:
+        roots.path(str(link))
+    assert caught.value.reason == "OutsideModelRoots"
+    assert caught.value.message.startswith(
+        f"{link} is a link to /etc/passwd, which is not under a model root "
+        f"({tmp_path / 'models'}); links are followed"
+    )
+
+
 def test_a_relative_path_is_refused_saying_where_it_was_read(
     roots: ModelSources, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
