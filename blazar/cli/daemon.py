@@ -519,6 +519,7 @@ async def _serve(
                 ),
                 notify=lane_changed,
                 probes=probes,
+                file_exists=os.path.exists,
             ),
             PolicyReconciler(kind=Kind.SLO_POLICY, store=store, clock=_now),
             PolicyReconciler(kind=Kind.SPEC_PAIR, store=store, clock=_now),

@@ -46,6 +46,10 @@ from blazar.store.base import Store
 
 log = structlog.get_logger(__name__)
 
+# How soon a Lane whose ready Model's file is gone looks again (`_file_gone`): the Model
+# reconciler says why within its own poll, or the file is back.
+MODEL_FILE_RECHECK_S = 2.0
+
 
 def model_readiness(
     lane: Lane, model: Model | None, draft: Model | None = None, *, pair: SpecPair | None = None
@@ -218,6 +222,7 @@ class LaneReconciler:
         min_residency_s: float = residency.DEFAULT_MIN_RESIDENCY_S,
         notify: Callable[[str], None] | None = None,
         probes: Probes | None = None,
+        file_exists: Callable[[str], bool] | None = None,
     ) -> None:
         """`activity`: what the data plane's callers are doing, for idle.sleepAfter,
         keep_alive and residency (None: no Lane ever sleeps). `memory` is what the fit
@@ -225,7 +230,10 @@ class LaneReconciler:
         together may hold (None: what the host has). `notify(lane)` asks for another
         pass of a Lane (the budget put it to sleep, or memory freed for it). `probes`
         asks upstream Lanes' servers whether they answer (None: an `UpstreamPool` of
-        its own); the clients of specs no Lane has any more are retired."""
+        its own); the clients of specs no Lane has any more are retired.
+        `file_exists(path)` tells whether a ready Model's file is still there before a
+        replica starts on it (None: not looked at)."""
+        self._file_exists = file_exists
         self._probes: Probes = probes if probes is not None else UpstreamPool()
         # The upstream each upstream Lane was last probed at, by Lane: the specs whose
         # probe clients are kept.
@@ -279,6 +287,9 @@ class LaneReconciler:
         assert model is None or isinstance(model, Model)
         pair, draft = self._speculation(lane)
         readiness = model_readiness(lane, model, draft, pair=pair)
+        gone = self._file_gone(model) if readiness.ready else None
+        if gone is not None:
+            readiness = gone
         launch = None
         if readiness.ready and model is not None:
             launch = launch_spec(
@@ -348,7 +359,10 @@ class LaneReconciler:
         except errors.Unavailable as err:
             unwritten = err
         self._sleeper.passed(name, plan, observed)
-        later = [t for t in (plan.requeue_after, sleep.recheck_after, room) if t is not None]
+        recheck = MODEL_FILE_RECHECK_S if gone is not None else None
+        later = [
+            t for t in (plan.requeue_after, sleep.recheck_after, room, recheck) if t is not None
+        ]
         if plan.again and any(isinstance(a, lane_plan.Stop) for a in actions):
             later.append(0.0)  # the stops are done: what they freed starts now
         if unwritten is not None:
@@ -357,6 +371,22 @@ class LaneReconciler:
                 delay=min([*later, STORE_RETRY_S]),
             )
         return Result(requeue_after=min(later, default=None))
+
+    def _file_gone(self, model: Model | None) -> lane_plan.ModelReadiness | None:
+        """Not ready when the file a ready Model's status names is gone: the status is
+        from before (a restarted daemon's, read before the Model was looked at again;
+        or within the Model's 10 s poll), and a replica started on it only crashed and
+        left the Lane Degraded for a crash that was no engine's fault."""
+        if self._file_exists is None or model is None or not model.status.path:
+            return None
+        if self._file_exists(model.status.path):
+            return None
+        return lane_plan.ModelReadiness(
+            False,
+            "ModelPending",
+            f'Model "{model.metadata.name}"\'s file {model.status.path} is gone since it '
+            "was read; it is looked at again.",
+        )
 
     async def _probing(self, name: str, spec: Upstream | None) -> None:
         """Lane `name` is probed at `spec` now (None: it is no upstream Lane, or gone):

@@ -637,6 +637,33 @@ def test_a_model_file_replaced_under_its_path_replaces_the_replicas() -> None:
     assert [launch.model_mtime_ns for _, _, launch in procs.started][-1] == 2
 
 
+def test_no_replica_starts_on_a_ready_models_file_that_is_gone() -> None:
+    """Found on a daemon restarted after a Lane's model file was removed: the stored
+    status still said ModelReady, a replica started on the file before the Model was
+    looked at again, crashed ("failed to open GGUF file"), and left the Lane Degraded
+    with CrashLoopBackOff. Nothing starts while the file is gone; a replica that runs
+    keeps serving (its engine holds the file); once the file is back, one starts."""
+    clock, store, procs, _ = lane_world()
+    present = {"/models/m.gguf": False}
+    rec = LaneReconciler(store=store, processes=procs, clock=clock, file_exists=present.get)
+    apply(store, MODEL)
+    helpers.mark_model_ready(store, "m", path="/models/m.gguf", now=clock.now)
+    apply(store, LANE)
+    result = asyncio.run(rec.reconcile("l"))
+    assert procs.started == []
+    assert cond(store, "ModelReady") == ("False", "ModelPending")
+    assert result.requeue_after == lane_module.MODEL_FILE_RECHECK_S
+    present["/models/m.gguf"] = True
+    asyncio.run(rec.reconcile("l"))
+    assert len(procs.observe("l")) == 2  # the Lane's replicas
+    for index in (0, 1):
+        procs.set_state("l", index, ReplicaState.READY)
+    present["/models/m.gguf"] = False  # removed under the running replicas
+    asyncio.run(rec.reconcile("l"))
+    assert [r.state for r in procs.observe("l")] == [ReplicaState.READY] * 2
+    assert len(procs.started) == 2
+
+
 def test_a_spec_change_of_ready_replicas_rolls_with_a_surge() -> None:
     """Ready replicas are replaced one at a time behind a surge replica (index 2), so
     the Lane serves from two ready replicas at every step and routes to the surge."""
