@@ -420,7 +420,13 @@ class AccessInterceptor(grpc.aio.ServerInterceptor):
                         async for response in responses:
                             yield response
                 finally:
-                    _CALLER.reset(token)
+                    # grpc.aio drops, unclosed, the generator of a call whose caller
+                    # left while it waited at `yield`; the event loop closes it later in
+                    # a task of its own, whose Context never held the token and needs
+                    # nothing restored (the reset's ValueError was logged as "Task
+                    # exception was never retrieved" for such a stream).
+                    with contextlib.suppress(ValueError):
+                        _CALLER.reset(token)
 
             return generate
 

@@ -3,6 +3,11 @@ the transport (Unix socket or TCP) and the key."""
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
 import pytest
 
 from blazar.api import errors, tenants
@@ -256,3 +261,56 @@ def test_what_a_tenant_is_told_of_a_refusal(
 ) -> None:
     shown = access.shown(access.Caller(FILE.by_name(tenant)), refusal, model="other")
     assert (type(shown), shown.message, shown.metadata) == (type(told), told.message, told.metadata)
+
+
+class _Context:
+    """What the interceptor reads of a call: its metadata and its peer."""
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return ()
+
+    def peer(self) -> str:
+        return "ipv4:127.0.0.1:50000"
+
+
+def test_a_stream_its_caller_left_closes_cleanly_from_another_task() -> None:
+    """A caller that leaves while its stream waits at a `yield` has grpc.aio drop the
+    handler's generator unclosed; the event loop then closes it in a task of its own,
+    whose Context never held the caller. That close must still run the handler's
+    cleanup and end without an error (it was logged as `Task exception was never
+    retrieved`, a ValueError from the caller's ContextVar, for such streams)."""
+    cleaned: list[str] = []
+
+    async def chat(request: object, context: object) -> AsyncIterator[int]:
+        try:
+            for n in range(3):
+                yield n
+        finally:
+            cleaned.append("chat")
+
+    async def continuation(details: object) -> grpc.RpcMethodHandler[Any, Any]:
+        return grpc.unary_stream_rpc_method_handler(chat)
+
+    class Details:
+        method = "/blazar.v1.Inference/Chat"
+
+    async def run() -> None:
+        interceptor = access.AccessInterceptor(access.Access.open())
+        handler = await interceptor.intercept_service(continuation, Details())  # type: ignore[arg-type]
+        assert handler is not None and handler.unary_stream is not None
+        stream: Any = handler.unary_stream(None, _Context())  # type: ignore[arg-type]
+
+        async def first() -> int:
+            return int(await stream.__anext__())
+
+        async def close() -> None:
+            await stream.aclose()
+
+        # The call's own task reads a response; then, the caller gone, the loop's
+        # finalizer closes the generator in another task (another Context).
+        assert await asyncio.get_running_loop().create_task(first()) == 0
+        await asyncio.get_running_loop().create_task(close())
+        assert access.current() is access.OWNER
+
+    asyncio.run(run())
+    assert cleaned == ["chat"]
