@@ -2,7 +2,8 @@
 readiness, sleep, size and what their Model's file is (`model_file`).
 
 `Listing` is mixed into `inference.InferenceService`: its methods read the service's
-route table, store and activity ledger, declared below; the split is only of the text.
+route table (declared in `provided`), store and activity ledger; the split is only
+of the text.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any, TypeAlias
 from blazar._proto.v1 import inference_pb2
 from blazar.api import filetypes
 from blazar.api.kinds import Kind, Model
-from blazar.dataplane import access, routing
+from blazar.dataplane import access, provided, routing
 from blazar.enginehost.activity import Activity, sleeps_in
 from blazar.store.base import Store
 
@@ -49,17 +50,11 @@ def model_file(model: Model) -> inference_pb2.ModelFile | None:
     )
 
 
-class Listing:
+class Listing(provided.Provided):
     """ListModels of `InferenceService` (see the module docstring)."""
 
     _store: Store
     _activity: Activity
-
-    # What InferenceService provides.
-
-    @property
-    def table(self) -> routing.RouteTable:
-        raise NotImplementedError
 
     # The listing.
 

@@ -6,7 +6,7 @@ Lane predicts it would miss its target (`spillover`).
 `Relaying` is mixed into `inference.InferenceService`: its methods read the service's
 route table, admission tasks, activity ledger and sessions, and use its checks
 (`_permit`, `_policy`, `_keep_alive`, `_count`), routing (`_route`, `_served`) and
-refusal (`_refuse`), declared below; the split is only of the text.
+refusal (`_refuse`), declared in `provided`; the split is only of the text.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import dataclasses
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any, NoReturn, TypeAlias
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeAlias
 
 import structlog
 
@@ -52,44 +52,6 @@ class Relaying(spillover.Spilling):
 
     _activity: Activity
     _attempts: attempt.Attempts
-
-    # What InferenceService provides.
-
-    async def _permit(self, model: str, context: Context, caller: access.Caller) -> None:
-        raise NotImplementedError
-
-    async def _policy(
-        self, model: str, slo: str, context: Context, caller: access.Caller
-    ) -> admission.Policy:
-        raise NotImplementedError
-
-    async def _keep_alive(
-        self, model: str, keep_alive_s: float | None, context: Context, caller: access.Caller
-    ) -> None:
-        raise NotImplementedError
-
-    async def _count(self, model: str, context: Context, caller: access.Caller) -> None:
-        raise NotImplementedError
-
-    async def _refuse(
-        self, context: Context, err: errors.BlazarError, caller: access.Caller | None
-    ) -> NoReturn:
-        raise NotImplementedError
-
-    async def _route(
-        self,
-        model: str,
-        context: Context,
-        *,
-        session: str = "",
-        hashes: Callable[[int], tuple[int, ...]] | None = None,
-        caller: access.Caller | None = None,
-        generation: bool = False,
-    ) -> tuple[routing.Route, routing.Replica | None, tuple[int, ...]]:
-        raise NotImplementedError
-
-    def _served(self, replica: routing.Replica, hashes: Sequence[int]) -> None:
-        raise NotImplementedError
 
     # The path.
 

@@ -4,7 +4,7 @@ goes to the Lane's spillover Lane (`spec.spillover`) if that one predicts it mee
 `Spilling` is mixed into `inference.InferenceService` through `relaying.Relaying`,
 whose admitted path asks it: its methods read the service's route table, admission
 tasks, prefix indexes and sessions, and use its replica pick (`_pick`) and cache
-estimate (`_cached_tokens`), declared below; the split is only of the text.
+estimate (`_cached_tokens`), declared in `provided`; the split is only of the text.
 `_spill_target` says whether a request may spill and where; `_spill` offers it there,
 and carries out its own Lane's decision (`admission.Spill.local`) when that Lane
 refuses it too.
@@ -13,50 +13,35 @@ refuses it too.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable
 
 import structlog
 
 from blazar._proto.engine.v1 import engine_pb2
 from blazar.api import errors
-from blazar.dataplane import access, admission, budget, dispatcher, fleet, metrics, routing, runs
+from blazar.dataplane import (
+    access,
+    admission,
+    budget,
+    dispatcher,
+    fleet,
+    metrics,
+    provided,
+    routing,
+    runs,
+)
 from blazar.enginehost import upstream_convert
 
 # The servicer's logger: these lines were its own before the split.
 log = structlog.get_logger("blazar.dataplane.inference")
 
 
-class Spilling:
+class Spilling(provided.Provided):
     """The spill-over of `InferenceService`'s generations (see the module docstring)."""
 
     _dispatchers: dispatcher.Dispatchers
     _fleet: fleet.FleetView
     _sessions: routing.Sessions
-
-    # What InferenceService provides.
-
-    @property
-    def table(self) -> routing.RouteTable:
-        raise NotImplementedError
-
-    def _pick(
-        self,
-        route: routing.Route,
-        *,
-        session: str = "",
-        hashes: Sequence[int] = (),
-        exclude: Collection[int] = (),
-    ) -> routing.Replica:
-        raise NotImplementedError
-
-    def _cached_tokens(
-        self,
-        lane_name: str,
-        lane: dispatcher.LaneDispatcher,
-        replica: routing.Replica | None,
-        hashes: Sequence[int],
-    ) -> int:
-        raise NotImplementedError
 
     # The spill-over.
 

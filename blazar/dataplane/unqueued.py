@@ -3,8 +3,8 @@
 
 `Unqueued` is mixed into `inference.InferenceService`: its methods read the service's
 route table, activity ledger and engine pool, and use its checks (`_permit`,
-`_policy`, `_count`) and refusal (`_refuse`), declared below; the split is only of the
-text.
+`_policy`, `_count`) and refusal (`_refuse`), declared in `provided`; the split is
+only of the text.
 
 Such a call goes straight to a serving replica. A Lane with none waits for one, as a
 generation would in its queue (`routing.waits`: it sleeps and wakes for the call, or a
@@ -20,15 +20,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Collection, Sequence
-from typing import Any, NoReturn, TypeAlias, TypeVar
+from collections.abc import Awaitable, Callable, Collection
+from typing import Any, TypeAlias, TypeVar
 
 import grpc
 import structlog
 
 from blazar._proto.v1 import inference_pb2
 from blazar.api import errors
-from blazar.dataplane import access, admission, metrics, routing
+from blazar.dataplane import access, metrics, provided, routing
 from blazar.enginehost.activity import Activity
 from blazar.enginehost.client import EngineClient, EnginePool
 from blazar.rpc import status
@@ -52,61 +52,12 @@ SILENCE_POLL_S = 0.25
 _Answer = TypeVar("_Answer")
 
 
-class Unqueued:
+class Unqueued(provided.Provided):
     """Embed, Tokenize and KeepAlive of `InferenceService` (see the module docstring)."""
 
     _activity: Activity
     _pool: EnginePool
     _access: access.Access
-
-    # What InferenceService provides.
-
-    @property
-    def table(self) -> routing.RouteTable:
-        raise NotImplementedError
-
-    async def _permit(self, model: str, context: Context, caller: access.Caller) -> None:
-        raise NotImplementedError
-
-    async def _policy(
-        self, model: str, slo: str, context: Context, caller: access.Caller
-    ) -> admission.Policy:
-        raise NotImplementedError
-
-    async def _keep_alive(
-        self, model: str, keep_alive_s: float | None, context: Context, caller: access.Caller
-    ) -> None:
-        raise NotImplementedError
-
-    async def _count(self, model: str, context: Context, caller: access.Caller) -> None:
-        raise NotImplementedError
-
-    async def _refuse(
-        self, context: Context, err: errors.BlazarError, caller: access.Caller | None
-    ) -> NoReturn:
-        raise NotImplementedError
-
-    async def _route(
-        self,
-        model: str,
-        context: Context,
-        *,
-        session: str = "",
-        hashes: Callable[[int], tuple[int, ...]] | None = None,
-        caller: access.Caller | None = None,
-        generation: bool = False,
-    ) -> tuple[routing.Route, routing.Replica | None, tuple[int, ...]]:
-        raise NotImplementedError
-
-    def _pick(
-        self,
-        route: routing.Route,
-        *,
-        session: str = "",
-        hashes: Sequence[int] = (),
-        exclude: Collection[int] = (),
-    ) -> routing.Replica:
-        raise NotImplementedError
 
     async def KeepAlive(
         self, request: inference_pb2.KeepAliveRequest, context: Context
