@@ -23,6 +23,7 @@ import structlog
 
 from blazar.api import conditions, errors
 from blazar.api.kinds import (
+    Health,
     Kind,
     Lane,
     LaneStatus,
@@ -244,6 +245,9 @@ class LaneReconciler:
         # deleted and created again may be applied while the old one's replicas stop,
         # and those stops are the old Lane's.
         self._uids: dict[str, str] = {}
+        # The health checks each Lane was last reconciled with: a change restarts its
+        # failed replicas without their back-off.
+        self._health: dict[str, Health] = {}
         self._store = store
         self._processes = processes
         self._clock = clock
@@ -269,6 +273,7 @@ class LaneReconciler:
         if lane is None:
             self._sleeper.forget(name)
             self._processes.check(name, None)
+            self._health.pop(name, None)
             await self._stop_all(name)
             # After the stops: each replica saves its caches as it stops gracefully.
             await self._discard_kv(name)
@@ -283,6 +288,9 @@ class LaneReconciler:
         self._failures.pop(name, None)
         await self._probing(name, None)
         self._processes.check(name, lane.spec.health)
+        told = self._health.get(name)
+        self._health[name] = lane.spec.health
+        health_changed = told is not None and told != lane.spec.health
         model = self._store.get(Kind.MODEL, lane.spec.model)
         assert model is None or isinstance(model, Model)
         pair, draft = self._speculation(lane)
@@ -302,7 +310,11 @@ class LaneReconciler:
         sleep = self._sleeper.decide(lane)
         desired = 0 if sleep.asleep else lane.spec.replicas
         plan = lane_plan.plan_replicas(
-            desired=desired, launch=launch, observed=observed, now=self._clock()
+            desired=desired,
+            launch=launch,
+            observed=observed,
+            now=self._clock(),
+            restart_now=health_changed,
         )
         placement = None
         room: float | None = None

@@ -118,6 +118,7 @@ def plan_replicas(
     launch: LaunchSpec | None,
     observed: Sequence[ReplicaObservation],
     now: datetime,
+    restart_now: bool = False,
 ) -> LanePlan:
     """Converge the replica set to `desired` copies of `launch`, never stopping a ready
     replica while that would leave fewer than `desired` ready.
@@ -134,7 +135,9 @@ def plan_replicas(
     `launch is None` means the model is not ready: nothing new starts, running
     replicas are left alone, and replicas at `desired` or above stop only as the ready
     count allows (a surge may be all that serves while the Model is being resolved). A
-    failed replica, the surge included, is restarted once its backoff has passed. If
+    failed replica, the surge included, is restarted once its backoff has passed, or at
+    once with `restart_now` (its Lane's health checks changed: the crash may have been
+    theirs, as a Deployment's new template starts new pods without a back-off). If
     the new revision never becomes ready, the old replicas keep serving, as a stuck
     Deployment rollout keeps its old pods.
     """
@@ -177,7 +180,7 @@ def plan_replicas(
         elif surge.revision != new:
             surge_free = stop(surge, "SpecChanged")
         elif surge.state == ReplicaState.FAILED:
-            _restart_after_backoff(surge, launch, now, actions, waits)
+            _restart_after_backoff(surge, launch, now, actions, waits, at_once=restart_now)
     if rolling and surge_free:
         if surge is None:
             actions.append(Start(desired, launch, restart=False))
@@ -188,7 +191,7 @@ def plan_replicas(
         if replica is None:
             actions.append(Start(index, launch, restart=False))
         elif replica.state == ReplicaState.FAILED:
-            _restart_after_backoff(replica, launch, now, actions, waits)
+            _restart_after_backoff(replica, launch, now, actions, waits, at_once=restart_now)
         elif (
             replica.revision != new
             and replica.state in _KEPT_SURGE
@@ -240,11 +243,15 @@ def _restart_after_backoff(
     now: datetime,
     actions: list[Action],
     waits: list[float],
+    *,
+    at_once: bool = False,
 ) -> None:
     exited_at = replica.exited_at or now
     backoff = _backoff_of(replica, exited_at)
     wait = backoff - (now - exited_at).total_seconds()
-    if wait <= 0:
+    if at_once and wait > 0:
+        actions.append(Start(replica.index, launch, restart=True, backoff_s=0.0))
+    elif wait <= 0:
         actions.append(Start(replica.index, launch, restart=True, backoff_s=backoff))
     else:
         waits.append(wait)

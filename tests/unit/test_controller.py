@@ -620,6 +620,28 @@ def test_a_health_change_is_told_to_the_supervisor_and_replaces_no_replica() -> 
     assert "l" not in procs.health
 
 
+def test_a_health_change_restarts_a_crashed_replica_without_its_back_off() -> None:
+    """A replica that crash-loops on a startupSeconds too short for its model: the fix
+    applies at once, not after the back-off the bad setting earned."""
+    clock, store, procs, rec = lane_world()
+    ready_model(store, clock)
+    apply(store, LANE.replace("replicas: 2", "replicas: 1"))
+    asyncio.run(rec.reconcile("l"))
+    for _ in range(2):  # the first restart is at once; the second crash backs off
+        procs.set_state("l", 0, ReplicaState.FAILED)
+        asyncio.run(rec.reconcile("l"))
+    assert procs.observe("l")[0].state == ReplicaState.FAILED
+    apply(store, LANE.replace("replicas: 2", "replicas: 1").replace(
+        "threads: 2}", "threads: 2, health: {startupSeconds: 900}}"
+    ))  # fmt: skip
+    asyncio.run(rec.reconcile("l"))
+    restarted = procs.observe("l")[0]
+    assert restarted.state == ReplicaState.STARTING and restarted.restarts == 2
+    assert [e.message for e in store.events(kind="Lane", name="l")][-1] == (
+        "Restarting crashed replica 0 at once."
+    )
+
+
 def test_a_model_file_replaced_under_its_path_replaces_the_replicas() -> None:
     """A review replaced a Model's GGUF under the same path: the Model's status took
     the new file within seconds, and the Lane's replicas served the old weights on."""

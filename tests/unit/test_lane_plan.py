@@ -210,6 +210,23 @@ def test_a_failed_replicas_status_says_when_it_is_restarted(
         assert plan.actions == [] and plan.requeue_after == due_in
 
 
+def test_restart_now_skips_a_failed_replicas_back_off() -> None:
+    """A change of the Lane's health checks restarts a replica in back-off at once (the
+    crash may have been the checks'); without it, it waits."""
+    failed = obs(0, ReplicaState.FAILED, restarts=3, exited_ago=1.5)
+    waiting = lane_plan.plan_replicas(desired=1, launch=LAUNCH, observed=[failed], now=NOW)
+    assert waiting.actions == [] and waiting.requeue_after == 2.5
+    now = lane_plan.plan_replicas(
+        desired=1, launch=LAUNCH, observed=[failed], now=NOW, restart_now=True
+    )
+    assert now.actions == [Start(0, LAUNCH, restart=True, backoff_s=0.0)]
+    # A replica that serves is left alone.
+    ready = lane_plan.plan_replicas(
+        desired=1, launch=LAUNCH, observed=[obs(0)], now=NOW, restart_now=True
+    )
+    assert ready.actions == []
+
+
 def test_each_replicas_status_says_the_slots_its_engine_runs_with() -> None:
     """A rollout of a `slots` change: the old replica runs the old number until it
     stops, and routing reads it from here (`routing.slots_of`)."""
