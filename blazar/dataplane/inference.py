@@ -392,12 +392,22 @@ class InferenceService(
         found = self._dispatchers.of(lane)
         if found is None:
             return None
+        refusals = found.gates(wanted, spill=spill)
+        # Only an SLO refusal has a prompt bound: most flushes list none, and the bound
+        # reads the Lane's view again.
+        unattainable = [
+            policy
+            for policy in wanted
+            if (answer := refusals.get(policy.name)) is not None
+            and (answer.refusal if isinstance(answer, admission.Filling) else answer).reason
+            == admission.Reason.SLO_UNATTAINABLE
+        ]
         return gates.LaneGates(
-            refusals=found.gates(wanted, spill=spill),
+            refusals=refusals,
             chars_per_token=found.measurements.chars_per_token,
             running=found.running(),
             seen=found.seen(),
-            hinted_prompts=found.hinted_prompts(wanted),
+            hinted_prompts=found.hinted_prompts(unattainable) if unattainable else {},
         )
 
 
