@@ -23,7 +23,6 @@ import structlog
 
 from blazar.api import conditions, errors
 from blazar.api.kinds import (
-    Health,
     Kind,
     Lane,
     LaneStatus,
@@ -245,9 +244,6 @@ class LaneReconciler:
         # deleted and created again may be applied while the old one's replicas stop,
         # and those stops are the old Lane's.
         self._uids: dict[str, str] = {}
-        # The health checks each Lane was last reconciled with: a change restarts its
-        # failed replicas without their back-off.
-        self._health: dict[str, Health] = {}
         self._store = store
         self._processes = processes
         self._clock = clock
@@ -273,7 +269,6 @@ class LaneReconciler:
         if lane is None:
             self._sleeper.forget(name)
             self._processes.check(name, None)
-            self._health.pop(name, None)
             await self._stop_all(name)
             # After the stops: each replica saves its caches as it stops gracefully.
             await self._discard_kv(name)
@@ -287,10 +282,7 @@ class LaneReconciler:
             return await self._reconcile_upstream(lane)
         self._failures.pop(name, None)
         await self._probing(name, None)
-        self._processes.check(name, lane.spec.health)
-        told = self._health.get(name)
-        self._health[name] = lane.spec.health
-        health_changed = told is not None and told != lane.spec.health
+        health_changed = self._processes.check(name, lane.spec.health)
         model = self._store.get(Kind.MODEL, lane.spec.model)
         assert model is None or isinstance(model, Model)
         pair, draft = self._speculation(lane)

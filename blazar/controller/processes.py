@@ -33,9 +33,10 @@ class Processes(Protocol):
         """Names of lanes that have at least one replica."""
         ...
 
-    def check(self, lane: str, health: Health | None) -> None:
+    def check(self, lane: str, health: Health | None) -> bool:
         """Check lane's replicas as `health` says from now on (None: the defaults),
-        those running at their next check: no restart."""
+        those running at their next check: no restart. Whether that changes what the
+        lane was told last (not the first time, nor for None)."""
         ...
 
     async def start(self, lane: str, index: int, launch: LaunchSpec) -> Sequence[StartWarning]:

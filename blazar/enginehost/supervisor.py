@@ -220,11 +220,11 @@ class Supervisor:
 
     # -- Processes protocol -------------------------------------------------------
 
-    def check(self, lane: str, health: kinds.Health | None) -> None:
-        if health is None:
-            self._health.pop(lane, None)
-        else:
+    def check(self, lane: str, health: kinds.Health | None) -> bool:
+        before = self._health.pop(lane, None)
+        if health is not None:
             self._health[lane] = health
+        return before is not None and health is not None and before != health
 
     def _checks(self, lane: str) -> _Checks:
         return _Checks.of(self._health.get(lane))

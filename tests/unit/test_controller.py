@@ -45,11 +45,11 @@ class FakeProcesses:
     # Each Lane's health checks as last told.
     health: dict[str, Health] = field(default_factory=dict)
 
-    def check(self, lane: str, health: Health | None) -> None:
-        if health is None:
-            self.health.pop(lane, None)
-        else:
+    def check(self, lane: str, health: Health | None) -> bool:
+        before = self.health.pop(lane, None)
+        if health is not None:
             self.health[lane] = health
+        return before is not None and health is not None and before != health
 
     def observe(self, lane: str) -> list[ReplicaObservation]:
         return [r for (name, _), r in sorted(self.replicas.items()) if name == lane]

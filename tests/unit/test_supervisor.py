@@ -625,6 +625,10 @@ def test_a_lanes_health_settings_decide_its_checks(tmp_path: Path) -> None:
     sup, spec, worker = bare_supervisor(tmp_path)
     worker.write_text(SERVING_WORKER.replace("ENGINE_STATE_READY", "ENGINE_STATE_STARTING"))
     fast = kinds.Health(startup_seconds=1, period_seconds=1, timeout_seconds=1, failure_threshold=1)
+    # `check` says whether what a Lane was told changed (its crashed replicas then
+    # restart without their back-off): not the first time, nor on a forget.
+    told = [sup.check("x", h) for h in (kinds.Health(), fast, fast, None, fast)]
+    assert told == [False, True, False, False, False]
 
     async def loading() -> ReplicaObservation:
         sup.check("l", fast)
